@@ -1,0 +1,72 @@
+"""attnzoo: attention mechanisms and the transformer parts built on them.
+
+Everything public is importable from the top level (``import attnzoo as az``). Names resolve
+lazily, so ``import attnzoo`` costs one ``import torch`` and optional extras (plots, Hugging Face
+interop, the CLI) are imported only when used. Semantics: ``docs/conventions.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from attnzoo import masks
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # functional core
+    "attention": "attnzoo.functional.attention",
+    "merge_attention": "attnzoo.functional.attention",
+    "available_backends": "attnzoo.functional.attention",
+    "linear_attention": "attnzoo.functional.linear",
+    "performer_attention": "attnzoo.functional.performer",
+    "draw_performer_projection": "attnzoo.functional.performer",
+    # modules
+    "MultiHeadAttention": "attnzoo.nn.attention",
+    "MultiQueryAttention": "attnzoo.nn.attention",
+    "GroupedQueryAttention": "attnzoo.nn.attention",
+    "SlidingWindowAttention": "attnzoo.nn.attention",
+    "LocalGlobalAttention": "attnzoo.nn.local_global",
+    "LinearAttention": "attnzoo.nn.feature_attention",
+    "PerformerAttention": "attnzoo.nn.feature_attention",
+    "InfiniAttention": "attnzoo.nn.infini",
+    "SinusoidalPositionalEncoding": "attnzoo.nn.positional",
+    "LearnedPositionalEmbedding": "attnzoo.nn.positional",
+    "RotaryEmbedding": "attnzoo.nn.positional",
+    "alibi_slopes": "attnzoo.nn.positional",
+    "KVCache": "attnzoo.nn.cache",
+    "SlidingWindowKVCache": "attnzoo.nn.cache",
+    # blocks and models
+    "FeedForward": "attnzoo.blocks",
+    "RMSNorm": "attnzoo.blocks",
+    "TransformerBlock": "attnzoo.blocks",
+    "TransformerEncoder": "attnzoo.models",
+    "DecoderLM": "attnzoo.models",
+    "Transformer": "attnzoo.models",
+    "VisionTransformer": "attnzoo.models",
+}
+_SUBMODULES = {"functional", "nn", "models", "interop", "viz", "cost", "variants", "distributed", "bench", "arena"}
+
+__all__ = ["masks", *sorted(_EXPORTS), *sorted(_SUBMODULES)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"attnzoo.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'attnzoo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - static re-exports for type checkers
+    from attnzoo.functional.attention import attention, available_backends, merge_attention

@@ -1,0 +1,303 @@
+"""Validation and normalisation of an attention call, shared by every backend.
+
+``AttnRequest`` is the one place where the arguments of :func:`attnzoo.attention` are checked and
+turned into a canonical form. Backends receive a request and never re-validate. The semantics
+(positions, alignment, windows, empty rows) are those of ``docs/conventions.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from attnzoo.masks import Mask, causal as causal_mask, sliding_window
+
+Window = tuple[int | None, int | None]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_int(x: object, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
+    return x
+
+
+def normalize_window(window: object) -> Window | None:
+    """``None`` | ``w`` | ``(left, right)`` -> ``(left, right)`` with ``None`` = unbounded side."""
+    if window is None:
+        return None
+    if isinstance(window, int) and not isinstance(window, bool):
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        return (window, window)
+    if isinstance(window, (tuple, list)) and len(window) == 2:
+        sides = []
+        for name, side in zip(("left", "right"), window, strict=True):
+            if side is None:
+                sides.append(None)
+                continue
+            if isinstance(side, bool) or not isinstance(side, int):
+                raise TypeError(f"window {name} side must be an int or None, got {type(side).__name__} ({side!r})")
+            if side < 0:
+                raise ValueError(f"window {name} side must be >= 0, got {side} (window={tuple(window)})")
+            sides.append(side)
+        return (sides[0], sides[1])
+    raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
+
+
+def check_qkv(q: object, k: object, v: object) -> None:
+    """Rank, batch, heads, head-dim, length, dtype and device agreement of q, k, v."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be rank 4 [B, H, N, D], got shape {_shape(t)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)  # for mypy
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (expected equal B)")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads, got k {_shape(k)} and v {_shape(v)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads must be a multiple of key/value heads (Hq % Hkv == 0), "
+                         f"got Hq={q.shape[1]} and Hkv={k.shape[1]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head dims of q and k differ: q {_shape(q)} vs k {_shape(k)} (expected equal D)")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same length, got k {_shape(k)} and v {_shape(v)} (expected equal Nk)")
+
+
+@dataclass(frozen=True)
+class AttnRequest:
+    """A validated attention call. Shapes: q ``[B,Hq,Nq,D]``, k ``[B,Hkv,Nk,D]``, v ``[B,Hkv,Nk,Dv]``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask_tensor: Tensor | None  # rank-4 bool/float, broadcastable to [B, Hq, Nq, Nk]
+    mask_obj: Mask | None
+    causal: bool
+    window: Window | None
+    q_offset: int
+    scale: float
+    softcap: float | None
+    alibi_slopes: Tensor | None  # [Hq] float32
+    dropout_p: float
+    return_lse: bool
+    return_weights: bool
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def hkv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def nq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def nk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def float_mask(self) -> Tensor | None:
+        m = self.mask_tensor
+        return m if m is not None and m.dtype != torch.bool else None
+
+    @property
+    def bool_mask(self) -> Tensor | None:
+        m = self.mask_tensor
+        return m if m is not None and m.dtype == torch.bool else None
+
+    @cached_property
+    def structure(self) -> Mask | None:
+        """Causal, window and Mask-object constraints combined into one position predicate."""
+        parts: list[Mask] = []
+        if self.causal:
+            parts.append(causal_mask())
+        if self.window is not None:
+            parts.append(sliding_window(*self.window))
+        if self.mask_obj is not None:
+            parts.append(self.mask_obj)
+        if not parts:
+            return None
+        out = parts[0]
+        for p in parts[1:]:
+            out = out & p
+        return out
+
+    def features(self) -> set[str]:
+        """Names of the non-trivial features this request uses (for backend capability checks)."""
+        f: set[str] = set()
+        if self.return_weights:
+            f.add("return_weights")
+        if self.return_lse:
+            f.add("return_lse")
+        if self.softcap is not None:
+            f.add("softcap")
+        if self.alibi_slopes is not None:
+            f.add("alibi_slopes")
+        if self.dropout_p > 0:
+            f.add("dropout")
+        if self.float_mask is not None:
+            f.add("float mask")
+        if self.bool_mask is not None:
+            f.add("bool mask")
+        if self.mask_obj is not None:
+            f.add("Mask object")
+        if self.window is not None:
+            f.add("window")
+        if self.causal:
+            f.add("causal")
+        if self.group > 1:
+            f.add("gqa")
+        if self.v.shape[-1] != self.q.shape[-1]:
+            f.add("Dv != D")
+        if self.q.dtype == torch.float64:
+            f.add("float64")
+        return f
+
+    # --------------------------------------------------------- tile helpers
+    def allowed(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor | None:
+        """Bool visibility of query rows ``q_lo:q_hi`` x keys ``k_lo:k_hi``, broadcastable to
+        ``[B, Hq, q_hi-q_lo, k_hi-k_lo]``; ``None`` when everything is visible."""
+        out: Tensor | None = None
+        s = self.structure
+        if s is not None:
+            out = s.evaluate(self.batch, self.hq, self.q_offset, q_lo, q_hi, k_lo, k_hi,
+                             device=self.q.device, expand=False)
+        bm = self.bool_mask
+        if bm is not None:
+            tile = _slice_mask(bm, q_lo, q_hi, k_lo, k_hi)
+            out = tile if out is None else out & tile
+        return out
+
+    def bias(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor | None:
+        """Additive float32 bias (float mask + ALiBi) for a tile, or ``None``."""
+        out: Tensor | None = None
+        fm = self.float_mask
+        if fm is not None:
+            out = _slice_mask(fm, q_lo, q_hi, k_lo, k_hi).float()
+        if self.alibi_slopes is not None:
+            dev = self.q.device
+            qp = torch.arange(self.q_offset + q_lo, self.q_offset + q_hi, device=dev).view(-1, 1)
+            kp = torch.arange(k_lo, k_hi, device=dev).view(1, -1)
+            dist = (qp - kp).abs().float()  # [bq, bk]
+            ab = -self.alibi_slopes.view(1, -1, 1, 1) * dist  # [1, Hq, bq, bk]
+            out = ab if out is None else out + ab
+        return out
+
+
+def _slice_mask(m: Tensor, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor:
+    rows = slice(q_lo, q_hi) if m.shape[2] > 1 else slice(None)
+    cols = slice(k_lo, k_hi) if m.shape[3] > 1 else slice(None)
+    return m[:, :, rows, cols]
+
+
+def build_request(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None,
+    causal: bool,
+    window: object,
+    q_offset: int | None,
+    scale: float | None,
+    softcap: float | None,
+    alibi_slopes: Tensor | None,
+    dropout_p: float,
+    return_lse: bool,
+    return_weights: bool,
+) -> AttnRequest:
+    """Validate every argument of :func:`attnzoo.attention` and build an :class:`AttnRequest`."""
+    check_qkv(q, k, v)
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    win = normalize_window(window)
+    off = Nk - Nq if q_offset is None else _check_int(q_offset, "q_offset")
+
+    mask_tensor: Tensor | None = None
+    mask_obj: Mask | None = None
+    if isinstance(mask, Mask):
+        mask_obj = mask
+        for leaf in mask._leaves():
+            if leaf.batch is not None and leaf.batch not in (1, B):
+                raise ValueError(f"mask {leaf.name} was built for batch size {leaf.batch}, but q has batch {B}")
+    elif isinstance(mask, Tensor):
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(f"mask must be bool (True = attend) or float (additive bias), got dtype {mask.dtype}")
+        if mask.dim() > 4 or mask.dim() < 2:
+            raise ValueError(f"mask must have rank 2 to 4 and broadcast to [B, Hq, Nq, Nk] = "
+                             f"{[B, Hq, Nq, Nk]}, got shape {_shape(mask)}")
+        m4 = mask.reshape((1,) * (4 - mask.dim()) + _shape(mask))
+        for got, want, letter in zip(m4.shape, (B, Hq, Nq, Nk), "B H Nq Nk".split(), strict=True):
+            if got not in (1, want):
+                raise ValueError(f"mask of shape {_shape(mask)} does not broadcast to [B, Hq, Nq, Nk] = "
+                                 f"{[B, Hq, Nq, Nk]} (dimension {letter}: got {got}, expected 1 or {want})")
+        if m4.device != q.device:
+            raise ValueError(f"mask is on {m4.device} but q is on {q.device}")
+        mask_tensor = m4
+    elif mask is not None:
+        raise TypeError(f"mask must be None, a bool/float tensor or an attnzoo.masks.Mask, got {type(mask).__name__}")
+
+    if scale is None:
+        sc = 1.0 / math.sqrt(D)
+    else:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+        sc = float(scale)
+        if not math.isfinite(sc) or sc <= 0:
+            raise ValueError(f"scale must be a finite positive number, got {scale}")
+    cap: float | None = None
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+        if not softcap > 0 or not math.isfinite(softcap):
+            raise ValueError(f"softcap must be a finite positive number, got {softcap}")
+        cap = float(softcap)
+    slopes: Tensor | None = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor):
+            raise TypeError(f"alibi_slopes must be a tensor [Hq], got {type(alibi_slopes).__name__}")
+        if _shape(alibi_slopes) != (Hq,):
+            raise ValueError(f"alibi_slopes must have shape [Hq] = [{Hq}], got {_shape(alibi_slopes)}")
+        slopes = alibi_slopes.to(device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    return AttnRequest(q=q, k=k, v=v, mask_tensor=mask_tensor, mask_obj=mask_obj, causal=causal, window=win,
+                       q_offset=off, scale=sc, softcap=cap, alibi_slopes=slopes, dropout_p=float(dropout_p),
+                       return_lse=return_lse, return_weights=return_weights)

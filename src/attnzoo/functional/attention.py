@@ -1,0 +1,237 @@
+"""``attention()``: one exact softmax attention with several backends, and ``merge_attention()``.
+
+Semantics (shapes, alignment, windows, empty rows, GQA head mapping, dtypes) are written once in
+``docs/conventions.md``; this module follows them exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from attnzoo.functional._request import AttnRequest, build_request
+from attnzoo.functional.reference import reference_attention
+from attnzoo.masks import Mask
+
+__all__ = ["BACKENDS", "attention", "available_backends", "choose_backend", "merge_attention"]
+
+BACKENDS = ("reference", "sdpa", "tiled", "flex", "flash")
+
+# What each backend cannot do (feature names from AttnRequest.features()).
+_UNSUPPORTED: dict[str, frozenset[str]] = {
+    "reference": frozenset(),
+    "sdpa": frozenset({"return_lse", "return_weights", "softcap", "float64"}),
+    "tiled": frozenset({"return_weights", "dropout"}),
+    "flex": frozenset({"return_weights", "dropout", "float64"}),
+    "flash": frozenset({"return_weights", "float mask", "bool mask", "Mask object", "float64", "Dv != D"}),
+}
+
+# Window/mask sparsity from which the tiled backend beats a dense fused kernel (see docs/backends.md).
+_SPARSE_FRACTION = 0.5
+
+
+def _flash_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def _flex_available(device: torch.device) -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:  # pragma: no cover - torch < 2.5
+        return False
+    return device.type in ("cpu", "cuda")
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run on ``device`` in this environment."""
+    dev = torch.device(device)
+    out = ["reference", "sdpa", "tiled"]
+    if _flex_available(dev):
+        out.append("flex")
+    if _flash_available(dev):
+        out.append("flash")
+    return out
+
+
+def _missing(r: AttnRequest, backend: str) -> set[str]:
+    missing = r.features() & _UNSUPPORTED[backend]
+    if backend == "flash" and r.q.dtype not in (torch.float16, torch.bfloat16):
+        missing.add(f"dtype {r.q.dtype} (flash-attn needs float16/bfloat16)")
+    return missing
+
+
+def _visible_fraction(r: AttnRequest, block: int = 128) -> float:
+    """Fraction of tiles the tiled backend must visit (1.0 = dense)."""
+    from attnzoo.functional.tiled import tile_plan
+
+    plan = tile_plan(r, block, block)
+    total = plan.n_q_blocks * plan.n_k_blocks
+    return plan.n_tiles / max(1, total)
+
+
+def choose_backend(r: AttnRequest) -> str:
+    """The ``auto`` policy (documented in ``docs/backends.md``; tested in ``tests/test_auto.py``).
+
+    1. ``return_weights`` or float64 -> ``reference`` (only it returns weights; it is the float64 oracle).
+    2. CUDA, half precision, flash-attn installed, and nothing flash lacks -> ``flash``.
+    3. Dropout -> ``sdpa`` (``reference`` if sdpa lacks a feature, e.g. softcap).
+    4. ``return_lse`` or ``softcap`` -> ``tiled``.
+    5. A window or mask that hides at least half of the tiles -> ``tiled`` (it skips them; a dense
+       kernel computes every score).
+    6. float16/bfloat16 on CPU -> ``tiled`` (half-precision matmuls with a float32 softmax; torch's
+       CPU SDPA gains nothing from half precision).
+    7. Otherwise -> ``sdpa``.
+    """
+    feats = r.features()
+    if "return_weights" in feats or "float64" in feats:
+        return "reference"
+    dev = r.q.device
+    if _flash_available(dev) and not _missing(r, "flash"):
+        return "flash"
+    if "dropout" in feats:
+        return "sdpa" if not _missing(r, "sdpa") else "reference"
+    if "return_lse" in feats or "softcap" in feats:
+        return "tiled"
+    if r.structure is not None and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION:
+        return "tiled"
+    if dev.type == "cpu" and r.q.dtype in (torch.float16, torch.bfloat16):
+        return "tiled"
+    return "sdpa"
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | Mask | None = None,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    q_offset: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, ...]:
+    """Exact scaled dot-product attention.
+
+    Args:
+        q: queries ``[B, Hq, Nq, D]``.
+        k: keys ``[B, Hkv, Nk, D]`` with ``Hq % Hkv == 0``; query head ``h`` reads KV head
+            ``h // (Hq // Hkv)`` (GQA/MQA without copying K/V on the fast paths).
+        v: values ``[B, Hkv, Nk, Dv]``.
+        mask: bool (True = may attend) or float (additive bias) tensor broadcastable to
+            ``[B, Hq, Nq, Nk]``, or an :class:`attnzoo.masks.Mask`.
+        causal: key ``j`` visible to the query at position ``p`` iff ``j <= p``.
+        window: ``w`` or ``(left, right)``: key ``j`` visible iff ``p - left <= j <= p + right``;
+            ``None`` on a side = unbounded.
+        q_offset: position of the first query; default ``Nk - Nq`` (bottom-right alignment).
+        scale: score scale, default ``1 / sqrt(D)``.
+        softcap: ``s -> softcap * tanh(s / softcap)`` applied to scaled scores before biases/masks.
+        alibi_slopes: ``[Hq]``; adds ``-slope * |q_pos - k_pos|`` to the scores.
+        dropout_p: dropout on the attention weights (training only; you pass 0 at eval).
+        return_lse: also return the log-sum-exp of the visible scores ``[B, Hq, Nq]`` (float32,
+            ``-inf`` for rows with no visible key).
+        return_weights: also return the weights ``[B, Hq, Nq, Nk]`` (``reference`` backend only).
+        backend: ``"auto" | "reference" | "sdpa" | "tiled" | "flex" | "flash"``.
+
+    Returns:
+        ``out [B, Hq, Nq, Dv]`` in q's dtype; with ``return_lse``/``return_weights`` a tuple
+        ``(out, lse)``, ``(out, weights)`` or ``(out, lse, weights)``. A query with no visible
+        key returns zeros. Full semantics: ``docs/conventions.md``.
+
+    Raises:
+        ValueError / TypeError naming the offending argument; ``ValueError`` when a named backend
+        cannot serve a feature of the request.
+    """
+    r = build_request(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=scale,
+                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                      return_lse=return_lse, return_weights=return_weights)
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
+    name = choose_backend(r) if backend == "auto" else backend
+    return run_backend(r, name)
+
+
+def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
+    """Run a validated request on a named backend (raises if the backend lacks a feature)."""
+    missing = _missing(r, name)
+    if missing:
+        raise ValueError(f"backend {name!r} does not support: {', '.join(sorted(missing))} "
+                         f"(use backend='auto' or 'reference')")
+    lse: Tensor | None = None
+    weights: Tensor | None = None
+    if name == "reference":
+        out, lse, weights = reference_attention(r)
+    elif name == "sdpa":
+        from attnzoo.functional.sdpa import sdpa_attention
+
+        out = sdpa_attention(r)
+    elif name == "tiled":
+        from attnzoo.functional.tiled import tiled_attention
+
+        out, lse = tiled_attention(r)
+    elif name == "flex":
+        if not _flex_available(r.q.device):
+            raise ValueError(f"backend 'flex' is not available on {r.q.device} with torch {torch.__version__}")
+        from attnzoo.functional.flex import flex_attention_backend
+
+        out, lse = flex_attention_backend(r)
+    else:
+        if not _flash_available(r.q.device):
+            raise ValueError("backend 'flash' needs CUDA and the flash-attn package (pip install flash-attn)")
+        from attnzoo.functional.flash import flash_attention_backend
+
+        out, lse = flash_attention_backend(r)
+    extras: list[Tensor] = []
+    if r.return_lse:
+        assert lse is not None
+        extras.append(lse)
+    if r.return_weights:
+        assert weights is not None
+        extras.append(weights)
+    return (out, *extras) if extras else out
+
+
+def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Combine attention over disjoint key sets into attention over their union.
+
+    Args:
+        outs: partial outputs ``[B, H, Nq, Dv]``, each normalised over its own keys.
+        lses: their log-sum-exps ``[B, H, Nq]`` (``-inf`` where a part saw no key).
+
+    Returns:
+        ``(out [B, H, Nq, Dv], lse [B, H, Nq])``: ``out = sum_i exp(lse_i - lse) * out_i`` with
+        ``lse = logsumexp_i lse_i``. Rows no part could see stay zeros with LSE ``-inf``.
+        Differentiable (what split-K decoding and ring attention need).
+    """
+    if not isinstance(outs, Sequence) or not isinstance(lses, Sequence) or len(outs) == 0:
+        raise TypeError("merge_attention: outs and lses must be non-empty sequences of tensors")
+    if len(outs) != len(lses):
+        raise ValueError(f"merge_attention: got {len(outs)} outputs but {len(lses)} LSEs")
+    ref_o = outs[0]
+    for i, (o, s) in enumerate(zip(outs, lses, strict=True)):
+        if not isinstance(o, Tensor) or not isinstance(s, Tensor):
+            raise TypeError(f"merge_attention: item {i} is not a pair of tensors")
+        if o.dim() != 4 or o.shape != ref_o.shape:
+            raise ValueError(f"merge_attention: outs[{i}] has shape {tuple(o.shape)}, expected "
+                             f"{tuple(ref_o.shape)} [B, H, Nq, Dv]")
+        if tuple(s.shape) != tuple(o.shape[:3]):
+            raise ValueError(f"merge_attention: lses[{i}] has shape {tuple(s.shape)}, expected "
+                             f"{tuple(o.shape[:3])} [B, H, Nq]")
+    cdt = torch.float64 if ref_o.dtype == torch.float64 else torch.float32
+    stacked_lse = torch.stack([s.to(cdt) for s in lses])  # [P, B, H, Nq]
+    m = stacked_lse.amax(dim=0).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(stacked_lse - m)  # [P, B, H, Nq]; 0 for parts that saw nothing
+    denom = w.sum(dim=0)
+    lse = torch.log(denom) + m
+    w = w / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = sum(wi.unsqueeze(-1) * o.to(cdt) for wi, o in zip(w, outs, strict=True))
+    assert isinstance(out, Tensor)
+    return out.to(ref_o.dtype), lse

@@ -1,0 +1,65 @@
+"""The ``sdpa`` backend: torch's fused ``scaled_dot_product_attention`` kernels.
+
+Translations done here:
+
+* bottom-right causal alignment: torch's ``is_causal`` is top-left aligned, so it is used only
+  when ``q_offset == 0``; any other alignment, window or mask becomes one dense ``attn_mask``;
+* GQA through ``enable_gqa=True`` (K/V are never expanded in memory);
+* ALiBi and float masks become an additive float ``attn_mask``;
+* rows with no visible key are given one harmless visible key and their output is zeroed, so
+  they return zeros (never NaN) with finite gradients.
+
+Unsupported (a named error, or ``auto`` picks another backend): ``return_lse``,
+``return_weights``, ``softcap``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnzoo.functional._request import AttnRequest
+
+UNSUPPORTED = frozenset({"return_lse", "return_weights", "softcap"})
+
+
+def dense_mask(r: AttnRequest) -> Tensor | None:
+    """The request's masks, causal/window constraints and ALiBi as one SDPA ``attn_mask``
+    (bool, or float when there is a bias) broadcastable to ``[B, Hq, Nq, Nk]``; ``None`` if none."""
+    allowed = r.allowed(0, r.nq, 0, r.nk)
+    bias = r.bias(0, r.nq, 0, r.nk)
+    if bias is None:
+        return allowed
+    bias = bias.to(r.q.dtype)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    return bias
+
+
+def sdpa_attention(r: AttnRequest) -> Tensor:
+    """Attention through ``torch.nn.functional.scaled_dot_product_attention``; ``[B, Hq, Nq, Dv]``."""
+    gqa = r.group > 1
+    only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
+                   and r.alibi_slopes is None)
+    if not (r.causal or r.window is not None or r.mask_obj is not None or r.mask_tensor is not None
+            or r.alibi_slopes is not None):
+        return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, scale=r.scale, enable_gqa=gqa)
+    if only_causal and r.q_offset == 0:
+        return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, is_causal=True,
+                                              scale=r.scale, enable_gqa=gqa)
+    m = dense_mask(r)
+    assert m is not None
+    visible = m if m.dtype == torch.bool else m > float("-inf")
+    row_ok = visible.any(dim=-1, keepdim=True)  # [B|1, H|1, Nq, 1]
+    if bool(row_ok.all()):
+        return F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=m, dropout_p=r.dropout_p,
+                                              scale=r.scale, enable_gqa=gqa)
+    # Empty rows: make them see every key (finite math), then zero their output.
+    if m.dtype == torch.bool:
+        m = m | ~row_ok
+    else:
+        m = torch.where(row_ok, m, torch.zeros((), dtype=m.dtype, device=m.device))
+    out = F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=m, dropout_p=r.dropout_p,
+                                         scale=r.scale, enable_gqa=gqa)
+    return out * row_ok.to(out.dtype)

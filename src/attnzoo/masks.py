@@ -1,0 +1,457 @@
+"""Mask algebra: composable attention masks over absolute positions.
+
+A :class:`Mask` wraps a vectorised predicate ``fn(b, h, q_pos, k_pos) -> bool tensor`` (the shape
+of FlexAttention's ``mask_mod``). ``True`` means "this query may attend to this key". The four
+arguments are integer tensors that broadcast against each other; the predicate must only use
+elementwise operations and indexing so that the same object drives every backend:
+
+* the reference backend materialises it (:meth:`Mask.materialize`),
+* the tiled backend evaluates it on one tile at a time and skips tiles that
+  :meth:`Mask.block_map` proves empty,
+* the flex backend hands it to FlexAttention as its ``mask_mod``.
+
+Positions are absolute: queries sit at ``q_offset .. q_offset + Nq - 1`` and keys at
+``0 .. Nk - 1`` (see ``docs/conventions.md``). Masks compose with ``&``, ``|`` and ``~``::
+
+    m = causal() & sliding_window(128, 0) & key_padding(lengths)
+    m = document(doc_ids) | global_tokens([0])
+
+Besides the predicate, each builder knows how to classify a rectangular tile of positions as
+empty, full or partial without evaluating it pointwise (``_tiles``); composites combine those
+classifications, and a predicate with no such rule falls back to evaluating one strip of query
+rows at a time, so a block map never needs ``Nq x Nk`` memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BLOCK_EMPTY",
+    "BLOCK_FULL",
+    "BLOCK_PARTIAL",
+    "Mask",
+    "causal",
+    "document",
+    "global_tokens",
+    "key_padding",
+    "prefix_lm",
+    "sliding_window",
+]
+
+#: Values of a block map: no visible pair, some visible pairs, every pair visible.
+BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2
+
+Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# Tile classifier: (q_start, q_end, k_start, k_end) as int64 tensors of shape [nQB, 1] and [1, nKB]
+# (inclusive ends) -> (full, empty) bool tensors broadcastable to [B, H, nQB, nKB], or None when the
+# mask has no analytic rule.
+TileRule = Callable[[Tensor, Tensor, Tensor, Tensor], "tuple[Tensor, Tensor]"]
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """Start and inclusive end positions of every query and key tile."""
+
+    q_start: Tensor  # [nQB, 1]
+    q_end: Tensor  # [nQB, 1]
+    k_start: Tensor  # [1, nKB]
+    k_end: Tensor  # [1, nKB]
+
+
+class Mask:
+    """A boolean attention mask defined by a vectorised predicate over absolute positions.
+
+    Args:
+        fn: ``fn(b, h, q_pos, k_pos) -> bool tensor``; arguments are broadcastable int64 tensors.
+        name: short description used in ``repr`` and error messages.
+        tiles: optional analytic tile classifier (internal; builders provide one).
+        batch: batch size the mask is tied to (``key_padding``, ``document``), else ``None``.
+
+    Semantics: ``True`` where a query may attend. See ``docs/conventions.md``.
+    """
+
+    __slots__ = ("_children", "_op", "_tiles", "batch", "fn", "name")
+
+    def __init__(
+        self,
+        fn: Predicate,
+        name: str = "custom",
+        *,
+        tiles: Callable[[_Tiles], tuple[Tensor, Tensor]] | None = None,
+        batch: int | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"Mask: fn must be callable (b, h, q_pos, k_pos) -> bool, got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name
+        self._tiles = tiles
+        self.batch = batch
+        self._op: str | None = None
+        self._children: tuple[Mask, ...] = ()
+
+    # ------------------------------------------------------------------ algebra
+    def __and__(self, other: Mask) -> Mask:
+        return _combine("&", self, other)
+
+    def __or__(self, other: Mask) -> Mask:
+        return _combine("|", self, other)
+
+    def __invert__(self) -> Mask:
+        inner = self
+        out = Mask(lambda b, h, q, k: ~inner.fn(b, h, q, k), f"~{inner.name}", batch=inner.batch)
+        out._op, out._children = "~", (inner,)
+        return out
+
+    def __call__(self, b: Tensor, h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return self.fn(b, h, q_pos, k_pos)
+
+    def __repr__(self) -> str:
+        return f"Mask({self.name})"
+
+    # ------------------------------------------------------------- evaluation
+    def materialize(
+        self,
+        batch: int,
+        heads: int,
+        n_q: int,
+        n_k: int,
+        q_offset: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Dense boolean mask ``[B, H, Nq, Nk]`` (True = may attend).
+
+        ``q_offset`` defaults to ``n_k - n_q`` (bottom-right alignment).
+        """
+        _check_dims(batch=batch, heads=heads, n_q=n_q, n_k=n_k)
+        self._check_batch(batch)
+        off = n_k - n_q if q_offset is None else _as_int(q_offset, "q_offset")
+        return self.evaluate(batch, heads, off, 0, n_q, 0, n_k, device=device)
+
+    def evaluate(
+        self,
+        batch: int,
+        heads: int,
+        q_offset: int,
+        q_lo: int,
+        q_hi: int,
+        k_lo: int,
+        k_hi: int,
+        device: torch.device | str | None = None,
+        expand: bool = True,
+    ) -> Tensor:
+        """Evaluate the predicate on query rows ``q_lo:q_hi`` and keys ``k_lo:k_hi``.
+
+        Row indices are relative to the query tensor; positions are ``q_offset + row``.
+        Returns bool ``[B, H, q_hi - q_lo, k_hi - k_lo]`` (an expanded view), or with
+        ``expand=False`` the predicate's own broadcastable result (size 1 on the batch/head
+        dimensions it does not depend on).
+        """
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        b = torch.arange(batch, device=dev).view(batch, 1, 1, 1)
+        h = torch.arange(heads, device=dev).view(1, heads, 1, 1)
+        q = torch.arange(q_offset + q_lo, q_offset + q_hi, device=dev).view(1, 1, -1, 1)
+        k = torch.arange(k_lo, k_hi, device=dev).view(1, 1, 1, -1)
+        out = self.fn(b, h, q, k)
+        if not isinstance(out, Tensor) or out.dtype != torch.bool:
+            raise TypeError(f"Mask {self.name}: predicate must return a bool tensor, got {type(out).__name__}"
+                            f"{'' if not isinstance(out, Tensor) else ' of dtype ' + str(out.dtype)}")
+        shape = (batch, heads, q_hi - q_lo, k_hi - k_lo)
+        if out.dim() > 4 or torch.broadcast_shapes(out.shape, shape) != shape:
+            raise ValueError(f"Mask {self.name}: predicate returned shape {tuple(out.shape)}, "
+                             f"which does not broadcast to {list(shape)}")
+        if not expand:
+            return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+        return out.expand(shape)
+
+    def block_map(
+        self,
+        batch: int,
+        heads: int,
+        n_q: int,
+        n_k: int,
+        block_q: int = 128,
+        block_k: int = 128,
+        q_offset: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Classify every ``(q_block, k_block)`` tile as empty, partial or full.
+
+        Returns int8 ``[B, H, ceil(Nq / block_q), ceil(Nk / block_k)]`` holding
+        :data:`BLOCK_EMPTY` (0), :data:`BLOCK_PARTIAL` (1) or :data:`BLOCK_FULL` (2).
+        Builders classify tiles from their bounds; a custom predicate is evaluated one strip of
+        ``block_q`` query rows at a time, so memory stays ``O(block_q x Nk)``.
+        """
+        _check_dims(batch=batch, heads=heads, n_q=n_q, n_k=n_k, block_q=block_q, block_k=block_k)
+        self._check_batch(batch)
+        off = n_k - n_q if q_offset is None else _as_int(q_offset, "q_offset")
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        qs = torch.arange(0, n_q, block_q, device=dev)
+        ks = torch.arange(0, n_k, block_k, device=dev)
+        tiles = _Tiles(
+            q_start=(qs + off).view(-1, 1),
+            q_end=((qs + block_q).clamp(max=n_q) - 1 + off).view(-1, 1),
+            k_start=ks.view(1, -1),
+            k_end=((ks + block_k).clamp(max=n_k) - 1).view(1, -1),
+        )
+        full, empty = self._classify(tiles, batch, heads, n_q, n_k, off, block_q, block_k, dev)
+        shape = (batch, heads, len(qs), len(ks))
+        out = torch.full(shape, BLOCK_PARTIAL, dtype=torch.int8, device=dev)
+        out[full.expand(shape)] = BLOCK_FULL
+        out[empty.expand(shape)] = BLOCK_EMPTY
+        return out
+
+    # -------------------------------------------------------------- internals
+    def _classify(self, t: _Tiles, batch: int, heads: int, n_q: int, n_k: int, off: int,
+                  block_q: int, block_k: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+        if self._op == "~":
+            full, empty = self._children[0]._classify(t, batch, heads, n_q, n_k, off, block_q, block_k, dev)
+            return empty, full
+        if self._op in ("&", "|"):
+            a, b = (c._classify(t, batch, heads, n_q, n_k, off, block_q, block_k, dev) for c in self._children)
+            if self._op == "&":
+                return a[0] & b[0], a[1] | b[1]
+            return a[0] | b[0], a[1] & b[1]
+        if self._tiles is not None:
+            return self._tiles(t)
+        return self._classify_by_strips(batch, heads, n_q, n_k, off, block_q, block_k, dev)
+
+    def _classify_by_strips(self, batch: int, heads: int, n_q: int, n_k: int, off: int,
+                            block_q: int, block_k: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+        n_qb, n_kb = -(-n_q // block_q), -(-n_k // block_k)
+        full = torch.empty(batch, heads, n_qb, n_kb, dtype=torch.bool, device=dev)
+        empty = torch.empty_like(full)
+        pad_k = n_kb * block_k - n_k
+        for i in range(n_qb):
+            lo, hi = i * block_q, min(n_q, (i + 1) * block_q)
+            strip = self.evaluate(batch, heads, off, lo, hi, 0, n_k, device=dev)  # [B, H, bq, Nk]
+            if pad_k:
+                # Padding keys count as visible for "full" and invisible for "empty".
+                strip_any = torch.nn.functional.pad(strip, (0, pad_k), value=False)
+                strip_all = torch.nn.functional.pad(strip, (0, pad_k), value=True)
+            else:
+                strip_any = strip_all = strip
+            shp = (batch, heads, hi - lo, n_kb, block_k)
+            empty[:, :, i] = ~strip_any.reshape(shp).any(dim=-1).any(dim=2)
+            full[:, :, i] = strip_all.reshape(shp).all(dim=-1).all(dim=2)
+        return full, empty
+
+    def _check_batch(self, batch: int) -> None:
+        for m in self._leaves():
+            if m.batch is not None and m.batch not in (1, batch):
+                raise ValueError(f"mask {m.name}: built for batch size {m.batch}, used with batch size {batch}")
+
+    def _leaves(self) -> list[Mask]:
+        if not self._children:
+            return [self]
+        return [leaf for c in self._children for leaf in c._leaves()]
+
+
+def _combine(op: str, a: Mask, b: Mask) -> Mask:
+    if not isinstance(b, Mask):
+        raise TypeError(f"Mask {op}: expected another Mask, got {type(b).__name__}")
+    if op == "&":
+        out = Mask(lambda bb, h, q, k: a.fn(bb, h, q, k) & b.fn(bb, h, q, k), f"({a.name} & {b.name})")
+    else:
+        out = Mask(lambda bb, h, q, k: a.fn(bb, h, q, k) | b.fn(bb, h, q, k), f"({a.name} | {b.name})")
+    out._op, out._children = op, (a, b)
+    if a.batch is not None and b.batch is not None and 1 not in (a.batch, b.batch) and a.batch != b.batch:
+        raise ValueError(f"Mask {op}: operands are tied to different batch sizes {a.batch} and {b.batch}")
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+def _as_int(x: object, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        if isinstance(x, Tensor) and x.numel() == 1 and not x.is_floating_point():
+            return int(x.item())
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
+    return x
+
+
+def _check_dims(**dims: int) -> None:
+    for name, value in dims.items():
+        _as_int(value, name)
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _window_side(x: object, name: str) -> int | None:
+    if x is None:
+        return None
+    v = _as_int(x, name)
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0 or None (unbounded), got {v}")
+    return v
+
+
+# --------------------------------------------------------------------------- builders
+def causal() -> Mask:
+    """Key ``j`` is visible to the query at position ``p`` iff ``j <= p``."""
+
+    def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
+        return t.k_end <= t.q_start, t.k_start > t.q_end
+
+    return Mask(lambda b, h, q, k: k <= q, "causal", tiles=tiles)
+
+
+def sliding_window(left: int | None, right: int | None = 0) -> Mask:
+    """Key ``j`` is visible to the query at ``p`` iff ``p - left <= j <= p + right``.
+
+    ``None`` on a side means unbounded. ``sliding_window(w, 0)`` is a causal-side band of
+    ``w`` keys before the query plus the query itself.
+    """
+    lo = _window_side(left, "left")
+    hi = _window_side(right, "right")
+
+    def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        ok = torch.ones((), dtype=torch.bool, device=q.device)
+        if lo is not None:
+            ok = ok & (k >= q - lo)
+        if hi is not None:
+            ok = ok & (k <= q + hi)
+        return ok
+
+    def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
+        full = torch.ones((1, 1), dtype=torch.bool, device=t.q_start.device)
+        empty = torch.zeros((1, 1), dtype=torch.bool, device=t.q_start.device)
+        if lo is not None:
+            full = full & (t.k_start >= t.q_end - lo)
+            empty = empty | (t.k_end < t.q_start - lo)
+        if hi is not None:
+            full = full & (t.k_end <= t.q_start + hi)
+            empty = empty | (t.k_start > t.q_end + hi)
+        return full, empty
+
+    return Mask(fn, f"window({lo},{hi})", tiles=tiles)
+
+
+def key_padding(lengths_or_mask: Tensor | Sequence[int]) -> Mask:
+    """Hide padded keys.
+
+    Args:
+        lengths_or_mask: int lengths ``[B]`` (keys ``0 .. length-1`` are real) or a bool
+            ``[B, Nk]`` tensor, True for real keys.
+    """
+    x = lengths_or_mask
+    if not isinstance(x, Tensor):
+        if isinstance(x, Sequence) and all(isinstance(v, int) and not isinstance(v, bool) for v in x) and len(x) > 0:
+            x = torch.tensor(list(x), dtype=torch.long)
+        else:
+            raise TypeError(f"key_padding: expected int lengths [B] or a bool tensor [B, Nk], got {type(x).__name__}")
+    if x.dtype == torch.bool:
+        if x.dim() != 2:
+            raise ValueError(f"key_padding: a bool mask must be [B, Nk], got shape {tuple(x.shape)}")
+        real = x
+        n_k = real.shape[1]
+
+        def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return real[b, k.clamp(max=n_k - 1)] & (k < n_k)
+
+        return Mask(fn, "key_padding(bool)", batch=real.shape[0])
+    if x.is_floating_point() or x.dim() != 1:
+        raise ValueError(f"key_padding: lengths must be an int tensor [B], got dtype {x.dtype} shape {tuple(x.shape)}")
+    if (x < 0).any():
+        raise ValueError(f"key_padding: lengths must be >= 0, got {x.tolist()}")
+    lengths = x.long()
+
+    def fn_len(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return k < lengths[b]
+
+    def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
+        length = lengths.to(t.k_start.device).view(-1, 1, 1, 1)
+        return t.k_end < length, t.k_start >= length
+
+    return Mask(fn_len, "key_padding", tiles=tiles, batch=lengths.shape[0])
+
+
+def document(doc_ids: Tensor) -> Mask:
+    """Packed sequences: a query sees only keys of the same document.
+
+    Args:
+        doc_ids: int ``[N]`` or ``[B, N]`` document id of every position (queries and keys share
+            the position axis, so ``q_offset + Nq <= N`` and ``Nk <= N``).
+    """
+    if not isinstance(doc_ids, Tensor) or doc_ids.is_floating_point() or doc_ids.dtype == torch.bool:
+        raise TypeError(f"document: doc_ids must be an int tensor [N] or [B, N], got {type(doc_ids).__name__}"
+                        f"{' ' + str(doc_ids.dtype) if isinstance(doc_ids, Tensor) else ''}")
+    if doc_ids.dim() == 1:
+        doc_ids = doc_ids.unsqueeze(0)
+    if doc_ids.dim() != 2:
+        raise ValueError(f"document: doc_ids must be [N] or [B, N], got shape {tuple(doc_ids.shape)}")
+    ids = doc_ids.long()
+    n = ids.shape[1]
+    single = ids.shape[0] == 1
+
+    def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        bb = torch.zeros_like(b) if single else b
+        return ids[bb, q.clamp(0, n - 1)] == ids[bb, k.clamp(0, n - 1)]
+
+    return Mask(fn, "document", batch=None if single else ids.shape[0])
+
+
+def prefix_lm(prefix_len: int | Tensor) -> Mask:
+    """Prefix language model: causal, plus every query sees the first ``prefix_len`` keys.
+
+    Args:
+        prefix_len: an int, or int ``[B]`` per batch element.
+    """
+    if isinstance(prefix_len, Tensor):
+        if prefix_len.dim() != 1 or prefix_len.is_floating_point():
+            raise ValueError(f"prefix_lm: prefix_len must be an int or an int tensor [B], got shape "
+                             f"{tuple(prefix_len.shape)} dtype {prefix_len.dtype}")
+        plen = prefix_len.long()
+
+        def fn_t(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return (k <= q) | (k < plen[b])
+
+        def tiles_t(t: _Tiles) -> tuple[Tensor, Tensor]:
+            p = plen.to(t.k_start.device).view(-1, 1, 1, 1)
+            return (t.k_end <= t.q_start) | (t.k_end < p), (t.k_start > t.q_end) & (t.k_start >= p)
+
+        return Mask(fn_t, "prefix_lm", tiles=tiles_t, batch=plen.shape[0])
+    p = _as_int(prefix_len, "prefix_len")
+    if p < 0:
+        raise ValueError(f"prefix_lm: prefix_len must be >= 0, got {p}")
+
+    def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
+        return (t.k_end <= t.q_start) | (t.k_end < p), (t.k_start > t.q_end) & (t.k_start >= p)
+
+    return Mask(lambda b, h, q, k: (k <= q) | (k < p), f"prefix_lm({p})", tiles=tiles)
+
+
+def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
+    """Longformer global tokens: they attend to every key and every query attends to them.
+
+    Combine with a local pattern: ``sliding_window(w, w) | global_tokens([0])``.
+    """
+    pos = torch.as_tensor(positions if isinstance(positions, Tensor) else list(positions))
+    if pos.dim() != 1 or pos.numel() == 0 or pos.is_floating_point() or pos.dtype == torch.bool:
+        raise ValueError(f"global_tokens: positions must be a non-empty list of ints, got {positions!r}")
+    if (pos < 0).any():
+        raise ValueError(f"global_tokens: positions must be >= 0, got {pos.tolist()}")
+    gmax = int(pos.max())
+    table = torch.zeros(gmax + 1, dtype=torch.bool)
+    table[pos] = True
+    sorted_pos = torch.sort(torch.unique(pos)).values
+
+    def is_global(x: Tensor) -> Tensor:
+        t = table.to(x.device)
+        return (x <= gmax) & (x >= 0) & t[x.clamp(0, gmax)]
+
+    def count_in(lo: Tensor, hi: Tensor) -> Tensor:
+        s = sorted_pos.to(lo.device)
+        return torch.searchsorted(s, hi, right=True) - torch.searchsorted(s, lo, right=False)
+
+    def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
+        nq = count_in(t.q_start.contiguous(), t.q_end.contiguous())
+        nk = count_in(t.k_start.contiguous(), t.k_end.contiguous())
+        full = (nq == t.q_end - t.q_start + 1) | (nk == t.k_end - t.k_start + 1)
+        empty = (nq == 0) & (nk == 0)
+        return full, empty
+
+    return Mask(lambda b, h, q, k: is_global(q) | is_global(k), f"global_tokens({pos.tolist()[:4]})", tiles=tiles)
