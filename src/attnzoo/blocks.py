@@ -1,0 +1,341 @@
+"""Transformer building blocks: ``RMSNorm``, ``FeedForward`` and ``TransformerBlock``.
+
+A :class:`TransformerBlock` is one residual layer: a token mixer (any attention module of this
+library, chosen by registry name or passed as an instance), optional cross-attention to a
+``context`` (an encoder's output), and a feed-forward network, each wrapped in a normalisation
+and a residual connection::
+
+    pre-norm  (GPT-2, LLaMA, ViT):   x = x + attn(norm(x));   x = x + ffn(norm(x))
+    post-norm (Transformer, BERT):   x = norm(x + attn(x));   x = norm(x + ffn(x))
+
+LayerNorm is ``torch.nn.LayerNorm``. Weight names (used by ``attnzoo.interop``): ``attn_norm``,
+``attn``, ``cross_norm``, ``cross_attn``, ``ffn_norm``, ``ffn`` (``up_proj``, ``gate_proj``,
+``down_proj``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["ACTIVATIONS", "NORMS", "FeedForward", "RMSNorm", "TransformerBlock", "make_norm"]
+
+#: Activation names accepted by :class:`FeedForward`; the gated ones multiply ``act(gate(x))``
+#: by ``up(x)`` (Shazeer 2020, "GLU variants improve Transformer").
+ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
+    "relu": (F.relu, False),
+    "gelu": (F.gelu, False),  # exact (erf) GELU: BERT, ViT
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), False),  # GPT-2's "gelu_new"
+    "silu": (F.silu, False),
+    "swiglu": (F.silu, True),  # LLaMA, Mistral
+    "geglu": (F.gelu, True),
+}
+NORMS = ("layer", "rms")
+
+
+def _check_pos_int(x: object, name: str, owner: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(x).__name__} ({x!r})")
+    if x <= 0:
+        raise ValueError(f"{owner}: {name} must be > 0, got {x}")
+    return x
+
+
+def _check_prob(x: object, name: str, owner: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a float, got {type(x).__name__}")
+    if not 0.0 <= x < 1.0:
+        raise ValueError(f"{owner}: {name} must be in [0, 1), got {x}")
+    return float(x)
+
+
+def _check_input(x: object, dim: int, owner: str, name: str = "x") -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"{owner}: {name} must have shape [B, N, C] with C={dim}, got {tuple(x.shape)}")
+    return x
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation (Zhang & Sennrich 2019), as in LLaMA and Mistral.
+
+    ``y = weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, computed in float32 for
+    half-precision inputs and cast back before the weight is applied (the LLaMA convention).
+
+    Args:
+        dim: normalised width ``C``.
+        eps: added to the mean square.
+
+    Shapes: ``[..., C] -> [..., C]``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dim = _check_pos_int(dim, "dim", "RMSNorm")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"RMSNorm: eps must be a float >= 0, got {eps!r}")
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"RMSNorm: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm: x must have shape [..., {self.dim}], got {tuple(x.shape)}")
+        if x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, (self.dim,), self.weight.to(x.dtype), self.eps)
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+def make_norm(kind: str, dim: int, eps: float, *, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None) -> nn.Module:
+    """``"layer"`` -> ``torch.nn.LayerNorm``; ``"rms"`` -> :class:`RMSNorm`."""
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=eps, device=device, dtype=dtype)
+    if kind == "rms":
+        return RMSNorm(dim, eps=eps, device=device, dtype=dtype)
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
+
+
+def default_ffn_hidden(dim: int, activation: str) -> int:
+    """``4 * dim``; for gated activations ``2/3`` of that rounded up to a multiple of 8 (same
+    parameter count as the ungated network, the LLaMA rule)."""
+    if ACTIVATIONS[activation][1]:
+        return 8 * math.ceil(8 * dim / 3 / 8)
+    return 4 * dim
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network.
+
+    ``down(act(up(x)))``, or with a gated activation (``"swiglu"``, ``"geglu"``)
+    ``down(act(gate(x)) * up(x))``; dropout on the hidden activations.
+
+    Args:
+        dim: model width ``C``.
+        hidden: hidden width ``F``; default :func:`default_ffn_hidden`.
+        activation: one of ``relu``, ``gelu`` (exact), ``gelu_tanh``, ``silu``, ``swiglu``,
+            ``geglu``.
+        bias: biases on the projections.
+        dropout: dropout probability on the hidden activations.
+
+    Weights: ``up_proj [F, C]``, ``gate_proj [F, C]`` (gated only), ``down_proj [C, F]``.
+    Shapes: ``[B, N, C] -> [B, N, C]`` (any leading dimensions work).
+    """
+
+    def __init__(self, dim: int, hidden: int | None = None, activation: str = "gelu", *, bias: bool = True,
+                 dropout: float = 0.0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dim = _check_pos_int(dim, "dim", "FeedForward")
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
+            raise ValueError(f"FeedForward: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
+        self.hidden = default_ffn_hidden(dim, activation) if hidden is None else _check_pos_int(
+            hidden, "hidden", "FeedForward")
+        self.act, self.gated = ACTIVATIONS[activation]
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.up_proj = nn.Linear(dim, self.hidden, bias=bias, **kw)
+        self.gate_proj = nn.Linear(dim, self.hidden, bias=bias, **kw) if self.gated else None
+        self.down_proj = nn.Linear(self.hidden, dim, bias=bias, **kw)
+        self.dropout = nn.Dropout(_check_prob(dropout, "dropout", "FeedForward"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"FeedForward: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"FeedForward: x must have shape [..., {self.dim}], got {tuple(x.shape)}")
+        if self.gate_proj is not None:
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)  # [B, N, F]
+        else:
+            h = self.act(self.up_proj(x))  # [B, N, F]
+        return self.down_proj(self.dropout(h))  # [B, N, C]
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+AttentionSpec = str | nn.Module | Callable[[int, int], nn.Module]
+
+
+def build_mixer(attention: AttentionSpec, dim: int, num_heads: int, *, causal: bool,
+                attention_kwargs: dict[str, Any] | None = None, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None, owner: str = "TransformerBlock") -> nn.Module:
+    """Build a token mixer from a registry name, a module instance or a ``(dim, num_heads)`` factory."""
+    kwargs = dict(attention_kwargs or {})
+    if isinstance(attention, str):
+        from attnzoo.variants import build_attention, variant_names
+
+        if attention not in variant_names():
+            raise ValueError(f"{owner}: unknown attention {attention!r}; expected one of {variant_names()}, "
+                             f"an nn.Module or a callable (dim, num_heads) -> nn.Module")
+        if device is not None:
+            kwargs.setdefault("device", device)
+        if dtype is not None:
+            kwargs.setdefault("dtype", dtype)
+        return build_attention(attention, dim, num_heads, causal=causal, **kwargs)
+    if kwargs:
+        raise ValueError(f"{owner}: attention_kwargs {sorted(kwargs)} only apply when attention is a registry name")
+    if isinstance(attention, nn.Module):
+        return attention
+    if callable(attention):
+        module = attention(dim, num_heads)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{owner}: the attention factory must return an nn.Module, got {type(module).__name__}")
+        return module
+    raise TypeError(f"{owner}: attention must be a registry name, an nn.Module or a callable, "
+                    f"got {type(attention).__name__}")
+
+
+class TransformerBlock(nn.Module):
+    """One transformer layer: self-attention, optional cross-attention, feed-forward.
+
+    Args:
+        dim: model width ``C``.
+        num_heads: attention heads.
+        attention: the self-attention: a registry name (``"mha"``, ``"gqa"``, ``"sliding"``,
+            ``"linear"``, ... see :func:`attnzoo.variants.variant_names`), an ``nn.Module`` with the
+            attention protocol (``forward(x, *, mask=None, cache=None, positions=None)``,
+            ``init_cache``), or a callable ``(dim, num_heads) -> nn.Module``.
+        attention_kwargs: extra arguments for the registry builder (``window``, ``rope``,
+            ``num_kv_heads``, ``bias``, ``dropout`` (on attention weights), ...).
+        causal: causal self-attention (only used with a registry name).
+        cross_attention: add a cross-attention sub-layer reading ``context``.
+        context_dim: width of ``context`` (default ``dim``).
+        norm: ``"layer"`` (``torch.nn.LayerNorm``) or ``"rms"`` (:class:`RMSNorm`).
+        norm_eps: the norms' epsilon.
+        norm_first: pre-norm (``True``, GPT/LLaMA/ViT) or post-norm (``False``, the original
+            Transformer and BERT).
+        ffn: :class:`FeedForward` activation; ``ffn_hidden`` its hidden width.
+        dropout: dropout on each sub-layer's output (before the residual add) and in the FFN.
+        bias: biases in the cross-attention and the FFN (the self-attention takes its own ``bias``
+            from ``attention_kwargs``; registry modules default to ``True``).
+
+    Shapes: ``x [B, N, C]``, ``context [B, M, context_dim]`` -> ``[B, N, C]``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        attention: AttentionSpec = "mha",
+        attention_kwargs: dict[str, Any] | None = None,
+        causal: bool = False,
+        cross_attention: bool = False,
+        context_dim: int | None = None,
+        norm: str = "layer",
+        norm_eps: float = 1e-5,
+        norm_first: bool = True,
+        ffn: str = "gelu",
+        ffn_hidden: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "TransformerBlock"
+        self.dim = _check_pos_int(dim, "dim", owner)
+        self.num_heads = _check_pos_int(num_heads, "num_heads", owner)
+        if dim % num_heads:
+            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if not isinstance(norm, str) or norm not in NORMS:
+            raise ValueError(f"{owner}: norm must be one of {NORMS}, got {norm!r}")
+        for name, flag in (("causal", causal), ("cross_attention", cross_attention), ("norm_first", norm_first),
+                           ("bias", bias)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{owner}: {name} must be a bool, got {type(flag).__name__}")
+        self.norm_first = norm_first
+        p = _check_prob(dropout, "dropout", owner)
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.attn_norm = make_norm(norm, dim, norm_eps, **kw)
+        self.attn = build_mixer(attention, dim, num_heads, causal=causal, attention_kwargs=attention_kwargs,
+                                device=device, dtype=dtype, owner=owner)
+        self.cross_norm: nn.Module | None = None
+        self.cross_attn: nn.Module | None = None
+        if cross_attention:
+            from attnzoo.nn.attention import MultiHeadAttention
+
+            cdim = dim if context_dim is None else _check_pos_int(context_dim, "context_dim", owner)
+            self.cross_norm = make_norm(norm, dim, norm_eps, **kw)
+            self.cross_attn = MultiHeadAttention(dim, num_heads, kv_dim=cdim, bias=bias, causal=False, **kw)
+        elif context_dim is not None:
+            raise ValueError(f"{owner}: context_dim={context_dim} given but cross_attention=False")
+        self.context_dim = None if self.cross_attn is None else (dim if context_dim is None else context_dim)
+        self.ffn_norm = make_norm(norm, dim, norm_eps, **kw)
+        self.ffn = FeedForward(dim, ffn_hidden, ffn, bias=bias, dropout=p, **kw)
+        self.dropout = nn.Dropout(p)
+
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> Any:
+        """The self-attention's decode cache (cross-attention keys are recomputed from ``context``)."""
+        return self.attn.init_cache(batch_size, max_len, device=device, dtype=dtype)
+
+    def _mix(self, h: Tensor, mask: Any, cache: Any, positions: Tensor | None) -> Tensor:
+        kw: dict[str, Any] = {}
+        if mask is not None:
+            kw["mask"] = mask
+        if cache is not None:
+            kw["cache"] = cache
+        if positions is not None:
+            kw["positions"] = positions
+        return self.attn(h, **kw)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Any = None,
+        context_mask: Any = None,
+        cache: Any = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """Args:
+            x: ``[B, N, C]`` (with a cache: the new tokens only).
+            context: ``[B, M, context_dim]``, required iff the block has cross-attention.
+            mask: self-attention mask (bool True = attend, float bias, or ``az.masks.Mask``),
+                applied on top of the mixer's own causal/window pattern.
+            context_mask: cross-attention mask broadcastable to ``[B, H, N, M]`` (e.g. the
+                context's key padding as ``[B, 1, 1, M]``).
+            cache: the self-attention cache from :meth:`init_cache`.
+            positions: absolute positions ``[N]`` or ``[B, N]`` for RoPE.
+
+        Returns: ``[B, N, C]``.
+        """
+        _check_input(x, self.dim, "TransformerBlock")
+        if self.cross_attn is None:
+            if context is not None:
+                raise ValueError("TransformerBlock: context given but the block has no cross-attention "
+                                 "(build it with cross_attention=True)")
+        else:
+            if context is None:
+                raise ValueError("TransformerBlock: this block has cross-attention; pass context [B, M, C]")
+            _check_input(context, self.context_dim or self.dim, "TransformerBlock", "context")
+            if context.shape[0] != x.shape[0]:
+                raise ValueError(f"TransformerBlock: context batch {context.shape[0]} != x batch {x.shape[0]}")
+        drop = self.dropout
+        if self.norm_first:
+            x = x + drop(self._mix(self.attn_norm(x), mask, cache, positions))
+            if self.cross_attn is not None:
+                assert self.cross_norm is not None
+                x = x + drop(self.cross_attn(self.cross_norm(x), context, mask=context_mask))
+            return x + drop(self.ffn(self.ffn_norm(x)))
+        x = self.attn_norm(x + drop(self._mix(x, mask, cache, positions)))
+        if self.cross_attn is not None:
+            assert self.cross_norm is not None
+            x = self.cross_norm(x + drop(self.cross_attn(x, context, mask=context_mask)))
+        return self.ffn_norm(x + drop(self.ffn(x)))

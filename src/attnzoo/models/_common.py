@@ -1,0 +1,90 @@
+"""Shared pieces of the models: input validation, positions from padding masks, layer caches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+POSITIONS = ("rope", "learned", "sinusoidal", "none")
+
+
+def check_int(x: object, name: str, owner: str, *, minimum: int = 1) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(x).__name__} ({x!r})")
+    if x < minimum:
+        raise ValueError(f"{owner}: {name} must be >= {minimum}, got {x}")
+    return x
+
+
+def check_tokens(tokens: object, vocab_size: int, owner: str, name: str = "tokens") -> Tensor:
+    """``tokens`` must be an integer tensor ``[B, N]`` with ids in ``[0, vocab_size)``."""
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor [B, N] of token ids, got {type(tokens).__name__}")
+    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"{owner}: {name} must hold integer token ids, got dtype {tokens.dtype}")
+    if tokens.dim() != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"{owner}: {name} must have shape [B, N] with N >= 1, got {tuple(tokens.shape)}")
+    if tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{owner}: {name} ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
+    return tokens
+
+
+def check_padding_mask(mask: object, batch: int, length: int, owner: str, name: str = "attention_mask") -> Tensor:
+    """A key-padding mask ``[B, L]`` (bool, or 0/1 ints), True/1 for real tokens; returned as bool."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{owner}: {name} must be a bool tensor [B, N] (True = real token), got {type(mask).__name__}")
+    if mask.is_floating_point():
+        raise TypeError(f"{owner}: {name} must be bool (True = real token) or 0/1 ints, got dtype {mask.dtype}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"{owner}: {name} must have shape [B, L] = [{batch}, {length}], got {tuple(mask.shape)}")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def positions_from_mask(mask: Tensor) -> Tensor:
+    """Absolute positions ``[B, L]`` of the real tokens of a (left- or right-) padded batch:
+    the first real token of each row is position 0; padded slots get 0 (they are masked)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def key_padding_bias(mask: Tensor) -> Tensor:
+    """``[B, Nk]`` bool (True = real) -> ``[B, 1, 1, Nk]`` bool attention mask."""
+    return mask[:, None, None, :]
+
+
+class LayerCaches:
+    """The decode caches of a stack of layers (one per layer), with the cache protocol:
+    ``length`` (tokens written so far), ``batch_size``, ``reset()``; index it for one layer's cache."""
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        if len(caches) == 0:
+            raise ValueError("LayerCaches: need at least one layer cache")
+        self.layers = list(caches)
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0].length)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.layers[0].batch_size)
+
+    def reset(self) -> None:
+        for c in self.layers:
+            c.reset()
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.layers[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.layers)
+
+    def __repr__(self) -> str:
+        return f"LayerCaches(layers={len(self.layers)}, length={self.length}, batch_size={self.batch_size})"

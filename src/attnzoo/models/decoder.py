@@ -1,0 +1,390 @@
+"""``DecoderLM``: a decoder-only language model (GPT-2 and LLaMA/Mistral shapes) with generation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnzoo.blocks import ACTIVATIONS, NORMS, AttentionSpec, TransformerBlock, make_norm
+from attnzoo.models._common import (
+    POSITIONS,
+    LayerCaches,
+    check_int,
+    check_padding_mask,
+    check_tokens,
+    key_padding_bias,
+    positions_from_mask,
+)
+
+__all__ = ["DecoderLM", "sample_next_token"]
+
+
+def _check_positive_float(x: object, name: str, owner: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a float, got {type(x).__name__}")
+    if not x > 0:
+        raise ValueError(f"{owner}: {name} must be > 0, got {x}")
+    return float(x)
+
+
+def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
+                      top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """Pick the next token from ``logits [B, V]``.
+
+    ``temperature == 0`` is greedy (argmax; ``top_k``/``top_p`` are then irrelevant). Otherwise
+    the logits are divided by ``temperature``, restricted to the ``top_k`` largest and to the
+    smallest set of tokens whose probability reaches ``top_p`` (nucleus; the most likely token is
+    always kept), and sampled with ``generator``. Returns ``[B]`` long.
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
+        drop_sorted = before >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only language model: token embedding, a stack of causal :class:`TransformerBlock`
+    (pre-norm by default), a final norm and an LM head.
+
+    Covers GPT-2 (learned positions, LayerNorm, ``gelu_tanh``, tied head) and LLaMA/Mistral
+    (RoPE, RMSNorm, SwiGLU, GQA, sliding window, untied head) through its arguments; with
+    ``cross_attention=True`` every block also attends to a ``context`` (an encoder's output, e.g.
+    ViT patch features for captioning).
+
+    Args:
+        vocab_size: vocabulary ``V``.
+        dim: width ``C``.
+        depth: number of blocks.
+        num_heads: query heads.
+        attention: a registry name (``mha``, ``mqa``, ``gqa``, ``sliding``, ``local_global``,
+            ``linear``, ``performer``, ``infini``) or a callable ``(dim, num_heads) -> nn.Module``
+            called once per layer.
+        attention_kwargs: extra builder arguments (``window``, ``bias``, ...).
+        num_kv_heads: KV heads for ``mha``/``gqa`` (GQA when ``< num_heads``).
+        max_seq_len: the longest sequence: size of the learned/sinusoidal table and the bound for
+            :meth:`generate` (prompt + new tokens).
+        pos: ``"rope"`` (rotary, in the attention), ``"learned"``, ``"sinusoidal"`` or ``"none"``.
+        norm: ``"layer"`` or ``"rms"``; ``norm_eps`` its epsilon.
+        ffn: feed-forward activation (``relu``, ``gelu``, ``gelu_tanh``, ``silu``, ``swiglu``,
+            ``geglu``); ``ffn_hidden`` its hidden width.
+        tie_embeddings: the LM head shares the token embedding matrix.
+        dropout: residual/FFN/embedding dropout (attention-weight dropout: ``attention_kwargs``).
+        bias: biases in the attention projections (unless ``attention_kwargs`` sets ``bias``) and
+            the FFN.
+        rope_base: RoPE base (``rope_theta``); ``head_dim``: per-head width (default ``dim //
+            num_heads``; only for registry attention that accepts it).
+        norm_first: pre-norm blocks (default) or post-norm (the original Transformer decoder).
+        final_norm: apply a norm after the last block (default: ``norm_first``).
+        embed_scale: multiply token embeddings by this (the original Transformer uses
+            ``sqrt(dim)``); ``None`` = 1.
+        cross_attention: add cross-attention to ``context [B, M, context_dim]`` in every block.
+
+    Shapes: ``tokens [B, N]`` long -> ``logits [B, N, V]``.
+    Weights: ``tok_emb``, ``pos_emb`` (learned), ``blocks[i]`` (see :class:`TransformerBlock`),
+    ``norm``, ``lm_head``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        *,
+        attention: AttentionSpec = "mha",
+        attention_kwargs: dict[str, Any] | None = None,
+        num_kv_heads: int | None = None,
+        max_seq_len: int = 2048,
+        pos: str = "rope",
+        norm: str = "layer",
+        ffn: str = "gelu",
+        ffn_hidden: int | None = None,
+        tie_embeddings: bool = True,
+        dropout: float = 0.0,
+        bias: bool = True,
+        norm_eps: float = 1e-5,
+        rope_base: float = 10000.0,
+        head_dim: int | None = None,
+        norm_first: bool = True,
+        final_norm: bool | None = None,
+        embed_scale: float | None = None,
+        cross_attention: bool = False,
+        context_dim: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "DecoderLM"
+        self.vocab_size = check_int(vocab_size, "vocab_size", owner)
+        self.dim = check_int(dim, "dim", owner)
+        self.depth = check_int(depth, "depth", owner)
+        self.num_heads = check_int(num_heads, "num_heads", owner)
+        self.max_seq_len = check_int(max_seq_len, "max_seq_len", owner)
+        if pos not in POSITIONS:
+            raise ValueError(f"{owner}: pos must be one of {POSITIONS}, got {pos!r}")
+        if norm not in NORMS:
+            raise ValueError(f"{owner}: norm must be one of {NORMS}, got {norm!r}")
+        if ffn not in ACTIVATIONS:
+            raise ValueError(f"{owner}: ffn must be one of {list(ACTIVATIONS)}, got {ffn!r}")
+        if isinstance(attention, nn.Module):
+            raise TypeError(f"{owner}: attention must be a registry name or a callable (dim, num_heads) -> "
+                            f"nn.Module (one module per layer), got an nn.Module instance")
+        if dim % num_heads:
+            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.pos = pos
+        self.head_dim = dim // num_heads if head_dim is None else check_int(head_dim, "head_dim", owner)
+        self.embed_scale = None if embed_scale is None else _check_positive_float(embed_scale, "embed_scale", owner)
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+
+        akw = dict(attention_kwargs or {})
+        self.rope: nn.Module | None = None
+        if isinstance(attention, str):
+            akw.setdefault("bias", bias)
+            if num_kv_heads is not None:
+                akw.setdefault("num_kv_heads", check_int(num_kv_heads, "num_kv_heads", owner))
+            if head_dim is not None:
+                akw.setdefault("head_dim", self.head_dim)
+            if pos == "rope":
+                from attnzoo.nn.positional import RotaryEmbedding
+
+                self.rope = RotaryEmbedding(self.head_dim, base=_check_positive_float(rope_base, "rope_base", owner))
+                akw.setdefault("rope", self.rope)
+        elif num_kv_heads is not None:
+            raise ValueError(f"{owner}: num_kv_heads only applies when attention is a registry name")
+
+        self.tok_emb = nn.Embedding(vocab_size, dim, **kw)
+        self.pos_emb: nn.Module | None = None
+        if pos == "learned":
+            from attnzoo.nn.positional import LearnedPositionalEmbedding
+
+            self.pos_emb = LearnedPositionalEmbedding(dim, max_seq_len, **kw)
+        elif pos == "sinusoidal":
+            from attnzoo.nn.positional import SinusoidalPositionalEncoding
+
+            self.pos_emb = SinusoidalPositionalEncoding(dim, max_seq_len, **kw)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList([
+            TransformerBlock(dim, num_heads, attention=attention, attention_kwargs=akw or None, causal=True,
+                             cross_attention=cross_attention, context_dim=context_dim, norm=norm,
+                             norm_eps=norm_eps, norm_first=norm_first, ffn=ffn, ffn_hidden=ffn_hidden,
+                             dropout=dropout, bias=bias, **kw)
+            for _ in range(depth)
+        ])
+        use_final = norm_first if final_norm is None else final_norm
+        self.norm: nn.Module = make_norm(norm, dim, norm_eps, **kw) if use_final else nn.Identity()
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False, **kw)
+        self.tie_embeddings = bool(tie_embeddings)
+        if self.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.cross_attention = cross_attention
+
+    # ----------------------------------------------------------------- helpers
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> LayerCaches:
+        """One decode cache per layer (what each layer's attention module builds), bundled."""
+        check_int(batch_size, "batch_size", "DecoderLM.init_cache")
+        check_int(max_len, "max_len", "DecoderLM.init_cache")
+        p = self.tok_emb.weight
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+        return LayerCaches([b.init_cache(batch_size, max_len, device=device, dtype=dtype) for b in self.blocks])
+
+    def embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Token (+ absolute position) embeddings ``[B, N, C]``; ``positions`` ``[N]`` or ``[B, N]``
+        (default ``0..N-1``)."""
+        x = self.tok_emb(tokens)  # [B, N, C]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        if self.pos_emb is not None:
+            x = self.pos_emb(x, positions)  # [B, N, C]
+        return self.drop(x)
+
+    def _check_positions(self, positions: object, batch: int, n: int) -> Tensor:
+        if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+            raise TypeError(f"DecoderLM: positions must be an int tensor [N] or [B, N], got "
+                            f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
+        if tuple(positions.shape) not in ((n,), (batch, n)):
+            raise ValueError(f"DecoderLM: positions must have shape [N] = [{n}] or [B, N] = [{batch}, {n}], "
+                             f"got {tuple(positions.shape)}")
+        return positions.long()
+
+    # ----------------------------------------------------------------- forward
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        cache: LayerCaches | None = None,
+        positions: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Args:
+            tokens: ``[B, N]`` token ids (with a cache: the new tokens only).
+            cache: from :meth:`init_cache`; the new tokens sit at positions ``cache.length ...``.
+            positions: absolute positions ``[N]`` or ``[B, N]`` (default: from ``attention_mask``
+                when given, else ``cache.length + 0..N-1``).
+            attention_mask: ``[B, L]`` bool, True for real tokens, ``L = N`` (no cache) or
+                ``cache.length + N`` (every token written so far, then the new ones). Padded keys
+                are hidden; positions count real tokens only (left padding for generation).
+            context: ``[B, M, context_dim]`` for a model built with ``cross_attention=True``.
+            context_mask: ``[B, M]`` bool, True for real context tokens.
+
+        Returns: ``logits [B, N, V]``.
+        """
+        owner = "DecoderLM"
+        check_tokens(tokens, self.vocab_size, owner)
+        B, N = tokens.shape
+        past = 0
+        if cache is not None:
+            if not isinstance(cache, LayerCaches) or len(cache) != self.depth:
+                raise TypeError(f"{owner}: cache must come from DecoderLM.init_cache ({self.depth} layers), "
+                                f"got {cache!r}")
+            if cache.batch_size != B:
+                raise ValueError(f"{owner}: cache was built for batch size {cache.batch_size}, tokens have {B}")
+            past = cache.length
+        mask4: Tensor | None = None
+        if attention_mask is not None:
+            am = check_padding_mask(attention_mask, B, past + N, owner)
+            mask4 = key_padding_bias(am)  # [B, 1, 1, past + N]
+            if positions is None:
+                positions = positions_from_mask(am)[:, past:]  # [B, N]
+        if positions is not None:
+            positions = self._check_positions(positions, B, N)
+            if self.pos in ("learned", "sinusoidal") and positions.numel() and int(positions.max()) >= self.max_seq_len:
+                raise ValueError(f"{owner}: position {int(positions.max())} is beyond the model's "
+                                 f"{self.max_seq_len} positions (max_seq_len)")
+        elif past + N > self.max_seq_len and self.pos in ("learned", "sinusoidal"):
+            raise ValueError(f"{owner}: sequence of {past + N} tokens (cache {past} + new {N}) is longer than the "
+                             f"model's {self.max_seq_len} positions (max_seq_len)")
+        if self.cross_attention:
+            if context is None:
+                raise ValueError(f"{owner}: this model has cross-attention; pass context [B, M, C]")
+            if context_mask is not None:
+                if not isinstance(context, Tensor) or context.dim() != 3:
+                    raise ValueError(f"{owner}: context must be [B, M, C], got "
+                                     f"{tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__}")
+                context_mask = key_padding_bias(check_padding_mask(context_mask, B, context.shape[1], owner,
+                                                                   "context_mask"))
+        elif context is not None or context_mask is not None:
+            raise ValueError(f"{owner}: context given but the model has no cross-attention "
+                             f"(build it with cross_attention=True)")
+
+        emb_pos = positions
+        if emb_pos is None and self.pos_emb is not None and past:
+            emb_pos = torch.arange(past, past + N, device=tokens.device)
+        x = self.embed(tokens, emb_pos)  # [B, N, C]
+        attn_pos = positions if self.pos == "rope" else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, context, mask=mask4, context_mask=context_mask,
+                      cache=None if cache is None else cache[i], positions=attn_pos)  # [B, N, C]
+        return self.lm_head(self.norm(x))  # [B, N, V]
+
+    # --------------------------------------------------------------- generate
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        attention_mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
+
+        Args:
+            prompt: ``[B, N]`` token ids; batched prompts of different lengths are left-padded and
+                described by ``attention_mask``.
+            max_new_tokens: tokens to generate (``>= 0``).
+            temperature: ``0`` = greedy; else sampling at this temperature.
+            top_k: keep only the ``k`` most likely tokens when sampling.
+            top_p: nucleus sampling threshold in ``(0, 1]``.
+            eos_token_id: a row that produced it keeps producing it; generation stops early when
+                every row has.
+            attention_mask: ``[B, N]`` bool, True for real prompt tokens (left padding).
+            generator: a ``torch.Generator`` for reproducible sampling.
+            context, context_mask: for cross-attention models (see :meth:`forward`).
+
+        Returns: ``[B, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row hit EOS).
+        """
+        owner = "DecoderLM.generate"
+        check_tokens(prompt, self.vocab_size, owner, "prompt")
+        B, n = prompt.shape
+        new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"{owner}: temperature must be a float >= 0, got {temperature!r}")
+        if top_k is not None:
+            check_int(top_k, "top_k", owner)
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                                  or not 0.0 < top_p <= 1.0):
+            raise ValueError(f"{owner}: top_p must be a float in (0, 1], got {top_p!r}")
+        if eos_token_id is not None:
+            check_int(eos_token_id, "eos_token_id", owner, minimum=0)
+            if eos_token_id >= self.vocab_size:
+                raise ValueError(f"{owner}: eos_token_id must be < vocab_size={self.vocab_size}, got {eos_token_id}")
+        if n > self.max_seq_len:
+            raise ValueError(f"{owner}: prompt of {n} tokens is longer than the model's {self.max_seq_len} "
+                             f"positions (max_seq_len)")
+        if n + new > self.max_seq_len:
+            raise ValueError(f"{owner}: prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model's "
+                             f"{self.max_seq_len} positions (max_seq_len)")
+        if new == 0:
+            return prompt.clone()
+        dev = prompt.device
+        full_mask: Tensor | None = None
+        if attention_mask is not None:
+            am = check_padding_mask(attention_mask, B, n, owner)
+            if not bool(am.any(dim=1).all()):
+                raise ValueError(f"{owner}: every prompt row needs at least one real token in attention_mask")
+            full_mask = torch.ones(B, n + new, dtype=torch.bool, device=dev)
+            full_mask[:, :n] = am
+        cache = self.init_cache(B, n + new)
+        tokens = torch.empty(B, n + new, dtype=torch.long, device=dev)
+        tokens[:, :n] = prompt
+        positions = positions_from_mask(full_mask[:, :n]) if full_mask is not None else None
+        logits = self(prompt, cache=cache, positions=positions,
+                      attention_mask=None if full_mask is None else full_mask[:, :n],
+                      context=context, context_mask=context_mask)[:, -1]  # [B, V]
+        next_pos = None if positions is None else positions[:, -1:] + 1  # [B, 1]
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        written = n
+        for t in range(new):
+            tok = sample_next_token(logits, temperature=float(temperature), top_k=top_k, top_p=top_p,
+                                    generator=generator)  # [B]
+            if eos_token_id is not None:
+                tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
+                done = done | (tok == eos_token_id)
+            tokens[:, n + t] = tok
+            written = n + t + 1
+            if t == new - 1 or (eos_token_id is not None and bool(done.all())):
+                break
+            logits = self(tok[:, None], cache=cache, positions=next_pos,
+                          attention_mask=None if full_mask is None else full_mask[:, :written],
+                          context=context, context_mask=context_mask)[:, -1]
+            if next_pos is not None:
+                next_pos = next_pos + 1
+        return tokens[:, :written]
