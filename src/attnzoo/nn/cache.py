@@ -1,0 +1,226 @@
+"""Key/value caches for incremental decoding.
+
+Protocol shared by every attention module's cache (softmax caches here; the linear, performer
+and infini modules have their own state caches with the same three members):
+
+* ``cache.length``: tokens written so far (the position of the next token);
+* ``cache.batch_size``: the batch size it was built for;
+* ``cache.reset()``: forget everything (the memory is kept and reused).
+
+A module called with ``cache=...`` receives only the NEW tokens, which sit at positions
+``cache.length ..``; it writes their keys and values by position and advances ``length``.
+
+Both caches are preallocated once and written in place with ``index_copy_`` (no ``torch.cat`` in
+the decode loop), and store only the ``Hkv`` key/value heads: the expansion to query heads is done
+by :func:`attnzoo.attention` without a copy (GQA/MQA).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["KVCache", "SlidingWindowKVCache"]
+
+
+def _check_int(x: object, name: str, minimum: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+class _CacheBase:
+    """Buffers ``k [B, Hkv, S, D]`` and ``v [B, Hkv, S, Dv]`` plus the protocol members."""
+
+    def __init__(self, batch_size: int, slots: int, num_kv_heads: int, head_dim: int,
+                 v_head_dim: int | None, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        self._batch_size = _check_int(batch_size, "batch_size", 1)
+        self.num_kv_heads = _check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = _check_int(head_dim, "head_dim", 1)
+        self.v_head_dim = self.head_dim if v_head_dim is None else _check_int(v_head_dim, "v_head_dim", 1)
+        dt = dtype or torch.get_default_dtype()
+        self.k = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.head_dim, device=device, dtype=dt)
+        self.v = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.v_head_dim, device=device, dtype=dt)
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size the cache was built for."""
+        return self._batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value tensors (what the cache costs in memory)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def reset(self) -> None:
+        """Forget every token (the buffers are reused, not freed)."""
+        self.length = 0
+
+    def _check_new(self, k_new: object, v_new: object) -> tuple[Tensor, Tensor]:
+        name = type(self).__name__
+        for arg, t in (("k_new", k_new), ("v_new", v_new)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name}.update: {arg} must be a tensor, got {type(t).__name__}")
+        assert isinstance(k_new, Tensor) and isinstance(v_new, Tensor)
+        B, H, S = self.k.shape[:3]
+        if k_new.dim() != 4 or v_new.dim() != 4 or k_new.shape[2] != v_new.shape[2]:
+            raise ValueError(f"{name}.update: expected k_new [B, Hkv, n, D] and v_new [B, Hkv, n, Dv] with equal n, "
+                             f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+        if k_new.shape[0] != B or v_new.shape[0] != B:
+            raise ValueError(f"{name}: the cache was built for batch size {B}, got a batch of {k_new.shape[0]} "
+                             f"(build a new cache with init_cache(batch_size={k_new.shape[0]}, ...))")
+        if (k_new.shape[1], k_new.shape[3]) != (H, self.head_dim) or (v_new.shape[1], v_new.shape[3]) != (
+                H, self.v_head_dim):
+            raise ValueError(f"{name}: the cache holds Hkv={H} heads of dims D={self.head_dim}, Dv={self.v_head_dim}; "
+                             f"got k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)}")
+        if k_new.dtype != self.k.dtype or v_new.dtype != self.k.dtype:
+            raise TypeError(f"{name}: the cache stores {self.k.dtype}, got k_new {k_new.dtype} and v_new {v_new.dtype}")
+        if k_new.device != self.k.device:
+            raise ValueError(f"{name}: the cache is on {self.k.device}, got tensors on {k_new.device}")
+        return k_new, v_new
+
+
+class KVCache(_CacheBase):
+    """A preallocated key/value cache written by position: ``k [B, Hkv, max_len, D]``, ``v [B, Hkv, max_len, Dv]``.
+
+    :meth:`update` writes the ``n`` new tokens at positions ``length .. length + n - 1`` and returns
+    views of every key and value so far; ``length`` then advances by ``n``. Writing past ``max_len``
+    raises ``ValueError``. Memory: ``batch_size * max_len * Hkv * (D + Dv) * itemsize`` bytes.
+
+    Args:
+        batch_size: ``B``.
+        max_len: the most tokens it will hold (prompt + generated).
+        num_kv_heads: ``Hkv`` (1 for MQA, a divisor of the query heads for GQA).
+        head_dim: ``D``; ``v_head_dim``: ``Dv`` (default ``D``).
+        device, dtype: of the buffers (the module's, when built by ``module.init_cache``).
+    """
+
+    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
+                 v_head_dim: int | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.max_len = _check_int(max_len, "max_len", 1)
+        super().__init__(batch_size, self.max_len, num_kv_heads, head_dim, v_head_dim, device, dtype)
+
+    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k_new [B, Hkv, n, D]``, ``v_new [B, Hkv, n, Dv]``; return ``(k, v)`` views
+        ``[B, Hkv, length, D]`` / ``[B, Hkv, length, Dv]`` of every token written so far."""
+        self._check_new(k_new, v_new)
+        n = k_new.shape[2]
+        start = self.length
+        if start + n > self.max_len:
+            raise ValueError(f"KVCache overflow: {start} tokens cached + {n} new > max_len={self.max_len} "
+                             f"(build the cache with a larger max_len)")
+        idx = torch.arange(start, start + n, device=self.k.device)
+        self.k.index_copy_(2, idx, k_new)
+        self.v.index_copy_(2, idx, v_new)
+        self.length = start + n
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def keys(self) -> Tensor:
+        """Cached keys ``[B, Hkv, length, D]`` (a view)."""
+        return self.k[:, :, : self.length]
+
+    def values(self) -> Tensor:
+        """Cached values ``[B, Hkv, length, Dv]`` (a view)."""
+        return self.v[:, :, : self.length]
+
+    def bytes_per_token(self) -> float:
+        """Key + value bytes per cached token slot (``nbytes / max_len``)."""
+        return self.nbytes / self.max_len
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, length={self.length}, dtype={self.dtype})")
+
+
+class SlidingWindowKVCache(_CacheBase):
+    """A ring buffer for causal sliding-window attention that never holds more than the window.
+
+    With ``window = w`` (the module convention: a query sees itself and the ``w`` keys before
+    it) the buffers hold ``capacity = w + 1`` slots: ``k [B, Hkv, w + 1, D]``. Token ``p`` lives in
+    slot ``p % capacity``; ``slot_positions[s]`` is the absolute position in slot ``s`` (``-1`` when
+    empty). Keys are stored after RoPE, so their rotation stays right after wrap-around.
+
+    :meth:`update` returns ``(k, v, key_positions)``: the keys a chunk of new queries may need and
+    their absolute positions ``[Nk]``. They are in slot order (not chronological once the ring has
+    wrapped): attention is order-free, and callers build position-based masks from
+    ``key_positions``. A single new token (decoding) gets views of the ring itself (``Nk <= w + 1``,
+    every key visible); a chunk of ``n > 1`` tokens (prefill) gets the ring's valid slots followed by
+    the ``n`` new keys (a temporary copy; the earliest new queries still need keys the chunk is about
+    to overwrite), and only the last ``min(n, w + 1)`` new tokens are written into the ring.
+
+    Args:
+        batch_size: ``B``.
+        window: ``w >= 0``, keys before the query that stay visible.
+        num_kv_heads, head_dim, v_head_dim: as for :class:`KVCache`.
+        max_len: optional limit on the total number of tokens (``None`` = unbounded; the memory does
+            not depend on it). Exceeding it raises ``ValueError``.
+        device, dtype: of the buffers.
+    """
+
+    def __init__(self, batch_size: int, window: int, num_kv_heads: int, head_dim: int, *,
+                 v_head_dim: int | None = None, max_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        self.window = _check_int(window, "window", 0)
+        self.capacity = self.window + 1
+        self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
+        super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
+        self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=self.k.device)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.slot_positions.fill_(-1)
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens currently held (``min(length, capacity)``)."""
+        return min(self.length, self.capacity)
+
+    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Append ``n`` tokens; return ``(k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], key_positions [Nk])``."""
+        self._check_new(k_new, v_new)
+        n = k_new.shape[2]
+        start = self.length
+        if self.max_len is not None and start + n > self.max_len:
+            raise ValueError(f"SlidingWindowKVCache overflow: {start} tokens seen + {n} new > max_len={self.max_len}")
+        held = self.num_cached
+        dev = self.k.device
+        new_pos = torch.arange(start, start + n, device=dev)
+        if n == 1:
+            out_k = out_v = out_pos = None
+        else:  # keep what the early queries of the chunk still need before the ring is overwritten
+            out_k = torch.cat((self.k[:, :, :held], k_new), dim=2)  # [B, Hkv, held + n, D]
+            out_v = torch.cat((self.v[:, :, :held], v_new), dim=2)
+            out_pos = torch.cat((self.slot_positions[:held], new_pos))
+        keep = min(n, self.capacity)  # only the last `capacity` new tokens can still be needed later
+        pos_keep = new_pos[n - keep:]
+        slots = pos_keep % self.capacity
+        self.k.index_copy_(2, slots, k_new[:, :, n - keep:])
+        self.v.index_copy_(2, slots, v_new[:, :, n - keep:])
+        self.slot_positions.index_copy_(0, slots, pos_keep)
+        self.length = start + n
+        if out_k is None:
+            h = self.num_cached
+            return self.k[:, :, :h], self.v[:, :, :h], self.slot_positions[:h]
+        assert out_v is not None and out_pos is not None
+        return out_k, out_v, out_pos
+
+    def bytes_per_token(self) -> float:
+        """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""
+        return self.nbytes / self.capacity
+
+    def __repr__(self) -> str:
+        return (f"SlidingWindowKVCache(batch_size={self.batch_size}, window={self.window}, capacity={self.capacity}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, length={self.length}, "
+                f"dtype={self.dtype})")

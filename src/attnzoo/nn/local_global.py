@@ -1,0 +1,109 @@
+"""Longformer-style local + global attention, built from the mask algebra.
+
+Pattern (``docs/conventions.md`` positions): key ``j`` is visible to the query at ``p`` iff
+``|p - j| <= window`` (local band) or ``p`` or ``j`` is a global position; with ``causal`` also
+``j <= p``. It is one :class:`attnzoo.masks.Mask`::
+
+    sliding_window(w, w) | global_tokens(g)            (& causal() when causal)
+
+handed to :func:`attnzoo.attention`, whose tiled backend evaluates it one tile at a time and skips
+the tiles it proves empty, so no ``N x N`` tensor is built and no Python loop runs over tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnzoo.masks import Mask, causal as causal_mask, global_tokens as global_mask, sliding_window
+from attnzoo.nn.attention import MultiHeadAttention
+
+__all__ = ["LocalGlobalAttention"]
+
+
+class LocalGlobalAttention(MultiHeadAttention):
+    """Sliding-window attention plus global tokens that attend to, and are attended by, every position.
+
+    Args:
+        dim: model width ``C``.
+        num_heads: query heads ``H``.
+        window: ``w``: a query sees the keys within ``w`` positions on each side (before it only,
+            when causal).
+        global_tokens: absolute positions of the global tokens (e.g. ``(0,)`` for a CLS token).
+        causal: also hide keys after the query (decoding then uses a full :class:`KVCache`,
+            since a global query needs every earlier key).
+        **kw: the other :class:`MultiHeadAttention` arguments (``num_kv_heads``, ``rope``,
+            ``alibi``, ``backend``, ...; not ``window``/``kv_dim``).
+
+    Shapes:
+        ``forward(x [B, N, C], *, mask, cache, positions, return_weights) -> [B, N, C]``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, window: int, global_tokens: Sequence[int] | Tensor = (0,),
+                 causal: bool = False, **kw: Any) -> None:
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"LocalGlobalAttention: window must be an int, got {type(window).__name__} ({window!r})")
+        if window < 0:
+            raise ValueError(f"LocalGlobalAttention: window must be >= 0, got {window}")
+        for bad in ("kv_dim",):
+            if kw.get(bad) is not None:
+                raise TypeError(f"LocalGlobalAttention is self-attention; {bad} is not supported")
+        super().__init__(dim, num_heads, causal=causal, **kw)
+        if self.window is not None:
+            raise TypeError("LocalGlobalAttention: pass the local window as the 'window' argument only")
+        pos = torch.as_tensor(global_tokens if isinstance(global_tokens, Tensor) else list(global_tokens))
+        pattern = sliding_window(window, window) | global_mask(pos)  # validates the positions
+        if causal:
+            pattern = pattern & causal_mask()
+        self.local_window = window
+        self.global_positions: tuple[int, ...] = tuple(int(p) for p in pos.tolist())
+        self.pattern: Mask = pattern
+
+    def _structure(self) -> Mask | None:
+        return self.pattern
+
+    def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
+                         q_offset: int) -> Tensor | Mask:
+        if mask is None:
+            return structure
+        if isinstance(mask, Mask):
+            return structure & mask
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask must be None, a bool/float tensor or an attnzoo.masks.Mask, got {type(mask).__name__}")
+        if mask.dim() < 2 or mask.dim() > 4:
+            raise ValueError(f"LocalGlobalAttention: mask must have rank 2 to 4 and broadcast to [B, H, N, Nk] = "
+                             f"{[B, self.num_heads, N, n_k]}, got {tuple(mask.shape)}")
+        m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        for got, want, letter in zip(m4.shape, (B, self.num_heads, N, n_k), ("B", "H", "N", "Nk"), strict=True):
+            if got not in (1, want):
+                raise ValueError(f"LocalGlobalAttention: mask {tuple(mask.shape)} does not broadcast to "
+                                 f"{[B, self.num_heads, N, n_k]} (dimension {letter}: got {got}, expected 1 or {want})")
+        if mask.dtype == torch.bool:
+            return structure & _tensor_mask(m4, q_offset)
+        if not mask.is_floating_point():
+            raise TypeError(f"mask must be bool (True = attend) or float (additive bias), got dtype {mask.dtype}")
+        # An additive bias is dense anyway: materialise the pattern at its size and hide with -inf.
+        allowed = structure.materialize(B, 1, N, n_k, q_offset=q_offset, device=mask.device)  # [B, 1, N, Nk]
+        return m4.float().masked_fill(~allowed, float("-inf"))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, window={self.local_window}, "
+                f"global_tokens={self.global_positions}")
+
+
+def _tensor_mask(m4: Tensor, q_offset: int) -> Mask:
+    """A rank-4 bool tensor ``[B|1, H|1, Nq|1, Nk|1]`` as a :class:`Mask` over absolute positions
+    (query row = ``q_pos - q_offset``), so it composes with a pattern without densifying it."""
+    sb, sh, sq, sk = m4.shape
+
+    def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        bi = b if sb > 1 else torch.zeros_like(b)
+        hi = h if sh > 1 else torch.zeros_like(h)
+        qi = (q - q_offset).clamp(0, sq - 1) if sq > 1 else torch.zeros_like(q)
+        ki = k.clamp(0, sk - 1) if sk > 1 else torch.zeros_like(k)
+        return m4.to(q.device)[bi, hi, qi, ki]
+
+    return Mask(fn, f"tensor{list(m4.shape)}", batch=sb if sb > 1 else None)

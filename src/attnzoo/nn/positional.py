@@ -1,0 +1,354 @@
+"""Positional information: absolute tables, rotary embeddings and ALiBi slopes.
+
+* :class:`SinusoidalPositionalEncoding` and :class:`LearnedPositionalEmbedding` add a position
+  vector to token embeddings ``[B, N, C]`` (``x + table[positions]``).
+* :class:`RotaryEmbedding` rotates queries and keys ``[B, H, N, D]`` by their absolute positions,
+  so that the score ``q_m . k_n`` depends only on ``m - n`` (RoFormer).
+* :func:`alibi_slopes` gives the per-head slopes of ALiBi; :func:`attnzoo.attention` applies the
+  bias ``-slope * |q_pos - k_pos|`` itself (``alibi_slopes=``).
+
+Positions are absolute token indices (``docs/conventions.md``). Every ``positions`` argument is an
+integer tensor ``[N]`` (shared by the batch) or ``[B, N]`` (one row per sequence, e.g. left-padded
+batched generation); when omitted, positions are ``offset .. offset + N - 1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "SinusoidalPositionalEncoding", "alibi_slopes"]
+
+
+# --------------------------------------------------------------------------- helpers
+def _check_pos_int(x: object, name: str, minimum: int = 1) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def resolve_positions(
+    positions: Tensor | None,
+    n: int,
+    offset: int,
+    device: torch.device,
+    *,
+    batch: int | None = None,
+    name: str = "positions",
+) -> Tensor:
+    """Validate ``positions`` (int ``[N]`` or ``[B, N]``) or build ``offset .. offset + n - 1``.
+
+    Returns an int64 tensor ``[N]`` or ``[B, N]`` on ``device``. ``batch`` (if given) is the batch
+    size a ``[B, N]`` tensor must match. Negative positions are rejected.
+    """
+    if positions is None:
+        off = _check_pos_int(offset, "offset", minimum=0)
+        return torch.arange(off, off + n, device=device)
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"{name} must be an int tensor [N] or [B, N], got {type(positions).__name__}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {positions.dtype}")
+    if positions.dim() not in (1, 2) or positions.shape[-1] != n:
+        raise ValueError(f"{name} must have shape [N] or [B, N] with N = {n} tokens, got "
+                         f"{tuple(positions.shape)}")
+    if positions.dim() == 2 and batch is not None and positions.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has shape {tuple(positions.shape)} but the batch size is {batch} "
+                         f"(expected [{batch}, {n}] or [{n}])")
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got minimum {int(positions.min())}")
+    return positions.to(device=device, dtype=torch.long)
+
+
+def _require_tensor(positions: object) -> Tensor:
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"positions must be an int tensor [N] or [B, N], got {type(positions).__name__}")
+    return positions
+
+
+def _check_x(x: object, dim: int, cls: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{cls}: x must be a tensor [B, N, C], got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"{cls}: x must have shape [B, N, C] with C = {dim}, got {tuple(x.shape)}")
+    return x
+
+
+# --------------------------------------------------------------------------- sinusoidal
+def sinusoidal_table(n: int, dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float64) -> Tensor:
+    """The ``[n, dim]`` table ``PE[p, 2i] = sin(p w_i)``, ``PE[p, 2i+1] = cos(p w_i)``,
+    ``w_i = base^(-2i / dim)``. An odd ``dim`` keeps the last sine column without its cosine
+    (the table of width ``dim + 1`` with its last column dropped). Computed in float64."""
+    half = (dim + 1) // 2
+    even = 2 * half  # width of the table before truncation
+    freqs = torch.exp(-math.log(base) * torch.arange(0, even, 2, dtype=torch.float64) / even)  # [half]
+    pos = torch.arange(n, dtype=torch.float64).unsqueeze(1)  # [n, 1]
+    ang = pos * freqs  # [n, half]
+    table = torch.stack((torch.sin(ang), torch.cos(ang)), dim=-1).reshape(n, even)  # [n, even]
+    return table[:, :dim].to(dtype)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Fixed sine/cosine absolute positions (Vaswani et al.): ``forward(x) = x + PE[positions]``.
+
+    ``PE[p, 2i] = sin(p * base^(-2i/C))`` and ``PE[p, 2i + 1] = cos(p * base^(-2i/C))``. For an
+    even width, ``PE(p + d) = A_d PE(p)`` with ``A_d`` block-diagonal 2x2 rotations by ``d * w_i``
+    (independent of ``p``). An odd width ``C`` is the width-``C + 1`` table without its last
+    column. The table is a non-persistent buffer (not saved in ``state_dict``).
+
+    Args:
+        dim: model width ``C``.
+        max_len: number of positions in the table; larger positions raise ``ValueError``.
+        base: frequency base (10000 in the paper).
+        device, dtype: of the table.
+
+    Shapes:
+        ``x [B, N, C]``, ``positions [N]`` or ``[B, N]`` -> ``[B, N, C]``.
+    """
+
+    pe: Tensor
+
+    def __init__(self, dim: int, max_len: int = 8192, *, base: float = 10000.0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dim = _check_pos_int(dim, "dim")
+        self.max_len = _check_pos_int(max_len, "max_len")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+            raise ValueError(f"base must be a number > 1, got {base!r}")
+        self.base = float(base)
+        table = sinusoidal_table(self.max_len, self.dim, self.base, dtype or torch.get_default_dtype())
+        self.register_buffer("pe", table.to(device), persistent=False)  # [max_len, C]
+
+    def encoding(self, positions: Tensor) -> Tensor:
+        """``PE[positions]``: ``[N, C]`` or ``[B, N, C]`` for positions ``[N]`` or ``[B, N]``."""
+        pos = resolve_positions(_require_tensor(positions), positions.shape[-1], 0, self.pe.device)
+        _check_table_range(pos, self.max_len, type(self).__name__)
+        return self.pe[pos]
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        """``x + PE[positions]`` (positions default to ``offset .. offset + N - 1``)."""
+        _check_x(x, self.dim, type(self).__name__)
+        pos = resolve_positions(positions, x.shape[1], offset, self.pe.device, batch=x.shape[0])
+        _check_table_range(pos, self.max_len, type(self).__name__)
+        return x + self.pe[pos].to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, max_len={self.max_len}, base={self.base:g}"
+
+
+def _check_table_range(pos: Tensor, max_len: int, cls: str) -> None:
+    if pos.numel() and int(pos.max()) >= max_len:
+        raise ValueError(f"{cls}: position {int(pos.max())} is beyond the table (max_len={max_len}, "
+                         f"valid positions 0..{max_len - 1}); build it with a larger max_len")
+
+
+# --------------------------------------------------------------------------- learned
+class LearnedPositionalEmbedding(nn.Module):
+    """A trained absolute position table (BERT, GPT-2, ViT): ``forward(x) = x + weight[positions]``.
+
+    The parameter ``weight [max_len, C]`` has the layout of Hugging Face's
+    ``position_embeddings.weight`` / ``wpe.weight`` (copy it as is).
+
+    Args:
+        dim: model width ``C``.
+        max_len: number of positions; larger positions raise ``ValueError``.
+        init_std: standard deviation of the normal initialisation.
+        device, dtype: of the parameter.
+
+    Shapes:
+        ``x [B, N, C]``, ``positions [N]`` or ``[B, N]`` -> ``[B, N, C]``.
+    """
+
+    def __init__(self, dim: int, max_len: int, *, init_std: float = 0.02,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dim = _check_pos_int(dim, "dim")
+        self.max_len = _check_pos_int(max_len, "max_len")
+        self.init_std = float(init_std)
+        self.weight = nn.Parameter(torch.empty(self.max_len, self.dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.init_std)
+
+    def encoding(self, positions: Tensor) -> Tensor:
+        """``weight[positions]``: ``[N, C]`` or ``[B, N, C]``."""
+        pos = resolve_positions(_require_tensor(positions), positions.shape[-1], 0, self.weight.device)
+        _check_table_range(pos, self.max_len, type(self).__name__)
+        return self.weight[pos]
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        """``x + weight[positions]`` (positions default to ``offset .. offset + N - 1``)."""
+        _check_x(x, self.dim, type(self).__name__)
+        pos = resolve_positions(positions, x.shape[1], offset, self.weight.device, batch=x.shape[0])
+        _check_table_range(pos, self.max_len, type(self).__name__)
+        return x + self.weight[pos].to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, max_len={self.max_len}"
+
+
+# --------------------------------------------------------------------------- rotary
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE) for queries and keys ``[B, H, N, D]``.
+
+    The first ``rotary_dim`` channels of each head are grouped in pairs, and pair ``i`` is rotated
+    by the angle ``p * theta_i`` with ``theta_i = base^(-2i / rotary_dim)``; the other channels
+    pass through (partial rotary, GPT-NeoX's ``rotary_pct``). Since rotations compose,
+    ``<R(m) q, R(n) k> = <q, R(n - m) k>``: the score depends only on the offset.
+
+    Pairing:
+        * split-half (default; GPT-NeoX / LLaMA in Hugging Face): pair ``i`` is channels
+          ``(i, i + rotary_dim / 2)``;
+        * ``interleaved=True`` (GPT-J, the RoFormer paper, Meta's LLaMA checkpoints): channels
+          ``(2i, 2i + 1)``. The two agree once the q/k projection rows of each head are permuted
+          by ``[0, 2, 4, ..., 1, 3, 5, ...]`` (interleaved -> split-half).
+
+    Scaling for longer contexts: ``scaling="linear"`` divides positions by ``scaling_factor``
+    (position interpolation); ``scaling="ntk"`` keeps positions and raises the base to
+    ``base * scaling_factor ** (rotary_dim / (rotary_dim - 2))`` (NTK-aware).
+
+    Angles are computed in float32 (float64 for float64 inputs) from integer positions on every
+    call, so there is no table to outgrow and decoding at any offset is exact.
+
+    Args:
+        dim: head dimension ``D``.
+        base: frequency base (10000 in RoFormer, 500000 in LLaMA 3).
+        interleaved: adjacent pairs instead of split halves.
+        rotary_dim: number of leading channels rotated (even, ``<= dim``); default ``dim``.
+        scaling: ``None | "linear" | "ntk"``.
+        scaling_factor: context extension factor ``>= 1`` used by ``scaling``.
+
+    Shapes:
+        ``forward(x [B, H, N, D], positions [N] | [B, N] | None, offset=0) -> [B, H, N, D]``.
+    """
+
+    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
+                 rotary_dim: int | None = None, scaling: str | None = None, scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        self.dim = _check_pos_int(dim, "dim")
+        rd = self.dim if rotary_dim is None else _check_pos_int(rotary_dim, "rotary_dim")
+        if rd > self.dim:
+            raise ValueError(f"rotary_dim must be <= dim = {self.dim}, got {rd}")
+        if rd % 2:
+            which = "dim" if rotary_dim is None else "rotary_dim"
+            raise ValueError(f"RotaryEmbedding rotates channel pairs, so {which} must be even, got {rd}")
+        self.rotary_dim = rd
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+            raise ValueError(f"base must be a number > 1, got {base!r}")
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+        if scaling not in (None, "linear", "ntk"):
+            raise ValueError(f"scaling must be None, 'linear' or 'ntk', got {scaling!r}")
+        if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, (int, float)) or not scaling_factor >= 1:
+            raise ValueError(f"scaling_factor must be a number >= 1, got {scaling_factor!r}")
+        if scaling == "ntk" and rd <= 2:
+            raise ValueError(f"scaling='ntk' needs rotary_dim > 2, got {rd}")
+        self.base = float(base)
+        self.interleaved = interleaved
+        self.scaling = scaling
+        self.scaling_factor = float(scaling_factor)
+        eff_base = self.base
+        if scaling == "ntk":
+            eff_base = self.base * self.scaling_factor ** (rd / (rd - 2))
+        self.effective_base = eff_base
+        # Kept in float64 outside the module's buffers, so .half() never degrades the frequencies.
+        self._inv_freq64 = eff_base ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)  # [rd/2]
+        self._inv_freq_cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def inv_freq(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Frequencies ``theta_i`` ``[rotary_dim / 2]`` on ``device`` in ``dtype``."""
+        key = (torch.device(device), dtype)
+        f = self._inv_freq_cache.get(key)
+        if f is None:
+            f = self._inv_freq64.to(device=device, dtype=dtype)
+            self._inv_freq_cache[key] = f
+        return f
+
+    def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Rotation angles ``positions[..., None] * theta`` (after scaling): ``[..., N, rotary_dim / 2]``."""
+        pos = positions.to(dtype)
+        if self.scaling == "linear":
+            pos = pos / self.scaling_factor
+        return pos.unsqueeze(-1) * self.inv_freq(positions.device, dtype)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` broadcastable to ``[B, H, N, rotary_dim / 2]``."""
+        ang = self.angles(positions, dtype)  # [N, R/2] or [B, N, R/2]
+        ang = ang.unsqueeze(0 if ang.dim() == 2 else 1)  # [1, N, R/2] or [B, 1, N, R/2]
+        if ang.dim() == 3:
+            ang = ang.unsqueeze(0)  # [1, 1, N, R/2]
+        return torch.cos(ang), torch.sin(ang)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        """Rotate ``x [B, H, N, D]`` by ``positions`` (default ``offset .. offset + N - 1``)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"RotaryEmbedding: x must be a tensor [B, H, N, D], got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[-1] != self.dim:
+            raise ValueError(f"RotaryEmbedding: x must have shape [B, H, N, D] with D = {self.dim}, "
+                             f"got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"RotaryEmbedding: x must be a float tensor, got {x.dtype}")
+        pos = resolve_positions(positions, x.shape[2], offset, x.device, batch=x.shape[0])
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = self.cos_sin(pos, cdt)
+        return self.rotate(x, cos, sin)
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Apply precomputed ``cos, sin`` (from :meth:`cos_sin`) to ``x [B, H, N, D]``."""
+        rd = self.rotary_dim
+        cdt = cos.dtype
+        xr = x[..., :rd].to(cdt)  # [B, H, N, R]
+        if self.interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]  # [B, H, N, R/2] each
+            out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        else:
+            x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = out.to(x.dtype)
+        if rd == self.dim:
+            return out
+        return torch.cat((out, x[..., rd:]), dim=-1)
+
+    def extra_repr(self) -> str:
+        s = f"dim={self.dim}, rotary_dim={self.rotary_dim}, base={self.base:g}, interleaved={self.interleaved}"
+        if self.scaling is not None:
+            s += f", scaling={self.scaling!r}, scaling_factor={self.scaling_factor:g}"
+        return s
+
+
+def interleaved_to_split_half(head_dim: int, rotary_dim: int | None = None) -> Tensor:
+    """Channel permutation ``perm [head_dim]`` taking an interleaved-RoPE head to split-half.
+
+    ``split_half_rope(x[..., perm]) == interleaved_rope(x)[..., perm]``: permute the q and k
+    projection rows of every head by ``perm`` to move a checkpoint between the two conventions.
+    """
+    rd = head_dim if rotary_dim is None else rotary_dim
+    perm = torch.cat((torch.arange(0, rd, 2), torch.arange(1, rd, 2), torch.arange(rd, head_dim)))
+    return perm
+
+
+# --------------------------------------------------------------------------- alibi
+def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> Tensor:
+    """ALiBi head slopes ``[num_heads]`` (Press et al., 2022).
+
+    For ``n`` a power of two the slopes are the geometric sequence ``r, r^2, ..., r^n`` with
+    ``r = 2^(-8/n)``. Otherwise, with ``p`` the largest power of two below ``n``, they are the
+    ``p`` slopes for ``p`` heads followed by every other slope of the ``2p``-head sequence
+    (``r' = 2^(-4/p)``: ``r'^1, r'^3, ...``) until there are ``n`` (the paper's reference code).
+    """
+    n = _check_pos_int(num_heads, "num_heads")
+
+    def pow2(m: int) -> list[float]:
+        start = 2.0 ** (-8.0 / m)
+        return [start ** (i + 1) for i in range(m)]
+
+    p = 2 ** int(math.floor(math.log2(n)))
+    slopes = pow2(p)
+    if p != n:
+        slopes += pow2(2 * p)[0::2][: n - p]
+    return torch.tensor(slopes, dtype=dtype, device=device)
