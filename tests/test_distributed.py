@@ -1,0 +1,462 @@
+"""Ring attention, sequence sharding, ContextParallel and DDP on real gloo process groups.
+
+Each group of ranks is spawned once per module (``torch.multiprocessing``, a free port on
+127.0.0.1, a gloo timeout and a hard deadline, so a broken test fails instead of hanging). The
+workers compute every equivalence of one world size and save the measured errors; the tests below
+assert on them one property at a time. Equivalences:
+
+* ring attention (contiguous and zigzag layouts, causal / bidirectional / windowed, GQA, MQA,
+  uneven shards) == single-process ``az.attention`` on the gathered sequence, outputs, LSE and
+  the gradients of q, k, v (float64 to 1e-12 and float32 to 1e-5, relative);
+* ``ContextParallel(MultiHeadAttention)`` on shards == the module on the full sequence, including
+  the summed parameter gradients;
+* DDP on 2 ranks for 20 steps == one process with the same global batch (losses within 1e-4);
+* invalid / mismatched shards raise ``ValueError`` on every rank; a dead rank and a silent rank
+  raise ``RuntimeError`` on the others (no hang).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import attnzoo as az
+from attnzoo.distributed import (
+    ContextParallel,
+    gather_sequence,
+    ring_attention,
+    shard_positions,
+    shard_sequence,
+)
+
+GLOO_TIMEOUT_S = 30  # any collective stuck longer than this raises in the worker
+JOB_DEADLINE_S = 150  # the whole spawned job; past it the workers are killed and the test fails
+
+# (name, layout, causal, window, Hq, Hkv, N) per world size
+CASES_2 = [
+    ("bidir", "contiguous", False, None, 4, 4, 16),
+    ("causal_gqa", "contiguous", True, None, 4, 2, 16),
+    ("causal_mqa_window", "contiguous", True, 3, 4, 1, 16),
+    ("window_asym", "contiguous", False, (2, 5), 2, 2, 16),
+    ("causal_odd_len", "contiguous", True, None, 2, 1, 15),
+    ("zz_bidir", "zigzag", False, None, 4, 4, 16),
+    ("zz_causal_gqa", "zigzag", True, None, 4, 2, 16),
+    ("zz_causal_window", "zigzag", True, 3, 4, 1, 16),
+    ("zz_window_asym", "zigzag", False, (2, 5), 2, 2, 16),
+]
+CASES_4 = [
+    ("bidir_gqa", "contiguous", False, None, 4, 2, 16),
+    ("causal_uneven", "contiguous", True, None, 2, 2, 18),
+    ("causal_window", "contiguous", True, 5, 4, 1, 16),
+    ("zz_causal_gqa", "zigzag", True, None, 4, 2, 24),
+    ("zz_window", "zigzag", False, (1, 6), 2, 1, 16),
+]
+
+
+# ----------------------------------------------------------------------------- spawning
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _save(rank: int, res: dict[str, Any]) -> None:
+    torch.save(res, os.path.join(os.environ["ATTNZOO_TEST_OUTDIR"], f"rank{rank}.pt"))
+
+
+def _entry(rank: int, world: int, port: int, job: str, outdir: str) -> None:
+    os.environ["ATTNZOO_TEST_OUTDIR"] = outdir
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    res: dict[str, Any] = {"time/init": time.perf_counter() - t0}
+    try:
+        JOBS[job](rank, world, res)
+    finally:
+        _save(rank, res)
+    # The last checks break the group on purpose (dead / silent ranks): leave without teardown.
+    os._exit(0)
+
+
+def _spawn(world: int, job: str, outdir: Path) -> list[dict[str, Any]]:
+    ctx = mp.start_processes(_entry, args=(world, _free_port(), job, str(outdir)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{world}-rank job {job!r} still running after {JOB_DEADLINE_S}s (a hang)")
+    out = []
+    for r in range(world):
+        f = outdir / f"rank{r}.pt"
+        out.append(torch.load(f) if f.exists() else {})
+    return out
+
+
+# ----------------------------------------------------------------------------- worker checks
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: int, n: int,
+               dtype: torch.dtype, backend: str) -> dict[str, float]:
+    """Errors of ring attention vs az.attention on the whole sequence (same seed on every rank)."""
+    g = torch.Generator().manual_seed(1234 + n + hq)
+    B, D, Dv = 2, 8, 6
+    q = torch.randn(B, hq, n, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(B, hkv, n, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(B, hkv, n, Dv, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    d_out = torch.randn(B, hq, n, Dv, generator=g, dtype=torch.float64).to(dtype)
+    ref, ref_lse = az.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="reference")
+    ref.backward(d_out)
+    ql, kl, vl = (shard_sequence(t.detach(), 2, layout=layout).requires_grad_() for t in (q, k, v))
+    out, lse = ring_attention(ql, kl, vl, causal=causal, window=window, layout=layout, backend=backend,
+                              return_lse=True)
+    out.backward(shard_sequence(d_out, 2, layout=layout))
+    pos = shard_positions(n, layout=layout)
+    finite = torch.isfinite(ref_lse[:, :, pos])
+    return {
+        "out": _rel(gather_sequence(out.detach(), 2, layout=layout), ref),
+        "lse": _rel(lse[finite], ref_lse[:, :, pos][finite]),
+        "lse_inf_match": float(torch.equal(torch.isinf(lse), torch.isinf(ref_lse[:, :, pos]))),
+        "dq": _rel(gather_sequence(ql.grad, 2, layout=layout), q.grad),
+        "dk": _rel(gather_sequence(kl.grad, 2, layout=layout), k.grad),
+        "dv": _rel(gather_sequence(vl.grad, 2, layout=layout), v.grad),
+    }
+
+
+def _check_ring(rank: int, cases: list[tuple[Any, ...]], res: dict[str, Any]) -> None:
+    for name, layout, causal, window, hq, hkv, n in cases:
+        res[f"f64/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float64, "reference")
+        res[f"f32/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float32, "auto")
+
+
+def _check_shard_roundtrip(rank: int, world: int, res: dict[str, Any]) -> None:
+    x = torch.arange(2 * 3 * (4 * world) * 5, dtype=torch.float32).view(2, 3, 4 * world, 5)
+    for layout in ("contiguous", "zigzag"):
+        local = shard_sequence(x, 2, layout=layout)
+        res[f"roundtrip/{layout}"] = float(torch.equal(gather_sequence(local, 2, layout=layout), x))
+    y = torch.randn(1, 4 * world + 1, 3, generator=torch.Generator().manual_seed(5))  # uneven shards
+    res["roundtrip/uneven"] = float(torch.equal(gather_sequence(shard_sequence(y, 1), 1), y))
+
+
+def _check_errors(rank: int, world: int, res: dict[str, Any]) -> None:
+    """Each call must raise ValueError on EVERY rank (and return, not hang)."""
+    def capture(key: str, fn: Any) -> None:
+        try:
+            fn()
+            res[key] = "no error"
+        except ValueError as e:
+            res[key] = f"ValueError: {e}"
+
+    q = torch.randn(1, 2, 8, 4)
+    # zigzag shards of different lengths
+    qz = torch.randn(1, 2, 8 + 2 * (rank == 1), 4)
+    capture("err/zigzag_lengths", lambda: ring_attention(qz, qz, qz, layout="zigzag"))
+    # one rank passes k/v with mismatched heads (invalid locally)
+    kb = torch.randn(1, 3, 8, 4) if rank == 1 else q
+    capture("err/invalid_on_one_rank", lambda: ring_attention(q, kb, q))
+    # ranks disagree on head dim
+    qd = torch.randn(1, 2, 8, 4 + 4 * (rank == 0))
+    capture("err/head_dim", lambda: ring_attention(qd, qd, qd))
+    # ranks disagree on causal
+    capture("err/causal_flag", lambda: ring_attention(q, q, q, causal=rank == 0))
+    # odd local length with zigzag
+    qo = torch.randn(1, 2, 7, 4)
+    capture("err/zigzag_odd", lambda: ring_attention(qo, qo, qo, layout="zigzag"))
+    # the group still works after all of these
+    out = ring_attention(q, q, q)
+    res["err/group_still_usable"] = float(out.shape == q.shape)
+
+
+def _check_context_parallel(rank: int, world: int, res: dict[str, Any]) -> None:
+    for name, layout, kw in (("mha_rope_causal", "zigzag", {"causal": True, "rope": True}),
+                             ("gqa_window", "contiguous", {"num_kv_heads": 2, "causal": True, "window": 4}),
+                             ("bidir", "contiguous", {})):
+        torch.manual_seed(7)
+        mha = az.MultiHeadAttention(32, 4, dtype=torch.float64, **kw)
+        x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
+        y = mha(x)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        full_grads = [p.grad.clone() for p in mha.parameters()]
+        mha.zero_grad()
+        cp = ContextParallel(mha, layout=layout, backend="reference")
+        xl = shard_sequence(x.detach(), 1, layout=layout).requires_grad_()
+        yl = cp(xl)
+        yl.backward(shard_sequence(gy, 1, layout=layout))
+        grads = [p.grad.clone() for p in mha.parameters()]
+        for gr in grads:
+            dist.all_reduce(gr)  # each rank holds the gradient of its tokens only
+        res[f"cp/{name}"] = {
+            "out": _rel(gather_sequence(yl.detach(), 1, layout=layout), y),
+            "dx": _rel(gather_sequence(xl.grad, 1, layout=layout), x.grad),
+            "dparams": max(_rel(a, b) for a, b in zip(grads, full_grads, strict=True)),
+        }
+
+
+# DDP: a tiny causal LM of az modules, trained by the loop the arena trainer runs per rank.
+DDP_STEPS, DDP_GLOBAL_BATCH, DDP_SEQ, DDP_VOCAB = 20, 8, 16, 32
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(DDP_VOCAB, 32)
+        self.attn = az.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, rope=True)
+        self.norm = nn.LayerNorm(32)
+        self.ffn = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, DDP_VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.attn(self.norm(h))
+        h = h + self.ffn(h)
+        return self.head(h)
+
+
+def _ddp_train(rank: int, world: int) -> list[float]:
+    """Per step: the same global batch everywhere, rank r trains on rows r::world of it."""
+    torch.manual_seed(0)
+    model: nn.Module = _TinyLM()
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(DDP_STEPS):
+        batch = torch.randint(0, DDP_VOCAB, (DDP_GLOBAL_BATCH, DDP_SEQ + 1), generator=data)
+        local = batch[rank::world]
+        logits = model(local[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, DDP_VOCAB), local[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()  # DDP averages the gradients over ranks = gradient of the global mean
+        opt.step()
+        logged = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(logged)
+            logged /= world
+        losses.append(float(logged))
+    return losses
+
+
+def _check_ddp(rank: int, world: int, res: dict[str, Any]) -> None:
+    res["ddp/losses"] = _ddp_train(rank, world)
+
+
+def _check_silent_rank(rank: int, world: int, res: dict[str, Any]) -> None:
+    """The last rank never calls ring_attention (stuck elsewhere): the others time out."""
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(4.0)
+        return
+    q = torch.randn(1, 2, 8, 4)
+    try:
+        ring_attention(q, q, q, timeout=1.0)
+        res["silent"] = "no error"
+    except RuntimeError as e:
+        res["silent"] = f"RuntimeError: {e}"
+
+
+def _check_dead_rank(rank: int, world: int, res: dict[str, Any]) -> None:
+    """The last rank dies abruptly: the others raise instead of waiting forever."""
+    dist.barrier()
+    if rank == world - 1:
+        _save(rank, res)
+        time.sleep(0.5)  # let the barrier complete everywhere
+        os._exit(0)
+    q = torch.randn(1, 2, 8, 4)
+    try:
+        for _ in range(50):  # until the death is noticed (first call, in practice)
+            ring_attention(q, q, q, timeout=10)
+            time.sleep(0.1)
+        res["dead"] = "no error"
+    except RuntimeError as e:
+        res["dead"] = f"RuntimeError: {e}"
+
+
+def _timed(res: dict[str, Any], name: str, fn: Any, *args: Any) -> None:
+    t0 = time.perf_counter()
+    fn(*args)
+    res[f"time/{name}"] = time.perf_counter() - t0
+
+
+def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
+    _timed(res, "ring", _check_ring, rank, CASES_2, res)
+    _timed(res, "roundtrip", _check_shard_roundtrip, rank, world, res)
+    _timed(res, "errors", _check_errors, rank, world, res)
+    _timed(res, "context_parallel", _check_context_parallel, rank, world, res)
+    _timed(res, "ddp", _check_ddp, rank, world, res)
+    _timed(res, "silent", _check_silent_rank, rank, world, res)
+
+
+def _job_four(rank: int, world: int, res: dict[str, Any]) -> None:
+    _timed(res, "ring", _check_ring, rank, CASES_4, res)
+    _timed(res, "roundtrip", _check_shard_roundtrip, rank, world, res)
+    _check_dead_rank(rank, world, res)
+
+
+JOBS = {"two": _job_two, "four": _job_four}
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(2, "two", tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(4, "four", tmp_path_factory.mktemp("four_ranks"))
+
+
+def _assert_ring(results: list[dict[str, Any]], key: str, tol: float) -> None:
+    for r, res in enumerate(results):
+        assert key in res, f"rank {r} produced no result for {key} (keys: {sorted(res)[:5]}...)"
+        errs = res[key]
+        assert errs["lse_inf_match"] == 1.0, f"{key} rank {r}: rows with no visible key differ"
+        bad = {k: e for k, e in errs.items() if k != "lse_inf_match" and not e <= tol}
+        assert not bad, f"{key} rank {r} of {len(results)}: relative errors above {tol}: {bad}"
+
+
+# ----------------------------------------------------------------------------- tests: 2 ranks
+@pytest.mark.parametrize("case", [c[0] for c in CASES_2])
+def test_ring_matches_attention_2_ranks_float64(two: list[dict[str, Any]], case: str) -> None:
+    _assert_ring(two, f"f64/{case}", 1e-12)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES_2])
+def test_ring_matches_attention_2_ranks_float32(two: list[dict[str, Any]], case: str) -> None:
+    _assert_ring(two, f"f32/{case}", 1e-5)
+
+
+def test_shard_gather_roundtrip_2_ranks(two: list[dict[str, Any]]) -> None:
+    for r, res in enumerate(two):
+        for key in ("roundtrip/contiguous", "roundtrip/zigzag", "roundtrip/uneven"):
+            assert res[key] == 1.0, f"rank {r}: gather_sequence(shard_sequence(x)) != x for {key}"
+
+
+@pytest.mark.parametrize("key", ["err/zigzag_lengths", "err/invalid_on_one_rank", "err/head_dim",
+                                 "err/causal_flag", "err/zigzag_odd"])
+def test_bad_shards_raise_on_every_rank(two: list[dict[str, Any]], key: str) -> None:
+    for r, res in enumerate(two):
+        assert res[key].startswith("ValueError: ring_attention on rank"), f"rank {r}, {key}: {res[key]}"
+    if key == "err/invalid_on_one_rank":
+        assert "same number of heads" in two[1][key], two[1][key]
+        assert "rank(s) [1] rejected" in two[0][key], two[0][key]
+    if key == "err/zigzag_lengths":
+        assert "[1, 2, 10, 4]" in two[0][key] and "[1, 2, 8, 4]" in two[0][key], two[0][key]
+    for res in two:
+        assert res["err/group_still_usable"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir"])
+def test_context_parallel_matches_module(two: list[dict[str, Any]], name: str) -> None:
+    for r, res in enumerate(two):
+        errs = res[f"cp/{name}"]
+        assert max(errs.values()) < 1e-12, f"ContextParallel {name}, rank {r}: relative errors {errs}"
+
+
+def test_ddp_two_ranks_equals_one_process(two: list[dict[str, Any]]) -> None:
+    single = _ddp_train(0, 1)
+    ddp = two[0]["ddp/losses"]
+    assert len(ddp) == len(single) == DDP_STEPS
+    diff = max(abs(a - b) for a, b in zip(ddp, single, strict=True))
+    assert diff < 1e-4, f"DDP (2 ranks) vs 1 process losses differ by {diff:.2e}: {ddp} vs {single}"
+    assert single[-1] < single[0], "the reference run did not train at all"
+    assert two[1]["ddp/losses"] == ddp, "ranks logged different global losses"
+
+
+def test_silent_rank_times_out_instead_of_hanging(two: list[dict[str, Any]]) -> None:
+    msg = two[0]["silent"]
+    assert msg.startswith("RuntimeError: rank 0: ring_attention"), msg
+    assert "peer process may have died, timed out" in msg, msg
+
+
+# ----------------------------------------------------------------------------- tests: 4 ranks
+@pytest.mark.parametrize("case", [c[0] for c in CASES_4])
+def test_ring_matches_attention_4_ranks(four: list[dict[str, Any]], case: str) -> None:
+    _assert_ring(four, f"f64/{case}", 1e-12)
+    _assert_ring(four, f"f32/{case}", 1e-5)
+
+
+def test_shard_gather_roundtrip_4_ranks(four: list[dict[str, Any]]) -> None:
+    for r, res in enumerate(four):
+        for key in ("roundtrip/contiguous", "roundtrip/zigzag", "roundtrip/uneven"):
+            assert res[key] == 1.0, f"rank {r}: gather_sequence(shard_sequence(x)) != x for {key}"
+
+
+def test_dead_rank_fails_fast_on_the_others(four: list[dict[str, Any]]) -> None:
+    for r in range(3):
+        msg = four[r].get("dead", "missing")
+        assert msg.startswith(f"RuntimeError: rank {r}: ring_attention"), f"rank {r}: {msg}"
+    assert "dead" not in four[3] and "f64/bidir_gqa" in four[3]
+
+
+# ----------------------------------------------------------------------------- single process
+def test_shard_positions_layouts() -> None:
+    assert shard_positions(8, layout="zigzag", rank=1, world_size=2).tolist() == [2, 3, 4, 5]
+    assert shard_positions(8, layout="zigzag", rank=0, world_size=2).tolist() == [0, 1, 6, 7]
+    assert shard_positions(7, rank=0, world_size=2).tolist() == [0, 1, 2, 3]
+    assert shard_positions(7, rank=1, world_size=2).tolist() == [4, 5, 6]
+    allpos = torch.cat([shard_positions(24, layout="zigzag", rank=r, world_size=3) for r in range(3)])
+    assert sorted(allpos.tolist()) == list(range(24))
+
+
+def test_shard_sequence_is_index_select() -> None:
+    x = torch.randn(2, 12, 3)
+    for layout in ("contiguous", "zigzag"):
+        parts = [shard_sequence(x, 1, layout=layout, rank=r, world_size=3) for r in range(3)]
+        pos = torch.cat([shard_positions(12, layout=layout, rank=r, world_size=3) for r in range(3)])
+        assert torch.equal(torch.cat(parts, dim=1), x[:, pos])
+
+
+def test_bad_arguments_single_process() -> None:
+    with pytest.raises(ValueError, match="divisible by 2 \\* world_size = 4, got 10"):
+        shard_positions(10, layout="zigzag", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        shard_positions(8, layout="striped", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="rank and world_size"):
+        shard_positions(8, rank=0)
+    with pytest.raises(ValueError, match="0 <= rank < world_size"):
+        shard_positions(8, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="cannot give every one of 4 ranks"):
+        shard_positions(3, rank=0, world_size=4)
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        shard_sequence([1, 2], 0, rank=0, world_size=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dim must be an int in"):
+        shard_sequence(torch.zeros(2, 4), 2, rank=0, world_size=1)
+    if not dist.is_initialized():
+        q = torch.zeros(1, 1, 4, 4)
+        with pytest.raises(RuntimeError, match=r"needs an initialised torch\.distributed"):
+            ring_attention(q, q, q)
+        with pytest.raises(RuntimeError, match=r"needs an initialised torch\.distributed"):
+            gather_sequence(q, 2)
+
+
+def test_context_parallel_rejects_unsupported_modules() -> None:
+    with pytest.raises(TypeError, match="wraps a MultiHeadAttention"):
+        ContextParallel(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="ALiBi"):
+        ContextParallel(az.MultiHeadAttention(16, 2, alibi=True))
+    with pytest.raises(ValueError, match="dropout"):
+        ContextParallel(az.MultiHeadAttention(16, 2, dropout=0.1))
+    with pytest.raises(ValueError, match="cross-attention"):
+        ContextParallel(az.MultiHeadAttention(16, 2, kv_dim=8))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ContextParallel(az.MultiHeadAttention(16, 2), layout="rows")
+
