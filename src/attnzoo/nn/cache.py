@@ -73,7 +73,7 @@ class _CacheBase:
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name}.update: {arg} must be a tensor, got {type(t).__name__}")
         assert isinstance(k_new, Tensor) and isinstance(v_new, Tensor)
-        B, H, S = self.k.shape[:3]
+        B, H = self.k.shape[:2]
         if k_new.dim() != 4 or v_new.dim() != 4 or k_new.shape[2] != v_new.shape[2]:
             raise ValueError(f"{name}.update: expected k_new [B, Hkv, n, D] and v_new [B, Hkv, n, Dv] with equal n, "
                              f"got {tuple(k_new.shape)} and {tuple(v_new.shape)}")

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.masks import Mask, causal as causal_mask, global_tokens as global_mask, sliding_window
+from attnzoo.masks import Mask, sliding_window
+from attnzoo.masks import causal as causal_mask
+from attnzoo.masks import global_tokens as global_mask
 from attnzoo.nn.attention import MultiHeadAttention
 
 __all__ = ["LocalGlobalAttention"]

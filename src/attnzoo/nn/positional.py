@@ -347,7 +347,7 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
         start = 2.0 ** (-8.0 / m)
         return [start ** (i + 1) for i in range(m)]
 
-    p = 2 ** int(math.floor(math.log2(n)))
+    p = 2 ** math.floor(math.log2(n))
     slopes = pow2(p)
     if p != n:
         slopes += pow2(2 * p)[0::2][: n - p]

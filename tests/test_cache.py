@@ -1,0 +1,113 @@
+"""KV caches: written by position, KV heads only, ring buffer bounded by the window, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo as az
+
+
+def test_kv_cache_writes_by_position_and_returns_views() -> None:
+    torch.manual_seed(0)
+    cache = az.KVCache(2, 10, num_kv_heads=3, head_dim=4)
+    assert cache.k.shape == (2, 3, 10, 4) and cache.length == 0 and cache.batch_size == 2
+    k1, v1 = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    k2, v2 = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    cache.update(k1, v1)
+    k, v = cache.update(k2, v2)
+    assert cache.length == 5
+    assert torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))
+    assert k.data_ptr() == cache.k.data_ptr(), "update must return a view of the preallocated buffer"
+    cache.reset()
+    assert cache.length == 0
+    k, _ = cache.update(k2, v2)
+    assert torch.equal(k, k2)
+
+
+def test_kv_cache_errors() -> None:
+    cache = az.KVCache(2, 4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="built for batch size 2, got a batch of 3"):
+        cache.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+    with pytest.raises(ValueError, match="Hkv=2"):
+        cache.update(torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8))
+    with pytest.raises(TypeError, match="float32"):
+        cache.update(torch.randn(2, 2, 1, 8, dtype=torch.float64), torch.randn(2, 2, 1, 8, dtype=torch.float64))
+    cache.update(torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8))
+    with pytest.raises(ValueError, match=r"overflow: 3 tokens cached \+ 2 new > max_len=4"):
+        cache.update(torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8))
+    assert cache.length == 3, "a failed update must not advance the cache"
+    with pytest.raises(ValueError, match="max_len must be >= 1"):
+        az.KVCache(1, 0, 1, 8)
+    with pytest.raises(TypeError, match="batch_size must be an int"):
+        az.KVCache(1.5, 4, 1, 8)
+
+
+def test_sliding_cache_ring_holds_only_the_window() -> None:
+    torch.manual_seed(1)
+    w = 3
+    cache = az.SlidingWindowKVCache(1, w, num_kv_heads=1, head_dim=2)
+    assert cache.capacity == w + 1 and cache.k.shape == (1, 1, w + 1, 2)
+    seq_k = torch.randn(1, 1, 20, 2)
+    seq_v = torch.randn(1, 1, 20, 2)
+    for p in range(20):
+        k, v, pos = cache.update(seq_k[:, :, p:p + 1], seq_v[:, :, p:p + 1])
+        expect = list(range(max(0, p - w), p + 1))
+        assert sorted(pos.tolist()) == expect
+        # each returned key is the key of its position (RoPE'd keys stay attached to their position)
+        assert torch.equal(k[0, 0], seq_k[0, 0, pos]) and torch.equal(v[0, 0], seq_v[0, 0, pos])
+        assert k.shape[2] <= w + 1
+    assert cache.nbytes == 2 * (w + 1) * 2 * 4
+
+
+def test_sliding_cache_chunks_longer_than_the_ring() -> None:
+    torch.manual_seed(2)
+    cache = az.SlidingWindowKVCache(2, 2, num_kv_heads=1, head_dim=3)
+    seq = torch.randn(2, 1, 12, 3)
+    cache.update(seq[:, :, :2], seq[:, :, :2])
+    k, _, pos = cache.update(seq[:, :, 2:9], seq[:, :, 2:9])  # 7 new > capacity 3
+    assert pos.tolist() == list(range(0, 9)), "a chunk sees the ring's keys followed by its own"
+    assert torch.equal(k, seq[:, :, :9])
+    assert sorted(cache.slot_positions.tolist()) == [6, 7, 8]
+    k, _, pos = cache.update(seq[:, :, 9:10], seq[:, :, 9:10])
+    assert sorted(pos.tolist()) == [7, 8, 9]
+    assert torch.equal(k[:, :, pos.argsort()], seq[:, :, 7:10])
+    cache.reset()
+    assert cache.length == 0 and (cache.slot_positions == -1).all()
+
+
+def test_sliding_cache_max_len_and_batch() -> None:
+    cache = az.SlidingWindowKVCache(2, 2, 1, 4, max_len=5)
+    cache.update(torch.randn(2, 1, 4, 4), torch.randn(2, 1, 4, 4))
+    with pytest.raises(ValueError, match="max_len=5"):
+        cache.update(torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4))
+    with pytest.raises(ValueError, match="batch size 2"):
+        cache.update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        az.SlidingWindowKVCache(1, -1, 1, 4)
+
+
+def test_caches_store_only_kv_heads_and_bytes_scale_with_them() -> None:
+    H, C = 8, 64
+    caches = {}
+    for kv in (8, 4, 2, 1):
+        m = az.GroupedQueryAttention(C, H, num_kv_heads=kv, causal=True)
+        caches[kv] = m.init_cache(2, 32)
+        assert caches[kv].k.shape == (2, kv, 32, C // H)
+    for kv in (4, 2, 1):
+        assert caches[kv].nbytes * H == caches[8].nbytes * kv
+        assert caches[kv].bytes_per_token() * H == caches[8].bytes_per_token() * kv
+    mqa = az.MultiQueryAttention(C, H, causal=True).init_cache(2, 32)
+    assert mqa.nbytes * H == caches[8].nbytes
+
+
+def test_init_cache_kind_device_dtype() -> None:
+    sw = az.SlidingWindowAttention(32, 4, window=5, dtype=torch.float64)
+    c = sw.init_cache(3, 100)
+    assert isinstance(c, az.SlidingWindowKVCache) and c.capacity == 6 and c.dtype == torch.float64
+    # a window longer than max_len needs no ring
+    assert isinstance(sw.init_cache(3, 4), az.KVCache)
+    lg = az.LocalGlobalAttention(32, 4, window=2, causal=True)
+    assert isinstance(lg.init_cache(1, 50), az.KVCache), "global queries need every key"
+    c = az.MultiHeadAttention(32, 4, causal=True).init_cache(1, 8, dtype=torch.bfloat16)
+    assert c.dtype == torch.bfloat16 and c.max_len == 8
