@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo.masks import Mask
+from attnzoo.masks import key_padding as key_padding_mask
+
 __all__ = ["ACTIVATIONS", "NORMS", "FeedForward", "RMSNorm", "TransformerBlock", "make_norm"]
 
 #: Activation names accepted by :class:`FeedForward`; the gated ones multiply ``act(gate(x))``
@@ -284,6 +287,26 @@ class TransformerBlock(nn.Module):
         """The self-attention's decode cache (cross-attention keys are recomputed from ``context``)."""
         return self.attn.init_cache(batch_size, max_len, device=device, dtype=dtype)
 
+    def _self_mask(self, mask: Any, key_padding: Tensor | None) -> Any:
+        """Combine a user mask with a key-padding mask ``[B, Nk]`` in the form the mixer takes: a
+        ``[B, 1, 1, Nk]`` tensor for :class:`MultiHeadAttention` (the fused kernels' fast path),
+        an :func:`attnzoo.masks.key_padding` ``Mask`` for other mixers (linear, performer, ...)."""
+        if key_padding is None:
+            return mask
+        from attnzoo.nn.attention import MultiHeadAttention
+
+        if not isinstance(self.attn, MultiHeadAttention) or isinstance(mask, Mask):
+            kp_mask = key_padding_mask(key_padding)
+            return kp_mask if mask is None else mask & kp_mask
+        kp4 = key_padding[:, None, None, :]  # [B, 1, 1, Nk]
+        if mask is None:
+            return kp4
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"TransformerBlock: mask must be a tensor or an attnzoo.masks.Mask, got {type(mask).__name__}")
+        if mask.dtype == torch.bool:
+            return mask & kp4
+        return mask.masked_fill(~kp4, float("-inf"))
+
     def _mix(self, h: Tensor, mask: Any, cache: Any, positions: Tensor | None) -> Tensor:
         kw: dict[str, Any] = {}
         if mask is not None:
@@ -300,6 +323,7 @@ class TransformerBlock(nn.Module):
         context: Tensor | None = None,
         *,
         mask: Any = None,
+        key_padding: Tensor | None = None,
         context_mask: Any = None,
         cache: Any = None,
         positions: Tensor | None = None,
@@ -309,6 +333,8 @@ class TransformerBlock(nn.Module):
             context: ``[B, M, context_dim]``, required iff the block has cross-attention.
             mask: self-attention mask (bool True = attend, float bias, or ``az.masks.Mask``),
                 applied on top of the mixer's own causal/window pattern.
+            key_padding: ``[B, Nk]`` bool, True for real keys (``Nk = N``, or with a cache every
+                token written so far plus the new ones); passed to the mixer in the form it takes.
             context_mask: cross-attention mask broadcastable to ``[B, H, N, M]`` (e.g. the
                 context's key padding as ``[B, 1, 1, M]``).
             cache: the self-attention cache from :meth:`init_cache`.
@@ -327,6 +353,14 @@ class TransformerBlock(nn.Module):
             _check_input(context, self.context_dim or self.dim, "TransformerBlock", "context")
             if context.shape[0] != x.shape[0]:
                 raise ValueError(f"TransformerBlock: context batch {context.shape[0]} != x batch {x.shape[0]}")
+        if key_padding is not None:
+            if not isinstance(key_padding, Tensor) or key_padding.dtype != torch.bool or key_padding.dim() != 2 \
+                    or key_padding.shape[0] != x.shape[0]:
+                got = (f"{tuple(key_padding.shape)} {key_padding.dtype}" if isinstance(key_padding, Tensor)
+                       else type(key_padding).__name__)
+                raise ValueError(f"TransformerBlock: key_padding must be a bool tensor [B, Nk] with B={x.shape[0]}, "
+                                 f"got {got}")
+            mask = self._self_mask(mask, key_padding)
         drop = self.dropout
         if self.norm_first:
             x = x + drop(self._mix(self.attn_norm(x), mask, cache, positions))

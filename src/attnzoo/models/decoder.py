@@ -29,6 +29,16 @@ def _check_positive_float(x: object, name: str, owner: str) -> float:
     return float(x)
 
 
+def _takes_rope(name: str) -> bool:
+    """Registry variants whose modules apply RoPE (the softmax family). The feature-map and
+    compressive variants take no ``rope``: with ``pos="rope"`` they get their positional
+    information from causality alone."""
+    from attnzoo.variants import VARIANTS
+
+    spec = VARIANTS.get(name)
+    return spec is not None and spec.family == "softmax"
+
+
 def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
     """Pick the next token from ``logits [B, V]``.
@@ -77,7 +87,9 @@ class DecoderLM(nn.Module):
         num_kv_heads: KV heads for ``mha``/``gqa`` (GQA when ``< num_heads``).
         max_seq_len: the longest sequence: size of the learned/sinusoidal table and the bound for
             :meth:`generate` (prompt + new tokens).
-        pos: ``"rope"`` (rotary, in the attention), ``"learned"``, ``"sinusoidal"`` or ``"none"``.
+        pos: ``"rope"`` (rotary, in the attention; applied by the softmax-family variants, the
+            others, e.g. ``linear``/``performer``/``infini``, take no RoPE and rely on causality),
+            ``"learned"``, ``"sinusoidal"`` or ``"none"``.
         norm: ``"layer"`` or ``"rms"``; ``norm_eps`` its epsilon.
         ffn: feed-forward activation (``relu``, ``gelu``, ``gelu_tanh``, ``silu``, ``swiglu``,
             ``geglu``); ``ffn_hidden`` its hidden width.
@@ -158,7 +170,7 @@ class DecoderLM(nn.Module):
                 akw.setdefault("num_kv_heads", check_int(num_kv_heads, "num_kv_heads", owner))
             if head_dim is not None:
                 akw.setdefault("head_dim", self.head_dim)
-            if pos == "rope":
+            if pos == "rope" and _takes_rope(attention):
                 from attnzoo.nn.positional import RotaryEmbedding
 
                 self.rope = RotaryEmbedding(self.head_dim, base=_check_positive_float(rope_base, "rope_base", owner))
@@ -261,10 +273,10 @@ class DecoderLM(nn.Module):
             if cache.batch_size != B:
                 raise ValueError(f"{owner}: cache was built for batch size {cache.batch_size}, tokens have {B}")
             past = cache.length
-        mask4: Tensor | None = None
+        kp: Tensor | None = None
         if attention_mask is not None:
             am = check_padding_mask(attention_mask, B, past + N, owner)
-            mask4 = key_padding_bias(am)  # [B, 1, 1, past + N]
+            kp = am  # [B, past + N]
             if positions is None:
                 positions = positions_from_mask(am)[:, past:]  # [B, N]
         if positions is not None:
@@ -294,7 +306,7 @@ class DecoderLM(nn.Module):
         x = self.embed(tokens, emb_pos)  # [B, N, C]
         attn_pos = positions if self.pos == "rope" else None
         for i, block in enumerate(self.blocks):
-            x = block(x, context, mask=mask4, context_mask=context_mask,
+            x = block(x, context, key_padding=kp, context_mask=context_mask,
                       cache=None if cache is None else cache[i], positions=attn_pos)  # [B, N, C]
         return self.lm_head(self.norm(x))  # [B, N, V]
 

@@ -15,8 +15,8 @@ from attnzoo.models._common import (
     check_int,
     check_padding_mask,
     check_tokens,
-    key_padding_bias,
 )
+from attnzoo.models.decoder import _takes_rope
 
 __all__ = ["POOLINGS", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
 
@@ -135,7 +135,7 @@ class TransformerEncoder(nn.Module):
         akw = dict(attention_kwargs or {})
         if isinstance(attention, str):
             akw.setdefault("bias", bias)
-            if pos == "rope":
+            if pos == "rope" and _takes_rope(attention):
                 from attnzoo.nn.positional import RotaryEmbedding
 
                 akw.setdefault("rope", RotaryEmbedding(dim // num_heads, base=rope_base))
@@ -206,14 +206,14 @@ class TransformerEncoder(nn.Module):
             if token_type_ids.shape != tokens.shape:
                 raise ValueError(f"{owner}: token_type_ids shape {tuple(token_type_ids.shape)} != tokens shape "
                                  f"{tuple(tokens.shape)}")
-        mask4 = None
+        kp = None
         if attention_mask is not None:
             am = check_padding_mask(attention_mask, B, n, owner)
-            mask4 = key_padding_bias(am)  # [B, 1, 1, N]
+            kp = am  # [B, N]
         attn_pos = positions if self.pos == "rope" else None
         x = self.embed(tokens, token_type_ids, None if self.pos == "rope" else positions)
         for block in self.blocks:
-            x = block(x, mask=mask4, positions=attn_pos)  # [B, N, C]
+            x = block(x, key_padding=kp, positions=attn_pos)  # [B, N, C]
         return self.norm(x)
 
     def pooler_output(self, hidden: Tensor) -> Tensor:

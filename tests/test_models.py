@@ -1,0 +1,311 @@
+"""Models: decoding equals the full forward, padding changes nothing for real tokens, the
+encoder-decoder equals torch.nn.Transformer with the same weights, generation invariants, ViT
+position interpolation, bad input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import attnzoo as az
+from attnzoo.variants import variant_names
+
+V = 53  # vocabulary of the toy models
+
+# Small, decode-relevant settings per variant (windows shorter than the test sequences).
+VARIANT_KW: dict[str, dict] = {
+    "sliding": {"window": 3},
+    "local_global": {"window": 2, "global_tokens": (0,)},
+    "infini": {"segment_len": 4},
+    "performer": {"num_features": 32, "seed": 0},
+    "gqa": {"num_kv_heads": 2},
+}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
+    err = (a.double() - b.double()).abs().max().item()
+    scale = b.double().abs().max().item() + 1e-12
+    assert err <= tol * scale, f"{what}: max abs err {err:.3e} (rel {err / scale:.3e}) shapes {tuple(a.shape)}"
+
+
+def _decoder(attention: str = "mha", pos: str = "rope", **kw) -> az.DecoderLM:
+    try:
+        return az.DecoderLM(V, 32, 2, 4, attention=attention, attention_kwargs=VARIANT_KW.get(attention), pos=pos,
+                            max_seq_len=64, **kw).eval()
+    except ModuleNotFoundError as e:  # a variant whose module has not landed yet
+        pytest.skip(f"attention {attention!r} is not available: {e}")
+
+
+def _randomize(model: nn.Module, std: float = 0.15) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.1)
+            else:
+                p.normal_(0, std)
+
+
+# --------------------------------------------------------------------------- DecoderLM decoding
+@pytest.mark.parametrize("attention", variant_names())
+@pytest.mark.parametrize("pos", ["rope", "learned"])
+def test_decoder_decode_equals_full_forward(attention: str, pos: str) -> None:
+    torch.manual_seed(0)
+    model = _decoder(attention, pos, norm="rms", ffn="swiglu")
+    _randomize(model)
+    tokens = torch.randint(0, V, (2, 11))
+    with torch.no_grad():
+        full = model(tokens)  # [B, N, V]
+        cache = model.init_cache(2, 11)
+        parts = [model(tokens[:, :5], cache=cache)]  # chunked prefill
+        parts += [model(tokens[:, t:t + 1], cache=cache) for t in range(5, 11)]  # then one token a step
+    assert cache.length == 11
+    _close(torch.cat(parts, dim=1), full, 1e-4, f"{attention}/{pos} decode vs full")
+
+
+@pytest.mark.parametrize("attention", ["mha", "gqa", "sliding"])
+def test_left_padded_batch_matches_each_row_alone(attention: str) -> None:
+    """Real tokens of a left-padded batch get the logits they get without padding, and batched
+    greedy generation equals generating each prompt alone."""
+    torch.manual_seed(1)
+    model = _decoder(attention, "rope")
+    _randomize(model)
+    prompts = [torch.randint(0, V, (n,)) for n in (7, 4, 1)]
+    n = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), n, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        batch[i, n - len(p):] = p
+        mask[i, n - len(p):] = True
+    with torch.no_grad():
+        logits = model(batch, attention_mask=mask)
+        out = model.generate(batch, 6, attention_mask=mask)
+        for i, p in enumerate(prompts):
+            alone = model(p[None])
+            _close(logits[i, n - len(p):], alone[0], 1e-5, f"row {i} logits")
+            gen = model.generate(p[None], 6)
+            assert torch.equal(out[i, n:], gen[0, len(p):]), f"row {i}: {out[i, n:]} vs {gen[0, len(p):]}"
+
+
+def test_generate_greedy_equals_recompute_without_cache() -> None:
+    torch.manual_seed(2)
+    model = _decoder("gqa", "learned")
+    _randomize(model)
+    prompt = torch.randint(0, V, (2, 5))
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(7):
+            nxt = model(seq)[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+        out = model.generate(prompt, 7)
+    assert torch.equal(out, seq)
+
+
+def test_generate_eos_and_sampling() -> None:
+    torch.manual_seed(3)
+    model = _decoder("mha")
+    _randomize(model)
+    prompt = torch.randint(0, V, (3, 4))
+    greedy = model.generate(prompt, 8)
+    # top_k=1 and a tiny top_p are greedy whatever the temperature
+    assert torch.equal(model.generate(prompt, 8, temperature=1.5, top_k=1), greedy)
+    assert torch.equal(model.generate(prompt, 8, temperature=1.5, top_p=1e-6), greedy)
+    # same generator seed -> same samples; the prompt is kept
+    s1 = model.generate(prompt, 8, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(5))
+    s2 = model.generate(prompt, 8, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(s1, s2) and torch.equal(s1[:, :4], prompt)
+    # EOS: take the token greedy emits first in row 0; after it the row repeats EOS
+    eos = int(greedy[0, 4])
+    out = model.generate(prompt, 8, eos_token_id=eos)
+    for row in out[:, 4:]:
+        hits = (row == eos).nonzero()
+        if len(hits):
+            assert bool((row[int(hits[0]):] == eos).all()), f"tokens after EOS: {row.tolist()}"
+    # every row emits EOS immediately -> generation stops after one token
+    first = greedy[:, 4]
+    if bool((first == first[0]).all()):
+        assert model.generate(prompt, 8, eos_token_id=int(first[0])).shape[1] == 5
+
+
+def test_tied_and_untied_heads() -> None:
+    tied = az.DecoderLM(V, 32, 1, 4)
+    untied = az.DecoderLM(V, 32, 1, 4, tie_embeddings=False)
+    assert tied.lm_head.weight is tied.tok_emb.weight
+    assert untied.num_parameters() - tied.num_parameters() == V * 32
+
+
+def test_cross_attention_decoder_decode_equals_full() -> None:
+    torch.manual_seed(4)
+    model = az.DecoderLM(V, 32, 2, 4, cross_attention=True, context_dim=24, max_seq_len=32).eval()
+    _randomize(model)
+    tokens, ctx = torch.randint(0, V, (2, 9)), torch.randn(2, 6, 24)
+    ctx_mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    with torch.no_grad():
+        full = model(tokens, context=ctx, context_mask=ctx_mask)
+        cache = model.init_cache(2, 9)
+        parts = [model(tokens[:, t:t + 1], cache=cache, context=ctx, context_mask=ctx_mask) for t in range(9)]
+        # padded context tokens are invisible: changing them changes nothing
+        ctx2 = ctx.clone()
+        ctx2[1, 4:] = 100.0
+        other = model(tokens, context=ctx2, context_mask=ctx_mask)
+    _close(torch.cat(parts, dim=1), full, 1e-5, "cross-attention decode")
+    _close(other, full, 1e-6, "context padding")
+
+
+# --------------------------------------------------------------------------- Transformer (seq2seq)
+def _load_torch_transformer(ours: az.Transformer, ref: nn.Transformer) -> None:
+    def mha(dst: nn.Module, src: nn.MultiheadAttention) -> None:
+        C = src.embed_dim
+        w, b = src.in_proj_weight, src.in_proj_bias
+        dst.load_qkv(w[:C], w[C:2 * C], w[2 * C:], b[:C], b[C:2 * C], b[2 * C:])
+        dst.out_proj.load_state_dict(src.out_proj.state_dict())
+
+    for blk, layer in zip(ours.encoder.blocks, ref.encoder.layers, strict=True):
+        mha(blk.attn, layer.self_attn)
+        blk.ffn.up_proj.load_state_dict(layer.linear1.state_dict())
+        blk.ffn.down_proj.load_state_dict(layer.linear2.state_dict())
+        blk.attn_norm.load_state_dict(layer.norm1.state_dict())
+        blk.ffn_norm.load_state_dict(layer.norm2.state_dict())
+    for blk, layer in zip(ours.decoder.blocks, ref.decoder.layers, strict=True):
+        mha(blk.attn, layer.self_attn)
+        mha(blk.cross_attn, layer.multihead_attn)
+        blk.ffn.up_proj.load_state_dict(layer.linear1.state_dict())
+        blk.ffn.down_proj.load_state_dict(layer.linear2.state_dict())
+        blk.attn_norm.load_state_dict(layer.norm1.state_dict())
+        blk.cross_norm.load_state_dict(layer.norm2.state_dict())
+        blk.ffn_norm.load_state_dict(layer.norm3.state_dict())
+    ours.encoder.norm.load_state_dict(ref.encoder.norm.state_dict())
+    ours.decoder.norm.load_state_dict(ref.decoder.norm.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's nested-tensor prototype notices
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_equals_torch_transformer(norm_first: bool) -> None:
+    torch.manual_seed(5)
+    C, H = 32, 4
+    ours = az.Transformer(41, V, C, H, 2, 2, ffn_hidden=48, norm_first=norm_first, dropout=0.0).eval()
+    ref = nn.Transformer(C, H, 2, 2, 48, dropout=0.0, batch_first=True, norm_first=norm_first).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)
+    _load_torch_transformer(ours, ref)
+    src, tgt = torch.randint(0, 41, (3, 8)), torch.randint(0, V, (3, 6))
+    src_real = torch.arange(8)[None] < torch.tensor([8, 5, 3])[:, None]
+    with torch.no_grad():
+        src_emb = ours.encoder.embed(src)  # sqrt(C)-scaled tokens + sinusoidal positions
+        tgt_emb = ours.decoder.embed(tgt)
+        hidden = ref(src_emb, tgt_emb, tgt_mask=nn.Transformer.generate_square_subsequent_mask(6),
+                     src_key_padding_mask=~src_real, memory_key_padding_mask=~src_real)
+        expected = ours.decoder.lm_head(hidden)
+        got = ours(src, tgt, src_mask=src_real)
+    _close(got, expected, 1e-5, f"Transformer norm_first={norm_first}")
+    assert math.isclose(ours.decoder.embed_scale, math.sqrt(C))
+
+
+def test_transformer_generate_equals_greedy_recompute() -> None:
+    torch.manual_seed(6)
+    model = az.Transformer(41, V, 32, 4, 2, 2, dropout=0.0).eval()
+    _randomize(model)
+    src = torch.randint(0, 41, (2, 7))
+    src_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    out = model.generate(src, 6, bos_token_id=1, src_mask=src_mask)
+    seq = torch.ones(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(src, seq, src_mask=src_mask)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+# --------------------------------------------------------------------------- TransformerEncoder
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal", "rope"])
+def test_encoder_padding_does_not_change_real_tokens(pos: str) -> None:
+    torch.manual_seed(7)
+    enc = az.TransformerEncoder(V, 32, 2, 4, pos=pos, type_vocab_size=2, norm_first=pos != "learned").eval()
+    _randomize(enc)
+    a, b = torch.randint(0, V, (9,)), torch.randint(0, V, (4,))
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    batch[0], batch[1, :4] = a, b
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0], mask[1, :4] = True, True
+    with torch.no_grad():
+        hidden = enc(batch, attention_mask=mask)
+        alone = enc(b[None])
+        pooled = enc.encode(batch, mask)
+        _close(hidden[1, :4], alone[0], 1e-5, "padded row")
+        _close(pooled[1], alone[0].mean(0), 1e-5, "mean pooling ignores padding")
+        _close(enc.encode(batch, mask, pooling="max")[1], alone[0].amax(0), 1e-5, "max pooling")
+        assert torch.allclose(enc.encode(batch, mask, normalize=True).norm(dim=-1), torch.ones(2))
+
+
+# --------------------------------------------------------------------------- VisionTransformer
+def test_vit_shapes_and_interpolation() -> None:
+    torch.manual_seed(8)
+    vit = az.VisionTransformer(16, 4, 3, 10, 32, 2, 4).eval()
+    assert torch.equal(vit.position_embeddings(4, 4), vit.pos_embed)
+    x = torch.randn(2, 3, 16, 16)
+    assert vit(x).shape == (2, 10)
+    assert vit.forward_features(torch.randn(2, 3, 24, 32)).shape == (2, 1 + 6 * 8, 32)
+    # interpolating to the training grid is the identity; a round trip through 2x is close to it
+    pe = vit.position_embeddings(8, 8)
+    assert pe.shape == (1, 65, 32)
+    headless = az.VisionTransformer(16, 4, 3, 0, 32, 1, 4, pool="mean")
+    assert headless(x).shape == (2, 32)
+
+
+def test_vit_decode_free_encoder_with_cross_attention_decoder() -> None:
+    """The captioning shape: a decoder attends to ViT features."""
+    torch.manual_seed(9)
+    vit = az.VisionTransformer(16, 4, 3, 0, 32, 1, 4).eval()
+    dec = az.DecoderLM(V, 24, 1, 4, cross_attention=True, context_dim=32, max_seq_len=16).eval()
+    feats = vit.forward_features(torch.randn(2, 3, 16, 16))
+    tokens = dec.generate(torch.zeros(2, 1, dtype=torch.long), 5, context=feats)
+    with torch.no_grad():
+        seq = torch.zeros(2, 1, dtype=torch.long)
+        for _ in range(5):
+            seq = torch.cat([seq, dec(seq, context=feats)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(tokens, seq)
+
+
+# --------------------------------------------------------------------------- bad input
+def test_bad_input() -> None:
+    model = az.DecoderLM(V, 32, 1, 4, pos="learned", max_seq_len=8)
+    with pytest.raises(ValueError, match="longer than the model's 8 positions"):
+        model.generate(torch.zeros(1, 9, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match=r"\(6\) \+ max_new_tokens \(5\) = 11 exceeds the model's 8"):
+        model.generate(torch.zeros(1, 6, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="longer than the model's 8 positions"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 53\), got values in \[0, 60\]"):
+        model(torch.tensor([[0, 60]]))
+    with pytest.raises(TypeError, match="integer token ids"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \[B, L\] = \[1, 3\], got \(1, 4\)"):
+        model(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 4, dtype=torch.bool))
+    cache = model.init_cache(2, 8)
+    with pytest.raises(ValueError, match="cache was built for batch size 2"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="pos must be one of"):
+        az.DecoderLM(V, 32, 1, 4, pos="alibi")
+    with pytest.raises(TypeError, match="one module per layer"):
+        az.DecoderLM(V, 32, 1, 4, attention=az.MultiHeadAttention(32, 4))
+    with pytest.raises(ValueError, match=r"top_p must be a float in \(0, 1\]"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 1, top_p=0.0)
+    with pytest.raises(ValueError, match="at least one real token"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 1, attention_mask=torch.zeros(1, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="image width 30 is not divisible by the patch size 4"):
+        az.VisionTransformer((32, 30), 4)
+    vit = az.VisionTransformer(16, 4, 3, 10, 32, 1, 4)
+    with pytest.raises(ValueError, match="image size 18x16 is not divisible by the patch size 4x4"):
+        vit(torch.randn(1, 3, 18, 16))
+    with pytest.raises(ValueError, match=r"images must have shape \[B, 3, H, W\]"):
+        vit(torch.randn(1, 1, 16, 16))
+    enc = az.TransformerEncoder(V, 32, 1, 4)
+    with pytest.raises(ValueError, match="no token types"):
+        enc(torch.zeros(1, 3, dtype=torch.long), token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="no pooler"):
+        enc.pooler_output(torch.randn(1, 3, 32))
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        enc.encode(torch.zeros(1, 3, dtype=torch.long), pooling="sum")
