@@ -31,6 +31,7 @@ from attnzoo import masks as M
 __all__ = [
     "AttentionCapture",
     "capture_attention",
+    "load_model",
     "mask_to_text",
     "parse_mask",
     "plot_attention",
@@ -468,3 +469,87 @@ def plot_positional(kind: str = "all", *, n: int = 128, dim: int = 128, heads: i
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
+
+
+# =========================================================================== saved models
+Tokenize = Any  # Callable[[str], tuple[Tensor, list[str]]]: text -> (ids [1, N], token labels)
+
+
+def load_model(path: str | Path) -> tuple[nn.Module, Tokenize]:
+    """Load a saved model for ``attnzoo viz --model`` and a matching tokenizer.
+
+    Accepted: an arena checkpoint (``.pt`` written by ``attnzoo arena``; the ``lm`` task's
+    character vocabulary, or space-separated token ids for ``mqar``), or a Hugging Face model
+    folder (``config.json`` + weights) read by :func:`attnzoo.interop.load_pretrained`, with
+    the folder's ``vocab.txt`` (BERT WordPiece) or, when ``transformers`` is installed, its
+    tokenizer files (never downloaded).
+
+    Returns:
+        ``(model in eval mode, tokenize)`` where ``tokenize(text) -> (ids [1, N], labels)``.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist")
+    if p.is_dir():
+        return _load_hf_folder(p)
+    state = torch.load(p, map_location="cpu", weights_only=True)
+    if not (isinstance(state, dict) and isinstance(state.get("extra"), dict) and "signature" in state["extra"]):
+        raise ValueError(f"{p} is not an arena checkpoint (expected keys model/extra.signature) nor a model folder")
+    from attnzoo.arena.runner import TaskSettings, _build_model
+
+    sig = dict(state["extra"]["signature"])
+    variant = sig.pop("variant")
+    seed = sig.pop("seed", 0)
+    sig.pop("world_size", None)
+    settings = TaskSettings(**sig)
+    if settings.task == "lm":
+        from attnzoo.arena.tasks import ShakespeareTask
+
+        task = ShakespeareTask(seq_len=settings.seq_len)
+        vocab = task.vocab_size
+
+        def tokenize(text: str) -> tuple[Tensor, list[str]]:
+            ids = task.encode(text)
+            return ids.unsqueeze(0), [repr(c)[1:-1] for c in text]
+    else:
+        vocab = settings.vocab_size
+
+        def tokenize(text: str) -> tuple[Tensor, list[str]]:
+            try:
+                ids = [int(t) for t in text.split()]
+            except ValueError:
+                raise ValueError("an mqar model reads space-separated token ids, e.g. --text '3 17 4 9'") from None
+            if any(not 0 <= i < vocab for i in ids):
+                raise ValueError(f"token ids must be in [0, {vocab}), got {ids}")
+            return torch.tensor([ids]), [str(i) for i in ids]
+
+    model = _build_model(settings, variant, vocab, seed, torch.device("cpu"))
+    model.load_state_dict(state["model"])
+    return model.eval(), tokenize
+
+
+def _load_hf_folder(p: Path) -> tuple[nn.Module, Tokenize]:
+    from attnzoo.interop import WordPieceTokenizer, load_pretrained
+
+    model = load_pretrained(p)
+    if (p / "vocab.txt").exists():
+        tok = WordPieceTokenizer.from_folder(p)
+        inverse = {i: t for t, i in tok.vocab.items()}
+
+        def tokenize(text: str) -> tuple[Tensor, list[str]]:
+            ids = tok.encode(text)
+            return torch.tensor([ids]), [inverse.get(i, str(i)) for i in ids]
+
+        return model, tokenize
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ValueError(f"{p} has no vocab.txt; reading its tokenizer needs transformers "
+                         f"(pip install 'attnzoo[hf]')") from exc
+    hf_tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+    def tokenize_hf(text: str) -> tuple[Tensor, list[str]]:
+        ids = hf_tok(text)["input_ids"]
+        return torch.tensor([ids]), hf_tok.convert_ids_to_tokens(ids)
+
+    return model, tokenize_hf

@@ -1,0 +1,550 @@
+"""The ``attnzoo`` command: ``list``, ``check``, ``bench``, ``cost``, ``viz`` and ``arena``.
+
+The CLI is thin: it parses, calls the public API, prints. It imports only the standard library
+at start-up; torch, rich, tqdm and matplotlib are imported by the command that needs them.
+Bad arguments give a one-line error and exit code 2; ``check`` exits 1 when anything fails.
+See ``docs/cli.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+BACKEND_NAMES = ("reference", "sdpa", "tiled", "flex", "flash")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+class CLIError(Exception):
+    """A bad argument found after parsing: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# =========================================================================== argument types
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        out.append(_positive_int(part))
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return out
+
+
+def _name_list(choices: Sequence[str] | None = None) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        if choices is not None:
+            bad = [n for n in names if n not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; expected some of {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def _window(text: str) -> int | tuple[int | None, int | None]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        if len(parts) == 1:
+            return int(parts[0])
+        if len(parts) == 2:
+            left, right = (None if p in ("", "none", "None") else int(p) for p in parts)
+            return (left, right)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT (integers, 'none' = unbounded), got {text!r}")
+
+
+def _variant_names() -> list[str]:
+    from attnzoo.variants import variant_names
+
+    return variant_names()
+
+
+# =========================================================================== output helpers
+def _rich_console() -> Any:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console()
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, plain: bool = False) -> None:
+    """A table through rich when installed (and ``plain`` is False), else aligned plain text."""
+    cells = [[str(c) for c in r] for r in rows]
+    console = None if plain or not sys.stdout.isatty() else _rich_console()
+    if console is not None:
+        from rich.table import Table
+
+        t = Table(title=title)
+        for c in columns:
+            t.add_column(c)
+        for r in cells:
+            t.add_row(*r)
+        console.print(t)
+        return
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print(title)
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+
+
+class _Progress:
+    """A progress bar (tqdm, else rich, else nothing) that takes labels."""
+
+    def __init__(self, total: int | None, desc: str, enabled: bool) -> None:
+        self.bar: Any = None
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def __call__(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label[:40], refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _human_flops(n: float) -> str:
+    for unit, f in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(n) >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+# =========================================================================== list
+def cmd_list(args: argparse.Namespace) -> int:
+    from attnzoo.cost import dtype_from_name, estimate
+    from attnzoo.variants import VARIANTS
+
+    dt = dtype_from_name(args.dtype)
+    rows, data = [], []
+    for name, spec in VARIANTS.items():
+        try:
+            est = estimate(name, args.seq_len, args.dim, args.heads, num_kv_heads=args.kv_heads if name == "gqa" else None,
+                           dtype=dt, backend="ideal")
+        except (ValueError, TypeError) as exc:
+            raise CLIError(f"{name}: {exc}") from None
+        cap = "unbounded" if est.kv_cache_max_tokens is None else f"<= {est.kv_cache_max_tokens} tokens"
+        per_tok = _human_bytes(est.kv_cache_bytes_per_token) if est.kv_cache_bytes_per_token else "0 (fixed state)"
+        rows.append([name, spec.family, "exact" if spec.exact else "approx", spec.time, spec.memory, per_tok,
+                     f"{_human_bytes(est.kv_cache_bytes)} ({cap})", spec.decoding, spec.masks])
+        data.append({"name": name, "family": spec.family, "exact": spec.exact, "time": spec.time,
+                     "memory": spec.memory, "kv_cache_bytes_per_token": est.kv_cache_bytes_per_token,
+                     "kv_cache_bytes": est.kv_cache_bytes, "kv_cache_max_tokens": est.kv_cache_max_tokens,
+                     "decoding": spec.decoding, "masks": spec.masks})
+    if args.json:
+        print(json.dumps({"config": {"dim": args.dim, "heads": args.heads, "kv_heads": args.kv_heads,
+                                     "dtype": str(dt).replace("torch.", ""), "seq_len": args.seq_len},
+                          "variants": data}, indent=2))
+        return 0
+    print_table(f"attention variants (one layer, C={args.dim}, H={args.heads}, {args.dtype}, cache at N={args.seq_len})",
+                ["variant", "family", "exact", "time", "attention memory", "KV bytes/token", "cache at N",
+                 "decoding cache", "masks"], rows, plain=args.plain)
+    return 0
+
+
+# =========================================================================== check
+def cmd_check(args: argparse.Namespace) -> int:
+    from attnzoo.check import backend_cases, run_checks
+    from attnzoo.functional.attention import available_backends
+
+    backends = args.backends if args.backends is not None else available_backends(args.device)
+    n_cases = len([c for c in backend_cases() if c.quick or not args.quick])
+    total = n_cases * len(backends) * len(args.dtypes)
+    bar = _Progress(total, "check", enabled=not args.no_progress and sys.stderr.isatty())
+    try:
+        report = run_checks(backends=backends, dtypes=args.dtypes, include_variants=not args.no_variants,
+                            variants=args.variants, device=args.device, quick=args.quick, grad=not args.no_grad,
+                            strict=args.strict, seed=args.seed, progress=bar)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    finally:
+        bar.close()
+    rows = []
+    for r in report.rows:
+        rows.append([r.group, r.target, r.setting, r.cases, r.skipped, f"{r.max_err:.2e}" if r.cases else "-",
+                     f"{r.max_ratio:.2f}" if r.cases else "-", "PASS" if r.passed and r.status == "ok"
+                     else r.status.upper() if r.passed else "FAIL"])
+    print_table("attnzoo check: every backend and variant against the float64 reference",
+                ["group", "target", "setting", "cases", "skipped", "max error", "error/tol", "result"], rows,
+                plain=args.plain)
+    fails = [(r, f) for r in report.rows for f in r.failures]
+    for r, f in fails[: args.show_failures]:
+        print(f"FAIL {r.target} ({r.setting}): {f}")
+    if len(fails) > args.show_failures:
+        print(f"... and {len(fails) - args.show_failures} more failures (--show-failures N)")
+    missing = [r.target for r in report.rows if r.status == "missing"]
+    if missing:
+        print(f"note: modules not available yet (not checked): {', '.join(missing)}")
+    print(f"{'OK' if report.ok else 'FAILED'}: {sum(r.cases for r in report.rows)} cases in {report.seconds:.1f} s "
+          f"(tolerance rule: docs/cli.md#check)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2))
+    return 0 if report.ok else 1
+
+
+# =========================================================================== bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    from attnzoo.bench import _fmt, run_bench
+
+    targets = list(args.backends or []) + list(args.variants or [])
+    if not targets:
+        raise CLIError("nothing to run: give --backends and/or --variants")
+    n_total = len(targets) * len(args.seq_lens)
+    bar = _Progress(n_total, "bench", enabled=not args.no_progress and sys.stderr.isatty())
+    try:
+        report = run_bench(targets, args.seq_lens, mode=args.mode, dtype=args.dtype, device=args.device,
+                           batch=args.batch, heads=args.heads, head_dim=args.head_dim, causal=not args.no_causal,
+                           window=args.window, repeats=args.repeats, warmup=args.warmup, memory=not args.no_memory,
+                           max_case_seconds=args.max_case_seconds, seed=args.seed, progress=bar)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    finally:
+        bar.close()
+    paths = report.write(args.out, stem=args.name, plot=not args.no_plot)
+    peak = report.meta["matmul_peak_gflops"]
+    rows = [[r.target, r.seq_len, _fmt(r.time_ms, ".2f"), _fmt(r.peak_mem_mb, ".1f"), _fmt(r.gflops, ".1f"),
+             _fmt(None if r.frac_of_peak is None else 100 * r.frac_of_peak, ".0f"), r.status]
+            for r in report.results]
+    print_table(f"attnzoo bench ({args.mode}, {args.dtype}, {args.device}, B={args.batch} H={args.heads} "
+                f"D={args.head_dim}; torch.mm peak {peak:.0f} GFLOP/s)",
+                ["target", "N", "median ms", "peak MiB", "GFLOP/s", "% of mm peak", "status"], rows,
+                plain=args.plain)
+    for kind, p in paths.items():
+        print(f"wrote {kind}: {p}")
+    return 0
+
+
+# =========================================================================== cost
+def cmd_cost(args: argparse.Namespace) -> int:
+    from attnzoo.cost import estimate
+
+    try:
+        est = estimate(args.variant, args.seq_len, args.dim, args.heads, batch=args.batch, num_kv_heads=args.kv_heads,
+                       head_dim=args.head_dim, window=args.window, num_features=args.features,
+                       segment_len=args.segment_len, chunk_size=args.chunk_size, causal=not args.no_causal,
+                       dtype=args.dtype, backend=args.backend)
+    except (ValueError, TypeError) as exc:
+        raise CLIError(str(exc)) from None
+    if args.json:
+        print(json.dumps(est.as_dict(), indent=2))
+        return 0
+    rows = [
+        ["forward FLOPs", _human_flops(est.flops), f"projections {_human_flops(est.flops_projections)} + "
+                                                   f"attention {_human_flops(est.flops_attention)}"],
+        ["useful attention FLOPs", _human_flops(est.flops_useful),
+         f"visible pairs only ({100 * est.visible_fraction:.1f}% of N x N)"],
+        ["backward FLOPs", _human_flops(est.flops_backward), ""],
+        ["bytes moved (fwd)", _human_bytes(est.bytes_moved), f"arithmetic intensity {est.arithmetic_intensity:.1f} FLOP/B"],
+        ["activation memory", _human_bytes(est.activation_bytes), "kept for backward by one training forward"],
+        ["KV cache / token", _human_bytes(est.kv_cache_bytes_per_token), "0 = fixed-size state"],
+        ["KV cache at N", _human_bytes(est.kv_cache_bytes),
+         "unbounded" if est.kv_cache_max_tokens is None else f"holds at most {est.kv_cache_max_tokens} tokens"],
+        ["parameters", f"{est.params:,}", "weights of Q, K, V, O"],
+    ]
+    print_table(f"cost of one {est.variant} layer: B={est.batch} N={est.seq_len} C={est.dim} H={est.num_heads} "
+                f"Hkv={est.num_kv_heads} D={est.head_dim} {est.dtype}, backend {est.backend}",
+                ["quantity", "value", "note"], rows, plain=args.plain)
+    return 0
+
+
+# =========================================================================== viz
+def cmd_viz(args: argparse.Namespace) -> int:
+    from attnzoo import viz
+
+    did = False
+    if args.mask is not None:
+        did = True
+        try:
+            text = viz.mask_to_text(args.mask, args.n or 16, args.nk, q_offset=args.q_offset)
+        except (ValueError, TypeError) as exc:
+            raise CLIError(str(exc)) from None
+        print(text)
+        if args.png:
+            fig = viz.plot_mask(args.mask, args.n or 16, args.nk, q_offset=args.q_offset, path=args.png)
+            print(f"wrote {args.png}")
+            _close(fig)
+    if args.positional is not None:
+        did = True
+        path = args.png if args.mask is None else _suffix(args.png, "positional")
+        if path is None:
+            raise CLIError("--positional draws a picture: give --png PATH")
+        try:
+            fig = viz.plot_positional(args.positional, n=args.n or 128, dim=args.dim,
+                                      heads=args.heads, path=path)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
+        _close(fig)
+        print(f"wrote {path}")
+    if args.model is not None:
+        did = True
+        if not args.text:
+            raise CLIError("--model needs --text")
+        path = args.png if args.mask is None and args.positional is None else _suffix(args.png, "attention")
+        if path is None:
+            raise CLIError("--model draws attention maps: give --png PATH")
+        try:
+            model, tokenize = viz.load_model(args.model)
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            raise CLIError(str(exc)) from None
+        import torch
+
+        ids, labels = tokenize(args.text)
+        with torch.no_grad(), viz.capture_attention(model) as cap:
+            model(ids)
+        if not cap.layers or not any(cap.maps.values()):
+            raise CLIError(f"no attention weights captured from {args.model} ({cap.skipped or 'no attention modules'})")
+        layer = args.layer if args.layer is not None else len(cap.layers) - 1
+        if not -len(cap.layers) <= layer < len(cap.layers):
+            raise CLIError(f"--layer {layer} out of range: the model has {len(cap.layers)} attention layers")
+        name = cap.layers[layer]
+        fig = viz.plot_attention(cap[name], labels, title=f"{Path(args.model).name}: {name}", path=path)
+        _close(fig)
+        print(f"layers: {', '.join(cap.layers)}")
+        print(f"wrote {path} ({name}, {cap[name].shape[1]} heads, {len(labels)} tokens)")
+    if not did:
+        raise CLIError("nothing to draw: give --mask EXPR, --positional KIND or --model PATH --text TEXT")
+    return 0
+
+
+def _suffix(path: str | None, tag: str) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{tag}{p.suffix or '.png'}"))
+
+
+def _close(fig: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+# =========================================================================== arena
+def _add_arena(sub: Any, full: bool) -> None:
+    p = sub.add_parser("arena", help="train one small model per variant and compare (see docs/arena.md)",
+                       description="Train one small decoder per attention variant on real data and compare them.")
+    if not full:  # listed in the help; its options are loaded only when it runs
+        return
+    try:
+        from attnzoo.arena import add_arena_arguments
+    except ImportError as exc:  # pragma: no cover - arena not installed in this tree
+        reason = str(exc)
+        p.set_defaults(func=lambda a: _arena_missing(reason))
+        return
+    add_arena_arguments(p)
+    p.set_defaults(func=_cmd_arena)
+
+
+def _cmd_arena(args: argparse.Namespace) -> int:
+    from attnzoo.arena import run_arena
+
+    try:
+        return run_arena(args)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _arena_missing(reason: str) -> int:
+    raise CLIError(f"the arena is not available: {reason}")
+
+
+# =========================================================================== parser
+def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
+    """The ``attnzoo`` argument parser (the arena's options are loaded only when ``with_arena``)."""
+    parser = _Parser(prog="attnzoo", description="attention mechanisms: list, check, bench, cost, "
+                                     "viz, arena. Each command has --help.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("list", help="table of every registered variant: family, costs, decoding, masks",
+                       description="Every registered attention variant with its family, exactness, complexity, "
+                                   "KV-cache bytes per token for a config, decoding cache and masks.")
+    p.add_argument("--dim", type=_positive_int, default=512, help="model width C (default: %(default)s)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="query heads H (default: %(default)s)")
+    p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads of gqa (default: H/4)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="cache dtype (default: %(default)s)")
+    p.add_argument("--seq-len", type=_positive_int, default=4096, help="tokens for the 'cache at N' column")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("check", help="every backend and variant against the float64 reference; exit 1 on failure",
+                       description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
+                                   "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
+                                   "gradients) against the float64 reference, then check every variant module "
+                                   "(decode == full forward, backends == reference). Exit code 1 on any failure.")
+    p.add_argument("--backends", type=_name_list(BACKEND_NAMES), default=None,
+                   help="comma-separated backends (default: all available)")
+    p.add_argument("--dtypes", type=_name_list(DTYPE_NAMES), default=list(DTYPE_NAMES),
+                   help="comma-separated dtypes (default: float32,bfloat16,float16)")
+    p.add_argument("--variants", type=lambda t: _name_list(_variant_names())(t), default=None,
+                   help="comma-separated variants to check (default: all)")
+    p.add_argument("--no-variants", action="store_true", help="backends only")
+    p.add_argument("--quick", action="store_true", help="the quick third of the case grid")
+    p.add_argument("--no-grad", action="store_true", help="outputs only, no gradients")
+    p.add_argument("--strict", action="store_true", help="a variant whose module is missing is a failure")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed of the inputs (default: 0)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--show-failures", type=int, default=20, help="failure lines to print (default: 20)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plain", action="store_true", help="plain-text table")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("bench", help="time and peak memory against sequence length; CSV, JSON and a log-log PNG",
+                       description="Time and peak memory of backends and variants against sequence length, forward "
+                                   "or forward+backward. Writes NAME.csv, NAME.json and NAME.png into --out and "
+                                   "reports achieved GFLOP/s against a measured torch.mm peak. The defaults finish "
+                                   "in about a minute on 2 cores.")
+    p.add_argument("--backends", type=_name_list(("torch", "auto", *BACKEND_NAMES)), default=None,
+                   help="comma-separated: torch (bare SDPA), auto, reference, sdpa, tiled, flex, flash "
+                        "(default: torch,sdpa,tiled unless --variants is given)")
+    p.add_argument("--variants", type=lambda t: _name_list(_variant_names())(t), default=None,
+                   help="comma-separated registry variants, run as modules on [B, N, C]")
+    p.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048],
+                   help="comma-separated sequence lengths (default: 256,512,1024,2048)")
+    p.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd", help="(default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="B (default: %(default)s)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="H (default: %(default)s)")
+    p.add_argument("--head-dim", type=_positive_int, default=64, help="D (default: %(default)s)")
+    p.add_argument("--window", type=_positive_int, default=None, help="causal sliding window (left size)")
+    p.add_argument("--no-causal", action="store_true", help="non-causal attention for backend targets")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per case (median; default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per case (default: 1)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--max-case-seconds", type=float, default=5.0,
+                   help="skip longer sequences of a target once a call takes longer (default: 5)")
+    p.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
+    p.add_argument("--name", default="bench", help="file stem of the outputs (default: %(default)s)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG")
+    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plain", action="store_true", help="plain-text table")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("cost", help="analytic FLOPs, bytes moved, activation memory and KV cache of one layer",
+                       description="Analytic cost of one attention layer of a registered variant (attnzoo.cost."
+                                   "estimate): FLOPs, bytes moved, activation memory, KV-cache size.")
+    p.add_argument("variant", help="a registered variant (attnzoo list)")
+    p.add_argument("--seq-len", "-n", type=_positive_int, default=4096, help="N (default: %(default)s)")
+    p.add_argument("--dim", type=_positive_int, default=512, help="C (default: %(default)s)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="H (default: %(default)s)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="B (default: %(default)s)")
+    p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads (gqa)")
+    p.add_argument("--head-dim", type=_positive_int, default=None, help="D (default: C / H)")
+    p.add_argument("--window", type=_window, default=None, help="W or LEFT,RIGHT (sliding, local_global)")
+    p.add_argument("--features", type=_positive_int, default=None, help="F of linear / performer")
+    p.add_argument("--segment-len", type=_positive_int, default=None, help="S of infini")
+    p.add_argument("--chunk-size", type=_positive_int, default=None, help="chunk of the chunked causal feature-map form")
+    p.add_argument("--no-causal", action="store_true", help="bidirectional attention")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="(default: %(default)s)")
+    p.add_argument("--backend", choices=("auto", "ideal", *BACKEND_NAMES), default="auto",
+                   help="whose computed score pairs to count (default: auto)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plain", action="store_true", help="plain-text table")
+    p.set_defaults(func=cmd_cost)
+
+    p = sub.add_parser("viz", help="mask pictures (text and PNG), positional encodings, attention maps of a model",
+                       description="Draw a mask expression in the terminal (and as PNG), positional-encoding "
+                                   "pictures, or the attention maps of a saved model on a text.")
+    p.add_argument("--mask", help='mask expression, e.g. "causal & window(4,0)" (names: causal, window(l,r), '
+                                  "prefix_lm(n), global(p,...), padding(n,...), document(len,...); & | ~)")
+    p.add_argument("--n", type=_positive_int, default=None,
+                   help="queries of --mask (default: 16) or positions of --positional (default: 128)")
+    p.add_argument("--nk", type=_positive_int, default=None, help="keys (default: --n)")
+    p.add_argument("--q-offset", type=int, default=None, help="position of the first query (default: Nk - Nq)")
+    p.add_argument("--positional", choices=("sinusoidal", "rope", "alibi", "all"), default=None,
+                   help="draw positional encodings (PNG)")
+    p.add_argument("--dim", type=_positive_int, default=128, help="width / head dim for --positional (default: 128)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="ALiBi heads for --positional (default: 8)")
+    p.add_argument("--model", help="a saved model: an arena checkpoint (.pt) or a Hugging Face model folder")
+    p.add_argument("--text", help="text to run through --model")
+    p.add_argument("--layer", type=int, default=None, help="attention layer to draw (default: the last)")
+    p.add_argument("--png", help="write the picture(s) to this PNG path")
+    p.set_defaults(func=cmd_viz)
+
+    _add_arena(sub, with_arena)
+    return parser
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"attnzoo {version('attnzoo')}"
+    except Exception:  # pragma: no cover - not installed
+        return "attnzoo (not installed)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``attnzoo`` command; returns the exit code (2 for bad arguments)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The arena's options are only needed (and its module only imported) for `attnzoo arena`.
+    parser = build_parser(with_arena=bool(argv) and argv[0] == "arena")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a bad argument (2)
+        return int(exc.code or 0)
+    try:
+        return int(args.func(args))
+    except CLIError as exc:
+        print(f"attnzoo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
