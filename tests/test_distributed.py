@@ -113,7 +113,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: int, n: int,
-               dtype: torch.dtype, backend: str) -> dict[str, float]:
+               dtype: torch.dtype, backend: str, group: Any = None) -> dict[str, float]:
     """Errors of ring attention vs az.attention on the whole sequence (same seed on every rank)."""
     g = torch.Generator().manual_seed(1234 + n + hq)
     B, D, Dv = 2, 8, 6
@@ -123,19 +123,19 @@ def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: 
     d_out = torch.randn(B, hq, n, Dv, generator=g, dtype=torch.float64).to(dtype)
     ref, ref_lse = az.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="reference")
     ref.backward(d_out)
-    ql, kl, vl = (shard_sequence(t.detach(), 2, layout=layout).requires_grad_() for t in (q, k, v))
-    out, lse = ring_attention(ql, kl, vl, causal=causal, window=window, layout=layout, backend=backend,
-                              return_lse=True)
-    out.backward(shard_sequence(d_out, 2, layout=layout))
-    pos = shard_positions(n, layout=layout)
+    ql, kl, vl = (shard_sequence(t.detach(), 2, group=group, layout=layout).requires_grad_() for t in (q, k, v))
+    out, lse = ring_attention(ql, kl, vl, group=group, causal=causal, window=window, layout=layout,
+                              backend=backend, return_lse=True)
+    out.backward(shard_sequence(d_out, 2, group=group, layout=layout))
+    pos = shard_positions(n, group=group, layout=layout)
     finite = torch.isfinite(ref_lse[:, :, pos])
     return {
-        "out": _rel(gather_sequence(out.detach(), 2, layout=layout), ref),
+        "out": _rel(gather_sequence(out.detach(), 2, group=group, layout=layout), ref),
         "lse": _rel(lse[finite], ref_lse[:, :, pos][finite]),
         "lse_inf_match": float(torch.equal(torch.isinf(lse), torch.isinf(ref_lse[:, :, pos]))),
-        "dq": _rel(gather_sequence(ql.grad, 2, layout=layout), q.grad),
-        "dk": _rel(gather_sequence(kl.grad, 2, layout=layout), k.grad),
-        "dv": _rel(gather_sequence(vl.grad, 2, layout=layout), v.grad),
+        "dq": _rel(gather_sequence(ql.grad, 2, group=group, layout=layout), q.grad),
+        "dk": _rel(gather_sequence(kl.grad, 2, group=group, layout=layout), k.grad),
+        "dv": _rel(gather_sequence(vl.grad, 2, group=group, layout=layout), v.grad),
     }
 
 
@@ -209,8 +209,29 @@ def _check_context_parallel(rank: int, world: int, res: dict[str, Any]) -> None:
         }
 
 
-# DDP: a tiny causal LM of az modules, trained by the loop the arena trainer runs per rank.
+# DDP: a tiny causal LM of az modules trained by the arena's trainer (attnzoo.arena.trainer.train),
+# which under a process group wraps the model in DistributedDataParallel and gives each rank its
+# slice of the same global batch.
 DDP_STEPS, DDP_GLOBAL_BATCH, DDP_SEQ, DDP_VOCAB = 20, 8, 16, 32
+
+
+class _CountingTask:
+    """Sequences that count up modulo the vocabulary from a random start, with a little noise."""
+
+    name = "count"
+    vocab_size = DDP_VOCAB
+    seq_len = DDP_SEQ
+
+    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 100_003 + step)
+        start = torch.randint(0, DDP_VOCAB, (batch_size, 1), generator=g)
+        seq = (start + torch.arange(DDP_SEQ + 1)) % DDP_VOCAB  # [B, N + 1]
+        noise = torch.rand(seq.shape, generator=g) < 0.1
+        seq = torch.where(noise, torch.randint(0, DDP_VOCAB, seq.shape, generator=g), seq)
+        return seq[:, :-1], seq[:, 1:]
+
+    def evaluate(self, model: nn.Module, device: torch.device, seed: int) -> dict[str, float]:
+        raise NotImplementedError
 
 
 class _TinyLM(nn.Module):
@@ -229,33 +250,18 @@ class _TinyLM(nn.Module):
         return self.head(h)
 
 
-def _ddp_train(rank: int, world: int) -> list[float]:
-    """Per step: the same global batch everywhere, rank r trains on rows r::world of it."""
+def _ddp_train() -> list[float]:
+    """Global-batch losses of 20 steps; data parallel when a process group is initialised."""
+    from attnzoo.arena.trainer import TrainConfig, train
+
     torch.manual_seed(0)
-    model: nn.Module = _TinyLM()
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    data = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(DDP_STEPS):
-        batch = torch.randint(0, DDP_VOCAB, (DDP_GLOBAL_BATCH, DDP_SEQ + 1), generator=data)
-        local = batch[rank::world]
-        logits = model(local[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, DDP_VOCAB), local[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()  # DDP averages the gradients over ranks = gradient of the global mean
-        opt.step()
-        logged = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(logged)
-            logged /= world
-        losses.append(float(logged))
-    return losses
+    model = _TinyLM()
+    return train(model, _CountingTask(), DDP_STEPS, DDP_GLOBAL_BATCH, seed=0,
+                 config=TrainConfig(lr=3e-3, warmup=2))
 
 
 def _check_ddp(rank: int, world: int, res: dict[str, Any]) -> None:
-    res["ddp/losses"] = _ddp_train(rank, world)
+    res["ddp/losses"] = _ddp_train()
 
 
 def _check_silent_rank(rank: int, world: int, res: dict[str, Any]) -> None:
@@ -304,8 +310,16 @@ def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
     _timed(res, "silent", _check_silent_rank, rank, world, res)
 
 
+def _check_subgroup(rank: int, world: int, res: dict[str, Any]) -> None:
+    """Ranks 1 and 3 form a ring of their own (group ranks != global ranks)."""
+    sub = dist.new_group([1, 3])
+    if rank in (1, 3):
+        res["f64/subgroup"] = _ring_case(rank, "zigzag", True, None, 4, 2, 12, torch.float64, "reference", sub)
+
+
 def _job_four(rank: int, world: int, res: dict[str, Any]) -> None:
     _timed(res, "ring", _check_ring, rank, CASES_4, res)
+    _timed(res, "subgroup", _check_subgroup, rank, world, res)
     _timed(res, "roundtrip", _check_shard_roundtrip, rank, world, res)
     _check_dead_rank(rank, world, res)
 
@@ -372,7 +386,12 @@ def test_context_parallel_matches_module(two: list[dict[str, Any]], name: str) -
 
 
 def test_ddp_two_ranks_equals_one_process(two: list[dict[str, Any]]) -> None:
-    single = _ddp_train(0, 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the workers; tiny ops crawl with oversubscribed threads
+    try:
+        single = _ddp_train()
+    finally:
+        torch.set_num_threads(threads)
     ddp = two[0]["ddp/losses"]
     assert len(ddp) == len(single) == DDP_STEPS
     diff = max(abs(a - b) for a, b in zip(ddp, single, strict=True))
@@ -392,6 +411,10 @@ def test_silent_rank_times_out_instead_of_hanging(two: list[dict[str, Any]]) -> 
 def test_ring_matches_attention_4_ranks(four: list[dict[str, Any]], case: str) -> None:
     _assert_ring(four, f"f64/{case}", 1e-12)
     _assert_ring(four, f"f32/{case}", 1e-5)
+
+
+def test_ring_on_a_subgroup(four: list[dict[str, Any]]) -> None:
+    _assert_ring([four[1], four[3]], "f64/subgroup", 1e-12)
 
 
 def test_shard_gather_roundtrip_4_ranks(four: list[dict[str, Any]]) -> None:

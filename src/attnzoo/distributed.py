@@ -316,10 +316,13 @@ class _Ring:
     def start(self, send: Sequence[Tensor], recv_like: Sequence[tuple[tuple[int, ...], torch.dtype]],
               tag: int, what: str) -> _Pending:
         """Send ``send`` to the next rank and receive tensors of the given shapes from the previous one."""
-        works = [dist.isend(t.contiguous(), self.next, group=self.group, tag=tag + i) for i, t in enumerate(send)]
+        send = [t.contiguous() for t in send]
         bufs = [torch.empty(shape, dtype=dt, device=send[0].device) for shape, dt in recv_like]
-        works += [dist.irecv(b, self.prev, group=self.group, tag=tag + i) for i, b in enumerate(bufs)]
-        return _Pending(works, bufs, list(send), what)
+        # One batch per exchange: NCCL needs matching sends/receives grouped to avoid deadlock.
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag + i) for i, t in enumerate(send)]
+        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag + i) for i, b in enumerate(bufs)]
+        works = dist.batch_isend_irecv(ops)
+        return _Pending(works, bufs, send, what)
 
     def finish(self, p: _Pending) -> list[Tensor]:
         for w in p.works:
