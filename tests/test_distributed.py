@@ -33,6 +33,7 @@ from torch import nn
 import attnzoo as az
 from attnzoo.distributed import (
     ContextParallel,
+    context_parallel,
     gather_sequence,
     ring_attention,
     shard_positions,
@@ -209,6 +210,29 @@ def _check_context_parallel(rank: int, world: int, res: dict[str, Any]) -> None:
         }
 
 
+def _check_context_parallel_model(rank: int, world: int, res: dict[str, Any]) -> None:
+    """A whole DecoderLM (RoPE, GQA) with context_parallel: local logits and summed grads match."""
+    g = torch.Generator().manual_seed(4)
+    torch.manual_seed(3)
+    model = az.DecoderLM(32, 32, 2, 4, num_kv_heads=2, dtype=torch.float64)
+    tokens = torch.randint(0, 32, (2, 16), generator=g)
+    logits = model(tokens)  # [B, N, V]
+    g_logits = torch.randn(logits.shape, generator=g, dtype=torch.float64)
+    logits.backward(g_logits)
+    full_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    context_parallel(model, layout="zigzag", backend="reference")
+    local = model(shard_sequence(tokens, 1, layout="zigzag"), positions=shard_positions(16, layout="zigzag"))
+    local.backward(shard_sequence(g_logits, 1, layout="zigzag"))
+    errs = []
+    for n, p in model.named_parameters():
+        gr = p.grad.clone()
+        dist.all_reduce(gr)
+        errs.append(_rel(gr, full_grads[n.replace(".module.", ".")]))
+    res["cp/decoder_lm"] = {"out": _rel(gather_sequence(local.detach(), 1, layout="zigzag"), logits),
+                            "dparams": max(errs)}
+
+
 # DDP: a tiny causal LM of az modules trained by the arena's trainer (attnzoo.arena.trainer.train),
 # which under a process group wraps the model in DistributedDataParallel and gives each rank its
 # slice of the same global batch.
@@ -306,6 +330,7 @@ def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
     _timed(res, "roundtrip", _check_shard_roundtrip, rank, world, res)
     _timed(res, "errors", _check_errors, rank, world, res)
     _timed(res, "context_parallel", _check_context_parallel, rank, world, res)
+    _timed(res, "context_parallel_model", _check_context_parallel_model, rank, world, res)
     _timed(res, "ddp", _check_ddp, rank, world, res)
     _timed(res, "silent", _check_silent_rank, rank, world, res)
 
@@ -378,7 +403,7 @@ def test_bad_shards_raise_on_every_rank(two: list[dict[str, Any]], key: str) -> 
         assert res["err/group_still_usable"] == 1.0
 
 
-@pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir"])
+@pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir", "decoder_lm"])
 def test_context_parallel_matches_module(two: list[dict[str, Any]], name: str) -> None:
     for r, res in enumerate(two):
         errs = res[f"cp/{name}"]
@@ -482,4 +507,12 @@ def test_context_parallel_rejects_unsupported_modules() -> None:
         ContextParallel(az.MultiHeadAttention(16, 2, kv_dim=8))
     with pytest.raises(ValueError, match="layout must be one of"):
         ContextParallel(az.MultiHeadAttention(16, 2), layout="rows")
+    with pytest.raises(ValueError, match="no self-attention"):
+        context_parallel(nn.Sequential(nn.Linear(4, 4)))
+    model = nn.Sequential(az.MultiHeadAttention(16, 2), az.MultiHeadAttention(16, 2, alibi=True))
+    with pytest.raises(ValueError, match="ALiBi"):
+        context_parallel(model)
+    assert not isinstance(model[0], ContextParallel), "a failed context_parallel must not change the model"
+    wrapped = context_parallel(nn.Sequential(az.MultiHeadAttention(16, 2), nn.Linear(16, 16)))
+    assert isinstance(wrapped[0], ContextParallel) and isinstance(wrapped[1], nn.Linear)
 

@@ -60,6 +60,7 @@ from attnzoo.functional.attention import attention, merge_attention
 __all__ = [
     "LAYOUTS",
     "ContextParallel",
+    "context_parallel",
     "gather_sequence",
     "ring_attention",
     "shard_positions",
@@ -745,16 +746,22 @@ class ContextParallel(nn.Module):
         self.backend = backend
         self.timeout = _timeout(timeout)
 
-    def forward(self, x: Tensor, *, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, *, positions: Tensor | None = None, mask: Any = None, cache: Any = None) -> Tensor:
         """Attend from this rank's tokens ``x [B, n, C]`` to the whole sharded sequence.
 
         Args:
             x: the local shard.
-            positions: global positions of the local tokens, int ``[n]`` (default: from the layout
-                and every rank's shard length, i.e. :func:`shard_positions`). Used for RoPE.
+            positions: global positions of the local tokens, int ``[n]`` or ``[B, n]`` (default:
+                from the layout and every rank's shard length, i.e. :func:`shard_positions`).
+                Used for RoPE.
+            mask, cache: not supported (``ValueError`` unless ``None``): ring attention takes
+                ``causal``/``window`` from the module, and a sharded sequence is not decoded.
         """
         _require_dist("ContextParallel")
         m = self.module
+        if mask is not None or cache is not None:
+            raise ValueError("ContextParallel: mask= and cache= are not supported (ring attention uses the "
+                             "module's causal/window; decode with the unwrapped module)")
         if not isinstance(x, Tensor):
             raise TypeError(f"ContextParallel: x must be a tensor [B, n, C], got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != m.dim:
@@ -772,8 +779,10 @@ class ContextParallel(nn.Module):
                 rank = dist.get_rank(self.group)
                 positions = torch.cat([torch.arange(s.global_lo, s.global_lo + s.length, device=x.device)
                                        for s in _segments(self.layout, lengths, rank)])
-            elif not isinstance(positions, Tensor) or positions.shape != (n,) or positions.is_floating_point():
-                raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}], got "
+            elif (not isinstance(positions, Tensor) or tuple(positions.shape) not in ((n,), (B, n))
+                  or positions.is_floating_point()):
+                raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
+                                 f"[{B}, {n}], got "
                                  f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
             cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
             cos, sin = m.rope.cos_sin(positions.to(x.device), cdt)
@@ -782,3 +791,38 @@ class ContextParallel(nn.Module):
                              layout=self.layout, backend=self.backend, timeout=self.timeout)
         assert isinstance(out, Tensor)
         return m.out_proj(out.transpose(1, 2).reshape(B, n, H * D))  # [B, n, C]
+
+
+def context_parallel(
+    model: nn.Module,
+    *,
+    group: Any = None,
+    layout: str = "contiguous",
+    backend: str = "auto",
+    timeout: float | timedelta | None = None,
+) -> nn.Module:
+    """Wrap every self-attention ``MultiHeadAttention`` inside ``model`` in :class:`ContextParallel`.
+
+    Afterwards the model takes this rank's shard of the tokens and their global positions, e.g.
+    ``model(shard_sequence(tokens, 1, layout=...), positions=shard_positions(N, layout=...))`` for a
+    :class:`~attnzoo.DecoderLM`, and returns the outputs of the local tokens. Modules that cannot
+    run on a ring (cross-attention, ALiBi, dropout, masks) raise ``ValueError`` here, before any
+    communication. Parameters are shared, not copied; ``model`` is modified in place and returned.
+    """
+    from attnzoo.nn.attention import MultiHeadAttention
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"context_parallel: model must be an nn.Module, got {type(model).__name__}")
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, MultiHeadAttention) and mod.kv_dim is None and name]
+    if isinstance(model, MultiHeadAttention):
+        raise TypeError("context_parallel: wrap a single attention module with ContextParallel(module)")
+    if not targets:
+        raise ValueError(f"context_parallel: {type(model).__name__} contains no self-attention MultiHeadAttention")
+    wrapped = [(name, ContextParallel(mod, group=group, layout=layout, backend=backend, timeout=timeout))
+               for name, mod in targets]  # validate all before changing anything
+    for name, cp in wrapped:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, cp)
+    return model
