@@ -516,3 +516,21 @@ def test_context_parallel_rejects_unsupported_modules() -> None:
     wrapped = context_parallel(nn.Sequential(az.MultiHeadAttention(16, 2), nn.Linear(16, 16)))
     assert isinstance(wrapped[0], ContextParallel) and isinstance(wrapped[1], nn.Linear)
 
+
+
+@pytest.mark.slow
+def test_example_script_under_torchrun() -> None:
+    """docs/distributed.md's quick start: torchrun on 2 ranks, ring == attention, CP loss == 1 process."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "examples" / "distributed_ring.py")],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = float(re.search(r"max \|ring - attention\| = (\S+)", proc.stdout).group(1))  # type: ignore[union-attr]
+    assert err < 1e-4, proc.stdout
+    cp, single = map(float, re.search(r"loss (\S+), one process: (\S+)", proc.stdout).groups())  # type: ignore[union-attr]
+    assert abs(cp - single) < 1e-4 * abs(single), proc.stdout
