@@ -69,4 +69,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - static re-exports for type checkers
-    from attnzoo.functional.attention import attention, available_backends, merge_attention
+    from attnzoo.functional.attention import (  # noqa: F401
+        attention,
+        available_backends,
+        merge_attention,
+    )

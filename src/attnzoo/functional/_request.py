@@ -14,7 +14,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from attnzoo.masks import Mask, causal as causal_mask, sliding_window
+from attnzoo.masks import Mask, sliding_window
+from attnzoo.masks import causal as causal_mask
 
 Window = tuple[int | None, int | None]
 
@@ -163,10 +164,14 @@ class AttnRequest:
             f.add("softcap")
         if self.alibi_slopes is not None:
             f.add("alibi_slopes")
+            if self.alibi_slopes.requires_grad:
+                f.add("alibi gradient")
         if self.dropout_p > 0:
             f.add("dropout")
         if self.float_mask is not None:
             f.add("float mask")
+            if self.float_mask.requires_grad:
+                f.add("float mask gradient")
         if self.bool_mask is not None:
             f.add("bool mask")
         if self.mask_obj is not None:
@@ -259,7 +264,7 @@ def build_request(
             raise ValueError(f"mask must have rank 2 to 4 and broadcast to [B, Hq, Nq, Nk] = "
                              f"{[B, Hq, Nq, Nk]}, got shape {_shape(mask)}")
         m4 = mask.reshape((1,) * (4 - mask.dim()) + _shape(mask))
-        for got, want, letter in zip(m4.shape, (B, Hq, Nq, Nk), "B H Nq Nk".split(), strict=True):
+        for got, want, letter in zip(m4.shape, (B, Hq, Nq, Nk), ["B", "H", "Nq", "Nk"], strict=True):
             if got not in (1, want):
                 raise ValueError(f"mask of shape {_shape(mask)} does not broadcast to [B, Hq, Nq, Nk] = "
                                  f"{[B, Hq, Nq, Nk]} (dimension {letter}: got {got}, expected 1 or {want})")

@@ -24,13 +24,16 @@ BACKENDS = ("reference", "sdpa", "tiled", "flex", "flash")
 _UNSUPPORTED: dict[str, frozenset[str]] = {
     "reference": frozenset(),
     "sdpa": frozenset({"return_lse", "return_weights", "softcap", "float64"}),
-    "tiled": frozenset({"return_weights", "dropout"}),
-    "flex": frozenset({"return_weights", "dropout", "float64"}),
-    "flash": frozenset({"return_weights", "float mask", "bool mask", "Mask object", "float64", "Dv != D"}),
+    "tiled": frozenset({"return_weights", "dropout", "float mask gradient", "alibi gradient"}),
+    "flex": frozenset({"return_weights", "dropout", "float64", "float mask gradient", "alibi gradient"}),
+    "flash": frozenset({"return_weights", "float mask", "bool mask", "Mask object", "float64", "Dv != D",
+                        "alibi gradient"}),
 }
 
-# Window/mask sparsity from which the tiled backend beats a dense fused kernel (see docs/backends.md).
+# Window/mask sparsity from which the tiled backend beats a dense fused kernel, and the score-matrix
+# size below which a dense kernel wins anyway (Python overhead per tile); see docs/backends.md.
 _SPARSE_FRACTION = 0.5
+_SPARSE_MIN_SCORES = 1 << 20
 
 
 def _flash_available(device: torch.device) -> bool:
@@ -58,8 +61,15 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 def _missing(r: AttnRequest, backend: str) -> set[str]:
     missing = r.features() & _UNSUPPORTED[backend]
-    if backend == "flash" and r.q.dtype not in (torch.float16, torch.bfloat16):
-        missing.add(f"dtype {r.q.dtype} (flash-attn needs float16/bfloat16)")
+    if backend == "flex" and r.q.device.type == "cpu" and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (r.q, r.k, r.v)):
+        missing.add("gradients on CPU (FlexAttention has no CPU backward)")
+    if backend == "flash":
+        if r.q.dtype not in (torch.float16, torch.bfloat16):
+            missing.add(f"dtype {r.q.dtype} (flash-attn needs float16/bfloat16)")
+        aligned = r.q_offset == r.nk - r.nq
+        if not aligned and (r.causal or r.window is not None or r.alibi_slopes is not None):
+            missing.add(f"q_offset={r.q_offset} (flash-attn aligns bottom-right: q_offset = Nk - Nq)")
     return missing
 
 
@@ -79,10 +89,11 @@ def choose_backend(r: AttnRequest) -> str:
     2. CUDA, half precision, flash-attn installed, and nothing flash lacks -> ``flash``.
     3. Dropout -> ``sdpa`` (``reference`` if sdpa lacks a feature, e.g. softcap).
     4. ``return_lse`` or ``softcap`` -> ``tiled``.
-    5. A window or mask that hides at least half of the tiles -> ``tiled`` (it skips them; a dense
-       kernel computes every score).
-    6. float16/bfloat16 on CPU -> ``tiled`` (half-precision matmuls with a float32 softmax; torch's
-       CPU SDPA gains nothing from half precision).
+    5. A window or mask that hides at least half of the 128 x 128 tiles of a score matrix of at
+       least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
+    6. float16/bfloat16 on a CPU with native half-precision matmuls (AVX-512 BF16/FP16 or AMX) ->
+       ``tiled`` (half-precision tile matmuls with a float32 softmax; torch's CPU SDPA gains
+       nothing from half precision there). Without them half matmuls are slow and ``sdpa`` wins.
     7. Otherwise -> ``sdpa``.
     """
     feats = r.features()
@@ -95,10 +106,14 @@ def choose_backend(r: AttnRequest) -> str:
         return "sdpa" if not _missing(r, "sdpa") else "reference"
     if "return_lse" in feats or "softcap" in feats:
         return "tiled"
-    if r.structure is not None and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION:
+    if (r.structure is not None and r.nq * r.nk >= _SPARSE_MIN_SCORES
+            and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION):
         return "tiled"
     if dev.type == "cpu" and r.q.dtype in (torch.float16, torch.bfloat16):
-        return "tiled"
+        from attnzoo.functional.tiled import native_half_matmul
+
+        if native_half_matmul(r.q.dtype, "cpu"):
+            return "tiled"
     return "sdpa"
 
 

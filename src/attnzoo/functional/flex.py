@@ -1,0 +1,131 @@
+"""The ``flex`` backend: torch FlexAttention driven by the same :class:`~attnzoo.masks.Mask`.
+
+* The request's structure (causal, window, Mask object) and any bool tensor become FlexAttention's
+  ``mask_mod``; query rows are shifted by ``q_offset`` so positions stay absolute.
+* The :class:`BlockMask` is built from :meth:`Mask.block_map` (no ``Nq x Nk`` tensor), with full
+  and partial tiles kept apart so FlexAttention skips the mask on full tiles.
+* softcap, ALiBi and float masks become a ``score_mod``.
+* ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile`` once per shape, which
+  is what makes it fast; the first call of a shape pays the compile time. Set
+  ``attnzoo.functional.flex.COMPILE = False`` for FlexAttention's eager (debug) path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnzoo.functional._request import AttnRequest
+from attnzoo.masks import BLOCK_FULL, BLOCK_PARTIAL
+
+COMPILE = True
+FLEX_BLOCK = 128
+
+_compiled: dict[str, Callable[..., Any]] = {}
+
+
+def _flex_fn(compiled: bool) -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if "fn" not in _compiled:
+        _compiled["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _compiled["fn"]
+
+
+def _indices(cls: Tensor, kind: int) -> tuple[Tensor, Tensor]:
+    """Count and column indices (sorted, padded) of tiles of ``kind`` per query block."""
+    hit = cls == kind  # [B, H, nQB, nKB]
+    n_kb = cls.shape[-1]
+    col = torch.arange(n_kb, device=cls.device).expand_as(cls)
+    key = torch.where(hit, col, torch.full_like(col, n_kb))  # non-hits sort last
+    order = torch.sort(key, dim=-1).values.clamp(max=n_kb - 1)
+    return hit.sum(dim=-1).to(torch.int32), order.to(torch.int32)
+
+
+def build_block_mask(r: AttnRequest) -> Any:
+    """FlexAttention ``BlockMask`` for a request, from the mask algebra's block map."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    mask_mod = _mask_mod(r)
+    s = r.structure
+    dev = r.q.device
+    if s is None:
+        n_qb, n_kb = -(-r.nq // FLEX_BLOCK), -(-r.nk // FLEX_BLOCK)
+        cls = torch.full((1, 1, n_qb, n_kb), BLOCK_FULL, dtype=torch.int8, device=dev)
+    else:
+        cls = s.block_map(r.batch, r.hq, r.nq, r.nk, FLEX_BLOCK, FLEX_BLOCK, q_offset=r.q_offset, device=dev)
+    if r.bool_mask is not None:
+        cls = torch.where(cls == BLOCK_FULL, torch.full_like(cls, BLOCK_PARTIAL), cls)
+    if cls.shape[0] != r.batch or cls.shape[1] != r.hq:
+        cls = cls.expand(r.batch, r.hq, *cls.shape[2:]).contiguous()
+    n_part, i_part = _indices(cls, BLOCK_PARTIAL)
+    n_full, i_full = _indices(cls, BLOCK_FULL)
+    return BlockMask.from_kv_blocks(n_part, i_part, n_full, i_full, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(r.nq, r.nk))
+
+
+def _mask_mod(r: AttnRequest) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    s = r.structure
+    bm = r.bool_mask
+    off = r.q_offset
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        ok = torch.ones((), dtype=torch.bool, device=q_idx.device)
+        if s is not None:
+            ok = ok & s.fn(b, h, q_idx + off, kv_idx)
+        if bm is not None:
+            bb = b if bm.shape[0] > 1 else torch.zeros_like(b)
+            hh = h if bm.shape[1] > 1 else torch.zeros_like(h)
+            qq = q_idx if bm.shape[2] > 1 else torch.zeros_like(q_idx)
+            kk = kv_idx if bm.shape[3] > 1 else torch.zeros_like(kv_idx)
+            ok = ok & bm[bb, hh, qq, kk]
+        return ok
+
+    return mask_mod
+
+
+def _score_mod(r: AttnRequest) -> Callable[..., Tensor] | None:
+    cap, slopes, fm, off = r.softcap, r.alibi_slopes, r.float_mask, r.q_offset
+    if cap is None and slopes is None and fm is None:
+        return None
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if cap is not None:
+            score = torch.tanh(score / cap) * cap
+        if slopes is not None:
+            score = score - slopes[h] * (q_idx + off - kv_idx).abs()
+        if fm is not None:
+            bb = b if fm.shape[0] > 1 else torch.zeros_like(b)
+            hh = h if fm.shape[1] > 1 else torch.zeros_like(h)
+            qq = q_idx if fm.shape[2] > 1 else torch.zeros_like(q_idx)
+            kk = kv_idx if fm.shape[3] > 1 else torch.zeros_like(kv_idx)
+            score = score + fm[bb, hh, qq, kk]
+        return score
+
+    return score_mod
+
+
+def flex_attention_backend(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
+    """Attention through FlexAttention. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32 or None)``."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    block_mask = build_block_mask(r)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
+    # torch.compile of FlexAttention on CPU supports inference without LSE only; other CPU requests
+    # run FlexAttention's eager path (exact, but it materialises the scores).
+    compiled = COMPILE and not (r.q.device.type == "cpu" and (needs_grad or r.return_lse))
+    fn = _flex_fn(compiled)
+    kwargs: dict[str, Any] = {"score_mod": _score_mod(r), "block_mask": block_mask, "scale": r.scale,
+                              "enable_gqa": r.group > 1}
+    if not r.return_lse:
+        return fn(r.q, r.k, r.v, **kwargs), None
+    out, aux = fn(r.q, r.k, r.v, return_aux=AuxRequest(lse=True), **kwargs)
+    lse = aux.lse.float()
+    # FlexAttention reports an empty row's LSE as -inf; make its output exactly zero too.
+    out = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
+    return out, lse

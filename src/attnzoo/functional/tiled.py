@@ -1,0 +1,342 @@
+r"""The ``tiled`` backend: flash-style exact attention in plain PyTorch.
+
+Queries are cut into blocks of ``block_q`` rows; for each query block the keys it can see are
+visited in chunks (runs of key tiles that the mask's block map does not prove empty). Online
+softmax keeps, per query row, the running maximum :math:`m`, normaliser :math:`\ell` and
+unnormalised output :math:`o`. For a new chunk with scores :math:`s_j`:
+
+.. math::
+
+    m' = \max(m, \max_j s_j), \quad
+    \ell' = e^{m - m'} \ell + \sum_j e^{s_j - m'}, \quad
+    o' = e^{m - m'} o + \sum_j e^{s_j - m'} v_j,
+
+and at the end :math:`\text{out} = o / \ell`, :math:`\text{lse} = m + \log \ell`. Only one
+``block_q x chunk`` score tile exists at a time, so memory is ``O(N x block)``, not ``O(N^2)``.
+
+The backward pass (a custom autograd function) recomputes each tile's probabilities from the
+saved LSE, :math:`P = e^{S - \text{lse}}`, and accumulates
+
+.. math::
+
+    dV \mathrel{+}= P^\top dO, \quad dS = P \odot (dO\,V^\top - \delta), \quad
+    \delta = \text{rowsum}(dO \odot O), \quad dQ \mathrel{+}= dS\,K, \quad dK \mathrel{+}= dS^\top Q
+
+(times the scale, and the softcap derivative :math:`1 - \tanh^2` when a softcap is set), again
+one tile at a time. GQA never expands K/V: the ``G = Hq / Hkv`` query heads of a group are folded
+into the row dimension, ``[B, Hkv, G * block_q, D]``, and multiply the shared K/V directly.
+Half-precision inputs use half-precision matmuls with float32 softmax, statistics and
+accumulators.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnzoo.functional._request import AttnRequest
+from attnzoo.masks import BLOCK_EMPTY, BLOCK_FULL
+
+__all__ = ["TilePlan", "tile_plan", "tiled_attention"]
+
+#: Query rows per block and key tile size used for the block map.
+BLOCK_Q = 256
+BLOCK_K = 128
+#: Longest key chunk processed at once; neighbouring runs shorter than MERGE_K are merged.
+MAX_CHUNK_K = 2048
+MERGE_K = 512
+
+
+@dataclass(frozen=True)
+class Chunk:
+    k_lo: int
+    k_hi: int
+    needs_mask: bool
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Which key chunks every query block visits."""
+
+    block_q: int
+    block_k: int
+    n_q_blocks: int
+    n_k_blocks: int
+    n_tiles: int  # non-empty (q_block, k_block) tiles
+    rows: tuple[tuple[Chunk, ...], ...]  # per query block
+
+
+def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = None) -> TilePlan:
+    """Plan the visit of ``r``: skip tiles empty for every (batch, head), mask only partial ones."""
+    block_q = block_q or BLOCK_Q
+    block_k = block_k or BLOCK_K
+    n_qb = -(-r.nq // block_q)
+    n_kb = -(-r.nk // block_k)
+    s = r.structure
+    if s is None:
+        cls = torch.full((n_qb, n_kb), BLOCK_FULL, dtype=torch.int8)
+    else:
+        bm = s.block_map(r.batch, r.hq if _head_dependent(s) else 1, r.nq, r.nk, block_q, block_k,
+                         q_offset=r.q_offset)
+        # Reduce over batch and heads: empty only if empty everywhere, full only if full everywhere.
+        lo = bm.amin(dim=(0, 1))
+        hi = bm.amax(dim=(0, 1))
+        cls = torch.where(hi == BLOCK_EMPTY, BLOCK_EMPTY, torch.where(lo == BLOCK_FULL, BLOCK_FULL, 1)).to(torch.int8)
+    if r.bool_mask is not None:  # a dense bool tensor is not analysed: its tiles are partial
+        cls = torch.where(cls == BLOCK_FULL, torch.ones_like(cls), cls)
+    cls_list = cls.tolist()
+    rows: list[tuple[Chunk, ...]] = []
+    n_tiles = 0
+    for i in range(n_qb):
+        runs: list[list[int]] = []  # [k_block_lo, k_block_hi_exclusive, kind]
+        for j, c in enumerate(cls_list[i]):
+            if c == BLOCK_EMPTY:
+                continue
+            n_tiles += 1
+            kind = 0 if c == BLOCK_FULL else 1
+            if runs and runs[-1][1] == j and runs[-1][2] == kind:
+                runs[-1][1] = j + 1
+            else:
+                runs.append([j, j + 1, kind])
+        # Merge adjacent short runs (fewer, larger matmuls beat skipping a mask on a few tiles).
+        merged: list[list[int]] = []
+        for run in runs:
+            if merged and merged[-1][1] == run[0] and (run[1] - merged[-1][0]) * block_k <= MERGE_K:
+                merged[-1][1] = run[1]
+                merged[-1][2] = max(merged[-1][2], run[2])
+            else:
+                merged.append(list(run))
+        chunks: list[Chunk] = []
+        per = max(1, MAX_CHUNK_K // block_k)
+        for j0, j1, kind in merged:
+            for a in range(j0, j1, per):
+                b = min(j1, a + per)
+                chunks.append(Chunk(a * block_k, min(r.nk, b * block_k), bool(kind)))
+        rows.append(tuple(chunks))
+    return TilePlan(block_q, block_k, n_qb, n_kb, n_tiles, tuple(rows))
+
+
+def _head_dependent(m: object) -> bool:
+    # Builders never read the head index; a custom predicate might, so give it every head.
+    from attnzoo.masks import Mask
+
+    assert isinstance(m, Mask)
+    return any(leaf._tiles is None and leaf.name != "document" for leaf in m._leaves())
+
+
+# ---------------------------------------------------------------------------- helpers
+def _fold(t: Tensor | None, hkv: int, group: int, rows: int, cols: int) -> Tensor | None:
+    """``[b, Hq|1, bq|1, bk|1]`` -> ``[b, Hkv|1, G*bq, bk]`` matching the folded query rows."""
+    if t is None:
+        return None
+    t = t.expand(t.shape[0], t.shape[1], rows, cols)
+    b, h, bq, bk = t.shape
+    if h == 1:
+        if group == 1:
+            return t
+        return t.unsqueeze(2).expand(b, 1, group, bq, bk).reshape(b, 1, group * bq, bk)
+    return t.reshape(b, hkv, group * bq, bk)
+
+
+def _tile_scores(r: AttnRequest, q_t: Tensor, k_c: Tensor, q_lo: int, q_hi: int, chunk: Chunk,
+                 ) -> tuple[Tensor, Tensor | None]:
+    """Scaled, capped, biased and masked float32 scores of one tile ``[B, Hkv, G*bq, bk]``.
+
+    Also returns ``tanh(raw / softcap)`` when a softcap is set (for the backward pass)."""
+    s = torch.matmul(q_t, k_c.transpose(-1, -2))  # [B, Hkv, G*bq, bk] (q_t is pre-scaled)
+    if s.dtype != torch.float32 and s.dtype != torch.float64:
+        s = s.float()
+    t: Tensor | None = None
+    if r.softcap is not None:
+        t = torch.tanh(s / r.softcap)
+        s = t * r.softcap
+    rows, cols = q_hi - q_lo, chunk.k_hi - chunk.k_lo
+    bias = _fold(r.bias(q_lo, q_hi, chunk.k_lo, chunk.k_hi), r.hkv, r.group, rows, cols)
+    if bias is not None:
+        s = s + bias
+    if chunk.needs_mask:
+        allowed = _fold(r.allowed(q_lo, q_hi, chunk.k_lo, chunk.k_hi), r.hkv, r.group, rows, cols)
+        if allowed is not None:
+            s = s.masked_fill(~allowed, float("-inf"))
+    return s, t
+
+
+def _fold_q(x: Tensor, hkv: int, group: int, lo: int, hi: int) -> Tensor:
+    """Rows ``lo:hi`` of ``[B, Hq, N, E]`` as ``[B, Hkv, G*(hi-lo), E]``."""
+    b, _, _, e = x.shape
+    return x[:, :, lo:hi].reshape(b, hkv, group * (hi - lo), e)
+
+
+def _unfold_rows(x: Tensor, hq: int, rows: int) -> Tensor:
+    """``[B, Hkv, G*rows, ...]`` -> ``[B, Hq, rows, ...]``."""
+    return x.reshape(x.shape[0], hq, rows, *x.shape[3:])
+
+
+#: Largest bound on |score| for which the exponentials need no max-subtraction (float32 safe:
+#: e^60 times any realistic key count stays far below the float32 maximum ~e^88, and e^-60 far
+#: above the smallest normal number ~e^-87).
+STATIC_SHIFT_BOUND = 60.0
+
+
+def _score_bound(r: AttnRequest, qs: Tensor, k: Tensor) -> Tensor | None:
+    """Per-row upper bound on |score| ``[B, Hkv, G*Nq]`` by Cauchy-Schwarz, or ``None`` if biases
+    could push scores beyond it (float masks, negative ALiBi slopes)."""
+    if r.float_mask is not None or (r.alibi_slopes is not None and bool((r.alibi_slopes < 0).any())):
+        return None
+    k_max = k.float().norm(dim=-1).amax(dim=-1, keepdim=True)  # [B, Hkv, 1]
+    q_norm = qs.float().norm(dim=-1).reshape(qs.shape[0], r.hkv, -1)  # [B, Hkv, G*Nq], q pre-scaled
+    bound = q_norm * k_max
+    if r.softcap is not None:
+        bound = bound.clamp(max=r.softcap)
+    return bound
+
+
+def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Online-softmax forward. Returns ``out [B, Hq, Nq, Dv]`` (input dtype) and float32 ``lse``.
+
+    When every score of a query block is provably within ``STATIC_SHIFT_BOUND`` of zero, the
+    block skips the running maximum entirely (shift 0: exact, and two passes over each tile
+    fewer); otherwise it runs the classic max-tracking recurrence.
+    """
+    B, Hq, Nq, _ = q.shape
+    Dv = v.shape[-1]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, Nq, dtype=acc_dtype, device=q.device)
+    qs = q * r.scale  # scale folded into q once: [B, Hq, Nq, D]
+    bound = _score_bound(r, qs, k)
+    if bound is not None:
+        bound = bound.reshape(B, r.hkv, r.group, Nq)
+    # V with a column of ones: one matmul gives both sum_j p_j v_j and sum_j p_j.
+    v_aug = torch.cat([v, torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)], dim=-1)
+    for i, chunks in enumerate(plan.rows):
+        q_lo, q_hi = i * plan.block_q, min(Nq, (i + 1) * plan.block_q)
+        rows = q_hi - q_lo
+        if not chunks:
+            out[:, :, q_lo:q_hi] = 0
+            lse[:, :, q_lo:q_hi] = float("-inf")
+            continue
+        q_t = _fold_q(qs, r.hkv, r.group, q_lo, q_hi)  # [B, Hkv, G*bq, D]
+        static = bound is not None and float(bound[..., q_lo:q_hi].max()) <= STATIC_SHIFT_BOUND
+        m: Tensor | None = None
+        acc: Tensor | None = None  # [B, Hkv, G*bq, Dv + 1]: unnormalised output and normaliser
+        for c in chunks:
+            s, _ = _tile_scores(r, q_t, k[:, :, c.k_lo:c.k_hi], q_lo, q_hi, c)  # [B, Hkv, G*bq, bk]
+            if static:
+                p = s.exp_()  # shift 0; hidden keys -> 0
+                pv = torch.matmul(p, v_aug[:, :, c.k_lo:c.k_hi])  # [B, Hkv, G*bq, Dv + 1]
+                acc = pv.to(acc_dtype) if acc is None else acc.add_(pv)
+                continue
+            m_c = s.amax(dim=-1, keepdim=True)
+            m_new = m_c if m is None else torch.maximum(m, m_c)  # running max, -inf if nothing seen
+            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            p = s.sub_(m_safe).exp_()  # in place on the tile; hidden keys -> 0
+            pv = torch.matmul(p, v_aug[:, :, c.k_lo:c.k_hi])  # [B, Hkv, G*bq, Dv + 1]
+            if acc is None or m is None:
+                acc = pv.to(acc_dtype)
+            else:
+                acc = acc.mul_(torch.exp(m - m_safe)).add_(pv)  # rescale old statistics; exp(-inf) = 0
+            m = m_new
+        assert acc is not None
+        ell = acc[..., Dv:]  # [B, Hkv, G*bq, 1]
+        ok = ell > 0
+        safe_ell = torch.where(ok, ell, torch.ones_like(ell))
+        o = acc[..., :Dv] / safe_ell
+        shift = torch.zeros_like(ell) if m is None else torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        row_lse = torch.where(ok, shift + torch.log(safe_ell), torch.full_like(ell, float("-inf")))
+        out[:, :, q_lo:q_hi] = _unfold_rows(o, Hq, rows).to(q.dtype)
+        lse[:, :, q_lo:q_hi] = _unfold_rows(row_lse.squeeze(-1), Hq, rows)
+    return out, lse
+
+
+def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              d_out: Tensor, d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    B, Hq, Nq, _ = q.shape
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+    delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)  # [B, Hq, Nq]
+    if d_lse is not None:  # d lse / d s = p, so a gradient on the LSE shifts delta
+        delta = delta - torch.nan_to_num(d_lse.to(acc_dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    qs = q * r.scale
+    for i, chunks in enumerate(plan.rows):
+        if not chunks:
+            continue
+        q_lo, q_hi = i * plan.block_q, min(Nq, (i + 1) * plan.block_q)
+        q_t = _fold_q(qs, r.hkv, r.group, q_lo, q_hi)  # [B, Hkv, G*bq, D]
+        do_t = _fold_q(d_out, r.hkv, r.group, q_lo, q_hi)  # [B, Hkv, G*bq, Dv]
+        lse_t = lse[:, :, q_lo:q_hi].reshape(B, r.hkv, -1, 1)
+        lse_t = torch.where(torch.isfinite(lse_t), lse_t, torch.full_like(lse_t, float("inf")))
+        delta_t = delta[:, :, q_lo:q_hi].reshape(B, r.hkv, -1, 1)
+        dq_t = torch.zeros(q_t.shape, dtype=acc_dtype, device=q.device)
+        for c in chunks:
+            k_c, v_c = k[:, :, c.k_lo:c.k_hi], v[:, :, c.k_lo:c.k_hi]
+            s, t = _tile_scores(r, q_t, k_c, q_lo, q_hi, c)
+            p = torch.exp(s - lse_t)  # [B, Hkv, G*bq, bk]; rows with no key -> 0
+            dv[:, :, c.k_lo:c.k_hi] += torch.matmul(p.transpose(-1, -2).to(v.dtype), do_t)
+            dp = torch.matmul(do_t, v_c.transpose(-1, -2)).to(acc_dtype)
+            ds = p * (dp - delta_t)
+            if t is not None:
+                ds = ds * (1 - t * t)
+            ds_in = ds.to(q.dtype)
+            dq_t += torch.matmul(ds_in, k_c)
+            dk[:, :, c.k_lo:c.k_hi] += torch.matmul(ds_in.transpose(-1, -2), q_t)
+        dq[:, :, q_lo:q_hi] = _unfold_rows(dq_t, Hq, q_hi - q_lo)
+    # q_t was pre-scaled: dS/dq = scale * k and dk accumulated against scaled q already.
+    return (dq * r.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, r: AttnRequest, plan: TilePlan):  # type: ignore[override]
+        out, lse = _forward(r, plan, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.r, ctx.plan = r, plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor, d_lse: Tensor | None):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.r, ctx.plan, q, k, v, out, lse, d_out.contiguous(), d_lse)
+        return dq, dk, dv, None, None
+
+
+@functools.cache
+def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether ``device_type`` multiplies ``dtype`` (float16/bfloat16) matrices natively.
+
+    CUDA: yes. CPU: only with the AVX-512/AMX half-precision instructions (read from
+    ``/proc/cpuinfo``); without them torch's CPU half matmuls are orders of magnitude slower than
+    float32 ones, so the tiled backend computes each tile in float32 instead.
+    """
+    if device_type != "cpu":
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:  # pragma: no cover - non-Linux
+        return False
+    wanted = {"avx512_bf16", "amx_bf16"} if dtype == torch.bfloat16 else {"avx512_fp16", "amx_fp16"}
+    return bool(flags & wanted)
+
+
+def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
+    """Exact attention by key tiles. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32)``.
+
+    Gradients flow to q, k and v from both outputs (a gradient on the LSE is what merging
+    partial results needs); not to float masks or ALiBi slopes (the dispatcher routes requests
+    that need those gradients elsewhere)."""
+    plan = tile_plan(r, block_q or BLOCK_Q, block_k or BLOCK_K)
+    q, k, v = r.q, r.k, r.v
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if half and not native_half_matmul(q.dtype, q.device.type):
+        q, k, v = q.float(), k.float(), v.float()  # tile math in float32; memory stays O(N x block)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _TiledAttention.apply(q, k, v, r, plan)
+    else:
+        out, lse = _forward(r, plan, q, k, v)
+    return out.to(r.q.dtype), lse
