@@ -261,7 +261,8 @@ def estimate(
     kv_max: int | None = None
     if spec.family == "softmax":
         pairs, used = _computed_pairs(cfg, B, N, backend, dt)
-        flops_attn = 2 * B * Hq * pairs * (D + Dv)
+        # the tiled kernel multiplies P by [V | 1] (one extra column gives the softmax normaliser)
+        flops_attn = 2 * B * Hq * pairs * (D + Dv + (1 if used == "tiled" else 0))
         materialised = used == "reference"
         per_token = 2 * Hkv * D * e
         if spec.pattern == "window" and cfg.window is not None and cfg.window[0] is not None:

@@ -1,0 +1,127 @@
+"""attnzoo.cost: analytic FLOPs / memory / cache size against measurements on the real modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+import attnzoo as az
+from attnzoo.cost import estimate, measure_activation_bytes, visible_pairs
+from attnzoo.variants import VARIANTS, build_attention, resolve_config
+
+SOFTMAX = [n for n, s in VARIANTS.items() if s.family == "softmax"]
+B, N, C, H = 2, 300, 64, 8  # N crosses the tiled backend's 256-row and 128-key blocks
+
+
+def _cpu_flash(query_shape, key_shape, value_shape, *args, out_shape=None, **kw):
+    # FlopCounterMode has no formula for torch's CPU flash kernel; use torch's own SDPA formula.
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+_MAPPING = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash}
+
+
+def _settings(name: str) -> dict:
+    return {"window": 40} if name in ("sliding", "local_global") else {}
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_flops_match_flop_counter(name: str, backend: str) -> None:
+    torch.manual_seed(0)
+    mod = build_attention(name, C, H, backend=backend, **_settings(name)).eval()
+    x = torch.randn(B, N, C)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_MAPPING) as fc:
+        mod(x)
+    measured = fc.get_total_flops()
+    est = estimate(name, N, C, H, batch=B, backend=backend, **_settings(name))
+    assert measured > 0
+    assert abs(est.flops - measured) <= 0.05 * measured, (
+        f"{name}/{backend}: estimate {est.flops} vs FlopCounterMode {measured} "
+        f"({est.flops / measured:.3f}x) [B={B} N={N} C={C} H={H}]")
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_activation_memory_within_25_percent(name: str, backend: str) -> None:
+    torch.manual_seed(0)
+    mod = build_attention(name, C, H, backend=backend, **_settings(name)).train()
+    x = torch.randn(B, N, C)
+    measured = measure_activation_bytes(lambda: mod(x), exclude=list(mod.parameters()))
+    est = estimate(name, N, C, H, batch=B, backend=backend, **_settings(name))
+    assert abs(est.activation_bytes - measured) <= 0.25 * measured, (
+        f"{name}/{backend}: predicted {est.activation_bytes} B vs measured {measured} B "
+        f"({est.activation_bytes / measured:.2f}x)")
+
+
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_kv_cache_bytes_match_the_module_cache(name: str) -> None:
+    mod = build_attention(name, C, H, **_settings(name))
+    n = 120
+    cache = mod.init_cache(B, n)
+    held = sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
+    est = estimate(name, n, C, H, batch=B, **_settings(name))
+    assert est.kv_cache_bytes == held, f"{name}: estimate {est.kv_cache_bytes} B, cache holds {held} B"
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "mask"),
+    [
+        ("mha", {}, lambda n: az.masks.causal()),
+        ("mha", {"causal": False}, None),
+        ("sliding", {"window": 7}, lambda n: az.masks.causal() & az.masks.sliding_window(7, 0)),
+        ("sliding", {"window": (3, 5), "causal": False}, lambda n: az.masks.sliding_window(3, 5)),
+        ("local_global", {"window": 4, "global_tokens": (0, 9)},
+         lambda n: az.masks.causal() & (az.masks.sliding_window(4, 4) | az.masks.global_tokens([0, 9]))),
+        ("local_global", {"window": 4, "global_tokens": (2,), "causal": False},
+         lambda n: az.masks.sliding_window(4, 4) | az.masks.global_tokens([2])),
+    ],
+)
+def test_visible_pairs_equal_the_materialised_mask(name, kw, mask) -> None:
+    n = 37
+    cfg = resolve_config(name, 32, 4, **kw)
+    want = n * n if mask is None else int(mask(n).materialize(1, 1, n, n).sum())
+    assert visible_pairs(cfg, n) == want
+
+
+def test_ideal_flops_scale_with_the_window_not_n_squared() -> None:
+    a = estimate("sliding", 4096, 256, 4, window=64, backend="ideal")
+    b = estimate("sliding", 8192, 256, 4, window=64, backend="ideal")
+    assert 1.95 < b.flops_useful / a.flops_useful < 2.05  # O(N W C)
+    d1 = estimate("mha", 4096, 256, 4, backend="ideal")
+    d2 = estimate("mha", 8192, 256, 4, backend="ideal")
+    assert 3.9 < d2.flops_useful / d1.flops_useful < 4.1  # O(N^2 C)
+
+
+def test_feature_map_state_does_not_grow() -> None:
+    a = estimate("linear", 1024, 256, 4)
+    b = estimate("linear", 8192, 256, 4)
+    assert a.kv_cache_bytes == b.kv_cache_bytes and a.kv_cache_bytes_per_token == 0
+
+
+def test_as_dict_is_json_ready() -> None:
+    import json
+
+    d = estimate("gqa", 128, 64, 8).as_dict()
+    assert json.loads(json.dumps(d))["num_kv_heads"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "words"),
+    [
+        ({"variant": "nope"}, ValueError, "variant"),
+        ({"seq_len": 0}, ValueError, "seq_len"),
+        ({"seq_len": 3.5}, TypeError, "seq_len"),
+        ({"batch": 0}, ValueError, "batch"),
+        ({"dtype": "int8"}, ValueError, "dtype"),
+        ({"backend": "magic"}, ValueError, "backend"),
+        ({"num_kv_heads": 3, "variant": "gqa"}, ValueError, "num_kv_heads"),
+        ({"dim": 65}, ValueError, "dim"),
+        ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ],
+)
+def test_bad_input(kwargs, exc, words) -> None:
+    args = {"variant": "mha", "seq_len": 16, "dim": 64, "num_heads": 8, **kwargs}
+    with pytest.raises(exc, match=words):
+        estimate(args.pop("variant"), args.pop("seq_len"), args.pop("dim"), args.pop("num_heads"), **args)
