@@ -1,0 +1,127 @@
+"""attnzoo.check: the grid passes on correct backends and catches broken ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo.functional.sdpa as sdpa_mod
+from attnzoo.check import backend_cases, check_backends, check_variants, run_checks
+
+FAST = ["reference", "sdpa", "tiled"]
+
+
+def _rows(rows):
+    return {(r.target, r.setting): r for r in rows}
+
+
+def test_quick_grid_passes_on_the_exact_backends() -> None:
+    rows = check_backends(FAST, ("float32", "bfloat16"), quick=True)
+    bad = [(r.target, r.setting, r.failures[:2]) for r in rows if not r.passed]
+    assert not bad, bad
+    by = _rows(rows)
+    for b in FAST:
+        assert by[(b, "float32")].cases > 0
+        # the bf16 tolerance follows bf16's real error: errors are far above float32's, yet pass
+        assert by[(b, "bfloat16")].max_err > 100 * by[(b, "float32")].max_err
+
+
+def test_unsupported_features_are_skipped_not_passed() -> None:
+    rows = _rows(check_backends(["sdpa"], ("float32",), grad=False))
+    row = rows[("sdpa", "float32")]
+    # softcap and return_lse cases: sdpa cannot serve them
+    assert row.skipped >= 2
+    assert row.cases + row.skipped == len(backend_cases())
+
+
+def test_a_wrong_backend_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = sdpa_mod.sdpa_attention
+
+    def off_by_a_little(r):
+        return real(r) * (1 + 1e-3)
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention", off_by_a_little)
+    rows = _rows(check_backends(["sdpa", "reference"], ("float32",), quick=True, grad=False))
+    assert not rows[("sdpa", "float32")].passed
+    assert "error" in rows[("sdpa", "float32")].failures[0]
+    assert rows[("reference", "float32")].passed
+
+
+def test_nan_on_empty_rows_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = sdpa_mod.sdpa_attention
+
+    def nan_rows(r):
+        out = real(r)
+        allowed = r.allowed(0, r.nq, 0, r.nk)
+        if allowed is None:
+            return out
+        empty = ~allowed.any(dim=-1, keepdim=True)
+        return out.masked_fill(empty, float("nan"))
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention", nan_rows)
+    rows = _rows(check_backends(["sdpa"], ("float32",), quick=True, grad=False))
+    assert not rows[("sdpa", "float32")].passed
+
+
+def test_wrong_gradients_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = sdpa_mod.sdpa_attention
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.01
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention", lambda r: Scale.apply(real(r)))
+    rows = _rows(check_backends(["sdpa"], ("float32",), quick=True, grad=True))
+    row = rows[("sdpa", "float32")]
+    assert not row.passed
+    assert any(" dq" in f or " dk" in f or " dv" in f for f in row.failures)
+
+
+def test_variants_decode_and_backends() -> None:
+    rows = check_variants(["mha", "gqa", "sliding"], backends=FAST)
+    bad = [(r.target, r.setting, r.failures[:2]) for r in rows if not r.passed]
+    assert not bad, bad
+    settings = {(r.target, r.setting) for r in rows}
+    assert ("sliding", "decode == full") in settings and ("gqa", "backends == reference") in settings
+
+
+def test_broken_decoding_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnzoo.nn.attention import MultiHeadAttention
+
+    real = MultiHeadAttention.forward
+
+    def noisy(self, x, *a, cache=None, **kw):
+        y = real(self, x, *a, cache=cache, **kw)
+        return y + 1e-3 if cache is not None else y
+
+    monkeypatch.setattr(MultiHeadAttention, "forward", noisy)
+    rows = check_variants(["mha"], backends=["reference"])
+    decode = next(r for r in rows if r.setting == "decode == full")
+    assert not decode.passed
+
+
+def test_run_checks_report_is_json_ready() -> None:
+    import json
+
+    rep = run_checks(backends=["reference"], dtypes=("float32",), quick=True, include_variants=False)
+    d = json.loads(json.dumps(rep.as_dict()))
+    assert d["ok"] is True and d["rows"][0]["target"] == "reference"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [({"backends": ["magic"]}, "backend"), ({"dtypes": ["int8"]}, "dtype")],
+)
+def test_bad_input(kwargs, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        check_backends(**{"backends": ["reference"], **kwargs})
+
+
+def test_unknown_variant() -> None:
+    with pytest.raises(ValueError, match="variant"):
+        check_variants(["nope"])
