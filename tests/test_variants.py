@@ -1,0 +1,88 @@
+"""The variant registry: names, builders, configs that agree with the modules they build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnzoo.variants import (
+    VARIANTS,
+    build_attention,
+    kv_cache_bytes_per_token,
+    resolve_config,
+    variant_names,
+)
+
+SOFTMAX = [n for n, s in VARIANTS.items() if s.family == "softmax"]
+
+
+def test_names_are_the_issue_list() -> None:
+    assert variant_names() == ["mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini"]
+    for spec in VARIANTS.values():
+        assert spec.family in ("softmax", "feature-map", "compressive")
+        assert spec.exact == (spec.family == "softmax")
+
+
+@pytest.mark.parametrize("name", SOFTMAX)
+@pytest.mark.parametrize(("dim", "heads", "kw"), [(64, 8, {}), (96, 6, {}), (64, 8, {"num_kv_heads": 4})])
+def test_resolved_config_matches_the_built_module(name: str, dim: int, heads: int, kw: dict) -> None:
+    if kw and name != "gqa":
+        pytest.skip("num_kv_heads is a gqa setting")
+    mod = build_attention(name, dim, heads, **kw)
+    cfg = resolve_config(name, dim, heads, **kw)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (mod.num_kv_heads, mod.head_dim), (name, dim, heads, kw)
+    assert cfg.causal == mod.causal
+
+
+@pytest.mark.parametrize("name", SOFTMAX)
+def test_kv_bytes_per_token_equal_cache_growth(name: str) -> None:
+    dim, heads = 64, 8
+    mod = build_attention(name, dim, heads).to(torch.bfloat16)
+    small = mod.init_cache(1, 100, dtype=torch.bfloat16) if _takes_dtype(mod) else mod.init_cache(1, 100)
+    big = mod.init_cache(1, 101, dtype=torch.bfloat16) if _takes_dtype(mod) else mod.init_cache(1, 101)
+
+    def nbytes(c):
+        return sum(t.numel() * t.element_size() for t in (c.k, c.v))
+
+    growth = nbytes(big) - nbytes(small)
+    if name == "sliding":  # past the window (64) the ring buffer stops growing
+        assert growth == 0
+        assert kv_cache_bytes_per_token(name, dim, heads, dtype_bytes=small.k.element_size()) > 0
+    else:
+        assert growth == kv_cache_bytes_per_token(name, dim, heads, dtype_bytes=small.k.element_size())
+
+
+def _takes_dtype(mod) -> bool:
+    import inspect
+
+    return "dtype" in inspect.signature(mod.init_cache).parameters
+
+
+def test_gqa_default_heads_divide() -> None:
+    assert resolve_config("gqa", 96, 6).num_kv_heads == 1  # 6 // 4 = 1
+    assert resolve_config("gqa", 128, 16).num_kv_heads == 4
+    assert resolve_config("gqa", 120, 12).num_kv_heads == 3
+
+
+def test_window_int_means_left_side_with_causal() -> None:
+    assert resolve_config("sliding", 64, 8, window=16).window == (16, 0)
+    assert resolve_config("sliding", 64, 8, window=16, causal=False).window == (16, 16)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "words"),
+    [
+        (lambda: build_attention("nope", 64, 8), ValueError, "unknown attention variant"),
+        (lambda: resolve_config("nope", 64, 8), ValueError, "unknown attention variant"),
+        (lambda: resolve_config("mha", 0, 8), ValueError, "dim"),
+        (lambda: resolve_config("mha", 64, 3.0), TypeError, "num_heads"),
+        (lambda: resolve_config("mha", 65, 8), ValueError, "divisible"),
+        (lambda: resolve_config("gqa", 64, 8, num_kv_heads=3), ValueError, "multiple"),
+        (lambda: resolve_config("mha", 64, 8, colour="red"), TypeError, "unknown setting"),
+        (lambda: resolve_config("mha", 64, 8, causal="yes"), TypeError, "causal"),
+        (lambda: kv_cache_bytes_per_token("mha", 64, 8, dtype_bytes=0), ValueError, "dtype_bytes"),
+    ],
+)
+def test_bad_input(call, exc, words) -> None:
+    with pytest.raises(exc, match=words):
+        call()
