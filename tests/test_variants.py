@@ -23,11 +23,11 @@ def test_names_are_the_issue_list() -> None:
         assert spec.exact == (spec.family == "softmax")
 
 
-@pytest.mark.parametrize("name", SOFTMAX)
-@pytest.mark.parametrize(("dim", "heads", "kw"), [(64, 8, {}), (96, 6, {}), (64, 8, {"num_kv_heads": 4})])
+@pytest.mark.parametrize(
+    ("name", "dim", "heads", "kw"),
+    [(n, d, h, {}) for n in SOFTMAX for d, h in ((64, 8), (96, 6))] + [("gqa", 64, 8, {"num_kv_heads": 4})],
+)
 def test_resolved_config_matches_the_built_module(name: str, dim: int, heads: int, kw: dict) -> None:
-    if kw and name != "gqa":
-        pytest.skip("num_kv_heads is a gqa setting")
     mod = build_attention(name, dim, heads, **kw)
     cfg = resolve_config(name, dim, heads, **kw)
     assert (cfg.num_kv_heads, cfg.head_dim) == (mod.num_kv_heads, mod.head_dim), (name, dim, heads, kw)
