@@ -146,6 +146,30 @@ def _check_ring(rank: int, cases: list[tuple[Any, ...]], res: dict[str, Any]) ->
         res[f"f32/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float32, "auto")
 
 
+def _check_bf16(rank: int, world: int, res: dict[str, Any]) -> None:
+    g = torch.Generator().manual_seed(9)
+    q64, k64, v64 = (torch.randn(2, h, 32, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    d_out = torch.randn(2, 4, 32, 16, generator=g, dtype=torch.float64)
+
+    def run(dtype: torch.dtype, ring: bool) -> list[torch.Tensor]:
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q64, k64, v64))
+        if ring:
+            ql, kl, vl = (shard_sequence(t.detach(), 2, layout="zigzag").requires_grad_() for t in (q, k, v))
+            out = ring_attention(ql, kl, vl, causal=True, layout="zigzag")
+            out.backward(shard_sequence(d_out.to(dtype), 2, layout="zigzag"))
+            return [gather_sequence(t, 2, layout="zigzag") for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
+        out = az.attention(q, k, v, causal=True, backend="reference" if dtype == torch.float64 else "auto")
+        out.backward(d_out.to(dtype))
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    exact = run(torch.float64, False)
+    ring, single = run(torch.bfloat16, True), run(torch.bfloat16, False)
+    res["bf16"] = {}
+    for name, e, a, b in zip(("out", "dq", "dk", "dv"), exact, ring, single, strict=True):
+        res["bf16"][f"ring_{name}"] = _rel(a, e)
+        res["bf16"][f"single_{name}"] = _rel(b, e)
+
+
 def _check_shard_roundtrip(rank: int, world: int, res: dict[str, Any]) -> None:
     x = torch.arange(2 * 3 * (4 * world) * 5, dtype=torch.float32).view(2, 3, 4 * world, 5)
     for layout in ("contiguous", "zigzag"):
@@ -161,8 +185,8 @@ def _check_errors(rank: int, world: int, res: dict[str, Any]) -> None:
         try:
             fn()
             res[key] = "no error"
-        except ValueError as e:
-            res[key] = f"ValueError: {e}"
+        except (TypeError, ValueError) as e:
+            res[key] = f"{type(e).__name__}: {e}"
 
     q = torch.randn(1, 2, 8, 4)
     # zigzag shards of different lengths
@@ -179,6 +203,12 @@ def _check_errors(rank: int, world: int, res: dict[str, Any]) -> None:
     # odd local length with zigzag
     qo = torch.randn(1, 2, 7, 4)
     capture("err/zigzag_odd", lambda: ring_attention(qo, qo, qo, layout="zigzag"))
+    # one rank passes a bad window / a non-bool causal: its own error type there, ValueError elsewhere
+    capture("err/window_on_one_rank", lambda: ring_attention(q, q, q, window=-1 if rank == 1 else 2))
+    capture("err/causal_type_on_one_rank", lambda: ring_attention(q, q, q, causal="yes" if rank == 1 else True))
+    # only rank 0 would run a backward: refused up front instead of hanging in backward
+    qg = q.clone().requires_grad_(rank == 0)
+    capture("err/needs_grad", lambda: ring_attention(qg, q, q))
     # the group still works after all of these
     out = ring_attention(q, q, q)
     res["err/group_still_usable"] = float(out.shape == q.shape)
@@ -328,6 +358,7 @@ def _timed(res: dict[str, Any], name: str, fn: Any, *args: Any) -> None:
 def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
     _timed(res, "ring", _check_ring, rank, CASES_2, res)
     _timed(res, "roundtrip", _check_shard_roundtrip, rank, world, res)
+    _timed(res, "bf16", _check_bf16, rank, world, res)
     _timed(res, "errors", _check_errors, rank, world, res)
     _timed(res, "context_parallel", _check_context_parallel, rank, world, res)
     _timed(res, "context_parallel_model", _check_context_parallel_model, rank, world, res)
@@ -338,8 +369,11 @@ def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
 def _check_subgroup(rank: int, world: int, res: dict[str, Any]) -> None:
     """Ranks 1 and 3 form a ring of their own (group ranks != global ranks)."""
     sub = dist.new_group([1, 3])
+    alone = dist.new_group([2])
     if rank in (1, 3):
         res["f64/subgroup"] = _ring_case(rank, "zigzag", True, None, 4, 2, 12, torch.float64, "reference", sub)
+    if rank == 2:  # a ring of one rank is plain attention
+        res["f64/alone"] = _ring_case(rank, "contiguous", True, 3, 4, 1, 9, torch.float64, "reference", alone)
 
 
 def _job_four(rank: int, world: int, res: dict[str, Any]) -> None:
@@ -390,17 +424,36 @@ def test_shard_gather_roundtrip_2_ranks(two: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("key", ["err/zigzag_lengths", "err/invalid_on_one_rank", "err/head_dim",
-                                 "err/causal_flag", "err/zigzag_odd"])
+                                 "err/causal_flag", "err/zigzag_odd", "err/window_on_one_rank",
+                                 "err/needs_grad"])
 def test_bad_shards_raise_on_every_rank(two: list[dict[str, Any]], key: str) -> None:
     for r, res in enumerate(two):
-        assert res[key].startswith("ValueError: ring_attention on rank"), f"rank {r}, {key}: {res[key]}"
+        assert res[key].startswith(f"ValueError: ring_attention on rank {r}"), f"rank {r}, {key}: {res[key]}"
     if key == "err/invalid_on_one_rank":
         assert "same number of heads" in two[1][key], two[1][key]
         assert "rank(s) [1] rejected" in two[0][key], two[0][key]
     if key == "err/zigzag_lengths":
         assert "[1, 2, 10, 4]" in two[0][key] and "[1, 2, 8, 4]" in two[0][key], two[0][key]
+    if key == "err/window_on_one_rank":
+        assert "window must be >= 0, got -1" in two[1][key], two[1][key]
+    if key == "err/needs_grad":
+        assert "whether gradients are needed" in two[0][key], two[0][key]
     for res in two:
         assert res["err/group_still_usable"] == 1.0
+
+
+def test_bad_argument_type_keeps_its_type_on_the_offending_rank(two: list[dict[str, Any]]) -> None:
+    key = "err/causal_type_on_one_rank"
+    assert two[1][key].startswith("TypeError: ring_attention on rank 1: causal must be a bool"), two[1][key]
+    assert two[0][key].startswith("ValueError: ring_attention on rank 0: rank(s) [1] rejected"), two[0][key]
+
+
+def test_ring_bfloat16_error_within_twice_single_process(two: list[dict[str, Any]]) -> None:
+    """bf16 ring attention is as accurate as bf16 one-process attention (both vs float64)."""
+    for r, res in enumerate(two):
+        for name in ("out", "dq", "dk", "dv"):
+            ring, single = res["bf16"][f"ring_{name}"], res["bf16"][f"single_{name}"]
+            assert ring <= 2 * single + 1e-3, f"rank {r}, {name}: ring error {ring:.2e} vs one process {single:.2e}"
 
 
 @pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir", "decoder_lm"])
@@ -440,6 +493,7 @@ def test_ring_matches_attention_4_ranks(four: list[dict[str, Any]], case: str) -
 
 def test_ring_on_a_subgroup(four: list[dict[str, Any]]) -> None:
     _assert_ring([four[1], four[3]], "f64/subgroup", 1e-12)
+    _assert_ring([four[2]], "f64/alone", 1e-12)
 
 
 def test_shard_gather_roundtrip_4_ranks(four: list[dict[str, Any]]) -> None:

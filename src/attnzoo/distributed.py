@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from attnzoo.functional._request import Window, check_qkv, normalize_window
 from attnzoo.functional.attention import attention, merge_attention
@@ -342,7 +343,7 @@ class _Pending:
 
 # ----------------------------------------------------------------------------- metadata check
 _META_FIELDS = ("ok", "B", "Hq", "Hkv", "Nq", "Nk", "D", "Dv", "dtype", "layout", "causal",
-                "left", "right", "scale", "requires_grad")
+                "left", "right", "scale", "needs_grad")
 
 
 @dataclass(frozen=True)
@@ -359,58 +360,61 @@ class _Meta:
             return "invalid inputs"
         dt = _DTYPES[int(self.dtype)]
         win = None if self.left == -2 else (None if self.left < 0 else int(self.left), None if self.right < 0 else int(self.right))
+        grad = ", needs grad" if self.needs_grad else ""
         return (f"q [{int(self.B)}, {int(self.Hq)}, {int(self.Nq)}, {int(self.D)}], k/v [{int(self.B)}, "
                 f"{int(self.Hkv)}, {int(self.Nk)}, {int(self.D)}/{int(self.Dv)}], {dt}, layout "
-                f"{LAYOUTS[int(self.layout)]!r}, causal={bool(self.causal)}, window={win}, scale={self.scale:.6g}")
+                f"{LAYOUTS[int(self.layout)]!r}, causal={bool(self.causal)}, window={win}, scale={self.scale:.6g}{grad}")
 
 
 def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win: Window | None,
-                scale: float | None) -> tuple[list[float], str | None]:
-    """Encode this rank's request, or ``ok = 0`` and the error message when it is invalid."""
-    try:
-        check_qkv(q, k, v)
-    except (TypeError, ValueError) as e:
-        return [0.0] * len(_META_FIELDS), f"{type(e).__name__}: {e}"
+                scale: float | None) -> list[float]:
+    """Encode this rank's (already validated) request for the cross-rank comparison."""
+    check_qkv(q, k, v)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    err = None
     if Nq != Nk:
-        err = (f"ValueError: ring_attention shards queries and keys alike, so q and k must have the same "
-               f"local length, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    elif Nq == 0:
-        err = f"ValueError: ring_attention needs at least one token per rank, got q {tuple(q.shape)}"
-    elif layout == "zigzag" and Nq % 2:
-        err = (f"ValueError: the zigzag layout holds two equal chunks per rank, so the local length must be "
-               f"even, got q {tuple(q.shape)}")
+        raise ValueError(f"ring_attention shards queries and keys alike, so q and k must have the same "
+                         f"local length, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if Nq == 0:
+        raise ValueError(f"ring_attention needs at least one token per rank, got q {tuple(q.shape)}")
+    if layout == "zigzag" and Nq % 2:
+        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local length must be "
+                         f"even, got q {tuple(q.shape)}")
     sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
     left = -2.0 if win is None else (-1.0 if win[0] is None else float(win[0]))
     right = -2.0 if win is None else (-1.0 if win[1] is None else float(win[1]))
-    vals = [1.0 if err is None else 0.0, B, Hq, Hkv, Nq, Nk, D, Dv, _DTYPES.index(q.dtype), LAYOUTS.index(layout),
-            float(causal), left, right, sc, float(q.requires_grad or k.requires_grad or v.requires_grad)]
-    return [float(x) for x in vals], err
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, _DTYPES.index(q.dtype), LAYOUTS.index(layout),
+            float(causal), left, right, sc, float(needs_grad)]
+    return [float(x) for x in vals]
 
 
-def _exchange_meta(ring: _Ring, vals: list[float], err: str | None, device: torch.device) -> list[_Meta]:
-    mine = torch.tensor(vals, dtype=torch.float64, device=device)
+def _exchange_meta(ring: _Ring, vals: list[float] | None, err: Exception | None,
+                   device: torch.device) -> list[_Meta]:
+    """All-gather every rank's request; raise on every rank if any is invalid or they disagree."""
+    mine = torch.tensor(vals if vals is not None else [0.0] * len(_META_FIELDS), dtype=torch.float64,
+                        device=device)
     bufs = [torch.empty_like(mine) for _ in range(ring.size)]
     _wait(dist.all_gather(bufs, mine, group=ring.group, async_op=True), ring.timeout, ring.rank,
           "ring_attention: the all_gather of input shapes")
     metas = [_Meta(tuple(b.tolist())) for b in bufs]
-    if err is not None:
-        raise ValueError(f"ring_attention on rank {ring.rank}: {err}")
+    if err is not None:  # this rank's own error, with its own type (TypeError / ValueError)
+        raise type(err)(f"ring_attention on rank {ring.rank}: {err}") from err
     bad = [r for r, m in enumerate(metas) if not m.ok]
     if bad:
         raise ValueError(f"ring_attention on rank {ring.rank}: rank(s) {bad} rejected their inputs "
                          "(their own error says why); every rank stops instead of waiting for them")
     ref = metas[0]
-    same = [f for f in _META_FIELDS if f not in ("Nq", "Nk", "requires_grad")]
+    same = [f for f in _META_FIELDS if f not in ("Nq", "Nk")]
     if ref.layout == LAYOUTS.index("zigzag"):
         same += ["Nq"]
     for f in same:
         if len({getattr(m, f) for m in metas}) > 1:
             table = "; ".join(f"rank {r}: {m.describe()}" for r, m in enumerate(metas))
-            what = "local sequence lengths (the zigzag layout needs equal shards)" if f == "Nq" else repr(f)
+            what = {"Nq": "local sequence lengths (the zigzag layout needs equal shards)",
+                    "needs_grad": "whether gradients are needed (every rank must run the backward too)",
+                    }.get(f, repr(f))
             raise ValueError(f"ring_attention on rank {ring.rank}: ranks disagree on {what}; {table}")
     return metas
 
@@ -569,6 +573,7 @@ class _RingAttention(torch.autograd.Function):
         return out_q, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, d_out: Tensor, _d_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         ring, lengths, cfg = ctx.ring, ctx.lengths, ctx.cfg
@@ -660,21 +665,27 @@ def ring_attention(
     """
     fn = "ring_attention"
     _require_dist(fn)
-    layout = _check_layout(layout, fn)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    win = normalize_window(window)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or scale <= 0):
-        raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     ring = _Ring(group, _timeout(timeout))
-    vals, err = _local_meta(q, k, v, layout, causal, win, scale)
+    # Validate locally, but report through the all_gather below so that every rank raises.
+    vals: list[float] | None = None
+    err: Exception | None = None
+    try:
+        layout = _check_layout(layout, fn)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        win = normalize_window(window)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be a positive int, got {block!r}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        vals = _local_meta(q, k, v, layout, causal, win, scale)
+    except (TypeError, ValueError) as e:
+        err = e
     if isinstance(q, Tensor):
         device = q.device
     else:
