@@ -67,6 +67,19 @@ class TilePlan:
     n_k_blocks: int
     n_tiles: int  # non-empty (q_block, k_block) tiles
     rows: tuple[tuple[Chunk, ...], ...]  # per query block
+    bands: tuple[Band, ...] = ()  # runs of query blocks computed together (forward)
+
+
+@dataclass(frozen=True)
+class Band:
+    """``count`` consecutive query blocks from ``first``, each seeing one chunk of ``width`` keys
+    that starts ``block_q`` keys after the previous one (a sliding window's interior)."""
+
+    first: int
+    count: int
+    k_lo: int
+    width: int
+    needs_mask: bool
 
 
 def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = None) -> TilePlan:
@@ -116,7 +129,37 @@ def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = 
                 b = min(j1, a + per)
                 chunks.append(Chunk(a * block_k, min(r.nk, b * block_k), bool(kind)))
         rows.append(tuple(chunks))
-    return TilePlan(block_q, block_k, n_qb, n_kb, n_tiles, tuple(rows))
+    bands = _find_bands(r, rows, block_q) if r.mask_tensor is None else ()
+    return TilePlan(block_q, block_k, n_qb, n_kb, n_tiles, tuple(rows), bands)
+
+
+#: Upper bound on score elements of one band batch (float32: 4 bytes each).
+BAND_ELEMS = 1 << 23
+
+
+def _find_bands(r: AttnRequest, rows: list[tuple[Chunk, ...]], block_q: int) -> tuple[Band, ...]:
+    """Group query blocks whose single key chunk slides by ``block_q`` with a constant width."""
+    bands: list[Band] = []
+    i = 0
+    n = len(rows)
+    while i < n:
+        row = rows[i]
+        if len(row) != 1 or (i + 1) * block_q > r.nq:
+            i += 1
+            continue
+        c = row[0]
+        width = c.k_hi - c.k_lo
+        per_block = r.batch * r.hq * block_q * width
+        cap = max(1, BAND_ELEMS // max(1, per_block))
+        j = i + 1
+        while (j < n and j - i < cap and len(rows[j]) == 1 and (j + 1) * block_q <= r.nq
+               and rows[j][0].k_hi - rows[j][0].k_lo == width
+               and rows[j][0].k_lo == c.k_lo + (j - i) * block_q):
+            j += 1
+        if j - i >= 2:
+            bands.append(Band(i, j - i, c.k_lo, width, any(rows[t][0].needs_mask for t in range(i, j))))
+        i = j
+    return tuple(bands)
 
 
 def _head_dependent(m: object) -> bool:
@@ -212,7 +255,13 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
         bound = bound.reshape(B, r.hkv, r.group, Nq)
     # V with a column of ones: one matmul gives both sum_j p_j v_j and sum_j p_j.
     v_aug = torch.cat([v, torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)], dim=-1)
+    done: set[int] = set()
+    for band in plan.bands:
+        _forward_band(r, plan.block_q, band, qs, k, v_aug, bound, out, lse)
+        done.update(range(band.first, band.first + band.count))
     for i, chunks in enumerate(plan.rows):
+        if i in done:
+            continue
         q_lo, q_hi = i * plan.block_q, min(Nq, (i + 1) * plan.block_q)
         rows = q_hi - q_lo
         if not chunks:
@@ -250,6 +299,66 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
         out[:, :, q_lo:q_hi] = _unfold_rows(o, Hq, rows).to(q.dtype)
         lse[:, :, q_lo:q_hi] = _unfold_rows(row_lse.squeeze(-1), Hq, rows)
     return out, lse
+
+
+def _forward_band(r: AttnRequest, bq: int, band: Band, qs: Tensor, k: Tensor, v_aug: Tensor,
+                  bound: Tensor | None, out: Tensor, lse: Tensor) -> None:
+    """Forward of a band of query blocks in one batched matmul (K/V windows are strided views)."""
+    B, Hq = qs.shape[:2]
+    Hkv, G, g, S = r.hkv, r.group, band.count, band.width
+    Dv = v_aug.shape[-1] - 1
+    q_lo = band.first * bq
+    R = g * bq
+    q_grp = (qs[:, :, q_lo:q_lo + R].reshape(B, Hkv, G, g, bq, -1).transpose(2, 3)
+             .reshape(B, Hkv, g, G * bq, -1))  # [B, Hkv, g, G*bq, D]
+    span = slice(band.k_lo, band.k_lo + (g - 1) * bq + S)
+    k_win = k[:, :, span].unfold(2, S, bq)  # [B, Hkv, g, D, S] (a view)
+    v_win = v_aug[:, :, span].unfold(2, S, bq).transpose(-1, -2)  # [B, Hkv, g, S, Dv + 1]
+    s = torch.matmul(q_grp, k_win)  # [B, Hkv, g, G*bq, S]
+    if s.dtype not in (torch.float32, torch.float64):
+        s = s.float()
+    if r.softcap is not None:
+        s = torch.tanh(s / r.softcap) * r.softcap
+    dev = qs.device
+    q_pos = (torch.arange(q_lo, q_lo + R, device=dev) + r.q_offset).view(1, 1, R, 1)
+    k_pos = (band.k_lo + torch.arange(g, device=dev).repeat_interleave(bq).view(1, 1, R, 1) * bq
+             + torch.arange(S, device=dev).view(1, 1, 1, S))  # [1, 1, R, S] absolute key positions
+
+    def fold(t: Tensor) -> Tensor:  # [b, Hq|1, R, S] -> [b, Hkv|1, g, G*bq, S]
+        b, h = t.shape[:2]
+        t = t.expand(b, h, R, S)
+        if h == 1:
+            return t.reshape(b, 1, g, 1, bq, S).expand(b, 1, g, G, bq, S).reshape(b, 1, g, G * bq, S)
+        return t.reshape(b, Hkv, G, g, bq, S).transpose(2, 3).reshape(b, Hkv, g, G * bq, S)
+
+    if r.alibi_slopes is not None:
+        dist = (q_pos - k_pos).abs().to(s.dtype)  # [1, 1, R, S]
+        s = s + fold(-r.alibi_slopes.view(1, -1, 1, 1).to(s.dtype) * dist)
+    if band.needs_mask and r.structure is not None:
+        b_idx = torch.arange(r.batch, device=dev).view(-1, 1, 1, 1)
+        h_idx = torch.arange(Hq, device=dev).view(1, -1, 1, 1)
+        allowed = r.structure.fn(b_idx, h_idx, q_pos, k_pos)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+        s = s.masked_fill(~fold(allowed), float("-inf"))
+    static = bound is not None and float(bound[..., q_lo:q_lo + R].max()) <= STATIC_SHIFT_BOUND
+    shift: Tensor | None = None
+    if not static:
+        m = s.amax(dim=-1, keepdim=True)
+        shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        s = s.sub_(shift)
+    p = s.exp_()
+    acc = torch.matmul(p.to(v_aug.dtype), v_win).to(lse.dtype)  # [B, Hkv, g, G*bq, Dv + 1]
+    ell = acc[..., Dv:]
+    ok = ell > 0
+    safe = torch.where(ok, ell, torch.ones_like(ell))
+    o = acc[..., :Dv] / safe
+    row_lse = torch.where(ok, torch.log(safe) + (0 if shift is None else shift), torch.full_like(ell, float("-inf")))
+
+    def unfold_rows(t: Tensor) -> Tensor:  # [B, Hkv, g, G*bq, E] -> [B, Hq, R, E]
+        return t.reshape(B, Hkv, g, G, bq, -1).transpose(2, 3).reshape(B, Hq, R, -1)
+
+    out[:, :, q_lo:q_lo + R] = unfold_rows(o).to(out.dtype)
+    lse[:, :, q_lo:q_lo + R] = unfold_rows(row_lse).squeeze(-1)
 
 
 def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
