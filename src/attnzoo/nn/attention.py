@@ -362,14 +362,16 @@ class MultiHeadAttention(nn.Module):
                              f"tokens that are not generated yet)")
         start = 0 if cache is None else cache.length
         qkv = self.qkv_proj(x)  # [B, N, (H + 2 Hkv) D]
-        q_, k_, v_ = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
-        q, k, v = self._heads(q_, H), self._heads(k_, Hkv), self._heads(v_, Hkv)  # [B, H|Hkv, N, D]
-        if self.rope is not None:
+        qk_, v_ = qkv.split(((H + Hkv) * D, Hkv * D), dim=-1)
+        qk = self._heads(qk_, H + Hkv)  # [B, H + Hkv, N, D]: q and k heads side by side
+        v = self._heads(v_, Hkv)  # [B, Hkv, N, D]
+        if self.rope is not None:  # one rotation for the q and k heads together
             pos = resolve_positions(positions, N, start, x.device, batch=B)
-            cos, sin = self.rope.cos_sin(pos, torch.float64 if q.dtype == torch.float64 else torch.float32)
-            q, k = self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin)
+            cos, sin = self.rope.cos_sin(pos, torch.float64 if qk.dtype == torch.float64 else torch.float32)
+            qk = self.rope.rotate(qk, cos, sin)
         elif positions is not None:
             resolve_positions(positions, N, start, x.device, batch=B)  # validate only
+        q, k = qk[:, :H], qk[:, H:]  # [B, H, N, D], [B, Hkv, N, D]
         slopes = self._slopes(x.device)
 
         if isinstance(cache, SlidingWindowKVCache):

@@ -301,14 +301,17 @@ class RotaryEmbedding(nn.Module):
         """Apply precomputed ``cos, sin`` (from :meth:`cos_sin`) to ``x [B, H, N, D]``."""
         rd = self.rotary_dim
         cdt = cos.dtype
-        xr = x[..., :rd].to(cdt)  # [B, H, N, R]
+        xr = x[..., :rd] if rd < self.dim else x  # [B, H, N, R]
+        if xr.dtype != cdt:
+            xr = xr.to(cdt)
         if self.interleaved:
             x1, x2 = xr[..., 0::2], xr[..., 1::2]  # [B, H, N, R/2] each
             out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         else:
             x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        out = out.to(x.dtype)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
         if rd == self.dim:
             return out
         return torch.cat((out, x[..., rd:]), dim=-1)
