@@ -332,17 +332,35 @@ def _check_silent_rank(rank: int, world: int, res: dict[str, Any]) -> None:
         res["silent"] = f"RuntimeError: {e}"
 
 
+DEAD_RANK, DEAD_AT_STEP = 1, 3
+
+
 def _check_dead_rank(rank: int, world: int, res: dict[str, Any]) -> None:
-    """The last rank dies abruptly: the others raise instead of waiting forever."""
+    """Rank 1 dies abruptly in the middle of DDP training (with rank 0, on a sub-group); then
+    ranks 0, 2, 3 call ring_attention on the world group. Everybody raises; nobody hangs."""
     dist.barrier()
-    if rank == world - 1:
-        _save(rank, res)
-        time.sleep(0.5)  # let the barrier complete everywhere
-        os._exit(0)
+    pair = dist.new_group([0, DEAD_RANK])
+    if rank in (0, DEAD_RANK):
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(_TinyLM(), process_group=pair)
+        task = _CountingTask()
+        step = 0
+        try:
+            for step in range(20):
+                if rank == DEAD_RANK and step == DEAD_AT_STEP:
+                    _save(rank, res)
+                    os._exit(0)  # no cleanup, like a crash
+                x, y = task.batch(step, 4, 0)
+                loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()  # DDP all-reduces gradients with the other rank here
+                model.zero_grad()
+            res["ddp_dead"] = "no error"
+        except RuntimeError as e:
+            res["ddp_dead"] = f"RuntimeError at step {step}: {e}"
     q = torch.randn(1, 2, 8, 4)
     try:
         for _ in range(50):  # until the death is noticed (first call, in practice)
-            ring_attention(q, q, q, timeout=10)
+            ring_attention(q, q, q, timeout=5)
             time.sleep(0.1)
         res["dead"] = "no error"
     except RuntimeError as e:
@@ -503,10 +521,16 @@ def test_shard_gather_roundtrip_4_ranks(four: list[dict[str, Any]]) -> None:
 
 
 def test_dead_rank_fails_fast_on_the_others(four: list[dict[str, Any]]) -> None:
-    for r in range(3):
+    for r in (0, 2, 3):
         msg = four[r].get("dead", "missing")
         assert msg.startswith(f"RuntimeError: rank {r}: ring_attention"), f"rank {r}: {msg}"
-    assert "dead" not in four[3] and "f64/bidir_gqa" in four[3]
+        assert "peer process may have died" in msg, msg
+    assert "dead" not in four[DEAD_RANK] and "f64/bidir_gqa" in four[DEAD_RANK]
+
+
+def test_ddp_rank_death_fails_fast(four: list[dict[str, Any]]) -> None:
+    msg = four[0].get("ddp_dead", "missing")
+    assert msg.startswith(f"RuntimeError at step {DEAD_AT_STEP}"), msg
 
 
 # ----------------------------------------------------------------------------- single process

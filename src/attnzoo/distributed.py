@@ -310,6 +310,9 @@ class _Ring:
         self.group = group
         self.timeout = timeout
         self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process "
+                             f"group passed as group=")
         self.size = dist.get_world_size(group)
         pg = group if group is not None else dist.group.WORLD
         self.next = dist.get_global_rank(pg, (self.rank + 1) % self.size)
