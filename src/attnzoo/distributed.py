@@ -6,8 +6,10 @@ softmax attention over the *whole* sequence: the K/V shards travel around the ri
 (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) while every rank attends its queries
 to the shard it holds, and the partial results are combined by their log-sum-exp
 (:func:`attnzoo.merge_attention`). Sends and receives of the next shard run while the current one
-is being used. Nothing ever holds more than two K/V shards, so per-rank memory for attention
-grows as ``N / world_size`` (with a memory-linear backend such as ``tiled``).
+is being used. Besides its own, a rank holds at most two K/V shards at a time (the one in use and
+the one arriving; in the backward also their float32 ``dK, dV`` buffers), so per-rank memory for
+attention grows as ``N / world_size`` (with a memory-linear backend such as ``tiled``; measured by
+``benchmarks/bench_ring.py``, see ``docs/distributed.md``).
 
 Layouts (which global positions a rank holds; ``P`` ranks, global length ``N``):
 
