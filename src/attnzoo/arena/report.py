@@ -1,0 +1,310 @@
+"""Write the arena report: ``report.md``, ``index.html`` (images inline), ``results.json`` and plots.
+
+Plots need matplotlib (``pip install 'attnzoo[plot]'``); without it the report is written without
+images and says so.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["summary_rows", "write_report"]
+
+_COLUMNS = [
+    ("variant", "variant"),
+    ("params", "params"),
+    ("val_loss", "val loss (nats/char)"),
+    ("bpc", "bits/char"),
+    ("mqar_acc", "MQAR accuracy"),
+    ("train_tps", "train tokens/s"),
+    ("decode_tps", "decode tokens/s"),
+    ("peak_mib", "peak train memory (MiB)"),
+    ("kv_bpt", "KV-cache bytes/token"),
+]
+
+HOW_TO_READ = """\
+## How to read this
+
+Every variant is the same decoder (same width, depth, heads, training steps, batch, learning-rate
+schedule and seed); only the attention layer differs. Each task trains its own set of models.
+
+- **val loss / bits per char** (`lm`): cross entropy of the next character on held-out text (the
+  last 10% of every play). Lower is better. Predicting characters by their frequency alone costs
+  about 3.3 nats; a loss under 2.0 means the model has learnt words and the verse layout.
+- **MQAR accuracy** (`mqar`): the share of queried values recalled exactly from key-value pairs
+  seen earlier in the sequence. It tests in-context recall, which exact softmax attention does
+  well and fixed-size states (linear, performer, infini) or short windows (sliding) do badly.
+  A run that is still near chance (1 / number of values) has not learnt the task.
+- **train tokens/s**: training throughput of the `lm` run (forward, backward and optimiser; the
+  evaluations are excluded). **decode tokens/s**: greedy generation with the cache, batch 1.
+  Both are wall-clock numbers on this machine in this run: compare them within a report, not
+  across machines, and expect noise when other programs share the cores.
+- **peak train memory**: see the method line under the table. **KV-cache bytes/token**: the
+  decode state after one `seq_len`-token window divided by `seq_len`. Full-attention caches
+  (mha) grow with every token; mqa/gqa store fewer heads; a sliding window or a recurrent
+  state stops growing, so its per-token cost falls as sequences get longer.
+- Small models on a small budget: differences of a few hundredths of a nat are within
+  seed-to-seed noise. Re-run with another `--seed` before concluding from them.
+"""
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if kind == "int":
+        return f"{int(value):,}"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "f3":
+        return f"{value:.3f}"
+    if kind == "f0":
+        return f"{value:,.0f}"
+    if kind == "f1":
+        return f"{value:,.1f}"
+    return str(value)
+
+
+def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per variant with the raw numbers of the table (``None`` where not measured)."""
+    lm = results["runs"].get("lm", {})
+    mq = results["runs"].get("mqar", {})
+    rows = []
+    for v in results["variants"]:
+        a, b = lm.get(v), mq.get(v)
+        main = a or b or {}
+        mem = main.get("memory", {})
+        rows.append({
+            "variant": v,
+            "params": main.get("params"),
+            "val_loss": a["final"]["val_loss"] if a else None,
+            "bpc": a["final"]["bits_per_char"] if a else None,
+            "mqar_acc": b["final"]["accuracy"] if b else None,
+            "train_tps": main.get("train_tokens_per_s"),
+            "decode_tps": a.get("decode_tokens_per_s") if a else None,
+            "peak_mib": mem["peak_bytes"] / 2**20 if mem else None,
+            "kv_bpt": a.get("state_bytes_per_token") if a else None,
+        })
+    return rows
+
+
+_KINDS = {"params": "int", "val_loss": "f3", "bpc": "f3", "mqar_acc": "pct", "train_tps": "f0",
+          "decode_tps": "f0", "peak_mib": "f1", "kv_bpt": "f0", "variant": "str"}
+
+
+def _table_md(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(t for _, t in _COLUMNS) + " |"
+    sep = "|" + "|".join("---" if k == "variant" else "---:" for k, _ in _COLUMNS) + "|"
+    body = ["| " + " | ".join(_fmt(r[k], _KINDS[k]) for k, _ in _COLUMNS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def _table_html(rows: list[dict[str, Any]]) -> str:
+    head = "".join(f"<th>{html.escape(t)}</th>" for _, t in _COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r[k], _KINDS[k]))}</td>" for k, _ in _COLUMNS)
+                   + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _settings_md(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for t, s in results["settings"].items():
+        extra = f", {s['num_kv_pairs']} key-value pairs, vocabulary {s['vocab_size']}" if t == "mqar" else ""
+        window = s["window"] if s["window"] is not None else "registry default"
+        lines.append(f"- `{t}`: seq_len {s['seq_len']}, {s['steps']} steps x batch {s['batch']}, width "
+                     f"{s['width']}, depth {s['depth']}, {s['heads']} heads, peak lr {s['lr']:g} (warm-up "
+                     f"{s['warmup']} steps, cosine to 10%), window {window}{extra}")
+    env = results["environment"]
+    lines.append(f"- seed {results['seed']}; torch {env['torch']} on {env['device']} with {env['threads']} "
+                 f"threads x {env['world_size']} process(es); whole run {results['wall_s']:.0f} s")
+    return lines
+
+
+def _memory_method(results: dict[str, Any]) -> str:
+    for runs in results["runs"].values():
+        for r in runs.values():
+            if "memory" in r:
+                return r["memory"]["method"]
+    return "not measured"
+
+
+def _errors(results: dict[str, Any]) -> list[str]:
+    out = []
+    for t, runs in results["runs"].items():
+        for v, r in runs.items():
+            for key in ("memory_error", "state_error", "decode_error"):
+                if key in r:
+                    out.append(f"- {t}/{v} {key.split('_')[0]}: {r[key]}")
+    return out
+
+
+# --------------------------------------------------------------------------- plots
+def _plots(results: dict[str, Any], out: Path) -> dict[str, str]:
+    """Write the PNGs; returns ``{key: file name}`` (empty when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    files: dict[str, str] = {}
+    variants = results["variants"]
+    colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
+    for t in results["runs"]:
+        runs = results["runs"][t]
+        fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+        for v in variants:
+            if v not in runs:
+                continue
+            ev = runs[v]["evals"]
+            key = "val_loss" if t == "lm" else "accuracy"
+            ax.plot([e["step"] for e in ev], [e[key] for e in ev], marker="o", ms=3, label=v, color=colors[v])
+        ax.set_xlabel("training step")
+        if t == "lm":
+            ax.set_ylabel("validation loss (nats/char)")
+            ax.set_title("Shakespeare character LM: validation loss")
+        else:
+            ax.set_ylabel("MQAR accuracy")
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_title("MQAR: held-out accuracy during training")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, ncol=2)
+        fig.tight_layout()
+        name = f"{t}_curves.png"
+        fig.savefig(out / name)
+        plt.close(fig)
+        files[f"{t}_curves"] = name
+
+    rows = summary_rows(results)
+    if "mqar" in results["runs"]:
+        fig, ax = plt.subplots(figsize=(7.5, 4.0), dpi=110)
+        names = [r["variant"] for r in rows if r["mqar_acc"] is not None]
+        accs = [r["mqar_acc"] for r in rows if r["mqar_acc"] is not None]
+        bars = ax.bar(names, accs, color=[colors[v] for v in names])
+        for b, a in zip(bars, accs, strict=True):
+            ax.text(b.get_x() + b.get_width() / 2, a + 0.01, f"{100 * a:.0f}%", ha="center", va="bottom", fontsize=8)
+        ax.axhline(0.9, color="gray", ls="--", lw=1)
+        ax.text(len(names) - 0.5, 0.91, "90%", color="gray", fontsize=8, ha="right", va="bottom")
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("accuracy on held-out sequences")
+        s = results["settings"]["mqar"]
+        ax.set_title(f"MQAR: {s['num_kv_pairs']} key-value pairs, seq_len {s['seq_len']}, width {s['width']}")
+        ax.tick_params(axis="x", labelrotation=20)
+        fig.tight_layout()
+        fig.savefig(out / "mqar_accuracy.png")
+        plt.close(fig)
+        files["mqar_accuracy"] = "mqar_accuracy.png"
+
+    pts_train = [(r["variant"], r["peak_mib"], r["train_tps"]) for r in rows
+                 if r["peak_mib"] is not None and r["train_tps"] is not None]
+    pts_dec = [(r["variant"], r["kv_bpt"], r["decode_tps"]) for r in rows
+               if r["kv_bpt"] is not None and r["decode_tps"] is not None]
+    if pts_train or pts_dec:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
+        for ax, pts, xl, yl, title in (
+            (axes[0], pts_train, "peak training memory (MiB)", "training tokens/s", "Training"),
+            (axes[1], pts_dec, "KV-cache / state bytes per token", "decode tokens/s (batch 1)", "Decoding"),
+        ):
+            for v, x, y in pts:
+                ax.scatter([x], [y], color=colors[v], s=40, zorder=3)
+                ax.annotate(v, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            ax.set_xlabel(xl)
+            ax.set_ylabel(yl)
+            ax.set_title(f"{title}: speed against memory (up-left is better)")
+            ax.title.set_fontsize(10)
+            ax.grid(alpha=0.3)
+            ax.margins(0.15)
+        fig.tight_layout()
+        fig.savefig(out / "speed_memory.png")
+        plt.close(fig)
+        files["speed_memory"] = "speed_memory.png"
+    return files
+
+
+# --------------------------------------------------------------------------- writers
+_CAPTIONS = {
+    "lm_curves": "Validation loss during training (lm)",
+    "mqar_curves": "MQAR accuracy during training",
+    "mqar_accuracy": "MQAR accuracy by variant",
+    "speed_memory": "Speed against memory",
+}
+
+
+def _samples(results: dict[str, Any]) -> list[tuple[str, str]]:
+    lm = results["runs"].get("lm", {})
+    return [(v, lm[v]["sample"]) for v in results["variants"] if v in lm and "sample" in lm[v]]
+
+
+def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
+    """Write ``results.json``, the plots, ``report.md`` and ``index.html`` into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    images = _plots(results, out)
+    rows = summary_rows(results)
+    method = _memory_method(results)
+    settings = _settings_md(results)
+    errors = _errors(results)
+
+    md = ["# attnzoo arena report", "",
+          "One small decoder per attention variant, trained with identical settings; generated by "
+          "`attnzoo arena`. Raw numbers: `results.json`.", "", _table_md(rows), "",
+          f"Peak train memory method: {method}. Speeds are medians measured in this run.", "",
+          "Settings:", "", *settings, ""]
+    if errors:
+        md += ["Measurements that failed:", "", *errors, ""]
+    md += ["## Plots", ""]
+    if images:
+        md += [f"![{_CAPTIONS[k]}]({f})\n" for k, f in images.items()]
+    else:
+        md += ["(no plots: install matplotlib with `pip install 'attnzoo[plot]'`)", ""]
+    samples = _samples(results)
+    if samples:
+        md += ["## Greedy samples (lm)", "", "Prompt: `" + json.dumps(results.get("prompt", ""))[1:-1] + "`", ""]
+        for v, text in samples:
+            md += [f"**{v}**", "", "```text", text, "```", ""]
+    md += [HOW_TO_READ]
+    md_path = out / "report.md"
+    md_path.write_text("\n".join(md))
+
+    figs = []
+    for k, f in images.items():
+        data = base64.b64encode((out / f).read_bytes()).decode("ascii")
+        figs.append(f'<figure><img alt="{html.escape(_CAPTIONS[k])}" src="data:image/png;base64,{data}">'
+                    f"<figcaption>{html.escape(_CAPTIONS[k])}</figcaption></figure>")
+    sample_html = "".join(f"<h3>{html.escape(v)}</h3><pre>{html.escape(t)}</pre>" for v, t in samples)
+    how = HOW_TO_READ.split("\n", 2)[2]
+    how_items = "".join(f"<li>{html.escape(item.strip()[2:])}</li>" for item in how.split("\n- ") if item.strip())
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>attnzoo arena report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }}
+table {{ border-collapse: collapse; font-size: 14px; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
+th:first-child, td:first-child {{ text-align: left; }}
+th {{ background: #f3f3f3; }}
+img {{ max-width: 100%; }}
+pre {{ background: #f7f7f7; padding: 8px; white-space: pre-wrap; }}
+</style></head><body>
+<h1>attnzoo arena report</h1>
+<p>One small decoder per attention variant, trained with identical settings; raw numbers in
+<code>results.json</code>.</p>
+{_table_html(rows)}
+<p>Peak train memory method: {html.escape(method)}. Speeds are medians measured in this run.</p>
+<ul>{"".join(f"<li>{html.escape(s[2:])}</li>" for s in settings)}</ul>
+{"<ul>" + "".join(f"<li>{html.escape(e[2:])}</li>" for e in errors) + "</ul>" if errors else ""}
+<h2>Plots</h2>
+{"".join(figs) or "<p>(no plots: install matplotlib)</p>"}
+{"<h2>Greedy samples (lm)</h2>" + sample_html if samples else ""}
+<h2>How to read this</h2>
+<ul>{how_items}</ul>
+</body></html>
+"""
+    html_path = out / "index.html"
+    html_path.write_text(page)
+    return {"md": md_path, "html": html_path, "json": out / "results.json"}

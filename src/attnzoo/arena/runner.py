@@ -1,0 +1,370 @@
+"""``attnzoo arena``: train one small model per attention variant on each task, then write the report.
+
+Every variant of a task gets the same width, depth, heads, steps, batch, learning-rate schedule and
+seed; the model differs only in its attention. See ``docs/arena.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
+from attnzoo.arena.progress import PROGRESS_KINDS, make_progress
+from attnzoo.arena.tasks import MQARTask, ShakespeareTask, Task
+from attnzoo.arena.trainer import (
+    StepInfo,
+    TrainConfig,
+    cleanup_distributed,
+    config_dict,
+    init_distributed,
+    load_checkpoint,
+    make_optimizer,
+    rank_and_world,
+    save_checkpoint,
+    train,
+)
+
+__all__ = ["DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments", "run_arena", "settings_for"]
+
+DEFAULT_VARIANTS = ("mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini")
+TASKS = ("lm", "mqar")
+SAMPLE_PROMPT = "Ham.\nWhat is the matter, my lord?\n\n"
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """Everything that defines one task's runs (identical for every variant)."""
+
+    task: str
+    seq_len: int
+    steps: int
+    batch: int
+    width: int
+    depth: int
+    heads: int
+    lr: float
+    warmup: int
+    eval_every: int
+    num_kv_pairs: int = 0  # mqar only
+    vocab_size: int = 0  # mqar only
+    window: int | None = None  # sliding / local_global window (None: the registry default)
+
+
+# The default budget (see docs/arena.md for how it was chosen and what it reaches).
+_DEFAULTS = {
+    "lm": TaskSettings("lm", seq_len=128, steps=300, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=30,
+                       eval_every=50),
+    "mqar": TaskSettings("mqar", seq_len=128, steps=300, batch=64, width=64, depth=2, heads=4, lr=3e-3,
+                         warmup=30, eval_every=50, num_kv_pairs=16, vocab_size=256),
+}
+_QUICK = {
+    "lm": TaskSettings("lm", seq_len=32, steps=12, batch=8, width=32, depth=1, heads=2, lr=3e-3, warmup=3,
+                       eval_every=6),
+    "mqar": TaskSettings("mqar", seq_len=32, steps=12, batch=16, width=32, depth=1, heads=2, lr=3e-3, warmup=3,
+                         eval_every=6, num_kv_pairs=4, vocab_size=64),
+}
+
+
+def settings_for(task: str, args: argparse.Namespace) -> TaskSettings:
+    """The defaults for ``task`` (``--quick`` or full) with the command-line overrides applied."""
+    s = (_QUICK if args.quick else _DEFAULTS)[task]
+    over: dict[str, Any] = {}
+    for name in ("steps", "seq_len", "width", "depth", "heads", "batch", "lr", "window"):
+        value = getattr(args, name, None)
+        if value is not None:
+            over[name] = value
+    if task == "mqar":
+        if getattr(args, "mqar_pairs", None) is not None:
+            over["num_kv_pairs"] = args.mqar_pairs
+        if getattr(args, "mqar_vocab", None) is not None:
+            over["vocab_size"] = args.mqar_vocab
+    s = replace(s, **over)
+    if "steps" in over:
+        s = replace(s, warmup=min(s.warmup, max(1, s.steps // 10)), eval_every=max(1, min(s.eval_every, s.steps)))
+    return s
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``attnzoo arena`` options to ``parser``."""
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help="comma-separated registry names (default: %(default)s)")
+    parser.add_argument("--task", choices=(*TASKS, "all"), default="all", help="which task(s) to run (default: all)")
+    parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default: per task, see docs)")
+    parser.add_argument("--seq-len", dest="seq_len", type=_positive_int, help="tokens per training sequence")
+    parser.add_argument("--width", type=_positive_int, help="model width C")
+    parser.add_argument("--depth", type=_positive_int, help="number of transformer blocks")
+    parser.add_argument("--heads", type=_positive_int, help="attention heads")
+    parser.add_argument("--batch", type=_positive_int, help="global batch (sequences per step)")
+    parser.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    parser.add_argument("--window", type=_positive_int, help="window of sliding / local_global attention")
+    parser.add_argument("--mqar-pairs", dest="mqar_pairs", type=_positive_int, help="MQAR key-value pairs")
+    parser.add_argument("--mqar-vocab", dest="mqar_vocab", type=_positive_int, help="MQAR vocabulary size")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    parser.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", default="arena-report", help="report directory (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="tiny budget for smoke tests (under 2 minutes)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse finished runs and continue unfinished ones from their checkpoints in --out")
+    parser.add_argument("--checkpoint-every", dest="checkpoint_every", type=_positive_int, default=100,
+                        help="steps between checkpoints (default: %(default)s)")
+    parser.add_argument("--progress", choices=PROGRESS_KINDS, default="auto",
+                        help="progress display (default: tqdm, else rich, else plain lines)")
+
+
+def _parse_variants(text: str) -> list[str]:
+    from attnzoo.variants import variant_names
+
+    names = [v.strip() for v in str(text).split(",") if v.strip()]
+    known = variant_names()
+    bad = [v for v in names if v not in known]
+    if not names or bad:
+        raise ValueError(f"--variants: unknown or empty {bad or text!r}; expected a comma-separated subset of {known}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variants: {text!r} names a variant twice")
+    return names
+
+
+def _make_task(s: TaskSettings) -> Task:
+    if s.task == "lm":
+        return ShakespeareTask(seq_len=s.seq_len)
+    return MQARTask(seq_len=s.seq_len, num_kv_pairs=s.num_kv_pairs, vocab_size=s.vocab_size)
+
+
+def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device) -> torch.nn.Module:
+    from attnzoo.models import DecoderLM
+
+    akw: dict[str, Any] = {}
+    if s.window is not None and variant in ("sliding", "local_global"):
+        akw["window"] = s.window
+    torch.manual_seed(seed)
+    model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
+                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s)), device=device)
+    _gpt2_init(model)
+    return model
+
+
+def _sample_len(s: TaskSettings) -> int:
+    """New tokens of the greedy sample: fill the training window (at least 32)."""
+    return max(32, s.seq_len - len(SAMPLE_PROMPT))
+
+
+@torch.no_grad()
+def _gpt2_init(model: torch.nn.Module) -> None:
+    """GPT-2 style initialisation of every ``Linear`` and ``Embedding`` weight: N(0, 0.02), zero biases.
+
+    With a tied LM head, unit-variance embeddings would start the loss far above ``ln V``; small
+    weights start every variant near the uniform prediction, which keeps a short budget fair.
+    """
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                torch.nn.init.zeros_(m.bias)
+
+
+def _signature(s: TaskSettings, variant: str, seed: int, world: int) -> dict[str, Any]:
+    return {**asdict(s), "variant": variant, "seed": seed, "world_size": world}
+
+
+class _Run:
+    """One (task, variant) training run with evaluation, checkpoints and measurements."""
+
+    def __init__(self, s: TaskSettings, task: Task, variant: str, args: argparse.Namespace, out: Path,
+                 device: torch.device) -> None:
+        self.s, self.task, self.variant, self.args, self.out, self.device = s, task, variant, args, out, device
+        self.rank, self.world = rank_and_world()
+        self.name = f"{s.task}-{variant}"
+        self.ckpt = out / "checkpoints" / f"{self.name}.pt"
+        self.done_file = out / "runs" / f"{self.name}.json"
+        self.sig = _signature(s, variant, args.seed, self.world)
+
+    def _finished(self) -> dict[str, Any] | None:
+        if not (self.args.resume and self.done_file.exists()):
+            return None
+        data = json.loads(self.done_file.read_text())
+        return data if data.get("signature") == self.sig else None
+
+    def execute(self) -> dict[str, Any]:
+        done = self._finished()
+        if done is not None:
+            if self.rank == 0:
+                print(f"[{self.name}] finished earlier, reusing {self.done_file}", file=sys.stderr)
+            return done
+        s, args = self.s, self.args
+        cfg = TrainConfig(lr=s.lr, warmup=s.warmup)
+        model = _build_model(s, self.variant, self.task.vocab_size, args.seed, self.device)
+        opt = make_optimizer(model, cfg)
+        losses: list[float] = []
+        evals: list[dict[str, float]] = []
+        start = 0
+        if args.resume and self.ckpt.exists():
+            state = load_checkpoint(self.ckpt)
+            if state["extra"].get("signature") != self.sig:
+                raise ValueError(f"--resume: checkpoint {self.ckpt} was made with different settings "
+                                 f"({state['extra'].get('signature')}); expected {self.sig}. "
+                                 f"Use another --out or drop --resume")
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start = int(state["step"])
+            losses = list(state["extra"]["losses"])
+            evals = list(state["extra"]["evals"])
+        last: list[StepInfo] = []
+        kind = args.progress if self.rank == 0 else "none"
+        with make_progress(kind, f"{self.name:>18}", s.steps, start) as bar:
+
+            def on_step(info: StepInfo) -> None:
+                losses.append(info.loss)
+                last[:] = [info]
+                bar.update(info)
+                if info.step % s.eval_every == 0 or info.step == s.steps:
+                    metrics = self.task.evaluate(model, self.device, args.seed)
+                    evals.append({"step": info.step, **metrics})
+                    bar.note(_brief(metrics))
+                    model.train()
+
+            def checkpoint(step: int, optimizer: torch.optim.Optimizer) -> None:
+                if self.rank == 0:
+                    save_checkpoint(self.ckpt, model, optimizer, step,
+                                    {"signature": self.sig, "losses": losses, "evals": evals})
+
+            t0 = time.perf_counter()
+            train(model, self.task, s.steps, s.batch, args.seed, config=cfg, device=self.device,
+                  start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
+                  checkpoint_every=args.checkpoint_every)
+            wall = time.perf_counter() - t0
+        if start == s.steps and not evals:
+            evals.append({"step": s.steps, **self.task.evaluate(model, self.device, args.seed)})
+        result: dict[str, Any] = {
+            "task": s.task, "variant": self.variant, "signature": self.sig,
+            "params": int(model.num_parameters()),  # type: ignore[operator]
+            "train_losses": losses, "evals": evals, "final": {k: v for k, v in evals[-1].items() if k != "step"},
+            "train_tokens_per_s": last[0].tokens_per_s if last else None, "train_wall_s": wall,
+        }
+        result.update(self._measure(model))
+        if self.rank == 0:
+            self.done_file.parent.mkdir(parents=True, exist_ok=True)
+            self.done_file.write_text(json.dumps(result, indent=1))
+        return result
+
+    def _measure(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Memory, decode state and speed, greedy sample (each one recorded as an error if it fails)."""
+        out: dict[str, Any] = {}
+        model.eval()
+        try:
+            out["memory"] = training_memory(model, self.task, self.s.batch // self.world, self.args.seed,
+                                            self.device)
+        except Exception as e:  # a measurement must not sink the whole arena
+            out["memory_error"] = f"{type(e).__name__}: {e}"
+        if not isinstance(self.task, ShakespeareTask):
+            return out
+        prompt = self.task.encode(SAMPLE_PROMPT)[None].to(self.device)  # [1, P]
+        try:
+            full = self.task.val_batches()[0][0][:1].to(self.device)  # [1, N]
+            out["state_bytes_per_token"] = state_bytes(model, full) / full.shape[1]
+        except Exception as e:
+            out["state_error"] = f"{type(e).__name__}: {e}"
+        try:
+            speed, tokens = decode_speed(model, prompt, _sample_len(self.s))
+            out["decode_tokens_per_s"] = speed
+            out["sample"] = self.task.decode(tokens[0].cpu())
+        except Exception as e:
+            out["decode_error"] = f"{type(e).__name__}: {e}"
+        return out
+
+
+def _brief(metrics: dict[str, float]) -> str:
+    if "accuracy" in metrics:
+        return f"val acc {metrics['accuracy']:.1%}"
+    return f"val {metrics['val_loss']:.3f}"
+
+
+def run_arena(args: argparse.Namespace) -> int:
+    """Run the arena described by ``args`` (from :func:`add_arena_arguments`); returns an exit code.
+
+    Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``args.out``
+    (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings.
+    """
+    variants = _parse_variants(args.variants)
+    tasks = list(TASKS) if args.task == "all" else [args.task]
+    if args.task not in (*TASKS, "all"):
+        raise ValueError(f"--task must be one of {(*TASKS, 'all')}, got {args.task!r}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device: {args.device!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    settings = {t: settings_for(t, args) for t in tasks}
+    task_objs = {t: _make_task(s) for t, s in settings.items()}  # validates seq_len / pairs early
+    created = init_distributed(device)
+    try:
+        rank, world = rank_and_world()
+        if device.type == "cuda" and world > 1:
+            device = torch.device("cuda", torch.cuda.current_device())
+        for t, s in settings.items():
+            if s.batch % world:
+                raise ValueError(f"--batch ({s.batch}) of task {t} must be divisible by the {world} ranks")
+        out = Path(args.out)
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        runs: dict[str, dict[str, Any]] = {t: {} for t in tasks}
+        for t in tasks:
+            for v in variants:
+                runs[t][v] = _Run(settings[t], task_objs[t], v, args, out, device).execute()
+        wall = time.perf_counter() - t0
+        if rank == 0:
+            from attnzoo.arena.report import write_report
+
+            results = {
+                "attnzoo_arena": 1,
+                "settings": {t: asdict(s) for t, s in settings.items()},
+                "optimizer": config_dict(TrainConfig()) | {"note": "lr and warmup per task in settings"},
+                "seed": args.seed, "variants": variants,
+                "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                                "device": str(device), "threads": torch.get_num_threads(), "world_size": world,
+                                "machine": platform.machine()},
+                "wall_s": wall,
+                "prompt": SAMPLE_PROMPT,
+                "runs": runs,
+            }
+            paths = write_report(results, out)
+            print(f"arena: {len(variants)} variants x {len(tasks)} task(s) in {wall:.0f} s; report: "
+                  f"{paths['md']} (open {paths['html']} in a browser)", file=sys.stderr)
+    finally:
+        if created:
+            cleanup_distributed()
+    return 0

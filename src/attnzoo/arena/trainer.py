@@ -1,0 +1,257 @@
+"""A small, deterministic trainer: AdamW, linear warm-up, cosine decay, checkpoints, data parallel.
+
+Data parallelism (``torchrun --nproc_per_node=N``): every rank builds the SAME global batch (batches
+are a pure function of ``(seed, step)``, see :mod:`attnzoo.arena.tasks`) and trains on its own
+contiguous slice of rows. Each rank's loss is its slice's share of the *global* token-mean loss,
+scaled by the world size because DistributedDataParallel averages gradients over ranks; so the
+averaged gradient is exactly the gradient of the global-batch loss, and the loss curve equals a
+single process's up to floating-point reassociation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from attnzoo.arena.tasks import IGNORE, Task
+
+__all__ = [
+    "StepInfo",
+    "TrainConfig",
+    "cleanup_distributed",
+    "config_dict",
+    "init_distributed",
+    "load_checkpoint",
+    "lr_at",
+    "make_optimizer",
+    "rank_and_world",
+    "save_checkpoint",
+    "train",
+]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation hyper-parameters (AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``)."""
+
+    lr: float = 3e-3
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig: lr must be > 0, got {self.lr}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"TrainConfig: warmup must be an int >= 0, got {self.warmup!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"TrainConfig: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"TrainConfig: weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"TrainConfig: grad_clip must be > 0 or None, got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the trainer reports after each optimiser step (to progress bars and checkpointing)."""
+
+    step: int  # 1-based number of completed steps
+    steps: int
+    loss: float  # global-batch training loss of this step
+    lr: float
+    tokens_per_s: float  # global tokens per second of training so far (this call)
+
+
+def lr_at(step: int, steps: int, cfg: TrainConfig) -> float:
+    """Learning rate for 0-based ``step`` of ``steps``: linear warm-up, then cosine to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (dim >= 2) only, not on biases and norm gains."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
+
+
+# --------------------------------------------------------------------------- distributed
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> bool:
+    """Join the process group that ``torchrun`` describes (``WORLD_SIZE > 1``): gloo on CPU, NCCL on
+    CUDA (one GPU per local rank), with a timeout so a dead rank fails instead of hanging.
+
+    Returns True when this call created the group (and :func:`cleanup_distributed` should end it).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    if not dist.is_available():  # pragma: no cover - torch built without distributed
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def cleanup_distributed() -> None:
+    """Destroy the default process group if there is one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- training
+def _check_positive_int(x: object, name: str, minimum: int = 1) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"train: {name} must be an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"train: {name} must be >= {minimum}, got {x}")
+    return x
+
+
+def train(
+    model: nn.Module,
+    task: Task,
+    steps: int,
+    global_batch: int,
+    seed: int,
+    *,
+    config: TrainConfig | None = None,
+    device: torch.device | str = "cpu",
+    start_step: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+    checkpoint: Callable[[int, torch.optim.Optimizer], None] | None = None,
+    checkpoint_every: int = 0,
+) -> list[float]:
+    """Train ``model`` on ``task`` for steps ``start_step .. steps - 1``; returns the per-step
+    global-batch training losses of those steps.
+
+    Under an initialised process group of ``W > 1`` ranks the model is wrapped in
+    ``DistributedDataParallel`` and each rank trains on rows ``[r * B / W, (r + 1) * B / W)`` of the
+    global batch (``global_batch`` must be divisible by ``W``); the returned losses are the global
+    ones on every rank.
+
+    Args:
+        model: maps ``tokens [B, N]`` to ``logits [B, N, V]``; already on ``device``.
+        task: batches ``(inputs [B, N], targets [B, N])``, see :class:`attnzoo.arena.tasks.Task`.
+        steps: total optimiser steps of the schedule (the cosine ends here).
+        global_batch: sequences per step summed over all ranks.
+        seed: selects the batches (``task.batch(step, global_batch, seed)``).
+        config: optimiser and schedule; default :class:`TrainConfig()`.
+        start_step: resume from here (with the saved ``optimizer``); the losses of steps before it
+            are not recomputed.
+        optimizer: an AdamW from :func:`make_optimizer` (e.g. restored from a checkpoint).
+        on_step: called after every step with a :class:`StepInfo`.
+        checkpoint: ``checkpoint(completed_steps, optimizer)`` every ``checkpoint_every`` steps and
+            after the last one (call it from rank 0 only if it writes files).
+    """
+    steps = _check_positive_int(steps, "steps")
+    global_batch = _check_positive_int(global_batch, "global_batch")
+    start_step = _check_positive_int(start_step, "start_step", minimum=0)
+    if start_step > steps:
+        raise ValueError(f"train: start_step ({start_step}) is beyond steps ({steps})")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"train: seed must be an int, got {type(seed).__name__}")
+    cfg = config or TrainConfig()
+    device = torch.device(device)
+    rank, world = rank_and_world()
+    if global_batch % world:
+        raise ValueError(f"train: global_batch ({global_batch}) must be divisible by the world size ({world})")
+    local = global_batch // world
+    rows = slice(rank * local, (rank + 1) * local)
+
+    opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
+    net: nn.Module = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model.train()
+    losses: list[float] = []
+    tokens = 0
+    busy = 0.0  # seconds spent in training steps (callbacks and checkpoints excluded)
+    for step in range(start_step, steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, steps, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = task.batch(step, global_batch, seed)  # [B, N] each, the global batch
+        scored = int((y != IGNORE).sum())
+        if scored == 0:
+            raise ValueError(f"train: batch {step} of task {task.name!r} has no scored targets")
+        x, y = x[rows].to(device), y[rows].to(device)
+        logits = net(x)  # [b, N, V]
+        loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
+                                               ignore_index=IGNORE, reduction="sum")
+        share = loss_sum / scored  # this rank's share of the global mean
+        (share * world).backward()  # DDP divides the summed gradient by world
+        if cfg.grad_clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        global_loss = share.detach()
+        if world > 1:
+            dist.all_reduce(global_loss)  # sum of shares = global mean
+        loss = float(global_loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"train: loss became {loss} at step {step} (lr {lr:.2e}); "
+                                     f"lower the learning rate")
+        losses.append(loss)
+        tokens += x.numel() * world
+        busy += time.perf_counter() - t0
+        done = step + 1
+        if on_step is not None:
+            on_step(StepInfo(done, steps, loss, lr, tokens / max(busy, 1e-9)))
+        if checkpoint is not None and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
+            checkpoint(done, opt)
+    model.eval()
+    return losses
+
+
+def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as JSON-ready data."""
+    out = asdict(cfg)
+    out["betas"] = list(cfg.betas)
+    return out
+
+
+def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int,
+                    extra: dict[str, Any]) -> None:
+    """Write ``{model, optimizer, step, extra}`` atomically (temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "extra": extra}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`."""
+    return torch.load(path, map_location="cpu", weights_only=True)

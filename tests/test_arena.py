@@ -1,0 +1,307 @@
+"""The arena: tasks, trainer (determinism, resume, data parallel), measurements and the report."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from attnzoo.arena import (
+    MQARTask,
+    ShakespeareTask,
+    TrainConfig,
+    add_arena_arguments,
+    lr_at,
+    run_arena,
+    train,
+)
+from attnzoo.arena.measure import state_bytes, training_memory
+from attnzoo.arena.progress import make_progress
+from attnzoo.arena.tasks import IGNORE, load_shakespeare
+from attnzoo.arena.trainer import StepInfo, load_checkpoint, make_optimizer, save_checkpoint
+from attnzoo.models import DecoderLM
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from a second thread, and on a shared machine OpenMP barriers
+    between two threads can cost 30x; restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arena_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _tiny(vocab: int, seq: int, attention: str = "mha", seed: int = 0) -> DecoderLM:
+    torch.manual_seed(seed)
+    return DecoderLM(vocab, 32, 1, 2, attention=attention, max_seq_len=seq)
+
+
+# --------------------------------------------------------------------------- tasks
+def test_shakespeare_split_is_disjoint_and_complete() -> None:
+    task = ShakespeareTask(seq_len=64)
+    plays = load_shakespeare()
+    assert len(plays) == 7
+    total = sum(len(t) for t in plays.values())
+    assert task.train_ids.numel() + task.val_ids.numel() == total
+    # the validation text is the tail of every play, in order
+    val_text = "".join(t[int(len(t) * 0.9):] for t in plays.values())
+    assert task.decode(task.val_ids) == val_text
+    assert task.decode(task.encode("Ham.\nTo be")) == "Ham.\nTo be"
+    assert task.vocab_size == len(set("".join(plays.values())))
+
+
+def test_shakespeare_batches_are_next_characters_and_deterministic() -> None:
+    task = ShakespeareTask(seq_len=16)
+    x, y = task.batch(3, 4, seed=7)
+    x2, y2 = task.batch(3, 4, seed=7)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(x, task.batch(4, 4, seed=7)[0])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    batches = task.val_batches()
+    assert sum(b[0].shape[0] for b in batches) == task.eval_windows
+
+
+def test_mqar_targets_are_the_values_of_the_queried_keys() -> None:
+    task = MQARTask(seq_len=48, num_kv_pairs=6, vocab_size=40)
+    x, y = task.batch(0, 32, seed=1)
+    K = task.num_kv_pairs
+    half = (task.vocab_size - 1) // 2
+    for row in range(x.shape[0]):
+        keys, values = x[row, 0:2 * K:2], x[row, 1:2 * K:2]
+        assert len(set(keys.tolist())) == K, "keys must be distinct"
+        assert bool(((keys >= 1) & (keys <= half)).all()) and bool((values > half).all())
+        table = dict(zip(keys.tolist(), values.tolist(), strict=True))
+        scored = (y[row] != IGNORE).nonzero().flatten()
+        assert scored.numel() == K and bool((scored >= 2 * K).all())
+        queried = x[row, scored].tolist()
+        assert sorted(queried) == sorted(table), "every key is queried exactly once"
+        assert [table[k] for k in queried] == y[row, scored].tolist()
+        # the value follows its query key in the input too (the next query can build on it)
+        nxt = scored + 1
+        nxt = nxt[nxt < x.shape[1]]
+        assert bool((x[row, nxt] > half).all())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"seq_len": 16, "num_kv_pairs": 8}, "seq_len"),
+    ({"num_kv_pairs": 20, "vocab_size": 30}, "vocab_size"),
+    ({"num_kv_pairs": 0}, "num_kv_pairs"),
+])
+def test_mqar_rejects_impossible_settings(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MQARTask(**kwargs)
+
+
+def test_bad_task_arguments() -> None:
+    with pytest.raises(TypeError, match="seq_len"):
+        ShakespeareTask(seq_len=12.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="val_fraction"):
+        ShakespeareTask(val_fraction=0.7)
+    with pytest.raises(ValueError, match="outside the Shakespeare vocabulary"):
+        ShakespeareTask(seq_len=8).encode("naïve")
+
+
+# --------------------------------------------------------------------------- trainer
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    cfg = TrainConfig(lr=1e-3, warmup=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert all(a < b for a, b in itertools.pairwise(lrs[:10]))
+    assert lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))
+    assert lr_at(100, 100, cfg) == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(lr=0.0)
+
+
+def test_training_is_deterministic_and_learns() -> None:
+    task = MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32)
+    runs = [train(_tiny(32, 32), task, steps=12, global_batch=16, seed=3) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert sum(runs[0][-3:]) < sum(runs[0][:3]), f"loss did not go down: {runs[0]}"
+    other = train(_tiny(32, 32), task, steps=12, global_batch=16, seed=4)
+    assert other != runs[0]
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path) -> None:
+    task = ShakespeareTask(seq_len=24)
+    cfg = TrainConfig(lr=2e-3, warmup=2)
+    full_model = _tiny(task.vocab_size, 24)
+    path = tmp_path / "ck.pt"
+
+    def keep_step_4(step: int, opt: torch.optim.Optimizer) -> None:
+        if step == 4:
+            save_checkpoint(path, full_model, opt, step, {"n": step})
+
+    full = train(full_model, task, steps=8, global_batch=4, seed=0, config=cfg, checkpoint=keep_step_4,
+                 checkpoint_every=2)
+    state = load_checkpoint(path)
+    assert state["step"] == 4 and state["extra"] == {"n": 4}
+    resumed_model = _tiny(task.vocab_size, 24, seed=123)  # different init: everything comes from the file
+    resumed_model.load_state_dict(state["model"])
+    opt = make_optimizer(resumed_model, cfg)
+    opt.load_state_dict(state["optimizer"])
+    rest = train(resumed_model, task, steps=8, global_batch=4, seed=0, config=cfg, start_step=4, optimizer=opt)
+    assert full[4:] == rest, f"resumed losses {rest} != uninterrupted {full[4:]}"
+    for (name, a), b in zip(full_model.state_dict().items(), resumed_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_train_rejects_bad_arguments() -> None:
+    task = MQARTask(seq_len=16, num_kv_pairs=2, vocab_size=16)
+    model = _tiny(16, 16)
+    with pytest.raises(ValueError, match="steps"):
+        train(model, task, steps=0, global_batch=4, seed=0)
+    with pytest.raises(TypeError, match="global_batch"):
+        train(model, task, steps=2, global_batch=4.0, seed=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start_step"):
+        train(model, task, steps=2, global_batch=4, seed=0, start_step=3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        task = MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32)
+        losses = train(_tiny(32, 32), task, steps=6, global_batch=8, seed=0)
+        if rank == 0:
+            Path(out).write_text(json.dumps(losses))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_matches_one_process(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    single = train(_tiny(32, 32), MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32), steps=6, global_batch=8,
+                   seed=0)
+    out = tmp_path / "ddp.json"
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    ddp = json.loads(out.read_text())
+    assert len(ddp) == len(single)
+    for step, (a, b) in enumerate(zip(ddp, single, strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-4), f"step {step}: 2 ranks {a} vs 1 process {b}"
+
+
+# --------------------------------------------------------------------------- measurements
+def test_cache_bytes_follow_the_kv_heads() -> None:
+    tokens = torch.randint(0, 20, (1, 24))
+    torch.manual_seed(0)
+    per = {}
+    for name, kw in [("mha", {}), ("gqa", {"num_kv_heads": 1}), ("sliding", {"attention_kwargs": {"window": 7}})]:
+        model = DecoderLM(20, 32, 2, 4, attention=name, max_seq_len=24, **kw).eval()
+        per[name] = state_bytes(model, tokens)
+    # mha: K and V of 4 heads x 8 dims x 24 tokens x 2 layers in float32
+    assert per["mha"] == 2 * 4 * 8 * 24 * 2 * 4
+    assert per["gqa"] * 4 == per["mha"]
+    assert per["sliding"] < per["mha"]
+    with pytest.raises(ValueError, match=r"\[1, N\]"):
+        state_bytes(DecoderLM(20, 32, 1, 4, max_seq_len=8), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_training_memory_counts_state_and_grows_with_batch() -> None:
+    task = ShakespeareTask(seq_len=32)
+    model = _tiny(task.vocab_size, 32)
+    small = training_memory(model, task, 2, 0, torch.device("cpu"))
+    large = training_memory(model, task, 4, 0, torch.device("cpu"))
+    assert small["state_bytes"] == 16 * model.num_parameters()
+    assert large["activation_bytes"] == pytest.approx(2 * small["activation_bytes"], rel=0.05)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_progress_kinds(capsys: pytest.CaptureFixture[str]) -> None:
+    with make_progress("plain", "run", 2) as bar:
+        bar.update(StepInfo(2, 2, 1.5, 1e-3, 1000.0))
+    assert "step 2/2 loss 1.5000" in capsys.readouterr().err
+    with make_progress("none", "run", 2) as bar:
+        bar.update(StepInfo(1, 2, 1.5, 1e-3, 1000.0))
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="progress"):
+        make_progress("fancy", "run", 2)
+
+
+# --------------------------------------------------------------------------- the arena end to end
+def test_quick_arena_writes_the_report_and_is_deterministic(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    argv = ("--quick", "--variants", "mha,sliding,gqa", "--progress", "none", "--window", "8")
+    assert run_arena(_args(*argv, "--out", str(a))) == 0
+    for name in ("report.md", "index.html", "results.json", "lm_curves.png", "mqar_accuracy.png",
+                 "speed_memory.png"):
+        assert (a / name).is_file(), name
+    res = json.loads((a / "results.json").read_text())
+    assert set(res["runs"]) == {"lm", "mqar"}
+    md = (a / "report.md").read_text()
+    for v in ("mha", "sliding", "gqa"):
+        assert f"| {v} |" in md
+        assert "sample" in res["runs"]["lm"][v], res["runs"]["lm"][v].get("decode_error")
+    assert "How to read this" in md and "data:image/png;base64," in (a / "index.html").read_text()
+
+    assert run_arena(_args(*argv, "--out", str(b))) == 0
+    res_b = json.loads((b / "results.json").read_text())
+    for t in ("lm", "mqar"):
+        for v in ("mha", "sliding", "gqa"):
+            assert res["runs"][t][v]["train_losses"] == res_b["runs"][t][v]["train_losses"], (t, v)
+            assert res["runs"][t][v]["evals"] == res_b["runs"][t][v]["evals"], (t, v)
+
+    # --resume reuses finished runs as they are
+    assert run_arena(_args(*argv, "--out", str(a), "--resume")) == 0
+    res_c = json.loads((a / "results.json").read_text())
+    assert res_c["runs"]["lm"]["mha"]["train_wall_s"] == res["runs"]["lm"]["mha"]["train_wall_s"]
+    # ... and refuses a checkpoint made with other settings
+    (a / "runs" / "lm-mha.json").unlink()
+    with pytest.raises(ValueError, match="different settings"):
+        run_arena(_args(*argv, "--out", str(a), "--resume", "--steps", "5"))
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (("--variants", "mha,nope"), "--variants"),
+    (("--variants", "mha,mha"), "twice"),
+    (("--task", "mqar", "--mqar-pairs", "40", "--seq-len", "32"), "seq_len"),
+    (("--device", "tpu9"), "--device"),
+])
+def test_run_arena_rejects_bad_settings(argv: tuple[str, ...], match: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_arena(_args("--quick", "--progress", "none", "--out", str(tmp_path), *argv))
+
+
+def test_argument_parser_rejects_non_positive_numbers() -> None:
+    with pytest.raises(SystemExit):
+        _args("--steps", "0")
+    with pytest.raises(SystemExit):
+        _args("--lr", "-1")
+
+
+def test_two_models_differ_only_in_attention() -> None:
+    from attnzoo.arena.runner import _build_model, settings_for
+
+    s = settings_for("lm", _args("--quick"))
+    a = _build_model(s, "mha", 50, 0, torch.device("cpu"))
+    b = _build_model(s, "sliding", 50, 0, torch.device("cpu"))
+    # same seed -> same initial weights wherever the parameter shapes agree
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert na == nb and torch.equal(pa, pb), na
+    assert isinstance(a, nn.Module)
