@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from attnzoo.distributed import ring_attention, shard_sequence
+from attnzoo.distributed import ring_attention, shard_sequence, work_per_rank
 
 
 class LiveBytes(TorchDispatchMode):
@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             r = results[(n, world)]
             print(f"{n:>6} {world:>3} {n // world:>6} {r['fwd_peak'] / 2**20:>13.2f} {r['peak'] / 2**20:>17.2f} "
                   f"{r['peak'] / 1024 / (n // world):>18.2f} {r['peak'] / base:>7.3f}")
+    n, world = args.seq_lens[-1], max(args.ranks)
+    print(f"\ncausal scores computed per rank (N={n}, P={world}, from the ring schedule), as a fraction of the max:")
+    for layout in ("contiguous", "zigzag"):
+        work = work_per_rank(n, world, layout=layout, causal=True)
+        print(f"  {layout:>10}: " + " ".join(f"{w / max(work):.2f}" for w in work))
     return 0
 
 

@@ -38,6 +38,7 @@ from attnzoo.distributed import (
     ring_attention,
     shard_positions,
     shard_sequence,
+    work_per_rank,
 )
 
 GLOO_TIMEOUT_S = 30  # any collective stuck longer than this raises in the worker
@@ -541,6 +542,18 @@ def test_shard_positions_layouts() -> None:
     assert shard_positions(7, rank=1, world_size=2).tolist() == [4, 5, 6]
     allpos = torch.cat([shard_positions(24, layout="zigzag", rank=r, world_size=3) for r in range(3)])
     assert sorted(allpos.tolist()) == list(range(24))
+
+
+def test_zigzag_balances_causal_work() -> None:
+    P, N = 4, 64
+    c = N // (2 * P)
+    zz = work_per_rank(N, P, layout="zigzag", causal=True)
+    assert zz == [(2 * P + 1) * c * c] * P, zz  # the diagonal chunk pairs are computed in full
+    cont = work_per_rank(N, P, layout="contiguous", causal=True)
+    assert cont == [(r + 1) * (N // P) ** 2 for r in range(P)], cont
+    assert work_per_rank(N, P, layout="zigzag") == [N * N // P] * P  # bidirectional: everything
+    # a narrow window skips most pairs in either layout
+    assert max(work_per_rank(N, P, causal=True, window=2)) < max(cont)
 
 
 def test_shard_sequence_is_index_select() -> None:

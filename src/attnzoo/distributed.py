@@ -68,6 +68,7 @@ __all__ = [
     "ring_attention",
     "shard_positions",
     "shard_sequence",
+    "work_per_rank",
 ]
 
 #: Sequence layouts understood by every function of this module.
@@ -440,6 +441,30 @@ def _classify(q_lo: int, nq: int, k_lo: int, nk: int, causal: bool, win: Window 
     if lo_last <= k_lo and hi_first >= k_last:
         return _FULL
     return _PARTIAL
+
+
+def work_per_rank(seq_len: int, world_size: int, *, layout: str = "contiguous", causal: bool = False,
+                  window: int | tuple[int | None, int | None] | None = None) -> list[int]:
+    """Query-key scores each rank computes in one forward of :func:`ring_attention` (its schedule:
+    shard pairs that the mask hides completely are skipped, all others are computed in full).
+
+    With ``causal=True`` the ``"contiguous"`` layout gives rank ``r`` about ``(r + 1) / P`` of the
+    last rank's work; ``"zigzag"`` gives every rank the same.
+    """
+    layout = _check_layout(layout, "work_per_rank")
+    _check_seq_len(seq_len, world_size, layout, "work_per_rank")
+    win = normalize_window(window)
+    lengths = _contiguous_lengths(seq_len, world_size) if layout == "contiguous" else [seq_len // world_size] * world_size
+    out = []
+    for r in range(world_size):
+        total = 0
+        for src in range(world_size):
+            for qs in _segments(layout, lengths, r):
+                for ks in _segments(layout, lengths, src):
+                    if _classify(qs.global_lo, qs.length, ks.global_lo, ks.length, causal, win) != _HIDDEN:
+                        total += qs.length * ks.length
+        out.append(total)
+    return out
 
 
 def _visible(q_pos: Tensor, k_pos: Tensor, causal: bool, win: Window | None) -> Tensor:
