@@ -243,7 +243,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = run_bench(targets, args.seq_lens, mode=args.mode, dtype=args.dtype, device=args.device,
                            batch=args.batch, heads=args.heads, head_dim=args.head_dim, causal=not args.no_causal,
                            window=args.window, repeats=args.repeats, warmup=args.warmup, memory=not args.no_memory,
-                           max_case_seconds=args.max_case_seconds, seed=args.seed, progress=bar)
+                           max_case_seconds=args.max_case_seconds, peak_max_n=args.peak_size, seed=args.seed,
+                           progress=bar)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     finally:
@@ -465,6 +466,8 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--max-case-seconds", type=float, default=5.0,
                    help="skip longer sequences of a target once a call takes longer (default: 5)")
+    p.add_argument("--peak-size", type=_positive_int, default=2048,
+                   help="largest n x n torch.mm of the peak measurement (default: %(default)s)")
     p.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
     p.add_argument("--name", default="bench", help="file stem of the outputs (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")

@@ -140,13 +140,25 @@ def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
 
 
 def matmul_peak_gflops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                       n: int = 1024, repeats: int = 5) -> float:
-    """Measured ``torch.mm`` rate (GFLOP/s) of an ``n x n`` product: the roof GFLOP/s are read against."""
+                       max_n: int = 2048, budget_s: float = 0.25, repeats: int = 3) -> float:
+    """Measured ``torch.mm`` peak (GFLOP/s): the roof that achieved GFLOP/s are read against.
+
+    Square products of growing size ``n = 256, 512, ...`` up to ``max_n``, stopping once one
+    call takes longer than ``budget_s`` (so a slow dtype cannot stall the run); the best median
+    rate over the sizes is the peak.
+    """
     dev = torch.device(device)
-    a = torch.randn(n, n, device=dev).to(dtype)
-    b = torch.randn(n, n, device=dev).to(dtype)
-    t = statistics.median(time_call(lambda: torch.mm(a, b), repeats=repeats, warmup=2, device=dev))
-    return 2 * n**3 / t / 1e9
+    best = 0.0
+    n = 256
+    while n <= max_n:
+        a = torch.randn(n, n, device=dev).to(dtype)
+        b = torch.randn(n, n, device=dev).to(dtype)
+        t = statistics.median(time_call(lambda a=a, b=b: torch.mm(a, b), repeats=repeats, warmup=1, device=dev))
+        best = max(best, 2 * n**3 / t / 1e9)
+        if t > budget_s:
+            break
+        n *= 2
+    return best
 
 
 # =========================================================================== cases
@@ -252,6 +264,7 @@ def run_bench(
     memory: bool = True,
     max_case_seconds: float = 5.0,
     max_score_bytes: int = 2 << 30,
+    peak_max_n: int = 2048,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
@@ -274,6 +287,7 @@ def run_bench(
             skipped (keeps the default run around a minute).
         max_score_bytes: skip a case whose materialised score matrix (``reference`` backend)
             would exceed this.
+        peak_max_n: largest ``n x n`` product of the ``torch.mm`` peak measurement.
         seed: RNG seed.
         progress: called with a label before each case.
     """
@@ -295,7 +309,7 @@ def run_bench(
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     win = (window, 0) if window is not None else None
-    peak = matmul_peak_gflops(dt, dev)
+    peak = matmul_peak_gflops(dt, dev, max_n=peak_max_n)
     dim = heads * head_dim
     results: list[BenchResult] = []
     too_slow: set[str] = set()
@@ -427,5 +441,5 @@ def plot_bench(report: BenchReport, path: str | Path) -> Path:
     return out
 
 
-def _fmt(x: float | None, spec: str = ".1f") -> str:  # noqa: D103 - used by the CLI
+def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)

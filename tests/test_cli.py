@@ -1,0 +1,180 @@
+"""The `attnzoo` command: every command runs at small sizes and writes what it says."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnzoo.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+COMMANDS = ["list", "check", "bench", "cost", "viz", "arena"]
+
+
+def _png_ok(p: Path, min_bytes: int = 10_000) -> bool:
+    data = p.read_bytes()
+    return data[:8] == PNG_MAGIC and len(data) >= min_bytes
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_every_command_has_help(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([cmd, "--help"]) == 0
+    assert "usage: attnzoo " + cmd in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nope"],
+        ["list", "--dim", "0"],
+        ["cost", "nope"],
+        ["cost", "mha", "--window", "a,b"],
+        ["cost", "gqa", "--kv-heads", "3"],
+        ["check", "--backends", "magic"],
+        ["check", "--dtypes", "int8"],
+        ["bench", "--seq-lens", "0"],
+        ["bench", "--variants", "nope"],
+        ["bench", "--mode", "sideways"],
+        ["viz"],
+        ["viz", "--mask", "causal & foo(2)"],
+        ["viz", "--positional", "rope"],
+    ],
+)
+def test_bad_arguments_one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnzoo") and "error:" in err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_list_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "--json", "--dim", "256", "--heads", "8", "--dtype", "float16"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {v["name"]: v for v in data["variants"]}
+    assert set(rows) == {"mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini"}
+    assert rows["mha"]["kv_cache_bytes_per_token"] == 2 * 8 * 32 * 2
+    assert rows["mqa"]["kv_cache_bytes_per_token"] == 2 * 1 * 32 * 2
+    assert rows["linear"]["kv_cache_bytes_per_token"] == 0
+    for key in ("family", "exact", "time", "memory", "decoding", "masks", "kv_cache_bytes"):
+        assert key in rows["gqa"]
+
+
+def test_list_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "--plain"]) == 0
+    out = capsys.readouterr().out
+    for name in ("mha", "local_global", "performer", "KV bytes/token"):
+        assert name in out
+
+
+def test_cost_json_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", "sliding", "-n", "1024", "--dim", "128", "--heads", "4", "--window", "32", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in ("flops", "flops_useful", "bytes_moved", "activation_bytes", "kv_cache_bytes_per_token",
+                "kv_cache_bytes", "params"):
+        assert key in d
+    assert d["kv_cache_max_tokens"] == 33 and d["seq_len"] == 1024
+
+
+def test_cost_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", "gqa", "--plain"]) == 0
+    assert "forward FLOPs" in capsys.readouterr().out
+
+
+def test_check_passes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "check.json"
+    rc = main(["check", "--quick", "--backends", "reference,sdpa", "--dtypes", "float32",
+               "--variants", "mha", "--json", str(out), "--plain", "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "OK:" in text
+    data = json.loads(out.read_text())
+    assert data["ok"] is True
+    assert {r["target"] for r in data["rows"]} >= {"reference", "sdpa", "mha"}
+
+
+def test_check_exit_code_reflects_failure(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import attnzoo.functional.sdpa as sdpa_mod
+
+    real = sdpa_mod.sdpa_attention
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention", lambda r: real(r) + 1e-2)
+    rc = main(["check", "--quick", "--backends", "sdpa", "--dtypes", "float32", "--no-variants", "--no-grad",
+               "--plain", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAIL" in out and "FAILED" in out
+
+
+def test_bench_writes_csv_json_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--backends", "torch,sdpa", "--variants", "gqa", "--seq-lens", "64,128", "--heads", "2",
+               "--head-dim", "16", "--repeats", "2", "--peak-size", "512", "--out", str(tmp_path), "--plain",
+               "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    with (tmp_path / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and {r["target"] for r in rows} == {"torch", "sdpa", "gqa"}
+    assert all(r["status"] == "ok" and float(r["time_ms"]) > 0 and float(r["peak_mem_mb"]) > 0 for r in rows)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["meta"]["matmul_peak_gflops"] > 0 and "memory_method" in data["meta"]
+    assert {"seq_len", "time_ms", "peak_mem_mb", "gflops", "frac_of_peak"} <= set(data["results"][0])
+    assert _png_ok(tmp_path / "bench.png")
+
+
+def test_bench_fwd_bwd_bf16(tmp_path: Path) -> None:
+    rc = main(["bench", "--backends", "sdpa", "--seq-lens", "64", "--heads", "2", "--head-dim", "16", "--repeats",
+               "1", "--mode", "fwd+bwd", "--dtype", "bfloat16", "--window", "8", "--peak-size", "256", "--out", str(tmp_path),
+               "--no-plot", "--plain", "--no-progress"])
+    assert rc == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    r = data["results"][0]
+    assert r["mode"] == "fwd+bwd" and r["dtype"] == "bfloat16" and r["status"] == "ok"
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_viz_mask_text_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "mask.png"
+    assert main(["viz", "--mask", "causal & window(4,0)", "--n", "16", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "█████···········" in out  # query 4 sees keys 0..4
+    assert _png_ok(png)
+
+
+def test_viz_positional_png(tmp_path: Path) -> None:
+    png = tmp_path / "pos.png"
+    assert main(["viz", "--positional", "all", "--n", "64", "--dim", "32", "--png", str(png)]) == 0
+    assert _png_ok(png)
+
+
+def test_viz_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from attnzoo.arena.runner import _QUICK, _build_model, _signature
+    from attnzoo.arena.tasks import ShakespeareTask
+    from attnzoo.arena.trainer import save_checkpoint
+
+    s = _QUICK["lm"]
+    model = _build_model(s, "mha", ShakespeareTask(seq_len=s.seq_len).vocab_size, 0, torch.device("cpu"))
+    ckpt = tmp_path / "lm-mha.pt"
+    save_checkpoint(ckpt, model, torch.optim.SGD(model.parameters(), lr=0.1), 0,
+                    {"signature": _signature(s, "mha", 0, 1), "losses": [], "evals": []})
+    png = tmp_path / "attn.png"
+    assert main(["viz", "--model", str(ckpt), "--text", "Ham. What", "--png", str(png)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert _png_ok(png, 5_000)
+    assert main(["viz", "--model", str(ckpt), "--text", "Ham.", "--png", str(png), "--layer", "9"]) == 2
+
+
+def test_python_dash_m_runs_and_the_cli_imports_light() -> None:
+    r = subprocess.run([sys.executable, "-m", "attnzoo", "cost", "mqa", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["num_kv_heads"] == 1
+    code = ("import sys, attnzoo.cli; bad = [m for m in ('matplotlib', 'transformers', 'rich', 'attnzoo.arena') "
+            "if m in sys.modules]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
