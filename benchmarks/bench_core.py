@@ -1,0 +1,211 @@
+"""Benchmark of the core attention backends (issue 2's performance paragraph).
+
+Every number is a ratio against a peer measured in the same run (medians of repeats, the peers
+interleaved so that machine load hits both alike). Peak extra memory is measured in a fresh
+subprocess per case as the growth of the process's resident-set high-water mark
+(``ru_maxrss``) over the inputs, so it counts every allocation of torch's CPU allocator.
+
+Usage::
+
+    python benchmarks/bench_core.py                 # everything (several minutes on 2 cores)
+    python benchmarks/bench_core.py --only dense window memory bf16 peak
+    python benchmarks/bench_core.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo as az
+from attnzoo import masks as M
+
+B, H, D = 1, 8, 64
+
+
+def qkv(n: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(n)
+    return tuple(torch.randn(B, H, n, D, generator=g).to(dtype).requires_grad_(grad) for _ in range(3))
+
+
+def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, calls interleaved round-robin after one warm-up each."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def causal_flops(n: int) -> float:
+    """Useful FLOPs of causal attention forward (QK^T and PV on the visible half)."""
+    return 4.0 * B * H * D * n * (n + 1) / 2
+
+
+def mm_peak(dtype: torch.dtype) -> float:
+    a = torch.randn(2048, 2048).to(dtype)
+    t = timed({"mm": lambda: torch.mm(a, a)}, 3)["mm"]
+    return 2 * 2048**3 / t / 1e9
+
+
+def bench_dense(repeats: int) -> list[dict]:
+    rows = []
+    for n in (4096, 16384):
+        q, k, v = qkv(n)
+        with torch.no_grad():
+            t = timed({
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "auto": lambda: az.attention(q, k, v, causal=True),
+                "tiled": lambda: az.attention(q, k, v, causal=True, backend="tiled"),
+            }, repeats if n <= 4096 else max(1, repeats // 2))
+        fl = causal_flops(n)
+        rows.append({"case": f"dense causal N={n} fp32", "sdpa_s": t["sdpa"], "auto_s": t["auto"],
+                     "tiled_s": t["tiled"], "auto/sdpa": t["auto"] / t["sdpa"], "tiled/sdpa": t["tiled"] / t["sdpa"],
+                     "sdpa_GFLOPs": fl / t["sdpa"] / 1e9, "auto_GFLOPs": fl / t["auto"] / 1e9,
+                     "tiled_GFLOPs": fl / t["tiled"] / 1e9})
+    return rows
+
+
+def band_mask(n: int, left: int) -> torch.Tensor:
+    i = torch.arange(n)
+    return (i.view(-1, 1) - i.view(1, -1)).clamp(min=-1).le(left) & (i.view(1, -1) <= i.view(-1, 1))
+
+
+def bench_window(repeats: int, with_flex: bool) -> list[dict]:
+    rows = []
+    left = 256
+    for n in (16384, 65536):
+        q, k, v = qkv(n)
+        fns: dict[str, Callable[[], object]] = {"auto": lambda: az.attention(q, k, v, causal=True, window=(left, 0))}
+        if n <= 16384:
+            dense = band_mask(n, left)
+            fns["sdpa_dense_band"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        compile_s = float("nan")
+        if with_flex:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            flex = torch.compile(flex_attention, dynamic=False)
+
+            def mod(b, h, qi, ki):
+                return (ki <= qi) & (qi - ki <= left)
+
+            bm = create_block_mask(mod, 1, 1, n, n, device="cpu", _compile=True)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                flex(q, k, v, block_mask=bm)
+            compile_s = time.perf_counter() - t0
+            fns["flex_compiled"] = lambda: flex(q, k, v, block_mask=bm)
+        with torch.no_grad():
+            t = timed(fns, repeats if n <= 16384 else max(1, repeats // 2))
+        row = {"case": f"causal window ({left},0) N={n} fp32", **{f"{k}_s": val for k, val in t.items()},
+               "flex_compile_s": compile_s}
+        if "sdpa_dense_band" in t:
+            row["sdpa_dense_band/auto"] = t["sdpa_dense_band"] / t["auto"]
+        if "flex_compiled" in t:
+            row["auto/flex"] = t["auto"] / t["flex_compiled"]
+        rows.append(row)
+    return rows
+
+
+def bench_bf16(repeats: int) -> list[dict]:
+    n = 4096
+    q, k, v = qkv(n, torch.bfloat16)
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    with torch.no_grad():
+        t = timed({
+            "sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "auto_bf16": lambda: az.attention(q, k, v, causal=True),
+            "tiled_bf16": lambda: az.attention(q, k, v, causal=True, backend="tiled"),
+        }, repeats)
+        ref = az.attention(q64[:, :, :1024], k64[:, :, :1024], v64[:, :, :1024], causal=True, backend="reference")
+        s = (q[:, :, :1024] @ k[:, :, :1024].transpose(-1, -2)) / math.sqrt(D)
+        s = s.masked_fill(~M.causal().materialize(1, 1, 1024, 1024), float("-inf"))
+        eager = torch.softmax(s, dim=-1) @ v[:, :, :1024]
+        auto = az.attention(q[:, :, :1024], k[:, :, :1024], v[:, :, :1024], causal=True)
+    return [{"case": "bf16 causal N=4096", **{f"{a}_s": b for a, b in t.items()},
+             "sdpa/auto": t["sdpa_bf16"] / t["auto_bf16"], "auto_backend": az.functional.choose_backend(
+                 az.functional._request.build_request(q, k, v, mask=None, causal=True, window=None, q_offset=None,
+                                                      scale=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
+                                                      return_lse=False, return_weights=False)),
+             "err_auto_vs_fp64 (N=1024)": (auto.double() - ref).abs().max().item(),
+             "err_eager_bf16_vs_fp64 (N=1024)": (eager.double() - ref).abs().max().item()}]
+
+
+def _memory_child(kind: str, n: int) -> None:
+    q, k, v = qkv(n, grad=True)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if kind == "tiled":
+        out = az.attention(q, k, v, causal=True, backend="tiled")
+    elif kind == "auto_window":
+        with torch.no_grad():
+            out = az.attention(q, k, v, causal=True, window=(256, 0))
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if out.requires_grad:
+        out.sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_extra_MB": (peak - base) / 1024}))
+
+
+def child_memory(kind: str, n: int) -> float:
+    res = subprocess.run([sys.executable, __file__, "--child", kind, str(n)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_extra_MB"]
+
+
+def bench_memory() -> list[dict]:
+    n = 32768
+    return [{"case": f"tiled causal fwd+bwd N={n} fp32", "peak_extra_MB": child_memory("tiled", n),
+             "naive_scores_MB (one N x N x H fp32 matrix)": B * H * n * n * 4 / 2**20},
+            {"case": "auto causal window (256,0) fwd N=65536 fp32", "peak_extra_MB": child_memory("auto_window", 65536)}]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", default=["peak", "dense", "window", "memory", "bf16"],
+                   choices=["peak", "dense", "window", "memory", "bf16"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-flex", action="store_true", help="skip torch FlexAttention (compile takes minutes)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    if a.child:
+        _memory_child(a.child[0], int(a.child[1]))
+        return
+    rows: list[dict] = []
+    if "peak" in a.only:
+        rows.append({"case": "torch.mm 2048^2 peak", "fp32_GFLOPs": mm_peak(torch.float32),
+                     "bf16_GFLOPs": mm_peak(torch.bfloat16)})
+    if "dense" in a.only:
+        rows += bench_dense(a.repeats)
+    if "window" in a.only:
+        rows += bench_window(a.repeats, with_flex=not a.no_flex)
+    if "memory" in a.only:
+        rows += bench_memory()
+    if "bf16" in a.only:
+        rows += bench_bf16(a.repeats)
+    for row in rows:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
