@@ -115,7 +115,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: int, n: int,
-               dtype: torch.dtype, backend: str, group: Any = None) -> dict[str, float]:
+               dtype: torch.dtype, backend: str, group: Any = None, block: int = 256) -> dict[str, float]:
     """Errors of ring attention vs az.attention on the whole sequence (same seed on every rank)."""
     g = torch.Generator().manual_seed(1234 + n + hq)
     B, D, Dv = 2, 8, 6
@@ -127,7 +127,7 @@ def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: 
     ref.backward(d_out)
     ql, kl, vl = (shard_sequence(t.detach(), 2, group=group, layout=layout).requires_grad_() for t in (q, k, v))
     out, lse = ring_attention(ql, kl, vl, group=group, causal=causal, window=window, layout=layout,
-                              backend=backend, return_lse=True)
+                              backend=backend, return_lse=True, block=block)
     out.backward(shard_sequence(d_out, 2, group=group, layout=layout))
     pos = shard_positions(n, group=group, layout=layout)
     finite = torch.isfinite(ref_lse[:, :, pos])
@@ -143,7 +143,9 @@ def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: 
 
 def _check_ring(rank: int, cases: list[tuple[Any, ...]], res: dict[str, Any]) -> None:
     for name, layout, causal, window, hq, hkv, n in cases:
-        res[f"f64/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float64, "reference")
+        # float64 with 3-row backward blocks: many blocks per shard, key bands under windows
+        res[f"f64/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float64, "reference",
+                                        block=3)
         res[f"f32/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float32, "auto")
 
 

@@ -543,23 +543,27 @@ def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src:
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
     for qs in q_segs:
         for ks in k_segs:
-            vis = _classify(qs.global_lo, qs.length, ks.global_lo, ks.length, cfg.causal, cfg.window)
-            if vis == _HIDDEN:
+            if _classify(qs.global_lo, qs.length, ks.global_lo, ks.length, cfg.causal, cfg.window) == _HIDDEN:
                 continue
-            k_sl = slice(ks.local_lo, ks.local_lo + ks.length)
-            kk = k_src[:, :, k_sl].to(cdt)  # [B, Hkv, m, D]
-            vv = v_src[:, :, k_sl].to(cdt)  # [B, Hkv, m, Dv]
-            k_pos = torch.arange(ks.global_lo, ks.global_lo + ks.length, device=q.device)
             for lo in range(qs.local_lo, qs.local_lo + qs.length, cfg.block):
                 hi = min(lo + cfg.block, qs.local_lo + qs.length)
+                g_lo = qs.global_lo + (lo - qs.local_lo)  # global position of row `lo`
+                # Keys this block of rows can see at all (a band under a window): [k_lo, k_hi).
+                k_lo, k_hi = _key_range(g_lo, hi - lo, ks, cfg)
+                if k_lo >= k_hi:
+                    continue
+                vis = _classify(g_lo, hi - lo, ks.global_lo + k_lo - ks.local_lo, k_hi - k_lo, cfg.causal, cfg.window)
+                k_sl = slice(k_lo, k_hi)
+                kk = k_src[:, :, k_sl].to(cdt)  # [B, Hkv, m, D]
+                vv = v_src[:, :, k_sl].to(cdt)  # [B, Hkv, m, Dv]
                 qf = _fold(q[:, :, lo:hi].to(cdt), hkv)  # [B, Hkv, G*r, D]
                 dof = _fold(d_out[:, :, lo:hi].to(cdt), hkv)  # [B, Hkv, G*r, Dv]
                 lse_f = _fold(lse_safe[:, :, lo:hi], hkv).unsqueeze(-1)  # [B, Hkv, G*r, 1]
                 delta_f = _fold(delta[:, :, lo:hi], hkv).unsqueeze(-1)  # [B, Hkv, G*r, 1]
                 s = torch.matmul(qf, kk.transpose(-1, -2)) * cfg.scale  # [B, Hkv, G*r, m]
                 if vis == _PARTIAL:
-                    g_lo = qs.global_lo + (lo - qs.local_lo)
                     q_pos = torch.arange(g_lo, g_lo + (hi - lo), device=q.device)
+                    k_pos = torch.arange(k_lo, k_hi, device=q.device) + (ks.global_lo - ks.local_lo)
                     ok = _visible(q_pos, k_pos, cfg.causal, cfg.window).repeat(g, 1)  # [G*r, m]
                     s = s.masked_fill(~ok, -math.inf)
                 p = torch.exp(s - lse_f)  # [B, Hkv, G*r, m]
@@ -567,6 +571,18 @@ def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src:
                 ds = p * (torch.matmul(dof, vv.transpose(-1, -2)) - delta_f)  # [B, Hkv, G*r, m]
                 dq[:, :, lo:hi] += _unfold(torch.matmul(ds, kk), hq) * cfg.scale  # [B, Hq, r, D]
                 dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), qf) * cfg.scale  # [B, Hkv, m, D]
+
+
+def _key_range(q_lo: int, nq: int, ks: _Segment, cfg: _Config) -> tuple[int, int]:
+    """Local key indices ``[lo, hi)`` of segment ``ks`` that global query rows ``q_lo .. q_lo+nq-1``
+    can see under causal/window (empty when ``lo >= hi``)."""
+    left, right = cfg.window if cfg.window is not None else (None, None)
+    if cfg.causal:
+        right = 0
+    first = ks.global_lo if left is None else max(ks.global_lo, q_lo - left)
+    last = ks.global_lo + ks.length - 1 if right is None else min(ks.global_lo + ks.length - 1, q_lo + nq - 1 + right)
+    shift = ks.local_lo - ks.global_lo
+    return first + shift, last + 1 + shift
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
