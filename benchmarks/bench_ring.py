@@ -93,9 +93,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, outdir: 
         for _ in range(args.repeats):
             dist.barrier()
             with LiveBytes() as fwd_mode:
-                out = ring_attention(q, k, v, causal=True, layout=args.layout, backend=args.backend)
+                out = ring_attention(q, k, v, causal=True, window=args.window, layout=args.layout,
+                                     backend=args.backend)
             with LiveBytes() as mode:
-                out = ring_attention(q, k, v, causal=True, layout=args.layout, backend=args.backend)
+                out = ring_attention(q, k, v, causal=True, window=args.window, layout=args.layout,
+                                     backend=args.backend)
                 out.backward(d_out)
                 del out
             peaks.append(mode.peak)
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
+    ap.add_argument("--window", type=int, default=None, help="causal sliding window (keys before the query)")
     ap.add_argument("--backend", default="auto", help="az.attention backend per shard pair (auto = tiled)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per size (the peak is deterministic)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads shared by the ranks")
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             mine = [r for r in rows if r["n"] == n]
             results[(n, world)] = {"peak": max(r["peak"] for r in mine),
                                    "fwd_peak": max(r["fwd_peak"] for r in mine)}
-    print(f"ring attention, causal, layout={args.layout}, backend={args.backend}, B=1, Hq={args.heads}, "
+    print(f"ring attention, causal, window={args.window}, layout={args.layout}, backend={args.backend}, B=1, Hq={args.heads}, "
           f"Hkv={args.kv_heads}, D={args.head_dim}, float32; peak = max over ranks of live tensor bytes "
           f"allocated by the call (inputs excluded)")
     print(f"{'N':>6} {'P':>3} {'N/P':>6} {'fwd peak MiB':>13} {'fwd+bwd peak MiB':>17} {'KiB / local token':>18} "
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     n, world = args.seq_lens[-1], max(args.ranks)
     print(f"\ncausal scores computed per rank (N={n}, P={world}, from the ring schedule), as a fraction of the max:")
     for layout in ("contiguous", "zigzag"):
-        work = work_per_rank(n, world, layout=layout, causal=True)
+        work = work_per_rank(n, world, layout=layout, causal=True, window=args.window)
         print(f"  {layout:>10}: " + " ".join(f"{w / max(work):.2f}" for w in work))
     return 0
 
