@@ -218,7 +218,7 @@ def estimate(
         batch: ``B``.
         num_kv_heads, window, global_tokens, num_features, segment_len: the variant's settings;
             missing ones take the registry defaults (:func:`attnzoo.variants.resolve_config`).
-        chunk_size: chunk of the chunked causal feature-map form (default: the parallel form).
+        chunk_size: chunk of the chunked causal feature-map form (default 64, the modules' default).
         causal: causal self-attention (default, as in the registry).
         dtype: storage dtype of activations, weights and cache (``"float32"``, ``"bf16"``...).
         backend: whose computed pairs to count for softmax variants: ``"auto"`` (what
@@ -288,6 +288,8 @@ def estimate(
     elif spec.pattern == "feature":
         used = "feature-map"
         F = cfg.num_features or D
+        if chunk_size is None and causal:
+            chunk_size = 64  # the modules' default chunk of the causal form
         flops_attn = 0
         if variant == "performer":
             flops_attn += 2 * B * Hq * N * D * F + 2 * B * Hkv * N * D * F  # random-feature maps

@@ -170,9 +170,9 @@ class VariantConfig:
 COST_DEFAULTS: dict[str, dict[str, Any]] = {
     "sliding": {"window": 64},
     "local_global": {"window": 64, "global_tokens": (0,)},
-    "performer": {"num_features": None},  # None -> head_dim
-    "linear": {},
-    "infini": {"segment_len": 64},
+    "performer": {"num_features": 256},
+    "linear": {},  # elu + 1 feature map: F = head_dim
+    "infini": {"segment_len": 2048},
 }
 
 
