@@ -6,13 +6,15 @@ workers compute every equivalence of one world size and save the measured errors
 assert on them one property at a time. Equivalences:
 
 * ring attention (contiguous and zigzag layouts, causal / bidirectional / windowed, GQA, MQA,
-  uneven shards) == single-process ``az.attention`` on the gathered sequence, outputs, LSE and
-  the gradients of q, k, v (float64 to 1e-12 and float32 to 1e-5, relative);
-* ``ContextParallel(MultiHeadAttention)`` on shards == the module on the full sequence, including
-  the summed parameter gradients;
-* DDP on 2 ranks for 20 steps == one process with the same global batch (losses within 1e-4);
-* invalid / mismatched shards raise ``ValueError`` on every rank; a dead rank and a silent rank
-  raise ``RuntimeError`` on the others (no hang).
+  uneven shards, a sub-group, a group of one) == single-process ``az.attention`` on the gathered
+  sequence, outputs, LSE and the gradients of q, k, v (float64 to 1e-12 and float32 to 1e-5,
+  relative; bfloat16 within twice the error of one-process bfloat16 attention);
+* ``ContextParallel(MultiHeadAttention)`` and ``context_parallel(DecoderLM)`` on shards == the
+  unwrapped module on the full sequence, including the all-reduced parameter gradients;
+* DDP on 2 ranks for 20 steps through the arena trainer == one process with the same global batch
+  (losses within 1e-4);
+* invalid / mismatched shards raise on every rank; a rank dying mid-DDP-training, a dead rank and
+  a silent rank give ``RuntimeError`` on the others (no hang).
 """
 
 from __future__ import annotations
