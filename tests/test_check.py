@@ -125,3 +125,22 @@ def test_bad_input(kwargs, words) -> None:
 def test_unknown_variant() -> None:
     with pytest.raises(ValueError, match="variant"):
         check_variants(["nope"])
+
+
+def test_approximate_variants_within_their_stated_error() -> None:
+    rows = check_variants(["local_global", "linear", "performer", "infini"], backends=["reference"])
+    bad = [(r.target, r.setting, r.failures[:2]) for r in rows if not r.passed]
+    assert not bad, bad
+    settings = {(r.target, r.setting) for r in rows}
+    assert ("linear", "forms == formula") in settings
+    assert any(t == "performer" and s.startswith("error <=") for t, s in settings)
+    assert ("infini", "decode == full") in settings
+
+
+def test_a_biased_performer_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import attnzoo as az
+    from attnzoo.check import _check_performer
+
+    real = az.performer_attention
+    monkeypatch.setattr(az, "performer_attention", lambda *a, **k: real(*a, **k) + 0.5)
+    assert not _check_performer(0).passed
