@@ -178,3 +178,15 @@ def test_python_dash_m_runs_and_the_cli_imports_light() -> None:
             "if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_docs_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 5
+    monkeypatch.chdir(tmp_path)
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/cli.md block {i}", "exec"), {})
+    assert (tmp_path / "bench-out" / "bench.csv").exists() and (tmp_path / "attn.png").exists()
