@@ -190,3 +190,11 @@ def test_docs_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/cli.md block {i}", "exec"), {})
     assert (tmp_path / "bench-out" / "bench.csv").exists() and (tmp_path / "attn.png").exists()
+
+
+def test_bench_default_targets(tmp_path: Path) -> None:
+    rc = main(["bench", "--seq-lens", "32", "--heads", "1", "--head-dim", "8", "--repeats", "1", "--no-memory",
+               "--peak-size", "256", "--no-plot", "--out", str(tmp_path), "--plain", "--no-progress"])
+    assert rc == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["target"] for r in data["results"]] == ["torch", "sdpa", "tiled"]

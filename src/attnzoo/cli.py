@@ -19,6 +19,7 @@ __all__ = ["build_parser", "main"]
 
 BACKEND_NAMES = ("reference", "sdpa", "tiled", "flex", "flash")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DEFAULT_BENCH_BACKENDS = ("torch", "sdpa", "tiled")
 
 
 class CLIError(Exception):
@@ -234,9 +235,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from attnzoo.bench import _fmt, run_bench
 
+    if args.backends is None and args.variants is None:
+        args.backends = list(DEFAULT_BENCH_BACKENDS)
     targets = list(args.backends or []) + list(args.variants or [])
-    if not targets:
-        raise CLIError("nothing to run: give --backends and/or --variants")
     n_total = len(targets) * len(args.seq_lens)
     bar = _Progress(n_total, "bench", enabled=not args.no_progress and sys.stderr.isatty())
     try:
