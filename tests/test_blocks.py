@@ -19,6 +19,15 @@ import attnzoo as az
 from attnzoo.blocks import ACTIVATIONS, default_ffn_hidden
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one thread avoids OpenMP spin-waiting on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
     err = (a.double() - b.double()).abs().max().item()
     scale = b.double().abs().max().item() + 1e-12

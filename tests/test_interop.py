@@ -29,6 +29,15 @@ from attnzoo.interop import (
 T = pytest.importorskip("transformers")
 T.logging.set_verbosity_error()
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one thread avoids OpenMP spin-waiting on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 V = 61
 TOL = 1e-4  # relative to the largest reference value
 
@@ -200,6 +209,7 @@ def test_minilm_without_transformers_equals_bert_model(tmp_path: Path) -> None:
         sys.modules["transformers"] = None  # importing them now raises ImportError
         sys.modules["safetensors"] = None
         import torch
+        torch.set_num_threads(1)
         from attnzoo.interop import WordPieceTokenizer, load_bert
         model = load_bert({folder!r})
         tok = WordPieceTokenizer.from_folder({folder!r})

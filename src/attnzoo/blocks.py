@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from attnzoo.masks import Mask
 from attnzoo.masks import key_padding as key_padding_mask
 
-__all__ = ["ACTIVATIONS", "NORMS", "FeedForward", "RMSNorm", "TransformerBlock", "make_norm"]
+__all__ = ["ACTIVATIONS", "NORMS", "BlockCache", "FeedForward", "RMSNorm", "TransformerBlock", "make_norm"]
 
 #: Activation names accepted by :class:`FeedForward`; the gated ones multiply ``act(gate(x))``
 #: by ``up(x)`` (Shazeer 2020, "GLU variants improve Transformer").
@@ -284,8 +284,13 @@ class TransformerBlock(nn.Module):
 
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> Any:
-        """The self-attention's decode cache (cross-attention keys are recomputed from ``context``)."""
-        return self.attn.init_cache(batch_size, max_len, device=device, dtype=dtype)
+        """The decode cache: the self-attention's cache, or with cross-attention a
+        :class:`BlockCache` that also keeps the context's projected keys/values (computed on the
+        first call; one cache serves one context, ``reset()`` before another)."""
+        self_cache = self.attn.init_cache(batch_size, max_len, device=device, dtype=dtype)
+        if self.cross_attn is None:
+            return self_cache
+        return BlockCache(self_cache, device=device, dtype=dtype)
 
     def _self_mask(self, mask: Any, key_padding: Tensor | None) -> Any:
         """Combine a user mask with a key-padding mask ``[B, Nk]`` in the form the mixer takes: a
@@ -361,15 +366,57 @@ class TransformerBlock(nn.Module):
                 raise ValueError(f"TransformerBlock: key_padding must be a bool tensor [B, Nk] with B={x.shape[0]}, "
                                  f"got {got}")
             mask = self._self_mask(mask, key_padding)
+        cross_cache = None
+        if isinstance(cache, BlockCache):
+            assert context is not None and self.cross_attn is not None
+            cross_cache = cache.cross(self.cross_attn, context)
+            cache = cache.self_cache
         drop = self.dropout
         if self.norm_first:
             x = x + drop(self._mix(self.attn_norm(x), mask, cache, positions))
             if self.cross_attn is not None:
                 assert self.cross_norm is not None
-                x = x + drop(self.cross_attn(self.cross_norm(x), context, mask=context_mask))
+                x = x + drop(self._cross(self.cross_norm(x), context, context_mask, cross_cache))
             return x + drop(self.ffn(self.ffn_norm(x)))
         x = self.attn_norm(x + drop(self._mix(x, mask, cache, positions)))
         if self.cross_attn is not None:
             assert self.cross_norm is not None
-            x = self.cross_norm(x + drop(self.cross_attn(x, context, mask=context_mask)))
+            x = self.cross_norm(x + drop(self._cross(x, context, context_mask, cross_cache)))
         return self.ffn_norm(x + drop(self.ffn(x)))
+
+    def _cross(self, h: Tensor, context: Tensor | None, context_mask: Any, cache: Any) -> Tensor:
+        assert self.cross_attn is not None
+        if cache is None:
+            return self.cross_attn(h, context, mask=context_mask)
+        return self.cross_attn(h, context, mask=context_mask, cache=cache)
+
+
+class BlockCache:
+    """Decode cache of a block with cross-attention: the self-attention's cache plus the
+    context's keys/values (projected once, on the first call). Cache protocol: ``length`` and
+    ``batch_size`` (of the self-attention cache), ``reset()`` (forgets the context too)."""
+
+    def __init__(self, self_cache: Any, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.self_cache = self_cache
+        self.cross_cache: Any = None
+        self._device, self._dtype = device, dtype
+
+    @property
+    def length(self) -> int:
+        return int(self.self_cache.length)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.self_cache.batch_size)
+
+    def reset(self) -> None:
+        self.self_cache.reset()
+        self.cross_cache = None
+
+    def cross(self, module: nn.Module, context: Tensor) -> Any:
+        """The cross-attention cache, built for ``context [B, M, C]`` on first use."""
+        if self.cross_cache is None:
+            self.cross_cache = module.init_cache(self.batch_size, context.shape[1], device=self._device,
+                                                 dtype=self._dtype)
+        return self.cross_cache

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
 
@@ -88,3 +89,26 @@ class LayerCaches:
 
     def __repr__(self) -> str:
         return f"LayerCaches(layers={len(self.layers)}, length={self.length}, batch_size={self.batch_size})"
+
+
+def init_weights(model: nn.Module, *, std: float = 0.02, depth: int | None = None) -> None:
+    """GPT-2 / BERT / ViT initialisation: ``nn.Linear`` and ``nn.Embedding`` weights (and conv
+    patch embeddings) ~ ``N(0, std)``, biases 0, norm weights 1 and biases 0. With ``depth``, the
+    projections that write into the residual stream (``out_proj``, ``down_proj``) get
+    ``std / sqrt(2 * depth)`` so the residual variance does not grow with depth (GPT-2)."""
+    from attnzoo.blocks import RMSNorm
+
+    resid_std = std / math.sqrt(2 * depth) if depth else std
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.Conv2d)):
+            last = name.rsplit(".", 1)[-1]
+            nn.init.normal_(mod.weight, 0.0, resid_std if last in ("out_proj", "down_proj") else std)
+            if mod.bias is not None:
+                nn.init.zeros_(mod.bias)
+        elif isinstance(mod, nn.Embedding):
+            nn.init.normal_(mod.weight, 0.0, std)
+        elif isinstance(mod, (nn.LayerNorm, RMSNorm)):
+            if getattr(mod, "weight", None) is not None:
+                nn.init.ones_(mod.weight)
+            if getattr(mod, "bias", None) is not None:
+                nn.init.zeros_(mod.bias)

@@ -14,6 +14,7 @@ from attnzoo.models._common import (
     check_int,
     check_padding_mask,
     check_tokens,
+    init_weights,
     key_padding_bias,
     positions_from_mask,
 )
@@ -203,6 +204,7 @@ class DecoderLM(nn.Module):
         if self.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.cross_attention = cross_attention
+        init_weights(self, depth=depth)
 
     # ----------------------------------------------------------------- helpers
     def num_parameters(self) -> int:

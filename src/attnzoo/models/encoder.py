@@ -15,6 +15,7 @@ from attnzoo.models._common import (
     check_int,
     check_padding_mask,
     check_tokens,
+    init_weights,
 )
 from attnzoo.models.decoder import _takes_rope
 
@@ -163,6 +164,7 @@ class TransformerEncoder(nn.Module):
         use_final = norm_first if final_norm is None else final_norm
         self.norm: nn.Module = make_norm(norm, dim, norm_eps, **kw) if use_final else nn.Identity()
         self.pooler = nn.Linear(dim, dim, **kw) if pooler else None
+        init_weights(self, depth=depth)
 
     def num_parameters(self) -> int:
         """Number of distinct parameters."""

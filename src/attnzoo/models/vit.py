@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.blocks import ACTIVATIONS, NORMS, AttentionSpec, TransformerBlock, make_norm
-from attnzoo.models._common import check_int
+from attnzoo.models._common import check_int, init_weights
 
 __all__ = ["VisionTransformer"]
 
@@ -118,6 +118,7 @@ class VisionTransformer(nn.Module):
         self.norm = make_norm(norm, dim, norm_eps, **kw)
         self.pooler = nn.Linear(dim, dim, **kw) if pooler else None
         self.head = nn.Linear(dim, num_classes, **kw) if num_classes else None
+        init_weights(self, depth=depth)
 
     def num_parameters(self) -> int:
         """Number of distinct parameters."""
