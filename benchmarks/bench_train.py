@@ -12,6 +12,7 @@ other processes hits both sides alike. Ratios > 1 mean attnzoo is slower.
 
     python benchmarks/bench_train.py                 # both parts
     python benchmarks/bench_train.py --part train --repeats 7 --threads 2
+    python benchmarks/bench_train.py --threads 1 --clock cpu   # CPU time: robust on a shared box
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class PlainLM(nn.Module):
 
 
 # --------------------------------------------------------------------------- timing
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, list[float]]:
     for _ in range(warmup):
         for fn in fns.values():
@@ -94,9 +98,9 @@ def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(CLOCK() - t0)
     return times
 
 
@@ -200,11 +204,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter; cpu: process CPU time (with --threads 1, robust to other load)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
+    global CLOCK
+    CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, clock {args.clock}", flush=True)
     rows: list[dict[str, object]] = []
     if args.part in ("train", "all"):
         rows += train_part(args)
