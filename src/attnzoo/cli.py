@@ -221,6 +221,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"FAIL {r.target} ({r.setting}): {f}")
     if len(fails) > args.show_failures:
         print(f"... and {len(fails) - args.show_failures} more failures (--show-failures N)")
+    for r in report.rows:
+        for note in sorted(r.notes):
+            print(f"note: {r.target} ({r.setting}): {note}")
     missing = [r.target for r in report.rows if r.status == "missing"]
     if missing:
         print(f"note: modules not available yet (not checked): {', '.join(missing)}")
