@@ -236,6 +236,26 @@ def test_transformer_generate_equals_greedy_recompute() -> None:
     assert torch.equal(out, seq)
 
 
+@pytest.mark.parametrize("attention", variant_names())
+def test_transformer_decode_equals_full_forward(attention: str) -> None:
+    torch.manual_seed(10)
+    try:
+        model = az.Transformer(41, V, 32, 4, 1, 2, attention=attention, attention_kwargs=VARIANT_KW.get(attention),
+                               encoder_attention="mha", dropout=0.0).eval()
+    except ModuleNotFoundError as e:
+        pytest.skip(f"attention {attention!r} is not available: {e}")
+    _randomize(model)
+    src, tgt = torch.randint(0, 41, (2, 6)), torch.randint(0, V, (2, 9))
+    src_mask = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        full = model.decode(tgt, memory, memory_mask=src_mask)
+        cache = model.init_cache(2, 9)
+        parts = [model.decode(tgt[:, :4], memory, memory_mask=src_mask, cache=cache)]
+        parts += [model.decode(tgt[:, t:t + 1], memory, memory_mask=src_mask, cache=cache) for t in range(4, 9)]
+    _close(torch.cat(parts, dim=1), full, 1e-4, f"Transformer[{attention}] decode vs full")
+
+
 # --------------------------------------------------------------------------- TransformerEncoder
 @pytest.mark.parametrize("pos", ["learned", "sinusoidal", "rope"])
 def test_encoder_padding_does_not_change_real_tokens(pos: str) -> None:
