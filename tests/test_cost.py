@@ -125,3 +125,23 @@ def test_bad_input(kwargs, exc, words) -> None:
     args = {"variant": "mha", "seq_len": 16, "dim": 64, "num_heads": 8, **kwargs}
     with pytest.raises(exc, match=words):
         estimate(args.pop("variant"), args.pop("seq_len"), args.pop("dim"), args.pop("num_heads"), **args)
+
+
+OTHERS = [("linear", {}), ("performer", {"num_features": 64}), ("infini", {"segment_len": 64})]
+
+
+@pytest.mark.parametrize(("name", "kw"), OTHERS)
+def test_other_families_flops_and_memory(name: str, kw: dict) -> None:
+    # a shape unlike the softmax tests: padded last chunk / partial last segment, D = 24
+    b, n, c, h = 2, 200, 96, 4
+    torch.manual_seed(0)
+    mod = build_attention(name, c, h, **kw)
+    x = torch.randn(b, n, c)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_MAPPING) as fc:
+        mod.eval()(x)
+    est = estimate(name, n, c, h, batch=b, **kw)
+    measured = fc.get_total_flops()
+    assert abs(est.flops - measured) <= 0.05 * measured, f"{name}: {est.flops} vs {measured}"
+    mod.train()
+    act = measure_activation_bytes(lambda: mod(x), exclude=[*mod.parameters(), *mod.buffers()])
+    assert abs(est.activation_bytes - act) <= 0.25 * act, f"{name}: {est.activation_bytes} vs {act}"

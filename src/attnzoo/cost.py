@@ -295,15 +295,27 @@ def estimate(
             flops_attn += 2 * B * Hq * N * D * F + 2 * B * Hkv * N * D * F  # random-feature maps
         if causal and chunk_size is not None:
             c = min(chunk_size, N)
-            flops_attn += 2 * B * Hq * N * c * (F + Dv)  # intra-chunk (masked, quadratic in c)
-            flops_attn += 2 * B * Hq * N * F * (Dv + 1) * 2  # read and update the running state
+            n_pad = -(-N // c) * c  # the last chunk is padded
+            flops_attn += 2 * B * Hq * n_pad * c * (F + Dv + 1)  # intra-chunk scores, times [V | 1]
+            flops_attn += 2 * B * Hq * n_pad * F * (Dv + 1) * 2  # read and update the running state
         else:
-            flops_attn += 2 * B * Hq * N * F * (Dv + 1) * 2  # phi(K)^T V, then phi(Q) (KV) with normaliser
+            flops_attn += 2 * B * Hq * N * F * (Dv + 1) * 2  # phi(K)^T [V | 1], then phi(Q) (KV) with normaliser
         flops_useful = flops_attn
         pairs = pairs_visible
         per_token = 0
         kv_bytes = B * Hkv * (F * Dv + F) * acc
-        act = B * N * C * e + qkv_bytes + B * N * inner_q * e + 2 * B * Hq * N * F * acc
+        base = B * N * C * e + qkv_bytes + B * N * inner_q * e
+        bh = B * Hq
+        if causal and chunk_size is not None:
+            c = min(chunk_size, N)
+            n_pad = -(-N // c) * c
+            # features of q and k (token and chunk layouts), the masked c x c score tile of every
+            # chunk, [V | 1], chunk outputs and normalisers, and the running state at each chunk
+            tok_feats = 2 * bh * N * F * acc if variant == "performer" else 0  # random features, token layout
+            act = (base + tok_feats + 2 * bh * n_pad * F * acc + bh * n_pad * c * acc
+                   + bh * n_pad * (2 * Dv + 3) * acc + (n_pad // c) * bh * F * (Dv + 1) * acc)
+        else:
+            act = base + 2 * bh * N * F * acc + bh * F * (Dv + 1) * acc + bh * N * (Dv + 1) * acc
         traffic = 2 * B * Hq * F * Dv * acc
         bwd = 2 * flops_attn
     else:  # compressive (Infini-attention)
@@ -317,8 +329,9 @@ def estimate(
         per_token = 0
         kv_max = S
         kv_bytes = B * Hkv * (D * Dv + D) * acc + B * min(N, S) * 2 * Hkv * D * e
-        act = (B * N * C * e + qkv_bytes + B * N * inner_q * e + 2 * B * Hq * N * S * acc
-               + 2 * B * Hq * N * Dv * acc)
+        # the local softmax runs on a fused kernel (O(S) residue); per token the module keeps the
+        # segment's q/k/v views, sigma(q), sigma(k) and the retrieved memory readout
+        act = B * N * C * e + qkv_bytes + B * N * inner_q * e + 5 * B * Hq * N * D * acc
         traffic = 4 * B * Hq * N * S * acc
         bwd = 2 * flops_attn
     flops = flops_proj + flops_attn
