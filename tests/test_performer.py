@@ -216,3 +216,13 @@ def test_registry_builds_performer() -> None:
     m = build_attention("performer", dim=16, num_heads=2, num_features=8)
     assert isinstance(m, az.PerformerAttention) and m.causal and m.num_features == 8
     assert m(torch.randn(1, 5, 16)).shape == (1, 5, 16)
+
+
+def test_chunked_gradients_match_numerical() -> None:
+    q, k, v = (t.requires_grad_() for t in qkv(b=1, h=1, n=7, d=4, dtype=torch.float64))
+    w = az.draw_performer_projection(6, 4, seed=0, dtype=torch.float64)
+    pad = torch.tensor([[True] * 5 + [False] * 2])
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: az.performer_attention(a, b, c, w, causal=True, chunk_size=3, key_padding_mask=pad),
+        (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: az.performer_attention(a, b, c, w), (q, k, v))

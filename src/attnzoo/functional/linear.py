@@ -42,7 +42,7 @@ State = tuple[Tensor, Tensor]
 
 #: Named feature maps ``[..., D] -> [..., D]``.
 FEATURE_MAPS: dict[str, Callable[[Tensor], Tensor]] = {
-    "elu": lambda x: F.elu(x) + 1.0,
+    "elu": lambda x: F.elu(x).add_(1.0),
     "relu": F.relu,
     "identity": lambda x: x,
 }
@@ -185,52 +185,58 @@ def _recurrent(fq: Tensor, fk: Tensor, v: Tensor, s: Tensor, z: Tensor) -> tuple
     return torch.stack(nums, dim=2), torch.stack(dens, dim=2), s, z
 
 
-def _chunked_causal(fq: Tensor, fk: Tensor, v: Tensor, s: Tensor, z: Tensor, chunk: int,
+Featurizer = Callable[[int, int], Tensor]  # (lo, hi) -> features of tokens lo:hi [B, H, hi - lo, F]
+
+
+def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, z: Tensor, chunk: int,
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Causal chunked form. Returns ``(out [B,H,N,Dv], S, z)``.
 
-    Chunks are handled ``g`` at a time: intra-chunk scores ``[g, C, C]``, per-chunk states
-    ``phi(K_c)^T V_c`` ``[g, F, Dv]`` and their exclusive prefix sum are built for the whole group
-    with batched matmuls, then the running state moves to the end of the group.
+    Chunks are handled ``g`` at a time: the group's features are computed, then its intra-chunk
+    scores ``[g, C, C]``, per-chunk states ``phi(K_c)^T V_c`` ``[g, F, Dv]`` and their exclusive
+    prefix sum with batched matmuls; the running state then moves to the end of the group. Peak
+    memory beyond inputs and output is one group's temporaries (about 32 MiB), whatever N.
+    The normaliser rides along as an extra value column of ones (``[V | 1]``, state ``[S | z]``), so
+    one matmul gives numerator and denominator.
     """
-    b, h, n, f = fq.shape
-    dv = v.shape[-1]
-    out = fq.new_empty(b, h, n, dv)
-    per_chunk = b * h * (2 * f * dv + chunk * chunk + f) * fq.element_size()
+    b, h, n, dv = v.shape
+    f = s.shape[2]
+    out = v.new_empty(b, h, n, dv)
+    se = torch.cat([s, z.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv + 1]
+    per_chunk = b * h * (3 * f * (dv + 1) + chunk * chunk + 3 * chunk * (f + dv + 1)) * v.element_size()
     g = max(1, min(-(-n // chunk), _GROUP_BUDGET_BYTES // max(1, per_chunk)))
-    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=fq.device).tril()
     step = g * chunk
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         m = -(-(hi - lo) // chunk)
         pad = m * chunk - (hi - lo)
-        qs, ks, vs = fq[:, :, lo:hi], fk[:, :, lo:hi], v[:, :, lo:hi]
+        qs, ks = fq_fn(lo, hi), fk_fn(lo, hi)  # [B, H, n, F]
+        vs = v[:, :, lo:hi]
+        ve = torch.cat([vs, vs.new_ones(b, h, hi - lo, 1)], dim=-1)  # [B, H, n, Dv + 1]
         if pad:  # zero keys add nothing; zero queries are dropped below
-            qs, ks, vs = (F.pad(t, (0, 0, 0, pad)) for t in (qs, ks, vs))
+            qs, ks, ve = (F.pad(t, (0, 0, 0, pad)) for t in (qs, ks, ve))
         qc = qs.reshape(b, h, m, chunk, f)  # [B, H, m, C, F]
         kc = ks.reshape(b, h, m, chunk, f)
-        vc = vs.reshape(b, h, m, chunk, dv)  # [B, H, m, C, Dv]
-        a = torch.matmul(qc, kc.transpose(-1, -2)) * tril  # [B, H, m, C, C]
-        num = torch.matmul(a, vc)  # [B, H, m, C, Dv]
-        den = a.sum(dim=-1)  # [B, H, m, C]
-        kv = torch.matmul(kc.transpose(-1, -2), vc)  # [B, H, m, F, Dv]
-        ksum = kc.sum(dim=-2)  # [B, H, m, F]
-        # state before each chunk: S + sum of the earlier chunks of the group (exclusive prefix)
-        s_pre = torch.cat([s.unsqueeze(2), kv[:, :, :-1]], dim=2).cumsum(dim=2)  # [B, H, m, F, Dv]
-        z_pre = torch.cat([z.unsqueeze(2), ksum[:, :, :-1]], dim=2).cumsum(dim=2)  # [B, H, m, F]
-        num = num + torch.matmul(qc, s_pre)
-        den = den + torch.matmul(qc, z_pre.unsqueeze(-1)).squeeze(-1)
-        res = _divide(num, den, eps).reshape(b, h, m * chunk, dv)
+        vc = ve.reshape(b, h, m, chunk, dv + 1)  # [B, H, m, C, Dv + 1]
+        a = torch.matmul(qc, kc.transpose(-1, -2)).tril_()  # [B, H, m, C, C]
+        nd = torch.matmul(a, vc)  # [B, H, m, C, Dv + 1]: numerator | denominator
+        del a
+        kv = torch.matmul(kc.transpose(-1, -2), vc)  # [B, H, m, F, Dv + 1]
+        # state before each chunk: S + the earlier chunks of the group (exclusive prefix sum)
+        s_pre = torch.cat([se.unsqueeze(2), kv[:, :, :-1]], dim=2).cumsum_(dim=2)  # [B, H, m, F, Dv + 1]
+        nd = nd + torch.matmul(qc, s_pre)
+        res = _divide(nd[..., :dv], nd[..., dv], eps).reshape(b, h, m * chunk, dv)
         out[:, :, lo:hi] = res[:, :, : hi - lo]
-        s = s_pre[:, :, -1] + kv[:, :, -1]
-        z = z_pre[:, :, -1] + ksum[:, :, -1]
-    return out, s, z
+        se = s_pre[:, :, -1] + kv[:, :, -1]
+    return out, se[..., :dv], se[..., dv]
 
 
 def feature_attention(
-    fq: Tensor,
-    fk: Tensor,
+    fq_fn: Featurizer,
+    fk_fn: Featurizer,
     v: Tensor,
+    n_q: int,
+    n_feat: int,
     *,
     causal: bool,
     form: str,
@@ -238,12 +244,14 @@ def feature_attention(
     state: State | None,
     eps: float,
 ) -> tuple[Tensor, State]:
-    """Attention from precomputed features (shared by linear attention and Performer).
+    """Attention from feature functions (shared by linear attention and Performer).
 
     Args:
-        fq: query features ``[B, H, Nq, F]`` in the compute dtype.
-        fk: key features ``[B, H, Nk, F]`` (padded keys already zeroed).
+        fq_fn: ``(lo, hi) -> [B, H, hi - lo, F]`` query features of tokens ``lo:hi``, compute dtype.
+        fk_fn: the same for keys (padded keys already zeroed). The chunked causal form calls both
+            one group of chunks at a time, so the full ``[N, F]`` features never exist at once.
         v: values ``[B, H, Nk, Dv]`` in the compute dtype.
+        n_q: number of queries ``Nq``; n_feat: ``F``.
         causal: prefix attention (``Nq == Nk``).
         form: ``"auto" | "quadratic" | "chunked" | "recurrent"`` (validated).
         chunk_size: chunk length of the chunked form, ``None`` = :data:`DEFAULT_CHUNK`.
@@ -253,13 +261,16 @@ def feature_attention(
     Returns:
         ``(out [B, H, Nq, Dv], (S, z))``; the state includes every key of this call.
     """
-    b, h, _, f = fq.shape
-    dv = v.shape[-1]
+    b, h, n_k, dv = v.shape
     if state is None:
-        s0 = fq.new_zeros(b, h, f, dv)
-        z0 = fq.new_zeros(b, h, f)
+        s0 = v.new_zeros(b, h, n_feat, dv)
+        z0 = v.new_zeros(b, h, n_feat)
     else:
         s0, z0 = state
+    if causal and form in ("auto", "chunked"):
+        out, s_end, z_end = _chunked_causal(fq_fn, fk_fn, v, s0, z0, chunk_size or DEFAULT_CHUNK, eps)
+        return out, (s_end, z_end)
+    fq, fk = fq_fn(0, n_q), fk_fn(0, n_k)
     if form == "quadratic":
         num, den = _quadratic(fq, fk, v, causal, state, eps)
         kv = torch.matmul(fk.transpose(-1, -2), v)  # [B, H, F, Dv]
@@ -269,11 +280,8 @@ def feature_attention(
         num = torch.matmul(fq, s_end)  # [B, H, Nq, Dv]
         den = torch.matmul(fq, z_end.unsqueeze(-1)).squeeze(-1)  # [B, H, Nq]
         return _divide(num, den, eps), (s_end, z_end)
-    if form == "recurrent":
-        num, den, s_end, z_end = _recurrent(fq, fk, v, s0, z0)
-        return _divide(num, den, eps), (s_end, z_end)
-    out, s_end, z_end = _chunked_causal(fq, fk, v, s0, z0, chunk_size or DEFAULT_CHUNK, eps)
-    return out, (s_end, z_end)
+    num, den, s_end, z_end = _recurrent(fq, fk, v, s0, z0)
+    return _divide(num, den, eps), (s_end, z_end)
 
 
 def linear_attention(
@@ -325,17 +333,26 @@ def linear_attention(
         raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-    b, h, _, _ = q.shape
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
     cdt = compute_dtype(q.dtype)
-    pad = check_key_padding(key_padding_mask, b, k.shape[2], k.device)
-    fq = apply_feature_map(fn, q.to(cdt), "q")  # [B, H, Nq, F]
-    fk = apply_feature_map(fn, k.to(cdt), "k")  # [B, H, Nk, F]
-    if fq.shape[-1] != fk.shape[-1]:
-        raise ValueError(f"feature_map gave {fq.shape[-1]} features for q but {fk.shape[-1]} for k")
-    if pad is not None:
-        fk = fk * pad[:, None, :, None].to(cdt)
-    st = check_state(state, b, h, fq.shape[-1], v.shape[-1], cdt, q.device)
-    out, new_state = feature_attention(fq, fk, v.to(cdt), causal=causal, form=form, chunk_size=chunk,
-                                       state=st, eps=float(eps))
+    pad = check_key_padding(key_padding_mask, b, n_k, k.device)
+    # the feature count, from one token (the map is per token)
+    n_feat = apply_feature_map(fn, q[:, :, :1].to(cdt), "q").shape[-1]
+
+    def fq_fn(lo: int, hi: int) -> Tensor:
+        return apply_feature_map(fn, q[:, :, lo:hi].to(cdt), "q")  # [B, H, n, F]
+
+    def fk_fn(lo: int, hi: int) -> Tensor:
+        fk = apply_feature_map(fn, k[:, :, lo:hi].to(cdt), "k")  # [B, H, n, F]
+        if fk.shape[-1] != n_feat:
+            raise ValueError(f"feature_map gave {n_feat} features for q but {fk.shape[-1]} for k")
+        if pad is not None:
+            fk = fk * pad[:, None, lo:hi, None].to(cdt)  # padded keys contribute nothing
+        return fk
+
+    st = check_state(state, b, h, n_feat, v.shape[-1], cdt, q.device)
+    out, new_state = feature_attention(fq_fn, fk_fn, v.to(cdt), n_q, n_feat, causal=causal, form=form,
+                                       chunk_size=chunk, state=st, eps=float(eps))
     out = out.to(q.dtype)
     return (out, new_state) if return_state else out

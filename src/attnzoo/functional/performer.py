@@ -113,26 +113,27 @@ def performer_features(
     is_query: bool,
     key_padding_mask: Tensor | None = None,
     stabilize_keys: bool = False,
+    root: float = 1.0,
 ) -> Tensor:
-    """Positive random features ``exp(W x - |x|^2/2 - shift) / sqrt(F)``: ``[B, H, N, D] -> [B, H, N, F]``.
+    """Positive random features ``exp(W x' - |x'|^2/2 - shift) / sqrt(F)`` with ``x' = root * x``:
+    ``[B, H, N, D] -> [B, H, N, F]``.
 
-    ``x`` is already scaled (``q * scale**0.5``) and in the compute dtype. Query rows subtract their
-    own maximum exponent; keys subtract the maximum over real keys per ``(B, H)`` only when
-    ``stabilize_keys``. Padded keys (``key_padding_mask`` False) get all-zero features.
+    ``x`` is in the compute dtype; ``root`` is ``scale ** 0.5`` (folded into ``W``). Query rows
+    subtract their own maximum exponent; keys subtract the maximum over real keys per ``(B, H)``
+    only when ``stabilize_keys``. Padded keys (``key_padding_mask`` False) get all-zero features.
     """
-    w = projection.to(x.dtype)
-    logits = torch.matmul(x, w.T) - 0.5 * (x * x).sum(dim=-1, keepdim=True)  # [B, H, N, F]
-    pad = key_padding_mask[:, None, :, None] if key_padding_mask is not None else None
+    f = projection.shape[0]
+    w = projection.to(x.dtype) * root  # [F, D]
+    logits = torch.matmul(x, w.T)  # [B, H, N, F]
+    logits = logits.sub_((x * x).sum(dim=-1, keepdim=True) * (0.5 * root * root) + 0.5 * math.log(f))
+    if key_padding_mask is not None:
+        logits = logits.masked_fill_(~key_padding_mask[:, None, :, None], float("-inf"))
     if is_query:
-        logits = logits - logits.amax(dim=-1, keepdim=True).detach()
+        logits = logits.sub_(logits.detach().amax(dim=-1, keepdim=True))
     elif stabilize_keys:
-        masked = logits if pad is None else logits.masked_fill(~pad, float("-inf"))
-        shift = masked.amax(dim=(-1, -2), keepdim=True).detach()  # [B, H, 1, 1]
-        logits = logits - torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    feats = torch.exp(logits) * (1.0 / math.sqrt(w.shape[0]))
-    if pad is not None:
-        feats = feats.masked_fill(~pad, 0.0)
-    return feats
+        shift = logits.detach().amax(dim=(-1, -2), keepdim=True)  # [B, H, 1, 1]; -inf if all padded
+        logits = logits.sub_(torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift)))
+    return logits.exp_()
 
 
 def performer_attention(
@@ -193,11 +194,18 @@ def performer_attention(
     pad = check_key_padding(key_padding_mask, b, k.shape[2], k.device)
     st = check_state(state, b, h, projection.shape[0], v.shape[-1], cdt, q.device)
     root = sc**0.5
-    fq = performer_features(q.to(cdt) * root, projection, is_query=True)
+    n_q = q.shape[2]
     stabilize = not causal and st is None and not return_state
-    fk = performer_features(k.to(cdt) * root, projection, is_query=False, key_padding_mask=pad,
-                            stabilize_keys=stabilize)
-    out, new_state = feature_attention(fq, fk, v.to(cdt), causal=causal, form=form, chunk_size=chunk,
-                                       state=st, eps=0.0)
+
+    def fq_fn(lo: int, hi: int) -> Tensor:
+        return performer_features(q[:, :, lo:hi].to(cdt), projection, is_query=True, root=root)
+
+    def fk_fn(lo: int, hi: int) -> Tensor:
+        return performer_features(k[:, :, lo:hi].to(cdt), projection, is_query=False,
+                                  key_padding_mask=None if pad is None else pad[:, lo:hi],
+                                  stabilize_keys=stabilize, root=root)
+
+    out, new_state = feature_attention(fq_fn, fk_fn, v.to(cdt), n_q, projection.shape[0], causal=causal,
+                                       form=form, chunk_size=chunk, state=st, eps=0.0)
     out = out.to(q.dtype)
     return (out, new_state) if return_state else out
