@@ -206,3 +206,19 @@ def test_load_model_errors(tmp_path: Path) -> None:
     torch.save({"weights": torch.zeros(1)}, bad)
     with pytest.raises(ValueError, match="arena checkpoint"):
         load_model(bad)
+
+
+@pytest.mark.slow
+def test_load_hf_bert_folder_and_capture(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64)
+    transformers.BertModel(cfg).save_pretrained(tmp_path)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "the", "cat", "##s", "sat", "."]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab + [f"w{i}" for i in range(30 - len(vocab))]) + "\n")
+    model, tokenize = load_model(tmp_path)
+    ids, labels = tokenize("hello the cats sat.")
+    assert labels == ["[CLS]", "hello", "the", "cat", "##s", "sat", ".", "[SEP]"]
+    with torch.no_grad(), capture_attention(model) as cap:
+        model(ids)
+    assert len(cap) == 2 and cap[0].shape == (1, 4, 8, 8)
