@@ -198,3 +198,17 @@ def test_bench_default_targets(tmp_path: Path) -> None:
     assert rc == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [r["target"] for r in data["results"]] == ["torch", "sdpa", "tiled"]
+
+
+def test_rich_table_on_a_terminal_plain_without_rich(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import attnzoo.cli as cli
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    cli.print_table("T", ["a", "b"], [[1, "x"]])
+    rich_out = capsys.readouterr().out
+    assert "┃" in rich_out or "│" in rich_out  # drawn by rich
+    monkeypatch.setattr(cli, "_rich_console", lambda: None)  # as if rich were not installed
+    cli.print_table("T", ["a", "b"], [[1, "x"]])
+    plain = capsys.readouterr().out
+    assert plain.splitlines()[1].split() == ["a", "b"] and "│" not in plain
