@@ -246,3 +246,14 @@ def test_registry_builds_linear() -> None:
     m = build_attention("linear", dim=16, num_heads=2)
     assert isinstance(m, az.LinearAttention) and m.causal
     assert m(torch.randn(1, 5, 16)).shape == (1, 5, 16)
+
+
+def test_efficient_docs_examples_run() -> None:
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "efficient.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    assert len(blocks) >= 4
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/efficient.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
