@@ -510,7 +510,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, Tokenize]:
 
         def tokenize(text: str) -> tuple[Tensor, list[str]]:
             ids = task.encode(text)
-            return ids.unsqueeze(0), [repr(c)[1:-1] for c in text]
+            return ids.unsqueeze(0), ["␣" if c == " " else repr(c)[1:-1] for c in text]
     else:
         vocab = settings.vocab_size
 
