@@ -69,7 +69,8 @@ def _llama(arch: str) -> torch.nn.Module:
               "num_key_value_heads": 2, "intermediate_size": 48, "initializer_range": 0.3,
               "max_position_embeddings": 64, "pad_token_id": 0}
     if arch == "llama":
-        model = T.LlamaForCausalLM(T.LlamaConfig(**common, rope_theta=500.0))
+        # head_dim 16 != hidden_size / heads = 8: the projections are not square
+        model = T.LlamaForCausalLM(T.LlamaConfig(**common, rope_theta=500.0, head_dim=16))
     else:
         model = T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=4))
     return model.eval()
@@ -114,7 +115,8 @@ def test_llama_mistral_logits_and_greedy_generation(arch: str) -> None:
         attn = ours.blocks[0].attn  # sliding_window=4 -> the query and 3 keys before it
         assert attn.causal and attn.window[0] == 3
     else:
-        assert ours.blocks[0].attn.num_kv_heads == 2 and ours.rope.base == 500.0
+        attn = ours.blocks[0].attn
+        assert attn.num_kv_heads == 2 and attn.head_dim == 16 and ours.rope.base == 500.0
     ids, real = _padded_batch(left=True)
     pos = (real.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():

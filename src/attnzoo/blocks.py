@@ -253,8 +253,9 @@ class TransformerBlock(nn.Module):
         owner = "TransformerBlock"
         self.dim = _check_pos_int(dim, "dim", owner)
         self.num_heads = _check_pos_int(num_heads, "num_heads", owner)
-        if dim % num_heads:
-            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if dim % num_heads and not (attention_kwargs or {}).get("head_dim"):
+            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads}), "
+                             f"or pass attention_kwargs={{'head_dim': ...}}")
         if not isinstance(norm, str) or norm not in NORMS:
             raise ValueError(f"{owner}: norm must be one of {NORMS}, got {norm!r}")
         for name, flag in (("causal", causal), ("cross_attention", cross_attention), ("norm_first", norm_first),
@@ -274,7 +275,8 @@ class TransformerBlock(nn.Module):
 
             cdim = dim if context_dim is None else _check_pos_int(context_dim, "context_dim", owner)
             self.cross_norm = make_norm(norm, dim, norm_eps, **kw)
-            self.cross_attn = MultiHeadAttention(dim, num_heads, kv_dim=cdim, bias=bias, causal=False, **kw)
+            self.cross_attn = MultiHeadAttention(dim, num_heads, kv_dim=cdim, head_dim=(attention_kwargs or {}).get(
+                "head_dim"), bias=bias, causal=False, **kw)
         elif context_dim is not None:
             raise ValueError(f"{owner}: context_dim={context_dim} given but cross_attention=False")
         self.context_dim = None if self.cross_attn is None else (dim if context_dim is None else context_dim)

@@ -156,8 +156,8 @@ class DecoderLM(nn.Module):
         if isinstance(attention, nn.Module):
             raise TypeError(f"{owner}: attention must be a registry name or a callable (dim, num_heads) -> "
                             f"nn.Module (one module per layer), got an nn.Module instance")
-        if dim % num_heads:
-            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if head_dim is None and dim % num_heads:
+            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim")
         self.pos = pos
         self.head_dim = dim // num_heads if head_dim is None else check_int(head_dim, "head_dim", owner)
         self.embed_scale = None if embed_scale is None else _check_positive_float(embed_scale, "embed_scale", owner)
