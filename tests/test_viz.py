@@ -193,7 +193,7 @@ def arena_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_load_arena_checkpoint_and_capture(arena_checkpoint: Path) -> None:
     model, tokenize = load_model(arena_checkpoint)
     ids, labels = tokenize("To be, or not")
-    assert ids.shape == (1, 13) and labels[2] == "," and labels[3] == "␣"
+    assert ids.shape == (1, 13) and labels[2] == "␣" and labels[5] == ","
     with torch.no_grad(), capture_attention(model) as cap:
         model(ids)
     assert cap[len(cap) - 1].shape[-2:] == (13, 13)
