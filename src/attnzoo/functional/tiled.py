@@ -134,7 +134,7 @@ def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = 
 
 
 #: Upper bound on score elements of one band batch (float32: 4 bytes each).
-BAND_ELEMS = 1 << 23
+BAND_ELEMS = 1 << 22
 
 
 def _find_bands(r: AttnRequest, rows: list[tuple[Chunk, ...]], block_q: int) -> tuple[Band, ...]:
@@ -224,14 +224,14 @@ def _unfold_rows(x: Tensor, hq: int, rows: int) -> Tensor:
 STATIC_SHIFT_BOUND = 60.0
 
 
-def _score_bound(r: AttnRequest, qs: Tensor, k: Tensor) -> Tensor | None:
+def _score_bound(r: AttnRequest, q: Tensor, k: Tensor) -> Tensor | None:
     """Per-row upper bound on |score| ``[B, Hkv, G*Nq]`` by Cauchy-Schwarz, or ``None`` if biases
     could push scores beyond it (float masks, negative ALiBi slopes)."""
     if r.float_mask is not None or (r.alibi_slopes is not None and bool((r.alibi_slopes < 0).any())):
         return None
     k_max = k.float().norm(dim=-1).amax(dim=-1, keepdim=True)  # [B, Hkv, 1]
-    q_norm = qs.float().norm(dim=-1).reshape(qs.shape[0], r.hkv, -1)  # [B, Hkv, G*Nq], q pre-scaled
-    bound = q_norm * k_max
+    q_norm = q.float().norm(dim=-1).reshape(q.shape[0], r.hkv, -1)  # [B, Hkv, G*Nq]
+    bound = q_norm * k_max * r.scale
     if r.softcap is not None:
         bound = bound.clamp(max=r.softcap)
     return bound
@@ -249,15 +249,13 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=acc_dtype, device=q.device)
-    qs = q * r.scale  # scale folded into q once: [B, Hq, Nq, D]
-    bound = _score_bound(r, qs, k)
+    bound = _score_bound(r, q, k)
     if bound is not None:
         bound = bound.reshape(B, r.hkv, r.group, Nq)
-    # V with a column of ones: one matmul gives both sum_j p_j v_j and sum_j p_j.
-    v_aug = torch.cat([v, torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)], dim=-1)
+    ones = torch.ones(B, r.hkv, min(r.nk, MAX_CHUNK_K), 1, dtype=v.dtype, device=v.device)
     done: set[int] = set()
     for band in plan.bands:
-        _forward_band(r, plan.block_q, band, qs, k, v_aug, bound, out, lse)
+        _forward_band(r, plan.block_q, band, q, k, v, bound, out, lse)
         done.update(range(band.first, band.first + band.count))
     for i, chunks in enumerate(plan.rows):
         if i in done:
@@ -268,22 +266,24 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
             out[:, :, q_lo:q_hi] = 0
             lse[:, :, q_lo:q_hi] = float("-inf")
             continue
-        q_t = _fold_q(qs, r.hkv, r.group, q_lo, q_hi)  # [B, Hkv, G*bq, D]
+        q_t = _fold_q(q, r.hkv, r.group, q_lo, q_hi) * r.scale  # [B, Hkv, G*bq, D], pre-scaled
         static = bound is not None and float(bound[..., q_lo:q_hi].max()) <= STATIC_SHIFT_BOUND
         m: Tensor | None = None
         acc: Tensor | None = None  # [B, Hkv, G*bq, Dv + 1]: unnormalised output and normaliser
         for c in chunks:
             s, _ = _tile_scores(r, q_t, k[:, :, c.k_lo:c.k_hi], q_lo, q_hi, c)  # [B, Hkv, G*bq, bk]
+            # V with a column of ones: one matmul gives both sum_j p_j v_j and sum_j p_j.
+            v_c = torch.cat([v[:, :, c.k_lo:c.k_hi], ones[:, :, :c.k_hi - c.k_lo]], dim=-1)  # [B, Hkv, bk, Dv+1]
             if static:
                 p = s.exp_()  # shift 0; hidden keys -> 0
-                pv = torch.matmul(p, v_aug[:, :, c.k_lo:c.k_hi])  # [B, Hkv, G*bq, Dv + 1]
+                pv = torch.matmul(p, v_c)  # [B, Hkv, G*bq, Dv + 1]
                 acc = pv.to(acc_dtype) if acc is None else acc.add_(pv)
                 continue
             m_c = s.amax(dim=-1, keepdim=True)
             m_new = m_c if m is None else torch.maximum(m, m_c)  # running max, -inf if nothing seen
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = s.sub_(m_safe).exp_()  # in place on the tile; hidden keys -> 0
-            pv = torch.matmul(p, v_aug[:, :, c.k_lo:c.k_hi])  # [B, Hkv, G*bq, Dv + 1]
+            pv = torch.matmul(p, v_c)  # [B, Hkv, G*bq, Dv + 1]
             if acc is None or m is None:
                 acc = pv.to(acc_dtype)
             else:
@@ -301,25 +301,24 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
     return out, lse
 
 
-def _forward_band(r: AttnRequest, bq: int, band: Band, qs: Tensor, k: Tensor, v_aug: Tensor,
+def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor,
                   bound: Tensor | None, out: Tensor, lse: Tensor) -> None:
     """Forward of a band of query blocks in one batched matmul (K/V windows are strided views)."""
-    B, Hq = qs.shape[:2]
+    B, Hq = q.shape[:2]
     Hkv, G, g, S = r.hkv, r.group, band.count, band.width
-    Dv = v_aug.shape[-1] - 1
     q_lo = band.first * bq
     R = g * bq
-    q_grp = (qs[:, :, q_lo:q_lo + R].reshape(B, Hkv, G, g, bq, -1).transpose(2, 3)
-             .reshape(B, Hkv, g, G * bq, -1))  # [B, Hkv, g, G*bq, D]
+    q_grp = (q[:, :, q_lo:q_lo + R].reshape(B, Hkv, G, g, bq, -1).transpose(2, 3)
+             .reshape(B, Hkv, g, G * bq, -1)) * r.scale  # [B, Hkv, g, G*bq, D], pre-scaled
     span = slice(band.k_lo, band.k_lo + (g - 1) * bq + S)
     k_win = k[:, :, span].unfold(2, S, bq)  # [B, Hkv, g, D, S] (a view)
-    v_win = v_aug[:, :, span].unfold(2, S, bq).transpose(-1, -2)  # [B, Hkv, g, S, Dv + 1]
+    v_win = v[:, :, span].unfold(2, S, bq).transpose(-1, -2)  # [B, Hkv, g, S, Dv] (a view)
     s = torch.matmul(q_grp, k_win)  # [B, Hkv, g, G*bq, S]
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
     if r.softcap is not None:
         s = torch.tanh(s / r.softcap) * r.softcap
-    dev = qs.device
+    dev = q.device
     q_pos = (torch.arange(q_lo, q_lo + R, device=dev) + r.q_offset).view(1, 1, R, 1)
     k_pos = (band.k_lo + torch.arange(g, device=dev).repeat_interleave(bq).view(1, 1, R, 1) * bq
              + torch.arange(S, device=dev).view(1, 1, 1, S))  # [1, 1, R, S] absolute key positions
@@ -347,11 +346,11 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, qs: Tensor, k: Tensor, v_
         shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         s = s.sub_(shift)
     p = s.exp_()
-    acc = torch.matmul(p.to(v_aug.dtype), v_win).to(lse.dtype)  # [B, Hkv, g, G*bq, Dv + 1]
-    ell = acc[..., Dv:]
+    ell = p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, G*bq, 1]
+    acc = torch.matmul(p.to(v.dtype), v_win).to(lse.dtype)  # [B, Hkv, g, G*bq, Dv]
     ok = ell > 0
     safe = torch.where(ok, ell, torch.ones_like(ell))
-    o = acc[..., :Dv] / safe
+    o = acc / safe
     row_lse = torch.where(ok, torch.log(safe) + (0 if shift is None else shift), torch.full_like(ell, float("-inf")))
 
     def unfold_rows(t: Tensor) -> Tensor:  # [B, Hkv, g, G*bq, E] -> [B, Hq, R, E]
