@@ -292,3 +292,20 @@ def test_unsupported_configuration_is_named() -> None:
                        scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx=True is not supported"):
         from_hf(T.GPT2LMHeadModel(cfg))
+
+
+def test_llama_linear_rope_scaling_and_unsupported_rope_type() -> None:
+    torch.manual_seed(5)
+    cfg = T.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=48, initializer_range=0.3,
+                        max_position_embeddings=64,
+                        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0})
+    hf = T.LlamaForCausalLM(cfg).eval()
+    ours = from_hf(hf)
+    assert ours.rope.scaling == "linear" and ours.rope.scaling_factor == 4.0
+    x = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        _close(ours(x), hf(input_ids=x).logits, TOL, "LLaMA with linear RoPE scaling")
+    cfg.rope_parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1000.0}
+    with pytest.raises(ValueError, match=r"rope_type='dynamic'.*is not supported"):
+        from_hf(T.LlamaForCausalLM(cfg))

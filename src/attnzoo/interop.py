@@ -387,15 +387,23 @@ def _gpt2(cfg: dict[str, Any], sd: dict[str, Tensor], *, device: Any, dtype: Any
 
 
 # ----------------------------------------------------------------------------- LLaMA / Mistral
-def _rope_base(cfg: dict[str, Any], arch: str) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in (None, "default"):
-        raise _unsupported(arch, f"rope_type={rope_type!r} (only the default RoPE)")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unsupported(arch, f"partial_rotary_factor={cfg['partial_rotary_factor']}")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def _rope(cfg: dict[str, Any], arch: str, head_dim: int) -> nn.Module:
+    """The RotaryEmbedding of a LLaMA-family config: ``rope_theta`` and the ``default`` or
+    ``linear`` (position interpolation) rope types, split-half pairing."""
+    from attnzoo.nn.positional import RotaryEmbedding
+
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise _unsupported(arch, f"partial_rotary_factor={partial}")
+    base = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RotaryEmbedding(head_dim, base=base)
+    if rope_type == "linear":
+        return RotaryEmbedding(head_dim, base=base, scaling="linear", scaling_factor=float(params["factor"]))
+    raise _unsupported(arch, f"rope_type={rope_type!r} (supported: 'default', 'linear')")
 
 
 def _llama(cfg: dict[str, Any], sd: dict[str, Tensor], *, device: Any, dtype: Any, arch: str) -> nn.Module:
@@ -412,7 +420,7 @@ def _llama(cfg: dict[str, Any], sd: dict[str, Tensor], *, device: Any, dtype: An
     layer_types = cfg.get("layer_types")
     if window is not None and layer_types and any(t != "sliding_attention" for t in layer_types):
         raise _unsupported(arch, "mixed full/sliding layer_types")
-    akw: dict[str, Any] = {"bias": attn_bias, "num_kv_heads": Hkv}
+    akw: dict[str, Any] = {"bias": attn_bias, "num_kv_heads": Hkv, "rope": _rope(cfg, arch, D)}
     attention = "mha"
     if window is not None:
         attention = "sliding"
@@ -423,7 +431,7 @@ def _llama(cfg: dict[str, Any], sd: dict[str, Tensor], *, device: Any, dtype: An
         max_seq_len=int(cfg.get("max_position_embeddings", 2048)), pos="rope", norm="rms",
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), ffn=_activation(cfg, arch, "hidden_act", gated=True),
         ffn_hidden=int(cfg["intermediate_size"]), tie_embeddings=tie, bias=mlp_bias,
-        rope_base=_rope_base(cfg, arch), head_dim=D if D != C // H or C % H else None,
+        head_dim=D if D != C // H or C % H else None,
         device=device, dtype=dtype or _float_dtype(sd))
     prefix = "model." if any(k.startswith("model.") for k in sd) else ""
     plan = _Plan(_Source(sd, prefix), arch)

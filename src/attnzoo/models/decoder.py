@@ -172,10 +172,14 @@ class DecoderLM(nn.Module):
             if head_dim is not None:
                 akw.setdefault("head_dim", self.head_dim)
             if pos == "rope" and _takes_rope(attention):
-                from attnzoo.nn.positional import RotaryEmbedding
+                if isinstance(akw.get("rope"), nn.Module):  # a configured RotaryEmbedding (e.g. scaled)
+                    self.rope = akw["rope"]
+                elif "rope" not in akw:
+                    from attnzoo.nn.positional import RotaryEmbedding
 
-                self.rope = RotaryEmbedding(self.head_dim, base=_check_positive_float(rope_base, "rope_base", owner))
-                akw.setdefault("rope", self.rope)
+                    base = _check_positive_float(rope_base, "rope_base", owner)
+                    self.rope = RotaryEmbedding(self.head_dim, base=base)
+                    akw["rope"] = self.rope
         elif num_kv_heads is not None:
             raise ValueError(f"{owner}: num_kv_heads only applies when attention is a registry name")
 
