@@ -115,7 +115,7 @@ def test_run_checks_report_is_json_ready() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "words"),
-    [({"backends": ["magic"]}, "backend"), ({"dtypes": ["int8"]}, "dtype")],
+    [({"backends": ["magic"]}, "backend"), ({"dtypes": ["int8"]}, "dtype"), ({"device": "banana"}, "device")],
 )
 def test_bad_input(kwargs, words) -> None:
     with pytest.raises(ValueError, match=words):

@@ -44,6 +44,8 @@ def test_every_command_has_help(cmd: str, capsys: pytest.CaptureFixture[str]) ->
         ["viz"],
         ["viz", "--mask", "causal & foo(2)"],
         ["viz", "--positional", "rope"],
+        ["check", "--device", "banana"],
+        ["bench", "--device", "nowhere:0"],
     ],
 )
 def test_bad_arguments_one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -83,6 +83,18 @@ def _window(text: str) -> int | tuple[int | None, int | None]:
     raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT (integers, 'none' = unbounded), got {text!r}")
 
 
+def _device_arg(text: str) -> str:
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu or cuda, got {text!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("cuda was asked for but torch.cuda.is_available() is False")
+    return text
+
+
 def _variant_names() -> list[str]:
     from attnzoo.variants import variant_names
 
@@ -437,7 +449,7 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the quick third of the case grid")
     p.add_argument("--no-grad", action="store_true", help="outputs only, no gradients")
     p.add_argument("--strict", action="store_true", help="a variant whose module is missing is a failure")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--device", type=_device_arg, default="cpu", help="torch device (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of the inputs (default: 0)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--show-failures", type=int, default=20, help="failure lines to print (default: 20)")
@@ -459,7 +471,7 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
                    help="comma-separated sequence lengths (default: 256,512,1024,2048)")
     p.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd", help="(default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="(default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--device", type=_device_arg, default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--batch", type=_positive_int, default=1, help="B (default: %(default)s)")
     p.add_argument("--heads", type=_positive_int, default=8, help="H (default: %(default)s)")
     p.add_argument("--head-dim", type=_positive_int, default=64, help="D (default: %(default)s)")
