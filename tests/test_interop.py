@@ -309,3 +309,15 @@ def test_llama_linear_rope_scaling_and_unsupported_rope_type() -> None:
     cfg.rope_parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1000.0}
     with pytest.raises(ValueError, match=r"rope_type='dynamic'.*is not supported"):
         from_hf(T.LlamaForCausalLM(cfg))
+
+
+def test_sharded_safetensors_folder(tmp_path: Path) -> None:
+    torch.manual_seed(6)
+    hf = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                        initializer_range=0.3)).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = load_pretrained(tmp_path)
+    x = torch.randint(0, V, (2, 7))
+    with torch.no_grad():
+        _close(ours(x), hf(input_ids=x).logits, TOL, "GPT-2 from sharded safetensors")
