@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnzoo.functional.sdpa as sdpa_mod
-from attnzoo.check import backend_cases, check_backends, check_variants, run_checks
+from attnzoo.check import backend_cases, check_backends, check_models, check_variants, run_checks
 
 FAST = ["reference", "sdpa", "tiled"]
 
@@ -108,7 +108,8 @@ def test_broken_decoding_fails(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_run_checks_report_is_json_ready() -> None:
     import json
 
-    rep = run_checks(backends=["reference"], dtypes=("float32",), quick=True, include_variants=False)
+    rep = run_checks(backends=["reference"], dtypes=("float32",), quick=True, include_variants=False,
+                     include_models=False)
     d = json.loads(json.dumps(rep.as_dict()))
     assert d["ok"] is True and d["rows"][0]["target"] == "reference"
 
@@ -144,3 +145,8 @@ def test_a_biased_performer_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     real = az.performer_attention
     monkeypatch.setattr(az, "performer_attention", lambda *a, **k: real(*a, **k) + 0.5)
     assert not _check_performer(0).passed
+
+
+def test_decoder_models_decode_like_the_full_forward() -> None:
+    rows = check_models(["gqa"])
+    assert len(rows) == 1 and rows[0].passed and rows[0].cases == 2, rows[0].failures

@@ -91,7 +91,7 @@ def test_cost_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_check_passes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "check.json"
     rc = main(["check", "--quick", "--backends", "reference,sdpa", "--dtypes", "float32",
-               "--variants", "mha", "--json", str(out), "--plain", "--no-progress"])
+               "--variants", "mha", "--no-models", "--json", str(out), "--plain", "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "OK:" in text

@@ -22,6 +22,9 @@ token by token (and in chunks) through ``init_cache`` equals the full causal for
 variants give the same output on every available backend as on the float64 reference; the
 approximations stay within their stated error. Variants whose module is missing are reported
 as ``missing``, which counts as a failure only with ``strict=True``.
+
+**Models.** A 2-layer :class:`attnzoo.DecoderLM` per variant: decoding through its cache gives
+the logits of the full forward pass.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ __all__ = [
     "CheckRow",
     "backend_cases",
     "check_backends",
+    "check_models",
     "check_variants",
     "run_checks",
 ]
@@ -508,6 +512,57 @@ def check_variants(
     return rows
 
 
+def check_models(
+    variants: Sequence[str] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[CheckRow]:
+    """A 2-layer :class:`attnzoo.DecoderLM` per variant: cached decoding (one token, then chunks
+    of five) gives the logits of the full forward pass."""
+    from attnzoo.variants import VARIANTS, variant_names
+
+    names = variant_names() if variants is None else list(variants)
+    for n in names:
+        if n not in VARIANTS:
+            raise ValueError(f"variants: unknown variant {n!r}; expected some of {variant_names()}")
+    dev = _device(device)
+    rows: list[CheckRow] = []
+    for name in names:
+        row = CheckRow("model", f"DecoderLM[{name}]", "decode == full")
+        try:
+            from attnzoo.models import DecoderLM
+
+            torch.manual_seed(seed)
+            model = DecoderLM(61, 32, 2, 4, attention=name, attention_kwargs=_CHECK_SETTINGS.get(name) or None)
+        except (ImportError, AttributeError):
+            row.status = "missing"
+            rows.append(row)
+            continue
+        except Exception as exc:
+            row.fail(f"building DecoderLM(attention={name!r}) raised {type(exc).__name__}: {exc}")
+            rows.append(row)
+            continue
+        model = model.to(dev).eval()
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, 61, (2, 16), generator=g).to(dev)
+        for chunk in (1, 5):
+            if progress is not None:
+                progress(f"DecoderLM[{name}] decode chunk={chunk}")
+            toks = tokens if chunk > 1 else tokens[:, :12]
+            row.cases += 1
+            try:
+                with torch.no_grad():
+                    err = _decode_error(model, toks, chunk)
+            except Exception as exc:
+                row.fail(f"chunk={chunk}: raised {type(exc).__name__}: {exc}")
+                continue
+            row.add(f"chunk={chunk} [B=2 N={toks.shape[1]} C=32 L=2]", err, DECODE_TOL)
+        rows.append(row)
+    return rows
+
+
 # =========================================================================== approximations
 #: Stated error of FAVOR+ (Performer): mean |performer - softmax| / mean |softmax| <= this / sqrt(F)
 #: for F random orthogonal features, D = 16, q and k entries of standard deviation 0.5 (measured
@@ -581,6 +636,7 @@ def run_checks(
     dtypes: Sequence[str] = ("float32", "bfloat16", "float16"),
     variants: Iterable[str] | None = None,
     include_variants: bool = True,
+    include_models: bool = True,
     device: str | torch.device = "cpu",
     quick: bool = False,
     grad: bool = True,
@@ -588,10 +644,15 @@ def run_checks(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> CheckReport:
-    """Backends over the case grid, then (optionally) every variant module. See the module doc."""
+    """Backends over the case grid, then (optionally) every variant module and a small decoder
+    per variant. See the module doc."""
     t0 = time.perf_counter()
+    variants = None if variants is None else list(variants)
     rows = check_backends(backends, dtypes, device=device, grad=grad, quick=quick, seed=seed, progress=progress)
     if include_variants:
         rows += check_variants(None if variants is None else list(variants), backends=backends, device=device,
                                seed=seed, strict=strict, progress=progress)
+    if include_models:
+        rows += check_models(None if variants is None else list(variants), device=device, seed=seed,
+                             progress=progress)
     return CheckReport(rows, time.perf_counter() - t0)

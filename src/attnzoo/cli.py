@@ -214,6 +214,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     bar = _Progress(total, "check", enabled=not args.no_progress and sys.stderr.isatty())
     try:
         report = run_checks(backends=backends, dtypes=args.dtypes, include_variants=not args.no_variants,
+                            include_models=not (args.no_variants or args.no_models),
                             variants=args.variants, device=args.device, quick=args.quick, grad=not args.no_grad,
                             strict=args.strict, seed=args.seed, progress=bar)
     except ValueError as exc:
@@ -438,7 +439,8 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
                        description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
                                    "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
                                    "gradients) against the float64 reference, then check every variant module "
-                                   "(decode == full forward, backends == reference). Exit code 1 on any failure.")
+                                   "(decode == full forward, backends == reference, approximations within their "
+                                   "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.")
     p.add_argument("--backends", type=_name_list(BACKEND_NAMES), default=None,
                    help="comma-separated backends (default: all available)")
     p.add_argument("--dtypes", type=_name_list(DTYPE_NAMES), default=list(DTYPE_NAMES),
@@ -446,6 +448,7 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--variants", type=lambda t: _name_list(_variant_names())(t), default=None,
                    help="comma-separated variants to check (default: all)")
     p.add_argument("--no-variants", action="store_true", help="backends only")
+    p.add_argument("--no-models", action="store_true", help="skip the DecoderLM decode == full checks")
     p.add_argument("--quick", action="store_true", help="the quick third of the case grid")
     p.add_argument("--no-grad", action="store_true", help="outputs only, no gradients")
     p.add_argument("--strict", action="store_true", help="a variant whose module is missing is a failure")
