@@ -133,7 +133,7 @@ def crossing(rows: list[dict], method: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 16384, 65536])
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 65536])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--cumsum-max", type=int, default=4096, help="largest N for the naive cumsum peer")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
     p.add_argument("--json", type=str, default=None, help="also write the rows here")
-    p.add_argument("--max-seconds", type=float, default=15.0,
+    p.add_argument("--max-seconds", type=float, default=10.0,
                    help="stop repeating a case once its calls took this long (at least one call)")
     p.add_argument("--worker", nargs=5, metavar=("METHOD", "N", "REPEATS", "THREADS", "MAXS"), help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -213,6 +213,7 @@ def test_module_padding_mask_forms_and_cross_attention() -> None:
     a = m(x, ctx, mask=pad)
     b = m(x, ctx, mask=az.masks.key_padding(lengths))
     torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, m(x, ctx, mask=pad[:, None, None, :]))
     # cross-attention = the functional call on the projections
     h = lambda t: t.view(2, -1, 2, 8).transpose(1, 2)  # noqa: E731
     ref = az.linear_attention(h(m.q_proj(x)), h(m.k_proj(ctx)), h(m.v_proj(ctx)), key_padding_mask=pad)

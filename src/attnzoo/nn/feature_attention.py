@@ -67,7 +67,8 @@ def key_padding_from_mask(cls: str, mask: object, batch: int, n_new: int, n_tota
     """``mask`` -> bool ``[B, n_new]`` (True = real token) for the ``n_new`` newest keys, or ``None``.
 
     Accepts bool ``[B, n_new]`` or ``[B, n_total]`` (the absolute key axis with a cache; its last
-    ``n_new`` columns are used) and a leaf ``attnzoo.masks.key_padding(...)`` Mask.
+    ``n_new`` columns are used), the same as ``[B, 1, 1, Nk]``, and a leaf
+    ``attnzoo.masks.key_padding(...)`` Mask.
     """
     if mask is None:
         return None
@@ -84,6 +85,8 @@ def key_padding_from_mask(cls: str, mask: object, batch: int, n_new: int, n_tota
     if mask.dtype != torch.bool:
         raise ValueError(f"{cls}: mask must be a bool key padding mask [B, N] (True = real token); float/additive "
                          f"masks are not supported by feature-map attention, got dtype {mask.dtype}")
+    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
+        mask = mask[:, 0, 0]  # [B, 1, 1, Nk]: the broadcastable key padding layout of az.attention
     if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] not in (n_new, n_total):
         want = f"[{batch}, {n_new}]" + (f" or [{batch}, {n_total}]" if n_total != n_new else "")
         raise ValueError(f"{cls}: only key padding masks are supported: expected bool {want}, got shape "
