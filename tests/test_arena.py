@@ -247,7 +247,7 @@ def test_progress_kinds(capsys: pytest.CaptureFixture[str]) -> None:
 # --------------------------------------------------------------------------- the arena end to end
 def test_quick_arena_writes_the_report_and_is_deterministic(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
-    argv = ("--quick", "--variants", "mha,sliding,gqa", "--progress", "none", "--window", "8")
+    argv = ("--quick", "--variants", "mha,sliding", "--progress", "none", "--window", "8")
     assert run_arena(_args(*argv, "--out", str(a))) == 0
     for name in ("report.md", "index.html", "results.json", "lm_curves.png", "mqar_accuracy.png",
                  "speed_memory.png"):
@@ -255,7 +255,7 @@ def test_quick_arena_writes_the_report_and_is_deterministic(tmp_path: Path) -> N
     res = json.loads((a / "results.json").read_text())
     assert set(res["runs"]) == {"lm", "mqar"}
     md = (a / "report.md").read_text()
-    for v in ("mha", "sliding", "gqa"):
+    for v in ("mha", "sliding"):
         assert f"| {v} |" in md
         assert "sample" in res["runs"]["lm"][v], res["runs"]["lm"][v].get("decode_error")
     assert "How to read this" in md and "data:image/png;base64," in (a / "index.html").read_text()
@@ -263,7 +263,7 @@ def test_quick_arena_writes_the_report_and_is_deterministic(tmp_path: Path) -> N
     assert run_arena(_args(*argv, "--out", str(b))) == 0
     res_b = json.loads((b / "results.json").read_text())
     for t in ("lm", "mqar"):
-        for v in ("mha", "sliding", "gqa"):
+        for v in ("mha", "sliding"):
             assert res["runs"][t][v]["train_losses"] == res_b["runs"][t][v]["train_losses"], (t, v)
             assert res["runs"][t][v]["evals"] == res_b["runs"][t][v]["evals"], (t, v)
 
@@ -293,6 +293,18 @@ def test_argument_parser_rejects_non_positive_numbers() -> None:
         _args("--steps", "0")
     with pytest.raises(SystemExit):
         _args("--lr", "-1")
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_default_settings_build_valid_tasks(quick: bool) -> None:
+    from attnzoo.arena.runner import _make_task, settings_for
+
+    for t in ("lm", "mqar"):
+        s = settings_for(t, _args(*(["--quick"] if quick else [])))
+        task = _make_task(s)
+        assert task.seq_len == s.seq_len and s.batch >= 1 and s.warmup < s.steps
+    s = settings_for("mqar", _args("--steps", "30", "--mqar-pairs", "3", "--width", "48"))
+    assert (s.steps, s.num_kv_pairs, s.width) == (30, 3, 48) and s.warmup <= 3 and s.eval_every <= 30
 
 
 def test_two_models_differ_only_in_attention() -> None:

@@ -10,6 +10,7 @@ import base64
 import html
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,11 @@ def _settings_md(results: dict[str, Any]) -> list[str]:
         window = s["window"] if s["window"] is not None else "registry default"
         lines.append(f"- `{t}`: seq_len {s['seq_len']}, {s['steps']} steps x batch {s['batch']}, width "
                      f"{s['width']}, depth {s['depth']}, {s['heads']} heads, peak lr {s['lr']:g} (warm-up "
-                     f"{s['warmup']} steps, cosine to 10%), window {window}{extra}")
+                     f"{s['warmup']} steps, cosine to 10%), window {window}, positions {s.get('pos', 'rope')}{extra}")
     env = results["environment"]
     lines.append(f"- seed {results['seed']}; torch {env['torch']} on {env['device']} with {env['threads']} "
-                 f"threads x {env['world_size']} process(es); whole run {results['wall_s']:.0f} s")
+                 f"threads x {env['world_size']} process(es); this invocation took {results['wall_s']:.0f} s wall, "
+                 f"{results.get('cpu_s', float('nan')):.0f} s CPU (runs reused with --resume cost nothing here)")
     return lines
 
 
@@ -165,6 +167,12 @@ def _plots(results: dict[str, Any], out: Path) -> dict[str, str]:
             key = "val_loss" if t == "lm" else "accuracy"
             ax.plot([e["step"] for e in ev], [e[key] for e in ev], marker="o", ms=3, label=v, color=colors[v])
         ax.set_xlabel("training step")
+        if t == "lm" and results.get("unigram_val_loss"):
+            ax.axhline(results["unigram_val_loss"], color="gray", ls=":", lw=1)
+            ax.text(ax.get_xlim()[1], results["unigram_val_loss"], " unigram", color="gray", fontsize=8,
+                    va="bottom", ha="right")
+            ax.axhline(2.0, color="gray", ls="--", lw=1)
+            ax.text(ax.get_xlim()[1], 2.0, "2.0 nats ", color="gray", fontsize=8, va="bottom", ha="right")
         if t == "lm":
             ax.set_ylabel("validation loss (nats/char)")
             ax.set_title("Shakespeare character LM: validation loss")
@@ -235,6 +243,13 @@ _CAPTIONS = {
 }
 
 
+def _inline(text: str) -> str:
+    """The little Markdown the report uses (``**bold**``, backticks) as HTML."""
+    out = html.escape(" ".join(text.split()))
+    out = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", out)
+
+
 def _samples(results: dict[str, Any]) -> list[tuple[str, str]]:
     lm = results["runs"].get("lm", {})
     return [(v, lm[v]["sample"]) for v in results["variants"] if v in lm and "sample" in lm[v]]
@@ -278,8 +293,8 @@ def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
         figs.append(f'<figure><img alt="{html.escape(_CAPTIONS[k])}" src="data:image/png;base64,{data}">'
                     f"<figcaption>{html.escape(_CAPTIONS[k])}</figcaption></figure>")
     sample_html = "".join(f"<h3>{html.escape(v)}</h3><pre>{html.escape(t)}</pre>" for v, t in samples)
-    how = HOW_TO_READ.split("\n", 2)[2]
-    how_items = "".join(f"<li>{html.escape(item.strip()[2:])}</li>" for item in how.split("\n- ") if item.strip())
+    intro, *items = HOW_TO_READ.split("\n", 2)[2].split("\n- ")
+    how_html = f"<p>{_inline(intro)}</p><ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>"
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>attnzoo arena report</title>
 <style>
@@ -296,13 +311,13 @@ pre {{ background: #f7f7f7; padding: 8px; white-space: pre-wrap; }}
 <code>results.json</code>.</p>
 {_table_html(rows)}
 <p>Peak train memory method: {html.escape(method)}. Speeds are medians measured in this run.</p>
-<ul>{"".join(f"<li>{html.escape(s[2:])}</li>" for s in settings)}</ul>
+<ul>{"".join(f"<li>{_inline(s[2:])}</li>" for s in settings)}</ul>
 {"<ul>" + "".join(f"<li>{html.escape(e[2:])}</li>" for e in errors) + "</ul>" if errors else ""}
 <h2>Plots</h2>
 {"".join(figs) or "<p>(no plots: install matplotlib)</p>"}
 {"<h2>Greedy samples (lm)</h2>" + sample_html if samples else ""}
 <h2>How to read this</h2>
-<ul>{how_items}</ul>
+{how_html}
 </body></html>
 """
     html_path = out / "index.html"

@@ -34,7 +34,8 @@ from attnzoo.arena.trainer import (
     train,
 )
 
-__all__ = ["DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments", "run_arena", "settings_for"]
+__all__ = ["DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments", "build_model", "run_arena",
+           "settings_for"]
 
 DEFAULT_VARIANTS = ("mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini")
 TASKS = ("lm", "mqar")
@@ -58,20 +59,21 @@ class TaskSettings:
     num_kv_pairs: int = 0  # mqar only
     vocab_size: int = 0  # mqar only
     window: int | None = None  # sliding / local_global window (None: the registry default)
+    pos: str = "rope"  # DecoderLM positional encoding: rope | learned | sinusoidal | none
 
 
 # The default budget (see docs/arena.md for how it was chosen and what it reaches).
 _DEFAULTS = {
-    "lm": TaskSettings("lm", seq_len=128, steps=300, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=30,
-                       eval_every=50),
-    "mqar": TaskSettings("mqar", seq_len=128, steps=300, batch=64, width=64, depth=2, heads=4, lr=3e-3,
-                         warmup=30, eval_every=50, num_kv_pairs=16, vocab_size=256),
+    "lm": TaskSettings("lm", seq_len=128, steps=200, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=20,
+                       eval_every=40),
+    "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=64, width=64, depth=2, heads=4, lr=3e-3,
+                         warmup=60, eval_every=100, num_kv_pairs=4, vocab_size=64, window=8, pos="learned"),
 }
 _QUICK = {
     "lm": TaskSettings("lm", seq_len=32, steps=12, batch=8, width=32, depth=1, heads=2, lr=3e-3, warmup=3,
                        eval_every=6),
     "mqar": TaskSettings("mqar", seq_len=32, steps=12, batch=16, width=32, depth=1, heads=2, lr=3e-3, warmup=3,
-                         eval_every=6, num_kv_pairs=4, vocab_size=64),
+                         eval_every=6, num_kv_pairs=4, vocab_size=64, window=8, pos="learned"),
 }
 
 
@@ -169,9 +171,15 @@ def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: t
         akw["window"] = s.window
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
-                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s)), device=device)
+                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s)), pos=s.pos, device=device)
     _gpt2_init(model)
     return model
+
+
+def build_model(s: TaskSettings, variant: str, vocab: int, seed: int,
+                device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The arena's model for ``variant`` under settings ``s`` (what a checkpoint's weights fit)."""
+    return _build_model(s, variant, vocab, seed, torch.device(device))
 
 
 def _sample_len(s: TaskSettings) -> int:
@@ -239,6 +247,8 @@ class _Run:
             start = int(state["step"])
             losses = list(state["extra"]["losses"])
             evals = list(state["extra"]["evals"])
+        if start == 0:
+            evals.append({"step": 0, **self.task.evaluate(model, self.device, args.seed)})
         last: list[StepInfo] = []
         kind = args.progress if self.rank == 0 else "none"
         with make_progress(kind, f"{self.name:>18}", s.steps, start) as bar:
@@ -258,18 +268,18 @@ class _Run:
                     save_checkpoint(self.ckpt, model, optimizer, step,
                                     {"signature": self.sig, "losses": losses, "evals": evals})
 
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             train(model, self.task, s.steps, s.batch, args.seed, config=cfg, device=self.device,
                   start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
                   checkpoint_every=args.checkpoint_every)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if start == s.steps and not evals:
             evals.append({"step": s.steps, **self.task.evaluate(model, self.device, args.seed)})
         result: dict[str, Any] = {
             "task": s.task, "variant": self.variant, "signature": self.sig,
             "params": int(model.num_parameters()),  # type: ignore[operator]
             "train_losses": losses, "evals": evals, "final": {k: v for k, v in evals[-1].items() if k != "step"},
-            "train_tokens_per_s": last[0].tokens_per_s if last else None, "train_wall_s": wall,
+            "train_tokens_per_s": last[0].tokens_per_s if last else None, "train_wall_s": wall, "train_cpu_s": cpu,
         }
         result.update(self._measure(model))
         if self.rank == 0:
@@ -340,12 +350,12 @@ def run_arena(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         runs: dict[str, dict[str, Any]] = {t: {} for t in tasks}
         for t in tasks:
             for v in variants:
                 runs[t][v] = _Run(settings[t], task_objs[t], v, args, out, device).execute()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if rank == 0:
             from attnzoo.arena.report import write_report
 
@@ -357,8 +367,9 @@ def run_arena(args: argparse.Namespace) -> int:
                 "environment": {"torch": torch.__version__, "python": platform.python_version(),
                                 "device": str(device), "threads": torch.get_num_threads(), "world_size": world,
                                 "machine": platform.machine()},
-                "wall_s": wall,
+                "wall_s": wall, "cpu_s": cpu,
                 "prompt": SAMPLE_PROMPT,
+                "unigram_val_loss": task_objs["lm"].unigram_loss() if "lm" in task_objs else None,
                 "runs": runs,
             }
             paths = write_report(results, out)

@@ -143,6 +143,13 @@ class ShakespeareTask:
         window = self.train_ids[idx]
         return window[:, :-1], window[:, 1:]
 
+    def unigram_loss(self) -> float:
+        """Validation loss (nats/char) of the unigram baseline: training-text character frequencies
+        (add-one smoothed), no context at all."""
+        counts = torch.bincount(self.train_ids, minlength=self.vocab_size).double() + 1.0
+        logp = (counts / counts.sum()).log()
+        return float(-logp[self.val_ids].mean())
+
     def val_batches(self) -> list[tuple[Tensor, Tensor]]:
         """The fixed validation windows, in batches of ``eval_batch``."""
         span = self.seq_len + 1
