@@ -10,18 +10,20 @@ own:
 * peak memory: the process's peak resident set size (``VmHWM`` from ``/proc/self/status``) during
   the first timed call minus the resident set size just before it (inputs already allocated).
   The peak is reset with ``echo 5 > /proc/self/clear_refs`` (Linux >= 4.0). torch's CPU allocator
-  returns large blocks to the OS, so this is the extra memory the call touched. (tracemalloc does
-  not see torch allocations.)
+  returns large blocks to the OS, so this is the extra memory the call touched. Blocks under
+  glibc's mmap threshold (at most 32 MiB) may reuse memory freed earlier in the process, so small
+  values are lower bounds. (tracemalloc does not see torch allocations.)
 
 A naive "cumsum" causal linear attention (materialising the per-token state ``[N, F, Dv]``) is
 the memory peer; it runs only at the sizes given by ``--cumsum-max``.
 
 Usage::
 
-    python benchmarks/bench_long.py                     # the default grid, about 5 min on 2 busy cores
+    python benchmarks/bench_long.py                     # the default grid (~4 min of CPU time)
+    python benchmarks/bench_long.py --summarize out.json  # re-print the summary of a saved run
     python benchmarks/bench_long.py --sizes 4096 16384 --repeats 5 --json out.json
 
-Times are ratios-worthy only within one run (the machine may be shared): compare columns, and
+Times are comparable only within one run (the machine may be shared): compare columns, and
 read ``t(4N)/t(N)`` for the scaling.
 """
 
@@ -55,7 +57,7 @@ def _make_call(method: str, n: int) -> Callable[[], object]:
     from attnzoo.functional.infini import infini_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, H, n, D, generator=g) * (0.5 if i < 2 else 1.0) for i in range(3))
+    q, k, v = (torch.randn(B, H, n, D, generator=g).mul_(0.5 if i < 2 else 1.0) for i in range(3))
     if method == "linear":
         return lambda: az.linear_attention(q, k, v, causal=True)
     if method == "performer":
@@ -114,9 +116,9 @@ def run_case(method: str, n: int, repeats: int, threads: int, max_seconds: float
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def crossing(rows: list[dict], method: str) -> str:
+def crossing(rows: list[dict], method: str, key: str = "time_s") -> str:
     """Smallest measured N from which ``method`` is faster than causal SDPA (and stays so)."""
-    t = {(r["method"], r["n"]): r["time_s"] for r in rows if "time_s" in r}
+    t = {(r["method"], r["n"]): r[key] for r in rows if key in r}
     ns = sorted(n for (m, n) in t if m == "sdpa" and (method, n) in t)
     if not ns:
         return "n/a"
@@ -131,6 +133,20 @@ def crossing(rows: list[dict], method: str) -> str:
     return "no stable crossing"
 
 
+def summarize(rows: list[dict]) -> None:
+    """Scaling ratios and SDPA crossings, on wall time and on process CPU time."""
+    sizes = sorted({r["n"] for r in rows})
+    for key, label in (("time_s", "wall"), ("cpu_s", "cpu")):
+        t = {(r["method"], r["n"]): r[key] for r in rows if key in r}
+        for m in ("linear", "performer", "infini", "sdpa"):
+            pairs = [(n, 4 * n) for n in sizes if (m, n) in t and (m, 4 * n) in t]
+            ratios = ", ".join(f"t({n2})/t({n1}) = {t[(m, n2)] / t[(m, n1)]:.2f}" for n1, n2 in pairs)
+            if ratios:
+                print(f"[{label}] {m:>10}: {ratios}")
+        for m in ("linear", "performer", "infini"):
+            print(f"[{label}] {m:>10} vs causal SDPA: {crossing(rows, m, key)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 65536])
@@ -141,6 +157,8 @@ def main() -> None:
     p.add_argument("--cumsum-max", type=int, default=4096, help="largest N for the naive cumsum peer")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
     p.add_argument("--json", type=str, default=None, help="also write the rows here")
+    p.add_argument("--summarize", type=str, default=None, metavar="JSON",
+                   help="print the summary of rows saved by an earlier --json run, then exit")
     p.add_argument("--max-seconds", type=float, default=10.0,
                    help="stop repeating a case once its calls took this long (at least one call)")
     p.add_argument("--worker", nargs=5, metavar=("METHOD", "N", "REPEATS", "THREADS", "MAXS"), help=argparse.SUPPRESS)
@@ -148,6 +166,10 @@ def main() -> None:
     if a.worker:
         m, n, r, th, mx = a.worker
         print(json.dumps(worker(m, int(n), int(r), int(th), float(mx))))
+        return
+    if a.summarize:
+        with open(a.summarize) as f:
+            summarize(json.load(f))
         return
     rows = []
     start = time.perf_counter()
@@ -165,14 +187,7 @@ def main() -> None:
                 print(f"{m:>10} {n:>7} {r['time_s']:>10.4f} {r['cpu_s']:>9.3f} {len(r['times']):>5} "
                       f"{r['peak_extra_mb']:>16.1f}", flush=True)
     print()
-    t = {(r["method"], r["n"]): r["time_s"] for r in rows if "time_s" in r}
-    for m in ("linear", "performer", "infini", "sdpa"):
-        pairs = [(n, 4 * n) for n in a.sizes if (m, n) in t and (m, 4 * n) in t]
-        ratios = ", ".join(f"t({n2})/t({n1}) = {t[(m, n2)] / t[(m, n1)]:.2f}" for n1, n2 in pairs)
-        if ratios:
-            print(f"{m:>10}: {ratios}")
-    for m in ("linear", "performer", "infini"):
-        print(f"{m:>10} vs causal SDPA: {crossing(rows, m)}")
+    summarize(rows)
     print(f"total {time.perf_counter() - start:.0f} s")
     if a.json:
         with open(a.json, "w") as f:

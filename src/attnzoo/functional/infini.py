@@ -185,7 +185,7 @@ def infini_attention(
     if key_padding_mask is not None and pvalid is None:
         pvalid = torch.ones(b, pk.shape[2], dtype=torch.bool, device=q.device)
     g = torch.sigmoid(gate.to(mem.dtype)).view(1, h, 1, 1)
-    outs = []
+    out = q.new_empty(b, h, n, dv)  # written segment by segment (no list + concatenation)
     pos = 0
     while pos < n:
         fill = pk.shape[2]
@@ -202,7 +202,7 @@ def infini_attention(
                           causal=True, window=window, backend=backend)  # [B, H, take, Dv]
         assert isinstance(local, Tensor)
         retrieved = _retrieve(_sigma(qn.to(mem.dtype)), mem, norm)  # from segments before this one
-        outs.append(g * retrieved + (1.0 - g) * local.to(mem.dtype))
+        out[:, :, pos:pos + take] = (g * retrieved + (1.0 - g) * local.to(mem.dtype)).to(q.dtype)
         if kk.shape[2] == segment_len:
             mem, norm = _update(kk, vv, valid, mem, norm, update)
             pk, pv = kk[:, :, :0], vv[:, :, :0]
@@ -210,7 +210,6 @@ def infini_attention(
         else:
             pk, pv, pvalid = kk, vv, valid
         pos += take
-    out = (torch.cat(outs, dim=2) if outs else q.new_zeros(b, h, 0, dv, dtype=mem.dtype)).to(q.dtype)
     if not return_state:
         return out
     return out, InfiniState(memory=mem, norm=norm, seg_k=pk, seg_v=pv, seg_valid=pvalid)
