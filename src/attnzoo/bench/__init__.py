@@ -412,6 +412,12 @@ def plot_bench(report: BenchReport, path: str | Path) -> Path:
         raise ImportError("plotting needs matplotlib: pip install 'attnzoo[plot]'") from exc
     meta = report.meta
     targets = list(dict.fromkeys(r.target for r in report.results))
+    kinds = {r.target: r.kind for r in report.results}
+
+    def label(t: str) -> str:
+        if kinds.get(t) == "variant":
+            return f"{t} (module)"
+        return "torch SDPA (bare)" if t == "torch" else f"attention(backend={t!r})"
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     panels = [("time_ms", "median time per call (ms)", "Time"),
               ("peak_mem_mb", "peak extra memory (MiB)", "Peak memory"),
@@ -422,7 +428,7 @@ def plot_bench(report: BenchReport, path: str | Path) -> Path:
                    if r.target == t and getattr(r, key) is not None and getattr(r, key) > 0]
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="o", label=t)
+                ax.plot(xs, ys, marker="o", label=label(t))
         if key == "gflops" and meta.get("matmul_peak_gflops"):
             ax.axhline(meta["matmul_peak_gflops"], color="gray", linestyle="--",
                        label=f"torch.mm peak ({meta['matmul_peak_gflops']:.0f})")
