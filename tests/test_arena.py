@@ -200,7 +200,8 @@ def test_data_parallel_matches_one_process(tmp_path: Path) -> None:
     single = train(_tiny(32, 32), MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32), steps=6, global_batch=8,
                    seed=0)
     out = tmp_path / "ddp.json"
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    # fork: the workers inherit the imported modules instead of importing torch again
+    mp.start_processes(_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="fork")
     ddp = json.loads(out.read_text())
     assert len(ddp) == len(single)
     for step, (a, b) in enumerate(zip(ddp, single, strict=True)):
@@ -305,6 +306,9 @@ def test_default_settings_build_valid_tasks(quick: bool) -> None:
         assert task.seq_len == s.seq_len and s.batch >= 1 and s.warmup < s.steps
     s = settings_for("mqar", _args("--steps", "30", "--mqar-pairs", "3", "--width", "48"))
     assert (s.steps, s.num_kv_pairs, s.width) == (30, 3, 48) and s.warmup <= 3 and s.eval_every <= 30
+    assert settings_for("mqar", _args("--steps", "900", "--warmup", "300")).warmup == 300
+    with pytest.raises(ValueError, match="--warmup"):
+        settings_for("lm", _args("--steps", "10", "--warmup", "20"))
 
 
 def test_two_models_differ_only_in_attention() -> None:

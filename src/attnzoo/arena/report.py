@@ -40,7 +40,10 @@ schedule and seed); only the attention layer differs. Each task trains its own s
 - **MQAR accuracy** (`mqar`): the share of queried values recalled exactly from key-value pairs
   seen earlier in the sequence. It tests in-context recall, which exact softmax attention does
   well and fixed-size states (linear, performer, infini) or short windows (sliding) do badly.
-  A run that is still near chance (1 / number of values) has not learnt the task.
+  Two plateaus mean "not learnt": chance (1 / number of possible values) and about
+  1 / (number of pairs), where the model copies one of the values it has seen without knowing
+  which one belongs to the queried key. Softmax models escape the second plateau suddenly after
+  enough steps at a high learning rate; the curves show whether a run got there.
 - **train tokens/s**: training throughput of the `lm` run (forward, backward and optimiser; the
   evaluations are excluded). **decode tokens/s**: greedy generation with the cache, batch 1.
   Both are wall-clock numbers on this machine in this run: compare them within a report, not

@@ -66,7 +66,7 @@ class TaskSettings:
 _DEFAULTS = {
     "lm": TaskSettings("lm", seq_len=128, steps=200, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=20,
                        eval_every=40),
-    "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=64, width=64, depth=2, heads=4, lr=3e-3,
+    "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=64, width=64, depth=2, heads=4, lr=5e-3,
                          warmup=60, eval_every=100, num_kv_pairs=4, vocab_size=64, window=8, pos="learned"),
 }
 _QUICK = {
@@ -81,7 +81,7 @@ def settings_for(task: str, args: argparse.Namespace) -> TaskSettings:
     """The defaults for ``task`` (``--quick`` or full) with the command-line overrides applied."""
     s = (_QUICK if args.quick else _DEFAULTS)[task]
     over: dict[str, Any] = {}
-    for name in ("steps", "seq_len", "width", "depth", "heads", "batch", "lr", "window"):
+    for name in ("steps", "seq_len", "width", "depth", "heads", "batch", "lr", "window", "warmup"):
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value
@@ -92,7 +92,11 @@ def settings_for(task: str, args: argparse.Namespace) -> TaskSettings:
             over["vocab_size"] = args.mqar_vocab
     s = replace(s, **over)
     if "steps" in over:
-        s = replace(s, warmup=min(s.warmup, max(1, s.steps // 10)), eval_every=max(1, min(s.eval_every, s.steps)))
+        s = replace(s, eval_every=max(1, min(s.eval_every, s.steps)))
+        if "warmup" not in over:
+            s = replace(s, warmup=min(s.warmup, max(1, s.steps // 10)))
+    if s.warmup >= s.steps:
+        raise ValueError(f"--warmup ({s.warmup}) must be smaller than --steps ({s.steps}) for task {task}")
     return s
 
 
@@ -128,6 +132,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=_positive_int, help="attention heads")
     parser.add_argument("--batch", type=_positive_int, help="global batch (sequences per step)")
     parser.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    parser.add_argument("--warmup", type=_positive_int, help="linear warm-up steps before the cosine decay")
     parser.add_argument("--window", type=_positive_int, help="window of sliding / local_global attention")
     parser.add_argument("--mqar-pairs", dest="mqar_pairs", type=_positive_int, help="MQAR key-value pairs")
     parser.add_argument("--mqar-vocab", dest="mqar_vocab", type=_positive_int, help="MQAR vocabulary size")
