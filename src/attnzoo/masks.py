@@ -69,13 +69,15 @@ class Mask:
     Args:
         fn: ``fn(b, h, q_pos, k_pos) -> bool tensor``; arguments are broadcastable int64 tensors.
         name: short description used in ``repr`` and error messages.
+        relative: declare that ``fn`` depends on ``q_pos - k_pos`` only (lets the tiled backend
+            reuse one tile's pattern along a band).
         tiles: optional analytic tile classifier (internal; builders provide one).
         batch: batch size the mask is tied to (``key_padding``, ``document``), else ``None``.
 
     Semantics: ``True`` where a query may attend. See ``docs/conventions.md``.
     """
 
-    __slots__ = ("_children", "_op", "_tiles", "batch", "fn", "name")
+    __slots__ = ("_children", "_op", "_tiles", "batch", "fn", "name", "relative")
 
     def __init__(
         self,
@@ -84,6 +86,7 @@ class Mask:
         *,
         tiles: Callable[[_Tiles], tuple[Tensor, Tensor]] | None = None,
         batch: int | None = None,
+        relative: bool = False,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"Mask: fn must be callable (b, h, q_pos, k_pos) -> bool, got {type(fn).__name__}")
@@ -93,6 +96,9 @@ class Mask:
         self.batch = batch
         self._op: str | None = None
         self._children: tuple[Mask, ...] = ()
+        #: True when the predicate depends on ``q_pos - k_pos`` only (causal, windows and their
+        #: compositions): a tile's pattern then repeats along the diagonal.
+        self.relative = relative
 
     # ------------------------------------------------------------------ algebra
     def __and__(self, other: Mask) -> Mask:
@@ -105,6 +111,7 @@ class Mask:
         inner = self
         out = Mask(lambda b, h, q, k: ~inner.fn(b, h, q, k), f"~{inner.name}", batch=inner.batch)
         out._op, out._children = "~", (inner,)
+        out.relative = inner.relative
         return out
 
     def __call__(self, b: Tensor, h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -259,6 +266,7 @@ def _combine(op: str, a: Mask, b: Mask) -> Mask:
     else:
         out = Mask(lambda bb, h, q, k: a.fn(bb, h, q, k) | b.fn(bb, h, q, k), f"({a.name} | {b.name})")
     out._op, out._children = op, (a, b)
+    out.relative = a.relative and b.relative
     if a.batch is not None and b.batch is not None and 1 not in (a.batch, b.batch) and a.batch != b.batch:
         raise ValueError(f"Mask {op}: operands are tied to different batch sizes {a.batch} and {b.batch}")
     return out
@@ -296,7 +304,7 @@ def causal() -> Mask:
     def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
         return t.k_end <= t.q_start, t.k_start > t.q_end
 
-    return Mask(lambda b, h, q, k: k <= q, "causal", tiles=tiles)
+    return Mask(lambda b, h, q, k: k <= q, "causal", tiles=tiles, relative=True)
 
 
 def sliding_window(left: int | None, right: int | None = 0) -> Mask:
@@ -327,7 +335,7 @@ def sliding_window(left: int | None, right: int | None = 0) -> Mask:
             empty = empty | (t.k_start > t.q_end + hi)
         return full, empty
 
-    return Mask(fn, f"window({lo},{hi})", tiles=tiles)
+    return Mask(fn, f"window({lo},{hi})", tiles=tiles, relative=True)
 
 
 def key_padding(lengths_or_mask: Tensor | Sequence[int]) -> Mask:

@@ -6,7 +6,9 @@
   and partial tiles kept apart so FlexAttention skips the mask on full tiles.
 * softcap, ALiBi and float masks become a ``score_mod``.
 * ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile`` once per shape, which
-  is what makes it fast; the first call of a shape pays the compile time. Set
+  is what makes it fast; the first call of a shape pays the compile time. On CPU, requests that
+  torch's compiled kernel cannot serve correctly (gradients, LSE, fewer keys than one block) run
+  FlexAttention's eager path instead. Set
   ``attnzoo.functional.flex.COMPILE = False`` for FlexAttention's eager (debug) path.
 """
 
@@ -118,7 +120,9 @@ def flex_attention_backend(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
     # torch.compile of FlexAttention on CPU supports inference without LSE only; other CPU requests
     # run FlexAttention's eager path (exact, but it materialises the scores).
-    compiled = COMPILE and not (r.q.device.type == "cpu" and (needs_grad or r.return_lse))
+    # Compiled CPU FlexAttention also returns wrong values (NaN or off by O(1)) when Nk is below
+    # one block (torch 2.13; found by `attnzoo check`); those shapes run eagerly too.
+    compiled = COMPILE and not (r.q.device.type == "cpu" and (needs_grad or r.return_lse or r.nk < FLEX_BLOCK))
     fn = _flex_fn(compiled)
     kwargs: dict[str, Any] = {"score_mod": _score_mod(r), "block_mask": block_mask, "scale": r.scale,
                               "enable_gqa": r.group > 1}

@@ -203,7 +203,7 @@ def _tile_scores(r: AttnRequest, q_t: Tensor, k_c: Tensor, q_lo: int, q_hi: int,
     if chunk.needs_mask:
         allowed = _fold(r.allowed(q_lo, q_hi, chunk.k_lo, chunk.k_hi), r.hkv, r.group, rows, cols)
         if allowed is not None:
-            s = s.masked_fill(~allowed, float("-inf"))
+            s = s.masked_fill_(~allowed, float("-inf"))
     return s, t
 
 
@@ -336,21 +336,32 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     if band.needs_mask and r.structure is not None:
         b_idx = torch.arange(r.batch, device=dev).view(-1, 1, 1, 1)
         h_idx = torch.arange(Hq, device=dev).view(1, -1, 1, 1)
-        allowed = r.structure.fn(b_idx, h_idx, q_pos, k_pos)
-        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
-        s = s.masked_fill(~fold(allowed), float("-inf"))
+        if r.structure.relative:  # the same pattern in every block of the band: evaluate one
+            hidden = ~r.structure.fn(b_idx, h_idx, q_pos[:, :, :bq], k_pos[:, :, :bq])
+            hidden = hidden.reshape((1,) * (4 - hidden.dim()) + tuple(hidden.shape))
+            b, h = hidden.shape[:2]
+            hidden = hidden.expand(b, h, bq, S)
+            if h == 1:
+                hidden = hidden.unsqueeze(2).expand(b, 1, G, bq, S).reshape(b, 1, 1, G * bq, S)
+            else:
+                hidden = hidden.reshape(b, Hkv, 1, G * bq, S)
+            s.masked_fill_(hidden, float("-inf"))
+        else:
+            allowed = r.structure.fn(b_idx, h_idx, q_pos, k_pos)
+            allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+            s.masked_fill_(~fold(allowed), float("-inf"))
     static = bound is not None and float(bound[..., q_lo:q_lo + R].max()) <= STATIC_SHIFT_BOUND
     shift: Tensor | None = None
     if not static:
         m = s.amax(dim=-1, keepdim=True)
         shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        s = s.sub_(shift)
+        s.sub_(shift)
     p = s.exp_()
     ell = p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, G*bq, 1]
     acc = torch.matmul(p.to(v.dtype), v_win).to(lse.dtype)  # [B, Hkv, g, G*bq, Dv]
     ok = ell > 0
     safe = torch.where(ok, ell, torch.ones_like(ell))
-    o = acc / safe
+    o = acc.div_(safe)
     row_lse = torch.where(ok, torch.log(safe) + (0 if shift is None else shift), torch.full_like(ell, float("-inf")))
 
     def unfold_rows(t: Tensor) -> Tensor:  # [B, Hkv, g, G*bq, E] -> [B, Hq, R, E]
