@@ -66,8 +66,8 @@ class TaskSettings:
 _DEFAULTS = {
     "lm": TaskSettings("lm", seq_len=128, steps=200, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=20,
                        eval_every=40),
-    "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=64, width=64, depth=2, heads=4, lr=5e-3,
-                         warmup=60, eval_every=100, num_kv_pairs=4, vocab_size=64, window=8, pos="learned"),
+    "mqar": TaskSettings("mqar", seq_len=32, steps=900, batch=64, width=64, depth=2, heads=4, lr=3e-3,
+                         warmup=300, eval_every=100, num_kv_pairs=4, vocab_size=64, window=8, pos="learned"),
 }
 _QUICK = {
     "lm": TaskSettings("lm", seq_len=32, steps=12, batch=8, width=32, depth=1, heads=2, lr=3e-3, warmup=3,
