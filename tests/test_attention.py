@@ -381,3 +381,22 @@ def test_flex_compiled_matches_reference(monkeypatch: pytest.MonkeyPatch, n_q: i
             got = az.attention(q, k, v, causal=causal, backend="flex")
             ref = az.attention(q, k, v, causal=causal, backend="reference")
             assert (got - ref).abs().max() < 1e-5, (n_q, n_k, causal)
+
+
+@pytest.mark.parametrize("window", [(40, 0), (100, 7), (300, 0)])
+@pytest.mark.parametrize("hkv", [1, 4])
+def test_tiled_sliding_window_bands_at_default_sizes(monkeypatch: pytest.MonkeyPatch, window, hkv) -> None:
+    """Default block sizes (bands re-planned with smaller query blocks) against the float64 reference."""
+    for name, value in (("BLOCK_Q", 256), ("BLOCK_K", 128), ("MAX_CHUNK_K", 2048), ("MERGE_K", 512)):
+        monkeypatch.setattr(tiled_mod, name, value)
+    n = 1100
+    q = torch.randn(1, 4, n, 16, dtype=torch.float64)
+    k, v = torch.randn(1, hkv, n, 16, dtype=torch.float64), torch.randn(1, hkv, n, 16, dtype=torch.float64)
+    mask = M.key_padding(torch.tensor([1000]))
+    ref, ref_lse = az.attention(q, k, v, causal=True, window=window, mask=mask, return_lse=True, backend="reference")
+    out, lse = az.attention(q.float(), k.float(), v.float(), causal=True, window=window, mask=mask, return_lse=True,
+                            backend="tiled")
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-4

@@ -133,6 +133,8 @@ def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = 
     return TilePlan(block_q, block_k, n_qb, n_kb, n_tiles, tuple(rows), bands)
 
 
+#: Smallest query block used for sliding-window bands.
+MIN_BAND_BLOCK = 32
 #: Upper bound on score elements of one band batch (float32: 4 bytes each).
 BAND_ELEMS = 1 << 22
 
@@ -450,6 +452,13 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
     partial results needs); not to float masks or ALiBi slopes (the dispatcher routes requests
     that need those gradients elsewhere)."""
     plan = tile_plan(r, block_q or BLOCK_Q, block_k or BLOCK_K)
+    if block_q is None and plan.bands and 2 * sum(b.count for b in plan.bands) >= plan.n_q_blocks:
+        # A sliding window: smaller query blocks waste fewer masked scores per band row
+        # (width = block + window), and bands keep the number of Python steps small.
+        reach = max(b.width for b in plan.bands) - plan.block_q
+        bq = max(MIN_BAND_BLOCK, min(plan.block_q, 1 << max(0, (max(1, reach) - 1).bit_length() - 2)))
+        if bq < plan.block_q:
+            plan = tile_plan(r, bq, min(bq, plan.block_k))
     q, k, v = r.q, r.k, r.v
     half = q.dtype in (torch.float16, torch.bfloat16)
     if half and not native_half_matmul(q.dtype, q.device.type):
