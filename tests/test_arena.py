@@ -321,3 +321,13 @@ def test_two_models_differ_only_in_attention() -> None:
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert na == nb and torch.equal(pa, pb), na
     assert isinstance(a, nn.Module)
+
+
+def test_docs_examples_run() -> None:
+    import re
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "arena.md"
+    found = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    assert found, "docs/arena.md has no python example"
+    for i, code in enumerate(found):
+        exec(compile(code, f"docs/arena.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
