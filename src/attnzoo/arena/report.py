@@ -255,7 +255,13 @@ def _inline(text: str) -> str:
 
 def _samples(results: dict[str, Any]) -> list[tuple[str, str]]:
     lm = results["runs"].get("lm", {})
-    return [(v, lm[v]["sample"]) for v in results["variants"] if v in lm and "sample" in lm[v]]
+    out = []
+    for v in results["variants"]:
+        if v in lm and "sample" in lm[v]:
+            out.append((f"{v} (greedy)", lm[v]["sample"]))
+            if "sample_t08" in lm[v]:
+                out.append((f"{v} (sampled, temperature 0.8, seeded)", lm[v]["sample_t08"]))
+    return out
 
 
 def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
@@ -285,7 +291,7 @@ def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
         md += ["(no plots: install matplotlib with `pip install 'attnzoo[plot]'`)", ""]
     samples = _samples(results)
     if samples:
-        md += ["## Greedy samples (lm)", "", "Prompt: `" + json.dumps(results.get("prompt", ""))[1:-1] + "`", ""]
+        md += ["## Samples (lm)", "", "Prompt: `" + json.dumps(results.get("prompt", ""))[1:-1] + "`", ""]
         for v, text in samples:
             md += [f"**{v}**", "", "```text", text, "```", ""]
     md += [HOW_TO_READ]
@@ -322,7 +328,7 @@ speeds only between runs made in one uninterrupted invocation on a quiet machine
 {"<ul>" + "".join(f"<li>{html.escape(e[2:])}</li>" for e in errors) + "</ul>" if errors else ""}
 <h2>Plots</h2>
 {"".join(figs) or "<p>(no plots: install matplotlib)</p>"}
-{"<h2>Greedy samples (lm)</h2>" + sample_html if samples else ""}
+{"<h2>Samples (lm)</h2>" + sample_html if samples else ""}
 <h2>How to read this</h2>
 {how_html}
 </body></html>

@@ -313,9 +313,18 @@ class _Run:
             speed, tokens = decode_speed(model, prompt, _sample_len(self.s))
             out["decode_tokens_per_s"] = speed
             out["sample"] = self.task.decode(tokens[0].cpu())
+            out["sample_t08"] = _sampled_text(model, self.task, prompt, _sample_len(self.s), self.args.seed)
         except Exception as e:
             out["decode_error"] = f"{type(e).__name__}: {e}"
         return out
+
+
+@torch.no_grad()
+def _sampled_text(model: torch.nn.Module, task: ShakespeareTask, prompt: torch.Tensor, new: int, seed: int) -> str:
+    """A seeded sample at temperature 0.8 (greedy decoding of small models falls into loops)."""
+    g = torch.Generator(device=prompt.device).manual_seed(seed)
+    tokens = model.generate(prompt, new, temperature=0.8, generator=g)  # type: ignore[operator]
+    return task.decode(tokens[0].cpu())
 
 
 def _brief(metrics: dict[str, float]) -> str:
