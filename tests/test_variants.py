@@ -59,9 +59,14 @@ def _takes_dtype(mod) -> bool:
 
 
 def test_gqa_default_heads_divide() -> None:
-    assert resolve_config("gqa", 96, 6).num_kv_heads == 1  # 6 // 4 = 1
-    assert resolve_config("gqa", 128, 16).num_kv_heads == 4
-    assert resolve_config("gqa", 120, 12).num_kv_heads == 3
+    from attnzoo.variants import build_attention, default_kv_heads
+
+    for heads in (2, 4, 6, 8, 12, 16):
+        kv = resolve_config("gqa", 8 * heads, heads).num_kv_heads
+        assert heads % kv == 0 and kv == default_kv_heads(heads)
+        assert build_attention("gqa", 8 * heads, heads).num_kv_heads == kv  # cost model == module
+        if heads >= 4:  # distinct from both mqa (1 KV head) and mha (H KV heads)
+            assert 1 < kv < heads
 
 
 def test_window_int_means_left_side_with_causal() -> None:

@@ -55,12 +55,19 @@ def _mqa(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Modu
     return MultiQueryAttention(dim, num_heads, causal=causal, **kw)
 
 
+def default_kv_heads(num_heads: int) -> int:
+    """GQA's default number of KV heads: a quarter of the query heads (LLaMA-style), but at least
+    two so that ``gqa`` stays distinct from ``mqa`` (one KV head) at small head counts."""
+    kv = num_heads // 4 if num_heads // 4 >= 2 else max(1, num_heads // 2)
+    while num_heads % kv:
+        kv -= 1
+    return kv
+
+
 def _gqa(dim: int, num_heads: int, *, causal: bool = True, num_kv_heads: int | None = None, **kw: Any) -> nn.Module:
     from attnzoo.nn.attention import GroupedQueryAttention
 
-    kv = num_kv_heads if num_kv_heads is not None else max(1, num_heads // 4)
-    while num_heads % kv:
-        kv -= 1
+    kv = num_kv_heads if num_kv_heads is not None else default_kv_heads(num_heads)
     return GroupedQueryAttention(dim, num_heads, num_kv_heads=kv, causal=causal, **kw)
 
 
@@ -217,12 +224,8 @@ def resolve_config(name: str, dim: int, num_heads: int, **kwargs: Any) -> Varian
     elif name == "mqa":
         kv = 1
     elif name == "gqa":
-        kv = kw.get("num_kv_heads") or max(1, num_heads // 4)
-        kv = _pos_int(kv, "num_kv_heads")
-        if "num_kv_heads" not in kwargs or kwargs["num_kv_heads"] is None:
-            while num_heads % kv:
-                kv -= 1
-        elif num_heads % kv:
+        kv = _pos_int(kw.get("num_kv_heads") or default_kv_heads(num_heads), "num_kv_heads")
+        if num_heads % kv:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={kv}")
     else:
         kv = _pos_int(kw.get("num_kv_heads") or num_heads, "num_kv_heads")

@@ -162,6 +162,10 @@ def _parse_variants(text: str) -> list[str]:
     return names
 
 
+#: Performer random features per head dimension in the arena's small models.
+PERFORMER_FEATURES_PER_HEAD_DIM = 2
+
+
 def _make_task(s: TaskSettings) -> Task:
     if s.task == "lm":
         return ShakespeareTask(seq_len=s.seq_len)
@@ -174,6 +178,8 @@ def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: t
     akw: dict[str, Any] = {}
     if s.window is not None and variant in ("sliding", "local_global"):
         akw["window"] = s.window
+    if variant == "performer":  # F = 2 x head dim: the registry's F=256 is built for D=64 heads
+        akw["num_features"] = PERFORMER_FEATURES_PER_HEAD_DIM * (s.width // s.heads)
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
                       max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s)), pos=s.pos, device=device)
