@@ -154,7 +154,7 @@ def _vm(field: str) -> int:
 
 
 def _memory_child(kind: str, n: int) -> None:
-    q, k, v = qkv(n, grad=True)
+    q, k, v = qkv(n, grad=kind == "tiled")  # forward-only cases take no gradients
     if kind == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -383,12 +383,11 @@ def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, o
     delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)  # [B, Hq, Nq]
     if d_lse is not None:  # d lse / d s = p, so a gradient on the LSE shifts delta
         delta = delta - torch.nan_to_num(d_lse.to(acc_dtype), nan=0.0, posinf=0.0, neginf=0.0)
-    qs = q * r.scale
     for i, chunks in enumerate(plan.rows):
         if not chunks:
             continue
         q_lo, q_hi = i * plan.block_q, min(Nq, (i + 1) * plan.block_q)
-        q_t = _fold_q(qs, r.hkv, r.group, q_lo, q_hi)  # [B, Hkv, G*bq, D]
+        q_t = _fold_q(q, r.hkv, r.group, q_lo, q_hi) * r.scale  # [B, Hkv, G*bq, D], pre-scaled
         do_t = _fold_q(d_out, r.hkv, r.group, q_lo, q_hi)  # [B, Hkv, G*bq, Dv]
         lse_t = lse[:, :, q_lo:q_hi].reshape(B, r.hkv, -1, 1)
         lse_t = torch.where(torch.isfinite(lse_t), lse_t, torch.full_like(lse_t, float("inf")))
@@ -408,7 +407,7 @@ def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, o
             dk[:, :, c.k_lo:c.k_hi] += torch.matmul(ds_in.transpose(-1, -2), q_t)
         dq[:, :, q_lo:q_hi] = _unfold_rows(dq_t, Hq, q_hi - q_lo)
     # q_t was pre-scaled: dS/dq = scale * k and dk accumulated against scaled q already.
-    return (dq * r.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.mul_(r.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _TiledAttention(torch.autograd.Function):
