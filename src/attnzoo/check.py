@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 import attnzoo.masks as M
+from attnzoo._devices import resolve_device
 
 __all__ = [
     "BackendCase",
@@ -177,16 +178,6 @@ def backend_cases() -> list[BackendCase]:
     ]
 
 
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
-    return dev
-
-
 def _ref_bits(t: Tensor, dtype: torch.dtype) -> float:
     """Rounding noise of ``dtype`` at the magnitude of ``t``: ``max |fl(t + 0.3) - 0.3 - t|``."""
     lo = t.detach().to(dtype)
@@ -278,7 +269,7 @@ def check_backends(
     """
     from attnzoo.functional.attention import BACKENDS, attention, available_backends
 
-    dev = _device(device)
+    dev = resolve_device(device)
     names = list(available_backends(dev)) if backends is None else list(backends)
     for n in names:
         if n not in BACKENDS:
@@ -438,7 +429,7 @@ def check_variants(
     for n in names:
         if n not in VARIANTS:
             raise ValueError(f"variants: unknown variant {n!r}; expected some of {variant_names()}")
-    dev = _device(device)
+    dev = resolve_device(device)
     bk = list(available_backends(dev)) if backends is None else list(backends)
     dim, heads, n_tok, batch = 32, 4, 24, 2
     rows: list[CheckRow] = []
@@ -527,7 +518,7 @@ def check_models(
     for n in names:
         if n not in VARIANTS:
             raise ValueError(f"variants: unknown variant {n!r}; expected some of {variant_names()}")
-    dev = _device(device)
+    dev = resolve_device(device)
     rows: list[CheckRow] = []
     for name in names:
         row = CheckRow("model", f"DecoderLM[{name}]", "decode == full")

@@ -36,6 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from attnzoo._devices import resolve_device
+
 __all__ = [
     "BenchReport",
     "BenchResult",
@@ -298,12 +300,7 @@ def run_bench(
     dt = dtype_from_name(dtype)
     if dt not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dt}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
+    dev = resolve_device(device)
     parsed = [(t, *_parse_target(t)) for t in targets]
     lens = [int(n) for n in seq_lens]
     if not lens or any(n < 1 for n in lens):
