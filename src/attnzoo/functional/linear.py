@@ -201,6 +201,7 @@ def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, 
     """
     b, h, n, dv = v.shape
     f = s.shape[2]
+    chunk = min(chunk, n)  # a sequence shorter than one chunk is one chunk, not a padded one
     out = v.new_empty(b, h, n, dv)
     se = torch.cat([s, z.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv + 1]
     per_chunk = b * h * (3 * f * (dv + 1) + chunk * chunk + 3 * chunk * (f + dv + 1)) * v.element_size()
@@ -267,8 +268,11 @@ def feature_attention(
         z0 = v.new_zeros(b, h, n_feat)
     else:
         s0, z0 = state
+    chunk = chunk_size or DEFAULT_CHUNK
+    if causal and form == "auto" and n_k <= chunk:
+        form = "quadratic"  # one chunk: the chunked form would only add the (empty) carried-state terms
     if causal and form in ("auto", "chunked"):
-        out, s_end, z_end = _chunked_causal(fq_fn, fk_fn, v, s0, z0, chunk_size or DEFAULT_CHUNK, eps)
+        out, s_end, z_end = _chunked_causal(fq_fn, fk_fn, v, s0, z0, chunk, eps)
         return out, (s_end, z_end)
     fq, fk = fq_fn(0, n_q), fk_fn(0, n_k)
     if form == "quadratic":
@@ -313,7 +317,8 @@ def linear_attention(
         return_state: also return the state after this call's keys.
         key_padding_mask: bool ``[B, Nk]``, True = real token; padded keys' features are zeroed,
             so they contribute nothing (a query with no real key returns zeros).
-        form: ``"auto"`` (chunked), ``"quadratic"`` (reference, O(N^2) memory), ``"chunked"``,
+        form: ``"auto"`` (causal: chunked, or quadratic when ``Nk <= chunk_size`` (one chunk);
+            bidirectional: the state form), ``"quadratic"`` (reference, O(N^2) memory), ``"chunked"``,
             ``"recurrent"`` (token loop). See the module docstring.
         eps: added to the normaliser ``phi(q) . z``.
 
