@@ -208,6 +208,70 @@ def test_data_parallel_matches_one_process(tmp_path: Path) -> None:
         assert math.isclose(a, b, rel_tol=1e-4), f"step {step}: 2 ranks {a} vs 1 process {b}"
 
 
+def _cp_worker(rank: int, world: int, port: int, out: str, arena_out: str) -> None:
+    import torch.distributed as dist
+
+    from attnzoo.distributed import context_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        task = MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32)
+        model = context_parallel(_tiny(32, 32, "gqa"), layout="zigzag")
+        losses = train(model, task, steps=6, global_batch=4, seed=0, sequence_layout="zigzag")
+        grads_none = [n for n, p in model.named_parameters() if p.grad is not None]
+        if rank == 0:
+            Path(out).write_text(json.dumps({"losses": losses, "grads_left": grads_none}))
+        # the whole arena, sharded: report written by rank 0, evaluation through the ring
+        run_arena(_args("--quick", "--context-parallel", "--variants", "mha,gqa", "--task", "mqar",
+                        "--progress", "none", "--out", arena_out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_training_matches_one_process(tmp_path: Path) -> None:
+    """--context-parallel: 2 ranks, each with half of every sequence (zigzag), ring attention, summed
+    gradients -> the loss curve of one process on the whole batch."""
+    import torch.multiprocessing as mp
+
+    single = train(_tiny(32, 32, "gqa"), MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32), steps=6,
+                   global_batch=4, seed=0)
+    out, arena_out = tmp_path / "cp.json", tmp_path / "arena"
+    mp.start_processes(_cp_worker, args=(2, _free_port(), str(out), str(arena_out)), nprocs=2, join=True,
+                       start_method="fork")
+    cp = json.loads(out.read_text())
+    assert cp["grads_left"] == [], "train must leave no gradients behind"
+    for step, (a, b) in enumerate(zip(cp["losses"], single, strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-4), f"step {step}: 2 ranks (context parallel) {a} vs 1 process {b}"
+
+    res = json.loads((arena_out / "results.json").read_text())
+    one = tmp_path / "one"
+    run_arena(_args("--quick", "--variants", "mha,gqa", "--task", "mqar", "--progress", "none", "--out", str(one)))
+    ref = json.loads((one / "results.json").read_text())
+    for v in ("mha", "gqa"):
+        run = res["runs"]["mqar"][v]
+        assert run["context_parallel"] == {"layout": "zigzag", "ranks": 2}
+        for step, (a, b) in enumerate(zip(run["train_losses"], ref["runs"]["mqar"][v]["train_losses"], strict=True)):
+            assert math.isclose(a, b, rel_tol=1e-4), f"{v} step {step}: {a} vs {b}"
+        for a, b in zip(run["evals"], ref["runs"]["mqar"][v]["evals"], strict=True):
+            assert math.isclose(a["val_loss"], b["val_loss"], rel_tol=1e-4), (v, a, b)
+        # one rank holds half of every sequence's activations
+        assert run["memory"]["activation_bytes"] < ref["runs"]["mqar"][v]["memory"]["activation_bytes"]
+
+
+def test_context_parallel_rejects_variants_without_a_ring(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--context-parallel.*linear"):
+        run_arena(_args("--quick", "--context-parallel", "--variants", "mha,linear", "--progress", "none",
+                        "--out", str(tmp_path)))
+    from attnzoo.arena.runner import CONTEXT_PARALLEL_VARIANTS, _parse_variants
+
+    assert _parse_variants(None, True) == list(CONTEXT_PARALLEL_VARIANTS)
+    with pytest.raises(ValueError, match="sequence_layout"):
+        train(_tiny(32, 32), MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32), steps=1, global_batch=2, seed=0,
+              sequence_layout="diagonal")
+
+
 # --------------------------------------------------------------------------- measurements
 def test_cache_bytes_follow_the_kv_heads() -> None:
     tokens = torch.randint(0, 20, (1, 24))

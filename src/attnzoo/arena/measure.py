@@ -33,14 +33,23 @@ def _storage_key(t: Tensor) -> tuple[int, int]:
 
 
 def training_memory(model: nn.Module, task: Task, batch_size: int, seed: int,
-                    device: torch.device) -> dict[str, float]:
+                    device: torch.device, sequence_layout: str | None = None) -> dict[str, float]:
     """Memory of one training step at ``batch_size`` (see the module docstring for the method).
+
+    With ``sequence_layout`` (a context-parallel model under a process group) the step is this
+    rank's: every row, this rank's shard of the positions, ring attention across the ranks.
 
     Returns ``{"peak_bytes", "activation_bytes", "state_bytes", "method"}`` (``method`` is
     ``"cuda allocator"`` or ``"saved tensors + 16 B/param"``; numbers as floats).
     """
     x, y = task.batch(0, batch_size, seed)
     x, y = x.to(device), y.to(device)
+    kwargs: dict[str, Tensor] = {}
+    if sequence_layout is not None:
+        from attnzoo.distributed import shard_positions
+
+        pos = shard_positions(x.shape[1], layout=sequence_layout, device=device)  # [n]
+        x, y, kwargs = x[:, pos], y[:, pos], {"positions": pos}
     params = [p for p in model.parameters() if p.requires_grad]
     n_param_bytes = sum(p.numel() * p.element_size() for p in params)
     state = 4.0 * n_param_bytes  # weights, gradients, AdamW exp_avg and exp_avg_sq
@@ -51,7 +60,7 @@ def training_memory(model: nn.Module, task: Task, batch_size: int, seed: int,
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-            logits = model(x)
+            logits = model(x, **kwargs)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
             loss.backward()
             torch.cuda.synchronize(device)
@@ -69,7 +78,7 @@ def training_memory(model: nn.Module, task: Task, batch_size: int, seed: int,
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(x)
+            logits = model(x, **kwargs)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
         loss.backward()
         model.zero_grad(set_to_none=True)

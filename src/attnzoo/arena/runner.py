@@ -12,6 +12,8 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,10 +36,14 @@ from attnzoo.arena.trainer import (
     train,
 )
 
-__all__ = ["DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments", "build_model", "run_arena",
+__all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments", "build_model", "run_arena",
            "settings_for"]
 
 DEFAULT_VARIANTS = ("mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini")
+#: Variants whose attention runs on a ring (:func:`attnzoo.distributed.context_parallel`).
+CONTEXT_PARALLEL_VARIANTS = ("mha", "mqa", "gqa", "sliding")
+#: Sequence layout of ``--context-parallel``: zigzag balances causal work over the ranks.
+CONTEXT_PARALLEL_LAYOUT = "zigzag"
 TASKS = ("lm", "mqar")
 SAMPLE_PROMPT = "Ham.\nWhat is the matter, my lord?\n\n"
 
@@ -66,7 +72,7 @@ class TaskSettings:
 _DEFAULTS = {
     "lm": TaskSettings("lm", seq_len=128, steps=200, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=20,
                        eval_every=40),
-    "mqar": TaskSettings("mqar", seq_len=32, steps=900, batch=64, width=64, depth=2, heads=4, lr=3e-3,
+    "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=128, width=64, depth=2, heads=4, lr=3e-3,
                          warmup=300, eval_every=100, num_kv_pairs=4, vocab_size=64, window=8, pos="learned"),
 }
 _QUICK = {
@@ -122,8 +128,9 @@ def _positive_float(text: str) -> float:
 
 def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``attnzoo arena`` options to ``parser``."""
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help="comma-separated registry names (default: %(default)s)")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated registry names (default: {','.join(DEFAULT_VARIANTS)}; with "
+                             f"--context-parallel: {','.join(CONTEXT_PARALLEL_VARIANTS)})")
     parser.add_argument("--task", choices=(*TASKS, "all"), default="all", help="which task(s) to run (default: all)")
     parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default: per task, see docs)")
     parser.add_argument("--seq-len", dest="seq_len", type=_positive_int, help="tokens per training sequence")
@@ -147,11 +154,17 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between checkpoints (default: %(default)s)")
     parser.add_argument("--progress", choices=PROGRESS_KINDS, default="auto",
                         help="progress display (default: tqdm, else rich, else plain lines)")
+    parser.add_argument("--context-parallel", dest="context_parallel", action="store_true",
+                        help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
+                             "attention instead of splitting the batch; softmax variants only "
+                             f"({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len must be divisible by 2 x ranks")
 
 
-def _parse_variants(text: str) -> list[str]:
+def _parse_variants(text: str | None, context_parallel: bool = False) -> list[str]:
     from attnzoo.variants import variant_names
 
+    if text is None:
+        return list(CONTEXT_PARALLEL_VARIANTS if context_parallel else DEFAULT_VARIANTS)
     names = [v.strip() for v in str(text).split(",") if v.strip()]
     known = variant_names()
     bad = [v for v in names if v not in known]
@@ -159,6 +172,12 @@ def _parse_variants(text: str) -> list[str]:
         raise ValueError(f"--variants: unknown or empty {bad or text!r}; expected a comma-separated subset of {known}")
     if len(set(names)) != len(names):
         raise ValueError(f"--variants: {text!r} names a variant twice")
+    if context_parallel:
+        ring_less = [v for v in names if v not in CONTEXT_PARALLEL_VARIANTS]
+        if ring_less:
+            raise ValueError(f"--context-parallel: variants {ring_less} have no ring-attention form (their "
+                             f"attention is a mask pattern or a recurrent state); use a subset of "
+                             f"{list(CONTEXT_PARALLEL_VARIANTS)}")
     return names
 
 
@@ -212,8 +231,46 @@ def _gpt2_init(model: torch.nn.Module) -> None:
                 torch.nn.init.zeros_(m.bias)
 
 
-def _signature(s: TaskSettings, variant: str, seed: int, world: int) -> dict[str, Any]:
-    return {**asdict(s), "variant": variant, "seed": seed, "world_size": world}
+def _signature(s: TaskSettings, variant: str, seed: int, world: int, context_parallel: bool) -> dict[str, Any]:
+    sig = {**asdict(s), "variant": variant, "seed": seed, "world_size": world}
+    if context_parallel:
+        sig["context_parallel"] = CONTEXT_PARALLEL_LAYOUT
+    return sig
+
+
+class _GatheredLM(torch.nn.Module):
+    """The full-sequence view of a context-parallel model (for evaluation): every rank passes the
+    same ``tokens [B, N]``, runs its shard through the ring and gets all logits ``[B, N, V]`` back."""
+
+    def __init__(self, model: torch.nn.Module, layout: str) -> None:
+        super().__init__()
+        self.model, self.layout = model, layout
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from attnzoo.distributed import gather_sequence, shard_positions
+
+        pos = shard_positions(tokens.shape[1], layout=self.layout, device=tokens.device)  # [n]
+        return gather_sequence(self.model(tokens[:, pos], positions=pos), 1, layout=self.layout)
+
+
+@contextmanager
+def _unwrapped(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Temporarily put the plain attention modules back in place of their ``ContextParallel``
+    wrappers (for checkpoints with the usual parameter names and for cached decoding)."""
+    from attnzoo.distributed import ContextParallel
+
+    swapped = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, ContextParallel):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, mod.module)
+            swapped.append((parent, child, mod))
+    try:
+        yield model
+    finally:
+        for parent, child, mod in swapped:
+            setattr(parent, child, mod)
 
 
 class _Run:
@@ -226,7 +283,8 @@ class _Run:
         self.name = f"{s.task}-{variant}"
         self.ckpt = out / "checkpoints" / f"{self.name}.pt"
         self.done_file = out / "runs" / f"{self.name}.json"
-        self.sig = _signature(s, variant, args.seed, self.world)
+        self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
+        self.sig = _signature(s, variant, args.seed, self.world, self.cp)
 
     def _finished(self) -> dict[str, Any] | None:
         if not (self.args.resume and self.done_file.exists()):
@@ -258,8 +316,15 @@ class _Run:
             start = int(state["step"])
             losses = list(state["extra"]["losses"])
             evals = list(state["extra"]["evals"])
+        layout = CONTEXT_PARALLEL_LAYOUT if self.cp else None
+        evaluated: torch.nn.Module = model
+        if self.cp:
+            from attnzoo.distributed import context_parallel
+
+            context_parallel(model, layout=CONTEXT_PARALLEL_LAYOUT)
+            evaluated = _GatheredLM(model, CONTEXT_PARALLEL_LAYOUT)
         if start == 0:
-            evals.append({"step": 0, **self.task.evaluate(model, self.device, args.seed)})
+            evals.append({"step": 0, **self.task.evaluate(evaluated, self.device, args.seed)})
         last: list[StepInfo] = []
         kind = args.progress if self.rank == 0 else "none"
         with make_progress(kind, f"{self.name:>18}", s.steps, start) as bar:
@@ -269,23 +334,24 @@ class _Run:
                 last[:] = [info]
                 bar.update(info)
                 if info.step % s.eval_every == 0 or info.step == s.steps:
-                    metrics = self.task.evaluate(model, self.device, args.seed)
+                    metrics = self.task.evaluate(evaluated, self.device, args.seed)
                     evals.append({"step": info.step, **metrics})
                     bar.note(_brief(metrics))
                     model.train()
 
             def checkpoint(step: int, optimizer: torch.optim.Optimizer) -> None:
                 if self.rank == 0:
-                    save_checkpoint(self.ckpt, model, optimizer, step,
-                                    {"signature": self.sig, "losses": losses, "evals": evals})
+                    with _unwrapped(model) as plain:
+                        save_checkpoint(self.ckpt, plain, optimizer, step,
+                                        {"signature": self.sig, "losses": losses, "evals": evals})
 
             t0, c0 = time.perf_counter(), time.process_time()
             train(model, self.task, s.steps, s.batch, args.seed, config=cfg, device=self.device,
                   start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
-                  checkpoint_every=args.checkpoint_every)
+                  checkpoint_every=args.checkpoint_every, sequence_layout=layout)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if start == s.steps and not evals:
-            evals.append({"step": s.steps, **self.task.evaluate(model, self.device, args.seed)})
+            evals.append({"step": s.steps, **self.task.evaluate(evaluated, self.device, args.seed)})
         result: dict[str, Any] = {
             "task": s.task, "variant": self.variant, "signature": self.sig,
             "params": int(model.num_parameters()),  # type: ignore[operator]
@@ -293,6 +359,8 @@ class _Run:
             "train_tokens_per_s": last[0].tokens_per_s if last else None, "train_wall_s": wall, "train_cpu_s": cpu,
         }
         result.update(self._measure(model))
+        if self.cp:
+            result["context_parallel"] = {"layout": CONTEXT_PARALLEL_LAYOUT, "ranks": self.world}
         if self.rank == 0:
             self.done_file.parent.mkdir(parents=True, exist_ok=True)
             self.done_file.write_text(json.dumps(result, indent=1))
@@ -303,12 +371,23 @@ class _Run:
         out: dict[str, Any] = {}
         model.eval()
         try:
-            out["memory"] = training_memory(model, self.task, self.s.batch // self.world, self.args.seed,
-                                            self.device)
+            if self.cp:  # one rank's share: every row, 1 / world of the positions
+                out["memory"] = training_memory(model, self.task, self.s.batch, self.args.seed, self.device,
+                                                sequence_layout=CONTEXT_PARALLEL_LAYOUT)
+            else:
+                out["memory"] = training_memory(model, self.task, self.s.batch // self.world, self.args.seed,
+                                                self.device)
         except Exception as e:  # a measurement must not sink the whole arena
             out["memory_error"] = f"{type(e).__name__}: {e}"
         if not isinstance(self.task, ShakespeareTask):
             return out
+        with _unwrapped(model) as plain:  # decoding runs on one rank with a KV cache
+            out.update(self._measure_decode(plain))
+        return out
+
+    def _measure_decode(self, model: torch.nn.Module) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        assert isinstance(self.task, ShakespeareTask)
         prompt = self.task.encode(SAMPLE_PROMPT)[None].to(self.device)  # [1, P]
         try:
             full = self.task.val_batches()[0][0][:1].to(self.device)  # [1, N]
@@ -345,7 +424,8 @@ def run_arena(args: argparse.Namespace) -> int:
     Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``args.out``
     (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings.
     """
-    variants = _parse_variants(args.variants)
+    cp = bool(getattr(args, "context_parallel", False))
+    variants = _parse_variants(args.variants, cp)
     tasks = list(TASKS) if args.task == "all" else [args.task]
     if args.task not in (*TASKS, "all"):
         raise ValueError(f"--task must be one of {(*TASKS, 'all')}, got {args.task!r}")
@@ -364,8 +444,15 @@ def run_arena(args: argparse.Namespace) -> int:
         rank, world = rank_and_world()
         if device.type == "cuda" and world > 1:
             device = torch.device("cuda", torch.cuda.current_device())
+        if cp and world == 1 and rank == 0:
+            print("arena: --context-parallel has no effect in a single process; start it with "
+                  "torchrun --nproc_per_node=N", file=sys.stderr)
         for t, s in settings.items():
-            if s.batch % world:
+            if cp and world > 1:
+                if s.seq_len % (2 * world):
+                    raise ValueError(f"--context-parallel: --seq-len ({s.seq_len}) of task {t} must be divisible "
+                                     f"by 2 x ranks = {2 * world} (zigzag layout)")
+            elif s.batch % world:
                 raise ValueError(f"--batch ({s.batch}) of task {t} must be divisible by the {world} ranks")
         out = Path(args.out)
         if rank == 0:

@@ -6,6 +6,14 @@ contiguous slice of rows. Each rank's loss is its slice's share of the *global* 
 scaled by the world size because DistributedDataParallel averages gradients over ranks; so the
 averaged gradient is exactly the gradient of the global-batch loss, and the loss curve equals a
 single process's up to floating-point reassociation.
+
+Context parallelism (``sequence_layout=...``, the arena's ``--context-parallel``): every rank takes
+ALL rows of the global batch but only its shard of the sequence positions
+(:func:`attnzoo.distributed.shard_positions`); the model (wrapped by
+:func:`attnzoo.distributed.context_parallel`) runs ring attention across the ranks. Each rank's loss
+is its tokens' share of the global token mean and the gradients are summed over the ranks (one
+``all_reduce`` of a flat buffer after the backward pass), which again gives the gradient of the
+global-batch loss.
 """
 
 from __future__ import annotations
@@ -150,6 +158,7 @@ def train(
     on_step: Callable[[StepInfo], None] | None = None,
     checkpoint: Callable[[int, torch.optim.Optimizer], None] | None = None,
     checkpoint_every: int = 0,
+    sequence_layout: str | None = None,
 ) -> list[float]:
     """Train ``model`` on ``task`` for steps ``start_step .. steps - 1``; returns the per-step
     global-batch training losses of those steps.
@@ -172,6 +181,11 @@ def train(
         on_step: called after every step with a :class:`StepInfo`.
         checkpoint: ``checkpoint(completed_steps, optimizer)`` every ``checkpoint_every`` steps and
             after the last one (call it from rank 0 only if it writes files).
+        sequence_layout: ``None`` (data parallel) or ``"contiguous"`` / ``"zigzag"``: context
+            parallel over the process group, with ``model`` already wrapped by
+            :func:`attnzoo.distributed.context_parallel` with the same layout; ``model(tokens,
+            positions=...)`` gets this rank's shard of every row and the shard's global positions.
+            The sequence length must suit the layout (``zigzag``: divisible by ``2 * world``).
     """
     steps = _check_positive_int(steps, "steps")
     global_batch = _check_positive_int(global_batch, "global_batch")
@@ -185,12 +199,20 @@ def train(
     rank, world = rank_and_world()
     if global_batch % world:
         raise ValueError(f"train: global_batch ({global_batch}) must be divisible by the world size ({world})")
-    local = global_batch // world
-    rows = slice(rank * local, (rank + 1) * local)
+    if sequence_layout is not None and sequence_layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"train: sequence_layout must be None, 'contiguous' or 'zigzag', got {sequence_layout!r}")
+    sharded = sequence_layout is not None and world > 1
+    local = global_batch if sharded else global_batch // world
+    rows = slice(0, global_batch) if sharded else slice(rank * local, (rank + 1) * local)
+    positions = None
+    if sharded:
+        from attnzoo.distributed import shard_positions
+
+        positions = shard_positions(task.seq_len, layout=str(sequence_layout), device=device)  # [n]
 
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
     net: nn.Module = model
-    if world > 1:
+    if world > 1 and not sharded:
         from torch.nn.parallel import DistributedDataParallel
 
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -208,11 +230,19 @@ def train(
         if scored == 0:
             raise ValueError(f"train: batch {step} of task {task.name!r} has no scored targets")
         x, y = x[rows].to(device), y[rows].to(device)
-        logits = net(x)  # [b, N, V]
+        if positions is not None:  # context parallel: this rank's positions of every row
+            x, y = x[:, positions], y[:, positions]
+            logits = net(x, positions=positions)  # [B, n, V]
+        else:
+            logits = net(x)  # [b, N, V]
         loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
                                                ignore_index=IGNORE, reduction="sum")
         share = loss_sum / scored  # this rank's share of the global mean
-        (share * world).backward()  # DDP divides the summed gradient by world
+        if sharded:
+            share.backward()
+            _sum_gradients(model)
+        else:
+            (share * world).backward()  # DDP divides the summed gradient by world
         if cfg.grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -234,6 +264,21 @@ def train(
             checkpoint(done, opt)
     model.eval()
     return losses
+
+
+def _sum_gradients(model: nn.Module) -> None:
+    """Sum every parameter's gradient over the ranks (one all_reduce of a flat buffer)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
+        offset += n
 
 
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:
