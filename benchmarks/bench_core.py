@@ -2,9 +2,11 @@
 
 Every number is a ratio against a peer measured in the same run (medians of repeats, the peers
 interleaved so that machine load hits both alike). Peak extra memory is measured in a fresh
-subprocess per case: the kernel's resident-set high-water mark (``VmHWM``) is reset to the
-current RSS through ``/proc/self/clear_refs`` after the inputs exist, and its growth during the
-call is reported, so it counts every page torch's CPU allocator touches (Linux only).
+subprocess per case: after a warm-up call at N=1024 (FlexAttention: its compile call) and once
+the inputs exist, the kernel's resident-set high-water mark (``VmHWM``) is reset to the current
+RSS through ``/proc/self/clear_refs``, and its growth during the call is reported, so it counts
+every page the call touches (Linux only). The child runs with glibc's mmap threshold fixed at
+64 KiB, so freed tensors leave the resident set at once and repeated runs agree to 0.1 MB.
 
 Usage::
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -163,27 +166,38 @@ def _memory_child(kind: str, n: int) -> None:
                                _compile=True)
         with torch.no_grad():
             flex(q, k, v, block_mask=bm)  # compile outside the measurement
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if kind == "flex":
+            with torch.no_grad():
+                out = flex(q, k, v, block_mask=bm)
+        elif kind == "tiled":
+            out = az.attention(q, k, v, causal=True, backend="tiled")
+        elif kind == "auto_window":
+            with torch.no_grad():
+                out = az.attention(q, k, v, causal=True, window=(256, 0))
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if out.requires_grad:
+            out.sum().backward()
+
+    if kind != "flex":  # warm up at a small size (flex warmed up above, compiling): code, threads, allocator
+        small = [t.detach()[:, :, :1024].clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
+        call(*small)
+        del small
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark to the current resident set
     base = _vm("VmRSS")
-    if kind == "flex":
-        with torch.no_grad():
-            out = flex(q, k, v, block_mask=bm)
-    elif kind == "tiled":
-        out = az.attention(q, k, v, causal=True, backend="tiled")
-    elif kind == "auto_window":
-        with torch.no_grad():
-            out = az.attention(q, k, v, causal=True, window=(256, 0))
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if out.requires_grad:
-        out.sum().backward()
+    call(q, k, v)
     print(json.dumps({"peak_extra_MB": (_vm("VmHWM") - base) / 1024}))
 
 
 def child_memory(kind: str, n: int) -> float:
+    # A fixed glibc mmap threshold: every large buffer is mapped on allocation and unmapped on free,
+    # so the high-water mark follows live memory instead of what the allocator keeps cached (with
+    # glibc's adaptive threshold the same case varied by 20% between runs).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     res = subprocess.run([sys.executable, __file__, "--child", kind, str(n)], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=env)
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_extra_MB"]
 
 

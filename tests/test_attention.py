@@ -390,13 +390,16 @@ def test_tiled_sliding_window_bands_at_default_sizes(monkeypatch: pytest.MonkeyP
     for name, value in (("BLOCK_Q", 256), ("BLOCK_K", 128), ("MAX_CHUNK_K", 2048), ("MERGE_K", 512)):
         monkeypatch.setattr(tiled_mod, name, value)
     n = 1100
-    q = torch.randn(1, 4, n, 16, dtype=torch.float64)
-    k, v = torch.randn(1, hkv, n, 16, dtype=torch.float64), torch.randn(1, hkv, n, 16, dtype=torch.float64)
-    mask = M.key_padding(torch.tensor([1000]))
-    ref, ref_lse = az.attention(q, k, v, causal=True, window=window, mask=mask, return_lse=True, backend="reference")
-    out, lse = az.attention(q.float(), k.float(), v.float(), causal=True, window=window, mask=mask, return_lse=True,
-                            backend="tiled")
-    assert (out.double() - ref).abs().max() < 1e-5
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    fin = torch.isfinite(ref_lse)
-    assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-4
+    q = torch.randn(2, 4, n, 16, dtype=torch.float64)
+    k, v = torch.randn(2, hkv, n, 16, dtype=torch.float64), torch.randn(2, hkv, n, 16, dtype=torch.float64)
+    # key padding: the band's mask is evaluated per block; without it the window is relative and
+    # one block's pattern is applied to the masked columns only
+    for mask in (M.key_padding(torch.tensor([1000, 1100])), None):
+        ref, ref_lse = az.attention(q, k, v, causal=True, window=window, mask=mask, return_lse=True,
+                                    backend="reference")
+        out, lse = az.attention(q.float(), k.float(), v.float(), causal=True, window=window, mask=mask,
+                                return_lse=True, backend="tiled")
+        assert (out.double() - ref).abs().max() < 1e-5, mask
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        fin = torch.isfinite(ref_lse)
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-4

@@ -100,20 +100,22 @@ def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = 
         cls = torch.where(hi == BLOCK_EMPTY, BLOCK_EMPTY, torch.where(lo == BLOCK_FULL, BLOCK_FULL, 1)).to(torch.int8)
     if r.bool_mask is not None:  # a dense bool tensor is not analysed: its tiles are partial
         cls = torch.where(cls == BLOCK_FULL, torch.ones_like(cls), cls)
-    cls_list = cls.tolist()
+    # Visit the non-empty tiles only (row-major, so columns ascend within a row): a window over a
+    # long sequence has a few tiles per row out of thousands.
+    nz = (cls != BLOCK_EMPTY).nonzero()  # [T, 2]
+    tile_i, tile_j = nz[:, 0].tolist(), nz[:, 1].tolist()
+    tile_kind = cls[nz[:, 0], nz[:, 1]].tolist()
+    n_tiles = len(tile_i)
+    row_runs: list[list[list[int]]] = [[] for _ in range(n_qb)]  # per row: [k_block_lo, k_block_hi, kind]
+    for i, j, c in zip(tile_i, tile_j, tile_kind, strict=True):
+        runs = row_runs[i]
+        kind = 0 if c == BLOCK_FULL else 1
+        if runs and runs[-1][1] == j and runs[-1][2] == kind:
+            runs[-1][1] = j + 1
+        else:
+            runs.append([j, j + 1, kind])
     rows: list[tuple[Chunk, ...]] = []
-    n_tiles = 0
-    for i in range(n_qb):
-        runs: list[list[int]] = []  # [k_block_lo, k_block_hi_exclusive, kind]
-        for j, c in enumerate(cls_list[i]):
-            if c == BLOCK_EMPTY:
-                continue
-            n_tiles += 1
-            kind = 0 if c == BLOCK_FULL else 1
-            if runs and runs[-1][1] == j and runs[-1][2] == kind:
-                runs[-1][1] = j + 1
-            else:
-                runs.append([j, j + 1, kind])
+    for runs in row_runs:
         # Merge adjacent short runs (fewer, larger matmuls beat skipping a mask on a few tiles).
         merged: list[list[int]] = []
         for run in runs:
@@ -303,6 +305,13 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
     return out, lse
 
 
+def _true_runs(flags: Tensor) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of consecutive True entries of a 1-d bool tensor."""
+    f = flags.to(torch.int8).cpu()
+    edges = torch.diff(f, prepend=f.new_zeros(1), append=f.new_zeros(1)).nonzero().flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2], strict=True))
+
+
 def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor,
                   bound: Tensor | None, out: Tensor, lse: Tensor) -> None:
     """Forward of a band of query blocks in one batched matmul (K/V windows are strided views)."""
@@ -313,9 +322,14 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     q_grp = (q[:, :, q_lo:q_lo + R].reshape(B, Hkv, G, g, bq, -1).transpose(2, 3)
              .reshape(B, Hkv, g, G * bq, -1)) * r.scale  # [B, Hkv, g, G*bq, D], pre-scaled
     span = slice(band.k_lo, band.k_lo + (g - 1) * bq + S)
+    # Overlapping windows as strided views: torch.bmm reads them in place, whereas torch.matmul on
+    # 5-d operands would first copy every window (S / bq times the band's keys and values).
     k_win = k[:, :, span].unfold(2, S, bq)  # [B, Hkv, g, D, S] (a view)
     v_win = v[:, :, span].unfold(2, S, bq).transpose(-1, -2)  # [B, Hkv, g, S, Dv] (a view)
-    s = torch.matmul(q_grp, k_win)  # [B, Hkv, g, G*bq, S]
+    s = q_grp.new_empty(B, Hkv, g, G * bq, S)
+    for b_i in range(B):
+        for h_i in range(Hkv):
+            torch.bmm(q_grp[b_i, h_i], k_win[b_i, h_i], out=s[b_i, h_i])  # [g, G*bq, S]
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
     if r.softcap is not None:
@@ -347,7 +361,9 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
                 hidden = hidden.unsqueeze(2).expand(b, 1, G, bq, S).reshape(b, 1, 1, G * bq, S)
             else:
                 hidden = hidden.reshape(b, Hkv, 1, G * bq, S)
-            s.masked_fill_(hidden, float("-inf"))
+            # Fill only the key columns where something is hidden (a window's two edges).
+            for c_lo, c_hi in _true_runs(hidden.reshape(-1, S).any(dim=0)):
+                s[..., c_lo:c_hi].masked_fill_(hidden[..., c_lo:c_hi], float("-inf"))
         else:
             allowed = r.structure.fn(b_idx, h_idx, q_pos, k_pos)
             allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
@@ -360,7 +376,12 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
         s.sub_(shift)
     p = s.exp_()
     ell = p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, G*bq, 1]
-    acc = torch.matmul(p.to(v.dtype), v_win).to(lse.dtype)  # [B, Hkv, g, G*bq, Dv]
+    p_v = p.to(v.dtype)
+    acc = p_v.new_empty(B, Hkv, g, G * bq, v.shape[-1])  # [B, Hkv, g, G*bq, Dv]
+    for b_i in range(B):
+        for h_i in range(Hkv):
+            torch.bmm(p_v[b_i, h_i], v_win[b_i, h_i], out=acc[b_i, h_i])
+    acc = acc.to(lse.dtype)
     ok = ell > 0
     safe = torch.where(ok, ell, torch.ones_like(ell))
     o = acc.div_(safe)
