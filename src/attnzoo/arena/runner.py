@@ -231,7 +231,8 @@ def _gpt2_init(model: torch.nn.Module) -> None:
                 torch.nn.init.zeros_(m.bias)
 
 
-def _signature(s: TaskSettings, variant: str, seed: int, world: int, context_parallel: bool) -> dict[str, Any]:
+def _signature(s: TaskSettings, variant: str, seed: int, world: int,
+               context_parallel: bool = False) -> dict[str, Any]:
     sig = {**asdict(s), "variant": variant, "seed": seed, "world_size": world}
     if context_parallel:
         sig["context_parallel"] = CONTEXT_PARALLEL_LAYOUT
