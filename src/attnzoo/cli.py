@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from attnzoo._validate import positive_int_arg as _positive_int
+
 __all__ = ["build_parser", "main"]
 
 BACKEND_NAMES = ("reference", "sdpa", "tiled", "flex", "flash")
@@ -34,16 +36,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # =========================================================================== argument types
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def _int_list(text: str) -> list[int]:
     out = []
     for part in text.split(","):

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
 from attnzoo.arena.progress import PROGRESS_KINDS, make_progress
 from attnzoo.arena.tasks import MQARTask, ShakespeareTask, Task
@@ -104,16 +105,6 @@ def settings_for(task: str, args: argparse.Namespace) -> TaskSettings:
     if s.warmup >= s.steps:
         raise ValueError(f"--warmup ({s.warmup}) must be smaller than --steps ({s.steps}) for task {task}")
     return s
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:

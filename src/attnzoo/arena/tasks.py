@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int as _check_int
+
 __all__ = [
     "IGNORE",
     "MQARTask",
@@ -39,14 +41,6 @@ def batch_generator(seed: int, stream: int, step: int) -> torch.Generator:
     """A CPU generator whose state depends only on ``(seed, stream, step)``."""
     mixed = (seed * 1_000_003 + stream * 998_244_353 + step * 2_654_435_761) % (2**63 - 1)
     return torch.Generator().manual_seed(mixed)
-
-
-def _check_int(x: object, name: str, minimum: int = 1) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
 
 
 class Task(Protocol):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from attnzoo._validate import check_int
 from attnzoo.arena.tasks import IGNORE, Task
 
 __all__ = [
@@ -136,14 +137,6 @@ def cleanup_distributed() -> None:
 
 
 # --------------------------------------------------------------------------- training
-def _check_positive_int(x: object, name: str, minimum: int = 1) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"train: {name} must be an int, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"train: {name} must be >= {minimum}, got {x}")
-    return x
-
-
 def train(
     model: nn.Module,
     task: Task,
@@ -187,9 +180,9 @@ def train(
             positions=...)`` gets this rank's shard of every row and the shard's global positions.
             The sequence length must suit the layout (``zigzag``: divisible by ``2 * world``).
     """
-    steps = _check_positive_int(steps, "steps")
-    global_batch = _check_positive_int(global_batch, "global_batch")
-    start_step = _check_positive_int(start_step, "start_step", minimum=0)
+    steps = check_int(steps, "steps", owner="train")
+    global_batch = check_int(global_batch, "global_batch", owner="train")
+    start_step = check_int(start_step, "start_step", minimum=0, owner="train")
     if start_step > steps:
         raise ValueError(f"train: start_step ({start_step}) is beyond steps ({steps})")
     if isinstance(seed, bool) or not isinstance(seed, int):

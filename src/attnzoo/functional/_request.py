@@ -14,6 +14,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_int
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 
@@ -24,12 +25,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
-
-
-def _check_int(x: object, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
-    return x
 
 
 def normalize_window(window: object) -> Window | None:
@@ -248,7 +243,7 @@ def build_request(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     win = normalize_window(window)
-    off = Nk - Nq if q_offset is None else _check_int(q_offset, "q_offset")
+    off = Nk - Nq if q_offset is None else check_int(q_offset, "q_offset", minimum=None)
 
     mask_tensor: Tensor | None = None
     mask_obj: Mask | None = None

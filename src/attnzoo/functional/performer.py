@@ -31,6 +31,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_int
 from attnzoo.functional.linear import (
     State,
     check_chunk_size,
@@ -43,14 +44,6 @@ from attnzoo.functional.linear import (
 )
 
 __all__ = ["draw_performer_projection", "performer_attention", "performer_features"]
-
-
-def _check_positive_int(x: object, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
-    if x < 1:
-        raise ValueError(f"{name} must be >= 1, got {x}")
-    return x
 
 
 def draw_performer_projection(
@@ -77,8 +70,8 @@ def draw_performer_projection(
     Returns:
         ``[F, D]`` tensor; each row is marginally ``N(0, I_D)``.
     """
-    f = _check_positive_int(num_features, "num_features")
-    d = _check_positive_int(head_dim, "head_dim")
+    f = check_int(num_features, "num_features")
+    d = check_int(head_dim, "head_dim")
     if not isinstance(orthogonal, bool):
         raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
     if generator is not None and seed is not None:

@@ -9,15 +9,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo import _validate
+
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
 
 
 def check_int(x: object, name: str, owner: str, *, minimum: int = 1) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{owner}: {name} must be an int, got {type(x).__name__} ({x!r})")
-    if x < minimum:
-        raise ValueError(f"{owner}: {name} must be >= {minimum}, got {x}")
-    return x
+    """:func:`attnzoo._validate.check_int` with the owner named first in the message."""
+    return _validate.check_int(x, name, minimum, owner)
 
 
 def check_tokens(tokens: object, vocab_size: int, owner: str, name: str = "tokens") -> Tensor:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int as _check_int
 from attnzoo.functional._request import normalize_window
 from attnzoo.functional.attention import BACKENDS, attention
 from attnzoo.masks import Mask
@@ -26,14 +27,6 @@ from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positio
 __all__ = ["GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention", "SlidingWindowAttention"]
 
 Cache = KVCache | SlidingWindowKVCache
-
-
-def _check_int(x: object, name: str, minimum: int = 1) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
 
 
 class MultiHeadAttention(nn.Module):

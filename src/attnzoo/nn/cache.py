@@ -20,15 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_int as _check_int
+
 __all__ = ["KVCache", "SlidingWindowKVCache"]
-
-
-def _check_int(x: object, name: str, minimum: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
 
 
 class _CacheBase:

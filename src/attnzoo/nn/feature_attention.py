@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int
 from attnzoo.functional.linear import (
     FeatureMap,
     check_chunk_size,
@@ -32,14 +33,6 @@ __all__ = ["LinearAttention", "PerformerAttention", "RecurrentStateCache"]
 
 
 # --------------------------------------------------------------------------- shared helpers
-def check_int(x: object, name: str, minimum: int = 1) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
-
-
 def check_x(cls: str, x: object, dim: int) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{cls}: x must be a tensor [B, N, C], got {type(x).__name__}")
