@@ -8,8 +8,9 @@ value received and what was expected.
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["check_int", "positive_int_arg"]
+__all__ = ["check_int", "positive_float_arg", "positive_int_arg"]
 
 
 def check_int(x: object, name: str, minimum: int | None = 1, owner: str | None = None) -> int:
@@ -22,12 +23,21 @@ def check_int(x: object, name: str, minimum: int | None = 1, owner: str | None =
     return x
 
 
+def _number_arg(text: str, kind: type, what: str) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+
 def positive_int_arg(text: str) -> int:
     """``argparse`` type for options that take a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return int(_number_arg(text, int, "a positive integer"))
+
+
+def positive_float_arg(text: str) -> float:
+    """``argparse`` type for options that take a positive, finite number."""
+    return float(_number_arg(text, float, "a positive number"))

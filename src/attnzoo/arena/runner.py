@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
 from attnzoo.arena.progress import PROGRESS_KINDS, make_progress
@@ -105,16 +105,6 @@ def settings_for(task: str, args: argparse.Namespace) -> TaskSettings:
     if s.warmup >= s.steps:
         raise ValueError(f"--warmup ({s.warmup}) must be smaller than --steps ({s.steps}) for task {task}")
     return s
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
