@@ -319,8 +319,8 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     Hkv, G, g, S = r.hkv, r.group, band.count, band.width
     q_lo = band.first * bq
     R = g * bq
-    q_grp = (q[:, :, q_lo:q_lo + R].reshape(B, Hkv, G, g, bq, -1).transpose(2, 3)
-             .reshape(B, Hkv, g, G * bq, -1)) * r.scale  # [B, Hkv, g, G*bq, D], pre-scaled
+    # [B, Hkv, g, G*bq, D]: a view without GQA; the scale is applied inside the matmul (alpha)
+    q_grp = q[:, :, q_lo:q_lo + R].reshape(B, Hkv, G, g, bq, -1).transpose(2, 3).reshape(B, Hkv, g, G * bq, -1)
     span = slice(band.k_lo, band.k_lo + (g - 1) * bq + S)
     # Overlapping windows as strided views: torch.bmm reads them in place, whereas torch.matmul on
     # 5-d operands would first copy every window (S / bq times the band's keys and values).
@@ -329,7 +329,8 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     s = q_grp.new_empty(B, Hkv, g, G * bq, S)
     for b_i in range(B):
         for h_i in range(Hkv):
-            torch.bmm(q_grp[b_i, h_i], k_win[b_i, h_i], out=s[b_i, h_i])  # [g, G*bq, S]
+            # s = scale * q k^T  [g, G*bq, S]; beta=0 ignores the uninitialised input
+            torch.baddbmm(s[b_i, h_i], q_grp[b_i, h_i], k_win[b_i, h_i], beta=0, alpha=r.scale, out=s[b_i, h_i])
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
     if r.softcap is not None:
@@ -377,10 +378,13 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     p = s.exp_()
     ell = p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, G*bq, 1]
     p_v = p.to(v.dtype)
-    acc = p_v.new_empty(B, Hkv, g, G * bq, v.shape[-1])  # [B, Hkv, g, G*bq, Dv]
+    Dv = v.shape[-1]
+    # Without GQA and in the accumulation dtype, P V goes straight into the output rows (no copy).
+    direct = G == 1 and out.dtype == lse.dtype == p_v.dtype
+    acc = out[:, :, q_lo:q_lo + R].view(B, Hkv, g, bq, Dv) if direct else p_v.new_empty(B, Hkv, g, G * bq, Dv)
     for b_i in range(B):
         for h_i in range(Hkv):
-            torch.bmm(p_v[b_i, h_i], v_win[b_i, h_i], out=acc[b_i, h_i])
+            torch.bmm(p_v[b_i, h_i], v_win[b_i, h_i], out=acc[b_i, h_i])  # [g, G*bq, Dv]
     acc = acc.to(lse.dtype)
     ok = ell > 0
     safe = torch.where(ok, ell, torch.ones_like(ell))
@@ -390,7 +394,8 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     def unfold_rows(t: Tensor) -> Tensor:  # [B, Hkv, g, G*bq, E] -> [B, Hq, R, E]
         return t.reshape(B, Hkv, g, G, bq, -1).transpose(2, 3).reshape(B, Hq, R, -1)
 
-    out[:, :, q_lo:q_lo + R] = unfold_rows(o).to(out.dtype)
+    if not direct:
+        out[:, :, q_lo:q_lo + R] = unfold_rows(o).to(out.dtype)
     lse[:, :, q_lo:q_lo + R] = unfold_rows(row_lse).squeeze(-1)
 
 
