@@ -383,6 +383,44 @@ def test_flex_compiled_matches_reference(monkeypatch: pytest.MonkeyPatch, n_q: i
             assert (got - ref).abs().max() < 1e-5, (n_q, n_k, causal)
 
 
+@pytest.mark.parametrize(("window", "extra"), [((100, 0), {}), ((64, 7), {"softcap": 5.0}),
+                                               ((48, 0), {"alibi": True}), ((100, 0), {"padding": True})])
+@pytest.mark.parametrize("hkv", [1, 4])
+def test_tiled_sliding_window_band_gradients(monkeypatch: pytest.MonkeyPatch, window, extra, hkv) -> None:
+    """The backward pass of window bands (default block sizes) against float64 autograd of the reference."""
+    for name, value in (("BLOCK_Q", 256), ("BLOCK_K", 128), ("MAX_CHUNK_K", 2048), ("MERGE_K", 512)):
+        monkeypatch.setattr(tiled_mod, name, value)
+    monkeypatch.setattr(tiled_mod, "BACKWARD_BAND_ELEMS", 1 << 16)  # several pieces per band
+    pieces: list[int] = []
+    real = tiled_mod._backward_band
+    monkeypatch.setattr(tiled_mod, "_backward_band", lambda *a: (pieces.append(1), real(*a))[1])
+    torch.manual_seed(0)
+    n, hq = 1100, 4
+    q = torch.randn(2, hq, n, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, hkv, n, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, hkv, n, 16, dtype=torch.float64, requires_grad=True)
+    kw: dict = {"causal": True, "window": window}
+    if extra.get("softcap"):
+        kw["softcap"] = extra["softcap"]
+    if extra.get("alibi"):
+        kw["alibi_slopes"] = az.alibi_slopes(hq).double()
+    if extra.get("padding"):
+        kw["mask"] = M.key_padding(torch.tensor([1000, 1100]))
+    g_out = torch.randn(2, hq, n, 16, dtype=torch.float64)
+    ref = az.attention(q, k, v, backend="reference", **kw)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g_out)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = kw["alibi_slopes"].float()
+    out = az.attention(qf, kf, vf, backend="tiled", **kw)
+    grads = torch.autograd.grad(out, (qf, kf, vf), g_out.float())
+    assert pieces, "the band backward was not used"
+    assert (out.double() - ref).abs().max() < 1e-5
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 1e-5, (name, float(err))
+
+
 @pytest.mark.parametrize("window", [(40, 0), (100, 7), (300, 0)])
 @pytest.mark.parametrize("hkv", [1, 4])
 def test_tiled_sliding_window_bands_at_default_sizes(monkeypatch: pytest.MonkeyPatch, window, hkv) -> None:

@@ -312,9 +312,19 @@ def _true_runs(flags: Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2], strict=True))
 
 
-def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor,
-                  bound: Tensor | None, out: Tensor, lse: Tensor) -> None:
-    """Forward of a band of query blocks in one batched matmul (K/V windows are strided views)."""
+@dataclass
+class _BandScores:
+    """A band's scaled, capped, biased and masked scores and the operand views that made them."""
+
+    q_grp: Tensor  # [B, Hkv, g, G*bq, D] (a view of q without GQA)
+    k_win: Tensor  # [B, Hkv, g, D, S] overlapping key windows (a strided view of k)
+    v_win: Tensor  # [B, Hkv, g, S, Dv] overlapping value windows (a strided view of v)
+    s: Tensor  # [B, Hkv, g, G*bq, S] float32/64 scores, -inf where hidden
+    t: Tensor | None  # tanh(raw / softcap) when a softcap is set (for the backward pass)
+
+
+def _band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor) -> _BandScores:
+    """Scores of a band of query blocks in one batched matmul per KV head."""
     B, Hq = q.shape[:2]
     Hkv, G, g, S = r.hkv, r.group, band.count, band.width
     q_lo = band.first * bq
@@ -333,8 +343,10 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
             torch.baddbmm(s[b_i, h_i], q_grp[b_i, h_i], k_win[b_i, h_i], beta=0, alpha=r.scale, out=s[b_i, h_i])
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
+    t: Tensor | None = None
     if r.softcap is not None:
-        s = torch.tanh(s / r.softcap) * r.softcap
+        t = torch.tanh(s / r.softcap)
+        s = t * r.softcap
     dev = q.device
     q_pos = (torch.arange(q_lo, q_lo + R, device=dev) + r.q_offset).view(1, 1, R, 1)
     k_pos = (band.k_lo + torch.arange(g, device=dev).repeat_interleave(bq).view(1, 1, R, 1) * bq
@@ -369,6 +381,18 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
             allowed = r.structure.fn(b_idx, h_idx, q_pos, k_pos)
             allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
             s.masked_fill_(~fold(allowed), float("-inf"))
+    return _BandScores(q_grp, k_win, v_win, s, t)
+
+
+def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor,
+                  bound: Tensor | None, out: Tensor, lse: Tensor) -> None:
+    """Forward of a band of query blocks in one batched matmul (K/V windows are strided views)."""
+    B, Hq = q.shape[:2]
+    Hkv, G, g = r.hkv, r.group, band.count
+    q_lo = band.first * bq
+    R = g * bq
+    bs = _band_scores(r, bq, band, q, k, v)
+    s, v_win = bs.s, bs.v_win
     static = bound is not None and float(bound[..., q_lo:q_lo + R].max()) <= STATIC_SHIFT_BOUND
     shift: Tensor | None = None
     if not static:
@@ -399,6 +423,62 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     lse[:, :, q_lo:q_lo + R] = unfold_rows(row_lse).squeeze(-1)
 
 
+def _backward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor,
+                   lse: Tensor, delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Backward of a band: recompute its scores, then dQ for its rows and the overlapping
+    windows' dK/dV (added back block by block: window slot ``t`` of block ``j`` is key block
+    ``j + t``). ``dq`` gets ``dS K`` without the scale (the caller applies it once)."""
+    B, Hq = q.shape[:2]
+    Hkv, G, g, S = r.hkv, r.group, band.count, band.width
+    q_lo = band.first * bq
+    R = g * bq
+    c = S // bq
+    bs = _band_scores(r, bq, band, q, k, v)
+    acc_dtype = bs.s.dtype
+
+    def fold_rows(x: Tensor) -> Tensor:  # [B, Hq, R, E] -> [B, Hkv, g, G*bq, E]
+        return x.reshape(B, Hkv, G, g, bq, -1).transpose(2, 3).reshape(B, Hkv, g, G * bq, -1)
+
+    lse_b = fold_rows(lse[:, :, q_lo:q_lo + R].unsqueeze(-1))
+    lse_b = torch.where(torch.isfinite(lse_b), lse_b, torch.full_like(lse_b, float("inf")))
+    delta_b = fold_rows(delta[:, :, q_lo:q_lo + R].unsqueeze(-1))
+    do_b = fold_rows(d_out[:, :, q_lo:q_lo + R])  # [B, Hkv, g, G*bq, Dv]
+    p = bs.s.sub_(lse_b).exp_()  # [B, Hkv, g, G*bq, S]; hidden keys and empty rows -> 0
+    p_in = p.to(v.dtype)
+    dv_win = v.new_empty(B, Hkv, g, S, v.shape[-1])
+    dp = p_in.new_empty(p.shape)
+    for b_i in range(B):
+        for h_i in range(Hkv):
+            torch.bmm(p_in[b_i, h_i].transpose(1, 2), do_b[b_i, h_i], out=dv_win[b_i, h_i])  # [g, S, Dv]
+            torch.bmm(do_b[b_i, h_i], bs.v_win[b_i, h_i].transpose(1, 2), out=dp[b_i, h_i])  # [g, G*bq, S]
+    ds = p.mul_(dp.to(acc_dtype).sub_(delta_b))  # in place: P is not needed any more
+    del dp, p_in
+    if bs.t is not None:
+        ds = ds.mul_(1 - bs.t * bs.t)
+    ds_in = ds.to(q.dtype)
+    dq_b = q.new_empty(B, Hkv, g, G * bq, q.shape[-1])
+    dk_win = k.new_empty(B, Hkv, g, S, k.shape[-1])
+    for b_i in range(B):
+        for h_i in range(Hkv):
+            torch.bmm(ds_in[b_i, h_i], bs.k_win[b_i, h_i].transpose(1, 2), out=dq_b[b_i, h_i])  # [g, G*bq, D]
+            torch.baddbmm(dk_win[b_i, h_i], ds_in[b_i, h_i].transpose(1, 2), bs.q_grp[b_i, h_i], beta=0,
+                          alpha=r.scale, out=dk_win[b_i, h_i])  # [g, S, D]
+    dq[:, :, q_lo:q_lo + R] += dq_b.reshape(B, Hkv, g, G, bq, -1).transpose(2, 3).reshape(B, Hq, R, -1)
+    n_blocks = g - 1 + c
+    span = slice(band.k_lo, band.k_lo + n_blocks * bq)
+    dk_blocks = dk[:, :, span].view(B, Hkv, n_blocks, bq, -1)
+    dv_blocks = dv[:, :, span].view(B, Hkv, n_blocks, bq, -1)
+    dk_w = dk_win.view(B, Hkv, g, c, bq, -1)
+    dv_w = dv_win.view(B, Hkv, g, c, bq, -1)
+    for t in range(c):
+        dk_blocks[:, :, t:t + g] += dk_w[:, :, :, t]
+        dv_blocks[:, :, t:t + g] += dv_w[:, :, :, t]
+
+
+#: Score elements of one backward band piece (it keeps about four band-sized buffers alive).
+BACKWARD_BAND_ELEMS = 1 << 21
+
+
 def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               d_out: Tensor, d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     B, Hq, Nq, _ = q.shape
@@ -409,8 +489,18 @@ def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, o
     delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)  # [B, Hq, Nq]
     if d_lse is not None:  # d lse / d s = p, so a gradient on the LSE shifts delta
         delta = delta - torch.nan_to_num(d_lse.to(acc_dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    done: set[int] = set()
+    for band in plan.bands:
+        if band.width % plan.block_q:  # the window must split into whole query blocks
+            continue
+        per = max(1, BACKWARD_BAND_ELEMS // max(1, B * Hq * plan.block_q * band.width))
+        for a in range(0, band.count, per):
+            piece = Band(band.first + a, min(per, band.count - a), band.k_lo + a * plan.block_q, band.width,
+                         band.needs_mask)
+            _backward_band(r, plan.block_q, piece, q, k, v, d_out, lse, delta, dq, dk, dv)
+        done.update(range(band.first, band.first + band.count))
     for i, chunks in enumerate(plan.rows):
-        if not chunks:
+        if not chunks or i in done:
             continue
         q_lo, q_hi = i * plan.block_q, min(Nq, (i + 1) * plan.block_q)
         q_t = _fold_q(q, r.hkv, r.group, q_lo, q_hi) * r.scale  # [B, Hkv, G*bq, D], pre-scaled
