@@ -11,7 +11,7 @@ every page the call touches (Linux only). The child runs with glibc's mmap thres
 Usage::
 
     python benchmarks/bench_core.py                 # everything (several minutes on 2 cores)
-    python benchmarks/bench_core.py --only dense window memory bf16 peak
+    python benchmarks/bench_core.py --only dense window window_train memory bf16 peak
     python benchmarks/bench_core.py --json out.json
 """
 
@@ -124,6 +124,39 @@ def bench_window(repeats: int, with_flex: bool) -> list[dict]:
     return rows
 
 
+def bench_window_train(repeats: int) -> list[dict]:
+    """Causal window (256, 0), forward + backward (training): `auto` (tiled) against SDPA with a
+    dense band mask at N=4096, and the backward's cost relative to the forward at N=16384."""
+    left = 256
+    rows = []
+    n = 4096
+    q, k, v = qkv(n, grad=True)
+    dense = band_mask(n, left)
+
+    def step(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            fn().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        return run
+
+    t = timed({"auto": step(lambda: az.attention(q, k, v, causal=True, window=(left, 0))),
+               "sdpa_dense_band": step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense))}, repeats)
+    rows.append({"case": f"causal window ({left},0) N={n} fp32 fwd+bwd", "auto_s": t["auto"],
+                 "sdpa_dense_band_s": t["sdpa_dense_band"], "sdpa_dense_band/auto": t["sdpa_dense_band"] / t["auto"]})
+    n = 16384
+    q, k, v = qkv(n, grad=True)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            az.attention(q, k, v, causal=True, window=(left, 0))
+
+    t = timed({"fwd": fwd, "fwd_bwd": step(lambda: az.attention(q, k, v, causal=True, window=(left, 0)))}, repeats)
+    rows.append({"case": f"causal window ({left},0) N={n} fp32, auto", "fwd_s": t["fwd"], "fwd_bwd_s": t["fwd_bwd"],
+                 "fwd_bwd/fwd": t["fwd_bwd"] / t["fwd"]})
+    return rows
+
+
 def bench_bf16(repeats: int) -> list[dict]:
     n = 4096
     q, k, v = qkv(n, torch.bfloat16)
@@ -211,8 +244,8 @@ def bench_memory() -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="*", default=["peak", "dense", "window", "memory", "bf16"],
-                   choices=["peak", "dense", "window", "memory", "bf16"])
+    sections = ["peak", "dense", "window", "window_train", "memory", "bf16"]
+    p.add_argument("--only", nargs="*", default=sections, choices=sections)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-flex", action="store_true", help="skip torch FlexAttention (compile takes minutes)")
     p.add_argument("--threads", type=int, default=2)
@@ -231,6 +264,8 @@ def main() -> None:
         rows += bench_dense(a.repeats)
     if "window" in a.only:
         rows += bench_window(a.repeats, with_flex=not a.no_flex)
+    if "window_train" in a.only:
+        rows += bench_window_train(a.repeats)
     if "memory" in a.only:
         rows += bench_memory()
     if "bf16" in a.only:
