@@ -46,7 +46,7 @@ from attnzoo.distributed import (
 GLOO_TIMEOUT_S = 30  # any collective stuck longer than this raises in the worker
 JOB_DEADLINE_S = 150  # the whole spawned job; past it the workers are killed and the test fails
 
-# (name, layout, causal, window, Hq, Hkv, N) per world size
+# (name, layout, causal, window, Hq, Hkv, N[, {"alibi": bool, "softcap": float}]) per world size
 CASES_2 = [
     ("bidir", "contiguous", False, None, 4, 4, 16),
     ("causal_gqa", "contiguous", True, None, 4, 2, 16),
@@ -57,6 +57,9 @@ CASES_2 = [
     ("zz_causal_gqa", "zigzag", True, None, 4, 2, 16),
     ("zz_causal_window", "zigzag", True, 3, 4, 1, 16),
     ("zz_window_asym", "zigzag", False, (2, 5), 2, 2, 16),
+    ("zz_causal_alibi_softcap", "zigzag", True, None, 4, 2, 16, {"alibi": True, "softcap": 2.0}),
+    ("bidir_alibi", "contiguous", False, None, 4, 1, 15, {"alibi": True}),
+    ("window_softcap", "contiguous", True, 4, 2, 2, 16, {"softcap": 1.5}),
 ]
 CASES_4 = [
     ("bidir_gqa", "contiguous", False, None, 4, 2, 16),
@@ -64,6 +67,7 @@ CASES_4 = [
     ("causal_window", "contiguous", True, 5, 4, 1, 16),
     ("zz_causal_gqa", "zigzag", True, None, 4, 2, 24),
     ("zz_window", "zigzag", False, (1, 6), 2, 1, 16),
+    ("zz_alibi_window", "zigzag", True, 5, 4, 2, 24, {"alibi": True, "softcap": 3.0}),
 ]
 
 
@@ -117,7 +121,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: int, n: int,
-               dtype: torch.dtype, backend: str, group: Any = None, block: int = 256) -> dict[str, float]:
+               dtype: torch.dtype, backend: str, group: Any = None, block: int = 256,
+               extra: dict[str, Any] | None = None) -> dict[str, float]:
     """Errors of ring attention vs az.attention on the whole sequence (same seed on every rank)."""
     g = torch.Generator().manual_seed(1234 + n + hq)
     B, D, Dv = 2, 8, 6
@@ -125,11 +130,17 @@ def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: 
     k = torch.randn(B, hkv, n, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     v = torch.randn(B, hkv, n, Dv, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     d_out = torch.randn(B, hq, n, Dv, generator=g, dtype=torch.float64).to(dtype)
-    ref, ref_lse = az.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="reference")
+    mods: dict[str, Any] = {}
+    if (extra or {}).get("alibi"):
+        mods["alibi_slopes"] = az.alibi_slopes(hq).to(dtype)
+    if (extra or {}).get("softcap"):
+        mods["softcap"] = extra["softcap"]  # type: ignore[index]
+    ref, ref_lse = az.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="reference",
+                                **mods)
     ref.backward(d_out)
     ql, kl, vl = (shard_sequence(t.detach(), 2, group=group, layout=layout).requires_grad_() for t in (q, k, v))
     out, lse = ring_attention(ql, kl, vl, group=group, causal=causal, window=window, layout=layout,
-                              backend=backend, return_lse=True, block=block)
+                              backend=backend, return_lse=True, block=block, **mods)
     out.backward(shard_sequence(d_out, 2, group=group, layout=layout))
     pos = shard_positions(n, group=group, layout=layout)
     finite = torch.isfinite(ref_lse[:, :, pos])
@@ -144,11 +155,12 @@ def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: 
 
 
 def _check_ring(rank: int, cases: list[tuple[Any, ...]], res: dict[str, Any]) -> None:
-    for name, layout, causal, window, hq, hkv, n in cases:
+    for name, layout, causal, window, hq, hkv, n, *extra in cases:
+        ex = extra[0] if extra else None
         # float64 with 3-row backward blocks: many blocks per shard, key bands under windows
         res[f"f64/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float64, "reference",
-                                        block=3)
-        res[f"f32/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float32, "auto")
+                                        block=3, extra=ex)
+        res[f"f32/{name}"] = _ring_case(rank, layout, causal, window, hq, hkv, n, torch.float32, "auto", extra=ex)
 
 
 def _check_bf16(rank: int, world: int, res: dict[str, Any]) -> None:
@@ -211,6 +223,9 @@ def _check_errors(rank: int, world: int, res: dict[str, Any]) -> None:
     # one rank passes a bad window / a non-bool causal: its own error type there, ValueError elsewhere
     capture("err/window_on_one_rank", lambda: ring_attention(q, q, q, window=-1 if rank == 1 else 2))
     capture("err/causal_type_on_one_rank", lambda: ring_attention(q, q, q, causal="yes" if rank == 1 else True))
+    # ranks disagree on the ALiBi slopes
+    slopes = az.alibi_slopes(2) * (2.0 if rank == 1 else 1.0)
+    capture("err/alibi_slopes", lambda: ring_attention(q, q, q, alibi_slopes=slopes))
     # only rank 0 would run a backward: refused up front instead of hanging in backward
     qg = q.clone().requires_grad_(rank == 0)
     capture("err/needs_grad", lambda: ring_attention(qg, q, q))
@@ -222,7 +237,8 @@ def _check_errors(rank: int, world: int, res: dict[str, Any]) -> None:
 def _check_context_parallel(rank: int, world: int, res: dict[str, Any]) -> None:
     for name, layout, kw in (("mha_rope_causal", "zigzag", {"causal": True, "rope": True}),
                              ("gqa_window", "contiguous", {"num_kv_heads": 2, "causal": True, "window": 4}),
-                             ("bidir", "contiguous", {})):
+                             ("bidir", "contiguous", {}),
+                             ("alibi_causal", "zigzag", {"causal": True, "alibi": True})):
         torch.manual_seed(7)
         mha = az.MultiHeadAttention(32, 4, dtype=torch.float64, **kw)
         x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
@@ -448,7 +464,7 @@ def test_shard_gather_roundtrip_2_ranks(two: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("key", ["err/zigzag_lengths", "err/invalid_on_one_rank", "err/head_dim",
                                  "err/causal_flag", "err/zigzag_odd", "err/window_on_one_rank",
-                                 "err/needs_grad"])
+                                 "err/needs_grad", "err/alibi_slopes"])
 def test_bad_shards_raise_on_every_rank(two: list[dict[str, Any]], key: str) -> None:
     for r, res in enumerate(two):
         assert res[key].startswith(f"ValueError: ring_attention on rank {r}"), f"rank {r}, {key}: {res[key]}"
@@ -461,6 +477,8 @@ def test_bad_shards_raise_on_every_rank(two: list[dict[str, Any]], key: str) -> 
         assert "window must be >= 0, got -1" in two[1][key], two[1][key]
     if key == "err/needs_grad":
         assert "whether gradients are needed" in two[0][key], two[0][key]
+    if key == "err/alibi_slopes":
+        assert "alibi_sum" in two[0][key] and "alibi slopes sum" in two[0][key], two[0][key]
     for res in two:
         assert res["err/group_still_usable"] == 1.0
 
@@ -479,7 +497,7 @@ def test_ring_bfloat16_error_within_twice_single_process(two: list[dict[str, Any
             assert ring <= 2 * single + 1e-3, f"rank {r}, {name}: ring error {ring:.2e} vs one process {single:.2e}"
 
 
-@pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir", "decoder_lm"])
+@pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir", "alibi_causal", "decoder_lm"])
 def test_context_parallel_matches_module(two: list[dict[str, Any]], name: str) -> None:
     for r, res in enumerate(two):
         errs = res[f"cp/{name}"]
@@ -594,8 +612,6 @@ def test_bad_arguments_single_process() -> None:
 def test_context_parallel_rejects_unsupported_modules() -> None:
     with pytest.raises(TypeError, match="wraps a MultiHeadAttention"):
         ContextParallel(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="ALiBi"):
-        ContextParallel(az.MultiHeadAttention(16, 2, alibi=True))
     with pytest.raises(ValueError, match="dropout"):
         ContextParallel(az.MultiHeadAttention(16, 2, dropout=0.1))
     with pytest.raises(ValueError, match="cross-attention"):
@@ -604,8 +620,8 @@ def test_context_parallel_rejects_unsupported_modules() -> None:
         ContextParallel(az.MultiHeadAttention(16, 2), layout="rows")
     with pytest.raises(ValueError, match="no self-attention"):
         context_parallel(nn.Sequential(nn.Linear(4, 4)))
-    model = nn.Sequential(az.MultiHeadAttention(16, 2), az.MultiHeadAttention(16, 2, alibi=True))
-    with pytest.raises(ValueError, match="ALiBi"):
+    model = nn.Sequential(az.MultiHeadAttention(16, 2), az.MultiHeadAttention(16, 2, dropout=0.1))
+    with pytest.raises(ValueError, match="dropout"):
         context_parallel(model)
     assert not isinstance(model[0], ContextParallel), "a failed context_parallel must not change the model"
     wrapped = context_parallel(nn.Sequential(az.MultiHeadAttention(16, 2), nn.Linear(16, 16)))

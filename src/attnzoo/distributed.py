@@ -349,7 +349,7 @@ class _Pending:
 
 # ----------------------------------------------------------------------------- metadata check
 _META_FIELDS = ("ok", "B", "Hq", "Hkv", "Nq", "Nk", "D", "Dv", "dtype", "layout", "causal",
-                "left", "right", "scale", "needs_grad")
+                "left", "right", "scale", "needs_grad", "softcap", "alibi_sum", "alibi_check")
 
 
 @dataclass(frozen=True)
@@ -369,11 +369,13 @@ class _Meta:
         grad = ", needs grad" if self.needs_grad else ""
         return (f"q [{int(self.B)}, {int(self.Hq)}, {int(self.Nq)}, {int(self.D)}], k/v [{int(self.B)}, "
                 f"{int(self.Hkv)}, {int(self.Nk)}, {int(self.D)}/{int(self.Dv)}], {dt}, layout "
-                f"{LAYOUTS[int(self.layout)]!r}, causal={bool(self.causal)}, window={win}, scale={self.scale:.6g}{grad}")
+                f"{LAYOUTS[int(self.layout)]!r}, causal={bool(self.causal)}, window={win}, scale={self.scale:.6g}"
+                f"{f', softcap={self.softcap:.6g}' if self.softcap else ''}"
+                f"{f', alibi slopes sum {self.alibi_sum:.6g}' if self.alibi_check else ''}{grad}")
 
 
 def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win: Window | None,
-                scale: float | None) -> list[float]:
+                scale: float | None, softcap: float | None = None, alibi: Tensor | None = None) -> list[float]:
     """Encode this rank's (already validated) request for the cross-rank comparison."""
     check_qkv(q, k, v)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
@@ -391,8 +393,14 @@ def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win:
     left = -2.0 if win is None else (-1.0 if win[0] is None else float(win[0]))
     right = -2.0 if win is None else (-1.0 if win[1] is None else float(win[1]))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if alibi is not None and tuple(alibi.shape) != (Hq,):
+        raise ValueError(f"alibi_slopes must have shape [Hq] = [{Hq}], got {tuple(alibi.shape)}")
+    # two checksums of the slopes: their sum and an order-sensitive one (1 + sum_h h * slope_h; 0 = none)
+    a_sum = 0.0 if alibi is None else float(alibi.double().sum())
+    a_chk = 0.0 if alibi is None else 1.0 + float((alibi.double().cpu() * torch.arange(1, Hq + 1)).sum())
     vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, _DTYPES.index(q.dtype), LAYOUTS.index(layout),
-            float(causal), left, right, sc, float(needs_grad)]
+            float(causal), left, right, sc, float(needs_grad), 0.0 if softcap is None else float(softcap), a_sum,
+            a_chk]
     return [float(x) for x in vals]
 
 
@@ -501,6 +509,8 @@ class _Config:
     scale: float
     backend: str
     block: int
+    softcap: float | None = None
+    alibi: Tensor | None = None  # [Hq] slopes in the compute dtype
 
 
 def _forward_pairs(q: Tensor, k_src: Tensor, v_src: Tensor, q_segs: list[_Segment], k_segs: list[_Segment],
@@ -515,12 +525,17 @@ def _forward_pairs(q: Tensor, k_src: Tensor, v_src: Tensor, q_segs: list[_Segmen
                 continue
             k_sl = slice(ks.local_lo, ks.local_lo + ks.length)
             qq, kk, vv = q[:, :, q_sl], k_src[:, :, k_sl], v_src[:, :, k_sl]
-            if vis == _FULL:  # no mask at all: the backend's fastest path
-                o, s = attention(qq, kk, vv, scale=cfg.scale, return_lse=True, backend=cfg.backend)
+            mods = {"softcap": cfg.softcap, "alibi_slopes": cfg.alibi}
+            if vis == _FULL and cfg.alibi is None:  # no mask, no positions: the backend's fastest path
+                o, s = attention(qq, kk, vv, scale=cfg.scale, softcap=cfg.softcap, return_lse=True,
+                                 backend=cfg.backend)
+            elif vis == _FULL:  # ALiBi needs the pair's relative offset, not a mask
+                o, s = attention(qq, kk, vv, q_offset=qs.global_lo - ks.global_lo, scale=cfg.scale,
+                                 return_lse=True, backend=cfg.backend, **mods)
             else:
                 o, s = attention(qq, kk, vv, causal=cfg.causal, window=cfg.window,
                                  q_offset=qs.global_lo - ks.global_lo, scale=cfg.scale, return_lse=True,
-                                 backend=cfg.backend)
+                                 backend=cfg.backend, **mods)
             outs.append(o)
             lses.append(s.to(lse.dtype))
         if len(outs) > 1:
@@ -561,14 +576,24 @@ def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src:
                 lse_f = _fold(lse_safe[:, :, lo:hi], hkv).unsqueeze(-1)  # [B, Hkv, G*r, 1]
                 delta_f = _fold(delta[:, :, lo:hi], hkv).unsqueeze(-1)  # [B, Hkv, G*r, 1]
                 s = torch.matmul(qf, kk.transpose(-1, -2)) * cfg.scale  # [B, Hkv, G*r, m]
+                tanh: Tensor | None = None
+                if cfg.softcap is not None:  # capped before biases and masks, as in az.attention
+                    tanh = torch.tanh(s / cfg.softcap)
+                    s = tanh * cfg.softcap
+                q_pos = torch.arange(g_lo, g_lo + (hi - lo), device=q.device)
+                k_pos = torch.arange(k_lo, k_hi, device=q.device) + (ks.global_lo - ks.local_lo)
+                if cfg.alibi is not None:
+                    dist_qk = (q_pos[:, None] - k_pos[None, :]).abs().to(cdt)  # [r, m]
+                    bias = -cfg.alibi.view(hkv, g, 1, 1) * dist_qk  # [Hkv, G, r, m]
+                    s = s + bias.reshape(hkv, g * (hi - lo), k_hi - k_lo)
                 if vis == _PARTIAL:
-                    q_pos = torch.arange(g_lo, g_lo + (hi - lo), device=q.device)
-                    k_pos = torch.arange(k_lo, k_hi, device=q.device) + (ks.global_lo - ks.local_lo)
                     ok = _visible(q_pos, k_pos, cfg.causal, cfg.window).repeat(g, 1)  # [G*r, m]
                     s = s.masked_fill(~ok, -math.inf)
                 p = torch.exp(s - lse_f)  # [B, Hkv, G*r, m]
                 dv[:, :, k_sl] += torch.matmul(p.transpose(-1, -2), dof)  # [B, Hkv, m, Dv]
                 ds = p * (torch.matmul(dof, vv.transpose(-1, -2)) - delta_f)  # [B, Hkv, G*r, m]
+                if tanh is not None:
+                    ds = ds * (1 - tanh * tanh)
                 dq[:, :, lo:hi] += _unfold(torch.matmul(ds, kk), hq) * cfg.scale  # [B, Hq, r, D]
                 dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), qf) * cfg.scale  # [B, Hkv, m, D]
 
@@ -671,6 +696,8 @@ def ring_attention(
     causal: bool = False,
     window: int | tuple[int | None, int | None] | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
     layout: str = "contiguous",
     backend: str = "auto",
     return_lse: bool = False,
@@ -691,6 +718,9 @@ def ring_attention(
         causal: key ``j`` visible to query ``p`` iff ``j <= p`` (global positions).
         window: ``w`` or ``(left, right)``: key ``j`` visible iff ``p - left <= j <= p + right``.
         scale: score scale, default ``1 / sqrt(D)``.
+        softcap: ``s -> softcap * tanh(s / softcap)`` on the scaled scores, as in ``az.attention``.
+        alibi_slopes: ``[Hq]``; adds ``-slope * |q_pos - k_pos|`` with *global* positions (the same
+            slopes on every rank).
         layout: ``"contiguous"`` (uneven shards allowed) or ``"zigzag"`` (balanced under causal
             masks; equal, even shards). Cut shards with :func:`shard_sequence`.
         backend: ``az.attention`` backend for each shard pair (it must support ``return_lse``:
@@ -729,7 +759,15 @@ def ring_attention(
             raise ValueError(f"block must be a positive int, got {block!r}")
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        vals = _local_meta(q, k, v, layout, causal, win, scale)
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or not math.isfinite(softcap) or softcap <= 0):
+            raise ValueError(f"softcap must be a finite positive number or None, got {softcap!r}")
+        if alibi_slopes is not None and (not isinstance(alibi_slopes, Tensor) or alibi_slopes.dim() != 1
+                                         or not alibi_slopes.is_floating_point()
+                                         or not bool(torch.isfinite(alibi_slopes).all())):
+            raise ValueError(f"alibi_slopes must be a finite float tensor [Hq] or None, got "
+                             f"{tuple(alibi_slopes.shape) if isinstance(alibi_slopes, Tensor) else alibi_slopes!r}")
+        vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes)
     except (TypeError, ValueError) as e:
         err = e
     if isinstance(q, Tensor):
@@ -739,7 +777,8 @@ def ring_attention(
             else torch.device("cpu")
     metas = _exchange_meta(ring, vals, err, device)
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
-                  block=block)
+                  block=block, softcap=None if softcap is None else float(softcap),
+                  alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, _compute_dtype(q.dtype)))
     out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg)
     if return_lse:
         return out, lse.float() if lse.dtype != torch.float64 else lse
@@ -765,8 +804,8 @@ class ContextParallel(nn.Module):
     DistributedDataParallel over the same ranks) as for any data-parallel split.
 
     Args:
-        module: a self-attention ``MultiHeadAttention`` (also GQA/MQA/sliding-window); ALiBi,
-            attention dropout, cross-attention and local-global patterns are rejected.
+        module: a self-attention ``MultiHeadAttention`` (also GQA/MQA/sliding-window, RoPE or
+            ALiBi); attention dropout, cross-attention and local-global patterns are rejected.
         group: process group (default: the world).
         layout: ``"contiguous"`` or ``"zigzag"``: how ``x`` was cut (:func:`shard_sequence`).
         backend: backend for each shard pair (must support ``return_lse``).
@@ -790,8 +829,6 @@ class ContextParallel(nn.Module):
         if module._structure() is not None:
             raise ValueError(f"ContextParallel: {type(module).__name__} uses a mask pattern "
                              "(local-global); ring attention supports causal and window only")
-        if module.alibi:
-            raise ValueError("ContextParallel: ALiBi biases are not supported by ring_attention")
         if module.dropout > 0:
             raise ValueError(f"ContextParallel: attention dropout ({module.dropout}) is not supported by "
                              "ring_attention; build the module with dropout=0")
@@ -845,7 +882,8 @@ class ContextParallel(nn.Module):
             cos, sin = m.rope.cos_sin(positions.to(x.device), cdt)
             q, k = m.rope.rotate(q, cos, sin), m.rope.rotate(k, cos, sin)
         out = ring_attention(q, k, v, group=self.group, causal=m.causal, window=m.window, scale=m.scale,
-                             layout=self.layout, backend=self.backend, timeout=self.timeout)
+                             alibi_slopes=m._slopes(x.device), layout=self.layout, backend=self.backend,
+                             timeout=self.timeout)
         assert isinstance(out, Tensor)
         return m.out_proj(out.transpose(1, 2).reshape(B, n, H * D))  # [B, n, C]
 
@@ -863,7 +901,7 @@ def context_parallel(
     Afterwards the model takes this rank's shard of the tokens and their global positions, e.g.
     ``model(shard_sequence(tokens, 1, layout=...), positions=shard_positions(N, layout=...))`` for a
     :class:`~attnzoo.DecoderLM`, and returns the outputs of the local tokens. Modules that cannot
-    run on a ring (cross-attention, ALiBi, dropout, masks) raise ``ValueError`` here, before any
+    run on a ring (cross-attention, dropout, masks) raise ``ValueError`` here, before any
     communication. Parameters are shared, not copied; ``model`` is modified in place and returned.
     """
     from attnzoo.nn.attention import MultiHeadAttention
