@@ -228,21 +228,54 @@ def _unfold_rows(x: Tensor, hq: int, rows: int) -> Tensor:
 STATIC_SHIFT_BOUND = 60.0
 
 
-def _score_bound(r: AttnRequest, q: Tensor, k: Tensor) -> Tensor | None:
-    """Per-row upper bound on |score| ``[B, Hkv, G*Nq]`` by Cauchy-Schwarz, or ``None`` if biases
-    could push scores beyond it (float masks, negative ALiBi slopes)."""
+class _ScoreBound:
+    """Per-row upper bound on |score| by Cauchy-Schwarz, evaluated one block of rows at a time
+    (|q_i| * max_j |k_j| * scale, capped by the softcap), so no ``[B, H, Nq]`` tensor stays alive."""
+
+    def __init__(self, r: AttnRequest, q: Tensor, k: Tensor) -> None:
+        self.r, self.q = r, q
+        self.k_max = k.float().norm(dim=-1).amax(dim=-1)  # [B, Hkv]
+
+    def static(self, q_lo: int, q_hi: int) -> bool:
+        """Whether every score of rows ``q_lo:q_hi`` is within ``STATIC_SHIFT_BOUND`` of zero."""
+        r = self.r
+        q_norm = self.q[:, :, q_lo:q_hi].float().norm(dim=-1).amax(dim=-1)  # [B, Hq]
+        bound = float((q_norm.view(q_norm.shape[0], r.hkv, r.group) * self.k_max.unsqueeze(-1)).amax()) * r.scale
+        if r.softcap is not None:
+            bound = min(bound, r.softcap)
+        return bound <= STATIC_SHIFT_BOUND
+
+
+def _score_bound(r: AttnRequest, q: Tensor, k: Tensor) -> _ScoreBound | None:
+    """The Cauchy-Schwarz bound of ``r``, or ``None`` if biases could push scores beyond it
+    (float masks, negative ALiBi slopes)."""
     if r.float_mask is not None or (r.alibi_slopes is not None and bool((r.alibi_slopes < 0).any())):
         return None
-    k_max = k.float().norm(dim=-1).amax(dim=-1, keepdim=True)  # [B, Hkv, 1]
-    q_norm = q.float().norm(dim=-1).reshape(q.shape[0], r.hkv, -1)  # [B, Hkv, G*Nq]
-    bound = q_norm * k_max * r.scale
-    if r.softcap is not None:
-        bound = bound.clamp(max=r.softcap)
-    return bound
+    return _ScoreBound(r, q, k)
 
 
-def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Online-softmax forward. Returns ``out [B, Hq, Nq, Dv]`` (input dtype) and float32 ``lse``.
+def _band_pieces(band: Band, bq: int, nq: int, dv: int) -> list[Band]:
+    """Split ``band`` so that each piece's score buffer fits in the output rows not written yet.
+
+    The output is allocated empty and filled band after band, so its pages are touched only as
+    rows are written; a piece whose ``bq x S`` scores per block take no more room than the rows
+    after it keeps the peak at about the output's size. Far from the end that is the whole band;
+    near the end the pieces shrink to one block."""
+    pieces = []
+    a = 0
+    while a < band.count:
+        q_lo = (band.first + a) * bq
+        fit = max(1, (nq - q_lo) * dv // (bq * (band.width + dv)))
+        n = min(band.count - a, fit)
+        pieces.append(Band(band.first + a, n, band.k_lo + a * bq, band.width, band.needs_mask))
+        a += n
+    return pieces
+
+
+def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
+             need_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Online-softmax forward. Returns ``out [B, Hq, Nq, Dv]`` (input dtype) and float32 ``lse``
+    (``None`` unless ``need_lse``).
 
     When every score of a query block is provably within ``STATIC_SHIFT_BOUND`` of zero, the
     block skips the running maximum entirely (shift 0: exact, and two passes over each tile
@@ -252,26 +285,22 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
     Dv = v.shape[-1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, Nq, dtype=acc_dtype, device=q.device)
+    lse = torch.empty(B, Hq, Nq, dtype=acc_dtype, device=q.device) if need_lse else None
     bound = _score_bound(r, q, k)
-    if bound is not None:
-        bound = bound.reshape(B, r.hkv, r.group, Nq)
     ones = torch.ones(B, r.hkv, min(r.nk, MAX_CHUNK_K), 1, dtype=v.dtype, device=v.device)
-    done: set[int] = set()
-    for band in plan.bands:
-        _forward_band(r, plan.block_q, band, q, k, v, bound, out, lse)
-        done.update(range(band.first, band.first + band.count))
-    for i, chunks in enumerate(plan.rows):
-        if i in done:
-            continue
+    in_band = {i for band in plan.bands for i in range(band.first, band.first + band.count)}
+    # Blocks outside bands first, bands last (in order): each band piece then finds the output rows
+    # after it still unwritten (untouched pages) and sizes itself to fit there (_band_pieces).
+    def row(i: int, chunks: tuple[Chunk, ...]) -> None:  # one query block (its temporaries die on return)
         q_lo, q_hi = i * plan.block_q, min(Nq, (i + 1) * plan.block_q)
         rows = q_hi - q_lo
         if not chunks:
             out[:, :, q_lo:q_hi] = 0
-            lse[:, :, q_lo:q_hi] = float("-inf")
-            continue
+            if lse is not None:
+                lse[:, :, q_lo:q_hi] = float("-inf")
+            return
         q_t = _fold_q(q, r.hkv, r.group, q_lo, q_hi) * r.scale  # [B, Hkv, G*bq, D], pre-scaled
-        static = bound is not None and float(bound[..., q_lo:q_hi].max()) <= STATIC_SHIFT_BOUND
+        static = bound is not None and bound.static(q_lo, q_hi)
         m: Tensor | None = None
         acc: Tensor | None = None  # [B, Hkv, G*bq, Dv + 1]: unnormalised output and normaliser
         for c in chunks:
@@ -299,9 +328,17 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor) ->
         safe_ell = torch.where(ok, ell, torch.ones_like(ell))
         o = acc[..., :Dv] / safe_ell
         shift = torch.zeros_like(ell) if m is None else torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        row_lse = torch.where(ok, shift + torch.log(safe_ell), torch.full_like(ell, float("-inf")))
         out[:, :, q_lo:q_hi] = _unfold_rows(o, Hq, rows).to(q.dtype)
-        lse[:, :, q_lo:q_hi] = _unfold_rows(row_lse.squeeze(-1), Hq, rows)
+        if lse is not None:
+            row_lse = torch.where(ok, shift + torch.log(safe_ell), torch.full_like(ell, float("-inf")))
+            lse[:, :, q_lo:q_hi] = _unfold_rows(row_lse.squeeze(-1), Hq, rows)
+
+    for i, chunks in enumerate(plan.rows):
+        if i not in in_band:
+            row(i, chunks)
+    for band in plan.bands:
+        for piece in _band_pieces(band, plan.block_q, Nq, Dv):
+            _forward_band(r, plan.block_q, piece, q, k, v, bound, out, lse)
     return out, lse
 
 
@@ -349,8 +386,10 @@ def _band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: T
         s = t * r.softcap
     dev = q.device
     q_pos = (torch.arange(q_lo, q_lo + R, device=dev) + r.q_offset).view(1, 1, R, 1)
-    k_pos = (band.k_lo + torch.arange(g, device=dev).repeat_interleave(bq).view(1, 1, R, 1) * bq
-             + torch.arange(S, device=dev).view(1, 1, 1, S))  # [1, 1, R, S] absolute key positions
+
+    def key_positions() -> Tensor:  # [1, 1, R, S] absolute key positions (only when needed: R x S int64)
+        return (band.k_lo + torch.arange(g, device=dev).repeat_interleave(bq).view(1, 1, R, 1) * bq
+                + torch.arange(S, device=dev).view(1, 1, 1, S))
 
     def fold(t: Tensor) -> Tensor:  # [b, Hq|1, R, S] -> [b, Hkv|1, g, G*bq, S]
         b, h = t.shape[:2]
@@ -360,13 +399,14 @@ def _band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: T
         return t.reshape(b, Hkv, G, g, bq, S).transpose(2, 3).reshape(b, Hkv, g, G * bq, S)
 
     if r.alibi_slopes is not None:
-        dist = (q_pos - k_pos).abs().to(s.dtype)  # [1, 1, R, S]
+        dist = (q_pos - key_positions()).abs().to(s.dtype)  # [1, 1, R, S]
         s = s + fold(-r.alibi_slopes.view(1, -1, 1, 1).to(s.dtype) * dist)
     if band.needs_mask and r.structure is not None:
         b_idx = torch.arange(r.batch, device=dev).view(-1, 1, 1, 1)
         h_idx = torch.arange(Hq, device=dev).view(1, -1, 1, 1)
         if r.structure.relative:  # the same pattern in every block of the band: evaluate one
-            hidden = ~r.structure.fn(b_idx, h_idx, q_pos[:, :, :bq], k_pos[:, :, :bq])
+            k_pos0 = (band.k_lo + torch.arange(S, device=dev)).view(1, 1, 1, S)  # the band's first block
+            hidden = ~r.structure.fn(b_idx, h_idx, q_pos[:, :, :bq], k_pos0)
             hidden = hidden.reshape((1,) * (4 - hidden.dim()) + tuple(hidden.shape))
             b, h = hidden.shape[:2]
             hidden = hidden.expand(b, h, bq, S)
@@ -378,14 +418,14 @@ def _band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: T
             for c_lo, c_hi in _true_runs(hidden.reshape(-1, S).any(dim=0)):
                 s[..., c_lo:c_hi].masked_fill_(hidden[..., c_lo:c_hi], float("-inf"))
         else:
-            allowed = r.structure.fn(b_idx, h_idx, q_pos, k_pos)
+            allowed = r.structure.fn(b_idx, h_idx, q_pos, key_positions())
             allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
             s.masked_fill_(~fold(allowed), float("-inf"))
     return _BandScores(q_grp, k_win, v_win, s, t)
 
 
 def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor,
-                  bound: Tensor | None, out: Tensor, lse: Tensor) -> None:
+                  bound: _ScoreBound | None, out: Tensor, lse: Tensor | None) -> None:
     """Forward of a band of query blocks in one batched matmul (K/V windows are strided views)."""
     B, Hq = q.shape[:2]
     Hkv, G, g = r.hkv, r.group, band.count
@@ -393,7 +433,7 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     R = g * bq
     bs = _band_scores(r, bq, band, q, k, v)
     s, v_win = bs.s, bs.v_win
-    static = bound is not None and float(bound[..., q_lo:q_lo + R].max()) <= STATIC_SHIFT_BOUND
+    static = bound is not None and bound.static(q_lo, q_lo + R)
     shift: Tensor | None = None
     if not static:
         m = s.amax(dim=-1, keepdim=True)
@@ -404,23 +444,26 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     p_v = p.to(v.dtype)
     Dv = v.shape[-1]
     # Without GQA and in the accumulation dtype, P V goes straight into the output rows (no copy).
-    direct = G == 1 and out.dtype == lse.dtype == p_v.dtype
+    acc_dtype = s.dtype
+    direct = G == 1 and out.dtype == acc_dtype == p_v.dtype
     acc = out[:, :, q_lo:q_lo + R].view(B, Hkv, g, bq, Dv) if direct else p_v.new_empty(B, Hkv, g, G * bq, Dv)
     for b_i in range(B):
         for h_i in range(Hkv):
             torch.bmm(p_v[b_i, h_i], v_win[b_i, h_i], out=acc[b_i, h_i])  # [g, G*bq, Dv]
-    acc = acc.to(lse.dtype)
+    acc = acc.to(acc_dtype)
     ok = ell > 0
     safe = torch.where(ok, ell, torch.ones_like(ell))
     o = acc.div_(safe)
-    row_lse = torch.where(ok, torch.log(safe) + (0 if shift is None else shift), torch.full_like(ell, float("-inf")))
 
     def unfold_rows(t: Tensor) -> Tensor:  # [B, Hkv, g, G*bq, E] -> [B, Hq, R, E]
         return t.reshape(B, Hkv, g, G, bq, -1).transpose(2, 3).reshape(B, Hq, R, -1)
 
     if not direct:
         out[:, :, q_lo:q_lo + R] = unfold_rows(o).to(out.dtype)
-    lse[:, :, q_lo:q_lo + R] = unfold_rows(row_lse).squeeze(-1)
+    if lse is not None:
+        row_lse = torch.where(ok, torch.log(safe) + (0 if shift is None else shift),
+                              torch.full_like(ell, float("-inf")))
+        lse[:, :, q_lo:q_lo + R] = unfold_rows(row_lse).squeeze(-1)
 
 
 def _backward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor,
@@ -560,8 +603,10 @@ def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
     return bool(flags & wanted)
 
 
-def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
-    """Exact attention by key tiles. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32)``.
+def tiled_attention(r: AttnRequest, block_q: int | None = None,
+                    block_k: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Exact attention by key tiles. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32)``;
+    ``lse`` is ``None`` for a forward-only request without ``return_lse`` (not computed then).
 
     Gradients flow to q, k and v from both outputs (a gradient on the LSE is what merging
     partial results needs); not to float masks or ALiBi slopes (the dispatcher routes requests
@@ -581,5 +626,5 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _TiledAttention.apply(q, k, v, r, plan)
     else:
-        out, lse = _forward(r, plan, q, k, v)
+        out, lse = _forward(r, plan, q, k, v, need_lse=r.return_lse)
     return out.to(r.q.dtype), lse
