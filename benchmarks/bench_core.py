@@ -2,8 +2,8 @@
 
 Every number is a ratio against a peer measured in the same run (medians of repeats, the peers
 interleaved so that machine load hits both alike). Peak extra memory is measured in a fresh
-subprocess per case: after a warm-up call at N=1024 (FlexAttention: its compile call) and once
-the inputs exist, the kernel's resident-set high-water mark (``VmHWM``) is reset to the current
+subprocess per case: after a first call at the same shape (for FlexAttention: the call that
+compiles) and once the inputs exist, the kernel's resident-set high-water mark (``VmHWM``) is reset to the current
 RSS through ``/proc/self/clear_refs``, and its growth during the call is reported, so it counts
 every page the call touches (Linux only). The child runs with glibc's mmap threshold fixed at
 64 KiB, so freed tensors leave the resident set at once and repeated runs agree to 0.1 MB.
@@ -213,10 +213,10 @@ def _memory_child(kind: str, n: int) -> None:
         if out.requires_grad:
             out.sum().backward()
 
-    if kind != "flex":  # warm up at a small size (flex warmed up above, compiling): code, threads, allocator
-        small = [t.detach()[:, :, :1024].clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
-        call(*small)
-        del small
+    if kind != "flex":  # the measured call is the second at this shape, as for flex (whose first compiles)
+        call(q, k, v)
+        for t in (q, k, v):
+            t.grad = None
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark to the current resident set
     base = _vm("VmRSS")
