@@ -1,4 +1,5 @@
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,3 +12,13 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """For modules of tiny models: one thread avoids OpenMP spin-waiting on a busy machine.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``; the setting is restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,15 +29,9 @@ from attnzoo.arena.tasks import IGNORE, load_shakespeare
 from attnzoo.arena.trainer import StepInfo, load_checkpoint, make_optimizer, save_checkpoint
 from attnzoo.models import DecoderLM
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and on a shared machine OpenMP barriers
-    between two threads can cost 30x; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models gain nothing from a second thread, and on a shared machine OpenMP barriers between
+# two threads can cost 30x (conftest.one_thread restores the setting afterwards).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -18,14 +18,7 @@ from torch import nn
 import attnzoo as az
 from attnzoo.blocks import ACTIVATIONS, default_ffn_hidden
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread avoids OpenMP spin-waiting on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:

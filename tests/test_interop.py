@@ -30,13 +30,7 @@ T = pytest.importorskip("transformers")
 T.logging.set_verbosity_error()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread avoids OpenMP spin-waiting on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 61
 TOL = 1e-4  # relative to the largest reference value
