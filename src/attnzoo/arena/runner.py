@@ -37,8 +37,8 @@ from attnzoo.arena.trainer import (
     train,
 )
 
-__all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments", "build_model", "run_arena",
-           "settings_for"]
+__all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
+           "build_model", "run_arena", "settings_for"]
 
 DEFAULT_VARIANTS = ("mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini")
 #: Variants whose attention runs on a ring (:func:`attnzoo.distributed.context_parallel`).
@@ -353,12 +353,10 @@ class _Run:
         out: dict[str, Any] = {}
         model.eval()
         try:
-            if self.cp:  # one rank's share: every row, 1 / world of the positions
-                out["memory"] = training_memory(model, self.task, self.s.batch, self.args.seed, self.device,
-                                                sequence_layout=CONTEXT_PARALLEL_LAYOUT)
-            else:
-                out["memory"] = training_memory(model, self.task, self.s.batch // self.world, self.args.seed,
-                                                self.device)
+            # one rank's step: its rows of the batch, or (context parallel) every row at 1 / world of the positions
+            out["memory"] = training_memory(model, self.task, self.s.batch if self.cp else self.s.batch // self.world,
+                                            self.args.seed, self.device,
+                                            sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp else None)
         except Exception as e:  # a measurement must not sink the whole arena
             out["memory_error"] = f"{type(e).__name__}: {e}"
         if not isinstance(self.task, ShakespeareTask):

@@ -81,6 +81,10 @@ class Band:
     width: int
     needs_mask: bool
 
+    def part(self, offset: int, count: int, block_q: int) -> Band:
+        """The ``count`` blocks of this band from its ``offset``-th block (their window slides along)."""
+        return Band(self.first + offset, count, self.k_lo + offset * block_q, self.width, self.needs_mask)
+
 
 def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = None) -> TilePlan:
     """Plan the visit of ``r``: skip tiles empty for every (batch, head), mask only partial ones."""
@@ -267,7 +271,7 @@ def _band_pieces(band: Band, bq: int, nq: int, dv: int) -> list[Band]:
         q_lo = (band.first + a) * bq
         fit = max(1, (nq - q_lo) * dv // (bq * (band.width + dv)))
         n = min(band.count - a, fit)
-        pieces.append(Band(band.first + a, n, band.k_lo + a * bq, band.width, band.needs_mask))
+        pieces.append(band.part(a, n, bq))
         a += n
     return pieces
 
@@ -538,8 +542,7 @@ def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, o
             continue
         per = max(1, BACKWARD_BAND_ELEMS // max(1, B * Hq * plan.block_q * band.width))
         for a in range(0, band.count, per):
-            piece = Band(band.first + a, min(per, band.count - a), band.k_lo + a * plan.block_q, band.width,
-                         band.needs_mask)
+            piece = band.part(a, min(per, band.count - a), plan.block_q)
             _backward_band(r, plan.block_q, piece, q, k, v, d_out, lse, delta, dq, dk, dv)
         done.update(range(band.first, band.first + band.count))
     for i, chunks in enumerate(plan.rows):
