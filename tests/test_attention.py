@@ -441,3 +441,66 @@ def test_tiled_sliding_window_bands_at_default_sizes(monkeypatch: pytest.MonkeyP
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         fin = torch.isfinite(ref_lse)
         assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-4
+
+
+def test_band_pieces_cover_the_band_and_fit_in_the_unwritten_rows() -> None:
+    """Pieces tile the band's rows in order; each piece's scores fit in the output rows after it,
+    down to one block and then sub-blocks of that block (which keep the block's key window)."""
+    bq, nq, dv = 64, 64 * 40, 64
+    band = tiled_mod.Band(first=8, count=32, k_lo=8 * 64 - 256, width=320, needs_mask=True)
+    pieces = tiled_mod._band_pieces(band, bq, nq, dv)
+    row = band.first * bq
+    for size, piece in pieces:
+        assert piece.first * size == row, (size, piece)
+        block = row // bq  # the block the piece starts in keeps that block's key window
+        assert piece.k_lo == band.k_lo + (block - band.first) * bq and piece.width == band.width
+        rows = piece.count * size
+        assert size == tiled_mod.MIN_TAIL_BLOCK or rows * (band.width + dv) <= (nq - row) * dv, (size, piece)
+        row += rows
+    assert row == (band.first + band.count) * bq
+    assert min(size for size, _ in pieces) == tiled_mod.MIN_TAIL_BLOCK  # the last rows use sub-blocks
+
+
+@pytest.mark.parametrize("mask", [None, "padding"])
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_tiled_band_tail_sub_blocks_match_reference(monkeypatch: pytest.MonkeyPatch, mask, hkv) -> None:
+    """The last band blocks, cut into sub-blocks over their key windows, give the reference's rows."""
+    for name, value in (("BLOCK_Q", 256), ("BLOCK_K", 128), ("MAX_CHUNK_K", 2048), ("MERGE_K", 512)):
+        monkeypatch.setattr(tiled_mod, name, value)
+    sizes: list[int] = []
+    real = tiled_mod._forward_band
+    monkeypatch.setattr(tiled_mod, "_forward_band", lambda r, bq, *a: (sizes.append(bq), real(r, bq, *a))[1])
+    torch.manual_seed(0)
+    n = 1024
+    q = torch.randn(2, 4, n, 16, dtype=torch.float64)
+    k, v = torch.randn(2, hkv, n, 16, dtype=torch.float64), torch.randn(2, hkv, n, 16, dtype=torch.float64)
+    m = M.key_padding(torch.tensor([1000, 1024])) if mask else None
+    ref = az.attention(q, k, v, causal=True, window=(100, 0), mask=m, backend="reference")
+    with torch.no_grad():
+        out = az.attention(q.float(), k.float(), v.float(), causal=True, window=(100, 0), mask=m, backend="tiled")
+    assert min(sizes) < max(sizes), sizes  # sub-blocks ran
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_tile_plans_are_cached_for_plain_patterns_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """causal/window plans are reused (same object); a Mask object's or mask tensor's plan is rebuilt;
+    changing a tuning constant gives a new plan."""
+    q = torch.randn(1, 2, 300, 8)
+
+    def plan(**kw: object) -> tiled_mod.TilePlan:
+        return tiled_mod.tile_plan(build_request(q, q, q, **{"mask": None, "causal": True, "window": None,
+                                                              "q_offset": None, "scale": None, "softcap": None,
+                                                              "alibi_slopes": None, "dropout_p": 0.0,
+                                                              "return_lse": False, "return_weights": False,
+                                                              **kw}), 64, 64)
+
+    assert plan() is plan()
+    assert plan(window=(32, 0)) is plan(window=(32, 0))
+    assert plan(window=(32, 0)) is not plan(window=(33, 0))
+    assert plan(mask=M.causal()) is not plan(mask=M.causal())
+    assert plan(mask=M.causal()).rows == plan().rows  # same pattern, same plan
+    dense = torch.ones(300, 300, dtype=torch.bool).tril()
+    assert plan(mask=dense) is not plan(mask=dense)
+    first = plan()
+    monkeypatch.setattr(tiled_mod, "MAX_CHUNK_K", 64)
+    assert plan() is not first

@@ -32,6 +32,8 @@ accumulators.
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +88,39 @@ class Band:
         return Band(self.first + offset, count, self.k_lo + offset * block_q, self.width, self.needs_mask)
 
 
+#: Plans kept for requests whose pattern is fully described by plain values (see ``tile_plan``).
+PLAN_CACHE_SIZE = 64
+_plan_cache: OrderedDict[tuple, TilePlan] = OrderedDict()
+_plan_cache_lock = threading.Lock()
+
+
 def tile_plan(r: AttnRequest, block_q: int | None = None, block_k: int | None = None) -> TilePlan:
-    """Plan the visit of ``r``: skip tiles empty for every (batch, head), mask only partial ones."""
+    """Plan the visit of ``r``: skip tiles empty for every (batch, head), mask only partial ones.
+
+    Plans of requests whose pattern is only ``causal`` / ``window`` (no mask tensor or ``Mask``
+    object) depend on a few integers, so the last ``PLAN_CACHE_SIZE`` are kept and reused, as a
+    FlexAttention user keeps a block mask: a repeated call at one shape builds no plan (no time,
+    no memory). Plans are immutable."""
     block_q = block_q or BLOCK_Q
     block_k = block_k or BLOCK_K
+    if r.mask_tensor is not None or r.mask_obj is not None:
+        return _build_plan(r, block_q, block_k)
+    key = (r.causal, r.window, r.q_offset, r.batch, r.hq, r.nq, r.nk, block_q, block_k,
+           MAX_CHUNK_K, MERGE_K, BAND_ELEMS)  # the module's tuning knobs too (tests change them)
+    with _plan_cache_lock:
+        plan = _plan_cache.get(key)
+        if plan is not None:
+            _plan_cache.move_to_end(key)
+            return plan
+    plan = _build_plan(r, block_q, block_k)
+    with _plan_cache_lock:
+        _plan_cache[key] = plan
+        while len(_plan_cache) > PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return plan
+
+
+def _build_plan(r: AttnRequest, block_q: int, block_k: int) -> TilePlan:
     n_qb = -(-r.nq // block_q)
     n_kb = -(-r.nk // block_k)
     s = r.structure
@@ -258,21 +289,41 @@ def _score_bound(r: AttnRequest, q: Tensor, k: Tensor) -> _ScoreBound | None:
     return _ScoreBound(r, q, k)
 
 
-def _band_pieces(band: Band, bq: int, nq: int, dv: int) -> list[Band]:
+#: Smallest query sub-block the last band pieces shrink to.
+MIN_TAIL_BLOCK = 8
+
+
+def _band_pieces(band: Band, bq: int, nq: int, dv: int) -> list[tuple[int, Band]]:
     """Split ``band`` so that each piece's score buffer fits in the output rows not written yet.
 
-    The output is allocated empty and filled band after band, so its pages are touched only as
-    rows are written; a piece whose ``bq x S`` scores per block take no more room than the rows
-    after it keeps the peak at about the output's size. Far from the end that is the whole band;
-    near the end the pieces shrink to one block."""
-    pieces = []
+    Returns ``(query block size, piece)`` pairs. The output is allocated empty and filled band
+    after band, so its pages are touched only as rows are written; a piece whose ``bq x S`` scores
+    per block take no more room than the rows after it keeps the peak at about the output's size.
+    Far from the end that is the whole band; near the end the pieces shrink to one block, and
+    where even one block does not fit, to sub-blocks of that block (down to ``MIN_TAIL_BLOCK``
+    rows; each sees the block's whole key window, so the result is unchanged)."""
+    def fits(rows: int, q_lo: int) -> bool:
+        return rows * (band.width + dv) <= (nq - q_lo) * dv
+
+    pieces: list[tuple[int, Band]] = []
     a = 0
     while a < band.count:
         q_lo = (band.first + a) * bq
-        fit = max(1, (nq - q_lo) * dv // (bq * (band.width + dv)))
-        n = min(band.count - a, fit)
-        pieces.append(band.part(a, n, bq))
-        a += n
+        fit = (nq - q_lo) * dv // (bq * (band.width + dv))
+        if fit >= 1 or bq % 2 or bq <= MIN_TAIL_BLOCK:
+            n = min(band.count - a, max(1, fit))
+            pieces.append((bq, band.part(a, n, bq)))
+            a += n
+            continue
+        block = band.part(a, 1, bq)  # one block, cut into sub-blocks over its key window
+        lo = q_lo
+        while lo < q_lo + bq:
+            sub = bq
+            while sub > MIN_TAIL_BLOCK and sub % 2 == 0 and (lo % sub or not fits(sub, lo)):
+                sub //= 2
+            pieces.append((sub, Band(lo // sub, 1, block.k_lo, block.width, block.needs_mask)))
+            lo += sub
+        a += 1
     return pieces
 
 
@@ -341,8 +392,8 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
         if i not in in_band:
             row(i, chunks)
     for band in plan.bands:
-        for piece in _band_pieces(band, plan.block_q, Nq, Dv):
-            _forward_band(r, plan.block_q, piece, q, k, v, bound, out, lse)
+        for bq, piece in _band_pieces(band, plan.block_q, Nq, Dv):
+            _forward_band(r, bq, piece, q, k, v, bound, out, lse)
     return out, lse
 
 
