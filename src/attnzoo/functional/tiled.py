@@ -13,6 +13,9 @@ unnormalised output :math:`o`. For a new chunk with scores :math:`s_j`:
 
 and at the end :math:`\text{out} = o / \ell`, :math:`\text{lse} = m + \log \ell`. Only one
 ``block_q x chunk`` score tile exists at a time, so memory is ``O(N x block)``, not ``O(N^2)``.
+When nothing is added to the scaled scores (no softcap, ALiBi or float mask) the forward pass
+folds :math:`\log_2 e` into the scale and uses ``exp2`` (the same numbers; ~1.7x faster than
+``exp`` in torch on CPU), converting the LSE back to natural log at the end.
 
 The backward pass (a custom autograd function) recomputes each tile's probabilities from the
 saved LSE, :math:`P = e^{S - \text{lse}}`, and accumulates
@@ -32,6 +35,7 @@ accumulators.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -262,6 +266,18 @@ def _unfold_rows(x: Tensor, hq: int, rows: int) -> Tensor:
 #: above the smallest normal number ~e^-87).
 STATIC_SHIFT_BOUND = 60.0
 
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+
+def _score_unit(r: AttnRequest) -> float:
+    """Factor folded into the forward's score scale: ``log2(e)`` when nothing is added to the
+    scaled scores (no softcap, ALiBi or float mask), so the softmax runs on ``exp2`` (torch's
+    ``exp2`` is ~1.7x faster than ``exp`` on CPU; ``2^(s log2 e) = e^s``, same overflow range);
+    1 otherwise. Masked scores are ``-inf`` in either unit."""
+    plain = r.softcap is None and r.alibi_slopes is None and r.float_mask is None
+    return LOG2E if plain else 1.0
+
 
 class _ScoreBound:
     """Per-row upper bound on |score| by Cauchy-Schwarz, evaluated one block of rows at a time
@@ -342,7 +358,8 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=acc_dtype, device=q.device) if need_lse else None
     bound = _score_bound(r, q, k)
-    ones = torch.ones(B, r.hkv, min(r.nk, MAX_CHUNK_K), 1, dtype=v.dtype, device=v.device)
+    unit = _score_unit(r)  # scores in units of log2 when plain: exp2 below
+    expf_, logf = (torch.Tensor.exp2_, torch.log2) if unit != 1.0 else (torch.Tensor.exp_, torch.log)
     in_band = {i for band in plan.bands for i in range(band.first, band.first + band.count)}
     # Blocks outside bands first, bands last (in order): each band piece then finds the output rows
     # after it still unwritten (untouched pages) and sizes itself to fit there (_band_pieces).
@@ -354,38 +371,41 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
             if lse is not None:
                 lse[:, :, q_lo:q_hi] = float("-inf")
             return
-        q_t = _fold_q(q, r.hkv, r.group, q_lo, q_hi) * r.scale  # [B, Hkv, G*bq, D], pre-scaled
+        q_t = _fold_q(q, r.hkv, r.group, q_lo, q_hi) * (r.scale * unit)  # [B, Hkv, G*bq, D], pre-scaled
         static = bound is not None and bound.static(q_lo, q_hi)
         m: Tensor | None = None
-        acc: Tensor | None = None  # [B, Hkv, G*bq, Dv + 1]: unnormalised output and normaliser
+        acc: Tensor | None = None  # [B, Hkv, G*bq, Dv]: unnormalised output
+        ell: Tensor | None = None  # [B, Hkv, G*bq, 1]: its normaliser
         for c in chunks:
             s, _ = _tile_scores(r, q_t, k[:, :, c.k_lo:c.k_hi], q_lo, q_hi, c)  # [B, Hkv, G*bq, bk]
-            # V with a column of ones: one matmul gives both sum_j p_j v_j and sum_j p_j.
-            v_c = torch.cat([v[:, :, c.k_lo:c.k_hi], ones[:, :, :c.k_hi - c.k_lo]], dim=-1)  # [B, Hkv, bk, Dv+1]
             if static:
-                p = s.exp_()  # shift 0; hidden keys -> 0
-                pv = torch.matmul(p, v_c)  # [B, Hkv, G*bq, Dv + 1]
-                acc = pv.to(acc_dtype) if acc is None else acc.add_(pv)
-                continue
-            m_c = s.amax(dim=-1, keepdim=True)
-            m_new = m_c if m is None else torch.maximum(m, m_c)  # running max, -inf if nothing seen
-            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-            p = s.sub_(m_safe).exp_()  # in place on the tile; hidden keys -> 0
-            pv = torch.matmul(p, v_c)  # [B, Hkv, G*bq, Dv + 1]
-            if acc is None or m is None:
-                acc = pv.to(acc_dtype)
+                p = expf_(s)  # shift 0; hidden keys -> 0
             else:
-                acc = acc.mul_(torch.exp(m - m_safe)).add_(pv)  # rescale old statistics; exp(-inf) = 0
-            m = m_new
-        assert acc is not None
-        ell = acc[..., Dv:]  # [B, Hkv, G*bq, 1]
+                m_c = s.amax(dim=-1, keepdim=True)
+                m_new = m_c if m is None else torch.maximum(m, m_c)  # running max, -inf if nothing seen
+                m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+                p = expf_(s.sub_(m_safe))  # in place on the tile; hidden keys -> 0
+            # P V and the row sums as two calls: a V with a column of ones (one matmul) is slower,
+            # as matmuls with Dv + 1 columns run ~20% below those with Dv = 64, plus the copy.
+            pv = torch.matmul(p.to(v.dtype), v[:, :, c.k_lo:c.k_hi]).to(acc_dtype)  # [B, Hkv, G*bq, Dv]
+            ell_c = p.sum(dim=-1, keepdim=True, dtype=acc_dtype)
+            if acc is None or ell is None:
+                acc, ell = pv, ell_c
+            elif static or m is None:
+                acc, ell = acc.add_(pv), ell.add_(ell_c)
+            else:
+                alpha = expf_(m - m_safe)  # rescale old statistics; exp(-inf) = 0
+                acc, ell = acc.mul_(alpha).add_(pv), ell.mul_(alpha).add_(ell_c)
+            if not static:
+                m = m_new
+        assert acc is not None and ell is not None
         ok = ell > 0
         safe_ell = torch.where(ok, ell, torch.ones_like(ell))
-        o = acc[..., :Dv] / safe_ell
+        o = acc.div_(safe_ell)
         shift = torch.zeros_like(ell) if m is None else torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         out[:, :, q_lo:q_hi] = _unfold_rows(o, Hq, rows).to(q.dtype)
         if lse is not None:
-            row_lse = torch.where(ok, shift + torch.log(safe_ell), torch.full_like(ell, float("-inf")))
+            row_lse = torch.where(ok, (shift + logf(safe_ell)) / unit, torch.full_like(ell, float("-inf")))
             lse[:, :, q_lo:q_hi] = _unfold_rows(row_lse.squeeze(-1), Hq, rows)
 
     for i, chunks in enumerate(plan.rows):
@@ -415,8 +435,10 @@ class _BandScores:
     t: Tensor | None  # tanh(raw / softcap) when a softcap is set (for the backward pass)
 
 
-def _band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor) -> _BandScores:
-    """Scores of a band of query blocks in one batched matmul per KV head."""
+def _band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor,
+                 unit: float = 1.0) -> _BandScores:
+    """Scores of a band of query blocks in one batched matmul per KV head, times ``unit`` (see
+    ``_score_unit``; only for requests without softcap or biases)."""
     B, Hq = q.shape[:2]
     Hkv, G, g, S = r.hkv, r.group, band.count, band.width
     q_lo = band.first * bq
@@ -432,7 +454,7 @@ def _band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: T
     for b_i in range(B):
         for h_i in range(Hkv):
             # s = scale * q k^T  [g, G*bq, S]; beta=0 ignores the uninitialised input
-            torch.baddbmm(s[b_i, h_i], q_grp[b_i, h_i], k_win[b_i, h_i], beta=0, alpha=r.scale, out=s[b_i, h_i])
+            torch.baddbmm(s[b_i, h_i], q_grp[b_i, h_i], k_win[b_i, h_i], beta=0, alpha=r.scale * unit, out=s[b_i, h_i])
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
     t: Tensor | None = None
@@ -486,7 +508,8 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     Hkv, G, g = r.hkv, r.group, band.count
     q_lo = band.first * bq
     R = g * bq
-    bs = _band_scores(r, bq, band, q, k, v)
+    unit = _score_unit(r)  # log2 units when plain: exp2 below
+    bs = _band_scores(r, bq, band, q, k, v, unit)
     s, v_win = bs.s, bs.v_win
     static = bound is not None and bound.static(q_lo, q_lo + R)
     shift: Tensor | None = None
@@ -494,7 +517,7 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
         m = s.amax(dim=-1, keepdim=True)
         shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         s.sub_(shift)
-    p = s.exp_()
+    p = s.exp2_() if unit != 1.0 else s.exp_()
     ell = p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, G*bq, 1]
     p_v = p.to(v.dtype)
     Dv = v.shape[-1]
@@ -516,7 +539,8 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     if not direct:
         out[:, :, q_lo:q_lo + R] = unfold_rows(o).to(out.dtype)
     if lse is not None:
-        row_lse = torch.where(ok, torch.log(safe) + (0 if shift is None else shift),
+        row_lse = torch.where(ok, ((torch.log2(safe) if unit != 1.0 else torch.log(safe))
+                                   + (0 if shift is None else shift)) / unit,
                               torch.full_like(ell, float("-inf")))
         lse[:, :, q_lo:q_lo + R] = unfold_rows(row_lse).squeeze(-1)
 
