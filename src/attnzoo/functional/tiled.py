@@ -15,7 +15,8 @@ and at the end :math:`\text{out} = o / \ell`, :math:`\text{lse} = m + \log \ell`
 ``block_q x chunk`` score tile exists at a time, so memory is ``O(N x block)``, not ``O(N^2)``.
 When nothing is added to the scaled scores (no softcap, ALiBi or float mask) the forward pass
 folds :math:`\log_2 e` into the scale and uses ``exp2`` (the same numbers; ~1.7x faster than
-``exp`` in torch on CPU), converting the LSE back to natural log at the end.
+``exp`` in torch on CPU), converting the LSE back to natural log at the end; the backward pass
+recomputes :math:`P = 2^{S \log_2 e - \text{lse} \log_2 e}` the same way.
 
 The backward pass (a custom autograd function) recomputes each tile's probabilities from the
 saved LSE, :math:`P = e^{S - \text{lse}}`, and accumulates
@@ -555,17 +556,19 @@ def _backward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v:
     q_lo = band.first * bq
     R = g * bq
     c = S // bq
-    bs = _band_scores(r, bq, band, q, k, v)
+    unit = _score_unit(r)  # log2 units when plain: exp2 below
+    bs = _band_scores(r, bq, band, q, k, v, unit)
     acc_dtype = bs.s.dtype
 
     def fold_rows(x: Tensor) -> Tensor:  # [B, Hq, R, E] -> [B, Hkv, g, G*bq, E]
         return x.reshape(B, Hkv, G, g, bq, -1).transpose(2, 3).reshape(B, Hkv, g, G * bq, -1)
 
     lse_b = fold_rows(lse[:, :, q_lo:q_lo + R].unsqueeze(-1))
-    lse_b = torch.where(torch.isfinite(lse_b), lse_b, torch.full_like(lse_b, float("inf")))
+    lse_b = torch.where(torch.isfinite(lse_b), lse_b * unit, torch.full_like(lse_b, float("inf")))
     delta_b = fold_rows(delta[:, :, q_lo:q_lo + R].unsqueeze(-1))
     do_b = fold_rows(d_out[:, :, q_lo:q_lo + R])  # [B, Hkv, g, G*bq, Dv]
-    p = bs.s.sub_(lse_b).exp_()  # [B, Hkv, g, G*bq, S]; hidden keys and empty rows -> 0
+    p = bs.s.sub_(lse_b)
+    p = p.exp2_() if unit != 1.0 else p.exp_()  # [B, Hkv, g, G*bq, S]; hidden keys and empty rows -> 0
     p_in = p.to(v.dtype)
     dv_win = v.new_empty(B, Hkv, g, S, v.shape[-1])
     dp = p_in.new_empty(p.shape)
@@ -611,6 +614,7 @@ def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, o
     delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)  # [B, Hq, Nq]
     if d_lse is not None:  # d lse / d s = p, so a gradient on the LSE shifts delta
         delta = delta - torch.nan_to_num(d_lse.to(acc_dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    unit = _score_unit(r)
     done: set[int] = set()
     for band in plan.bands:
         if band.width % plan.block_q:  # the window must split into whole query blocks
@@ -627,13 +631,15 @@ def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, o
         q_t = _fold_q(q, r.hkv, r.group, q_lo, q_hi) * r.scale  # [B, Hkv, G*bq, D], pre-scaled
         do_t = _fold_q(d_out, r.hkv, r.group, q_lo, q_hi)  # [B, Hkv, G*bq, Dv]
         lse_t = lse[:, :, q_lo:q_hi].reshape(B, r.hkv, -1, 1)
-        lse_t = torch.where(torch.isfinite(lse_t), lse_t, torch.full_like(lse_t, float("inf")))
+        lse_t = torch.where(torch.isfinite(lse_t), lse_t * unit, torch.full_like(lse_t, float("inf")))
+        q_s = q_t * unit if unit != 1.0 else q_t  # scores in log2 units when plain (exp2 below)
         delta_t = delta[:, :, q_lo:q_hi].reshape(B, r.hkv, -1, 1)
         dq_t = torch.zeros(q_t.shape, dtype=acc_dtype, device=q.device)
         for c in chunks:
             k_c, v_c = k[:, :, c.k_lo:c.k_hi], v[:, :, c.k_lo:c.k_hi]
-            s, t = _tile_scores(r, q_t, k_c, q_lo, q_hi, c)
-            p = torch.exp(s - lse_t)  # [B, Hkv, G*bq, bk]; rows with no key -> 0
+            s, t = _tile_scores(r, q_s, k_c, q_lo, q_hi, c)
+            p = s.sub_(lse_t)
+            p = p.exp2_() if unit != 1.0 else p.exp_()  # [B, Hkv, G*bq, bk]; rows with no key -> 0
             dv[:, :, c.k_lo:c.k_hi] += torch.matmul(p.transpose(-1, -2).to(v.dtype), do_t)
             dp = torch.matmul(do_t, v_c.transpose(-1, -2)).to(acc_dtype)
             ds = p * (dp - delta_t)
