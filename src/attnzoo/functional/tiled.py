@@ -49,11 +49,14 @@ from attnzoo.masks import BLOCK_EMPTY, BLOCK_FULL
 
 __all__ = ["TilePlan", "tile_plan", "tiled_attention"]
 
-#: Query rows per block and key tile size used for the block map.
-BLOCK_Q = 256
+#: Query rows per block and key tile size used for the block map. With chunks of at most 512
+#: keys a score tile (128 x 512 float32 per head) stays in a core's L2 cache: measured on the
+#: 2-core AVX2 machine (B=1, H=8, D=64, causal N=4096) the forward ran 10-20% and forward+backward
+#: 25% faster than with 256-row blocks and 2048-key chunks.
+BLOCK_Q = 128
 BLOCK_K = 128
 #: Longest key chunk processed at once; neighbouring runs shorter than MERGE_K are merged.
-MAX_CHUNK_K = 2048
+MAX_CHUNK_K = 512
 MERGE_K = 512
 
 
