@@ -271,7 +271,6 @@ def _unfold_rows(x: Tensor, hq: int, rows: int) -> Tensor:
 STATIC_SHIFT_BOUND = 60.0
 
 LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
 
 
 def _score_unit(r: AttnRequest) -> float:
@@ -281,6 +280,16 @@ def _score_unit(r: AttnRequest) -> float:
     1 otherwise. Masked scores are ``-inf`` in either unit."""
     plain = r.softcap is None and r.alibi_slopes is None and r.float_mask is None
     return LOG2E if plain else 1.0
+
+
+def _exp_(x: Tensor, unit: float) -> Tensor:
+    """Exponential in place in the scores' unit (see ``_score_unit``): ``2^x`` in log2 units, else ``e^x``."""
+    return x.exp2_() if unit != 1.0 else x.exp_()
+
+
+def _log(x: Tensor, unit: float) -> Tensor:
+    """Inverse of ``_exp_``'s base: ``log2`` in log2 units, else the natural log."""
+    return torch.log2(x) if unit != 1.0 else torch.log(x)
 
 
 class _ScoreBound:
@@ -363,7 +372,6 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
     lse = torch.empty(B, Hq, Nq, dtype=acc_dtype, device=q.device) if need_lse else None
     bound = _score_bound(r, q, k)
     unit = _score_unit(r)  # scores in units of log2 when plain: exp2 below
-    expf_, logf = (torch.Tensor.exp2_, torch.log2) if unit != 1.0 else (torch.Tensor.exp_, torch.log)
     in_band = {i for band in plan.bands for i in range(band.first, band.first + band.count)}
     # Blocks outside bands first, bands last (in order): each band piece then finds the output rows
     # after it still unwritten (untouched pages) and sizes itself to fit there (_band_pieces).
@@ -383,12 +391,12 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
         for c in chunks:
             s, _ = _tile_scores(r, q_t, k[:, :, c.k_lo:c.k_hi], q_lo, q_hi, c)  # [B, Hkv, G*bq, bk]
             if static:
-                p = expf_(s)  # shift 0; hidden keys -> 0
+                p = _exp_(s, unit)  # shift 0; hidden keys -> 0
             else:
                 m_c = s.amax(dim=-1, keepdim=True)
                 m_new = m_c if m is None else torch.maximum(m, m_c)  # running max, -inf if nothing seen
                 m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-                p = expf_(s.sub_(m_safe))  # in place on the tile; hidden keys -> 0
+                p = _exp_(s.sub_(m_safe), unit)  # in place on the tile; hidden keys -> 0
             # P V and the row sums as two calls: a V with a column of ones (one matmul) is slower,
             # as matmuls with Dv + 1 columns run ~20% below those with Dv = 64, plus the copy.
             pv = torch.matmul(p.to(v.dtype), v[:, :, c.k_lo:c.k_hi]).to(acc_dtype)  # [B, Hkv, G*bq, Dv]
@@ -398,7 +406,7 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
             elif static or m is None:
                 acc, ell = acc.add_(pv), ell.add_(ell_c)
             else:
-                alpha = expf_(m - m_safe)  # rescale old statistics; exp(-inf) = 0
+                alpha = _exp_(m - m_safe, unit)  # rescale old statistics; exp(-inf) = 0
                 acc, ell = acc.mul_(alpha).add_(pv), ell.mul_(alpha).add_(ell_c)
             if not static:
                 m = m_new
@@ -409,7 +417,7 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
         shift = torch.zeros_like(ell) if m is None else torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         out[:, :, q_lo:q_hi] = _unfold_rows(o, Hq, rows).to(q.dtype)
         if lse is not None:
-            row_lse = torch.where(ok, (shift + logf(safe_ell)) / unit, torch.full_like(ell, float("-inf")))
+            row_lse = torch.where(ok, (shift + _log(safe_ell, unit)) / unit, torch.full_like(ell, float("-inf")))
             lse[:, :, q_lo:q_hi] = _unfold_rows(row_lse.squeeze(-1), Hq, rows)
 
     for i, chunks in enumerate(plan.rows):
@@ -521,7 +529,7 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
         m = s.amax(dim=-1, keepdim=True)
         shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         s.sub_(shift)
-    p = s.exp2_() if unit != 1.0 else s.exp_()
+    p = _exp_(s, unit)
     ell = p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, G*bq, 1]
     p_v = p.to(v.dtype)
     Dv = v.shape[-1]
@@ -543,8 +551,7 @@ def _forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
     if not direct:
         out[:, :, q_lo:q_lo + R] = unfold_rows(o).to(out.dtype)
     if lse is not None:
-        row_lse = torch.where(ok, ((torch.log2(safe) if unit != 1.0 else torch.log(safe))
-                                   + (0 if shift is None else shift)) / unit,
+        row_lse = torch.where(ok, (_log(safe, unit) + (0 if shift is None else shift)) / unit,
                               torch.full_like(ell, float("-inf")))
         lse[:, :, q_lo:q_lo + R] = unfold_rows(row_lse).squeeze(-1)
 
@@ -570,8 +577,7 @@ def _backward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v:
     lse_b = torch.where(torch.isfinite(lse_b), lse_b * unit, torch.full_like(lse_b, float("inf")))
     delta_b = fold_rows(delta[:, :, q_lo:q_lo + R].unsqueeze(-1))
     do_b = fold_rows(d_out[:, :, q_lo:q_lo + R])  # [B, Hkv, g, G*bq, Dv]
-    p = bs.s.sub_(lse_b)
-    p = p.exp2_() if unit != 1.0 else p.exp_()  # [B, Hkv, g, G*bq, S]; hidden keys and empty rows -> 0
+    p = _exp_(bs.s.sub_(lse_b), unit)  # [B, Hkv, g, G*bq, S]; hidden keys and empty rows -> 0
     p_in = p.to(v.dtype)
     dv_win = v.new_empty(B, Hkv, g, S, v.shape[-1])
     dp = p_in.new_empty(p.shape)
@@ -641,8 +647,7 @@ def _backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, o
         for c in chunks:
             k_c, v_c = k[:, :, c.k_lo:c.k_hi], v[:, :, c.k_lo:c.k_hi]
             s, t = _tile_scores(r, q_s, k_c, q_lo, q_hi, c)
-            p = s.sub_(lse_t)
-            p = p.exp2_() if unit != 1.0 else p.exp_()  # [B, Hkv, G*bq, bk]; rows with no key -> 0
+            p = _exp_(s.sub_(lse_t), unit)  # [B, Hkv, G*bq, bk]; rows with no key -> 0
             dv[:, :, c.k_lo:c.k_hi] += torch.matmul(p.transpose(-1, -2).to(v.dtype), do_t)
             dp = torch.matmul(do_t, v_c.transpose(-1, -2)).to(acc_dtype)
             ds = p * (dp - delta_t)
