@@ -16,6 +16,15 @@ from attnzoo import masks as M
 from attnzoo.functional import choose_backend
 from attnzoo.functional._request import build_request
 
+#: The tiled backend's real tile sizes, read before ``small_tiles`` replaces them in each test.
+DEFAULT_TILES = {name: getattr(tiled_mod, name) for name in ("BLOCK_Q", "BLOCK_K", "MAX_CHUNK_K", "MERGE_K")}
+
+
+def default_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undo ``small_tiles``: the test runs at the backend's real tile sizes."""
+    for name, value in DEFAULT_TILES.items():
+        monkeypatch.setattr(tiled_mod, name, value)
+
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -388,8 +397,7 @@ def test_flex_compiled_matches_reference(monkeypatch: pytest.MonkeyPatch, n_q: i
 @pytest.mark.parametrize("hkv", [1, 4])
 def test_tiled_sliding_window_band_gradients(monkeypatch: pytest.MonkeyPatch, window, extra, hkv) -> None:
     """The backward pass of window bands (default block sizes) against float64 autograd of the reference."""
-    for name, value in (("BLOCK_Q", 256), ("BLOCK_K", 128), ("MAX_CHUNK_K", 2048), ("MERGE_K", 512)):
-        monkeypatch.setattr(tiled_mod, name, value)
+    default_tiles(monkeypatch)
     monkeypatch.setattr(tiled_mod, "BACKWARD_BAND_ELEMS", 1 << 16)  # several pieces per band
     pieces: list[int] = []
     real = tiled_mod._backward_band
@@ -425,8 +433,7 @@ def test_tiled_sliding_window_band_gradients(monkeypatch: pytest.MonkeyPatch, wi
 @pytest.mark.parametrize("hkv", [1, 4])
 def test_tiled_sliding_window_bands_at_default_sizes(monkeypatch: pytest.MonkeyPatch, window, hkv) -> None:
     """Default block sizes (bands re-planned with smaller query blocks) against the float64 reference."""
-    for name, value in (("BLOCK_Q", 256), ("BLOCK_K", 128), ("MAX_CHUNK_K", 2048), ("MERGE_K", 512)):
-        monkeypatch.setattr(tiled_mod, name, value)
+    default_tiles(monkeypatch)
     n = 1100
     q = torch.randn(2, 4, n, 16, dtype=torch.float64)
     k, v = torch.randn(2, hkv, n, 16, dtype=torch.float64), torch.randn(2, hkv, n, 16, dtype=torch.float64)
@@ -465,8 +472,7 @@ def test_band_pieces_cover_the_band_and_fit_in_the_unwritten_rows() -> None:
 @pytest.mark.parametrize("hkv", [1, 2])
 def test_tiled_band_tail_sub_blocks_match_reference(monkeypatch: pytest.MonkeyPatch, mask, hkv) -> None:
     """The last band blocks, cut into sub-blocks over their key windows, give the reference's rows."""
-    for name, value in (("BLOCK_Q", 256), ("BLOCK_K", 128), ("MAX_CHUNK_K", 2048), ("MERGE_K", 512)):
-        monkeypatch.setattr(tiled_mod, name, value)
+    default_tiles(monkeypatch)
     sizes: list[int] = []
     real = tiled_mod._forward_band
     monkeypatch.setattr(tiled_mod, "_forward_band", lambda r, bq, *a: (sizes.append(bq), real(r, bq, *a))[1])

@@ -348,7 +348,7 @@ def _band_pieces(band: Band, bq: int, nq: int, dv: int) -> list[tuple[int, Band]
         lo = q_lo
         while lo < q_lo + bq:
             sub = bq
-            while sub > MIN_TAIL_BLOCK and sub % 2 == 0 and (lo % sub or not fits(sub, lo)):
+            while sub // 2 >= MIN_TAIL_BLOCK and sub % 2 == 0 and (lo % sub or not fits(sub, lo)):
                 sub //= 2
             pieces.append((sub, Band(lo // sub, 1, block.k_lo, block.width, block.needs_mask)))
             lo += sub
@@ -403,11 +403,11 @@ def _forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor,
             ell_c = p.sum(dim=-1, keepdim=True, dtype=acc_dtype)
             if acc is None or ell is None:
                 acc, ell = pv, ell_c
-            elif static or m is None:
-                acc, ell = acc.add_(pv), ell.add_(ell_c)
             else:
-                alpha = _exp_(m - m_safe, unit)  # rescale old statistics; exp(-inf) = 0
-                acc, ell = acc.mul_(alpha).add_(pv), ell.mul_(alpha).add_(ell_c)
+                if m is not None:  # max-tracking: rescale old statistics; exp(-inf) = 0
+                    alpha = _exp_(m - m_safe, unit)
+                    acc, ell = acc.mul_(alpha), ell.mul_(alpha)
+                acc, ell = acc.add_(pv), ell.add_(ell_c)
             if not static:
                 m = m_new
         assert acc is not None and ell is not None
