@@ -1,4 +1,5 @@
-"""Every backend against the float64 reference: forward, LSE and gradients, over a property grid."""
+"""Every backend against the independent float64 oracle (tests/oracle.py): forward, LSE and
+gradients, over a property grid."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from attnzoo import masks as M
 from attnzoo.functional import choose_backend
 from attnzoo.functional._request import build_request
 from attnzoo.functional.tiled import DEFAULT_TILES, TileConfig, use_tiles
+from oracle import oracle_attention, visible_table
 
 #: Tiny tiles so that small inputs exercise many tiles, chunk merging and skipping.
 SMALL_TILES = TileConfig(block_q=8, block_k=4, max_chunk_k=12, merge_k=8)
@@ -106,8 +108,7 @@ def check_backend(backend: str, case: dict, dtype: torch.dtype = torch.float32) 
         pytest.skip(f"{backend} lacks {_missing(r, backend)}")
     wants_lse = "return_lse" not in _missing(r, backend)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = az.attention(qr, kr, vr, backend="reference", return_lse=True, **kw)
-    ref_out, ref_lse = ref
+    ref_out, ref_lse = oracle_attention(qr, kr, vr, **kw)
     q2, k2, v2 = (t.detach().to(dtype).requires_grad_(grads) for t in (q, k, v))
     got = az.attention(q2, k2, v2, backend=backend, return_lse=wants_lse, **convert(kw, dtype))
     out, lse = got if wants_lse else (got, None)
@@ -134,6 +135,22 @@ def check_backend(backend: str, case: dict, dtype: torch.dtype = torch.float32) 
         assert gerr <= 20 * tol * gscale, f"{backend} {name} err {gerr:.2e} shapes {case}"
 
 
+@pytest.mark.parametrize(("kw", "table"), [
+    ({"causal": True}, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
+    ({"causal": True, "q_offset": 0}, [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]),
+    ({"causal": True, "window": (1, 0)}, [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]),
+])
+def test_oracle_draws_the_tables_of_the_conventions_page(kw: dict, table: list) -> None:
+    """The oracle's visibility is the Nq=2, Nk=5 tables of docs/conventions.md, and so is attention's."""
+    want = torch.tensor(table, dtype=torch.bool)
+    assert torch.equal(visible_table(1, 1, 2, 5, **kw)[0, 0], want)
+    q, k = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 5, 4)
+    v = torch.eye(5).view(1, 1, 5, 5)  # the output row is the weight row: uniform over visible keys
+    for backend in ("reference", "tiled", "sdpa"):
+        out = az.attention(q, k, v, backend=backend, **kw)[0, 0]
+        assert torch.equal(out > 0, want), (backend, out)
+
+
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -149,10 +166,16 @@ def test_sdpa_matches_reference(case: dict) -> None:
     check_backend("sdpa", case)
 
 
+@SETTINGS
+@given(cases())
+def test_reference_float64_matches_oracle(case: dict) -> None:
+    check_backend("reference", case, torch.float64)
+
+
 @settings(max_examples=30, deadline=None)
 @given(cases())
 def test_auto_matches_reference(case: dict) -> None:
-    check_backend("reference", case)  # float32 reference vs float64 reference
+    check_backend("reference", case)  # float32 reference vs the float64 oracle
     q, k, v, kw = make(case, torch.float64)
     auto = az.attention(q.float(), k.float(), v.float(), **convert(kw, torch.float32))
     ref = az.attention(q, k, v, backend="reference", **kw)

@@ -178,11 +178,11 @@ class AttnRequest:
         return out
 
     def bias(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor | None:
-        """Additive float32 bias (float mask + ALiBi) for a tile, or ``None``."""
+        """Additive bias (float mask + ALiBi) for a tile in the compute dtype, or ``None``."""
         out: Tensor | None = None
         fm = self.float_mask
         if fm is not None:
-            out = _slice_mask(fm, q_lo, q_hi, k_lo, k_hi).float()
+            out = _slice_mask(fm, q_lo, q_hi, k_lo, k_hi).to(compute_dtype(self.q.dtype))
         if self.alibi_slopes is not None:
             dev = self.q.device
             qp = torch.arange(self.q_offset + q_lo, self.q_offset + q_hi, device=dev).view(-1, 1)

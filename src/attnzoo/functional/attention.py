@@ -11,7 +11,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from attnzoo.functional import flash, flex, reference, sdpa, tiled
+import attnzoo.functional.flash as flash
+import attnzoo.functional.flex as flex
+import attnzoo.functional.reference as reference
+import attnzoo.functional.sdpa as sdpa
+import attnzoo.functional.tiled as tiled
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
 from attnzoo.functional.rules import compute_dtype
 from attnzoo.masks import Mask

@@ -64,5 +64,5 @@ def reference_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None, Tensor |
         p = torch.nn.functional.dropout(p, r.dropout_p, training=True)
     out = torch.matmul(p, v).to(r.q.dtype)  # [B, Hq, Nq, Dv]
     return (out,
-            (lse if cdt == torch.float64 else lse.float()) if r.return_lse else None,
+            lse if r.return_lse else None,  # already float32 (float64 for float64 inputs)
             weights.to(r.q.dtype) if r.return_weights else None)

@@ -21,7 +21,7 @@ from attnzoo.functional.tiled.scores import (
     unfold_rows,
 )
 
-__all__ = ["band_pieces", "attention_forward", "forward_band"]
+__all__ = ["attention_forward", "band_pieces", "forward_band"]
 
 
 def band_pieces(band: Band, bq: int, nq: int, dv: int, min_tail: int) -> list[tuple[int, Band]]:
