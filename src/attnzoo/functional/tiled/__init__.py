@@ -50,6 +50,7 @@ from attnzoo.functional.tiled.backward import accumulate_grads, attention_backwa
 from attnzoo.functional.tiled.forward import attention_forward
 from attnzoo.functional.tiled.plan import (
     DEFAULT_TILES,
+    PLAN_CACHE_SIZE,
     Band,
     Chunk,
     TileConfig,
@@ -60,7 +61,7 @@ from attnzoo.functional.tiled.plan import (
     use_tiles,
 )
 
-__all__ = ["CAPABILITIES", "DEFAULT_TILES", "Band", "Chunk", "TileConfig", "TilePlan", "accumulate_grads",
+__all__ = ["CAPABILITIES", "DEFAULT_TILES", "PLAN_CACHE_SIZE", "Band", "Chunk", "TileConfig", "TilePlan", "accumulate_grads",
            "current_tiles", "native_half_matmul", "tile_plan", "tiled_attention", "use_tiles"]
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
