@@ -501,6 +501,13 @@ def test_tiled_band_tail_sub_blocks_match_reference(monkeypatch: pytest.MonkeyPa
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+def test_tile_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="TileConfig: block_q must be >= 1, got 0"):
+        TileConfig(block_q=0)
+    with pytest.raises(TypeError, match="tiles must be a TileConfig"), use_tiles({"block_q": 8}):  # type: ignore[arg-type]
+        pass
+
+
 def test_tile_plans_are_cached_for_plain_patterns_only() -> None:
     """causal/window plans are reused (same object); a Mask object's or mask tensor's plan is rebuilt;
     other tile sizes give a new plan."""

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attnzoo._validate import check_int
+
 
 def require_dist(fn: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
@@ -28,8 +30,7 @@ def rank_and_size(group: Any, rank: int | None, world_size: int | None, fn: str)
         require_dist(fn)
         return dist.get_rank(group), dist.get_world_size(group)
     for name, x in (("rank", rank), ("world_size", world_size)):
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"{fn}: {name} must be an int, got {type(x).__name__} ({x!r})")
+        check_int(x, name, minimum=None, owner=fn)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"{fn}: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, world_size

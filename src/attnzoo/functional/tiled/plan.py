@@ -8,10 +8,11 @@ import contextvars
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from attnzoo._validate import check_int
 from attnzoo.functional._request import AttnRequest
 from attnzoo.masks import BLOCK_EMPTY, BLOCK_FULL, Mask
 
@@ -36,6 +37,10 @@ class TileConfig:
     band_elems: int = 1 << 22  #: score elements of one forward band batch
     min_tail_block: int = 8  #: smallest query sub-block the last band pieces shrink to
     backward_band_elems: int = 1 << 21  #: score elements of one backward band piece
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_int(getattr(self, f.name), f.name, minimum=1, owner="TileConfig")
 
 
 #: The tile sizes every call uses unless :func:`use_tiles` says otherwise.
