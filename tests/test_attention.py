@@ -1,8 +1,10 @@
-"""Every backend against the float64 reference: forward, LSE and gradients, over a property grid."""
+"""Every backend against the independent float64 oracle (tests/oracle.py): forward, LSE and
+gradients, over a property grid."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,28 +14,24 @@ from hypothesis import strategies as st
 import attnzoo as az
 import attnzoo.functional.flex as flex_mod
 import attnzoo.functional.tiled as tiled_mod
+import attnzoo.functional.tiled.backward as tiled_backward
+import attnzoo.functional.tiled.forward as tiled_forward
 from attnzoo import masks as M
 from attnzoo.functional import choose_backend
 from attnzoo.functional._request import build_request
+from attnzoo.functional.tiled import DEFAULT_TILES, TileConfig, use_tiles
+from oracle import oracle_attention, visible_table
 
-#: The tiled backend's real tile sizes, read before ``small_tiles`` replaces them in each test.
-DEFAULT_TILES = {name: getattr(tiled_mod, name) for name in ("BLOCK_Q", "BLOCK_K", "MAX_CHUNK_K", "MERGE_K")}
-
-
-def default_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Undo ``small_tiles``: the test runs at the backend's real tile sizes."""
-    for name, value in DEFAULT_TILES.items():
-        monkeypatch.setattr(tiled_mod, name, value)
+#: Tiny tiles so that small inputs exercise many tiles, chunk merging and skipping.
+SMALL_TILES = TileConfig(block_q=8, block_k=4, max_chunk_k=12, merge_k=8)
 
 
 @pytest.fixture(autouse=True)
-def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tiny tiles so that small inputs exercise many tiles, chunk merging and skipping."""
-    monkeypatch.setattr(tiled_mod, "BLOCK_Q", 8)
-    monkeypatch.setattr(tiled_mod, "BLOCK_K", 4)
-    monkeypatch.setattr(tiled_mod, "MAX_CHUNK_K", 12)
-    monkeypatch.setattr(tiled_mod, "MERGE_K", 8)
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test of this module runs the tiled backend with ``SMALL_TILES`` unless it says otherwise."""
     monkeypatch.setattr(flex_mod, "COMPILE", False)
+    with use_tiles(SMALL_TILES):
+        yield
 
 
 @st.composite
@@ -110,8 +108,7 @@ def check_backend(backend: str, case: dict, dtype: torch.dtype = torch.float32) 
         pytest.skip(f"{backend} lacks {_missing(r, backend)}")
     wants_lse = "return_lse" not in _missing(r, backend)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = az.attention(qr, kr, vr, backend="reference", return_lse=True, **kw)
-    ref_out, ref_lse = ref
+    ref_out, ref_lse = oracle_attention(qr, kr, vr, **kw)
     q2, k2, v2 = (t.detach().to(dtype).requires_grad_(grads) for t in (q, k, v))
     got = az.attention(q2, k2, v2, backend=backend, return_lse=wants_lse, **convert(kw, dtype))
     out, lse = got if wants_lse else (got, None)
@@ -138,6 +135,22 @@ def check_backend(backend: str, case: dict, dtype: torch.dtype = torch.float32) 
         assert gerr <= 20 * tol * gscale, f"{backend} {name} err {gerr:.2e} shapes {case}"
 
 
+@pytest.mark.parametrize(("kw", "table"), [
+    ({"causal": True}, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
+    ({"causal": True, "q_offset": 0}, [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]),
+    ({"causal": True, "window": (1, 0)}, [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]),
+])
+def test_oracle_draws_the_tables_of_the_conventions_page(kw: dict, table: list) -> None:
+    """The oracle's visibility is the Nq=2, Nk=5 tables of docs/conventions.md, and so is attention's."""
+    want = torch.tensor(table, dtype=torch.bool)
+    assert torch.equal(visible_table(1, 1, 2, 5, **kw)[0, 0], want)
+    q, k = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 5, 4)
+    v = torch.eye(5).view(1, 1, 5, 5)  # the output row is the weight row: uniform over visible keys
+    for backend in ("reference", "tiled", "sdpa"):
+        out = az.attention(q, k, v, backend=backend, **kw)[0, 0]
+        assert torch.equal(out > 0, want), (backend, out)
+
+
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -153,10 +166,16 @@ def test_sdpa_matches_reference(case: dict) -> None:
     check_backend("sdpa", case)
 
 
+@SETTINGS
+@given(cases())
+def test_reference_float64_matches_oracle(case: dict) -> None:
+    check_backend("reference", case, torch.float64)
+
+
 @settings(max_examples=30, deadline=None)
 @given(cases())
 def test_auto_matches_reference(case: dict) -> None:
-    check_backend("reference", case)  # float32 reference vs float64 reference
+    check_backend("reference", case)  # float32 reference vs the float64 oracle
     q, k, v, kw = make(case, torch.float64)
     auto = az.attention(q.float(), k.float(), v.float(), **convert(kw, torch.float32))
     ref = az.attention(q, k, v, backend="reference", **kw)
@@ -309,28 +328,23 @@ def test_named_backend_refuses_missing_feature() -> None:
 
 def test_tiled_memory_is_linear_in_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forward+backward never holds an N x N tensor: the largest score tile is block_q x chunk."""
-    import attnzoo.functional.tiled as T
-
-    monkeypatch.setattr(T, "BLOCK_Q", 64)
-    monkeypatch.setattr(T, "BLOCK_K", 64)
-    monkeypatch.setattr(T, "MAX_CHUNK_K", 256)
+    tiles = TileConfig(block_q=64, block_k=64, max_chunk_k=256)
     sizes: list[int] = []
     n = 1024
     q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
-    orig = T._tile_scores
+    orig = tiled_forward.tile_scores
 
     def spy(*a, **kw):
         s, t = orig(*a, **kw)
         sizes.append(s.numel())
         return s, t
 
-    T._tile_scores = spy
-    try:
+    monkeypatch.setattr(tiled_forward, "tile_scores", spy)
+    monkeypatch.setattr(tiled_backward, "tile_scores", spy)
+    with use_tiles(tiles):
         out = az.attention(q, k, v, causal=True, backend="tiled")
         out.sum().backward()
-    finally:
-        T._tile_scores = orig
-    assert max(sizes) <= T.BLOCK_Q * T.MAX_CHUNK_K < n * n
+    assert max(sizes) <= tiles.block_q * tiles.max_chunk_k < n * n
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -397,11 +411,9 @@ def test_flex_compiled_matches_reference(monkeypatch: pytest.MonkeyPatch, n_q: i
 @pytest.mark.parametrize("hkv", [1, 4])
 def test_tiled_sliding_window_band_gradients(monkeypatch: pytest.MonkeyPatch, window, extra, hkv) -> None:
     """The backward pass of window bands (default block sizes) against float64 autograd of the reference."""
-    default_tiles(monkeypatch)
-    monkeypatch.setattr(tiled_mod, "BACKWARD_BAND_ELEMS", 1 << 16)  # several pieces per band
     pieces: list[int] = []
-    real = tiled_mod._backward_band
-    monkeypatch.setattr(tiled_mod, "_backward_band", lambda *a: (pieces.append(1), real(*a))[1])
+    real = tiled_backward.backward_band
+    monkeypatch.setattr(tiled_backward, "backward_band", lambda *a: (pieces.append(1), real(*a))[1])
     torch.manual_seed(0)
     n, hq = 1100, 4
     q = torch.randn(2, hq, n, 16, dtype=torch.float64, requires_grad=True)
@@ -420,8 +432,9 @@ def test_tiled_sliding_window_band_gradients(monkeypatch: pytest.MonkeyPatch, wi
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     if "alibi_slopes" in kw:
         kw["alibi_slopes"] = kw["alibi_slopes"].float()
-    out = az.attention(qf, kf, vf, backend="tiled", **kw)
-    grads = torch.autograd.grad(out, (qf, kf, vf), g_out.float())
+    with use_tiles(TileConfig(backward_band_elems=1 << 16)):  # default sizes, several pieces per band
+        out = az.attention(qf, kf, vf, backend="tiled", **kw)
+        grads = torch.autograd.grad(out, (qf, kf, vf), g_out.float())
     assert pieces, "the band backward was not used"
     assert (out.double() - ref).abs().max() < 1e-5
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
@@ -431,9 +444,8 @@ def test_tiled_sliding_window_band_gradients(monkeypatch: pytest.MonkeyPatch, wi
 
 @pytest.mark.parametrize("window", [(40, 0), (100, 7), (300, 0)])
 @pytest.mark.parametrize("hkv", [1, 4])
-def test_tiled_sliding_window_bands_at_default_sizes(monkeypatch: pytest.MonkeyPatch, window, hkv) -> None:
+def test_tiled_sliding_window_bands_at_default_sizes(window, hkv) -> None:
     """Default block sizes (bands re-planned with smaller query blocks) against the float64 reference."""
-    default_tiles(monkeypatch)
     n = 1100
     q = torch.randn(2, 4, n, 16, dtype=torch.float64)
     k, v = torch.randn(2, hkv, n, 16, dtype=torch.float64), torch.randn(2, hkv, n, 16, dtype=torch.float64)
@@ -442,8 +454,9 @@ def test_tiled_sliding_window_bands_at_default_sizes(monkeypatch: pytest.MonkeyP
     for mask in (M.key_padding(torch.tensor([1000, 1100])), None):
         ref, ref_lse = az.attention(q, k, v, causal=True, window=window, mask=mask, return_lse=True,
                                     backend="reference")
-        out, lse = az.attention(q.float(), k.float(), v.float(), causal=True, window=window, mask=mask,
-                                return_lse=True, backend="tiled")
+        with use_tiles(DEFAULT_TILES):
+            out, lse = az.attention(q.float(), k.float(), v.float(), causal=True, window=window, mask=mask,
+                                    return_lse=True, backend="tiled")
         assert (out.double() - ref).abs().max() < 1e-5, mask
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         fin = torch.isfinite(ref_lse)
@@ -455,42 +468,49 @@ def test_band_pieces_cover_the_band_and_fit_in_the_unwritten_rows() -> None:
     down to one block and then sub-blocks of that block (which keep the block's key window)."""
     bq, nq, dv = 64, 64 * 40, 64
     band = tiled_mod.Band(first=8, count=32, k_lo=8 * 64 - 256, width=320, needs_mask=True)
-    pieces = tiled_mod._band_pieces(band, bq, nq, dv)
+    min_tail = DEFAULT_TILES.min_tail_block
+    pieces = tiled_forward.band_pieces(band, bq, nq, dv, min_tail)
     row = band.first * bq
     for size, piece in pieces:
         assert piece.first * size == row, (size, piece)
         block = row // bq  # the block the piece starts in keeps that block's key window
         assert piece.k_lo == band.k_lo + (block - band.first) * bq and piece.width == band.width
         rows = piece.count * size
-        assert size == tiled_mod.MIN_TAIL_BLOCK or rows * (band.width + dv) <= (nq - row) * dv, (size, piece)
+        assert size == min_tail or rows * (band.width + dv) <= (nq - row) * dv, (size, piece)
         row += rows
     assert row == (band.first + band.count) * bq
-    assert min(size for size, _ in pieces) == tiled_mod.MIN_TAIL_BLOCK  # the last rows use sub-blocks
+    assert min(size for size, _ in pieces) == min_tail  # the last rows use sub-blocks
 
 
 @pytest.mark.parametrize("mask", [None, "padding"])
 @pytest.mark.parametrize("hkv", [1, 2])
 def test_tiled_band_tail_sub_blocks_match_reference(monkeypatch: pytest.MonkeyPatch, mask, hkv) -> None:
     """The last band blocks, cut into sub-blocks over their key windows, give the reference's rows."""
-    default_tiles(monkeypatch)
     sizes: list[int] = []
-    real = tiled_mod._forward_band
-    monkeypatch.setattr(tiled_mod, "_forward_band", lambda r, bq, *a: (sizes.append(bq), real(r, bq, *a))[1])
+    real = tiled_forward.forward_band
+    monkeypatch.setattr(tiled_forward, "forward_band", lambda r, bq, *a: (sizes.append(bq), real(r, bq, *a))[1])
     torch.manual_seed(0)
     n = 1024
     q = torch.randn(2, 4, n, 16, dtype=torch.float64)
     k, v = torch.randn(2, hkv, n, 16, dtype=torch.float64), torch.randn(2, hkv, n, 16, dtype=torch.float64)
     m = M.key_padding(torch.tensor([1000, 1024])) if mask else None
     ref = az.attention(q, k, v, causal=True, window=(100, 0), mask=m, backend="reference")
-    with torch.no_grad():
+    with torch.no_grad(), use_tiles(DEFAULT_TILES):
         out = az.attention(q.float(), k.float(), v.float(), causal=True, window=(100, 0), mask=m, backend="tiled")
     assert min(sizes) < max(sizes), sizes  # sub-blocks ran
     assert (out.double() - ref).abs().max() < 1e-5
 
 
-def test_tile_plans_are_cached_for_plain_patterns_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tile_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="TileConfig: block_q must be >= 1, got 0"):
+        TileConfig(block_q=0)
+    with pytest.raises(TypeError, match="tiles must be a TileConfig"), use_tiles({"block_q": 8}):  # type: ignore[arg-type]
+        pass
+
+
+def test_tile_plans_are_cached_for_plain_patterns_only() -> None:
     """causal/window plans are reused (same object); a Mask object's or mask tensor's plan is rebuilt;
-    changing a tuning constant gives a new plan."""
+    other tile sizes give a new plan."""
     q = torch.randn(1, 2, 300, 8)
 
     def plan(**kw: object) -> tiled_mod.TilePlan:
@@ -508,5 +528,5 @@ def test_tile_plans_are_cached_for_plain_patterns_only(monkeypatch: pytest.Monke
     dense = torch.ones(300, 300, dtype=torch.bool).tril()
     assert plan(mask=dense) is not plan(mask=dense)
     first = plan()
-    monkeypatch.setattr(tiled_mod, "MAX_CHUNK_K", 64)
-    assert plan() is not first
+    with use_tiles(TileConfig(block_q=8, block_k=4, max_chunk_k=64, merge_k=8)):
+        assert plan() is not first

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attnzoo import masks as M
+from oracle import visible_table
 
 
 def table(rows: str) -> torch.Tensor:
@@ -191,3 +192,14 @@ def test_bad_mask_input(call, exc, words) -> None:
     with pytest.raises(exc, match=None) as info:
         call()
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (0, 0), (3, None), (None, 2), (2, 5)])
+@pytest.mark.parametrize("q_offset", [-3, 0, 4])
+def test_visible_is_the_oracles_rule(causal: bool, window: tuple | None, q_offset: int) -> None:
+    """The one visibility rule (masks.visible) against the independent oracle's table."""
+    n_q, n_k = 6, 9
+    q_pos = (q_offset + torch.arange(n_q)).view(-1, 1)
+    got = M.visible(q_pos, torch.arange(n_k).view(1, -1), causal=causal, window=window).expand(n_q, n_k)
+    assert torch.equal(got, visible_table(1, 1, n_q, n_k, causal=causal, window=window, q_offset=q_offset)[0, 0])

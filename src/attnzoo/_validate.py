@@ -10,17 +10,72 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["check_int", "positive_float_arg", "positive_int_arg"]
+import torch
+
+__all__ = ["Window", "check_bool", "check_int", "check_positive_float", "normalize_window",
+           "positive_float_arg", "positive_int_arg"]
+
+#: A normalised attention window: ``(left, right)``, ``None`` = unbounded side.
+Window = tuple[int | None, int | None]
 
 
-def check_int(x: object, name: str, minimum: int | None = 1, owner: str | None = None) -> int:
-    """``x`` as an ``int`` (``bool`` refused) that is at least ``minimum`` (``None``: no bound)."""
+def check_int(x: object, name: str, minimum: int | None = 1, owner: str | None = None,
+              allow_tensor: bool = False) -> int:
+    """``x`` as an ``int`` (``bool`` refused) that is at least ``minimum`` (``None``: no bound).
+
+    With ``allow_tensor`` a one-element integer tensor is accepted too (read with ``.item()``)."""
     where = f"{owner}: " if owner else ""
+    if allow_tensor and isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point() \
+            and x.dtype != torch.bool:
+        x = int(x.item())
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{where}{name} must be an int, got {type(x).__name__} ({x!r})")
     if minimum is not None and x < minimum:
         raise ValueError(f"{where}{name} must be >= {minimum}, got {x}")
     return x
+
+
+def check_bool(x: object, name: str, owner: str | None = None) -> bool:
+    """``x`` if it is a ``bool``, else ``TypeError`` naming ``name``."""
+    if not isinstance(x, bool):
+        where = f"{owner}: " if owner else ""
+        raise TypeError(f"{where}{name} must be a bool, got {type(x).__name__}")
+    return x
+
+
+def check_positive_float(x: object, name: str, owner: str | None = None) -> float:
+    """``x`` as a finite, positive ``float`` (ints accepted, ``bool`` refused)."""
+    where = f"{owner}: " if owner else ""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{where}{name} must be a float, got {type(x).__name__}")
+    value = float(x)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}{name} must be a finite positive number, got {x}")
+    return value
+
+
+def normalize_window(window: object) -> Window | None:
+    """``None`` | ``w`` | ``(left, right)`` -> ``(left, right)`` with ``None`` = unbounded side
+    (``docs/conventions.md``); sides must be ints ``>= 0``."""
+    if window is None:
+        return None
+    if isinstance(window, int) and not isinstance(window, bool):
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        return (window, window)
+    if isinstance(window, (tuple, list)) and len(window) == 2:
+        sides: list[int | None] = []
+        for name, side in zip(("left", "right"), window, strict=True):
+            if side is None:
+                sides.append(None)
+                continue
+            if isinstance(side, bool) or not isinstance(side, int):
+                raise TypeError(f"window {name} side must be an int or None, got {type(side).__name__} ({side!r})")
+            if side < 0:
+                raise ValueError(f"window {name} side must be >= 0, got {side} (window={tuple(window)})")
+            sides.append(side)
+        return (sides[0], sides[1])
+    raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
 
 
 def _number_arg(text: str, kind: type, what: str) -> int | float:

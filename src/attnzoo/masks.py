@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_int
+
 __all__ = [
     "BLOCK_EMPTY",
     "BLOCK_FULL",
@@ -41,6 +43,7 @@ __all__ = [
     "key_padding",
     "prefix_lm",
     "sliding_window",
+    "visible",
 ]
 
 #: Values of a block map: no visible pair, some visible pairs, every pair visible.
@@ -274,27 +277,36 @@ def _combine(op: str, a: Mask, b: Mask) -> Mask:
 
 # --------------------------------------------------------------------------- helpers
 def _as_int(x: object, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        if isinstance(x, Tensor) and x.numel() == 1 and not x.is_floating_point():
-            return int(x.item())
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
-    return x
+    return check_int(x, name, minimum=None, allow_tensor=True)
 
 
 def _check_dims(**dims: int) -> None:
     for name, value in dims.items():
-        _as_int(value, name)
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        check_int(value, name, minimum=1, allow_tensor=True)
 
 
 def _window_side(x: object, name: str) -> int | None:
-    if x is None:
-        return None
-    v = _as_int(x, name)
-    if v < 0:
-        raise ValueError(f"{name} must be >= 0 or None (unbounded), got {v}")
-    return v
+    return None if x is None else check_int(x, name, minimum=0, allow_tensor=True)
+
+
+# --------------------------------------------------------------------------- the visibility rule
+def visible(q_pos: Tensor, k_pos: Tensor, *, causal: bool = False,
+            window: tuple[int | None, int | None] | None = None) -> Tensor:
+    """The one causal/window rule of ``docs/conventions.md`` over absolute positions.
+
+    Key ``j`` is visible to the query at ``p`` iff ``j <= p`` (``causal``) and
+    ``p - left <= j <= p + right`` (``window=(left, right)``, ``None`` = unbounded side).
+    ``q_pos`` and ``k_pos`` are broadcastable int tensors; returns a bool tensor of their
+    broadcast shape (a 0-d ``True`` when nothing constrains)."""
+    ok = torch.ones((), dtype=torch.bool, device=q_pos.device)
+    left, right = window if window is not None else (None, None)
+    if causal:
+        ok = ok & (k_pos <= q_pos)
+    if left is not None:
+        ok = ok & (k_pos >= q_pos - left)
+    if right is not None:
+        ok = ok & (k_pos <= q_pos + right)
+    return ok
 
 
 # --------------------------------------------------------------------------- builders
@@ -304,7 +316,7 @@ def causal() -> Mask:
     def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
         return t.k_end <= t.q_start, t.k_start > t.q_end
 
-    return Mask(lambda b, h, q, k: k <= q, "causal", tiles=tiles, relative=True)
+    return Mask(lambda b, h, q, k: visible(q, k, causal=True), "causal", tiles=tiles, relative=True)
 
 
 def sliding_window(left: int | None, right: int | None = 0) -> Mask:
@@ -317,12 +329,7 @@ def sliding_window(left: int | None, right: int | None = 0) -> Mask:
     hi = _window_side(right, "right")
 
     def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        ok = torch.ones((), dtype=torch.bool, device=q.device)
-        if lo is not None:
-            ok = ok & (k >= q - lo)
-        if hi is not None:
-            ok = ok & (k <= q + hi)
-        return ok
+        return visible(q, k, window=(lo, hi))
 
     def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
         full = torch.ones((1, 1), dtype=torch.bool, device=t.q_start.device)

@@ -8,46 +8,25 @@ turned into a canonical form. Backends receive a request and never re-validate. 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
-from attnzoo._validate import check_int
+from attnzoo._validate import Window, check_bool, check_int, check_positive_float, normalize_window
+from attnzoo.functional.rules import alibi_bias, compute_dtype
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 
-Window = tuple[int | None, int | None]
+__all__ = ["AttnRequest", "Capabilities", "Window", "build_request", "check_qkv", "normalize_window"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
-
-
-def normalize_window(window: object) -> Window | None:
-    """``None`` | ``w`` | ``(left, right)`` -> ``(left, right)`` with ``None`` = unbounded side."""
-    if window is None:
-        return None
-    if isinstance(window, int) and not isinstance(window, bool):
-        if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
-        return (window, window)
-    if isinstance(window, (tuple, list)) and len(window) == 2:
-        sides = []
-        for name, side in zip(("left", "right"), window, strict=True):
-            if side is None:
-                sides.append(None)
-                continue
-            if isinstance(side, bool) or not isinstance(side, int):
-                raise TypeError(f"window {name} side must be an int or None, got {type(side).__name__} ({side!r})")
-            if side < 0:
-                raise ValueError(f"window {name} side must be >= 0, got {side} (window={tuple(window)})")
-            sides.append(side)
-        return (sides[0], sides[1])
-    raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
 
 
 def check_qkv(q: object, k: object, v: object) -> None:
@@ -199,17 +178,16 @@ class AttnRequest:
         return out
 
     def bias(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor | None:
-        """Additive float32 bias (float mask + ALiBi) for a tile, or ``None``."""
+        """Additive bias (float mask + ALiBi) for a tile in the compute dtype, or ``None``."""
         out: Tensor | None = None
         fm = self.float_mask
         if fm is not None:
-            out = _slice_mask(fm, q_lo, q_hi, k_lo, k_hi).float()
+            out = _slice_mask(fm, q_lo, q_hi, k_lo, k_hi).to(compute_dtype(self.q.dtype))
         if self.alibi_slopes is not None:
             dev = self.q.device
             qp = torch.arange(self.q_offset + q_lo, self.q_offset + q_hi, device=dev).view(-1, 1)
             kp = torch.arange(k_lo, k_hi, device=dev).view(1, -1)
-            dist = (qp - kp).abs().float()  # [bq, bk]
-            ab = -self.alibi_slopes.view(1, -1, 1, 1) * dist  # [1, Hq, bq, bk]
+            ab = alibi_bias(self.alibi_slopes.view(1, -1, 1, 1), qp, kp)  # [1, Hq, bq, bk]
             out = ab if out is None else out + ab
         return out
 
@@ -218,6 +196,53 @@ def _slice_mask(m: Tensor, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor
     rows = slice(q_lo, q_hi) if m.shape[2] > 1 else slice(None)
     cols = slice(k_lo, k_hi) if m.shape[3] > 1 else slice(None)
     return m[:, :, rows, cols]
+
+
+def _check_mask(mask: object, q: Tensor, nk: int) -> tuple[Tensor | None, Mask | None]:
+    """``mask`` as ``(rank-4 tensor, None)``, ``(None, Mask)`` or ``(None, None)``."""
+    B, Hq, Nq = q.shape[:3]
+    if mask is None:
+        return None, None
+    if isinstance(mask, Mask):
+        for leaf in mask._leaves():
+            if leaf.batch is not None and leaf.batch not in (1, B):
+                raise ValueError(f"mask {leaf.name} was built for batch size {leaf.batch}, but q has batch {B}")
+        return None, mask
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be None, a bool/float tensor or an attnzoo.masks.Mask, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = attend) or float (additive bias), got dtype {mask.dtype}")
+    if mask.dim() > 4 or mask.dim() < 2:
+        raise ValueError(f"mask must have rank 2 to 4 and broadcast to [B, Hq, Nq, Nk] = "
+                         f"{[B, Hq, Nq, nk]}, got shape {_shape(mask)}")
+    m4 = mask.reshape((1,) * (4 - mask.dim()) + _shape(mask))
+    for got, want, letter in zip(m4.shape, (B, Hq, Nq, nk), ["B", "H", "Nq", "Nk"], strict=True):
+        if got not in (1, want):
+            raise ValueError(f"mask of shape {_shape(mask)} does not broadcast to [B, Hq, Nq, Nk] = "
+                             f"{[B, Hq, Nq, nk]} (dimension {letter}: got {got}, expected 1 or {want})")
+    if m4.device != q.device:
+        raise ValueError(f"mask is on {m4.device} but q is on {q.device}")
+    return m4, None
+
+
+def _check_slopes(alibi_slopes: object, q: Tensor) -> Tensor | None:
+    """ALiBi slopes ``[Hq]`` in the compute dtype on q's device, or ``None``."""
+    if alibi_slopes is None:
+        return None
+    hq = q.shape[1]
+    if not isinstance(alibi_slopes, Tensor):
+        raise TypeError(f"alibi_slopes must be a tensor [Hq], got {type(alibi_slopes).__name__}")
+    if _shape(alibi_slopes) != (hq,):
+        raise ValueError(f"alibi_slopes must have shape [Hq] = [{hq}], got {_shape(alibi_slopes)}")
+    return alibi_slopes.to(device=q.device, dtype=compute_dtype(q.dtype))
+
+
+def _check_dropout(dropout_p: object) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
 
 
 def build_request(
@@ -238,66 +263,43 @@ def build_request(
 ) -> AttnRequest:
     """Validate every argument of :func:`attnzoo.attention` and build an :class:`AttnRequest`."""
     check_qkv(q, k, v)
-    B, Hq, Nq, D = q.shape
-    Nk = k.shape[2]
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    nq, nk = q.shape[2], k.shape[2]
+    check_bool(causal, "causal")
     win = normalize_window(window)
-    off = Nk - Nq if q_offset is None else check_int(q_offset, "q_offset", minimum=None)
-
-    mask_tensor: Tensor | None = None
-    mask_obj: Mask | None = None
-    if isinstance(mask, Mask):
-        mask_obj = mask
-        for leaf in mask._leaves():
-            if leaf.batch is not None and leaf.batch not in (1, B):
-                raise ValueError(f"mask {leaf.name} was built for batch size {leaf.batch}, but q has batch {B}")
-    elif isinstance(mask, Tensor):
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(f"mask must be bool (True = attend) or float (additive bias), got dtype {mask.dtype}")
-        if mask.dim() > 4 or mask.dim() < 2:
-            raise ValueError(f"mask must have rank 2 to 4 and broadcast to [B, Hq, Nq, Nk] = "
-                             f"{[B, Hq, Nq, Nk]}, got shape {_shape(mask)}")
-        m4 = mask.reshape((1,) * (4 - mask.dim()) + _shape(mask))
-        for got, want, letter in zip(m4.shape, (B, Hq, Nq, Nk), ["B", "H", "Nq", "Nk"], strict=True):
-            if got not in (1, want):
-                raise ValueError(f"mask of shape {_shape(mask)} does not broadcast to [B, Hq, Nq, Nk] = "
-                                 f"{[B, Hq, Nq, Nk]} (dimension {letter}: got {got}, expected 1 or {want})")
-        if m4.device != q.device:
-            raise ValueError(f"mask is on {m4.device} but q is on {q.device}")
-        mask_tensor = m4
-    elif mask is not None:
-        raise TypeError(f"mask must be None, a bool/float tensor or an attnzoo.masks.Mask, got {type(mask).__name__}")
-
-    if scale is None:
-        sc = 1.0 / math.sqrt(D)
-    else:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-        sc = float(scale)
-        if not math.isfinite(sc) or sc <= 0:
-            raise ValueError(f"scale must be a finite positive number, got {scale}")
-    cap: float | None = None
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
-        if not softcap > 0 or not math.isfinite(softcap):
-            raise ValueError(f"softcap must be a finite positive number, got {softcap}")
-        cap = float(softcap)
-    slopes: Tensor | None = None
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, Tensor):
-            raise TypeError(f"alibi_slopes must be a tensor [Hq], got {type(alibi_slopes).__name__}")
-        if _shape(alibi_slopes) != (Hq,):
-            raise ValueError(f"alibi_slopes must have shape [Hq] = [{Hq}], got {_shape(alibi_slopes)}")
-        slopes = alibi_slopes.to(device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    off = nk - nq if q_offset is None else check_int(q_offset, "q_offset", minimum=None)
+    mask_tensor, mask_obj = _check_mask(mask, q, nk)
+    sc = 1.0 / math.sqrt(q.shape[3]) if scale is None else check_positive_float(scale, "scale")
+    cap = None if softcap is None else check_positive_float(softcap, "softcap")
+    slopes = _check_slopes(alibi_slopes, q)
+    p = _check_dropout(dropout_p)
+    check_bool(return_lse, "return_lse")
+    check_bool(return_weights, "return_weights")
     return AttnRequest(q=q, k=k, v=v, mask_tensor=mask_tensor, mask_obj=mask_obj, causal=causal, window=win,
-                       q_offset=off, scale=sc, softcap=cap, alibi_slopes=slopes, dropout_p=float(dropout_p),
+                       q_offset=off, scale=sc, softcap=cap, alibi_slopes=slopes, dropout_p=p,
                        return_lse=return_lse, return_weights=return_weights)
+
+
+def _always(device: torch.device) -> bool:
+    return True
+
+
+def _nothing_more(r: AttnRequest) -> set[str]:
+    return set()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend module declares about itself (``attention.py`` collects them).
+
+    ``unsupported``: feature names of :meth:`AttnRequest.features` it cannot serve;
+    ``available(device)``: whether it runs on ``device`` in this environment;
+    ``more_missing(r)``: request-dependent limits beyond the feature names (dtype, alignment)."""
+
+    name: str
+    unsupported: frozenset[str]
+    available: Callable[[torch.device], bool] = field(default=_always)
+    more_missing: Callable[[AttnRequest], set[str]] = field(default=_nothing_more)
+
+    def missing(self, r: AttnRequest) -> set[str]:
+        """Names of the features of ``r`` this backend lacks (empty: it can serve ``r``)."""
+        return (r.features() & self.unsupported) | self.more_missing(r)

@@ -6,29 +6,27 @@ Semantics (shapes, alignment, windows, empty rows, GQA head mapping, dtypes) are
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest, build_request
-from attnzoo.functional.reference import reference_attention
+import attnzoo.functional.flash as flash
+import attnzoo.functional.flex as flex
+import attnzoo.functional.reference as reference
+import attnzoo.functional.sdpa as sdpa
+import attnzoo.functional.tiled as tiled
+from attnzoo.functional._request import AttnRequest, Capabilities, build_request
+from attnzoo.functional.rules import compute_dtype
 from attnzoo.masks import Mask
 
 __all__ = ["BACKENDS", "attention", "available_backends", "choose_backend", "merge_attention"]
 
-BACKENDS = ("reference", "sdpa", "tiled", "flex", "flash")
+#: Every backend's own declaration of what it can do, in the order ``BACKENDS`` lists them.
+CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
+    reference.CAPABILITIES, sdpa.CAPABILITIES, tiled.CAPABILITIES, flex.CAPABILITIES, flash.CAPABILITIES)}
 
-# What each backend cannot do (feature names from AttnRequest.features()).
-_UNSUPPORTED: dict[str, frozenset[str]] = {
-    "reference": frozenset(),
-    "sdpa": frozenset({"return_lse", "return_weights", "softcap", "float64"}),
-    "tiled": frozenset({"return_weights", "dropout", "float mask gradient", "alibi gradient"}),
-    "flex": frozenset({"return_weights", "dropout", "float64", "float mask gradient", "alibi gradient"}),
-    "flash": frozenset({"return_weights", "float mask", "bool mask", "Mask object", "float64", "Dv != D",
-                        "alibi gradient"}),
-}
+BACKENDS = tuple(CAPABILITIES)
 
 # Window/mask sparsity from which the tiled backend beats a dense fused kernel, and the score-matrix
 # size below which a dense kernel wins anyway (Python overhead per tile); see docs/backends.md.
@@ -36,48 +34,19 @@ _SPARSE_FRACTION = 0.5
 _SPARSE_MIN_SCORES = 1 << 20
 
 
-def _flash_available(device: torch.device) -> bool:
-    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-
-
-def _flex_available(device: torch.device) -> bool:
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:  # pragma: no cover - torch < 2.5
-        return False
-    return device.type in ("cpu", "cuda")
-
-
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Backends that can run on ``device`` in this environment."""
     dev = torch.device(device)
-    out = ["reference", "sdpa", "tiled"]
-    if _flex_available(dev):
-        out.append("flex")
-    if _flash_available(dev):
-        out.append("flash")
-    return out
+    return [name for name, caps in CAPABILITIES.items() if caps.available(dev)]
 
 
 def _missing(r: AttnRequest, backend: str) -> set[str]:
-    missing = r.features() & _UNSUPPORTED[backend]
-    if backend == "flex" and r.q.device.type == "cpu" and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (r.q, r.k, r.v)):
-        missing.add("gradients on CPU (FlexAttention has no CPU backward)")
-    if backend == "flash":
-        if r.q.dtype not in (torch.float16, torch.bfloat16):
-            missing.add(f"dtype {r.q.dtype} (flash-attn needs float16/bfloat16)")
-        aligned = r.q_offset == r.nk - r.nq
-        if not aligned and (r.causal or r.window is not None or r.alibi_slopes is not None):
-            missing.add(f"q_offset={r.q_offset} (flash-attn aligns bottom-right: q_offset = Nk - Nq)")
-    return missing
+    return CAPABILITIES[backend].missing(r)
 
 
 def _visible_fraction(r: AttnRequest, block: int = 128) -> float:
     """Fraction of tiles the tiled backend must visit (1.0 = dense)."""
-    from attnzoo.functional.tiled import tile_plan
-
-    plan = tile_plan(r, block, block)
+    plan = tiled.tile_plan(r, block, block)
     total = plan.n_q_blocks * plan.n_k_blocks
     return plan.n_tiles / max(1, total)
 
@@ -100,7 +69,7 @@ def choose_backend(r: AttnRequest) -> str:
     if "return_weights" in feats or "float64" in feats:
         return "reference"
     dev = r.q.device
-    if _flash_available(dev) and not _missing(r, "flash"):
+    if flash.CAPABILITIES.available(dev) and not _missing(r, "flash"):
         return "flash"
     if "dropout" in feats:
         return "sdpa" if not _missing(r, "sdpa") else "reference"
@@ -109,11 +78,8 @@ def choose_backend(r: AttnRequest) -> str:
     if (r.structure is not None and r.nq * r.nk >= _SPARSE_MIN_SCORES
             and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION):
         return "tiled"
-    if dev.type == "cpu" and r.q.dtype in (torch.float16, torch.bfloat16):
-        from attnzoo.functional.tiled import native_half_matmul
-
-        if native_half_matmul(r.q.dtype, "cpu"):
-            return "tiled"
+    if dev.type == "cpu" and r.q.dtype in (torch.float16, torch.bfloat16) and tiled.native_half_matmul(r.q.dtype, "cpu"):
+        return "tiled"
     return "sdpa"
 
 
@@ -173,36 +139,32 @@ def attention(
     return run_backend(r, name)
 
 
+_UNAVAILABLE = {
+    "flex": "backend 'flex' is not available on {device} with torch {torch}",
+    "flash": "backend 'flash' needs CUDA and the flash-attn package (pip install flash-attn)",
+}
+
+
 def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
     """Run a validated request on a named backend (raises if the backend lacks a feature)."""
     missing = _missing(r, name)
     if missing:
         raise ValueError(f"backend {name!r} does not support: {', '.join(sorted(missing))} "
                          f"(use backend='auto' or 'reference')")
+    if not CAPABILITIES[name].available(r.q.device):
+        raise ValueError(_UNAVAILABLE[name].format(device=r.q.device, torch=torch.__version__))
     lse: Tensor | None = None
     weights: Tensor | None = None
     if name == "reference":
-        out, lse, weights = reference_attention(r)
+        out, lse, weights = reference.reference_attention(r)
     elif name == "sdpa":
-        from attnzoo.functional.sdpa import sdpa_attention
-
-        out = sdpa_attention(r)
+        out = sdpa.sdpa_attention(r)
     elif name == "tiled":
-        from attnzoo.functional.tiled import tiled_attention
-
-        out, lse = tiled_attention(r)
+        out, lse = tiled.tiled_attention(r)
     elif name == "flex":
-        if not _flex_available(r.q.device):
-            raise ValueError(f"backend 'flex' is not available on {r.q.device} with torch {torch.__version__}")
-        from attnzoo.functional.flex import flex_attention_backend
-
-        out, lse = flex_attention_backend(r)
+        out, lse = flex.flex_attention_backend(r)
     else:
-        if not _flash_available(r.q.device):
-            raise ValueError("backend 'flash' needs CUDA and the flash-attn package (pip install flash-attn)")
-        from attnzoo.functional.flash import flash_attention_backend
-
-        out, lse = flash_attention_backend(r)
+        out, lse = flash.flash_attention_backend(r)
     extras: list[Tensor] = []
     if r.return_lse:
         assert lse is not None
@@ -239,7 +201,7 @@ def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
         if tuple(s.shape) != tuple(o.shape[:3]):
             raise ValueError(f"merge_attention: lses[{i}] has shape {tuple(s.shape)}, expected "
                              f"{tuple(o.shape[:3])} [B, H, Nq]")
-    cdt = torch.float64 if ref_o.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(ref_o.dtype)
     stacked_lse = torch.stack([s.to(cdt) for s in lses])  # [P, B, H, Nq]
     m = stacked_lse.amax(dim=0).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

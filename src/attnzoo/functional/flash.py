@@ -9,11 +9,33 @@ dispatcher (``attention(..., backend="flash")`` names the missing feature). Neve
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest
+from attnzoo.functional._request import AttnRequest, Capabilities
+
+
+def _available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def _more_missing(r: AttnRequest) -> set[str]:
+    missing: set[str] = set()
+    if r.q.dtype not in (torch.float16, torch.bfloat16):
+        missing.add(f"dtype {r.q.dtype} (flash-attn needs float16/bfloat16)")
+    aligned = r.q_offset == r.nk - r.nq
+    if not aligned and (r.causal or r.window is not None or r.alibi_slopes is not None):
+        missing.add(f"q_offset={r.q_offset} (flash-attn aligns bottom-right: q_offset = Nk - Nq)")
+    return missing
+
+
+#: What this backend cannot do (feature names of ``AttnRequest.features()``), where it runs.
+CAPABILITIES = Capabilities("flash", frozenset({"return_weights", "float mask", "bool mask", "Mask object",
+                                                "float64", "Dv != D", "alibi gradient"}),
+                            _available, _more_missing)
 
 
 def flash_attention_backend(r: AttnRequest) -> tuple[Tensor, Tensor]:

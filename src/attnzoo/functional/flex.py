@@ -20,13 +20,33 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest
+from attnzoo.functional._request import AttnRequest, Capabilities
+from attnzoo.functional.rules import alibi_bias
 from attnzoo.masks import BLOCK_FULL, BLOCK_PARTIAL
 
 COMPILE = True
 FLEX_BLOCK = 128
 
 _compiled: dict[str, Callable[..., Any]] = {}
+
+
+def _available(device: torch.device) -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
+    except ImportError:  # pragma: no cover - torch < 2.5
+        return False
+    return device.type in ("cpu", "cuda")
+
+
+def _more_missing(r: AttnRequest) -> set[str]:
+    if r.q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v)):
+        return {"gradients on CPU (FlexAttention has no CPU backward)"}
+    return set()
+
+
+#: What this backend cannot do (feature names of ``AttnRequest.features()``), where it runs.
+CAPABILITIES = Capabilities("flex", frozenset({"return_weights", "dropout", "float64", "float mask gradient",
+                                               "alibi gradient"}), _available, _more_missing)
 
 
 def _flex_fn(compiled: bool) -> Callable[..., Any]:
@@ -100,7 +120,7 @@ def _score_mod(r: AttnRequest) -> Callable[..., Tensor] | None:
         if cap is not None:
             score = torch.tanh(score / cap) * cap
         if slopes is not None:
-            score = score - slopes[h] * (q_idx + off - kv_idx).abs()
+            score = score + alibi_bias(slopes[h], q_idx + off, kv_idx)
         if fm is not None:
             bb = b if fm.shape[0] > 1 else torch.zeros_like(b)
             hh = h if fm.shape[1] > 1 else torch.zeros_like(h)

@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.functional._request import check_qkv, normalize_window
+from attnzoo._validate import check_int, normalize_window
+from attnzoo.functional._request import check_qkv
 from attnzoo.functional.attention import attention
+from attnzoo.functional.rules import compute_dtype
 
 __all__ = ["UPDATES", "InfiniState", "infini_attention"]
 
@@ -81,7 +83,7 @@ class InfiniState:
     def empty(batch: int, heads: int, head_dim: int, head_dim_v: int, *, device: torch.device | str | None = None,
               dtype: torch.dtype = torch.float32) -> InfiniState:
         """A state with an empty memory and no partial segment (``dtype`` of the K/V parts)."""
-        mdt = torch.float64 if dtype == torch.float64 else torch.float32
+        mdt = compute_dtype(dtype)
         return InfiniState(
             memory=torch.zeros(batch, heads, head_dim, head_dim_v, device=device, dtype=mdt),
             norm=torch.zeros(batch, heads, head_dim, device=device, dtype=mdt),
@@ -125,6 +127,29 @@ def _check_state(state: object, b: int, h: int, d: int, dv: int, seg: int, devic
     return state
 
 
+def _check_args(q: Tensor, k: Tensor, v: Tensor, gate: object, segment_len: object, update: object,
+                window: object, key_padding_mask: object) -> None:
+    """Validate the arguments of :func:`infini_attention` (shapes named in each error)."""
+    check_qkv(q, k, v)
+    b, h, n, _ = q.shape
+    if k.shape[1] != h or k.shape[2] != n:
+        raise ValueError(f"infini_attention needs k/v with the heads and tokens of q, got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    check_int(segment_len, "segment_len", minimum=1)
+    if update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    if not isinstance(gate, Tensor) or tuple(gate.shape) != (h,):
+        got = tuple(gate.shape) if isinstance(gate, Tensor) else type(gate).__name__
+        raise ValueError(f"gate must be a tensor of shape [H] = [{h}], got {got}")
+    normalize_window(window)
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask must be a bool tensor [B, N] (True = real token)")
+        if tuple(key_padding_mask.shape) != (b, n):
+            raise ValueError(f"key_padding_mask must have shape [B, N] = [{b}, {n}], got "
+                             f"{tuple(key_padding_mask.shape)}")
+
+
 def infini_attention(
     q: Tensor,
     k: Tensor,
@@ -156,28 +181,9 @@ def infini_attention(
     Returns:
         ``out [B, H, N, Dv]`` in q's dtype, or ``(out, new_state)``.
     """
-    check_qkv(q, k, v)
+    _check_args(q, k, v, gate, segment_len, update, window, key_padding_mask)
     b, h, n, d = q.shape
     dv = v.shape[-1]
-    if k.shape[1] != h or k.shape[2] != n:
-        raise ValueError(f"infini_attention needs k/v with the heads and tokens of q, got q {tuple(q.shape)} "
-                         f"and k {tuple(k.shape)}")
-    if isinstance(segment_len, bool) or not isinstance(segment_len, int):
-        raise TypeError(f"segment_len must be an int, got {type(segment_len).__name__} ({segment_len!r})")
-    if segment_len < 1:
-        raise ValueError(f"segment_len must be >= 1, got {segment_len}")
-    if update not in UPDATES:
-        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
-    if not isinstance(gate, Tensor) or tuple(gate.shape) != (h,):
-        got = tuple(gate.shape) if isinstance(gate, Tensor) else type(gate).__name__
-        raise ValueError(f"gate must be a tensor of shape [H] = [{h}], got {got}")
-    normalize_window(window)
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("key_padding_mask must be a bool tensor [B, N] (True = real token)")
-        if tuple(key_padding_mask.shape) != (b, n):
-            raise ValueError(f"key_padding_mask must have shape [B, N] = [{b}, {n}], got "
-                             f"{tuple(key_padding_mask.shape)}")
     st = (InfiniState.empty(b, h, d, dv, device=q.device, dtype=q.dtype) if state is None
           else _check_state(state, b, h, d, dv, segment_len, q.device))
     mem, norm = st.memory, st.norm

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.functional._request import check_qkv
+from attnzoo.functional.rules import compute_dtype  # also imported from here by nn/
 
 __all__ = ["FEATURE_MAPS", "FORMS", "linear_attention", "resolve_feature_map"]
 
@@ -66,11 +67,6 @@ def resolve_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tensor]:
         return feature_map
     raise TypeError(f"feature_map must be a str or a callable [..., D] -> [..., F], "
                     f"got {type(feature_map).__name__}")
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # --------------------------------------------------------------------------- validation

@@ -39,9 +39,9 @@ from attnzoo.functional.linear import (
     check_inputs,
     check_key_padding,
     check_state,
-    compute_dtype,
     feature_attention,
 )
+from attnzoo.functional.rules import compute_dtype
 
 __all__ = ["draw_performer_projection", "performer_attention", "performer_features"]
 

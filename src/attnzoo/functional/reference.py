@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest
+from attnzoo.functional._request import AttnRequest, Capabilities
+from attnzoo.functional.rules import compute_dtype
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax/accumulation dtype for an input dtype: float64 stays, everything else is float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: The reference serves every request.
+CAPABILITIES = Capabilities("reference", frozenset())
 
 
 def masked_scores(r: AttnRequest, q: Tensor, k: Tensor, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor:
@@ -65,5 +64,5 @@ def reference_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None, Tensor |
         p = torch.nn.functional.dropout(p, r.dropout_p, training=True)
     out = torch.matmul(p, v).to(r.q.dtype)  # [B, Hq, Nq, Dv]
     return (out,
-            (lse if cdt == torch.float64 else lse.float()) if r.return_lse else None,
+            lse if r.return_lse else None,  # already float32 (float64 for float64 inputs)
             weights.to(r.q.dtype) if r.return_weights else None)

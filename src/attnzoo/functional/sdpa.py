@@ -10,7 +10,7 @@ Translations done here:
   they return zeros (never NaN) with finite gradients.
 
 Unsupported (a named error, or ``auto`` picks another backend): ``return_lse``,
-``return_weights``, ``softcap``.
+``return_weights``, ``softcap``, float64 (see ``CAPABILITIES``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest
+from attnzoo.functional._request import AttnRequest, Capabilities
 
-UNSUPPORTED = frozenset({"return_lse", "return_weights", "softcap"})
+#: What this backend cannot do (feature names of ``AttnRequest.features()``).
+CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64"}))
 
 
 def dense_mask(r: AttnRequest) -> Tensor | None:

@@ -1,0 +1,206 @@
+"""Sequence layouts: which global positions every rank holds, and cutting/gathering sequences.
+
+``"contiguous"``: rank ``r`` holds one run of positions, split like ``torch.tensor_split``.
+``"zigzag"``: the sequence is cut into ``2P`` chunks and rank ``r`` holds chunks ``r`` and
+``2P - 1 - r`` (equal causal work on every rank). See :mod:`attnzoo.distributed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, wait
+
+__all__ = ["LAYOUTS", "Segment", "gather_sequence", "segments", "shard_positions", "shard_sequence"]
+
+#: Sequence layouts understood by every function of this package.
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: object, fn: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
+    assert isinstance(layout, str)
+    return layout
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of ``length`` tokens stored at ``local_lo ..`` in a shard, at ``global_lo ..`` in the sequence."""
+
+    local_lo: int
+    length: int
+    global_lo: int
+
+
+def contiguous_lengths(seq_len: int, world_size: int) -> list[int]:
+    base, extra = divmod(seq_len, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def segments(layout: str, lengths: Sequence[int], rank: int) -> list[Segment]:
+    """The runs of global positions held by ``rank`` given every rank's shard length."""
+    if layout == "contiguous":
+        return [Segment(0, lengths[rank], sum(lengths[:rank]))]
+    p = len(lengths)
+    c = lengths[rank] // 2
+    return [Segment(0, c, rank * c), Segment(c, c, (2 * p - 1 - rank) * c)]
+
+
+def check_seq_len(seq_len: int, world_size: int, layout: str, fn: str) -> None:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise TypeError(f"{fn}: seq_len must be an int, got {type(seq_len).__name__}")
+    if seq_len < world_size:
+        raise ValueError(f"{fn}: a sequence of {seq_len} tokens cannot give every one of "
+                         f"{world_size} ranks a token")
+    if layout == "zigzag" and seq_len % (2 * world_size):
+        raise ValueError(f"{fn}: the zigzag layout needs the sequence length divisible by 2 * world_size = "
+                         f"{2 * world_size}, got {seq_len}; pad the sequence (and mask the padding) or use "
+                         f"layout='contiguous'")
+
+
+def shard_positions(
+    seq_len: int,
+    *,
+    group: Any = None,
+    layout: str = "contiguous",
+    rank: int | None = None,
+    world_size: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Global positions of the tokens this rank holds, in local order (``int64 [n]``).
+
+    Feed them to rotary embeddings (``positions=``) or use them to pick the matching targets.
+
+    Args:
+        seq_len: global sequence length ``N``.
+        group: process group (default: the world); ignored when ``rank``/``world_size`` are given.
+        layout: ``"contiguous"`` or ``"zigzag"`` (see the module docstring).
+        rank, world_size: compute the shard of another rank without a process group.
+        device: device of the result.
+    """
+    fn = "shard_positions"
+    layout = check_layout(layout, fn)
+    r, p = rank_and_size(group, rank, world_size, fn)
+    check_seq_len(seq_len, p, layout, fn)
+    lengths = contiguous_lengths(seq_len, p) if layout == "contiguous" else [seq_len // p] * p
+    parts = [torch.arange(s.global_lo, s.global_lo + s.length, device=device) for s in segments(layout, lengths, r)]
+    return torch.cat(parts)
+
+
+def shard_sequence(
+    x: Tensor,
+    dim: int = 1,
+    *,
+    group: Any = None,
+    layout: str = "contiguous",
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> Tensor:
+    """This rank's shard of a full sequence held by every rank (e.g. a batch of tokens).
+
+    Args:
+        x: any tensor with the sequence along ``dim`` (``[B, N, C]`` with ``dim=1``,
+            ``[B, H, N, D]`` with ``dim=2``, tokens ``[B, N]`` with ``dim=1``).
+        dim: the sequence dimension.
+        group, layout, rank, world_size: as in :func:`shard_positions`.
+
+    Returns:
+        The tokens at :func:`shard_positions` along ``dim`` (a new contiguous tensor). No
+        communication happens: every rank must already hold the same ``x``.
+    """
+    fn = "shard_sequence"
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(1, x.dim()):
+        raise ValueError(f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{tuple(x.shape)}, got {dim!r}")
+    pos = shard_positions(x.shape[dim], group=group, layout=layout, rank=rank, world_size=world_size,
+                          device=x.device)
+    return x.index_select(dim, pos)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """all_gather along a dimension, reordered to global positions; backward: sum over ranks, slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: Any, layout: str, timeout: timedelta | None) -> Tensor:  # type: ignore[override]
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        x = x.contiguous()
+        n_local = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
+        lengths_t = [torch.zeros_like(n_local) for _ in range(size)]
+        wait(dist.all_gather(lengths_t, n_local, group=group, async_op=True), timeout, rank,
+              "gather_sequence: the all_gather of shard lengths")
+        lengths = [int(t.item()) for t in lengths_t]
+        if layout == "zigzag" and (len(set(lengths)) != 1 or lengths[0] % 2):
+            raise ValueError(f"gather_sequence: the zigzag layout needs equal, even shard lengths on every "
+                             f"rank, got {lengths}")
+        n_max = max(lengths)
+        shape = list(x.shape)
+        shape[dim] = n_max
+        padded = x.new_zeros(shape)
+        padded.narrow(dim, 0, x.shape[dim]).copy_(x)
+        bufs = [torch.empty_like(padded) for _ in range(size)]
+        wait(dist.all_gather(bufs, padded, group=group, async_op=True), timeout, rank,
+              "gather_sequence: the all_gather of shards")
+        pieces = [b.narrow(dim, 0, n) for b, n in zip(bufs, lengths, strict=True)]
+        pos = torch.cat([torch.arange(s.global_lo, s.global_lo + s.length, device=x.device)
+                         for r in range(size) for s in segments(layout, lengths, r)])
+        full = torch.cat(pieces, dim=dim).index_select(dim, torch.argsort(pos))
+        ctx.dim, ctx.group, ctx.timeout = dim, group, timeout
+        ctx.my_pos = torch.cat([torch.arange(s.global_lo, s.global_lo + s.length, device=x.device)
+                                for s in segments(layout, lengths, rank)])
+        return full
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        g = grad.contiguous().clone()
+        wait(dist.all_reduce(g, group=ctx.group, async_op=True), ctx.timeout, dist.get_rank(ctx.group),
+              "gather_sequence backward: the all_reduce of gradients")
+        return g.index_select(ctx.dim, ctx.my_pos), None, None, None, None
+
+
+def gather_sequence(
+    x: Tensor,
+    dim: int = 1,
+    *,
+    group: Any = None,
+    layout: str = "contiguous",
+    timeout: float | timedelta | None = None,
+) -> Tensor:
+    """The full sequence from every rank's shard (inverse of :func:`shard_sequence`), on every rank.
+
+    Args:
+        x: this rank's shard, sequence along ``dim``; shards may differ in length along ``dim``
+            (``"contiguous"``), every other dimension must agree.
+        dim: the sequence dimension.
+        group: process group (default: the world).
+        layout: the layout the shards were cut with.
+        timeout: seconds (or a timedelta) to wait for the other ranks; default: the group's.
+
+    Returns:
+        ``x`` with the whole sequence along ``dim``, in global order. Differentiable: the gradient
+        of a shard is the sum over ranks of the gradients at its positions (so if every rank
+        computes the same loss from the gathered tensor, gradients are ``world_size`` times the
+        single-process ones; compute the loss on local shards instead).
+    """
+    fn = "gather_sequence"
+    require_dist(fn)
+    layout = check_layout(layout, fn)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(1, x.dim()):
+        raise ValueError(f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{tuple(x.shape)}, got {dim!r}")
+    out = _GatherSequence.apply(x, dim % x.dim(), group, layout, as_timeout(timeout))
+    assert isinstance(out, Tensor)
+    return out
+
+
