@@ -119,3 +119,20 @@ def test_bad_input() -> None:
         m(torch.randn(2, 6, C), mask=torch.ones(2, 1, 1, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="causal=True"):
         m(torch.randn(1, 1, C), cache=az.KVCache(1, 4, H, C // H))
+
+
+@pytest.mark.parametrize(("bad", "exc"), [(("a",), TypeError), (0, TypeError), ("0", TypeError), ((1.5,), TypeError),
+                                          (torch.tensor([0.5]), TypeError)])
+def test_bad_global_tokens_are_clear_errors(bad, exc) -> None:
+    with pytest.raises(exc, match="global_tokens"):
+        az.LocalGlobalAttention(C, H, window=2, global_tokens=bad)
+
+
+def test_global_tokens_as_a_tensor_and_pickling() -> None:
+    import pickle
+
+    m = az.LocalGlobalAttention(C, H, window=2, global_tokens=torch.tensor([0, 3]), causal=True).eval()
+    assert m.global_positions == (0, 3)
+    x = torch.randn(1, 8, C)
+    with torch.no_grad():
+        assert torch.equal(pickle.loads(pickle.dumps(m))(x), m(x))
