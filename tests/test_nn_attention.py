@@ -462,7 +462,7 @@ def test_attend_seam_is_the_only_way_to_the_core() -> None:
         assert m.attend_fn is az.attention
         seen: list[set[str]] = []
 
-        def spy(q, k, v, **kw):
+        def spy(q, k, v, seen=seen, **kw):
             seen.append(set(kw))
             return az.attention(q, k, v, **kw)
 
