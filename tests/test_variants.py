@@ -143,3 +143,21 @@ def test_every_spec_builds_with_its_check_and_arena_settings() -> None:
         assert build_attention(name, 64, 4, **spec.arena_settings(64, 4, 8)) is not None, name
         cfg = resolve_config(name, 32, 4)
         assert cfg.name == name
+
+
+def test_adding_a_variant_doc_example_runs() -> None:
+    """docs/adding-a-variant.md's module file, run as written, registers a working variant."""
+    import re
+    from pathlib import Path
+
+    import attnzoo as az
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "adding-a-variant.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    try:
+        exec(compile(code, "adding-a-variant.md", "exec"), {"__name__": "__doc_example__"})
+        assert "capped" in VARIANTS
+        assert build_attention("capped", 32, 4, **VARIANTS["capped"].check)(torch.randn(1, 6, 32)).shape == (1, 6, 32)
+        assert az.cost.estimate("capped", 10**6, 32, 4).flops > 0
+    finally:
+        VARIANTS.pop("capped", None)
