@@ -232,15 +232,18 @@ class AttentionBase(nn.Module):
 
     @staticmethod
     def guarded(cache: Any, fn: Callable[[], T]) -> T:
-        """Run ``fn()``; if it raises, roll ``cache`` back to where it was (no cache: just run it)."""
+        """Run ``fn()``; if it raises, roll ``cache`` back to where it was, else commit (no cache: just
+        run it)."""
         if cache is None:
             return fn()
         mark = cache.mark()
         try:
-            return fn()
+            out = fn()
         except BaseException:
             cache.rollback(mark)
             raise
+        cache.commit(mark)
+        return out
 
     # ------------------------------------------------------------------ the attend seam
     def attend(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Any:

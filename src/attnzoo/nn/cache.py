@@ -13,8 +13,9 @@ and infini modules have recurrent-state caches with the same members):
   are contiguous, ``length - Nk .. length - 1`` after the update): the module then calls
   :func:`attnzoo.attention` with the matching ``q_offset`` and its ``causal``/``window``/ALiBi, and
   the core applies them. A recurrent-state cache returns its state and the new tokens' positions;
-* ``mark()`` / ``rollback(mark)``: a module takes a mark before updating and rolls back to it when
-  its call raises, so a failed call leaves the cache exactly as it was.
+* ``mark()`` / ``rollback(mark)`` / ``commit(mark)``: a module takes a mark before updating, rolls
+  back to it when its call raises (a failed call leaves the cache exactly as it was) and commits
+  when it succeeds (the cache drops what a rollback would have needed).
 
 A module called with ``cache=...`` receives only the NEW tokens, which sit at positions
 ``cache.length ..``; it writes their keys and values by position and advances ``length``.
@@ -79,6 +80,9 @@ class _CacheBase:
         assert isinstance(mark, int)
         self.length = mark
 
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
+
     def _check_new(self, k_new: object, v_new: object) -> tuple[Tensor, Tensor]:
         name = type(self).__name__
         for arg, t in (("k_new", k_new), ("v_new", v_new)):
@@ -124,7 +128,6 @@ class KVCache(_CacheBase):
                  dtype: torch.dtype | None = None) -> None:
         self.max_len = _check_int(max_len, "max_len", 1)
         super().__init__(batch_size, self.max_len, num_kv_heads, head_dim, v_head_dim, device, dtype)
-        self._positions = torch.arange(self.max_len, device=self.k.device)
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Append ``k_new [B, Hkv, n, D]``, ``v_new [B, Hkv, n, Dv]``; return ``(k, v, positions)``:
@@ -140,7 +143,7 @@ class KVCache(_CacheBase):
         self.k.index_copy_(2, idx, k_new)
         self.v.index_copy_(2, idx, v_new)
         self.length = start + n
-        return self.k[:, :, : self.length], self.v[:, :, : self.length], self._positions[: self.length]
+        return self.k[:, :, : self.length], self.v[:, :, : self.length], torch.arange(self.length, device=idx.device)
 
     def keys(self) -> Tensor:
         """Cached keys ``[B, Hkv, length, D]`` (a view)."""
@@ -210,6 +213,10 @@ class SlidingWindowKVCache(_CacheBase):
         self.v.index_copy_(2, slots, v_old)
         self.slot_positions.index_copy_(0, slots, pos_old)
         self.length = mark
+        self._undo = None
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
         self._undo = None
 
     @property

@@ -121,6 +121,9 @@ class RecurrentStateCache:
         """An opaque token of the current state (the tensors are replaced, not written, by updates)."""
         return (self.length, self.S, self.z, self.version)
 
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
+
     def rollback(self, mark: object) -> None:
         """Return to the state ``mark`` was taken in."""
         assert isinstance(mark, tuple)

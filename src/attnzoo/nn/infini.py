@@ -91,6 +91,9 @@ class InfiniCache:
         """An opaque token of the current state (updates replace the state object)."""
         return (self.length, self.state)
 
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
+
     def rollback(self, mark: object) -> None:
         """Return to the state ``mark`` was taken in."""
         assert isinstance(mark, tuple)
