@@ -99,12 +99,14 @@ def _block_direct(cfg: VariantConfig, n: int, i: int, gs: list[int], rows: bool 
     return sum(keys_of(t) for t in tiles), len(tiles)
 
 
-def _bulk_window(cfg: VariantConfig, n: int, m: int) -> tuple[int, int, int, int | None]:
-    """Sums over the ``m`` full query blocks of tile bounds: ``(sum kbh + 1, sum kbl, c_l, c_h)``."""
+def _bulk_window(cfg: VariantConfig, n: int, m: int) -> tuple[int, int, int | None, int | None]:
+    """Sums over the ``m`` full query blocks ``i`` of their first and last key tiles
+    ``kbl_i = max(0, i + c_l)`` and ``kbh_i = min(nkb - 1, i + c_h)``: ``(sum(kbh + 1), sum(kbl), c_l,
+    c_h)``, with ``c_l`` / ``c_h`` ``None`` for an unbounded side (``kbl = 0``, ``kbh = nkb - 1``)."""
     nkb = -(-n // BLOCK)
     left, right = cfg.window if cfg.window is not None else (None, None)
-    c_l = 0 if left is None else (-left) // BLOCK
-    sum_kbl = 0 if left is None else _sum_clip(m, c_l, 0, None)
+    c_l = None if left is None else (-left) // BLOCK
+    sum_kbl = 0 if c_l is None else _sum_clip(m, c_l, 0, None)
     if cfg.causal:
         c_h: int | None = 0
         sum_kbh = _sum_clip(m, 0, None, nkb - 1)
@@ -114,7 +116,7 @@ def _bulk_window(cfg: VariantConfig, n: int, m: int) -> tuple[int, int, int, int
     else:
         c_h = (BLOCK - 1 + right) // BLOCK
         sum_kbh = _sum_clip(m, c_h, None, nkb - 1)
-    return sum_kbh + m, sum_kbl, c_l if left is not None else -(10 ** 18), c_h
+    return sum_kbh + m, sum_kbl, c_l, c_h
 
 
 @lru_cache(maxsize=256)
@@ -133,7 +135,7 @@ def block_pairs(cfg: VariantConfig, n: int) -> tuple[int, int]:
         keys -= pad * min(m, max(0, m - max(0, nkb - 1 - c_h)))
     for gt in sorted({g // BLOCK for g in gs}):  # global key tiles outside a block's window
         kt = min(n, (gt + 1) * BLOCK) - gt * BLOCK
-        count = min(m, max(0, m - (gt - c_l + 1)))  # blocks whose window starts after gt
+        count = 0 if c_l is None else min(m, max(0, m - (gt - c_l + 1)))  # blocks whose window starts after gt
         if not cfg.causal and c_h is not None:
             count += min(m, max(0, gt - c_h))  # blocks whose window ends before gt
         tiles, keys = tiles + count, keys + count * kt
