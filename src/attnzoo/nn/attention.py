@@ -321,13 +321,15 @@ class MultiHeadAttention(AttentionBase):
         q, k = qk[:, :H], qk[:, H:]  # [B, H, N, D], [B, Hkv, N, D]
         if cache is not None:
             k, v, _ = cache.update(k, v)  # the keys the new queries may need, in position order
-        return self._attend_keys(q, k, v, mask, start, total - k.shape[2], return_weights)
+        return self._attend_keys(q, k, v, mask, start, total - k.shape[2], return_weights, decoding=cache is not None)
 
     def _attend_keys(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, start: int, first: int,
-                     return_weights: bool) -> tuple[Tensor, Tensor | None]:
+                     return_weights: bool, *, decoding: bool) -> tuple[Tensor, Tensor | None]:
         """Attend from queries at ``start ..`` to keys at the contiguous positions ``first ..``:
         the core applies causal, window and ALiBi through ``q_offset``; a user mask over absolute
-        key positions is sliced (tensor) or shifted (Mask) to the held keys."""
+        key positions is sliced (tensor) or shifted (Mask) to the held keys. Without a cache the
+        request reaches ``attend`` as the module states it (a swapped ``attend_fn``, e.g. ring
+        attention over a sharded sequence, sees the module's own causal/window)."""
         B, _, N, _ = q.shape
         total = start + N
         structure = self._structure()
@@ -342,7 +344,7 @@ class MultiHeadAttention(AttentionBase):
         if structure is None:
             mask = _shift_mask(mask, first, total)
         q_offset, n_k = start - first, k.shape[2]
-        if N == 1 and structure is None and q_offset == n_k - 1:
+        if decoding and N == 1 and structure is None and q_offset == n_k - 1:
             # One query at the last position: causality hides nothing, nor does a window that
             # reaches the first key.
             causal = False
