@@ -161,3 +161,12 @@ def test_adding_a_variant_doc_example_runs() -> None:
         assert az.cost.estimate("capped", 10**6, 32, 4).flops > 0
     finally:
         VARIANTS.pop("capped", None)
+
+
+def test_every_registered_module_is_on_the_one_base() -> None:
+    from attnzoo.nn.base import AttentionBase
+
+    for name, spec in VARIANTS.items():
+        m = build_attention(name, 32, 4, **spec.check)
+        assert isinstance(m, AttentionBase), name
+        assert len(m.qkv_weights()) == 3 and m.attend_fn is not None, name
