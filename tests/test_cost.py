@@ -145,3 +145,56 @@ def test_other_families_flops_and_memory(name: str, kw: dict) -> None:
     mod.train()
     act = measure_activation_bytes(lambda: mod(x), exclude=[*mod.parameters(), *mod.buffers()])
     assert abs(est.activation_bytes - act) <= 0.25 * act, f"{name}: {est.activation_bytes} vs {act}"
+
+
+# ----------------------------------------------------------------------------- options, scale, closed form
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [("mha", {"window": 8}), ("mqa", {"num_kv_heads": 2}), ("gqa", {"segment_len": 8}), ("linear", {"window": 4}),
+     ("linear", {"num_features": 64}), ("performer", {"global_tokens": (0,)}), ("infini", {"chunk_size": 8}),
+     ("sliding", {"num_features": 8})],
+)
+def test_options_that_do_not_apply_raise(name: str, kw: dict) -> None:
+    with pytest.raises(ValueError, match="do not apply"):
+        estimate(name, 64, 64, 8, **kw)
+
+
+def test_causal_false_raises_for_a_causal_only_variant() -> None:
+    with pytest.raises(ValueError, match="causal=False"):
+        estimate("infini", 64, 64, 8, causal=False)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_closed_form_at_a_billion_tokens(name: str) -> None:
+    """No tensor of size N (or (N/128)^2) is built: N = 10^9 is answered at once."""
+    est = estimate(name, 10**9, 4096, 32, backend="auto")
+    assert est.flops > 0 and est.kv_cache_bytes >= 0 and 0 < est.visible_fraction <= 1
+    for backend in ("tiled", "flex", "ideal"):
+        assert estimate(name, 10**9, 4096, 32, backend=backend).flops_attention > 0
+
+
+@pytest.mark.parametrize(
+    ("n", "causal", "window", "glob"),
+    [(300, True, (40, 0), ()), (700, False, (130, 5), ()), (129, True, None, ()), (1000, True, (3, 0), (0, 500)),
+     (513, False, (40, 40), (2, 300, 512)), (256, False, None, ())],
+)
+def test_block_pairs_equal_counting_the_tiles(n: int, causal: bool, window, glob) -> None:
+    """The closed-form tile count equals the non-empty 128 x 128 tiles of the materialised mask."""
+    from attnzoo.nn.costs import BLOCK, block_pairs
+    from attnzoo.nn.spec import VariantConfig
+
+    cfg = VariantConfig("x", 64, 8, 8, 8, causal, window, glob)
+    m = az.masks.causal() if causal else None
+    if window is not None:
+        w = az.masks.sliding_window(*window)
+        w = w | az.masks.global_tokens(list(glob)) if glob else w
+        m = w if m is None else m & w
+    dense = torch.ones(n, n, dtype=torch.bool) if m is None else m.materialize(1, 1, n, n)[0, 0]
+    pairs = tiles = 0
+    for i in range(0, n, BLOCK):
+        for j in range(0, n, BLOCK):
+            tile = dense[i:i + BLOCK, j:j + BLOCK]
+            if tile.any():
+                tiles, pairs = tiles + 1, pairs + tile.numel()
+    assert block_pairs(cfg, n) == (pairs, tiles)
+    assert visible_pairs(cfg, n) == int(dense.sum())

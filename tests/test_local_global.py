@@ -7,7 +7,6 @@ import torch
 
 import attnzoo as az
 from attnzoo.masks import Mask
-from attnzoo.nn import attention as attention_module
 
 C, H = 32, 4
 
@@ -71,17 +70,17 @@ def test_user_masks_compose_with_the_pattern() -> None:
         assert (m(x, mask=bias) - want_b).abs().max() < 1e-5
 
 
-def test_the_pattern_reaches_attention_as_a_mask_object(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No N x N tensor is built by the module: attention() receives a Mask predicate."""
+def test_the_pattern_reaches_attention_as_a_mask_object() -> None:
+    """No N x N tensor is built by the module: attention() receives a Mask predicate (seen through
+    the public attend seam, ``module.attend_fn``)."""
     seen = []
-    real_attention = attention_module.attention
 
     def spy(q, k, v, **kw):
         seen.append(kw["mask"])
-        return real_attention(q, k, v, **kw)
+        return az.attention(q, k, v, **kw)
 
-    monkeypatch.setattr(attention_module, "attention", spy)
     m = az.LocalGlobalAttention(C, H, window=4, global_tokens=(0,), causal=True).eval()
+    m.attend_fn = spy
     x = torch.randn(1, 64, C)
     with torch.no_grad():
         m(x)
@@ -120,3 +119,20 @@ def test_bad_input() -> None:
         m(torch.randn(2, 6, C), mask=torch.ones(2, 1, 1, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="causal=True"):
         m(torch.randn(1, 1, C), cache=az.KVCache(1, 4, H, C // H))
+
+
+@pytest.mark.parametrize(("bad", "exc"), [(("a",), TypeError), (0, TypeError), ("0", TypeError), ((1.5,), TypeError),
+                                          (torch.tensor([0.5]), TypeError)])
+def test_bad_global_tokens_are_clear_errors(bad, exc) -> None:
+    with pytest.raises(exc, match="global_tokens"):
+        az.LocalGlobalAttention(C, H, window=2, global_tokens=bad)
+
+
+def test_global_tokens_as_a_tensor_and_pickling() -> None:
+    import pickle
+
+    m = az.LocalGlobalAttention(C, H, window=2, global_tokens=torch.tensor([0, 3]), causal=True).eval()
+    assert m.global_positions == (0, 3)
+    x = torch.randn(1, 8, C)
+    with torch.no_grad():
+        assert torch.equal(pickle.loads(pickle.dumps(m))(x), m(x))

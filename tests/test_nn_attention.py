@@ -366,3 +366,130 @@ def test_docs_modules_examples_run() -> None:
     for i, code in enumerate(blocks):
         torch.manual_seed(i)
         exec(compile(code, f"docs/modules.md[block {i}]", "exec"), {})
+
+
+# ----------------------------------------------------------------------------- a failed call changes nothing
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("bad", ["mask_shape", "mask_dtype", "backend"])
+def test_failed_call_leaves_the_cache_exactly_as_it_was(variant: str, bad: str) -> None:
+    """Issue 14, defect 1: decode 5 tokens, make a call that raises, then keep decoding: the cache
+    (length, buffers, ring slots) is unchanged and later outputs still equal the full forward."""
+    torch.manual_seed(11)
+    m = build(variant, rope=True).eval()
+    x = torch.randn(2, 9, DIM)
+    with torch.no_grad():
+        full = m(x)
+        cache = m.init_cache(2, 9)
+        outs = [m(x[:, :5], cache=cache)]
+        # what the cache holds: a KVCache its first `length` slots (later slots are unused), a ring all
+        before = {n: t.clone() for n, t in _held(cache).items()}
+        call = {"mask_shape": dict(mask=torch.ones(2, 1, 1, 3, dtype=torch.bool)),
+                "mask_dtype": dict(mask=torch.ones(2, 1, 1, 6, dtype=torch.int64)),
+                "backend": dict(return_weights=True)}[bad]
+        if bad == "backend":
+            m.backend = "sdpa"  # sdpa cannot return weights: the core raises after the keys were written
+        with pytest.raises((ValueError, TypeError)):
+            m(x[:, 5:6], cache=cache, **call)
+        m.backend = "auto"
+        assert cache.length == 5, f"{variant}/{bad}: length moved to {cache.length}"
+        for n, t in _held(cache).items():
+            assert torch.equal(before[n], t), f"{variant}/{bad}: cache.{n} changed"
+        outs += [m(x[:, i:i + 1], cache=cache) for i in range(5, 9)]
+    assert max_err(torch.cat(outs, dim=1), full) < 1e-5
+
+
+def _held(cache) -> dict[str, torch.Tensor]:
+    if isinstance(cache, az.KVCache):
+        return {"k": cache.k[:, :, :cache.length], "v": cache.v[:, :, :cache.length]}
+    return {"k": cache.k, "v": cache.v, "slot_positions": cache.slot_positions}
+
+
+# ----------------------------------------------------------------------------- issue 14: module inputs
+ALL_MODULES = [
+    lambda: az.MultiHeadAttention(DIM, HEADS, causal=True, rope=True, alibi=True),
+    lambda: az.MultiHeadAttention(DIM, HEADS, kv_dim=24),
+    lambda: az.GroupedQueryAttention(DIM, HEADS, num_kv_heads=2, causal=True),
+    lambda: az.MultiQueryAttention(DIM, HEADS, causal=True),
+    lambda: az.SlidingWindowAttention(DIM, HEADS, window=3),
+    lambda: az.LocalGlobalAttention(DIM, HEADS, window=2, global_tokens=(0, 5), causal=True),
+    lambda: az.LinearAttention(DIM, HEADS, causal=True),
+    lambda: az.PerformerAttention(DIM, HEADS, num_features=16, seed=0),
+    lambda: az.InfiniAttention(DIM, HEADS, segment_len=4),
+]
+
+
+@pytest.mark.parametrize("make", ALL_MODULES)
+def test_every_module_pickles_and_deep_copies(make) -> None:
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    m = make().eval()
+    x = torch.randn(1, 6, DIM)
+    args = (x, torch.randn(1, 3, 24)) if getattr(m, "kv_dim", None) else (x,)
+    with torch.no_grad():
+        want = m(*args)
+        for twin in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+            assert torch.equal(twin(*args), want), type(m).__name__
+
+
+@pytest.mark.parametrize("make", ALL_MODULES)
+def test_integer_x_is_a_type_error_naming_x(make) -> None:
+    with pytest.raises(TypeError, match=r"\bx must be a floating-point tensor"):
+        make()(torch.ones(1, 4, DIM, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -1.0, 0.0, "1"])
+def test_bad_scale_rejected_at_construction(scale) -> None:
+    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+        az.MultiHeadAttention(64, 4, scale=scale)
+
+
+def test_unknown_keyword_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        az.MultiHeadAttention(64, 4, windw=3)
+
+
+def test_attend_seam_is_the_only_way_to_the_core() -> None:
+    """Swapping ``attend_fn`` (what context parallelism does) changes every softmax call; the
+    default is attnzoo.attention and receives exactly its keywords."""
+    import inspect
+
+    keywords = set(inspect.signature(az.attention).parameters) - {"q", "k", "v"}
+    torch.manual_seed(1)
+    for variant in VARIANTS:
+        m = build(variant, alibi=True).eval()
+        assert m.attend_fn is az.attention
+        seen: list[set[str]] = []
+
+        def spy(q, k, v, seen=seen, **kw):
+            seen.append(set(kw))
+            return az.attention(q, k, v, **kw)
+
+        x = torch.randn(1, 7, DIM)
+        with torch.no_grad():
+            want = m(x)
+            m.attend_fn = spy
+            cache = m.init_cache(1, 7)
+            got = torch.cat([m(x[:, :4]), m(x[:, :4], cache=cache)[:, :0], m(x[:, 4:], cache=cache)], dim=1)
+        assert len(seen) == 3 and all(s <= keywords for s in seen), (variant, seen)
+        assert max_err(got[:, 4:], want[:, 4:]) < 1e-5 and max_err(got[:, :4], want[:, :4]) < 1e-5
+
+
+def test_sliding_cache_with_a_mask_over_absolute_keys() -> None:
+    """The sliding cache hands back only the keys it holds; a user mask over every written key
+    (a tensor, or a Mask that is not a function of q - k) is sliced / shifted to them."""
+    torch.manual_seed(5)
+    m = build("sliding", alibi=True).eval()
+    x = torch.randn(2, 10, DIM)
+    keep = torch.rand(2, 10) > 0.3
+    keep[:, 0] = True
+    first = az.masks.Mask(lambda b, h, q, k: (k != 7) | (q != 9), "hide key 7 from query 9")
+    with torch.no_grad():
+        for full_mask, mask_at in ((keep[:, None, None, :], lambda n: keep[:, None, None, :n]),
+                                   (first, lambda n: first)):
+            full = m(x, mask=full_mask)
+            cache = m.init_cache(2, 10)
+            out = torch.cat([m(x[:, :4], cache=cache, mask=mask_at(4))]
+                            + [m(x[:, i:i + 1], cache=cache, mask=mask_at(i + 1)) for i in range(4, 10)], dim=1)
+            assert max_err(out, full) < 1e-5

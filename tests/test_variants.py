@@ -91,3 +91,82 @@ def test_window_int_means_left_side_with_causal() -> None:
 def test_bad_input(call, exc, words) -> None:
     with pytest.raises(exc, match=words):
         call()
+
+
+# ----------------------------------------------------------------------------- adding a variant
+def test_a_variant_defined_here_appears_everywhere() -> None:
+    """docs/adding-a-variant.md, proved: a module class, its spec and a cost function in ONE file
+    (this one) make a variant that the registry, build_attention and cost.estimate all know."""
+    from torch import nn
+
+    import attnzoo as az
+    from attnzoo.nn.base import AttentionBase
+    from attnzoo.nn.costs import softmax_cost
+    from attnzoo.variants import VariantSpec, register
+
+    class CappedAttention(AttentionBase):
+        """Softmax attention with tanh-capped scores (a toy variant)."""
+
+        def __init__(self, dim: int, num_heads: int, causal: bool = True, cap: float = 5.0) -> None:
+            super().__init__(dim, num_heads, layout="qkv")
+            self.causal, self.cap = causal, cap
+
+        def forward(self, x, context=None, *, mask=None, cache=None, positions=None, return_weights=False):
+            x = self.check_call(x, cache, positions, return_weights)
+            q, k, v = self.project_qkv(x)
+            return self.merge_heads(self.attend(q, k, v, causal=self.causal, softcap=self.cap, mask=mask))
+
+    def build(dim: int, num_heads: int, *, causal: bool = True, **kw) -> nn.Module:
+        return CappedAttention(dim, num_heads, causal=causal, **kw)
+
+    spec = VariantSpec("capped_test", "softmax", True, "O(N C^2 + N^2 C)", "O(N)", "K,V of every head", build,
+                       lambda cfg, shape: softmax_cost(cfg, shape), check={"cap": 2.0})
+    register(spec)
+    try:
+        assert VARIANTS["capped_test"] is spec and "capped_test" in variant_names()
+        m = build_attention("capped_test", 32, 4, cap=3.0)
+        assert isinstance(m, CappedAttention) and m.cap == 3.0
+        assert m(torch.randn(2, 5, 32)).shape == (2, 5, 32)
+        est = az.cost.estimate("capped_test", 256, 32, 4, backend="sdpa")
+        assert est.flops == az.cost.estimate("mha", 256, 32, 4, backend="sdpa").flops
+        with pytest.raises(ValueError, match="do not apply"):
+            az.cost.estimate("capped_test", 256, 32, 4, window=8)
+        with pytest.raises(ValueError, match="already registered"):
+            register(VariantSpec("capped_test", "softmax", True, "", "", "", build, spec.cost))
+    finally:
+        VARIANTS.pop("capped_test")
+
+
+def test_every_spec_builds_with_its_check_and_arena_settings() -> None:
+    for name, spec in VARIANTS.items():
+        assert build_attention(name, 32, 4, **spec.check) is not None, name
+        assert build_attention(name, 64, 4, **spec.arena_settings(64, 4, 8)) is not None, name
+        cfg = resolve_config(name, 32, 4)
+        assert cfg.name == name
+
+
+def test_adding_a_variant_doc_example_runs() -> None:
+    """docs/adding-a-variant.md's module file, run as written, registers a working variant."""
+    import re
+    from pathlib import Path
+
+    import attnzoo as az
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "adding-a-variant.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    try:
+        exec(compile(code, "adding-a-variant.md", "exec"), {"__name__": "__doc_example__"})
+        assert "capped" in VARIANTS
+        assert build_attention("capped", 32, 4, **VARIANTS["capped"].check)(torch.randn(1, 6, 32)).shape == (1, 6, 32)
+        assert az.cost.estimate("capped", 10**6, 32, 4).flops > 0
+    finally:
+        VARIANTS.pop("capped", None)
+
+
+def test_every_registered_module_is_on_the_one_base() -> None:
+    from attnzoo.nn.base import AttentionBase
+
+    for name, spec in VARIANTS.items():
+        m = build_attention(name, 32, 4, **spec.check)
+        assert isinstance(m, AttentionBase), name
+        assert len(m.qkv_weights()) == 3 and m.attend_fn is not None, name

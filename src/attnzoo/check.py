@@ -40,6 +40,7 @@ from torch import Tensor
 
 import attnzoo.masks as M
 from attnzoo._devices import resolve_device
+from attnzoo.variants import VARIANTS
 
 __all__ = [
     "BackendCase",
@@ -393,14 +394,10 @@ def _decode_error(mod: torch.nn.Module, x: Tensor, chunk: int) -> float:
 #: float32 decode-vs-full tolerance (outputs are O(1); observed errors ~1e-7)
 DECODE_TOL = 2e-5
 
-#: Small settings so that 24 tokens wrap the sliding ring buffer, cross Infini segments and chunks.
-_CHECK_SETTINGS: dict[str, dict[str, Any]] = {
-    "sliding": {"window": 6},
-    "local_global": {"window": 4, "global_tokens": (0, 9)},
-    "linear": {"chunk_size": 5},
-    "performer": {"chunk_size": 5, "num_features": 32},
-    "infini": {"segment_len": 8},
-}
+#: Small settings so that 24 tokens wrap the sliding ring buffer, cross Infini segments and chunks:
+#: each variant declares its own (``VariantSpec.check``).
+def _check_settings(name: str) -> dict[str, Any]:
+    return dict(VARIANTS[name].check)
 
 
 def check_variants(
@@ -436,7 +433,7 @@ def check_variants(
     for name in names:
         spec = VARIANTS[name]
         torch.manual_seed(seed)
-        kw = _CHECK_SETTINGS.get(name, {})
+        kw = _check_settings(name)
         mod = _try_build(name, dim, heads, **kw)
         if mod is None:
             row = CheckRow("variant", name, "module", status="missing")
@@ -526,7 +523,7 @@ def check_models(
             from attnzoo.models import DecoderLM
 
             torch.manual_seed(seed)
-            model = DecoderLM(61, 32, 2, 4, attention=name, attention_kwargs=_CHECK_SETTINGS.get(name) or None)
+            model = DecoderLM(61, 32, 2, 4, attention=name, attention_kwargs=_check_settings(name) or None)
         except (ImportError, AttributeError):
             row.status = "missing"
             rows.append(row)

@@ -172,8 +172,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows, data = [], []
     for name, spec in VARIANTS.items():
         try:
-            est = estimate(name, args.seq_len, args.dim, args.heads, num_kv_heads=args.kv_heads if name == "gqa" else None,
-                           dtype=dt, backend="ideal")
+            kv = args.kv_heads if "num_kv_heads" in spec.options else None  # variants with KV groups
+            est = estimate(name, args.seq_len, args.dim, args.heads, num_kv_heads=kv, dtype=dt, backend="ideal")
         except (ValueError, TypeError) as exc:
             raise CLIError(f"{name}: {exc}") from None
         cap = "unbounded" if est.kv_cache_max_tokens is None else f"<= {est.kv_cache_max_tokens} tokens"

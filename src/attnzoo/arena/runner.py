@@ -36,13 +36,15 @@ from attnzoo.arena.trainer import (
     save_checkpoint,
     train,
 )
+from attnzoo.variants import VARIANTS
 
 __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
            "build_model", "run_arena", "settings_for"]
 
-DEFAULT_VARIANTS = ("mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini")
+#: Every registered variant, in the registry's order.
+DEFAULT_VARIANTS = tuple(VARIANTS)
 #: Variants whose attention runs on a ring (:func:`attnzoo.distributed.context_parallel`).
-CONTEXT_PARALLEL_VARIANTS = ("mha", "mqa", "gqa", "sliding")
+CONTEXT_PARALLEL_VARIANTS = tuple(name for name, spec in VARIANTS.items() if spec.ring)
 #: Sequence layout of ``--context-parallel``: zigzag balances causal work over the ranks.
 CONTEXT_PARALLEL_LAYOUT = "zigzag"
 TASKS = ("lm", "mqar")
@@ -162,10 +164,6 @@ def _parse_variants(text: str | None, context_parallel: bool = False) -> list[st
     return names
 
 
-#: Performer random features per head dimension in the arena's small models.
-PERFORMER_FEATURES_PER_HEAD_DIM = 2
-
-
 def _make_task(s: TaskSettings) -> Task:
     if s.task == "lm":
         return ShakespeareTask(seq_len=s.seq_len)
@@ -175,11 +173,7 @@ def _make_task(s: TaskSettings) -> Task:
 def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device) -> torch.nn.Module:
     from attnzoo.models import DecoderLM
 
-    akw: dict[str, Any] = {}
-    if s.window is not None and variant in ("sliding", "local_global"):
-        akw["window"] = s.window
-    if variant == "performer":  # F = 2 x head dim: the registry's F=256 is built for D=64 heads
-        akw["num_features"] = PERFORMER_FEATURES_PER_HEAD_DIM * (s.width // s.heads)
+    akw = VARIANTS[variant].arena_settings(s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
                       max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s)), pos=s.pos, device=device)

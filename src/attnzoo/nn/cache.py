@@ -1,11 +1,21 @@
 """Key/value caches for incremental decoding.
 
 Protocol shared by every attention module's cache (softmax caches here; the linear, performer
-and infini modules have their own state caches with the same three members):
+and infini modules have recurrent-state caches with the same members):
 
 * ``cache.length``: tokens written so far (the position of the next token);
 * ``cache.batch_size``: the batch size it was built for;
-* ``cache.reset()``: forget everything (the memory is kept and reused).
+* ``cache.nbytes``: bytes it holds;
+* ``cache.reset()``: forget everything (the memory is kept and reused);
+* ``cache.update(...)``: absorb ``n`` new tokens and return ``(keys, values, positions)``, where
+  ``positions`` is an int64 ``[Nk]`` tensor of the absolute positions of the returned keys. A
+  softmax cache returns the keys the new queries may need, **in position order** (so the positions
+  are contiguous, ``length - Nk .. length - 1`` after the update): the module then calls
+  :func:`attnzoo.attention` with the matching ``q_offset`` and its ``causal``/``window``/ALiBi, and
+  the core applies them. A recurrent-state cache returns its state and the new tokens' positions;
+* ``mark()`` / ``rollback(mark)`` / ``commit(mark)``: a module takes a mark before updating, rolls
+  back to it when its call raises (a failed call leaves the cache exactly as it was) and commits
+  when it succeeds (the cache drops what a rollback would have needed).
 
 A module called with ``cache=...`` receives only the NEW tokens, which sit at positions
 ``cache.length ..``; it writes their keys and values by position and advances ``length``.
@@ -61,6 +71,18 @@ class _CacheBase:
         """Forget every token (the buffers are reused, not freed)."""
         self.length = 0
 
+    def mark(self) -> object:
+        """An opaque token of the current state, for :meth:`rollback`."""
+        return self.length
+
+    def rollback(self, mark: object) -> None:
+        """Undo the updates since :meth:`mark` returned ``mark`` (slots past ``length`` are unused)."""
+        assert isinstance(mark, int)
+        self.length = mark
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
+
     def _check_new(self, k_new: object, v_new: object) -> tuple[Tensor, Tensor]:
         name = type(self).__name__
         for arg, t in (("k_new", k_new), ("v_new", v_new)):
@@ -89,7 +111,8 @@ class KVCache(_CacheBase):
     """A preallocated key/value cache written by position: ``k [B, Hkv, max_len, D]``, ``v [B, Hkv, max_len, Dv]``.
 
     :meth:`update` writes the ``n`` new tokens at positions ``length .. length + n - 1`` and returns
-    views of every key and value so far; ``length`` then advances by ``n``. Writing past ``max_len``
+    views of every key and value so far with their positions ``0 .. length - 1``; ``length`` then
+    advances by ``n``. Writing past ``max_len``
     raises ``ValueError``. Memory: ``batch_size * max_len * Hkv * (D + Dv) * itemsize`` bytes.
 
     Args:
@@ -106,9 +129,10 @@ class KVCache(_CacheBase):
         self.max_len = _check_int(max_len, "max_len", 1)
         super().__init__(batch_size, self.max_len, num_kv_heads, head_dim, v_head_dim, device, dtype)
 
-    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k_new [B, Hkv, n, D]``, ``v_new [B, Hkv, n, Dv]``; return ``(k, v)`` views
-        ``[B, Hkv, length, D]`` / ``[B, Hkv, length, Dv]`` of every token written so far."""
+    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Append ``k_new [B, Hkv, n, D]``, ``v_new [B, Hkv, n, Dv]``; return ``(k, v, positions)``:
+        views ``[B, Hkv, length, D]`` / ``[B, Hkv, length, Dv]`` of every token written so far and
+        their positions ``0 .. length - 1`` (int64 ``[length]``)."""
         self._check_new(k_new, v_new)
         n = k_new.shape[2]
         start = self.length
@@ -119,7 +143,7 @@ class KVCache(_CacheBase):
         self.k.index_copy_(2, idx, k_new)
         self.v.index_copy_(2, idx, v_new)
         self.length = start + n
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+        return self.k[:, :, : self.length], self.v[:, :, : self.length], torch.arange(self.length, device=idx.device)
 
     def keys(self) -> Tensor:
         """Cached keys ``[B, Hkv, length, D]`` (a view)."""
@@ -146,13 +170,12 @@ class SlidingWindowKVCache(_CacheBase):
     slot ``p % capacity``; ``slot_positions[s]`` is the absolute position in slot ``s`` (``-1`` when
     empty). Keys are stored after RoPE, so their rotation stays right after wrap-around.
 
-    :meth:`update` returns ``(k, v, key_positions)``: the keys a chunk of new queries may need and
-    their absolute positions ``[Nk]``. They are in slot order (not chronological once the ring has
-    wrapped): attention is order-free, and callers build position-based masks from
-    ``key_positions``. A single new token (decoding) gets views of the ring itself (``Nk <= w + 1``,
-    every key visible); a chunk of ``n > 1`` tokens (prefill) gets the ring's valid slots followed by
-    the ``n`` new keys (a temporary copy; the earliest new queries still need keys the chunk is about
-    to overwrite), and only the last ``min(n, w + 1)`` new tokens are written into the ring.
+    :meth:`update` returns ``(k, v, key_positions)``: the keys a chunk of new queries may need, in
+    position order, and their absolute positions ``[Nk]`` (contiguous: ``length - Nk .. length - 1``
+    after the update). A single new token (decoding) gets the ring's keys gathered in position order
+    (``Nk <= w + 1``, every key visible); a chunk of ``n > 1`` tokens (prefill) gets the ring's held
+    keys followed by the ``n`` new keys (the earliest new queries still need keys the chunk is about
+    to overwrite). Only the last ``min(n, w + 1)`` new tokens are written into the ring.
 
     Args:
         batch_size: ``B``.
@@ -171,10 +194,30 @@ class SlidingWindowKVCache(_CacheBase):
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=self.k.device)
+        self._undo: tuple[int, Tensor, Tensor, Tensor, Tensor] | None = None
 
     def reset(self) -> None:
         self.length = 0
         self.slot_positions.fill_(-1)
+        self._undo = None
+
+    def rollback(self, mark: object) -> None:
+        """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
+        assert isinstance(mark, int)
+        if self.length == mark:
+            return
+        if self._undo is None or self._undo[0] != mark:
+            raise RuntimeError("SlidingWindowKVCache.rollback: only the last update can be undone")
+        _, slots, k_old, v_old, pos_old = self._undo
+        self.k.index_copy_(2, slots, k_old)
+        self.v.index_copy_(2, slots, v_old)
+        self.slot_positions.index_copy_(0, slots, pos_old)
+        self.length = mark
+        self._undo = None
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
+        self._undo = None
 
     @property
     def num_cached(self) -> int:
@@ -182,33 +225,32 @@ class SlidingWindowKVCache(_CacheBase):
         return min(self.length, self.capacity)
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Append ``n`` tokens; return ``(k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], key_positions [Nk])``."""
+        """Append ``n`` tokens; return ``(k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], key_positions [Nk])``
+        in position order."""
         self._check_new(k_new, v_new)
         n = k_new.shape[2]
         start = self.length
         if self.max_len is not None and start + n > self.max_len:
             raise ValueError(f"SlidingWindowKVCache overflow: {start} tokens seen + {n} new > max_len={self.max_len}")
         held = self.num_cached
-        dev = self.k.device
-        new_pos = torch.arange(start, start + n, device=dev)
-        if n == 1:
-            out_k = out_v = out_pos = None
-        else:  # keep what the early queries of the chunk still need before the ring is overwritten
-            out_k = torch.cat((self.k[:, :, :held], k_new), dim=2)  # [B, Hkv, held + n, D]
-            out_v = torch.cat((self.v[:, :, :held], v_new), dim=2)
-            out_pos = torch.cat((self.slot_positions[:held], new_pos))
+        old_order = torch.arange(start - held, start, device=self.k.device) % self.capacity  # slots, by position
         keep = min(n, self.capacity)  # only the last `capacity` new tokens can still be needed later
-        pos_keep = new_pos[n - keep:]
+        pos_keep = torch.arange(start + n - keep, start + n, device=self.k.device)
         slots = pos_keep % self.capacity
+        if n > 1:  # what the early queries of the chunk still need, before the ring is overwritten
+            out_k = torch.cat((self.k.index_select(2, old_order), k_new), dim=2)  # [B, Hkv, held + n, D]
+            out_v = torch.cat((self.v.index_select(2, old_order), v_new), dim=2)
+        self._undo = (start, slots, self.k.index_select(2, slots), self.v.index_select(2, slots),
+                      self.slot_positions.index_select(0, slots))
         self.k.index_copy_(2, slots, k_new[:, :, n - keep:])
         self.v.index_copy_(2, slots, v_new[:, :, n - keep:])
         self.slot_positions.index_copy_(0, slots, pos_keep)
         self.length = start + n
-        if out_k is None:
+        if n == 1:
             h = self.num_cached
-            return self.k[:, :, :h], self.v[:, :, :h], self.slot_positions[:h]
-        assert out_v is not None and out_pos is not None
-        return out_k, out_v, out_pos
+            order = torch.arange(self.length - h, self.length, device=self.k.device) % self.capacity
+            out_k, out_v = self.k.index_select(2, order), self.v.index_select(2, order)
+        return out_k, out_v, torch.arange(self.length - out_k.shape[2], self.length, device=self.k.device)
 
     def bytes_per_token(self) -> float:
         """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""

@@ -28,33 +28,14 @@ from attnzoo.functional.linear import (
 )
 from attnzoo.functional.performer import draw_performer_projection, performer_attention
 from attnzoo.masks import Mask
+from attnzoo.nn.base import AttentionBase, check_flag
+from attnzoo.nn.costs import projection_cost
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
 __all__ = ["LinearAttention", "PerformerAttention", "RecurrentStateCache"]
 
 
 # --------------------------------------------------------------------------- shared helpers
-def check_x(cls: str, x: object, dim: int) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{cls}: x must be a tensor [B, N, C], got {type(x).__name__}")
-    if x.dim() != 3 or x.shape[-1] != dim:
-        raise ValueError(f"{cls}: x must have shape [B, N, C] with C = dim = {dim}, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{cls}: x must be a floating-point tensor, got {x.dtype}")
-    return x
-
-
-def check_positions(cls: str, positions: object, batch: int, n: int) -> None:
-    """Validate ``positions`` (int ``[N]`` or ``[B, N]``); the feature-map modules do not use them."""
-    if positions is None:
-        return
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
-        raise TypeError(f"{cls}: positions must be an int tensor [N] or [B, N], got "
-                        f"{type(positions).__name__}{' ' + str(positions.dtype) if isinstance(positions, Tensor) else ''}")
-    if positions.dim() not in (1, 2) or positions.shape[-1] != n or (
-            positions.dim() == 2 and positions.shape[0] not in (1, batch)):
-        raise ValueError(f"{cls}: positions must have shape [N] or [B, N] = [{batch}, {n}], got {tuple(positions.shape)}")
-
-
 def key_padding_from_mask(cls: str, mask: object, batch: int, n_new: int, n_total: int,
                           device: torch.device) -> Tensor | None:
     """``mask`` -> bool ``[B, n_new]`` (True = real token) for the ``n_new`` newest keys, or ``None``.
@@ -92,8 +73,10 @@ class RecurrentStateCache:
 
     Holds ``S [B, H, F, Dv]`` (sum of ``phi(k) v^T``) and ``z [B, H, F]`` (sum of ``phi(k)``) over
     every token fed so far, in float32 (float64 for float64 modules): memory
-    ``B * H * F * (Dv + 1) * itemsize`` bytes whatever the length. Protocol: ``length``,
-    ``batch_size``, ``reset()``.
+    ``B * H * F * (Dv + 1) * itemsize`` bytes whatever the length. Protocol (``attnzoo.nn.cache``):
+    ``length``, ``batch_size``, ``nbytes``, ``reset()``, ``mark()``/``rollback()`` and
+    :meth:`update`, which stores the state after ``n`` more tokens and returns
+    ``(S, z, positions)`` with the absorbed tokens' positions ``[n]``.
     """
 
     def __init__(self, batch_size: int, num_heads: int, num_features: int, head_dim_v: int, *,
@@ -124,40 +107,45 @@ class RecurrentStateCache:
         self.length = 0
         self.version = None
 
+    def update(self, S: Tensor, z: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Store the state ``S [B, H, F, Dv]``, ``z [B, H, F]`` after ``n`` more tokens; return
+        ``(S, z, positions)`` with the new tokens' positions ``length - n .. length - 1`` (int64)."""
+        if S.shape != self.S.shape or z.shape != self.z.shape:
+            raise ValueError(f"RecurrentStateCache.update: expected S {tuple(self.S.shape)} and z "
+                             f"{tuple(self.z.shape)}, got {tuple(S.shape)} and {tuple(z.shape)}")
+        self.S, self.z = S.to(self.S.dtype), z.to(self.z.dtype)
+        self.length += check_int(n, "n", 0)
+        return self.S, self.z, torch.arange(self.length - n, self.length, device=self.S.device)
+
+    def mark(self) -> object:
+        """An opaque token of the current state (the tensors are replaced, not written, by updates)."""
+        return (self.length, self.S, self.z, self.version)
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
+
+    def rollback(self, mark: object) -> None:
+        """Return to the state ``mark`` was taken in."""
+        assert isinstance(mark, tuple)
+        self.length, self.S, self.z, self.version = mark
+
     def __repr__(self) -> str:
         return (f"RecurrentStateCache(batch_size={self.batch_size}, num_heads={self.num_heads}, "
                 f"num_features={self.num_features}, head_dim_v={self.head_dim_v}, length={self.length})")
 
 
-class _FeatureAttention(nn.Module):
+class _FeatureAttention(AttentionBase):
     """Projections, head split/merge, masks and the recurrent cache; subclasses supply the kernel."""
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool, chunk_size: int, head_dim: int | None,
                  bias: bool, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
-        super().__init__()
-        cls = type(self).__name__
-        self.dim = check_int(dim, "dim")
-        self.num_heads = check_int(num_heads, "num_heads")
-        if head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"{cls}: dim={dim} is not divisible by num_heads={num_heads}; pass head_dim")
-            head_dim = dim // num_heads
-        self.head_dim = check_int(head_dim, "head_dim")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        self.causal = causal
+        super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v",
+                         factory={"device": device, "dtype": dtype})
+        self.causal = check_flag(causal, "causal", type(self).__name__)
         c = check_chunk_size(chunk_size)
         if c is None:
             raise TypeError("chunk_size must be an int >= 1, got None")
         self.chunk_size = c
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
-        fk: dict[str, Any] = {"device": device, "dtype": dtype}
-        inner = self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(self.dim, inner, bias=bias, **fk)
-        self.k_proj = nn.Linear(self.dim, inner, bias=bias, **fk)
-        self.v_proj = nn.Linear(self.dim, inner, bias=bias, **fk)
-        self.out_proj = nn.Linear(inner, self.dim, bias=bias, **fk)
 
     # subclasses -------------------------------------------------------------
     @property
@@ -179,12 +167,36 @@ class _FeatureAttention(nn.Module):
         The state is float32 (float64 when ``dtype`` or the module is float64); device defaults to
         the module's.
         """
-        check_int(batch_size, "batch_size")
-        check_int(max_len, "max_len")
-        p = self.out_proj.weight
-        dt = compute_dtype(p.dtype if dtype is None else dtype)
+        return super().init_cache(batch_size, max_len, device=device, dtype=dtype)  # type: ignore[no-any-return]
+
+    def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str,
+                   dtype: torch.dtype) -> RecurrentStateCache:
         return RecurrentStateCache(batch_size, self.num_heads, self.num_features, self.head_dim,
-                                   device=p.device if device is None else device, dtype=dt)
+                                   device=device, dtype=compute_dtype(dtype))
+
+    def _check_recurrent_cache(self, cache: RecurrentStateCache, context: Tensor | None) -> None:
+        cls = type(self).__name__
+        if not self.causal:
+            raise ValueError(f"{cls}: decoding with a cache needs causal=True")
+        if context is not None:
+            raise ValueError(f"{cls}: context (cross-attention) cannot be combined with a cache")
+        want = (self.num_heads, self.num_features, self.head_dim)
+        got = (cache.num_heads, cache.num_features, cache.head_dim_v)
+        if got != want:
+            raise ValueError(f"{cls}: the cache holds (H, F, Dv) = {got}, this module needs {want}; "
+                             f"use module.init_cache()")
+
+    def _source(self, x: Tensor, context: object) -> Tensor:
+        if context is None:
+            return x
+        cls = type(self).__name__
+        if self.causal:
+            raise ValueError(f"{cls}: context (cross-attention) needs causal=False")
+        if not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != x.shape[0] \
+                or context.shape[-1] != self.dim:
+            got = tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__
+            raise ValueError(f"{cls}: context must have shape [B, M, C] = [{x.shape[0]}, M, {self.dim}], got {got}")
+        return self.check_x(context, "context")
 
     def forward(
         self,
@@ -199,12 +211,13 @@ class _FeatureAttention(nn.Module):
         """Attend from ``x [B, N, C]`` to itself, or (bidirectional only) to ``context [B, M, C]``.
 
         Args:
-            x: tokens; with a cache only the NEW ones (positions ``cache.length ..``).
+            x: tokens (a floating tensor); with a cache only the NEW ones (positions ``cache.length ..``).
             context: keys/values source for cross-attention (``causal=False`` and no cache).
             mask: key padding: bool ``[B, Nk]`` (True = real token; with a cache ``[B, N]`` or
                 ``[B, cache.length + N]``) or ``attnzoo.masks.key_padding(...)``.
             cache: a :class:`RecurrentStateCache` from :meth:`init_cache` (causal modules); updated in
-                place: the new tokens' keys are added to ``(S, z)`` and ``length`` advances.
+                place: the new tokens' keys are added to ``(S, z)`` and ``length`` advances. A call
+                that raises leaves it unchanged.
             positions: validated, unused (no positional encoding in these modules).
             return_weights: must be False (no attention matrix exists).
 
@@ -212,51 +225,26 @@ class _FeatureAttention(nn.Module):
             ``[B, N, C]``.
         """
         cls = type(self).__name__
-        x = check_x(cls, x, self.dim)
-        b, n, _ = x.shape
         if return_weights is not False:
             raise ValueError(f"{cls}: return_weights=True is not supported: feature-map attention never forms "
                              f"an attention matrix")
-        check_positions(cls, positions, b, n)
+        x = self.check_call(x, cache, positions, return_weights, RecurrentStateCache)
         if cache is not None:
-            if not isinstance(cache, RecurrentStateCache):
-                raise TypeError(f"{cls}: cache must be a RecurrentStateCache from init_cache(), got "
-                                f"{type(cache).__name__}")
-            if not self.causal:
-                raise ValueError(f"{cls}: decoding with a cache needs causal=True")
-            if context is not None:
-                raise ValueError(f"{cls}: context (cross-attention) cannot be combined with a cache")
-            if cache.batch_size != b:
-                raise ValueError(f"{cls}: the cache was built for batch size {cache.batch_size}, x has shape "
-                                 f"{tuple(x.shape)}")
-            want = (self.num_heads, self.num_features, self.head_dim)
-            if (cache.num_heads, cache.num_features, cache.head_dim_v) != want:
-                raise ValueError(f"{cls}: the cache holds (H, F, Dv) = {(cache.num_heads, cache.num_features, cache.head_dim_v)}"
-                                 f", this module needs {want}; use module.init_cache()")
-            self._check_cache(cache)
-        src = x
-        if context is not None:
-            if self.causal:
-                raise ValueError(f"{cls}: context (cross-attention) needs causal=False")
-            if not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != b \
-                    or context.shape[-1] != self.dim:
-                got = tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__
-                raise ValueError(f"{cls}: context must have shape [B, M, C] = [{b}, M, {self.dim}], got {got}")
-            src = context
-        m = src.shape[1]
-        n_total = m + (cache.length if cache is not None else 0)
-        pad = key_padding_from_mask(cls, mask, b, m, n_total, x.device)
-        h, d = self.num_heads, self.head_dim
-        q = self.q_proj(x).view(b, n, h, d).transpose(1, 2)  # [B, H, N, D]
-        k = self.k_proj(src).view(b, m, h, d).transpose(1, 2)  # [B, H, M, D]
-        v = self.v_proj(src).view(b, m, h, d).transpose(1, 2)  # [B, H, M, D]
+            self._check_recurrent_cache(cache, context)
+        src = self._source(x, context)
+        n_total = src.shape[1] + (cache.length if cache is not None else 0)
+        pad = key_padding_from_mask(cls, mask, x.shape[0], src.shape[1], n_total, x.device)
+        q, (k, v) = self.project_q(x), self.project_kv(src)  # [B, H, N, D], [B, H, M, D] x 2
         if cache is None:
-            out = self._attend(q, k, v, causal=self.causal, state=None, return_state=False, pad=pad)
-        else:
-            out, (s, z) = self._attend(q, k, v, causal=True, state=(cache.S, cache.z), return_state=True, pad=pad)
-            cache.S, cache.z = s.to(cache.S.dtype), z.to(cache.z.dtype)
-            cache.length += n
-        return self.out_proj(out.transpose(1, 2).reshape(b, n, h * d))  # [B, N, C]
+            return self.merge_heads(self._attend(q, k, v, causal=self.causal, state=None, return_state=False,
+                                                 pad=pad))
+        return self.guarded(cache, lambda: self._decode(q, k, v, cache, pad))
+
+    def _decode(self, q: Tensor, k: Tensor, v: Tensor, cache: RecurrentStateCache, pad: Tensor | None) -> Tensor:
+        self._check_cache(cache)
+        out, (s, z) = self._attend(q, k, v, causal=True, state=(cache.S, cache.z), return_state=True, pad=pad)
+        cache.update(s, z, q.shape[2])
+        return self.merge_heads(out)
 
 
 class LinearAttention(_FeatureAttention):
@@ -280,14 +268,12 @@ class LinearAttention(_FeatureAttention):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(dim, num_heads, causal=causal, chunk_size=chunk_size, head_dim=head_dim, bias=bias,
                          device=device, dtype=dtype)
+        fn = resolve_feature_map(feature_map)  # validates; not kept (a lambda would not pickle)
         self.feature_map = feature_map
-        self._fn = resolve_feature_map(feature_map)
-        self._num_features = self._probe_features()
+        self._num_features = self.head_dim if isinstance(feature_map, str) else self._probe_features(fn)
 
-    def _probe_features(self) -> int:
-        if isinstance(self.feature_map, str):
-            return self.head_dim
-        out = self._fn(torch.zeros(1, 1, 1, self.head_dim))
+    def _probe_features(self, fn: Any) -> int:
+        out = fn(torch.zeros(1, 1, 1, self.head_dim))
         if not isinstance(out, Tensor) or out.dim() != 4:
             raise ValueError(f"feature_map must map [B, H, N, D] to [B, H, N, F], got "
                              f"{type(out).__name__ if not isinstance(out, Tensor) else tuple(out.shape)}")
@@ -399,3 +385,63 @@ class PerformerAttention(_FeatureAttention):
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"num_features={self.num_features}, causal={self.causal}, orthogonal={self.orthogonal}, "
                 f"redraw_interval={self.redraw_interval}, seed={self.seed}")
+
+
+# --------------------------------------------------------------------------- variant specs
+def _feature_cost(cfg: VariantConfig, shape: CostShape, *, random_features: bool) -> Cost:
+    """Feature-map attention: ``phi(K)^T [V | 1]`` then ``phi(Q)`` times it (chunked when causal)."""
+    B, N, e, acc = shape.batch, shape.seq_len, shape.elem_bytes, shape.acc_bytes
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    F, Dv, bh = cfg.num_features or D, D, shape.batch * cfg.num_heads
+    params, flops_proj, qkv_bytes, io_bytes = projection_cost(cfg, shape)
+    chunk = cfg.chunk_size if cfg.causal else None
+    flops = 2 * B * Hq * N * D * F + 2 * B * Hkv * N * D * F if random_features else 0  # phi of q and k
+    base = B * N * cfg.dim * e + qkv_bytes + B * N * Hq * D * e
+    if chunk is not None:
+        c = min(chunk, N)
+        n_pad = -(-N // c) * c  # the last chunk is padded
+        flops += 2 * B * Hq * n_pad * c * (F + Dv + 1)  # intra-chunk scores, times [V | 1]
+        flops += 2 * B * Hq * n_pad * F * (Dv + 1) * 2  # read and update the running state
+        # features of q and k (token and chunk layouts), the masked c x c score tile of every chunk,
+        # [V | 1], chunk outputs and normalisers, and the running state at each chunk
+        tok_feats = 2 * bh * N * F * acc if random_features else 0
+        act = (base + tok_feats + 2 * bh * n_pad * F * acc + bh * n_pad * c * acc
+               + bh * n_pad * (2 * Dv + 3) * acc + (n_pad // c) * bh * F * (Dv + 1) * acc)
+    else:
+        flops += 2 * B * Hq * N * F * (Dv + 1) * 2  # phi(K)^T [V | 1], then phi(Q) (KV) with normaliser
+        act = base + 2 * bh * N * F * acc + bh * F * (Dv + 1) * acc + bh * N * (Dv + 1) * acc
+    pairs = N * (N + 1) // 2 if cfg.causal else N * N
+    return Cost(backend="feature-map", flops_projections=flops_proj, flops_attention=flops, flops_useful=flops,
+                flops_backward=2 * flops_proj + 2 * flops,
+                bytes_moved=io_bytes + 2 * qkv_bytes + 2 * B * N * Hq * D * e + 2 * B * Hq * F * Dv * acc,
+                activation_bytes=act, kv_cache_bytes_per_token=0, kv_cache_bytes=B * Hkv * (F * Dv + F) * acc,
+                kv_cache_max_tokens=None, params=params, visible_pairs=pairs)
+
+
+def _linear_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    return _feature_cost(cfg, shape, random_features=False)
+
+
+def _performer_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    return _feature_cost(cfg, shape, random_features=True)
+
+
+def _build_linear(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
+    return LinearAttention(dim, num_heads, causal=causal, **kw)
+
+
+def _build_performer(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
+    return PerformerAttention(dim, num_heads, causal=causal, **kw)
+
+
+def _performer_arena(width: int, heads: int, window: int | None) -> dict[str, Any]:
+    return {"num_features": 2 * (width // heads)}  # F = 2 x head dim: the default F=256 suits D=64 heads
+
+
+_FEATURE = {"family": "feature-map", "exact": False, "time": "O(N C^2 + N F C)", "memory": "O(N F) chunked",
+            "decoding": "state S [F, Dv] + z [F] per head", "masks": "causal, key padding"}
+register(VariantSpec("linear", build=_build_linear, cost=_linear_cost, defaults={"chunk_size": 64},
+                     options=("chunk_size",), check={"chunk_size": 5}, order=5, **_FEATURE))
+register(VariantSpec("performer", build=_build_performer, cost=_performer_cost,
+                     defaults={"num_features": 256, "chunk_size": 64}, options=("num_features", "chunk_size"),
+                     check={"chunk_size": 5, "num_features": 32}, arena=_performer_arena, order=6, **_FEATURE))

@@ -12,11 +12,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int
 from attnzoo.functional._request import normalize_window
-from attnzoo.functional.attention import BACKENDS
 from attnzoo.functional.infini import UPDATES, InfiniState, infini_attention
 from attnzoo.masks import Mask
-from attnzoo.nn.feature_attention import check_int, check_positions, check_x, key_padding_from_mask
+from attnzoo.nn.base import AttentionBase, check_backend
+from attnzoo.nn.costs import projection_cost, visible_pairs
+from attnzoo.nn.feature_attention import key_padding_from_mask
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
 __all__ = ["InfiniAttention", "InfiniCache"]
 
@@ -27,7 +30,9 @@ class InfiniCache:
     Holds an :class:`~attnzoo.functional.infini.InfiniState`: memory ``M [B, H, D, D]`` and
     ``z [B, H, D]`` (float32) plus the keys/values of the current partial segment (fewer than
     ``segment_len`` tokens). Its size is bounded by the memory plus one segment, whatever the
-    number of tokens fed. Protocol: ``length``, ``batch_size``, ``reset()``.
+    number of tokens fed. Protocol (``attnzoo.nn.cache``): ``length``, ``batch_size``, ``nbytes``,
+    ``reset()``, ``mark()``/``rollback()`` and :meth:`update`, which stores the state after ``n``
+    more tokens and returns ``(memory, norm, positions)`` with the new tokens' positions ``[n]``.
     """
 
     def __init__(self, batch_size: int, num_heads: int, head_dim: int, segment_len: int, *,
@@ -74,12 +79,32 @@ class InfiniCache:
                                        device=self._device, dtype=self._dtype)
         self.length = 0
 
+    def update(self, state: InfiniState, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Store ``state`` (after ``n`` more tokens); return ``(memory, norm, positions [n])``."""
+        if not isinstance(state, InfiniState):
+            raise TypeError(f"InfiniCache.update: state must be an InfiniState, got {type(state).__name__}")
+        self.state = state
+        self.length += check_int(n, "n", 0)
+        return self.memory, self.norm, torch.arange(self.length - n, self.length, device=self.memory.device)
+
+    def mark(self) -> object:
+        """An opaque token of the current state (updates replace the state object)."""
+        return (self.length, self.state)
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
+
+    def rollback(self, mark: object) -> None:
+        """Return to the state ``mark`` was taken in."""
+        assert isinstance(mark, tuple)
+        self.length, self.state = mark
+
     def __repr__(self) -> str:
         return (f"InfiniCache(batch_size={self.batch_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"segment_len={self.segment_len}, length={self.length}, segment_fill={self.state.fill})")
 
 
-class InfiniAttention(nn.Module):
+class InfiniAttention(AttentionBase):
     """Multi-head Infini-attention; causal by construction.
 
     Each segment of ``segment_len`` tokens uses exact causal softmax attention over its own keys
@@ -106,41 +131,23 @@ class InfiniAttention(nn.Module):
                  head_dim: int | None = None, bias: bool = True, backend: str = "auto",
                  window: int | tuple[int | None, int | None] | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        cls = type(self).__name__
-        self.dim = check_int(dim, "dim")
-        self.num_heads = check_int(num_heads, "num_heads")
-        if head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"{cls}: dim={dim} is not divisible by num_heads={num_heads}; pass head_dim")
-            head_dim = dim // num_heads
-        self.head_dim = check_int(head_dim, "head_dim")
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
+        super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
         self.segment_len = check_int(segment_len, "segment_len")
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
         self.update = update
-        if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
-            raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
-        self.backend = backend
+        self.backend = check_backend(backend, type(self).__name__)
         self.window = normalize_window(window)
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
-        fk: dict[str, Any] = {"device": device, "dtype": dtype}
-        inner = self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(self.dim, inner, bias=bias, **fk)
-        self.k_proj = nn.Linear(self.dim, inner, bias=bias, **fk)
-        self.v_proj = nn.Linear(self.dim, inner, bias=bias, **fk)
-        self.out_proj = nn.Linear(inner, self.dim, bias=bias, **fk)
         self.gate = nn.Parameter(torch.zeros(self.num_heads, **fk))  # sigmoid(0) = 0.5
 
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> InfiniCache:
         """An :class:`InfiniCache` (``max_len`` is validated; the cache never grows past one segment)."""
-        check_int(batch_size, "batch_size")
-        check_int(max_len, "max_len")
-        p = self.out_proj.weight
-        return InfiniCache(batch_size, self.num_heads, self.head_dim, self.segment_len,
-                           device=p.device if device is None else device, dtype=p.dtype if dtype is None else dtype)
+        return super().init_cache(batch_size, max_len, device=device, dtype=dtype)  # type: ignore[no-any-return]
+
+    def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype) -> InfiniCache:
+        return InfiniCache(batch_size, self.num_heads, self.head_dim, self.segment_len, device=device, dtype=dtype)
 
     def forward(
         self,
@@ -155,11 +162,12 @@ class InfiniAttention(nn.Module):
         """Causal Infini-attention over ``x [B, N, C]``.
 
         Args:
-            x: tokens; with a cache only the NEW ones (they continue the cached stream).
+            x: tokens (a floating tensor); with a cache only the NEW ones (they continue the cached stream).
             context: must be ``None`` (no cross-attention).
             mask: key padding: bool ``[B, N]`` (``[B, cache.length + N]`` accepted with a cache) or
                 ``attnzoo.masks.key_padding(...)``.
-            cache: an :class:`InfiniCache` from :meth:`init_cache`, updated in place.
+            cache: an :class:`InfiniCache` from :meth:`init_cache`, updated in place (unchanged when
+                the call raises).
             positions: validated, unused.
             return_weights: must be False.
 
@@ -167,44 +175,64 @@ class InfiniAttention(nn.Module):
             ``[B, N, C]``.
         """
         cls = type(self).__name__
-        x = check_x(cls, x, self.dim)
-        b, n, _ = x.shape
         if context is not None:
             raise ValueError(f"{cls}: context (cross-attention) is not supported: Infini-attention is causal "
                              f"self-attention over one stream")
         if return_weights is not False:
             raise ValueError(f"{cls}: return_weights=True is not supported (the memory has no attention matrix)")
-        check_positions(cls, positions, b, n)
+        x = self.check_call(x, cache, positions, return_weights, InfiniCache)
+        b, n, _ = x.shape
         if cache is not None:
-            if not isinstance(cache, InfiniCache):
-                raise TypeError(f"{cls}: cache must be an InfiniCache from init_cache(), got {type(cache).__name__}")
-            if cache.batch_size != b:
-                raise ValueError(f"{cls}: the cache was built for batch size {cache.batch_size}, x has shape "
-                                 f"{tuple(x.shape)}")
-            if (cache.num_heads, cache.head_dim, cache.segment_len) != (self.num_heads, self.head_dim,
-                                                                        self.segment_len):
+            want = (self.num_heads, self.head_dim, self.segment_len)
+            if (cache.num_heads, cache.head_dim, cache.segment_len) != want:
                 raise ValueError(f"{cls}: the cache holds (H, D, L) = "
                                  f"{(cache.num_heads, cache.head_dim, cache.segment_len)}, this module needs "
-                                 f"{(self.num_heads, self.head_dim, self.segment_len)}; use module.init_cache()")
-        n_total = n + (cache.length if cache is not None else 0)
-        pad = key_padding_from_mask(cls, mask, b, n, n_total, x.device)
-        h, d = self.num_heads, self.head_dim
-        q = self.q_proj(x).view(b, n, h, d).transpose(1, 2)  # [B, H, N, D]
-        k = self.k_proj(x).view(b, n, h, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, h, d).transpose(1, 2)
+                                 f"{want}; use module.init_cache()")
+        pad = key_padding_from_mask(cls, mask, b, n, n + (cache.length if cache is not None else 0), x.device)
+        q, k, v = self.project_qkv(x)  # [B, H, N, D] each
         kw: dict[str, Any] = {"segment_len": self.segment_len, "update": self.update, "key_padding_mask": pad,
                               "window": self.window, "backend": self.backend}
         if cache is None:
-            out = infini_attention(q, k, v, self.gate, **kw)
-        else:
-            out, st = infini_attention(q, k, v, self.gate, state=cache.state, return_state=True, **kw)
-            assert isinstance(st, InfiniState)
-            cache.state = st
-            cache.length += n
-        assert isinstance(out, Tensor)
-        return self.out_proj(out.transpose(1, 2).reshape(b, n, h * d))  # [B, N, C]
+            return self.merge_heads(infini_attention(q, k, v, self.gate, **kw))
+        out, st = infini_attention(q, k, v, self.gate, state=cache.state, return_state=True, **kw)
+        cache.update(st, n)
+        return self.merge_heads(out)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"segment_len={self.segment_len}, update={self.update!r}, backend={self.backend!r}, "
                 f"window={self.window}")
+
+
+# --------------------------------------------------------------------------- variant spec
+def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    """Causal softmax inside each segment of ``S`` tokens plus a ``D x Dv`` memory per head."""
+    B, N, e, acc = shape.batch, shape.seq_len, shape.elem_bytes, shape.acc_bytes
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    params, flops_proj, qkv_bytes, io_bytes = projection_cost(cfg, shape)
+    S = min(cfg.segment_len or N, N)
+    flops_local = 2 * B * Hq * (N // S * S * S + (N % S) ** 2) * 2 * D
+    flops_mem = 2 * B * Hq * N * D * (D + 1) * 2  # retrieve sigma(Q) M, update M += sigma(K)^T V
+    pairs = visible_pairs(cfg, N)
+    # the local softmax runs on a fused kernel (O(S) residue); per token the module keeps the
+    # segment's q/k/v views, sigma(q), sigma(k) and the retrieved memory readout
+    act = B * N * cfg.dim * e + qkv_bytes + B * N * Hq * D * e + 5 * B * Hq * N * D * acc
+    flops_attn = flops_local + flops_mem
+    return Cost(backend="infini", flops_projections=flops_proj, flops_attention=flops_attn,
+                flops_useful=2 * B * Hq * pairs * 2 * D + flops_mem, flops_backward=2 * flops_proj + 2 * flops_attn,
+                bytes_moved=io_bytes + 2 * qkv_bytes + 2 * B * N * Hq * D * e + 4 * B * Hq * N * S * acc,
+                activation_bytes=act, kv_cache_bytes_per_token=0,
+                kv_cache_bytes=B * Hkv * (D * D + D) * acc + B * min(N, S) * 2 * Hkv * D * e,
+                kv_cache_max_tokens=S, params=params, visible_pairs=pairs)
+
+
+def _build(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
+    if causal is not True:
+        raise ValueError("infini: InfiniAttention is causal by construction (causal=False is not supported)")
+    return InfiniAttention(dim, num_heads, **kw)
+
+
+register(VariantSpec("infini", "compressive", False, "O(N C^2 + N S C)", "O(N S)",
+                     "memory M [D, Dv] + z [D] per head, plus the current segment", _build, _cost,
+                     defaults={"segment_len": 2048}, options=("segment_len",), causal_modes=(True,),
+                     check={"segment_len": 8}, masks="causal", order=7))

@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 from attnzoo.masks import global_tokens as global_mask
 from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.costs import softmax_cost
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
 __all__ = ["LocalGlobalAttention"]
 
@@ -53,16 +55,21 @@ class LocalGlobalAttention(MultiHeadAttention):
         for bad in ("kv_dim",):
             if kw.get(bad) is not None:
                 raise TypeError(f"LocalGlobalAttention is self-attention; {bad} is not supported")
+        positions = _check_global_tokens(global_tokens)
         super().__init__(dim, num_heads, causal=causal, **kw)
         if self.window is not None:
             raise TypeError("LocalGlobalAttention: pass the local window as the 'window' argument only")
-        pos = torch.as_tensor(global_tokens if isinstance(global_tokens, Tensor) else list(global_tokens))
-        pattern = sliding_window(window, window) | global_mask(pos)  # validates the positions
-        if causal:
-            pattern = pattern & causal_mask()
+        sliding_window(window, window) | global_mask(list(positions))  # validates the positions
         self.local_window = window
-        self.global_positions: tuple[int, ...] = tuple(int(p) for p in pos.tolist())
-        self.pattern: Mask = pattern
+        self.global_positions: tuple[int, ...] = positions
+
+    @property
+    def pattern(self) -> Mask:
+        """The position pattern as one :class:`~attnzoo.masks.Mask` (built on demand: the module
+        holds only plain values, so it pickles and deep-copies)."""
+        w = self.local_window
+        pattern = sliding_window(w, w) | global_mask(list(self.global_positions))
+        return pattern & causal_mask() if self.causal else pattern
 
     def _structure(self) -> Mask | None:
         return self.pattern
@@ -96,6 +103,23 @@ class LocalGlobalAttention(MultiHeadAttention):
                 f"global_tokens={self.global_positions}")
 
 
+def _check_global_tokens(global_tokens: object) -> tuple[int, ...]:
+    """``global_tokens`` as a tuple of int positions (a sequence or an int tensor)."""
+    if isinstance(global_tokens, Tensor):
+        if global_tokens.is_floating_point() or global_tokens.dtype == torch.bool or global_tokens.dim() > 1:
+            raise TypeError(f"LocalGlobalAttention: global_tokens must be a 1-D int tensor or a sequence of ints, "
+                            f"got a tensor of dtype {global_tokens.dtype} and shape {tuple(global_tokens.shape)}")
+        return tuple(int(p) for p in global_tokens.tolist())
+    if isinstance(global_tokens, (str, bytes)) or not isinstance(global_tokens, Sequence):
+        raise TypeError(f"LocalGlobalAttention: global_tokens must be a sequence of int positions such as (0,), "
+                        f"got {type(global_tokens).__name__} ({global_tokens!r})")
+    for p in global_tokens:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(f"LocalGlobalAttention: global_tokens must hold int positions, got "
+                            f"{type(p).__name__} ({p!r}) in {tuple(global_tokens)!r}")
+    return tuple(global_tokens)
+
+
 def _tensor_mask(m4: Tensor, q_offset: int) -> Mask:
     """A rank-4 bool tensor ``[B|1, H|1, Nq|1, Nk|1]`` as a :class:`Mask` over absolute positions
     (query row = ``q_pos - q_offset``), so it composes with a pattern without densifying it."""
@@ -109,3 +133,24 @@ def _tensor_mask(m4: Tensor, q_offset: int) -> Mask:
         return m4.to(q.device)[bi, hi, qi, ki]
 
     return Mask(fn, f"tensor{list(m4.shape)}", batch=sb if sb > 1 else None)
+
+
+# --------------------------------------------------------------------------- variant spec
+def _build(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
+           global_tokens: tuple[int, ...] = (0,), **kw: Any) -> nn.Module:
+    return LocalGlobalAttention(dim, num_heads, window=window, global_tokens=global_tokens, causal=causal, **kw)
+
+
+def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    return softmax_cost(cfg, shape)  # a full KV cache: global queries need every earlier key
+
+
+def _arena(width: int, heads: int, window: int | None) -> dict[str, Any]:
+    return {} if window is None else {"window": window}
+
+
+register(VariantSpec("local_global", "softmax", True, "O(N C^2 + N (W + G) C)", "O(N (W + G)) tiled",
+                     "K,V of every token", _build, _cost, defaults={"window": 64, "global_tokens": (0,)},
+                     options=("num_kv_heads", "window", "global_tokens"),
+                     check={"window": 4, "global_tokens": (0, 9)}, arena=_arena,
+                     masks="causal, window, global tokens, padding", order=4))

@@ -1,0 +1,259 @@
+"""The base of every attention module: projections, head split/merge, input checks, caches, attend seam.
+
+:class:`AttentionBase` owns what every attention module shares:
+
+* the projections, in one of three layouts (``"qkv"``: one ``qkv_proj`` whose output rows are
+  ``[q; k; v]``; ``"q_kv"``: ``q_proj`` and ``kv_proj`` with rows ``[k; v]`` (cross-attention);
+  ``"q_k_v"``: ``q_proj``, ``k_proj``, ``v_proj``) and ``out_proj``, with
+  :meth:`qkv_weights`/:meth:`qkv_biases` views and :meth:`load_qkv` to fill them from separate
+  checkpoint tensors;
+* head split ``[B, N, H*D] -> [B, H, N, D]`` and merge, the shared checks of ``x``, ``positions``
+  and ``return_weights``;
+* :meth:`init_cache` (device/dtype default to the module's) and :meth:`guarded`, which rolls a cache
+  back when a call raises (a failed call leaves the cache exactly as it was);
+* the *attend seam*: softmax modules compute attention only through :meth:`attend`, which calls
+  ``self.attend_fn`` (by default :func:`attnzoo.attention`, with exactly its keywords). Context
+  parallelism swaps that function (a picklable callable) instead of copying a forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnzoo._validate import check_int
+from attnzoo.functional.attention import BACKENDS, attention
+from attnzoo.nn.positional import resolve_positions
+
+__all__ = ["AttentionBase", "check_backend", "check_flag"]
+
+T = TypeVar("T")
+
+
+def check_flag(value: object, name: str, owner: str) -> bool:
+    """``value`` as a bool (TypeError naming ``name`` otherwise)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def check_backend(backend: object, owner: str) -> str:
+    """A backend name of :func:`attnzoo.attention` (``"auto"`` included)."""
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+        raise ValueError(f"{owner}: backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
+    return backend
+
+
+class AttentionBase(nn.Module):
+    """Projections, heads, checks, caches and the attend seam shared by every attention module.
+
+    Args:
+        dim: model width ``C``.
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``Hkv`` (default ``H``); ``H % Hkv == 0``.
+        head_dim: ``D`` (default ``C // H``; then ``C % H == 0`` is required).
+        bias: biases in every projection.
+        layout: ``"qkv"``, ``"q_kv"`` or ``"q_k_v"`` (see above).
+        kv_dim: width of the key/value source (default ``C``; not with ``"qkv"``).
+        factory: ``{"device": ..., "dtype": ...}`` of the parameters.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = True, layout: str = "q_k_v", kv_dim: int | None = None,
+                 factory: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        cls = type(self).__name__
+        self.dim = check_int(dim, "dim", owner=cls)
+        self.num_heads = check_int(num_heads, "num_heads", owner=cls)
+        self.num_kv_heads = self.num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads",
+                                                                                   owner=cls)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{cls}: num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                             f"({self.num_kv_heads}), got remainder {self.num_heads % self.num_kv_heads}")
+        if head_dim is None:
+            if self.dim % self.num_heads:
+                raise ValueError(f"{cls}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads}), "
+                                 f"or pass head_dim explicitly")
+            head_dim = self.dim // self.num_heads
+        self.head_dim = check_int(head_dim, "head_dim", owner=cls)
+        check_flag(bias, "bias", cls)
+        if layout not in ("qkv", "q_kv", "q_k_v"):
+            raise ValueError(f"{cls}: layout must be 'qkv', 'q_kv' or 'q_k_v', got {layout!r}")
+        self.attend_fn: Callable[..., Any] = attention
+        self._layout = layout
+        self._make_projections(bias, factory or {}, kv_dim or self.dim)
+
+    # ------------------------------------------------------------------ projections
+    def _make_projections(self, bias: bool, fk: dict[str, Any], kv_dim: int) -> None:
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._layout == "qkv":
+            self.qkv_proj = nn.Linear(self.dim, (H + 2 * Hkv) * D, bias=bias, **fk)
+        else:
+            self.q_proj = nn.Linear(self.dim, H * D, bias=bias, **fk)
+        if self._layout == "q_kv":
+            self.kv_proj = nn.Linear(kv_dim, 2 * Hkv * D, bias=bias, **fk)
+        elif self._layout == "q_k_v":
+            self.k_proj = nn.Linear(kv_dim, Hkv * D, bias=bias, **fk)
+            self.v_proj = nn.Linear(kv_dim, Hkv * D, bias=bias, **fk)
+        self.out_proj = nn.Linear(H * D, self.dim, bias=bias, **fk)
+
+    def qkv_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Views ``(Wq [H*D, C], Wk [Hkv*D, C_kv], Wv [Hkv*D, C_kv])`` of the projection weights."""
+        return self._parts("weight")  # type: ignore[return-value]
+
+    def qkv_biases(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Views ``(bq, bk, bv)`` of the projection biases, or ``None`` without biases."""
+        return self._parts("bias")
+
+    def _parts(self, attr: str) -> tuple[Tensor, Tensor, Tensor] | None:
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._layout == "qkv":
+            t = getattr(self.qkv_proj, attr)
+            return None if t is None else (t[: H * D], t[H * D: (H + Hkv) * D], t[(H + Hkv) * D:])
+        if self._layout == "q_kv":
+            q, kv = getattr(self.q_proj, attr), getattr(self.kv_proj, attr)
+            return None if q is None or kv is None else (q, kv[: Hkv * D], kv[Hkv * D:])
+        ts = (getattr(self.q_proj, attr), getattr(self.k_proj, attr), getattr(self.v_proj, attr))
+        return None if any(t is None for t in ts) else ts  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def load_qkv(self, q_weight: Tensor, k_weight: Tensor, v_weight: Tensor, q_bias: Tensor | None = None,
+                 k_bias: Tensor | None = None, v_bias: Tensor | None = None) -> None:
+        """Copy separate q/k/v projection weights (``nn.Linear`` layout ``[out, in]``) into this module
+        (whatever its layout: fused rows ``[q; k; v]`` or separate projections)."""
+        for name, dst, src in zip(("q_weight", "k_weight", "v_weight"), self.qkv_weights(),
+                                  (q_weight, k_weight, v_weight), strict=True):
+            _copy_checked(name, dst, src, "[out, in]")
+        biases = self.qkv_biases()
+        given = (q_bias, k_bias, v_bias)
+        if biases is None:
+            if any(b is not None for b in given):
+                raise ValueError("load_qkv: this module was built with bias=False, but biases were given")
+            return
+        for name, dst, src in zip(("q_bias", "k_bias", "v_bias"), biases, given, strict=True):
+            if src is None:
+                dst.zero_()
+            else:
+                _copy_checked(name, dst, src, "")
+
+    def project_qkv(self, x: Tensor, source: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, N, D]``, ``k, v [B, Hkv, M, D]`` from ``x [B, N, C]`` (keys/values from
+        ``source [B, M, C_kv]`` when given, else from ``x``)."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        src = x if source is None else source
+        if self._layout == "q_k_v":
+            return self.split_heads(self.q_proj(x)), self.split_heads(self.k_proj(src)), self.split_heads(self.v_proj(src))
+        if self._layout == "qkv" and source is None:
+            q_, k_, v_ = self.qkv_proj(x).split((H * D, Hkv * D, Hkv * D), dim=-1)  # [B, N, (H + 2 Hkv) D]
+            return self.split_heads(q_), self.split_heads(k_), self.split_heads(v_)
+        return self.project_q(x), *self.project_kv(src)
+
+    def project_q(self, x: Tensor) -> Tensor:
+        """``q [B, H, N, D]`` from ``x [B, N, C]``."""
+        if self._layout != "qkv":
+            return self.split_heads(self.q_proj(x))
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        n = self.num_heads * self.head_dim
+        return self.split_heads(F.linear(x, w[:n], None if b is None else b[:n]))
+
+    def project_kv(self, source: Tensor) -> tuple[Tensor, Tensor]:
+        """``k, v [B, Hkv, M, D]`` from ``source [B, M, C_kv]``."""
+        if self._layout == "q_k_v":
+            return self.split_heads(self.k_proj(source)), self.split_heads(self.v_proj(source))
+        if self._layout == "q_kv":
+            kv = self.kv_proj(source)  # [B, M, 2 Hkv D]
+        else:
+            w, b = self.qkv_proj.weight, self.qkv_proj.bias
+            n = self.num_heads * self.head_dim
+            kv = F.linear(source, w[n:], None if b is None else b[n:])  # rows [k; v]
+        k_, v_ = kv.split(self.num_kv_heads * self.head_dim, dim=-1)
+        return self.split_heads(k_), self.split_heads(v_)
+
+    # ------------------------------------------------------------------ heads
+    def split_heads(self, t: Tensor) -> Tensor:
+        """``[B, N, h*D] -> [B, h, N, D]`` (a view)."""
+        B, N = t.shape[:2]
+        return t.view(B, N, -1, self.head_dim).transpose(1, 2)  # [B, h, N, D]
+
+    def merge_heads(self, out: Tensor) -> Tensor:
+        """``[B, H, N, Dv] -> out_proj([B, N, H*Dv]) = [B, N, C]``."""
+        B, H, N, Dv = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, N, H * Dv))  # [B, N, C]
+
+    # ------------------------------------------------------------------ checks
+    def check_x(self, x: object, name: str = "x") -> Tensor:
+        """``x`` must be a floating tensor ``[B, N, C]`` with ``C = dim``."""
+        cls = type(self).__name__
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{cls}: {name} must be a tensor [B, N, C], got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{cls}: {name} must be a floating-point tensor [B, N, C], got dtype {x.dtype}")
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"{cls}: {name} must have shape [B, N, C] with C = dim = {self.dim}, "
+                             f"got {tuple(x.shape)}")
+        return x
+
+    def check_call(self, x: object, cache: Any, positions: object, return_weights: object,
+                   cache_type: type | tuple[type, ...] | None = None) -> Tensor:
+        """Shared checks of a forward call; returns ``x``. ``positions`` are validated only."""
+        cls = type(self).__name__
+        x = self.check_x(x)
+        if not isinstance(return_weights, bool):
+            raise TypeError(f"{cls}: return_weights must be a bool, got {type(return_weights).__name__}")
+        if cache is not None:
+            if cache_type is not None and not isinstance(cache, cache_type):
+                kinds = cache_type if isinstance(cache_type, tuple) else (cache_type,)
+                raise TypeError(f"{cls}: cache must be a {' or '.join(k.__name__ for k in kinds)} from "
+                                f"init_cache(), got {type(cache).__name__}")
+            if cache.batch_size != x.shape[0]:
+                raise ValueError(f"{cls}: the cache was built for batch size {cache.batch_size}, but x has batch "
+                                 f"size {x.shape[0]} (x shape {tuple(x.shape)})")
+        if positions is not None:
+            start = 0 if cache is None else cache.length
+            resolve_positions(positions, x.shape[1], start, x.device, batch=x.shape[0])  # type: ignore[arg-type]
+        return x
+
+    # ------------------------------------------------------------------ caches
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> Any:
+        """A decode cache for this module (see the subclass); device/dtype default to the module's."""
+        check_int(batch_size, "batch_size")
+        check_int(max_len, "max_len")
+        p = self.out_proj.weight
+        return self._new_cache(batch_size, max_len, p.device if device is None else device,
+                               p.dtype if dtype is None else dtype)
+
+    def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no decode cache")
+
+    @staticmethod
+    def guarded(cache: Any, fn: Callable[[], T]) -> T:
+        """Run ``fn()``; if it raises, roll ``cache`` back to where it was, else commit (no cache: just
+        run it)."""
+        if cache is None:
+            return fn()
+        mark = cache.mark()
+        try:
+            out = fn()
+        except BaseException:
+            cache.rollback(mark)
+            raise
+        cache.commit(mark)
+        return out
+
+    # ------------------------------------------------------------------ the attend seam
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Any:
+        """Attention of ``q [B, H, Nq, D]`` over ``k, v [B, Hkv, Nk, D]`` through ``self.attend_fn``
+        (default :func:`attnzoo.attention`); ``kw`` are exactly :func:`attnzoo.attention`'s keywords."""
+        return self.attend_fn(q, k, v, **kw)
+
+
+def _copy_checked(name: str, dst: Tensor, src: object, layout: str) -> None:
+    if not isinstance(src, Tensor) or src.shape != dst.shape:
+        got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+        raise ValueError(f"load_qkv: {name} must have shape {tuple(dst.shape)} {layout}".rstrip() + f", got {got}")
+    dst.copy_(src)
