@@ -6,30 +6,5 @@
 See ``docs/models.md``.
 """
 
-from attnzoo.models.hf import (
-    MODEL_TYPES,
-    SUPPORTED_ARCHITECTURES,
-    CheckpointFormatError,
-    UnsupportedConfigError,
-    WeightLoadError,
-    WordPieceTokenizer,
-    from_hf,
-    load_bert,
-    load_pretrained,
-    load_state_dict_from_folder,
-    read_safetensors,
-)
-
-__all__ = [
-    "MODEL_TYPES",
-    "SUPPORTED_ARCHITECTURES",
-    "CheckpointFormatError",
-    "UnsupportedConfigError",
-    "WeightLoadError",
-    "WordPieceTokenizer",
-    "from_hf",
-    "load_bert",
-    "load_pretrained",
-    "load_state_dict_from_folder",
-    "read_safetensors",
-]
+from attnzoo.models.hf import *  # noqa: F403 (the room's public names, listed in its __all__)
+from attnzoo.models.hf import __all__  # noqa: F401

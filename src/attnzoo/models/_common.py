@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +94,25 @@ def positions_from_mask(mask: Tensor) -> Tensor:
 def key_padding_bias(mask: Tensor) -> Tensor:
     """``[B, Nk]`` bool (True = real) -> ``[B, 1, 1, Nk]`` bool attention mask."""
     return mask[:, None, None, :]
+
+
+class FromConfig:
+    """``from_config`` for a model whose constructor takes ``config=`` (set ``config_class``)."""
+
+    config_class: ClassVar[type]
+
+    @classmethod
+    def from_config(cls, config: Any, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> Any:
+        """The model ``config`` describes (e.g. a preset), parameters on ``device`` in ``dtype``."""
+        if not isinstance(config, cls.config_class):
+            raise TypeError(f"{cls.__name__}.from_config: config must be a {cls.config_class.__name__}, "
+                            f"got {type(config).__name__}")
+        return cls(config=config, device=device, dtype=dtype)  # type: ignore[call-arg]
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
 
 
 class LayerCaches:

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
+    FromConfig,
     LayerCaches,
     check_int,
     check_padding_mask,
@@ -51,7 +52,7 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(FromConfig, nn.Module):
     """Decoder-only language model: token embedding, a stack of causal :class:`TransformerBlock`
     (pre-norm by default), a final norm and an LM head.
 
@@ -101,6 +102,8 @@ class DecoderLM(nn.Module):
     ``norm``, ``lm_head``.
     """
 
+    config_class = DecoderConfig
+
     def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
                  num_heads: int | None = None, *, config: DecoderConfig | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -129,14 +132,6 @@ class DecoderLM(nn.Module):
         self.cross_attention = cfg.cross_attention
         init_weights(self, depth=cfg.depth)
 
-    @classmethod
-    def from_config(cls, config: DecoderConfig, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> DecoderLM:
-        """The model ``config`` describes (e.g. ``DecoderConfig.preset("llama", ...)``)."""
-        if not isinstance(config, DecoderConfig):
-            raise TypeError(f"DecoderLM.from_config: config must be a DecoderConfig, got {type(config).__name__}")
-        return cls(config=config, device=device, dtype=dtype)
-
     @staticmethod
     def block_config(cfg: DecoderConfig, rope: nn.Module | None = None) -> BlockConfig:
         """The (causal) :class:`~attnzoo.blocks.BlockConfig` of every layer: the registry builder
@@ -157,10 +152,6 @@ class DecoderLM(nn.Module):
                            ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias)
 
     # ----------------------------------------------------------------- helpers
-    def num_parameters(self) -> int:
-        """Number of distinct parameters (a tied head is counted once)."""
-        return sum(p.numel() for p in self.parameters())
-
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> LayerCaches:
         """One decode cache per layer (what each layer's attention module builds), bundled."""

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
+    FromConfig,
     check_padding_mask,
     check_tokens,
     init_weights,
@@ -58,7 +59,7 @@ def cls_pool(hidden: Tensor) -> Tensor:
     return _check_hidden(hidden, "cls_pool")[:, 0]
 
 
-class TransformerEncoder(nn.Module):
+class TransformerEncoder(FromConfig, nn.Module):
     """Bidirectional transformer encoder over token ids.
 
     Embeddings: token + absolute positions (``"learned"`` as BERT, ``"sinusoidal"`` as the original
@@ -87,6 +88,8 @@ class TransformerEncoder(nn.Module):
     Weights: ``tok_emb``, ``pos_emb``, ``type_emb``, ``embed_norm``, ``blocks``, ``norm``, ``pooler``.
     """
 
+    config_class = EncoderConfig
+
     def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
                  num_heads: int | None = None, *, config: EncoderConfig | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -113,15 +116,6 @@ class TransformerEncoder(nn.Module):
         self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler else None
         init_weights(self, depth=cfg.depth)
 
-    @classmethod
-    def from_config(cls, config: EncoderConfig, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> TransformerEncoder:
-        """The encoder ``config`` describes (e.g. ``EncoderConfig.preset("bert", ...)``)."""
-        if not isinstance(config, EncoderConfig):
-            raise TypeError(f"TransformerEncoder.from_config: config must be an EncoderConfig, "
-                            f"got {type(config).__name__}")
-        return cls(config=config, device=device, dtype=dtype)
-
     @staticmethod
     def block_config(cfg: EncoderConfig) -> BlockConfig:
         """The (non-causal) :class:`~attnzoo.blocks.BlockConfig` of every layer."""
@@ -134,10 +128,6 @@ class TransformerEncoder(nn.Module):
         return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
                            causal=False, norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=cfg.norm_first,
                            ffn=cfg.ffn, ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias)
-
-    def num_parameters(self) -> int:
-        """Number of distinct parameters."""
-        return sum(p.numel() for p in self.parameters())
 
     def embed(self, tokens: Tensor, token_type_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """Token + position + type embeddings (normalised when ``embed_norm``): ``[B, N, C]``."""

@@ -8,7 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo.models._common import LayerCaches, check_int, check_padding_mask, check_tokens
+from attnzoo.models._common import (
+    FromConfig,
+    LayerCaches,
+    check_int,
+    check_padding_mask,
+    check_tokens,
+)
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
@@ -16,7 +22,7 @@ from attnzoo.models.encoder import TransformerEncoder
 __all__ = ["Transformer"]
 
 
-class Transformer(nn.Module):
+class Transformer(FromConfig, nn.Module):
     """Encoder-decoder transformer: a :class:`TransformerEncoder` reads the source, a
     :class:`DecoderLM` with cross-attention writes the target.
 
@@ -41,6 +47,8 @@ class Transformer(nn.Module):
     Shapes: ``src [B, M]``, ``tgt [B, N]`` -> ``logits [B, N, tgt_vocab_size]``.
     """
 
+    config_class = Seq2SeqConfig
+
     def __init__(self, src_vocab_size: int | None = None, tgt_vocab_size: int | None = None,
                  dim: int | None = None, num_heads: int | None = None, encoder_depth: int | None = None,
                  decoder_depth: int | None = None, *, config: Seq2SeqConfig | None = None,
@@ -54,14 +62,6 @@ class Transformer(nn.Module):
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.encoder = TransformerEncoder(config=self.encoder_config(cfg), **kw)
         self.decoder = DecoderLM(config=self.decoder_config(cfg), **kw)
-
-    @classmethod
-    def from_config(cls, config: Seq2SeqConfig, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> Transformer:
-        """The model ``config`` describes (e.g. ``Seq2SeqConfig.preset("transformer_base", ...)``)."""
-        if not isinstance(config, Seq2SeqConfig):
-            raise TypeError(f"Transformer.from_config: config must be a Seq2SeqConfig, got {type(config).__name__}")
-        return cls(config=config, device=device, dtype=dtype)
 
     @staticmethod
     def _common(cfg: Seq2SeqConfig) -> dict[str, Any]:
@@ -84,10 +84,6 @@ class Transformer(nn.Module):
         return DecoderConfig(cfg.tgt_vocab_size, depth=cfg.decoder_depth, attention=cfg.attention,
                              attention_kwargs=cfg.attention_kwargs, cross_attention=True,
                              tie_embeddings=cfg.tie_embeddings, **cls._common(cfg))
-
-    def num_parameters(self) -> int:
-        """Number of distinct parameters."""
-        return sum(p.numel() for p in self.parameters())
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """``src [B, M]`` (``src_mask [B, M]`` bool, True = real) -> ``memory [B, M, C]``."""

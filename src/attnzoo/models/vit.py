@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
-from attnzoo.models._common import init_weights
+from attnzoo.models._common import FromConfig, init_weights
 from attnzoo.models.config import ViTConfig
 
 __all__ = ["VisionTransformer"]
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(FromConfig, nn.Module):
     """Vision Transformer: a conv patch embedding, a class token, learned position embeddings
     (interpolated bicubically to other image sizes), pre-norm blocks, a final norm and a
     classification head.
@@ -41,6 +41,8 @@ class VisionTransformer(nn.Module):
     Weights: ``patch_embed`` (``Conv2d``), ``cls_token [1, 1, C]``, ``pos_embed [1, T, C]``,
     ``blocks``, ``norm``, ``pooler``, ``head``.
     """
+
+    config_class = ViTConfig
 
     def __init__(self, image_size: int | tuple[int, int] | None = None, patch_size: int | tuple[int, int] | None = None,
                  in_channels: int | None = None, num_classes: int | None = None, dim: int | None = None,
@@ -73,14 +75,6 @@ class VisionTransformer(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.num_classes, **kw) if cfg.num_classes else None
         init_weights(self, depth=cfg.depth)
 
-    @classmethod
-    def from_config(cls, config: ViTConfig, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> VisionTransformer:
-        """The model ``config`` describes (e.g. ``ViTConfig.preset("vit_b16", num_classes=10)``)."""
-        if not isinstance(config, ViTConfig):
-            raise TypeError(f"VisionTransformer.from_config: config must be a ViTConfig, got {type(config).__name__}")
-        return cls(config=config, device=device, dtype=dtype)
-
     @staticmethod
     def block_config(cfg: ViTConfig) -> BlockConfig:
         """The pre-norm, non-causal :class:`~attnzoo.blocks.BlockConfig` of every layer
@@ -91,10 +85,6 @@ class VisionTransformer(nn.Module):
         return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
                            causal=False, norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=True, ffn=cfg.ffn,
                            ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=True)
-
-    def num_parameters(self) -> int:
-        """Number of distinct parameters."""
-        return sum(p.numel() for p in self.parameters())
 
     def _check_images(self, images: object) -> tuple[int, int]:
         owner = "VisionTransformer"

@@ -140,6 +140,15 @@ class Plan:
     def put_tensor(self, name: str, tensor: Tensor, desc: str) -> None:
         self.values[name] = (tensor, desc)
 
+    def head(self, tied: bool, ignore: list[str]) -> None:
+        """The LM head: ignored in the checkpoint when tied to the embeddings, else
+        ``lm_head.weight`` (outside the base model's prefix)."""
+        if tied:
+            ignore.append(r"lm_head\.weight")
+        else:
+            self.src.prefix = ""
+            self.put("lm_head.weight", "lm_head.weight")
+
     def _problems(self, params: dict[str, Tensor], ignore: Iterable[str]) -> list[str]:
         patterns = [re.compile(p) for p in ignore]
         mismatched = []

@@ -52,10 +52,6 @@ def convert_gpt2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
             plan.put(f"{o}{ours}.bias", f"{h}{theirs}.bias")
     plan.put_pairs("", "", [("norm", "ln_f")])
     ignore = [r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)"]
-    if cfg.tie_embeddings:
-        ignore.append(r"lm_head\.weight")
-    else:
-        plan.src.prefix = ""
-        plan.put("lm_head.weight", "lm_head.weight")
+    plan.head(cfg.tie_embeddings, ignore)
     plan.apply(model, ignore=ignore)
     return model

@@ -79,10 +79,6 @@ def convert_llama(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
         plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")], bias=False)
     plan.put("norm.weight", "norm.weight")
     ignore = [r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.inv_freq"]
-    if cfg.tie_embeddings:
-        ignore.append(r"lm_head\.weight")
-    else:
-        plan.src.prefix = ""
-        plan.put("lm_head.weight", "lm_head.weight")
+    plan.head(cfg.tie_embeddings, ignore)
     plan.apply(model, ignore=ignore)
     return model
