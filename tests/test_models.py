@@ -5,6 +5,7 @@ position interpolation, bad input.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import math
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 import attnzoo as az
+from attnzoo.arena.runner import build_model, settings_for
 from attnzoo.variants import variant_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -376,6 +378,14 @@ def test_other_presets_build() -> None:
     assert set(az.models.PRESETS) >= {"gpt2", "llama", "mistral", "bert", "vit_b16", "arena_lm", "arena_mqar"}
     full = az.models.DecoderConfig.preset("llama")
     assert (full.dim, full.depth, full.ffn_hidden, full.norm, full.ffn) == (4096, 32, 11008, "rms", "swiglu")
+
+
+@pytest.mark.parametrize("task", ["lm", "mqar"])
+def test_arena_presets_match_the_arena_models(task: str) -> None:
+    settings = settings_for(task, argparse.Namespace(quick=False))
+    vocab = 76 if task == "lm" else settings.vocab_size  # the Shakespeare character vocabulary
+    arena = build_model(settings, "mha", vocab, seed=0)
+    assert arena.config == az.models.DecoderConfig.preset(f"arena_{task}")
 
 
 def test_keyword_and_config_construction_agree() -> None:
