@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -268,6 +269,29 @@ class Config:
         return config.replace(**values, **options) if values or options else config
 
 
+def _picklable(value: object) -> bool:
+    """Whether a config value survives ``pickle`` (names, modules and module-level functions do;
+    a lambda or a local function does not)."""
+    if isinstance(value, (str, nn.Module)) or value is None:
+        return True
+    try:
+        pickle.dumps(value)
+    except Exception:  # pickle raises PicklingError, AttributeError, TypeError, ... by object
+        return False
+    return True
+
+
+def state_without_unpicklable_config(state: dict[str, Any]) -> dict[str, Any]:
+    """A module's ``__getstate__`` dict with its ``config`` dropped (``None``) when an attention
+    factory in it cannot be pickled, so ``torch.save(model)`` works as it does for the
+    modules the factory built."""
+    cfg = state.get("config")
+    if isinstance(cfg, Config) and not all(_picklable(getattr(cfg, n, None)) for n in ("attention",
+                                                                                      "encoder_attention")):
+        state = {**state, "config": None}
+    return state
+
+
 def _frozen_kwargs(config: Any, name: str) -> None:
     """Store a private copy of a mapping field (``None`` stays), so the caller's dict can change."""
     value = getattr(config, name)
@@ -468,6 +492,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = _built(layers.norm, "norm", owner)
         self.ffn = _built(layers.feed_forward, "feed_forward", owner)
         self.dropout = nn.Dropout(_check_prob(layers.dropout, "dropout", owner))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return state_without_unpicklable_config(super().__getstate__())
 
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> Any:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo import _validate
-from attnzoo.blocks import RMSNorm
+from attnzoo.blocks import RMSNorm, state_without_unpicklable_config
 from attnzoo.nn.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -109,6 +109,9 @@ class FromConfig:
             raise TypeError(f"{cls.__name__}.from_config: config must be a {cls.config_class.__name__}, "
                             f"got {type(config).__name__}")
         return cls(config=config, device=device, dtype=dtype)  # type: ignore[call-arg]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return state_without_unpicklable_config(super().__getstate__())  # type: ignore[misc]
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied head is counted once)."""
