@@ -479,10 +479,10 @@ class TransformerBlock(nn.Module):
         elif not isinstance(layers, BlockLayers):
             raise TypeError(f"{owner}: layers must be a BlockLayers, got {type(layers).__name__}")
         self.dim = _check_pos_int(dim, "dim", owner)
-        self.num_heads = num_heads
         self.norm_first = _check_bool(layers.norm_first, "norm_first", owner)
         self.attn_norm = _built(layers.norm, "norm", owner)
         self.attn = _built(layers.attention, "attention", owner)
+        self.num_heads: int | None = num_heads if num_heads is not None else getattr(self.attn, "num_heads", None)
         self.cross_norm: nn.Module | None = None
         self.cross_attn: nn.Module | None = None
         if layers.cross_attention is not None:

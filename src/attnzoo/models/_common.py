@@ -26,7 +26,7 @@ def takes_rope(attention: object) -> bool:
     compressive variants take no ``rope``: with ``pos="rope"`` they get their positional
     information from causality alone."""
     spec = VARIANTS.get(attention) if isinstance(attention, str) else None
-    return spec is not None and spec.family == "softmax"
+    return getattr(spec, "family", None) == "softmax"
 
 
 def position_table(pos: str, dim: int, max_len: int, *, device: torch.device | str | None = None,
