@@ -8,6 +8,7 @@ decoding through a block vs the full causal forward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnzoo as az
-from attnzoo.blocks import ACTIVATIONS, default_ffn_hidden
+from attnzoo.blocks import ACTIVATIONS, BlockConfig, BlockLayers, RMSNorm, default_ffn_hidden
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -239,3 +240,25 @@ def test_block_bad_input() -> None:
         cross(torch.randn(2, 5, 16))
     with pytest.raises(ValueError, match=r"context must have shape \[B, N, C\] with C=8"):
         cross(torch.randn(2, 5, 16), torch.randn(2, 3, 16))
+
+
+def test_block_from_layer_factories_equals_keyword_block() -> None:
+    torch.manual_seed(7)
+    by_kw = az.TransformerBlock(16, 2, attention="mha", causal=True, norm="rms", ffn="swiglu").eval()
+    layers = BlockLayers(attention=lambda: az.MultiHeadAttention(16, 2, causal=True),
+                         feed_forward=lambda: az.FeedForward(16, activation="swiglu"),
+                         norm=lambda: RMSNorm(16, eps=1e-5))
+    by_layers = az.TransformerBlock(16, layers=layers).eval()
+    by_layers.load_state_dict(by_kw.state_dict())
+    by_cfg = az.TransformerBlock(config=BlockConfig(16, 2, causal=True, norm="rms", ffn="swiglu")).eval()
+    by_cfg.load_state_dict(by_kw.state_dict())
+    assert by_cfg.config == by_kw.config and by_layers.config is None
+    x = torch.randn(2, 5, 16)
+    _close(by_layers(x), by_kw(x), 1e-6, "factories vs keywords")
+    _close(by_cfg(x), by_kw(x), 1e-6, "config vs keywords")
+    with pytest.raises(TypeError, match="unknown option 'heads'"):
+        az.TransformerBlock(16, 2, heads=3)
+    with pytest.raises(TypeError, match="cannot be combined"):
+        az.TransformerBlock(16, layers=layers, norm="rms")
+    with pytest.raises(TypeError, match=r"feed_forward factory must return an nn\.Module"):
+        az.TransformerBlock(16, layers=dataclasses.replace(layers, feed_forward=lambda: None))

@@ -9,6 +9,7 @@ package, loaded in a subprocess where ``transformers`` and ``safetensors`` canno
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,8 @@ import torch
 
 import attnzoo as az
 from attnzoo.interop import (
+    CheckpointFormatError,
+    UnsupportedConfigError,
     WeightLoadError,
     WordPieceTokenizer,
     from_hf,
@@ -315,3 +318,118 @@ def test_sharded_safetensors_folder(tmp_path: Path) -> None:
     x = torch.randint(0, V, (2, 7))
     with torch.no_grad():
         _close(ours(x), hf(input_ids=x).logits, TOL, "GPT-2 from sharded safetensors")
+
+
+# --------------------------------------------------------------------------- damaged files (issue 14, item 8)
+def _safetensors_bytes(header: object, data: bytes = b"", raw_header: bytes | None = None) -> bytes:
+    text = raw_header if raw_header is not None else json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+DAMAGED = {
+    "not_utf8": _safetensors_bytes(None, b"\0" * 8, raw_header=b'{"a": "\xff\xfe"}'),
+    "not_json": _safetensors_bytes(None, b"\0" * 8, raw_header=b'{"a": {"dtype": "F32",'),
+    "list_header": _safetensors_bytes([1, 2], b"\0" * 8),
+    "no_shape": _safetensors_bytes({"a": {"dtype": "F32", "data_offsets": [0, 8]}}, b"\0" * 8),
+    "overlap": _safetensors_bytes({"a": F32x2, "b": F32x2}, b"\0" * 8),
+    "wrong_size": _safetensors_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+    "past_end": _safetensors_bytes({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+    "bad_dtype": _safetensors_bytes({"a": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
+    "short": b"\x10\0\0",
+    "bad_length": (10 ** 6).to_bytes(8, "little") + b"{}",
+}
+
+
+@pytest.mark.parametrize("use_package", [False, True])
+@pytest.mark.parametrize("probe", sorted(DAMAGED))
+def test_damaged_safetensors_is_named_error(probe: str, use_package: bool, tmp_path: Path) -> None:
+    if use_package:
+        pytest.importorskip("safetensors")
+    path = tmp_path / f"{probe}.safetensors"
+    path.write_bytes(DAMAGED[probe])
+    with pytest.raises(CheckpointFormatError) as info:
+        read_safetensors(path, use_package=use_package)
+    assert str(path) in str(info.value), str(info.value)
+
+
+def test_fallback_parser_messages_say_what_is_wrong(tmp_path: Path) -> None:
+    expected = {"not_utf8": "not UTF-8", "not_json": "not valid JSON", "list_header": "must be a JSON object",
+                "no_shape": "missing ['shape']", "overlap": "overlap", "wrong_size": "needs 12",
+                "past_end": "outside the 8 data bytes", "bad_dtype": "unsupported dtype 'F99'"}
+    for probe, words in expected.items():
+        path = tmp_path / f"{probe}.safetensors"
+        path.write_bytes(DAMAGED[probe])
+        with pytest.raises(CheckpointFormatError, match=re.escape(words)):
+            read_safetensors(path, use_package=False)
+
+
+def test_good_file_reads_the_same_with_and_without_the_package(tmp_path: Path) -> None:
+    st = pytest.importorskip("safetensors.torch")
+    tensors = {"w": torch.randn(4, 3), "i": torch.arange(5, dtype=torch.int32), "z": torch.zeros(0, 2)}
+    path = tmp_path / "ok.safetensors"
+    st.save_file(tensors, str(path))
+    a, b = read_safetensors(path, use_package=False), read_safetensors(path, use_package=True)
+    assert set(a) == set(b) == set(tensors)
+    for k, t in tensors.items():
+        assert torch.equal(a[k], t) and torch.equal(b[k], t), k
+
+
+def _gpt2_folder(tmp_path: Path) -> Path:
+    hf = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=8))
+    hf.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_damaged_config_json_is_named_error(tmp_path: Path) -> None:
+    folder = _gpt2_folder(tmp_path)
+    cfg_path = folder / "config.json"
+    good = json.loads(cfg_path.read_text())
+    del good["n_embd"]
+    cfg_path.write_text(json.dumps(good))
+    with pytest.raises(CheckpointFormatError, match=r"config\.json.*missing key 'n_embd'"):
+        load_pretrained(folder)
+    cfg_path.write_text(json.dumps([good]))
+    with pytest.raises(CheckpointFormatError, match=r"config\.json.*expected a JSON object.*got list"):
+        load_pretrained(folder)
+    cfg_path.write_text('{"model_type": "gpt2", ')
+    with pytest.raises(CheckpointFormatError, match=r"config\.json.*not valid JSON"):
+        load_pretrained(folder)
+    cfg_path.write_text(json.dumps({**good, "n_embd": "sixteen"}))
+    with pytest.raises(CheckpointFormatError, match=r"config\.json.*'n_embd' must be int, got str"):
+        load_pretrained(folder)
+
+
+def test_damaged_weights_in_a_folder_are_named(tmp_path: Path) -> None:
+    folder = _gpt2_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(DAMAGED["overlap"])
+    with pytest.raises(CheckpointFormatError, match=re.escape(str(weights))):
+        load_pretrained(folder)
+
+
+def test_unsupported_option_has_its_own_error_class(tmp_path: Path) -> None:
+    folder = _gpt2_folder(tmp_path)
+    cfg_path = folder / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "scale_attn_by_inverse_layer_idx": True}))
+    with pytest.raises(UnsupportedConfigError, match=r"scale_attn_by_inverse_layer_idx=True.*config\.json") as info:
+        load_pretrained(folder)
+    assert not isinstance(info.value, WeightLoadError)
+
+
+def test_converters_build_configs() -> None:
+    hf = _llama("mistral")
+    ours = from_hf(hf)
+    cfg = ours.config
+    assert isinstance(cfg, az.models.DecoderConfig)
+    assert cfg.attention == "sliding" and cfg.attention_kwargs["window"] == 3 and cfg.num_kv_heads == 2
+    rebuilt = az.DecoderLM.from_config(cfg)
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in ours.state_dict().items()}
+
+
+def test_interop_module_is_a_thin_reexport() -> None:
+    import attnzoo.interop as interop
+    import attnzoo.models.hf as room
+
+    for name in interop.__all__:
+        assert getattr(interop, name) is getattr(room, name), name

@@ -5,8 +5,11 @@ position interpolation, bad input.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
 import math
+import pickle
 import re
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 import attnzoo as az
+from attnzoo.arena.runner import build_model, settings_for
 from attnzoo.variants import variant_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -341,6 +345,86 @@ def test_bad_input() -> None:
         enc.encode(torch.zeros(1, 3, dtype=torch.long), pooling="sum")
 
 
+# --------------------------------------------------------------------------- configs and presets
+SMALL = {"vocab_size": V, "dim": 32, "depth": 1, "num_heads": 4, "max_seq_len": 16}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "arena_lm", "arena_mqar"])
+def test_decoder_presets_build_and_decode(name: str) -> None:
+    over = dict(SMALL, ffn_hidden=48) if name in ("llama", "mistral") else dict(SMALL)
+    if name == "mistral":
+        over.update(num_kv_heads=2, attention_kwargs={"window": 3})
+    cfg = az.models.DecoderConfig.preset(name, **over)
+    model = az.DecoderLM.from_config(cfg).eval()
+    assert model.config == cfg and az.DecoderLM(config=cfg).config == cfg
+    x = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        full = model(x)
+        cache = model.init_cache(2, 9)
+        steps = torch.cat([model(x[:, t:t + 1], cache=cache) for t in range(9)], dim=1)
+    _close(steps, full, 1e-4, f"preset {name}: decode")
+
+
+def test_other_presets_build() -> None:
+    enc = az.TransformerEncoder.from_config(az.models.EncoderConfig.preset("bert", vocab_size=V, dim=32, depth=1,
+                                                                           num_heads=4, ffn_hidden=48))
+    assert enc.pooler is not None and not enc.blocks[0].norm_first and enc.type_emb is not None
+    vit = az.VisionTransformer.from_config(az.models.ViTConfig.preset("vit_b16", image_size=16, patch_size=4, dim=32,
+                                                                      depth=1, num_heads=4, ffn_hidden=48))
+    assert vit(torch.randn(1, 3, 16, 16)).shape == (1, 1000)
+    tr = az.Transformer.from_config(az.models.Seq2SeqConfig.preset("transformer_base", src_vocab_size=V,
+                                                                    tgt_vocab_size=V, dim=32, num_heads=4,
+                                                                    encoder_depth=1, decoder_depth=1, ffn_hidden=48))
+    assert tr(torch.randint(0, V, (1, 5)), torch.randint(0, V, (1, 4))).shape == (1, 4, V)
+    assert set(az.models.PRESETS) >= {"gpt2", "llama", "mistral", "bert", "vit_b16", "arena_lm", "arena_mqar"}
+    full = az.models.DecoderConfig.preset("llama")
+    assert (full.dim, full.depth, full.ffn_hidden, full.norm, full.ffn) == (4096, 32, 11008, "rms", "swiglu")
+
+
+@pytest.mark.parametrize("task", ["lm", "mqar"])
+def test_arena_presets_match_the_arena_models(task: str) -> None:
+    settings = settings_for(task, argparse.Namespace(quick=False))
+    vocab = 76 if task == "lm" else settings.vocab_size  # the Shakespeare character vocabulary
+    arena = build_model(settings, "mha", vocab, seed=0)
+    assert arena.config == az.models.DecoderConfig.preset(f"arena_{task}")
+
+
+def test_keyword_and_config_construction_agree() -> None:
+    kw = {"attention": "gqa", "num_kv_heads": 2, "pos": "learned", "norm": "rms", "ffn": "swiglu", "max_seq_len": 16}
+    torch.manual_seed(0)
+    by_kw = az.DecoderLM(V, 32, 2, 4, **kw).eval()
+    torch.manual_seed(0)
+    by_cfg = az.DecoderLM(config=az.models.DecoderConfig(V, 32, 2, 4, **kw)).eval()
+    torch.manual_seed(0)
+    mixed = az.DecoderLM(V, config=az.models.DecoderConfig(7, 32, 2, 4, **kw)).eval()  # positional overrides
+    assert by_kw.config == by_cfg.config == mixed.config
+    x = torch.randint(0, V, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(by_kw(x), by_cfg(x)) and torch.equal(by_kw(x), mixed(x))
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(TypeError, match="unknown option 'nmu_heads'"):
+        az.DecoderLM(V, 32, 1, 4, nmu_heads=2)
+    with pytest.raises(TypeError, match="unknown option 'depht'"):
+        az.models.DecoderConfig.preset("gpt2", depht=2)
+    with pytest.raises(ValueError, match="unknown preset 'gpt3'"):
+        az.models.DecoderConfig.preset("gpt3")
+    cfg = az.models.DecoderConfig(V, 32, 1, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.dim = 64  # type: ignore[misc]
+    with pytest.raises(ValueError, match="norm must be one of"):
+        cfg.replace(norm="batch")
+    with pytest.raises(TypeError, match="config must be a DecoderConfig"):
+        az.DecoderLM(config=az.models.EncoderConfig(V, 32, 1, 4))
+    with pytest.raises(TypeError, match="unknown option 'window'"):
+        az.VisionTransformer(16, 4, window=3)
+    kwargs = {"window": 3}
+    sliding = az.models.DecoderConfig(V, 32, 1, 4, attention="sliding", attention_kwargs=kwargs)
+    kwargs["window"] = 5  # the config holds its own copy
+    assert sliding.attention_kwargs == {"window": 3}
+
+
 # --------------------------------------------------------------------------- docs and example run
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -368,3 +452,14 @@ def test_captioning_example_trains() -> None:
     model, accuracy = mod.train(steps=3, batch=8, log_every=0)
     assert 0.0 <= accuracy <= 1.0
     assert model.caption(images).shape[0] == 4
+
+
+def test_models_pickle_with_their_configs() -> None:
+    x = torch.randint(0, V, (1, 5))
+    named = az.DecoderLM(V, 32, 1, 4, attention="gqa", num_kv_heads=2).eval()
+    copy = pickle.loads(pickle.dumps(named))
+    assert copy.config == named.config and torch.equal(copy(x), named(x))
+    # a lambda factory cannot be pickled: the model still can, its config is dropped
+    by_lambda = az.DecoderLM(V, 32, 1, 4, attention=lambda d, h: az.MultiHeadAttention(d, h, causal=True)).eval()
+    copy = pickle.loads(pickle.dumps(by_lambda))
+    assert copy.config is None and torch.equal(copy(x), by_lambda(x))

@@ -1,7 +1,10 @@
-"""Transformer building blocks: ``RMSNorm``, ``FeedForward`` and ``TransformerBlock``.
+"""Transformer building blocks: ``RMSNorm``, ``FeedForward``, ``TransformerBlock`` and the
+frozen configs they are described by (``Config``, ``BlockConfig``; the models' configs build on
+them in :mod:`attnzoo.models.config`).
 
-A :class:`TransformerBlock` is one residual layer: a token mixer (any attention module of this
-library, chosen by registry name or passed as an instance), optional cross-attention to a
+A :class:`TransformerBlock` is one residual layer built from layer factories
+(:class:`BlockLayers`): a token mixer (any attention module of this library, chosen by
+registry name, passed as an instance or built by a factory), optional cross-attention to a
 ``context`` (an encoder's output), and a feed-forward network, each wrapped in a normalisation
 and a residual connection::
 
@@ -15,9 +18,13 @@ LayerNorm is ``torch.nn.LayerNorm``. Weight names (used by ``attnzoo.interop``):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Callable
-from typing import Any
+import pickle
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +32,11 @@ from torch import Tensor, nn
 
 from attnzoo.masks import Mask
 from attnzoo.masks import key_padding as key_padding_mask
+from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.variants import build_attention, variant_names
 
-__all__ = ["ACTIVATIONS", "NORMS", "BlockCache", "FeedForward", "RMSNorm", "TransformerBlock", "make_norm"]
+__all__ = ["ACTIVATIONS", "NORMS", "BlockCache", "BlockConfig", "BlockLayers", "Config", "FeedForward", "RMSNorm",
+           "TransformerBlock", "make_norm"]
 
 #: Activation names accepted by :class:`FeedForward`; the gated ones multiply ``act(gate(x))``
 #: by ``up(x)`` (Shazeer 2020, "GLU variants improve Transformer").
@@ -171,118 +181,320 @@ class FeedForward(nn.Module):
 
 
 AttentionSpec = str | nn.Module | Callable[[int, int], nn.Module]
+Factory = Callable[[], nn.Module]
+
+
+def _check_bool(x: object, name: str, owner: str) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{owner}: {name} must be a bool, got {type(x).__name__} ({x!r})")
+    return x
+
+
+def _check_choice(x: object, name: str, choices: Sequence[str], owner: str) -> str:
+    if not isinstance(x, str) or x not in choices:
+        raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {x!r}")
+    return x
+
+
+def _check_positive_float(x: object, name: str, owner: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a float, got {type(x).__name__} ({x!r})")
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {x}")
+    return float(x)
+
+
+def _check_eps(x: object, name: str, owner: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (x >= 0 and math.isfinite(x)):
+        raise ValueError(f"{owner}: {name} must be a finite float >= 0, got {x!r}")
+    return float(x)
+
+
+class Config:
+    """Base of the frozen model and block configs (dataclasses): named presets, validated
+    ``replace``, and the keyword-options path of the model constructors.
+
+    A subclass lists its presets in ``PRESETS`` (name -> field values); ``Cls.preset(name,
+    **overrides)`` builds one. Every field is validated when a config is made, so a bad value
+    fails where it is written, naming the field.
+    """
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The config's fields, in declaration order."""
+        return [f.name for f in fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def _check_names(cls, names: Iterable[str], owner: str) -> None:
+        known = cls.field_names()
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise TypeError(f"{owner}: unknown option{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(repr(n) for n in unknown)}; {cls.__name__} fields are {known}")
+
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        """Names accepted by :meth:`preset`."""
+        return list(cls.PRESETS)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> Any:
+        """The preset ``name`` with ``overrides`` applied (unknown field -> ``TypeError``)."""
+        if not isinstance(name, str) or name not in cls.PRESETS:
+            raise ValueError(f"{cls.__name__}.preset: unknown preset {name!r}; expected one of {cls.preset_names()}")
+        cls._check_names(overrides, f"{cls.__name__}.preset")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` applied and validated (unknown field -> ``TypeError``)."""
+        self._check_names(changes, f"{type(self).__name__}.replace")
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (shallow: values are not copied)."""
+        return {n: getattr(self, n) for n in self.field_names()}
+
+    @classmethod
+    def resolve(cls, config: object, owner: str, given: dict[str, Any], options: dict[str, Any]) -> Any:
+        """The config a constructor builds from: ``config`` (or the field defaults) updated with
+        the non-``None`` positional arguments ``given`` and the keyword ``options``."""
+        cls._check_names(options, owner)
+        values = {k: v for k, v in given.items() if v is not None}
+        if config is None:
+            return cls(**values, **options)
+        if not isinstance(config, cls):
+            raise TypeError(f"{owner}: config must be a {cls.__name__}, got {type(config).__name__}")
+        return config.replace(**values, **options) if values or options else config
+
+
+def _picklable(value: object) -> bool:
+    """Whether a config value survives ``pickle`` (names, modules and module-level functions do;
+    a lambda or a local function does not)."""
+    if isinstance(value, (str, nn.Module)) or value is None:
+        return True
+    try:
+        pickle.dumps(value)
+    except Exception:  # pickle raises PicklingError, AttributeError, TypeError, ... by object
+        return False
+    return True
+
+
+def state_without_unpicklable_config(state: dict[str, Any]) -> dict[str, Any]:
+    """A module's ``__getstate__`` dict with its ``config`` dropped (``None``) when an attention
+    factory in it cannot be pickled, so ``torch.save(model)`` works as it does for the
+    modules the factory built."""
+    cfg = state.get("config")
+    if isinstance(cfg, Config) and not all(_picklable(getattr(cfg, n, None)) for n in ("attention",
+                                                                                      "encoder_attention")):
+        state = {**state, "config": None}
+    return state
+
+
+def _frozen_kwargs(config: Any, name: str) -> None:
+    """Store a private copy of a mapping field (``None`` stays), so the caller's dict can change."""
+    value = getattr(config, name)
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{type(config).__name__}: {name} must be a dict, got {type(value).__name__}")
+    object.__setattr__(config, name, dict(value))
+
+
+@dataclass(frozen=True)
+class BlockLayers:
+    """The layer factories a :class:`TransformerBlock` is built from.
+
+    ``attention``, ``feed_forward`` and ``cross_attention`` are called once; ``norm`` once per
+    sub-layer (each gets its own weights). Each returns an ``nn.Module`` taking and returning
+    ``[B, N, C]``; the attention module follows the attention protocol
+    (``forward(x, *, mask=None, cache=None, positions=None)``, ``init_cache``).
+    """
+
+    attention: Factory
+    feed_forward: Factory
+    norm: Factory
+    cross_attention: Factory | None = None
+    norm_first: bool = True
+    dropout: float = 0.0
+    context_dim: int | None = None
 
 
 def build_mixer(attention: AttentionSpec, dim: int, num_heads: int, *, causal: bool,
-                attention_kwargs: dict[str, Any] | None = None, device: torch.device | str | None = None,
+                attention_kwargs: Mapping[str, Any] | None = None, device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None, owner: str = "TransformerBlock") -> nn.Module:
     """Build a token mixer from a registry name, a module instance or a ``(dim, num_heads)`` factory."""
     kwargs = dict(attention_kwargs or {})
     if isinstance(attention, str):
-        from attnzoo.variants import build_attention, variant_names
-
-        if attention not in variant_names():
-            raise ValueError(f"{owner}: unknown attention {attention!r}; expected one of {variant_names()}, "
-                             f"an nn.Module or a callable (dim, num_heads) -> nn.Module")
         if device is not None:
             kwargs.setdefault("device", device)
         if dtype is not None:
             kwargs.setdefault("dtype", dtype)
         return build_attention(attention, dim, num_heads, causal=causal, **kwargs)
-    if kwargs:
-        raise ValueError(f"{owner}: attention_kwargs {sorted(kwargs)} only apply when attention is a registry name")
     if isinstance(attention, nn.Module):
         return attention
-    if callable(attention):
-        module = attention(dim, num_heads)
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"{owner}: the attention factory must return an nn.Module, got {type(module).__name__}")
-        return module
-    raise TypeError(f"{owner}: attention must be a registry name, an nn.Module or a callable, "
-                    f"got {type(attention).__name__}")
+    module = attention(dim, num_heads)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{owner}: the attention factory must return an nn.Module, got {type(module).__name__}")
+    return module
+
+
+def check_attention_spec(attention: object, attention_kwargs: object, owner: str, *,
+                         instance_ok: bool = True) -> None:
+    """A registry name, a callable ``(dim, num_heads) -> nn.Module`` or (blocks only) a module;
+    ``attention_kwargs`` only with a registry name."""
+    if isinstance(attention, str):
+        if attention not in variant_names():
+            raise ValueError(f"{owner}: unknown attention {attention!r}; expected one of {variant_names()}, "
+                             f"an nn.Module or a callable (dim, num_heads) -> nn.Module")
+        return
+    if isinstance(attention, nn.Module) and not instance_ok:
+        raise TypeError(f"{owner}: attention must be a registry name or a callable (dim, num_heads) -> "
+                        f"nn.Module (one module per layer), got an nn.Module instance")
+    if not isinstance(attention, nn.Module) and not callable(attention):
+        raise TypeError(f"{owner}: attention must be a registry name, an nn.Module or a callable, "
+                        f"got {type(attention).__name__}")
+    if attention_kwargs:
+        raise ValueError(f"{owner}: attention_kwargs {sorted(attention_kwargs)} only apply when attention is a "
+                         f"registry name")
+
+
+@dataclass(frozen=True)
+class BlockConfig(Config):
+    """What one :class:`TransformerBlock` is: the argument set of the keyword constructor.
+
+    Fields:
+        dim, num_heads: width ``C`` and attention heads.
+        attention: the self-attention: a registry name (``"mha"``, ``"gqa"``, ``"sliding"``, ...
+            see :func:`attnzoo.variants.variant_names`), an ``nn.Module`` with the attention
+            protocol, or a callable ``(dim, num_heads) -> nn.Module``.
+        attention_kwargs: extra arguments for the registry builder (``window``, ``rope``,
+            ``num_kv_heads``, ``bias``, ``dropout`` (on attention weights), ``head_dim``, ...).
+        causal: causal self-attention (only used with a registry name).
+        cross_attention: add a cross-attention sub-layer reading ``context``; ``context_dim`` its
+            width (default ``dim``).
+        norm: ``"layer"`` (``torch.nn.LayerNorm``) or ``"rms"`` (:class:`RMSNorm`); ``norm_eps``.
+        norm_first: pre-norm (GPT/LLaMA/ViT) or post-norm (original Transformer, BERT).
+        ffn: :class:`FeedForward` activation; ``ffn_hidden`` its hidden width.
+        dropout: on each sub-layer's output (before the residual add) and in the FFN.
+        bias: biases in the cross-attention and the FFN (the self-attention takes its own ``bias``
+            from ``attention_kwargs``; registry modules default to ``True``).
+    """
+
+    dim: int
+    num_heads: int
+    attention: AttentionSpec = "mha"
+    attention_kwargs: Mapping[str, Any] | None = None
+    causal: bool = False
+    cross_attention: bool = False
+    context_dim: int | None = None
+    norm: str = "layer"
+    norm_eps: float = 1e-5
+    norm_first: bool = True
+    ffn: str = "gelu"
+    ffn_hidden: int | None = None
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        owner = "TransformerBlock"
+        _frozen_kwargs(self, "attention_kwargs")
+        dim, heads = _check_pos_int(self.dim, "dim", owner), _check_pos_int(self.num_heads, "num_heads", owner)
+        if dim % heads and not (self.attention_kwargs or {}).get("head_dim"):
+            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({heads}), "
+                             f"or pass attention_kwargs={{'head_dim': ...}}")
+        _check_choice(self.norm, "norm", NORMS, owner)
+        _check_choice(self.ffn, "ffn", list(ACTIVATIONS), owner)
+        for name in ("causal", "cross_attention", "norm_first", "bias"):
+            _check_bool(getattr(self, name), name, owner)
+        _check_prob(self.dropout, "dropout", owner)
+        _check_eps(self.norm_eps, "norm_eps", owner)
+        if self.ffn_hidden is not None:
+            _check_pos_int(self.ffn_hidden, "ffn_hidden", owner)
+        if self.context_dim is not None:
+            _check_pos_int(self.context_dim, "context_dim", owner)
+            if not self.cross_attention:
+                raise ValueError(f"{owner}: context_dim={self.context_dim} given but cross_attention=False")
+        check_attention_spec(self.attention, self.attention_kwargs, owner)
+
+    def layers(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> BlockLayers:
+        """The layer factories this config describes (modules on ``device`` in ``dtype``)."""
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        akw = self.attention_kwargs or {}
+
+        def attention() -> nn.Module:
+            return build_mixer(self.attention, self.dim, self.num_heads, causal=self.causal, attention_kwargs=akw,
+                               device=device, dtype=dtype)
+
+        def cross() -> nn.Module:
+            return MultiHeadAttention(self.dim, self.num_heads, kv_dim=self.context_dim or self.dim,
+                                      head_dim=akw.get("head_dim"), bias=self.bias, causal=False, **kw)
+
+        return BlockLayers(
+            attention=attention,
+            feed_forward=functools.partial(FeedForward, self.dim, self.ffn_hidden, self.ffn, bias=self.bias,
+                                           dropout=self.dropout, **kw),
+            norm=functools.partial(make_norm, self.norm, self.dim, self.norm_eps, **kw),
+            cross_attention=cross if self.cross_attention else None,
+            norm_first=self.norm_first, dropout=self.dropout,
+            context_dim=(self.context_dim or self.dim) if self.cross_attention else None)
 
 
 class TransformerBlock(nn.Module):
     """One transformer layer: self-attention, optional cross-attention, feed-forward.
 
+    Built from layer factories (:class:`BlockLayers`), or from a :class:`BlockConfig`, or from
+    its fields as keywords (the config's fields: ``attention``, ``attention_kwargs``, ``causal``,
+    ``cross_attention``, ``context_dim``, ``norm``, ``norm_eps``, ``norm_first``, ``ffn``,
+    ``ffn_hidden``, ``dropout``, ``bias``)::
+
+        TransformerBlock(64, 4, attention="gqa", causal=True, norm="rms", ffn="swiglu")
+        TransformerBlock(config=BlockConfig(64, 4, norm_first=False))
+        TransformerBlock(64, layers=BlockLayers(attention=..., feed_forward=..., norm=...))
+
     Args:
         dim: model width ``C``.
-        num_heads: attention heads.
-        attention: the self-attention: a registry name (``"mha"``, ``"gqa"``, ``"sliding"``,
-            ``"linear"``, ... see :func:`attnzoo.variants.variant_names`), an ``nn.Module`` with the
-            attention protocol (``forward(x, *, mask=None, cache=None, positions=None)``,
-            ``init_cache``), or a callable ``(dim, num_heads) -> nn.Module``.
-        attention_kwargs: extra arguments for the registry builder (``window``, ``rope``,
-            ``num_kv_heads``, ``bias``, ``dropout`` (on attention weights), ...).
-        causal: causal self-attention (only used with a registry name).
-        cross_attention: add a cross-attention sub-layer reading ``context``.
-        context_dim: width of ``context`` (default ``dim``).
-        norm: ``"layer"`` (``torch.nn.LayerNorm``) or ``"rms"`` (:class:`RMSNorm`).
-        norm_eps: the norms' epsilon.
-        norm_first: pre-norm (``True``, GPT/LLaMA/ViT) or post-norm (``False``, the original
-            Transformer and BERT).
-        ffn: :class:`FeedForward` activation; ``ffn_hidden`` its hidden width.
-        dropout: dropout on each sub-layer's output (before the residual add) and in the FFN.
-        bias: biases in the cross-attention and the FFN (the self-attention takes its own ``bias``
-            from ``attention_kwargs``; registry modules default to ``True``).
+        num_heads: attention heads (not used with ``layers``).
+        config: a :class:`BlockConfig`; keyword options override its fields.
+        layers: the factories to build from (then neither ``config`` nor options).
+        device, dtype: of the parameters built from a config.
 
     Shapes: ``x [B, N, C]``, ``context [B, M, context_dim]`` -> ``[B, N, C]``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        *,
-        attention: AttentionSpec = "mha",
-        attention_kwargs: dict[str, Any] | None = None,
-        causal: bool = False,
-        cross_attention: bool = False,
-        context_dim: int | None = None,
-        norm: str = "layer",
-        norm_eps: float = 1e-5,
-        norm_first: bool = True,
-        ffn: str = "gelu",
-        ffn_hidden: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, dim: int | None = None, num_heads: int | None = None, *, config: BlockConfig | None = None,
+                 layers: BlockLayers | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
         owner = "TransformerBlock"
+        self.config: BlockConfig | None = None
+        if layers is None:
+            self.config = BlockConfig.resolve(config, owner, {"dim": dim, "num_heads": num_heads}, options)
+            layers = self.config.layers(device=device, dtype=dtype)
+            dim, num_heads = self.config.dim, self.config.num_heads
+        elif config is not None or options:
+            raise TypeError(f"{owner}: layers=... builds the block by itself; config and options "
+                            f"({sorted(options)}) cannot be combined with it")
+        elif not isinstance(layers, BlockLayers):
+            raise TypeError(f"{owner}: layers must be a BlockLayers, got {type(layers).__name__}")
         self.dim = _check_pos_int(dim, "dim", owner)
-        self.num_heads = _check_pos_int(num_heads, "num_heads", owner)
-        if dim % num_heads and not (attention_kwargs or {}).get("head_dim"):
-            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads}), "
-                             f"or pass attention_kwargs={{'head_dim': ...}}")
-        if not isinstance(norm, str) or norm not in NORMS:
-            raise ValueError(f"{owner}: norm must be one of {NORMS}, got {norm!r}")
-        for name, flag in (("causal", causal), ("cross_attention", cross_attention), ("norm_first", norm_first),
-                           ("bias", bias)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{owner}: {name} must be a bool, got {type(flag).__name__}")
-        self.norm_first = norm_first
-        p = _check_prob(dropout, "dropout", owner)
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.attn_norm = make_norm(norm, dim, norm_eps, **kw)
-        self.attn = build_mixer(attention, dim, num_heads, causal=causal, attention_kwargs=attention_kwargs,
-                                device=device, dtype=dtype, owner=owner)
+        self.norm_first = _check_bool(layers.norm_first, "norm_first", owner)
+        self.attn_norm = _built(layers.norm, "norm", owner)
+        self.attn = _built(layers.attention, "attention", owner)
+        self.num_heads: int | None = num_heads if num_heads is not None else getattr(self.attn, "num_heads", None)
         self.cross_norm: nn.Module | None = None
         self.cross_attn: nn.Module | None = None
-        if cross_attention:
-            from attnzoo.nn.attention import MultiHeadAttention
+        if layers.cross_attention is not None:
+            self.cross_norm = _built(layers.norm, "norm", owner)
+            self.cross_attn = _built(layers.cross_attention, "cross_attention", owner)
+        self.context_dim = None if self.cross_attn is None else (layers.context_dim or self.dim)
+        self.ffn_norm = _built(layers.norm, "norm", owner)
+        self.ffn = _built(layers.feed_forward, "feed_forward", owner)
+        self.dropout = nn.Dropout(_check_prob(layers.dropout, "dropout", owner))
 
-            cdim = dim if context_dim is None else _check_pos_int(context_dim, "context_dim", owner)
-            self.cross_norm = make_norm(norm, dim, norm_eps, **kw)
-            self.cross_attn = MultiHeadAttention(dim, num_heads, kv_dim=cdim, head_dim=(attention_kwargs or {}).get(
-                "head_dim"), bias=bias, causal=False, **kw)
-        elif context_dim is not None:
-            raise ValueError(f"{owner}: context_dim={context_dim} given but cross_attention=False")
-        self.context_dim = None if self.cross_attn is None else (dim if context_dim is None else context_dim)
-        self.ffn_norm = make_norm(norm, dim, norm_eps, **kw)
-        self.ffn = FeedForward(dim, ffn_hidden, ffn, bias=bias, dropout=p, **kw)
-        self.dropout = nn.Dropout(p)
+    def __getstate__(self) -> dict[str, Any]:
+        return state_without_unpicklable_config(super().__getstate__())
 
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> Any:
@@ -300,8 +512,6 @@ class TransformerBlock(nn.Module):
         an :func:`attnzoo.masks.key_padding` ``Mask`` for other mixers (linear, performer, ...)."""
         if key_padding is None:
             return mask
-        from attnzoo.nn.attention import MultiHeadAttention
-
         if not isinstance(self.attn, MultiHeadAttention) or isinstance(mask, Mask):
             kp_mask = key_padding_mask(key_padding)
             return kp_mask if mask is None else mask & kp_mask
@@ -391,6 +601,16 @@ class TransformerBlock(nn.Module):
         if cache is None:
             return self.cross_attn(h, context, mask=context_mask)
         return self.cross_attn(h, context, mask=context_mask, cache=cache)
+
+
+def _built(factory: Callable[[], nn.Module], name: str, owner: str) -> nn.Module:
+    """Call a layer factory and check that it made a module."""
+    if not callable(factory):
+        raise TypeError(f"{owner}: the {name} factory must be callable, got {type(factory).__name__}")
+    module = factory()
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{owner}: the {name} factory must return an nn.Module, got {type(module).__name__}")
+    return module
 
 
 class BlockCache:

@@ -1,20 +1,28 @@
 """Models built from :class:`attnzoo.TransformerBlock`: encoder, decoder LM, encoder-decoder, ViT.
 
-Hugging Face checkpoints convert with :func:`attnzoo.interop.from_hf`; a BERT-style folder
-(``config.json`` + ``model.safetensors``) loads with :meth:`TransformerEncoder.from_pretrained`.
+Each model is described by a frozen config with named presets (:mod:`attnzoo.models.config`).
+Hugging Face checkpoints convert with :func:`attnzoo.interop.from_hf` (the room
+:mod:`attnzoo.models.hf`); a folder (``config.json`` + safetensors) loads with
+:func:`attnzoo.interop.load_pretrained`.
 """
 
 from attnzoo.models._common import LayerCaches
+from attnzoo.models.config import PRESETS, DecoderConfig, EncoderConfig, Seq2SeqConfig, ViTConfig
 from attnzoo.models.decoder import DecoderLM, sample_next_token
 from attnzoo.models.encoder import TransformerEncoder, cls_pool, max_pool, mean_pool
 from attnzoo.models.seq2seq import Transformer
 from attnzoo.models.vit import VisionTransformer
 
 __all__ = [
+    "PRESETS",
+    "DecoderConfig",
     "DecoderLM",
+    "EncoderConfig",
     "LayerCaches",
+    "Seq2SeqConfig",
     "Transformer",
     "TransformerEncoder",
+    "ViTConfig",
     "VisionTransformer",
     "cls_pool",
     "max_pool",

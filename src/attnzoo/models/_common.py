@@ -4,14 +4,54 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from attnzoo import _validate
+from attnzoo.blocks import RMSNorm, state_without_unpicklable_config
+from attnzoo.nn.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+)
+from attnzoo.variants import VARIANTS
 
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
+
+
+def takes_rope(attention: object) -> bool:
+    """Registry variants whose modules apply RoPE (the softmax family). The feature-map and
+    compressive variants take no ``rope``: with ``pos="rope"`` they get their positional
+    information from causality alone."""
+    spec = VARIANTS.get(attention) if isinstance(attention, str) else None
+    return getattr(spec, "family", None) == "softmax"
+
+
+def position_table(pos: str, dim: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> nn.Module | None:
+    """The absolute position module of ``pos``: learned, sinusoidal, or ``None`` (rope/none)."""
+    if pos == "learned":
+        return LearnedPositionalEmbedding(dim, max_len, device=device, dtype=dtype)
+    if pos == "sinusoidal":
+        return SinusoidalPositionalEncoding(dim, max_len, device=device, dtype=dtype)
+    return None
+
+
+def rotary_for(pos: str, attention: object, attention_kwargs: Any, head_dim: int, base: float,
+               scaling: str | None = None, scaling_factor: float = 1.0) -> RotaryEmbedding | None:
+    """The RotaryEmbedding a model shares across its layers: ``None`` unless ``pos="rope"`` and
+    the attention applies RoPE; a configured one passed as ``attention_kwargs["rope"]`` is used
+    as is; ``"rope"`` set to anything else in ``attention_kwargs`` is left to the module."""
+    if pos != "rope" or not takes_rope(attention):
+        return None
+    given = (attention_kwargs or {}).get("rope")
+    if isinstance(given, RotaryEmbedding):
+        return given
+    if attention_kwargs and "rope" in attention_kwargs:
+        return None
+    return RotaryEmbedding(head_dim, base=base, scaling=scaling, scaling_factor=scaling_factor)
 
 
 def check_int(x: object, name: str, owner: str, *, minimum: int = 1) -> int:
@@ -56,6 +96,28 @@ def key_padding_bias(mask: Tensor) -> Tensor:
     return mask[:, None, None, :]
 
 
+class FromConfig:
+    """``from_config`` for a model whose constructor takes ``config=`` (set ``config_class``)."""
+
+    config_class: ClassVar[type]
+
+    @classmethod
+    def from_config(cls, config: Any, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> Any:
+        """The model ``config`` describes (e.g. a preset), parameters on ``device`` in ``dtype``."""
+        if not isinstance(config, cls.config_class):
+            raise TypeError(f"{cls.__name__}.from_config: config must be a {cls.config_class.__name__}, "
+                            f"got {type(config).__name__}")
+        return cls(config=config, device=device, dtype=dtype)  # type: ignore[call-arg]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return state_without_unpicklable_config(super().__getstate__())  # type: ignore[misc]
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
+
+
 class LayerCaches:
     """The decode caches of a stack of layers (one per layer), with the cache protocol:
     ``length`` (tokens written so far), ``batch_size``, ``reset()``; index it for one layer's cache."""
@@ -95,8 +157,6 @@ def init_weights(model: nn.Module, *, std: float = 0.02, depth: int | None = Non
     patch embeddings) ~ ``N(0, std)``, biases 0, norm weights 1 and biases 0. With ``depth``, the
     projections that write into the residual stream (``out_proj``, ``down_proj``) get
     ``std / sqrt(2 * depth)`` so the residual variance does not grow with depth (GPT-2)."""
-    from attnzoo.blocks import RMSNorm
-
     resid_std = std / math.sqrt(2 * depth) if depth else std
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Linear, nn.Conv2d)):

@@ -7,37 +7,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo.blocks import ACTIVATIONS, NORMS, AttentionSpec, TransformerBlock, make_norm
+from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
-    POSITIONS,
+    FromConfig,
     LayerCaches,
     check_int,
     check_padding_mask,
     check_tokens,
     init_weights,
     key_padding_bias,
+    position_table,
     positions_from_mask,
+    rotary_for,
 )
+from attnzoo.models.config import DecoderConfig
 
 __all__ = ["DecoderLM", "sample_next_token"]
-
-
-def _check_positive_float(x: object, name: str, owner: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a float, got {type(x).__name__}")
-    if not x > 0:
-        raise ValueError(f"{owner}: {name} must be > 0, got {x}")
-    return float(x)
-
-
-def _takes_rope(name: str) -> bool:
-    """Registry variants whose modules apply RoPE (the softmax family). The feature-map and
-    compressive variants take no ``rope``: with ``pos="rope"`` they get their positional
-    information from causality alone."""
-    from attnzoo.variants import VARIANTS
-
-    spec = VARIANTS.get(name)
-    return spec is not None and spec.family == "softmax"
 
 
 def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
@@ -67,7 +52,7 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(FromConfig, nn.Module):
     """Decoder-only language model: token embedding, a stack of causal :class:`TransformerBlock`
     (pre-norm by default), a final norm and an LM head.
 
@@ -75,6 +60,11 @@ class DecoderLM(nn.Module):
     (RoPE, RMSNorm, SwiGLU, GQA, sliding window, untied head) through its arguments; with
     ``cross_attention=True`` every block also attends to a ``context`` (an encoder's output, e.g.
     ViT patch features for captioning).
+
+    Build it from a :class:`~attnzoo.models.DecoderConfig` (``DecoderLM.from_config(cfg)``,
+    ``DecoderLM(config=cfg)``; presets ``gpt2``, ``llama``, ``mistral``, ``arena_lm``,
+    ``arena_mqar``) or from the config's fields as arguments, listed here (an unknown keyword
+    is a ``TypeError`` naming it); ``device``/``dtype`` place the parameters.
 
     Args:
         vocab_size: vocabulary ``V``.
@@ -98,7 +88,8 @@ class DecoderLM(nn.Module):
         dropout: residual/FFN/embedding dropout (attention-weight dropout: ``attention_kwargs``).
         bias: biases in the attention projections (unless ``attention_kwargs`` sets ``bias``) and
             the FFN.
-        rope_base: RoPE base (``rope_theta``); ``head_dim``: per-head width (default ``dim //
+        rope_base: RoPE base (``rope_theta``); ``rope_scaling``/``rope_scaling_factor``: RoPE
+            context extension (``"linear"``, ``"ntk"``); ``head_dim``: per-head width (default ``dim //
             num_heads``; only for registry attention that accepts it).
         norm_first: pre-norm blocks (default) or post-norm (the original Transformer decoder).
         final_norm: apply a norm after the last block (default: ``norm_first``).
@@ -111,110 +102,56 @@ class DecoderLM(nn.Module):
     ``norm``, ``lm_head``.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        dim: int,
-        depth: int,
-        num_heads: int,
-        *,
-        attention: AttentionSpec = "mha",
-        attention_kwargs: dict[str, Any] | None = None,
-        num_kv_heads: int | None = None,
-        max_seq_len: int = 2048,
-        pos: str = "rope",
-        norm: str = "layer",
-        ffn: str = "gelu",
-        ffn_hidden: int | None = None,
-        tie_embeddings: bool = True,
-        dropout: float = 0.0,
-        bias: bool = True,
-        norm_eps: float = 1e-5,
-        rope_base: float = 10000.0,
-        head_dim: int | None = None,
-        norm_first: bool = True,
-        final_norm: bool | None = None,
-        embed_scale: float | None = None,
-        cross_attention: bool = False,
-        context_dim: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    config_class = DecoderConfig
+
+    def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
+                 num_heads: int | None = None, *, config: DecoderConfig | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 **options: Any) -> None:
         super().__init__()
-        owner = "DecoderLM"
-        self.vocab_size = check_int(vocab_size, "vocab_size", owner)
-        self.dim = check_int(dim, "dim", owner)
-        self.depth = check_int(depth, "depth", owner)
-        self.num_heads = check_int(num_heads, "num_heads", owner)
-        self.max_seq_len = check_int(max_seq_len, "max_seq_len", owner)
-        if pos not in POSITIONS:
-            raise ValueError(f"{owner}: pos must be one of {POSITIONS}, got {pos!r}")
-        if norm not in NORMS:
-            raise ValueError(f"{owner}: norm must be one of {NORMS}, got {norm!r}")
-        if ffn not in ACTIVATIONS:
-            raise ValueError(f"{owner}: ffn must be one of {list(ACTIVATIONS)}, got {ffn!r}")
-        if isinstance(attention, nn.Module):
-            raise TypeError(f"{owner}: attention must be a registry name or a callable (dim, num_heads) -> "
-                            f"nn.Module (one module per layer), got an nn.Module instance")
-        if head_dim is None and dim % num_heads:
-            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim")
-        self.pos = pos
-        self.head_dim = dim // num_heads if head_dim is None else check_int(head_dim, "head_dim", owner)
-        self.embed_scale = None if embed_scale is None else _check_positive_float(embed_scale, "embed_scale", owner)
+        cfg = DecoderConfig.resolve(config, "DecoderLM", {"vocab_size": vocab_size, "dim": dim, "depth": depth,
+                                                          "num_heads": num_heads}, options)
+        self.config = cfg
+        self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
+        self.max_seq_len, self.pos, self.head_dim = cfg.max_seq_len, cfg.pos, cfg.resolved_head_dim
+        self.embed_scale = None if cfg.embed_scale is None else float(cfg.embed_scale)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-
-        akw = dict(attention_kwargs or {})
-        self.rope: nn.Module | None = None
-        if isinstance(attention, str):
-            akw.setdefault("bias", bias)
-            if num_kv_heads is not None:
-                akw.setdefault("num_kv_heads", check_int(num_kv_heads, "num_kv_heads", owner))
-            if head_dim is not None:
-                akw.setdefault("head_dim", self.head_dim)
-            if pos == "rope" and _takes_rope(attention):
-                if isinstance(akw.get("rope"), nn.Module):  # a configured RotaryEmbedding (e.g. scaled)
-                    self.rope = akw["rope"]
-                elif "rope" not in akw:
-                    from attnzoo.nn.positional import RotaryEmbedding
-
-                    base = _check_positive_float(rope_base, "rope_base", owner)
-                    self.rope = RotaryEmbedding(self.head_dim, base=base)
-                    akw["rope"] = self.rope
-        elif num_kv_heads is not None:
-            raise ValueError(f"{owner}: num_kv_heads only applies when attention is a registry name")
-
-        self.tok_emb = nn.Embedding(vocab_size, dim, **kw)
-        self.pos_emb: nn.Module | None = None
-        if pos == "learned":
-            from attnzoo.nn.positional import LearnedPositionalEmbedding
-
-            self.pos_emb = LearnedPositionalEmbedding(dim, max_seq_len, **kw)
-        elif pos == "sinusoidal":
-            from attnzoo.nn.positional import SinusoidalPositionalEncoding
-
-            self.pos_emb = SinusoidalPositionalEncoding(dim, max_seq_len, **kw)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList([
-            TransformerBlock(dim, num_heads, attention=attention, attention_kwargs=akw or None, causal=True,
-                             cross_attention=cross_attention, context_dim=context_dim, norm=norm,
-                             norm_eps=norm_eps, norm_first=norm_first, ffn=ffn, ffn_hidden=ffn_hidden,
-                             dropout=dropout, bias=bias, **kw)
-            for _ in range(depth)
-        ])
-        use_final = norm_first if final_norm is None else final_norm
-        self.norm: nn.Module = make_norm(norm, dim, norm_eps, **kw) if use_final else nn.Identity()
-        self.lm_head = nn.Linear(dim, vocab_size, bias=False, **kw)
-        self.tie_embeddings = bool(tie_embeddings)
+        self.rope = rotary_for(cfg.pos, cfg.attention, cfg.attention_kwargs, self.head_dim, cfg.rope_base,
+                               cfg.rope_scaling, cfg.rope_scaling_factor)
+        block = self.block_config(cfg, self.rope)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
+        self.pos_emb = position_table(cfg.pos, cfg.dim, cfg.max_seq_len, **kw)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([TransformerBlock(config=block, **kw) for _ in range(cfg.depth)])
+        use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm
+        self.norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **kw)
+        self.tie_embeddings = cfg.tie_embeddings
         if self.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.cross_attention = cross_attention
-        init_weights(self, depth=depth)
+        self.cross_attention = cfg.cross_attention
+        init_weights(self, depth=cfg.depth)
+
+    @staticmethod
+    def block_config(cfg: DecoderConfig, rope: nn.Module | None = None) -> BlockConfig:
+        """The (causal) :class:`~attnzoo.blocks.BlockConfig` of every layer: the registry builder
+        gets ``bias``, ``num_kv_heads``, ``head_dim`` and the shared ``rope`` unless
+        ``attention_kwargs`` sets them."""
+        akw = dict(cfg.attention_kwargs or {})
+        if isinstance(cfg.attention, str):
+            akw.setdefault("bias", cfg.bias)
+            if cfg.num_kv_heads is not None:
+                akw.setdefault("num_kv_heads", cfg.num_kv_heads)
+            if cfg.head_dim is not None:
+                akw.setdefault("head_dim", cfg.head_dim)
+            if rope is not None:
+                akw["rope"] = rope
+        return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
+                           causal=True, cross_attention=cfg.cross_attention, context_dim=cfg.context_dim,
+                           norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=cfg.norm_first, ffn=cfg.ffn,
+                           ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias)
 
     # ----------------------------------------------------------------- helpers
-    def num_parameters(self) -> int:
-        """Number of distinct parameters (a tied head is counted once)."""
-        return sum(p.numel() for p in self.parameters())
-
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> LayerCaches:
         """One decode cache per layer (what each layer's attention module builds), bundled."""
@@ -243,6 +180,24 @@ class DecoderLM(nn.Module):
             raise ValueError(f"DecoderLM: positions must have shape [N] = [{n}] or [B, N] = [{batch}, {n}], "
                              f"got {tuple(positions.shape)}")
         return positions.long()
+
+    def _context_mask(self, context: Tensor | None, context_mask: Tensor | None, batch: int) -> Tensor | None:
+        """Check ``context`` against the model's cross-attention; ``context_mask [B, M]`` ->
+        ``[B, 1, 1, M]`` bool."""
+        owner = "DecoderLM"
+        if not self.cross_attention:
+            if context is not None or context_mask is not None:
+                raise ValueError(f"{owner}: context given but the model has no cross-attention "
+                                 f"(build it with cross_attention=True)")
+            return None
+        if context is None:
+            raise ValueError(f"{owner}: this model has cross-attention; pass context [B, M, C]")
+        if context_mask is None:
+            return None
+        if not isinstance(context, Tensor) or context.dim() != 3:
+            got = tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__
+            raise ValueError(f"{owner}: context must be [B, M, C], got {got}")
+        return key_padding_bias(check_padding_mask(context_mask, batch, context.shape[1], owner, "context_mask"))
 
     # ----------------------------------------------------------------- forward
     def forward(
@@ -293,19 +248,7 @@ class DecoderLM(nn.Module):
         elif past + N > self.max_seq_len and self.pos in ("learned", "sinusoidal"):
             raise ValueError(f"{owner}: sequence of {past + N} tokens (cache {past} + new {N}) is longer than the "
                              f"model's {self.max_seq_len} positions (max_seq_len)")
-        if self.cross_attention:
-            if context is None:
-                raise ValueError(f"{owner}: this model has cross-attention; pass context [B, M, C]")
-            if context_mask is not None:
-                if not isinstance(context, Tensor) or context.dim() != 3:
-                    raise ValueError(f"{owner}: context must be [B, M, C], got "
-                                     f"{tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__}")
-                context_mask = key_padding_bias(check_padding_mask(context_mask, B, context.shape[1], owner,
-                                                                   "context_mask"))
-        elif context is not None or context_mask is not None:
-            raise ValueError(f"{owner}: context given but the model has no cross-attention "
-                             f"(build it with cross_attention=True)")
-
+        context_mask = self._context_mask(context, context_mask, B)
         emb_pos = positions
         if emb_pos is None and self.pos_emb is not None and past:
             emb_pos = torch.arange(past, past + N, device=tokens.device)
@@ -317,6 +260,28 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.norm(x))  # [B, N, V]
 
     # --------------------------------------------------------------- generate
+    def _check_generate(self, n: int, new: int, temperature: object, top_k: object, top_p: object,
+                        eos_token_id: object) -> None:
+        """The sampling settings and the length bound of :meth:`generate`."""
+        owner = "DecoderLM.generate"
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise ValueError(f"{owner}: temperature must be a float >= 0, got {temperature!r}")
+        if top_k is not None:
+            check_int(top_k, "top_k", owner)
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                                  or not 0.0 < top_p <= 1.0):
+            raise ValueError(f"{owner}: top_p must be a float in (0, 1], got {top_p!r}")
+        if eos_token_id is not None:
+            check_int(eos_token_id, "eos_token_id", owner, minimum=0)
+            if eos_token_id >= self.vocab_size:
+                raise ValueError(f"{owner}: eos_token_id must be < vocab_size={self.vocab_size}, got {eos_token_id}")
+        if n > self.max_seq_len:
+            raise ValueError(f"{owner}: prompt of {n} tokens is longer than the model's {self.max_seq_len} "
+                             f"positions (max_seq_len)")
+        if n + new > self.max_seq_len:
+            raise ValueError(f"{owner}: prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model's "
+                             f"{self.max_seq_len} positions (max_seq_len)")
+
     @torch.no_grad()
     def generate(
         self,
@@ -353,23 +318,7 @@ class DecoderLM(nn.Module):
         check_tokens(prompt, self.vocab_size, owner, "prompt")
         B, n = prompt.shape
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"{owner}: temperature must be a float >= 0, got {temperature!r}")
-        if top_k is not None:
-            check_int(top_k, "top_k", owner)
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                                  or not 0.0 < top_p <= 1.0):
-            raise ValueError(f"{owner}: top_p must be a float in (0, 1], got {top_p!r}")
-        if eos_token_id is not None:
-            check_int(eos_token_id, "eos_token_id", owner, minimum=0)
-            if eos_token_id >= self.vocab_size:
-                raise ValueError(f"{owner}: eos_token_id must be < vocab_size={self.vocab_size}, got {eos_token_id}")
-        if n > self.max_seq_len:
-            raise ValueError(f"{owner}: prompt of {n} tokens is longer than the model's {self.max_seq_len} "
-                             f"positions (max_seq_len)")
-        if n + new > self.max_seq_len:
-            raise ValueError(f"{owner}: prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model's "
-                             f"{self.max_seq_len} positions (max_seq_len)")
+        self._check_generate(n, new, temperature, top_k, top_p, eos_token_id)
         if new == 0:
             return prompt.clone()
         dev = prompt.device

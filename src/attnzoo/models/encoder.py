@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.blocks import ACTIVATIONS, NORMS, AttentionSpec, TransformerBlock, make_norm
+from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
-    POSITIONS,
-    check_int,
+    FromConfig,
     check_padding_mask,
     check_tokens,
     init_weights,
+    position_table,
+    rotary_for,
 )
-from attnzoo.models.decoder import _takes_rope
+from attnzoo.models.config import EncoderConfig
 
 __all__ = ["POOLINGS", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
 
@@ -59,12 +59,16 @@ def cls_pool(hidden: Tensor) -> Tensor:
     return _check_hidden(hidden, "cls_pool")[:, 0]
 
 
-class TransformerEncoder(nn.Module):
+class TransformerEncoder(FromConfig, nn.Module):
     """Bidirectional transformer encoder over token ids.
 
     Embeddings: token + absolute positions (``"learned"`` as BERT, ``"sinusoidal"`` as the original
     Transformer; or ``"rope"`` in the attention; or ``"none"``) + optional token types, an optional
     embedding norm; then ``depth`` non-causal :class:`TransformerBlock` and an optional final norm.
+
+    Build it from an :class:`~attnzoo.models.EncoderConfig` (``from_config``; preset ``bert``)
+    or from the config's fields as arguments (listed here; an unknown keyword is a
+    ``TypeError``). A BERT folder loads with :func:`attnzoo.interop.load_bert`.
 
     Args:
         vocab_size, dim, depth, num_heads: vocabulary ``V``, width ``C``, blocks, heads.
@@ -84,91 +88,46 @@ class TransformerEncoder(nn.Module):
     Weights: ``tok_emb``, ``pos_emb``, ``type_emb``, ``embed_norm``, ``blocks``, ``norm``, ``pooler``.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        dim: int,
-        depth: int,
-        num_heads: int,
-        *,
-        max_seq_len: int = 512,
-        pos: str = "learned",
-        type_vocab_size: int = 0,
-        attention: AttentionSpec = "mha",
-        attention_kwargs: dict[str, Any] | None = None,
-        norm: str = "layer",
-        norm_eps: float = 1e-5,
-        norm_first: bool = True,
-        embed_norm: bool | None = None,
-        final_norm: bool | None = None,
-        embed_scale: float | None = None,
-        ffn: str = "gelu",
-        ffn_hidden: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        rope_base: float = 10000.0,
-        pooler: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    config_class = EncoderConfig
+
+    def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
+                 num_heads: int | None = None, *, config: EncoderConfig | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 **options: Any) -> None:
         super().__init__()
-        owner = "TransformerEncoder"
-        self.vocab_size = check_int(vocab_size, "vocab_size", owner)
-        self.dim = check_int(dim, "dim", owner)
-        self.depth = check_int(depth, "depth", owner)
-        self.num_heads = check_int(num_heads, "num_heads", owner)
-        self.max_seq_len = check_int(max_seq_len, "max_seq_len", owner)
-        self.type_vocab_size = check_int(type_vocab_size, "type_vocab_size", owner, minimum=0)
-        if pos not in POSITIONS:
-            raise ValueError(f"{owner}: pos must be one of {POSITIONS}, got {pos!r}")
-        if norm not in NORMS:
-            raise ValueError(f"{owner}: norm must be one of {NORMS}, got {norm!r}")
-        if ffn not in ACTIVATIONS:
-            raise ValueError(f"{owner}: ffn must be one of {list(ACTIVATIONS)}, got {ffn!r}")
-        if isinstance(attention, nn.Module):
-            raise TypeError(f"{owner}: attention must be a registry name or a callable (dim, num_heads) -> "
-                            f"nn.Module (one module per layer), got an nn.Module instance")
-        if dim % num_heads:
-            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads})")
-        self.pos = pos
-        self.embed_scale = None if embed_scale is None else float(embed_scale)
+        cfg = EncoderConfig.resolve(config, "TransformerEncoder", {"vocab_size": vocab_size, "dim": dim,
+                                                                   "depth": depth, "num_heads": num_heads}, options)
+        self.config = cfg
+        self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
+        self.max_seq_len, self.type_vocab_size, self.pos = cfg.max_seq_len, cfg.type_vocab_size, cfg.pos
+        self.embed_scale = None if cfg.embed_scale is None else float(cfg.embed_scale)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        akw = dict(attention_kwargs or {})
-        if isinstance(attention, str):
-            akw.setdefault("bias", bias)
-            if pos == "rope" and _takes_rope(attention):
-                from attnzoo.nn.positional import RotaryEmbedding
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
+        self.pos_emb = position_table(cfg.pos, cfg.dim, cfg.max_seq_len, **kw)
+        self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.dim, **kw) if cfg.type_vocab_size else None
+        use_embed_norm = (not cfg.norm_first) if cfg.embed_norm is None else cfg.embed_norm
+        self.embed_norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_embed_norm \
+            else nn.Identity()
+        self.drop = nn.Dropout(cfg.dropout)
+        block = self.block_config(cfg)
+        self.blocks = nn.ModuleList([TransformerBlock(config=block, **kw) for _ in range(cfg.depth)])
+        use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm
+        self.norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
+        self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler else None
+        init_weights(self, depth=cfg.depth)
 
-                akw.setdefault("rope", RotaryEmbedding(dim // num_heads, base=rope_base))
-
-        self.tok_emb = nn.Embedding(vocab_size, dim, **kw)
-        self.pos_emb: nn.Module | None = None
-        if pos == "learned":
-            from attnzoo.nn.positional import LearnedPositionalEmbedding
-
-            self.pos_emb = LearnedPositionalEmbedding(dim, max_seq_len, **kw)
-        elif pos == "sinusoidal":
-            from attnzoo.nn.positional import SinusoidalPositionalEncoding
-
-            self.pos_emb = SinusoidalPositionalEncoding(dim, max_seq_len, **kw)
-        self.type_emb = nn.Embedding(type_vocab_size, dim, **kw) if type_vocab_size else None
-        use_embed_norm = (not norm_first) if embed_norm is None else embed_norm
-        self.embed_norm: nn.Module = make_norm(norm, dim, norm_eps, **kw) if use_embed_norm else nn.Identity()
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList([
-            TransformerBlock(dim, num_heads, attention=attention, attention_kwargs=akw or None, causal=False,
-                             norm=norm, norm_eps=norm_eps, norm_first=norm_first, ffn=ffn, ffn_hidden=ffn_hidden,
-                             dropout=dropout, bias=bias, **kw)
-            for _ in range(depth)
-        ])
-        use_final = norm_first if final_norm is None else final_norm
-        self.norm: nn.Module = make_norm(norm, dim, norm_eps, **kw) if use_final else nn.Identity()
-        self.pooler = nn.Linear(dim, dim, **kw) if pooler else None
-        init_weights(self, depth=depth)
-
-    def num_parameters(self) -> int:
-        """Number of distinct parameters."""
-        return sum(p.numel() for p in self.parameters())
+    @staticmethod
+    def block_config(cfg: EncoderConfig) -> BlockConfig:
+        """The (non-causal) :class:`~attnzoo.blocks.BlockConfig` of every layer."""
+        akw = dict(cfg.attention_kwargs or {})
+        if isinstance(cfg.attention, str):
+            akw.setdefault("bias", cfg.bias)
+            rope = rotary_for(cfg.pos, cfg.attention, akw, cfg.dim // cfg.num_heads, cfg.rope_base)
+            if rope is not None:
+                akw["rope"] = rope
+        return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
+                           causal=False, norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=cfg.norm_first,
+                           ffn=cfg.ffn, ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias)
 
     def embed(self, tokens: Tensor, token_type_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """Token + position + type embeddings (normalised when ``embed_norm``): ``[B, N, C]``."""
@@ -238,12 +197,3 @@ class TransformerEncoder(nn.Module):
         else:
             out = cls_pool(hidden)
         return F.normalize(out, dim=-1) if normalize else out
-
-    @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike[str], *, device: torch.device | str | None = None,
-                        dtype: torch.dtype | None = None) -> TransformerEncoder:
-        """Load a BERT-style encoder from a folder with ``config.json`` + ``model.safetensors``
-        (no ``transformers`` needed); see :func:`attnzoo.interop.load_bert`."""
-        from attnzoo.interop import load_bert
-
-        return load_bert(folder, device=device, dtype=dtype)

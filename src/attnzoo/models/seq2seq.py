@@ -8,21 +8,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo.blocks import AttentionSpec
-from attnzoo.models._common import LayerCaches, check_int, check_padding_mask, check_tokens
+from attnzoo.models._common import (
+    FromConfig,
+    LayerCaches,
+    check_int,
+    check_padding_mask,
+    check_tokens,
+)
+from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
 
 __all__ = ["Transformer"]
 
 
-class Transformer(nn.Module):
+class Transformer(FromConfig, nn.Module):
     """Encoder-decoder transformer: a :class:`TransformerEncoder` reads the source, a
     :class:`DecoderLM` with cross-attention writes the target.
 
     Defaults follow the paper (and ``torch.nn.Transformer``): post-norm blocks with a final
     LayerNorm after each stack, ReLU feed-forward of width ``4 * dim``, sinusoidal positions,
     token embeddings scaled by ``sqrt(dim)``, dropout 0.1.
+
+    Build it from a :class:`~attnzoo.models.Seq2SeqConfig` (``from_config``; preset
+    ``transformer_base``) or from the config's fields as arguments, listed here.
 
     Args:
         src_vocab_size, tgt_vocab_size: vocabularies.
@@ -38,47 +47,43 @@ class Transformer(nn.Module):
     Shapes: ``src [B, M]``, ``tgt [B, N]`` -> ``logits [B, N, tgt_vocab_size]``.
     """
 
-    def __init__(
-        self,
-        src_vocab_size: int,
-        tgt_vocab_size: int,
-        dim: int = 512,
-        num_heads: int = 8,
-        encoder_depth: int = 6,
-        decoder_depth: int = 6,
-        *,
-        ffn: str = "relu",
-        ffn_hidden: int | None = None,
-        norm: str = "layer",
-        norm_eps: float = 1e-5,
-        norm_first: bool = False,
-        pos: str = "sinusoidal",
-        max_seq_len: int = 1024,
-        dropout: float = 0.1,
-        bias: bool = True,
-        attention: AttentionSpec = "mha",
-        attention_kwargs: dict[str, Any] | None = None,
-        encoder_attention: AttentionSpec | None = None,
-        tie_embeddings: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        check_int(dim, "dim", "Transformer")
-        common: dict[str, Any] = {"ffn": ffn, "ffn_hidden": ffn_hidden, "norm": norm, "norm_eps": norm_eps,
-                                  "norm_first": norm_first, "max_seq_len": max_seq_len, "pos": pos,
-                                  "dropout": dropout, "bias": bias, "embed_scale": math.sqrt(dim),
-                                  "final_norm": True, "device": device, "dtype": dtype}
-        self.encoder = TransformerEncoder(src_vocab_size, dim, encoder_depth, num_heads,
-                                          attention=attention if encoder_attention is None else encoder_attention,
-                                          embed_norm=False, **common)
-        self.decoder = DecoderLM(tgt_vocab_size, dim, decoder_depth, num_heads, attention=attention,
-                                 attention_kwargs=attention_kwargs, cross_attention=True,
-                                 tie_embeddings=tie_embeddings, **common)
+    config_class = Seq2SeqConfig
 
-    def num_parameters(self) -> int:
-        """Number of distinct parameters."""
-        return sum(p.numel() for p in self.parameters())
+    def __init__(self, src_vocab_size: int | None = None, tgt_vocab_size: int | None = None,
+                 dim: int | None = None, num_heads: int | None = None, encoder_depth: int | None = None,
+                 decoder_depth: int | None = None, *, config: Seq2SeqConfig | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 **options: Any) -> None:
+        super().__init__()
+        given = {"src_vocab_size": src_vocab_size, "tgt_vocab_size": tgt_vocab_size, "dim": dim,
+                 "num_heads": num_heads, "encoder_depth": encoder_depth, "decoder_depth": decoder_depth}
+        cfg = Seq2SeqConfig.resolve(config, "Transformer", given, options)
+        self.config = cfg
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.encoder = TransformerEncoder(config=self.encoder_config(cfg), **kw)
+        self.decoder = DecoderLM(config=self.decoder_config(cfg), **kw)
+
+    @staticmethod
+    def _common(cfg: Seq2SeqConfig) -> dict[str, Any]:
+        return {"dim": cfg.dim, "num_heads": cfg.num_heads, "ffn": cfg.ffn, "ffn_hidden": cfg.ffn_hidden,
+                "norm": cfg.norm, "norm_eps": cfg.norm_eps, "norm_first": cfg.norm_first,
+                "max_seq_len": cfg.max_seq_len, "pos": cfg.pos, "dropout": cfg.dropout, "bias": cfg.bias,
+                "embed_scale": math.sqrt(cfg.dim), "final_norm": True}
+
+    @classmethod
+    def encoder_config(cls, cfg: Seq2SeqConfig) -> EncoderConfig:
+        """The encoder stack: non-causal, no embedding norm, ``encoder_attention`` (default: the
+        decoder's attention name)."""
+        attention = cfg.attention if cfg.encoder_attention is None else cfg.encoder_attention
+        return EncoderConfig(cfg.src_vocab_size, depth=cfg.encoder_depth, attention=attention, embed_norm=False,
+                             **cls._common(cfg))
+
+    @classmethod
+    def decoder_config(cls, cfg: Seq2SeqConfig) -> DecoderConfig:
+        """The decoder stack: causal self-attention and cross-attention to the encoder's output."""
+        return DecoderConfig(cfg.tgt_vocab_size, depth=cfg.decoder_depth, attention=cfg.attention,
+                             attention_kwargs=cfg.attention_kwargs, cross_attention=True,
+                             tie_embeddings=cfg.tie_embeddings, **cls._common(cfg))
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """``src [B, M]`` (``src_mask [B, M]`` bool, True = real) -> ``memory [B, M, C]``."""

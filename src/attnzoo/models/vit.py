@@ -8,23 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.blocks import ACTIVATIONS, NORMS, AttentionSpec, TransformerBlock, make_norm
-from attnzoo.models._common import check_int, init_weights
+from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
+from attnzoo.models._common import FromConfig, init_weights
+from attnzoo.models.config import ViTConfig
 
 __all__ = ["VisionTransformer"]
 
 
-def _pair(x: object, name: str, owner: str) -> tuple[int, int]:
-    if isinstance(x, (tuple, list)) and len(x) == 2:
-        return check_int(x[0], name, owner), check_int(x[1], name, owner)
-    v = check_int(x, name, owner)
-    return v, v
-
-
-class VisionTransformer(nn.Module):
+class VisionTransformer(FromConfig, nn.Module):
     """Vision Transformer: a conv patch embedding, a class token, learned position embeddings
     (interpolated bicubically to other image sizes), pre-norm blocks, a final norm and a
     classification head.
+
+    Build it from a :class:`~attnzoo.models.ViTConfig` (``from_config``; preset ``vit_b16``) or
+    from the config's fields as arguments, listed here.
 
     Args:
         image_size: ``S`` or ``(H, W)`` the position table is built for.
@@ -45,84 +42,49 @@ class VisionTransformer(nn.Module):
     ``blocks``, ``norm``, ``pooler``, ``head``.
     """
 
-    def __init__(
-        self,
-        image_size: int | tuple[int, int] = 224,
-        patch_size: int | tuple[int, int] = 16,
-        in_channels: int = 3,
-        num_classes: int = 1000,
-        dim: int = 768,
-        depth: int = 12,
-        num_heads: int = 12,
-        *,
-        ffn: str = "gelu",
-        ffn_hidden: int | None = None,
-        norm: str = "layer",
-        norm_eps: float = 1e-6,
-        qkv_bias: bool = True,
-        class_token: bool = True,
-        pool: str = "cls",
-        pooler: bool = False,
-        dropout: float = 0.0,
-        attention: AttentionSpec = "mha",
-        attention_kwargs: dict[str, Any] | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    config_class = ViTConfig
+
+    def __init__(self, image_size: int | tuple[int, int] | None = None, patch_size: int | tuple[int, int] | None = None,
+                 in_channels: int | None = None, num_classes: int | None = None, dim: int | None = None,
+                 depth: int | None = None, num_heads: int | None = None, *, config: ViTConfig | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 **options: Any) -> None:
         super().__init__()
-        owner = "VisionTransformer"
-        self.image_size = _pair(image_size, "image_size", owner)
-        self.patch_size = _pair(patch_size, "patch_size", owner)
-        for side, (s, p) in zip(("height", "width"), zip(self.image_size, self.patch_size, strict=True), strict=True):
-            if s % p:
-                raise ValueError(f"{owner}: image {side} {s} is not divisible by the patch size {p} "
-                                 f"(image_size={self.image_size}, patch_size={self.patch_size})")
-        self.in_channels = check_int(in_channels, "in_channels", owner)
-        self.num_classes = check_int(num_classes, "num_classes", owner, minimum=0)
-        self.dim = check_int(dim, "dim", owner)
-        self.depth = check_int(depth, "depth", owner)
-        self.num_heads = check_int(num_heads, "num_heads", owner)
-        if dim % num_heads:
-            raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({num_heads})")
-        if norm not in NORMS:
-            raise ValueError(f"{owner}: norm must be one of {NORMS}, got {norm!r}")
-        if ffn not in ACTIVATIONS:
-            raise ValueError(f"{owner}: ffn must be one of {list(ACTIVATIONS)}, got {ffn!r}")
-        if pool not in ("cls", "mean"):
-            raise ValueError(f"{owner}: pool must be 'cls' or 'mean', got {pool!r}")
-        if (pool == "cls" or pooler) and not class_token:
-            raise ValueError(f"{owner}: pool='cls' and pooler=True need class_token=True")
-        if isinstance(attention, nn.Module):
-            raise TypeError(f"{owner}: attention must be a registry name or a callable (dim, num_heads) -> "
-                            f"nn.Module (one module per layer), got an nn.Module instance")
-        self.pool = pool
+        given = {"image_size": image_size, "patch_size": patch_size, "in_channels": in_channels,
+                 "num_classes": num_classes, "dim": dim, "depth": depth, "num_heads": num_heads}
+        cfg = ViTConfig.resolve(config, "VisionTransformer", given, options)
+        self.config = cfg
+        self.image_size, self.patch_size = cfg.image_size, cfg.patch_size
+        self.in_channels, self.num_classes, self.pool = cfg.in_channels, cfg.num_classes, cfg.pool
+        self.dim, self.depth, self.num_heads = cfg.dim, cfg.depth, cfg.num_heads
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.grid = (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
-        self.num_prefix = 1 if class_token else 0
-        self.patch_embed = nn.Conv2d(in_channels, dim, kernel_size=self.patch_size, stride=self.patch_size, **kw)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **kw)) if class_token else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix + self.grid[0] * self.grid[1], dim, **kw))
+        self.num_prefix = 1 if cfg.class_token else 0
+        self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.dim, kernel_size=self.patch_size, stride=self.patch_size,
+                                     **kw)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim, **kw)) if cfg.class_token else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix + self.grid[0] * self.grid[1], cfg.dim, **kw))
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.trunc_normal_(self.cls_token, std=0.02)
-        self.drop = nn.Dropout(dropout)
-        akw = dict(attention_kwargs or {})
-        if isinstance(attention, str):
-            akw.setdefault("bias", qkv_bias)
-        self.blocks = nn.ModuleList([
-            TransformerBlock(dim, num_heads, attention=attention, attention_kwargs=akw or None, causal=False,
-                             norm=norm, norm_eps=norm_eps, norm_first=True, ffn=ffn, ffn_hidden=ffn_hidden,
-                             dropout=dropout, bias=True, **kw)
-            for _ in range(depth)
-        ])
-        self.norm = make_norm(norm, dim, norm_eps, **kw)
-        self.pooler = nn.Linear(dim, dim, **kw) if pooler else None
-        self.head = nn.Linear(dim, num_classes, **kw) if num_classes else None
-        init_weights(self, depth=depth)
+        self.drop = nn.Dropout(cfg.dropout)
+        block = self.block_config(cfg)
+        self.blocks = nn.ModuleList([TransformerBlock(config=block, **kw) for _ in range(cfg.depth)])
+        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw)
+        self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler else None
+        self.head = nn.Linear(cfg.dim, cfg.num_classes, **kw) if cfg.num_classes else None
+        init_weights(self, depth=cfg.depth)
 
-    def num_parameters(self) -> int:
-        """Number of distinct parameters."""
-        return sum(p.numel() for p in self.parameters())
+    @staticmethod
+    def block_config(cfg: ViTConfig) -> BlockConfig:
+        """The pre-norm, non-causal :class:`~attnzoo.blocks.BlockConfig` of every layer
+        (``qkv_bias`` on the attention projections, biases in the FFN)."""
+        akw = dict(cfg.attention_kwargs or {})
+        if isinstance(cfg.attention, str):
+            akw.setdefault("bias", cfg.qkv_bias)
+        return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
+                           causal=False, norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=True, ffn=cfg.ffn,
+                           ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=True)
 
     def _check_images(self, images: object) -> tuple[int, int]:
         owner = "VisionTransformer"

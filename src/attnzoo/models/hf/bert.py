@@ -1,0 +1,70 @@
+"""BERT (``BertModel`` and the encoder of ``BertFor*``) -> :class:`~attnzoo.TransformerEncoder`.
+
+BERT is post-norm with an embedding LayerNorm, exact GELU and learned absolute positions; the
+pooler (``tanh(Linear(hidden[:, 0]))``) is kept when the checkpoint has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from attnzoo.models.config import EncoderConfig
+from attnzoo.models.encoder import TransformerEncoder
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+
+__all__ = ["ACTIVATIONS", "bert_config", "convert_bert"]
+
+#: Hugging Face activation names -> :class:`attnzoo.FeedForward` activations.
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+               "silu": "silu", "swish": "silu"}
+
+
+def bert_config(hf: HFConfig, *, pooler: bool) -> EncoderConfig:
+    """The :class:`EncoderConfig` of a BERT config (``pooler``: the checkpoint has one)."""
+    if hf.get("position_embedding_type", "absolute", str) != "absolute":
+        raise hf.unsupported(f"position_embedding_type={hf.raw('position_embedding_type')!r}")
+    if hf.get("is_decoder", False, bool) or hf.get("add_cross_attention", False, bool):
+        raise hf.unsupported("a BERT decoder (is_decoder/add_cross_attention)")
+    return EncoderConfig(
+        hf.req("vocab_size"), hf.req("hidden_size"), hf.req("num_hidden_layers"), hf.req("num_attention_heads"),
+        max_seq_len=hf.get("max_position_embeddings", 512), pos="learned",
+        type_vocab_size=hf.get("type_vocab_size", 2), norm="layer", norm_eps=hf.get("layer_norm_eps", 1e-12, float),
+        norm_first=False, embed_norm=True, final_norm=False, ffn=hf.activation("hidden_act", ACTIVATIONS),
+        ffn_hidden=hf.req("intermediate_size"), pooler=pooler)
+
+
+def _layer(plan: Plan, i: int) -> None:
+    h, o = f"encoder.layer.{i}.", f"blocks.{i}."
+    load_qkv_into(plan, o + "attn", tuple(f"{h}attention.self.{n}.weight" for n in ("query", "key", "value")),
+                  tuple(f"{h}attention.self.{n}.bias" for n in ("query", "key", "value")), True)
+    plan.put_pairs(o, h, [("attn.out_proj", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
+                          ("ffn.up_proj", "intermediate.dense"), ("ffn.down_proj", "output.dense"),
+                          ("ffn_norm", "output.LayerNorm")])
+
+
+def convert_bert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
+                 strict_prefix: bool = False) -> TransformerEncoder:
+    """Build the encoder and copy the weights (a ``bert.`` prefix is stripped unless
+    ``strict_prefix``; ``BertFor*`` task heads are ignored)."""
+    prefix = "bert." if not strict_prefix and any(k.startswith("bert.") for k in sd) else ""
+    src = Source(sd, prefix)
+    cfg = bert_config(hf, pooler=src.has("pooler.dense.weight"))
+    model = TransformerEncoder.from_config(cfg, device=device, dtype=dtype or float_dtype(sd))
+    plan = Plan(src, "BERT")
+    plan.put("tok_emb.weight", "embeddings.word_embeddings.weight")
+    plan.put("pos_emb.weight", "embeddings.position_embeddings.weight")
+    if model.type_emb is not None:
+        plan.put("type_emb.weight", "embeddings.token_type_embeddings.weight")
+    plan.put_pairs("", "embeddings.", [("embed_norm", "LayerNorm")])
+    for i in range(cfg.depth):
+        _layer(plan, i)
+    if cfg.pooler:
+        plan.put_pairs("", "", [("pooler", "pooler.dense")])
+    # position_ids is a non-persistent buffer in recent versions but present in older files;
+    # pre-training and task heads (cls.*, classifier.*, qa_outputs.*) of BertFor* are not part of the encoder.
+    ignore = [r"(bert\.)?embeddings\.position_ids", r"cls\..*", r"classifier\..*", r"qa_outputs\..*"] if prefix \
+        else [r"embeddings\.position_ids"]
+    plan.apply(model, ignore=ignore)
+    return model
