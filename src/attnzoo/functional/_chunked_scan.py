@@ -14,9 +14,10 @@ keep peak memory bounded by :data:`GROUP_BUDGET_BYTES` whatever ``N``. A sequenc
 is not a multiple of ``C`` is padded at its end with zero tokens (``k = 0``, ``beta = 0``,
 ``log_decay = 0``), which leave the state unchanged; their outputs are dropped.
 
-Decays are handled in log space: ``b_t = sum_{i <= t} g_i`` (``g = log decay <= 0``) inside a
-chunk, and every exponential taken is ``exp(b_t - b_s)`` with ``s <= t`` (never positive), so
-strong decays underflow to 0 instead of overflowing.
+Decays are handled in log space (``g = log decay <= 0``). Every exponent is a sum of ``g`` over a
+run of tokens inside one chunk (a prefix, a suffix, or a segment ``s < i <= t``: :func:`log_segsum`),
+never positive, so strong decays underflow to 0 instead of overflowing; and each sum is taken
+directly rather than as a difference of prefix sums, so it keeps its relative precision.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ __all__ = [
     "check_recurrent_inputs",
     "chunked_scan",
     "compute_dtype",
-    "decay_matrix",
     "finish",
+    "log_segsum",
     "resolve_form",
+    "suffix_sum",
 ]
 
 #: Computation forms of the recurrent families.
@@ -139,16 +141,24 @@ def finish(out: Tensor, state: Tensor, dtype: torch.dtype, return_state: bool) -
     return (out, state) if return_state else out
 
 
-def decay_matrix(b: Tensor) -> Tensor:
-    """``G[..., t, s] = exp(b_t - b_s)`` for ``s <= t``, 0 above the diagonal. ``b [..., C]`` -> ``[..., C, C]``.
+def log_segsum(g: Tensor) -> Tensor:
+    """``L[..., t, s] = g_{s+1} + ... + g_t`` for ``s <= t`` (0 on the diagonal), ``-inf`` above. ``[..., C]`` -> ``[..., C, C]``.
 
-    The exponent is masked to ``-inf`` before ``exp`` (never ``exp`` of a positive number, and no
-    ``inf * 0`` in the backward pass).
+    ``exp(L)`` is the decay from token s to token t. Each entry is summed directly (a cumulative
+    sum of masked copies of g), not taken as a difference of two cumulative sums: all terms are
+    ``<= 0``, so the error is relative to the entry itself, while ``b_t - b_s`` of prefix sums loses
+    ``|b_t| * eps`` (``e^-320`` decays over a chunk would cost float32 five digits).
     """
-    c = b.shape[-1]
-    keep = torch.ones(c, c, dtype=torch.bool, device=b.device).tril()
-    diff = b.unsqueeze(-1) - b.unsqueeze(-2)  # [..., C, C]
-    return diff.masked_fill(~keep, float("-inf")).exp()
+    c = g.shape[-1]
+    ones = torch.ones(c, c, dtype=torch.bool, device=g.device)
+    x = g.unsqueeze(-1).expand(*g.shape, c).masked_fill(~ones.tril(-1), 0.0)  # x[i, s] = g_i for i > s
+    return x.cumsum(dim=-2).masked_fill(~ones.tril(), float("-inf"))
+
+
+def suffix_sum(g: Tensor, dim: int) -> Tensor:
+    """``sum_{i > t} g_i`` along ``dim`` (exclusive suffix sum, 0 at the last token), summed directly."""
+    incl = g.flip(dim).cumsum(dim).flip(dim)
+    return torch.cat([incl.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim=dim)
 
 
 def _group_chunks(per_chunk_bytes: int, n_chunks: int) -> int:

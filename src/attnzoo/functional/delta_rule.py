@@ -35,9 +35,10 @@ from attnzoo.functional._chunked_scan import (
     check_recurrent_inputs,
     chunked_scan,
     compute_dtype,
-    decay_matrix,
     finish,
+    log_segsum,
     resolve_form,
+    suffix_sum,
 )
 
 __all__ = ["delta_rule"]
@@ -49,7 +50,7 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> tuple[Te
     dv = v.shape[-1]
     b = g.cumsum(dim=-1)  # [..., C]
     gam = b.exp()
-    decay = decay_matrix(b)  # [..., C, C]: exp(b_t - b_i), i <= t
+    decay = log_segsum(g).exp_()  # [..., C, C]: exp(b_t - b_i), i <= t
     lower = (beta.unsqueeze(-1) * torch.matmul(k, k.transpose(-1, -2)) * decay).tril(-1)  # L
     eye_c = torch.eye(c, dtype=k.dtype, device=k.device)
     rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * gam).unsqueeze(-1) * k], dim=-1)  # [..., C, Dv + Dk]
@@ -58,7 +59,7 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> tuple[Te
     p = torch.matmul(q, k.transpose(-1, -2)) * decay  # [..., C, C]
     o_intra = torch.matmul(p, u_tilde)
     q_state = gam.unsqueeze(-1) * q - torch.matmul(p, w)  # [..., C, Dk]
-    k_hat = k * (b[..., -1:] - b).exp().unsqueeze(-1)  # [..., C, Dk]
+    k_hat = k * suffix_sum(g, -1).exp().unsqueeze(-1)  # [..., C, Dk]: decayed to the chunk end
     eye_k = torch.eye(dk, dtype=k.dtype, device=k.device)
     a = gam[..., -1, None, None] * eye_k - torch.matmul(k_hat.transpose(-1, -2), w)  # [..., Dk, Dk]
     r = torch.matmul(k_hat.transpose(-1, -2), u_tilde)  # [..., Dk, Dv]

@@ -12,8 +12,8 @@ log decay from the chunk start, per key dimension, ``<= 0``). Unrolling the recu
     o_t    = (q_t * exp(b_t))^T S + sum_{s <= t} [sum_d q_td k_sd exp(b_td - b_sd)] v_s
     S_next = diag(exp(b_C)) S + sum_s (k_s * exp(b_C - b_s)) v_s^T
 
-Every exponent is a difference ``b_t - b_s`` with ``s <= t``, so it is never positive. The
-intra-chunk scores ``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` are not a plain matmul (the
+Every exponent is a sum of log decays over a run of tokens, never positive (and summed directly,
+see ``_chunked_scan.log_segsum``). The intra-chunk scores ``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` are not a plain matmul (the
 decay depends on d); they are computed by a secondary chunking in sub-blocks of ``sub`` tokens:
 on diagonal sub-blocks elementwise (a ``[sub, sub, Dk]`` tensor), between sub-blocks ``i > j`` by a
 matmul of ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)``, ``r`` the last token before block i
@@ -37,9 +37,10 @@ from attnzoo.functional._chunked_scan import (
     check_recurrent_inputs,
     chunked_scan,
     compute_dtype,
-    decay_matrix,
     finish,
+    log_segsum,
     resolve_form,
+    suffix_sum,
 )
 
 __all__ = ["SUB_CHUNK", "gated_linear_attention", "run_gla"]
@@ -57,40 +58,38 @@ def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
     if pad:  # zero tokens at the end of the chunk; their rows and columns are cut below
         q, k, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, g))
     q, k, g = (t.unflatten(-2, (nb, sub)) for t in (q, k, g))  # [..., nb, sub, Dk]
-    bs = g.cumsum(dim=-2)  # cumulative log decay from each sub-block's start
-    keep = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
-    expo = (bs.unsqueeze(-2) - bs.unsqueeze(-3)).masked_fill(~keep[:, :, None], float("-inf"))  # [..., nb, t, s, Dk]
-    diag = torch.matmul(expo.exp_() * k.unsqueeze(-3), q.unsqueeze(-1)).squeeze(-1)  # [..., nb, sub, sub]
+    qt, kt = q.transpose(-1, -2), k.transpose(-1, -2)  # [..., nb, Dk, sub]
+    decay = log_segsum(g.transpose(-1, -2)).exp_()  # [..., nb, Dk, t, s]
+    scores = (qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3)  # diagonal sub-blocks [..., nb, t, s]
     if nb == 1:
-        scores = diag.squeeze(-3)
-    else:
-        tot = bs[..., -1, :]  # [..., nb, Dk]
-        start = tot.cumsum(dim=-2) - tot  # log decay from the chunk start to each sub-block's start
-        # b_r - b_s for r = the token before block i, s in block j: start_i - start_j - bs_js  (j < i)
-        ref = start.unsqueeze(-2).unsqueeze(-2) - (start.unsqueeze(-2) + bs).unsqueeze(-4)  # [..., i, j, s, Dk]
-        below = torch.ones(nb, nb, dtype=torch.bool, device=q.device).tril(-1)
-        k_ref = k.unsqueeze(-4) * ref.masked_fill(~below[:, :, None, None], float("-inf")).exp_()
-        q_ref = q * bs.exp()  # [..., nb, sub, Dk]
-        off = torch.matmul(q_ref, k_ref.flatten(-3, -2).transpose(-1, -2))  # [..., i, sub, j * sub]
-        eye = torch.eye(nb, dtype=q.dtype, device=q.device)[:, None, :, None]
-        scores = off.unflatten(-1, (nb, sub)) + diag.unsqueeze(-2) * eye  # [..., i, t, j, s]
-        scores = scores.flatten(-4, -3).flatten(-2, -1)
-    return scores[..., :c, :c]
+        return scores.squeeze(-3)[..., :c, :c]
+    # sub-blocks i > j: q_t exp(b_t - b_r) . k_s exp(b_r - b_s), r = the last token of block i - 1
+    prefix = g.cumsum(dim=-2)  # b_t - b_r: from the start of block i to t   [..., nb, sub, Dk]
+    suffix = suffix_sum(g, -2)  # after s to the end of block j                [..., nb, sub, Dk]
+    seg = log_segsum(prefix[..., -1, :].transpose(-1, -2))  # blocks j < l <= i   [..., Dk, nb, nb]
+    between = torch.cat([torch.full_like(seg[..., :1, :], float("-inf")), seg[..., :-1, :]], dim=-2)  # j < l < i
+    ref = between.permute(*range(between.dim() - 3), -2, -1, -3).unsqueeze(-2) + suffix.unsqueeze(-4)  # [..., i, j, s, Dk]
+    k_ref = k.unsqueeze(-4) * ref.exp_()  # 0 for j >= i (between = -inf)
+    off = torch.matmul(q * prefix.exp(), k_ref.flatten(-3, -2).transpose(-1, -2))  # [..., i, t, j * s]
+    eye = torch.eye(nb, dtype=q.dtype, device=q.device)[:, None, :, None]
+    scores = off.unflatten(-1, (nb, sub)) + scores.unsqueeze(-2) * eye  # [..., i, t, j, s]
+    return scores.flatten(-4, -3).flatten(-2, -1)[..., :c, :c]
 
 
 def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chunk parts ``(O_intra, Q', A, R)`` (see ``_chunked_scan``); g ``[..., C]`` or ``[..., C, Dk]``."""
     if g.dim() == q.dim():  # one decay per key dimension
-        b = g.cumsum(dim=-2)  # [..., C, Dk]
+        b = g.cumsum(dim=-2)  # [..., C, Dk]: log decay from the chunk start to t
+        after = suffix_sum(g, -2)  # log decay from t to the chunk end
         scores = _vector_scores(q, k, g, sub)
     else:  # one decay per token
         b = g.cumsum(dim=-1).unsqueeze(-1)  # [..., C, 1]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * decay_matrix(b.squeeze(-1))
-    b_end = b[..., -1:, :]  # [..., 1, Dk or 1]
+        after = suffix_sum(g, -1).unsqueeze(-1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * log_segsum(g).exp_()
     o_intra = torch.matmul(scores, v)  # [..., C, Dv]
     q_state = q * b.exp()  # [..., C, Dk]
-    r = torch.matmul((k * (b_end - b).exp()).transpose(-1, -2), v)  # [..., Dk, Dv]
-    a = b_end.squeeze(-2).exp().expand(*q.shape[:-2], q.shape[-1])  # [..., Dk]
+    r = torch.matmul((k * after.exp()).transpose(-1, -2), v)  # [..., Dk, Dv]
+    a = b[..., -1, :].exp().expand(*q.shape[:-2], q.shape[-1])  # [..., Dk]
     return o_intra, q_state, a, r
 
 
