@@ -46,7 +46,7 @@ from attnzoo.functional._chunked_scan import (
 __all__ = ["SUB_CHUNK", "gated_linear_attention", "run_gla"]
 
 #: Sub-block length of the secondary chunking of the vector-decay scores.
-SUB_CHUNK = 16
+SUB_CHUNK = 8
 
 
 def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
