@@ -166,27 +166,30 @@ def _group_chunks(per_chunk_bytes: int, n_chunks: int) -> int:
 
 
 def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[Tensor], s0: Tensor,
-                 chunk: int, per_chunk_bytes: int) -> tuple[Tensor, Tensor]:
+                 chunk: int, per_chunk_bytes: int, scale: float) -> tuple[Tensor, Tensor]:
     """Run ``parts`` chunk by chunk and carry the state. Returns ``(out [B, H, N, Dv], S_end)``.
 
     Args:
         parts: the family's chunk function (see the module docstring).
-        q, k: ``[B, H, N, Dk]`` in the compute dtype, q already scaled; v ``[B, H, N, Dv]``.
+        q, k: ``[B, H, N, Dk]``; v ``[B, H, N, Dv]``, in any float dtype: each group of chunks is cast
+            to the compute dtype (and q scaled) when it is used, so no full-length copy is made.
         gates: per-token tensors ``[B, H, N]`` or ``[B, H, N, Dk]`` (zero is the neutral value).
-        s0: the state before the first token ``[B, H, Dk, Dv]``.
+        s0: the state before the first token ``[B, H, Dk, Dv]``, in the compute dtype.
         chunk: ``C``; ``chunk >= N`` runs one chunk of exactly ``N`` tokens (no padding).
         per_chunk_bytes: the family's estimate of one chunk's temporaries (sizes the groups).
+        scale: multiplies q.
     """
     b, h, n, dv = v.shape
     chunk = min(chunk, n)
-    out = v.new_empty(b, h, n, dv)
+    out = v.new_empty(b, h, n, dv, dtype=s0.dtype)
     s = s0
     step = _group_chunks(per_chunk_bytes, -(-n // chunk)) * chunk
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         m = -(-(hi - lo) // chunk)
         pad = m * chunk - (hi - lo)
-        xs = [t[:, :, lo:hi] for t in (q, k, v, *gates)]
+        xs = [t[:, :, lo:hi].to(s0.dtype) for t in (q, k, v, *gates)]
+        xs[0] = xs[0] * scale
         if pad:  # zero tokens at the end: no key, no write, no decay
             xs = [F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad)) for t in xs]
         xs = [t.reshape(b, h, m, chunk, *t.shape[3:]) for t in xs]  # [B, H, m, C(, D)]

@@ -123,14 +123,13 @@ def delta_rule(
     if log_decay is not None:
         check_gate(fn, "log_decay", log_decay, [(b, h, n)], q.device, float("-inf"), 0.0, open_low=True)
     cdt = compute_dtype(q.dtype)
-    qc, kc, vc, bc = q.to(cdt) * scale_f, k.to(cdt), v.to(cdt), beta.to(cdt)
-    g = bc.new_zeros(()).expand(b, h, n) if log_decay is None else log_decay.to(cdt)
-    s0 = qc.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(cdt)
+    g = beta.new_zeros((), dtype=cdt).expand(b, h, n) if log_decay is None else log_decay
+    s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
     form = resolve_form(form, n, chunk)
     if form == "recurrent":
-        out, state = _recurrent(qc, kc, vc, bc, g, s0)
+        out, state = _recurrent(q.to(cdt) * scale_f, k.to(cdt), v.to(cdt), beta.to(cdt), g.to(cdt), s0)
     else:
         c = n if form == "quadratic" else min(chunk, n)
-        per_chunk = b * h * qc.element_size() * (6 * c * c + 6 * c * (dk + dv) + 3 * dk * (dk + dv))
-        out, state = chunked_scan(_parts, qc, kc, vc, [bc, g], s0, c, per_chunk)
+        per_chunk = b * h * s0.element_size() * (6 * c * c + 6 * c * (dk + dv) + 3 * dk * (dk + dv))
+        out, state = chunked_scan(_parts, q, k, v, [beta, g], s0, c, per_chunk, scale_f)
     return finish(out, state, q.dtype, return_state)

@@ -113,16 +113,15 @@ def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial
     cdt = compute_dtype(q.dtype)
     b, h, n, dk = q.shape
     dv = v.shape[-1]
-    q, k, v, g = q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt)
-    s0 = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(cdt)
+    s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
     if form == "recurrent":
-        return _recurrent(q, k, v, g, s0)
+        return _recurrent(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt), s0)
     if form == "quadratic":
-        return chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0)
+        return chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0, scale)
     c = min(chunk, n)
     vec = c * dk * (min(SUB_CHUNK, c) + 2 * -(-c // SUB_CHUNK) + 4) if g.dim() == 4 else 0
-    per_chunk = b * h * q.element_size() * (3 * c * c + 4 * c * (dk + dv) + 2 * dk * dv + vec)
-    return chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk)
+    per_chunk = b * h * s0.element_size() * (3 * c * c + 4 * c * (dk + dv) + 2 * dk * dv + vec)
+    return chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk, scale)
 
 
 def gated_linear_attention(
