@@ -8,7 +8,9 @@ multiples of the chunk, and in float32 against the float64 recurrence (<= 1e-5 r
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +242,11 @@ def test_bad_inputs_name_the_argument(case: tuple[str, Callable[[], object], typ
     _, call, exc, words = case
     with pytest.raises(exc, match=words):
         call()
+
+
+def test_docs_example_runs() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "recurrent.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/recurrent.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
