@@ -13,11 +13,12 @@ log decay from the chunk start, per key dimension, ``<= 0``). Unrolling the recu
     S_next = diag(exp(b_C)) S + sum_s (k_s * exp(b_C - b_s)) v_s^T
 
 Every exponent is a sum of log decays over a run of tokens, never positive (and summed directly,
-see ``_chunked_scan.log_segsum``). The intra-chunk scores ``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` are not a plain matmul (the
-decay depends on d); they are computed by a secondary chunking in sub-blocks of ``sub`` tokens:
-on diagonal sub-blocks elementwise (a ``[sub, sub, Dk]`` tensor), between sub-blocks ``i > j`` by a
-matmul of ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)``, ``r`` the last token before block i
-(``s <= r < t``: both factors are at most 1). With a scalar decay per token the decay factors out
+see ``_chunked_scan.log_segsum``). The intra-chunk scores
+``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` are not a plain matmul (the decay depends on d); they are computed by halving: the block "second half x first half" of a
+segment of ``2w`` tokens is a matmul of ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)`` with ``r``
+the segment's midpoint (``s <= r < t``: both factors are at most 1), for ``w = C/2, C/4, ...``
+down to ``sub`` tokens; the ``sub x sub`` blocks left on the diagonal are computed elementwise
+(a ``[sub, sub, Dk]`` tensor). With a scalar decay per token the decay factors out
 of the sum over d: ``A = (Q K^T) * exp(b_t - b_s)``.
 
 The quadratic form is one chunk of ``N`` tokens with one sub-block (the ``[N, N, Dk]`` tensor);
@@ -27,6 +28,7 @@ the recurrent form is the loop above (what decoding does).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -46,34 +48,39 @@ from attnzoo.functional._chunked_scan import (
 __all__ = ["SUB_CHUNK", "gated_linear_attention", "run_gla"]
 
 #: Sub-block length of the secondary chunking of the vector-decay scores.
-SUB_CHUNK = 8
+SUB_CHUNK = 4
 
 
 def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
-    """``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` for ``s <= t`` (0 above). ``[..., C, Dk]`` -> ``[..., C, C]``."""
+    """``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` for ``s <= t`` (0 above). ``[..., C, Dk]`` -> ``[..., C, C]``.
+
+    Halving: at each level the chunk is a row of segments of ``2w`` tokens; the block "second half
+    x first half" of each segment is one matmul of ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)``,
+    ``r`` the segment's midpoint (prefix and suffix sums inside a half: never positive). The
+    ``sub x sub`` blocks on the diagonal are left, computed elementwise (``[sub, sub, Dk]``).
+    """
     c = q.shape[-2]
     sub = min(sub, c)
-    nb = -(-c // sub)
-    pad = nb * sub - c
-    if pad:  # zero tokens at the end of the chunk; their rows and columns are cut below
-        q, k, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, g))
-    q, k, g = (t.unflatten(-2, (nb, sub)) for t in (q, k, g))  # [..., nb, sub, Dk]
-    qt, kt = q.transpose(-1, -2), k.transpose(-1, -2)  # [..., nb, Dk, sub]
-    decay = log_segsum(g.transpose(-1, -2)).exp_()  # [..., nb, Dk, t, s]
-    scores = (qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3)  # diagonal sub-blocks [..., nb, t, s]
-    if nb == 1:
-        return scores.squeeze(-3)[..., :c, :c]
-    # sub-blocks i > j: q_t exp(b_t - b_r) . k_s exp(b_r - b_s), r = the last token of block i - 1
-    prefix = g.cumsum(dim=-2)  # b_t - b_r: from the start of block i to t   [..., nb, sub, Dk]
-    suffix = suffix_sum(g, -2)  # after s to the end of block j                [..., nb, sub, Dk]
-    seg = log_segsum(prefix[..., -1, :].transpose(-1, -2))  # blocks j < l <= i   [..., Dk, nb, nb]
-    between = torch.cat([torch.full_like(seg[..., :1, :], float("-inf")), seg[..., :-1, :]], dim=-2)  # j < l < i
-    ref = between.permute(*range(between.dim() - 3), -2, -1, -3).unsqueeze(-2) + suffix.unsqueeze(-4)  # [..., i, j, s, Dk]
-    k_ref = k.unsqueeze(-4) * ref.exp_()  # 0 for j >= i (between = -inf)
-    off = torch.matmul(q * prefix.exp(), k_ref.flatten(-3, -2).transpose(-1, -2))  # [..., i, t, j * s]
-    eye = torch.eye(nb, dtype=q.dtype, device=q.device)[:, None, :, None]
-    scores = off.unflatten(-1, (nb, sub)) + scores.unsqueeze(-2) * eye  # [..., i, t, j, s]
-    return scores.flatten(-4, -3).flatten(-2, -1)[..., :c, :c]
+    levels = max(0, math.ceil(math.log2(c / sub)))
+    cp = sub * 2**levels
+    if cp > c:  # zero tokens at the end of the chunk; their rows and columns are cut below
+        q, k, g = (F.pad(t, (0, 0, 0, cp - c)) for t in (q, k, g))
+    scores = q.new_zeros(*q.shape[:-2], cp, cp)
+    w = cp
+    for _ in range(levels):
+        w //= 2
+        qh, kh, gh = (t.unflatten(-2, (cp // (2 * w), 2, w)) for t in (q, k, g))  # [..., P, 2, w, Dk]
+        q_ref = qh[..., 1, :, :] * gh[..., 1, :, :].cumsum(dim=-2).exp()  # second halves
+        k_ref = kh[..., 0, :, :] * suffix_sum(gh[..., 0, :, :], -2).exp()  # first halves
+        block = torch.matmul(q_ref, k_ref.transpose(-1, -2))  # [..., P, w, w]
+        view = scores.unflatten(-1, (-1, 2, w)).unflatten(-4, (-1, 2, w))  # [..., P, 2, w, P, 2, w]
+        torch.diagonal(view, dim1=-6, dim2=-3)[..., 1, :, 0, :, :].copy_(block.movedim(-3, -1))
+    qt, kt, gt = (t.unflatten(-2, (cp // sub, sub)).transpose(-1, -2) for t in (q, k, g))  # [..., nb, Dk, sub]
+    decay = log_segsum(gt).exp_()  # [..., nb, Dk, t, s]
+    diag = (qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3)  # [..., nb, t, s]
+    view = scores.unflatten(-1, (-1, sub)).unflatten(-3, (-1, sub))  # [..., nb, sub, nb, sub]
+    torch.diagonal(view, dim1=-4, dim2=-2).copy_(diag.movedim(-3, -1))
+    return scores[..., :c, :c]
 
 
 def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -119,7 +126,7 @@ def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial
     if form == "quadratic":
         return chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0, scale)
     c = min(chunk, n)
-    vec = c * dk * (min(SUB_CHUNK, c) + 2 * -(-c // SUB_CHUNK) + 4) if g.dim() == 4 else 0
+    vec = c * dk * (3 * min(SUB_CHUNK, c) + 6) if g.dim() == 4 else 0  # diagonal blocks, halving levels
     per_chunk = b * h * s0.element_size() * (3 * c * c + 4 * c * (dk + dv) + 2 * dk * dv + vec)
     return chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk, scale)
 
