@@ -28,7 +28,6 @@ the recurrent form is the loop above (what decoding does).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +46,7 @@ from attnzoo.functional._chunked_scan import (
 
 __all__ = ["SUB_CHUNK", "gated_linear_attention", "run_gla"]
 
-#: Sub-block length of the secondary chunking of the vector-decay scores.
+#: Length of the diagonal blocks the halving of the vector-decay scores stops at (computed elementwise).
 SUB_CHUNK = 4
 
 
@@ -61,7 +60,7 @@ def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
     """
     c = q.shape[-2]
     sub = min(sub, c)
-    levels = max(0, math.ceil(math.log2(c / sub)))
+    levels = (-(-c // sub) - 1).bit_length()  # halvings until blocks of sub tokens cover c
     cp = sub * 2**levels
     if cp > c:  # zero tokens at the end of the chunk; their rows and columns are cut below
         q, k, g = (F.pad(t, (0, 0, 0, cp - c)) for t in (q, k, g))
