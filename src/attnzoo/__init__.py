@@ -23,6 +23,9 @@ _EXPORTS: dict[str, str] = {
     "linear_attention": "attnzoo.functional.linear",
     "performer_attention": "attnzoo.functional.performer",
     "draw_performer_projection": "attnzoo.functional.performer",
+    "retention": "attnzoo.functional.retention",
+    "gated_linear_attention": "attnzoo.functional.gla",
+    "delta_rule": "attnzoo.functional.delta_rule",
     # modules
     "MultiHeadAttention": "attnzoo.nn.attention",
     "MultiQueryAttention": "attnzoo.nn.attention",

@@ -1,0 +1,144 @@
+"""Benchmark of the chunked recurrent kernels (issue 16's performance paragraph).
+
+For each kernel (retention, GLA with a decay per key dimension, GLA with one decay per token =
+Mamba-2's SSD, DeltaNet, Gated DeltaNet), at B=1, H=8, Dk=Dv=64, float32, forward only:
+
+* time of the chunked form at N=16384 and N=65536 (median of ``--repeats``, the two lengths
+  interleaved so that machine load hits both alike) and their ratio: linear time gives 4
+  (target between 3 and 5);
+* peak memory at N=65536, measured in a fresh subprocess as ``benchmarks/bench_core.py`` does:
+  after a warm-up call (at a small N) and once the inputs exist, the resident-set high-water mark
+  (``VmHWM``) is reset through ``/proc/self/clear_refs`` and its growth during the call is
+  reported ("extra", target < 1 GB), together with the process's whole ``VmHWM`` (inputs,
+  output and the Python/torch runtime included). glibc's mmap threshold is fixed at 64 KiB so
+  freed tensors leave the resident set at once (Linux only);
+* decode state: bytes of the state a decoder carries (``[B, H, Dk, Dv]``), the same at every N.
+
+Usage::
+
+    python benchmarks/bench_recurrent.py                    # all kernels (several minutes on 2 cores)
+    python benchmarks/bench_recurrent.py --only retention deltanet --repeats 1 --threads 1
+    python benchmarks/bench_recurrent.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo as az
+
+B, H, D = 1, 8, 64
+KERNELS = ("retention", "gla", "gla_scalar", "deltanet", "gated_deltanet")
+Call = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+def make(kernel: str, n: int) -> tuple[Call, dict[str, torch.Tensor]]:
+    """The kernel's function and its float32 inputs at length ``n`` (gates as a model would give them)."""
+    gen = torch.Generator().manual_seed(0)
+    x = {"q": torch.randn(B, H, n, D, generator=gen), "k": torch.randn(B, H, n, D, generator=gen),
+         "v": torch.randn(B, H, n, D, generator=gen)}
+    if kernel == "retention":
+        x["gamma"] = 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float32))
+        return lambda q, k, v, gamma, **kw: az.retention(q, k, v, gamma, **kw), x
+    if kernel.startswith("gla"):
+        shape = (B, H, n) if kernel == "gla_scalar" else (B, H, n, D)
+        x["log_decay"] = F.logsigmoid(torch.randn(*shape, generator=gen) + 3)
+        return lambda q, k, v, log_decay, **kw: az.gated_linear_attention(q, k, v, log_decay, **kw), x
+    x["k"] = F.normalize(x["k"], dim=-1)
+    x["beta"] = torch.rand(B, H, n, generator=gen)
+    if kernel == "gated_deltanet":
+        x["log_decay"] = F.logsigmoid(torch.randn(B, H, n, generator=gen) + 3)
+    return lambda q, k, v, beta, **kw: az.delta_rule(q, k, v, beta, **kw), x
+
+
+def _vm(field: str) -> int:
+    """A ``/proc/self/status`` memory field in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def child(kernel: str, n: int) -> None:
+    """Runs in a fresh process: peak memory of one chunked forward at length ``n``."""
+    fn, x = make(kernel, 256)
+    with torch.no_grad():
+        fn(**x, form="chunked")  # warm-up: library initialisation, not at the measured size
+    fn, x = make(kernel, n)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current resident set
+    base = _vm("VmRSS")
+    with torch.no_grad():
+        out = fn(**x, form="chunked")
+    print(json.dumps({"peak_extra_MB": (_vm("VmHWM") - base) / 1024, "process_VmHWM_MB": _vm("VmHWM") / 1024,
+                      "output_MB": out.numel() * out.element_size() / 2**20}))
+
+
+def child_memory(kernel: str, n: int, threads: int) -> dict[str, float]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads)}
+    res = subprocess.run([sys.executable, __file__, "--child", kernel, str(n)], capture_output=True, text=True,
+                         check=True, env=env)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def timings(kernel: str, lengths: tuple[int, int], repeats: int) -> dict[int, float]:
+    """Median forward time (s) of the chunked form at each length, lengths interleaved."""
+    runs: dict[int, list[float]] = {n: [] for n in lengths}
+    cases = {n: make(kernel, n) for n in lengths}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for n, (fn, x) in cases.items():
+                t0 = time.perf_counter()
+                fn(**x, form="chunked")
+                runs[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(ts) for n, ts in runs.items()}
+
+
+def decode_state_bytes(kernel: str) -> int:
+    """Bytes of the state after a one-token decode step (what a decoder keeps, independent of N)."""
+    fn, x = make(kernel, 1)
+    _, state = fn(**x, return_state=True)
+    return state.numel() * state.element_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--child", nargs=2, metavar=("KERNEL", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]))
+        return
+    torch.set_num_threads(args.threads)
+    rows = []
+    print(f"B={B} H={H} Dk=Dv={D} fp32, chunked forward, {args.threads} thread(s), median of {args.repeats}")
+    for kernel in args.only:
+        t = timings(kernel, (16384, 65536), args.repeats)
+        mem = child_memory(kernel, 65536, args.threads)
+        row = {"kernel": kernel, "t16k_s": round(t[16384], 3), "t64k_s": round(t[65536], 3),
+               "ratio_64k_16k": round(t[65536] / t[16384], 2), "peak_extra_MB_64k": round(mem["peak_extra_MB"], 1),
+               "process_VmHWM_MB_64k": round(mem["process_VmHWM_MB"], 1), "output_MB": mem["output_MB"],
+               "decode_state_bytes": decode_state_bytes(kernel)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": args.threads, "repeats": args.repeats, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Shared machinery of the decayed recurrent families (retention, GLA, delta rule).
+
+Every family keeps a state ``S [B, H, Dk, Dv]`` and reads it with ``o_t = q_t^T S_t`` (q already
+scaled). Split the sequence in chunks of ``C`` tokens. Whatever the family, the state at the end
+of a chunk is an affine function of the state at its start, and so is the chunk's output::
+
+    S_next = A S + R                 A: [Dk] (a diagonal decay) or [Dk, Dk]; R: [Dk, Dv]
+    O      = O_intra + Q' S          O_intra: [C, Dv]; Q': [C, Dk]
+
+A family supplies ``parts(q, k, v, *gates) -> (O_intra, Q', A, R)`` for a batch of chunks; the
+driver :func:`chunked_scan` computes the parts of a group of chunks at once (batched matmuls),
+carries ``S`` through the group with one small update per chunk, and writes the outputs. Groups
+keep peak memory bounded by :data:`GROUP_BUDGET_BYTES` whatever ``N``. A sequence whose length
+is not a multiple of ``C`` is padded at its end with zero tokens (``k = 0``, ``beta = 0``,
+``log_decay = 0``), which leave the state unchanged; their outputs are dropped.
+
+Decays are handled in log space (``g = log decay <= 0``). Every exponent is a sum of ``g`` over a
+run of tokens inside one chunk (a prefix, a suffix, or a segment ``s < i <= t``: :func:`log_segsum`),
+never positive, so strong decays underflow to 0 instead of overflowing; and each sum is taken
+directly rather than as a difference of prefix sums, so it keeps its relative precision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnzoo.functional._request import check_qkv
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "FORMS",
+    "GROUP_BUDGET_BYTES",
+    "check_gate",
+    "check_recurrent_inputs",
+    "chunked_scan",
+    "compute_dtype",
+    "finish",
+    "log_segsum",
+    "resolve_form",
+    "suffix_sum",
+]
+
+#: Computation forms of the recurrent families.
+FORMS = ("auto", "recurrent", "chunked", "quadratic")
+#: Default chunk length of the chunked form.
+DEFAULT_CHUNK = 64
+#: Bytes of per-chunk temporaries held at once by :func:`chunked_scan`.
+GROUP_BUDGET_BYTES = 32 * 2**20
+
+#: ``parts(q, k, v, *gates)`` on chunks ``[B, H, m, C, .]`` -> ``(O_intra, Q', A, R)``.
+Parts = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; float32, float16 and bfloat16 compute in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _eager() -> bool:
+    """Value checks (data-dependent) run in eager mode only, not while compiling."""
+    return not torch.compiler.is_compiling()
+
+
+def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: object, initial_state: object,
+                           return_state: object, form: object, chunk_size: object) -> tuple[float, int]:
+    """Validate the arguments shared by the families; returns ``(scale, chunk)``."""
+    check_qkv(q, k, v)
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)  # check_qkv raised otherwise
+    if q.shape != k.shape:
+        raise ValueError(f"{fn}: q and k must have the same shape [B, H, N, Dk], got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    if q.shape[2] < 1 or q.shape[3] < 1 or v.shape[3] < 1:
+        raise ValueError(f"{fn}: q, k, v need N >= 1 tokens and head dims >= 1, got q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}")
+    b, h, _, dk = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(dk)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"{fn}: scale must be a finite float or None, got {scale!r}")
+    if not isinstance(return_state, bool):
+        raise TypeError(f"{fn}: return_state must be a bool, got {type(return_state).__name__}")
+    if not isinstance(form, str) or form not in FORMS:
+        raise ValueError(f"{fn}: form must be one of {FORMS}, got {form!r}")
+    if chunk_size is None:
+        chunk_size = DEFAULT_CHUNK
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"{fn}: chunk_size must be an int or None, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
+    if initial_state is not None:
+        if not isinstance(initial_state, Tensor) or not initial_state.is_floating_point():
+            raise TypeError(f"{fn}: initial_state must be a floating-point tensor [B, H, Dk, Dv], got "
+                            f"{type(initial_state).__name__}")
+        want = (b, h, dk, v.shape[3])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"{fn}: initial_state must have shape [B, H, Dk, Dv] = {list(want)}, got "
+                             f"{tuple(initial_state.shape)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"{fn}: initial_state is on {initial_state.device} but q is on {q.device}")
+    return float(scale), chunk_size
+
+
+def check_gate(fn: str, name: str, x: object, shapes: Sequence[tuple[int, ...]], device: torch.device,
+               low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> Tensor:
+    """A gate tensor of one of ``shapes`` with values in ``[low, high]`` (ends open as asked)."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        got = f"{type(x).__name__} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {got}")
+    if tuple(x.shape) not in [tuple(s) for s in shapes]:
+        want = " or ".join(str(list(s)) for s in shapes)
+        raise ValueError(f"{fn}: {name} must have shape {want}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{fn}: {name} is on {x.device} but q is on {device}")
+    if _eager() and x.numel():
+        lo_ok = (x > low) if open_low else (x >= low)
+        hi_ok = (x < high) if open_high else (x <= high)
+        if not bool((lo_ok & hi_ok).all()):
+            bad = x.detach()[~(lo_ok & hi_ok)].flatten()[0].item()
+            span = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+            raise ValueError(f"{fn}: {name} must lie in {span} (finite), got a value {bad}")
+    return x
+
+
+def resolve_form(form: str, n: int, chunk: int) -> str:
+    """``"auto"``: recurrent for one token (decode), quadratic up to one chunk, chunked beyond."""
+    if form != "auto":
+        return form
+    if n == 1:
+        return "recurrent"
+    return "quadratic" if n <= chunk else "chunked"
+
+
+def finish(out: Tensor, state: Tensor, dtype: torch.dtype, return_state: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """Output back in the input dtype; the state stays in the compute dtype."""
+    out = out.to(dtype)
+    return (out, state) if return_state else out
+
+
+def log_segsum(g: Tensor) -> Tensor:
+    """``L[..., t, s] = g_{s+1} + ... + g_t`` for ``s <= t`` (0 on the diagonal), ``-inf`` above. ``[..., C]`` -> ``[..., C, C]``.
+
+    ``exp(L)`` is the decay from token s to token t. Each entry is summed directly (a cumulative
+    sum of masked copies of g), not taken as a difference of two cumulative sums: all terms are
+    ``<= 0``, so the error is relative to the entry itself, while ``b_t - b_s`` of prefix sums loses
+    ``|b_t| * eps`` (``e^-320`` decays over a chunk would cost float32 five digits).
+    """
+    c = g.shape[-1]
+    ones = torch.ones(c, c, dtype=torch.bool, device=g.device)
+    x = g.unsqueeze(-1).expand(*g.shape, c).masked_fill(~ones.tril(-1), 0.0)  # x[i, s] = g_i for i > s
+    return x.cumsum(dim=-2).masked_fill(~ones.tril(), float("-inf"))
+
+
+def suffix_sum(g: Tensor, dim: int) -> Tensor:
+    """``sum_{i > t} g_i`` along ``dim`` (exclusive suffix sum, 0 at the last token), summed directly."""
+    incl = g.flip(dim).cumsum(dim).flip(dim)
+    return torch.cat([incl.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim=dim)
+
+
+def _group_chunks(per_chunk_bytes: int, n_chunks: int) -> int:
+    return max(1, min(n_chunks, GROUP_BUDGET_BYTES // max(1, per_chunk_bytes)))
+
+
+def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[Tensor], s0: Tensor,
+                 chunk: int, per_chunk_bytes: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Run ``parts`` chunk by chunk and carry the state. Returns ``(out [B, H, N, Dv], S_end)``.
+
+    Args:
+        parts: the family's chunk function (see the module docstring).
+        q, k: ``[B, H, N, Dk]``; v ``[B, H, N, Dv]``, in any float dtype: each group of chunks is cast
+            to the compute dtype (and q scaled) when it is used, so no full-length copy is made.
+        gates: per-token tensors ``[B, H, N]`` or ``[B, H, N, Dk]`` (zero is the neutral value).
+        s0: the state before the first token ``[B, H, Dk, Dv]``, in the compute dtype.
+        chunk: ``C``; ``chunk >= N`` runs one chunk of exactly ``N`` tokens (no padding).
+        per_chunk_bytes: the family's estimate of one chunk's temporaries (sizes the groups).
+        scale: multiplies q.
+    """
+    b, h, n, dv = v.shape
+    chunk = min(chunk, n)
+    out = v.new_empty(b, h, n, dv, dtype=s0.dtype)
+    s = s0
+    step = _group_chunks(per_chunk_bytes, -(-n // chunk)) * chunk
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        m = -(-(hi - lo) // chunk)
+        pad = m * chunk - (hi - lo)
+        xs = [t[:, :, lo:hi].to(s0.dtype) for t in (q, k, v, *gates)]
+        xs[0] = xs[0] * scale
+        if pad:  # zero tokens at the end: no key, no write, no decay
+            xs = [F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad)) for t in xs]
+        xs = [t.reshape(b, h, m, chunk, *t.shape[3:]) for t in xs]  # [B, H, m, C(, D)]
+        o_intra, q_state, a, r = parts(*xs)
+        starts = []
+        for i in range(m):  # state at the start of each chunk of the group
+            starts.append(s)
+            if a.dim() == 4:  # diagonal decay [B, H, m, Dk]
+                s = torch.addcmul(r[:, :, i], a[:, :, i].unsqueeze(-1), s)
+            else:  # [B, H, m, Dk, Dk]
+                s = torch.baddbmm(r[:, :, i].flatten(0, 1), a[:, :, i].flatten(0, 1), s.flatten(0, 1)).view_as(s)
+        o = o_intra + torch.matmul(q_state, torch.stack(starts, dim=2))  # [B, H, m, C, Dv]
+        out[:, :, lo:hi] = o.reshape(b, h, m * chunk, dv)[:, :, : hi - lo]
+    return out, s

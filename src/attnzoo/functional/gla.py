@@ -1,0 +1,173 @@
+"""Gated linear attention (Yang et al. 2024, "Gated Linear Attention Transformers with
+Hardware-Efficient Training"); with one decay per token it is Mamba-2's SSD / gated retention.
+
+Recurrence (the definition; ``g_t = log_decay_t <= 0``, q scaled by ``scale``)::
+
+    S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T        # [Dk, Dv]
+    o_t = q_t^T S_t                                  # [Dv]
+
+Chunked form. Inside a chunk starting from state ``S``, let ``b_t = g_1 + ... + g_t`` (cumulative
+log decay from the chunk start, per key dimension, ``<= 0``). Unrolling the recurrence::
+
+    o_t    = (q_t * exp(b_t))^T S + sum_{s <= t} [sum_d q_td k_sd exp(b_td - b_sd)] v_s
+    S_next = diag(exp(b_C)) S + sum_s (k_s * exp(b_C - b_s)) v_s^T
+
+Every exponent is a sum of log decays over a run of tokens, never positive (and summed directly,
+see ``_chunked_scan.log_segsum``). The intra-chunk scores
+``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` are not a plain matmul (the decay depends on d); they are computed by halving: the block "second half x first half" of a
+segment of ``2w`` tokens is a matmul of ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)`` with ``r``
+the segment's midpoint (``s <= r < t``: both factors are at most 1), for ``w = C/2, C/4, ...``
+down to ``sub`` tokens; the ``sub x sub`` blocks left on the diagonal are computed elementwise
+(a ``[sub, sub, Dk]`` tensor). With a scalar decay per token the decay factors out
+of the sum over d: ``A = (Q K^T) * exp(b_t - b_s)``.
+
+The quadratic form is one chunk of ``N`` tokens with one sub-block (the ``[N, N, Dk]`` tensor);
+the recurrent form is the loop above (what decoding does).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnzoo.functional._chunked_scan import (
+    check_gate,
+    check_recurrent_inputs,
+    chunked_scan,
+    compute_dtype,
+    finish,
+    log_segsum,
+    resolve_form,
+    suffix_sum,
+)
+
+__all__ = ["SUB_CHUNK", "gated_linear_attention", "run_gla"]
+
+#: Length of the diagonal blocks the halving of the vector-decay scores stops at (computed elementwise).
+SUB_CHUNK = 4
+
+
+def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
+    """``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` for ``s <= t`` (0 above). ``[..., C, Dk]`` -> ``[..., C, C]``.
+
+    Halving: at each level the chunk is a row of segments of ``2w`` tokens; the block "second half
+    x first half" of each segment is one matmul of ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)``,
+    ``r`` the segment's midpoint (prefix and suffix sums inside a half: never positive). The
+    ``sub x sub`` blocks on the diagonal are left, computed elementwise (``[sub, sub, Dk]``).
+    """
+    c = q.shape[-2]
+    sub = min(sub, c)
+    levels = (-(-c // sub) - 1).bit_length()  # halvings until blocks of sub tokens cover c
+    cp = sub * 2**levels
+    if cp > c:  # zero tokens at the end of the chunk; their rows and columns are cut below
+        q, k, g = (F.pad(t, (0, 0, 0, cp - c)) for t in (q, k, g))
+    scores = q.new_zeros(*q.shape[:-2], cp, cp)
+    w = cp
+    for _ in range(levels):
+        w //= 2
+        qh, kh, gh = (t.unflatten(-2, (cp // (2 * w), 2, w)) for t in (q, k, g))  # [..., P, 2, w, Dk]
+        q_ref = qh[..., 1, :, :] * gh[..., 1, :, :].cumsum(dim=-2).exp()  # second halves
+        k_ref = kh[..., 0, :, :] * suffix_sum(gh[..., 0, :, :], -2).exp()  # first halves
+        block = torch.matmul(q_ref, k_ref.transpose(-1, -2))  # [..., P, w, w]
+        view = scores.unflatten(-1, (-1, 2, w)).unflatten(-4, (-1, 2, w))  # [..., P, 2, w, P, 2, w]
+        torch.diagonal(view, dim1=-6, dim2=-3)[..., 1, :, 0, :, :].copy_(block.movedim(-3, -1))
+    qt, kt, gt = (t.unflatten(-2, (cp // sub, sub)).transpose(-1, -2) for t in (q, k, g))  # [..., nb, Dk, sub]
+    decay = log_segsum(gt).exp_()  # [..., nb, Dk, t, s]
+    diag = (qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3)  # [..., nb, t, s]
+    view = scores.unflatten(-1, (-1, sub)).unflatten(-3, (-1, sub))  # [..., nb, sub, nb, sub]
+    torch.diagonal(view, dim1=-4, dim2=-2).copy_(diag.movedim(-3, -1))
+    return scores[..., :c, :c]
+
+
+def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Chunk parts ``(O_intra, Q', A, R)`` (see ``_chunked_scan``); g ``[..., C]`` or ``[..., C, Dk]``."""
+    if g.dim() == q.dim():  # one decay per key dimension
+        b = g.cumsum(dim=-2)  # [..., C, Dk]: log decay from the chunk start to t
+        after = suffix_sum(g, -2)  # log decay from t to the chunk end
+        scores = _vector_scores(q, k, g, sub)
+    else:  # one decay per token
+        b = g.cumsum(dim=-1).unsqueeze(-1)  # [..., C, 1]
+        after = suffix_sum(g, -1).unsqueeze(-1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * log_segsum(g).exp_()
+    o_intra = torch.matmul(scores, v)  # [..., C, Dv]
+    q_state = q * b.exp()  # [..., C, Dk]
+    r = torch.matmul((k * after.exp()).transpose(-1, -2), v)  # [..., Dk, Dv]
+    a = b[..., -1, :].exp().expand(*q.shape[:-2], q.shape[-1])  # [..., Dk]
+    return o_intra, q_state, a, r
+
+
+def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """The definition, one token at a time."""
+    outs = []
+    for t in range(q.shape[2]):
+        decay = g[:, :, t].exp()
+        decay = decay.unsqueeze(-1) if g.dim() == 4 else decay[..., None, None]  # [B, H, Dk or 1, 1]
+        s = decay * s + k[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2)  # [B, H, Dk, Dv]
+        outs.append(torch.matmul(q[:, :, t].unsqueeze(-2), s).squeeze(-2))  # [B, H, Dv]
+    return torch.stack(outs, dim=2), s
+
+
+def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial_state: Tensor | None,
+            form: str, chunk: int) -> tuple[Tensor, Tensor]:
+    """Validated inputs -> ``(out [B, H, N, Dv] in the compute dtype, state [B, H, Dk, Dv])``.
+
+    ``g`` is the log decay, ``[B, H, N]`` (scalar per token) or ``[B, H, N, Dk]``; ``form`` not "auto".
+    """
+    cdt = compute_dtype(q.dtype)
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
+    if form == "recurrent":
+        return _recurrent(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt), s0)
+    if form == "quadratic":
+        return chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0, scale)
+    c = min(chunk, n)
+    vec = c * dk * (3 * min(SUB_CHUNK, c) + 6) if g.dim() == 4 else 0  # diagonal blocks, halving levels
+    per_chunk = b * h * s0.element_size() * (3 * c * c + 4 * c * (dk + dv) + 2 * dk * dv + vec)
+    return chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk, scale)
+
+
+def gated_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    return_state: bool = False,
+    form: str = "auto",
+    chunk_size: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal gated linear attention: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale q_t^T S_t``.
+
+    Args:
+        q, k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (one dtype, one device).
+        log_decay: ``g <= 0``, ``[B, H, N, Dk]`` (a decay per key dimension, GLA) or ``[B, H, N]`` (one
+            decay per token broadcast over Dk: Mamba-2's SSD, gated retention). Finite.
+        scale: multiplies q; default ``1/sqrt(Dk)``.
+        initial_state: ``S_0 [B, H, Dk, Dv]`` (the state after earlier tokens); default zeros.
+        return_state: also return ``S_N [B, H, Dk, Dv]`` (feed it back as ``initial_state`` to continue).
+        form: ``"recurrent"`` (the loop), ``"chunked"``, ``"quadratic"`` (``[N, N, Dk]`` memory) or
+            ``"auto"``: recurrent for N = 1, quadratic for N <= chunk_size, chunked beyond.
+        chunk_size: chunk length of the chunked form (default 64); any value >= 1.
+
+    Returns:
+        ``out [B, H, N, Dv]`` in q's dtype, or ``(out, state)``; the state is float32 (float64 for
+        float64 inputs). Half inputs compute in float32.
+
+    Raises:
+        ValueError / TypeError naming the argument: shapes, dtypes, devices, ``log_decay > 0`` or not
+        finite (checked in eager mode), bad form or chunk_size.
+    """
+    fn = "gated_linear_attention"
+    scale_f, chunk = check_recurrent_inputs(fn, q, k, v, scale, initial_state, return_state, form, chunk_size)
+    b, h, n, dk = q.shape
+    check_gate(fn, "log_decay", log_decay, [(b, h, n, dk), (b, h, n)], q.device, float("-inf"), 0.0,
+               open_low=True)
+    out, state = run_gla(q, k, v, log_decay, scale=scale_f, initial_state=initial_state,
+                         form=resolve_form(form, n, chunk), chunk=chunk)
+    return finish(out, state, q.dtype, return_state)
