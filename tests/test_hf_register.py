@@ -246,3 +246,20 @@ def test_bad_mask_is_a_clear_error() -> None:
         azhf.attnzoo_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="unsupported attention_mask"):
         azhf.attnzoo_attention_forward(torch.nn.Module(), q, q, q, "causal")
+
+
+def test_attnzoo_sdpa_name_follows_transformers_sdpa_check() -> None:
+    """The name contains "sdpa": transformers refuses it for models without SDPA support (Gemma2)."""
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        transformers.AutoModelForCausalLM.from_config(_gemma2(), attn_implementation="attnzoo_sdpa")
+
+
+def test_docs_examples_run() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "huggingface.md").read_text()
+    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(found) == 2
+    for i, code in enumerate(found):
+        exec(compile(code, f"docs/huggingface.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
