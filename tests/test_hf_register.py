@@ -263,3 +263,29 @@ def test_docs_examples_run() -> None:
     assert len(found) == 2
     for i, code in enumerate(found):
         exec(compile(code, f"docs/huggingface.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+def _gpt_oss() -> Any:
+    return transformers.GptOssConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                     num_local_experts=4, num_experts_per_tok=2, **SMALL)
+
+
+def test_gpt_oss_sinks_match_eager_or_are_refused() -> None:
+    eager = _build(_gpt_oss, transformers.AutoModelForCausalLM, "eager")
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_()  # zero-initialised: make the sinks matter
+    ids, am = _inputs()
+    ref = _logits(eager, ids, am)
+    eager.set_attn_implementation("attnzoo")
+    if not azhf._SUPPORTS_SINKS:
+        with pytest.raises(NotImplementedError, match="sinks"):
+            _logits(eager, ids, am)
+        return
+    got = _logits(eager, ids, am)
+    assert _rel(got[am.bool()], ref[am.bool()]) <= 1e-4
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    zoo_tokens = eager.generate(ids, attention_mask=am, **kw)
+    eager.set_attn_implementation("eager")
+    assert torch.equal(zoo_tokens, eager.generate(ids, attention_mask=am, **kw))
