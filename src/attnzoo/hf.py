@@ -64,22 +64,35 @@ class HFMask:
         sliding_window: transformers' ``W`` (the query and the ``W - 1`` keys before it), or None.
         padding: bool ``[B, Nk]``, True for real keys; None when no key is padding.
         q_offset: position of the first query relative to the first key of this layer's K/V.
-        kv_length: ``Nk`` the attention function will receive.
+        q_length: ``Nq``; kv_length: ``Nk`` the attention function will receive.
+
+    ``ndim`` and ``shape`` describe the dense mask it stands for (``[B or 1, 1, Nq, Nk]``), so
+    model code that inspects a prepared 4D mask (generation with static caches hands the masks
+    built by ``create_masks_for_generate`` back to the model) leaves it alone.
     """
 
     causal: bool
     sliding_window: int | None
     padding: Tensor | None
     q_offset: int
+    q_length: int
     kv_length: int
+
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B or 1, 1, Nq, Nk)`` of the dense mask this stands for."""
+        return (1 if self.padding is None else self.padding.shape[0], 1, self.q_length, self.kv_length)
 
     @property
     def window(self) -> tuple[int, int] | None:
         """The attnzoo ``window=(left, right)`` of ``sliding_window`` (causal)."""
         return None if self.sliding_window is None else (self.sliding_window - 1, 0)
 
-    def to_dense(self, q_length: int) -> Tensor:
+    def to_dense(self) -> Tensor:
         """Bool ``[B or 1, 1, Nq, Nk]`` (True = may attend), for tools that need a tensor."""
+        q_length = self.q_length
         dev = self.padding.device if self.padding is not None else None
         qp = torch.arange(q_length, device=dev).view(-1, 1) + self.q_offset  # [Nq, 1]
         kp = torch.arange(self.kv_length, device=dev).view(1, -1)  # [1, Nk]
@@ -159,6 +172,8 @@ def attnzoo_mask(
     """
     from transformers import masking_utils as mu
 
+    if isinstance(attention_mask, HFMask):  # already prepared (static-cache generation)
+        return attention_mask
     fn = mu.causal_mask_function if mask_function is None else mask_function
     kind = None if kwargs.get("use_vmap") else _classify(fn)
     if kind is None:
@@ -173,7 +188,7 @@ def attnzoo_mask(
     if not causal and window is None and pad is None:
         return None
     return HFMask(causal=causal, sliding_window=window, padding=pad,
-                  q_offset=int(q_offset) - int(kv_offset), kv_length=int(kv_length))
+                  q_offset=int(q_offset) - int(kv_offset), q_length=int(q_length), kv_length=int(kv_length))
 
 
 # ------------------------------------------------------------------------ attention side
