@@ -299,3 +299,30 @@ def test_static_cache_generate_matches_eager(family: str) -> None:
     ref = model.generate(ids, attention_mask=am, **kw)
     model.set_attn_implementation("attnzoo")
     assert torch.equal(model.generate(ids, attention_mask=am, **kw), ref)
+
+
+def test_chunked_prefill_through_sliding_cache_matches_full_forward() -> None:
+    """Second chunk of 8 after 12 cached tokens: the sliding layer's keys start at kv_offset 5."""
+    model = _build(_mistral, transformers.AutoModelForCausalLM, "attnzoo")
+    ids, _ = _inputs(n=20)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        first = model(input_ids=ids[:, :12], use_cache=True)
+        second = model(input_ids=ids[:, 12:], cache=first.past_key_values, use_cache=True).logits
+    assert _rel(second, full[:, 12:]) <= 1e-5
+
+
+def test_encoder_decoder_cross_attention_with_padding() -> None:
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                  decoder_ffn_dim=128, max_position_embeddings=64)
+    model = _build(lambda: cfg, transformers.AutoModelForSeq2SeqLM, "eager")
+    ids, _ = _inputs(n=20)
+    am = torch.ones_like(ids)
+    am[1, -6:] = 0
+    dec = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+        model.set_attn_implementation("attnzoo")
+        got = model(input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+    assert _rel(got, ref) <= 1e-4
