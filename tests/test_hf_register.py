@@ -326,3 +326,15 @@ def test_encoder_decoder_cross_attention_with_padding() -> None:
         model.set_attn_implementation("attnzoo")
         got = model(input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
     assert _rel(got, ref) <= 1e-4
+
+
+def test_output_attentions_returns_eager_weights() -> None:
+    model = _build(_llama, transformers.AutoModelForCausalLM, "eager")
+    ids, am = _inputs()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am, output_attentions=True).attentions
+        model.set_attn_implementation("attnzoo")
+        got = model(input_ids=ids, attention_mask=am, output_attentions=True).attentions
+    for g, r in zip(got, ref, strict=True):
+        real_rows = am.bool()[:, None, :, None]  # padded query rows: zeros here, eager's average there
+        torch.testing.assert_close(g * real_rows, r * real_rows, atol=1e-6, rtol=1e-5)

@@ -194,7 +194,7 @@ def attnzoo_mask(
 # ------------------------------------------------------------------------ attention side
 
 
-def _mask_arguments(module: torch.nn.Module, query: Tensor, key: Tensor, attention_mask: Any,
+def _mask_arguments(module: torch.nn.Module, key: Tensor, attention_mask: Any,
                     kwargs: dict[str, Any]) -> dict[str, Any]:
     """``mask``, ``causal``, ``window``, ``q_offset`` for az.attention from what the model passed."""
     nk = key.shape[2]
@@ -246,7 +246,7 @@ def attnzoo_attention_forward(
     Returns:
         ``(out [B, Nq, Hq, Dv], weights [B, Hq, Nq, Nk] or None)``.
     """
-    extra: dict[str, Any] = _mask_arguments(module, query, key, attention_mask, kwargs)
+    extra: dict[str, Any] = _mask_arguments(module, key, attention_mask, kwargs)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         if not _SUPPORTS_SINKS:
