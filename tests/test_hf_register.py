@@ -338,3 +338,17 @@ def test_output_attentions_returns_eager_weights() -> None:
     for g, r in zip(got, ref, strict=True):
         real_rows = am.bool()[:, None, :, None]  # padded query rows: zeros here, eager's average there
         torch.testing.assert_close(g * real_rows, r * real_rows, atol=1e-6, rtol=1e-5)
+
+
+def test_decoder_run_bidirectionally_stays_bidirectional() -> None:
+    """config.is_causal=False: the explicit bidirectional HFMask wins over the modules' is_causal."""
+    def make() -> Any:
+        cfg = _llama()
+        cfg.is_causal = False
+        return cfg
+
+    model = _build(make, transformers.AutoModel, "eager")
+    ids, _ = _inputs()
+    ref = _logits(model, ids, None)
+    model.set_attn_implementation("attnzoo")
+    assert _rel(_logits(model, ids, None), ref) <= 1e-4

@@ -166,9 +166,9 @@ def attnzoo_mask(
     ``attention_mask`` is the 2D ``[B, total]`` padding mask (True = real token).
 
     Returns:
-        :class:`HFMask` for causal / bidirectional / sliding-window masks; None for a
-        bidirectional mask without padding; otherwise transformers' dense bool mask
-        ``[B, 1, Nq, Nk]``.
+        :class:`HFMask` for causal / bidirectional / sliding-window masks (explicit, so a decoder
+        run bidirectionally through ``config.is_causal=False`` is not made causal by its
+        modules' ``is_causal``); otherwise transformers' dense bool mask ``[B, 1, Nq, Nk]``.
     """
     from transformers import masking_utils as mu
 
@@ -185,8 +185,6 @@ def attnzoo_mask(
                             allow_is_bidirectional_skip=False, **kwargs)
     causal, window = kind
     pad = _padding(attention_mask, kv_length, kv_offset)
-    if not causal and window is None and pad is None:
-        return None
     return HFMask(causal=causal, sliding_window=window, padding=pad,
                   q_offset=int(q_offset) - int(kv_offset), q_length=int(q_length), kv_length=int(kv_length))
 
