@@ -50,7 +50,7 @@ _EXPORTS: dict[str, str] = {
     "Transformer": "attnzoo.models",
     "VisionTransformer": "attnzoo.models",
 }
-_SUBMODULES = {"functional", "nn", "models", "interop", "viz", "cost", "variants", "distributed", "bench", "arena"}
+_SUBMODULES = {"functional", "nn", "models", "interop", "viz", "cost", "variants", "distributed", "bench", "arena", "hf"}
 
 __all__ = ["masks", *sorted(_EXPORTS), *sorted(_SUBMODULES)]
 

@@ -1,0 +1,296 @@
+"""attnzoo inside Hugging Face transformers: ``attn_implementation="attnzoo"``.
+
+``register()`` adds attnzoo to transformers' attention interface (the function every
+``*Attention`` module of a model that supports attention backends calls) and to its mask
+interface (the function that builds the mask a model hands to that attention function)::
+
+    import attnzoo.hf
+    attnzoo.hf.register()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="attnzoo")
+    model.set_attn_implementation("attnzoo_tiled")        # or switch a loaded model
+
+Names: ``"attnzoo"`` (``backend="auto"``), ``"attnzoo_tiled"``, ``"attnzoo_sdpa"``,
+``"attnzoo_reference"`` (the float64-capable plain math, for checking).
+
+What reaches :func:`attnzoo.attention`:
+
+* masks as structure, not as a dense ``[B, 1, Nq, Nk]`` tensor: the mask interface recognises
+  transformers' causal, bidirectional and sliding-window mask functions and returns an
+  :class:`HFMask` (``causal``, ``window``, key padding ``[B, Nk]``, query offset); the attention
+  function turns it into ``causal=True, window=(W - 1, 0)`` (transformers' ``sliding_window=W``
+  lets a query see itself and the ``W - 1`` keys before it) plus a ``[B, 1, 1, Nk]`` key-padding
+  mask, so the tiled backend runs its band path. Any other mask function (packed sequences,
+  ``or``/``and`` overlays, chunked attention) falls back to transformers' dense bool mask.
+* GQA: key/value arrive with ``Hkv`` heads and are passed as they are (no ``repeat_kv``).
+* ``scaling``, ``softcap``, ``dropout`` (the model passes 0 at eval), attention sinks
+  (``s_aux``) through ``sinks=`` when this attnzoo's ``attention`` has that argument.
+* Decoding with a ``DynamicCache`` (also its sliding-window layers): queries sit at the cache's
+  query offset relative to the first cached key, which is attnzoo's bottom-right default.
+
+Difference from ``eager``: a query row that sees no key at all (a left-padding position)
+returns zeros here, where eager averages the values of the masked keys. Only padding positions
+have such rows; every real token's output is the same.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnzoo.functional.attention import attention
+
+#: registered name -> attnzoo backend
+BACKEND_BY_NAME: dict[str, str] = {
+    "attnzoo": "auto",
+    "attnzoo_tiled": "tiled",
+    "attnzoo_sdpa": "sdpa",
+    "attnzoo_reference": "reference",
+}
+
+_SUPPORTS_SINKS = "sinks" in inspect.signature(attention).parameters
+
+
+@dataclass(frozen=True)
+class HFMask:
+    """A transformers mask kept as structure (what the ``attnzoo*`` mask interface returns).
+
+    Attributes:
+        causal: key ``j`` visible to the query at position ``p`` iff ``j <= p``.
+        sliding_window: transformers' ``W`` (the query and the ``W - 1`` keys before it), or None.
+        padding: bool ``[B, Nk]``, True for real keys; None when no key is padding.
+        q_offset: position of the first query relative to the first key of this layer's K/V.
+        q_length: ``Nq``; kv_length: ``Nk`` the attention function will receive.
+
+    ``ndim`` and ``shape`` describe the dense mask it stands for (``[B or 1, 1, Nq, Nk]``), so
+    model code that inspects a prepared 4D mask (generation with static caches hands the masks
+    built by ``create_masks_for_generate`` back to the model) leaves it alone.
+    """
+
+    causal: bool
+    sliding_window: int | None
+    padding: Tensor | None
+    q_offset: int
+    q_length: int
+    kv_length: int
+
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B or 1, 1, Nq, Nk)`` of the dense mask this stands for."""
+        return (1 if self.padding is None else self.padding.shape[0], 1, self.q_length, self.kv_length)
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """The attnzoo ``window=(left, right)`` of ``sliding_window`` (causal)."""
+        return None if self.sliding_window is None else (self.sliding_window - 1, 0)
+
+    def to_dense(self) -> Tensor:
+        """Bool ``[B or 1, 1, Nq, Nk]`` (True = may attend), for tools that need a tensor."""
+        q_length = self.q_length
+        dev = self.padding.device if self.padding is not None else None
+        qp = torch.arange(q_length, device=dev).view(-1, 1) + self.q_offset  # [Nq, 1]
+        kp = torch.arange(self.kv_length, device=dev).view(1, -1)  # [1, Nk]
+        ok = torch.ones(q_length, self.kv_length, dtype=torch.bool, device=dev)
+        if self.causal:
+            ok = ok & (kp <= qp)
+        if self.sliding_window is not None:
+            ok = ok & (kp > qp - self.sliding_window)
+        ok = ok[None, None]
+        if self.padding is not None:
+            ok = ok & self.padding[:, None, None, :]
+        return ok
+
+
+# ----------------------------------------------------------------------------- mask side
+
+
+def _closure_value(fn: Callable, name: str) -> Any:
+    return inspect.getclosurevars(fn).nonlocals.get(name)
+
+
+def _classify(mask_function: Callable) -> tuple[bool, int | None] | None:
+    """``(causal, sliding_window)`` of a transformers mask function, None if not recognised."""
+    from transformers import masking_utils as mu
+
+    if mask_function is mu.causal_mask_function:
+        return True, None
+    if mask_function is mu.bidirectional_mask_function:
+        return False, None
+    and_code = mu.and_masks(mu.causal_mask_function).__code__
+    overlay_code = mu.sliding_window_overlay(1).__code__
+    if getattr(mask_function, "__code__", None) is not and_code:
+        return None
+    parts = _closure_value(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not mu.causal_mask_function:
+        return None
+    if getattr(parts[0], "__code__", None) is not overlay_code:
+        return None
+    w = _closure_value(parts[0], "sliding_window")
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        return None
+    return True, w
+
+
+def _padding(attention_mask: Tensor | None, kv_length: int, kv_offset: int) -> Tensor | None:
+    """The layer's slice ``[B, Nk]`` of transformers' 2D padding mask, None if nothing is padded."""
+    if attention_mask is None:
+        return None
+    pad = attention_mask.to(torch.bool)
+    missing = kv_offset + kv_length - pad.shape[-1]
+    if missing > 0:  # transformers pads the 2D mask with False on the right (static caches)
+        pad = torch.nn.functional.pad(pad, (0, missing), value=False)
+    pad = pad[:, kv_offset:kv_offset + kv_length]
+    return None if bool(pad.all()) else pad
+
+
+def attnzoo_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> HFMask | Tensor | None:
+    """transformers mask-interface function: the mask as an :class:`HFMask` where possible.
+
+    Args follow ``transformers.masking_utils.sdpa_mask``: the layer sees ``q_length`` queries at
+    absolute positions ``q_offset ..`` and ``kv_length`` keys at ``kv_offset ..``;
+    ``attention_mask`` is the 2D ``[B, total]`` padding mask (True = real token).
+
+    Returns:
+        :class:`HFMask` for causal / bidirectional / sliding-window masks (explicit, so a decoder
+        run bidirectionally through ``config.is_causal=False`` is not made causal by its
+        modules' ``is_causal``); otherwise transformers' dense bool mask ``[B, 1, Nq, Nk]``.
+    """
+    from transformers import masking_utils as mu
+
+    if isinstance(attention_mask, HFMask):  # already prepared (static-cache generation)
+        return attention_mask
+    fn = mu.causal_mask_function if mask_function is None else mask_function
+    kind = None if kwargs.get("use_vmap") else _classify(fn)
+    if kind is None:
+        kwargs.pop("allow_is_causal_skip", None)
+        kwargs.pop("allow_is_bidirectional_skip", None)
+        return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                            q_offset=q_offset, kv_offset=kv_offset, mask_function=fn,
+                            attention_mask=attention_mask, allow_is_causal_skip=False,
+                            allow_is_bidirectional_skip=False, **kwargs)
+    causal, window = kind
+    pad = _padding(attention_mask, kv_length, kv_offset)
+    return HFMask(causal=causal, sliding_window=window, padding=pad,
+                  q_offset=int(q_offset) - int(kv_offset), q_length=int(q_length), kv_length=int(kv_length))
+
+
+# ------------------------------------------------------------------------ attention side
+
+
+def _mask_arguments(module: torch.nn.Module, key: Tensor, attention_mask: Any,
+                    kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``mask``, ``causal``, ``window``, ``q_offset`` for az.attention from what the model passed."""
+    nk = key.shape[2]
+    if isinstance(attention_mask, HFMask):
+        if attention_mask.kv_length != nk:
+            raise ValueError(f"attnzoo: the mask was built for {attention_mask.kv_length} keys but the "
+                             f"attention received {nk} (key shape {tuple(key.shape)})")
+        pad = attention_mask.padding
+        return {"mask": None if pad is None else pad[:, None, None, :],  # [B, 1, 1, Nk]
+                "causal": attention_mask.causal, "window": attention_mask.window,
+                "q_offset": attention_mask.q_offset}
+    if isinstance(attention_mask, Tensor):
+        if attention_mask.dim() != 4:
+            raise ValueError(f"attnzoo: attention_mask must be 4D [B, 1, Nq, Nk], got shape "
+                             f"{tuple(attention_mask.shape)}")
+        return {"mask": attention_mask[..., :nk], "causal": False, "window": None, "q_offset": None}
+    if attention_mask is not None:
+        raise TypeError(f"attnzoo: unsupported attention_mask of type {type(attention_mask).__name__}")
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    w = kwargs.get("sliding_window")
+    window = (int(w) - 1, 0) if causal and w is not None else None
+    return {"mask": None, "causal": causal, "window": window, "q_offset": None}
+
+
+def attnzoo_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: HFMask | Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers attention-interface function running :func:`attnzoo.attention`.
+
+    Args:
+        module: the calling ``*Attention`` module (``is_causal`` is read when no mask is given).
+        query: ``[B, Hq, Nq, D]``; key ``[B, Hkv, Nk, D]``; value ``[B, Hkv, Nk, Dv]``.
+        attention_mask: an :class:`HFMask`, a bool/float ``[B, 1, Nq, Nk]`` tensor, or None.
+        scaling: score scale (default ``1/sqrt(D)``); dropout: attention dropout probability.
+        backend: the attnzoo backend.
+        kwargs: ``softcap``, ``s_aux`` (sinks ``[Hq]``), ``sliding_window`` and ``is_causal`` (used
+            only without a mask), ``output_attentions``; others are ignored.
+
+    Returns:
+        ``(out [B, Nq, Hq, Dv], weights [B, Hq, Nq, Nk] or None)``.
+    """
+    extra: dict[str, Any] = _mask_arguments(module, key, attention_mask, kwargs)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        if not _SUPPORTS_SINKS:
+            raise NotImplementedError(f"attnzoo: {type(module).__name__} uses attention sinks (s_aux) "
+                                      "and this attnzoo's attention() has no sinks argument yet")
+        extra["sinks"] = sinks
+    want_weights = bool(kwargs.get("output_attentions"))
+    result = attention(query, key, value, scale=scaling, softcap=kwargs.get("softcap"),
+                       dropout_p=float(dropout or 0.0), return_weights=want_weights,
+                       backend="reference" if want_weights else backend, **extra)
+    out, weights = result if want_weights else (result, None)
+    assert isinstance(out, Tensor)
+    return out.transpose(1, 2).contiguous(), weights  # [B, Nq, Hq, Dv]
+
+
+def _forward_for(backend: str) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    def forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                attention_mask: HFMask | Tensor | None, scaling: float | None = None,
+                dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        return attnzoo_attention_forward(module, query, key, value, attention_mask, scaling,
+                                         dropout, backend=backend, **kwargs)
+
+    forward.__name__ = f"attnzoo_{backend}_attention_forward"
+    return forward
+
+
+_FORWARDS = {name: _forward_for(backend) for name, backend in BACKEND_BY_NAME.items()}
+
+
+def register() -> tuple[str, ...]:
+    """Register attnzoo with transformers' attention and mask interfaces (idempotent).
+
+    Returns:
+        the registered names: ``"attnzoo"`` (auto backend), ``"attnzoo_tiled"``,
+        ``"attnzoo_sdpa"``, ``"attnzoo_reference"``.
+
+    Raises:
+        ImportError: transformers is not installed, or too old to have an attention interface.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("attnzoo.hf.register() needs transformers >= 4.56 "
+                          "(pip install transformers)") from e
+    for name, fn in _FORWARDS.items():
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, attnzoo_mask)
+    return tuple(_FORWARDS)
