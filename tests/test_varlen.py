@@ -166,3 +166,21 @@ def test_bad_shapes() -> None:
         az.attention_varlen(torch.randn(5, 3, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu, cu)
     with pytest.raises(ValueError, match="backend"):
         az.attention_varlen(torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu, cu, backend="x")
+
+
+def test_docs_examples_run_and_drawings_hold() -> None:
+    """docs/softmax-frontier.md: every python block runs; the drawn varlen patterns are the mask's."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "softmax-frontier.md").read_text()
+    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(found) == 3
+    for i, code in enumerate(found):
+        exec(compile(code, f"softmax-frontier.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    cq, ck = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
+    drawn = re.findall(r"seq \d  row \d \(pos -?\d\)\s+([01]) ([01]) ([01]) \| ([01]) ([01])", text)
+    assert len(drawn) == 10
+    for kw, rows in (({"causal": True}, drawn[:5]), ({"window": (0, 1)}, drawn[5:])):
+        dense = varlen_mask(cq, ck, **kw).materialize(1, 1, 5, 5, q_offset=0)[0, 0].int().tolist()
+        assert dense == [[int(x) for x in r] for r in rows], kw

@@ -62,53 +62,58 @@ def _check_packed(q: object, k: object, v: object) -> None:
             raise ValueError(f"{name} must be rank 3 [T, H, D] (packed tokens), got shape {tuple(t.shape)}")
 
 
+def _row_intervals(cu_q: Tensor, cu_k: Tensor, causal: bool, window: Window | None) -> tuple[Tensor, Tensor]:
+    """Per packed query row ``r``, the inclusive range ``lo[r] .. hi[r]`` of packed keys it may see
+    (``lo > hi``: none). Row ``r`` of sequence ``s`` sits at key position ``a = r + shift_s``,
+    ``shift_s = cu_k[s+1] - cu_q[s+1]`` (bottom-right alignment inside the sequence)."""
+    tq = int(cu_q[-1])
+    seq = torch.searchsorted(cu_q[1:], torch.arange(tq, device=cu_q.device), right=True)  # [Tq]
+    lo, hi = cu_k[seq], cu_k[seq + 1] - 1  # the sequence's keys
+    a = torch.arange(tq, device=cu_q.device) + cu_k[seq + 1] - cu_q[seq + 1]  # aligned key position
+    left, right = (None, None) if window is None else window
+    if causal:
+        hi = torch.minimum(hi, a)
+    if left is not None:
+        lo = torch.maximum(lo, a - left)
+    if right is not None:
+        hi = torch.minimum(hi, a + right)
+    return lo, hi
+
+
 def varlen_mask(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool = False,
                 window: Window | None = None) -> Mask:
     """The packed pattern as a :class:`~attnzoo.masks.Mask` over packed row indices (``q_offset=0``).
 
     Query row ``r`` of sequence ``s`` may see key ``j`` iff ``j`` lies in sequence ``s`` and, with
-    ``shift_s = cu_k[s+1] - cu_q[s+1]`` (bottom-right alignment), ``d = j - r - shift_s`` obeys
-    ``d <= 0`` (causal) and ``-left <= d <= right`` (window). Tiles are classified from the
-    sequence boundaries: a tile between two different sequences is empty, a tile inside one
-    sequence is classified by the causal/window rule, the few tiles across a boundary are partial.
+    ``d = j - r - shift_s`` (``shift_s = cu_k[s+1] - cu_q[s+1]``, bottom-right alignment),
+    ``d <= 0`` (causal) and ``-left <= d <= right`` (window). All of it is one interval of keys
+    per row, ``lo[r] <= j <= hi[r]``, so the predicate is two comparisons and a tile is classified
+    exactly as full (every row's interval covers it) and as empty whenever the hull of its rows'
+    intervals misses it: every tile between two different sequences is empty.
     """
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
-    tq, tk = int(cu_q[-1]), int(cu_k[-1])
-    seq_q = torch.searchsorted(cu_q[1:], torch.arange(tq, device=cu_q.device), right=True)  # [Tq]
-    seq_k = torch.searchsorted(cu_k[1:], torch.arange(tk, device=cu_k.device), right=True)  # [Tk]
-    k_lo, k_hi = cu_k[seq_q], cu_k[seq_q + 1]  # [Tq] key range of each query's sequence
-    shift = cu_k[seq_q + 1] - cu_q[seq_q + 1]  # [Tq]
-    left, right = (None, None) if window is None else window
-
-    def allowed_d(d: Tensor) -> Tensor:
-        ok = torch.ones((), dtype=torch.bool, device=d.device)
-        if causal:
-            ok = ok & (d <= 0)
-        if left is not None:
-            ok = ok & (d >= -left)
-        if right is not None:
-            ok = ok & (d <= right)
-        return ok
+    tq = int(cu_q[-1])
+    lo, hi = _row_intervals(cu_q, cu_k, causal, window)
+    big = int(cu_k[-1]) + 1
+    lo_seen = torch.where(lo <= hi, lo, big)  # rows that see nothing drop out of the hull
+    hi_seen = torch.where(lo <= hi, hi, -1)
 
     def fn(b: Tensor, h: Tensor, qp: Tensor, kp: Tensor) -> Tensor:
         r = qp.clamp(0, max(0, tq - 1))
-        return (kp >= k_lo[r]) & (kp < k_hi[r]) & allowed_d(kp - r - shift[r]) & (qp < tq)
+        return (kp >= lo[r]) & (kp <= hi[r])
 
     def tiles(t: object) -> tuple[Tensor, Tensor]:
-        qs, qe = t.q_start.clamp(max=tq - 1), t.q_end.clamp(max=tq - 1)  # type: ignore[attr-defined]
-        ks, ke = t.k_start.clamp(max=tk - 1), t.k_end.clamp(max=tk - 1)  # type: ignore[attr-defined]
-        sa, sb, ta, tb = seq_q[qs], seq_q[qe], seq_k[ks], seq_k[ke]  # sequences each tile spans
-        single = (sa == sb) & (ta == tb) & (sa == ta)
-        d_min, d_max = ks - qe - shift[qs], ke - qs - shift[qs]  # valid where single
-        full = single & allowed_d(d_min) & allowed_d(d_max)  # d's constraints are intervals
-        hidden = torch.zeros_like(single)
-        if causal:
-            hidden = hidden | (d_min > 0)
-        if left is not None:
-            hidden = hidden | (d_max < -left)
-        if right is not None:
-            hidden = hidden | (d_min > right)
-        empty = (tb < sa) | (ta > sb) | (single & hidden)
+        qs = t.q_start.view(-1)  # type: ignore[attr-defined]
+        bq = int(t.q_end.view(-1)[0] - qs[0] + 1)  # type: ignore[attr-defined]
+        pad = len(qs) * bq - tq  # the last tile's missing rows repeat its last row (min/max unchanged)
+
+        def per_tile(x: Tensor, op: str) -> Tensor:
+            x = torch.cat([x, x[-1:].expand(pad)]).view(len(qs), bq)
+            return (x.amax(dim=1) if op == "max" else x.amin(dim=1)).view(-1, 1)  # [nQB, 1]
+
+        ks, ke = t.k_start, t.k_end  # type: ignore[attr-defined]
+        full = (per_tile(lo, "max") <= ks) & (per_tile(hi, "min") >= ke)
+        empty = (per_tile(lo_seen, "min") > ke) | (per_tile(hi_seen, "max") < ks)
         return full, empty
 
     return Mask(fn, "varlen", tiles=tiles)  # type: ignore[arg-type]
