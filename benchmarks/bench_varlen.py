@@ -7,7 +7,7 @@ Three questions, each answered by medians of interleaved repeats in one process 
    (torch ``sdpa``, its fused causal kernel), and a Python loop of one ``attention`` call per sequence.
 2. Does the packed time follow ``sum n_i^2`` rather than ``T^2``? ``T`` fixed at 16,384 tokens cut
    into ``S`` equal sequences (``S = 1, 4, 16, 64``): ``sum n_i^2 = T^2 / S``, so the time should
-   fall about ``S``-fold (down to the per-tile overhead).
+   fall about ``S``-fold (down to the per-tile overhead); the per-sequence loop beside it.
 3. Forward + backward of the mixed packed batch, packed vs per-sequence loop.
 
 Usage::
@@ -20,29 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from bench_core import timed  # medians of interleaved repeats (the script's folder is on sys.path)
 
 import attnzoo as az
 
 D = 64
 MIXED = [4096, 2560, 2048, 1536, 1280, 1024, 896, 768, 640, 512, 384, 256, 160, 128, 64, 32]  # 16, sum 16384
-
-
-def medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds per function; one warm-up each, then the calls round-robin."""
-    for f in fns.values():
-        f()
-    runs: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            start = time.perf_counter()
-            f()
-            runs[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in runs.items()}
 
 
 def packed(lengths: list[int], heads: int, grad: bool = False) -> tuple[torch.Tensor, ...]:
@@ -76,7 +62,7 @@ def layouts(heads: int, repeats: int) -> dict[str, float]:
     q, k, v, cu = packed(MIXED, heads)
     qp, kp, vp = (padded(t, MIXED) for t in (q, k, v))
     with torch.no_grad():
-        t = medians({
+        t = timed({
             "packed tiled": lambda: az.attention_varlen(q, k, v, cu, cu, causal=True),
             "padded sdpa": lambda: az.attention(qp, kp, vp, causal=True, backend="sdpa"),
             "per-sequence loop": lambda: loop(q, k, v, MIXED),
@@ -87,18 +73,22 @@ def layouts(heads: int, repeats: int) -> dict[str, float]:
 
 
 def scaling(heads: int, repeats: int) -> dict[str, float]:
+    """Packed tiled vs the per-sequence loop at fixed T, all cases interleaved (same machine load)."""
     total = sum(MIXED)
-    res: dict[str, float] = {}
+    fns: dict[str, Callable[[], object]] = {}
+    for s in (1, 4, 16, 64):
+        lengths = [total // s] * s
+        q, k, v, cu = packed(lengths, heads)
+        fns[f"packed S={s}"] = lambda q=q, k=k, v=v, cu=cu: az.attention_varlen(q, k, v, cu, cu, causal=True)
+        fns[f"loop S={s}"] = lambda q=q, k=k, v=v, lengths=lengths: loop(q, k, v, lengths)
     with torch.no_grad():
-        for s in (1, 4, 16, 64):
-            lengths = [total // s] * s
-            q, k, v, cu = packed(lengths, heads)
-            res[str(s)] = medians({"p": lambda: az.attention_varlen(q, k, v, cu, cu, causal=True)},
-                                  1 if s == 1 else repeats)["p"]
-            print(f"  S={s:<3} n={total // s:<6} sum n^2/T^2={1 / s:6.4f}   {res[str(s)] * 1e3:9.1f} ms   "
-                  f"time/time(S=1)={res[str(s)] / res['1']:6.4f}")
+        res = timed(fns, repeats)
+    for s in (1, 4, 16, 64):
+        p, lp = res[f"packed S={s}"], res[f"loop S={s}"]
+        print(f"  S={s:<3} n={total // s:<6} sum n^2/T^2={1 / s:6.4f}   packed {p * 1e3:8.1f} ms "
+              f"(time/time(S=1) {p / res['packed S=1']:6.4f})   per-sequence loop {lp * 1e3:8.1f} ms")
     frac = sum(n * n for n in MIXED) / total ** 2
-    print(f"  mixed lengths: sum n^2/T^2 = {frac:.4f}")
+    print(f"  mixed lengths of part 1: sum n^2/T^2 = {frac:.4f}")
     return res
 
 
@@ -111,7 +101,7 @@ def train_step(heads: int, repeats: int) -> dict[str, float]:
     def loop_step() -> None:
         sum(o.sum() for o in loop(q, k, v, MIXED)).backward()
 
-    t = medians({"packed tiled fwd+bwd": packed_step, "per-sequence loop fwd+bwd": loop_step}, repeats)
+    t = timed({"packed tiled fwd+bwd": packed_step, "per-sequence loop fwd+bwd": loop_step}, repeats)
     for name, s in t.items():
         print(f"  {name:<26} {s * 1e3:9.1f} ms")
     return t
@@ -126,7 +116,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, causal, H={a.heads}, D={D}")
     print(f"1. 16 sequences, {sum(MIXED)} tokens (longest {max(MIXED)}): packed vs padded vs loop (forward)")
     res = {"layouts": layouts(a.heads, a.repeats)}
-    print("2. T = 16384 tokens cut into S equal sequences (packed tiled forward)")
+    print("2. T = 16384 tokens cut into S equal sequences (forward)")
     res["scaling"] = scaling(a.heads, a.repeats)
     print("3. training step on the mixed batch")
     res["train"] = train_step(a.heads, a.repeats)
