@@ -40,6 +40,7 @@ from attnzoo.functional.sdpa import dense_mask
 __all__ = ["apply_sinks", "check_sinks", "sink_attention"]
 
 #: Backends whose returned LSE carries a gradient to q and k (needed for the correction's backward).
+#: flash-attn's LSE has none; FlexAttention has no CPU backward, so its LSE gradient is unverified.
 LSE_GRADIENT_BACKENDS = frozenset({"reference", "tiled"})
 #: What the sdpa form (one extra zero key) cannot do.
 _SDPA_UNSUPPORTED = frozenset({"return_lse", "return_weights", "softcap", "float64"})
