@@ -132,3 +132,19 @@ def test_bad_input(kwargs: dict, exc: type, words: str) -> None:
     q, k, v = _inputs(dict(hq=2, hkv=2, nq=4, nk=4))
     with pytest.raises(exc, match=words):
         az.sigmoid_attention(q, k, v, **kwargs)
+
+
+def test_tiled_never_forms_the_score_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward and backward evaluate the sigmoid on tiles only (memory O(N x block))."""
+    seen: list[int] = []
+    real = torch.sigmoid
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.numel())
+        return real(x)
+
+    monkeypatch.setattr(torch, "sigmoid", spy)
+    q, k, v = (t.requires_grad_() for t in _inputs(dict(hq=2, hkv=1, nq=1200, nk=1200)))
+    az.sigmoid_attention(q, k, v, causal=True, backend="tiled").sum().backward()
+    full = 2 * 2 * 1200 * 1200
+    assert seen and max(seen) <= full // 4, (max(seen), full)
