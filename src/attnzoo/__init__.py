@@ -19,6 +19,8 @@ _EXPORTS: dict[str, str] = {
     # functional core
     "attention": "attnzoo.functional.attention",
     "merge_attention": "attnzoo.functional.attention",
+    "attention_varlen": "attnzoo.functional.varlen",
+    "sigmoid_attention": "attnzoo.functional.sigmoid",
     "available_backends": "attnzoo.functional.attention",
     "linear_attention": "attnzoo.functional.linear",
     "performer_attention": "attnzoo.functional.performer",

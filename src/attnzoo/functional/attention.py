@@ -18,6 +18,7 @@ import attnzoo.functional.sdpa as sdpa
 import attnzoo.functional.tiled as tiled
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
 from attnzoo.functional.rules import compute_dtype
+from attnzoo.functional.sinks import sink_attention
 from attnzoo.masks import Mask
 
 __all__ = ["BACKENDS", "attention", "available_backends", "choose_backend", "merge_attention"]
@@ -98,6 +99,7 @@ def attention(
     return_lse: bool = False,
     return_weights: bool = False,
     backend: str = "auto",
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Exact scaled dot-product attention.
 
@@ -120,6 +122,8 @@ def attention(
             ``-inf`` for rows with no visible key).
         return_weights: also return the weights ``[B, Hq, Nq, Nk]`` (``reference`` backend only).
         backend: ``"auto" | "reference" | "sdpa" | "tiled" | "flex" | "flash"``.
+        sinks: ``[Hq]`` sink logits (gpt-oss): each row's softmax also counts ``exp(sinks[h])``,
+            whose column is dropped; the LSE includes it. See ``attnzoo.functional.sinks``.
 
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype; with ``return_lse``/``return_weights`` a tuple
@@ -135,6 +139,8 @@ def attention(
                       return_lse=return_lse, return_weights=return_weights)
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
+    if sinks is not None:
+        return sink_attention(r, sinks, backend, choose_backend, run_backend)
     name = choose_backend(r) if backend == "auto" else backend
     return run_backend(r, name)
 
