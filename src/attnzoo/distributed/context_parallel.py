@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any
 
@@ -13,7 +14,6 @@ from torch import Tensor, nn
 from attnzoo.distributed.comm import as_timeout, require_dist, wait
 from attnzoo.distributed.ring import ring_attention
 from attnzoo.distributed.sharding import check_layout, segments
-from attnzoo.functional.rules import compute_dtype
 from attnzoo.nn.attention import MultiHeadAttention
 
 __all__ = ["ContextParallel", "context_parallel"]
@@ -92,12 +92,6 @@ class ContextParallel(nn.Module):
         if x.dim() != 3 or x.shape[-1] != m.dim:
             raise ValueError(f"ContextParallel: x must have shape [B, n, C] with C = {m.dim}, got {tuple(x.shape)}")
         B, n, _ = x.shape
-        H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
-        qkv = m.qkv_proj(x)  # [B, n, (H + 2 Hkv) D]
-        q_, k_, v_ = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
-        q = q_.view(B, n, H, D).transpose(1, 2)  # [B, H, n, D]
-        k = k_.view(B, n, Hkv, D).transpose(1, 2)  # [B, Hkv, n, D]
-        v = v_.view(B, n, Hkv, D).transpose(1, 2)  # [B, Hkv, n, D]
         if m.rope is not None:
             if positions is None:
                 lengths = _all_lengths(n, self.group, x.device, self.timeout)
@@ -109,14 +103,32 @@ class ContextParallel(nn.Module):
                 raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
                                  f"[{B}, {n}], got "
                                  f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
-            cdt = compute_dtype(q.dtype)
-            cos, sin = m.rope.cos_sin(positions.to(x.device), cdt)
-            q, k = m.rope.rotate(q, cos, sin), m.rope.rotate(k, cos, sin)
-        out = ring_attention(q, k, v, group=self.group, causal=m.causal, window=m.window, scale=m.scale,
-                             alibi_slopes=m._slopes(x.device), layout=self.layout, backend=self.backend,
-                             timeout=self.timeout)
-        assert isinstance(out, Tensor)
-        return m.out_proj(out.transpose(1, 2).reshape(B, n, H * D))  # [B, n, C]
+        # The module runs its own forward; only its attend seam is pointed at the ring for this call.
+        ring = functools.partial(_ring_attend, group=self.group, layout=self.layout, ring_backend=self.backend,
+                                 timeout=self.timeout)
+        saved, m.attend_fn = m.attend_fn, ring
+        try:
+            return m(x, positions=positions)  # [B, n, C]
+        finally:
+            m.attend_fn = saved
+
+
+def _ring_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, ring_backend: str,
+                 timeout: timedelta | None, mask: Any = None, causal: bool = False, window: Any = None,
+                 scale: float | None = None, softcap: float | None = None, alibi_slopes: Tensor | None = None,
+                 dropout_p: float = 0.0, return_weights: bool = False, q_offset: int | None = None,
+                 backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
+    """The attend seam of a module under :class:`ContextParallel`: ``az.attention``'s keywords in,
+    :func:`ring_attention` over the group out (``q_offset`` is ignored: the ring places every
+    shard at its global positions from ``layout``)."""
+    del q_offset, backend  # the ring places shards by layout; each pair runs on ring_backend
+    if mask is not None or return_weights or dropout_p or sinks is not None:
+        raise ValueError("ContextParallel: masks, return_weights, attention dropout and sinks are not supported "
+                         "by ring attention")
+    out = ring_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
+                         alibi_slopes=alibi_slopes, layout=layout, backend=ring_backend, timeout=timeout)
+    assert isinstance(out, Tensor)
+    return out
 
 
 def context_parallel(
