@@ -283,3 +283,17 @@ def test_a_closed_pipe_is_no_traceback() -> None:
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_outputs_in_missing_folders_are_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "new" / "deeper" / "mask.png"
+    assert main(["viz", "--mask", "causal", "--n", "4", "--png", str(png)]) == 0
+    assert _png_ok(png, 1_000)
+    out = tmp_path / "also-new" / "check.json"
+    assert main(["check", "--quick", "--backends", "reference", "--dtypes", "float32", "--no-variants",
+                 "--no-grad", "--json", str(out), "--plain", "--no-progress"]) == 0
+    assert json.loads(out.read_text())["ok"] is True
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    assert main(["bench", "--seq-lens", "1000000000", "--out", str(refused)]) == 2
+    assert not refused.exists()  # a refused run leaves nothing behind

@@ -258,6 +258,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         bar.close()
     _print_check_report(report, args)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report.as_dict(), indent=2))
     return 0 if report.ok else 1
 
@@ -356,6 +357,9 @@ def _viz_paths(args: argparse.Namespace) -> dict[str, str | None]:
                 ensure_output_file(p, "--png")
             except ValueError as exc:
                 raise CLIError(str(exc)) from None
+    for p in paths.values():  # every path is writable: make the folders they go into
+        if p is not None:
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
     return paths
 
 

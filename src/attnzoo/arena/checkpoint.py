@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.arena.runner import TaskSettings, _build_model
-from attnzoo.arena.storage import load_checkpoint
+from attnzoo.arena.storage import first_line, load_checkpoint
 from attnzoo.arena.tasks import ShakespeareTask
 
 __all__ = ["load_arena_model"]
@@ -76,5 +76,5 @@ def load_arena_model(path: str | Path) -> tuple[nn.Module, Tokenize]:
         model.load_state_dict(state["model"])
     except (RuntimeError, KeyError) as exc:
         raise ValueError(f"{p}: the weights do not fit the model of its signature "
-                         f"({str(exc).splitlines()[0][:160]})") from None
+                         f"({first_line(exc)[:160]})") from None
     return model.eval(), tokenize

@@ -27,6 +27,7 @@ from attnzoo.arena.progress import PROGRESS_KINDS, make_progress
 from attnzoo.arena.report import write_report
 from attnzoo.arena.storage import (
     DamagedFile,
+    first_line,
     read_checkpoint,
     read_run_record,
     save_checkpoint,
@@ -318,7 +319,7 @@ class _Run:
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             model.load_state_dict(fresh_model)  # nothing of the damaged file stays
             opt.load_state_dict(fresh_opt)
-            self._warn(self.ckpt, f"does not fit the model ({str(exc).splitlines()[0][:160]})")
+            self._warn(self.ckpt, f"does not fit the model ({first_line(exc)[:160]})")
             return 0, [], []
         return int(state["step"]), list(state["extra"]["losses"]), list(state["extra"]["evals"])
 
@@ -509,6 +510,8 @@ def run_arena(args: argparse.Namespace) -> int:
         if device.type == "cuda" and world > 1:
             device = torch.device("cuda", torch.cuda.current_device())
         _check_world(settings, cp, rank, world)
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
         t0, c0 = time.perf_counter(), time.process_time()
         runs: dict[str, dict[str, Any]] = {t: {} for t in tasks}
         for t in tasks:

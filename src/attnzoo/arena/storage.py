@@ -22,6 +22,7 @@ from torch import nn
 __all__ = [
     "RECORD_KEYS",
     "DamagedFile",
+    "first_line",
     "load_checkpoint",
     "read_checkpoint",
     "read_run_record",
@@ -33,6 +34,11 @@ __all__ = [
 #: Keys every finished run record holds (what the report and ``results.json`` read).
 RECORD_KEYS = ("task", "variant", "signature", "params", "train_losses", "evals", "final")
 _CHECKPOINT_KEYS = ("model", "optimizer", "step", "extra")
+
+
+def first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else "no message"
 
 
 class DamagedFile(ValueError):
@@ -79,7 +85,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = load_checkpoint(path)
     except Exception as exc:  # torch.load raises many types for truncated or foreign files
-        raise DamagedFile(f"cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from None
+        raise DamagedFile(f"cannot be read ({type(exc).__name__}: {first_line(exc)[:120]})") from None
     if not isinstance(state, dict) or any(k not in state for k in _CHECKPOINT_KEYS):
         raise DamagedFile(f"is not an arena checkpoint (expected keys {list(_CHECKPOINT_KEYS)})")
     extra, step = state["extra"], state["step"]
