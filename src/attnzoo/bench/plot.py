@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from attnzoo.bench.run import BenchReport
+from typing import Any, Protocol
 
 __all__ = ["format_value", "plot_bench"]
+
+
+class BenchReport(Protocol):
+    """What the plot reads of :class:`attnzoo.bench.BenchReport` (results with ``target``,
+    ``kind``, ``seq_len``, ``time_ms``, ``peak_mem_mb``, ``gflops``; ``meta``)."""
+
+    results: list[Any]
+    meta: dict[str, Any]
 
 
 # =========================================================================== plotting
