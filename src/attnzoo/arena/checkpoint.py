@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,12 +10,9 @@ from torch import Tensor, nn
 from attnzoo.arena.runner import TaskSettings, _build_model
 from attnzoo.arena.storage import first_line, load_checkpoint
 from attnzoo.arena.tasks import ShakespeareTask
+from attnzoo.viz import Tokenize
 
 __all__ = ["load_arena_model"]
-
-#: ``tokenize(text) -> (ids [1, N], token labels)``
-Tokenize = Callable[[str], tuple[Tensor, list[str]]]
-
 
 def _char_tokenize(task: ShakespeareTask) -> Tokenize:
     def tokenize(text: str) -> tuple[Tensor, list[str]]:
