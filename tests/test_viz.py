@@ -247,3 +247,8 @@ def test_load_hf_bert_folder_and_capture(tmp_path: Path) -> None:
     with torch.no_grad(), capture_attention(model) as cap:
         model(ids)
     assert len(cap) == 2 and cap[0].shape == (1, 4, 8, 8)
+
+
+def test_alibi_picture_refuses_sizes_beyond_memory() -> None:
+    with pytest.raises(ValueError, match="memory"):
+        plot_positional("alibi", n=10**7)

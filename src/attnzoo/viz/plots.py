@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from attnzoo import masks as M
+from attnzoo._memory import refuse_if_too_big
 from attnzoo.nn.positional import alibi_slopes, sinusoidal_table
 from attnzoo.viz.maskexpr import dense_mask
 
@@ -218,6 +219,10 @@ def plot_positional(kind: str = "all", *, n: int = 128, dim: int = 128, heads: i
         n: positions. dim: model width (sinusoidal) or head dimension (RoPE). heads: ALiBi heads.
         base: frequency base of the sinusoidal table and RoPE.
         path: save the figure there (PNG) if given.
+
+    Raises:
+        ValueError: bad arguments, or an ALiBi picture whose ``[n, n]`` bias would not fit in the
+            available memory.
     """
     if kind not in (*POSITIONAL_KINDS, "all"):
         raise ValueError(f"kind must be one of {(*POSITIONAL_KINDS, 'all')}, got {kind!r}")
@@ -227,6 +232,8 @@ def plot_positional(kind: str = "all", *, n: int = 128, dim: int = 128, heads: i
     if dim % 2:
         raise ValueError(f"dim must be even (sine/cosine and RoPE pairs), got {dim}")
     todo = list(POSITIONAL_KINDS) if kind == "all" else [kind]
+    if "alibi" in todo:  # the [n, n] bias, its distances and the image matplotlib makes of it
+        refuse_if_too_big(32 * n * n, f"drawing the {n} x {n} ALiBi bias")
     plt = _plt()
     fig, axes = plt.subplots(1, len(todo), figsize=(6.0 * len(todo), 4.8), squeeze=False)
     for ax, k in zip(axes[0], todo, strict=True):
