@@ -392,3 +392,90 @@ def test_docs_examples_run() -> None:
     assert found, "docs/arena.md has no python example"
     for i, code in enumerate(found):
         exec(compile(code, f"docs/arena.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+# --------------------------------------------------------------------------- resume with damaged files
+_RESUME_ARGV = ("--quick", "--task", "mqar", "--variants", "mha", "--progress", "none", "--steps", "6",
+                "--checkpoint-every", "3")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("arena-resume") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module scope: set up outside the one_thread fixture
+    try:
+        assert run_arena(_args(*_RESUME_ARGV, "--out", str(out))) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _wrong_shape(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    name = next(k for k, v in state["model"].items() if v.dim() == 2)
+    state["model"][name] = torch.zeros(3, 3)
+    torch.save(state, path)
+
+
+_DAMAGE = {
+    "record truncated": ("runs/mqar-mha.json", lambda p: p.write_text(p.read_text()[:40])),
+    "record garbage": ("runs/mqar-mha.json", lambda p: p.write_bytes(b"\x00\xff garbage")),
+    "record without results": ("runs/mqar-mha.json",
+                               lambda p: p.write_text(json.dumps({"signature": json.loads(p.read_text())["signature"]}))),
+    "record is a list": ("runs/mqar-mha.json", lambda p: p.write_text("[1, 2]")),
+    "checkpoint empty": ("checkpoints/mqar-mha.pt", lambda p: p.write_bytes(b"")),
+    "checkpoint truncated": ("checkpoints/mqar-mha.pt", lambda p: p.write_bytes(p.read_bytes()[:200])),
+    "checkpoint garbage": ("checkpoints/mqar-mha.pt", lambda p: p.write_bytes(b"not a checkpoint at all")),
+    "checkpoint wrong shape": ("checkpoints/mqar-mha.pt", _wrong_shape),
+    "checkpoint without losses": ("checkpoints/mqar-mha.pt",
+                                  lambda p: torch.save({**torch.load(p, weights_only=True), "extra": {}}, p)),
+}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGE))
+def test_resume_sets_damaged_files_aside_and_retrains(damage: str, finished_run: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(finished_run, out)
+    rel, spoil = _DAMAGE[damage]
+    if rel.startswith("checkpoints"):  # the run must resume from its checkpoint, not reuse its record
+        (out / "runs" / "mqar-mha.json").unlink()
+    spoil(out / rel)
+    capsys.readouterr()
+    assert run_arena(_args(*_RESUME_ARGV, "--out", str(out), "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and str(out / rel) in err and "set aside" in err, err
+    assert (out / (rel + ".damaged")).exists()
+    fresh = json.loads((out / "results.json").read_text())["runs"]["mqar"]["mha"]
+    want = json.loads((finished_run / "results.json").read_text())["runs"]["mqar"]["mha"]
+    # trained again from scratch, deterministically: the same curve as the undamaged run
+    assert fresh["train_losses"] == want["train_losses"] and fresh["evals"] == want["evals"]
+    assert json.loads((out / "runs" / "mqar-mha.json").read_text())["final"] == want["final"]
+
+
+def test_run_records_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnzoo.arena import storage
+
+    target = tmp_path / "runs" / "r.json"
+    storage.write_atomic(target, '{"old": 1}')
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage.os, "replace", crash)
+    with pytest.raises(OSError):
+        storage.write_atomic(target, '{"new": 2}')
+    assert json.loads(target.read_text()) == {"old": 1}  # the old record is whole
+    assert [p.name for p in target.parent.iterdir()] == ["r.json"]  # no temporary file left
+
+
+def test_arena_out_that_is_a_file_is_refused_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="--out"):
+        run_arena(_args("--quick", "--progress", "none", "--out", str(blocker)))
+    with pytest.raises(ValueError, match="--out"):
+        run_arena(_args("--quick", "--progress", "none", "--out", str(blocker / "below")))

@@ -46,6 +46,10 @@ def test_every_command_has_help(cmd: str, capsys: pytest.CaptureFixture[str]) ->
         ["viz", "--positional", "rope"],
         ["check", "--device", "banana"],
         ["bench", "--device", "nowhere:0"],
+        ["bench", "--warmup", "-1"],
+        ["bench", "--max-case-seconds", "-1"],
+        ["bench", "--max-case-seconds", "nan"],
+        ["bench", "--max-case-seconds", "inf"],
     ],
 )
 def test_bad_arguments_one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,12 +175,12 @@ def test_viz_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["viz", "--model", str(ckpt), "--text", "Ham.", "--png", str(png), "--layer", "9"]) == 2
 
 
-def test_python_dash_m_runs_and_the_cli_imports_light() -> None:
+def test_python_dash_m_runs_and_the_cli_imports_no_optional_extra() -> None:
     r = subprocess.run([sys.executable, "-m", "attnzoo", "cost", "mqa", "--json"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["num_kv_heads"] == 1
-    code = ("import sys, attnzoo.cli; bad = [m for m in ('matplotlib', 'transformers', 'rich', 'attnzoo.arena') "
+    code = ("import sys, attnzoo.cli; bad = [m for m in ('matplotlib', 'transformers', 'rich') "
             "if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
@@ -214,3 +218,82 @@ def test_rich_table_on_a_terminal_plain_without_rich(monkeypatch: pytest.MonkeyP
     cli.print_table("T", ["a", "b"], [[1, "x"]])
     plain = capsys.readouterr().out
     assert plain.splitlines()[1].split() == ["a", "b"] and "│" not in plain
+
+
+# ----------------------------------------------------------------------------- outputs, sizes, pipes
+def _unwritable(tmp_path: Path) -> dict[str, str]:
+    """Paths that cannot be written: below a regular file (portable), and in /proc (Linux)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return {"file": str(blocker), "below_file": str(blocker / "x"),
+            "proc": "/proc/attnzoo-x" if Path("/proc").is_dir() else str(blocker / "y")}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--out", "{proc}", "--seq-lens", "32"],
+        ["bench", "--out", "{file}", "--seq-lens", "32"],
+        ["bench", "--out", "{below_file}", "--seq-lens", "32"],
+        ["check", "--json", "{proc}/r.json", "--quick", "--backends", "reference", "--dtypes", "float32"],
+        ["check", "--json", "{below_file}/r.json", "--quick", "--backends", "reference", "--dtypes", "float32"],
+        ["viz", "--mask", "causal", "--png", "{proc}.png"],
+        ["viz", "--mask", "causal", "--png", "{below_file}.png"],
+        ["viz", "--positional", "rope", "--png", "{proc}/pos.png"],
+        ["arena", "--quick", "--out", "{proc}"],
+        ["arena", "--quick", "--out", "{file}"],
+    ],
+)
+def test_unwritable_outputs_fail_before_any_work(argv: list[str], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _unwritable(tmp_path)
+    argv = [a.format(**paths) for a in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "error:" in err and ("--out" in err or "--json" in err or "--png" in err)
+    assert captured.out == ""  # nothing was measured, checked or drawn
+    assert Path(paths["file"]).read_text() == "not a directory"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--seq-lens", "1000000000", "--no-plot"],
+        ["bench", "--variants", "mha", "--seq-lens", "64,1000000000", "--no-plot"],
+        ["viz", "--mask", "causal", "--n", "10000000"],
+    ],
+)
+def test_sizes_beyond_memory_are_refused(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if argv[0] == "bench":
+        argv = [*argv, "--out", str(tmp_path)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "memory" in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert captured.out == ""
+    assert not (tmp_path / "bench.csv").exists()
+
+
+def test_a_closed_pipe_is_no_traceback() -> None:
+    """`attnzoo cost mha | head -1`: the reader goes away before the table is written."""
+    p = subprocess.Popen([sys.executable, "-m", "attnzoo", "cost", "mha", "--plain"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # like `head -1` after its line, only earlier: every write fails
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_outputs_in_missing_folders_are_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "new" / "deeper" / "mask.png"
+    assert main(["viz", "--mask", "causal", "--n", "4", "--png", str(png)]) == 0
+    assert _png_ok(png, 1_000)
+    out = tmp_path / "also-new" / "check.json"
+    assert main(["check", "--quick", "--backends", "reference", "--dtypes", "float32", "--no-variants",
+                 "--no-grad", "--json", str(out), "--plain", "--no-progress"]) == 0
+    assert json.loads(out.read_text())["ok"] is True
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    assert main(["bench", "--seq-lens", "1000000000", "--out", str(refused)]) == 2
+    assert not refused.exists()  # a refused run leaves nothing behind

@@ -9,6 +9,10 @@ import torch
 
 import attnzoo as az
 from attnzoo import masks as M
+from attnzoo.arena import load_arena_model
+from attnzoo.arena.runner import _QUICK, _build_model, _signature
+from attnzoo.arena.storage import save_checkpoint
+from attnzoo.arena.tasks import ShakespeareTask
 from attnzoo.viz import (
     capture_attention,
     load_model,
@@ -177,10 +181,6 @@ def test_plot_positional_bad_input() -> None:
 # ----------------------------------------------------------------------------- saved models
 @pytest.fixture(scope="module")
 def arena_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from attnzoo.arena.runner import _QUICK, _build_model, _signature
-    from attnzoo.arena.tasks import ShakespeareTask
-    from attnzoo.arena.trainer import save_checkpoint
-
     s = _QUICK["lm"]
     task = ShakespeareTask(seq_len=s.seq_len)
     model = _build_model(s, "gqa", task.vocab_size, 0, torch.device("cpu"))
@@ -191,7 +191,7 @@ def arena_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_load_arena_checkpoint_and_capture(arena_checkpoint: Path) -> None:
-    model, tokenize = load_model(arena_checkpoint)
+    model, tokenize = load_arena_model(arena_checkpoint)
     ids, labels = tokenize("To be, or not")
     assert ids.shape == (1, 13) and labels[2] == "␣" and labels[5] == ","
     with torch.no_grad(), capture_attention(model) as cap:
@@ -199,13 +199,38 @@ def test_load_arena_checkpoint_and_capture(arena_checkpoint: Path) -> None:
     assert cap[len(cap) - 1].shape[-2:] == (13, 13)
 
 
-def test_load_model_errors(tmp_path: Path) -> None:
+def test_load_model_errors(tmp_path: Path, arena_checkpoint: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_model(tmp_path / "missing.pt")
+    with pytest.raises(FileNotFoundError):
+        load_arena_model(tmp_path / "missing.pt")
     bad = tmp_path / "bad.pt"
     torch.save({"weights": torch.zeros(1)}, bad)
     with pytest.raises(ValueError, match="arena checkpoint"):
-        load_model(bad)
+        load_model(bad)  # a file is no model folder: viz points at the arena's loader
+    with pytest.raises(ValueError, match="arena checkpoint"):
+        load_arena_model(bad)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(arena_checkpoint.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_arena_model(garbage)
+
+
+def test_viz_imports_no_tool_above_it() -> None:
+    import ast
+
+    root = Path(az.viz.__file__).parent
+    for f in root.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(("attnzoo.arena", "attnzoo.bench", "attnzoo.cli")), (f, node.module)
+
+
+def test_mask_drawing_refuses_sizes_beyond_memory() -> None:
+    with pytest.raises(ValueError, match="memory"):
+        mask_to_text("causal", 10**7)
+    with pytest.raises(ValueError, match="memory"):
+        plot_mask("causal", 10**7)
 
 
 @pytest.mark.slow
@@ -222,3 +247,8 @@ def test_load_hf_bert_folder_and_capture(tmp_path: Path) -> None:
     with torch.no_grad(), capture_attention(model) as cap:
         model(ids)
     assert len(cap) == 2 and cap[0].shape == (1, 4, 8, 8)
+
+
+def test_alibi_picture_refuses_sizes_beyond_memory() -> None:
+    with pytest.raises(ValueError, match="memory"):
+        plot_positional("alibi", n=10**7)

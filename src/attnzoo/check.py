@@ -38,9 +38,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import attnzoo as az
 import attnzoo.masks as M
 from attnzoo._devices import resolve_device
-from attnzoo.variants import VARIANTS
+from attnzoo.functional import attention as _attention_module
+from attnzoo.functional._request import build_request
+from attnzoo.functional.attention import BACKENDS, attention, available_backends
+from attnzoo.functional.linear import linear_attention
+from attnzoo.models import DecoderLM
+from attnzoo.variants import VARIANTS, build_attention, variant_names
 
 __all__ = [
     "BackendCase",
@@ -191,8 +197,6 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, kwargs: dict[str, Any]) -> tuple[Ten
     Matmuls run in q's dtype, the softmax is torch's (float32 inside for half inputs), masks and
     biases come from the same validated request the backends see. Returns ``(out, lse)``.
     """
-    from attnzoo.functional._request import build_request
-
     kw = {k_: v_ for k_, v_ in kwargs.items() if k_ != "return_lse"}
     r = build_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), window=kw.get("window"),
                       q_offset=kw.get("q_offset"), scale=None, softcap=kw.get("softcap"),
@@ -229,19 +233,141 @@ def _lse_err(a: Tensor, ref: Tensor) -> float:
 
 
 def _missing_features(q: Tensor, k: Tensor, v: Tensor, kwargs: dict[str, Any], backend: str) -> set[str]:
-    import importlib
-
-    from attnzoo.functional._request import build_request
-
-    A = importlib.import_module("attnzoo.functional.attention")
-
     kw = dict(kwargs)
     r = build_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), window=kw.get("window"),
                       q_offset=kw.get("q_offset"), scale=None, softcap=kw.get("softcap"),
                       alibi_slopes=kw.get("alibi_slopes"), dropout_p=0.0,
                       return_lse=kw.get("return_lse", False), return_weights=False)
-    missing = getattr(A, "_missing", None)
+    missing = getattr(_attention_module, "_missing", None)
     return set(missing(r, backend)) if missing is not None else set()
+
+
+@dataclass
+class _Oracle:
+    """The float64 reference of one case: output, LSE, gradients of q, k, v, and its empty rows."""
+
+    out: Tensor
+    lse: Tensor
+    grads: list[Tensor]
+    empty_rows: Tensor
+
+
+@dataclass
+class _Inputs:
+    """One case's inputs in one dtype."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    dout: Tensor
+    kwargs: dict[str, Any]
+
+
+def _case_inputs(case: BackendCase, seed: int, dev: torch.device) -> _Inputs:
+    """float64 inputs of ``case`` on ``dev`` (seeded by ``seed``)."""
+    g = torch.Generator().manual_seed(seed)
+    q64 = torch.randn(case.b, case.hq, case.nq, case.d, generator=g, dtype=torch.float64)
+    k64 = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, dtype=torch.float64)
+    v64 = torch.randn(case.b, case.hkv, case.nk, case.dv, generator=g, dtype=torch.float64)
+    dout64 = torch.randn(case.b, case.hq, case.nq, case.dv, generator=g, dtype=torch.float64)
+    kwargs = {k_: (v_.to(dev) if isinstance(v_, Tensor) else v_) for k_, v_ in case.kwargs(g).items()}
+    return _Inputs(q64.to(dev), k64.to(dev), v64.to(dev), dout64.to(dev), kwargs)
+
+
+def _oracle(x: _Inputs, grad: bool) -> _Oracle:
+    leaves = [t.clone().requires_grad_(grad) for t in (x.q, x.k, x.v)]
+    out, lse = attention(*leaves, **{**x.kwargs, "return_lse": True}, backend="reference")
+    grads = list(torch.autograd.grad(out, leaves, x.dout)) if grad else []
+    lse = lse.detach()
+    return _Oracle(out.detach(), lse, grads, ~torch.isfinite(lse))
+
+
+def _tolerances(x: _Inputs, ref: _Oracle, dtype: torch.dtype, grad: bool) -> tuple[float, float, list[float]]:
+    """Tolerances of output, LSE and gradients in ``dtype`` (see the module docstring)."""
+    el = [t.clone().requires_grad_(grad) for t in (x.q, x.k, x.v)]
+    e_out, e_lse = _eager(*el, x.kwargs)
+    e_grads = list(torch.autograd.grad(e_out, el, x.dout)) if grad else []
+    extra = FP32_EXTRA if dtype == torch.float32 else 1.0
+    tol_out = extra * OUT_FACTOR * _max_err(e_out.detach(), ref.out) + 2 * _ref_bits(ref.out, dtype)
+    tol_lse = (extra * OUT_FACTOR * _lse_err(e_lse.detach(), ref.lse)
+               + 2 * _ref_bits(ref.lse[~ref.empty_rows], torch.float32))
+    tol_grads = [extra * GRAD_FACTOR * _max_err(eg, rg) + 2 * _ref_bits(rg, dtype)
+                 for eg, rg in zip(e_grads, ref.grads, strict=True)]
+    return tol_out, tol_lse, tol_grads
+
+
+def _call_backend(b: str, x: _Inputs, with_grad: bool) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+    """Backend ``b`` on ``x``: output, LSE (when the case asks for it), gradients of q, k, v."""
+    bl = [t.clone().requires_grad_(with_grad) for t in (x.q, x.k, x.v)]
+    res = attention(*bl, **x.kwargs, backend=b)
+    out, lse = (res if x.kwargs.get("return_lse") else (res, None))  # type: ignore[misc]
+    grads = list(torch.autograd.grad(out, bl, x.dout)) if with_grad else []
+    return out.detach(), lse, grads
+
+
+def _run_backend(b: str, x: _Inputs, grad: bool, row: CheckRow, label: str
+                 ) -> tuple[Tensor, Tensor | None, list[Tensor]] | None:
+    """Backend ``b`` on ``x``, falling back to its forward when it refuses gradients.
+
+    Returns None (and counts it in ``row``) when the backend cannot serve the case or raised.
+    """
+    try:
+        try:
+            return _call_backend(b, x, grad)
+        except ValueError as exc:
+            if "does not support" not in str(exc):
+                raise
+            if not grad:
+                row.skipped += 1
+                return None
+            try:  # the backend refuses gradients here: check its forward only
+                res = _call_backend(b, x, False)
+            except ValueError as exc2:
+                if "does not support" not in str(exc2):
+                    raise
+                row.skipped += 1
+                return None
+            row.notes.add(f"forward only: {str(exc).split('support:')[-1].split('(use')[0].strip()}")
+            return res
+    except Exception as exc:  # a crash is a failure of this backend, reported, not raised
+        row.cases += 1
+        row.fail(f"{label}: raised {type(exc).__name__}: {exc}")
+        return None
+
+
+def _compare(row: CheckRow, label: str, got: tuple[Tensor, Tensor | None, list[Tensor]], ref: _Oracle,
+             tols: tuple[float, float, list[float]]) -> None:
+    out, lse, grads = got
+    tol_out, tol_lse, tol_grads = tols
+    row.cases += 1
+    row.add(f"{label} out", _max_err(out, ref.out), tol_out)
+    if bool(ref.empty_rows.any()) and bool(out[ref.empty_rows].abs().max() != 0):
+        row.fail(f"{label}: fully masked rows are not zeros")
+    if lse is not None:
+        row.add(f"{label} lse", _lse_err(lse.detach(), ref.lse), tol_lse)
+    for nm, gb, rg, tg in zip("qkv", grads, ref.grads, tol_grads, strict=False):
+        row.add(f"{label} d{nm}", _max_err(gb, rg), tg)
+
+
+def _check_case(case: BackendCase, x64: _Inputs, names: list[str], dtypes: Sequence[str],
+                rows: dict[tuple[str, str], CheckRow], grad: bool, progress: Callable[[str], None] | None) -> None:
+    """One case of the grid on every backend and dtype (rows are filled in place)."""
+    ref = _oracle(x64, grad)
+    label = f"{case.name} [B={case.b} Hq={case.hq} Hkv={case.hkv} Nq={case.nq} Nk={case.nk}]"
+    for dt in dtypes:
+        dtype = DTYPES[dt]
+        x = _Inputs(*(t.to(dtype) for t in (x64.q, x64.k, x64.v, x64.dout)), x64.kwargs)
+        tols = _tolerances(x, ref, dtype, grad)  # the baseline: a plain eager implementation in this dtype
+        for b in names:
+            row = rows[(b, dt)]
+            if progress is not None:
+                progress(f"{b} {dt} {case.name}")
+            if _missing_features(x.q, x.k, x.v, x.kwargs, b):
+                row.skipped += 1
+                continue
+            got = _run_backend(b, x, grad, row, label)
+            if got is not None:
+                _compare(row, label, got, ref, tols)
 
 
 def check_backends(
@@ -268,8 +394,6 @@ def check_backends(
     Returns:
         One :class:`CheckRow` per (backend, dtype).
     """
-    from attnzoo.functional.attention import BACKENDS, attention, available_backends
-
     dev = resolve_device(device)
     names = list(available_backends(dev)) if backends is None else list(backends)
     for n in names:
@@ -280,88 +404,8 @@ def check_backends(
             raise ValueError(f"dtypes: unknown dtype {dt!r}; expected some of {sorted(DTYPES)}")
     cases = [c for c in backend_cases() if c.quick or not quick]
     rows = {(b, dt): CheckRow("backend", b, dt) for b in names for dt in dtypes}
-
     for ci, case in enumerate(cases):
-        g = torch.Generator().manual_seed(seed + 1000 * ci)
-        q64 = torch.randn(case.b, case.hq, case.nq, case.d, generator=g, dtype=torch.float64)
-        k64 = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, dtype=torch.float64)
-        v64 = torch.randn(case.b, case.hkv, case.nk, case.dv, generator=g, dtype=torch.float64)
-        dout64 = torch.randn(case.b, case.hq, case.nq, case.dv, generator=g, dtype=torch.float64)
-        kwargs = case.kwargs(g)
-        kwargs = {k_: (v_.to(dev) if isinstance(v_, Tensor) else v_) for k_, v_ in kwargs.items()}
-        q64, k64, v64, dout64 = (t.to(dev) for t in (q64, k64, v64, dout64))
-        want_lse = bool(kwargs.get("return_lse"))
-
-        # float64 oracle (output, lse, grads)
-        leaves = [t.clone().requires_grad_(grad) for t in (q64, k64, v64)]
-        ref_out, ref_lse = attention(*leaves, **{**kwargs, "return_lse": True}, backend="reference")
-        ref_grads: list[Tensor] = []
-        if grad:
-            ref_grads = list(torch.autograd.grad(ref_out, leaves, dout64))
-        ref_out = ref_out.detach()
-        empty_rows = ~torch.isfinite(ref_lse.detach())
-
-        for dt in dtypes:
-            dtype = DTYPES[dt]
-            q, k, v, dout = (t.to(dtype) for t in (q64, k64, v64, dout64))
-            # the baseline: a plain eager implementation in this dtype
-            el = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-            e_out, e_lse = _eager(*el, kwargs)
-            e_grads = list(torch.autograd.grad(e_out, el, dout)) if grad else []
-            extra = FP32_EXTRA if dtype == torch.float32 else 1.0
-            tol_out = extra * OUT_FACTOR * _max_err(e_out.detach(), ref_out) + 2 * _ref_bits(ref_out, dtype)
-            tol_lse = (extra * OUT_FACTOR * _lse_err(e_lse.detach(), ref_lse.detach())
-                       + 2 * _ref_bits(ref_lse[~empty_rows], torch.float32))
-            tol_grads = [extra * GRAD_FACTOR * _max_err(eg, rg) + 2 * _ref_bits(rg, dtype)
-                         for eg, rg in zip(e_grads, ref_grads, strict=True)]
-            for b in names:
-                row = rows[(b, dt)]
-                if progress is not None:
-                    progress(f"{b} {dt} {case.name}")
-                if _missing_features(q, k, v, kwargs, b):
-                    row.skipped += 1
-                    continue
-                label = f"{case.name} [B={case.b} Hq={case.hq} Hkv={case.hkv} Nq={case.nq} Nk={case.nk}]"
-
-                def run(with_grad: bool, b: str = b, q: Tensor = q, k: Tensor = k, v: Tensor = v,
-                        dout: Tensor = dout, kwargs: dict[str, Any] = kwargs, want_lse: bool = want_lse,
-                        ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-                    bl = [t.clone().requires_grad_(with_grad) for t in (q, k, v)]
-                    res = attention(*bl, **kwargs, backend=b)
-                    out, lse = (res if want_lse else (res, None))  # type: ignore[misc]
-                    grads = list(torch.autograd.grad(out, bl, dout)) if with_grad else []
-                    return out.detach(), lse, grads
-
-                try:
-                    try:
-                        out, lse, grads = run(grad)
-                    except ValueError as exc:
-                        if "does not support" not in str(exc):
-                            raise
-                        if not grad:
-                            row.skipped += 1
-                            continue
-                        # the backend refuses gradients here: check its forward only
-                        try:
-                            out, lse, grads = run(False)
-                        except ValueError as exc2:
-                            if "does not support" not in str(exc2):
-                                raise
-                            row.skipped += 1
-                            continue
-                        row.notes.add(f"forward only: {str(exc).split('support:')[-1].split('(use')[0].strip()}")
-                except Exception as exc:  # a crash is a failure of this backend, reported, not raised
-                    row.cases += 1
-                    row.fail(f"{label}: raised {type(exc).__name__}: {exc}")
-                    continue
-                row.cases += 1
-                row.add(f"{label} out", _max_err(out, ref_out), tol_out)
-                if bool(empty_rows.any()) and bool(out[empty_rows].abs().max() != 0):
-                    row.fail(f"{label}: fully masked rows are not zeros")
-                if lse is not None:
-                    row.add(f"{label} lse", _lse_err(lse.detach(), ref_lse.detach()), tol_lse)
-                for nm, gb, rg, tg in zip("qkv", grads, ref_grads, tol_grads, strict=False):
-                    row.add(f"{label} d{nm}", _max_err(gb, rg), tg)
+        _check_case(case, _case_inputs(case, seed + 1000 * ci, dev), names, dtypes, rows, grad, progress)
     out_rows = list(rows.values())
     for r in out_rows:
         if r.cases == 0 and r.status == "ok":
@@ -371,8 +415,6 @@ def check_backends(
 
 # =========================================================================== variant checks
 def _try_build(name: str, dim: int, heads: int, **kw: Any) -> torch.nn.Module | None:
-    from attnzoo.variants import build_attention
-
     try:
         return build_attention(name, dim, heads, **kw)
     except (ImportError, AttributeError):
@@ -400,6 +442,63 @@ def _check_settings(name: str) -> dict[str, Any]:
     return dict(VARIANTS[name].check)
 
 
+def _decode_row(name: str, mod: torch.nn.Module, x: Tensor, progress: Callable[[str], None] | None) -> CheckRow:
+    """Cached decoding (one token at a time over 12 tokens, then chunks of five) == the full forward."""
+    batch, n_tok, dim = x.shape
+    row = CheckRow("variant", name, "decode == full")
+    for chunk in (1, 5):
+        if progress is not None:
+            progress(f"{name} decode chunk={chunk}")
+        try:
+            with torch.no_grad():
+                # token by token over 12 tokens (wraps every test window/segment/chunk once)
+                err = _decode_error(mod, x if chunk > 1 else x[:, :12], chunk)
+        except Exception as exc:
+            row.cases += 1
+            row.fail(f"chunk={chunk}: raised {type(exc).__name__}: {exc}")
+            continue
+        row.cases += 1
+        row.add(f"chunk={chunk} [B={batch} N={n_tok} C={dim}]", err, DECODE_TOL)
+    return row
+
+
+def _backends_row(name: str, mod: torch.nn.Module, x: Tensor, heads: int, backends: list[str], dev: torch.device,
+                  progress: Callable[[str], None] | None) -> CheckRow:
+    """An exact variant gives the float64 reference's output on every backend (same weights)."""
+    dim = x.shape[-1]
+    kw = _check_settings(name)
+    row = CheckRow("variant", name, "backends == reference")
+    ref_mod = _try_build(name, dim, heads, backend="reference", **kw)
+    if ref_mod is None:
+        row.status = "skipped"
+        return row
+    ref_mod.load_state_dict(mod.state_dict())
+    ref_mod = ref_mod.to(dev).double().eval()
+    with torch.no_grad():
+        ref = ref_mod(x.double())
+    for b in backends:
+        if progress is not None:
+            progress(f"{name} backend={b}")
+        m_b = _try_build(name, dim, heads, backend=b, **kw)
+        if m_b is None:
+            continue
+        m_b.load_state_dict(mod.state_dict())
+        m_b = m_b.to(dev).eval()
+        try:
+            with torch.no_grad():
+                y = m_b(x)
+        except ValueError as exc:
+            if "does not support" in str(exc):
+                row.skipped += 1
+                continue
+            row.cases += 1
+            row.fail(f"backend={b}: raised {exc}")
+            continue
+        row.cases += 1
+        row.add(f"backend={b}", _max_err(y, ref), 1e-5 * max(1.0, float(ref.abs().max())))
+    return row
+
+
 def check_variants(
     variants: Sequence[str] | None = None,
     *,
@@ -419,9 +518,6 @@ def check_variants(
         strict: a variant whose module cannot be built counts as a failure.
         progress: called with a short label before each check.
     """
-    from attnzoo.functional.attention import available_backends
-    from attnzoo.variants import VARIANTS, variant_names
-
     names = variant_names() if variants is None else list(variants)
     for n in names:
         if n not in VARIANTS:
@@ -431,10 +527,8 @@ def check_variants(
     dim, heads, n_tok, batch = 32, 4, 24, 2
     rows: list[CheckRow] = []
     for name in names:
-        spec = VARIANTS[name]
         torch.manual_seed(seed)
-        kw = _check_settings(name)
-        mod = _try_build(name, dim, heads, **kw)
+        mod = _try_build(name, dim, heads, **_check_settings(name))
         if mod is None:
             row = CheckRow("variant", name, "module", status="missing")
             if strict:
@@ -443,60 +537,14 @@ def check_variants(
             continue
         mod = mod.to(dev).eval()
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(batch, n_tok, dim, generator=g).to(dev)
-        # 1. cached decoding == full forward
-        row = CheckRow("variant", name, "decode == full")
-        for chunk in (1, 5):
-            if progress is not None:
-                progress(f"{name} decode chunk={chunk}")
-            try:
-                with torch.no_grad():
-                    # token by token over 12 tokens (wraps every test window/segment/chunk once)
-                    err = _decode_error(mod, x if chunk > 1 else x[:, :12], chunk)
-            except Exception as exc:
-                row.cases += 1
-                row.fail(f"chunk={chunk}: raised {type(exc).__name__}: {exc}")
-                continue
-            row.cases += 1
-            row.add(f"chunk={chunk} [B={batch} N={n_tok} C={dim}]", err, DECODE_TOL)
-        rows.append(row)
+        x = torch.randn(batch, n_tok, dim, generator=g).to(dev)  # [B, N, C]
+        rows.append(_decode_row(name, mod, x, progress))
         if name in _APPROX_CHECKS:
             if progress is not None:
                 progress(f"{name} approximation")
             rows.append(_APPROX_CHECKS[name](seed))
-        # 2. exact variants: every backend == float64 reference on the same weights
-        if spec.exact:
-            row = CheckRow("variant", name, "backends == reference")
-            ref_mod = _try_build(name, dim, heads, backend="reference", **kw)
-            if ref_mod is None:
-                row.status = "skipped"
-                rows.append(row)
-                continue
-            ref_mod.load_state_dict(mod.state_dict())
-            ref_mod = ref_mod.to(dev).double().eval()
-            with torch.no_grad():
-                ref = ref_mod(x.double())
-            for b in bk:
-                if progress is not None:
-                    progress(f"{name} backend={b}")
-                m_b = _try_build(name, dim, heads, backend=b, **kw)
-                if m_b is None:
-                    continue
-                m_b.load_state_dict(mod.state_dict())
-                m_b = m_b.to(dev).eval()
-                try:
-                    with torch.no_grad():
-                        y = m_b(x)
-                except ValueError as exc:
-                    if "does not support" in str(exc):
-                        row.skipped += 1
-                        continue
-                    row.cases += 1
-                    row.fail(f"backend={b}: raised {exc}")
-                    continue
-                row.cases += 1
-                row.add(f"backend={b}", _max_err(y, ref), 1e-5 * max(1.0, float(ref.abs().max())))
-            rows.append(row)
+        if VARIANTS[name].exact:
+            rows.append(_backends_row(name, mod, x, heads, bk, dev, progress))
     return rows
 
 
@@ -509,8 +557,6 @@ def check_models(
 ) -> list[CheckRow]:
     """A 2-layer :class:`attnzoo.DecoderLM` per variant: cached decoding (one token, then chunks
     of five) gives the logits of the full forward pass."""
-    from attnzoo.variants import VARIANTS, variant_names
-
     names = variant_names() if variants is None else list(variants)
     for n in names:
         if n not in VARIANTS:
@@ -520,8 +566,6 @@ def check_models(
     for name in names:
         row = CheckRow("model", f"DecoderLM[{name}]", "decode == full")
         try:
-            from attnzoo.models import DecoderLM
-
             torch.manual_seed(seed)
             model = DecoderLM(61, 32, 2, 4, attention=name, attention_kwargs=_check_settings(name) or None)
         except (ImportError, AttributeError):
@@ -570,8 +614,6 @@ def _linear_oracle(q: Tensor, k: Tensor, v: Tensor, causal: bool, eps: float = 1
 
 def _check_linear(seed: int) -> CheckRow:
     """Linear attention is exact for its own definition: every form == the float64 formula."""
-    from attnzoo.functional.linear import linear_attention
-
     row = CheckRow("variant", "linear", "forms == formula")
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, 3, 37, 8, generator=g, dtype=torch.float64) for _ in range(3))
@@ -593,8 +635,6 @@ def _check_linear(seed: int) -> CheckRow:
 
 def _check_performer(seed: int) -> CheckRow:
     """FAVOR+ approaches softmax attention: error within PERFORMER_ERROR_CONST / sqrt(F), and shrinking."""
-    import attnzoo as az
-
     row = CheckRow("variant", "performer", f"error <= {PERFORMER_ERROR_CONST:g}/sqrt(F)")
     g = torch.Generator().manual_seed(seed)
     q, k = (0.5 * torch.randn(2, 4, 48, 16, generator=g, dtype=torch.float64) for _ in range(2))

@@ -1,21 +1,36 @@
 """The ``attnzoo`` command: ``list``, ``check``, ``bench``, ``cost``, ``viz`` and ``arena``.
 
-The CLI is thin: it parses, calls the public API, prints. It imports only the standard library
-at start-up; torch, rich, tqdm and matplotlib are imported by the command that needs them.
-Bad arguments give a one-line error and exit code 2; ``check`` exits 1 when anything fails.
-See ``docs/cli.md``.
+The CLI is thin: it parses (one parser function per command), checks every output path before
+any work starts, calls the public API and prints. Bad arguments, unwritable outputs and sizes
+that would not fit in memory give a one-line error and exit code 2; ``check`` exits 1 when
+anything fails. Optional extras (rich, tqdm, matplotlib, transformers) are imported only by the
+command that uses them. See ``docs/cli.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from attnzoo import viz
+from attnzoo._memory import format_bytes as _human_bytes
+from attnzoo._outputs import ensure_output_dir, ensure_output_file
+from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
+from attnzoo.arena import add_arena_arguments, load_arena_model, run_arena
+from attnzoo.bench import format_value, run_bench
+from attnzoo.check import backend_cases, run_checks
+from attnzoo.cost import dtype_from_name, estimate
+from attnzoo.functional.attention import available_backends
+from attnzoo.variants import VARIANTS, variant_names
 
 __all__ = ["build_parser", "main"]
 
@@ -75,9 +90,17 @@ def _window(text: str) -> int | tuple[int | None, int | None]:
     raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT (integers, 'none' = unbounded), got {text!r}")
 
 
-def _device_arg(text: str) -> str:
-    import torch
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
+
+def _device_arg(text: str) -> str:
     try:
         dev = torch.device(text)
     except (RuntimeError, TypeError):
@@ -87,10 +110,8 @@ def _device_arg(text: str) -> str:
     return text
 
 
-def _variant_names() -> list[str]:
-    from attnzoo.variants import variant_names
-
-    return variant_names()
+def _variant_list(text: str) -> list[str]:
+    return _name_list(variant_names())(text)
 
 
 # =========================================================================== output helpers
@@ -107,7 +128,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     cells = [[str(c) for c in r] for r in rows]
     console = None if plain or not sys.stdout.isatty() else _rich_console()
     if console is not None:
-        from rich.table import Table
+        from rich.table import Table  # rich is installed: _rich_console found it
 
         t = Table(title=title)
         for c in columns:
@@ -148,14 +169,6 @@ class _Progress:
             self.bar.close()
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 def _human_flops(n: float) -> str:
     for unit, f in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
         if abs(n) >= f:
@@ -165,9 +178,7 @@ def _human_flops(n: float) -> str:
 
 # =========================================================================== list
 def cmd_list(args: argparse.Namespace) -> int:
-    from attnzoo.cost import dtype_from_name, estimate
-    from attnzoo.variants import VARIANTS
-
+    """``attnzoo list``: the registry as a table or JSON."""
     dt = dtype_from_name(args.dtype)
     rows, data = [], []
     for name, spec in VARIANTS.items():
@@ -196,23 +207,16 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 # =========================================================================== check
-def cmd_check(args: argparse.Namespace) -> int:
-    from attnzoo.check import backend_cases, run_checks
-    from attnzoo.functional.attention import available_backends
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Prove ``--json`` writable before the checks run."""
+    if args.json:
+        try:
+            ensure_output_file(args.json, "--json")
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
 
-    backends = args.backends if args.backends is not None else available_backends(args.device)
-    n_cases = len([c for c in backend_cases() if c.quick or not args.quick])
-    total = n_cases * len(backends) * len(args.dtypes)
-    bar = _Progress(total, "check", enabled=not args.no_progress and sys.stderr.isatty())
-    try:
-        report = run_checks(backends=backends, dtypes=args.dtypes, include_variants=not args.no_variants,
-                            include_models=not (args.no_variants or args.no_models),
-                            variants=args.variants, device=args.device, quick=args.quick, grad=not args.no_grad,
-                            strict=args.strict, seed=args.seed, progress=bar)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    finally:
-        bar.close()
+
+def _print_check_report(report: Any, args: argparse.Namespace) -> None:
     rows = []
     for r in report.rows:
         rows.append([r.group, r.target, r.setting, r.cases, r.skipped, f"{r.max_err:.2e}" if r.cases else "-",
@@ -234,15 +238,38 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"note: modules not available yet (not checked): {', '.join(missing)}")
     print(f"{'OK' if report.ok else 'FAILED'}: {sum(r.cases for r in report.rows)} cases in {report.seconds:.1f} s "
           f"(tolerance rule: docs/cli.md#check)")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """``attnzoo check``: exit 0 when everything passes, 1 otherwise."""
+    _check_outputs(args)
+    backends = args.backends if args.backends is not None else available_backends(args.device)
+    n_cases = len([c for c in backend_cases() if c.quick or not args.quick])
+    total = n_cases * len(backends) * len(args.dtypes)
+    bar = _Progress(total, "check", enabled=not args.no_progress and sys.stderr.isatty())
+    try:
+        report = run_checks(backends=backends, dtypes=args.dtypes, include_variants=not args.no_variants,
+                            include_models=not (args.no_variants or args.no_models),
+                            variants=args.variants, device=args.device, quick=args.quick, grad=not args.no_grad,
+                            strict=args.strict, seed=args.seed, progress=bar)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    finally:
+        bar.close()
+    _print_check_report(report, args)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report.as_dict(), indent=2))
     return 0 if report.ok else 1
 
 
 # =========================================================================== bench
 def cmd_bench(args: argparse.Namespace) -> int:
-    from attnzoo.bench import _fmt, run_bench
-
+    """``attnzoo bench``: measure, write CSV/JSON/PNG into ``--out``, print the table."""
+    try:
+        ensure_output_dir(args.out, "--out")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if args.backends is None and args.variants is None:
         args.backends = list(DEFAULT_BENCH_BACKENDS)
     targets = list(args.backends or []) + list(args.variants or [])
@@ -260,8 +287,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bar.close()
     paths = report.write(args.out, stem=args.name, plot=not args.no_plot)
     peak = report.meta["matmul_peak_gflops"]
-    rows = [[r.target, r.seq_len, _fmt(r.time_ms, ".2f"), _fmt(r.peak_mem_mb, ".1f"), _fmt(r.gflops, ".1f"),
-             _fmt(None if r.frac_of_peak is None else 100 * r.frac_of_peak, ".0f"), r.status]
+    rows = [[r.target, r.seq_len, format_value(r.time_ms, ".2f"), format_value(r.peak_mem_mb, ".1f"),
+             format_value(r.gflops, ".1f"),
+             format_value(None if r.frac_of_peak is None else 100 * r.frac_of_peak, ".0f"), r.status]
             for r in report.results]
     print_table(f"attnzoo bench ({args.mode}, {args.dtype}, {args.device}, B={args.batch} H={args.heads} "
                 f"D={args.head_dim}; torch.mm peak {peak:.0f} GFLOP/s)",
@@ -274,8 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # =========================================================================== cost
 def cmd_cost(args: argparse.Namespace) -> int:
-    from attnzoo.cost import estimate
-
+    """``attnzoo cost``: the analytic cost of one layer as a table or JSON."""
     try:
         est = estimate(args.variant, args.seq_len, args.dim, args.heads, batch=args.batch, num_kv_heads=args.kv_heads,
                        head_dim=args.head_dim, window=args.window, num_features=args.features,
@@ -306,61 +333,92 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 
 # =========================================================================== viz
-def cmd_viz(args: argparse.Namespace) -> int:
-    from attnzoo import viz
-
-    did = False
+def _viz_paths(args: argparse.Namespace) -> dict[str, str | None]:
+    """The PNG path of each picture asked for (the first takes ``--png``, the others a suffix of it),
+    each proven writable before anything is drawn."""
+    paths: dict[str, str | None] = {}
     if args.mask is not None:
-        did = True
-        try:
-            text = viz.mask_to_text(args.mask, args.n or 16, args.nk, q_offset=args.q_offset)
-        except (ValueError, TypeError) as exc:
-            raise CLIError(str(exc)) from None
-        print(text)
-        if args.png:
-            fig = viz.plot_mask(args.mask, args.n or 16, args.nk, q_offset=args.q_offset, path=args.png)
-            print(f"wrote {args.png}")
-            _close(fig)
+        paths["mask"] = args.png
     if args.positional is not None:
-        did = True
-        path = args.png if args.mask is None else _suffix(args.png, "positional")
-        if path is None:
+        paths["positional"] = args.png if args.mask is None else _suffix(args.png, "positional")
+        if paths["positional"] is None:
             raise CLIError("--positional draws a picture: give --png PATH")
-        try:
-            fig = viz.plot_positional(args.positional, n=args.n or 128, dim=args.dim,
-                                      heads=args.heads, path=path)
-        except ValueError as exc:
-            raise CLIError(str(exc)) from None
-        _close(fig)
-        print(f"wrote {path}")
     if args.model is not None:
-        did = True
         if not args.text:
             raise CLIError("--model needs --text")
-        path = args.png if args.mask is None and args.positional is None else _suffix(args.png, "attention")
-        if path is None:
+        paths["model"] = args.png if args.mask is None and args.positional is None else _suffix(args.png, "attention")
+        if paths["model"] is None:
             raise CLIError("--model draws attention maps: give --png PATH")
-        try:
-            model, tokenize = viz.load_model(args.model)
-        except (ValueError, FileNotFoundError, KeyError) as exc:
-            raise CLIError(str(exc)) from None
-        import torch
-
-        ids, labels = tokenize(args.text)
-        with torch.no_grad(), viz.capture_attention(model) as cap:
-            model(ids)
-        if not cap.layers or not any(cap.maps.values()):
-            raise CLIError(f"no attention weights captured from {args.model} ({cap.skipped or 'no attention modules'})")
-        layer = args.layer if args.layer is not None else len(cap.layers) - 1
-        if not -len(cap.layers) <= layer < len(cap.layers):
-            raise CLIError(f"--layer {layer} out of range: the model has {len(cap.layers)} attention layers")
-        name = cap.layers[layer]
-        fig = viz.plot_attention(cap[name], labels, title=f"{Path(args.model).name}: {name}", path=path)
-        _close(fig)
-        print(f"layers: {', '.join(cap.layers)}")
-        print(f"wrote {path} ({name}, {cap[name].shape[1]} heads, {len(labels)} tokens)")
-    if not did:
+    if not paths:
         raise CLIError("nothing to draw: give --mask EXPR, --positional KIND or --model PATH --text TEXT")
+    for p in paths.values():
+        if p is not None:
+            try:
+                ensure_output_file(p, "--png")
+            except ValueError as exc:
+                raise CLIError(str(exc)) from None
+    for p in paths.values():  # every path is writable: make the folders they go into
+        if p is not None:
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def _viz_mask(args: argparse.Namespace, path: str | None) -> None:
+    try:
+        text = viz.mask_to_text(args.mask, args.n or 16, args.nk, q_offset=args.q_offset)
+    except (ValueError, TypeError) as exc:
+        raise CLIError(str(exc)) from None
+    print(text)
+    if path:
+        _close(viz.plot_mask(args.mask, args.n or 16, args.nk, q_offset=args.q_offset, path=path))
+        print(f"wrote {path}")
+
+
+def _viz_positional(args: argparse.Namespace, path: str) -> None:
+    try:
+        fig = viz.plot_positional(args.positional, n=args.n or 128, dim=args.dim, heads=args.heads, path=path)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    _close(fig)
+    print(f"wrote {path}")
+
+
+def _load_for_viz(path: str) -> tuple[Any, viz.Tokenize]:
+    """A Hugging Face model folder (:func:`attnzoo.viz.load_model`) or an arena checkpoint file."""
+    try:
+        return viz.load_model(path) if Path(path).is_dir() else load_arena_model(path)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _viz_model(args: argparse.Namespace, path: str) -> None:
+    model, tokenize = _load_for_viz(args.model)
+    try:
+        ids, labels = tokenize(args.text)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    with torch.no_grad(), viz.capture_attention(model) as cap:
+        model(ids)
+    if not cap.layers or not any(cap.maps.values()):
+        raise CLIError(f"no attention weights captured from {args.model} ({cap.skipped or 'no attention modules'})")
+    layer = args.layer if args.layer is not None else len(cap.layers) - 1
+    if not -len(cap.layers) <= layer < len(cap.layers):
+        raise CLIError(f"--layer {layer} out of range: the model has {len(cap.layers)} attention layers")
+    name = cap.layers[layer]
+    _close(viz.plot_attention(cap[name], labels, title=f"{Path(args.model).name}: {name}", path=path))
+    print(f"layers: {', '.join(cap.layers)}")
+    print(f"wrote {path} ({name}, {cap[name].shape[1]} heads, {len(labels)} tokens)")
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    """``attnzoo viz``: a mask, positional encodings and/or a model's attention maps."""
+    paths = _viz_paths(args)
+    if "mask" in paths:
+        _viz_mask(args, paths["mask"])
+    if "positional" in paths:
+        _viz_positional(args, str(paths["positional"]))
+    if "model" in paths:
+        _viz_model(args, str(paths["model"]))
     return 0
 
 
@@ -372,49 +430,22 @@ def _suffix(path: str | None, tag: str) -> str | None:
 
 
 def _close(fig: Any) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # a figure exists, so matplotlib is installed
 
     plt.close(fig)
 
 
 # =========================================================================== arena
-def _add_arena(sub: Any, full: bool) -> None:
-    p = sub.add_parser("arena", help="train one small model per variant and compare (see docs/arena.md)",
-                       description="Train one small decoder per attention variant on real data and compare them.")
-    if not full:  # listed in the help; its options are loaded only when it runs
-        return
-    try:
-        from attnzoo.arena import add_arena_arguments
-    except ImportError as exc:  # pragma: no cover - arena not installed in this tree
-        reason = str(exc)
-        p.set_defaults(func=lambda a: _arena_missing(reason))
-        return
-    add_arena_arguments(p)
-    p.set_defaults(func=_cmd_arena)
-
-
-def _cmd_arena(args: argparse.Namespace) -> int:
-    from attnzoo.arena import run_arena
-
+def cmd_arena(args: argparse.Namespace) -> int:
+    """``attnzoo arena``: train and report (see :func:`attnzoo.arena.run_arena`)."""
     try:
         return run_arena(args)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 
 
-def _arena_missing(reason: str) -> int:
-    raise CLIError(f"the arena is not available: {reason}")
-
-
-# =========================================================================== parser
-def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
-    """The ``attnzoo`` argument parser (the arena's options are loaded only when ``with_arena``)."""
-    parser = _Parser(prog="attnzoo", description="attention mechanisms: list, check, bench, cost, "
-                                     "viz, arena. Each command has --help.")
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
+# =========================================================================== parsers
+def _add_list_parser(sub: Any) -> None:
     p = sub.add_parser("list", help="table of every registered variant: family, costs, decoding, masks",
                        description="Every registered attention variant with its family, exactness, complexity, "
                                    "KV-cache bytes per token for a config, decoding cache and masks.")
@@ -427,6 +458,8 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
     p.set_defaults(func=cmd_list)
 
+
+def _add_check_parser(sub: Any) -> None:
     p = sub.add_parser("check", help="every backend and variant against the float64 reference; exit 1 on failure",
                        description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
                                    "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
@@ -437,7 +470,7 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
                    help="comma-separated backends (default: all available)")
     p.add_argument("--dtypes", type=_name_list(DTYPE_NAMES), default=list(DTYPE_NAMES),
                    help="comma-separated dtypes (default: float32,bfloat16,float16)")
-    p.add_argument("--variants", type=lambda t: _name_list(_variant_names())(t), default=None,
+    p.add_argument("--variants", type=_variant_list, default=None,
                    help="comma-separated variants to check (default: all)")
     p.add_argument("--no-variants", action="store_true", help="backends only")
     p.add_argument("--no-models", action="store_true", help="skip the DecoderLM decode == full checks")
@@ -446,21 +479,24 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="a variant whose module is missing is a failure")
     p.add_argument("--device", type=_device_arg, default="cpu", help="torch device (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of the inputs (default: 0)")
-    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON (checked writable before the run)")
     p.add_argument("--show-failures", type=int, default=20, help="failure lines to print (default: 20)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plain", action="store_true", help="plain-text table")
     p.set_defaults(func=cmd_check)
 
+
+def _add_bench_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="time and peak memory against sequence length; CSV, JSON and a log-log PNG",
                        description="Time and peak memory of backends and variants against sequence length, forward "
                                    "or forward+backward. Writes NAME.csv, NAME.json and NAME.png into --out and "
-                                   "reports achieved GFLOP/s against a measured torch.mm peak. The defaults finish "
-                                   "in about a minute on 2 cores.")
+                                   "reports achieved GFLOP/s against a measured torch.mm peak. Sizes whose estimated "
+                                   "memory exceeds the available memory are refused. The defaults finish in about "
+                                   "a minute on 2 cores.")
     p.add_argument("--backends", type=_name_list(("torch", "auto", *BACKEND_NAMES)), default=None,
                    help="comma-separated: torch (bare SDPA), auto, reference, sdpa, tiled, flex, flash "
                         "(default: torch,sdpa,tiled unless --variants is given)")
-    p.add_argument("--variants", type=lambda t: _name_list(_variant_names())(t), default=None,
+    p.add_argument("--variants", type=_variant_list, default=None,
                    help="comma-separated registry variants, run as modules on [B, N, C]")
     p.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048],
                    help="comma-separated sequence lengths (default: 256,512,1024,2048)")
@@ -473,10 +509,10 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--window", type=_positive_int, default=None, help="causal sliding window (left size)")
     p.add_argument("--no-causal", action="store_true", help="non-causal attention for backend targets")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per case (median; default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls per case (default: 1)")
+    p.add_argument("--warmup", type=_nonnegative_int, default=1, help="untimed calls per case, >= 0 (default: 1)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    p.add_argument("--max-case-seconds", type=float, default=5.0,
-                   help="skip longer sequences of a target once a call takes longer (default: 5)")
+    p.add_argument("--max-case-seconds", type=_positive_float, default=5.0,
+                   help="skip longer sequences of a target once a call takes longer (positive; default: 5)")
     p.add_argument("--peak-size", type=_positive_int, default=2048,
                    help="largest n x n torch.mm of the peak measurement (default: %(default)s)")
     p.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
@@ -487,6 +523,8 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="plain-text table")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_cost_parser(sub: Any) -> None:
     p = sub.add_parser("cost", help="analytic FLOPs, bytes moved, activation memory and KV cache of one layer",
                        description="Analytic cost of one attention layer of a registered variant (attnzoo.cost."
                                    "estimate): FLOPs, bytes moved, activation memory, KV-cache size.")
@@ -509,9 +547,12 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="plain-text table")
     p.set_defaults(func=cmd_cost)
 
+
+def _add_viz_parser(sub: Any) -> None:
     p = sub.add_parser("viz", help="mask pictures (text and PNG), positional encodings, attention maps of a model",
                        description="Draw a mask expression in the terminal (and as PNG), positional-encoding "
-                                   "pictures, or the attention maps of a saved model on a text.")
+                                   "pictures, or the attention maps of a saved model on a text. A mask too large "
+                                   "for the available memory is refused.")
     p.add_argument("--mask", help='mask expression, e.g. "causal & window(4,0)" (names: causal, window(l,r), '
                                   "prefix_lm(n), global(p,...), padding(n,...), document(len,...); & | ~)")
     p.add_argument("--n", type=_positive_int, default=None,
@@ -528,33 +569,66 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--png", help="write the picture(s) to this PNG path")
     p.set_defaults(func=cmd_viz)
 
-    _add_arena(sub, with_arena)
+
+def _add_arena_parser(sub: Any, full: bool) -> None:
+    p = sub.add_parser("arena", help="train one small model per variant and compare (see docs/arena.md)",
+                       description="Train one small decoder per attention variant on real data and compare them.")
+    if full:
+        add_arena_arguments(p)
+    p.set_defaults(func=cmd_arena)
+
+
+def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
+    """The ``attnzoo`` argument parser (``with_arena=False`` leaves out the arena's options)."""
+    parser = _Parser(prog="attnzoo", description="attention mechanisms: list, check, bench, cost, "
+                                     "viz, arena. Each command has --help.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_list_parser(sub)
+    _add_check_parser(sub)
+    _add_bench_parser(sub)
+    _add_cost_parser(sub)
+    _add_viz_parser(sub)
+    _add_arena_parser(sub, with_arena)
     return parser
 
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return f"attnzoo {version('attnzoo')}"
-    except Exception:  # pragma: no cover - not installed
+    except PackageNotFoundError:  # pragma: no cover - not installed
         return "attnzoo (not installed)"
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe (``attnzoo cost mha | head -1``): send what is left of stdout nowhere, so
+    that the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``attnzoo`` command; returns the exit code (2 for bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # The arena's options are only needed (and its module only imported) for `attnzoo arena`.
-    parser = build_parser(with_arena=bool(argv) and argv[0] == "arena")
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad argument (2)
         return int(exc.code or 0)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
     except CLIError as exc:
         print(f"attnzoo {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, with the shell's SIGPIPE status
+        _silence_stdout()
+        return 128 + 13
     except KeyboardInterrupt:  # pragma: no cover
         print("interrupted", file=sys.stderr)
         return 130

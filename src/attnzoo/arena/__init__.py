@@ -12,6 +12,10 @@ Programmatic use::
 
 from __future__ import annotations
 
+import argparse
+import sys
+
+from attnzoo.arena.checkpoint import load_arena_model
 from attnzoo.arena.runner import (
     DEFAULT_VARIANTS,
     TASKS,
@@ -31,6 +35,7 @@ __all__ = [
     "Task",
     "TrainConfig",
     "add_arena_arguments",
+    "load_arena_model",
     "load_shakespeare",
     "lr_at",
     "main",
@@ -43,9 +48,6 @@ __all__ = [
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m attnzoo.arena [options]``: parse the arena options and run it."""
-    import argparse
-    import sys
-
     parser = argparse.ArgumentParser(prog="python -m attnzoo.arena", description=__doc__.split("\n\n")[0])
     add_arena_arguments(parser)
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.arena.tasks import IGNORE, Task
+from attnzoo.distributed import shard_positions
 
 __all__ = ["decode_speed", "state_bytes", "training_memory"]
 
@@ -46,8 +47,6 @@ def training_memory(model: nn.Module, task: Task, batch_size: int, seed: int,
     x, y = x.to(device), y.to(device)
     kwargs: dict[str, Tensor] = {}
     if sequence_layout is not None:
-        from attnzoo.distributed import shard_positions
-
         pos = shard_positions(x.shape[1], layout=sequence_layout, device=device)  # [n]
         x, y, kwargs = x[:, pos], y[:, pos], {"positions": pos}
     params = [p for p in model.parameters() if p.requires_grad]

@@ -157,84 +157,96 @@ def _plots(results: dict[str, Any], out: Path) -> dict[str, str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return {}
+    colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(results["variants"])}
     files: dict[str, str] = {}
-    variants = results["variants"]
-    colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
     for t in results["runs"]:
-        runs = results["runs"][t]
-        fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
-        for v in variants:
-            if v not in runs:
-                continue
-            ev = runs[v]["evals"]
-            key = "val_loss" if t == "lm" else "accuracy"
-            ax.plot([e["step"] for e in ev], [e[key] for e in ev], marker="o", ms=3, label=v, color=colors[v])
-        ax.set_xlabel("training step")
-        if t == "lm" and results.get("unigram_val_loss"):
-            ax.axhline(results["unigram_val_loss"], color="gray", ls=":", lw=1)
-            ax.text(ax.get_xlim()[1], results["unigram_val_loss"], " unigram", color="gray", fontsize=8,
-                    va="bottom", ha="right")
-            ax.axhline(2.0, color="gray", ls="--", lw=1)
-            ax.text(ax.get_xlim()[0], 2.0, " 2.0 nats", color="gray", fontsize=8, va="bottom", ha="left")
-        if t == "lm":
-            ax.set_ylabel("validation loss (nats/char)")
-            ax.set_title("Shakespeare character LM: validation loss")
-        else:
-            ax.set_ylabel("MQAR accuracy")
-            ax.set_ylim(-0.02, 1.02)
-            ax.set_title("MQAR: held-out accuracy during training")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, ncol=2)
-        fig.tight_layout()
-        name = f"{t}_curves.png"
-        fig.savefig(out / name)
-        plt.close(fig)
-        files[f"{t}_curves"] = name
-
+        files[f"{t}_curves"] = _save(plt, _curves_figure(plt, results, t, colors), out, f"{t}_curves.png")
     rows = summary_rows(results)
     if "mqar" in results["runs"]:
-        fig, ax = plt.subplots(figsize=(7.5, 4.0), dpi=110)
-        names = [r["variant"] for r in rows if r["mqar_acc"] is not None]
-        accs = [r["mqar_acc"] for r in rows if r["mqar_acc"] is not None]
-        bars = ax.bar(names, accs, color=[colors[v] for v in names])
-        for b, a in zip(bars, accs, strict=True):
-            ax.text(b.get_x() + b.get_width() / 2, a + 0.01, f"{100 * a:.0f}%", ha="center", va="bottom", fontsize=8)
-        ax.axhline(0.9, color="gray", ls="--", lw=1)
-        ax.text(len(names) - 0.5, 0.91, "90%", color="gray", fontsize=8, ha="right", va="bottom")
-        ax.set_ylim(0, 1.1)
-        ax.set_ylabel("accuracy on held-out sequences")
-        s = results["settings"]["mqar"]
-        ax.set_title(f"MQAR: {s['num_kv_pairs']} key-value pairs, seq_len {s['seq_len']}, width {s['width']}")
-        ax.tick_params(axis="x", labelrotation=20)
-        fig.tight_layout()
-        fig.savefig(out / "mqar_accuracy.png")
-        plt.close(fig)
-        files["mqar_accuracy"] = "mqar_accuracy.png"
+        files["mqar_accuracy"] = _save(plt, _mqar_figure(plt, results, rows, colors), out, "mqar_accuracy.png")
+    fig = _speed_memory_figure(plt, rows, colors)
+    if fig is not None:
+        files["speed_memory"] = _save(plt, fig, out, "speed_memory.png")
+    return files
 
+
+def _save(plt: Any, fig: Any, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name)
+    plt.close(fig)
+    return name
+
+
+def _curves_figure(plt: Any, results: dict[str, Any], t: str, colors: dict[str, Any]) -> Any:
+    """Validation loss (lm) or accuracy (mqar) against the training step, one line per variant."""
+    runs = results["runs"][t]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    key = "val_loss" if t == "lm" else "accuracy"
+    for v in results["variants"]:
+        if v in runs:
+            ev = runs[v]["evals"]
+            ax.plot([e["step"] for e in ev], [e[key] for e in ev], marker="o", ms=3, label=v, color=colors[v])
+    ax.set_xlabel("training step")
+    if t == "lm" and results.get("unigram_val_loss"):
+        ax.axhline(results["unigram_val_loss"], color="gray", ls=":", lw=1)
+        ax.text(ax.get_xlim()[1], results["unigram_val_loss"], " unigram", color="gray", fontsize=8,
+                va="bottom", ha="right")
+        ax.axhline(2.0, color="gray", ls="--", lw=1)
+        ax.text(ax.get_xlim()[0], 2.0, " 2.0 nats", color="gray", fontsize=8, va="bottom", ha="left")
+    if t == "lm":
+        ax.set_ylabel("validation loss (nats/char)")
+        ax.set_title("Shakespeare character LM: validation loss")
+    else:
+        ax.set_ylabel("MQAR accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("MQAR: held-out accuracy during training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    return fig
+
+
+def _mqar_figure(plt: Any, results: dict[str, Any], rows: list[dict[str, Any]], colors: dict[str, Any]) -> Any:
+    """Final MQAR accuracy by variant (bars)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.0), dpi=110)
+    names = [r["variant"] for r in rows if r["mqar_acc"] is not None]
+    accs = [r["mqar_acc"] for r in rows if r["mqar_acc"] is not None]
+    bars = ax.bar(names, accs, color=[colors[v] for v in names])
+    for bar, acc in zip(bars, accs, strict=True):
+        ax.text(bar.get_x() + bar.get_width() / 2, acc + 0.01, f"{100 * acc:.0f}%", ha="center", va="bottom",
+                fontsize=8)
+    ax.axhline(0.9, color="gray", ls="--", lw=1)
+    ax.text(len(names) - 0.5, 0.91, "90%", color="gray", fontsize=8, ha="right", va="bottom")
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("accuracy on held-out sequences")
+    s = results["settings"]["mqar"]
+    ax.set_title(f"MQAR: {s['num_kv_pairs']} key-value pairs, seq_len {s['seq_len']}, width {s['width']}")
+    ax.tick_params(axis="x", labelrotation=20)
+    return fig
+
+
+def _speed_memory_figure(plt: Any, rows: list[dict[str, Any]], colors: dict[str, Any]) -> Any:
+    """Training and decoding speed against memory (None when nothing was measured)."""
     pts_train = [(r["variant"], r["peak_mib"], r["train_tps"]) for r in rows
                  if r["peak_mib"] is not None and r["train_tps"] is not None]
     pts_dec = [(r["variant"], r["kv_bpt"], r["decode_tps"]) for r in rows
                if r["kv_bpt"] is not None and r["decode_tps"] is not None]
-    if pts_train or pts_dec:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
-        for ax, pts, xl, yl, title in (
-            (axes[0], pts_train, "peak training memory (MiB)", "training tokens/s", "Training"),
-            (axes[1], pts_dec, "KV-cache / state bytes per token", "decode tokens/s (batch 1)", "Decoding"),
-        ):
-            for v, x, y in pts:
-                ax.scatter([x], [y], color=colors[v], s=40, zorder=3)
-                ax.annotate(v, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-            ax.set_xlabel(xl)
-            ax.set_ylabel(yl)
-            ax.set_title(f"{title}: speed against memory (up-left is better)")
-            ax.title.set_fontsize(10)
-            ax.grid(alpha=0.3)
-            ax.margins(0.15)
-        fig.tight_layout()
-        fig.savefig(out / "speed_memory.png")
-        plt.close(fig)
-        files["speed_memory"] = "speed_memory.png"
-    return files
+    if not (pts_train or pts_dec):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
+    for ax, pts, xl, yl, title in (
+        (axes[0], pts_train, "peak training memory (MiB)", "training tokens/s", "Training"),
+        (axes[1], pts_dec, "KV-cache / state bytes per token", "decode tokens/s (batch 1)", "Decoding"),
+    ):
+        for v, x, y in pts:
+            ax.scatter([x], [y], color=colors[v], s=40, zorder=3)
+            ax.annotate(v, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.set_title(f"{title}: speed against memory (up-left is better)")
+        ax.title.set_fontsize(10)
+        ax.grid(alpha=0.3)
+        ax.margins(0.15)
+    return fig
 
 
 # --------------------------------------------------------------------------- writers
@@ -270,18 +282,22 @@ def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     images = _plots(results, out)
-    rows = summary_rows(results)
-    method = _memory_method(results)
-    settings = _settings_md(results)
-    errors = _errors(results)
+    md_path = out / "report.md"
+    md_path.write_text(_report_md(results, images))
+    html_path = out / "index.html"
+    html_path.write_text(_report_html(results, images, out))
+    return {"md": md_path, "html": html_path, "json": out / "results.json"}
 
+
+def _report_md(results: dict[str, Any], images: dict[str, str]) -> str:
+    errors = _errors(results)
     md = ["# attnzoo arena report", "",
           "One small decoder per attention variant, trained with identical settings; generated by "
-          "`attnzoo arena`. Raw numbers: `results.json`.", "", _table_md(rows), "",
-          f"Peak train memory method: {method}. Speeds were measured while each model trained; runs "
-          "reused with `--resume` keep the speeds of the process that trained them, so compare speeds "
+          "`attnzoo arena`. Raw numbers: `results.json`.", "", _table_md(summary_rows(results)), "",
+          f"Peak train memory method: {_memory_method(results)}. Speeds were measured while each model trained; "
+          "runs reused with `--resume` keep the speeds of the process that trained them, so compare speeds "
           "only between runs made in one uninterrupted invocation on a quiet machine.", "",
-          "Settings:", "", *settings, ""]
+          "Settings:", "", *_settings_md(results), ""]
     if errors:
         md += ["Measurements that failed:", "", *errors, ""]
     md += ["## Plots", ""]
@@ -295,9 +311,11 @@ def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
         for v, text in samples:
             md += [f"**{v}**", "", "```text", text, "```", ""]
     md += [HOW_TO_READ]
-    md_path = out / "report.md"
-    md_path.write_text("\n".join(md))
+    return "\n".join(md)
 
+
+def _report_html(results: dict[str, Any], images: dict[str, str], out: Path) -> str:
+    errors, samples, settings = _errors(results), _samples(results), _settings_md(results)
     figs = []
     for k, f in images.items():
         data = base64.b64encode((out / f).read_bytes()).decode("ascii")
@@ -306,7 +324,7 @@ def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
     sample_html = "".join(f"<h3>{html.escape(v)}</h3><pre>{html.escape(t)}</pre>" for v, t in samples)
     intro, *items = HOW_TO_READ.split("\n", 2)[2].split("\n- ")
     how_html = f"<p>{_inline(intro)}</p><ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>"
-    page = f"""<!doctype html>
+    return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>attnzoo arena report</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }}
@@ -320,8 +338,8 @@ pre {{ background: #f7f7f7; padding: 8px; white-space: pre-wrap; }}
 <h1>attnzoo arena report</h1>
 <p>One small decoder per attention variant, trained with identical settings; raw numbers in
 <code>results.json</code>.</p>
-{_table_html(rows)}
-<p>Peak train memory method: {html.escape(method)}. Speeds were measured while each model trained;
+{_table_html(summary_rows(results))}
+<p>Peak train memory method: {html.escape(_memory_method(results))}. Speeds were measured while each model trained;
 runs reused with <code>--resume</code> keep the speeds of the process that trained them, so compare
 speeds only between runs made in one uninterrupted invocation on a quiet machine.</p>
 <ul>{"".join(f"<li>{_inline(s[2:])}</li>" for s in settings)}</ul>
@@ -333,6 +351,3 @@ speeds only between runs made in one uninterrupted invocation on a quiet machine
 {how_html}
 </body></html>
 """
-    html_path = out / "index.html"
-    html_path.write_text(page)
-    return {"md": md_path, "html": html_path, "json": out / "results.json"}

@@ -19,10 +19,21 @@ from typing import Any
 
 import torch
 
+from attnzoo._outputs import ensure_output_dir
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
 from attnzoo.arena.progress import PROGRESS_KINDS, make_progress
+from attnzoo.arena.report import write_report
+from attnzoo.arena.storage import (
+    DamagedFile,
+    first_line,
+    read_checkpoint,
+    read_run_record,
+    save_checkpoint,
+    set_aside,
+    write_atomic,
+)
 from attnzoo.arena.tasks import MQARTask, ShakespeareTask, Task
 from attnzoo.arena.trainer import (
     StepInfo,
@@ -30,13 +41,13 @@ from attnzoo.arena.trainer import (
     cleanup_distributed,
     config_dict,
     init_distributed,
-    load_checkpoint,
     make_optimizer,
     rank_and_world,
-    save_checkpoint,
     train,
 )
-from attnzoo.variants import VARIANTS
+from attnzoo.distributed import ContextParallel, context_parallel, gather_sequence, shard_positions
+from attnzoo.models import DecoderLM
+from attnzoo.variants import VARIANTS, variant_names
 
 __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
            "build_model", "run_arena", "settings_for"]
@@ -144,8 +155,6 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_variants(text: str | None, context_parallel: bool = False) -> list[str]:
-    from attnzoo.variants import variant_names
-
     if text is None:
         return list(CONTEXT_PARALLEL_VARIANTS if context_parallel else DEFAULT_VARIANTS)
     names = [v.strip() for v in str(text).split(",") if v.strip()]
@@ -171,8 +180,6 @@ def _make_task(s: TaskSettings) -> Task:
 
 
 def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device) -> torch.nn.Module:
-    from attnzoo.models import DecoderLM
-
     akw = VARIANTS[variant].arena_settings(s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
@@ -223,8 +230,6 @@ class _GatheredLM(torch.nn.Module):
         self.model, self.layout = model, layout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        from attnzoo.distributed import gather_sequence, shard_positions
-
         pos = shard_positions(tokens.shape[1], layout=self.layout, device=tokens.device)  # [n]
         return gather_sequence(self.model(tokens[:, pos], positions=pos), 1, layout=self.layout)
 
@@ -233,8 +238,6 @@ class _GatheredLM(torch.nn.Module):
 def _unwrapped(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Temporarily put the plain attention modules back in place of their ``ContextParallel``
     wrappers (for checkpoints with the usual parameter names and for cached decoding)."""
-    from attnzoo.distributed import ContextParallel
-
     swapped = []
     for name, mod in list(model.named_modules()):
         if isinstance(mod, ContextParallel):
@@ -262,13 +265,59 @@ class _Run:
         self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
         self.sig = _signature(s, variant, args.seed, self.world, self.cp)
 
+    def _warn(self, path: Path, problem: str) -> None:
+        """Name a damaged file, set it aside and say that the run is trained again."""
+        moved = set_aside(path) if self.rank == 0 else path
+        if self.rank == 0:
+            print(f"arena: warning: [{self.name}] {path} {problem}; set aside as {moved.name}, training the run "
+                  f"again", file=sys.stderr)
+
     def _finished(self) -> dict[str, Any] | None:
+        """The record of a finished run with the same settings (``--resume``), else None."""
         if not (self.args.resume and self.done_file.exists()):
             return None
-        data = json.loads(self.done_file.read_text())
+        try:
+            data = read_run_record(self.done_file)
+        except DamagedFile as exc:
+            self._warn(self.done_file, str(exc))
+            return None
         return data if data.get("signature") == self.sig else None
 
+    def _restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer
+                 ) -> tuple[int, list[float], list[dict[str, float]]]:
+        """Load the checkpoint (``--resume``) into ``model`` and ``opt``: ``(start step, losses, evals)``.
+
+        A damaged checkpoint is set aside and ``model``/``opt`` are left as built (step 0); one made
+        with other settings is an error.
+        """
+        if not (self.args.resume and self.ckpt.exists()):
+            return 0, [], []
+        try:
+            state = read_checkpoint(self.ckpt)
+        except DamagedFile as exc:
+            self._warn(self.ckpt, str(exc))
+            return 0, [], []
+        if state["extra"].get("signature") != self.sig:
+            raise ValueError(f"--resume: checkpoint {self.ckpt} was made with different settings "
+                             f"({state['extra'].get('signature')}); expected {self.sig}. "
+                             f"Use another --out or drop --resume")
+        if not 0 <= int(state["step"]) <= self.s.steps:
+            self._warn(self.ckpt, f"is at step {state['step']}, outside the {self.s.steps} steps of the run")
+            return 0, [], []
+        fresh_model = {k: v.clone() for k, v in model.state_dict().items()}
+        fresh_opt = opt.state_dict()
+        try:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            model.load_state_dict(fresh_model)  # nothing of the damaged file stays
+            opt.load_state_dict(fresh_opt)
+            self._warn(self.ckpt, f"does not fit the model ({first_line(exc)[:160]})")
+            return 0, [], []
+        return int(state["step"]), list(state["extra"]["losses"]), list(state["extra"]["evals"])
+
     def execute(self) -> dict[str, Any]:
+        """Train (or resume, or reuse) this run, measure it and write its record; returns the record."""
         done = self._finished()
         if done is not None:
             if self.rank == 0:
@@ -278,29 +327,37 @@ class _Run:
         cfg = TrainConfig(lr=s.lr, warmup=s.warmup)
         model = _build_model(s, self.variant, self.task.vocab_size, args.seed, self.device)
         opt = make_optimizer(model, cfg)
-        losses: list[float] = []
-        evals: list[dict[str, float]] = []
-        start = 0
-        if args.resume and self.ckpt.exists():
-            state = load_checkpoint(self.ckpt)
-            if state["extra"].get("signature") != self.sig:
-                raise ValueError(f"--resume: checkpoint {self.ckpt} was made with different settings "
-                                 f"({state['extra'].get('signature')}); expected {self.sig}. "
-                                 f"Use another --out or drop --resume")
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            start = int(state["step"])
-            losses = list(state["extra"]["losses"])
-            evals = list(state["extra"]["evals"])
-        layout = CONTEXT_PARALLEL_LAYOUT if self.cp else None
+        start, losses, evals = self._restore(model, opt)
         evaluated: torch.nn.Module = model
         if self.cp:
-            from attnzoo.distributed import context_parallel
-
             context_parallel(model, layout=CONTEXT_PARALLEL_LAYOUT)
             evaluated = _GatheredLM(model, CONTEXT_PARALLEL_LAYOUT)
         if start == 0:
             evals.append({"step": 0, **self.task.evaluate(evaluated, self.device, args.seed)})
+        last, wall, cpu = self._train(model, evaluated, cfg, opt, start, losses, evals)
+        if start == s.steps and not evals:
+            evals.append({"step": s.steps, **self.task.evaluate(evaluated, self.device, args.seed)})
+        result: dict[str, Any] = {
+            "task": s.task, "variant": self.variant, "signature": self.sig,
+            "params": int(model.num_parameters()),  # type: ignore[operator]
+            "train_losses": losses, "evals": evals, "final": {k: v for k, v in evals[-1].items() if k != "step"},
+            "train_tokens_per_s": last.tokens_per_s if last else None, "train_wall_s": wall, "train_cpu_s": cpu,
+        }
+        result.update(self._measure(model))
+        if self.cp:
+            result["context_parallel"] = {"layout": CONTEXT_PARALLEL_LAYOUT, "ranks": self.world}
+        if self.rank == 0:
+            write_atomic(self.done_file, json.dumps(result, indent=1))
+        return result
+
+    def _train(self, model: torch.nn.Module, evaluated: torch.nn.Module, cfg: TrainConfig,
+               opt: torch.optim.Optimizer, start: int, losses: list[float], evals: list[dict[str, float]],
+               ) -> tuple[StepInfo | None, float, float]:
+        """Train from ``start`` with progress, evaluations and checkpoints (``losses``/``evals`` grow).
+
+        Returns the last step's info (None when nothing was left to train), wall and CPU seconds.
+        """
+        s, args = self.s, self.args
         last: list[StepInfo] = []
         kind = args.progress if self.rank == 0 else "none"
         with make_progress(kind, f"{self.name:>18}", s.steps, start) as bar:
@@ -324,23 +381,10 @@ class _Run:
             t0, c0 = time.perf_counter(), time.process_time()
             train(model, self.task, s.steps, s.batch, args.seed, config=cfg, device=self.device,
                   start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
-                  checkpoint_every=args.checkpoint_every, sequence_layout=layout)
+                  checkpoint_every=args.checkpoint_every,
+                  sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp else None)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if start == s.steps and not evals:
-            evals.append({"step": s.steps, **self.task.evaluate(evaluated, self.device, args.seed)})
-        result: dict[str, Any] = {
-            "task": s.task, "variant": self.variant, "signature": self.sig,
-            "params": int(model.num_parameters()),  # type: ignore[operator]
-            "train_losses": losses, "evals": evals, "final": {k: v for k, v in evals[-1].items() if k != "step"},
-            "train_tokens_per_s": last[0].tokens_per_s if last else None, "train_wall_s": wall, "train_cpu_s": cpu,
-        }
-        result.update(self._measure(model))
-        if self.cp:
-            result["context_parallel"] = {"layout": CONTEXT_PARALLEL_LAYOUT, "ranks": self.world}
-        if self.rank == 0:
-            self.done_file.parent.mkdir(parents=True, exist_ok=True)
-            self.done_file.write_text(json.dumps(result, indent=1))
-        return result
+        return (last[0] if last else None), wall, cpu
 
     def _measure(self, model: torch.nn.Module) -> dict[str, Any]:
         """Memory, decode state and speed, greedy sample (each one recorded as an error if it fails)."""
@@ -392,43 +436,73 @@ def _brief(metrics: dict[str, float]) -> str:
     return f"val {metrics['val_loss']:.3f}"
 
 
+def _check_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device: {name!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def _check_world(settings: dict[str, TaskSettings], cp: bool, rank: int, world: int) -> None:
+    """Batch (data parallel) or sequence length (context parallel) must split over the ranks."""
+    if cp and world == 1 and rank == 0:
+        print("arena: --context-parallel has no effect in a single process; start it with "
+              "torchrun --nproc_per_node=N", file=sys.stderr)
+    for t, s in settings.items():
+        if cp and world > 1:
+            if s.seq_len % (2 * world):
+                raise ValueError(f"--context-parallel: --seq-len ({s.seq_len}) of task {t} must be divisible "
+                                 f"by 2 x ranks = {2 * world} (zigzag layout)")
+        elif s.batch % world:
+            raise ValueError(f"--batch ({s.batch}) of task {t} must be divisible by the {world} ranks")
+
+
+def _results(args: argparse.Namespace, settings: dict[str, TaskSettings], task_objs: dict[str, Task],
+             variants: list[str], runs: dict[str, dict[str, Any]], device: torch.device, world: int,
+             wall: float, cpu: float) -> dict[str, Any]:
+    """The contents of ``results.json``."""
+    return {
+        "attnzoo_arena": 1,
+        "settings": {t: asdict(s) for t, s in settings.items()},
+        "optimizer": config_dict(TrainConfig()) | {"note": "lr and warmup per task in settings"},
+        "seed": args.seed, "variants": variants,
+        "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                        "device": str(device), "threads": torch.get_num_threads(), "world_size": world,
+                        "machine": platform.machine()},
+        "wall_s": wall, "cpu_s": cpu,
+        "prompt": SAMPLE_PROMPT,
+        "unigram_val_loss": task_objs["lm"].unigram_loss() if "lm" in task_objs else None,
+        "runs": runs,
+    }
+
+
 def run_arena(args: argparse.Namespace) -> int:
     """Run the arena described by ``args`` (from :func:`add_arena_arguments`); returns an exit code.
 
     Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``args.out``
-    (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings.
+    (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings, before any training
+    (an ``--out`` that cannot be written included).
     """
     cp = bool(getattr(args, "context_parallel", False))
     variants = _parse_variants(args.variants, cp)
     tasks = list(TASKS) if args.task == "all" else [args.task]
     if args.task not in (*TASKS, "all"):
         raise ValueError(f"--task must be one of {(*TASKS, 'all')}, got {args.task!r}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise ValueError(f"--device: {args.device!r} is not a torch device ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    device = _check_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     settings = {t: settings_for(t, args) for t in tasks}
     task_objs = {t: _make_task(s) for t, s in settings.items()}  # validates seq_len / pairs early
+    out = ensure_output_dir(args.out, "--out")
     created = init_distributed(device)
     try:
         rank, world = rank_and_world()
         if device.type == "cuda" and world > 1:
             device = torch.device("cuda", torch.cuda.current_device())
-        if cp and world == 1 and rank == 0:
-            print("arena: --context-parallel has no effect in a single process; start it with "
-                  "torchrun --nproc_per_node=N", file=sys.stderr)
-        for t, s in settings.items():
-            if cp and world > 1:
-                if s.seq_len % (2 * world):
-                    raise ValueError(f"--context-parallel: --seq-len ({s.seq_len}) of task {t} must be divisible "
-                                     f"by 2 x ranks = {2 * world} (zigzag layout)")
-            elif s.batch % world:
-                raise ValueError(f"--batch ({s.batch}) of task {t} must be divisible by the {world} ranks")
-        out = Path(args.out)
+        _check_world(settings, cp, rank, world)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -438,21 +512,7 @@ def run_arena(args: argparse.Namespace) -> int:
                 runs[t][v] = _Run(settings[t], task_objs[t], v, args, out, device).execute()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if rank == 0:
-            from attnzoo.arena.report import write_report
-
-            results = {
-                "attnzoo_arena": 1,
-                "settings": {t: asdict(s) for t, s in settings.items()},
-                "optimizer": config_dict(TrainConfig()) | {"note": "lr and warmup per task in settings"},
-                "seed": args.seed, "variants": variants,
-                "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                                "device": str(device), "threads": torch.get_num_threads(), "world_size": world,
-                                "machine": platform.machine()},
-                "wall_s": wall, "cpu_s": cpu,
-                "prompt": SAMPLE_PROMPT,
-                "unigram_val_loss": task_objs["lm"].unigram_loss() if "lm" in task_objs else None,
-                "runs": runs,
-            }
+            results = _results(args, settings, task_objs, variants, runs, device, world, wall, cpu)
             paths = write_report(results, out)
             print(f"arena: {len(variants)} variants x {len(tasks)} task(s) in {wall:.0f} s; report: "
                   f"{paths['md']} (open {paths['html']} in a browser)", file=sys.stderr)

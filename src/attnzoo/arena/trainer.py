@@ -24,15 +24,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from attnzoo._validate import check_int
+from attnzoo.arena.storage import load_checkpoint, save_checkpoint
 from attnzoo.arena.tasks import IGNORE, Task
+from attnzoo.distributed import shard_positions
 
 __all__ = [
     "StepInfo",
@@ -180,34 +182,21 @@ def train(
             positions=...)`` gets this rank's shard of every row and the shard's global positions.
             The sequence length must suit the layout (``zigzag``: divisible by ``2 * world``).
     """
-    steps = check_int(steps, "steps", owner="train")
-    global_batch = check_int(global_batch, "global_batch", owner="train")
-    start_step = check_int(start_step, "start_step", minimum=0, owner="train")
-    if start_step > steps:
-        raise ValueError(f"train: start_step ({start_step}) is beyond steps ({steps})")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"train: seed must be an int, got {type(seed).__name__}")
+    steps, global_batch, start_step = _checked_train_args(steps, global_batch, start_step, seed, sequence_layout)
     cfg = config or TrainConfig()
     device = torch.device(device)
     rank, world = rank_and_world()
     if global_batch % world:
         raise ValueError(f"train: global_batch ({global_batch}) must be divisible by the world size ({world})")
-    if sequence_layout is not None and sequence_layout not in ("contiguous", "zigzag"):
-        raise ValueError(f"train: sequence_layout must be None, 'contiguous' or 'zigzag', got {sequence_layout!r}")
     sharded = sequence_layout is not None and world > 1
     local = global_batch if sharded else global_batch // world
     rows = slice(0, global_batch) if sharded else slice(rank * local, (rank + 1) * local)
     positions = None
     if sharded:
-        from attnzoo.distributed import shard_positions
-
         positions = shard_positions(task.seq_len, layout=str(sequence_layout), device=device)  # [n]
-
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
     net: nn.Module = model
     if world > 1 and not sharded:
-        from torch.nn.parallel import DistributedDataParallel
-
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     model.train()
     losses: list[float] = []
@@ -219,36 +208,13 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = task.batch(step, global_batch, seed)  # [B, N] each, the global batch
-        scored = int((y != IGNORE).sum())
-        if scored == 0:
-            raise ValueError(f"train: batch {step} of task {task.name!r} has no scored targets")
-        x, y = x[rows].to(device), y[rows].to(device)
-        if positions is not None:  # context parallel: this rank's positions of every row
-            x, y = x[:, positions], y[:, positions]
-            logits = net(x, positions=positions)  # [B, n, V]
-        else:
-            logits = net(x)  # [b, N, V]
-        loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
-                                               ignore_index=IGNORE, reduction="sum")
-        share = loss_sum / scored  # this rank's share of the global mean
-        if sharded:
-            share.backward()
-            _sum_gradients(model)
-        else:
-            (share * world).backward()  # DDP divides the summed gradient by world
-        if cfg.grad_clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        global_loss = share.detach()
-        if world > 1:
-            dist.all_reduce(global_loss)  # sum of shares = global mean
-        loss = float(global_loss)
+        loss, n_tokens = _train_step(model, net, opt, cfg, task, step, x[rows].to(device), y[rows].to(device),
+                                     int((y != IGNORE).sum()), positions)
         if not math.isfinite(loss):
             raise FloatingPointError(f"train: loss became {loss} at step {step} (lr {lr:.2e}); "
                                      f"lower the learning rate")
         losses.append(loss)
-        tokens += x.numel() * world
+        tokens += n_tokens * world
         busy += time.perf_counter() - t0
         done = step + 1
         if on_step is not None:
@@ -257,6 +223,55 @@ def train(
             checkpoint(done, opt)
     model.eval()
     return losses
+
+
+def _checked_train_args(steps: int, global_batch: int, start_step: int, seed: int,
+                        sequence_layout: str | None) -> tuple[int, int, int]:
+    steps = check_int(steps, "steps", owner="train")
+    global_batch = check_int(global_batch, "global_batch", owner="train")
+    start_step = check_int(start_step, "start_step", minimum=0, owner="train")
+    if start_step > steps:
+        raise ValueError(f"train: start_step ({start_step}) is beyond steps ({steps})")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"train: seed must be an int, got {type(seed).__name__}")
+    if sequence_layout is not None and sequence_layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"train: sequence_layout must be None, 'contiguous' or 'zigzag', got {sequence_layout!r}")
+    return steps, global_batch, start_step
+
+
+def _train_step(model: nn.Module, net: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, task: Task,
+                step: int, x: torch.Tensor, y: torch.Tensor, scored: int,
+                positions: torch.Tensor | None) -> tuple[float, int]:
+    """One optimiser step on this rank's rows ``x, y [b, N]``; returns the global-batch loss and the
+    number of tokens this rank trained on.
+
+    ``scored`` counts the scored targets of the whole global batch; ``positions`` (context
+    parallel) selects this rank's shard of every row.
+    """
+    if scored == 0:
+        raise ValueError(f"train: batch {step} of task {task.name!r} has no scored targets")
+    _, world = rank_and_world()
+    if positions is not None:  # context parallel: this rank's positions of every row
+        x, y = x[:, positions], y[:, positions]
+        logits = net(x, positions=positions)  # [B, n, V]
+    else:
+        logits = net(x)  # [b, N, V]
+    loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
+                                           ignore_index=IGNORE, reduction="sum")
+    share = loss_sum / scored  # this rank's share of the global mean
+    if positions is not None:
+        share.backward()
+        _sum_gradients(model)
+    else:
+        (share * world).backward()  # DDP divides the summed gradient by world
+    if cfg.grad_clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    global_loss = share.detach()
+    if world > 1:
+        dist.all_reduce(global_loss)  # sum of shares = global mean
+    return float(global_loss), x.numel()
 
 
 def _sum_gradients(model: nn.Module) -> None:
@@ -279,17 +294,3 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     out = asdict(cfg)
     out["betas"] = list(cfg.betas)
     return out
-
-
-def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int,
-                    extra: dict[str, Any]) -> None:
-    """Write ``{model, optimizer, step, extra}`` atomically (temp file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "extra": extra}, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint`."""
-    return torch.load(path, map_location="cpu", weights_only=True)
