@@ -47,7 +47,7 @@ from torch import Tensor
 from attnzoo.functional._request import AttnRequest
 from attnzoo.masks import BLOCK_EMPTY, BLOCK_FULL
 
-__all__ = ["TilePlan", "tile_plan", "tiled_attention"]
+__all__ = ["TilePlan", "plan_for", "tile_plan", "tiled_attention"]
 
 #: Query rows per block and key tile size used for the block map. With chunks of at most 512
 #: keys a score tile (128 x 512 float32 per head) stays in a core's L2 cache: measured on the
@@ -695,14 +695,9 @@ def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
     return bool(flags & wanted)
 
 
-def tiled_attention(r: AttnRequest, block_q: int | None = None,
-                    block_k: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Exact attention by key tiles. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32)``;
-    ``lse`` is ``None`` for a forward-only request without ``return_lse`` (not computed then).
-
-    Gradients flow to q, k and v from both outputs (a gradient on the LSE is what merging
-    partial results needs); not to float masks or ALiBi slopes (the dispatcher routes requests
-    that need those gradients elsewhere)."""
+def plan_for(r: AttnRequest, block_q: int | None = None, block_k: int | None = None) -> TilePlan:
+    """The plan ``tiled_attention`` runs ``r`` with (also used by the custom operators of
+    ``attnzoo.functional.tiled_ops``, whose backward recomputes it from the same request)."""
     plan = tile_plan(r, block_q or BLOCK_Q, block_k or BLOCK_K)
     if block_q is None and plan.bands and 2 * sum(b.count for b in plan.bands) >= plan.n_q_blocks:
         # A sliding window: smaller query blocks waste fewer masked scores per band row
@@ -711,6 +706,18 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None,
         bq = max(MIN_BAND_BLOCK, min(plan.block_q, 1 << max(0, (max(1, reach) - 1).bit_length() - 2)))
         if bq < plan.block_q:
             plan = tile_plan(r, bq, min(bq, plan.block_k))
+    return plan
+
+
+def tiled_attention(r: AttnRequest, block_q: int | None = None,
+                    block_k: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Exact attention by key tiles. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32)``;
+    ``lse`` is ``None`` for a forward-only request without ``return_lse`` (not computed then).
+
+    Gradients flow to q, k and v from both outputs (a gradient on the LSE is what merging
+    partial results needs); not to float masks or ALiBi slopes (the dispatcher routes requests
+    that need those gradients elsewhere)."""
+    plan = plan_for(r, block_q, block_k)
     q, k, v = r.q, r.k, r.v
     half = q.dtype in (torch.float16, torch.bfloat16)
     if half and not native_half_matmul(q.dtype, q.device.type):
