@@ -14,6 +14,7 @@ from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, build_request
 from attnzoo.functional.reference import reference_attention
+from attnzoo.functional.tiled_ops import tiled_op_attention, traceable_visible_fraction
 from attnzoo.masks import Mask
 
 __all__ = ["BACKENDS", "attention", "available_backends", "choose_backend", "merge_attention"]
@@ -75,6 +76,8 @@ def _missing(r: AttnRequest, backend: str) -> set[str]:
 
 def _visible_fraction(r: AttnRequest, block: int = 128) -> float:
     """Fraction of tiles the tiled backend must visit (1.0 = dense)."""
+    if torch.compiler.is_compiling():  # plans read tensor data; a compiled graph decides from sizes
+        return traceable_visible_fraction(r, block)
     from attnzoo.functional.tiled import tile_plan
 
     plan = tile_plan(r, block, block)
@@ -187,6 +190,8 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
         from attnzoo.functional.sdpa import sdpa_attention
 
         out = sdpa_attention(r)
+    elif name == "tiled" and torch.compiler.is_compiling():
+        out, lse = tiled_op_attention(r)  # one custom operator per direction (no unrolled loops)
     elif name == "tiled":
         from attnzoo.functional.tiled import tiled_attention
 
