@@ -336,7 +336,7 @@ def linear_attention(
     form = check_form(form)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:  # no math.isfinite: traceable
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]

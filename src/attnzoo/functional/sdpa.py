@@ -39,7 +39,7 @@ def dense_mask(r: AttnRequest) -> Tensor | None:
 
 def sdpa_attention(r: AttnRequest) -> Tensor:
     """Attention through ``torch.nn.functional.scaled_dot_product_attention``; ``[B, Hq, Nq, Dv]``."""
-    gqa = r.group > 1
+    gqa = True if r.group > 1 else False  # noqa: SIM210 (a branch: a plain bool even under dynamic shapes)
     only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
                    and r.alibi_slopes is None)
     if not (r.causal or r.window is not None or r.mask_obj is not None or r.mask_tensor is not None
