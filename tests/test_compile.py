@@ -3,7 +3,10 @@ round trips and bounded recompiles under dynamic shapes. Tiny shapes; most compi
 ``eager``/``aot_eager`` backends (what Dynamo and AOTAutograd see is what matters); one test runs
 inductor."""
 
+import functools
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +214,15 @@ def test_dynamic_shapes_decoder_lm_recompiles_at_most_once() -> None:
     lm = _lm()
     # the first call fills the RoPE frequency cache (module state), which may cost one recompile
     assert _graphs_for_lengths(lm, [(torch.randint(0, 100, (1, n)),) for n in LENGTHS]) <= 2
+
+
+# --------------------------------------------------------------------------- docs
+def test_compile_docs_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/compile.md runs as written (with the aot_eager backend, to keep the test short)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "compile.md").read_text()
+    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(found) >= 2
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    for i, code in enumerate(found):
+        dynamo.reset()
+        exec(compile(code, f"docs/compile.md[block {i}]", "exec"), {"__name__": "__doc_example__"})

@@ -20,7 +20,6 @@ compiled graph it is evaluated into a dense bool tensor first (traceable, but ``
 memory, unlike the eager tiled path that evaluates it per tile).
 """
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -31,9 +30,9 @@ from attnzoo.functional.tiled import _backward, native_half_matmul, plan_for, ti
 __all__ = ["tiled_bwd", "tiled_fwd", "tiled_op_attention", "traceable_visible_fraction"]
 
 
-def _request(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-             window_left: Optional[int], window_right: Optional[int], has_window: bool, q_offset: int,
-             scale: float, softcap: Optional[float], alibi_slopes: Optional[Tensor]) -> AttnRequest:
+def _request(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+             window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
+             scale: float, softcap: float | None, alibi_slopes: Tensor | None) -> AttnRequest:
     return build_request(q, k, v, mask=mask, causal=causal,
                          window=(window_left, window_right) if has_window else None, q_offset=q_offset,
                          scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0,
@@ -45,9 +44,9 @@ def _acc_dtype(q: Tensor) -> torch.dtype:
 
 
 @torch.library.custom_op("attnzoo::tiled_fwd", mutates_args=())
-def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-              window_left: Optional[int], window_right: Optional[int], has_window: bool, q_offset: int,
-              scale: float, softcap: Optional[float], alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+              window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
+              scale: float, softcap: float | None, alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor]:
     """Tiled attention forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` (float32,
     float64 for float64 inputs). Arguments as :func:`attnzoo.attention`; ``window`` is
     ``(window_left, window_right)`` when ``has_window`` (``None`` = unbounded side)."""
@@ -60,9 +59,9 @@ def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: b
 
 
 @tiled_fwd.register_fake
-def _tiled_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-                    window_left: Optional[int], window_right: Optional[int], has_window: bool, q_offset: int,
-                    scale: float, softcap: Optional[float], alibi_slopes: Optional[Tensor],
+def _tiled_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                    window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
+                    scale: float, softcap: float | None, alibi_slopes: Tensor | None,
                     ) -> tuple[Tensor, Tensor]:
     B, Hq, Nq, _ = q.shape
     out = q.new_empty(B, Hq, Nq, v.shape[-1])
@@ -71,10 +70,10 @@ def _tiled_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], cau
 
 
 @torch.library.custom_op("attnzoo::tiled_bwd", mutates_args=())
-def tiled_bwd(d_out: Tensor, d_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-              lse: Tensor, mask: Optional[Tensor], causal: bool, window_left: Optional[int],
-              window_right: Optional[int], has_window: bool, q_offset: int, scale: float,
-              softcap: Optional[float], alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def tiled_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+              lse: Tensor, mask: Tensor | None, causal: bool, window_left: int | None,
+              window_right: int | None, has_window: bool, q_offset: int, scale: float,
+              softcap: float | None, alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`tiled_fwd` from those of its outputs (tile by tile,
     probabilities recomputed from ``lse``)."""
     r = _request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
@@ -89,10 +88,10 @@ def tiled_bwd(d_out: Tensor, d_lse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
 
 @tiled_bwd.register_fake
-def _tiled_bwd_fake(d_out: Tensor, d_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                    lse: Tensor, mask: Optional[Tensor], causal: bool, window_left: Optional[int],
-                    window_right: Optional[int], has_window: bool, q_offset: int, scale: float,
-                    softcap: Optional[float], alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def _tiled_bwd_fake(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    lse: Tensor, mask: Tensor | None, causal: bool, window_left: int | None,
+                    window_right: int | None, has_window: bool, q_offset: int, scale: float,
+                    softcap: float | None, alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -106,7 +105,7 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[n
     ctx.scalars = dict(zip(_SCALAR_ARGS, scalars, strict=True))
 
 
-def _backward_formula(ctx, d_out: Tensor, d_lse: Optional[Tensor]) -> tuple:  # type: ignore[no-untyped-def]
+def _backward_formula(ctx, d_out: Tensor, d_lse: Tensor | None) -> tuple:  # type: ignore[no-untyped-def]
     q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
     s = ctx.scalars
     dq, dk, dv = tiled_bwd(d_out, d_lse, q, k, v, out, lse, mask, s["causal"], s["window_left"],
