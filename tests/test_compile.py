@@ -113,7 +113,9 @@ def test_inductor_tiled_window_forward_backward_matches_eager() -> None:
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
         return az.attention(q, k, v, causal=True, window=(8, 0), backend="tiled") * 2.0
 
-    args = _qkv(hq=4, hkv=2, grad=True)
+    # q as a transposed view ([B, N, H, D] -> [B, H, N, D]), as the modules pass it
+    q = torch.randn(1, N, 4, D).transpose(1, 2).requires_grad_(True)
+    args = (q, *_qkv(hq=4, hkv=2, grad=True)[1:])
     want = _outputs_and_grads(fn, args)
     dynamo.reset()
     got = _outputs_and_grads(torch.compile(fn, fullgraph=True), args)

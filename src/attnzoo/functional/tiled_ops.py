@@ -55,7 +55,7 @@ def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     with torch.no_grad():
         out, lse = tiled_attention(r)
     assert lse is not None  # the request asks for it
-    return out, lse
+    return out.contiguous(), lse.contiguous()
 
 
 @tiled_fwd.register_fake
@@ -84,7 +84,7 @@ def tiled_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tens
         qc, kc, vc, oc = q.float(), k.float(), v.float(), out.float()  # as the eager path computes
     with torch.no_grad():
         dq, dk, dv = _backward(r, plan, qc, kc, vc, oc, lse, d_out.contiguous(), d_lse)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
 @tiled_bwd.register_fake
@@ -92,7 +92,8 @@ def _tiled_bwd_fake(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v
                     lse: Tensor, mask: Tensor | None, causal: bool, window_left: int | None,
                     window_right: int | None, has_window: bool, q_offset: int, scale: float,
                     softcap: float | None, alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the real kernel returns them (q/k/v may be strided views, e.g. [B, N, H, D] transposed)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _SCALAR_ARGS = ("causal", "window_left", "window_right", "has_window", "q_offset", "scale", "softcap")
