@@ -6,7 +6,7 @@ hundreds of graph nodes (long compiles) and break the graph where it reads tenso
 hidden behind ``torch.library.custom_op``:
 
 * ``attnzoo::tiled_fwd(q, k, v, mask, causal, window_left, window_right, has_window, q_offset,
-  scale, softcap, alibi_slopes) -> (out [B, Hq, Nq, Dv], lse [B, Hq, Nq])``
+  scale, softcap, alibi_slopes, need_lse) -> (out [B, Hq, Nq, Dv], lse [B, Hq, Nq])``
 * ``attnzoo::tiled_bwd(d_out, d_lse, q, k, v, out, lse, <same arguments>) -> (dq, dk, dv)``
 
 Both take only tensors and Python scalars, have fake (meta) implementations giving the output
@@ -32,11 +32,12 @@ __all__ = ["tiled_bwd", "tiled_fwd", "tiled_op_attention", "traceable_visible_fr
 
 def _request(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
              window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
-             scale: float, softcap: float | None, alibi_slopes: Tensor | None) -> AttnRequest:
+             scale: float, softcap: float | None, alibi_slopes: Tensor | None, need_lse: bool = True,
+             ) -> AttnRequest:
     return build_request(q, k, v, mask=mask, causal=causal,
                          window=(window_left, window_right) if has_window else None, q_offset=q_offset,
                          scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0,
-                         return_lse=True, return_weights=False)
+                         return_lse=need_lse, return_weights=False)
 
 
 def _acc_dtype(q: Tensor) -> torch.dtype:
@@ -46,15 +47,18 @@ def _acc_dtype(q: Tensor) -> torch.dtype:
 @torch.library.custom_op("attnzoo::tiled_fwd", mutates_args=())
 def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
               window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
-              scale: float, softcap: float | None, alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor]:
+              scale: float, softcap: float | None, alibi_slopes: Tensor | None,
+              need_lse: bool = True) -> tuple[Tensor, Tensor]:
     """Tiled attention forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` (float32,
-    float64 for float64 inputs). Arguments as :func:`attnzoo.attention`; ``window`` is
+    float64 for float64 inputs; an empty ``[0]`` tensor unless ``need_lse``: inference without
+    ``return_lse`` skips it). Arguments as :func:`attnzoo.attention`; ``window`` is
     ``(window_left, window_right)`` when ``has_window`` (``None`` = unbounded side)."""
     r = _request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
-                 alibi_slopes)
+                 alibi_slopes, need_lse)
     with torch.no_grad():
         out, lse = tiled_attention(r)
-    assert lse is not None  # the request asks for it
+    if lse is None:
+        lse = q.new_empty(0, dtype=_acc_dtype(q))
     return out.contiguous(), lse.contiguous()
 
 
@@ -62,10 +66,10 @@ def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
 def _tiled_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                     window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
                     scale: float, softcap: float | None, alibi_slopes: Tensor | None,
-                    ) -> tuple[Tensor, Tensor]:
+                    need_lse: bool = True) -> tuple[Tensor, Tensor]:
     B, Hq, Nq, _ = q.shape
     out = q.new_empty(B, Hq, Nq, v.shape[-1])
-    lse = q.new_empty(B, Hq, Nq, dtype=_acc_dtype(q))
+    lse = q.new_empty((B, Hq, Nq) if need_lse else (0,), dtype=_acc_dtype(q))
     return out, lse
 
 
@@ -100,7 +104,9 @@ _SCALAR_ARGS = ("causal", "window_left", "window_right", "has_window", "q_offset
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, mask, *scalars, alibi_slopes = inputs
+    q, k, v, mask, *scalars, alibi_slopes, need_lse = inputs
+    if not need_lse:
+        raise ValueError("attnzoo::tiled_fwd: gradients need need_lse=True (the backward reads the LSE)")
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
     ctx.scalars = dict(zip(_SCALAR_ARGS, scalars, strict=True))
@@ -112,7 +118,7 @@ def _backward_formula(ctx, d_out: Tensor, d_lse: Tensor | None) -> tuple:  # typ
     dq, dk, dv = tiled_bwd(d_out, d_lse, q, k, v, out, lse, mask, s["causal"], s["window_left"],
                            s["window_right"], s["has_window"], s["q_offset"], s["scale"], s["softcap"],
                            alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 tiled_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -135,8 +141,9 @@ def tiled_op_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     """Run a validated request on the tiled backend through the custom operators (what a compiled
     graph calls). Returns ``(out, lse or None)`` like :func:`~attnzoo.functional.tiled.tiled_attention`."""
     left, right = r.window if r.window is not None else (None, None)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
     out, lse = tiled_fwd(r.q, r.k, r.v, _dense_mask(r), r.causal, left, right, r.window is not None,
-                         r.q_offset, r.scale, r.softcap, r.alibi_slopes)
+                         r.q_offset, r.scale, r.softcap, r.alibi_slopes, r.return_lse or needs_grad)
     return out, (lse if r.return_lse else None)
 
 
