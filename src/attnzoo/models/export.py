@@ -68,4 +68,3 @@ class CachedStep(nn.Module):
         cache = LayerCaches(layers)
         logits = self.model(tokens, cache=cache)
         return logits, [c.k for c in layers], [c.v for c in layers]
-
