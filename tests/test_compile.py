@@ -229,3 +229,12 @@ def test_compile_docs_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
     for i, code in enumerate(found):
         dynamo.reset()
         exec(compile(code, f"docs/compile.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+def test_dynamic_shapes_linear_attention_compiles_at_most_twice() -> None:
+    """The chunked causal form runs as one group when compiled: one graph for lengths that are
+    multiples of the chunk and one for the others (the padding branch)."""
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+        return az.linear_attention(q, k, v, causal=True, chunk_size=16)
+
+    assert _graphs_for_lengths(fn, [_qkv(n) for n in (24, 40, 48, 64, 72)]) <= 2

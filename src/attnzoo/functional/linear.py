@@ -206,8 +206,10 @@ def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, 
     se = torch.cat([s, z.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv + 1]
     per_chunk = b * h * (3 * f * (dv + 1) + chunk * chunk + 3 * chunk * (f + dv + 1)) * v.element_size()
     g = max(1, min(-(-n // chunk), _GROUP_BUDGET_BYTES // max(1, per_chunk)))
-    step = g * chunk
-    for lo in range(0, n, step):
+    # Compiled: one group (a loop over groups would specialise the graph on the length N).
+    compiling = torch.compiler.is_compiling()
+    step = n if compiling else g * chunk
+    for lo in [0] if compiling else range(0, n, step):
         hi = min(n, lo + step)
         m = -(-(hi - lo) // chunk)
         pad = m * chunk - (hi - lo)
