@@ -15,6 +15,7 @@ import torch._dynamo as dynamo
 import attnzoo as az
 from attnzoo.functional.tiled_ops import tiled_fwd
 from attnzoo.models.export import CachedStep, cache_tensors
+from attnzoo.variants import VARIANTS, build_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,14 +66,21 @@ def test_gqa_tiled_has_no_graph_breaks() -> None:
 
 MODULES: dict[str, Callable[[], torch.nn.Module]] = {
     "mha-causal": lambda: az.MultiHeadAttention(32, 4, causal=True),
-    "sliding": lambda: az.SlidingWindowAttention(32, 4, window=8),
-    "linear": lambda: az.LinearAttention(32, 4),
+    "sliding-window-8": lambda: az.SlidingWindowAttention(32, 4, window=8),
+    **{f"variant-{name}": (lambda name=name: build_attention(name, 32, 4)) for name in VARIANTS},
 }
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_forwards_have_no_graph_breaks(name: str) -> None:
     assert _break_count(MODULES[name](), torch.randn(2, N, 32)) == 0
+
+
+def test_encoder_and_vit_forwards_have_no_graph_breaks() -> None:
+    enc = az.TransformerEncoder(vocab_size=100, dim=32, depth=1, num_heads=4)
+    assert _break_count(enc, torch.randint(0, 100, (2, N))) == 0
+    vit = az.VisionTransformer(image_size=32, patch_size=8, num_classes=10, dim=32, depth=1, num_heads=4)
+    assert _break_count(vit, torch.randn(2, 3, 32, 32)) == 0
 
 
 def _lm(attention: str = "sliding") -> az.DecoderLM:
