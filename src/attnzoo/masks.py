@@ -444,12 +444,17 @@ def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
 
     Combine with a local pattern: ``sliding_window(w, w) | global_tokens([0])``.
     """
-    pos = torch.as_tensor(positions if isinstance(positions, Tensor) else list(positions))
-    if pos.dim() != 1 or pos.numel() == 0 or pos.is_floating_point() or pos.dtype == torch.bool:
+    if isinstance(positions, Tensor):
+        vals = positions.tolist() if positions.dim() == 1 and not positions.is_floating_point() else None
+    else:  # plain ints are checked in Python (no tensor syncs: modules build this mask while compiled)
+        vals = list(positions)
+    if (not vals or isinstance(positions, Tensor) and positions.dtype == torch.bool
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in vals)):
         raise ValueError(f"global_tokens: positions must be a non-empty list of ints, got {positions!r}")
-    if (pos < 0).any():
-        raise ValueError(f"global_tokens: positions must be >= 0, got {pos.tolist()}")
-    gmax = int(pos.max())
+    if min(vals) < 0:
+        raise ValueError(f"global_tokens: positions must be >= 0, got {vals}")
+    pos = torch.tensor(vals, dtype=torch.int64)
+    gmax = max(vals)
     table = torch.zeros(gmax + 1, dtype=torch.bool)
     table[pos] = True
     sorted_pos = torch.sort(torch.unique(pos)).values

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -21,6 +20,8 @@ from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 
 __all__ = ["AttnRequest", "Capabilities", "Window", "build_request", "check_qkv", "normalize_window"]
+
+_UNSET = object()  # "not computed yet" for AttnRequest.structure
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -110,9 +111,19 @@ class AttnRequest:
         m = self.mask_tensor
         return m if m is not None and m.dtype == torch.bool else None
 
-    @cached_property
+    @property
     def structure(self) -> Mask | None:
-        """Causal, window and Mask-object constraints combined into one position predicate."""
+        """Causal, window and Mask-object constraints combined into one position predicate.
+
+        Memoised in the instance without a lock (``functools.cached_property`` takes an RLock on
+        Python < 3.12, which ``torch.compile`` cannot trace: a graph break per access)."""
+        memo = self.__dict__.get("_structure", _UNSET)
+        if memo is _UNSET:
+            memo = self._build_structure()
+            object.__setattr__(self, "_structure", memo)
+        return memo
+
+    def _build_structure(self) -> Mask | None:
         parts: list[Mask] = []
         if self.causal:
             parts.append(causal_mask())

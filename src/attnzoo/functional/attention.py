@@ -19,6 +19,7 @@ import attnzoo.functional.tiled as tiled
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
 from attnzoo.functional.rules import compute_dtype
 from attnzoo.functional.sinks import sink_attention
+from attnzoo.functional.tiled_ops import tiled_op_attention, traceable_visible_fraction
 from attnzoo.masks import Mask
 
 __all__ = ["BACKENDS", "attention", "available_backends", "choose_backend", "merge_attention"]
@@ -47,6 +48,8 @@ def _missing(r: AttnRequest, backend: str) -> set[str]:
 
 def _visible_fraction(r: AttnRequest, block: int = 128) -> float:
     """Fraction of tiles the tiled backend must visit (1.0 = dense)."""
+    if torch.compiler.is_compiling():  # plans read tensor data; a compiled graph decides from sizes
+        return traceable_visible_fraction(r, block)
     plan = tiled.tile_plan(r, block, block)
     total = plan.n_q_blocks * plan.n_k_blocks
     return plan.n_tiles / max(1, total)
@@ -165,6 +168,8 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
         out, lse, weights = reference.reference_attention(r)
     elif name == "sdpa":
         out = sdpa.sdpa_attention(r)
+    elif name == "tiled" and torch.compiler.is_compiling():
+        out, lse = tiled_op_attention(r)  # one custom operator per direction (no unrolled loops)
     elif name == "tiled":
         out, lse = tiled.tiled_attention(r)
     elif name == "flex":

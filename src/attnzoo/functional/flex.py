@@ -142,7 +142,9 @@ def flex_attention_backend(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     # run FlexAttention's eager path (exact, but it materialises the scores).
     # Compiled CPU FlexAttention also returns wrong values (NaN or off by O(1)) when Nk is below
     # one block (torch 2.13; found by `attnzoo check`); those shapes run eagerly too.
-    compiled = COMPILE and not (r.q.device.type == "cpu" and (needs_grad or r.return_lse or r.nk < FLEX_BLOCK))
+    # Inside an outer torch.compile the plain function is traced into the caller's graph.
+    compiled = COMPILE and not torch.compiler.is_compiling() and not (
+        r.q.device.type == "cpu" and (needs_grad or r.return_lse or r.nk < FLEX_BLOCK))
     fn = _flex_fn(compiled)
     kwargs: dict[str, Any] = {"score_mod": _score_mod(r), "block_mask": block_mask, "scale": r.scale,
                               "enable_gqa": r.group > 1}

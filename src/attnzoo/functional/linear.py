@@ -202,8 +202,10 @@ def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, 
     se = torch.cat([s, z.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv + 1]
     per_chunk = b * h * (3 * f * (dv + 1) + chunk * chunk + 3 * chunk * (f + dv + 1)) * v.element_size()
     g = max(1, min(-(-n // chunk), _GROUP_BUDGET_BYTES // max(1, per_chunk)))
-    step = g * chunk
-    for lo in range(0, n, step):
+    # Compiled: one group (a loop over groups would specialise the graph on the length N).
+    compiling = torch.compiler.is_compiling()
+    step = n if compiling else g * chunk
+    for lo in [0] if compiling else range(0, n, step):
         hi = min(n, lo + step)
         m = -(-(hi - lo) // chunk)
         pad = m * chunk - (hi - lo)
@@ -332,7 +334,7 @@ def linear_attention(
     form = check_form(form)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:  # no math.isfinite: traceable
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]

@@ -40,7 +40,7 @@ def dense_mask(r: AttnRequest) -> Tensor | None:
 
 def sdpa_attention(r: AttnRequest) -> Tensor:
     """Attention through ``torch.nn.functional.scaled_dot_product_attention``; ``[B, Hq, Nq, Dv]``."""
-    gqa = r.group > 1
+    gqa = True if r.group > 1 else False  # noqa: SIM210 (a branch: a plain bool even under dynamic shapes)
     only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
                    and r.alibi_slopes is None)
     if not (r.causal or r.window is not None or r.mask_obj is not None or r.mask_tensor is not None
@@ -53,7 +53,8 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
     assert m is not None
     visible = m if m.dtype == torch.bool else m > float("-inf")
     row_ok = visible.any(dim=-1, keepdim=True)  # [B|1, H|1, Nq, 1]
-    if bool(row_ok.all()):
+    # Compiled: no host sync on the data; the empty-row-safe path below is exact for every mask.
+    if not torch.compiler.is_compiling() and bool(row_ok.all()):
         return F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=m, dropout_p=r.dropout_p,
                                               scale=r.scale, enable_gqa=gqa)
     # Empty rows: make them see every key (finite math), then zero their output.

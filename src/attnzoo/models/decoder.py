@@ -242,7 +242,8 @@ class DecoderLM(FromConfig, nn.Module):
                 positions = positions_from_mask(am)[:, past:]  # [B, N]
         if positions is not None:
             positions = self._check_positions(positions, B, N)
-            if self.pos in ("learned", "sinusoidal") and positions.numel() and int(positions.max()) >= self.max_seq_len:
+            if (self.pos in ("learned", "sinusoidal") and positions.numel() and not torch.compiler.is_compiling()
+                    and int(positions.max()) >= self.max_seq_len):  # eager only: syncs
                 raise ValueError(f"{owner}: position {int(positions.max())} is beyond the model's "
                                  f"{self.max_seq_len} positions (max_seq_len)")
         elif past + N > self.max_seq_len and self.pos in ("learned", "sinusoidal"):

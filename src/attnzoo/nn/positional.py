@@ -58,7 +58,7 @@ def resolve_positions(
     if positions.dim() == 2 and batch is not None and positions.shape[0] not in (1, batch):
         raise ValueError(f"{name} has shape {tuple(positions.shape)} but the batch size is {batch} "
                          f"(expected [{batch}, {n}] or [{n}])")
-    if positions.numel() and int(positions.min()) < 0:
+    if positions.numel() and not torch.compiler.is_compiling() and int(positions.min()) < 0:  # eager only: syncs
         raise ValueError(f"{name} must be >= 0, got minimum {int(positions.min())}")
     return positions.to(device=device, dtype=torch.long)
 
@@ -140,7 +140,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 
 def _check_table_range(pos: Tensor, max_len: int, cls: str) -> None:
-    if pos.numel() and int(pos.max()) >= max_len:
+    if pos.numel() and not torch.compiler.is_compiling() and int(pos.max()) >= max_len:  # eager only: syncs
         raise ValueError(f"{cls}: position {int(pos.max())} is beyond the table (max_len={max_len}, "
                          f"valid positions 0..{max_len - 1}); build it with a larger max_len")
 

@@ -61,8 +61,23 @@ from attnzoo.functional.tiled.plan import (
     use_tiles,
 )
 
-__all__ = ["CAPABILITIES", "DEFAULT_TILES", "PLAN_CACHE_SIZE", "Band", "Chunk", "TileConfig", "TilePlan", "accumulate_grads",
-           "current_tiles", "native_half_matmul", "tile_plan", "tiled_attention", "use_tiles"]
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_TILES",
+    "PLAN_CACHE_SIZE",
+    "Band",
+    "Chunk",
+    "TileConfig",
+    "TilePlan",
+    "accumulate_grads",
+    "attention_backward",
+    "current_tiles",
+    "native_half_matmul",
+    "plan_for",
+    "tile_plan",
+    "tiled_attention",
+    "use_tiles",
+]
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
 CAPABILITIES = Capabilities("tiled", frozenset({"return_weights", "dropout", "float mask gradient", "alibi gradient"}))
@@ -102,6 +117,14 @@ def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
     return bool(flags & wanted)
 
 
+def plan_for(r: AttnRequest, block_q: int | None = None, block_k: int | None = None,
+             tiles: TileConfig | None = None) -> TilePlan:
+    """The plan :func:`tiled_attention` runs ``r`` with (the custom operators of
+    :mod:`attnzoo.functional.tiled_ops` recompute it in their backward from the same request)."""
+    plan = tile_plan(r, block_q, block_k, tiles)
+    return band_plan(r, plan) if block_q is None else plan
+
+
 def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | None = None,
                     tiles: TileConfig | None = None) -> tuple[Tensor, Tensor | None]:
     """Exact attention by key tiles. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32)``;
@@ -114,9 +137,7 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
     ``tiles`` sets the tile sizes (default: :func:`current_tiles`, i.e. :data:`DEFAULT_TILES`
     unless inside :func:`use_tiles`); ``block_q``/``block_k`` pin the block sizes (then sliding
     windows are not re-planned with smaller query blocks)."""
-    plan = tile_plan(r, block_q, block_k, tiles)
-    if block_q is None:
-        plan = band_plan(r, plan)
+    plan = plan_for(r, block_q, block_k, tiles)
     q, k, v = r.q, r.k, r.v
     half = q.dtype in (torch.float16, torch.bfloat16)
     if half and not native_half_matmul(q.dtype, q.device.type):

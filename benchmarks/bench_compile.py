@@ -1,0 +1,119 @@
+"""torch.compile: compile time and compiled/eager time ratio of attnzoo calls (CPU, float32).
+
+Cases (shapes of issue 20): ``az.attention`` dense causal and sliding window ``(64, 0)`` at
+``[1, 4, N, 32]``, causal ``az.linear_attention`` at the same shape (forward, inference), and a
+training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
+num_heads=4, attention="sliding")`` on ``N`` tokens.
+
+"compile s" is the first call of the compiled function (tracing, AOTAutograd, inductor code
+generation and C++ builds; a fresh process pays inductor's one-time start-up in the first case,
+and inductor's on-disk cache makes later processes faster). Times are medians of interleaved
+repeats (eager, compiled, eager, ...) in the same run, so load from other processes hits both
+alike. ratio = compiled / eager (< 1: compiled is faster).
+
+    python benchmarks/bench_compile.py                     # every case at N = 2048
+    python benchmarks/bench_compile.py --cases window,lm --repeats 7 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo as az
+
+CASES = ("dense", "window", "linear", "lm")
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(eager call, compiled call) of a case; the compiled one is built lazily by its first call."""
+    q, k, v = (torch.randn(1, 4, n, 32) for _ in range(3))
+    if name in ("dense", "window", "linear"):
+        def attn() -> object:
+            if name == "linear":
+                return az.linear_attention(q, k, v, causal=True)
+            return az.attention(q, k, v, causal=True, window=(64, 0) if name == "window" else None)
+
+        compiled = torch.compile(attn, fullgraph=True)
+
+        def eager_inf() -> object:
+            with torch.no_grad():
+                return attn()
+
+        def compiled_inf() -> object:
+            with torch.no_grad():
+                return compiled()
+
+        return eager_inf, compiled_inf
+    lm = az.DecoderLM(vocab_size=100, dim=128, depth=2, num_heads=4, attention="sliding")
+    tok = torch.randint(0, 100, (1, n))
+    compiled_lm = torch.compile(lm, fullgraph=True)
+
+    def step(model: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        def run() -> object:
+            lm.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(tok).flatten(0, 1), tok.flatten())
+            loss.backward()
+            return loss
+        return run
+
+    return step(lm), step(compiled_lm)
+
+
+def run(cases: list[str], n: int, repeats: int) -> list[dict[str, object]]:
+    rows = []
+    for name in cases:
+        torch._dynamo.reset()
+        eager, compiled = _case(name, n)
+        compile_s = _time(compiled)
+        eager()  # warm-up (plan caches, allocator)
+        compiled()
+        te, tc = [], []
+        for _ in range(repeats):
+            te.append(_time(eager))
+            tc.append(_time(compiled))
+        e, c = statistics.median(te), statistics.median(tc)
+        row = {"case": name, "n": n, "compile_s": round(compile_s, 2), "eager_ms": round(e * 1e3, 2),
+               "compiled_ms": round(c * 1e3, 2), "ratio": round(c / e, 3)}
+        print(f"{name:7s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
+              f"{c * 1e3:8.2f} ms   compiled/eager {c / e:.3f}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
+    p.add_argument("--n", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    a = p.parse_args()
+    cases = [c for c in a.cases.split(",") if c]
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        p.error(f"unknown cases {sorted(unknown)}; choose from {CASES}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    rows = run(cases, a.n, a.repeats)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""torch.compile / torch.export: no graph breaks, compiled == eager (outputs and gradients), export
+round trips and bounded recompiles under dynamic shapes. Tiny shapes; most compiles use the
+``eager``/``aot_eager`` backends (what Dynamo and AOTAutograd see is what matters); one test runs
+inductor."""
+
+import functools
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+import attnzoo as az
+from attnzoo.functional.tiled_ops import tiled_fwd
+from attnzoo.models.export import CachedStep, cache_tensors
+from attnzoo.variants import VARIANTS, build_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N, D = 48, 16
+
+
+def _qkv(n: int = N, hq: int = 4, hkv: int = 4, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    q = torch.randn(1, hq, n, D)
+    k, v = torch.randn(1, hkv, n, D), torch.randn(1, hkv, n, D)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def _window_mask() -> az.masks.Mask:
+    return az.masks.causal() & az.masks.sliding_window(8, 0)
+
+
+CALLS: dict[str, Callable[..., object]] = {
+    **{f"causal-{be}": (lambda q, k, v, be=be: az.attention(q, k, v, causal=True, backend=be))
+       for be in ("auto", "reference", "sdpa", "tiled", "flex")},
+    **{f"window-{be}": (lambda q, k, v, be=be: az.attention(q, k, v, causal=True, window=(8, 0), backend=be))
+       for be in ("auto", "reference", "sdpa", "tiled")},
+    "mask-object-auto": lambda q, k, v: az.attention(q, k, v, mask=_window_mask()),
+    "mask-object-tiled": lambda q, k, v: az.attention(q, k, v, mask=_window_mask(), backend="tiled"),
+    "tiled-softcap-alibi-lse": lambda q, k, v: az.attention(
+        q, k, v, causal=True, softcap=5.0, alibi_slopes=torch.linspace(0.1, 0.5, 4), return_lse=True,
+        backend="tiled"),
+    "linear": lambda q, k, v: az.linear_attention(q, k, v, causal=True),
+    "linear-chunked": lambda q, k, v: az.linear_attention(q, k, v, causal=True, chunk_size=16),
+    "performer": lambda q, k, v: az.performer_attention(q, k, v, torch.randn(8, D), causal=True),
+}
+
+
+def _break_count(fn: Callable[..., object], *args: object) -> int:
+    dynamo.reset()
+    return dynamo.explain(fn)(*args).graph_break_count
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_core_calls_have_no_graph_breaks(name: str) -> None:
+    assert _break_count(CALLS[name], *_qkv()) == 0
+
+
+def test_gqa_tiled_has_no_graph_breaks() -> None:
+    q, k, v = _qkv(hq=4, hkv=2)
+    assert _break_count(lambda q, k, v: az.attention(q, k, v, causal=True, window=(8, 0), backend="tiled"),
+                        q, k, v) == 0
+
+
+MODULES: dict[str, Callable[[], torch.nn.Module]] = {
+    "mha-causal": lambda: az.MultiHeadAttention(32, 4, causal=True),
+    "sliding-window-8": lambda: az.SlidingWindowAttention(32, 4, window=8),
+    **{f"variant-{name}": (lambda name=name: build_attention(name, 32, 4)) for name in VARIANTS},
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_forwards_have_no_graph_breaks(name: str) -> None:
+    assert _break_count(MODULES[name](), torch.randn(2, N, 32)) == 0
+
+
+def test_encoder_and_vit_forwards_have_no_graph_breaks() -> None:
+    enc = az.TransformerEncoder(vocab_size=100, dim=32, depth=1, num_heads=4)
+    assert _break_count(enc, torch.randint(0, 100, (2, N))) == 0
+    vit = az.VisionTransformer(image_size=32, patch_size=8, num_classes=10, dim=32, depth=1, num_heads=4)
+    assert _break_count(vit, torch.randn(2, 3, 32, 32)) == 0
+
+
+def _lm(attention: str = "sliding") -> az.DecoderLM:
+    return az.DecoderLM(vocab_size=100, dim=32, depth=2, num_heads=4, attention=attention).eval()
+
+
+def test_decoder_lm_forward_has_no_graph_breaks() -> None:
+    assert _break_count(_lm(), torch.randint(0, 100, (2, N))) == 0
+
+
+# --------------------------------------------------------------- compiled == eager
+GRAD_CALLS = ("causal-reference", "causal-sdpa", "causal-tiled", "window-tiled", "window-sdpa",
+              "mask-object-tiled", "tiled-softcap-alibi-lse", "linear-chunked", "performer")
+
+
+def _outputs_and_grads(fn: Callable[..., object], args: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    for a in args:
+        a.grad = None
+    res = fn(*args)
+    outs = list(res) if isinstance(res, tuple) else [res]
+    sum(o.float().sin().sum() for o in outs if torch.isfinite(o).all()).backward()
+    return [o.detach() for o in outs] + [a.grad.clone() for a in args]
+
+
+@pytest.mark.parametrize("name", GRAD_CALLS)
+def test_compiled_matches_eager_with_gradients(name: str) -> None:
+    args = _qkv(grad=True)
+    torch.manual_seed(1)
+    want = _outputs_and_grads(CALLS[name], args)
+    dynamo.reset()
+    torch.manual_seed(1)
+    got = _outputs_and_grads(torch.compile(CALLS[name], backend="aot_eager", fullgraph=True), args)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_tiled_window_forward_backward_matches_eager() -> None:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+        return az.attention(q, k, v, causal=True, window=(8, 0), backend="tiled") * 2.0
+
+    # q as a transposed view ([B, N, H, D] -> [B, H, N, D]), as the modules pass it
+    q = torch.randn(1, N, 4, D).transpose(1, 2).requires_grad_(True)
+    args = (q, *_qkv(hq=4, hkv=2, grad=True)[1:])
+    want = _outputs_and_grads(fn, args)
+    dynamo.reset()
+    got = _outputs_and_grads(torch.compile(fn, fullgraph=True), args)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_custom_operator_registration() -> None:
+    """opcheck: schema, fake (meta) implementation, autograd registration and AOT dispatch."""
+    q, k, v = _qkv(grad=True)
+    mask = torch.rand(1, 1, N, N) > 0.3
+    for args in ((q, k, v, None, True, 8, 0, True, 0, 0.25, None, None),
+                 (q, k, v, mask, False, None, None, False, 0, 0.25, 4.0, torch.linspace(0.1, 0.5, 4)),
+                 (q.detach(), k.detach(), v.detach(), None, True, None, None, False, 0, 0.25, None, None, False)):
+        torch.library.opcheck(tiled_fwd, args)
+
+
+@pytest.mark.slow
+def test_inductor_decoder_lm_training_step_matches_eager() -> None:
+    lm = _lm().train()
+    tok = torch.randint(0, 100, (2, N))
+
+    def loss_and_grads(model: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        lm.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(tok).flatten(0, 1), tok.flatten())
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in lm.parameters()]
+
+    want = loss_and_grads(lm)
+    dynamo.reset()
+    got = loss_and_grads(torch.compile(lm, fullgraph=True))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- export
+def test_export_decoder_lm_and_encoder_give_eager_outputs() -> None:
+    tok = torch.randint(0, 100, (2, N))
+    lm = _lm()
+    want = lm(tok)
+    torch.testing.assert_close(torch.export.export(lm, (tok,)).module()(tok), want)
+    enc = az.TransformerEncoder(vocab_size=100, dim=32, depth=2, num_heads=4).eval()
+    am = torch.ones(2, N, dtype=torch.bool)
+    am[1, N // 2:] = False
+    want = enc(tok, attention_mask=am)
+    ep = torch.export.export(enc, (tok,), {"attention_mask": am})
+    torch.testing.assert_close(ep.module()(tok, attention_mask=am), want)
+
+
+def test_export_cached_decode_step_gives_eager_outputs() -> None:
+    lm = _lm("mha")
+    prompt, nxt = torch.randint(0, 100, (2, 10)), torch.randint(0, 100, (2, 1))
+    cache = lm.init_cache(2, 32)
+    with torch.no_grad():
+        lm(prompt, cache=cache)
+        keys, values = (list(map(torch.clone, ts)) for ts in cache_tensors(cache))
+        want = lm(nxt, cache=cache)  # eager step: the cache now holds 11 tokens
+        ep = torch.export.export(CachedStep(lm, past_len=10), (nxt, keys, values))
+        logits, new_keys, new_values = ep.module()(nxt, keys, values)
+    torch.testing.assert_close(logits, want)
+    for got, ref in zip(new_keys + new_values, [c.k for c in cache] + [c.v for c in cache], strict=True):
+        torch.testing.assert_close(got, ref)
+    # ... and the full forward over prompt + token agrees (the decoding contract, exported)
+    torch.testing.assert_close(logits[:, -1], lm(torch.cat([prompt, nxt], 1))[:, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_cache_tensors_rejects_non_kv_caches() -> None:
+    with pytest.raises(TypeError, match="KVCache"):
+        cache_tensors(_lm("linear").init_cache(1, 16))
+
+
+# ------------------------------------------------------------------ dynamic shapes
+def _graphs_for_lengths(fn: Callable[..., object], inputs: list[tuple[torch.Tensor, ...]]) -> int:
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(gm)
+        return gm.forward
+
+    dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+    for args in inputs:
+        compiled(*args)
+    return len(graphs)
+
+
+LENGTHS = (24, 40, 56, 72)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "tiled", "auto"])
+def test_dynamic_shapes_compile_once_for_several_lengths(backend: str) -> None:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+        return az.attention(q, k, v, causal=True, window=(8, 0), backend=backend)
+
+    assert _graphs_for_lengths(fn, [_qkv(n) for n in LENGTHS]) == 1
+
+
+def test_dynamic_shapes_decoder_lm_recompiles_at_most_once() -> None:
+    lm = _lm()
+    # the first call fills the RoPE frequency cache (module state), which may cost one recompile
+    assert _graphs_for_lengths(lm, [(torch.randint(0, 100, (1, n)),) for n in LENGTHS]) <= 2
+
+
+# --------------------------------------------------------------------------- docs
+def test_compile_docs_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/compile.md runs as written (with the aot_eager backend, to keep the test short)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "compile.md").read_text()
+    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(found) >= 2
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    for i, code in enumerate(found):
+        dynamo.reset()
+        exec(compile(code, f"docs/compile.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+def test_dynamic_shapes_linear_attention_compiles_at_most_twice() -> None:
+    """The chunked causal form runs as one group when compiled: one graph for lengths that are
+    multiples of the chunk and one for the others (the padding branch)."""
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+        return az.linear_attention(q, k, v, causal=True, chunk_size=16)
+
+    assert _graphs_for_lengths(fn, [_qkv(n) for n in (24, 40, 48, 64, 72)]) <= 2
