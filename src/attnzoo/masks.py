@@ -448,7 +448,7 @@ def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
         vals = positions.tolist() if positions.dim() == 1 and not positions.is_floating_point() else None
     else:  # plain ints are checked in Python (no tensor syncs: modules build this mask while compiled)
         vals = list(positions)
-    if (not vals or isinstance(positions, Tensor) and positions.dtype == torch.bool
+    if (not vals or (isinstance(positions, Tensor) and positions.dtype == torch.bool)
             or any(isinstance(x, bool) or not isinstance(x, int) for x in vals)):
         raise ValueError(f"global_tokens: positions must be a non-empty list of ints, got {positions!r}")
     if min(vals) < 0:
