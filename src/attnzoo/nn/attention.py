@@ -14,17 +14,27 @@ Each is a registered variant (``mha``, ``mqa``, ``gqa``, ``sliding``); their spe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnzoo.functional._request import normalize_window
+from attnzoo.functional.sigmoid import sigmoid_attention
+from attnzoo.functional.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
 from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
 from attnzoo.nn.costs import softmax_cost
+from attnzoo.nn.frontier import (
+    OUTPUT_GATES,
+    QK_NORMS,
+    SCORES,
+    FrontierParts,
+    check_cu_seqlens,
+    packed_positions,
+)
 from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
@@ -41,25 +51,59 @@ class AttentionOptions:
     Attributes:
         alibi: add ALiBi biases with :func:`alibi_slopes` ``(H)``.
         scale: score scale, default ``1 / sqrt(D)``; a finite positive float.
+        sinks: a learnable ``[H]`` sink logit per query head (gpt-oss attention sinks), passed to
+            :func:`attnzoo.attention` as ``sinks=``.
+        qk_norm: ``None``, ``"head"`` (per-head RMSNorm of q and k: Qwen3, Gemma3) or ``"all"``
+            (RMSNorm over all heads of a token: OLMo2), before RoPE.
+        output_gate: ``None``, ``"head"`` or ``"element"``: the attention output times
+            ``sigmoid(gate_proj(x))`` before ``out_proj`` (gated attention, Qwen3-Next).
+        score: ``"softmax"`` or ``"sigmoid"`` (:func:`attnzoo.sigmoid_attention`).
+        sigmoid_bias: the bias of ``score="sigmoid"``; ``None``: ``-log(Nk)`` of the call (decoding
+            with a cache then needs an explicit value, since ``Nk`` changes from step to step).
     """
 
     alibi: bool = False
     scale: float | None = None
+    sinks: bool = False
+    qk_norm: str | None = None
+    output_gate: str | None = None
+    score: str = "softmax"
+    sigmoid_bias: float | None = None
 
     @classmethod
     def parse(cls, owner: str, options: dict[str, Any]) -> tuple[AttentionOptions, dict[str, Any]]:
         """Split keyword ``options`` into ``(AttentionOptions, {"device", "dtype"})``; unknown keys raise."""
-        unknown = sorted(set(options) - {"alibi", "scale", "device", "dtype"})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - {*known, "device", "dtype"})
         if unknown:
             raise TypeError(f"{owner}: unexpected keyword argument(s) {unknown}; expected some of "
-                            f"['alibi', 'scale', 'device', 'dtype']")
+                            f"{sorted([*known, 'device', 'dtype'])}")
         alibi = check_flag(options.get("alibi", False), "alibi", owner)
-        scale = options.get("scale")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale) or not scale > 0):
-            raise ValueError(f"{owner}: scale must be a finite positive float or None, got {scale!r}")
-        return cls(alibi, None if scale is None else float(scale)), {
+        sinks = check_flag(options.get("sinks", False), "sinks", owner)
+        scale, bias = (_finite(owner, name, options.get(name), positive)
+                       for name, positive in (("scale", True), ("sigmoid_bias", False)))
+        for name, choices in (("qk_norm", QK_NORMS), ("output_gate", OUTPUT_GATES), ("score", SCORES)):
+            if options.get(name, cls.score if name == "score" else None) not in choices:
+                raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {options[name]!r}")
+        score = options.get("score", "softmax")
+        if score == "sigmoid" and (sinks or alibi):
+            raise ValueError(f"{owner}: score='sigmoid' has no softmax normaliser; it does not take sinks=True "
+                             f"or alibi=True (got sinks={sinks}, alibi={alibi})")
+        if score != "sigmoid" and bias is not None:
+            raise ValueError(f"{owner}: sigmoid_bias applies to score='sigmoid' only, got score={score!r}")
+        return cls(alibi, scale, sinks, options.get("qk_norm"), options.get("output_gate"), score, bias), {
             "device": options.get("device"), "dtype": options.get("dtype")}
+
+
+def _finite(owner: str, name: str, value: object, positive: bool) -> float | None:
+    """``value`` as a finite float (``> 0`` when ``positive``) or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and not value > 0):
+        raise ValueError(f"{owner}: {name} must be a finite{' positive' if positive else ''} float or None, "
+                         f"got {value!r}")
+    return float(value)
 
 
 def _resolve_rope(owner: str, rope: object, head_dim: int) -> RotaryEmbedding | None:
@@ -144,6 +188,11 @@ class MultiHeadAttention(AttentionBase):
         self.dropout = float(dropout)
         self.backend = check_backend(backend, cls)
         self.options = opts
+        self.frontier = FrontierParts(self.dim, self.num_heads, self.num_kv_heads, self.head_dim, sinks=opts.sinks,
+                                      qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory)
+        if opts.score == "sigmoid" and (backend not in ("auto", "reference", "tiled") or self.dropout):
+            raise ValueError(f"{cls}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' without "
+                             f"dropout, got backend={backend!r}, dropout={self.dropout}")
         self.rope: RotaryEmbedding | None = _resolve_rope(cls, rope, self.head_dim)
         self._alibi_cache: dict[torch.device, Tensor] = {}
         if self.kv_dim is not None and (self.causal or self.window is not None or self.rope is not None
@@ -160,6 +209,11 @@ class MultiHeadAttention(AttentionBase):
     def scale(self) -> float | None:
         """Score scale (``None``: ``1 / sqrt(D)``)."""
         return self.options.scale
+
+    @property
+    def sinks(self) -> nn.Parameter | None:
+        """The learnable ``[H]`` sink logits (``sinks=True``), else ``None``."""
+        return self.frontier.sinks
 
     # ------------------------------------------------------------------ caches
     def _structure(self) -> Mask | None:
@@ -197,6 +251,7 @@ class MultiHeadAttention(AttentionBase):
         cache: KVCache | SlidingWindowKVCache | None = None,
         positions: Tensor | None = None,
         return_weights: bool = False,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x [B, N, C]`` to itself (or to ``context [B, M, kv_dim]``).
 
@@ -217,19 +272,54 @@ class MultiHeadAttention(AttentionBase):
                 use the token's index in the stream (its position in the cache).
             return_weights: also return the attention weights ``[B, H, N, Nk]`` (the reference
                 backend; with a sliding cache over the keys it holds, in position order).
+            cu_seqlens: packed input: ``x`` is ``[1, T, C]`` holding ``S`` sequences end to end and
+                ``cu_seqlens`` their int32 cumulative lengths ``[S+1]``; RoPE positions restart at 0 in
+                every sequence and attention runs through :func:`attnzoo.attention_varlen` (equal
+                to running each sequence alone). Not with a cache, ``mask``, ``positions`` or
+                ``return_weights``.
 
         Returns:
             ``out [B, N, C]``, or ``(out, weights)``.
         """
-        x = self.check_call(x, cache, positions, return_weights, (KVCache, SlidingWindowKVCache))
+        x = self.check_call(x, cache, positions, return_weights, self._cache_types)
+        if cu_seqlens is not None:
+            return self.merge_heads(self.frontier.gate(self._packed(x, cu_seqlens, context, mask, cache, positions,
+                                                                    return_weights), x))
         if self.kv_dim is not None or context is not None:
             out, weights = self.guarded(cache, lambda: self._cross(x, context, mask, cache, return_weights))
         else:
             out, weights = self.guarded(cache, lambda: self._self(x, mask, cache, positions, return_weights))
-        y = self.merge_heads(out)  # [B, N, C]
+        y = self.merge_heads(self.frontier.gate(out, x))  # [B, N, C]
         return (y, weights) if return_weights else y
 
     # ------------------------------------------------------------------ internals
+    #: the caches :meth:`forward` accepts
+    _cache_types: tuple[type, ...] = (KVCache, SlidingWindowKVCache)
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
+        cls = type(self).__name__
+        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
+                 if v is not None] + (["return_weights"] if return_weights else [])
+        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
+            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
+                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
+        cu = check_cu_seqlens(cu_seqlens, x, cls)
+        if self.training and self.dropout:
+            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
+        H, T = self.num_heads, x.shape[1]
+        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
+        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(packed_positions(cu, T), torch.float64 if q.dtype == torch.float64
+                                         else torch.float32)
+            q, k = self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
+                               scale=self.scale, sinks=self.sinks, backend=self.backend)  # [T, H, Dv]
+        return out.transpose(0, 1).reshape(1, H, T, -1)
+
     def _slopes(self, device: torch.device) -> Tensor | None:
         if not self.alibi:
             return None
@@ -242,9 +332,15 @@ class MultiHeadAttention(AttentionBase):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
-                          alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
-                          return_weights=return_weights, backend=self.backend)
+        if self.options.score == "sigmoid":
+            res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
+                                    scale=self.scale, q_offset=q_offset, return_weights=return_weights,
+                                    backend=self.backend)
+        else:
+            extra = {} if self.sinks is None else {"sinks": self.sinks}
+            res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
+                              alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
+                              return_weights=return_weights, backend=self.backend, **extra)
         if return_weights:
             return res[0], res[1]
         return res, None
@@ -258,7 +354,7 @@ class MultiHeadAttention(AttentionBase):
                              f"rope, alibi or a position pattern; build a separate cross-attention module")
         if isinstance(cache, SlidingWindowKVCache):
             raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
-        q = self.project_q(x)  # [B, H, N, D]
+        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
         if cache is not None and cache.length > 0:
             if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
                 raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
@@ -269,6 +365,7 @@ class MultiHeadAttention(AttentionBase):
             context = self._check_context(x, context)
             _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
             k, v = self.project_kv(context)  # [B, Hkv, M, D]
+            k = self.frontier.norm_k(k)
             if cache is not None:
                 k, v, _ = cache.update(k, v)
         return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
@@ -291,6 +388,9 @@ class MultiHeadAttention(AttentionBase):
 
     def _check_self_cache(self, cache: Cache | None) -> None:
         cls = type(self).__name__
+        if cache is not None and self.options.score == "sigmoid" and self.options.sigmoid_bias is None:
+            raise ValueError(f"{cls}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias (the default "
+                             f"-log(Nk) changes with the number of keys each call sees); build with sigmoid_bias=...")
         if cache is not None and not self.causal:
             raise ValueError(f"{cls}: decoding with a cache needs causal=True (a bidirectional layer would see "
                              f"tokens that are not generated yet)")
@@ -314,6 +414,8 @@ class MultiHeadAttention(AttentionBase):
         qk_, v_ = qkv.split(((H + Hkv) * self.head_dim, Hkv * self.head_dim), dim=-1)
         qk = self.split_heads(qk_)  # [B, H + Hkv, N, D]: q and k heads side by side
         v = self.split_heads(v_)  # [B, Hkv, N, D]
+        if self.frontier.qk_norm is not None:
+            qk = torch.cat((self.frontier.norm_q(qk[:, :H]), self.frontier.norm_k(qk[:, H:])), dim=1)
         if self.rope is not None:  # one rotation for the q and k heads together
             pos = resolve_positions(positions, N, start, x.device, batch=B)
             cos, sin = self.rope.cos_sin(pos, torch.float64 if qk.dtype == torch.float64 else torch.float32)
