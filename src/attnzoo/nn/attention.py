@@ -21,11 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.functional._request import normalize_window
+from attnzoo.functional.attention import merge_attention
 from attnzoo.functional.sigmoid import sigmoid_attention
 from attnzoo.functional.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
-from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
+from attnzoo.nn.cache import KVCache, SinkWindowKVCache, SlidingWindowKVCache
 from attnzoo.nn.costs import softmax_cost
 from attnzoo.nn.frontier import (
     OUTPUT_GATES,
@@ -37,6 +38,7 @@ from attnzoo.nn.frontier import (
 )
 from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
+from attnzoo.nn.streaming import POSITION_MODES, mask_at, sink_query_positions, streaming_pattern
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
            "SlidingWindowAttention", "default_kv_heads"]
@@ -311,10 +313,8 @@ class MultiHeadAttention(AttentionBase):
         H, T = self.num_heads, x.shape[1]
         q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
         q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin(packed_positions(cu, T), torch.float64 if q.dtype == torch.float64
-                                         else torch.float32)
-            q, k = self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin)
+        pos = packed_positions(cu, T)
+        q, k = self._rotate(q, pos), self._rotate(k, pos)
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
                                scale=self.scale, sinks=self.sinks, backend=self.backend)  # [T, H, Dv]
@@ -406,24 +406,36 @@ class MultiHeadAttention(AttentionBase):
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
         self._check_self_cache(cache)
         B, N, _ = x.shape
-        H, Hkv = self.num_heads, self.num_kv_heads
         start = 0 if cache is None else cache.length
         total = start + N
-        _check_mask(type(self).__name__, mask, B, H, N, total)  # before anything is written
+        _check_mask(type(self).__name__, mask, B, self.num_heads, N, total)  # before anything is written
+        q, k, v = self._project_self(x, positions, start, rotate=True)
+        if cache is not None:
+            k, v, _ = cache.update(k, v)  # the keys the new queries may need, in position order
+        return self._attend_keys(q, k, v, mask, start, total - k.shape[2], return_weights, decoding=cache is not None)
+
+    def _project_self(self, x: Tensor, positions: Tensor | None, start: int, *,
+                      rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, N, D]``, ``k, v [B, Hkv, N, D]`` of ``x``'s tokens at ``start ..`` (QK-norm, then RoPE
+        at ``positions`` when ``rotate``)."""
+        B, N, _ = x.shape
+        H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [B, N, (H + 2 Hkv) D]
         qk_, v_ = qkv.split(((H + Hkv) * self.head_dim, Hkv * self.head_dim), dim=-1)
         qk = self.split_heads(qk_)  # [B, H + Hkv, N, D]: q and k heads side by side
         v = self.split_heads(v_)  # [B, Hkv, N, D]
         if self.frontier.qk_norm is not None:
             qk = torch.cat((self.frontier.norm_q(qk[:, :H]), self.frontier.norm_k(qk[:, H:])), dim=1)
-        if self.rope is not None:  # one rotation for the q and k heads together
-            pos = resolve_positions(positions, N, start, x.device, batch=B)
-            cos, sin = self.rope.cos_sin(pos, torch.float64 if qk.dtype == torch.float64 else torch.float32)
-            qk = self.rope.rotate(qk, cos, sin)
-        q, k = qk[:, :H], qk[:, H:]  # [B, H, N, D], [B, Hkv, N, D]
-        if cache is not None:
-            k, v, _ = cache.update(k, v)  # the keys the new queries may need, in position order
-        return self._attend_keys(q, k, v, mask, start, total - k.shape[2], return_weights, decoding=cache is not None)
+        if self.rope is not None and rotate:  # one rotation for the q and k heads together
+            qk = self._rotate(qk, resolve_positions(positions, N, start, x.device, batch=B))
+        return qk[:, :H], qk[:, H:], v  # [B, H, N, D], [B, Hkv, N, D], [B, Hkv, N, D]
+
+    def _rotate(self, t: Tensor, positions: Tensor) -> Tensor:
+        """RoPE of ``t [B, h, N, D]`` at ``positions`` ``[N]`` or ``[B, N]`` (identity without RoPE)."""
+        if self.rope is None:
+            return t
+        cos, sin = self.rope.cos_sin(positions, torch.float64 if t.dtype == torch.float64 else torch.float32)
+        return self.rope.rotate(t, cos, sin)
 
     def _attend_keys(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, start: int, first: int,
                      return_weights: bool, *, decoding: bool) -> tuple[Tensor, Tensor | None]:
@@ -536,16 +548,112 @@ class SlidingWindowAttention(MultiHeadAttention):
 
     Mistral's ``sliding_window=W`` is ``window=W - 1``. ``MultiHeadAttention(dim, num_heads,
     window=window, causal=causal, **kw)``; with ``causal=False`` the window is two-sided.
+
+    StreamingLLM (Xiao et al., 2023): ``sink_tokens=n`` keeps the first ``n`` tokens visible to every
+    query, plus the window: ``causal() & (sliding_window(w, 0) | global_tokens(range(n)))``, decoded
+    with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots. ``position_mode``: ``"absolute"``
+    (RoPE at the tokens' absolute positions) or ``"cache"`` (the paper's: positions counted inside
+    the cache, keys stored before RoPE and re-rotated at their cache slots every step); see
+    :mod:`attnzoo.nn.streaming` and ``docs/softmax-frontier.md``. With sink tokens a cached call
+    (and any call in ``"cache"`` mode) returns no weights and takes no ``alibi``.
     """
 
-    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, **kw: Any) -> None:
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"SlidingWindowAttention: window must be an int (keys before the query), got "
-                            f"{type(window).__name__} ({window!r})")
-        if window < 0:
-            raise ValueError(f"SlidingWindowAttention: window must be >= 0, got {window}")
+    _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
+
+    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 0,
+                 position_mode: str = "absolute", **kw: Any) -> None:
+        cls = "SlidingWindowAttention"
+        for name, value in (("window", window), ("sink_tokens", sink_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{cls}: {name} must be an int, got {type(value).__name__} ({value!r})")
+            if value < 0:
+                raise ValueError(f"{cls}: {name} must be >= 0, got {value}")
+        if position_mode not in POSITION_MODES:
+            raise ValueError(f"{cls}: position_mode must be one of {list(POSITION_MODES)}, got {position_mode!r}")
         super().__init__(dim, num_heads, window=window, causal=causal, **kw)
-        self.window_size = window
+        if sink_tokens and (not causal or self.alibi or self.options.score != "softmax"):
+            raise ValueError(f"{cls}: sink_tokens (StreamingLLM) needs causal=True softmax attention without "
+                             f"alibi, got causal={causal}, alibi={self.alibi}, score={self.options.score!r}")
+        self.window_size, self.sink_tokens, self.position_mode = window, sink_tokens, position_mode
+
+    def _structure(self) -> Mask | None:
+        return streaming_pattern(self.window_size, self.sink_tokens) if self.sink_tokens else None
+
+    def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
+                         q_offset: int) -> Tensor | Mask:
+        if mask is None or isinstance(mask, Mask):
+            return structure if mask is None else structure & mask
+        allowed = structure.materialize(B, 1, N, n_k, q_offset=q_offset, device=mask.device)  # [B, 1, N, Nk]
+        if mask.dtype == torch.bool:
+            return allowed & mask
+        return torch.where(allowed, mask, torch.full((), float("-inf"), dtype=mask.dtype, device=mask.device))
+
+    def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str,
+                   dtype: torch.dtype) -> Any:
+        if not self.sink_tokens:
+            return super()._new_cache(batch_size, max_len, device, dtype)
+        return SinkWindowKVCache(batch_size, self.sink_tokens, self.window_size, self.num_kv_heads, self.head_dim,
+                                 max_len=max_len, device=device, dtype=dtype)
+
+    def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
+              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        cls = type(self).__name__
+        if isinstance(cache, SinkWindowKVCache) != bool(self.sink_tokens) and cache is not None:
+            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with "
+                            f"{'a SinkWindowKVCache' if self.sink_tokens else 'a KVCache or SlidingWindowKVCache'}, "
+                            f"got {type(cache).__name__}; use module.init_cache()")
+        if not self.sink_tokens or (cache is None and self.position_mode == "absolute"):
+            return super()._self(x, mask, cache, positions, return_weights)
+        if return_weights or (positions is not None and self.position_mode == "cache"):
+            raise ValueError(f"{cls}: with sink tokens, a cached call or position_mode='cache' takes no "
+                             f"return_weights, and position_mode='cache' no positions (it counts them in the cache)")
+        return self._stream(x, mask, cache, positions), None
+
+    def _stream(self, x: Tensor, mask: Tensor | Mask | None, cache: SinkWindowKVCache | None,
+                positions: Tensor | None) -> Tensor:
+        """StreamingLLM attention of ``x``'s tokens (see :mod:`attnzoo.nn.streaming`): ``[B, H, N, D]``."""
+        B, N, _ = x.shape
+        n, w, in_cache = self.sink_tokens, self.window_size, self.position_mode == "cache"
+        start = 0 if cache is None else cache.length
+        total = start + N
+        _check_mask(type(self).__name__, mask, B, self.num_heads, N, total)
+        q, k, v = self._project_self(x, positions, start, rotate=not in_cache)
+        k, v, k_pos = (k, v, torch.arange(N, device=x.device)) if cache is None else cache.update(k, v)
+        q_pos = torch.arange(start, total, device=x.device)
+        if in_cache and cache is not None and N == 1:  # the paper's step: re-rotate at the cache slots
+            ranks = torch.arange(k.shape[2], device=x.device)
+            return self._part(self._rotate(q, ranks[-1:]), self._rotate(k, ranks), v,
+                              mask_at(mask, k_pos, total, B, self.num_heads, q_pos), False, None, 0, True)[0]
+        ns = int((k_pos < n).sum())  # the sinks come first (positions ascending)
+        q_sink = self._rotate(q, sink_query_positions(q_pos, w, n)) if in_cache else q
+        k_sink = self._rotate(k[:, :, :ns], k_pos[:ns]) if in_cache else k[:, :, :ns]
+        sink_mask = mask[..., :ns] if isinstance(mask, Tensor) and mask.shape[-1] == total else mask
+        o, lse = self._part(q_sink, k_sink, v[:, :, :ns], sink_mask, True, None, start, True)
+        outs, lses = [o], [lse]
+        if ns < k.shape[2]:  # the window keys (positions >= n, contiguous)
+            first = int(k_pos[ns])
+            q_win = self._rotate(q, q_pos) if in_cache else q
+            k_win = self._rotate(k[:, :, ns:], k_pos[ns:]) if in_cache else k[:, :, ns:]
+            o, lse = self._part(q_win, k_win, v[:, :, ns:], _shift_mask(mask, first, total), True, (w, 0),
+                                start - first, False)
+            outs.append(o)
+            lses.append(lse)
+        return merge_attention(outs, lses)[0] if len(outs) > 1 else outs[0]
+
+    def _part(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool, window: Any, q_offset: int,
+              with_sinks: bool) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only)."""
+        extra = {"sinks": self.sinks} if with_sinks and self.sinks is not None else {}
+        out, lse = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
+                               dropout_p=self.dropout if self.training else 0.0, return_lse=True,
+                               backend=self.backend, **extra)
+        return out, lse
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if self.sink_tokens:
+            s += f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
+        return s
 
 
 # --------------------------------------------------------------------------- variant specs
