@@ -13,6 +13,7 @@ Each is a registered variant (``mha``, ``mqa``, ``gqa``, ``sliding``); their spe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -706,3 +707,30 @@ register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, o
 register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) tiled", "last W keys (ring buffer)",
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
                      check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3))
+
+
+def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
+                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+    sinks = tuple(global_tokens)
+    if sinks != tuple(range(len(sinks))):
+        raise ValueError(f"streaming: the sink tokens are the first n positions, global_tokens must be "
+                         f"(0, 1, ..., n - 1), got {sinks}")
+    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal, sink_tokens=len(sinks), **kw)
+
+
+def _streaming_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    """The causal ``window | sinks`` pattern (the sinks are global tokens ``0 .. n - 1``; under causality
+    their rows see only sinks) and a cache of at most ``n + w + 1`` tokens."""
+    cost = softmax_cost(cfg, shape)
+    left = cfg.window[0] if cfg.window is not None and cfg.window[0] is not None else 0
+    kv_max = len(cfg.global_tokens) + left + 1
+    return dataclasses.replace(cost, kv_cache_max_tokens=kv_max,
+                               kv_cache_bytes=shape.batch * min(shape.seq_len, kv_max) * cost.kv_cache_bytes_per_token)
+
+
+register(VariantSpec("streaming", "softmax", True, "O(N C^2 + N (W + S) C)", "O(N (W + S)) tiled",
+                     "S sink tokens + last W keys (sink+ring buffer)", _build_streaming, _streaming_cost,
+                     defaults={"window": 64, "global_tokens": (0, 1, 2, 3)},
+                     options=("num_kv_heads", "window", "global_tokens"), causal_modes=(True,),
+                     check={"window": 4, "global_tokens": (0, 1)}, arena=_arena_window,
+                     masks="causal, window, sink tokens, padding", order=5))
