@@ -47,7 +47,7 @@ def rms_ref(x, w, eps):
 
 def mha_ref(m, x, allowed, pos=None):
     """The float64 forward of a :class:`MultiHeadAttention` from its weights and options."""
-    B, N, C = x.shape
+    B, N, _ = x.shape
     H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
     wq, wk, wv = m.qkv_weights()
     bq, bk, bv = m.qkv_biases() or (None, None, None)
