@@ -162,7 +162,35 @@ class KVCache(_CacheBase):
                 f"head_dim={self.head_dim}, length={self.length}, dtype={self.dtype})")
 
 
-class SlidingWindowKVCache(_CacheBase):
+class _SlotCache(_CacheBase):
+    """A fixed set of slots overwritten in place: the last update's overwritten slots are kept until
+    :meth:`commit`, so :meth:`rollback` can restore them."""
+
+    _undo: tuple[int, Tensor, list[tuple[Tensor, int, Tensor]]] | None = None
+
+    def _save(self, mark: int, slots: Tensor, buffers: list[tuple[Tensor, int]]) -> None:
+        """Keep the ``slots`` of every ``(buffer, dim)`` about to be overwritten by the update after ``mark``."""
+        self._undo = (mark, slots, [(buf, dim, buf.index_select(dim, slots)) for buf, dim in buffers])
+
+    def rollback(self, mark: object) -> None:
+        """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
+        assert isinstance(mark, int)
+        if self.length == mark:
+            return
+        if self._undo is None or self._undo[0] != mark:
+            raise RuntimeError(f"{type(self).__name__}.rollback: only the last update can be undone")
+        _, slots, saved = self._undo
+        for buf, dim, old in saved:
+            buf.index_copy_(dim, slots, old)
+        self.length = mark
+        self._undo = None
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
+        self._undo = None
+
+
+class SlidingWindowKVCache(_SlotCache):
     """A ring buffer for causal sliding-window attention that never holds more than the window.
 
     With ``window = w`` (the module convention: a query sees itself and the ``w`` keys before
@@ -194,29 +222,10 @@ class SlidingWindowKVCache(_CacheBase):
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=self.k.device)
-        self._undo: tuple[int, Tensor, Tensor, Tensor, Tensor] | None = None
 
     def reset(self) -> None:
         self.length = 0
         self.slot_positions.fill_(-1)
-        self._undo = None
-
-    def rollback(self, mark: object) -> None:
-        """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
-        assert isinstance(mark, int)
-        if self.length == mark:
-            return
-        if self._undo is None or self._undo[0] != mark:
-            raise RuntimeError("SlidingWindowKVCache.rollback: only the last update can be undone")
-        _, slots, k_old, v_old, pos_old = self._undo
-        self.k.index_copy_(2, slots, k_old)
-        self.v.index_copy_(2, slots, v_old)
-        self.slot_positions.index_copy_(0, slots, pos_old)
-        self.length = mark
-        self._undo = None
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
         self._undo = None
 
     @property
@@ -240,8 +249,7 @@ class SlidingWindowKVCache(_CacheBase):
         if n > 1:  # what the early queries of the chunk still need, before the ring is overwritten
             out_k = torch.cat((self.k.index_select(2, old_order), k_new), dim=2)  # [B, Hkv, held + n, D]
             out_v = torch.cat((self.v.index_select(2, old_order), v_new), dim=2)
-        self._undo = (start, slots, self.k.index_select(2, slots), self.v.index_select(2, slots),
-                      self.slot_positions.index_select(0, slots))
+        self._save(start, slots, [(self.k, 2), (self.v, 2), (self.slot_positions, 0)])
         self.k.index_copy_(2, slots, k_new[:, :, n - keep:])
         self.v.index_copy_(2, slots, v_new[:, :, n - keep:])
         self.slot_positions.index_copy_(0, slots, pos_keep)
@@ -262,7 +270,7 @@ class SlidingWindowKVCache(_CacheBase):
                 f"dtype={self.dtype})")
 
 
-class SinkWindowKVCache(_CacheBase):
+class SinkWindowKVCache(_SlotCache):
     """StreamingLLM's cache: ``n`` attention-sink tokens kept forever plus a ring of the last ``w + 1``.
 
     With ``sink_tokens = n`` and ``window = w`` the buffers hold ``capacity = n + w + 1`` slots:
@@ -294,7 +302,6 @@ class SinkWindowKVCache(_CacheBase):
         self.capacity = self.sink_tokens + self.window + 1
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
-        self._undo: tuple[int, Tensor, Tensor, Tensor] | None = None
 
     def held_positions(self, length: int | None = None) -> Tensor:
         """Absolute positions of the keys held after ``length`` tokens (default: now), ascending."""
@@ -310,23 +317,6 @@ class SinkWindowKVCache(_CacheBase):
 
     def reset(self) -> None:
         self.length = 0
-        self._undo = None
-
-    def rollback(self, mark: object) -> None:
-        """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
-        assert isinstance(mark, int)
-        if self.length == mark:
-            return
-        if self._undo is None or self._undo[0] != mark:
-            raise RuntimeError("SinkWindowKVCache.rollback: only the last update can be undone")
-        _, slots, k_old, v_old = self._undo
-        self.k.index_copy_(2, slots, k_old)
-        self.v.index_copy_(2, slots, v_old)
-        self.length = mark
-        self._undo = None
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
         self._undo = None
 
     @property
@@ -351,7 +341,7 @@ class SinkWindowKVCache(_CacheBase):
         after = self.held_positions(start + m)
         keep = after[after >= start] - start  # indices into the chunk of the new tokens still needed
         slots = self._slots(keep + start)
-        self._undo = (start, slots, self.k.index_select(2, slots), self.v.index_select(2, slots))
+        self._save(start, slots, [(self.k, 2), (self.v, 2)])
         self.k.index_copy_(2, slots, k_new.index_select(2, keep))
         self.v.index_copy_(2, slots, v_new.index_select(2, keep))
         self.length = start + m
