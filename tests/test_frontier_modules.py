@@ -478,3 +478,23 @@ def test_packed_refuses_caches_and_patterns() -> None:
     lm = az.DecoderLM(40, 16, 1, 2, pos="learned", max_seq_len=4)
     with pytest.raises(ValueError, match="max_seq_len"):
         lm(torch.randint(0, 40, (1, 6)), cu_seqlens=torch.tensor([0, 1, 6], dtype=torch.int32))
+
+
+def test_docs_draw_the_streaming_pattern_and_its_positions() -> None:
+    """docs/softmax-frontier.md's StreamingLLM table is the mask, the cache's held keys and both conventions."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "softmax-frontier.md").read_text()
+    rows = re.findall(r"^query (\d)\s+((?:[1.] ){6}[1.])\s+\[([\d ]+)\]\s+q (\d), k ([\d ]+?)\s+q (\d), k ([\d ]+)$",
+                      text, flags=re.M)
+    assert len(rows) == 7
+    allowed = streaming_allowed(7, 2, 2)
+    cache = az.SinkWindowKVCache(1, 2, 2, 1, 1)
+    for p, (qs, drawn, held, qa, ka, qc, kc) in enumerate(rows):
+        assert int(qs) == p and [c == "1" for c in drawn.split()] == allowed[p].tolist()
+        cache.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
+        keys = [int(j) for j in held.split()]
+        assert keys == cache.held_positions().tolist() == [j for j in range(7) if allowed[p, j]]
+        assert (int(qa), [int(j) for j in ka.split()]) == (p, keys)
+        assert (int(qc), [int(j) for j in kc.split()]) == (min(p, 2 + 2), list(range(len(keys))))
