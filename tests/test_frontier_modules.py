@@ -498,3 +498,29 @@ def test_docs_draw_the_streaming_pattern_and_its_positions() -> None:
         assert keys == cache.held_positions().tolist() == [j for j in range(7) if allowed[p, j]]
         assert (int(qa), [int(j) for j in ka.split()]) == (p, keys)
         assert (int(qc), [int(j) for j in kc.split()]) == (min(p, 2 + 2), list(range(len(keys))))
+
+
+@pytest.mark.parametrize("mode", ["absolute", "cache"])
+@pytest.mark.parametrize("kind", ["bool", "float", "Mask"])
+def test_streaming_user_masks_decode_equals_full(mode, kind) -> None:
+    """A user mask over absolute keys reaches the held keys (columns gathered / Mask evaluated)."""
+    torch.manual_seed(0)
+    m = _randomise(az.SlidingWindowAttention(16, 4, window=3, sink_tokens=2, rope=True, position_mode=mode)).eval()
+    N = 20
+    x = torch.randn(2, N, 16)
+    keep = torch.rand(2, N) > 0.25
+    keep[:, 0] = True
+    if kind == "Mask":
+        mask = az.masks.key_padding(keep)
+    elif kind == "bool":
+        mask = keep[:, None, None, :]
+    else:
+        mask = torch.where(keep, 0.0, -0.7)[:, None, None, :]
+    with torch.no_grad():
+        full = m(x, mask=mask)
+        for chunk in (1, 6):
+            cache, outs = m.init_cache(2, N), []
+            for s in range(0, N, chunk):
+                e = min(N, s + chunk)
+                outs.append(m(x[:, s:e], cache=cache, mask=mask if kind == "Mask" else mask[..., :e]))
+            torch.testing.assert_close(torch.cat(outs, 1), full, atol=2e-6, rtol=1e-5)
