@@ -63,10 +63,12 @@ def test_list_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list", "--json", "--dim", "256", "--heads", "8", "--dtype", "float16"]) == 0
     data = json.loads(capsys.readouterr().out)
     rows = {v["name"]: v for v in data["variants"]}
-    assert set(rows) == {"mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini"}
+    assert set(rows) == {"mha", "mqa", "gqa", "sliding", "local_global", "streaming", "linear", "performer", "infini",
+                         "diff"}
     assert rows["mha"]["kv_cache_bytes_per_token"] == 2 * 8 * 32 * 2
     assert rows["mqa"]["kv_cache_bytes_per_token"] == 2 * 1 * 32 * 2
     assert rows["linear"]["kv_cache_bytes_per_token"] == 0
+    assert rows["streaming"]["kv_cache_max_tokens"] == 4 + 64 + 1  # sinks + window + the new token
     for key in ("family", "exact", "time", "memory", "decoding", "masks", "kv_cache_bytes"):
         assert key in rows["gqa"]
 

@@ -17,10 +17,11 @@ SOFTMAX = [n for n, s in VARIANTS.items() if s.family == "softmax"]
 
 
 def test_names_are_the_issue_list() -> None:
-    assert variant_names() == ["mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini"]
+    assert variant_names() == ["mha", "mqa", "gqa", "sliding", "local_global", "streaming", "linear",
+                               "performer", "infini", "diff"]
     for spec in VARIANTS.values():
-        assert spec.family in ("softmax", "feature-map", "compressive")
-        assert spec.exact == (spec.family == "softmax")
+        assert spec.family in ("softmax", "differential", "feature-map", "compressive")
+        assert spec.exact == (spec.family in ("softmax", "differential"))
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,7 @@ def test_kv_bytes_per_token_equal_cache_growth(name: str) -> None:
         return sum(t.numel() * t.element_size() for t in (c.k, c.v))
 
     growth = nbytes(big) - nbytes(small)
-    if name == "sliding":  # past the window (64) the ring buffer stops growing
+    if name in ("sliding", "streaming"):  # past the window (64) the ring buffer stops growing
         assert growth == 0
         assert kv_cache_bytes_per_token(name, dim, heads, dtype_bytes=small.k.element_size()) > 0
     else:

@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "GroupedQueryAttention": "attnzoo.nn.attention",
     "SlidingWindowAttention": "attnzoo.nn.attention",
     "LocalGlobalAttention": "attnzoo.nn.local_global",
+    "DifferentialAttention": "attnzoo.nn.differential",
     "LinearAttention": "attnzoo.nn.feature_attention",
     "PerformerAttention": "attnzoo.nn.feature_attention",
     "InfiniAttention": "attnzoo.nn.infini",
@@ -43,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "alibi_slopes": "attnzoo.nn.positional",
     "KVCache": "attnzoo.nn.cache",
     "SlidingWindowKVCache": "attnzoo.nn.cache",
+    "SinkWindowKVCache": "attnzoo.nn.cache",
     # blocks and models
     "FeedForward": "attnzoo.blocks",
     "RMSNorm": "attnzoo.blocks",

@@ -524,8 +524,9 @@ class TransformerBlock(nn.Module):
             return mask & kp4
         return mask.masked_fill(~kp4, float("-inf"))
 
-    def _mix(self, h: Tensor, mask: Any, cache: Any, positions: Tensor | None) -> Tensor:
-        kw: dict[str, Any] = {}
+    def _mix(self, h: Tensor, mask: Any, cache: Any, positions: Tensor | None,
+             cu_seqlens: Tensor | None = None) -> Tensor:
+        kw: dict[str, Any] = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if mask is not None:
             kw["mask"] = mask
         if cache is not None:
@@ -544,6 +545,7 @@ class TransformerBlock(nn.Module):
         context_mask: Any = None,
         cache: Any = None,
         positions: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """Args:
             x: ``[B, N, C]`` (with a cache: the new tokens only).
@@ -556,6 +558,7 @@ class TransformerBlock(nn.Module):
                 context's key padding as ``[B, 1, 1, M]``).
             cache: the self-attention cache from :meth:`init_cache`.
             positions: absolute positions ``[N]`` or ``[B, N]`` for RoPE.
+            cu_seqlens: packed sequences in ``x [1, T, C]`` (int32 ``[S+1]``), passed to the mixer.
 
         Returns: ``[B, N, C]``.
         """
@@ -585,12 +588,12 @@ class TransformerBlock(nn.Module):
             cache = cache.self_cache
         drop = self.dropout
         if self.norm_first:
-            x = x + drop(self._mix(self.attn_norm(x), mask, cache, positions))
+            x = x + drop(self._mix(self.attn_norm(x), mask, cache, positions, cu_seqlens))
             if self.cross_attn is not None:
                 assert self.cross_norm is not None
                 x = x + drop(self._cross(self.cross_norm(x), context, context_mask, cross_cache))
             return x + drop(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + drop(self._mix(x, mask, cache, positions)))
+        x = self.attn_norm(x + drop(self._mix(x, mask, cache, positions, cu_seqlens)))
         if self.cross_attn is not None:
             assert self.cross_norm is not None
             x = self.cross_norm(x + drop(self._cross(x, context, context_mask, cross_cache)))

@@ -21,6 +21,7 @@ from attnzoo.models._common import (
     rotary_for,
 )
 from attnzoo.models.config import DecoderConfig
+from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
 
 __all__ = ["DecoderLM", "sample_next_token"]
 
@@ -209,6 +210,7 @@ class DecoderLM(FromConfig, nn.Module):
         attention_mask: Tensor | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """Args:
             tokens: ``[B, N]`` token ids (with a cache: the new tokens only).
@@ -220,12 +222,18 @@ class DecoderLM(FromConfig, nn.Module):
                 are hidden; positions count real tokens only (left padding for generation).
             context: ``[B, M, context_dim]`` for a model built with ``cross_attention=True``.
             context_mask: ``[B, M]`` bool, True for real context tokens.
+            cu_seqlens: packed documents: ``tokens [1, T]`` hold ``S`` sequences end to end and
+                ``cu_seqlens`` (int32 ``[S+1]``) their cumulative lengths; positions restart at 0 in
+                every sequence and no token attends across a boundary (equal to running each alone).
+                Not with a cache, ``positions``, ``attention_mask`` or ``context``.
 
         Returns: ``logits [B, N, V]``.
         """
         owner = "DecoderLM"
         check_tokens(tokens, self.vocab_size, owner)
         B, N = tokens.shape
+        if cu_seqlens is not None:
+            return self._packed(tokens, cu_seqlens, cache, positions, attention_mask, context)
         past = 0
         if cache is not None:
             if not isinstance(cache, LayerCaches) or len(cache) != self.depth:
@@ -259,6 +267,21 @@ class DecoderLM(FromConfig, nn.Module):
             x = block(x, context, key_padding=kp, context_mask=context_mask,
                       cache=None if cache is None else cache[i], positions=attn_pos)  # [B, N, C]
         return self.lm_head(self.norm(x))  # [B, N, V]
+
+    def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
+        """Logits ``[1, T, V]`` of packed sequences (see :meth:`forward`)."""
+        if any(u is not None for u in unsupported):
+            raise ValueError("DecoderLM: packed input (cu_seqlens) takes no cache, positions, attention_mask or "
+                             "context")
+        cu = check_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), "DecoderLM")
+        pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
+        if self.pos in ("learned", "sinusoidal") and pos.numel() and int(pos.max()) >= self.max_seq_len:
+            raise ValueError(f"DecoderLM: a packed sequence of {int(pos.max()) + 1} tokens is longer than the "
+                             f"model's {self.max_seq_len} positions (max_seq_len)")
+        x = self.embed(tokens, pos)  # [1, T, C]
+        for block in self.blocks:
+            x = block(x, cu_seqlens=cu)  # [1, T, C]
+        return self.lm_head(self.norm(x))  # [1, T, V]
 
     # --------------------------------------------------------------- generate
     def _check_generate(self, n: int, new: int, temperature: object, top_k: object, top_p: object,

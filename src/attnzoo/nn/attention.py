@@ -13,20 +13,33 @@ Each is a registered variant (``mha``, ``mqa``, ``gqa``, ``sliding``); their spe
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnzoo.functional._request import normalize_window
+from attnzoo.functional.attention import merge_attention
+from attnzoo.functional.sigmoid import sigmoid_attention
+from attnzoo.functional.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
-from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
+from attnzoo.nn.cache import KVCache, SinkWindowKVCache, SlidingWindowKVCache
 from attnzoo.nn.costs import softmax_cost
+from attnzoo.nn.frontier import (
+    OUTPUT_GATES,
+    QK_NORMS,
+    SCORES,
+    FrontierParts,
+    check_cu_seqlens,
+    packed_positions,
+)
 from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
+from attnzoo.nn.streaming import POSITION_MODES, mask_at, sink_query_positions, streaming_pattern
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
            "SlidingWindowAttention", "default_kv_heads"]
@@ -41,25 +54,59 @@ class AttentionOptions:
     Attributes:
         alibi: add ALiBi biases with :func:`alibi_slopes` ``(H)``.
         scale: score scale, default ``1 / sqrt(D)``; a finite positive float.
+        sinks: a learnable ``[H]`` sink logit per query head (gpt-oss attention sinks), passed to
+            :func:`attnzoo.attention` as ``sinks=``.
+        qk_norm: ``None``, ``"head"`` (per-head RMSNorm of q and k: Qwen3, Gemma3) or ``"all"``
+            (RMSNorm over all heads of a token: OLMo2), before RoPE.
+        output_gate: ``None``, ``"head"`` or ``"element"``: the attention output times
+            ``sigmoid(gate_proj(x))`` before ``out_proj`` (gated attention, Qwen3-Next).
+        score: ``"softmax"`` or ``"sigmoid"`` (:func:`attnzoo.sigmoid_attention`).
+        sigmoid_bias: the bias of ``score="sigmoid"``; ``None``: ``-log(Nk)`` of the call (decoding
+            with a cache then needs an explicit value, since ``Nk`` changes from step to step).
     """
 
     alibi: bool = False
     scale: float | None = None
+    sinks: bool = False
+    qk_norm: str | None = None
+    output_gate: str | None = None
+    score: str = "softmax"
+    sigmoid_bias: float | None = None
 
     @classmethod
     def parse(cls, owner: str, options: dict[str, Any]) -> tuple[AttentionOptions, dict[str, Any]]:
         """Split keyword ``options`` into ``(AttentionOptions, {"device", "dtype"})``; unknown keys raise."""
-        unknown = sorted(set(options) - {"alibi", "scale", "device", "dtype"})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - {*known, "device", "dtype"})
         if unknown:
             raise TypeError(f"{owner}: unexpected keyword argument(s) {unknown}; expected some of "
-                            f"['alibi', 'scale', 'device', 'dtype']")
+                            f"{sorted([*known, 'device', 'dtype'])}")
         alibi = check_flag(options.get("alibi", False), "alibi", owner)
-        scale = options.get("scale")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale) or not scale > 0):
-            raise ValueError(f"{owner}: scale must be a finite positive float or None, got {scale!r}")
-        return cls(alibi, None if scale is None else float(scale)), {
+        sinks = check_flag(options.get("sinks", False), "sinks", owner)
+        scale, bias = (_finite(owner, name, options.get(name), positive)
+                       for name, positive in (("scale", True), ("sigmoid_bias", False)))
+        for name, choices in (("qk_norm", QK_NORMS), ("output_gate", OUTPUT_GATES), ("score", SCORES)):
+            if options.get(name, cls.score if name == "score" else None) not in choices:
+                raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {options[name]!r}")
+        score = options.get("score", "softmax")
+        if score == "sigmoid" and (sinks or alibi):
+            raise ValueError(f"{owner}: score='sigmoid' has no softmax normaliser; it does not take sinks=True "
+                             f"or alibi=True (got sinks={sinks}, alibi={alibi})")
+        if score != "sigmoid" and bias is not None:
+            raise ValueError(f"{owner}: sigmoid_bias applies to score='sigmoid' only, got score={score!r}")
+        return cls(alibi, scale, sinks, options.get("qk_norm"), options.get("output_gate"), score, bias), {
             "device": options.get("device"), "dtype": options.get("dtype")}
+
+
+def _finite(owner: str, name: str, value: object, positive: bool) -> float | None:
+    """``value`` as a finite float (``> 0`` when ``positive``) or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and not value > 0):
+        raise ValueError(f"{owner}: {name} must be a finite{' positive' if positive else ''} float or None, "
+                         f"got {value!r}")
+    return float(value)
 
 
 def _resolve_rope(owner: str, rope: object, head_dim: int) -> RotaryEmbedding | None:
@@ -144,6 +191,11 @@ class MultiHeadAttention(AttentionBase):
         self.dropout = float(dropout)
         self.backend = check_backend(backend, cls)
         self.options = opts
+        self.frontier = FrontierParts(self.dim, self.num_heads, self.num_kv_heads, self.head_dim, sinks=opts.sinks,
+                                      qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory)
+        if opts.score == "sigmoid" and (backend not in ("auto", "reference", "tiled") or self.dropout):
+            raise ValueError(f"{cls}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' without "
+                             f"dropout, got backend={backend!r}, dropout={self.dropout}")
         self.rope: RotaryEmbedding | None = _resolve_rope(cls, rope, self.head_dim)
         self._alibi_cache: dict[torch.device, Tensor] = {}
         if self.kv_dim is not None and (self.causal or self.window is not None or self.rope is not None
@@ -160,6 +212,11 @@ class MultiHeadAttention(AttentionBase):
     def scale(self) -> float | None:
         """Score scale (``None``: ``1 / sqrt(D)``)."""
         return self.options.scale
+
+    @property
+    def sinks(self) -> nn.Parameter | None:
+        """The learnable ``[H]`` sink logits (``sinks=True``), else ``None``."""
+        return self.frontier.sinks
 
     # ------------------------------------------------------------------ caches
     def _structure(self) -> Mask | None:
@@ -197,6 +254,7 @@ class MultiHeadAttention(AttentionBase):
         cache: KVCache | SlidingWindowKVCache | None = None,
         positions: Tensor | None = None,
         return_weights: bool = False,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x [B, N, C]`` to itself (or to ``context [B, M, kv_dim]``).
 
@@ -217,19 +275,52 @@ class MultiHeadAttention(AttentionBase):
                 use the token's index in the stream (its position in the cache).
             return_weights: also return the attention weights ``[B, H, N, Nk]`` (the reference
                 backend; with a sliding cache over the keys it holds, in position order).
+            cu_seqlens: packed input: ``x`` is ``[1, T, C]`` holding ``S`` sequences end to end and
+                ``cu_seqlens`` their int32 cumulative lengths ``[S+1]``; RoPE positions restart at 0 in
+                every sequence and attention runs through :func:`attnzoo.attention_varlen` (equal
+                to running each sequence alone). Not with a cache, ``mask``, ``positions`` or
+                ``return_weights``.
 
         Returns:
             ``out [B, N, C]``, or ``(out, weights)``.
         """
-        x = self.check_call(x, cache, positions, return_weights, (KVCache, SlidingWindowKVCache))
+        x = self.check_call(x, cache, positions, return_weights, self._cache_types)
+        if cu_seqlens is not None:
+            return self.merge_heads(self.frontier.gate(self._packed(x, cu_seqlens, context, mask, cache, positions,
+                                                                    return_weights), x))
         if self.kv_dim is not None or context is not None:
             out, weights = self.guarded(cache, lambda: self._cross(x, context, mask, cache, return_weights))
         else:
             out, weights = self.guarded(cache, lambda: self._self(x, mask, cache, positions, return_weights))
-        y = self.merge_heads(out)  # [B, N, C]
+        y = self.merge_heads(self.frontier.gate(out, x))  # [B, N, C]
         return (y, weights) if return_weights else y
 
     # ------------------------------------------------------------------ internals
+    #: the caches :meth:`forward` accepts
+    _cache_types: tuple[type, ...] = (KVCache, SlidingWindowKVCache)
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
+        cls = type(self).__name__
+        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
+                 if v is not None] + (["return_weights"] if return_weights else [])
+        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
+            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
+                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
+        cu = check_cu_seqlens(cu_seqlens, x, cls)
+        if self.training and self.dropout:
+            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
+        H, T = self.num_heads, x.shape[1]
+        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
+        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
+        pos = packed_positions(cu, T)
+        q, k = self._rotate(q, pos), self._rotate(k, pos)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
+                               scale=self.scale, sinks=self.sinks, backend=self.backend)  # [T, H, Dv]
+        return out.transpose(0, 1).reshape(1, H, T, -1)
+
     def _slopes(self, device: torch.device) -> Tensor | None:
         if not self.alibi:
             return None
@@ -242,9 +333,15 @@ class MultiHeadAttention(AttentionBase):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
-                          alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
-                          return_weights=return_weights, backend=self.backend)
+        if self.options.score == "sigmoid":
+            res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
+                                    scale=self.scale, q_offset=q_offset, return_weights=return_weights,
+                                    backend=self.backend)
+        else:
+            extra = {} if self.sinks is None else {"sinks": self.sinks}
+            res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
+                              alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
+                              return_weights=return_weights, backend=self.backend, **extra)
         if return_weights:
             return res[0], res[1]
         return res, None
@@ -258,7 +355,7 @@ class MultiHeadAttention(AttentionBase):
                              f"rope, alibi or a position pattern; build a separate cross-attention module")
         if isinstance(cache, SlidingWindowKVCache):
             raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
-        q = self.project_q(x)  # [B, H, N, D]
+        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
         if cache is not None and cache.length > 0:
             if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
                 raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
@@ -269,6 +366,7 @@ class MultiHeadAttention(AttentionBase):
             context = self._check_context(x, context)
             _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
             k, v = self.project_kv(context)  # [B, Hkv, M, D]
+            k = self.frontier.norm_k(k)
             if cache is not None:
                 k, v, _ = cache.update(k, v)
         return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
@@ -291,6 +389,9 @@ class MultiHeadAttention(AttentionBase):
 
     def _check_self_cache(self, cache: Cache | None) -> None:
         cls = type(self).__name__
+        if cache is not None and self.options.score == "sigmoid" and self.options.sigmoid_bias is None:
+            raise ValueError(f"{cls}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias (the default "
+                             f"-log(Nk) changes with the number of keys each call sees); build with sigmoid_bias=...")
         if cache is not None and not self.causal:
             raise ValueError(f"{cls}: decoding with a cache needs causal=True (a bidirectional layer would see "
                              f"tokens that are not generated yet)")
@@ -306,22 +407,36 @@ class MultiHeadAttention(AttentionBase):
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
         self._check_self_cache(cache)
         B, N, _ = x.shape
-        H, Hkv = self.num_heads, self.num_kv_heads
         start = 0 if cache is None else cache.length
         total = start + N
-        _check_mask(type(self).__name__, mask, B, H, N, total)  # before anything is written
+        _check_mask(type(self).__name__, mask, B, self.num_heads, N, total)  # before anything is written
+        q, k, v = self._project_self(x, positions, start, rotate=True)
+        if cache is not None:
+            k, v, _ = cache.update(k, v)  # the keys the new queries may need, in position order
+        return self._attend_keys(q, k, v, mask, start, total - k.shape[2], return_weights, decoding=cache is not None)
+
+    def _project_self(self, x: Tensor, positions: Tensor | None, start: int, *,
+                      rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, N, D]``, ``k, v [B, Hkv, N, D]`` of ``x``'s tokens at ``start ..`` (QK-norm, then RoPE
+        at ``positions`` when ``rotate``)."""
+        B, N, _ = x.shape
+        H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [B, N, (H + 2 Hkv) D]
         qk_, v_ = qkv.split(((H + Hkv) * self.head_dim, Hkv * self.head_dim), dim=-1)
         qk = self.split_heads(qk_)  # [B, H + Hkv, N, D]: q and k heads side by side
         v = self.split_heads(v_)  # [B, Hkv, N, D]
-        if self.rope is not None:  # one rotation for the q and k heads together
-            pos = resolve_positions(positions, N, start, x.device, batch=B)
-            cos, sin = self.rope.cos_sin(pos, torch.float64 if qk.dtype == torch.float64 else torch.float32)
-            qk = self.rope.rotate(qk, cos, sin)
-        q, k = qk[:, :H], qk[:, H:]  # [B, H, N, D], [B, Hkv, N, D]
-        if cache is not None:
-            k, v, _ = cache.update(k, v)  # the keys the new queries may need, in position order
-        return self._attend_keys(q, k, v, mask, start, total - k.shape[2], return_weights, decoding=cache is not None)
+        if self.frontier.qk_norm is not None:
+            qk = torch.cat((self.frontier.norm_q(qk[:, :H]), self.frontier.norm_k(qk[:, H:])), dim=1)
+        if self.rope is not None and rotate:  # one rotation for the q and k heads together
+            qk = self._rotate(qk, resolve_positions(positions, N, start, x.device, batch=B))
+        return qk[:, :H], qk[:, H:], v  # [B, H, N, D], [B, Hkv, N, D], [B, Hkv, N, D]
+
+    def _rotate(self, t: Tensor, positions: Tensor) -> Tensor:
+        """RoPE of ``t [B, h, N, D]`` at ``positions`` ``[N]`` or ``[B, N]`` (identity without RoPE)."""
+        if self.rope is None:
+            return t
+        cos, sin = self.rope.cos_sin(positions, torch.float64 if t.dtype == torch.float64 else torch.float32)
+        return self.rope.rotate(t, cos, sin)
 
     def _attend_keys(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, start: int, first: int,
                      return_weights: bool, *, decoding: bool) -> tuple[Tensor, Tensor | None]:
@@ -434,16 +549,112 @@ class SlidingWindowAttention(MultiHeadAttention):
 
     Mistral's ``sliding_window=W`` is ``window=W - 1``. ``MultiHeadAttention(dim, num_heads,
     window=window, causal=causal, **kw)``; with ``causal=False`` the window is two-sided.
+
+    StreamingLLM (Xiao et al., 2023): ``sink_tokens=n`` keeps the first ``n`` tokens visible to every
+    query, plus the window: ``causal() & (sliding_window(w, 0) | global_tokens(range(n)))``, decoded
+    with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots. ``position_mode``: ``"absolute"``
+    (RoPE at the tokens' absolute positions) or ``"cache"`` (the paper's: positions counted inside
+    the cache, keys stored before RoPE and re-rotated at their cache slots every step); see
+    :mod:`attnzoo.nn.streaming` and ``docs/softmax-frontier.md``. With sink tokens a cached call
+    (and any call in ``"cache"`` mode) returns no weights and takes no ``alibi``.
     """
 
-    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, **kw: Any) -> None:
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"SlidingWindowAttention: window must be an int (keys before the query), got "
-                            f"{type(window).__name__} ({window!r})")
-        if window < 0:
-            raise ValueError(f"SlidingWindowAttention: window must be >= 0, got {window}")
+    _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
+
+    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 0,
+                 position_mode: str = "absolute", **kw: Any) -> None:
+        cls = "SlidingWindowAttention"
+        for name, value in (("window", window), ("sink_tokens", sink_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{cls}: {name} must be an int, got {type(value).__name__} ({value!r})")
+            if value < 0:
+                raise ValueError(f"{cls}: {name} must be >= 0, got {value}")
+        if position_mode not in POSITION_MODES:
+            raise ValueError(f"{cls}: position_mode must be one of {list(POSITION_MODES)}, got {position_mode!r}")
         super().__init__(dim, num_heads, window=window, causal=causal, **kw)
-        self.window_size = window
+        if sink_tokens and (not causal or self.alibi or self.options.score != "softmax"):
+            raise ValueError(f"{cls}: sink_tokens (StreamingLLM) needs causal=True softmax attention without "
+                             f"alibi, got causal={causal}, alibi={self.alibi}, score={self.options.score!r}")
+        self.window_size, self.sink_tokens, self.position_mode = window, sink_tokens, position_mode
+
+    def _structure(self) -> Mask | None:
+        return streaming_pattern(self.window_size, self.sink_tokens) if self.sink_tokens else None
+
+    def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
+                         q_offset: int) -> Tensor | Mask:
+        if mask is None or isinstance(mask, Mask):
+            return structure if mask is None else structure & mask
+        allowed = structure.materialize(B, 1, N, n_k, q_offset=q_offset, device=mask.device)  # [B, 1, N, Nk]
+        if mask.dtype == torch.bool:
+            return allowed & mask
+        return torch.where(allowed, mask, torch.full((), float("-inf"), dtype=mask.dtype, device=mask.device))
+
+    def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str,
+                   dtype: torch.dtype) -> Any:
+        if not self.sink_tokens:
+            return super()._new_cache(batch_size, max_len, device, dtype)
+        return SinkWindowKVCache(batch_size, self.sink_tokens, self.window_size, self.num_kv_heads, self.head_dim,
+                                 max_len=max_len, device=device, dtype=dtype)
+
+    def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
+              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        cls = type(self).__name__
+        if isinstance(cache, SinkWindowKVCache) != bool(self.sink_tokens) and cache is not None:
+            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with "
+                            f"{'a SinkWindowKVCache' if self.sink_tokens else 'a KVCache or SlidingWindowKVCache'}, "
+                            f"got {type(cache).__name__}; use module.init_cache()")
+        if not self.sink_tokens or (cache is None and self.position_mode == "absolute"):
+            return super()._self(x, mask, cache, positions, return_weights)
+        if return_weights or (positions is not None and self.position_mode == "cache"):
+            raise ValueError(f"{cls}: with sink tokens, a cached call or position_mode='cache' takes no "
+                             f"return_weights, and position_mode='cache' no positions (it counts them in the cache)")
+        return self._stream(x, mask, cache, positions), None
+
+    def _stream(self, x: Tensor, mask: Tensor | Mask | None, cache: SinkWindowKVCache | None,
+                positions: Tensor | None) -> Tensor:
+        """StreamingLLM attention of ``x``'s tokens (see :mod:`attnzoo.nn.streaming`): ``[B, H, N, D]``."""
+        B, N, _ = x.shape
+        n, w, in_cache = self.sink_tokens, self.window_size, self.position_mode == "cache"
+        start = 0 if cache is None else cache.length
+        total = start + N
+        _check_mask(type(self).__name__, mask, B, self.num_heads, N, total)
+        q, k, v = self._project_self(x, positions, start, rotate=not in_cache)
+        k, v, k_pos = (k, v, torch.arange(N, device=x.device)) if cache is None else cache.update(k, v)
+        q_pos = torch.arange(start, total, device=x.device)
+        if in_cache and cache is not None and N == 1:  # the paper's step: re-rotate at the cache slots
+            ranks = torch.arange(k.shape[2], device=x.device)
+            return self._part(self._rotate(q, ranks[-1:]), self._rotate(k, ranks), v,
+                              mask_at(mask, k_pos, total, B, self.num_heads, q_pos), False, None, 0, True)[0]
+        ns = int((k_pos < n).sum())  # the sinks come first (positions ascending)
+        q_sink = self._rotate(q, sink_query_positions(q_pos, w, n)) if in_cache else q
+        k_sink = self._rotate(k[:, :, :ns], k_pos[:ns]) if in_cache else k[:, :, :ns]
+        sink_mask = mask[..., :ns] if isinstance(mask, Tensor) and mask.shape[-1] == total else mask
+        o, lse = self._part(q_sink, k_sink, v[:, :, :ns], sink_mask, True, None, start, True)
+        outs, lses = [o], [lse]
+        if ns < k.shape[2]:  # the window keys (positions >= n, contiguous)
+            first = int(k_pos[ns])
+            q_win = self._rotate(q, q_pos) if in_cache else q
+            k_win = self._rotate(k[:, :, ns:], k_pos[ns:]) if in_cache else k[:, :, ns:]
+            o, lse = self._part(q_win, k_win, v[:, :, ns:], _shift_mask(mask, first, total), True, (w, 0),
+                                start - first, False)
+            outs.append(o)
+            lses.append(lse)
+        return merge_attention(outs, lses)[0] if len(outs) > 1 else outs[0]
+
+    def _part(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool, window: Any, q_offset: int,
+              with_sinks: bool) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only)."""
+        extra = {"sinks": self.sinks} if with_sinks and self.sinks is not None else {}
+        out, lse = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
+                               dropout_p=self.dropout if self.training else 0.0, return_lse=True,
+                               backend=self.backend, **extra)
+        return out, lse
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if self.sink_tokens:
+            s += f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
+        return s
 
 
 # --------------------------------------------------------------------------- variant specs
@@ -496,3 +707,30 @@ register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, o
 register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) tiled", "last W keys (ring buffer)",
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
                      check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3))
+
+
+def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
+                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+    sinks = tuple(global_tokens)
+    if sinks != tuple(range(len(sinks))):
+        raise ValueError(f"streaming: the sink tokens are the first n positions, global_tokens must be "
+                         f"(0, 1, ..., n - 1), got {sinks}")
+    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal, sink_tokens=len(sinks), **kw)
+
+
+def _streaming_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    """The causal ``window | sinks`` pattern (the sinks are global tokens ``0 .. n - 1``; under causality
+    their rows see only sinks) and a cache of at most ``n + w + 1`` tokens."""
+    cost = softmax_cost(cfg, shape)
+    left = cfg.window[0] if cfg.window is not None and cfg.window[0] is not None else 0
+    kv_max = len(cfg.global_tokens) + left + 1
+    return dataclasses.replace(cost, kv_cache_max_tokens=kv_max,
+                               kv_cache_bytes=shape.batch * min(shape.seq_len, kv_max) * cost.kv_cache_bytes_per_token)
+
+
+register(VariantSpec("streaming", "softmax", True, "O(N C^2 + N (W + S) C)", "O(N (W + S)) tiled",
+                     "S sink tokens + last W keys (sink+ring buffer)", _build_streaming, _streaming_cost,
+                     defaults={"window": 64, "global_tokens": (0, 1, 2, 3)},
+                     options=("num_kv_heads", "window", "global_tokens"), causal_modes=(True,),
+                     check={"window": 4, "global_tokens": (0, 1)}, arena=_arena_window,
+                     masks="causal, window, sink tokens, padding", order=5))

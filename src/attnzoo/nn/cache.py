@@ -32,7 +32,7 @@ from torch import Tensor
 
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["KVCache", "SlidingWindowKVCache"]
+__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache"]
 
 
 class _CacheBase:
@@ -162,7 +162,35 @@ class KVCache(_CacheBase):
                 f"head_dim={self.head_dim}, length={self.length}, dtype={self.dtype})")
 
 
-class SlidingWindowKVCache(_CacheBase):
+class _SlotCache(_CacheBase):
+    """A fixed set of slots overwritten in place: the last update's overwritten slots are kept until
+    :meth:`commit`, so :meth:`rollback` can restore them."""
+
+    _undo: tuple[int, Tensor, list[tuple[Tensor, int, Tensor]]] | None = None
+
+    def _save(self, mark: int, slots: Tensor, buffers: list[tuple[Tensor, int]]) -> None:
+        """Keep the ``slots`` of every ``(buffer, dim)`` about to be overwritten by the update after ``mark``."""
+        self._undo = (mark, slots, [(buf, dim, buf.index_select(dim, slots)) for buf, dim in buffers])
+
+    def rollback(self, mark: object) -> None:
+        """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
+        assert isinstance(mark, int)
+        if self.length == mark:
+            return
+        if self._undo is None or self._undo[0] != mark:
+            raise RuntimeError(f"{type(self).__name__}.rollback: only the last update can be undone")
+        _, slots, saved = self._undo
+        for buf, dim, old in saved:
+            buf.index_copy_(dim, slots, old)
+        self.length = mark
+        self._undo = None
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
+        self._undo = None
+
+
+class SlidingWindowKVCache(_SlotCache):
     """A ring buffer for causal sliding-window attention that never holds more than the window.
 
     With ``window = w`` (the module convention: a query sees itself and the ``w`` keys before
@@ -194,29 +222,10 @@ class SlidingWindowKVCache(_CacheBase):
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=self.k.device)
-        self._undo: tuple[int, Tensor, Tensor, Tensor, Tensor] | None = None
 
     def reset(self) -> None:
         self.length = 0
         self.slot_positions.fill_(-1)
-        self._undo = None
-
-    def rollback(self, mark: object) -> None:
-        """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
-        assert isinstance(mark, int)
-        if self.length == mark:
-            return
-        if self._undo is None or self._undo[0] != mark:
-            raise RuntimeError("SlidingWindowKVCache.rollback: only the last update can be undone")
-        _, slots, k_old, v_old, pos_old = self._undo
-        self.k.index_copy_(2, slots, k_old)
-        self.v.index_copy_(2, slots, v_old)
-        self.slot_positions.index_copy_(0, slots, pos_old)
-        self.length = mark
-        self._undo = None
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
         self._undo = None
 
     @property
@@ -240,8 +249,7 @@ class SlidingWindowKVCache(_CacheBase):
         if n > 1:  # what the early queries of the chunk still need, before the ring is overwritten
             out_k = torch.cat((self.k.index_select(2, old_order), k_new), dim=2)  # [B, Hkv, held + n, D]
             out_v = torch.cat((self.v.index_select(2, old_order), v_new), dim=2)
-        self._undo = (start, slots, self.k.index_select(2, slots), self.v.index_select(2, slots),
-                      self.slot_positions.index_select(0, slots))
+        self._save(start, slots, [(self.k, 2), (self.v, 2), (self.slot_positions, 0)])
         self.k.index_copy_(2, slots, k_new[:, :, n - keep:])
         self.v.index_copy_(2, slots, v_new[:, :, n - keep:])
         self.slot_positions.index_copy_(0, slots, pos_keep)
@@ -260,3 +268,93 @@ class SlidingWindowKVCache(_CacheBase):
         return (f"SlidingWindowKVCache(batch_size={self.batch_size}, window={self.window}, capacity={self.capacity}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, length={self.length}, "
                 f"dtype={self.dtype})")
+
+
+class SinkWindowKVCache(_SlotCache):
+    """StreamingLLM's cache: ``n`` attention-sink tokens kept forever plus a ring of the last ``w + 1``.
+
+    With ``sink_tokens = n`` and ``window = w`` the buffers hold ``capacity = n + w + 1`` slots:
+    token ``p < n`` lives in slot ``p``, token ``p >= n`` in slot ``n + (p - n) % (w + 1)``. That
+    is every key a query at the newest position can see under
+    ``causal() & (sliding_window(w, 0) | global_tokens(range(n)))``, and never more.
+
+    :meth:`update` returns ``(k, v, key_positions)`` in position order (ascending; contiguous except
+    for the gap between the sinks and the window): a single new token (decoding) gets the held
+    keys after writing it (``Nk <= n + w + 1``, every key visible); a chunk of ``m > 1`` tokens gets
+    the keys held before the chunk followed by its ``m`` new keys, then keeps only what later
+    queries can need. Whether the keys are stored after RoPE (absolute positions) or before it
+    (StreamingLLM's positions inside the cache) is the module's choice.
+
+    Args:
+        batch_size: ``B``.
+        sink_tokens: ``n >= 0``, the first tokens that stay visible to every query.
+        window: ``w >= 0``, keys before the query that stay visible.
+        num_kv_heads, head_dim, v_head_dim: as for :class:`KVCache`.
+        max_len: optional limit on the total number of tokens (``None`` = unbounded).
+        device, dtype: of the buffers.
+    """
+
+    def __init__(self, batch_size: int, sink_tokens: int, window: int, num_kv_heads: int, head_dim: int, *,
+                 v_head_dim: int | None = None, max_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        self.sink_tokens = _check_int(sink_tokens, "sink_tokens", 0)
+        self.window = _check_int(window, "window", 0)
+        self.capacity = self.sink_tokens + self.window + 1
+        self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
+        super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
+
+    def held_positions(self, length: int | None = None) -> Tensor:
+        """Absolute positions of the keys held after ``length`` tokens (default: now), ascending."""
+        n, ring = self.sink_tokens, self.window + 1
+        length = self.length if length is None else length
+        sinks = torch.arange(min(length, n), device=self.k.device)
+        recent = torch.arange(max(n, length - ring), max(n, length), device=self.k.device)
+        return torch.cat((sinks, recent))
+
+    def _slots(self, positions: Tensor) -> Tensor:
+        n = self.sink_tokens
+        return torch.where(positions < n, positions, n + (positions - n) % (self.window + 1))
+
+    def reset(self) -> None:
+        self.length = 0
+        self._undo = None
+
+    @property
+    def num_cached(self) -> int:
+        """Keys currently held (at most ``capacity``)."""
+        return int(self.held_positions().numel())
+
+    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Append ``m`` tokens; return ``(k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], key_positions [Nk])``
+        in position order."""
+        self._check_new(k_new, v_new)
+        m, start = k_new.shape[2], self.length
+        if self.max_len is not None and start + m > self.max_len:
+            raise ValueError(f"SinkWindowKVCache overflow: {start} tokens seen + {m} new > max_len={self.max_len}")
+        before = self.held_positions(start)
+        new_pos = torch.arange(start, start + m, device=self.k.device)
+        if m > 1:
+            old = self._slots(before)
+            out_k = torch.cat((self.k.index_select(2, old), k_new), dim=2)  # [B, Hkv, held + m, D]
+            out_v = torch.cat((self.v.index_select(2, old), v_new), dim=2)
+            out_pos = torch.cat((before, new_pos))
+        after = self.held_positions(start + m)
+        keep = after[after >= start] - start  # indices into the chunk of the new tokens still needed
+        slots = self._slots(keep + start)
+        self._save(start, slots, [(self.k, 2), (self.v, 2)])
+        self.k.index_copy_(2, slots, k_new.index_select(2, keep))
+        self.v.index_copy_(2, slots, v_new.index_select(2, keep))
+        self.length = start + m
+        if m == 1:
+            held = self._slots(after)
+            out_k, out_v, out_pos = self.k.index_select(2, held), self.v.index_select(2, held), after
+        return out_k, out_v, out_pos
+
+    def bytes_per_token(self) -> float:
+        """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""
+        return self.nbytes / self.capacity
+
+    def __repr__(self) -> str:
+        return (f"SinkWindowKVCache(batch_size={self.batch_size}, sink_tokens={self.sink_tokens}, "
+                f"window={self.window}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, length={self.length}, dtype={self.dtype})")
