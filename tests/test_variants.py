@@ -16,12 +16,15 @@ from attnzoo.variants import (
 SOFTMAX = [n for n, s in VARIANTS.items() if s.family == "softmax"]
 
 
-def test_names_are_the_issue_list() -> None:
-    assert variant_names() == ["mha", "mqa", "gqa", "sliding", "local_global", "streaming", "linear",
-                               "performer", "infini", "diff"]
+def test_the_seed_texts_variants_are_registered_first() -> None:
+    # New variants register themselves (docs/adding-a-variant.md): this test pins only the
+    # original eight, in the listing order, and never needs an edit when one is added.
+    first = ["mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini"]
+    names = variant_names()
+    assert [n for n in names if n in first] == first
+    assert len(set(names)) == len(names)
     for spec in VARIANTS.values():
-        assert spec.family in ("softmax", "differential", "feature-map", "compressive")
-        assert spec.exact == (spec.family in ("softmax", "differential"))
+        assert spec.exact == (spec.family in ("softmax", "differential")), spec.name
 
 
 @pytest.mark.parametrize(
