@@ -60,6 +60,8 @@ CASES_2 = [
     ("zz_causal_alibi_softcap", "zigzag", True, None, 4, 2, 16, {"alibi": True, "softcap": 2.0}),
     ("bidir_alibi", "contiguous", False, None, 4, 1, 15, {"alibi": True}),
     ("window_softcap", "contiguous", True, 4, 2, 2, 16, {"softcap": 1.5}),
+    ("zz_causal_gqa_sinks", "zigzag", True, None, 4, 2, 16, {"sinks": True}),
+    ("window_sinks_alibi", "contiguous", True, 3, 4, 1, 15, {"sinks": True, "alibi": True}),
 ]
 CASES_4 = [
     ("bidir_gqa", "contiguous", False, None, 4, 2, 16),
@@ -135,16 +137,28 @@ def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: 
         mods["alibi_slopes"] = az.alibi_slopes(hq).to(dtype)
     if (extra or {}).get("softcap"):
         mods["softcap"] = extra["softcap"]  # type: ignore[index]
+    sinks = None
+    if (extra or {}).get("sinks"):
+        sinks = (2 * torch.randn(hq, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+        mods["sinks"] = sinks
     ref, ref_lse = az.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="reference",
                                 **mods)
     ref.backward(d_out)
+    ref_dsinks = None
+    if sinks is not None:
+        ref_dsinks, sinks.grad = sinks.grad.clone(), None
     ql, kl, vl = (shard_sequence(t.detach(), 2, group=group, layout=layout).requires_grad_() for t in (q, k, v))
     out, lse = ring_attention(ql, kl, vl, group=group, causal=causal, window=window, layout=layout,
                               backend=backend, return_lse=True, block=block, **mods)
     out.backward(shard_sequence(d_out, 2, group=group, layout=layout))
     pos = shard_positions(n, group=group, layout=layout)
     finite = torch.isfinite(ref_lse[:, :, pos])
-    return {
+    extra_errs = {}
+    if sinks is not None:  # each rank holds its rows' share of the sinks' gradient
+        dsinks = sinks.grad.clone()
+        dist.all_reduce(dsinks, group=group)
+        extra_errs["dsinks"] = _rel(dsinks, ref_dsinks)
+    return {**extra_errs,
         "out": _rel(gather_sequence(out.detach(), 2, group=group, layout=layout), ref),
         "lse": _rel(lse[finite], ref_lse[:, :, pos][finite]),
         "lse_inf_match": float(torch.equal(torch.isinf(lse), torch.isinf(ref_lse[:, :, pos]))),
@@ -238,7 +252,8 @@ def _check_context_parallel(rank: int, world: int, res: dict[str, Any]) -> None:
     for name, layout, kw in (("mha_rope_causal", "zigzag", {"causal": True, "rope": True}),
                              ("gqa_window", "contiguous", {"num_kv_heads": 2, "causal": True, "window": 4}),
                              ("bidir", "contiguous", {}),
-                             ("alibi_causal", "zigzag", {"causal": True, "alibi": True})):
+                             ("alibi_causal", "zigzag", {"causal": True, "alibi": True}),
+                             ("sinks_gqa_causal", "zigzag", {"causal": True, "sinks": True, "num_kv_heads": 2})):
         torch.manual_seed(7)
         mha = az.MultiHeadAttention(32, 4, dtype=torch.float64, **kw)
         x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
@@ -497,7 +512,8 @@ def test_ring_bfloat16_error_within_twice_single_process(two: list[dict[str, Any
             assert ring <= 2 * single + 1e-3, f"rank {r}, {name}: ring error {ring:.2e} vs one process {single:.2e}"
 
 
-@pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir", "alibi_causal", "decoder_lm"])
+@pytest.mark.parametrize("name", ["mha_rope_causal", "gqa_window", "bidir", "alibi_causal", "sinks_gqa_causal",
+                                  "decoder_lm"])
 def test_context_parallel_matches_module(two: list[dict[str, Any]], name: str) -> None:
     for r, res in enumerate(two):
         errs = res[f"cp/{name}"]

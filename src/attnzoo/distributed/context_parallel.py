@@ -122,11 +122,12 @@ def _ring_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, ri
     :func:`ring_attention` over the group out (``q_offset`` is ignored: the ring places every
     shard at its global positions from ``layout``)."""
     del q_offset, backend  # the ring places shards by layout; each pair runs on ring_backend
-    if mask is not None or return_weights or dropout_p or sinks is not None:
-        raise ValueError("ContextParallel: masks, return_weights, attention dropout and sinks are not supported "
-                         "by ring attention")
+    if mask is not None or return_weights or dropout_p:
+        raise ValueError("ContextParallel: masks, return_weights and attention dropout are not supported by "
+                         "ring attention")
     out = ring_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
-                         alibi_slopes=alibi_slopes, layout=layout, backend=ring_backend, timeout=timeout)
+                         alibi_slopes=alibi_slopes, layout=layout, backend=ring_backend, timeout=timeout,
+                         sinks=sinks)
     assert isinstance(out, Tensor)
     return out
 

@@ -235,7 +235,7 @@ def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ring: Ring, metas: list[_Meta],  # type: ignore[override]
-                cfg: _Config) -> tuple[Tensor, Tensor]:
+                cfg: _Config, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
         P, r = ring.size, ring.rank
         lengths = [int(m.Nq) for m in metas]
         cdt = compute_dtype(q.dtype)
@@ -255,8 +255,16 @@ class _RingAttention(torch.autograd.Function):
             _forward_pairs(q, k_cur, v_cur, q_segs, segments(cfg.layout, lengths, src), out, lse, cfg)
             if pending is not None:
                 k_cur, v_cur = ring.finish(pending)
+        if sinks is not None:
+            # Each head's sink logit joins every row's softmax as a key with no value: lse' =
+            # logaddexp(lse, z), out' = out exp(lse - lse'). The backward below, run with (out',
+            # lse'), then differentiates the sinked softmax exactly (the sink column has no dK/dV).
+            z = sinks.detach().to(cdt).view(1, -1, 1)  # [1, Hq, 1]
+            sinked = torch.logaddexp(lse, z)
+            out = out * torch.exp(lse - sinked).unsqueeze(-1)
+            lse = sinked
         out_q = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out_q, lse)
+        ctx.save_for_backward(q, k, v, out_q, lse, sinks)
         ctx.ring, ctx.lengths, ctx.cfg = ring, lengths, cfg
         ctx.mark_non_differentiable(lse)
         return out_q, lse
@@ -264,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor, _d_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ring, lengths, cfg = ctx.ring, ctx.lengths, ctx.cfg
         P, r = ring.size, ring.rank
         cdt = compute_dtype(q.dtype)
@@ -299,7 +307,11 @@ class _RingAttention(torch.autograd.Function):
                 k_cur, v_cur = ring.finish(kv_pending)
         if dkv_pending is not None:  # after P hops our own buffers are back, complete
             dk, dv = ring.finish(dkv_pending)
-        return dq.mul_(cfg.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        d_sinks = None
+        if sinks is not None:  # d z_h = -sum over this rank's rows of p_sink * delta (the sink has v = 0)
+            p_sink = torch.exp(sinks.to(cdt).view(1, -1, 1) - lse)  # [B, Hq, n]
+            d_sinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.mul_(cfg.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, d_sinks
 
 
 def _shard_shape(t: Tensor, n: int) -> tuple[int, ...]:
@@ -307,7 +319,7 @@ def _shard_shape(t: Tensor, n: int) -> tuple[int, ...]:
 
 
 def _check_options(scale: object, return_lse: object, block: object, backend: object, softcap: object,
-                   alibi_slopes: object) -> None:
+                   alibi_slopes: object, sinks: object = None) -> None:
     """Local checks of ``ring_attention``'s options (errors travel to every rank)."""
     if scale is not None:
         check_positive_float(scale, "scale")
@@ -322,6 +334,10 @@ def _check_options(scale: object, return_lse: object, block: object, backend: ob
                                      or not bool(torch.isfinite(alibi_slopes).all())):
         raise ValueError(f"alibi_slopes must be a finite float tensor [Hq] or None, got "
                          f"{tuple(alibi_slopes.shape) if isinstance(alibi_slopes, Tensor) else alibi_slopes!r}")
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.dim() != 1 or not sinks.is_floating_point()
+                              or not bool(torch.isfinite(sinks).all())):
+        raise ValueError(f"sinks must be a finite float tensor [Hq] or None, got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else sinks!r}")
 
 
 def ring_attention(
@@ -340,6 +356,7 @@ def ring_attention(
     return_lse: bool = False,
     timeout: float | timedelta | None = None,
     block: int = BACKWARD_BLOCK,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded across the ranks of a process group.
 
@@ -367,6 +384,10 @@ def ring_attention(
         timeout: seconds (or a timedelta) any single wait on the network may take before this
             rank raises; default: the process group's timeout.
         block: query rows per block in the backward pass.
+        sinks: ``[Hq]`` learnable sink logits (gpt-oss), as in ``az.attention(..., sinks=)``: each
+            row's softmax also runs over its head's sink, whose column carries no value; the LSE
+            includes it. Differentiable; each rank's ``sinks.grad`` holds its rows' share (sum it
+            over ranks with the other parameters' gradients).
 
     Returns:
         ``out [B, Hq, n, Dv]`` (dtype of ``q``), or ``(out, lse)`` with ``return_lse``.
@@ -387,7 +408,9 @@ def ring_attention(
         layout = check_layout(layout, fn)
         check_bool(causal, "causal")
         win = normalize_window(window)
-        _check_options(scale, return_lse, block, backend, softcap, alibi_slopes)
+        _check_options(scale, return_lse, block, backend, softcap, alibi_slopes, sinks)
+        if sinks is not None and sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks must have shape [Hq] = [{q.shape[1]}], got {tuple(sinks.shape)}")
         vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes)
     except (TypeError, ValueError) as e:
         err = e
@@ -400,7 +423,7 @@ def ring_attention(
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
                   block=block, softcap=None if softcap is None else float(softcap),
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)))
-    out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg)
+    out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg, sinks)
     if return_lse:
         return out, lse.float() if lse.dtype != torch.float64 else lse
     return out
