@@ -6,6 +6,8 @@ pooler (``tanh(Linear(hidden[:, 0]))``) is kept when the checkpoint has one.
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any
 
 from torch import Tensor
@@ -47,7 +49,8 @@ def _layer(plan: Plan, i: int) -> None:
 def convert_bert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
                  strict_prefix: bool = False) -> TransformerEncoder:
     """Build the encoder and copy the weights (a ``bert.`` prefix is stripped unless
-    ``strict_prefix``; ``BertFor*`` task heads are ignored)."""
+    ``strict_prefix``; the task heads of ``BertFor*`` (MLM, classification, QA, ...) are ignored
+    and listed in a ``UserWarning``)."""
     prefix = "bert." if not strict_prefix and any(k.startswith("bert.") for k in sd) else ""
     src = Source(sd, prefix)
     cfg = bert_config(hf, pooler=src.has("pooler.dense.weight"))
@@ -64,7 +67,11 @@ def convert_bert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
         plan.put_pairs("", "", [("pooler", "pooler.dense")])
     # position_ids is a non-persistent buffer in recent versions but present in older files;
     # pre-training and task heads (cls.*, classifier.*, qa_outputs.*) of BertFor* are not part of the encoder.
-    ignore = [r"(bert\.)?embeddings\.position_ids", r"cls\..*", r"classifier\..*", r"qa_outputs\..*"] if prefix \
-        else [r"embeddings\.position_ids"]
+    ignore = [r"(bert\.)?embeddings\.position_ids"]
+    heads = sorted(k for k in sd if prefix and not k.startswith(prefix) and k != "embeddings.position_ids")
+    if heads:
+        warnings.warn(f"BERT: the encoder is loaded; the task head weights {heads} have no attnzoo "
+                      f"equivalent and are ignored ({hf.source})", stacklevel=4)
+        ignore += [re.escape(k) for k in heads]
     plan.apply(model, ignore=ignore)
     return model
