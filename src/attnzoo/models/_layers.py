@@ -143,6 +143,13 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
             return seq_len > int(self.rope_parameters.get("original_max_position_embeddings") or 0)
         return None
 
+    def switches_at(self, length: int) -> bool:
+        """Whether a sequence growing to ``length`` tokens moves ``longrope`` from its short to
+        its long factors (then the keys already rotated should be rotated again)."""
+        if self.rope_type != "longrope":
+            return False
+        return length == int(self.rope_parameters.get("original_max_position_embeddings") or 0) + 1
+
     def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         seq_len = int(positions.max()) + 1 if positions.numel() else 1
         key = (self._key(seq_len), positions.device)

@@ -320,7 +320,8 @@ class DecoderLM(FromConfig, nn.Module):
                              f"positions (max_seq_len; pass extend_context=True to go past it with RoPE)")
         if n + new > self.max_seq_len:
             raise ValueError(f"{owner}: prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model's "
-                             f"{self.max_seq_len} positions (max_seq_len)")
+                             f"{self.max_seq_len} positions (max_seq_len; pass extend_context=True to go past "
+                             f"it with RoPE)")
 
     @torch.no_grad()
     def generate(
@@ -392,9 +393,16 @@ class DecoderLM(FromConfig, nn.Module):
             written = n + t + 1
             if t == new - 1 or (eos_token_id is not None and bool(done.all())):
                 break
-            logits = self(tok[:, None], cache=cache, positions=next_pos,
-                          attention_mask=None if full_mask is None else full_mask[:, :written],
-                          context=context, context_mask=context_mask)[:, -1]
+            if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.switches_at(written):
+                # longrope moves to its long factors: every key is rotated again (transformers' Phi3)
+                cache.reset()
+                am = None if full_mask is None else full_mask[:, :written]
+                logits = self(tokens[:, :written], cache=cache, attention_mask=am, context=context,
+                              context_mask=context_mask)[:, -1]
+            else:
+                logits = self(tok[:, None], cache=cache, positions=next_pos,
+                              attention_mask=None if full_mask is None else full_mask[:, :written],
+                              context=context, context_mask=context_mask)[:, -1]
             if next_pos is not None:
                 next_pos = next_pos + 1
         return tokens[:, :written]

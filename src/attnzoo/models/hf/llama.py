@@ -139,6 +139,8 @@ def llama_config(hf: HFConfig, *, sliding: bool = True, family: str = "llama", h
     ffn = hf.activation(act_key, GATED_ACTIVATIONS, "gelu_pytorch_tanh" if fam.gemma else "silu")
     attn = _attention(hf if sliding else HFConfig({**hf.data, "sliding_window": None}, hf.source, hf.arch),
                       fam, depth, D)
+    if head_size is not None:  # the final-logit softcap belongs to the LM head only
+        attn.pop("logit_softcap", None)
     return DecoderConfig(
         hf.req("vocab_size"), C, depth, H, num_kv_heads=hf.get("num_key_value_heads", H),
         max_seq_len=hf.get("max_position_embeddings", 2048), pos="rope", norm="rms",
