@@ -239,15 +239,14 @@ def test_unsupported_options_raise_their_own_error() -> None:
 
 
 def test_missing_config_key_names_file_and_key(tmp_path: Path) -> None:
-    hf = _hf("qwen2")
-    hf.save_pretrained(tmp_path)
+    _hf("qwen2").save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     data = json.loads(path.read_text())
-    del data["hidden_size"]
+    hidden = data.pop("hidden_size")
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointFormatError, match=r"config\.json.*missing key 'hidden_size'"):
         load_pretrained(tmp_path)
-    data["hidden_size"] = 64
+    data["hidden_size"] = hidden
     data["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4}
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointFormatError, match=r"config\.json.*original_max_position_embeddings"):

@@ -323,6 +323,18 @@ class DecoderLM(FromConfig, nn.Module):
                              f"{self.max_seq_len} positions (max_seq_len; pass extend_context=True to go past "
                              f"it with RoPE)")
 
+    def _decode_step(self, tokens: Tensor, cache: LayerCaches, positions: Tensor | None, attention_mask: Tensor | None,
+                     context: Tensor | None, context_mask: Tensor | None) -> Tensor:
+        """Logits ``[B, V]`` after the last of ``tokens [B, L]`` (the others are in ``cache``).
+        When ``longrope`` moves to its long factors at this length, the cache is rebuilt from
+        every token so all keys are rotated again (as transformers' Phi3 generation does)."""
+        if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.switches_at(tokens.shape[1]):
+            cache.reset()
+            return self(tokens, cache=cache, attention_mask=attention_mask, context=context,
+                        context_mask=context_mask)[:, -1]
+        return self(tokens[:, -1:], cache=cache, positions=positions, attention_mask=attention_mask,
+                    context=context, context_mask=context_mask)[:, -1]
+
     @torch.no_grad()
     def generate(
         self,
@@ -393,16 +405,8 @@ class DecoderLM(FromConfig, nn.Module):
             written = n + t + 1
             if t == new - 1 or (eos_token_id is not None and bool(done.all())):
                 break
-            if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.switches_at(written):
-                # longrope moves to its long factors: every key is rotated again (transformers' Phi3)
-                cache.reset()
-                am = None if full_mask is None else full_mask[:, :written]
-                logits = self(tokens[:, :written], cache=cache, attention_mask=am, context=context,
-                              context_mask=context_mask)[:, -1]
-            else:
-                logits = self(tok[:, None], cache=cache, positions=next_pos,
-                              attention_mask=None if full_mask is None else full_mask[:, :written],
-                              context=context, context_mask=context_mask)[:, -1]
+            am = None if full_mask is None else full_mask[:, :written]
+            logits = self._decode_step(tokens[:, :written], cache, next_pos, am, context, context_mask)
             if next_pos is not None:
                 next_pos = next_pos + 1
         return tokens[:, :written]
