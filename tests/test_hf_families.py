@@ -199,23 +199,33 @@ def _bert_cfg(**kw: Any) -> Any:
                         vocab_size=V, max_position_embeddings=64, **kw)
 
 
-@pytest.mark.parametrize("cls", ["BertForSequenceClassification", "BertForTokenClassification",
-                                 "BertForQuestionAnswering", "BertForMaskedLM", "BertForPreTraining"])
-def test_bert_task_heads_load_with_a_warning(cls: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cls", ["BertForSequenceClassification", "BertForMaskedLM", "BertForTokenClassification",
+                                 "BertForQuestionAnswering", "BertForPreTraining"])
+def test_bert_task_heads(cls: str, tmp_path: Path) -> None:
+    """Sequence classification and masked LM load with their heads; the other heads are ignored
+    and listed in a warning; the encoder always equals transformers'."""
     torch.manual_seed(0)
-    hf = _perturbed(getattr(T, cls)(_bert_cfg(num_labels=3)))
+    hf = _perturbed(getattr(T, cls)(_bert_cfg(num_labels=2 if cls == "BertForQuestionAnswering" else 3)))
     x = _tokens(9)
     with torch.no_grad():
         ref = hf.bert(input_ids=x).last_hidden_state
-    with pytest.warns(UserWarning, match=r"task head weights \[.*\] .* ignored"):
-        ours = from_hf(hf)
-    with torch.no_grad():
-        assert _rel(ours(x), ref) <= TOL
+        logits = hf(input_ids=x)
     hf.save_pretrained(tmp_path)
-    with pytest.warns(UserWarning, match="ignored"):
-        folder = load_pretrained(tmp_path)
-    with torch.no_grad():
-        assert _rel(folder(x), ref) <= TOL
+    ignored = {"BertForTokenClassification": "classifier", "BertForQuestionAnswering": "qa_outputs",
+               "BertForPreTraining": "seq_relationship"}.get(cls)
+    for load in (lambda: from_hf(hf), lambda: load_pretrained(tmp_path)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = load()
+        assert any(ignored in str(w.message) and "ignored" in str(w.message) for w in caught) == bool(ignored)
+        with torch.no_grad():
+            hidden = ours(x)
+            assert _rel(hidden, ref) <= TOL
+            if cls == "BertForSequenceClassification":
+                assert _rel(ours.classify(hidden), logits.logits) <= TOL
+            if cls in ("BertForMaskedLM", "BertForPreTraining"):
+                mlm = logits.logits if cls == "BertForMaskedLM" else logits.prediction_logits
+                assert _rel(ours.mlm_logits(hidden), mlm) <= TOL
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "olmo2"])

@@ -196,7 +196,8 @@ def _check_family_options(cfg: DecoderConfig, owner: str) -> None:
 
 @dataclass(frozen=True)
 class EncoderConfig(Config):
-    """A :class:`~attnzoo.TransformerEncoder`: the fields are its keyword arguments."""
+    """A :class:`~attnzoo.TransformerEncoder`: the fields are its keyword arguments (``num_labels``
+    and ``mlm_head`` add BERT's sequence-classification and masked-LM heads)."""
 
     vocab_size: int
     dim: int
@@ -219,6 +220,8 @@ class EncoderConfig(Config):
     bias: bool = True
     rope_base: float = 10000.0
     pooler: bool = False
+    num_labels: int = 0
+    mlm_head: bool = False
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "bert": {"vocab_size": 30522, "dim": 768, "depth": 12, "num_heads": 12, "max_seq_len": 512,
@@ -231,9 +234,12 @@ class EncoderConfig(Config):
         _check_common(self, owner, ("vocab_size", "dim", "depth", "num_heads", "max_seq_len"))
         check_int(self.type_vocab_size, "type_vocab_size", owner, minimum=0)
         _check_choice(self.pos, "pos", POSITIONS, owner)
-        for name in ("norm_first", "bias", "pooler"):
+        for name in ("norm_first", "bias", "pooler", "mlm_head"):
             _check_bool(getattr(self, name), name, owner)
         _check_optional_bool(self, owner, "embed_norm", "final_norm")
+        check_int(self.num_labels, "num_labels", owner, minimum=0)
+        if self.num_labels and not self.pooler:
+            raise ValueError(f"{owner}: num_labels={self.num_labels} classifies the pooled output; set pooler=True")
         if self.dim % self.num_heads:
             raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.embed_scale is not None:
