@@ -21,6 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import attnzoo as az  # noqa: E402
 import attnzoo.hf as azhf  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
     CheckpointFormatError,
@@ -281,3 +282,31 @@ def test_register_path_equals_eager(family: str) -> None:
         gen = _hf_greedy(hf, x[:1, :6], 8)
     assert err <= TOL, f"{family} via register(): relative error {err:.2e}"
     assert torch.equal(gen, gen_eager)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_left_padded_batch_generation(family: str) -> None:
+    """Full and sliding layers with a left-padded batch: positions count real tokens only."""
+    hf = _hf(family)
+    ours = from_hf(hf)
+    x = _tokens(10)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    x = x.masked_fill(mask == 0, 0)
+    expected = hf.generate(input_ids=x, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    assert torch.equal(ours.generate(x, 8, attention_mask=mask.bool()), expected)
+
+
+def test_decoder_family_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="qk_norm must be one of"):
+        az.DecoderLM(V, 64, 2, 4, qk_norm="per-head")
+    with pytest.raises(ValueError, match=r"layer_windows must be a tuple of depth=2"):
+        az.DecoderLM(V, 64, 2, 4, layer_windows=(3,))
+    with pytest.raises(ValueError, match="sublayer_norm='both' needs norm_first=True"):
+        az.DecoderLM(V, 64, 2, 4, sublayer_norm="both", norm_first=False)
+    with pytest.raises(ValueError, match="need attention='mha' or 'sliding'"):
+        az.DecoderLM(V, 64, 2, 4, attention="linear", attn_softcap=5.0)
+    model = az.DecoderLM(V, 64, 2, 4, head_size=0)
+    with pytest.raises(ValueError, match="no LM head"):
+        model.generate(_tokens(4), 2)

@@ -156,6 +156,8 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
         inv = self._scaled_cache.get(key)
         if inv is None:
             inv = self._scaled(seq_len if key[0] is not None else None, positions.device)[0]
+            if len(self._scaled_cache) > 8:  # dynamic grows one length at a time while decoding
+                self._scaled_cache.clear()
             self._scaled_cache[key] = inv
         return positions.to(dtype).unsqueeze(-1) * inv.to(dtype)
 
