@@ -66,7 +66,7 @@ def _ffn_reference(ffn: az.FeedForward, x: torch.Tensor) -> torch.Tensor:
             return t.clamp(min=0)
         if name in ("gelu", "geglu"):
             return 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
-        if name == "gelu_tanh":
+        if name in ("gelu_tanh", "geglu_tanh"):
             return 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
         return t / (1 + torch.exp(-t))  # silu / swiglu
 
@@ -84,7 +84,7 @@ def test_feedforward_matches_formula(activation: str, bias: bool) -> None:
     ffn = az.FeedForward(16, 40, activation, bias=bias)
     x = torch.randn(2, 5, 16) * 2
     _close(ffn(x), _ffn_reference(ffn, x), 1e-5, f"FeedForward {activation}")
-    assert (ffn.gate_proj is not None) == (activation in ("swiglu", "geglu"))
+    assert (ffn.gate_proj is not None) == (activation in ("swiglu", "geglu", "geglu_tanh"))
 
 
 def test_feedforward_default_hidden() -> None:

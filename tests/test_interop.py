@@ -303,9 +303,9 @@ def test_llama_linear_rope_scaling_and_unsupported_rope_type() -> None:
     x = torch.randint(0, V, (2, 20))
     with torch.no_grad():
         _close(ours(x), hf(input_ids=x).logits, TOL, "LLaMA with linear RoPE scaling")
-    cfg.rope_parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1000.0}
-    with pytest.raises(ValueError, match=r"rope_type='dynamic'.*is not supported"):
-        from_hf(T.LlamaForCausalLM(cfg))
+    hf.config.rope_parameters = {"rope_type": "mrope", "factor": 4.0, "rope_theta": 1000.0}
+    with pytest.raises(ValueError, match=r"rope_type='mrope'.*is not supported"):
+        from_hf(hf)  # the other rope types: tests/test_hf_families.py
 
 
 def test_sharded_safetensors_folder(tmp_path: Path) -> None:

@@ -47,7 +47,11 @@ ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
     "silu": (F.silu, False),
     "swiglu": (F.silu, True),  # LLaMA, Mistral
     "geglu": (F.gelu, True),
+    "geglu_tanh": (lambda x: F.gelu(x, approximate="tanh"), True),  # Gemma's gated gelu_pytorch_tanh
 }
+#: Where a pre-norm block normalises its sub-layers: ``"input"`` (GPT-2, LLaMA), ``"both"`` the
+#: input and the output before the residual add (Gemma 2), ``"output"`` only the output (OLMo 2).
+SUBLAYER_NORMS = ("input", "both", "output")
 NORMS = ("layer", "rms")
 
 
@@ -319,6 +323,7 @@ class BlockLayers:
     norm_first: bool = True
     dropout: float = 0.0
     context_dim: int | None = None
+    sublayer_norm: str = "input"
 
 
 def build_mixer(attention: AttentionSpec, dim: int, num_heads: int, *, causal: bool,
@@ -380,6 +385,10 @@ class BlockConfig(Config):
         dropout: on each sub-layer's output (before the residual add) and in the FFN.
         bias: biases in the cross-attention and the FFN (the self-attention takes its own ``bias``
             from ``attention_kwargs``; registry modules default to ``True``).
+        sublayer_norm: with ``norm_first``, which side of the self-attention and FFN sub-layers is
+            normalised: ``"input"`` (default), ``"both"`` (also their outputs, before the
+            residual add: ``attn_out_norm``, ``ffn_out_norm``; Gemma 2) or ``"output"`` (only the
+            outputs; OLMo 2).
     """
 
     dim: int
@@ -396,9 +405,13 @@ class BlockConfig(Config):
     ffn_hidden: int | None = None
     dropout: float = 0.0
     bias: bool = True
+    sublayer_norm: str = "input"
 
     def __post_init__(self) -> None:
         owner = "TransformerBlock"
+        _check_choice(self.sublayer_norm, "sublayer_norm", SUBLAYER_NORMS, owner)
+        if self.sublayer_norm != "input" and not self.norm_first:
+            raise ValueError(f"{owner}: sublayer_norm={self.sublayer_norm!r} needs norm_first=True")
         _frozen_kwargs(self, "attention_kwargs")
         dim, heads = _check_pos_int(self.dim, "dim", owner), _check_pos_int(self.num_heads, "num_heads", owner)
         if dim % heads and not (self.attention_kwargs or {}).get("head_dim"):
@@ -438,7 +451,8 @@ class BlockConfig(Config):
             norm=functools.partial(make_norm, self.norm, self.dim, self.norm_eps, **kw),
             cross_attention=cross if self.cross_attention else None,
             norm_first=self.norm_first, dropout=self.dropout,
-            context_dim=(self.context_dim or self.dim) if self.cross_attention else None)
+            context_dim=(self.context_dim or self.dim) if self.cross_attention else None,
+            sublayer_norm=self.sublayer_norm)
 
 
 class TransformerBlock(nn.Module):
@@ -491,6 +505,7 @@ class TransformerBlock(nn.Module):
         self.context_dim = None if self.cross_attn is None else (layers.context_dim or self.dim)
         self.ffn_norm = _built(layers.norm, "norm", owner)
         self.ffn = _built(layers.feed_forward, "feed_forward", owner)
+        self.attn_out_norm, self.ffn_out_norm = _sublayer_norms(layers, self, owner)
         self.dropout = nn.Dropout(_check_prob(layers.dropout, "dropout", owner))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -588,11 +603,11 @@ class TransformerBlock(nn.Module):
             cache = cache.self_cache
         drop = self.dropout
         if self.norm_first:
-            x = x + drop(self._mix(self.attn_norm(x), mask, cache, positions, cu_seqlens))
+            x = x + drop(self.attn_out_norm(self._mix(self.attn_norm(x), mask, cache, positions, cu_seqlens)))
             if self.cross_attn is not None:
                 assert self.cross_norm is not None
                 x = x + drop(self._cross(self.cross_norm(x), context, context_mask, cross_cache))
-            return x + drop(self.ffn(self.ffn_norm(x)))
+            return x + drop(self.ffn_out_norm(self.ffn(self.ffn_norm(x))))
         x = self.attn_norm(x + drop(self._mix(x, mask, cache, positions, cu_seqlens)))
         if self.cross_attn is not None:
             assert self.cross_norm is not None
@@ -604,6 +619,20 @@ class TransformerBlock(nn.Module):
         if cache is None:
             return self.cross_attn(h, context, mask=context_mask)
         return self.cross_attn(h, context, mask=context_mask, cache=cache)
+
+
+def _sublayer_norms(layers: BlockLayers, block: TransformerBlock, owner: str) -> tuple[nn.Module, nn.Module]:
+    """The output norms of the self-attention and FFN sub-layers (``Identity`` unless
+    ``sublayer_norm`` is ``"both"`` or ``"output"``); with ``"output"`` the input norms of
+    ``block`` become ``Identity``."""
+    kind = _check_choice(layers.sublayer_norm, "sublayer_norm", SUBLAYER_NORMS, owner)
+    if kind == "input":
+        return nn.Identity(), nn.Identity()
+    if not layers.norm_first:
+        raise ValueError(f"{owner}: sublayer_norm={kind!r} needs norm_first=True")
+    if kind == "output":
+        block.attn_norm, block.ffn_norm = nn.Identity(), nn.Identity()
+    return _built(layers.norm, "norm", owner), _built(layers.norm, "norm", owner)
 
 
 def _built(factory: Callable[[], nn.Module], name: str, owner: str) -> nn.Module:

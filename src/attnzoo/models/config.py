@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from attnzoo.blocks import (
     ACTIVATIONS,
     NORMS,
+    SUBLAYER_NORMS,
     AttentionSpec,
     Config,
     _check_bool,
@@ -65,7 +66,20 @@ class DecoderConfig(Config):
     """A :class:`~attnzoo.DecoderLM`: the fields are its keyword arguments (see its docstring).
 
     ``rope_scaling`` (``None``, ``"linear"`` position interpolation or ``"ntk"``) and
-    ``rope_scaling_factor`` (``>= 1``) configure the rotary embedding, next to ``rope_base``.
+    ``rope_scaling_factor`` (``>= 1``) configure the rotary embedding, next to ``rope_base``;
+    ``rope_parameters`` (a Hugging Face dict: ``rope_type`` ``default``/``linear``/``dynamic``/
+    ``yarn``/``llama3``/``longrope`` and its keys, ``rope_theta`` defaulting to ``rope_base``)
+    replaces both.
+
+    The options of the open-weight families (all off by default): ``qk_norm`` (``"head"``: RMSNorm
+    of each query/key head, Qwen 3; ``"all"``: over all heads flattened, OLMo 2) with
+    ``qk_norm_eps``; ``attn_softcap`` (attention scores ``c * tanh(s / c)``, Gemma 2);
+    ``logit_softcap`` (the same on the output logits); ``sublayer_norm`` (``"input"``,
+    ``"both"``, ``"output"``; see :class:`~attnzoo.blocks.BlockConfig`); ``layer_windows`` (one
+    entry per layer: the left window of a causal sliding layer, or ``None`` for a full one;
+    needs ``attention="mha"``); ``head_size`` (``None``: the LM head over ``vocab_size``;
+    ``0``: no head, the model returns the final hidden states ``[B, N, C]``; ``k``: a
+    ``k``-way per-token head, e.g. sequence classification read at the last token).
     """
 
     vocab_size: int
@@ -93,6 +107,14 @@ class DecoderConfig(Config):
     embed_scale: float | None = None
     cross_attention: bool = False
     context_dim: int | None = None
+    rope_parameters: Mapping[str, Any] | None = None
+    qk_norm: str | None = None
+    qk_norm_eps: float = 1e-6
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    sublayer_norm: str = "input"
+    layer_windows: tuple[int | None, ...] | None = None
+    head_size: int | None = None
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "gpt2": {"vocab_size": 50257, "dim": 768, "depth": 12, "num_heads": 12, "max_seq_len": 1024,
@@ -135,6 +157,7 @@ class DecoderConfig(Config):
             _check_positive_float(self.embed_scale, "embed_scale", owner)
         if self.context_dim is not None:
             check_int(self.context_dim, "context_dim", owner)
+        _check_family_options(self, owner)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -142,9 +165,39 @@ class DecoderConfig(Config):
         return self.dim // self.num_heads if self.head_dim is None else self.head_dim
 
 
+def _check_family_options(cfg: DecoderConfig, owner: str) -> None:
+    """The open-weight family options of a :class:`DecoderConfig`."""
+    _frozen_kwargs(cfg, "rope_parameters")
+    if cfg.qk_norm is not None:
+        _check_choice(cfg.qk_norm, "qk_norm", ("head", "all"), owner)
+    _check_eps(cfg.qk_norm_eps, "qk_norm_eps", owner)
+    for name in ("attn_softcap", "logit_softcap"):
+        if getattr(cfg, name) is not None:
+            _check_positive_float(getattr(cfg, name), name, owner)
+    _check_choice(cfg.sublayer_norm, "sublayer_norm", SUBLAYER_NORMS, owner)
+    if cfg.head_size is not None:
+        check_int(cfg.head_size, "head_size", owner, minimum=0)
+    if (cfg.qk_norm is not None or cfg.attn_softcap is not None or cfg.layer_windows is not None) \
+            and cfg.attention not in ("mha", "sliding"):
+        raise ValueError(f"{owner}: qk_norm, attn_softcap and layer_windows need attention='mha' or 'sliding', "
+                         f"got {cfg.attention!r}")
+    if cfg.layer_windows is not None:
+        if cfg.attention != "mha":
+            raise ValueError(f"{owner}: layer_windows needs attention='mha', got {cfg.attention!r}")
+        windows = tuple(cfg.layer_windows) if isinstance(cfg.layer_windows, (list, tuple)) else None
+        if windows is None or len(windows) != cfg.depth:
+            raise ValueError(f"{owner}: layer_windows must be a tuple of depth={cfg.depth} entries (int or None), "
+                             f"got {cfg.layer_windows!r}")
+        for w in windows:
+            if w is not None:
+                check_int(w, "layer_windows entry", owner, minimum=0)
+        object.__setattr__(cfg, "layer_windows", windows)
+
+
 @dataclass(frozen=True)
 class EncoderConfig(Config):
-    """A :class:`~attnzoo.TransformerEncoder`: the fields are its keyword arguments."""
+    """A :class:`~attnzoo.TransformerEncoder`: the fields are its keyword arguments (``num_labels``
+    and ``mlm_head`` add BERT's sequence-classification and masked-LM heads)."""
 
     vocab_size: int
     dim: int
@@ -167,6 +220,8 @@ class EncoderConfig(Config):
     bias: bool = True
     rope_base: float = 10000.0
     pooler: bool = False
+    num_labels: int = 0
+    mlm_head: bool = False
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "bert": {"vocab_size": 30522, "dim": 768, "depth": 12, "num_heads": 12, "max_seq_len": 512,
@@ -179,9 +234,12 @@ class EncoderConfig(Config):
         _check_common(self, owner, ("vocab_size", "dim", "depth", "num_heads", "max_seq_len"))
         check_int(self.type_vocab_size, "type_vocab_size", owner, minimum=0)
         _check_choice(self.pos, "pos", POSITIONS, owner)
-        for name in ("norm_first", "bias", "pooler"):
+        for name in ("norm_first", "bias", "pooler", "mlm_head"):
             _check_bool(getattr(self, name), name, owner)
         _check_optional_bool(self, owner, "embed_norm", "final_norm")
+        check_int(self.num_labels, "num_labels", owner, minimum=0)
+        if self.num_labels and not self.pooler:
+            raise ValueError(f"{owner}: num_labels={self.num_labels} classifies the pooled output; set pooler=True")
         if self.dim % self.num_heads:
             raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.embed_scale is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from attnzoo.models._common import (
     positions_from_mask,
     rotary_for,
 )
+from attnzoo.models._layers import ScaledRotaryEmbedding, build_decoder_attention
 from attnzoo.models.config import DecoderConfig
 from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
 
@@ -51,6 +54,12 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_flag(x: object, owner: str) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{owner}: extend_context must be a bool, got {type(x).__name__}")
+    return x
 
 
 class DecoderLM(FromConfig, nn.Module):
@@ -117,28 +126,41 @@ class DecoderLM(FromConfig, nn.Module):
         self.max_seq_len, self.pos, self.head_dim = cfg.max_seq_len, cfg.pos, cfg.resolved_head_dim
         self.embed_scale = None if cfg.embed_scale is None else float(cfg.embed_scale)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.rope = rotary_for(cfg.pos, cfg.attention, cfg.attention_kwargs, self.head_dim, cfg.rope_base,
-                               cfg.rope_scaling, cfg.rope_scaling_factor)
-        block = self.block_config(cfg, self.rope)
+        self.rope = self._rotary(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
         self.pos_emb = position_table(cfg.pos, cfg.dim, cfg.max_seq_len, **kw)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList([TransformerBlock(config=block, **kw) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([TransformerBlock(config=self.block_config(cfg, self.rope, i), **kw)
+                                     for i in range(cfg.depth)])
         use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm
         self.norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **kw)
-        self.tie_embeddings = cfg.tie_embeddings
+        self.head_size, self.logit_softcap = cfg.head_size, cfg.logit_softcap
+        self.lm_head: nn.Module = (nn.Identity() if cfg.head_size == 0 else
+                                   nn.Linear(cfg.dim, cfg.head_size or cfg.vocab_size, bias=False, **kw))
+        self.tie_embeddings = cfg.tie_embeddings and cfg.head_size is None
         if self.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.cross_attention = cfg.cross_attention
         init_weights(self, depth=cfg.depth)
 
+    def _rotary(self, cfg: DecoderConfig) -> nn.Module | None:
+        """The shared rotary embedding; a :class:`ScaledRotaryEmbedding` with ``rope_parameters``."""
+        rope = rotary_for(cfg.pos, cfg.attention, cfg.attention_kwargs, self.head_dim, cfg.rope_base,
+                          cfg.rope_scaling, cfg.rope_scaling_factor)
+        given = (cfg.attention_kwargs or {}).get("rope")
+        if rope is None or cfg.rope_parameters is None or given is rope:
+            return rope
+        params = {"rope_theta": cfg.rope_base, **cfg.rope_parameters}
+        return ScaledRotaryEmbedding(self.head_dim, params, max_position_embeddings=cfg.max_seq_len)
+
     @staticmethod
-    def block_config(cfg: DecoderConfig, rope: nn.Module | None = None) -> BlockConfig:
-        """The (causal) :class:`~attnzoo.blocks.BlockConfig` of every layer: the registry builder
-        gets ``bias``, ``num_kv_heads``, ``head_dim`` and the shared ``rope`` unless
-        ``attention_kwargs`` sets them."""
+    def block_config(cfg: DecoderConfig, rope: nn.Module | None = None, layer: int | None = None) -> BlockConfig:
+        """The (causal) :class:`~attnzoo.blocks.BlockConfig` of layer ``layer`` (``None``: any
+        layer when ``layer_windows`` is not set): the registry builder gets ``bias``,
+        ``num_kv_heads``, ``head_dim`` and the shared ``rope`` unless ``attention_kwargs`` sets
+        them; ``qk_norm`` / ``attn_softcap`` build a :class:`~attnzoo.models._layers.DecoderAttention`."""
         akw = dict(cfg.attention_kwargs or {})
+        attention: Any = cfg.attention
         if isinstance(cfg.attention, str):
             akw.setdefault("bias", cfg.bias)
             if cfg.num_kv_heads is not None:
@@ -147,10 +169,19 @@ class DecoderLM(FromConfig, nn.Module):
                 akw.setdefault("head_dim", cfg.head_dim)
             if rope is not None:
                 akw["rope"] = rope
-        return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
+            if cfg.layer_windows is not None and layer is not None:
+                akw.pop("window", None)
+                if cfg.layer_windows[layer] is not None:
+                    akw["window"] = cfg.layer_windows[layer]
+            if cfg.qk_norm is not None or cfg.attn_softcap is not None:
+                attention = functools.partial(build_decoder_attention, causal=True, qk_norm=cfg.qk_norm,
+                                              qk_norm_eps=cfg.qk_norm_eps, softcap=cfg.attn_softcap, **akw)
+                akw = {}
+        return BlockConfig(cfg.dim, cfg.num_heads, attention=attention, attention_kwargs=akw or None,
                            causal=True, cross_attention=cfg.cross_attention, context_dim=cfg.context_dim,
                            norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=cfg.norm_first, ffn=cfg.ffn,
-                           ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias)
+                           ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias,
+                           sublayer_norm=cfg.sublayer_norm)
 
     # ----------------------------------------------------------------- helpers
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
@@ -266,7 +297,10 @@ class DecoderLM(FromConfig, nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, context, key_padding=kp, context_mask=context_mask,
                       cache=None if cache is None else cache[i], positions=attn_pos)  # [B, N, C]
-        return self.lm_head(self.norm(x))  # [B, N, V]
+        logits = self.lm_head(self.norm(x))  # [B, N, V]
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
         """Logits ``[1, T, V]`` of packed sequences (see :meth:`forward`)."""
@@ -285,9 +319,11 @@ class DecoderLM(FromConfig, nn.Module):
 
     # --------------------------------------------------------------- generate
     def _check_generate(self, n: int, new: int, temperature: object, top_k: object, top_p: object,
-                        eos_token_id: object) -> None:
+                        eos_token_id: object, extend_context: bool = False) -> None:
         """The sampling settings and the length bound of :meth:`generate`."""
         owner = "DecoderLM.generate"
+        if self.head_size is not None:
+            raise ValueError(f"{owner}: the model has no LM head (head_size={self.head_size}); nothing to sample")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"{owner}: temperature must be a float >= 0, got {temperature!r}")
         if top_k is not None:
@@ -299,12 +335,29 @@ class DecoderLM(FromConfig, nn.Module):
             check_int(eos_token_id, "eos_token_id", owner, minimum=0)
             if eos_token_id >= self.vocab_size:
                 raise ValueError(f"{owner}: eos_token_id must be < vocab_size={self.vocab_size}, got {eos_token_id}")
+        if n + new > self.max_seq_len and self.pos in ("rope", "none") and _check_flag(extend_context, owner):
+            warnings.warn(f"{owner}: generating {n + new} tokens, past the model's {self.max_seq_len} positions "
+                          f"(max_seq_len); quality beyond the trained length is not guaranteed", stacklevel=4)
+            return
         if n > self.max_seq_len:
             raise ValueError(f"{owner}: prompt of {n} tokens is longer than the model's {self.max_seq_len} "
-                             f"positions (max_seq_len)")
+                             f"positions (max_seq_len; pass extend_context=True to go past it with RoPE)")
         if n + new > self.max_seq_len:
             raise ValueError(f"{owner}: prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model's "
-                             f"{self.max_seq_len} positions (max_seq_len)")
+                             f"{self.max_seq_len} positions (max_seq_len; pass extend_context=True to go past "
+                             f"it with RoPE)")
+
+    def _decode_step(self, tokens: Tensor, cache: LayerCaches, positions: Tensor | None, attention_mask: Tensor | None,
+                     context: Tensor | None, context_mask: Tensor | None) -> Tensor:
+        """Logits ``[B, V]`` after the last of ``tokens [B, L]`` (the others are in ``cache``).
+        When ``longrope`` moves to its long factors at this length, the cache is rebuilt from
+        every token so all keys are rotated again (as transformers' Phi3 generation does)."""
+        if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.switches_at(tokens.shape[1]):
+            cache.reset()
+            return self(tokens, cache=cache, attention_mask=attention_mask, context=context,
+                        context_mask=context_mask)[:, -1]
+        return self(tokens[:, -1:], cache=cache, positions=positions, attention_mask=attention_mask,
+                    context=context, context_mask=context_mask)[:, -1]
 
     @torch.no_grad()
     def generate(
@@ -320,6 +373,7 @@ class DecoderLM(FromConfig, nn.Module):
         generator: torch.Generator | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        extend_context: bool = False,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -335,6 +389,8 @@ class DecoderLM(FromConfig, nn.Module):
             attention_mask: ``[B, N]`` bool, True for real prompt tokens (left padding).
             generator: a ``torch.Generator`` for reproducible sampling.
             context, context_mask: for cross-attention models (see :meth:`forward`).
+            extend_context: let a RoPE (or position-free) model generate past ``max_seq_len``, with
+                a warning (as transformers does); otherwise that is a ``ValueError``.
 
         Returns: ``[B, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row hit EOS).
         """
@@ -342,7 +398,7 @@ class DecoderLM(FromConfig, nn.Module):
         check_tokens(prompt, self.vocab_size, owner, "prompt")
         B, n = prompt.shape
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        self._check_generate(n, new, temperature, top_k, top_p, eos_token_id)
+        self._check_generate(n, new, temperature, top_k, top_p, eos_token_id, extend_context)
         if new == 0:
             return prompt.clone()
         dev = prompt.device
@@ -373,9 +429,8 @@ class DecoderLM(FromConfig, nn.Module):
             written = n + t + 1
             if t == new - 1 or (eos_token_id is not None and bool(done.all())):
                 break
-            logits = self(tok[:, None], cache=cache, positions=next_pos,
-                          attention_mask=None if full_mask is None else full_mask[:, :written],
-                          context=context, context_mask=context_mask)[:, -1]
+            am = None if full_mask is None else full_mask[:, :written]
+            logits = self._decode_step(tokens[:, :written], cache, next_pos, am, context, context_mask)
             if next_pos is not None:
                 next_pos = next_pos + 1
         return tokens[:, :written]

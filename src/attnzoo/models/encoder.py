@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
+from attnzoo.blocks import ACTIVATIONS, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
     check_padding_mask,
@@ -59,6 +59,29 @@ def cls_pool(hidden: Tensor) -> Tensor:
     return _check_hidden(hidden, "cls_pool")[:, 0]
 
 
+class MaskedLMHead(nn.Module):
+    """BERT's masked-LM head: ``decoder(norm(act(transform(hidden))))``, the decoder weight tied to
+    the token embeddings (set by the encoder), with its own bias.
+
+    Weights: ``transform [C, C]``, ``norm``, ``decoder [V, C]`` + ``decoder.bias [V]``.
+    Shapes: ``[B, N, C] -> [B, N, V]``.
+    """
+
+    def __init__(self, cfg: EncoderConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        act, gated = ACTIVATIONS[cfg.ffn]
+        if gated:
+            raise ValueError(f"TransformerEncoder: mlm_head needs a plain activation, got ffn={cfg.ffn!r}")
+        self.act = act
+        self.transform = nn.Linear(cfg.dim, cfg.dim, device=device, dtype=dtype)
+        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
+        self.decoder = nn.Linear(cfg.dim, cfg.vocab_size, device=device, dtype=dtype)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.decoder(self.norm(self.act(self.transform(hidden))))  # [B, N, V]
+
+
 class TransformerEncoder(FromConfig, nn.Module):
     """Bidirectional transformer encoder over token ids.
 
@@ -83,9 +106,12 @@ class TransformerEncoder(FromConfig, nn.Module):
         embed_scale: multiply token embeddings by this (``sqrt(dim)`` in the original Transformer).
         ffn, ffn_hidden, dropout, bias: as in :class:`TransformerBlock`.
         pooler: add BERT's pooler (``tanh(Linear(hidden[:, 0]))``, see :meth:`pooler_output`).
+        num_labels: add a classifier of the pooled output (:meth:`classify`); 0 = none.
+        mlm_head: add BERT's masked-LM head (:meth:`mlm_logits`).
 
     Shapes: ``tokens [B, N]`` -> ``hidden [B, N, C]``; :meth:`encode` -> ``[B, C]``.
-    Weights: ``tok_emb``, ``pos_emb``, ``type_emb``, ``embed_norm``, ``blocks``, ``norm``, ``pooler``.
+    Weights: ``tok_emb``, ``pos_emb``, ``type_emb``, ``embed_norm``, ``blocks``, ``norm``, ``pooler``,
+    ``classifier``, ``mlm`` (:class:`MaskedLMHead`).
     """
 
     config_class = EncoderConfig
@@ -114,7 +140,11 @@ class TransformerEncoder(FromConfig, nn.Module):
         use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm
         self.norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
         self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler else None
+        self.classifier = nn.Linear(cfg.dim, cfg.num_labels, **kw) if cfg.num_labels else None
+        self.mlm = MaskedLMHead(cfg, **kw) if cfg.mlm_head else None
         init_weights(self, depth=cfg.depth)
+        if self.mlm is not None:
+            self.mlm.decoder.weight = self.tok_emb.weight
 
     @staticmethod
     def block_config(cfg: EncoderConfig) -> BlockConfig:
@@ -182,6 +212,19 @@ class TransformerEncoder(FromConfig, nn.Module):
         if self.pooler is None:
             raise ValueError("TransformerEncoder: this model has no pooler (build it with pooler=True)")
         return torch.tanh(self.pooler(cls_pool(hidden)))
+
+    def classify(self, hidden: Tensor) -> Tensor:
+        """Sequence-classification logits ``classifier(pooler_output(hidden))``: ``[B, N, C] -> [B, L]``
+        (BERT's ``BertForSequenceClassification``; needs ``num_labels``)."""
+        if self.classifier is None:
+            raise ValueError("TransformerEncoder: this model has no classifier (build it with num_labels=...)")
+        return self.classifier(self.pooler_output(hidden))
+
+    def mlm_logits(self, hidden: Tensor) -> Tensor:
+        """Masked-LM logits ``[B, N, C] -> [B, N, V]`` (BERT's ``BertForMaskedLM``; needs ``mlm_head``)."""
+        if self.mlm is None:
+            raise ValueError("TransformerEncoder: this model has no masked-LM head (build it with mlm_head=True)")
+        return self.mlm(hidden)
 
     def encode(self, tokens: Tensor, attention_mask: Tensor | None = None, *, pooling: str = "mean",
                normalize: bool = False, token_type_ids: Tensor | None = None) -> Tensor:

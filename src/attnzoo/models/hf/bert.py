@@ -6,6 +6,8 @@ pooler (``tanh(Linear(hidden[:, 0]))``) is kept when the checkpoint has one.
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any
 
 from torch import Tensor
@@ -21,8 +23,9 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
                "silu": "silu", "swish": "silu"}
 
 
-def bert_config(hf: HFConfig, *, pooler: bool) -> EncoderConfig:
-    """The :class:`EncoderConfig` of a BERT config (``pooler``: the checkpoint has one)."""
+def bert_config(hf: HFConfig, *, pooler: bool, num_labels: int = 0, mlm_head: bool = False) -> EncoderConfig:
+    """The :class:`EncoderConfig` of a BERT config (``pooler``, ``num_labels``, ``mlm_head``: the
+    checkpoint has a pooler, a sequence classifier of that many labels, a masked-LM head)."""
     if hf.get("position_embedding_type", "absolute", str) != "absolute":
         raise hf.unsupported(f"position_embedding_type={hf.raw('position_embedding_type')!r}")
     if hf.get("is_decoder", False, bool) or hf.get("add_cross_attention", False, bool):
@@ -32,7 +35,7 @@ def bert_config(hf: HFConfig, *, pooler: bool) -> EncoderConfig:
         max_seq_len=hf.get("max_position_embeddings", 512), pos="learned",
         type_vocab_size=hf.get("type_vocab_size", 2), norm="layer", norm_eps=hf.get("layer_norm_eps", 1e-12, float),
         norm_first=False, embed_norm=True, final_norm=False, ffn=hf.activation("hidden_act", ACTIVATIONS),
-        ffn_hidden=hf.req("intermediate_size"), pooler=pooler)
+        ffn_hidden=hf.req("intermediate_size"), pooler=pooler, num_labels=num_labels, mlm_head=mlm_head)
 
 
 def _layer(plan: Plan, i: int) -> None:
@@ -47,10 +50,16 @@ def _layer(plan: Plan, i: int) -> None:
 def convert_bert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
                  strict_prefix: bool = False) -> TransformerEncoder:
     """Build the encoder and copy the weights (a ``bert.`` prefix is stripped unless
-    ``strict_prefix``; ``BertFor*`` task heads are ignored)."""
+    ``strict_prefix``). Of the task heads of ``BertFor*``, the sequence classifier (on the pooled
+    output) and the masked-LM head are loaded (:meth:`~attnzoo.TransformerEncoder.classify`,
+    :meth:`~attnzoo.TransformerEncoder.mlm_logits`); the others (token classification, QA,
+    next-sentence) are ignored and listed in a ``UserWarning``."""
     prefix = "bert." if not strict_prefix and any(k.startswith("bert.") for k in sd) else ""
     src = Source(sd, prefix)
-    cfg = bert_config(hf, pooler=src.has("pooler.dense.weight"))
+    pooler = src.has("pooler.dense.weight")
+    num_labels = int(sd["classifier.weight"].shape[0]) if prefix and pooler and "classifier.weight" in sd else 0
+    mlm = bool(prefix) and "cls.predictions.transform.dense.weight" in sd
+    cfg = bert_config(hf, pooler=pooler, num_labels=num_labels, mlm_head=mlm)
     model = TransformerEncoder.from_config(cfg, device=device, dtype=dtype or float_dtype(sd))
     plan = Plan(src, "BERT")
     plan.put("tok_emb.weight", "embeddings.word_embeddings.weight")
@@ -62,9 +71,20 @@ def convert_bert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
         _layer(plan, i)
     if cfg.pooler:
         plan.put_pairs("", "", [("pooler", "pooler.dense")])
-    # position_ids is a non-persistent buffer in recent versions but present in older files;
-    # pre-training and task heads (cls.*, classifier.*, qa_outputs.*) of BertFor* are not part of the encoder.
-    ignore = [r"(bert\.)?embeddings\.position_ids", r"cls\..*", r"classifier\..*", r"qa_outputs\..*"] if prefix \
-        else [r"embeddings\.position_ids"]
+    plan.src.prefix = ""
+    if num_labels:
+        plan.put_pairs("", "", [("classifier", "classifier")])
+    if mlm:
+        plan.put_pairs("mlm.", "cls.predictions.", [("transform", "transform.dense"), ("norm", "transform.LayerNorm")])
+        plan.put("mlm.decoder.bias", "cls.predictions.bias")
+    # position_ids is a non-persistent buffer in recent versions but present in older files; the
+    # MLM decoder's weight and bias are the (tied) word embeddings and cls.predictions.bias.
+    ignore = [r"(bert\.)?embeddings\.position_ids", r"cls\.predictions\.decoder\.(weight|bias)"]
+    heads = sorted(k for k in sd if prefix and not k.startswith(prefix) and k not in plan.src.used
+                   and not re.fullmatch(ignore[1], k))
+    if heads:
+        warnings.warn(f"BERT: the task head weights {heads} have no attnzoo equivalent and are ignored "
+                      f"({hf.source})", stacklevel=4)
+        ignore += [re.escape(k) for k in heads]
     plan.apply(model, ignore=ignore)
     return model

@@ -17,42 +17,46 @@ from torch import Tensor, nn
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
 from attnzoo.models.hf.gpt2 import convert_gpt2
-from attnzoo.models.hf.llama import convert_llama
+from attnzoo.models.hf.llama import FAMILIES, convert_llama
 from attnzoo.models.hf.safetensors import load_state_dict_from_folder, read_json
 from attnzoo.models.hf.vit import convert_vit
 
 __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "load_pretrained", "read_config"]
 
-SUPPORTED_ARCHITECTURES = ("BertModel", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM", "MistralForCausalLM",
-                           "ViTModel", "ViTForImageClassification")
-#: ``model_type`` of a folder's ``config.json`` -> the architecture it loads as.
-MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "llama": "LLaMA", "mistral": "Mistral", "vit": "ViT"}
-_ARCH_OF = {"BertModel": "BERT", "GPT2LMHeadModel": "GPT-2", "GPT2Model": "GPT-2", "LlamaForCausalLM": "LLaMA",
-            "MistralForCausalLM": "Mistral", "ViTModel": "ViT", "ViTForImageClassification": "ViT"}
+SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
+                           "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+                           "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
+                           "*ForSequenceClassification", "ViTModel", "ViTForImageClassification")
+#: ``model_type`` of a config -> the architecture it loads as.
+MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", **{k: f.arch for k, f in FAMILIES.items()}}
 
 
-def _build(name: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: Any) -> nn.Module:
-    """``name``: a class name of :data:`SUPPORTED_ARCHITECTURES` or a ``model_type``."""
+def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: Any,
+           strict_prefix: bool = False) -> nn.Module:
+    """``model_type``: a key of :data:`MODEL_TYPES`; the weights pick the head."""
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
-    if name in ("BertModel", "bert"):
-        return convert_bert(hf, sd, strict_prefix=name == "BertModel", **kw)
-    if name in ("GPT2LMHeadModel", "GPT2Model", "gpt2"):
+    if model_type == "bert":
+        return convert_bert(hf, sd, strict_prefix=strict_prefix, **kw)
+    if model_type == "gpt2":
         return convert_gpt2(hf, sd, **kw)
-    if name in ("LlamaForCausalLM", "llama", "MistralForCausalLM", "mistral"):
-        return convert_llama(hf, sd, sliding=name in ("MistralForCausalLM", "mistral"), **kw)
-    classifier = name == "ViTForImageClassification" or (name == "vit" and "classifier.weight" in sd)
-    return convert_vit(hf, sd, classifier=classifier, **kw)
+    if model_type in FAMILIES:
+        return convert_llama(hf, sd, family=model_type, **kw)
+    return convert_vit(hf, sd, classifier="classifier.weight" in sd, **kw)
 
 
 def from_hf(hf_model: nn.Module, *, device: torch.device | str | None = None,
             dtype: torch.dtype | None = None) -> nn.Module:
     """Convert a Hugging Face ``transformers`` model into the equivalent attnzoo model.
 
-    ``BertModel`` -> :class:`~attnzoo.TransformerEncoder` (post-norm, with the pooler if present);
-    ``GPT2LMHeadModel``/``GPT2Model``, ``LlamaForCausalLM``, ``MistralForCausalLM`` ->
-    :class:`~attnzoo.DecoderLM`; ``ViTModel``/``ViTForImageClassification`` ->
-    :class:`~attnzoo.VisionTransformer`. The result has the same weights, dtype and device (unless
-    given) and the same train/eval mode.
+    The family is the config's ``model_type`` (so subclasses and every head class of a family
+    work), the head follows the weights: ``bert`` -> :class:`~attnzoo.TransformerEncoder`
+    (post-norm, with the pooler if present; ``BertFor*`` task heads are ignored, listed in a
+    warning); ``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``,
+    ``phi3``, ``olmo2`` -> :class:`~attnzoo.DecoderLM` (``*ForCausalLM``: the LM head; ``*Model``:
+    no head, the output is the final hidden states; ``*ForSequenceClassification``: the ``score``
+    head per token, transformers reads it at the last non-padding token); ``vit`` ->
+    :class:`~attnzoo.VisionTransformer`. The result has the same weights, dtype and device
+    (unless given) and the same train/eval mode.
 
     Raises:
         ValueError: an unknown architecture.
@@ -63,16 +67,18 @@ def from_hf(hf_model: nn.Module, *, device: torch.device | str | None = None,
     if not isinstance(hf_model, nn.Module):
         raise TypeError(f"from_hf: expected a transformers model (nn.Module), got {type(hf_model).__name__}")
     name = type(hf_model).__name__
-    if name not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"from_hf: unknown architecture {name!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
     config = getattr(hf_model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"from_hf: unknown architecture {name!r} (model_type {model_type!r}); supported: "
+                         f"{list(SUPPORTED_ARCHITECTURES)} of model types {list(MODEL_TYPES)}")
     if config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"from_hf: {name} has no Hugging Face config")
-    hf = HFConfig(config.to_dict(), f"{name}.config", _ARCH_OF[name])
+    hf = HFConfig(config.to_dict(), f"{name}.config", MODEL_TYPES[model_type])
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
     first = next(iter(hf_model.parameters()))
-    model = _build(name, hf, sd, device if device is not None else first.device,
-                   dtype if dtype is not None else first.dtype)
+    model = _build(model_type, hf, sd, device if device is not None else first.device,
+                   dtype if dtype is not None else first.dtype, strict_prefix=name == "BertModel")
     model.train(hf_model.training)
     return model
 
@@ -96,7 +102,7 @@ def read_config(folder: str | os.PathLike[str]) -> HFConfig:
 def load_pretrained(folder: str | os.PathLike[str], *, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> nn.Module:
     """Build an attnzoo model from a Hugging Face folder (``config.json`` + weights) without
-    ``transformers``: ``model_type`` ``bert``, ``gpt2``, ``llama``, ``mistral`` or ``vit``.
+    ``transformers``: any ``model_type`` of :data:`MODEL_TYPES`, any head class (see :func:`from_hf`).
     The model is returned in eval mode. Errors as :func:`from_hf`, plus
     ``CheckpointFormatError`` for a malformed file (named in the message)."""
     hf = read_config(folder)

@@ -1,29 +1,69 @@
-"""LLaMA and Mistral (``LlamaForCausalLM``, ``MistralForCausalLM``) -> :class:`~attnzoo.DecoderLM`.
+"""The LLaMA family of decoders -> :class:`~attnzoo.DecoderLM`: LLaMA, Mistral, Qwen2, Qwen3,
+Gemma, Gemma2, Phi3 and OLMo2, as ``*ForCausalLM``, ``*Model`` (no head) or
+``*ForSequenceClassification`` (the ``score`` head, one row per label).
 
-Checkpoints in Hugging Face layout already use split-half RoPE (the conversion script permuted
-Meta's interleaved q/k rows), so q/k weights are copied as they are into attention with
-``RotaryEmbedding(interleaved=False)``. Mistral's ``sliding_window=W`` (a query sees itself and
-``W - 1`` keys before it) is ``SlidingWindowAttention(window=W - 1)``.
+They share the layout ``[model.]layers.{i}.self_attn.{q,k,v,o}_proj`` / ``mlp.{gate,up,down}_proj``
+with RMSNorm, RoPE and a gated MLP; a :class:`Family` records what each changes:
+
+* Qwen2: q/k/v biases (no output bias); sliding layers from ``layer_types`` /
+  ``use_sliding_window`` + ``max_window_layers``.
+* Qwen3: per-head QK RMSNorm (``qk_norm="head"``). OLMo2: QK RMSNorm over all heads flattened
+  (``qk_norm="all"``) and norms on the sub-layer outputs instead of their inputs.
+* Gemma: embeddings times ``sqrt(hidden)``, RMSNorm ``(1 + weight)`` (loaded as ``weight + 1``),
+  tanh-GeGLU. Gemma2: plus norms on both sides of each sub-layer, attention and final-logit
+  softcaps, alternating sliding/global layers, scale ``query_pre_attn_scalar ** -0.5``.
+* Phi3: fused ``qkv_proj`` (rows ``[q; k; v]``, as attnzoo's) and ``gate_up_proj`` (``[gate; up]``).
+
+Checkpoints in Hugging Face layout already use split-half RoPE, so q/k weights are copied as
+they are. ``sliding_window=W`` (a query sees itself and ``W - 1`` keys before it) is a window of
+``W - 1``. RoPE scaling (``linear``, ``dynamic``, ``yarn``, ``llama3``, ``longrope``) is carried as
+``rope_parameters`` (see :class:`~attnzoo.models._layers.ScaledRotaryEmbedding`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 
-__all__ = ["convert_llama", "llama_config", "rope_settings"]
+__all__ = ["FAMILIES", "Family", "convert_llama", "llama_config", "rope_settings"]
 
-GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
+                     "gelu_new": "geglu_tanh"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a LLaMA-like family changes (see the module docstring)."""
+
+    arch: str
+    qkv_bias: bool = False  # q/k/v biases whatever attention_bias says (Qwen2)
+    qk_norm: str | None = None
+    gemma: int = 0  # 1: Gemma (scaled embeddings, 1 + weight norms, tanh GeGLU); 2: Gemma2 on top
+    fused: bool = False  # Phi3's qkv_proj and gate_up_proj
+    sublayer_norm: str = "input"
+
+
+FAMILIES = {
+    "llama": Family("LLaMA"), "mistral": Family("Mistral"), "qwen2": Family("Qwen2", qkv_bias=True),
+    "qwen3": Family("Qwen3", qk_norm="head"), "gemma": Family("Gemma", gemma=1),
+    "gemma2": Family("Gemma2", gemma=2, sublayer_norm="both"), "phi3": Family("Phi3", fused=True),
+    "olmo2": Family("OLMo2", qk_norm="all", sublayer_norm="output"),
+}
 
 
 def rope_settings(hf: HFConfig) -> dict[str, Any]:
-    """``rope_base``, ``rope_scaling``, ``rope_scaling_factor`` of a LLaMA-family config: the
-    ``default`` and ``linear`` (position interpolation) rope types, full rotary width."""
+    """``rope_base`` and, for a scaled rope type, ``rope_scaling="linear"`` + factor (``linear``)
+    or the ``rope_parameters`` dict (``dynamic``, ``yarn``, ``llama3``, ``longrope``), checked by
+    computing the frequencies once. Full rotary width only."""
     params = dict(hf.get("rope_scaling", {}, dict))
     params.update(hf.get("rope_parameters", {}, dict))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
@@ -33,52 +73,153 @@ def rope_settings(hf: HFConfig) -> dict[str, Any]:
     base = float(params.get("rope_theta", hf.get("rope_theta", 10000.0, float)))
     if rope_type == "default":
         return {"rope_base": base}
+    if rope_type not in ROPE_SCALINGS:
+        raise hf.unsupported(f"rope_type={rope_type!r} (supported: {', '.join(map(repr, ROPE_SCALINGS))})")
     if rope_type == "linear":
         if not isinstance(params.get("factor"), (int, float)):
             raise hf.unsupported(f"rope_type='linear' without a numeric factor (got {params.get('factor')!r})")
         return {"rope_base": base, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
-    raise hf.unsupported(f"rope_type={rope_type!r} (supported: 'default', 'linear')")
-
-
-def llama_config(hf: HFConfig, *, sliding: bool) -> DecoderConfig:
-    """The :class:`DecoderConfig` of a LLaMA (``sliding=False``) or Mistral config."""
+    if params.get("original_max_position_embeddings") is None and hf.has("original_max_position_embeddings"):
+        params["original_max_position_embeddings"] = hf.req("original_max_position_embeddings")
+    params = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    params["rope_theta"] = base
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
-    D = hf.get("head_dim", C // H)
+    try:
+        rope_inv_freq(params, hf.get("head_dim", C // H), max_position_embeddings=hf.get("max_position_embeddings",
+                                                                                          2048))
+    except ValueError as exc:
+        raise CheckpointFormatError(f"{hf.source}: rope parameters: {exc}") from exc
+    return {"rope_base": base, "rope_parameters": params}
+
+
+def _windows(hf: HFConfig, depth: int) -> list[int | None]:
+    """Per-layer left windows (``sliding_window - 1``) or ``None`` for full layers."""
+    window = hf.get("sliding_window", None)
+    if window is None or hf.get("use_sliding_window", True, bool) is False:
+        return [None] * depth
+    types = hf.get("layer_types", None, list)
+    if types is None and hf.has("max_window_layers") and hf.has("use_sliding_window"):
+        types = ["sliding_attention" if i >= hf.req("max_window_layers") else "full" for i in range(depth)]
+    if types is None and hf.raw("model_type") == "gemma2":
+        types = ["sliding_attention" if i % 2 == 0 else "full" for i in range(depth)]
+    if types is not None and len(types) != depth:
+        raise CheckpointFormatError(f"{hf.source}: layer_types has {len(types)} entries for {depth} layers")
+    return [window - 1 if types is None or types[i] == "sliding_attention" else None for i in range(depth)]
+
+
+def _attention(hf: HFConfig, fam: Family, depth: int, head_dim: int) -> dict[str, Any]:
+    """The attention fields of the :class:`DecoderConfig`."""
+    akw: dict[str, Any] = {"bias": fam.qkv_bias or hf.get("attention_bias", False, bool)}
+    if fam.gemma == 2:
+        akw["scale"] = float(hf.get("query_pre_attn_scalar", head_dim, float)) ** -0.5
+    windows = _windows(hf, depth)
+    out: dict[str, Any] = {"attention": "mha", "attention_kwargs": akw}
+    if len(set(windows)) > 1:
+        out["layer_windows"] = tuple(windows)
+    elif windows and windows[0] is not None:
+        out["attention"], akw["window"] = "sliding", windows[0]
+    if fam.gemma == 2:
+        out["attn_softcap"] = hf.get("attn_logit_softcapping", None, float)
+        out["logit_softcap"] = hf.get("final_logit_softcapping", None, float)
+    return out
+
+
+def llama_config(hf: HFConfig, *, sliding: bool = True, family: str = "llama", head_size: int | None = None) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a config of the family ``family`` (a ``model_type`` of
+    :data:`FAMILIES`); ``head_size`` as :class:`DecoderConfig`'s. ``sliding=False`` ignores
+    ``sliding_window``."""
+    fam = FAMILIES[family]
+    C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
+    D, depth = hf.get("head_dim", C // H), hf.req("num_hidden_layers")
     if hf.get("pretraining_tp", 1) != 1:
         raise hf.unsupported(f"pretraining_tp={hf.raw('pretraining_tp')}")
-    window = hf.get("sliding_window", None) if sliding else None
-    layer_types = hf.get("layer_types", None, list)
-    if window is not None and layer_types and any(t != "sliding_attention" for t in layer_types):
-        raise hf.unsupported("mixed full/sliding layer_types")
-    akw: dict[str, Any] = {"bias": hf.get("attention_bias", False, bool)}
-    if window is not None:
-        akw["window"] = window - 1  # HF: q - k < W  ->  W - 1 keys before the query
+    if hf.get("use_bidirectional_attention", False, bool):
+        raise hf.unsupported("use_bidirectional_attention=True")
+    act_key = "hidden_activation" if hf.has("hidden_activation") else "hidden_act"
+    ffn = hf.activation(act_key, GATED_ACTIVATIONS, "gelu_pytorch_tanh" if fam.gemma else "silu")
+    attn = _attention(hf if sliding else HFConfig({**hf.data, "sliding_window": None}, hf.source, hf.arch),
+                      fam, depth, D)
+    if head_size is not None:  # the final-logit softcap belongs to the LM head only
+        attn.pop("logit_softcap", None)
     return DecoderConfig(
-        hf.req("vocab_size"), C, hf.req("num_hidden_layers"), H, attention="sliding" if window is not None else "mha",
-        attention_kwargs=akw, num_kv_heads=hf.get("num_key_value_heads", H),
+        hf.req("vocab_size"), C, depth, H, num_kv_heads=hf.get("num_key_value_heads", H),
         max_seq_len=hf.get("max_position_embeddings", 2048), pos="rope", norm="rms",
-        norm_eps=hf.get("rms_norm_eps", 1e-6, float), ffn=hf.activation("hidden_act", GATED_ACTIVATIONS, "silu"),
-        ffn_hidden=hf.req("intermediate_size"), tie_embeddings=hf.get("tie_word_embeddings", False, bool),
-        bias=hf.get("mlp_bias", False, bool), head_dim=D if D != C // H or C % H else None, **rope_settings(hf))
+        norm_eps=hf.get("rms_norm_eps", 1e-6, float), ffn=ffn, ffn_hidden=hf.req("intermediate_size"),
+        tie_embeddings=hf.get("tie_word_embeddings", fam.gemma > 0, bool), bias=hf.get("mlp_bias", False, bool),
+        head_dim=D if D != C // H or C % H else None, embed_scale=C ** 0.5 if fam.gemma else None,
+        qk_norm=fam.qk_norm, qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float), sublayer_norm=fam.sublayer_norm,
+        head_size=head_size, **attn, **rope_settings(hf))
 
 
-def convert_llama(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any, sliding: bool) -> DecoderLM:
-    """Build the decoder and copy the weights (``model.`` prefix of the causal-LM class)."""
-    cfg = llama_config(hf, sliding=sliding)
-    model = DecoderLM.from_config(cfg, device=device, dtype=dtype or float_dtype(sd))
+def _plus_one(t: Tensor) -> Tensor:
+    """Gemma's RMSNorm multiplies by ``1 + weight``."""
+    return (t.float() + 1.0).to(t.dtype)
+
+
+def _norm_pairs(fam: Family) -> list[tuple[str, str]]:
+    if fam.gemma == 2:
+        return [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
+                ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")]
+    if fam.sublayer_norm == "output":
+        return [("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")]
+    return [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")]
+
+
+def _layer(plan: Plan, i: int, fam: Family, cfg: DecoderConfig) -> None:
+    h, o = f"layers.{i}.", f"blocks.{i}."
     attn_bias, mlp_bias = bool(cfg.attention_kwargs and cfg.attention_kwargs["bias"]), cfg.bias
+    if fam.fused:
+        plan.put(f"{o}attn.qkv_proj.weight", f"{h}self_attn.qkv_proj.weight")
+        gate_up = plan.src.take(f"{h}mlp.gate_up_proj.weight")
+        if gate_up is not None:
+            gate, up = gate_up.chunk(2, dim=0)
+            plan.put_tensor(f"{o}ffn.gate_proj.weight", gate, f"{h}mlp.gate_up_proj.weight[:F]")
+            plan.put_tensor(f"{o}ffn.up_proj.weight", up, f"{h}mlp.gate_up_proj.weight[F:]")
+        plan.put_pairs(o, h, [("ffn.down_proj", "mlp.down_proj")], bias=False)
+    else:
+        load_qkv_into(plan, o + "attn", tuple(f"{h}self_attn.{n}_proj.weight" for n in "qkv"),
+                      tuple(f"{h}self_attn.{n}_proj.bias" for n in "qkv") if attn_bias else None, attn_bias)
+        plan.put_pairs(o, h, [(f"ffn.{n}", f"mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")], bias=mlp_bias)
+    plan.put(f"{o}attn.out_proj.weight", f"{h}self_attn.o_proj.weight")
+    if attn_bias:
+        if fam.qkv_bias and not plan.src.has(f"{h}self_attn.o_proj.bias"):
+            plan.put_tensor(f"{o}attn.out_proj.bias", torch.zeros(cfg.dim), "zeros (no o_proj bias)")
+        else:
+            plan.put(f"{o}attn.out_proj.bias", f"{h}self_attn.o_proj.bias")
+    if fam.qk_norm is not None:
+        for n in ("q_norm", "k_norm"):
+            plan.put(f"{o}attn.qkv_proj.{n}.weight", f"{h}self_attn.{n}.weight")
+    for ours, theirs in _norm_pairs(fam):
+        plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", _plus_one if fam.gemma else None)
+
+
+def convert_llama(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any, sliding: bool = True,
+                  family: str = "llama") -> DecoderLM:
+    """Build the decoder of ``family`` and copy the weights. The head follows the weights:
+    ``score.weight`` -> a classification head, ``lm_head.weight`` or a ``model.`` prefix -> the
+    LM head (tied or not), neither -> no head (``*Model``)."""
     prefix = "model." if any(k.startswith("model.") for k in sd) else ""
+    head_size: int | None = None
+    if "score.weight" in sd:
+        head_size = int(sd["score.weight"].shape[0])
+    elif not prefix and "lm_head.weight" not in sd and not any(
+            str(a).endswith("ForCausalLM") for a in hf.get("architectures", [], list)):
+        head_size = 0
+    cfg = llama_config(hf, sliding=sliding, family=family, head_size=head_size)
+    model = DecoderLM.from_config(cfg, device=device, dtype=dtype or float_dtype(sd))
+    fam = FAMILIES[family]
     plan = Plan(Source(sd, prefix), hf.arch)
     plan.put("tok_emb.weight", "embed_tokens.weight")
     for i in range(cfg.depth):
-        h, o = f"layers.{i}.", f"blocks.{i}."
-        load_qkv_into(plan, o + "attn", tuple(f"{h}self_attn.{n}_proj.weight" for n in "qkv"),
-                      tuple(f"{h}self_attn.{n}_proj.bias" for n in "qkv") if attn_bias else None, attn_bias)
-        plan.put_pairs(o, h, [("attn.out_proj", "self_attn.o_proj")], bias=attn_bias)
-        plan.put_pairs(o, h, [(f"ffn.{n}", f"mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")], bias=mlp_bias)
-        plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")], bias=False)
-    plan.put("norm.weight", "norm.weight")
-    ignore = [r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.inv_freq"]
-    plan.head(cfg.tie_embeddings, ignore)
+        _layer(plan, i, fam, cfg)
+    plan.put("norm.weight", "norm.weight", _plus_one if fam.gemma else None)
+    ignore = [r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.\w+"]
+    plan.src.prefix = ""
+    if head_size is None:
+        plan.head(cfg.tie_embeddings, ignore)
+    elif head_size > 0:
+        plan.put("lm_head.weight", "score.weight")
+    if head_size is not None:
+        ignore.append(r"lm_head\.weight")
     plan.apply(model, ignore=ignore)
     return model
