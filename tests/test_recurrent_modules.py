@@ -289,3 +289,14 @@ def test_registered_everywhere_with_a_closed_form_cost(name: str) -> None:
     assert 0.9 * 10**9 / 4096 < ratio < 1.1 * 10**9 / 4096  # linear in N
     with pytest.raises(ValueError, match="do not apply"):
         az.cost.estimate(name, 64, 64, 8, window=8)
+
+
+def test_the_recurrent_docs_examples_run() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "recurrent.md").read_text()
+    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(found) >= 2
+    for i, code in enumerate(found):
+        exec(compile(code, f"recurrent.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
