@@ -300,3 +300,17 @@ def test_the_recurrent_docs_examples_run() -> None:
     assert len(found) >= 2
     for i, code in enumerate(found):
         exec(compile(code, f"recurrent.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n", [40, 300])  # one quadratic chunk; chunked with a partial last chunk
+def test_flops_estimate_against_the_flop_counter(name: str, n: int) -> None:
+    """Matmul FLOPs within 15% (the estimate also counts the delta rule's triangular solve and the
+    GLA's elementwise diagonal blocks, which FlopCounterMode does not see)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = build_attention(name, 64, 8).eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        m(torch.randn(1, n, 64))
+    measured, est = fc.get_total_flops(), az.cost.estimate(name, n, 64, 8).flops
+    assert abs(est - measured) <= 0.15 * measured, f"{name} N={n}: estimate {est} vs measured {measured}"

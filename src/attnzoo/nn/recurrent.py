@@ -270,9 +270,9 @@ def recurrent_cost(cfg: VariantConfig, shape: CostShape, *, in_width: int, inner
     c = min(cfg.chunk_size or 64, N)
     params = C * in_width + inner * C + conv_channels * conv_size + extra_params
     flops_proj = 2 * B * N * C * in_width + 2 * B * N * inner * C + 2 * B * N * conv_channels * conv_size
-    per_tok = 2 * c * (dk + dv) + (4 * dk * dv if c < N else 0)
+    per_tok = 2 * c * (dk + dv) + 4 * dk * dv  # the modules always read and return the state
     if kernel == "delta":
-        per_tok += 2 * c * dk + c * (dk + dv) + 2 * c * dk + (2 * dk * dk + 2 * dk * dv if c < N else 0)
+        per_tok += 2 * c * dk + c * (dk + dv) + 2 * c * dk + 2 * dk * dk + 2 * dk * dv
     flops_attn = B * H * N * per_tok
     state = B * H * dk * dv * acc
     conv_bytes = B * conv_channels * (conv_size - 1) * e if conv_size else 0
