@@ -22,8 +22,14 @@ from torch import Tensor, nn
 
 from attnzoo.functional.delta_rule import delta_rule
 from attnzoo.nn.base import check_flag
-from attnzoo.nn.recurrent import HeadNorm, RecurrentMixer, check_chunk, recurrent_cost
-from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
+from attnzoo.nn.recurrent import (
+    HeadNorm,
+    RecurrentMixer,
+    check_chunk,
+    recurrent_cost,
+    register_recurrent,
+)
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
 __all__ = ["DeltaNet", "GatedDeltaNet", "init_decay_parameters"]
 
@@ -91,14 +97,8 @@ class DeltaNet(RecurrentMixer):
             log_decay = None if log_decay is None else log_decay * keep
         o, state = delta_rule(q, k, v, beta, log_decay=log_decay, initial_state=state, return_state=True,
                               chunk_size=self.chunk_size)
-        y = self.norm(o).transpose(1, 2).flatten(2)  # [B, N, H * D]
-        if self.g_proj is not None:
-            y = F.silu(self.g_proj(x)) * y
-        return self.out_proj(y), state, new
+        return self.head_output(x, o), state, new
 
-    def extra_repr(self) -> str:
-        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, conv_size={self.conv_size}, "
-                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}")
 
 
 class GatedDeltaNet(DeltaNet):
@@ -142,25 +142,5 @@ def _gated_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     return _cost(cfg, shape, gated=True)
 
 
-def _causal_only(name: str, causal: bool) -> None:
-    if causal is not True:
-        raise ValueError(f"{name}: the delta rule is causal by construction (causal=False is not supported)")
-
-
-def _build_deltanet(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    _causal_only("deltanet", causal)
-    return DeltaNet(dim, num_heads, **kw)
-
-
-def _build_gated(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    _causal_only("gated_deltanet", causal)
-    return GatedDeltaNet(dim, num_heads, **kw)
-
-
-_COMMON: dict[str, Any] = {"family": "recurrent", "exact": False, "time": "O(N C^2 + N c C)",
-                           "memory": "O(N c) chunked", "defaults": {"chunk_size": 64}, "options": ("chunk_size",),
-                           "causal_modes": (True,), "check": {"chunk_size": 8}, "masks": "causal, key padding"}
-register(VariantSpec("deltanet", decoding="state S [D, D] per head + conv inputs", build=_build_deltanet,
-                     cost=_deltanet_cost, order=22, **_COMMON))
-register(VariantSpec("gated_deltanet", decoding="state S [D, D] per head + conv inputs",
-                     build=_build_gated, cost=_gated_cost, order=23, **_COMMON))
+register_recurrent("deltanet", DeltaNet, _deltanet_cost, "state S [D, D] per head + conv inputs", order=22)
+register_recurrent("gated_deltanet", GatedDeltaNet, _gated_cost, "state S [D, D] per head + conv inputs", order=23)

@@ -20,8 +20,14 @@ from torch import Tensor, nn
 from attnzoo._validate import check_int, check_positive_float
 from attnzoo.functional.gla import gated_linear_attention
 from attnzoo.nn.base import check_flag
-from attnzoo.nn.recurrent import HeadNorm, RecurrentMixer, check_chunk, recurrent_cost
-from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
+from attnzoo.nn.recurrent import (
+    HeadNorm,
+    RecurrentMixer,
+    check_chunk,
+    recurrent_cost,
+    register_recurrent,
+)
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
 __all__ = ["GatedLinearAttention"]
 
@@ -76,14 +82,8 @@ class GatedLinearAttention(RecurrentMixer):
             k, log_decay = k * keep, log_decay * keep
         o, state = gated_linear_attention(q, k, v, log_decay, initial_state=state, return_state=True,
                                           chunk_size=self.chunk_size)
-        y = self.norm(o).transpose(1, 2).flatten(2)  # [B, N, H * D]
-        if self.g_proj is not None:
-            y = F.silu(self.g_proj(x)) * y
-        return self.out_proj(y), state, new
+        return self.head_output(x, o), state, new
 
-    def extra_repr(self) -> str:
-        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, conv_size={self.conv_size}, "
-                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}")
 
 
 # --------------------------------------------------------------------------- variant spec
@@ -96,13 +96,4 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
                    flops_backward=est.flops_backward + 2 * gate_flops, params=est.params + C * GATE_RANK)
 
 
-def _build(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    if causal is not True:
-        raise ValueError("gla: gated linear attention is causal by construction (causal=False is not supported)")
-    return GatedLinearAttention(dim, num_heads, **kw)
-
-
-register(VariantSpec("gla", "recurrent", False, "O(N C^2 + N c C)", "O(N c) chunked",
-                     "state S [D, D] per head", _build, _cost, defaults={"chunk_size": 64},
-                     options=("chunk_size",), causal_modes=(True,), check={"chunk_size": 8},
-                     masks="causal, key padding", order=21))
+register_recurrent("gla", GatedLinearAttention, _cost, "state S [D, D] per head", order=21)

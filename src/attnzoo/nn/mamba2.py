@@ -28,8 +28,14 @@ from attnzoo._validate import check_int
 from attnzoo.functional.gla import gated_linear_attention
 from attnzoo.nn.base import check_flag
 from attnzoo.nn.deltanet import init_decay_parameters
-from attnzoo.nn.recurrent import HeadNorm, RecurrentMixer, check_chunk, recurrent_cost
-from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
+from attnzoo.nn.recurrent import (
+    HeadNorm,
+    RecurrentMixer,
+    check_chunk,
+    recurrent_cost,
+    register_recurrent,
+)
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
 __all__ = ["Mamba2"]
 
@@ -130,13 +136,5 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
                           extra_params=3 * H + inner + inner + 2 * ns)
 
 
-def _build(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    if causal is not True:
-        raise ValueError("mamba2: the SSD mixer is causal by construction (causal=False is not supported)")
-    return Mamba2(dim, num_heads, **kw)
-
-
-register(VariantSpec("mamba2", "recurrent", False, "O(N C^2 + N c C)", "O(N c) chunked",
-                     "state h [N_s, P] per head + conv inputs", _build, _cost, defaults={"chunk_size": 64},
-                     options=("chunk_size",), causal_modes=(True,), check={"chunk_size": 8, "state_size": 16},
-                     masks="causal, key padding", order=24))
+register_recurrent("mamba2", Mamba2, _cost, "state h [N_s, P] per head + conv inputs", order=24,
+                   check={"chunk_size": 8, "state_size": 16})

@@ -16,7 +16,8 @@ convolutions, so a left-padded row computes what the row alone computes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,9 +30,10 @@ from attnzoo.functional.linear import check_chunk_size
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.feature_attention import key_padding_from_mask
-from attnzoo.nn.spec import Cost, CostShape, VariantConfig
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
-__all__ = ["HeadNorm", "RecurrentCache", "RecurrentMixer", "ShortConv", "check_chunk", "recurrent_cost"]
+__all__ = ["HeadNorm", "RecurrentCache", "RecurrentMixer", "ShortConv", "check_chunk", "recurrent_cost",
+           "register_recurrent"]
 
 
 def check_chunk(chunk_size: object) -> int:
@@ -225,6 +227,16 @@ class RecurrentMixer(AttentionBase):
         raise NotImplementedError
 
     # helpers for subclasses -------------------------------------------------
+    def head_output(self, x: Tensor, o: Tensor) -> Tensor:
+        """``out_proj(silu(x W_g) * norm(o))`` (no gate without ``g_proj``): ``o [B, H, N, D] -> [B, N, C]``."""
+        y = self.norm(o).transpose(1, 2).flatten(2)  # [B, N, H * D]
+        gate = getattr(self, "g_proj", None)
+        return self.out_proj(y if gate is None else F.silu(gate(x)) * y)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, conv_size={self.conv_size}, "
+                f"output_gate={getattr(self, 'output_gate', None)}, chunk_size={getattr(self, 'chunk_size', None)}")
+
     def short_conv(self, name: str, t: Tensor, pad: Tensor | None, conv: Mapping[str, Tensor],
                    out: dict[str, Tensor], *, silu: bool = True) -> Tensor:
         """``t [B, N, Ch]`` through convolution ``name`` (padded tokens feed zeros), then SiLU
@@ -247,6 +259,22 @@ class RecurrentMixer(AttentionBase):
         """``[B, N, H * D] -> [B, H, N, D]`` (``D = width`` or ``head_dim``)."""
         b, n = t.shape[:2]
         return t.reshape(b, n, self.num_heads, width or self.head_dim).transpose(1, 2)
+
+
+def _build_causal(cls: type[nn.Module], name: str, dim: int, num_heads: int, *, causal: bool = True,
+                  **kw: Any) -> nn.Module:
+    if causal is not True:
+        raise ValueError(f"{name}: {cls.__name__} is causal by construction (causal=False is not supported)")
+    return cls(dim, num_heads, **kw)
+
+
+def register_recurrent(name: str, cls: type[nn.Module], cost: Callable[[VariantConfig, CostShape], Cost],
+                       decoding: str, order: int, check: Mapping[str, Any] | None = None) -> VariantSpec:
+    """Register a recurrent mixer ``cls`` (causal only, ``chunk_size`` its one cost-model option)."""
+    return register(VariantSpec(
+        name, "recurrent", False, "O(N C^2 + N c C)", "O(N c) chunked", decoding,
+        functools.partial(_build_causal, cls, name), cost, defaults={"chunk_size": 64}, options=("chunk_size",),
+        causal_modes=(True,), check=check or {"chunk_size": 8}, masks="causal, key padding", order=order))
 
 
 def recurrent_cost(cfg: VariantConfig, shape: CostShape, *, in_width: int, inner: int, dk: int, dv: int,

@@ -13,14 +13,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.functional.gla import gated_linear_attention
 from attnzoo.functional.retention import retention
 from attnzoo.nn.base import check_flag
-from attnzoo.nn.recurrent import HeadNorm, RecurrentMixer, check_chunk, recurrent_cost
-from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
+from attnzoo.nn.recurrent import (
+    HeadNorm,
+    RecurrentMixer,
+    check_chunk,
+    recurrent_cost,
+    register_recurrent,
+)
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
 __all__ = ["MultiScaleRetention", "retnet_gammas"]
 
@@ -69,14 +74,8 @@ class MultiScaleRetention(RecurrentMixer):
             keep = pad[:, None, :, None].to(x.dtype)  # [B, 1, N, 1]
             g = gamma.log().to(x.dtype)[None, :, None] * keep[..., 0]  # [B, H, N]
             o, state = gated_linear_attention(q, k * keep, v, g.expand(-1, -1, x.shape[1]), **kw)
-        y = self.norm(o).transpose(1, 2).flatten(2)  # [B, N, H * D]
-        if self.g_proj is not None:
-            y = F.silu(self.g_proj(x)) * y
-        return self.out_proj(y), state, {}
+        return self.head_output(x, o), state, {}
 
-    def extra_repr(self) -> str:
-        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}")
 
 
 # --------------------------------------------------------------------------- variant spec
@@ -86,13 +85,4 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
                           conv_channels=0, conv_size=0, kernel="scalar", extra_params=2 * inner)
 
 
-def _build(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    if causal is not True:
-        raise ValueError("retnet: retention is causal by construction (causal=False is not supported)")
-    return MultiScaleRetention(dim, num_heads, **kw)
-
-
-register(VariantSpec("retnet", "recurrent", False, "O(N C^2 + N c C)", "O(N c) chunked",
-                     "state S [D, D] per head", _build, _cost, defaults={"chunk_size": 64},
-                     options=("chunk_size",), causal_modes=(True,), check={"chunk_size": 8},
-                     masks="causal, key padding", order=20))
+register_recurrent("retnet", MultiScaleRetention, _cost, "state S [D, D] per head", order=20)
