@@ -65,6 +65,7 @@ def test_list_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     rows = {v["name"]: v for v in data["variants"]}
     assert set(rows) == set(variant_names())  # every registered variant, nothing pinned here
+    assert all(rows[n]["kv_cache_bytes_per_token"] == 0 for n in ("retnet", "gla", "deltanet", "mamba2"))
     assert rows["mha"]["kv_cache_bytes_per_token"] == 2 * 8 * 32 * 2
     assert rows["mqa"]["kv_cache_bytes_per_token"] == 2 * 1 * 32 * 2
     assert rows["linear"]["kv_cache_bytes_per_token"] == 0

@@ -1,0 +1,146 @@
+"""DeltaNet (Yang et al. 2024) and Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024) as mixers.
+
+Both: ``q, k, v = x W_q, x W_k, x W_v`` through short causal depthwise convolutions (kernel 4)
+and SiLU, q and k L2-normalised per head, the write strength ``beta_t = sigmoid(x_t W_beta)`` per
+head, the kernel :func:`attnzoo.delta_rule`, a per-head RMSNorm, optionally the output gate
+``silu(x W_g)``, and the output projection. Gated DeltaNet adds the decay per head and token
+``a_t = exp(-softplus(x_t W_a + dt_bias) * exp(A_log))`` (Mamba-2's parametrisation) and has the
+output gate on by default::
+
+    S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,   o_t = q_t^T S_t / sqrt(D)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnzoo.functional.delta_rule import delta_rule
+from attnzoo.nn.base import check_flag
+from attnzoo.nn.recurrent import (
+    HeadNorm,
+    RecurrentMixer,
+    check_chunk,
+    recurrent_cost,
+    register_recurrent,
+)
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig
+
+__all__ = ["DeltaNet", "GatedDeltaNet", "init_decay_parameters"]
+
+
+@torch.no_grad()
+def init_decay_parameters(a_log: Tensor, dt_bias: Tensor, a_range: tuple[float, float] = (1.0, 16.0),
+                          dt_range: tuple[float, float] = (1e-3, 1e-1)) -> None:
+    """Mamba-2's initialisation: ``A ~ U(a_range)``, ``A_log = log A``; ``dt`` log-uniform in
+    ``dt_range`` and ``dt_bias = softplus^-1(dt)`` (so ``softplus(0 + dt_bias) = dt``)."""
+    a_log.copy_(torch.empty_like(a_log).uniform_(*a_range).log())
+    lo, hi = math.log(dt_range[0]), math.log(dt_range[1])
+    dt = torch.empty_like(dt_bias).uniform_(lo, hi).exp().clamp_min(1e-4)
+    dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+class DeltaNet(RecurrentMixer):
+    """DeltaNet: the delta rule with L2-normalised q, k and ``beta = sigmoid(x W_beta)``.
+
+    Args:
+        dim: model width ``C``.
+        num_heads: heads ``H``.
+        head_dim: ``D`` (default ``C // H``); the state is ``D x D`` per head.
+        bias: biases in the q/k/v/output projections.
+        conv_size: kernel of the short causal convolutions on q, k, v (0 = none; default 4).
+        output_gate: the swish gate ``silu(x W_g)`` on the normalised output (DeltaNet: off).
+        chunk_size: chunk of the kernel's chunked (WY) form.
+        device, dtype: of the parameters.
+
+    Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache`: the state ``[B, H, D, D]`` and the
+    last ``conv_size - 1`` inputs of the three convolutions.
+    """
+
+    gated = False
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, bias: bool = False,
+                 conv_size: int = 4, output_gate: bool | None = None, chunk_size: int = 64,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
+        super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
+        cls = type(self).__name__
+        gate = self.gated if output_gate is None else output_gate
+        self.output_gate = check_flag(gate, "output_gate", cls)
+        self.chunk_size = check_chunk(chunk_size)
+        inner = self.num_heads * self.head_dim
+        self.b_proj = nn.Linear(dim, self.num_heads, bias=False, **fk)
+        self.g_proj = nn.Linear(dim, inner, bias=bias, **fk) if self.output_gate else None
+        self.norm = HeadNorm(self.num_heads, self.head_dim, "rms", 1e-5, fk)
+        self.make_convs({"q": inner, "k": inner, "v": inner}, conv_size, False, fk)
+        self.state_shape = (self.num_heads, self.head_dim, self.head_dim)
+
+    def _log_decay(self, x: Tensor) -> Tensor | None:
+        return None
+
+    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None,
+             conv: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        new: dict[str, Tensor] = {}
+        q, k, v = (self.heads(self.short_conv(n, p(x), pad, conv, new))
+                   for n, p in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)))  # [B, H, N, D]
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)  # [B, H, N]
+        log_decay = self._log_decay(x)  # [B, H, N] or None
+        if pad is not None:  # a padded token neither writes (beta = 0) nor decays the state
+            keep = pad[:, None, :].to(x.dtype)
+            beta = beta * keep
+            log_decay = None if log_decay is None else log_decay * keep
+        o, state = delta_rule(q, k, v, beta, log_decay=log_decay, initial_state=state, return_state=True,
+                              chunk_size=self.chunk_size)
+        return self.head_output(x, o), state, new
+
+
+
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet: DeltaNet plus the decay ``a_t = exp(-softplus(x_t W_a + dt_bias) exp(A_log))``
+    per head and token, output gate on by default. Arguments as :class:`DeltaNet`; parameters
+    ``a_proj [H, C]``, ``A_log [H]``, ``dt_bias [H]`` (Mamba-2's initialisation)."""
+
+    gated = True
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, bias: bool = False,
+                 conv_size: int = 4, output_gate: bool | None = None, chunk_size: int = 64,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, conv_size=conv_size, output_gate=output_gate,
+                         chunk_size=chunk_size, device=device, dtype=dtype)
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.a_proj = nn.Linear(dim, self.num_heads, bias=False, **fk)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, **fk))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, **fk))
+        init_decay_parameters(self.A_log, self.dt_bias)
+
+    def _log_decay(self, x: Tensor) -> Tensor:
+        dt = F.softplus(self.a_proj(x) + self.dt_bias)  # [B, N, H]
+        return (-self.A_log.exp() * dt).transpose(1, 2)  # [B, H, N], <= 0
+
+
+# --------------------------------------------------------------------------- variant specs
+def _cost(cfg: VariantConfig, shape: CostShape, gated: bool) -> Cost:
+    inner, H = cfg.num_heads * cfg.head_dim, cfg.num_heads
+    gate = inner if gated else 0
+    extra = 2 * H if gated else 0
+    return recurrent_cost(cfg, shape, in_width=3 * inner + H * (2 if gated else 1) + gate, inner=inner,
+                          dk=cfg.head_dim, dv=cfg.head_dim, conv_channels=3 * inner, conv_size=4, kernel="delta",
+                          extra_params=inner + extra)
+
+
+def _deltanet_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    return _cost(cfg, shape, gated=False)
+
+
+def _gated_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    return _cost(cfg, shape, gated=True)
+
+
+register_recurrent("deltanet", DeltaNet, _deltanet_cost, "state S [D, D] per head + conv inputs", order=22)
+register_recurrent("gated_deltanet", GatedDeltaNet, _gated_cost, "state S [D, D] per head + conv inputs", order=23)

@@ -1,0 +1,140 @@
+"""Mamba-2's SSD mixer (Dao & Gu 2024) as a mixer: ``[B, N, C] -> [B, N, C]``.
+
+Projections of ``x`` give ``z`` (gate), ``x`` (values, ``H`` heads of ``P = expand * D``), ``B``
+and ``C`` (``ngroups`` groups of ``state_size``, shared by the heads of a group) and ``dt`` (one per
+head); ``x, B, C`` go through short causal depthwise convolutions and SiLU. Then, per head::
+
+    dt_t = softplus(dt_t + dt_bias),   A = -exp(A_log)
+    h_t  = exp(dt_t A) h_{t-1} + B_t (dt_t x_t)^T        # [state_size, P]
+    y_t  = C_t^T h_t + D x_t
+
+computed by :func:`attnzoo.gated_linear_attention` with one decay per token
+(``q = C, k = B, v = x dt, log_decay = dt A``, scale 1; chunked scan in plain PyTorch, recurrent
+decode), then the gated RMSNorm ``norm(y * silu(z))`` (per group) and the output projection. The
+separate projections equal Mamba-2's fused ``in_proj`` (and the per-channel convolutions its
+fused ``conv1d``) split by rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnzoo._validate import check_int
+from attnzoo.functional.gla import gated_linear_attention
+from attnzoo.nn.base import check_flag
+from attnzoo.nn.deltanet import init_decay_parameters
+from attnzoo.nn.recurrent import (
+    HeadNorm,
+    RecurrentMixer,
+    check_chunk,
+    recurrent_cost,
+    register_recurrent,
+)
+from attnzoo.nn.spec import Cost, CostShape, VariantConfig
+
+__all__ = ["Mamba2"]
+
+#: defaults the cost model assumes (they are not cost-model options)
+EXPAND, STATE_SIZE, CONV_SIZE = 2, 64, 4
+
+
+class Mamba2(RecurrentMixer):
+    """The Mamba-2 (SSD) mixer.
+
+    Args:
+        dim: model width ``C``.
+        num_heads: SSM heads ``H``.
+        head_dim: ``D`` (default ``C // H``); each head carries ``P = expand * D`` value channels.
+        expand: inner width ``H * P = expand * H * D`` (Mamba-2: 2).
+        state_size: ``N_s`` of ``B``, ``C`` (the state is ``N_s x P`` per head).
+        ngroups: groups of heads sharing ``B`` and ``C`` (divides ``H``).
+        conv_size: kernel of the short causal convolutions on ``x, B, C`` (0 = none; default 4).
+        output_gate: the gate ``silu(z)`` before the RMSNorm (off: a plain RMSNorm, no ``z``).
+        bias: biases in the input/output projections (Mamba-2: none; the convolutions have one).
+        chunk_size: chunk of the SSD's chunked form.
+        device, dtype: of the parameters.
+
+    Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache`: the state ``[B, H, N_s, P]`` and the
+    last ``conv_size - 1`` inputs of the ``x, B, C`` convolutions.
+    """
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, expand: int = EXPAND,
+                 state_size: int = STATE_SIZE, ngroups: int = 1, conv_size: int = CONV_SIZE,
+                 output_gate: bool = True, bias: bool = False, chunk_size: int = 64,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
+        super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
+        cls = type(self).__name__
+        H = self.num_heads
+        self.expand, self.state_size = check_int(expand, "expand", owner=cls), check_int(state_size, "state_size",
+                                                                                         owner=cls)
+        self.ngroups = check_int(ngroups, "ngroups", owner=cls)
+        if H % self.ngroups:
+            raise ValueError(f"{cls}: num_heads ({H}) must be divisible by ngroups ({self.ngroups})")
+        self.output_gate = check_flag(output_gate, "output_gate", cls)
+        self.chunk_size = check_chunk(chunk_size)
+        self.inner_head_dim = P = self.expand * self.head_dim
+        gs = self.ngroups * self.state_size
+        # the rows of Mamba-2's in_proj, one Linear each: C (queries), B (keys), x (values), z, dt
+        self.q_proj = nn.Linear(dim, gs, bias=bias, **fk)
+        self.k_proj = nn.Linear(dim, gs, bias=bias, **fk)
+        self.v_proj = nn.Linear(dim, H * P, bias=bias, **fk)
+        self.z_proj = nn.Linear(dim, H * P, bias=bias, **fk) if self.output_gate else None
+        self.dt_proj = nn.Linear(dim, H, bias=False, **fk)
+        self.out_proj = nn.Linear(H * P, dim, bias=bias, **fk)
+        self.A_log = nn.Parameter(torch.empty(H, **fk))
+        self.dt_bias = nn.Parameter(torch.empty(H, **fk))
+        init_decay_parameters(self.A_log, self.dt_bias)
+        self.D = nn.Parameter(torch.ones(H, **fk))
+        self.norm = HeadNorm(self.ngroups, H * P // self.ngroups, "rms", 1e-5, fk)
+        self.make_convs({"x": H * P, "B": gs, "C": gs}, conv_size, True, fk)
+        self.state_shape = (H, self.state_size, P)
+
+    def _groups_to_heads(self, t: Tensor) -> Tensor:
+        """``[B, N, G * N_s] -> [B, H, N, N_s]`` (head ``h`` uses group ``h // (H / G)``)."""
+        b, n = t.shape[:2]
+        grouped = t.reshape(b, n, self.ngroups, self.state_size).transpose(1, 2)  # [B, G, N, N_s]
+        return grouped.repeat_interleave(self.num_heads // self.ngroups, dim=1)
+
+    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None,
+             conv: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        new: dict[str, Tensor] = {}
+        xs = self.heads(self.short_conv("x", self.v_proj(x), pad, conv, new), self.inner_head_dim)  # [B, H, N, P]
+        k = self._groups_to_heads(self.short_conv("B", self.k_proj(x), pad, conv, new))  # [B, H, N, N_s]
+        q = self._groups_to_heads(self.short_conv("C", self.q_proj(x), pad, conv, new))
+        dt = F.softplus(self.dt_proj(x) + self.dt_bias).transpose(1, 2)  # [B, H, N]
+        if pad is not None:  # a padded token neither writes (v = 0) nor decays the state
+            dt = dt * pad[:, None, :].to(dt.dtype)
+        log_decay = -self.A_log.exp()[:, None] * dt  # [B, H, N], <= 0
+        y, state = gated_linear_attention(q, k, xs * dt[..., None], log_decay, scale=1.0, initial_state=state,
+                                          return_state=True, chunk_size=self.chunk_size)
+        y = (y + self.D[:, None, None] * xs).transpose(1, 2).flatten(2)  # [B, N, H * P]
+        if self.z_proj is not None:
+            y = y * F.silu(self.z_proj(x))
+        b, n, _ = y.shape
+        y = self.norm(y.reshape(b, n, self.ngroups, -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
+        return self.out_proj(y), state, new
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, inner_head_dim={self.inner_head_dim}, "
+                f"state_size={self.state_size}, ngroups={self.ngroups}, conv_size={self.conv_size}, "
+                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}")
+
+
+# --------------------------------------------------------------------------- variant spec
+def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    """Assumes Mamba-2's defaults ``expand=2``, ``state_size=64``, ``ngroups=1``, ``conv_size=4``."""
+    H, P, ns = cfg.num_heads, EXPAND * cfg.head_dim, STATE_SIZE
+    inner = H * P
+    return recurrent_cost(cfg, shape, in_width=2 * ns + 2 * inner + H, inner=inner, dk=ns, dv=P,
+                          conv_channels=inner + 2 * ns, conv_size=CONV_SIZE, kernel="scalar",
+                          extra_params=3 * H + inner + inner + 2 * ns)
+
+
+register_recurrent("mamba2", Mamba2, _cost, "state h [N_s, P] per head + conv inputs", order=24,
+                   check={"chunk_size": 8, "state_size": 16})
