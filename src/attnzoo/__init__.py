@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "LinearAttention": "attnzoo.nn.feature_attention",
     "PerformerAttention": "attnzoo.nn.feature_attention",
     "InfiniAttention": "attnzoo.nn.infini",
+    "MultiHeadLatentAttention": "attnzoo.nn.mla",
     "SinusoidalPositionalEncoding": "attnzoo.nn.positional",
     "LearnedPositionalEmbedding": "attnzoo.nn.positional",
     "RotaryEmbedding": "attnzoo.nn.positional",

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
+from attnzoo.models.hf.deepseek import convert_deepseek
 from attnzoo.models.hf.gpt2 import convert_gpt2
 from attnzoo.models.hf.llama import convert_llama
 from attnzoo.models.hf.safetensors import load_state_dict_from_folder, read_json
@@ -24,11 +25,13 @@ from attnzoo.models.hf.vit import convert_vit
 __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "load_pretrained", "read_config"]
 
 SUPPORTED_ARCHITECTURES = ("BertModel", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM", "MistralForCausalLM",
-                           "ViTModel", "ViTForImageClassification")
+                           "ViTModel", "ViTForImageClassification", "DeepseekV3ForCausalLM")
 #: ``model_type`` of a folder's ``config.json`` -> the architecture it loads as.
-MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "llama": "LLaMA", "mistral": "Mistral", "vit": "ViT"}
+MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "llama": "LLaMA", "mistral": "Mistral", "vit": "ViT",
+               "deepseek_v3": "DeepSeek-V3"}
 _ARCH_OF = {"BertModel": "BERT", "GPT2LMHeadModel": "GPT-2", "GPT2Model": "GPT-2", "LlamaForCausalLM": "LLaMA",
-            "MistralForCausalLM": "Mistral", "ViTModel": "ViT", "ViTForImageClassification": "ViT"}
+            "MistralForCausalLM": "Mistral", "ViTModel": "ViT", "ViTForImageClassification": "ViT",
+            "DeepseekV3ForCausalLM": "DeepSeek-V3"}
 
 
 def _build(name: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: Any) -> nn.Module:
@@ -36,6 +39,8 @@ def _build(name: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: A
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     if name in ("BertModel", "bert"):
         return convert_bert(hf, sd, strict_prefix=name == "BertModel", **kw)
+    if name in ("DeepseekV3ForCausalLM", "deepseek_v3"):
+        return convert_deepseek(hf, sd, **kw)
     if name in ("GPT2LMHeadModel", "GPT2Model", "gpt2"):
         return convert_gpt2(hf, sd, **kw)
     if name in ("LlamaForCausalLM", "llama", "MistralForCausalLM", "mistral"):
