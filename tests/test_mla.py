@@ -146,6 +146,32 @@ def test_positions_and_padding_mask_match_the_full_forward() -> None:
     assert (torch.cat(outs, 1) - full)[keep].abs().max().item() < 1e-5
 
 
+def test_weights_and_mask_objects_agree_across_forms() -> None:
+    m = _module()
+    x = torch.randn(2, 9, 48)
+    pad = az.masks.key_padding(torch.tensor([9, 6]))
+    res = {}
+    for form in ("materialised", "absorbed"):
+        m.form = form
+        cache = m.init_cache(2, 9)
+        first = m(x[:, :5], cache=cache, mask=pad, return_weights=True)
+        rest = [m(x[:, i:i + 1], cache=cache, mask=pad, return_weights=True) for i in range(5, 9)]
+        res[form] = (torch.cat([first[0]] + [r[0] for r in rest], 1), first[1], rest[-1][1])
+    for a, b in zip(res["materialised"], res["absorbed"], strict=True):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5
+    assert res["absorbed"][2][1, :, :, 6:].abs().max().item() == 0.0  # padded keys get no weight
+
+
+def test_left_padded_generation_matches_unpadded() -> None:
+    model = DecoderLM(50, 48, 2, 4, attention="mla", norm="rms", ffn="swiglu", attention_kwargs=SIZES).eval()
+    prompt = torch.randint(2, 50, (1, 5))
+    alone = model.generate(prompt, max_new_tokens=6)
+    padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), prompt), 1)
+    both = model.generate(torch.cat((padded, torch.randint(2, 50, (1, 8)))),
+                          attention_mask=torch.tensor([[False] * 3 + [True] * 5, [True] * 8]), max_new_tokens=6)
+    assert torch.equal(both[0, 3:], alone[0])
+
+
 # ----------------------------------------------------------------------------- the cache
 def test_cache_holds_only_the_latent_and_the_rope_key() -> None:
     m = _module()

@@ -447,7 +447,7 @@ class MultiHeadLatentAttention(AttentionBase):
         if cache is not None:
             latent = cache.update(c_kv, k_pe)  # [B, start + N, r + dr]
             c_kv, k_pe = latent[..., : s.kv_lora_rank], latent[..., s.kv_lora_rank:]
-        kw = {"mask": mask, "q_offset": start, "return_weights": return_weights}
+        kw: dict[str, Any] = {"mask": mask, "q_offset": start, "return_weights": return_weights}
         if self._absorbed_for(N, start + N, cache is not None):
             if latent is None:
                 latent = torch.cat((c_kv, k_pe), dim=-1)
@@ -464,12 +464,12 @@ class MultiHeadLatentAttention(AttentionBase):
                                                                                  "materialised")
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor | None]:
-        res = self.attend(q, k, v, causal=self.causal, scale=self.softmax_scale,
-                          dropout_p=self.options.dropout if self.training else 0.0, backend=self.backend, **kw)
+        res = self.attend(q, k, v, scale=self.softmax_scale, dropout_p=self.options.dropout if self.training else 0.0,
+                          backend=self.backend, **kw)
         return (res[0], res[1]) if kw["return_weights"] else (res, None)
 
-    def _materialised(self, q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor,
-                      **kw: Any) -> tuple[Tensor, Tensor | None]:
+    def _materialised(self, q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, *, mask: Tensor | Mask | None,
+                      q_offset: int, return_weights: bool) -> tuple[Tensor, Tensor | None]:
         """Expand the latent into per-head keys and values, then softmax attention."""
         s = self.sizes
         B, M, _ = c_kv.shape
@@ -477,19 +477,46 @@ class MultiHeadLatentAttention(AttentionBase):
         k_nope, v = kv.split((s.qk_nope_head_dim, s.v_head_dim), dim=-1)  # [B, H, M, dn], [B, H, M, dv]
         k = torch.cat((k_nope, k_pe[:, None].expand(-1, self.num_heads, -1, -1)), dim=-1)  # [B, H, M, dn + dr]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [B, H, N, dn + dr]
-        return self._core(q, k, v, **kw)
+        return self._core(q, k, v, mask=mask, causal=self.causal, q_offset=q_offset, return_weights=return_weights)
 
-    def _absorbed(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, **kw: Any) -> tuple[Tensor, Tensor | None]:
-        """Fold ``W_UK`` into the queries, attend over the latent as one shared head, unfold with ``W_UV``."""
+    def _absorbed(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, *, mask: Tensor | Mask | None, q_offset: int,
+                  return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """Fold ``W_UK`` into the queries, attend over the latent as one shared head, unfold with ``W_UV``.
+
+        The ``H`` heads' queries are laid along the query axis (``[B, 1, H N, r + dr]``, rows
+        ``(h, n)``) so the single latent head is never repeated per head; causality and the user's
+        mask are folded the same way."""
         s = self.sizes
-        w = self.kv_b_proj.weight.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        B, H, N, _ = q_nope.shape
+        w = self.kv_b_proj.weight.view(H, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_uk, w_uv = w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim:]  # [H, dn, r], [H, dv, r]
         q_lat = torch.einsum("bhnd,hdr->bhnr", q_nope, w_uk.to(q_nope.dtype))  # [B, H, N, r]
-        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, N, r + dr]
-        k = latent[:, None]  # [B, 1, M, r + dr]: one key head shared by all query heads (MQA)
+        q = torch.cat((q_lat, q_pe), dim=-1).reshape(B, 1, H * N, -1)  # [B, 1, H N, r + dr]
+        k = latent[:, None]  # [B, 1, M, r + dr]: one key head shared by all query heads
         v = k[..., : s.kv_lora_rank]  # [B, 1, M, r]: the latent is the value
-        o_lat, weights = self._core(q, k, v, **kw)  # [B, H, N, r]
+        folded = self._folded_mask(mask, B, N, latent.shape[1], q_offset, q.device)
+        o_lat, weights = self._core(q, k, v, mask=folded, causal=False, return_weights=return_weights)
+        o_lat = o_lat.view(B, H, N, s.kv_lora_rank)  # [B, H, N, r]
+        if weights is not None:
+            weights = weights.view(B, H, N, -1)  # [B, H, N, M]
         return torch.einsum("bhnr,hvr->bhnv", o_lat, w_uv.to(o_lat.dtype)), weights  # [B, H, N, dv]
+
+    def _folded_mask(self, mask: Tensor | Mask | None, B: int, N: int, M: int, start: int,
+                     device: torch.device) -> Tensor | None:
+        """Causality and ``mask`` over the folded queries: ``[B | 1, 1, H N, M]`` (``None``: all visible)."""
+        H = self.num_heads
+        causal = self.causal and N > 1  # one query at the last position sees every key
+        if mask is None and not causal:
+            return None
+        if isinstance(mask, Mask):
+            mask = mask.evaluate(B, H, start, 0, N, 0, M, device=device, expand=False)  # [B|1, H|1, N|1, M]
+        if causal:
+            vis = torch.arange(M, device=device) <= torch.arange(start, start + N, device=device)[:, None]  # [N, M]
+            mask = vis if mask is None else mask & vis if mask.dtype == torch.bool else mask.masked_fill(
+                ~vis, float("-inf"))
+        assert mask is not None
+        m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        return m4.expand(m4.shape[0], H, N, M).reshape(m4.shape[0], 1, H * N, M)
 
     def extra_repr(self) -> str:
         s = self.sizes
