@@ -339,3 +339,13 @@ def test_deepseek_v3_folder_loads_and_moe_is_refused(tmp_path) -> None:  # type:
     moe = _hf_model(24, first_k_dense_replace=1)
     with pytest.raises(UnsupportedConfigError, match="first_k_dense_replace"):
         from_hf(moe)
+
+
+def test_docs_example_runs() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "softmax-frontier.md").read_text()
+    section = text[text.index("## Multi-head latent attention"):]
+    code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    exec(compile(code, "softmax-frontier.md[mla]", "exec"), {"__name__": "__doc_example__"})

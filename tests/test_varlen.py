@@ -175,7 +175,7 @@ def test_docs_examples_run_and_drawings_hold() -> None:
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "softmax-frontier.md").read_text()
     found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(found) == 3
+    assert len(found) >= 3
     for i, code in enumerate(found):
         exec(compile(code, f"softmax-frontier.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
     cq, ck = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
