@@ -128,6 +128,14 @@ class LatentCache:
         return self._batch_size
 
     @property
+    def device(self) -> torch.device:
+        return self.latent.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.latent.dtype
+
+    @property
     def nbytes(self) -> int:
         """Bytes held (the whole preallocated buffer)."""
         return self.latent.nbytes
@@ -286,7 +294,8 @@ class MultiHeadLatentAttention(AttentionBase):
         opts, factory = MLAOptions.parse(cls, options)
         self.sizes = _check_sizes(cls, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)
         self._norm_eps = opts.norm_eps
-        super().__init__(dim, num_heads, head_dim=self.sizes.qk_head_dim, bias=bias, factory=factory)
+        # head_dim: the width of a head's output, dv (= dn = D with DeepSeek's proportions, as the cost model)
+        super().__init__(dim, num_heads, head_dim=self.sizes.v_head_dim, bias=bias, factory=factory)
         self.causal = check_flag(causal, "causal", cls)
         self.backend = check_backend(backend, cls)
         self.options = opts
@@ -412,7 +421,8 @@ class MultiHeadLatentAttention(AttentionBase):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))  # [B, N, H (dn + dr)]
-        q = self.split_heads(q)  # [B, H, N, dn + dr]
+        B, N, _ = q.shape
+        q = q.view(B, N, self.num_heads, self.sizes.qk_head_dim).transpose(1, 2)  # [B, H, N, dn + dr]
         return q[..., : self.sizes.qk_nope_head_dim], q[..., self.sizes.qk_nope_head_dim:]
 
     def _cos_sin(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -566,7 +576,11 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     flops_attn = 2 * B * H * pairs * (dn + dr + dv + (1 if used == "tiled" else 0))
     qkv_bytes = B * N * (2 * H * (dn + dr) + H * dv + r + dr) * e  # q, expanded k, v, the latent
     scores = B * H * N * N * shape.acc_bytes
-    residue = 3 * scores if used == "reference" else B * H * N * (dv * e + shape.acc_bytes)
+    residue = B * H * N * (dv * e + shape.acc_bytes)  # kernel output and LSE
+    if used == "reference":
+        residue = 3 * scores
+    elif used == "sdpa" and dn + dr != dv:  # torch's CPU SDPA falls back to its math kernel: P is kept
+        residue = scores + B * H * N * dv * e
     per_token = (r + dr) * e
     return Cost(backend=used, flops_projections=flops_proj, flops_attention=flops_attn,
                 flops_useful=2 * B * H * visible * (dn + dr + dv),
