@@ -349,3 +349,14 @@ def test_docs_example_runs() -> None:
     section = text[text.index("## Multi-head latent attention"):]
     code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
     exec(compile(code, "softmax-frontier.md[mla]", "exec"), {"__name__": "__doc_example__"})
+
+
+def test_cli_list_reports_the_latent_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from attnzoo.cli import main
+
+    assert main(["list", "--json", "--dim", "1024", "--heads", "8", "--dtype", "float16"]) == 0
+    rows = {v["name"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
+    assert rows["mla"]["kv_cache_bytes_per_token"] == 576 * 2  # head width 128: DeepSeek-V3's r + dr
+    assert rows["mha"]["kv_cache_bytes_per_token"] == 2 * 8 * 128 * 2
