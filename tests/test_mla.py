@@ -179,7 +179,7 @@ def test_cache_holds_only_the_latent_and_the_rope_key() -> None:
     assert isinstance(cache, LatentCache)
     r_dr = SIZES["kv_lora_rank"] + SIZES["qk_rope_head_dim"]
     assert tuple(cache.latent.shape) == (3, 20, r_dr)
-    assert cache.bytes_per_token() == r_dr * 2 and cache.nbytes == 3 * 20 * r_dr * 2
+    assert cache.bytes_per_token() == 3 * r_dr * 2 and cache.nbytes == 3 * 20 * r_dr * 2  # [B, max_len, r + dr]
     # DeepSeek-V3: 512 + 64 = 576 numbers per token and layer, against 2 * 128 * 128 for MHA
     assert kv_cache_bytes_per_token("mla", 7168, 128, dtype_bytes=2, head_dim=128) == 576 * 2
     assert kv_cache_bytes_per_token("mha", 16384, 128, dtype_bytes=2) == 2 * 128 * 128 * 2

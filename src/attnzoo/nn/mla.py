@@ -123,26 +123,24 @@ class LatentCache:
         self.length = 0
 
     @property
-    def batch_size(self) -> int:
-        """Batch size the cache was built for."""
-        return self._batch_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.latent.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.latent.dtype
-
-    @property
     def nbytes(self) -> int:
         """Bytes held (the whole preallocated buffer)."""
         return self.latent.nbytes
 
     def bytes_per_token(self) -> float:
-        """``(r + dr) * itemsize`` per cached token slot."""
-        return self.nbytes / (self.max_len * self._batch_size)
+        """Bytes per cached token slot, the whole batch (``nbytes / max_len``, as :class:`KVCache`):
+        ``batch_size * (r + dr) * itemsize``."""
+        return self.nbytes / self.max_len
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size the cache was built for."""
+        return self._batch_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the stored latents."""
+        return self.latent.dtype
 
     def reset(self) -> None:
         """Forget every token (the buffer is reused)."""
@@ -281,6 +279,12 @@ class MultiHeadLatentAttention(AttentionBase):
         **options: see :class:`MLAOptions` (``rope_base``, ``rope_interleave``, ``rope_scaling``,
             ``max_position_embeddings``, ``norm_eps``, ``scale``, ``dropout``, ``form``), ``device``,
             ``dtype``.
+
+    Attributes:
+        sizes: the :class:`MLASizes`; ``head_dim`` is ``v_head_dim`` (the width of a head's output,
+            the ``D`` of the cost model's proportions), ``num_kv_heads`` is ``num_heads``.
+        form: see the module docstring (settable).
+        softmax_scale: the score scale in use.
 
     Shapes:
         ``forward(x [B, N, C]) -> [B, N, C]``; with ``return_weights`` also ``[B, H, N, Nk]``.
