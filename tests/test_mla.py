@@ -172,6 +172,22 @@ def test_left_padded_generation_matches_unpadded() -> None:
     assert torch.equal(both[0, 3:], alone[0])
 
 
+def test_packed_sequences_equal_each_alone_forward_and_backward() -> None:
+    m = _module(dtype=F64, bias=True)
+    x = torch.randn(1, 13, 48, dtype=F64, requires_grad=True)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    packed = m(x, cu_seqlens=cu)
+    alone = torch.cat([m(x[:, a:b]) for a, b in ((0, 5), (5, 6), (6, 13))], dim=1)
+    assert (packed - alone).abs().max().item() < 1e-12
+    g1 = torch.autograd.grad(packed.sum(), x)[0]
+    g2 = torch.autograd.grad(alone.sum(), x)[0]
+    assert (g1 - g2).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="cache"):
+        m(x, cu_seqlens=cu, cache=m.init_cache(1, 13))
+    with pytest.raises(ValueError, match="end"):
+        m(x, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32))
+
+
 # ----------------------------------------------------------------------------- the cache
 def test_cache_holds_only_the_latent_and_the_rope_key() -> None:
     m = _module()

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
+from attnzoo.functional.varlen import _check_cu, attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.attention import _check_mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
@@ -393,8 +394,8 @@ class MultiHeadLatentAttention(AttentionBase):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
-                cache: LatentCache | None = None, positions: Tensor | None = None,
-                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                cache: LatentCache | None = None, positions: Tensor | None = None, return_weights: bool = False,
+                cu_seqlens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x [B, N, C]`` to itself.
 
         Args:
@@ -405,6 +406,10 @@ class MultiHeadLatentAttention(AttentionBase):
             cache: from :meth:`init_cache`; updated in place (a call that raises leaves it unchanged).
             positions: int ``[N]`` or ``[B, N]`` RoPE positions (default ``cache.length + arange(N)``).
             return_weights: also return the attention weights ``[B, H, N, Nk]``.
+            cu_seqlens: packed input: ``x [1, T, C]`` holds ``S`` sequences end to end, int32
+                cumulative lengths ``[S+1]``; RoPE positions restart at 0 in every sequence and the
+                materialised form runs through :func:`attnzoo.attention_varlen` (equal to running each
+                sequence alone). Not with a cache, ``mask``, ``positions`` or ``return_weights``.
 
         Returns:
             ``out [B, N, C]``, or ``(out, weights)``.
@@ -413,6 +418,10 @@ class MultiHeadLatentAttention(AttentionBase):
         x = self.check_call(x, cache, positions, return_weights, LatentCache)
         if context is not None:
             raise ValueError(f"{cls}: context= (cross-attention) is not supported; MLA is self-attention")
+        if cu_seqlens is not None:
+            if cache is not None or mask is not None or positions is not None or return_weights:
+                raise ValueError(f"{cls}: packed input (cu_seqlens) takes no cache, mask, positions or return_weights")
+            return self.merge_heads(self._packed(x, cu_seqlens))
         if cache is not None and not self.causal:
             raise ValueError(f"{cls}: decoding with a cache needs causal=True")
         out, weights = self.guarded(cache, lambda: self._attention(x, mask, cache, positions, return_weights))
@@ -467,6 +476,24 @@ class MultiHeadLatentAttention(AttentionBase):
                 latent = torch.cat((c_kv, k_pe), dim=-1)
             return self._absorbed(q_nope, q_pe, latent, **kw)
         return self._materialised(q_nope, q_pe, c_kv, k_pe, **kw)
+
+    def _packed(self, x: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """Packed ``x [1, T, C]``: positions restart per sequence, varlen attention; ``[1, H, T, dv]``."""
+        if x.shape[0] != 1:
+            raise ValueError(f"{type(self).__name__}: packed input (cu_seqlens) must be [1, T, C], got {tuple(x.shape)}")
+        s, T = self.sizes, x.shape[1]
+        cu = _check_cu(cu_seqlens, "cu_seqlens", T, x.device)
+        t = torch.arange(T, device=x.device)
+        pos = t - cu.long()[torch.searchsorted(cu.long()[1:], t, right=True)]  # [T], restarting per sequence
+        q_nope, q_pe = self._queries(x)  # [1, H, T, dn], [1, H, T, dr]
+        c_kv, k_pe = self.kv_a_proj(x).split((s.kv_lora_rank, s.qk_rope_head_dim), dim=-1)
+        q_pe, k_pe = self._rotate(q_pe, k_pe, pos, 0)
+        kv = self.kv_b_proj(self.kv_a_norm(c_kv))[0].view(T, self.num_heads, -1)  # [T, H, dn + dv]
+        k_nope, v = kv.split((s.qk_nope_head_dim, s.v_head_dim), dim=-1)
+        k = torch.cat((k_nope, k_pe[0, :, None].expand(-1, self.num_heads, -1)), dim=-1)  # [T, H, dn + dr]
+        q = torch.cat((q_nope, q_pe), dim=-1)[0].transpose(0, 1)  # [T, H, dn + dr]
+        out = attention_varlen(q, k, v, cu, cu, causal=self.causal, scale=self.softmax_scale, backend=self.backend)
+        return out.transpose(0, 1)[None]  # [1, H, T, dv]
 
     def _absorbed_for(self, n_new: int, n_keys: int, cached: bool) -> bool:
         if self.form != "auto":
