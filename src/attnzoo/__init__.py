@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "GatedDeltaNet": "attnzoo.nn.deltanet",
     "Mamba2": "attnzoo.nn.mamba2",
     "RecurrentCache": "attnzoo.nn.recurrent",
+    "MultiHeadLatentAttention": "attnzoo.nn.mla",
     "SinusoidalPositionalEncoding": "attnzoo.nn.positional",
     "LearnedPositionalEmbedding": "attnzoo.nn.positional",
     "RotaryEmbedding": "attnzoo.nn.positional",

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
+from attnzoo.models.hf.deepseek import convert_deepseek
 from attnzoo.models.hf.gpt2 import convert_gpt2
 from attnzoo.models.hf.llama import FAMILIES, convert_llama
 from attnzoo.models.hf.safetensors import load_state_dict_from_folder, read_json
@@ -26,9 +27,10 @@ __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "lo
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
-                           "*ForSequenceClassification", "ViTModel", "ViTForImageClassification")
+                           "*ForSequenceClassification", "ViTModel", "ViTForImageClassification",
+                           "DeepseekV3ForCausalLM")
 #: ``model_type`` of a config -> the architecture it loads as.
-MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", **{k: f.arch for k, f in FAMILIES.items()}}
+MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3", **{k: f.arch for k, f in FAMILIES.items()}}
 
 
 def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: Any,
@@ -37,6 +39,8 @@ def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dt
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     if model_type == "bert":
         return convert_bert(hf, sd, strict_prefix=strict_prefix, **kw)
+    if model_type == "deepseek_v3":
+        return convert_deepseek(hf, sd, **kw)
     if model_type == "gpt2":
         return convert_gpt2(hf, sd, **kw)
     if model_type in FAMILIES:
