@@ -7,9 +7,10 @@ from the cache). Exact attention buys recall with a state that grows with the se
 fixed-size state must compress all pairs into its numbers, so its recall falls as the pairs grow
 unless the state (the width) grows too. See Arora et al. 2023, "Zoology".
 
-The default grid (widths 32, 64, 128 x pairs 4, 8, 16 x seq_len 64, 400 steps of 64 sequences)
-takes about 15-20 minutes for eight variants on two CPU cores; ``--quick`` is a two-cell smoke
-test. Results go to ``--out`` (default ``arena-grid``): ``grid.json``, ``mqar_grid.png``,
+The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) costs about
+a minute of CPU per variant: 10-20 minutes for the registry on two quiet CPU cores; ``--quick`` is a
+two-cell smoke test. ``--grid-widths``, ``--grid-pairs``, ``--grid-seq-lens``, ``--steps`` and
+``--batch`` change it. Results go to ``--out`` (default ``arena-grid``): ``grid.json``, ``mqar_grid.png``,
 ``report.md``.
 """
 
@@ -34,8 +35,8 @@ from attnzoo.variants import variant_names
 
 __all__ = ["GRID", "QUICK_GRID", "grid_cells", "run_grid"]
 
-GRID = {"widths": (32, 64, 128), "pairs": (4, 8, 16), "seq_lens": (64,), "steps": 400, "batch": 64,
-        "depth": 2, "lr": 3e-3, "vocab": 64}
+GRID = {"widths": (32, 64), "pairs": (4, 8), "seq_lens": (64,), "steps": 600, "batch": 32, "depth": 2,
+        "lr": 3e-3, "vocab": 64}
 QUICK_GRID = {"widths": (16, 32), "pairs": (2,), "seq_lens": (16,), "steps": 8, "batch": 8, "depth": 1,
               "lr": 3e-3, "vocab": 16}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from attnzoo.arena.trainer import StepInfo
@@ -137,12 +138,13 @@ class Overall:
     spent so far by the weight still to do. Runs reused with ``--resume`` count as done at once.
     """
 
-    def __init__(self, weights: list[float], enabled: bool = True, stream: Any = None) -> None:
+    def __init__(self, weights: list[float], enabled: bool = True, stream: Any = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if not weights or any(w < 0 for w in weights):
             raise ValueError(f"Overall: weights must be a non-empty list of numbers >= 0, got {weights!r}")
         self.weights, self.enabled = list(weights), enabled
-        self.stream = stream
-        self.t0 = time.perf_counter()
+        self.stream, self.clock = stream, clock
+        self.t0 = clock()
         self.done = 0  # runs finished
         self.done_weight = 0.0
         self.timed_weight = 0.0  # weight of the runs that were trained here (not reused)
@@ -164,11 +166,11 @@ class Overall:
         label = f"{self.done + 1}/{self.total}"
         eta = self.eta()
         line = (f"arena: run {self.done + 1}/{self.total} {name} | elapsed "
-                f"{format_duration(time.perf_counter() - self.t0)} | ETA "
+                f"{format_duration(self.clock() - self.t0)} | ETA "
                 f"{'estimating' if eta is None else format_duration(eta)}")
         if self.enabled:
             print(line, file=self.stream or sys.stderr, flush=True)
-        self._run_t0 = time.perf_counter()
+        self._run_t0 = self.clock()
         return label
 
     def finish(self, trained: bool) -> None:
@@ -176,6 +178,6 @@ class Overall:
         w = self.weights[self.done]
         if trained:
             self.timed_weight += w
-            self.timed_s += time.perf_counter() - self._run_t0
+            self.timed_s += self.clock() - self._run_t0
         self.done_weight += w
         self.done += 1

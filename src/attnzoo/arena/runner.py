@@ -135,7 +135,9 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=(*TASKS, "all", "mqar-grid"), default="all",
                         help="which task(s) to run (default: all). mqar-grid: MQAR accuracy over width x "
                              "key-value pairs x sequence length for every variant, against decode-state bytes "
-                             "(the Zoology figure); about 15-20 minutes on 2 CPU cores, --quick under 2 minutes")
+                             "(the Zoology figure), with --grid-widths/--grid-pairs/--grid-seq-lens; the default grid "
+                             "takes about 1 CPU-minute per variant (10-20 minutes on 2 CPU cores), --quick under 2 "
+                             "minutes")
     parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default: per task, see docs)")
     parser.add_argument("--seq-len", dest="seq_len", type=_positive_int, help="tokens per training sequence")
     parser.add_argument("--width", type=_positive_int, help="model width C")
@@ -595,7 +597,9 @@ class _Plan:
         extra = _seed_plan(args, variants) if "lm" in settings else []
         top = int(getattr(args, "seeds_top", 0) or 0)
         n_top = len(variants) if top <= 0 else min(top, len(variants))
-        weights = [self._weight(t) for t in settings for _ in variants] + [self._weight("lm")] * (len(extra) * n_top)
+        weights = [self._weight(t) for t in settings for _ in variants]
+        if extra:
+            weights += [self._weight("lm")] * (len(extra) * n_top)
         self.overall = Overall(weights, enabled=enabled)
         self.extra_seeds = extra
 
