@@ -237,7 +237,7 @@ def test_quick_refuses_to_overwrite_a_full_report(tmp_path: Path) -> None:
     full = tmp_path / "report"
     full.mkdir()
     (full / "results.json").write_text(json.dumps({"quick": False}))
-    with pytest.raises(ValueError, match="full arena report.*--force"):
+    with pytest.raises(ValueError, match=r"full arena report.*--force"):
         resolve_out(_args("--quick", "--out", str(full)))
     assert resolve_out(_args("--quick", "--out", str(full), "--force")) == full
     assert resolve_out(_args("--out", str(full))) == full  # a full run may
