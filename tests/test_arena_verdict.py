@@ -186,6 +186,9 @@ def test_crossings_find_the_first_cheaper_length() -> None:
     assert got["linear"]["forward_s"]["n"] == 1024
     assert got["gqa"]["forward_s"] == {"n": None, "source": None}  # never cheaper than mha
     assert crossings({"gqa": curves["gqa"]}) == {}
+    noisy = [dict(p) for p in curves["mha"]]
+    noisy[0]["forward_s"] /= 2  # one noisy point below mha at the shortest length, above after it
+    assert crossings({"mha": curves["mha"], "noisy": noisy})["noisy"]["forward_s"] == {"n": None, "source": None}
 
 
 def test_long_context_measures_then_models(tmp_path: Path) -> None:

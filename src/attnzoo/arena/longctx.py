@@ -28,7 +28,7 @@ __all__ = ["LENGTHS", "QUICK_LENGTHS", "crossings", "layer_settings", "long_cont
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_LENGTHS = (64, 128, 256)
-_DECODE_STEPS = 4
+_DECODE_STEPS = 8
 
 
 def layer_settings(variant: str, width: int, heads: int, window: int | None) -> dict[str, Any]:
@@ -62,12 +62,7 @@ def _measure(layer: torch.nn.Module, n: int, width: int, device: torch.device) -
     cache = layer.init_cache(1, n + _DECODE_STEPS)  # type: ignore[operator]
     layer(x, cache=cache)
     tok = x[:, -1:]  # [1, 1, C]
-
-    def steps() -> None:
-        for _ in range(_DECODE_STEPS):
-            layer(tok, cache=cache)
-
-    dec = _median_time(steps, 1) / _DECODE_STEPS
+    dec = _median_time(lambda: layer(tok, cache=cache), _DECODE_STEPS)  # each step timed, median
     return {"forward_s": fwd, "decode_step_s": dec, "cache_bytes_measured": float(cache_bytes(cache))}
 
 
@@ -105,11 +100,12 @@ def _variant_curve(variant: str, lengths: Sequence[int], width: int, heads: int,
 
 
 def crossings(curves: dict[str, list[dict[str, Any]]], baseline: str = "mha") -> dict[str, dict[str, Any]]:
-    """For each variant, the first length at which it beats ``baseline`` per quantity.
+    """For each variant, the length from which on it beats ``baseline``, per quantity.
 
     Returns ``{variant: {quantity: {"n": N or None, "source": "measured" | "model" | None}}}`` for
-    ``forward_s``, ``decode_step_s`` and ``cache_bytes`` (lower is better for each); ``n`` is None
-    when the variant never drops below the baseline over the lengths.
+    ``forward_s``, ``decode_step_s`` and ``cache_bytes`` (lower is better for each): ``n`` is the
+    first length from which the variant stays cheaper up to the longest length (a single noisy
+    point below the baseline does not count), None when it is not cheaper at the longest length.
     """
     if baseline not in curves:
         return {}
@@ -120,7 +116,11 @@ def crossings(curves: dict[str, list[dict[str, Any]]], baseline: str = "mha") ->
             continue
         out[v] = {}
         for q in ("forward_s", "decode_step_s", "cache_bytes"):
-            hit = next((p for p in pts if p["n"] in base and p[q] < base[p["n"]][q]), None)
+            hit = None
+            for p in reversed([p for p in pts if p["n"] in base]):
+                if not p[q] < base[p["n"]][q]:
+                    break
+                hit = p
             src = None if hit is None else ("measured" if hit["source"] == base[hit["n"]]["source"] == "measured"
                                             else "model")
             out[v][q] = {"n": None if hit is None else hit["n"], "source": src}
