@@ -36,7 +36,9 @@ def _busy_line(m: dict[str, Any]) -> str:
              f"{m.get('cpu_count')} cores" + (f", load average {max(load):.1f}" if load else ""))
     if m.get("busy"):
         return (f"**The machine was busy during the measurement** ({m.get('why')}; {facts}): the speeds below "
-                "are depressed by other programs. Re-run on a quiet machine before comparing them.")
+                "are depressed by other programs. Re-run on a quiet machine before comparing them (on a shared "
+                "machine `--threads 1` also helps: OpenMP threads that wait for each other made training 9x "
+                "slower in one such run).")
     return f"The machine was quiet during the measurement ({facts})."
 
 
