@@ -147,7 +147,9 @@ def _quality(results: dict[str, Any]) -> dict[str, Any] | None:
     params = {v: r.get("params") for v, r in lm.items()}
     text = f"**{win}** reaches the lowest lm validation loss ({loss:.3f}"
     text += f" ± {stats[win]['std']:.3f} over {int(stats[win]['n'])} seeds)" if stats[win]["n"] > 1 else ")"
-    if rest:
+    if rest and rest[0][1] - loss < 0.0005:
+        text += f", level with {rest[0][0]} ({rest[0][1]:.3f})"
+    elif rest:
         text += f", {rest[0][1] - loss:.3f} nats ahead of {rest[0][0]}"
     if noise is None:
         text += "; one seed only, so the seed noise is unknown."
