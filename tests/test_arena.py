@@ -321,6 +321,12 @@ def test_quick_arena_writes_the_report_and_is_deterministic(tmp_path: Path) -> N
         assert f"| {v} |" in md
         assert "sample" in res["runs"]["lm"][v], res["runs"]["lm"][v].get("decode_error")
     assert "How to read this" in md and "data:image/png;base64," in (a / "index.html").read_text()
+    # a smoke test says so; speeds come from the measurement pass; the verdict and long-context costs are there
+    assert "Smoke test" in md and 'class="banner"' in (a / "index.html").read_text()
+    assert set(res["measurements"]["variants"]) == {"mha", "sliding"} and "busy" in res["measurements"]
+    assert {x["question"] for x in res["verdict"]} >= {"recall (MQAR)", "quality per parameter"}
+    assert set(res["long_context"]["curves"]) == {"mha", "sliding"} and (a / "long_context.png").is_file()
+    assert res["seed_runs"]["seeds"] == [0, 1] and "## Verdict" in md and "## Long-context cost" in md
 
     assert run_arena(_args(*argv, "--out", str(b))) == 0
     res_b = json.loads((b / "results.json").read_text())
@@ -335,7 +341,7 @@ def test_quick_arena_writes_the_report_and_is_deterministic(tmp_path: Path) -> N
     assert res_c["runs"]["lm"]["mha"]["train_wall_s"] == res["runs"]["lm"]["mha"]["train_wall_s"]
     # ... and refuses a checkpoint made with other settings
     (a / "runs" / "lm-mha.json").unlink()
-    with pytest.raises(ValueError, match="different settings"):
+    with pytest.raises(ValueError, match=r"different settings \(steps: 12 -> 5, warmup: 3 -> 1, eval_every: 6 -> 5\)\."):
         run_arena(_args(*argv, "--out", str(a), "--resume", "--steps", "5"))
 
 

@@ -187,10 +187,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             est = estimate(name, args.seq_len, args.dim, args.heads, num_kv_heads=kv, dtype=dt, backend="ideal")
         except (ValueError, TypeError) as exc:
             raise CLIError(f"{name}: {exc}") from None
-        cap = "unbounded" if est.kv_cache_max_tokens is None else f"<= {est.kv_cache_max_tokens} tokens"
-        per_tok = _human_bytes(est.kv_cache_bytes_per_token) if est.kv_cache_bytes_per_token else "0 (fixed state)"
-        rows.append([name, spec.family, "exact" if spec.exact else "approx", spec.time, spec.memory, per_tok,
-                     f"{_human_bytes(est.kv_cache_bytes)} ({cap})", spec.decoding, spec.masks])
+        rows.append([name, spec.family, "exact" if spec.exact else "approx", spec.time, *_cache_cells(est),
+                     *([spec.memory, spec.decoding, spec.masks] if args.wide else [])])
         data.append({"name": name, "family": spec.family, "exact": spec.exact, "time": spec.time,
                      "memory": spec.memory, "kv_cache_bytes_per_token": est.kv_cache_bytes_per_token,
                      "kv_cache_bytes": est.kv_cache_bytes, "kv_cache_max_tokens": est.kv_cache_max_tokens,
@@ -201,9 +199,20 @@ def cmd_list(args: argparse.Namespace) -> int:
                           "variants": data}, indent=2))
         return 0
     print_table(f"attention variants (one layer, C={args.dim}, H={args.heads}, {args.dtype}, cache at N={args.seq_len})",
-                ["variant", "family", "exact", "time", "attention memory", "KV bytes/token", "cache at N",
-                 "decoding cache", "masks"], rows, plain=args.plain)
+                ["variant", "family", "exact", "time", "KV bytes/token", "cache at N",
+                 *(["attention memory", "decoding cache", "masks"] if args.wide else [])], rows, plain=args.plain)
+    if not args.wide:
+        print("(--wide adds attention memory, decoding cache and masks)")
     return 0
+
+
+def _cache_cells(est: Any) -> list[str]:
+    """``KV bytes/token`` and ``cache at N`` of ``attnzoo list``: a cache that grows with N, one
+    capped at a window, or a fixed-size state."""
+    if not est.kv_cache_bytes_per_token:
+        return ["0 (fixed state)", f"{_human_bytes(est.kv_cache_bytes)} (fixed size)"]
+    cap = "grows with N" if est.kv_cache_max_tokens is None else f"<= {est.kv_cache_max_tokens} tokens"
+    return [_human_bytes(est.kv_cache_bytes_per_token), f"{_human_bytes(est.kv_cache_bytes)} ({cap})"]
 
 
 # =========================================================================== check
@@ -456,6 +465,7 @@ def _add_list_parser(sub: Any) -> None:
     p.add_argument("--seq-len", type=_positive_int, default=4096, help="tokens for the 'cache at N' column")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
+    p.add_argument("--wide", action="store_true", help="add the attention-memory, decoding-cache and masks columns")
     p.set_defaults(func=cmd_list)
 
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from attnzoo.arena.tasks import IGNORE, Task
 from attnzoo.distributed import shard_positions
 
-__all__ = ["decode_speed", "state_bytes", "training_memory"]
+__all__ = ["cache_bytes", "decode_speed", "state_bytes", "training_memory"]
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:
@@ -122,6 +122,11 @@ def state_bytes(model: nn.Module, tokens: Tensor) -> int:
         raise ValueError(f"state_bytes: tokens must be [1, N], got {tuple(tokens.shape)}")
     cache = model.init_cache(1, tokens.shape[1])  # type: ignore[operator]
     model(tokens, cache=cache)
+    return cache_bytes(cache)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of every distinct tensor storage reachable from a decode cache object."""
     found: dict[tuple[int, int], int] = {}
     _tensors(cache, found)
     return sum(found.values())

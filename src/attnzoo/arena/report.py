@@ -14,12 +14,23 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summary_rows", "write_report"]
+from attnzoo.arena.sections import (
+    banner_md,
+    long_context_figure,
+    long_context_md,
+    md_to_html,
+    measurement_md,
+    verdict_md,
+)
+from attnzoo.arena.verdict import lm_seed_stats, mqar_converged
+
+__all__ = ["summary_rows", "summary_text", "write_report"]
 
 _COLUMNS = [
     ("variant", "variant"),
     ("params", "params"),
     ("val_loss", "val loss (nats/char)"),
+    ("val_seeds", "val loss over seeds (mean ± std)"),
     ("bpc", "bits/char"),
     ("mqar_acc", "MQAR accuracy"),
     ("train_tps", "train tokens/s"),
@@ -44,10 +55,13 @@ schedule and seed); only the attention layer differs. Each task trains its own s
   1 / (number of pairs), where the model copies one of the values it has seen without knowing
   which one belongs to the queried key. Softmax models escape the second plateau suddenly after
   enough steps at a high learning rate; the curves show whether a run got there.
-- **train tokens/s**: training throughput of the `lm` run (forward, backward and optimiser; the
-  evaluations are excluded). **decode tokens/s**: greedy generation with the cache, batch 1.
-  Both are wall-clock numbers on this machine in this run: compare them within a report, not
-  across machines, and expect noise when other programs share the cores.
+- **MQAR accuracy** marked *(not converged)*: the accuracy was still rising over the last
+  evaluations, so the run compares budgets rather than mechanisms; read it as a lower bound.
+- **train tokens/s**: one training step of the `lm` batch (forward, backward and optimiser).
+  **decode tokens/s**: one cached single-token decode step, batch 1, at the largest cache length
+  of the measurement pass. Both come from the measurement pass after training (every variant in
+  one interleaved loop, medians of repeats), not from the training runs; the report says next to
+  them whether the machine was busy. Compare them within a report, not across machines.
 - **peak train memory**: see the method line under the table. **KV-cache bytes/token**: the
   decode state after one `seq_len`-token window divided by `seq_len`. Full-attention caches
   (mha) grow with every token; mqa/gqa store fewer heads; a sliding window or a recurrent
@@ -73,27 +87,58 @@ def _fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
+def _pass_speeds(results: dict[str, Any], v: str) -> tuple[float | None, float | None]:
+    """Train and decode tokens/s of ``v`` from the measurement pass (decode at the largest cache)."""
+    m = (results.get("measurements") or {}).get("variants", {}).get(v)
+    if not m:
+        return None, None
+    dec = m.get("decode_tokens_per_s") or {}
+    top = max(dec, key=lambda k: int(k), default=None)
+    return m.get("train_tokens_per_s"), (dec[top] if top is not None else None)
+
+
 def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per variant with the raw numbers of the table (``None`` where not measured)."""
+    """One row per variant with the raw numbers of the table (``None`` where not measured).
+
+    Speeds come from the measurement pass only (``results["measurements"]``).
+    """
     lm = results["runs"].get("lm", {})
     mq = results["runs"].get("mqar", {})
+    seeds = lm_seed_stats(results)
     rows = []
     for v in results["variants"]:
         a, b = lm.get(v), mq.get(v)
         main = a or b or {}
         mem = main.get("memory", {})
+        train_tps, decode_tps = _pass_speeds(results, v)
+        st = seeds.get(v)
         rows.append({
             "variant": v,
             "params": main.get("params"),
             "val_loss": a["final"]["val_loss"] if a else None,
+            "val_seeds": (st["mean"], st["std"], int(st["n"])) if st and st["n"] > 1 else None,
             "bpc": a["final"]["bits_per_char"] if a else None,
             "mqar_acc": b["final"]["accuracy"] if b else None,
-            "train_tps": main.get("train_tokens_per_s"),
-            "decode_tps": a.get("decode_tokens_per_s") if a else None,
+            "mqar_converged": mqar_converged(b["evals"]) if b else None,
+            "train_tps": train_tps,
+            "decode_tps": decode_tps,
             "peak_mib": mem["peak_bytes"] / 2**20 if mem else None,
             "kv_bpt": a.get("state_bytes_per_token") if a else None,
         })
     return rows
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    """One table cell; MQAR accuracy carries its convergence, seeds their spread."""
+    if key == "val_seeds":
+        if row[key] is None:
+            return "1 seed"
+        mean, std, n = row[key]
+        return f"{mean:.3f} ± {std:.3f} ({n})"
+    text = _fmt(row[key], _KINDS[key])
+    if key == "mqar_acc" and row.get("mqar_converged") is False:
+        text += " (not converged)"
+    return text
 
 
 _KINDS = {"params": "int", "val_loss": "f3", "bpc": "f3", "mqar_acc": "pct", "train_tps": "f0",
@@ -103,13 +148,13 @@ _KINDS = {"params": "int", "val_loss": "f3", "bpc": "f3", "mqar_acc": "pct", "tr
 def _table_md(rows: list[dict[str, Any]]) -> str:
     head = "| " + " | ".join(t for _, t in _COLUMNS) + " |"
     sep = "|" + "|".join("---" if k == "variant" else "---:" for k, _ in _COLUMNS) + "|"
-    body = ["| " + " | ".join(_fmt(r[k], _KINDS[k]) for k, _ in _COLUMNS) + " |" for r in rows]
+    body = ["| " + " | ".join(_cell(r, k) for k, _ in _COLUMNS) + " |" for r in rows]
     return "\n".join([head, sep, *body])
 
 
 def _table_html(rows: list[dict[str, Any]]) -> str:
     head = "".join(f"<th>{html.escape(t)}</th>" for _, t in _COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r[k], _KINDS[k]))}</td>" for k, _ in _COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(r, k))}</td>" for k, _ in _COLUMNS)
                    + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -167,6 +212,9 @@ def _plots(results: dict[str, Any], out: Path) -> dict[str, str]:
     fig = _speed_memory_figure(plt, rows, colors)
     if fig is not None:
         files["speed_memory"] = _save(plt, fig, out, "speed_memory.png")
+    fig = long_context_figure(plt, results, colors)
+    if fig is not None:
+        files["long_context"] = _save(plt, fig, out, "long_context.png")
     return files
 
 
@@ -208,12 +256,15 @@ def _curves_figure(plt: Any, results: dict[str, Any], t: str, colors: dict[str, 
 def _mqar_figure(plt: Any, results: dict[str, Any], rows: list[dict[str, Any]], colors: dict[str, Any]) -> Any:
     """Final MQAR accuracy by variant (bars)."""
     fig, ax = plt.subplots(figsize=(7.5, 4.0), dpi=110)
-    names = [r["variant"] for r in rows if r["mqar_acc"] is not None]
-    accs = [r["mqar_acc"] for r in rows if r["mqar_acc"] is not None]
-    bars = ax.bar(names, accs, color=[colors[v] for v in names])
-    for bar, acc in zip(bars, accs, strict=True):
-        ax.text(bar.get_x() + bar.get_width() / 2, acc + 0.01, f"{100 * acc:.0f}%", ha="center", va="bottom",
-                fontsize=8)
+    shown = [r for r in rows if r["mqar_acc"] is not None]
+    names = [r["variant"] for r in shown]
+    accs = [r["mqar_acc"] for r in shown]
+    bars = ax.bar(names, accs, color=[colors[v] for v in names],
+                  hatch=["//" if r["mqar_converged"] is False else "" for r in shown])
+    for bar, r in zip(bars, shown, strict=True):  # the table's rounding, so the two agree
+        label = _fmt(r["mqar_acc"], "pct") + ("\nnot conv." if r["mqar_converged"] is False else "")
+        ax.text(bar.get_x() + bar.get_width() / 2, r["mqar_acc"] + 0.01, label, ha="center", va="bottom",
+                fontsize=7)
     ax.axhline(0.9, color="gray", ls="--", lw=1)
     ax.text(len(names) - 0.5, 0.91, "90%", color="gray", fontsize=8, ha="right", va="bottom")
     ax.set_ylim(0, 1.1)
@@ -254,7 +305,8 @@ _CAPTIONS = {
     "lm_curves": "Validation loss during training (lm)",
     "mqar_curves": "MQAR accuracy during training",
     "mqar_accuracy": "MQAR accuracy by variant",
-    "speed_memory": "Speed against memory",
+    "speed_memory": "Speed (measurement pass) against memory",
+    "long_context": "Long-context cost against mha",
 }
 
 
@@ -291,18 +343,16 @@ def write_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
 
 def _report_md(results: dict[str, Any], images: dict[str, str]) -> str:
     errors = _errors(results)
-    md = ["# attnzoo arena report", "",
+    md = ["# attnzoo arena report", "", *banner_md(results),
           "One small decoder per attention variant, trained with identical settings; generated by "
           "`attnzoo arena`. Raw numbers: `results.json`.", "", _table_md(summary_rows(results)), "",
-          f"Peak train memory method: {_memory_method(results)}. Speeds were measured while each model trained; "
-          "runs reused with `--resume` keep the speeds of the process that trained them, so compare speeds "
-          "only between runs made in one uninterrupted invocation on a quiet machine.", "",
-          "Settings:", "", *_settings_md(results), ""]
+          _speed_note(results), "", "Settings:", "", *_settings_md(results), ""]
     if errors:
         md += ["Measurements that failed:", "", *errors, ""]
-    md += ["## Plots", ""]
+    md += [*verdict_md(results), *measurement_md(results),
+           *long_context_md(results, images.get("long_context")), "## Plots", ""]
     if images:
-        md += [f"![{_CAPTIONS[k]}]({f})\n" for k, f in images.items()]
+        md += [f"![{_CAPTIONS[k]}]({f})\n" for k, f in images.items() if k != "long_context"]
     else:
         md += ["(no plots: install matplotlib with `pip install 'attnzoo[plot]'`)", ""]
     samples = _samples(results)
@@ -321,6 +371,9 @@ def _report_html(results: dict[str, Any], images: dict[str, str], out: Path) -> 
         data = base64.b64encode((out / f).read_bytes()).decode("ascii")
         figs.append(f'<figure><img alt="{html.escape(_CAPTIONS[k])}" src="data:image/png;base64,{data}">'
                     f"<figcaption>{html.escape(_CAPTIONS[k])}</figcaption></figure>")
+    figs = [f for f in figs if "Long-context" not in f]
+    sections = md_to_html([*verdict_md(results), *measurement_md(results),
+                           *long_context_md(results, images.get("long_context"))], images, out)
     sample_html = "".join(f"<h3>{html.escape(v)}</h3><pre>{html.escape(t)}</pre>" for v, t in samples)
     intro, *items = HOW_TO_READ.split("\n", 2)[2].split("\n- ")
     how_html = f"<p>{_inline(intro)}</p><ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>"
@@ -334,16 +387,17 @@ th:first-child, td:first-child {{ text-align: left; }}
 th {{ background: #f3f3f3; }}
 img {{ max-width: 100%; }}
 pre {{ background: #f7f7f7; padding: 8px; white-space: pre-wrap; }}
+.banner {{ background: #fff3cd; border: 1px solid #e0c060; padding: 8px 12px; }}
 </style></head><body>
 <h1>attnzoo arena report</h1>
+{md_to_html(banner_md(results))}
 <p>One small decoder per attention variant, trained with identical settings; raw numbers in
 <code>results.json</code>.</p>
 {_table_html(summary_rows(results))}
-<p>Peak train memory method: {html.escape(_memory_method(results))}. Speeds were measured while each model trained;
-runs reused with <code>--resume</code> keep the speeds of the process that trained them, so compare
-speeds only between runs made in one uninterrupted invocation on a quiet machine.</p>
+{md_to_html([_speed_note(results)])}
 <ul>{"".join(f"<li>{_inline(s[2:])}</li>" for s in settings)}</ul>
 {"<ul>" + "".join(f"<li>{html.escape(e[2:])}</li>" for e in errors) + "</ul>" if errors else ""}
+{sections}
 <h2>Plots</h2>
 {"".join(figs) or "<p>(no plots: install matplotlib)</p>"}
 {"<h2>Samples (lm)</h2>" + sample_html if samples else ""}
@@ -351,3 +405,36 @@ speeds only between runs made in one uninterrupted invocation on a quiet machine
 {how_html}
 </body></html>
 """
+
+
+def _speed_note(results: dict[str, Any]) -> str:
+    m = results.get("measurements")
+    method = f"Peak train memory method: {_memory_method(results)}."
+    if not m:
+        return method + " No measurement pass ran (`--no-measure`), so the speed columns are empty."
+    note = (" Speed columns: the measurement pass after training (see *Speed*), every variant timed in one "
+            "interleaved loop.")
+    if m.get("busy"):
+        note += (f" **The machine was busy during that pass ({m.get('why')}); the speeds are unreliable: re-run "
+                 "on a quiet machine.**")
+    return method + note
+
+
+def summary_text(results: dict[str, Any], paths: dict[str, Path]) -> str:
+    """The closing summary for stdout: one line per variant, the verdict, and where the report is."""
+    rows = summary_rows(results)
+    head = f"{'variant':<14} {'val loss':>9} {'MQAR acc':>9} {'train tok/s':>12} {'decode tok/s':>13}"
+    lines = ["", "arena summary" + (" (SMOKE TEST: --quick)" if results.get("quick") else ""), head]
+    for r in rows:
+        acc = _fmt(r["mqar_acc"], "pct") + ("*" if r["mqar_converged"] is False else "")
+        lines.append(f"{r['variant']:<14} {_fmt(r['val_loss'], 'f3'):>9} {acc:>9} {_fmt(r['train_tps'], 'f0'):>12} "
+                     f"{_fmt(r['decode_tps'], 'f0'):>13}")
+    if any(r["mqar_converged"] is False for r in rows):
+        lines.append("* not converged: MQAR accuracy still rising at the end")
+    m = results.get("measurements") or {}
+    if m.get("busy"):
+        lines.append(f"warning: the machine was busy during the speed measurement ({m.get('why')}); re-run")
+    lines += [f"- {a['question']}: {a['text'].replace('**', '')}" for a in results.get("verdict", [])]
+    lines.append(f"{len(results['variants'])} variants in {results['wall_s']:.0f} s; report: {paths['md']} "
+                 f"(open {paths['html']} in a browser)")
+    return "\n".join(lines)

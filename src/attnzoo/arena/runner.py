@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -22,9 +23,11 @@ import torch
 from attnzoo._outputs import ensure_output_dir
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
+from attnzoo.arena.grid import run_grid
+from attnzoo.arena.longctx import long_context
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
-from attnzoo.arena.progress import PROGRESS_KINDS, make_progress
-from attnzoo.arena.report import write_report
+from attnzoo.arena.progress import PROGRESS_KINDS, Overall, make_progress
+from attnzoo.arena.report import summary_text, write_report
 from attnzoo.arena.storage import (
     DamagedFile,
     first_line,
@@ -35,6 +38,7 @@ from attnzoo.arena.storage import (
     write_atomic,
 )
 from attnzoo.arena.tasks import MQARTask, ShakespeareTask, Task
+from attnzoo.arena.timing import measure_pass
 from attnzoo.arena.trainer import (
     StepInfo,
     TrainConfig,
@@ -45,12 +49,13 @@ from attnzoo.arena.trainer import (
     rank_and_world,
     train,
 )
+from attnzoo.arena.verdict import verdict
 from attnzoo.distributed import ContextParallel, context_parallel, gather_sequence, shard_positions
 from attnzoo.models import DecoderLM
 from attnzoo.variants import VARIANTS, variant_names
 
 __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
-           "build_model", "run_arena", "settings_for"]
+           "build_model", "run_arena", "setting_differences", "settings_for"]
 
 #: Every registered variant, in the registry's order.
 DEFAULT_VARIANTS = tuple(VARIANTS)
@@ -59,6 +64,8 @@ CONTEXT_PARALLEL_VARIANTS = tuple(name for name, spec in VARIANTS.items() if spe
 #: Sequence layout of ``--context-parallel``: zigzag balances causal work over the ranks.
 CONTEXT_PARALLEL_LAYOUT = "zigzag"
 TASKS = ("lm", "mqar")
+DEFAULT_OUT = "arena-report"
+QUICK_OUT = "arena-report-quick"
 SAMPLE_PROMPT = "Ham.\nWhat is the matter, my lord?\n\n"
 
 
@@ -125,7 +132,12 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated registry names (default: {','.join(DEFAULT_VARIANTS)}; with "
                              f"--context-parallel: {','.join(CONTEXT_PARALLEL_VARIANTS)})")
-    parser.add_argument("--task", choices=(*TASKS, "all"), default="all", help="which task(s) to run (default: all)")
+    parser.add_argument("--task", choices=(*TASKS, "all", "mqar-grid"), default="all",
+                        help="which task(s) to run (default: all). mqar-grid: MQAR accuracy over width x "
+                             "key-value pairs x sequence length for every variant, against decode-state bytes "
+                             "(the Zoology figure), with --grid-widths/--grid-pairs/--grid-seq-lens; the default grid "
+                             "takes about 1 CPU-minute per variant (10-20 minutes on 2 CPU cores), --quick under 2 "
+                             "minutes")
     parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default: per task, see docs)")
     parser.add_argument("--seq-len", dest="seq_len", type=_positive_int, help="tokens per training sequence")
     parser.add_argument("--width", type=_positive_int, help="model width C")
@@ -139,9 +151,26 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mqar-vocab", dest="mqar_vocab", type=_positive_int, help="MQAR vocabulary size")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", default="arena-report", help="report directory (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="tiny budget for smoke tests (under 2 minutes)")
+    parser.add_argument("--out", default=None,
+                        help=f"report directory (default: {DEFAULT_OUT}, with --quick {QUICK_OUT})")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny budget for smoke tests (under 2 minutes); its report is marked as a smoke test")
+    parser.add_argument("--force", action="store_true",
+                        help="let --quick write into a folder that holds a full report (it is overwritten)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
+    parser.add_argument("--seeds", type=_positive_int, default=2,
+                        help="seeds of the lm task, for the seed-noise estimate of the verdict (default: %(default)s)")
+    parser.add_argument("--seeds-top", dest="seeds_top", type=int, default=3,
+                        help="run the extra seeds only for the K variants with the best lm loss at --seed, to "
+                             "keep the default run short; 0: every variant (default: %(default)s)")
+    parser.add_argument("--grid-widths", dest="grid_widths", type=_int_list,
+                        help="mqar-grid: model widths (default: 32,64,128)")
+    parser.add_argument("--grid-pairs", dest="grid_pairs", type=_int_list,
+                        help="mqar-grid: numbers of key-value pairs (default: 4,8,16)")
+    parser.add_argument("--grid-seq-lens", dest="grid_seq_lens", type=_int_list,
+                        help="mqar-grid: sequence lengths (default: 64)")
+    parser.add_argument("--no-measure", dest="measure", action="store_false",
+                        help="skip the measurement pass and the long-context costs (no speed columns)")
     parser.add_argument("--resume", action="store_true",
                         help="reuse finished runs and continue unfinished ones from their checkpoints in --out")
     parser.add_argument("--checkpoint-every", dest="checkpoint_every", type=_positive_int, default=100,
@@ -152,6 +181,17 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
                              "attention instead of splitting the batch; softmax variants only "
                              f"({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len must be divisible by 2 x ranks")
+
+
+def _int_list(text: str) -> list[int]:
+    """``"32,64"`` -> ``[32, 64]`` (positive ints; argparse reports the error)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return values
 
 
 def _parse_variants(text: str | None, context_parallel: bool = False) -> list[str]:
@@ -179,11 +219,13 @@ def _make_task(s: TaskSettings) -> Task:
     return MQARTask(seq_len=s.seq_len, num_kv_pairs=s.num_kv_pairs, vocab_size=s.vocab_size)
 
 
-def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device) -> torch.nn.Module:
+def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device,
+                 max_len: int = 0) -> torch.nn.Module:
     akw = VARIANTS[variant].arena_settings(s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
-                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s)), pos=s.pos, device=device)
+                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len), pos=s.pos,
+                      device=device)
     _gpt2_init(model)
     return model
 
@@ -256,14 +298,17 @@ class _Run:
     """One (task, variant) training run with evaluation, checkpoints and measurements."""
 
     def __init__(self, s: TaskSettings, task: Task, variant: str, args: argparse.Namespace, out: Path,
-                 device: torch.device) -> None:
+                 device: torch.device, seed: int | None = None, label: str = "") -> None:
         self.s, self.task, self.variant, self.args, self.out, self.device = s, task, variant, args, out, device
+        self.seed = args.seed if seed is None else seed
+        self.label = label
         self.rank, self.world = rank_and_world()
-        self.name = f"{s.task}-{variant}"
+        self.name = f"{s.task}-{variant}" + ("" if self.seed == args.seed else f"-seed{self.seed}")
+        self.reused = False
         self.ckpt = out / "checkpoints" / f"{self.name}.pt"
         self.done_file = out / "runs" / f"{self.name}.json"
         self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
-        self.sig = _signature(s, variant, args.seed, self.world, self.cp)
+        self.sig = _signature(s, variant, self.seed, self.world, self.cp)
 
     def _warn(self, path: Path, problem: str) -> None:
         """Name a damaged file, set it aside and say that the run is trained again."""
@@ -299,7 +344,7 @@ class _Run:
             return 0, [], []
         if state["extra"].get("signature") != self.sig:
             raise ValueError(f"--resume: checkpoint {self.ckpt} was made with different settings "
-                             f"({state['extra'].get('signature')}); expected {self.sig}. "
+                             f"({setting_differences(state['extra'].get('signature'), self.sig)}). "
                              f"Use another --out or drop --resume")
         if not 0 <= int(state["step"]) <= self.s.steps:
             self._warn(self.ckpt, f"is at step {state['step']}, outside the {self.s.steps} steps of the run")
@@ -322,10 +367,11 @@ class _Run:
         if done is not None:
             if self.rank == 0:
                 print(f"[{self.name}] finished earlier, reusing {self.done_file}", file=sys.stderr)
+            self.reused = True
             return done
-        s, args = self.s, self.args
+        s = self.s
         cfg = TrainConfig(lr=s.lr, warmup=s.warmup)
-        model = _build_model(s, self.variant, self.task.vocab_size, args.seed, self.device)
+        model = _build_model(s, self.variant, self.task.vocab_size, self.seed, self.device)
         opt = make_optimizer(model, cfg)
         start, losses, evals = self._restore(model, opt)
         evaluated: torch.nn.Module = model
@@ -333,10 +379,10 @@ class _Run:
             context_parallel(model, layout=CONTEXT_PARALLEL_LAYOUT)
             evaluated = _GatheredLM(model, CONTEXT_PARALLEL_LAYOUT)
         if start == 0:
-            evals.append({"step": 0, **self.task.evaluate(evaluated, self.device, args.seed)})
+            evals.append({"step": 0, **self.task.evaluate(evaluated, self.device, self.seed)})
         last, wall, cpu = self._train(model, evaluated, cfg, opt, start, losses, evals)
         if start == s.steps and not evals:
-            evals.append({"step": s.steps, **self.task.evaluate(evaluated, self.device, args.seed)})
+            evals.append({"step": s.steps, **self.task.evaluate(evaluated, self.device, self.seed)})
         result: dict[str, Any] = {
             "task": s.task, "variant": self.variant, "signature": self.sig,
             "params": int(model.num_parameters()),  # type: ignore[operator]
@@ -360,14 +406,14 @@ class _Run:
         s, args = self.s, self.args
         last: list[StepInfo] = []
         kind = args.progress if self.rank == 0 else "none"
-        with make_progress(kind, f"{self.name:>18}", s.steps, start) as bar:
+        with make_progress(kind, f"{self.label} {self.name:>18}".strip(), s.steps, start) as bar:
 
             def on_step(info: StepInfo) -> None:
                 losses.append(info.loss)
                 last[:] = [info]
                 bar.update(info)
                 if info.step % s.eval_every == 0 or info.step == s.steps:
-                    metrics = self.task.evaluate(evaluated, self.device, args.seed)
+                    metrics = self.task.evaluate(evaluated, self.device, self.seed)
                     evals.append({"step": info.step, **metrics})
                     bar.note(_brief(metrics))
                     model.train()
@@ -379,7 +425,7 @@ class _Run:
                                         {"signature": self.sig, "losses": losses, "evals": evals})
 
             t0, c0 = time.perf_counter(), time.process_time()
-            train(model, self.task, s.steps, s.batch, args.seed, config=cfg, device=self.device,
+            train(model, self.task, s.steps, s.batch, self.seed, config=cfg, device=self.device,
                   start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
                   checkpoint_every=args.checkpoint_every,
                   sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp else None)
@@ -393,7 +439,7 @@ class _Run:
         try:
             # one rank's step: its rows of the batch, or (context parallel) every row at 1 / world of the positions
             out["memory"] = training_memory(model, self.task, self.s.batch if self.cp else self.s.batch // self.world,
-                                            self.args.seed, self.device,
+                                            self.seed, self.device,
                                             sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp else None)
         except Exception as e:  # a measurement must not sink the whole arena
             out["memory_error"] = f"{type(e).__name__}: {e}"
@@ -416,7 +462,7 @@ class _Run:
             speed, tokens = decode_speed(model, prompt, _sample_len(self.s))
             out["decode_tokens_per_s"] = speed
             out["sample"] = self.task.decode(tokens[0].cpu())
-            out["sample_t08"] = _sampled_text(model, self.task, prompt, _sample_len(self.s), self.args.seed)
+            out["sample_t08"] = _sampled_text(model, self.task, prompt, _sample_len(self.s), self.seed)
         except Exception as e:
             out["decode_error"] = f"{type(e).__name__}: {e}"
         return out
@@ -460,18 +506,39 @@ def _check_world(settings: dict[str, TaskSettings], cp: bool, rank: int, world: 
             raise ValueError(f"--batch ({s.batch}) of task {t} must be divisible by the {world} ranks")
 
 
+def _grid_builder(args: argparse.Namespace) -> Any:
+    """The arena's MQAR model for one grid cell (window: ``--window``, else a quarter of seq_len)."""
+    device = _check_device(args.device)
+
+    def build(width: int, depth: int, heads: int, seq_len: int, variant: str, vocab: int, seed: int
+              ) -> torch.nn.Module:
+        s = TaskSettings("mqar", seq_len=seq_len, steps=1, batch=1, width=width, depth=depth, heads=heads, lr=3e-3,
+                         warmup=0, eval_every=1, window=args.window or max(1, seq_len // 4), pos="learned")
+        return _build_model(s, variant, vocab, seed, device)
+
+    return build
+
+
+def setting_differences(old: object, new: dict[str, Any]) -> str:
+    """The settings in which two run signatures differ, as ``"key: old -> new"`` (comma-separated)."""
+    if not isinstance(old, dict):
+        return f"no settings recorded (found {type(old).__name__})"
+    keys = [k for k in new if old.get(k, "<missing>") != new[k]] + [k for k in old if k not in new]
+    return ", ".join(f"{k}: {old.get(k, '<missing>')!r} -> {new.get(k, '<missing>')!r}" for k in keys) or "none"
+
+
 def _results(args: argparse.Namespace, settings: dict[str, TaskSettings], task_objs: dict[str, Task],
              variants: list[str], runs: dict[str, dict[str, Any]], device: torch.device, world: int,
              wall: float, cpu: float) -> dict[str, Any]:
-    """The contents of ``results.json``."""
+    """The contents of ``results.json`` (measurements, seeds and long-context costs added later)."""
     return {
-        "attnzoo_arena": 1,
+        "attnzoo_arena": 2, "quick": bool(args.quick),
         "settings": {t: asdict(s) for t, s in settings.items()},
         "optimizer": config_dict(TrainConfig()) | {"note": "lr and warmup per task in settings"},
         "seed": args.seed, "variants": variants,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "device": str(device), "threads": torch.get_num_threads(), "world_size": world,
-                        "machine": platform.machine()},
+                        "machine": platform.machine(), "cpu_count": os.cpu_count()},
         "wall_s": wall, "cpu_s": cpu,
         "prompt": SAMPLE_PROMPT,
         "unigram_val_loss": task_objs["lm"].unigram_loss() if "lm" in task_objs else None,
@@ -479,43 +546,158 @@ def _results(args: argparse.Namespace, settings: dict[str, TaskSettings], task_o
     }
 
 
+def resolve_out(args: argparse.Namespace) -> Path:
+    """``--out`` (default by ``--quick``), refusing to let a quick run overwrite a full report.
+
+    A folder holds a full report when its ``results.json`` or its ``arena-kind.txt`` (written when
+    a run starts) says so; ``--force`` overrides.
+    """
+    out = ensure_output_dir(args.out or (QUICK_OUT if args.quick else DEFAULT_OUT), "--out")
+    if not args.quick or getattr(args, "force", False):
+        return out
+    full = False
+    kind = out / KIND_FILE
+    if kind.is_file():
+        full = kind.read_text().strip() != "quick"
+    elif (out / "results.json").is_file():
+        try:
+            full = not json.loads((out / "results.json").read_text()).get("quick", False)
+        except (OSError, ValueError, AttributeError):
+            full = True
+    if full:
+        raise ValueError(f"--out {str(out)!r} holds a full arena report; --quick would overwrite it and its "
+                         f"checkpoints. Use another --out (default for --quick: {QUICK_OUT}) or add --force")
+    return out
+
+
+KIND_FILE = "arena-kind.txt"
+
+
+def _seed_plan(args: argparse.Namespace, variants: list[str]) -> list[int]:
+    """The extra lm seeds (after ``--seed``)."""
+    return [args.seed + i for i in range(1, int(getattr(args, "seeds", 1) or 1))]
+
+
+def _top_variants(args: argparse.Namespace, runs: dict[str, dict[str, Any]], variants: list[str]) -> list[str]:
+    """The variants that get the extra seeds: all, or the ``--seeds-top`` best by lm loss."""
+    top = int(getattr(args, "seeds_top", 0) or 0)
+    lm = runs.get("lm", {})
+    if top <= 0 or top >= len(variants):
+        return list(variants)
+    ranked = sorted((v for v in variants if v in lm), key=lambda v: lm[v]["final"]["val_loss"])
+    return ranked[:top]
+
+
+class _Plan:
+    """Every run of this invocation in order, with the overall progress line."""
+
+    def __init__(self, args: argparse.Namespace, settings: dict[str, TaskSettings], variants: list[str],
+                 enabled: bool) -> None:
+        self.args, self.settings, self.variants = args, settings, variants
+        extra = _seed_plan(args, variants) if "lm" in settings else []
+        top = int(getattr(args, "seeds_top", 0) or 0)
+        n_top = len(variants) if top <= 0 else min(top, len(variants))
+        weights = [self._weight(t) for t in settings for _ in variants]
+        if extra:
+            weights += [self._weight("lm")] * (len(extra) * n_top)
+        self.overall = Overall(weights, enabled=enabled)
+        self.extra_seeds = extra
+
+    def _weight(self, t: str) -> float:
+        s = self.settings[t]
+        return float(s.steps * s.batch * s.seq_len * s.width * s.depth)
+
+    def run(self, s: TaskSettings, task: Task, variant: str, out: Path, device: torch.device,
+            seed: int | None = None) -> dict[str, Any]:
+        label = self.overall.start(f"{s.task}-{variant}" + ("" if seed is None else f" seed {seed}"))
+        run = _Run(s, task, variant, self.args, out, device, seed=seed, label=label)
+        record = run.execute()
+        self.overall.finish(trained=not run.reused)
+        return record
+
+
+def _train_all(plan: _Plan, task_objs: dict[str, Task], out: Path, device: torch.device
+               ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every run: ``(runs, seed_runs)`` (``seed_runs``: the extra lm seeds and who got them)."""
+    runs: dict[str, dict[str, Any]] = {t: {} for t in plan.settings}
+    for t, s in plan.settings.items():
+        for v in plan.variants:
+            runs[t][v] = plan.run(s, task_objs[t], v, out, device)
+    seed_runs: dict[str, Any] = {"seeds": [plan.args.seed], "variants": [], "finals": {}}
+    if plan.extra_seeds and "lm" in runs:
+        top = _top_variants(plan.args, runs, plan.variants)
+        seed_runs.update(seeds=[plan.args.seed, *plan.extra_seeds], variants=top,
+                         all_variants=len(top) == len(plan.variants))
+        for v in top:
+            finals = [runs["lm"][v]["final"]]
+            for seed in plan.extra_seeds:
+                finals.append(plan.run(plan.settings["lm"], task_objs["lm"], v, out, device, seed=seed)["final"])
+            seed_runs["finals"][v] = finals
+    return runs, seed_runs
+
+
+def _measure_all(args: argparse.Namespace, settings: dict[str, TaskSettings], task_objs: dict[str, Task],
+                 variants: list[str], device: torch.device) -> dict[str, Any]:
+    """The measurement pass and the long-context costs (``{}`` with ``--no-measure``)."""
+    if not getattr(args, "measure", True):
+        return {}
+    t = "lm" if "lm" in settings else next(iter(settings))
+    s = settings[t]
+    lengths = (32, 64) if args.quick else (128, 512, 2048)
+    if args.rank_zero_msgs:
+        print(f"arena: measurement pass: {len(variants)} variants interleaved (train step, prefill, decode at "
+              f"{', '.join(map(str, lengths))} cached tokens)", file=sys.stderr, flush=True)
+    m = measure_pass(lambda v: _build_model(s, v, task_objs[t].vocab_size, args.seed, device,
+                                            max_len=max(lengths) + 16),
+                     variants, task_objs[t], s.batch, args.seed, device, repeats=2 if args.quick else 5,
+                     cache_lengths=lengths, decode_steps=2 if args.quick else 8)
+    m["task"] = t
+    if args.rank_zero_msgs:
+        print("arena: long-context costs (measured where bounded, cost model beyond)", file=sys.stderr, flush=True)
+    return {"measurements": m, "long_context": long_context(variants, s.width, s.heads, s.depth, s.window, device,
+                                                          quick=args.quick)}
+
+
 def run_arena(args: argparse.Namespace) -> int:
     """Run the arena described by ``args`` (from :func:`add_arena_arguments`); returns an exit code.
 
-    Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``args.out``
+    Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``--out``
     (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings, before any training
-    (an ``--out`` that cannot be written included).
+    (an ``--out`` that cannot be written, or a ``--quick`` run over a full report, included).
     """
+    if args.task == "mqar-grid":
+        return run_grid(args, _grid_builder(args))
     cp = bool(getattr(args, "context_parallel", False))
     variants = _parse_variants(args.variants, cp)
     tasks = list(TASKS) if args.task == "all" else [args.task]
     if args.task not in (*TASKS, "all"):
-        raise ValueError(f"--task must be one of {(*TASKS, 'all')}, got {args.task!r}")
+        raise ValueError(f"--task must be one of {(*TASKS, 'all', 'mqar-grid')}, got {args.task!r}")
     device = _check_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     settings = {t: settings_for(t, args) for t in tasks}
     task_objs = {t: _make_task(s) for t, s in settings.items()}  # validates seq_len / pairs early
-    out = ensure_output_dir(args.out, "--out")
+    out = resolve_out(args)
     created = init_distributed(device)
     try:
         rank, world = rank_and_world()
+        args.rank_zero_msgs = rank == 0 and args.progress != "none"
         if device.type == "cuda" and world > 1:
             device = torch.device("cuda", torch.cuda.current_device())
         _check_world(settings, cp, rank, world)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / KIND_FILE, "quick\n" if args.quick else "full\n")
         t0, c0 = time.perf_counter(), time.process_time()
-        runs: dict[str, dict[str, Any]] = {t: {} for t in tasks}
-        for t in tasks:
-            for v in variants:
-                runs[t][v] = _Run(settings[t], task_objs[t], v, args, out, device).execute()
+        runs, seed_runs = _train_all(_Plan(args, settings, variants, args.rank_zero_msgs), task_objs, out, device)
+        extra = _measure_all(args, settings, task_objs, variants, device) if rank == 0 and not cp else {}
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if rank == 0:
             results = _results(args, settings, task_objs, variants, runs, device, world, wall, cpu)
+            results.update(extra, seed_runs=seed_runs)
+            results["verdict"] = verdict(results)
             paths = write_report(results, out)
-            print(f"arena: {len(variants)} variants x {len(tasks)} task(s) in {wall:.0f} s; report: "
-                  f"{paths['md']} (open {paths['html']} in a browser)", file=sys.stderr)
+            print(summary_text(results, paths), flush=True)
     finally:
         if created:
             cleanup_distributed()

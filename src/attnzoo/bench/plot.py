@@ -58,7 +58,9 @@ def plot_bench(report: BenchReport, path: str | Path) -> Path:
         ax.legend(fontsize=8)
     sub = (f"{meta.get('mode', '')}, {meta.get('dtype', '')}, {meta.get('device', '')}, "
            f"B={meta.get('batch')} H={meta.get('heads')} D={meta.get('head_dim')}, "
-           f"causal={meta.get('causal')}, window={meta.get('window')}, threads={meta.get('threads')}")
+           f"causal={meta.get('causal')}, "
+           + (f"window={meta['window']}" if meta.get("window") is not None else "window: each variant's default")
+           + f", threads={meta.get('threads')}")
     fig.suptitle(f"attnzoo bench: {sub}", fontsize=10)
     fig.tight_layout()
     out = Path(path)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -49,11 +50,21 @@ CAPABILITIES = Capabilities("flex", frozenset({"return_weights", "dropout", "flo
                                                "alibi gradient"}), _available, _more_missing)
 
 
+def _eager(*args: Any, **kwargs: Any) -> Any:
+    """FlexAttention's eager path, without torch's 7-line "called without torch.compile()" warning:
+    attnzoo runs it eagerly on purpose (see :func:`flex_attention_backend`)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
 def _flex_fn(compiled: bool) -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
-        return flex_attention
+        return _eager
     if "fn" not in _compiled:
         _compiled["fn"] = torch.compile(flex_attention, dynamic=False)
     return _compiled["fn"]

@@ -1,0 +1,179 @@
+"""``attnzoo arena --task mqar-grid``: the recall-vs-state trade-off (Zoology's figure).
+
+Every variant of the registry is trained on MQAR at every cell of a grid of model widths x
+numbers of key-value pairs x sequence lengths, on a small fixed budget, and each trained model's
+held-out accuracy is drawn against the bytes of its decode state after one sequence (measured
+from the cache). Exact attention buys recall with a state that grows with the sequence; a
+fixed-size state must compress all pairs into its numbers, so its recall falls as the pairs grow
+unless the state (the width) grows too. See Arora et al. 2023, "Zoology".
+
+The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) costs about
+a minute of CPU per variant: 10-20 minutes for the registry on two quiet CPU cores; ``--quick`` is a
+two-cell smoke test. ``--grid-widths``, ``--grid-pairs``, ``--grid-seq-lens``, ``--steps`` and
+``--batch`` change it. Results go to ``--out`` (default ``arena-grid``): ``grid.json``, ``mqar_grid.png``,
+``report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnzoo._outputs import ensure_output_dir
+from attnzoo.arena.measure import state_bytes
+from attnzoo.arena.progress import Overall
+from attnzoo.arena.storage import write_atomic
+from attnzoo.arena.tasks import MQARTask
+from attnzoo.arena.trainer import TrainConfig, train
+from attnzoo.variants import variant_names
+
+__all__ = ["GRID", "QUICK_GRID", "grid_cells", "run_grid"]
+
+GRID = {"widths": (32, 64), "pairs": (4, 8), "seq_lens": (64,), "steps": 600, "batch": 32, "depth": 2,
+        "lr": 3e-3, "vocab": 64}
+QUICK_GRID = {"widths": (16, 32), "pairs": (2,), "seq_lens": (16,), "steps": 8, "batch": 8, "depth": 1,
+              "lr": 3e-3, "vocab": 16}
+
+#: ``build(width, depth, heads, seq_len, variant, vocab, seed) -> model`` (the arena's model).
+Builder = Callable[[int, int, int, int, str, int, int], torch.nn.Module]
+
+
+def grid_cells(grid: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(width, pairs, seq_len)`` of every cell, in order."""
+    return [(w, k, n) for n in grid["seq_lens"] for k in grid["pairs"] for w in grid["widths"]]
+
+
+def _grid_settings(args: argparse.Namespace) -> dict[str, Any]:
+    g = dict(QUICK_GRID if args.quick else GRID)
+    for key, attr in (("widths", "grid_widths"), ("pairs", "grid_pairs"), ("seq_lens", "grid_seq_lens")):
+        if getattr(args, attr, None):
+            g[key] = tuple(getattr(args, attr))
+    for key in ("steps", "batch", "depth", "lr"):
+        if getattr(args, key, None) is not None:
+            g[key] = getattr(args, key)
+    if getattr(args, "mqar_vocab", None) is not None:
+        g["vocab"] = args.mqar_vocab
+    for _, k, n in grid_cells(g):  # every cell's task must exist before anything trains
+        MQARTask(seq_len=n, num_kv_pairs=k, vocab_size=g["vocab"])
+    return g
+
+
+def _heads(width: int) -> int:
+    return max(1, min(4, width // 16))
+
+
+def _cell(build: Builder, g: dict[str, Any], variant: str, cell: tuple[int, int, int], seed: int,
+          device: torch.device) -> dict[str, Any]:
+    """Train one model on one cell; its accuracy and decode-state bytes."""
+    width, pairs, seq_len = cell
+    task = MQARTask(seq_len=seq_len, num_kv_pairs=pairs, vocab_size=g["vocab"])
+    model = build(width, g["depth"], _heads(width), seq_len, variant, task.vocab_size, seed).to(device)
+    cfg = TrainConfig(lr=g["lr"], warmup=max(1, g["steps"] // 10))
+    t0 = time.perf_counter()
+    losses = train(model, task, g["steps"], g["batch"], seed, config=cfg, device=device)
+    wall = time.perf_counter() - t0
+    metrics = task.evaluate(model, device, seed)
+    tokens = task.batch(0, 1, seed)[0].to(device)  # [1, N]
+    return {"variant": variant, "width": width, "pairs": pairs, "seq_len": seq_len, "heads": _heads(width),
+            "accuracy": metrics["accuracy"], "val_loss": metrics["val_loss"], "final_train_loss": losses[-1],
+            "state_bytes": state_bytes(model, tokens), "params": int(sum(p.numel() for p in model.parameters())),
+            "train_wall_s": wall}
+
+
+def _grid_figure(points: list[dict[str, Any]], variants: Sequence[str], g: dict[str, Any], path: Path) -> bool:
+    """Accuracy against decode-state bytes, one panel per (pairs, seq_len); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = [(k, n) for n in g["seq_lens"] for k in g["pairs"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0), dpi=110, squeeze=False)
+    cmap = plt.get_cmap("tab20" if len(variants) > 10 else "tab10")
+    for ax, (k, n) in zip(axes[0], panels, strict=True):
+        for i, v in enumerate(variants):
+            pts = sorted((p for p in points if p["variant"] == v and p["pairs"] == k and p["seq_len"] == n),
+                         key=lambda p: p["state_bytes"])
+            if pts:
+                ax.plot([p["state_bytes"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=4,
+                        color=cmap(i % cmap.N), label=v)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("decode-state bytes after one sequence")
+        ax.set_title(f"{k} key-value pairs, seq_len {n}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MQAR accuracy")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"MQAR recall against decode state (widths {', '.join(map(str, g['widths']))}; "
+                 f"{g['steps']} steps x batch {g['batch']})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _grid_md(points: list[dict[str, Any]], g: dict[str, Any], quick: bool, wall: float, has_png: bool) -> str:
+    lines = ["# attnzoo arena: MQAR recall against decode state", ""]
+    if quick:
+        lines += ["> **Smoke test** (`--quick`): a tiny grid and budget; the numbers mean nothing.", ""]
+    lines += [f"Grid: widths {list(g['widths'])} x key-value pairs {list(g['pairs'])} x seq_len "
+              f"{list(g['seq_lens'])}; depth {g['depth']}, {g['steps']} steps x batch {g['batch']}, peak lr "
+              f"{g['lr']:g}, vocabulary {g['vocab']}. Took {wall:.0f} s.", ""]
+    if has_png:
+        lines += ["![MQAR accuracy against decode-state bytes](mqar_grid.png)", ""]
+    lines += ["| variant | width | pairs | seq_len | params | state bytes | accuracy |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {p['variant']} | {p['width']} | {p['pairs']} | {p['seq_len']} | {p['params']:,} | "
+              f"{p['state_bytes']:,} | {100 * p['accuracy']:.1f}% |" for p in points]
+    return "\n".join(lines) + "\n"
+
+
+def _grid_variants(args: argparse.Namespace) -> list[str]:
+    if not args.variants:
+        return variant_names()
+    names = [v.strip() for v in str(args.variants).split(",") if v.strip()]
+    bad = [v for v in names if v not in variant_names()]
+    if bad or not names:
+        raise ValueError(f"--variants: unknown or empty {bad or args.variants!r}; expected a subset of "
+                         f"{variant_names()}")
+    return names
+
+
+def run_grid(args: argparse.Namespace, build: Builder) -> int:
+    """Run the MQAR grid described by ``args``; writes ``grid.json``, ``mqar_grid.png``, ``report.md``."""
+    variants = _grid_variants(args)
+    g = _grid_settings(args)
+    device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    out = ensure_output_dir(args.out or ("arena-grid-quick" if args.quick else "arena-grid"), "--out")
+    out.mkdir(parents=True, exist_ok=True)
+    cells = grid_cells(g)
+    overall = Overall([float(w * n) for _ in variants for (w, _, n) in cells], enabled=args.progress != "none")
+    points, errors, t0 = [], {}, time.perf_counter()
+    for v in variants:
+        for cell in cells:
+            overall.start(f"{v} width {cell[0]} pairs {cell[1]} seq_len {cell[2]}")
+            try:
+                points.append(_cell(build, g, v, cell, args.seed, device))
+            except Exception as e:  # one variant failing must not sink the grid
+                errors[f"{v}@{cell}"] = f"{type(e).__name__}: {e}"
+            overall.finish(trained=True)
+    wall = time.perf_counter() - t0
+    write_atomic(out / "grid.json", json.dumps({"grid": {k: list(x) if isinstance(x, tuple) else x
+                                                         for k, x in g.items()}, "quick": bool(args.quick),
+                                                "variants": variants, "points": points, "errors": errors,
+                                                "wall_s": wall}, indent=1))
+    has_png = _grid_figure(points, variants, g, out / "mqar_grid.png")
+    write_atomic(out / "report.md", _grid_md(points, g, bool(args.quick), wall, has_png))
+    print(f"arena mqar-grid: {len(points)} runs ({len(variants)} variants x {len(cells)} cells) in {wall:.0f} s; "
+          f"report: {out / 'report.md'}" + (f"; {len(errors)} failed: {errors}" if errors else ""), flush=True)
+    return 0
