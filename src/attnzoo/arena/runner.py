@@ -58,7 +58,7 @@ __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettin
            "build_model", "run_arena", "setting_differences", "settings_for"]
 
 #: Every registered variant, in the registry's order.
-DEFAULT_VARIANTS = tuple(VARIANTS)
+DEFAULT_VARIANTS = tuple(name for name, spec in VARIANTS.items() if spec.arena_default)
 #: Variants whose attention runs on a ring (:func:`attnzoo.distributed.context_parallel`).
 CONTEXT_PARALLEL_VARIANTS = tuple(name for name, spec in VARIANTS.items() if spec.ring)
 #: Sequence layout of ``--context-parallel``: zigzag balances causal work over the ranks.
@@ -160,7 +160,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
     parser.add_argument("--seeds", type=_positive_int, default=2,
                         help="seeds of the lm task, for the seed-noise estimate of the verdict (default: %(default)s)")
-    parser.add_argument("--seeds-top", dest="seeds_top", type=int, default=3,
+    parser.add_argument("--seeds-top", dest="seeds_top", type=int, default=2,
                         help="run the extra seeds only for the K variants with the best lm loss at --seed, to "
                              "keep the default run short; 0: every variant (default: %(default)s)")
     parser.add_argument("--grid-widths", dest="grid_widths", type=_int_list,

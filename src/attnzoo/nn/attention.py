@@ -699,14 +699,17 @@ def _arena_window(width: int, heads: int, window: int | None) -> dict[str, Any]:
 
 _DENSE = {"family": "softmax", "exact": True, "time": "O(N C^2 + N^2 C)", "memory": "O(N) (fused/tiled)",
           "cost": _dense_cost, "masks": "any", "ring": True}
-register(VariantSpec("mha", decoding="K,V of every head", build=_build_mha, order=0, **_DENSE))
+register(VariantSpec("mha", decoding="K,V of every head", build=_build_mha, order=0, arena_default=True,
+                     **_DENSE))
 register(VariantSpec("mqa", decoding="K,V of one shared head", build=_build_mqa, kv_heads=lambda h, g: 1,
-                     order=1, **_DENSE))
+                     order=1, arena_default=True, **_DENSE))
 register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, options=("num_kv_heads",),
-                     kv_heads=lambda h, g: default_kv_heads(h) if g is None else g, order=2, **_DENSE))
+                     kv_heads=lambda h, g: default_kv_heads(h) if g is None else g, order=2, arena_default=True,
+                     **_DENSE))
 register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) tiled", "last W keys (ring buffer)",
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
-                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3))
+                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3,
+                     arena_default=True))
 
 
 def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,

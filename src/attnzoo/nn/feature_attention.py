@@ -441,7 +441,7 @@ def _performer_arena(width: int, heads: int, window: int | None) -> dict[str, An
 _FEATURE = {"family": "feature-map", "exact": False, "time": "O(N C^2 + N F C)", "memory": "O(N F) chunked",
             "decoding": "state S [F, Dv] + z [F] per head", "masks": "causal, key padding"}
 register(VariantSpec("linear", build=_build_linear, cost=_linear_cost, defaults={"chunk_size": 64},
-                     options=("chunk_size",), check={"chunk_size": 5}, order=5, **_FEATURE))
+                     options=("chunk_size",), check={"chunk_size": 5}, order=5, **_FEATURE, arena_default=True))
 register(VariantSpec("performer", build=_build_performer, cost=_performer_cost,
                      defaults={"num_features": 256, "chunk_size": 64}, options=("num_features", "chunk_size"),
-                     check={"chunk_size": 5, "num_features": 32}, arena=_performer_arena, order=6, **_FEATURE))
+                     check={"chunk_size": 5, "num_features": 32}, arena=_performer_arena, order=6, **_FEATURE, arena_default=True))

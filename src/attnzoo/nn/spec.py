@@ -109,6 +109,9 @@ class VariantSpec:
         masks: masks supported (shown by ``attnzoo list``).
         ring: runs under context parallelism (ring attention).
         order: listing order (built-ins 0..99; a new variant lands after them by default).
+        arena_default: trained by a plain ``attnzoo arena`` (whose whole run must fit in about ten
+            minutes on 2 cores, so it holds one representative per family); every variant can be
+            named with ``--variants`` and ``--task mqar-grid`` takes them all.
     """
 
     name: str
@@ -128,6 +131,7 @@ class VariantSpec:
     masks: str = "causal"
     ring: bool = False
     order: int = 100
+    arena_default: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
