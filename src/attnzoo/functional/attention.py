@@ -61,10 +61,8 @@ def choose_backend(r: AttnRequest) -> str:
     4. ``return_lse`` or ``softcap`` -> ``tiled``.
     5. A window or mask that hides at least half of the 128 x 128 tiles of a score matrix of at
        least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
-    6. float16/bfloat16 on a CPU with native half-precision matmuls (AVX-512 BF16/FP16 or AMX) ->
-       ``tiled`` (half-precision tile matmuls with a float32 softmax; torch's CPU SDPA gains
-       nothing from half precision there). Without them half matmuls are slow and ``sdpa`` wins.
-    7. Otherwise -> ``sdpa``.
+    6. Otherwise -> ``sdpa``; for float16/bfloat16 on CPU it runs natively or through float32
+       math, whichever matmul was measured faster (``attnzoo.functional.halfmath``).
     """
     feats = r.features()
     if "return_weights" in feats or "float64" in feats:
@@ -78,8 +76,6 @@ def choose_backend(r: AttnRequest) -> str:
         return "tiled"
     if (r.structure is not None and r.nq * r.nk >= _SPARSE_MIN_SCORES
             and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION):
-        return "tiled"
-    if dev.type == "cpu" and r.q.dtype in (torch.float16, torch.bfloat16) and tiled.native_half_matmul(r.q.dtype, "cpu"):
         return "tiled"
     return "sdpa"
 

@@ -6,6 +6,8 @@ Translations done here:
   when ``q_offset == 0``; any other alignment, window or mask becomes one dense ``attn_mask``;
 * GQA through ``enable_gqa=True`` (K/V are never expanded in memory);
 * ALiBi and float masks become an additive float ``attn_mask``;
+* half-precision inputs on a CPU whose half matmuls are slower than float32 ones run in float32
+  (measured once per process, ``attnzoo.functional.halfmath``);
 * rows with no visible key are given one harmless visible key and their output is zeroed, so
   they return zeros (never NaN) with finite gradients.
 
@@ -15,11 +17,14 @@ Unsupported (a named error, or ``auto`` picks another backend): ``return_lse``,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, Capabilities
+from attnzoo.functional.halfmath import half_math
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
 CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64"}))
@@ -39,7 +44,14 @@ def dense_mask(r: AttnRequest) -> Tensor | None:
 
 
 def sdpa_attention(r: AttnRequest) -> Tensor:
-    """Attention through ``torch.nn.functional.scaled_dot_product_attention``; ``[B, Hq, Nq, Dv]``."""
+    """Attention through ``torch.nn.functional.scaled_dot_product_attention``; ``[B, Hq, Nq, Dv]``.
+
+    Half-precision inputs run through float32 math (converted in, result converted back) where
+    half matmuls are not measured faster than float32 ones (:mod:`attnzoo.functional.halfmath`)."""
+    math_dtype = half_math(r.q.dtype, r.q.device)
+    if math_dtype != r.q.dtype:
+        r32 = dataclasses.replace(r, q=r.q.to(math_dtype), k=r.k.to(math_dtype), v=r.v.to(math_dtype))
+        return sdpa_attention(r32).to(r.q.dtype)
     gqa = r.group > 1
     only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
                    and r.alibi_slopes is None)
