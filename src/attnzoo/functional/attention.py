@@ -16,6 +16,7 @@ import attnzoo.functional.flex as flex
 import attnzoo.functional.reference as reference
 import attnzoo.functional.sdpa as sdpa
 import attnzoo.functional.tiled as tiled
+from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
 from attnzoo.functional.rules import compute_dtype
 from attnzoo.functional.sinks import sink_attention
@@ -136,9 +137,14 @@ def attention(
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
     if sinks is not None:
-        return sink_attention(r, sinks, backend, choose_backend, run_backend)
+        return sink_attention(r, sinks, backend, choose_backend, _guarded_run)
     name = choose_backend(r) if backend == "auto" else backend
-    return run_backend(r, name)
+    return _guarded_run(r, name)
+
+
+def _guarded_run(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
+    """``run_backend`` such that hidden non-finite keys/values never reach a row (``_edge``)."""
+    return guard_nonfinite(r, lambda clean: run_backend(clean, name))
 
 
 _UNAVAILABLE = {
@@ -157,7 +163,9 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
         raise ValueError(_UNAVAILABLE[name].format(device=r.q.device, torch=torch.__version__))
     lse: Tensor | None = None
     weights: Tensor | None = None
-    if name == "reference":
+    if is_empty(r):  # no keys, queries or batch: zeros and LSE -inf, no kernel runs
+        out, lse, weights = empty_result(r)
+    elif name == "reference":
         out, lse, weights = reference.reference_attention(r)
     elif name == "sdpa":
         out = sdpa.sdpa_attention(r)
