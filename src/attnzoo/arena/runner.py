@@ -206,10 +206,6 @@ def _gpt2_init(model: torch.nn.Module) -> None:
                 torch.nn.init.zeros_(m.bias)
 
 
-#: Keys every finished run record has (a record without them is damaged).
-_RESULT_KEYS = frozenset({"task", "variant", "signature", "train_losses", "evals", "final"})
-
-
 def _signature(s: TaskSettings, variant: str, seed: int, world: int,
                context_parallel: bool = False) -> dict[str, Any]:
     sig = {**asdict(s), "variant": variant, "seed": seed, "world_size": world}
@@ -266,43 +262,11 @@ class _Run:
         self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
         self.sig = _signature(s, variant, args.seed, self.world, self.cp)
 
-    def _set_aside(self, path: Path, problem: str) -> None:
-        """A damaged resume file is renamed ``*.damaged`` (kept for inspection) and the run retrains."""
-        if self.rank == 0:
-            path.replace(path.with_name(path.name + ".damaged"))
-            print(f"[{self.name}] {path} is damaged ({problem}): set aside as {path.name}.damaged, "
-                  f"training again", file=sys.stderr)
-
     def _finished(self) -> dict[str, Any] | None:
         if not (self.args.resume and self.done_file.exists()):
             return None
-        try:
-            data = json.loads(self.done_file.read_text())
-            missing = _RESULT_KEYS - set(data) if isinstance(data, dict) else _RESULT_KEYS
-        except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            data, missing = None, {f"unreadable: {exc}"}
-        if missing:
-            self._set_aside(self.done_file, f"missing {sorted(missing)}")
-            return None
+        data = json.loads(self.done_file.read_text())
         return data if data.get("signature") == self.sig else None
-
-    def _resume_state(self) -> dict[str, Any] | None:
-        """The checkpoint to continue from, or ``None`` (none, or damaged and set aside)."""
-        if not (self.args.resume and self.ckpt.exists()):
-            return None
-        try:
-            state = load_checkpoint(self.ckpt)
-            extra = state["extra"]
-            if extra.get("signature") == self.sig:
-                _ = (state["model"], state["optimizer"], int(state["step"]), list(extra["losses"]), list(extra["evals"]))
-        except Exception as exc:  # truncated/garbage file: torch raises many kinds of errors
-            self._set_aside(self.ckpt, f"{type(exc).__name__}: {exc}")
-            return None
-        if extra.get("signature") != self.sig:
-            raise ValueError(f"--resume: checkpoint {self.ckpt} was made with different settings "
-                             f"({extra.get('signature')}); expected {self.sig}. "
-                             f"Use another --out or drop --resume")
-        return state
 
     def execute(self) -> dict[str, Any]:
         done = self._finished()
@@ -317,17 +281,14 @@ class _Run:
         losses: list[float] = []
         evals: list[dict[str, float]] = []
         start = 0
-        state = self._resume_state()
-        if state is not None:
-            try:
-                model.load_state_dict(state["model"])
-                opt.load_state_dict(state["optimizer"])
-            except (RuntimeError, ValueError, KeyError) as exc:  # wrong shapes or entries: start afresh
-                self._set_aside(self.ckpt, f"{type(exc).__name__}: {exc}")
-                model = _build_model(s, self.variant, self.task.vocab_size, args.seed, self.device)
-                opt = make_optimizer(model, cfg)
-                state = None
-        if state is not None:
+        if args.resume and self.ckpt.exists():
+            state = load_checkpoint(self.ckpt)
+            if state["extra"].get("signature") != self.sig:
+                raise ValueError(f"--resume: checkpoint {self.ckpt} was made with different settings "
+                                 f"({state['extra'].get('signature')}); expected {self.sig}. "
+                                 f"Use another --out or drop --resume")
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
             start = int(state["step"])
             losses = list(state["extra"]["losses"])
             evals = list(state["extra"]["evals"])
@@ -378,9 +339,7 @@ class _Run:
             result["context_parallel"] = {"layout": CONTEXT_PARALLEL_LAYOUT, "ranks": self.world}
         if self.rank == 0:
             self.done_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.done_file.with_name(self.done_file.name + ".tmp")
-            tmp.write_text(json.dumps(result, indent=1))
-            tmp.replace(self.done_file)  # atomic: a crash never leaves half a record
+            self.done_file.write_text(json.dumps(result, indent=1))
         return result
 
     def _measure(self, model: torch.nn.Module) -> dict[str, Any]:
