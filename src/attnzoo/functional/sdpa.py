@@ -44,17 +44,16 @@ def dense_mask(r: AttnRequest) -> Tensor | None:
 
 
 def sdpa_attention(r: AttnRequest) -> Tensor:
-    """Attention through ``torch.nn.functional.scaled_dot_product_attention``; ``[B, Hq, Nq, Dv]``.
-
-    Half-precision inputs run through float32 math (converted in, result converted back) where
-    half matmuls are not measured faster than float32 ones (:mod:`attnzoo.functional.halfmath`)."""
+    """Attention through ``torch.nn.functional.scaled_dot_product_attention``; ``[B, Hq, Nq, Dv]``."""
+    gqa = r.group > 1
+    only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
+                   and r.alibi_slopes is None)
+    # Half inputs run through float32 math (converted in and back) where half matmuls are not
+    # measured faster than float32 ones (attnzoo.functional.halfmath).
     math_dtype = half_math(r.q.dtype, r.q.device)
     if math_dtype != r.q.dtype:
         r32 = dataclasses.replace(r, q=r.q.to(math_dtype), k=r.k.to(math_dtype), v=r.v.to(math_dtype))
         return sdpa_attention(r32).to(r.q.dtype)
-    gqa = r.group > 1
-    only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
-                   and r.alibi_slopes is None)
     if not (r.causal or r.window is not None or r.mask_obj is not None or r.mask_tensor is not None
             or r.alibi_slopes is not None):
         return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, scale=r.scale, enable_gqa=gqa)
