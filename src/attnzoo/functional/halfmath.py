@@ -5,8 +5,8 @@ beat its float32 ones at attention's tile shapes: on an Intel Xeon with AMX, bf1
 ran ~2-4x faster than float32 and float16 ones about as fast (one thread); on the Xeon of issue 14
 (AVX-512 BF16/FP16) bf16 SDPA ran 1.5x *slower* than float32 SDPA; on AVX2-only CPUs bf16
 matmuls are hundreds of times slower. So the first half-precision call on a CPU times one
-tile-shaped batched matmul in float32 and in the half dtype (interleaved, best of several) and
-caches the answer per process, dtype and thread count. CUDA always multiplies natively.
+tile-shaped batched matmul in float32 and in the half dtype (one thread, interleaved, best of
+several) and caches the answer per process and dtype. CUDA always multiplies natively.
 
 Override (tests, reproducible benchmarks): the environment variable ``ATTNZOO_HALF_MATH`` =
 ``native`` | ``float32`` | ``measure`` (default), or :func:`set_half_math`, which wins over it.
@@ -24,7 +24,7 @@ __all__ = ["HALF_DTYPES", "calibrate", "half_math", "half_math_mode", "set_half_
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _MODES = ("native", "float32", "measure")
 _override: str | None = None
-_measured: dict[tuple[torch.dtype, int], bool] = {}
+_measured: dict[torch.dtype, bool] = {}
 
 #: A half matmul must be at least this much faster than the float32 one to be used: running in
 #: float32 costs one O(N x D) conversion each way, and float32 scores are the more accurate.
@@ -58,16 +58,25 @@ def _time_bmm(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def calibrate(dtype: torch.dtype, repeats: int = 7, size: int = 256, depth: int = 64) -> tuple[float, float]:
     """Seconds of one ``[4, size, depth] x [4, depth, size]`` batched matmul in float32 and in
-    ``dtype`` on the CPU (best of ``repeats``, calls interleaved so load hits both alike)."""
+    ``dtype`` on one CPU thread (best of ``repeats``, calls interleaved so load hits both alike).
+
+    One thread: the kernels' relative speed is a property of the core (AMX, AVX-512 FMA, ...),
+    while multi-threaded timings of such short calls on a loaded machine are dominated by thread
+    wake-ups (a 2-thread run on a machine at load 15 timed 24 ms vs 32 ms for a 0.1 ms call)."""
     g = torch.Generator().manual_seed(0)
     a32 = torch.randn(4, size, depth, generator=g)
     b32 = torch.randn(4, depth, size, generator=g)
     ah, bh = a32.to(dtype), b32.to(dtype)
-    torch.bmm(a32, b32), torch.bmm(ah, bh)  # warm-up (first calls initialise kernels)
-    t32 = th = float("inf")
-    for _ in range(repeats):
-        t32 = min(t32, _time_bmm(a32, b32))
-        th = min(th, _time_bmm(ah, bh))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.bmm(a32, b32), torch.bmm(ah, bh)  # warm-up (first calls initialise kernels)
+        t32 = th = float("inf")
+        for _ in range(repeats):
+            t32 = min(t32, _time_bmm(a32, b32))
+            th = min(th, _time_bmm(ah, bh))
+    finally:
+        torch.set_num_threads(threads)
     return t32, th
 
 
@@ -79,11 +88,10 @@ def half_math(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     mode = half_math_mode()
     if mode != "measure":
         return dtype if mode == "native" else torch.float32
-    key = (dtype, torch.get_num_threads())
-    fast = _measured.get(key)
+    fast = _measured.get(dtype)
     if fast is None:
         if torch.compiler.is_compiling():  # no timing inside a traced graph: float32 is always right
             return torch.float32
         t32, th = calibrate(dtype)
-        fast = _measured[key] = th * _MIN_SPEEDUP <= t32
+        fast = _measured[dtype] = th * _MIN_SPEEDUP <= t32
     return dtype if fast else torch.float32
