@@ -40,7 +40,9 @@ def _run(backend: str, *args: torch.Tensor, **kw: object) -> torch.Tensor:
 def test_float16_scores_do_not_overflow(backend: str, half_mode: str) -> None:
     q = torch.zeros(1, 1, 4, 16, dtype=torch.half)
     q[..., 0] = 8
-    out = _run(backend, q, q, torch.ones_like(q))
+    # k a copy of q: compiled flex crashed inside dynamo's recompilation guard when q is k
+    # (AttributeError 'NoneType' object has no attribute 'fn', torch 2.13, after other flex calls)
+    out = _run(backend, q, q.clone(), torch.ones_like(q))
     assert torch.equal(out, torch.ones_like(out))
 
 
