@@ -63,7 +63,7 @@ def choose_backend(r: AttnRequest) -> str:
     5. A window or mask that hides at least half of the 128 x 128 tiles of a score matrix of at
        least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
     6. Otherwise -> ``sdpa``; for float16/bfloat16 on CPU it runs natively or through float32
-       math, whichever matmul was measured faster (``attnzoo.functional.halfmath``).
+       math where half matmuls were measured >= 1.25x slower (``attnzoo.functional.halfmath``).
     """
     feats = r.features()
     if "return_weights" in feats or "float64" in feats:

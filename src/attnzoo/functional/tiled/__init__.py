@@ -30,8 +30,8 @@ saved LSE, :math:`P = e^{S - \text{lse}}`, and accumulates
 one tile at a time. GQA never expands K/V: the ``G = Hq / Hkv`` query heads of a group are folded
 into the row dimension, ``[B, Hkv, G * block_q, D]``, and multiply the shared K/V directly.
 Half-precision inputs use half-precision matmuls with float32 scores, softmax, statistics and
-accumulators where half matmuls are measured faster than float32 ones (CUDA; CPUs with fast bf16,
-see :mod:`attnzoo.functional.halfmath`), else every tile runs in float32. Half-precision
+accumulators unless half matmuls are measured >= 1.25x slower than float32 ones (never on CUDA;
+see :mod:`attnzoo.functional.halfmath`); then every tile runs in float32. Half-precision
 probabilities are normalised per chunk before the P V matmul (no float16 overflow, and a row
 with one visible key returns its value exactly); float16 inputs whose scores could exceed the
 float16 range run in float32.
@@ -89,7 +89,7 @@ class _TiledAttention(torch.autograd.Function):
 
 def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
     """Whether tiles of ``dtype`` (float16/bfloat16) inputs are multiplied in ``dtype`` on
-    ``device_type``: always on CUDA; on CPU when measured faster than float32 (see
+    ``device_type``: always on CUDA; on CPU unless measured >= 1.25x slower than float32 (see
     :mod:`attnzoo.functional.halfmath`: timed once per process, never read from CPU flags)."""
     return half_math(dtype, device_type) == dtype
 
