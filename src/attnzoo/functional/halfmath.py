@@ -6,7 +6,8 @@ ran ~2-4x faster than float32 and float16 ones about as fast (one thread); on th
 (AVX-512 BF16/FP16) bf16 SDPA ran 1.5x *slower* than float32 SDPA; on AVX2-only CPUs bf16
 matmuls are hundreds of times slower. So the first half-precision call on a CPU times one
 tile-shaped batched matmul in float32 and in the half dtype (one thread, interleaved, best of
-several) and caches the answer per process and dtype. CUDA always multiplies natively.
+several), runs through float32 math only if the half matmul is at least 1.25x slower, and caches
+the answer per process and dtype. CUDA always multiplies natively.
 
 Override (tests, reproducible benchmarks): the environment variable ``ATTNZOO_HALF_MATH`` =
 ``native`` | ``float32`` | ``measure`` (default), or :func:`set_half_math`, which wins over it.
