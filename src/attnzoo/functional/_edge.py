@@ -5,7 +5,7 @@
 * non-finite keys/values: a key a row cannot see never changes that row. Fused kernels add the
   mask to the scores (``NaN + -inf = NaN``) and multiply hidden values by a zero weight
   (``0 * NaN = NaN``), so a NaN or inf in one hidden key would spoil every row. When K or V hold
-  a non-finite entry (checked eagerly by one sum of K and of V, only for masked requests), the
+  a non-finite entry (checked eagerly, for masked requests whose output is not finite), the
   backend runs on K/V with those entries zeroed and the rows that *see* such a key are set to NaN.
 """
 
@@ -70,13 +70,16 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
     except that non-finite keys/values change only the rows that see them (those become NaN)."""
     if not _hides_keys(r) or r.nk == 0 or torch.compiler.is_compiling():
         return run(r)
-    # One reduction per tensor first (a NaN/inf anywhere makes the sum non-finite; ~10x cheaper
-    # than isfinite().all() on CPU); a float16 sum that merely overflows only costs the exact check.
-    if bool(torch.isfinite(r.k.sum()) & torch.isfinite(r.v.sum())):
-        return run(r)
+    result = run(r)
+    # A leak can only show as a non-finite output: one reduction of the output (a NaN/inf anywhere
+    # makes the sum non-finite; ~10x cheaper than isfinite().all() on CPU) decides whether K and V
+    # are inspected at all. A float16 sum that merely overflows only costs that inspection.
+    out = result[0] if isinstance(result, tuple) else result
+    if bool(torch.isfinite(out.sum())):
+        return result
     bad = ~torch.isfinite(r.k).all(dim=-1) | ~torch.isfinite(r.v).all(dim=-1)  # [B, Hkv, Nk]
     if not bool(bad.any()):
-        return run(r)
+        return result  # the non-finite output comes from q or the mask, not from hidden keys
     clean = dataclasses.replace(r, k=r.k.masked_fill(bad.unsqueeze(-1), 0),
                                 v=r.v.masked_fill(bad.unsqueeze(-1), 0))
     result = run(clean)
