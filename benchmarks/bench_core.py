@@ -159,28 +159,56 @@ def bench_window_train(repeats: int) -> list[dict]:
     return rows
 
 
-def bench_bf16(repeats: int) -> list[dict]:
+def _half_request(q: torch.Tensor) -> az.functional._request.AttnRequest:
+    return az.functional._request.build_request(q, q, q, mask=None, causal=True, window=None, q_offset=None,
+                                                scale=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
+                                                return_lse=False, return_weights=False)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the record next to the numbers."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def bench_half(repeats: int) -> list[dict]:
+    """bf16 and fp16 causal N=4096: ``auto`` against SDPA in that dtype and SDPA through float32,
+    with the errors (N=1024) of ``auto`` and of a plain eager implementation in that dtype vs float64."""
+    from attnzoo.functional import halfmath
+
     n = 4096
-    q, k, v = qkv(n, torch.bfloat16)
-    q64, k64, v64 = (x.double() for x in (q, k, v))
-    with torch.no_grad():
-        t = timed({
-            "sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "auto_bf16": lambda: az.attention(q, k, v, causal=True),
-            "tiled_bf16": lambda: az.attention(q, k, v, causal=True, backend="tiled"),
-        }, repeats)
-        ref = az.attention(q64[:, :, :1024], k64[:, :, :1024], v64[:, :, :1024], causal=True, backend="reference")
-        s = (q[:, :, :1024] @ k[:, :, :1024].transpose(-1, -2)) / math.sqrt(D)
-        s = s.masked_fill(~M.causal().materialize(1, 1, 1024, 1024), float("-inf"))
-        eager = torch.softmax(s, dim=-1) @ v[:, :, :1024]
-        auto = az.attention(q[:, :, :1024], k[:, :, :1024], v[:, :, :1024], causal=True)
-    return [{"case": "bf16 causal N=4096", **{f"{a}_s": b for a, b in t.items()},
-             "sdpa/auto": t["sdpa_bf16"] / t["auto_bf16"], "auto_backend": az.functional.choose_backend(
-                 az.functional._request.build_request(q, k, v, mask=None, causal=True, window=None, q_offset=None,
-                                                      scale=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
-                                                      return_lse=False, return_weights=False)),
-             "err_auto_vs_fp64 (N=1024)": (auto.double() - ref).abs().max().item(),
-             "err_eager_bf16_vs_fp64 (N=1024)": (eager.double() - ref).abs().max().item()}]
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = qkv(n, dtype)
+        q64, k64, v64 = (x[:, :, :1024].double() for x in (q, k, v))
+        t32, th = halfmath.calibrate(dtype)
+        with torch.no_grad():
+            t = timed({
+                "sdpa_half": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "sdpa_via_fp32": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), is_causal=True).to(q.dtype),
+                "auto": lambda q=q, k=k, v=v: az.attention(q, k, v, causal=True),
+                "tiled": lambda q=q, k=k, v=v: az.attention(q, k, v, causal=True, backend="tiled"),
+            }, repeats)
+            ref = az.attention(q64, k64, v64, causal=True, backend="reference")
+            qs, ks, vs = (x[:, :, :1024] for x in (q, k, v))
+            s = (qs @ ks.transpose(-1, -2)) / math.sqrt(D)
+            s = s.masked_fill(~M.causal().materialize(1, 1, 1024, 1024), float("-inf"))
+            eager = torch.softmax(s, dim=-1) @ vs
+            auto = az.attention(qs, ks, vs, causal=True)
+        name = str(dtype).removeprefix("torch.")
+        rows.append({"case": f"{name} causal N=4096", "cpu": cpu_model(), "threads": torch.get_num_threads(),
+                     **{f"{a}_s": b for a, b in t.items()},
+                     "sdpa_half/auto": t["sdpa_half"] / t["auto"],
+                     "auto_backend": az.functional.choose_backend(_half_request(q)),
+                     "half_math": str(halfmath.half_math(dtype, "cpu")).removeprefix("torch."),
+                     "calib_fp32_us": t32 * 1e6, "calib_half_us": th * 1e6,
+                     "err_auto_vs_fp64 (N=1024)": (auto.double() - ref).abs().max().item(),
+                     "err_eager_vs_fp64 (N=1024)": (eager.double() - ref).abs().max().item()})
+    return rows
 
 
 def _vm(field: str) -> int:
@@ -284,7 +312,7 @@ def main() -> None:
     if "memory" in a.only:
         rows += bench_memory(a.memory_runs)
     if "bf16" in a.only:
-        rows += bench_bf16(a.repeats)
+        rows += bench_half(a.repeats)
     for row in rows:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
     if a.json:

@@ -77,7 +77,8 @@ def oracle_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Callable
     ok = visible_table(b, hq, nq, nk, causal=causal, window=window, q_offset=q_offset, mask=mask)
     ok &= s > float("-inf")  # a float mask's -inf hides a key too
     s = s.masked_fill(~ok, float("-inf"))
-    m = s.detach().amax(dim=-1, keepdim=True)
+    # row maxima; a row of no keys at all (Nk = 0) has none: -inf, like a row whose keys are all hidden
+    m = s.detach().amax(dim=-1, keepdim=True) if nk else s.new_full((*s.shape[:-1], 1), float("-inf"))
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)  # 0 where hidden
     denom = e.sum(dim=-1, keepdim=True)

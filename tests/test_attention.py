@@ -308,10 +308,9 @@ def test_auto_policy_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_backend(req(q=big, k=big, causal=True, window=(128, 0))) == "tiled"  # sparse: skip tiles
     assert choose_backend(req(causal=True, window=(2, 0))) == "sdpa"  # tiny: dense kernel wins
     half = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
-    monkeypatch.setattr(tiled_mod, "native_half_matmul", lambda dtype, dev: True)
-    assert choose_backend(req(q=half, k=half)) == "tiled"
-    monkeypatch.setattr(tiled_mod, "native_half_matmul", lambda dtype, dev: False)
-    assert choose_backend(req(q=half, k=half)) == "sdpa"
+    for mode in ("native", "float32"):  # sdpa either way: it picks its own math dtype
+        monkeypatch.setenv("ATTNZOO_HALF_MATH", mode)
+        assert choose_backend(req(q=half, k=half)) == "sdpa"
 
 
 def test_named_backend_refuses_missing_feature() -> None:

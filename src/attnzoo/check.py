@@ -182,6 +182,12 @@ def backend_cases() -> list[BackendCase]:
         C("tile-crossing gqa window", 1, 4, 2, 300, 300, 16, 16,
           lambda g: {"causal": True, "window": (100, 0)}),
         C("tile-crossing dense", 1, 2, 2, 280, 290, 16, 16, lambda g: {"causal": True}),
+        # large scores (random inputs alone keep them within a few units): scale 2 takes these
+        # q.k (std 4) to about +-30, where float16 tiles overflowed; scale 20 to about +-300 under a softcap
+        C("large scores ~+-30 causal gqa", 2, 4, 2, 40, 40, 16, 16, lambda g: {"causal": True, "scale": 2.0},
+          quick=True),
+        C("huge scores ~+-300 softcap 50", 1, 4, 4, 33, 45, 16, 16,
+          lambda g: {"causal": True, "scale": 20.0, "softcap": 50.0, "return_lse": True}),
     ]
 
 
@@ -199,7 +205,7 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, kwargs: dict[str, Any]) -> tuple[Ten
     """
     kw = {k_: v_ for k_, v_ in kwargs.items() if k_ != "return_lse"}
     r = build_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), window=kw.get("window"),
-                      q_offset=kw.get("q_offset"), scale=None, softcap=kw.get("softcap"),
+                      q_offset=kw.get("q_offset"), scale=kw.get("scale"), softcap=kw.get("softcap"),
                       alibi_slopes=kw.get("alibi_slopes"), dropout_p=0.0, return_lse=False, return_weights=False)
     kk = k.repeat_interleave(r.group, dim=1)
     vv = v.repeat_interleave(r.group, dim=1)

@@ -48,7 +48,10 @@ def check_qkv(q: object, k: object, v: object) -> None:
         raise ValueError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (expected equal B)")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same number of heads, got k {_shape(k)} and v {_shape(v)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+    for name, t, dim, letter in (("q", q, 1, "Hq"), ("k", k, 1, "Hkv"), ("q", q, 3, "D"), ("v", v, 3, "Dv")):
+        if t.shape[dim] == 0:
+            raise ValueError(f"{name} has {letter} = 0 (shape {_shape(t)}); expected {letter} >= 1")
+    if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads must be a multiple of key/value heads (Hq % Hkv == 0), "
                          f"got Hq={q.shape[1]} and Hkv={k.shape[1]}")
     if q.shape[3] != k.shape[3]:
@@ -245,6 +248,8 @@ def _check_slopes(alibi_slopes: object, q: Tensor) -> Tensor | None:
         raise TypeError(f"alibi_slopes must be a tensor [Hq], got {type(alibi_slopes).__name__}")
     if _shape(alibi_slopes) != (hq,):
         raise ValueError(f"alibi_slopes must have shape [Hq] = [{hq}], got {_shape(alibi_slopes)}")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(alibi_slopes).all()):
+        raise ValueError(f"alibi_slopes must be finite, got {alibi_slopes.tolist()}")
     return alibi_slopes.to(device=q.device, dtype=compute_dtype(q.dtype))
 
 

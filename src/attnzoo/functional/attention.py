@@ -16,6 +16,7 @@ import attnzoo.functional.flex as flex
 import attnzoo.functional.reference as reference
 import attnzoo.functional.sdpa as sdpa
 import attnzoo.functional.tiled as tiled
+from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
 from attnzoo.functional.rules import compute_dtype
 from attnzoo.functional.sinks import sink_attention
@@ -64,10 +65,8 @@ def choose_backend(r: AttnRequest) -> str:
     4. ``return_lse`` or ``softcap`` -> ``tiled``.
     5. A window or mask that hides at least half of the 128 x 128 tiles of a score matrix of at
        least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
-    6. float16/bfloat16 on a CPU with native half-precision matmuls (AVX-512 BF16/FP16 or AMX) ->
-       ``tiled`` (half-precision tile matmuls with a float32 softmax; torch's CPU SDPA gains
-       nothing from half precision there). Without them half matmuls are slow and ``sdpa`` wins.
-    7. Otherwise -> ``sdpa``.
+    6. Otherwise -> ``sdpa``; for float16/bfloat16 on CPU it runs natively or through float32
+       math where half matmuls were measured >= 1.25x slower (``attnzoo.functional.halfmath``).
     """
     feats = r.features()
     if "return_weights" in feats or "float64" in feats:
@@ -81,8 +80,6 @@ def choose_backend(r: AttnRequest) -> str:
         return "tiled"
     if (r.structure is not None and r.nq * r.nk >= _SPARSE_MIN_SCORES
             and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION):
-        return "tiled"
-    if dev.type == "cpu" and r.q.dtype in (torch.float16, torch.bfloat16) and tiled.native_half_matmul(r.q.dtype, "cpu"):
         return "tiled"
     return "sdpa"
 
@@ -143,9 +140,14 @@ def attention(
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
     if sinks is not None:
-        return sink_attention(r, sinks, backend, choose_backend, run_backend)
+        return sink_attention(r, sinks, backend, choose_backend, _guarded_run)
     name = choose_backend(r) if backend == "auto" else backend
-    return run_backend(r, name)
+    return _guarded_run(r, name)
+
+
+def _guarded_run(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
+    """``run_backend`` such that hidden non-finite keys/values never reach a row (``_edge``)."""
+    return guard_nonfinite(r, lambda clean: run_backend(clean, name))
 
 
 _UNAVAILABLE = {
@@ -164,7 +166,9 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
         raise ValueError(_UNAVAILABLE[name].format(device=r.q.device, torch=torch.__version__))
     lse: Tensor | None = None
     weights: Tensor | None = None
-    if name == "reference":
+    if is_empty(r):  # no keys, queries or batch: zeros and LSE -inf, no kernel runs
+        out, lse, weights = empty_result(r)
+    elif name == "reference":
         out, lse, weights = reference.reference_attention(r)
     elif name == "sdpa":
         out = sdpa.sdpa_attention(r)

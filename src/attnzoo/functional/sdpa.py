@@ -6,6 +6,8 @@ Translations done here:
   when ``q_offset == 0``; any other alignment, window or mask becomes one dense ``attn_mask``;
 * GQA through ``enable_gqa=True`` (K/V are never expanded in memory);
 * ALiBi and float masks become an additive float ``attn_mask``;
+* half-precision inputs on a CPU whose half matmuls are >= 1.25x slower than float32 ones run in float32
+  (measured once per process, ``attnzoo.functional.halfmath``);
 * rows with no visible key are given one harmless visible key and their output is zeroed, so
   they return zeros (never NaN) with finite gradients.
 
@@ -15,11 +17,14 @@ Unsupported (a named error, or ``auto`` picks another backend): ``return_lse``,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, Capabilities
+from attnzoo.functional.halfmath import half_math
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
 CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64"}))
@@ -43,6 +48,12 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
     gqa = True if r.group > 1 else False  # noqa: SIM210 (a branch: a plain bool even under dynamic shapes)
     only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
                    and r.alibi_slopes is None)
+    # Half inputs run through float32 math (converted in and back) where half matmuls are
+    # measured >= 1.25x slower than float32 ones (attnzoo.functional.halfmath).
+    math_dtype = half_math(r.q.dtype, r.q.device)
+    if math_dtype != r.q.dtype:
+        r32 = dataclasses.replace(r, q=r.q.to(math_dtype), k=r.k.to(math_dtype), v=r.v.to(math_dtype))
+        return sdpa_attention(r32).to(r.q.dtype)
     if not (r.causal or r.window is not None or r.mask_obj is not None or r.mask_tensor is not None
             or r.alibi_slopes is not None):
         return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, scale=r.scale, enable_gqa=gqa)

@@ -29,8 +29,12 @@ saved LSE, :math:`P = e^{S - \text{lse}}`, and accumulates
 (times the scale, and the softcap derivative :math:`1 - \tanh^2` when a softcap is set), again
 one tile at a time. GQA never expands K/V: the ``G = Hq / Hkv`` query heads of a group are folded
 into the row dimension, ``[B, Hkv, G * block_q, D]``, and multiply the shared K/V directly.
-Half-precision inputs use half-precision matmuls with float32 softmax, statistics and
-accumulators.
+Half-precision inputs use half-precision matmuls with float32 scores, softmax, statistics and
+accumulators unless half matmuls are measured >= 1.25x slower than float32 ones (never on CUDA;
+see :mod:`attnzoo.functional.halfmath`); then every tile runs in float32. Half-precision
+probabilities are normalised per chunk before the P V matmul (no float16 overflow, and a row
+with one visible key returns its value exactly); float16 inputs whose scores could exceed the
+float16 range run in float32.
 
 Layout: :mod:`.plan` (tile sizes as a :class:`TileConfig`, the tile plan and its cache),
 :mod:`.scores` (tile and band scores), :mod:`.forward`, :mod:`.backward` (also the kernel that
@@ -40,12 +44,11 @@ context (:func:`use_tiles`), never module globals.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, Capabilities
+from attnzoo.functional.halfmath import half_math
 from attnzoo.functional.tiled.backward import accumulate_grads, attention_backward
 from attnzoo.functional.tiled.forward import attention_forward
 from attnzoo.functional.tiled.plan import (
@@ -60,6 +63,7 @@ from attnzoo.functional.tiled.plan import (
     tile_plan,
     use_tiles,
 )
+from attnzoo.functional.tiled.scores import LOG2E
 
 __all__ = [
     "CAPABILITIES",
@@ -98,23 +102,22 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-@functools.cache
 def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether ``device_type`` multiplies ``dtype`` (float16/bfloat16) matrices natively.
+    """Whether tiles of ``dtype`` (float16/bfloat16) inputs are multiplied in ``dtype`` on
+    ``device_type``: always on CUDA; on CPU unless measured >= 1.25x slower than float32 (see
+    :mod:`attnzoo.functional.halfmath`: timed once per process, never read from CPU flags)."""
+    return half_math(dtype, device_type) == dtype
 
-    CUDA: yes. CPU: only with the AVX-512/AMX half-precision instructions (read from
-    ``/proc/cpuinfo``); without them torch's CPU half matmuls are orders of magnitude slower than
-    float32 ones, so the tiled backend computes each tile in float32 instead.
-    """
-    if device_type != "cpu":
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:  # pragma: no cover - non-Linux
-        return False
-    wanted = {"avx512_bf16", "amx_bf16"} if dtype == torch.bfloat16 else {"avx512_fp16", "amx_fp16"}
-    return bool(flags & wanted)
+
+#: float16 scores above this bound (by Cauchy-Schwarz) could overflow a float16 tile matmul
+#: (max 65504): such requests run their tiles in float32.
+_FP16_SCORE_LIMIT = 2.0 ** 15
+
+
+def _fp16_scores_may_overflow(r: AttnRequest) -> bool:
+    q_max = r.q.float().norm(dim=-1).amax()
+    k_max = r.k.float().norm(dim=-1).amax()
+    return bool(q_max * k_max * (r.scale * LOG2E) > _FP16_SCORE_LIMIT)
 
 
 def plan_for(r: AttnRequest, block_q: int | None = None, block_k: int | None = None,
@@ -140,7 +143,8 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
     plan = plan_for(r, block_q, block_k, tiles)
     q, k, v = r.q, r.k, r.v
     half = q.dtype in (torch.float16, torch.bfloat16)
-    if half and not native_half_matmul(q.dtype, q.device.type):
+    if half and (not native_half_matmul(q.dtype, q.device.type)
+                 or (q.dtype == torch.float16 and _fp16_scores_may_overflow(r))):
         q, k, v = q.float(), k.float(), v.float()  # tile math in float32; memory stays O(N x block)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _TiledAttention.apply(q, k, v, r, plan)

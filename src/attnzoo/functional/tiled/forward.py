@@ -85,6 +85,18 @@ def attention_forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: T
     return out, lse
 
 
+def _p_times_v(p: Tensor, ell: Tensor, v: Tensor) -> Tensor:
+    """``P V`` of a chunk in P's (float32/64) dtype, given P's row sums ``ell``.
+
+    Half-precision V: P is divided by its row sums before the cast, so the half matmul sees
+    weights <= 1 (a convex combination cannot overflow float16, and a row with one visible key
+    gets exactly its value); the sums are multiplied back in float32."""
+    if p.dtype == v.dtype:
+        return torch.matmul(p, v)
+    w = p.div_(torch.where(ell > 0, ell, torch.ones_like(ell))).to(v.dtype)
+    return torch.matmul(w, v).to(ell.dtype).mul_(ell)
+
+
 def _forward_block(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk, ...], q: Tensor, k: Tensor,
                    v: Tensor, bound: ScoreBound | None, out: Tensor, lse: Tensor | None) -> None:
     """Query block ``i`` over its key chunks into ``out`` and ``lse`` (its temporaries die on return)."""
@@ -114,8 +126,8 @@ def _forward_block(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk, 
             p = exp_(s.sub_(m_safe), unit)  # in place on the tile; hidden keys -> 0
         # P V and the row sums as two calls: a V with a column of ones (one matmul) is slower,
         # as matmuls with Dv + 1 columns run ~20% below those with Dv = 64, plus the copy.
-        pv = torch.matmul(p.to(v.dtype), v[:, :, c.k_lo:c.k_hi]).to(acc_dtype)  # [B, Hkv, G*bq, Dv]
         ell_c = p.sum(dim=-1, keepdim=True, dtype=acc_dtype)
+        pv = _p_times_v(p, ell_c, v[:, :, c.k_lo:c.k_hi])  # [B, Hkv, G*bq, Dv]
         if acc is None or ell is None:
             acc, ell = pv, ell_c
         else:
@@ -154,7 +166,10 @@ def forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: T
         s.sub_(shift)
     p = exp_(s, unit)
     ell = p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, G*bq, 1]
-    p_v = p.to(v.dtype)
+    ok = ell > 0
+    safe = torch.where(ok, ell, torch.ones_like(ell))
+    normalised = p.dtype != v.dtype  # half V: weights <= 1 before the cast (see _p_times_v)
+    p_v = (p.div_(safe) if normalised else p).to(v.dtype)
     Dv = v.shape[-1]
     # Without GQA and in the accumulation dtype, P V goes straight into the output rows (no copy).
     acc_dtype = s.dtype
@@ -164,9 +179,7 @@ def forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: T
         for h_i in range(Hkv):
             torch.bmm(p_v[b_i, h_i], v_win[b_i, h_i], out=acc[b_i, h_i])  # [g, G*bq, Dv]
     acc = acc.to(acc_dtype)
-    ok = ell > 0
-    safe = torch.where(ok, ell, torch.ones_like(ell))
-    o = acc.div_(safe)
+    o = acc if normalised else acc.div_(safe)
 
     def unfold_rows(t: Tensor) -> Tensor:  # [B, Hkv, g, G*bq, E] -> [B, Hq, R, E]
         return t.reshape(B, Hkv, g, G, bq, -1).transpose(2, 3).reshape(B, Hq, R, -1)

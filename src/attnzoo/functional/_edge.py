@@ -1,0 +1,90 @@
+"""Edge cases every backend shares, handled once around the backend call (``docs/conventions.md``):
+
+* empty inputs: no keys (``Nk = 0``) gives zeros and LSE ``-inf``; no queries or no batch gives
+  empty outputs; no backend kernel sees a zero-size tensor;
+* non-finite keys/values: a key a row cannot see never changes that row. Fused kernels add the
+  mask to the scores (``NaN + -inf = NaN``) and multiply hidden values by a zero weight
+  (``0 * NaN = NaN``), so a NaN or inf in one hidden key would spoil every row. When K or V hold
+  a non-finite entry (checked eagerly, for masked requests whose output is not finite), the
+  backend runs on K/V with those entries zeroed and the rows that *see* such a key are set to NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from attnzoo.functional._request import AttnRequest
+from attnzoo.functional.rules import compute_dtype
+
+__all__ = ["empty_result", "guard_nonfinite", "is_empty"]
+
+#: Query rows per step when finding the rows that see a non-finite key (bounds the bool table).
+_ROWS_PER_STEP = 1024
+
+
+def is_empty(r: AttnRequest) -> bool:
+    """Whether the request has no keys, no queries or no batch."""
+    return r.nk == 0 or r.nq == 0 or r.batch == 0
+
+
+def empty_result(r: AttnRequest) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out [B, Hq, Nq, Dv] zeros, lse [B, Hq, Nq] -inf, weights [B, Hq, Nq, Nk] zeros)``.
+
+    ``out`` is ``0 @ v`` so gradients reach ``v`` (as zeros)."""
+    B, Hq, Nq, Nk = r.batch, r.hq, r.nq, r.nk
+    v = r.v.repeat_interleave(r.group, dim=1) if r.group > 1 else r.v  # [B, Hq, Nk, Dv]
+    weights = torch.zeros(B, Hq, Nq, Nk, dtype=r.q.dtype, device=r.q.device)
+    out = torch.matmul(weights, v)  # [B, Hq, Nq, Dv] zeros, differentiable in v
+    lse = torch.full((B, Hq, Nq), float("-inf"), dtype=compute_dtype(r.q.dtype), device=r.q.device)
+    return out, lse, weights
+
+
+def _hides_keys(r: AttnRequest) -> bool:
+    return r.structure is not None or r.mask_tensor is not None
+
+
+def _rows_seeing(r: AttnRequest, bad: Tensor) -> Tensor:
+    """Bool ``[B, Hq, Nq]``: rows that see a key flagged in ``bad [B, Hkv, Nk]``."""
+    bad_q = bad.repeat_interleave(r.group, dim=1).unsqueeze(2)  # [B, Hq, 1, Nk]
+    parts = []
+    fm = r.float_mask
+    for lo in range(0, r.nq, _ROWS_PER_STEP):
+        hi = min(r.nq, lo + _ROWS_PER_STEP)
+        seen = bad_q
+        allowed = r.allowed(lo, hi, 0, r.nk)
+        if allowed is not None:
+            seen = seen & allowed
+        if fm is not None:
+            seen = seen & (fm[:, :, lo:hi] if fm.shape[2] > 1 else fm) > float("-inf")
+        parts.append(seen.expand(r.batch, r.hq, hi - lo, r.nk).any(dim=-1))
+    return torch.cat(parts, dim=-1)
+
+
+def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[Tensor, ...]]
+                    ) -> Tensor | tuple[Tensor, ...]:
+    """``run(r)`` (the output of :func:`attnzoo.attention`: ``out`` or ``(out, lse?, weights?)``),
+    except that non-finite keys/values change only the rows that see them (those become NaN)."""
+    if not _hides_keys(r) or r.nk == 0 or torch.compiler.is_compiling():
+        return run(r)
+    result = run(r)
+    # A leak can only show as a non-finite output: one reduction of the output (a NaN/inf anywhere
+    # makes the sum non-finite; ~10x cheaper than isfinite().all() on CPU) decides whether K and V
+    # are inspected at all. A float16 sum that merely overflows only costs that inspection.
+    out = result[0] if isinstance(result, tuple) else result
+    if bool(torch.isfinite(out.sum())):
+        return result
+    bad = ~torch.isfinite(r.k).all(dim=-1) | ~torch.isfinite(r.v).all(dim=-1)  # [B, Hkv, Nk]
+    if not bool(bad.any()):
+        return result  # the non-finite output comes from q or the mask, not from hidden keys
+    clean = dataclasses.replace(r, k=r.k.masked_fill(bad.unsqueeze(-1), 0),
+                                v=r.v.masked_fill(bad.unsqueeze(-1), 0))
+    result = run(clean)
+    rows = _rows_seeing(r, bad)  # [B, Hq, Nq]
+    parts = list(result) if isinstance(result, tuple) else [result]
+    # out [B, Hq, Nq, Dv], lse [B, Hq, Nq], weights [B, Hq, Nq, Nk]: NaN on the rows that see one
+    parts = [t.masked_fill(rows if t.dim() == 3 else rows.unsqueeze(-1), float("nan")) for t in parts]
+    return tuple(parts) if isinstance(result, tuple) else parts[0]

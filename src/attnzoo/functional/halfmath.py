@@ -1,0 +1,101 @@
+"""In which dtype half-precision inputs are multiplied: measured, not inferred from CPU flags.
+
+A CPU's flags say whether it *has* half-precision instructions, not whether torch's half matmuls
+beat its float32 ones at attention's tile shapes: on an Intel Xeon with AMX, bf16 tile matmuls
+ran ~2-4x faster than float32 and float16 ones about as fast (one thread); on the Xeon of issue 14
+(AVX-512 BF16/FP16) bf16 SDPA ran 1.5x *slower* than float32 SDPA; on AVX2-only CPUs bf16
+matmuls are hundreds of times slower. So the first half-precision call on a CPU times one
+tile-shaped batched matmul in float32 and in the half dtype (one thread, interleaved, best of
+several), runs through float32 math only if the half matmul is at least 1.25x slower, and caches
+the answer per process and dtype. CUDA always multiplies natively.
+
+Override (tests, reproducible benchmarks): the environment variable ``ATTNZOO_HALF_MATH`` =
+``native`` | ``float32`` | ``measure`` (default), or :func:`set_half_math`, which wins over it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+__all__ = ["HALF_DTYPES", "calibrate", "half_math", "half_math_mode", "set_half_math"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_MODES = ("native", "float32", "measure")
+_override: str | None = None
+_measured: dict[torch.dtype, bool] = {}
+
+#: Half inputs run through float32 math only when the half matmul is measured at least this much
+#: slower than the float32 one: converting costs a pass each way, and kernels such as SDPA gain
+#: from half precision beyond the matmul (fp16 SDPA beat SDPA via float32 by 1.2x on a Xeon where
+#: the fp16 matmul timed 0.9x of fp32). Clear cases stay clear: bf16 was 1.66x slower than fp32
+#: on the Xeon of issue 14, ~500x on AVX2-only CPUs, and 2.7x *faster* with AMX.
+_MAX_SLOWDOWN = 1.25
+
+
+def set_half_math(mode: str | None) -> None:
+    """Force ``"native"`` or ``"float32"`` math for half inputs on CPU, or ``"measure"``
+    (``None``: back to the environment variable / measuring)."""
+    global _override
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"half math mode must be one of {_MODES} or None, got {mode!r}")
+    _override = mode
+
+
+def half_math_mode() -> str:
+    """The mode in force: :func:`set_half_math`'s, else ``ATTNZOO_HALF_MATH``'s, else ``"measure"``."""
+    if _override is not None:
+        return _override
+    env = os.environ.get("ATTNZOO_HALF_MATH", "measure").strip().lower() or "measure"
+    if env not in _MODES:
+        raise ValueError(f"ATTNZOO_HALF_MATH must be one of {_MODES}, got {env!r}")
+    return env
+
+
+def _time_bmm(a: torch.Tensor, b: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    torch.bmm(a, b)
+    return time.perf_counter() - t0
+
+
+def calibrate(dtype: torch.dtype, repeats: int = 7, size: int = 256, depth: int = 64) -> tuple[float, float]:
+    """Seconds of one ``[4, size, depth] x [4, depth, size]`` batched matmul in float32 and in
+    ``dtype`` on one CPU thread (best of ``repeats``, calls interleaved so load hits both alike).
+
+    One thread: the kernels' relative speed is a property of the core (AMX, AVX-512 FMA, ...),
+    while multi-threaded timings of such short calls on a loaded machine are dominated by thread
+    wake-ups (a 2-thread run on a machine at load 15 timed 24 ms vs 32 ms for a 0.1 ms call)."""
+    g = torch.Generator().manual_seed(0)
+    a32 = torch.randn(4, size, depth, generator=g)
+    b32 = torch.randn(4, depth, size, generator=g)
+    ah, bh = a32.to(dtype), b32.to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.bmm(a32, b32), torch.bmm(ah, bh)  # warm-up (first calls initialise kernels)
+        t32 = th = float("inf")
+        for _ in range(repeats):
+            t32 = min(t32, _time_bmm(a32, b32))
+            th = min(th, _time_bmm(ah, bh))
+    finally:
+        torch.set_num_threads(threads)
+    return t32, th
+
+
+def half_math(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype in which attention multiplies ``dtype`` inputs on ``device``: ``dtype`` itself
+    (native half matmuls) or ``torch.float32``. Non-half dtypes are returned unchanged."""
+    if dtype not in HALF_DTYPES or torch.device(device).type != "cpu":
+        return dtype
+    mode = half_math_mode()
+    if mode != "measure":
+        return dtype if mode == "native" else torch.float32
+    fast = _measured.get(dtype)
+    if fast is None:
+        if torch.compiler.is_compiling():  # no timing inside a traced graph: float32 is always right
+            return torch.float32
+        t32, th = calibrate(dtype)
+        fast = _measured[dtype] = th <= t32 * _MAX_SLOWDOWN
+    return dtype if fast else torch.float32
