@@ -17,9 +17,10 @@ SOFTMAX = [n for n, s in VARIANTS.items() if s.family == "softmax"]
 
 
 def test_names_are_the_issue_list() -> None:
-    assert variant_names() == ["mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini"]
+    assert variant_names() == ["mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini",
+                               "nsa"]
     for spec in VARIANTS.values():
-        assert spec.family in ("softmax", "feature-map", "compressive")
+        assert spec.family in ("softmax", "feature-map", "compressive", "sparse")
         assert spec.exact == (spec.family == "softmax")
 
 

@@ -213,7 +213,7 @@ def _blocks(x: Tensor, select_len: int) -> Tensor:
 def _fast(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, cfg: NSAConfig,
           q_offset: int, scale: float, query_chunk: int, backend: str) -> Tensor:
     """Compressed and selected branches one query chunk at a time; the window through az.attention."""
-    B, H, Nq, D = q.shape
+    H, Nq = q.shape[1], q.shape[2]
     G = k.shape[1]
     r = H // G
     kb, vb = _blocks(k, cfg.select_len), _blocks(v, cfg.select_len)

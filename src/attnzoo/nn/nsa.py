@@ -219,8 +219,8 @@ def nsa_pairs(n: int, cfg: NSAConfig) -> tuple[int, int, int, int]:
     """``(compressed, selected, window, selected_computed)`` pairs per (batch, head) over ``n``
     tokens, closed-form: visible compressed blocks, tokens of the selected blocks (the current
     block partly), window keys; and the ``n l'`` keys a query of the fast form scores."""
-    l, d, sl, k, w = cfg.block_len, cfg.block_stride, cfg.select_len, cfg.num_selected, cfg.window
-    m = n - l + 1
+    bl, d, sl, k, w = cfg.block_len, cfg.block_stride, cfg.select_len, cfg.num_selected, cfg.window
+    m = n - bl + 1
     q_, r_ = divmod(max(m, 0), d)
     cmp = 0 if m <= 0 else d * q_ * (q_ - 1) // 2 + r_ * q_ + m
     full, rest = divmod(n, sl)
@@ -238,7 +238,7 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     params, flops_proj, qkv_bytes, io_bytes = projection_cost(cfg, shape)
     nblk = num_compressed(N, nc.block_len, nc.block_stride)
     per_block = 2 * (nc.block_len * D * D + D * D)  # fc1 + fc2 of one block
-    params += 2 * (nc.block_len * D + nc.block_len * D * D + D * D + 2 * D) + 3 * Hq * (C + 1)
+    params += 2 * (nc.block_len * D + nc.block_len * D * D + D * D) + 3 * Hq * C  # weights, as projection_cost
     flops_proj += 2 * B * Hkv * nblk * per_block + 2 * B * N * C * 3 * Hq
     cmp, slc, win, slc_done = nsa_pairs(N, nc)
     flops_attn = 2 * B * Hq * (cmp + slc_done + win) * 2 * D
@@ -262,7 +262,7 @@ def _arena(width: int, heads: int, window: int | None) -> dict[str, Any]:
     return {"block_len": 8, "block_stride": 4, "select_len": 8, "num_selected": 4, "window": window or 16}
 
 
-register(VariantSpec("nsa", "sparse softmax", False, "O(N C^2 + N (N/d + n l' + w) C)", "O(N) (query chunks)",
+register(VariantSpec("nsa", "sparse", False, "O(N C^2 + N (N/d + n l' + w) C)", "O(N) (query chunks)",
                      "K,V of every token + compressed blocks", _build, _cost, defaults=DEFAULTS,
                      options=("num_kv_heads",), kv_heads=default_nsa_kv_heads, causal_modes=(True,),
                      check={"block_len": 4, "block_stride": 2, "select_len": 4, "num_selected": 4, "window": 4},
