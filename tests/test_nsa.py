@@ -179,7 +179,7 @@ def test_functional_arguments_are_checked() -> None:
         nsa_attention(q, k, v, kc, vc, gates, (4, 2, 4, 4, 4))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS + [NSAConfig(32, 16, 64, 16, 512)])
+@pytest.mark.parametrize("cfg", [*CONFIGS, NSAConfig(32, 16, 64, 16, 512)])
 @pytest.mark.parametrize("n", [1, 5, 13, 40, 130])
 def test_closed_form_pairs_equal_counting_the_reference_masks(cfg: NSAConfig, n: int) -> None:
     """``nsa_pairs`` == the pairs the dense definition lets attend (every query picks the same count)."""

@@ -100,6 +100,8 @@ def _masked_softmax(s: Tensor, allowed: Tensor) -> Tensor:
     if s.shape[-1] == 0:
         return s
     s = s.masked_fill(~allowed, float("-inf"))
+    if bool(allowed.any(-1).all()):  # no empty row: the plain softmax (two passes, finite gradients)
+        return torch.softmax(s, dim=-1)
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
