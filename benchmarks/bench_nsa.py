@@ -10,7 +10,8 @@ tokens (the first and two local blocks included), window ``w=512``. Rows:
 * ``nsa:selected``: the selected branch alone (block picks precomputed): the part that gathers
   only the ``n l'`` selected keys per query, so its time should grow ~linearly in N
   (``t(4N)/t(N)`` ~ 4); the compressed branch still scores ``N^2 / (2 d)`` (query, block) pairs;
-* ``nsa:window``: the window branch alone (``az.attention(window=(w - 1, 0), causal=True)``);
+* ``nsa:window``: the window branch alone (``az.attention(window=(w - 1, 0), causal=True)`` per
+  chunk of ``w`` queries over the ``<= 2 w`` keys their windows reach);
 * ``dense``: ``az.attention(q, k, v, causal=True, backend="sdpa")`` (GQA, K/V not expanded). Above
   ``--dense-max`` it is not run: the table shows ``t(dense-max) * (N / dense-max)^2`` marked
   ``(estimate)``.
@@ -34,7 +35,14 @@ from collections.abc import Callable
 import torch
 
 import attnzoo as az
-from attnzoo.functional.nsa import NSAConfig, _blocks, _chunk_selected, nsa_attention, pick_blocks
+from attnzoo.functional.nsa import (
+    NSAConfig,
+    _blocks,
+    _chunk_selected,
+    _window,
+    nsa_attention,
+    pick_blocks,
+)
 from attnzoo.nn.nsa import BlockCompressor
 
 B, H, HKV, D = 1, 8, 2, 64
@@ -74,7 +82,7 @@ def _calls(n: int) -> dict[str, Callable[[], object]]:
                 for t, idx, ok in picks]
 
     return {"nsa": nsa, "nsa:selected": selected,
-            "nsa:window": lambda: az.attention(q, k, v, causal=True, window=(CFG.window - 1, 0)),
+            "nsa:window": lambda: _window(q, k, v, CFG, 0, scale, CHUNK, "auto"),
             "dense": lambda: az.attention(q, k, v, causal=True, backend="sdpa")}
 
 

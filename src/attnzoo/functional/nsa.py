@@ -230,9 +230,21 @@ def _fast(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: 
         o_slc = _chunk_selected(qg, kb, vb, idx, ok, t, cfg, scale)
         g = gates[:, :, a:a + query_chunk].unflatten(1, (G, r))
         outs.append(g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc)
-    o_win = attention(q, k, v, causal=True, window=(cfg.window - 1, 0), q_offset=q_offset, scale=scale,
-                      backend=backend)
-    return torch.cat(outs, dim=3).flatten(1, 2) + gates[..., 2:3] * o_win  # type: ignore[operator]
+    return torch.cat(outs, dim=3).flatten(1, 2) + gates[..., 2:3] * _window(q, k, v, cfg, q_offset, scale, query_chunk,
+                                                                              backend)
+
+
+def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int,
+            backend: str) -> Tensor:
+    """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` per chunk of ``max(query_chunk, w)``
+    queries over the only keys its window can reach (``<= 2 w`` keys a query: O(N w), no tile walk)."""
+    c, w, nq = max(query_chunk, cfg.window), cfg.window, q.shape[2]
+    outs = []
+    for a in range(0, nq, c):
+        lo, hi = max(0, q_offset + a - w + 1), q_offset + min(nq, a + c)
+        outs.append(attention(q[:, :, a:a + c], k[:, :, lo:hi], v[:, :, lo:hi], causal=True, window=(w - 1, 0),
+                              q_offset=q_offset + a - lo, scale=scale, backend=backend))
+    return torch.cat(outs, dim=2)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- entry point
