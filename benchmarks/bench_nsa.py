@@ -21,8 +21,9 @@ Usage::
     python benchmarks/bench_nsa.py                          # N = 16384 and 65536
     python benchmarks/bench_nsa.py --sizes 4096 --repeats 3
 
-Times are wall-clock medians of ``--repeats`` calls after one warm-up at N=2048; the machine may be
-shared, so compare columns within one run.
+Times are medians of ``--repeats`` calls after one warm-up at N=2048: wall clock and process CPU
+time (all torch threads; a shared machine inflates it less than wall time). Compare columns within
+one run.
 """
 
 from __future__ import annotations
@@ -86,13 +87,15 @@ def _calls(n: int) -> dict[str, Callable[[], object]]:
             "dense": lambda: az.attention(q, k, v, causal=True, backend="sdpa")}
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
+def _time(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median wall and process-CPU seconds of ``repeats`` calls."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,12 +115,12 @@ def main(argv: list[str] | None = None) -> None:
                     est = "n/a" if dense_ref is None else f"{dense_ref[1] * (n / dense_ref[0]) ** 2:.1f} (estimate)"
                     rows.setdefault(name, {})[n] = est
                     continue
-                s = _time(fn, a.repeats)
+                s, c = _time(fn, a.repeats)
                 if name == "dense":
                     dense_ref = (n, s)
-                rows.setdefault(name, {})[n] = f"{s:.2f}"
-                print(f"{name:>14} N={n:>6}: {s:.2f} s", flush=True)
-    print(f"\nforward seconds, B={B} H={H} Hkv={HKV} D={D} fp32, torch threads={torch.get_num_threads()}, "
+                rows.setdefault(name, {})[n] = f"{s:.2f} (cpu {c:.2f})"
+                print(f"{name:>14} N={n:>6}: {s:.2f} s wall, {c:.2f} s process CPU", flush=True)
+    print(f"\nforward seconds: wall (process CPU), B={B} H={H} Hkv={HKV} D={D} fp32, torch threads={torch.get_num_threads()}, "
           f"l={CFG.block_len} d={CFG.block_stride} l'={CFG.select_len} n={CFG.num_selected} w={CFG.window}")
     print("| method | " + " | ".join(f"N={n}" for n in a.sizes) + " |")
     print("|---|" + "---|" * len(a.sizes))
