@@ -208,3 +208,23 @@ def test_registered_everywhere() -> None:
     assert 0 < est.flops_attention < dense.flops_attention / 8  # ~N^2 / (2 d) compressed pairs dominate
     assert est.params == sum(p.numel() for n_, p in build_attention("nsa", 4096, 32).named_parameters()
                              if not n_.endswith("bias"))
+
+
+def test_selected_branch_work_is_n_l_prime_keys_a_query() -> None:
+    """The fast form's selected branch multiplies each query by its ``n l'`` gathered keys only:
+    its FLOPs are linear in N (4x the tokens, 4x the FLOPs), not quadratic."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from attnzoo.functional.nsa import _blocks, _chunk_selected
+
+    cfg = NSAConfig(4, 2, 4, 4, 4)
+    flops = []
+    for n in (64, 256):
+        q, k, v, _, _ = _inputs(cfg, 1, 4, 2, n, n)
+        t = torch.arange(n)
+        idx, ok = pick_blocks(torch.rand(1, 2, n, n // 4, dtype=F64), t, cfg)
+        with FlopCounterMode(display=False) as fc:
+            _chunk_selected(q.unflatten(1, (2, 2)), _blocks(k, 4), _blocks(v, 4), idx, ok, t, cfg, 1.0)
+        flops.append(fc.get_total_flops())
+    assert flops[0] == 2 * 2 * 4 * 64 * (4 * 4) * 8  # 2 products x 2 x H x N x (n l') x D
+    assert flops[1] == 4 * flops[0]
