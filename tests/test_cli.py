@@ -59,7 +59,7 @@ def test_list_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list", "--json", "--dim", "256", "--heads", "8", "--dtype", "float16"]) == 0
     data = json.loads(capsys.readouterr().out)
     rows = {v["name"]: v for v in data["variants"]}
-    assert set(rows) == {"mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini"}
+    assert set(rows) == {"mha", "mqa", "gqa", "sliding", "local_global", "linear", "performer", "infini", "nsa"}
     assert rows["mha"]["kv_cache_bytes_per_token"] == 2 * 8 * 32 * 2
     assert rows["mqa"]["kv_cache_bytes_per_token"] == 2 * 1 * 32 * 2
     assert rows["linear"]["kv_cache_bytes_per_token"] == 0
