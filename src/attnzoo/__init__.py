@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "Mamba2": "attnzoo.nn.mamba2",
     "RecurrentCache": "attnzoo.nn.recurrent",
     "MultiHeadLatentAttention": "attnzoo.nn.mla",
+    "NativeSparseAttention": "attnzoo.nn.nsa",
     "SinusoidalPositionalEncoding": "attnzoo.nn.positional",
     "LearnedPositionalEmbedding": "attnzoo.nn.positional",
     "RotaryEmbedding": "attnzoo.nn.positional",

@@ -1,0 +1,307 @@
+"""Native sparse attention (Yuan et al. 2025, DeepSeek): compressed, selected and sliding branches.
+
+Positions follow ``docs/conventions.md``: query row ``i`` sits at ``t = q_offset + i``; key ``j`` at
+``j``. Query head ``h`` reads key/value head ``g = h // (H // Hkv)`` (GQA). Three branches:
+
+* **compressed**: block ``i`` covers tokens ``[i d, i d + l)`` (length ``l``, stride ``d``) and is
+  summarised into one key and one value (:func:`compress_blocks`: a learned MLP over the block's
+  tokens plus an intra-block position embedding, as published). The query at ``t`` sees block ``i``
+  iff it **ends** at or before ``t`` (``i d + l - 1 <= t``): nothing from the future.
+* **selected**: selection block ``j`` covers ``[j l', (j + 1) l')``. Its importance for the query
+  at ``t`` is the sum of the compressed branch's probabilities of the compressed blocks overlapping
+  it, summed over the query heads of a GQA group (all heads of a group share their blocks). The
+  first block and the ``local_blocks`` most recent blocks are always taken, then the highest scores
+  up to ``num_selected`` blocks among those starting at or before ``t``; attention runs over their
+  tokens ``<= t``.
+* **window**: causal sliding window of ``w`` tokens, ``az.attention(window=(w - 1, 0), causal=True)``.
+
+``out = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` with per-head gates ``[B, H, N, 3]`` in (0, 1).
+
+Two forms: ``"reference"`` materialises every branch densely (``[N, N]`` masks, float64 friendly,
+written from the definition); ``"fast"`` walks the queries in chunks, attends each chunk over the
+compressed blocks it can see, and **gathers only the selected key/value blocks** of every
+(group, query): the selected branch costs ``n l'`` keys per query whatever ``N``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnzoo._validate import check_int
+from attnzoo.functional.attention import attention
+
+__all__ = ["NSAConfig", "compress_blocks", "nsa_attention", "num_compressed", "pick_blocks"]
+
+FORMS = ("auto", "fast", "reference")
+
+
+@dataclass(frozen=True)
+class NSAConfig:
+    """Block sizes of native sparse attention (paper defaults: ``l=32, d=16, l'=64, n=16, w=512``).
+
+    Attributes:
+        block_len: ``l``, tokens per compressed block.
+        block_stride: ``d``, stride between compressed blocks (``d <= l``: no token skipped).
+        select_len: ``l'``, tokens per selection block (``d <= l'``).
+        num_selected: ``n``, selected blocks per query (``n >= 1 + local_blocks``).
+        window: ``w``, tokens of the sliding window (the query's own included).
+        local_blocks: most recent selection blocks always selected (the current one included).
+    """
+
+    block_len: int = 32
+    block_stride: int = 16
+    select_len: int = 64
+    num_selected: int = 16
+    window: int = 512
+    local_blocks: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_len", "block_stride", "select_len", "num_selected", "window", "local_blocks"):
+            check_int(getattr(self, name), name, 1, owner="NSAConfig")
+        if self.block_stride > self.block_len or self.block_stride > self.select_len:
+            raise ValueError(f"NSAConfig: block_stride must be <= block_len and <= select_len, got block_stride="
+                             f"{self.block_stride}, block_len={self.block_len}, select_len={self.select_len}")
+        if self.num_selected < 1 + self.local_blocks:
+            raise ValueError(f"NSAConfig: num_selected must be >= 1 + local_blocks = {1 + self.local_blocks} (the "
+                             f"first and the local blocks are always selected), got {self.num_selected}")
+
+
+def num_compressed(n: int, block_len: int, block_stride: int) -> int:
+    """Number of complete compressed blocks among the first ``n`` tokens."""
+    return 0 if n < block_len else (n - block_len) // block_stride + 1
+
+
+def compress_blocks(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
+                    block_len: int, block_stride: int) -> Tensor:
+    """Compress ``x [B, h, N, D]`` into one vector per complete block: ``[B, h, Nc, Do]``.
+
+    ``phi(X_i) = W2 gelu(W1 vec(X_i + pos) + b1) + b2`` with ``X_i = x[..., i d : i d + l, :]``,
+    ``pos [l, D]`` the intra-block position embedding, ``w1 [Dh, l D]``, ``w2 [Do, Dh]``.
+    """
+    B, h, N, D = x.shape
+    if tuple(pos.shape) != (block_len, D) or w1.shape[-1] != block_len * D:
+        raise ValueError(f"compress_blocks: expected pos [l, D] = {[block_len, D]} and w1 [Dh, l*D = {block_len * D}], "
+                         f"got pos {tuple(pos.shape)} and w1 {tuple(w1.shape)}")
+    nc = num_compressed(N, block_len, block_stride)
+    if nc == 0:
+        return x.new_zeros(B, h, 0, w2.shape[0])
+    blocks = x.unfold(2, block_len, block_stride)[:, :, :nc]  # [B, h, Nc, D, l]
+    flat = (blocks.transpose(-1, -2) + pos).flatten(-2)  # [B, h, Nc, l*D]
+    hidden = torch.nn.functional.gelu(torch.nn.functional.linear(flat, w1, b1))
+    return torch.nn.functional.linear(hidden, w2, b2)
+
+
+def _masked_softmax(s: Tensor, allowed: Tensor) -> Tensor:
+    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give zeros."""
+    if s.shape[-1] == 0:
+        return s
+    s = s.masked_fill(~allowed, float("-inf"))
+    if bool(allowed.any(-1).all()):  # no empty row: the plain softmax (two passes, finite gradients)
+        return torch.softmax(s, dim=-1)
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    return e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
+
+
+def pick_blocks(scores: Tensor, t: Tensor, cfg: NSAConfig) -> tuple[Tensor, Tensor]:
+    """The selection rule: ``scores [B, G, Nq, Ns]`` of the queries at ``t [Nq]`` -> ``(idx, ok)``,
+    both ``[B, G, Nq, min(n, Ns)]``: block ids and whether each pick is a real (causal) block.
+
+    Block ``j`` may be picked iff ``j l' <= t``; block 0 and the ``local_blocks`` blocks ending at
+    ``t``'s own block are always picked; the rest go by score (top-n).
+    """
+    ns = scores.shape[-1]
+    j = torch.arange(ns, device=scores.device)
+    valid = j[None, :] * cfg.select_len <= t[:, None]  # [Nq, Ns]
+    back = (t // cfg.select_len)[:, None] - j[None, :]
+    forced = (j[None, :] == 0) | ((back >= 0) & (back < cfg.local_blocks))
+    s = scores.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    idx = s.topk(min(cfg.num_selected, ns), dim=-1).indices
+    ok = valid.expand_as(s).gather(-1, idx)
+    return idx, ok
+
+
+# --------------------------------------------------------------------------- reference
+def _reference(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, cfg: NSAConfig,
+               q_offset: int, scale: float) -> Tensor:
+    """Every branch materialised densely over all ``[Nq, Nk]`` pairs (see the module docstring)."""
+    B, H, Nq, _ = q.shape
+    G, Nk, Nc = k.shape[1], k.shape[2], k_cmp.shape[2]
+    r = H // G
+    t = torch.arange(Nq, device=q.device) + q_offset  # [Nq]
+    key = torch.arange(Nk, device=q.device)
+    # compressed branch: block i visible iff it ends at or before t
+    ends = torch.arange(Nc, device=q.device) * cfg.block_stride + cfg.block_len - 1
+    p_cmp = _masked_softmax(q @ k_cmp.repeat_interleave(r, 1).transpose(-1, -2) * scale, ends[None, :] <= t[:, None])
+    o_cmp = p_cmp @ v_cmp.repeat_interleave(r, 1)
+    # importance of selection block j: compressed blocks overlapping it, summed over the group
+    ns = -(-Nk // cfg.select_len)
+    starts = torch.arange(Nc, device=q.device)[:, None] * cfg.block_stride
+    jl = torch.arange(ns, device=q.device)[None, :] * cfg.select_len
+    overlap = ((starts < jl + cfg.select_len) & (starts + cfg.block_len > jl)).to(q.dtype)  # [Nc, Ns]
+    imp = (p_cmp.detach() @ overlap).view(B, G, r, Nq, ns).sum(2)
+    idx, ok = pick_blocks(imp, t, cfg)
+    chosen = torch.zeros(B, G, Nq, ns, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
+    tokens = chosen[..., key // cfg.select_len] & (key[None, :] <= t[:, None])  # [B, G, Nq, Nk]
+    kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    o_slc = _masked_softmax(q @ kk.transpose(-1, -2) * scale, tokens.repeat_interleave(r, 1)) @ vv
+    in_window = (key[None, :] <= t[:, None]) & (key[None, :] > t[:, None] - cfg.window)
+    o_win = _masked_softmax(q @ kk.transpose(-1, -2) * scale, in_window) @ vv
+    return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
+
+
+# --------------------------------------------------------------------------- fast path
+def _overlap_scores(p: Tensor, ns: int, cfg: NSAConfig) -> Tensor:
+    """``p [B, G, c, Nc]`` (compressed probabilities) -> importance ``[B, G, c, ns]``: each
+    compressed block adds its probability to every selection block it overlaps (banded: at most
+    ``ceil((l - 1) / l') + 1`` of them, so a few ``index_add`` calls, no ``[Nc, Ns]`` matrix)."""
+    nc = p.shape[-1]
+    out = p.new_zeros(*p.shape[:-1], ns)
+    start = torch.arange(nc, device=p.device) * cfg.block_stride
+    first = start // cfg.select_len
+    for r in range(-(-(cfg.block_len - 1) // cfg.select_len) + 1):
+        j = first + r
+        keep = (j * cfg.select_len <= start + cfg.block_len - 1) & (j < ns)
+        if bool(keep.any()):
+            out.index_add_(-1, j[keep], p[..., keep])
+    return out
+
+
+def _chunk_compressed(qg: Tensor, k_cmp: Tensor, v_cmp: Tensor, t: Tensor, cfg: NSAConfig,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """Compressed branch of one query chunk ``qg [B, G, r, c, D]``: ``(o [B, G, r, c, Dv],
+    p [B, G, r, c, nc])`` over the ``nc`` blocks the chunk's last query can see."""
+    nc = min(k_cmp.shape[2], num_compressed(int(t[-1]) + 1, cfg.block_len, cfg.block_stride))
+    B, G, r, c, _ = qg.shape
+    if nc == 0:
+        return qg.new_zeros(B, G, r, c, v_cmp.shape[-1]), qg.new_zeros(B, G, r, c, 0)
+    ends = torch.arange(nc, device=qg.device) * cfg.block_stride + cfg.block_len - 1
+    s = torch.einsum("bgrcd,bgnd->bgrcn", qg, k_cmp[:, :, :nc]) * scale
+    p = _masked_softmax(s, ends[None, :] <= t[:, None])
+    return torch.einsum("bgrcn,bgnd->bgrcd", p, v_cmp[:, :, :nc]), p
+
+
+def _chunk_selected(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, t: Tensor, cfg: NSAConfig,
+                    scale: float) -> Tensor:
+    """Selected branch of one chunk: gather the picked blocks ``idx [B, G, c, n]`` of
+    ``kb, vb [B, G, Ns, l', D]`` and attend over their tokens ``<= t`` only."""
+    B, G = kb.shape[:2]
+    bi = torch.arange(B, device=kb.device).view(B, 1, 1, 1)
+    gi = torch.arange(G, device=kb.device).view(1, G, 1, 1)
+    ksel = kb[bi, gi, idx].flatten(3, 4)  # [B, G, c, n*l', D]
+    vsel = vb[bi, gi, idx].flatten(3, 4)
+    kpos = (idx[..., None] * cfg.select_len + torch.arange(cfg.select_len, device=kb.device)).flatten(3)
+    allowed = ok.repeat_interleave(cfg.select_len, -1) & (kpos <= t[:, None])  # [B, G, c, n*l']
+    s = torch.einsum("bgrcd,bgcmd->bgrcm", qg, ksel) * scale
+    p = _masked_softmax(s, allowed[:, :, None])
+    return torch.einsum("bgrcm,bgcmd->bgrcd", p, vsel)
+
+
+def _blocks(x: Tensor, select_len: int) -> Tensor:
+    """``x [B, G, Nk, D]`` zero-padded to whole selection blocks: ``[B, G, Ns, l', D]``."""
+    B, G, Nk, D = x.shape
+    ns = -(-Nk // select_len)
+    pad = ns * select_len - Nk
+    if pad:
+        x = torch.cat([x, x.new_zeros(B, G, pad, D)], dim=2)
+    return x.view(B, G, ns, select_len, D)
+
+
+def _fast(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, cfg: NSAConfig,
+          q_offset: int, scale: float, query_chunk: int, backend: str) -> Tensor:
+    """Compressed and selected branches one query chunk at a time; the window through az.attention."""
+    H, Nq = q.shape[1], q.shape[2]
+    G = k.shape[1]
+    r = H // G
+    kb, vb = _blocks(k, cfg.select_len), _blocks(v, cfg.select_len)
+    outs = []
+    for a in range(0, Nq, query_chunk):
+        qg = q[:, :, a:a + query_chunk].unflatten(1, (G, r))  # [B, G, r, c, D]
+        t = torch.arange(a, a + qg.shape[3], device=q.device) + q_offset
+        o_cmp, p = _chunk_compressed(qg, k_cmp, v_cmp, t, cfg, scale)
+        with torch.no_grad():
+            imp = _overlap_scores(p.detach().sum(2), int(t[-1]) // cfg.select_len + 1, cfg)
+            idx, ok = pick_blocks(imp, t, cfg)
+        o_slc = _chunk_selected(qg, kb, vb, idx, ok, t, cfg, scale)
+        g = gates[:, :, a:a + query_chunk].unflatten(1, (G, r))
+        outs.append(g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc)
+    return torch.cat(outs, dim=3).flatten(1, 2) + gates[..., 2:3] * _window(q, k, v, cfg, q_offset, scale, query_chunk,
+                                                                              backend)
+
+
+def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int,
+            backend: str) -> Tensor:
+    """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` per chunk of ``max(query_chunk, w)``
+    queries over the only keys its window can reach (``<= 2 w`` keys a query: O(N w), no tile walk)."""
+    c, w, nq = max(query_chunk, cfg.window), cfg.window, q.shape[2]
+    outs = []
+    for a in range(0, nq, c):
+        lo, hi = max(0, q_offset + a - w + 1), q_offset + min(nq, a + c)
+        outs.append(attention(q[:, :, a:a + c], k[:, :, lo:hi], v[:, :, lo:hi], causal=True, window=(w - 1, 0),
+                              q_offset=q_offset + a - lo, scale=scale, backend=backend))
+    return torch.cat(outs, dim=2)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- entry point
+def _check(q: object, k: object, v: object, k_cmp: object, v_cmp: object, gates: object) -> None:
+    names = ("q", "k", "v", "k_cmp", "v_cmp", "gates")
+    for name, x in zip(names, (q, k, v, k_cmp, v_cmp, gates), strict=True):
+        if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() != 4:
+            got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"nsa_attention: {name} must be a floating 4-D tensor, got {got}")
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    assert isinstance(k_cmp, Tensor) and isinstance(v_cmp, Tensor) and isinstance(gates, Tensor)
+    B, H, Nq, D = q.shape
+    G, Nk = k.shape[1], k.shape[2]
+    want = {"k": (B, G, Nk, D), "v": (B, G, Nk, v.shape[-1]), "k_cmp": (B, G, k_cmp.shape[2], D),
+            "v_cmp": (B, G, k_cmp.shape[2], v.shape[-1]), "gates": (B, H, Nq, 3)}
+    for name, x in (("k", k), ("v", v), ("k_cmp", k_cmp), ("v_cmp", v_cmp), ("gates", gates)):
+        if tuple(x.shape) != want[name] or H % G:
+            raise ValueError(f"nsa_attention: with q [B, H, Nq, D] = {list(q.shape)} and k [B, Hkv, Nk, D] "
+                             f"(H % Hkv == 0), {name} must have shape {list(want[name])}, got {list(x.shape)}")
+
+
+def nsa_attention(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor,
+                  config: NSAConfig, *, q_offset: int | None = None, scale: float | None = None,
+                  form: str = "auto", query_chunk: int = 128, backend: str = "auto") -> Tensor:
+    """Native sparse attention, causal (see the module docstring for the three branches).
+
+    Args:
+        q: queries ``[B, H, Nq, D]`` at positions ``q_offset ..``.
+        k, v: raw keys ``[B, Hkv, Nk, D]`` and values ``[B, Hkv, Nk, Dv]`` of positions ``0 .. Nk - 1``.
+        k_cmp, v_cmp: compressed blocks ``[B, Hkv, Nc, D]`` / ``[B, Hkv, Nc, Dv]`` (block ``i``
+            summarises tokens ``[i d, i d + l)``; :func:`compress_blocks`).
+        gates: branch gates ``[B, H, Nq, 3]`` (compressed, selected, window), e.g. sigmoids.
+        config: block sizes (:class:`NSAConfig`).
+        q_offset: position of the first query (default ``Nk - Nq``).
+        scale: score scale (default ``1 / sqrt(D)``).
+        form: ``"fast"`` (chunked, gathers only the selected blocks), ``"reference"`` (dense
+            masks, for float64 checks) or ``"auto"`` (= ``"fast"``).
+        query_chunk: queries per chunk of the fast form.
+        backend: :func:`attnzoo.attention` backend of the window branch (fast form).
+
+    Returns:
+        ``[B, H, Nq, Dv]``.
+    """
+    _check(q, k, v, k_cmp, v_cmp, gates)
+    if not isinstance(config, NSAConfig):
+        raise TypeError(f"nsa_attention: config must be an NSAConfig, got {type(config).__name__}")
+    if form not in FORMS:
+        raise ValueError(f"nsa_attention: form must be one of {FORMS}, got {form!r}")
+    query_chunk = check_int(query_chunk, "query_chunk", 1, owner="nsa_attention")
+    Nq, Nk = q.shape[2], k.shape[2]
+    q_offset = Nk - Nq if q_offset is None else check_int(q_offset, "q_offset", 0, owner="nsa_attention")
+    if q_offset + Nq > Nk:
+        raise ValueError(f"nsa_attention: queries at positions {q_offset}..{q_offset + Nq - 1} need their keys, "
+                         f"but k holds only Nk = {Nk} positions (causal: q_offset + Nq <= Nk)")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if Nq == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    if form == "reference":
+        return _reference(q, k, v, k_cmp, v_cmp, gates, config, q_offset, scale)
+    return _fast(q, k, v, k_cmp, v_cmp, gates, config, q_offset, scale, query_chunk, backend)
