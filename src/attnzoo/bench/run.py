@@ -17,7 +17,12 @@ import torch.nn.functional as F
 
 from attnzoo._devices import resolve_device
 from attnzoo._memory import refuse_if_too_big
-from attnzoo.bench.measure import matmul_peak_gflops, measure_peak_memory, time_call, time_eager_and_compiled
+from attnzoo.bench.measure import (
+    matmul_peak_gflops,
+    measure_peak_memory,
+    time_call,
+    time_eager_and_compiled,
+)
 from attnzoo.bench.plot import plot_bench
 from attnzoo.cost import dtype_from_name, estimate
 from attnzoo.functional.attention import attention
