@@ -1,7 +1,8 @@
 """``attnzoo bench --compile``: compile time, compiled and eager medians timed interleaved, their ratio
-in CSV/JSON and the table. Tiny sizes; most tests compile with the ``eager`` backend (what is tested is
+in CSV/JSON and the table; ``attnzoo arena --compile``: compiled training steps. Tiny sizes; most tests compile with the ``eager`` backend (what is tested is
 the plumbing), one slow test runs inductor."""
 
+import argparse
 import contextlib
 import csv
 import functools
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnzoo.arena import MQARTask, TrainConfig, add_arena_arguments, train
 from attnzoo.bench.measure import time_eager_and_compiled
 from attnzoo.bench.run import run_bench
 from attnzoo.cli import main
+from attnzoo.models import DecoderLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,3 +81,31 @@ def test_run_bench_compile_with_inductor(tmp_path: Path) -> None:
     report = run_bench(["tiled"], mode="fwd+bwd", window=8, compile=True, **TINY)
     r = report.results[0]
     assert r.status == "ok" and r.compile_s is not None and r.compiled_over_eager is not None
+
+
+def _tiny_lm() -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(32, 32, 1, 2, attention="sliding", max_seq_len=32)
+
+
+def test_compiled_training_gives_the_eager_losses(monkeypatch: pytest.MonkeyPatch) -> None:
+    task = MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=32)
+    want = train(_tiny_lm(), task, steps=4, global_batch=8, seed=3)
+    compiled: list[torch.nn.Module] = []
+
+    def spy(model: torch.nn.Module, **kw: object) -> torch.nn.Module:
+        compiled.append(model)
+        return torch._dynamo.optimize("aot_eager")(model)  # the forward and backward go through AOTAutograd
+
+    monkeypatch.setattr(torch, "compile", spy)
+    torch._dynamo.reset()
+    got = train(_tiny_lm(), task, steps=4, global_batch=8, seed=3, config=TrainConfig(compile=True))
+    assert len(compiled) == 1
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_arena_compile_flag_reaches_the_training_config() -> None:
+    p = argparse.ArgumentParser()
+    add_arena_arguments(p)
+    assert p.parse_args(["--compile"]).compile is True and p.parse_args([]).compile is False
+    assert "evaluation and decoding stay eager" in " ".join(p.format_help().split())

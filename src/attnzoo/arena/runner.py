@@ -148,6 +148,9 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between checkpoints (default: %(default)s)")
     parser.add_argument("--progress", choices=PROGRESS_KINDS, default="auto",
                         help="progress display (default: tqdm, else rich, else plain lines)")
+    parser.add_argument("--compile", action="store_true",
+                        help="train through torch.compile(model) (forward and backward of every training step); "
+                             "evaluation and decoding stay eager")
     parser.add_argument("--context-parallel", dest="context_parallel", action="store_true",
                         help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
                              "attention instead of splitting the batch; softmax variants only "
@@ -324,7 +327,7 @@ class _Run:
                 print(f"[{self.name}] finished earlier, reusing {self.done_file}", file=sys.stderr)
             return done
         s, args = self.s, self.args
-        cfg = TrainConfig(lr=s.lr, warmup=s.warmup)
+        cfg = TrainConfig(lr=s.lr, warmup=s.warmup, compile=bool(getattr(args, "compile", False)))
         model = _build_model(s, self.variant, self.task.vocab_size, args.seed, self.device)
         opt = make_optimizer(model, cfg)
         start, losses, evals = self._restore(model, opt)
