@@ -339,3 +339,16 @@ def test_dynamic_shapes_recurrent_kernels_recompiles(form: str) -> None:
                                                                    chunk_size=4), inputs),
     }
     assert all(c <= len(lengths) for c in counts.values()), counts
+
+
+@pytest.mark.parametrize("name", ["varlen-auto", "varlen-sdpa", "varlen-alibi"])
+def test_varlen_inference_runs_as_one_operator_and_matches_eager(name: str) -> None:
+    from attnzoo.functional.varlen import varlen_fwd
+
+    args = _packed()
+    dynamo.reset()
+    got = torch.compile(KERNELS[name], backend="aot_eager", fullgraph=True)(*args)
+    torch.testing.assert_close(got, KERNELS[name](*args))
+    q, k, v = args
+    torch.library.opcheck(varlen_fwd, (q, k, v, _cu(), _cu(), True, 12, 0, True, None, None, None,
+                                       torch.linspace(-1.0, 1.0, 4), True, "tiled"))

@@ -15,7 +15,8 @@ Semantics drawn for small N: ``docs/softmax-frontier.md``.
 
 Under ``torch.compile`` / ``torch.export`` the sequence boundaries are tensor data, so the call runs
 once on the packed tensors with a dense ``[Tq, Tk]`` mask built by tensor ops (exact, no graph
-break, but ``O(Tq x Tk)`` memory); the boundary checks on ``cu_seqlens`` values run in eager mode only.
+break, but ``O(Tq x Tk)`` memory) when gradients are needed; inference runs the eager call as one
+custom operator (``attnzoo::varlen_fwd``). The checks on ``cu_seqlens`` values run in eager mode only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from attnzoo.functional.attention import BACKENDS, attention
 from attnzoo.functional.rules import alibi_bias
 from attnzoo.masks import Mask
 
-__all__ = ["attention_varlen", "varlen_mask"]
+__all__ = ["attention_varlen", "varlen_fwd", "varlen_mask"]
 
 #: Backends that run the packed tensors in one call (they consume a Mask and skip empty tiles).
 PACKED_BACKENDS = ("tiled", "flex")
@@ -138,11 +139,46 @@ def _dense_packed_mask(cu_q: Tensor, cu_k: Tensor, tq: int, tk: int, causal: boo
     return bias.masked_fill(~allowed, float("-inf"))
 
 
+@torch.library.custom_op("attnzoo::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool, window_left: int | None,
+               window_right: int | None, has_window: bool, scale: float | None, softcap: float | None,
+               alibi_slopes: Tensor | None, sinks: Tensor | None, return_lse: bool, backend: str,
+               ) -> tuple[Tensor, Tensor]:
+    """Inference ``attention_varlen`` as one operator (the eager packed path, tiles skipped from the
+    sequence boundaries): ``(out [Tq, Hq, Dv], lse [Hq, Tq] or an empty [0] unless return_lse)``."""
+    with torch.no_grad():
+        res = attention_varlen(q, k, v, cu_q, cu_k, causal=causal, scale=scale, softcap=softcap,
+                               window=(window_left, window_right) if has_window else None,
+                               alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse, backend=backend)
+    out, lse = res if isinstance(res, tuple) else (res, q.new_empty(0, dtype=_lse_dtype(q)))
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q: Tensor, k: Tensor, v: Tensor, *args: object) -> tuple[Tensor, Tensor]:
+    return_lse = args[-2]
+    lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(lse_shape, dtype=_lse_dtype(q))
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _compiled_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, win: Window | None,
                      kwargs: dict, backend: str) -> Tensor | tuple[Tensor, Tensor]:
     """``attention_varlen`` while compiling: one call on the packed tensors with a dense mask (the
     sequence boundaries are tensor data, so per-sequence slices or tile plans would break the graph).
-    ``reference`` / ``sdpa`` / ``tiled`` run as asked, other backends run ``tiled``."""
+    ``reference`` / ``sdpa`` / ``tiled`` run as asked, other backends run ``tiled``. Without
+    gradients the eager call runs as one operator instead (:func:`varlen_fwd`: tiles skipped
+    exactly, no dense mask)."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                            (q, k, v, kwargs["alibi_slopes"], kwargs["sinks"]))):
+        left, right = win if win is not None else (None, None)
+        out, lse = varlen_fwd(q, k, v, cu_q, cu_k, kwargs["causal"], left, right, win is not None, kwargs["scale"],
+                              kwargs["softcap"], kwargs["alibi_slopes"], kwargs["sinks"], kwargs["return_lse"],
+                              backend)
+        return (out, lse) if kwargs["return_lse"] else out
     mask = _dense_packed_mask(cu_q, cu_k, q.shape[0], k.shape[0], kwargs.pop("causal"), win,
                               kwargs.pop("alibi_slopes"))
     qp, kp, vp = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
