@@ -101,7 +101,7 @@ def run(cases: list[str], n: int, repeats: int) -> list[dict[str, object]]:
         e, c = statistics.median(te), statistics.median(tc)
         row = {"case": name, "n": n, "compile_s": round(compile_s, 2), "eager_ms": round(e * 1e3, 2),
                "compiled_ms": round(c * 1e3, 2), "ratio": round(c / e, 3)}
-        print(f"{name:7s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
+        print(f"{name:9s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
               f"{c * 1e3:8.2f} ms   compiled/eager {c / e:.3f}", flush=True)
         rows.append(row)
     return rows
