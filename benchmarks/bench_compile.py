@@ -1,7 +1,9 @@
 """torch.compile: compile time and compiled/eager time ratio of attnzoo calls (CPU, float32).
 
 Cases (shapes of issue 20): ``az.attention`` dense causal and sliding window ``(64, 0)`` at
-``[1, 4, N, 32]``, causal ``az.linear_attention`` at the same shape (forward, inference), and a
+``[1, 4, N, 32]``, causal ``az.linear_attention``, ``az.sigmoid_attention`` (window 64),
+``az.attention_varlen`` (the N tokens as 4 causal sequences) and ``az.retention`` (chunked) at
+the same shape (forward, inference), and a
 training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
 num_heads=4, attention="sliding")`` on ``N`` tokens.
 
@@ -28,7 +30,23 @@ import torch.nn.functional as F
 
 import attnzoo as az
 
-CASES = ("dense", "window", "linear", "lm")
+CASES = ("dense", "window", "linear", "sigmoid", "varlen", "retention", "lm")
+
+
+def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The inference cases on ``[1, 4, N, 32]`` (varlen: the same tokens packed as 4 sequences)."""
+    n = q.shape[2]
+    cu = torch.tensor([0, n // 8, n // 4, n // 2, n], dtype=torch.int32)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # [N, 4, 32]
+    gamma = torch.tensor([0.9, 0.95, 0.98, 0.99])
+    return {
+        "dense": lambda: az.attention(q, k, v, causal=True),
+        "window": lambda: az.attention(q, k, v, causal=True, window=(64, 0)),
+        "linear": lambda: az.linear_attention(q, k, v, causal=True),
+        "sigmoid": lambda: az.sigmoid_attention(q, k, v, causal=True, window=64),
+        "varlen": lambda: az.attention_varlen(*packed, cu, cu, causal=True),
+        "retention": lambda: az.retention(q * 0.2, k * 0.2, v, gamma),
+    }
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -40,12 +58,8 @@ def _time(fn: Callable[[], object]) -> float:
 def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]]:
     """(eager call, compiled call) of a case; the compiled one is built lazily by its first call."""
     q, k, v = (torch.randn(1, 4, n, 32) for _ in range(3))
-    if name in ("dense", "window", "linear"):
-        def attn() -> object:
-            if name == "linear":
-                return az.linear_attention(q, k, v, causal=True)
-            return az.attention(q, k, v, causal=True, window=(64, 0) if name == "window" else None)
-
+    if name != "lm":
+        attn = _calls(q, k, v)[name]
         compiled = torch.compile(attn, fullgraph=True)
 
         def eager_inf() -> object:
@@ -87,7 +101,7 @@ def run(cases: list[str], n: int, repeats: int) -> list[dict[str, object]]:
         e, c = statistics.median(te), statistics.median(tc)
         row = {"case": name, "n": n, "compile_s": round(compile_s, 2), "eager_ms": round(e * 1e3, 2),
                "compiled_ms": round(c * 1e3, 2), "ratio": round(c / e, 3)}
-        print(f"{name:7s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
+        print(f"{name:9s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
               f"{c * 1e3:8.2f} ms   compiled/eager {c / e:.3f}", flush=True)
         rows.append(row)
     return rows

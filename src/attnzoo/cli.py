@@ -289,21 +289,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            batch=args.batch, heads=args.heads, head_dim=args.head_dim, causal=not args.no_causal,
                            window=args.window, repeats=args.repeats, warmup=args.warmup, memory=not args.no_memory,
                            max_case_seconds=args.max_case_seconds, peak_max_n=args.peak_size, seed=args.seed,
-                           progress=bar)
+                           compile=args.compile, progress=bar)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     finally:
         bar.close()
     paths = report.write(args.out, stem=args.name, plot=not args.no_plot)
     peak = report.meta["matmul_peak_gflops"]
+    head = ["target", "N", "median ms", "peak MiB", "GFLOP/s", "% of mm peak", "status"]
     rows = [[r.target, r.seq_len, format_value(r.time_ms, ".2f"), format_value(r.peak_mem_mb, ".1f"),
              format_value(r.gflops, ".1f"),
              format_value(None if r.frac_of_peak is None else 100 * r.frac_of_peak, ".0f"), r.status]
             for r in report.results]
+    if args.compile:  # compiled median, then compile time, eager median and the ratio
+        head[2:2] = ["compile s", "eager ms", "compiled/eager"]
+        for row, r in zip(rows, report.results, strict=True):
+            row[2:2] = [format_value(r.compile_s, ".2f"), format_value(r.eager_ms, ".2f"),
+                        format_value(r.compiled_over_eager, ".2f")]
     print_table(f"attnzoo bench ({args.mode}, {args.dtype}, {args.device}, B={args.batch} H={args.heads} "
-                f"D={args.head_dim}; torch.mm peak {peak:.0f} GFLOP/s)",
-                ["target", "N", "median ms", "peak MiB", "GFLOP/s", "% of mm peak", "status"], rows,
-                plain=args.plain)
+                f"D={args.head_dim}{', torch.compile' if args.compile else ''}; torch.mm peak {peak:.0f} GFLOP/s)",
+                head, rows, plain=args.plain)
     for kind, p in paths.items():
         print(f"wrote {kind}: {p}")
     return 0
@@ -525,6 +530,10 @@ def _add_bench_parser(sub: Any) -> None:
                    help="skip longer sequences of a target once a call takes longer (positive; default: 5)")
     p.add_argument("--peak-size", type=_positive_int, default=2048,
                    help="largest n x n torch.mm of the peak measurement (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="time torch.compile of each call (and its backward in fwd+bwd): reports the compile "
+                        "time (first compiled call), the compiled median and the compiled/eager ratio, eager "
+                        "and compiled calls interleaved; peak memory stays that of the eager call")
     p.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
     p.add_argument("--name", default="bench", help="file stem of the outputs (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")

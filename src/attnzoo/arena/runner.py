@@ -177,6 +177,9 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between checkpoints (default: %(default)s)")
     parser.add_argument("--progress", choices=PROGRESS_KINDS, default="auto",
                         help="progress display (default: tqdm, else rich, else plain lines)")
+    parser.add_argument("--compile", action="store_true",
+                        help="train through torch.compile(model) (forward and backward of every training step); "
+                             "evaluation and decoding stay eager")
     parser.add_argument("--context-parallel", dest="context_parallel", action="store_true",
                         help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
                              "attention instead of splitting the batch; softmax variants only "
@@ -370,7 +373,7 @@ class _Run:
             self.reused = True
             return done
         s = self.s
-        cfg = TrainConfig(lr=s.lr, warmup=s.warmup)
+        cfg = TrainConfig(lr=s.lr, warmup=s.warmup, compile=bool(getattr(self.args, "compile", False)))
         model = _build_model(s, self.variant, self.task.vocab_size, self.seed, self.device)
         opt = make_optimizer(model, cfg)
         start, losses, evals = self._restore(model, opt)

@@ -61,6 +61,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float | None = 1.0
+    compile: bool = False  # training forwards (and their backward) through torch.compile(model)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -198,6 +199,8 @@ def train(
     net: nn.Module = model
     if world > 1 and not sharded:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:  # training steps only: evaluation and decoding call the eager model
+        net = torch.compile(net)
     model.train()
     losses: list[float] = []
     tokens = 0

@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["PeakMemoryTracker", "matmul_peak_gflops", "measure_peak_memory", "time_call"]
+__all__ = ["PeakMemoryTracker", "matmul_peak_gflops", "measure_peak_memory", "time_call", "time_eager_and_compiled"]
 
 
 # =========================================================================== measuring
@@ -100,6 +100,34 @@ def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
         sync()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def time_eager_and_compiled(eager: Callable[[], Any], compiled: Callable[[], Any], repeats: int = 5,
+                            warmup: int = 1, device: torch.device | str = "cpu",
+                            ) -> tuple[float, list[float], list[float]]:
+    """``(compile_s, eager_times, compiled_times)``: the first call of ``compiled`` (which
+    compiles) is timed as the compile time; after ``warmup`` untimed calls of each, ``repeats``
+    eager and compiled calls alternate, so both see the same machine load."""
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    compiled()
+    sync()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        eager()
+        compiled()
+    eager_times: list[float] = []
+    compiled_times: list[float] = []
+    for _ in range(repeats):
+        for fn, times in ((eager, eager_times), (compiled, compiled_times)):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+    return compile_s, eager_times, compiled_times
 
 
 def matmul_peak_gflops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

@@ -17,7 +17,12 @@ import torch.nn.functional as F
 
 from attnzoo._devices import resolve_device
 from attnzoo._memory import refuse_if_too_big
-from attnzoo.bench.measure import matmul_peak_gflops, measure_peak_memory, time_call
+from attnzoo.bench.measure import (
+    matmul_peak_gflops,
+    measure_peak_memory,
+    time_call,
+    time_eager_and_compiled,
+)
 from attnzoo.bench.plot import plot_bench
 from attnzoo.cost import dtype_from_name, estimate
 from attnzoo.functional.attention import attention
@@ -51,6 +56,9 @@ class BenchResult:
     gflop: float | None = None  # useful GFLOP of one call
     gflops: float | None = None  # achieved GFLOP/s (useful FLOPs / median time)
     frac_of_peak: float | None = None  # gflops / measured matmul peak
+    compile_s: float | None = None  # --compile: seconds of the first compiled call (time_ms is then compiled)
+    eager_ms: float | None = None  # --compile: eager median, interleaved with the compiled calls
+    compiled_over_eager: float | None = None  # --compile: compiled median / eager median
     status: str = "ok"  # "ok" | "skipped: ..." | "error: ..."
 
 
@@ -98,6 +106,7 @@ class _Setup:
     memory: bool
     max_score_bytes: int
     seed: int
+    compile: bool = False
 
     @property
     def band(self) -> tuple[int, int] | None:
@@ -213,6 +222,20 @@ def _in_mode(call: Callable[[], Any], mode: str) -> Callable[[], Any]:
     return fwd_only
 
 
+def _timed(res: BenchResult, call: Callable[[], Any], fn: Callable[[], Any], st: _Setup) -> list[float]:
+    """Seconds of each timed call of ``fn``; with ``st.compile``, of ``torch.compile(call)`` in the
+    same mode, timed interleaved with eager ``fn`` (compile time and ratio go into ``res``)."""
+    if not st.compile:
+        return time_call(fn, repeats=st.repeats, warmup=st.warmup, device=st.device)
+    torch._dynamo.reset()  # a fresh cache per case: earlier cases' guards must not count as recompiles
+    compiled = _in_mode(torch.compile(call), st.mode)
+    res.compile_s, eager, times = time_eager_and_compiled(fn, compiled, repeats=st.repeats, warmup=st.warmup,
+                                                          device=st.device)
+    res.eager_ms = statistics.median(eager) * 1e3
+    res.compiled_over_eager = statistics.median(times) / statistics.median(eager)
+    return times
+
+
 def _run_case(res: BenchResult, kind: str, name: str, st: _Setup, peak: float) -> None:
     """Measure one case into ``res`` (time, memory, GFLOP/s) or record why it was skipped or failed."""
     n = res.seq_len
@@ -232,7 +255,7 @@ def _run_case(res: BenchResult, kind: str, name: str, st: _Setup, peak: float) -
         useful *= 3
     fn = _in_mode(call, st.mode)
     try:
-        times = time_call(fn, repeats=st.repeats, warmup=st.warmup, device=st.device)
+        times = _timed(res, call, fn, st)
         if st.memory:
             res.peak_mem_mb = measure_peak_memory(fn, st.device) / 2**20
     except Exception as exc:
@@ -255,6 +278,7 @@ def _meta(st: _Setup, peak: float) -> dict[str, Any]:
         "memory_method": ("torch.cuda.max_memory_allocated" if st.device.type == "cuda"
                           else "PeakMemoryTracker (TorchDispatchMode over tensor storages)"),
         "flops": "useful FLOPs of attnzoo.cost.estimate(backend='ideal'); fwd+bwd = 3x fwd",
+        "compile": st.compile,
     }
 
 
@@ -286,6 +310,7 @@ def run_bench(
     max_score_bytes: int = 2 << 30,
     peak_max_n: int = 2048,
     seed: int = 0,
+    compile: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Time (and measure the peak memory of) every target at every sequence length.
@@ -309,6 +334,9 @@ def run_bench(
             would exceed this.
         peak_max_n: largest ``n x n`` product of the ``torch.mm`` peak measurement.
         seed: RNG seed.
+        compile: time ``torch.compile`` of each call instead (its backward too in ``fwd+bwd``):
+            ``compile_s`` is the first compiled call, ``time_ms`` the compiled calls, timed
+            interleaved with eager ones (``eager_ms``, ``compiled_over_eager``).
         progress: called with a label before each case.
 
     Raises:
@@ -321,7 +349,8 @@ def run_bench(
     lens = [int(n) for n in seq_lens]
     if not lens or any(n < 1 for n in lens):
         raise ValueError(f"seq_lens must be positive integers, got {list(seq_lens)}")
-    st = _Setup(dt, dev, mode, batch, heads, head_dim, causal, window, repeats, warmup, memory, max_score_bytes, seed)
+    st = _Setup(dt, dev, mode, batch, heads, head_dim, causal, window, repeats, warmup, memory, max_score_bytes, seed,
+                compile)
     _refuse_oversized(parsed, lens, st)
     peak = matmul_peak_gflops(dt, dev, max_n=peak_max_n)
     results: list[BenchResult] = []

@@ -79,8 +79,8 @@ def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: obje
                          f"v {tuple(v.shape)}")
     b, h, _, dk = q.shape
     if scale is None:
-        scale = 1.0 / math.sqrt(dk)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        scale = dk ** -0.5  # (symbolic under dynamic shapes: no check on it)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{fn}: scale must be a finite float or None, got {scale!r}")
     if not isinstance(return_state, bool):
         raise TypeError(f"{fn}: return_state must be a bool, got {type(return_state).__name__}")

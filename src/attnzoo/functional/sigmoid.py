@@ -19,6 +19,10 @@ tiled form simply accumulates :math:`\sigma(S + b) V` over the key chunks a quer
 (times :math:`1 - \tanh^2` under a softcap). Memory is ``O(N x block)``. GQA folds the ``G``
 query heads of a group into the rows, so K/V are never expanded. Masks, positions and windows
 follow ``docs/conventions.md``; small-N pictures in ``docs/softmax-frontier.md``.
+
+Under ``torch.compile`` / ``torch.export`` the tiled form runs as two custom operators,
+``attnzoo::sigmoid_fwd`` and ``attnzoo::sigmoid_bwd`` (as the softmax tiled backend does in
+``tiled_ops``): the compiler sees one node per direction, the plan is made at run time.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor
 from attnzoo.functional._request import AttnRequest, build_request
 from attnzoo.functional.reference import compute_dtype, masked_scores
 from attnzoo.functional.tiled import TilePlan, tile_plan
+from attnzoo.functional.tiled_ops import dense_mask, op_request
 from attnzoo.masks import Mask
 
 __all__ = ["SIGMOID_BACKENDS", "sigmoid_attention"]
@@ -132,6 +137,61 @@ class _TiledSigmoid(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+@torch.library.custom_op("attnzoo::sigmoid_fwd", mutates_args=())
+def sigmoid_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, window_left: int | None,
+                window_right: int | None, has_window: bool, q_offset: int, scale: float, softcap: float | None,
+                alibi_slopes: Tensor | None, bias: float) -> Tensor:
+    """Tiled sigmoid attention forward ``out [B, Hq, Nq, Dv]`` (q/k/v already in the compute dtype)."""
+    r = op_request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
+                   alibi_slopes, False)
+    with torch.no_grad():
+        return _forward(r, tile_plan(r), bias, q, k, v).contiguous()
+
+
+@sigmoid_fwd.register_fake
+def _sigmoid_fwd_fake(q: Tensor, k: Tensor, v: Tensor, *args: object) -> Tensor:
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+@torch.library.custom_op("attnzoo::sigmoid_bwd", mutates_args=())
+def sigmoid_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                window_left: int | None, window_right: int | None, has_window: bool, q_offset: int, scale: float,
+                softcap: float | None, alibi_slopes: Tensor | None, bias: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`sigmoid_fwd` (each tile recomputed)."""
+    r = op_request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
+                   alibi_slopes, False)
+    with torch.no_grad():
+        dq, dk, dv = _backward(r, tile_plan(r), bias, q, k, v, d_out.contiguous())
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@sigmoid_bwd.register_fake
+def _sigmoid_bwd_fake(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: object) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, mask, *scalars, alibi_slopes, bias = inputs
+    ctx.save_for_backward(q, k, v, mask, alibi_slopes)
+    ctx.scalars, ctx.bias = scalars, bias
+
+
+def _backward_formula(ctx, d_out: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    q, k, v, mask, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = sigmoid_bwd(d_out, q, k, v, mask, *ctx.scalars, alibi_slopes, ctx.bias)
+    return dq, dk, dv, *([None] * 10)
+
+
+sigmoid_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _sigmoid_op(r: AttnRequest, bias: float, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The tiled form through the custom operators (what a compiled graph calls)."""
+    left, right = r.window if r.window is not None else (None, None)
+    return sigmoid_fwd(q, k, v, dense_mask(r), r.causal, left, right, r.window is not None, r.q_offset,
+                       r.scale, r.softcap, r.alibi_slopes, bias)
+
+
 def _check_bias(bias: object, nk: int) -> float:
     if bias is None:
         return -math.log(max(1, nk))
@@ -192,6 +252,8 @@ def sigmoid_attention(
         return (out.to(q.dtype), p.to(q.dtype)) if return_weights else out.to(q.dtype)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+    if torch.compiler.is_compiling():
+        return _sigmoid_op(r, b, qc, kc, vc).to(q.dtype)
     plan = tile_plan(r)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _TiledSigmoid.apply(qc, kc, vc, r, plan, b)

@@ -32,10 +32,10 @@ from attnzoo.functional.tiled import (
     tiled_attention,
 )
 
-__all__ = ["tiled_bwd", "tiled_fwd", "tiled_op_attention", "traceable_visible_fraction"]
+__all__ = ["dense_mask", "op_request", "tiled_bwd", "tiled_fwd", "tiled_op_attention", "traceable_visible_fraction"]
 
 
-def _request(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+def op_request(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
              window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
              scale: float, softcap: float | None, alibi_slopes: Tensor | None, need_lse: bool = True,
              ) -> AttnRequest:
@@ -58,7 +58,7 @@ def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     float64 for float64 inputs; an empty ``[0]`` tensor unless ``need_lse``: inference without
     ``return_lse`` skips it). Arguments as :func:`attnzoo.attention`; ``window`` is
     ``(window_left, window_right)`` when ``has_window`` (``None`` = unbounded side)."""
-    r = _request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
+    r = op_request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
                  alibi_slopes, need_lse)
     with torch.no_grad():
         out, lse = tiled_attention(r)
@@ -85,7 +85,7 @@ def tiled_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tens
               softcap: float | None, alibi_slopes: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`tiled_fwd` from those of its outputs (tile by tile,
     probabilities recomputed from ``lse``)."""
-    r = _request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
+    r = op_request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
                  alibi_slopes)
     plan = plan_for(r)
     qc, kc, vc, oc = q, k, v, out
@@ -129,7 +129,7 @@ def _backward_formula(ctx, d_out: Tensor, d_lse: Tensor | None) -> tuple:  # typ
 tiled_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
-def _dense_mask(r: AttnRequest) -> Tensor | None:
+def dense_mask(r: AttnRequest) -> Tensor | None:
     """The request's mask tensor with its ``Mask`` object evaluated in (bool, or float with ``-inf``)."""
     m = r.mask_tensor
     if r.mask_obj is None:
@@ -147,7 +147,7 @@ def tiled_op_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     graph calls). Returns ``(out, lse or None)`` like :func:`~attnzoo.functional.tiled.tiled_attention`."""
     left, right = r.window if r.window is not None else (None, None)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
-    out, lse = tiled_fwd(r.q, r.k, r.v, _dense_mask(r), r.causal, left, right, r.window is not None,
+    out, lse = tiled_fwd(r.q, r.k, r.v, dense_mask(r), r.causal, left, right, r.window is not None,
                          r.q_offset, r.scale, r.softcap, r.alibi_slopes, r.return_lse or needs_grad)
     return out, (lse if r.return_lse else None)
 

@@ -12,6 +12,11 @@ every tile whose queries and keys lie in different sequences is empty and skippe
 grows with ``sum_i n_q_i * n_k_i``, not ``Tq * Tk``. Other backends (and ALiBi with
 ``cu_seqlens_q != cu_seqlens_k``, whose distances are per sequence) run one call per sequence.
 Semantics drawn for small N: ``docs/softmax-frontier.md``.
+
+Under ``torch.compile`` / ``torch.export`` the sequence boundaries are tensor data, so the call runs
+once on the packed tensors with a dense ``[Tq, Tk]`` mask built by tensor ops (exact, no graph
+break, but ``O(Tq x Tk)`` memory) when gradients are needed; inference runs the eager call as one
+custom operator (``attnzoo::varlen_fwd``). The checks on ``cu_seqlens`` values run in eager mode only.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from torch import Tensor
 
 from attnzoo.functional._request import Window, check_qkv, normalize_window
 from attnzoo.functional.attention import BACKENDS, attention
+from attnzoo.functional.rules import alibi_bias
 from attnzoo.masks import Mask
 
-__all__ = ["attention_varlen", "varlen_mask"]
+__all__ = ["attention_varlen", "varlen_fwd", "varlen_mask"]
 
 #: Backends that run the packed tensors in one call (they consume a Mask and skip empty tiles).
 PACKED_BACKENDS = ("tiled", "flex")
@@ -62,11 +68,11 @@ def _check_packed(q: object, k: object, v: object) -> None:
             raise ValueError(f"{name} must be rank 3 [T, H, D] (packed tokens), got shape {tuple(t.shape)}")
 
 
-def _row_intervals(cu_q: Tensor, cu_k: Tensor, causal: bool, window: Window | None) -> tuple[Tensor, Tensor]:
-    """Per packed query row ``r``, the inclusive range ``lo[r] .. hi[r]`` of packed keys it may see
-    (``lo > hi``: none). Row ``r`` of sequence ``s`` sits at key position ``a = r + shift_s``,
-    ``shift_s = cu_k[s+1] - cu_q[s+1]`` (bottom-right alignment inside the sequence)."""
-    tq = int(cu_q[-1])
+def _row_intervals(cu_q: Tensor, cu_k: Tensor, tq: int, causal: bool, window: Window | None,
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per packed query row ``r`` of ``tq``, the inclusive range ``lo[r] .. hi[r]`` of packed keys it
+    may see (``lo > hi``: none) and its aligned key position ``a[r] = r + shift_s`` (row ``r`` of
+    sequence ``s``, ``shift_s = cu_k[s+1] - cu_q[s+1]``: bottom-right alignment inside the sequence)."""
     seq = torch.searchsorted(cu_q[1:], torch.arange(tq, device=cu_q.device), right=True)  # [Tq]
     lo, hi = cu_k[seq], cu_k[seq + 1] - 1  # the sequence's keys
     a = torch.arange(tq, device=cu_q.device) + cu_k[seq + 1] - cu_q[seq + 1]  # aligned key position
@@ -77,7 +83,7 @@ def _row_intervals(cu_q: Tensor, cu_k: Tensor, causal: bool, window: Window | No
         lo = torch.maximum(lo, a - left)
     if right is not None:
         hi = torch.minimum(hi, a + right)
-    return lo, hi
+    return lo, hi, a
 
 
 def varlen_mask(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool = False,
@@ -93,7 +99,7 @@ def varlen_mask(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool = Fa
     """
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
     tq = int(cu_q[-1])
-    lo, hi = _row_intervals(cu_q, cu_k, causal, window)
+    lo, hi, _ = _row_intervals(cu_q, cu_k, tq, causal, window)
     big = int(cu_k[-1]) + 1
     lo_seen = torch.where(lo <= hi, lo, big)  # rows that see nothing drop out of the hull
     hi_seen = torch.where(lo <= hi, hi, -1)
@@ -117,6 +123,70 @@ def varlen_mask(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool = Fa
         return full, empty
 
     return Mask(fn, "varlen", tiles=tiles)  # type: ignore[arg-type]
+
+
+def _dense_packed_mask(cu_q: Tensor, cu_k: Tensor, tq: int, tk: int, causal: bool, window: Window | None,
+                       alibi_slopes: Tensor | None) -> Tensor:
+    """The packed pattern as a dense mask ``[1, 1, Tq, Tk]`` (bool), or with ALiBi a float mask
+    ``[1, Hq, Tq, Tk]`` holding each sequence's own ALiBi bias and ``-inf`` where hidden. Built from
+    shapes and tensor ops only (no host sync): what a compiled ``attention_varlen`` runs on."""
+    lo, hi, a = _row_intervals(cu_q.long(), cu_k.long(), tq, causal, window)
+    j = torch.arange(tk, device=cu_q.device).view(1, -1)
+    allowed = ((j >= lo.view(-1, 1)) & (j <= hi.view(-1, 1))).view(1, 1, tq, tk)
+    if alibi_slopes is None:
+        return allowed
+    bias = alibi_bias(alibi_slopes.view(1, -1, 1, 1), a.view(-1, 1), j)  # [1, Hq, Tq, Tk]
+    return bias.masked_fill(~allowed, float("-inf"))
+
+
+@torch.library.custom_op("attnzoo::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool, window_left: int | None,
+               window_right: int | None, has_window: bool, scale: float | None, softcap: float | None,
+               alibi_slopes: Tensor | None, sinks: Tensor | None, return_lse: bool, backend: str,
+               ) -> tuple[Tensor, Tensor]:
+    """Inference ``attention_varlen`` as one operator (the eager packed path, tiles skipped from the
+    sequence boundaries): ``(out [Tq, Hq, Dv], lse [Hq, Tq] or an empty [0] unless return_lse)``."""
+    with torch.no_grad():
+        res = attention_varlen(q, k, v, cu_q, cu_k, causal=causal, scale=scale, softcap=softcap,
+                               window=(window_left, window_right) if has_window else None,
+                               alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse, backend=backend)
+    out, lse = res if isinstance(res, tuple) else (res, q.new_empty(0, dtype=_lse_dtype(q)))
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q: Tensor, k: Tensor, v: Tensor, *args: object) -> tuple[Tensor, Tensor]:
+    return_lse = args[-2]
+    lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(lse_shape, dtype=_lse_dtype(q))
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _compiled_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, win: Window | None,
+                     kwargs: dict, backend: str) -> Tensor | tuple[Tensor, Tensor]:
+    """``attention_varlen`` while compiling: one call on the packed tensors with a dense mask (the
+    sequence boundaries are tensor data, so per-sequence slices or tile plans would break the graph).
+    ``reference`` / ``sdpa`` / ``tiled`` run as asked, other backends run ``tiled``. Without
+    gradients the eager call runs as one operator instead (:func:`varlen_fwd`: tiles skipped
+    exactly, no dense mask)."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                            (q, k, v, kwargs["alibi_slopes"], kwargs["sinks"]))):
+        left, right = win if win is not None else (None, None)
+        out, lse = varlen_fwd(q, k, v, cu_q, cu_k, kwargs["causal"], left, right, win is not None, kwargs["scale"],
+                              kwargs["softcap"], kwargs["alibi_slopes"], kwargs["sinks"], kwargs["return_lse"],
+                              backend)
+        return (out, lse) if kwargs["return_lse"] else out
+    mask = _dense_packed_mask(cu_q, cu_k, q.shape[0], k.shape[0], kwargs.pop("causal"), win,
+                              kwargs.pop("alibi_slopes"))
+    qp, kp, vp = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
+    name = backend if backend in ("reference", "sdpa", "tiled") else "tiled"
+    res = attention(qp, kp, vp, mask=mask, q_offset=0, backend=name, **kwargs)
+    out_p, lse_p = res if isinstance(res, tuple) else (res, None)
+    out = out_p[0].transpose(0, 1)  # [Tq, Hq, Dv]
+    return (out, lse_p[0]) if lse_p is not None else out
 
 
 def _per_sequence(q: Tensor, k: Tensor, v: Tensor, bounds_q: list[int], bounds_k: list[int],
@@ -197,8 +267,11 @@ def attention_varlen(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     win = normalize_window(window)
     name = "tiled" if backend == "auto" else backend
-    same_cu = bool(torch.equal(cu_q, cu_k))
-    if name in PACKED_BACKENDS and q.shape[0] > 0 and k.shape[0] > 0 and (alibi_slopes is None or same_cu):
+    if torch.compiler.is_compiling():
+        return _compiled_varlen(q, k, v, cu_q, cu_k, win, dict(causal=causal, scale=scale, softcap=softcap,
+                                alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse), name)
+    same_cu = alibi_slopes is None or bool(torch.equal(cu_q, cu_k))
+    if name in PACKED_BACKENDS and q.shape[0] > 0 and k.shape[0] > 0 and same_cu:
         mask = varlen_mask(cu_q, cu_k, causal=causal, window=win)
         qp, kp, vp = (t.transpose(0, 1).contiguous().unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
         res = attention(qp, kp, vp, mask=mask, q_offset=0, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
