@@ -55,6 +55,8 @@ def _eager(*args: Any, **kwargs: Any) -> Any:
     attnzoo runs it eagerly on purpose (see :func:`flex_attention_backend`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if torch.compiler.is_compiling():  # inside a compiled graph flex is traced, and catch_warnings would break it
+        return flex_attention(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(*args, **kwargs)
