@@ -96,6 +96,16 @@ def grads(loss, params):
     return torch.autograd.grad(loss, params, retain_graph=True)
 
 
+def matches_reference(m, x):
+    """Causal forward and every parameter's gradient of ``m`` on ``x`` equal :func:`mha_ref`'s; returns the output."""
+    out, ref = m(x), mha_ref(m, x, causal_allowed(x.shape[1]))
+    torch.testing.assert_close(out, ref)
+    params = list(m.parameters())
+    for a, b in zip(grads(out.sum(), params), grads(ref.sum(), params), strict=True):
+        torch.testing.assert_close(a, b)
+    return out
+
+
 def _randomise(m):
     torch.manual_seed(1)
     with torch.no_grad():
@@ -135,12 +145,7 @@ def test_qk_norm_and_output_gate_match_reference(qk_norm, gate) -> None:
     torch.manual_seed(0)
     m = _randomise(az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm,
                                          output_gate=gate).to(DT))
-    x = torch.randn(2, 7, 16, dtype=DT)
-    out, ref = m(x), mha_ref(m, x, causal_allowed(7))
-    torch.testing.assert_close(out, ref)
-    params = list(m.parameters())
-    for a, b in zip(grads(out.sum(), params), grads(ref.sum(), params), strict=True):
-        torch.testing.assert_close(a, b)
+    matches_reference(m, torch.randn(2, 7, 16, dtype=DT))
     want = {"head": (4,), "all": (16,)}[qk_norm]  # Qwen3: [D]; OLMo2: [H*D]
     assert m.frontier.q_norm_weight.shape == want
 
@@ -152,11 +157,7 @@ def test_qk_norm_eps_and_softcap_match_reference_and_decode(qk_norm) -> None:
                                          qk_norm_eps=0.5, softcap=0.7, sinks=True).to(DT))
     assert m.frontier.qk_norm_eps == 0.5 and "softcap=0.7" in repr(m)
     x = torch.randn(2, 7, 16, dtype=DT)
-    out, ref = m(x), mha_ref(m, x, causal_allowed(7))
-    torch.testing.assert_close(out, ref)
-    params = list(m.parameters())
-    for a, b in zip(grads(out.sum(), params), grads(ref.sum(), params), strict=True):
-        torch.testing.assert_close(a, b)
+    out = matches_reference(m, x)
     with torch.no_grad():
         torch.testing.assert_close(decode(m, x, 3)[0], out)
     plain = az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm, sinks=True).to(DT)
@@ -246,17 +247,19 @@ def streaming_cache_ref(m, x):
     return m.out_proj(out.transpose(1, 2).reshape(B, N, H * D))
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-def test_streaming_absolute_matches_the_mask_reference(sinks) -> None:
+@pytest.mark.parametrize(("sinks", "softcap"), [(False, None), (True, None), (True, 0.8)])
+def test_streaming_absolute_matches_the_mask_reference(sinks, softcap) -> None:
     torch.manual_seed(0)
     m = _randomise(az.SlidingWindowAttention(16, 4, window=5, sink_tokens=3, num_kv_heads=2, rope=True,
-                                             sinks=sinks).to(DT))
+                                             sinks=sinks, softcap=softcap).to(DT))
     x = torch.randn(2, 30, 16, dtype=DT)
     out, ref = m(x), mha_ref(m, x, streaming_allowed(30, 3, 5))
     torch.testing.assert_close(out, ref)
     ps = list(m.parameters())
     for a, b in zip(grads(out.sum(), ps), grads(ref.sum(), ps), strict=True):
         torch.testing.assert_close(a, b)
+    with torch.no_grad():  # the cached path attends in two parts (sinks, window): the cap reaches both
+        torch.testing.assert_close(decode(m, x, 4)[0], out)
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -442,6 +445,8 @@ PACKED = [
     ("mha", lambda: az.MultiHeadAttention(16, 4, causal=True, rope=True, sinks=True, qk_norm="head",
                                           output_gate="head")),
     ("gqa", lambda: az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True)),
+    ("softcap", lambda: az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True, softcap=0.8, qk_norm="all",
+                                                 qk_norm_eps=0.3)),
     ("bidirectional", lambda: az.MultiHeadAttention(16, 4, rope=True, alibi=True)),
     ("sliding", lambda: az.SlidingWindowAttention(16, 4, window=2, rope=True)),
     ("diff", lambda: az.DifferentialAttention(16, 2, num_kv_heads=1, rope=True)),
