@@ -28,12 +28,15 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def softmax_ref(q, k, v, allowed, scale=None, sinks=None):
+def softmax_ref(q, k, v, allowed, scale=None, sinks=None, softcap=None):
     """``q [B, H, N, D]``, ``k, v [B, Hkv, M, D]``, ``allowed`` bool broadcastable to ``[B, H, N, M]``;
-    a sink logit per head joins each row's softmax and is dropped; empty rows give zeros."""
+    scores capped ``c * tanh(s / c)`` with ``softcap``; a sink logit per head joins each row's
+    softmax and is dropped; empty rows give zeros."""
     H = q.shape[1]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     s = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         s = torch.cat((s, sinks.view(1, H, 1, 1).expand(*s.shape[:3], 1)), dim=-1)
@@ -56,12 +59,12 @@ def mha_ref(m, x, allowed, pos=None):
         return t.view(B, N, h, D).transpose(1, 2)
 
     q, k, v = F.linear(x, wq, bq), F.linear(x, wk, bk), F.linear(x, wv, bv)  # [B, N, h*D]
-    fr = m.frontier
+    fr, eps = m.frontier, m.options.qk_norm_eps
     if fr.qk_norm == "all":  # OLMo2: over all heads of a token
-        q, k = rms_ref(q, fr.q_norm_weight, 1e-6), rms_ref(k, fr.k_norm_weight, 1e-6)
+        q, k = rms_ref(q, fr.q_norm_weight, eps), rms_ref(k, fr.k_norm_weight, eps)
     q, k, v = heads(q, H), heads(k, Hkv), heads(v, Hkv)
     if fr.qk_norm == "head":  # Qwen3 / Gemma3: per head
-        q, k = rms_ref(q, fr.q_norm_weight, 1e-6), rms_ref(k, fr.k_norm_weight, 1e-6)
+        q, k = rms_ref(q, fr.q_norm_weight, eps), rms_ref(k, fr.k_norm_weight, eps)
     if m.rope is not None:
         p = torch.arange(N) if pos is None else pos
         q, k = rope_ref(q, p), rope_ref(k, p)
@@ -71,7 +74,7 @@ def mha_ref(m, x, allowed, pos=None):
         w = torch.sigmoid(q @ kk.transpose(-1, -2) / math.sqrt(D) + m.options.sigmoid_bias) * allowed
         out = w @ vv
     else:
-        out = softmax_ref(q, k, v, allowed, m.scale, m.sinks)  # [B, H, N, D]
+        out = softmax_ref(q, k, v, allowed, m.scale, m.sinks, m.options.softcap)  # [B, H, N, D]
     if fr.output_gate is not None:
         g = torch.sigmoid(F.linear(x, fr.gate_proj.weight))  # [B, N, H] or [B, N, H*D]
         out = out * g.view(B, N, H, -1).transpose(1, 2)
@@ -91,6 +94,16 @@ def decode(m, x, chunk, **kw):
 
 def grads(loss, params):
     return torch.autograd.grad(loss, params, retain_graph=True)
+
+
+def matches_reference(m, x):
+    """Causal forward and every parameter's gradient of ``m`` on ``x`` equal :func:`mha_ref`'s; returns the output."""
+    out, ref = m(x), mha_ref(m, x, causal_allowed(x.shape[1]))
+    torch.testing.assert_close(out, ref)
+    params = list(m.parameters())
+    for a, b in zip(grads(out.sum(), params), grads(ref.sum(), params), strict=True):
+        torch.testing.assert_close(a, b)
+    return out
 
 
 def _randomise(m):
@@ -132,14 +145,24 @@ def test_qk_norm_and_output_gate_match_reference(qk_norm, gate) -> None:
     torch.manual_seed(0)
     m = _randomise(az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm,
                                          output_gate=gate).to(DT))
-    x = torch.randn(2, 7, 16, dtype=DT)
-    out, ref = m(x), mha_ref(m, x, causal_allowed(7))
-    torch.testing.assert_close(out, ref)
-    params = list(m.parameters())
-    for a, b in zip(grads(out.sum(), params), grads(ref.sum(), params), strict=True):
-        torch.testing.assert_close(a, b)
+    matches_reference(m, torch.randn(2, 7, 16, dtype=DT))
     want = {"head": (4,), "all": (16,)}[qk_norm]  # Qwen3: [D]; OLMo2: [H*D]
     assert m.frontier.q_norm_weight.shape == want
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "all"])
+def test_qk_norm_eps_and_softcap_match_reference_and_decode(qk_norm) -> None:
+    torch.manual_seed(0)
+    m = _randomise(az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm,
+                                         qk_norm_eps=0.5, softcap=0.7, sinks=True).to(DT))
+    assert m.frontier.qk_norm_eps == 0.5 and "softcap=0.7" in repr(m)
+    x = torch.randn(2, 7, 16, dtype=DT)
+    out = matches_reference(m, x)
+    with torch.no_grad():
+        torch.testing.assert_close(decode(m, x, 3)[0], out)
+    plain = az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm, sinks=True).to(DT)
+    plain.load_state_dict(m.state_dict())
+    assert not torch.allclose(plain(x), out)  # the eps and the cap both matter at these sizes
 
 
 def test_qk_norm_all_differs_from_head() -> None:
@@ -185,7 +208,10 @@ def test_all_options_together_decode_equals_full() -> None:
      ({"score": "sigmoid", "sinks": True}, ValueError, "sigmoid"),
      ({"sigmoid_bias": -1.0}, ValueError, "sigmoid_bias"),
      ({"score": "sigmoid", "sigmoid_bias": float("nan")}, ValueError, "sigmoid_bias"),
-     ({"score": "sigmoid", "backend": "sdpa"}, ValueError, "backend"), ({"qk_norms": "head"}, TypeError, "qk_norms")],
+     ({"score": "sigmoid", "backend": "sdpa"}, ValueError, "backend"), ({"qk_norms": "head"}, TypeError, "qk_norms"),
+     ({"qk_norm_eps": 1e-5}, ValueError, "qk_norm_eps"), ({"qk_norm": "head", "qk_norm_eps": 0.0}, ValueError,
+                                                          "qk_norm_eps"),
+     ({"softcap": 0.0}, ValueError, "softcap"), ({"softcap": float("inf")}, ValueError, "softcap")],
 )
 def test_bad_options(kw, exc, words) -> None:
     with pytest.raises(exc, match=words):
@@ -221,17 +247,19 @@ def streaming_cache_ref(m, x):
     return m.out_proj(out.transpose(1, 2).reshape(B, N, H * D))
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-def test_streaming_absolute_matches_the_mask_reference(sinks) -> None:
+@pytest.mark.parametrize(("sinks", "softcap"), [(False, None), (True, None), (True, 0.8)])
+def test_streaming_absolute_matches_the_mask_reference(sinks, softcap) -> None:
     torch.manual_seed(0)
     m = _randomise(az.SlidingWindowAttention(16, 4, window=5, sink_tokens=3, num_kv_heads=2, rope=True,
-                                             sinks=sinks).to(DT))
+                                             sinks=sinks, softcap=softcap).to(DT))
     x = torch.randn(2, 30, 16, dtype=DT)
     out, ref = m(x), mha_ref(m, x, streaming_allowed(30, 3, 5))
     torch.testing.assert_close(out, ref)
     ps = list(m.parameters())
     for a, b in zip(grads(out.sum(), ps), grads(ref.sum(), ps), strict=True):
         torch.testing.assert_close(a, b)
+    with torch.no_grad():  # the cached path attends in two parts (sinks, window): the cap reaches both
+        torch.testing.assert_close(decode(m, x, 4)[0], out)
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -417,6 +445,8 @@ PACKED = [
     ("mha", lambda: az.MultiHeadAttention(16, 4, causal=True, rope=True, sinks=True, qk_norm="head",
                                           output_gate="head")),
     ("gqa", lambda: az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True)),
+    ("softcap", lambda: az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True, softcap=0.8, qk_norm="all",
+                                                 qk_norm_eps=0.3)),
     ("bidirectional", lambda: az.MultiHeadAttention(16, 4, rope=True, alibi=True)),
     ("sliding", lambda: az.SlidingWindowAttention(16, 4, window=2, rope=True)),
     ("diff", lambda: az.DifferentialAttention(16, 2, num_kv_heads=1, rope=True)),

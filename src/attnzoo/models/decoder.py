@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
@@ -22,9 +21,9 @@ from attnzoo.models._common import (
     positions_from_mask,
     rotary_for,
 )
-from attnzoo.models._layers import ScaledRotaryEmbedding, build_decoder_attention
 from attnzoo.models.config import DecoderConfig
 from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
+from attnzoo.nn.positional import ScaledRotaryEmbedding
 
 __all__ = ["DecoderLM", "sample_next_token"]
 
@@ -158,9 +157,9 @@ class DecoderLM(FromConfig, nn.Module):
         """The (causal) :class:`~attnzoo.blocks.BlockConfig` of layer ``layer`` (``None``: any
         layer when ``layer_windows`` is not set): the registry builder gets ``bias``,
         ``num_kv_heads``, ``head_dim`` and the shared ``rope`` unless ``attention_kwargs`` sets
-        them; ``qk_norm`` / ``attn_softcap`` build a :class:`~attnzoo.models._layers.DecoderAttention`."""
+        them; ``qk_norm`` (with ``qk_norm_eps``) and ``attn_softcap`` become the attention options
+        ``qk_norm``, ``qk_norm_eps`` and ``softcap`` (see :class:`~attnzoo.nn.attention.AttentionOptions`)."""
         akw = dict(cfg.attention_kwargs or {})
-        attention: Any = cfg.attention
         if isinstance(cfg.attention, str):
             akw.setdefault("bias", cfg.bias)
             if cfg.num_kv_heads is not None:
@@ -173,11 +172,11 @@ class DecoderLM(FromConfig, nn.Module):
                 akw.pop("window", None)
                 if cfg.layer_windows[layer] is not None:
                     akw["window"] = cfg.layer_windows[layer]
-            if cfg.qk_norm is not None or cfg.attn_softcap is not None:
-                attention = functools.partial(build_decoder_attention, causal=True, qk_norm=cfg.qk_norm,
-                                              qk_norm_eps=cfg.qk_norm_eps, softcap=cfg.attn_softcap, **akw)
-                akw = {}
-        return BlockConfig(cfg.dim, cfg.num_heads, attention=attention, attention_kwargs=akw or None,
+            if cfg.qk_norm is not None:
+                akw["qk_norm"], akw["qk_norm_eps"] = cfg.qk_norm, cfg.qk_norm_eps
+            if cfg.attn_softcap is not None:
+                akw["softcap"] = cfg.attn_softcap
+        return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
                            causal=True, cross_attention=cfg.cross_attention, context_dim=cfg.context_dim,
                            norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=cfg.norm_first, ffn=cfg.ffn,
                            ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias,

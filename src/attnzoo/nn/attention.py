@@ -31,6 +31,7 @@ from attnzoo.nn.cache import KVCache, SinkWindowKVCache, SlidingWindowKVCache
 from attnzoo.nn.costs import softmax_cost
 from attnzoo.nn.frontier import (
     OUTPUT_GATES,
+    QK_NORM_EPS,
     QK_NORMS,
     SCORES,
     FrontierParts,
@@ -58,6 +59,9 @@ class AttentionOptions:
             :func:`attnzoo.attention` as ``sinks=``.
         qk_norm: ``None``, ``"head"`` (per-head RMSNorm of q and k: Qwen3, Gemma3) or ``"all"``
             (RMSNorm over all heads of a token: OLMo2), before RoPE.
+        qk_norm_eps: the epsilon of that RMSNorm (finite, > 0; only with ``qk_norm``).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` after the scale (Gemma 2);
+            a finite positive float or ``None``.
         output_gate: ``None``, ``"head"`` or ``"element"``: the attention output times
             ``sigmoid(gate_proj(x))`` before ``out_proj`` (gated attention, Qwen3-Next).
         score: ``"softmax"`` or ``"sigmoid"`` (:func:`attnzoo.sigmoid_attention`).
@@ -72,6 +76,8 @@ class AttentionOptions:
     output_gate: str | None = None
     score: str = "softmax"
     sigmoid_bias: float | None = None
+    qk_norm_eps: float = QK_NORM_EPS
+    softcap: float | None = None
 
     @classmethod
     def parse(cls, owner: str, options: dict[str, Any]) -> tuple[AttentionOptions, dict[str, Any]]:
@@ -83,8 +89,8 @@ class AttentionOptions:
                             f"{sorted([*known, 'device', 'dtype'])}")
         alibi = check_flag(options.get("alibi", False), "alibi", owner)
         sinks = check_flag(options.get("sinks", False), "sinks", owner)
-        scale, bias = (_finite(owner, name, options.get(name), positive)
-                       for name, positive in (("scale", True), ("sigmoid_bias", False)))
+        scale, bias, eps, softcap = (_finite(owner, name, options.get(name), positive) for name, positive in (
+            ("scale", True), ("sigmoid_bias", False), ("qk_norm_eps", True), ("softcap", True)))
         for name, choices in (("qk_norm", QK_NORMS), ("output_gate", OUTPUT_GATES), ("score", SCORES)):
             if options.get(name, cls.score if name == "score" else None) not in choices:
                 raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {options[name]!r}")
@@ -94,7 +100,10 @@ class AttentionOptions:
                              f"or alibi=True (got sinks={sinks}, alibi={alibi})")
         if score != "sigmoid" and bias is not None:
             raise ValueError(f"{owner}: sigmoid_bias applies to score='sigmoid' only, got score={score!r}")
-        return cls(alibi, scale, sinks, options.get("qk_norm"), options.get("output_gate"), score, bias), {
+        if eps is not None and options.get("qk_norm") is None:
+            raise ValueError(f"{owner}: qk_norm_eps applies with qk_norm='head' or 'all' only, got qk_norm=None")
+        return cls(alibi, scale, sinks, options.get("qk_norm"), options.get("output_gate"), score, bias,
+                   QK_NORM_EPS if eps is None else eps, softcap), {
             "device": options.get("device"), "dtype": options.get("dtype")}
 
 
@@ -192,7 +201,8 @@ class MultiHeadAttention(AttentionBase):
         self.backend = check_backend(backend, cls)
         self.options = opts
         self.frontier = FrontierParts(self.dim, self.num_heads, self.num_kv_heads, self.head_dim, sinks=opts.sinks,
-                                      qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory)
+                                      qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory,
+                                      qk_norm_eps=opts.qk_norm_eps)
         if opts.score == "sigmoid" and (backend not in ("auto", "reference", "tiled") or self.dropout):
             raise ValueError(f"{cls}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' without "
                              f"dropout, got backend={backend!r}, dropout={self.dropout}")
@@ -318,8 +328,17 @@ class MultiHeadAttention(AttentionBase):
         q, k = self._rotate(q, pos), self._rotate(k, pos)
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
-                               scale=self.scale, sinks=self.sinks, backend=self.backend)  # [T, H, Dv]
+                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
+                               backend=self.backend)  # [T, H, Dv]
         return out.transpose(0, 1).reshape(1, H, T, -1)
+
+    def _score_extras(self, *, with_sinks: bool) -> dict[str, Any]:
+        """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on;
+        unset ones are left out, so a swapped ``attend_fn`` sees only what the module uses."""
+        extra: dict[str, Any] = {} if self.options.softcap is None else {"softcap": self.options.softcap}
+        if with_sinks and self.sinks is not None:
+            extra["sinks"] = self.sinks
+        return extra
 
     def _slopes(self, device: torch.device) -> Tensor | None:
         if not self.alibi:
@@ -335,10 +354,10 @@ class MultiHeadAttention(AttentionBase):
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
         if self.options.score == "sigmoid":
             res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
-                                    scale=self.scale, q_offset=q_offset, return_weights=return_weights,
-                                    backend=self.backend)
+                                    scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
+                                    return_weights=return_weights, backend=self.backend)
         else:
-            extra = {} if self.sinks is None else {"sinks": self.sinks}
+            extra = self._score_extras(with_sinks=True)
             res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
                               alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
                               return_weights=return_weights, backend=self.backend, **extra)
@@ -477,6 +496,7 @@ class MultiHeadAttention(AttentionBase):
         s = f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
         for name, value, default in (("kv_dim", self.kv_dim, None), ("causal", self.causal, False),
                                      ("window", self.window, None), ("alibi", self.alibi, False),
+                                     ("softcap", self.options.softcap, None),
                                      ("dropout", self.dropout, 0.0), ("backend", self.backend, "auto")):
             if value != default:
                 s += f", {name}={value!r}"
@@ -644,7 +664,7 @@ class SlidingWindowAttention(MultiHeadAttention):
     def _part(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool, window: Any, q_offset: int,
               with_sinks: bool) -> tuple[Tensor, Tensor]:
         """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only)."""
-        extra = {"sinks": self.sinks} if with_sinks and self.sinks is not None else {}
+        extra = self._score_extras(with_sinks=with_sinks)
         out, lse = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
                                dropout_p=self.dropout if self.training else 0.0, return_lse=True,
                                backend=self.backend, **extra)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 __all__ = [
     "OUTPUT_GATES",
     "QK_NORMS",
+    "QK_NORM_EPS",
     "SCORES",
     "FrontierParts",
     "check_cu_seqlens",
@@ -31,18 +32,27 @@ QK_NORMS = (None, "head", "all")
 OUTPUT_GATES = (None, "head", "element")
 SCORES = ("softmax", "sigmoid")
 
-#: RMSNorm epsilon of the QK-norm (Qwen3, Gemma3, OLMo2 use 1e-6)
+#: default RMSNorm epsilon of the QK-norm (option ``qk_norm_eps``; Qwen3, Gemma3, OLMo2 use 1e-6)
 QK_NORM_EPS = 1e-6
+
+
+def _rms(t: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last axis; half-precision inputs are normalised in float32 and cast back
+    before the weight (as Hugging Face's ``q_norm``/``k_norm``)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(t, (t.shape[-1],), weight.to(t.dtype), eps)
+    t32 = t.float()
+    return weight * (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
 
 
 def rms_norm_heads(t: Tensor, weight: Tensor, eps: float, over_heads: bool) -> Tensor:
     """RMSNorm of ``t [B, h, N, D]`` with a learnable ``weight``: per head over ``D``
     (``weight [D]``) or, ``over_heads``, over all heads of a token flattened (``weight [h*D]``)."""
     if not over_heads:
-        return F.rms_norm(t, (t.shape[-1],), weight, eps)
+        return _rms(t, weight, eps)
     B, h, N, D = t.shape
     flat = t.transpose(1, 2).reshape(B, N, h * D)  # [B, N, h*D]
-    return F.rms_norm(flat, (h * D,), weight, eps).view(B, N, h, D).transpose(1, 2)
+    return _rms(flat, weight, eps).view(B, N, h, D).transpose(1, 2)
 
 
 class FrontierParts(nn.Module):
@@ -54,16 +64,18 @@ class FrontierParts(nn.Module):
         sinks: a learnable ``[H]`` sink logit per query head (gpt-oss), initialised to 0.
         qk_norm: ``None``, ``"head"`` (RMSNorm of every head's q and k over ``D``, weights ``[D]``:
             Qwen3/Gemma3) or ``"all"`` (over all heads of a token, weights ``[H*D]`` / ``[Hkv*D]``: OLMo2).
+        qk_norm_eps: the epsilon of that RMSNorm.
         output_gate: ``None``, ``"head"`` (one sigmoid gate per head) or ``"element"`` (one per output
             channel): ``out * sigmoid(gate_proj(x))`` before ``out_proj`` (gated attention, Qwen3-Next).
         factory: ``{"device", "dtype"}`` of the parameters.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, *, sinks: bool,
-                 qk_norm: str | None, output_gate: str | None, factory: dict[str, Any]) -> None:
+                 qk_norm: str | None, output_gate: str | None, factory: dict[str, Any],
+                 qk_norm_eps: float = QK_NORM_EPS) -> None:
         super().__init__()
         H, Hkv, D = num_heads, num_kv_heads, head_dim
-        self.qk_norm, self.output_gate = qk_norm, output_gate
+        self.qk_norm, self.qk_norm_eps, self.output_gate = qk_norm, qk_norm_eps, output_gate
         self.sinks = nn.Parameter(torch.zeros(H, **factory)) if sinks else None
         if qk_norm is not None:
             wide = qk_norm == "all"
@@ -76,13 +88,13 @@ class FrontierParts(nn.Module):
         """QK-norm of ``q [B, H, N, D]`` (identity without ``qk_norm``)."""
         if self.qk_norm is None:
             return q
-        return rms_norm_heads(q, self.q_norm_weight, QK_NORM_EPS, self.qk_norm == "all")
+        return rms_norm_heads(q, self.q_norm_weight, self.qk_norm_eps, self.qk_norm == "all")
 
     def norm_k(self, k: Tensor) -> Tensor:
         """QK-norm of ``k [B, Hkv, M, D]`` (identity without ``qk_norm``)."""
         if self.qk_norm is None:
             return k
-        return rms_norm_heads(k, self.k_norm_weight, QK_NORM_EPS, self.qk_norm == "all")
+        return rms_norm_heads(k, self.k_norm_weight, self.qk_norm_eps, self.qk_norm == "all")
 
     def gate(self, out: Tensor, x: Tensor) -> Tensor:
         """``out [B, H, N, Dv] * sigmoid(gate_proj(x))`` (head-wise ``[B, H, N, 1]`` or element-wise
@@ -95,7 +107,8 @@ class FrontierParts(nn.Module):
         return out * g.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"sinks={self.sinks is not None}, qk_norm={self.qk_norm!r}, output_gate={self.output_gate!r}"
+        eps = f", qk_norm_eps={self.qk_norm_eps}" if self.qk_norm is not None else ""
+        return f"sinks={self.sinks is not None}, qk_norm={self.qk_norm!r}{eps}, output_gate={self.output_gate!r}"
 
 
 def check_cu_seqlens(cu_seqlens: object, x: Tensor, owner: str) -> Tensor:

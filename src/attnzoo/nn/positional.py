@@ -3,7 +3,8 @@
 * :class:`SinusoidalPositionalEncoding` and :class:`LearnedPositionalEmbedding` add a position
   vector to token embeddings ``[B, N, C]`` (``x + table[positions]``).
 * :class:`RotaryEmbedding` rotates queries and keys ``[B, H, N, D]`` by their absolute positions,
-  so that the score ``q_m . k_n`` depends only on ``m - n`` (RoFormer).
+  so that the score ``q_m . k_n`` depends only on ``m - n`` (RoFormer);
+  :class:`ScaledRotaryEmbedding` adds Hugging Face's RoPE scaling types (``rope_parameters``).
 * :func:`alibi_slopes` gives the per-head slopes of ALiBi; :func:`attnzoo.attention` applies the
   bias ``-slope * |q_pos - k_pos|`` itself (``alibi_slopes=``).
 
@@ -15,11 +16,16 @@ batched generation); when omitted, positions are ``offset .. offset + N - 1``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "SinusoidalPositionalEncoding", "alibi_slopes"]
+from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
+
+__all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "ScaledRotaryEmbedding", "SinusoidalPositionalEncoding",
+           "alibi_slopes"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -355,3 +361,77 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
     if p != n:
         slopes += pow2(2 * p)[0::2][: n - p]
     return torch.tensor(slopes, dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------- scaled rotary
+class ScaledRotaryEmbedding(RotaryEmbedding):
+    """RoPE with a Hugging Face ``rope_parameters`` dict (``rope_type`` ``default``, ``linear``,
+    ``dynamic``, ``yarn``, ``llama3`` or ``longrope`` and their keys; see
+    :func:`attnzoo.nn.rope_scaling.rope_inv_freq`).
+
+    The inverse frequencies follow the positions of each call, as transformers' rotary module:
+    ``dynamic`` grows the base once ``max(positions) + 1`` passes ``max_position_embeddings``;
+    ``longrope`` switches to ``long_factor`` past ``original_max_position_embeddings``. cos/sin
+    are multiplied by the type's attention scaling (``yarn``, ``longrope``).
+
+    Args:
+        dim: head dimension ``D``.
+        rope_parameters: the dict (``rope_theta`` is the base).
+        max_position_embeddings: the model's trained length (``dynamic``; ``yarn``/``longrope``
+            without ``factor``).
+        rotary_dim: rotated channels (partial rotary); default ``dim``.
+
+    Shapes: as :class:`RotaryEmbedding`.
+    """
+
+    def __init__(self, dim: int, rope_parameters: Mapping[str, Any], *, max_position_embeddings: int | None = None,
+                 rotary_dim: int | None = None) -> None:
+        params = dict(rope_parameters)
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in ROPE_SCALINGS:
+            raise ValueError(f"ScaledRotaryEmbedding: rope_type must be one of {sorted(ROPE_SCALINGS)}, "
+                             f"got {rope_type!r}")
+        super().__init__(dim, base=float(params.get("rope_theta") or 10000.0), rotary_dim=rotary_dim)
+        self.rope_type, self.rope_parameters, self.max_position_embeddings = rope_type, params, max_position_embeddings
+        inv, self.attention_scaling = self._scaled(None, torch.device("cpu"))
+        self._inv_freq64 = inv.double()
+        self._scaled_cache: dict[tuple[Any, torch.device], Tensor] = {}
+
+    def _scaled(self, seq_len: int | None, device: torch.device) -> tuple[Tensor, float]:
+        return rope_inv_freq(self.rope_parameters, self.rotary_dim, max_position_embeddings=self.max_position_embeddings,
+                             seq_len=seq_len, device=device)
+
+    def _key(self, seq_len: int) -> Any:
+        """What the frequencies depend on at ``seq_len`` (None: nothing)."""
+        if self.rope_type == "dynamic":
+            return max(seq_len, self.max_position_embeddings or 0)
+        if self.rope_type == "longrope":
+            return seq_len > int(self.rope_parameters.get("original_max_position_embeddings") or 0)
+        return None
+
+    def switches_at(self, length: int) -> bool:
+        """Whether a sequence growing to ``length`` tokens moves ``longrope`` from its short to
+        its long factors (then the keys already rotated should be rotated again)."""
+        if self.rope_type != "longrope":
+            return False
+        return length == int(self.rope_parameters.get("original_max_position_embeddings") or 0) + 1
+
+    def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        seq_len = int(positions.max()) + 1 if positions.numel() else 1
+        key = (self._key(seq_len), positions.device)
+        inv = self._scaled_cache.get(key)
+        if inv is None:
+            inv = self._scaled(seq_len if key[0] is not None else None, positions.device)[0]
+            if len(self._scaled_cache) > 8:  # dynamic grows one length at a time while decoding
+                self._scaled_cache.clear()
+            self._scaled_cache[key] = inv
+        return positions.to(dtype).unsqueeze(-1) * inv.to(dtype)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        cos, sin = super().cos_sin(positions, dtype)
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos, sin
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, rope_type={self.rope_type!r}, base={self.base}"

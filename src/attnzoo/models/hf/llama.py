@@ -17,7 +17,7 @@ with RMSNorm, RoPE and a gated MLP; a :class:`Family` records what each changes:
 Checkpoints in Hugging Face layout already use split-half RoPE, so q/k weights are copied as
 they are. ``sliding_window=W`` (a query sees itself and ``W - 1`` keys before it) is a window of
 ``W - 1``. RoPE scaling (``linear``, ``dynamic``, ``yarn``, ``llama3``, ``longrope``) is carried as
-``rope_parameters`` (see :class:`~attnzoo.models._layers.ScaledRotaryEmbedding`).
+``rope_parameters`` (see :class:`~attnzoo.nn.positional.ScaledRotaryEmbedding`).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _layer(plan: Plan, i: int, fam: Family, cfg: DecoderConfig) -> None:
             plan.put(f"{o}attn.out_proj.bias", f"{h}self_attn.o_proj.bias")
     if fam.qk_norm is not None:
         for n in ("q_norm", "k_norm"):
-            plan.put(f"{o}attn.qkv_proj.{n}.weight", f"{h}self_attn.{n}.weight")
+            plan.put(f"{o}attn.frontier.{n}_weight", f"{h}self_attn.{n}.weight")
     for ours, theirs in _norm_pairs(fam):
         plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", _plus_one if fam.gemma else None)
 
