@@ -52,7 +52,6 @@ BACKEND_BY_NAME: dict[str, str] = {
     "attnzoo_reference": "reference",
 }
 
-_SUPPORTS_SINKS = "sinks" in inspect.signature(attention).parameters
 
 
 @dataclass(frozen=True)
@@ -247,9 +246,6 @@ def attnzoo_attention_forward(
     extra: dict[str, Any] = _mask_arguments(module, key, attention_mask, kwargs)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
-        if not _SUPPORTS_SINKS:
-            raise NotImplementedError(f"attnzoo: {type(module).__name__} uses attention sinks (s_aux) "
-                                      "and this attnzoo's attention() has no sinks argument yet")
         extra["sinks"] = sinks
     want_weights = bool(kwargs.get("output_attentions"))
     result = attention(query, key, value, scale=scaling, softcap=kwargs.get("softcap"),
