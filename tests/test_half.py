@@ -11,8 +11,10 @@ import torch
 
 import attnzoo as az
 from attnzoo.functional import halfmath
+from attnzoo.functional._request import build_request
 from attnzoo.functional.attention import choose_backend
 from attnzoo.functional.tiled import native_half_matmul
+from attnzoo.functional.tiled_ops import tiled_op_attention
 from oracle import oracle_attention
 
 BACKENDS = ("reference", "sdpa", "tiled", "flex")
@@ -135,3 +137,31 @@ def test_half_math_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTNZOO_HALF_MATH", "turbo")
     with pytest.raises(ValueError, match="ATTNZOO_HALF_MATH"):
         halfmath.half_math(torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("compiled_path", [False, True], ids=["eager", "custom-op"])
+def test_float16_tiled_gradients_do_not_overflow(half_mode: str, compiled_path: bool) -> None:
+    """Large dO and V make ``dP = dO V^T`` leave the float16 range although every true gradient
+    is small (equal value rows: dS = 0, so dq = dk = 0): the backward must not return inf/NaN."""
+    g = torch.Generator().manual_seed(0)
+    B, H, N, D = 1, 2, 16, 16
+    q, k = (torch.randn(B, H, N, D, generator=g) for _ in range(2))
+    v = torch.full((B, H, N, D), 100.0) + torch.randn(B, H, 1, D, generator=g)  # equal rows, |v| ~ 400
+    d_out = 300.0 * torch.randn(B, H, N, D, generator=g).sign()  # |dO| ~ 1200 per row
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    oracle_attention(*leaves64, causal=True)[0].backward(d_out.double())
+    leaves16 = [t.half().requires_grad_() for t in (q, k, v)]
+    if compiled_path:
+        r = build_request(*leaves16, mask=None, causal=True, window=None, q_offset=None, scale=None, softcap=None,
+                          alibi_slopes=None, dropout_p=0.0, return_lse=False, return_weights=False)
+        out = tiled_op_attention(r)[0]
+    else:
+        out = az.attention(*leaves16, causal=True, backend="tiled")
+    out.backward(d_out.half())
+    ds_scale = (d_out.norm(dim=-1).amax() * v.norm(dim=-1).amax()).item()  # the size of dP = dO V^T
+    for name, a, b in zip("qkv", leaves16, leaves64, strict=True):
+        assert a.grad is not None and b.grad is not None
+        assert bool(torch.isfinite(a.grad).all()), f"d{name} has inf/NaN ({half_mode})"
+        err = (a.grad.double() - b.grad).abs().max().item()
+        tol = max(2e-3 * b.grad.abs().max().item(), 1e-7 * ds_scale)  # float16 rounding of O enters delta
+        assert err <= tol, f"d{name}: max error {err} > {tol} ({half_mode}, {compiled_path=})"

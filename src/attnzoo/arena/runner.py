@@ -23,7 +23,7 @@ import torch
 from attnzoo._outputs import ensure_output_dir
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
-from attnzoo.arena.grid import run_grid
+from attnzoo.arena.grid import GRID, run_grid
 from attnzoo.arena.longctx import long_context
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
 from attnzoo.arena.progress import PROGRESS_KINDS, Overall, make_progress
@@ -127,6 +127,10 @@ def settings_for(task: str, args: argparse.Namespace) -> TaskSettings:
     return s
 
 
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
 def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``attnzoo arena`` options to ``parser``."""
     parser.add_argument("--variants", default=None,
@@ -164,11 +168,11 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the extra seeds only for the K variants with the best lm loss at --seed, to "
                              "keep the default run short; 0: every variant (default: %(default)s)")
     parser.add_argument("--grid-widths", dest="grid_widths", type=_int_list,
-                        help="mqar-grid: model widths (default: 32,64,128)")
+                        help=f"mqar-grid: model widths (default: {_csv(GRID['widths'])})")
     parser.add_argument("--grid-pairs", dest="grid_pairs", type=_int_list,
-                        help="mqar-grid: numbers of key-value pairs (default: 4,8,16)")
+                        help=f"mqar-grid: numbers of key-value pairs (default: {_csv(GRID['pairs'])})")
     parser.add_argument("--grid-seq-lens", dest="grid_seq_lens", type=_int_list,
-                        help="mqar-grid: sequence lengths (default: 64)")
+                        help=f"mqar-grid: sequence lengths (default: {_csv(GRID['seq_lens'])})")
     parser.add_argument("--no-measure", dest="measure", action="store_false",
                         help="skip the measurement pass and the long-context costs (no speed columns)")
     parser.add_argument("--resume", action="store_true",

@@ -92,7 +92,7 @@ def tiled_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tens
     if q.dtype in (torch.float16, torch.bfloat16) and not native_half_matmul(q.dtype, q.device.type):
         qc, kc, vc, oc = q.float(), k.float(), v.float(), out.float()  # as the eager path computes
     with torch.no_grad():
-        dq, dk, dv = attention_backward(r, plan, qc, kc, vc, oc, lse, d_out.contiguous(), d_lse)
+        dq, dk, dv = attention_backward(r, plan, qc, kc, vc, oc, lse, d_out.to(qc.dtype).contiguous(), d_lse)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 

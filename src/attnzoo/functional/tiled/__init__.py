@@ -49,7 +49,7 @@ from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, Capabilities
 from attnzoo.functional.halfmath import half_math
-from attnzoo.functional.tiled.backward import accumulate_grads, attention_backward
+from attnzoo.functional.tiled.backward import FP16_SAFE_LIMIT, accumulate_grads, attention_backward
 from attnzoo.functional.tiled.forward import attention_forward
 from attnzoo.functional.tiled.plan import (
     DEFAULT_TILES,
@@ -109,15 +109,10 @@ def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
     return half_math(dtype, device_type) == dtype
 
 
-#: float16 scores above this bound (by Cauchy-Schwarz) could overflow a float16 tile matmul
-#: (max 65504): such requests run their tiles in float32.
-_FP16_SCORE_LIMIT = 2.0 ** 15
-
-
 def _fp16_scores_may_overflow(r: AttnRequest) -> bool:
     q_max = r.q.float().norm(dim=-1).amax()
     k_max = r.k.float().norm(dim=-1).amax()
-    return bool(q_max * k_max * (r.scale * LOG2E) > _FP16_SCORE_LIMIT)
+    return bool(q_max * k_max * (r.scale * LOG2E) > FP16_SAFE_LIMIT)  # scores past it (Cauchy-Schwarz) run in float32
 
 
 def plan_for(r: AttnRequest, block_q: int | None = None, block_k: int | None = None,

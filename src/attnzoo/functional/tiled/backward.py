@@ -28,7 +28,10 @@ from attnzoo.functional.tiled.scores import (
     unfold_rows,
 )
 
-__all__ = ["accumulate_grads", "attention_backward", "backward_band"]
+__all__ = ["FP16_SAFE_LIMIT", "accumulate_grads", "attention_backward", "backward_band", "fp16_grads_may_overflow"]
+
+#: float16 tile products whose bound exceeds this (max float16: 65504) run in float32 instead.
+FP16_SAFE_LIMIT = 2.0 ** 15
 
 
 def backward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor,
@@ -142,6 +145,9 @@ def _backward_block(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk,
 def attention_backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              d_out: Tensor, d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of the tiled attention ``(out, lse)`` given the gradients of both."""
+    if fp16_grads_may_overflow(r, plan, q, k, v, d_out):  # tile math in float32, grads back in float16
+        grads = attention_backward(r, plan, q.float(), k.float(), v.float(), out.float(), lse, d_out.float(), d_lse)
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
     acc_dtype = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
@@ -152,3 +158,22 @@ def attention_backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: 
     accumulate_grads(r, plan, q, k, v, d_out, lse, delta, dq, dk, dv)
     # q_t was pre-scaled: dS/dq = scale * k and dk accumulated against scaled q already.
     return dq.mul_(r.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _max_row_norm(t: Tensor) -> float:
+    return float(t.float().norm(dim=-1).amax()) if t.numel() else 0.0
+
+
+def fp16_grads_may_overflow(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor) -> bool:
+    """Whether a float16 backward tile could leave the float16 range (then it runs in float32).
+
+    Bounds by Cauchy-Schwarz, with ``P`` rows summing to at most 1 and ``R = G * block_q`` rows per
+    tile: ``|dP| <= |dO| |V|``, ``|dS| <= 2 |dO| |V|``, a tile of ``dS K`` is at most
+    ``2 |dO| |V| |K|``, of ``scale dS^T Q`` at most ``R 2 |dO| |V| scale |Q|`` and of ``P^T dO`` at
+    most ``R |dO|`` (norms: the largest row norm of each tensor)."""
+    if q.dtype != torch.float16:
+        return False
+    do_max, ds_max = _max_row_norm(d_out), 2.0 * _max_row_norm(d_out) * _max_row_norm(v)
+    rows = plan.block_q * r.group
+    bound = max(ds_max, ds_max * _max_row_norm(k), rows * ds_max * r.scale * _max_row_norm(q), rows * do_max)
+    return bound > FP16_SAFE_LIMIT
