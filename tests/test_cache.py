@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo as az
+from attnzoo.nn.mla import LatentCache
 
 
 def test_kv_cache_writes_by_position_and_returns_views() -> None:
@@ -133,3 +134,27 @@ def test_sliding_cache_any_chunking_equals_full_forward(window: int, cuts: list[
         out = torch.cat([m(x[:, a:b], cache=cache) for a, b in itertools.pairwise(bounds)], dim=1)
     assert cache.k.shape[2] == min(window + 1, 15) or isinstance(cache, az.KVCache)
     assert (out - full).abs().max() < 1e-5, f"window={window} chunks={bounds}"
+
+
+@pytest.mark.parametrize("make", [lambda: az.KVCache(1, 8, 2, 4), lambda: az.SlidingWindowKVCache(1, 3, 2, 4),
+                                  lambda: az.SinkWindowKVCache(1, 2, 3, 2, 4),
+                                  lambda: LatentCache(1, 8, 6, 2)],
+                         ids=["kv", "sliding", "sink", "latent"])
+def test_every_cache_shares_the_mark_protocol(make) -> None:  # type: ignore[no-untyped-def]
+    """The shared base: reset/mark/rollback/commit, and a bad mark is a TypeError naming the cache."""
+    torch.manual_seed(0)
+    cache = make()
+    if isinstance(cache, LatentCache):
+        step = lambda n: cache.update(torch.randn(1, n, 6), torch.randn(1, n, 2))  # noqa: E731
+    else:
+        step = lambda n: cache.update(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))  # noqa: E731
+    step(3)
+    mark = cache.mark()
+    step(1)
+    cache.rollback(mark)
+    assert cache.length == 3 and cache.batch_size == 1
+    with pytest.raises(TypeError, match=f"{type(cache).__name__}.rollback"):
+        cache.rollback("not a mark")
+    cache.commit(cache.mark())
+    cache.reset()
+    assert cache.length == 0

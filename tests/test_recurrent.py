@@ -7,6 +7,7 @@ multiples of the chunk, and in float32 against the float64 recurrence (<= 1e-5 r
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -250,3 +251,24 @@ def test_docs_example_runs() -> None:
     assert blocks
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/recurrent.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+# The pinned signatures (DESIGN.md, "Additions pinned"): the shared keyword tail is one contract;
+# reformatting the def lines or sharing docstring text must not change a name, kind, default or type.
+_TAIL = ("scale: 'float | None' = None, initial_state: 'Tensor | None' = None, return_state: 'bool' = False, "
+         "form: 'str' = 'auto', chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Tensor]'")
+PINNED_SIGNATURES = {
+    "retention": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', gamma: 'Tensor', *, " + _TAIL,
+    "gated_linear_attention": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', log_decay: 'Tensor', *, " + _TAIL,
+    "delta_rule": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', beta: 'Tensor', *, log_decay: 'Tensor | None' = None, "
+                  + _TAIL,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED_SIGNATURES))
+def test_pinned_signature_and_documented_keywords(name: str) -> None:
+    fn = getattr(az, name)
+    assert str(inspect.signature(fn)) == PINNED_SIGNATURES[name]
+    doc = inspect.getdoc(fn) or ""
+    for param in inspect.signature(fn).parameters:  # help() names every argument
+        assert re.search(rf"\b{param}\b", doc), f"{name}: {param} is not in the docstring"

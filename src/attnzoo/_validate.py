@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["Window", "check_bool", "check_int", "check_positive_float", "normalize_window",
+__all__ = ["Window", "check_bool", "check_float", "check_int", "check_positive_float", "normalize_window",
            "positive_float_arg", "positive_int_arg"]
 
 #: A normalised attention window: ``(left, right)``, ``None`` = unbounded side.
@@ -43,13 +43,20 @@ def check_bool(x: object, name: str, owner: str | None = None) -> bool:
     return x
 
 
+def check_float(x: object, name: str, owner: str | None = None, expected: str = "a float") -> float:
+    """``x`` as a ``float`` (ints accepted, ``bool`` refused; no range check), else ``TypeError``
+    saying ``name`` must be ``expected``."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        where = f"{owner}: " if owner else ""
+        raise TypeError(f"{where}{name} must be {expected}, got {type(x).__name__}")
+    return float(x)
+
+
 def check_positive_float(x: object, name: str, owner: str | None = None) -> float:
     """``x`` as a finite, positive ``float`` (ints accepted, ``bool`` refused)."""
-    where = f"{owner}: " if owner else ""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{where}{name} must be a float, got {type(x).__name__}")
-    value = float(x)
+    value = check_float(x, name, owner)
     if not math.isfinite(value) or value <= 0:
+        where = f"{owner}: " if owner else ""
         raise ValueError(f"{where}{name} must be a finite positive number, got {x}")
     return value
 

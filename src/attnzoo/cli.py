@@ -459,10 +459,27 @@ def cmd_arena(args: argparse.Namespace) -> int:
 
 
 # =========================================================================== parsers
+def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], *, help: str,
+             description: str) -> argparse.ArgumentParser:
+    """The parser of one command, whose parsed arguments run ``func``."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(func=func)
+    return p
+
+
+def _add_table_flags(p: argparse.ArgumentParser, *, progress: bool) -> None:
+    """The last options of a command that prints a table: ``--no-progress`` (with ``progress``,
+    for a command that shows a bar) and ``--plain``."""
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plain", action="store_true", help="plain-text table")
+
+
 def _add_list_parser(sub: Any) -> None:
-    p = sub.add_parser("list", help="table of every registered variant: family, costs, decoding, masks",
-                       description="Every registered attention variant with its family, exactness, complexity, "
-                                   "KV-cache bytes per token for a config, decoding cache and masks.")
+    p = _command(sub, "list", cmd_list,
+                 help="table of every registered variant: family, costs, decoding, masks",
+                 description="Every registered attention variant with its family, exactness, complexity, "
+                             "KV-cache bytes per token for a config, decoding cache and masks.")
     p.add_argument("--dim", type=_positive_int, default=512, help="model width C (default: %(default)s)")
     p.add_argument("--heads", type=_positive_int, default=8, help="query heads H (default: %(default)s)")
     p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads of gqa (default: H/4)")
@@ -471,16 +488,16 @@ def _add_list_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
     p.add_argument("--wide", action="store_true", help="add the attention-memory, decoding-cache and masks columns")
-    p.set_defaults(func=cmd_list)
 
 
 def _add_check_parser(sub: Any) -> None:
-    p = sub.add_parser("check", help="every backend and variant against the float64 reference; exit 1 on failure",
-                       description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
-                                   "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
-                                   "gradients) against the float64 reference, then check every variant module "
-                                   "(decode == full forward, backends == reference, approximations within their "
-                                   "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.")
+    p = _command(sub, "check", cmd_check,
+                 help="every backend and variant against the float64 reference; exit 1 on failure",
+                 description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
+                             "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
+                             "gradients) against the float64 reference, then check every variant module "
+                             "(decode == full forward, backends == reference, approximations within their "
+                             "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.")
     p.add_argument("--backends", type=_name_list(BACKEND_NAMES), default=None,
                    help="comma-separated backends (default: all available)")
     p.add_argument("--dtypes", type=_name_list(DTYPE_NAMES), default=list(DTYPE_NAMES),
@@ -496,18 +513,17 @@ def _add_check_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="RNG seed of the inputs (default: 0)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON (checked writable before the run)")
     p.add_argument("--show-failures", type=int, default=20, help="failure lines to print (default: 20)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--plain", action="store_true", help="plain-text table")
-    p.set_defaults(func=cmd_check)
+    _add_table_flags(p, progress=True)
 
 
 def _add_bench_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="time and peak memory against sequence length; CSV, JSON and a log-log PNG",
-                       description="Time and peak memory of backends and variants against sequence length, forward "
-                                   "or forward+backward. Writes NAME.csv, NAME.json and NAME.png into --out and "
-                                   "reports achieved GFLOP/s against a measured torch.mm peak. Sizes whose estimated "
-                                   "memory exceeds the available memory are refused. The defaults finish in about "
-                                   "a minute on 2 cores.")
+    p = _command(sub, "bench", cmd_bench,
+                 help="time and peak memory against sequence length; CSV, JSON and a log-log PNG",
+                 description="Time and peak memory of backends and variants against sequence length, forward "
+                             "or forward+backward. Writes NAME.csv, NAME.json and NAME.png into --out and "
+                             "reports achieved GFLOP/s against a measured torch.mm peak. Sizes whose estimated "
+                             "memory exceeds the available memory are refused. The defaults finish in about "
+                             "a minute on 2 cores.")
     p.add_argument("--backends", type=_name_list(("torch", "auto", *BACKEND_NAMES)), default=None,
                    help="comma-separated: torch (bare SDPA), auto, reference, sdpa, tiled, flex, flash "
                         "(default: torch,sdpa,tiled unless --variants is given)")
@@ -538,15 +554,14 @@ def _add_bench_parser(sub: Any) -> None:
     p.add_argument("--name", default="bench", help="file stem of the outputs (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--plain", action="store_true", help="plain-text table")
-    p.set_defaults(func=cmd_bench)
+    _add_table_flags(p, progress=True)
 
 
 def _add_cost_parser(sub: Any) -> None:
-    p = sub.add_parser("cost", help="analytic FLOPs, bytes moved, activation memory and KV cache of one layer",
-                       description="Analytic cost of one attention layer of a registered variant (attnzoo.cost."
-                                   "estimate): FLOPs, bytes moved, activation memory, KV-cache size.")
+    p = _command(sub, "cost", cmd_cost,
+                 help="analytic FLOPs, bytes moved, activation memory and KV cache of one layer",
+                 description="Analytic cost of one attention layer of a registered variant (attnzoo.cost."
+                             "estimate): FLOPs, bytes moved, activation memory, KV-cache size.")
     p.add_argument("variant", help="a registered variant (attnzoo list)")
     p.add_argument("--seq-len", "-n", type=_positive_int, default=4096, help="N (default: %(default)s)")
     p.add_argument("--dim", type=_positive_int, default=512, help="C (default: %(default)s)")
@@ -563,15 +578,15 @@ def _add_cost_parser(sub: Any) -> None:
     p.add_argument("--backend", choices=("auto", "ideal", *BACKEND_NAMES), default="auto",
                    help="whose computed score pairs to count (default: auto)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--plain", action="store_true", help="plain-text table")
-    p.set_defaults(func=cmd_cost)
+    _add_table_flags(p, progress=False)
 
 
 def _add_viz_parser(sub: Any) -> None:
-    p = sub.add_parser("viz", help="mask pictures (text and PNG), positional encodings, attention maps of a model",
-                       description="Draw a mask expression in the terminal (and as PNG), positional-encoding "
-                                   "pictures, or the attention maps of a saved model on a text. A mask too large "
-                                   "for the available memory is refused.")
+    p = _command(sub, "viz", cmd_viz,
+                 help="mask pictures (text and PNG), positional encodings, attention maps of a model",
+                 description="Draw a mask expression in the terminal (and as PNG), positional-encoding "
+                             "pictures, or the attention maps of a saved model on a text. A mask too large "
+                             "for the available memory is refused.")
     p.add_argument("--mask", help='mask expression, e.g. "causal & window(4,0)" (names: causal, window(l,r), '
                                   "prefix_lm(n), global(p,...), padding(n,...), document(len,...); & | ~)")
     p.add_argument("--n", type=_positive_int, default=None,
@@ -586,15 +601,14 @@ def _add_viz_parser(sub: Any) -> None:
     p.add_argument("--text", help="text to run through --model")
     p.add_argument("--layer", type=int, default=None, help="attention layer to draw (default: the last)")
     p.add_argument("--png", help="write the picture(s) to this PNG path")
-    p.set_defaults(func=cmd_viz)
 
 
 def _add_arena_parser(sub: Any, full: bool) -> None:
-    p = sub.add_parser("arena", help="train one small model per variant and compare (see docs/arena.md)",
-                       description="Train one small decoder per attention variant on real data and compare them.")
+    p = _command(sub, "arena", cmd_arena,
+                 help="train one small model per variant and compare (see docs/arena.md)",
+                 description="Train one small decoder per attention variant on real data and compare them.")
     if full:
         add_arena_arguments(p)
-    p.set_defaults(func=cmd_arena)
 
 
 def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from attnzoo._validate import Window, check_bool, check_int, check_positive_float, normalize_window
+from attnzoo._validate import (
+    Window,
+    check_bool,
+    check_float,
+    check_int,
+    check_positive_float,
+    normalize_window,
+)
 from attnzoo.functional.rules import alibi_bias, compute_dtype
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
@@ -254,11 +261,10 @@ def _check_slopes(alibi_slopes: object, q: Tensor) -> Tensor | None:
 
 
 def _check_dropout(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
+    value = check_float(dropout_p, "dropout_p")
+    if not 0.0 <= value < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    return float(dropout_p)
+    return value
 
 
 def build_request(

@@ -78,19 +78,9 @@ def _recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, s: Tens
     return torch.stack(outs, dim=2), s
 
 
-def delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor,
-    *,
-    log_decay: Tensor | None = None,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    return_state: bool = False,
-    form: str = "auto",
-    chunk_size: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = None,
+               scale: float | None = None, initial_state: Tensor | None = None, return_state: bool = False,
+               form: str = "auto", chunk_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Causal (gated) delta rule: ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T``, ``o_t = scale q_t^T S_t``.
 
     Args:
@@ -99,16 +89,14 @@ def delta_rule(
         beta: ``[B, H, N]`` write strength in [0, 1].
         log_decay: ``None`` (DeltaNet, ``a_t = 1``) or ``[B, H, N]`` finite, ``<= 0``: ``a_t = exp(log_decay_t)``
             (Gated DeltaNet).
-        scale: multiplies q; default ``1/sqrt(Dk)``.
-        initial_state: ``S_0 [B, H, Dk, Dv]``; default zeros.
-        return_state: also return ``S_N [B, H, Dk, Dv]`` (feed it back as ``initial_state`` to continue).
+        scale, initial_state, return_state, chunk_size: as in :func:`attnzoo.gated_linear_attention`
+            (``scale`` multiplies q, default ``1/sqrt(Dk)``; states ``[B, H, Dk, Dv]``, default zeros).
         form: ``"recurrent"``, ``"chunked"`` (WY representation), ``"quadratic"`` (the chunked form with
-            one chunk of N tokens: an ``N x N`` triangular solve) or ``"auto"``: recurrent for N = 1,
-            quadratic for N <= chunk_size, chunked beyond.
-        chunk_size: chunk length of the chunked form (default 64); any value >= 1.
+            one chunk of N tokens: an ``N x N`` triangular solve) or ``"auto"`` (recurrent for N = 1,
+            quadratic for N <= chunk_size, chunked beyond).
 
     Returns:
-        ``out [B, H, N, Dv]`` in q's dtype, or ``(out, state)``; the state is float32 (float64 for
+        ``out [B, H, N, Dv]`` in q's dtype, or ``(out, state)`` with the state in float32 (float64 for
         float64 inputs).
 
     Raises:

@@ -130,19 +130,13 @@ def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial
     return chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk, scale)
 
 
-def gated_linear_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_decay: Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    return_state: bool = False,
-    form: str = "auto",
-    chunk_size: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: float | None = None,
+                           initial_state: Tensor | None = None, return_state: bool = False, form: str = "auto",
+                           chunk_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Causal gated linear attention: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale q_t^T S_t``.
+
+    ``scale``, ``initial_state``, ``return_state`` and ``chunk_size`` mean the same in
+    :func:`retention` and :func:`delta_rule`, whose docstrings refer here (``docs/recurrent.md``).
 
     Args:
         q, k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (one dtype, one device).

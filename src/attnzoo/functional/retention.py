@@ -30,32 +30,21 @@ from attnzoo.functional.gla import run_gla
 __all__ = ["retention"]
 
 
-def retention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    gamma: Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    return_state: bool = False,
-    form: str = "auto",
-    chunk_size: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+def retention(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, *, scale: float | None = None,
+              initial_state: Tensor | None = None, return_state: bool = False, form: str = "auto",
+              chunk_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Causal retention: ``S_t = gamma S_{t-1} + k_t v_t^T``, ``o_t = scale q_t^T S_t``.
 
     Args:
         q, k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (one dtype, one device).
         gamma: ``[H]`` decay per head, in (0, 1) (RetNet: ``1 - 2**(-5 - arange(H))``).
-        scale: multiplies q; default ``1/sqrt(Dk)``.
-        initial_state: ``S_0 [B, H, Dk, Dv]``; default zeros.
-        return_state: also return ``S_N [B, H, Dk, Dv]`` (feed it back as ``initial_state`` to continue).
-        form: ``"recurrent"``, ``"chunked"``, ``"quadratic"`` (``[N, N]`` decay mask) or ``"auto"``:
-            recurrent for N = 1, quadratic for N <= chunk_size, chunked beyond.
-        chunk_size: chunk length of the chunked form (default 64); any value >= 1.
+        scale, initial_state, return_state, chunk_size: as in :func:`attnzoo.gated_linear_attention`
+            (``scale`` multiplies q, default ``1/sqrt(Dk)``; states ``[B, H, Dk, Dv]``, default zeros).
+        form: ``"recurrent"``, ``"chunked"``, ``"quadratic"`` (``[N, N]`` decay mask) or ``"auto"``
+            (recurrent for N = 1, quadratic for N <= chunk_size, chunked beyond).
 
     Returns:
-        ``out [B, H, N, Dv]`` in q's dtype, or ``(out, state)``; the state is float32 (float64 for
+        ``out [B, H, N, Dv]`` in q's dtype, or ``(out, state)`` with the state in float32 (float64 for
         float64 inputs).
 
     Raises:

@@ -32,6 +32,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_float
 from attnzoo.functional._request import AttnRequest, build_request
 from attnzoo.functional.reference import compute_dtype, masked_scores
 from attnzoo.functional.tiled import TilePlan, tile_plan
@@ -195,11 +196,10 @@ def _sigmoid_op(r: AttnRequest, bias: float, q: Tensor, k: Tensor, v: Tensor) ->
 def _check_bias(bias: object, nk: int) -> float:
     if bias is None:
         return -math.log(max(1, nk))
-    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-        raise TypeError(f"bias must be a float or None (default -log(Nk)), got {type(bias).__name__}")
-    if not math.isfinite(bias):
+    value = check_float(bias, "bias", expected="a float or None (default -log(Nk))")
+    if not math.isfinite(value):
         raise ValueError(f"bias must be finite, got {bias}")
-    return float(bias)
+    return value
 
 
 def sigmoid_attention(

@@ -35,8 +35,45 @@ from attnzoo._validate import check_int as _check_int
 __all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache"]
 
 
-class _CacheBase:
+class _LengthCache:
+    """The cache protocol of buffers written by position, whose state is ``length`` (tokens
+    written): ``batch_size``, ``reset``, ``mark``/``rollback``/``commit``. Shared with MLA's
+    :class:`~attnzoo.nn.mla.LatentCache`."""
+
+    _batch_size: int
+    length: int
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size the cache was built for."""
+        return self._batch_size
+
+    def reset(self) -> None:
+        """Forget every token (the buffers are reused, not freed)."""
+        self.length = 0
+
+    def mark(self) -> object:
+        """An opaque token of the current state, for :meth:`rollback`."""
+        return self.length
+
+    def _check_mark(self, mark: object) -> int:
+        if isinstance(mark, bool) or not isinstance(mark, int):
+            raise TypeError(f"{type(self).__name__}.rollback: expected a mark from mark(), got {type(mark).__name__}")
+        return mark
+
+    def rollback(self, mark: object) -> None:
+        """Undo the updates since :meth:`mark` returned ``mark`` (slots past ``length`` are unused)."""
+        self.length = self._check_mark(mark)
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
+
+
+class _CacheBase(_LengthCache):
     """Buffers ``k [B, Hkv, S, D]`` and ``v [B, Hkv, S, Dv]`` plus the protocol members."""
+
+    #: what ``repr`` shows between ``batch_size`` and ``num_kv_heads`` (the subclass's own sizes)
+    _repr_sizes: tuple[str, ...] = ()
 
     def __init__(self, batch_size: int, slots: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: int | None, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
@@ -48,11 +85,6 @@ class _CacheBase:
         self.k = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.head_dim, device=device, dtype=dt)
         self.v = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.v_head_dim, device=device, dtype=dt)
         self.length = 0
-
-    @property
-    def batch_size(self) -> int:
-        """Batch size the cache was built for."""
-        return self._batch_size
 
     @property
     def device(self) -> torch.device:
@@ -67,21 +99,9 @@ class _CacheBase:
         """Bytes held by the key and value tensors (what the cache costs in memory)."""
         return self.k.nbytes + self.v.nbytes
 
-    def reset(self) -> None:
-        """Forget every token (the buffers are reused, not freed)."""
-        self.length = 0
-
-    def mark(self) -> object:
-        """An opaque token of the current state, for :meth:`rollback`."""
-        return self.length
-
-    def rollback(self, mark: object) -> None:
-        """Undo the updates since :meth:`mark` returned ``mark`` (slots past ``length`` are unused)."""
-        assert isinstance(mark, int)
-        self.length = mark
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: nothing to keep."""
+    def __repr__(self) -> str:
+        names = ("batch_size", *self._repr_sizes, "num_kv_heads", "head_dim", "length", "dtype")
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)}' for n in names)})"
 
     def _check_new(self, k_new: object, v_new: object) -> tuple[Tensor, Tensor]:
         name = type(self).__name__
@@ -123,6 +143,8 @@ class KVCache(_CacheBase):
         device, dtype: of the buffers (the module's, when built by ``module.init_cache``).
     """
 
+    _repr_sizes = ("max_len",)
+
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -157,9 +179,6 @@ class KVCache(_CacheBase):
         """Key + value bytes per cached token slot (``nbytes / max_len``)."""
         return self.nbytes / self.max_len
 
-    def __repr__(self) -> str:
-        return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, length={self.length}, dtype={self.dtype})")
 
 
 class _SlotCache(_CacheBase):
@@ -167,6 +186,7 @@ class _SlotCache(_CacheBase):
     :meth:`commit`, so :meth:`rollback` can restore them."""
 
     _undo: tuple[int, Tensor, list[tuple[Tensor, int, Tensor]]] | None = None
+    capacity: int
 
     def _save(self, mark: int, slots: Tensor, buffers: list[tuple[Tensor, int]]) -> None:
         """Keep the ``slots`` of every ``(buffer, dim)`` about to be overwritten by the update after ``mark``."""
@@ -174,7 +194,7 @@ class _SlotCache(_CacheBase):
 
     def rollback(self, mark: object) -> None:
         """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
-        assert isinstance(mark, int)
+        mark = self._check_mark(mark)
         if self.length == mark:
             return
         if self._undo is None or self._undo[0] != mark:
@@ -188,6 +208,10 @@ class _SlotCache(_CacheBase):
     def commit(self, mark: object) -> None:
         """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
         self._undo = None
+
+    def bytes_per_token(self) -> float:
+        """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""
+        return self.nbytes / self.capacity
 
 
 class SlidingWindowKVCache(_SlotCache):
@@ -213,6 +237,8 @@ class SlidingWindowKVCache(_SlotCache):
             not depend on it). Exceeding it raises ``ValueError``.
         device, dtype: of the buffers.
     """
+
+    _repr_sizes = ("window", "capacity")
 
     def __init__(self, batch_size: int, window: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, max_len: int | None = None,
@@ -260,15 +286,6 @@ class SlidingWindowKVCache(_SlotCache):
             out_k, out_v = self.k.index_select(2, order), self.v.index_select(2, order)
         return out_k, out_v, torch.arange(self.length - out_k.shape[2], self.length, device=self.k.device)
 
-    def bytes_per_token(self) -> float:
-        """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""
-        return self.nbytes / self.capacity
-
-    def __repr__(self) -> str:
-        return (f"SlidingWindowKVCache(batch_size={self.batch_size}, window={self.window}, capacity={self.capacity}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, length={self.length}, "
-                f"dtype={self.dtype})")
-
 
 class SinkWindowKVCache(_SlotCache):
     """StreamingLLM's cache: ``n`` attention-sink tokens kept forever plus a ring of the last ``w + 1``.
@@ -293,6 +310,8 @@ class SinkWindowKVCache(_SlotCache):
         max_len: optional limit on the total number of tokens (``None`` = unbounded).
         device, dtype: of the buffers.
     """
+
+    _repr_sizes = ("sink_tokens", "window", "capacity")
 
     def __init__(self, batch_size: int, sink_tokens: int, window: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, max_len: int | None = None,
@@ -349,12 +368,3 @@ class SinkWindowKVCache(_SlotCache):
             held = self._slots(after)
             out_k, out_v, out_pos = self.k.index_select(2, held), self.v.index_select(2, held), after
         return out_k, out_v, out_pos
-
-    def bytes_per_token(self) -> float:
-        """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""
-        return self.nbytes / self.capacity
-
-    def __repr__(self) -> str:
-        return (f"SinkWindowKVCache(batch_size={self.batch_size}, sink_tokens={self.sink_tokens}, "
-                f"window={self.window}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, length={self.length}, dtype={self.dtype})")

@@ -198,16 +198,9 @@ class _FeatureAttention(AttentionBase):
             raise ValueError(f"{cls}: context must have shape [B, M, C] = [{x.shape[0]}, M, {self.dim}], got {got}")
         return self.check_x(context, "context")
 
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask: Tensor | Mask | None = None,
-        cache: RecurrentStateCache | None = None,
-        positions: Tensor | None = None,
-        return_weights: bool = False,
-    ) -> Tensor:
+    def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
+                cache: RecurrentStateCache | None = None, positions: Tensor | None = None,
+                return_weights: bool = False) -> Tensor:
         """Attend from ``x [B, N, C]`` to itself, or (bidirectional only) to ``context [B, M, C]``.
 
         Args:

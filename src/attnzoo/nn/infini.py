@@ -149,16 +149,9 @@ class InfiniAttention(AttentionBase):
     def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype) -> InfiniCache:
         return InfiniCache(batch_size, self.num_heads, self.head_dim, self.segment_len, device=device, dtype=dtype)
 
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = None,
-        *,
-        mask: Tensor | Mask | None = None,
-        cache: InfiniCache | None = None,
-        positions: Tensor | None = None,
-        return_weights: bool = False,
-    ) -> Tensor:
+    def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
+                cache: InfiniCache | None = None, positions: Tensor | None = None,
+                return_weights: bool = False) -> Tensor:
         """Causal Infini-attention over ``x [B, N, C]``.
 
         Args:

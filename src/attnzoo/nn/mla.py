@@ -43,6 +43,7 @@ from attnzoo.functional.varlen import _check_cu, attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.attention import _check_mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
+from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.costs import computed_pairs, resolve_backend, visible_pairs
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 from attnzoo.nn.rope_scaling import rope_inv_freq
@@ -104,7 +105,7 @@ def mla_flops(sizes: MLASizes, num_heads: int, n_new: int, n_keys: int, form: st
 
 
 # --------------------------------------------------------------------------- the cache
-class LatentCache:
+class LatentCache(_LengthCache):
     """MLA's decode cache: ``latent [B, max_len, r + dr]``, per token the normalised latent ``c_kv``
     (``r``) then the roped shared key ``k_pe`` (``dr``). Preallocated, written in place by position.
 
@@ -134,31 +135,9 @@ class LatentCache:
         return self.nbytes / self.max_len
 
     @property
-    def batch_size(self) -> int:
-        """Batch size the cache was built for."""
-        return self._batch_size
-
-    @property
     def dtype(self) -> torch.dtype:
         """dtype of the stored latents."""
         return self.latent.dtype
-
-    def reset(self) -> None:
-        """Forget every token (the buffer is reused)."""
-        self.length = 0
-
-    def mark(self) -> object:
-        """An opaque token of the current state, for :meth:`rollback`."""
-        return self.length
-
-    def rollback(self, mark: object) -> None:
-        """Undo the updates since ``mark`` (slots past ``length`` are unused)."""
-        if not isinstance(mark, int):
-            raise TypeError(f"LatentCache.rollback: expected a mark from mark(), got {type(mark).__name__}")
-        self.length = mark
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: nothing to keep."""
 
     def update(self, c_kv: Tensor, k_pe: Tensor) -> Tensor:
         """Write ``c_kv [B, n, r]`` and ``k_pe [B, n, dr]`` at positions ``length ..``; return

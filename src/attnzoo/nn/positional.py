@@ -97,7 +97,38 @@ def sinusoidal_table(n: int, dim: int, base: float = 10000.0, dtype: torch.dtype
     return table[:, :dim].to(dtype)
 
 
-class SinusoidalPositionalEncoding(nn.Module):
+def _check_table_range(pos: Tensor, max_len: int, cls: str) -> None:
+    if pos.numel() and not torch.compiler.is_compiling() and int(pos.max()) >= max_len:  # eager only: syncs
+        raise ValueError(f"{cls}: position {int(pos.max())} is beyond the table (max_len={max_len}, "
+                         f"valid positions 0..{max_len - 1}); build it with a larger max_len")
+
+
+class _PositionTable(nn.Module):
+    """An absolute position table ``[max_len, C]`` (:meth:`_table`) added to the tokens it is given."""
+
+    dim: int
+    max_len: int
+
+    def _table(self) -> Tensor:
+        raise NotImplementedError
+
+    def encoding(self, positions: Tensor) -> Tensor:
+        """The table's rows ``[N, C]`` or ``[B, N, C]`` for positions ``[N]`` or ``[B, N]``."""
+        table = self._table()
+        pos = resolve_positions(_require_tensor(positions), positions.shape[-1], 0, table.device)
+        _check_table_range(pos, self.max_len, type(self).__name__)
+        return table[pos]
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        """``x + table[positions]`` (positions default to ``offset .. offset + N - 1``)."""
+        _check_x(x, self.dim, type(self).__name__)
+        table = self._table()
+        pos = resolve_positions(positions, x.shape[1], offset, table.device, batch=x.shape[0])
+        _check_table_range(pos, self.max_len, type(self).__name__)
+        return x + table[pos].to(x.dtype)
+
+
+class SinusoidalPositionalEncoding(_PositionTable):
     """Fixed sine/cosine absolute positions (Vaswani et al.): ``forward(x) = x + PE[positions]``.
 
     ``PE[p, 2i] = sin(p * base^(-2i/C))`` and ``PE[p, 2i + 1] = cos(p * base^(-2i/C))``. For an
@@ -128,31 +159,15 @@ class SinusoidalPositionalEncoding(nn.Module):
         table = sinusoidal_table(self.max_len, self.dim, self.base, dtype or torch.get_default_dtype())
         self.register_buffer("pe", table.to(device), persistent=False)  # [max_len, C]
 
-    def encoding(self, positions: Tensor) -> Tensor:
-        """``PE[positions]``: ``[N, C]`` or ``[B, N, C]`` for positions ``[N]`` or ``[B, N]``."""
-        pos = resolve_positions(_require_tensor(positions), positions.shape[-1], 0, self.pe.device)
-        _check_table_range(pos, self.max_len, type(self).__name__)
-        return self.pe[pos]
-
-    def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
-        """``x + PE[positions]`` (positions default to ``offset .. offset + N - 1``)."""
-        _check_x(x, self.dim, type(self).__name__)
-        pos = resolve_positions(positions, x.shape[1], offset, self.pe.device, batch=x.shape[0])
-        _check_table_range(pos, self.max_len, type(self).__name__)
-        return x + self.pe[pos].to(x.dtype)
+    def _table(self) -> Tensor:
+        return self.pe
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, max_len={self.max_len}, base={self.base:g}"
 
 
-def _check_table_range(pos: Tensor, max_len: int, cls: str) -> None:
-    if pos.numel() and not torch.compiler.is_compiling() and int(pos.max()) >= max_len:  # eager only: syncs
-        raise ValueError(f"{cls}: position {int(pos.max())} is beyond the table (max_len={max_len}, "
-                         f"valid positions 0..{max_len - 1}); build it with a larger max_len")
-
-
 # --------------------------------------------------------------------------- learned
-class LearnedPositionalEmbedding(nn.Module):
+class LearnedPositionalEmbedding(_PositionTable):
     """A trained absolute position table (BERT, GPT-2, ViT): ``forward(x) = x + weight[positions]``.
 
     The parameter ``weight [max_len, C]`` has the layout of Hugging Face's
@@ -180,18 +195,8 @@ class LearnedPositionalEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
 
-    def encoding(self, positions: Tensor) -> Tensor:
-        """``weight[positions]``: ``[N, C]`` or ``[B, N, C]``."""
-        pos = resolve_positions(_require_tensor(positions), positions.shape[-1], 0, self.weight.device)
-        _check_table_range(pos, self.max_len, type(self).__name__)
-        return self.weight[pos]
-
-    def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
-        """``x + weight[positions]`` (positions default to ``offset .. offset + N - 1``)."""
-        _check_x(x, self.dim, type(self).__name__)
-        pos = resolve_positions(positions, x.shape[1], offset, self.weight.device, batch=x.shape[0])
-        _check_table_range(pos, self.max_len, type(self).__name__)
-        return x + self.weight[pos].to(x.dtype)
+    def _table(self) -> Tensor:
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, max_len={self.max_len}"

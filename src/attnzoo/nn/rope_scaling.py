@@ -67,6 +67,14 @@ def _factor(params: Mapping[str, Any], rope_type: str, max_pos: int | None) -> f
     return float(factor)
 
 
+def _extension(params: Mapping[str, Any], rope_type: str, max_pos: int | None) -> tuple[float, float, float | None]:
+    """What YaRN and LongRoPE both read: the trained length ``original_max_position_embeddings``,
+    the ``factor`` (:func:`_factor`) and ``attention_factor`` (``None``: the method's own default)."""
+    orig = float(_need(params, "original_max_position_embeddings", rope_type))
+    attn = params.get("attention_factor")
+    return orig, _factor(params, rope_type, max_pos), None if attn is None else float(attn)
+
+
 def _linear(dim: int, base: float, p: Mapping[str, Any], max_pos: int | None, seq_len: int | None,
             device: torch.device | str | None) -> RopeResult:
     return default_inv_freq(dim, base, device) / float(_need(p, "factor", "linear")), 1.0
@@ -88,9 +96,7 @@ def _yarn_mscale(scale: float, m: float = 1.0) -> float:
 
 def _yarn(dim: int, base: float, p: Mapping[str, Any], max_pos: int | None, seq_len: int | None,
           device: torch.device | str | None) -> RopeResult:
-    orig = float(_need(p, "original_max_position_embeddings", "yarn"))
-    factor = _factor(p, "yarn", max_pos)
-    attn = p.get("attention_factor")
+    orig, factor, attn = _extension(p, "yarn", max_pos)
     if attn is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
         attn = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
@@ -128,9 +134,7 @@ def _llama3(dim: int, base: float, p: Mapping[str, Any], max_pos: int | None, se
 
 def _longrope(dim: int, base: float, p: Mapping[str, Any], max_pos: int | None, seq_len: int | None,
               device: torch.device | str | None) -> RopeResult:
-    orig = int(_need(p, "original_max_position_embeddings", "longrope"))
-    factor = _factor(p, "longrope", max_pos)
-    attn = p.get("attention_factor")
+    orig, factor, attn = _extension(p, "longrope", max_pos)
     if attn is None:
         attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     key = "long_factor" if seq_len and seq_len > orig else "short_factor"
