@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,9 @@ class AttentionBase(nn.Module):
         kv_dim: width of the key/value source (default ``C``; not with ``"qkv"``).
         factory: ``{"device": ..., "dtype": ...}`` of the parameters.
     """
+
+    #: Why ``return_weights=True`` is refused (``None``: the module can return attention weights).
+    no_weights_reason: ClassVar[str | None] = None
 
     def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, layout: str = "q_k_v", kv_dim: int | None = None,
@@ -204,6 +207,8 @@ class AttentionBase(nn.Module):
         x = self.check_x(x)
         if not isinstance(return_weights, bool):
             raise TypeError(f"{cls}: return_weights must be a bool, got {type(return_weights).__name__}")
+        if return_weights and self.no_weights_reason is not None:
+            raise ValueError(f"{cls}: return_weights=True is not supported ({self.no_weights_reason})")
         if cache is not None:
             if cache_type is not None and not isinstance(cache, cache_type):
                 kinds = cache_type if isinstance(cache_type, tuple) else (cache_type,)

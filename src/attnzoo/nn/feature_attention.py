@@ -137,6 +137,8 @@ class RecurrentStateCache:
 class _FeatureAttention(AttentionBase):
     """Projections, head split/merge, masks and the recurrent cache; subclasses supply the kernel."""
 
+    no_weights_reason = "feature-map attention never forms an attention matrix"
+
     def __init__(self, dim: int, num_heads: int, *, causal: bool, chunk_size: int, head_dim: int | None,
                  bias: bool, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v",
@@ -218,9 +220,6 @@ class _FeatureAttention(AttentionBase):
             ``[B, N, C]``.
         """
         cls = type(self).__name__
-        if return_weights is not False:
-            raise ValueError(f"{cls}: return_weights=True is not supported: feature-map attention never forms "
-                             f"an attention matrix")
         x = self.check_call(x, cache, positions, return_weights, RecurrentStateCache)
         if cache is not None:
             self._check_recurrent_cache(cache, context)

@@ -127,6 +127,8 @@ class InfiniAttention(AttentionBase):
     Shapes: ``[B, N, C] -> [B, N, C]``. Masks: key padding only.
     """
 
+    no_weights_reason = "the memory has no attention matrix"
+
     def __init__(self, dim: int, num_heads: int, segment_len: int = 2048, update: str = "linear",
                  head_dim: int | None = None, bias: bool = True, backend: str = "auto",
                  window: int | tuple[int | None, int | None] | None = None,
@@ -171,8 +173,6 @@ class InfiniAttention(AttentionBase):
         if context is not None:
             raise ValueError(f"{cls}: context (cross-attention) is not supported: Infini-attention is causal "
                              f"self-attention over one stream")
-        if return_weights is not False:
-            raise ValueError(f"{cls}: return_weights=True is not supported (the memory has no attention matrix)")
         x = self.check_call(x, cache, positions, return_weights, InfiniCache)
         b, n, _ = x.shape
         if cache is not None:

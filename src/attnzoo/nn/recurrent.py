@@ -165,6 +165,8 @@ class RecurrentMixer(AttentionBase):
     from ``state`` (``None`` = zeros) and the convolutions' previous inputs ``conv`` (``{}`` = zeros).
     """
 
+    no_weights_reason = "a recurrence has no attention matrix"
+
     #: ``(H, Dk, Dv)`` of the state and ``{name: channels}`` of the short convolutions (set by subclasses)
     state_shape: tuple[int, int, int]
     conv_channels: dict[str, int]
@@ -200,8 +202,6 @@ class RecurrentMixer(AttentionBase):
             raise ValueError(f"{cls}: context (cross-attention) is not supported: a recurrent mixer is causal "
                              f"self-attention over one stream")
         x = self.check_call(x, cache, positions, return_weights, RecurrentCache)
-        if return_weights:
-            raise ValueError(f"{cls}: return_weights=True is not supported (a recurrence has no attention matrix)")
         if cache is not None and (tuple(cache.state_shape) != tuple(self.state_shape)
                                   or set(cache.conv) != set(self.conv_channels)):
             raise ValueError(f"{cls}: the cache holds a state {list(cache.state_shape)} and convolutions "
