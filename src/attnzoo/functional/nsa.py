@@ -21,6 +21,11 @@ Two forms: ``"reference"`` materialises every branch densely (``[N, N]`` masks, 
 written from the definition); ``"fast"`` walks the queries in chunks, attends each chunk over the
 compressed blocks it can see, and **gathers only the selected key/value blocks** of every
 (group, query): the selected branch costs ``n l'`` keys per query whatever ``N``.
+
+Every size and branch of the fast form comes from Python ints, never from tensor values (no host
+sync, no graph break). Under ``torch.compile`` the compressed and selected branches run as one
+custom operator, ``attnzoo::nsa_sparse_fwd`` (backward: ``attnzoo::nsa_sparse_bwd``, the same
+branches recomputed under ``torch.func.vjp``), and the window branch as one ``az.attention`` call.
 """
 
 from __future__ import annotations
