@@ -13,6 +13,7 @@ import torch
 import torch._dynamo as dynamo
 
 import attnzoo as az
+from attnzoo.functional.nsa import NSAConfig, nsa_attention, nsa_sparse_fwd, num_compressed
 from attnzoo.functional.tiled_ops import tiled_fwd
 from attnzoo.models.export import CachedStep, cache_tensors
 from attnzoo.variants import VARIANTS, build_attention
@@ -72,9 +73,9 @@ MODULES: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 #: Variants whose forward still breaks the graph (found when they joined the registry; not fixed
-#: yet): nsa reads chunk positions back from tensors (int(t[-1]), bool(keep.any())), streaming's
-#: sink+window pattern is built from tensor values. Listed here so the gap stays visible.
-KNOWN_BREAKS = {"variant-nsa", "variant-streaming"}
+#: yet): streaming's sink+window pattern is built from tensor values. Listed here (strict xfail)
+#: so the gap stays visible.
+KNOWN_BREAKS = {"variant-streaming"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason="known graph breaks, see KNOWN_BREAKS",
@@ -360,3 +361,108 @@ def test_varlen_inference_runs_as_one_operator_and_matches_eager(name: str) -> N
     q, k, v = args
     torch.library.opcheck(varlen_fwd, (q, k, v, _cu(), _cu(), True, 12, 0, True, None, None, None,
                                        torch.linspace(-1.0, 1.0, 4), True, "tiled"))
+
+
+# ------------------------------------------------------------- native sparse attention
+NSA_SMALL = {"block_len": 4, "block_stride": 2, "select_len": 4, "num_selected": 4, "window": 8}
+
+
+def _nsa_module() -> torch.nn.Module:
+    torch.manual_seed(0)
+    mod = build_attention("nsa", 32, 4, num_kv_heads=2, **NSA_SMALL)
+    mod.query_chunk = 16  # several chunks over N = 48, the last one ragged below
+    return mod
+
+
+def _nsa_inputs(grad: bool = False, n: int = 45) -> tuple[torch.Tensor, ...]:
+    """``q, k, v, k_cmp, v_cmp, gates`` for :func:`nsa_attention` (GQA 4 / 2, ``Nk = n + 3``: ``q_offset = 3``)."""
+    g = torch.Generator().manual_seed(2)
+    nc = num_compressed(n + 3, 4, 2)
+    shapes = ((1, 4, n, D), (1, 2, n + 3, D), (1, 2, n + 3, D), (1, 2, nc, D), (1, 2, nc, D))
+    ts = [torch.randn(*s, generator=g) for s in shapes] + [torch.rand(1, 4, n, 3, generator=g)]
+    return tuple(t.requires_grad_(grad) for t in ts)
+
+
+@pytest.mark.parametrize("form", ["auto", "reference"])
+def test_nsa_functional_has_no_graph_breaks_and_compiled_matches_eager(form: str) -> None:
+    cfg = NSAConfig(**NSA_SMALL)
+
+    def fn(*args: torch.Tensor) -> torch.Tensor:
+        return nsa_attention(*args, cfg, form=form, query_chunk=16)
+
+    assert _break_count(fn, *_nsa_inputs()) == 0
+    args = _nsa_inputs(grad=True)
+    want = _outputs_and_grads(fn, args)
+    dynamo.reset()
+    got = _outputs_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True), args)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_nsa_module_compiled_matches_eager_with_gradients_as_one_operator() -> None:
+    """The module's compressed and selected branches compile to one ``attnzoo::nsa_sparse_fwd`` node
+    (its backward recomputes through the eager kernel): outputs and the gradients of ``x`` and every
+    parameter match eager."""
+    mod = _nsa_module()
+    x = torch.randn(2, N, 32, requires_grad=True)
+
+    def run(fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        mod.zero_grad()
+        x.grad = None
+        out = fn(x)
+        out.sin().sum().backward()
+        return [out.detach(), x.grad.clone()] + [p.grad.clone() for p in mod.parameters()]
+
+    want = run(mod)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    dynamo.reset()
+    got = run(torch.compile(mod, backend=backend, fullgraph=True))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.attnzoo.nsa_sparse_fwd.default) == 1
+
+
+def test_nsa_cached_decode_compiled_matches_eager() -> None:
+    """A compiled decode step (new tokens written into :class:`NSACache`, blocks compressed as they
+    complete) has no graph break and gives the eager step's outputs and cache contents."""
+    mod = _nsa_module().eval()
+    x = torch.randn(2, 20, 32)
+    caches = [mod.init_cache(2, 20), mod.init_cache(2, 20)]
+    step = torch.compile(mod, backend="aot_eager", fullgraph=True)
+    dynamo.reset()
+    with torch.no_grad():
+        for cache in caches:
+            mod(x[:, :9], cache=cache)
+        assert dynamo.explain(mod)(x[:, 9:10], cache=mod.init_cache(2, 20)).graph_break_count == 0
+        for s, e in ((9, 10), (10, 11), (11, 14), (14, 15)):  # single tokens and a chunk, crossing block ends
+            torch.testing.assert_close(step(x[:, s:e], cache=caches[1]), mod(x[:, s:e], cache=caches[0]))
+    assert caches[1].length == caches[0].length == 15 and caches[1].num_blocks == caches[0].num_blocks
+    for name in ("k", "v", "k_cmp", "v_cmp"):
+        torch.testing.assert_close(getattr(caches[1], name), getattr(caches[0], name))
+
+
+def test_dynamic_shapes_nsa_module_compiles_once() -> None:
+    """The chunk loop of the sparse branches sits inside the operator and the window branch is one
+    ``az.attention`` call when compiled, so no trip count specialises the graph."""
+    mod = _nsa_module()
+    with torch.no_grad():
+        assert _graphs_for_lengths(mod, [(torch.randn(1, n, 32),) for n in LENGTHS]) == 1
+
+
+def test_nsa_custom_operator_registration() -> None:
+    """opcheck of ``attnzoo::nsa_sparse_fwd`` (schema, fake implementation, autograd through
+    ``attnzoo::nsa_sparse_bwd``, AOT dispatch): GQA with a ``q_offset`` and ragged chunks, and a
+    sequence with no complete compressed block."""
+    cfg = (4, 2, 4, 4, 8, 2)
+    q, k, v, kc, vc, gates = _nsa_inputs(grad=True, n=13)
+    torch.library.opcheck(nsa_sparse_fwd, (q, k, v, kc, vc, gates, *cfg, 3, 0.25, 5))
+    short = (t[:, :, :2].detach().requires_grad_() for t in (q, k, v))
+    empty = kc[:, :, :0].detach().requires_grad_(), vc[:, :, :0].detach().requires_grad_()
+    torch.library.opcheck(nsa_sparse_fwd, (*short, *empty, gates[:, :, :2].detach().requires_grad_(), *cfg, 0, 0.25,
+                                           128))

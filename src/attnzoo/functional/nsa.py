@@ -21,6 +21,11 @@ Two forms: ``"reference"`` materialises every branch densely (``[N, N]`` masks, 
 written from the definition); ``"fast"`` walks the queries in chunks, attends each chunk over the
 compressed blocks it can see, and **gathers only the selected key/value blocks** of every
 (group, query): the selected branch costs ``n l'`` keys per query whatever ``N``.
+
+Every size and branch of the fast form comes from Python ints, never from tensor values (no host
+sync, no graph break). Under ``torch.compile`` the compressed and selected branches run as one
+custom operator, ``attnzoo::nsa_sparse_fwd`` (backward: ``attnzoo::nsa_sparse_bwd``, the same
+branches recomputed under ``torch.func.vjp``), and the window branch as one ``az.attention`` call.
 """
 
 from __future__ import annotations
@@ -95,12 +100,15 @@ def compress_blocks(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor | None, w2: T
     return torch.nn.functional.linear(hidden, w2, b2)
 
 
-def _masked_softmax(s: Tensor, allowed: Tensor) -> Tensor:
-    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give zeros."""
+def _masked_softmax(s: Tensor, allowed: Tensor, empty_rows: bool) -> Tensor:
+    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give zeros.
+
+    ``empty_rows`` says (from Python ints, never from tensor data: no host sync, no graph break)
+    whether some row may allow nothing; without such rows the plain softmax runs (two passes)."""
     if s.shape[-1] == 0:
         return s
     s = s.masked_fill(~allowed, float("-inf"))
-    if bool(allowed.any(-1).all()):  # no empty row: the plain softmax (two passes, finite gradients)
+    if not empty_rows:
         return torch.softmax(s, dim=-1)
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -137,7 +145,8 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, ga
     key = torch.arange(Nk, device=q.device)
     # compressed branch: block i visible iff it ends at or before t
     ends = torch.arange(Nc, device=q.device) * cfg.block_stride + cfg.block_len - 1
-    p_cmp = _masked_softmax(q @ k_cmp.repeat_interleave(r, 1).transpose(-1, -2) * scale, ends[None, :] <= t[:, None])
+    p_cmp = _masked_softmax(q @ k_cmp.repeat_interleave(r, 1).transpose(-1, -2) * scale, ends[None, :] <= t[:, None],
+                            q_offset < cfg.block_len - 1)
     o_cmp = p_cmp @ v_cmp.repeat_interleave(r, 1)
     # importance of selection block j: compressed blocks overlapping it, summed over the group
     ns = -(-Nk // cfg.select_len)
@@ -149,9 +158,9 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, ga
     chosen = torch.zeros(B, G, Nq, ns, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
     tokens = chosen[..., key // cfg.select_len] & (key[None, :] <= t[:, None])  # [B, G, Nq, Nk]
     kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-    o_slc = _masked_softmax(q @ kk.transpose(-1, -2) * scale, tokens.repeat_interleave(r, 1)) @ vv
+    o_slc = _masked_softmax(q @ kk.transpose(-1, -2) * scale, tokens.repeat_interleave(r, 1), False) @ vv  # key 0
     in_window = (key[None, :] <= t[:, None]) & (key[None, :] > t[:, None] - cfg.window)
-    o_win = _masked_softmax(q @ kk.transpose(-1, -2) * scale, in_window) @ vv
+    o_win = _masked_softmax(q @ kk.transpose(-1, -2) * scale, in_window, False) @ vv  # key t always in
     return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
 
 
@@ -159,30 +168,35 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, ga
 def _overlap_scores(p: Tensor, ns: int, cfg: NSAConfig) -> Tensor:
     """``p [B, G, c, Nc]`` (compressed probabilities) -> importance ``[B, G, c, ns]``: each
     compressed block adds its probability to every selection block it overlaps (banded: at most
-    ``ceil((l - 1) / l') + 1`` of them, so a few ``index_add`` calls, no ``[Nc, Ns]`` matrix)."""
+    ``ceil((l - 1) / l') + 1`` of them, so a few ``index_add`` calls, no ``[Nc, Ns]`` matrix).
+
+    A block with no ``r``-th overlapped selection block adds an exact ``0`` (to a clamped index)
+    instead of being filtered out: the same sums, and no shape read from tensor data."""
     nc = p.shape[-1]
     out = p.new_zeros(*p.shape[:-1], ns)
+    if nc == 0:
+        return out
     start = torch.arange(nc, device=p.device) * cfg.block_stride
     first = start // cfg.select_len
     for r in range(-(-(cfg.block_len - 1) // cfg.select_len) + 1):
         j = first + r
         keep = (j * cfg.select_len <= start + cfg.block_len - 1) & (j < ns)
-        if bool(keep.any()):
-            out.index_add_(-1, j[keep], p[..., keep])
+        out.index_add_(-1, j.clamp_max(ns - 1), torch.where(keep, p, torch.zeros_like(p)))
     return out
 
 
-def _chunk_compressed(qg: Tensor, k_cmp: Tensor, v_cmp: Tensor, t: Tensor, cfg: NSAConfig,
+def _chunk_compressed(qg: Tensor, k_cmp: Tensor, v_cmp: Tensor, t: Tensor, t0: int, cfg: NSAConfig,
                       scale: float) -> tuple[Tensor, Tensor]:
-    """Compressed branch of one query chunk ``qg [B, G, r, c, D]``: ``(o [B, G, r, c, Dv],
-    p [B, G, r, c, nc])`` over the ``nc`` blocks the chunk's last query can see."""
-    nc = min(k_cmp.shape[2], num_compressed(int(t[-1]) + 1, cfg.block_len, cfg.block_stride))
+    """Compressed branch of one query chunk ``qg [B, G, r, c, D]`` at positions ``t = t0 .. t0 + c - 1``
+    (``t0`` a Python int): ``(o [B, G, r, c, Dv], p [B, G, r, c, nc])`` over the ``nc`` blocks the
+    chunk's last query can see."""
     B, G, r, c, _ = qg.shape
+    nc = min(k_cmp.shape[2], num_compressed(t0 + c, cfg.block_len, cfg.block_stride))
     if nc == 0:
         return qg.new_zeros(B, G, r, c, v_cmp.shape[-1]), qg.new_zeros(B, G, r, c, 0)
     ends = torch.arange(nc, device=qg.device) * cfg.block_stride + cfg.block_len - 1
     s = torch.einsum("bgrcd,bgnd->bgrcn", qg, k_cmp[:, :, :nc]) * scale
-    p = _masked_softmax(s, ends[None, :] <= t[:, None])
+    p = _masked_softmax(s, ends[None, :] <= t[:, None], t0 < cfg.block_len - 1)
     return torch.einsum("bgrcn,bgnd->bgrcd", p, v_cmp[:, :, :nc]), p
 
 
@@ -198,7 +212,7 @@ def _chunk_selected(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor,
     kpos = (idx[..., None] * cfg.select_len + torch.arange(cfg.select_len, device=kb.device)).flatten(3)
     allowed = ok.repeat_interleave(cfg.select_len, -1) & (kpos <= t[:, None])  # [B, G, c, n*l']
     s = torch.einsum("bgrcd,bgcmd->bgrcm", qg, ksel) * scale
-    p = _masked_softmax(s, allowed[:, :, None])
+    p = _masked_softmax(s, allowed[:, :, None], False)  # block 0 is always picked, and key 0 <= t
     return torch.einsum("bgrcm,bgcmd->bgrcd", p, vsel)
 
 
@@ -214,7 +228,19 @@ def _blocks(x: Tensor, select_len: int) -> Tensor:
 
 def _fast(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, cfg: NSAConfig,
           q_offset: int, scale: float, query_chunk: int, backend: str) -> Tensor:
-    """Compressed and selected branches one query chunk at a time; the window through az.attention."""
+    """Compressed and selected branches one query chunk at a time (one operator, ``nsa_sparse_fwd``,
+    when compiled); the window through az.attention."""
+    if torch.compiler.is_compiling():  # one node, not a loop over chunks unrolled into the graph
+        fields = (getattr(cfg, name) for name in _CONFIG_FIELDS)
+        sparse = nsa_sparse_fwd(q, k, v, k_cmp, v_cmp, gates, *fields, q_offset, scale, query_chunk)
+    else:
+        sparse = _sparse(q, k, v, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk)
+    return sparse + gates[..., 2:3] * _window(q, k, v, cfg, q_offset, scale, query_chunk, backend)
+
+
+def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, cfg: NSAConfig,
+            q_offset: int, scale: float, query_chunk: int) -> Tensor:
+    """``g_cmp o_cmp + g_slc o_slc [B, H, Nq, Dv]``, one query chunk at a time (see the module docstring)."""
     H, Nq = q.shape[1], q.shape[2]
     G = k.shape[1]
     r = H // G
@@ -222,16 +248,16 @@ def _fast(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: 
     outs = []
     for a in range(0, Nq, query_chunk):
         qg = q[:, :, a:a + query_chunk].unflatten(1, (G, r))  # [B, G, r, c, D]
-        t = torch.arange(a, a + qg.shape[3], device=q.device) + q_offset
-        o_cmp, p = _chunk_compressed(qg, k_cmp, v_cmp, t, cfg, scale)
+        t0, t1 = q_offset + a, q_offset + min(Nq, a + query_chunk)  # chunk positions [t0, t1), Python ints
+        t = torch.arange(t0, t1, device=q.device)
+        o_cmp, p = _chunk_compressed(qg, k_cmp, v_cmp, t, t0, cfg, scale)
         with torch.no_grad():
-            imp = _overlap_scores(p.detach().sum(2), int(t[-1]) // cfg.select_len + 1, cfg)
+            imp = _overlap_scores(p.detach().sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
             idx, ok = pick_blocks(imp, t, cfg)
         o_slc = _chunk_selected(qg, kb, vb, idx, ok, t, cfg, scale)
         g = gates[:, :, a:a + query_chunk].unflatten(1, (G, r))
         outs.append(g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc)
-    return torch.cat(outs, dim=3).flatten(1, 2) + gates[..., 2:3] * _window(q, k, v, cfg, q_offset, scale, query_chunk,
-                                                                              backend)
+    return torch.cat(outs, dim=3).flatten(1, 2)
 
 
 def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int,
@@ -239,12 +265,68 @@ def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scal
     """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` per chunk of ``max(query_chunk, w)``
     queries over the only keys its window can reach (``<= 2 w`` keys a query: O(N w), no tile walk)."""
     c, w, nq = max(query_chunk, cfg.window), cfg.window, q.shape[2]
+    if torch.compiler.is_compiling():
+        return attention(q, k, v, causal=True, window=(w - 1, 0), q_offset=q_offset, scale=scale, backend=backend)
     outs = []
     for a in range(0, nq, c):
         lo, hi = max(0, q_offset + a - w + 1), q_offset + min(nq, a + c)
         outs.append(attention(q[:, :, a:a + c], k[:, :, lo:hi], v[:, :, lo:hi], causal=True, window=(w - 1, 0),
                               q_offset=q_offset + a - lo, scale=scale, backend=backend))
     return torch.cat(outs, dim=2)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- compiled form
+_CONFIG_FIELDS = ("block_len", "block_stride", "select_len", "num_selected", "window", "local_blocks")
+
+
+@torch.library.custom_op("attnzoo::nsa_sparse_fwd", mutates_args=())
+def nsa_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, block_len: int,
+                   block_stride: int, select_len: int, num_selected: int, window: int, local_blocks: int,
+                   q_offset: int, scale: float, query_chunk: int) -> Tensor:
+    """The compressed and selected branches of the fast form, gated, as one operator (what a
+    compiled graph calls): ``g_cmp o_cmp + g_slc o_slc [B, H, Nq, Dv]``. Arguments as
+    :func:`nsa_attention` with the :class:`NSAConfig` fields spelled out."""
+    cfg = NSAConfig(block_len, block_stride, select_len, num_selected, window, local_blocks)
+    return _sparse(q, k, v, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk).contiguous()
+
+
+@nsa_sparse_fwd.register_fake
+def _nsa_sparse_fwd_fake(q: Tensor, k: Tensor, v: Tensor, *args: object) -> Tensor:
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+@torch.library.custom_op("attnzoo::nsa_sparse_bwd", mutates_args=())
+def nsa_sparse_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor,
+                   block_len: int, block_stride: int, select_len: int, num_selected: int, window: int,
+                   local_blocks: int, q_offset: int, scale: float, query_chunk: int,
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`nsa_sparse_fwd` for ``(q, k, v, k_cmp, v_cmp, gates)``: the eager
+    branches run again under ``torch.func.vjp`` (autograd is switched off inside an operator; the
+    same backward formulas as eager mode, so the same numbers)."""
+    cfg = NSAConfig(block_len, block_stride, select_len, num_selected, window, local_blocks)
+
+    def sparse(*xs: Tensor) -> Tensor:
+        return _sparse(*xs, cfg, q_offset, scale, query_chunk)
+
+    _, vjp = torch.func.vjp(sparse, q, k, v, k_cmp, v_cmp, gates)
+    return tuple(g.contiguous() for g in vjp(d_out))  # type: ignore[return-value]
+
+
+@nsa_sparse_bwd.register_fake
+def _nsa_sparse_bwd_fake(d_out: Tensor, *args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(t.new_empty(t.shape) for t in args[:6])  # type: ignore[return-value,union-attr]
+
+
+def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(*inputs[:6])
+    ctx.scalars = inputs[6:]
+
+
+def _backward_formula(ctx, d_out: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    return (*nsa_sparse_bwd(d_out, *ctx.saved_tensors, *ctx.scalars), *(None,) * len(ctx.scalars))
+
+
+nsa_sparse_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------- entry point
