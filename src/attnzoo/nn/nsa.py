@@ -149,6 +149,8 @@ class NativeSparseAttention(AttentionBase):
     Shapes: ``[B, N, C] -> [B, N, C]``. Masks: causal only.
     """
 
+    no_weights_reason = "three branches, no single matrix"
+
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, block_len: int = 32,
                  block_stride: int = 16, select_len: int = 64, num_selected: int = 16, window: int = 512,
                  head_dim: int | None = None, bias: bool = True, device: torch.device | str | None = None,
@@ -179,8 +181,6 @@ class NativeSparseAttention(AttentionBase):
             raise ValueError(f"{cls}: context (cross-attention) is not supported: NSA is causal self-attention")
         if mask is not None:
             raise ValueError(f"{cls}: mask is not supported (causal by construction), got {type(mask).__name__}")
-        if return_weights is not False:
-            raise ValueError(f"{cls}: return_weights=True is not supported (three branches, no single matrix)")
         x = self.check_call(x, cache, positions, return_weights, NSACache)
         q, k, v = self.project_qkv(x)  # [B, H, N, D], [B, Hkv, N, D]
         gates = torch.sigmoid(self.gate_proj(x)).unflatten(-1, (self.num_heads, 3)).transpose(1, 2)  # [B, H, N, 3]
