@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo as az
+from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.mla import LatentCache
+from attnzoo.variants import build_attention
 
 
 def test_kv_cache_writes_by_position_and_returns_views() -> None:
@@ -158,3 +160,25 @@ def test_every_cache_shares_the_mark_protocol(make) -> None:  # type: ignore[no-
     cache.commit(cache.mark())
     cache.reset()
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("variant", ["linear", "performer", "infini", "retnet", "deltanet", "nsa"])
+def test_snapshot_caches_roll_back_a_call(variant: str) -> None:
+    """Caches whose updates replace their state (``SnapshotCache``): rolling back a call restores
+    the state exactly, so decoding goes on as if the call never happened; a bad mark is a TypeError."""
+    torch.manual_seed(0)
+    m = build_attention(variant, 16, 2).eval()
+    x = torch.randn(1, 12, 16)
+    with torch.no_grad():
+        cache = m.init_cache(1, 32)
+        m(x[:, :5], cache=cache)
+        mark = cache.mark()
+        want = m(x[:, 5:12], cache=cache)
+        m(torch.randn(1, 3, 16), cache=cache)  # a call to undo
+        cache.rollback(mark)
+        assert cache.length == 5
+        got = m(x[:, 5:12], cache=cache)
+    assert isinstance(cache, SnapshotCache)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=f"{type(cache).__name__}.rollback"):
+        cache.rollback(5)

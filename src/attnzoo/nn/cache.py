@@ -32,7 +32,7 @@ from torch import Tensor
 
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache"]
+__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache"]
 
 
 class _LengthCache:
@@ -67,6 +67,26 @@ class _LengthCache:
 
     def commit(self, mark: object) -> None:
         """The call that took ``mark`` succeeded: nothing to keep."""
+
+
+class SnapshotCache(_LengthCache):
+    """The protocol of caches whose updates *replace* a few attributes (state tensors, counters)
+    instead of writing them in place (recurrent states, Infini memory, NSA counters): a mark is a
+    snapshot of the attributes named in ``snapshot``, and :meth:`rollback` restores it."""
+
+    #: the attributes a mark holds (``length`` first)
+    snapshot: tuple[str, ...] = ("length",)
+
+    def mark(self) -> object:
+        """An opaque token of the current state (a tuple of the ``snapshot`` attributes)."""
+        return tuple(getattr(self, name) for name in self.snapshot)
+
+    def rollback(self, mark: object) -> None:
+        """Return to the state ``mark`` was taken in."""
+        if not isinstance(mark, tuple) or len(mark) != len(self.snapshot):
+            raise TypeError(f"{type(self).__name__}.rollback: expected a mark from mark(), got {type(mark).__name__}")
+        for name, value in zip(self.snapshot, mark, strict=True):
+            setattr(self, name, value)
 
 
 class _CacheBase(_LengthCache):

@@ -29,6 +29,7 @@ from attnzoo.functional.linear import (
 from attnzoo.functional.performer import draw_performer_projection, performer_attention
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_flag
+from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.costs import projection_cost
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
@@ -68,7 +69,7 @@ def key_padding_from_mask(cls: str, mask: object, batch: int, n_new: int, n_tota
     return mask[:, mask.shape[1] - n_new:].to(device)
 
 
-class RecurrentStateCache:
+class RecurrentStateCache(SnapshotCache):
     """Decoding state of :class:`LinearAttention` / :class:`PerformerAttention`.
 
     Holds ``S [B, H, F, Dv]`` (sum of ``phi(k) v^T``) and ``z [B, H, F]`` (sum of ``phi(k)``) over
@@ -78,6 +79,8 @@ class RecurrentStateCache:
     :meth:`update`, which stores the state after ``n`` more tokens and returns
     ``(S, z, positions)`` with the absorbed tokens' positions ``[n]``.
     """
+
+    snapshot = ("length", "S", "z", "version")
 
     def __init__(self, batch_size: int, num_heads: int, num_features: int, head_dim_v: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
@@ -90,10 +93,6 @@ class RecurrentStateCache:
         self.z = torch.zeros(self._batch_size, self.num_heads, self.num_features, device=device, dtype=dtype)
         self.length = 0
         self.version: int | None = None  # the Performer projection the state was built with
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
 
     @property
     def nbytes(self) -> int:
@@ -116,18 +115,6 @@ class RecurrentStateCache:
         self.S, self.z = S.to(self.S.dtype), z.to(self.z.dtype)
         self.length += check_int(n, "n", 0)
         return self.S, self.z, torch.arange(self.length - n, self.length, device=self.S.device)
-
-    def mark(self) -> object:
-        """An opaque token of the current state (the tensors are replaced, not written, by updates)."""
-        return (self.length, self.S, self.z, self.version)
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: nothing to keep."""
-
-    def rollback(self, mark: object) -> None:
-        """Return to the state ``mark`` was taken in."""
-        assert isinstance(mark, tuple)
-        self.length, self.S, self.z, self.version = mark
 
     def __repr__(self) -> str:
         return (f"RecurrentStateCache(batch_size={self.batch_size}, num_heads={self.num_heads}, "

@@ -17,6 +17,7 @@ from attnzoo.functional._request import normalize_window
 from attnzoo.functional.infini import UPDATES, InfiniState, infini_attention
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend
+from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.costs import projection_cost, visible_pairs
 from attnzoo.nn.feature_attention import key_padding_from_mask
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
@@ -24,7 +25,7 @@ from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, registe
 __all__ = ["InfiniAttention", "InfiniCache"]
 
 
-class InfiniCache:
+class InfiniCache(SnapshotCache):
     """Decoding/streaming state of :class:`InfiniAttention`.
 
     Holds an :class:`~attnzoo.functional.infini.InfiniState`: memory ``M [B, H, D, D]`` and
@@ -34,6 +35,8 @@ class InfiniCache:
     ``reset()``, ``mark()``/``rollback()`` and :meth:`update`, which stores the state after ``n``
     more tokens and returns ``(memory, norm, positions)`` with the new tokens' positions ``[n]``.
     """
+
+    snapshot = ("length", "state")
 
     def __init__(self, batch_size: int, num_heads: int, head_dim: int, segment_len: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
@@ -46,10 +49,6 @@ class InfiniCache:
         self.state = InfiniState.empty(self._batch_size, self.num_heads, self.head_dim, self.head_dim,
                                        device=device, dtype=dtype)
         self.length = 0
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
 
     @property
     def memory(self) -> Tensor:
@@ -86,18 +85,6 @@ class InfiniCache:
         self.state = state
         self.length += check_int(n, "n", 0)
         return self.memory, self.norm, torch.arange(self.length - n, self.length, device=self.memory.device)
-
-    def mark(self) -> object:
-        """An opaque token of the current state (updates replace the state object)."""
-        return (self.length, self.state)
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: nothing to keep."""
-
-    def rollback(self, mark: object) -> None:
-        """Return to the state ``mark`` was taken in."""
-        assert isinstance(mark, tuple)
-        self.length, self.state = mark
 
     def __repr__(self) -> str:
         return (f"InfiniCache(batch_size={self.batch_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -19,6 +19,7 @@ from attnzoo._validate import check_int
 from attnzoo.functional.nsa import NSAConfig, compress_blocks, nsa_attention, num_compressed
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase
+from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.costs import projection_cost
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
@@ -49,11 +50,13 @@ class BlockCompressor(nn.Module):
                                self.block_len, self.block_stride)
 
 
-class NSACache:
+class NSACache(SnapshotCache):
     """Decode cache of :class:`NativeSparseAttention`: raw ``k, v [B, Hkv, max_len, D]`` (the
     selected branch may pick any earlier block) plus compressed ``k_cmp, v_cmp [B, Hkv, Nc_max, D]``,
     written when a block completes. Protocol of ``attnzoo.nn.cache`` (``length``, ``batch_size``,
     ``nbytes``, ``reset``, ``mark``/``rollback``/``commit``, :meth:`update`)."""
+
+    snapshot = ("length", "num_blocks")
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int, config: NSAConfig, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -70,10 +73,6 @@ class NSACache:
         self.num_blocks = 0
 
     @property
-    def batch_size(self) -> int:
-        return self._batch_size
-
-    @property
     def nbytes(self) -> int:
         """Bytes held by the raw and compressed buffers."""
         return self.k.nbytes + self.v.nbytes + self.k_cmp.nbytes + self.v_cmp.nbytes
@@ -81,18 +80,6 @@ class NSACache:
     def reset(self) -> None:
         """Forget every token (the buffers are reused)."""
         self.length = self.num_blocks = 0
-
-    def mark(self) -> object:
-        """An opaque token of the current state (slots past the counters are unused)."""
-        return (self.length, self.num_blocks)
-
-    def rollback(self, mark: object) -> None:
-        """Return to the state ``mark`` was taken in."""
-        assert isinstance(mark, tuple)
-        self.length, self.num_blocks = mark
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: nothing to keep."""
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write ``n`` new tokens ``[B, Hkv, n, D]``; return ``(k, v)`` of every token so far and the

@@ -29,6 +29,7 @@ from attnzoo.functional._chunked_scan import compute_dtype
 from attnzoo.functional.linear import check_chunk_size
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase
+from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.feature_attention import key_padding_from_mask
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
@@ -44,7 +45,7 @@ def check_chunk(chunk_size: object) -> int:
     return c
 
 
-class RecurrentCache:
+class RecurrentCache(SnapshotCache):
     """Decode cache of a recurrent mixer: ``state [B, H, Dk, Dv]`` and the short convolutions' inputs.
 
     ``state`` is float32 (float64 for float64 modules); ``conv[name] [B, channels, kernel - 1]``
@@ -52,6 +53,8 @@ class RecurrentCache:
     ``B * (H * Dk * Dv * 4 + sum(channels * (kernel - 1)) * itemsize)`` bytes whatever the length
     (``max_len`` only bounds the number of tokens).
     """
+
+    snapshot = ("length", "state", "conv")
 
     def __init__(self, batch_size: int, max_len: int, state_shape: tuple[int, int, int],
                  conv_shapes: Mapping[str, tuple[int, int]], *, device: torch.device | str | None = None,
@@ -69,10 +72,6 @@ class RecurrentCache:
         state = torch.zeros(b, *self.state_shape, device=dev, dtype=compute_dtype(self._dtype))
         conv = {k: torch.zeros(b, c, w, device=dev, dtype=self._dtype) for k, (c, w) in self._conv_shapes.items()}
         return state, conv
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
 
     @property
     def nbytes(self) -> int:
@@ -96,18 +95,6 @@ class RecurrentCache:
         self.conv = {k: t.to(self._dtype) for k, t in conv.items()}
         self.length += n
         return self.state, torch.arange(self.length - n, self.length, device=self.state.device)
-
-    def mark(self) -> object:
-        """An opaque token of the current state (updates replace the tensors, never write them)."""
-        return (self.length, self.state, dict(self.conv))
-
-    def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: nothing to keep."""
-
-    def rollback(self, mark: object) -> None:
-        """Return to the state ``mark`` was taken in."""
-        assert isinstance(mark, tuple)
-        self.length, self.state, self.conv = mark[0], mark[1], dict(mark[2])
 
     def __repr__(self) -> str:
         return (f"RecurrentCache(batch_size={self.batch_size}, state={list(self.state_shape)}, "
