@@ -88,6 +88,12 @@ class SnapshotCache(_LengthCache):
         for name, value in zip(self.snapshot, mark, strict=True):
             setattr(self, name, value)
 
+    def advance(self, n: object, device: torch.device) -> Tensor:
+        """Count ``n`` more tokens; return their positions ``[n]`` (int64, on ``device``)."""
+        count = _check_int(n, "n", 0)
+        self.length += count
+        return torch.arange(self.length - count, self.length, device=device)
+
 
 class _CacheBase(_LengthCache):
     """Buffers ``k [B, Hkv, S, D]`` and ``v [B, Hkv, S, Dv]`` plus the protocol members."""

@@ -113,8 +113,7 @@ class RecurrentStateCache(SnapshotCache):
             raise ValueError(f"RecurrentStateCache.update: expected S {tuple(self.S.shape)} and z "
                              f"{tuple(self.z.shape)}, got {tuple(S.shape)} and {tuple(z.shape)}")
         self.S, self.z = S.to(self.S.dtype), z.to(self.z.dtype)
-        self.length += check_int(n, "n", 0)
-        return self.S, self.z, torch.arange(self.length - n, self.length, device=self.S.device)
+        return self.S, self.z, self.advance(n, self.S.device)
 
     def __repr__(self) -> str:
         return (f"RecurrentStateCache(batch_size={self.batch_size}, num_heads={self.num_heads}, "

@@ -83,8 +83,7 @@ class InfiniCache(SnapshotCache):
         if not isinstance(state, InfiniState):
             raise TypeError(f"InfiniCache.update: state must be an InfiniState, got {type(state).__name__}")
         self.state = state
-        self.length += check_int(n, "n", 0)
-        return self.memory, self.norm, torch.arange(self.length - n, self.length, device=self.memory.device)
+        return self.memory, self.norm, self.advance(n, self.memory.device)
 
     def __repr__(self) -> str:
         return (f"InfiniCache(batch_size={self.batch_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

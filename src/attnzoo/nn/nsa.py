@@ -95,9 +95,8 @@ class NSACache(SnapshotCache):
         s = self.length
         self.k[:, :, s:s + n] = k_new
         self.v[:, :, s:s + n] = v_new
-        self.length += n
-        return self.k[:, :, :self.length], self.v[:, :, :self.length], torch.arange(s, self.length,
-                                                                                    device=self.k.device)
+        positions = self.advance(n, self.k.device)
+        return self.k[:, :, :self.length], self.v[:, :, :self.length], positions
 
     def extend_blocks(self, k_comp: BlockCompressor, v_comp: BlockCompressor) -> tuple[Tensor, Tensor]:
         """Compress the blocks completed since the last call; return every compressed block so far."""

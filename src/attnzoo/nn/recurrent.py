@@ -93,8 +93,7 @@ class RecurrentCache(SnapshotCache):
             raise ValueError(f"RecurrentCache overflow: {self.length} tokens + {n} new > max_len={self.max_len}")
         self.state = state.to(self.state.dtype)
         self.conv = {k: t.to(self._dtype) for k, t in conv.items()}
-        self.length += n
-        return self.state, torch.arange(self.length - n, self.length, device=self.state.device)
+        return self.state, self.advance(n, self.state.device)
 
     def __repr__(self) -> str:
         return (f"RecurrentCache(batch_size={self.batch_size}, state={list(self.state_shape)}, "
