@@ -99,15 +99,8 @@ def draw_performer_projection(
     return w.to(device=device, dtype=dtype)
 
 
-def performer_features(
-    x: Tensor,
-    projection: Tensor,
-    *,
-    is_query: bool,
-    key_padding_mask: Tensor | None = None,
-    stabilize_keys: bool = False,
-    root: float = 1.0,
-) -> Tensor:
+def performer_features(x: Tensor, projection: Tensor, *, is_query: bool, key_padding_mask: Tensor | None = None,
+                       stabilize_keys: bool = False, root: float = 1.0) -> Tensor:
     """Positive random features ``exp(W x' - |x'|^2/2 - shift) / sqrt(F)`` with ``x' = root * x``:
     ``[B, H, N, D] -> [B, H, N, F]``.
 
