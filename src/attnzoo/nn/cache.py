@@ -77,6 +77,15 @@ class SnapshotCache(_LengthCache):
     #: the attributes a mark holds (``length`` first)
     snapshot: tuple[str, ...] = ("length",)
 
+    def _set_sizes(self, batch_size: object, **sizes: object) -> None:
+        """Validate (ints >= 1, errors naming the cache) and store ``batch_size`` and ``sizes``;
+        start at ``length = 0``."""
+        owner = type(self).__name__
+        self._batch_size = _check_int(batch_size, "batch_size", owner=owner)
+        for name, value in sizes.items():
+            setattr(self, name, _check_int(value, name, owner=owner))
+        self.length = 0
+
     def mark(self) -> object:
         """An opaque token of the current state (a tuple of the ``snapshot`` attributes)."""
         return tuple(getattr(self, name) for name in self.snapshot)

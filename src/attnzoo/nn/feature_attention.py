@@ -84,14 +84,10 @@ class RecurrentStateCache(SnapshotCache):
 
     def __init__(self, batch_size: int, num_heads: int, num_features: int, head_dim_v: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        self._batch_size = check_int(batch_size, "batch_size")
-        self.num_heads = check_int(num_heads, "num_heads")
-        self.num_features = check_int(num_features, "num_features")
-        self.head_dim_v = check_int(head_dim_v, "head_dim_v")
+        self._set_sizes(batch_size, num_heads=num_heads, num_features=num_features, head_dim_v=head_dim_v)
         self.S = torch.zeros(self._batch_size, self.num_heads, self.num_features, self.head_dim_v,
                              device=device, dtype=dtype)
         self.z = torch.zeros(self._batch_size, self.num_heads, self.num_features, device=device, dtype=dtype)
-        self.length = 0
         self.version: int | None = None  # the Performer projection the state was built with
 
     @property

@@ -40,15 +40,11 @@ class InfiniCache(SnapshotCache):
 
     def __init__(self, batch_size: int, num_heads: int, head_dim: int, segment_len: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        self._batch_size = check_int(batch_size, "batch_size")
-        self.num_heads = check_int(num_heads, "num_heads")
-        self.head_dim = check_int(head_dim, "head_dim")
-        self.segment_len = check_int(segment_len, "segment_len")
+        self._set_sizes(batch_size, num_heads=num_heads, head_dim=head_dim, segment_len=segment_len)
         self._device = device
         self._dtype = dtype
         self.state = InfiniState.empty(self._batch_size, self.num_heads, self.head_dim, self.head_dim,
                                        device=device, dtype=dtype)
-        self.length = 0
 
     @property
     def memory(self) -> Tensor:

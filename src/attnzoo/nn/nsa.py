@@ -60,8 +60,7 @@ class NSACache(SnapshotCache):
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int, config: NSAConfig, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        self._batch_size = check_int(batch_size, "batch_size", owner="NSACache")
-        self.max_len = check_int(max_len, "max_len", owner="NSACache")
+        self._set_sizes(batch_size, max_len=max_len)
         self.config = config
         fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         nc = max(1, num_compressed(max_len, config.block_len, config.block_stride))
@@ -69,7 +68,6 @@ class NSACache(SnapshotCache):
         self.v = torch.zeros_like(self.k)
         self.k_cmp = torch.zeros(batch_size, num_kv_heads, nc, head_dim, **fk)
         self.v_cmp = torch.zeros_like(self.k_cmp)
-        self.length = 0
         self.num_blocks = 0
 
     @property

@@ -59,12 +59,10 @@ class RecurrentCache(SnapshotCache):
     def __init__(self, batch_size: int, max_len: int, state_shape: tuple[int, int, int],
                  conv_shapes: Mapping[str, tuple[int, int]], *, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
-        self._batch_size = check_int(batch_size, "batch_size")
-        self.max_len = check_int(max_len, "max_len")
+        self._set_sizes(batch_size, max_len=max_len)
         self.state_shape = tuple(state_shape)
         self._conv_shapes = dict(conv_shapes)
         self._device, self._dtype = device, dtype
-        self.length = 0
         self.state, self.conv = self._zeros()
 
     def _zeros(self) -> tuple[Tensor, dict[str, Tensor]]:
