@@ -13,10 +13,16 @@ grows with ``sum_i n_q_i * n_k_i``, not ``Tq * Tk``. Other backends (and ALiBi w
 ``cu_seqlens_q != cu_seqlens_k``, whose distances are per sequence) run one call per sequence.
 Semantics drawn for small N: ``docs/softmax-frontier.md``.
 
-Under ``torch.compile`` / ``torch.export`` the sequence boundaries are tensor data, so the call runs
-once on the packed tensors with a dense ``[Tq, Tk]`` mask built by tensor ops (exact, no graph
-break, but ``O(Tq x Tk)`` memory) when gradients are needed; inference runs the eager call as one
-custom operator (``attnzoo::varlen_fwd``). The checks on ``cu_seqlens`` values run in eager mode only.
+Training on the packed path (``auto`` / ``tiled``; under ``torch.compile`` every backend except
+``reference`` / ``sdpa``) runs two custom operators, eager and compiled alike:
+``attnzoo::varlen_fwd`` (the eager call above, with its LSE) and, as its registered gradient,
+``attnzoo::varlen_bwd`` (the tiled backward kernel on the same sequence-aware tile plan, so tiles
+between sequences are skipped in both directions; sink gradients and ALiBi included). Compiled
+inference runs ``varlen_fwd`` alone. Under ``torch.compile`` / ``torch.export`` the sequence
+boundaries are tensor data, so what the operators cannot serve (gradients for ``alibi_slopes``, or
+the ``reference`` / ``sdpa`` backends with gradients) runs once on the packed tensors with a dense
+``[Tq, Tk]`` mask built by tensor ops (exact, no graph break, but ``O(Tq x Tk)`` memory). The
+checks on ``cu_seqlens`` values run in eager mode only.
 """
 
 from __future__ import annotations
