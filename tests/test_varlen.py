@@ -228,13 +228,21 @@ def test_float64_gradients_through_the_operator_equal_per_sequence_reference(cas
         torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=lambda m, i=i: f"output {i}: {m}")
 
 
-def test_bfloat16_gradients_through_the_operator() -> None:
-    leaves, kw, cu_q, cu_k = _train_args(dict(lengths=SELF, causal=True, window=(17, 0), sinks=True),
-                                         dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("native", [True, False], ids=["half-tiles", "float32-tiles"])
+def test_half_gradients_through_the_operator(dtype: torch.dtype, native: bool, monkeypatch: pytest.MonkeyPatch,
+                                             ) -> None:
+    """Half inputs: tiles in the half dtype or in float32 (what halfmath picks per machine), both tested."""
+    import attnzoo.functional.tiled as tiled
+    import attnzoo.functional.varlen as varlen
+
+    for module in (tiled, varlen):
+        monkeypatch.setattr(module, "native_half_matmul", lambda dt, device_type: native)
+    leaves, kw, cu_q, cu_k = _train_args(dict(lengths=SELF, causal=True, window=(17, 0), sinks=True), dtype=dtype)
     got = _loss_grads(_varlen_call(cu_q, cu_k, kw), leaves)
     want = _loss_grads(lambda q, k, v, sinks: per_sequence_reference(q, k, v, cu_q, cu_k, sinks=sinks, **kw),
                        leaves)
-    assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got[2:])
+    assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[2:])
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w.double(), atol=5e-2, rtol=5e-2)
 

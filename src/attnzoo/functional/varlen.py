@@ -193,7 +193,8 @@ def varlen_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Ten
                                                               k, v, out, lse, d_out.contiguous(), d_lse)
         qc, kc, vc, oc = q, k, v, out
         if q.dtype in (torch.float16, torch.bfloat16) and not native_half_matmul(q.dtype, q.device.type):
-            qc, kc, vc, oc = q.float(), k.float(), v.float(), out.float()  # as the eager tiled path computes
+            # tiles in float32, as the eager tiled path computes them (dO too: the tile matmuls need one dtype)
+            qc, kc, vc, oc, d_out = q.float(), k.float(), v.float(), out.float(), d_out.float()
         if q.shape[0] == 0 or k.shape[0] == 0:  # no query or no key anywhere: nothing reaches q, k, v
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         elif alibi_slopes is not None and not bool(torch.equal(cu_q, cu_k)):
