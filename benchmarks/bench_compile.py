@@ -3,8 +3,8 @@
 Cases (shapes of issue 20): ``az.attention`` dense causal and sliding window ``(64, 0)`` at
 ``[1, 4, N, 32]``, causal ``az.linear_attention``, ``az.sigmoid_attention`` (window 64),
 ``az.attention_varlen`` (the N tokens as 4 causal sequences) and ``az.retention`` (chunked) at
-the same shape (forward, inference), and a
-training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
+the same shape (forward, inference), ``varlen-train`` (that varlen call, forward + backward to
+q, k, v), and a training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
 num_heads=4, attention="sliding")`` on ``N`` tokens.
 
 "compile s" is the first call of the compiled function (tracing, AOTAutograd, inductor code
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import attnzoo as az
 
-CASES = ("dense", "window", "linear", "sigmoid", "varlen", "retention", "lm")
+CASES = ("dense", "window", "linear", "sigmoid", "varlen", "varlen-train", "retention", "lm")
 
 
 def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -55,8 +55,33 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+def _varlen_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(eager, compiled) forward + backward of the ``varlen`` case (gradients of q, k, v; the
+    forward is compiled, its backward is the graph AOTAutograd derived)."""
+    q, k, v = (torch.randn(n, 4, 32, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, n // 8, n // 4, n // 2, n], dtype=torch.int32)
+    go = torch.randn(n, 4, 32)
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return az.attention_varlen(q, k, v, cu, cu, causal=True)
+
+    compiled = torch.compile(fwd, fullgraph=True)
+
+    def step(f: Callable[..., torch.Tensor]) -> Callable[[], object]:
+        def run() -> object:
+            for t in (q, k, v):
+                t.grad = None
+            (f(q, k, v) * go).sum().backward()
+            return q.grad
+        return run
+
+    return step(fwd), step(compiled)
+
+
 def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]]:
     """(eager call, compiled call) of a case; the compiled one is built lazily by its first call."""
+    if name == "varlen-train":
+        return _varlen_train(n)
     q, k, v = (torch.randn(1, 4, n, 32) for _ in range(3))
     if name != "lm":
         attn = _calls(q, k, v)[name]
@@ -101,7 +126,7 @@ def run(cases: list[str], n: int, repeats: int) -> list[dict[str, object]]:
         e, c = statistics.median(te), statistics.median(tc)
         row = {"case": name, "n": n, "compile_s": round(compile_s, 2), "eager_ms": round(e * 1e3, 2),
                "compiled_ms": round(c * 1e3, 2), "ratio": round(c / e, 3)}
-        print(f"{name:9s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
+        print(f"{name:12s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
               f"{c * 1e3:8.2f} ms   compiled/eager {c / e:.3f}", flush=True)
         rows.append(row)
     return rows

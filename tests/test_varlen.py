@@ -184,3 +184,167 @@ def test_docs_examples_run_and_drawings_hold() -> None:
     for kw, rows in (({"causal": True}, drawn[:5]), ({"window": (0, 1)}, drawn[5:])):
         dense = varlen_mask(cq, ck, **kw).materialize(1, 1, 5, 5, q_offset=0)[0, 0].int().tolist()
         assert dense == [[int(x) for x in r] for r in rows], kw
+
+
+# ------------------------------------------- training: attnzoo::varlen_fwd + attnzoo::varlen_bwd
+def _train_args(case: dict, dtype=torch.float64, hq=4) -> tuple[list[torch.Tensor], dict, torch.Tensor, torch.Tensor]:
+    q, k, v, cu_q, cu_k = _inputs(*case["lengths"], hq=hq, dtype=dtype)
+    sinks = torch.randn(hq, dtype=dtype) if case.get("sinks") else None
+    leaves = [t.requires_grad_() for t in (q, k, v, *([sinks] if sinks is not None else []))]
+    kw = _kwargs(case, hq)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = kw["alibi_slopes"].to(dtype)
+    return leaves, kw, cu_q, cu_k
+
+
+def _loss_grads(fn, leaves: list[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
+    """Outputs and gradients of ``sum(out * go) + sum(lse * gl)`` (finite LSE rows), leaves in order."""
+    out, lse = fn(*leaves)
+    gen = torch.Generator().manual_seed(seed)
+    go = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    gl = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    fin = torch.isfinite(lse.detach())
+    loss = (out.double() * go).sum() + (lse.double().where(fin, 0.0) * gl).sum()
+    return [out.detach(), lse.detach(), *torch.autograd.grad(loss, leaves)]
+
+
+def _varlen_call(cu_q: torch.Tensor, cu_k: torch.Tensor, kw: dict, backend: str = "auto"):
+    def fn(q, k, v, sinks=None):
+        return az.attention_varlen(q, k, v, cu_q, cu_k, sinks=sinks, return_lse=True, backend=backend, **kw)
+    return fn
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_float64_gradients_through_the_operator_equal_per_sequence_reference(case: dict) -> None:
+    """Eager training runs attnzoo::varlen_fwd / varlen_bwd (cross-sequence tiles skipped in both
+    directions); its q, k, v (and sink) gradients equal the float64 per-sequence reference tightly."""
+    leaves, kw, cu_q, cu_k = _train_args(case)
+    out, _ = _varlen_call(cu_q, cu_k, kw)(*leaves)
+    assert "attnzoo_varlen_fwd" in out.grad_fn.name()
+    got = _loss_grads(_varlen_call(cu_q, cu_k, kw), leaves)
+    want = _loss_grads(lambda q, k, v, sinks=None: per_sequence_reference(q, k, v, cu_q, cu_k, sinks=sinks, **kw),
+                       leaves)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=lambda m, i=i: f"output {i}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("native", [True, False], ids=["half-tiles", "float32-tiles"])
+def test_half_gradients_through_the_operator(dtype: torch.dtype, native: bool, monkeypatch: pytest.MonkeyPatch,
+                                             ) -> None:
+    """Half inputs: tiles in the half dtype or in float32 (what halfmath picks per machine), both tested."""
+    import attnzoo.functional.tiled as tiled
+    import attnzoo.functional.varlen as varlen
+
+    for module in (tiled, varlen):
+        monkeypatch.setattr(module, "native_half_matmul", lambda dt, device_type: native)
+    leaves, kw, cu_q, cu_k = _train_args(dict(lengths=SELF, causal=True, window=(17, 0), sinks=True), dtype=dtype)
+    got = _loss_grads(_varlen_call(cu_q, cu_k, kw), leaves)
+    want = _loss_grads(lambda q, k, v, sinks: per_sequence_reference(q, k, v, cu_q, cu_k, sinks=sinks, **kw),
+                       leaves)
+    assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[2:])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w.double(), atol=5e-2, rtol=5e-2)
+
+
+def test_hidden_nonfinite_keys_do_not_spoil_other_gradients() -> None:
+    """A NaN/inf key changes only the rows that see it (NaN output, no gradient), as in every other
+    path; the backward skips them too (no 0 * NaN through a tile shared by two sequences)."""
+    q, k, v, cu_q, cu_k = _inputs([40, 60, 30], None, dtype=torch.float64)
+    v[50, 0, 3], k[95, 1, 0] = float("nan"), float("inf")
+    sinks = torch.randn(4, dtype=torch.float64)
+    res = {}
+    for backend in ("auto", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out, lse = _varlen_call(cu_q, cu_k, dict(causal=True), backend)(*leaves)
+        (out.nan_to_num(0.0).sum() + lse.nan_to_num(0.0).sum()).backward()
+        res[backend] = [out.detach(), *(t.grad for t in leaves)]
+    assert res["auto"][0][40:50].isfinite().all() and res["auto"][0][50:100].isnan().any()
+    for g, w in zip(res["auto"][:4], res["reference"][:4], strict=True):  # out, dq, dk, dv
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, equal_nan=True)
+    # the sink gradient skips the NaN rows too (autograd through the sink correction gives NaN: 0 * NaN)
+    assert all(g.isfinite().all() for g in res["auto"][1:])
+
+
+# cases that together cover sinks, window, softcap, GQA, LSE, ALiBi (same and different cu_seqlens)
+COMPILE_CASES = [
+    dict(lengths=SELF, causal=True, window=(17, 0), sinks=True),
+    dict(lengths=CROSS, window=(30, 3), softcap=5.0),
+    dict(lengths=SELF, causal=True, alibi=True),
+    dict(lengths=CROSS, causal=True, alibi=True, sinks=True),
+]
+
+
+def _graph_capture(graphs: dict[str, set[str]]):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def capture(name: str):
+        def compiler(gm: torch.fx.GraphModule, example: object) -> object:
+            graphs[name] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+
+
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=str)
+def test_compiled_training_runs_the_operators_and_matches_eager(case: dict) -> None:
+    """Compiled training holds one varlen_fwd node forward and one varlen_bwd node backward (no
+    dense [Tq, Tk] mask), and its outputs and gradients equal eager mode's."""
+    leaves, kw, cu_q, cu_k = _train_args(case, dtype=torch.float32)
+    want = _loss_grads(_varlen_call(cu_q, cu_k, kw), leaves)
+    graphs: dict[str, set[str]] = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(_varlen_call(cu_q, cu_k, kw), backend=_graph_capture(graphs), fullgraph=True)
+    got = _loss_grads(compiled, leaves)
+    assert "attnzoo.varlen_fwd.default" in graphs["forward"], graphs["forward"]
+    assert "attnzoo.varlen_bwd.default" in graphs["backward"], graphs["backward"]
+    assert not any("searchsorted" in t or "tiled" in t for t in graphs["forward"] | graphs["backward"])
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=0, rtol=0, msg=lambda m, i=i: f"output {i}: {m}")
+
+
+def _training_step(cu: torch.Tensor):
+    def step(q, k, v, sinks):
+        out, lse = az.attention_varlen(q, k, v, cu, cu, causal=True, window=(12, 0), sinks=sinks, return_lse=True)
+        loss = out.square().sum() + lse.sum()
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def test_training_step_forward_and_backward_has_no_graph_breaks() -> None:
+    """Forward + backward traced as one graph (Dynamo traces ``backward()`` with trace_autograd_ops),
+    with fullgraph=True; the gradients equal eager mode's."""
+    q, k, v, cu, _ = _inputs([10, 0, 20, 18], None)
+    sinks = torch.linspace(-1.0, 1.0, 4)
+    leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+    step = _training_step(cu)
+    step(*leaves)
+    want = [t.grad.clone() for t in leaves]
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(step)(*leaves).graph_break_count == 0
+        for t in leaves:
+            t.grad = None
+        torch._dynamo.reset()
+        torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves)
+    for g, w in zip((t.grad for t in leaves), want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_varlen_operators_pass_opcheck() -> None:
+    from attnzoo.functional.varlen import varlen_bwd, varlen_fwd
+
+    q, k, v, cu_q, cu_k = _inputs([7, 0, 12], [9, 3, 12], hq=4, hkv=2, d=8, dv=6, dtype=torch.float64)
+    sinks, slopes = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64), torch.linspace(0.1, 0.4, 4, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+    for alibi, win in ((None, (5, 0)), (slopes, None)):
+        torch.library.opcheck(varlen_fwd, (q, k, v, cu_q, cu_k, True, *(win or (None, None)), win is not None,
+                                           None, 4.0, alibi, leaves[3], True, "tiled"))
+    out, lse = varlen_fwd(*(t.detach() for t in (q, k, v)), cu_q, cu_k, True, None, None, False, None, None, slopes,
+                          sinks.detach(), True, "tiled")
+    for d_lse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(varlen_bwd, (torch.randn_like(out), d_lse, q.detach(), k.detach(), v.detach(), out, lse,
+                                           cu_q, cu_k, True, None, None, False, None, None, slopes, sinks.detach()))

@@ -13,10 +13,16 @@ grows with ``sum_i n_q_i * n_k_i``, not ``Tq * Tk``. Other backends (and ALiBi w
 ``cu_seqlens_q != cu_seqlens_k``, whose distances are per sequence) run one call per sequence.
 Semantics drawn for small N: ``docs/softmax-frontier.md``.
 
-Under ``torch.compile`` / ``torch.export`` the sequence boundaries are tensor data, so the call runs
-once on the packed tensors with a dense ``[Tq, Tk]`` mask built by tensor ops (exact, no graph
-break, but ``O(Tq x Tk)`` memory) when gradients are needed; inference runs the eager call as one
-custom operator (``attnzoo::varlen_fwd``). The checks on ``cu_seqlens`` values run in eager mode only.
+Training on the packed path (``auto`` / ``tiled``; under ``torch.compile`` every backend except
+``reference`` / ``sdpa``) runs two custom operators, eager and compiled alike:
+``attnzoo::varlen_fwd`` (the eager call above, with its LSE) and, as its registered gradient,
+``attnzoo::varlen_bwd`` (the tiled backward kernel on the same sequence-aware tile plan, so tiles
+between sequences are skipped in both directions; sink gradients and ALiBi included). Compiled
+inference runs ``varlen_fwd`` alone. Under ``torch.compile`` / ``torch.export`` the sequence
+boundaries are tensor data, so what the operators cannot serve (gradients for ``alibi_slopes``, or
+the ``reference`` / ``sdpa`` backends with gradients) runs once on the packed tensors with a dense
+``[Tq, Tk]`` mask built by tensor ops (exact, no graph break, but ``O(Tq x Tk)`` memory). The
+checks on ``cu_seqlens`` values run in eager mode only.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ import itertools
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import Window, check_qkv, normalize_window
+from attnzoo.functional._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.attention import BACKENDS, attention
 from attnzoo.functional.rules import alibi_bias
+from attnzoo.functional.tiled import attention_backward, native_half_matmul, plan_for
 from attnzoo.masks import Mask
 
-__all__ = ["attention_varlen", "varlen_fwd", "varlen_mask"]
+__all__ = ["attention_varlen", "varlen_bwd", "varlen_fwd", "varlen_mask"]
 
 #: Backends that run the packed tensors in one call (they consume a Mask and skip empty tiles).
 PACKED_BACKENDS = ("tiled", "flex")
@@ -144,14 +151,15 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, caus
                window_right: int | None, has_window: bool, scale: float | None, softcap: float | None,
                alibi_slopes: Tensor | None, sinks: Tensor | None, return_lse: bool, backend: str,
                ) -> tuple[Tensor, Tensor]:
-    """Inference ``attention_varlen`` as one operator (the eager packed path, tiles skipped from the
-    sequence boundaries): ``(out [Tq, Hq, Dv], lse [Hq, Tq] or an empty [0] unless return_lse)``."""
+    """``attention_varlen`` as one operator (the eager call: tiles between sequences skipped from the
+    boundaries): ``(out [Tq, Hq, Dv], lse [Hq, Tq] or an empty [0] unless return_lse)``. Its gradient
+    (``return_lse=True`` needed) is :func:`varlen_bwd`, whatever ``backend`` ran the forward."""
+    win = (window_left, window_right) if has_window else None
+    kw = dict(causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+              return_lse=return_lse)
     with torch.no_grad():
-        res = attention_varlen(q, k, v, cu_q, cu_k, causal=causal, scale=scale, softcap=softcap,
-                               window=(window_left, window_right) if has_window else None,
-                               alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse, backend=backend)
-    out, lse = res if isinstance(res, tuple) else (res, q.new_empty(0, dtype=_lse_dtype(q)))
-    return out.contiguous(), lse.contiguous()
+        out, lse = _eager_varlen(q, k, v, cu_q, cu_k, win, kw, backend)
+    return out.contiguous(), (lse if return_lse else q.new_empty(0, dtype=_lse_dtype(q))).contiguous()
 
 
 @varlen_fwd.register_fake
@@ -165,20 +173,160 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+@torch.library.custom_op("attnzoo::varlen_bwd", mutates_args=())
+def varlen_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+               cu_q: Tensor, cu_k: Tensor, causal: bool, window_left: int | None, window_right: int | None,
+               has_window: bool, scale: float | None, softcap: float | None, alibi_slopes: Tensor | None,
+               sinks: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv, d_sinks)`` of :func:`varlen_fwd` from those of ``out [Tq, Hq, Dv]`` and
+    ``lse [Hq, Tq]`` (``d_sinks [Hq]``, an empty ``[0]`` without sinks).
+
+    The tiled backward kernel runs once on the packed tensors with the plan of the forward (tiles
+    between sequences skipped), probabilities recomputed from ``lse``. With sinks, ``out`` and
+    ``lse`` already include the sink, so ``P = exp(S - lse)`` are the true probabilities and the
+    kernel's ``delta = rowsum(dO * O) - d_lse`` is exact; the sink's own gradient is
+    ``-sum_rows exp(sink - lse) * delta``. ALiBi with ``cu_q != cu_k`` runs one kernel call per
+    sequence (its distances are per sequence, as in the forward)."""
+    win = (window_left, window_right) if has_window else None
+    with torch.no_grad():
+        bad, (k, v, out, lse, d_out, d_lse) = _hide_nonfinite(cu_q, cu_k, causal, win, q.shape[1] // k.shape[1],
+                                                              k, v, out, lse, d_out.contiguous(), d_lse)
+        qc, kc, vc, oc = q, k, v, out
+        if q.dtype in (torch.float16, torch.bfloat16) and not native_half_matmul(q.dtype, q.device.type):
+            # tiles in float32, as the eager tiled path computes them (dO too: the tile matmuls need one dtype)
+            qc, kc, vc, oc, d_out = q.float(), k.float(), v.float(), out.float(), d_out.float()
+        if q.shape[0] == 0 or k.shape[0] == 0:  # no query or no key anywhere: nothing reaches q, k, v
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        elif alibi_slopes is not None and not bool(torch.equal(cu_q, cu_k)):
+            dq, dk, dv = _per_sequence_bwd(d_out, d_lse, qc, kc, vc, oc, lse, cu_q.tolist(), cu_k.tolist(),
+                                           dict(causal=causal, window=win, scale=scale, softcap=softcap,
+                                                alibi_slopes=alibi_slopes))
+        else:
+            r = build_request(*_packed_heads(qc, kc, vc), mask=varlen_mask(cu_q, cu_k, causal=causal, window=win),
+                              causal=False, window=None, q_offset=0, scale=scale, softcap=softcap,
+                              alibi_slopes=alibi_slopes, dropout_p=0.0, return_lse=True, return_weights=False)
+            out_p, do_p = _packed_heads(oc, d_out)
+            grads = attention_backward(r, plan_for(r), r.q, r.k, r.v, out_p, lse.unsqueeze(0), do_p,
+                                       None if d_lse is None else d_lse.unsqueeze(0))
+            dq, dk, dv = (g[0].transpose(0, 1) for g in grads)
+        if bad is not None:  # the forward ran on K/V with those keys zeroed: no gradient reaches them
+            dk, dv = dk.masked_fill(bad.unsqueeze(-1), 0), dv.masked_fill(bad.unsqueeze(-1), 0)
+        d_sinks = q.new_empty(0) if sinks is None else _sinks_grad(d_out, d_lse, out, lse, sinks)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), d_sinks
+
+
+def _hide_nonfinite(cu_q: Tensor, cu_k: Tensor, causal: bool, win: Window | None, group: int, k: Tensor, v: Tensor,
+                    out: Tensor, lse: Tensor, d_out: Tensor, d_lse: Tensor | None,
+                    ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]]:
+    """The backward of the forward's non-finite guard (``attnzoo.functional._edge``): keys whose K or V
+    holds a non-finite entry ran zeroed and the rows that see one were set to NaN (no gradient).
+    Returns ``(bad [Tk, Hkv] or None, (k, v, out, lse, d_out, d_lse))`` with those keys zeroed and
+    those rows neutral (``out = dO = d_lse = 0``, ``lse = +inf``: probability 0 everywhere)."""
+    tensors = (k, v, out, lse, d_out, d_lse)
+    if k.shape[0] == 0 or bool(torch.isfinite(k.sum()) & torch.isfinite(v.sum())):
+        return None, tensors  # one reduction each decides (an overflowing half sum only costs the check)
+    bad = ~torch.isfinite(k).all(dim=-1) | ~torch.isfinite(v).all(dim=-1)  # [Tk, Hkv]
+    if not bool(bad.any()):
+        return None, tensors
+    lo, hi, _ = _row_intervals(cu_q.long(), cu_k.long(), out.shape[0], causal, win)  # keys of each row
+    seen_before = torch.cat([bad.new_zeros(1, bad.shape[1], dtype=torch.long), bad.long().cumsum(0)])  # [Tk+1, Hkv]
+    tk = k.shape[0]
+    n_bad = seen_before[(hi + 1).clamp(0, tk)] - seen_before[lo.clamp(0, tk)]  # [Tq, Hkv] bad keys per row
+    rows = (n_bad > 0).repeat_interleave(group, dim=1)  # [Tq, Hq]
+    k, v = k.masked_fill(bad.unsqueeze(-1), 0), v.masked_fill(bad.unsqueeze(-1), 0)
+    out, d_out = out.masked_fill(rows.unsqueeze(-1), 0), d_out.masked_fill(rows.unsqueeze(-1), 0)
+    lse = lse.masked_fill(rows.t(), float("inf"))
+    d_lse = None if d_lse is None else d_lse.masked_fill(rows.t(), 0)
+    return bad, (k, v, out, lse, d_out, d_lse)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, *args: object,
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    sinks = args[-1]
+    d_sinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)  # type: ignore[union-attr]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks
+
+
+def _packed_heads(*ts: Tensor) -> tuple[Tensor, ...]:
+    """``[T, H, D]`` tensors as ``[1, H, T, D]`` views (what the packed tiled call runs on). Views,
+    not copies: the tiled kernels slice key chunks and query blocks, and ran 5-15% faster on the
+    strided views than on contiguous copies (T=2048, H=4, D=32, forward and backward, one thread)."""
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in ts)
+
+
+def _sinks_grad(d_out: Tensor, d_lse: Tensor | None, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``d_sinks [Hq] = -sum_rows exp(sink - lse) (rowsum(dO * O) - d_lse)`` (``lse`` includes the sink)."""
+    acc = lse.dtype
+    delta = (d_out.to(acc) * out.to(acc)).sum(dim=-1).transpose(0, 1)  # [Hq, Tq]
+    if d_lse is not None:
+        delta = delta - torch.nan_to_num(d_lse.to(acc), nan=0.0, posinf=0.0, neginf=0.0)
+    p_sink = torch.exp(sinks.to(acc).view(-1, 1) - lse)  # [Hq, Tq]: the mass each row puts on its sink
+    return (-(p_sink * delta).sum(dim=1)).to(sinks.dtype)
+
+
+def _per_sequence_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                      lse: Tensor, bounds_q: list[int], bounds_k: list[int], kw: dict,
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`varlen_bwd` one sequence at a time (each bottom-right aligned, as :func:`_per_sequence`)."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for i in range(len(bounds_q) - 1):
+        rq, rk = slice(bounds_q[i], bounds_q[i + 1]), slice(bounds_k[i], bounds_k[i + 1])
+        if rq.stop == rq.start or rk.stop == rk.start:  # no query, or no key: no gradient
+            continue
+        r = build_request(*_packed_heads(q[rq], k[rk], v[rk]), mask=None, q_offset=None, dropout_p=0.0,
+                          return_lse=True, return_weights=False, **kw)
+        out_p, do_p = _packed_heads(out[rq], d_out[rq])
+        grads = attention_backward(r, plan_for(r), r.q, r.k, r.v, out_p, lse[:, rq].unsqueeze(0), do_p,
+                                   None if d_lse is None else d_lse[:, rq].unsqueeze(0))
+        for acc, g, rows in zip((dq, dk, dv), grads, (rq, rk, rk), strict=True):
+            acc[rows] = g[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+_OP_SCALARS = ("cu_q", "cu_k", "causal", "window_left", "window_right", "has_window", "scale", "softcap")
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, *rest = inputs
+    alibi_slopes, sinks, return_lse, _backend = rest[len(_OP_SCALARS):]
+    if not return_lse:
+        raise ValueError("attnzoo::varlen_fwd: gradients need return_lse=True (the backward reads the LSE)")
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise ValueError("attnzoo::varlen_fwd: no gradient for alibi_slopes (attention_varlen runs such "
+                         "calls without the operator)")
+    ctx.save_for_backward(q, k, v, *output, alibi_slopes, sinks)
+    ctx.args = dict(zip(_OP_SCALARS, rest[:len(_OP_SCALARS)], strict=True))
+
+
+def _backward_formula(ctx, d_out: Tensor, d_lse: Tensor | None) -> tuple:  # type: ignore[no-untyped-def]
+    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, d_sinks = varlen_bwd(d_out, d_lse, q, k, v, out, lse, *ctx.args.values(), alibi_slopes, sinks)
+    return (dq, dk, dv, *(None,) * len(_OP_SCALARS), None, None if sinks is None else d_sinks, None, None)
+
+
+varlen_fwd.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _op_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, win: Window | None, kw: dict,
+               backend: str, need_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """``attention_varlen`` through :func:`varlen_fwd` (and its gradient :func:`varlen_bwd`)."""
+    left, right = win if win is not None else (None, None)
+    out, lse = varlen_fwd(q, k, v, cu_q, cu_k, kw["causal"], left, right, win is not None, kw["scale"], kw["softcap"],
+                          kw["alibi_slopes"], kw["sinks"], need_lse or kw["return_lse"], backend)
+    return (out, lse) if kw["return_lse"] else out
+
+
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+
+
 def _compiled_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, win: Window | None,
                      kwargs: dict, backend: str) -> Tensor | tuple[Tensor, Tensor]:
-    """``attention_varlen`` while compiling: one call on the packed tensors with a dense mask (the
-    sequence boundaries are tensor data, so per-sequence slices or tile plans would break the graph).
-    ``reference`` / ``sdpa`` / ``tiled`` run as asked, other backends run ``tiled``. Without
-    gradients the eager call runs as one operator instead (:func:`varlen_fwd`: tiles skipped
-    exactly, no dense mask)."""
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                            (q, k, v, kwargs["alibi_slopes"], kwargs["sinks"]))):
-        left, right = win if win is not None else (None, None)
-        out, lse = varlen_fwd(q, k, v, cu_q, cu_k, kwargs["causal"], left, right, win is not None, kwargs["scale"],
-                              kwargs["softcap"], kwargs["alibi_slopes"], kwargs["sinks"], kwargs["return_lse"],
-                              backend)
-        return (out, lse) if kwargs["return_lse"] else out
+    """``attention_varlen`` while compiling, when :func:`varlen_fwd` cannot serve it: gradients for
+    ALiBi slopes, or for the ``reference`` / ``sdpa`` backends. One call on the packed tensors with a
+    dense mask (the sequence boundaries are tensor data, so per-sequence slices or tile plans would
+    break the graph; ``O(Tq x Tk)`` memory)."""
     mask = _dense_packed_mask(cu_q, cu_k, q.shape[0], k.shape[0], kwargs.pop("causal"), win,
                               kwargs.pop("alibi_slopes"))
     qp, kp, vp = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
@@ -187,6 +335,22 @@ def _compiled_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor
     out_p, lse_p = res if isinstance(res, tuple) else (res, None)
     out = out_p[0].transpose(0, 1)  # [Tq, Hq, Dv]
     return (out, lse_p[0]) if lse_p is not None else out
+
+
+def _eager_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, win: Window | None, kw: dict,
+                  name: str) -> tuple[Tensor, Tensor | None]:
+    """The eager ``attention_varlen`` (validated arguments): the packed call, or one per sequence.
+    Returns ``(out [Tq, Hq, Dv], lse [Hq, Tq] or None unless kw["return_lse"])``."""
+    same_cu = kw["alibi_slopes"] is None or bool(torch.equal(cu_q, cu_k))
+    if name in PACKED_BACKENDS and q.shape[0] > 0 and k.shape[0] > 0 and same_cu:
+        mask = varlen_mask(cu_q, cu_k, causal=kw["causal"], window=win)
+        res = attention(*_packed_heads(q, k, v), mask=mask, q_offset=0, backend=name,
+                        **{n: kw[n] for n in ("scale", "softcap", "alibi_slopes", "sinks", "return_lse")})
+        out_p, lse_p = res if isinstance(res, tuple) else (res, None)
+        return out_p[0].transpose(0, 1).contiguous(), (None if lse_p is None else lse_p[0])  # [Tq, Hq, Dv]
+    kwargs = dict(window=win, **{n: kw[n] for n in ("causal", "scale", "softcap", "alibi_slopes", "return_lse")})
+    out, lse = _per_sequence(q, k, v, cu_q.tolist(), cu_k.tolist(), kwargs, kw["sinks"], name)
+    return out, (lse if kw["return_lse"] else None)
 
 
 def _per_sequence(q: Tensor, k: Tensor, v: Tensor, bounds_q: list[int], bounds_k: list[int],
@@ -267,19 +431,15 @@ def attention_varlen(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     win = normalize_window(window)
     name = "tiled" if backend == "auto" else backend
-    if torch.compiler.is_compiling():
-        return _compiled_varlen(q, k, v, cu_q, cu_k, win, dict(causal=causal, scale=scale, softcap=softcap,
-                                alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse), name)
-    same_cu = alibi_slopes is None or bool(torch.equal(cu_q, cu_k))
-    if name in PACKED_BACKENDS and q.shape[0] > 0 and k.shape[0] > 0 and same_cu:
-        mask = varlen_mask(cu_q, cu_k, causal=causal, window=win)
-        qp, kp, vp = (t.transpose(0, 1).contiguous().unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
-        res = attention(qp, kp, vp, mask=mask, q_offset=0, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                        sinks=sinks, return_lse=return_lse, backend=name)
-        out_p, lse_p = res if isinstance(res, tuple) else (res, None)
-        out = out_p[0].transpose(0, 1).contiguous()  # [Tq, Hq, Dv]
-        return (out, lse_p[0]) if lse_p is not None else out
-    kwargs = dict(causal=causal, window=win, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                  return_lse=return_lse)
-    out, lse = _per_sequence(q, k, v, cu_q.tolist(), cu_k.tolist(), kwargs, sinks, backend)
-    return (out, lse) if return_lse else out
+    kw = dict(causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+              return_lse=return_lse)
+    grads, alibi_grad = _needs_grad(q, k, v, sinks), alibi_slopes is not None and alibi_slopes.requires_grad
+    compiling = torch.compiler.is_compiling()
+    if grads and not alibi_grad and (name == "tiled" or (compiling and name not in ("reference", "sdpa"))):
+        return _op_varlen(q, k, v, cu_q, cu_k, win, kw, "tiled", need_lse=True)  # training: one op per direction
+    if compiling and (grads or alibi_grad):
+        return _compiled_varlen(q, k, v, cu_q, cu_k, win, kw, name)
+    if compiling:
+        return _op_varlen(q, k, v, cu_q, cu_k, win, kw, name, need_lse=False)  # inference: one op
+    out, lse = _eager_varlen(q, k, v, cu_q, cu_k, win, kw, name)
+    return (out, lse) if lse is not None else out
