@@ -12,11 +12,20 @@ import math
 
 import torch
 
-__all__ = ["Window", "check_bool", "check_float", "check_int", "check_positive_float", "normalize_window",
-           "positive_float_arg", "positive_int_arg"]
+__all__ = ["Window", "check_bool", "check_float", "check_int", "check_positive_float", "check_tensor_ranks",
+           "normalize_window", "positive_float_arg", "positive_int_arg"]
 
 #: A normalised attention window: ``(left, right)``, ``None`` = unbounded side.
 Window = tuple[int | None, int | None]
+
+
+def check_tensor_ranks(rank: int, layout: str, **tensors: object) -> None:
+    """Each keyword a ``torch.Tensor`` of rank ``rank`` (``layout`` names its dims in the message)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be rank {rank} {layout}, got shape {tuple(t.shape)}")
 
 
 def check_int(x: object, name: str, minimum: int | None = 1, owner: str | None = None,

@@ -20,6 +20,7 @@ from attnzoo._validate import (
     check_float,
     check_int,
     check_positive_float,
+    check_tensor_ranks,
     normalize_window,
 )
 from attnzoo.functional.rules import alibi_bias, compute_dtype
@@ -39,11 +40,9 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 
 def check_qkv(q: object, k: object, v: object) -> None:
     """Rank, batch, heads, head-dim, length, dtype and device agreement of q, k, v."""
+    check_tensor_ranks(4, "[B, H, N, D]", q=q, k=k, v=v)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be rank 4 [B, H, N, D], got shape {_shape(t)}")
+        assert isinstance(t, Tensor)  # checked above; for mypy
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)  # for mypy

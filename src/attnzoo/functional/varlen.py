@@ -32,6 +32,7 @@ import itertools
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_tensor_ranks
 from attnzoo.functional._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.attention import BACKENDS, attention
 from attnzoo.functional.rules import alibi_bias
@@ -68,11 +69,7 @@ def _check_cu(cu: object, name: str, total: int, device: torch.device) -> Tensor
 
 
 def _check_packed(q: object, k: object, v: object) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be rank 3 [T, H, D] (packed tokens), got shape {tuple(t.shape)}")
+    check_tensor_ranks(3, "[T, H, D] (packed tokens)", q=q, k=k, v=v)
 
 
 def _row_intervals(cu_q: Tensor, cu_k: Tensor, tq: int, causal: bool, window: Window | None,
