@@ -202,22 +202,11 @@ def _check_bias(bias: object, nk: int) -> float:
     return value
 
 
-def sigmoid_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    bias: float | None = None,
-    causal: bool = False,
-    window: int | tuple[int | None, int | None] | None = None,
-    mask: Tensor | Mask | None = None,
-    scale: float | None = None,
-    q_offset: int | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    return_weights: bool = False,
-    backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, *, bias: float | None = None, causal: bool = False,
+                      window: int | tuple[int | None, int | None] | None = None, mask: Tensor | Mask | None = None,
+                      scale: float | None = None, q_offset: int | None = None, softcap: float | None = None,
+                      alibi_slopes: Tensor | None = None, return_weights: bool = False, backend: str = "auto"
+                      ) -> Tensor | tuple[Tensor, Tensor]:
     """Sigmoid attention: ``out_i = sum_j sigmoid(s_ij + bias) v_j`` over visible keys.
 
     Args:

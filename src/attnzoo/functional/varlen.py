@@ -377,22 +377,11 @@ def _per_sequence(q: Tensor, k: Tensor, v: Tensor, bounds_q: list[int], bounds_k
     return out, lse
 
 
-def attention_varlen(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    *,
-    causal: bool = False,
-    window: int | tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    scale: float | None = None,
-    sinks: Tensor | None = None,
-    return_lse: bool = False,
-    backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                     causal: bool = False, window: int | tuple[int | None, int | None] | None = None,
+                     softcap: float | None = None, alibi_slopes: Tensor | None = None, scale: float | None = None,
+                     sinks: Tensor | None = None, return_lse: bool = False, backend: str = "auto"
+                     ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences (flash-attn's varlen layout).
 
     Args:
