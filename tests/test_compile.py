@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo as dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnzoo as az
 from attnzoo.functional.nsa import NSAConfig, nsa_attention, nsa_sparse_fwd, num_compressed
@@ -72,15 +73,6 @@ MODULES: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-#: Variants whose forward still breaks the graph (found when they joined the registry; not fixed
-#: yet): streaming's sink+window pattern is built from tensor values. Listed here (strict xfail)
-#: so the gap stays visible.
-KNOWN_BREAKS = {"variant-streaming"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason="known graph breaks, see KNOWN_BREAKS",
-                                                                        strict=True))
-                                  if n in KNOWN_BREAKS else n for n in sorted(MODULES)])
 def test_module_forwards_have_no_graph_breaks(name: str) -> None:
     assert _break_count(MODULES[name](), torch.randn(2, N, 32)) == 0
 
@@ -466,3 +458,25 @@ def test_nsa_custom_operator_registration() -> None:
     empty = kc[:, :, :0].detach().requires_grad_(), vc[:, :, :0].detach().requires_grad_()
     torch.library.opcheck(nsa_sparse_fwd, (*short, *empty, gates[:, :, :2].detach().requires_grad_(), *cfg, 0, 0.25,
                                            128))
+
+
+@pytest.mark.parametrize("mode", ["absolute", "cache"])
+def test_streaming_cached_decode_compiled_matches_eager(mode: str) -> None:
+    """StreamingLLM (sink tokens + window) in both position conventions: a full forward, a cached
+    prefill and a decode step have no graph break (the sink/window split and the cache's kept slots
+    are Python ints); compiled prefill + 12 single tokens + a chunk give the eager full forward, with
+    the cache passed as an argument its length turns dynamic: at most 3 graphs for the 14 calls."""
+    mod = az.SlidingWindowAttention(32, 4, window=8, sink_tokens=2, position_mode=mode, rope=True).eval()
+    x = torch.randn(2, 40, 32)
+    with torch.no_grad():
+        full = mod(x)
+        assert _break_count(mod, x) == 0
+        cache = mod.init_cache(2, 40)
+        assert _break_count(lambda t: mod(t, cache=cache), x[:, :17]) == 0
+        assert _break_count(lambda t: mod(t, cache=cache), x[:, 17:18]) == 0
+        dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        step, cache = torch.compile(mod, backend=counter, fullgraph=True), mod.init_cache(2, 40)
+        got = [step(x[:, s:e], cache=cache) for s, e in [(0, 17), *((t, t + 1) for t in range(17, 29)), (29, 40)]]
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count <= 3

@@ -453,11 +453,11 @@ def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
         raise ValueError(f"global_tokens: positions must be a non-empty list of ints, got {positions!r}")
     if min(vals) < 0:
         raise ValueError(f"global_tokens: positions must be >= 0, got {vals}")
-    pos = torch.tensor(vals, dtype=torch.int64)
-    gmax = max(vals)
+    uniq = sorted(set(vals))  # in Python: no data-dependent tensor op, so compiled modules keep one graph
+    gmax = uniq[-1]
+    sorted_pos = torch.tensor(uniq, dtype=torch.int64)
     table = torch.zeros(gmax + 1, dtype=torch.bool)
-    table[pos] = True
-    sorted_pos = torch.sort(torch.unique(pos)).values
+    table[sorted_pos] = True
 
     def is_global(x: Tensor) -> Tensor:
         t = table.to(x.device)
@@ -474,4 +474,4 @@ def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
         empty = (nq == 0) & (nk == 0)
         return full, empty
 
-    return Mask(lambda b, h, q, k: is_global(q) | is_global(k), f"global_tokens({pos.tolist()[:4]})", tiles=tiles)
+    return Mask(lambda b, h, q, k: is_global(q) | is_global(k), f"global_tokens({vals[:4]})", tiles=tiles)

@@ -645,14 +645,16 @@ class SlidingWindowAttention(MultiHeadAttention):
             ranks = torch.arange(k.shape[2], device=x.device)
             return self._part(self._rotate(q, ranks[-1:]), self._rotate(k, ranks), v,
                               mask_at(mask, k_pos, total, B, self.num_heads, q_pos), False, None, 0, True)[0]
-        ns = int((k_pos < n).sum())  # the sinks come first (positions ascending)
+        # Keys come in position order: the sinks 0 .. ns - 1, then the window keys, contiguous up to the
+        # newest token; both counts are Python ints (no read-back of k_pos under torch.compile).
+        ns = min(total, n)
+        first = total - (k.shape[2] - ns)
         q_sink = self._rotate(q, sink_query_positions(q_pos, w, n)) if in_cache else q
         k_sink = self._rotate(k[:, :, :ns], k_pos[:ns]) if in_cache else k[:, :, :ns]
         sink_mask = mask[..., :ns] if isinstance(mask, Tensor) and mask.shape[-1] == total else mask
         o, lse = self._part(q_sink, k_sink, v[:, :, :ns], sink_mask, True, None, start, True)
         outs, lses = [o], [lse]
         if ns < k.shape[2]:  # the window keys (positions >= n, contiguous)
-            first = int(k_pos[ns])
             q_win = self._rotate(q, q_pos) if in_cache else q
             k_win = self._rotate(k[:, :, ns:], k_pos[ns:]) if in_cache else k[:, :, ns:]
             o, lse = self._part(q_win, k_win, v[:, :, ns:], _shift_mask(mask, first, total), True, (w, 0),

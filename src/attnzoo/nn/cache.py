@@ -27,6 +27,8 @@ by :func:`attnzoo.attention` without a copy (GQA/MQA).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor
 
@@ -357,13 +359,18 @@ class SinkWindowKVCache(_SlotCache):
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
 
+    def _held_ranges(self, length: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The held positions after ``length`` tokens as two ``[lo, hi)`` ranges (sinks, ring); Python
+        ints, so that compiled callers see no data-dependent shapes."""
+        n, ring = self.sink_tokens, self.window + 1
+        return (0, min(length, n)), (max(n, length - ring), max(n, length))
+
+    def _positions(self, ranges: Iterable[tuple[int, int]], offset: int = 0) -> Tensor:
+        return torch.cat([torch.arange(lo, hi, device=self.k.device) - offset for lo, hi in ranges])
+
     def held_positions(self, length: int | None = None) -> Tensor:
         """Absolute positions of the keys held after ``length`` tokens (default: now), ascending."""
-        n, ring = self.sink_tokens, self.window + 1
-        length = self.length if length is None else length
-        sinks = torch.arange(min(length, n), device=self.k.device)
-        recent = torch.arange(max(n, length - ring), max(n, length), device=self.k.device)
-        return torch.cat((sinks, recent))
+        return self._positions(self._held_ranges(self.length if length is None else length))
 
     def _slots(self, positions: Tensor) -> Tensor:
         n = self.sink_tokens
@@ -392,8 +399,10 @@ class SinkWindowKVCache(_SlotCache):
             out_k = torch.cat((self.k.index_select(2, old), k_new), dim=2)  # [B, Hkv, held + m, D]
             out_v = torch.cat((self.v.index_select(2, old), v_new), dim=2)
             out_pos = torch.cat((before, new_pos))
-        after = self.held_positions(start + m)
-        keep = after[after >= start] - start  # indices into the chunk of the new tokens still needed
+        after_ranges = self._held_ranges(start + m)
+        after = self._positions(after_ranges)
+        # indices into the chunk of the new tokens still needed
+        keep = self._positions([(max(lo, start), hi) for lo, hi in after_ranges if hi > max(lo, start)], start)
         slots = self._slots(keep + start)
         self._save(start, slots, [(self.k, 2), (self.v, 2)])
         self.k.index_copy_(2, slots, k_new.index_select(2, keep))
