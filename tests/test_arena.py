@@ -23,6 +23,7 @@ from attnzoo.arena import (
     run_arena,
     train,
 )
+from attnzoo.arena.grid import grid_jobs
 from attnzoo.arena.measure import state_bytes, training_memory
 from attnzoo.arena.progress import make_progress
 from attnzoo.arena.tasks import IGNORE, load_shakespeare
@@ -485,3 +486,43 @@ def test_arena_out_that_is_a_file_is_refused_before_training(tmp_path: Path) -> 
         run_arena(_args("--quick", "--progress", "none", "--out", str(blocker)))
     with pytest.raises(ValueError, match="--out"):
         run_arena(_args("--quick", "--progress", "none", "--out", str(blocker / "below")))
+
+
+# --------------------------------------------------------------------------- mqar-grid
+def _grid_argv(out: Path, *extra: str) -> tuple[str, ...]:
+    return ("--task", "mqar-grid", "--quick", "--variants", "mha,linear", "--progress", "none", "--out", str(out),
+            *extra)
+
+
+def test_mqar_grid_writes_points_figure_and_smoke_report(tmp_path: Path) -> None:
+    assert run_arena(_args(*_grid_argv(tmp_path, "--jobs", "1"))) == 0
+    grid = json.loads((tmp_path / "grid.json").read_text())
+    assert grid["errors"] == {} and grid["jobs"] == 1
+    cells = {(p["variant"], p["width"], p["pairs"], p["seq_len"]) for p in grid["points"]}
+    assert cells == {(v, w, 2, 16) for v in ("mha", "linear") for w in (16, 32)}
+    assert all(0.0 <= p["accuracy"] <= 1.0 and p["state_bytes"] > 0 for p in grid["points"])
+    report = (tmp_path / "report.md").read_text()
+    assert "Smoke test" in report and report.count("| mha |") == 2
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "mqar_grid.png").stat().st_size > 0
+
+
+def test_mqar_grid_parallel_workers_give_the_sequential_points(tmp_path: Path) -> None:
+    """Two spawned workers with one thread each train the same cells as one process with one thread:
+    every run is seeded by its cell, so the points are equal whatever order they finish in."""
+    run_arena(_args(*_grid_argv(tmp_path / "seq", "--jobs", "1", "--threads", "1")))
+    run_arena(_args(*_grid_argv(tmp_path / "par", "--jobs", "2", "--threads", "1")))
+    seq, par = (json.loads((tmp_path / d / "grid.json").read_text()) for d in ("seq", "par"))
+    assert par["jobs"] == 2 and seq["jobs"] == 1
+    strip = [{k: v for k, v in p.items() if k != "train_wall_s"} for p in seq["points"]]
+    assert strip == [{k: v for k, v in p.items() if k != "train_wall_s"} for p in par["points"]]
+
+
+def test_mqar_grid_jobs_and_grid_options() -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    assert grid_jobs(_args("--task", "mqar-grid"), 1000) == (cores, 1 if cores > 1 else None)
+    assert grid_jobs(_args("--task", "mqar-grid"), 1) == (1, None)  # never more workers than runs
+    assert grid_jobs(_args("--task", "mqar-grid", "--jobs", "3", "--threads", "2"), 10) == (3, 2)
+    assert grid_jobs(_args("--task", "mqar-grid", "--device", "cuda"), 10) == (1, None)
+    with pytest.raises(ValueError, match=r"--grid-pairs, --jobs: only for --task mqar-grid"):
+        run_arena(_args("--task", "lm", "--grid-pairs", "2", "--jobs", "2"))

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from attnzoo.arena.tasks import MQARTask
 from attnzoo.arena.trainer import TrainConfig, train
 from attnzoo.variants import variant_names
 
-__all__ = ["GRID", "QUICK_GRID", "grid_cells", "run_grid"]
+__all__ = ["GRID", "QUICK_GRID", "grid_cells", "grid_jobs", "run_grid"]
 
 GRID = {"widths": (32, 64), "pairs": (4, 8), "seq_lens": (64,), "steps": 600, "batch": 32, "depth": 2,
         "lr": 3e-3, "vocab": 64}
@@ -120,13 +123,15 @@ def _grid_figure(points: list[dict[str, Any]], variants: Sequence[str], g: dict[
     return True
 
 
-def _grid_md(points: list[dict[str, Any]], g: dict[str, Any], quick: bool, wall: float, has_png: bool) -> str:
+def _grid_md(points: list[dict[str, Any]], g: dict[str, Any], quick: bool, wall: float, has_png: bool,
+             jobs: int = 1) -> str:
     lines = ["# attnzoo arena: MQAR recall against decode state", ""]
     if quick:
         lines += ["> **Smoke test** (`--quick`): a tiny grid and budget; the numbers mean nothing.", ""]
     lines += [f"Grid: widths {list(g['widths'])} x key-value pairs {list(g['pairs'])} x seq_len "
               f"{list(g['seq_lens'])}; depth {g['depth']}, {g['steps']} steps x batch {g['batch']}, peak lr "
-              f"{g['lr']:g}, vocabulary {g['vocab']}. Took {wall:.0f} s.", ""]
+              f"{g['lr']:g}, vocabulary {g['vocab']}. Took {wall:.0f} s ({jobs} worker process"
+              f"{'es' if jobs > 1 else ''}).", ""]
     if has_png:
         lines += ["![MQAR accuracy against decode-state bytes](mqar_grid.png)", ""]
     lines += ["| variant | width | pairs | seq_len | params | state bytes | accuracy |",
@@ -147,33 +152,95 @@ def _grid_variants(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def grid_jobs(args: argparse.Namespace, runs: int) -> tuple[int, int | None]:
+    """``(worker processes, torch threads per run)`` of the grid.
+
+    On a CPU the cells train in parallel processes, one per core with one torch thread each
+    (small models scale poorly over threads, independent runs scale well); ``--threads T`` gives
+    ``cores // T`` workers, ``--jobs J`` sets the count. Other devices train one cell at a time.
+    Every run is seeded by its cell, so the points do not depend on the order they finish in.
+    """
+    jobs, threads = getattr(args, "jobs", None), args.threads
+    if torch.device(args.device).type != "cpu":
+        return 1, threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if jobs is None:
+        jobs = max(1, cores // (threads or 1))
+    jobs = max(1, min(jobs, runs))
+    return jobs, (1 if threads is None and jobs > 1 else threads)
+
+
+def _label(variant: str, cell: tuple[int, int, int]) -> str:
+    return f"{variant} width {cell[0]} pairs {cell[1]} seq_len {cell[2]}"
+
+
+def _run_cells(build: Builder, g: dict[str, Any], runs: list[tuple[str, tuple[int, int, int]]], seed: int,
+               device: torch.device, overall: Overall) -> tuple[list[dict[str, Any] | None], dict[str, str]]:
+    """Train the runs one after the other, in this process."""
+    points: list[dict[str, Any] | None] = []
+    errors: dict[str, str] = {}
+    for v, cell in runs:
+        overall.start(_label(v, cell))
+        try:
+            points.append(_cell(build, g, v, cell, seed, device))
+        except Exception as e:  # one variant failing must not sink the grid
+            points.append(None)
+            errors[f"{v}@{cell}"] = f"{type(e).__name__}: {e}"
+        overall.finish(trained=True)
+    return points, errors
+
+
+def _run_cells_parallel(build: Builder, g: dict[str, Any], runs: list[tuple[str, tuple[int, int, int]]], seed: int,
+                        device: torch.device, overall: Overall, jobs: int, threads: int | None
+                        ) -> tuple[list[dict[str, Any] | None], dict[str, str]]:
+    """Train the runs in ``jobs`` spawned worker processes (``threads`` torch threads each)."""
+    points: list[dict[str, Any] | None] = [None] * len(runs)
+    errors: dict[str, str] = {}
+    ctx = multiprocessing.get_context("spawn")  # fork after torch's thread pools start is unsafe
+    init, init_args = (torch.set_num_threads, (threads,)) if threads else (None, ())
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=init, initargs=init_args) as pool:
+        futures = {pool.submit(_cell, build, g, v, cell, seed, device): i for i, (v, cell) in enumerate(runs)}
+        for fut in as_completed(futures):
+            i = futures[fut]
+            v, cell = runs[i]
+            try:
+                points[i] = fut.result()
+            except Exception as e:  # one variant failing must not sink the grid
+                errors[f"{v}@{cell}"] = f"{type(e).__name__}: {e}"
+            overall.completed(_label(v, cell), float(cell[0] * cell[2]))
+    return points, errors
+
+
 def run_grid(args: argparse.Namespace, build: Builder) -> int:
-    """Run the MQAR grid described by ``args``; writes ``grid.json``, ``mqar_grid.png``, ``report.md``."""
+    """Run the MQAR grid described by ``args``; writes ``grid.json``, ``mqar_grid.png``, ``report.md``.
+
+    ``build`` must be picklable (a module-level function or a ``functools.partial`` of one) when the
+    cells train in worker processes (:func:`grid_jobs`).
+    """
     variants = _grid_variants(args)
     g = _grid_settings(args)
     device = torch.device(args.device)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     out = ensure_output_dir(args.out or ("arena-grid-quick" if args.quick else "arena-grid"), "--out")
     out.mkdir(parents=True, exist_ok=True)
-    cells = grid_cells(g)
-    overall = Overall([float(w * n) for _ in variants for (w, _, n) in cells], enabled=args.progress != "none")
-    points, errors, t0 = [], {}, time.perf_counter()
-    for v in variants:
-        for cell in cells:
-            overall.start(f"{v} width {cell[0]} pairs {cell[1]} seq_len {cell[2]}")
-            try:
-                points.append(_cell(build, g, v, cell, args.seed, device))
-            except Exception as e:  # one variant failing must not sink the grid
-                errors[f"{v}@{cell}"] = f"{type(e).__name__}: {e}"
-            overall.finish(trained=True)
+    runs = [(v, cell) for v in variants for cell in grid_cells(g)]
+    jobs, threads = grid_jobs(args, len(runs))
+    overall = Overall([float(w * n) for _, (w, _, n) in runs], enabled=args.progress != "none")
+    t0 = time.perf_counter()
+    if jobs > 1:
+        done, errors = _run_cells_parallel(build, g, runs, args.seed, device, overall, jobs, threads)
+    else:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        done, errors = _run_cells(build, g, runs, args.seed, device, overall)
     wall = time.perf_counter() - t0
+    points = [p for p in done if p is not None]
     write_atomic(out / "grid.json", json.dumps({"grid": {k: list(x) if isinstance(x, tuple) else x
                                                          for k, x in g.items()}, "quick": bool(args.quick),
                                                 "variants": variants, "points": points, "errors": errors,
-                                                "wall_s": wall}, indent=1))
+                                                "jobs": jobs, "threads": threads, "wall_s": wall}, indent=1))
     has_png = _grid_figure(points, variants, g, out / "mqar_grid.png")
-    write_atomic(out / "report.md", _grid_md(points, g, bool(args.quick), wall, has_png))
-    print(f"arena mqar-grid: {len(points)} runs ({len(variants)} variants x {len(cells)} cells) in {wall:.0f} s; "
-          f"report: {out / 'report.md'}" + (f"; {len(errors)} failed: {errors}" if errors else ""), flush=True)
+    write_atomic(out / "report.md", _grid_md(points, g, bool(args.quick), wall, has_png, jobs))
+    print(f"arena mqar-grid: {len(points)} runs ({len(variants)} variants x {len(grid_cells(g))} cells) in "
+          f"{wall:.0f} s on {jobs} worker(s); report: {out / 'report.md'}"
+          + (f"; {len(errors)} failed: {errors}" if errors else ""), flush=True)
     return 0

@@ -173,6 +173,18 @@ class Overall:
         self._run_t0 = self.clock()
         return label
 
+    def completed(self, name: str, weight: float) -> None:
+        """A run of ``weight`` finished, in any order (parallel workers): one line ``done i/N``; the ETA
+        scales the elapsed wall time by the weight still to do."""
+        self.done += 1
+        self.done_weight += weight
+        elapsed = self.clock() - self.t0
+        eta = elapsed / self.done_weight * max(0.0, sum(self.weights) - self.done_weight) if self.done_weight else None
+        if self.enabled:
+            print(f"arena: done {self.done}/{self.total} {name} | elapsed {format_duration(elapsed)} | ETA "
+                  f"{'estimating' if eta is None else format_duration(eta)}", file=self.stream or sys.stderr,
+                  flush=True)
+
     def finish(self, trained: bool) -> None:
         """The current run is done (``trained=False``: reused, so its time says nothing)."""
         w = self.weights[self.done]

@@ -7,6 +7,7 @@ seed; the model differs only in its attention. See ``docs/arena.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -173,6 +174,9 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"mqar-grid: numbers of key-value pairs (default: {_csv(GRID['pairs'])})")
     parser.add_argument("--grid-seq-lens", dest="grid_seq_lens", type=_int_list,
                         help=f"mqar-grid: sequence lengths (default: {_csv(GRID['seq_lens'])})")
+    parser.add_argument("--jobs", type=_positive_int,
+                        help="mqar-grid: cells trained at once, in worker processes (default on a CPU: one per "
+                             "core with one torch thread each, or cores // --threads; 1 on other devices)")
     parser.add_argument("--no-measure", dest="measure", action="store_false",
                         help="skip the measurement pass and the long-context costs (no speed columns)")
     parser.add_argument("--resume", action="store_true",
@@ -513,17 +517,17 @@ def _check_world(settings: dict[str, TaskSettings], cp: bool, rank: int, world: 
             raise ValueError(f"--batch ({s.batch}) of task {t} must be divisible by the {world} ranks")
 
 
+def _grid_model(window: int | None, device: torch.device, width: int, depth: int, heads: int, seq_len: int,
+                variant: str, vocab: int, seed: int) -> torch.nn.Module:
+    """The arena's MQAR model for one grid cell (window: ``window``, else a quarter of seq_len)."""
+    s = TaskSettings("mqar", seq_len=seq_len, steps=1, batch=1, width=width, depth=depth, heads=heads, lr=3e-3,
+                     warmup=0, eval_every=1, window=window or max(1, seq_len // 4), pos="learned")
+    return _build_model(s, variant, vocab, seed, device)
+
+
 def _grid_builder(args: argparse.Namespace) -> Any:
-    """The arena's MQAR model for one grid cell (window: ``--window``, else a quarter of seq_len)."""
-    device = _check_device(args.device)
-
-    def build(width: int, depth: int, heads: int, seq_len: int, variant: str, vocab: int, seed: int
-              ) -> torch.nn.Module:
-        s = TaskSettings("mqar", seq_len=seq_len, steps=1, batch=1, width=width, depth=depth, heads=heads, lr=3e-3,
-                         warmup=0, eval_every=1, window=args.window or max(1, seq_len // 4), pos="learned")
-        return _build_model(s, variant, vocab, seed, device)
-
-    return build
+    """:func:`_grid_model` for ``--window`` and ``--device``; picklable, for the grid's worker processes."""
+    return functools.partial(_grid_model, args.window, _check_device(args.device))
 
 
 def setting_differences(old: object, new: dict[str, Any]) -> str:
@@ -672,6 +676,10 @@ def run_arena(args: argparse.Namespace) -> int:
     (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings, before any training
     (an ``--out`` that cannot be written, or a ``--quick`` run over a full report, included).
     """
+    grid_only = [f"--{k.replace('_', '-')}" for k in ("grid_widths", "grid_pairs", "grid_seq_lens", "jobs")
+                 if getattr(args, k, None) is not None]
+    if grid_only and args.task != "mqar-grid":
+        raise ValueError(f"{', '.join(grid_only)}: only for --task mqar-grid (got --task {args.task})")
     if args.task == "mqar-grid":
         return run_grid(args, _grid_builder(args))
     cp = bool(getattr(args, "context_parallel", False))
