@@ -19,6 +19,7 @@ Usage::
     python benchmarks/bench_recurrent.py                    # all kernels (several minutes on 2 cores)
     python benchmarks/bench_recurrent.py --only retention deltanet --repeats 1 --threads 1
     python benchmarks/bench_recurrent.py --json out.json
+    python benchmarks/bench_recurrent.py --forms --threads 1   # quadratic vs chunked below one chunk
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ KERNELS = ("retention", "gla", "gla_scalar", "deltanet", "gated_deltanet")
 Call = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
-def make(kernel: str, n: int) -> tuple[Call, dict[str, torch.Tensor]]:
-    """The kernel's function and its float32 inputs at length ``n`` (gates as a model would give them)."""
+def make(kernel: str, n: int, b: int = B, h: int = H, d: int = D) -> tuple[Call, dict[str, torch.Tensor]]:
+    """The kernel's function and its float32 inputs at ``[b, h, n, d]`` (gates as a model would give them)."""
+    B, H, D = b, h, d
     gen = torch.Generator().manual_seed(0)
     x = {"q": torch.randn(B, H, n, D, generator=gen), "k": torch.randn(B, H, n, D, generator=gen),
          "v": torch.randn(B, H, n, D, generator=gen)}
@@ -105,6 +107,29 @@ def timings(kernel: str, lengths: tuple[int, int], repeats: int) -> dict[int, fl
     return {n: statistics.median(ts) for n, ts in runs.items()}
 
 
+#: ``(B, H, D)`` of training batches like the arena's (width 64 and 256), at ``N = 64`` = one chunk.
+FORM_SHAPES = ((32, 4, 16), (8, 4, 64))
+
+
+def form_timings(kernel: str, repeats: int) -> list[dict[str, object]]:
+    """Forward + backward ms of the quadratic, chunked and auto forms at one chunk (``N = 64``), the
+    forms interleaved: the measurement behind each kernel's ``form="auto"`` choice below one chunk."""
+    rows = []
+    for b, h, d in FORM_SHAPES:
+        fn, x = make(kernel, 64, b, h, d)
+        x = {k: t.requires_grad_() for k, t in x.items()}
+        runs: dict[str, list[float]] = {f: [] for f in ("quadratic", "chunked", "auto")}
+        for _ in range(repeats + 1):  # the first round warms up
+            for form, ts in runs.items():
+                t0 = time.perf_counter()
+                fn(**x, form=form).sum().backward()
+                ts.append(time.perf_counter() - t0)
+        ms = {f: 1000 * statistics.median(ts[1:]) for f, ts in runs.items()}
+        rows.append({"kernel": kernel, "B,H,N,D": f"{b},{h},64,{d}", **{f"{f}_ms": round(v, 1) for f, v in ms.items()},
+                     "quadratic_over_chunked": round(ms["quadratic"] / ms["chunked"], 2)})
+    return rows
+
+
 def decode_state_bytes(kernel: str) -> int:
     """Bytes of the state after a one-token decode step (what a decoder keeps, independent of N)."""
     fn, x = make(kernel, 1)
@@ -118,12 +143,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--forms", action="store_true",
+                        help="instead: forward + backward of the quadratic / chunked / auto forms at one chunk")
     parser.add_argument("--child", nargs=2, metavar=("KERNEL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]))
         return
     torch.set_num_threads(args.threads)
+    if args.forms:
+        print(f"forward + backward at one chunk, fp32, {args.threads} thread(s), median of {args.repeats}")
+        for kernel in args.only:
+            for row in form_timings(kernel, args.repeats):
+                print(json.dumps(row), flush=True)
+        return
     rows = []
     print(f"B={B} H={H} Dk=Dv={D} fp32, chunked forward, {args.threads} thread(s), median of {args.repeats}")
     for kernel in args.only:

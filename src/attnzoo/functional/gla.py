@@ -146,7 +146,10 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *
         initial_state: ``S_0 [B, H, Dk, Dv]`` (the state after earlier tokens); default zeros.
         return_state: also return ``S_N [B, H, Dk, Dv]`` (feed it back as ``initial_state`` to continue).
         form: ``"recurrent"`` (the loop), ``"chunked"``, ``"quadratic"`` (``[N, N, Dk]`` memory) or
-            ``"auto"``: recurrent for N = 1, quadratic for N <= chunk_size, chunked beyond.
+            ``"auto"``: recurrent for N = 1; for a per-token decay quadratic for N <= chunk_size,
+            chunked beyond; for a per-dimension decay chunked (its quadratic form's ``[N, N, Dk]``
+            elementwise tensor ran 10-15x slower forward + backward than the chunked halving at
+            N = 64 on 1 thread, ``benchmarks/bench_recurrent.py --forms``).
         chunk_size: chunk length of the chunked form (default 64); any value >= 1.
 
     Returns:
@@ -162,6 +165,8 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *
     b, h, n, dk = q.shape
     check_gate(fn, "log_decay", log_decay, [(b, h, n, dk), (b, h, n)], q.device, float("-inf"), 0.0,
                open_low=True)
-    out, state = run_gla(q, k, v, log_decay, scale=scale_f, initial_state=initial_state,
-                         form=resolve_form(form, n, chunk), chunk=chunk)
+    resolved = resolve_form(form, n, chunk)
+    if form == "auto" and resolved == "quadratic" and log_decay.dim() == 4:
+        resolved = "chunked"
+    out, state = run_gla(q, k, v, log_decay, scale=scale_f, initial_state=initial_state, form=resolved, chunk=chunk)
     return finish(out, state, q.dtype, return_state)
