@@ -184,7 +184,8 @@ def bench_half(repeats: int) -> list[dict]:
     for dtype in (torch.bfloat16, torch.float16):
         q, k, v = qkv(n, dtype)
         q64, k64, v64 = (x[:, :, :1024].double() for x in (q, k, v))
-        t32, th = halfmath.calibrate(dtype)
+        t32, th = halfmath.calibrate(dtype)  # tiled's policy (matmul)
+        s32, sh = halfmath.calibrate(dtype, kernel="sdpa")  # auto/sdpa's policy
         with torch.no_grad():
             t = timed({
                 "sdpa_half": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -204,8 +205,10 @@ def bench_half(repeats: int) -> list[dict]:
                      **{f"{a}_s": b for a, b in t.items()},
                      "sdpa_half/auto": t["sdpa_half"] / t["auto"],
                      "auto_backend": az.functional.choose_backend(_half_request(q)),
-                     "half_math": str(halfmath.half_math(dtype, "cpu")).removeprefix("torch."),
-                     "calib_fp32_us": t32 * 1e6, "calib_half_us": th * 1e6,
+                     "half_math_sdpa": str(halfmath.half_math(dtype, "cpu", "sdpa")).removeprefix("torch."),
+                     "half_math_tiled": str(halfmath.half_math(dtype, "cpu")).removeprefix("torch."),
+                     "calib_sdpa_fp32_us": s32 * 1e6, "calib_sdpa_half_us": sh * 1e6,
+                     "calib_matmul_fp32_us": t32 * 1e6, "calib_matmul_half_us": th * 1e6,
                      "err_auto_vs_fp64 (N=1024)": (auto.double() - ref).abs().max().item(),
                      "err_eager_vs_fp64 (N=1024)": (eager.double() - ref).abs().max().item()})
     return rows

@@ -124,6 +124,31 @@ def test_half_math_is_measured_and_cached(monkeypatch: pytest.MonkeyPatch) -> No
     assert t32 > 0 and th > 0
 
 
+def test_sdpa_half_math_is_calibrated_on_sdpa_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDPA backend asks about SDPA (its CPU kernel accumulates half inputs in float32), the tiled
+    kernels about the matmul; each answer is cached per (dtype, kernel). SDPA picks the faster of
+    native and via-float32 (conversions are in its timing), the matmul keeps its 1.25x margin."""
+    monkeypatch.delenv("ATTNZOO_HALF_MATH", raising=False)
+    monkeypatch.setattr(halfmath, "_measured", {})
+    real_calibrate = halfmath.calibrate
+    calls: list[tuple[torch.dtype, str]] = []
+
+    def fake(dtype: torch.dtype, *a: object, kernel: str = "matmul", **k: object) -> tuple[float, float]:
+        calls.append((dtype, kernel))
+        return (1.0, 1.2) if kernel == "matmul" else (1.0, 1.05)  # matmul within margin, sdpa slower
+
+    monkeypatch.setattr(halfmath, "calibrate", fake)
+    assert halfmath.half_math(torch.bfloat16, "cpu") == torch.bfloat16
+    assert halfmath.half_math(torch.bfloat16, "cpu", kernel="sdpa") == torch.float32
+    assert halfmath.half_math(torch.bfloat16, "cpu", kernel="sdpa") == torch.float32
+    assert calls == [(torch.bfloat16, "matmul"), (torch.bfloat16, "sdpa")]
+    for kernel in ("sdpa", "matmul"):
+        t32, th = real_calibrate(torch.float16, repeats=1, size=16, depth=8, kernel=kernel)  # real timers
+        assert t32 > 0 and th > 0
+    with pytest.raises(ValueError, match="kernel must be"):
+        real_calibrate(torch.float16, kernel="conv")
+
+
 def test_half_math_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTNZOO_HALF_MATH", "float32")
     assert halfmath.half_math(torch.bfloat16, "cpu") == torch.float32

@@ -8,7 +8,10 @@ matmuls are hundreds of times slower; on an AMD EPYC (Zen 4, AVX-512 BF16 but no
 matmuls ran 2.3x faster than float32 and float16 ones ~200x slower. So the first half-precision call on a CPU times one
 tile-shaped batched matmul in float32 and in the half dtype (one thread, interleaved, best of
 several), runs through float32 math only if the half matmul is at least 1.25x slower, and caches
-the answer per process and dtype. CUDA always multiplies natively.
+the answer per process, dtype and kernel. The SDPA backend times causal SDPA itself instead (native
+vs through float32): on an AVX2-only EPYC bf16 matmuls were 17x slower than float32 but bf16 SDPA
+1.1x faster than SDPA through float32, because torch's CPU SDPA accumulates half inputs in float32.
+CUDA always multiplies natively.
 
 Override (tests, reproducible benchmarks): the environment variable ``ATTNZOO_HALF_MATH`` =
 ``native`` | ``float32`` | ``measure`` (default), or :func:`set_half_math`, which wins over it.
@@ -18,15 +21,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["HALF_DTYPES", "calibrate", "half_math", "half_math_mode", "set_half_math"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _MODES = ("native", "float32", "measure")
 _override: str | None = None
-_measured: dict[torch.dtype, bool] = {}
+_measured: dict[tuple[torch.dtype, str], bool] = {}
 
 #: Half inputs run through float32 math only when the half matmul is measured at least this much
 #: slower than the float32 one: converting costs a pass each way, and kernels such as SDPA gain
@@ -55,48 +60,72 @@ def half_math_mode() -> str:
     return env
 
 
-def _time_bmm(a: torch.Tensor, b: torch.Tensor) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
-    torch.bmm(a, b)
+    fn()
     return time.perf_counter() - t0
 
 
-def calibrate(dtype: torch.dtype, repeats: int = 7, size: int = 256, depth: int = 64) -> tuple[float, float]:
-    """Seconds of one ``[4, size, depth] x [4, depth, size]`` batched matmul in float32 and in
-    ``dtype`` on one CPU thread (best of ``repeats``, calls interleaved so load hits both alike).
+def _calls(dtype: torch.dtype, size: int, depth: int, kernel: str) -> tuple[Callable[[], object], Callable[[], object]]:
+    """``(float32 call, half call)`` of the calibrated kernel: a ``[4, size, depth] x [4, depth, size]``
+    batched matmul (``"matmul"``), or causal SDPA on ``[1, 4, size, depth]`` natively in ``dtype``
+    against SDPA through float32 with the conversions in and out included (``"sdpa"``)."""
+    g = torch.Generator().manual_seed(0)
+    if kernel == "matmul":
+        a32, b32 = torch.randn(4, size, depth, generator=g), torch.randn(4, depth, size, generator=g)
+        ah, bh = a32.to(dtype), b32.to(dtype)
+        return (lambda: torch.bmm(a32, b32)), (lambda: torch.bmm(ah, bh))
+    if kernel != "sdpa":
+        raise ValueError(f"calibrate: kernel must be 'matmul' or 'sdpa', got {kernel!r}")
+    qh, kh, vh = (torch.randn(1, 4, size, depth, generator=g).to(dtype) for _ in range(3))
+
+    def via32() -> object:
+        return F.scaled_dot_product_attention(qh.float(), kh.float(), vh.float(), is_causal=True).to(dtype)
+
+    return via32, (lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True))
+
+
+def calibrate(dtype: torch.dtype, repeats: int = 7, size: int = 256, depth: int = 64,
+              kernel: str = "matmul") -> tuple[float, float]:
+    """Seconds of one call of ``kernel`` (see :func:`_calls`) through float32 and in ``dtype`` on one
+    CPU thread (best of ``repeats``, calls interleaved so load hits both alike).
 
     One thread: the kernels' relative speed is a property of the core (AMX, AVX-512 FMA, ...),
     while multi-threaded timings of such short calls on a loaded machine are dominated by thread
     wake-ups (a 2-thread run on a machine at load 15 timed 24 ms vs 32 ms for a 0.1 ms call)."""
-    g = torch.Generator().manual_seed(0)
-    a32 = torch.randn(4, size, depth, generator=g)
-    b32 = torch.randn(4, depth, size, generator=g)
-    ah, bh = a32.to(dtype), b32.to(dtype)
+    f32, fh = _calls(dtype, size, depth, kernel)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.bmm(a32, b32), torch.bmm(ah, bh)  # warm-up (first calls initialise kernels)
+        f32(), fh()  # warm-up (first calls initialise kernels)
         t32 = th = float("inf")
         for _ in range(repeats):
-            t32 = min(t32, _time_bmm(a32, b32))
-            th = min(th, _time_bmm(ah, bh))
+            t32 = min(t32, _timed(f32))
+            th = min(th, _timed(fh))
     finally:
         torch.set_num_threads(threads)
     return t32, th
 
 
-def half_math(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The dtype in which attention multiplies ``dtype`` inputs on ``device``: ``dtype`` itself
-    (native half matmuls) or ``torch.float32``. Non-half dtypes are returned unchanged."""
+def half_math(dtype: torch.dtype, device: torch.device | str, kernel: str = "matmul") -> torch.dtype:
+    """The dtype in which attention computes ``dtype`` inputs on ``device``: ``dtype`` itself or
+    ``torch.float32``. Non-half dtypes are returned unchanged.
+
+    ``kernel="matmul"`` (tiled kernels: half tiles when the half matmul is at most 1.25x slower) or
+    ``"sdpa"`` (the SDPA backend: native when SDPA in ``dtype`` is at least as fast as SDPA through
+    float32, conversions included; torch's CPU SDPA kernel accumulates half inputs in float32, so
+    its speed is not the matmul's: on an AVX2 EPYC bf16 matmuls timed 18x slower than float32 but
+    bf16 SDPA 1.07x faster than SDPA via float32).
+    """
     if dtype not in HALF_DTYPES or torch.device(device).type != "cpu":
         return dtype
     mode = half_math_mode()
     if mode != "measure":
         return dtype if mode == "native" else torch.float32
-    fast = _measured.get(dtype)
+    fast = _measured.get((dtype, kernel))
     if fast is None:
         if torch.compiler.is_compiling():  # no timing inside a traced graph: float32 is always right
             return torch.float32
-        t32, th = calibrate(dtype)
-        fast = _measured[dtype] = th <= t32 * _MAX_SLOWDOWN
+        t32, th = calibrate(dtype, kernel=kernel)
+        fast = _measured[(dtype, kernel)] = th <= t32 * (_MAX_SLOWDOWN if kernel == "matmul" else 1.0)
     return dtype if fast else torch.float32
