@@ -7,11 +7,12 @@ from the cache). Exact attention buys recall with a state that grows with the se
 fixed-size state must compress all pairs into its numbers, so its recall falls as the pairs grow
 unless the state (the width) grows too. See Arora et al. 2023, "Zoology".
 
-The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) costs about
-a minute of CPU per variant: 10-20 minutes for the registry on two quiet CPU cores; ``--quick`` is a
-two-cell smoke test. ``--grid-widths``, ``--grid-pairs``, ``--grid-seq-lens``, ``--steps`` and
-``--batch`` change it. Results go to ``--out`` (default ``arena-grid``): ``grid.json``, ``mqar_grid.png``,
-``report.md``.
+The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) took 31 minutes
+for the 17 registered variants on two quiet CPU cores (AMD EPYC, 2 worker processes); at that budget
+the softmax variants have not yet made MQAR's jump (about 29% at 4 pairs), so compare the variants
+within it or raise ``--steps``/``--batch``. ``--quick`` is a smoke test. ``--grid-widths``,
+``--grid-pairs``, ``--grid-seq-lens``, ``--steps``, ``--batch``, ``--variants`` and ``--jobs`` change
+it. Results go to ``--out`` (default ``arena-grid``): ``grid.json``, ``mqar_grid.png``, ``report.md``.
 """
 
 from __future__ import annotations
