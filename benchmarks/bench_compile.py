@@ -2,7 +2,8 @@
 
 Cases (shapes of issue 20): ``az.attention`` dense causal and sliding window ``(64, 0)`` at
 ``[1, 4, N, 32]``, causal ``az.linear_attention``, ``az.sigmoid_attention`` (window 64),
-``az.attention_varlen`` (the N tokens as 4 causal sequences) and ``az.retention`` (chunked) at
+``az.attention_varlen`` (the N tokens as 4 causal sequences), ``az.retention``,
+``az.gated_linear_attention`` (a decay per key dimension) and ``az.delta_rule`` (chunked forms) at
 the same shape (forward, inference), ``varlen-train`` (that varlen call, forward + backward to
 q, k, v), and a training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
 num_heads=4, attention="sliding")`` on ``N`` tokens.
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 import attnzoo as az
 
-CASES = ("dense", "window", "linear", "sigmoid", "varlen", "varlen-train", "retention", "lm")
+CASES = ("dense", "window", "linear", "sigmoid", "varlen", "varlen-train", "retention", "gla", "deltanet", "lm")
 
 
 def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -39,6 +40,9 @@ def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Calla
     cu = torch.tensor([0, n // 8, n // 4, n // 2, n], dtype=torch.int32)
     packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # [N, 4, 32]
     gamma = torch.tensor([0.9, 0.95, 0.98, 0.99])
+    gen = torch.Generator().manual_seed(0)
+    log_decay = F.logsigmoid(torch.randn(*q.shape, generator=gen) + 3)  # GLA: a decay per key dimension
+    beta = torch.rand(*q.shape[:3], generator=gen)
     return {
         "dense": lambda: az.attention(q, k, v, causal=True),
         "window": lambda: az.attention(q, k, v, causal=True, window=(64, 0)),
@@ -46,6 +50,8 @@ def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Calla
         "sigmoid": lambda: az.sigmoid_attention(q, k, v, causal=True, window=64),
         "varlen": lambda: az.attention_varlen(*packed, cu, cu, causal=True),
         "retention": lambda: az.retention(q * 0.2, k * 0.2, v, gamma),
+        "gla": lambda: az.gated_linear_attention(q * 0.2, k * 0.2, v, log_decay),
+        "deltanet": lambda: az.delta_rule(q, F.normalize(k, dim=-1), v, beta),
     }
 
 
