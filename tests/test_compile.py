@@ -73,6 +73,7 @@ MODULES: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_forwards_have_no_graph_breaks(name: str) -> None:
     assert _break_count(MODULES[name](), torch.randn(2, N, 32)) == 0
 
