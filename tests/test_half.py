@@ -145,8 +145,15 @@ def test_sdpa_half_math_is_calibrated_on_sdpa_itself(monkeypatch: pytest.MonkeyP
     for kernel in ("sdpa", "matmul"):
         t32, th = real_calibrate(torch.float16, repeats=1, size=16, depth=8, kernel=kernel)  # real timers
         assert t32 > 0 and th > 0
-    with pytest.raises(ValueError, match="kernel must be"):
+    with pytest.raises(ValueError, match="calibrate: kernel must be"):
         real_calibrate(torch.float16, kernel="conv")
+    for mode in ("native", "float32", None):  # a bad kernel is refused whatever the mode or dtype
+        halfmath.set_half_math(mode)
+        try:
+            with pytest.raises(ValueError, match=r"half_math: kernel must be one of \['matmul', 'sdpa'\], got 'conv'"):
+                halfmath.half_math(torch.float32, "cpu", kernel="conv")
+        finally:
+            halfmath.set_half_math(None)
 
 
 def test_half_math_overrides(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -223,7 +223,8 @@ def run_grid(args: argparse.Namespace, build: Builder) -> int:
     device = torch.device(args.device)
     out = ensure_output_dir(args.out or ("arena-grid-quick" if args.quick else "arena-grid"), "--out")
     out.mkdir(parents=True, exist_ok=True)
-    runs = [(v, cell) for v in variants for cell in grid_cells(g)]
+    cells = grid_cells(g)
+    runs = [(v, cell) for v in variants for cell in cells]
     jobs, threads = grid_jobs(args, len(runs))
     overall = Overall([float(w * n) for _, (w, _, n) in runs], enabled=args.progress != "none")
     t0 = time.perf_counter()
@@ -241,7 +242,7 @@ def run_grid(args: argparse.Namespace, build: Builder) -> int:
                                                 "jobs": jobs, "threads": threads, "wall_s": wall}, indent=1))
     has_png = _grid_figure(points, variants, g, out / "mqar_grid.png")
     write_atomic(out / "report.md", _grid_md(points, g, bool(args.quick), wall, has_png, jobs))
-    print(f"arena mqar-grid: {len(points)} runs ({len(variants)} variants x {len(grid_cells(g))} cells) in "
+    print(f"arena mqar-grid: {len(points)} runs ({len(variants)} variants x {len(cells)} cells) in "
           f"{wall:.0f} s on {jobs} worker(s); report: {out / 'report.md'}"
           + (f"; {len(errors)} failed: {errors}" if errors else ""), flush=True)
     return 0

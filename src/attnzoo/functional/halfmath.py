@@ -26,19 +26,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HALF_DTYPES", "calibrate", "half_math", "half_math_mode", "set_half_math"]
+__all__ = ["HALF_DTYPES", "MAX_SLOWDOWN", "calibrate", "half_math", "half_math_mode", "set_half_math"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _MODES = ("native", "float32", "measure")
 _override: str | None = None
 _measured: dict[tuple[torch.dtype, str], bool] = {}
 
-#: Half inputs run through float32 math only when the half matmul is measured at least this much
-#: slower than the float32 one: converting costs a pass each way, and kernels such as SDPA gain
-#: from half precision beyond the matmul (fp16 SDPA beat SDPA via float32 by 1.2x on a Xeon where
-#: the fp16 matmul timed 0.9x of fp32). Clear cases stay clear: bf16 was 1.66x slower than fp32
-#: on the Xeon of issue 14, ~500x on AVX2-only CPUs, and 2.7x *faster* with AMX.
-_MAX_SLOWDOWN = 1.25
+#: Per calibrated kernel, how much slower the half call may be before half inputs run through
+#: float32 math. ``"matmul"`` (the tiled kernels): 1.25x, since converting costs a pass each way and
+#: kernels gain from half precision beyond the matmul (fp16 SDPA beat SDPA via float32 by 1.2x on a
+#: Xeon where the fp16 matmul timed 0.9x of fp32); clear cases stay clear: bf16 was 1.66x slower than
+#: fp32 on the Xeon of issue 14, ~500x on AVX2-only CPUs, and 2.7x *faster* with AMX. ``"sdpa"``
+#: (the SDPA backend): 1.0x, since its timing already includes both conversions.
+MAX_SLOWDOWN = {"matmul": 1.25, "sdpa": 1.0}
 
 
 def set_half_math(mode: str | None) -> None:
@@ -66,6 +67,11 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _check_kernel(kernel: str, fn: str) -> None:
+    if kernel not in MAX_SLOWDOWN:
+        raise ValueError(f"{fn}: kernel must be one of {list(MAX_SLOWDOWN)}, got {kernel!r}")
+
+
 def _calls(dtype: torch.dtype, size: int, depth: int, kernel: str) -> tuple[Callable[[], object], Callable[[], object]]:
     """``(float32 call, half call)`` of the calibrated kernel: a ``[4, size, depth] x [4, depth, size]``
     batched matmul (``"matmul"``), or causal SDPA on ``[1, 4, size, depth]`` natively in ``dtype``
@@ -75,8 +81,7 @@ def _calls(dtype: torch.dtype, size: int, depth: int, kernel: str) -> tuple[Call
         a32, b32 = torch.randn(4, size, depth, generator=g), torch.randn(4, depth, size, generator=g)
         ah, bh = a32.to(dtype), b32.to(dtype)
         return (lambda: torch.bmm(a32, b32)), (lambda: torch.bmm(ah, bh))
-    if kernel != "sdpa":
-        raise ValueError(f"calibrate: kernel must be 'matmul' or 'sdpa', got {kernel!r}")
+    _check_kernel(kernel, "calibrate")
     qh, kh, vh = (torch.randn(1, 4, size, depth, generator=g).to(dtype) for _ in range(3))
 
     def via32() -> object:
@@ -114,9 +119,10 @@ def half_math(dtype: torch.dtype, device: torch.device | str, kernel: str = "mat
     ``kernel="matmul"`` (tiled kernels: half tiles when the half matmul is at most 1.25x slower) or
     ``"sdpa"`` (the SDPA backend: native when SDPA in ``dtype`` is at least as fast as SDPA through
     float32, conversions included; torch's CPU SDPA kernel accumulates half inputs in float32, so
-    its speed is not the matmul's: on an AVX2 EPYC bf16 matmuls timed 18x slower than float32 but
-    bf16 SDPA 1.07x faster than SDPA via float32).
+    its speed is not the matmul's: on an AVX2 EPYC bf16 matmuls timed 17x slower than float32 but
+    bf16 SDPA 1.1x faster than SDPA via float32).
     """
+    _check_kernel(kernel, "half_math")
     if dtype not in HALF_DTYPES or torch.device(device).type != "cpu":
         return dtype
     mode = half_math_mode()
@@ -127,5 +133,5 @@ def half_math(dtype: torch.dtype, device: torch.device | str, kernel: str = "mat
         if torch.compiler.is_compiling():  # no timing inside a traced graph: float32 is always right
             return torch.float32
         t32, th = calibrate(dtype, kernel=kernel)
-        fast = _measured[(dtype, kernel)] = th <= t32 * (_MAX_SLOWDOWN if kernel == "matmul" else 1.0)
+        fast = _measured[(dtype, kernel)] = th <= t32 * MAX_SLOWDOWN[kernel]
     return dtype if fast else torch.float32

@@ -400,7 +400,6 @@ class SinkWindowKVCache(_SlotCache):
             out_v = torch.cat((self.v.index_select(2, old), v_new), dim=2)
             out_pos = torch.cat((before, new_pos))
         after_ranges = self._held_ranges(start + m)
-        after = self._positions(after_ranges)
         # indices into the chunk of the new tokens still needed
         keep = self._positions([(max(lo, start), hi) for lo, hi in after_ranges if hi > max(lo, start)], start)
         slots = self._slots(keep + start)
@@ -409,6 +408,7 @@ class SinkWindowKVCache(_SlotCache):
         self.v.index_copy_(2, slots, v_new.index_select(2, keep))
         self.length = start + m
         if m == 1:
-            held = self._slots(after)
-            out_k, out_v, out_pos = self.k.index_select(2, held), self.v.index_select(2, held), after
+            out_pos = self._positions(after_ranges)
+            held = self._slots(out_pos)
+            out_k, out_v = self.k.index_select(2, held), self.v.index_select(2, held)
         return out_k, out_v, out_pos
