@@ -460,19 +460,20 @@ def cmd_arena(args: argparse.Namespace) -> int:
 
 # =========================================================================== parsers
 def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], *, help: str,
-             description: str) -> argparse.ArgumentParser:
-    """The parser of one command, whose parsed arguments run ``func``."""
+             description: str, table: str | None = None) -> argparse.ArgumentParser:
+    """The parser of one command, whose parsed arguments run ``func``.
+
+    ``table``: for a command that prints a table, ``"plain"`` adds ``--plain`` and ``"progress"``
+    also ``--no-progress`` (a command that shows a bar), in their own "output" section of ``--help``.
+    """
     p = sub.add_parser(name, help=help, description=description)
     p.set_defaults(func=func)
+    if table is not None:
+        out = p.add_argument_group("output")
+        if table == "progress":
+            out.add_argument("--no-progress", action="store_true", help="no progress bar")
+        out.add_argument("--plain", action="store_true", help="plain-text table")
     return p
-
-
-def _add_table_flags(p: argparse.ArgumentParser, *, progress: bool) -> None:
-    """The last options of a command that prints a table: ``--no-progress`` (with ``progress``,
-    for a command that shows a bar) and ``--plain``."""
-    if progress:
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--plain", action="store_true", help="plain-text table")
 
 
 def _add_list_parser(sub: Any) -> None:
@@ -497,7 +498,7 @@ def _add_check_parser(sub: Any) -> None:
                              "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
                              "gradients) against the float64 reference, then check every variant module "
                              "(decode == full forward, backends == reference, approximations within their "
-                             "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.")
+                             "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.", table="progress")
     p.add_argument("--backends", type=_name_list(BACKEND_NAMES), default=None,
                    help="comma-separated backends (default: all available)")
     p.add_argument("--dtypes", type=_name_list(DTYPE_NAMES), default=list(DTYPE_NAMES),
@@ -513,7 +514,6 @@ def _add_check_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="RNG seed of the inputs (default: 0)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON (checked writable before the run)")
     p.add_argument("--show-failures", type=int, default=20, help="failure lines to print (default: 20)")
-    _add_table_flags(p, progress=True)
 
 
 def _add_bench_parser(sub: Any) -> None:
@@ -523,7 +523,7 @@ def _add_bench_parser(sub: Any) -> None:
                              "or forward+backward. Writes NAME.csv, NAME.json and NAME.png into --out and "
                              "reports achieved GFLOP/s against a measured torch.mm peak. Sizes whose estimated "
                              "memory exceeds the available memory are refused. The defaults finish in about "
-                             "a minute on 2 cores.")
+                             "a minute on 2 cores.", table="progress")
     p.add_argument("--backends", type=_name_list(("torch", "auto", *BACKEND_NAMES)), default=None,
                    help="comma-separated: torch (bare SDPA), auto, reference, sdpa, tiled, flex, flash "
                         "(default: torch,sdpa,tiled unless --variants is given)")
@@ -554,14 +554,13 @@ def _add_bench_parser(sub: Any) -> None:
     p.add_argument("--name", default="bench", help="file stem of the outputs (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
-    _add_table_flags(p, progress=True)
 
 
 def _add_cost_parser(sub: Any) -> None:
     p = _command(sub, "cost", cmd_cost,
                  help="analytic FLOPs, bytes moved, activation memory and KV cache of one layer",
                  description="Analytic cost of one attention layer of a registered variant (attnzoo.cost."
-                             "estimate): FLOPs, bytes moved, activation memory, KV-cache size.")
+                             "estimate): FLOPs, bytes moved, activation memory, KV-cache size.", table="plain")
     p.add_argument("variant", help="a registered variant (attnzoo list)")
     p.add_argument("--seq-len", "-n", type=_positive_int, default=4096, help="N (default: %(default)s)")
     p.add_argument("--dim", type=_positive_int, default=512, help="C (default: %(default)s)")
@@ -578,7 +577,6 @@ def _add_cost_parser(sub: Any) -> None:
     p.add_argument("--backend", choices=("auto", "ideal", *BACKEND_NAMES), default="auto",
                    help="whose computed score pairs to count (default: auto)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    _add_table_flags(p, progress=False)
 
 
 def _add_viz_parser(sub: Any) -> None:

@@ -33,16 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.functional._chunked_scan import (
-    check_gate,
-    check_recurrent_inputs,
-    chunked_scan,
-    compute_dtype,
-    finish,
-    log_segsum,
-    resolve_form,
-    suffix_sum,
-)
+from attnzoo.functional import _chunked_scan as scan
+from attnzoo.functional._chunked_scan import log_segsum, suffix_sum
 
 __all__ = ["SUB_CHUNK", "gated_linear_attention", "run_gla"]
 
@@ -116,18 +108,18 @@ def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial
 
     ``g`` is the log decay, ``[B, H, N]`` (scalar per token) or ``[B, H, N, Dk]``; ``form`` not "auto".
     """
-    cdt = compute_dtype(q.dtype)
+    cdt = scan.compute_dtype(q.dtype)
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
     if form == "recurrent":
         return _recurrent(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt), s0)
     if form == "quadratic":
-        return chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0, scale)
+        return scan.chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0, scale)
     c = min(chunk, n)
     vec = c * dk * (3 * min(SUB_CHUNK, c) + 6) if g.dim() == 4 else 0  # diagonal blocks, halving levels
     per_chunk = b * h * s0.element_size() * (3 * c * c + 4 * c * (dk + dv) + 2 * dk * dv + vec)
-    return chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk, scale)
+    return scan.chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk, scale)
 
 
 def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: float | None = None,
@@ -161,12 +153,12 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *
         finite (checked in eager mode), bad form or chunk_size.
     """
     fn = "gated_linear_attention"
-    scale_f, chunk = check_recurrent_inputs(fn, q, k, v, scale, initial_state, return_state, form, chunk_size)
+    scale_f, chunk = scan.check_recurrent_inputs(fn, q, k, v, scale, initial_state, return_state, form, chunk_size)
     b, h, n, dk = q.shape
-    check_gate(fn, "log_decay", log_decay, [(b, h, n, dk), (b, h, n)], q.device, float("-inf"), 0.0,
+    scan.check_gate(fn, "log_decay", log_decay, [(b, h, n, dk), (b, h, n)], q.device, float("-inf"), 0.0,
                open_low=True)
-    resolved = resolve_form(form, n, chunk)
+    resolved = scan.resolve_form(form, n, chunk)
     if form == "auto" and resolved == "quadratic" and log_decay.dim() == 4:
         resolved = "chunked"
     out, state = run_gla(q, k, v, log_decay, scale=scale_f, initial_state=initial_state, form=resolved, chunk=chunk)
-    return finish(out, state, q.dtype, return_state)
+    return scan.finish(out, state, q.dtype, return_state)
