@@ -5,7 +5,8 @@ Cases (shapes of issue 20): ``az.attention`` dense causal and sliding window ``(
 ``az.attention_varlen`` (the N tokens as 4 causal sequences), ``az.retention``,
 ``az.gated_linear_attention`` (a decay per key dimension) and ``az.delta_rule`` (chunked forms) at
 the same shape (forward, inference), ``varlen-train`` (that varlen call, forward + backward to
-q, k, v), and a training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
+q, k, v), ``nsa-train`` (forward + backward of ``build_attention("nsa", 128, 8)``, the paper's
+block sizes, on ``[1, N, 128]``), and a training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
 num_heads=4, attention="sliding")`` on ``N`` tokens.
 
 "compile s" is the first call of the compiled function (tracing, AOTAutograd, inductor code
@@ -30,8 +31,10 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo as az
+from attnzoo.variants import build_attention
 
-CASES = ("dense", "window", "linear", "sigmoid", "varlen", "varlen-train", "retention", "gla", "deltanet", "lm")
+CASES = ("dense", "window", "linear", "sigmoid", "varlen", "varlen-train", "retention", "gla", "deltanet", "nsa-train",
+         "lm")
 
 
 def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -84,10 +87,32 @@ def _varlen_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
     return step(fwd), step(compiled)
 
 
+def _nsa_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(eager, compiled) forward + backward of the native-sparse-attention module (C = 128, H = 8,
+    the paper's block sizes; gradients of the input and every parameter)."""
+    torch.manual_seed(0)
+    mod = build_attention("nsa", 128, 8)
+    x = torch.randn(1, n, 128, requires_grad=True)
+    go = torch.randn(1, n, 128)
+    compiled = torch.compile(mod, fullgraph=True)
+
+    def step(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        def run() -> object:
+            mod.zero_grad(set_to_none=True)
+            x.grad = None
+            (f(x) * go).sum().backward()
+            return x.grad
+        return run
+
+    return step(mod), step(compiled)
+
+
 def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]]:
     """(eager call, compiled call) of a case; the compiled one is built lazily by its first call."""
     if name == "varlen-train":
         return _varlen_train(n)
+    if name == "nsa-train":
+        return _nsa_train(n)
     q, k, v = (torch.randn(1, 4, n, 32) for _ in range(3))
     if name != "lm":
         attn = _calls(q, k, v)[name]

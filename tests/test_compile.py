@@ -14,7 +14,13 @@ import torch._dynamo as dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnzoo as az
-from attnzoo.functional.nsa import NSAConfig, nsa_attention, nsa_sparse_fwd, num_compressed
+from attnzoo.functional.nsa import (
+    NSAConfig,
+    nsa_attention,
+    nsa_sparse,
+    nsa_sparse_fwd,
+    num_compressed,
+)
 from attnzoo.functional.tiled_ops import tiled_fwd
 from attnzoo.models.export import CachedStep, cache_tensors
 from attnzoo.variants import VARIANTS, build_attention
@@ -419,6 +425,12 @@ def test_nsa_module_compiled_matches_eager_with_gradients_as_one_operator() -> N
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.attnzoo.nsa_sparse_fwd.default) == 1
+    graphs.clear()  # without gradients: the inference operator, which saves nothing for a backward
+    dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(mod, backend=backend, fullgraph=True)(x), want[0])
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.attnzoo.nsa_sparse.default in targets and torch.ops.attnzoo.nsa_sparse_fwd.default not in targets
 
 
 def test_nsa_cached_decode_compiled_matches_eager() -> None:
@@ -455,10 +467,33 @@ def test_nsa_custom_operator_registration() -> None:
     cfg = (4, 2, 4, 4, 8, 2)
     q, k, v, kc, vc, gates = _nsa_inputs(grad=True, n=13)
     torch.library.opcheck(nsa_sparse_fwd, (q, k, v, kc, vc, gates, *cfg, 3, 0.25, 5))
+    torch.library.opcheck(nsa_sparse, (*tuple(t.detach() for t in (q, k, v, kc, vc, gates)), *cfg, 3, 0.25, 5))
     short = (t[:, :, :2].detach().requires_grad_() for t in (q, k, v))
     empty = kc[:, :, :0].detach().requires_grad_(), vc[:, :, :0].detach().requires_grad_()
     torch.library.opcheck(nsa_sparse_fwd, (*short, *empty, gates[:, :, :2].detach().requires_grad_(), *cfg, 0, 0.25,
                                            128))
+
+
+@pytest.mark.parametrize(("n", "q_offset", "chunk", "kv"), [(45, 3, 16, 2), (37, 0, 5, 1), (2, 0, 128, 2)])
+def test_nsa_operator_backward_is_analytic_and_equals_autograd(n: int, q_offset: int, chunk: int, kv: int) -> None:
+    """``attnzoo::nsa_sparse_bwd`` computes the gradients from the probabilities and picks its
+    forward saved (no second forward): float64 gradients of every input equal autograd through
+    the eager chunk loop, with ragged chunks, GQA / MQA and no complete compressed block."""
+    from attnzoo.functional.nsa import _sparse
+
+    cfg = NSAConfig(**NSA_SMALL)
+    g = torch.Generator().manual_seed(5)
+    nk, nc = n + q_offset, num_compressed(n + q_offset, 4, 2)
+    shapes = ((2, 4, n, D), (2, kv, nk, D), (2, kv, nk, D), (2, kv, nc, D), (2, kv, nc, D))
+    args = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+    args = tuple(t.requires_grad_() for t in (*args, torch.rand(2, 4, n, 3, generator=g, dtype=torch.float64)))
+    weight = torch.randn(2, 4, n, D, generator=g, dtype=torch.float64)
+    fields = (cfg.block_len, cfg.block_stride, cfg.select_len, cfg.num_selected, cfg.window, cfg.local_blocks)
+    outs = [_sparse(*args, cfg, q_offset, 0.3, chunk), nsa_sparse_fwd(*args, *fields, q_offset, 0.3, chunk)[0]]
+    grads = [torch.autograd.grad((o * weight).sum(), args, allow_unused=True, materialize_grads=True) for o in outs]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["absolute", "cache"])

@@ -228,3 +228,18 @@ def test_selected_branch_work_is_n_l_prime_keys_a_query() -> None:
         flops.append(fc.get_total_flops())
     assert flops[0] == 2 * 2 * 4 * 64 * (4 * 4) * 8  # 2 products x 2 x H x N x (n l') x D
     assert flops[1] == 4 * flops[0]
+
+
+@pytest.mark.parametrize(("h", "g", "nq", "nk", "w"), [(4, 2, 45, 48, 8), (2, 1, 30, 30, 7), (4, 4, 5, 40, 16),
+                                                       (2, 2, 1, 9, 4)])
+def test_banded_window_equals_the_chunk_loop(h: int, g: int, nq: int, nk: int, w: int) -> None:
+    """The compiled graph's window branch (one call over blocks of ``w`` queries and their ``2 w``-key
+    slabs) equals the eager chunk loop in float64: ragged blocks, GQA, a ``q_offset``, one query."""
+    from attnzoo.functional.nsa import _window, _window_banded
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, h, nq, 8, generator=gen, dtype=F64)
+    k, v = (torch.randn(2, g, nk, 8, generator=gen, dtype=F64) for _ in range(2))
+    cfg = NSAConfig(4, 2, 4, 4, w)
+    want = _window(q, k, v, cfg, nk - nq, 0.3, 16, "reference")
+    torch.testing.assert_close(_window_banded(q, k, v, w, nk - nq, 0.3, "auto"), want, rtol=1e-12, atol=1e-12)

@@ -24,16 +24,19 @@ compressed blocks it can see, and **gathers only the selected key/value blocks**
 
 Every size and branch of the fast form comes from Python ints, never from tensor values (no host
 sync, no graph break). Under ``torch.compile`` the compressed and selected branches run as one
-custom operator, ``attnzoo::nsa_sparse_fwd`` (backward: ``attnzoo::nsa_sparse_bwd``, the same
-branches recomputed under ``torch.func.vjp``), and the window branch as one ``az.attention`` call.
+custom operator, ``attnzoo::nsa_sparse_fwd`` (backward: ``attnzoo::nsa_sparse_bwd``, the softmax
+backward of both branches from the probabilities and picks the forward saved), and the window
+branch as one batched ``az.attention`` call over blocks of ``w`` queries (:func:`_window_banded`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._validate import check_int
@@ -201,19 +204,31 @@ def _chunk_compressed(qg: Tensor, k_cmp: Tensor, v_cmp: Tensor, t: Tensor, t0: i
 
 
 def _chunk_selected(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, t: Tensor, cfg: NSAConfig,
-                    scale: float) -> Tensor:
+                    scale: float) -> tuple[Tensor, Tensor]:
     """Selected branch of one chunk: gather the picked blocks ``idx [B, G, c, n]`` of
-    ``kb, vb [B, G, Ns, l', D]`` and attend over their tokens ``<= t`` only."""
-    B, G = kb.shape[:2]
-    bi = torch.arange(B, device=kb.device).view(B, 1, 1, 1)
-    gi = torch.arange(G, device=kb.device).view(1, G, 1, 1)
-    ksel = kb[bi, gi, idx].flatten(3, 4)  # [B, G, c, n*l', D]
-    vsel = vb[bi, gi, idx].flatten(3, 4)
+    ``kb, vb [B, G, Ns, l', D]`` and attend over their tokens ``<= t`` only: ``(o [B, G, r, c, Dv],
+    p [B, G, r, c, n l'])``."""
+    ksel, vsel = _gather_blocks(kb, idx), _gather_blocks(vb, idx)  # [B, G, c, n*l', D]
     kpos = (idx[..., None] * cfg.select_len + torch.arange(cfg.select_len, device=kb.device)).flatten(3)
     allowed = ok.repeat_interleave(cfg.select_len, -1) & (kpos <= t[:, None])  # [B, G, c, n*l']
     s = torch.einsum("bgrcd,bgcmd->bgrcm", qg, ksel) * scale
     p = _masked_softmax(s, allowed[:, :, None], False)  # block 0 is always picked, and key 0 <= t
-    return torch.einsum("bgrcm,bgcmd->bgrcd", p, vsel)
+    return torch.einsum("bgrcm,bgcmd->bgrcd", p, vsel), p
+
+
+def _flat_blocks(idx: Tensor, ns: int) -> Tensor:
+    """Picks ``idx [B, G, c, n]`` as rows of the ``[B G Ns, ...]`` block table: ``[B G c n]``."""
+    B, G = idx.shape[:2]
+    base = torch.arange(B * G, device=idx.device).view(B, G, 1, 1) * ns
+    return (idx + base).flatten()
+
+
+def _gather_blocks(kb: Tensor, idx: Tensor) -> Tensor:
+    """The picked blocks ``idx [B, G, c, n]`` of ``kb [B, G, Ns, l', D]``: ``[B, G, c, n l', D]``
+    (one ``index_select`` of whole blocks: a row copy each, and an ``index_add`` backward)."""
+    B, G, ns, lp, D = kb.shape
+    rows = kb.reshape(B * G * ns, lp * D).index_select(0, _flat_blocks(idx, ns))
+    return rows.view(B, G, idx.shape[2], idx.shape[3] * lp, D)
 
 
 def _blocks(x: Tensor, select_len: int) -> Tensor:
@@ -231,16 +246,23 @@ def _fast(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: 
     """Compressed and selected branches one query chunk at a time (one operator, ``nsa_sparse_fwd``,
     when compiled); the window through az.attention."""
     if torch.compiler.is_compiling():  # one node, not a loop over chunks unrolled into the graph
-        fields = (getattr(cfg, name) for name in _CONFIG_FIELDS)
-        sparse = nsa_sparse_fwd(q, k, v, k_cmp, v_cmp, gates, *fields, q_offset, scale, query_chunk)
+        args = (q, k, v, k_cmp, v_cmp, gates, *(getattr(cfg, name) for name in _CONFIG_FIELDS), q_offset, scale,
+                query_chunk)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in args[:6]):
+            sparse = nsa_sparse_fwd(*args)[0]  # saves what its backward reads
+        else:
+            sparse = nsa_sparse(*args)  # inference: the output only
     else:
         sparse = _sparse(q, k, v, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk)
     return sparse + gates[..., 2:3] * _window(q, k, v, cfg, q_offset, scale, query_chunk, backend)
 
 
 def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, cfg: NSAConfig,
-            q_offset: int, scale: float, query_chunk: int) -> Tensor:
-    """``g_cmp o_cmp + g_slc o_slc [B, H, Nq, Dv]``, one query chunk at a time (see the module docstring)."""
+            q_offset: int, scale: float, query_chunk: int, keep: list[tuple[Tensor, ...]] | None = None) -> Tensor:
+    """``g_cmp o_cmp + g_slc o_slc [B, H, Nq, Dv]``, one query chunk at a time (see the module docstring).
+
+    ``keep``: a list that receives, per chunk, ``(o_cmp, o_slc, p_cmp, p_slc, idx)`` (what the
+    analytic backward :func:`_sparse_bwd` reads)."""
     H, Nq = q.shape[1], q.shape[2]
     G = k.shape[1]
     r = H // G
@@ -254,10 +276,68 @@ def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates
         with torch.no_grad():
             imp = _overlap_scores(p.detach().sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
             idx, ok = pick_blocks(imp, t, cfg)
-        o_slc = _chunk_selected(qg, kb, vb, idx, ok, t, cfg, scale)
+        o_slc, p_slc = _chunk_selected(qg, kb, vb, idx, ok, t, cfg, scale)
         g = gates[:, :, a:a + query_chunk].unflatten(1, (G, r))
         outs.append(g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc)
+        if keep is not None:
+            keep.append((o_cmp, o_slc, p, p_slc, idx))
     return torch.cat(outs, dim=3).flatten(1, 2)
+
+
+def _chunk_sizes(a: int, c: int, nq: int, nc: int, cfg: NSAConfig, q_offset: int) -> tuple[int, int]:
+    """``(compressed blocks, picked blocks)`` of the chunk of queries ``a .. a + c - 1`` (Python ints,
+    as :func:`_chunk_compressed` and :func:`pick_blocks` size them)."""
+    t1 = q_offset + min(nq, a + c)  # one past the chunk's last position
+    return min(nc, num_compressed(t1, cfg.block_len, cfg.block_stride)), min(cfg.num_selected,
+                                                                              (t1 - 1) // cfg.select_len + 1)
+
+
+def _softmax_bwd(p: Tensor, dp: Tensor, do: Tensor, o: Tensor) -> Tensor:
+    """Gradient of softmax scores from the probabilities: ``p (dp - rowsum(do * o))`` (masked and
+    empty rows have ``p = 0`` and get 0)."""
+    return p * (dp - (do * o).sum(-1, keepdim=True))
+
+
+def _sparse_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor,
+                saved: Sequence[Tensor], cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int,
+                ) -> tuple[Tensor, ...]:
+    """Analytic gradients of :func:`_sparse` for ``(q, k, v, k_cmp, v_cmp, gates)`` from the saved
+    ``o_cmp, o_slc [B, G, r, Nq, Dv]``, ``p_cmp [B, G, r, Nq, Nc]``, ``p_slc [B, G, r, Nq, n l']``,
+    ``idx [B, G, Nq, n]`` (chunks padded to the widest): the softmax backward of each branch, the
+    selected keys' gradients added back into their blocks. Nothing of the forward runs again."""
+    o_cmp, o_slc, p_cmp, p_slc, idx = saved
+    H, Nq = q.shape[1], q.shape[2]
+    G, Nk, Nc = k.shape[1], k.shape[2], k_cmp.shape[2]
+    r, lp = H // G, cfg.select_len
+    kb, vb = _blocks(k, lp), _blocks(v, lp)
+    dkb, dvb, dkc, dvc = (x.new_zeros(x.shape) for x in (kb, vb, k_cmp, v_cmp))  # contiguous
+    do_all, g_all = d_out.unflatten(1, (G, r)), gates.unflatten(1, (G, r))
+    dqs, dgs = [], []
+    for a in range(0, Nq, query_chunk):
+        sl = slice(a, a + query_chunk)
+        nc, ns = _chunk_sizes(a, query_chunk, Nq, Nc, cfg, q_offset)
+        qg, do, g = q[:, :, sl].unflatten(1, (G, r)), do_all[:, :, :, sl], g_all[:, :, :, sl]
+        oc, os_ = o_cmp[:, :, :, sl], o_slc[:, :, :, sl]
+        dgs.append(torch.stack([(do * oc).sum(-1), (do * os_).sum(-1), torch.zeros_like(oc[..., 0])], -1))
+        do_c, do_s = g[..., 0:1] * do, g[..., 1:2] * do
+        p = p_cmp[:, :, :, sl, :nc]  # compressed branch
+        ds = _softmax_bwd(p, torch.einsum("bgrcd,bgnd->bgrcn", do_c, v_cmp[:, :, :nc]), do_c, oc) * scale
+        dq = torch.einsum("bgrcn,bgnd->bgrcd", ds, k_cmp[:, :, :nc])
+        dkc[:, :, :nc] += torch.einsum("bgrcn,bgrcd->bgnd", ds, qg)
+        dvc[:, :, :nc] += torch.einsum("bgrcn,bgrcd->bgnd", p, do_c)
+        pick = idx[:, :, sl, :ns]  # selected branch, over the picked blocks' tokens
+        ps = p_slc[:, :, :, sl, :ns * lp]
+        vsel = _gather_blocks(vb, pick)
+        ds = _softmax_bwd(ps, torch.einsum("bgrcd,bgcmd->bgrcm", do_s, vsel), do_s, os_) * scale
+        dq = dq + torch.einsum("bgrcm,bgcmd->bgrcd", ds, _gather_blocks(kb, pick))
+        rows = _flat_blocks(pick, dkb.shape[2])  # the picked blocks' gradients, added back into them
+        dkb.view(-1, lp * dkb.shape[-1]).index_add_(0, rows, torch.einsum("bgrcm,bgrcd->bgcmd", ds, qg).reshape(
+            rows.numel(), -1))
+        dvb.view(-1, lp * dvb.shape[-1]).index_add_(0, rows, torch.einsum("bgrcm,bgrcd->bgcmd", ps, do_s).reshape(
+            rows.numel(), -1))
+        dqs.append(dq)
+    dk, dv = (x.flatten(2, 3)[:, :, :Nk] for x in (dkb, dvb))
+    return (torch.cat(dqs, 3).flatten(1, 2), dk, dv, dkc, dvc, torch.cat(dgs, 3).flatten(1, 2))
 
 
 def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int,
@@ -266,7 +346,7 @@ def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scal
     queries over the only keys its window can reach (``<= 2 w`` keys a query: O(N w), no tile walk)."""
     c, w, nq = max(query_chunk, cfg.window), cfg.window, q.shape[2]
     if torch.compiler.is_compiling():
-        return attention(q, k, v, causal=True, window=(w - 1, 0), q_offset=q_offset, scale=scale, backend=backend)
+        return _window_banded(q, k, v, w, q_offset, scale, backend)
     outs = []
     for a in range(0, nq, c):
         lo, hi = max(0, q_offset + a - w + 1), q_offset + min(nq, a + c)
@@ -275,41 +355,105 @@ def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scal
     return torch.cat(outs, dim=2)  # type: ignore[arg-type]
 
 
+def _window_banded(q: Tensor, k: Tensor, v: Tensor, w: int, q_offset: int, scale: float, backend: str) -> Tensor:
+    """The window branch as one batched call (what a compiled graph runs: no loop whose trip count
+    would depend on the length). Queries in blocks of ``w``; block ``j`` (positions ``t0 .. t0 + w - 1``)
+    attends over the ``2 w`` keys from ``t0 - w + 1``, where query ``i`` sees slab key ``m`` iff
+    ``i <= m <= i + w - 1`` (the same band for every block), and only keys inside ``0 .. Nk - 1``.
+    ``O(N w)`` work like the eager chunk loop, exact."""
+    B, H, nq, D = q.shape
+    G, nk = k.shape[1], k.shape[2]
+    nb = -(-nq // w)
+    lo = q_offset - w + 1  # position of block 0's first slab key
+    slab = torch.arange(2 * w, device=q.device)
+
+    def slabs(x: Tensor) -> Tensor:  # [B, G, Nk, d] -> [B nb, G, 2 w, d], w zero keys padded on both ends
+        xs = F.pad(x, (0, 0, w, w))[:, :, lo + w:lo + w + (nb + 1) * w].unfold(2, 2 * w, w)  # [B, G, nb, d, 2w]
+        return xs.permute(0, 2, 1, 4, 3).reshape(B * nb, G, 2 * w, x.shape[-1])
+
+    band = (slab[None, :] >= slab[:w, None]) & (slab[None, :] <= slab[:w, None] + w - 1)  # [w, 2w]
+    pos = lo + torch.arange(nb, device=q.device)[:, None] * w + slab  # [nb, 2w] key positions
+    mask = band & ((pos >= 0) & (pos < nk))[:, None, :]  # [nb, w, 2w]
+    qb = F.pad(q, (0, 0, 0, nb * w - nq)).view(B, H, nb, w, D).transpose(1, 2).reshape(B * nb, H, w, D)
+    o = attention(qb, slabs(k), slabs(v), mask=mask[:, None].repeat(B, 1, 1, 1), scale=scale, backend=backend)
+    return o.view(B, nb, H, w, -1).transpose(1, 2).reshape(B, H, nb * w, -1)[:, :, :nq]  # type: ignore[union-attr]
+
+
 # --------------------------------------------------------------------------- compiled form
 _CONFIG_FIELDS = ("block_len", "block_stride", "select_len", "num_selected", "window", "local_blocks")
+
+
+@torch.library.custom_op("attnzoo::nsa_sparse", mutates_args=())
+def nsa_sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, block_len: int,
+               block_stride: int, select_len: int, num_selected: int, window: int, local_blocks: int, q_offset: int,
+               scale: float, query_chunk: int) -> Tensor:
+    """Inference form of :func:`nsa_sparse_fwd` (a compiled graph without gradients calls it): the
+    gated output ``[B, H, Nq, Dv]`` only, nothing saved for a backward."""
+    cfg = NSAConfig(block_len, block_stride, select_len, num_selected, window, local_blocks)
+    return _sparse(q, k, v, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk).contiguous()
+
+
+@nsa_sparse.register_fake
+def _nsa_sparse_fake(q: Tensor, k: Tensor, v: Tensor, *args: object) -> Tensor:
+    return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
 @torch.library.custom_op("attnzoo::nsa_sparse_fwd", mutates_args=())
 def nsa_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, block_len: int,
                    block_stride: int, select_len: int, num_selected: int, window: int, local_blocks: int,
-                   q_offset: int, scale: float, query_chunk: int) -> Tensor:
+                   q_offset: int, scale: float, query_chunk: int,
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The compressed and selected branches of the fast form, gated, as one operator (what a
-    compiled graph calls): ``g_cmp o_cmp + g_slc o_slc [B, H, Nq, Dv]``. Arguments as
+    compiled graph calls): ``g_cmp o_cmp + g_slc o_slc [B, H, Nq, Dv]`` first, then what its
+    backward reads (:func:`_sparse_bwd`): ``o_cmp, o_slc [B, G, r, Nq, Dv]``, the probabilities
+    ``p_cmp [B, G, r, Nq, Nc]`` and ``p_slc [B, G, r, Nq, n l']`` and the picked blocks
+    ``idx [B, G, Nq, n]``, every chunk zero-padded to the widest. Arguments as
     :func:`nsa_attention` with the :class:`NSAConfig` fields spelled out."""
     cfg = NSAConfig(block_len, block_stride, select_len, num_selected, window, local_blocks)
-    return _sparse(q, k, v, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk).contiguous()
+    keep: list[tuple[Tensor, ...]] = []
+    out = _sparse(q, k, v, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk, keep)
+    widths = _saved_widths(q.shape[2], k_cmp.shape[2], cfg, q_offset)
+    saved = []
+    for i, dim in enumerate((3, 3, 3, 3, 2)):  # o_cmp, o_slc, p_cmp, p_slc (chunk axis 3); idx (axis 2)
+        parts = [c[i] for c in keep]
+        if i >= 2:  # ragged last axis: pad every chunk to the widest
+            parts = [torch.nn.functional.pad(x, (0, widths[i - 2] - x.shape[-1])) for x in parts]
+        saved.append(torch.cat(parts, dim).contiguous())
+    return (out.contiguous(), *saved)  # type: ignore[return-value]
+
+
+def _saved_widths(nq: int, nc: int, cfg: NSAConfig, q_offset: int) -> tuple[int, int, int]:
+    """Last-axis widths of the saved ``p_cmp``, ``p_slc`` and ``idx``: the last chunk's (the widest)."""
+    picks = _chunk_sizes(nq - 1, 1, nq, nc, cfg, q_offset)[1]
+    return nc, picks * cfg.select_len, picks
 
 
 @nsa_sparse_fwd.register_fake
-def _nsa_sparse_fwd_fake(q: Tensor, k: Tensor, v: Tensor, *args: object) -> Tensor:
-    return q.new_empty(*q.shape[:3], v.shape[-1])
+def _nsa_sparse_fwd_fake(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, block_len: int,
+                         block_stride: int, select_len: int, num_selected: int, window: int, local_blocks: int,
+                         q_offset: int, scale: float, query_chunk: int,
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, H, Nq, _ = q.shape
+    G, dv = k.shape[1], v.shape[-1]
+    cfg = NSAConfig(block_len, block_stride, select_len, num_selected, window, local_blocks)
+    wc, ws, wi = _saved_widths(Nq, k_cmp.shape[2], cfg, q_offset)
+    r = H // G
+    return (q.new_empty(B, H, Nq, dv), q.new_empty(B, G, r, Nq, dv), q.new_empty(B, G, r, Nq, dv),
+            q.new_empty(B, G, r, Nq, wc), q.new_empty(B, G, r, Nq, ws), q.new_empty(B, G, Nq, wi, dtype=torch.long))
 
 
 @torch.library.custom_op("attnzoo::nsa_sparse_bwd", mutates_args=())
 def nsa_sparse_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor,
+                   o_cmp: Tensor, o_slc: Tensor, p_cmp: Tensor, p_slc: Tensor, idx: Tensor,
                    block_len: int, block_stride: int, select_len: int, num_selected: int, window: int,
                    local_blocks: int, q_offset: int, scale: float, query_chunk: int,
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`nsa_sparse_fwd` for ``(q, k, v, k_cmp, v_cmp, gates)``: the eager
-    branches run again under ``torch.func.vjp`` (autograd is switched off inside an operator; the
-    same backward formulas as eager mode, so the same numbers)."""
+    """Gradients of :func:`nsa_sparse_fwd` for ``(q, k, v, k_cmp, v_cmp, gates)`` from what its
+    forward saved (:func:`_sparse_bwd`: the softmax backward of both branches, no recomputation)."""
     cfg = NSAConfig(block_len, block_stride, select_len, num_selected, window, local_blocks)
-
-    def sparse(*xs: Tensor) -> Tensor:
-        return _sparse(*xs, cfg, q_offset, scale, query_chunk)
-
-    _, vjp = torch.func.vjp(sparse, q, k, v, k_cmp, v_cmp, gates)
-    return tuple(g.contiguous() for g in vjp(d_out))  # type: ignore[return-value]
+    grads = _sparse_bwd(d_out, q, k, v, k_cmp, v_cmp, gates, (o_cmp, o_slc, p_cmp, p_slc, idx), cfg, q_offset,
+                        scale, query_chunk)
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
 
 
 @nsa_sparse_bwd.register_fake
@@ -317,12 +461,12 @@ def _nsa_sparse_bwd_fake(d_out: Tensor, *args: object) -> tuple[Tensor, Tensor, 
     return tuple(t.new_empty(t.shape) for t in args[:6])  # type: ignore[return-value,union-attr]
 
 
-def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
-    ctx.save_for_backward(*inputs[:6])
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(*inputs[:6], *output[1:])
     ctx.scalars = inputs[6:]
 
 
-def _backward_formula(ctx, d_out: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+def _backward_formula(ctx, d_out: Tensor, *unused: Tensor) -> tuple:  # type: ignore[no-untyped-def]
     return (*nsa_sparse_bwd(d_out, *ctx.saved_tensors, *ctx.scalars), *(None,) * len(ctx.scalars))
 
 
