@@ -23,7 +23,7 @@ from attnzoo.arena import (
     run_arena,
     train,
 )
-from attnzoo.arena.grid import grid_jobs
+from attnzoo.arena.grid import GRID, convergence_text, eval_steps, grid_jobs
 from attnzoo.arena.measure import state_bytes, training_memory
 from attnzoo.arena.progress import make_progress
 from attnzoo.arena.tasks import IGNORE, load_shakespeare
@@ -501,8 +501,12 @@ def test_mqar_grid_writes_points_figure_and_smoke_report(tmp_path: Path) -> None
     cells = {(p["variant"], p["width"], p["pairs"], p["seq_len"]) for p in grid["points"]}
     assert cells == {(v, w, 2, 16) for v in ("mha", "linear") for w in (16, 32)}
     assert all(0.0 <= p["accuracy"] <= 1.0 and p["state_bytes"] > 0 for p in grid["points"])
+    for p in grid["points"]:  # evaluated half-way, at three quarters and at the end; the last is the accuracy
+        assert [e["step"] for e in p["evals"]] == list(eval_steps(grid["grid"]["steps"]))
+        assert p["accuracy"] == p["evals"][-1]["accuracy"] and isinstance(p["converged"], bool)
+    assert {p["variant"]: p["sees_every_token"] for p in grid["points"]} == {"mha": True, "linear": False}
     report = (tmp_path / "report.md").read_text()
-    assert "Smoke test" in report and report.count("| mha |") == 2
+    assert "Smoke test" in report and report.count("| mha |") == 2 and "accuracy over training" in report
     pytest.importorskip("matplotlib")
     assert (tmp_path / "mqar_grid.png").stat().st_size > 0
 
@@ -526,3 +530,46 @@ def test_mqar_grid_jobs_and_grid_options() -> None:
     assert grid_jobs(_args("--task", "mqar-grid", "--device", "cuda"), 10) == (1, None)
     with pytest.raises(ValueError, match=r"--grid-pairs, --jobs: only for --task mqar-grid"):
         run_arena(_args("--task", "lm", "--grid-pairs", "2", "--jobs", "2"))
+
+
+def test_grid_eval_steps() -> None:
+    assert eval_steps(600) == (300, 450, 600)
+    assert eval_steps(8) == (4, 6, 8)
+    assert eval_steps(2) == (1, 2) and eval_steps(1) == (1,)
+
+
+def _cell_point(variant: str, accs: list[float], full: bool = False) -> dict[str, object]:
+    from attnzoo.arena.verdict import mqar_converged
+
+    evals = [{"step": s, "accuracy": a} for s, a in zip(eval_steps(600), accs, strict=True)]
+    return {"variant": variant, "evals": evals, "accuracy": accs[-1], "converged": mqar_converged(evals),
+            "sees_every_token": full}
+
+
+def test_grid_convergence_text_names_rising_cells_and_full_attention_below_its_plateau() -> None:
+    """Synthetic cells: a plateau, a solved one, a rising recurrent one, and exact full attention
+    flat at the guessing level (converged by the rising rule, yet below its 100% plateau)."""
+    g = dict(GRID)
+    flat, solved = _cell_point("linear", [0.29, 0.30, 0.30]), _cell_point("gqa", [0.5, 0.9, 1.0], full=True)
+    rising = _cell_point("deltanet", [0.4, 0.6, 0.9])
+    stuck = _cell_point("mha", [0.28, 0.29, 0.29], full=True)
+    assert flat["converged"] is True and solved["converged"] is True and stuck["converged"] is True
+    assert rising["converged"] is False
+    text = convergence_text([flat, solved], g)
+    assert text.startswith("Every cell converged") and "solved every cell" in text
+    only_rec = convergence_text([flat, rising], g)
+    assert "in 1 of 2 cells" in only_rec and "plateau" not in only_rec
+    both = convergence_text([flat, rising, stuck, solved], g)
+    assert "in 1 of 4 cells" in both and "Below its plateau" in both and "(gqa, mha)" in both
+    assert "1 of its 2 cells stayed under 99% (at most 29.0%" in both
+
+
+def test_sees_every_token_comes_from_the_cost_model() -> None:
+    """Exact attention whose queries see every earlier token, from the specs' cost functions: the
+    windowed and approximate variants are out (the window is a quarter of the sequence)."""
+    from attnzoo.arena.grid import grid_window, sees_every_token
+    from attnzoo.variants import VARIANTS
+
+    full = [v for v in VARIANTS if sees_every_token(v, 64, 4, 64, grid_window(None, 64))]
+    assert {"mha", "mqa", "gqa"} <= set(full)
+    assert not {"sliding", "local_global", "streaming", "linear", "deltanet", "nsa"} & set(full)

@@ -7,10 +7,12 @@ from the cache). Exact attention buys recall with a state that grows with the se
 fixed-size state must compress all pairs into its numbers, so its recall falls as the pairs grow
 unless the state (the width) grows too. See Arora et al. 2023, "Zoology".
 
-The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) took 31 minutes
-for the 17 registered variants on two quiet CPU cores (AMD EPYC, 2 worker processes); at that budget
-the softmax variants have not yet made MQAR's jump (about 29% at 4 pairs), so compare the variants
-within it or raise ``--steps``/``--batch``. ``--quick`` is a smoke test. ``--grid-widths``,
+The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) took 32 minutes
+for the 17 registered variants on two quiet CPU cores (AMD EPYC, 2 worker processes). Each cell is
+evaluated half-way, at three quarters and at the end: a cell still rising is marked "not converged",
+and exact full attention that has not solved the task is marked "below its plateau" (at the default
+budget the softmax variants have not made MQAR's jump: about 29% at 4 pairs), so compare the
+variants within the budget or raise ``--steps``/``--batch``. ``--quick`` is a smoke test. ``--grid-widths``,
 ``--grid-pairs``, ``--grid-seq-lens``, ``--steps``, ``--batch``, ``--variants`` and ``--jobs`` change
 it. Results go to ``--out`` (default ``arena-grid``): ``grid.json``, ``mqar_grid.png``, ``report.md``.
 """
@@ -18,6 +20,7 @@ it. Results go to ``--out`` (default ``arena-grid``): ``grid.json``, ``mqar_grid
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import multiprocessing
 import os
@@ -34,10 +37,13 @@ from attnzoo.arena.measure import state_bytes
 from attnzoo.arena.progress import Overall
 from attnzoo.arena.storage import write_atomic
 from attnzoo.arena.tasks import MQARTask
-from attnzoo.arena.trainer import TrainConfig, train
-from attnzoo.variants import variant_names
+from attnzoo.arena.trainer import StepInfo, TrainConfig, train
+from attnzoo.arena.verdict import RISING, SOLVED, mqar_converged
+from attnzoo.cost import estimate
+from attnzoo.variants import VARIANTS, variant_names
 
-__all__ = ["GRID", "QUICK_GRID", "grid_cells", "grid_jobs", "run_grid"]
+__all__ = ["GRID", "QUICK_GRID", "convergence_text", "eval_steps", "grid_cells", "grid_jobs", "grid_window",
+           "run_grid", "sees_every_token"]
 
 GRID = {"widths": (32, 64), "pairs": (4, 8), "seq_lens": (64,), "steps": 600, "batch": 32, "depth": 2,
         "lr": 3e-3, "vocab": 64}
@@ -72,6 +78,24 @@ def _heads(width: int) -> int:
     return max(1, min(4, width // 16))
 
 
+def grid_window(window: int | None, seq_len: int) -> int:
+    """The window of the windowed variants in a cell: ``--window``, else a quarter of the sequence
+    (so a window cannot see most pairs from most queries)."""
+    return window or max(1, seq_len // 4)
+
+
+def sees_every_token(variant: str, width: int, heads: int, seq_len: int, window: int) -> bool:
+    """Whether ``variant`` (with its arena settings) is exact attention in which every query sees
+    every earlier token: the mechanism can then recall every pair (MQAR's plateau is 100%). From
+    the spec's cost function (its visible pairs), not from the name."""
+    spec = VARIANTS[variant]
+    if not spec.exact:
+        return False
+    known = set(inspect.signature(estimate).parameters)
+    kw = {k: v for k, v in spec.arena_settings(width, heads, window).items() if k in spec.options and k in known}
+    return estimate(variant, seq_len, width, heads, **kw).visible_fraction * seq_len >= (seq_len + 1) / 2
+
+
 def _cell(build: Builder, g: dict[str, Any], variant: str, cell: tuple[int, int, int], seed: int,
           device: torch.device) -> dict[str, Any]:
     """Train one model on one cell; its accuracy and decode-state bytes."""
@@ -79,15 +103,30 @@ def _cell(build: Builder, g: dict[str, Any], variant: str, cell: tuple[int, int,
     task = MQARTask(seq_len=seq_len, num_kv_pairs=pairs, vocab_size=g["vocab"])
     model = build(width, g["depth"], _heads(width), seq_len, variant, task.vocab_size, seed).to(device)
     cfg = TrainConfig(lr=g["lr"], warmup=max(1, g["steps"] // 10))
+    at = eval_steps(g["steps"])
+    evals: list[dict[str, float]] = []
+
+    def on_step(info: StepInfo) -> None:
+        if info.step in at:
+            evals.append({"step": info.step, **task.evaluate(model, device, seed)})
+            model.train()
+
     t0 = time.perf_counter()
-    losses = train(model, task, g["steps"], g["batch"], seed, config=cfg, device=device)
+    losses = train(model, task, g["steps"], g["batch"], seed, config=cfg, device=device, on_step=on_step)
     wall = time.perf_counter() - t0
-    metrics = task.evaluate(model, device, seed)
     tokens = task.batch(0, 1, seed)[0].to(device)  # [1, N]
     return {"variant": variant, "width": width, "pairs": pairs, "seq_len": seq_len, "heads": _heads(width),
-            "accuracy": metrics["accuracy"], "val_loss": metrics["val_loss"], "final_train_loss": losses[-1],
+            "accuracy": evals[-1]["accuracy"], "val_loss": evals[-1]["val_loss"], "final_train_loss": losses[-1],
+            "evals": evals, "converged": mqar_converged(evals, window=len(at)),
             "state_bytes": state_bytes(model, tokens), "params": int(sum(p.numel() for p in model.parameters())),
             "train_wall_s": wall}
+
+
+def eval_steps(steps: int) -> tuple[int, ...]:
+    """The steps after which a grid cell is evaluated: half-way, three quarters and the end (fewer
+    when ``steps`` is tiny). The last is always ``steps``; a cell whose accuracy rose by more than
+    :data:`~attnzoo.arena.verdict.RISING` from the first to the last is "not converged"."""
+    return tuple(sorted({max(1, steps // 2), max(1, 3 * steps // 4), steps}))
 
 
 def _grid_figure(points: list[dict[str, Any]], variants: Sequence[str], g: dict[str, Any], path: Path) -> bool:
@@ -107,8 +146,11 @@ def _grid_figure(points: list[dict[str, Any]], variants: Sequence[str], g: dict[
             pts = sorted((p for p in points if p["variant"] == v and p["pairs"] == k and p["seq_len"] == n),
                          key=lambda p: p["state_bytes"])
             if pts:
-                ax.plot([p["state_bytes"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=4,
-                        color=cmap(i % cmap.N), label=v)
+                color = cmap(i % cmap.N)
+                ax.plot([p["state_bytes"] for p in pts], [p["accuracy"] for p in pts], color=color, label=v)
+                for p in pts:  # a hollow marker: accuracy still rising at the end (a lower bound)
+                    ax.plot(p["state_bytes"], p["accuracy"], marker="o", ms=4, color=color,
+                            markerfacecolor=color if p.get("converged", True) is not False else "white")
         ax.set_xscale("log")
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("decode-state bytes after one sequence")
@@ -117,7 +159,7 @@ def _grid_figure(points: list[dict[str, Any]], variants: Sequence[str], g: dict[
     axes[0][0].set_ylabel("MQAR accuracy")
     axes[0][-1].legend(fontsize=7, ncol=2)
     fig.suptitle(f"MQAR recall against decode state (widths {', '.join(map(str, g['widths']))}; "
-                 f"{g['steps']} steps x batch {g['batch']})", fontsize=11)
+                 f"{g['steps']} steps x batch {g['batch']}; hollow: not converged)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -135,11 +177,56 @@ def _grid_md(points: list[dict[str, Any]], g: dict[str, Any], quick: bool, wall:
               f"{'es' if jobs > 1 else ''}).", ""]
     if has_png:
         lines += ["![MQAR accuracy against decode-state bytes](mqar_grid.png)", ""]
-    lines += ["| variant | width | pairs | seq_len | params | state bytes | accuracy |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [convergence_text(points, g), ""]
+    lines += ["| variant | width | pairs | seq_len | params | state bytes | accuracy | accuracy over training |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {p['variant']} | {p['width']} | {p['pairs']} | {p['seq_len']} | {p['params']:,} | "
-              f"{p['state_bytes']:,} | {100 * p['accuracy']:.1f}% |" for p in points]
+              f"{p['state_bytes']:,} | {100 * p['accuracy']:.1f}%{_marks(p)} | {_curve(p)} |" for p in points]
     return "\n".join(lines) + "\n"
+
+
+def _below_plateau(point: dict[str, Any]) -> bool:
+    """Exact attention over every earlier token that has not solved the task: below its plateau."""
+    return bool(point.get("sees_every_token")) and point["accuracy"] < SOLVED
+
+
+def _marks(point: dict[str, Any]) -> str:
+    return ("*" if point.get("converged") is False else "") + ("†" if _below_plateau(point) else "")
+
+
+def _curve(point: dict[str, Any]) -> str:
+    """``"29% -> 36% -> 41% (rising)"``: the cell's evaluations."""
+    accs = " -> ".join(f"{100 * e['accuracy']:.0f}% @{e['step']}" for e in point.get("evals", []))
+    return accs + (" (rising)" if point.get("converged") is False else "")
+
+
+def convergence_text(points: list[dict[str, Any]], g: dict[str, Any]) -> str:
+    """One paragraph: which cells had not converged (accuracy still rising over the last half of the
+    budget), and whether exact attention over every earlier token (whose plateau is 100%: it can
+    recall every pair) got there; if not, the budget, not the mechanism, sets its points."""
+    rising = [p for p in points if p.get("converged") is False]
+    if rising:
+        text = (f"\\* **Not converged** in {len(rising)} of {len(points)} cells: the accuracy rose by more than "
+                f"{100 * RISING:.0f} points over the last half of the {g['steps']} steps, so it is a lower bound of "
+                f"what the variant can do at that width; the figure draws these points hollow.")
+    else:
+        text = (f"Every cell converged: no accuracy rose by more than {100 * RISING:.0f} points over the last half "
+                f"of the {g['steps']} steps (or it was solved).")
+    full = [p for p in points if p.get("sees_every_token")]
+    below = [p for p in full if _below_plateau(p)]
+    if below:
+        names = ", ".join(sorted({p["variant"] for p in full}))
+        best = max(p["accuracy"] for p in below)
+        text += (f" \u2020 **Below its plateau**: exact attention over every earlier token ({names}) can recall "
+                 f"every pair, yet {len(below)} of its {len(full)} cells stayed under {100 * SOLVED:.0f}% (at most "
+                 f"{100 * best:.1f}%; about 1 / pairs is guessing among the sequence's values): at this budget it "
+                 f"has not made MQAR's jump, so the figure compares what the variants learn in "
+                 f"{g['steps']} x {g['batch']} sequences, not what their states can hold. Raise `--steps` / "
+                 f"`--batch` for the plateau (the `mqar` task's budget, 600 steps x 128 sequences of 32 tokens, "
+                 f"gets mha to 100%).")
+    elif full:
+        text += " Exact attention over every earlier token solved every cell (its plateau)."
+    return text
 
 
 def _grid_variants(args: argparse.Namespace) -> list[str]:
@@ -175,6 +262,13 @@ def _label(variant: str, cell: tuple[int, int, int]) -> str:
     return f"{variant} width {cell[0]} pairs {cell[1]} seq_len {cell[2]}"
 
 
+def _outcome(point: dict[str, Any] | None) -> str:
+    """``": accuracy 29.1% (rising)"`` for a finished cell's progress line; ``": failed"``."""
+    if point is None:
+        return ": failed"
+    return f": accuracy {100 * point['accuracy']:.1f}%" + (" (rising)" if point["converged"] is False else "")
+
+
 def _run_cells(build: Builder, g: dict[str, Any], runs: list[tuple[str, tuple[int, int, int]]], seed: int,
                device: torch.device, overall: Overall) -> tuple[list[dict[str, Any] | None], dict[str, str]]:
     """Train the runs one after the other, in this process."""
@@ -208,7 +302,7 @@ def _run_cells_parallel(build: Builder, g: dict[str, Any], runs: list[tuple[str,
                 points[i] = fut.result()
             except Exception as e:  # one variant failing must not sink the grid
                 errors[f"{v}@{cell}"] = f"{type(e).__name__}: {e}"
-            overall.completed(_label(v, cell), float(cell[0] * cell[2]))
+            overall.completed(_label(v, cell) + _outcome(points[i]), float(cell[0] * cell[2]))
     return points, errors
 
 
@@ -236,13 +330,17 @@ def run_grid(args: argparse.Namespace, build: Builder) -> int:
         done, errors = _run_cells(build, g, runs, args.seed, device, overall)
     wall = time.perf_counter() - t0
     points = [p for p in done if p is not None]
+    for p in points:
+        p["sees_every_token"] = sees_every_token(p["variant"], p["width"], p["heads"], p["seq_len"],
+                                                 grid_window(args.window, p["seq_len"]))
     write_atomic(out / "grid.json", json.dumps({"grid": {k: list(x) if isinstance(x, tuple) else x
                                                          for k, x in g.items()}, "quick": bool(args.quick),
                                                 "variants": variants, "points": points, "errors": errors,
                                                 "jobs": jobs, "threads": threads, "wall_s": wall}, indent=1))
     has_png = _grid_figure(points, variants, g, out / "mqar_grid.png")
     write_atomic(out / "report.md", _grid_md(points, g, bool(args.quick), wall, has_png, jobs))
+    rising = sum(p["converged"] is False for p in points)
     print(f"arena mqar-grid: {len(points)} runs ({len(variants)} variants x {len(cells)} cells) in "
-          f"{wall:.0f} s on {jobs} worker(s); report: {out / 'report.md'}"
+          f"{wall:.0f} s on {jobs} worker(s), {rising} not converged; report: {out / 'report.md'}"
           + (f"; {len(errors)} failed: {errors}" if errors else ""), flush=True)
     return 0

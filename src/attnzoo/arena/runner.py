@@ -24,7 +24,7 @@ import torch
 from attnzoo._outputs import ensure_output_dir
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
-from attnzoo.arena.grid import GRID, run_grid
+from attnzoo.arena.grid import GRID, grid_window, run_grid
 from attnzoo.arena.longctx import long_context
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
 from attnzoo.arena.progress import PROGRESS_KINDS, Overall, make_progress
@@ -141,7 +141,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which task(s) to run (default: all). mqar-grid: MQAR accuracy over width x "
                              "key-value pairs x sequence length for every variant, against decode-state bytes "
                              "(the Zoology figure), with --grid-widths/--grid-pairs/--grid-seq-lens/--jobs; the default "
-                             "grid (17 variants x 4 cells) took 31 minutes on 2 CPU cores, --quick under 2 minutes")
+                             "grid (17 variants x 4 cells) took 32 minutes on 2 AVX2 CPU cores, --quick under 2 minutes")
     parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default: per task, see docs)")
     parser.add_argument("--seq-len", dest="seq_len", type=_positive_int, help="tokens per training sequence")
     parser.add_argument("--width", type=_positive_int, help="model width C")
@@ -520,7 +520,7 @@ def _grid_model(window: int | None, device: torch.device, width: int, depth: int
                 variant: str, vocab: int, seed: int) -> torch.nn.Module:
     """The arena's MQAR model for one grid cell (window: ``window``, else a quarter of seq_len)."""
     s = TaskSettings("mqar", seq_len=seq_len, steps=1, batch=1, width=width, depth=depth, heads=heads, lr=3e-3,
-                     warmup=0, eval_every=1, window=window or max(1, seq_len // 4), pos="learned")
+                     warmup=0, eval_every=1, window=grid_window(window, seq_len), pos="learned")
     return _build_model(s, variant, vocab, seed, device)
 
 
