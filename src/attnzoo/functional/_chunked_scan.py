@@ -183,24 +183,50 @@ def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[
     chunk = min(chunk, n)
     out = v.new_empty(b, h, n, dv, dtype=s0.dtype)
     s = s0
+    compiling = torch.compiler.is_compiling()
     step = _group_chunks(per_chunk_bytes, -(-n // chunk)) * chunk
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
+    # compiled: one group, always padded, so that nothing loops or branches on the length
+    groups = [(0, n)] if compiling else [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    for lo, hi in groups:
         m = -(-(hi - lo) // chunk)
         pad = m * chunk - (hi - lo)
         xs = [t[:, :, lo:hi].to(s0.dtype) for t in (q, k, v, *gates)]
         xs[0] = xs[0] * scale
-        if pad:  # zero tokens at the end: no key, no write, no decay
+        if compiling or pad:  # zero tokens at the end: no key, no write, no decay (pad unread when compiling)
             xs = [F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad)) for t in xs]
         xs = [t.reshape(b, h, m, chunk, *t.shape[3:]) for t in xs]  # [B, H, m, C(, D)]
         o_intra, q_state, a, r = parts(*xs)
-        starts = []
-        for i in range(m):  # state at the start of each chunk of the group
-            starts.append(s)
-            if a.dim() == 4:  # diagonal decay [B, H, m, Dk]
-                s = torch.addcmul(r[:, :, i], a[:, :, i].unsqueeze(-1), s)
-            else:  # [B, H, m, Dk, Dk]
-                s = torch.baddbmm(r[:, :, i].flatten(0, 1), a[:, :, i].flatten(0, 1), s.flatten(0, 1)).view_as(s)
-        o = o_intra + torch.matmul(q_state, torch.stack(starts, dim=2))  # [B, H, m, C, Dv]
+        if compiling and a.dim() == 4:
+            starts, s = _diagonal_starts(a, r, s)
+        else:
+            starts, s = _loop_starts(a, r, s)
+        o = o_intra + torch.matmul(q_state, starts)  # [B, H, m, C, Dv]
         out[:, :, lo:hi] = o.reshape(b, h, m * chunk, dv)[:, :, : hi - lo]
     return out, s
+
+
+def _loop_starts(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """States at the start of each chunk ``[B, H, m, Dk, Dv]`` and after the last one, one chunk at a
+    time: ``S_{i+1} = A_i S_i + R_i`` with ``A`` diagonal ``[B, H, m, Dk]`` or ``[B, H, m, Dk, Dk]``."""
+    starts = []
+    for i in range(a.shape[2]):
+        starts.append(s)
+        if a.dim() == 4:  # diagonal decay
+            s = torch.addcmul(r[:, :, i], a[:, :, i].unsqueeze(-1), s)
+        else:
+            s = torch.baddbmm(r[:, :, i].flatten(0, 1), a[:, :, i].flatten(0, 1), s.flatten(0, 1)).view_as(s)
+    return torch.stack(starts, dim=2), s
+
+
+def _diagonal_starts(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_loop_starts` for a diagonal decay without a loop over the chunks (what a compiled graph
+    runs, so that its size does not depend on the length): with ``R' = [S_0, R_0 .. R_{m-2}]`` and
+    log decays ``g' = [0, log A_0 .. log A_{m-2}]``, ``S_i = sum_{j <= i} exp(g'_{j+1} + .. + g'_i) R'_j``
+    (:func:`log_segsum` over the chunks, ``[B, H, Dk, m, m]``: ``O(m^2 Dk Dv)``, small beside the
+    chunks' own work). A decay that underflowed to 0 enters as the log of the smallest normal number."""
+    la = torch.log(a.clamp_min(torch.finfo(a.dtype).tiny)).expand(r.shape[:-1])  # [B, H, m, Dk], <= 0
+    la = torch.cat([torch.zeros_like(la[:, :, :1]), la[:, :, :-1]], dim=2)
+    rp = torch.cat([s.unsqueeze(2), r[:, :, :-1]], dim=2)  # [B, H, m, Dk, Dv]
+    weights = log_segsum(la.transpose(-1, -2)).exp()  # [B, H, Dk, m (i), m (j)]
+    starts = torch.einsum("bhkij,bhjkv->bhikv", weights, rp)
+    return starts, torch.addcmul(r[:, :, -1], a[:, :, -1].unsqueeze(-1), starts[:, :, -1])
