@@ -149,6 +149,51 @@ def test_tiled_custom_operator_registration() -> None:
         torch.library.opcheck(tiled_fwd, args)
 
 
+@pytest.mark.parametrize(("window", "q_offset", "band"), [((8, 0), 0, True), ((None, 2), 5, True),
+                                                          ((4, 0), -2, False)])
+def test_sdpa_band_mask_operator_when_no_row_is_empty(window: tuple[int | None, int], q_offset: int,
+                                                      band: bool) -> None:
+    """Compiled ``sdpa`` with a causal/window request in which every query sees its own key takes its
+    additive mask from the ``attnzoo::band_mask`` operator (no generated kernel for the mask); a
+    request that may leave a row empty keeps the empty-row-safe path. Both equal eager."""
+    from attnzoo.functional.sdpa import band_mask
+
+    q, k, v = _qkv()
+    nq = N - 5 if q_offset == 5 else N
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return az.attention(q, k, v, causal=True, window=window, q_offset=q_offset, backend="sdpa")
+
+    dynamo.reset()
+    args = (q[:, :, :nq], k, v)
+    torch.testing.assert_close(torch.compile(fn, backend=backend, fullgraph=True)(*args), fn(*args))
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert (torch.ops.attnzoo.band_mask.default in targets) == band
+    torch.library.opcheck(band_mask, (5, 9, 4, True, 2, -1, torch.float32, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("used", ["out", "lse", "both"])
+def test_tiled_operator_backward_with_an_unused_output(used: str) -> None:
+    """The operator's backward takes an unused output's gradient as None (no zeros tensor is built,
+    so a compiled backward has no kernel for it): gradients equal the float64 reference whether the
+    output, the LSE or both are used."""
+    q, k, v = (t.double().requires_grad_() for t in _qkv())
+
+    def loss(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        return {"out": out.sin().sum(), "lse": lse.square().sum(), "both": out.sum() + lse.sum()}[used]
+
+    got = tiled_fwd(q, k, v, None, True, 8, 0, True, 0, 0.25, None, None, need_lse=True)
+    want = az.attention(q, k, v, causal=True, window=(8, 0), scale=0.25, backend="reference", return_lse=True)
+    for g, w in zip(*(torch.autograd.grad(loss(*o), (q, k, v), allow_unused=True, materialize_grads=True)
+                      for o in (got, want)), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.slow
 def test_inductor_decoder_lm_training_step_matches_eager() -> None:
     lm = _lm().train()

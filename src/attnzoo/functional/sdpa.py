@@ -25,6 +25,7 @@ from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, Capabilities
 from attnzoo.functional.halfmath import half_math
+from attnzoo.masks import visible as visible_rule
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
 CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64"}))
@@ -60,6 +61,10 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
     if only_causal and r.q_offset == 0:
         return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, is_causal=True,
                                               scale=r.scale, enable_gqa=gqa)
+    if torch.compiler.is_compiling() and _band_sees_own_key(r):
+        # one opaque mask operator, no empty row: a compiled graph with no generated kernel
+        return F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=_band_mask_op(r), dropout_p=r.dropout_p,
+                                              scale=r.scale, enable_gqa=gqa)
     m = dense_mask(r)
     assert m is not None
     visible = m if m.dtype == torch.bool else m > float("-inf")
@@ -76,3 +81,40 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
     out = F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=m, dropout_p=r.dropout_p,
                                          scale=r.scale, enable_gqa=gqa)
     return out * row_ok.to(out.dtype)
+
+
+# --------------------------------------------------------------------------- compiled band masks
+def _band_sees_own_key(r: AttnRequest) -> bool:
+    """A causal/window-only request (no mask, no ALiBi) in which every query sees its own key (from
+    Python ints): no row is empty, so SDPA can take the band mask as it is."""
+    if r.mask_obj is not None or r.mask_tensor is not None or r.alibi_slopes is not None:
+        return False
+    left, right = r.window if r.window is not None else (None, None)
+    return (r.q_offset >= 0 and r.q_offset + r.nq <= r.nk and (left is None or left >= 0)
+            and (right is None or right >= 0))
+
+
+def _band_mask_op(r: AttnRequest) -> Tensor:
+    left, right = r.window if r.window is not None else (None, None)
+    return band_mask(r.nq, r.nk, r.q_offset, r.causal, -1 if left is None else left, -1 if right is None else right,
+                     r.q.dtype, r.q.device)
+
+
+@torch.library.custom_op("attnzoo::band_mask", mutates_args=())
+def band_mask(nq: int, nk: int, q_offset: int, causal: bool, left: int, right: int, dtype: torch.dtype,
+              device: torch.device) -> Tensor:
+    """Additive mask ``[Nq, Nk]`` (0 visible, ``-inf`` hidden, in ``dtype``) of queries at ``q_offset ..``
+    under ``causal`` and the window ``(left, right)`` (``-1``: unbounded side), by
+    :func:`attnzoo.masks.visible`. An operator, and already additive, so that a compiled graph calls
+    it instead of generating (and, cold, building) kernels for the mask and its conversion."""
+    q = torch.arange(q_offset, q_offset + nq, device=device).view(-1, 1)
+    k = torch.arange(nk, device=device).view(1, -1)
+    window = None if left < 0 and right < 0 else (None if left < 0 else left, None if right < 0 else right)
+    ok = visible_rule(q, k, causal=causal, window=window).expand(nq, nk)
+    return torch.zeros(nq, nk, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+
+
+@band_mask.register_fake
+def _band_mask_fake(nq: int, nk: int, q_offset: int, causal: bool, left: int, right: int, dtype: torch.dtype,
+                    device: torch.device) -> Tensor:
+    return torch.empty(nq, nk, dtype=dtype, device=device)

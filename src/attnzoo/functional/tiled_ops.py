@@ -115,11 +115,16 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[n
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
     ctx.scalars = dict(zip(_SCALAR_ARGS, scalars, strict=True))
+    # an unused LSE (the usual case) arrives as None, not as a zeros tensor: a compiled backward then
+    # builds no kernel for it (cold, that kernel's C++ build cost about 7 s)
+    ctx.set_materialize_grads(False)
 
 
-def _backward_formula(ctx, d_out: Tensor, d_lse: Tensor | None) -> tuple:  # type: ignore[no-untyped-def]
+def _backward_formula(ctx, d_out: Tensor | None, d_lse: Tensor | None) -> tuple:  # type: ignore[no-untyped-def]
     q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
     s = ctx.scalars
+    if d_out is None:  # only the LSE was used
+        d_out = torch.zeros_like(out)
     dq, dk, dv = tiled_bwd(d_out, d_lse, q, k, v, out, lse, mask, s["causal"], s["window_left"],
                            s["window_right"], s["has_window"], s["q_offset"], s["scale"], s["softcap"],
                            alibi_slopes)
