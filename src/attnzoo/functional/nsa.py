@@ -231,6 +231,14 @@ def _gather_blocks(kb: Tensor, idx: Tensor) -> Tensor:
     return rows.view(B, G, idx.shape[2], idx.shape[3] * lp, D)
 
 
+def _add_to_blocks(db: Tensor, idx: Tensor, grads: Tensor) -> None:
+    """The transpose of :func:`_gather_blocks`: add ``grads [B, G, c, n l', D]`` of the picked blocks
+    ``idx [B, G, c, n]`` into ``db [B, G, Ns, l', D]`` (contiguous) in place, one ``index_add``."""
+    B, G, ns, lp, D = db.shape
+    rows = _flat_blocks(idx, ns)
+    db.view(B * G * ns, lp * D).index_add_(0, rows, grads.reshape(rows.numel(), lp * D))
+
+
 def _blocks(x: Tensor, select_len: int) -> Tensor:
     """``x [B, G, Nk, D]`` zero-padded to whole selection blocks: ``[B, G, Ns, l', D]``."""
     B, G, Nk, D = x.shape
@@ -330,11 +338,8 @@ def _sparse_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v
         vsel = _gather_blocks(vb, pick)
         ds = _softmax_bwd(ps, torch.einsum("bgrcd,bgcmd->bgrcm", do_s, vsel), do_s, os_) * scale
         dq = dq + torch.einsum("bgrcm,bgcmd->bgrcd", ds, _gather_blocks(kb, pick))
-        rows = _flat_blocks(pick, dkb.shape[2])  # the picked blocks' gradients, added back into them
-        dkb.view(-1, lp * dkb.shape[-1]).index_add_(0, rows, torch.einsum("bgrcm,bgrcd->bgcmd", ds, qg).reshape(
-            rows.numel(), -1))
-        dvb.view(-1, lp * dvb.shape[-1]).index_add_(0, rows, torch.einsum("bgrcm,bgrcd->bgcmd", ps, do_s).reshape(
-            rows.numel(), -1))
+        _add_to_blocks(dkb, pick, torch.einsum("bgrcm,bgrcd->bgcmd", ds, qg))  # back into the picked blocks
+        _add_to_blocks(dvb, pick, torch.einsum("bgrcm,bgrcd->bgcmd", ps, do_s))
         dqs.append(dq)
     dk, dv = (x.flatten(2, 3)[:, :, :Nk] for x in (dkb, dvb))
     return (torch.cat(dqs, 3).flatten(1, 2), dk, dv, dkc, dvc, torch.cat(dgs, 3).flatten(1, 2))
@@ -417,7 +422,7 @@ def nsa_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor
     for i, dim in enumerate((3, 3, 3, 3, 2)):  # o_cmp, o_slc, p_cmp, p_slc (chunk axis 3); idx (axis 2)
         parts = [c[i] for c in keep]
         if i >= 2:  # ragged last axis: pad every chunk to the widest
-            parts = [torch.nn.functional.pad(x, (0, widths[i - 2] - x.shape[-1])) for x in parts]
+            parts = [F.pad(x, (0, widths[i - 2] - x.shape[-1])) for x in parts]
         saved.append(torch.cat(parts, dim).contiguous())
     return (out.contiguous(), *saved)  # type: ignore[return-value]
 
