@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -66,6 +67,21 @@ def check_qkv(q: object, k: object, v: object) -> None:
         raise ValueError(f"k and v must have the same length, got k {_shape(k)} and v {_shape(v)} (expected equal Nk)")
 
 
+class _Size:
+    """A size of ``q`` or ``k`` (layout ``[B, H, N, D]``) read as an attribute of the request."""
+
+    def __init__(self, tensor: str, dim: int, doc: str) -> None:
+        self.tensor, self.dim, self.__doc__ = tensor, dim, doc
+
+    @overload
+    def __get__(self, request: None, owner: type) -> _Size: ...
+    @overload
+    def __get__(self, request: AttnRequest, owner: type) -> int: ...
+
+    def __get__(self, request: AttnRequest | None, owner: type) -> _Size | int:
+        return self if request is None else getattr(request, self.tensor).shape[self.dim]
+
+
 @dataclass(frozen=True)
 class AttnRequest:
     """A validated attention call. Shapes: q ``[B,Hq,Nq,D]``, k ``[B,Hkv,Nk,D]``, v ``[B,Hkv,Nk,Dv]``."""
@@ -86,29 +102,16 @@ class AttnRequest:
     return_weights: bool
 
     # ---------------------------------------------------------------- shapes
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def hq(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def hkv(self) -> int:
-        return self.k.shape[1]
+    batch = _Size("q", 0, "``B``")
+    hq = _Size("q", 1, "``Hq``, query heads")
+    hkv = _Size("k", 1, "``Hkv``, key/value heads")
+    nq = _Size("q", 2, "``Nq``, queries")
+    nk = _Size("k", 2, "``Nk``, keys")
 
     @property
     def group(self) -> int:
+        """``Hq // Hkv``: query heads per key/value head."""
         return self.hq // self.hkv
-
-    @property
-    def nq(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def nk(self) -> int:
-        return self.k.shape[2]
 
     @property
     def float_mask(self) -> Tensor | None:
