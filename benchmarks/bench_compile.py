@@ -4,8 +4,8 @@ Cases (shapes of issue 20): ``az.attention`` dense causal and sliding window ``(
 ``[1, 4, N, 32]``, causal ``az.linear_attention``, ``az.sigmoid_attention`` (window 64),
 ``az.attention_varlen`` (the N tokens as 4 causal sequences), ``az.retention``,
 ``az.gated_linear_attention`` (a decay per key dimension) and ``az.delta_rule`` (chunked forms) at
-the same shape (forward, inference), ``varlen-train`` (that varlen call, forward + backward to
-q, k, v), ``nsa-train`` (forward + backward of ``build_attention("nsa", 128, 8)``, the paper's
+the same shape (forward, inference), ``dense-train`` and ``varlen-train`` (the dense causal and
+varlen calls, forward + backward to q, k, v), ``nsa-train`` (forward + backward of ``build_attention("nsa", 128, 8)``, the paper's
 block sizes, on ``[1, N, 128]``), and a training step (forward + backward) of ``DecoderLM(vocab_size=100, dim=128, depth=2,
 num_heads=4, attention="sliding")`` on ``N`` tokens.
 
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import attnzoo as az
 from attnzoo.variants import build_attention
 
-CASES = ("dense", "window", "linear", "sigmoid", "varlen", "varlen-train", "retention", "gla", "deltanet", "nsa-train",
-         "lm")
+CASES = ("dense", "dense-train", "window", "linear", "sigmoid", "varlen", "varlen-train", "retention", "gla", "deltanet",
+         "nsa-train", "lm")
 
 
 def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -64,16 +64,11 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def _varlen_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
-    """(eager, compiled) forward + backward of the ``varlen`` case (gradients of q, k, v; the
-    forward is compiled, its backward is the graph AOTAutograd derived)."""
-    q, k, v = (torch.randn(n, 4, 32, requires_grad=True) for _ in range(3))
-    cu = torch.tensor([0, n // 8, n // 4, n // 2, n], dtype=torch.int32)
-    go = torch.randn(n, 4, 32)
-
-    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return az.attention_varlen(q, k, v, cu, cu, causal=True)
-
+def _qkv_train(fwd: Callable[..., torch.Tensor], *shape: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(eager, compiled) forward + backward of ``fwd(q, k, v)`` on q, k, v of ``shape`` (gradients of
+    q, k, v; the forward is compiled, its backward is the graph AOTAutograd derived)."""
+    q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+    go = torch.randn(*shape)
     compiled = torch.compile(fwd, fullgraph=True)
 
     def step(f: Callable[..., torch.Tensor]) -> Callable[[], object]:
@@ -85,6 +80,12 @@ def _varlen_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
         return run
 
     return step(fwd), step(compiled)
+
+
+def _varlen_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The ``varlen`` case, forward + backward."""
+    cu = torch.tensor([0, n // 8, n // 4, n // 2, n], dtype=torch.int32)
+    return _qkv_train(lambda q, k, v: az.attention_varlen(q, k, v, cu, cu, causal=True), n, 4, 32)
 
 
 def _nsa_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -111,6 +112,8 @@ def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]
     """(eager call, compiled call) of a case; the compiled one is built lazily by its first call."""
     if name == "varlen-train":
         return _varlen_train(n)
+    if name == "dense-train":
+        return _qkv_train(lambda q, k, v: az.attention(q, k, v, causal=True), 1, 4, n, 32)
     if name == "nsa-train":
         return _nsa_train(n)
     q, k, v = (torch.randn(1, 4, n, 32) for _ in range(3))

@@ -177,6 +177,49 @@ def test_sdpa_band_mask_operator_when_no_row_is_empty(window: tuple[int | None, 
     torch.library.opcheck(band_mask, (5, 9, 4, True, 2, -1, torch.float32, torch.device("cpu")))
 
 
+@pytest.mark.parametrize(("hkv", "window", "dtype"), [(4, None, torch.float32), (2, None, torch.float32),
+                                                     (1, (8, 0), torch.float32), (4, None, torch.bfloat16)])
+def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
+        hkv: int, window: tuple[int, int] | None, dtype: torch.dtype) -> None:
+    """Compiled ``sdpa`` training on CPU (causal, GQA, a band) calls ``attnzoo::sdpa_cpu_fwd`` (torch's
+    CPU flash forward; its autograd formula the flash backward): outputs and gradients equal eager SDPA.
+    Without gradients the plain SDPA call stays."""
+    from attnzoo.functional.sdpa import sdpa_cpu_bwd, sdpa_cpu_fwd
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(hkv=hkv))
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return az.attention(q, k, v, causal=True, window=window, backend="sdpa")
+
+    def run(f: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        out = f(q, k, v)
+        return [out, *torch.autograd.grad(out.sin().sum(), (q, k, v))]
+
+    for grad in (True, False):
+        graphs: list[torch.fx.GraphModule] = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+            graphs.append(gm)  # noqa: B023 (each pass reads its own list)
+            return gm.forward
+
+        dynamo.reset()
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        if grad:  # eager first: it measures the half-precision policy that the compiled call reads
+            want = run(fn)
+            for got, w in zip(run(compiled), want, strict=True):
+                torch.testing.assert_close(got, w, rtol=0, atol=0)
+        else:
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
+        targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+        assert (torch.ops.attnzoo.sdpa_cpu_fwd.default in targets) == grad
+    d = q.detach().requires_grad_()
+    torch.library.opcheck(sdpa_cpu_fwd, (d, k.detach(), v.detach(), None, True, 0.25))
+    with torch.no_grad():
+        o, lse = sdpa_cpu_fwd(d, k, v, None, True, 0.25)
+        torch.library.opcheck(sdpa_cpu_bwd, (torch.ones_like(o), d, k, v, o, lse, None, True, 0.25))
+
+
 @pytest.mark.parametrize("used", ["out", "lse", "both"])
 def test_tiled_operator_backward_with_an_unused_output(used: str) -> None:
     """The operator's backward takes an unused output's gradient as None (no zeros tensor is built,

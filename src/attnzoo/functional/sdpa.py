@@ -59,10 +59,14 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
             or r.alibi_slopes is not None):
         return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, scale=r.scale, enable_gqa=gqa)
     if only_causal and r.q_offset == 0:
+        if _compiled_cpu_training(r):
+            return cpu_flash_attention(r.q, r.k, r.v, None, True, r.scale)
         return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, is_causal=True,
                                               scale=r.scale, enable_gqa=gqa)
     if torch.compiler.is_compiling() and _band_sees_own_key(r):
         # one opaque mask operator, no empty row: a compiled graph with no generated kernel
+        if _compiled_cpu_training(r):
+            return cpu_flash_attention(r.q, r.k, r.v, _band_mask_op(r), False, r.scale)
         return F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=_band_mask_op(r), dropout_p=r.dropout_p,
                                               scale=r.scale, enable_gqa=gqa)
     m = dense_mask(r)
@@ -118,3 +122,69 @@ def band_mask(nq: int, nk: int, q_offset: int, causal: bool, left: int, right: i
 def _band_mask_fake(nq: int, nk: int, q_offset: int, causal: bool, left: int, right: int, dtype: torch.dtype,
                     device: torch.device) -> Tensor:
     return torch.empty(nq, nk, dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------- compiled CPU training
+# Compiled, a training call of SDPA is traced into torch's CPU flash forward and backward kernels,
+# plus a layout conversion of the log-sum-exp that inductor generates (and, cold, builds: about 7 s
+# of C++ compilation on 2 cores). The two operators below call the same two kernels as eager SDPA,
+# so the compiled graph holds one opaque node per direction and no generated kernel.
+def _compiled_cpu_training(r: AttnRequest) -> bool:
+    """A compiled CPU training call that torch's CPU flash kernel serves: no dropout, ``D == Dv``."""
+    return (torch.compiler.is_compiling() and r.q.device.type == "cpu" and r.dropout_p == 0
+            and r.q.shape[-1] == r.v.shape[-1] and torch.is_grad_enabled()
+            and any(t.requires_grad for t in (r.q, r.k, r.v)))
+
+
+def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """``[B, Hq, Nq, D]``: SDPA on CPU through :func:`sdpa_cpu_fwd` (GQA served by the kernel)."""
+    return sdpa_cpu_fwd(q, k, v, mask, causal, scale)[0]
+
+
+@torch.library.custom_op("attnzoo::sdpa_cpu_fwd", mutates_args=())
+def sdpa_cpu_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                 scale: float) -> tuple[Tensor, Tensor]:
+    """torch's CPU flash attention forward (what eager SDPA runs): ``out [B, Hq, Nq, D]`` and ``lse
+    [B, Hq, Nq]`` (float32), contiguous. ``mask``: an additive ``[Nq, Nk]`` mask or ``None``."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                         scale=scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@sdpa_cpu_fwd.register_fake
+def _sdpa_cpu_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnzoo::sdpa_cpu_bwd", mutates_args=())
+def sdpa_cpu_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
+                 causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`sdpa_cpu_fwd`'s output (torch's CPU flash backward), contiguous."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@sdpa_cpu_bwd.register_fake
+def _sdpa_cpu_bwd_fake(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       mask: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _sdpa_setup(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, mask, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], mask)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.set_materialize_grads(False)  # the LSE's gradient (never used) arrives as None
+
+
+def _sdpa_backward(ctx, d_out: Tensor | None, d_lse: Tensor | None) -> tuple:  # type: ignore[no-untyped-def]
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    if d_out is None:
+        return None, None, None, None, None, None
+    dq, dk, dv = sdpa_cpu_bwd(d_out, q, k, v, out, lse, mask, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+sdpa_cpu_fwd.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
