@@ -266,13 +266,22 @@ class RotaryEmbedding(nn.Module):
         if scaling == "ntk":
             eff_base = self.base * self.scaling_factor ** (rd / (rd - 2))
         self.effective_base = eff_base
-        # Kept in float64 outside the module's buffers, so .half() never degrades the frequencies.
-        self._inv_freq64 = eff_base ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)  # [rd/2]
+        self._set_inv_freq(eff_base ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd))  # [rd/2]
+
+    def _set_inv_freq(self, inv_freq64: Tensor) -> None:
+        """Keep the frequencies in float64 (outside the module's buffers, so ``.half()`` never degrades
+        them) and in float32 on the CPU from the start: a compiled graph then reads one constant in
+        every layer (converting in the first traced layer made its kernels differ from the next
+        layers': one more C++ kernel to build, cold)."""
+        self._inv_freq64 = inv_freq64
+        self._inv_freq32 = inv_freq64.float()
         self._inv_freq_cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def inv_freq(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
         """Frequencies ``theta_i`` ``[rotary_dim / 2]`` on ``device`` in ``dtype``."""
         key = (torch.device(device), dtype)
+        if key[0].type == "cpu" and dtype in (torch.float32, torch.float64):
+            return self._inv_freq32 if dtype == torch.float32 else self._inv_freq64
         f = self._inv_freq_cache.get(key)
         if f is None:
             f = self._inv_freq64.to(device=device, dtype=dtype)
@@ -399,7 +408,7 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
         super().__init__(dim, base=float(params.get("rope_theta") or 10000.0), rotary_dim=rotary_dim)
         self.rope_type, self.rope_parameters, self.max_position_embeddings = rope_type, params, max_position_embeddings
         inv, self.attention_scaling = self._scaled(None, torch.device("cpu"))
-        self._inv_freq64 = inv.double()
+        self._set_inv_freq(inv.double())
         self._scaled_cache: dict[tuple[Any, torch.device], Tensor] = {}
 
     def _scaled(self, seq_len: int | None, device: torch.device) -> tuple[Tensor, float]:
