@@ -220,6 +220,58 @@ def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
         torch.library.opcheck(sdpa_cpu_bwd, (torch.ones_like(o), d, k, v, o, lse, None, True, 0.25))
 
 
+REFERENCE_CASES = {
+    "causal-gqa": ({"causal": True}, 2, "out"),
+    "window-softcap-weights": ({"causal": True, "window": (8, 0), "softcap": 3.0, "return_weights": True}, 4, "all"),
+    "lse-only": ({"causal": True, "return_lse": True}, 1, "lse"),
+    "mask-alibi": ({"mask": _window_mask(), "alibi_slopes": torch.linspace(0.1, 0.5, 4)}, 4, "out"),
+    "float-mask-gradient": ({"mask": torch.zeros(N, N, dtype=torch.float64, requires_grad=True)}, 4, "out"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+def test_reference_compiles_to_its_operators_with_the_eager_gradients(case: str) -> None:
+    """Compiled ``reference`` calls ``attnzoo::reference_fwd`` (the eager oracle, keeping the
+    probabilities) and its gradient ``attnzoo::reference_bwd`` (the softmax backward on them, through a
+    softcap, with GQA, LSE and weights gradients): float64 outputs and gradients equal eager autograd
+    to 1e-12. A float mask that needs a gradient keeps the traced path."""
+    kwargs, hkv, used = REFERENCE_CASES[case]
+    q, k, v = (t.double().requires_grad_() for t in _qkv(hkv=hkv))
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        res = az.attention(q, k, v, backend="reference", **kwargs)
+        return res if isinstance(res, tuple) else (res,)
+
+    def run(f: Callable[..., tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        res = f(q, k, v)
+        picked = {"out": res[:1], "lse": res[1:], "all": res}[used]
+        loss = sum(t.sin().sum() for t in picked)
+        return [*res, *torch.autograd.grad(loss, (q, k, v), allow_unused=True, materialize_grads=True)]
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(gm)
+        return gm.forward
+
+    dynamo.reset()
+    for got, want in zip(run(torch.compile(fn, backend=backend, fullgraph=True)), run(fn), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert (torch.ops.attnzoo.reference_fwd.default in targets) == (case != "float-mask-gradient")
+
+
+def test_reference_operators_pass_opcheck() -> None:
+    from attnzoo.functional.reference_ops import reference_bwd, reference_fwd
+
+    q, k, v = (t.double() for t in _qkv(hkv=2))
+    args = (None, True, 8, 0, True, 0, 0.25, 5.0, None)
+    torch.library.opcheck(reference_fwd, (q.requires_grad_(), k, v, *args, True))
+    with torch.no_grad():
+        out, _lse, probs = reference_fwd(q, k, v, *args, True)
+        torch.library.opcheck(reference_bwd, (torch.ones_like(out), None, None, q, k, v, probs, 0.25, 5.0))
+
+
 @pytest.mark.parametrize("used", ["out", "lse", "both"])
 def test_tiled_operator_backward_with_an_unused_output(used: str) -> None:
     """The operator's backward takes an unused output's gradient as None (no zeros tensor is built,

@@ -18,6 +18,7 @@ import attnzoo.functional.sdpa as sdpa
 import attnzoo.functional.tiled as tiled
 from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
+from attnzoo.functional.reference_ops import reference_op_attention
 from attnzoo.functional.rules import compute_dtype
 from attnzoo.functional.sinks import sink_attention
 from attnzoo.functional.tiled_ops import tiled_op_attention, traceable_visible_fraction
@@ -168,6 +169,8 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
     weights: Tensor | None = None
     if is_empty(r):  # no keys, queries or batch: zeros and LSE -inf, no kernel runs
         out, lse, weights = empty_result(r)
+    elif name == "reference" and torch.compiler.is_compiling():
+        out, lse, weights = reference_op_attention(r)  # one custom operator per direction
     elif name == "reference":
         out, lse, weights = reference.reference_attention(r)
     elif name == "sdpa":

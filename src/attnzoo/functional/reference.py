@@ -48,8 +48,10 @@ def safe_softmax(s: Tensor) -> tuple[Tensor, Tensor]:
     return p, lse
 
 
-def reference_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Exact attention by definition. Returns ``(out [B,Hq,Nq,Dv], lse [B,Hq,Nq] | None, weights | None)``."""
+def reference_attention(r: AttnRequest, *, weights_in_compute_dtype: bool = False,
+                        ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Exact attention by definition. Returns ``(out [B,Hq,Nq,Dv], lse [B,Hq,Nq] | None, weights | None)``;
+    the weights in q's dtype, or in the compute dtype (float32/float64) if ``weights_in_compute_dtype``."""
     cdt = compute_dtype(r.q.dtype)
     q = r.q.to(cdt)
     k = r.k.to(cdt)
@@ -65,4 +67,4 @@ def reference_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None, Tensor |
     out = torch.matmul(p, v).to(r.q.dtype)  # [B, Hq, Nq, Dv]
     return (out,
             lse if r.return_lse else None,  # already float32 (float64 for float64 inputs)
-            weights.to(r.q.dtype) if r.return_weights else None)
+            (weights if weights_in_compute_dtype else weights.to(r.q.dtype)) if r.return_weights else None)
