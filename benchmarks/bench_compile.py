@@ -12,8 +12,8 @@ num_heads=4, attention="sliding")`` on ``N`` tokens.
 "compile s" is the first call of the compiled function (tracing, AOTAutograd, inductor code
 generation and C++ builds; a fresh process pays inductor's one-time start-up in the first case,
 and inductor's on-disk cache makes later processes faster). Times are medians of interleaved
-repeats (eager, compiled, eager, ...) in the same run, so load from other processes hits both
-alike. ratio = compiled / eager (< 1: compiled is faster).
+repeats in the same run (eager then compiled, then compiled then eager, ...), so load from other
+processes and the order of the calls hit both alike. ratio = compiled / eager (< 1: compiled is faster).
 
     python benchmarks/bench_compile.py                     # every case at N = 2048
     python benchmarks/bench_compile.py --cases window,lm --repeats 7 --threads 2
@@ -154,9 +154,9 @@ def run(cases: list[str], n: int, repeats: int) -> list[dict[str, object]]:
         eager()  # warm-up (plan caches, allocator)
         compiled()
         te, tc = [], []
-        for _ in range(repeats):
-            te.append(_time(eager))
-            tc.append(_time(compiled))
+        for i in range(repeats):  # the order swaps every repeat: neither call always runs first
+            for times, fn in ((te, eager), (tc, compiled))[:: 1 if i % 2 == 0 else -1]:
+                times.append(_time(fn))
         e, c = statistics.median(te), statistics.median(tc)
         row = {"case": name, "n": n, "compile_s": round(compile_s, 2), "eager_ms": round(e * 1e3, 2),
                "compiled_ms": round(c * 1e3, 2), "ratio": round(c / e, 3)}
