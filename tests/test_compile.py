@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo as dynamo
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnzoo as az
@@ -471,16 +472,23 @@ def test_sigmoid_custom_operator_registration() -> None:
 
 
 def test_dynamic_shapes_chunked_decay_kernels_compile_once() -> None:
-    """The chunked form of the decaying kernels (retention, GLA with a decay per key dimension)
-    compiles **once** for several lengths under ``dynamic=True``: when compiling, the
-    chunks form one padded group and the state at each chunk start comes from a closed form over the
-    chunks' log decays, so no loop or branch depends on the length; the outputs equal eager."""
+    """The chunked form of the recurrent kernels (retention, GLA with a decay per key dimension, the
+    delta rule with and without a decay) compiles **once** for several lengths under
+    ``dynamic=True``: when compiling, the chunks form one padded group and the state at each chunk
+    start comes from a closed form over the chunks' log decays (diagonal maps) or from the
+    ``attnzoo::matrix_scan`` operator (the delta rule's full ``[Dk, Dk]`` maps), so no loop or
+    branch depends on the length; the outputs equal eager."""
     gamma = torch.tensor([0.9, 0.8, 0.7, 0.95])
     inputs = [tuple(_small(t) for t in _qkv(n)) for n in (9, 14, 21)]
     fns = {
         "retention": lambda q, k, v: az.retention(q, k, v, gamma, form="chunked", chunk_size=4),
         "gla": lambda q, k, v: az.gated_linear_attention(q, k, v, -0.05 * k.abs() - 1e-3, form="chunked",
                                                          chunk_size=4),
+        "delta": lambda q, k, v: az.delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),
+                                               form="chunked", chunk_size=4),
+        "gated-delta": lambda q, k, v: az.delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),
+                                                     log_decay=-0.1 * q[..., 0].abs(), form="chunked",
+                                                     chunk_size=4),
     }
     for name, fn in fns.items():
         counter = CompileCounterWithBackend("eager")
@@ -491,14 +499,37 @@ def test_dynamic_shapes_chunked_decay_kernels_compile_once() -> None:
         assert counter.frame_count == 1, name
 
 
+def test_matrix_scan_operator_gradients_equal_the_loop() -> None:
+    """``attnzoo::matrix_scan`` (the delta rule's chunk-to-chunk scan in a compiled graph): float64
+    gradients of its reverse-scan backward equal autograd through the eager loop, with the chunk
+    starts, the final state or both used; ``opcheck`` passes."""
+    from attnzoo.functional._chunked_scan import _loop_starts, matrix_scan
+
+    g = torch.Generator().manual_seed(0)
+    a = (0.3 * torch.randn(2, 3, 5, 4, 4, generator=g, dtype=torch.float64)).requires_grad_()
+    r = torch.randn(2, 3, 5, 4, 6, generator=g, dtype=torch.float64).requires_grad_()
+    s0 = torch.randn(2, 3, 4, 6, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(2, 3, 5, 4, 6, generator=g, dtype=torch.float64)
+    for used in ("starts", "end", "both"):
+        def loss(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+            starts, end = fn(a, r, s0)
+            return {"starts": (starts * w).sum(), "end": end.sin().sum(), "both": (starts * w).sum() + end.sum()}[used]  # noqa: B023
+
+        for got, want in zip(torch.autograd.grad(loss(matrix_scan), (a, r, s0), allow_unused=True, materialize_grads=True),
+                             torch.autograd.grad(loss(_loop_starts), (a, r, s0), allow_unused=True, materialize_grads=True),
+                             strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(matrix_scan, (a, r, s0))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_dynamic_shapes_recurrent_kernels_recompiles(form: str) -> None:
     """Graphs compiled for four lengths under ``dynamic=True`` (measured, not a goal): the recurrent
-    form loops in Python over tokens, and the delta rule's chunked form over chunks (its chunk-to-
-    chunk map is a full ``[Dk, Dk]`` matrix, no closed form), so the trip count specialises the
-    graph and each new length recompiles (4 of 4 measured); the chunked retention compiles once.
-    The bound below pins that (a regression would exceed it); fewer is an improvement."""
+    form loops in Python over tokens, so the trip count specialises the graph and each new length
+    recompiles (4 of 4 measured); the chunked forms compile once (the delta rule's full
+    ``[Dk, Dk]`` chunk maps through the ``attnzoo::matrix_scan`` operator). The bound below pins
+    that (a regression would exceed it); fewer is an improvement."""
     gamma = torch.tensor([0.9, 0.8, 0.7, 0.95])
     lengths = (9, 12, 16, 20)
     inputs = [tuple(_small(t) for t in _qkv(n)) for n in lengths]
@@ -510,7 +541,7 @@ def test_dynamic_shapes_recurrent_kernels_recompiles(form: str) -> None:
     }
     assert all(c <= len(lengths) for c in counts.values()), counts
     if form == "chunked":
-        assert counts["retention"] == 1, counts
+        assert counts == {"retention": 1, "delta": 1}, counts
 
 
 @pytest.mark.parametrize("name", ["varlen-auto", "varlen-sdpa", "varlen-alibi"])

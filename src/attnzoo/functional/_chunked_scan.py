@@ -41,6 +41,7 @@ __all__ = [
     "compute_dtype",
     "finish",
     "log_segsum",
+    "matrix_scan",
     "resolve_form",
     "suffix_sum",
 ]
@@ -198,6 +199,8 @@ def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[
         o_intra, q_state, a, r = parts(*xs)
         if compiling and a.dim() == 4:
             starts, s = _diagonal_starts(a, r, s)
+        elif compiling:  # a full [Dk, Dk] map (delta rule): one operator, not a loop of length m
+            starts, s = matrix_scan(a, r, s)
         else:
             starts, s = _loop_starts(a, r, s)
         o = o_intra + torch.matmul(q_state, starts)  # [B, H, m, C, Dv]
@@ -230,3 +233,53 @@ def _diagonal_starts(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     weights = log_segsum(la.transpose(-1, -2)).exp()  # [B, H, Dk, m (i), m (j)]
     starts = torch.einsum("bhkij,bhjkv->bhikv", weights, rp)
     return starts, torch.addcmul(r[:, :, -1], a[:, :, -1].unsqueeze(-1), starts[:, :, -1])
+
+
+# --------------------------------------------------------------------------- compiled matrix scan
+@torch.library.custom_op("attnzoo::matrix_scan", mutates_args=())
+def matrix_scan(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_loop_starts` for full maps ``A [B, H, m, Dk, Dk]`` as one operator: the states at the
+    chunk starts ``[B, H, m, Dk, Dv]`` and after the last chunk ``[B, H, Dk, Dv]``. Traced, the loop
+    over the ``m`` chunks would make the graph's size (and so a recompile) depend on the length."""
+    starts, end = _loop_starts(a, r, s)
+    return starts.contiguous(), end.contiguous()
+
+
+@matrix_scan.register_fake
+def _matrix_scan_fake(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    return r.new_empty(r.shape), s.new_empty(s.shape)
+
+
+@torch.library.custom_op("attnzoo::matrix_scan_bwd", mutates_args=())
+def matrix_scan_bwd(d_starts: Tensor | None, d_end: Tensor | None, a: Tensor, starts: Tensor,
+                    end: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dA, dR, dS_0)`` of :func:`matrix_scan`, by the reverse scan: with ``G_m = dS_end``
+    and ``G_i = A_i^T G_{i+1} + d starts_i``, ``dR_i = G_{i+1}``, ``dA_i = G_{i+1} S_i^T``, ``dS_0 = G_0``."""
+    g = torch.zeros_like(end) if d_end is None else d_end.to(end.dtype)
+    da, dr = torch.empty_like(a), torch.empty_like(starts)
+    for i in reversed(range(a.shape[2])):
+        dr[:, :, i] = g
+        da[:, :, i] = torch.matmul(g, starts[:, :, i].transpose(-1, -2))
+        g = torch.matmul(a[:, :, i].transpose(-1, -2), g)
+        if d_starts is not None:
+            g = g + d_starts[:, :, i]
+    return da, dr, g.contiguous()
+
+
+@matrix_scan_bwd.register_fake
+def _matrix_scan_bwd_fake(d_starts: Tensor | None, d_end: Tensor | None, a: Tensor, starts: Tensor,
+                          end: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return a.new_empty(a.shape), starts.new_empty(starts.shape), end.new_empty(end.shape)
+
+
+def _scan_setup(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(inputs[0], *output)
+    ctx.set_materialize_grads(False)
+
+
+def _scan_backward(ctx, d_starts: Tensor | None, d_end: Tensor | None) -> tuple:  # type: ignore[no-untyped-def]
+    a, starts, end = ctx.saved_tensors
+    return matrix_scan_bwd(d_starts, d_end, a, starts, end)
+
+
+matrix_scan.register_autograd(_scan_backward, setup_context=_scan_setup)
