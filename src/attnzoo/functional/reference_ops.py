@@ -5,14 +5,16 @@ score masking, softmax and casts to generate and, cold, to build as C++ kernels 
 ``[1, 4, 2048, 32]`` on 2 cores). Behind operators the compiled graph holds one node per direction:
 
 * ``attnzoo::reference_fwd(q, k, v, mask, causal, window_left, window_right, has_window, q_offset,
-  scale, softcap, alibi_slopes, return_weights) -> (out [B, Hq, Nq, Dv], lse [B, Hq, Nq],
-  weights [B, Hq, Nq, Nk] or an empty [0])``, the eager :func:`reference_attention`;
-* ``attnzoo::reference_bwd(d_out, d_lse, d_weights, q, k, v, <same arguments>) -> (dq, dk, dv)``,
-  the vector-Jacobian product of that same eager function (recomputed; the reference is for small
-  inputs).
+  scale, softcap, alibi_slopes, keep_probs) -> (out [B, Hq, Nq, Dv], lse [B, Hq, Nq],
+  probs [B, Hq, Nq, Nk] or an empty [0])``, the eager :func:`reference_attention`; ``probs`` (in the
+  compute dtype) are the weights, kept when they are returned or gradients are needed, as eager
+  autograd keeps them;
+* ``attnzoo::reference_bwd(d_out, d_lse, d_probs, q, k, v, probs, scale, softcap) -> (dq, dk, dv)``,
+  the softmax backward on those probabilities (with a softcap, one matmul recomputes the raw scores
+  for its ``tanh``; nothing else of the forward runs again).
 
-Dropout (random numbers a recomputation would not repeat) and gradients for a float mask or ALiBi
-slopes keep the traced path. ``Mask`` objects are evaluated into a dense mask first.
+Dropout (the backward would need the dropped probabilities) and gradients for a float mask or
+ALiBi slopes keep the traced path. ``Mask`` objects are evaluated into a dense mask first.
 """
 
 import torch
@@ -117,9 +119,9 @@ def reference_op_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None, Tenso
     """Run a validated request on the reference through the operators (what a compiled graph calls);
     returns ``(out, lse or None, weights or None)`` like :func:`reference_attention`. Dropout and
     gradients for a float mask or ALiBi slopes stay traced."""
-    m = dense_mask(r)
-    if r.dropout_p > 0 or any(t is not None and t.requires_grad for t in (m, r.alibi_slopes)):
+    if r.dropout_p > 0 or any(t is not None and t.requires_grad for t in (r.mask_tensor, r.alibi_slopes)):
         return reference_attention(r)
+    m = dense_mask(r)
     left, right = r.window if r.window is not None else (None, None)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
     out, lse, probs = reference_fwd(r.q, r.k, r.v, m, r.causal, left, right, r.window is not None, r.q_offset,
