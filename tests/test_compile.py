@@ -182,10 +182,10 @@ def test_sdpa_band_mask_operator_when_no_row_is_empty(window: tuple[int | None, 
                                                      (1, (8, 0), torch.float32), (4, None, torch.bfloat16)])
 def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
         hkv: int, window: tuple[int, int] | None, dtype: torch.dtype) -> None:
-    """Compiled ``sdpa`` training on CPU (causal, GQA, a band) calls ``attnzoo::sdpa_cpu_fwd`` (torch's
+    """Compiled ``sdpa`` training on CPU (causal, GQA, a band) calls ``attnzoo::sdpa_cpu_flash_fwd`` (torch's
     CPU flash forward; its autograd formula the flash backward): outputs and gradients equal eager SDPA.
     Without gradients the plain SDPA call stays."""
-    from attnzoo.functional.sdpa import sdpa_cpu_bwd, sdpa_cpu_fwd
+    from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
 
     q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(hkv=hkv))
 
@@ -213,12 +213,39 @@ def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
             with torch.no_grad():
                 torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
         targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-        assert (torch.ops.attnzoo.sdpa_cpu_fwd.default in targets) == grad
+        assert (torch.ops.attnzoo.sdpa_cpu_flash_fwd.default in targets) == grad
     d = q.detach().requires_grad_()
-    torch.library.opcheck(sdpa_cpu_fwd, (d, k.detach(), v.detach(), None, True, 0.25))
+    torch.library.opcheck(sdpa_cpu_flash_fwd, (d, k.detach(), v.detach(), None, True, 0.25))
     with torch.no_grad():
-        o, lse = sdpa_cpu_fwd(d, k, v, None, True, 0.25)
-        torch.library.opcheck(sdpa_cpu_bwd, (torch.ones_like(o), d, k, v, o, lse, None, True, 0.25))
+        o, lse = sdpa_cpu_flash_fwd(d, k, v, None, True, 0.25)
+        torch.library.opcheck(sdpa_cpu_flash_bwd, (torch.ones_like(o), d, k, v, o, lse, None, True, 0.25))
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_sdpa_training_matches_eager(dtype: torch.dtype) -> None:
+    """Inductor checks the size and strides of every custom operator's output against its fake: the
+    SDPA operators' outputs keep the kernel's memory layout (``out`` as ``q``, gradients and LSE
+    stored ``[B, N, H, *]``), so a fake that said otherwise fails here."""
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = az.attention(q, k, v, causal=True, backend="sdpa")  # [B, H, N, D]
+        return out.transpose(1, 2).reshape(q.shape[0], N, -1)  # [B, N, H * D], as the modules read it
+
+    q = torch.randn(1, N, 4, D, dtype=dtype).transpose(1, 2).requires_grad_(True)
+    args = (q, *(t.to(dtype).detach().requires_grad_() for t in _qkv(hq=4, hkv=2)[1:]))
+    want = _outputs_and_grads(fn, args)
+    dynamo.reset()
+    got = _outputs_and_grads(torch.compile(fn, fullgraph=True), args)
+    for g, w in zip(got, want, strict=True):  # the loss's sin/cos may round differently when generated
+        torch.testing.assert_close(g, w)
+    from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
+
+    qt = torch.randn(1, N, 4, D, dtype=torch.float64).transpose(1, 2).requires_grad_()  # float64: float64 LSE
+    kt, vt = (torch.randn(1, 2, N, D, dtype=torch.float64) for _ in range(2))
+    torch.library.opcheck(sdpa_cpu_flash_fwd, (qt, kt, vt, None, True, 0.25))
+    with torch.no_grad():
+        o, lse = sdpa_cpu_flash_fwd(qt, kt, vt, None, True, 0.25)
+        torch.library.opcheck(sdpa_cpu_flash_bwd, (torch.ones_like(o), qt, kt, vt, o, lse, None, True, 0.25))
 
 
 REFERENCE_CASES = {

@@ -128,7 +128,10 @@ def _band_mask_fake(nq: int, nk: int, q_offset: int, causal: bool, left: int, ri
 # Compiled, a training call of SDPA is traced into torch's CPU flash forward and backward kernels,
 # plus a layout conversion of the log-sum-exp that inductor generates (and, cold, builds: about 7 s
 # of C++ compilation on 2 cores). The two operators below call the same two kernels as eager SDPA,
-# so the compiled graph holds one opaque node per direction and no generated kernel.
+# so the compiled graph holds one opaque node per direction and no generated kernel. Their fakes give
+# the kernels' own output layouts (no copies). Inductor's on-disk cache keys do not cover a fake's
+# strides: an operator whose fake changes gets a new name, so graphs cached by an older attnzoo miss
+# instead of failing their stride checks (these were ``sdpa_cpu_fwd``/``sdpa_cpu_bwd`` when they copied).
 def _compiled_cpu_training(r: AttnRequest) -> bool:
     """A compiled CPU training call that torch's CPU flash kernel serves: no dropout, ``D == Dv``."""
     return (torch.compiler.is_compiling() and r.q.device.type == "cpu" and r.dropout_p == 0
@@ -137,39 +140,48 @@ def _compiled_cpu_training(r: AttnRequest) -> bool:
 
 
 def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
-    """``[B, Hq, Nq, D]``: SDPA on CPU through :func:`sdpa_cpu_fwd` (GQA served by the kernel)."""
-    return sdpa_cpu_fwd(q, k, v, mask, causal, scale)[0]
+    """``[B, Hq, Nq, D]``: SDPA on CPU through :func:`sdpa_cpu_flash_fwd` (GQA served by the kernel)."""
+    return sdpa_cpu_flash_fwd(q, k, v, mask, causal, scale)[0]
 
 
-@torch.library.custom_op("attnzoo::sdpa_cpu_fwd", mutates_args=())
-def sdpa_cpu_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+@torch.library.custom_op("attnzoo::sdpa_cpu_flash_fwd", mutates_args=())
+def sdpa_cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                  scale: float) -> tuple[Tensor, Tensor]:
-    """torch's CPU flash attention forward (what eager SDPA runs): ``out [B, Hq, Nq, D]`` and ``lse
-    [B, Hq, Nq]`` (float32), contiguous. ``mask``: an additive ``[Nq, Nk]`` mask or ``None``."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                         scale=scale)
-    return out.contiguous(), lse.contiguous()
+    """torch's CPU flash attention forward (what eager SDPA runs): ``out [B, Hq, Nq, D]`` in ``q``'s
+    memory layout and ``lse [B, Hq, Nq]`` (float32; float64 for float64 inputs) stored as ``[B, Nq,
+    Hq]``, both as the kernel returns them (no copy: a ``q`` that is a ``[B, N, H, D]`` view gives an
+    ``out`` whose ``[B, N, H * D]`` view is free). ``mask``: an additive ``[Nq, Nk]`` mask or ``None``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                      scale=scale)
 
 
-@sdpa_cpu_fwd.register_fake
-def _sdpa_cpu_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+def _bnhd(t: Tensor, dtype: torch.dtype | None = None, heads_last: bool = False) -> Tensor:
+    """An empty tensor of ``t``'s shape ``[B, H, N, *]`` stored as ``[B, N, H, *]``, the layout of the
+    kernels' gradients and LSE (as torch's own meta functions for them say)."""
+    order = (0, 2, 1) if heads_last else (0, 2, 1, 3)
+    return torch.empty_permuted(t.shape, order, dtype=dtype or t.dtype, device=t.device)
+
+
+@sdpa_cpu_flash_fwd.register_fake
+def _sdpa_cpu_flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                        scale: float) -> tuple[Tensor, Tensor]:
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), _bnhd(q[..., 0], dtype=lse_dtype, heads_last=True)
 
 
-@torch.library.custom_op("attnzoo::sdpa_cpu_bwd", mutates_args=())
-def sdpa_cpu_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
+@torch.library.custom_op("attnzoo::sdpa_cpu_flash_bwd", mutates_args=())
+def sdpa_cpu_flash_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
                  causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of :func:`sdpa_cpu_fwd`'s output (torch's CPU flash backward), contiguous."""
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        d_out.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    """Gradients ``(dq, dk, dv)`` of :func:`sdpa_cpu_flash_fwd`'s output (torch's CPU flash backward, called
+    as eager autograd calls it), stored as ``[B, N, H, D]`` as the kernel returns them."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
-@sdpa_cpu_bwd.register_fake
-def _sdpa_cpu_bwd_fake(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+@sdpa_cpu_flash_bwd.register_fake
+def _sdpa_cpu_flash_bwd_fake(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        mask: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _bnhd(q), _bnhd(k), _bnhd(v)
 
 
 def _sdpa_setup(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
@@ -183,8 +195,8 @@ def _sdpa_backward(ctx, d_out: Tensor | None, d_lse: Tensor | None) -> tuple:  #
     q, k, v, out, lse, mask = ctx.saved_tensors
     if d_out is None:
         return None, None, None, None, None, None
-    dq, dk, dv = sdpa_cpu_bwd(d_out, q, k, v, out, lse, mask, ctx.causal, ctx.scale)
+    dq, dk, dv = sdpa_cpu_flash_bwd(d_out, q, k, v, out, lse, mask, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
-sdpa_cpu_fwd.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
+sdpa_cpu_flash_fwd.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
