@@ -551,12 +551,11 @@ def test_matrix_scan_operator_gradients_equal_the_loop() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
-def test_dynamic_shapes_recurrent_kernels_recompiles(form: str) -> None:
-    """Graphs compiled for four lengths under ``dynamic=True`` (measured, not a goal): the recurrent
-    form loops in Python over tokens, so the trip count specialises the graph and each new length
-    recompiles (4 of 4 measured); the chunked forms compile once (the delta rule's full
-    ``[Dk, Dk]`` chunk maps through the ``attnzoo::matrix_scan`` operator). The bound below pins
-    that (a regression would exceed it); fewer is an improvement."""
+def test_dynamic_shapes_recurrent_kernels_compile_once(form: str) -> None:
+    """Graphs compiled for four lengths under ``dynamic=True``: one, for both forms. The recurrent
+    form's token loop is one operator when compiling (``_chunked_scan.token_loop``; before, the
+    trip count specialised the graph and each length recompiled: 4 of 4); the chunked forms compile
+    once (the delta rule's full ``[Dk, Dk]`` chunk maps through ``attnzoo::matrix_scan``)."""
     gamma = torch.tensor([0.9, 0.8, 0.7, 0.95])
     lengths = (9, 12, 16, 20)
     inputs = [tuple(_small(t) for t in _qkv(n)) for n in lengths]
@@ -566,9 +565,49 @@ def test_dynamic_shapes_recurrent_kernels_recompiles(form: str) -> None:
         "delta": _graphs_for_lengths(lambda q, k, v: az.delta_rule(q, k, v, torch.sigmoid(v[..., 0]), form=form,
                                                                    chunk_size=4), inputs),
     }
-    assert all(c <= len(lengths) for c in counts.values()), counts
-    if form == "chunked":
-        assert counts == {"retention": 1, "delta": 1}, counts
+    assert counts == {"retention": 1, "delta": 1}, counts
+
+
+TOKEN_LOOPS: dict[str, Callable[..., object]] = {
+    "linear": lambda q, k, v: az.linear_attention(q, k, v, causal=True, form="recurrent"),
+    "gla-per-key": lambda q, k, v: az.gated_linear_attention(
+        q, k, v, -torch.nn.functional.softplus(k), form="recurrent", return_state=True),
+    "gated-delta": lambda q, k, v: az.delta_rule(
+        q, torch.nn.functional.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),
+        log_decay=-torch.nn.functional.softplus(q[..., 0]), form="recurrent", return_state=True),
+}
+
+
+@pytest.mark.parametrize("name", list(TOKEN_LOOPS))
+def test_recurrent_form_is_one_operator_for_any_length(name: str) -> None:
+    """``form="recurrent"`` compiles once for three lengths with ``dynamic=True`` (its token loop is
+    ``attnzoo::<kernel>_recurrent``); outputs and float64 gradients equal the eager loop's."""
+    fn = TOKEN_LOOPS[name]
+    counter = CompileCounterWithBackend("aot_eager")  # keeps the graphs
+    dynamo.reset()
+    compiled = torch.compile(fn, backend=counter, dynamic=True, fullgraph=True)
+    for n in (5, 9, 14):
+        g = torch.Generator().manual_seed(n)
+        args = tuple((0.3 * torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64)).requires_grad_()
+                     for _ in range(3))
+        for got, want in zip(_outputs_and_grads(compiled, args), _outputs_and_grads(fn, args), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert counter.frame_count == 1
+    targets = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
+    assert any("_recurrent" in t for t in targets), targets
+
+
+def test_token_loop_operators_pass_opcheck() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (0.3 * torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    s = torch.zeros(1, 2, 4, 4, dtype=torch.float64)
+    gates = -torch.rand(1, 2, 5, generator=g, dtype=torch.float64)
+    cases = {"linear_recurrent": (q.exp(), k.exp(), v, s, torch.zeros(1, 2, 4, dtype=torch.float64)),
+             "gla_recurrent": (q, k, v, gates, s),
+             "delta_rule_recurrent": (q, k, v, torch.sigmoid(gates), gates, s)}
+    for op, tensors in cases.items():
+        args = [t.clone().requires_grad_() for t in tensors]
+        torch.library.opcheck(getattr(torch.ops.attnzoo, op).default, (args,))
 
 
 @pytest.mark.parametrize("name", ["varlen-auto", "varlen-sdpa", "varlen-alibi"])

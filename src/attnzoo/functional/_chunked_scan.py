@@ -44,6 +44,7 @@ __all__ = [
     "matrix_scan",
     "resolve_form",
     "suffix_sum",
+    "token_loop",
 ]
 
 #: Computation forms of the recurrent families.
@@ -283,3 +284,66 @@ def _scan_backward(ctx, d_starts: Tensor | None, d_end: Tensor | None) -> tuple:
 
 
 matrix_scan.register_autograd(_scan_backward, setup_context=_scan_setup)
+
+
+# --------------------------------------------------------------------------- token loops
+#: ``loop(*tensors) -> outputs``: a kernel's token-by-token recurrence (its ``form="recurrent"``).
+Loop = Callable[..., tuple[Tensor, ...]]
+
+
+def token_loop(name: str, loop: Loop, shapes: Loop) -> Loop:
+    """``loop`` as one operator, ``attnzoo::<name>``, for ``torch.compile`` (first tensor ``[B, H, N, .]``).
+
+    Traced, a Python loop over the tokens unrolls into a graph whose size (and compile time) grows
+    with N and that is rebuilt for every length. The operator runs ``loop`` eagerly instead: one
+    node for any N, so ``dynamic=True`` compiles it once. ``shapes(*tensors)`` gives empty outputs
+    of the right shapes and dtypes (the fake). Its gradient, ``attnzoo::<name>_bwd``, runs the
+    loop again under autograd and differentiates it (the recurrent form is the definition, not a
+    fast path: exactness over speed). Returns ``f(*tensors) -> outputs``: the operator while
+    compiling (for N > 1: a single decoding token stays in the traced graph), ``loop`` itself in
+    eager mode.
+    """
+
+    @torch.library.custom_op(f"attnzoo::{name}", mutates_args=())
+    def op(tensors: list[Tensor]) -> list[Tensor]:
+        with torch.no_grad():
+            return list(loop(*tensors))
+
+    @op.register_fake
+    def _op_fake(tensors: list[Tensor]) -> list[Tensor]:
+        return list(shapes(*tensors))
+
+    @torch.library.custom_op(f"attnzoo::{name}_bwd", mutates_args=())
+    def op_bwd(tensors: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+        # torch.func.vjp: an operator's body runs below the autograd dispatch key, where tensors
+        # cannot record a graph; functorch's transform does not need one
+        floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+
+        def of_floats(*xs: Tensor) -> tuple[Tensor, ...]:
+            args = list(tensors)
+            for i, x in zip(floats, xs, strict=True):
+                args[i] = x
+            return tuple(loop(*args))
+
+        _, vjp = torch.func.vjp(of_floats, *(tensors[i] for i in floats))
+        got = dict(zip(floats, vjp(tuple(grads)), strict=True))
+        return [got[i] if i in got else torch.zeros_like(t) for i, t in enumerate(tensors)]
+
+    @op_bwd.register_fake
+    def _op_bwd_fake(tensors: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+        return [torch.empty_like(t) for t in tensors]
+
+    def setup(ctx, inputs: tuple, output: list[Tensor]) -> None:  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(*inputs[0])
+
+    def backward(ctx, grads: list[Tensor]) -> tuple:  # type: ignore[no-untyped-def]
+        return (op_bwd(list(ctx.saved_tensors), list(grads)),)
+
+    op.register_autograd(backward, setup_context=setup)
+
+    def call(*tensors: Tensor) -> tuple[Tensor, ...]:
+        if torch.compiler.is_compiling() and tensors[0].shape[2] != 1:  # [B, H, N, .]: one token stays traced
+            return tuple(op(list(tensors)))
+        return loop(*tensors)  # eager: the loop itself, under autograd
+
+    return call

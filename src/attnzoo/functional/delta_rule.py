@@ -39,6 +39,7 @@ from attnzoo.functional._chunked_scan import (
     log_segsum,
     resolve_form,
     suffix_sum,
+    token_loop,
 )
 
 __all__ = ["delta_rule"]
@@ -78,6 +79,13 @@ def _recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, s: Tens
     return torch.stack(outs, dim=2), s
 
 
+def _recurrent_shapes(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    return s.new_empty(*q.shape[:3], v.shape[-1]), s.new_empty(s.shape)
+
+
+_recurrent_op = token_loop("delta_rule_recurrent", _recurrent, _recurrent_shapes)
+
+
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = None,
                scale: float | None = None, initial_state: Tensor | None = None, return_state: bool = False,
                form: str = "auto", chunk_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -115,7 +123,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tens
     s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
     form = resolve_form(form, n, chunk)
     if form == "recurrent":
-        out, state = _recurrent(q.to(cdt) * scale_f, k.to(cdt), v.to(cdt), beta.to(cdt), g.to(cdt), s0)
+        out, state = _recurrent_op(q.to(cdt) * scale_f, k.to(cdt), v.to(cdt), beta.to(cdt), g.to(cdt), s0)
     else:
         c = n if form == "quadratic" else min(chunk, n)
         per_chunk = b * h * s0.element_size() * (6 * c * c + 6 * c * (dk + dv) + 3 * dk * (dk + dv))

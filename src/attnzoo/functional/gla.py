@@ -102,6 +102,13 @@ def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s: Tensor) -> tuple[T
     return torch.stack(outs, dim=2), s
 
 
+def _recurrent_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    return s.new_empty(*q.shape[:3], v.shape[-1]), s.new_empty(s.shape)
+
+
+_recurrent_op = scan.token_loop("gla_recurrent", _recurrent, _recurrent_shapes)
+
+
 def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial_state: Tensor | None,
             form: str, chunk: int) -> tuple[Tensor, Tensor]:
     """Validated inputs -> ``(out [B, H, N, Dv] in the compute dtype, state [B, H, Dk, Dv])``.
@@ -113,7 +120,7 @@ def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial
     dv = v.shape[-1]
     s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
     if form == "recurrent":
-        return _recurrent(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt), s0)
+        return _recurrent_op(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt), s0)
     if form == "quadratic":
         return scan.chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0, scale)
     c = min(chunk, n)

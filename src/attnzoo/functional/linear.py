@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo.functional._chunked_scan import token_loop
 from attnzoo.functional._request import check_qkv
 from attnzoo.functional.rules import compute_dtype  # also imported from here by nn/
 
@@ -181,6 +182,13 @@ def _recurrent(fq: Tensor, fk: Tensor, v: Tensor, s: Tensor, z: Tensor) -> tuple
     return torch.stack(nums, dim=2), torch.stack(dens, dim=2), s, z
 
 
+def _recurrent_shapes(fq: Tensor, fk: Tensor, v: Tensor, s: Tensor, z: Tensor) -> tuple[Tensor, ...]:
+    return s.new_empty(*fq.shape[:3], v.shape[-1]), z.new_empty(fq.shape[:3]), s.new_empty(s.shape), z.new_empty(z.shape)
+
+
+_recurrent_op = token_loop("linear_recurrent", _recurrent, _recurrent_shapes)
+
+
 Featurizer = Callable[[int, int], Tensor]  # (lo, hi) -> features of tokens lo:hi [B, H, hi - lo, F]
 
 
@@ -282,7 +290,7 @@ def feature_attention(
         num = torch.matmul(fq, s_end)  # [B, H, Nq, Dv]
         den = torch.matmul(fq, z_end.unsqueeze(-1)).squeeze(-1)  # [B, H, Nq]
         return _divide(num, den, eps), (s_end, z_end)
-    num, den, s_end, z_end = _recurrent(fq, fk, v, s0, z0)
+    num, den, s_end, z_end = _recurrent_op(fq, fk, v, s0, z0)
     return _divide(num, den, eps), (s_end, z_end)
 
 
