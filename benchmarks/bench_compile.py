@@ -173,6 +173,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--setup-first", action="store_true",
+                   help="compile a trivial function first and report its time: inductor's one-time set-up of a "
+                        "fresh cache (vector-ISA probes, precompiled header) is then not in the first case")
     a = p.parse_args()
     cases = [c for c in a.cases.split(",") if c]
     unknown = set(cases) - set(CASES)
@@ -182,6 +185,10 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if a.setup_first:
+        x = torch.randn(64, requires_grad=True)
+        setup_s = _time(lambda: torch.compile(lambda t: (t * 2).sin().sum())(x).backward())
+        print(f"inductor set-up (a trivial function, forward + backward): {setup_s:.2f} s", flush=True)
     rows = run(cases, a.n, a.repeats)
     if a.json:
         with open(a.json, "w") as f:
