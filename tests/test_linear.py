@@ -258,3 +258,17 @@ def test_efficient_docs_examples_run() -> None:
     assert len(blocks) >= 4
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/efficient.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+
+
+@pytest.mark.parametrize("form", ["auto", "quadratic", "chunked", "recurrent"])
+def test_causal_linear_attention_of_no_tokens_keeps_the_state(form: str) -> None:
+    """Zero new tokens (an empty prefill chunk): every form returns ``[B, H, 0, Dv]`` and the state it
+    was given (the chunked and recurrent forms used to fail: a division by zero, an empty stack)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
+    _, state = az.linear_attention(q, k, v, causal=True, return_state=True)
+    empty = q[:, :, :0]
+    out, (s, z) = az.linear_attention(empty, empty, empty, causal=True, state=state, return_state=True, form=form)
+    assert out.shape == (1, 2, 0, 4)
+    torch.testing.assert_close(s, state[0], rtol=0, atol=0)
+    torch.testing.assert_close(z, state[1], rtol=0, atol=0)

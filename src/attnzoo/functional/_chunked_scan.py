@@ -307,7 +307,9 @@ def token_loop(name: str, loop: Loop, shapes: Loop) -> Loop:
     @torch.library.custom_op(f"attnzoo::{name}", mutates_args=())
     def op(tensors: list[Tensor]) -> list[Tensor]:
         with torch.no_grad():
-            return list(loop(*tensors))
+            outs = loop(*tensors)
+        # an operator's outputs may not alias its inputs (a state returned untouched is copied)
+        return [o.clone() if any(o is t for t in tensors) else o for o in outs]
 
     @op.register_fake
     def _op_fake(tensors: list[Tensor]) -> list[Tensor]:

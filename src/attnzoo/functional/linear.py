@@ -275,8 +275,10 @@ def feature_attention(
     else:
         s0, z0 = state
     chunk = chunk_size or DEFAULT_CHUNK
-    if causal and form == "auto" and n_k <= chunk:
-        form = "quadratic"  # one chunk: the chunked form would only add the (empty) carried-state terms
+    if causal and (n_k == 0 or (form == "auto" and n_k <= chunk)):
+        # one chunk: the chunked form would only add the (empty) carried-state terms; no token: every
+        # form gives the empty output and the state unchanged, and only the quadratic one needs no loop
+        form = "quadratic"
     if causal and form in ("auto", "chunked"):
         out, s_end, z_end = _chunked_causal(fq_fn, fk_fn, v, s0, z0, chunk, eps)
         return out, (s_end, z_end)
