@@ -221,12 +221,13 @@ def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
         torch.library.opcheck(sdpa_cpu_flash_bwd, (torch.ones_like(o), d, k, v, o, lse, None, True, 0.25))
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_sdpa_training_matches_eager(dtype: torch.dtype) -> None:
     """Inductor checks the size and strides of every custom operator's output against its fake: the
     SDPA operators' outputs keep the kernel's memory layout (``out`` as ``q``, gradients and LSE
     stored ``[B, N, H, *]``), so a fake that said otherwise fails here."""
+    from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
+
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = az.attention(q, k, v, causal=True, backend="sdpa")  # [B, H, N, D]
         return out.transpose(1, 2).reshape(q.shape[0], N, -1)  # [B, N, H * D], as the modules read it
@@ -238,8 +239,6 @@ def test_inductor_sdpa_training_matches_eager(dtype: torch.dtype) -> None:
     got = _outputs_and_grads(torch.compile(fn, fullgraph=True), args)
     for g, w in zip(got, want, strict=True):  # the loss's sin/cos may round differently when generated
         torch.testing.assert_close(g, w)
-    from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
-
     qt = torch.randn(1, N, 4, D, dtype=torch.float64).transpose(1, 2).requires_grad_()  # float64: float64 LSE
     kt, vt = (torch.randn(1, 2, N, D, dtype=torch.float64) for _ in range(2))
     torch.library.opcheck(sdpa_cpu_flash_fwd, (qt, kt, vt, None, True, 0.25))

@@ -298,8 +298,8 @@ def token_loop(name: str, loop: Loop, shapes: Loop) -> Loop:
     with N and that is rebuilt for every length. The operator runs ``loop`` eagerly instead: one
     node for any N, so ``dynamic=True`` compiles it once. ``shapes(*tensors)`` gives empty outputs
     of the right shapes and dtypes (the fake). Its gradient, ``attnzoo::<name>_bwd``, runs the
-    loop again under autograd and differentiates it (the recurrent form is the definition, not a
-    fast path: exactness over speed). Returns ``f(*tensors) -> outputs``: the operator while
+    loop again under ``torch.func.vjp`` (the recurrent form is the definition, not a fast path:
+    exactness over speed). Returns ``f(*tensors) -> outputs``: the operator while
     compiling (for N > 1: a single decoding token stays in the traced graph), ``loop`` itself in
     eager mode.
     """

@@ -146,7 +146,7 @@ def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
 
 @torch.library.custom_op("attnzoo::sdpa_cpu_flash_fwd", mutates_args=())
 def sdpa_cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                 scale: float) -> tuple[Tensor, Tensor]:
+                       scale: float) -> tuple[Tensor, Tensor]:
     """torch's CPU flash attention forward (what eager SDPA runs): ``out [B, Hq, Nq, D]`` in ``q``'s
     memory layout and ``lse [B, Hq, Nq]`` (float32; float64 for float64 inputs) stored as ``[B, Nq,
     Hq]``, both as the kernel returns them (no copy: a ``q`` that is a ``[B, N, H, D]`` view gives an
@@ -155,23 +155,23 @@ def sdpa_cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
                                                                       scale=scale)
 
 
-def _bnhd(t: Tensor, dtype: torch.dtype | None = None, heads_last: bool = False) -> Tensor:
+def _bnhd(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """An empty tensor of ``t``'s shape ``[B, H, N, *]`` stored as ``[B, N, H, *]``, the layout of the
     kernels' gradients and LSE (as torch's own meta functions for them say)."""
-    order = (0, 2, 1) if heads_last else (0, 2, 1, 3)
+    order = (0, 2, 1, *range(3, t.dim()))
     return torch.empty_permuted(t.shape, order, dtype=dtype or t.dtype, device=t.device)
 
 
 @sdpa_cpu_flash_fwd.register_fake
 def _sdpa_cpu_flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                       scale: float) -> tuple[Tensor, Tensor]:
+                             scale: float) -> tuple[Tensor, Tensor]:
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q), _bnhd(q[..., 0], dtype=lse_dtype, heads_last=True)
+    return torch.empty_like(q), _bnhd(q[..., 0], dtype=lse_dtype)
 
 
 @torch.library.custom_op("attnzoo::sdpa_cpu_flash_bwd", mutates_args=())
-def sdpa_cpu_flash_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
-                 causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def sdpa_cpu_flash_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       mask: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`sdpa_cpu_flash_fwd`'s output (torch's CPU flash backward, called
     as eager autograd calls it), stored as ``[B, N, H, D]`` as the kernel returns them."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -180,7 +180,7 @@ def sdpa_cpu_flash_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 
 @sdpa_cpu_flash_bwd.register_fake
 def _sdpa_cpu_flash_bwd_fake(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       mask: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                             mask: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return _bnhd(q), _bnhd(k), _bnhd(v)
 
 
