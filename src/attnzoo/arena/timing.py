@@ -30,6 +30,11 @@ __all__ = ["loadavg", "machine_busy", "measure_pass"]
 
 #: CPU/wall below this (one thread) means the process waited for a core.
 BUSY_CPU_RATIO = 0.85
+#: Median spread ``(max - min) / median`` of the training step's rounds above this: unsteady timings
+#: (a median of 29% over the 8 default variants in a run on a shared 2-vCPU machine whose load
+#: average and CPU time looked quiet; its decode speeds then varied 1.5-2.4x between variants that
+#: cost the same).
+BUSY_SPREAD = 0.2
 
 
 def loadavg() -> float | None:
@@ -175,10 +180,18 @@ def machine_busy(m: dict[str, Any]) -> tuple[bool, str]:
     """Was the machine busy during a measurement pass ``m``? ``(busy, reason)``.
 
     Busy when the process got clearly less CPU than wall time while it ran one thread (it waited
-    for a core), or when the load average, less this process's threads, leaves fewer cores free
-    than the process uses.
+    for a core), when the load average, less this process's threads, leaves fewer cores free than
+    the process uses, or when the rounds disagree: the median over variants of a training step's
+    spread ``(max - min) / median`` above :data:`BUSY_SPREAD`. On a shared virtual machine the last
+    is often the only sign (a neighbour takes cycles that neither the load average nor this
+    process's CPU time shows), and it bounds what a difference between two variants can mean.
     """
     reasons = []
+    spreads = [r["spread"]["train_step_s"] for r in m.get("variants", {}).values()
+               if "train_step_s" in r.get("spread", {})]
+    if spreads and statistics.median(spreads) > BUSY_SPREAD:
+        reasons.append(f"the same training step's time varied by a median of {statistics.median(spreads):.0%} "
+                       f"between rounds")
     ratio, threads, cores = m.get("cpu_wall_ratio"), int(m.get("threads") or 1), int(m.get("cpu_count") or 1)
     if ratio is not None and threads == 1 and ratio < BUSY_CPU_RATIO:
         reasons.append(f"the process got {ratio:.0%} of its wall time on a CPU")
