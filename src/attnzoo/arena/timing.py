@@ -31,9 +31,8 @@ __all__ = ["loadavg", "machine_busy", "measure_pass"]
 #: CPU/wall below this (one thread) means the process waited for a core.
 BUSY_CPU_RATIO = 0.85
 #: Median spread ``(max - min) / median`` of the training step's rounds above this: unsteady timings
-#: (a median of 29% over the 8 default variants in a run on a shared 2-vCPU machine whose load
-#: average and CPU time looked quiet; its decode speeds then varied 1.5-2.4x between variants that
-#: cost the same).
+#: (a median of 29% over the 8 default variants, single timings up to 121%, in a run on a shared
+#: 2-vCPU machine whose load average and CPU time looked quiet).
 BUSY_SPREAD = 0.2
 
 
