@@ -188,9 +188,9 @@ def machine_busy(m: dict[str, Any]) -> tuple[bool, str]:
     reasons = []
     spreads = [r["spread"]["train_step_s"] for r in m.get("variants", {}).values()
                if "train_step_s" in r.get("spread", {})]
-    if spreads and statistics.median(spreads) > BUSY_SPREAD:
-        reasons.append(f"the same training step's time varied by a median of {statistics.median(spreads):.0%} "
-                       f"between rounds")
+    spread = statistics.median(spreads) if spreads else 0.0
+    if spread > BUSY_SPREAD:
+        reasons.append(f"the same training step's time varied by a median of {spread:.0%} between rounds")
     ratio, threads, cores = m.get("cpu_wall_ratio"), int(m.get("threads") or 1), int(m.get("cpu_count") or 1)
     if ratio is not None and threads == 1 and ratio < BUSY_CPU_RATIO:
         reasons.append(f"the process got {ratio:.0%} of its wall time on a CPU")
