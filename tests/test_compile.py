@@ -144,7 +144,9 @@ def test_tiled_custom_operator_registration() -> None:
     """opcheck: schema, fake (meta) implementation, autograd registration and AOT dispatch."""
     q, k, v = _qkv(grad=True)
     mask = torch.rand(1, 1, N, N) > 0.3
+    v_bnhd = v.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # a module's layout
     for args in ((q, k, v, None, True, 8, 0, True, 0, 0.25, None, None),
+                 (q, k, v_bnhd, None, True, 8, 0, True, 0, 0.25, None, None),
                  (q, k, v, mask, False, None, None, False, 0, 0.25, 4.0, torch.linspace(0.1, 0.5, 4)),
                  (q.detach(), k.detach(), v.detach(), None, True, None, None, False, 0, 0.25, None, None, False)):
         torch.library.opcheck(tiled_fwd, args)

@@ -5,9 +5,9 @@ mask's block map (data-dependent ``nonzero``). Traced by Dynamo, that loop would
 hundreds of graph nodes (long compiles) and break the graph where it reads tensor data. Here it is
 hidden behind ``torch.library.custom_op``:
 
-* ``attnzoo::tiled_fwd(q, k, v, mask, causal, window_left, window_right, has_window, q_offset,
+* ``attnzoo::tiled_attention_fwd(q, k, v, mask, causal, window_left, window_right, has_window, q_offset,
   scale, softcap, alibi_slopes, need_lse) -> (out [B, Hq, Nq, Dv], lse [B, Hq, Nq])``
-* ``attnzoo::tiled_bwd(d_out, d_lse, q, k, v, out, lse, <same arguments>) -> (dq, dk, dv)``
+* ``attnzoo::tiled_attention_bwd(d_out, d_lse, q, k, v, out, lse, <same arguments>) -> (dq, dk, dv)``
 
 Both take only tensors and Python scalars, have fake (meta) implementations giving the output
 shapes, and ``tiled_fwd``'s autograd formula calls ``tiled_bwd``, so a compiled training step holds
@@ -49,12 +49,24 @@ def _acc_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("attnzoo::tiled_fwd", mutates_args=())
+def _out_buffer(q: Tensor, v: Tensor) -> Tensor:
+    """The forward's output ``[B, Hq, Nq, Dv]`` in ``v``'s memory layout when the shapes agree (self-attention
+    without GQA), else contiguous. A module's ``v`` is usually a ``[B, N, H, D]`` view of its projection; an
+    output stored that way makes the module's ``[B, N, H * D]`` merge a view, so a compiled graph needs no
+    transpose-copy kernel after the operator (the copy happens here instead)."""
+    B, Hq, Nq, _ = q.shape
+    if v.shape == (B, Hq, Nq, v.shape[-1]):
+        return torch.empty_like(v)
+    return q.new_empty(B, Hq, Nq, v.shape[-1])
+
+
+@torch.library.custom_op("attnzoo::tiled_attention_fwd", mutates_args=())
 def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
               window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
               scale: float, softcap: float | None, alibi_slopes: Tensor | None,
               need_lse: bool = True) -> tuple[Tensor, Tensor]:
-    """Tiled attention forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` (float32,
+    """Tiled attention forward: ``out [B, Hq, Nq, Dv]`` (q's dtype, stored in ``v``'s memory layout when
+    their shapes agree) and ``lse [B, Hq, Nq]`` (float32,
     float64 for float64 inputs; an empty ``[0]`` tensor unless ``need_lse``: inference without
     ``return_lse`` skips it). Arguments as :func:`attnzoo.attention`; ``window`` is
     ``(window_left, window_right)`` when ``has_window`` (``None`` = unbounded side)."""
@@ -64,7 +76,10 @@ def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
         out, lse = tiled_attention(r)
     if lse is None:
         lse = q.new_empty(0, dtype=_acc_dtype(q))
-    return out.contiguous(), lse.contiguous()
+    buf = _out_buffer(q, v)  # what the fake promises
+    if out.stride() != buf.stride():
+        out = buf.copy_(out)
+    return out, lse.contiguous()
 
 
 @tiled_fwd.register_fake
@@ -73,12 +88,12 @@ def _tiled_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal
                     scale: float, softcap: float | None, alibi_slopes: Tensor | None,
                     need_lse: bool = True) -> tuple[Tensor, Tensor]:
     B, Hq, Nq, _ = q.shape
-    out = q.new_empty(B, Hq, Nq, v.shape[-1])
+    out = _out_buffer(q, v)
     lse = q.new_empty((B, Hq, Nq) if need_lse else (0,), dtype=_acc_dtype(q))
     return out, lse
 
 
-@torch.library.custom_op("attnzoo::tiled_bwd", mutates_args=())
+@torch.library.custom_op("attnzoo::tiled_attention_bwd", mutates_args=())
 def tiled_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
               lse: Tensor, mask: Tensor | None, causal: bool, window_left: int | None,
               window_right: int | None, has_window: bool, q_offset: int, scale: float,
@@ -111,7 +126,7 @@ _SCALAR_ARGS = ("causal", "window_left", "window_right", "has_window", "q_offset
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
     q, k, v, mask, *scalars, alibi_slopes, need_lse = inputs
     if not need_lse:
-        raise ValueError("attnzoo::tiled_fwd: gradients need need_lse=True (the backward reads the LSE)")
+        raise ValueError("attnzoo::tiled_attention_fwd: gradients need need_lse=True (the backward reads the LSE)")
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
     ctx.scalars = dict(zip(_SCALAR_ARGS, scalars, strict=True))
