@@ -17,6 +17,7 @@ processes and the order of the calls hit both alike. ratio = compiled / eager (<
 
     python benchmarks/bench_compile.py                     # every case at N = 2048
     python benchmarks/bench_compile.py --cases window,lm --repeats 7 --threads 2
+    python benchmarks/bench_compile.py --cases lm --lm-attention mha --setup-first
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _nsa_train(n: int) -> tuple[Callable[[], object], Callable[[], object]]:
     return step(mod), step(compiled)
 
 
-def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]]:
+def _case(name: str, n: int, lm_attention: str = "sliding") -> tuple[Callable[[], object], Callable[[], object]]:
     """(eager call, compiled call) of a case; the compiled one is built lazily by its first call."""
     if name == "varlen-train":
         return _varlen_train(n)
@@ -130,7 +131,7 @@ def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]
                 return compiled()
 
         return eager_inf, compiled_inf
-    lm = az.DecoderLM(vocab_size=100, dim=128, depth=2, num_heads=4, attention="sliding")
+    lm = az.DecoderLM(vocab_size=100, dim=128, depth=2, num_heads=4, attention=lm_attention)
     tok = torch.randint(0, 100, (1, n))
     compiled_lm = torch.compile(lm, fullgraph=True)
 
@@ -145,11 +146,11 @@ def _case(name: str, n: int) -> tuple[Callable[[], object], Callable[[], object]
     return step(lm), step(compiled_lm)
 
 
-def run(cases: list[str], n: int, repeats: int) -> list[dict[str, object]]:
+def run(cases: list[str], n: int, repeats: int, lm_attention: str = "sliding") -> list[dict[str, object]]:
     rows = []
     for name in cases:
         torch._dynamo.reset()
-        eager, compiled = _case(name, n)
+        eager, compiled = _case(name, n, lm_attention)
         compile_s = _time(compiled)
         eager()  # warm-up (plan caches, allocator)
         compiled()
@@ -158,9 +159,10 @@ def run(cases: list[str], n: int, repeats: int) -> list[dict[str, object]]:
             for times, fn in ((te, eager), (tc, compiled))[:: 1 if i % 2 == 0 else -1]:
                 times.append(_time(fn))
         e, c = statistics.median(te), statistics.median(tc)
-        row = {"case": name, "n": n, "compile_s": round(compile_s, 2), "eager_ms": round(e * 1e3, 2),
+        label = f"lm-{lm_attention}" if name == "lm" else name
+        row = {"case": label, "n": n, "compile_s": round(compile_s, 2), "eager_ms": round(e * 1e3, 2),
                "compiled_ms": round(c * 1e3, 2), "ratio": round(c / e, 3)}
-        print(f"{name:12s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
+        print(f"{label:12s} N={n}  compile {compile_s:6.2f} s   eager {e * 1e3:8.2f} ms   compiled "
               f"{c * 1e3:8.2f} ms   compiled/eager {c / e:.3f}", flush=True)
         rows.append(row)
     return rows
@@ -172,6 +174,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2048, help="sequence length (default 2048)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--lm-attention", default="sliding",
+                   help="the attention variant of the lm case's DecoderLM (default: sliding; see `attnzoo list`)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.add_argument("--setup-first", action="store_true",
                    help="compile a trivial function first and report its time: inductor's one-time set-up of a "
@@ -189,7 +193,7 @@ def main() -> None:
         x = torch.randn(64, requires_grad=True)
         setup_s = _time(lambda: torch.compile(lambda t: (t * 2).sin().sum())(x).backward())
         print(f"inductor set-up (a trivial function, forward + backward): {setup_s:.2f} s", flush=True)
-    rows = run(cases, a.n, a.repeats)
+    rows = run(cases, a.n, a.repeats, a.lm_attention)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "rows": rows}, f, indent=2)

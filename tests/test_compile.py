@@ -150,6 +150,8 @@ def test_tiled_custom_operator_registration() -> None:
                  (q, k, v, mask, False, None, None, False, 0, 0.25, 4.0, torch.linspace(0.1, 0.5, 4)),
                  (q.detach(), k.detach(), v.detach(), None, True, None, None, False, 0, 0.25, None, None, False)):
         torch.library.opcheck(tiled_fwd, args)
+    with torch.no_grad():  # the output is stored as v (the fake says so; opcheck compares strides)
+        assert tiled_fwd(q, k, v_bnhd, None, True, 8, 0, True, 0, 0.25, None, None)[0].stride() == v_bnhd.stride()
 
 
 @pytest.mark.parametrize(("window", "q_offset", "band"), [((8, 0), 0, True), ((None, 2), 5, True),
@@ -184,7 +186,7 @@ def test_sdpa_band_mask_operator_when_no_row_is_empty(window: tuple[int | None, 
                                                      (1, (8, 0), torch.float32), (4, None, torch.bfloat16)])
 def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
         hkv: int, window: tuple[int, int] | None, dtype: torch.dtype) -> None:
-    """Compiled ``sdpa`` training on CPU (causal, GQA, a band) calls ``attnzoo::sdpa_cpu_flash_fwd`` (torch's
+    """Compiled ``sdpa`` training on CPU (causal, GQA, a band) calls ``attnzoo::sdpa_cpu_flash_forward`` (torch's
     CPU flash forward; its autograd formula the flash backward): outputs and gradients equal eager SDPA.
     Without gradients the plain SDPA call stays."""
     from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
@@ -215,7 +217,7 @@ def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
             with torch.no_grad():
                 torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
         targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-        assert (torch.ops.attnzoo.sdpa_cpu_flash_fwd.default in targets) == grad
+        assert (torch.ops.attnzoo.sdpa_cpu_flash_forward.default in targets) == grad
     d = q.detach().requires_grad_()
     torch.library.opcheck(sdpa_cpu_flash_fwd, (d, k.detach(), v.detach(), None, True, 0.25))
     with torch.no_grad():
@@ -226,27 +228,54 @@ def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_sdpa_training_matches_eager(dtype: torch.dtype) -> None:
     """Inductor checks the size and strides of every custom operator's output against its fake: the
-    SDPA operators' outputs keep the kernel's memory layout (``out`` as ``q``, gradients and LSE
-    stored ``[B, N, H, *]``), so a fake that said otherwise fails here."""
+    SDPA operators' outputs keep the kernel's memory layout (gradients and LSE stored ``[B, N, H, *]``)
+    and ``out`` is stored as ``v`` when the shapes agree (else as ``q``, the kernel's), so a fake that
+    said otherwise fails here."""
     from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = az.attention(q, k, v, causal=True, backend="sdpa")  # [B, H, N, D]
         return out.transpose(1, 2).reshape(q.shape[0], N, -1)  # [B, N, H * D], as the modules read it
 
-    q = torch.randn(1, N, 4, D, dtype=dtype).transpose(1, 2).requires_grad_(True)
-    args = (q, *(t.to(dtype).detach().requires_grad_() for t in _qkv(hq=4, hkv=2)[1:]))
+    def bnhd(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:  # [B, H, N, D] stored [B, N, H, D]
+        return torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
+
+    # q a [B, N, H, D] view with GQA; then q contiguous (as RoPE writes it) and v a view (output copied)
+    for q, k, v in ((bnhd(1, 4, N, D), *(t.to(dtype) for t in _qkv(hq=4, hkv=2)[1:])),
+                    (*(t.to(dtype) for t in _qkv()[:2]), bnhd(1, 4, N, D))):
+        args = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        want = _outputs_and_grads(fn, args)
+        dynamo.reset()
+        got = _outputs_and_grads(torch.compile(fn, fullgraph=True), args)
+        for g, w in zip(got, want, strict=True):  # the loss's sin/cos may round differently when generated
+            torch.testing.assert_close(g, w)
+    f64 = torch.float64  # float64: float64 LSE
+    for qt, kt, vt in ((bnhd(1, 4, N, D, dtype=f64), torch.randn(1, 2, N, D, dtype=f64), torch.randn(1, 2, N, D, dtype=f64)),
+                       (torch.randn(1, 4, N, D, dtype=f64), torch.randn(1, 4, N, D, dtype=f64), bnhd(1, 4, N, D, dtype=f64))):
+        qt.requires_grad_()
+        torch.library.opcheck(sdpa_cpu_flash_fwd, (qt, kt, vt, None, True, 0.25))
+        with torch.no_grad():
+            o, lse = sdpa_cpu_flash_fwd(qt, kt, vt, None, True, 0.25)
+            assert o.stride() == (vt.stride() if vt.shape == qt.shape else qt.stride())
+            torch.library.opcheck(sdpa_cpu_flash_bwd, (torch.ones_like(o), qt, kt, vt, o, lse, None, True, 0.25))
+
+
+def test_inductor_tiled_training_matches_eager() -> None:
+    """The tiled operator stores its output as ``v`` (a module's ``[B, N, H, D]`` view) when the shapes
+    agree: inductor's stride checks pass and a module-style head merge gives eager's outputs and
+    gradients."""
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = az.attention(q, k, v, causal=True, window=(8, 0), backend="tiled")  # [B, H, N, D]
+        return out.transpose(1, 2).reshape(q.shape[0], N, -1)  # [B, N, H * D]
+
+    q = torch.randn(1, 4, N, D)  # as RoPE writes it
+    k, v = (torch.randn(1, N, 4, D).transpose(1, 2) for _ in range(2))  # views of a projection
+    args = tuple(t.requires_grad_() for t in (q, k, v))
     want = _outputs_and_grads(fn, args)
     dynamo.reset()
     got = _outputs_and_grads(torch.compile(fn, fullgraph=True), args)
-    for g, w in zip(got, want, strict=True):  # the loss's sin/cos may round differently when generated
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
-    qt = torch.randn(1, N, 4, D, dtype=torch.float64).transpose(1, 2).requires_grad_()  # float64: float64 LSE
-    kt, vt = (torch.randn(1, 2, N, D, dtype=torch.float64) for _ in range(2))
-    torch.library.opcheck(sdpa_cpu_flash_fwd, (qt, kt, vt, None, True, 0.25))
-    with torch.no_grad():
-        o, lse = sdpa_cpu_flash_fwd(qt, kt, vt, None, True, 0.25)
-        torch.library.opcheck(sdpa_cpu_flash_bwd, (torch.ones_like(o), qt, kt, vt, o, lse, None, True, 0.25))
 
 
 REFERENCE_CASES = {
@@ -494,9 +523,13 @@ def test_sigmoid_custom_operator_registration() -> None:
 
     q, k, v = _qkv(grad=True)
     mask = torch.rand(1, 1, N, N) > 0.3
+    v_bnhd = v.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # a module's layout
     for args in ((q, k, v, None, True, 8, 0, True, 0, 0.25, None, None, -3.0),
+                 (q, k, v_bnhd, None, True, 8, 0, True, 0, 0.25, None, None, -3.0),
                  (q, k, v, mask, False, None, None, False, 0, 0.25, 4.0, torch.linspace(0.1, 0.5, 4), -1.0)):
         torch.library.opcheck(sigmoid_fwd, args)
+    with torch.no_grad():  # the output is stored as v (the fake says so; opcheck compares strides)
+        assert sigmoid_fwd(q, k, v_bnhd, None, True, 8, 0, True, 0, 0.25, None, None, -3.0).stride() == v_bnhd.stride()
 
 
 def test_dynamic_shapes_chunked_decay_kernels_compile_once() -> None:

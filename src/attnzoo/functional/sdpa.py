@@ -25,6 +25,7 @@ from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, Capabilities
 from attnzoo.functional.halfmath import half_math
+from attnzoo.functional.rules import output_like_v, stored_like_v
 from attnzoo.masks import visible as visible_rule
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
@@ -129,9 +130,11 @@ def _band_mask_fake(nq: int, nk: int, q_offset: int, causal: bool, left: int, ri
 # plus a layout conversion of the log-sum-exp that inductor generates (and, cold, builds: about 7 s
 # of C++ compilation on 2 cores). The two operators below call the same two kernels as eager SDPA,
 # so the compiled graph holds one opaque node per direction and no generated kernel. Their fakes give
-# the kernels' own output layouts (no copies). Inductor's on-disk cache keys do not cover a fake's
-# strides: an operator whose fake changes gets a new name, so graphs cached by an older attnzoo miss
-# instead of failing their stride checks (these were ``sdpa_cpu_fwd``/``sdpa_cpu_bwd`` when they copied).
+# the kernels' own output layouts, except the forward's output, stored in ``v``'s layout (see
+# ``rules.output_like_v``: a module's head merge is then a view). Inductor's on-disk cache keys do
+# not cover a fake's strides: an operator whose fake changes gets a new name, so graphs cached by an
+# older attnzoo miss instead of failing their stride checks (the forward was ``sdpa_cpu_fwd`` when it
+# made every output contiguous, then ``sdpa_cpu_flash_fwd`` when its output kept ``q``'s layout).
 def _compiled_cpu_training(r: AttnRequest) -> bool:
     """A compiled CPU training call that torch's CPU flash kernel serves: no dropout, ``D == Dv``."""
     return (torch.compiler.is_compiling() and r.q.device.type == "cpu" and r.dropout_p == 0
@@ -144,15 +147,17 @@ def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
     return sdpa_cpu_flash_fwd(q, k, v, mask, causal, scale)[0]
 
 
-@torch.library.custom_op("attnzoo::sdpa_cpu_flash_fwd", mutates_args=())
+@torch.library.custom_op("attnzoo::sdpa_cpu_flash_forward", mutates_args=())
 def sdpa_cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                        scale: float) -> tuple[Tensor, Tensor]:
-    """torch's CPU flash attention forward (what eager SDPA runs): ``out [B, Hq, Nq, D]`` in ``q``'s
-    memory layout and ``lse [B, Hq, Nq]`` (float32; float64 for float64 inputs) stored as ``[B, Nq,
-    Hq]``, both as the kernel returns them (no copy: a ``q`` that is a ``[B, N, H, D]`` view gives an
-    ``out`` whose ``[B, N, H * D]`` view is free). ``mask``: an additive ``[Nq, Nk]`` mask or ``None``."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                      scale=scale)
+    """torch's CPU flash attention forward (what eager SDPA runs): ``out [B, Hq, Nq, D]`` stored as
+    :func:`~attnzoo.functional.rules.output_like_v` says, else as ``q`` (the kernel writes ``q``'s layout;
+    a copy only when the two differ, e.g. RoPE wrote ``q`` as ``[B, H, N, D]`` while ``v`` is a
+    ``[B, N, H, D]`` view) and ``lse [B, Hq, Nq]`` (float32; float64 for float64 inputs) stored as ``[B, Nq, Hq]`` as the
+    kernel returns it. ``mask``: an additive ``[Nq, Nk]`` mask or ``None``."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                          scale=scale)
+    return stored_like_v(out, q, v, otherwise_like=q), lse  # D == Dv here
 
 
 def _bnhd(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -166,7 +171,7 @@ def _bnhd(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 def _sdpa_cpu_flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                              scale: float) -> tuple[Tensor, Tensor]:
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q), _bnhd(q[..., 0], dtype=lse_dtype)
+    return output_like_v(q, v, otherwise_like=q), _bnhd(q[..., 0], dtype=lse_dtype)
 
 
 @torch.library.custom_op("attnzoo::sdpa_cpu_flash_bwd", mutates_args=())

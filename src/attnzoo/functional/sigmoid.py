@@ -21,7 +21,7 @@ query heads of a group into the rows, so K/V are never expanded. Masks, position
 follow ``docs/conventions.md``; small-N pictures in ``docs/softmax-frontier.md``.
 
 Under ``torch.compile`` / ``torch.export`` the tiled form runs as two custom operators,
-``attnzoo::sigmoid_fwd`` and ``attnzoo::sigmoid_bwd`` (as the softmax tiled backend does in
+``attnzoo::sigmoid_attention_fwd`` and ``attnzoo::sigmoid_attention_bwd`` (as the softmax tiled backend does in
 ``tiled_ops``): the compiler sees one node per direction, the plan is made at run time.
 """
 
@@ -35,6 +35,7 @@ from torch import Tensor
 from attnzoo._validate import check_float
 from attnzoo.functional._request import AttnRequest, build_request
 from attnzoo.functional.reference import compute_dtype, masked_scores
+from attnzoo.functional.rules import output_like_v, stored_like_v
 from attnzoo.functional.tiled import TilePlan, tile_plan
 from attnzoo.functional.tiled_ops import dense_mask, op_request
 from attnzoo.masks import Mask
@@ -138,23 +139,24 @@ class _TiledSigmoid(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-@torch.library.custom_op("attnzoo::sigmoid_fwd", mutates_args=())
+@torch.library.custom_op("attnzoo::sigmoid_attention_fwd", mutates_args=())
 def sigmoid_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, window_left: int | None,
                 window_right: int | None, has_window: bool, q_offset: int, scale: float, softcap: float | None,
                 alibi_slopes: Tensor | None, bias: float) -> Tensor:
-    """Tiled sigmoid attention forward ``out [B, Hq, Nq, Dv]`` (q/k/v already in the compute dtype)."""
+    """Tiled sigmoid attention forward ``out [B, Hq, Nq, Dv]`` (q/k/v already in the compute dtype), stored
+    as :func:`~attnzoo.functional.rules.output_like_v` says (renamed from ``sigmoid_fwd`` when that layout came in)."""
     r = op_request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
                    alibi_slopes, False)
     with torch.no_grad():
-        return _forward(r, tile_plan(r), bias, q, k, v).contiguous()
+        return stored_like_v(_forward(r, tile_plan(r), bias, q, k, v), q, v)
 
 
 @sigmoid_fwd.register_fake
 def _sigmoid_fwd_fake(q: Tensor, k: Tensor, v: Tensor, *args: object) -> Tensor:
-    return q.new_empty(*q.shape[:3], v.shape[-1])
+    return output_like_v(q, v)
 
 
-@torch.library.custom_op("attnzoo::sigmoid_bwd", mutates_args=())
+@torch.library.custom_op("attnzoo::sigmoid_attention_bwd", mutates_args=())
 def sigmoid_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                 window_left: int | None, window_right: int | None, has_window: bool, q_offset: int, scale: float,
                 softcap: float | None, alibi_slopes: Tensor | None, bias: float) -> tuple[Tensor, Tensor, Tensor]:

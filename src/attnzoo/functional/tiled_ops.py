@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest, build_request
+from attnzoo.functional.rules import output_like_v, stored_like_v
 from attnzoo.functional.tiled import (
     attention_backward,
     native_half_matmul,
@@ -49,17 +50,6 @@ def _acc_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _out_buffer(q: Tensor, v: Tensor) -> Tensor:
-    """The forward's output ``[B, Hq, Nq, Dv]`` in ``v``'s memory layout when the shapes agree (self-attention
-    without GQA), else contiguous. A module's ``v`` is usually a ``[B, N, H, D]`` view of its projection; an
-    output stored that way makes the module's ``[B, N, H * D]`` merge a view, so a compiled graph needs no
-    transpose-copy kernel after the operator (the copy happens here instead)."""
-    B, Hq, Nq, _ = q.shape
-    if v.shape == (B, Hq, Nq, v.shape[-1]):
-        return torch.empty_like(v)
-    return q.new_empty(B, Hq, Nq, v.shape[-1])
-
-
 @torch.library.custom_op("attnzoo::tiled_attention_fwd", mutates_args=())
 def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
               window_left: int | None, window_right: int | None, has_window: bool, q_offset: int,
@@ -76,10 +66,7 @@ def tiled_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
         out, lse = tiled_attention(r)
     if lse is None:
         lse = q.new_empty(0, dtype=_acc_dtype(q))
-    buf = _out_buffer(q, v)  # what the fake promises
-    if out.stride() != buf.stride():
-        out = buf.copy_(out)
-    return out, lse.contiguous()
+    return stored_like_v(out, q, v), lse.contiguous()
 
 
 @tiled_fwd.register_fake
@@ -88,7 +75,7 @@ def _tiled_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal
                     scale: float, softcap: float | None, alibi_slopes: Tensor | None,
                     need_lse: bool = True) -> tuple[Tensor, Tensor]:
     B, Hq, Nq, _ = q.shape
-    out = _out_buffer(q, v)
+    out = output_like_v(q, v)
     lse = q.new_empty((B, Hq, Nq) if need_lse else (0,), dtype=_acc_dtype(q))
     return out, lse
 
