@@ -154,6 +154,33 @@ def test_strong_decay_stays_finite_and_exact(family: str) -> None:
     assert rel_err(out64, ref) < 1e-10
 
 
+def test_loop_free_vector_scores_equal_the_halving() -> None:
+    """The scores a compiled graph computes for a per-key decay (blocks below the diagonal, no loop)
+    equal the halving of eager mode to float64 rounding, for chunks that are not a multiple of the
+    block, one-token chunks and decays of e^-320 over a chunk; compiled (aot_eager) chunked GLA with
+    such decays equals the float64 recurrence (inference: the loop-free scores) and has finite
+    gradients in float32 (training: the halving)."""
+    from attnzoo.functional.gla import _blocked_vector_scores, _vector_scores
+
+    gen = torch.Generator().manual_seed(0)
+    for c, sub, decay in ((64, 16, 1.0), (50, 16, 1.0), (64, 8, 10.0), (7, 16, 1.0), (1, 16, 1.0), (33, 4, 10.0)):
+        q, k = (torch.randn(2, 3, 4, c, 5, generator=gen, dtype=torch.float64) for _ in range(2))
+        g = -decay * torch.rand(2, 3, 4, c, 5, generator=gen, dtype=torch.float64)
+        torch.testing.assert_close(_blocked_vector_scores(q, k, g, sub), _vector_scores(q, k, g, 4),
+                                   rtol=1e-12, atol=1e-12)
+    x, run = make("gla", b=1, h=2, n=200, dk=8, dv=8, decay=10.0)
+    ref = run(**x, form="recurrent")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda **kw: run(**kw, form="chunked", chunk_size=64), backend="aot_eager",
+                             fullgraph=True)
+    assert rel_err(compiled(**x), ref) < 1e-10
+    x32 = {name: t.float().requires_grad_() for name, t in x.items()}
+    out = compiled(**x32)
+    assert rel_err(out, ref) < 1e-5
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in x32.values())
+
+
 def test_retention_is_scalar_gla_and_matches_decay_mask() -> None:
     x, _ = make("retention", n=12)
     q, k, v, gamma = x["q"], x["k"], x["v"], x["gate"]

@@ -21,6 +21,17 @@ down to ``sub`` tokens; the ``sub x sub`` blocks left on the diagonal are comput
 (a ``[sub, sub, Dk]`` tensor). With a scalar decay per token the decay factors out
 of the sum over d: ``A = (Q K^T) * exp(b_t - b_s)``.
 
+Under ``torch.compile`` the halving loop (one level per power of two, each writing its blocks into
+the chunk's scores in place) is traced level by level into a dozen generated kernels, so a compiled
+inference graph computes the same scores without a loop (a training graph keeps the halving: with
+the loop-free scores its step compiled in 58-68 s instead of 79-100 s but ran 1.04-1.12x eager
+instead of 0.73-0.86x, ``benchmarks/bench_compile.py --cases lm --lm-attention gla``): the chunk is cut into blocks of
+``COMPILED_SUB_CHUNK`` tokens, and every block below the diagonal is one batched matmul of
+``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)`` with ``r`` the last token before the row's block
+(both factors at most 1 again; ``b_r - b_s`` is summed as the key's block suffix plus the whole blocks
+between, never as a difference). It builds a ``[C / sub, C / sub, sub, Dk]`` tensor of scaled keys,
+cheap to generate but slower than the halving in eager mode, where the halving stays.
+
 The quadratic form is one chunk of ``N`` tokens with one sub-block (the ``[N, N, Dk]`` tensor);
 the recurrent form is the loop above (what decoding does).
 """
@@ -36,10 +47,13 @@ from torch import Tensor
 from attnzoo.functional import _chunked_scan as scan
 from attnzoo.functional._chunked_scan import log_segsum, suffix_sum
 
-__all__ = ["SUB_CHUNK", "gated_linear_attention", "run_gla"]
+__all__ = ["COMPILED_SUB_CHUNK", "SUB_CHUNK", "gated_linear_attention", "run_gla"]
 
 #: Length of the diagonal blocks the halving of the vector-decay scores stops at (computed elementwise).
 SUB_CHUNK = 4
+#: Block length of the loop-free vector-decay scores of a compiled graph (smaller blocks make many tiny
+#: matmuls: 4 ran the compiled call 2x slower than eager; 8 and 16 ran it at 0.7-0.9x, issue 20).
+COMPILED_SUB_CHUNK = 16
 
 
 def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
@@ -74,12 +88,45 @@ def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
     return scores[..., :c, :c]
 
 
+def _blocked_vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
+    """:func:`_vector_scores` without a loop (what a compiled graph runs). ``[..., C, Dk]`` -> ``[..., C, C]``.
+
+    Blocks of ``sub`` tokens; block ``(i, j)`` below the diagonal is ``q_t exp(b_t - b_r) . k_s exp(b_r -
+    b_s)`` with ``r`` the last token of block ``i - 1``: ``b_t - b_r`` is the row block's prefix sum,
+    ``b_r - b_s`` the key block's suffix sum plus the sums of the blocks between (``log_segsum`` over
+    the block totals, ``-inf`` for ``j >= i``, which zeroes those keys). The diagonal blocks are
+    computed elementwise as in :func:`_vector_scores`.
+    """
+    c = q.shape[-2]
+    sub = min(sub, c)
+    nb = -(-c // sub)
+    cp = nb * sub
+    if cp > c:  # zero tokens at the end of the chunk; their rows and columns are cut below
+        q, k, g = (F.pad(t, (0, 0, 0, cp - c)) for t in (q, k, g))
+    qb, kb, gb = (t.unflatten(-2, (nb, sub)) for t in (q, k, g))  # [..., nb, sub, Dk]
+    q_ref = qb * gb.cumsum(dim=-2).exp()  # [..., nb, sub, Dk]
+    seg = log_segsum(gb.sum(dim=-2).transpose(-1, -2))  # [..., Dk, nb, nb]: blocks j+1 .. i summed
+    between = F.pad(seg, (0, 0, 1, 0), value=float("-inf"))[..., :-1, :]  # row i: blocks j+1 .. i-1
+    between = between.movedim(-3, -1).unsqueeze(-2)  # [..., nb_i, nb_j, 1, Dk]
+    k_ref = kb.unsqueeze(-4) * (suffix_sum(gb, -2).unsqueeze(-4) + between).exp()  # [..., nb_i, nb_j, sub, Dk]
+    cross = torch.matmul(q_ref.unsqueeze(-3), k_ref.transpose(-1, -2))  # [..., nb_i, nb_j, sub, sub]
+    qt, kt, gt = (t.transpose(-1, -2) for t in (qb, kb, gb))  # [..., nb, Dk, sub]
+    diag = (qt.unsqueeze(-1) * log_segsum(gt).exp() * kt.unsqueeze(-2)).sum(dim=-3)  # [..., nb, t, s]
+    eye = torch.eye(nb, dtype=torch.bool, device=q.device)[:, :, None, None]
+    blocks = torch.where(eye, diag.unsqueeze(-3), cross)  # [..., nb_i, nb_j, t, s]
+    return blocks.transpose(-3, -2).reshape(*blocks.shape[:-4], cp, cp)[..., :c, :c]
+
+
 def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chunk parts ``(O_intra, Q', A, R)`` (see ``_chunked_scan``); g ``[..., C]`` or ``[..., C, Dk]``."""
     if g.dim() == q.dim():  # one decay per key dimension
         b = g.cumsum(dim=-2)  # [..., C, Dk]: log decay from the chunk start to t
         after = suffix_sum(g, -2)  # log decay from t to the chunk end
-        scores = _vector_scores(q, k, g, sub)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, g))
+        if torch.compiler.is_compiling() and sub < q.shape[-2] and not needs_grad:
+            scores = _blocked_vector_scores(q, k, g, COMPILED_SUB_CHUNK)
+        else:
+            scores = _vector_scores(q, k, g, sub)
     else:  # one decay per token
         b = g.cumsum(dim=-1).unsqueeze(-1)  # [..., C, 1]
         after = suffix_sum(g, -1).unsqueeze(-1)
