@@ -37,6 +37,11 @@ def _qkv(n: int = N, hq: int = 4, hkv: int = 4, grad: bool = False) -> tuple[tor
     return tuple(t.requires_grad_(grad) for t in (q, k, v))
 
 
+def _projection_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, H, N, D]`` with the same values stored ``[B, N, H, D]`` (a module's view of its projection)."""
+    return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(t.requires_grad)
+
+
 def _window_mask() -> az.masks.Mask:
     return az.masks.causal() & az.masks.sliding_window(8, 0)
 
@@ -144,7 +149,7 @@ def test_tiled_custom_operator_registration() -> None:
     """opcheck: schema, fake (meta) implementation, autograd registration and AOT dispatch."""
     q, k, v = _qkv(grad=True)
     mask = torch.rand(1, 1, N, N) > 0.3
-    v_bnhd = v.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # a module's layout
+    v_bnhd = _projection_layout(v)
     for args in ((q, k, v, None, True, 8, 0, True, 0, 0.25, None, None),
                  (q, k, v_bnhd, None, True, 8, 0, True, 0, 0.25, None, None),
                  (q, k, v, mask, False, None, None, False, 0, 0.25, 4.0, torch.linspace(0.1, 0.5, 4)),
@@ -237,8 +242,8 @@ def test_inductor_sdpa_training_matches_eager(dtype: torch.dtype) -> None:
         out = az.attention(q, k, v, causal=True, backend="sdpa")  # [B, H, N, D]
         return out.transpose(1, 2).reshape(q.shape[0], N, -1)  # [B, N, H * D], as the modules read it
 
-    def bnhd(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:  # [B, H, N, D] stored [B, N, H, D]
-        return torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
+    def bnhd(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+        return _projection_layout(torch.randn(*shape, dtype=dtype))
 
     # q a [B, N, H, D] view with GQA; then q contiguous (as RoPE writes it) and v a view (output copied)
     for q, k, v in ((bnhd(1, 4, N, D), *(t.to(dtype) for t in _qkv(hq=4, hkv=2)[1:])),
@@ -269,7 +274,7 @@ def test_inductor_tiled_training_matches_eager() -> None:
         return out.transpose(1, 2).reshape(q.shape[0], N, -1)  # [B, N, H * D]
 
     q = torch.randn(1, 4, N, D)  # as RoPE writes it
-    k, v = (torch.randn(1, N, 4, D).transpose(1, 2) for _ in range(2))  # views of a projection
+    k, v = (_projection_layout(torch.randn(1, 4, N, D)) for _ in range(2))
     args = tuple(t.requires_grad_() for t in (q, k, v))
     want = _outputs_and_grads(fn, args)
     dynamo.reset()
@@ -523,7 +528,7 @@ def test_sigmoid_custom_operator_registration() -> None:
 
     q, k, v = _qkv(grad=True)
     mask = torch.rand(1, 1, N, N) > 0.3
-    v_bnhd = v.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # a module's layout
+    v_bnhd = _projection_layout(v)
     for args in ((q, k, v, None, True, 8, 0, True, 0, 0.25, None, None, -3.0),
                  (q, k, v_bnhd, None, True, 8, 0, True, 0, 0.25, None, None, -3.0),
                  (q, k, v, mask, False, None, None, False, 0, 0.25, 4.0, torch.linspace(0.1, 0.5, 4), -1.0)):
