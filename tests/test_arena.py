@@ -24,6 +24,7 @@ from attnzoo.arena import (
     train,
 )
 from attnzoo.arena.grid import GRID, convergence_text, eval_steps, grid_jobs
+from attnzoo.arena.workers import worker_plan
 from attnzoo.arena.measure import state_bytes, training_memory
 from attnzoo.arena.progress import make_progress
 from attnzoo.arena.tasks import IGNORE, load_shakespeare
@@ -296,6 +297,29 @@ def test_training_memory_counts_state_and_grows_with_batch() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+class _DroppedBranch(torch.nn.Module):
+    """A model that also computes, with gradients, a result it throws away (as a cache update the
+    caller does not ask for): autograd frees what that branch saved before the backward pass."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(tokens)
+        for _ in range(3):
+            (logits * logits).exp().sum()  # saves [B, N, V] tensors, then drops them
+        return logits
+
+
+def test_training_memory_counts_only_what_the_graph_keeps() -> None:
+    task = ShakespeareTask(seq_len=32)
+    model = _tiny(task.vocab_size, 32)
+    plain = training_memory(model, task, 2, 0, torch.device("cpu"))
+    dropped = training_memory(_DroppedBranch(model), task, 2, 0, torch.device("cpu"))
+    assert dropped["activation_bytes"] == plain["activation_bytes"]
+
+
 def test_progress_kinds(capsys: pytest.CaptureFixture[str]) -> None:
     with make_progress("plain", "run", 2) as bar:
         bar.update(StepInfo(2, 2, 1.5, 1e-3, 1000.0))
@@ -522,14 +546,34 @@ def test_mqar_grid_parallel_workers_give_the_sequential_points(tmp_path: Path) -
     assert strip == [{k: v for k, v in p.items() if k != "train_wall_s"} for p in par["points"]]
 
 
+def test_arena_runs_in_workers_equal_the_sequential_runs(tmp_path: Path) -> None:
+    """The default arena's runs (and the extra lm seeds, which wait for the first runs' ranking) in
+    two spawned workers of one thread: the same records as one process with one thread."""
+    argv = ("--quick", "--task", "lm", "--variants", "mha,linear", "--seeds-top", "1", "--no-measure",
+            "--progress", "none", "--threads", "1")
+    assert run_arena(_args(*argv, "--jobs", "1", "--out", str(tmp_path / "seq"))) == 0
+    assert run_arena(_args(*argv, "--jobs", "2", "--out", str(tmp_path / "par"))) == 0
+    seq, par = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("seq", "par"))
+    assert (seq["environment"]["train_jobs"], par["environment"]["train_jobs"]) == (1, 2)
+    assert par["environment"]["train_threads"] == 1
+    for v in ("mha", "linear"):
+        a, b = seq["runs"]["lm"][v], par["runs"]["lm"][v]
+        assert (a["train_losses"], a["evals"], a["memory"]) == (b["train_losses"], b["evals"], b["memory"]), v
+    assert seq["seed_runs"] == par["seed_runs"] and len(par["seed_runs"]["finals"]) == 1
+    assert "2 worker processes of 1 thread each" in (tmp_path / "par" / "report.md").read_text()
+
+
 def test_mqar_grid_jobs_and_grid_options() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     assert grid_jobs(_args("--task", "mqar-grid"), 1000) == (cores, 1 if cores > 1 else None)
     assert grid_jobs(_args("--task", "mqar-grid"), 1) == (1, None)  # never more workers than runs
     assert grid_jobs(_args("--task", "mqar-grid", "--jobs", "3", "--threads", "2"), 10) == (3, 2)
     assert grid_jobs(_args("--task", "mqar-grid", "--device", "cuda"), 10) == (1, None)
-    with pytest.raises(ValueError, match=r"--grid-pairs, --jobs: only for --task mqar-grid"):
-        run_arena(_args("--task", "lm", "--grid-pairs", "2", "--jobs", "2"))
+    # the default arena trains one run at a time unless --jobs asks (measured: no gain at its sizes)
+    assert worker_plan(_args(), 18, parallel_by_default=False) == (1, None)
+    assert worker_plan(_args("--jobs", "2"), 18, parallel_by_default=False) == (2, max(1, cores // 2))
+    with pytest.raises(ValueError, match=r"--grid-pairs, --grid-seq-lens: only for --task mqar-grid"):
+        run_arena(_args("--task", "lm", "--grid-pairs", "2", "--grid-seq-lens", "16", "--jobs", "2"))
 
 
 def test_grid_eval_steps() -> None:

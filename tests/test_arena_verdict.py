@@ -234,6 +234,18 @@ def test_overall_progress_counts_runs_and_estimates_the_rest() -> None:
         Overall([])
 
 
+def test_overall_progress_of_parallel_runs_ignores_reused_ones_in_the_rate() -> None:
+    now = [0.0]
+    buf = io.StringIO()
+    o = Overall([1.0, 1.0, 1.0, 1.0], stream=buf, clock=lambda: now[0])
+    o.completed("lm-gqa: reused", 1.0, trained=False)  # instant: must not make the rate look fast
+    now[0] = 20.0
+    o.completed("lm-mha: val 1.98", 1.0)  # 20 s of wall for the one trained weight
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "arena: done 1/4 lm-gqa: reused | elapsed 0:00 | ETA estimating"
+    assert lines[1] == "arena: done 2/4 lm-mha: val 1.98 | elapsed 0:20 | ETA 0:40"
+
+
 def test_setting_differences_names_only_what_changed() -> None:
     old = {"task": "lm", "steps": 200, "width": 128, "seed": 0}
     new = {"task": "lm", "steps": 5, "width": 128, "seed": 0, "world_size": 1}

@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import multiprocessing
-import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +36,7 @@ from attnzoo.arena.storage import write_atomic
 from attnzoo.arena.tasks import MQARTask
 from attnzoo.arena.trainer import StepInfo, TrainConfig, train
 from attnzoo.arena.verdict import RISING, SOLVED, mqar_converged
+from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.cost import estimate
 from attnzoo.variants import VARIANTS, variant_names
 
@@ -241,21 +239,14 @@ def _grid_variants(args: argparse.Namespace) -> list[str]:
 
 
 def grid_jobs(args: argparse.Namespace, runs: int) -> tuple[int, int | None]:
-    """``(worker processes, torch threads per run)`` of the grid.
+    """``(worker processes, torch threads per run)`` of the grid: :func:`attnzoo.arena.workers.worker_plan`.
 
-    On a CPU the cells train in parallel processes, one per core with one torch thread each
-    (small models scale poorly over threads, independent runs scale well); ``--threads T`` gives
-    ``cores // T`` workers, ``--jobs J`` sets the count. Other devices train one cell at a time.
-    Every run is seeded by its cell, so the points do not depend on the order they finish in.
+    On a CPU the cells train in parallel processes, one per core with one torch thread each;
+    ``--threads T`` gives ``cores // T`` workers, ``--jobs J`` sets the count. Other devices train
+    one cell at a time. Every run is seeded by its cell, so the points do not depend on the order
+    they finish in.
     """
-    jobs, threads = getattr(args, "jobs", None), args.threads
-    if torch.device(args.device).type != "cpu":
-        return 1, threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if jobs is None:
-        jobs = max(1, cores // (threads or 1))
-    jobs = max(1, min(jobs, runs))
-    return jobs, (1 if threads is None and jobs > 1 else threads)
+    return worker_plan(args, runs)
 
 
 def _label(variant: str, cell: tuple[int, int, int]) -> str:
@@ -288,21 +279,17 @@ def _run_cells(build: Builder, g: dict[str, Any], runs: list[tuple[str, tuple[in
 def _run_cells_parallel(build: Builder, g: dict[str, Any], runs: list[tuple[str, tuple[int, int, int]]], seed: int,
                         device: torch.device, overall: Overall, jobs: int, threads: int | None
                         ) -> tuple[list[dict[str, Any] | None], dict[str, str]]:
-    """Train the runs in ``jobs`` spawned worker processes (``threads`` torch threads each)."""
+    """Train the runs in ``jobs`` worker processes (``threads`` torch threads each)."""
     points: list[dict[str, Any] | None] = [None] * len(runs)
     errors: dict[str, str] = {}
-    ctx = multiprocessing.get_context("spawn")  # fork after torch's thread pools start is unsafe
-    init, init_args = (torch.set_num_threads, (threads,)) if threads else (None, ())
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=init, initargs=init_args) as pool:
-        futures = {pool.submit(_cell, build, g, v, cell, seed, device): i for i, (v, cell) in enumerate(runs)}
-        for fut in as_completed(futures):
-            i = futures[fut]
+    calls = [(build, g, v, cell, seed, device) for v, cell in runs]
+    with Workers(jobs, threads) as workers:
+        for i, point, exc in workers.completed(_cell, calls):
             v, cell = runs[i]
-            try:
-                points[i] = fut.result()
-            except Exception as e:  # one variant failing must not sink the grid
-                errors[f"{v}@{cell}"] = f"{type(e).__name__}: {e}"
-            overall.completed(_label(v, cell) + _outcome(points[i]), float(cell[0] * cell[2]))
+            if exc is not None:  # one variant failing must not sink the grid
+                errors[f"{v}@{cell}"] = f"{type(exc).__name__}: {exc}"
+            points[i] = point
+            overall.completed(_label(v, cell) + _outcome(point), float(cell[0] * cell[2]))
     return points, errors
 
 

@@ -3,8 +3,8 @@
 - Training memory: on CUDA, ``torch.cuda.max_memory_allocated`` over one training step. On the
   CPU torch keeps no allocator statistics, so the arena counts what a training step must hold at
   its peak: parameters + gradients + the two AdamW moments (16 bytes per float32 parameter) plus
-  every distinct tensor the forward pass saves for the backward pass (captured with
-  ``torch.autograd.graph.saved_tensors_hooks``). This is exact for what it counts and
+  every distinct tensor the forward pass saves for the backward pass and the graph still holds at
+  the loss (captured with ``torch.autograd.graph.saved_tensors_hooks``). This is exact for what it counts and
   deterministic, and it is where attention variants differ (an ``N x N`` score matrix vs a
   fixed-size state), but it leaves out short-lived temporaries.
 - Decode state: the bytes of every tensor in the model's cache after it has consumed ``N``
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -68,20 +69,23 @@ def training_memory(model: nn.Module, task: Task, batch_size: int, seed: int,
             return {"peak_bytes": float(peak + state), "activation_bytes": float(peak), "state_bytes": state,
                     "method": "cuda allocator"}  # type: ignore[dict-item]
         skip = {_storage_key(p) for p in model.parameters()}
-        seen: dict[tuple[int, int], int] = {}
+        seen: dict[tuple[int, int], list[weakref.ref[Tensor]]] = {}
 
         def pack(t: Tensor) -> Tensor:
-            key = _storage_key(t)
-            if key not in skip and key not in seen:
-                seen[key] = key[1]
-            return t
+            saved = t.detach()  # what the node holds; t itself would tie an output to its own node (a leak)
+            key = _storage_key(saved)
+            if key not in skip:
+                seen.setdefault(key, []).append(weakref.ref(saved))
+            return saved
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(x, **kwargs)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
+        # only what the graph still holds: a tensor saved by a branch whose result was dropped is freed,
+        # and the allocator may hand its address to a later one (counting it would depend on that luck)
+        act = float(sum(key[1] for key, refs in seen.items() if any(r() is not None for r in refs)))
         loss.backward()
         model.zero_grad(set_to_none=True)
-        act = float(sum(seen.values()))
         return {"peak_bytes": act + state, "activation_bytes": act, "state_bytes": state,
                 "method": "saved tensors + 16 B/param"}  # type: ignore[dict-item]
     finally:

@@ -173,13 +173,17 @@ class Overall:
         self._run_t0 = self.clock()
         return label
 
-    def completed(self, name: str, weight: float) -> None:
+    def completed(self, name: str, weight: float, trained: bool = True) -> None:
         """A run of ``weight`` finished, in any order (parallel workers): one line ``done i/N``; the ETA
-        scales the elapsed wall time by the weight still to do."""
+        scales the elapsed wall time by the weight still to do (``trained=False``: reused with
+        ``--resume``, so its weight says nothing of the rate)."""
         self.done += 1
         self.done_weight += weight
+        if trained:
+            self.timed_weight += weight
         elapsed = self.clock() - self.t0
-        eta = elapsed / self.done_weight * max(0.0, sum(self.weights) - self.done_weight) if self.done_weight else None
+        left = max(0.0, sum(self.weights) - self.done_weight)
+        eta = elapsed / self.timed_weight * left if self.timed_weight else None
         if self.enabled:
             print(f"arena: done {self.done}/{self.total} {name} | elapsed {format_duration(elapsed)} | ETA "
                   f"{'estimating' if eta is None else format_duration(eta)}", file=self.stream or sys.stderr,

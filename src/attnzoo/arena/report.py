@@ -168,10 +168,18 @@ def _settings_md(results: dict[str, Any]) -> list[str]:
                      f"{s['width']}, depth {s['depth']}, {s['heads']} heads, peak lr {s['lr']:g} (warm-up "
                      f"{s['warmup']} steps, cosine to 10%), window {window}, positions {s.get('pos', 'rope')}{extra}")
     env = results["environment"]
-    lines.append(f"- seed {results['seed']}; torch {env['torch']} on {env['device']} with {env['threads']} "
-                 f"threads x {env['world_size']} process(es); this invocation took {results['wall_s']:.0f} s wall, "
+    jobs = env.get("train_jobs", 1)
+    trained = (f"runs trained in {jobs} worker processes of {_threads(env.get('train_threads'))} each, measured "
+               f"with {env['threads']} threads" if jobs > 1 else
+               f"{env['threads']} threads x {env['world_size']} process(es)")
+    lines.append(f"- seed {results['seed']}; torch {env['torch']} on {env['device']}, {trained}; "
+                 f"this invocation took {results['wall_s']:.0f} s wall, "
                  f"{results.get('cpu_s', float('nan')):.0f} s CPU (runs reused with --resume cost nothing here)")
     return lines
+
+
+def _threads(n: object) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
 
 
 def _memory_method(results: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ from attnzoo.arena.trainer import (
     train,
 )
 from attnzoo.arena.verdict import verdict
+from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.distributed import ContextParallel, context_parallel, gather_sequence, shard_positions
 from attnzoo.models import DecoderLM
 from attnzoo.variants import VARIANTS, variant_names
@@ -140,7 +141,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=(*TASKS, "all", "mqar-grid"), default="all",
                         help="which task(s) to run (default: all). mqar-grid: MQAR accuracy over width x "
                              "key-value pairs x sequence length for every variant, against decode-state bytes "
-                             "(the Zoology figure), with --grid-widths/--grid-pairs/--grid-seq-lens/--jobs; the default "
+                             "(the Zoology figure), with --grid-widths/--grid-pairs/--grid-seq-lens; the default "
                              "grid (17 variants x 4 cells) took 32 minutes on 2 AVX2 CPU cores, --quick under 2 minutes")
     parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default: per task, see docs)")
     parser.add_argument("--seq-len", dest="seq_len", type=_positive_int, help="tokens per training sequence")
@@ -174,8 +175,9 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid-seq-lens", dest="grid_seq_lens", type=_int_list,
                         help=f"mqar-grid: sequence lengths (default: {_csv(GRID['seq_lens'])})")
     parser.add_argument("--jobs", type=_positive_int,
-                        help="mqar-grid: cells trained at once, in worker processes (default on a CPU: one per "
-                             "core with one torch thread each, or cores // --threads; 1 on other devices)")
+                        help="runs trained at once, in worker processes with cores // J torch threads each "
+                             "unless --threads is given (default: 1; mqar-grid on a CPU: one per core, or cores // "
+                             "--threads; always 1 on other devices and under torchrun)")
     parser.add_argument("--no-measure", dest="measure", action="store_false",
                         help="skip the measurement pass and the long-context costs (no speed columns)")
     parser.add_argument("--resume", action="store_true",
@@ -434,7 +436,7 @@ class _Run:
                         save_checkpoint(self.ckpt, plain, optimizer, step,
                                         {"signature": self.sig, "losses": losses, "evals": evals})
 
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = time.perf_counter(), _cpu_seconds()
             train(model, self.task, s.steps, s.batch, self.seed, config=cfg, device=self.device,
                   start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
                   checkpoint_every=args.checkpoint_every,
@@ -598,11 +600,23 @@ def _top_variants(args: argparse.Namespace, runs: dict[str, dict[str, Any]], var
     return ranked[:top]
 
 
+#: One run for :meth:`_Plan.run_many`: ``(settings, task, variant, seed or None for --seed)``.
+_Call = tuple[TaskSettings, Task, str, int | None]
+
+
+def _train_in_worker(s: TaskSettings, task: Task, variant: str, args: argparse.Namespace, out: Path,
+                     device: torch.device, seed: int | None, label: str) -> tuple[dict[str, Any], bool]:
+    """One run in a worker process: ``(record, reused)``."""
+    run = _Run(s, task, variant, args, out, device, seed=seed, label=label)
+    return run.execute(), run.reused
+
+
 class _Plan:
-    """Every run of this invocation in order, with the overall progress line."""
+    """Every run of this invocation, trained in this process or in worker processes
+    (:func:`attnzoo.arena.workers.worker_plan`), with the overall progress line."""
 
     def __init__(self, args: argparse.Namespace, settings: dict[str, TaskSettings], variants: list[str],
-                 enabled: bool) -> None:
+                 enabled: bool, world: int = 1) -> None:
         self.args, self.settings, self.variants = args, settings, variants
         extra = _seed_plan(args, variants) if "lm" in settings else []
         top = int(getattr(args, "seeds_top", 0) or 0)
@@ -612,37 +626,74 @@ class _Plan:
             weights += [self._weight("lm")] * (len(extra) * n_top)
         self.overall = Overall(weights, enabled=enabled)
         self.extra_seeds = extra
+        self.started = 0
+        if world > 1 or getattr(args, "context_parallel", False):
+            self.jobs, self.threads = 1, args.threads  # torchrun: the ranks share each run
+        else:
+            self.jobs, self.threads = worker_plan(args, len(weights), parallel_by_default=False)
+        self.workers = Workers(self.jobs, self.threads)
+
+    def __enter__(self) -> _Plan:
+        if self.jobs > 1:
+            self.workers.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.workers.__exit__(*exc)
 
     def _weight(self, t: str) -> float:
         s = self.settings[t]
         return float(s.steps * s.batch * s.seq_len * s.width * s.depth)
 
+    @staticmethod
+    def _name(s: TaskSettings, variant: str, seed: int | None) -> str:
+        return f"{s.task}-{variant}" + ("" if seed is None else f" seed {seed}")
+
     def run(self, s: TaskSettings, task: Task, variant: str, out: Path, device: torch.device,
             seed: int | None = None) -> dict[str, Any]:
-        label = self.overall.start(f"{s.task}-{variant}" + ("" if seed is None else f" seed {seed}"))
+        label = self.overall.start(self._name(s, variant, seed))
         run = _Run(s, task, variant, self.args, out, device, seed=seed, label=label)
         record = run.execute()
         self.overall.finish(trained=not run.reused)
         return record
+
+    def run_many(self, calls: list[_Call], out: Path, device: torch.device) -> list[dict[str, Any]]:
+        """Train ``calls``; their records in the same order. In worker processes when ``self.jobs > 1``
+        (each worker prints plain progress lines; this process one ``done i/N`` line per run)."""
+        if self.jobs == 1:
+            return [self.run(s, task, v, out, device, seed) for s, task, v, seed in calls]
+        wargs = argparse.Namespace(**{**vars(self.args), "progress": "plain" if self.overall.enabled else "none"})
+        labels = [f"{self.started + i + 1}/{self.overall.total}" for i in range(len(calls))]
+        self.started += len(calls)
+        records: list[dict[str, Any]] = [{} for _ in calls]
+        jobs = [(s, task, v, wargs, out, device, seed, label) for (s, task, v, seed), label in zip(calls, labels, strict=True)]
+        for i, result, exc in self.workers.completed(_train_in_worker, jobs):
+            if exc is not None:
+                raise exc
+            records[i], reused = result
+            s, _, v, seed = calls[i]
+            self.overall.completed(f"{self._name(s, v, seed)}: {_brief(records[i]['final'])}", self._weight(s.task),
+                                   trained=not reused)
+        return records
 
 
 def _train_all(plan: _Plan, task_objs: dict[str, Task], out: Path, device: torch.device
                ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every run: ``(runs, seed_runs)`` (``seed_runs``: the extra lm seeds and who got them)."""
     runs: dict[str, dict[str, Any]] = {t: {} for t in plan.settings}
-    for t, s in plan.settings.items():
-        for v in plan.variants:
-            runs[t][v] = plan.run(s, task_objs[t], v, out, device)
+    calls: list[_Call] = [(s, task_objs[t], v, None) for t, s in plan.settings.items() for v in plan.variants]
+    for (s, _, v, _), record in zip(calls, plan.run_many(calls, out, device), strict=True):
+        runs[s.task][v] = record
     seed_runs: dict[str, Any] = {"seeds": [plan.args.seed], "variants": [], "finals": {}}
     if plan.extra_seeds and "lm" in runs:
         top = _top_variants(plan.args, runs, plan.variants)
         seed_runs.update(seeds=[plan.args.seed, *plan.extra_seeds], variants=top,
                          all_variants=len(top) == len(plan.variants))
-        for v in top:
-            finals = [runs["lm"][v]["final"]]
-            for seed in plan.extra_seeds:
-                finals.append(plan.run(plan.settings["lm"], task_objs["lm"], v, out, device, seed=seed)["final"])
-            seed_runs["finals"][v] = finals
+        extra: list[_Call] = [(plan.settings["lm"], task_objs["lm"], v, seed) for v in top for seed in plan.extra_seeds]
+        finals = {v: [runs["lm"][v]["final"]] for v in top}
+        for (_, _, v, _), record in zip(extra, plan.run_many(extra, out, device), strict=True):
+            finals[v].append(record["final"])
+        seed_runs["finals"] = finals
     return runs, seed_runs
 
 
@@ -668,6 +719,12 @@ def _measure_all(args: argparse.Namespace, settings: dict[str, TaskSettings], ta
                                                           quick=args.quick)}
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished worker processes."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
+
+
 def run_arena(args: argparse.Namespace) -> int:
     """Run the arena described by ``args`` (from :func:`add_arena_arguments`); returns an exit code.
 
@@ -675,7 +732,7 @@ def run_arena(args: argparse.Namespace) -> int:
     (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings, before any training
     (an ``--out`` that cannot be written, or a ``--quick`` run over a full report, included).
     """
-    grid_only = [f"--{k.replace('_', '-')}" for k in ("grid_widths", "grid_pairs", "grid_seq_lens", "jobs")
+    grid_only = [f"--{k.replace('_', '-')}" for k in ("grid_widths", "grid_pairs", "grid_seq_lens")
                  if getattr(args, k, None) is not None]
     if grid_only and args.task != "mqar-grid":
         raise ValueError(f"{', '.join(grid_only)}: only for --task mqar-grid (got --task {args.task})")
@@ -702,13 +759,15 @@ def run_arena(args: argparse.Namespace) -> int:
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             write_atomic(out / KIND_FILE, "quick\n" if args.quick else "full\n")
-        t0, c0 = time.perf_counter(), time.process_time()
-        runs, seed_runs = _train_all(_Plan(args, settings, variants, args.rank_zero_msgs), task_objs, out, device)
+        t0, c0 = time.perf_counter(), _cpu_seconds()
+        with _Plan(args, settings, variants, args.rank_zero_msgs, world) as plan:
+            runs, seed_runs = _train_all(plan, task_objs, out, device)
         extra = _measure_all(args, settings, task_objs, variants, device) if rank == 0 and not cp else {}
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
         if rank == 0:
             results = _results(args, settings, task_objs, variants, runs, device, world, wall, cpu)
             results.update(extra, seed_runs=seed_runs)
+            results["environment"].update(train_jobs=plan.jobs, train_threads=plan.threads or torch.get_num_threads())
             results["verdict"] = verdict(results)
             paths = write_report(results, out)
             print(summary_text(results, paths), flush=True)
