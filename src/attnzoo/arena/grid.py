@@ -7,8 +7,9 @@ from the cache). Exact attention buys recall with a state that grows with the se
 fixed-size state must compress all pairs into its numbers, so its recall falls as the pairs grow
 unless the state (the width) grows too. See Arora et al. 2023, "Zoology".
 
-The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) took 32 minutes
-for the 17 registered variants on two quiet CPU cores (AMD EPYC, 2 worker processes). Each cell is
+The default grid (widths 32, 64 x pairs 4, 8 x seq_len 64, 600 steps of 32 sequences) took 19.4 minutes
+for the 17 registered variants on two quiet CPU cores (AMD EPYC, 2 worker processes; 32 minutes when
+other programs shared them). Each cell is
 evaluated half-way, at three quarters and at the end: a cell still rising is marked "not converged",
 and exact full attention that has not solved the task is marked "below its plateau" (at the default
 budget the softmax variants have not made MQAR's jump: about 29% at 4 pairs), so compare the

@@ -142,7 +142,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which task(s) to run (default: all). mqar-grid: MQAR accuracy over width x "
                              "key-value pairs x sequence length for every variant, against decode-state bytes "
                              "(the Zoology figure), with --grid-widths/--grid-pairs/--grid-seq-lens; the default "
-                             "grid (17 variants x 4 cells) took 32 minutes on 2 AVX2 CPU cores, --quick under 2 minutes")
+                             "grid (17 variants x 4 cells) took 19 minutes on 2 quiet AVX2 CPU cores, --quick under 2 minutes")
     parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default: per task, see docs)")
     parser.add_argument("--seq-len", dest="seq_len", type=_positive_int, help="tokens per training sequence")
     parser.add_argument("--width", type=_positive_int, help="model width C")
