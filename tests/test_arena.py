@@ -24,11 +24,11 @@ from attnzoo.arena import (
     train,
 )
 from attnzoo.arena.grid import GRID, convergence_text, eval_steps, grid_jobs
-from attnzoo.arena.workers import worker_plan
 from attnzoo.arena.measure import state_bytes, training_memory
 from attnzoo.arena.progress import make_progress
 from attnzoo.arena.tasks import IGNORE, load_shakespeare
 from attnzoo.arena.trainer import StepInfo, load_checkpoint, make_optimizer, save_checkpoint
+from attnzoo.arena.workers import worker_plan
 from attnzoo.models import DecoderLM
 
 # Tiny models gain nothing from a second thread, and on a shared machine OpenMP barriers between
