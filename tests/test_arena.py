@@ -560,6 +560,8 @@ def test_arena_runs_in_workers_equal_the_sequential_runs(tmp_path: Path) -> None
         a, b = seq["runs"]["lm"][v], par["runs"]["lm"][v]
         assert (a["train_losses"], a["evals"], a["memory"]) == (b["train_losses"], b["evals"], b["memory"]), v
     assert seq["seed_runs"] == par["seed_runs"] and len(par["seed_runs"]["finals"]) == 1
+    trained_cpu = sum(r["train_cpu_s"] for r in par["runs"]["lm"].values())
+    assert par["cpu_s"] >= trained_cpu > 0  # the invocation's CPU time counts its workers'
     assert "2 worker processes of 1 thread each" in (tmp_path / "par" / "report.md").read_text()
 
 

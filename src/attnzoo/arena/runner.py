@@ -436,7 +436,7 @@ class _Run:
                         save_checkpoint(self.ckpt, plain, optimizer, step,
                                         {"signature": self.sig, "losses": losses, "evals": evals})
 
-            t0, c0 = time.perf_counter(), _cpu_seconds()
+            t0, c0 = time.perf_counter(), time.process_time()
             train(model, self.task, s.steps, s.batch, self.seed, config=cfg, device=self.device,
                   start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
                   checkpoint_every=args.checkpoint_every,
