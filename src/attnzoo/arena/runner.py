@@ -174,7 +174,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"mqar-grid: numbers of key-value pairs (default: {_csv(GRID['pairs'])})")
     parser.add_argument("--grid-seq-lens", dest="grid_seq_lens", type=_int_list,
                         help=f"mqar-grid: sequence lengths (default: {_csv(GRID['seq_lens'])})")
-    parser.add_argument("--jobs", type=_positive_int,
+    parser.add_argument("--jobs", type=_positive_int, metavar="J",
                         help="runs trained at once, in worker processes with cores // J torch threads each "
                              "unless --threads is given (default: 1; mqar-grid on a CPU: one per core, or cores // "
                              "--threads; always 1 on other devices and under torchrun)")
