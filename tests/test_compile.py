@@ -636,6 +636,21 @@ def test_recurrent_form_is_one_operator_for_any_length(name: str) -> None:
     assert any("_recurrent" in t for t in targets), targets
 
 
+def test_gla_per_key_training_graph_calls_the_scores_operator() -> None:
+    """A compiled training graph of chunked GLA with a decay per key dimension holds the chunk scores as
+    one ``attnzoo::gla_vector_scores`` node (traced, the halving's levels became a dozen generated
+    kernels and a 2-layer ``DecoderLM`` step compiled in 79-100 s); an inference graph keeps the
+    loop-free blocks, which run faster compiled."""
+    fn = KERNELS["gla-chunked"]
+    for grad, wanted in ((True, True), (False, False)):
+        counter = CompileCounterWithBackend("aot_eager")
+        dynamo.reset()
+        args = _kernel_args("gla-chunked", grad=grad)
+        torch.compile(fn, backend=counter, fullgraph=True)(*args)
+        targets = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
+        assert any("gla_vector_scores" in t for t in targets) == wanted, (grad, targets)
+
+
 def test_token_loop_operators_pass_opcheck() -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (0.3 * torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))

@@ -159,7 +159,7 @@ def test_loop_free_vector_scores_equal_the_halving() -> None:
     equal the halving of eager mode to float64 rounding, for chunks that are not a multiple of the
     block, one-token chunks and decays of e^-320 over a chunk; compiled (aot_eager) chunked GLA with
     such decays equals the float64 recurrence (inference: the loop-free scores) and has finite
-    gradients in float32 (training: the halving)."""
+    gradients in float32 (training: the halving as an operator)."""
     from attnzoo.functional.gla import _blocked_vector_scores, _vector_scores
 
     gen = torch.Generator().manual_seed(0)
@@ -179,6 +179,28 @@ def test_loop_free_vector_scores_equal_the_halving() -> None:
     assert rel_err(out, ref) < 1e-5
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in x32.values())
+
+
+@pytest.mark.parametrize(("c", "sub", "decay"), [(64, 4, 1.0), (37, 4, 1.0), (5, 4, 1.0), (1, 4, 1.0), (16, 16, 1.0),
+                                             (9, 9, 1.0), (64, 4, 10.0)])
+def test_vector_scores_operator_gradient_equals_autograd_of_the_halving(c: int, sub: int, decay: float) -> None:
+    """``attnzoo::gla_vector_scores`` (the per-key scores with an analytic backward: the same halving
+    for dq and dk, ``dg`` the suffix sum of ``q dq - k dk``) gives the values and float64 gradients of
+    autograd through the halving: chunks that are not a power of two times ``sub``, one token, one
+    sub-block (the quadratic form), decays of e^-320 over a chunk. Passes ``opcheck``."""
+    from attnzoo.functional.gla import _vector_scores, vector_scores
+
+    gen = torch.Generator().manual_seed(c)
+    q, k = (torch.randn(2, 3, c, 5, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    g = (-decay * torch.rand(2, 3, c, 5, generator=gen, dtype=torch.float64)).requires_grad_()
+    weight = torch.randn(2, 3, c, c, generator=gen, dtype=torch.float64)
+    want = _vector_scores(q, k, g, sub)
+    got = vector_scores(q, k, g, sub)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), (q, k, g)),
+                    torch.autograd.grad((want * weight).sum(), (q, k, g)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(vector_scores, (q, k, g, sub))
 
 
 def test_retention_is_scalar_gla_and_matches_decay_mask() -> None:

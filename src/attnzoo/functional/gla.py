@@ -21,11 +21,17 @@ down to ``sub`` tokens; the ``sub x sub`` blocks left on the diagonal are comput
 (a ``[sub, sub, Dk]`` tensor). With a scalar decay per token the decay factors out
 of the sum over d: ``A = (Q K^T) * exp(b_t - b_s)``.
 
-Under ``torch.compile`` the halving loop (one level per power of two, each writing its blocks into
-the chunk's scores in place) is traced level by level into a dozen generated kernels, so a compiled
-inference graph computes the same scores without a loop (a training graph keeps the halving: with
-the loop-free scores its step compiled in 58-68 s instead of 79-100 s but ran 1.04-1.12x eager
-instead of 0.73-0.86x, ``benchmarks/bench_compile.py --cases lm --lm-attention gla``): the chunk is cut into blocks of
+The halving runs as one operator, ``attnzoo::gla_vector_scores``, whose backward is the same
+halving again (a block's ``dq_t = exp(b_t - b_r) (dA k_ref)``, ``dk_s = exp(b_r - b_s) (dA^T q_ref)``;
+the diagonal blocks elementwise) and ``dg`` the suffix sum of ``db = q dq - k dk``: in eager mode
+autograd then records neither the levels' in-place block writes nor their flips and cumulative sums
+(a training step of the arena's grid GLA cell ran 0.84-0.87x the time of autograd through the
+halving), and ``torch.compile`` sees one node instead of tracing every level (a 2-layer
+``DecoderLM(attention="gla")`` training step compiled in 28 s instead of 79-100 s).
+
+A compiled inference graph computes the same scores without a loop, which its generated code runs
+faster than the operator (compiled/eager 0.76-0.82 against 0.89-1.06,
+``benchmarks/bench_compile.py --cases gla``): the chunk is cut into blocks of
 ``COMPILED_SUB_CHUNK`` tokens, and every block below the diagonal is one batched matmul of
 ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)`` with ``r`` the last token before the row's block
 (both factors at most 1 again; ``b_r - b_s`` is summed as the key's block suffix plus the whole blocks
@@ -47,13 +53,47 @@ from torch import Tensor
 from attnzoo.functional import _chunked_scan as scan
 from attnzoo.functional._chunked_scan import log_segsum, suffix_sum
 
-__all__ = ["COMPILED_SUB_CHUNK", "SUB_CHUNK", "gated_linear_attention", "run_gla"]
+__all__ = ["COMPILED_SUB_CHUNK", "SUB_CHUNK", "gated_linear_attention", "run_gla", "vector_scores"]
 
 #: Length of the diagonal blocks the halving of the vector-decay scores stops at (computed elementwise).
 SUB_CHUNK = 4
 #: Block length of the loop-free vector-decay scores of a compiled graph (smaller blocks make many tiny
 #: matmuls: 4 ran the compiled call 2x slower than eager; 8 and 16 ran it at 0.7-0.9x, issue 20).
 COMPILED_SUB_CHUNK = 16
+
+
+def _padded(q: Tensor, k: Tensor, g: Tensor, sub: int) -> tuple[int, int, list[Tensor]]:
+    """``(sub, levels, [q, k, g])``: the halving's block length, its number of levels, and the inputs with
+    zero tokens appended up to ``sub * 2**levels`` (their rows and columns are cut by the callers)."""
+    c = q.shape[-2]
+    sub = min(sub, c)
+    levels = (-(-c // sub) - 1).bit_length()  # halvings until blocks of sub tokens cover c
+    cp = sub * 2**levels
+    return sub, levels, [F.pad(t, (0, 0, 0, cp - c)) if cp > c else t for t in (q, k, g)]
+
+
+def _level_decays(g: Tensor, w: int) -> tuple[Tensor, Tensor]:
+    """One halving level (segments of ``2w`` tokens, ``r`` the last token of each first half):
+    ``exp(b_t - b_r)`` on the second halves and ``exp(b_r - b_s)`` on the first halves, ``[..., P, w, Dk]``."""
+    gh = g.unflatten(-2, (-1, 2, w))  # [..., P, 2, w, Dk]
+    return gh[..., 1, :, :].cumsum(dim=-2).exp(), suffix_sum(gh[..., 0, :, :], -2).exp()
+
+
+def _level_block(x: Tensor, w: int) -> Tensor:
+    """The blocks "second half x first half" of a level, ``[..., cp, cp]`` -> a ``[..., P, w, w]`` view."""
+    view = x.unflatten(-1, (-1, 2, w)).unflatten(-4, (-1, 2, w))  # [..., P, 2, w, P, 2, w]
+    return torch.diagonal(view, dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
+
+
+def _diagonal_blocks(x: Tensor, sub: int) -> Tensor:
+    """The ``sub x sub`` blocks on the diagonal, ``[..., cp, cp]`` -> a ``[..., nb, sub, sub]`` view."""
+    view = x.unflatten(-1, (-1, sub)).unflatten(-3, (-1, sub))  # [..., nb, sub, nb, sub]
+    return torch.diagonal(view, dim1=-4, dim2=-2).movedim(-1, -3)
+
+
+def _by_block(t: Tensor, sub: int) -> Tensor:
+    """``[..., cp, Dk]`` -> ``[..., nb, Dk, sub]`` (the diagonal blocks' tokens last)."""
+    return t.unflatten(-2, (-1, sub)).transpose(-1, -2)
 
 
 def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
@@ -65,27 +105,84 @@ def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
     ``sub x sub`` blocks on the diagonal are left, computed elementwise (``[sub, sub, Dk]``).
     """
     c = q.shape[-2]
-    sub = min(sub, c)
-    levels = (-(-c // sub) - 1).bit_length()  # halvings until blocks of sub tokens cover c
-    cp = sub * 2**levels
-    if cp > c:  # zero tokens at the end of the chunk; their rows and columns are cut below
-        q, k, g = (F.pad(t, (0, 0, 0, cp - c)) for t in (q, k, g))
+    sub, levels, (q, k, g) = _padded(q, k, g, sub)
+    cp = q.shape[-2]
     scores = q.new_zeros(*q.shape[:-2], cp, cp)
-    w = cp
-    for _ in range(levels):
-        w //= 2
-        qh, kh, gh = (t.unflatten(-2, (cp // (2 * w), 2, w)) for t in (q, k, g))  # [..., P, 2, w, Dk]
-        q_ref = qh[..., 1, :, :] * gh[..., 1, :, :].cumsum(dim=-2).exp()  # second halves
-        k_ref = kh[..., 0, :, :] * suffix_sum(gh[..., 0, :, :], -2).exp()  # first halves
-        block = torch.matmul(q_ref, k_ref.transpose(-1, -2))  # [..., P, w, w]
-        view = scores.unflatten(-1, (-1, 2, w)).unflatten(-4, (-1, 2, w))  # [..., P, 2, w, P, 2, w]
-        torch.diagonal(view, dim1=-6, dim2=-3)[..., 1, :, 0, :, :].copy_(block.movedim(-3, -1))
-    qt, kt, gt = (t.unflatten(-2, (cp // sub, sub)).transpose(-1, -2) for t in (q, k, g))  # [..., nb, Dk, sub]
-    decay = log_segsum(gt).exp_()  # [..., nb, Dk, t, s]
-    diag = (qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3)  # [..., nb, t, s]
-    view = scores.unflatten(-1, (-1, sub)).unflatten(-3, (-1, sub))  # [..., nb, sub, nb, sub]
-    torch.diagonal(view, dim1=-4, dim2=-2).copy_(diag.movedim(-3, -1))
+    for level in range(1, levels + 1):
+        w = cp >> level
+        a_q, a_k = _level_decays(g, w)
+        q_ref = q.unflatten(-2, (-1, 2, w))[..., 1, :, :] * a_q  # [..., P, w, Dk]
+        k_ref = k.unflatten(-2, (-1, 2, w))[..., 0, :, :] * a_k
+        _level_block(scores, w).copy_(torch.matmul(q_ref, k_ref.transpose(-1, -2)))
+    qt, kt = _by_block(q, sub), _by_block(k, sub)  # [..., nb, Dk, sub]
+    decay = log_segsum(_by_block(g, sub)).exp_()  # [..., nb, Dk, t, s]
+    _diagonal_blocks(scores, sub).copy_((qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3))
     return scores[..., :c, :c]
+
+
+def _vector_scores_grad(d_scores: Tensor, q: Tensor, k: Tensor, g: Tensor, sub: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dg)`` of :func:`_vector_scores` for ``d_scores [..., C, C]`` (read on and
+    below the diagonal), by the same halving: a block's ``dq_t = exp(b_t - b_r) * (dA k_ref)`` and
+    ``dk_s = exp(b_r - b_s) * (dA^T q_ref)``. Since ``dA[t, s] / db_t = -dA[t, s] / db_s = q_t k_s
+    exp(b_t - b_s)`` (per d), ``db = q dq - k dk``, and ``b`` being the prefix sum of ``g``, ``dg`` is
+    the suffix sum of ``db`` (inclusive)."""
+    c = q.shape[-2]
+    sub, levels, (q, k, g) = _padded(q, k, g, sub)
+    cp = q.shape[-2]
+    da = F.pad(d_scores, (0, cp - c, 0, cp - c)) if cp > c else d_scores
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    for level in range(1, levels + 1):
+        w = cp >> level
+        a_q, a_k = _level_decays(g, w)
+        qh, kh = q.unflatten(-2, (-1, 2, w)), k.unflatten(-2, (-1, 2, w))  # [..., P, 2, w, Dk]
+        block = _level_block(da, w)  # [..., P, w (t), w (s)]
+        dq.unflatten(-2, (-1, 2, w))[..., 1, :, :].add_(a_q * torch.matmul(block, kh[..., 0, :, :] * a_k))
+        dk.unflatten(-2, (-1, 2, w))[..., 0, :, :].add_(a_k * torch.matmul(block.transpose(-1, -2),
+                                                                           qh[..., 1, :, :] * a_q))
+    qt, kt = _by_block(q, sub), _by_block(k, sub)  # [..., nb, Dk, sub]
+    weight = log_segsum(_by_block(g, sub)).exp_() * _diagonal_blocks(da, sub).unsqueeze(-3)  # [..., nb, Dk, t, s]
+    dq.add_((weight * kt.unsqueeze(-2)).sum(dim=-1).transpose(-1, -2).flatten(-3, -2))
+    dk.add_((weight * qt.unsqueeze(-1)).sum(dim=-2).transpose(-1, -2).flatten(-3, -2))
+    db = q * dq - k * dk
+    dg = db.flip(-2).cumsum(dim=-2).flip(-2)
+    return dq[..., :c, :], dk[..., :c, :], dg[..., :c, :]
+
+
+@torch.library.custom_op("attnzoo::gla_vector_scores", mutates_args=())
+def vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
+    """:func:`_vector_scores` as one operator with the gradient of :func:`_vector_scores_grad`: eager
+    autograd does not record the halving's in-place block writes, and ``torch.compile`` sees one node
+    instead of tracing every level (issue 20). ``q, k, g [..., C, Dk]`` (g the log decays) -> ``[..., C, C]``."""
+    return _vector_scores(q, k, g, sub).contiguous()
+
+
+@vector_scores.register_fake
+def _vector_scores_fake(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
+    return q.new_empty(*q.shape[:-1], q.shape[-2])
+
+
+@torch.library.custom_op("attnzoo::gla_vector_scores_bwd", mutates_args=())
+def vector_scores_bwd(d_scores: Tensor, q: Tensor, k: Tensor, g: Tensor, sub: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dg)`` of :func:`vector_scores` (:func:`_vector_scores_grad`)."""
+    return tuple(t.contiguous() for t in _vector_scores_grad(d_scores, q, k, g, sub))  # type: ignore[return-value]
+
+
+@vector_scores_bwd.register_fake
+def _vector_scores_bwd_fake(d_scores: Tensor, q: Tensor, k: Tensor, g: Tensor, sub: int) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), g.new_empty(g.shape)
+
+
+def _scores_setup(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    q, k, g, ctx.sub = inputs
+    ctx.save_for_backward(q, k, g)
+
+
+def _scores_backward(ctx, d_scores: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    q, k, g = ctx.saved_tensors
+    return (*vector_scores_bwd(d_scores.contiguous(), q, k, g, ctx.sub), None)
+
+
+vector_scores.register_autograd(_scores_backward, setup_context=_scores_setup)
 
 
 def _blocked_vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
@@ -126,7 +223,7 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Ten
         if torch.compiler.is_compiling() and sub < q.shape[-2] and not needs_grad:
             scores = _blocked_vector_scores(q, k, g, COMPILED_SUB_CHUNK)
         else:
-            scores = _vector_scores(q, k, g, sub)
+            scores = vector_scores(q, k, g, sub)
     else:  # one decay per token
         b = g.cumsum(dim=-1).unsqueeze(-1)  # [..., C, 1]
         after = suffix_sum(g, -1).unsqueeze(-1)
