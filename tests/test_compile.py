@@ -4,6 +4,7 @@ round trips and bounded recompiles under dynamic shapes. Tiny shapes; most compi
 inductor."""
 
 import functools
+import itertools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +71,75 @@ def _break_count(fn: Callable[..., object], *args: object) -> int:
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_core_calls_have_no_graph_breaks(name: str) -> None:
     assert _break_count(CALLS[name], *_qkv()) == 0
+
+
+FLEX_CASES: dict[str, Callable[..., object]] = {
+    "causal": lambda q, k, v, be: az.attention(q, k, v, causal=True, backend=be),
+    "window-gqa": lambda q, k, v, be: az.attention(q, k[:, :2], v[:, :2], causal=True, window=(130, 0), backend=be),
+    "offset-window": lambda q, k, v, be: az.attention(q[:, :, 100:], k, v, causal=True, window=(None, 40), backend=be),
+    "bool-mask": lambda q, k, v, be: az.attention(q, k, v, causal=True, mask=(torch.arange(300) % 7 != 3).expand(300, 300),
+                                                        backend=be),
+    "mask-object": lambda q, k, v, be: az.attention(q, k, v, mask=az.masks.causal() & az.masks.sliding_window(64, 0),
+                                                    backend=be),
+}
+
+
+def _flex_inputs() -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(1, 4, 300, D, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+
+@pytest.mark.parametrize("name", sorted(FLEX_CASES))
+def test_flex_in_a_compiled_graph_builds_its_block_mask_with_operators(name: str) -> None:
+    """Inside ``torch.compile`` the flex backend's block tables of a causal / window request come from
+    ``attnzoo::flex_block_table`` (computed from shapes, eagerly: no generated kernels for them; the
+    per-key-block tables, which only a backward reads, are left out); a ``Mask`` object keeps the
+    traced block map. Outputs equal the reference backend (several 128-token
+    blocks, GQA, ``Nq < Nk``, a bool mask on top, a one-sided window)."""
+    q, k, v = _flex_inputs()
+    counter = CompileCounterWithBackend("aot_eager")
+    dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(FLEX_CASES[name], backend=counter, fullgraph=True)(q, k, v, "flex")
+        want = FLEX_CASES[name](q, k, v, "reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    targets = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("flex_block_table" in t for t in targets) == (0 if name == "mask-object" else 2), targets
+
+
+def test_inductor_flex_with_block_table_operators_matches_reference() -> None:
+    """The generated FlexAttention kernel reads tables made by the operators (torch 2.13's CPU template
+    failed to build when both tile kinds came out of one operator: each kind is its own call)."""
+    q, k, v = _flex_inputs()
+    dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(FLEX_CASES["window-gqa"], fullgraph=True)(q, k, v, "flex")
+        want = FLEX_CASES["window-gqa"](q, k, v, "reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_block_table_operator() -> None:
+    """The operator passes ``opcheck``, and its tables are those torch's ``create_block_mask`` builds
+    from the same predicate evaluated densely."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from attnzoo.functional.flex import BLOCK_FULL, BLOCK_PARTIAL, block_table
+
+    q = _flex_inputs()[0][:, :, 44:]  # [1, 4, 256, D] against 300 keys: q_offset 44
+    for args in ((q, True, None, None, False, False, 300, 44), (q, True, 130, 0, True, False, 300, 44),
+                 (q, False, None, 40, True, True, 300, 44)):
+        for kind, by_key in itertools.product((BLOCK_PARTIAL, BLOCK_FULL), (False, True)):
+            torch.library.opcheck(block_table, (*args, kind, by_key))
+    want = create_block_mask(lambda b, h, i, j: (i + 44 >= j) & (i + 44 - j <= 130), 1, 4, 256, 300, device="cpu")
+    args = (q, True, 130, 0, True, False, 300, 44)
+    for (kind, by_key), (w_count, w_idx) in (
+            ((BLOCK_PARTIAL, False), (want.kv_num_blocks, want.kv_indices)),
+            ((BLOCK_FULL, False), (want.full_kv_num_blocks, want.full_kv_indices)),
+            ((BLOCK_PARTIAL, True), (want.q_num_blocks, want.q_indices)),
+            ((BLOCK_FULL, True), (want.full_q_num_blocks, want.full_q_indices))):
+        count, idx = block_table(*args, kind, by_key)
+        assert torch.equal(count, w_count.expand_as(count))
+        for row in itertools.product(*(range(n) for n in count.shape)):  # the first count indices are tiles
+            assert torch.equal(idx[row][: count[row]], w_idx.expand_as(idx)[row][: count[row]])
 
 
 def test_gqa_tiled_has_no_graph_breaks() -> None:

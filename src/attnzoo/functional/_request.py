@@ -28,7 +28,8 @@ from attnzoo.functional.rules import alibi_bias, compute_dtype
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 
-__all__ = ["AttnRequest", "Capabilities", "Window", "build_request", "check_qkv", "normalize_window"]
+__all__ = ["AttnRequest", "Capabilities", "Window", "build_request", "check_qkv", "combine_structure",
+           "normalize_window"]
 
 _UNSET = object()  # "not computed yet" for AttnRequest.structure
 
@@ -80,6 +81,23 @@ class _Size:
 
     def __get__(self, request: AttnRequest | None, owner: type) -> _Size | int:
         return self if request is None else getattr(request, self.tensor).shape[self.dim]
+
+
+def combine_structure(causal: bool, window: Window | None, mask_obj: Mask | None = None) -> Mask | None:
+    """The position predicate of ``causal``, ``window`` and a ``Mask`` object together (``None``: no constraint)."""
+    parts: list[Mask] = []
+    if causal:
+        parts.append(causal_mask())
+    if window is not None:
+        parts.append(sliding_window(*window))
+    if mask_obj is not None:
+        parts.append(mask_obj)
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out = out & p
+    return out
 
 
 @dataclass(frozen=True)
@@ -136,19 +154,7 @@ class AttnRequest:
         return memo
 
     def _build_structure(self) -> Mask | None:
-        parts: list[Mask] = []
-        if self.causal:
-            parts.append(causal_mask())
-        if self.window is not None:
-            parts.append(sliding_window(*self.window))
-        if self.mask_obj is not None:
-            parts.append(self.mask_obj)
-        if not parts:
-            return None
-        out = parts[0]
-        for p in parts[1:]:
-            out = out & p
-        return out
+        return combine_structure(self.causal, self.window, self.mask_obj)
 
     def features(self) -> set[str]:
         """Names of the non-trivial features this request uses (for backend capability checks)."""

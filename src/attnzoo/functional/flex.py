@@ -3,7 +3,9 @@
 * The request's structure (causal, window, Mask object) and any bool tensor become FlexAttention's
   ``mask_mod``; query rows are shifted by ``q_offset`` so positions stay absolute.
 * The :class:`BlockMask` is built from :meth:`Mask.block_map` (no ``Nq x Nk`` tensor), with full
-  and partial tiles kept apart so FlexAttention skips the mask on full tiles.
+  and partial tiles kept apart so FlexAttention skips the mask on full tiles. A causal / window
+  request's tables are memoised by shape, and inside ``torch.compile`` they come from the operator
+  ``attnzoo::flex_block_table`` (no generated kernels for them, issue 20).
 * softcap, ALiBi and float masks become a ``score_mod``.
 * ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile`` once per shape, which
   is what makes it fast; the first call of a shape pays the compile time. On CPU, requests that
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest, Capabilities
+from attnzoo.functional._request import AttnRequest, Capabilities, combine_structure
 from attnzoo.functional.rules import alibi_bias
-from attnzoo.masks import BLOCK_FULL, BLOCK_PARTIAL
+from attnzoo.masks import BLOCK_FULL, BLOCK_PARTIAL, Mask
 
 COMPILE = True
 FLEX_BLOCK = 128
@@ -82,26 +85,88 @@ def _indices(cls: Tensor, kind: int) -> tuple[Tensor, Tensor]:
     return hit.sum(dim=-1).to(torch.int32), order.to(torch.int32)
 
 
-def build_block_mask(r: AttnRequest) -> Any:
-    """FlexAttention ``BlockMask`` for a request, from the mask algebra's block map."""
+def _tile_classes(structure: Mask | None, masked: bool, batch: int, heads: int, nq: int, nk: int, q_offset: int,
+                  device: torch.device) -> Tensor:
+    """The mask algebra's block map ``[B, H, nQB, nKB]`` (empty / partial / full tiles); ``masked``: a
+    bool tensor mask applies too, so no tile is full."""
+    if structure is None:
+        cls = torch.full((1, 1, -(-nq // FLEX_BLOCK), -(-nk // FLEX_BLOCK)), BLOCK_FULL, dtype=torch.int8,
+                         device=device)
+    else:
+        cls = structure.block_map(batch, heads, nq, nk, FLEX_BLOCK, FLEX_BLOCK, q_offset=q_offset, device=device)
+    if masked:
+        cls = torch.where(cls == BLOCK_FULL, torch.full_like(cls, BLOCK_PARTIAL), cls)
+    return cls.expand(batch, heads, *cls.shape[2:])
+
+
+def _table(cls: Tensor, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
+    """One ``BlockMask`` table: tiles of ``kind`` per query block (count ``[B, H, nQB]``, sorted indices
+    ``[B, H, nQB, nKB]``) or, ``by_key``, per key block (what a backward reads)."""
+    count, idx = _indices(cls.transpose(-1, -2) if by_key else cls, kind)
+    return count.contiguous(), idx.contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _structured_table(causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool, batch: int,
+                      heads: int, nq: int, nk: int, q_offset: int, device: torch.device, kind: int,
+                      by_key: bool) -> tuple[Tensor, Tensor]:
+    """:func:`_table` of a causal / window request (``windowed``: ``(left, right)`` is a window, ``None``
+    an unbounded side), memoised: it depends on these Python values only."""
+    structure = combine_structure(causal, (left, right) if windowed else None)
+    return _table(_tile_classes(structure, masked, batch, heads, nq, nk, q_offset, device), kind, by_key)
+
+
+def _request_table(q: Tensor, causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool,
+                   nk: int, q_offset: int, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
+    b, h, nq, _ = q.shape
+    count, idx = _structured_table(causal, left, right, windowed, masked, b, h, nq, nk, q_offset, q.device, kind,
+                                   by_key)
+    return count.clone(), idx.clone()  # fresh tensors: the memo's stay untouched whatever a caller does
+
+
+@torch.library.custom_op("attnzoo::flex_block_table", mutates_args=())
+def block_table(q: Tensor, causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool,
+                nk: int, q_offset: int, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
+    """One table of a causal / window request's ``BlockMask`` as an operator (``q [B, H, Nq, D]`` gives
+    the sizes and the device). Traced, the block map's comparisons, sorts and counts became C++
+    kernels of the caller's graph (about 3 s of a cold compile); the operator returns them from a
+    memo of shapes. One table per call: torch 2.13's CPU FlexAttention template dropped the partial
+    tiles' tables from its kernel's arguments (a C++ compile error) when both kinds came out of one
+    operator."""
+    return _request_table(q, causal, left, right, windowed, masked, nk, q_offset, kind, by_key)
+
+
+@block_table.register_fake
+def _block_table_fake(q: Tensor, causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool,
+                      nk: int, q_offset: int, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
+    b, h, nq, _ = q.shape
+    rows, cols = -(-nq // FLEX_BLOCK), -(-nk // FLEX_BLOCK)
+    if by_key:
+        rows, cols = cols, rows
+    return q.new_empty(b, h, rows, dtype=torch.int32), q.new_empty(b, h, rows, cols, dtype=torch.int32)
+
+
+def build_block_mask(r: AttnRequest, by_key: bool = True) -> Any:
+    """FlexAttention ``BlockMask`` for a request, from the mask algebra's block map (for a causal / window
+    request memoised by shape, inside a compiled graph through :func:`block_table`; a ``Mask`` object's
+    block map is computed each call). ``by_key=False`` leaves out the per-key-block tables, which only
+    a backward reads."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    mask_mod = _mask_mod(r)
-    s = r.structure
-    dev = r.q.device
-    if s is None:
-        n_qb, n_kb = -(-r.nq // FLEX_BLOCK), -(-r.nk // FLEX_BLOCK)
-        cls = torch.full((1, 1, n_qb, n_kb), BLOCK_FULL, dtype=torch.int8, device=dev)
+    wanted = [(kind, k) for k in ((False, True) if by_key else (False,)) for kind in (BLOCK_PARTIAL, BLOCK_FULL)]
+    if r.mask_obj is None:
+        left, right = r.window if r.window is not None else (None, None)
+        args = (r.q, r.causal, left, right, r.window is not None, r.bool_mask is not None, r.nk, r.q_offset)
+        table = block_table if torch.compiler.is_compiling() else _request_table
+        tables = [table(*args, kind, k) for kind, k in wanted]
     else:
-        cls = s.block_map(r.batch, r.hq, r.nq, r.nk, FLEX_BLOCK, FLEX_BLOCK, q_offset=r.q_offset, device=dev)
-    if r.bool_mask is not None:
-        cls = torch.where(cls == BLOCK_FULL, torch.full_like(cls, BLOCK_PARTIAL), cls)
-    if cls.shape[0] != r.batch or cls.shape[1] != r.hq:
-        cls = cls.expand(r.batch, r.hq, *cls.shape[2:]).contiguous()
-    n_part, i_part = _indices(cls, BLOCK_PARTIAL)
-    n_full, i_full = _indices(cls, BLOCK_FULL)
-    return BlockMask.from_kv_blocks(n_part, i_part, n_full, i_full, BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(r.nq, r.nk))
+        cls = _tile_classes(r.structure, r.bool_mask is not None, r.batch, r.hq, r.nq, r.nk, r.q_offset, r.q.device)
+        tables = [_table(cls, kind, k) for kind, k in wanted]
+    (kv, kv_idx), (full, full_idx) = tables[:2]
+    (q_n, q_idx), (fq_n, fq_idx) = tables[2:] if by_key else ((None, None), (None, None))
+    return BlockMask(seq_lengths=(r.nq, r.nk), kv_num_blocks=kv, kv_indices=kv_idx, full_kv_num_blocks=full,
+                     full_kv_indices=full_idx, q_num_blocks=q_n, q_indices=q_idx, full_q_num_blocks=fq_n,
+                     full_q_indices=fq_idx, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=_mask_mod(r))
 
 
 def _mask_mod(r: AttnRequest) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
@@ -149,8 +214,8 @@ def flex_attention_backend(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     """Attention through FlexAttention. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32 or None)``."""
     from torch.nn.attention.flex_attention import AuxRequest
 
-    block_mask = build_block_mask(r)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
+    block_mask = build_block_mask(r, by_key=needs_grad)
     # torch.compile of FlexAttention on CPU supports inference without LSE only; other CPU requests
     # run FlexAttention's eager path (exact, but it materialises the scores).
     # Compiled CPU FlexAttention also returns wrong values (NaN or off by O(1)) when Nk is below
