@@ -708,17 +708,29 @@ def test_recurrent_form_is_one_operator_for_any_length(name: str) -> None:
 
 def test_gla_per_key_training_graph_calls_the_scores_operator() -> None:
     """A compiled training graph of chunked GLA with a decay per key dimension holds the chunk scores as
-    one ``attnzoo::gla_vector_scores`` node (traced, the halving's levels became a dozen generated
-    kernels and a 2-layer ``DecoderLM`` step compiled in 79-100 s); an inference graph keeps the
-    loop-free blocks, which run faster compiled."""
+    one ``attnzoo::gla_vector_scores`` node, and its backward graph one ``gla_vector_scores_bwd``
+    (traced, the halving's levels became a dozen generated kernels and a 2-layer ``DecoderLM`` step
+    compiled in 80 s); an inference graph keeps the loop-free blocks, which run faster compiled."""
+    from torch._dynamo.backends.common import aot_autograd
+
     fn = KERNELS["gla-chunked"]
-    for grad, wanted in ((True, True), (False, False)):
-        counter = CompileCounterWithBackend("aot_eager")
+    for grad in (True, False):
+        graphs: dict[str, list[torch.fx.GraphModule]] = {"fw": [], "bw": []}
+
+        def keep(kind: str, graphs: dict[str, list[torch.fx.GraphModule]] = graphs) -> Callable[..., object]:
+            return lambda gm, example: graphs[kind].append(gm) or gm
+
         dynamo.reset()
         args = _kernel_args("gla-chunked", grad=grad)
-        torch.compile(fn, backend=counter, fullgraph=True)(*args)
-        targets = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
-        assert any("gla_vector_scores" in t for t in targets) == wanted, (grad, targets)
+        out = torch.compile(fn, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")),
+                            fullgraph=True)(*args)
+        if grad:
+            out.sum().backward()
+        calls = {kind: {str(n.target) for g in gs for n in g.graph.nodes if "gla_vector_scores" in str(n.target)}
+                 for kind, gs in graphs.items()}
+        want = ({"fw": {"attnzoo.gla_vector_scores.default"}, "bw": {"attnzoo.gla_vector_scores_bwd.default"}}
+                if grad else {"fw": set(), "bw": set()})
+        assert calls == want, (grad, calls)
 
 
 def test_token_loop_operators_pass_opcheck() -> None:

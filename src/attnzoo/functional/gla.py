@@ -179,6 +179,8 @@ def _scores_setup(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[n
 
 def _scores_backward(ctx, d_scores: Tensor) -> tuple:  # type: ignore[no-untyped-def]
     q, k, g = ctx.saved_tensors
+    if torch.is_grad_enabled():  # a backward with create_graph=True: the same formulas, differentiable
+        return (*_vector_scores_grad(d_scores, q, k, g, ctx.sub), None)
     return (*vector_scores_bwd(d_scores.contiguous(), q, k, g, ctx.sub), None)
 
 
