@@ -137,9 +137,11 @@ def test_flex_block_table_operator() -> None:
             ((BLOCK_PARTIAL, True), (want.q_num_blocks, want.q_indices)),
             ((BLOCK_FULL, True), (want.full_q_num_blocks, want.full_q_indices))):
         count, idx = block_table(*args, kind, by_key)
-        assert torch.equal(count, w_count.expand_as(count))
+        assert count.shape[:2] == idx.shape[:2] == (1, 1)  # broadcast over batch and heads
+        count, idx = count.expand_as(w_count), idx.expand_as(w_idx)
+        assert torch.equal(count, w_count)
         for row in itertools.product(*(range(n) for n in count.shape)):  # the first count indices are tiles
-            assert torch.equal(idx[row][: count[row]], w_idx.expand_as(idx)[row][: count[row]])
+            assert torch.equal(idx[row][: count[row]], w_idx[row][: count[row]])
 
 
 def test_gqa_tiled_has_no_graph_breaks() -> None:

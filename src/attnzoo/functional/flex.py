@@ -106,20 +106,19 @@ def _table(cls: Tensor, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
     return count.contiguous(), idx.contiguous()
 
 
-@functools.lru_cache(maxsize=256)
-def _structured_table(causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool, batch: int,
-                      heads: int, nq: int, nk: int, q_offset: int, device: torch.device, kind: int,
-                      by_key: bool) -> tuple[Tensor, Tensor]:
+@functools.lru_cache(maxsize=32)
+def _structured_table(causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool, nq: int,
+                      nk: int, q_offset: int, device: torch.device, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
     """:func:`_table` of a causal / window request (``windowed``: ``(left, right)`` is a window, ``None``
-    an unbounded side), memoised: it depends on these Python values only."""
+    an unbounded side), memoised: it depends on these Python values only, and not on the batch or the
+    head, so it is ``[1, 1, ...]`` (FlexAttention broadcasts it; 4 MiB at 65,536 tokens)."""
     structure = combine_structure(causal, (left, right) if windowed else None)
-    return _table(_tile_classes(structure, masked, batch, heads, nq, nk, q_offset, device), kind, by_key)
+    return _table(_tile_classes(structure, masked, 1, 1, nq, nk, q_offset, device), kind, by_key)
 
 
 def _request_table(q: Tensor, causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool,
                    nk: int, q_offset: int, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
-    b, h, nq, _ = q.shape
-    count, idx = _structured_table(causal, left, right, windowed, masked, b, h, nq, nk, q_offset, q.device, kind,
+    count, idx = _structured_table(causal, left, right, windowed, masked, q.shape[2], nk, q_offset, q.device, kind,
                                    by_key)
     return count.clone(), idx.clone()  # fresh tensors: the memo's stay untouched whatever a caller does
 
@@ -128,7 +127,7 @@ def _request_table(q: Tensor, causal: bool, left: int | None, right: int | None,
 def block_table(q: Tensor, causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool,
                 nk: int, q_offset: int, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
     """One table of a causal / window request's ``BlockMask`` as an operator (``q [B, H, Nq, D]`` gives
-    the sizes and the device). Traced, the block map's comparisons, sorts and counts became C++
+    ``Nq`` and the device; the table is ``[1, 1, ...]``, broadcast over batch and heads). Traced, the block map's comparisons, sorts and counts became C++
     kernels of the caller's graph (about 3 s of a cold compile); the operator returns them from a
     memo of shapes. One table per call: torch 2.13's CPU FlexAttention template dropped the partial
     tiles' tables from its kernel's arguments (a C++ compile error) when both kinds came out of one
@@ -139,11 +138,10 @@ def block_table(q: Tensor, causal: bool, left: int | None, right: int | None, wi
 @block_table.register_fake
 def _block_table_fake(q: Tensor, causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool,
                       nk: int, q_offset: int, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
-    b, h, nq, _ = q.shape
-    rows, cols = -(-nq // FLEX_BLOCK), -(-nk // FLEX_BLOCK)
+    rows, cols = -(-q.shape[2] // FLEX_BLOCK), -(-nk // FLEX_BLOCK)
     if by_key:
         rows, cols = cols, rows
-    return q.new_empty(b, h, rows, dtype=torch.int32), q.new_empty(b, h, rows, cols, dtype=torch.int32)
+    return q.new_empty(1, 1, rows, dtype=torch.int32), q.new_empty(1, 1, rows, cols, dtype=torch.int32)
 
 
 def build_block_mask(r: AttnRequest, by_key: bool = True) -> Any:
