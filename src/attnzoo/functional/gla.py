@@ -27,7 +27,7 @@ the diagonal blocks elementwise) and ``dg`` the suffix sum of ``db = q dq - k dk
 autograd then records neither the levels' in-place block writes nor their flips and cumulative sums
 (a training step of the arena's grid GLA cell ran 0.84-0.87x the time of autograd through the
 halving), and ``torch.compile`` sees one node instead of tracing every level (a 2-layer
-``DecoderLM(attention="gla")`` training step compiled in 28 s instead of 79-100 s).
+``DecoderLM(attention="gla")`` training step compiled in 28-33 s instead of 80-100 s).
 
 A compiled inference graph computes the same scores without a loop, which its generated code runs
 faster than the operator (compiled/eager 0.76-0.82 against 0.89-1.06,
