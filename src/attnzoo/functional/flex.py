@@ -127,11 +127,11 @@ def _request_table(q: Tensor, causal: bool, left: int | None, right: int | None,
 def block_table(q: Tensor, causal: bool, left: int | None, right: int | None, windowed: bool, masked: bool,
                 nk: int, q_offset: int, kind: int, by_key: bool) -> tuple[Tensor, Tensor]:
     """One table of a causal / window request's ``BlockMask`` as an operator (``q [B, H, Nq, D]`` gives
-    ``Nq`` and the device; the table is ``[1, 1, ...]``, broadcast over batch and heads). Traced, the block map's comparisons, sorts and counts became C++
-    kernels of the caller's graph (about 3 s of a cold compile); the operator returns them from a
-    memo of shapes. One table per call: torch 2.13's CPU FlexAttention template dropped the partial
-    tiles' tables from its kernel's arguments (a C++ compile error) when both kinds came out of one
-    operator."""
+    ``Nq`` and the device; the table is ``[1, 1, ...]``, broadcast over batch and heads). Traced, the
+    block map's comparisons, sorts and counts became C++ kernels of the caller's graph (about 3 s of a
+    cold compile); the operator returns them from a memo of shapes. One table per call: torch 2.13's
+    CPU FlexAttention template dropped the partial tiles' tables from its kernel's arguments (a C++
+    compile error) when both kinds came out of one operator."""
     return _request_table(q, causal, left, right, windowed, masked, nk, q_offset, kind, by_key)
 
 
