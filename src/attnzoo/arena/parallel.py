@@ -24,7 +24,8 @@ from torch.distributed.fsdp import fully_shard
 from attnzoo._validate import check_int
 from attnzoo.distributed import context_parallel, gather_sequence, shard_positions
 
-__all__ = ["GatheredModel", "ParallelPlan", "full_state_dict", "make_plan", "parallelize"]
+__all__ = ["GatheredModel", "ParallelPlan", "full_state_dict", "make_plan", "parallelize", "plain_copy",
+           "plan_from_args"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,18 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         out[name.replace(".module.", ".")] = full.detach().cpu()
     return out
+
+
+def plain_copy(model: nn.Module, fresh: nn.Module) -> nn.Module:
+    """``fresh`` (an unwrapped model of the same architecture) with the trained weights of the
+    parallelized ``model``; a collective (call on every rank). For measurements and decoding."""
+    fresh.load_state_dict(full_state_dict(model))
+    return fresh
+
+
+def plan_from_args(args: Any) -> ParallelPlan | None:
+    """The mesh of ``--context-parallel N`` (``None`` without N: the flag alone, or absent)."""
+    n = getattr(args, "context_parallel", False)
+    if isinstance(n, bool) or n is None:
+        return None
+    return make_plan(int(n), device_type="cuda" if str(getattr(args, "device", "cpu")).startswith("cuda") else "cpu")
