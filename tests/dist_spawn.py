@@ -36,7 +36,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def save(rank: int, res: dict[str, Any]) -> None:
+    """Write this rank's results now (for a worker about to die on purpose)."""
+    torch.save(res, os.path.join(os.environ["ATTNZOO_TEST_OUTDIR"], f"rank{rank}.pt"))
+
+
 def _entry(rank: int, world: int, port: int, job: Callable[[int, int, dict[str, Any]], None], outdir: str) -> None:
+    os.environ["ATTNZOO_TEST_OUTDIR"] = outdir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
@@ -48,7 +54,7 @@ def _entry(rank: int, world: int, port: int, job: Callable[[int, int, dict[str, 
         res["worker_error"] = f"{type(e).__name__}: {e}"
     finally:
         res["time/job"] = time.perf_counter() - t0
-        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+        save(rank, res)
     os._exit(0)  # some checks break the group on purpose: leave without teardown
 
 

@@ -191,13 +191,14 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train through torch.compile(model) (forward and backward of every training step); "
                              "evaluation and decoding stay eager")
     parser.add_argument("--context-parallel", dest="context_parallel", nargs="?", const=True, default=False,
-                        type=_positive_int, metavar="N",
-                        help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
-                             "attention instead of splitting the batch; softmax variants only "
-                             f"({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len must be divisible by 2 x ranks. "
-                             "With N: FSDP2 on a (world / N, N) mesh, sequences over N ranks, rows of the batch "
-                             "over the rest, every variant but nsa and infini (attnzoo.arena.parallel; runs are "
-                             "not checkpointed)")
+                        type=_positive_int, metavar="N", help=_CP_HELP)
+
+
+_CP_HELP = ("under torchrun: shard every sequence over the ranks (zigzag layout) and run ring attention instead "
+            f"of splitting the batch; softmax variants only ({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len "
+            "must be divisible by 2 x ranks. With N: FSDP2 on a (world / N, N) mesh, sequences over N ranks, rows "
+            "of the batch over the rest, every variant but nsa and infini (attnzoo.arena.parallel; runs are not "
+            "checkpointed)")
 
 
 def _int_list(text: str) -> list[int]:

@@ -184,25 +184,13 @@ def train(
             :func:`attnzoo.distributed.context_parallel` with the same layout; ``model(tokens,
             positions=...)`` gets this rank's shard of every row and the shard's global positions.
             The sequence length must suit the layout (``zigzag``: divisible by ``2 * world``).
-        parallel: FSDP2 + context parallelism on a ``("dp", "cp")`` mesh
-            (:mod:`attnzoo.arena.parallel`; ``model`` already through ``parallelize``, the
-            optimizer built after it): rows of the batch over ``"dp"``, positions over ``"cp"``.
+        parallel: FSDP2 + context parallelism, see :mod:`attnzoo.arena.parallel` (after ``parallelize``).
     """
     steps, global_batch, start_step = _checked_train_args(steps, global_batch, start_step, seed, sequence_layout)
     cfg = config or TrainConfig()
     device = torch.device(device)
     rank, world = rank_and_world()
-    if global_batch % world and parallel is None:
-        raise ValueError(f"train: global_batch ({global_batch}) must be divisible by the world size ({world})")
-    sharded = sequence_layout is not None and world > 1
-    local = global_batch if sharded else global_batch // world
-    rows = slice(0, global_batch) if sharded else slice(rank * local, (rank + 1) * local)
-    positions = None
-    if sharded:
-        positions = shard_positions(task.seq_len, layout=str(sequence_layout), device=device)  # [n]
-    if parallel is not None:  # FSDP2 reduces the gradients; the step is the DDP one on a mesh
-        sharded, rows = False, parallel.rows(global_batch)
-        positions = parallel.positions(task.seq_len, device)
+    sharded, rows, positions = _split(task, global_batch, rank, world, sequence_layout, parallel, device)
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
     net: nn.Module = model
     if world > 1 and not sharded and parallel is None:
@@ -234,6 +222,22 @@ def train(
             checkpoint(done, opt)
     model.eval()
     return losses
+
+
+def _split(task: Task, global_batch: int, rank: int, world: int, sequence_layout: str | None,
+           parallel: ParallelPlan | None, device: torch.device) -> tuple[bool, slice, torch.Tensor | None]:
+    """``(sum the gradients here, this rank's rows, its positions of every row or None)``."""
+    if parallel is not None:  # FSDP2 reduces the gradients; the step is the DDP one on a mesh
+        return False, parallel.rows(global_batch), parallel.positions(task.seq_len, device)
+    if global_batch % world:
+        raise ValueError(f"train: global_batch ({global_batch}) must be divisible by the world size ({world})")
+    sharded = sequence_layout is not None and world > 1
+    local = global_batch if sharded else global_batch // world
+    rows = slice(0, global_batch) if sharded else slice(rank * local, (rank + 1) * local)
+    positions = None
+    if sharded:
+        positions = shard_positions(task.seq_len, layout=str(sequence_layout), device=device)  # [n]
+    return sharded, rows, positions
 
 
 def _checked_train_args(steps: int, global_batch: int, start_step: int, seed: int,

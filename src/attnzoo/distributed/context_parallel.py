@@ -311,7 +311,7 @@ def context_parallel(
         if isinstance(mod, AttentionBase):
             targets.append((name, mod))
     if not targets:
-        raise ValueError(f"{fn}: {type(model).__name__} contains no attention mixer")
+        raise ValueError(f"{fn}: {type(model).__name__} contains no self-attention or recurrent mixer")
     wrapped = [(name, _wrap(name, mod, group, layout, method, backend, timeout))
                for name, mod in targets]  # validate all before changing anything
     for name, cp in wrapped:

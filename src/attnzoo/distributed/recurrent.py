@@ -160,24 +160,7 @@ class ContextParallelRecurrent(nn.Module):
         m, run = self.module, self._runner
         pg, tmo = self.group, self.timeout
         rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        vals: list[float] | None = None
-        err: Exception | None = None
-        try:
-            if mask is not None or cache is not None:
-                raise ValueError("mask= and cache= are not supported under context parallelism")
-            if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != m.dim:  # type: ignore[operator]
-                raise ValueError(f"x must be a tensor [B, n, C] with C = {m.dim}, got "
-                                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-            n = x.shape[1]
-            parts = 2 if self.layout == "zigzag" else 1
-            if n % parts or n // parts < max(1, run.tail):
-                raise ValueError(f"{type(m).__name__} needs {'two equal chunks of ' if parts == 2 else ''}at least "
-                                 f"{max(1, run.tail)} tokens per segment on every rank (its short convolutions "
-                                 f"read the previous {run.tail} inputs), got a local length of {n}")
-            needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters()))
-            vals = [x.shape[0], n, LAYOUTS.index(self.layout), float(needs_grad)]
-        except (TypeError, ValueError) as e:
-            err = e
+        vals, err = self._local_checks(x, mask, cache)
         same = [0, 2, 3] + ([1] if self.layout == "zigzag" else [])
         rows = agree(pg, vals, err, fn, tmo, same=same,
                      describe=lambda r: f"B={r[0]:g}, n={r[1]:g}, layout={LAYOUTS[int(r[2])]}, needs_grad={r[3]:g}")
@@ -218,6 +201,26 @@ class ContextParallelRecurrent(nn.Module):
             outs.append(run.run(xi, _incoming(place[(rank, i)], order, cs, ms), prev[i]))
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return y + tie.to(y.dtype)
+
+    def _local_checks(self, x: object, mask: Any, cache: Any) -> tuple[list[float] | None, Exception | None]:
+        """This rank's ``[B, n, layout, needs_grad]`` or its error (reported on every rank by ``agree``)."""
+        m, run = self.module, self._runner
+        try:
+            if mask is not None or cache is not None:
+                raise ValueError("mask= and cache= are not supported under context parallelism")
+            if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != m.dim:  # type: ignore[operator]
+                raise ValueError(f"x must be a tensor [B, n, C] with C = {m.dim}, got "
+                                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+            n = x.shape[1]
+            parts = 2 if self.layout == "zigzag" else 1
+            if n % parts or n // parts < max(1, run.tail):
+                raise ValueError(f"{type(m).__name__} needs {'two equal chunks of ' if parts == 2 else ''}at least "
+                                 f"{max(1, run.tail)} tokens per segment on every rank (its short convolutions "
+                                 f"read the previous {run.tail} inputs), got a local length of {n}")
+            needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters()))
+            return [x.shape[0], n, LAYOUTS.index(self.layout), float(needs_grad)], None
+        except (TypeError, ValueError) as e:
+            return None, e
 
     def extra_repr(self) -> str:
         return f"layout={self.layout!r}"

@@ -161,6 +161,17 @@ def ulysses_attention(
                              f"(the sum of the shards {lengths}), got {cu.tolist()}")
         docs = document(document_ids(cu, total, q.device))
         mask = docs if mask is None else mask & docs
+    return _exchange_and_attend(q, k, v, pg, tmo, layout, lengths, mask, causal=causal, window=win, scale=scale,
+                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
+
+
+def _exchange_and_attend(q: Tensor, k: Tensor, v: Tensor, pg: Any, tmo: timedelta | None, layout: str,
+                         lengths: list[int], mask: Mask | None, *, causal: bool, window: Window | None,
+                         scale: float | None, softcap: float | None, alibi_slopes: Tensor | None,
+                         sinks: Tensor | None, backend: str) -> Tensor:
+    """Sequence shards -> head shards (global order), attention, and back (all validated)."""
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    win = window
     hq, hkv = q.shape[1], k.shape[1]
     if hkv % world:  # fewer KV heads than ranks: each head goes to the P / Hkv ranks that read it
         k, v = (t.repeat_interleave(world // hkv, dim=1) for t in (k, v))
