@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 GLOO_TIMEOUT_S = 30  # any collective stuck longer than this raises in the worker
 JOB_DEADLINE_S = 150  # the whole spawned job
@@ -75,3 +76,35 @@ def spawn(world: int, job: Callable[[int, int, dict[str, Any]], None], outdir: P
         f = outdir / f"rank{r}.pt"
         out.append(torch.load(f) if f.exists() else {})
     return out
+
+
+def ranks_fixture(world: int, job: Callable[[int, int, dict[str, Any]], None], name: str) -> Any:
+    """A module-scoped fixture that spawns ``world`` ranks running ``job`` once per test module."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+        return spawn(world, job, tmp_path_factory.mktemp(name))
+
+    return fixture
+
+
+class CountingTask:
+    """An arena task for trainer tests: sequences counting up modulo the vocabulary from a random
+    start, each token replaced by a random one with probability ``noise`` (a pure function of the step)."""
+
+    name = "count"
+
+    def __init__(self, vocab_size: int, seq_len: int, noise: float = 0.0, salt: int = 100_003) -> None:
+        self.vocab_size, self.seq_len, self.noise, self.salt = vocab_size, seq_len, noise, salt
+
+    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * self.salt + step)
+        start = torch.randint(0, self.vocab_size, (batch_size, 1), generator=g)
+        seq = (start + torch.arange(self.seq_len + 1)) % self.vocab_size  # [B, N + 1]
+        if self.noise:
+            flip = torch.rand(seq.shape, generator=g) < self.noise
+            seq = torch.where(flip, torch.randint(0, self.vocab_size, seq.shape, generator=g), seq)
+        return seq[:, :-1], seq[:, 1:]
+
+    def evaluate(self, model: nn.Module, device: torch.device, seed: int) -> dict[str, float]:
+        raise NotImplementedError

@@ -42,7 +42,7 @@ from attnzoo.distributed import (
 )
 from attnzoo.distributed.comm import resolve_group
 from attnzoo.variants import VARIANTS, build_attention
-from dist_spawn import rel, spawn
+from dist_spawn import CountingTask, ranks_fixture, rel
 
 REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention"}
 RING_REFUSED = {"local_global", "streaming"}  # mask patterns: Ulysses only
@@ -221,23 +221,6 @@ def _fsdp_step(rank: int, world: int, res: dict[str, Any]) -> None:
 TRAIN_STEPS, TRAIN_BATCH, TRAIN_SEQ, TRAIN_VOCAB = 4, 4, 16, 32
 
 
-class _CountTask:
-    """Sequences counting up modulo the vocabulary from a random start (a pure function of the step)."""
-
-    name = "count"
-    vocab_size = TRAIN_VOCAB
-    seq_len = TRAIN_SEQ
-
-    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 1009 + step)
-        start = torch.randint(0, TRAIN_VOCAB, (batch_size, 1), generator=g)
-        seq = (start + torch.arange(TRAIN_SEQ + 1)) % TRAIN_VOCAB
-        return seq[:, :-1], seq[:, 1:]
-
-    def evaluate(self, model: nn.Module, device: torch.device, seed: int) -> dict[str, float]:
-        raise NotImplementedError
-
-
 def train_losses(plan_cp: int | None) -> list[float]:
     """Trainer losses of a hybrid LM; FSDP2 + context parallel with ``plan_cp`` ranks per sequence."""
     from attnzoo.arena.trainer import TrainConfig, train
@@ -247,7 +230,7 @@ def train_losses(plan_cp: int | None) -> list[float]:
     if plan_cp is not None:
         plan = make_plan(plan_cp)
         parallelize(model, plan)
-    return train(model, _CountTask(), TRAIN_STEPS, TRAIN_BATCH, seed=0, config=TrainConfig(lr=3e-3, warmup=1),
+    return train(model, CountingTask(TRAIN_VOCAB, TRAIN_SEQ, salt=1009), TRAIN_STEPS, TRAIN_BATCH, seed=0, config=TrainConfig(lr=3e-3, warmup=1),
                  parallel=plan)
 
 
@@ -266,14 +249,8 @@ def _job_four(rank: int, world: int, res: dict[str, Any]) -> None:
     res["train/losses"] = train_losses(2)
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(2, _job_two, tmp_path_factory.mktemp("cp2"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(4, _job_four, tmp_path_factory.mktemp("cp4"))
+two = ranks_fixture(2, _job_two, "cp2")
+four = ranks_fixture(4, _job_four, "cp4")
 
 
 @pytest.fixture(scope="module")

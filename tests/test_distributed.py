@@ -39,7 +39,7 @@ from attnzoo.distributed import (
     shard_sequence,
     work_per_rank,
 )
-from dist_spawn import rel, save, spawn
+from dist_spawn import CountingTask, ranks_fixture, rel, save
 
 # (name, layout, causal, window, Hq, Hkv, N[, {"alibi": bool, "softcap": float}]) per world size
 CASES_2 = [
@@ -252,25 +252,6 @@ def _check_context_parallel_model(rank: int, world: int, res: dict[str, Any]) ->
 DDP_STEPS, DDP_GLOBAL_BATCH, DDP_SEQ, DDP_VOCAB = 20, 8, 16, 32
 
 
-class _CountingTask:
-    """Sequences that count up modulo the vocabulary from a random start, with a little noise."""
-
-    name = "count"
-    vocab_size = DDP_VOCAB
-    seq_len = DDP_SEQ
-
-    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 100_003 + step)
-        start = torch.randint(0, DDP_VOCAB, (batch_size, 1), generator=g)
-        seq = (start + torch.arange(DDP_SEQ + 1)) % DDP_VOCAB  # [B, N + 1]
-        noise = torch.rand(seq.shape, generator=g) < 0.1
-        seq = torch.where(noise, torch.randint(0, DDP_VOCAB, seq.shape, generator=g), seq)
-        return seq[:, :-1], seq[:, 1:]
-
-    def evaluate(self, model: nn.Module, device: torch.device, seed: int) -> dict[str, float]:
-        raise NotImplementedError
-
-
 class _TinyLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -293,7 +274,7 @@ def _ddp_train() -> list[float]:
 
     torch.manual_seed(0)
     model = _TinyLM()
-    return train(model, _CountingTask(), DDP_STEPS, DDP_GLOBAL_BATCH, seed=0,
+    return train(model, CountingTask(DDP_VOCAB, DDP_SEQ, noise=0.1), DDP_STEPS, DDP_GLOBAL_BATCH, seed=0,
                  config=TrainConfig(lr=3e-3, warmup=2))
 
 
@@ -326,7 +307,7 @@ def _check_dead_rank(rank: int, world: int, res: dict[str, Any]) -> None:
     if rank in (0, DEAD_RANK):
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(_TinyLM(), process_group=pair)
-        task = _CountingTask()
+        task = CountingTask(DDP_VOCAB, DDP_SEQ, noise=0.1)
         step = 0
         try:
             for step in range(20):
@@ -386,14 +367,8 @@ def _job_four(rank: int, world: int, res: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(2, _job_two, tmp_path_factory.mktemp("two_ranks"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(4, _job_four, tmp_path_factory.mktemp("four_ranks"))
+two = ranks_fixture(2, _job_two, "two_ranks")
+four = ranks_fixture(4, _job_four, "four_ranks")
 
 
 def _assert_ring(results: list[dict[str, Any]], key: str, tol: float) -> None:

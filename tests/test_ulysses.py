@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import attnzoo as az
 from attnzoo.distributed import gather_sequence, shard_sequence, ulysses_attention
-from dist_spawn import rel, spawn
+from dist_spawn import ranks_fixture, rel
 
 # name, layout, causal, window, Hq, Hkv, N, extras
 CASES_2 = [
@@ -112,14 +112,8 @@ def _job(rank: int, world: int, res: dict[str, Any]) -> None:
     _errors(rank, world, res)
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(2, _job, tmp_path_factory.mktemp("ulysses2"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(4, _job, tmp_path_factory.mktemp("ulysses4"))
+two = ranks_fixture(2, _job, "ulysses2")
+four = ranks_fixture(4, _job, "ulysses4")
 
 
 def _check(results: list[dict[str, Any]], key: str, tol: float) -> None:
