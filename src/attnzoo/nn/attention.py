@@ -189,6 +189,7 @@ class MultiHeadAttention(AttentionBase):
         **options: Any,
     ) -> None:
         cls = type(self).__name__
+        num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
         opts, factory = AttentionOptions.parse(cls, options)
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
@@ -212,6 +213,9 @@ class MultiHeadAttention(AttentionBase):
                                         or self.alibi):
             raise ValueError(f"{cls}: a cross-attention module (kv_dim={self.kv_dim}) does not take causal, window, "
                              f"rope or alibi (they relate query and key positions of one sequence)")
+
+    #: ``num_kv_heads`` an alias fixes (MQA: 1), or ``"required"`` (GQA); ``None``: free.
+    _fixed_kv_heads: int | str | None = None
 
     @property
     def alibi(self) -> bool:
@@ -503,6 +507,18 @@ class MultiHeadAttention(AttentionBase):
         return s
 
 
+def _alias_kv_heads(fixed: int | str | None, owner: str, num_kv_heads: int | None) -> int | None:
+    """``num_kv_heads`` as an alias class allows it: ``fixed`` an int (MQA: 1), ``"required"`` (GQA)
+    or ``None`` (free)."""
+    if fixed == "required" and num_kv_heads is None:
+        raise TypeError(f"{owner}: num_kv_heads is required (the number of KV groups)")
+    if isinstance(fixed, int):
+        if num_kv_heads not in (None, fixed):
+            raise TypeError(f"{owner} has num_kv_heads={fixed}; use GroupedQueryAttention for other values")
+        return fixed
+    return num_kv_heads
+
+
 def _check_mask(cls: str, mask: object, B: int, H: int, N: int, n_k: int) -> None:
     """A user mask must be None, a Mask, or a bool/float tensor broadcastable to ``[B, H, N, n_k]``
     (checked before a cache is written, so a bad mask changes nothing)."""
@@ -541,14 +557,12 @@ def _shift_mask(mask: Tensor | Mask | None, first: int, total: int) -> Tensor | 
 class MultiQueryAttention(MultiHeadAttention):
     """Multi-query attention (Shazeer, 2019): every query head shares ONE key/value head.
 
-    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, **kw)``; the cache holds ``1 / H`` of
-    MHA's bytes. Arguments as :class:`MultiHeadAttention`.
+    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, ...)``; the cache holds ``1 / H`` of
+    MHA's bytes. Arguments as :class:`MultiHeadAttention` (``num_kv_heads`` other than 1 is a
+    ``TypeError``).
     """
 
-    def __init__(self, dim: int, num_heads: int, **kw: Any) -> None:
-        if "num_kv_heads" in kw:
-            raise TypeError("MultiQueryAttention has num_kv_heads=1; use GroupedQueryAttention for other values")
-        super().__init__(dim, num_heads, num_kv_heads=1, **kw)
+    _fixed_kv_heads = 1
 
 
 class GroupedQueryAttention(MultiHeadAttention):
@@ -559,8 +573,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     ``num_kv_heads / num_heads`` of MHA's bytes.
     """
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, **kw: Any) -> None:
-        super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, **kw)
+    _fixed_kv_heads = "required"
 
 
 class SlidingWindowAttention(MultiHeadAttention):
