@@ -242,7 +242,7 @@ def _print_check_report(report: Any, args: argparse.Namespace) -> None:
         rows.append([r.group, r.target, r.setting, r.cases, r.skipped, f"{r.max_err:.2e}" if r.cases else "-",
                      f"{r.max_ratio:.2f}" if r.cases else "-", "PASS" if r.passed and r.status == "ok"
                      else r.status.upper() if r.passed else "FAIL"])
-    print_table("attnzoo check: every backend and variant against the float64 reference",
+    print_table("attnzoo check: every backend and variant against the independent float64 oracle",
                 ["group", "target", "setting", "cases", "skipped", "max error", "error/tol", "result"], rows,
                 plain=args.plain)
     fails = [(r, f) for r in report.rows for f in r.failures]
@@ -522,10 +522,10 @@ def _add_list_parser(sub: Any) -> None:
 
 def _add_check_parser(sub: Any) -> None:
     p = _command(sub, "check", cmd_check,
-                 help="every backend and variant against the float64 reference; exit 1 on failure",
+                 help="every backend and variant against the independent float64 oracle; exit 1 on failure",
                  description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
                              "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
-                             "gradients) against the float64 reference, then check every variant module "
+                             "gradients) against the independent float64 oracle (attnzoo.oracle), then check every variant module "
                              "(decode == full forward, backends == reference, approximations within their "
                              "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.", table="progress")
     p.add_argument("--backends", type=_name_list(BACKEND_NAMES), default=None,
