@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from attnzoo.nn.frontier import check_cu_seqlens
 
-__all__ = ["accepts_cu_seqlens", "check_packed_call", "run_per_sequence"]
+__all__ = ["accepts_cu_seqlens", "check_packed_call", "run_packed", "run_per_sequence"]
 
 
 def accepts_cu_seqlens(module: nn.Module) -> bool:
@@ -40,3 +40,24 @@ def run_per_sequence(forward: Callable[[Tensor], Tensor], x: Tensor, cu_seqlens:
     bounds = [int(c) for c in cu_seqlens.tolist()]
     outs = [forward(x[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
     return torch.cat(outs, dim=1)
+
+
+#: What a module's ValueError says when it takes ``cu_seqlens`` but has no fused path for its configuration
+#: (``MultiHeadAttention`` with sink tokens, a local-global pattern, sigmoid scores, ...).
+REFUSAL = "packed input (cu_seqlens)"
+
+
+def run_packed(module: nn.Module, x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """``module`` on packed ``x [1, T, C]``: its fused path when it has one, else :func:`run_per_sequence`.
+
+    ``cu_seqlens`` must be validated by the caller. A module whose forward takes no ``cu_seqlens``, or
+    refuses it for its configuration (a ``ValueError`` naming "packed input (cu_seqlens)", raised before
+    any work), runs one sequence at a time: exact either way. (A ``packs_cu_seqlens()`` method on such
+    modules would let this choose without the call.)"""
+    if accepts_cu_seqlens(module):
+        try:
+            return module(x, cu_seqlens=cu_seqlens)  # type: ignore[no-any-return]
+        except ValueError as err:
+            if REFUSAL not in str(err):
+                raise
+    return run_per_sequence(module, x, cu_seqlens)

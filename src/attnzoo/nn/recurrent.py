@@ -125,9 +125,11 @@ class ShortConv(nn.Module):
         own ``prev[i]`` (``[S, Ch, kernel - 1]``, default zeros) and ``last`` is ``[S, Ch, kernel - 1]``."""
         if cu_seqlens is not None:
             return self._packed(x, prev, cu_seqlens)
-        b, _, ch = x.shape
+        b, n, ch = x.shape
         if prev is None:
             prev = x.new_zeros(b, ch, self.kernel - 1)
+        if n == 0:  # no new inputs: nothing out, the previous inputs kept
+            return x, prev.to(x.dtype)
         seq = torch.cat((prev.to(x.dtype), x.transpose(1, 2)), dim=2)  # [B, Ch, kernel - 1 + N]
         y = F.conv1d(seq, self.weight, self.bias, groups=ch)  # [B, Ch, N]
         return y.transpose(1, 2), seq[:, :, seq.shape[2] - (self.kernel - 1):]
