@@ -269,7 +269,7 @@ def context_parallel(
     """Make every mixer inside ``model`` run on a sequence sharded over the ranks of ``group``.
 
     Softmax attention (MHA and its variants, MLA, differential) runs ring or Ulysses attention
-    (``method``); recurrent mixers (retnet, gla, deltanet, gated_deltanet, mamba2) and feature-map
+    (``method``); recurrent mixers (retnet, gla, deltanet, gated_deltanet, kda, mamba2) and feature-map
     attention (linear, performer) pass state summaries between ranks; NSA and Infini-attention
     are refused by name. Afterwards the model takes this rank's shard of the tokens and their
     global positions, e.g. ``model(shard_sequence(tokens, 1, layout=...),

@@ -119,7 +119,7 @@ class ContextParallelRecurrent(nn.Module):
 
     Args:
         module: a :class:`~attnzoo.nn.recurrent.RecurrentMixer` (retnet, gla, deltanet,
-            gated_deltanet, mamba2) or a feature-map attention (linear, performer).
+            gated_deltanet, kda, mamba2) or a feature-map attention (linear, performer).
         group: a ProcessGroup or a 1-D DeviceMesh (default: the world).
         layout: ``"contiguous"`` or ``"zigzag"`` (how ``x`` was cut).
         timeout: seconds (or a timedelta) for any network wait.
