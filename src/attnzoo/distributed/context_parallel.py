@@ -30,7 +30,7 @@ from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
 from attnzoo.distributed.sharding import check_layout, segments
 from attnzoo.distributed.ulysses import ulysses_attention
-from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.differential import DifferentialAttention
 from attnzoo.nn.feature_attention import _FeatureAttention
@@ -48,6 +48,8 @@ METHODS = ("ring", "ulysses")
 REFUSED: dict[type, str] = {
     NativeSparseAttention: "its selection branch ranks blocks of the whole sequence by the scores of compressed "
                            "keys (a global top-k per query); run it on the gathered sequence",
+    SigmoidAttention: "sigmoid attention has no normaliser, so its shard pairs would add without a "
+                      "log-sum-exp merge: not implemented in ring_attention / ulysses_attention yet",
     InfiniAttention: "its compressive memory is read and written per segment of segment_len tokens with a "
                      "local softmax inside each segment; shards would have to be whole segments",
 }
