@@ -7,7 +7,7 @@ V; the score matrix is tiny. Two things make a dense kernel slower than that rea
   read ``G = Hq / Hkv`` times. Here the ``G`` query heads of a group are stacked as rows,
   ``q [B, Hq, Nq, D] -> [B, Hkv, G*Nq, D]`` (a view when ``q`` allows it), and one matmul per KV
   head and key chunk reads each key once for the whole group; K/V are never expanded.
-* **Cache locality**: the cache is cut into chunks of ``C`` keys (split-KV) so that one chunk's
+* **Cache locality** (one thread): the cache is cut into chunks of ``C`` keys (split-KV) so that one chunk's
   scores ``[B, Hkv, G*Nq, C]`` stay in the L2 cache; each chunk is softmaxed against its own
   maximum and the chunks are merged by their log-sum-exp (online: the running output is
   rescaled by ``2^(m_old - m_new)`` as in the tiled backend).
@@ -54,8 +54,11 @@ MIN_KEYS = 2048
 #: Fewest keys from which a request ``auto`` would send to ``tiled`` (LSE, softcap) or whose window
 #: hides at least half the cache comes here instead (1.6x faster than ``tiled`` at 1,024 keys).
 MIN_KEYS_OTHER = 1024
-#: Bytes of float32 scores per key chunk (``B * Hkv * G*Nq * C * 4``): about half an L2 cache
-#: (256 KiB-1 MiB measured within 5% of each other at 32k keys; one chunk of all keys 15% slower).
+#: Bytes of float32 scores per key chunk (``B * Hkv * G*Nq * C * 4``) on one thread: about half an
+#: L2 cache (256 KiB-1 MiB measured within 5% of each other at 32k keys; one chunk of all keys 15%
+#: slower on a quiet machine). With more threads the default is one chunk of every visible key:
+#: each op of the chunk loop synchronises torch's thread pool, and on a loaded machine (load 21 on
+#: 2 cores) the 8-chunk loop ran at 0.29x SDPA's speed, one pass at 1.23x (one thread: 2.09x).
 SCORE_BYTES = 1 << 19
 #: Key chunks are a multiple of this many keys, at least this many.
 _CHUNK_ALIGN = 256
@@ -157,7 +160,9 @@ def split_kv_attention(r: AttnRequest, chunk: int | None = None) -> tuple[Tensor
         lo = min(max(lo, 0), Nk - 1)
         hi, all_lo, all_hi = lo + 1, Nk, 0
     rows = G * Nq
-    if chunk is None:
+    if chunk is None and torch.get_num_threads() > 1:
+        chunk = hi - lo  # one pass: each op a thread-pool sync, which collapses on shared cores
+    elif chunk is None:
         chunk = max(_CHUNK_ALIGN, SCORE_BYTES // (4 * B * Hkv * rows) // _CHUNK_ALIGN * _CHUNK_ALIGN)
     exp2 = r.softcap is None
     q_scale = r.scale * _LOG2E if exp2 else r.scale
