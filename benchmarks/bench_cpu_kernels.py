@@ -40,6 +40,7 @@ from bench_core import mm_peak, timed  # the script's folder is on sys.path
 import attnzoo as az
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.local_global import LocalGlobalAttention
+from attnzoo.variants import build_attention
 
 ROWS = ("decode", "local_global", "nsa", "varlen", "tiled", "window")
 MIXED = [6144, 3840, 3072, 2304, 1920, 1536, 1344, 1152, 960, 768, 576, 384, 240, 192, 96, 48]  # 16, 24,576
@@ -95,8 +96,8 @@ def bench_local_global(repeats: int) -> None:
 
 def bench_nsa(sizes: list[int], repeats: int) -> None:
     torch.manual_seed(0)
-    nsa = az.build_attention("nsa", 512, 8, causal=True).eval()
-    gqa = az.build_attention("gqa", 512, 8, causal=True, num_kv_heads=2).eval()
+    nsa = build_attention("nsa", 512, 8, causal=True).eval()
+    gqa = build_attention("gqa", 512, 8, causal=True, num_kv_heads=2).eval()
     for n in sizes:
         x = torch.randn(1, n, 512)
         t = timed({"gqa": lambda x=x: gqa(x), "ours": lambda x=x: nsa(x)}, repeats)

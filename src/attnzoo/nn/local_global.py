@@ -109,10 +109,9 @@ class LocalGlobalAttention(MultiHeadAttention):
             return super()._attend_keys(q, k, v, mask, start, first, return_weights, decoding=decoding)
         lo = 0 if start in self.global_positions else max(0, start - self.local_window)
         before = [g for g in self.global_positions if 0 <= g < lo]  # global keys left of the window
-        if before:
-            idx = torch.tensor(before, device=k.device)
-            k = torch.cat((k.index_select(2, idx), k[:, :, lo:]), dim=2)  # [B, Hkv, |G| + w + 1, D]
-            v = torch.cat((v.index_select(2, idx), v[:, :, lo:]), dim=2)
+        if before:  # one gather each (few ops: each one is a thread-pool sync on a loaded machine)
+            idx = torch.tensor([*before, *range(lo, start + 1)], device=k.device)
+            k, v = k.index_select(2, idx), v.index_select(2, idx)  # [B, Hkv, |G| + w + 1, D]
         else:
             k, v = k[:, :, lo:], v[:, :, lo:]  # a view: the window
         return self._core(q, k, v, mask=None, causal=False, window=None, q_offset=k.shape[2] - 1, alibi=None,
