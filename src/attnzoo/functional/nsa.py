@@ -307,17 +307,18 @@ _LOG2E = 1.4426950408889634
 def _sparse_block_major(q: Tensor, kb: Tensor, vb: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor,
                         cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int) -> Tensor:
     """:func:`_sparse` for many queries (eager, no saved tensors): the compressed branch and the
-    picks chunk by chunk as there, then the selected branch block-major over passes of
+    picks in chunks of at least :data:`BLOCK_MAJOR_CHUNK` queries, then the selected branch block-major over passes of
     :data:`BLOCK_MAJOR_CHUNK` queries (:func:`_selected_block_major`)."""
     H, Nq = q.shape[1], q.shape[2]
     G = kb.shape[1]
     r = H // G
     qg_all = q.unflatten(1, (G, r))  # [B, G, r, Nq, D]
     o_cmp, picks, oks = [], [], []
-    for a in range(0, Nq, query_chunk):
-        t0, t1 = q_offset + a, q_offset + min(Nq, a + query_chunk)
+    step = max(query_chunk, BLOCK_MAJOR_CHUNK)  # few large ops (each one a thread-pool sync); exact for any step
+    for a in range(0, Nq, step):
+        t0, t1 = q_offset + a, q_offset + min(Nq, a + step)
         t = torch.arange(t0, t1, device=q.device)
-        o, p = _chunk_compressed(qg_all[:, :, :, a:a + query_chunk], k_cmp, v_cmp, t, t0, cfg, scale)
+        o, p = _chunk_compressed(qg_all[:, :, :, a:a + step], k_cmp, v_cmp, t, t0, cfg, scale)
         o_cmp.append(o)
         with torch.no_grad():
             imp = _overlap_scores(p.detach().sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
