@@ -113,16 +113,19 @@ def _loop_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[
     return torch.cat(outs)
 
 
-def bench_varlen(repeats: int) -> None:
+def bench_varlen(repeats: int, packed_peer: bool = True) -> None:
     g = torch.Generator().manual_seed(0)
     t_ = sum(MIXED)
     q, k, v = (torch.randn(t_, 8, 64, generator=g) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(MIXED).cumsum(0).tolist()], dtype=torch.int32)
-    t = timed({"loop": lambda: _loop_sdpa(q, k, v, MIXED),
-               "ours": lambda: az.attention_varlen(q, k, v, cu, cu, causal=True),
-               "tiled": lambda: az.attention_varlen(q, k, v, cu, cu, causal=True, backend="tiled")}, repeats)
+    fns: dict[str, Callable[[], object]] = {"loop": lambda: _loop_sdpa(q, k, v, MIXED),
+                                            "ours": lambda: az.attention_varlen(q, k, v, cu, cu, causal=True)}
+    if packed_peer:
+        fns["tiled"] = lambda: az.attention_varlen(q, k, v, cu, cu, causal=True, backend="tiled")
+    t = timed(fns, repeats)
     _row("attention_varlen, 16 mixed causal sequences, T=24,576", t["ours"], t["loop"], "auto / per-sequence SDPA loop")
-    _row("  (before: the packed tiled path)", t["tiled"], t["loop"], "tiled / per-sequence SDPA loop")
+    if packed_peer:
+        _row("  (before: the packed tiled path)", t["tiled"], t["loop"], "tiled / per-sequence SDPA loop")
 
 
 def bench_tiled(repeats: int) -> None:
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="+", choices=ROWS, default=list(ROWS))
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--nsa-sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--no-packed-peer", action="store_true", help="skip varlen's packed tiled row (slow when loaded)")
     p.add_argument("--load", type=int, default=0, help="busy processes started for the run (the loaded column)")
     a = p.parse_args(argv)
     stop = time.time() + 3600
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             few = max(1, a.repeats // 3)
             runs: dict[str, Callable[[], None]] = {
                 "decode": lambda: bench_decode(a.repeats), "local_global": lambda: bench_local_global(a.repeats),
-                "nsa": lambda: bench_nsa(a.nsa_sizes, max(1, a.repeats // 9)), "varlen": lambda: bench_varlen(few),
+                "nsa": lambda: bench_nsa(a.nsa_sizes, max(1, a.repeats // 9)), "varlen": lambda: bench_varlen(few, not a.no_packed_peer),
                 "tiled": lambda: bench_tiled(few), "window": lambda: bench_window(few)}
             for name in a.only:
                 runs[name]()
