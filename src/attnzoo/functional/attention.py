@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+import attnzoo.functional.decode as decode
 import attnzoo.functional.flash as flash
 import attnzoo.functional.flex as flex
 import attnzoo.functional.reference as reference
@@ -143,6 +144,8 @@ def attention(
     if sinks is not None:
         return sink_attention(r, sinks, backend, choose_backend, _guarded_run)
     name = choose_backend(r) if backend == "auto" else backend
+    if backend == "auto" and decode.use_split_kv(r, name):  # decoding: decode.py
+        return guard_nonfinite(r, decode.run_split_kv)
     return _guarded_run(r, name)
 
 

@@ -37,6 +37,7 @@ from attnzoo.functional._request import Window, build_request, check_qkv, normal
 from attnzoo.functional.attention import BACKENDS, attention
 from attnzoo.functional.rules import alibi_bias
 from attnzoo.functional.tiled import attention_backward, native_half_matmul, plan_for
+from attnzoo.functional.varlen_split import split_applies, split_varlen
 from attnzoo.masks import Mask
 
 __all__ = ["attention_varlen", "varlen_bwd", "varlen_fwd", "varlen_mask"]
@@ -416,6 +417,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     win = normalize_window(window)
+    if backend == "auto" and not torch.compiler.is_compiling():  # per-length SDPA calls: varlen_split.py
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        if split_applies(q, k, v, bq, bk, softcap=softcap, sinks=sinks, return_lse=return_lse):
+            return split_varlen(q, k, v, bq, bk, causal=causal, window=win, scale=scale, alibi_slopes=alibi_slopes)
     name = "tiled" if backend == "auto" else backend
     kw = dict(causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
               return_lse=return_lse)
