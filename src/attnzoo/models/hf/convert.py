@@ -11,9 +11,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
+from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
 from attnzoo.models.hf.deepseek import convert_deepseek
@@ -28,9 +31,15 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
                            "*ForSequenceClassification", "ViTModel", "ViTForImageClassification",
-                           "DeepseekV3ForCausalLM")
+                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "Gemma3TextModel")
+#: ``model_type`` -> (architecture name, converter) of the families built per layer in
+#: :mod:`attnzoo.models.families` (each owns its weight map).
+BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
+    "gemma3_text": ("Gemma3", convert_gemma3),
+}
 #: ``model_type`` of a config -> the architecture it loads as.
-MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3", **{k: f.arch for k, f in FAMILIES.items()}}
+MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
+               **{k: f.arch for k, f in FAMILIES.items()}, **{k: arch for k, (arch, _) in BUILDERS.items()}}
 
 
 def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: Any,
@@ -39,6 +48,8 @@ def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dt
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     if model_type == "bert":
         return convert_bert(hf, sd, strict_prefix=strict_prefix, **kw)
+    if model_type in BUILDERS:
+        return BUILDERS[model_type][1](hf, sd, **kw)
     if model_type == "deepseek_v3":
         return convert_deepseek(hf, sd, **kw)
     if model_type == "gpt2":
