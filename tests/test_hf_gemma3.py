@@ -65,7 +65,7 @@ def test_unsupported_options_are_named() -> None:
     hf.config.use_bidirectional_attention = True
     with pytest.raises(UnsupportedConfigError, match="use_bidirectional_attention=True"):
         from_hf(hf)
-    with pytest.raises(UnsupportedConfigError, match="attn_logit_softcapping=3.0"):
+    with pytest.raises(UnsupportedConfigError, match=r"attn_logit_softcapping=3\.0"):
         from_hf(T.Gemma3ForCausalLM(_config(attn_logit_softcapping=3.0)))
     hf = T.Gemma3ForCausalLM(_config())
     hf.config.rope_parameters["full_attention"] = {"rope_type": "mrope", "rope_theta": 1e4}

@@ -4,4 +4,4 @@ rotary embeddings, feed-forwards) and owns its Hugging Face weight map; the conv
 
 # The Hugging Face room dispatches to the families; importing it first lets a family module be
 # imported on its own (its converter is then initialised before the family it imports).
-import attnzoo.models.hf  # noqa: E402,F401
+import attnzoo.models.hf  # noqa: F401

@@ -19,11 +19,13 @@ from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 
 __all__ = [
     "GATED",
+    "attention_factory",
     "block",
     "decoder",
     "gated_mlp",
@@ -37,6 +39,7 @@ __all__ = [
     "rms_norm",
     "rope_params",
     "rotary",
+    "sliding_windows",
     "unsupported_keys",
 ]
 
@@ -189,3 +192,32 @@ def put_head(plan: Plan, head_size: int | None, tied: bool, ignore: list[str]) -
 def plan_for(sd: dict[str, Tensor], prefix: str, arch: str) -> Plan:
     """A :class:`Plan` reading ``sd`` under ``prefix``."""
     return Plan(Source(sd, prefix), arch)
+
+
+def attention_factory(hf: HFConfig, *, window: int | None, rope: nn.Module | None, qk_norm: str | None = None,
+                      sinks: bool = False, scale: float | None = None, device: Any = None,
+                      dtype: Any = None) -> Callable[[], nn.Module]:
+    """A factory of the causal :class:`~attnzoo.MultiHeadAttention` of one layer: GQA heads,
+    ``head_dim``, ``attention_bias``, a left ``window`` (``sliding_window - 1``) or ``None``,
+    its own ``rope`` (``None``: a NoPE layer), QK RMSNorm (``"head"``/``"all"``, eps
+    ``rms_norm_eps``), learnable sinks."""
+    C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
+    kw: dict[str, Any] = {
+        "num_kv_heads": hf.get("num_key_value_heads", H), "head_dim": hf.get("head_dim", C // H),
+        "bias": hf.get("attention_bias", False, bool), "causal": True, "window": window, "rope": rope,
+        "dropout": hf.get("attention_dropout", 0.0, float), "device": device, "dtype": dtype}
+    if qk_norm is not None:
+        kw.update(qk_norm=qk_norm, qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float))
+    if sinks:
+        kw["sinks"] = True
+    if scale is not None:
+        kw["scale"] = scale
+    return functools.partial(MultiHeadAttention, C, H, **kw)
+
+
+def sliding_windows(hf: HFConfig, kinds: Sequence[str]) -> list[int | None]:
+    """The left window (``sliding_window - 1``) of each ``sliding_attention`` layer, ``None`` else."""
+    window = hf.get("sliding_window", None)
+    if "sliding_attention" in kinds and window is None:
+        raise hf.unsupported("sliding_attention layers without a sliding_window")
+    return [window - 1 if k == "sliding_attention" else None for k in kinds]

@@ -14,7 +14,6 @@ Gemma3 attention does not apply it (5.24), so no conversion could equal it.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from torch import Tensor
@@ -22,6 +21,7 @@ from torch import Tensor
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._common import (
     GATED,
+    attention_factory,
     block,
     decoder,
     gated_mlp,
@@ -35,10 +35,10 @@ from attnzoo.models.families._common import (
     rms_norm,
     rope_params,
     rotary,
+    sliding_windows,
     unsupported_keys,
 )
 from attnzoo.models.hf._state import HFConfig, float_dtype
-from attnzoo.nn.attention import MultiHeadAttention
 
 __all__ = ["build_gemma3", "convert_gemma3"]
 
@@ -56,25 +56,14 @@ def build_gemma3(hf: HFConfig, *, head_size: int | None = None, device: Any = No
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     D, eps = hf.get("head_dim", C // H), hf.get("rms_norm_eps", 1e-6, float)
     kinds = layer_types(hf, depth, TYPES)
-    window = hf.get("sliding_window", None)
-    if "sliding_attention" in kinds and window is None:
-        raise hf.unsupported("sliding_attention layers without a sliding_window")
     ropes = {t: rotary(hf, rope_params(hf, t), D) for t in set(kinds)}
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     ffn = gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_activation", GATED, "gelu_pytorch_tanh"),
                     **kw)
-    attn_kw: dict[str, Any] = {
-        "num_kv_heads": hf.get("num_key_value_heads", H), "head_dim": D,
-        "bias": hf.get("attention_bias", False, bool), "causal": True,
-        "dropout": hf.get("attention_dropout", 0.0, float), "scale": hf.get("query_pre_attn_scalar", D, float) ** -0.5,
-        "qk_norm": "head", "qk_norm_eps": eps, **kw}
-
-    def attention(kind: str) -> MultiHeadAttention:
-        w = window - 1 if kind == "sliding_attention" else None
-        return MultiHeadAttention(C, H, window=w, rope=ropes[kind], **attn_kw)
-
-    blocks = [block(C, functools.partial(attention, k), ffn, rms_norm(C, eps, **kw), sublayer_norm="both")
-              for k in kinds]
+    scale = hf.get("query_pre_attn_scalar", D, float) ** -0.5
+    blocks = [block(C, attention_factory(hf, window=w, rope=ropes[k], qk_norm="head", scale=scale, **kw), ffn,
+                    rms_norm(C, eps, **kw), sublayer_norm="both")
+              for k, w in zip(kinds, sliding_windows(hf, kinds), strict=True)]
     return decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=C ** 0.5,
                    logit_softcap=hf.get("final_logit_softcapping", None, float), **kw)
 

@@ -8,15 +8,16 @@ the state dict onto it; this module picks the family.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from attnzoo.models.families.gemma3 import convert_gemma3
+from attnzoo.models.families.olmo3 import convert_olmo3
+from attnzoo.models.families.smollm3 import convert_smollm3
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
 from attnzoo.models.hf.deepseek import convert_deepseek
@@ -31,11 +32,13 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
                            "*ForSequenceClassification", "ViTModel", "ViTForImageClassification",
-                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "Gemma3TextModel")
+                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "Gemma3TextModel", "SmolLM3ForCausalLM",
+                           "Olmo3ForCausalLM")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
-    "gemma3_text": ("Gemma3", convert_gemma3),
+    "gemma3_text": ("Gemma3", convert_gemma3), "smollm3": ("SmolLM3", convert_smollm3),
+    "olmo3": ("OLMo3", convert_olmo3),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
