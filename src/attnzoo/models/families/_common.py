@@ -142,20 +142,12 @@ def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None,
             embed_scale: float | None = None, logit_softcap: float | None = None, device: Any = None,
             dtype: Any = None) -> DecoderLM:
     """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
-    rotary embedding and positions): token embedding, final RMSNorm, the head of ``head_size``.
-
-    Until ``DecoderLM(..., blocks=...)`` exists, a one-layer decoder is built and its stack
-    replaced (its shared rotary embedding is dropped: each block's attention carries its own)."""
-    C, heads = hf.req("hidden_size"), hf.req("num_attention_heads")
-    model = DecoderLM(hf.req("vocab_size"), C, 1, heads, pos="rope", norm="rms", norm_eps=norm_eps, ffn="swiglu",
-                      ffn_hidden=8, bias=False, attention="mha", head_dim=8,
-                      tie_embeddings=hf.get("tie_word_embeddings", False, bool), head_size=head_size,
-                      embed_scale=embed_scale, logit_softcap=logit_softcap,
-                      max_seq_len=hf.get("max_position_embeddings", 2048), device=device, dtype=dtype)
-    model.blocks = nn.ModuleList(blocks)
-    model.depth = len(blocks)
-    model.rope = None
-    return model
+    rotary embedding and positions): token embedding, final RMSNorm, the head of ``head_size``."""
+    return DecoderLM(hf.req("vocab_size"), hf.req("hidden_size"), len(blocks), hf.req("num_attention_heads"),
+                     blocks=blocks, pos="rope", norm="rms", norm_eps=norm_eps,
+                     tie_embeddings=hf.get("tie_word_embeddings", False, bool), head_size=head_size,
+                     embed_scale=embed_scale, logit_softcap=logit_softcap,
+                     max_seq_len=hf.get("max_position_embeddings", 2048), device=device, dtype=dtype)
 
 
 def put_attention(plan: Plan, ours: str, theirs: str, *, bias: bool, qk_norm: bool = False,
