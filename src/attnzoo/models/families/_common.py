@@ -187,12 +187,12 @@ def plan_for(sd: dict[str, Tensor], prefix: str, arch: str) -> Plan:
 
 
 def attention_factory(hf: HFConfig, *, window: int | None, rope: nn.Module | None, qk_norm: str | None = None,
-                      sinks: bool = False, scale: float | None = None, device: Any = None,
-                      dtype: Any = None) -> Callable[[], nn.Module]:
+                      sinks: bool = False, scale: float | None = None, output_gate: str | None = None,
+                      device: Any = None, dtype: Any = None) -> Callable[[], nn.Module]:
     """A factory of the causal :class:`~attnzoo.MultiHeadAttention` of one layer: GQA heads,
     ``head_dim``, ``attention_bias``, a left ``window`` (``sliding_window - 1``) or ``None``,
     its own ``rope`` (``None``: a NoPE layer), QK RMSNorm (``"head"``/``"all"``, eps
-    ``rms_norm_eps``), learnable sinks."""
+    ``rms_norm_eps``), learnable sinks, an output gate (``"head"``/``"element"``)."""
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
     kw: dict[str, Any] = {
         "num_kv_heads": hf.get("num_key_value_heads", H), "head_dim": hf.get("head_dim", C // H),
@@ -202,6 +202,8 @@ def attention_factory(hf: HFConfig, *, window: int | None, rope: nn.Module | Non
         kw.update(qk_norm=qk_norm, qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float))
     if sinks:
         kw["sinks"] = True
+    if output_gate is not None:
+        kw["output_gate"] = output_gate
     if scale is not None:
         kw["scale"] = scale
     return functools.partial(MultiHeadAttention, C, H, **kw)

@@ -5,7 +5,8 @@ Layouts (``E`` experts, hidden ``F``, width ``C``):
 
 * ``"stacked"`` (Qwen3-MoE, Qwen3-Next, Qwen3.5): ``gate.weight [E, C]``, ``experts.gate_up_proj
   [E, 2F, C]`` (rows ``[gate; up]``), ``experts.down_proj [E, C, F]``; ``shared_expert.{gate,up,
-  down}_proj`` and ``shared_expert_gate [1, C]``.
+  down}_proj`` and ``shared_expert_gate [1, C]``. Saved folders hold one tensor per expert
+  instead (``experts.{e}.{gate,up,down}_proj.weight``): both load.
 * ``"interleaved"`` (gpt-oss): ``router.weight``/``router.bias``, ``experts.gate_up_proj [E, C, 2F]``
   (columns alternate gate, up) with ``gate_up_proj_bias [E, 2F]``, ``down_proj [E, F, C]`` with
   ``down_proj_bias [E, C]``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from attnzoo.blocks import FeedForward
@@ -37,7 +39,10 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
     """Plan the weights of the :class:`MixtureOfExperts` at ``ours`` (``"blocks.3.ffn."``) from
     transformers' MoE block at ``theirs`` (``"layers.3.mlp."``) in ``layout`` (see the module
     docstring)."""
-    if layout == "stacked":
+    if layout == "stacked" and plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
+        plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
+        _put_per_expert(plan, ours, theirs)
+    elif layout == "stacked":
         plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
         key = f"{theirs}experts.gate_up_proj"
         plan.put(f"{ours}gate_proj", key, lambda w: w[:, : w.shape[1] // 2].contiguous())
@@ -66,6 +71,19 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
                        [(n, n) for n in ("gate_proj", "up_proj", "down_proj")], bias=False)
     if shared_gate:
         plan.put(f"{ours}shared_gate.weight", f"{theirs}shared_expert_gate.weight")
+
+
+def _put_per_expert(plan: Plan, ours: str, theirs: str) -> None:
+    """The saved-checkpoint form of the stacked layout: ``experts.{e}.{gate,up,down}_proj.weight``."""
+    count = 0
+    while plan.src.has(f"{theirs}experts.{count}.gate_proj.weight"):
+        count += 1
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        keys = [f"{theirs}experts.{e}.{name}.weight" for e in range(count)]
+        parts = [plan.src.take(k) for k in keys]
+        if all(p is not None for p in parts):
+            plan.put_tensor(f"{ours}{name}", torch.stack([p for p in parts if p is not None]),
+                            f"{plan.src.prefix}{theirs}experts.*.{name}.weight")
 
 
 def moe_from_config(hf: HFConfig, layout: str, *, device: Any = None, dtype: Any = None) -> nn.Module:
