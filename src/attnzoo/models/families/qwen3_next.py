@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,7 +57,7 @@ from attnzoo.models.families._common import (
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan, float_dtype
 
-__all__ = ["LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "convert_qwen3_next"]
+__all__ = ["LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "convert_qwen3_next", "put_gated_deltanet"]
 
 
 class LinearStateCache:
@@ -237,18 +238,24 @@ def _per_key_head(w: Tensor, hk: int, sizes: list[int]) -> list[Tensor]:
     return [p.reshape(-1, *w.shape[1:]) for p in groups.split(sizes, dim=1)]
 
 
-def put_gated_deltanet(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
-    """The weights of a :class:`QwenGatedDeltaNet` at ``ours`` from transformers' layer at ``theirs``."""
-    hk, hv = hf.req("linear_num_key_heads"), hf.req("linear_num_value_heads")
-    dk, dv, r = hf.req("linear_key_head_dim"), hf.req("linear_value_head_dim"), hv // hk
-    plan.put(f"{ours}in_proj_qkvz.weight", f"{theirs}in_proj_qkvz.weight",
-             lambda w: torch.cat(_per_key_head(w, hk, [dk, dk, r * dv, r * dv])))
-    plan.put(f"{ours}in_proj_ba.weight", f"{theirs}in_proj_ba.weight", lambda w: torch.cat(_per_key_head(w, hk, [r, r])))
+def put_deltanet_rest(plan: Plan, ours: str, theirs: str) -> None:
+    """A :class:`QwenGatedDeltaNet`'s conv, decay, norm and output weights (shared by the layouts)."""
     plan.put(f"{ours}conv_weight", f"{theirs}conv1d.weight", lambda w: w[:, 0].contiguous())
     for n in ("dt_bias", "A_log"):
         plan.put(f"{ours}{n}", f"{theirs}{n}")
     plan.put(f"{ours}norm_weight", f"{theirs}norm.weight")
     plan.put(f"{ours}out_proj.weight", f"{theirs}out_proj.weight")
+
+
+def put_gated_deltanet(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
+    """The weights of a :class:`QwenGatedDeltaNet` at ``ours`` from Qwen3-Next's layer at
+    ``theirs`` (``in_proj_qkvz`` / ``in_proj_ba`` grouped per key head, regrouped)."""
+    hk, hv = hf.req("linear_num_key_heads"), hf.req("linear_num_value_heads")
+    dk, dv, r = hf.req("linear_key_head_dim"), hf.req("linear_value_head_dim"), hv // hk
+    plan.put(f"{ours}in_proj_qkvz.weight", f"{theirs}in_proj_qkvz.weight",
+             lambda w: torch.cat(_per_key_head(w, hk, [dk, dk, r * dv, r * dv])))
+    plan.put(f"{ours}in_proj_ba.weight", f"{theirs}in_proj_ba.weight", lambda w: torch.cat(_per_key_head(w, hk, [r, r])))
+    put_deltanet_rest(plan, ours, theirs)
 
 
 def put_gated_attention(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
@@ -267,8 +274,10 @@ def put_gated_attention(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> Non
         plan.put(f"{ours}.frontier.{n}_weight", f"{theirs}{n}.weight", plus_one)
 
 
-def convert_qwen3_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """Build the decoder and copy the weights (the head follows them)."""
+def convert_qwen3_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
+                       linear_map: Callable[[Plan, str, str, HFConfig], None] = put_gated_deltanet) -> DecoderLM:
+    """Build the decoder and copy the weights (the head follows them); ``linear_map`` plans a
+    linear layer's weights (Qwen3.5 stores its projections apart)."""
     prefix, head_size = head_size_of(hf, sd)
     model = build_qwen3_next(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
     depth = model.depth
@@ -279,7 +288,7 @@ def convert_qwen3_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     for i in range(depth):
         o, h = f"blocks.{i}.", f"layers.{i}."
         if kinds[i] == "linear_attention":
-            put_gated_deltanet(plan, f"{o}attn.", f"{h}linear_attn.", hf)
+            linear_map(plan, f"{o}attn.", f"{h}linear_attn.", hf)
         else:
             put_gated_attention(plan, f"{o}attn", f"{h}self_attn.", hf)
         if i in sparse:
