@@ -57,7 +57,8 @@ from attnzoo.models.families._common import (
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan, float_dtype
 
-__all__ = ["LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "convert_qwen3_next", "put_gated_deltanet"]
+__all__ = ["LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "causal_conv", "convert_qwen3_next",
+           "put_gated_deltanet", "segment_ids"]
 
 
 class LinearStateCache:
@@ -90,9 +91,31 @@ def _real_tokens(mask: Tensor | Mask | None, B: int, N: int, past: int) -> Tenso
     return mask.expand(B, -1, -1, -1)[:, 0, -1, past:]
 
 
-def _segment_ids(cu_seqlens: Tensor, n: int) -> Tensor:
-    """The sequence index ``[T]`` of every token of a packed batch."""
+def segment_ids(cu_seqlens: Tensor, n: int) -> Tensor:
+    """The sequence index ``[T]`` of every token of a packed batch (``cu_seqlens [S+1]``)."""
     return torch.searchsorted(cu_seqlens[1:].long(), torch.arange(n, device=cu_seqlens.device), right=True)
+
+
+def causal_conv(u: Tensor, weight: Tensor, bias: Tensor | None = None, *, prefix: Tensor | None = None,
+                segments: Tensor | None = None) -> Tensor:
+    """Depthwise causal conv1d of ``u [B, N, C]`` with ``weight [C, K]`` (column ``K-1`` multiplies
+    the current token), after ``prefix [B, K-1, C]`` (the previous inputs; zeros when ``None``).
+    With ``segments [N]`` (packed sequences) a tap never reads another sequence's token.
+    Returns ``[B, N, C]`` (no activation)."""
+    B, N, C = u.shape
+    K = weight.shape[-1]
+    if prefix is None:
+        prefix = u.new_zeros(B, K - 1, C)
+    full = torch.cat([prefix.to(u.dtype), u], dim=1)  # [B, K-1+N, C]
+    out = torch.zeros_like(u) if bias is None else bias.to(u.dtype).expand_as(u).clone()
+    for j in range(K):  # tap j reads the token j steps back
+        tap = full[:, K - 1 - j: K - 1 - j + N] * weight[:, K - 1 - j].to(u.dtype)
+        if segments is not None and j:
+            same = torch.zeros(N, dtype=torch.bool, device=u.device)
+            same[j:] = segments[j:] == segments[:-j]
+            tap = tap * same[None, :, None]
+        out = out + tap
+    return out
 
 
 class QwenGatedDeltaNet(nn.Module):
@@ -143,24 +166,6 @@ class QwenGatedDeltaNet(nn.Module):
         return LinearStateCache(batch_size, self.conv_kernel, self.conv_dim, self.hv, self.dk, self.dv,
                                 device=p.device if device is None else device, dtype=p.dtype if dtype is None else dtype)
 
-    def _conv(self, u: Tensor, prefix: Tensor | None, segments: Tensor | None) -> Tensor:
-        """Depthwise causal conv1d + SiLU of ``u [B, N, conv_dim]`` after ``prefix [B, K-1, conv_dim]``
-        (zeros when ``None``); with ``segments [N]`` a tap never reads another sequence's token."""
-        B, N, _ = u.shape
-        K = self.conv_kernel
-        if prefix is None:
-            prefix = u.new_zeros(B, K - 1, self.conv_dim)
-        full = torch.cat([prefix.to(u.dtype), u], dim=1)  # [B, K-1+N, conv_dim]
-        out = torch.zeros_like(u)
-        for j in range(K):  # tap j reads the token j steps back, weight column K-1-j
-            tap = full[:, K - 1 - j: K - 1 - j + N] * self.conv_weight[:, K - 1 - j]
-            if segments is not None and j:
-                same = torch.zeros(N, dtype=torch.bool, device=u.device)
-                same[j:] = segments[j:] == segments[:-j]
-                tap = tap * same[None, :, None]
-            out = out + tap
-        return F.silu(out)
-
     def forward(self, x: Tensor, *, mask: Tensor | Mask | None = None, cache: LinearStateCache | None = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
@@ -176,8 +181,9 @@ class QwenGatedDeltaNet(nn.Module):
         q, k, v, z = self.in_proj_qkvz(x).split([self.key_dim, self.key_dim, self.value_dim, self.value_dim], -1)
         b, a = self.in_proj_ba(x).split([self.hv, self.hv], -1)  # [B, N, Hv]
         u = torch.cat([q, k, v], dim=-1)  # [B, N, conv_dim]
-        segments = None if cu_seqlens is None else _segment_ids(cu_seqlens, N)
-        mixed = self._conv(u, None if cache is None else cache.conv, segments)
+        segments = None if cu_seqlens is None else segment_ids(cu_seqlens, N)
+        mixed = F.silu(causal_conv(u, self.conv_weight, prefix=None if cache is None else cache.conv,
+                                   segments=segments))
         if cache is not None:
             cache.conv.copy_(torch.cat([cache.conv, u.to(cache.conv.dtype)], dim=1)[:, -(self.conv_kernel - 1):])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
