@@ -71,3 +71,7 @@ def test_unsupported_options_are_named() -> None:
     hf.config.rope_parameters["full_attention"] = {"rope_type": "mrope", "rope_theta": 1e4}
     with pytest.raises(UnsupportedConfigError, match="rope_type='mrope'"):
         from_hf(hf)
+
+
+def test_base_model_has_no_logit_softcap() -> None:
+    checks.check_base_model(CASES["softcaps"])

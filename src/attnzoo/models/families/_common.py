@@ -142,11 +142,12 @@ def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None,
             embed_scale: float | None = None, logit_softcap: float | None = None, device: Any = None,
             dtype: Any = None) -> DecoderLM:
     """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
-    rotary embedding and positions): token embedding, final RMSNorm, the head of ``head_size``."""
+    rotary embedding and positions): token embedding, final RMSNorm, the head of ``head_size``
+    (``logit_softcap`` applies to the LM head only, as in transformers)."""
     return DecoderLM(hf.req("vocab_size"), hf.req("hidden_size"), len(blocks), hf.req("num_attention_heads"),
                      blocks=blocks, pos="rope", norm="rms", norm_eps=norm_eps,
                      tie_embeddings=hf.get("tie_word_embeddings", False, bool), head_size=head_size,
-                     embed_scale=embed_scale, logit_softcap=logit_softcap,
+                     embed_scale=embed_scale, logit_softcap=logit_softcap if head_size is None else None,
                      max_seq_len=hf.get("max_position_embeddings", 2048), device=device, dtype=dtype)
 
 
