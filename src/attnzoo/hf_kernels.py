@@ -55,7 +55,8 @@ def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     """The gated delta rule (per-head ``g [B, N, Hv]`` or per-channel ``[B, N, Hv, Dk]`` log
     decays) in transformers' layout: ``(out [B, N, Hv, Dv] in query's dtype, final state float32
     or None)``. q/k are L2-normalised (eps ``1e-6``, in float32) when asked; the scale is
-    ``Dk ** -0.5``; ``cu_seqlens`` / ``cu_seq_lens_q`` (``B == 1``) packs sequences."""
+    ``Dk ** -0.5``; ``cu_seqlens`` / ``cu_seq_lens_q`` (``B == 1``) packs sequences; ``beta`` in
+    ``[0, 2]`` (OLMo-hybrid's negative eigenvalues) runs as ``sqrt(2) k``, ``sqrt(2) v``, ``beta / 2``."""
     dtype = query.dtype
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
     q, k, v = (t.to(cdt).transpose(1, 2) for t in (query, key, value))  # [B, H, N, D]
@@ -63,6 +64,8 @@ def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor,
         q, k = _l2(q), _l2(k)
     gt = g.to(cdt).transpose(1, 2)  # [B, Hv, N] or [B, Hv, N, Dk]
     bt = beta.to(cdt).transpose(1, 2)  # [B, Hv, N]
+    if bool((bt > 1).any()):  # beta in [0, 2] (negative eigenvalues): the same update with sqrt(2) k, v
+        k, v, bt = k * 2.0 ** 0.5, v * 2.0 ** 0.5, bt / 2
     cu = _packed(kwargs)
     s0 = None if initial_state is None else initial_state.to(cdt)
     out, state = delta_rule(q, k, v, bt, log_decay=gt.contiguous(), initial_state=s0, return_state=True,

@@ -127,6 +127,8 @@ class QwenGatedDeltaNet(nn.Module):
         k_head_dim, v_head_dim: ``Dk``, ``Dv``.
         conv_kernel: the causal conv1d width ``K``.
         norm_eps: epsilon of the gated RMSNorm.
+        allow_neg_eigval: ``beta = 2 sigmoid(b)`` in ``[0, 2]`` (OLMo-hybrid), computed exactly as the
+            rule with ``sqrt(2) k``, ``sqrt(2) v`` and ``beta / 2`` (the state update is the same).
 
     Weights: ``in_proj_qkvz [2 Hk Dk + 2 Hv Dv, C]`` (rows ``[q; k; v; z]``), ``in_proj_ba
     [2 Hv, C]`` (rows ``[b; a]``), ``conv_weight [2 Hk Dk + Hv Dv, K]``, ``dt_bias [Hv]``,
@@ -135,8 +137,8 @@ class QwenGatedDeltaNet(nn.Module):
     """
 
     def __init__(self, dim: int, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
-                 conv_kernel: int = 4, *, norm_eps: float = 1e-6, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 conv_kernel: int = 4, *, norm_eps: float = 1e-6, allow_neg_eigval: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                             ("k_head_dim", k_head_dim), ("v_head_dim", v_head_dim), ("conv_kernel", conv_kernel)):
@@ -147,6 +149,9 @@ class QwenGatedDeltaNet(nn.Module):
                              f"({num_k_heads})")
         self.dim, self.hk, self.hv, self.dk, self.dv = dim, num_k_heads, num_v_heads, k_head_dim, v_head_dim
         self.conv_kernel, self.norm_eps = conv_kernel, float(norm_eps)
+        if not isinstance(allow_neg_eigval, bool):
+            raise TypeError(f"QwenGatedDeltaNet: allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")
+        self.allow_neg_eigval = allow_neg_eigval
         self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
@@ -194,6 +199,8 @@ class QwenGatedDeltaNet(nn.Module):
         q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
         beta = torch.sigmoid(b.to(cdt)).transpose(1, 2)  # [B, Hv, N]
+        if self.allow_neg_eigval:  # beta' = 2 sigmoid(b) in [0, 2]: the same rule with sqrt(2) k, sqrt(2) v, beta'/2
+            k, v = k * math.sqrt(2.0), v * math.sqrt(2.0)
         g = (-self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias.to(cdt))).transpose(1, 2)
         out, state = delta_rule(q, k, v, beta, log_decay=g, initial_state=None if cache is None else cache.state,
                                 return_state=True, cu_seqlens=cu_seqlens)  # [B, Hv, N, Dv]
@@ -244,13 +251,14 @@ def _per_key_head(w: Tensor, hk: int, sizes: list[int]) -> list[Tensor]:
     return [p.reshape(-1, *w.shape[1:]) for p in groups.split(sizes, dim=1)]
 
 
-def put_deltanet_rest(plan: Plan, ours: str, theirs: str) -> None:
-    """A :class:`QwenGatedDeltaNet`'s conv, decay, norm and output weights (shared by the layouts)."""
+def put_deltanet_rest(plan: Plan, ours: str, theirs: str, *, norm: str = "norm", out: str = "out_proj") -> None:
+    """A :class:`QwenGatedDeltaNet`'s conv, decay, norm and output weights (shared by the layouts;
+    ``norm``/``out``: transformers' names of the gated norm and the output projection)."""
     plan.put(f"{ours}conv_weight", f"{theirs}conv1d.weight", lambda w: w[:, 0].contiguous())
     for n in ("dt_bias", "A_log"):
         plan.put(f"{ours}{n}", f"{theirs}{n}")
-    plan.put(f"{ours}norm_weight", f"{theirs}norm.weight")
-    plan.put(f"{ours}out_proj.weight", f"{theirs}out_proj.weight")
+    plan.put(f"{ours}norm_weight", f"{theirs}{norm}.weight")
+    plan.put(f"{ours}out_proj.weight", f"{theirs}{out}.weight")
 
 
 def put_gated_deltanet(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
