@@ -102,6 +102,8 @@ def main() -> None:
             with torch.no_grad():
                 times.setdefault((name, "prefill"), []).append(_time(prefill))
             times.setdefault((name, "train step"), []).append(_time(step))
+            print(f"# repeat {r}: {name} prefill {times[(name, 'prefill')][-1]:.2f} s, train step "
+                  f"{times[(name, 'train step')][-1]:.2f} s", flush=True)
     print(f"Qwen3-Next-shaped, dim={args.dim}, 4 layers (3 linear : 1 full, MoE 4 experts top-2), "
           f"N={args.tokens}, threads={torch.get_num_threads()}, repeats={args.repeats}")
     print(f"{'way':<12} {'case':<11} {'median s':>9} {'ratio':>7} {'max rel err':>12}")

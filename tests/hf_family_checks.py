@@ -120,3 +120,30 @@ def check_folder(make: Callable[[], Any], tmp_path: Path) -> None:
     assert isinstance(model, az.DecoderLM)
     with torch.no_grad():
         assert rel(model(x), hf(input_ids=x).logits) <= TOL
+
+
+class FamilyChecks:
+    """The five checks of a family as test methods: a test module declares
+    ``class TestFamily(FamilyChecks): config = staticmethod(make_config)`` (and ``cases``: more
+    configs whose logits and base model are checked too; the last one also decodes)."""
+
+    config: Callable[[], Any]
+    cases: tuple[Callable[[], Any], ...] = ()
+    tokens = 30
+
+    def test_logits_equal_transformers(self) -> None:
+        for make in (self.config, *self.cases):
+            check_logits(make, n=self.tokens)
+
+    def test_base_model_equals_transformers(self) -> None:
+        for make in (self.config, *self.cases):
+            check_base_model(make)
+
+    def test_greedy_generation_identical(self) -> None:
+        check_generation(self.config)
+
+    def test_cached_decode_equals_full_forward(self) -> None:
+        check_cached_decode(self.cases[-1] if self.cases else self.config)
+
+    def test_saved_folder_loads(self, tmp_path: Path) -> None:
+        check_folder(self.config, tmp_path)

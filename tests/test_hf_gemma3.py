@@ -4,7 +4,6 @@ transformers' eager (see ``hf_family_checks``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,28 +37,6 @@ def test_layer_kinds_and_per_layer_rope() -> None:
     assert bases == {500.0, 20000.0}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_transformers(case: str) -> None:
-    checks.check_logits(CASES[case])
-
-
-def test_base_model_equals_transformers() -> None:
-    checks.check_base_model(_config)
-
-
-@pytest.mark.parametrize("case", ["plain", "softcaps"])
-def test_greedy_generation_identical(case: str) -> None:
-    checks.check_generation(CASES[case])
-
-
-def test_cached_decode_equals_full_forward() -> None:
-    checks.check_cached_decode(_config)
-
-
-def test_saved_folder_loads(tmp_path: Path) -> None:
-    checks.check_folder(_config, tmp_path)
-
-
 def test_unsupported_options_are_named() -> None:
     hf = T.Gemma3ForCausalLM(_config())
     hf.config.use_bidirectional_attention = True
@@ -73,5 +50,6 @@ def test_unsupported_options_are_named() -> None:
         from_hf(hf)
 
 
-def test_base_model_has_no_logit_softcap() -> None:
-    checks.check_base_model(CASES["softcaps"])
+class TestGemma3(checks.FamilyChecks):
+    config = staticmethod(_config)
+    cases = tuple(CASES[c] for c in ("softcaps", "scaled_global_rope"))

@@ -5,7 +5,6 @@ ones; equal to transformers' eager (see ``hf_family_checks``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,30 +55,13 @@ def test_chunks_follow_positions() -> None:
         assert allowed[p].nonzero().flatten().tolist() == list(range(4 * (p // 4), p + 1))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_transformers(case: str) -> None:
-    checks.check_logits(CASES[case], n=28)  # several chunks, past original_max_position_embeddings
-
-
-def test_base_model_equals_transformers() -> None:
-    checks.check_base_model(_config)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_generation_identical(case: str) -> None:
-    checks.check_generation(CASES[case])
-
-
-def test_cached_decode_equals_full_forward() -> None:
-    checks.check_cached_decode(CASES["interleaved_dense_llama3_rope"])
-
-
-def test_saved_folder_loads(tmp_path: Path) -> None:
-    checks.check_folder(_config, tmp_path)
-
-
 def test_malformed_no_rope_layers_is_named() -> None:
     hf = T.Llama4ForCausalLM(_config())
     hf.config.no_rope_layers = [1]
     with pytest.raises(CheckpointFormatError, match="no_rope_layers has 1 entries for 4 layers"):
         from_hf(hf)
+
+
+class TestLlama4(checks.FamilyChecks):
+    config = staticmethod(_config)
+    cases = (CASES["interleaved_dense_llama3_rope"],)

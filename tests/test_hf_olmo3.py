@@ -3,7 +3,6 @@ RMSNorm over all heads, output norms; equal to transformers' eager (see ``hf_fam
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,29 +34,13 @@ def test_layer_kinds() -> None:
     assert len({id(b.attn.rope) for b in ours.blocks}) == 2
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_transformers(case: str) -> None:
-    checks.check_logits(CASES[case])
-
-
-def test_base_model_equals_transformers() -> None:
-    checks.check_base_model(_config)
-
-
-def test_greedy_generation_identical() -> None:
-    checks.check_generation(_config)
-
-
-def test_cached_decode_equals_full_forward() -> None:
-    checks.check_cached_decode(_config)
-
-
-def test_saved_folder_loads(tmp_path: Path) -> None:
-    checks.check_folder(_config, tmp_path)
-
-
 def test_unknown_layer_type_is_named() -> None:
     hf = T.Olmo3ForCausalLM(_config())
     hf.config.layer_types = ["chunked_attention"] * 4
     with pytest.raises(UnsupportedConfigError, match="layer type 'chunked_attention'"):
         from_hf(hf)
+
+
+class TestOlmo3(checks.FamilyChecks):
+    config = staticmethod(_config)
+    cases = (CASES["scaled_full_rope"],)

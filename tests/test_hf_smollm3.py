@@ -3,7 +3,6 @@ equal to transformers' eager (see ``hf_family_checks``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,30 +31,13 @@ def test_nope_layers_have_no_rotary() -> None:
     assert [b.attn.rope is None for b in ours.blocks] == [False, False, False, True]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_transformers(case: str) -> None:
-    checks.check_logits(CASES[case])
-
-
-def test_base_model_equals_transformers() -> None:
-    checks.check_base_model(_config)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_generation_identical(case: str) -> None:
-    checks.check_generation(CASES[case])
-
-
-def test_cached_decode_equals_full_forward() -> None:
-    checks.check_cached_decode(CASES["sliding_and_nope"])
-
-
-def test_saved_folder_loads(tmp_path: Path) -> None:
-    checks.check_folder(_config, tmp_path)
-
-
 def test_malformed_no_rope_layers_is_named() -> None:
     hf = T.SmolLM3ForCausalLM(_config())
     hf.config.no_rope_layers = [1, 0]
     with pytest.raises(CheckpointFormatError, match="no_rope_layers has 2 entries for 4 layers"):
         from_hf(hf)
+
+
+class TestSmollm3(checks.FamilyChecks):
+    config = staticmethod(_config)
+    cases = (CASES["sliding_and_nope"],)

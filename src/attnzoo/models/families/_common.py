@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.hf._state import HFConfig, Plan, Source, load_qkv_into
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
@@ -28,6 +28,7 @@ __all__ = [
     "attention_factory",
     "block",
     "decoder",
+    "finish",
     "gated_mlp",
     "head_size_of",
     "layer_types",
@@ -40,6 +41,7 @@ __all__ = [
     "rope_params",
     "rotary",
     "sliding_windows",
+    "start",
     "unsupported_keys",
 ]
 
@@ -216,3 +218,26 @@ def sliding_windows(hf: HFConfig, kinds: Sequence[str]) -> list[int | None]:
     if "sliding_attention" in kinds and window is None:
         raise hf.unsupported("sliding_attention layers without a sliding_window")
     return [window - 1 if k == "sliding_attention" else None for k in kinds]
+
+
+def start(hf: HFConfig, sd: dict[str, Tensor], build: Callable[..., DecoderLM], *, device: Any,
+          dtype: Any) -> tuple[DecoderLM, Plan, int | None]:
+    """``(model, plan, head_size)`` of a conversion: the head from the weights, the decoder built
+    by ``build(hf, head_size=, device=, dtype=)`` (dtype: the checkpoint's unless given), a plan
+    reading under the checkpoint's prefix with the token embedding planned."""
+    prefix, head_size = head_size_of(hf, sd)
+    model = build(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
+    plan = plan_for(sd, prefix, hf.arch)
+    plan.put("tok_emb.weight", "embed_tokens.weight")
+    return model, plan, head_size
+
+
+def finish(plan: Plan, model: DecoderLM, head_size: int | None, *,
+           norm_transform: Callable[[Tensor], Tensor] | None = None, ignore: Sequence[str] = ()) -> DecoderLM:
+    """Plan the final norm and the head, then copy every planned tensor (the rotary buffers of
+    the checkpoint and the patterns ``ignore`` are not expected to match anything)."""
+    plan.put("norm.weight", "norm.weight", norm_transform)
+    patterns = [r"(model\.)?rotary_emb\w*\.\w+", *ignore]
+    put_head(plan, head_size, model.tie_embeddings, patterns)
+    plan.apply(model, ignore=patterns)
+    return model

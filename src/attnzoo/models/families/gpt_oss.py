@@ -16,22 +16,9 @@ from typing import Any
 from torch import Tensor
 
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._common import (
-    attention_factory,
-    block,
-    decoder,
-    head_size_of,
-    layer_types,
-    plan_for,
-    put_attention,
-    put_head,
-    rms_norm,
-    rope_params,
-    rotary,
-    sliding_windows,
-)
+from attnzoo.models.families import _common as parts
 from attnzoo.models.families._moe import moe_from_config, put_moe
-from attnzoo.models.hf._state import HFConfig, float_dtype
+from attnzoo.models.hf._state import HFConfig
 
 __all__ = ["build_gpt_oss", "convert_gpt_oss"]
 
@@ -41,28 +28,21 @@ def build_gpt_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     """The decoder of a ``GptOssConfig`` (random weights; see the module docstring)."""
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
-    kinds = layer_types(hf, depth, ("sliding_attention", "full_attention"))
-    rope = rotary(hf, rope_params(hf), hf.get("head_dim", C // H))
+    kinds = parts.layer_types(hf, depth, ("sliding_attention", "full_attention"))
+    rope = parts.rotary(hf, parts.rope_params(hf), hf.get("head_dim", C // H))
     ffn = functools.partial(moe_from_config, hf, "interleaved", **kw)
-    blocks = [block(C, attention_factory(hf, window=w, rope=rope, sinks=True, **kw), ffn, rms_norm(C, eps, **kw))
-              for w in sliding_windows(hf, kinds)]
-    return decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    blocks = [parts.block(C, parts.attention_factory(hf, window=w, rope=rope, sinks=True, **kw), ffn, parts.rms_norm(C, eps, **kw))
+              for w in parts.sliding_windows(hf, kinds)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
 def convert_gpt_oss(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them)."""
-    prefix, head_size = head_size_of(hf, sd)
-    model = build_gpt_oss(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
-    plan = plan_for(sd, prefix, hf.arch)
-    plan.put("tok_emb.weight", "embed_tokens.weight")
+    model, plan, head_size = parts.start(hf, sd, build_gpt_oss, device=device, dtype=dtype)
     for i in range(model.depth):
         o, h = f"blocks.{i}.", f"layers.{i}."
-        put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool), sinks=True)
+        parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool), sinks=True)
         put_moe(plan, f"{o}ffn.", f"{h}mlp.", "interleaved")
         plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")],
                        bias=False)
-    plan.put("norm.weight", "norm.weight")
-    ignore = [r"(model\.)?rotary_emb\.\w+"]
-    put_head(plan, head_size, model.tie_embeddings, ignore)
-    plan.apply(model, ignore=ignore)
-    return model
+    return parts.finish(plan, model, head_size)

@@ -30,22 +30,9 @@ from torch import Tensor, nn
 from attnzoo.functional.attention import attention
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._common import (
-    block,
-    decoder,
-    gated_mlp,
-    head_size_of,
-    layer_types,
-    plan_for,
-    put_head,
-    put_mlp,
-    rms_norm,
-    rope_params,
-    rotary,
-    unsupported_keys,
-)
+from attnzoo.models.families import _common as parts
 from attnzoo.models.families._moe import moe_from_config, put_moe
-from attnzoo.models.hf._state import HFConfig, float_dtype
+from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.cache import KVCache
 
@@ -178,15 +165,15 @@ def _moe_layers(hf: HFConfig, depth: int) -> set[int]:
 
 def build_llama4(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """The decoder of a ``Llama4TextConfig`` (random weights; see the module docstring)."""
-    unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1)})
+    parts.unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1)})
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     D, eps = hf.get("head_dim", C // H), hf.get("rms_norm_eps", 1e-5, float)
     if hf.get("hidden_act", "silu", str) not in ("silu", "swish"):
         raise hf.unsupported(f"hidden_act={hf.raw('hidden_act')!r}")
-    kinds = layer_types(hf, depth, ("chunked_attention", "full_attention"))
+    kinds = parts.layer_types(hf, depth, ("chunked_attention", "full_attention"))
     use_rope = _per_layer(hf, "no_rope_layers", depth, [int((i + 1) % 4 != 0) for i in range(depth)])
     moe = _moe_layers(hf, depth)
-    rope = rotary(hf, rope_params(hf), D)
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
     chunk = hf.get("attention_chunk_size", None)
     if "chunked_attention" in kinds and chunk is None:
         raise hf.unsupported("chunked_attention layers without an attention_chunk_size")
@@ -202,11 +189,11 @@ def build_llama4(hf: HFConfig, *, head_size: int | None = None, device: Any = No
                                l2_norm_eps=eps if qk and r else None, temperature=None if r else temperature,
                                dropout=hf.get("attention_dropout", 0.0, float), **kw)
 
-    dense = gated_mlp(C, hf.get("intermediate_size_mlp", hf.req("intermediate_size")), "swiglu", **kw)
+    dense = parts.gated_mlp(C, hf.get("intermediate_size_mlp", hf.req("intermediate_size")), "swiglu", **kw)
     sparse = functools.partial(moe_from_config, hf, "transposed", **kw)
-    blocks = [block(C, functools.partial(attention, i), sparse if i in moe else dense, rms_norm(C, eps, **kw))
+    blocks = [parts.block(C, functools.partial(attention, i), sparse if i in moe else dense, parts.rms_norm(C, eps, **kw))
               for i in range(depth)]
-    return decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
 def _split_half_rows(head_dim: int) -> Any:
@@ -222,13 +209,10 @@ def _split_half_rows(head_dim: int) -> Any:
 
 def convert_llama4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (q/k rows permuted, see the module docstring)."""
-    prefix, head_size = head_size_of(hf, sd)
-    model = build_llama4(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
+    model, plan, head_size = parts.start(hf, sd, build_llama4, device=device, dtype=dtype)
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
     permute = _split_half_rows(hf.get("head_dim", C // H))
     bias, moe = hf.get("attention_bias", False, bool), _moe_layers(hf, model.depth)
-    plan = plan_for(sd, prefix, hf.arch)
-    plan.put("tok_emb.weight", "embed_tokens.weight")
     for i in range(model.depth):
         o, h = f"blocks.{i}.", f"layers.{i}."
         for n in "qkvo":
@@ -239,12 +223,8 @@ def convert_llama4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
         if i in moe:
             put_moe(plan, f"{o}ffn.", f"{h}feed_forward.", "transposed", shared=True)
         else:
-            put_mlp(plan, f"{o}ffn.", f"{h}feed_forward.")
+            parts.put_mlp(plan, f"{o}ffn.", f"{h}feed_forward.")
         plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")],
                        bias=False)
-    plan.put("norm.weight", "norm.weight")
-    ignore = [r"(model\.)?rotary_emb\.\w+"]
-    put_head(plan, head_size, model.tie_embeddings, ignore)
-    plan.apply(model, ignore=ignore)
-    return model
+    return parts.finish(plan, model, head_size)
 

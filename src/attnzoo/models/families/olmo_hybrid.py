@@ -20,24 +20,9 @@ import torch
 from torch import Tensor
 
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._common import (
-    attention_factory,
-    block,
-    decoder,
-    gated_mlp,
-    head_size_of,
-    layer_types,
-    plan_for,
-    put_attention,
-    put_head,
-    put_mlp,
-    rms_norm,
-    rope_params,
-    rotary,
-    unsupported_keys,
-)
+from attnzoo.models.families import _common as parts
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, put_deltanet_rest
-from attnzoo.models.hf._state import HFConfig, Plan, float_dtype
+from attnzoo.models.hf._state import HFConfig, Plan
 
 __all__ = ["build_olmo_hybrid", "convert_olmo_hybrid"]
 
@@ -47,23 +32,23 @@ TYPES = ("linear_attention", "full_attention")
 def build_olmo_hybrid(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                       dtype: Any = None) -> DecoderLM:
     """The decoder of an ``OlmoHybridConfig`` (random weights; see the module docstring)."""
-    unsupported_keys(hf, {"hidden_act": lambda v: v in (None, "silu", "swish")})
+    parts.unsupported_keys(hf, {"hidden_act": lambda v: v in (None, "silu", "swish")})
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
-    kinds = layer_types(hf, depth, TYPES)
+    kinds = parts.layer_types(hf, depth, TYPES)
     raw_rope = hf.raw("rope_parameters")
-    rope = None if not isinstance(raw_rope, dict) or raw_rope.get("rope_theta") is None else rotary(
-        hf, rope_params(hf), hf.get("head_dim", C // H))
-    full = attention_factory(hf, window=None, rope=rope, qk_norm="all", **kw)
+    rope = None if not isinstance(raw_rope, dict) or raw_rope.get("rope_theta") is None else parts.rotary(
+        hf, parts.rope_params(hf), hf.get("head_dim", C // H))
+    full = parts.attention_factory(hf, window=None, rope=rope, qk_norm="all", **kw)
     linear = functools.partial(QwenGatedDeltaNet, C, hf.req("linear_num_key_heads"), hf.req("linear_num_value_heads"),
                                hf.req("linear_key_head_dim"), hf.req("linear_value_head_dim"),
                                hf.get("linear_conv_kernel_dim", 4), norm_eps=1e-5,
                                allow_neg_eigval=hf.get("linear_allow_neg_eigval", False, bool), **kw)
-    ffn, norm = gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw), rms_norm(C, eps, **kw)
-    blocks = [block(C, linear, ffn, norm) if k == "linear_attention" else block(C, full, ffn, norm,
+    ffn, norm = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw), parts.rms_norm(C, eps, **kw)
+    blocks = [parts.block(C, linear, ffn, norm) if k == "linear_attention" else parts.block(C, full, ffn, norm,
                                                                                 sublayer_norm="output")
               for k in kinds]
-    return decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
 def _put_linear(plan: Plan, ours: str, theirs: str) -> None:
@@ -88,23 +73,16 @@ def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 def convert_olmo_hybrid(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; saved-folder names too)."""
     sd = _saved_names(sd)
-    prefix, head_size = head_size_of(hf, sd)
-    model = build_olmo_hybrid(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
-    kinds = layer_types(hf, model.depth, TYPES)
-    plan = plan_for(sd, prefix, hf.arch)
-    plan.put("tok_emb.weight", "embed_tokens.weight")
+    model, plan, head_size = parts.start(hf, sd, build_olmo_hybrid, device=device, dtype=dtype)
+    kinds = parts.layer_types(hf, model.depth, TYPES)
     for i, kind in enumerate(kinds):
         o, h = f"blocks.{i}.", f"layers.{i}."
         if kind == "linear_attention":
             _put_linear(plan, f"{o}attn.", f"{h}linear_attn.")
             norms = [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")]
         else:
-            put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool), qk_norm=True)
+            parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool), qk_norm=True)
             norms = [("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")]
-        put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
+        parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
         plan.put_pairs(o, h, norms, bias=False)
-    plan.put("norm.weight", "norm.weight")
-    ignore = [r"(model\.)?rotary_emb\.\w+"]
-    put_head(plan, head_size, model.tie_embeddings, ignore)
-    plan.apply(model, ignore=ignore)
-    return model
+    return parts.finish(plan, model, head_size)

@@ -38,24 +38,9 @@ from torch import Tensor, nn
 from attnzoo.functional.delta_rule import delta_rule
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._common import (
-    attention_factory,
-    block,
-    decoder,
-    gated_mlp,
-    head_size_of,
-    layer_types,
-    plan_for,
-    plus_one,
-    put_head,
-    put_mlp,
-    rms_norm,
-    rope_params,
-    rotary,
-    unsupported_keys,
-)
+from attnzoo.models.families import _common as parts
 from attnzoo.models.families._moe import moe_from_config, put_moe
-from attnzoo.models.hf._state import HFConfig, Plan, float_dtype
+from attnzoo.models.hf._state import HFConfig, Plan
 
 __all__ = ["LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "causal_conv", "convert_qwen3_next",
            "put_gated_deltanet", "segment_ids"]
@@ -227,22 +212,22 @@ def _sparse_layers(hf: HFConfig, depth: int) -> set[int]:
 def build_qwen3_next(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                      dtype: Any = None) -> DecoderLM:
     """The decoder of a ``Qwen3NextConfig`` (random weights; see the module docstring)."""
-    unsupported_keys(hf, {"hidden_act": lambda v: v in (None, "silu", "swish"), "attention_bias": lambda v: not v})
+    parts.unsupported_keys(hf, {"hidden_act": lambda v: v in (None, "silu", "swish"), "attention_bias": lambda v: not v})
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     D, eps, kw = hf.get("head_dim", C // H), hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
-    kinds = layer_types(hf, depth, ("linear_attention", "full_attention"))
-    params = rope_params(hf)
+    kinds = parts.layer_types(hf, depth, ("linear_attention", "full_attention"))
+    params = parts.rope_params(hf)
     partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0, float)))
-    rope = rotary(hf, params, D, rotary_dim=int(D * partial))
-    full = attention_factory(hf, window=None, rope=rope, qk_norm="head", output_gate="element", **kw)
+    rope = parts.rotary(hf, params, D, rotary_dim=int(D * partial))
+    full = parts.attention_factory(hf, window=None, rope=rope, qk_norm="head", output_gate="element", **kw)
     linear = functools.partial(QwenGatedDeltaNet, C, hf.req("linear_num_key_heads"), hf.req("linear_num_value_heads"),
                                hf.req("linear_key_head_dim"), hf.req("linear_value_head_dim"),
                                hf.get("linear_conv_kernel_dim", 4), norm_eps=eps, **kw)
     sparse, moe = _sparse_layers(hf, depth), functools.partial(moe_from_config, hf, "stacked", **kw)
-    dense = gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw)
-    blocks = [block(C, linear if kinds[i] == "linear_attention" else full, moe if i in sparse else dense,
-                    rms_norm(C, eps, **kw)) for i in range(depth)]
-    return decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    dense = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw)
+    blocks = [parts.block(C, linear if kinds[i] == "linear_attention" else full, moe if i in sparse else dense,
+                    parts.rms_norm(C, eps, **kw)) for i in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
 def _per_key_head(w: Tensor, hk: int, sizes: list[int]) -> list[Tensor]:
@@ -285,20 +270,17 @@ def put_gated_attention(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> Non
         plan.put_tensor(f"{ours}.frontier.gate_proj.weight", gate, f"{where} (gate rows)")
     plan.put(f"{ours}.out_proj.weight", f"{theirs}o_proj.weight")
     for n in ("q_norm", "k_norm"):
-        plan.put(f"{ours}.frontier.{n}_weight", f"{theirs}{n}.weight", plus_one)
+        plan.put(f"{ours}.frontier.{n}_weight", f"{theirs}{n}.weight", parts.plus_one)
 
 
 def convert_qwen3_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
                        linear_map: Callable[[Plan, str, str, HFConfig], None] = put_gated_deltanet) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them); ``linear_map`` plans a
     linear layer's weights (Qwen3.5 stores its projections apart)."""
-    prefix, head_size = head_size_of(hf, sd)
-    model = build_qwen3_next(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
+    model, plan, head_size = parts.start(hf, sd, build_qwen3_next, device=device, dtype=dtype)
     depth = model.depth
-    kinds = layer_types(hf, depth, ("linear_attention", "full_attention"))
+    kinds = parts.layer_types(hf, depth, ("linear_attention", "full_attention"))
     sparse = _sparse_layers(hf, depth)
-    plan = plan_for(sd, prefix, hf.arch)
-    plan.put("tok_emb.weight", "embed_tokens.weight")
     for i in range(depth):
         o, h = f"blocks.{i}.", f"layers.{i}."
         if kinds[i] == "linear_attention":
@@ -309,12 +291,8 @@ def convert_qwen3_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
             put_moe(plan, f"{o}ffn.", f"{h}mlp.", "stacked", shared=hf.get("shared_expert_intermediate_size", 0) > 0,
                     shared_gate=hf.get("shared_expert_intermediate_size", 0) > 0)
         else:
-            put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
+            parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
         for ours, theirs in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
-            plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", plus_one)
-    plan.put("norm.weight", "norm.weight", plus_one)
-    ignore = [r"(model\.)?rotary_emb\.\w+"]
-    put_head(plan, head_size, model.tie_embeddings, ignore)
-    plan.apply(model, ignore=ignore)
-    return model
+            plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", parts.plus_one)
+    return parts.finish(plan, model, head_size, norm_transform=parts.plus_one)
 

@@ -13,25 +13,8 @@ from typing import Any
 from torch import Tensor
 
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._common import (
-    GATED,
-    attention_factory,
-    block,
-    decoder,
-    gated_mlp,
-    head_size_of,
-    layer_types,
-    plan_for,
-    put_attention,
-    put_head,
-    put_mlp,
-    rms_norm,
-    rope_params,
-    rotary,
-    sliding_windows,
-    unsupported_keys,
-)
-from attnzoo.models.hf._state import HFConfig, float_dtype
+from attnzoo.models.families import _common as parts
+from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 
 __all__ = ["build_smollm3", "convert_smollm3"]
@@ -40,37 +23,30 @@ __all__ = ["build_smollm3", "convert_smollm3"]
 def build_smollm3(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                   dtype: Any = None) -> DecoderLM:
     """The decoder of a ``SmolLM3Config`` (random weights; see the module docstring)."""
-    unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1)})
+    parts.unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1)})
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
-    kinds = layer_types(hf, depth, ("sliding_attention", "full_attention"))
+    kinds = parts.layer_types(hf, depth, ("sliding_attention", "full_attention"))
     if not hf.get("use_sliding_window", False, bool):
         kinds = ["full_attention"] * depth
     use_rope = hf.get("no_rope_layers", [1] * depth, list)
     if len(use_rope) != depth:
         raise CheckpointFormatError(f"{hf.source}: no_rope_layers has {len(use_rope)} entries for {depth} layers")
-    rope = rotary(hf, rope_params(hf), hf.get("head_dim", C // H))
-    ffn = gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", GATED, "silu"),
+    rope = parts.rotary(hf, parts.rope_params(hf), hf.get("head_dim", C // H))
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
                     bias=hf.get("mlp_bias", False, bool), **kw)
-    blocks = [block(C, attention_factory(hf, window=w, rope=rope if r else None, **kw), ffn, rms_norm(C, eps, **kw))
-              for w, r in zip(sliding_windows(hf, kinds), use_rope, strict=True)]
-    return decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    blocks = [parts.block(C, parts.attention_factory(hf, window=w, rope=rope if r else None, **kw), ffn, parts.rms_norm(C, eps, **kw))
+              for w, r in zip(parts.sliding_windows(hf, kinds), use_rope, strict=True)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
 def convert_smollm3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them)."""
-    prefix, head_size = head_size_of(hf, sd)
-    model = build_smollm3(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
-    plan = plan_for(sd, prefix, hf.arch)
-    plan.put("tok_emb.weight", "embed_tokens.weight")
+    model, plan, head_size = parts.start(hf, sd, build_smollm3, device=device, dtype=dtype)
     for i in range(model.depth):
         o, h = f"blocks.{i}.", f"layers.{i}."
-        put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool))
-        put_mlp(plan, f"{o}ffn.", f"{h}mlp.", bias=hf.get("mlp_bias", False, bool))
+        parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool))
+        parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.", bias=hf.get("mlp_bias", False, bool))
         plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")],
                        bias=False)
-    plan.put("norm.weight", "norm.weight")
-    ignore = [r"(model\.)?rotary_emb\.\w+"]
-    put_head(plan, head_size, model.tie_embeddings, ignore)
-    plan.apply(model, ignore=ignore)
-    return model
+    return parts.finish(plan, model, head_size)
