@@ -140,3 +140,34 @@ def test_packed_needs_batch_one_and_per_sequence_states() -> None:
     with pytest.raises(ValueError, match=r"initial_state must have shape \[S, Hv, Dk, Dv\]"):
         az.delta_rule(q[:1], k[:1], v[:1], torch.rand(1, 2, 8), cu_seqlens=i32([0, 3, 8]),
                       initial_state=torch.zeros(1, 2, 3, 4))
+
+
+def test_short_conv_packed_restarts_and_keeps_a_cache_per_sequence() -> None:
+    """The short causal convolution on packed sequences equals each sequence alone, from its own previous
+    inputs ``prev[i]``, and returns each sequence's last ``kernel - 1`` inputs (shorter ones padded by prev)."""
+    from attnzoo.nn.recurrent import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(5, 4, True, {"dtype": torch.float64})
+    lengths = [3, 1, 0, 6]
+    cu = [0, 3, 4, 4, 10]
+    x = torch.randn(1, 10, 5, dtype=torch.float64)
+    prev = torch.randn(4, 5, 3, dtype=torch.float64)
+    y, last = conv(x, prev, i32(cu))
+    assert y.shape == x.shape and last.shape == (4, 5, 3)
+    for i, (lo, hi) in enumerate(zip(cu, cu[1:])):
+        y1, last1 = conv(x[:, lo:hi], prev[i:i + 1])
+        torch.testing.assert_close(y[:, lo:hi], y1, rtol=0, atol=1e-14)
+        torch.testing.assert_close(last[i:i + 1], last1, rtol=0, atol=0)
+    assert lengths[2] == 0 and torch.equal(last[2], prev[2])
+
+
+def test_a_packed_module_call_takes_no_cache_or_mask() -> None:
+    m = az.variants.build_attention("gated_deltanet", 16, 2)
+    x = torch.randn(1, 6, 16)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(x, cu_seqlens=i32([0, 2, 6]), cache=m.init_cache(1, 8))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(x, cu_seqlens=i32([0, 2, 6]), mask=torch.ones(1, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="batch size 1"):
+        m(torch.randn(2, 6, 16), cu_seqlens=i32([0, 2, 6]))

@@ -327,7 +327,7 @@ PINNED_SIGNATURES = {
     "retention": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', gamma: 'Tensor', *, " + _TAIL,
     "gated_linear_attention": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', log_decay: 'Tensor', *, " + _TAIL,
     "delta_rule": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', beta: 'Tensor', *, log_decay: 'Tensor | None' = None, "
-                  + _TAIL,
+                  + _TAIL.replace("None) -> ", "None, allow_neg_eigval: 'bool' = False) -> "),
 }
 
 

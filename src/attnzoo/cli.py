@@ -199,11 +199,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as exc:
             raise CLIError(f"{name}: {exc}") from None
         rows.append([name, spec.family, "exact" if spec.exact else "approx", spec.time, *_cache_cells(est),
-                     *([spec.memory, spec.decoding, spec.masks] if args.wide else [])])
+                     *([spec.memory, spec.decoding, spec.masks, spec.positions] if args.wide else [])])
         data.append({"name": name, "family": spec.family, "exact": spec.exact, "time": spec.time,
                      "memory": spec.memory, "kv_cache_bytes_per_token": est.kv_cache_bytes_per_token,
                      "kv_cache_bytes": est.kv_cache_bytes, "kv_cache_max_tokens": est.kv_cache_max_tokens,
-                     "decoding": spec.decoding, "masks": spec.masks})
+                     "decoding": spec.decoding, "masks": spec.masks, "positions": spec.positions})
     if args.json:
         print(json.dumps({"config": {"dim": args.dim, "heads": args.heads, "kv_heads": args.kv_heads,
                                      "dtype": str(dt).replace("torch.", ""), "seq_len": args.seq_len},
@@ -211,9 +211,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     print_table(f"attention variants (one layer, C={args.dim}, H={args.heads}, {args.dtype}, cache at N={args.seq_len})",
                 ["variant", "family", "exact", "time", "KV bytes/token", "cache at N",
-                 *(["attention memory", "decoding cache", "masks"] if args.wide else [])], rows, plain=args.plain)
+                 *(["attention memory", "decoding cache", "masks", "positions"] if args.wide else [])], rows,
+                plain=args.plain)
     if not args.wide:
-        print("(--wide adds attention memory, decoding cache and masks)")
+        print("(--wide adds attention memory, decoding cache, masks and positions: rope / own / none)")
     return 0
 
 
@@ -242,7 +243,7 @@ def _print_check_report(report: Any, args: argparse.Namespace) -> None:
         rows.append([r.group, r.target, r.setting, r.cases, r.skipped, f"{r.max_err:.2e}" if r.cases else "-",
                      f"{r.max_ratio:.2f}" if r.cases else "-", "PASS" if r.passed and r.status == "ok"
                      else r.status.upper() if r.passed else "FAIL"])
-    print_table("attnzoo check: every backend and variant against the float64 reference",
+    print_table("attnzoo check: every backend and variant against the independent float64 oracle",
                 ["group", "target", "setting", "cases", "skipped", "max error", "error/tol", "result"], rows,
                 plain=args.plain)
     fails = [(r, f) for r in report.rows for f in r.failures]
@@ -522,10 +523,10 @@ def _add_list_parser(sub: Any) -> None:
 
 def _add_check_parser(sub: Any) -> None:
     p = _command(sub, "check", cmd_check,
-                 help="every backend and variant against the float64 reference; exit 1 on failure",
+                 help="every backend and variant against the independent float64 oracle; exit 1 on failure",
                  description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
                              "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
-                             "gradients) against the float64 reference, then check every variant module "
+                             "gradients) against the independent float64 oracle (attnzoo.oracle), then check every variant module "
                              "(decode == full forward, backends == reference, approximations within their "
                              "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.", table="progress")
     p.add_argument("--backends", type=_name_list(BACKEND_NAMES), default=None,

@@ -134,8 +134,8 @@ def _forms(scale: float) -> dict[str, Callable[..., tuple[Tensor, Tensor]]]:
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = None,
                scale: float | None = None, initial_state: Tensor | None = None, return_state: bool = False,
-               form: str = "auto", chunk_size: int | None = None,
-               cu_seqlens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+               form: str = "auto", chunk_size: int | None = None, cu_seqlens: Tensor | None = None,
+               allow_neg_eigval: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Causal (gated) delta rule, per-channel decays (KDA) included::
 
         S'_{t-1} = A_t S_{t-1},  A_t = diag(exp(log_decay_t)) (a_t I for one decay per head)
@@ -146,7 +146,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tens
             ``Hk`` (grouped value heads: value head ``j`` reads key head ``j // (Hv // Hk)``, q and k
             are never expanded). k is used as given (normalise it yourself; the modules
             L2-normalise q and k).
-        beta: ``[B, Hv, N]`` write strength in [0, 1].
+        beta: ``[B, Hv, N]`` write strength in [0, 1] ([0, 2] with ``allow_neg_eigval``).
         log_decay: ``None`` (DeltaNet, ``A_t = I``), ``[B, Hv, N]`` (one decay per head: Gated DeltaNet)
             or ``[B, Hv, N, Dk]`` (a decay per key channel: Kimi Delta Attention), finite, ``<= 0``.
         scale, initial_state, return_state, chunk_size: as in :func:`attnzoo.gated_linear_attention`
@@ -157,6 +157,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tens
         cu_seqlens: packed sequences, int32 ``[S+1]`` with ``B == 1``: the tokens ``[cu[i], cu[i+1])``
             form sequence i, run independently from ``initial_state[i]`` (``[S, Hv, Dk, Dv]``, default
             zeros); the returned state is ``[S, Hv, Dk, Dv]``. Empty sequences are allowed.
+        allow_neg_eigval: accept ``beta`` in [0, 2]: the transition ``I - beta_t k_t k_t^T`` (unit k) then
+            has the eigenvalue ``1 - beta_t`` in [-1, 1] (Grazzi et al. 2025; fla's ``allow_neg_eigval``).
 
     Returns:
         ``out [B, Hv, N, Dv]`` in q's dtype, or ``(out, state)`` with the state in float32 (float64 for
@@ -171,7 +173,9 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tens
                                                     chunk_size, cu_seqlens)
     b, hv, n, dv = v.shape
     dk = q.shape[-1]
-    check_gate(fn, "beta", beta, [(b, hv, n)], q.device, 0.0, 1.0)
+    if not isinstance(allow_neg_eigval, bool):
+        raise TypeError(f"{fn}: allow_neg_eigval must be a bool, got {type(allow_neg_eigval).__name__}")
+    check_gate(fn, "beta", beta, [(b, hv, n)], q.device, 0.0, 2.0 if allow_neg_eigval else 1.0)
     if log_decay is not None:
         check_gate(fn, "log_decay", log_decay, [(b, hv, n), (b, hv, n, dk)], q.device, float("-inf"), 0.0,
                    open_low=True)
