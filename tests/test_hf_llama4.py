@@ -62,6 +62,16 @@ def test_malformed_no_rope_layers_is_named() -> None:
         from_hf(hf)
 
 
+def test_packed_sequences_equal_each_alone() -> None:
+    ours = from_hf(checks.hf_model(_config()))
+    seqs = [checks.tokens(n, batch=1, seed=30 + n) for n in (9, 4, 12)]
+    cu = torch.tensor([0, 9, 13, 25], dtype=torch.int32)
+    with torch.no_grad():
+        packed = ours(torch.cat(seqs, dim=1), cu_seqlens=cu)
+        alone = torch.cat([ours(s) for s in seqs], dim=1)
+    assert checks.rel(packed, alone) <= 1e-5
+
+
 class TestLlama4(checks.FamilyChecks):
     config = staticmethod(_config)
     cases = (CASES["interleaved_dense_llama3_rope"],)

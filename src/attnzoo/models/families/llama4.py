@@ -114,9 +114,8 @@ class Llama4Attention(nn.Module):
         return mask if allowed is None else allowed & mask
 
     def forward(self, x: Tensor, *, mask: Tensor | Mask | None = None, cache: PositionedKVCache | None = None,
-                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
-        if cu_seqlens is not None:
-            raise ValueError("Llama4Attention: packed input (cu_seqlens) is not supported")
+                positions: Tensor | None = None) -> Tensor:
+        """Packed input (``cu_seqlens``) runs one sequence at a time in the block (``nn.packing``)."""
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"Llama4Attention: x must be [B, N, {self.dim}], got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
