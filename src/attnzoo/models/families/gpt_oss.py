@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import Tensor
 
+import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families import _common as parts
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import attnzoo.models.families._common as parts
 from attnzoo.functional.attention import attention
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families import _common as parts
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families import _common as parts
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, put_deltanet_rest
 from attnzoo.models.hf._state import HFConfig, Plan
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import Tensor
 
+import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families import _common as parts
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 
