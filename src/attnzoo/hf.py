@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo import hf_kernels
 from attnzoo.functional.attention import attention
 
 #: registered name -> attnzoo backend
@@ -289,4 +290,5 @@ def register() -> tuple[str, ...]:
     for name, fn in _FORWARDS.items():
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, attnzoo_mask)
+    hf_kernels.install()  # the linear-attention kernel hooks of the hybrid models (attnzoo.hf_kernels)
     return tuple(_FORWARDS)
