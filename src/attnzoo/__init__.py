@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "SlidingWindowAttention": "attnzoo.nn.attention",
     "StreamingAttention": "attnzoo.nn.attention",
     "SigmoidAttention": "attnzoo.nn.attention",
+    "MixtureOfExperts": "attnzoo.nn.moe",
     "LocalGlobalAttention": "attnzoo.nn.local_global",
     "DifferentialAttention": "attnzoo.nn.differential",
     "LinearAttention": "attnzoo.nn.feature_attention",
