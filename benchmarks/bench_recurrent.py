@@ -192,7 +192,7 @@ def frontier_rows(n: int, repeats: int, threads: int) -> list[dict[str, object]]
 
             def loop(x: dict[str, torch.Tensor] = x) -> torch.Tensor:
                 outs = []
-                for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=False):
                     outs.append(az.delta_rule(*(x[name][:, :, lo:hi] for name in ("q", "k", "v", "beta")),
                                               log_decay=x["log_decay"][:, :, lo:hi], form="auto"))  # type: ignore[arg-type]
                 return torch.cat(outs, dim=2)

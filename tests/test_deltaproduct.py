@@ -6,34 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from recurrent_oracle import token_loop
 from torch import Tensor
 
 import attnzoo as az
 from attnzoo.functional.delta_product import delta_product
 from attnzoo.variants import build_attention
+from recurrent_oracle import token_loop
 
 
 def product_loop(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, nh: int,
                  s0: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per token: ``S = a_t S``, then ``n_h`` delta steps ``S += beta k (v - S^T k)^T``, then ``o = S^T q / sqrt(D)``."""
-    b, hk, n, dk = q.shape
-    hv, dv = v.shape[1], v.shape[3]
-    out = torch.zeros(b, hv, n, dv, dtype=torch.float64)
-    states = torch.zeros(b, hv, dk, dv, dtype=torch.float64)
-    for bi in range(b):
-        for j in range(hv):
-            h = j // (hv // hk)
-            s = torch.zeros(dk, dv, dtype=torch.float64) if s0 is None else s0[bi, j].clone()
-            for t in range(n):
-                if g is not None:
-                    s = g[bi, j, t].exp() * s
-                for i in range(nh):
-                    kk, vv = k[bi, h, t * nh + i], v[bi, j, t * nh + i]
-                    s = s + beta[bi, j, t * nh + i] * torch.outer(kk, vv - s.T @ kk)
-                out[bi, j, t] = s.T @ q[bi, h, t] / dk ** 0.5
-            states[bi, j] = s
-    return out, states
+    return token_loop("delta", q, k, v, g, beta, s0=s0, num_householder=nh)
 
 
 def make(n: int = 7, nh: int = 3, hk: int = 2, ratio: int = 2, dk: int = 4, dv: int = 3, neg: bool = False,
@@ -74,7 +58,7 @@ def test_delta_product_packed_and_gradcheck() -> None:
     names = ["q", "k", "v", "beta", "g"]
 
     def f(*ts: Tensor) -> Tensor:
-        d = dict(zip(names, ts))
+        d = dict(zip(names, ts, strict=True))
         return delta_product(d["q"], d["k"], d["v"], d["beta"], num_householder=2, log_decay=d["g"], chunk_size=4)
 
     assert torch.autograd.gradcheck(f, tuple(x[n].clone().requires_grad_() for n in names))
