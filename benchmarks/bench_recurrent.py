@@ -159,12 +159,14 @@ def _timed_call(fn: Callable[[], torch.Tensor], backward: bool) -> float:
 
 
 def interleaved(calls: dict[str, Callable[[], torch.Tensor]], backward: bool, repeats: int) -> dict[str, float]:
-    """Median seconds of each call (one warm-up round, then ``repeats`` rounds, calls interleaved)."""
+    """Median seconds of each call (``repeats`` rounds, calls interleaved; with ``repeats > 1`` one
+    warm-up round first, whose times are dropped)."""
     runs: dict[str, list[float]] = {k: [] for k in calls}
-    for r in range(repeats + 1):
+    warm = 1 if repeats > 1 else 0
+    for r in range(repeats + warm):
         for k, fn in calls.items():
             t = _timed_call(fn, backward)
-            if r:
+            if r >= warm:
                 runs[k].append(t)
     return {k: statistics.median(v) for k, v in runs.items()}
 
