@@ -45,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     "GatedLinearAttention": "attnzoo.nn.gla",
     "DeltaNet": "attnzoo.nn.deltanet",
     "GatedDeltaNet": "attnzoo.nn.deltanet",
+    "KimiDeltaAttention": "attnzoo.nn.kda",
+    "GatedDeltaProduct": "attnzoo.nn.deltaproduct",
     "Mamba2": "attnzoo.nn.mamba2",
     "RecurrentCache": "attnzoo.nn.recurrent",
     "MultiHeadLatentAttention": "attnzoo.nn.mla",
