@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from attnzoo.blocks import FeedForward
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan, Source
-from attnzoo.nn.moe import MixtureOfExperts
+from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
 C, HID, E = 16, 12, 4
 
@@ -79,12 +79,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 CASES: dict[str, dict[str, Any]] = {
-    "softmax_topk": {"routing": "softmax_topk"},
-    "softmax_topk_norm_scaled": {"routing": "softmax_topk", "norm_topk_prob": True, "routed_scaling": 2.5},
-    "topk_softmax_clamped": {"routing": "topk_softmax", "activation": "clamped_swiglu", "swiglu_limit": 1.0,
-                             "swiglu_alpha": 1.702, "bias": True, "router_bias": True},
-    "topk_sigmoid_inputs_shared": {"routing": "topk_sigmoid", "weight_inputs": True, "shared": True},
-    "shared_gated": {"routing": "softmax_topk", "norm_topk_prob": True, "shared": True, "shared_gate": True},
+    "softmax_topk": {"routing": Routing("softmax_topk")},
+    "softmax_topk_norm_scaled": {"routing": Routing("softmax_topk", norm_topk_prob=True, scaling=2.5)},
+    "topk_softmax_clamped": {"routing": Routing("topk_softmax", bias=True),
+                             "experts": Experts("clamped_swiglu", swiglu_limit=1.0, swiglu_alpha=1.702, bias=True)},
+    "topk_sigmoid_inputs_shared": {"routing": Routing("topk_sigmoid", weight_inputs=True), "shared": True},
+    "shared_gated": {"routing": Routing("softmax_topk", norm_topk_prob=True), "shared": True, "shared_gate": True},
 }
 
 
@@ -104,7 +104,7 @@ def test_moe_equals_float64_token_loop(case: str, top_k: int) -> None:
 
 
 def test_moe_gradients_reach_every_chosen_expert() -> None:
-    moe = _randomize(MixtureOfExperts(C, HID, E, 2, norm_topk_prob=True))
+    moe = _randomize(MixtureOfExperts(C, HID, E, 2, routing=Routing(norm_topk_prob=True)))
     x = _x(32).requires_grad_(True)
     moe(x).square().sum().backward()
     chosen = torch.unique(moe.route(x.detach().reshape(-1, C))[1])
@@ -117,12 +117,24 @@ def test_moe_gradients_reach_every_chosen_expert() -> None:
 def test_moe_validates_its_arguments() -> None:
     with pytest.raises(ValueError, match=r"top_k \(5\) must be <= num_experts \(4\)"):
         MixtureOfExperts(C, HID, E, 5)
-    with pytest.raises(ValueError, match="routing must be one of"):
-        MixtureOfExperts(C, HID, E, 2, routing="softmax")
-    with pytest.raises(ValueError, match="norm_topk_prob applies to routing='softmax_topk'"):
-        MixtureOfExperts(C, HID, E, 2, routing="topk_softmax", norm_topk_prob=True)
+    with pytest.raises(ValueError, match="Routing: kind must be one of"):
+        Routing("softmax")
+    with pytest.raises(ValueError, match="Routing: norm_topk_prob applies to kind='softmax_topk'"):
+        Routing("topk_softmax", norm_topk_prob=True)
+    with pytest.raises(ValueError, match="Routing: scaling must be a finite float > 0"):
+        Routing(scaling=float("inf"))
+    with pytest.raises(TypeError, match="Routing: weight_inputs must be a bool"):
+        Routing(weight_inputs=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Experts: activation must be one of"):
+        Experts("gelu")
     with pytest.raises(ValueError, match="clamped_swiglu' needs swiglu_limit"):
-        MixtureOfExperts(C, HID, E, 2, activation="clamped_swiglu")
+        Experts("clamped_swiglu")
+    with pytest.raises(TypeError, match="Experts: bias must be a bool"):
+        Experts(bias="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="routing must be a Routing or None, got str"):
+        MixtureOfExperts(C, HID, E, 2, routing="softmax_topk")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="experts must be an Experts or None, got str"):
+        MixtureOfExperts(C, HID, E, 2, experts="swiglu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="shared_gate=True needs a shared_expert"):
         MixtureOfExperts(C, HID, E, 2, shared_gate=True)
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 16\]"):

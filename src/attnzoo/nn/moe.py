@@ -10,7 +10,8 @@ weights ``w``, and its output is ``sum_e w_e * expert_e(x)`` (or, with ``weight_
 * ``"topk_softmax"`` (gpt-oss): the ``k`` largest logits, then a softmax over those ``k``.
 * ``"topk_sigmoid"`` (Llama-4): the ``k`` largest logits, each through a sigmoid (float32).
 
-``routed_scaling`` multiplies the routed weights (DeepSeek's ``routed_scaling_factor``).
+The routing settings come as one :class:`Routing`, the experts' as one :class:`Experts`.
+``Routing.scaling`` multiplies the routed weights (DeepSeek's ``routed_scaling_factor``).
 Experts: ``"swiglu"`` ``down(silu(gate(x)) * up(x))``; ``"clamped_swiglu"`` (gpt-oss):
 ``g = min(gate(x), limit)``, ``u = clamp(up(x), -limit, limit)``,
 ``down((u + 1) * g * sigmoid(alpha * g))``. The shared expert is any module ``[.., C] -> [.., C]``
@@ -21,13 +22,14 @@ Experts: ``"swiglu"`` ``down(silu(gate(x)) * up(x))``; ``"clamped_swiglu"`` (gpt
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["EXPERT_ACTIVATIONS", "ROUTINGS", "MixtureOfExperts"]
+__all__ = ["EXPERT_ACTIVATIONS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
@@ -43,14 +45,74 @@ def _pos_int(x: object, name: str) -> int:
 
 def _flag(x: object, name: str) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"MixtureOfExperts: {name} must be a bool, got {type(x).__name__} ({x!r})")
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} ({x!r})")
     return x
 
 
 def _finite(x: object, name: str) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise ValueError(f"MixtureOfExperts: {name} must be a finite float > 0, got {x!r}")
+        raise ValueError(f"{name} must be a finite float > 0, got {x!r}")
     return float(x)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How :class:`MixtureOfExperts` weights its experts (validated on construction).
+
+    Args:
+        kind: ``"softmax_topk"``, ``"topk_softmax"`` or ``"topk_sigmoid"`` (module docstring).
+        norm_topk_prob: renormalise the kept softmax probabilities (``kind="softmax_topk"`` only).
+        scaling: a factor on the routed weights (DeepSeek's ``routed_scaling_factor``).
+        bias: a bias on the router (``router.bias [E]``).
+        weight_inputs: scale each expert's input by its weight instead of its output (Llama-4).
+    """
+
+    kind: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    scaling: float = 1.0
+    bias: bool = False
+    weight_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTINGS:
+            raise ValueError(f"Routing: kind must be one of {list(ROUTINGS)}, got {self.kind!r}")
+        for name in ("norm_topk_prob", "bias", "weight_inputs"):
+            _flag(getattr(self, name), f"Routing: {name}")
+        if self.norm_topk_prob and self.kind != "softmax_topk":
+            raise ValueError(f"Routing: norm_topk_prob applies to kind='softmax_topk', got {self.kind!r}")
+        object.__setattr__(self, "scaling", _finite(self.scaling, "Routing: scaling"))
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The gated experts of :class:`MixtureOfExperts` (validated on construction).
+
+    Args:
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (which needs ``swiglu_limit`` and
+            ``swiglu_alpha``, and only it takes them).
+        swiglu_limit: the clamp ``limit`` of ``"clamped_swiglu"``.
+        swiglu_alpha: the sigmoid slope ``alpha`` of ``"clamped_swiglu"``.
+        bias: biases on the experts' projections.
+    """
+
+    activation: str = "swiglu"
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"Experts: activation must be one of {list(EXPERT_ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
+        clamped = self.activation == "clamped_swiglu"
+        if clamped != (self.swiglu_limit is not None and self.swiglu_alpha is not None):
+            raise ValueError("Experts: activation='clamped_swiglu' needs swiglu_limit and swiglu_alpha "
+                             f"(and only it takes them), got activation={self.activation!r}, "
+                             f"swiglu_limit={self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r}")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _finite(getattr(self, name), f"Experts: {name}"))
+        _flag(self.bias, "Experts: bias")
 
 
 class MixtureOfExperts(nn.Module):
@@ -61,13 +123,8 @@ class MixtureOfExperts(nn.Module):
         hidden: each expert's hidden width ``F``.
         num_experts: ``E``.
         top_k: experts per token ``k`` (``<= E``).
-        routing: ``"softmax_topk"``, ``"topk_softmax"`` or ``"topk_sigmoid"``.
-        norm_topk_prob: renormalise the kept softmax probabilities (``"softmax_topk"`` only).
-        routed_scaling: a factor on the routed weights.
-        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (with ``swiglu_limit`` and ``swiglu_alpha``).
-        bias: biases on the experts' projections.
-        router_bias: a bias on the router.
-        weight_inputs: scale each expert's input by its weight instead of its output (Llama-4).
+        routing: a :class:`Routing` (default ``Routing()``: ``"softmax_topk"``, unnormalised).
+        experts: an :class:`Experts` (default ``Experts()``: SwiGLU without biases).
         shared_expert: a module added to every token's output, or ``None``.
         shared_gate: gate the shared expert by ``sigmoid(shared_gate(x))`` (a ``[1, C]`` linear).
 
@@ -75,49 +132,43 @@ class MixtureOfExperts(nn.Module):
     ``down_proj`` ``[E, C, F]`` (biases ``gate_bias``/``up_bias`` ``[E, F]``, ``down_bias``
     ``[E, C]``), ``shared_expert``, ``shared_gate``.
     Shapes: ``x [..., C] -> [..., C]``.
+
+    Example: gpt-oss's layer is ``MixtureOfExperts(C, F, E, k, routing=Routing("topk_softmax",
+    bias=True), experts=Experts("clamped_swiglu", swiglu_limit=7.0, swiglu_alpha=1.702, bias=True))``.
     """
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, routing: str = "softmax_topk",
-                 norm_topk_prob: bool = False, routed_scaling: float = 1.0, activation: str = "swiglu",
-                 swiglu_limit: float | None = None, swiglu_alpha: float | None = None, bias: bool = False,
-                 router_bias: bool = False, weight_inputs: bool = False, shared_expert: nn.Module | None = None,
-                 shared_gate: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, routing: Routing | None = None,
+                 experts: Experts | None = None, shared_expert: nn.Module | None = None, shared_gate: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.dim, self.hidden = _pos_int(dim, "dim"), _pos_int(hidden, "hidden")
         self.num_experts, self.top_k = _pos_int(num_experts, "num_experts"), _pos_int(top_k, "top_k")
         if top_k > num_experts:
             raise ValueError(f"MixtureOfExperts: top_k ({top_k}) must be <= num_experts ({num_experts})")
-        if routing not in ROUTINGS:
-            raise ValueError(f"MixtureOfExperts: routing must be one of {list(ROUTINGS)}, got {routing!r}")
-        if activation not in EXPERT_ACTIVATIONS:
-            raise ValueError(f"MixtureOfExperts: activation must be one of {list(EXPERT_ACTIVATIONS)}, "
-                             f"got {activation!r}")
-        self.routing, self.activation = routing, activation
-        self.norm_topk_prob = _flag(norm_topk_prob, "norm_topk_prob")
-        if norm_topk_prob and routing != "softmax_topk":
-            raise ValueError(f"MixtureOfExperts: norm_topk_prob applies to routing='softmax_topk', got {routing!r}")
-        self.routed_scaling = _finite(routed_scaling, "routed_scaling")
-        clamped = activation == "clamped_swiglu"
-        if clamped != (swiglu_limit is not None and swiglu_alpha is not None):
-            raise ValueError("MixtureOfExperts: activation='clamped_swiglu' needs swiglu_limit and swiglu_alpha "
-                             f"(and only it takes them), got activation={activation!r}, "
-                             f"swiglu_limit={swiglu_limit!r}, swiglu_alpha={swiglu_alpha!r}")
-        self.swiglu_limit = None if swiglu_limit is None else _finite(swiglu_limit, "swiglu_limit")
-        self.swiglu_alpha = None if swiglu_alpha is None else _finite(swiglu_alpha, "swiglu_alpha")
-        self.weight_inputs = _flag(weight_inputs, "weight_inputs")
+        routing = Routing() if routing is None else routing
+        experts = Experts() if experts is None else experts
+        if not isinstance(routing, Routing):
+            raise TypeError(f"MixtureOfExperts: routing must be a Routing or None, got {type(routing).__name__} "
+                            f"({routing!r})")
+        if not isinstance(experts, Experts):
+            raise TypeError(f"MixtureOfExperts: experts must be an Experts or None, got {type(experts).__name__} "
+                            f"({experts!r})")
+        self.routing, self.norm_topk_prob, self.routed_scaling = routing.kind, routing.norm_topk_prob, routing.scaling
+        self.weight_inputs = routing.weight_inputs
+        self.activation, self.swiglu_limit, self.swiglu_alpha = (experts.activation, experts.swiglu_limit,
+                                                                 experts.swiglu_alpha)
         if shared_expert is not None and not isinstance(shared_expert, nn.Module):
             raise TypeError(f"MixtureOfExperts: shared_expert must be an nn.Module or None, "
                             f"got {type(shared_expert).__name__}")
-        if _flag(shared_gate, "shared_gate") and shared_expert is None:
+        if _flag(shared_gate, "MixtureOfExperts: shared_gate") and shared_expert is None:
             raise ValueError("MixtureOfExperts: shared_gate=True needs a shared_expert")
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         E, F_, C = num_experts, hidden, dim
-        self.router = nn.Linear(C, E, bias=_flag(router_bias, "router_bias"), **kw)
+        self.router = nn.Linear(C, E, bias=routing.bias, **kw)
         self.gate_proj = nn.Parameter(torch.empty(E, F_, C, **kw))
         self.up_proj = nn.Parameter(torch.empty(E, F_, C, **kw))
         self.down_proj = nn.Parameter(torch.empty(E, C, F_, **kw))
-        self.bias = _flag(bias, "bias")
+        self.bias = bias = experts.bias
         self.gate_bias = nn.Parameter(torch.zeros(E, F_, **kw)) if bias else None
         self.up_bias = nn.Parameter(torch.zeros(E, F_, **kw)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(E, C, **kw)) if bias else None

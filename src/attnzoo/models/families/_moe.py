@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from attnzoo.blocks import FeedForward
 from attnzoo.models.hf._state import HFConfig, Plan
-from attnzoo.nn.moe import MixtureOfExperts
+from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
 __all__ = ["LAYOUTS", "moe_from_config", "put_moe"]
 
@@ -102,16 +102,16 @@ def moe_from_config(hf: HFConfig, layout: str, *, device: Any = None, dtype: Any
         k, F_ = hf.req("num_experts_per_tok"), hf.req("moe_intermediate_size")
         shared_hidden = hf.get("shared_expert_intermediate_size", 0) or 0
         shared = FeedForward(C, shared_hidden, "swiglu", bias=False, **kw) if shared_hidden else None
-        return MixtureOfExperts(C, F_, E, k, routing="softmax_topk", norm_topk_prob=hf.get("norm_topk_prob", False,
-                                                                                              bool),
-                                shared_expert=shared, shared_gate=shared is not None, **kw)
+        routing = Routing("softmax_topk", norm_topk_prob=hf.get("norm_topk_prob", False, bool))
+        return MixtureOfExperts(C, F_, E, k, routing=routing, shared_expert=shared, shared_gate=shared is not None, **kw)
     if layout == "interleaved":
         E, k = hf.req("num_local_experts"), hf.req("num_experts_per_tok")
-        return MixtureOfExperts(C, hf.req("intermediate_size"), E, k, routing="topk_softmax",
-                                activation="clamped_swiglu", swiglu_limit=hf.get("swiglu_limit", 7.0, float),
-                                swiglu_alpha=hf.get("swiglu_alpha", 1.702, float), bias=True, router_bias=True, **kw)
+        experts = Experts("clamped_swiglu", swiglu_limit=hf.get("swiglu_limit", 7.0, float),
+                          swiglu_alpha=hf.get("swiglu_alpha", 1.702, float), bias=True)
+        return MixtureOfExperts(C, hf.req("intermediate_size"), E, k, routing=Routing("topk_softmax", bias=True),
+                                experts=experts, **kw)
     if layout == "transposed":
         E, k, F_ = hf.req("num_local_experts"), hf.req("num_experts_per_tok"), hf.req("intermediate_size")
-        return MixtureOfExperts(C, F_, E, k, routing="topk_sigmoid", weight_inputs=True,
+        return MixtureOfExperts(C, F_, E, k, routing=Routing("topk_sigmoid", weight_inputs=True),
                                 shared_expert=FeedForward(C, F_, "swiglu", bias=False, **kw), **kw)
     raise ValueError(f"moe_from_config: layout must be one of {list(LAYOUTS)}, got {layout!r}")
