@@ -38,6 +38,7 @@ from attnzoo.arena.storage import (
     set_aside,
     write_atomic,
 )
+from attnzoo.arena.sweep import add_preset_arguments, run_preset
 from attnzoo.arena.tasks import MQARTask, ShakespeareTask, Task
 from attnzoo.arena.timing import measure_pass
 from attnzoo.arena.trainer import (
@@ -45,6 +46,7 @@ from attnzoo.arena.trainer import (
     TrainConfig,
     cleanup_distributed,
     config_dict,
+    gpt2_init,
     init_distributed,
     make_optimizer,
     rank_and_world,
@@ -189,6 +191,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="train through torch.compile(model) (forward and backward of every training step); "
                              "evaluation and decoding stay eager")
+    add_preset_arguments(parser)
     parser.add_argument("--context-parallel", dest="context_parallel", action="store_true",
                         help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
                              "attention instead of splitting the batch; softmax variants only "
@@ -238,7 +241,7 @@ def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: t
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
                       max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len), pos=s.pos,
                       device=device)
-    _gpt2_init(model)
+    gpt2_init(model)
     return model
 
 
@@ -251,20 +254,6 @@ def build_model(s: TaskSettings, variant: str, vocab: int, seed: int,
 def _sample_len(s: TaskSettings) -> int:
     """New tokens of the greedy sample: fill the training window (at least 32)."""
     return max(32, s.seq_len - len(SAMPLE_PROMPT))
-
-
-@torch.no_grad()
-def _gpt2_init(model: torch.nn.Module) -> None:
-    """GPT-2 style initialisation of every ``Linear`` and ``Embedding`` weight: N(0, 0.02), zero biases.
-
-    With a tied LM head, unit-variance embeddings would start the loss far above ``ln V``; small
-    weights start every variant near the uniform prediction, which keeps a short budget fair.
-    """
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                torch.nn.init.zeros_(m.bias)
 
 
 def _signature(s: TaskSettings, variant: str, seed: int, world: int,
@@ -736,6 +725,8 @@ def run_arena(args: argparse.Namespace) -> int:
                  if getattr(args, k, None) is not None]
     if grid_only and args.task != "mqar-grid":
         raise ValueError(f"{', '.join(grid_only)}: only for --task mqar-grid (got --task {args.task})")
+    if getattr(args, "preset", None):
+        return run_preset(args)
     if args.task == "mqar-grid":
         return run_grid(args, _grid_builder(args))
     cp = bool(getattr(args, "context_parallel", False))
