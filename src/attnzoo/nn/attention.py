@@ -720,9 +720,9 @@ def _arena_window(width: int, heads: int, window: int | None) -> dict[str, Any]:
 
 
 _DENSE = {"family": "softmax", "exact": True, "time": "O(N C^2 + N^2 C)", "memory": "O(N) (fused/tiled)",
-          "cost": _dense_cost, "masks": "any", "ring": True}
-register(VariantSpec("mha", decoding="K,V of every head", build=_build_mha, order=0, arena_default=True,
-                     **_DENSE))
+          "cost": _dense_cost, "masks": "any", "ring": True, "positions": "rope"}
+register(VariantSpec("mha", decoding="K,V of every head (of each KV group with num_kv_heads)", build=_build_mha,
+                     options=("num_kv_heads",), order=0, arena_default=True, **_DENSE))
 register(VariantSpec("mqa", decoding="K,V of one shared head", build=_build_mqa, kv_heads=lambda h, g: 1,
                      order=1, arena_default=True, **_DENSE))
 register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, options=("num_kv_heads",),
@@ -730,7 +730,7 @@ register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, o
                      **_DENSE))
 register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) tiled", "last W keys (ring buffer)",
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
-                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3,
+                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3, positions="rope",
                      arena_default=True))
 
 
@@ -758,4 +758,4 @@ register(VariantSpec("streaming", "softmax", True, "O(N C^2 + N (W + S) C)", "O(
                      defaults={"window": 64, "global_tokens": (0, 1, 2, 3)},
                      options=("num_kv_heads", "window", "global_tokens"), causal_modes=(True,),
                      check={"window": 4, "global_tokens": (0, 1)}, arena=_arena_window,
-                     masks="causal, window, sink tokens, padding", order=5))
+                     masks="causal, window, sink tokens, padding", order=5, positions="rope"))

@@ -217,4 +217,5 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
 
 register(VariantSpec("diff", "differential", True, "O(N C^2 + N^2 C)", "O(N) (fused/tiled)",
                      "[K1|K2], V of each KV group", _build, _cost, options=("num_kv_heads",),
-                     check={"layer_index": 2}, masks="any"))
+                     check={"layer_index": 2}, masks="any", positions="rope",
+                     rope_dim=lambda head_dim: head_dim // 2))
