@@ -86,6 +86,7 @@ class Preset:
     random_non_queries: bool = False
     weight_decay: float = 0.1
     mixture: bool = False  # Based: one model trains on every training segment at once
+    evals_per_epoch: int = 1  # the papers evaluate (and may stop) after every epoch
     size: str = "full"
     notes: tuple[str, ...] = field(default=())
 
@@ -110,7 +111,7 @@ ZOOLOGY = Preset(
     test=tuple(MQARCell(n, k, 3_000) for n, k in _ZOOLOGY_CELLS),
     widths=(64, 128, 256, 512), lrs=lr_grid(-4, -2, 4), max_epochs=64,
     batch=((64, 512), (128, 512), (256, 256), (512, 128)),
-    variants=("mha", "gla", "gated_deltanet", "mamba2", "linear"),
+    variants=("mha", "gated_deltanet", "gla", "mamba2", "linear"),
 )
 
 # Based Fig. 2 (arxiv24_based_figure2/configs.py): training mixture (64, 4) x 100,000 + (128, 8),
@@ -182,15 +183,21 @@ _DEVIATIONS = (
 
 def budget(preset: Preset, size: str) -> Preset:
     """``preset`` at a budget: ``"full"`` (the paper's numbers), ``"reduced"`` (the default on a
-    CPU: the two shortest Zoology lengths, or Based's 64-token segment, widths 64 and 128, two
-    learning rates, 20,000 training sequences for at most 8 epochs, 1,000 test sequences) or
-    ``"quick"`` (a smoke test of about a minute). The report states which."""
+    CPU) or ``"quick"`` (a smoke test of about a minute). The report states which.
+
+    ``reduced``: the two shortest Zoology lengths (64 tokens / 4 pairs, 128 / 8), or Based's
+    64-token segment tested at 4 and 8 pairs; widths 64 and 128; the paper's two largest learning
+    rates (the smaller ones are the slowest to leave the plateau); one pass over 60,000 training
+    sequences (no sequence is seen twice, so a small pool cannot be memorised: with 20,000 sequences
+    and several epochs mha's training loss fell to 0.55 nats while its test accuracy stayed at 25%),
+    batch 64, evaluated (and early-stopped) every quarter pass; 1,000 test sequences; the first
+    two variants. ``quick``: vocabulary 256, widths 16 and 32, 256 sequences, two epochs."""
     if size == "full":
         return preset
     if size not in ("reduced", "quick"):
         raise ValueError(f"budget: size must be 'full', 'reduced' or 'quick', got {size!r}")
     quick = size == "quick"
-    examples, test, epochs = (256, 64, 2) if quick else (20_000, 1_000, 8)
+    examples, test, epochs = (256, 64, 2) if quick else (60_000, 1_000, 1)
     if preset.mixture:
         train = (MQARCell(64, 4, examples),)
         tests = (MQARCell(64, 4, test), MQARCell(64, 8, test))
@@ -198,12 +205,10 @@ def budget(preset: Preset, size: str) -> Preset:
         keep = preset.train[:1] if quick else preset.train[:2]
         train = tuple(replace(c, examples=examples) for c in keep)
         tests = tuple(MQARCell(c.seq_len, c.pairs, test) for c in keep)
-    lrs = preset.lrs[-1:] if quick else preset.lrs[-2:]  # the two largest: the small ones never leave the plateau
-    widths = (16, 32) if quick else (64, 128)
-    batch = tuple((n, 32 if quick else 128) for n, _ in preset.batch)
-    return replace(preset, train=train, test=tests, widths=widths, lrs=lrs, max_epochs=epochs, batch=batch,
-                   vocab=256 if quick else preset.vocab, variants=preset.variants[:2] if quick else preset.variants,
-                   size=size, notes=_DEVIATIONS)
+    return replace(preset, train=train, test=tests, widths=(16, 32) if quick else (64, 128),
+                   lrs=preset.lrs[-1:] if quick else preset.lrs[-2:], max_epochs=epochs,
+                   batch=tuple((n, 32 if quick else 64) for n, _ in preset.batch), vocab=256 if quick else preset.vocab,
+                   variants=preset.variants[:2], size=size, evals_per_epoch=1 if quick else 4, notes=_DEVIATIONS)
 
 
 def _power_law(space: int, power_a: float) -> Tensor:

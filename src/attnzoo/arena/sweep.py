@@ -124,13 +124,14 @@ def train_run(p: Preset, spec: RunSpec, device: torch.device | str = "cpu", max_
                          spec.window).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=p.weight_decay)  # Zoology: every parameter
     per = task.steps_per_epoch(batch)
+    marks = {max(1, round(per * (i + 1) / p.evals_per_epoch)) for i in range(p.evals_per_epoch)}
     evals: list[dict[str, Any]] = []
     step, stopped, t0 = 0, False, time.perf_counter()
     model.train()
     for epoch in range(p.max_epochs):
         for group in opt.param_groups:
             group["lr"] = cosine_epoch_lr(spec.lr, epoch, p.max_epochs)
-        for _ in range(per):
+        for i in range(per):
             x, y = task.batch(step, batch, spec.seed)
             logits, scored = scored_logits(model, x.to(device), y.to(device))  # [S, V]
             loss = nn.functional.cross_entropy(logits.float(), y.to(device)[scored])
@@ -140,17 +141,19 @@ def train_run(p: Preset, spec: RunSpec, device: torch.device | str = "cpu", max_
             loss.backward()
             opt.step()
             step += 1
-            if max_steps is not None and step >= max_steps:
+            capped = max_steps is not None and step >= max_steps
+            if i + 1 in marks or capped:
+                evals.append({"step": step, "epoch": round(epoch + (i + 1) / per, 3), "train_loss": float(loss),
+                              **task.evaluate(model, device, spec.seed)})
+                if log:
+                    print(f"[{spec.key}] step {step}: accuracy {evals[-1]['accuracy']:.3f}", file=sys.stderr,
+                          flush=True)
+                if evals[-1]["accuracy"] > p.threshold:  # zoology/train.py: metric > early_stopping_threshold
+                    stopped = True
+                    break
+            if capped:
                 break
-        evals.append({"step": step, "epoch": epoch + 1, "train_loss": float(loss),
-                      **task.evaluate(model, device, spec.seed)})
-        if log:
-            print(f"[{spec.key}] epoch {epoch + 1}/{p.max_epochs}: accuracy {evals[-1]['accuracy']:.3f}",
-                  file=sys.stderr, flush=True)
-        if evals[-1]["accuracy"] > p.threshold:  # zoology/train.py: metric > early_stopping_threshold
-            stopped = True
-            break
-        if max_steps is not None and step >= max_steps:
+        if stopped or (max_steps is not None and step >= max_steps):
             break
     wall = time.perf_counter() - t0
     model.eval()
@@ -257,7 +260,8 @@ def run_preset(args: argparse.Namespace) -> int:
     out = ensure_output_dir(args.out or f"arena-{p.name}" + ("-quick" if size == "quick" else ""), "--out")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any] | None] = [(_reused(out, s) if args.resume else None) for s in specs]
-    todo = [i for i, r in enumerate(records) if r is None]
+    todo = sorted((i for i, r in enumerate(records) if r is None),  # cheap cells first: a cut-short sweep has them
+                  key=lambda i: (int(specs[i].train.split("/")[0]) if "/" in specs[i].train else 0, specs[i].width, i))
     jobs, threads = worker_plan(args, max(1, len(todo)))
     overall = Overall([float(specs[i].width) for i in todo] or [1.0], enabled=args.progress != "none")
     t0 = time.perf_counter()

@@ -21,6 +21,8 @@ import math
 import statistics
 from typing import Any
 
+from attnzoo.arena.tradeoff import hybrid_answers
+
 __all__ = ["BASELINE", "lm_seed_stats", "mqar_converged", "verdict"]
 
 BASELINE = "mha"
@@ -170,4 +172,4 @@ def verdict(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The verdict of one arena run: a list of answers, each ``{"question", "winner", "value",
     "text", ...}`` (questions without data are left out). See the module docstring."""
     found = (_recall(results), _decode_memory(results), _throughput(results), _quality(results))
-    return [v for v in found if v is not None]
+    return [v for v in found if v is not None] + hybrid_answers(results)
