@@ -29,7 +29,7 @@ from attnzoo.arena.measure import state_bytes
 from attnzoo.arena.paper_report import write_preset_report
 from attnzoo.arena.presets import PRESETS, MQARCell, PaperMQAR, Preset, budget, scored_logits
 from attnzoo.arena.progress import Overall
-from attnzoo.arena.storage import DamagedFile, read_run_record, write_atomic
+from attnzoo.arena.storage import write_atomic
 from attnzoo.arena.trainer import gpt2_init
 from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.models import DecoderLM
@@ -135,15 +135,16 @@ def train_run(p: Preset, spec: RunSpec, device: torch.device | str = "cpu", max_
             x, y = task.batch(step, batch, spec.seed)
             logits, scored = scored_logits(model, x.to(device), y.to(device))  # [S, V]
             loss = nn.functional.cross_entropy(logits.float(), y.to(device)[scored])
-            if not math.isfinite(float(loss)):
-                raise FloatingPointError(f"{spec.key}: loss became {float(loss)} at step {step}")
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{spec.key}: loss became {value} at step {step}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             step += 1
             capped = max_steps is not None and step >= max_steps
             if i + 1 in marks or capped:
-                evals.append({"step": step, "epoch": round(epoch + (i + 1) / per, 3), "train_loss": float(loss),
+                evals.append({"step": step, "epoch": round(epoch + (i + 1) / per, 3), "train_loss": value,
                               **task.evaluate(model, device, spec.seed)})
                 if log:
                     print(f"[{spec.key}] step {step}: accuracy {evals[-1]['accuracy']:.3f}", file=sys.stderr,
@@ -219,9 +220,12 @@ def _reused(out: Path, spec: RunSpec) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        record = read_run_record(path)
-    except DamagedFile as exc:
-        print(f"arena: warning: {path} {exc}; training the run again", file=sys.stderr)
+        record = json.loads(path.read_text())
+        ok = isinstance(record, dict) and all(k in record for k in ("spec", "final", "evals", "state_bytes"))
+    except (OSError, ValueError) as exc:
+        ok, record = False, str(exc)
+    if not ok:
+        print(f"arena: warning: {path} is not a finished run record; training the run again", file=sys.stderr)
         return None
     return record if record.get("spec") == asdict(spec) else None
 
