@@ -300,6 +300,7 @@ def test_should_stop() -> None:
     rising = [{"step": s, "accuracy": a} for s, a in ((400, 0.3), (500, 0.4), (600, 0.5))]
     assert not should_stop(rising, 600, 600, 1000)  # still rising: goes on to the cap
     assert not should_stop(flat, 600, 1000, 1000)  # no cap beyond the budget: fixed
+    assert not should_stop([*flat[1:], {"step": 600, "accuracy": 0.31}], 600, 600, 1000, exact=True)  # plateau 100%
 
 
 def test_sweep_lrs_and_best_record() -> None:

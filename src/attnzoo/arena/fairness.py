@@ -6,7 +6,8 @@ over ``max_steps`` (the cap) and stops at an evaluation once
 
 - it is solved (accuracy >= :data:`~attnzoo.arena.verdict.SOLVED`, the papers' 0.99), or
 - it has trained its nominal ``steps`` and has converged (no rise of more than
-  :data:`~attnzoo.arena.verdict.RISING` over the last three evaluations: a plateau);
+  :data:`~attnzoo.arena.verdict.RISING` over the last three evaluations: a plateau), unless it is
+  exact attention over every token (its plateau is 100%: it trains on to the cap);
 
 a run still rising goes on up to the cap, and the report says by how much it was still rising
 there (:func:`plateau_lines`). ``--lr-sweep`` trains every ``mqar`` variant at
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from attnzoo.arena.grid import sees_every_token
 from attnzoo.arena.verdict import RISING, SOLVED, mqar_converged
 
 __all__ = ["LR_SWEEP", "StopRun", "best_lr_record", "plateau_lines", "should_stop", "sweep_lrs"]
@@ -30,16 +32,17 @@ class StopRun(Exception):
     """Raised from a training callback to end a run early (caught by the arena's run)."""
 
 
-def should_stop(evals: list[dict[str, Any]], step: int, nominal: int, cap: int) -> bool:
+def should_stop(evals: list[dict[str, Any]], step: int, nominal: int, cap: int, exact: bool = False) -> bool:
     """Whether an ``mqar`` run may stop after the evaluation at ``step``: solved, or past its
     ``nominal`` steps and converged (a plateau over the last three evaluations). Never before the
-    cap when ``nominal >= cap`` except when solved."""
+    cap when ``nominal >= cap`` except when solved. ``exact``: the variant sees every earlier token
+    (its plateau is 100%), so only solving it stops the run before the cap."""
     accs = [e["accuracy"] for e in evals if "accuracy" in e]
     if not accs:
         return False
     if accs[-1] >= SOLVED:
         return True
-    return nominal < cap and step >= nominal and mqar_converged(evals) is True
+    return not exact and nominal < cap and step >= nominal and mqar_converged(evals) is True
 
 
 def sweep_lrs(base: float) -> tuple[float, ...]:
@@ -76,6 +79,14 @@ def plateau_lines(results: dict[str, Any]) -> list[str]:
             out.append(f"- mqar/{v}: still rising at its last step ({evals[-1]['step']}): "
                        f"{100 * rise:+.1f} points over the last evaluations (a lower bound of its plateau)")
     mq = results.get("runs", {}).get("mqar", {})
+    s = (results.get("settings") or {}).get("mqar")
+    for v, r in mq.items():  # exact attention over every token can recall every pair: its plateau is 100%
+        acc = float(r["final"]["accuracy"])
+        if s and acc < SOLVED and sees_every_token(v, s["width"], s["heads"], s["seq_len"], s["window"] or s["seq_len"]):
+            out.append(f"- mqar/{v}: {100 * acc:.1f}% at step {r['evals'][-1]['step']}, "
+                       f"{100 * (1 - acc):.1f} points below its plateau (every query sees every pair, so 100% is "
+                       f"reachable: a larger batch gets there, see docs/arena.md); the budget, not the mechanism, "
+                       f"set this number")
     if mq and not out:
         out.append(f"- mqar: every variant was solved (>= {100 * SOLVED:.0f}%) or flat within {100 * RISING:.0f} "
                    f"points over its last three evaluations (its plateau at this width)")

@@ -25,7 +25,7 @@ from attnzoo._outputs import ensure_output_dir
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.fairness import StopRun, best_lr_record, should_stop, sweep_lrs
-from attnzoo.arena.grid import GRID, grid_window, run_grid
+from attnzoo.arena.grid import GRID, grid_window, run_grid, sees_every_token
 from attnzoo.arena.hybrid import check_entry, entry_kwargs
 from attnzoo.arena.longctx import long_context
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
@@ -106,7 +106,7 @@ _DEFAULTS = {
     "lm": TaskSettings("lm", seq_len=128, steps=200, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=20,
                        eval_every=40),
     "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=128, width=64, depth=2, heads=4, lr=3e-3,
-                         warmup=300, eval_every=100, num_kv_pairs=4, vocab_size=64, window=8, pos="learned",
+                         warmup=300, eval_every=50, num_kv_pairs=4, vocab_size=64, window=8, pos="learned",
                          max_steps=1000),
 }
 _QUICK = {
@@ -331,6 +331,8 @@ class _Run:
         self.done_file = out / "runs" / f"{self.name}.json"
         self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
         self.sig = _signature(s, variant, self.seed, self.world, self.cp)
+        # exact attention over every token (plateau 100%) trains on to the cap unless solved
+        self.exact = s.task == "mqar" and sees_every_token(variant, s.width, s.heads, s.seq_len, s.window or s.seq_len)
 
     def _warn(self, path: Path, problem: str) -> None:
         """Name a damaged file, set it aside and say that the run is trained again."""
@@ -439,7 +441,7 @@ class _Run:
                     evals.append({"step": info.step, **metrics})
                     bar.note(_brief(metrics))
                     model.train()
-                    if s.max_steps > s.steps and should_stop(evals, info.step, s.steps, s.horizon):
+                    if s.max_steps > s.steps and should_stop(evals, info.step, s.steps, s.horizon, self.exact):
                         raise StopRun(info.step)
 
             def checkpoint(step: int, optimizer: torch.optim.Optimizer) -> None:
