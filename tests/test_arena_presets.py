@@ -11,39 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo.arena import add_arena_arguments, run_arena, settings_for
+from attnzoo.arena import presets, run_arena, settings_for, sweep
 from attnzoo.arena.fairness import best_lr_record, plateau_lines, should_stop, sweep_lrs
 from attnzoo.arena.hybrid import check_entry, entry_kwargs, stack_cache_bytes
 from attnzoo.arena.paper_report import _interp, compare_to_paper
-from attnzoo.arena.presets import (
-    PRESETS,
-    PUBLISHED,
-    MQARCell,
-    PaperMQAR,
-    budget,
-    lr_grid,
-    paper_mqar,
-    scored_logits,
-)
-from attnzoo.arena.sweep import (
-    RunSpec,
-    best_of,
-    cosine_epoch_lr,
-    preset_model,
-    preset_runs,
-    train_run,
-)
 from attnzoo.arena.tasks import IGNORE, batch_generator
 from attnzoo.arena.tradeoff import hybrid_answers, tradeoff_points
+from attnzoo.cli import build_parser
 from attnzoo.cost import estimate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arena_arguments(p)
-    return p.parse_args(list(argv))
+    """``attnzoo arena ARGV`` as the command line parses it."""
+    return build_parser().parse_args(["arena", *argv])
 
 
 # --------------------------------------------------------------------------- the papers' settings
@@ -54,7 +36,7 @@ def test_zoology_preset_is_the_papers_configuration() -> None:
     3_000 test examples; d_model 64, 128, 256, 512; lr np.logspace(-4, -2, 4); n_layers 2; num_heads 1;
     max_epochs 64; zoology/config.py: early_stopping_threshold 0.99, weight_decay 0.1; power_a 0.01,
     random_non_queries False."""
-    p = PRESETS["zoology-fig2"]
+    p = presets.PRESETS["zoology-fig2"]
     assert p.vocab == 8192
     assert [(c.seq_len, c.pairs, c.examples) for c in p.train] == [(64, 4, 100_000), (128, 8, 100_000),
                                                                    (256, 16, 100_000), (512, 64, 100_000)]
@@ -73,7 +55,7 @@ def test_based_preset_is_the_papers_configuration() -> None:
     (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256) x 1_000; batch_size 256; lr
     np.logspace(-3, -1.5, 4); max_epochs 32; n_layers 2; MQARConfig defaults: power_a 0.01,
     random_non_queries True; based d_model 48, 64, 128."""
-    p = PRESETS["based-fig2"]
+    p = presets.PRESETS["based-fig2"]
     assert [(c.seq_len, c.pairs, c.examples) for c in p.train] == [(64, 4, 100_000), (128, 8, 20_000),
                                                                    (256, 16, 20_000), (256, 32, 20_000),
                                                                    (256, 64, 20_000)]
@@ -88,28 +70,28 @@ def test_based_preset_is_the_papers_configuration() -> None:
 
 
 def test_lr_grid_is_logspace() -> None:
-    assert lr_grid(-4, -2, 4) == pytest.approx([10 ** (-4 + 2 * i / 3) for i in range(4)])
-    assert lr_grid(-3, -3, 1) == (1e-3,)
+    assert presets.lr_grid(-4, -2, 4) == pytest.approx([10 ** (-4 + 2 * i / 3) for i in range(4)])
+    assert presets.lr_grid(-3, -3, 1) == (1e-3,)
 
 
 def test_reduced_budget_states_its_cuts_and_keeps_the_data_semantics() -> None:
-    full = PRESETS["zoology-fig2"]
-    r = budget(full, "reduced")
+    full = presets.PRESETS["zoology-fig2"]
+    r = presets.budget(full, "reduced")
     assert r.size == "reduced" and r.notes
     assert [(c.seq_len, c.pairs) for c in r.train] == [(64, 4), (128, 8)]  # fewer lengths
     assert r.widths == (64, 128) and set(r.lrs) <= set(full.lrs) and len(r.lrs) == 2
     assert (r.vocab, r.power_a, r.threshold, r.random_non_queries) == (8192, 0.01, 0.99, False)
-    assert budget(full, "full") is full
+    assert presets.budget(full, "full") is full
     with pytest.raises(ValueError, match="size"):
-        budget(full, "medium")
+        presets.budget(full, "medium")
 
 
 def test_published_points_are_complete() -> None:
-    z = PUBLISHED["zoology-fig2"]
+    z = presets.PUBLISHED["zoology-fig2"]
     for line in ("Attention", "Hyena", "RWKV", "H3", "BaseConv"):
         assert sorted(z[line]) == [64, 128, 256, 512]
         assert all(len(v) == 4 and all(0 <= a <= 1 for a in v) for v in z[line].values())
-    assert all(0 <= a <= 1 and 10 < x < 23 for pts in PUBLISHED["based-fig2"].values() for x, a in pts)
+    assert all(0 <= a <= 1 and 10 < x < 23 for pts in presets.PUBLISHED["based-fig2"].values() for x, a in pts)
 
 
 # --------------------------------------------------------------------------- the data generator
@@ -128,7 +110,7 @@ def _reference_sequence(keys: list[int], values: list[int], gaps: list[int], seq
 
 def test_paper_mqar_layout_equals_the_token_loop_reference() -> None:
     N, K, V = 64, 4, 512
-    x, y = paper_mqar(300, N, K, V, torch.Generator().manual_seed(0))
+    x, y = presets.paper_mqar(300, N, K, V, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (300, N)
     for row in range(300):
         xs, ys = x[row].tolist(), y[row].tolist()
@@ -139,7 +121,7 @@ def test_paper_mqar_layout_equals_the_token_loop_reference() -> None:
 
 def test_paper_mqar_statistics() -> None:
     N, K, V, B = 128, 8, 1024, 2000
-    x, y = paper_mqar(B, N, K, V, torch.Generator().manual_seed(1))
+    x, y = presets.paper_mqar(B, N, K, V, torch.Generator().manual_seed(1))
     keys, values = x[:, 0:2 * K:2], x[:, 1:2 * K:2]
     # keys distinct from 1 .. V/2 - 1, values distinct from V/2 .. V - 1 (multiquery_ar's key/value choices)
     assert int(keys.min()) >= 1 and int(keys.max()) <= V // 2 - 1
@@ -171,8 +153,8 @@ def test_paper_mqar_statistics() -> None:
 
 def test_random_non_queries_replace_only_the_filler() -> None:
     g0, g1 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    a, ya = paper_mqar(64, 64, 4, 256, g0)
-    b, yb = paper_mqar(64, 64, 4, 256, g1, random_non_queries=True)
+    a, ya = presets.paper_mqar(64, 64, 4, 256, g0)
+    b, yb = presets.paper_mqar(64, 64, 4, 256, g1, random_non_queries=True)
     assert torch.equal(ya, yb)
     assert torch.equal(a[a != 0], b[a != 0])
     assert float((b[a == 0] != 0).double().mean()) > 0.9
@@ -181,13 +163,13 @@ def test_random_non_queries_replace_only_the_filler() -> None:
 def test_paper_mqar_rejects_impossible_settings() -> None:
     g = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="seq_len"):
-        paper_mqar(2, 63, 4, 256, g)
+        presets.paper_mqar(2, 63, 4, 256, g)
     with pytest.raises(ValueError, match="vocab"):
-        paper_mqar(2, 64, 4, 64, g)
+        presets.paper_mqar(2, 64, 4, 64, g)
 
 
 def test_pool_batches_are_a_pure_function_of_seed_and_step_and_reshuffle_per_epoch() -> None:
-    task = PaperMQAR((MQARCell(32, 2, 40),), (MQARCell(32, 2, 8),), vocab_size=64, seed=5)
+    task = presets.PaperMQAR((presets.MQARCell(32, 2, 40),), (presets.MQARCell(32, 2, 8),), vocab_size=64, seed=5)
     assert task.steps_per_epoch(16) == 2
     x0, _ = task.batch(0, 16, 5)
     assert torch.equal(x0, task.batch(0, 16, 5)[0])
@@ -199,47 +181,47 @@ def test_pool_batches_are_a_pure_function_of_seed_and_step_and_reshuffle_per_epo
 
 
 def test_mixture_pads_shorter_segments_with_ignored_targets() -> None:
-    task = PaperMQAR((MQARCell(32, 2, 8), MQARCell(64, 4, 8)), (MQARCell(32, 2, 4),), vocab_size=128)
+    task = presets.PaperMQAR((presets.MQARCell(32, 2, 8), presets.MQARCell(64, 4, 8)), (presets.MQARCell(32, 2, 4),), vocab_size=128)
     assert task.train_x.shape == (16, 64)
     assert (task.train_y[:8, 32:] == IGNORE).all() and (task.train_x[:8, 32:] == 0).all()
 
 
 # --------------------------------------------------------------------------- runs, sweep, early stop
 def _tiny_preset(**over: object) -> object:
-    return replace(budget(PRESETS["zoology-fig2"], "quick"), **over)
+    return replace(presets.budget(presets.PRESETS["zoology-fig2"], "quick"), **over)
 
 
 def test_cosine_epoch_lr_matches_torch_scheduler() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=0.0)
     for epoch in range(5):
-        assert cosine_epoch_lr(0.01, epoch, 5) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12)
+        assert sweep.cosine_epoch_lr(0.01, epoch, 5) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12)
         opt.step()
         sched.step()
 
 
 def test_early_stop_at_the_threshold_and_full_budget_otherwise() -> None:
     p = _tiny_preset(threshold=-1.0)  # every evaluation exceeds it: stop after the first
-    spec = RunSpec(p.name, p.size, "mha", 16, "64/4", 1e-2)
-    r = train_run(p, spec)
+    spec = sweep.RunSpec(p.name, p.size, "mha", 16, "64/4", 1e-2)
+    r = sweep.train_run(p, spec)
     assert r["stopped_early"] and len(r["evals"]) == 1 and r["steps"] == r["steps_per_epoch"]
     p = _tiny_preset(threshold=1.5)  # unreachable: every epoch runs
-    r = train_run(p, spec)
+    r = sweep.train_run(p, spec)
     assert not r["stopped_early"] and len(r["evals"]) == p.max_epochs
     assert r["steps"] == p.max_epochs * r["steps_per_epoch"]
-    again = train_run(p, spec)
+    again = sweep.train_run(p, spec)
     assert again["evals"] == r["evals"]  # deterministic
     assert r["state_bytes"] > 0 and math.isfinite(r["final"]["val_loss"])
 
 
 def test_scored_head_equals_the_full_logits_loss() -> None:
     p = _tiny_preset()
-    model = preset_model("mha", 16, 2, 1, p.vocab, 64, 0)
-    x, y = paper_mqar(4, 64, 4, p.vocab, torch.Generator().manual_seed(0))
+    model = sweep.preset_model("mha", 16, 2, 1, p.vocab, 64, 0)
+    x, y = presets.paper_mqar(4, 64, 4, p.vocab, torch.Generator().manual_seed(0))
     hidden = model(x)  # [B, N, C]
     full = hidden @ model.tok_emb.weight.t()  # [B, N, V]
     ref = torch.nn.functional.cross_entropy(full.flatten(0, 1).double(), y.flatten(), ignore_index=IGNORE)
-    logits, scored = scored_logits(model, x, y)
+    logits, scored = presets.scored_logits(model, x, y)
     got = torch.nn.functional.cross_entropy(logits.double(), y[scored])
     assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
     assert all(isinstance(b.ffn, torch.nn.Identity) for b in model.blocks)  # Zoology: no MLP
@@ -251,19 +233,19 @@ def test_best_of_takes_the_maximum_over_learning_rates() -> None:
         return {"spec": spec, "final": {"accuracy": acc, "by_segment": {"64/4": acc}}, "stopped_early": acc > 0.99,
                 "evals": [{"epoch": 1}], "state_bytes": 10, "state_seq_len": 64, "params": 5}
 
-    pts = best_of([rec(1e-3, 0.4), rec(1e-2, 0.9), rec(3e-3, 0.9)])
+    pts = sweep.best_of([rec(1e-3, 0.4), rec(1e-2, 0.9), rec(3e-3, 0.9)])
     assert len(pts) == 1 and pts[0]["accuracy"] == 0.9 and pts[0]["best_lr"] == 3e-3  # tie: smaller lr
     assert not pts[0]["at_lr_edge"]
-    assert best_of([rec(1e-3, 0.1), rec(1e-2, 0.9)])[0]["at_lr_edge"]
+    assert sweep.best_of([rec(1e-3, 0.1), rec(1e-2, 0.9)])[0]["at_lr_edge"]
 
 
 def test_preset_runs_cover_the_sweep() -> None:
-    p = budget(PRESETS["zoology-fig2"], "reduced")
-    runs = preset_runs(p)
+    p = presets.budget(presets.PRESETS["zoology-fig2"], "reduced")
+    runs = sweep.preset_runs(p)
     assert len(runs) == len(p.variants) * len(p.train) * len(p.widths) * len(p.lrs)
     assert len({r.key for r in runs}) == len(runs)
-    b = budget(PRESETS["based-fig2"], "reduced")
-    sliding = [r for r in preset_runs(b, ["sliding"])]
+    b = presets.budget(presets.PRESETS["based-fig2"], "reduced")
+    sliding = [r for r in sweep.preset_runs(b, ["sliding"])]
     assert {r.window for r in sliding} == {8, 32} and {r.train for r in sliding} == {"mixture"}
 
 
@@ -286,7 +268,7 @@ def test_comparison_with_the_paper() -> None:
     assert rows == [{"variant": "mha", "paper": "Attention", "where": "seq_len 64, width 64", "ours": 0.95,
                      "theirs": 0.97, "diff": pytest.approx(-0.02), "agree": True}]
     rows = compare_to_paper({"preset": "based-fig2", "points": [{**pt, "variant": "linear", "state_bytes": 2**14}]})
-    assert rows[0]["paper"] == "Based" and rows[0]["theirs"] == pytest.approx(_interp(PUBLISHED["based-fig2"]["Based"], 14))
+    assert rows[0]["paper"] == "Based" and rows[0]["theirs"] == pytest.approx(_interp(presets.PUBLISHED["based-fig2"]["Based"], 14))
     assert _interp([(1.0, 0.0), (3.0, 1.0)], 2.0) == pytest.approx(0.5)
     assert _interp([(1.0, 0.0), (3.0, 1.0)], 9.0) is None
 
@@ -295,11 +277,11 @@ def test_comparison_with_the_paper() -> None:
 def test_should_stop() -> None:
     flat = [{"step": s, "accuracy": 0.30} for s in (100, 200, 300)]
     assert should_stop([{"step": 50, "accuracy": 0.995}], 50, 600, 1000)  # solved
-    assert not should_stop(flat, 300, 600, 1000)  # flat but before the nominal budget
+    assert not should_stop(flat, 300, 600, 1000)  # flat but before the nominal presets.budget
     assert should_stop([*flat, {"step": 600, "accuracy": 0.31}] [-3:], 600, 600, 1000)
     rising = [{"step": s, "accuracy": a} for s, a in ((400, 0.3), (500, 0.4), (600, 0.5))]
     assert not should_stop(rising, 600, 600, 1000)  # still rising: goes on to the cap
-    assert not should_stop(flat, 600, 1000, 1000)  # no cap beyond the budget: fixed
+    assert not should_stop(flat, 600, 1000, 1000)  # no cap beyond the presets.budget: fixed
     assert not should_stop([*flat[1:], {"step": 600, "accuracy": 0.31}], 600, 600, 1000, exact=True)  # plateau 100%
 
 
@@ -366,7 +348,7 @@ def test_hybrid_runs_in_the_arena_with_its_verdict(tmp_path: Path) -> None:
 
 
 def test_hybrid_preset_model_builds_one_variant_per_layer() -> None:
-    m = preset_model("gated_deltanet/mha", 16, 2, 1, 64, 32, 0)
+    m = sweep.preset_model("gated_deltanet/mha", 16, 2, 1, 64, 32, 0)
     kinds = [type(b.attn).__name__ for b in m.blocks]
     assert kinds[0] != kinds[1] and kinds[1] == "MultiHeadAttention"
     x = torch.randint(0, 64, (2, 32), generator=batch_generator(0, 1, 0))
