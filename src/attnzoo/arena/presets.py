@@ -176,6 +176,8 @@ _DEVIATIONS = (
     "Based's every layer, start with a short convolution that supplies the shift, which attnzoo's variants do not "
     "have)",
     "no dropout (Zoology: 0.1 on the embeddings and the attention weights)",
+    "learned positions are trained only up to the longest training sequence, so Based's longer test segments "
+    "(512, 1024 tokens; --full only) test position extrapolation as well",
     "our mixers stand in for the papers' (attention = mha with one head; Based's Taylor feature map -> linear; "
     "Mamba -> mamba2); Hyena, RWKV, H3 and BaseConv have no attnzoo counterpart and are drawn from the paper only",
 )
