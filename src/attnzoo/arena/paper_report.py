@@ -179,6 +179,9 @@ def write_preset_report(result: dict[str, Any], p: Preset, out: Path) -> Path:
     lines = [f"# attnzoo arena --preset {p.name}: {p.paper}", ""]
     if result["size"] == "quick":
         lines += ["> **Smoke test** (`--quick`): tiny models, vocabulary 256, two epochs; the numbers mean nothing.", ""]
+    if result.get("partial"):
+        lines += [f"> **Partial**: {len(result['runs'])} of the sweep's {result['of_runs']} runs finished; points "
+                  "with fewer learning rates than the sweep are a lower bound of its best-of.", ""]
     lines += [*_budget_lines(p, result), ""]
     if has_png:
         lines += ["![ours beside the paper's points](figure.png)", ""]

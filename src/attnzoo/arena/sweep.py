@@ -35,7 +35,7 @@ from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.models import DecoderLM
 from attnzoo.variants import VARIANTS, layer_pattern
 
-__all__ = ["RunSpec", "add_preset_arguments", "best_of", "cosine_epoch_lr", "preset_model", "preset_runs", "run_preset", "train_run"]
+__all__ = ["RunSpec", "add_preset_arguments", "best_of", "cosine_epoch_lr", "partial_report", "preset_model", "preset_runs", "run_preset", "train_run"]
 
 
 @dataclass(frozen=True)
@@ -294,6 +294,24 @@ def run_preset(args: argparse.Namespace) -> int:
     print(f"arena --preset {p.name} ({size}): {len(done)} runs ({len(todo)} trained, {len(specs) - len(todo)} "
           f"reused) in {wall:.0f} s on {jobs} worker(s); report: {from_report}", flush=True)
     return 0
+
+
+def partial_report(out: Path | str, preset: str, size: str = "reduced", wall_s: float = float("nan")) -> Path:
+    """The report of the runs that finished in ``out/runs`` (a sweep cut short, e.g. by a time
+    limit): ``preset.json`` and ``report.md`` as :func:`run_preset` writes them, from those runs
+    only (``partial: true``; the report says how many of the sweep's runs are in). Returns the
+    report's path."""
+    out = Path(out)
+    p = budget(PRESETS[preset], size)
+    specs = {s.key: s for s in preset_runs(p)}
+    done = [r for r in (_reused(out, s) for s in specs.values()) if r is not None]
+    if not done:
+        raise ValueError(f"partial_report: no finished run of {preset} ({size}) in {out / 'runs'}")
+    result = {"preset": p.name, "size": size, "paper": p.paper, "source": p.source, "settings": _settings(p),
+              "runs": done, "points": best_of(done), "wall_s": wall_s, "jobs": 0, "threads": None,
+              "reused": len(done), "partial": True, "of_runs": len(specs)}
+    write_atomic(out / "preset.json", json.dumps(result, indent=1))
+    return write_preset_report(result, p, out)
 
 
 def _settings(p: Preset) -> dict[str, Any]:
