@@ -80,7 +80,7 @@ def _figure(result: dict[str, Any], p: Preset, path: Path) -> bool:
     cmap = plt.get_cmap("tab10")
     if p.name == "zoology-fig2":
         lens = sorted({int(pt["train"].split("/")[0]) for pt in points})
-        fig, axes = plt.subplots(1, len(lens), figsize=(4.0 * len(lens), 3.6), dpi=110, squeeze=False)
+        fig, axes = plt.subplots(1, len(lens), figsize=(max(4.0 * len(lens), 6.4), 4.0), dpi=110, squeeze=False)
         for ax, n in zip(axes[0], lens, strict=True):
             for j, (line, by_len) in enumerate((k, v) for k, v in pub.items() if k != "widths"):
                 if n in by_len:
@@ -117,7 +117,7 @@ def _figure(result: dict[str, Any], p: Preset, path: Path) -> bool:
         ax0.grid(alpha=0.3)
         ax0.legend(fontsize=6, ncol=2)
         axes = [[ax0]]
-    fig.suptitle(f"{p.paper}: ours ({result['size']} budget, solid) and the paper's points (dashed / x)",
+    fig.suptitle(f"{p.paper}\nours ({result['size']} budget, solid) and the paper's points (dashed / x)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
