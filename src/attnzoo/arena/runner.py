@@ -58,7 +58,7 @@ from attnzoo.arena.verdict import verdict
 from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.distributed import ContextParallel, context_parallel, gather_sequence, shard_positions
 from attnzoo.models import DecoderLM
-from attnzoo.variants import VARIANTS, layer_pattern, variant_names
+from attnzoo.variants import VARIANTS, variant_names
 
 __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
            "build_model", "run_arena", "setting_differences", "settings_for"]
@@ -246,13 +246,10 @@ def _make_task(s: TaskSettings) -> Task:
 def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device,
                  max_len: int = 0) -> torch.nn.Module:
     akw = entry_kwargs(variant, s.width, s.heads, s.window)  # e.g. window, performer's F
-    pos = s.pos
-    if pos == "rope" and not any(VARIANTS[n].takes_rope() for n in layer_pattern(variant, s.depth)):
-        pos = "none"  # no layer rotates (linear, recurrent): as before, such a stack trains without positions
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
-                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len), pos=pos,
-                      device=device)
+                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
+                      pos=None if s.pos == "rope" else s.pos, device=device)  # rope where the variant takes it
     gpt2_init(model)
     return model
 
