@@ -162,8 +162,9 @@ def _trend_text(result: dict[str, Any]) -> list[str]:
     out = []
     for v in sorted({pt["variant"] for pt in pts}):
         mine = {(int(pt["train"].split("/")[0]), pt["width"]): pt["accuracy"] for pt in pts if pt["variant"] == v}
-        lens, widths = sorted({n for n, _ in mine}), sorted({w for _, w in mine})
-        if len(widths) > 1:
+        widths = sorted({w for _, w in mine})
+        lens = sorted(n for n in {n for n, _ in mine} if (n, widths[0]) in mine and (n, widths[-1]) in mine)
+        if len(widths) > 1 and lens:
             rises = all(mine.get((n, widths[-1]), 0) >= mine.get((n, widths[0]), 0) - 0.02 for n in lens)
             out.append(f"- {v}: width {widths[0]} -> {widths[-1]}: " + ", ".join(
                 f"{100 * mine.get((n, widths[0]), float('nan')):.0f}% -> {100 * mine.get((n, widths[-1]), float('nan')):.0f}%"
