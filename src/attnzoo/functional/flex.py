@@ -71,7 +71,7 @@ def _flex_fn(compiled: bool) -> Callable[..., Any]:
     if not compiled:
         return _eager
     if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(flex_attention, dynamic=False)
+        _compiled["fn"] = torch.compile(flex_attention, dynamic=None)
     return _compiled["fn"]
 
 
