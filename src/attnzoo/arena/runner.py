@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from attnzoo._outputs import ensure_output_dir
+from attnzoo._validate import nonnegative_int_arg as _nonnegative_int
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.grid import GRID, grid_window, run_grid
@@ -165,7 +166,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
     parser.add_argument("--seeds", type=_positive_int, default=2,
                         help="seeds of the lm task, for the seed-noise estimate of the verdict (default: %(default)s)")
-    parser.add_argument("--seeds-top", dest="seeds_top", type=int, default=2,
+    parser.add_argument("--seeds-top", dest="seeds_top", type=_nonnegative_int, default=2,
                         help="run the extra seeds only for the K variants with the best lm loss at --seed, to "
                              "keep the default run short; 0: every variant (default: %(default)s)")
     parser.add_argument("--grid-widths", dest="grid_widths", type=_int_list,
