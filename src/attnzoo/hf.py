@@ -23,7 +23,10 @@ What reaches :func:`attnzoo.attention`:
   ``or``/``and`` overlays, chunked attention) falls back to transformers' dense bool mask.
 * GQA: key/value arrive with ``Hkv`` heads and are passed as they are (no ``repeat_kv``).
 * ``scaling``, ``softcap``, ``dropout`` (the model passes 0 at eval), attention sinks
-  (``s_aux``) through ``sinks=`` when this attnzoo's ``attention`` has that argument.
+  (``s_aux``, or ``sinks`` per head or per query), T5's relative ``position_bias`` (added to the
+  mask). Every other keyword is either known not to change the attention (``position_ids``,
+  cache flags, flash-attention's varlen metadata: :data:`NEUTRAL_KEYWORDS`) or refused with a
+  ``NotImplementedError`` naming it, never ignored (docs/huggingface.md lists the families).
 * Decoding with a ``DynamicCache`` (also its sliding-window layers): queries sit at the cache's
   query offset relative to the first cached key, which is attnzoo's bottom-right default.
 

@@ -248,8 +248,7 @@ class RotaryEmbedding(nn.Module):
             which = "dim" if rotary_dim is None else "rotary_dim"
             raise ValueError(f"RotaryEmbedding rotates channel pairs, so {which} must be even, got {rd}")
         self.rotary_dim = rd
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
-            raise ValueError(f"base must be a number > 1, got {base!r}")
+        check_number_above(base, "base", 1.0, type(self).__name__)
         if not isinstance(interleaved, bool):
             raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
         if scaling not in (None, "linear", "ntk"):
