@@ -41,14 +41,10 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def finished(tmp_path_factory: pytest.TempPathFactory, one_thread: None) -> Path:
+    """One undamaged run (module scope, one thread), copied and spoiled by each test."""
     out = tmp_path_factory.mktemp("arena-damage") / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert run_arena(_args(*ARGV, "--out", str(out))) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert run_arena(_args(*ARGV, "--out", str(out))) == 0
     return out
 
 
