@@ -43,7 +43,7 @@ from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, registe
 from attnzoo.nn.streaming import POSITION_MODES, mask_at, sink_query_positions, streaming_pattern
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
-           "SlidingWindowAttention", "default_kv_heads"]
+           "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
 
 Cache = KVCache | SlidingWindowKVCache
 
@@ -189,6 +189,7 @@ class MultiHeadAttention(AttentionBase):
         **options: Any,
     ) -> None:
         cls = type(self).__name__
+        num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
         opts, factory = AttentionOptions.parse(cls, options)
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
@@ -212,6 +213,9 @@ class MultiHeadAttention(AttentionBase):
                                         or self.alibi):
             raise ValueError(f"{cls}: a cross-attention module (kv_dim={self.kv_dim}) does not take causal, window, "
                              f"rope or alibi (they relate query and key positions of one sequence)")
+
+    #: ``num_kv_heads`` an alias fixes (MQA: 1), or ``"required"`` (GQA); ``None``: free.
+    _fixed_kv_heads: int | str | None = None
 
     @property
     def alibi(self) -> bool:
@@ -503,6 +507,18 @@ class MultiHeadAttention(AttentionBase):
         return s
 
 
+def _alias_kv_heads(fixed: int | str | None, owner: str, num_kv_heads: int | None) -> int | None:
+    """``num_kv_heads`` as an alias class allows it: ``fixed`` an int (MQA: 1), ``"required"`` (GQA)
+    or ``None`` (free)."""
+    if fixed == "required" and num_kv_heads is None:
+        raise TypeError(f"{owner}: num_kv_heads is required (the number of KV groups)")
+    if isinstance(fixed, int):
+        if num_kv_heads not in (None, fixed):
+            raise TypeError(f"{owner} has num_kv_heads={fixed}; use GroupedQueryAttention for other values")
+        return fixed
+    return num_kv_heads
+
+
 def _check_mask(cls: str, mask: object, B: int, H: int, N: int, n_k: int) -> None:
     """A user mask must be None, a Mask, or a bool/float tensor broadcastable to ``[B, H, N, n_k]``
     (checked before a cache is written, so a bad mask changes nothing)."""
@@ -541,14 +557,12 @@ def _shift_mask(mask: Tensor | Mask | None, first: int, total: int) -> Tensor | 
 class MultiQueryAttention(MultiHeadAttention):
     """Multi-query attention (Shazeer, 2019): every query head shares ONE key/value head.
 
-    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, **kw)``; the cache holds ``1 / H`` of
-    MHA's bytes. Arguments as :class:`MultiHeadAttention`.
+    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, ...)``; the cache holds ``1 / H`` of
+    MHA's bytes. Arguments as :class:`MultiHeadAttention` (``num_kv_heads`` other than 1 is a
+    ``TypeError``).
     """
 
-    def __init__(self, dim: int, num_heads: int, **kw: Any) -> None:
-        if "num_kv_heads" in kw:
-            raise TypeError("MultiQueryAttention has num_kv_heads=1; use GroupedQueryAttention for other values")
-        super().__init__(dim, num_heads, num_kv_heads=1, **kw)
+    _fixed_kv_heads = 1
 
 
 class GroupedQueryAttention(MultiHeadAttention):
@@ -559,8 +573,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     ``num_kv_heads / num_heads`` of MHA's bytes.
     """
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, **kw: Any) -> None:
-        super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, **kw)
+    _fixed_kv_heads = "required"
 
 
 class SlidingWindowAttention(MultiHeadAttention):
@@ -597,8 +610,37 @@ class SlidingWindowAttention(MultiHeadAttention):
                              f"alibi, got causal={causal}, alibi={self.alibi}, score={self.options.score!r}")
         self.window_size, self.sink_tokens, self.position_mode = window, sink_tokens, position_mode
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> SlidingWindowAttention:
+        """``SlidingWindowAttention(..., sink_tokens=n)`` with ``n > 0`` is a :class:`StreamingAttention`."""
+        sinks = kwargs.get("sink_tokens", args[4] if len(args) > 4 else 0)
+        if cls is SlidingWindowAttention and isinstance(sinks, int) and not isinstance(sinks, bool) and sinks > 0:
+            cls = StreamingAttention
+        return super().__new__(cls)
+
+    def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
+              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        if isinstance(cache, SinkWindowKVCache):
+            raise TypeError(f"{type(self).__name__}: a module with sink_tokens=0 (no sink tokens) decodes with a KVCache or "
+                            f"SlidingWindowKVCache, got SinkWindowKVCache; use module.init_cache()")
+        return super()._self(x, mask, cache, positions, return_weights)
+
+
+class StreamingAttention(SlidingWindowAttention):
+    """StreamingLLM attention (Xiao et al., 2023): a causal sliding window plus ``sink_tokens`` first
+    tokens every query sees, decoded with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots (the
+    ``streaming`` variant). What ``SlidingWindowAttention(..., sink_tokens=n)`` builds for ``n > 0``;
+    arguments as :class:`SlidingWindowAttention` (``sink_tokens >= 1``)."""
+
+    _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
+
+    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 1,
+                 position_mode: str = "absolute", **kw: Any) -> None:
+        super().__init__(dim, num_heads, window, causal, sink_tokens, position_mode, **kw)
+        if not self.sink_tokens:
+            raise ValueError("StreamingAttention: sink_tokens must be >= 1 (use SlidingWindowAttention for none)")
+
     def _structure(self) -> Mask | None:
-        return streaming_pattern(self.window_size, self.sink_tokens) if self.sink_tokens else None
+        return streaming_pattern(self.window_size, self.sink_tokens)
 
     def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
                          q_offset: int) -> Tensor | Mask:
@@ -611,20 +653,17 @@ class SlidingWindowAttention(MultiHeadAttention):
 
     def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str,
                    dtype: torch.dtype) -> Any:
-        if not self.sink_tokens:
-            return super()._new_cache(batch_size, max_len, device, dtype)
         return SinkWindowKVCache(batch_size, self.sink_tokens, self.window_size, self.num_kv_heads, self.head_dim,
                                  max_len=max_len, device=device, dtype=dtype)
 
     def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
         cls = type(self).__name__
-        if isinstance(cache, SinkWindowKVCache) != bool(self.sink_tokens) and cache is not None:
-            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with "
-                            f"{'a SinkWindowKVCache' if self.sink_tokens else 'a KVCache or SlidingWindowKVCache'}, "
+        if cache is not None and not isinstance(cache, SinkWindowKVCache):
+            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with a SinkWindowKVCache, "
                             f"got {type(cache).__name__}; use module.init_cache()")
-        if not self.sink_tokens or (cache is None and self.position_mode == "absolute"):
-            return super()._self(x, mask, cache, positions, return_weights)
+        if cache is None and self.position_mode == "absolute":
+            return MultiHeadAttention._self(self, x, mask, cache, positions, return_weights)
         if return_weights or (positions is not None and self.position_mode == "cache"):
             raise ValueError(f"{cls}: with sink tokens, a cached call or position_mode='cache' takes no "
                              f"return_weights, and position_mode='cache' no positions (it counts them in the cache)")
@@ -673,10 +712,7 @@ class SlidingWindowAttention(MultiHeadAttention):
         return out, lse
 
     def extra_repr(self) -> str:
-        s = super().extra_repr()
-        if self.sink_tokens:
-            s += f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
-        return s
+        return super().extra_repr() + f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
 
 
 # --------------------------------------------------------------------------- variant specs
@@ -720,9 +756,9 @@ def _arena_window(width: int, heads: int, window: int | None) -> dict[str, Any]:
 
 
 _DENSE = {"family": "softmax", "exact": True, "time": "O(N C^2 + N^2 C)", "memory": "O(N) (fused/tiled)",
-          "cost": _dense_cost, "masks": "any", "ring": True}
-register(VariantSpec("mha", decoding="K,V of every head", build=_build_mha, order=0, arena_default=True,
-                     **_DENSE))
+          "cost": _dense_cost, "masks": "any", "ring": True, "positions": "rope"}
+register(VariantSpec("mha", decoding="K,V of every head (of each KV group with num_kv_heads)", build=_build_mha,
+                     options=("num_kv_heads",), order=0, arena_default=True, **_DENSE))
 register(VariantSpec("mqa", decoding="K,V of one shared head", build=_build_mqa, kv_heads=lambda h, g: 1,
                      order=1, arena_default=True, **_DENSE))
 register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, options=("num_kv_heads",),
@@ -730,7 +766,7 @@ register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, o
                      **_DENSE))
 register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) tiled", "last W keys (ring buffer)",
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
-                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3,
+                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3, positions="rope",
                      arena_default=True))
 
 
@@ -765,4 +801,4 @@ register(VariantSpec("streaming", "softmax", True, "O(N C^2 + N (W + S) C)", "O(
                      defaults={"window": 64, "global_tokens": (0, 1, 2, 3)},
                      options=("num_kv_heads", "window", "global_tokens"), causal_modes=(True,),
                      check={"window": 4, "global_tokens": (0, 1)}, arena=_arena_window,
-                     masks="causal, window, sink tokens, padding", order=5))
+                     masks="causal, window, sink tokens, padding", order=5, positions="rope"))
