@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "GroupedQueryAttention": "attnzoo.nn.attention",
     "SlidingWindowAttention": "attnzoo.nn.attention",
     "StreamingAttention": "attnzoo.nn.attention",
+    "SigmoidAttention": "attnzoo.nn.attention",
     "LocalGlobalAttention": "attnzoo.nn.local_global",
     "DifferentialAttention": "attnzoo.nn.differential",
     "LinearAttention": "attnzoo.nn.feature_attention",

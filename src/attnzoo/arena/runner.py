@@ -28,6 +28,7 @@ from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.grid import GRID, grid_window, run_grid
 from attnzoo.arena.longctx import long_context
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
+from attnzoo.arena.parallel import GatheredModel, parallelize, plain_copy, plan_from_args
 from attnzoo.arena.progress import PROGRESS_KINDS, Overall, make_progress
 from attnzoo.arena.report import summary_text, write_report
 from attnzoo.arena.storage import (
@@ -55,7 +56,7 @@ from attnzoo.arena.verdict import verdict
 from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.distributed import ContextParallel, context_parallel, gather_sequence, shard_positions
 from attnzoo.models import DecoderLM
-from attnzoo.variants import VARIANTS, variant_names
+from attnzoo.variants import VARIANTS, layer_pattern, variant_names
 
 __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
            "build_model", "run_arena", "setting_differences", "settings_for"]
@@ -190,10 +191,15 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="train through torch.compile(model) (forward and backward of every training step); "
                              "evaluation and decoding stay eager")
-    parser.add_argument("--context-parallel", dest="context_parallel", action="store_true",
-                        help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
-                             "attention instead of splitting the batch; softmax variants only "
-                             f"({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len must be divisible by 2 x ranks")
+    parser.add_argument("--context-parallel", dest="context_parallel", nargs="?", const=True, default=False,
+                        type=_positive_int, metavar="N", help=_CP_HELP)
+
+
+_CP_HELP = ("under torchrun: shard every sequence over the ranks (zigzag layout) and run ring attention instead "
+            f"of splitting the batch; softmax variants only ({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len "
+            "must be divisible by 2 x ranks. With N: FSDP2 on a (world / N, N) mesh, sequences over N ranks, rows "
+            "of the batch over the rest, every variant but nsa, infini and sigmoid (attnzoo.arena.parallel; not "
+            "checkpointed)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -232,13 +238,20 @@ def _make_task(s: TaskSettings) -> Task:
     return MQARTask(seq_len=s.seq_len, num_kv_pairs=s.num_kv_pairs, vocab_size=s.vocab_size)
 
 
+def _arena_pos(pos: str, variant: str) -> str:
+    """The task's ``pos``, except that a rope task gives ``"none"`` to a stack none of whose variants takes
+    a rotary embedding (they carry order themselves or rely on causality; see ``VariantSpec.positions``)."""
+    takes = any(VARIANTS[n].takes_rope() for n in layer_pattern(variant, 1 + variant.count("/")))
+    return "none" if pos == "rope" and not takes else pos
+
+
 def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device,
                  max_len: int = 0) -> torch.nn.Module:
     akw = VARIANTS[variant].arena_settings(s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
                       max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
-                      pos=None if s.pos == "rope" else s.pos, device=device)  # rope where the variant takes it
+                      pos=_arena_pos(s.pos, variant), device=device)
     _gpt2_init(model)
     return model
 
@@ -321,6 +334,7 @@ class _Run:
         self.ckpt = out / "checkpoints" / f"{self.name}.pt"
         self.done_file = out / "runs" / f"{self.name}.json"
         self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
+        self.plan = plan_from_args(args) if self.cp else None  # --context-parallel N: FSDP2 + CP
         self.sig = _signature(s, variant, self.seed, self.world, self.cp)
 
     def _warn(self, path: Path, problem: str) -> None:
@@ -393,10 +407,12 @@ class _Run:
         s = self.s
         cfg = TrainConfig(lr=s.lr, warmup=s.warmup, compile=bool(getattr(self.args, "compile", False)))
         model = _build_model(s, self.variant, self.task.vocab_size, self.seed, self.device)
+        if self.plan is not None:  # before the optimizer: it must see the sharded parameters
+            parallelize(model, self.plan)
         opt = make_optimizer(model, cfg)
-        start, losses, evals = self._restore(model, opt)
-        evaluated: torch.nn.Module = model
-        if self.cp:
+        start, losses, evals = self._restore(model, opt) if self.plan is None else (0, [], [])
+        evaluated: torch.nn.Module = model if self.plan is None else GatheredModel(model, self.plan)
+        if self.cp and self.plan is None:
             context_parallel(model, layout=CONTEXT_PARALLEL_LAYOUT)
             evaluated = _GatheredLM(model, CONTEXT_PARALLEL_LAYOUT)
         if start == 0:
@@ -410,9 +426,13 @@ class _Run:
             "train_losses": losses, "evals": evals, "final": {k: v for k, v in evals[-1].items() if k != "step"},
             "train_tokens_per_s": last.tokens_per_s if last else None, "train_wall_s": wall, "train_cpu_s": cpu,
         }
+        if self.plan is not None:  # measure a plain copy with the trained weights (gathered on every rank)
+            model = plain_copy(model, _build_model(s, self.variant, self.task.vocab_size, self.seed, self.device))
         result.update(self._measure(model))
         if self.cp:
             result["context_parallel"] = {"layout": CONTEXT_PARALLEL_LAYOUT, "ranks": self.world}
+            if self.plan is not None:
+                result["context_parallel"].update(fsdp=True, cp=self.plan.cp, dp=self.plan.dp)
         if self.rank == 0:
             write_atomic(self.done_file, json.dumps(result, indent=1))
         return result
@@ -447,9 +467,10 @@ class _Run:
 
             t0, c0 = time.perf_counter(), time.process_time()
             train(model, self.task, s.steps, s.batch, self.seed, config=cfg, device=self.device,
-                  start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
-                  checkpoint_every=args.checkpoint_every,
-                  sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp else None)
+                  start_step=start, optimizer=opt, on_step=on_step,
+                  checkpoint=checkpoint if self.plan is None else None, checkpoint_every=args.checkpoint_every,
+                  sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp and self.plan is None else None,
+                  parallel=self.plan)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return (last[0] if last else None), wall, cpu
 
@@ -775,7 +796,7 @@ def run_arena(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(grid_only)}: only for --task mqar-grid (got --task {args.task})")
     if args.task == "mqar-grid":
         return run_grid(args, _grid_builder(args))
-    cp = bool(getattr(args, "context_parallel", False))
+    cp = getattr(args, "context_parallel", False) is True  # with N (FSDP2), every shardable variant
     variants = _parse_variants(args.variants, cp)
     tasks = list(TASKS) if args.task == "all" else [args.task]
     if args.task not in (*TASKS, "all"):
