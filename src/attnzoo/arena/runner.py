@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from attnzoo._outputs import ensure_output_dir
+from attnzoo._validate import nonnegative_int_arg as _nonnegative_int
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.grid import GRID, grid_window, run_grid
@@ -166,7 +167,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
     parser.add_argument("--seeds", type=_positive_int, default=2,
                         help="seeds of the lm task, for the seed-noise estimate of the verdict (default: %(default)s)")
-    parser.add_argument("--seeds-top", dest="seeds_top", type=int, default=2,
+    parser.add_argument("--seeds-top", dest="seeds_top", type=_nonnegative_int, default=2,
                         help="run the extra seeds only for the K variants with the best lm loss at --seed, to "
                              "keep the default run short; 0: every variant (default: %(default)s)")
     parser.add_argument("--grid-widths", dest="grid_widths", type=_int_list,
@@ -352,7 +353,15 @@ class _Run:
         except DamagedFile as exc:
             self._warn(self.done_file, str(exc))
             return None
-        return data if data.get("signature") == self.sig else None
+        if data.get("signature") != self.sig:
+            return None
+        if self.ckpt.exists():  # a finished run's checkpoint is a model users load: it must be whole too
+            try:
+                read_checkpoint(self.ckpt)
+            except DamagedFile as exc:
+                self._warn(self.ckpt, str(exc))
+                return None
+        return data
 
     def _restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer
                  ) -> tuple[int, list[float], list[dict[str, float]]]:
@@ -746,12 +755,40 @@ def _cpu_seconds() -> float:
     return time.process_time() + t.children_user + t.children_system
 
 
+def interrupted_line(args: argparse.Namespace) -> str:
+    """The one line an interrupted arena prints: whether anything of it is on disk to resume from."""
+    out = Path(args.out or (QUICK_OUT if args.quick else DEFAULT_OUT))
+    kept = [p for d in ("runs", "checkpoints") if (out / d).is_dir() for p in (out / d).iterdir()
+            if p.suffix in (".json", ".pt")]
+    if not kept:
+        return "arena: interrupted; nothing written"
+    return (f"arena: interrupted; {len(kept)} run records and checkpoints are kept in {out}: "
+            f"resume with --resume")
+
+
+def _one_line_interrupt(fn: Any) -> Any:
+    """``fn(args)`` with Ctrl-C (SIGINT) at any point, start-up included, as :func:`interrupted_line`
+    on stderr and exit code 130 instead of a ``KeyboardInterrupt`` traceback."""
+
+    @functools.wraps(fn)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except KeyboardInterrupt:
+            print(interrupted_line(args), file=sys.stderr, flush=True)
+            return 130
+
+    return wrapped
+
+
+@_one_line_interrupt
 def run_arena(args: argparse.Namespace) -> int:
     """Run the arena described by ``args`` (from :func:`add_arena_arguments`); returns an exit code.
 
     Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``--out``
     (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings, before any training
     (an ``--out`` that cannot be written, or a ``--quick`` run over a full report, included).
+    Ctrl-C prints one line (:func:`interrupted_line`) and returns 130.
     """
     grid_only = [f"--{k.replace('_', '-')}" for k in ("grid_widths", "grid_pairs", "grid_seq_lens")
                  if getattr(args, k, None) is not None]
