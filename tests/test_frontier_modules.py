@@ -572,3 +572,22 @@ def test_streaming_is_its_own_class() -> None:
         torch.testing.assert_close(clone(x), m(x))
     with pytest.raises(ValueError, match="sink_tokens must be >= 1"):
         az.StreamingAttention(16, 4, window=3, sink_tokens=0)
+
+
+def test_sigmoid_is_its_own_class() -> None:
+    """SigmoidAttention carries the sigmoid score (the `sigmoid` variant); MultiHeadAttention(score='sigmoid')
+    builds one, and the other softmax classes refuse the score by name instead of ignoring it."""
+    m = az.MultiHeadAttention(16, 4, causal=True, score="sigmoid", sigmoid_bias=-1.0)
+    assert type(m) is az.SigmoidAttention
+    assert type(az.variants.build_attention("sigmoid", 16, 4)) is az.SigmoidAttention
+    x = torch.randn(2, 6, 16)
+    q, k, v = m.project_qkv(x)
+    want = az.sigmoid_attention(q, k, v, bias=-1.0, causal=True)
+    torch.testing.assert_close(m(x), m.merge_heads(want))
+    for make in (lambda: az.SlidingWindowAttention(16, 4, 3, score="sigmoid"),
+                 lambda: az.GroupedQueryAttention(16, 4, 2, score="sigmoid")):
+        with pytest.raises(ValueError, match="SigmoidAttention"):
+            make()
+    with pytest.raises(ValueError, match="fixed sigmoid_bias"):
+        free = az.SigmoidAttention(16, 4, causal=True)
+        free(x, cache=free.init_cache(2, 6))

@@ -516,8 +516,12 @@ def test_pos_rope_is_applied_or_refused(attention: str) -> None:
         return
     torch.manual_seed(0)
     rope = _decoder(attention, "rope")
+    torch.manual_seed(1)
+    _randomize(rope)
     torch.manual_seed(0)
     none = _decoder(attention, "none")
+    torch.manual_seed(1)
+    _randomize(none)
     tokens = torch.randint(0, V, (1, 12))
     with torch.no_grad():
         assert (rope(tokens) - none(tokens)).abs().max() > 1e-4, f"{attention}: pos='rope' changed nothing"

@@ -9,6 +9,17 @@ Thin aliases name the common configurations: :class:`MultiQueryAttention` (one s
 :class:`GroupedQueryAttention` (``num_kv_heads`` groups) and :class:`SlidingWindowAttention`
 (causal, ring-buffer cache). A bidirectional (encoder) attention is just ``causal=False``.
 Each is a registered variant (``mha``, ``mqa``, ``gqa``, ``sliding``); their specs sit at the end.
+
+Weight layout of :class:`MultiHeadAttention` (documented for checkpoint interop; ``load_qkv`` fills it
+from separate q/k/v weights, ``qkv_weights`` returns views of them):
+
+* self-attention (``kv_dim=None``): one fused ``qkv_proj = Linear(C, (H + 2 Hkv) * D)`` whose
+  output rows are ``[q; k; v]`` (``H * D``, ``Hkv * D``, ``Hkv * D`` rows), each head's rows
+  contiguous (head-major, as ``torch.nn.MultiheadAttention.in_proj_weight``, GPT-2's
+  ``c_attn.weight.T`` and the concatenation of LLaMA's ``q_proj/k_proj/v_proj``);
+* cross-attention (``kv_dim`` given): ``q_proj = Linear(C, H * D)`` and
+  ``kv_proj = Linear(kv_dim, 2 * Hkv * D)`` with rows ``[k; v]``;
+* ``out_proj = Linear(H * D, C)``.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, registe
 from attnzoo.nn.streaming import POSITION_MODES, mask_at, sink_query_positions, streaming_pattern
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
-           "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
+           "SigmoidAttention", "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
 
 Cache = KVCache | SlidingWindowKVCache
 
@@ -133,22 +144,87 @@ def _resolve_rope(owner: str, rope: object, head_dim: int) -> RotaryEmbedding | 
     raise TypeError(f"{owner}: rope must be None, a bool or a RotaryEmbedding, got {type(rope).__name__}")
 
 
-class MultiHeadAttention(AttentionBase):
+class _PackedAttention:
+    """Packed self-attention of a :class:`MultiHeadAttention`: ``S`` sequences end to end in ``x [1, T, C]``
+    (``cu_seqlens``), RoPE restarting per sequence, through :func:`attnzoo.attention_varlen`."""
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
+        cls = type(self).__name__
+        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
+                 if v is not None] + (["return_weights"] if return_weights else [])
+        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
+            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
+                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
+        cu = check_cu_seqlens(cu_seqlens, x, cls)
+        if self.training and self.dropout:
+            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
+        H, T = self.num_heads, x.shape[1]
+        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
+        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
+        pos = packed_positions(cu, T)
+        q, k = self._rotate(q, pos), self._rotate(k, pos)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
+                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
+                               backend=self.backend)  # [T, H, Dv]
+        return out.transpose(0, 1).reshape(1, H, T, -1)
+
+
+class _CrossAttention:
+    """Cross-attention of a :class:`MultiHeadAttention` (``kv_dim`` given, or ``context=``): queries from
+    ``x``, keys/values from ``context`` (projected once into a cache on the first cached call)."""
+
+    def _cross(self, x: Tensor, context: Tensor | None, mask: Tensor | Mask | None, cache: Cache | None,
+               return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        cls = type(self).__name__
+        if self.kv_dim is None and (self.causal or self.window is not None or self.rope is not None or self.alibi
+                                    or self._structure() is not None):
+            raise ValueError(f"{cls}: context= (cross-attention) is not supported on a module with causal, window, "
+                             f"rope, alibi or a position pattern; build a separate cross-attention module")
+        if isinstance(cache, SlidingWindowKVCache):
+            raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
+        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
+        if cache is not None and cache.length > 0:
+            if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
+                raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
+                                 f"{tuple(context.shape)}; call cache.reset() for a new context")
+            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], cache.length)
+            k, v = cache.keys(), cache.values()
+        else:
+            context = self._check_context(x, context)
+            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
+            k, v = self.project_kv(context)  # [B, Hkv, M, D]
+            k = self.frontier.norm_k(k)
+            if cache is not None:
+                k, v, _ = cache.update(k, v)
+        return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
+                          return_weights=return_weights)
+
+    def _check_context(self, x: Tensor, context: object) -> Tensor:
+        cls = type(self).__name__
+        width = self.dim if self.kv_dim is None else self.kv_dim
+        if context is None:
+            raise ValueError(f"{cls}: this is a cross-attention module (kv_dim={self.kv_dim}); pass "
+                             f"context [B, M, {width}]")
+        if not isinstance(context, Tensor):
+            raise TypeError(f"{cls}: context must be a tensor [B, M, {width}], got {type(context).__name__}")
+        if not context.is_floating_point():
+            raise TypeError(f"{cls}: context must be a floating-point tensor, got dtype {context.dtype}")
+        if context.dim() != 3 or context.shape[-1] != width or context.shape[0] != x.shape[0]:
+            raise ValueError(f"{cls}: context must have shape [B, M, kv_dim] = [{x.shape[0]}, M, {width}], "
+                             f"got {tuple(context.shape)}")
+        return context
+
+
+class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     """Multi-head softmax attention with grouped/multi-query KV heads, RoPE, ALiBi and KV caching.
 
     ``num_kv_heads`` selects the family: ``== num_heads`` MHA, a divisor GQA, ``1`` MQA. Query head
     ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; K/V are never expanded in memory.
 
-    Weight layout (documented for checkpoint interop; :meth:`load_qkv` fills it from separate
-    q/k/v weights, :meth:`qkv_weights` returns views of them):
-
-    * self-attention (``kv_dim=None``): one fused ``qkv_proj = Linear(C, (H + 2 Hkv) * D)`` whose
-      output rows are ``[q; k; v]`` (``H * D``, ``Hkv * D``, ``Hkv * D`` rows), each head's rows
-      contiguous (head-major, as ``torch.nn.MultiheadAttention.in_proj_weight``, GPT-2's
-      ``c_attn.weight.T`` and the concatenation of LLaMA's ``q_proj/k_proj/v_proj``);
-    * cross-attention (``kv_dim`` given): ``q_proj = Linear(C, H * D)`` and
-      ``kv_proj = Linear(kv_dim, 2 * Hkv * D)`` with rows ``[k; v]``;
-    * ``out_proj = Linear(H * D, C)``.
+    Weight layout: see the module docstring (``load_qkv`` / ``qkv_weights`` for checkpoints).
 
     Args:
         dim: model width ``C``.
@@ -190,7 +266,10 @@ class MultiHeadAttention(AttentionBase):
     ) -> None:
         cls = type(self).__name__
         num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
-        opts, factory = AttentionOptions.parse(cls, options)
+        opts, factory = AttentionOptions.parse(cls, {"score": type(self)._score, **options})
+        if opts.score != type(self)._score:
+            raise ValueError(f"{cls}: score={opts.score!r} is SigmoidAttention's (a MultiHeadAttention with its "
+                             f"arguments); {cls} computes {type(self)._score!r} scores")
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
         self.kv_dim = None if kv_dim is None else int(kv_dim)
@@ -204,18 +283,27 @@ class MultiHeadAttention(AttentionBase):
         self.frontier = FrontierParts(self.dim, self.num_heads, self.num_kv_heads, self.head_dim, sinks=opts.sinks,
                                       qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory,
                                       qk_norm_eps=opts.qk_norm_eps)
-        if opts.score == "sigmoid" and (backend not in ("auto", "reference", "tiled") or self.dropout):
-            raise ValueError(f"{cls}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' without "
-                             f"dropout, got backend={backend!r}, dropout={self.dropout}")
         self.rope: RotaryEmbedding | None = _resolve_rope(cls, rope, self.head_dim)
         self._alibi_cache: dict[torch.device, Tensor] = {}
         if self.kv_dim is not None and (self.causal or self.window is not None or self.rope is not None
                                         or self.alibi):
             raise ValueError(f"{cls}: a cross-attention module (kv_dim={self.kv_dim}) does not take causal, window, "
                              f"rope or alibi (they relate query and key positions of one sequence)")
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        """A subclass's own checks of the built settings (none here)."""
 
     #: ``num_kv_heads`` an alias fixes (MQA: 1), or ``"required"`` (GQA); ``None``: free.
     _fixed_kv_heads: int | str | None = None
+    #: the score this class computes (``SigmoidAttention``: ``"sigmoid"``)
+    _score = "softmax"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MultiHeadAttention:
+        """``MultiHeadAttention(..., score="sigmoid")`` is a :class:`SigmoidAttention`."""
+        if cls is MultiHeadAttention and kwargs.get("score") == "sigmoid":
+            cls = SigmoidAttention
+        return super().__new__(cls)
 
     @property
     def alibi(self) -> bool:
@@ -234,7 +322,9 @@ class MultiHeadAttention(AttentionBase):
 
     # ------------------------------------------------------------------ caches
     def _structure(self) -> Mask | None:
-        """A position pattern replacing ``causal``/``window`` (subclasses, e.g. local-global)."""
+        """A position pattern replacing ``causal``/``window`` (subclasses, e.g. local-global; a subclass
+        with a pattern also defines ``_merge_structure(structure, mask, B, N, n_k, q_offset)``, which
+        combines it with a user mask)."""
         return None
 
     def _sliding_left(self) -> int | None:
@@ -313,29 +403,6 @@ class MultiHeadAttention(AttentionBase):
     #: the caches :meth:`forward` accepts
     _cache_types: tuple[type, ...] = (KVCache, SlidingWindowKVCache)
 
-    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
-                positions: object, return_weights: bool) -> Tensor:
-        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
-        cls = type(self).__name__
-        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
-                 if v is not None] + (["return_weights"] if return_weights else [])
-        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
-            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
-                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
-        cu = check_cu_seqlens(cu_seqlens, x, cls)
-        if self.training and self.dropout:
-            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
-        H, T = self.num_heads, x.shape[1]
-        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
-        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
-        pos = packed_positions(cu, T)
-        q, k = self._rotate(q, pos), self._rotate(k, pos)
-        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
-                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
-                               backend=self.backend)  # [T, H, Dv]
-        return out.transpose(0, 1).reshape(1, H, T, -1)
-
     def _score_extras(self, *, with_sinks: bool) -> dict[str, Any]:
         """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on;
         unset ones are left out, so a swapped ``attend_fn`` sees only what the module uses."""
@@ -356,65 +423,16 @@ class MultiHeadAttention(AttentionBase):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        if self.options.score == "sigmoid":
-            res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
-                                    scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
-                                    return_weights=return_weights, backend=self.backend)
-        else:
-            extra = self._score_extras(with_sinks=True)
-            res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
-                              alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
-                              return_weights=return_weights, backend=self.backend, **extra)
+        extra = self._score_extras(with_sinks=True)
+        res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
+                          alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
+                          return_weights=return_weights, backend=self.backend, **extra)
         if return_weights:
             return res[0], res[1]
         return res, None
 
-    def _cross(self, x: Tensor, context: Tensor | None, mask: Tensor | Mask | None, cache: Cache | None,
-               return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        cls = type(self).__name__
-        if self.kv_dim is None and (self.causal or self.window is not None or self.rope is not None or self.alibi
-                                    or self._structure() is not None):
-            raise ValueError(f"{cls}: context= (cross-attention) is not supported on a module with causal, window, "
-                             f"rope, alibi or a position pattern; build a separate cross-attention module")
-        if isinstance(cache, SlidingWindowKVCache):
-            raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
-        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
-        if cache is not None and cache.length > 0:
-            if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
-                raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
-                                 f"{tuple(context.shape)}; call cache.reset() for a new context")
-            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], cache.length)
-            k, v = cache.keys(), cache.values()
-        else:
-            context = self._check_context(x, context)
-            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
-            k, v = self.project_kv(context)  # [B, Hkv, M, D]
-            k = self.frontier.norm_k(k)
-            if cache is not None:
-                k, v, _ = cache.update(k, v)
-        return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
-                          return_weights=return_weights)
-
-    def _check_context(self, x: Tensor, context: object) -> Tensor:
-        cls = type(self).__name__
-        width = self.dim if self.kv_dim is None else self.kv_dim
-        if context is None:
-            raise ValueError(f"{cls}: this is a cross-attention module (kv_dim={self.kv_dim}); pass "
-                             f"context [B, M, {width}]")
-        if not isinstance(context, Tensor):
-            raise TypeError(f"{cls}: context must be a tensor [B, M, {width}], got {type(context).__name__}")
-        if not context.is_floating_point():
-            raise TypeError(f"{cls}: context must be a floating-point tensor, got dtype {context.dtype}")
-        if context.dim() != 3 or context.shape[-1] != width or context.shape[0] != x.shape[0]:
-            raise ValueError(f"{cls}: context must have shape [B, M, kv_dim] = [{x.shape[0]}, M, {width}], "
-                             f"got {tuple(context.shape)}")
-        return context
-
     def _check_self_cache(self, cache: Cache | None) -> None:
         cls = type(self).__name__
-        if cache is not None and self.options.score == "sigmoid" and self.options.sigmoid_bias is None:
-            raise ValueError(f"{cls}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias (the default "
-                             f"-log(Nk) changes with the number of keys each call sees); build with sigmoid_bias=...")
         if cache is not None and not self.causal:
             raise ValueError(f"{cls}: decoding with a cache needs causal=True (a bidirectional layer would see "
                              f"tokens that are not generated yet)")
@@ -490,11 +508,6 @@ class MultiHeadAttention(AttentionBase):
                 window = None
         return self._core(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset,
                           alibi=self._slopes(q.device), return_weights=return_weights)
-
-    def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
-                         q_offset: int) -> Tensor | Mask:
-        """Combine the module's position pattern with a user mask (subclasses with a pattern)."""
-        raise NotImplementedError  # pragma: no cover - only LocalGlobalAttention has a structure
 
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
@@ -715,6 +728,39 @@ class StreamingAttention(SlidingWindowAttention):
         return super().extra_repr() + f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
 
 
+class SigmoidAttention(MultiHeadAttention):
+    """Sigmoid attention (Ramapuram et al., 2024): ``sigmoid(q k^T * scale + b)`` in place of the
+    softmax, no normaliser (:func:`attnzoo.sigmoid_attention`), behind the ``sigmoid`` variant.
+
+    Arguments as :class:`MultiHeadAttention` (``MultiHeadAttention(..., score="sigmoid")`` builds
+    one); ``sigmoid_bias`` is ``b`` (``None``: ``-log(Nk)`` of each call, so decoding through a cache
+    needs a fixed value). No ``sinks`` or ``alibi`` (nothing to normalise against); backend
+    ``auto``, ``reference`` or ``tiled`` without dropout.
+    """
+
+    _score = "sigmoid"
+
+    def _check_settings(self) -> None:
+        if self.backend not in ("auto", "reference", "tiled") or self.dropout:
+            raise ValueError(f"{type(self).__name__}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' "
+                             f"without dropout, got backend={self.backend!r}, dropout={self.dropout}")
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
+              window: Any, q_offset: int | None, alibi: Tensor | None,
+              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
+                                scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
+                                return_weights=return_weights, backend=self.backend)
+        return (res[0], res[1]) if return_weights else (res, None)
+
+    def _check_self_cache(self, cache: Cache | None) -> None:
+        if cache is not None and self.options.sigmoid_bias is None:
+            raise ValueError(f"{type(self).__name__}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias "
+                             f"(the default -log(Nk) changes with the number of keys each call sees); build with "
+                             f"sigmoid_bias=...")
+        super()._check_self_cache(cache)
+
+
 # --------------------------------------------------------------------------- variant specs
 def default_kv_heads(num_heads: int) -> int:
     """GQA's default number of KV heads: a quarter of the query heads (LLaMA-style), but at least
@@ -770,21 +816,40 @@ register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) til
                      arena_default=True))
 
 
-def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
-                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+def _build_sigmoid(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
+    return SigmoidAttention(dim, num_heads, causal=causal, **kw)
+
+
+#: the ``sigmoid`` variant's default bias: the paper's ``b = -log(n)`` at ``n = 64`` tokens, fixed so a
+#: cached decode equals the full forward (pass ``sigmoid_bias=-math.log(n)`` for your length)
+SIGMOID_BIAS = -math.log(64)
+register(VariantSpec("sigmoid", "sigmoid", False, "O(N C^2 + N^2 C)", "O(N) (tiled)", "K,V of every head",
+                     _build_sigmoid, _dense_cost, defaults={"sigmoid_bias": SIGMOID_BIAS}, options=("num_kv_heads",),
+                     check={"sigmoid_bias": -2.0}, masks="causal, window, any mask", positions="rope", order=18))
+
+
+def _streaming_sinks(global_tokens: tuple[int, ...]) -> int:
+    """The number of sink tokens of ``streaming``'s ``global_tokens`` (the builder's and the cost's rule)."""
     sinks = tuple(global_tokens)
     if sinks != tuple(range(len(sinks))):
         raise ValueError(f"streaming: the sink tokens are the first n positions, global_tokens must be "
                          f"(0, 1, ..., n - 1), got {sinks}")
-    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal, sink_tokens=len(sinks), **kw)
+    return len(sinks)
+
+
+def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
+                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal,
+                                  sink_tokens=_streaming_sinks(global_tokens), **kw)
 
 
 def _streaming_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     """The causal ``window | sinks`` pattern (the sinks are global tokens ``0 .. n - 1``; under causality
     their rows see only sinks) and a cache of at most ``n + w + 1`` tokens."""
+    n_sinks = _streaming_sinks(cfg.global_tokens)
     cost = softmax_cost(cfg, shape)
     left = cfg.window[0] if cfg.window is not None and cfg.window[0] is not None else 0
-    kv_max = len(cfg.global_tokens) + left + 1
+    kv_max = n_sinks + left + 1
     return dataclasses.replace(cost, kv_cache_max_tokens=kv_max,
                                kv_cache_bytes=shape.batch * min(shape.seq_len, kv_max) * cost.kv_cache_bytes_per_token)
 
