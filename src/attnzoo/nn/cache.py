@@ -15,7 +15,11 @@ and infini modules have recurrent-state caches with the same members):
   the core applies them. A recurrent-state cache returns its state and the new tokens' positions;
 * ``mark()`` / ``rollback(mark)`` / ``commit(mark)``: a module takes a mark before updating, rolls
   back to it when its call raises (a failed call leaves the cache exactly as it was) and commits
-  when it succeeds (the cache drops what a rollback would have needed).
+  when it succeeds (the cache drops what a rollback would have needed). :func:`transaction` does
+  this around a whole call: every :class:`~attnzoo.nn.base.AttentionBase` module's ``forward``
+  with ``cache=`` runs in one, so a call that raises anywhere (a bad argument, the attention, the
+  output projection or gate, a ``KeyboardInterrupt``) changes nothing. Transactions nest: only the
+  outermost one marks, rolls back and commits.
 
 A module called with ``cache=...`` receives only the NEW tokens, which sit at positions
 ``cache.length ..``; it writes their keys and values by position and advances ``length``.
@@ -27,14 +31,40 @@ by :func:`attnzoo.attention` without a copy (GQA/MQA).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache"]
+__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache", "transaction"]
+
+T = TypeVar("T")
+
+
+def transaction(cache: Any, fn: Callable[[], T]) -> T:
+    """Run ``fn()`` as one all-or-nothing step of ``cache``: mark it, roll back to the mark if ``fn``
+    raises (any ``BaseException``, ``KeyboardInterrupt`` included) and commit when it returns.
+
+    Nested calls on the same cache (a module whose forward calls another guarded step) run ``fn``
+    inside the outer transaction, which alone marks, rolls back and commits. ``cache=None``, or an
+    object without the protocol's ``mark`` (the module then refuses it by name), just runs ``fn``.
+    """
+    if cache is None or not callable(getattr(cache, "mark", None)) or getattr(cache, "in_transaction", False):
+        return fn()
+    mark = cache.mark()
+    cache.in_transaction = True
+    try:
+        out = fn()
+    except BaseException:
+        cache.in_transaction = False
+        cache.rollback(mark)
+        raise
+    cache.in_transaction = False
+    cache.commit(mark)
+    return out
 
 
 class _LengthCache:
@@ -44,6 +74,8 @@ class _LengthCache:
 
     _batch_size: int
     length: int
+    #: True while a :func:`transaction` (one module call) is open on this cache
+    in_transaction: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -306,6 +338,9 @@ class SlidingWindowKVCache(_SlotCache):
             raise ValueError(f"SlidingWindowKVCache overflow: {start} tokens seen + {n} new > max_len={self.max_len}")
         held = self.num_cached
         old_order = torch.arange(start - held, start, device=self.k.device) % self.capacity  # slots, by position
+        if n == 0:  # nothing to absorb: the held keys, unchanged
+            return (self.k.index_select(2, old_order), self.v.index_select(2, old_order),
+                    torch.arange(start - held, start, device=self.k.device))
         keep = min(n, self.capacity)  # only the last `capacity` new tokens can still be needed later
         pos_keep = torch.arange(start + n - keep, start + n, device=self.k.device)
         slots = pos_keep % self.capacity
@@ -393,6 +428,9 @@ class SinkWindowKVCache(_SlotCache):
         if self.max_len is not None and start + m > self.max_len:
             raise ValueError(f"SinkWindowKVCache overflow: {start} tokens seen + {m} new > max_len={self.max_len}")
         before = self.held_positions(start)
+        if m == 0:  # nothing to absorb: the held keys, unchanged
+            old = self._slots(before)
+            return self.k.index_select(2, old), self.v.index_select(2, old), before
         new_pos = torch.arange(start, start + m, device=self.k.device)
         if m > 1:
             old = self._slots(before)
