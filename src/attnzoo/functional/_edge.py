@@ -83,11 +83,14 @@ def _bad_keys(r: AttnRequest) -> Tensor:
     return ~torch.isfinite(r.k).all(dim=-1) | ~torch.isfinite(r.v).all(dim=-1)
 
 
-def _nan_rows(result: Tensor | tuple[Tensor, ...], rows: Tensor) -> Tensor | tuple[Tensor, ...]:
-    """``result`` (``out`` or ``(out, lse?, weights?)``) with NaN on the query rows ``rows [B, Hq, Nq]``."""
+def _nan_rows(result: Tensor | tuple[Tensor, ...], rows: Tensor, value: float = float("nan"),
+              lse_value: float = float("nan")) -> Tensor | tuple[Tensor, ...]:
+    """``result`` (``out`` or ``(out, lse?, weights?)``) with ``value`` on the query rows ``rows [B, Hq, Nq]``
+    (``lse_value`` in the LSE)."""
     parts = list(result) if isinstance(result, tuple) else [result]
     # out [B, Hq, Nq, Dv], lse [B, Hq, Nq], weights [B, Hq, Nq, Nk]
-    parts = [t.masked_fill(rows if t.dim() == 3 else rows.unsqueeze(-1), float("nan")) for t in parts]
+    parts = [t.masked_fill(rows, lse_value) if t.dim() == 3 else t.masked_fill(rows.unsqueeze(-1), value)
+             for t in parts]
     return tuple(parts) if isinstance(result, tuple) else parts[0]
 
 
@@ -127,11 +130,13 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
 
 
 def _fix_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...], hides: bool) -> Tensor | tuple[Tensor, ...]:
-    """NaN on the rows whose query is non-finite and that see at least one key."""
+    """NaN on the rows whose query is non-finite and that see a key; zeros (LSE ``-inf``) on such rows
+    that see none (a fused kernel may return NaN there)."""
     bad_q = ~torch.isfinite(r.q).all(dim=-1)  # [B, Hq, Nq]
     if not hides:  # no sync: every row sees a key (Nk > 0)
         return _nan_rows(result, bad_q)
     if not bool(bad_q.any()):
         return result
-    every = torch.ones(r.batch, r.hkv, r.nk, dtype=torch.bool, device=r.q.device)
-    return _nan_rows(result, bad_q & _rows_seeing(r, every))
+    sees = _rows_seeing(r, torch.ones(r.batch, r.hkv, r.nk, dtype=torch.bool, device=r.q.device))
+    result = _nan_rows(result, bad_q & ~sees, 0.0, float("-inf"))
+    return _nan_rows(result, bad_q & sees)

@@ -274,7 +274,8 @@ class AttentionBase(nn.Module):
         y = self.out_proj(x.new_zeros(B, N, self.out_proj.in_features)) + 0 * x  # [B, N, C]; x stays in the graph
         if not return_weights:
             return y
-        n_k = context.shape[1] if isinstance(context, Tensor) else (0 if cache is None else int(cache.length))
+        held = 0 if cache is None else int(getattr(cache, "num_cached", cache.length))  # a ring holds fewer
+        n_k = context.shape[1] if isinstance(context, Tensor) else held
         return y, x.new_zeros(B, self.num_heads, N, n_k)
 
     # ------------------------------------------------------------------ the attend seam
