@@ -121,7 +121,7 @@ def test_ring_caches_absorb_zero_tokens(cache_kind: str) -> None:
     chunk, step = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 1, 4)
     a.update(chunk, chunk)
     b.update(chunk, chunk)
-    k, v, pos = b.update(zero, zero)
+    k, _, pos = b.update(zero, zero)
     held = (torch.arange(3, 7) if cache_kind == "sliding" else b.held_positions())
     assert b.length == 7 and torch.equal(pos, held) and torch.equal(k, chunk[:, :, pos])
     for x, y in zip(a.update(step, step), b.update(step, step), strict=True):

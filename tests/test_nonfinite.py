@@ -143,7 +143,7 @@ def test_float_mask_with_a_hidden_nan_key_is_no_internal_error() -> None:
 
 def test_nan_query_row_on_sdpa_is_nan_in_that_row_only() -> None:
     """torch's fused CPU kernel returns a NaN query's row finite; attnzoo gives NaN there, as the math."""
-    q, k, v, kw = make_case("causal", "q", float("nan"), torch.float32)
+    q, k, v, _ = make_case("causal", "q", float("nan"), torch.float32)
     for extra in ({}, {"causal": True}):
         out = az.attention(q, k, v, backend="sdpa", **extra)
         rows = torch.isnan(out).any(-1)
