@@ -401,7 +401,8 @@ class SinkWindowKVCache(_SlotCache):
         return (0, min(length, n)), (max(n, length - ring), max(n, length))
 
     def _positions(self, ranges: Iterable[tuple[int, int]], offset: int = 0) -> Tensor:
-        return torch.cat([torch.arange(lo, hi, device=self.k.device) - offset for lo, hi in ranges])
+        parts = [torch.arange(lo, hi, device=self.k.device) - offset for lo, hi in ranges]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.k.device)
 
     def held_positions(self, length: int | None = None) -> Tensor:
         """Absolute positions of the keys held after ``length`` tokens (default: now), ascending."""
@@ -420,9 +421,16 @@ class SinkWindowKVCache(_SlotCache):
         """Keys currently held (at most ``capacity``)."""
         return int(self.held_positions().numel())
 
-    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(self, k_new: Tensor, v_new: Tensor, *, sink_offsets: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
         """Append ``m`` tokens; return ``(k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], key_positions [Nk])``
-        in position order."""
+        in position order.
+
+        ``sink_offsets`` (int ``[B]``, left padding): row ``b``'s sink slot ``i`` holds its token at
+        ``P_b + i`` (the first ``n`` from its first real token) instead of position ``i``; the ring
+        is unchanged (it holds positions ``>= n``, so a padded row's sinks may also sit there: the
+        module hides them). Positions in the result then label sink slot ``i`` as ``i``.
+        """
         self._check_new(k_new, v_new)
         m, start = k_new.shape[2], self.length
         if self.max_len is not None and start + m > self.max_len:
@@ -438,15 +446,40 @@ class SinkWindowKVCache(_SlotCache):
             out_v = torch.cat((self.v.index_select(2, old), v_new), dim=2)
             out_pos = torch.cat((before, new_pos))
         after_ranges = self._held_ranges(start + m)
+        n = self.sink_tokens
+        if sink_offsets is None:
+            needed = after_ranges
+            sink_slots = torch.zeros(0, dtype=torch.long, device=self.k.device)
+        else:  # the sink slots are written per row below; by position only the ring
+            needed = after_ranges[1:]
+            sink_slots = torch.arange(n, device=self.k.device)
         # indices into the chunk of the new tokens still needed
-        keep = self._positions([(max(lo, start), hi) for lo, hi in after_ranges if hi > max(lo, start)], start)
+        keep = self._positions([(max(lo, start), hi) for lo, hi in needed if hi > max(lo, start)], start)
         slots = self._slots(keep + start)
-        self._save(start, slots, [(self.k, 2), (self.v, 2)])
+        self._save(start, torch.cat((sink_slots, slots)), [(self.k, 2), (self.v, 2)])
         self.k.index_copy_(2, slots, k_new.index_select(2, keep))
         self.v.index_copy_(2, slots, v_new.index_select(2, keep))
+        if sink_offsets is not None and n:
+            self._write_sinks(k_new, v_new, sink_offsets, start)
         self.length = start + m
         if m == 1:
             out_pos = self._positions(after_ranges)
             held = self._slots(out_pos)
             out_k, out_v = self.k.index_select(2, held), self.v.index_select(2, held)
         return out_k, out_v, out_pos
+
+    def _write_sinks(self, k_new: Tensor, v_new: Tensor, offsets: Tensor, start: int) -> None:
+        """Row ``b``'s sink slot ``i`` <- its new token at position ``offsets[b] + i`` (if in this chunk)."""
+        B, H, m = k_new.shape[:3]
+        n = self.sink_tokens
+        idx = offsets.to(self.k.device).view(B, 1) + torch.arange(n, device=self.k.device) - start  # [B, n]
+        inside = ((idx >= 0) & (idx < m)).view(B, 1, n, 1)
+        gather = idx.clamp(0, m - 1).view(B, 1, n, 1)
+        for buf, new in ((self.k, k_new), (self.v, v_new)):
+            picked = new.gather(2, gather.expand(B, H, n, new.shape[-1]))  # [B, Hkv, n, D]
+            buf[:, :, :n] = torch.where(inside, picked, buf[:, :, :n])
+
+    def sink_keys(self) -> tuple[Tensor, Tensor]:
+        """The sink slots held now: ``k [B, Hkv, min(length, n), D]``, ``v`` likewise (views)."""
+        ns = min(self.length, self.sink_tokens)
+        return self.k[:, :, :ns], self.v[:, :, :ns]
