@@ -9,6 +9,17 @@ Thin aliases name the common configurations: :class:`MultiQueryAttention` (one s
 :class:`GroupedQueryAttention` (``num_kv_heads`` groups) and :class:`SlidingWindowAttention`
 (causal, ring-buffer cache). A bidirectional (encoder) attention is just ``causal=False``.
 Each is a registered variant (``mha``, ``mqa``, ``gqa``, ``sliding``); their specs sit at the end.
+
+Weight layout of :class:`MultiHeadAttention` (documented for checkpoint interop; ``load_qkv`` fills it
+from separate q/k/v weights, ``qkv_weights`` returns views of them):
+
+* self-attention (``kv_dim=None``): one fused ``qkv_proj = Linear(C, (H + 2 Hkv) * D)`` whose
+  output rows are ``[q; k; v]`` (``H * D``, ``Hkv * D``, ``Hkv * D`` rows), each head's rows
+  contiguous (head-major, as ``torch.nn.MultiheadAttention.in_proj_weight``, GPT-2's
+  ``c_attn.weight.T`` and the concatenation of LLaMA's ``q_proj/k_proj/v_proj``);
+* cross-attention (``kv_dim`` given): ``q_proj = Linear(C, H * D)`` and
+  ``kv_proj = Linear(kv_dim, 2 * Hkv * D)`` with rows ``[k; v]``;
+* ``out_proj = Linear(H * D, C)``.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from attnzoo.nn.streaming import (
 )
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
-           "SlidingWindowAttention", "default_kv_heads"]
+           "SigmoidAttention", "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
 
 Cache = KVCache | SlidingWindowKVCache
 
@@ -140,22 +151,87 @@ def _resolve_rope(owner: str, rope: object, head_dim: int) -> RotaryEmbedding | 
     raise TypeError(f"{owner}: rope must be None, a bool or a RotaryEmbedding, got {type(rope).__name__}")
 
 
-class MultiHeadAttention(AttentionBase):
+class _PackedAttention:
+    """Packed self-attention of a :class:`MultiHeadAttention`: ``S`` sequences end to end in ``x [1, T, C]``
+    (``cu_seqlens``), RoPE restarting per sequence, through :func:`attnzoo.attention_varlen`."""
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
+        cls = type(self).__name__
+        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
+                 if v is not None] + (["return_weights"] if return_weights else [])
+        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
+            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
+                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
+        cu = check_cu_seqlens(cu_seqlens, x, cls)
+        if self.training and self.dropout:
+            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
+        H, T = self.num_heads, x.shape[1]
+        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
+        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
+        pos = packed_positions(cu, T)
+        q, k = self._rotate(q, pos), self._rotate(k, pos)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
+                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
+                               backend=self.backend)  # [T, H, Dv]
+        return out.transpose(0, 1).reshape(1, H, T, -1)
+
+
+class _CrossAttention:
+    """Cross-attention of a :class:`MultiHeadAttention` (``kv_dim`` given, or ``context=``): queries from
+    ``x``, keys/values from ``context`` (projected once into a cache on the first cached call)."""
+
+    def _cross(self, x: Tensor, context: Tensor | None, mask: Tensor | Mask | None, cache: Cache | None,
+               return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        cls = type(self).__name__
+        if self.kv_dim is None and (self.causal or self.window is not None or self.rope is not None or self.alibi
+                                    or self._structure() is not None):
+            raise ValueError(f"{cls}: context= (cross-attention) is not supported on a module with causal, window, "
+                             f"rope, alibi or a position pattern; build a separate cross-attention module")
+        if isinstance(cache, SlidingWindowKVCache):
+            raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
+        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
+        if cache is not None and cache.length > 0:
+            if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
+                raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
+                                 f"{tuple(context.shape)}; call cache.reset() for a new context")
+            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], cache.length)
+            k, v = cache.keys(), cache.values()
+        else:
+            context = self._check_context(x, context)
+            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
+            k, v = self.project_kv(context)  # [B, Hkv, M, D]
+            k = self.frontier.norm_k(k)
+            if cache is not None:
+                k, v, _ = cache.update(k, v)
+        return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
+                          return_weights=return_weights)
+
+    def _check_context(self, x: Tensor, context: object) -> Tensor:
+        cls = type(self).__name__
+        width = self.dim if self.kv_dim is None else self.kv_dim
+        if context is None:
+            raise ValueError(f"{cls}: this is a cross-attention module (kv_dim={self.kv_dim}); pass "
+                             f"context [B, M, {width}]")
+        if not isinstance(context, Tensor):
+            raise TypeError(f"{cls}: context must be a tensor [B, M, {width}], got {type(context).__name__}")
+        if not context.is_floating_point():
+            raise TypeError(f"{cls}: context must be a floating-point tensor, got dtype {context.dtype}")
+        if context.dim() != 3 or context.shape[-1] != width or context.shape[0] != x.shape[0]:
+            raise ValueError(f"{cls}: context must have shape [B, M, kv_dim] = [{x.shape[0]}, M, {width}], "
+                             f"got {tuple(context.shape)}")
+        return context
+
+
+class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     """Multi-head softmax attention with grouped/multi-query KV heads, RoPE, ALiBi and KV caching.
 
     ``num_kv_heads`` selects the family: ``== num_heads`` MHA, a divisor GQA, ``1`` MQA. Query head
     ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; K/V are never expanded in memory.
 
-    Weight layout (documented for checkpoint interop; :meth:`load_qkv` fills it from separate
-    q/k/v weights, :meth:`qkv_weights` returns views of them):
-
-    * self-attention (``kv_dim=None``): one fused ``qkv_proj = Linear(C, (H + 2 Hkv) * D)`` whose
-      output rows are ``[q; k; v]`` (``H * D``, ``Hkv * D``, ``Hkv * D`` rows), each head's rows
-      contiguous (head-major, as ``torch.nn.MultiheadAttention.in_proj_weight``, GPT-2's
-      ``c_attn.weight.T`` and the concatenation of LLaMA's ``q_proj/k_proj/v_proj``);
-    * cross-attention (``kv_dim`` given): ``q_proj = Linear(C, H * D)`` and
-      ``kv_proj = Linear(kv_dim, 2 * Hkv * D)`` with rows ``[k; v]``;
-    * ``out_proj = Linear(H * D, C)``.
+    Weight layout: see the module docstring (``load_qkv`` / ``qkv_weights`` for checkpoints).
 
     Args:
         dim: model width ``C``.
@@ -196,7 +272,11 @@ class MultiHeadAttention(AttentionBase):
         **options: Any,
     ) -> None:
         cls = type(self).__name__
-        opts, factory = AttentionOptions.parse(cls, options)
+        num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
+        opts, factory = AttentionOptions.parse(cls, {"score": type(self)._score, **options})
+        if opts.score != type(self)._score:
+            raise ValueError(f"{cls}: score={opts.score!r} is SigmoidAttention's (a MultiHeadAttention with its "
+                             f"arguments); {cls} computes {type(self)._score!r} scores")
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
         self.kv_dim = None if kv_dim is None else int(kv_dim)
@@ -210,15 +290,27 @@ class MultiHeadAttention(AttentionBase):
         self.frontier = FrontierParts(self.dim, self.num_heads, self.num_kv_heads, self.head_dim, sinks=opts.sinks,
                                       qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory,
                                       qk_norm_eps=opts.qk_norm_eps)
-        if opts.score == "sigmoid" and (backend not in ("auto", "reference", "tiled") or self.dropout):
-            raise ValueError(f"{cls}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' without "
-                             f"dropout, got backend={backend!r}, dropout={self.dropout}")
         self.rope: RotaryEmbedding | None = _resolve_rope(cls, rope, self.head_dim)
         self._alibi_cache: dict[torch.device, Tensor] = {}
         if self.kv_dim is not None and (self.causal or self.window is not None or self.rope is not None
                                         or self.alibi):
             raise ValueError(f"{cls}: a cross-attention module (kv_dim={self.kv_dim}) does not take causal, window, "
                              f"rope or alibi (they relate query and key positions of one sequence)")
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        """A subclass's own checks of the built settings (none here)."""
+
+    #: ``num_kv_heads`` an alias fixes (MQA: 1), or ``"required"`` (GQA); ``None``: free.
+    _fixed_kv_heads: int | str | None = None
+    #: the score this class computes (``SigmoidAttention``: ``"sigmoid"``)
+    _score = "softmax"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MultiHeadAttention:
+        """``MultiHeadAttention(..., score="sigmoid")`` is a :class:`SigmoidAttention`."""
+        if cls is MultiHeadAttention and kwargs.get("score") == "sigmoid":
+            cls = SigmoidAttention
+        return super().__new__(cls)
 
     @property
     def alibi(self) -> bool:
@@ -237,7 +329,9 @@ class MultiHeadAttention(AttentionBase):
 
     # ------------------------------------------------------------------ caches
     def _structure(self) -> Mask | None:
-        """A position pattern replacing ``causal``/``window`` (subclasses, e.g. local-global)."""
+        """A position pattern replacing ``causal``/``window`` (subclasses, e.g. local-global; a subclass
+        with a pattern also defines ``_merge_structure(structure, mask, B, N, n_k, q_offset)``, which
+        combines it with a user mask)."""
         return None
 
     def _sliding_left(self) -> int | None:
@@ -316,29 +410,6 @@ class MultiHeadAttention(AttentionBase):
     #: the caches :meth:`forward` accepts
     _cache_types: tuple[type, ...] = (KVCache, SlidingWindowKVCache)
 
-    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
-                positions: object, return_weights: bool) -> Tensor:
-        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
-        cls = type(self).__name__
-        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
-                 if v is not None] + (["return_weights"] if return_weights else [])
-        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
-            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
-                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
-        cu = check_cu_seqlens(cu_seqlens, x, cls)
-        if self.training and self.dropout:
-            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
-        H, T = self.num_heads, x.shape[1]
-        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
-        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
-        pos = packed_positions(cu, T)
-        q, k = self._rotate(q, pos), self._rotate(k, pos)
-        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
-                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
-                               backend=self.backend)  # [T, H, Dv]
-        return out.transpose(0, 1).reshape(1, H, T, -1)
-
     def _score_extras(self, *, with_sinks: bool) -> dict[str, Any]:
         """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on;
         unset ones are left out, so a swapped ``attend_fn`` sees only what the module uses."""
@@ -359,65 +430,16 @@ class MultiHeadAttention(AttentionBase):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        if self.options.score == "sigmoid":
-            res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
-                                    scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
-                                    return_weights=return_weights, backend=self.backend)
-        else:
-            extra = self._score_extras(with_sinks=True)
-            res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
-                              alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
-                              return_weights=return_weights, backend=self.backend, **extra)
+        extra = self._score_extras(with_sinks=True)
+        res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
+                          alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
+                          return_weights=return_weights, backend=self.backend, **extra)
         if return_weights:
             return res[0], res[1]
         return res, None
 
-    def _cross(self, x: Tensor, context: Tensor | None, mask: Tensor | Mask | None, cache: Cache | None,
-               return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        cls = type(self).__name__
-        if self.kv_dim is None and (self.causal or self.window is not None or self.rope is not None or self.alibi
-                                    or self._structure() is not None):
-            raise ValueError(f"{cls}: context= (cross-attention) is not supported on a module with causal, window, "
-                             f"rope, alibi or a position pattern; build a separate cross-attention module")
-        if isinstance(cache, SlidingWindowKVCache):
-            raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
-        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
-        if cache is not None and cache.length > 0:
-            if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
-                raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
-                                 f"{tuple(context.shape)}; call cache.reset() for a new context")
-            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], cache.length)
-            k, v = cache.keys(), cache.values()
-        else:
-            context = self._check_context(x, context)
-            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
-            k, v = self.project_kv(context)  # [B, Hkv, M, D]
-            k = self.frontier.norm_k(k)
-            if cache is not None:
-                k, v, _ = cache.update(k, v)
-        return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
-                          return_weights=return_weights)
-
-    def _check_context(self, x: Tensor, context: object) -> Tensor:
-        cls = type(self).__name__
-        width = self.dim if self.kv_dim is None else self.kv_dim
-        if context is None:
-            raise ValueError(f"{cls}: this is a cross-attention module (kv_dim={self.kv_dim}); pass "
-                             f"context [B, M, {width}]")
-        if not isinstance(context, Tensor):
-            raise TypeError(f"{cls}: context must be a tensor [B, M, {width}], got {type(context).__name__}")
-        if not context.is_floating_point():
-            raise TypeError(f"{cls}: context must be a floating-point tensor, got dtype {context.dtype}")
-        if context.dim() != 3 or context.shape[-1] != width or context.shape[0] != x.shape[0]:
-            raise ValueError(f"{cls}: context must have shape [B, M, kv_dim] = [{x.shape[0]}, M, {width}], "
-                             f"got {tuple(context.shape)}")
-        return context
-
     def _check_self_cache(self, cache: Cache | None) -> None:
         cls = type(self).__name__
-        if cache is not None and self.options.score == "sigmoid" and self.options.sigmoid_bias is None:
-            raise ValueError(f"{cls}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias (the default "
-                             f"-log(Nk) changes with the number of keys each call sees); build with sigmoid_bias=...")
         if cache is not None and not self.causal:
             raise ValueError(f"{cls}: decoding with a cache needs causal=True (a bidirectional layer would see "
                              f"tokens that are not generated yet)")
@@ -494,11 +516,6 @@ class MultiHeadAttention(AttentionBase):
         return self._core(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset,
                           alibi=self._slopes(q.device), return_weights=return_weights)
 
-    def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
-                         q_offset: int) -> Tensor | Mask:
-        """Combine the module's position pattern with a user mask (subclasses with a pattern)."""
-        raise NotImplementedError  # pragma: no cover - only LocalGlobalAttention has a structure
-
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
         for name, value, default in (("kv_dim", self.kv_dim, None), ("causal", self.causal, False),
@@ -508,6 +525,18 @@ class MultiHeadAttention(AttentionBase):
             if value != default:
                 s += f", {name}={value!r}"
         return s
+
+
+def _alias_kv_heads(fixed: int | str | None, owner: str, num_kv_heads: int | None) -> int | None:
+    """``num_kv_heads`` as an alias class allows it: ``fixed`` an int (MQA: 1), ``"required"`` (GQA)
+    or ``None`` (free)."""
+    if fixed == "required" and num_kv_heads is None:
+        raise TypeError(f"{owner}: num_kv_heads is required (the number of KV groups)")
+    if isinstance(fixed, int):
+        if num_kv_heads not in (None, fixed):
+            raise TypeError(f"{owner} has num_kv_heads={fixed}; use GroupedQueryAttention for other values")
+        return fixed
+    return num_kv_heads
 
 
 def _check_mask(cls: str, mask: object, B: int, H: int, N: int, n_k: int) -> None:
@@ -548,14 +577,12 @@ def _shift_mask(mask: Tensor | Mask | None, first: int, total: int) -> Tensor | 
 class MultiQueryAttention(MultiHeadAttention):
     """Multi-query attention (Shazeer, 2019): every query head shares ONE key/value head.
 
-    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, **kw)``; the cache holds ``1 / H`` of
-    MHA's bytes. Arguments as :class:`MultiHeadAttention`.
+    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, ...)``; the cache holds ``1 / H`` of
+    MHA's bytes. Arguments as :class:`MultiHeadAttention` (``num_kv_heads`` other than 1 is a
+    ``TypeError``).
     """
 
-    def __init__(self, dim: int, num_heads: int, **kw: Any) -> None:
-        if "num_kv_heads" in kw:
-            raise TypeError("MultiQueryAttention has num_kv_heads=1; use GroupedQueryAttention for other values")
-        super().__init__(dim, num_heads, num_kv_heads=1, **kw)
+    _fixed_kv_heads = 1
 
 
 class GroupedQueryAttention(MultiHeadAttention):
@@ -566,8 +593,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     ``num_kv_heads / num_heads`` of MHA's bytes.
     """
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, **kw: Any) -> None:
-        super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, **kw)
+    _fixed_kv_heads = "required"
 
 
 class SlidingWindowAttention(MultiHeadAttention):
@@ -604,8 +630,37 @@ class SlidingWindowAttention(MultiHeadAttention):
                              f"alibi, got causal={causal}, alibi={self.alibi}, score={self.options.score!r}")
         self.window_size, self.sink_tokens, self.position_mode = window, sink_tokens, position_mode
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> SlidingWindowAttention:
+        """``SlidingWindowAttention(..., sink_tokens=n)`` with ``n > 0`` is a :class:`StreamingAttention`."""
+        sinks = kwargs.get("sink_tokens", args[4] if len(args) > 4 else 0)
+        if cls is SlidingWindowAttention and isinstance(sinks, int) and not isinstance(sinks, bool) and sinks > 0:
+            cls = StreamingAttention
+        return super().__new__(cls)
+
+    def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
+              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        if isinstance(cache, SinkWindowKVCache):
+            raise TypeError(f"{type(self).__name__}: a module with sink_tokens=0 (no sink tokens) decodes with a KVCache or "
+                            f"SlidingWindowKVCache, got SinkWindowKVCache; use module.init_cache()")
+        return super()._self(x, mask, cache, positions, return_weights)
+
+
+class StreamingAttention(SlidingWindowAttention):
+    """StreamingLLM attention (Xiao et al., 2023): a causal sliding window plus ``sink_tokens`` first
+    tokens every query sees, decoded with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots (the
+    ``streaming`` variant). What ``SlidingWindowAttention(..., sink_tokens=n)`` builds for ``n > 0``;
+    arguments as :class:`SlidingWindowAttention` (``sink_tokens >= 1``)."""
+
+    _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
+
+    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 1,
+                 position_mode: str = "absolute", **kw: Any) -> None:
+        super().__init__(dim, num_heads, window, causal, sink_tokens, position_mode, **kw)
+        if not self.sink_tokens:
+            raise ValueError("StreamingAttention: sink_tokens must be >= 1 (use SlidingWindowAttention for none)")
+
     def _structure(self) -> Mask | None:
-        return streaming_pattern(self.window_size, self.sink_tokens) if self.sink_tokens else None
+        return streaming_pattern(self.window_size, self.sink_tokens)
 
     def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
                          q_offset: int) -> Tensor | Mask:
@@ -618,21 +673,18 @@ class SlidingWindowAttention(MultiHeadAttention):
 
     def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str,
                    dtype: torch.dtype) -> Any:
-        if not self.sink_tokens:
-            return super()._new_cache(batch_size, max_len, device, dtype)
         return SinkWindowKVCache(batch_size, self.sink_tokens, self.window_size, self.num_kv_heads, self.head_dim,
                                  max_len=max_len, device=device, dtype=dtype)
 
     def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
         cls = type(self).__name__
-        if isinstance(cache, SinkWindowKVCache) != bool(self.sink_tokens) and cache is not None:
-            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with "
-                            f"{'a SinkWindowKVCache' if self.sink_tokens else 'a KVCache or SlidingWindowKVCache'}, "
+        if cache is not None and not isinstance(cache, SinkWindowKVCache):
+            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with a SinkWindowKVCache, "
                             f"got {type(cache).__name__}; use module.init_cache()")
-        padded = self.sink_tokens and padding_offsets(mask, x.shape[1] + (0 if cache is None else cache.length))
-        if not self.sink_tokens or (cache is None and self.position_mode == "absolute" and padded is None):
-            return super()._self(x, mask, cache, positions, return_weights)
+        padded = padding_offsets(mask, x.shape[1] + (0 if cache is None else cache.length))  # left padding
+        if cache is None and self.position_mode == "absolute" and padded is None:
+            return MultiHeadAttention._self(self, x, mask, cache, positions, return_weights)
         if return_weights or (positions is not None and self.position_mode == "cache"):
             raise ValueError(f"{cls}: with sink tokens, a cached call or position_mode='cache' takes no "
                              f"return_weights, and position_mode='cache' no positions (it counts them in the cache)")
@@ -712,10 +764,40 @@ class SlidingWindowAttention(MultiHeadAttention):
         return out, lse
 
     def extra_repr(self) -> str:
-        s = super().extra_repr()
-        if self.sink_tokens:
-            s += f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
-        return s
+        return super().extra_repr() + f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
+
+
+class SigmoidAttention(MultiHeadAttention):
+    """Sigmoid attention (Ramapuram et al., 2024): ``sigmoid(q k^T * scale + b)`` in place of the
+    softmax, no normaliser (:func:`attnzoo.sigmoid_attention`), behind the ``sigmoid`` variant.
+
+    Arguments as :class:`MultiHeadAttention` (``MultiHeadAttention(..., score="sigmoid")`` builds
+    one); ``sigmoid_bias`` is ``b`` (``None``: ``-log(Nk)`` of each call, so decoding through a cache
+    needs a fixed value). No ``sinks`` or ``alibi`` (nothing to normalise against); backend
+    ``auto``, ``reference`` or ``tiled`` without dropout.
+    """
+
+    _score = "sigmoid"
+
+    def _check_settings(self) -> None:
+        if self.backend not in ("auto", "reference", "tiled") or self.dropout:
+            raise ValueError(f"{type(self).__name__}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' "
+                             f"without dropout, got backend={self.backend!r}, dropout={self.dropout}")
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
+              window: Any, q_offset: int | None, alibi: Tensor | None,
+              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
+                                scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
+                                return_weights=return_weights, backend=self.backend)
+        return (res[0], res[1]) if return_weights else (res, None)
+
+    def _check_self_cache(self, cache: Cache | None) -> None:
+        if cache is not None and self.options.sigmoid_bias is None:
+            raise ValueError(f"{type(self).__name__}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias "
+                             f"(the default -log(Nk) changes with the number of keys each call sees); build with "
+                             f"sigmoid_bias=...")
+        super()._check_self_cache(cache)
 
 
 # --------------------------------------------------------------------------- variant specs
@@ -759,9 +841,9 @@ def _arena_window(width: int, heads: int, window: int | None) -> dict[str, Any]:
 
 
 _DENSE = {"family": "softmax", "exact": True, "time": "O(N C^2 + N^2 C)", "memory": "O(N) (fused/tiled)",
-          "cost": _dense_cost, "masks": "any", "ring": True}
-register(VariantSpec("mha", decoding="K,V of every head", build=_build_mha, order=0, arena_default=True,
-                     **_DENSE))
+          "cost": _dense_cost, "masks": "any", "ring": True, "positions": "rope"}
+register(VariantSpec("mha", decoding="K,V of every head (of each KV group with num_kv_heads)", build=_build_mha,
+                     options=("num_kv_heads",), order=0, arena_default=True, **_DENSE))
 register(VariantSpec("mqa", decoding="K,V of one shared head", build=_build_mqa, kv_heads=lambda h, g: 1,
                      order=1, arena_default=True, **_DENSE))
 register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, options=("num_kv_heads",),
@@ -769,8 +851,20 @@ register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, o
                      **_DENSE))
 register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) tiled", "last W keys (ring buffer)",
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
-                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3,
+                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3, positions="rope",
                      arena_default=True))
+
+
+def _build_sigmoid(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
+    return SigmoidAttention(dim, num_heads, causal=causal, **kw)
+
+
+#: the ``sigmoid`` variant's default bias: the paper's ``b = -log(n)`` at ``n = 64`` tokens, fixed so a
+#: cached decode equals the full forward (pass ``sigmoid_bias=-math.log(n)`` for your length)
+SIGMOID_BIAS = -math.log(64)
+register(VariantSpec("sigmoid", "sigmoid", False, "O(N C^2 + N^2 C)", "O(N) (tiled)", "K,V of every head",
+                     _build_sigmoid, _dense_cost, defaults={"sigmoid_bias": SIGMOID_BIAS}, options=("num_kv_heads",),
+                     check={"sigmoid_bias": -2.0}, masks="causal, window, any mask", positions="rope", order=18))
 
 
 def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
@@ -797,4 +891,4 @@ register(VariantSpec("streaming", "softmax", True, "O(N C^2 + N (W + S) C)", "O(
                      defaults={"window": 64, "global_tokens": (0, 1, 2, 3)},
                      options=("num_kv_heads", "window", "global_tokens"), causal_modes=(True,),
                      check={"window": 4, "global_tokens": (0, 1)}, arena=_arena_window,
-                     masks="causal, window, sink tokens, padding", order=5))
+                     masks="causal, window, sink tokens, padding", order=5, positions="rope"))
