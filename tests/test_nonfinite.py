@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnzoo as az
-from nonfinite_oracle import HQ, KINDS, check, make_case
+from nonfinite_oracle import B, HQ, KINDS, N, check, make_case
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -70,7 +70,8 @@ def test_float_mask_with_a_hidden_nan_key_is_no_internal_error() -> None:
 def test_nan_query_row_on_sdpa_is_nan_in_that_row_only() -> None:
     """torch's fused CPU kernel returns a NaN query's row finite; attnzoo gives NaN there, as the math."""
     q, k, v, _ = make_case("causal", "q", float("nan"), torch.float32)
-    for extra in ({}, {"causal": True}):
+    real = torch.ones(B, 1, 1, N, dtype=torch.bool)
+    for extra in ({"causal": True}, {"mask": real}):  # masked requests (an unmasked one is the kernel's own)
         out = az.attention(q, k, v, backend="sdpa", **extra)
         rows = torch.isnan(out).any(-1)
         assert rows.nonzero().tolist() == [[0, 1, 3]], rows.nonzero().tolist()

@@ -12,7 +12,10 @@
   *see* such a key are set to NaN;
 * non-finite queries: a row whose query holds a NaN or inf is NaN when it sees any key (zeros
   when it sees none), and no other row changes. torch's fused CPU kernel returns such a row
-  finite (its running maximum skips NaN); the guard restores the NaN.
+  finite (its running maximum skips NaN); on masked requests the guard restores the NaN. An
+  unmasked request goes straight to the kernel (nothing is hidden there; the one-token decode
+  call is unmasked and a check of q would cost it ~50% at small Nk), so on ``sdpa``/``flash``
+  a non-finite query row of an unmasked call is the kernel's own result.
 
 Both guards run in eager mode only (under ``torch.compile`` the request goes straight to the
 kernel). :func:`guard_nonfinite` serves :func:`attnzoo.attention` (with or without ``sinks``)
@@ -102,21 +105,26 @@ def _clean_run(r: AttnRequest, bad: Tensor, run: Callable[[AttnRequest], Tensor 
     return _nan_rows(run(clean), _rows_seeing(r, bad))
 
 
-def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[Tensor, ...]]
-                    ) -> Tensor | tuple[Tensor, ...]:
+def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[Tensor, ...]], *,
+                    fused: bool = True) -> Tensor | tuple[Tensor, ...]:
     """``run(r)`` (``out`` or ``(out, lse?, weights?)``, the layout of :func:`attnzoo.attention`'s
     result), except that non-finite keys/values change only the rows that see them and a
-    non-finite query only its own row (those rows become NaN), forward and backward."""
-    if is_empty(r) or torch.compiler.is_compiling():
-        return run(r)
+    non-finite query only its own row (those rows become NaN), forward and backward.
+
+    ``fused=False`` says that ``run`` spreads a non-finite query into its row by itself (the plain
+    PyTorch backends): an unmasked request then goes straight to ``run`` (no extra pass)."""
     hides = _hides_keys(r)
+    if is_empty(r) or torch.compiler.is_compiling() or not hides:
+        # unmasked: every row sees every key, so nothing hidden can leak; a non-finite query row is the
+        # kernel's own (NaN on reference/tiled; torch's fused CPU kernel returns it finite). Checking q
+        # here would cost every decode step (the module's one-token call is unmasked) ~50% on small Nk.
+        return run(r)
     if hides and _needs_grad(r):  # a finite forward can still hide a NaN key from autograd
         bad = _bad_keys(r)
         if bool(bad.any()):
-            return _fix_queries(r, _clean_run(r, bad, run), hides)
+            result = _clean_run(r, bad, run)
+            return _fix_queries(r, result) if fused else result
     result = run(r)
-    if not hides:  # every row sees every key: only a fused kernel's finite NaN-query row to fix
-        return _fix_queries(r, result, hides)
     # A leak can only show as a non-finite output: one reduction of the output (a NaN/inf anywhere
     # makes the sum non-finite; ~10x cheaper than isfinite().all() on CPU) decides whether K and V
     # are inspected at all. A float16 sum that merely overflows only costs that inspection.
@@ -126,15 +134,13 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
     bad = _bad_keys(r)
     if bool(bad.any()):  # else the non-finite output comes from q or the mask, not from hidden keys
         result = _clean_run(r, bad, run)
-    return _fix_queries(r, result, hides)
+    return _fix_queries(r, result) if fused else result
 
 
-def _fix_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...], hides: bool) -> Tensor | tuple[Tensor, ...]:
+def _fix_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
     """NaN on the rows whose query is non-finite and that see a key; zeros (LSE ``-inf``) on such rows
-    that see none (a fused kernel may return NaN there)."""
+    that see none (a fused kernel returns the first finite and may return NaN for the second)."""
     bad_q = ~torch.isfinite(r.q).all(dim=-1)  # [B, Hq, Nq]
-    if not hides:  # no sync: every row sees a key (Nk > 0)
-        return _nan_rows(result, bad_q)
     if not bool(bad_q.any()):
         return result
     sees = _rows_seeing(r, torch.ones(r.batch, r.hkv, r.nk, dtype=torch.bool, device=r.q.device))
