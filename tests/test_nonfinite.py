@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnzoo as az
-from nonfinite_oracle import B, HQ, KINDS, N, check, make_case
+from nonfinite_oracle import HQ, KINDS, B, N, check, make_case
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
