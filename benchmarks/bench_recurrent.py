@@ -20,6 +20,13 @@ Usage::
     python benchmarks/bench_recurrent.py --only retention deltanet --repeats 1 --threads 1
     python benchmarks/bench_recurrent.py --json out.json
     python benchmarks/bench_recurrent.py --forms --threads 1   # quadratic vs chunked below one chunk
+    python benchmarks/bench_recurrent.py --frontier --lengths 16384 65536 --threads 1 --repeats 3
+
+``--frontier`` (issue 34): at each length, forward and forward + backward (chunked, fp32, median of
+``--repeats``, the compared calls interleaved): KDA (``delta_rule`` with ``log_decay [B, H, N, Dk]``)
+over the scalar-decay gated delta rule; 16 packed sequences of mixed lengths (one call with
+``cu_seqlens``) over a loop of 16 per-sequence calls (gated delta rule and KDA); and the peak extra
+memory of one KDA forward per length (fresh subprocess, as above): linear in N means a constant MB/token.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import torch.nn.functional as F
 import attnzoo as az
 
 B, H, D = 1, 8, 64
-KERNELS = ("retention", "gla", "gla_scalar", "deltanet", "gated_deltanet")
+KERNELS = ("retention", "gla", "gla_scalar", "deltanet", "gated_deltanet", "kda")
 Call = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -60,6 +67,8 @@ def make(kernel: str, n: int, b: int = B, h: int = H, d: int = D) -> tuple[Call,
     x["beta"] = torch.rand(B, H, n, generator=gen)
     if kernel == "gated_deltanet":
         x["log_decay"] = F.logsigmoid(torch.randn(B, H, n, generator=gen) + 3)
+    if kernel == "kda":  # a decay per key channel
+        x["log_decay"] = F.logsigmoid(torch.randn(B, H, n, D, generator=gen) + 3)
     return lambda q, k, v, beta, **kw: az.delta_rule(q, k, v, beta, **kw), x
 
 
@@ -130,6 +139,77 @@ def form_timings(kernel: str, repeats: int) -> list[dict[str, object]]:
     return rows
 
 
+def mixed_lengths(n: int, count: int = 16, seed: int = 0) -> list[int]:
+    """``count`` lengths >= 1 summing to ``n``, spread over two orders of magnitude (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.rand(count, generator=gen, dtype=torch.float64).mul(4.6).exp()  # e^0 .. e^4.6 ~ 1 .. 100
+    lengths = [max(1, int(n * float(x) / float(w.sum()))) for x in w]
+    lengths[int(w.argmax())] += n - sum(lengths)
+    return lengths
+
+
+def _timed_call(fn: Callable[[], torch.Tensor], backward: bool) -> float:
+    t0 = time.perf_counter()
+    if backward:
+        fn().sum().backward()
+    else:
+        with torch.no_grad():
+            fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(calls: dict[str, Callable[[], torch.Tensor]], backward: bool, repeats: int) -> dict[str, float]:
+    """Median seconds of each call (``repeats`` rounds, calls interleaved; with ``repeats > 1`` one
+    warm-up round first, whose times are dropped)."""
+    runs: dict[str, list[float]] = {k: [] for k in calls}
+    warm = 1 if repeats > 1 else 0
+    for r in range(repeats + warm):
+        for k, fn in calls.items():
+            t = _timed_call(fn, backward)
+            if r >= warm:
+                runs[k].append(t)
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def frontier_rows(n: int, repeats: int, threads: int) -> list[dict[str, object]]:
+    """KDA vs the gated delta rule, packed vs a loop, at length ``n`` (forward and forward + backward)."""
+    rows: list[dict[str, object]] = []
+    inputs = {k: make(k, n)[1] for k in ("gated_deltanet", "kda")}
+    for backward in (False, True):
+        xs = {k: {name: t.clone().requires_grad_(backward) for name, t in x.items()} for k, x in inputs.items()}
+
+        def run(k: str, **kw: object) -> Callable[[], torch.Tensor]:
+            x = xs[k]
+            return lambda: az.delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"],
+                                         form="chunked", **kw)  # type: ignore[return-value]
+
+        t = interleaved({"gdn": run("gated_deltanet"), "kda": run("kda")}, backward, repeats)
+        rows.append({"case": "kda_vs_gated_delta", "N": n, "pass": "fwd+bwd" if backward else "fwd",
+                     "gated_delta_s": round(t["gdn"], 3), "kda_s": round(t["kda"], 3),
+                     "kda_over_gated_delta": round(t["kda"] / t["gdn"], 2)})
+        lengths = mixed_lengths(n)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        for k in ("gated_deltanet", "kda"):
+            x = xs[k]
+
+            def loop(x: dict[str, torch.Tensor] = x) -> torch.Tensor:
+                outs = []
+                for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=False):
+                    outs.append(az.delta_rule(*(x[name][:, :, lo:hi] for name in ("q", "k", "v", "beta")),
+                                              log_decay=x["log_decay"][:, :, lo:hi], form="auto"))  # type: ignore[arg-type]
+                return torch.cat(outs, dim=2)
+
+            t = interleaved({"packed": run(k, cu_seqlens=cu), "loop": loop}, backward, repeats)
+            rows.append({"case": f"packed16_{k}", "N": n, "pass": "fwd+bwd" if backward else "fwd",
+                         "lengths_min_max": [min(lengths), max(lengths)], "packed_s": round(t["packed"], 3),
+                         "loop_s": round(t["loop"], 3), "packed_over_loop": round(t["packed"] / t["loop"], 2)})
+    mem = child_memory("kda", n, threads)
+    rows.append({"case": "kda_fwd_peak_memory", "N": n, "peak_extra_MB": round(mem["peak_extra_MB"], 1),
+                 "extra_KB_per_token": round(1024 * mem["peak_extra_MB"] / n, 2),
+                 "process_VmHWM_MB": round(mem["process_VmHWM_MB"], 1), "output_MB": mem["output_MB"]})
+    return rows
+
+
 def decode_state_bytes(kernel: str) -> int:
     """Bytes of the state after a one-token decode step (what a decoder keeps, independent of N)."""
     fn, x = make(kernel, 1)
@@ -145,12 +225,21 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--forms", action="store_true",
                         help="instead: forward + backward of the quadratic / chunked / auto forms at one chunk")
+    parser.add_argument("--frontier", action="store_true",
+                        help="instead: KDA vs gated delta rule, packed vs loop, KDA memory (issue 34)")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[16384, 65536], help="N for --frontier")
     parser.add_argument("--child", nargs=2, metavar=("KERNEL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]))
         return
     torch.set_num_threads(args.threads)
+    if args.frontier:
+        print(f"B={B} H={H} Dk=Dv={D} fp32, chunked, {args.threads} thread(s), median of {args.repeats}")
+        for n in args.lengths:
+            for row in frontier_rows(n, args.repeats, args.threads):
+                print(json.dumps(row), flush=True)
+        return
     if args.forms:
         print(f"forward + backward at one chunk, fp32, {args.threads} thread(s), median of {args.repeats}")
         for kernel in args.only:

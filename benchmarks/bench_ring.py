@@ -1,17 +1,22 @@
-"""Per-rank peak memory of ring attention vs sequence length N and number of ranks P.
+"""Per-rank peak memory and time of ring vs Ulysses attention vs one process, by N and ranks P.
 
 Spawns P gloo ranks on this machine (CPU) for each P, shards a sequence of N tokens with the
-zigzag layout and runs causal GQA ring attention forward + backward. On every rank it records
+zigzag layout and runs causal GQA ring attention and Ulysses attention (all-to-all to head
+shards), forward + backward; P = 1 is one process calling ``az.attention`` on the whole
+sequence. On every rank it records
 the peak of *live tensor bytes allocated by the call* (inputs excluded), tracked with a
 ``TorchDispatchMode`` that follows every tensor an op creates until it is freed: a deterministic
 count of what the attention itself needs, independent of the allocator and of noisy RSS.
 
 The claim checked: per-rank peak memory for attention grows as N / P. So the table shows, per
 (N, P), the largest peak over ranks, bytes per local token (peak / (N/P)), and the ratio to the
-single-process peak at the same N (ideal: ~1/P).
+single-process peak at the same N (ideal: ~1/P). Times: forward + backward wall time of one
+call (median of ``--repeats``, the slowest rank), measured outside the memory tracker. All ranks
+share this machine's cores, so on a small CPU the times show the overhead of each method, not a
+speed-up; treat them as indicative.
 
     python benchmarks/bench_ring.py                      # N = 1024, 2048, 4096; P = 1, 2, 4
-    python benchmarks/bench_ring.py --seq-lens 2048 8192 --ranks 1 2 4 8 --backend tiled
+    python benchmarks/bench_ring.py --seq-lens 2048 8192 --ranks 1 2 4 8 --methods ring
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import argparse
 import datetime
 import os
 import socket
+import statistics
 import sys
 import tempfile
+import time
 import weakref
 from typing import Any
 
@@ -31,7 +38,8 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from attnzoo.distributed import ring_attention, shard_sequence, work_per_rank
+from attnzoo import attention
+from attnzoo.distributed import ring_attention, shard_sequence, ulysses_attention, work_per_rank
 
 
 class LiveBytes(TorchDispatchMode):
@@ -78,32 +86,49 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _call(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    if method == "one process":
+        out = attention(q, k, v, causal=True, window=args.window, backend=args.backend)
+    elif method == "ring":
+        out = ring_attention(q, k, v, causal=True, window=args.window, layout=args.layout, backend=args.backend)
+    else:
+        out = ulysses_attention(q, k, v, causal=True, window=args.window, layout=args.layout, backend=args.backend)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, outdir: str) -> None:
     torch.set_num_threads(max(1, args.threads // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     rows = []
+    methods = ["one process"] if world == 1 else args.methods
     for n in args.seq_lens:
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, h, n, args.head_dim, generator=g) for h in (args.heads, args.kv_heads, args.kv_heads)]
         q, k, v = (shard_sequence(t, 2, layout=args.layout).requires_grad_() for t in full)
         d_out = torch.randn_like(q)
         del full
-        peaks, fwd_peaks = [], []
-        for _ in range(args.repeats):
-            dist.barrier()
-            with LiveBytes() as fwd_mode:
-                out = ring_attention(q, k, v, causal=True, window=args.window, layout=args.layout,
-                                     backend=args.backend)
-            with LiveBytes() as mode:
-                out = ring_attention(q, k, v, causal=True, window=args.window, layout=args.layout,
-                                     backend=args.backend)
-                out.backward(d_out)
-                del out
-            peaks.append(mode.peak)
-            fwd_peaks.append(fwd_mode.peak)
-            q.grad = k.grad = v.grad = None
-        rows.append({"n": n, "rank": rank, "peak": max(peaks), "fwd_peak": max(fwd_peaks)})
+        for method in methods:
+            peaks, fwd_peaks, times = [], [], []
+            for _ in range(args.repeats):
+                dist.barrier()
+                with LiveBytes() as fwd_mode:
+                    out = _call(method, q, k, v, args)
+                with LiveBytes() as mode:
+                    out = _call(method, q, k, v, args)
+                    out.backward(d_out)
+                    del out
+                peaks.append(mode.peak)
+                fwd_peaks.append(fwd_mode.peak)
+                q.grad = k.grad = v.grad = None
+                dist.barrier()
+                t0 = time.perf_counter()
+                _call(method, q, k, v, args).backward(d_out)
+                times.append(time.perf_counter() - t0)
+                q.grad = k.grad = v.grad = None
+            rows.append({"n": n, "rank": rank, "method": method, "peak": max(peaks), "fwd_peak": max(fwd_peaks),
+                         "time": statistics.median(times)})
     torch.save(rows, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -119,30 +144,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
     ap.add_argument("--window", type=int, default=None, help="causal sliding window (keys before the query)")
     ap.add_argument("--backend", default="auto", help="az.attention backend per shard pair (auto = tiled)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per size (the peak is deterministic)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per size (the peak is deterministic; times: median)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads shared by the ranks")
+    ap.add_argument("--methods", nargs="+", default=["ring", "ulysses"], choices=["ring", "ulysses"])
     args = ap.parse_args(argv)
 
-    results: dict[tuple[int, int], dict[str, float]] = {}
+    results: dict[tuple[int, int, str], dict[str, float]] = {}
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(_worker, args=(world, _free_port(), args, d), nprocs=world)
             rows = [r for rank in range(world) for r in torch.load(os.path.join(d, f"rank{rank}.pt"))]
-        for n in args.seq_lens:
-            mine = [r for r in rows if r["n"] == n]
-            results[(n, world)] = {"peak": max(r["peak"] for r in mine),
-                                   "fwd_peak": max(r["fwd_peak"] for r in mine)}
-    print(f"ring attention, causal, window={args.window}, layout={args.layout}, backend={args.backend}, B=1, Hq={args.heads}, "
-          f"Hkv={args.kv_heads}, D={args.head_dim}, float32; peak = max over ranks of live tensor bytes "
-          f"allocated by the call (inputs excluded)")
-    print(f"{'N':>6} {'P':>3} {'N/P':>6} {'fwd peak MiB':>13} {'fwd+bwd peak MiB':>17} {'KiB / local token':>18} "
-          f"{'vs P=1':>7}")
+        for r in rows:
+            key = (r["n"], world, r["method"])
+            cur = results.setdefault(key, {"peak": 0.0, "fwd_peak": 0.0, "time": 0.0})
+            for f in cur:  # the worst rank
+                cur[f] = max(cur[f], float(r[f]))
+    print(f"causal attention, window={args.window}, layout={args.layout}, backend={args.backend}, B=1, Hq={args.heads}, "
+          f"Hkv={args.kv_heads}, D={args.head_dim}, float32, forward + backward; peak = max over ranks of live tensor "
+          f"bytes allocated by the call (inputs excluded); time = slowest rank, median of {args.repeats}")
+    print(f"{'N':>6} {'P':>3} {'method':>11} {'N/P':>6} {'fwd peak MiB':>13} {'fwd+bwd peak MiB':>17} "
+          f"{'KiB / local token':>18} {'vs P=1':>7} {'time ms':>9} {'time vs P=1':>12}")
     for n in args.seq_lens:
-        base = results.get((n, 1), results[(n, args.ranks[0])])["peak"]
-        for world in args.ranks:
-            r = results[(n, world)]
-            print(f"{n:>6} {world:>3} {n // world:>6} {r['fwd_peak'] / 2**20:>13.2f} {r['peak'] / 2**20:>17.2f} "
-                  f"{r['peak'] / 1024 / (n // world):>18.2f} {r['peak'] / base:>7.3f}")
+        base = results.get((n, 1, "one process"))
+        for (nn, world, method), r in results.items():
+            if nn != n:
+                continue
+            mem = f"{r['peak'] / base['peak']:>7.3f}" if base else f"{'-':>7}"
+            tim = f"{r['time'] / base['time']:>12.2f}" if base else f"{'-':>12}"
+            print(f"{n:>6} {world:>3} {method:>11} {n // world:>6} {r['fwd_peak'] / 2**20:>13.2f} "
+                  f"{r['peak'] / 2**20:>17.2f} {r['peak'] / 1024 / (n // world):>18.2f} {mem} "
+                  f"{r['time'] * 1e3:>9.1f} {tim}")
     n, world = args.seq_lens[-1], max(args.ranks)
     print(f"\ncausal scores computed per rank (N={n}, P={world}, from the ring schedule), as a fraction of the max:")
     for layout in ("contiguous", "zigzag"):

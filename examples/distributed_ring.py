@@ -1,4 +1,5 @@
-"""Ring attention and a context-parallel DecoderLM on several ranks (gloo on CPU, NCCL on GPUs).
+"""Ring and Ulysses attention, and context-parallel DecoderLMs (attention and recurrent layers) on
+several ranks (gloo on CPU, NCCL on GPUs).
 
     torchrun --standalone --nproc_per_node=2 examples/distributed_ring.py
 
@@ -20,7 +21,9 @@ from attnzoo.distributed import (
     ring_attention,
     shard_positions,
     shard_sequence,
+    ulysses_attention,
 )
+from attnzoo.variants import build_attention
 
 
 def main() -> None:
@@ -44,6 +47,12 @@ def main() -> None:
     if rank == 0:
         print(f"ring attention on {world} ranks: local shard {tuple(out.shape)}, max |ring - attention| = {err:.2e}")
 
+    # 1b. The same with Ulysses attention: all-to-all to head shards (8 / P query heads per rank).
+    out_u = ulysses_attention(q_l, k_l, v_l, causal=True, layout="zigzag", timeout=60)
+    err_u = (gather_sequence(out_u, 2, layout="zigzag") - az.attention(q, k, v, causal=True)).abs().max().item()
+    if rank == 0:
+        print(f"ulysses attention on {world} ranks: max |ulysses - attention| = {err_u:.2e}")
+
     # 2. A whole decoder LM with its attention layers on the ring.
     torch.manual_seed(0)  # same weights on every rank
     model = az.DecoderLM(vocab_size=64, dim=64, depth=2, num_heads=4, num_kv_heads=2).to(device)
@@ -64,6 +73,19 @@ def main() -> None:
     dist.all_reduce(loss)
     if rank == 0:
         print(f"context-parallel DecoderLM: loss {loss.item() / world:.6f}, one process: {ref_loss.item():.6f}")
+
+    # 3. A hybrid LM: a Gated DeltaNet layer (state summaries scanned over the ranks) + attention.
+    torch.manual_seed(1)
+    hybrid = az.DecoderLM(vocab_size=64, dim=64, depth=2, num_heads=4, num_kv_heads=2).to(device)
+    hybrid.blocks[0].attn = build_attention("gated_deltanet", 64, 4).to(device)
+    with torch.no_grad():
+        ref = hybrid(inputs)  # [2, 256, 64]
+        context_parallel(hybrid, layout="zigzag", method="ulysses")
+        local = hybrid(shard_sequence(inputs, 1, layout="zigzag"),
+                       positions=shard_positions(256, layout="zigzag", device=device))
+        err_h = (gather_sequence(local, 1, layout="zigzag") - ref).abs().max().item()
+    if rank == 0:
+        print(f"context-parallel hybrid (gated_deltanet + mha, ulysses): max |logits - one process| = {err_h:.2e}")
     dist.destroy_process_group()
 
 

@@ -7,11 +7,13 @@ Packed sequences: each sequence ``[cu[i], cu[i+1])`` runs alone from ``s0[i]``.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
 
-def _step(kind: str, s: Tensor, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, beta: Tensor | None) -> Tensor:
+def _step(kind: str, s: Tensor, k: Tensor, v: Tensor, gate: Tensor, beta: Tensor | None) -> Tensor:
     """One token of one head: returns the new state; ``gate`` is the log decay (scalar or ``[Dk]``)."""
     decay = gate.exp()
     a = torch.diag(decay) if decay.dim() == 1 else decay * torch.eye(k.shape[0], dtype=k.dtype)
@@ -22,26 +24,34 @@ def _step(kind: str, s: Tensor, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, b
     return s + torch.outer(k, v)
 
 
-def token_loop(kind: str, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None = None,
-               scale: float | None = None, s0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def token_loop(kind: str, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, beta: Tensor | None = None,
+               scale: float | None = None, s0: Tensor | None = None,
+               num_householder: int = 1) -> tuple[Tensor, Tensor]:
     """``kind`` "gla" (also retention: a constant scalar log decay) or "delta".
 
-    q, k ``[B, Hk, N, Dk]``; v ``[B, Hv, N, Dv]``; log_decay ``[B, Hv, N]`` or ``[B, Hv, N, Dk]``;
-    beta ``[B, Hv, N]``; s0 ``[B, Hv, Dk, Dv]``. Returns ``(out [B, Hv, N, Dv], S_N)`` in float64.
+    q ``[B, Hk, N, Dk]``; k ``[B, Hk, N n_h, Dk]``; v ``[B, Hv, N n_h, Dv]``; log_decay ``[B, Hv, N]`` or
+    ``[B, Hv, N, Dk]`` (or None); beta ``[B, Hv, N n_h]``; s0 ``[B, Hv, Dk, Dv]``. With ``n_h =
+    num_householder > 1`` (DeltaProduct) token t decays once, then takes the ``n_h`` steps of entries
+    ``t n_h .. t n_h + n_h - 1``, then reads. Returns ``(out [B, Hv, N, Dv], S_N)`` in float64.
     """
-    q, k, v, log_decay = (t.double() for t in (q, k, v, log_decay))
+    nh = num_householder
+    q, k, v = (t.double() for t in (q, k, v))
     b, hk, n, dk = q.shape
     hv, dv = v.shape[1], v.shape[3]
     scale = dk ** -0.5 if scale is None else scale
     out = torch.zeros(b, hv, n, dv, dtype=torch.float64)
     states = torch.zeros(b, hv, dk, dv, dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
     for bi in range(b):
         for j in range(hv):
             h = j // (hv // hk)
             s = torch.zeros(dk, dv, dtype=torch.float64) if s0 is None else s0[bi, j].double()
             for t in range(n):
-                bt = None if beta is None else beta[bi, j, t].double()
-                s = _step(kind, s, q[bi, h, t], k[bi, h, t], v[bi, j, t], log_decay[bi, j, t], bt)
+                for i in range(nh):
+                    m = t * nh + i
+                    g = zero if log_decay is None or i else log_decay[bi, j, t].double()
+                    bt = None if beta is None else beta[bi, j, m].double()
+                    s = _step(kind, s, k[bi, h, m], v[bi, j, m], g, bt)
                 out[bi, j, t] = scale * (s.T @ q[bi, h, t])
             states[bi, j] = s
     return out, states
@@ -52,8 +62,8 @@ def packed_loop(kind: str, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, c
                 s0: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`token_loop` on each packed sequence alone (``B == 1``); states ``[S, Hv, Dk, Dv]``."""
     outs, states = [], []
-    for i, (lo, hi) in enumerate(zip(cu, cu[1:])):
-        def part(t: Tensor | None) -> Tensor | None:
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
+        def part(t: Tensor | None, lo: int = lo, hi: int = hi) -> Tensor | None:
             return None if t is None else t[:, :, lo:hi]
         o, s = token_loop(kind, part(q), part(k), part(v), part(log_decay), part(beta), scale,
                           None if s0 is None else s0[i:i + 1])

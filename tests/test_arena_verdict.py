@@ -175,8 +175,14 @@ def test_machine_busy() -> None:
     busy, why = machine_busy({**quiet, "loadavg_after": 7.5})
     assert busy and "7.5" in why
     assert not machine_busy({**quiet, "threads": 4, "cpu_wall_ratio": 0.5, "cpu_count": 8})[0]
-    steady = {f"v{i}": {"spread": {"train_step_s": s, "decode_s@128": 0.9}} for i, s in enumerate((0.05, 0.1, 0.4))}
+    steady = {f"v{i}": {"spread": {"train_step_s": s, "decode_s@128": 0.3}} for i, s in enumerate((0.05, 0.1, 0.4))}
     assert not machine_busy({**quiet, "variants": steady})[0]  # the median round agreed; decode noise alone is not
+    wild = {f"v{i}": {"spread": {"train_step_s": 0.1, "prefill_s": s}} for i, s in enumerate((0.6, 1.2, 2.66))}
+    busy, why = machine_busy({**quiet, "variants": wild})  # spreads of 60-266%: never "quiet"
+    assert busy and "266%" in why
+    busy, why = machine_busy({**quiet, "loadavg_after": 2.4})  # more runnable threads than the 2 cores
+    assert busy and "2.4 on 2 cores" in why
+    assert not machine_busy({**quiet, "loadavg_after": 2.2})[0]
     unsteady = {f"v{i}": {"spread": {"train_step_s": s}} for i, s in enumerate((0.15, 0.28, 0.4))}
     busy, why = machine_busy({**quiet, "variants": unsteady})
     assert busy and "28%" in why

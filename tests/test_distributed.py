@@ -1,7 +1,7 @@
 """Ring attention, sequence sharding, ContextParallel and DDP on real gloo process groups.
 
-Each group of ranks is spawned once per module (``torch.multiprocessing``, a free port on
-127.0.0.1, a gloo timeout and a hard deadline, so a broken test fails instead of hanging). The
+Each group of ranks is spawned once per module (``dist_spawn.spawn``: ``torch.multiprocessing``, a
+free port on 127.0.0.1, a gloo timeout and a hard deadline, so a broken test fails instead of hanging). The
 workers compute every equivalence of one world size and save the measured errors; the tests below
 assert on them one property at a time. Equivalences:
 
@@ -19,9 +19,7 @@ assert on them one property at a time. Equivalences:
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import attnzoo as az
@@ -42,9 +39,7 @@ from attnzoo.distributed import (
     shard_sequence,
     work_per_rank,
 )
-
-GLOO_TIMEOUT_S = 30  # any collective stuck longer than this raises in the worker
-JOB_DEADLINE_S = 150  # the whole spawned job; past it the workers are killed and the test fails
+from dist_spawn import CountingTask, ranks_fixture, rel, save
 
 # (name, layout, causal, window, Hq, Hkv, N[, {"alibi": bool, "softcap": float}]) per world size
 CASES_2 = [
@@ -73,55 +68,7 @@ CASES_4 = [
 ]
 
 
-# ----------------------------------------------------------------------------- spawning
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _save(rank: int, res: dict[str, Any]) -> None:
-    torch.save(res, os.path.join(os.environ["ATTNZOO_TEST_OUTDIR"], f"rank{rank}.pt"))
-
-
-def _entry(rank: int, world: int, port: int, job: str, outdir: str) -> None:
-    os.environ["ATTNZOO_TEST_OUTDIR"] = outdir
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
-    res: dict[str, Any] = {"time/init": time.perf_counter() - t0}
-    try:
-        JOBS[job](rank, world, res)
-    finally:
-        _save(rank, res)
-    # The last checks break the group on purpose (dead / silent ranks): leave without teardown.
-    os._exit(0)
-
-
-def _spawn(world: int, job: str, outdir: Path) -> list[dict[str, Any]]:
-    ctx = mp.start_processes(_entry, args=(world, _free_port(), job, str(outdir)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"{world}-rank job {job!r} still running after {JOB_DEADLINE_S}s (a hang)")
-    out = []
-    for r in range(world):
-        f = outdir / f"rank{r}.pt"
-        out.append(torch.load(f) if f.exists() else {})
-    return out
-
-
 # ----------------------------------------------------------------------------- worker checks
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: int, n: int,
                dtype: torch.dtype, backend: str, group: Any = None, block: int = 256,
                extra: dict[str, Any] | None = None) -> dict[str, float]:
@@ -157,14 +104,14 @@ def _ring_case(rank: int, layout: str, causal: bool, window: Any, hq: int, hkv: 
     if sinks is not None:  # each rank holds its rows' share of the sinks' gradient
         dsinks = sinks.grad.clone()
         dist.all_reduce(dsinks, group=group)
-        extra_errs["dsinks"] = _rel(dsinks, ref_dsinks)
+        extra_errs["dsinks"] = rel(dsinks, ref_dsinks)
     return {**extra_errs,
-        "out": _rel(gather_sequence(out.detach(), 2, group=group, layout=layout), ref),
-        "lse": _rel(lse[finite], ref_lse[:, :, pos][finite]),
+        "out": rel(gather_sequence(out.detach(), 2, group=group, layout=layout), ref),
+        "lse": rel(lse[finite], ref_lse[:, :, pos][finite]),
         "lse_inf_match": float(torch.equal(torch.isinf(lse), torch.isinf(ref_lse[:, :, pos]))),
-        "dq": _rel(gather_sequence(ql.grad, 2, group=group, layout=layout), q.grad),
-        "dk": _rel(gather_sequence(kl.grad, 2, group=group, layout=layout), k.grad),
-        "dv": _rel(gather_sequence(vl.grad, 2, group=group, layout=layout), v.grad),
+        "dq": rel(gather_sequence(ql.grad, 2, group=group, layout=layout), q.grad),
+        "dk": rel(gather_sequence(kl.grad, 2, group=group, layout=layout), k.grad),
+        "dv": rel(gather_sequence(vl.grad, 2, group=group, layout=layout), v.grad),
     }
 
 
@@ -197,8 +144,8 @@ def _check_bf16(rank: int, world: int, res: dict[str, Any]) -> None:
     ring, single = run(torch.bfloat16, True), run(torch.bfloat16, False)
     res["bf16"] = {}
     for name, e, a, b in zip(("out", "dq", "dk", "dv"), exact, ring, single, strict=True):
-        res["bf16"][f"ring_{name}"] = _rel(a, e)
-        res["bf16"][f"single_{name}"] = _rel(b, e)
+        res["bf16"][f"ring_{name}"] = rel(a, e)
+        res["bf16"][f"single_{name}"] = rel(b, e)
 
 
 def _check_shard_roundtrip(rank: int, world: int, res: dict[str, Any]) -> None:
@@ -270,9 +217,9 @@ def _check_context_parallel(rank: int, world: int, res: dict[str, Any]) -> None:
         for gr in grads:
             dist.all_reduce(gr)  # each rank holds the gradient of its tokens only
         res[f"cp/{name}"] = {
-            "out": _rel(gather_sequence(yl.detach(), 1, layout=layout), y),
-            "dx": _rel(gather_sequence(xl.grad, 1, layout=layout), x.grad),
-            "dparams": max(_rel(a, b) for a, b in zip(grads, full_grads, strict=True)),
+            "out": rel(gather_sequence(yl.detach(), 1, layout=layout), y),
+            "dx": rel(gather_sequence(xl.grad, 1, layout=layout), x.grad),
+            "dparams": max(rel(a, b) for a, b in zip(grads, full_grads, strict=True)),
         }
 
 
@@ -294,8 +241,8 @@ def _check_context_parallel_model(rank: int, world: int, res: dict[str, Any]) ->
     for n, p in model.named_parameters():
         gr = p.grad.clone()
         dist.all_reduce(gr)
-        errs.append(_rel(gr, full_grads[n.replace(".module.", ".")]))
-    res["cp/decoder_lm"] = {"out": _rel(gather_sequence(local.detach(), 1, layout="zigzag"), logits),
+        errs.append(rel(gr, full_grads[n.replace(".module.", ".")]))
+    res["cp/decoder_lm"] = {"out": rel(gather_sequence(local.detach(), 1, layout="zigzag"), logits),
                             "dparams": max(errs)}
 
 
@@ -303,25 +250,6 @@ def _check_context_parallel_model(rank: int, world: int, res: dict[str, Any]) ->
 # which under a process group wraps the model in DistributedDataParallel and gives each rank its
 # slice of the same global batch.
 DDP_STEPS, DDP_GLOBAL_BATCH, DDP_SEQ, DDP_VOCAB = 20, 8, 16, 32
-
-
-class _CountingTask:
-    """Sequences that count up modulo the vocabulary from a random start, with a little noise."""
-
-    name = "count"
-    vocab_size = DDP_VOCAB
-    seq_len = DDP_SEQ
-
-    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 100_003 + step)
-        start = torch.randint(0, DDP_VOCAB, (batch_size, 1), generator=g)
-        seq = (start + torch.arange(DDP_SEQ + 1)) % DDP_VOCAB  # [B, N + 1]
-        noise = torch.rand(seq.shape, generator=g) < 0.1
-        seq = torch.where(noise, torch.randint(0, DDP_VOCAB, seq.shape, generator=g), seq)
-        return seq[:, :-1], seq[:, 1:]
-
-    def evaluate(self, model: nn.Module, device: torch.device, seed: int) -> dict[str, float]:
-        raise NotImplementedError
 
 
 class _TinyLM(nn.Module):
@@ -346,7 +274,7 @@ def _ddp_train() -> list[float]:
 
     torch.manual_seed(0)
     model = _TinyLM()
-    return train(model, _CountingTask(), DDP_STEPS, DDP_GLOBAL_BATCH, seed=0,
+    return train(model, CountingTask(DDP_VOCAB, DDP_SEQ, noise=0.1), DDP_STEPS, DDP_GLOBAL_BATCH, seed=0,
                  config=TrainConfig(lr=3e-3, warmup=2))
 
 
@@ -379,12 +307,12 @@ def _check_dead_rank(rank: int, world: int, res: dict[str, Any]) -> None:
     if rank in (0, DEAD_RANK):
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(_TinyLM(), process_group=pair)
-        task = _CountingTask()
+        task = CountingTask(DDP_VOCAB, DDP_SEQ, noise=0.1)
         step = 0
         try:
             for step in range(20):
                 if rank == DEAD_RANK and step == DEAD_AT_STEP:
-                    _save(rank, res)
+                    save(rank, res)
                     os._exit(0)  # no cleanup, like a crash
                 x, y = task.batch(step, 4, 0)
                 loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -437,18 +365,10 @@ def _job_four(rank: int, world: int, res: dict[str, Any]) -> None:
     _check_dead_rank(rank, world, res)
 
 
-JOBS = {"two": _job_two, "four": _job_four}
-
 
 # ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(2, "two", tmp_path_factory.mktemp("two_ranks"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(4, "four", tmp_path_factory.mktemp("four_ranks"))
+two = ranks_fixture(2, _job_two, "two_ranks")
+four = ranks_fixture(4, _job_four, "four_ranks")
 
 
 def _assert_ring(results: list[dict[str, Any]], key: str, tol: float) -> None:

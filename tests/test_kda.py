@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from recurrent_oracle import token_loop
 from torch import Tensor
 
 import attnzoo as az
+from recurrent_oracle import token_loop
 
 
 def make(b: int = 1, h: int = 2, n: int = 9, dk: int = 5, dv: int = 4, decay: float = 1.0, seed: int = 0,
@@ -94,7 +94,7 @@ def test_gradients_equal_the_token_loop(chunk: int) -> None:
     want = grads(oracle)
     for form in ("chunked", "recurrent", "quadratic"):
         got = grads(lambda leaves, form=form: run(leaves, form=form, chunk_size=chunk))
-        for name, g, r in zip(x, got, want):
+        for name, g, r in zip(x, got, want, strict=True):
             assert rel_err(g, r) < 1e-9, f"form={form} chunk={chunk}: d{name} rel err {rel_err(g, r):.2e}"
 
 
@@ -103,7 +103,7 @@ def test_gradcheck_chunked() -> None:
     names = list(x)
 
     def f(*ts: Tensor) -> tuple[Tensor, Tensor]:
-        return run(dict(zip(names, ts)), form="chunked", chunk_size=3)
+        return run(dict(zip(names, ts, strict=True)), form="chunked", chunk_size=3)
 
     assert torch.autograd.gradcheck(f, tuple(t.clone().requires_grad_() for t in x.values()))
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from recurrent_oracle import token_loop
 from torch import Tensor
 
 from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.variants import VARIANTS, build_attention
+from recurrent_oracle import token_loop
 
 C, H = 24, 3  # head_dim 8
 
@@ -102,7 +102,7 @@ def test_cached_decoding_equals_the_full_forward(name: str, kw: dict) -> None:
         for steps in ([1] * 13, [3, 1, 6, 3], [13]):
             cache = m.init_cache(2, 13)
             got = torch.cat([m(x[:, s:s + n], cache=cache) for s, n in zip([0, *torch.tensor(steps).cumsum(0)[:-1]
-                                                                            .tolist()], steps)], dim=1)
+                                                                            .tolist()], steps, strict=True)], dim=1)
             assert float((got - full).abs().max()) < 1e-11 * max(1.0, float(full.abs().max())), f"{name} {steps}"
 
 

@@ -73,10 +73,11 @@ def test_user_masks_compose_with_the_pattern() -> None:
 def test_the_pattern_reaches_attention_as_a_mask_object() -> None:
     """No N x N tensor is built by the module: attention() receives a Mask predicate (seen through
     the public attend seam, ``module.attend_fn``)."""
-    seen = []
+    seen, keys = [], []
 
     def spy(q, k, v, **kw):
         seen.append(kw["mask"])
+        keys.append(k.shape[2])
         return az.attention(q, k, v, **kw)
 
     m = az.LocalGlobalAttention(C, H, window=4, global_tokens=(0,), causal=True).eval()
@@ -87,7 +88,9 @@ def test_the_pattern_reaches_attention_as_a_mask_object() -> None:
         cache = m.init_cache(1, 64)
         m(x[:, :10], cache=cache)
         m(x[:, 10:11], cache=cache)
-    assert len(seen) == 3 and all(isinstance(s, Mask) for s in seen)
+    # the one-token decode step gathers what it sees (window 4 + itself + global key 0), no mask
+    assert len(seen) == 3 and all(isinstance(s, Mask) for s in seen[:2]) and seen[2] is None
+    assert keys == [64, 10, 4 + 1 + 1]
 
 
 def test_long_input_runs_tiled() -> None:

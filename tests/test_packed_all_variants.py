@@ -3,6 +3,8 @@ alone (logits and parameter gradients), and perturbing one document never change
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def test_packed_logits_equal_each_document_alone(name: str) -> None:
     with torch.no_grad():
         packed = lm(tokens, cu_seqlens=cu)
         assert packed.shape == (1, tokens.shape[1], VOCAB)
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             if hi > lo:
                 alone = lm(tokens[:, lo:hi])
                 torch.testing.assert_close(packed[:, lo:hi], alone, rtol=1e-10, atol=1e-10,
@@ -54,7 +56,7 @@ def test_packed_gradients_equal_the_sum_over_documents(name: str) -> None:
     lm(tokens, cu_seqlens=cu).logsumexp(-1).sum().backward()
     packed = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
     lm.zero_grad()
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         if hi > lo:
             lm(tokens[:, lo:hi]).logsumexp(-1).sum().backward()
     for n, p in lm.named_parameters():

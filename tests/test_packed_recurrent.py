@@ -4,15 +4,16 @@ and out, gradients equal to calling each sequence alone; bad ``cu_seqlens`` name
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from recurrent_oracle import packed_loop
 from torch import Tensor
 
 import attnzoo as az
+from recurrent_oracle import packed_loop
 
 FAMILIES = ["retention", "gla", "gla_scalar", "deltanet", "gated_deltanet", "kda"]
 LENGTHS = [5, 1, 0, 17, 3, 9]
@@ -90,7 +91,7 @@ def test_packed_gradients_equal_each_sequence_alone(family: str) -> None:
                               materialize_grads=True)
     leaves2 = {k: t.clone().requires_grad_() for k, t in x.items()}
     loss = 0.0
-    for i, (lo, hi) in enumerate(zip(cu, cu[1:])):
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
         one = {k: (t[i:i + 1] if k == "s0" else t[:, :, lo:hi]) for k, t in leaves2.items()}
         if hi == lo:
             loss = loss + (one["s0"] * w2[i:i + 1]).sum()
@@ -98,7 +99,7 @@ def test_packed_gradients_equal_each_sequence_alone(family: str) -> None:
         o, st = f(one, i32([0, hi - lo]), form="chunked", chunk_size=3)
         loss = loss + (o * w1[:, :, lo:hi]).sum() + (st * w2[i:i + 1]).sum()
     want = torch.autograd.grad(loss, list(leaves2.values()), allow_unused=True, materialize_grads=True)
-    for name, g, r in zip(x, got, want):
+    for name, g, r in zip(x, got, want, strict=True):
         assert rel_err(g, r) < 1e-10, f"{family}: d{name} rel err {rel_err(g, r):.2e}"
 
 
@@ -155,7 +156,7 @@ def test_short_conv_packed_restarts_and_keeps_a_cache_per_sequence() -> None:
     prev = torch.randn(4, 5, 3, dtype=torch.float64)
     y, last = conv(x, prev, i32(cu))
     assert y.shape == x.shape and last.shape == (4, 5, 3)
-    for i, (lo, hi) in enumerate(zip(cu, cu[1:])):
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
         y1, last1 = conv(x[:, lo:hi], prev[i:i + 1])
         torch.testing.assert_close(y[:, lo:hi], y1, rtol=0, atol=1e-14)
         torch.testing.assert_close(last[i:i + 1], last1, rtol=0, atol=0)

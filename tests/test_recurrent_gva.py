@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from recurrent_oracle import token_loop
 from torch import Tensor
 
 import attnzoo as az
+from recurrent_oracle import token_loop
 
 FAMILIES = ["retention", "gla", "gla_scalar", "deltanet", "gated_deltanet", "kda"]
 
@@ -86,7 +86,7 @@ def test_grouped_value_heads_gradients_equal_the_expanded_call(family: str) -> N
     out2, s2 = f(expanded, form="chunked", chunk_size=4)
     want = torch.autograd.grad((out2 * w1).sum() + (s2 * w2).sum(), list(leaves2.values()), allow_unused=True,
                                materialize_grads=True)
-    for name, g, r in zip(x, got, want):
+    for name, g, r in zip(x, got, want, strict=True):
         assert rel_err(g, r) < 1e-10, f"{family}: d{name} rel err {rel_err(g, r):.2e}"
 
 

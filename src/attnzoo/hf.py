@@ -23,7 +23,10 @@ What reaches :func:`attnzoo.attention`:
   ``or``/``and`` overlays, chunked attention) falls back to transformers' dense bool mask.
 * GQA: key/value arrive with ``Hkv`` heads and are passed as they are (no ``repeat_kv``).
 * ``scaling``, ``softcap``, ``dropout`` (the model passes 0 at eval), attention sinks
-  (``s_aux``) through ``sinks=`` when this attnzoo's ``attention`` has that argument.
+  (``s_aux``, or ``sinks`` per head or per query), T5's relative ``position_bias`` (added to the
+  mask). Every other keyword is either known not to change the attention (``position_ids``,
+  cache flags, flash-attention's varlen metadata: :data:`NEUTRAL_KEYWORDS`) or refused with a
+  ``NotImplementedError`` naming it, never ignored (docs/huggingface.md lists the families).
 * Decoding with a ``DynamicCache`` (also its sliding-window layers): queries sit at the cache's
   query offset relative to the first cached key, which is attnzoo's bottom-right default.
 
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo import hf_kernels
 from attnzoo.functional.attention import attention
 
 #: registered name -> attnzoo backend
@@ -217,6 +221,67 @@ def _mask_arguments(module: torch.nn.Module, key: Tensor, attention_mask: Any,
     return {"mask": None, "causal": causal, "window": window, "q_offset": None}
 
 
+#: Keywords the attention function serves (what transformers' own ``sdpa`` serves, plus softcap and
+#: sinks): they change the attention and reach :func:`attnzoo.attention`.
+SERVED_KEYWORDS: frozenset[str] = frozenset({
+    "softcap", "s_aux", "sinks", "position_bias", "sliding_window", "is_causal", "output_attentions"})
+
+#: Keywords that models forward to every attention function but that do not change the attention
+#: of the query/key/value/mask it receives (transformers' ``sdpa`` ignores them too): positions
+#: already applied by RoPE, cache and output flags, and flash-attention's varlen metadata (packed
+#: sequences reach attnzoo as the mask transformers builds from ``position_ids``, as for ``sdpa``).
+NEUTRAL_KEYWORDS: frozenset[str] = frozenset({
+    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
+    "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "encoder_hidden_states", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "seq_idx", "deterministic", "layer_idx", "token_type_ids"})
+
+
+def _check_keywords(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse, by name, every keyword this function would otherwise have to ignore."""
+    unknown = sorted(k for k, v in kwargs.items()
+                     if k not in SERVED_KEYWORDS and k not in NEUTRAL_KEYWORDS and v is not None)
+    if unknown:
+        raise NotImplementedError(
+            f"attnzoo: {type(module).__name__} passed {', '.join(map(repr, unknown))} to the attention "
+            f"function, which attnzoo does not serve (it would be ignored and the result wrong); "
+            f"served: {', '.join(sorted(SERVED_KEYWORDS))}. Use attn_implementation='eager' or 'sdpa' "
+            f"for this model")
+
+
+def _with_bias(extra: dict[str, Any], bias: Tensor) -> None:
+    """Add the float ``bias`` (``position_bias``, broadcastable to ``[B, Hq, Nq, Nk]``) to the mask.
+
+    A bool mask becomes ``bias`` with ``-inf`` where it hides a key; a float mask is added to it
+    (transformers' ``sdpa`` and ``eager`` add ``position_bias`` to the mask the same way)."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.dim() != 4:
+        raise TypeError(f"attnzoo: position_bias must be a float tensor [B or 1, H, Nq, Nk], got "
+                        f"{type(bias).__name__}{tuple(bias.shape) if isinstance(bias, Tensor) else ''}")
+    m = extra["mask"]
+    if m is None:
+        extra["mask"] = bias
+    elif m.dtype == torch.bool:
+        extra["mask"] = bias.masked_fill(~m, float("-inf"))
+    else:
+        extra["mask"] = bias + m
+
+
+def _query_sinks(sinks: Any, query: Tensor) -> Tensor | None:
+    """Per-query sink logits ``[B, Hq, Nq]`` from ``sinks=`` (``[B, Hq, Nq]`` or ``[B, Hq, Nq, 1]``),
+    or None when ``sinks`` is per head ``[Hq]`` (served by ``attention(..., sinks=)`` directly)."""
+    B, Hq, Nq = query.shape[:3]
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"attnzoo: sinks must be a float tensor [Hq] or [B, Hq, Nq, 1], got "
+                        f"{type(sinks).__name__}")
+    if sinks.dim() == 1:
+        return None
+    z = sinks.squeeze(-1) if sinks.dim() == 4 and sinks.shape[-1] == 1 else sinks
+    if z.dim() != 3 or any(g not in (1, w) for g, w in zip(z.shape, (B, Hq, Nq), strict=True)):
+        raise ValueError(f"attnzoo: sinks must have shape [Hq] or [B, Hq, Nq, 1] = [{B}, {Hq}, {Nq}, 1], "
+                         f"got {tuple(sinks.shape)}")
+    return z
+
+
 def attnzoo_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -237,22 +302,39 @@ def attnzoo_attention_forward(
         attention_mask: an :class:`HFMask`, a bool/float ``[B, 1, Nq, Nk]`` tensor, or None.
         scaling: score scale (default ``1/sqrt(D)``); dropout: attention dropout probability.
         backend: the attnzoo backend.
-        kwargs: ``softcap``, ``s_aux`` (sinks ``[Hq]``), ``sliding_window`` and ``is_causal`` (used
-            only without a mask), ``output_attentions``; others are ignored.
+        kwargs: served (:data:`SERVED_KEYWORDS`): ``softcap``; ``position_bias`` (a float
+            ``[B or 1, H, Nq, Nk]`` added to the scores: T5's relative bias); ``s_aux`` / ``sinks``
+            (sink logits ``[Hq]``, or per query ``[B, Hq, Nq, 1]``); ``sliding_window`` and
+            ``is_causal`` (used only without a mask); ``output_attentions``. Keywords in
+            :data:`NEUTRAL_KEYWORDS` do not change the attention. Any other keyword with a value
+            is refused (``NotImplementedError`` naming it), never ignored.
 
     Returns:
         ``(out [B, Nq, Hq, Dv], weights [B, Hq, Nq, Nk] or None)``.
     """
+    _check_keywords(module, kwargs)
     extra: dict[str, Any] = _mask_arguments(module, key, attention_mask, kwargs)
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:
+    if kwargs.get("position_bias") is not None:
+        _with_bias(extra, kwargs["position_bias"])
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    per_query = None if sinks is None else _query_sinks(sinks, query)
+    if sinks is not None and per_query is None:
         extra["sinks"] = sinks
     want_weights = bool(kwargs.get("output_attentions"))
+    name = "reference" if want_weights else backend
+    if per_query is not None and name == "sdpa":
+        raise NotImplementedError("attnzoo: per-query sinks need the attention's log-sum-exp, which "
+                                  "torch SDPA does not return; use attn_implementation='attnzoo'")
     result = attention(query, key, value, scale=scaling, softcap=kwargs.get("softcap"),
                        dropout_p=float(dropout or 0.0), return_weights=want_weights,
-                       backend="reference" if want_weights else backend, **extra)
-    out, weights = result if want_weights else (result, None)
-    assert isinstance(out, Tensor)
+                       return_lse=per_query is not None, backend=name, **extra)
+    parts = list(result) if isinstance(result, tuple) else [result]
+    out, weights = parts[0], (parts[-1] if want_weights else None)
+    if per_query is not None:  # softmax over the visible scores and one sink logit per query row
+        lse = parts[1]
+        kept = torch.exp(lse - torch.logaddexp(lse, per_query.to(lse.dtype))).unsqueeze(-1)
+        out = (out.to(kept.dtype) * kept).to(out.dtype)  # [B, Hq, Nq, Dv]
+        weights = None if weights is None else weights * kept.to(weights.dtype)
     return out.transpose(1, 2).contiguous(), weights  # [B, Nq, Hq, Dv]
 
 
@@ -289,4 +371,5 @@ def register() -> tuple[str, ...]:
     for name, fn in _FORWARDS.items():
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, attnzoo_mask)
+    hf_kernels.install()  # the linear-attention kernel hooks of the hybrid models (attnzoo.hf_kernels)
     return tuple(_FORWARDS)

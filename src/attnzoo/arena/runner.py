@@ -22,11 +22,13 @@ from typing import Any
 import torch
 
 from attnzoo._outputs import ensure_output_dir
+from attnzoo._validate import nonnegative_int_arg as _nonnegative_int
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena.grid import GRID, grid_window, run_grid
 from attnzoo.arena.longctx import long_context
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
+from attnzoo.arena.parallel import GatheredModel, parallelize, plain_copy, plan_from_args
 from attnzoo.arena.progress import PROGRESS_KINDS, Overall, make_progress
 from attnzoo.arena.report import summary_text, write_report
 from attnzoo.arena.storage import (
@@ -165,7 +167,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
     parser.add_argument("--seeds", type=_positive_int, default=2,
                         help="seeds of the lm task, for the seed-noise estimate of the verdict (default: %(default)s)")
-    parser.add_argument("--seeds-top", dest="seeds_top", type=int, default=2,
+    parser.add_argument("--seeds-top", dest="seeds_top", type=_nonnegative_int, default=2,
                         help="run the extra seeds only for the K variants with the best lm loss at --seed, to "
                              "keep the default run short; 0: every variant (default: %(default)s)")
     parser.add_argument("--grid-widths", dest="grid_widths", type=_int_list,
@@ -189,10 +191,15 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="train through torch.compile(model) (forward and backward of every training step); "
                              "evaluation and decoding stay eager")
-    parser.add_argument("--context-parallel", dest="context_parallel", action="store_true",
-                        help="under torchrun: shard every sequence over the ranks (zigzag layout) and run ring "
-                             "attention instead of splitting the batch; softmax variants only "
-                             f"({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len must be divisible by 2 x ranks")
+    parser.add_argument("--context-parallel", dest="context_parallel", nargs="?", const=True, default=False,
+                        type=_positive_int, metavar="N", help=_CP_HELP)
+
+
+_CP_HELP = ("under torchrun: shard every sequence over the ranks (zigzag layout) and run ring attention instead "
+            f"of splitting the batch; softmax variants only ({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len "
+            "must be divisible by 2 x ranks. With N: FSDP2 on a (world / N, N) mesh, sequences over N ranks, rows "
+            "of the batch over the rest, every variant but nsa, infini and sigmoid (attnzoo.arena.parallel; not "
+            "checkpointed)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -327,6 +334,7 @@ class _Run:
         self.ckpt = out / "checkpoints" / f"{self.name}.pt"
         self.done_file = out / "runs" / f"{self.name}.json"
         self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
+        self.plan = plan_from_args(args) if self.cp else None  # --context-parallel N: FSDP2 + CP
         self.sig = _signature(s, variant, self.seed, self.world, self.cp)
 
     def _warn(self, path: Path, problem: str) -> None:
@@ -345,7 +353,15 @@ class _Run:
         except DamagedFile as exc:
             self._warn(self.done_file, str(exc))
             return None
-        return data if data.get("signature") == self.sig else None
+        if data.get("signature") != self.sig:
+            return None
+        if self.ckpt.exists():  # a finished run's checkpoint is a model users load: it must be whole too
+            try:
+                read_checkpoint(self.ckpt)
+            except DamagedFile as exc:
+                self._warn(self.ckpt, str(exc))
+                return None
+        return data
 
     def _restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer
                  ) -> tuple[int, list[float], list[dict[str, float]]]:
@@ -391,10 +407,12 @@ class _Run:
         s = self.s
         cfg = TrainConfig(lr=s.lr, warmup=s.warmup, compile=bool(getattr(self.args, "compile", False)))
         model = _build_model(s, self.variant, self.task.vocab_size, self.seed, self.device)
+        if self.plan is not None:  # before the optimizer: it must see the sharded parameters
+            parallelize(model, self.plan)
         opt = make_optimizer(model, cfg)
-        start, losses, evals = self._restore(model, opt)
-        evaluated: torch.nn.Module = model
-        if self.cp:
+        start, losses, evals = self._restore(model, opt) if self.plan is None else (0, [], [])
+        evaluated: torch.nn.Module = model if self.plan is None else GatheredModel(model, self.plan)
+        if self.cp and self.plan is None:
             context_parallel(model, layout=CONTEXT_PARALLEL_LAYOUT)
             evaluated = _GatheredLM(model, CONTEXT_PARALLEL_LAYOUT)
         if start == 0:
@@ -408,9 +426,13 @@ class _Run:
             "train_losses": losses, "evals": evals, "final": {k: v for k, v in evals[-1].items() if k != "step"},
             "train_tokens_per_s": last.tokens_per_s if last else None, "train_wall_s": wall, "train_cpu_s": cpu,
         }
+        if self.plan is not None:  # measure a plain copy with the trained weights (gathered on every rank)
+            model = plain_copy(model, _build_model(s, self.variant, self.task.vocab_size, self.seed, self.device))
         result.update(self._measure(model))
         if self.cp:
             result["context_parallel"] = {"layout": CONTEXT_PARALLEL_LAYOUT, "ranks": self.world}
+            if self.plan is not None:
+                result["context_parallel"].update(fsdp=True, cp=self.plan.cp, dp=self.plan.dp)
         if self.rank == 0:
             write_atomic(self.done_file, json.dumps(result, indent=1))
         return result
@@ -445,9 +467,10 @@ class _Run:
 
             t0, c0 = time.perf_counter(), time.process_time()
             train(model, self.task, s.steps, s.batch, self.seed, config=cfg, device=self.device,
-                  start_step=start, optimizer=opt, on_step=on_step, checkpoint=checkpoint,
-                  checkpoint_every=args.checkpoint_every,
-                  sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp else None)
+                  start_step=start, optimizer=opt, on_step=on_step,
+                  checkpoint=checkpoint if self.plan is None else None, checkpoint_every=args.checkpoint_every,
+                  sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp and self.plan is None else None,
+                  parallel=self.plan)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return (last[0] if last else None), wall, cpu
 
@@ -732,12 +755,40 @@ def _cpu_seconds() -> float:
     return time.process_time() + t.children_user + t.children_system
 
 
+def interrupted_line(args: argparse.Namespace) -> str:
+    """The one line an interrupted arena prints: whether anything of it is on disk to resume from."""
+    out = Path(args.out or (QUICK_OUT if args.quick else DEFAULT_OUT))
+    kept = [p for d in ("runs", "checkpoints") if (out / d).is_dir() for p in (out / d).iterdir()
+            if p.suffix in (".json", ".pt")]
+    if not kept:
+        return "arena: interrupted; nothing written"
+    return (f"arena: interrupted; {len(kept)} run records and checkpoints are kept in {out}: "
+            f"resume with --resume")
+
+
+def _one_line_interrupt(fn: Any) -> Any:
+    """``fn(args)`` with Ctrl-C (SIGINT) at any point, start-up included, as :func:`interrupted_line`
+    on stderr and exit code 130 instead of a ``KeyboardInterrupt`` traceback."""
+
+    @functools.wraps(fn)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except KeyboardInterrupt:
+            print(interrupted_line(args), file=sys.stderr, flush=True)
+            return 130
+
+    return wrapped
+
+
+@_one_line_interrupt
 def run_arena(args: argparse.Namespace) -> int:
     """Run the arena described by ``args`` (from :func:`add_arena_arguments`); returns an exit code.
 
     Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``--out``
     (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings, before any training
     (an ``--out`` that cannot be written, or a ``--quick`` run over a full report, included).
+    Ctrl-C prints one line (:func:`interrupted_line`) and returns 130.
     """
     grid_only = [f"--{k.replace('_', '-')}" for k in ("grid_widths", "grid_pairs", "grid_seq_lens")
                  if getattr(args, k, None) is not None]
@@ -745,7 +796,7 @@ def run_arena(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(grid_only)}: only for --task mqar-grid (got --task {args.task})")
     if args.task == "mqar-grid":
         return run_grid(args, _grid_builder(args))
-    cp = bool(getattr(args, "context_parallel", False))
+    cp = getattr(args, "context_parallel", False) is True  # with N (FSDP2), every shardable variant
     variants = _parse_variants(args.variants, cp)
     tasks = list(TASKS) if args.task == "all" else [args.task]
     if args.task not in (*TASKS, "all"):

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from attnzoo._validate import check_int
+from attnzoo.arena.parallel import ParallelPlan
 from attnzoo.arena.storage import load_checkpoint, save_checkpoint
 from attnzoo.arena.tasks import IGNORE, Task
 from attnzoo.distributed import shard_positions
@@ -155,6 +156,7 @@ def train(
     checkpoint: Callable[[int, torch.optim.Optimizer], None] | None = None,
     checkpoint_every: int = 0,
     sequence_layout: str | None = None,
+    parallel: ParallelPlan | None = None,
 ) -> list[float]:
     """Train ``model`` on ``task`` for steps ``start_step .. steps - 1``; returns the per-step
     global-batch training losses of those steps.
@@ -182,22 +184,16 @@ def train(
             :func:`attnzoo.distributed.context_parallel` with the same layout; ``model(tokens,
             positions=...)`` gets this rank's shard of every row and the shard's global positions.
             The sequence length must suit the layout (``zigzag``: divisible by ``2 * world``).
+        parallel: FSDP2 + context parallelism, see :mod:`attnzoo.arena.parallel` (after ``parallelize``).
     """
     steps, global_batch, start_step = _checked_train_args(steps, global_batch, start_step, seed, sequence_layout)
     cfg = config or TrainConfig()
     device = torch.device(device)
     rank, world = rank_and_world()
-    if global_batch % world:
-        raise ValueError(f"train: global_batch ({global_batch}) must be divisible by the world size ({world})")
-    sharded = sequence_layout is not None and world > 1
-    local = global_batch if sharded else global_batch // world
-    rows = slice(0, global_batch) if sharded else slice(rank * local, (rank + 1) * local)
-    positions = None
-    if sharded:
-        positions = shard_positions(task.seq_len, layout=str(sequence_layout), device=device)  # [n]
+    sharded, rows, positions = _split(task, global_batch, rank, world, sequence_layout, parallel, device)
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
     net: nn.Module = model
-    if world > 1 and not sharded:
+    if world > 1 and not sharded and parallel is None:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.compile:  # training steps only: evaluation and decoding call the eager model
         net = torch.compile(net)
@@ -212,7 +208,7 @@ def train(
             group["lr"] = lr
         x, y = task.batch(step, global_batch, seed)  # [B, N] each, the global batch
         loss, n_tokens = _train_step(model, net, opt, cfg, task, step, x[rows].to(device), y[rows].to(device),
-                                     int((y != IGNORE).sum()), positions)
+                                     int((y != IGNORE).sum()), positions, sum_grads=sharded)
         if not math.isfinite(loss):
             raise FloatingPointError(f"train: loss became {loss} at step {step} (lr {lr:.2e}); "
                                      f"lower the learning rate")
@@ -226,6 +222,22 @@ def train(
             checkpoint(done, opt)
     model.eval()
     return losses
+
+
+def _split(task: Task, global_batch: int, rank: int, world: int, sequence_layout: str | None,
+           parallel: ParallelPlan | None, device: torch.device) -> tuple[bool, slice, torch.Tensor | None]:
+    """``(sum the gradients here, this rank's rows, its positions of every row or None)``."""
+    if parallel is not None:  # FSDP2 reduces the gradients; the step is the DDP one on a mesh
+        return False, parallel.rows(global_batch), parallel.positions(task.seq_len, device)
+    if global_batch % world:
+        raise ValueError(f"train: global_batch ({global_batch}) must be divisible by the world size ({world})")
+    sharded = sequence_layout is not None and world > 1
+    local = global_batch if sharded else global_batch // world
+    rows = slice(0, global_batch) if sharded else slice(rank * local, (rank + 1) * local)
+    positions = None
+    if sharded:
+        positions = shard_positions(task.seq_len, layout=str(sequence_layout), device=device)  # [n]
+    return sharded, rows, positions
 
 
 def _checked_train_args(steps: int, global_batch: int, start_step: int, seed: int,
@@ -244,12 +256,13 @@ def _checked_train_args(steps: int, global_batch: int, start_step: int, seed: in
 
 def _train_step(model: nn.Module, net: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, task: Task,
                 step: int, x: torch.Tensor, y: torch.Tensor, scored: int,
-                positions: torch.Tensor | None) -> tuple[float, int]:
+                positions: torch.Tensor | None, sum_grads: bool = True) -> tuple[float, int]:
     """One optimiser step on this rank's rows ``x, y [b, N]``; returns the global-batch loss and the
     number of tokens this rank trained on.
 
     ``scored`` counts the scored targets of the whole global batch; ``positions`` (context
-    parallel) selects this rank's shard of every row.
+    parallel) selects this rank's shard of every row; ``sum_grads``: sum the gradients over the
+    ranks here (context parallel without FSDP), else DDP/FSDP2 average them.
     """
     if scored == 0:
         raise ValueError(f"train: batch {step} of task {task.name!r} has no scored targets")
@@ -262,7 +275,7 @@ def _train_step(model: nn.Module, net: nn.Module, opt: torch.optim.Optimizer, cf
     loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
                                            ignore_index=IGNORE, reduction="sum")
     share = loss_sum / scored  # this rank's share of the global mean
-    if positions is not None:
+    if positions is not None and sum_grads:
         share.backward()
         _sum_gradients(model)
     else:

@@ -40,26 +40,40 @@ makes *every* rank raise ``ValueError`` (no rank is left waiting for a shard tha
 Every wait on the network has a timeout (``timeout=`` or the process group's), and a peer that
 died or timed out becomes a ``RuntimeError`` naming the rank, the ring step and the peer.
 
-Layout of the package: :mod:`.comm` (process groups, ring exchange), :mod:`.sharding`
-(layouts, shard/gather), :mod:`.ring` (ring attention), :mod:`.context_parallel` (module wrapper).
+Layout of the package: :mod:`.comm` (process groups and meshes, ring exchange, differentiable
+collectives), :mod:`.sharding` (layouts, shard/gather), :mod:`.ring` (ring attention),
+:mod:`.ulysses` (all-to-all attention), :mod:`.recurrent` (state scans for recurrent and
+feature-map mixers), :mod:`.context_parallel` (module wrappers, :func:`context_parallel`).
 
 Positions follow ``docs/conventions.md``: key ``j`` is visible to query ``p`` under ``causal``
 iff ``j <= p``, under ``window=(left, right)`` iff ``p - left <= j <= p + right``.
 """
 
 
-from attnzoo.distributed.context_parallel import ContextParallel, context_parallel
-from attnzoo.distributed.ring import BACKWARD_BLOCK, ring_attention, work_per_rank
+from attnzoo.distributed.context_parallel import (
+    METHODS,
+    ContextParallel,
+    context_parallel,
+    documents,
+)
+from attnzoo.distributed.recurrent import ContextParallelRecurrent
+from attnzoo.distributed.ring import BACKWARD_BLOCK, PAIR_STATS, ring_attention, work_per_rank
 from attnzoo.distributed.sharding import LAYOUTS, gather_sequence, shard_positions, shard_sequence
+from attnzoo.distributed.ulysses import ulysses_attention
 
 __all__ = [
     "BACKWARD_BLOCK",
     "LAYOUTS",
+    "METHODS",
+    "PAIR_STATS",
     "ContextParallel",
+    "ContextParallelRecurrent",
     "context_parallel",
+    "documents",
     "gather_sequence",
     "ring_attention",
     "shard_positions",
     "shard_sequence",
+    "ulysses_attention",
     "work_per_rank",
 ]

@@ -97,3 +97,138 @@ class Pending:
     what: str
 
 
+
+
+# ----------------------------------------------------------------------------- groups and meshes
+def resolve_group(group: Any, fn: str) -> Any:
+    """A process group from ``group``: ``None`` (the world), a ``ProcessGroup``, a 1-D
+    ``DeviceMesh`` (e.g. ``mesh["cp"]``), or a larger mesh with a dimension named ``"cp"``."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    try:  # DeviceMesh lives in torch.distributed.device_mesh (imported by torch.distributed)
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch built without distributed
+        DeviceMesh = ()  # type: ignore[assignment,misc]
+    if isinstance(group, DeviceMesh):
+        if group.ndim == 1:
+            return group.get_group()
+        names = group.mesh_dim_names or ()
+        if "cp" in names:
+            return group["cp"].get_group()
+        raise ValueError(f"{fn}: group is a {group.ndim}-D DeviceMesh with dimensions {names or '(unnamed)'}; "
+                         "pass a 1-D mesh such as mesh['cp'] (or name one dimension 'cp')")
+    raise TypeError(f"{fn}: group must be None, a ProcessGroup or a DeviceMesh, got {type(group).__name__}")
+
+
+def group_device(group: Any) -> torch.device:
+    """The device collectives of ``group`` run on (CUDA for NCCL, else CPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(group: Any, vals: Sequence[float] | None, err: Exception | None, fn: str,
+          timeout: timedelta | None, *, same: Sequence[int] = (), describe: Any = None) -> list[list[float]]:
+    """Every rank's ``vals`` (one small ``all_gather``); raise on *every* rank when one rank failed
+    its local checks (``err``, re-raised with its type on that rank) or the ranks disagree on the
+    entries at indices ``same``. ``describe(vals) -> str`` renders one rank's entry in the error."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    width = 1 + (len(vals) if vals is not None else 0)
+    n = max(width, 64)  # a failed rank does not know the width: every rank sends a fixed-size vector
+    mine = torch.zeros(n, dtype=torch.float64, device=group_device(group))
+    if vals is not None:
+        mine[0] = 1.0
+        mine[1:width] = torch.tensor([float(v) for v in vals], dtype=torch.float64)
+    bufs = [torch.empty_like(mine) for _ in range(size)]
+    wait(dist.all_gather(bufs, mine, group=group, async_op=True), timeout, rank, f"{fn}: the all_gather of input checks")
+    rows = [b.tolist() for b in bufs]
+    if err is not None:
+        raise type(err)(f"{fn} on rank {rank}: {err}") from err
+    bad = [r for r, row in enumerate(rows) if row[0] != 1.0]
+    if bad:
+        raise ValueError(f"{fn} on rank {rank}: rank(s) {bad} rejected their inputs (their own error says why); "
+                         "every rank stops instead of waiting for them")
+    out = [row[1:width] for row in rows]
+    for i in same:
+        if len({row[i] for row in out}) > 1:
+            table = "; ".join(f"rank {r}: {describe(row) if describe else row}" for r, row in enumerate(out))
+            raise ValueError(f"{fn} on rank {rank}: ranks disagree (entry {i}); {table}")
+    return out
+
+
+# ----------------------------------------------------------------------------- differentiable collectives
+class _AllGather(torch.autograd.Function):
+    """``all_gather`` stacked on a new leading dim ``[P, ...]``; backward: the sum over ranks of the
+    gradients of this rank's slot (an ``all_reduce``: gloo has no ``reduce_scatter``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, timeout: timedelta | None, what: str) -> Tensor:  # type: ignore[override]
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        x = x.contiguous()
+        bufs = [torch.empty_like(x) for _ in range(size)]
+        wait(dist.all_gather(bufs, x, group=group, async_op=True), timeout, rank, f"the all_gather of {what}")
+        ctx.group, ctx.timeout, ctx.what, ctx.rank = group, timeout, what, rank
+        return torch.stack(bufs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        g = grad.contiguous().clone()
+        wait(dist.all_reduce(g, group=ctx.group, async_op=True), ctx.timeout, ctx.rank,
+             f"the backward all_reduce of {ctx.what}")
+        return g[ctx.rank], None, None, None
+
+
+def all_gather_grad(x: Tensor, group: Any, timeout: timedelta | None, what: str) -> Tensor:
+    """Differentiable ``all_gather``: ``x [...]`` on every rank -> ``[P, ...]`` (every rank's ``x``).
+
+    Every rank must use the result in its loss (or multiply it by zero into it): the backward
+    is a collective and runs only where the result is part of the graph."""
+    out = _AllGather.apply(x, group, timeout, what)
+    assert isinstance(out, Tensor)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split ``x`` along ``split_dim`` into ``send`` sizes (piece ``s`` goes to rank ``s``), receive
+    ``recv`` sizes from every rank, concatenate along ``cat_dim``; backward: the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, split_dim: int, cat_dim: int, send: list[int], recv: list[int],  # type: ignore[override]
+                group: Any, timeout: timedelta | None) -> Tensor:
+        ctx.args = (split_dim, cat_dim, send, recv, group, timeout)
+        return _all_to_all(x, split_dim, cat_dim, send, recv, group, timeout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        split_dim, cat_dim, send, recv, group, timeout = ctx.args
+        return (_all_to_all(grad, cat_dim, split_dim, recv, send, group, timeout),
+                None, None, None, None, None, None)
+
+
+def _all_to_all(x: Tensor, split_dim: int, cat_dim: int, send: list[int], recv: list[int], group: Any,
+                timeout: timedelta | None) -> Tensor:
+    """The exchange of :class:`_AllToAll`. Gloo needs every piece of one shape, so pieces are padded
+    to the largest sizes (``send`` and ``recv`` are the same lists on every rank) and trimmed after."""
+    rank = dist.get_rank(group)
+    top_split, top_cat = max(send), max(recv)
+
+    def padded(t: Tensor) -> Tensor:
+        pad = [0] * (2 * t.dim())
+        for dim, top in ((split_dim, top_split), (cat_dim, top_cat)):
+            pad[2 * (t.dim() - 1 - dim) + 1] = top - t.shape[dim]
+        return torch.nn.functional.pad(t, pad).contiguous() if any(pad) else t.contiguous()
+
+    ins = [padded(p) for p in torch.split(x, send, dim=split_dim)]
+    outs = [torch.empty_like(ins[0]) for _ in recv]
+    wait(dist.all_to_all(outs, ins, group=group, async_op=True), timeout, rank, "the all_to_all of Ulysses attention")
+    return torch.cat([o.narrow(split_dim, 0, send[rank]).narrow(cat_dim, 0, n) for o, n in zip(outs, recv, strict=True)],
+                     dim=cat_dim)
+
+
+def all_to_all_grad(x: Tensor, split_dim: int, cat_dim: int, send: list[int], recv: list[int], group: Any,
+                    timeout: timedelta | None) -> Tensor:
+    """Differentiable all-to-all (see :class:`_AllToAll`); ``send[s]`` / ``recv[s]`` are the sizes
+    along ``split_dim`` sent to / along ``cat_dim`` received from rank ``s``."""
+    out = _AllToAll.apply(x, split_dim, cat_dim, send, recv, group, timeout)
+    assert isinstance(out, Tensor)
+    return out

@@ -1,9 +1,23 @@
-"""Context parallelism for attention modules: :class:`ContextParallel` runs a self-attention
-:class:`~attnzoo.MultiHeadAttention` on a sequence sharded over ranks through :func:`ring_attention`."""
+"""Context parallelism for whole models: :func:`context_parallel` wraps every mixer of a model so
+that it runs on a sequence sharded over the ranks of a group.
+
+* softmax attention (:class:`~attnzoo.MultiHeadAttention` and its variants, MLA, differential
+  attention): :class:`ContextParallel` points the module's attend seam at :func:`ring_attention`
+  (``method="ring"``) or :func:`ulysses_attention` (``method="ulysses"``);
+* recurrent and feature-map mixers: :class:`~attnzoo.distributed.recurrent.ContextParallelRecurrent`
+  (state summaries scanned over the ranks);
+* anything else (NSA, Infini-attention) is refused by name, before any communication.
+
+Packed documents: inside ``with documents(cu_seqlens):`` (global boundaries) the attention of
+every wrapped module is restricted to documents.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -11,12 +25,52 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from attnzoo.distributed.comm import as_timeout, require_dist, wait
+from attnzoo.distributed.comm import as_timeout, require_dist, resolve_group, wait
+from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
 from attnzoo.distributed.sharding import check_layout, segments
-from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.distributed.ulysses import ulysses_attention
+from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
+from attnzoo.nn.base import AttentionBase
+from attnzoo.nn.differential import DifferentialAttention
+from attnzoo.nn.feature_attention import _FeatureAttention
+from attnzoo.nn.infini import InfiniAttention
+from attnzoo.nn.mla import MultiHeadLatentAttention
+from attnzoo.nn.nsa import NativeSparseAttention
+from attnzoo.nn.recurrent import RecurrentMixer
 
-__all__ = ["ContextParallel", "context_parallel"]
+__all__ = ["METHODS", "ContextParallel", "context_parallel", "documents"]
+
+#: Attention methods of :func:`context_parallel`.
+METHODS = ("ring", "ulysses")
+
+#: Modules that cannot run on a sharded sequence, and why.
+REFUSED: dict[type, str] = {
+    NativeSparseAttention: "its selection branch ranks blocks of the whole sequence by the scores of compressed "
+                           "keys (a global top-k per query); run it on the gathered sequence",
+    SigmoidAttention: "sigmoid attention has no normaliser, so its shard pairs would add without a "
+                      "log-sum-exp merge: not implemented in ring_attention / ulysses_attention yet",
+    InfiniAttention: "its compressive memory is read and written per segment of segment_len tokens with a "
+                     "local softmax inside each segment; shards would have to be whole segments",
+}
+
+_DOCS: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("attnzoo_cp_documents", default=None)
+
+
+@contextlib.contextmanager
+def documents(cu_seqlens: Tensor) -> Iterator[None]:
+    """Packed documents for context-parallel modules: inside the block, every wrapped attention
+    module attends within the documents of the *global* boundaries ``cu_seqlens [S+1]``.
+
+    Pass the local tokens as usual, with ``positions=`` their positions *inside their document*
+    (for RoPE). Recurrent mixers are refused under documents (``ValueError``)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"documents: cu_seqlens must be an int tensor [S+1], got {type(cu_seqlens).__name__}")
+    token = _DOCS.set(cu_seqlens)
+    try:
+        yield
+    finally:
+        _DOCS.reset(token)
 
 
 def _all_lengths(n: int, group: Any, device: torch.device, timeout: timedelta | None) -> list[int]:
@@ -27,45 +81,75 @@ def _all_lengths(n: int, group: Any, device: torch.device, timeout: timedelta | 
     return [int(b.item()) for b in bufs]
 
 
-class ContextParallel(nn.Module):
-    """Run a self-attention :class:`~attnzoo.MultiHeadAttention` on a sequence sharded over ranks.
+def _check_method(method: object, fn: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"{fn}: method must be one of {METHODS}, got {method!r}")
+    assert isinstance(method, str)
+    return method
 
-    The wrapped module keeps its parameters (``qkv_proj``, ``out_proj``, RoPE); only the attention
-    core changes: local projections, RoPE at the *global* positions of the local tokens, then
-    :func:`ring_attention` over the group with the module's ``causal``/``window``/``scale``.
-    Parameters are not synchronised: sum their gradients over the group (or wrap the model in
-    DistributedDataParallel over the same ranks) as for any data-parallel split.
+
+def _attention_problem(module: nn.Module, method: str) -> str | None:
+    """Why a softmax-attention module cannot run under ``method`` (``None``: it can)."""
+    if isinstance(module, MultiHeadAttention):
+        if module.kv_dim is not None:
+            return "a cross-attention module (kv_dim set) is not supported; shard the queries only"
+        if module.options.score != "softmax":
+            return f"score={module.options.score!r} attention is not softmax attention"
+        if module._structure() is not None and method == "ring":
+            return ("it uses a mask pattern (local-global / streaming); ring attention supports causal and "
+                    "window only: use method='ulysses'")
+        if module.dropout > 0:
+            return f"attention dropout ({module.dropout}) is not supported; build the module with dropout=0"
+        return None
+    if isinstance(module, MultiHeadLatentAttention):
+        if module.form == "absorbed":
+            return "the absorbed form attends to the latent with a folded mask; use form='auto' or 'materialised'"
+        if module.options.dropout > 0:
+            return f"attention dropout ({module.options.dropout}) is not supported"
+        return None
+    if isinstance(module, DifferentialAttention):
+        return None
+    return f"{type(module).__name__} is not a softmax-attention module"
+
+
+class ContextParallel(nn.Module):
+    """Run a softmax-attention module on a sequence sharded over ranks.
+
+    The wrapped module keeps its parameters and runs its own forward (projections, norms, RoPE
+    at the *global* positions of the local tokens); only its attend seam changes for the call:
+    :func:`ring_attention` (``method="ring"``) or :func:`ulysses_attention` (``"ulysses"``) over
+    the group with the module's ``causal``/``window``/``scale``/ALiBi/sinks. Parameters are not
+    synchronised: sum their gradients over the group (DDP, or FSDP2 ``fully_shard`` over a mesh
+    that includes the group's ranks, see ``docs/distributed.md``).
 
     Args:
-        module: a self-attention ``MultiHeadAttention`` (also GQA/MQA/sliding-window, RoPE or
-            ALiBi); attention dropout, cross-attention and local-global patterns are rejected.
-        group: process group (default: the world).
+        module: a self-attention ``MultiHeadAttention`` (GQA/MQA/sliding-window, RoPE, ALiBi,
+            sinks; local-global and streaming patterns with ``method="ulysses"``), a
+            ``MultiHeadLatentAttention`` or a ``DifferentialAttention``.
+        group: a ProcessGroup or a 1-D DeviceMesh (``mesh["cp"]``), default the world.
         layout: ``"contiguous"`` or ``"zigzag"``: how ``x`` was cut (:func:`shard_sequence`).
-        backend: backend for each shard pair (must support ``return_lse``).
+        method: ``"ring"`` or ``"ulysses"``.
+        backend: backend for each attention call (ring: it must support ``return_lse``).
         timeout: seconds (or a timedelta) for any single network wait.
 
     Shapes:
         ``forward(x [B, n, C]) -> [B, n, C]`` where ``x`` is this rank's shard of ``[B, N, C]``.
     """
 
-    def __init__(self, module: nn.Module, *, group: Any = None, layout: str = "contiguous",
+    def __init__(self, module: nn.Module, *, group: Any = None, layout: str = "contiguous", method: str = "ring",
                  backend: str = "auto", timeout: float | timedelta | None = None) -> None:
         super().__init__()
-        if not isinstance(module, MultiHeadAttention):
-            raise TypeError(f"ContextParallel wraps a MultiHeadAttention (or an alias of it), got "
-                            f"{type(module).__name__}")
-        if module.kv_dim is not None:
-            raise ValueError("ContextParallel: a cross-attention module (kv_dim set) is not supported; "
-                             "shard the queries only and attend to the full context instead")
-        if module._structure() is not None:
-            raise ValueError(f"ContextParallel: {type(module).__name__} uses a mask pattern "
-                             "(local-global); ring attention supports causal and window only")
-        if module.dropout > 0:
-            raise ValueError(f"ContextParallel: attention dropout ({module.dropout}) is not supported by "
-                             "ring_attention; build the module with dropout=0")
+        method = _check_method(method, "ContextParallel")
+        if not isinstance(module, (MultiHeadAttention, MultiHeadLatentAttention, DifferentialAttention)):
+            raise TypeError(f"ContextParallel wraps a MultiHeadAttention, MultiHeadLatentAttention or "
+                            f"DifferentialAttention, got {type(module).__name__}")
+        problem = _attention_problem(module, method)
+        if problem is not None:
+            raise ValueError(f"ContextParallel: {type(module).__name__}: {problem}")
         self.module = module
-        self.group = group
+        self.group = resolve_group(group, "ContextParallel")
         self.layout = check_layout(layout, "ContextParallel")
+        self.method = method
         if not isinstance(backend, str):
             raise TypeError(f"ContextParallel: backend must be a str, got {type(backend).__name__}")
         self.backend = backend
@@ -79,84 +163,158 @@ class ContextParallel(nn.Module):
             positions: global positions of the local tokens, int ``[n]`` or ``[B, n]`` (default:
                 from the layout and every rank's shard length, i.e. :func:`shard_positions`).
                 Used for RoPE.
-            mask, cache: not supported (``ValueError`` unless ``None``): ring attention takes
-                ``causal``/``window`` from the module, and a sharded sequence is not decoded.
+            mask, cache: not supported (``ValueError`` unless ``None``): the module's pattern
+                applies, documents come from :func:`documents`, and a sharded sequence is not
+                decoded.
         """
         require_dist("ContextParallel")
         m = self.module
         if mask is not None or cache is not None:
-            raise ValueError("ContextParallel: mask= and cache= are not supported (ring attention uses the "
-                             "module's causal/window; decode with the unwrapped module)")
+            raise ValueError("ContextParallel: mask= and cache= are not supported (the module's causal/window "
+                             "apply, documents come from attnzoo.distributed.documents; decode with the unwrapped "
+                             "module)")
         if not isinstance(x, Tensor):
             raise TypeError(f"ContextParallel: x must be a tensor [B, n, C], got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != m.dim:
             raise ValueError(f"ContextParallel: x must have shape [B, n, C] with C = {m.dim}, got {tuple(x.shape)}")
         B, n, _ = x.shape
-        if m.rope is not None:
-            if positions is None:
+        if positions is None:
+            if getattr(m, "rope", None) is not None or isinstance(m, MultiHeadLatentAttention):
                 lengths = _all_lengths(n, self.group, x.device, self.timeout)
                 rank = dist.get_rank(self.group)
                 positions = torch.cat([torch.arange(s.global_lo, s.global_lo + s.length, device=x.device)
                                        for s in segments(self.layout, lengths, rank)])
-            elif (not isinstance(positions, Tensor) or tuple(positions.shape) not in ((n,), (B, n))
-                  or positions.is_floating_point()):
-                raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
-                                 f"[{B}, {n}], got "
-                                 f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
+        elif (not isinstance(positions, Tensor) or tuple(positions.shape) not in ((n,), (B, n))
+              or positions.is_floating_point()):
+            raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
+                             f"[{B}, {n}], got "
+                             f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
+        seam = _ring_attend if self.method == "ring" else _ulysses_attend
         # The module runs its own forward; only its attend seam is pointed at the ring for this call.
-        ring = functools.partial(_ring_attend, group=self.group, layout=self.layout, ring_backend=self.backend,
-                                 timeout=self.timeout)
-        saved, m.attend_fn = m.attend_fn, ring
+        attend = functools.partial(seam, group=self.group, layout=self.layout, cp_backend=self.backend,
+                                   timeout=self.timeout, cu_seqlens=_DOCS.get())
+        saved, m.attend_fn = m.attend_fn, attend
         try:
-            return m(x, positions=positions)  # [B, n, C]
+            out = m(x) if positions is None else m(x, positions=positions)  # [B, n, C]
         finally:
             m.attend_fn = saved
+        assert isinstance(out, Tensor)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"layout={self.layout!r}, method={self.method!r}"
 
 
-def _ring_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, ring_backend: str,
-                 timeout: timedelta | None, mask: Any = None, causal: bool = False, window: Any = None,
-                 scale: float | None = None, softcap: float | None = None, alibi_slopes: Tensor | None = None,
-                 dropout_p: float = 0.0, return_weights: bool = False, q_offset: int | None = None,
-                 backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
-    """The attend seam of a module under :class:`ContextParallel`: ``az.attention``'s keywords in,
-    :func:`ring_attention` over the group out (``q_offset`` is ignored: the ring places every
-    shard at its global positions from ``layout``)."""
-    del q_offset, backend  # the ring places shards by layout; each pair runs on ring_backend
-    if mask is not None or return_weights or dropout_p:
-        raise ValueError("ContextParallel: masks, return_weights and attention dropout are not supported by "
-                         "ring attention")
+def _seam_checks(mask: Any, return_weights: bool, dropout_p: float, method: str) -> None:
+    if return_weights or dropout_p:
+        raise ValueError("ContextParallel: return_weights and attention dropout are not supported")
+    if isinstance(mask, Tensor) or (mask is not None and method == "ring"):
+        raise ValueError(f"ContextParallel: the module passed a mask ({type(mask).__name__}) to attention; "
+                         f"{'ring attention takes causal/window only' if method == 'ring' else 'only position masks (attnzoo.masks.Mask) shard'}")
+
+
+def _ring_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
+                 timeout: timedelta | None, cu_seqlens: Tensor | None, mask: Any = None, causal: bool = False,
+                 window: Any = None, scale: float | None = None, softcap: float | None = None,
+                 alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, return_weights: bool = False,
+                 q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
+    """The attend seam under ``method="ring"``: ``az.attention``'s keywords in, :func:`ring_attention`
+    over the group out (``q_offset`` is ignored: the ring places every shard at its global
+    positions from ``layout``)."""
+    del q_offset, backend  # the ring places shards by layout; each pair runs on cp_backend
+    _seam_checks(mask, return_weights, dropout_p, "ring")
     out = ring_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
-                         alibi_slopes=alibi_slopes, layout=layout, backend=ring_backend, timeout=timeout,
-                         sinks=sinks)
+                         alibi_slopes=alibi_slopes, layout=layout, backend=cp_backend, timeout=timeout,
+                         sinks=sinks, cu_seqlens=cu_seqlens)
     assert isinstance(out, Tensor)
     return out
 
 
+def _ulysses_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
+                    timeout: timedelta | None, cu_seqlens: Tensor | None, mask: Any = None, causal: bool = False,
+                    window: Any = None, scale: float | None = None, softcap: float | None = None,
+                    alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, return_weights: bool = False,
+                    q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
+    """The attend seam under ``method="ulysses"`` (a position ``Mask`` of the module, e.g.
+    local-global, applies unchanged: every rank holds the whole sequence for its heads)."""
+    del q_offset, backend
+    _seam_checks(mask, return_weights, dropout_p, "ulysses")
+    return ulysses_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
+                             alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens=cu_seqlens,
+                             backend=cp_backend, timeout=timeout, mask=mask)
+
+
+def _wrap(name: str, module: nn.Module, group: Any, layout: str, method: str, backend: str,
+          timeout: float | timedelta | None) -> nn.Module:
+    """The context-parallel wrapper of one mixer, or ``ValueError`` naming it and why not."""
+    where = f"context_parallel: {name or 'the model'} ({type(module).__name__})"
+    for cls, why in REFUSED.items():
+        if isinstance(module, cls):
+            raise ValueError(f"{where} cannot run on a sharded sequence: {why}")
+    if isinstance(module, (RecurrentMixer, _FeatureAttention)):
+        return ContextParallelRecurrent(module, group=group, layout=layout, timeout=timeout)
+    problem = _attention_problem(module, method)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+    return ContextParallel(module, group=group, layout=layout, method=method, backend=backend, timeout=timeout)
+
+
 def context_parallel(
     model: nn.Module,
-    *,
     group: Any = None,
     layout: str = "contiguous",
+    method: str = "ring",
+    *,
     backend: str = "auto",
     timeout: float | timedelta | None = None,
 ) -> nn.Module:
-    """Wrap every self-attention ``MultiHeadAttention`` inside ``model`` in :class:`ContextParallel`.
+    """Make every mixer inside ``model`` run on a sequence sharded over the ranks of ``group``.
 
-    Afterwards the model takes this rank's shard of the tokens and their global positions, e.g.
-    ``model(shard_sequence(tokens, 1, layout=...), positions=shard_positions(N, layout=...))`` for a
-    :class:`~attnzoo.DecoderLM`, and returns the outputs of the local tokens. Modules that cannot
-    run on a ring (cross-attention, dropout, masks) raise ``ValueError`` here, before any
-    communication. Parameters are shared, not copied; ``model`` is modified in place and returned.
+    Softmax attention (MHA and its variants, MLA, differential) runs ring or Ulysses attention
+    (``method``); recurrent mixers (retnet, gla, deltanet, gated_deltanet, kda, mamba2) and feature-map
+    attention (linear, performer) pass state summaries between ranks; NSA and Infini-attention
+    are refused by name. Afterwards the model takes this rank's shard of the tokens and their
+    global positions, e.g. ``model(shard_sequence(tokens, 1, layout=...),
+    positions=shard_positions(N, layout=...))`` for a :class:`~attnzoo.DecoderLM`, and returns
+    the outputs of the local tokens. ``model`` is modified in place (parameters are shared, not
+    copied; their names gain ``.module``) and returned. Apply it *before* ``fully_shard`` / DDP.
+
+    Args:
+        model: any module holding attention mixers (not a mixer itself: wrap that directly with
+            :class:`ContextParallel` / ``ContextParallelRecurrent``).
+        group: a ProcessGroup, a 1-D DeviceMesh (``mesh["cp"]``) or a mesh with a ``"cp"``
+            dimension; default the world.
+        layout: ``"contiguous"`` or ``"zigzag"`` (torch's head-tail load balancing order).
+        method: ``"ring"`` or ``"ulysses"`` for the softmax-attention modules.
+        backend: attention backend of each per-rank call.
+        timeout: seconds (or a timedelta) for any single network wait.
+
+    Raises:
+        ValueError / TypeError before any communication: a mixer that cannot be sharded (named),
+        bad arguments.
     """
+    fn = "context_parallel"
     if not isinstance(model, nn.Module):
-        raise TypeError(f"context_parallel: model must be an nn.Module, got {type(model).__name__}")
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, MultiHeadAttention) and mod.kv_dim is None and name]
-    if isinstance(model, MultiHeadAttention):
-        raise TypeError("context_parallel: wrap a single attention module with ContextParallel(module)")
+        raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
+    layout = check_layout(layout, fn)
+    method = _check_method(method, fn)
+    group = resolve_group(group, fn)
+    if isinstance(model, AttentionBase):
+        raise TypeError(f"{fn}: wrap a single attention module with ContextParallel(module) (or "
+                        "ContextParallelRecurrent for a recurrent mixer)")
+    targets: list[tuple[str, nn.Module]] = []
+    for name, mod in model.named_modules():
+        if not name or isinstance(mod, (ContextParallel, ContextParallelRecurrent)):
+            continue
+        if any(name.startswith(t + ".") for t, _ in targets):
+            continue  # inside a mixer already chosen (e.g. the compressor of an NSA module)
+        if isinstance(mod, MultiHeadAttention) and mod.kv_dim is not None:
+            continue  # cross-attention reads the (unsharded) context
+        if isinstance(mod, AttentionBase):
+            targets.append((name, mod))
     if not targets:
-        raise ValueError(f"context_parallel: {type(model).__name__} contains no self-attention MultiHeadAttention")
-    wrapped = [(name, ContextParallel(mod, group=group, layout=layout, backend=backend, timeout=timeout))
+        raise ValueError(f"{fn}: {type(model).__name__} contains no self-attention or recurrent mixer")
+    wrapped = [(name, _wrap(name, mod, group, layout, method, backend, timeout))
                for name, mod in targets]  # validate all before changing anything
     for name, cp in wrapped:
         parent_name, _, child = name.rpartition(".")

@@ -7,6 +7,7 @@ kernel on every visible shard pair (see :mod:`attnzoo.distributed`)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,13 +18,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnzoo._validate import Window, check_bool, check_int, check_positive_float, normalize_window
-from attnzoo.distributed.comm import Pending, Ring, as_timeout, require_dist, wait
+from attnzoo.distributed.comm import Pending, Ring, as_timeout, require_dist, resolve_group, wait
 from attnzoo.distributed.sharding import (
     LAYOUTS,
     Segment,
+    check_cu_seqlens,
     check_layout,
     check_seq_len,
     contiguous_lengths,
+    cu_checksum,
+    document_ids,
     segments,
 )
 from attnzoo.functional._request import build_request, check_qkv
@@ -31,7 +35,11 @@ from attnzoo.functional.attention import attention, merge_attention
 from attnzoo.functional.rules import compute_dtype, key_bounds
 from attnzoo.functional.tiled import accumulate_grads, tile_plan
 
-__all__ = ["BACKWARD_BLOCK", "ring_attention", "work_per_rank"]
+__all__ = ["BACKWARD_BLOCK", "PAIR_STATS", "ring_attention", "work_per_rank"]
+
+#: Shard pairs (query segment, key segment) of this process's forward passes: ``"computed"`` and
+#: ``"skipped"`` (hidden by the causal/window pattern or by documents that span neither).
+PAIR_STATS: Counter[str] = Counter()
 
 #: Query rows per block in the backward pass (memory ``O(BACKWARD_BLOCK x local N)``).
 BACKWARD_BLOCK = 256
@@ -40,7 +48,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HIDDEN, _PARTIAL, _FULL = 0, 1, 2
 
 _META_FIELDS = ("ok", "B", "Hq", "Hkv", "Nq", "Nk", "D", "Dv", "dtype", "layout", "causal",
-                "left", "right", "scale", "needs_grad", "softcap", "alibi_sum", "alibi_check")
+                "left", "right", "scale", "needs_grad", "softcap", "alibi_sum", "alibi_check",
+                "cu_len", "cu_sum", "cu_chk")
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,8 @@ class _Meta:
 
 
 def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win: Window | None,
-                scale: float | None, softcap: float | None = None, alibi: Tensor | None = None) -> list[float]:
+                scale: float | None, softcap: float | None = None, alibi: Tensor | None = None,
+                cu: Tensor | None = None) -> list[float]:
     """Encode this rank's (already validated) request for the cross-rank comparison."""
     check_qkv(q, k, v)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
@@ -91,7 +101,7 @@ def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win:
     a_chk = 0.0 if alibi is None else 1.0 + float((alibi.double().cpu() * torch.arange(1, Hq + 1)).sum())
     vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, _DTYPES.index(q.dtype), LAYOUTS.index(layout),
             float(causal), left, right, sc, float(needs_grad), 0.0 if softcap is None else float(softcap), a_sum,
-            a_chk]
+            a_chk, *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu))]
     return [float(x) for x in vals]
 
 
@@ -173,6 +183,21 @@ class _Config:
     block: int
     softcap: float | None = None
     alibi: Tensor | None = None  # [Hq] slopes in the compute dtype
+    docs: Tensor | None = None  # [N] document id of every global position (cu_seqlens)
+
+
+def _pair(qs: Segment, ks: Segment, cfg: _Config) -> tuple[int, Tensor | None]:
+    """Visibility of a shard pair and, when documents split it, its bool mask ``[nq, nk]``."""
+    vis = _classify(qs.global_lo, qs.length, ks.global_lo, ks.length, cfg.causal, cfg.window)
+    if vis == _HIDDEN or cfg.docs is None:
+        return vis, None
+    dq = cfg.docs[qs.global_lo:qs.global_lo + qs.length]  # sorted: first/last are min/max
+    dk = cfg.docs[ks.global_lo:ks.global_lo + ks.length]
+    if int(dq[-1]) < int(dk[0]) or int(dk[-1]) < int(dq[0]):
+        return _HIDDEN, None  # no document spans both segments
+    if int(dq[0]) == int(dq[-1]) == int(dk[0]) == int(dk[-1]):
+        return vis, None  # one document holds both
+    return _PARTIAL, dq[:, None] == dk[None, :]
 
 
 def _forward_pairs(q: Tensor, k_src: Tensor, v_src: Tensor, q_segs: list[Segment], k_segs: list[Segment],
@@ -182,7 +207,8 @@ def _forward_pairs(q: Tensor, k_src: Tensor, v_src: Tensor, q_segs: list[Segment
         q_sl = slice(qs.local_lo, qs.local_lo + qs.length)
         outs, lses = [out[:, :, q_sl]], [lse[:, :, q_sl]]
         for ks in k_segs:
-            vis = _classify(qs.global_lo, qs.length, ks.global_lo, ks.length, cfg.causal, cfg.window)
+            vis, doc_mask = _pair(qs, ks, cfg)
+            PAIR_STATS["skipped" if vis == _HIDDEN else "computed"] += 1
             if vis == _HIDDEN:
                 continue
             k_sl = slice(ks.local_lo, ks.local_lo + ks.length)
@@ -195,7 +221,7 @@ def _forward_pairs(q: Tensor, k_src: Tensor, v_src: Tensor, q_segs: list[Segment
                 o, s = attention(qq, kk, vv, q_offset=qs.global_lo - ks.global_lo, scale=cfg.scale,
                                  return_lse=True, backend=cfg.backend, **mods)
             else:
-                o, s = attention(qq, kk, vv, causal=cfg.causal, window=cfg.window,
+                o, s = attention(qq, kk, vv, mask=doc_mask, causal=cfg.causal, window=cfg.window,
                                  q_offset=qs.global_lo - ks.global_lo, scale=cfg.scale, return_lse=True,
                                  backend=cfg.backend, **mods)
             outs.append(o)
@@ -220,10 +246,11 @@ def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src:
     for qs in q_segs:
         q_sl = slice(qs.local_lo, qs.local_lo + qs.length)
         for ks in k_segs:
-            if _classify(qs.global_lo, qs.length, ks.global_lo, ks.length, cfg.causal, cfg.window) == _HIDDEN:
+            vis, doc_mask = _pair(qs, ks, cfg)
+            if vis == _HIDDEN:
                 continue
             k_sl = slice(ks.local_lo, ks.local_lo + ks.length)
-            r = build_request(q[:, :, q_sl], k_src[:, :, k_sl], v_src[:, :, k_sl], mask=None, causal=cfg.causal,
+            r = build_request(q[:, :, q_sl], k_src[:, :, k_sl], v_src[:, :, k_sl], mask=doc_mask, causal=cfg.causal,
                               window=cfg.window, q_offset=qs.global_lo - ks.global_lo, scale=cfg.scale,
                               softcap=cfg.softcap, alibi_slopes=cfg.alibi, dropout_p=0.0, return_lse=False,
                               return_weights=False)
@@ -357,6 +384,7 @@ def ring_attention(
     timeout: float | timedelta | None = None,
     block: int = BACKWARD_BLOCK,
     sinks: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded across the ranks of a process group.
 
@@ -388,6 +416,9 @@ def ring_attention(
             row's softmax also runs over its head's sink, whose column carries no value; the LSE
             includes it. Differentiable; each rank's ``sinks.grad`` holds its rows' share (sum it
             over ranks with the other parameters' gradients).
+        cu_seqlens: packed documents across ranks: the *global* boundaries ``[S+1]`` (int, from 0
+            to the global length, the same on every rank); a query sees keys of its own document
+            only. Shard pairs that no document spans are skipped (counted in ``PAIR_STATS``).
 
     Returns:
         ``out [B, Hq, n, Dv]`` (dtype of ``q``), or ``(out, lse)`` with ``return_lse``.
@@ -399,6 +430,7 @@ def ring_attention(
     """
     fn = "ring_attention"
     require_dist(fn)
+    group = resolve_group(group, fn)
     ring = Ring(group, as_timeout(timeout))
     # Validate locally, but report through the all_gather below so that every rank raises.
     vals: list[float] | None = None
@@ -411,7 +443,8 @@ def ring_attention(
         _check_options(scale, return_lse, block, backend, softcap, alibi_slopes, sinks)
         if sinks is not None and sinks.shape[0] != q.shape[1]:
             raise ValueError(f"sinks must have shape [Hq] = [{q.shape[1]}], got {tuple(sinks.shape)}")
-        vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes)
+        cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, fn)
+        vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes, cu)
     except (TypeError, ValueError) as e:
         err = e
     if isinstance(q, Tensor):
@@ -420,9 +453,18 @@ def ring_attention(
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
     metas = _exchange_meta(ring, vals, err, device)
+    docs = None
+    if cu_seqlens is not None:
+        total = sum(int(m.Nq) for m in metas)
+        cu = cu_seqlens.long().cpu()
+        if int(cu[-1]) != total:  # the same cu_seqlens (checked) and lengths on every rank: all raise
+            raise ValueError(f"ring_attention on rank {ring.rank}: cu_seqlens must end at the global length "
+                             f"{total} (the sum of the shards), got {cu.tolist()}")
+        docs = document_ids(cu, total, q.device)
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
                   block=block, softcap=None if softcap is None else float(softcap),
-                  alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)))
+                  alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),
+                  docs=docs)
     out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg, sinks)
     if return_lse:
         return out, lse.float() if lse.dtype != torch.float64 else lse

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, wait
 
-__all__ = ["LAYOUTS", "Segment", "gather_sequence", "segments", "shard_positions", "shard_sequence"]
+__all__ = ["LAYOUTS", "Segment", "check_cu_seqlens", "document_ids", "gather_sequence", "segments", "shard_positions",
+           "shard_sequence"]
 
 #: Sequence layouts understood by every function of this package.
 LAYOUTS = ("contiguous", "zigzag")
@@ -52,6 +53,38 @@ def segments(layout: str, lengths: Sequence[int], rank: int) -> list[Segment]:
     p = len(lengths)
     c = lengths[rank] // 2
     return [Segment(0, c, rank * c), Segment(c, c, (2 * p - 1 - rank) * c)]
+
+
+def check_cu_seqlens(cu_seqlens: object, fn: str) -> Tensor:
+    """Local checks of a *global* ``cu_seqlens``: an int tensor ``[S+1]`` from 0, never decreasing
+    (its end, the global length, is checked once every rank's shard length is known)."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"{fn}: cu_seqlens must be an int tensor [S+1] of global document boundaries, got "
+                        f"{cu_seqlens.dtype if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{fn}: cu_seqlens must be 1-d [S+1] with S >= 1, got shape {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.long().cpu()
+    if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{fn}: cu_seqlens must start at 0 and never decrease, got {cu.tolist()}")
+    return cu
+
+
+def cu_checksum(cu: Tensor) -> list[float]:
+    """Three numbers that differ when two ranks pass different ``cu_seqlens`` (length, sum, weighted sum)."""
+    w = torch.arange(1, cu.numel() + 1, dtype=torch.float64)
+    return [float(cu.numel()), float(cu.double().sum()), float((cu.double() * w).sum())]
+
+
+def document_ids(cu: Tensor, seq_len: int, device: torch.device | None = None) -> Tensor:
+    """Document index of every global position ``[N]`` (int64) from ``cu_seqlens [S+1]``."""
+    t = torch.arange(seq_len)
+    return torch.searchsorted(cu.long().cpu()[1:], t, right=True).to(device)
+
+
+def positions_of(layout: str, lengths: Sequence[int], rank: int, device: torch.device | None = None) -> Tensor:
+    """Global positions held by ``rank`` (in local order) given every rank's shard length."""
+    return torch.cat([torch.arange(s.global_lo, s.global_lo + s.length, device=device)
+                      for s in segments(layout, lengths, rank)])
 
 
 def check_seq_len(seq_len: int, world_size: int, layout: str, fn: str) -> None:

@@ -22,6 +22,7 @@ directly rather than as a difference of prefix sums, so it keeps its relative pr
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -143,8 +144,8 @@ def check_cu_seqlens(fn: str, cu_seqlens: object, batch: int, n: int) -> list[in
     if batch != 1:
         raise ValueError(f"{fn}: packed sequences (cu_seqlens) need batch size B == 1, got B = {batch}")
     bounds = [int(c) for c in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):
-        shown = bounds if len(bounds) <= 12 else bounds[:6] + ["..."] + bounds[-5:]  # type: ignore[list-item]
+    if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in itertools.pairwise(bounds)):
+        shown: list[object] = list(bounds) if len(bounds) <= 12 else [*bounds[:6], "...", *bounds[-5:]]
         raise ValueError(f"{fn}: cu_seqlens must start at 0, never decrease and end at N = {n}, got {shown}")
     return bounds
 
@@ -480,7 +481,7 @@ def run_family(forms: Mapping[str, Form], q: Tensor, k: Tensor, v: Tensor, gates
         out, state = run(q5, k5, v5, g5, s5, chunk, None)
     elif form != "chunked":  # one sequence at a time (the loop is the definition; quadratic: one chunk each)
         outs, states = [], []
-        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
             if hi == lo:
                 states.append(s5[i:i + 1])
                 continue
@@ -490,11 +491,11 @@ def run_family(forms: Mapping[str, Form], q: Tensor, k: Tensor, v: Tensor, gates
             states.append(s)
         out, state = torch.cat(outs, dim=3), torch.cat(states, dim=0)
     else:
-        lengths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        lengths = [hi - lo for lo, hi in itertools.pairwise(bounds)]
         c = min(chunk, max(lengths))
         blocks = [-(-n // c) for n in lengths]  # chunks per sequence
         firsts = [sum(blocks[:i]) for i in range(len(blocks))]
-        slots = torch.cat([torch.arange(lo, lo + n) for lo, n in zip((f * c for f in firsts), lengths)])
+        slots = torch.cat([torch.arange(lo, lo + n) for lo, n in zip((f * c for f in firsts), lengths, strict=False)])
         slots = slots.to(v.device)  # [T]: each token's place in the padded stream
         total = sum(blocks) * c
 
@@ -502,6 +503,6 @@ def run_family(forms: Mapping[str, Form], q: Tensor, k: Tensor, v: Tensor, gates
             return t.new_zeros(*t.shape[:3], total, *t.shape[4:]).index_copy(3, slots, t)
 
         o, state = run(*(pack(t) for t in (q5, k5, v5)), [pack(g) for g in g5], s5, c,
-                       list(zip(firsts, blocks)))
+                       list(zip(firsts, blocks, strict=False)))
         out = o.index_select(3, slots)
     return out.flatten(1, 2), state.flatten(1, 2)

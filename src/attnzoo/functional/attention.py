@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+import attnzoo.functional.decode as decode
 import attnzoo.functional.flash as flash
 import attnzoo.functional.flex as flex
 import attnzoo.functional.reference as reference
@@ -63,7 +64,8 @@ def choose_backend(r: AttnRequest) -> str:
     1. ``return_weights`` or float64 -> ``reference`` (only it returns weights; it is the float64 oracle).
     2. CUDA, half precision, flash-attn installed, and nothing flash lacks -> ``flash``.
     3. Dropout -> ``sdpa`` (``reference`` if sdpa lacks a feature, e.g. softcap).
-    4. ``return_lse`` or ``softcap`` -> ``tiled``.
+    4. ``return_lse`` or ``softcap`` -> ``tiled`` (``reference`` if tiled lacks a feature, e.g. a
+       float-mask or ALiBi gradient).
     5. A window or mask that hides at least half of the 128 x 128 tiles of a score matrix of at
        least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
     6. Otherwise -> ``sdpa``; for float16/bfloat16 on CPU it runs natively or through float32
@@ -78,7 +80,7 @@ def choose_backend(r: AttnRequest) -> str:
     if "dropout" in feats:
         return "sdpa" if not _missing(r, "sdpa") else "reference"
     if "return_lse" in feats or "softcap" in feats:
-        return "tiled"
+        return "tiled" if not _missing(r, "tiled") else "reference"
     if (r.structure is not None and r.nq * r.nk >= _SPARSE_MIN_SCORES
             and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION):
         return "tiled"
@@ -143,6 +145,8 @@ def attention(
     if sinks is not None:
         return sink_attention(r, sinks, backend, choose_backend, _guarded_run)
     name = choose_backend(r) if backend == "auto" else backend
+    if backend == "auto" and decode.use_split_kv(r, name):  # decoding: decode.py
+        return guard_nonfinite(r, decode.run_split_kv)
     return _guarded_run(r, name)
 
 

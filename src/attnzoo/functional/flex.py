@@ -7,8 +7,10 @@
   request's tables are memoised by shape, and inside ``torch.compile`` they come from the operator
   ``attnzoo::flex_block_table`` (no generated kernels for them, issue 20).
 * softcap, ALiBi and float masks become a ``score_mod``.
-* ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile`` once per shape, which
-  is what makes it fast; the first call of a shape pays the compile time. On CPU, requests that
+* ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile``, which is what makes it
+  fast: the first shape compiles with static sizes, the first call with another shape compiles once
+  more with dynamic sizes (torch's automatic dynamic shapes), and every later shape reuses that
+  graph; before, each shape compiled anew and the 9th hit torch's recompile limit and ran unfused. On CPU, requests that
   torch's compiled kernel cannot serve correctly (gradients, LSE, fewer keys than one block) run
   FlexAttention's eager path instead. Set
   ``attnzoo.functional.flex.COMPILE = False`` for FlexAttention's eager (debug) path.
@@ -71,7 +73,7 @@ def _flex_fn(compiled: bool) -> Callable[..., Any]:
     if not compiled:
         return _eager
     if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(flex_attention, dynamic=False)
+        _compiled["fn"] = torch.compile(flex_attention, dynamic=None)  # sizes turn dynamic on a new shape
     return _compiled["fn"]
 
 

@@ -275,6 +275,8 @@ def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates
     G = k.shape[1]
     r = H // G
     kb, vb = _blocks(k, cfg.select_len), _blocks(v, cfg.select_len)
+    if keep is None and Nq >= BLOCK_MAJOR_MIN_QUERIES and not torch.compiler.is_compiling():
+        return _sparse_block_major(q, kb, vb, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk)
     outs = []
     for a in range(0, Nq, query_chunk):
         qg = q[:, :, a:a + query_chunk].unflatten(1, (G, r))  # [B, G, r, c, D]
@@ -290,6 +292,101 @@ def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates
         if keep is not None:
             keep.append((o_cmp, o_slc, p, p_slc, idx))
     return torch.cat(outs, dim=3).flatten(1, 2)
+
+
+#: Queries from which the eager fast form runs the selected branch block-major
+#: (:func:`_selected_block_major`); fewer queries (decoding) gather each query's blocks.
+BLOCK_MAJOR_MIN_QUERIES = 256
+#: Queries of one block-major tile (the rows that share one gathered key block).
+BLOCK_TILE = 16
+#: Queries per block-major pass (bounds the pass's score tiles: ``~ G n r l' 4`` bytes a query).
+BLOCK_MAJOR_CHUNK = 1024
+_LOG2E = 1.4426950408889634
+
+
+def _sparse_block_major(q: Tensor, kb: Tensor, vb: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor,
+                        cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int) -> Tensor:
+    """:func:`_sparse` for many queries (eager, no saved tensors): the compressed branch and the
+    picks in chunks of at least :data:`BLOCK_MAJOR_CHUNK` queries, then the selected branch block-major over passes of
+    :data:`BLOCK_MAJOR_CHUNK` queries (:func:`_selected_block_major`)."""
+    H, Nq = q.shape[1], q.shape[2]
+    G = kb.shape[1]
+    r = H // G
+    qg_all = q.unflatten(1, (G, r))  # [B, G, r, Nq, D]
+    o_cmp, picks, oks = [], [], []
+    step = max(query_chunk, BLOCK_MAJOR_CHUNK)  # few large ops (each one a thread-pool sync); exact for any step
+    for a in range(0, Nq, step):
+        t0, t1 = q_offset + a, q_offset + min(Nq, a + step)
+        t = torch.arange(t0, t1, device=q.device)
+        o, p = _chunk_compressed(qg_all[:, :, :, a:a + step], k_cmp, v_cmp, t, t0, cfg, scale)
+        o_cmp.append(o)
+        with torch.no_grad():
+            imp = _overlap_scores(p.detach().sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
+            idx, ok = pick_blocks(imp, t, cfg)
+        n = min(cfg.num_selected, kb.shape[2])  # pad every chunk's picks to n (padding: ok = False)
+        picks.append(F.pad(idx, (0, n - idx.shape[-1])))
+        oks.append(F.pad(ok, (0, n - ok.shape[-1])))
+    idx_all, ok_all = torch.cat(picks, 2), torch.cat(oks, 2)  # [B, G, Nq, n]
+    o_slc = []
+    for a in range(0, Nq, BLOCK_MAJOR_CHUNK):
+        sl = slice(a, a + BLOCK_MAJOR_CHUNK)
+        t = torch.arange(q_offset + a, q_offset + min(Nq, a + BLOCK_MAJOR_CHUNK), device=q.device)
+        o_slc.append(_selected_block_major(qg_all[:, :, :, sl], kb, vb, idx_all[:, :, sl], ok_all[:, :, sl], t,
+                                           cfg, scale))
+    g = gates.unflatten(1, (G, r))  # [B, G, r, Nq, 3]
+    out = g[..., 0:1] * torch.cat(o_cmp, 3) + g[..., 1:2] * torch.cat(o_slc, 3)
+    return out.flatten(1, 2)
+
+
+def _selected_block_major(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, t: Tensor, cfg: NSAConfig,
+                          scale: float) -> Tensor:
+    """The selected branch of queries ``qg [B, G, r, c, D]`` at ``t [c]`` over their picks ``idx, ok
+    [B, G, c, n]``, organised by key block instead of by query: the (query, block) pairs are sorted
+    by block and cut into tiles of :data:`BLOCK_TILE` queries of one block, so each tile gathers one
+    key block ``[l', D]`` for its queries (a query row is copied per pick: ``r D`` numbers, where a
+    per-query gather copies ``n l' D``) and one batched matmul scores every tile. The softmax runs
+    over each query's ``n l'`` picked keys (its maximum reduced over the query's pairs), ``P V`` per
+    tile, and the tiles' outputs are added back to their queries. Returns ``[B, G, r, c, Dv]``."""
+    B, G, r, c, D = qg.shape
+    ns, lp, Dv = kb.shape[2], kb.shape[3], vb.shape[-1]
+    dev, P = qg.device, BLOCK_TILE
+    n_rows = B * G * c  # query rows (b, g, i); one more row takes the padding slots
+    blk = (torch.arange(B * G, device=dev).view(B, G, 1, 1) * ns + idx).flatten()  # [B G c n] flat block ids
+    row = (torch.arange(B * G, device=dev).view(B, G, 1, 1) * c
+           + torch.arange(c, device=dev).view(1, 1, c, 1)).expand_as(idx).flatten()
+    keep = ok.flatten()
+    blk, row = blk[keep], row[keep]  # the real pairs (a host sync: eager only)
+    blk, order = torch.sort(blk, stable=True)
+    row = row[order]
+    counts = torch.bincount(blk, minlength=B * G * ns)  # pairs per block
+    tiles_per = (counts + P - 1) // P
+    tile_start = torch.cumsum(tiles_per, 0) - tiles_per  # first tile of each block
+    pair_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(blk.numel(), device=dev) - pair_start[blk]  # position among its block's pairs
+    tile = tile_start[blk] + rank // P
+    slot = tile * P + rank % P  # [pairs] -> slot of the tile table
+    n_tiles = int(tiles_per.sum())
+    tile_blk = torch.repeat_interleave(torch.arange(B * G * ns, device=dev), tiles_per, output_size=n_tiles)
+    slot_row = torch.full((n_tiles * P,), n_rows, dtype=torch.long, device=dev).index_put_((slot,), row)
+    q_rows = torch.cat((qg.permute(0, 1, 3, 2, 4).reshape(n_rows, r, D), qg.new_zeros(1, r, D)))  # [rows+1, r, D]
+    qt = q_rows.index_select(0, slot_row).view(n_tiles, P * r, D)  # [T, P r, D]
+    kt = kb.reshape(B * G * ns, lp, D).index_select(0, tile_blk)  # [T, l', D]
+    s = torch.bmm(qt, kt.transpose(1, 2)) * (scale * _LOG2E)  # [T, P r, l'], base-2 scores (exp2 is faster)
+    t_rows = torch.cat((t.repeat(B * G), t.new_full((1,), -1)))  # position of each row; padding sees nothing
+    kpos = (tile_blk % ns).view(-1, 1, 1, 1) * lp + torch.arange(lp, device=dev)  # [T, 1, 1, l']
+    hidden = kpos > t_rows.index_select(0, slot_row).view(n_tiles, P, 1, 1)  # [T, P, 1, l'] causal
+    s = s.view(n_tiles, P, r, lp).masked_fill(hidden, float("-inf"))
+    m = s.detach().amax(-1)  # [T, P, r]
+    m_row = torch.full((n_rows + 1, r), float("-inf"), dtype=s.dtype, device=dev)
+    m_row = m_row.scatter_reduce_(0, slot_row.view(-1, 1).expand(-1, r), m.view(-1, r), "amax")  # per query row
+    m_row = torch.where(torch.isfinite(m_row), m_row, torch.zeros_like(m_row))
+    e = torch.exp2(s - m_row.index_select(0, slot_row).view(n_tiles, P, r, 1))  # [T, P, r, l']
+    vt = vb.reshape(B * G * ns, lp, Dv).index_select(0, tile_blk)  # [T, l', Dv]
+    o = torch.bmm(e.view(n_tiles, P * r, lp), vt).view(n_tiles * P, r, Dv)
+    num = qg.new_zeros(n_rows + 1, r, Dv).index_add(0, slot_row, o)
+    den = qg.new_zeros(n_rows + 1, r).index_add(0, slot_row, e.sum(-1).view(-1, r))
+    out = num[:n_rows] / den[:n_rows].clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)  # block 0: key 0 <= t
+    return out.view(B, G, c, r, Dv).permute(0, 1, 3, 2, 4)
 
 
 def _chunk_sizes(a: int, c: int, nq: int, nc: int, cfg: NSAConfig, q_offset: int) -> tuple[int, int]:

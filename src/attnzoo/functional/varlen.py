@@ -32,11 +32,12 @@ import itertools
 import torch
 from torch import Tensor
 
-from attnzoo._validate import check_tensor_ranks
+from attnzoo._validate import check_bool, check_positive_float, check_tensor_ranks
 from attnzoo.functional._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.attention import BACKENDS, attention
 from attnzoo.functional.rules import alibi_bias
 from attnzoo.functional.tiled import attention_backward, native_half_matmul, plan_for
+from attnzoo.functional.varlen_split import split_applies, split_varlen
 from attnzoo.masks import Mask
 
 __all__ = ["attention_varlen", "varlen_bwd", "varlen_fwd", "varlen_mask"]
@@ -413,9 +414,17 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                          f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool(causal, "causal")
+    check_bool(return_lse, "return_lse")  # every option checked here: the op paths below take them as is
+    scale = None if scale is None else check_positive_float(scale, "scale")
+    softcap = None if softcap is None else check_positive_float(softcap, "softcap")
+    if alibi_slopes is not None:
+        check_tensor_ranks(1, "[Hq]", alibi_slopes=alibi_slopes)
     win = normalize_window(window)
+    if backend == "auto" and not torch.compiler.is_compiling():  # per-length SDPA calls: varlen_split.py
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        if split_applies(q, k, v, bq, bk, softcap=softcap, sinks=sinks, return_lse=return_lse):
+            return split_varlen(q, k, v, bq, bk, causal=causal, window=win, scale=scale, alibi_slopes=alibi_slopes)
     name = "tiled" if backend == "auto" else backend
     kw = dict(causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
               return_lse=return_lse)

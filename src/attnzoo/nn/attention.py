@@ -867,21 +867,28 @@ register(VariantSpec("sigmoid", "sigmoid", False, "O(N C^2 + N^2 C)", "O(N) (til
                      check={"sigmoid_bias": -2.0}, masks="causal, window, any mask", positions="rope", order=18))
 
 
-def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
-                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+def _streaming_sinks(global_tokens: tuple[int, ...]) -> int:
+    """The number of sink tokens of ``streaming``'s ``global_tokens`` (the builder's and the cost's rule)."""
     sinks = tuple(global_tokens)
     if sinks != tuple(range(len(sinks))):
         raise ValueError(f"streaming: the sink tokens are the first n positions, global_tokens must be "
                          f"(0, 1, ..., n - 1), got {sinks}")
-    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal, sink_tokens=len(sinks), **kw)
+    return len(sinks)
+
+
+def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
+                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal,
+                                  sink_tokens=_streaming_sinks(global_tokens), **kw)
 
 
 def _streaming_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     """The causal ``window | sinks`` pattern (the sinks are global tokens ``0 .. n - 1``; under causality
     their rows see only sinks) and a cache of at most ``n + w + 1`` tokens."""
+    n_sinks = _streaming_sinks(cfg.global_tokens)
     cost = softmax_cost(cfg, shape)
     left = cfg.window[0] if cfg.window is not None and cfg.window[0] is not None else 0
-    kv_max = len(cfg.global_tokens) + left + 1
+    kv_max = n_sinks + left + 1
     return dataclasses.replace(cost, kv_cache_max_tokens=kv_max,
                                kv_cache_bytes=shape.batch * min(shape.seq_len, kv_max) * cost.kv_cache_bytes_per_token)
 

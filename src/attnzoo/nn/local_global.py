@@ -102,6 +102,25 @@ class LocalGlobalAttention(MultiHeadAttention):
         allowed = structure.materialize(B, 1, N, n_k, q_offset=q_offset, device=mask.device)  # [B, 1, N, Nk]
         return m4.float().masked_fill(~allowed, float("-inf"))
 
+    def _attend_keys(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, start: int, first: int,
+                     return_weights: bool, *, decoding: bool) -> tuple[Tensor, Tensor | None]:
+        """A causal one-token decode step without a user mask or ALiBi attends only to the keys it
+        sees: its window ``start - w .. start`` (a view of the cache) and the global keys before it
+        (gathered). A global query sees every earlier key: plain attention over the cache, no mask.
+        Anything else runs the pattern as a :class:`Mask` (``MultiHeadAttention._attend_keys``)."""
+        if not (decoding and self.causal and q.shape[2] == 1 and mask is None and not return_weights
+                and not self.alibi and first == 0 and k.shape[2] == start + 1):
+            return super()._attend_keys(q, k, v, mask, start, first, return_weights, decoding=decoding)
+        lo = 0 if start in self.global_positions else max(0, start - self.local_window)
+        before = [g for g in self.global_positions if 0 <= g < lo]  # global keys left of the window
+        if before:  # one gather each (few ops: each one is a thread-pool sync on a loaded machine)
+            idx = torch.tensor([*before, *range(lo, start + 1)], device=k.device)
+            k, v = k.index_select(2, idx), v.index_select(2, idx)  # [B, Hkv, |G| + w + 1, D]
+        else:
+            k, v = k[:, :, lo:], v[:, :, lo:]  # a view: the window
+        return self._core(q, k, v, mask=None, causal=False, window=None, q_offset=k.shape[2] - 1, alibi=None,
+                          return_weights=False)
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window={self.local_window}, "
                 f"global_tokens={self.global_positions}")

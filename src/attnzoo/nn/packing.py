@@ -8,6 +8,7 @@ sequence. The recurrent mixers have a fused path instead (``attnzoo.nn.recurrent
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -38,7 +39,7 @@ def run_per_sequence(forward: Callable[[Tensor], Tensor], x: Tensor, cu_seqlens:
     """``forward`` on each packed sequence of ``x [1, T, C]`` alone -> ``[1, T, C_out]`` (``cu_seqlens``
     validated by the caller; empty sequences are skipped)."""
     bounds = [int(c) for c in cu_seqlens.tolist()]
-    outs = [forward(x[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    outs = [forward(x[:, lo:hi]) for lo, hi in itertools.pairwise(bounds) if hi > lo]
     return torch.cat(outs, dim=1)
 
 

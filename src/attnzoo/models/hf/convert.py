@@ -8,12 +8,21 @@ the state dict onto it; this module picks the family.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from attnzoo.models.families.gemma3 import convert_gemma3
+from attnzoo.models.families.gpt_oss import convert_gpt_oss
+from attnzoo.models.families.llama4 import convert_llama4
+from attnzoo.models.families.olmo3 import convert_olmo3
+from attnzoo.models.families.olmo_hybrid import convert_olmo_hybrid
+from attnzoo.models.families.qwen3_5 import convert_qwen3_5
+from attnzoo.models.families.qwen3_next import convert_qwen3_next
+from attnzoo.models.families.smollm3 import convert_smollm3
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
 from attnzoo.models.hf.deepseek import convert_deepseek
@@ -28,9 +37,21 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
                            "*ForSequenceClassification", "ViTModel", "ViTForImageClassification",
-                           "DeepseekV3ForCausalLM")
+                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "Gemma3TextModel", "SmolLM3ForCausalLM",
+                           "Olmo3ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
+                           "Llama4TextModel", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                           "OlmoHybridForCausalLM")
+#: ``model_type`` -> (architecture name, converter) of the families built per layer in
+#: :mod:`attnzoo.models.families` (each owns its weight map).
+BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
+    "gemma3_text": ("Gemma3", convert_gemma3), "smollm3": ("SmolLM3", convert_smollm3),
+    "olmo3": ("OLMo3", convert_olmo3), "gpt_oss": ("gpt-oss", convert_gpt_oss),
+    "llama4_text": ("Llama-4", convert_llama4), "qwen3_next": ("Qwen3-Next", convert_qwen3_next),
+    "qwen3_5_text": ("Qwen3.5", convert_qwen3_5), "olmo_hybrid": ("OLMo-hybrid", convert_olmo_hybrid),
+}
 #: ``model_type`` of a config -> the architecture it loads as.
-MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3", **{k: f.arch for k, f in FAMILIES.items()}}
+MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
+               **{k: f.arch for k, f in FAMILIES.items()}, **{k: arch for k, (arch, _) in BUILDERS.items()}}
 
 
 def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: Any,
@@ -39,6 +60,8 @@ def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dt
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     if model_type == "bert":
         return convert_bert(hf, sd, strict_prefix=strict_prefix, **kw)
+    if model_type in BUILDERS:
+        return BUILDERS[model_type][1](hf, sd, **kw)
     if model_type == "deepseek_v3":
         return convert_deepseek(hf, sd, **kw)
     if model_type == "gpt2":

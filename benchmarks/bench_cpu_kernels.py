@@ -1,0 +1,181 @@
+"""Issue 37's table: each CPU fast path against its peer, measured in one run (ratios).
+
+Rows (float32, forward, ``torch.inference_mode``; medians of interleaved repeats, the peer and
+ours alternating so that machine load hits both alike):
+
+* ``decode``: one token against a 32k GQA cache (32 query / 8 KV heads, D=128): ``az.attention``
+  (``auto`` = the split-KV kernel, :mod:`attnzoo.functional.decode`) vs SDPA ``enable_gqa``;
+* ``local_global``: a decode step after 2,048 tokens (dim 512, 8 heads, window 64) vs the same
+  step of ``mha``, and the pattern-as-``Mask`` path it replaced;
+* ``nsa``: the ``nsa`` module vs the dense ``gqa`` module (dim 512, 8 heads, 2 KV heads), forward,
+  at ``--nsa-sizes`` (the crossing length is where the ratio passes 1);
+* ``varlen``: ``attention_varlen`` (``auto``) on 16 mixed causal sequences (T = 24,576) vs a Python
+  loop of per-sequence SDPA that also assembles the packed output, and ``backend="tiled"``;
+* ``tiled`` / ``window``: today's tiled backend (not changed here) vs SDPA at N=4096 causal, and
+  causal window (256, 0) at N=65536 as a fraction of the run's fp32 matmul peak.
+
+``--load 2`` starts two busy processes (each a loop of 1024^2 fp32 matmuls on one thread) for the
+duration of the run: the "loaded" column of the issue. Print the CPU with ``lscpu`` beside it.
+
+Usage::
+
+    python benchmarks/bench_cpu_kernels.py                  # every row, as the machine is
+    python benchmarks/bench_cpu_kernels.py --load 2         # with two busy processes of our own
+    python benchmarks/bench_cpu_kernels.py --only decode local_global --repeats 21
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from bench_core import mm_peak, timed  # the script's folder is on sys.path
+
+import attnzoo as az
+from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.local_global import LocalGlobalAttention
+from attnzoo.variants import build_attention
+
+ROWS = ("decode", "local_global", "nsa", "varlen", "tiled", "window")
+MIXED = [6144, 3840, 3072, 2304, 1920, 1536, 1344, 1152, 960, 768, 576, 384, 240, 192, 96, 48]  # 16, 24,576
+
+
+def _busy(stop: float) -> None:
+    torch.set_num_threads(1)
+    a = torch.randn(1024, 1024)
+    while time.time() < stop:
+        a = torch.mm(a, a).clamp_(-1, 1)
+
+
+def _row(name: str, ours: float, peer: float, what: str) -> None:
+    print(f"| {name} | {what} | {ours * 1e3:.2f} ms / {peer * 1e3:.2f} ms | **{peer / ours:.2f}x** faster |"
+          if ours <= peer else
+          f"| {name} | {what} | {ours * 1e3:.2f} ms / {peer * 1e3:.2f} ms | **{ours / peer:.2f}x** slower |",
+          flush=True)
+
+
+def bench_decode(repeats: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, generator=g)
+    k, v = torch.randn(1, 8, 32768, 128, generator=g), torch.randn(1, 8, 32768, 128, generator=g)
+    t = timed({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+               "ours": lambda: az.attention(q, k, v)}, repeats)
+    _row("decode 1 token, 32k cache, GQA 32/8, D=128", t["ours"], t["sdpa"], "auto (split-KV) / SDPA enable_gqa")
+
+
+def _step(module: torch.nn.Module, prompt: torch.Tensor, token: torch.Tensor) -> Callable[[], object]:
+    cache = module.init_cache(1, prompt.shape[1] + 8)
+    module(prompt, cache=cache)
+
+    def step() -> object:
+        mark = cache.mark()
+        out = module(token, cache=cache)
+        cache.rollback(mark)
+        return out
+
+    return step
+
+
+def bench_local_global(repeats: int) -> None:
+    torch.manual_seed(0)
+    lg = LocalGlobalAttention(512, 8, window=64, global_tokens=(0,), causal=True).eval()
+    mha = MultiHeadAttention(512, 8, causal=True).eval()
+    masked = LocalGlobalAttention(512, 8, window=64, global_tokens=(0,), causal=True).eval()
+    masked._attend_keys = lambda *a, **kw: MultiHeadAttention._attend_keys(masked, *a, **kw)  # the Mask path
+    x, tok = torch.randn(1, 2048, 512), torch.randn(1, 1, 512)
+    t = timed({"mha": _step(mha, x, tok), "ours": _step(lg, x, tok), "mask": _step(masked, x, tok)}, repeats)
+    _row("local_global decode step after 2,048 tokens", t["ours"], t["mha"], "local_global / mha step")
+    _row("  (before: pattern as a Mask over all keys)", t["mask"], t["mha"], "Mask path / mha step")
+
+
+def bench_nsa(sizes: list[int], repeats: int) -> None:
+    torch.manual_seed(0)
+    nsa = build_attention("nsa", 512, 8, causal=True).eval()
+    gqa = build_attention("gqa", 512, 8, causal=True, num_kv_heads=2).eval()
+    for n in sizes:
+        x = torch.randn(1, n, 512)
+        t = timed({"gqa": lambda x=x: gqa(x), "ours": lambda x=x: nsa(x)}, repeats)
+        _row(f"nsa module N={n} (dim 512, 8 heads)", t["ours"], t["gqa"], "nsa / dense gqa module")
+
+
+def _loop_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    outs, start = [], 0
+    for n in lengths:
+        qi, ki, vi = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True)[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def bench_varlen(repeats: int, packed_peer: bool = True) -> None:
+    g = torch.Generator().manual_seed(0)
+    t_ = sum(MIXED)
+    q, k, v = (torch.randn(t_, 8, 64, generator=g) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(MIXED).cumsum(0).tolist()], dtype=torch.int32)
+    fns: dict[str, Callable[[], object]] = {"loop": lambda: _loop_sdpa(q, k, v, MIXED),
+                                            "ours": lambda: az.attention_varlen(q, k, v, cu, cu, causal=True)}
+    if packed_peer:
+        fns["tiled"] = lambda: az.attention_varlen(q, k, v, cu, cu, causal=True, backend="tiled")
+    t = timed(fns, repeats)
+    _row("attention_varlen, 16 mixed causal sequences, T=24,576", t["ours"], t["loop"], "auto / per-sequence SDPA loop")
+    if packed_peer:
+        _row("  (before: the packed tiled path)", t["tiled"], t["loop"], "tiled / per-sequence SDPA loop")
+
+
+def bench_tiled(repeats: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 4096, 64, generator=g) for _ in range(3))
+    t = timed({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+               "ours": lambda: az.attention(q, k, v, causal=True, backend="tiled")}, repeats)
+    _row("tiled dense causal N=4096 (unchanged)", t["ours"], t["sdpa"], "tiled / SDPA")
+
+
+def bench_window(repeats: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    n = 65536
+    q, k, v = (torch.randn(1, 8, n, 64, generator=g) for _ in range(3))
+    t = timed({"auto": lambda: az.attention(q, k, v, causal=True, window=(256, 0))}, repeats)["auto"]
+    flops = 4.0 * 8 * 64 * sum(min(i, 256) + 1 for i in range(n))
+    peak = mm_peak(torch.float32) * 1e9
+    print(f"| window (256, 0) N=65536, auto (unchanged) | {flops / t / 1e9:.1f} GFLOP/s vs matmul peak "
+          f"{peak / 1e9:.1f} | {t * 1e3:.1f} ms | **{100 * flops / t / peak:.0f}%** of peak |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="+", choices=ROWS, default=list(ROWS))
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--nsa-sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--no-packed-peer", action="store_true", help="skip varlen's packed tiled row (slow when loaded)")
+    p.add_argument("--load", type=int, default=0, help="busy processes started for the run (the loaded column)")
+    a = p.parse_args(argv)
+    stop = time.time() + 3600
+    busy = [mp.get_context("spawn").Process(target=_busy, args=(stop,), daemon=True) for _ in range(a.load)]
+    for b in busy:
+        b.start()
+    try:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
+              f"load average {os.getloadavg()[0]:.1f} at start, {a.load} busy processes of ours")
+        print("| row | ours / peer | times | ratio |\n| --- | --- | --- | --- |")
+        with torch.inference_mode():
+            few = max(1, a.repeats // 3)
+            runs: dict[str, Callable[[], None]] = {
+                "decode": lambda: bench_decode(a.repeats), "local_global": lambda: bench_local_global(a.repeats),
+                "nsa": lambda: bench_nsa(a.nsa_sizes, max(1, a.repeats // 9)), "varlen": lambda: bench_varlen(few, not a.no_packed_peer),
+                "tiled": lambda: bench_tiled(few), "window": lambda: bench_window(few)}
+            for name in a.only:
+                runs[name]()
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    finally:
+        for b in busy:
+            b.terminate()
+
+
+if __name__ == "__main__":
+    main()

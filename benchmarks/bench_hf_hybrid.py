@@ -1,0 +1,118 @@
+"""A Qwen3-Next-shaped hybrid (3 gated-DeltaNet layers per gated-attention layer, MoE) on the
+CPU in float32: prefill of N tokens and one training step (forward + backward of the LM loss),
+three ways on the same weights:
+
+* ``hf-fallback``: transformers' eager model with its own PyTorch kernels (what a CPU gets
+  without ``fla``: the chunked delta rule loop, ``F.conv1d``);
+* ``hf+attnzoo``: the same transformers model after ``attnzoo.hf.register()`` (its
+  linear-attention hooks served by :mod:`attnzoo.hf_kernels`);
+* ``attnzoo``: the model converted by ``attnzoo.interop.from_hf``.
+
+Times are medians of interleaved repeats (each way in turn, then again), so load from other
+processes hits all three alike; ratio = hf-fallback / this (> 1: faster than transformers). The
+logits of the three are compared once (max relative difference vs hf-fallback).
+
+    python benchmarks/bench_hf_hybrid.py                       # N = 4096, 3 repeats
+    python benchmarks/bench_hf_hybrid.py --tokens 1024 --repeats 5 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo.hf as azhf
+from attnzoo import hf_kernels
+from attnzoo.interop import from_hf
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers as T
+
+    cfg = T.Qwen3NextConfig(
+        vocab_size=1024, hidden_size=args.dim, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, intermediate_size=2 * args.dim, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=args.dim, shared_expert_intermediate_size=args.dim, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        max_position_embeddings=2 * args.tokens)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _set_hooks(served: bool) -> None:
+    """transformers' own kernels (``served=False``) or attnzoo's behind its hooks."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as mq
+
+    for (module, fn), original in hf_kernels.ORIGINALS.items():
+        if module == "qwen3_next":
+            setattr(mq, fn, hf_kernels.HOOKS[fn] if served else original)
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    azhf.register()
+    hf = _model(args)
+    ours = from_hf(hf)
+    x = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+
+    def hf_logits(served: bool) -> torch.Tensor:
+        _set_hooks(served)
+        return hf(input_ids=x, use_cache=False).logits
+
+    def train(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> None:
+        model.zero_grad(set_to_none=True)
+        logits = run()
+        F.cross_entropy(logits[0, :-1].float(), x[0, 1:]).backward()
+
+    ways: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        "hf-fallback": (lambda: hf_logits(False), lambda: train(hf, lambda: hf_logits(False))),
+        "hf+attnzoo": (lambda: hf_logits(True), lambda: train(hf, lambda: hf_logits(True))),
+        "attnzoo": (lambda: ours(x), lambda: train(ours, lambda: ours(x))),
+    }
+    with torch.no_grad():
+        ref = hf_logits(False)
+        errs = {name: float((fns[0]() - ref).abs().max() / ref.abs().max()) for name, fns in ways.items()}
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.repeats):
+        order = list(ways) if r % 2 == 0 else list(reversed(ways))
+        for name in order:
+            prefill, step = ways[name]
+            with torch.no_grad():
+                times.setdefault((name, "prefill"), []).append(_time(prefill))
+            times.setdefault((name, "train step"), []).append(_time(step))
+            print(f"# repeat {r}: {name} prefill {times[(name, 'prefill')][-1]:.2f} s, train step "
+                  f"{times[(name, 'train step')][-1]:.2f} s", flush=True)
+    print(f"Qwen3-Next-shaped, dim={args.dim}, 4 layers (3 linear : 1 full, MoE 4 experts top-2), "
+          f"N={args.tokens}, threads={torch.get_num_threads()}, repeats={args.repeats}")
+    print(f"{'way':<12} {'case':<11} {'median s':>9} {'ratio':>7} {'max rel err':>12}")
+    for case in ("prefill", "train step"):
+        base = statistics.median(times[("hf-fallback", case)])
+        for name in ways:
+            t = statistics.median(times[(name, case)])
+            print(f"{name:<12} {case:<11} {t:9.3f} {base / t:7.2f} {errs[name]:12.2e}")
+
+
+if __name__ == "__main__":
+    main()

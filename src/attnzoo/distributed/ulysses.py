@@ -1,0 +1,195 @@
+"""Ulysses attention: exact softmax attention over a sequence sharded across ranks, by an
+all-to-all from sequence shards to head shards, one ordinary attention call on the whole
+sequence per rank (for ``H / P`` heads), and the reverse all-to-all.
+
+Where ring attention moves K/V ``P - 1`` times around the ring, Ulysses moves every one of
+``q, k, v, out`` once (an all-to-all each way); each rank then holds the *whole* sequence for
+its heads, so anything :func:`attnzoo.attention` supports works unchanged (masks, documents,
+ALiBi, softcap, sinks). It needs ``Hq`` divisible by the ranks; K/V heads are sharded the same
+way when ``Hkv`` is divisible too, and each K/V head is replicated to the ``P / Hkv`` ranks whose
+query heads read it when ``Hkv < P`` (``P % Hkv == 0``): never more copies than that.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attnzoo._validate import Window, check_bool, normalize_window
+from attnzoo.distributed.comm import agree, all_to_all_grad, as_timeout, require_dist, resolve_group
+from attnzoo.distributed.sharding import (
+    LAYOUTS,
+    check_cu_seqlens,
+    check_layout,
+    cu_checksum,
+    document_ids,
+    positions_of,
+)
+from attnzoo.functional._request import check_qkv
+from attnzoo.functional.attention import attention
+from attnzoo.masks import Mask, document
+
+__all__ = ["ulysses_attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# entries of the cross-rank check; all but "n" (contiguous layout) must agree
+_FIELDS = ("B", "Hq", "Hkv", "n", "D", "Dv", "dtype", "layout", "causal", "left", "right", "scale", "softcap",
+           "alibi", "sinks", "needs_grad", "cu_len", "cu_sum", "cu_chk")
+
+
+def _local_checks(q: object, k: object, v: object, world: int, layout: str, causal: object, win: Window | None,
+                  scale: object, softcap: object, alibi_slopes: object, sinks: object,
+                  cu_seqlens: object) -> list[float]:
+    check_qkv(q, k, v)
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    check_bool(causal, "causal")
+    B, hq, n, d = q.shape
+    hkv = k.shape[1]
+    if k.shape[2] != n:
+        raise ValueError(f"q and k are shards of the same positions, so they need the same local length, got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if n == 0:
+        raise ValueError(f"every rank needs at least one token, got q {tuple(q.shape)}")
+    if layout == "zigzag" and n % 2:
+        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local length must be even, "
+                         f"got q {tuple(q.shape)}")
+    if hq % world:
+        raise ValueError(f"Ulysses attention shards query heads over the {world} ranks, so Hq must be divisible by "
+                         f"{world}, got Hq={hq} (use ring attention)")
+    if hkv % world and world % hkv:
+        raise ValueError(f"Ulysses attention needs Hkv divisible by the {world} ranks or dividing it (KV heads "
+                         f"replicated), got Hkv={hkv}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != (hq,) or not t.is_floating_point()):
+            raise ValueError(f"{name} must be a float tensor [Hq] = [{hq}] or None, got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else t!r}")
+    cu = [0.0, 0.0, 0.0] if cu_seqlens is None else cu_checksum(check_cu_seqlens(cu_seqlens, "ulysses_attention"))
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)  # type: ignore[arg-type]
+    left = -2.0 if win is None else (-1.0 if win[0] is None else float(win[0]))
+    right = -2.0 if win is None else (-1.0 if win[1] is None else float(win[1]))
+    a = 0.0 if alibi_slopes is None else 1.0 + float((alibi_slopes.detach().double().cpu()  # type: ignore[union-attr]
+                                                      * torch.arange(1, hq + 1)).sum())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return [B, hq, hkv, n, d, v.shape[3], _DTYPES.index(q.dtype), LAYOUTS.index(layout), float(bool(causal)),
+            left, right, sc, 0.0 if softcap is None else float(softcap), a, float(sinks is not None),  # type: ignore[arg-type]
+            float(needs_grad), *cu]
+
+
+def _describe(row: list[float]) -> str:
+    return ", ".join(f"{name}={val:g}" for name, val in zip(_FIELDS, row, strict=True))
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: Any = None,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    layout: str = "contiguous",
+    cu_seqlens: Tensor | None = None,
+    mask: Mask | None = None,
+    backend: str = "auto",
+    timeout: float | timedelta | None = None,
+) -> Tensor:
+    """Exact attention over a sharded sequence by two all-to-alls (DeepSpeed-Ulysses style).
+
+    Every rank passes its shard and gets back its rows of ``az.attention`` on the gathered
+    sequence, forward and backward (the backward of each all-to-all is the reverse all-to-all).
+
+    Args:
+        q: local queries ``[B, Hq, n, D]``; ``Hq`` divisible by the number of ranks ``P``.
+        k: local keys ``[B, Hkv, n, D]``; ``Hkv % P == 0`` (sharded) or ``P % Hkv == 0``
+            (each K/V head replicated to the ``P / Hkv`` ranks that read it).
+        v: local values ``[B, Hkv, n, Dv]``.
+        group: a ProcessGroup or a 1-D DeviceMesh (default: the world).
+        causal, window, scale, softcap: as in :func:`attnzoo.attention`, global positions.
+        alibi_slopes, sinks: ``[Hq]``, the same on every rank; each rank uses its heads' entries
+            (``sinks.grad`` holds this rank's heads: sum it over ranks like other gradients).
+        layout: ``"contiguous"`` (uneven shards allowed) or ``"zigzag"``.
+        cu_seqlens: global document boundaries ``[S+1]`` (int; ends at the global length): a
+            query sees keys of its own document only.
+        mask: an :class:`attnzoo.masks.Mask` over *global* positions (position patterns such as
+            local-global; every rank holds the whole sequence for its heads). Not a tensor.
+        backend: the :func:`attnzoo.attention` backend of the per-rank call.
+        timeout: seconds (or a timedelta) for any network wait (default: the group's).
+
+    Returns:
+        ``out [B, Hq, n, Dv]``.
+
+    Raises:
+        ValueError / TypeError on every rank (before any data moves) when one rank's inputs are
+        invalid or the ranks disagree; RuntimeError when a peer dies or times out.
+    """
+    fn = "ulysses_attention"
+    require_dist(fn)
+    pg = resolve_group(group, fn)
+    tmo = as_timeout(timeout)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    vals: list[float] | None = None
+    err: Exception | None = None
+    win: Window | None = None
+    try:
+        layout = check_layout(layout, fn)
+        win = normalize_window(window)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        if mask is not None and not isinstance(mask, Mask):
+            raise TypeError(f"mask must be an attnzoo.masks.Mask over global positions or None, got "
+                            f"{type(mask).__name__} (a dense mask does not shard)")
+        vals = _local_checks(q, k, v, world, layout, causal, win, scale, softcap, alibi_slopes, sinks, cu_seqlens)
+    except (TypeError, ValueError) as e:
+        err = e
+    same = [i for i, f in enumerate(_FIELDS) if f != "n" or layout == "zigzag"]
+    rows = agree(pg, vals, err, fn, tmo, same=same, describe=_describe)
+    lengths = [int(r[_FIELDS.index("n")]) for r in rows]
+    total = sum(lengths)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.long().cpu()
+        if int(cu[-1]) != total:  # every rank holds the same cu_seqlens and lengths: all raise
+            raise ValueError(f"{fn} on rank {rank}: cu_seqlens must end at the global length {total} "
+                             f"(the sum of the shards {lengths}), got {cu.tolist()}")
+        docs = document(document_ids(cu, total, q.device))
+        mask = docs if mask is None else mask & docs
+    return _exchange_and_attend(q, k, v, pg, tmo, layout, lengths, mask, causal=causal, window=win, scale=scale,
+                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
+
+
+def _exchange_and_attend(q: Tensor, k: Tensor, v: Tensor, pg: Any, tmo: timedelta | None, layout: str,
+                         lengths: list[int], mask: Mask | None, *, causal: bool, window: Window | None,
+                         scale: float | None, softcap: float | None, alibi_slopes: Tensor | None,
+                         sinks: Tensor | None, backend: str) -> Tensor:
+    """Sequence shards -> head shards (global order), attention, and back (all validated)."""
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    win = window
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv % world:  # fewer KV heads than ranks: each head goes to the P / Hkv ranks that read it
+        k, v = (t.repeat_interleave(world // hkv, dim=1) for t in (k, v))
+    # rank order of the gathered sequence -> global order (identity for contiguous)
+    order = torch.cat([positions_of(layout, lengths, r) for r in range(world)])
+    to_global = None if layout == "contiguous" else torch.argsort(order).to(q.device)
+
+    def to_heads(t: Tensor) -> Tensor:  # [B, H, n, D] -> [B, H / P, N, D] in global order
+        h = t.shape[1] // world
+        out = all_to_all_grad(t, 1, 2, [h] * world, lengths, pg, tmo)
+        return out if to_global is None else out.index_select(2, to_global)
+
+    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    heads = slice(rank * hq // world, (rank + 1) * hq // world)
+    out = attention(qh, kh, vh, mask=mask, causal=causal, window=win, scale=scale, softcap=softcap,
+                    alibi_slopes=None if alibi_slopes is None else alibi_slopes[heads],
+                    sinks=None if sinks is None else sinks[heads], backend=backend)
+    assert isinstance(out, Tensor)
+    if to_global is not None:  # back to rank order
+        out = out.index_select(2, order.to(q.device))
+    return all_to_all_grad(out, 2, 1, lengths, [hq // world] * world, pg, tmo)  # [B, Hq, n, Dv]

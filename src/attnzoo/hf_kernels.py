@@ -1,0 +1,150 @@
+"""attnzoo's kernels behind transformers' linear-attention hooks (called by
+:func:`attnzoo.hf.register`).
+
+transformers 5.x reaches the linear-attention kernels of its hybrid models (Qwen3-Next, Qwen3.5,
+Qwen3.5-MoE, OLMo-hybrid, Kimi Linear) through module-level functions decorated with
+``use_kernel_func_from_hub_with_fallback``: a hub kernel, else the ``fla`` / ``causal_conv1d``
+package, else a slow PyTorch loop that also refuses packed sequences. :func:`install` replaces
+those module functions with attnzoo's exact kernels:
+
+* ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` (gated DeltaNet) and
+  ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (KDA, a decay per key
+  channel) -> :func:`attnzoo.delta_rule` (chunked WY form; grouped value heads natively, q/k
+  never expanded), ``cu_seqlens`` (or ``cu_seq_lens_q``) keeping packed sequences apart;
+* ``causal_conv1d_fn`` / ``causal_conv1d_update`` -> a depthwise causal conv that, given
+  ``cu_seq_lens_q`` or ``seq_idx``, never reads across a packed sequence boundary.
+
+Layouts are transformers': ``q, k [B, N, Hk, Dk]``, ``v [B, N, Hv, Dv]``, ``g`` (log decay)
+``[B, N, Hv]`` or ``[B, N, Hv, Dk]``, ``beta [B, N, Hv]``, states ``[B, Hv, Dk, Dv]`` (``[S, ...]``
+packed); conv inputs ``[B, C, N]``, weights ``[C, K]``, states ``[B, C, S]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnzoo.functional.delta_rule import delta_rule
+from attnzoo.models.families.qwen3_next import causal_conv, segment_ids
+
+__all__ = ["HOOKS", "ORIGINALS", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_rule", "install"]
+
+#: transformers model modules with linear-attention hooks
+MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
+#: (module, function name) -> the transformers function it replaced
+ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _l2(x: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def _packed(kwargs: dict[str, Any]) -> Tensor | None:
+    cu = kwargs.get("cu_seqlens")
+    return kwargs.get("cu_seq_lens_q") if cu is None else cu
+
+
+def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
+                           initial_state: Tensor | None = None, output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """The gated delta rule (per-head ``g [B, N, Hv]`` or per-channel ``[B, N, Hv, Dk]`` log
+    decays) in transformers' layout: ``(out [B, N, Hv, Dv] in query's dtype, final state float32
+    or None)``. q/k are L2-normalised (eps ``1e-6``, in float32) when asked; the scale is
+    ``Dk ** -0.5``; ``cu_seqlens`` / ``cu_seq_lens_q`` (``B == 1``) packs sequences; ``beta`` in
+    ``[0, 2]`` (OLMo-hybrid's negative eigenvalues) runs as ``sqrt(2) k``, ``sqrt(2) v``, ``beta / 2``."""
+    dtype = query.dtype
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (t.to(cdt).transpose(1, 2) for t in (query, key, value))  # [B, H, N, D]
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2(q), _l2(k)
+    gt = g.to(cdt).transpose(1, 2)  # [B, Hv, N] or [B, Hv, N, Dk]
+    bt = beta.to(cdt).transpose(1, 2)  # [B, Hv, N]
+    if bool((bt > 1).any()):  # beta in [0, 2] (negative eigenvalues): the same update with sqrt(2) k, v
+        k, v, bt = k * 2.0 ** 0.5, v * 2.0 ** 0.5, bt / 2
+    cu = _packed(kwargs)
+    s0 = None if initial_state is None else initial_state.to(cdt)
+    out, state = delta_rule(q, k, v, bt, log_decay=gt.contiguous(), initial_state=s0, return_state=True,
+                            chunk_size=chunk_size, cu_seqlens=None if cu is None else cu.to(torch.int32))
+    return out.transpose(1, 2).to(dtype), (state if output_final_state else None)
+
+
+def recurrent_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
+                               initial_state: Tensor | None = None, output_final_state: bool = False,
+                               use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """The recurrent hook (decoding): the same rule, the same result as :func:`chunk_gated_delta_rule`."""
+    kwargs.pop("chunk_size", None)
+    return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                  output_final_state=output_final_state,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+
+def _activate(x: Tensor, activation: str | None) -> Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"causal_conv1d: activation must be None, 'silu' or 'swish', got {activation!r}")
+
+
+def causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
+                     activation: str | None = None, **kwargs: Any) -> Tensor:
+    """Depthwise causal conv of ``hidden_states [B, C, N]`` with ``weight [C, K]``; packed sequences
+    stay apart with ``cu_seq_lens_q`` / ``cu_seqlens`` (``[S+1]``) or ``seq_idx`` (``[B, N]``)."""
+    u = hidden_states.transpose(1, 2).to(weight.dtype)  # [B, N, C]
+    cu, seq_idx = _packed(kwargs), kwargs.get("seq_idx")
+    segments = None
+    if cu is not None:
+        segments = segment_ids(cu, u.shape[1])
+    elif seq_idx is not None:
+        if seq_idx.shape[0] != 1:
+            raise ValueError(f"causal_conv1d_fn: seq_idx must be [1, N] (packed), got {tuple(seq_idx.shape)}")
+        segments = seq_idx[0]
+    out = _activate(causal_conv(u, weight, bias, segments=segments), activation)
+    return out.transpose(1, 2).to(hidden_states.dtype)
+
+
+def causal_conv1d_update(hidden_states: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None,
+                         activation: str | None = None, **kwargs: Any) -> Tensor:
+    """One decode step (or a few): ``hidden_states [B, C, n]`` after ``conv_state [B, C, S]``
+    (updated in place with the last ``S`` inputs); returns ``[B, C, n]``."""
+    K, S = weight.shape[-1], conv_state.shape[-1]
+    full = torch.cat([conv_state, hidden_states.to(conv_state.dtype)], dim=-1)  # [B, C, S + n]
+    prefix = full[..., S - (K - 1): S].transpose(1, 2).to(weight.dtype) if S >= K - 1 else None
+    out = causal_conv(hidden_states.transpose(1, 2).to(weight.dtype), weight, bias, prefix=prefix)
+    conv_state.copy_(full[..., -S:])
+    return _activate(out, activation).transpose(1, 2).to(hidden_states.dtype)
+
+
+#: transformers function name -> attnzoo's implementation
+HOOKS: dict[str, Callable[..., Any]] = {
+    "torch_chunk_gated_delta_rule": chunk_gated_delta_rule,
+    "torch_recurrent_gated_delta_rule": recurrent_gated_delta_rule,
+    "chunk_kimi_delta_attention": chunk_gated_delta_rule,
+    "recurrent_kimi_delta_attention": recurrent_gated_delta_rule,
+    "causal_conv1d_fn": causal_conv1d_fn,
+    "causal_conv1d_update": causal_conv1d_update,
+}
+
+
+def install() -> list[str]:
+    """Serve every hook of :data:`HOOKS` in the transformers model modules of :data:`MODULES`
+    that exist (idempotent; the originals are kept in :data:`ORIGINALS`). Returns the
+    ``"module.function"`` names served."""
+    served = []
+    for name in MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:  # an older transformers without this model
+            continue
+        for fn, ours in HOOKS.items():
+            if not hasattr(module, fn):
+                continue
+            ORIGINALS.setdefault((name, fn), getattr(module, fn))
+            setattr(module, fn, ours)
+            served.append(f"{name}.{fn}")
+    return served

@@ -1,0 +1,243 @@
+"""What the per-layer family builders share: the layer types of a Hugging Face config, one
+rotary embedding per layer kind, a :class:`~attnzoo.TransformerBlock` from parts, the decoder
+around a list of blocks, and the weight-map pieces (attention, gated MLP, norms, head).
+
+A family file builds its blocks (``layer -> TransformerBlock``), each with its own attention
+module carrying its own rotary embedding (or none: a NoPE layer), and hands them to
+:func:`decoder`; then it plans its weights with the helpers here and :meth:`Plan.apply`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
+from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
+
+__all__ = [
+    "GATED",
+    "attention_factory",
+    "block",
+    "decoder",
+    "finish",
+    "gated_mlp",
+    "head_size_of",
+    "layer_types",
+    "plan_for",
+    "plus_one",
+    "put_attention",
+    "put_head",
+    "put_mlp",
+    "rms_norm",
+    "rope_params",
+    "rotary",
+    "sliding_windows",
+    "start",
+    "unsupported_keys",
+]
+
+#: transformers' activation names -> attnzoo's gated FeedForward activations
+GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
+         "gelu_new": "geglu_tanh"}
+
+
+def plus_one(t: Tensor) -> Tensor:
+    """Gemma's RMSNorm multiplies by ``1 + weight``: loaded as ``weight + 1``."""
+    return (t.float() + 1.0).to(t.dtype)
+
+
+def unsupported_keys(hf: HFConfig, checks: Mapping[str, Callable[[Any], bool]]) -> None:
+    """Refuse, by name, every option whose value fails its check (``key -> ok(value)``)."""
+    for key, ok in checks.items():
+        value = hf.raw(key)
+        if not ok(value):
+            raise hf.unsupported(f"{key}={value!r}")
+
+
+def layer_types(hf: HFConfig, depth: int, allowed: Sequence[str]) -> list[str]:
+    """``layer_types`` (one per layer, each in ``allowed``), ``full_attention`` everywhere when absent."""
+    types = hf.get("layer_types", None, list)
+    if types is None:
+        return ["full_attention"] * depth
+    if len(types) != depth:
+        raise CheckpointFormatError(f"{hf.source}: layer_types has {len(types)} entries for {depth} layers")
+    for t in types:
+        if t not in allowed:
+            raise hf.unsupported(f"layer type {t!r} (supported: {', '.join(map(repr, allowed))})")
+    return list(types)
+
+
+def rope_params(hf: HFConfig, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope dict of a layer kind: ``rope_parameters[layer_type]`` when the config keys it by
+    layer type (Gemma3, OLMo3), else ``rope_parameters`` (with the legacy ``rope_scaling`` /
+    ``rope_theta`` keys folded in)."""
+    params = dict(hf.get("rope_scaling", {}, dict))
+    params.update(hf.get("rope_parameters", {}, dict))
+    if layer_type is not None and isinstance(params.get(layer_type), Mapping):
+        params = dict(params[layer_type])
+    elif any(isinstance(v, Mapping) for v in params.values()):
+        params = dict(next(v for v in params.values() if isinstance(v, Mapping)))
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0, float))
+    return params
+
+
+def rotary(hf: HFConfig, params: Mapping[str, Any], head_dim: int, *, rotary_dim: int | None = None) -> nn.Module:
+    """The rotary embedding of ``params`` (a Hugging Face rope dict): a :class:`RotaryEmbedding`
+    for ``default``, a :class:`ScaledRotaryEmbedding` for the scaled types (checked by computing
+    the frequencies once)."""
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    base = float(params["rope_theta"])
+    if rope_type == "default":
+        return RotaryEmbedding(head_dim, base=base, rotary_dim=rotary_dim)
+    if rope_type not in ROPE_SCALINGS:
+        raise hf.unsupported(f"rope_type={rope_type!r} (supported: {', '.join(map(repr, ROPE_SCALINGS))})")
+    p = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    if p.get("original_max_position_embeddings") is None and hf.has("original_max_position_embeddings"):
+        p["original_max_position_embeddings"] = hf.req("original_max_position_embeddings")
+    max_pos = hf.get("max_position_embeddings", 2048)
+    try:
+        rope_inv_freq(p, rotary_dim or head_dim, max_position_embeddings=max_pos)
+    except ValueError as exc:
+        raise CheckpointFormatError(f"{hf.source}: rope parameters: {exc}") from exc
+    return ScaledRotaryEmbedding(head_dim, p, max_position_embeddings=max_pos, rotary_dim=rotary_dim)
+
+
+def block(dim: int, attention: Callable[[], nn.Module], feed_forward: Callable[[], nn.Module],
+          norm: Callable[[], nn.Module], *, sublayer_norm: str = "input") -> TransformerBlock:
+    """A pre-norm :class:`TransformerBlock` from its parts' factories."""
+    return TransformerBlock(dim, layers=BlockLayers(attention=attention, feed_forward=feed_forward, norm=norm,
+                                                    sublayer_norm=sublayer_norm))
+
+
+def gated_mlp(dim: int, hidden: int, activation: str, *, bias: bool = False, device: Any = None,
+              dtype: Any = None) -> Callable[[], nn.Module]:
+    """A factory of the dense gated MLP (``gate_proj``, ``up_proj``, ``down_proj``)."""
+    return functools.partial(FeedForward, dim, hidden, activation, bias=bias, device=device, dtype=dtype)
+
+
+def rms_norm(dim: int, eps: float, *, device: Any = None, dtype: Any = None) -> Callable[[], nn.Module]:
+    return functools.partial(make_norm, "rms", dim, eps, device=device, dtype=dtype)
+
+
+def head_size_of(hf: HFConfig, sd: Mapping[str, Tensor]) -> tuple[str, int | None]:
+    """``(prefix, head_size)`` of a checkpoint: ``"model."`` for the head classes; ``head_size``
+    ``None`` (the LM head), ``0`` (a base ``*Model``: no head) or the rows of ``score.weight``."""
+    prefix = "model." if any(k.startswith("model.") for k in sd) else ""
+    if "score.weight" in sd:
+        return prefix, int(sd["score.weight"].shape[0])
+    if not prefix and "lm_head.weight" not in sd and not any(
+            str(a).endswith("ForCausalLM") for a in hf.get("architectures", [], list)):
+        return prefix, 0
+    return prefix, None
+
+
+def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None, norm_eps: float,
+            embed_scale: float | None = None, logit_softcap: float | None = None, device: Any = None,
+            dtype: Any = None) -> DecoderLM:
+    """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
+    rotary embedding and positions): token embedding, final RMSNorm, the head of ``head_size``
+    (``logit_softcap`` applies to the LM head only, as in transformers)."""
+    return DecoderLM(hf.req("vocab_size"), hf.req("hidden_size"), len(blocks), hf.req("num_attention_heads"),
+                     blocks=blocks, pos="rope", norm="rms", norm_eps=norm_eps,
+                     tie_embeddings=hf.get("tie_word_embeddings", False, bool), head_size=head_size,
+                     embed_scale=embed_scale, logit_softcap=logit_softcap if head_size is None else None,
+                     max_seq_len=hf.get("max_position_embeddings", 2048), device=device, dtype=dtype)
+
+
+def put_attention(plan: Plan, ours: str, theirs: str, *, bias: bool, qk_norm: bool = False,
+                  norm_transform: Callable[[Tensor], Tensor] | None = None, sinks: bool = False) -> None:
+    """q/k/v/o projections (``qkv_proj`` rows ``[q; k; v]``, ``out_proj``), the QK-norm weights
+    and the sink logits of a :class:`~attnzoo.MultiHeadAttention` at ``ours`` from
+    ``{theirs}{q,k,v,o}_proj``, ``q_norm``/``k_norm``, ``sinks``."""
+    load_qkv_into(plan, ours, tuple(f"{theirs}{n}_proj.weight" for n in "qkv"),
+                  tuple(f"{theirs}{n}_proj.bias" for n in "qkv") if bias else None, bias)
+    plan.put_pairs(f"{ours}.", theirs, [("out_proj", "o_proj")], bias=bias)
+    if qk_norm:
+        for n in ("q_norm", "k_norm"):
+            plan.put(f"{ours}.frontier.{n}_weight", f"{theirs}{n}.weight", norm_transform)
+    if sinks:
+        plan.put(f"{ours}.frontier.sinks", f"{theirs}sinks")
+
+
+def put_mlp(plan: Plan, ours: str, theirs: str, *, bias: bool = False) -> None:
+    """A gated MLP (``gate_proj``, ``up_proj``, ``down_proj``) at ``ours`` from ``theirs``."""
+    plan.put_pairs(ours, theirs, [(n, n) for n in ("gate_proj", "up_proj", "down_proj")], bias=bias)
+
+
+def put_head(plan: Plan, head_size: int | None, tied: bool, ignore: list[str]) -> None:
+    """The final norm is planned by the family; this plans ``lm_head`` / ``score`` (or nothing)."""
+    plan.src.prefix = ""
+    if head_size is None:
+        plan.head(tied, ignore)
+    elif head_size > 0:
+        plan.put("lm_head.weight", "score.weight")
+    if head_size is not None:
+        ignore.append(r"lm_head\.weight")
+
+
+def plan_for(sd: dict[str, Tensor], prefix: str, arch: str) -> Plan:
+    """A :class:`Plan` reading ``sd`` under ``prefix``."""
+    return Plan(Source(sd, prefix), arch)
+
+
+def attention_factory(hf: HFConfig, *, window: int | None, rope: nn.Module | None, qk_norm: str | None = None,
+                      sinks: bool = False, scale: float | None = None, output_gate: str | None = None,
+                      device: Any = None, dtype: Any = None) -> Callable[[], nn.Module]:
+    """A factory of the causal :class:`~attnzoo.MultiHeadAttention` of one layer: GQA heads,
+    ``head_dim``, ``attention_bias``, a left ``window`` (``sliding_window - 1``) or ``None``,
+    its own ``rope`` (``None``: a NoPE layer), QK RMSNorm (``"head"``/``"all"``, eps
+    ``rms_norm_eps``), learnable sinks, an output gate (``"head"``/``"element"``)."""
+    C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
+    kw: dict[str, Any] = {
+        "num_kv_heads": hf.get("num_key_value_heads", H), "head_dim": hf.get("head_dim", C // H),
+        "bias": hf.get("attention_bias", False, bool), "causal": True, "window": window, "rope": rope,
+        "dropout": hf.get("attention_dropout", 0.0, float), "device": device, "dtype": dtype}
+    if qk_norm is not None:
+        kw.update(qk_norm=qk_norm, qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float))
+    if sinks:
+        kw["sinks"] = True
+    if output_gate is not None:
+        kw["output_gate"] = output_gate
+    if scale is not None:
+        kw["scale"] = scale
+    return functools.partial(MultiHeadAttention, C, H, **kw)
+
+
+def sliding_windows(hf: HFConfig, kinds: Sequence[str]) -> list[int | None]:
+    """The left window (``sliding_window - 1``) of each ``sliding_attention`` layer, ``None`` else."""
+    window = hf.get("sliding_window", None)
+    if "sliding_attention" in kinds and window is None:
+        raise hf.unsupported("sliding_attention layers without a sliding_window")
+    return [window - 1 if k == "sliding_attention" else None for k in kinds]
+
+
+def start(hf: HFConfig, sd: dict[str, Tensor], build: Callable[..., DecoderLM], *, device: Any,
+          dtype: Any) -> tuple[DecoderLM, Plan, int | None]:
+    """``(model, plan, head_size)`` of a conversion: the head from the weights, the decoder built
+    by ``build(hf, head_size=, device=, dtype=)`` (dtype: the checkpoint's unless given), a plan
+    reading under the checkpoint's prefix with the token embedding planned."""
+    prefix, head_size = head_size_of(hf, sd)
+    model = build(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
+    plan = plan_for(sd, prefix, hf.arch)
+    plan.put("tok_emb.weight", "embed_tokens.weight")
+    return model, plan, head_size
+
+
+def finish(plan: Plan, model: DecoderLM, head_size: int | None, *,
+           norm_transform: Callable[[Tensor], Tensor] | None = None, ignore: Sequence[str] = ()) -> DecoderLM:
+    """Plan the final norm and the head, then copy every planned tensor (the rotary buffers of
+    the checkpoint and the patterns ``ignore`` are not expected to match anything)."""
+    plan.put("norm.weight", "norm.weight", norm_transform)
+    patterns = [r"(model\.)?rotary_emb\w*\.\w+", *ignore]
+    put_head(plan, head_size, model.tie_embeddings, patterns)
+    plan.apply(model, ignore=patterns)
+    return model

@@ -1,0 +1,48 @@
+"""gpt-oss -> :class:`~attnzoo.DecoderLM`: ``GptOssForCausalLM`` and ``GptOssModel``.
+
+Every layer: a :class:`~attnzoo.MultiHeadAttention` with q/k/v/o biases, one learnable sink
+logit per query head (``sinks``), a causal window of ``sliding_window - 1`` keys on the
+``sliding_attention`` layers (alternating with ``full_attention``), one YaRN rotary embedding
+shared by all layers; then a :class:`~attnzoo.nn.moe.MixtureOfExperts` (router with a bias,
+top-k of the logits then a softmax over the ``k``, experts with biases and the clamped SwiGLU
+``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``). RMSNorm pre-norm.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import Tensor
+
+import attnzoo.models.families._common as parts
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families._moe import moe_from_config, put_moe
+from attnzoo.models.hf._state import HFConfig
+
+__all__ = ["build_gpt_oss", "convert_gpt_oss"]
+
+
+def build_gpt_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                  dtype: Any = None) -> DecoderLM:
+    """The decoder of a ``GptOssConfig`` (random weights; see the module docstring)."""
+    C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
+    eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    kinds = parts.layer_types(hf, depth, ("sliding_attention", "full_attention"))
+    rope = parts.rotary(hf, parts.rope_params(hf), hf.get("head_dim", C // H))
+    ffn = functools.partial(moe_from_config, hf, "interleaved", **kw)
+    blocks = [parts.block(C, parts.attention_factory(hf, window=w, rope=rope, sinks=True, **kw), ffn, parts.rms_norm(C, eps, **kw))
+              for w in parts.sliding_windows(hf, kinds)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def convert_gpt_oss(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """Build the decoder and copy the weights (the head follows them)."""
+    model, plan, head_size = parts.start(hf, sd, build_gpt_oss, device=device, dtype=dtype)
+    for i in range(model.depth):
+        o, h = f"blocks.{i}.", f"layers.{i}."
+        parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool), sinks=True)
+        put_moe(plan, f"{o}ffn.", f"{h}mlp.", "interleaved")
+        plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")],
+                       bias=False)
+    return parts.finish(plan, model, head_size)

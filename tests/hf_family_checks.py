@@ -1,0 +1,149 @@
+"""Checks every per-layer Hugging Face family passes against transformers (used by the
+``test_hf_<family>.py`` modules): logits of ``*ForCausalLM`` and hidden states of the base
+``*Model`` on a left-padded batch of 2, greedy generation (batch 1 and a left-padded batch 2),
+cached decode equal to the full forward, and a saved folder through ``load_pretrained``.
+
+A family's model is random-initialised offline from a tiny config, then every weight is
+perturbed so that norms and sinks are not identities."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import attnzoo as az
+from attnzoo.interop import from_hf, load_pretrained
+
+V = 128
+TOL = 1e-4
+SMALL = dict(hidden_size=64, intermediate_size=96, vocab_size=V, max_position_embeddings=256, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def perturbed(model: Any, seed: int = 0, scale: float = 0.1) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()
+
+
+def hf_model(config: Any, auto: Any = None, seed: int = 0) -> Any:
+    import transformers as T
+
+    torch.manual_seed(seed)
+    return perturbed((auto or T.AutoModelForCausalLM).from_config(config, attn_implementation="eager"), seed)
+
+
+def tokens(n: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, V, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def padded(n: int, pad: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [2, n], mask [2, n])``: row 0 left-padded by ``pad``."""
+    x = tokens(n)
+    mask = torch.ones_like(x)
+    mask[0, :pad] = 0
+    return x.masked_fill(mask == 0, 0), mask
+
+
+def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def check_logits(make: Callable[[], Any], n: int = 24) -> float:
+    """``*ForCausalLM`` on a left-padded batch: logits at the real tokens within ``TOL``."""
+    hf = hf_model(make())
+    ours = from_hf(hf)
+    x, mask = padded(n)
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask).logits
+        got = ours(x, attention_mask=mask.bool())
+        full = ours(x[1:])
+    real = mask.bool()
+    err = max(rel(got[real], ref[real]), rel(full, ref[1:]))
+    assert err <= TOL, f"relative error {err:.2e}"
+    return err
+
+
+def check_base_model(make: Callable[[], Any], n: int = 16) -> float:
+    import transformers as T
+
+    hf = hf_model(make(), T.AutoModel)
+    ours = from_hf(hf)
+    assert ours.head_size == 0
+    x, mask = padded(n, pad=3)
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask).last_hidden_state
+        got = ours(x, attention_mask=mask.bool())
+    real = mask.bool()
+    err = rel(got[real], ref[real])
+    assert err <= TOL, f"base model: relative error {err:.2e}"
+    return err
+
+
+def check_generation(make: Callable[[], Any], prompt: int = 7, new: int = 8) -> None:
+    """Greedy generation token-identical to transformers' (batch 1, and left-padded batch 2)."""
+    hf = hf_model(make())
+    ours = from_hf(hf)
+    x = tokens(prompt, batch=1)
+    expected = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(x, new), expected)
+    x, mask = padded(prompt + 3, pad=3)
+    expected = hf.generate(input_ids=x, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    assert torch.equal(ours.generate(x, new, attention_mask=mask.bool()), expected)
+
+
+def check_cached_decode(make: Callable[[], Any], n: int = 20, prefill: int = 7) -> None:
+    """Prefill then one token at a time through the cache == the full forward."""
+    ours = from_hf(hf_model(make()))
+    x = tokens(n)
+    with torch.no_grad():
+        full = ours(x)
+        cache = ours.init_cache(2, n)
+        steps = [ours(x[:, :prefill], cache=cache)]
+        steps += [ours(x[:, t:t + 1], cache=cache) for t in range(prefill, n)]
+    err = rel(torch.cat(steps, dim=1), full)
+    assert err <= TOL, f"cached decode vs full forward: relative error {err:.2e}"
+
+
+def check_folder(make: Callable[[], Any], tmp_path: Path) -> None:
+    hf = hf_model(make())
+    hf.save_pretrained(tmp_path)
+    x = tokens(12)
+    model = load_pretrained(tmp_path)
+    assert isinstance(model, az.DecoderLM)
+    with torch.no_grad():
+        assert rel(model(x), hf(input_ids=x).logits) <= TOL
+
+
+class FamilyChecks:
+    """The five checks of a family as test methods: a test module declares
+    ``class TestFamily(FamilyChecks): config = staticmethod(make_config)`` (and ``cases``: more
+    configs whose logits and base model are checked too; the last one also decodes)."""
+
+    config: Callable[[], Any]
+    cases: tuple[Callable[[], Any], ...] = ()
+    tokens = 30
+
+    def test_logits_equal_transformers(self) -> None:
+        for make in (self.config, *self.cases):
+            check_logits(make, n=self.tokens)
+
+    def test_base_model_equals_transformers(self) -> None:
+        for make in (self.config, *self.cases):
+            check_base_model(make)
+
+    def test_greedy_generation_identical(self) -> None:
+        check_generation(self.config)
+
+    def test_cached_decode_equals_full_forward(self) -> None:
+        check_cached_decode(self.cases[-1] if self.cases else self.config)
+
+    def test_saved_folder_loads(self, tmp_path: Path) -> None:
+        check_folder(self.config, tmp_path)

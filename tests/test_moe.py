@@ -1,0 +1,173 @@
+"""The mixture-of-experts feed-forward (:class:`attnzoo.nn.moe.MixtureOfExperts`): equal to a
+float64 token loop written from the routing formulas, and to transformers' own MoE blocks
+(Qwen3-MoE, Qwen3-Next with its gated shared expert, gpt-oss, Llama-4) with their weights
+mapped by :func:`attnzoo.models.families._moe.put_moe`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnzoo.blocks import FeedForward
+from attnzoo.models.families._moe import moe_from_config, put_moe
+from attnzoo.models.hf._state import HFConfig, Plan, Source
+from attnzoo.nn.moe import MixtureOfExperts
+
+C, HID, E = 16, 12, 4
+
+
+def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return module.eval()
+
+
+def _x(n: int = 10, seed: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(2, n, C, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
+    """Token loop in float64: route each token from the formulas, sum its experts' outputs."""
+    p = {n: t.detach().double() for n, t in moe.named_parameters()}
+    xs = x.double().reshape(-1, C)
+    out = torch.zeros_like(xs)
+    for t in range(xs.shape[0]):
+        xt = xs[t]
+        logits = p["router.weight"] @ xt + p.get("router.bias", 0.0)
+        order = sorted(range(E), key=lambda e: -float(logits[e]))[: moe.top_k]
+        if moe.routing == "softmax_topk":
+            probs = torch.softmax(logits, 0)
+            w = {e: probs[e] for e in order}
+            if moe.norm_topk_prob:
+                total = sum(w.values())
+                w = {e: v / total for e, v in w.items()}
+        elif moe.routing == "topk_softmax":
+            top = torch.stack([logits[e] for e in order]).softmax(0)
+            w = dict(zip(order, top, strict=True))
+        else:
+            w = {e: torch.sigmoid(logits[e]) for e in order}
+        for e in order:
+            we = w[e] * moe.routed_scaling
+            inp = xt * we if moe.weight_inputs else xt
+            g = p["gate_proj"][e] @ inp + (p["gate_bias"][e] if moe.bias else 0.0)
+            u = p["up_proj"][e] @ inp + (p["up_bias"][e] if moe.bias else 0.0)
+            if moe.activation == "swiglu":
+                h = g * torch.sigmoid(g) * u
+            else:
+                lim, alpha = moe.swiglu_limit, moe.swiglu_alpha
+                g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+                h = (u + 1) * g * torch.sigmoid(alpha * g)
+            y = p["down_proj"][e] @ h + (p["down_bias"][e] if moe.bias else 0.0)
+            out[t] += y if moe.weight_inputs else we * y
+        if moe.shared_expert is not None:
+            s = {n.split(".", 1)[1]: v for n, v in p.items() if n.startswith("shared_expert.")}
+            hs = F.silu(s["gate_proj.weight"] @ xt) * (s["up_proj.weight"] @ xt)
+            sh = s["down_proj.weight"] @ hs
+            if moe.shared_gate is not None:
+                sh = sh * torch.sigmoid(p["shared_gate.weight"][0] @ xt)
+            out[t] += sh
+    return out.view(x.shape)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "softmax_topk": {"routing": "softmax_topk"},
+    "softmax_topk_norm_scaled": {"routing": "softmax_topk", "norm_topk_prob": True, "routed_scaling": 2.5},
+    "topk_softmax_clamped": {"routing": "topk_softmax", "activation": "clamped_swiglu", "swiglu_limit": 1.0,
+                             "swiglu_alpha": 1.702, "bias": True, "router_bias": True},
+    "topk_sigmoid_inputs_shared": {"routing": "topk_sigmoid", "weight_inputs": True, "shared": True},
+    "shared_gated": {"routing": "softmax_topk", "norm_topk_prob": True, "shared": True, "shared_gate": True},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_equals_float64_token_loop(case: str, top_k: int) -> None:
+    kw = dict(CASES[case])
+    shared = FeedForward(C, 8, "swiglu", bias=False) if kw.pop("shared", False) else None
+    moe = _randomize(MixtureOfExperts(C, HID, E, top_k, shared_expert=shared, **kw))
+    x = _x()
+    with torch.no_grad():
+        err = _rel(moe(x), _reference(moe, x))
+    assert err < 1e-5, f"{case}, top_k={top_k}: relative error {err:.2e}"
+    moe64 = moe.double()
+    with torch.no_grad():
+        assert _rel(moe64(x.double()), _reference(moe64, x)) < 1e-12
+
+
+def test_moe_gradients_reach_every_chosen_expert() -> None:
+    moe = _randomize(MixtureOfExperts(C, HID, E, 2, norm_topk_prob=True))
+    x = _x(32).requires_grad_(True)
+    moe(x).square().sum().backward()
+    chosen = torch.unique(moe.route(x.detach().reshape(-1, C))[1])
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for e in range(E):
+        assert bool((moe.gate_proj.grad[e] != 0).any()) == bool((chosen == e).any())
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+
+
+def test_moe_validates_its_arguments() -> None:
+    with pytest.raises(ValueError, match=r"top_k \(5\) must be <= num_experts \(4\)"):
+        MixtureOfExperts(C, HID, E, 5)
+    with pytest.raises(ValueError, match="routing must be one of"):
+        MixtureOfExperts(C, HID, E, 2, routing="softmax")
+    with pytest.raises(ValueError, match="norm_topk_prob applies to routing='softmax_topk'"):
+        MixtureOfExperts(C, HID, E, 2, routing="topk_softmax", norm_topk_prob=True)
+    with pytest.raises(ValueError, match="clamped_swiglu' needs swiglu_limit"):
+        MixtureOfExperts(C, HID, E, 2, activation="clamped_swiglu")
+    with pytest.raises(ValueError, match="shared_gate=True needs a shared_expert"):
+        MixtureOfExperts(C, HID, E, 2, shared_gate=True)
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 16\]"):
+        MixtureOfExperts(C, HID, E, 2)(torch.zeros(2, 3, 8))
+
+
+# --------------------------------------------------------------------------- transformers' blocks
+transformers = pytest.importorskip("transformers")
+T = transformers
+
+
+def _hf_blocks() -> dict[str, tuple[Any, Any, str]]:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    common = dict(hidden_size=C, num_experts_per_tok=2)
+    return {
+        "qwen3_moe": (Qwen3MoeSparseMoeBlock, T.Qwen3MoeConfig(num_experts=E, moe_intermediate_size=HID,
+                                                               norm_topk_prob=False, **common), "stacked"),
+        "qwen3_moe_norm": (Qwen3MoeSparseMoeBlock, T.Qwen3MoeConfig(num_experts=E, moe_intermediate_size=HID,
+                                                                    norm_topk_prob=True, **common), "stacked"),
+        "qwen3_next": (Qwen3NextSparseMoeBlock, T.Qwen3NextConfig(num_experts=E, moe_intermediate_size=HID,
+                                                                  shared_expert_intermediate_size=8,
+                                                                  norm_topk_prob=True, **common), "stacked"),
+        "gpt_oss": (GptOssMLP, T.GptOssConfig(num_local_experts=E, intermediate_size=HID, swiglu_limit=1.5,
+                                              **common), "interleaved"),
+        "llama4": (Llama4TextMoe, T.Llama4TextConfig(num_local_experts=E, intermediate_size=HID,
+                                                     intermediate_size_mlp=HID, hidden_size=C,
+                                                     num_experts_per_tok=1), "transposed"),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_norm", "qwen3_next", "gpt_oss", "llama4"])
+def test_moe_equals_transformers_block(name: str) -> None:
+    cls, cfg, layout = _hf_blocks()[name]
+    theirs = _randomize(cls(cfg))
+    ours = moe_from_config(HFConfig(cfg.to_dict(), name, name), layout)
+    plan = Plan(Source({k: v.detach() for k, v in theirs.state_dict().items()}), name)
+    put_moe(plan, "", "", layout, shared=ours.shared_expert is not None, shared_gate=ours.shared_gate is not None)
+    plan.apply(ours)
+    x = _x(9)
+    with torch.no_grad():
+        ref = theirs(x)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        err = _rel(ours(x).reshape(ref.shape), ref)
+    assert err < 1e-5, f"{name}: relative error {err:.2e}"
