@@ -181,3 +181,139 @@ def test_hidden_non_finite_keys_change_no_row(c: Case, where: str, value: float)
     sees[:, c.q.shape[1] // c.k.shape[1]:] = False  # only KV head 0's query heads read key j
     # equal up to rounding (the tiled backend's score bound may take another path without the key)
     torch.testing.assert_close(out[~sees], clean[~sees], atol=FLOOR[c.dtype], rtol=FLOOR[c.dtype])
+
+
+# ----------------------------------------------------------------------------- issue 33: items 3, 4, 5, 8
+FEW = settings(max_examples=25, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def non_finite_cases(draw: st.DrawFn) -> tuple:
+    """Random shapes, masks, backends (sinks, sigmoid) with one NaN/inf entry in q, k or v."""
+    b, hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    nq, nk, d = draw(st.integers(1, 7)), draw(st.integers(1, 9)), draw(st.sampled_from([1, 4]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(b, hkv * group, nq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, hkv, nk, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, hkv, nk, d, generator=gen, dtype=torch.float64)
+    kind = draw(st.sampled_from(["causal", "window", "bool_padding", "float_padding", "mask_object", "bool_tensor"]))
+    kw: dict = {}
+    if kind in ("causal", "window"):
+        kw["causal"] = True
+        if kind == "window":
+            kw["window"] = draw(st.integers(0, 3))
+    elif kind == "bool_tensor":
+        kw["mask"] = torch.rand(b, 1, nq, nk, generator=gen) < 0.6
+    else:
+        real = torch.rand(b, nk, generator=gen) < 0.7
+        kw["mask"] = {"bool_padding": real[:, None, None, :], "mask_object": M.key_padding(real),
+                      "float_padding": torch.zeros(b, 1, 1, nk, dtype=torch.float64).masked_fill(
+                          ~real[:, None, None, :], float("-inf"))}[kind]
+    where = draw(st.sampled_from(["q", "k", "v"]))
+    t = {"q": q, "k": k, "v": v}[where]
+    idx = tuple(draw(st.integers(0, s - 1)) for s in t.shape)
+    t[idx] = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    call = draw(st.sampled_from(["reference", "sdpa", "tiled", "sigmoid-reference", "sigmoid-tiled"]))
+    sinks = draw(st.booleans()) and not call.startswith("sigmoid")
+    return q, k, v, kw, call, sinks
+
+
+@FEW
+@given(non_finite_cases())
+def test_non_finite_inputs_change_only_their_rows(case: tuple) -> None:
+    """Issue 33, item 5: a NaN/inf in q, k or v changes only the rows that see it (or own it), forward
+    and gradients, on every backend, with sinks and for sigmoid attention (float64 oracle)."""
+    from nonfinite_oracle import check
+
+    q, k, v, kw, call, sinks = case
+    dtype = torch.float32 if call == "sdpa" else torch.float64
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kw = {n: (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+    z = torch.linspace(-1.0, 1.0, q.shape[1]) if sinks else None
+    if call.startswith("sigmoid"):
+        backend = call.split("-")[1]
+        check(lambda q, k, v, s: az.sigmoid_attention(q, k, v, backend=backend, **kw), q, k, v, kw, score="sigmoid")
+    else:
+        check(lambda q, k, v, s: az.attention(q, k, v, backend=call, sinks=s, **kw), q, k, v, kw, sinks=z)
+
+
+def _variant(name: str) -> torch.nn.Module:
+    from attnzoo.variants import VARIANTS, build_attention
+
+    torch.manual_seed(0)
+    return build_attention(name, 32, 4, causal=True, **VARIANTS[name].check).eval()
+
+
+VARIANT_NAMES = sorted(__import__("attnzoo.variants", fromlist=["VARIANTS"]).VARIANTS)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(VARIANT_NAMES), st.integers(0, 2), st.integers(0, 3), st.integers(0, 4),
+       st.sampled_from(["KeyboardInterrupt", "RuntimeError", "float64 x"]), st.integers(0, 20))
+def test_cached_calls_are_all_or_nothing(name: str, batch_minus_1: int, empty_steps: int, fail_step: int,
+                                         failure: str, pick: int) -> None:
+    """Issue 33, items 3-4: decoding with empty calls and one failed call (in a random submodule of the
+    step, or a wrong dtype) mixed in gives the outputs of a plain decode; the failed and empty calls
+    leave ``cache.length`` where it was."""
+    m, batch = _variant(name), batch_minus_1 + 1
+    x = torch.randn(batch, 8, 32, generator=torch.Generator().manual_seed(pick))
+    with torch.no_grad():
+        ref_cache = m.init_cache(batch, 8)
+        ref = torch.cat([m(x[:, :3], cache=ref_cache)] + [m(x[:, i:i + 1], cache=ref_cache) for i in range(3, 8)], 1)
+        cache = m.init_cache(batch, 8)
+        outs = [m(x[:, :3], cache=cache)]
+        for i in range(3, 8):
+            if i == 3 + fail_step:
+                before = cache.length
+                for _ in range(empty_steps):
+                    assert m(x[:, :0], cache=cache).shape == (batch, 0, 32)
+                if failure == "float64 x":
+                    with pytest.raises(TypeError, match=r"\bx\b"):
+                        m(x[:, i:i + 1].double(), cache=cache)
+                else:
+                    subs = [s for n, s in m.named_modules() if n]
+                    exc = KeyboardInterrupt if failure == "KeyboardInterrupt" else RuntimeError
+
+                    def boom(*args: object, exc: type[BaseException] = exc) -> None:
+                        raise exc("injected")
+
+                    hook = subs[pick % len(subs)].register_forward_hook(boom)
+                    try:
+                        out = m(x[:, i:i + 1], cache=cache)  # the submodule may not run in this step
+                    except (KeyboardInterrupt, RuntimeError):
+                        out = None
+                    finally:
+                        hook.remove()
+                    if out is not None:  # no failure: that call was this step
+                        outs.append(out)
+                        continue
+                assert cache.length == before
+            outs.append(m(x[:, i:i + 1], cache=cache))
+    assert (torch.cat(outs, 1) - ref).abs().max().item() <= 1e-6
+
+
+@FEW
+@given(st.integers(0, 9), st.integers(0, 5), st.integers(1, 4), st.integers(2, 12), st.integers(1, 11))
+def test_streaming_left_padding_equals_the_row_alone(pad: int, window: int, sinks: int, n: int, split: int) -> None:
+    """Issue 33, item 8: StreamingLLM over a left-padded row (full forward and chunked prefill + decode
+    through its sink/ring cache) equals the row alone: its sinks are its first real tokens."""
+    from attnzoo.models._common import positions_from_mask
+
+    torch.manual_seed(pad * 7 + window)
+    m = az.SlidingWindowAttention(16, 2, window=window, sink_tokens=sinks, rope=True).eval()
+    row, other = torch.randn(1, n, 16), torch.randn(1, n + pad, 16)
+    x = torch.cat([other, torch.cat([torch.zeros(1, pad, 16), row], 1)])
+    real = torch.ones(2, n + pad, dtype=torch.bool)
+    real[1, :pad] = False
+    pos = positions_from_mask(real)
+    split = min(split, n + pad - 1)
+    with torch.no_grad():
+        alone = m(row)
+        full = m(x, mask=real[:, None, None, :], positions=pos)
+        cache = m.init_cache(2, n + pad)
+        dec = [m(x[:, :split], cache=cache, mask=real[:, None, None, :split], positions=pos[:, :split])]
+        dec += [m(x[:, t:t + 1], cache=cache, mask=real[:, None, None, :t + 1], positions=pos[:, t:t + 1])
+                for t in range(split, n + pad)]
+    assert (full[1, pad:] - alone[0]).abs().max().item() <= 1e-5
+    assert (torch.cat(dec, 1) - full).abs().max().item() <= 1e-5

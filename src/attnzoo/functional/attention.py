@@ -152,7 +152,7 @@ def attention(
 
 def _guarded_run(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
     """``run_backend`` such that hidden non-finite keys/values never reach a row (``_edge``)."""
-    return guard_nonfinite(r, lambda clean: run_backend(clean, name))
+    return guard_nonfinite(r, lambda clean: run_backend(clean, name), fused=name not in ("reference", "tiled"))
 
 
 _UNAVAILABLE = {

@@ -43,8 +43,10 @@ def safe_softmax(s: Tensor) -> tuple[Tensor, Tensor]:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
-    lse = (torch.log(denom) + m).squeeze(-1)
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    p = e / safe
+    # log(0) would send an infinite gradient into an empty row (inf * 0 = NaN under a sink correction)
+    lse = torch.where(denom > 0, torch.log(safe) + m, torch.full_like(denom, float("-inf"))).squeeze(-1)
     return p, lse
 
 

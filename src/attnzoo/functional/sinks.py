@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo.functional._edge import guard_nonfinite
 from attnzoo.functional._request import AttnRequest
 from attnzoo.functional.sdpa import dense_mask
 
@@ -123,6 +124,13 @@ def sink_attention(
     correct result raises ``ValueError`` naming the reason.
     """
     z = check_sinks(sinks, r.hq, r.q.device)
+    # hidden non-finite keys/values never reach a row (the sdpa form adds the mask to the scores)
+    return guard_nonfinite(r, lambda clean: _sink_attention(clean, z, backend, choose, run))
+
+
+def _sink_attention(r: AttnRequest, z: Tensor, backend: str, choose: Callable[[AttnRequest], str],
+                    run: Callable[[AttnRequest, str], Tensor | tuple[Tensor, ...]]) -> Tensor | tuple[Tensor, ...]:
+    """:func:`sink_attention` once the sink logits ``z`` are checked."""
     with_lse = dataclasses.replace(r, return_lse=True)
     if backend == "auto":
         name = choose(with_lse)

@@ -51,7 +51,14 @@ from attnzoo.nn.frontier import (
 )
 from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
-from attnzoo.nn.streaming import POSITION_MODES, mask_at, sink_query_positions, streaming_pattern
+from attnzoo.nn.streaming import (
+    POSITION_MODES,
+    mask_at,
+    padded_parts,
+    padding_offsets,
+    sink_query_positions,
+    streaming_pattern,
+)
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
            "SigmoidAttention", "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
@@ -675,7 +682,8 @@ class StreamingAttention(SlidingWindowAttention):
         if cache is not None and not isinstance(cache, SinkWindowKVCache):
             raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with a SinkWindowKVCache, "
                             f"got {type(cache).__name__}; use module.init_cache()")
-        if cache is None and self.position_mode == "absolute":
+        padded = padding_offsets(mask, x.shape[1] + (0 if cache is None else cache.length))  # left padding
+        if cache is None and self.position_mode == "absolute" and padded is None:
             return MultiHeadAttention._self(self, x, mask, cache, positions, return_weights)
         if return_weights or (positions is not None and self.position_mode == "cache"):
             raise ValueError(f"{cls}: with sink tokens, a cached call or position_mode='cache' takes no "
@@ -691,6 +699,9 @@ class StreamingAttention(SlidingWindowAttention):
         total = start + N
         _check_mask(type(self).__name__, mask, B, self.num_heads, N, total)
         q, k, v = self._project_self(x, positions, start, rotate=not in_cache)
+        offsets = padding_offsets(mask, total)  # left padding: each row's sinks start at its first real token
+        if offsets is not None:
+            return self._stream_padded(q, k, v, mask, offsets, cache, start)  # type: ignore[arg-type]
         k, v, k_pos = (k, v, torch.arange(N, device=x.device)) if cache is None else cache.update(k, v)
         q_pos = torch.arange(start, total, device=x.device)
         if in_cache and cache is not None and N == 1:  # the paper's step: re-rotate at the cache slots
@@ -714,6 +725,34 @@ class StreamingAttention(SlidingWindowAttention):
             outs.append(o)
             lses.append(lse)
         return merge_attention(outs, lses)[0] if len(outs) > 1 else outs[0]
+
+    def _stream_padded(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, offsets: Tensor,
+                       cache: SinkWindowKVCache | None, start: int) -> Tensor:
+        """:meth:`_stream` of left-padded rows (absolute positions): the sinks of row ``b`` are its tokens
+        ``P_b .. P_b + n - 1`` (:mod:`attnzoo.nn.streaming`)."""
+        if self.position_mode == "cache":
+            raise ValueError(f"{type(self).__name__}: position_mode='cache' takes no padding mask (a key-only mask "
+                             f"hiding a row's first keys); use position_mode='absolute'")
+        B, Hkv, N, D = k.shape
+        n, total = self.sink_tokens, start + N
+        ns = min(total, n)
+        if cache is None:  # every key is here: row b's sinks gathered at P_b + i, the window over all keys
+            idx = (offsets.view(B, 1) + torch.arange(ns, device=k.device)).clamp(max=total - 1)
+            idx = idx.view(B, 1, ns, 1)
+            k_s, v_s = k.gather(2, idx.expand(B, Hkv, ns, D)), v.gather(2, idx.expand(B, Hkv, ns, v.shape[-1]))
+            k_w, v_w, first = k, v, 0
+        else:
+            k_all, v_all, _ = cache.update(k, v, sink_offsets=offsets)
+            k_s, v_s = cache.sink_keys()  # after the update: every sink a query of this call may see
+            held_sinks = min(start, n) if N > 1 else ns  # the sink slots at the front of the result
+            k_w, v_w = k_all[:, :, held_sinks:], v_all[:, :, held_sinks:]
+            first = total - k_w.shape[2]  # window keys: contiguous positions first .. total - 1
+        q_pos = torch.arange(start, total, device=q.device)
+        sink_mask, win_mask = padded_parts(mask, offsets, n, q_pos, ns,
+                                           torch.arange(first, total, device=q.device))
+        o, lse = self._part(q, k_s, v_s, sink_mask, False, None, 0, True)
+        o_w, lse_w = self._part(q, k_w, v_w, win_mask, True, (self.window_size, 0), start - first, False)
+        return merge_attention([o, o_w], [lse, lse_w])[0]
 
     def _part(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool, window: Any, q_offset: int,
               with_sinks: bool) -> tuple[Tensor, Tensor]:
