@@ -158,3 +158,32 @@ def test_from_mask_mod_bad_input() -> None:
 
     with pytest.raises(ValueError, match="vmap"):
         Mask.from_mask_mod(branchy).materialize(1, 1, 6, 6)
+
+
+def test_hf_chunked_and_blockwise_masks_are_structure() -> None:
+    """transformers' chunked causal mask (left padding shifts the chunks) and blockwise overlay reach
+    attention as a Mask, equal to transformers' own dense mask, with the same attention output."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    from attnzoo.hf import HFMask, attnzoo_attention_forward, attnzoo_mask
+
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10]).bool()
+    lp = (pad.cumsum(-1) == 0).sum(-1)
+    ids = torch.tensor([[-1, -1, 0, 0, 0, -1, 1, 1, -1, -1], [-1] * 4 + [2] * 3 + [-1] * 3])
+    cases = [
+        (mu.chunked_causal_mask_function(3, lp), 10, 0),
+        (mu.chunked_causal_mask_function(4, lp), 4, 6),  # decoding-like: 4 queries after 6 cached keys
+        (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids)), 10, 0),
+        (mu.or_masks(mu.sliding_window_causal_mask_function(3), mu.blockwise_overlay(ids)), 10, 0),
+    ]
+    torch.manual_seed(0)
+    for fn, nq, q_off in cases:
+        got = attnzoo_mask(2, nq, 10, q_offset=q_off, kv_offset=0, mask_function=fn, attention_mask=pad)
+        assert isinstance(got, HFMask) and got.structure is not None
+        want = mu.sdpa_mask(batch_size=2, q_length=nq, kv_length=10, q_offset=q_off, kv_offset=0, mask_function=fn,
+                            attention_mask=pad, allow_is_causal_skip=False)
+        assert torch.equal(got.to_dense(), want.expand(2, 1, nq, 10))
+        q, k, v = torch.randn(2, 2, nq, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+        module = torch.nn.Module()
+        out, _ = attnzoo_attention_forward(module, q, k, v, got, scaling=0.3)
+        ref, _ = attnzoo_attention_forward(module, q, k, v, want, scaling=0.3)
+        torch.testing.assert_close(out, ref)

@@ -31,7 +31,7 @@ one tile at a time. GQA never expands K/V: the ``G = Hq / Hkv`` query heads of a
 into the row dimension, ``[B, Hkv, G * block_q, D]``, and multiply the shared K/V directly.
 Half-precision inputs get float32 scores from float32 copies of Q and K (half products rounded
 to half precision were off by O(1) for large logits), float32 softmax, statistics, accumulators
-and backward; only the forward's ``P V`` matmuls run in half precision, unless half matmuls are
+and backward; only an inference forward's ``P V`` matmuls run in half precision, unless half matmuls are
 measured >= 1.25x slower than float32 ones (never on CUDA; see
 :mod:`attnzoo.functional.halfmath`); then every tile runs in float32. Half-precision
 probabilities are normalised per chunk before the P V matmul (no float16 overflow, and a row
@@ -153,11 +153,16 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
         q, k, v = q.float(), k.float(), v.float()  # tile math in float32; memory stays O(N x block)
     elif half:
         # Scores from float32 Q and K (exact products, float32 sums: sdpa's accuracy; half scores of
-        # large logits were off by O(1), issue 33); V stays half for the P V matmuls (P normalised
-        # first, see forward._p_times_v); the backward runs in float32. Memory stays O(N x block).
+        # large logits were off by O(1), issue 33). For inference V stays half for the P V matmuls
+        # (P normalised first, see forward._p_times_v); for training it is float32 too, since the
+        # backward's delta = rowsum(dO * O) would carry the half P V's rounding into dQ and dK.
+        # Memory stays O(N x block).
         q, k = q.float(), k.float()
     captured = r.score_mod.captured if r.score_mod is not None else ()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured)):
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
+    if training and half:
+        v = v.float()
+    if training:
         out, lse = _TiledAttention.apply(q, k, v, r, plan, *captured)
     else:
         out, lse = attention_forward(r, plan, q, k, v, need_lse=r.return_lse)
