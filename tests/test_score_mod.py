@@ -330,3 +330,36 @@ def test_half_precision_large_scores_every_backend(dtype: torch.dtype, name: str
         for nm, a, p, e in zip("qkv", got, g32, g64, strict=True):
             err, ref_err = (a.double() - e).abs().max().item(), (p.double() - e).abs().max().item()
             assert err <= 2 * ref_err + 1e-3 * e.abs().max().item() + 1e-6, (backend, nm, err, ref_err)
+
+
+def test_ring_attention_score_mod_one_rank_zigzag() -> None:
+    """``ring_attention(score_mod=...)`` on a one-rank gloo group with the zigzag layout (two
+    segments per rank, so shard pairs start at different global positions): equals ``attention``
+    with the same score_mod on global positions, gradients to the captured slopes included."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs a fresh torch.distributed")
+    import socket
+
+    from attnzoo.distributed import ring_attention
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        q, k, v = _qkv(1, 4, 2, 24, 24, 8, 8, torch.float64)
+        slopes = torch.rand(4, dtype=torch.float64, requires_grad=True)
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx).abs() + 0.01 * kv_idx
+
+        got = ring_attention(q, k, v, causal=True, layout="zigzag", score_mod=mod, block=4)
+        want = az.attention(q, k, v, causal=True, score_mod=mod, backend="reference")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        w = torch.randn_like(want)
+        for a, b in zip(torch.autograd.grad((got * w).sum(), [q, k, v, slopes]),
+                        torch.autograd.grad((want * w).sum(), [q, k, v, slopes]), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    finally:
+        dist.destroy_process_group()
