@@ -89,7 +89,7 @@ class FoxAttention(AttentionBase):
         head_dim: ``D`` (default ``C // H``).
         bias: biases in the q/k/v/out projections.
         backend: backend of :func:`attnzoo.attention` (``auto`` picks ``tiled`` for the score_mod).
-        **factory: ``device``, ``dtype`` of the parameters.
+        device, dtype: of the parameters.
 
     Parameters: ``fgate`` (``Linear(C, H)``, bias initialised so that ``f`` starts near 1).
     Shapes: ``forward(x [B, N, C], *, mask, cache, positions, return_weights, cu_seqlens) -> [B, N, C]``.
@@ -98,11 +98,10 @@ class FoxAttention(AttentionBase):
     no_weights_reason = None
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, backend: str = "auto", **factory: Any) -> None:
+                 bias: bool = False, backend: str = "auto", *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         cls = type(self).__name__
-        unknown = sorted(set(factory) - {"device", "dtype"})
-        if unknown:
-            raise TypeError(f"{cls}: unexpected keyword argument(s) {unknown}; expected some of ['device', 'dtype']")
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias, layout="qkv",
                          factory=factory)
         self.causal = True
