@@ -16,27 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from bench_core import timed  # medians of interleaved repeats (the script's folder is on sys.path)
 
 import attnzoo as az
 from attnzoo.nn.positional import alibi_slopes
-
-
-def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, calls interleaved round-robin after one warm-up each."""
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def alibi_score_mod(slopes: torch.Tensor) -> Callable[..., torch.Tensor]:
