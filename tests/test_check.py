@@ -150,3 +150,21 @@ def test_a_biased_performer_fails(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_decoder_models_decode_like_the_full_forward() -> None:
     rows = check_models(["gqa"])
     assert len(rows) == 1 and rows[0].passed and rows[0].cases == 2, rows[0].failures
+
+
+def test_backends_are_checked_against_the_independent_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check's truth is attnzoo.oracle (no code shared with the backends), not the reference backend:
+    every case's float64 truth comes from it, and the reference backend is then checked like any other."""
+    import attnzoo.check as check_mod
+
+    real, calls = check_mod.oracle_attention, []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check_mod, "oracle_attention", counted)
+    rows = _rows(check_backends(["reference"], ("float32",), quick=True, grad=False))
+    assert rows[("reference", "float32")].passed
+    n_cases = sum(1 for c in check_mod.backend_cases() if c.quick)
+    assert len(calls) >= n_cases

@@ -300,3 +300,17 @@ def test_outputs_in_missing_folders_are_created(tmp_path: Path, capsys: pytest.C
     refused = tmp_path / "refused"
     assert main(["bench", "--seq-lens", "1000000000", "--out", str(refused)]) == 2
     assert not refused.exists()  # a refused run leaves nothing behind
+
+
+def test_cost_and_bench_take_a_stack(tmp_path, capsys) -> None:
+    """`attnzoo cost a/b/c` prints one row per layer and the total; bench runs a stack as one target."""
+    from attnzoo.cli import main
+    assert main(["cost", "gla/mha", "-n", "256", "--dim", "64", "--heads", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["pattern"] == "gla/mha" and len(data["layers"]) == 2
+    assert data["flops"] == sum(layer["flops"] for layer in data["layers"])
+    assert main(["bench", "--variants", "gla/mha", "--seq-lens", "64", "--repeats", "1", "--warmup", "0",
+                 "--heads", "2", "--head-dim", "8", "--no-memory", "--no-plot", "--no-progress",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["target"] for r in rows["results"]] == ["gla/mha"]

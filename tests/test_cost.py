@@ -198,3 +198,22 @@ def test_block_pairs_equal_counting_the_tiles(n: int, causal: bool, window, glob
                 tiles, pairs = tiles + 1, pairs + tile.numel()
     assert block_pairs(cfg, n) == (pairs, tiles)
     assert visible_pairs(cfg, n) == int(dense.sum())
+
+
+def test_stack_estimate_sums_its_layers() -> None:
+    """A hybrid stack's cost is the sum of its layers' (each with the settings it takes), cycled to depth."""
+    stack = az.cost.estimate_stack("gated_deltanet/gated_deltanet/gated_deltanet/gqa", 2048, 256, 8, depth=8,
+                                   num_kv_heads=2, window=None)
+    assert stack.pattern == ("gated_deltanet", "gated_deltanet", "gated_deltanet", "gqa") * 2
+    gdn = az.cost.estimate("gated_deltanet", 2048, 256, 8)
+    gqa = az.cost.estimate("gqa", 2048, 256, 8, num_kv_heads=2)
+    for field in ("flops", "flops_backward", "kv_cache_bytes", "params", "kv_cache_bytes_per_token"):
+        assert getattr(stack, field) == 6 * getattr(gdn, field) + 2 * getattr(gqa, field), field
+    assert stack.as_dict()["pattern"] == "gated_deltanet/gated_deltanet/gated_deltanet/gqa/" * 1 + \
+        "gated_deltanet/gated_deltanet/gated_deltanet/gqa"
+    with pytest.raises(ValueError, match="estimate_stack"):
+        az.cost.estimate("gla/mha", 128, 64, 4)
+    with pytest.raises(ValueError, match="unknown attention variant"):
+        az.cost.estimate_stack("gla/nope", 128, 64, 4)
+    with pytest.raises(TypeError, match="unknown setting"):
+        az.cost.estimate_stack("gla/mha", 128, 64, 4, windw=3)

@@ -60,7 +60,7 @@ def _randomize(model: nn.Module, std: float = 0.15) -> None:
 
 # --------------------------------------------------------------------------- DecoderLM decoding
 @pytest.mark.parametrize("attention", variant_names())
-@pytest.mark.parametrize("pos", ["rope", "learned"])
+@pytest.mark.parametrize("pos", [None, "learned"])
 def test_decoder_decode_equals_full_forward(attention: str, pos: str) -> None:
     torch.manual_seed(0)
     model = _decoder(attention, pos, norm="rms", ffn="swiglu")
@@ -463,3 +463,89 @@ def test_models_pickle_with_their_configs() -> None:
     by_lambda = az.DecoderLM(V, 32, 1, 4, attention=lambda d, h: az.MultiHeadAttention(d, h, causal=True)).eval()
     copy = pickle.loads(pickle.dumps(by_lambda))
     assert copy.config is None and torch.equal(copy(x), by_lambda(x))
+
+
+# --------------------------------------------------------------------------- hybrid stacks, positions
+HYBRIDS = [["gated_deltanet", "gated_deltanet", "gated_deltanet", "mha"], ["mamba2", "sliding", "gla", "gqa"],
+           ["linear", "mha", "diff", "retnet"], "deltanet/mla"]
+
+
+@pytest.mark.parametrize("attention", HYBRIDS, ids=lambda a: a if isinstance(a, str) else "/".join(a))
+def test_hybrid_stack_decode_equals_full_forward(attention) -> None:
+    """A per-layer stack builds each layer's variant, and cached decoding equals the full forward."""
+    torch.manual_seed(0)
+    names = az.variants.layer_pattern(attention, 4)
+    kws = {n: VARIANT_KW.get(n) or {} for n in names}
+    model = az.DecoderLM(V, 32, 4, 4, attention=attention, max_seq_len=64, norm="rms", ffn="swiglu").eval()
+    assert [type(b.attn) for b in model.blocks] == [type(az.variants.build_attention(n, 32, 4, **kws[n]))
+                                                      for n in names]
+    _randomize(model)
+    tokens = torch.randint(0, V, (2, 11))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.init_cache(2, 11)
+        parts = [model(tokens[:, :5], cache=cache)] + [model(tokens[:, t:t + 1], cache=cache) for t in range(5, 11)]
+        out = model.generate(tokens[:, :4], 5)
+        alone = torch.cat([model.generate(tokens[i:i + 1, :4], 5) for i in range(2)])
+    _close(torch.cat(parts, dim=1), full, 1e-4, f"{attention} decode vs full")
+    assert torch.equal(out, alone)
+
+
+def test_hybrid_layers_get_what_they_take() -> None:
+    """rope goes to the layers whose variant declares positions='rope' (at their width), num_kv_heads
+    to the layers that take KV heads; the other layers are built as alone."""
+    model = az.DecoderLM(V, 32, 4, 4, attention="gated_deltanet/diff/gqa/linear", num_kv_heads=2)
+    attn = [b.attn for b in model.blocks]
+    assert model.pos == "rope"
+    assert not hasattr(attn[0], "rope") or attn[0].rope is None
+    assert attn[1].rope is not None and attn[1].rope.dim == 4  # differential attention rotates half-heads
+    assert attn[2].rope is not None and attn[2].rope.dim == 8 and attn[2].num_kv_heads == 2
+    assert model.config.layer_attention == ("gated_deltanet", "diff", "gqa", "linear")
+
+
+@pytest.mark.parametrize("attention", variant_names())
+def test_pos_rope_is_applied_or_refused(attention: str) -> None:
+    """pos='rope' either reaches the variant (the outputs depend on it) or is a ValueError naming pos and
+    the variant; the default pos is what the variant declares."""
+    spec = az.variants.VARIANTS[attention]
+    default = _decoder(attention, None)
+    assert default.pos == ("rope" if spec.positions == "rope" else "none")
+    if spec.positions != "rope":
+        with pytest.raises(ValueError, match=rf"pos='rope'.*{attention}"):
+            _decoder(attention, "rope")
+        return
+    torch.manual_seed(0)
+    rope = _decoder(attention, "rope")
+    torch.manual_seed(0)
+    none = _decoder(attention, "none")
+    tokens = torch.randint(0, V, (1, 12))
+    with torch.no_grad():
+        assert (rope(tokens) - none(tokens)).abs().max() > 1e-4, f"{attention}: pos='rope' changed nothing"
+
+
+def test_per_layer_entries_are_checked() -> None:
+    with pytest.raises(ValueError, match="3 entries but depth=2"):
+        az.DecoderLM(V, 32, 2, 4, attention=["mha", "mha", "mha"])
+    with pytest.raises(ValueError, match=r"attention\[1\].*unknown attention 'nope'"):
+        az.DecoderLM(V, 32, 2, 4, attention=["mha", "nope"])
+    with pytest.raises(ValueError, match="empty entry"):
+        az.DecoderLM(V, 32, 2, 4, attention="mha//gla")
+    with pytest.raises(ValueError, match="depth=2"):
+        az.DecoderLM(V, 32, 2, 4, attention=[])
+
+
+def test_given_blocks_compose_a_model() -> None:
+    """DecoderLM(blocks=...) takes prebuilt layers (a list or a factory) and keeps their weights; block
+    settings that would be ignored are refused."""
+    torch.manual_seed(0)
+    ref = az.DecoderLM(V, 32, 3, 4, attention="gla/mha/mha", norm="rms").eval()
+    made = az.DecoderLM(V, 32, 3, 4, norm="rms", blocks=lambda i: ref.blocks[i]).eval()
+    made.tok_emb.load_state_dict(ref.tok_emb.state_dict())
+    made.norm.load_state_dict(ref.norm.state_dict())
+    tokens = torch.randint(0, V, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(made(tokens), ref(tokens))
+    with pytest.raises(ValueError, match="would be ignored"):
+        az.DecoderLM(V, 32, 3, 4, attention="gla", blocks=list(ref.blocks))
+    with pytest.raises(ValueError, match="depth=3"):
+        az.DecoderLM(V, 32, 3, 4, blocks=list(ref.blocks)[:2])

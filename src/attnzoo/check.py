@@ -6,7 +6,8 @@ Two groups of checks, both callable from Python (:func:`run_checks`) and from th
 and MQA, ``Nq != Nk`` with bottom-right alignment, explicit ``q_offset``, windows, bool/float/
 ``Mask`` masks, key padding, documents, fully masked rows, softcap, ALiBi, ``Dv != D``, sizes
 that cross tile boundaries) in float32, bfloat16 and float16. Outputs, the gradients of q, k and
-v, and the LSE (where the backend returns it) are compared with the float64 ``reference``.
+v, and the LSE (where the backend returns it) are compared with the independent float64 oracle
+(:mod:`attnzoo.oracle`: the conventions as plain torch ops, sharing no code with the backends).
 The tolerance follows flash-attn's acceptance rule: a backend's error may be at most twice the
 error of a *plain eager implementation in the same dtype* (matmuls in that dtype, torch's
 softmax, no tricks) for outputs and LSE, three times for gradients, plus the rounding noise of
@@ -46,6 +47,7 @@ from attnzoo.functional._request import build_request
 from attnzoo.functional.attention import BACKENDS, attention, available_backends
 from attnzoo.functional.linear import linear_attention
 from attnzoo.models import DecoderLM
+from attnzoo.oracle import oracle_attention
 from attnzoo.variants import VARIANTS, build_attention, variant_names
 
 __all__ = [
@@ -281,8 +283,10 @@ def _case_inputs(case: BackendCase, seed: int, dev: torch.device) -> _Inputs:
 
 
 def _oracle(x: _Inputs, grad: bool) -> _Oracle:
+    """The case through :func:`attnzoo.oracle.oracle_attention`: the conventions written as plain torch
+    ops, sharing no code with the backends (not the library's own ``reference`` backend)."""
     leaves = [t.clone().requires_grad_(grad) for t in (x.q, x.k, x.v)]
-    out, lse = attention(*leaves, **{**x.kwargs, "return_lse": True}, backend="reference")
+    out, lse = oracle_attention(*leaves, **{k: v for k, v in x.kwargs.items() if k != "return_lse"})
     grads = list(torch.autograd.grad(out, leaves, x.dout)) if grad else []
     lse = lse.detach()
     return _Oracle(out.detach(), lse, grads, ~torch.isfinite(lse))

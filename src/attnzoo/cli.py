@@ -28,9 +28,9 @@ from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena import add_arena_arguments, load_arena_model, run_arena
 from attnzoo.bench import format_value, run_bench
 from attnzoo.check import backend_cases, run_checks
-from attnzoo.cost import dtype_from_name, estimate
+from attnzoo.cost import StackEstimate, dtype_from_name, estimate, estimate_stack
 from attnzoo.functional.attention import available_backends
-from attnzoo.variants import VARIANTS, variant_names
+from attnzoo.variants import VARIANTS, layer_pattern, variant_names
 
 __all__ = ["build_parser", "main"]
 
@@ -112,6 +112,17 @@ def _device_arg(text: str) -> str:
 
 def _variant_list(text: str) -> list[str]:
     return _name_list(variant_names())(text)
+
+
+def _stack_list(text: str) -> list[str]:
+    """Comma-separated variants, each a registry name or a per-layer stack ``a/b/c``."""
+    items = [t.strip() for t in text.split(",")]
+    for item in items:
+        try:
+            layer_pattern(item, 1)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"{item!r}: {e}") from None
+    return items
 
 
 # =========================================================================== output helpers
@@ -231,7 +242,7 @@ def _print_check_report(report: Any, args: argparse.Namespace) -> None:
         rows.append([r.group, r.target, r.setting, r.cases, r.skipped, f"{r.max_err:.2e}" if r.cases else "-",
                      f"{r.max_ratio:.2f}" if r.cases else "-", "PASS" if r.passed and r.status == "ok"
                      else r.status.upper() if r.passed else "FAIL"])
-    print_table("attnzoo check: every backend and variant against the float64 reference",
+    print_table("attnzoo check: every backend and variant against the independent float64 oracle",
                 ["group", "target", "setting", "cases", "skipped", "max error", "error/tol", "result"], rows,
                 plain=args.plain)
     fails = [(r, f) for r in report.rows for f in r.failures]
@@ -316,12 +327,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # =========================================================================== cost
 def cmd_cost(args: argparse.Namespace) -> int:
-    """``attnzoo cost``: the analytic cost of one layer as a table or JSON."""
+    """``attnzoo cost``: the analytic cost of one layer (or of a ``a/b/c`` stack) as a table or JSON."""
+    settings = {"batch": args.batch, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "window": args.window,
+                "num_features": args.features, "segment_len": args.segment_len, "chunk_size": args.chunk_size,
+                "causal": not args.no_causal, "dtype": args.dtype, "backend": args.backend}
     try:
-        est = estimate(args.variant, args.seq_len, args.dim, args.heads, batch=args.batch, num_kv_heads=args.kv_heads,
-                       head_dim=args.head_dim, window=args.window, num_features=args.features,
-                       segment_len=args.segment_len, chunk_size=args.chunk_size, causal=not args.no_causal,
-                       dtype=args.dtype, backend=args.backend)
+        if "/" in args.variant:
+            return _print_stack_cost(estimate_stack(args.variant, args.seq_len, args.dim, args.heads, **settings), args)
+        est = estimate(args.variant, args.seq_len, args.dim, args.heads, **settings)
     except (ValueError, TypeError) as exc:
         raise CLIError(str(exc)) from None
     if args.json:
@@ -343,6 +356,22 @@ def cmd_cost(args: argparse.Namespace) -> int:
     print_table(f"cost of one {est.variant} layer: B={est.batch} N={est.seq_len} C={est.dim} H={est.num_heads} "
                 f"Hkv={est.num_kv_heads} D={est.head_dim} {est.dtype}, backend {est.backend}",
                 ["quantity", "value", "note"], rows, plain=args.plain)
+    return 0
+
+
+def _print_stack_cost(stack: StackEstimate, args: argparse.Namespace) -> int:
+    """The table (or JSON) of a stack of layers: one row per layer, then the totals."""
+    if args.json:
+        print(json.dumps(stack.as_dict(), indent=2))
+        return 0
+    rows = [[f"{i}: {layer.variant}", _human_flops(layer.flops), _human_flops(layer.flops_backward),
+             _human_bytes(layer.kv_cache_bytes), f"{layer.params:,}"] for i, layer in enumerate(stack.layers)]
+    rows.append(["total", _human_flops(stack.flops), _human_flops(stack.flops_backward),
+                 _human_bytes(stack.kv_cache_bytes), f"{stack.params:,}"])
+    print_table(f"cost of the {len(stack.layers)}-layer stack {args.variant}: B={args.batch} N={args.seq_len} "
+                f"C={args.dim} H={args.heads} {args.dtype}", ["layer", "forward FLOPs", "backward FLOPs",
+                                                               "decode state at N", "parameters"],
+                rows, plain=args.plain)
     return 0
 
 
@@ -493,10 +522,10 @@ def _add_list_parser(sub: Any) -> None:
 
 def _add_check_parser(sub: Any) -> None:
     p = _command(sub, "check", cmd_check,
-                 help="every backend and variant against the float64 reference; exit 1 on failure",
+                 help="every backend and variant against the independent float64 oracle; exit 1 on failure",
                  description="Run every available backend over a grid of cases (GQA, Nq != Nk, windows, masks, "
                              "padding, empty rows, softcap, ALiBi; float32/bfloat16/float16; outputs, LSE and "
-                             "gradients) against the float64 reference, then check every variant module "
+                             "gradients) against the independent float64 oracle (attnzoo.oracle), then check every variant module "
                              "(decode == full forward, backends == reference, approximations within their "
                              "stated error) and a small DecoderLM per variant. Exit code 1 on any failure.", table="progress")
     p.add_argument("--backends", type=_name_list(BACKEND_NAMES), default=None,
@@ -527,8 +556,9 @@ def _add_bench_parser(sub: Any) -> None:
     p.add_argument("--backends", type=_name_list(("torch", "auto", *BACKEND_NAMES)), default=None,
                    help="comma-separated: torch (bare SDPA), auto, reference, sdpa, tiled, flex, flash "
                         "(default: torch,sdpa,tiled unless --variants is given)")
-    p.add_argument("--variants", type=_variant_list, default=None,
-                   help="comma-separated registry variants, run as modules on [B, N, C]")
+    p.add_argument("--variants", type=_stack_list, default=None,
+                   help="comma-separated registry variants, run as modules on [B, N, C]; an entry 'a/b/c' runs "
+                        "that stack of layers (residual chain)")
     p.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048],
                    help="comma-separated sequence lengths (default: 256,512,1024,2048)")
     p.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd", help="(default: %(default)s)")
@@ -561,7 +591,8 @@ def _add_cost_parser(sub: Any) -> None:
                  help="analytic FLOPs, bytes moved, activation memory and KV cache of one layer",
                  description="Analytic cost of one attention layer of a registered variant (attnzoo.cost."
                              "estimate): FLOPs, bytes moved, activation memory, KV-cache size.", table="plain")
-    p.add_argument("variant", help="a registered variant (attnzoo list)")
+    p.add_argument("variant", help="a registered variant (attnzoo list), or a per-layer stack 'a/b/c' "
+                                    "(e.g. gated_deltanet/gated_deltanet/gated_deltanet/mha)")
     p.add_argument("--seq-len", "-n", type=_positive_int, default=4096, help="N (default: %(default)s)")
     p.add_argument("--dim", type=_positive_int, default=512, help="C (default: %(default)s)")
     p.add_argument("--heads", type=_positive_int, default=8, help="H (default: %(default)s)")

@@ -29,7 +29,7 @@ measures the same quantity on a real module; ``tests/test_cost.py`` holds the tw
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,9 +38,10 @@ import torch
 from attnzoo._validate import check_int
 from attnzoo.nn.costs import visible_pairs as _visible_pairs
 from attnzoo.nn.spec import CostShape, VariantConfig
-from attnzoo.variants import VARIANTS, resolve_config, variant_names
+from attnzoo.variants import VARIANTS, layer_pattern, resolve_config, variant_names
 
-__all__ = ["CostEstimate", "dtype_from_name", "estimate", "measure_activation_bytes", "visible_pairs"]
+__all__ = ["CostEstimate", "StackEstimate", "dtype_from_name", "estimate", "estimate_stack", "measure_activation_bytes",
+           "visible_pairs"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -146,7 +147,8 @@ def estimate(
         A :class:`CostEstimate`.
     """
     if not isinstance(variant, str) or variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {variant_names()}, got {variant!r}")
+        hint = "; a stack of layers ('a/b/c') is estimate_stack's" if isinstance(variant, str) and "/" in variant else ""
+        raise ValueError(f"variant must be one of {variant_names()}, got {variant!r}{hint}")
     check_int(seq_len, "seq_len")
     check_int(batch, "batch")
     if not isinstance(backend, str) or backend not in _BACKENDS:
@@ -171,6 +173,63 @@ def estimate(
         kv_cache_max_tokens=c.kv_cache_max_tokens, params=c.params,
         visible_fraction=c.visible_pairs / (seq_len * seq_len),
     )
+
+
+#: The :func:`estimate` settings that belong to a variant (a stack hands each to the layers that take it).
+_LAYER_SETTINGS = ("num_kv_heads", "window", "global_tokens", "num_features", "segment_len", "chunk_size")
+#: The :class:`StackEstimate` totals: sums of the layers' :class:`CostEstimate` fields.
+_SUMMED = ("flops_projections", "flops_attention", "flops_useful", "flops", "flops_backward", "bytes_moved",
+           "activation_bytes", "kv_cache_bytes_per_token", "kv_cache_bytes", "params")
+
+
+@dataclass(frozen=True)
+class StackEstimate:
+    """Cost of one forward (and backward) of a stack of attention layers, one :class:`CostEstimate`
+    per layer (``layers``) and their sums as attributes (``flops``, ``kv_cache_bytes``, ``params``,
+    ...: the fields of :class:`CostEstimate` that add up across layers). A hybrid stack's decode
+    state is ``kv_cache_bytes``: the softmax layers' caches grow with ``seq_len``, the recurrent
+    layers' states do not."""
+
+    pattern: tuple[str, ...]
+    layers: tuple[CostEstimate, ...]
+
+    def __getattr__(self, name: str) -> int:
+        if name in _SUMMED:
+            return sum(getattr(layer, name) for layer in self.layers)
+        raise AttributeError(f"StackEstimate has no attribute {name!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready): the pattern, the totals and every layer's estimate."""
+        return {"pattern": "/".join(self.pattern), **{n: getattr(self, n) for n in _SUMMED},
+                "layers": [layer.as_dict() for layer in self.layers]}
+
+
+def estimate_stack(pattern: str | Sequence[str], seq_len: int, dim: int, num_heads: int, *,
+                   depth: int | None = None, **settings: Any) -> StackEstimate:
+    """Analytic cost of a stack of layers, e.g. a hybrid ``"gated_deltanet/gated_deltanet/gated_deltanet/mha"``.
+
+    Args:
+        pattern: a registry name, a ``/``-separated pattern or a list of names
+            (:func:`attnzoo.variants.layer_pattern`), cycled to ``depth``.
+        seq_len, dim, num_heads: as :func:`estimate`.
+        depth: layers of the stack (default: the pattern's length).
+        **settings: the keywords of :func:`estimate`; a variant setting (``num_kv_heads``,
+            ``window``, ``num_features``, ...) goes to the layers whose variant takes it, the others
+            (``batch``, ``head_dim``, ``causal``, ``dtype``, ``backend``) to every layer.
+
+    Returns:
+        A :class:`StackEstimate`.
+    """
+    n_entries = len(pattern.split("/")) if isinstance(pattern, str) else len(pattern)
+    names = layer_pattern(pattern, n_entries if depth is None else depth)
+    unknown = sorted(set(settings) - set(_LAYER_SETTINGS) - {"batch", "head_dim", "causal", "dtype", "backend"})
+    if unknown:
+        raise TypeError(f"estimate_stack: unknown setting(s) {unknown}")
+    per_name: dict[str, CostEstimate] = {}
+    for name in dict.fromkeys(names):
+        own = {k: v for k, v in settings.items() if k not in _LAYER_SETTINGS or k in VARIANTS[name].options}
+        per_name[name] = estimate(name, seq_len, dim, num_heads, **own)
+    return StackEstimate(names, tuple(per_name[n] for n in names))
 
 
 # --------------------------------------------------------------------------- measuring

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -30,6 +31,7 @@ __all__ = [
     "build_attention",
     "default_kv_heads",
     "kv_cache_bytes_per_token",
+    "layer_pattern",
     "register",
     "resolve_config",
     "variant_names",
@@ -104,3 +106,29 @@ def kv_cache_bytes_per_token(name: str, dim: int, num_heads: int, dtype_bytes: i
     cfg = _resolve_spec(spec, dim, num_heads, **kwargs)
     shape = CostShape(batch=1, seq_len=1, elem_bytes=dtype_bytes, acc_bytes=max(4, dtype_bytes), backend="ideal")
     return spec.cost(cfg, shape).kv_cache_bytes_per_token
+
+
+def layer_pattern(pattern: str | Sequence[str], depth: int) -> tuple[str, ...]:
+    """One registry name per layer of a ``depth``-layer stack.
+
+    ``pattern`` is a name (``"mha"``: every layer), a ``/``-separated pattern cycled to the depth
+    (``"gated_deltanet/gated_deltanet/gated_deltanet/mha"``: three linear layers per softmax one,
+    the CLI's way to write a hybrid stack) or a sequence of names (cycled the same way). Every name
+    must be registered.
+
+    Returns: a tuple of ``depth`` names.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"layer_pattern: depth must be an int >= 1, got {depth!r}")
+    if isinstance(pattern, str):
+        names = [p.strip() for p in pattern.split("/")]
+    elif isinstance(pattern, Sequence) and all(isinstance(p, str) for p in pattern):
+        names = [p.strip() for p in pattern]
+    else:
+        raise TypeError(f"layer_pattern: pattern must be a registry name, a 'a/b/c' pattern or a sequence of "
+                        f"names, got {type(pattern).__name__}")
+    if not names or any(not n for n in names):
+        raise ValueError(f"layer_pattern: pattern {pattern!r} has an empty entry; expected names separated by '/'")
+    for n in names:
+        _spec(n)
+    return tuple(names[i % len(names)] for i in range(depth))

@@ -236,8 +236,8 @@ def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: t
     akw = VARIANTS[variant].arena_settings(s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
-                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len), pos=s.pos,
-                      device=device)
+                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
+                      pos=None if s.pos == "rope" else s.pos, device=device)  # rope where the variant takes it
     _gpt2_init(model)
     return model
 

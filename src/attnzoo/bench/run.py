@@ -24,9 +24,9 @@ from attnzoo.bench.measure import (
     time_eager_and_compiled,
 )
 from attnzoo.bench.plot import plot_bench
-from attnzoo.cost import dtype_from_name, estimate
+from attnzoo.cost import dtype_from_name, estimate, estimate_stack
 from attnzoo.functional.attention import attention
-from attnzoo.variants import VARIANTS, build_attention
+from attnzoo.variants import VARIANTS, build_attention, layer_pattern
 
 __all__ = ["BACKEND_TARGETS", "BenchReport", "BenchResult", "estimate_case_bytes", "run_bench"]
 
@@ -114,6 +114,12 @@ class _Setup:
 
 
 def _parse_target(t: str) -> tuple[str, str]:
+    if "/" in t:  # a per-layer stack, e.g. gated_deltanet/gated_deltanet/gated_deltanet/mha
+        try:
+            layer_pattern(t.removeprefix("variant:"), 1)
+        except ValueError as e:
+            raise ValueError(f"targets: {t!r} is not a stack of registered variants: {e}") from None
+        return "variant", t.removeprefix("variant:")
     if t.startswith("variant:"):
         name = t.split(":", 1)[1]
         if name not in VARIANTS:
@@ -189,19 +195,25 @@ def _backend_case(name: str, n: int, st: _Setup, g: torch.Generator) -> tuple[Ca
 def _variant_case(name: str, n: int, st: _Setup, g: torch.Generator) -> tuple[Callable[[], Any], float]:
     """The call of variant module ``name`` on ``x [B, N, C]`` and its useful FLOPs."""
     dim = st.heads * st.head_dim
-    kw: dict[str, Any] = {}
-    if st.window is not None and name in ("sliding", "local_global"):
-        kw["window"] = st.window
-    mod = build_attention(name, dim, st.heads, **kw).to(device=st.device, dtype=st.dtype)
-    if st.mode == "fwd":
-        mod.eval()
+    names = layer_pattern(name, len(name.split("/")))  # one layer, or a stack "a/b/c" (residual chain)
+    mods = []
+    for layer in names:
+        kw = {"window": st.window} if st.window is not None and "window" in VARIANTS[layer].options else {}
+        mods.append(build_attention(layer, dim, st.heads, **kw).to(device=st.device, dtype=st.dtype))
+        if st.mode == "fwd":
+            mods[-1].eval()
     x = torch.randn(st.batch, n, dim, generator=g).to(device=st.device, dtype=st.dtype)
 
     def call() -> torch.Tensor:
-        y = mod(x)
-        return y[0] if isinstance(y, tuple) else y
+        h = x
+        for mod in mods:
+            y = mod(h)
+            y = y[0] if isinstance(y, tuple) else y
+            h = y if len(mods) == 1 else h + y
+        return h
 
-    cost = estimate(name, n, dim, st.heads, batch=st.batch, window=kw.get("window"), backend="ideal")
+    window = {"window": st.window} if st.window is not None else {}
+    cost = estimate_stack(names, n, dim, st.heads, batch=st.batch, backend="ideal", **window)
     return call, cost.flops_projections + cost.flops_useful
 
 

@@ -22,11 +22,10 @@ POSITIONS = ("rope", "learned", "sinusoidal", "none")
 
 
 def takes_rope(attention: object) -> bool:
-    """Registry variants whose modules apply RoPE (the softmax family). The feature-map and
-    compressive variants take no ``rope``: with ``pos="rope"`` they get their positional
-    information from causality alone."""
+    """Registry variants whose modules apply RoPE: their spec declares ``positions="rope"``
+    (see :attr:`attnzoo.nn.spec.VariantSpec.positions`)."""
     spec = VARIANTS.get(attention) if isinstance(attention, str) else None
-    return getattr(spec, "family", None) == "softmax"
+    return spec is not None and spec.takes_rope()
 
 
 def position_table(pos: str, dim: int, max_len: int, *, device: torch.device | str | None = None,

@@ -35,14 +35,16 @@ from attnzoo.blocks import (
     check_attention_spec,
 )
 from attnzoo.models._common import POSITIONS, check_int
+from attnzoo.variants import VARIANTS, layer_pattern
 
 __all__ = ["PRESETS", "DecoderConfig", "EncoderConfig", "Seq2SeqConfig", "ViTConfig"]
 
 ROPE_SCALINGS = (None, "linear", "ntk")
 
 
-def _check_common(cfg: Any, owner: str, names: tuple[str, ...]) -> None:
-    """Checks shared by the model configs, for the fields each one has."""
+def _check_common(cfg: Any, owner: str, names: tuple[str, ...], *, layered: bool = False) -> None:
+    """Checks shared by the model configs, for the fields each one has (``layered``: ``attention``
+    may be one entry per layer, see :func:`layer_entries`)."""
     for name in names:
         check_int(getattr(cfg, name), name, owner)
     _check_choice(cfg.norm, "norm", NORMS, owner)
@@ -52,7 +54,58 @@ def _check_common(cfg: Any, owner: str, names: tuple[str, ...]) -> None:
     if cfg.ffn_hidden is not None:
         check_int(cfg.ffn_hidden, "ffn_hidden", owner)
     _frozen_kwargs(cfg, "attention_kwargs")
+    if layered and (isinstance(cfg.attention, (list, tuple)) or (isinstance(cfg.attention, str)
+                                                                 and "/" in cfg.attention)):
+        object.__setattr__(cfg, "attention", layer_entries(cfg.attention, cfg.depth, owner))
+        if cfg.attention_kwargs and not all(isinstance(a, str) for a in cfg.attention):
+            raise ValueError(f"{owner}: attention_kwargs {sorted(cfg.attention_kwargs)} only apply when every "
+                             f"layer's attention is a registry name")
+        return
     check_attention_spec(cfg.attention, cfg.attention_kwargs, owner, instance_ok=False)
+
+
+def layer_entries(attention: object, depth: int, owner: str) -> tuple[AttentionSpec, ...]:
+    """A per-layer attention stack as a tuple of ``depth`` entries.
+
+    ``attention`` is a list/tuple with one entry per layer (a registry name or a callable
+    ``(dim, num_heads) -> nn.Module``; ``len == depth``) or a ``/``-separated pattern of registry
+    names cycled to the depth (``"gated_deltanet/gated_deltanet/gated_deltanet/mha"``, see
+    :func:`attnzoo.variants.layer_pattern`)."""
+    if isinstance(attention, str):
+        try:
+            return layer_pattern(attention, depth)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{owner}: attention pattern {attention!r}: {e}") from None
+    entries = tuple(attention)  # type: ignore[arg-type]
+    if len(entries) != depth:
+        raise ValueError(f"{owner}: attention has {len(entries)} entries but depth={depth}; give one per layer "
+                         f"(or a 'a/b/c' pattern string, cycled to the depth)")
+    for i, entry in enumerate(entries):
+        check_attention_spec(entry, None, f"{owner}: attention[{i}]", instance_ok=False)
+    return entries
+
+
+def resolve_positions(pos: str | None, attention: object, owner: str) -> str:
+    """The position scheme of a decoder stack: ``pos`` checked against what its variants declare
+    (:attr:`~attnzoo.nn.spec.VariantSpec.positions`), or, for ``pos=None``, the default they expect.
+
+    ``"rope"`` needs at least one layer that applies a rotary embedding (a registry variant declaring
+    ``positions="rope"``, or a callable, whose module decides); in a mixed stack it is applied to
+    those layers, and the others keep their own order signal (decays, convolutions) or causality.
+    Asking ``"rope"`` of a stack none of whose variants takes it is a ``ValueError`` naming them.
+    The default is ``"rope"`` when some layer takes it, else ``"none"``."""
+    entries = attention if isinstance(attention, tuple) else (attention,)
+    names = [a for a in entries if isinstance(a, str)]
+    takes = len(names) < len(entries) or any(VARIANTS[n].takes_rope() for n in names)
+    if pos is None:
+        return "rope" if takes else "none"
+    _check_choice(pos, "pos", POSITIONS, owner)
+    if pos == "rope" and not takes:
+        kinds = {n: VARIANTS[n].positions for n in dict.fromkeys(names)}
+        raise ValueError(f"{owner}: pos='rope' but no layer takes a rotary embedding: attention "
+                         f"{' / '.join(f'{n!r} (positions: {k})' for n, k in kinds.items())}; use pos='none' "
+                         f"(the default for these variants), 'learned' or 'sinusoidal'")
+    return pos
 
 
 def _check_optional_bool(cfg: Any, owner: str, *names: str) -> None:
@@ -86,11 +139,11 @@ class DecoderConfig(Config):
     dim: int
     depth: int
     num_heads: int
-    attention: AttentionSpec = "mha"
+    attention: AttentionSpec | tuple[AttentionSpec, ...] = "mha"
     attention_kwargs: Mapping[str, Any] | None = None
     num_kv_heads: int | None = None
     max_seq_len: int = 2048
-    pos: str = "rope"
+    pos: str | None = None
     norm: str = "layer"
     ffn: str = "gelu"
     ffn_hidden: int | None = None
@@ -134,8 +187,8 @@ class DecoderConfig(Config):
 
     def __post_init__(self) -> None:
         owner = "DecoderLM"
-        _check_common(self, owner, ("vocab_size", "dim", "depth", "num_heads", "max_seq_len"))
-        _check_choice(self.pos, "pos", POSITIONS, owner)
+        _check_common(self, owner, ("vocab_size", "dim", "depth", "num_heads", "max_seq_len"), layered=True)
+        resolve_positions(self.pos, self.attention, owner)
         for name in ("tie_embeddings", "bias", "norm_first", "cross_attention"):
             _check_bool(getattr(self, name), name, owner)
         _check_optional_bool(self, owner, "final_norm")
@@ -146,7 +199,8 @@ class DecoderConfig(Config):
             check_int(self.head_dim, "head_dim", owner)
         if self.num_kv_heads is not None:
             check_int(self.num_kv_heads, "num_kv_heads", owner)
-            if not isinstance(self.attention, str):
+            if not isinstance(self.attention, str) and not (
+                    isinstance(self.attention, tuple) and any(isinstance(a, str) for a in self.attention)):
                 raise ValueError(f"{owner}: num_kv_heads only applies when attention is a registry name")
         _check_positive_float(self.rope_base, "rope_base", owner)
         if self.rope_scaling not in ROPE_SCALINGS:
@@ -163,6 +217,16 @@ class DecoderConfig(Config):
     def resolved_head_dim(self) -> int:
         """``head_dim``, or ``dim // num_heads`` when it is not set."""
         return self.dim // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def resolved_pos(self) -> str:
+        """``pos``, or for ``pos=None`` what the layers' variants expect (see :func:`resolve_positions`)."""
+        return resolve_positions(self.pos, self.attention, "DecoderLM")
+
+    @property
+    def layer_attention(self) -> tuple[AttentionSpec, ...]:
+        """The attention entry of every layer (``depth`` entries)."""
+        return self.attention if isinstance(self.attention, tuple) else (self.attention,) * self.depth
 
 
 def _check_family_options(cfg: DecoderConfig, owner: str) -> None:
@@ -233,7 +297,7 @@ class EncoderConfig(Config):
         owner = "TransformerEncoder"
         _check_common(self, owner, ("vocab_size", "dim", "depth", "num_heads", "max_seq_len"))
         check_int(self.type_vocab_size, "type_vocab_size", owner, minimum=0)
-        _check_choice(self.pos, "pos", POSITIONS, owner)
+        resolve_positions(self.pos, self.attention, owner)
         for name in ("norm_first", "bias", "pooler", "mlm_head"):
             _check_bool(getattr(self, name), name, owner)
         _check_optional_bool(self, owner, "embed_norm", "final_norm")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from attnzoo.models._common import (
 from attnzoo.models.config import DecoderConfig
 from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
 from attnzoo.nn.positional import ScaledRotaryEmbedding
+from attnzoo.variants import VARIANTS
 
 __all__ = ["DecoderLM", "sample_next_token"]
 
@@ -53,6 +55,30 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+#: The fields that shape the blocks a DecoderLM builds; with ``blocks=...`` they must keep their defaults.
+_BLOCK_FIELDS = ("attention", "attention_kwargs", "num_kv_heads", "ffn", "ffn_hidden", "qk_norm", "attn_softcap",
+                 "sublayer_norm", "layer_windows", "cross_attention", "context_dim", "norm_first", "head_dim")
+
+
+def _given_blocks(blocks: object, cfg: DecoderConfig) -> list[nn.Module]:
+    """``blocks``: one module per layer, or a factory ``layer -> module``; checked against ``cfg``."""
+    owner = "DecoderLM"
+    if callable(blocks) and not isinstance(blocks, nn.Module):
+        blocks = [blocks(i) for i in range(cfg.depth)]
+    if isinstance(blocks, nn.Module) or not isinstance(blocks, Sequence):
+        raise TypeError(f"{owner}: blocks must be a list of modules (one per layer) or a callable layer -> module, "
+                        f"got {type(blocks).__name__}")
+    if len(blocks) != cfg.depth or not all(isinstance(b, nn.Module) for b in blocks):
+        raise ValueError(f"{owner}: blocks must hold depth={cfg.depth} nn.Module entries, got "
+                         f"{[type(b).__name__ for b in blocks]}")
+    defaults = DecoderConfig(1, 1, 1, 1)
+    stray = [f for f in _BLOCK_FIELDS if getattr(cfg, f) != getattr(defaults, f)]
+    if stray:
+        raise ValueError(f"{owner}: blocks=... are built by the caller, so {stray} would be ignored; build those "
+                         f"settings into the blocks")
+    return list(blocks)
 
 
 def _check_flag(x: object, owner: str) -> bool:
@@ -115,6 +141,7 @@ class DecoderLM(FromConfig, nn.Module):
 
     def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
                  num_heads: int | None = None, *, config: DecoderConfig | None = None,
+                 blocks: Sequence[nn.Module] | Callable[[int], nn.Module] | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  **options: Any) -> None:
         super().__init__()
@@ -122,15 +149,18 @@ class DecoderLM(FromConfig, nn.Module):
                                                           "num_heads": num_heads}, options)
         self.config = cfg
         self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
-        self.max_seq_len, self.pos, self.head_dim = cfg.max_seq_len, cfg.pos, cfg.resolved_head_dim
+        self.max_seq_len, self.pos, self.head_dim = cfg.max_seq_len, cfg.resolved_pos, cfg.resolved_head_dim
         self.embed_scale = None if cfg.embed_scale is None else float(cfg.embed_scale)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.rope = self._rotary(cfg)
+        given = None if blocks is None else _given_blocks(blocks, cfg)
+        ropes = {} if given is not None else self._rotaries(cfg)
+        self.rope = ropes.get(self.head_dim, next(iter(ropes.values()), None))
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
-        self.pos_emb = position_table(cfg.pos, cfg.dim, cfg.max_seq_len, **kw)
+        self.pos_emb = position_table(self.pos, cfg.dim, cfg.max_seq_len, **kw)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList([TransformerBlock(config=self.block_config(cfg, self.rope, i), **kw)
-                                     for i in range(cfg.depth)])
+        if given is None:
+            self.blocks = nn.ModuleList([TransformerBlock(config=self.block_config(cfg, ropes, i), **kw)
+                                         for i in range(cfg.depth)])
         use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm
         self.norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
         self.head_size, self.logit_softcap = cfg.head_size, cfg.logit_softcap
@@ -141,33 +171,56 @@ class DecoderLM(FromConfig, nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.cross_attention = cfg.cross_attention
         init_weights(self, depth=cfg.depth)
+        if given is not None:  # after the initialisation: given blocks keep their own weights
+            self.blocks = nn.ModuleList(given)
 
-    def _rotary(self, cfg: DecoderConfig) -> nn.Module | None:
-        """The shared rotary embedding; a :class:`ScaledRotaryEmbedding` with ``rope_parameters``."""
-        rope = rotary_for(cfg.pos, cfg.attention, cfg.attention_kwargs, self.head_dim, cfg.rope_base,
-                          cfg.rope_scaling, cfg.rope_scaling_factor)
-        given = (cfg.attention_kwargs or {}).get("rope")
-        if rope is None or cfg.rope_parameters is None or given is rope:
-            return rope
-        params = {"rope_theta": cfg.rope_base, **cfg.rope_parameters}
-        return ScaledRotaryEmbedding(self.head_dim, params, max_position_embeddings=cfg.max_seq_len)
+    def _rotaries(self, cfg: DecoderConfig) -> dict[int, nn.Module]:
+        """The rotary embeddings the layers share, one per width their variants rotate (most take the
+        head width; see :attr:`~attnzoo.nn.spec.VariantSpec.rope_dim`); a
+        :class:`ScaledRotaryEmbedding` with ``rope_parameters``. Empty unless ``pos="rope"``."""
+        ropes: dict[int, nn.Module] = {}
+        for entry in dict.fromkeys(cfg.layer_attention):
+            width = VARIANTS[entry].rope_channels(self.head_dim) if isinstance(entry, str) else self.head_dim
+            if width in ropes:
+                continue
+            rope = rotary_for(self.pos, entry, cfg.attention_kwargs, width, cfg.rope_base, cfg.rope_scaling,
+                              cfg.rope_scaling_factor)
+            given = (cfg.attention_kwargs or {}).get("rope")
+            if rope is not None and cfg.rope_parameters is not None and given is not rope:
+                params = {"rope_theta": cfg.rope_base, **cfg.rope_parameters}
+                rope = ScaledRotaryEmbedding(width, params, max_position_embeddings=cfg.max_seq_len)
+            if rope is not None:
+                ropes[width] = rope
+        return ropes
 
     @staticmethod
-    def block_config(cfg: DecoderConfig, rope: nn.Module | None = None, layer: int | None = None) -> BlockConfig:
+    def block_config(cfg: DecoderConfig, rope: nn.Module | Mapping[int, nn.Module] | None = None,
+                     layer: int | None = None) -> BlockConfig:
         """The (causal) :class:`~attnzoo.blocks.BlockConfig` of layer ``layer`` (``None``: any
-        layer when ``layer_windows`` is not set): the registry builder gets ``bias``,
-        ``num_kv_heads``, ``head_dim`` and the shared ``rope`` unless ``attention_kwargs`` sets
-        them; ``qk_norm`` (with ``qk_norm_eps``) and ``attn_softcap`` become the attention options
-        ``qk_norm``, ``qk_norm_eps`` and ``softcap`` (see :class:`~attnzoo.nn.attention.AttentionOptions`)."""
+        layer of a uniform stack without ``layer_windows``): a registry builder gets ``bias``,
+        ``head_dim``, ``num_kv_heads`` (in a mixed stack: the layers whose variant takes it) and
+        the shared ``rope`` (one module, or ``{width: module}``; only layers whose variant takes a
+        rotary embedding) unless ``attention_kwargs`` sets them; ``qk_norm`` (with
+        ``qk_norm_eps``) and ``attn_softcap`` become the attention options ``qk_norm``,
+        ``qk_norm_eps`` and ``softcap`` (see :class:`~attnzoo.nn.attention.AttentionOptions`)."""
         akw = dict(cfg.attention_kwargs or {})
-        if isinstance(cfg.attention, str):
+        uniform = not isinstance(cfg.attention, tuple)
+        if layer is None and not uniform:
+            raise ValueError(f"DecoderLM.block_config: a per-layer stack needs layer= (0..{cfg.depth - 1})")
+        attention = cfg.attention if uniform else cfg.attention[layer]  # type: ignore[index]
+        if isinstance(attention, str):
+            spec = VARIANTS[attention]
             akw.setdefault("bias", cfg.bias)
-            if cfg.num_kv_heads is not None:
+            if cfg.num_kv_heads is not None and (uniform or "num_kv_heads" in spec.options):
                 akw.setdefault("num_kv_heads", cfg.num_kv_heads)
             if cfg.head_dim is not None:
                 akw.setdefault("head_dim", cfg.head_dim)
+            if isinstance(rope, Mapping):
+                rope = rope.get(spec.rope_channels(cfg.resolved_head_dim)) if spec.takes_rope() else None
             if rope is not None:
                 akw["rope"] = rope
+            elif spec.takes_rope() and cfg.resolved_pos != "rope":
+                akw.setdefault("rope", False)  # pos says none: a module with a default rotary (MLA) drops it
             if cfg.layer_windows is not None and layer is not None:
                 akw.pop("window", None)
                 if cfg.layer_windows[layer] is not None:
@@ -176,7 +229,7 @@ class DecoderLM(FromConfig, nn.Module):
                 akw["qk_norm"], akw["qk_norm_eps"] = cfg.qk_norm, cfg.qk_norm_eps
             if cfg.attn_softcap is not None:
                 akw["softcap"] = cfg.attn_softcap
-        return BlockConfig(cfg.dim, cfg.num_heads, attention=cfg.attention, attention_kwargs=akw or None,
+        return BlockConfig(cfg.dim, cfg.num_heads, attention=attention, attention_kwargs=akw or None,
                            causal=True, cross_attention=cfg.cross_attention, context_dim=cfg.context_dim,
                            norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=cfg.norm_first, ffn=cfg.ffn,
                            ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias,

@@ -197,6 +197,7 @@ class MultiHeadAttention(AttentionBase):
         if score_mod is not None and not callable(score_mod):
             raise TypeError(f"{cls}: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
                             f"got {type(score_mod).__name__}")
+        num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
         opts, factory = AttentionOptions.parse(cls, options)
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
@@ -225,6 +226,9 @@ class MultiHeadAttention(AttentionBase):
                                         or self.alibi):
             raise ValueError(f"{cls}: a cross-attention module (kv_dim={self.kv_dim}) does not take causal, window, "
                              f"rope or alibi (they relate query and key positions of one sequence)")
+
+    #: ``num_kv_heads`` an alias fixes (MQA: 1), or ``"required"`` (GQA); ``None``: free.
+    _fixed_kv_heads: int | str | None = None
 
     @property
     def alibi(self) -> bool:
@@ -520,6 +524,18 @@ class MultiHeadAttention(AttentionBase):
         return s
 
 
+def _alias_kv_heads(fixed: int | str | None, owner: str, num_kv_heads: int | None) -> int | None:
+    """``num_kv_heads`` as an alias class allows it: ``fixed`` an int (MQA: 1), ``"required"`` (GQA)
+    or ``None`` (free)."""
+    if fixed == "required" and num_kv_heads is None:
+        raise TypeError(f"{owner}: num_kv_heads is required (the number of KV groups)")
+    if isinstance(fixed, int):
+        if num_kv_heads not in (None, fixed):
+            raise TypeError(f"{owner} has num_kv_heads={fixed}; use GroupedQueryAttention for other values")
+        return fixed
+    return num_kv_heads
+
+
 def _check_mask(cls: str, mask: object, B: int, H: int, N: int, n_k: int) -> None:
     """A user mask must be None, a Mask, or a bool/float tensor broadcastable to ``[B, H, N, n_k]``
     (checked before a cache is written, so a bad mask changes nothing)."""
@@ -570,14 +586,12 @@ def _shift_mask(mask: Tensor | Mask | None, first: int, total: int) -> Tensor | 
 class MultiQueryAttention(MultiHeadAttention):
     """Multi-query attention (Shazeer, 2019): every query head shares ONE key/value head.
 
-    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, **kw)``; the cache holds ``1 / H`` of
-    MHA's bytes. Arguments as :class:`MultiHeadAttention`.
+    ``MultiHeadAttention(dim, num_heads, num_kv_heads=1, ...)``; the cache holds ``1 / H`` of
+    MHA's bytes. Arguments as :class:`MultiHeadAttention` (``num_kv_heads`` other than 1 is a
+    ``TypeError``).
     """
 
-    def __init__(self, dim: int, num_heads: int, **kw: Any) -> None:
-        if "num_kv_heads" in kw:
-            raise TypeError("MultiQueryAttention has num_kv_heads=1; use GroupedQueryAttention for other values")
-        super().__init__(dim, num_heads, num_kv_heads=1, **kw)
+    _fixed_kv_heads = 1
 
 
 class GroupedQueryAttention(MultiHeadAttention):
@@ -588,8 +602,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     ``num_kv_heads / num_heads`` of MHA's bytes.
     """
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, **kw: Any) -> None:
-        super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, **kw)
+    _fixed_kv_heads = "required"
 
 
 class SlidingWindowAttention(MultiHeadAttention):
@@ -749,9 +762,9 @@ def _arena_window(width: int, heads: int, window: int | None) -> dict[str, Any]:
 
 
 _DENSE = {"family": "softmax", "exact": True, "time": "O(N C^2 + N^2 C)", "memory": "O(N) (fused/tiled)",
-          "cost": _dense_cost, "masks": "any", "ring": True}
-register(VariantSpec("mha", decoding="K,V of every head", build=_build_mha, order=0, arena_default=True,
-                     **_DENSE))
+          "cost": _dense_cost, "masks": "any", "ring": True, "positions": "rope"}
+register(VariantSpec("mha", decoding="K,V of every head (of each KV group with num_kv_heads)", build=_build_mha,
+                     options=("num_kv_heads",), order=0, arena_default=True, **_DENSE))
 register(VariantSpec("mqa", decoding="K,V of one shared head", build=_build_mqa, kv_heads=lambda h, g: 1,
                      order=1, arena_default=True, **_DENSE))
 register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, options=("num_kv_heads",),
@@ -759,7 +772,7 @@ register(VariantSpec("gqa", decoding="K,V of each KV group", build=_build_gqa, o
                      **_DENSE))
 register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) tiled", "last W keys (ring buffer)",
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
-                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3,
+                     check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3, positions="rope",
                      arena_default=True))
 
 
@@ -787,4 +800,4 @@ register(VariantSpec("streaming", "softmax", True, "O(N C^2 + N (W + S) C)", "O(
                      defaults={"window": 64, "global_tokens": (0, 1, 2, 3)},
                      options=("num_kv_heads", "window", "global_tokens"), causal_modes=(True,),
                      check={"window": 4, "global_tokens": (0, 1)}, arena=_arena_window,
-                     masks="causal, window, sink tokens, padding", order=5))
+                     masks="causal, window, sink tokens, padding", order=5, positions="rope"))

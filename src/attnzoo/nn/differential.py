@@ -60,7 +60,7 @@ class DifferentialAttention(AttentionBase):
         rope: ``None``, ``True`` (``RotaryEmbedding(d)``) or a :class:`RotaryEmbedding` of ``d``.
         bias: biases in the projections (the paper's have none).
         backend: backend of :func:`attnzoo.attention`.
-        **factory: ``device``, ``dtype`` of the parameters.
+        device, dtype: of the parameters.
 
     Parameters: ``lambda_q1, lambda_k1, lambda_q2, lambda_k2 [d]`` (``N(0, 0.1)``), ``subln_weight [2d]``.
     Shapes: ``forward(x [B, N, C], *, mask, cache, positions, cu_seqlens) -> [B, N, C]``.
@@ -68,11 +68,10 @@ class DifferentialAttention(AttentionBase):
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  layer_index: int = 0, causal: bool = True, rope: bool | RotaryEmbedding | None = None,
-                 bias: bool = False, backend: str = "auto", **factory: Any) -> None:
+                 bias: bool = False, backend: str = "auto", *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         cls = type(self).__name__
-        unknown = sorted(set(factory) - {"device", "dtype"})
-        if unknown:
-            raise TypeError(f"{cls}: unexpected keyword argument(s) {unknown}; expected some of ['device', 'dtype']")
+        factory = {"device": device, "dtype": dtype}
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"{cls}: num_heads must be an int >= 1, got {num_heads!r}")
         kv = num_heads if num_kv_heads is None else num_kv_heads
@@ -217,4 +216,5 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
 
 register(VariantSpec("diff", "differential", True, "O(N C^2 + N^2 C)", "O(N) (fused/tiled)",
                      "[K1|K2], V of each KV group", _build, _cost, options=("num_kv_heads",),
-                     check={"layer_index": 2}, masks="any"))
+                     check={"layer_index": 2}, masks="any", positions="rope",
+                     rope_dim=lambda head_dim: head_dim // 2))

@@ -208,4 +208,4 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
 
 register(VariantSpec("fox", "forgetting", True, "O(N C^2 + N^2 C)", "O(N) (tiled score_mod)",
                      "K, V and the cumulative log forget gates", _build, _cost, options=("num_kv_heads",),
-                     causal_modes=(True,), masks="causal"))
+                     causal_modes=(True,), masks="causal", positions="own"))

@@ -210,4 +210,5 @@ def _build(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Mo
 register(VariantSpec("infini", "compressive", False, "O(N C^2 + N S C)", "O(N S)",
                      "memory M [D, Dv] + z [D] per head, plus the current segment", _build, _cost,
                      defaults={"segment_len": 2048}, options=("segment_len",), causal_modes=(True,),
-                     check={"segment_len": 8}, masks="causal", order=7, arena_default=True))
+                     check={"segment_len": 8}, masks="causal", order=7, arena_default=True,
+                     positions="none"))

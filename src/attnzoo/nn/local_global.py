@@ -153,4 +153,5 @@ register(VariantSpec("local_global", "softmax", True, "O(N C^2 + N (W + G) C)", 
                      "K,V of every token", _build, _cost, defaults={"window": 64, "global_tokens": (0,)},
                      options=("num_kv_heads", "window", "global_tokens"),
                      check={"window": 4, "global_tokens": (0, 9)}, arena=_arena,
-                     masks="causal, window, global tokens, padding", order=4, arena_default=True))
+                     masks="causal, window, global tokens, padding", order=4, arena_default=True,
+                     positions="rope"))

@@ -604,5 +604,5 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
 register(VariantSpec(
     "mla", "softmax", True, "O(N C^2 + N^2 C)", "O(N) (fused/tiled)",
     "latent c_kv + shared RoPE key (r + dr per token)", _build, _cost,
-    causal_modes=(True, False), check={"q_lora_rank": 16}, masks="any",
+    causal_modes=(True, False), check={"q_lora_rank": 16}, masks="any", positions="rope",
 ))

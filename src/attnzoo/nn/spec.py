@@ -30,6 +30,8 @@ __all__ = [
     "resolve_config",
 ]
 
+#: How a variant takes positions (see :attr:`VariantSpec.positions`).
+POSITION_KINDS = ("rope", "own", "none")
 #: Settings the cost model understands; a spec lists the ones that apply to it in ``options``.
 KNOWN_OPTIONS = ("num_kv_heads", "window", "global_tokens", "num_features", "segment_len", "chunk_size")
 
@@ -108,6 +110,14 @@ class VariantSpec:
         arena: ``arena(width, heads, window) -> settings`` for the arena's small models.
         masks: masks supported (shown by ``attnzoo list``).
         ring: runs under context parallelism (ring attention).
+        positions: how the variant takes token positions: ``"rope"`` (its module applies a rotary
+            embedding passed as ``rope=``; a model with ``pos="rope"`` builds one for it),
+            ``"own"`` (it encodes order itself: decays, short convolutions, gates; a model adds
+            none) or ``"none"`` (position-free apart from causality: absolute embeddings are the
+            model's only option). :class:`~attnzoo.DecoderLM` applies ``pos`` accordingly or
+            refuses it naming the variant, never silently nothing.
+        rope_dim: ``head_dim -> channels`` of the rotary embedding the variant takes (default: the
+            head width; e.g. differential attention rotates half-heads).
         order: listing order (built-ins 0..99; a new variant lands after them by default).
         arena_default: trained by a plain ``attnzoo arena`` (whose whole run must fit in about ten
             minutes on 2 cores, so it holds one representative per family); every variant can be
@@ -130,6 +140,8 @@ class VariantSpec:
     arena: Callable[[int, int, int | None], dict[str, Any]] | None = None
     masks: str = "causal"
     ring: bool = False
+    positions: str = "none"
+    rope_dim: Callable[[int], int] | None = None
     order: int = 100
     arena_default: bool = False
 
@@ -139,11 +151,22 @@ class VariantSpec:
         bad = [o for o in self.options if o not in KNOWN_OPTIONS]
         if bad:
             raise ValueError(f"VariantSpec {self.name}: unknown options {bad}; expected some of {KNOWN_OPTIONS}")
+        if self.positions not in POSITION_KINDS:
+            raise ValueError(f"VariantSpec {self.name}: positions must be one of {POSITION_KINDS}, "
+                             f"got {self.positions!r}")
         for attr in ("build", "cost"):
             if not callable(getattr(self, attr)):
                 raise TypeError(f"VariantSpec {self.name}: {attr} must be callable")
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "check", MappingProxyType(dict(self.check)))
+
+    def takes_rope(self) -> bool:
+        """Whether the module applies a rotary embedding passed as ``rope=``."""
+        return self.positions == "rope"
+
+    def rope_channels(self, head_dim: int) -> int:
+        """Channels of the rotary embedding the variant takes for heads of ``head_dim``."""
+        return head_dim if self.rope_dim is None else int(self.rope_dim(head_dim))
 
     def arena_settings(self, width: int, heads: int, window: int | None) -> dict[str, Any]:
         """Settings of this variant in the arena's models (``{}`` when it declares none)."""
