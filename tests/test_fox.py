@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import attnzoo as az
 from attnzoo.functional.tiled import TileConfig, use_tiles
 from attnzoo.nn.fox import FoxAttention, FoxCache
 from attnzoo.nn.spec import CostShape
@@ -100,3 +101,18 @@ def test_fox_is_registered_with_a_cost() -> None:
     cost = spec.cost(resolve_config("fox", 32, 4), CostShape(batch=1, seq_len=256, elem_bytes=4, acc_bytes=4))
     # K and V (4 heads x 8 dims, 4 bytes) plus one float32 log-gate per head and token
     assert cost.backend == "tiled" and cost.kv_cache_bytes_per_token == 2 * 4 * 8 * 4 + 4 * 4
+
+
+def test_fox_dense_bias_backend_equals_score_mod() -> None:
+    """On ``sdpa`` (no score_mod) FoX passes the same bias as a dense float mask: equal to ``tiled``,
+    with a user mask (a Mask object) folded in, forward and through a cache."""
+    torch.manual_seed(3)
+    tiled = FoxAttention(32, 4, num_kv_heads=2, backend="tiled")
+    dense = FoxAttention(32, 4, num_kv_heads=2, backend="sdpa")
+    dense.load_state_dict(tiled.state_dict())
+    x = torch.randn(2, 10, 32)
+    pad = az.masks.key_padding([10, 7])
+    torch.testing.assert_close(dense(x, mask=pad), tiled(x, mask=pad), rtol=1e-5, atol=1e-5)
+    cache = dense.init_cache(2, 10)
+    steps = torch.cat([dense(x[:, :6], cache=cache)] + [dense(x[:, t:t + 1], cache=cache) for t in range(6, 10)], 1)
+    torch.testing.assert_close(steps, tiled(x), rtol=1e-5, atol=1e-5)

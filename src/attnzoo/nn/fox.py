@@ -79,6 +79,24 @@ def forgetting_bias(c: Tensor) -> Any:
     return score_mod
 
 
+#: Backends without ``score_mod``: FoX passes its bias to them as a dense ``[B, H, Nq, Nk]`` float
+#: mask (``O(N^2)`` memory, as their masked path has anyway).
+DENSE_BIAS_BACKENDS = ("sdpa", "flash")
+
+
+def _dense_bias(c: Tensor, start: int, n: int, mask: Tensor | Mask | None) -> Tensor:
+    """``c_i - c_j`` for the queries at ``start .. start + n - 1`` and every key ``[B, H, n, Nk]``,
+    with a user mask folded in (hidden keys ``-inf``, a float mask added)."""
+    bias = c[:, :, start:start + n, None] - c[:, :, None, :]
+    if mask is None:
+        return bias
+    if isinstance(mask, Mask):
+        mask = mask.materialize(c.shape[0], c.shape[1], n, c.shape[-1], q_offset=start, device=c.device)
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask.to(bias.dtype)
+
+
 class FoxAttention(AttentionBase):
     """Forgetting attention ``[B, N, C] -> [B, N, C]`` (see the module docstring); always causal.
 
@@ -159,8 +177,13 @@ class FoxAttention(AttentionBase):
         else:
             c = cache.gates_after(log_f)
             k, v, _ = cache.update(k, v)
-        res = self.attend(q, k, v, mask=mask, causal=True, q_offset=start, score_mod=forgetting_bias(c),
-                          return_weights=return_weights, backend=self.backend)
+        if self.backend in DENSE_BIAS_BACKENDS:  # no score_mod there: the same bias as a dense float mask
+            bias = _dense_bias(c, start, x.shape[1], mask)
+            res = self.attend(q, k, v, mask=bias, causal=True, q_offset=start, return_weights=return_weights,
+                              backend=self.backend)
+        else:
+            res = self.attend(q, k, v, mask=mask, causal=True, q_offset=start, score_mod=forgetting_bias(c),
+                              return_weights=return_weights, backend=self.backend)
         return (res[0], res[1]) if return_weights else (res, None)
 
     def _packed(self, x: Tensor, cu: Tensor) -> Tensor:
@@ -190,22 +213,23 @@ def _build(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Mo
 
 def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     """Causal softmax attention on the ``tiled`` backend (``auto`` serves the score_mod there),
-    plus the gate projection (``2 C H`` FLOPs per token), the bias (3 FLOPs per computed pair and
-    head: two gathers' difference and the add) and ``H`` float32 log-gates per cached token."""
+    plus the gate projection (``2 C H`` FLOPs per token) and ``H`` float32 log-gates per cached
+    token; the bias is elementwise work (uncounted, like the softmax's exponentials). On ``sdpa``
+    (a dense bias mask) the ``[B, H, N, N]`` bias adds to the activations."""
     used = shape if shape.backend != "auto" else dataclasses.replace(shape, backend="tiled" if shape.elem_bytes != 8
                                                                      else "reference")
     base = softmax_cost(cfg, used)
     B, N, H = shape.batch, shape.seq_len, cfg.num_heads
     gate = 2 * B * N * cfg.dim * H
-    bias = 3 * B * H * base.visible_pairs
     per_token = base.kv_cache_bytes_per_token + 4 * H
+    dense_bias = used.backend in DENSE_BIAS_BACKENDS
+    bias_bytes = B * H * N * N * shape.acc_bytes if dense_bias else 0  # the materialised bias / modified scores
     return dataclasses.replace(
-        base, flops_projections=base.flops_projections + gate, flops_attention=base.flops_attention + bias,
-        flops_backward=base.flops_backward + 2 * gate + 2 * bias, params=base.params + cfg.dim * H + H,
-        activation_bytes=base.activation_bytes + 8 * B * N * H, kv_cache_bytes_per_token=per_token,
-        kv_cache_bytes=B * N * per_token)
+        base, flops_projections=base.flops_projections + gate, flops_backward=base.flops_backward + 2 * gate,
+        params=base.params + cfg.dim * H + H, activation_bytes=base.activation_bytes + 8 * B * N * H + bias_bytes,
+        kv_cache_bytes_per_token=per_token, kv_cache_bytes=B * N * per_token)
 
 
-register(VariantSpec("fox", "forgetting", True, "O(N C^2 + N^2 C)", "O(N) (tiled score_mod)",
+register(VariantSpec("fox", "softmax", True, "O(N C^2 + N^2 C)", "O(N) (tiled score_mod)",
                      "K, V and the cumulative log forget gates", _build, _cost, options=("num_kv_heads",),
                      causal_modes=(True,), masks="causal", positions="own"))
