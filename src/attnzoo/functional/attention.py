@@ -196,6 +196,10 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
         out = sdpa.sdpa_attention(r)
     elif name == "tiled" and torch.compiler.is_compiling() and r.score_mod is None:
         out, lse = tiled_op_attention(r)  # one custom operator per direction (no unrolled loops)
+    elif name == "tiled" and torch.compiler.is_compiling():
+        # A score_mod cannot cross a custom operator, and its captured tensors are found by an eager
+        # probe: compiled, it is traced densely (exact, gradients by autograd; O(Nq x Nk) memory).
+        out, lse, _ = reference.reference_attention(r)
     elif name == "tiled":
         out, lse = tiled.tiled_attention(r)
     elif name == "flex":
