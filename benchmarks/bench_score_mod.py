@@ -16,13 +16,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from bench_core import timed  # medians of interleaved repeats (the script's folder is on sys.path)
 
 import attnzoo as az
 from attnzoo.nn.positional import alibi_slopes
+
+
+def _once(f: Callable[[], object]) -> tuple[float, float]:
+    """``(wall, process CPU)`` seconds of one call of ``f``."""
+    w, c = time.perf_counter(), time.process_time()
+    f()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Median ``(wall, CPU)`` seconds of each function over ``repeats`` rounds, the functions
+    interleaved round-robin after one warm-up call each. On a shared machine the process CPU
+    time is the steadier number (one thread: it excludes the time other processes ran)."""
+    for f in fns.values():
+        f()
+    rounds = [{name: _once(f) for name, f in fns.items()} for _ in range(repeats)]
+    return {name: (statistics.median(r[name][0] for r in rounds), statistics.median(r[name][1] for r in rounds))
+            for name in fns}
 
 
 def alibi_score_mod(slopes: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -57,9 +77,12 @@ def case(n: int, heads: int, dim: int, repeats: int, learned: bool) -> dict[str,
 
     f = timed({"builtin": fwd_builtin, "score_mod": fwd_mod}, repeats)
     t = timed({"builtin": train_builtin, "score_mod": train_mod}, repeats)
-    return {"N": n, "fwd_builtin_s": f["builtin"], "fwd_score_mod_s": f["score_mod"],
-            "fwd_ratio": f["score_mod"] / f["builtin"], "train_builtin_s": t["builtin"],
-            "train_score_mod_s": t["score_mod"], "train_ratio": t["score_mod"] / t["builtin"]}
+    row: dict[str, float] = {"N": n}
+    for tag, res in (("fwd", f), ("train", t)):
+        for i, unit in enumerate(("wall", "cpu")):
+            row[f"{tag}_builtin_{unit}_s"], row[f"{tag}_score_mod_{unit}_s"] = res["builtin"][i], res["score_mod"][i]
+            row[f"{tag}_{unit}_ratio"] = res["score_mod"][i] / res["builtin"][i]
+    return row
 
 
 def main() -> None:
@@ -74,15 +97,17 @@ def main() -> None:
     rows = []
     print(f"score_mod ALiBi vs built-in alibi_slopes, tiled, causal, B=1 H={args.heads} D={args.dim}, "
           f"torch threads {torch.get_num_threads()}, learned slopes: {args.learned}")
-    print(f"{'N':>6} {'fwd builtin':>12} {'fwd mod':>10} {'ratio':>6} {'f+b builtin':>12} {'f+b mod':>10} {'ratio':>6}")
+    print("times: median wall / median process CPU seconds; ratio = score_mod / built-in")
+    print(f"{'N':>6} {'fwd builtin':>16} {'fwd mod':>16} {'ratio':>11} {'f+b builtin':>16} {'f+b mod':>16} {'ratio':>11}")
     for n in args.sizes:
         r = case(n, args.heads, args.dim, args.repeats, args.learned)
         rows.append(r)
-        print(f"{n:>6} {r['fwd_builtin_s']:>11.3f}s {r['fwd_score_mod_s']:>9.3f}s {r['fwd_ratio']:>6.2f} "
-              f"{r['train_builtin_s']:>11.3f}s {r['train_score_mod_s']:>9.3f}s {r['train_ratio']:>6.2f}")
+        cells = [f"{r[f'{t}_{w}_wall_s']:7.2f}/{r[f'{t}_{w}_cpu_s']:<7.2f}"
+                 for t in ("fwd", "train") for w in ("builtin", "score_mod")]
+        ratios = [f"{r[f'{t}_wall_ratio']:4.2f}/{r[f'{t}_cpu_ratio']:<4.2f}" for t in ("fwd", "train")]
+        print(f"{n:>6} {cells[0]:>16} {cells[1]:>16} {ratios[0]:>11} {cells[2]:>16} {cells[3]:>16} {ratios[1]:>11}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+        Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
