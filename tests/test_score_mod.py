@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.oracle import oracle_attention
+from tests.test_docs import blocks as doc_blocks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -274,12 +275,8 @@ def test_bad_score_mod(bad, error, match) -> None:
 
 
 def test_score_mod_docs_run() -> None:
-    """Every python block of docs/score-mod.md runs as written."""
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "score-mod.md").read_text()
-    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    """Every python block of docs/score-mod.md runs as written (test_docs.py's block finder)."""
+    found = doc_blocks("docs/score-mod.md")
     assert len(found) >= 3
     for i, code in enumerate(found):
         exec(compile(code, f"docs/score-mod.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
