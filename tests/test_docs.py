@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/backends.md"]
+PAGES = ["README.md", "docs/backends.md", "docs/models.md"]
 
 
 def blocks(page: str) -> list[str]:

@@ -554,3 +554,40 @@ def test_streaming_user_masks_decode_equals_full(mode, kind) -> None:
                 e = min(N, s + chunk)
                 outs.append(m(x[:, s:e], cache=cache, mask=mask if kind == "Mask" else mask[..., :e]))
             torch.testing.assert_close(torch.cat(outs, 1), full, atol=2e-6, rtol=1e-5)
+
+
+def test_streaming_is_its_own_class() -> None:
+    """StreamingLLM is a class of its own (the `streaming` variant builds it); the pinned call
+    SlidingWindowAttention(..., sink_tokens=n) returns one, and it survives pickling and copying."""
+    import copy
+    import pickle
+
+    m = az.SlidingWindowAttention(16, 4, window=3, sink_tokens=2)
+    assert type(m) is az.StreamingAttention and isinstance(m, az.SlidingWindowAttention)
+    assert type(az.SlidingWindowAttention(16, 4, window=3)) is az.SlidingWindowAttention
+    assert type(az.variants.build_attention("streaming", 16, 4)) is az.StreamingAttention
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert type(clone) is az.StreamingAttention and clone.sink_tokens == 2
+        x = torch.randn(1, 7, 16)
+        torch.testing.assert_close(clone(x), m(x))
+    with pytest.raises(ValueError, match="sink_tokens must be >= 1"):
+        az.StreamingAttention(16, 4, window=3, sink_tokens=0)
+
+
+def test_sigmoid_is_its_own_class() -> None:
+    """SigmoidAttention carries the sigmoid score (the `sigmoid` variant); MultiHeadAttention(score='sigmoid')
+    builds one, and the other softmax classes refuse the score by name instead of ignoring it."""
+    m = az.MultiHeadAttention(16, 4, causal=True, score="sigmoid", sigmoid_bias=-1.0)
+    assert type(m) is az.SigmoidAttention
+    assert type(az.variants.build_attention("sigmoid", 16, 4)) is az.SigmoidAttention
+    x = torch.randn(2, 6, 16)
+    q, k, v = m.project_qkv(x)
+    want = az.sigmoid_attention(q, k, v, bias=-1.0, causal=True)
+    torch.testing.assert_close(m(x), m.merge_heads(want))
+    for make in (lambda: az.SlidingWindowAttention(16, 4, 3, score="sigmoid"),
+                 lambda: az.GroupedQueryAttention(16, 4, 2, score="sigmoid")):
+        with pytest.raises(ValueError, match="SigmoidAttention"):
+            make()
+    with pytest.raises(ValueError, match="fixed sigmoid_bias"):
+        free = az.SigmoidAttention(16, 4, causal=True)
+        free(x, cache=free.init_cache(2, 6))

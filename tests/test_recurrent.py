@@ -284,7 +284,8 @@ def _bad_cases() -> list[tuple[str, Callable[[], object], type, str]]:
         ("beta < 0", lambda: az.delta_rule(q, k, v, -beta - 0.1), ValueError, "beta"),
         ("beta shape", lambda: az.delta_rule(q, k, v, beta[..., :3]), ValueError, "beta"),
         ("delta log_decay", lambda: az.delta_rule(q, k, v, beta, log_decay=-gd), ValueError, "log_decay"),
-        ("delta log_decay shape", lambda: az.delta_rule(q, k, v, beta, log_decay=gd), ValueError, "log_decay"),
+        ("delta log_decay shape", lambda: az.delta_rule(q, k, v, beta, log_decay=gd[..., :2]), ValueError,
+         "log_decay"),
         ("q k shapes", lambda: az.retention(q, k[:, :, :3], v[:, :, :3], gam), ValueError, "q and k"),
         ("v length", lambda: az.retention(q, k, v[:, :, :3], gam), ValueError, "length"),
         ("rank", lambda: az.retention(q[0], k[0], v[0], gam), ValueError, "rank 4"),
@@ -320,12 +321,13 @@ def test_docs_example_runs() -> None:
 # The pinned signatures (DESIGN.md, "Additions pinned"): the shared keyword tail is one contract;
 # reformatting the def lines or sharing docstring text must not change a name, kind, default or type.
 _TAIL = ("scale: 'float | None' = None, initial_state: 'Tensor | None' = None, return_state: 'bool' = False, "
-         "form: 'str' = 'auto', chunk_size: 'int | None' = None) -> 'Tensor | tuple[Tensor, Tensor]'")
+         "form: 'str' = 'auto', chunk_size: 'int | None' = None, cu_seqlens: 'Tensor | None' = None) "
+         "-> 'Tensor | tuple[Tensor, Tensor]'")
 PINNED_SIGNATURES = {
     "retention": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', gamma: 'Tensor', *, " + _TAIL,
     "gated_linear_attention": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', log_decay: 'Tensor', *, " + _TAIL,
     "delta_rule": "(q: 'Tensor', k: 'Tensor', v: 'Tensor', beta: 'Tensor', *, log_decay: 'Tensor | None' = None, "
-                  + _TAIL,
+                  + _TAIL.replace("None) -> ", "None, allow_neg_eigval: 'bool' = False) -> "),
 }
 
 

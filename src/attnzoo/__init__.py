@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     "MultiQueryAttention": "attnzoo.nn.attention",
     "GroupedQueryAttention": "attnzoo.nn.attention",
     "SlidingWindowAttention": "attnzoo.nn.attention",
+    "StreamingAttention": "attnzoo.nn.attention",
+    "SigmoidAttention": "attnzoo.nn.attention",
     "LocalGlobalAttention": "attnzoo.nn.local_global",
     "DifferentialAttention": "attnzoo.nn.differential",
     "LinearAttention": "attnzoo.nn.feature_attention",

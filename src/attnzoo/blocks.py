@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from attnzoo.masks import Mask
 from attnzoo.masks import key_padding as key_padding_mask
 from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.packing import check_packed_call, run_packed
 from attnzoo.variants import build_attention, variant_names
 
 __all__ = ["ACTIVATIONS", "NORMS", "BlockCache", "BlockConfig", "BlockLayers", "Config", "FeedForward", "RMSNorm",
@@ -541,7 +542,10 @@ class TransformerBlock(nn.Module):
 
     def _mix(self, h: Tensor, mask: Any, cache: Any, positions: Tensor | None,
              cu_seqlens: Tensor | None = None) -> Tensor:
-        kw: dict[str, Any] = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        if cu_seqlens is not None:  # the mixer's fused path, else one sequence at a time (attnzoo.nn.packing)
+            cu = check_packed_call("TransformerBlock", h, cu_seqlens, mask=mask, cache=cache, positions=positions)
+            return run_packed(self.attn, h, cu)
+        kw: dict[str, Any] = {}
         if mask is not None:
             kw["mask"] = mask
         if cache is not None:

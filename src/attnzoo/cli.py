@@ -199,11 +199,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as exc:
             raise CLIError(f"{name}: {exc}") from None
         rows.append([name, spec.family, "exact" if spec.exact else "approx", spec.time, *_cache_cells(est),
-                     *([spec.memory, spec.decoding, spec.masks] if args.wide else [])])
+                     *([spec.memory, spec.decoding, spec.masks, spec.positions] if args.wide else [])])
         data.append({"name": name, "family": spec.family, "exact": spec.exact, "time": spec.time,
                      "memory": spec.memory, "kv_cache_bytes_per_token": est.kv_cache_bytes_per_token,
                      "kv_cache_bytes": est.kv_cache_bytes, "kv_cache_max_tokens": est.kv_cache_max_tokens,
-                     "decoding": spec.decoding, "masks": spec.masks})
+                     "decoding": spec.decoding, "masks": spec.masks, "positions": spec.positions})
     if args.json:
         print(json.dumps({"config": {"dim": args.dim, "heads": args.heads, "kv_heads": args.kv_heads,
                                      "dtype": str(dt).replace("torch.", ""), "seq_len": args.seq_len},
@@ -211,9 +211,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     print_table(f"attention variants (one layer, C={args.dim}, H={args.heads}, {args.dtype}, cache at N={args.seq_len})",
                 ["variant", "family", "exact", "time", "KV bytes/token", "cache at N",
-                 *(["attention memory", "decoding cache", "masks"] if args.wide else [])], rows, plain=args.plain)
+                 *(["attention memory", "decoding cache", "masks", "positions"] if args.wide else [])], rows,
+                plain=args.plain)
     if not args.wide:
-        print("(--wide adds attention memory, decoding cache and masks)")
+        print("(--wide adds attention memory, decoding cache, masks and positions: rope / own / none)")
     return 0
 
 

@@ -54,7 +54,7 @@ from attnzoo.arena.verdict import verdict
 from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.distributed import ContextParallel, context_parallel, gather_sequence, shard_positions
 from attnzoo.models import DecoderLM
-from attnzoo.variants import VARIANTS, variant_names
+from attnzoo.variants import VARIANTS, layer_pattern, variant_names
 
 __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
            "build_model", "run_arena", "setting_differences", "settings_for"]
@@ -231,13 +231,20 @@ def _make_task(s: TaskSettings) -> Task:
     return MQARTask(seq_len=s.seq_len, num_kv_pairs=s.num_kv_pairs, vocab_size=s.vocab_size)
 
 
+def _arena_pos(pos: str, variant: str) -> str:
+    """The task's ``pos``, except that a rope task gives ``"none"`` to a stack none of whose variants takes
+    a rotary embedding (they carry order themselves or rely on causality; see ``VariantSpec.positions``)."""
+    takes = any(VARIANTS[n].takes_rope() for n in layer_pattern(variant, 1 + variant.count("/")))
+    return "none" if pos == "rope" and not takes else pos
+
+
 def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device,
                  max_len: int = 0) -> torch.nn.Module:
     akw = VARIANTS[variant].arena_settings(s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
                       max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
-                      pos=None if s.pos == "rope" else s.pos, device=device)  # rope where the variant takes it
+                      pos=_arena_pos(s.pos, variant), device=device)
     _gpt2_init(model)
     return model
 

@@ -23,18 +23,19 @@ directly rather than as a difference of prefix sums, so it keeps its relative pr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.functional._request import check_qkv
+from attnzoo._validate import check_tensor_ranks
 
 __all__ = [
     "DEFAULT_CHUNK",
     "FORMS",
     "GROUP_BUDGET_BYTES",
+    "check_cu_seqlens",
     "check_gate",
     "check_recurrent_inputs",
     "chunked_scan",
@@ -43,6 +44,7 @@ __all__ = [
     "log_segsum",
     "matrix_scan",
     "resolve_form",
+    "run_family",
     "suffix_sum",
     "token_loop",
 ]
@@ -69,17 +71,37 @@ def _eager() -> bool:
 
 
 def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: object, initial_state: object,
-                           return_state: object, form: object, chunk_size: object) -> tuple[float, int]:
-    """Validate the arguments shared by the families; returns ``(scale, chunk)``."""
-    check_qkv(q, k, v)
-    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)  # check_qkv raised otherwise
+                           return_state: object, form: object, chunk_size: object,
+                           cu_seqlens: object = None) -> tuple[float, int, list[int] | None]:
+    """Validate the arguments shared by the families; returns ``(scale, chunk, bounds)``.
+
+    ``q, k [B, Hk, N, Dk]``, ``v [B, Hv, N, Dv]`` with ``Hv`` a multiple of ``Hk`` (grouped value
+    heads); ``bounds`` is ``cu_seqlens`` as a list (``None`` without packing), and then the states
+    are ``[S, Hv, Dk, Dv]``.
+    """
+    check_tensor_ranks(4, "[B, H, N, D]", q=q, k=k, v=v)
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)  # checked above
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"{fn}: {name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     if q.shape != k.shape:
-        raise ValueError(f"{fn}: q and k must have the same shape [B, H, N, Dk], got q {tuple(q.shape)} "
+        raise ValueError(f"{fn}: q and k must have the same shape [B, Hk, N, Dk], got q {tuple(q.shape)} "
                          f"and k {tuple(k.shape)}")
+    if v.shape[0] != k.shape[0] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"{fn}: v must be [B, Hv, N, Dv] with k's batch size B and length N, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
+    if k.shape[1] < 1 or v.shape[1] % k.shape[1]:
+        raise ValueError(f"{fn}: v's heads Hv must be a multiple of k's heads Hk >= 1 (grouped value heads), "
+                         f"got Hk={k.shape[1]} and Hv={v.shape[1]}")
     if q.shape[2] < 1 or q.shape[3] < 1 or v.shape[3] < 1:
         raise ValueError(f"{fn}: q, k, v need N >= 1 tokens and head dims >= 1, got q {tuple(q.shape)}, "
                          f"v {tuple(v.shape)}")
-    b, h, _, dk = q.shape
+    b, _, n, dk = q.shape
+    bounds = None if cu_seqlens is None else check_cu_seqlens(fn, cu_seqlens, b, n)
     if scale is None:
         scale = dk ** -0.5  # (symbolic under dynamic shapes: no check on it)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -95,16 +117,36 @@ def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: obje
     if chunk_size < 1:
         raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
     if initial_state is not None:
+        lead = "S" if bounds is not None else "B"
         if not isinstance(initial_state, Tensor) or not initial_state.is_floating_point():
-            raise TypeError(f"{fn}: initial_state must be a floating-point tensor [B, H, Dk, Dv], got "
+            raise TypeError(f"{fn}: initial_state must be a floating-point tensor [{lead}, Hv, Dk, Dv], got "
                             f"{type(initial_state).__name__}")
-        want = (b, h, dk, v.shape[3])
+        want = (b if bounds is None else len(bounds) - 1, v.shape[1], dk, v.shape[3])
         if tuple(initial_state.shape) != want:
-            raise ValueError(f"{fn}: initial_state must have shape [B, H, Dk, Dv] = {list(want)}, got "
+            raise ValueError(f"{fn}: initial_state must have shape [{lead}, Hv, Dk, Dv] = {list(want)}, got "
                              f"{tuple(initial_state.shape)}")
         if initial_state.device != q.device:
             raise ValueError(f"{fn}: initial_state is on {initial_state.device} but q is on {q.device}")
-    return float(scale), chunk_size
+    return float(scale), chunk_size, bounds
+
+
+def check_cu_seqlens(fn: str, cu_seqlens: object, batch: int, n: int) -> list[int]:
+    """``cu_seqlens`` of packed sequences: int32 ``[S+1]``, from 0, non-decreasing, to ``N``, with ``B == 1``.
+
+    Sequences of length 0 are allowed (their state passes through unchanged)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"{fn}: cu_seqlens must be an int32 tensor [S+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{fn}: cu_seqlens must be 1-d [S+1] with S >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"{fn}: packed sequences (cu_seqlens) need batch size B == 1, got B = {batch}")
+    bounds = [int(c) for c in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):
+        shown = bounds if len(bounds) <= 12 else bounds[:6] + ["..."] + bounds[-5:]  # type: ignore[list-item]
+        raise ValueError(f"{fn}: cu_seqlens must start at 0, never decrease and end at N = {n}, got {shown}")
+    return bounds
 
 
 def check_gate(fn: str, name: str, x: object, shapes: Sequence[tuple[int, ...]], device: torch.device,
@@ -168,58 +210,115 @@ def _group_chunks(per_chunk_bytes: int, n_chunks: int) -> int:
 
 
 def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[Tensor], s0: Tensor,
-                 chunk: int, per_chunk_bytes: int, scale: float) -> tuple[Tensor, Tensor]:
-    """Run ``parts`` chunk by chunk and carry the state. Returns ``(out [B, H, N, Dv], S_end)``.
+                 chunk: int, per_chunk_bytes: int, scale: float,
+                 segments: Sequence[tuple[int, int]] | None = None) -> tuple[Tensor, Tensor]:
+    """Run ``parts`` chunk by chunk and carry the state. Returns ``(out [*L, N, Dv], S_end)``.
 
     Args:
         parts: the family's chunk function (see the module docstring).
-        q, k: ``[B, H, N, Dk]``; v ``[B, H, N, Dv]``, in any float dtype: each group of chunks is cast
-            to the compute dtype (and q scaled) when it is used, so no full-length copy is made.
-        gates: per-token tensors ``[B, H, N]`` or ``[B, H, N, Dk]`` (zero is the neutral value).
-        s0: the state before the first token ``[B, H, Dk, Dv]``, in the compute dtype.
+        q, k: ``[*Lk, N, Dk]``; v ``[*L, N, Dv]`` (``Lk`` broadcasts to ``L``: grouped value heads run
+            as ``q, k [B, Hk, 1, N, Dk]`` against ``v [B, Hk, G, N, Dv]``, never expanded), in any
+            float dtype: each group of chunks is cast to the compute dtype (and q scaled) when it is
+            used, so no full-length copy is made.
+        gates: per-token tensors ``[*L, N]`` or ``[*L, N, Dk]`` (zero is the neutral value).
+        s0: the state before the first token ``[*L, Dk, Dv]``, in the compute dtype; with ``segments``
+            one state per sequence ``[S, *L[1:], Dk, Dv]``.
         chunk: ``C``; ``chunk >= N`` runs one chunk of exactly ``N`` tokens (no padding).
         per_chunk_bytes: the family's estimate of one chunk's temporaries (sizes the groups).
         scale: multiplies q.
+        segments: packed sequences (``L[0] == 1``), ``(first chunk, number of chunks)`` each, in order:
+            the state restarts from ``s0[i]`` at sequence i's first chunk; ``S_end`` is then the states
+            after each sequence ``[S, *L[1:], Dk, Dv]`` (a sequence without chunks keeps ``s0[i]``).
     """
-    b, h, n, dv = v.shape
+    n, dv = v.shape[-2:]
+    lead, tdim = v.shape[:-2], v.dim() - 2
     chunk = min(chunk, n)
-    out = v.new_empty(b, h, n, dv, dtype=s0.dtype)
-    s = s0
-    compiling = torch.compiler.is_compiling()
+    out = v.new_empty(*lead, n, dv, dtype=s0.dtype)
+    compiling = torch.compiler.is_compiling() and segments is None
+    carry = _Carry(s0, segments)
     step = _group_chunks(per_chunk_bytes, -(-n // chunk)) * chunk
     # compiled: one group, always padded, so that nothing loops or branches on the length
     groups = [(0, n)] if compiling else [(lo, min(n, lo + step)) for lo in range(0, n, step)]
     for lo, hi in groups:
         m = -(-(hi - lo) // chunk)
         pad = m * chunk - (hi - lo)
-        xs = [t[:, :, lo:hi].to(s0.dtype) for t in (q, k, v, *gates)]
+        xs = [t.narrow(tdim, lo, hi - lo).to(s0.dtype) for t in (q, k, v, *gates)]  # tokens on dim tdim
         xs[0] = xs[0] * scale
         if compiling or pad:  # zero tokens at the end: no key, no write, no decay (pad unread when compiling)
-            xs = [F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad)) for t in xs]
-        xs = [t.reshape(b, h, m, chunk, *t.shape[3:]) for t in xs]  # [B, H, m, C(, D)]
+            xs = [F.pad(t, (0, 0, 0, pad)) if t.dim() == v.dim() else F.pad(t, (0, pad)) for t in xs]
+        xs = [t.unflatten(tdim, (m, chunk)) for t in xs]  # [*L, m, C(, D)]
         o_intra, q_state, a, r = parts(*xs)
-        if compiling and a.dim() == 4:
-            starts, s = _diagonal_starts(a, r, s)
-        elif compiling:  # a full [Dk, Dk] map (delta rule): one operator, not a loop of length m
-            starts, s = matrix_scan(a, r, s)
+        full = a.dim() == r.dim()  # a [..., m, Dk, Dk] (delta rule) or diagonal [..., m, Dk]
+        if compiling:
+            flat_a = a.expand(*r.shape[:-1], *a.shape[r.dim() - 1:]).flatten(0, len(lead) - 1).unsqueeze(0)
+            flat_r, flat_s = r.flatten(0, len(lead) - 1).unsqueeze(0), carry.s.flatten(0, len(lead) - 1).unsqueeze(0)
+            if full:  # a full [Dk, Dk] map (delta rule): one operator, not a loop of length m
+                starts, s_end = matrix_scan(flat_a, flat_r, flat_s)
+            else:
+                starts, s_end = _diagonal_starts(flat_a, flat_r, flat_s)
+            starts, carry.s = starts.squeeze(0).unflatten(0, lead), s_end.squeeze(0).unflatten(0, lead)
         else:
-            starts, s = _loop_starts(a, r, s)
-        o = o_intra + torch.matmul(q_state, starts)  # [B, H, m, C, Dv]
-        out[:, :, lo:hi] = o.reshape(b, h, m * chunk, dv)[:, :, : hi - lo]
-    return out, s
+            starts = carry.run(a, r, lo // chunk)
+        o = o_intra + torch.matmul(q_state, starts)  # [*L, m, C, Dv]
+        out.narrow(tdim, lo, hi - lo).copy_(o.flatten(tdim, tdim + 1).narrow(tdim, 0, hi - lo))
+    return out, carry.end()
+
+
+class _Carry:
+    """The state carried from chunk to chunk (with restarts at packed sequences' first chunks)."""
+
+    def __init__(self, s0: Tensor, segments: Sequence[tuple[int, int]] | None) -> None:
+        self.segments = segments
+        if segments is None:
+            self.s = s0
+            return
+        self.s0 = s0
+        self.first = {c0: i for i, (c0, m) in enumerate(segments) if m}
+        self.last = {c0 + m - 1: i for i, (c0, m) in enumerate(segments) if m}
+        self.finals: list[Tensor] = [s0[i:i + 1] for i in range(len(segments))]
+        self.s = s0[:1]
+
+    def run(self, a: Tensor, r: Tensor, j0: int) -> Tensor:
+        """States at the starts of chunks ``j0 .. j0 + m - 1`` (``a, r`` their maps), carrying ``self.s``."""
+        if self.segments is None:
+            starts, self.s = _loop_starts(a, r, self.s)
+            return starts
+        starts = []
+        full = a.dim() == r.dim()
+        for i in range(r.shape[-3]):
+            j = j0 + i
+            if j in self.first:
+                self.s = self.s0[self.first[j]:self.first[j] + 1]
+            starts.append(self.s)
+            self.s = _step(a.select(a.dim() - (3 if full else 2), i), r.select(r.dim() - 3, i), self.s, full)
+            if j in self.last:
+                self.finals[self.last[j]] = self.s
+        return torch.stack(starts, dim=r.dim() - 3)
+
+    def end(self) -> Tensor:
+        return self.s if self.segments is None else torch.cat(self.finals, dim=0)
+
+
+def _step(a: Tensor, r: Tensor, s: Tensor, full: bool) -> Tensor:
+    """``A S + R`` for one chunk: ``a [..., Dk]`` (diagonal) or ``[..., Dk, Dk]``."""
+    if not full:
+        return torch.addcmul(r, a.unsqueeze(-1), s)
+    shape = torch.broadcast_shapes(r.shape, s.shape)
+    a, r, s = a.expand(*shape[:-1], a.shape[-1]), r.expand(shape), s.expand(shape)
+    return torch.baddbmm(r.reshape(-1, *shape[-2:]), a.reshape(-1, *a.shape[-2:]),
+                         s.reshape(-1, *shape[-2:])).view(shape)
 
 
 def _loop_starts(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """States at the start of each chunk ``[B, H, m, Dk, Dv]`` and after the last one, one chunk at a
-    time: ``S_{i+1} = A_i S_i + R_i`` with ``A`` diagonal ``[B, H, m, Dk]`` or ``[B, H, m, Dk, Dk]``."""
+    """States at the start of each chunk ``[..., m, Dk, Dv]`` and after the last one, one chunk at a
+    time: ``S_{i+1} = A_i S_i + R_i`` with ``A`` diagonal ``[..., m, Dk]`` or ``[..., m, Dk, Dk]``
+    (chunks on dim -3 of ``r``; ``[B, H, m, ...]`` as the compiled operators use)."""
     starts = []
-    for i in range(a.shape[2]):
+    full = a.dim() == r.dim()
+    for i in range(r.shape[-3]):
         starts.append(s)
-        if a.dim() == 4:  # diagonal decay
-            s = torch.addcmul(r[:, :, i], a[:, :, i].unsqueeze(-1), s)
-        else:
-            s = torch.baddbmm(r[:, :, i].flatten(0, 1), a[:, :, i].flatten(0, 1), s.flatten(0, 1)).view_as(s)
-    return torch.stack(starts, dim=2), s
+        s = _step(a.select(a.dim() - (3 if full else 2), i), r.select(r.dim() - 3, i), s, full)
+    return torch.stack(starts, dim=r.dim() - 3), s
 
 
 def _diagonal_starts(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
@@ -292,7 +391,7 @@ Loop = Callable[..., tuple[Tensor, ...]]
 
 
 def token_loop(name: str, loop: Loop, shapes: Loop) -> Loop:
-    """``loop`` as one operator, ``attnzoo::<name>``, for ``torch.compile`` (first tensor ``[B, H, N, .]``).
+    """``loop`` as one operator, ``attnzoo::<name>``, for ``torch.compile`` (first tensor ``[..., N, .]``).
 
     Traced, a Python loop over the tokens unrolls into a graph whose size (and compile time) grows
     with N and that is rebuilt for every length. The operator runs ``loop`` eagerly instead: one
@@ -344,8 +443,65 @@ def token_loop(name: str, loop: Loop, shapes: Loop) -> Loop:
     op.register_autograd(backward, setup_context=setup)
 
     def call(*tensors: Tensor) -> tuple[Tensor, ...]:
-        if torch.compiler.is_compiling() and tensors[0].shape[2] != 1:  # [B, H, N, .]: one token stays traced
+        if torch.compiler.is_compiling() and tensors[0].shape[-2] != 1:  # [..., N, .]: one token stays traced
             return tuple(op(list(tensors)))
         return loop(*tensors)  # eager: the loop itself, under autograd
 
     return call
+
+
+# --------------------------------------------------------------------------- grouped heads, packing
+#: ``form(q, k, v, gates, s0, chunk, segments) -> (out, S)`` on grouped views (q already scaled for
+#: the loop; see :func:`run_family`): one of a family's computation forms.
+Form = Callable[..., tuple[Tensor, Tensor]]
+
+
+def run_family(forms: Mapping[str, Form], q: Tensor, k: Tensor, v: Tensor, gates: Sequence[Tensor], s0: Tensor,
+               *, form: str, chunk: int, bounds: list[int] | None) -> tuple[Tensor, Tensor]:
+    """Run a family's ``forms[form]`` ("recurrent" | "quadratic" | "chunked"), with grouped value heads
+    and packed sequences. Returns ``(out [B, Hv, N, Dv], state [B or S, Hv, Dk, Dv])`` in the compute dtype.
+
+    Grouped value heads: ``q, k [B, Hk, N, Dk]`` become the views ``[B, Hk, 1, N, Dk]`` and ``v``, the
+    gates and the state ``[B, Hk, G, ...]`` (``G = Hv / Hk``): value head ``j = h G + i`` reads key head
+    ``h = j // G``, and ``q, k`` broadcast over ``G`` without a copy.
+
+    Packed sequences (``bounds = cu_seqlens``, ``B == 1``): the recurrent and quadratic forms run each
+    sequence alone; the chunked form pads every sequence with zero tokens (no write, no decay) to a
+    multiple of the chunk, runs all chunks at once and restarts the carried state at each sequence's
+    first chunk (``chunked_scan(segments=...)``), so the work is that of one call on ``T + S C`` tokens.
+    """
+    hk, hv = k.shape[1], v.shape[1]
+    grp = (hk, hv // hk)
+    q5, k5 = q.unsqueeze(2), k.unsqueeze(2)  # [B, Hk, 1, N, Dk]
+    v5, s5 = v.unflatten(1, grp), s0.unflatten(1, grp)  # [B, Hk, G, N, Dv], [B or S, Hk, G, Dk, Dv]
+    g5 = [g.unflatten(1, grp) for g in gates]  # [B, Hk, G, N(, Dk)]
+    run = forms[form]
+    if bounds is None:
+        out, state = run(q5, k5, v5, g5, s5, chunk, None)
+    elif form != "chunked":  # one sequence at a time (the loop is the definition; quadratic: one chunk each)
+        outs, states = [], []
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            if hi == lo:
+                states.append(s5[i:i + 1])
+                continue
+            part = [t.narrow(3, lo, hi - lo) for t in (q5, k5, v5, *g5)]
+            o, s = run(*part[:3], part[3:], s5[i:i + 1], chunk, None)
+            outs.append(o)
+            states.append(s)
+        out, state = torch.cat(outs, dim=3), torch.cat(states, dim=0)
+    else:
+        lengths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        c = min(chunk, max(lengths))
+        blocks = [-(-n // c) for n in lengths]  # chunks per sequence
+        firsts = [sum(blocks[:i]) for i in range(len(blocks))]
+        slots = torch.cat([torch.arange(lo, lo + n) for lo, n in zip((f * c for f in firsts), lengths)])
+        slots = slots.to(v.device)  # [T]: each token's place in the padded stream
+        total = sum(blocks) * c
+
+        def pack(t: Tensor) -> Tensor:
+            return t.new_zeros(*t.shape[:3], total, *t.shape[4:]).index_copy(3, slots, t)
+
+        o, state = run(*(pack(t) for t in (q5, k5, v5)), [pack(g) for g in g5], s5, c,
+                       list(zip(firsts, blocks)))
+        out = o.index_select(3, slots)
+    return out.flatten(1, 2), state.flatten(1, 2)

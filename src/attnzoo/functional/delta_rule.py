@@ -27,6 +27,8 @@ so each chunk is affine in ``S`` (``_chunked_scan``). The quadratic form is one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -38,94 +40,151 @@ from attnzoo.functional._chunked_scan import (
     finish,
     log_segsum,
     resolve_form,
+    run_family,
     suffix_sum,
     token_loop,
 )
+from attnzoo.functional.gla import SUB_CHUNK, vector_scores
 
 __all__ = ["delta_rule"]
 
 
 def _parts(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Chunk parts ``(O_intra, Q', A, R)`` for chunks ``[..., C, D]``, beta and g ``[..., C]``."""
+    """Chunk parts ``(O_intra, Q', A, R)`` for chunks ``[..., C, D]``, beta ``[..., C]``, g ``[..., C]``
+    (one decay per token) or ``[..., C, Dk]`` (per key channel, KDA). q and k may broadcast against
+    v and the gates (grouped value heads)."""
     c, dk = k.shape[-2:]
     dv = v.shape[-1]
-    b = g.cumsum(dim=-1)  # [..., C]
-    gam = b.exp()
-    decay = log_segsum(g).exp_()  # [..., C, C]: exp(b_t - b_i), i <= t
-    lower = (beta.unsqueeze(-1) * torch.matmul(k, k.transpose(-1, -2)) * decay).tril(-1)  # L
     eye_c = torch.eye(c, dtype=k.dtype, device=k.device)
-    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * gam).unsqueeze(-1) * k], dim=-1)  # [..., C, Dv + Dk]
+    if g.dim() == k.dim():  # per key channel: the scores are GLA's vector-decay scores
+        b = g.cumsum(dim=-2)  # [..., C, Dk]: log decay from the chunk start, <= 0
+        gam = b.exp()
+        shape = torch.broadcast_shapes(k.shape, g.shape)
+        qx, kx = q.expand(shape), k.expand(shape)  # one chunk group's tiles, not a full-length copy
+        kk = vector_scores(kx, kx, g, SUB_CHUNK)  # [..., C, C]: sum_d k_td k_id exp(b_td - b_id), i <= t
+        p = vector_scores(qx, kx, g, SUB_CHUNK)
+        lower = (beta.unsqueeze(-1) * kk).tril(-1)  # L
+        k_gam = k * gam  # [..., C, Dk]: K Gamma
+        k_hat = k * suffix_sum(g, -2).exp()  # decayed to the chunk end
+        a_diag = torch.diag_embed(b[..., -1, :].exp())  # [..., Dk, Dk]
+    else:
+        b = g.cumsum(dim=-1)  # [..., C]
+        gam = b.unsqueeze(-1).exp()  # [..., C, 1]
+        decay = log_segsum(g).exp_()  # [..., C, C]: exp(b_t - b_i), i <= t
+        lower = (beta.unsqueeze(-1) * torch.matmul(k, k.transpose(-1, -2)) * decay).tril(-1)  # L
+        p = torch.matmul(q, k.transpose(-1, -2)) * decay  # [..., C, C]
+        k_gam = k * gam
+        k_hat = k * suffix_sum(g, -1).exp().unsqueeze(-1)  # [..., C, Dk]
+        a_diag = gam[..., -1, :, None] * torch.eye(dk, dtype=k.dtype, device=k.device)  # [..., Dk, Dk]
+    bv = beta.unsqueeze(-1) * v  # [..., C, Dv]
+    bk = beta.unsqueeze(-1) * k_gam
+    rhs = torch.cat([bv, bk.expand(*bv.shape[:-1], dk)], dim=-1)  # [..., C, Dv + Dk]
     x = torch.linalg.solve_triangular(eye_c + lower, rhs, upper=False, unitriangular=True)
     u_tilde, w = x[..., :dv], x[..., dv:]  # [..., C, Dv], [..., C, Dk]
-    p = torch.matmul(q, k.transpose(-1, -2)) * decay  # [..., C, C]
     o_intra = torch.matmul(p, u_tilde)
-    q_state = gam.unsqueeze(-1) * q - torch.matmul(p, w)  # [..., C, Dk]
-    k_hat = k * suffix_sum(g, -1).exp().unsqueeze(-1)  # [..., C, Dk]: decayed to the chunk end
-    eye_k = torch.eye(dk, dtype=k.dtype, device=k.device)
-    a = gam[..., -1, None, None] * eye_k - torch.matmul(k_hat.transpose(-1, -2), w)  # [..., Dk, Dk]
+    q_state = q * gam - torch.matmul(p, w)  # [..., C, Dk]
+    a = a_diag - torch.matmul(k_hat.transpose(-1, -2), w)  # [..., Dk, Dk]
     r = torch.matmul(k_hat.transpose(-1, -2), u_tilde)  # [..., Dk, Dv]
     return o_intra, q_state, a, r
 
 
 def _recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """The definition, one token at a time."""
+    """The definition, one token at a time (tokens on dim -2; q, k may broadcast against v)."""
     outs = []
-    for t in range(q.shape[2]):
-        kt = k[:, :, t]  # [B, H, Dk]
-        s = g[:, :, t].exp()[..., None, None] * s  # a_t S_{t-1}
-        err = v[:, :, t] - torch.matmul(kt.unsqueeze(-2), s).squeeze(-2)  # v_t - a_t S^T k_t  [B, H, Dv]
-        s = s + beta[:, :, t, None, None] * kt.unsqueeze(-1) * err.unsqueeze(-2)
-        outs.append(torch.matmul(q[:, :, t].unsqueeze(-2), s).squeeze(-2))  # [B, H, Dv]
-    return torch.stack(outs, dim=2), s
+    per_channel = g.dim() == v.dim()
+    for t in range(v.shape[-2]):
+        kt = k[..., t, :]  # [..., Dk]
+        decay = g[..., t, :].exp().unsqueeze(-1) if per_channel else g[..., t].exp()[..., None, None]
+        s = decay * s  # S'_{t-1} = A_t S_{t-1}
+        err = v[..., t, :] - torch.matmul(kt.unsqueeze(-2), s).squeeze(-2)  # v_t - S'^T k_t  [..., Dv]
+        s = s + beta[..., t, None, None] * kt.unsqueeze(-1) * err.unsqueeze(-2)
+        outs.append(torch.matmul(q[..., t, :].unsqueeze(-2), s).squeeze(-2))  # [..., Dv]
+    return torch.stack(outs, dim=-2), s
 
 
 def _recurrent_shapes(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    return s.new_empty(*q.shape[:3], v.shape[-1]), s.new_empty(s.shape)
+    return s.new_empty(*s.shape[:-2], v.shape[-2], v.shape[-1]), s.new_empty(s.shape)
 
 
 _recurrent_op = token_loop("delta_rule_recurrent", _recurrent, _recurrent_shapes)
 
 
+def _forms(scale: float) -> dict[str, Callable[..., tuple[Tensor, Tensor]]]:
+    """The delta rule's forms for :func:`run_family` (inputs in any float dtype, ``s0`` in the compute dtype)."""
+
+    def recurrent(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
+                  segments: object) -> tuple[Tensor, Tensor]:
+        cdt = s0.dtype
+        return _recurrent_op(q.to(cdt) * scale, k.to(cdt), v.to(cdt), *(t.to(cdt) for t in gates), s0)
+
+    def chunked(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
+                segments: list[tuple[int, int]] | None) -> tuple[Tensor, Tensor]:
+        c, dk, dv = min(chunk, v.shape[-2]), k.shape[-1], v.shape[-1]
+        vec = 4 * c * c * dk if gates[1].dim() == v.dim() else 0  # the vector-decay scores' temporaries
+        per_chunk = v[..., 0, 0].numel() * s0.element_size() * (6 * c * c + 6 * c * (dk + dv)
+                                                                + 3 * dk * (dk + dv) + vec)
+        return chunked_scan(_parts, q, k, v, gates, s0, c, per_chunk, scale, segments)
+
+    def quadratic(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
+                  segments: object) -> tuple[Tensor, Tensor]:
+        return chunked(q, k, v, gates, s0, v.shape[-2], None)
+
+    return {"recurrent": recurrent, "chunked": chunked, "quadratic": quadratic}
+
+
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = None,
                scale: float | None = None, initial_state: Tensor | None = None, return_state: bool = False,
-               form: str = "auto", chunk_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """Causal (gated) delta rule: ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T``, ``o_t = scale q_t^T S_t``.
+               form: str = "auto", chunk_size: int | None = None, cu_seqlens: Tensor | None = None,
+               allow_neg_eigval: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal (gated) delta rule, per-channel decays (KDA) included::
+
+        S'_{t-1} = A_t S_{t-1},  A_t = diag(exp(log_decay_t)) (a_t I for one decay per head)
+        S_t = S'_{t-1} + beta_t k_t (v_t - S'_{t-1}^T k_t)^T,   o_t = scale * S_t^T q_t
 
     Args:
-        q, k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (one dtype, one device). k is used as given
-            (normalise it yourself; the modules L2-normalise q and k).
-        beta: ``[B, H, N]`` write strength in [0, 1].
-        log_decay: ``None`` (DeltaNet, ``a_t = 1``) or ``[B, H, N]`` finite, ``<= 0``: ``a_t = exp(log_decay_t)``
-            (Gated DeltaNet).
+        q, k: ``[B, Hk, N, Dk]``; v: ``[B, Hv, N, Dv]`` (one dtype, one device), ``Hv`` a multiple of
+            ``Hk`` (grouped value heads: value head ``j`` reads key head ``j // (Hv // Hk)``, q and k
+            are never expanded). k is used as given (normalise it yourself; the modules
+            L2-normalise q and k).
+        beta: ``[B, Hv, N]`` write strength in [0, 1] ([0, 2] with ``allow_neg_eigval``).
+        log_decay: ``None`` (DeltaNet, ``A_t = I``), ``[B, Hv, N]`` (one decay per head: Gated DeltaNet)
+            or ``[B, Hv, N, Dk]`` (a decay per key channel: Kimi Delta Attention), finite, ``<= 0``.
         scale, initial_state, return_state, chunk_size: as in :func:`attnzoo.gated_linear_attention`
-            (``scale`` multiplies q, default ``1/sqrt(Dk)``; states ``[B, H, Dk, Dv]``, default zeros).
+            (``scale`` multiplies q, default ``1/sqrt(Dk)``; states ``[B, Hv, Dk, Dv]``, default zeros).
         form: ``"recurrent"``, ``"chunked"`` (WY representation), ``"quadratic"`` (the chunked form with
             one chunk of N tokens: an ``N x N`` triangular solve) or ``"auto"`` (recurrent for N = 1,
-            quadratic for N <= chunk_size, chunked beyond).
+            quadratic for N <= chunk_size with one decay per head, chunked otherwise).
+        cu_seqlens: packed sequences, int32 ``[S+1]`` with ``B == 1``: the tokens ``[cu[i], cu[i+1])``
+            form sequence i, run independently from ``initial_state[i]`` (``[S, Hv, Dk, Dv]``, default
+            zeros); the returned state is ``[S, Hv, Dk, Dv]``. Empty sequences are allowed.
+        allow_neg_eigval: accept ``beta`` in [0, 2]: the transition ``I - beta_t k_t k_t^T`` (unit k) then
+            has the eigenvalue ``1 - beta_t`` in [-1, 1] (Grazzi et al. 2025; fla's ``allow_neg_eigval``).
 
     Returns:
-        ``out [B, H, N, Dv]`` in q's dtype, or ``(out, state)`` with the state in float32 (float64 for
-        float64 inputs).
+        ``out [B, Hv, N, Dv]`` in q's dtype, or ``(out, state)`` with the state in float32 (float64 for
+        float64 inputs). Half inputs compute in float32.
 
     Raises:
-        ValueError / TypeError naming the argument: shapes, dtypes, devices, beta outside [0, 1] or
-        log_decay > 0 (checked in eager mode), bad form or chunk_size.
+        ValueError / TypeError naming the argument: shapes, dtypes, devices, head ratio, beta outside
+        [0, 1] or log_decay > 0 (checked in eager mode), bad form, chunk_size or cu_seqlens.
     """
     fn = "delta_rule"
-    scale_f, chunk = check_recurrent_inputs(fn, q, k, v, scale, initial_state, return_state, form, chunk_size)
-    b, h, n, dk = q.shape
-    dv = v.shape[-1]
-    check_gate(fn, "beta", beta, [(b, h, n)], q.device, 0.0, 1.0)
+    scale_f, chunk, bounds = check_recurrent_inputs(fn, q, k, v, scale, initial_state, return_state, form,
+                                                    chunk_size, cu_seqlens)
+    b, hv, n, dv = v.shape
+    dk = q.shape[-1]
+    if not isinstance(allow_neg_eigval, bool):
+        raise TypeError(f"{fn}: allow_neg_eigval must be a bool, got {type(allow_neg_eigval).__name__}")
+    check_gate(fn, "beta", beta, [(b, hv, n)], q.device, 0.0, 2.0 if allow_neg_eigval else 1.0)
     if log_decay is not None:
-        check_gate(fn, "log_decay", log_decay, [(b, h, n)], q.device, float("-inf"), 0.0, open_low=True)
+        check_gate(fn, "log_decay", log_decay, [(b, hv, n), (b, hv, n, dk)], q.device, float("-inf"), 0.0,
+                   open_low=True)
     cdt = compute_dtype(q.dtype)
-    g = beta.new_zeros((), dtype=cdt).expand(b, h, n) if log_decay is None else log_decay
-    s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
-    form = resolve_form(form, n, chunk)
-    if form == "recurrent":
-        out, state = _recurrent_op(q.to(cdt) * scale_f, k.to(cdt), v.to(cdt), beta.to(cdt), g.to(cdt), s0)
-    else:
-        c = n if form == "quadratic" else min(chunk, n)
-        per_chunk = b * h * s0.element_size() * (6 * c * c + 6 * c * (dk + dv) + 3 * dk * (dk + dv))
-        out, state = chunked_scan(_parts, q, k, v, [beta, g], s0, c, per_chunk, scale_f)
+    g = beta.new_zeros((), dtype=cdt).expand(b, hv, n) if log_decay is None else log_decay
+    states = b if bounds is None else len(bounds) - 1
+    s0 = q.new_zeros(states, hv, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
+    resolved = resolve_form(form, n, chunk)
+    if form == "auto" and resolved == "quadratic" and g.dim() == 4:
+        resolved = "chunked"
+    out, state = run_family(_forms(scale_f), q, k, v, [beta, g], s0, form=resolved, chunk=chunk, bounds=bounds)
     return finish(out, state, q.dtype, return_state)

@@ -222,10 +222,12 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Ten
         b = g.cumsum(dim=-2)  # [..., C, Dk]: log decay from the chunk start to t
         after = suffix_sum(g, -2)  # log decay from t to the chunk end
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, g))
+        shape = torch.broadcast_shapes(q.shape, g.shape)
+        qx, kx = q.expand(shape), k.expand(shape)  # grouped value heads: this group's tiles only
         if torch.compiler.is_compiling() and sub < q.shape[-2] and not needs_grad:
-            scores = _blocked_vector_scores(q, k, g, COMPILED_SUB_CHUNK)
+            scores = _blocked_vector_scores(qx, kx, g, COMPILED_SUB_CHUNK)
         else:
-            scores = vector_scores(q, k, g, sub)
+            scores = vector_scores(qx, kx, g, sub)
     else:  # one decay per token
         b = g.cumsum(dim=-1).unsqueeze(-1)  # [..., C, 1]
         after = suffix_sum(g, -1).unsqueeze(-1)
@@ -233,69 +235,93 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Ten
     o_intra = torch.matmul(scores, v)  # [..., C, Dv]
     q_state = q * b.exp()  # [..., C, Dk]
     r = torch.matmul((k * after.exp()).transpose(-1, -2), v)  # [..., Dk, Dv]
-    a = b[..., -1, :].exp().expand(*q.shape[:-2], q.shape[-1])  # [..., Dk]
+    a = b[..., -1, :].exp().expand(*r.shape[:-1])  # [..., Dk]
     return o_intra, q_state, a, r
 
 
 def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """The definition, one token at a time."""
+    """The definition, one token at a time (tokens on dim -2; q, k may broadcast against v)."""
     outs = []
-    for t in range(q.shape[2]):
-        decay = g[:, :, t].exp()
-        decay = decay.unsqueeze(-1) if g.dim() == 4 else decay[..., None, None]  # [B, H, Dk or 1, 1]
-        s = decay * s + k[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2)  # [B, H, Dk, Dv]
-        outs.append(torch.matmul(q[:, :, t].unsqueeze(-2), s).squeeze(-2))  # [B, H, Dv]
-    return torch.stack(outs, dim=2), s
+    for t in range(v.shape[-2]):
+        decay = g[..., t, :].exp().unsqueeze(-1) if g.dim() == v.dim() else g[..., t].exp()[..., None, None]
+        s = decay * s + k[..., t, :].unsqueeze(-1) * v[..., t, :].unsqueeze(-2)  # [..., Dk, Dv]
+        outs.append(torch.matmul(q[..., t, :].unsqueeze(-2), s).squeeze(-2))  # [..., Dv]
+    return torch.stack(outs, dim=-2), s
 
 
 def _recurrent_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    return s.new_empty(*q.shape[:3], v.shape[-1]), s.new_empty(s.shape)
+    return s.new_empty(*s.shape[:-2], v.shape[-2], v.shape[-1]), s.new_empty(s.shape)
 
 
 _recurrent_op = scan.token_loop("gla_recurrent", _recurrent, _recurrent_shapes)
 
 
-def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial_state: Tensor | None,
-            form: str, chunk: int) -> tuple[Tensor, Tensor]:
-    """Validated inputs -> ``(out [B, H, N, Dv] in the compute dtype, state [B, H, Dk, Dv])``.
+def _forms(scale: float) -> dict[str, scan.Form]:
+    """GLA's forms for :func:`attnzoo.functional._chunked_scan.run_family` (``s0`` in the compute dtype)."""
 
-    ``g`` is the log decay, ``[B, H, N]`` (scalar per token) or ``[B, H, N, Dk]``; ``form`` not "auto".
+    def recurrent(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
+                  segments: object) -> tuple[Tensor, Tensor]:
+        cdt = s0.dtype
+        return _recurrent_op(q.to(cdt) * scale, k.to(cdt), v.to(cdt), gates[0].to(cdt), s0)
+
+    def quadratic(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
+                  segments: object) -> tuple[Tensor, Tensor]:
+        n = v.shape[-2]
+        return scan.chunked_scan(functools.partial(_parts, sub=n), q, k, v, gates, s0, n, 0, scale)
+
+    def chunked(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
+                segments: list[tuple[int, int]] | None) -> tuple[Tensor, Tensor]:
+        c, dk, dv = min(chunk, v.shape[-2]), k.shape[-1], v.shape[-1]
+        vec = c * dk * (3 * min(SUB_CHUNK, c) + 6) if gates[0].dim() == v.dim() else 0  # diagonal blocks, levels
+        per_chunk = v[..., 0, 0].numel() * s0.element_size() * (3 * c * c + 4 * c * (dk + dv) + 2 * dk * dv + vec)
+        return scan.chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, gates, s0, c, per_chunk, scale,
+                                 segments)
+
+    return {"recurrent": recurrent, "chunked": chunked, "quadratic": quadratic}
+
+
+def run_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float, initial_state: Tensor | None,
+            form: str, chunk: int, bounds: list[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Validated inputs -> ``(out [B, Hv, N, Dv] in the compute dtype, state [B or S, Hv, Dk, Dv])``.
+
+    ``g`` is the log decay, ``[B, Hv, N]`` (scalar per token) or ``[B, Hv, N, Dk]``; ``form`` not "auto";
+    ``bounds`` the packed sequences' ``cu_seqlens`` (a list) or ``None``.
     """
     cdt = scan.compute_dtype(q.dtype)
-    b, h, n, dk = q.shape
-    dv = v.shape[-1]
-    s0 = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
-    if form == "recurrent":
-        return _recurrent_op(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt), s0)
-    if form == "quadratic":
-        return scan.chunked_scan(functools.partial(_parts, sub=n), q, k, v, [g], s0, n, 0, scale)
-    c = min(chunk, n)
-    vec = c * dk * (3 * min(SUB_CHUNK, c) + 6) if g.dim() == 4 else 0  # diagonal blocks, halving levels
-    per_chunk = b * h * s0.element_size() * (3 * c * c + 4 * c * (dk + dv) + 2 * dk * dv + vec)
-    return scan.chunked_scan(functools.partial(_parts, sub=SUB_CHUNK), q, k, v, [g], s0, chunk, per_chunk, scale)
+    hv, dk, dv = v.shape[1], q.shape[-1], v.shape[-1]
+    states = q.shape[0] if bounds is None else len(bounds) - 1
+    s0 = q.new_zeros(states, hv, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
+    return scan.run_family(_forms(scale), q, k, v, [g], s0, form=form, chunk=chunk, bounds=bounds)
 
 
 def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: float | None = None,
                            initial_state: Tensor | None = None, return_state: bool = False, form: str = "auto",
-                           chunk_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                           chunk_size: int | None = None,
+                           cu_seqlens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Causal gated linear attention: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale q_t^T S_t``.
 
     ``scale``, ``initial_state``, ``return_state`` and ``chunk_size`` mean the same in
     :func:`retention` and :func:`delta_rule`, whose docstrings refer here (``docs/recurrent.md``).
 
     Args:
-        q, k: ``[B, H, N, Dk]``; v: ``[B, H, N, Dv]`` (one dtype, one device).
-        log_decay: ``g <= 0``, ``[B, H, N, Dk]`` (a decay per key dimension, GLA) or ``[B, H, N]`` (one
+        q, k: ``[B, Hk, N, Dk]``; v: ``[B, Hv, N, Dv]`` (one dtype, one device), ``Hv`` a multiple of ``Hk``
+            (grouped value heads: value head ``j`` reads key head ``j // (Hv // Hk)``; q and k are never
+            expanded in memory).
+        log_decay: ``g <= 0``, ``[B, Hv, N, Dk]`` (a decay per key dimension, GLA) or ``[B, Hv, N]`` (one
             decay per token broadcast over Dk: Mamba-2's SSD, gated retention). Finite.
         scale: multiplies q; default ``1/sqrt(Dk)``.
-        initial_state: ``S_0 [B, H, Dk, Dv]`` (the state after earlier tokens); default zeros.
-        return_state: also return ``S_N [B, H, Dk, Dv]`` (feed it back as ``initial_state`` to continue).
+        initial_state: ``S_0 [B, Hv, Dk, Dv]`` (the state after earlier tokens); default zeros.
+        return_state: also return ``S_N [B, Hv, Dk, Dv]`` (feed it back as ``initial_state`` to continue).
         form: ``"recurrent"`` (the loop), ``"chunked"``, ``"quadratic"`` (``[N, N, Dk]`` memory) or
             ``"auto"``: recurrent for N = 1; for a per-token decay quadratic for N <= chunk_size,
             chunked beyond; for a per-dimension decay chunked (its quadratic form's ``[N, N, Dk]``
             elementwise tensor ran 10-15x slower forward + backward than the chunked halving at
             N = 64 on 1 thread, ``benchmarks/bench_recurrent.py --forms``).
         chunk_size: chunk length of the chunked form (default 64); any value >= 1.
+        cu_seqlens: packed sequences, int32 ``[S+1]`` with ``B == 1``: the tokens ``[cu[i], cu[i+1])``
+            form sequence i, run independently from ``initial_state[i]`` (``[S, Hv, Dk, Dv]``, default
+            zeros); the returned state is ``[S, Hv, Dk, Dv]``. Empty sequences are allowed. Equal to
+            calling each sequence alone (forward and gradients).
 
     Returns:
         ``out [B, H, N, Dv]`` in q's dtype, or ``(out, state)``; the state is float32 (float64 for
@@ -306,12 +332,15 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *
         finite (checked in eager mode), bad form or chunk_size.
     """
     fn = "gated_linear_attention"
-    scale_f, chunk = scan.check_recurrent_inputs(fn, q, k, v, scale, initial_state, return_state, form, chunk_size)
-    b, h, n, dk = q.shape
-    scan.check_gate(fn, "log_decay", log_decay, [(b, h, n, dk), (b, h, n)], q.device, float("-inf"), 0.0,
-               open_low=True)
+    scale_f, chunk, bounds = scan.check_recurrent_inputs(fn, q, k, v, scale, initial_state, return_state, form,
+                                                         chunk_size, cu_seqlens)
+    b, hv, n, _ = v.shape
+    dk = q.shape[-1]
+    scan.check_gate(fn, "log_decay", log_decay, [(b, hv, n, dk), (b, hv, n)], q.device, float("-inf"), 0.0,
+                    open_low=True)
     resolved = scan.resolve_form(form, n, chunk)
     if form == "auto" and resolved == "quadratic" and log_decay.dim() == 4:
         resolved = "chunked"
-    out, state = run_gla(q, k, v, log_decay, scale=scale_f, initial_state=initial_state, form=resolved, chunk=chunk)
+    out, state = run_gla(q, k, v, log_decay, scale=scale_f, initial_state=initial_state, form=resolved, chunk=chunk,
+                         bounds=bounds)
     return scan.finish(out, state, q.dtype, return_state)

@@ -44,7 +44,7 @@ from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, registe
 from attnzoo.nn.streaming import POSITION_MODES, mask_at, sink_query_positions, streaming_pattern
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
-           "SlidingWindowAttention", "default_kv_heads"]
+           "SigmoidAttention", "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
 
 Cache = KVCache | SlidingWindowKVCache
 
@@ -198,7 +198,10 @@ class MultiHeadAttention(AttentionBase):
             raise TypeError(f"{cls}: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
                             f"got {type(score_mod).__name__}")
         num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
-        opts, factory = AttentionOptions.parse(cls, options)
+        opts, factory = AttentionOptions.parse(cls, {"score": type(self)._score, **options})
+        if opts.score != type(self)._score:
+            raise ValueError(f"{cls}: score={opts.score!r} is SigmoidAttention's (a MultiHeadAttention with its "
+                             f"arguments); {cls} computes {type(self)._score!r} scores")
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
         self.kv_dim = None if kv_dim is None else int(kv_dim)
@@ -217,18 +220,27 @@ class MultiHeadAttention(AttentionBase):
         self.frontier = FrontierParts(self.dim, self.num_heads, self.num_kv_heads, self.head_dim, sinks=opts.sinks,
                                       qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory,
                                       qk_norm_eps=opts.qk_norm_eps)
-        if opts.score == "sigmoid" and (backend not in ("auto", "reference", "tiled") or self.dropout):
-            raise ValueError(f"{cls}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' without "
-                             f"dropout, got backend={backend!r}, dropout={self.dropout}")
         self.rope: RotaryEmbedding | None = _resolve_rope(cls, rope, self.head_dim)
         self._alibi_cache: dict[torch.device, Tensor] = {}
         if self.kv_dim is not None and (self.causal or self.window is not None or self.rope is not None
                                         or self.alibi):
             raise ValueError(f"{cls}: a cross-attention module (kv_dim={self.kv_dim}) does not take causal, window, "
                              f"rope or alibi (they relate query and key positions of one sequence)")
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        """A subclass's own checks of the built settings (none here)."""
 
     #: ``num_kv_heads`` an alias fixes (MQA: 1), or ``"required"`` (GQA); ``None``: free.
     _fixed_kv_heads: int | str | None = None
+    #: the score this class computes (``SigmoidAttention``: ``"sigmoid"``)
+    _score = "softmax"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MultiHeadAttention:
+        """``MultiHeadAttention(..., score="sigmoid")`` is a :class:`SigmoidAttention`."""
+        if cls is MultiHeadAttention and kwargs.get("score") == "sigmoid":
+            cls = SigmoidAttention
+        return super().__new__(cls)
 
     @property
     def alibi(self) -> bool:
@@ -373,15 +385,10 @@ class MultiHeadAttention(AttentionBase):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
               return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
-        if self.options.score == "sigmoid":
-            res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
-                                    scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
-                                    return_weights=return_weights, backend=self.backend)
-        else:
-            extra = self._score_extras(with_sinks=True, key_start=key_start)
-            res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
-                              alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
-                              return_weights=return_weights, backend=self.backend, **extra)
+        extra = self._score_extras(with_sinks=True, key_start=key_start)
+        res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
+                          alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
+                          return_weights=return_weights, backend=self.backend, **extra)
         if return_weights:
             return res[0], res[1]
         return res, None
@@ -429,9 +436,6 @@ class MultiHeadAttention(AttentionBase):
 
     def _check_self_cache(self, cache: Cache | None) -> None:
         cls = type(self).__name__
-        if cache is not None and self.options.score == "sigmoid" and self.options.sigmoid_bias is None:
-            raise ValueError(f"{cls}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias (the default "
-                             f"-log(Nk) changes with the number of keys each call sees); build with sigmoid_bias=...")
         if cache is not None and not self.causal:
             raise ValueError(f"{cls}: decoding with a cache needs causal=True (a bidirectional layer would see "
                              f"tokens that are not generated yet)")
@@ -639,8 +643,37 @@ class SlidingWindowAttention(MultiHeadAttention):
                              f"alibi, got causal={causal}, alibi={self.alibi}, score={self.options.score!r}")
         self.window_size, self.sink_tokens, self.position_mode = window, sink_tokens, position_mode
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> SlidingWindowAttention:
+        """``SlidingWindowAttention(..., sink_tokens=n)`` with ``n > 0`` is a :class:`StreamingAttention`."""
+        sinks = kwargs.get("sink_tokens", args[4] if len(args) > 4 else 0)
+        if cls is SlidingWindowAttention and isinstance(sinks, int) and not isinstance(sinks, bool) and sinks > 0:
+            cls = StreamingAttention
+        return super().__new__(cls)
+
+    def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
+              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        if isinstance(cache, SinkWindowKVCache):
+            raise TypeError(f"{type(self).__name__}: a module with sink_tokens=0 (no sink tokens) decodes with a KVCache or "
+                            f"SlidingWindowKVCache, got SinkWindowKVCache; use module.init_cache()")
+        return super()._self(x, mask, cache, positions, return_weights)
+
+
+class StreamingAttention(SlidingWindowAttention):
+    """StreamingLLM attention (Xiao et al., 2023): a causal sliding window plus ``sink_tokens`` first
+    tokens every query sees, decoded with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots (the
+    ``streaming`` variant). What ``SlidingWindowAttention(..., sink_tokens=n)`` builds for ``n > 0``;
+    arguments as :class:`SlidingWindowAttention` (``sink_tokens >= 1``)."""
+
+    _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
+
+    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 1,
+                 position_mode: str = "absolute", **kw: Any) -> None:
+        super().__init__(dim, num_heads, window, causal, sink_tokens, position_mode, **kw)
+        if not self.sink_tokens:
+            raise ValueError("StreamingAttention: sink_tokens must be >= 1 (use SlidingWindowAttention for none)")
+
     def _structure(self) -> Mask | None:
-        return streaming_pattern(self.window_size, self.sink_tokens) if self.sink_tokens else None
+        return streaming_pattern(self.window_size, self.sink_tokens)
 
     def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
                          q_offset: int) -> Tensor | Mask:
@@ -653,20 +686,17 @@ class SlidingWindowAttention(MultiHeadAttention):
 
     def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str,
                    dtype: torch.dtype) -> Any:
-        if not self.sink_tokens:
-            return super()._new_cache(batch_size, max_len, device, dtype)
         return SinkWindowKVCache(batch_size, self.sink_tokens, self.window_size, self.num_kv_heads, self.head_dim,
                                  max_len=max_len, device=device, dtype=dtype)
 
     def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
         cls = type(self).__name__
-        if isinstance(cache, SinkWindowKVCache) != bool(self.sink_tokens) and cache is not None:
-            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with "
-                            f"{'a SinkWindowKVCache' if self.sink_tokens else 'a KVCache or SlidingWindowKVCache'}, "
+        if cache is not None and not isinstance(cache, SinkWindowKVCache):
+            raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with a SinkWindowKVCache, "
                             f"got {type(cache).__name__}; use module.init_cache()")
-        if not self.sink_tokens or (cache is None and self.position_mode == "absolute"):
-            return super()._self(x, mask, cache, positions, return_weights)
+        if cache is None and self.position_mode == "absolute":
+            return MultiHeadAttention._self(self, x, mask, cache, positions, return_weights)
         if return_weights or (positions is not None and self.position_mode == "cache"):
             raise ValueError(f"{cls}: with sink tokens, a cached call or position_mode='cache' takes no "
                              f"return_weights, and position_mode='cache' no positions (it counts them in the cache)")
@@ -715,10 +745,40 @@ class SlidingWindowAttention(MultiHeadAttention):
         return out, lse
 
     def extra_repr(self) -> str:
-        s = super().extra_repr()
-        if self.sink_tokens:
-            s += f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
-        return s
+        return super().extra_repr() + f", sink_tokens={self.sink_tokens}, position_mode={self.position_mode!r}"
+
+
+class SigmoidAttention(MultiHeadAttention):
+    """Sigmoid attention (Ramapuram et al., 2024): ``sigmoid(q k^T * scale + b)`` in place of the
+    softmax, no normaliser (:func:`attnzoo.sigmoid_attention`), behind the ``sigmoid`` variant.
+
+    Arguments as :class:`MultiHeadAttention` (``MultiHeadAttention(..., score="sigmoid")`` builds
+    one); ``sigmoid_bias`` is ``b`` (``None``: ``-log(Nk)`` of each call, so decoding through a cache
+    needs a fixed value). No ``sinks`` or ``alibi`` (nothing to normalise against); backend
+    ``auto``, ``reference`` or ``tiled`` without dropout.
+    """
+
+    _score = "sigmoid"
+
+    def _check_settings(self) -> None:
+        if self.backend not in ("auto", "reference", "tiled") or self.dropout:
+            raise ValueError(f"{type(self).__name__}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' "
+                             f"without dropout, got backend={self.backend!r}, dropout={self.dropout}")
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
+              window: Any, q_offset: int | None, alibi: Tensor | None,
+              return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
+        res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
+                                scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
+                                return_weights=return_weights, backend=self.backend)
+        return (res[0], res[1]) if return_weights else (res, None)
+
+    def _check_self_cache(self, cache: Cache | None) -> None:
+        if cache is not None and self.options.sigmoid_bias is None:
+            raise ValueError(f"{type(self).__name__}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias "
+                             f"(the default -log(Nk) changes with the number of keys each call sees); build with "
+                             f"sigmoid_bias=...")
+        super()._check_self_cache(cache)
 
 
 # --------------------------------------------------------------------------- variant specs
@@ -774,6 +834,18 @@ register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) til
                      _build_sliding, _sliding_cost, defaults={"window": 64}, options=("num_kv_heads", "window"),
                      check={"window": 6}, arena=_arena_window, masks="causal, window, padding", ring=True, order=3, positions="rope",
                      arena_default=True))
+
+
+def _build_sigmoid(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
+    return SigmoidAttention(dim, num_heads, causal=causal, **kw)
+
+
+#: the ``sigmoid`` variant's default bias: the paper's ``b = -log(n)`` at ``n = 64`` tokens, fixed so a
+#: cached decode equals the full forward (pass ``sigmoid_bias=-math.log(n)`` for your length)
+SIGMOID_BIAS = -math.log(64)
+register(VariantSpec("sigmoid", "sigmoid", False, "O(N C^2 + N^2 C)", "O(N) (tiled)", "K,V of every head",
+                     _build_sigmoid, _dense_cost, defaults={"sigmoid_bias": SIGMOID_BIAS}, options=("num_kv_heads",),
+                     check={"sigmoid_bias": -2.0}, masks="causal, window, any mask", positions="rope", order=18))
 
 
 def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,

@@ -28,6 +28,7 @@ from attnzoo.nn.recurrent import (
     check_chunk,
     recurrent_cost,
     register_recurrent,
+    wide,
 )
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
@@ -56,9 +57,15 @@ class DeltaNet(RecurrentMixer):
         conv_size: kernel of the short causal convolutions on q, k, v (0 = none; default 4).
         output_gate: the swish gate ``silu(x W_g)`` on the normalised output (DeltaNet: off).
         chunk_size: chunk of the kernel's chunked (WY) form.
+        num_v_heads: value heads ``Hv`` (default ``num_heads``; a multiple of it: grouped value heads,
+            Qwen3-Next's 16 key / 32 value heads). ``beta``, the decay, the norm and the output gate are
+            per value head; the state is ``[Hv, D, D]``; q and k are never expanded.
+        allow_neg_eigval: ``beta = 2 sigmoid(x W_beta)`` in [0, 2] instead of [0, 1] (Grazzi et al. 2025,
+            "Unlocking State-Tracking in Linear RNNs Through Negative Eigenvalues": the transition
+            ``I - beta k k^T`` then has eigenvalues in [-1, 1]).
         device, dtype: of the parameters.
 
-    Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache`: the state ``[B, H, D, D]`` and the
+    Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache`: the state ``[B, Hv, D, D]`` and the
     last ``conv_size - 1`` inputs of the three convolutions.
     """
 
@@ -66,38 +73,53 @@ class DeltaNet(RecurrentMixer):
 
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, bias: bool = False,
                  conv_size: int = 4, output_gate: bool | None = None, chunk_size: int = 64,
+                 num_v_heads: int | None = None, allow_neg_eigval: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
         cls = type(self).__name__
         gate = self.gated if output_gate is None else output_gate
         self.output_gate = check_flag(gate, "output_gate", cls)
+        self.allow_neg_eigval = check_flag(allow_neg_eigval, "allow_neg_eigval", cls)
         self.chunk_size = check_chunk(chunk_size)
-        inner = self.num_heads * self.head_dim
-        self.b_proj = nn.Linear(dim, self.num_heads, bias=False, **fk)
-        self.g_proj = nn.Linear(dim, inner, bias=bias, **fk) if self.output_gate else None
-        self.norm = HeadNorm(self.num_heads, self.head_dim, "rms", 1e-5, fk)
-        self.make_convs({"q": inner, "k": inner, "v": inner}, conv_size, False, fk)
-        self.state_shape = (self.num_heads, self.head_dim, self.head_dim)
+        hv = self.set_value_heads(num_v_heads, self.head_dim, bias, fk)
+        inner, v_inner = self.num_heads * self.head_dim, hv * self.head_dim
+        self.b_proj = nn.Linear(dim, hv, bias=False, **fk)
+        self.g_proj = nn.Linear(dim, v_inner, bias=bias, **fk) if self.output_gate else None
+        self.norm = HeadNorm(hv, self.head_dim, "rms", 1e-5, fk)
+        self.make_convs({"q": inner, "k": inner, "v": v_inner}, conv_size, False, fk)
+        self.state_shape = (hv, self.head_dim, self.head_dim)
 
     def _log_decay(self, x: Tensor) -> Tensor | None:
         return None
 
-    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None,
-             conv: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def _beta(self, x: Tensor) -> Tensor:
+        """``[B, Hv, N]`` in [0, 1] (or [0, 2] with ``allow_neg_eigval``)."""
+        beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)
+        return 2 * beta if self.allow_neg_eigval else beta
+
+    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
+             cu: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         new: dict[str, Tensor] = {}
-        q, k, v = (self.heads(self.short_conv(n, p(x), pad, conv, new))
-                   for n, p in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)))  # [B, H, N, D]
+        q, k, v = (self.heads(self.short_conv(n, p(x), pad, conv, new, cu=cu))
+                   for n, p in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)))  # [B, H(v), N, D]
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)  # [B, H, N]
-        log_decay = self._log_decay(x)  # [B, H, N] or None
+        beta = self._beta(x)  # [B, Hv, N]
+        log_decay = self._log_decay(x)  # [B, Hv, N(, D)] or None
         if pad is not None:  # a padded token neither writes (beta = 0) nor decays the state
             keep = pad[:, None, :].to(x.dtype)
             beta = beta * keep
-            log_decay = None if log_decay is None else log_decay * keep
-        o, state = delta_rule(q, k, v, beta, log_decay=log_decay, initial_state=state, return_state=True,
-                              chunk_size=self.chunk_size)
+            log_decay = None if log_decay is None else log_decay * keep.view(*keep.shape, *[1] * (log_decay.dim() - 3))
+        o, state = self.kernel(q, k, v, beta, log_decay, state, cu)
         return self.head_output(x, o), state, new
+
+    def kernel(self, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor | None,
+               state: Tensor | None, cu: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The delta rule on the heads, in float32 for half modules (``o`` stays float32)."""
+        q, k, v, beta = (wide(t) for t in (q, k, v, beta))
+        return delta_rule(q, k, v, beta, log_decay=None if log_decay is None else wide(log_decay),
+                          initial_state=state, return_state=True, chunk_size=self.chunk_size, cu_seqlens=cu,
+                          allow_neg_eigval=self.allow_neg_eigval)  # type: ignore[return-value]
 
 
 
@@ -110,18 +132,21 @@ class GatedDeltaNet(DeltaNet):
 
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, bias: bool = False,
                  conv_size: int = 4, output_gate: bool | None = None, chunk_size: int = 64,
+                 num_v_heads: int | None = None, allow_neg_eigval: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, conv_size=conv_size, output_gate=output_gate,
-                         chunk_size=chunk_size, device=device, dtype=dtype)
+                         chunk_size=chunk_size, num_v_heads=num_v_heads, allow_neg_eigval=allow_neg_eigval,
+                         device=device, dtype=dtype)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.a_proj = nn.Linear(dim, self.num_heads, bias=False, **fk)
-        self.A_log = nn.Parameter(torch.empty(self.num_heads, **fk))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, **fk))
+        hv = self.num_v_heads
+        self.a_proj = nn.Linear(dim, hv, bias=False, **fk)
+        self.A_log = nn.Parameter(torch.empty(hv, **fk))
+        self.dt_bias = nn.Parameter(torch.empty(hv, **fk))
         init_decay_parameters(self.A_log, self.dt_bias)
 
     def _log_decay(self, x: Tensor) -> Tensor:
-        dt = F.softplus(self.a_proj(x) + self.dt_bias)  # [B, N, H]
-        return (-self.A_log.exp() * dt).transpose(1, 2)  # [B, H, N], <= 0
+        dt = F.softplus(wide(self.a_proj(x)) + wide(self.dt_bias))  # [B, N, Hv]
+        return (-wide(self.A_log).exp() * dt).transpose(1, 2)  # [B, Hv, N], <= 0
 
 
 # --------------------------------------------------------------------------- variant specs

@@ -31,6 +31,7 @@ from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_flag
 from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.costs import projection_cost
+from attnzoo.nn.packing import check_packed_call, run_per_sequence
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
 __all__ = ["LinearAttention", "PerformerAttention", "RecurrentStateCache"]
@@ -184,7 +185,7 @@ class _FeatureAttention(AttentionBase):
 
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
                 cache: RecurrentStateCache | None = None, positions: Tensor | None = None,
-                return_weights: bool = False) -> Tensor:
+                return_weights: bool = False, cu_seqlens: Tensor | None = None) -> Tensor:
         """Attend from ``x [B, N, C]`` to itself, or (bidirectional only) to ``context [B, M, C]``.
 
         Args:
@@ -197,12 +198,17 @@ class _FeatureAttention(AttentionBase):
                 that raises leaves it unchanged.
             positions: validated, unused (no positional encoding in these modules).
             return_weights: must be False (no attention matrix exists).
+            cu_seqlens: packed sequences in ``x [1, T, C]`` (int32 ``[S+1]``): each sequence attends only
+                inside itself (run one at a time; no cache, mask, positions or context).
 
         Returns:
             ``[B, N, C]``.
         """
         cls = type(self).__name__
         x = self.check_call(x, cache, positions, return_weights, RecurrentStateCache)
+        if cu_seqlens is not None:
+            cu = check_packed_call(cls, x, cu_seqlens, cache=cache, mask=mask, positions=positions, context=context)
+            return run_per_sequence(lambda seq: _FeatureAttention.forward(self, seq), x, cu)
         if cache is not None:
             self._check_recurrent_cache(cache, context)
         src = self._source(x, context)
@@ -341,14 +347,15 @@ class PerformerAttention(_FeatureAttention):
 
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
                 cache: RecurrentStateCache | None = None, positions: Tensor | None = None,
-                return_weights: bool = False) -> Tensor:
-        """As :meth:`LinearAttention.forward`; also applies the redraw schedule (training, no cache)."""
+                return_weights: bool = False, cu_seqlens: Tensor | None = None) -> Tensor:
+        """As :meth:`LinearAttention.forward`; also applies the redraw schedule (training, no cache; one
+        step per call, packed sequences included)."""
         if self.training and cache is None and self.redraw_interval is not None:
             if self._calls_since_draw >= self.redraw_interval:
                 self.redraw_projection()
             self._calls_since_draw += 1
         return super().forward(x, context, mask=mask, cache=cache, positions=positions,
-                               return_weights=return_weights)
+                               return_weights=return_weights, cu_seqlens=cu_seqlens)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, state: tuple[Tensor, Tensor] | None,
                 return_state: bool, pad: Tensor | None) -> Any:

@@ -26,6 +26,7 @@ from attnzoo.nn.recurrent import (
     check_chunk,
     recurrent_cost,
     register_recurrent,
+    wide,
 )
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
@@ -48,40 +49,45 @@ class GatedLinearAttention(RecurrentMixer):
         conv_size: kernel of the short causal convolutions on q, k, v (0 = none, GLA's default).
         output_gate: the swish gate ``silu(x W_r)`` on the normalised output.
         chunk_size: chunk of the kernel's chunked form.
+        num_v_heads: value heads ``Hv`` (default ``num_heads``; a multiple of it): grouped value heads,
+            each with its own decay (``gk_proj`` gives ``Hv * D``), norm and gate; state ``[Hv, D, D]``.
         device, dtype: of the parameters.
 
-    Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache` (state ``[B, H, D, D]``).
+    Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache` (state ``[B, Hv, D, D]``).
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, bias: bool = False,
                  gate_rank: int = GATE_RANK, gate_temperature: float = GATE_TEMPERATURE, conv_size: int = 0,
-                 output_gate: bool = True, chunk_size: int = 64, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 output_gate: bool = True, chunk_size: int = 64, num_v_heads: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
         cls = type(self).__name__
         self.output_gate = check_flag(output_gate, "output_gate", cls)
         self.chunk_size = check_chunk(chunk_size)
         self.gate_temperature = check_positive_float(gate_temperature, "gate_temperature", cls)
-        inner = self.num_heads * self.head_dim
+        hv = self.set_value_heads(num_v_heads, self.head_dim, bias, fk)
+        inner, v_inner = self.num_heads * self.head_dim, hv * self.head_dim
         self.gk_proj = nn.Sequential(nn.Linear(dim, check_int(gate_rank, "gate_rank", owner=cls), bias=False, **fk),
-                                     nn.Linear(gate_rank, inner, bias=True, **fk))
-        self.g_proj = nn.Linear(dim, inner, bias=bias, **fk) if self.output_gate else None
-        self.norm = HeadNorm(self.num_heads, self.head_dim, "rms", 1e-5, fk)
-        self.make_convs({"q": inner, "k": inner, "v": inner}, conv_size, False, fk)
-        self.state_shape = (self.num_heads, self.head_dim, self.head_dim)
+                                     nn.Linear(gate_rank, v_inner, bias=True, **fk))
+        self.g_proj = nn.Linear(dim, v_inner, bias=bias, **fk) if self.output_gate else None
+        self.norm = HeadNorm(hv, self.head_dim, "rms", 1e-5, fk)
+        self.make_convs({"q": inner, "k": inner, "v": v_inner}, conv_size, False, fk)
+        self.state_shape = (hv, self.head_dim, self.head_dim)
 
-    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None,
-             conv: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
+             cu: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         new: dict[str, Tensor] = {}
-        q, k, v = (self.heads(self.short_conv(n, p(x), pad, conv, new, silu=False))
-                   for n, p in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)))  # [B, H, N, D]
-        log_decay = self.heads(F.logsigmoid(self.gk_proj(x)) / self.gate_temperature)  # [B, H, N, D], <= 0
+        q, k, v = (wide(self.heads(self.short_conv(n, p(x), pad, conv, new, silu=False, cu=cu)))
+                   for n, p in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)))  # [B, H(v), N, D]
+        log_decay = self.heads(F.logsigmoid(wide(self.gk_proj(x))) / self.gate_temperature)  # [B, Hv, N, D], <= 0
         if pad is not None:  # a padded token neither writes (k = 0) nor decays the state
-            keep = pad[:, None, :, None].to(x.dtype)
+            keep = pad[:, None, :, None].to(q.dtype)
             k, log_decay = k * keep, log_decay * keep
+            if v.shape[1] != k.shape[1]:  # grouped value heads: no write through v instead of k
+                v = v * keep
         o, state = gated_linear_attention(q, k, v, log_decay, initial_state=state, return_state=True,
-                                          chunk_size=self.chunk_size)
+                                          chunk_size=self.chunk_size, cu_seqlens=cu)
         return self.head_output(x, o), state, new
 
 

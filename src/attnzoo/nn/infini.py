@@ -20,6 +20,7 @@ from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.costs import projection_cost, visible_pairs
 from attnzoo.nn.feature_attention import key_padding_from_mask
+from attnzoo.nn.packing import check_packed_call, run_per_sequence
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
 __all__ = ["InfiniAttention", "InfiniCache"]
@@ -135,7 +136,7 @@ class InfiniAttention(AttentionBase):
 
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
                 cache: InfiniCache | None = None, positions: Tensor | None = None,
-                return_weights: bool = False) -> Tensor:
+                return_weights: bool = False, cu_seqlens: Tensor | None = None) -> Tensor:
         """Causal Infini-attention over ``x [B, N, C]``.
 
         Args:
@@ -147,6 +148,8 @@ class InfiniAttention(AttentionBase):
                 the call raises).
             positions: validated, unused.
             return_weights: must be False.
+            cu_seqlens: packed sequences in ``x [1, T, C]`` (int32 ``[S+1]``): each sequence runs alone
+                (its own segments and memory; no cache, mask or positions).
 
         Returns:
             ``[B, N, C]``.
@@ -156,6 +159,9 @@ class InfiniAttention(AttentionBase):
             raise ValueError(f"{cls}: context (cross-attention) is not supported: Infini-attention is causal "
                              f"self-attention over one stream")
         x = self.check_call(x, cache, positions, return_weights, InfiniCache)
+        if cu_seqlens is not None:
+            cu = check_packed_call(cls, x, cu_seqlens, cache=cache, mask=mask, positions=positions)
+            return run_per_sequence(lambda seq: self(seq), x, cu)
         b, n, _ = x.shape
         if cache is not None:
             want = (self.num_heads, self.head_dim, self.segment_len)

@@ -34,6 +34,7 @@ from attnzoo.nn.recurrent import (
     check_chunk,
     recurrent_cost,
     register_recurrent,
+    wide,
 )
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
@@ -95,30 +96,26 @@ class Mamba2(RecurrentMixer):
         self.make_convs({"x": H * P, "B": gs, "C": gs}, conv_size, True, fk)
         self.state_shape = (H, self.state_size, P)
 
-    def _groups_to_heads(self, t: Tensor) -> Tensor:
-        """``[B, N, G * N_s] -> [B, H, N, N_s]`` (head ``h`` uses group ``h // (H / G)``)."""
-        b, n = t.shape[:2]
-        grouped = t.reshape(b, n, self.ngroups, self.state_size).transpose(1, 2)  # [B, G, N, N_s]
-        return grouped.repeat_interleave(self.num_heads // self.ngroups, dim=1)
-
-    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None,
-             conv: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
+             cu: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         new: dict[str, Tensor] = {}
-        xs = self.heads(self.short_conv("x", self.v_proj(x), pad, conv, new), self.inner_head_dim)  # [B, H, N, P]
-        k = self._groups_to_heads(self.short_conv("B", self.k_proj(x), pad, conv, new))  # [B, H, N, N_s]
-        q = self._groups_to_heads(self.short_conv("C", self.q_proj(x), pad, conv, new))
-        dt = F.softplus(self.dt_proj(x) + self.dt_bias).transpose(1, 2)  # [B, H, N]
+        xs = wide(self.heads(self.short_conv("x", self.v_proj(x), pad, conv, new, cu=cu),
+                             self.inner_head_dim))  # [B, H, N, P]
+        # B and C per group [B, G, N, N_s]: the kernel's grouped value heads (head h reads group h // (H / G))
+        k = wide(self.heads(self.short_conv("B", self.k_proj(x), pad, conv, new, cu=cu), self.state_size))
+        q = wide(self.heads(self.short_conv("C", self.q_proj(x), pad, conv, new, cu=cu), self.state_size))
+        dt = F.softplus(wide(self.dt_proj(x)) + wide(self.dt_bias)).transpose(1, 2)  # [B, H, N]
         if pad is not None:  # a padded token neither writes (v = 0) nor decays the state
             dt = dt * pad[:, None, :].to(dt.dtype)
-        log_decay = -self.A_log.exp()[:, None] * dt  # [B, H, N], <= 0
+        log_decay = -wide(self.A_log).exp()[:, None] * dt  # [B, H, N], <= 0
         y, state = gated_linear_attention(q, k, xs * dt[..., None], log_decay, scale=1.0, initial_state=state,
-                                          return_state=True, chunk_size=self.chunk_size)
-        y = (y + self.D[:, None, None] * xs).transpose(1, 2).flatten(2)  # [B, N, H * P]
+                                          return_state=True, chunk_size=self.chunk_size, cu_seqlens=cu)
+        y = (y + wide(self.D)[:, None, None] * xs).transpose(1, 2).flatten(2)  # [B, N, H * P], float32 for half
         if self.z_proj is not None:
-            y = y * F.silu(self.z_proj(x))
+            y = y * F.silu(wide(self.z_proj(x)))
         b, n, _ = y.shape
         y = self.norm(y.reshape(b, n, self.ngroups, -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
-        return self.out_proj(y), state, new
+        return self.out_proj(y.to(x.dtype)), state, new
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, inner_head_dim={self.inner_head_dim}, "
@@ -133,7 +130,7 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     inner = H * P
     return recurrent_cost(cfg, shape, in_width=2 * ns + 2 * inner + H, inner=inner, dk=ns, dv=P,
                           conv_channels=inner + 2 * ns, conv_size=CONV_SIZE, kernel="scalar",
-                          extra_params=3 * H + inner + inner + 2 * ns)
+                          extra_params=3 * H + inner + inner + 2 * ns, key_heads=1)
 
 
 register_recurrent("mamba2", Mamba2, _cost, "state h [N_s, P] per head + conv inputs", order=24,

@@ -31,10 +31,17 @@ from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.feature_attention import key_padding_from_mask
+from attnzoo.nn.packing import check_packed_call
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
 __all__ = ["HeadNorm", "RecurrentCache", "RecurrentMixer", "ShortConv", "check_chunk", "recurrent_cost",
-           "register_recurrent"]
+           "register_recurrent", "wide"]
+
+
+def wide(t: Tensor) -> Tensor:
+    """Half (float16 / bfloat16) tensors as float32, others unchanged: what the recurrent mixers feed their
+    kernels, whose states and outputs would overflow fp16 (issue 33: ``x * 30`` gave NaN)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def check_chunk(chunk_size: object) -> int:
@@ -112,13 +119,44 @@ class ShortConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.channels, **factory)) if bias else None
         nn.init.uniform_(self.weight, -self.kernel ** -0.5, self.kernel ** -0.5)
 
-    def forward(self, x: Tensor, prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        b, _, ch = x.shape
+    def forward(self, x: Tensor, prev: Tensor | None = None,
+                cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """With ``cu_seqlens`` (int32 ``[S+1]``, ``x [1, T, Ch]``): every packed sequence restarts from its
+        own ``prev[i]`` (``[S, Ch, kernel - 1]``, default zeros) and ``last`` is ``[S, Ch, kernel - 1]``."""
+        if cu_seqlens is not None:
+            return self._packed(x, prev, cu_seqlens)
+        b, n, ch = x.shape
         if prev is None:
             prev = x.new_zeros(b, ch, self.kernel - 1)
+        if n == 0:  # no new inputs: nothing out, the previous inputs kept
+            return x, prev.to(x.dtype)
         seq = torch.cat((prev.to(x.dtype), x.transpose(1, 2)), dim=2)  # [B, Ch, kernel - 1 + N]
         y = F.conv1d(seq, self.weight, self.bias, groups=ch)  # [B, Ch, N]
         return y.transpose(1, 2), seq[:, :, seq.shape[2] - (self.kernel - 1):]
+
+    def _packed(self, x: Tensor, prev: Tensor | None, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """One convolution over the stream with each sequence's ``kernel - 1`` previous inputs (``prev[i]``
+        or zeros) inserted before it, so no window reaches into another sequence."""
+        w = self.kernel - 1
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        s, ch = cu.numel() - 1, x.shape[2]
+        if prev is None:
+            prev = x.new_zeros(s, ch, w)
+        if tuple(prev.shape) != (s, ch, w):
+            raise ValueError(f"ShortConv: prev must be [S, Ch, kernel - 1] = {[s, ch, w]} with cu_seqlens, got "
+                             f"{tuple(prev.shape)}")
+        seq_of = torch.searchsorted(cu[1:], torch.arange(x.shape[1], device=x.device), right=True)  # [T]
+        slot = torch.arange(x.shape[1], device=x.device) + (seq_of + 1) * w  # each token's place in the stream
+        gap = (cu[:-1, None] + torch.arange(s, device=x.device)[:, None] * w
+               + torch.arange(w, device=x.device)).flatten()  # [S * w]: the inserted inputs
+        stream = x.new_zeros(ch, x.shape[1] + s * w)
+        stream = stream.index_copy(1, gap, prev.to(x.dtype).transpose(0, 1).flatten(1))
+        stream = stream.index_copy(1, slot, x[0].transpose(0, 1))  # [Ch, T + S w]
+        y = F.conv1d(stream.unsqueeze(0), self.weight, self.bias, groups=ch)  # [1, Ch, T + (S - 1) w]
+        y = y[0].index_select(1, slot - w).transpose(0, 1).unsqueeze(0)  # [1, T, Ch]
+        ends = cu[1:] + (torch.arange(s, device=x.device) + 1) * w  # one past each sequence in the stream
+        last = stream[:, (ends[:, None] - w + torch.arange(w, device=x.device)).flatten()]  # [Ch, S * w]
+        return y, last.view(ch, s, w).transpose(0, 1)
 
 
 class HeadNorm(nn.Module):
@@ -134,19 +172,26 @@ class HeadNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_heads, head_dim, **factory)) if kind == "layer" else None
 
     def forward(self, o: Tensor) -> Tensor:
+        """Normalised in ``o``'s dtype or float32, whichever is wider (the parameters are cast to it)."""
+        o = o if o.dtype == torch.float64 else o.float()
         if self.kind == "layer":
             o = F.layer_norm(o, o.shape[-1:], eps=self.eps)
         else:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
-        o = o * self.weight[:, None, :]
-        return o if self.bias is None else o + self.bias[:, None, :]
+        o = o * self.weight[:, None, :].to(o.dtype)
+        return o if self.bias is None else o + self.bias[:, None, :].to(o.dtype)
 
 
 class RecurrentMixer(AttentionBase):
     """Forward and cached decoding of a recurrent mixer; subclasses implement :meth:`_mix`.
 
-    ``_mix(x, pad, state, conv) -> (y [B, N, C], state [B, H, Dk, Dv], conv)`` runs the new tokens
-    from ``state`` (``None`` = zeros) and the convolutions' previous inputs ``conv`` (``{}`` = zeros).
+    ``_mix(x, pad, state, conv, cu) -> (y [B, N, C], state [B, H, Dk, Dv], conv)`` runs the new tokens
+    from ``state`` (``None`` = zeros) and the convolutions' previous inputs ``conv`` (``{}`` = zeros);
+    ``cu`` (int32 ``[S+1]`` or ``None``) are packed sequences' boundaries, passed to the kernel and the
+    short convolutions.
+
+    Half precision: the kernels compute in float32 and :meth:`head_output` normalises their float32
+    output before casting back, so fp16 states and outputs never overflow (issue 33).
     """
 
     no_weights_reason = "a recurrence has no attention matrix"
@@ -168,7 +213,7 @@ class RecurrentMixer(AttentionBase):
 
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
                 cache: RecurrentCache | None = None, positions: Tensor | None = None,
-                return_weights: bool = False) -> Tensor:
+                return_weights: bool = False, cu_seqlens: Tensor | None = None) -> Tensor:
         """Causal mixing of ``x [B, N, C]`` -> ``[B, N, C]``.
 
         Args:
@@ -180,12 +225,18 @@ class RecurrentMixer(AttentionBase):
                 when the call raises).
             positions: validated, unused (position comes from the recurrence).
             return_weights: must be False (there is no attention matrix).
+            cu_seqlens: packed sequences: ``x [1, T, C]`` holds ``S`` sequences end to end, int32
+                ``[S+1]`` cumulative lengths; the state and the short convolutions restart at every
+                boundary (each sequence computes what it computes alone). No cache, mask or positions.
         """
         cls = type(self).__name__
         if context is not None:
             raise ValueError(f"{cls}: context (cross-attention) is not supported: a recurrent mixer is causal "
                              f"self-attention over one stream")
         x = self.check_call(x, cache, positions, return_weights, RecurrentCache)
+        if cu_seqlens is not None:
+            cu = check_packed_call(cls, x, cu_seqlens, cache=cache, mask=mask, positions=positions)
+            return self._mix(x, None, None, {}, cu)[0]
         if cache is not None and (tuple(cache.state_shape) != tuple(self.state_shape)
                                   or set(cache.conv) != set(self.conv_channels)):
             raise ValueError(f"{cls}: the cache holds a state {list(cache.state_shape)} and convolutions "
@@ -206,14 +257,17 @@ class RecurrentMixer(AttentionBase):
 
         return self.guarded(cache, run)
 
-    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None,
-             conv: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
+             cu: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
     # helpers for subclasses -------------------------------------------------
     def head_output(self, x: Tensor, o: Tensor) -> Tensor:
-        """``out_proj(silu(x W_g) * norm(o))`` (no gate without ``g_proj``): ``o [B, H, N, D] -> [B, N, C]``."""
-        y = self.norm(o).transpose(1, 2).flatten(2)  # [B, N, H * D]
+        """``out_proj(silu(x W_g) * norm(o))`` (no gate without ``g_proj``): ``o [B, H, N, D] -> [B, N, C]``.
+
+        ``o`` may be float32 for a half module (the kernel's output): the norm runs in float32 and
+        the result is cast to x's dtype before the gate."""
+        y = self.norm(o).to(x.dtype).transpose(1, 2).flatten(2)  # [B, N, H * D]
         gate = getattr(self, "g_proj", None)
         return self.out_proj(y if gate is None else F.silu(gate(x)) * y)
 
@@ -222,15 +276,30 @@ class RecurrentMixer(AttentionBase):
                 f"output_gate={getattr(self, 'output_gate', None)}, chunk_size={getattr(self, 'chunk_size', None)}")
 
     def short_conv(self, name: str, t: Tensor, pad: Tensor | None, conv: Mapping[str, Tensor],
-                   out: dict[str, Tensor], *, silu: bool = True) -> Tensor:
-        """``t [B, N, Ch]`` through convolution ``name`` (padded tokens feed zeros), then SiLU
-        (``silu=False``: SiLU only after a convolution); the inputs to keep go to ``out[name]``."""
+                   out: dict[str, Tensor], *, silu: bool = True, cu: Tensor | None = None) -> Tensor:
+        """``t [B, N, Ch]`` through convolution ``name`` (padded tokens feed zeros; ``cu``: packed
+        sequences, each from zeros), then SiLU (``silu=False``: SiLU only after a convolution); the
+        inputs to keep go to ``out[name]``."""
         if pad is not None:
             t = t * pad[..., None].to(t.dtype)
         if self.conv_size == 0:
             return F.silu(t) if silu else t
-        y, out[name] = getattr(self, f"{name}_conv")(t, conv.get(name))
+        y, out[name] = getattr(self, f"{name}_conv")(t, conv.get(name), cu)
         return F.silu(y)
+
+    def set_value_heads(self, num_v_heads: int | None, width: int, bias: bool, fk: dict[str, Any]) -> int:
+        """Grouped value heads: ``num_v_heads`` (default ``num_heads``, a multiple of it) value heads of
+        ``width`` channels; replaces ``v_proj`` and ``out_proj`` when they differ from the key heads'."""
+        cls = type(self).__name__
+        hv = self.num_heads if num_v_heads is None else check_int(num_v_heads, "num_v_heads", owner=cls)
+        if hv % self.num_heads:
+            raise ValueError(f"{cls}: num_v_heads ({hv}) must be a multiple of num_heads ({self.num_heads}): "
+                             f"value head j reads key head j // (num_v_heads // num_heads)")
+        self.num_v_heads = hv
+        if hv != self.num_heads or width != self.head_dim:
+            self.v_proj = nn.Linear(self.dim, hv * width, bias=bias, **fk)
+            self.out_proj = nn.Linear(hv * width, self.dim, bias=bias, **fk)
+        return hv
 
     def make_convs(self, channels: dict[str, int], conv_size: int, bias: bool, factory: dict[str, Any]) -> None:
         """Create ``ShortConv`` ``{name}_conv`` for every entry of ``channels`` (none when ``conv_size == 0``)."""
@@ -240,9 +309,10 @@ class RecurrentMixer(AttentionBase):
             setattr(self, f"{name}_conv", ShortConv(ch, self.conv_size, bias, factory))
 
     def heads(self, t: Tensor, width: int | None = None) -> Tensor:
-        """``[B, N, H * D] -> [B, H, N, D]`` (``D = width`` or ``head_dim``)."""
+        """``[B, N, H' * D] -> [B, H', N, D]`` (``D = width`` or ``head_dim``; ``H'`` from t's width)."""
         b, n = t.shape[:2]
-        return t.reshape(b, n, self.num_heads, width or self.head_dim).transpose(1, 2)
+        d = width or self.head_dim
+        return t.reshape(b, n, t.shape[-1] // d, d).transpose(1, 2)
 
 
 def _build_causal(cls: type[nn.Module], name: str, dim: int, num_heads: int, *, causal: bool = True,
@@ -263,7 +333,8 @@ def register_recurrent(name: str, cls: type[nn.Module], cost: Callable[[VariantC
 
 
 def recurrent_cost(cfg: VariantConfig, shape: CostShape, *, in_width: int, inner: int, dk: int, dv: int,
-                   conv_channels: int, conv_size: int, kernel: str, extra_params: int = 0) -> Cost:
+                   conv_channels: int, conv_size: int, kernel: str, extra_params: int = 0,
+                   key_heads: int | None = None) -> Cost:
     """Closed-form cost of a recurrent mixer.
 
     Args:
@@ -272,6 +343,8 @@ def recurrent_cost(cfg: VariantConfig, shape: CostShape, *, in_width: int, inner
         dk, dv: state dims per head; conv_channels, conv_size: the short convolutions.
         kernel: ``"scalar"`` (a decay per token: retention, Mamba-2), ``"vector"`` (GLA) or ``"delta"``.
         extra_params: parameters beyond the projections and convolutions (norms, decays).
+        key_heads: heads of q and k (default ``num_heads``): with grouped value heads and one decay per
+            token the intra-chunk scores ``Q K^T`` are computed once per key head.
 
     The kernel runs quadratic (one chunk) up to ``chunk_size`` tokens, chunked beyond; per head and
     token a chunk of ``c`` tokens costs ``2 c (Dk + Dv)`` for the intra-chunk scores and their
@@ -283,10 +356,11 @@ def recurrent_cost(cfg: VariantConfig, shape: CostShape, *, in_width: int, inner
     c = min(cfg.chunk_size or 64, N)
     params = C * in_width + inner * C + conv_channels * conv_size + extra_params
     flops_proj = 2 * B * N * C * in_width + 2 * B * N * inner * C + 2 * B * N * conv_channels * conv_size
-    per_tok = 2 * c * (dk + dv) + 4 * dk * dv  # the modules always read and return the state
+    per_tok = 2 * c * dv + 4 * dk * dv  # the modules always read and return the state
     if kernel == "delta":
         per_tok += 2 * c * dk + c * (dk + dv) + 2 * c * dk + 2 * dk * dk + 2 * dk * dv
-    flops_attn = B * H * N * per_tok
+    hk = H if key_heads is None or kernel != "scalar" else key_heads
+    flops_attn = B * H * N * per_tok + B * hk * N * 2 * c * dk  # + the scores Q K^T
     state = B * H * dk * dv * acc
     conv_bytes = B * conv_channels * (conv_size - 1) * e if conv_size else 0
     act = B * N * (C + in_width + 2 * inner) * e + B * H * N * (2 * c + dk + dv) * acc

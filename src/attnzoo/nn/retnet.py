@@ -24,6 +24,7 @@ from attnzoo.nn.recurrent import (
     check_chunk,
     recurrent_cost,
     register_recurrent,
+    wide,
 )
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
@@ -63,16 +64,16 @@ class MultiScaleRetention(RecurrentMixer):
         self.state_shape = (self.num_heads, self.head_dim, self.head_dim)
         self.conv_channels, self.conv_size = {}, 0
 
-    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None,
-             conv: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        q, k, v = self.project_qkv(x)  # [B, H, N, D]
+    def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
+             cu: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        q, k, v = (wide(t) for t in self.project_qkv(x))  # [B, H, N, D]
         kw: dict[str, Any] = {"initial_state": state, "return_state": True, "chunk_size": self.chunk_size}
         gamma = retnet_gammas(self.num_heads).to(device=x.device)
         if pad is None:
-            o, state = retention(q, k, v, gamma.to(x.dtype), **kw)
+            o, state = retention(q, k, v, gamma.to(q.dtype), cu_seqlens=cu, **kw)
         else:  # skip padded tokens: no write (k = 0) and no decay (log decay 0)
-            keep = pad[:, None, :, None].to(x.dtype)  # [B, 1, N, 1]
-            g = gamma.log().to(x.dtype)[None, :, None] * keep[..., 0]  # [B, H, N]
+            keep = pad[:, None, :, None].to(q.dtype)  # [B, 1, N, 1]
+            g = gamma.log().to(q.dtype)[None, :, None] * keep[..., 0]  # [B, H, N]
             o, state = gated_linear_attention(q, k * keep, v, g.expand(-1, -1, x.shape[1]), **kw)
         return self.head_output(x, o), state, {}
 
