@@ -9,6 +9,17 @@ Thin aliases name the common configurations: :class:`MultiQueryAttention` (one s
 :class:`GroupedQueryAttention` (``num_kv_heads`` groups) and :class:`SlidingWindowAttention`
 (causal, ring-buffer cache). A bidirectional (encoder) attention is just ``causal=False``.
 Each is a registered variant (``mha``, ``mqa``, ``gqa``, ``sliding``); their specs sit at the end.
+
+Weight layout of :class:`MultiHeadAttention` (documented for checkpoint interop; ``load_qkv`` fills it
+from separate q/k/v weights, ``qkv_weights`` returns views of them):
+
+* self-attention (``kv_dim=None``): one fused ``qkv_proj = Linear(C, (H + 2 Hkv) * D)`` whose
+  output rows are ``[q; k; v]`` (``H * D``, ``Hkv * D``, ``Hkv * D`` rows), each head's rows
+  contiguous (head-major, as ``torch.nn.MultiheadAttention.in_proj_weight``, GPT-2's
+  ``c_attn.weight.T`` and the concatenation of LLaMA's ``q_proj/k_proj/v_proj``);
+* cross-attention (``kv_dim`` given): ``q_proj = Linear(C, H * D)`` and
+  ``kv_proj = Linear(kv_dim, 2 * Hkv * D)`` with rows ``[k; v]``;
+* ``out_proj = Linear(H * D, C)``.
 """
 
 from __future__ import annotations
@@ -134,22 +145,87 @@ def _resolve_rope(owner: str, rope: object, head_dim: int) -> RotaryEmbedding | 
     raise TypeError(f"{owner}: rope must be None, a bool or a RotaryEmbedding, got {type(rope).__name__}")
 
 
-class MultiHeadAttention(AttentionBase):
+class _PackedAttention:
+    """Packed self-attention of a :class:`MultiHeadAttention`: ``S`` sequences end to end in ``x [1, T, C]``
+    (``cu_seqlens``), RoPE restarting per sequence, through :func:`attnzoo.attention_varlen`."""
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
+        cls = type(self).__name__
+        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
+                 if v is not None] + (["return_weights"] if return_weights else [])
+        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
+            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
+                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
+        cu = check_cu_seqlens(cu_seqlens, x, cls)
+        if self.training and self.dropout:
+            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
+        H, T = self.num_heads, x.shape[1]
+        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
+        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
+        pos = packed_positions(cu, T)
+        q, k = self._rotate(q, pos), self._rotate(k, pos)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
+                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
+                               score_mod=self.score_mod, backend=self.backend)  # [T, H, Dv]
+        return out.transpose(0, 1).reshape(1, H, T, -1)
+
+
+class _CrossAttention:
+    """Cross-attention of a :class:`MultiHeadAttention` (``kv_dim`` given, or ``context=``): queries from
+    ``x``, keys/values from ``context`` (projected once into a cache on the first cached call)."""
+
+    def _cross(self, x: Tensor, context: Tensor | None, mask: Tensor | Mask | None, cache: Cache | None,
+               return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        cls = type(self).__name__
+        if self.kv_dim is None and (self.causal or self.window is not None or self.rope is not None or self.alibi
+                                    or self._structure() is not None):
+            raise ValueError(f"{cls}: context= (cross-attention) is not supported on a module with causal, window, "
+                             f"rope, alibi or a position pattern; build a separate cross-attention module")
+        if isinstance(cache, SlidingWindowKVCache):
+            raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
+        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
+        if cache is not None and cache.length > 0:
+            if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
+                raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
+                                 f"{tuple(context.shape)}; call cache.reset() for a new context")
+            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], cache.length)
+            k, v = cache.keys(), cache.values()
+        else:
+            context = self._check_context(x, context)
+            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
+            k, v = self.project_kv(context)  # [B, Hkv, M, D]
+            k = self.frontier.norm_k(k)
+            if cache is not None:
+                k, v, _ = cache.update(k, v)
+        return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
+                          return_weights=return_weights)
+
+    def _check_context(self, x: Tensor, context: object) -> Tensor:
+        cls = type(self).__name__
+        width = self.dim if self.kv_dim is None else self.kv_dim
+        if context is None:
+            raise ValueError(f"{cls}: this is a cross-attention module (kv_dim={self.kv_dim}); pass "
+                             f"context [B, M, {width}]")
+        if not isinstance(context, Tensor):
+            raise TypeError(f"{cls}: context must be a tensor [B, M, {width}], got {type(context).__name__}")
+        if not context.is_floating_point():
+            raise TypeError(f"{cls}: context must be a floating-point tensor, got dtype {context.dtype}")
+        if context.dim() != 3 or context.shape[-1] != width or context.shape[0] != x.shape[0]:
+            raise ValueError(f"{cls}: context must have shape [B, M, kv_dim] = [{x.shape[0]}, M, {width}], "
+                             f"got {tuple(context.shape)}")
+        return context
+
+
+class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     """Multi-head softmax attention with grouped/multi-query KV heads, RoPE, ALiBi and KV caching.
 
     ``num_kv_heads`` selects the family: ``== num_heads`` MHA, a divisor GQA, ``1`` MQA. Query head
     ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; K/V are never expanded in memory.
 
-    Weight layout (documented for checkpoint interop; :meth:`load_qkv` fills it from separate
-    q/k/v weights, :meth:`qkv_weights` returns views of them):
-
-    * self-attention (``kv_dim=None``): one fused ``qkv_proj = Linear(C, (H + 2 Hkv) * D)`` whose
-      output rows are ``[q; k; v]`` (``H * D``, ``Hkv * D``, ``Hkv * D`` rows), each head's rows
-      contiguous (head-major, as ``torch.nn.MultiheadAttention.in_proj_weight``, GPT-2's
-      ``c_attn.weight.T`` and the concatenation of LLaMA's ``q_proj/k_proj/v_proj``);
-    * cross-attention (``kv_dim`` given): ``q_proj = Linear(C, H * D)`` and
-      ``kv_proj = Linear(kv_dim, 2 * Hkv * D)`` with rows ``[k; v]``;
-    * ``out_proj = Linear(H * D, C)``.
+    Weight layout: see the module docstring (``load_qkv`` / ``qkv_weights`` for checkpoints).
 
     Args:
         dim: model width ``C``.
@@ -259,7 +335,9 @@ class MultiHeadAttention(AttentionBase):
 
     # ------------------------------------------------------------------ caches
     def _structure(self) -> Mask | None:
-        """A position pattern replacing ``causal``/``window`` (subclasses, e.g. local-global)."""
+        """A position pattern replacing ``causal``/``window`` (subclasses, e.g. local-global; a subclass
+        with a pattern also defines ``_merge_structure(structure, mask, B, N, n_k, q_offset)``, which
+        combines it with a user mask)."""
         return None
 
     def _sliding_left(self) -> int | None:
@@ -338,29 +416,6 @@ class MultiHeadAttention(AttentionBase):
     #: the caches :meth:`forward` accepts
     _cache_types: tuple[type, ...] = (KVCache, SlidingWindowKVCache)
 
-    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
-                positions: object, return_weights: bool) -> Tensor:
-        """Self-attention over packed sequences ``x [1, T, C]``: ``[1, H, T, Dv]`` before the merge."""
-        cls = type(self).__name__
-        given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
-                 if v is not None] + (["return_weights"] if return_weights else [])
-        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
-            raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
-                             f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
-        cu = check_cu_seqlens(cu_seqlens, x, cls)
-        if self.training and self.dropout:
-            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
-        H, T = self.num_heads, x.shape[1]
-        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
-        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
-        pos = packed_positions(cu, T)
-        q, k = self._rotate(q, pos), self._rotate(k, pos)
-        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                               causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
-                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
-                               score_mod=self.score_mod, backend=self.backend)  # [T, H, Dv]
-        return out.transpose(0, 1).reshape(1, H, T, -1)
-
     def _score_extras(self, *, with_sinks: bool, key_start: int = 0) -> dict[str, Any]:
         """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on,
         ``score_mod`` (its positions shifted by ``key_start``, the stream position of the first key
@@ -392,47 +447,6 @@ class MultiHeadAttention(AttentionBase):
         if return_weights:
             return res[0], res[1]
         return res, None
-
-    def _cross(self, x: Tensor, context: Tensor | None, mask: Tensor | Mask | None, cache: Cache | None,
-               return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        cls = type(self).__name__
-        if self.kv_dim is None and (self.causal or self.window is not None or self.rope is not None or self.alibi
-                                    or self._structure() is not None):
-            raise ValueError(f"{cls}: context= (cross-attention) is not supported on a module with causal, window, "
-                             f"rope, alibi or a position pattern; build a separate cross-attention module")
-        if isinstance(cache, SlidingWindowKVCache):
-            raise TypeError(f"{cls}: cross-attention needs a KVCache (got a SlidingWindowKVCache)")
-        q = self.frontier.norm_q(self.project_q(x))  # [B, H, N, D]
-        if cache is not None and cache.length > 0:
-            if context is not None and context.dim() == 3 and context.shape[1] != cache.length:
-                raise ValueError(f"{cls}: the cache holds a context of {cache.length} tokens, got context "
-                                 f"{tuple(context.shape)}; call cache.reset() for a new context")
-            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], cache.length)
-            k, v = cache.keys(), cache.values()
-        else:
-            context = self._check_context(x, context)
-            _check_mask(cls, mask, x.shape[0], self.num_heads, x.shape[1], context.shape[1])
-            k, v = self.project_kv(context)  # [B, Hkv, M, D]
-            k = self.frontier.norm_k(k)
-            if cache is not None:
-                k, v, _ = cache.update(k, v)
-        return self._core(q, k, v, mask=mask, causal=False, window=None, q_offset=0, alibi=None,
-                          return_weights=return_weights)
-
-    def _check_context(self, x: Tensor, context: object) -> Tensor:
-        cls = type(self).__name__
-        width = self.dim if self.kv_dim is None else self.kv_dim
-        if context is None:
-            raise ValueError(f"{cls}: this is a cross-attention module (kv_dim={self.kv_dim}); pass "
-                             f"context [B, M, {width}]")
-        if not isinstance(context, Tensor):
-            raise TypeError(f"{cls}: context must be a tensor [B, M, {width}], got {type(context).__name__}")
-        if not context.is_floating_point():
-            raise TypeError(f"{cls}: context must be a floating-point tensor, got dtype {context.dtype}")
-        if context.dim() != 3 or context.shape[-1] != width or context.shape[0] != x.shape[0]:
-            raise ValueError(f"{cls}: context must have shape [B, M, kv_dim] = [{x.shape[0]}, M, {width}], "
-                             f"got {tuple(context.shape)}")
-        return context
 
     def _check_self_cache(self, cache: Cache | None) -> None:
         cls = type(self).__name__
@@ -511,11 +525,6 @@ class MultiHeadAttention(AttentionBase):
                 window = None
         return self._core(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset,
                           alibi=self._slopes(q.device), return_weights=return_weights, key_start=first)
-
-    def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
-                         q_offset: int) -> Tensor | Mask:
-        """Combine the module's position pattern with a user mask (subclasses with a pattern)."""
-        raise NotImplementedError  # pragma: no cover - only LocalGlobalAttention has a structure
 
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
@@ -730,15 +739,16 @@ class StreamingAttention(SlidingWindowAttention):
             q_win = self._rotate(q, q_pos) if in_cache else q
             k_win = self._rotate(k[:, :, ns:], k_pos[ns:]) if in_cache else k[:, :, ns:]
             o, lse = self._part(q_win, k_win, v[:, :, ns:], _shift_mask(mask, first, total), True, (w, 0),
-                                start - first, False)
+                                start - first, False, key_start=first)
             outs.append(o)
             lses.append(lse)
         return merge_attention(outs, lses)[0] if len(outs) > 1 else outs[0]
 
     def _part(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool, window: Any, q_offset: int,
-              with_sinks: bool) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only)."""
-        extra = self._score_extras(with_sinks=with_sinks)
+              with_sinks: bool, key_start: int = 0) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only;
+        its keys start at stream position ``key_start``, for a ``score_mod``)."""
+        extra = self._score_extras(with_sinks=with_sinks, key_start=key_start)
         out, lse = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
                                dropout_p=self.dropout if self.training else 0.0, return_lse=True,
                                backend=self.backend, **extra)
