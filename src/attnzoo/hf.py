@@ -19,8 +19,10 @@ What reaches :func:`attnzoo.attention`:
   :class:`HFMask` (``causal``, ``window``, key padding ``[B, Nk]``, query offset); the attention
   function turns it into ``causal=True, window=(W - 1, 0)`` (transformers' ``sliding_window=W``
   lets a query see itself and the ``W - 1`` keys before it) plus a ``[B, 1, 1, Nk]`` key-padding
-  mask, so the tiled backend runs its band path. Any other mask function (packed sequences,
-  ``or``/``and`` overlays, chunked attention) falls back to transformers' dense bool mask.
+  mask, so the tiled backend runs its band path. Llama 4's chunked causal masks and the blockwise
+  overlay (``causal | blockwise_overlay(ids)``) become :class:`attnzoo.masks.Mask` structure
+  (``HFMask.structure``), whose empty tiles the tiled backend skips. Any other mask function
+  (packed sequences, user ``or``/``and`` overlays) falls back to transformers' dense bool mask.
 * GQA: key/value arrive with ``Hkv`` heads and are passed as they are (no ``repeat_kv``).
 * ``scaling``, ``softcap``, ``dropout`` (the model passes 0 at eval), attention sinks
   (``s_aux``, or ``sinks`` per head or per query), T5's relative ``position_bias`` (added to the
@@ -46,6 +48,7 @@ import torch
 from torch import Tensor
 
 from attnzoo import hf_kernels
+from attnzoo import masks as az_masks
 from attnzoo.functional.attention import attention
 
 #: registered name -> attnzoo backend
@@ -80,13 +83,19 @@ class HFMask:
     q_offset: int
     q_length: int
     kv_length: int
+    #: a position pattern replacing ``causal`` / ``sliding_window`` (chunked, blockwise), or None
+    structure: az_masks.Mask | None = None
 
     ndim = 4
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(B or 1, 1, Nq, Nk)`` of the dense mask this stands for."""
-        return (1 if self.padding is None else self.padding.shape[0], 1, self.q_length, self.kv_length)
+        if self.padding is not None:
+            batch = self.padding.shape[0]
+        else:
+            batch = max([1] + [leaf.batch or 1 for leaf in self.structure._leaves()] if self.structure else [1])
+        return (batch, 1, self.q_length, self.kv_length)
 
     @property
     def window(self) -> tuple[int, int] | None:
@@ -105,6 +114,9 @@ class HFMask:
         if self.sliding_window is not None:
             ok = ok & (kp > qp - self.sliding_window)
         ok = ok[None, None]
+        if self.structure is not None:
+            ok = ok & self.structure.materialize(self.shape[0], 1, q_length, self.kv_length, q_offset=self.q_offset,
+                                                 device=dev)
         if self.padding is not None:
             ok = ok & self.padding[:, None, None, :]
         return ok
@@ -138,6 +150,37 @@ def _classify(mask_function: Callable) -> tuple[bool, int | None] | None:
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
         return None
     return True, w
+
+
+def _structured(mask_function: Callable, kv_offset: int) -> az_masks.Mask | None:
+    """transformers' chunked causal mask (``and_masks(chunked_overlay, causal)``) or blockwise
+    overlay (``or_masks(causal or sliding-window causal, blockwise_overlay(ids))``) as a Mask over
+    attnzoo positions (keys from 0: transformers' index minus ``kv_offset``), None otherwise."""
+    from transformers import masking_utils as mu
+
+    code = getattr(mask_function, "__code__", None)
+    parts = _closure_value(mask_function, "mask_functions") if code is not None else None
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    if code is mu.and_masks(mu.causal_mask_function).__code__ and parts[1] is mu.causal_mask_function \
+            and getattr(parts[0], "__code__", None) is mu.chunked_overlay(1, torch.zeros(1)).__code__:
+        size, pad = _closure_value(parts[0], "chunk_size"), _closure_value(parts[0], "left_padding")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or not isinstance(pad, Tensor):
+            return None
+        return az_masks.causal() & az_masks.chunked(size, start=pad.reshape(-1).long() - kv_offset)
+    if code is mu.or_masks(mu.causal_mask_function).__code__ \
+            and getattr(parts[1], "__code__", None) is mu.blockwise_overlay(torch.zeros(1, 1)).__code__:
+        base, ids = _classify(parts[0]), _closure_value(parts[1], "block_sequence_ids")
+        if base is None or not isinstance(ids, Tensor) or ids.dim() != 2:
+            return None
+        causal, window = base
+        pattern = az_masks.causal() if causal else None
+        if window is not None:
+            w = az_masks.sliding_window(window - 1, 0)
+            pattern = w if pattern is None else pattern & w
+        blocks = az_masks.blockwise(ids[:, kv_offset:])
+        return blocks if pattern is None else pattern | blocks
+    return None
 
 
 def _padding(attention_mask: Tensor | None, kv_length: int, kv_offset: int) -> Tensor | None:
@@ -179,6 +222,11 @@ def attnzoo_mask(
         return attention_mask
     fn = mu.causal_mask_function if mask_function is None else mask_function
     kind = None if kwargs.get("use_vmap") else _classify(fn)
+    structure = None if kind is not None or kwargs.get("use_vmap") else _structured(fn, int(kv_offset))
+    if structure is not None:
+        return HFMask(causal=False, sliding_window=None, padding=_padding(attention_mask, kv_length, kv_offset),
+                      q_offset=int(q_offset) - int(kv_offset), q_length=int(q_length), kv_length=int(kv_length),
+                      structure=structure)
     if kind is None:
         kwargs.pop("allow_is_causal_skip", None)
         kwargs.pop("allow_is_bidirectional_skip", None)
@@ -204,6 +252,10 @@ def _mask_arguments(module: torch.nn.Module, key: Tensor, attention_mask: Any,
             raise ValueError(f"attnzoo: the mask was built for {attention_mask.kv_length} keys but the "
                              f"attention received {nk} (key shape {tuple(key.shape)})")
         pad = attention_mask.padding
+        if attention_mask.structure is not None:  # chunked / blockwise: the Mask, AND the key padding
+            m = attention_mask.structure
+            return {"mask": m if pad is None else m & az_masks.key_padding(pad), "causal": False, "window": None,
+                    "q_offset": attention_mask.q_offset}
         return {"mask": None if pad is None else pad[:, None, None, :],  # [B, 1, 1, Nk]
                 "causal": attention_mask.causal, "window": attention_mask.window,
                 "q_offset": attention_mask.q_offset}

@@ -6,7 +6,8 @@
   and partial tiles kept apart so FlexAttention skips the mask on full tiles. A causal / window
   request's tables are memoised by shape, and inside ``torch.compile`` they come from the operator
   ``attnzoo::flex_block_table`` (no generated kernels for them, issue 20).
-* softcap, ALiBi and float masks become a ``score_mod``.
+* softcap, the user's ``score_mod`` (its query index shifted by ``q_offset``), ALiBi and float
+  masks become FlexAttention's ``score_mod``, in that order.
 * ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile``, which is what makes it
   fast: the first shape compiles with static sizes, the first call with another shape compiles once
   more with dynamic sizes (torch's automatic dynamic shapes), and every later shape reuses that
@@ -45,7 +46,9 @@ def _available(device: torch.device) -> bool:
 
 
 def _more_missing(r: AttnRequest) -> set[str]:
-    if r.q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v)):
+    captured = r.score_mod.captured if r.score_mod is not None else ()
+    if r.q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v,
+                                                                                            *captured)):
         return {"gradients on CPU (FlexAttention has no CPU backward)"}
     return set()
 
@@ -191,12 +194,15 @@ def _mask_mod(r: AttnRequest) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tens
 
 def _score_mod(r: AttnRequest) -> Callable[..., Tensor] | None:
     cap, slopes, fm, off = r.softcap, r.alibi_slopes, r.float_mask, r.q_offset
-    if cap is None and slopes is None and fm is None:
+    user = r.score_mod.fn if r.score_mod is not None else None
+    if cap is None and slopes is None and fm is None and user is None:
         return None
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if cap is not None:
             score = torch.tanh(score / cap) * cap
+        if user is not None:  # the user's score_mod, at absolute query positions
+            score = user(score, b, h, q_idx + off, kv_idx)
         if slopes is not None:
             score = score + alibi_bias(slopes[h], q_idx + off, kv_idx)
         if fm is not None:

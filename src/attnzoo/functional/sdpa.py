@@ -12,7 +12,7 @@ Translations done here:
   they return zeros (never NaN) with finite gradients.
 
 Unsupported (a named error, or ``auto`` picks another backend): ``return_lse``,
-``return_weights``, ``softcap``, float64 (see ``CAPABILITIES``).
+``return_weights``, ``softcap``, float64, ``score_mod`` (see ``CAPABILITIES``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from attnzoo.functional.rules import output_like_v, stored_like_v
 from attnzoo.masks import visible as visible_rule
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
-CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64"}))
+CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64",
+                                                 "score_mod"}))
 
 
 def dense_mask(r: AttnRequest) -> Tensor | None:

@@ -44,7 +44,7 @@ __all__ = ["apply_sinks", "check_sinks", "sink_attention"]
 #: flash-attn's LSE has none; FlexAttention has no CPU backward, so its LSE gradient is unverified.
 LSE_GRADIENT_BACKENDS = frozenset({"reference", "tiled"})
 #: What the sdpa form (one extra zero key) cannot do.
-_SDPA_UNSUPPORTED = frozenset({"return_lse", "return_weights", "softcap", "float64"})
+_SDPA_UNSUPPORTED = frozenset({"return_lse", "return_weights", "softcap", "float64", "score_mod"})
 
 
 def check_sinks(sinks: object, hq: int, device: torch.device) -> Tensor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -175,7 +176,7 @@ class _PackedAttention:
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
                                scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
-                               backend=self.backend)  # [T, H, Dv]
+                               score_mod=self.score_mod, backend=self.backend)  # [T, H, Dv]
         return out.transpose(0, 1).reshape(1, H, T, -1)
 
 
@@ -247,6 +248,9 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         rope: ``None``, ``True`` (``RotaryEmbedding(head_dim)``) or a :class:`RotaryEmbedding`.
         dropout: attention-weight dropout (training only).
         backend: backend of :func:`attnzoo.attention` (``"auto"`` picks the fastest exact one).
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` of :func:`attnzoo.attention`, with the
+            tokens' positions in the stream (as causal/window/ALiBi use them; with a cache,
+            ``cache.length + i``); an ``nn.Module`` becomes a submodule.
         **options: ``alibi`` (ALiBi biases with :func:`alibi_slopes` ``(H)``), ``scale`` (score
             scale, default ``1 / sqrt(D)``; see :class:`AttentionOptions`), ``device``, ``dtype``
             (of the parameters).
@@ -269,9 +273,13 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         rope: bool | RotaryEmbedding | None = None,
         dropout: float = 0.0,
         backend: str = "auto",
+        score_mod: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
         **options: Any,
     ) -> None:
         cls = type(self).__name__
+        if score_mod is not None and not callable(score_mod):
+            raise TypeError(f"{cls}: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
+                            f"got {type(score_mod).__name__}")
         num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
         opts, factory = AttentionOptions.parse(cls, {"score": type(self)._score, **options})
         if opts.score != type(self)._score:
@@ -280,6 +288,11 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
         self.kv_dim = None if kv_dim is None else int(kv_dim)
+        #: ``score_mod`` of :func:`attnzoo.attention`, at the tokens' positions in the stream (an
+        #: ``nn.Module`` is registered as a submodule, so its parameters train with this module)
+        self.score_mod = score_mod
+        if score_mod is not None and opts.score != "softmax":
+            raise ValueError(f"{cls}: score_mod needs score='softmax', got score={opts.score!r}")
         self.causal = check_flag(causal, "causal", cls)
         self.window = normalize_window(window)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
@@ -410,12 +423,16 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     #: the caches :meth:`forward` accepts
     _cache_types: tuple[type, ...] = (KVCache, SlidingWindowKVCache)
 
-    def _score_extras(self, *, with_sinks: bool) -> dict[str, Any]:
-        """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on;
-        unset ones are left out, so a swapped ``attend_fn`` sees only what the module uses."""
+    def _score_extras(self, *, with_sinks: bool, key_start: int = 0) -> dict[str, Any]:
+        """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on,
+        ``score_mod`` (its positions shifted by ``key_start``, the stream position of the first key
+        held) when given; unset ones are left out, so a swapped ``attend_fn`` sees only what the
+        module uses."""
         extra: dict[str, Any] = {} if self.options.softcap is None else {"softcap": self.options.softcap}
         if with_sinks and self.sinks is not None:
             extra["sinks"] = self.sinks
+        if self.score_mod is not None:
+            extra["score_mod"] = _shift_positions(self.score_mod, key_start)
         return extra
 
     def _slopes(self, device: torch.device) -> Tensor | None:
@@ -429,8 +446,8 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
-              return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        extra = self._score_extras(with_sinks=True)
+              return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
+        extra = self._score_extras(with_sinks=True, key_start=key_start)
         res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
                           alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
                           return_weights=return_weights, backend=self.backend, **extra)
@@ -514,7 +531,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
             if window is not None and (window[0] is None or q_offset - window[0] <= 0):
                 window = None
         return self._core(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset,
-                          alibi=self._slopes(q.device), return_weights=return_weights)
+                          alibi=self._slopes(q.device), return_weights=return_weights, key_start=first)
 
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
@@ -559,6 +576,18 @@ def _check_mask(cls: str, mask: object, B: int, H: int, N: int, n_k: int) -> Non
             raise ValueError(f"{cls}: mask {tuple(mask.shape)} does not broadcast to [B, H, N, Nk] = {want} "
                              f"(dimension {letter}: got {got}, expected 1 or {size}; with a cache Nk is "
                              f"cache.length + N, the absolute key axis)")
+
+
+def _shift_positions(score_mod: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor],
+                     start: int) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """``score_mod`` seeing positions ``start`` higher (keys held from stream position ``start``)."""
+    if start == 0:
+        return score_mod
+
+    def shifted(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score_mod(s, b, h, q_idx + start, kv_idx + start)
+
+    return shifted
 
 
 def _shift_mask(mask: Tensor | Mask | None, first: int, total: int) -> Tensor | Mask | None:
@@ -721,7 +750,7 @@ class StreamingAttention(SlidingWindowAttention):
             q_win = self._rotate(q, q_pos) if in_cache else q
             k_win = self._rotate(k[:, :, ns:], k_pos[ns:]) if in_cache else k[:, :, ns:]
             o, lse = self._part(q_win, k_win, v[:, :, ns:], _shift_mask(mask, first, total), True, (w, 0),
-                                start - first, False)
+                                start - first, False, key_start=first)
             outs.append(o)
             lses.append(lse)
         return merge_attention(outs, lses)[0] if len(outs) > 1 else outs[0]
@@ -755,9 +784,10 @@ class StreamingAttention(SlidingWindowAttention):
         return merge_attention([o, o_w], [lse, lse_w])[0]
 
     def _part(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool, window: Any, q_offset: int,
-              with_sinks: bool) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only)."""
-        extra = self._score_extras(with_sinks=with_sinks)
+              with_sinks: bool, key_start: int = 0) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only;
+        its keys start at stream position ``key_start``, for a ``score_mod``)."""
+        extra = self._score_extras(with_sinks=with_sinks, key_start=key_start)
         out, lse = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
                                dropout_p=self.dropout if self.training else 0.0, return_lse=True,
                                backend=self.backend, **extra)
@@ -786,7 +816,7 @@ class SigmoidAttention(MultiHeadAttention):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
-              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+              return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
         res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
                                 scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
                                 return_weights=return_weights, backend=self.backend)
