@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._request import AttnRequest
 from attnzoo.functional.rules import compute_dtype
 
@@ -114,7 +115,7 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
     ``fused=False`` says that ``run`` spreads a non-finite query into its row by itself (the plain
     PyTorch backends): an unmasked request then goes straight to ``run`` (no extra pass)."""
     hides = _hides_keys(r)
-    if is_empty(r) or torch.compiler.is_compiling() or not hides:
+    if is_empty(r) or tracing() or not hides:
         # unmasked: every row sees every key, so nothing hidden can leak; a non-finite query row is the
         # kernel's own (NaN on reference/tiled; torch's fused CPU kernel returns it finite). Checking q
         # here would cost every decode step (the module's one-token call is unmasked) ~50% on small Nk.

@@ -15,6 +15,7 @@ from typing import overload
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import (
     Window,
     check_bool,
@@ -280,7 +281,7 @@ def _check_slopes(alibi_slopes: object, q: Tensor) -> Tensor | None:
         raise TypeError(f"alibi_slopes must be a tensor [Hq], got {type(alibi_slopes).__name__}")
     if _shape(alibi_slopes) != (hq,):
         raise ValueError(f"alibi_slopes must have shape [Hq] = [{hq}], got {_shape(alibi_slopes)}")
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(alibi_slopes).all()):
+    if not tracing() and not bool(torch.isfinite(alibi_slopes).all()):
         raise ValueError(f"alibi_slopes must be finite, got {alibi_slopes.tolist()}")
     return alibi_slopes.to(device=q.device, dtype=compute_dtype(q.dtype))
 

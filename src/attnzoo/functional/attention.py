@@ -17,6 +17,7 @@ import attnzoo.functional.flex as flex
 import attnzoo.functional.reference as reference
 import attnzoo.functional.sdpa as sdpa
 import attnzoo.functional.tiled as tiled
+from attnzoo._devices import tracing
 from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
 from attnzoo.functional.reference_ops import reference_op_attention
@@ -51,7 +52,7 @@ def _missing(r: AttnRequest, backend: str) -> set[str]:
 
 def _visible_fraction(r: AttnRequest, block: int = 128) -> float:
     """Fraction of tiles the tiled backend must visit (1.0 = dense)."""
-    if torch.compiler.is_compiling():  # plans read tensor data; a compiled graph decides from sizes
+    if tracing():  # plans read tensor data; a compiled graph decides from sizes
         return traceable_visible_fraction(r, block)
     plan = tiled.tile_plan(r, block, block)
     total = plan.n_q_blocks * plan.n_k_blocks
@@ -192,15 +193,15 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
     weights: Tensor | None = None
     if is_empty(r):  # no keys, queries or batch: zeros and LSE -inf, no kernel runs
         out, lse, weights = empty_result(r)
-    elif name == "reference" and torch.compiler.is_compiling() and r.score_mod is None:
+    elif name == "reference" and tracing() and r.score_mod is None:
         out, lse, weights = reference_op_attention(r)  # one custom operator per direction
     elif name == "reference":
         out, lse, weights = reference.reference_attention(r)
     elif name == "sdpa":
         out = sdpa.sdpa_attention(r)
-    elif name == "tiled" and torch.compiler.is_compiling() and r.score_mod is None:
+    elif name == "tiled" and tracing() and r.score_mod is None:
         out, lse = tiled_op_attention(r)  # one custom operator per direction (no unrolled loops)
-    elif name == "tiled" and torch.compiler.is_compiling():
+    elif name == "tiled" and tracing():
         # A score_mod cannot cross a custom operator, and its captured tensors are found by an eager
         # probe: compiled, it is traced densely (exact, gradients by autograd; O(Nq x Nk) memory).
         out, lse, _ = reference.reference_attention(r)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._request import AttnRequest, Capabilities, combine_structure
 from attnzoo.functional.rules import alibi_bias
 from attnzoo.masks import BLOCK_FULL, BLOCK_PARTIAL, Mask
@@ -63,7 +64,7 @@ def _eager(*args: Any, **kwargs: Any) -> Any:
     attnzoo runs it eagerly on purpose (see :func:`flex_attention_backend`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if torch.compiler.is_compiling():  # inside a compiled graph flex is traced, and catch_warnings would break it
+    if tracing():  # inside a compiled graph flex is traced, and catch_warnings would break it
         return flex_attention(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -160,7 +161,7 @@ def build_block_mask(r: AttnRequest, by_key: bool = True) -> Any:
     if r.mask_obj is None:
         left, right = r.window if r.window is not None else (None, None)
         args = (r.q, r.causal, left, right, r.window is not None, r.bool_mask is not None, r.nk, r.q_offset)
-        table = block_table if torch.compiler.is_compiling() else _request_table
+        table = block_table if tracing() else _request_table
         tables = [table(*args, kind, k) for kind, k in wanted]
     else:
         cls = _tile_classes(r.structure, r.bool_mask is not None, r.batch, r.hq, r.nq, r.nk, r.q_offset, r.q.device)
@@ -227,7 +228,7 @@ def flex_attention_backend(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     # Compiled CPU FlexAttention also returns wrong values (NaN or off by O(1)) when Nk is below
     # one block (torch 2.13; found by `attnzoo check`); those shapes run eagerly too.
     # Inside an outer torch.compile the plain function is traced into the caller's graph.
-    compiled = COMPILE and not torch.compiler.is_compiling() and not (
+    compiled = COMPILE and not tracing() and not (
         r.q.device.type == "cpu" and (needs_grad or r.return_lse or r.nk < FLEX_BLOCK))
     fn = _flex_fn(compiled)
     kwargs: dict[str, Any] = {"score_mod": _score_mod(r), "block_mask": block_mask, "scale": r.scale,

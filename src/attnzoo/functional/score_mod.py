@@ -28,6 +28,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from attnzoo._devices import tracing
+
 __all__ = ["ScoreMod", "ScoreModFn", "check_score_mod", "score_indices", "score_mod_vjp"]
 
 ScoreModFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -107,7 +109,7 @@ def check_score_mod(score_mod: object, q: Tensor, nk: int, q_offset: int) -> Sco
         raise TypeError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
                         f"got {type(score_mod).__name__}")
     B, Nq = q.shape[0], q.shape[2]
-    if B == 0 or Nq == 0 or nk == 0 or torch.compiler.is_compiling():
+    if B == 0 or Nq == 0 or nk == 0 or tracing():
         return ScoreMod(score_mod)  # type: ignore[arg-type]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     idx = _probe_indices(q, nk, q_offset)

@@ -32,6 +32,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_float
 from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional._request import AttnRequest, build_request
@@ -256,7 +257,7 @@ def _run(r: AttnRequest, b: float, name: str) -> Tensor | tuple[Tensor, Tensor]:
         return (out.to(q.dtype), p.to(q.dtype)) if r.return_weights else out.to(q.dtype)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
-    if torch.compiler.is_compiling():
+    if tracing():
         return _sigmoid_op(r, b, qc, kc, vc).to(q.dtype)
     plan = tile_plan(r)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._edge import guard_nonfinite
 from attnzoo.functional._request import AttnRequest
 from attnzoo.functional.sdpa import dense_mask
@@ -57,7 +58,7 @@ def check_sinks(sinks: object, hq: int, device: torch.device) -> Tensor:
         raise ValueError(f"sinks must have shape [Hq] = [{hq}], got {tuple(sinks.shape)}")
     if sinks.device != device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks).all()):
+    if not tracing() and not bool(torch.isfinite(sinks).all()):
         raise ValueError(f"sinks must be finite logits, got {sinks.detach().cpu().tolist()}")
     return sinks
 

@@ -32,6 +32,7 @@ import itertools
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_bool, check_positive_float, check_tensor_ranks
 from attnzoo.functional._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.attention import BACKENDS, attention
@@ -58,7 +59,7 @@ def _check_cu(cu: object, name: str, total: int, device: torch.device) -> Tensor
         raise ValueError(f"{name} must be 1-d [S+1] with S >= 1 sequences, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not torch.compiler.is_compiling():
+    if not tracing():
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]} ({name}={values})")
@@ -457,7 +458,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if alibi_slopes is not None:
         check_tensor_ranks(1, "[Hq]", alibi_slopes=alibi_slopes)
     win = normalize_window(window)
-    if backend == "auto" and not torch.compiler.is_compiling():  # per-length SDPA calls: varlen_split.py
+    if backend == "auto" and not tracing():  # per-length SDPA calls: varlen_split.py
         bq, bk = cu_q.tolist(), cu_k.tolist()
         if split_applies(q, k, v, bq, bk, softcap=softcap, sinks=sinks, return_lse=return_lse):
             return split_varlen(q, k, v, bq, bk, causal=causal, window=win, scale=scale, alibi_slopes=alibi_slopes)
@@ -471,7 +472,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         out, lse = _eager_varlen(q, k, v, cu_q, cu_k, win, {**kw, "score_mod": score_mod}, name)
         return (out, lse) if lse is not None else out
     grads, alibi_grad = _needs_grad(q, k, v, sinks), alibi_slopes is not None and alibi_slopes.requires_grad
-    compiling = torch.compiler.is_compiling()
+    compiling = tracing()
     if grads and not alibi_grad and (name == "tiled" or (compiling and name not in ("reference", "sdpa"))):
         return _op_varlen(q, k, v, cu_q, cu_k, win, kw, "tiled", need_lse=True)  # training: one op per direction
     if compiling and (grads or alibi_grad):

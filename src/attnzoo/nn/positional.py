@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_float, check_number_above
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 
@@ -65,7 +66,7 @@ def resolve_positions(
     if positions.dim() == 2 and batch is not None and positions.shape[0] not in (1, batch):
         raise ValueError(f"{name} has shape {tuple(positions.shape)} but the batch size is {batch} "
                          f"(expected [{batch}, {n}] or [{n}])")
-    if positions.numel() and not torch.compiler.is_compiling() and int(positions.min()) < 0:  # eager only: syncs
+    if positions.numel() and not tracing() and int(positions.min()) < 0:  # eager only: syncs
         raise ValueError(f"{name} must be >= 0, got minimum {int(positions.min())}")
     return positions.to(device=device, dtype=torch.long)
 
@@ -99,7 +100,7 @@ def sinusoidal_table(n: int, dim: int, base: float = 10000.0, dtype: torch.dtype
 
 
 def _check_table_range(pos: Tensor, max_len: int, cls: str) -> None:
-    if pos.numel() and not torch.compiler.is_compiling() and int(pos.max()) >= max_len:  # eager only: syncs
+    if pos.numel() and not tracing() and int(pos.max()) >= max_len:  # eager only: syncs
         raise ValueError(f"{cls}: position {int(pos.max())} is beyond the table (max_len={max_len}, "
                          f"valid positions 0..{max_len - 1}); build it with a larger max_len")
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.masks import Mask, global_tokens, sliding_window
 from attnzoo.masks import causal as causal_mask
 
@@ -70,7 +71,7 @@ def padding_offsets(mask: object, total: int) -> Tensor | None:
             or mask.shape[-1] != total or total == 0:
         return None
     real = mask[:, 0, 0]  # [B|1, total]
-    if torch.compiler.is_compiling() or bool(real[:, 0].all()):
+    if tracing() or bool(real[:, 0].all()):
         return None
     return torch.where(real.any(dim=-1), real.int().argmax(dim=-1), torch.full_like(real[:, 0], total, dtype=torch.long))
 
