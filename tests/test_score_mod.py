@@ -378,3 +378,28 @@ def test_compiled_score_mod_matches_eager() -> None:
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_varlen_inference_keeps_score_mod() -> None:
+    """Under no_grad, auto's per-length split of attention_varlen (SDPA calls) must not drop a score_mod:
+    each sequence equals attention() with the same score_mod on it alone (positions per sequence)."""
+    torch.manual_seed(0)
+    lens = [7, 7, 3]
+    cu = torch.tensor([0, 7, 14, 17], dtype=torch.int32)
+    q, k, v = (torch.randn(17, 4, 8) for _ in range(3))
+
+    def bias(s, b, h, qi, ki):
+        return s - 0.3 * (qi - ki).abs()
+
+    with torch.no_grad():
+        out = az.attention_varlen(q, k, v, cu, cu, causal=True, score_mod=bias)
+    lo = 0
+    for n in lens:
+        sl = slice(lo, lo + n)
+        ref = az.attention(q[sl].transpose(0, 1)[None].double(), k[sl].transpose(0, 1)[None].double(),
+                           v[sl].transpose(0, 1)[None].double(), causal=True, score_mod=bias, backend="reference")
+        torch.testing.assert_close(out[sl].double(), ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        lo += n
+    with pytest.raises(TypeError, match="score_mod must be callable"):
+        with torch.no_grad():
+            az.attention_varlen(q, k, v, cu, cu, score_mod=3)

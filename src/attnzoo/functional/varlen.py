@@ -458,7 +458,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if alibi_slopes is not None:
         check_tensor_ranks(1, "[Hq]", alibi_slopes=alibi_slopes)
     win = normalize_window(window)
-    if backend == "auto" and not tracing():  # per-length SDPA calls: varlen_split.py
+    if backend == "auto" and not tracing() and score_mod is None:  # per-length SDPA calls: varlen_split.py
         bq, bk = cu_q.tolist(), cu_k.tolist()
         if split_applies(q, k, v, bq, bk, softcap=softcap, sinks=sinks, return_lse=return_lse):
             return split_varlen(q, k, v, bq, bk, causal=causal, window=win, scale=scale, alibi_slopes=alibi_slopes)

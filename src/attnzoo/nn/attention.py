@@ -248,12 +248,8 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         rope: ``None``, ``True`` (``RotaryEmbedding(head_dim)``) or a :class:`RotaryEmbedding`.
         dropout: attention-weight dropout (training only).
         backend: backend of :func:`attnzoo.attention` (``"auto"`` picks the fastest exact one).
-        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` of :func:`attnzoo.attention`, with the
-            tokens' positions in the stream (as causal/window/ALiBi use them; with a cache,
-            ``cache.length + i``); an ``nn.Module`` becomes a submodule.
-        **options: ``alibi`` (ALiBi biases with :func:`alibi_slopes` ``(H)``), ``scale`` (score
-            scale, default ``1 / sqrt(D)``; see :class:`AttentionOptions`), ``device``, ``dtype``
-            (of the parameters).
+        **options: ``alibi``, ``scale``, ... (see :class:`AttentionOptions`), ``score_mod`` (see
+            :func:`_checked_score_mod`), ``device``, ``dtype`` (of the parameters).
 
     Shapes:
         ``forward(x [B, N, C], context [B, M, kv_dim] | None) -> [B, N, C]``, with
@@ -273,13 +269,10 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         rope: bool | RotaryEmbedding | None = None,
         dropout: float = 0.0,
         backend: str = "auto",
-        score_mod: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
         **options: Any,
     ) -> None:
         cls = type(self).__name__
-        if score_mod is not None and not callable(score_mod):
-            raise TypeError(f"{cls}: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
-                            f"got {type(score_mod).__name__}")
+        score_mod = _checked_score_mod(cls, options.pop("score_mod", None), type(self)._score)
         num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
         opts, factory = AttentionOptions.parse(cls, {"score": type(self)._score, **options})
         if opts.score != type(self)._score:
@@ -288,11 +281,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
         self.kv_dim = None if kv_dim is None else int(kv_dim)
-        #: ``score_mod`` of :func:`attnzoo.attention`, at the tokens' positions in the stream (an
-        #: ``nn.Module`` is registered as a submodule, so its parameters train with this module)
-        self.score_mod = score_mod
-        if score_mod is not None and opts.score != "softmax":
-            raise ValueError(f"{cls}: score_mod needs score='softmax', got score={opts.score!r}")
+        self.score_mod = score_mod  # an nn.Module becomes a submodule: its parameters train with this module
         self.causal = check_flag(causal, "causal", cls)
         self.window = normalize_window(window)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
@@ -542,6 +531,18 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
             if value != default:
                 s += f", {name}={value!r}"
         return s
+
+
+def _checked_score_mod(cls: str, score_mod: object, score: str) -> Callable[..., Tensor] | None:
+    """``score_mod`` of a module: ``fn(score, b, h, q_idx, kv_idx) -> score`` of :func:`attnzoo.attention`,
+    at the tokens' positions in the stream (as causal/window/ALiBi use them; with a cache,
+    ``cache.length + i``); an ``nn.Module`` becomes a submodule. Softmax scores only."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"{cls}: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
+                        f"got {type(score_mod).__name__}")
+    if score_mod is not None and score != "softmax":
+        raise ValueError(f"{cls}: score_mod needs score='softmax', got score={score!r}")
+    return score_mod  # type: ignore[return-value]
 
 
 def _alias_kv_heads(fixed: int | str | None, owner: str, num_kv_heads: int | None) -> int | None:
