@@ -400,6 +400,5 @@ def test_varlen_inference_keeps_score_mod() -> None:
                            v[sl].transpose(0, 1)[None].double(), causal=True, score_mod=bias, backend="reference")
         torch.testing.assert_close(out[sl].double(), ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
         lo += n
-    with pytest.raises(TypeError, match="score_mod must be callable"):
-        with torch.no_grad():
-            az.attention_varlen(q, k, v, cu, cu, score_mod=3)
+    with pytest.raises(TypeError, match="score_mod must be callable"), torch.no_grad():
+        az.attention_varlen(q, k, v, cu, cu, score_mod=3)

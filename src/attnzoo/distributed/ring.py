@@ -395,6 +395,16 @@ def _check_options(scale: object, return_lse: object, block: object, backend: ob
                          f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else sinks!r}")
 
 
+def _global_documents(cu_seqlens: Tensor, metas: list[Any], rank: int, device: torch.device) -> Tensor:
+    """Document id ``[N]`` of every global position from the global ``cu_seqlens`` (checked on every rank)."""
+    total = sum(int(m.Nq) for m in metas)
+    cu = cu_seqlens.long().cpu()
+    if int(cu[-1]) != total:  # the same cu_seqlens (checked) and lengths on every rank: all raise
+        raise ValueError(f"ring_attention on rank {rank}: cu_seqlens must end at the global length "
+                         f"{total} (the sum of the shards), got {cu.tolist()}")
+    return document_ids(cu, total, device)
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -486,14 +496,7 @@ def ring_attention(
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
     metas = _exchange_meta(ring, vals, err, device)
-    docs = None
-    if cu_seqlens is not None:
-        total = sum(int(m.Nq) for m in metas)
-        cu = cu_seqlens.long().cpu()
-        if int(cu[-1]) != total:  # the same cu_seqlens (checked) and lengths on every rank: all raise
-            raise ValueError(f"ring_attention on rank {ring.rank}: cu_seqlens must end at the global length "
-                             f"{total} (the sum of the shards), got {cu.tolist()}")
-        docs = document_ids(cu, total, q.device)
+    docs = None if cu_seqlens is None else _global_documents(cu_seqlens, metas, ring.rank, q.device)
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
                   block=block, softcap=None if softcap is None else float(softcap),
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),

@@ -256,21 +256,10 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         ``return_weights`` also ``weights [B, H, N, Nk]``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        num_kv_heads: int | None = None,
-        kv_dim: int | None = None,
-        head_dim: int | None = None,
-        bias: bool = True,
-        causal: bool = False,
-        window: int | tuple[int | None, int | None] | None = None,
-        rope: bool | RotaryEmbedding | None = None,
-        dropout: float = 0.0,
-        backend: str = "auto",
-        **options: Any,
-    ) -> None:
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, kv_dim: int | None = None,
+                 head_dim: int | None = None, bias: bool = True, causal: bool = False,
+                 window: int | tuple[int | None, int | None] | None = None, rope: bool | RotaryEmbedding | None = None,
+                 dropout: float = 0.0, backend: str = "auto", **options: Any) -> None:
         cls = type(self).__name__
         score_mod = _checked_score_mod(cls, options.pop("score_mod", None), type(self)._score)
         num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
