@@ -572,7 +572,7 @@ def test_example_script_under_torchrun() -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(root / "examples" / "distributed_ring.py")],
                           capture_output=True, text=True, timeout=300, cwd=root)

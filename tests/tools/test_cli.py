@@ -192,7 +192,7 @@ def test_python_dash_m_runs_and_the_cli_imports_no_optional_extra() -> None:
 def test_docs_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) >= 5
     monkeypatch.chdir(tmp_path)

@@ -296,7 +296,7 @@ def test_the_recurrent_docs_examples_run() -> None:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "recurrent.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "recurrent.md").read_text()
     found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(found) >= 2
     for i, code in enumerate(found):

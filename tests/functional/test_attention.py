@@ -20,7 +20,7 @@ from attnzoo import masks as M
 from attnzoo.functional import choose_backend
 from attnzoo.functional._request import build_request
 from attnzoo.functional.tiled import DEFAULT_TILES, TileConfig, use_tiles
-from oracle import oracle_attention, visible_table
+from attnzoo.oracle import oracle_attention, visible_table
 
 #: Tiny tiles so that small inputs exercise many tiles, chunk merging and skipping.
 SMALL_TILES = TileConfig(block_q=8, block_k=4, max_chunk_k=12, merge_k=8)

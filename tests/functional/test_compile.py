@@ -513,7 +513,7 @@ def test_dynamic_shapes_decoder_lm_compiles_once() -> None:
 # --------------------------------------------------------------------------- docs
 def test_compile_docs_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/compile.md runs as written (with the aot_eager backend, to keep the test short)."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "compile.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "compile.md").read_text()
     found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(found) >= 2
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))

@@ -418,7 +418,7 @@ def test_two_models_differ_only_in_attention() -> None:
 def test_docs_examples_run() -> None:
     import re
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "arena.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "arena.md"
     found = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     assert found, "docs/arena.md has no python example"
     for i, code in enumerate(found):

@@ -360,7 +360,7 @@ def test_docs_modules_examples_run() -> None:
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "modules.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "modules.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) >= 5
     for i, code in enumerate(blocks):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attnzoo import masks as M
-from oracle import visible_table
+from attnzoo.oracle import visible_table
 
 
 def table(rows: str) -> torch.Tensor:

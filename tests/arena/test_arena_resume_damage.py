@@ -165,7 +165,7 @@ def test_interrupt_at_start_up_is_one_line(tmp_path: Path, monkeypatch: pytest.M
 
 def test_sigint_during_start_up_prints_no_traceback(tmp_path: Path) -> None:
     """``python -m attnzoo.arena`` interrupted as soon as it has started (its folder is being set up)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "o"
     argv = [a if a != "4" else "400" for a in ARGV]  # a run long enough to be interrupted
     proc = subprocess.Popen([sys.executable, "-m", "attnzoo.arena", *argv, "--out", str(out)],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.oracle import oracle_attention
-from tests.test_docs import blocks as doc_blocks
+from tests.tools.test_docs import blocks as doc_blocks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 

@@ -158,7 +158,7 @@ def test_adding_a_variant_doc_example_runs() -> None:
 
     import attnzoo as az
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "adding-a-variant.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "adding-a-variant.md").read_text()
     (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     try:
         exec(compile(code, "adding-a-variant.md", "exec"), {"__name__": "__doc_example__"})

@@ -361,7 +361,7 @@ def test_docs_example_runs() -> None:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "softmax-frontier.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "softmax-frontier.md").read_text()
     section = text[text.index("## Multi-head latent attention"):]
     code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
     exec(compile(code, "softmax-frontier.md[mla]", "exec"), {"__name__": "__doc_example__"})

@@ -15,7 +15,7 @@ from attnzoo.functional._request import build_request
 from attnzoo.functional.attention import choose_backend
 from attnzoo.functional.tiled import native_half_matmul
 from attnzoo.functional.tiled_ops import tiled_op_attention
-from oracle import oracle_attention
+from attnzoo.oracle import oracle_attention
 
 BACKENDS = ("reference", "sdpa", "tiled", "flex")
 HALVES = (torch.float16, torch.bfloat16)

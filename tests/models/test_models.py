@@ -426,7 +426,7 @@ def test_config_errors_name_the_field() -> None:
 
 
 # --------------------------------------------------------------------------- docs and example run
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_models_examples_run() -> None:

@@ -515,7 +515,7 @@ def test_docs_draw_the_streaming_pattern_and_its_positions() -> None:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "softmax-frontier.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "softmax-frontier.md").read_text()
     rows = re.findall(r"^query (\d)\s+((?:[1.] ){6}[1.])\s+\[([\d ]+)\]\s+q (\d), k ([\d ]+?)\s+q (\d), k ([\d ]+)$",
                       text, flags=re.M)
     assert len(rows) == 7
