@@ -44,7 +44,8 @@ from attnzoo.distributed.comm import resolve_group
 from attnzoo.variants import VARIANTS, build_attention
 from dist_spawn import CountingTask, ranks_fixture, rel
 
-REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention", "sigmoid": "SigmoidAttention"}
+REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention", "sigmoid": "SigmoidAttention",
+           "fox": "FoxAttention"}
 RING_REFUSED = {"local_global", "streaming"}  # mask patterns: Ulysses only
 # (layout, method, causal wanted); a variant that is causal-only runs causal
 CONFIGS_2 = [("contiguous", "ring", True), ("zigzag", "ulysses", False)]
