@@ -1,5 +1,12 @@
 """``python -m attnzoo ...`` (also ``torchrun --nproc_per_node=N -m attnzoo arena ...``)."""
 
-from attnzoo.cli import main
+import sys
+
+try:  # Ctrl-C while the command modules load: one line (main handles it from then on; an interrupt
+    # while the attnzoo package itself imports torch, before this file runs, is still a traceback)
+    from attnzoo.cli import main
+except KeyboardInterrupt:
+    print("attnzoo: interrupted; nothing written", file=sys.stderr)
+    raise SystemExit(130) from None
 
 raise SystemExit(main())

@@ -14,3 +14,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
     return dev
+
+
+def tracing() -> bool:
+    """Whether the code runs inside a graph being compiled (``torch.compile`` / ``torch.export``).
+
+    The one place attnzoo asks: eager code may read tensor values (a check that syncs, a plan built
+    from a mask's data, a timed choice); a traced graph decides from shapes only.
+    """
+    return torch.compiler.is_compiling()

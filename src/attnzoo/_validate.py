@@ -12,8 +12,9 @@ import math
 
 import torch
 
-__all__ = ["Window", "check_bool", "check_float", "check_int", "check_positive_float", "check_tensor_ranks",
-           "normalize_window", "positive_float_arg", "positive_int_arg"]
+__all__ = ["Window", "check_bool", "check_float", "check_int", "check_number_above", "check_positive_float",
+           "check_tensor_ranks", "nonempty_name_arg", "nonnegative_int_arg", "normalize_window", "positive_float_arg",
+           "positive_int_arg"]
 
 #: A normalised attention window: ``(left, right)``, ``None`` = unbounded side.
 Window = tuple[int | None, int | None]
@@ -70,6 +71,15 @@ def check_positive_float(x: object, name: str, owner: str | None = None) -> floa
     return value
 
 
+def check_number_above(x: object, name: str, lower: float, owner: str | None = None) -> float:
+    """``x`` as a finite ``float`` strictly above ``lower`` (ints accepted, ``bool`` refused)."""
+    value = check_float(x, name, owner, expected="a number")
+    if not math.isfinite(value) or value <= lower:
+        where = f"{owner}: " if owner else ""
+        raise ValueError(f"{where}{name} must be a finite number > {lower:g}, got {x}")
+    return value
+
+
 def normalize_window(window: object) -> Window | None:
     """``None`` | ``w`` | ``(left, right)`` -> ``(left, right)`` with ``None`` = unbounded side
     (``docs/conventions.md``); sides must be ints ``>= 0``."""
@@ -94,12 +104,12 @@ def normalize_window(window: object) -> Window | None:
     raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
 
 
-def _number_arg(text: str, kind: type, what: str) -> int | float:
+def _number_arg(text: str, kind: type, what: str, allow_zero: bool = False) -> int | float:
     try:
         value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
+    if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
 
@@ -107,6 +117,18 @@ def _number_arg(text: str, kind: type, what: str) -> int | float:
 def positive_int_arg(text: str) -> int:
     """``argparse`` type for options that take a positive integer."""
     return int(_number_arg(text, int, "a positive integer"))
+
+
+def nonnegative_int_arg(text: str) -> int:
+    """``argparse`` type for options that take an integer ``>= 0`` (a count that may be zero)."""
+    return int(_number_arg(text, int, "an integer >= 0", allow_zero=True))
+
+
+def nonempty_name_arg(text: str) -> str:
+    """``argparse`` type for a name used as one file name: not empty, no path separator, not ``.``/``..``."""
+    if not text.strip() or "/" in text or "\\" in text or text in (".", "..") or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected a non-empty name without '/' (it names a file), got {text!r}")
+    return text
 
 
 def positive_float_arg(text: str) -> float:

@@ -23,6 +23,8 @@ import torch
 from attnzoo import viz
 from attnzoo._memory import format_bytes as _human_bytes
 from attnzoo._outputs import ensure_output_dir, ensure_output_file
+from attnzoo._validate import nonempty_name_arg as _file_name
+from attnzoo._validate import nonnegative_int_arg as _nonnegative_int
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
 from attnzoo.arena import add_arena_arguments, load_arena_model, run_arena
@@ -88,16 +90,6 @@ def _window(text: str) -> int | tuple[int | None, int | None]:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT (integers, 'none' = unbounded), got {text!r}")
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def _device_arg(text: str) -> str:
@@ -289,6 +281,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``attnzoo bench``: measure, write CSV/JSON/PNG into ``--out``, print the table."""
     try:
         ensure_output_dir(args.out, "--out")
+        for ext in ("csv", "json") if args.no_plot else ("csv", "json", "png"):  # before the work, not after
+            ensure_output_file(Path(args.out) / f"{args.name}.{ext}", "--out/--name")
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if args.backends is None and args.variants is None:
@@ -543,7 +537,8 @@ def _add_check_parser(sub: Any) -> None:
     p.add_argument("--device", type=_device_arg, default="cpu", help="torch device (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of the inputs (default: 0)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON (checked writable before the run)")
-    p.add_argument("--show-failures", type=int, default=20, help="failure lines to print (default: 20)")
+    p.add_argument("--show-failures", type=_nonnegative_int, default=20,
+                   help="failure lines to print, >= 0 (default: 20)")
 
 
 def _add_bench_parser(sub: Any) -> None:
@@ -582,7 +577,8 @@ def _add_bench_parser(sub: Any) -> None:
                         "time (first compiled call), the compiled median and the compiled/eager ratio, eager "
                         "and compiled calls interleaved; peak memory stays that of the eager call")
     p.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
-    p.add_argument("--name", default="bench", help="file stem of the outputs (default: %(default)s)")
+    p.add_argument("--name", type=_file_name, default="bench",
+                   help="file stem of the outputs, no '/' (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
 

@@ -19,11 +19,16 @@ What reaches :func:`attnzoo.attention`:
   :class:`HFMask` (``causal``, ``window``, key padding ``[B, Nk]``, query offset); the attention
   function turns it into ``causal=True, window=(W - 1, 0)`` (transformers' ``sliding_window=W``
   lets a query see itself and the ``W - 1`` keys before it) plus a ``[B, 1, 1, Nk]`` key-padding
-  mask, so the tiled backend runs its band path. Any other mask function (packed sequences,
-  ``or``/``and`` overlays, chunked attention) falls back to transformers' dense bool mask.
+  mask, so the tiled backend runs its band path. Llama 4's chunked causal masks and the blockwise
+  overlay (``causal | blockwise_overlay(ids)``) become :class:`attnzoo.masks.Mask` structure
+  (``HFMask.structure``), whose empty tiles the tiled backend skips. Any other mask function
+  (packed sequences, user ``or``/``and`` overlays) falls back to transformers' dense bool mask.
 * GQA: key/value arrive with ``Hkv`` heads and are passed as they are (no ``repeat_kv``).
 * ``scaling``, ``softcap``, ``dropout`` (the model passes 0 at eval), attention sinks
-  (``s_aux``) through ``sinks=`` when this attnzoo's ``attention`` has that argument.
+  (``s_aux``, or ``sinks`` per head or per query), T5's relative ``position_bias`` (added to the
+  mask). Every other keyword is either known not to change the attention (``position_ids``,
+  cache flags, flash-attention's varlen metadata: :data:`NEUTRAL_KEYWORDS`) or refused with a
+  ``NotImplementedError`` naming it, never ignored (docs/huggingface.md lists the families).
 * Decoding with a ``DynamicCache`` (also its sliding-window layers): queries sit at the cache's
   query offset relative to the first cached key, which is attnzoo's bottom-right default.
 
@@ -43,6 +48,7 @@ import torch
 from torch import Tensor
 
 from attnzoo import hf_kernels
+from attnzoo import masks as az_masks
 from attnzoo.functional.attention import attention
 
 #: registered name -> attnzoo backend
@@ -77,13 +83,19 @@ class HFMask:
     q_offset: int
     q_length: int
     kv_length: int
+    #: a position pattern replacing ``causal`` / ``sliding_window`` (chunked, blockwise), or None
+    structure: az_masks.Mask | None = None
 
     ndim = 4
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(B or 1, 1, Nq, Nk)`` of the dense mask this stands for."""
-        return (1 if self.padding is None else self.padding.shape[0], 1, self.q_length, self.kv_length)
+        if self.padding is not None:
+            batch = self.padding.shape[0]
+        else:
+            batch = max([1] + [leaf.batch or 1 for leaf in self.structure._leaves()] if self.structure else [1])
+        return (batch, 1, self.q_length, self.kv_length)
 
     @property
     def window(self) -> tuple[int, int] | None:
@@ -102,6 +114,9 @@ class HFMask:
         if self.sliding_window is not None:
             ok = ok & (kp > qp - self.sliding_window)
         ok = ok[None, None]
+        if self.structure is not None:
+            ok = ok & self.structure.materialize(self.shape[0], 1, q_length, self.kv_length, q_offset=self.q_offset,
+                                                 device=dev)
         if self.padding is not None:
             ok = ok & self.padding[:, None, None, :]
         return ok
@@ -135,6 +150,37 @@ def _classify(mask_function: Callable) -> tuple[bool, int | None] | None:
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
         return None
     return True, w
+
+
+def _structured(mask_function: Callable, kv_offset: int) -> az_masks.Mask | None:
+    """transformers' chunked causal mask (``and_masks(chunked_overlay, causal)``) or blockwise
+    overlay (``or_masks(causal or sliding-window causal, blockwise_overlay(ids))``) as a Mask over
+    attnzoo positions (keys from 0: transformers' index minus ``kv_offset``), None otherwise."""
+    from transformers import masking_utils as mu
+
+    code = getattr(mask_function, "__code__", None)
+    parts = _closure_value(mask_function, "mask_functions") if code is not None else None
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    if code is mu.and_masks(mu.causal_mask_function).__code__ and parts[1] is mu.causal_mask_function \
+            and getattr(parts[0], "__code__", None) is mu.chunked_overlay(1, torch.zeros(1)).__code__:
+        size, pad = _closure_value(parts[0], "chunk_size"), _closure_value(parts[0], "left_padding")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or not isinstance(pad, Tensor):
+            return None
+        return az_masks.causal() & az_masks.chunked(size, start=pad.reshape(-1).long() - kv_offset)
+    if code is mu.or_masks(mu.causal_mask_function).__code__ \
+            and getattr(parts[1], "__code__", None) is mu.blockwise_overlay(torch.zeros(1, 1)).__code__:
+        base, ids = _classify(parts[0]), _closure_value(parts[1], "block_sequence_ids")
+        if base is None or not isinstance(ids, Tensor) or ids.dim() != 2:
+            return None
+        causal, window = base
+        pattern = az_masks.causal() if causal else None
+        if window is not None:
+            w = az_masks.sliding_window(window - 1, 0)
+            pattern = w if pattern is None else pattern & w
+        blocks = az_masks.blockwise(ids[:, kv_offset:])
+        return blocks if pattern is None else pattern | blocks
+    return None
 
 
 def _padding(attention_mask: Tensor | None, kv_length: int, kv_offset: int) -> Tensor | None:
@@ -176,6 +222,11 @@ def attnzoo_mask(
         return attention_mask
     fn = mu.causal_mask_function if mask_function is None else mask_function
     kind = None if kwargs.get("use_vmap") else _classify(fn)
+    structure = None if kind is not None or kwargs.get("use_vmap") else _structured(fn, int(kv_offset))
+    if structure is not None:
+        return HFMask(causal=False, sliding_window=None, padding=_padding(attention_mask, kv_length, kv_offset),
+                      q_offset=int(q_offset) - int(kv_offset), q_length=int(q_length), kv_length=int(kv_length),
+                      structure=structure)
     if kind is None:
         kwargs.pop("allow_is_causal_skip", None)
         kwargs.pop("allow_is_bidirectional_skip", None)
@@ -201,6 +252,10 @@ def _mask_arguments(module: torch.nn.Module, key: Tensor, attention_mask: Any,
             raise ValueError(f"attnzoo: the mask was built for {attention_mask.kv_length} keys but the "
                              f"attention received {nk} (key shape {tuple(key.shape)})")
         pad = attention_mask.padding
+        if attention_mask.structure is not None:  # chunked / blockwise: the Mask, AND the key padding
+            m = attention_mask.structure
+            return {"mask": m if pad is None else m & az_masks.key_padding(pad), "causal": False, "window": None,
+                    "q_offset": attention_mask.q_offset}
         return {"mask": None if pad is None else pad[:, None, None, :],  # [B, 1, 1, Nk]
                 "causal": attention_mask.causal, "window": attention_mask.window,
                 "q_offset": attention_mask.q_offset}
@@ -216,6 +271,67 @@ def _mask_arguments(module: torch.nn.Module, key: Tensor, attention_mask: Any,
     w = kwargs.get("sliding_window")
     window = (int(w) - 1, 0) if causal and w is not None else None
     return {"mask": None, "causal": causal, "window": window, "q_offset": None}
+
+
+#: Keywords the attention function serves (what transformers' own ``sdpa`` serves, plus softcap and
+#: sinks): they change the attention and reach :func:`attnzoo.attention`.
+SERVED_KEYWORDS: frozenset[str] = frozenset({
+    "softcap", "s_aux", "sinks", "position_bias", "sliding_window", "is_causal", "output_attentions"})
+
+#: Keywords that models forward to every attention function but that do not change the attention
+#: of the query/key/value/mask it receives (transformers' ``sdpa`` ignores them too): positions
+#: already applied by RoPE, cache and output flags, and flash-attention's varlen metadata (packed
+#: sequences reach attnzoo as the mask transformers builds from ``position_ids``, as for ``sdpa``).
+NEUTRAL_KEYWORDS: frozenset[str] = frozenset({
+    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
+    "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "encoder_hidden_states", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "seq_idx", "deterministic", "layer_idx", "token_type_ids"})
+
+
+def _check_keywords(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse, by name, every keyword this function would otherwise have to ignore."""
+    unknown = sorted(k for k, v in kwargs.items()
+                     if k not in SERVED_KEYWORDS and k not in NEUTRAL_KEYWORDS and v is not None)
+    if unknown:
+        raise NotImplementedError(
+            f"attnzoo: {type(module).__name__} passed {', '.join(map(repr, unknown))} to the attention "
+            f"function, which attnzoo does not serve (it would be ignored and the result wrong); "
+            f"served: {', '.join(sorted(SERVED_KEYWORDS))}. Use attn_implementation='eager' or 'sdpa' "
+            f"for this model")
+
+
+def _with_bias(extra: dict[str, Any], bias: Tensor) -> None:
+    """Add the float ``bias`` (``position_bias``, broadcastable to ``[B, Hq, Nq, Nk]``) to the mask.
+
+    A bool mask becomes ``bias`` with ``-inf`` where it hides a key; a float mask is added to it
+    (transformers' ``sdpa`` and ``eager`` add ``position_bias`` to the mask the same way)."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.dim() != 4:
+        raise TypeError(f"attnzoo: position_bias must be a float tensor [B or 1, H, Nq, Nk], got "
+                        f"{type(bias).__name__}{tuple(bias.shape) if isinstance(bias, Tensor) else ''}")
+    m = extra["mask"]
+    if m is None:
+        extra["mask"] = bias
+    elif m.dtype == torch.bool:
+        extra["mask"] = bias.masked_fill(~m, float("-inf"))
+    else:
+        extra["mask"] = bias + m
+
+
+def _query_sinks(sinks: Any, query: Tensor) -> Tensor | None:
+    """Per-query sink logits ``[B, Hq, Nq]`` from ``sinks=`` (``[B, Hq, Nq]`` or ``[B, Hq, Nq, 1]``),
+    or None when ``sinks`` is per head ``[Hq]`` (served by ``attention(..., sinks=)`` directly)."""
+    B, Hq, Nq = query.shape[:3]
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"attnzoo: sinks must be a float tensor [Hq] or [B, Hq, Nq, 1], got "
+                        f"{type(sinks).__name__}")
+    if sinks.dim() == 1:
+        return None
+    z = sinks.squeeze(-1) if sinks.dim() == 4 and sinks.shape[-1] == 1 else sinks
+    if z.dim() != 3 or any(g not in (1, w) for g, w in zip(z.shape, (B, Hq, Nq), strict=True)):
+        raise ValueError(f"attnzoo: sinks must have shape [Hq] or [B, Hq, Nq, 1] = [{B}, {Hq}, {Nq}, 1], "
+                         f"got {tuple(sinks.shape)}")
+    return z
 
 
 def attnzoo_attention_forward(
@@ -238,22 +354,39 @@ def attnzoo_attention_forward(
         attention_mask: an :class:`HFMask`, a bool/float ``[B, 1, Nq, Nk]`` tensor, or None.
         scaling: score scale (default ``1/sqrt(D)``); dropout: attention dropout probability.
         backend: the attnzoo backend.
-        kwargs: ``softcap``, ``s_aux`` (sinks ``[Hq]``), ``sliding_window`` and ``is_causal`` (used
-            only without a mask), ``output_attentions``; others are ignored.
+        kwargs: served (:data:`SERVED_KEYWORDS`): ``softcap``; ``position_bias`` (a float
+            ``[B or 1, H, Nq, Nk]`` added to the scores: T5's relative bias); ``s_aux`` / ``sinks``
+            (sink logits ``[Hq]``, or per query ``[B, Hq, Nq, 1]``); ``sliding_window`` and
+            ``is_causal`` (used only without a mask); ``output_attentions``. Keywords in
+            :data:`NEUTRAL_KEYWORDS` do not change the attention. Any other keyword with a value
+            is refused (``NotImplementedError`` naming it), never ignored.
 
     Returns:
         ``(out [B, Nq, Hq, Dv], weights [B, Hq, Nq, Nk] or None)``.
     """
+    _check_keywords(module, kwargs)
     extra: dict[str, Any] = _mask_arguments(module, key, attention_mask, kwargs)
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:
+    if kwargs.get("position_bias") is not None:
+        _with_bias(extra, kwargs["position_bias"])
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    per_query = None if sinks is None else _query_sinks(sinks, query)
+    if sinks is not None and per_query is None:
         extra["sinks"] = sinks
     want_weights = bool(kwargs.get("output_attentions"))
+    name = "reference" if want_weights else backend
+    if per_query is not None and name == "sdpa":
+        raise NotImplementedError("attnzoo: per-query sinks need the attention's log-sum-exp, which "
+                                  "torch SDPA does not return; use attn_implementation='attnzoo'")
     result = attention(query, key, value, scale=scaling, softcap=kwargs.get("softcap"),
                        dropout_p=float(dropout or 0.0), return_weights=want_weights,
-                       backend="reference" if want_weights else backend, **extra)
-    out, weights = result if want_weights else (result, None)
-    assert isinstance(out, Tensor)
+                       return_lse=per_query is not None, backend=name, **extra)
+    parts = list(result) if isinstance(result, tuple) else [result]
+    out, weights = parts[0], (parts[-1] if want_weights else None)
+    if per_query is not None:  # softmax over the visible scores and one sink logit per query row
+        lse = parts[1]
+        kept = torch.exp(lse - torch.logaddexp(lse, per_query.to(lse.dtype))).unsqueeze(-1)
+        out = (out.to(kept.dtype) * kept).to(out.dtype)  # [B, Hq, Nq, Dv]
+        weights = None if weights is None else weights * kept.to(weights.dtype)
     return out.transpose(1, 2).contiguous(), weights  # [B, Nq, Hq, Dv]
 
 

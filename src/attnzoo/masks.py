@@ -37,10 +37,15 @@ __all__ = [
     "BLOCK_FULL",
     "BLOCK_PARTIAL",
     "Mask",
+    "bidirectional_window",
+    "blockwise",
     "causal",
+    "chunked",
+    "dilated_window",
     "document",
     "global_tokens",
     "key_padding",
+    "neighborhood_2d",
     "prefix_lm",
     "sliding_window",
     "visible",
@@ -116,6 +121,30 @@ class Mask:
         out._op, out._children = "~", (inner,)
         out.relative = inner.relative
         return out
+
+    @classmethod
+    def from_mask_mod(cls, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str = "mask_mod") -> Mask:
+        """A mask from a FlexAttention ``mask_mod`` written for scalars, ``fn(b, h, q_idx, kv_idx) -> bool``
+        (0-d tensors in, a 0-d bool tensor out), evaluated with ``torch.vmap`` as FlexAttention does:
+        one nested ``vmap`` level per index dimension, mapping only the arguments that vary along it,
+        so a mask_mod that indexes a captured tensor (``table[q_idx]``) or branches with
+        ``torch.where`` works as written. Positions are absolute (``docs/conventions.md``); tiles it
+        hides are found by evaluating one strip of query rows at a time and skipped."""
+        if not callable(fn):
+            raise TypeError(f"Mask.from_mask_mod: fn must be callable (b, h, q_idx, kv_idx) -> bool, "
+                            f"got {type(fn).__name__}")
+
+        def predicate(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            args = [t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) for t in (b, h, q, k)]
+            try:
+                out = _vmap_levels(fn, args)
+            except Exception as e:
+                raise ValueError(f"Mask.from_mask_mod({name}): the mask_mod failed under torch.vmap "
+                                 f"({type(e).__name__}: {e}); it must take 0-d tensors and return a 0-d bool tensor "
+                                 f"(use torch.where, not Python if/and/or on tensors)") from e
+            return out
+
+        return cls(predicate, name)
 
     def __call__(self, b: Tensor, h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return self.fn(b, h, q_pos, k_pos)
@@ -259,6 +288,23 @@ class Mask:
         if not self._children:
             return [self]
         return [leaf for c in self._children for leaf in c._leaves()]
+
+
+def _vmap_levels(fn: Callable[..., Tensor], args: list[Tensor]) -> Tensor:
+    """``fn`` (scalar arguments) over broadcastable tensors of one rank: one ``vmap`` per leading
+    dimension, mapping the arguments of size > 1 there (the others pass unbatched)."""
+    if args[0].dim() == 0:
+        out = fn(*args)
+        if not isinstance(out, Tensor):
+            out = torch.as_tensor(out)
+        return out
+    n = max(a.shape[0] for a in args)
+    if n == 1:
+        return _vmap_levels(fn, [a[0] for a in args]).unsqueeze(0)
+    mapped = tuple(a.shape[0] != 1 for a in args)
+    ins = [a if m else a[0] for a, m in zip(args, mapped, strict=True)]
+    inner = torch.vmap(lambda *xs: _vmap_levels(fn, list(xs)), in_dims=tuple(0 if m else None for m in mapped))
+    return inner(*ins)
 
 
 def _combine(op: str, a: Mask, b: Mask) -> Mask:
@@ -475,3 +521,144 @@ def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
         return full, empty
 
     return Mask(lambda b, h, q, k: is_global(q) | is_global(k), f"global_tokens({vals[:4]})", tiles=tiles)
+
+
+def _per_batch(x: int | Tensor, name: str) -> int | Tensor:
+    """An int, or an int tensor ``[B]`` (one value per batch row)."""
+    if isinstance(x, Tensor):
+        if x.dim() != 1 or x.is_floating_point() or x.dtype == torch.bool:
+            raise ValueError(f"{name} must be an int or an int tensor [B], got dtype {x.dtype} shape {tuple(x.shape)}")
+        return x.long()
+    return _as_int(x, name)
+
+
+def chunked(size: int, start: int | Tensor = 0) -> Mask:
+    """Chunked attention (Llama 4): a query sees only the keys of its own chunk.
+
+    Position ``p`` lies in chunk ``(p - start) // size``; key ``j`` is visible to the query at ``p``
+    iff both lie in one chunk. Combine with ``causal=True`` for Llama 4's chunked causal layers.
+
+    Args:
+        size: chunk length (>= 1).
+        start: where chunk 0 begins, an int or an int tensor ``[B]`` per batch row (transformers
+            shifts chunks by each row's left padding).
+    """
+    n = check_int(size, "size", minimum=1, owner="chunked")
+    off = _per_batch(start, "start")
+
+    def shift(b: Tensor, pos: Tensor) -> Tensor:
+        return pos - (off.to(pos.device)[b] if isinstance(off, Tensor) else off)
+
+    def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return torch.div(shift(b, q), n, rounding_mode="floor") == torch.div(shift(b, k), n, rounding_mode="floor")
+
+    def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
+        o = off.to(t.q_start.device).view(-1, 1, 1, 1) if isinstance(off, Tensor) else off
+
+        def chunk(x: Tensor) -> Tensor:
+            return torch.div(x - o, n, rounding_mode="floor")
+
+        q0, q1, k0, k1 = chunk(t.q_start), chunk(t.q_end), chunk(t.k_start), chunk(t.k_end)
+        return (q0 == q1) & (k0 == k1) & (q0 == k0), (q1 < k0) | (k1 < q0)
+
+    return Mask(fn, f"chunked({n})", tiles=tiles, batch=off.shape[0] if isinstance(off, Tensor) else None)
+
+
+def blockwise(block_ids: Tensor) -> Mask:
+    """Blocks of bidirectional attention (transformers' ``blockwise_overlay``, e.g. image tokens).
+
+    A query sees a key iff both carry the same block id and it is ``>= 0`` (``-1`` = text, in no
+    block). OR it with a causal pattern, as transformers does: ``causal() | blockwise(ids)``.
+
+    Args:
+        block_ids: int ``[N]`` or ``[B, N]``, the block of every position (queries and keys share
+            the position axis).
+    """
+    if not isinstance(block_ids, Tensor) or block_ids.is_floating_point() or block_ids.dtype == torch.bool:
+        raise TypeError(f"blockwise: block_ids must be an int tensor [N] or [B, N], got {type(block_ids).__name__}"
+                        f"{' ' + str(block_ids.dtype) if isinstance(block_ids, Tensor) else ''}")
+    ids = block_ids.long().reshape(-1, block_ids.shape[-1]) if block_ids.dim() in (1, 2) else None
+    if ids is None:
+        raise ValueError(f"blockwise: block_ids must be [N] or [B, N], got shape {tuple(block_ids.shape)}")
+    n = ids.shape[1]
+    single = ids.shape[0] == 1
+
+    def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        t = ids.to(q.device)
+        bb = torch.zeros_like(b) if single else b
+        gq = torch.where((q >= 0) & (q < n), t[bb, q.clamp(0, n - 1)], -1)
+        gk = torch.where((k >= 0) & (k < n), t[bb, k.clamp(0, n - 1)], -1)
+        return (gq == gk) & (gq >= 0)
+
+    return Mask(fn, "blockwise", batch=None if single else ids.shape[0])
+
+
+def bidirectional_window(w: int) -> Mask:
+    """transformers' bidirectional sliding window: key ``j`` visible to the query at ``p`` iff
+    ``|p - j| <= w`` (``sliding_window(w, w)``)."""
+    return sliding_window(check_int(w, "w", minimum=0, owner="bidirectional_window"),
+                          check_int(w, "w", minimum=0, owner="bidirectional_window"))
+
+
+def dilated_window(left: int, right: int = 0, dilation: int = 1) -> Mask:
+    """A dilated sliding window (Longformer / LongNet): the query at ``p`` sees the keys
+    ``p + t * dilation`` for ``-left <= t <= right``. ``dilation=1`` is ``sliding_window(left, right)``."""
+    lo = check_int(left, "left", minimum=0, owner="dilated_window")
+    hi = check_int(right, "right", minimum=0, owner="dilated_window")
+    d = check_int(dilation, "dilation", minimum=1, owner="dilated_window")
+    band = sliding_window(lo * d, hi * d)
+    if d == 1:
+        return band
+
+    def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return band.fn(b, h, q, k) & (torch.remainder(q - k, d) == 0)
+
+    def tiles(t: _Tiles) -> tuple[Tensor, Tensor]:
+        full, empty = band._tiles(t)  # type: ignore[misc]
+        single = (t.q_start == t.q_end) & (t.k_start == t.k_end) & (torch.remainder(t.q_start - t.k_start, d) == 0)
+        return full & single, empty
+
+    return Mask(fn, f"dilated_window({lo},{hi},{d})", tiles=tiles, relative=True)
+
+
+def _natten_start(i: Tensor, length: int, kernel: int, dilation: int) -> tuple[Tensor, Tensor]:
+    """NATTEN's 1-D neighbourhood of index ``i`` on an axis of ``length``: ``(group, start)``, the keys
+    being ``group + dilation * (start + t)`` for ``0 <= t < kernel`` (clamped inside the axis)."""
+    group = torch.remainder(i, dilation)
+    idx = torch.div(i, dilation, rounding_mode="floor")
+    group_len = torch.div(length - group + dilation - 1, dilation, rounding_mode="floor")
+    start = (idx - kernel // 2).clamp(min=0)
+    return group, torch.minimum(start, group_len - kernel)
+
+
+def neighborhood_2d(height: int, width: int, kernel: int | tuple[int, int], dilation: int | tuple[int, int] = 1,
+                    ) -> Mask:
+    """2-D neighbourhood attention (NATTEN): tokens on a ``height x width`` grid, row-major
+    (position ``p`` = row ``p // width``, column ``p % width``); the query at ``(r, c)`` sees the
+    ``kernel x kernel`` keys around it, the window shifted (not cut) at the grid's edges, as NATTEN
+    does, so every query sees exactly ``kh * kw`` keys. With ``dilation`` the window takes every
+    ``dilation``-th token of the query's own residue class along each axis.
+
+    Positions outside ``0 .. height * width - 1`` see nothing."""
+    kh, kw = (kernel, kernel) if not isinstance(kernel, tuple) else kernel
+    dh, dw = (dilation, dilation) if not isinstance(dilation, tuple) else dilation
+    H = check_int(height, "height", minimum=1, owner="neighborhood_2d")
+    W = check_int(width, "width", minimum=1, owner="neighborhood_2d")
+    kh, kw = (check_int(x, "kernel", minimum=1, owner="neighborhood_2d") for x in (kh, kw))
+    dh, dw = (check_int(x, "dilation", minimum=1, owner="neighborhood_2d") for x in (dh, dw))
+    if kh * dh > H or kw * dw > W:
+        raise ValueError(f"neighborhood_2d: kernel x dilation must fit the grid, got kernel ({kh}, {kw}) x dilation "
+                         f"({dh}, {dw}) on a {H} x {W} grid")
+
+    def axis_ok(qi: Tensor, ki: Tensor, length: int, k: int, d: int) -> Tensor:
+        group, start = _natten_start(qi, length, k, d)
+        t = torch.div(ki, d, rounding_mode="floor")
+        return (torch.remainder(ki, d) == group) & (t >= start) & (t < start + k)
+
+    def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        inside = (q >= 0) & (q < H * W) & (k >= 0) & (k < H * W)
+        qr, qc = torch.div(q, W, rounding_mode="floor"), torch.remainder(q, W)
+        kr, kc = torch.div(k, W, rounding_mode="floor"), torch.remainder(k, W)
+        return inside & axis_ok(qr, kr, H, kh, dh) & axis_ok(qc, kc, W, kw, dw)
+
+    return Mask(fn, f"neighborhood_2d({H}x{W},k=({kh},{kw}),d=({dh},{dw}))")

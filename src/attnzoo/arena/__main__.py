@@ -1,5 +1,12 @@
 """``python -m attnzoo.arena`` (also under ``torchrun --nproc_per_node=N -m attnzoo.arena``)."""
 
-from attnzoo.arena import main
+import sys
+
+try:  # Ctrl-C while the arena modules load: one line (run_arena handles it from then on; an interrupt
+    # while the attnzoo package itself imports torch, before this file runs, is still a traceback)
+    from attnzoo.arena import main
+except KeyboardInterrupt:
+    print("arena: interrupted; nothing written", file=sys.stderr)
+    raise SystemExit(130) from None
 
 raise SystemExit(main())

@@ -87,6 +87,8 @@ def sees_every_token(variant: str, width: int, heads: int, seq_len: int, window:
     """Whether ``variant`` (with its arena settings) is exact attention in which every query sees
     every earlier token: the mechanism can then recall every pair (MQAR's plateau is 100%). From
     the spec's cost function (its visible pairs), not from the name."""
+    if "/" in variant:  # a hybrid stack: one layer that sees every token can recall every pair
+        return any(sees_every_token(n, width, heads, seq_len, window) for n in set(variant.split("/")))
     spec = VARIANTS[variant]
     if not spec.exact:
         return False
@@ -232,7 +234,7 @@ def _grid_variants(args: argparse.Namespace) -> list[str]:
     if not args.variants:
         return variant_names()
     names = [v.strip() for v in str(args.variants).split(",") if v.strip()]
-    bad = [v for v in names if v not in variant_names()]
+    bad = [v for v in names if any(n.strip() not in variant_names() for n in v.split("/"))]
     if bad or not names:
         raise ValueError(f"--variants: unknown or empty {bad or args.variants!r}; expected a subset of "
                          f"{variant_names()}")

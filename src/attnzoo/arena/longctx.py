@@ -22,7 +22,7 @@ import torch
 
 from attnzoo.arena.measure import cache_bytes
 from attnzoo.cost import estimate
-from attnzoo.variants import VARIANTS, build_attention
+from attnzoo.variants import VARIANTS, build_attention, layer_pattern
 
 __all__ = ["LENGTHS", "QUICK_LENGTHS", "crossings", "layer_settings", "long_context"]
 
@@ -99,6 +99,28 @@ def _variant_curve(variant: str, lengths: Sequence[int], width: int, heads: int,
     return points
 
 
+_AVERAGED = ("forward_s", "decode_step_s", "flops", "activation_bytes", "cache_bytes", "step_bytes")
+
+
+def _stack_curve(pattern: str, lengths: Sequence[int], width: int, heads: int, depth: int, window: int | None,
+                 device: torch.device, cap_s: float) -> list[dict[str, Any]]:
+    """A hybrid stack's curve as one *average* layer (the report multiplies by the depth): every
+    quantity is the mean over the pattern's ``depth`` layers of that layer's variant curve, so
+    ``depth x cache_bytes`` is the sum of the layers' caches. A point is ``measured`` only when
+    every layer's is."""
+    layers = layer_pattern(pattern, depth)
+    # a hybrid's windowed layers keep the registry default window (DecoderLM: no per-layer window in a mixed stack)
+    per = {n: _variant_curve(n, lengths, width, heads, None, device, cap_s) for n in sorted(set(layers))}
+    points = []
+    for i, n in enumerate(lengths):
+        pts = [per[name][i] for name in layers]
+        point: dict[str, Any] = {"n": n, "layers": list(layers),
+                                 "source": "measured" if all(p["source"] == "measured" for p in pts) else "model"}
+        point.update({k: sum(float(p.get(k, float("nan"))) for p in pts) / len(pts) for k in _AVERAGED})
+        points.append(point)
+    return points
+
+
 def crossings(curves: dict[str, list[dict[str, Any]]], baseline: str = "mha") -> dict[str, dict[str, Any]]:
     """For each variant, the length from which on it beats ``baseline``, per quantity.
 
@@ -142,7 +164,8 @@ def long_context(variants: Sequence[str], width: int, heads: int, depth: int, wi
     errors: dict[str, str] = {}
     for v in variants:
         try:
-            curves[v] = _variant_curve(v, lengths, width, heads, window, device, cap)
+            curves[v] = (_stack_curve(v, lengths, width, heads, depth, window, device, cap) if "/" in v else
+                         _variant_curve(v, lengths, width, heads, window, device, cap))
         except Exception as e:  # a variant without a cost function or cache must not sink the report
             errors[v] = f"{type(e).__name__}: {e}"
     return {"lengths": list(lengths), "width": width, "heads": heads, "depth": depth, "cap_s": cap,

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from attnzoo.arena.fairness import plateau_lines
 from attnzoo.arena.sections import (
     banner_md,
     long_context_figure,
@@ -22,6 +23,7 @@ from attnzoo.arena.sections import (
     measurement_md,
     verdict_md,
 )
+from attnzoo.arena.tradeoff import tradeoff_figure
 from attnzoo.arena.verdict import lm_seed_stats, mqar_converged
 
 __all__ = ["summary_rows", "summary_text", "write_report"]
@@ -120,6 +122,7 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             "bpc": a["final"]["bits_per_char"] if a else None,
             "mqar_acc": b["final"]["accuracy"] if b else None,
             "mqar_converged": mqar_converged(b["evals"]) if b else None,
+            "mqar_lr": b.get("best_lr") if b else None,  # --lr-sweep
             "train_tps": train_tps,
             "decode_tps": decode_tps,
             "peak_mib": mem["peak_bytes"] / 2**20 if mem else None,
@@ -138,6 +141,8 @@ def _cell(row: dict[str, Any], key: str) -> str:
     text = _fmt(row[key], _KINDS[key])
     if key == "mqar_acc" and row.get("mqar_converged") is False:
         text += " (not converged)"
+    if key == "mqar_acc" and row.get("mqar_lr") is not None:
+        text += f" (best lr {row['mqar_lr']:g})"
     return text
 
 
@@ -223,6 +228,9 @@ def _plots(results: dict[str, Any], out: Path) -> dict[str, str]:
     fig = long_context_figure(plt, results, colors)
     if fig is not None:
         files["long_context"] = _save(plt, fig, out, "long_context.png")
+    fig = tradeoff_figure(plt, results, colors)
+    if fig is not None:
+        files["tradeoff"] = _save(plt, fig, out, "recall_vs_state.png")
     return files
 
 
@@ -315,6 +323,7 @@ _CAPTIONS = {
     "mqar_accuracy": "MQAR accuracy by variant",
     "speed_memory": "Speed (measurement pass) against memory",
     "long_context": "Long-context cost against mha",
+    "tradeoff": "MQAR recall against decode-state bytes (the Zoology / Based trade-off)",
 }
 
 
@@ -357,6 +366,9 @@ def _report_md(results: dict[str, Any], images: dict[str, str]) -> str:
           _speed_note(results), "", "Settings:", "", *_settings_md(results), ""]
     if errors:
         md += ["Measurements that failed:", "", *errors, ""]
+    plateau = plateau_lines(results)
+    if plateau:
+        md += ["Did every run reach its plateau? (mqar: adaptive budget, see docs/arena.md)", "", *plateau, ""]
     md += [*verdict_md(results), *measurement_md(results),
            *long_context_md(results, images.get("long_context")), "## Plots", ""]
     if images:

@@ -22,9 +22,12 @@ from typing import Any
 import torch
 
 from attnzoo._outputs import ensure_output_dir
+from attnzoo._validate import nonnegative_int_arg as _nonnegative_int
 from attnzoo._validate import positive_float_arg as _positive_float
 from attnzoo._validate import positive_int_arg as _positive_int
-from attnzoo.arena.grid import GRID, grid_window, run_grid
+from attnzoo.arena.fairness import StopRun, best_lr_record, should_stop, sweep_lrs
+from attnzoo.arena.grid import GRID, grid_window, run_grid, sees_every_token
+from attnzoo.arena.hybrid import check_entry, entry_kwargs
 from attnzoo.arena.longctx import long_context
 from attnzoo.arena.measure import decode_speed, state_bytes, training_memory
 from attnzoo.arena.parallel import GatheredModel, parallelize, plain_copy, plan_from_args
@@ -39,6 +42,7 @@ from attnzoo.arena.storage import (
     set_aside,
     write_atomic,
 )
+from attnzoo.arena.sweep import add_preset_arguments, run_preset
 from attnzoo.arena.tasks import MQARTask, ShakespeareTask, Task
 from attnzoo.arena.timing import measure_pass
 from attnzoo.arena.trainer import (
@@ -46,6 +50,7 @@ from attnzoo.arena.trainer import (
     TrainConfig,
     cleanup_distributed,
     config_dict,
+    gpt2_init,
     init_distributed,
     make_optimizer,
     rank_and_world,
@@ -90,6 +95,12 @@ class TaskSettings:
     vocab_size: int = 0  # mqar only
     window: int | None = None  # sliding / local_global window (None: the registry default)
     pos: str = "rope"  # DecoderLM positional encoding: rope | learned | sinusoidal | none
+    max_steps: int = 0  # > steps: adaptive budget (attnzoo.arena.fairness): the schedule's horizon and the cap
+
+    @property
+    def horizon(self) -> int:
+        """Steps of the schedule: the cap of an adaptive budget, else ``steps``."""
+        return max(self.steps, self.max_steps)
 
 
 # The default budget (see docs/arena.md for how it was chosen and what it reaches).
@@ -97,7 +108,8 @@ _DEFAULTS = {
     "lm": TaskSettings("lm", seq_len=128, steps=200, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=20,
                        eval_every=40),
     "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=128, width=64, depth=2, heads=4, lr=3e-3,
-                         warmup=300, eval_every=100, num_kv_pairs=4, vocab_size=64, window=8, pos="learned"),
+                         warmup=300, eval_every=50, num_kv_pairs=4, vocab_size=64, window=8, pos="learned",
+                         max_steps=1000),
 }
 _QUICK = {
     "lm": TaskSettings("lm", seq_len=32, steps=12, batch=8, width=32, depth=1, heads=2, lr=3e-3, warmup=3,
@@ -122,7 +134,7 @@ def settings_for(task: str, args: argparse.Namespace) -> TaskSettings:
             over["vocab_size"] = args.mqar_vocab
     s = replace(s, **over)
     if "steps" in over:
-        s = replace(s, eval_every=max(1, min(s.eval_every, s.steps)))
+        s = replace(s, eval_every=max(1, min(s.eval_every, s.steps)), max_steps=0)  # --steps: a fixed budget
         if "warmup" not in over:
             s = replace(s, warmup=min(s.warmup, max(1, s.steps // 10)))
     if s.warmup >= s.steps:
@@ -166,7 +178,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
     parser.add_argument("--seeds", type=_positive_int, default=2,
                         help="seeds of the lm task, for the seed-noise estimate of the verdict (default: %(default)s)")
-    parser.add_argument("--seeds-top", dest="seeds_top", type=int, default=2,
+    parser.add_argument("--seeds-top", dest="seeds_top", type=_nonnegative_int, default=2,
                         help="run the extra seeds only for the K variants with the best lm loss at --seed, to "
                              "keep the default run short; 0: every variant (default: %(default)s)")
     parser.add_argument("--grid-widths", dest="grid_widths", type=_int_list,
@@ -190,6 +202,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="train through torch.compile(model) (forward and backward of every training step); "
                              "evaluation and decoding stay eager")
+    add_preset_arguments(parser)
     parser.add_argument("--context-parallel", dest="context_parallel", nargs="?", const=True, default=False,
                         type=_positive_int, metavar="N", help=_CP_HELP)
 
@@ -213,17 +226,17 @@ def _int_list(text: str) -> list[int]:
 
 
 def _parse_variants(text: str | None, context_parallel: bool = False) -> list[str]:
+    """``--variants``: comma-separated registry names or ``/`` layer patterns (hybrid stacks)."""
     if text is None:
         return list(CONTEXT_PARALLEL_VARIANTS if context_parallel else DEFAULT_VARIANTS)
-    names = [v.strip() for v in str(text).split(",") if v.strip()]
-    known = variant_names()
-    bad = [v for v in names if v not in known]
-    if not names or bad:
-        raise ValueError(f"--variants: unknown or empty {bad or text!r}; expected a comma-separated subset of {known}")
+    raw = [v.strip() for v in str(text).split(",") if v.strip()]
+    if not raw:
+        raise ValueError(f"--variants: empty {text!r}; expected a comma-separated subset of {variant_names()}")
+    names = [check_entry(v) for v in raw]
     if len(set(names)) != len(names):
         raise ValueError(f"--variants: {text!r} names a variant twice")
     if context_parallel:
-        ring_less = [v for v in names if v not in CONTEXT_PARALLEL_VARIANTS]
+        ring_less = [v for v in names if any(n not in CONTEXT_PARALLEL_VARIANTS for n in v.split("/"))]
         if ring_less:
             raise ValueError(f"--context-parallel: variants {ring_less} have no ring-attention form (their "
                              f"attention is a mask pattern or a recurrent state); use a subset of "
@@ -246,12 +259,12 @@ def _arena_pos(pos: str, variant: str) -> str:
 
 def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device,
                  max_len: int = 0) -> torch.nn.Module:
-    akw = VARIANTS[variant].arena_settings(s.width, s.heads, s.window)  # e.g. window, performer's F
+    akw = entry_kwargs(variant, s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
     model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
                       max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
                       pos=_arena_pos(s.pos, variant), device=device)
-    _gpt2_init(model)
+    gpt2_init(model)
     return model
 
 
@@ -264,20 +277,6 @@ def build_model(s: TaskSettings, variant: str, vocab: int, seed: int,
 def _sample_len(s: TaskSettings) -> int:
     """New tokens of the greedy sample: fill the training window (at least 32)."""
     return max(32, s.seq_len - len(SAMPLE_PROMPT))
-
-
-@torch.no_grad()
-def _gpt2_init(model: torch.nn.Module) -> None:
-    """GPT-2 style initialisation of every ``Linear`` and ``Embedding`` weight: N(0, 0.02), zero biases.
-
-    With a tied LM head, unit-variance embeddings would start the loss far above ``ln V``; small
-    weights start every variant near the uniform prediction, which keeps a short budget fair.
-    """
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                torch.nn.init.zeros_(m.bias)
 
 
 def _signature(s: TaskSettings, variant: str, seed: int, world: int,
@@ -319,6 +318,15 @@ def _unwrapped(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             setattr(parent, child, mod)
 
 
+def _run_name(s: TaskSettings, variant: str, seed: int, args: argparse.Namespace) -> str:
+    """The file name of a run: ``mqar-gqa``, a hybrid's ``/`` as ``+``, ``-seed1`` for an extra seed,
+    ``-lr0.001`` inside an ``--lr-sweep``."""
+    name = f"{s.task}-{variant.replace('/', '+')}" + ("" if seed == args.seed else f"-seed{seed}")
+    if getattr(args, "lr_sweep", False) and s.task == "mqar":
+        name += f"-lr{s.lr:g}"
+    return name
+
+
 class _Run:
     """One (task, variant) training run with evaluation, checkpoints and measurements."""
 
@@ -328,13 +336,15 @@ class _Run:
         self.seed = args.seed if seed is None else seed
         self.label = label
         self.rank, self.world = rank_and_world()
-        self.name = f"{s.task}-{variant}" + ("" if self.seed == args.seed else f"-seed{self.seed}")
+        self.name = _run_name(s, variant, self.seed, args)
         self.reused = False
         self.ckpt = out / "checkpoints" / f"{self.name}.pt"
         self.done_file = out / "runs" / f"{self.name}.json"
         self.cp = bool(getattr(args, "context_parallel", False)) and self.world > 1
         self.plan = plan_from_args(args) if self.cp else None  # --context-parallel N: FSDP2 + CP
         self.sig = _signature(s, variant, self.seed, self.world, self.cp)
+        # exact attention over every token (plateau 100%) trains on to the cap unless solved
+        self.exact = s.task == "mqar" and sees_every_token(variant, s.width, s.heads, s.seq_len, s.window or s.seq_len)
 
     def _warn(self, path: Path, problem: str) -> None:
         """Name a damaged file, set it aside and say that the run is trained again."""
@@ -352,7 +362,15 @@ class _Run:
         except DamagedFile as exc:
             self._warn(self.done_file, str(exc))
             return None
-        return data if data.get("signature") == self.sig else None
+        if data.get("signature") != self.sig:
+            return None
+        if self.ckpt.exists():  # a finished run's checkpoint is a model users load: it must be whole too
+            try:
+                read_checkpoint(self.ckpt)
+            except DamagedFile as exc:
+                self._warn(self.ckpt, str(exc))
+                return None
+        return data
 
     def _restore(self, model: torch.nn.Module, opt: torch.optim.Optimizer
                  ) -> tuple[int, list[float], list[dict[str, float]]]:
@@ -372,8 +390,8 @@ class _Run:
             raise ValueError(f"--resume: checkpoint {self.ckpt} was made with different settings "
                              f"({setting_differences(state['extra'].get('signature'), self.sig)}). "
                              f"Use another --out or drop --resume")
-        if not 0 <= int(state["step"]) <= self.s.steps:
-            self._warn(self.ckpt, f"is at step {state['step']}, outside the {self.s.steps} steps of the run")
+        if not 0 <= int(state["step"]) <= self.s.horizon:
+            self._warn(self.ckpt, f"is at step {state['step']}, outside the {self.s.horizon} steps of the run")
             return 0, [], []
         fresh_model = {k: v.clone() for k, v in model.state_dict().items()}
         fresh_opt = opt.state_dict()
@@ -409,8 +427,8 @@ class _Run:
         if start == 0:
             evals.append({"step": 0, **self.task.evaluate(evaluated, self.device, self.seed)})
         last, wall, cpu = self._train(model, evaluated, cfg, opt, start, losses, evals)
-        if start == s.steps and not evals:
-            evals.append({"step": s.steps, **self.task.evaluate(evaluated, self.device, self.seed)})
+        if start == s.horizon and not evals:
+            evals.append({"step": s.horizon, **self.task.evaluate(evaluated, self.device, self.seed)})
         result: dict[str, Any] = {
             "task": s.task, "variant": self.variant, "signature": self.sig,
             "params": int(model.num_parameters()),  # type: ignore[operator]
@@ -438,17 +456,19 @@ class _Run:
         s, args = self.s, self.args
         last: list[StepInfo] = []
         kind = args.progress if self.rank == 0 else "none"
-        with make_progress(kind, f"{self.label} {self.name:>18}".strip(), s.steps, start) as bar:
+        with make_progress(kind, f"{self.label} {self.name:>18}".strip(), s.horizon, start) as bar:
 
             def on_step(info: StepInfo) -> None:
                 losses.append(info.loss)
                 last[:] = [info]
                 bar.update(info)
-                if info.step % s.eval_every == 0 or info.step == s.steps:
+                if info.step % s.eval_every == 0 or info.step == s.horizon:
                     metrics = self.task.evaluate(evaluated, self.device, self.seed)
                     evals.append({"step": info.step, **metrics})
                     bar.note(_brief(metrics))
                     model.train()
+                    if s.max_steps > s.steps and should_stop(evals, info.step, s.steps, s.horizon, self.exact):
+                        raise StopRun(info.step)
 
             def checkpoint(step: int, optimizer: torch.optim.Optimizer) -> None:
                 if self.rank == 0:
@@ -457,11 +477,14 @@ class _Run:
                                         {"signature": self.sig, "losses": losses, "evals": evals})
 
             t0, c0 = time.perf_counter(), time.process_time()
-            train(model, self.task, s.steps, s.batch, self.seed, config=cfg, device=self.device,
-                  start_step=start, optimizer=opt, on_step=on_step,
-                  checkpoint=checkpoint if self.plan is None else None, checkpoint_every=args.checkpoint_every,
-                  sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp and self.plan is None else None,
-                  parallel=self.plan)
+            try:
+                train(model, self.task, s.horizon, s.batch, self.seed, config=cfg, device=self.device,
+                      start_step=start, optimizer=opt, on_step=on_step,
+                      checkpoint=checkpoint if self.plan is None else None, checkpoint_every=args.checkpoint_every,
+                      sequence_layout=CONTEXT_PARALLEL_LAYOUT if self.cp and self.plan is None else None,
+                      parallel=self.plan)
+            except StopRun:  # an adaptive budget ended early: solved, or flat past its nominal steps
+                model.eval()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return (last[0] if last else None), wall, cpu
 
@@ -642,7 +665,7 @@ class _Plan:
         extra = _seed_plan(args, variants) if "lm" in settings else []
         top = int(getattr(args, "seeds_top", 0) or 0)
         n_top = len(variants) if top <= 0 else min(top, len(variants))
-        weights = [self._weight(t) for t in settings for _ in variants]
+        weights = [self._weight(t) for t in settings for _ in variants for _ in _lr_settings(args, settings[t])]
         if extra:
             weights += [self._weight("lm")] * (len(extra) * n_top)
         self.overall = Overall(weights, enabled=enabled)
@@ -664,7 +687,7 @@ class _Plan:
 
     def _weight(self, t: str) -> float:
         s = self.settings[t]
-        return float(s.steps * s.batch * s.seq_len * s.width * s.depth)
+        return float(s.horizon * s.batch * s.seq_len * s.width * s.depth)
 
     @staticmethod
     def _name(s: TaskSettings, variant: str, seed: int | None) -> str:
@@ -698,13 +721,28 @@ class _Plan:
         return records
 
 
+def _lr_settings(args: argparse.Namespace, s: TaskSettings) -> list[TaskSettings]:
+    """The settings a (task, variant) trains under: one, or with ``--lr-sweep`` one per learning
+    rate of :func:`attnzoo.arena.fairness.sweep_lrs` (mqar only)."""
+    if not getattr(args, "lr_sweep", False) or s.task != "mqar":
+        return [s]
+    return [replace(s, lr=lr) for lr in sweep_lrs(s.lr)]
+
+
 def _train_all(plan: _Plan, task_objs: dict[str, Task], out: Path, device: torch.device
                ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every run: ``(runs, seed_runs)`` (``seed_runs``: the extra lm seeds and who got them)."""
     runs: dict[str, dict[str, Any]] = {t: {} for t in plan.settings}
-    calls: list[_Call] = [(s, task_objs[t], v, None) for t, s in plan.settings.items() for v in plan.variants]
+    calls: list[_Call] = [(s, task_objs[t], v, None) for t, s in plan.settings.items() for v in plan.variants
+                          for s in _lr_settings(plan.args, s)]
+    swept: dict[str, dict[float, dict[str, Any]]] = {}
     for (s, _, v, _), record in zip(calls, plan.run_many(calls, out, device), strict=True):
-        runs[s.task][v] = record
+        if len(_lr_settings(plan.args, plan.settings[s.task])) > 1:
+            swept.setdefault(v, {})[s.lr] = record
+        else:
+            runs[s.task][v] = record
+    for v, by_lr in swept.items():  # --lr-sweep: the best learning rate of every mqar variant
+        runs["mqar"][v] = best_lr_record(by_lr)
     seed_runs: dict[str, Any] = {"seeds": [plan.args.seed], "variants": [], "finals": {}}
     if plan.extra_seeds and "lm" in runs:
         top = _top_variants(plan.args, runs, plan.variants)
@@ -746,17 +784,47 @@ def _cpu_seconds() -> float:
     return time.process_time() + t.children_user + t.children_system
 
 
+def interrupted_line(args: argparse.Namespace) -> str:
+    """The one line an interrupted arena prints: whether anything of it is on disk to resume from."""
+    out = Path(args.out or (QUICK_OUT if args.quick else DEFAULT_OUT))
+    kept = [p for d in ("runs", "checkpoints") if (out / d).is_dir() for p in (out / d).iterdir()
+            if p.suffix in (".json", ".pt")]
+    if not kept:
+        return "arena: interrupted; nothing written"
+    return (f"arena: interrupted; {len(kept)} run records and checkpoints are kept in {out}: "
+            f"resume with --resume")
+
+
+def _one_line_interrupt(fn: Any) -> Any:
+    """``fn(args)`` with Ctrl-C (SIGINT) at any point, start-up included, as :func:`interrupted_line`
+    on stderr and exit code 130 instead of a ``KeyboardInterrupt`` traceback."""
+
+    @functools.wraps(fn)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except KeyboardInterrupt:
+            print(interrupted_line(args), file=sys.stderr, flush=True)
+            return 130
+
+    return wrapped
+
+
+@_one_line_interrupt
 def run_arena(args: argparse.Namespace) -> int:
     """Run the arena described by ``args`` (from :func:`add_arena_arguments`); returns an exit code.
 
     Writes ``report.md``, ``index.html``, ``results.json`` and the plots to ``--out``
     (rank 0 only under ``torchrun``). Raises ``ValueError`` for bad settings, before any training
     (an ``--out`` that cannot be written, or a ``--quick`` run over a full report, included).
+    Ctrl-C prints one line (:func:`interrupted_line`) and returns 130.
     """
     grid_only = [f"--{k.replace('_', '-')}" for k in ("grid_widths", "grid_pairs", "grid_seq_lens")
                  if getattr(args, k, None) is not None]
     if grid_only and args.task != "mqar-grid":
         raise ValueError(f"{', '.join(grid_only)}: only for --task mqar-grid (got --task {args.task})")
+    if getattr(args, "preset", None):
+        return run_preset(args)
     if args.task == "mqar-grid":
         return run_grid(args, _grid_builder(args))
     cp = getattr(args, "context_parallel", False) is True  # with N (FSDP2), every shardable variant

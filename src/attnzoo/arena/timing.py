@@ -34,6 +34,12 @@ BUSY_CPU_RATIO = 0.85
 #: (a median of 29% over the 8 default variants, single timings up to 121%, in a run on a shared
 #: 2-vCPU machine whose load average and CPU time looked quiet).
 BUSY_SPREAD = 0.2
+#: Median over variants of each variant's largest spread of any timing (train step, prefill, decode
+#: at each length) above this: rounds that disagree by more than half their median say nothing
+#: about a variant (a pass reported "quiet" with per-variant spreads of 60-266%).
+BUSY_ANY_SPREAD = 0.5
+#: A load average above ``cores + BUSY_LOAD_MARGIN``: more runnable threads than cores, someone waits.
+BUSY_LOAD_MARGIN = 0.25
 
 
 def loadavg() -> float | None:
@@ -179,24 +185,28 @@ def machine_busy(m: dict[str, Any]) -> tuple[bool, str]:
     """Was the machine busy during a measurement pass ``m``? ``(busy, reason)``.
 
     Busy when the process got clearly less CPU than wall time while it ran one thread (it waited
-    for a core), when the load average, less this process's threads, leaves fewer cores free than
-    the process uses, or when the rounds disagree: the median over variants of a training step's
-    spread ``(max - min) / median`` above :data:`BUSY_SPREAD`. On a shared virtual machine the last
+    for a core), when the load average exceeds the cores (by :data:`BUSY_LOAD_MARGIN`: more
+    runnable threads than cores, this process's included), or when the rounds disagree: the median
+    over variants of a training step's spread ``(max - min) / median`` above :data:`BUSY_SPREAD`,
+    or the median over variants of each one's widest spread of any timing above
+    :data:`BUSY_ANY_SPREAD`. On a shared virtual machine the last
     is often the only sign (a neighbour takes cycles that neither the load average nor this
     process's CPU time shows), and it bounds what a difference between two variants can mean.
     """
     reasons = []
-    spreads = [r["spread"]["train_step_s"] for r in m.get("variants", {}).values()
-               if "train_step_s" in r.get("spread", {})]
+    runs = [r["spread"] for r in m.get("variants", {}).values() if r.get("spread")]
+    spreads = [sp["train_step_s"] for sp in runs if "train_step_s" in sp]
     spread = statistics.median(spreads) if spreads else 0.0
     if spread > BUSY_SPREAD:
         reasons.append(f"the same training step's time varied by a median of {spread:.0%} between rounds")
+    widest = [max(sp.values()) for sp in runs]
+    if widest and statistics.median(widest) > BUSY_ANY_SPREAD:
+        reasons.append(f"a variant's timings varied by up to {max(widest):.0%} between rounds (median over "
+                       f"variants of the widest: {statistics.median(widest):.0%})")
     ratio, threads, cores = m.get("cpu_wall_ratio"), int(m.get("threads") or 1), int(m.get("cpu_count") or 1)
     if ratio is not None and threads == 1 and ratio < BUSY_CPU_RATIO:
         reasons.append(f"the process got {ratio:.0%} of its wall time on a CPU")
     loads = [x for x in (m.get("loadavg_before"), m.get("loadavg_after")) if x is not None]
-    if loads:
-        others = max(loads) - min(threads, cores)
-        if others > cores - min(threads, cores) + 0.5:
-            reasons.append(f"the load average was {max(loads):.1f} on {cores} cores")
+    if loads and max(loads) > cores + BUSY_LOAD_MARGIN:
+        reasons.append(f"the load average was {max(loads):.1f} on {cores} cores")
     return bool(reasons), "; ".join(reasons)

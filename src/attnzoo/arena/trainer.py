@@ -42,6 +42,7 @@ __all__ = [
     "TrainConfig",
     "cleanup_distributed",
     "config_dict",
+    "gpt2_init",
     "init_distributed",
     "load_checkpoint",
     "lr_at",
@@ -96,6 +97,21 @@ def lr_at(step: int, steps: int, cfg: TrainConfig) -> float:
     progress = min(1.0, (step - cfg.warmup) / span)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def gpt2_init(model: nn.Module) -> None:
+    """GPT-2 style initialisation of every ``Linear`` and ``Embedding`` weight: N(0, 0.02), zero biases
+    (also Zoology's ``_init_weights``).
+
+    With a tied LM head, unit-variance embeddings would start the loss far above ``ln V``; small
+    weights start every variant near the uniform prediction, which keeps a short budget fair.
+    """
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

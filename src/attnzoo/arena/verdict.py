@@ -21,6 +21,8 @@ import math
 import statistics
 from typing import Any
 
+from attnzoo.arena.tradeoff import hybrid_answers
+
 __all__ = ["BASELINE", "lm_seed_stats", "mqar_converged", "verdict"]
 
 BASELINE = "mha"
@@ -87,6 +89,9 @@ def _recall(results: dict[str, Any]) -> dict[str, Any] | None:
     if unconverged:
         text += (f" Not converged (accuracy still rising at the last evaluations, so a lower bound): "
                  f"{', '.join(unconverged)}.")
+    text += (" This is a 64-token vocabulary at a CPU budget; the papers' setting (vocabulary 8,192, best of "
+             "learning rates, early stop at 0.99) is `attnzoo arena --preset zoology-fig2` (docs/arena.md, "
+             "*Paper presets*, with how its points compare with Zoology's Figure 2).")
     return {"question": "recall (MQAR)", "winner": win, "value": acc, "ties": ties,
             "runner_up": rest[0][0] if rest else None, "margin": acc - rest[0][1] if rest else None,
             "not_converged": unconverged, "text": text}
@@ -170,4 +175,4 @@ def verdict(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The verdict of one arena run: a list of answers, each ``{"question", "winner", "value",
     "text", ...}`` (questions without data are left out). See the module docstring."""
     found = (_recall(results), _decode_memory(results), _throughput(results), _quality(results))
-    return [v for v in found if v is not None]
+    return [v for v in found if v is not None] + hybrid_answers(results)

@@ -6,7 +6,8 @@ that it runs on a sequence sharded over the ranks of a group.
   (``method="ring"``) or :func:`ulysses_attention` (``method="ulysses"``);
 * recurrent and feature-map mixers: :class:`~attnzoo.distributed.recurrent.ContextParallelRecurrent`
   (state summaries scanned over the ranks);
-* anything else (NSA, Infini-attention) is refused by name, before any communication.
+* anything else (NSA, Infini-attention, sigmoid and forgetting attention) is refused by name, before any
+  communication.
 
 Packed documents: inside ``with documents(cu_seqlens):`` (global boundaries) the attention of
 every wrapped module is restricted to documents.
@@ -34,6 +35,7 @@ from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.differential import DifferentialAttention
 from attnzoo.nn.feature_attention import _FeatureAttention
+from attnzoo.nn.fox import FoxAttention
 from attnzoo.nn.infini import InfiniAttention
 from attnzoo.nn.mla import MultiHeadLatentAttention
 from attnzoo.nn.nsa import NativeSparseAttention
@@ -50,6 +52,8 @@ REFUSED: dict[type, str] = {
                            "keys (a global top-k per query); run it on the gathered sequence",
     SigmoidAttention: "sigmoid attention has no normaliser, so its shard pairs would add without a "
                       "log-sum-exp merge: not implemented in ring_attention / ulysses_attention yet",
+    FoxAttention: "its score bias is the cumulative sum of the forget gates over the whole sequence (a prefix "
+                  "sum across ranks): not implemented in context parallelism yet",
     InfiniAttention: "its compressive memory is read and written per segment of segment_len tokens with a "
                      "local softmax inside each segment; shards would have to be whole segments",
 }

@@ -6,6 +6,7 @@ kernel on every visible shard pair (see :mod:`attnzoo.distributed`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from attnzoo.distributed.sharding import (
 from attnzoo.functional._request import build_request, check_qkv
 from attnzoo.functional.attention import attention, merge_attention
 from attnzoo.functional.rules import compute_dtype, key_bounds
+from attnzoo.functional.score_mod import ScoreMod, ScoreModFn, check_score_mod
 from attnzoo.functional.tiled import accumulate_grads, tile_plan
 
 __all__ = ["BACKWARD_BLOCK", "PAIR_STATS", "ring_attention", "work_per_rank"]
@@ -184,6 +186,7 @@ class _Config:
     softcap: float | None = None
     alibi: Tensor | None = None  # [Hq] slopes in the compute dtype
     docs: Tensor | None = None  # [N] document id of every global position (cu_seqlens)
+    score_mod: ScoreMod | None = None  # az.attention's score_mod, on global positions
 
 
 def _pair(qs: Segment, ks: Segment, cfg: _Config) -> tuple[int, Tensor | None]:
@@ -213,8 +216,9 @@ def _forward_pairs(q: Tensor, k_src: Tensor, v_src: Tensor, q_segs: list[Segment
                 continue
             k_sl = slice(ks.local_lo, ks.local_lo + ks.length)
             qq, kk, vv = q[:, :, q_sl], k_src[:, :, k_sl], v_src[:, :, k_sl]
-            mods = {"softcap": cfg.softcap, "alibi_slopes": cfg.alibi}
-            if vis == _FULL and cfg.alibi is None:  # no mask, no positions: the backend's fastest path
+            mods = {"softcap": cfg.softcap, "alibi_slopes": cfg.alibi,
+                    "score_mod": _at_keys(cfg.score_mod, ks.global_lo)}
+            if vis == _FULL and cfg.alibi is None and cfg.score_mod is None:  # no mask, no positions: the backend's fastest path
                 o, s = attention(qq, kk, vv, scale=cfg.scale, softcap=cfg.softcap, return_lse=True,
                                  backend=cfg.backend)
             elif vis == _FULL:  # ALiBi needs the pair's relative offset, not a mask
@@ -234,7 +238,7 @@ def _forward_pairs(q: Tensor, k_src: Tensor, v_src: Tensor, q_segs: list[Segment
 
 def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src: Tensor, v_src: Tensor,
                     q_segs: list[Segment], k_segs: list[Segment], dq: Tensor, dk: Tensor, dv: Tensor,
-                    cfg: _Config) -> None:
+                    cfg: _Config, captured_grads: dict[int, Tensor] | None = None) -> None:
     """Accumulate the gradients of attention of the local queries over one K/V shard.
 
     Each visible (query segment, key segment) pair runs the tiled backend's backward kernel
@@ -253,16 +257,38 @@ def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src:
             r = build_request(q[:, :, q_sl], k_src[:, :, k_sl], v_src[:, :, k_sl], mask=doc_mask, causal=cfg.causal,
                               window=cfg.window, q_offset=qs.global_lo - ks.global_lo, scale=cfg.scale,
                               softcap=cfg.softcap, alibi_slopes=cfg.alibi, dropout_p=0.0, return_lse=False,
-                              return_weights=False)
+                              return_weights=False, score_mod=_at_keys(cfg.score_mod, ks.global_lo))
             plan = tile_plan(r, cfg.block)
+            grads: list[Tensor | None] | None = None
+            if r.score_mod is not None:
+                plan = dataclasses.replace(plan, bands=())  # score_mod tiles are [B, Hq, bq, bk]
+                grads = [None] * len(r.score_mod.captured)
             accumulate_grads(r, plan, r.q, r.k, r.v, d_out[:, :, q_sl], lse[:, :, q_sl], delta[:, :, q_sl],
-                             dq[:, :, q_sl], dk[:, :, k_sl], dv[:, :, k_sl])
+                             dq[:, :, q_sl], dk[:, :, k_sl], dv[:, :, k_sl], grads)
+            for t, g in zip(r.score_mod.captured if grads else (), grads or (), strict=True):
+                if g is not None and captured_grads is not None and id(t) in captured_grads:  # keyed by the tensor: the pair's probe finds them anew
+                    captured_grads[id(t)] += g
+
+
+def _at_keys(mod: ScoreMod | None, k_lo: int) -> ScoreModFn | None:
+    """``mod`` for a shard pair whose keys start at global position ``k_lo`` (the pair's positions
+    are relative to it): the function sees global positions."""
+    if mod is None:
+        return None
+    fn = mod.fn
+    if k_lo == 0:
+        return fn
+
+    def shifted(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return fn(s, b, h, q_idx + k_lo, kv_idx + k_lo)
+
+    return shifted
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ring: Ring, metas: list[_Meta],  # type: ignore[override]
-                cfg: _Config, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+                cfg: _Config, sinks: Tensor | None, *captured: Tensor) -> tuple[Tensor, Tensor]:
         P, r = ring.size, ring.rank
         lengths = [int(m.Nq) for m in metas]
         cdt = compute_dtype(q.dtype)
@@ -292,7 +318,7 @@ class _RingAttention(torch.autograd.Function):
             lse = sinked
         out_q = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out_q, lse, sinks)
-        ctx.ring, ctx.lengths, ctx.cfg = ring, lengths, cfg
+        ctx.ring, ctx.lengths, ctx.cfg, ctx.captured = ring, lengths, cfg, captured
         ctx.mark_non_differentiable(lse)
         return out_q, lse
 
@@ -310,6 +336,7 @@ class _RingAttention(torch.autograd.Function):
         q_segs = segments(cfg.layout, lengths, r)
         k_cur, v_cur = k.contiguous(), v.contiguous()
         dkv_pending: Pending | None = None
+        captured_grads = {id(t): torch.zeros_like(t) for t in ctx.captured if t.requires_grad}
         for t in range(P):
             src = (r - t) % P
             nxt = (src - 1) % P
@@ -321,7 +348,7 @@ class _RingAttention(torch.autograd.Function):
             dk = torch.zeros(_shard_shape(k, lengths[src]), dtype=cdt, device=k.device)
             dv = torch.zeros(_shard_shape(v, lengths[src]), dtype=cdt, device=v.device)
             _backward_pairs(q_c, d_out, lse, delta, k_cur.to(cdt), v_cur.to(cdt), q_segs,
-                            segments(cfg.layout, lengths, src), dq, dk, dv, cfg)
+                            segments(cfg.layout, lengths, src), dq, dk, dv, cfg, captured_grads)
             if dkv_pending is not None:  # the buffers of shard `src` arrive with its earlier contributions
                 dk_in, dv_in = ring.finish(dkv_pending)
                 dk += dk_in
@@ -338,7 +365,8 @@ class _RingAttention(torch.autograd.Function):
         if sinks is not None:  # d z_h = -sum over this rank's rows of p_sink * delta (the sink has v = 0)
             p_sink = torch.exp(sinks.to(cdt).view(1, -1, 1) - lse)  # [B, Hq, n]
             d_sinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
-        return dq.mul_(cfg.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, d_sinks
+        d_captured = tuple(captured_grads.get(id(t)) for t in ctx.captured)  # this rank's rows' share
+        return dq.mul_(cfg.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, d_sinks, *d_captured
 
 
 def _shard_shape(t: Tensor, n: int) -> tuple[int, ...]:
@@ -367,6 +395,16 @@ def _check_options(scale: object, return_lse: object, block: object, backend: ob
                          f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else sinks!r}")
 
 
+def _global_documents(cu_seqlens: Tensor, metas: list[Any], rank: int, device: torch.device) -> Tensor:
+    """Document id ``[N]`` of every global position from the global ``cu_seqlens`` (checked on every rank)."""
+    total = sum(int(m.Nq) for m in metas)
+    cu = cu_seqlens.long().cpu()
+    if int(cu[-1]) != total:  # the same cu_seqlens (checked) and lengths on every rank: all raise
+        raise ValueError(f"ring_attention on rank {rank}: cu_seqlens must end at the global length "
+                         f"{total} (the sum of the shards), got {cu.tolist()}")
+    return document_ids(cu, total, device)
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -385,6 +423,7 @@ def ring_attention(
     block: int = BACKWARD_BLOCK,
     sinks: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded across the ranks of a process group.
 
@@ -419,6 +458,8 @@ def ring_attention(
         cu_seqlens: packed documents across ranks: the *global* boundaries ``[S+1]`` (int, from 0
             to the global length, the same on every rank); a query sees keys of its own document
             only. Shard pairs that no document spans are skipped (counted in ``PAIR_STATS``).
+        score_mod: as in ``az.attention``, on *global* positions (the same function on every
+            rank); the tensors it captures get this rank's rows' share of their gradients.
 
     Returns:
         ``out [B, Hq, n, Dv]`` (dtype of ``q``), or ``(out, lse)`` with ``return_lse``.
@@ -436,6 +477,7 @@ def ring_attention(
     vals: list[float] | None = None
     err: Exception | None = None
     win: Window | None = None
+    mod: ScoreMod | None = None
     try:
         layout = check_layout(layout, fn)
         check_bool(causal, "causal")
@@ -445,6 +487,7 @@ def ring_attention(
             raise ValueError(f"sinks must have shape [Hq] = [{q.shape[1]}], got {tuple(sinks.shape)}")
         cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, fn)
         vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes, cu)
+        mod = check_score_mod(score_mod, q, q.shape[2], 0)
     except (TypeError, ValueError) as e:
         err = e
     if isinstance(q, Tensor):
@@ -453,19 +496,12 @@ def ring_attention(
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
     metas = _exchange_meta(ring, vals, err, device)
-    docs = None
-    if cu_seqlens is not None:
-        total = sum(int(m.Nq) for m in metas)
-        cu = cu_seqlens.long().cpu()
-        if int(cu[-1]) != total:  # the same cu_seqlens (checked) and lengths on every rank: all raise
-            raise ValueError(f"ring_attention on rank {ring.rank}: cu_seqlens must end at the global length "
-                             f"{total} (the sum of the shards), got {cu.tolist()}")
-        docs = document_ids(cu, total, q.device)
+    docs = None if cu_seqlens is None else _global_documents(cu_seqlens, metas, ring.rank, q.device)
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
                   block=block, softcap=None if softcap is None else float(softcap),
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),
-                  docs=docs)
-    out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg, sinks)
+                  docs=docs, score_mod=mod)
+    out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg, sinks, *(mod.captured if mod is not None else ()))
     if return_lse:
         return out, lse.float() if lse.dtype != torch.float64 else lse
     return out

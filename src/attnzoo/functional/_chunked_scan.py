@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_tensor_ranks
 
 __all__ = [
@@ -68,7 +69,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _eager() -> bool:
     """Value checks (data-dependent) run in eager mode only, not while compiling."""
-    return not torch.compiler.is_compiling()
+    return not tracing()
 
 
 def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: object, initial_state: object,
@@ -235,7 +236,7 @@ def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[
     lead, tdim = v.shape[:-2], v.dim() - 2
     chunk = min(chunk, n)
     out = v.new_empty(*lead, n, dv, dtype=s0.dtype)
-    compiling = torch.compiler.is_compiling() and segments is None
+    compiling = tracing() and segments is None
     carry = _Carry(s0, segments)
     step = _group_chunks(per_chunk_bytes, -(-n // chunk)) * chunk
     # compiled: one group, always padded, so that nothing loops or branches on the length
@@ -444,7 +445,7 @@ def token_loop(name: str, loop: Loop, shapes: Loop) -> Loop:
     op.register_autograd(backward, setup_context=setup)
 
     def call(*tensors: Tensor) -> tuple[Tensor, ...]:
-        if torch.compiler.is_compiling() and tensors[0].shape[-2] != 1:  # [..., N, .]: one token stays traced
+        if tracing() and tensors[0].shape[-2] != 1:  # [..., N, .]: one token stays traced
             return tuple(op(list(tensors)))
         return loop(*tensors)  # eager: the loop itself, under autograd
 

@@ -2,11 +2,24 @@
 
 * empty inputs: no keys (``Nk = 0``) gives zeros and LSE ``-inf``; no queries or no batch gives
   empty outputs; no backend kernel sees a zero-size tensor;
-* non-finite keys/values: a key a row cannot see never changes that row. Fused kernels add the
-  mask to the scores (``NaN + -inf = NaN``) and multiply hidden values by a zero weight
-  (``0 * NaN = NaN``), so a NaN or inf in one hidden key would spoil every row. When K or V hold
-  a non-finite entry (checked eagerly, for masked requests whose output is not finite), the
-  backend runs on K/V with those entries zeroed and the rows that *see* such a key are set to NaN.
+* non-finite keys/values: a key a row cannot see never changes that row, forward or backward.
+  Fused kernels add the mask to the scores (``NaN + -inf = NaN``) and multiply hidden values by a
+  zero weight (``0 * NaN = NaN``), and every backward multiplies a hidden key by its zero score
+  gradient (``dq = dS K``), so a NaN or inf in one hidden key would spoil every row. When K or V
+  hold a non-finite entry (checked eagerly: for masked requests whose output is not finite, and
+  before the run when q, k or v need gradients), the kernel runs on K/V with those entries
+  replaced by zeros (``masked_fill``: their gradient is 0, never ``0 * NaN``) and the rows that
+  *see* such a key are set to NaN;
+* non-finite queries: a row whose query holds a NaN or inf is NaN when it sees any key (zeros
+  when it sees none), and no other row changes. torch's fused CPU kernel returns such a row
+  finite (its running maximum skips NaN); on masked requests the guard restores the NaN. An
+  unmasked request goes straight to the kernel (nothing is hidden there; the one-token decode
+  call is unmasked and a check of q would cost it ~50% at small Nk), so on ``sdpa``/``flash``
+  a non-finite query row of an unmasked call is the kernel's own result.
+
+Both guards run in eager mode only (under ``torch.compile`` the request goes straight to the
+kernel). :func:`guard_nonfinite` serves :func:`attnzoo.attention` (with or without ``sinks``)
+and :func:`attnzoo.sigmoid_attention`.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._request import AttnRequest
 from attnzoo.functional.rules import compute_dtype
 
@@ -59,32 +73,77 @@ def _rows_seeing(r: AttnRequest, bad: Tensor) -> Tensor:
         if allowed is not None:
             seen = seen & allowed
         if fm is not None:
-            seen = seen & (fm[:, :, lo:hi] if fm.shape[2] > 1 else fm) > float("-inf")
+            seen = seen & ((fm[:, :, lo:hi] if fm.shape[2] > 1 else fm) > float("-inf"))
         parts.append(seen.expand(r.batch, r.hq, hi - lo, r.nk).any(dim=-1))
     return torch.cat(parts, dim=-1)
 
 
-def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[Tensor, ...]]
-                    ) -> Tensor | tuple[Tensor, ...]:
-    """``run(r)`` (the output of :func:`attnzoo.attention`: ``out`` or ``(out, lse?, weights?)``),
-    except that non-finite keys/values change only the rows that see them (those become NaN)."""
-    if not _hides_keys(r) or r.nk == 0 or torch.compiler.is_compiling():
+def _needs_grad(r: AttnRequest) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
+
+
+def _bad_keys(r: AttnRequest) -> Tensor:
+    """Bool ``[B, Hkv, Nk]``: keys whose key or value vector holds a NaN or inf."""
+    return ~torch.isfinite(r.k).all(dim=-1) | ~torch.isfinite(r.v).all(dim=-1)
+
+
+def _nan_rows(result: Tensor | tuple[Tensor, ...], rows: Tensor, value: float = float("nan"),
+              lse_value: float = float("nan")) -> Tensor | tuple[Tensor, ...]:
+    """``result`` (``out`` or ``(out, lse?, weights?)``) with ``value`` on the query rows ``rows [B, Hq, Nq]``
+    (``lse_value`` in the LSE)."""
+    parts = list(result) if isinstance(result, tuple) else [result]
+    # out [B, Hq, Nq, Dv], lse [B, Hq, Nq], weights [B, Hq, Nq, Nk]
+    parts = [t.masked_fill(rows, lse_value) if t.dim() == 3 else t.masked_fill(rows.unsqueeze(-1), value)
+             for t in parts]
+    return tuple(parts) if isinstance(result, tuple) else parts[0]
+
+
+def _clean_run(r: AttnRequest, bad: Tensor, run: Callable[[AttnRequest], Tensor | tuple[Tensor, ...]]
+               ) -> Tensor | tuple[Tensor, ...]:
+    """``run`` on K/V with the ``bad [B, Hkv, Nk]`` keys zeroed; NaN on the rows that see one."""
+    keep = bad.unsqueeze(-1)  # [B, Hkv, Nk, 1]
+    clean = dataclasses.replace(r, k=r.k.masked_fill(keep, 0), v=r.v.masked_fill(keep, 0))
+    return _nan_rows(run(clean), _rows_seeing(r, bad))
+
+
+def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[Tensor, ...]], *,
+                    fused: bool = True) -> Tensor | tuple[Tensor, ...]:
+    """``run(r)`` (``out`` or ``(out, lse?, weights?)``, the layout of :func:`attnzoo.attention`'s
+    result), except that non-finite keys/values change only the rows that see them and a
+    non-finite query only its own row (those rows become NaN), forward and backward.
+
+    ``fused=False`` says that ``run`` spreads a non-finite query into its row by itself (the plain
+    PyTorch backends): an unmasked request then goes straight to ``run`` (no extra pass)."""
+    hides = _hides_keys(r)
+    if is_empty(r) or tracing() or not hides:
+        # unmasked: every row sees every key, so nothing hidden can leak; a non-finite query row is the
+        # kernel's own (NaN on reference/tiled; torch's fused CPU kernel returns it finite). Checking q
+        # here would cost every decode step (the module's one-token call is unmasked) ~50% on small Nk.
         return run(r)
+    if hides and _needs_grad(r):  # a finite forward can still hide a NaN key from autograd
+        bad = _bad_keys(r)
+        if bool(bad.any()):
+            result = _clean_run(r, bad, run)
+            return _fix_queries(r, result) if fused else result
     result = run(r)
     # A leak can only show as a non-finite output: one reduction of the output (a NaN/inf anywhere
     # makes the sum non-finite; ~10x cheaper than isfinite().all() on CPU) decides whether K and V
     # are inspected at all. A float16 sum that merely overflows only costs that inspection.
     out = result[0] if isinstance(result, tuple) else result
-    if bool(torch.isfinite(out.sum())):
+    if bool(torch.isfinite(out.sum() + r.q.sum())):
         return result
-    bad = ~torch.isfinite(r.k).all(dim=-1) | ~torch.isfinite(r.v).all(dim=-1)  # [B, Hkv, Nk]
-    if not bool(bad.any()):
-        return result  # the non-finite output comes from q or the mask, not from hidden keys
-    clean = dataclasses.replace(r, k=r.k.masked_fill(bad.unsqueeze(-1), 0),
-                                v=r.v.masked_fill(bad.unsqueeze(-1), 0))
-    result = run(clean)
-    rows = _rows_seeing(r, bad)  # [B, Hq, Nq]
-    parts = list(result) if isinstance(result, tuple) else [result]
-    # out [B, Hq, Nq, Dv], lse [B, Hq, Nq], weights [B, Hq, Nq, Nk]: NaN on the rows that see one
-    parts = [t.masked_fill(rows if t.dim() == 3 else rows.unsqueeze(-1), float("nan")) for t in parts]
-    return tuple(parts) if isinstance(result, tuple) else parts[0]
+    bad = _bad_keys(r)
+    if bool(bad.any()):  # else the non-finite output comes from q or the mask, not from hidden keys
+        result = _clean_run(r, bad, run)
+    return _fix_queries(r, result) if fused else result
+
+
+def _fix_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+    """NaN on the rows whose query is non-finite and that see a key; zeros (LSE ``-inf``) on such rows
+    that see none (a fused kernel returns the first finite and may return NaN for the second)."""
+    bad_q = ~torch.isfinite(r.q).all(dim=-1)  # [B, Hq, Nq]
+    if not bool(bad_q.any()):
+        return result
+    sees = _rows_seeing(r, torch.ones(r.batch, r.hkv, r.nk, dtype=torch.bool, device=r.q.device))
+    result = _nan_rows(result, bad_q & ~sees, 0.0, float("-inf"))
+    return _nan_rows(result, bad_q & sees)

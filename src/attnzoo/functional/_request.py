@@ -15,6 +15,7 @@ from typing import overload
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import (
     Window,
     check_bool,
@@ -25,6 +26,7 @@ from attnzoo._validate import (
     normalize_window,
 )
 from attnzoo.functional.rules import alibi_bias, compute_dtype
+from attnzoo.functional.score_mod import ScoreMod, check_score_mod, score_indices
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 
@@ -118,6 +120,8 @@ class AttnRequest:
     dropout_p: float
     return_lse: bool
     return_weights: bool
+    #: the user's ``score_mod`` and the tensors it captures that need gradients (``score_mod.py``)
+    score_mod: ScoreMod | None = None
 
     # ---------------------------------------------------------------- shapes
     batch = _Size("q", 0, "``B``")
@@ -189,6 +193,8 @@ class AttnRequest:
             f.add("Dv != D")
         if self.q.dtype == torch.float64:
             f.add("float64")
+        if self.score_mod is not None:
+            f.add("score_mod")
         return f
 
     # --------------------------------------------------------- tile helpers
@@ -205,6 +211,18 @@ class AttnRequest:
             tile = _slice_mask(bm, q_lo, q_hi, k_lo, k_hi)
             out = tile if out is None else out & tile
         return out
+
+    def modify(self, s: Tensor, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor:
+        """Scores ``[B, Hq, q_hi-q_lo, k_hi-k_lo]`` through the user's ``score_mod`` (or unchanged), at
+        absolute positions: queries ``q_offset + q_lo ..``, keys ``k_lo ..``."""
+        if self.score_mod is None:
+            return s
+        return self.score_mod.fn(s, *self.score_index(q_lo, q_hi, k_lo, k_hi))
+
+    def score_index(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``score_mod``'s ``(b, h, q_idx, kv_idx)`` for query rows ``q_lo:q_hi`` x keys ``k_lo:k_hi``."""
+        return score_indices(self.batch, self.hq, self.q_offset + q_lo, self.q_offset + q_hi, k_lo, k_hi,
+                             self.q.device)
 
     def bias(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor | None:
         """Additive bias (float mask + ALiBi) for a tile in the compute dtype, or ``None``."""
@@ -263,7 +281,7 @@ def _check_slopes(alibi_slopes: object, q: Tensor) -> Tensor | None:
         raise TypeError(f"alibi_slopes must be a tensor [Hq], got {type(alibi_slopes).__name__}")
     if _shape(alibi_slopes) != (hq,):
         raise ValueError(f"alibi_slopes must have shape [Hq] = [{hq}], got {_shape(alibi_slopes)}")
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(alibi_slopes).all()):
+    if not tracing() and not bool(torch.isfinite(alibi_slopes).all()):
         raise ValueError(f"alibi_slopes must be finite, got {alibi_slopes.tolist()}")
     return alibi_slopes.to(device=q.device, dtype=compute_dtype(q.dtype))
 
@@ -290,6 +308,7 @@ def build_request(
     dropout_p: float,
     return_lse: bool,
     return_weights: bool,
+    score_mod: object = None,
 ) -> AttnRequest:
     """Validate every argument of :func:`attnzoo.attention` and build an :class:`AttnRequest`."""
     check_qkv(q, k, v)
@@ -304,9 +323,10 @@ def build_request(
     p = _check_dropout(dropout_p)
     check_bool(return_lse, "return_lse")
     check_bool(return_weights, "return_weights")
+    mod = check_score_mod(score_mod, q, nk, off)
     return AttnRequest(q=q, k=k, v=v, mask_tensor=mask_tensor, mask_obj=mask_obj, causal=causal, window=win,
                        q_offset=off, scale=sc, softcap=cap, alibi_slopes=slopes, dropout_p=p,
-                       return_lse=return_lse, return_weights=return_weights)
+                       return_lse=return_lse, return_weights=return_weights, score_mod=mod)
 
 
 def _always(device: torch.device) -> bool:

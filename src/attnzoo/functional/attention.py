@@ -6,7 +6,7 @@ Semantics (shapes, alignment, windows, empty rows, GQA head mapping, dtypes) are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -17,6 +17,7 @@ import attnzoo.functional.flex as flex
 import attnzoo.functional.reference as reference
 import attnzoo.functional.sdpa as sdpa
 import attnzoo.functional.tiled as tiled
+from attnzoo._devices import tracing
 from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional._request import AttnRequest, Capabilities, build_request
 from attnzoo.functional.reference_ops import reference_op_attention
@@ -51,7 +52,7 @@ def _missing(r: AttnRequest, backend: str) -> set[str]:
 
 def _visible_fraction(r: AttnRequest, block: int = 128) -> float:
     """Fraction of tiles the tiled backend must visit (1.0 = dense)."""
-    if torch.compiler.is_compiling():  # plans read tensor data; a compiled graph decides from sizes
+    if tracing():  # plans read tensor data; a compiled graph decides from sizes
         return traceable_visible_fraction(r, block)
     plan = tiled.tile_plan(r, block, block)
     total = plan.n_q_blocks * plan.n_k_blocks
@@ -64,12 +65,24 @@ def choose_backend(r: AttnRequest) -> str:
     1. ``return_weights`` or float64 -> ``reference`` (only it returns weights; it is the float64 oracle).
     2. CUDA, half precision, flash-attn installed, and nothing flash lacks -> ``flash``.
     3. Dropout -> ``sdpa`` (``reference`` if sdpa lacks a feature, e.g. softcap).
-    4. ``return_lse`` or ``softcap`` -> ``tiled``.
+    4. ``return_lse``, ``softcap`` or a ``score_mod`` -> ``tiled`` (``reference`` if tiled lacks a
+       feature, e.g. a float-mask or ALiBi gradient).
     5. A window or mask that hides at least half of the 128 x 128 tiles of a score matrix of at
        least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
     6. Otherwise -> ``sdpa``; for float16/bfloat16 on CPU it runs natively or through float32
        math where half matmuls were measured >= 1.25x slower (``attnzoo.functional.halfmath``).
+
+    Whatever rule picks a backend that lacks a feature of the request (e.g. ``softcap`` with a
+    float-mask gradient), ``tiled`` serves it if it can, else ``reference``: ``auto`` never
+    refuses a valid request.
     """
+    name = _first_choice(r)
+    if name != "reference" and _missing(r, name):
+        return "tiled" if not _missing(r, "tiled") else "reference"
+    return name
+
+
+def _first_choice(r: AttnRequest) -> str:
     feats = r.features()
     if "return_weights" in feats or "float64" in feats:
         return "reference"
@@ -78,8 +91,8 @@ def choose_backend(r: AttnRequest) -> str:
         return "flash"
     if "dropout" in feats:
         return "sdpa" if not _missing(r, "sdpa") else "reference"
-    if "return_lse" in feats or "softcap" in feats:
-        return "tiled"
+    if "return_lse" in feats or "softcap" in feats or "score_mod" in feats:
+        return "tiled" if not _missing(r, "tiled") else "reference"
     if (r.structure is not None and r.nq * r.nk >= _SPARSE_MIN_SCORES
             and _visible_fraction(r) <= 1.0 - _SPARSE_FRACTION):
         return "tiled"
@@ -102,6 +115,7 @@ def attention(
     return_weights: bool = False,
     backend: str = "auto",
     sinks: Tensor | None = None,
+    score_mod: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Exact scaled dot-product attention.
 
@@ -126,6 +140,13 @@ def attention(
         backend: ``"auto" | "reference" | "sdpa" | "tiled" | "flex" | "flash"``.
         sinks: ``[Hq]`` sink logits (gpt-oss): each row's softmax also counts ``exp(sinks[h])``,
             whose column is dropped; the LSE includes it. See ``attnzoo.functional.sinks``.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature) applied
+            to the scaled (and soft-capped) scores before ALiBi, float masks and hidden keys;
+            ``score [B, Hq, bq, bk]`` float32 (float64 for float64 inputs) for one tile and int64
+            index tensors broadcastable to it, at absolute positions (queries ``q_offset ..``,
+            keys ``0 ..``). Gradients reach the tensors it captures; served by ``reference``,
+            ``tiled`` (memory linear in N, forward and backward) and ``flex``. See
+            ``docs/score-mod.md``.
 
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype; with ``return_lse``/``return_weights`` a tuple
@@ -138,7 +159,7 @@ def attention(
     """
     r = build_request(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=scale,
                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                      return_lse=return_lse, return_weights=return_weights)
+                      return_lse=return_lse, return_weights=return_weights, score_mod=score_mod)
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
     if sinks is not None:
@@ -151,7 +172,7 @@ def attention(
 
 def _guarded_run(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
     """``run_backend`` such that hidden non-finite keys/values never reach a row (``_edge``)."""
-    return guard_nonfinite(r, lambda clean: run_backend(clean, name))
+    return guard_nonfinite(r, lambda clean: run_backend(clean, name), fused=name not in ("reference", "tiled"))
 
 
 _UNAVAILABLE = {
@@ -172,14 +193,18 @@ def run_backend(r: AttnRequest, name: str) -> Tensor | tuple[Tensor, ...]:
     weights: Tensor | None = None
     if is_empty(r):  # no keys, queries or batch: zeros and LSE -inf, no kernel runs
         out, lse, weights = empty_result(r)
-    elif name == "reference" and torch.compiler.is_compiling():
+    elif name == "reference" and tracing() and r.score_mod is None:
         out, lse, weights = reference_op_attention(r)  # one custom operator per direction
     elif name == "reference":
         out, lse, weights = reference.reference_attention(r)
     elif name == "sdpa":
         out = sdpa.sdpa_attention(r)
-    elif name == "tiled" and torch.compiler.is_compiling():
+    elif name == "tiled" and tracing() and r.score_mod is None:
         out, lse = tiled_op_attention(r)  # one custom operator per direction (no unrolled loops)
+    elif name == "tiled" and tracing():
+        # A score_mod cannot cross a custom operator, and its captured tensors are found by an eager
+        # probe: compiled, it is traced densely (exact, gradients by autograd; O(Nq x Nk) memory).
+        out, lse, _ = reference.reference_attention(r)
     elif name == "tiled":
         out, lse = tiled.tiled_attention(r)
     elif name == "flex":

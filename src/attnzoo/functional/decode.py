@@ -38,6 +38,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._edge import empty_result, is_empty
 from attnzoo.functional._request import AttnRequest, build_request
 from attnzoo.functional.halfmath import HALF_DTYPES, half_math
@@ -79,7 +80,7 @@ def use_split_kv(r: AttnRequest, chosen: str) -> bool:
     hides at least half the cache from :data:`MIN_KEYS_OTHER` keys. Plain or causal MHA decoding
     stays with SDPA (0.7-1.0x here: nothing to share between heads).
     """
-    if (torch.compiler.is_compiling() or r.q.dtype == torch.float64 or r.nq > MAX_QUERIES
+    if (tracing() or r.q.dtype == torch.float64 or r.nq > MAX_QUERIES
             or not r.features() <= _SERVED or chosen not in ("sdpa", "tiled")):
         return False
     if r.group > 1 and r.nk >= MIN_KEYS:

@@ -34,7 +34,7 @@ def _more_missing(r: AttnRequest) -> set[str]:
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``), where it runs.
 CAPABILITIES = Capabilities("flash", frozenset({"return_weights", "float mask", "bool mask", "Mask object",
-                                                "float64", "Dv != D", "alibi gradient"}),
+                                                "float64", "Dv != D", "alibi gradient", "score_mod"}),
                             _available, _more_missing)
 
 

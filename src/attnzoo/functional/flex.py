@@ -6,9 +6,12 @@
   and partial tiles kept apart so FlexAttention skips the mask on full tiles. A causal / window
   request's tables are memoised by shape, and inside ``torch.compile`` they come from the operator
   ``attnzoo::flex_block_table`` (no generated kernels for them, issue 20).
-* softcap, ALiBi and float masks become a ``score_mod``.
-* ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile`` once per shape, which
-  is what makes it fast; the first call of a shape pays the compile time. On CPU, requests that
+* softcap, the user's ``score_mod`` (its query index shifted by ``q_offset``), ALiBi and float
+  masks become FlexAttention's ``score_mod``, in that order.
+* ``COMPILE`` (default ``True``) runs FlexAttention through ``torch.compile``, which is what makes it
+  fast: the first shape compiles with static sizes, the first call with another shape compiles once
+  more with dynamic sizes (torch's automatic dynamic shapes), and every later shape reuses that
+  graph; before, each shape compiled anew and the 9th hit torch's recompile limit and ran unfused. On CPU, requests that
   torch's compiled kernel cannot serve correctly (gradients, LSE, fewer keys than one block) run
   FlexAttention's eager path instead. Set
   ``attnzoo.functional.flex.COMPILE = False`` for FlexAttention's eager (debug) path.
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._request import AttnRequest, Capabilities, combine_structure
 from attnzoo.functional.rules import alibi_bias
 from attnzoo.masks import BLOCK_FULL, BLOCK_PARTIAL, Mask
@@ -43,7 +47,9 @@ def _available(device: torch.device) -> bool:
 
 
 def _more_missing(r: AttnRequest) -> set[str]:
-    if r.q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v)):
+    captured = r.score_mod.captured if r.score_mod is not None else ()
+    if r.q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v,
+                                                                                            *captured)):
         return {"gradients on CPU (FlexAttention has no CPU backward)"}
     return set()
 
@@ -58,7 +64,7 @@ def _eager(*args: Any, **kwargs: Any) -> Any:
     attnzoo runs it eagerly on purpose (see :func:`flex_attention_backend`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if torch.compiler.is_compiling():  # inside a compiled graph flex is traced, and catch_warnings would break it
+    if tracing():  # inside a compiled graph flex is traced, and catch_warnings would break it
         return flex_attention(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -71,7 +77,7 @@ def _flex_fn(compiled: bool) -> Callable[..., Any]:
     if not compiled:
         return _eager
     if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(flex_attention, dynamic=False)
+        _compiled["fn"] = torch.compile(flex_attention, dynamic=None)  # sizes turn dynamic on a new shape
     return _compiled["fn"]
 
 
@@ -155,7 +161,7 @@ def build_block_mask(r: AttnRequest, by_key: bool = True) -> Any:
     if r.mask_obj is None:
         left, right = r.window if r.window is not None else (None, None)
         args = (r.q, r.causal, left, right, r.window is not None, r.bool_mask is not None, r.nk, r.q_offset)
-        table = block_table if torch.compiler.is_compiling() else _request_table
+        table = block_table if tracing() else _request_table
         tables = [table(*args, kind, k) for kind, k in wanted]
     else:
         cls = _tile_classes(r.structure, r.bool_mask is not None, r.batch, r.hq, r.nq, r.nk, r.q_offset, r.q.device)
@@ -189,12 +195,15 @@ def _mask_mod(r: AttnRequest) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tens
 
 def _score_mod(r: AttnRequest) -> Callable[..., Tensor] | None:
     cap, slopes, fm, off = r.softcap, r.alibi_slopes, r.float_mask, r.q_offset
-    if cap is None and slopes is None and fm is None:
+    user = r.score_mod.fn if r.score_mod is not None else None
+    if cap is None and slopes is None and fm is None and user is None:
         return None
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if cap is not None:
             score = torch.tanh(score / cap) * cap
+        if user is not None:  # the user's score_mod, at absolute query positions
+            score = user(score, b, h, q_idx + off, kv_idx)
         if slopes is not None:
             score = score + alibi_bias(slopes[h], q_idx + off, kv_idx)
         if fm is not None:
@@ -219,7 +228,7 @@ def flex_attention_backend(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     # Compiled CPU FlexAttention also returns wrong values (NaN or off by O(1)) when Nk is below
     # one block (torch 2.13; found by `attnzoo check`); those shapes run eagerly too.
     # Inside an outer torch.compile the plain function is traced into the caller's graph.
-    compiled = COMPILE and not torch.compiler.is_compiling() and not (
+    compiled = COMPILE and not tracing() and not (
         r.q.device.type == "cpu" and (needs_grad or r.return_lse or r.nk < FLEX_BLOCK))
     fn = _flex_fn(compiled)
     kwargs: dict[str, Any] = {"score_mod": _score_mod(r), "block_mask": block_mask, "scale": r.scale,

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional import _chunked_scan as scan
 from attnzoo.functional._chunked_scan import log_segsum, suffix_sum
 
@@ -224,7 +225,7 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Ten
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, g))
         shape = torch.broadcast_shapes(q.shape, g.shape)
         qx, kx = q.expand(shape), k.expand(shape)  # grouped value heads: this group's tiles only
-        if torch.compiler.is_compiling() and sub < q.shape[-2] and not needs_grad:
+        if tracing() and sub < q.shape[-2] and not needs_grad:
             scores = _blocked_vector_scores(qx, kx, g, COMPILED_SUB_CHUNK)
         else:
             scores = vector_scores(qx, kx, g, sub)

@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from attnzoo._devices import tracing
+
 __all__ = ["HALF_DTYPES", "MAX_SLOWDOWN", "calibrate", "half_math", "half_math_mode", "set_half_math"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -130,7 +132,7 @@ def half_math(dtype: torch.dtype, device: torch.device | str, kernel: str = "mat
         return dtype if mode == "native" else torch.float32
     fast = _measured.get((dtype, kernel))
     if fast is None:
-        if torch.compiler.is_compiling():  # no timing inside a traced graph: float32 is always right
+        if tracing():  # no timing inside a traced graph: float32 is always right
             return torch.float32
         t32, th = calibrate(dtype, kernel=kernel)
         fast = _measured[(dtype, kernel)] = th <= t32 * MAX_SLOWDOWN[kernel]

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._chunked_scan import token_loop
 from attnzoo.functional._request import check_qkv
 from attnzoo.functional.rules import compute_dtype  # also imported from here by nn/
@@ -211,7 +212,7 @@ def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, 
     per_chunk = b * h * (3 * f * (dv + 1) + chunk * chunk + 3 * chunk * (f + dv + 1)) * v.element_size()
     g = max(1, min(-(-n // chunk), _GROUP_BUDGET_BYTES // max(1, per_chunk)))
     # Compiled: one group (a loop over groups would specialise the graph on the length N).
-    compiling = torch.compiler.is_compiling()
+    compiling = tracing()
     step = n if compiling else g * chunk
     for lo in [0] if compiling else range(0, n, step):
         hi = min(n, lo + step)

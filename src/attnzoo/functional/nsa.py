@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_int
 from attnzoo.functional.attention import attention
 
@@ -253,7 +254,7 @@ def _fast(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: 
           q_offset: int, scale: float, query_chunk: int, backend: str) -> Tensor:
     """Compressed and selected branches one query chunk at a time (one operator, ``nsa_sparse_fwd``,
     when compiled); the window through az.attention."""
-    if torch.compiler.is_compiling():  # one node, not a loop over chunks unrolled into the graph
+    if tracing():  # one node, not a loop over chunks unrolled into the graph
         args = (q, k, v, k_cmp, v_cmp, gates, *(getattr(cfg, name) for name in _CONFIG_FIELDS), q_offset, scale,
                 query_chunk)
         if torch.is_grad_enabled() and any(t.requires_grad for t in args[:6]):
@@ -275,7 +276,7 @@ def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates
     G = k.shape[1]
     r = H // G
     kb, vb = _blocks(k, cfg.select_len), _blocks(v, cfg.select_len)
-    if keep is None and Nq >= BLOCK_MAJOR_MIN_QUERIES and not torch.compiler.is_compiling():
+    if keep is None and Nq >= BLOCK_MAJOR_MIN_QUERIES and not tracing():
         return _sparse_block_major(q, kb, vb, k_cmp, v_cmp, gates, cfg, q_offset, scale, query_chunk)
     outs = []
     for a in range(0, Nq, query_chunk):
@@ -447,7 +448,7 @@ def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scal
     """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` per chunk of ``max(query_chunk, w)``
     queries over the only keys its window can reach (``<= 2 w`` keys a query: O(N w), no tile walk)."""
     c, w, nq = max(query_chunk, cfg.window), cfg.window, q.shape[2]
-    if torch.compiler.is_compiling():
+    if tracing():
         return _window_banded(q, k, v, w, q_offset, scale, backend)
     outs = []
     for a in range(0, nq, c):

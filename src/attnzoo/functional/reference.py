@@ -18,13 +18,14 @@ CAPABILITIES = Capabilities("reference", frozenset())
 
 
 def masked_scores(r: AttnRequest, q: Tensor, k: Tensor, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> Tensor:
-    """Scores of a tile after scale, softcap, bias and masks; ``-inf`` where a key is hidden.
+    """Scores of a tile after scale, softcap, score_mod, bias and masks; ``-inf`` where a key is hidden.
 
     q ``[B, Hq, bq, D]`` and k ``[B, Hq, bk, D]`` in the compute dtype -> ``[B, Hq, bq, bk]``.
     """
     s = torch.matmul(q, k.transpose(-1, -2)) * r.scale  # [B, Hq, bq, bk]
     if r.softcap is not None:
         s = torch.tanh(s / r.softcap) * r.softcap
+    s = r.modify(s, q_lo, q_hi, k_lo, k_hi)  # the user's score_mod, if any
     bias = r.bias(q_lo, q_hi, k_lo, k_hi)
     if bias is not None:
         s = s + bias.to(s.dtype)
@@ -43,8 +44,10 @@ def safe_softmax(s: Tensor) -> tuple[Tensor, Tensor]:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
-    lse = (torch.log(denom) + m).squeeze(-1)
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    p = e / safe
+    # log(0) would send an infinite gradient into an empty row (inf * 0 = NaN under a sink correction)
+    lse = torch.where(denom > 0, torch.log(safe) + m, torch.full_like(denom, float("-inf"))).squeeze(-1)
     return p, lse
 
 

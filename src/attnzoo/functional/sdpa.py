@@ -12,7 +12,7 @@ Translations done here:
   they return zeros (never NaN) with finite gradients.
 
 Unsupported (a named error, or ``auto`` picks another backend): ``return_lse``,
-``return_weights``, ``softcap``, float64 (see ``CAPABILITIES``).
+``return_weights``, ``softcap``, float64, ``score_mod`` (see ``CAPABILITIES``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional._request import AttnRequest, Capabilities
 from attnzoo.functional.halfmath import half_math
 from attnzoo.functional.rules import output_like_v, stored_like_v
 from attnzoo.masks import visible as visible_rule
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
-CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64"}))
+CAPABILITIES = Capabilities("sdpa", frozenset({"return_lse", "return_weights", "softcap", "float64",
+                                                 "score_mod"}))
 
 
 def dense_mask(r: AttnRequest) -> Tensor | None:
@@ -64,7 +66,7 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
             return cpu_flash_attention(r.q, r.k, r.v, None, True, r.scale)
         return F.scaled_dot_product_attention(r.q, r.k, r.v, dropout_p=r.dropout_p, is_causal=True,
                                               scale=r.scale, enable_gqa=gqa)
-    if torch.compiler.is_compiling() and _band_sees_own_key(r):
+    if tracing() and _band_sees_own_key(r):
         # one opaque mask operator, no empty row: a compiled graph with no generated kernel
         if _compiled_cpu_training(r):
             return cpu_flash_attention(r.q, r.k, r.v, _band_mask_op(r), False, r.scale)
@@ -75,7 +77,7 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
     visible = m if m.dtype == torch.bool else m > float("-inf")
     row_ok = visible.any(dim=-1, keepdim=True)  # [B|1, H|1, Nq, 1]
     # Compiled: no host sync on the data; the empty-row-safe path below is exact for every mask.
-    if not torch.compiler.is_compiling() and bool(row_ok.all()):
+    if not tracing() and bool(row_ok.all()):
         return F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=m, dropout_p=r.dropout_p,
                                               scale=r.scale, enable_gqa=gqa)
     # Empty rows: make them see every key (finite math), then zero their output.
@@ -137,7 +139,7 @@ def _band_mask_fake(nq: int, nk: int, q_offset: int, causal: bool, left: int, ri
 # made every output contiguous, then ``sdpa_cpu_flash_fwd`` when its output kept ``q``'s layout).
 def _compiled_cpu_training(r: AttnRequest) -> bool:
     """A compiled CPU training call that torch's CPU flash kernel serves: no dropout, ``D == Dv``."""
-    return (torch.compiler.is_compiling() and r.q.device.type == "cpu" and r.dropout_p == 0
+    return (tracing() and r.q.device.type == "cpu" and r.dropout_p == 0
             and r.q.shape[-1] == r.v.shape[-1] and torch.is_grad_enabled()
             and any(t.requires_grad for t in (r.q, r.k, r.v)))
 

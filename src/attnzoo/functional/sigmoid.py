@@ -32,7 +32,9 @@ import math
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_float
+from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional._request import AttnRequest, build_request
 from attnzoo.functional.reference import compute_dtype, masked_scores
 from attnzoo.functional.rules import output_like_v, stored_like_v
@@ -225,7 +227,9 @@ def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, *, bias: float | None = N
 
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype (computed in float32, float64 for float64), or
-        ``(out, weights)``. A query with no visible key returns zeros.
+        ``(out, weights)``. A query with no visible key returns zeros (so does every row when
+        ``Nk = 0``; ``Nq = 0`` or ``B = 0`` gives empty outputs). A NaN/inf in a key or value
+        changes only the rows that see it, a NaN/inf query only its own row (``docs/conventions.md``).
     """
     r = build_request(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=scale,
                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, return_lse=False,
@@ -238,12 +242,22 @@ def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, *, bias: float | None = N
     if name == "tiled" and lacking:
         raise ValueError(f"backend 'tiled' does not support: {', '.join(sorted(lacking))} "
                          f"(use backend='auto' or 'reference')")
+    # hidden non-finite keys/values never reach a row (a hidden key weighs sigmoid(-inf) = 0, 0 * NaN = NaN)
+    return guard_nonfinite(r, lambda clean: _run(clean, b, name))  # type: ignore[return-value]
+
+
+def _run(r: AttnRequest, b: float, name: str) -> Tensor | tuple[Tensor, Tensor]:
+    """A validated request on backend ``name``: ``out`` or ``(out, weights)`` in q's dtype."""
+    q, k, v = r.q, r.k, r.v
+    if is_empty(r):  # no keys, queries or batch: zeros (as attention() gives), no kernel runs
+        out, _, p = empty_result(r)
+        return (out, p) if r.return_weights else out
     if name == "reference":
         out, p = _reference(r, b)
-        return (out.to(q.dtype), p.to(q.dtype)) if return_weights else out.to(q.dtype)
+        return (out.to(q.dtype), p.to(q.dtype)) if r.return_weights else out.to(q.dtype)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
-    if torch.compiler.is_compiling():
+    if tracing():
         return _sigmoid_op(r, b, qc, kc, vc).to(q.dtype)
     plan = tile_plan(r)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo._devices import tracing
+from attnzoo.functional._edge import guard_nonfinite
 from attnzoo.functional._request import AttnRequest
 from attnzoo.functional.sdpa import dense_mask
 
@@ -43,7 +45,7 @@ __all__ = ["apply_sinks", "check_sinks", "sink_attention"]
 #: flash-attn's LSE has none; FlexAttention has no CPU backward, so its LSE gradient is unverified.
 LSE_GRADIENT_BACKENDS = frozenset({"reference", "tiled"})
 #: What the sdpa form (one extra zero key) cannot do.
-_SDPA_UNSUPPORTED = frozenset({"return_lse", "return_weights", "softcap", "float64"})
+_SDPA_UNSUPPORTED = frozenset({"return_lse", "return_weights", "softcap", "float64", "score_mod"})
 
 
 def check_sinks(sinks: object, hq: int, device: torch.device) -> Tensor:
@@ -56,7 +58,7 @@ def check_sinks(sinks: object, hq: int, device: torch.device) -> Tensor:
         raise ValueError(f"sinks must have shape [Hq] = [{hq}], got {tuple(sinks.shape)}")
     if sinks.device != device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks).all()):
+    if not tracing() and not bool(torch.isfinite(sinks).all()):
         raise ValueError(f"sinks must be finite logits, got {sinks.detach().cpu().tolist()}")
     return sinks
 
@@ -123,6 +125,13 @@ def sink_attention(
     correct result raises ``ValueError`` naming the reason.
     """
     z = check_sinks(sinks, r.hq, r.q.device)
+    # hidden non-finite keys/values never reach a row (the sdpa form adds the mask to the scores)
+    return guard_nonfinite(r, lambda clean: _sink_attention(clean, z, backend, choose, run))
+
+
+def _sink_attention(r: AttnRequest, z: Tensor, backend: str, choose: Callable[[AttnRequest], str],
+                    run: Callable[[AttnRequest, str], Tensor | tuple[Tensor, ...]]) -> Tensor | tuple[Tensor, ...]:
+    """:func:`sink_attention` once the sink logits ``z`` are checked."""
     with_lse = dataclasses.replace(r, return_lse=True)
     if backend == "auto":
         name = choose(with_lse)

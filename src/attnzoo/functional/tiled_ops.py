@@ -28,7 +28,6 @@ from attnzoo.functional._request import AttnRequest, build_request
 from attnzoo.functional.rules import output_like_v, stored_like_v
 from attnzoo.functional.tiled import (
     attention_backward,
-    native_half_matmul,
     plan_for,
     tiled_attention,
 )
@@ -91,7 +90,7 @@ def tiled_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tens
                  alibi_slopes)
     plan = plan_for(r)
     qc, kc, vc, oc = q, k, v, out
-    if q.dtype in (torch.float16, torch.bfloat16) and not native_half_matmul(q.dtype, q.device.type):
+    if q.dtype in (torch.float16, torch.bfloat16):
         qc, kc, vc, oc = q.float(), k.float(), v.float(), out.float()  # as the eager path computes
     with torch.no_grad():
         dq, dk, dv = attention_backward(r, plan, qc, kc, vc, oc, lse, d_out.to(qc.dtype).contiguous(), d_lse)

@@ -32,10 +32,12 @@ import itertools
 import torch
 from torch import Tensor
 
-from attnzoo._validate import check_tensor_ranks
+from attnzoo._devices import tracing
+from attnzoo._validate import check_bool, check_positive_float, check_tensor_ranks
 from attnzoo.functional._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.attention import BACKENDS, attention
 from attnzoo.functional.rules import alibi_bias
+from attnzoo.functional.score_mod import ScoreModFn
 from attnzoo.functional.tiled import attention_backward, native_half_matmul, plan_for
 from attnzoo.functional.varlen_split import split_applies, split_varlen
 from attnzoo.masks import Mask
@@ -57,7 +59,7 @@ def _check_cu(cu: object, name: str, total: int, device: torch.device) -> Tensor
         raise ValueError(f"{name} must be 1-d [S+1] with S >= 1 sequences, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not torch.compiler.is_compiling():
+    if not tracing():
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]} ({name}={values})")
@@ -340,15 +342,44 @@ def _eager_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, w
     """The eager ``attention_varlen`` (validated arguments): the packed call, or one per sequence.
     Returns ``(out [Tq, Hq, Dv], lse [Hq, Tq] or None unless kw["return_lse"])``."""
     same_cu = kw["alibi_slopes"] is None or bool(torch.equal(cu_q, cu_k))
+    mod = kw.get("score_mod")
     if name in PACKED_BACKENDS and q.shape[0] > 0 and k.shape[0] > 0 and same_cu:
         mask = varlen_mask(cu_q, cu_k, causal=kw["causal"], window=win)
         res = attention(*_packed_heads(q, k, v), mask=mask, q_offset=0, backend=name,
+                        score_mod=None if mod is None else _sequence_score_mod(mod, cu_q, cu_k),
                         **{n: kw[n] for n in ("scale", "softcap", "alibi_slopes", "sinks", "return_lse")})
         out_p, lse_p = res if isinstance(res, tuple) else (res, None)
         return out_p[0].transpose(0, 1).contiguous(), (None if lse_p is None else lse_p[0])  # [Tq, Hq, Dv]
-    kwargs = dict(window=win, **{n: kw[n] for n in ("causal", "scale", "softcap", "alibi_slopes", "return_lse")})
+    kwargs = dict(window=win, score_mod=mod,
+                  **{n: kw[n] for n in ("causal", "scale", "softcap", "alibi_slopes", "return_lse")})
     out, lse = _per_sequence(q, k, v, cu_q.tolist(), cu_k.tolist(), kwargs, kw["sinks"], name)
     return out, (lse if kw["return_lse"] else None)
+
+
+def _batch_is_sequence(score_mod: ScoreModFn, i: int) -> ScoreModFn:
+    """``score_mod`` for sequence ``i`` called alone: its batch index is ``i``."""
+    def mod(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score_mod(s, b + i, h, q_idx, kv_idx)
+
+    return mod
+
+
+def _sequence_score_mod(score_mod: ScoreModFn, cu_q: Tensor, cu_k: Tensor) -> ScoreModFn:
+    """``score_mod`` on the packed tensors as each sequence sees it alone: batch index = the
+    sequence's index, positions within the sequence (bottom-right aligned, as ``attention_varlen``)."""
+    lens_q, lens_k = cu_q.diff().long(), cu_k.diff().long()
+    seqs = torch.arange(lens_q.numel(), device=cu_q.device)
+    seq_q = seqs.repeat_interleave(lens_q)  # [Tq] sequence of each packed query
+    seq_k = seqs.repeat_interleave(lens_k)  # [Tk]
+    shift_q = (lens_k - lens_q - cu_q[:-1].long())[seq_q]  # packed row -> its aligned position
+    shift_k = (-cu_k[:-1].long())[seq_k]
+    tq, tk = seq_q.numel(), seq_k.numel()
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        qc, kc = q_idx.clamp(0, tq - 1), kv_idx.clamp(0, tk - 1)  # pairs across sequences are hidden anyway
+        return score_mod(s, seq_q[qc], h, q_idx + shift_q[qc], kv_idx + shift_k[kc])
+
+    return mod
 
 
 def _per_sequence(q: Tensor, k: Tensor, v: Tensor, bounds_q: list[int], bounds_k: list[int],
@@ -367,7 +398,9 @@ def _per_sequence(q: Tensor, k: Tensor, v: Tensor, bounds_q: list[int], bounds_k
             lses.append(lse if sinks is None else sinks.to(lse_dtype).view(hq, 1).expand(hq, q1 - q0))
             continue
         qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))  # [1, H, n, D]
+        mod = kwargs.get("score_mod")
         res = attention(qi, ki, vi, sinks=sinks, return_lse=kwargs["return_lse"], backend=backend,
+                        score_mod=None if mod is None else _batch_is_sequence(mod, i),
                         **{n: kwargs[n] for n in ("causal", "window", "scale", "softcap", "alibi_slopes")})
         out_i, lse_i = res if isinstance(res, tuple) else (res, None)
         outs.append(out_i[0].transpose(0, 1))  # [n_q, Hq, Dv]
@@ -381,8 +414,8 @@ def _per_sequence(q: Tensor, k: Tensor, v: Tensor, bounds_q: list[int], bounds_k
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      causal: bool = False, window: int | tuple[int | None, int | None] | None = None,
                      softcap: float | None = None, alibi_slopes: Tensor | None = None, scale: float | None = None,
-                     sinks: Tensor | None = None, return_lse: bool = False, backend: str = "auto"
-                     ) -> Tensor | tuple[Tensor, Tensor]:
+                     sinks: Tensor | None = None, return_lse: bool = False, backend: str = "auto",
+                     score_mod: ScoreModFn | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences (flash-attn's varlen layout).
 
     Args:
@@ -397,6 +430,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             heads first as flash-attn's varlen functions return it.
         backend: ``"auto"`` / ``"tiled"`` / ``"flex"`` run the packed tensors in one call (``auto``
             = ``tiled``); ``"reference"`` / ``"sdpa"`` / ``"flash"`` run one call per sequence.
+        score_mod: as in :func:`attnzoo.attention`, seen as each sequence alone sees it: ``b`` is
+            the sequence's index ``i`` and ``q_idx`` / ``kv_idx`` are positions within sequence
+            ``i`` (keys ``0 .. n_k_i - 1``, queries bottom-right aligned). Runs eagerly (the
+            packed ``tiled`` call and its own backward, gradients to captured tensors included).
 
     Returns:
         ``out [Tq, Hq, Dv]`` in q's dtype, or ``(out, lse [Hq, Tq])``. Equal to calling
@@ -414,18 +451,28 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                          f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool(causal, "causal")
+    check_bool(return_lse, "return_lse")  # every option checked here: the op paths below take them as is
+    scale = None if scale is None else check_positive_float(scale, "scale")
+    softcap = None if softcap is None else check_positive_float(softcap, "softcap")
+    if alibi_slopes is not None:
+        check_tensor_ranks(1, "[Hq]", alibi_slopes=alibi_slopes)
     win = normalize_window(window)
-    if backend == "auto" and not torch.compiler.is_compiling():  # per-length SDPA calls: varlen_split.py
+    if backend == "auto" and not tracing() and score_mod is None:  # per-length SDPA calls: varlen_split.py
         bq, bk = cu_q.tolist(), cu_k.tolist()
         if split_applies(q, k, v, bq, bk, softcap=softcap, sinks=sinks, return_lse=return_lse):
             return split_varlen(q, k, v, bq, bk, causal=causal, window=win, scale=scale, alibi_slopes=alibi_slopes)
     name = "tiled" if backend == "auto" else backend
     kw = dict(causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
               return_lse=return_lse)
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
+                            f"got {type(score_mod).__name__}")
+        out, lse = _eager_varlen(q, k, v, cu_q, cu_k, win, {**kw, "score_mod": score_mod}, name)
+        return (out, lse) if lse is not None else out
     grads, alibi_grad = _needs_grad(q, k, v, sinks), alibi_slopes is not None and alibi_slopes.requires_grad
-    compiling = torch.compiler.is_compiling()
+    compiling = tracing()
     if grads and not alibi_grad and (name == "tiled" or (compiling and name not in ("reference", "sdpa"))):
         return _op_varlen(q, k, v, cu_q, cu_k, win, kw, "tiled", need_lse=True)  # training: one op per direction
     if compiling and (grads or alibi_grad):

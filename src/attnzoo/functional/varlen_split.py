@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo.functional.attention import attention
 
 __all__ = ["MAX_SPLIT_CALLS", "split_applies", "split_varlen"]
@@ -46,7 +47,7 @@ def split_applies(q: Tensor, k: Tensor, v: Tensor, bounds_q: list[int], bounds_k
     """Whether ``attention_varlen(backend="auto")`` runs the split path: eager inference (no
     gradient: training keeps the packed path's two operators, which measured as fast or faster),
     no softcap, sinks or LSE (what SDPA serves), at most :data:`MAX_SPLIT_CALLS` runs of equal lengths."""
-    if torch.compiler.is_compiling() or softcap is not None or sinks is not None or return_lse:
+    if tracing() or softcap is not None or sinks is not None or return_lse:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return False

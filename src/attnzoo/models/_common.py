@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo import _validate
+from attnzoo._devices import tracing
 from attnzoo.blocks import RMSNorm, state_without_unpicklable_config
 from attnzoo.nn.positional import (
     LearnedPositionalEmbedding,
@@ -66,7 +67,7 @@ def check_tokens(tokens: object, vocab_size: int, owner: str, name: str = "token
         raise TypeError(f"{owner}: {name} must hold integer token ids, got dtype {tokens.dtype}")
     if tokens.dim() != 2 or tokens.shape[1] == 0:
         raise ValueError(f"{owner}: {name} must have shape [B, N] with N >= 1, got {tuple(tokens.shape)}")
-    if tokens.numel() and not torch.compiler.is_compiling():  # a value check syncs: eager only
+    if tokens.numel() and not tracing():  # a value check syncs: eager only
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{owner}: {name} ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")

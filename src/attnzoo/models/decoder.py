@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._devices import tracing
 from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
@@ -333,7 +334,7 @@ class DecoderLM(FromConfig, nn.Module):
                 positions = positions_from_mask(am)[:, past:]  # [B, N]
         if positions is not None:
             positions = self._check_positions(positions, B, N)
-            if (self.pos in ("learned", "sinusoidal") and positions.numel() and not torch.compiler.is_compiling()
+            if (self.pos in ("learned", "sinusoidal") and positions.numel() and not tracing()
                     and int(positions.max()) >= self.max_seq_len):  # eager only: syncs
                 raise ValueError(f"{owner}: position {int(positions.max())} is beyond the model's "
                                  f"{self.max_seq_len} positions (max_seq_len)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,7 +52,14 @@ from attnzoo.nn.frontier import (
 )
 from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
-from attnzoo.nn.streaming import POSITION_MODES, mask_at, sink_query_positions, streaming_pattern
+from attnzoo.nn.streaming import (
+    POSITION_MODES,
+    mask_at,
+    padded_parts,
+    padding_offsets,
+    sink_query_positions,
+    streaming_pattern,
+)
 
 __all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
            "SigmoidAttention", "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
@@ -168,7 +176,7 @@ class _PackedAttention:
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
                                scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
-                               backend=self.backend)  # [T, H, Dv]
+                               score_mod=self.score_mod, backend=self.backend)  # [T, H, Dv]
         return out.transpose(0, 1).reshape(1, H, T, -1)
 
 
@@ -240,31 +248,20 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         rope: ``None``, ``True`` (``RotaryEmbedding(head_dim)``) or a :class:`RotaryEmbedding`.
         dropout: attention-weight dropout (training only).
         backend: backend of :func:`attnzoo.attention` (``"auto"`` picks the fastest exact one).
-        **options: ``alibi`` (ALiBi biases with :func:`alibi_slopes` ``(H)``), ``scale`` (score
-            scale, default ``1 / sqrt(D)``; see :class:`AttentionOptions`), ``device``, ``dtype``
-            (of the parameters).
+        **options: ``alibi``, ``scale``, ... (see :class:`AttentionOptions`), ``score_mod`` (see
+            :func:`_checked_score_mod`), ``device``, ``dtype`` (of the parameters).
 
     Shapes:
         ``forward(x [B, N, C], context [B, M, kv_dim] | None) -> [B, N, C]``, with
         ``return_weights`` also ``weights [B, H, N, Nk]``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        num_kv_heads: int | None = None,
-        kv_dim: int | None = None,
-        head_dim: int | None = None,
-        bias: bool = True,
-        causal: bool = False,
-        window: int | tuple[int | None, int | None] | None = None,
-        rope: bool | RotaryEmbedding | None = None,
-        dropout: float = 0.0,
-        backend: str = "auto",
-        **options: Any,
-    ) -> None:
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, kv_dim: int | None = None,
+                 head_dim: int | None = None, bias: bool = True, causal: bool = False,
+                 window: int | tuple[int | None, int | None] | None = None, rope: bool | RotaryEmbedding | None = None,
+                 dropout: float = 0.0, backend: str = "auto", **options: Any) -> None:
         cls = type(self).__name__
+        score_mod = _checked_score_mod(cls, options.pop("score_mod", None), type(self)._score)
         num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
         opts, factory = AttentionOptions.parse(cls, {"score": type(self)._score, **options})
         if opts.score != type(self)._score:
@@ -273,6 +270,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
                          layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
         self.kv_dim = None if kv_dim is None else int(kv_dim)
+        self.score_mod = score_mod  # an nn.Module becomes a submodule: its parameters train with this module
         self.causal = check_flag(causal, "causal", cls)
         self.window = normalize_window(window)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
@@ -403,12 +401,16 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     #: the caches :meth:`forward` accepts
     _cache_types: tuple[type, ...] = (KVCache, SlidingWindowKVCache)
 
-    def _score_extras(self, *, with_sinks: bool) -> dict[str, Any]:
-        """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on;
-        unset ones are left out, so a swapped ``attend_fn`` sees only what the module uses."""
+    def _score_extras(self, *, with_sinks: bool, key_start: int = 0) -> dict[str, Any]:
+        """The optional keywords of ``attend``: ``softcap`` when set, ``sinks`` (``with_sinks``) when on,
+        ``score_mod`` (its positions shifted by ``key_start``, the stream position of the first key
+        held) when given; unset ones are left out, so a swapped ``attend_fn`` sees only what the
+        module uses."""
         extra: dict[str, Any] = {} if self.options.softcap is None else {"softcap": self.options.softcap}
         if with_sinks and self.sinks is not None:
             extra["sinks"] = self.sinks
+        if self.score_mod is not None:
+            extra["score_mod"] = _shift_positions(self.score_mod, key_start)
         return extra
 
     def _slopes(self, device: torch.device) -> Tensor | None:
@@ -422,8 +424,8 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
-              return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        extra = self._score_extras(with_sinks=True)
+              return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
+        extra = self._score_extras(with_sinks=True, key_start=key_start)
         res = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
                           alibi_slopes=alibi, dropout_p=self.dropout if self.training else 0.0,
                           return_weights=return_weights, backend=self.backend, **extra)
@@ -507,7 +509,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
             if window is not None and (window[0] is None or q_offset - window[0] <= 0):
                 window = None
         return self._core(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset,
-                          alibi=self._slopes(q.device), return_weights=return_weights)
+                          alibi=self._slopes(q.device), return_weights=return_weights, key_start=first)
 
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
@@ -518,6 +520,18 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
             if value != default:
                 s += f", {name}={value!r}"
         return s
+
+
+def _checked_score_mod(cls: str, score_mod: object, score: str) -> Callable[..., Tensor] | None:
+    """``score_mod`` of a module: ``fn(score, b, h, q_idx, kv_idx) -> score`` of :func:`attnzoo.attention`,
+    at the tokens' positions in the stream (as causal/window/ALiBi use them; with a cache,
+    ``cache.length + i``); an ``nn.Module`` becomes a submodule. Softmax scores only."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"{cls}: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
+                        f"got {type(score_mod).__name__}")
+    if score_mod is not None and score != "softmax":
+        raise ValueError(f"{cls}: score_mod needs score='softmax', got score={score!r}")
+    return score_mod  # type: ignore[return-value]
 
 
 def _alias_kv_heads(fixed: int | str | None, owner: str, num_kv_heads: int | None) -> int | None:
@@ -552,6 +566,18 @@ def _check_mask(cls: str, mask: object, B: int, H: int, N: int, n_k: int) -> Non
             raise ValueError(f"{cls}: mask {tuple(mask.shape)} does not broadcast to [B, H, N, Nk] = {want} "
                              f"(dimension {letter}: got {got}, expected 1 or {size}; with a cache Nk is "
                              f"cache.length + N, the absolute key axis)")
+
+
+def _shift_positions(score_mod: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor],
+                     start: int) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """``score_mod`` seeing positions ``start`` higher (keys held from stream position ``start``)."""
+    if start == 0:
+        return score_mod
+
+    def shifted(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score_mod(s, b, h, q_idx + start, kv_idx + start)
+
+    return shifted
 
 
 def _shift_mask(mask: Tensor | Mask | None, first: int, total: int) -> Tensor | Mask | None:
@@ -675,7 +701,8 @@ class StreamingAttention(SlidingWindowAttention):
         if cache is not None and not isinstance(cache, SinkWindowKVCache):
             raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with a SinkWindowKVCache, "
                             f"got {type(cache).__name__}; use module.init_cache()")
-        if cache is None and self.position_mode == "absolute":
+        padded = padding_offsets(mask, x.shape[1] + (0 if cache is None else cache.length))  # left padding
+        if cache is None and self.position_mode == "absolute" and padded is None:
             return MultiHeadAttention._self(self, x, mask, cache, positions, return_weights)
         if return_weights or (positions is not None and self.position_mode == "cache"):
             raise ValueError(f"{cls}: with sink tokens, a cached call or position_mode='cache' takes no "
@@ -691,6 +718,9 @@ class StreamingAttention(SlidingWindowAttention):
         total = start + N
         _check_mask(type(self).__name__, mask, B, self.num_heads, N, total)
         q, k, v = self._project_self(x, positions, start, rotate=not in_cache)
+        offsets = padding_offsets(mask, total)  # left padding: each row's sinks start at its first real token
+        if offsets is not None:
+            return self._stream_padded(q, k, v, mask, offsets, cache, start)  # type: ignore[arg-type]
         k, v, k_pos = (k, v, torch.arange(N, device=x.device)) if cache is None else cache.update(k, v)
         q_pos = torch.arange(start, total, device=x.device)
         if in_cache and cache is not None and N == 1:  # the paper's step: re-rotate at the cache slots
@@ -710,15 +740,44 @@ class StreamingAttention(SlidingWindowAttention):
             q_win = self._rotate(q, q_pos) if in_cache else q
             k_win = self._rotate(k[:, :, ns:], k_pos[ns:]) if in_cache else k[:, :, ns:]
             o, lse = self._part(q_win, k_win, v[:, :, ns:], _shift_mask(mask, first, total), True, (w, 0),
-                                start - first, False)
+                                start - first, False, key_start=first)
             outs.append(o)
             lses.append(lse)
         return merge_attention(outs, lses)[0] if len(outs) > 1 else outs[0]
 
+    def _stream_padded(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, offsets: Tensor,
+                       cache: SinkWindowKVCache | None, start: int) -> Tensor:
+        """:meth:`_stream` of left-padded rows (absolute positions): the sinks of row ``b`` are its tokens
+        ``P_b .. P_b + n - 1`` (:mod:`attnzoo.nn.streaming`)."""
+        if self.position_mode == "cache":
+            raise ValueError(f"{type(self).__name__}: position_mode='cache' takes no padding mask (a key-only mask "
+                             f"hiding a row's first keys); use position_mode='absolute'")
+        B, Hkv, N, D = k.shape
+        n, total = self.sink_tokens, start + N
+        ns = min(total, n)
+        if cache is None:  # every key is here: row b's sinks gathered at P_b + i, the window over all keys
+            idx = (offsets.view(B, 1) + torch.arange(ns, device=k.device)).clamp(max=total - 1)
+            idx = idx.view(B, 1, ns, 1)
+            k_s, v_s = k.gather(2, idx.expand(B, Hkv, ns, D)), v.gather(2, idx.expand(B, Hkv, ns, v.shape[-1]))
+            k_w, v_w, first = k, v, 0
+        else:
+            k_all, v_all, _ = cache.update(k, v, sink_offsets=offsets)
+            k_s, v_s = cache.sink_keys()  # after the update: every sink a query of this call may see
+            held_sinks = min(start, n) if N > 1 else ns  # the sink slots at the front of the result
+            k_w, v_w = k_all[:, :, held_sinks:], v_all[:, :, held_sinks:]
+            first = total - k_w.shape[2]  # window keys: contiguous positions first .. total - 1
+        q_pos = torch.arange(start, total, device=q.device)
+        sink_mask, win_mask = padded_parts(mask, offsets, n, q_pos, ns,
+                                           torch.arange(first, total, device=q.device))
+        o, lse = self._part(q, k_s, v_s, sink_mask, False, None, 0, True)
+        o_w, lse_w = self._part(q, k_w, v_w, win_mask, True, (self.window_size, 0), start - first, False)
+        return merge_attention([o, o_w], [lse, lse_w])[0]
+
     def _part(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool, window: Any, q_offset: int,
-              with_sinks: bool) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only)."""
-        extra = self._score_extras(with_sinks=with_sinks)
+              with_sinks: bool, key_start: int = 0) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one part of the keys (the learnable sink logits go into one part only;
+        its keys start at stream position ``key_start``, for a ``score_mod``)."""
+        extra = self._score_extras(with_sinks=with_sinks, key_start=key_start)
         out, lse = self.attend(q, k, v, mask=mask, causal=causal, window=window, q_offset=q_offset, scale=self.scale,
                                dropout_p=self.dropout if self.training else 0.0, return_lse=True,
                                backend=self.backend, **extra)
@@ -747,7 +806,7 @@ class SigmoidAttention(MultiHeadAttention):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
-              return_weights: bool) -> tuple[Tensor, Tensor | None]:
+              return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
         res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
                                 scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
                                 return_weights=return_weights, backend=self.backend)
@@ -828,21 +887,28 @@ register(VariantSpec("sigmoid", "sigmoid", False, "O(N C^2 + N^2 C)", "O(N) (til
                      check={"sigmoid_bias": -2.0}, masks="causal, window, any mask", positions="rope", order=18))
 
 
-def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
-                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+def _streaming_sinks(global_tokens: tuple[int, ...]) -> int:
+    """The number of sink tokens of ``streaming``'s ``global_tokens`` (the builder's and the cost's rule)."""
     sinks = tuple(global_tokens)
     if sinks != tuple(range(len(sinks))):
         raise ValueError(f"streaming: the sink tokens are the first n positions, global_tokens must be "
                          f"(0, 1, ..., n - 1), got {sinks}")
-    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal, sink_tokens=len(sinks), **kw)
+    return len(sinks)
+
+
+def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
+                     global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
+    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal,
+                                  sink_tokens=_streaming_sinks(global_tokens), **kw)
 
 
 def _streaming_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     """The causal ``window | sinks`` pattern (the sinks are global tokens ``0 .. n - 1``; under causality
     their rows see only sinks) and a cache of at most ``n + w + 1`` tokens."""
+    n_sinks = _streaming_sinks(cfg.global_tokens)
     cost = softmax_cost(cfg, shape)
     left = cfg.window[0] if cfg.window is not None and cfg.window[0] is not None else 0
-    kv_max = len(cfg.global_tokens) + left + 1
+    kv_max = n_sinks + left + 1
     return dataclasses.replace(cost, kv_cache_max_tokens=kv_max,
                                kv_cache_bytes=shape.batch * min(shape.seq_len, kv_max) * cost.kv_cache_bytes_per_token)
 

@@ -9,8 +9,14 @@
   checkpoint tensors;
 * head split ``[B, N, H*D] -> [B, H, N, D]`` and merge, the shared checks of ``x``, ``positions``
   and ``return_weights``;
-* :meth:`init_cache` (device/dtype default to the module's) and :meth:`guarded`, which rolls a cache
-  back when a call raises (a failed call leaves the cache exactly as it was);
+* :meth:`init_cache` (device/dtype default to the module's) and the all-or-nothing call: every
+  subclass's ``forward`` is wrapped (in ``__init_subclass__``) so that a call with ``cache=`` runs in
+  one :func:`attnzoo.nn.cache.transaction`: when it raises anywhere (a bad argument, the attention,
+  the output projection or gate, a ``KeyboardInterrupt``) the cache is rolled back to where it was,
+  and it is committed only when ``forward`` returns. :meth:`guarded` is the same transaction around
+  a part of a call (it joins the call's transaction);
+* empty inputs: ``x [B, N, C]`` with ``B = 0`` or ``N = 0`` is checked like any input and gives an
+  empty ``[B, N, C]`` output (a cache is left unchanged), whatever the module's kernels are;
 * the *attend seam*: softmax modules compute attention only through :meth:`attend`, which calls
   ``self.attend_fn`` (by default :func:`attnzoo.attention`, with exactly its keywords). Context
   parallelism swaps that function (a picklable callable) instead of copying a forward.
@@ -18,6 +24,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -27,6 +34,7 @@ from torch import Tensor, nn
 
 from attnzoo._validate import check_int
 from attnzoo.functional.attention import BACKENDS, attention
+from attnzoo.nn.cache import transaction
 from attnzoo.nn.positional import resolve_positions
 
 __all__ = ["AttentionBase", "check_backend", "check_flag"]
@@ -64,6 +72,13 @@ class AttentionBase(nn.Module):
 
     #: Why ``return_weights=True`` is refused (``None``: the module can return attention weights).
     no_weights_reason: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make the subclass's own ``forward`` an all-or-nothing call (see the module docstring)."""
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not getattr(forward, "all_or_nothing", False):
+            cls.forward = _all_or_nothing(forward)  # type: ignore[method-assign]
 
     def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, layout: str = "q_k_v", kv_dim: int | None = None,
@@ -179,8 +194,8 @@ class AttentionBase(nn.Module):
     # ------------------------------------------------------------------ heads
     def split_heads(self, t: Tensor) -> Tensor:
         """``[B, N, h*D] -> [B, h, N, D]`` (a view)."""
-        B, N = t.shape[:2]
-        return t.view(B, N, -1, self.head_dim).transpose(1, 2)  # [B, h, N, D]
+        B, N, width = t.shape
+        return t.view(B, N, width // self.head_dim, self.head_dim).transpose(1, 2)  # [B, h, N, D] (also when empty)
 
     def merge_heads(self, out: Tensor) -> Tensor:
         """``[B, H, N, Dv] -> out_proj([B, N, H*Dv]) = [B, N, C]``."""
@@ -189,7 +204,8 @@ class AttentionBase(nn.Module):
 
     # ------------------------------------------------------------------ checks
     def check_x(self, x: object, name: str = "x") -> Tensor:
-        """``x`` must be a floating tensor ``[B, N, C]`` with ``C = dim``."""
+        """``x`` must be a floating tensor ``[B, N, C]`` with ``C = dim``, in the dtype and on the device
+        of the module's parameters (any floating dtype under ``torch.autocast``)."""
         cls = type(self).__name__
         if not isinstance(x, Tensor):
             raise TypeError(f"{cls}: {name} must be a tensor [B, N, C], got {type(x).__name__}")
@@ -198,6 +214,14 @@ class AttentionBase(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{cls}: {name} must have shape [B, N, C] with C = dim = {self.dim}, "
                              f"got {tuple(x.shape)}")
+        w = self.out_proj.weight
+        if x.device != w.device:
+            raise TypeError(f"{cls}: {name} is on {x.device}, but the module's parameters are on {w.device}; "
+                            f"move one of them (module.to(...) or {name}.to(...))")
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"{cls}: {name} has dtype {x.dtype}, but the module's parameters are {w.dtype}; "
+                            f"cast one of them (module.to({x.dtype}) or {name}.to({w.dtype})), or run under "
+                            f"torch.autocast")
         return x
 
     def check_call(self, x: object, cache: Any, positions: object, return_weights: object,
@@ -237,24 +261,44 @@ class AttentionBase(nn.Module):
 
     @staticmethod
     def guarded(cache: Any, fn: Callable[[], T]) -> T:
-        """Run ``fn()``; if it raises, roll ``cache`` back to where it was, else commit (no cache: just
-        run it)."""
-        if cache is None:
-            return fn()
-        mark = cache.mark()
-        try:
-            out = fn()
-        except BaseException:
-            cache.rollback(mark)
-            raise
-        cache.commit(mark)
-        return out
+        """Run ``fn()`` in a :func:`~attnzoo.nn.cache.transaction` of ``cache`` (inside a module call it
+        joins the call's own transaction; no cache: just run it)."""
+        return transaction(cache, fn)
+
+    def _empty_call(self, x: Tensor, context: Any, cache: Any, positions: Any, return_weights: Any) -> Any:
+        """The result of a call on an empty ``x [B, N, C]`` (``B = 0`` or ``N = 0``): checked like any
+        call, then ``[B, N, C]`` (and empty weights ``[B, H, N, Nk]`` with ``return_weights``); no
+        kernel runs and a cache is left as it was."""
+        x = self.check_call(x, cache, positions, return_weights)
+        B, N, _ = x.shape
+        y = self.out_proj(x.new_zeros(B, N, self.out_proj.in_features)) + 0 * x  # [B, N, C]; x stays in the graph
+        if not return_weights:
+            return y
+        held = 0 if cache is None else int(getattr(cache, "num_cached", cache.length))  # a ring holds fewer
+        n_k = context.shape[1] if isinstance(context, Tensor) else held
+        return y, x.new_zeros(B, self.num_heads, N, n_k)
 
     # ------------------------------------------------------------------ the attend seam
     def attend(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Any:
         """Attention of ``q [B, H, Nq, D]`` over ``k, v [B, Hkv, Nk, D]`` through ``self.attend_fn``
         (default :func:`attnzoo.attention`); ``kw`` are exactly :func:`attnzoo.attention`'s keywords."""
         return self.attend_fn(q, k, v, **kw)
+
+
+def _all_or_nothing(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` as an all-or-nothing call through its ``cache=`` keyword (see the module docstring),
+    with empty inputs answered by :meth:`AttentionBase._empty_call`."""
+
+    @functools.wraps(forward)
+    def call(self: AttentionBase, x: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache")
+        if isinstance(x, Tensor) and x.dim() == 3 and (x.shape[0] == 0 or x.shape[1] == 0):
+            context = args[0] if args else kwargs.get("context")
+            return self._empty_call(x, context, cache, kwargs.get("positions"), kwargs.get("return_weights", False))
+        return transaction(cache, lambda: forward(self, x, *args, **kwargs))
+
+    call.all_or_nothing = True  # type: ignore[attr-defined]
+    return call
 
 
 def _copy_checked(name: str, dst: Tensor, src: object, layout: str) -> None:

@@ -15,7 +15,11 @@ and infini modules have recurrent-state caches with the same members):
   the core applies them. A recurrent-state cache returns its state and the new tokens' positions;
 * ``mark()`` / ``rollback(mark)`` / ``commit(mark)``: a module takes a mark before updating, rolls
   back to it when its call raises (a failed call leaves the cache exactly as it was) and commits
-  when it succeeds (the cache drops what a rollback would have needed).
+  when it succeeds (the cache drops what a rollback would have needed). :func:`transaction` does
+  this around a whole call: every :class:`~attnzoo.nn.base.AttentionBase` module's ``forward``
+  with ``cache=`` runs in one, so a call that raises anywhere (a bad argument, the attention, the
+  output projection or gate, a ``KeyboardInterrupt``) changes nothing. Transactions nest: only the
+  outermost one marks, rolls back and commits.
 
 A module called with ``cache=...`` receives only the NEW tokens, which sit at positions
 ``cache.length ..``; it writes their keys and values by position and advances ``length``.
@@ -27,14 +31,40 @@ by :func:`attnzoo.attention` without a copy (GQA/MQA).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache"]
+__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache", "transaction"]
+
+T = TypeVar("T")
+
+
+def transaction(cache: Any, fn: Callable[[], T]) -> T:
+    """Run ``fn()`` as one all-or-nothing step of ``cache``: mark it, roll back to the mark if ``fn``
+    raises (any ``BaseException``, ``KeyboardInterrupt`` included) and commit when it returns.
+
+    Nested calls on the same cache (a module whose forward calls another guarded step) run ``fn``
+    inside the outer transaction, which alone marks, rolls back and commits. ``cache=None``, or an
+    object without the protocol's ``mark`` (the module then refuses it by name), just runs ``fn``.
+    """
+    if cache is None or not callable(getattr(cache, "mark", None)) or getattr(cache, "in_transaction", False):
+        return fn()
+    mark = cache.mark()
+    cache.in_transaction = True
+    try:
+        out = fn()
+    except BaseException:
+        cache.in_transaction = False
+        cache.rollback(mark)
+        raise
+    cache.in_transaction = False
+    cache.commit(mark)
+    return out
 
 
 class _LengthCache:
@@ -44,6 +74,8 @@ class _LengthCache:
 
     _batch_size: int
     length: int
+    #: True while a :func:`transaction` (one module call) is open on this cache
+    in_transaction: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -306,6 +338,9 @@ class SlidingWindowKVCache(_SlotCache):
             raise ValueError(f"SlidingWindowKVCache overflow: {start} tokens seen + {n} new > max_len={self.max_len}")
         held = self.num_cached
         old_order = torch.arange(start - held, start, device=self.k.device) % self.capacity  # slots, by position
+        if n == 0:  # nothing to absorb: the held keys, unchanged
+            return (self.k.index_select(2, old_order), self.v.index_select(2, old_order),
+                    torch.arange(start - held, start, device=self.k.device))
         keep = min(n, self.capacity)  # only the last `capacity` new tokens can still be needed later
         pos_keep = torch.arange(start + n - keep, start + n, device=self.k.device)
         slots = pos_keep % self.capacity
@@ -366,7 +401,8 @@ class SinkWindowKVCache(_SlotCache):
         return (0, min(length, n)), (max(n, length - ring), max(n, length))
 
     def _positions(self, ranges: Iterable[tuple[int, int]], offset: int = 0) -> Tensor:
-        return torch.cat([torch.arange(lo, hi, device=self.k.device) - offset for lo, hi in ranges])
+        parts = [torch.arange(lo, hi, device=self.k.device) - offset for lo, hi in ranges]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.k.device)
 
     def held_positions(self, length: int | None = None) -> Tensor:
         """Absolute positions of the keys held after ``length`` tokens (default: now), ascending."""
@@ -385,14 +421,24 @@ class SinkWindowKVCache(_SlotCache):
         """Keys currently held (at most ``capacity``)."""
         return int(self.held_positions().numel())
 
-    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(self, k_new: Tensor, v_new: Tensor, *, sink_offsets: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
         """Append ``m`` tokens; return ``(k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], key_positions [Nk])``
-        in position order."""
+        in position order.
+
+        ``sink_offsets`` (int ``[B]``, left padding): row ``b``'s sink slot ``i`` holds its token at
+        ``P_b + i`` (the first ``n`` from its first real token) instead of position ``i``; the ring
+        is unchanged (it holds positions ``>= n``, so a padded row's sinks may also sit there: the
+        module hides them). Positions in the result then label sink slot ``i`` as ``i``.
+        """
         self._check_new(k_new, v_new)
         m, start = k_new.shape[2], self.length
         if self.max_len is not None and start + m > self.max_len:
             raise ValueError(f"SinkWindowKVCache overflow: {start} tokens seen + {m} new > max_len={self.max_len}")
         before = self.held_positions(start)
+        if m == 0:  # nothing to absorb: the held keys, unchanged
+            old = self._slots(before)
+            return self.k.index_select(2, old), self.v.index_select(2, old), before
         new_pos = torch.arange(start, start + m, device=self.k.device)
         if m > 1:
             old = self._slots(before)
@@ -400,15 +446,40 @@ class SinkWindowKVCache(_SlotCache):
             out_v = torch.cat((self.v.index_select(2, old), v_new), dim=2)
             out_pos = torch.cat((before, new_pos))
         after_ranges = self._held_ranges(start + m)
+        n = self.sink_tokens
+        if sink_offsets is None:
+            needed = after_ranges
+            sink_slots = torch.zeros(0, dtype=torch.long, device=self.k.device)
+        else:  # the sink slots are written per row below; by position only the ring
+            needed = after_ranges[1:]
+            sink_slots = torch.arange(n, device=self.k.device)
         # indices into the chunk of the new tokens still needed
-        keep = self._positions([(max(lo, start), hi) for lo, hi in after_ranges if hi > max(lo, start)], start)
+        keep = self._positions([(max(lo, start), hi) for lo, hi in needed if hi > max(lo, start)], start)
         slots = self._slots(keep + start)
-        self._save(start, slots, [(self.k, 2), (self.v, 2)])
+        self._save(start, torch.cat((sink_slots, slots)), [(self.k, 2), (self.v, 2)])
         self.k.index_copy_(2, slots, k_new.index_select(2, keep))
         self.v.index_copy_(2, slots, v_new.index_select(2, keep))
+        if sink_offsets is not None and n:
+            self._write_sinks(k_new, v_new, sink_offsets, start)
         self.length = start + m
         if m == 1:
             out_pos = self._positions(after_ranges)
             held = self._slots(out_pos)
             out_k, out_v = self.k.index_select(2, held), self.v.index_select(2, held)
         return out_k, out_v, out_pos
+
+    def _write_sinks(self, k_new: Tensor, v_new: Tensor, offsets: Tensor, start: int) -> None:
+        """Row ``b``'s sink slot ``i`` <- its new token at position ``offsets[b] + i`` (if in this chunk)."""
+        B, H, m = k_new.shape[:3]
+        n = self.sink_tokens
+        idx = offsets.to(self.k.device).view(B, 1) + torch.arange(n, device=self.k.device) - start  # [B, n]
+        inside = ((idx >= 0) & (idx < m)).view(B, 1, n, 1)
+        gather = idx.clamp(0, m - 1).view(B, 1, n, 1)
+        for buf, new in ((self.k, k_new), (self.v, v_new)):
+            picked = new.gather(2, gather.expand(B, H, n, new.shape[-1]))  # [B, Hkv, n, D]
+            buf[:, :, :n] = torch.where(inside, picked, buf[:, :, :n])
+
+    def sink_keys(self) -> tuple[Tensor, Tensor]:
+        """The sink slots held now: ``k [B, Hkv, min(length, n), D]``, ``v`` likewise (views)."""
+        ns = min(self.length, self.sink_tokens)
+        return self.k[:, :, :ns], self.v[:, :, :ns]

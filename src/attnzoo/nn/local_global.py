@@ -24,6 +24,7 @@ from attnzoo.masks import global_tokens as global_mask
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.costs import softmax_cost
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
+from attnzoo.nn.streaming import padding_offsets, rows_from_first_real
 
 __all__ = ["LocalGlobalAttention"]
 
@@ -76,6 +77,9 @@ class LocalGlobalAttention(MultiHeadAttention):
 
     def _merge_structure(self, structure: Mask, mask: Tensor | Mask | None, B: int, N: int, n_k: int,
                          q_offset: int) -> Tensor | Mask:
+        offsets = padding_offsets(mask, n_k)
+        if offsets is not None:  # left padding: global positions count from each row's first real token
+            structure = rows_from_first_real(structure, offsets)
         if mask is None:
             return structure
         if isinstance(mask, Mask):

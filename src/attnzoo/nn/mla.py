@@ -82,9 +82,10 @@ class MLASizes:
 def mla_sizes(head_dim: int) -> MLASizes:
     """DeepSeek-V3's proportions for a head width ``D``: ``dn = dv = D``, ``dr = D / 2`` (even),
     ``r = 4 D`` (``D = 128``: 128 / 64 / 128 / 512). The builder and the cost model use these when
-    the sizes are not given."""
-    d = check_int(head_dim, "head_dim")
-    return MLASizes(kv_lora_rank=4 * d, qk_nope_head_dim=d, qk_rope_head_dim=max(2, 2 * (d // 4)), v_head_dim=d)
+    the sizes are not given; ``D >= 4`` (below it the proportions give no RoPE channel: pass the
+    sizes explicitly)."""
+    d = check_int(head_dim, "head_dim", minimum=4, owner="mla")  # below 4, dr = 2 (D // 4) would be 0
+    return MLASizes(kv_lora_rank=4 * d, qk_nope_head_dim=d, qk_rope_head_dim=2 * (d // 4), v_head_dim=d)
 
 
 def mla_flops(sizes: MLASizes, num_heads: int, n_new: int, n_keys: int, form: str) -> int:

@@ -146,7 +146,7 @@ class NativeSparseAttention(AttentionBase):
         self.k_compress = BlockCompressor(self.head_dim, block_len, block_stride, fk)
         self.v_compress = BlockCompressor(self.head_dim, block_len, block_stride, fk)
         self.gate_proj = nn.Linear(dim, 3 * self.num_heads, bias=True, **fk)
-        self.query_chunk = 128
+        self.query_chunk = QUERY_CHUNK
         self.form = "auto"
 
     def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype) -> NSACache:
@@ -190,6 +190,8 @@ class NativeSparseAttention(AttentionBase):
 
 # --------------------------------------------------------------------------- variant spec
 DEFAULTS: dict[str, int] = {"block_len": 32, "block_stride": 16, "select_len": 64, "num_selected": 16, "window": 512}
+#: Queries per chunk of the fast form (``NativeSparseAttention.query_chunk``'s default; the cost reads it).
+QUERY_CHUNK = 128
 
 
 def _sum_min(m: int, count: int) -> int:
@@ -214,8 +216,69 @@ def nsa_pairs(n: int, cfg: NSAConfig) -> tuple[int, int, int, int]:
     return cmp, slc, win, earlier + n * sl
 
 
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum(floor((a i + b) / m) for i in range(n))`` for ``a, b >= 0``, ``m >= 1`` in O(log) steps.
+
+    Whole multiples of ``m`` in ``a`` and ``b`` sum directly; the rest counts lattice points under
+    the line ``y = (a i + b) / m`` by swapping the axes (a Euclid-like recursion)."""
+    total = 0
+    while n > 0:
+        total += (a // m) * n * (n - 1) // 2 + (b // m) * n
+        a, b = a % m, b % m
+        top = a * n + b  # the line's height at i = n, times m
+        if top < m:
+            break
+        n, b, m, a = top // m, top % m, a, m
+    return total
+
+
+def _chunk_sum(n: int, chunk: int, step: int, start: int) -> int:
+    """``sum(floor(((i + 1) chunk - start) / step) for full chunks i with (i + 1) chunk >= start)``
+    over the ``n // chunk`` full chunks of ``n`` queries (``start >= 0``)."""
+    full = n // chunk
+    first = -(-start // chunk) - 1  # first chunk whose end reaches ``start``
+    count = full - max(first, 0)
+    if count <= 0:
+        return 0
+    lo = (max(first, 0) + 1) * chunk - start  # >= 0
+    return _floor_sum(count, step, chunk, lo)
+
+
+def nsa_computed_pairs(n: int, cfg: NSAConfig, query_chunk: int = QUERY_CHUNK) -> tuple[int, int, int]:
+    """``(compressed, selected, window)`` (query, key) pairs the fast form scores per (batch, head) over
+    ``n`` tokens, closed-form (what FlopCounterMode sees, masked pairs included):
+
+    * compressed: a chunk of ``c`` queries ending at ``t1`` scores every block its last query can
+      see, ``c * num_compressed(t1)``;
+    * selected: ``c * min(n_sel, ceil(t1 / l')) * l'`` (the chunk's pick count, padded picks included);
+    * window: a chunk of ``max(query_chunk, w)`` queries scores a dense slab from ``w - 1`` keys
+      before it to its end (``az.attention`` on a dense backend at these sizes)."""
+    bl, d, sl, k, w = cfg.block_len, cfg.block_stride, cfg.select_len, cfg.num_selected, cfg.window
+    c = query_chunk
+    full, rest = divmod(n, c)
+    # compressed: num_compressed(t1) = floor((t1 - l) / d) + 1 once t1 >= l
+    visible_chunks = max(0, full - max(-(-bl // c) - 1, 0))
+    cmp = c * (_chunk_sum(n, c, d, bl) + visible_chunks)
+    if rest:
+        cmp += rest * num_compressed(n, bl, d)
+    # selected: min(k, ceil(t1 / l')) = min(k, floor((t1 + l' - 1) / l'))
+    sat = min(full, max(0, -(-((k - 1) * sl + 1) // c) - 1))  # full chunks with ceil(t1 / l') < k
+    slc_chunks = _floor_sum(sat, sl, c, c + sl - 1) + k * (full - sat)
+    slc = c * sl * slc_chunks + (rest * sl * min(k, -(-n // sl)) if rest else 0)
+    # window: chunk 0 scores its own keys; chunk j > 0 of size c_j scores c_j + w - 1 keys
+    cw = max(c, w)
+    wfull, wrest = divmod(n, cw)
+    first = min(cw, n)
+    win = first * first + max(wfull - 1, 0) * cw * (cw + w - 1)
+    if wrest and wfull:
+        win += wrest * (wrest + w - 1)
+    return cmp, slc, win
+
+
 def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
-    """Projections + gates + block compression + the three branches (pairs from :func:`nsa_pairs`)."""
+    """Projections + gates + block compression + the three branches: the pairs the fast form
+    computes (:func:`nsa_computed_pairs`) for the FLOPs, the visible ones (:func:`nsa_pairs`) for
+    the useful FLOPs."""
     B, N, e = shape.batch, shape.seq_len, shape.elem_bytes
     Hq, Hkv, D, C = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim
     nc = NSAConfig(**DEFAULTS)
@@ -224,8 +287,8 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     per_block = 2 * (nc.block_len * D * D + D * D)  # fc1 + fc2 of one block
     params += 2 * (nc.block_len * D + nc.block_len * D * D + D * D) + 3 * Hq * C  # weights, as projection_cost
     flops_proj += 2 * B * Hkv * nblk * per_block + 2 * B * N * C * 3 * Hq
-    cmp, slc, win, slc_done = nsa_pairs(N, nc)
-    flops_attn = 2 * B * Hq * (cmp + slc_done + win) * 2 * D
+    cmp, slc, win, _ = nsa_pairs(N, nc)
+    flops_attn = 2 * B * Hq * sum(nsa_computed_pairs(N, nc)) * 2 * D
     gathered = 2 * B * Hkv * N * nc.num_selected * nc.select_len * D * e  # the gathered K/V blocks
     per_token = 2 * Hkv * D * e
     act = B * N * C * e + qkv_bytes + 4 * B * N * Hq * D * e + 2 * B * Hkv * nblk * D * e

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._devices import tracing
+from attnzoo._validate import check_float, check_number_above
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 
 __all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "ScaledRotaryEmbedding", "SinusoidalPositionalEncoding",
@@ -64,7 +66,7 @@ def resolve_positions(
     if positions.dim() == 2 and batch is not None and positions.shape[0] not in (1, batch):
         raise ValueError(f"{name} has shape {tuple(positions.shape)} but the batch size is {batch} "
                          f"(expected [{batch}, {n}] or [{n}])")
-    if positions.numel() and not torch.compiler.is_compiling() and int(positions.min()) < 0:  # eager only: syncs
+    if positions.numel() and not tracing() and int(positions.min()) < 0:  # eager only: syncs
         raise ValueError(f"{name} must be >= 0, got minimum {int(positions.min())}")
     return positions.to(device=device, dtype=torch.long)
 
@@ -98,7 +100,7 @@ def sinusoidal_table(n: int, dim: int, base: float = 10000.0, dtype: torch.dtype
 
 
 def _check_table_range(pos: Tensor, max_len: int, cls: str) -> None:
-    if pos.numel() and not torch.compiler.is_compiling() and int(pos.max()) >= max_len:  # eager only: syncs
+    if pos.numel() and not tracing() and int(pos.max()) >= max_len:  # eager only: syncs
         raise ValueError(f"{cls}: position {int(pos.max())} is beyond the table (max_len={max_len}, "
                          f"valid positions 0..{max_len - 1}); build it with a larger max_len")
 
@@ -153,8 +155,7 @@ class SinusoidalPositionalEncoding(_PositionTable):
         super().__init__()
         self.dim = _check_pos_int(dim, "dim")
         self.max_len = _check_pos_int(max_len, "max_len")
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
-            raise ValueError(f"base must be a number > 1, got {base!r}")
+        check_number_above(base, "base", 1.0, type(self).__name__)
         self.base = float(base)
         table = sinusoidal_table(self.max_len, self.dim, self.base, dtype or torch.get_default_dtype())
         self.register_buffer("pe", table.to(device), persistent=False)  # [max_len, C]
@@ -248,14 +249,14 @@ class RotaryEmbedding(nn.Module):
             which = "dim" if rotary_dim is None else "rotary_dim"
             raise ValueError(f"RotaryEmbedding rotates channel pairs, so {which} must be even, got {rd}")
         self.rotary_dim = rd
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
-            raise ValueError(f"base must be a number > 1, got {base!r}")
+        check_number_above(base, "base", 1.0, type(self).__name__)
         if not isinstance(interleaved, bool):
             raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
         if scaling not in (None, "linear", "ntk"):
             raise ValueError(f"scaling must be None, 'linear' or 'ntk', got {scaling!r}")
-        if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, (int, float)) or not scaling_factor >= 1:
-            raise ValueError(f"scaling_factor must be a number >= 1, got {scaling_factor!r}")
+        if check_float(scaling_factor, "scaling_factor", type(self).__name__, "a number") < 1 \
+                or not math.isfinite(scaling_factor):
+            raise ValueError(f"scaling_factor must be a finite number >= 1, got {scaling_factor!r}")
         if scaling == "ntk" and rd <= 2:
             raise ValueError(f"scaling='ntk' needs rotary_dim > 2, got {rd}")
         self.base = float(base)

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_int, check_number_above, check_positive_float
+
 RopeResult = tuple[Tensor, float]
 
 
@@ -187,14 +189,50 @@ def rope_inv_freq(
     Returns:
         ``(inv_freq [dim // 2] float32, attention_scaling)``: angles are ``pos * inv_freq``
         and cos/sin are multiplied by ``attention_scaling``.
+
+    Raises:
+        ValueError / TypeError naming the key: a factor, beta, mscale or longrope entry that is
+        not a finite positive number, ``rope_theta`` or ``original_max_position_embeddings``
+        not above 1, llama3's ``high_freq_factor <= low_freq_factor``, an unknown ``rope_type``.
     """
     if not isinstance(rope_parameters, Mapping):
         raise TypeError(f"rope_parameters must be a mapping, got {type(rope_parameters).__name__}")
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default")) or "default"
     if rope_type not in ROPE_SCALINGS:
         raise ValueError(f"rope_type must be one of {sorted(ROPE_SCALINGS)}, got {rope_type!r}")
+    check_rope_parameters(rope_parameters, rope_type)
     base = float(rope_parameters.get("rope_theta") or 10000.0)
     return ROPE_SCALINGS[rope_type](dim, base, rope_parameters, max_position_embeddings, seq_len, device)
+
+
+#: rope parameters that must be finite positive numbers when present (``factor = 0`` gives infinite
+#: frequencies, a negative YaRN factor a log of a negative number)
+_POSITIVE_KEYS = ("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor",
+                  "mscale", "mscale_all_dim")
+
+
+def check_rope_parameters(params: Mapping[str, Any], rope_type: str) -> None:
+    """Every number of a rope parameter dict in its range, else ``TypeError`` / ``ValueError`` naming
+    the key, the value and the range (one check for :func:`rope_inv_freq`, ``from_hf`` and MLA)."""
+    owner = f"rope_type {rope_type!r}"
+    for key in _POSITIVE_KEYS:
+        if params.get(key) is not None:
+            check_positive_float(params[key], key, owner)
+    if params.get("rope_theta") is not None:
+        check_number_above(params["rope_theta"], "rope_theta", 1.0, owner)
+    if params.get("original_max_position_embeddings") is not None:  # log(L) divides in longrope
+        check_number_above(params["original_max_position_embeddings"], "original_max_position_embeddings", 1.0, owner)
+    low, high = params.get("low_freq_factor"), params.get("high_freq_factor")
+    if rope_type == "llama3" and low is not None and high is not None and not float(high) > float(low):
+        raise ValueError(f"{owner}: high_freq_factor must be > low_freq_factor, got {high} <= {low}")
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if values is None:
+            continue
+        if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+            raise TypeError(f"{owner}: {key} must be a list of numbers, got {type(values).__name__}")
+        for i, value in enumerate(values):
+            check_positive_float(value, f"{key}[{i}]", owner)
 
 
 def _get(config: Any, key: str) -> Any:
@@ -217,7 +255,8 @@ def scaled_inv_freq(config: Any, seq_len: int | None = None,
         hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
         if hidden is None or heads is None:
             raise ValueError("scaled_inv_freq: the config needs head_dim or hidden_size and num_attention_heads")
-        head_dim = hidden // heads
+        head_dim = check_int(hidden, "hidden_size", owner="scaled_inv_freq") // check_int(
+            heads, "num_attention_heads", owner="scaled_inv_freq")
     prf = params.get("partial_rotary_factor", _get(config, "partial_rotary_factor") or 1.0)
     return rope_inv_freq(params, int(head_dim * prf), max_position_embeddings=_get(config, "max_position_embeddings"),
                          seq_len=seq_len, device=device)

@@ -29,9 +29,11 @@ saved LSE, :math:`P = e^{S - \text{lse}}`, and accumulates
 (times the scale, and the softcap derivative :math:`1 - \tanh^2` when a softcap is set), again
 one tile at a time. GQA never expands K/V: the ``G = Hq / Hkv`` query heads of a group are folded
 into the row dimension, ``[B, Hkv, G * block_q, D]``, and multiply the shared K/V directly.
-Half-precision inputs use half-precision matmuls with float32 scores, softmax, statistics and
-accumulators unless half matmuls are measured >= 1.25x slower than float32 ones (never on CUDA;
-see :mod:`attnzoo.functional.halfmath`); then every tile runs in float32. Half-precision
+Half-precision inputs get float32 scores from float32 copies of Q and K (half products rounded
+to half precision were off by O(1) for large logits), float32 softmax, statistics, accumulators
+and backward; only an inference forward's ``P V`` matmuls run in half precision, unless half matmuls are
+measured >= 1.25x slower than float32 ones (never on CUDA; see
+:mod:`attnzoo.functional.halfmath`); then every tile runs in float32. Half-precision
 probabilities are normalised per chunk before the P V matmul (no float16 overflow, and a row
 with one visible key returns its value exactly); float16 inputs whose scores could exceed the
 float16 range run in float32.
@@ -43,6 +45,8 @@ context (:func:`use_tiles`), never module globals.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -89,17 +93,21 @@ CAPABILITIES = Capabilities("tiled", frozenset({"return_weights", "dropout", "fl
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, r: AttnRequest, plan: TilePlan):  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, r: AttnRequest, plan: TilePlan,  # type: ignore[override]
+                *captured: Tensor):
         out, lse = attention_forward(r, plan, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.r, ctx.plan = r, plan
+        ctx.r, ctx.plan, ctx.n_captured = r, plan, len(captured)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, d_lse: Tensor | None):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(ctx.r, ctx.plan, q, k, v, out, lse, d_out.contiguous(), d_lse)
-        return dq, dk, dv, None, None
+        captured: list[Tensor | None] | None = [None] * ctx.n_captured if ctx.n_captured else None
+        v_in = v.to(q.dtype)  # half V beside float32 Q/K (see tiled_attention): the backward runs in float32
+        dq, dk, dv = attention_backward(ctx.r, ctx.plan, q, k, v_in, out, lse, d_out.to(q.dtype).contiguous(),
+                                        d_lse, captured)
+        return dq, dk, dv.to(v.dtype), None, None, *(captured or ())
 
 
 def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
@@ -120,6 +128,8 @@ def plan_for(r: AttnRequest, block_q: int | None = None, block_k: int | None = N
     """The plan :func:`tiled_attention` runs ``r`` with (the custom operators of
     :mod:`attnzoo.functional.tiled_ops` recompute it in their backward from the same request)."""
     plan = tile_plan(r, block_q, block_k, tiles)
+    if r.score_mod is not None:  # score_mod runs on [B, Hq, bq, bk] tiles: no sliding-window bands
+        return dataclasses.replace(plan, bands=())
     return band_plan(r, plan) if block_q is None else plan
 
 
@@ -128,8 +138,8 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
     """Exact attention by key tiles. Returns ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32)``;
     ``lse`` is ``None`` for a forward-only request without ``return_lse`` (not computed then).
 
-    Gradients flow to q, k and v from both outputs (a gradient on the LSE is what merging
-    partial results needs); not to float masks or ALiBi slopes (the dispatcher routes requests
+    Gradients flow to q, k, v and the tensors a ``score_mod`` captures from both outputs (a
+    gradient on the LSE is what merging partial results needs); not to float masks or ALiBi slopes (the dispatcher routes requests
     that need those gradients elsewhere).
 
     ``tiles`` sets the tile sizes (default: :func:`current_tiles`, i.e. :data:`DEFAULT_TILES`
@@ -141,8 +151,19 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
     if half and (not native_half_matmul(q.dtype, q.device.type)
                  or (q.dtype == torch.float16 and _fp16_scores_may_overflow(r))):
         q, k, v = q.float(), k.float(), v.float()  # tile math in float32; memory stays O(N x block)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _TiledAttention.apply(q, k, v, r, plan)
+    elif half:
+        # Scores from float32 Q and K (exact products, float32 sums: sdpa's accuracy; half scores of
+        # large logits were off by O(1), issue 33). For inference V stays half for the P V matmuls
+        # (P normalised first, see forward._p_times_v); for training it is float32 too, since the
+        # backward's delta = rowsum(dO * O) would carry the half P V's rounding into dQ and dK.
+        # Memory stays O(N x block).
+        q, k = q.float(), k.float()
+    captured = r.score_mod.captured if r.score_mod is not None else ()
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
+    if training and half:
+        v = v.float()
+    if training:
+        out, lse = _TiledAttention.apply(q, k, v, r, plan, *captured)
     else:
         out, lse = attention_forward(r, plan, q, k, v, need_lse=r.return_lse)
     return out.to(r.q.dtype), lse

@@ -18,11 +18,15 @@ from torch import Tensor
 
 from attnzoo.functional._request import AttnRequest
 from attnzoo.functional.rules import compute_dtype
+from attnzoo.functional.score_mod import score_mod_vjp
 from attnzoo.functional.tiled.plan import Band, Chunk, TilePlan
 from attnzoo.functional.tiled.scores import (
+    as_heads,
     band_scores,
     exp_,
+    finish_tile_scores,
     fold_q,
+    raw_tile_scores,
     score_unit,
     tile_scores,
     unfold_rows,
@@ -88,7 +92,8 @@ def backward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: 
 
 
 def accumulate_grads(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor,
-                     lse: Tensor, delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+                     lse: Tensor, delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
+                     captured_grads: list[Tensor | None] | None = None) -> None:
     """Add the gradients of ``r``'s attention to the accumulators ``dq [B, Hq, Nq, D]`` (*without*
     the factor ``scale``: the caller applies it once), ``dk [B, Hkv, Nk, D]``, ``dv [B, Hkv, Nk, Dv]``
     (compute dtype).
@@ -96,6 +101,9 @@ def accumulate_grads(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Te
     ``lse [B, Hq, Nq]`` is the natural-log LSE and ``delta [B, Hq, Nq]`` the ``rowsum(dO * O)`` of
     each query row's *final* output: when ``r`` covers only some of the keys a row sees (one
     shard of ring attention), the sum of the calls over all shards is the exact gradient.
+
+    With a ``score_mod``, ``captured_grads`` (one slot per ``r.score_mod.captured``, ``None`` = zero)
+    receives the gradients of the tensors it captures, summed over tiles (the plan has no bands).
     """
     B, Hq = q.shape[:2]
     done: set[int] = set()
@@ -109,12 +117,12 @@ def accumulate_grads(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Te
         done.update(range(band.first, band.first + band.count))
     for i, chunks in enumerate(plan.rows):
         if chunks and i not in done:
-            _backward_block(r, plan, i, chunks, q, k, v, d_out, lse, delta, dq, dk, dv)
+            _backward_block(r, plan, i, chunks, q, k, v, d_out, lse, delta, dq, dk, dv, captured_grads)
 
 
 def _backward_block(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk, ...], q: Tensor, k: Tensor,
                     v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, dk: Tensor,
-                    dv: Tensor) -> None:
+                    dv: Tensor, captured_grads: list[Tensor | None] | None = None) -> None:
     """Gradients of query block ``i`` over its key chunks (``dq`` without the scale)."""
     B, Hq, Nq = q.shape[:3]
     acc_dtype = dq.dtype
@@ -129,11 +137,18 @@ def _backward_block(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk,
     dq_t = torch.zeros(q_t.shape, dtype=acc_dtype, device=q.device)
     for c in chunks:
         k_c, v_c = k[:, :, c.k_lo:c.k_hi], v[:, :, c.k_lo:c.k_hi]
-        s, t = tile_scores(r, q_s, k_c, q_lo, q_hi, c)
+        if r.score_mod is None:
+            s, t = tile_scores(r, q_s, k_c, q_lo, q_hi, c)
+        else:  # keep the scores score_mod received: its backward re-runs it on them
+            raw, t = raw_tile_scores(r, q_s, k_c)
+            s = finish_tile_scores(r, raw, q_lo, q_hi, c)
         p = exp_(s.sub_(lse_t), unit)  # [B, Hkv, G*bq, bk]; rows with no key -> 0
         dv[:, :, c.k_lo:c.k_hi] += torch.matmul(p.transpose(-1, -2).to(v.dtype), do_t)
         dp = torch.matmul(do_t, v_c.transpose(-1, -2)).to(acc_dtype)
         ds = p * (dp - delta_t)
+        if r.score_mod is not None:  # through score_mod (recomputed on this tile) to its input
+            ds = score_mod_vjp(r.score_mod, as_heads(r, raw), as_heads(r, ds), r.score_index(q_lo, q_hi, c.k_lo, c.k_hi),
+                               captured_grads).reshape(ds.shape)
         if t is not None:
             ds = ds * (1 - t * t)
         ds_in = ds.to(q.dtype)
@@ -143,10 +158,13 @@ def _backward_block(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk,
 
 
 def attention_backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             d_out: Tensor, d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of the tiled attention ``(out, lse)`` given the gradients of both."""
+             d_out: Tensor, d_lse: Tensor | None, captured_grads: list[Tensor | None] | None = None,
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of the tiled attention ``(out, lse)`` given the gradients of both (and those of
+    a ``score_mod``'s captured tensors into ``captured_grads``, see :func:`accumulate_grads`)."""
     if fp16_grads_may_overflow(r, plan, q, k, v, d_out):  # tile math in float32, grads back in float16
-        grads = attention_backward(r, plan, q.float(), k.float(), v.float(), out.float(), lse, d_out.float(), d_lse)
+        grads = attention_backward(r, plan, q.float(), k.float(), v.float(), out.float(), lse, d_out.float(), d_lse,
+                                   captured_grads)
         return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
     acc_dtype = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -155,7 +173,7 @@ def attention_backward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: 
     delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)  # [B, Hq, Nq]
     if d_lse is not None:  # d lse / d s = p, so a gradient on the LSE shifts delta
         delta = delta - torch.nan_to_num(d_lse.to(acc_dtype), nan=0.0, posinf=0.0, neginf=0.0)
-    accumulate_grads(r, plan, q, k, v, d_out, lse, delta, dq, dk, dv)
+    accumulate_grads(r, plan, q, k, v, d_out, lse, delta, dq, dk, dv, captured_grads)
     # q_t was pre-scaled: dS/dq = scale * k and dk accumulated against scaled q already.
     return dq.mul_(r.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

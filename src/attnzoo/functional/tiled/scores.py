@@ -28,18 +28,28 @@ def _fold(t: Tensor | None, hkv: int, group: int, rows: int, cols: int) -> Tenso
     return t.reshape(b, hkv, group * bq, bk)
 
 
-def tile_scores(r: AttnRequest, q_t: Tensor, k_c: Tensor, q_lo: int, q_hi: int, chunk: Chunk,
-                 ) -> tuple[Tensor, Tensor | None]:
-    """Scaled, capped, biased and masked float32 scores of one tile ``[B, Hkv, G*bq, bk]``.
-
-    Also returns ``tanh(raw / softcap)`` when a softcap is set (for the backward pass)."""
-    s = torch.matmul(q_t, k_c.transpose(-1, -2))  # [B, Hkv, G*bq, bk] (q_t is pre-scaled)
+def raw_tile_scores(r: AttnRequest, q_t: Tensor, k_c: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Scaled and capped float32/64 scores of one tile ``[B, Hkv, G*bq, bk]`` (``q_t`` is pre-scaled),
+    and ``tanh(raw / softcap)`` when a softcap is set (for the backward pass)."""
+    s = torch.matmul(q_t, k_c.transpose(-1, -2))  # [B, Hkv, G*bq, bk]
     if s.dtype != torch.float32 and s.dtype != torch.float64:
         s = s.float()
     t: Tensor | None = None
     if r.softcap is not None:
         t = torch.tanh(s / r.softcap)
         s = t * r.softcap
+    return s, t
+
+
+def as_heads(r: AttnRequest, s: Tensor) -> Tensor:
+    """A tile ``[B, Hkv, G*bq, bk]`` viewed as ``[B, Hq, bq, bk]`` (the folded rows are head-major)."""
+    return s.view(s.shape[0], r.hq, -1, s.shape[-1])
+
+
+def finish_tile_scores(r: AttnRequest, s: Tensor, q_lo: int, q_hi: int, chunk: Chunk) -> Tensor:
+    """A tile's scores after the user's ``score_mod``, ALiBi, float mask and structure (``-inf``)."""
+    if r.score_mod is not None:
+        s = r.modify(as_heads(r, s), q_lo, q_hi, chunk.k_lo, chunk.k_hi).reshape(s.shape)
     rows, cols = q_hi - q_lo, chunk.k_hi - chunk.k_lo
     bias = _fold(r.bias(q_lo, q_hi, chunk.k_lo, chunk.k_hi), r.hkv, r.group, rows, cols)
     if bias is not None:
@@ -48,7 +58,16 @@ def tile_scores(r: AttnRequest, q_t: Tensor, k_c: Tensor, q_lo: int, q_hi: int, 
         allowed = _fold(r.allowed(q_lo, q_hi, chunk.k_lo, chunk.k_hi), r.hkv, r.group, rows, cols)
         if allowed is not None:
             s = s.masked_fill_(~allowed, float("-inf"))
-    return s, t
+    return s
+
+
+def tile_scores(r: AttnRequest, q_t: Tensor, k_c: Tensor, q_lo: int, q_hi: int, chunk: Chunk,
+                 ) -> tuple[Tensor, Tensor | None]:
+    """Scaled, capped, modified, biased and masked float32 scores of one tile ``[B, Hkv, G*bq, bk]``.
+
+    Also returns ``tanh(raw / softcap)`` when a softcap is set (for the backward pass)."""
+    s, t = raw_tile_scores(r, q_t, k_c)
+    return finish_tile_scores(r, s, q_lo, q_hi, chunk), t
 
 
 def fold_q(x: Tensor, hkv: int, group: int, lo: int, hi: int) -> Tensor:
@@ -75,7 +94,7 @@ def score_unit(r: AttnRequest) -> float:
     scaled scores (no softcap, ALiBi or float mask), so the softmax runs on ``exp2`` (torch's
     ``exp2`` is ~1.7x faster than ``exp`` on CPU; ``2^(s log2 e) = e^s``, same overflow range);
     1 otherwise. Masked scores are ``-inf`` in either unit."""
-    plain = r.softcap is None and r.alibi_slopes is None and r.float_mask is None
+    plain = r.softcap is None and r.alibi_slopes is None and r.float_mask is None and r.score_mod is None
     return LOG2E if plain else 1.0
 
 
@@ -109,8 +128,8 @@ class ScoreBound:
 
 def score_bound(r: AttnRequest, q: Tensor, k: Tensor) -> ScoreBound | None:
     """The Cauchy-Schwarz bound of ``r``, or ``None`` if biases could push scores beyond it
-    (float masks, negative ALiBi slopes)."""
-    if r.float_mask is not None or (r.alibi_slopes is not None and bool((r.alibi_slopes < 0).any())):
+    (float masks, a ``score_mod``, negative ALiBi slopes)."""
+    if r.float_mask is not None or r.score_mod is not None or (r.alibi_slopes is not None and bool((r.alibi_slopes < 0).any())):
         return None
     return ScoreBound(r, q, k)
 

@@ -17,6 +17,13 @@ __all__ = ["HFConfig", "Plan", "Source", "float_dtype", "load_qkv_into", "transp
 _MISSING = object()
 
 
+#: config keys that count or size something: an int ``>= 1`` wherever they are read
+SIZE_KEYS = frozenset({"hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "head_dim",
+                       "intermediate_size", "vocab_size", "max_position_embeddings", "n_embd", "n_head", "n_layer",
+                       "n_positions", "n_inner", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                       "qk_rope_head_dim", "v_head_dim", "image_size", "patch_size", "num_channels"})
+
+
 class HFConfig:
     """A Hugging Face config (the dict of ``config.json`` or ``PretrainedConfig.to_dict()``) with
     checked reads: a missing or mistyped key is a :class:`CheckpointFormatError` naming
@@ -50,6 +57,8 @@ class HFConfig:
         if not ok:
             raise CheckpointFormatError(f"{self.source}: key {key!r} must be {kind.__name__}, got "
                                         f"{type(value).__name__} ({value!r})")
+        if key in SIZE_KEYS and value < 1:  # a zero head count divides the width (ZeroDivisionError)
+            raise CheckpointFormatError(f"{self.source}: key {key!r} must be >= 1, got {value!r}")
         return float(value) if kind is float else value
 
     def req(self, key: str, kind: type = int) -> Any:

@@ -101,6 +101,11 @@ def _read_header(p: Path, buf: bytearray) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict):
         raise CheckpointFormatError(f"{str(p)!r}: the safetensors header must be a JSON object, "
                                     f"got {type(header).__name__}")
+    meta = header.get("__metadata__")
+    if meta is not None and (not isinstance(meta, dict)
+                             or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise CheckpointFormatError(f"{str(p)!r}: the safetensors __metadata__ must be an object of strings "
+                                    f"(name -> text), got {type(meta).__name__} {str(meta)[:80]}")
     return header, 8 + n
 
 
