@@ -19,10 +19,9 @@ from attnzoo.variants import VARIANTS
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, T, NEW = 50, 12, 6
-#: variants whose module refuses a padding mask by name (nothing silently wrong)
-REFUSES_PADDING = {"nsa": "mask is not supported"}
-#: known: Infini-attention's segments are cut at stream positions, so padding shifts them
-KNOWN_SHIFTED = {"infini"}
+#: variants whose module refuses a (left) padding mask by name (nothing silently wrong); Infini-attention
+#: cuts its segments at stream positions, so left padding would shift them
+REFUSES_PADDING = {"nsa": "mask is not supported", "infini": r"variant 'infini'.*attention_mask.*left padding"}
 
 
 def _model(name: str) -> az.DecoderLM:
@@ -57,13 +56,13 @@ def _decoded_logits(lm: az.DecoderLM, prompt: torch.Tensor, real: torch.Tensor, 
 @pytest.mark.parametrize("pad", [2, 5])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_left_padded_generation_equals_each_row_alone(name: str, pad: int) -> None:
-    if name in KNOWN_SHIFTED:
-        pytest.xfail(f"{name}: its segments are cut at stream positions (padding shifts them)")
     lm = _model(name)
     prompt, real, a, b = _batch(pad, seed=pad)
     if name in REFUSES_PADDING:
         with pytest.raises(ValueError, match=REFUSES_PADDING[name]):
             lm(prompt, attention_mask=real)
+        with pytest.raises(ValueError, match=REFUSES_PADDING[name]):
+            lm.generate(prompt, NEW, attention_mask=real)
         return
     cont = torch.randint(1, VOCAB, (2, NEW), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -115,3 +114,20 @@ def test_streaming_cache_positions_refuse_padding() -> None:
     real[1, :2] = False
     with pytest.raises(ValueError, match="position_mode='cache' takes no padding"):
         m(torch.randn(2, 5, 16), mask=real[:, None, None, :])
+
+
+def test_infini_takes_right_padding_and_refuses_it_on_the_left_mid_stream() -> None:
+    """Right padding keeps every real token's stream position (its segments are the row's own); a
+    padded slot followed by a real token, in one call or across cached calls, is refused by name."""
+    torch.manual_seed(0)
+    m = az.InfiniAttention(16, 2, segment_len=3).eval()
+    x = torch.randn(2, 8, 16)
+    real = torch.ones(2, 8, dtype=torch.bool)
+    real[1, 5:] = False  # right padding
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, mask=real)[1, :5], m(x[1:, :5])[0], rtol=1e-5, atol=1e-6)
+        cache = m.init_cache(2, 16)
+        m(x, cache=cache, mask=real)
+        with pytest.raises(ValueError, match="variant 'infini'"):  # a real token after the padding
+            m(x[:, :1], cache=cache, mask=torch.ones(2, 9, dtype=torch.bool).index_fill(1, torch.tensor([6]), False))
+        assert cache.length == 8  # refused before any state changed

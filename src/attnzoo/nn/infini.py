@@ -143,7 +143,8 @@ class InfiniAttention(AttentionBase):
             x: tokens (a floating tensor); with a cache only the NEW ones (they continue the cached stream).
             context: must be ``None`` (no cross-attention).
             mask: key padding: bool ``[B, N]`` (``[B, cache.length + N]`` accepted with a cache) or
-                ``attnzoo.masks.key_padding(...)``.
+                ``attnzoo.masks.key_padding(...)``; right padding only (a padded token before a real
+                one is a ``ValueError``: it would shift the row's segments).
             cache: an :class:`InfiniCache` from :meth:`init_cache`, updated in place (unchanged when
                 the call raises).
             positions: validated, unused.
@@ -169,7 +170,11 @@ class InfiniAttention(AttentionBase):
                 raise ValueError(f"{cls}: the cache holds (H, D, L) = "
                                  f"{(cache.num_heads, cache.head_dim, cache.segment_len)}, this module needs "
                                  f"{want}; use module.init_cache()")
-        pad = key_padding_from_mask(cls, mask, b, n, n + (cache.length if cache is not None else 0), x.device)
+        total = n + (cache.length if cache is not None else 0)
+        pad = key_padding_from_mask(cls, mask, b, n, total, x.device)
+        if pad is not None:  # the whole mask given ([B, N] or [B, cache.length + N]) must not pad on the left
+            width = mask.shape[-1] if isinstance(mask, Tensor) else total
+            _refuse_padding_before_real(cls, key_padding_from_mask(cls, mask, b, width, total, x.device))
         q, k, v = self.project_qkv(x)  # [B, H, N, D] each
         kw: dict[str, Any] = {"segment_len": self.segment_len, "update": self.update, "key_padding_mask": pad,
                               "window": self.window, "backend": self.backend}
@@ -183,6 +188,17 @@ class InfiniAttention(AttentionBase):
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"segment_len={self.segment_len}, update={self.update!r}, backend={self.backend!r}, "
                 f"window={self.window}")
+
+
+def _refuse_padding_before_real(cls: str, m: Tensor | None) -> None:
+    """``ValueError`` when a row of the key padding ``m [B, L]`` (True = real) pads a token before a
+    real one (left padding): segments are cut at stream positions, so the padding would shift every
+    later segment boundary of that row and its result would silently differ from the row alone."""
+    if m is not None and m.shape[1] > 1 and bool((m[:, 1:] & ~m[:, :-1]).any()):
+        raise ValueError(f"{cls} (variant 'infini'): mask / attention_mask pads a token before a real one "
+                         f"(left padding); its segments are cut at stream positions, so the padding would "
+                         f"shift them and the row would differ from the row alone. Pad on the right, or "
+                         f"run such rows separately")
 
 
 # --------------------------------------------------------------------------- variant spec
