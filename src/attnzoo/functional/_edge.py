@@ -15,8 +15,9 @@
   finite (its running maximum skips NaN); on masked requests the guard restores the NaN. An
   unmasked request (every row sees every key, nothing is hidden) gets no host-side check (the
   one-token decode call is unmasked and a sync on q would cost it ~50% at small Nk): a fused
-  kernel's result there gets ``sum_d(0 * q) [B, Hq, Nq, 1]`` added, which is ``+0`` on a finite
-  row (bitwise the kernel's result) and NaN on a row whose query holds a NaN or inf.
+  kernel's result there gets ``0 * sum_d(q) [B, Hq, Nq, 1]`` added (one reduction and one add,
+  no sync), which is ``+0`` on a finite row (bitwise the kernel's result) and NaN on a row whose
+  query holds a NaN or inf.
 
 Both guards run in eager mode only (under ``torch.compile`` the request goes straight to the
 kernel). :func:`guard_nonfinite` serves :func:`attnzoo.attention` (with or without ``sinks``)
@@ -142,14 +143,18 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
 
 
 def _spread_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
-    """``result`` plus ``sum_d(0 * q)`` on every row: ``+0`` where the query is finite (``0 * x`` cannot
-    overflow, unlike a sum of q), NaN where it holds a NaN or inf. For unmasked requests (every row sees
-    a key), without a host sync."""
-    poison = r.q.mul(0).sum(dim=-1)  # [B, Hq, Nq]
-    parts = list(result) if isinstance(result, tuple) else [result]
+    """``result`` plus ``0 * sum_d(q)`` on every row (``torch.add(.., alpha=0)``: one kernel, no host
+    sync): ``+0`` where the query is finite, NaN where it holds a NaN or inf. For unmasked requests
+    (every row sees a key). A float16 sum is taken in float32 and zeroed before the cast back (a
+    finite row whose sum would overflow float16 stays finite)."""
+    if r.q.dtype == torch.float16:
+        row = r.q.sum(dim=-1, keepdim=True, dtype=torch.float32).mul_(0).to(r.q.dtype)  # [B, Hq, Nq, 1]
+    else:
+        row = r.q.sum(dim=-1, keepdim=True)  # [B, Hq, Nq, 1]; bfloat16 has float32's range
+    if isinstance(result, Tensor):
+        return torch.add(result, row, alpha=0)
     # out [B, Hq, Nq, Dv], lse [B, Hq, Nq], weights [B, Hq, Nq, Nk]
-    parts = [t + (poison if t.dim() == 3 else poison.unsqueeze(-1)).to(t.dtype) for t in parts]
-    return tuple(parts) if isinstance(result, tuple) else parts[0]
+    return tuple(torch.add(t, row.squeeze(-1) if t.dim() == 3 else row, alpha=0) for t in result)
 
 
 def _fix_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
