@@ -19,9 +19,8 @@ from attnzoo.variants import VARIANTS
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, T, NEW = 50, 12, 6
-#: variants whose module refuses a (left) padding mask by name (nothing silently wrong); Infini-attention
-#: cuts its segments at stream positions, so left padding would shift them
-REFUSES_PADDING = {"nsa": "mask is not supported", "infini": r"variant 'infini'.*attention_mask.*left padding"}
+#: variants whose module refuses a padding mask by name (nothing silently wrong)
+REFUSES_PADDING = {"nsa": "mask is not supported"}
 
 
 def _model(name: str) -> az.DecoderLM:
@@ -61,8 +60,6 @@ def test_left_padded_generation_equals_each_row_alone(name: str, pad: int) -> No
     if name in REFUSES_PADDING:
         with pytest.raises(ValueError, match=REFUSES_PADDING[name]):
             lm(prompt, attention_mask=real)
-        with pytest.raises(ValueError, match=REFUSES_PADDING[name]):
-            lm.generate(prompt, NEW, attention_mask=real)
         return
     cont = torch.randint(1, VOCAB, (2, NEW), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -116,18 +113,37 @@ def test_streaming_cache_positions_refuse_padding() -> None:
         m(torch.randn(2, 5, 16), mask=real[:, None, None, :])
 
 
-def test_infini_takes_right_padding_and_refuses_it_on_the_left_mid_stream() -> None:
-    """Right padding keeps every real token's stream position (its segments are the row's own); a
-    padded slot followed by a real token, in one call or across cached calls, is refused by name."""
+def test_infini_segments_count_each_rows_real_tokens() -> None:
+    """Infini-attention's segments close at each row's ``segment_len``-th real token: left paddings from
+    0 to past two segments, rows of different phases in one batch, chunked prefill + decode through
+    the cache, equal each row alone; right padding without a cache too; a pad between real tokens,
+    or after one in a cached call, is refused by name before any state changes."""
     torch.manual_seed(0)
-    m = az.InfiniAttention(16, 2, segment_len=3).eval()
-    x = torch.randn(2, 8, 16)
-    real = torch.ones(2, 8, dtype=torch.bool)
-    real[1, 5:] = False  # right padding
+    m = az.InfiniAttention(16, 2, segment_len=3, update="delta").eval()
+    pads = (0, 1, 2, 4, 7)
+    x = torch.randn(len(pads), T + NEW, 16)
+    real = torch.ones(len(pads), T + NEW, dtype=torch.bool)
+    for i, p in enumerate(pads):
+        real[i, :p] = False
     with torch.no_grad():
-        torch.testing.assert_close(m(x, mask=real)[1, :5], m(x[1:, :5])[0], rtol=1e-5, atol=1e-6)
-        cache = m.init_cache(2, 16)
-        m(x, cache=cache, mask=real)
-        with pytest.raises(ValueError, match="variant 'infini'"):  # a real token after the padding
-            m(x[:, :1], cache=cache, mask=torch.ones(2, 9, dtype=torch.bool).index_fill(1, torch.tensor([6]), False))
-        assert cache.length == 8  # refused before any state changed
+        full = m(x, mask=real)
+        cache = m.init_cache(len(pads), T + NEW)
+        outs = [m(x[:, :4], cache=cache, mask=real[:, :4]), m(x[:, 4:T], cache=cache, mask=real[:, :T])]
+        outs += [m(x[:, t:t + 1], cache=cache, mask=real[:, :t + 1]) for t in range(T, T + NEW)]
+        assert cache.state.fill < m.segment_len  # the buffer never outgrows one segment
+        for i, p in enumerate(pads):
+            alone = m(x[i:i + 1, p:])[0]
+            assert (full[i, p:] - alone).abs().max().item() <= 1e-5, f"full forward, pad={p}"
+            assert (torch.cat(outs, 1)[i, p:] - alone).abs().max().item() <= 1e-5, f"decode, pad={p}"
+        right = real.flip(1)  # right padding, no cache
+        for i, p in enumerate(pads):
+            n = T + NEW - p
+            assert (m(x, mask=right)[i, :n] - m(x[i:i + 1, :n])[0]).abs().max().item() <= 1e-5, f"right, pad={p}"
+        gap = torch.ones(1, 6, dtype=torch.bool).index_fill(1, torch.tensor([2]), False)
+        with pytest.raises(ValueError, match="variant 'infini'.*between two real ones"):
+            m(x[:1, :6], mask=gap)
+        cache = m.init_cache(1, 16)
+        m(x[:1, :5], cache=cache)
+        with pytest.raises(ValueError, match="variant 'infini'.*after a real one in a cached call"):
+            m(x[:1, 5:6], cache=cache, mask=torch.tensor([[True] * 5 + [False]]))
+        assert cache.length == 5
