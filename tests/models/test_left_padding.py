@@ -140,10 +140,10 @@ def test_infini_segments_count_each_rows_real_tokens() -> None:
             n = T + NEW - p
             assert (m(x, mask=right)[i, :n] - m(x[i:i + 1, :n])[0]).abs().max().item() <= 1e-5, f"right, pad={p}"
         gap = torch.ones(1, 6, dtype=torch.bool).index_fill(1, torch.tensor([2]), False)
-        with pytest.raises(ValueError, match="variant 'infini'.*between two real ones"):
+        with pytest.raises(ValueError, match=r"variant 'infini'.*between two real ones"):
             m(x[:1, :6], mask=gap)
         cache = m.init_cache(1, 16)
         m(x[:1, :5], cache=cache)
-        with pytest.raises(ValueError, match="variant 'infini'.*after a real one in a cached call"):
+        with pytest.raises(ValueError, match=r"variant 'infini'.*after a real one in a cached call"):
             m(x[:1, 5:6], cache=cache, mask=torch.tensor([[True] * 5 + [False]]))
         assert cache.length == 5
