@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,39 +84,38 @@ def _arena_argv(out: Path, steps: int) -> list[str]:
             "--heads", "2", "--depth", "1", "--no-measure", "--jobs", "2", "--threads", "1", "--out", str(out)]
 
 
-def test_sigint_while_arena_workers_import_torch_is_one_line(tmp_path: Path) -> None:
-    """The first worker to import torch sends its process group SIGINT (a Ctrl-C while the workers start):
-    the workers ignore it (they used to print a traceback each), the parent prints one line, exit 130."""
-    proc = subprocess.Popen([sys.executable, *_arena_argv(tmp_path / "o", 2000)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(_hook(tmp_path / "hook", workers=True)),
-                            start_new_session=True)
+def _interrupted_arena(out: Path, env: dict[str, str], signal_when: Callable[[], bool] | None) -> str:
+    """Run ``arena --jobs 2`` in its own process group; with ``signal_when``, send the group SIGINT (as a
+    terminal's Ctrl-C: the parent and every worker) once it holds. Asserts exit 130; returns stderr."""
+    proc = subprocess.Popen([sys.executable, *_arena_argv(out, 2000)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
+        if signal_when is not None:
+            deadline = time.monotonic() + 240
+            while proc.poll() is None and time.monotonic() < deadline and not signal_when():
+                time.sleep(0.1)
+            assert proc.poll() is None, proc.communicate()[1]
+            os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, (proc.returncode, err)
+    return err
+
+
+def test_sigint_while_arena_workers_import_torch_is_one_line(tmp_path: Path) -> None:
+    """The first worker to import torch sends its process group SIGINT (a Ctrl-C while the workers start):
+    the workers ignore it (they used to print a traceback each), the parent prints one line, exit 130."""
+    err = _interrupted_arena(tmp_path / "o", _env(_hook(tmp_path / "hook", workers=True)), None)
     _one_line(err, "arena")
 
 
 def test_sigint_inside_arena_workers_is_one_line(tmp_path: Path) -> None:
     """``arena --jobs 2`` interrupted while both workers train: the parent prints one line, no worker a
     traceback, exit 130; the finished checkpoints are kept for ``--resume``."""
-    out = tmp_path / "o"
-    proc = subprocess.Popen([sys.executable, *_arena_argv(out, 2000)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        ckpt = out / "checkpoints"
-        while proc.poll() is None and time.monotonic() < deadline and not (
-                ckpt.is_dir() and len([p for p in ckpt.iterdir() if p.suffix == ".pt"]) >= 2):
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()[1]
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the parent and every worker
-        _, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, (proc.returncode, err)
+    ckpt = tmp_path / "o" / "checkpoints"
+    err = _interrupted_arena(tmp_path / "o", _env(), lambda: ckpt.is_dir() and len(
+        [p for p in ckpt.iterdir() if p.suffix == ".pt"]) >= 2)
     _one_line(err, "arena")
     assert err.strip().endswith("resume with --resume"), err
