@@ -21,6 +21,12 @@ inputs of each segment) are all-gathered first, since the next segment's first o
 Feature-map attention (linear, Performer) is the special case ``M = I`` with the state ``(S, z)``;
 bidirectional feature-map attention sums every segment's state instead.
 
+Packed documents (:func:`attnzoo.distributed.documents`, global ``cu_seqlens``): a segment in
+which a document starts (inside it or on its first token) passes on the final state of its last
+document from zeros (``M = 0``: the scan restarts there); its later documents run from zeros (one
+packed call of the mixer's kernel), and the convolution tail it receives is zeroed before the
+start of its first token's document.
+
 Every exchange is differentiable (the backward of an all-gather is an all-reduce of the slot
 gradients), so the forward and all gradients equal one process running the whole sequence.
 """
@@ -184,8 +190,9 @@ class ContextParallelRecurrent(nn.Module):
         timeout: seconds (or a timedelta) for any network wait.
 
     Shapes:
-        ``forward(x [B, n, C]) -> [B, n, C]``, ``x`` this rank's shard of ``[B, N, C]``; every
-        segment of a shard needs at least ``conv_size - 1`` tokens.
+        ``forward(x [B, n, C]) -> [B, n, C]``, ``x`` this rank's shard of ``[B, N, C]`` (``B = 1``
+        inside :func:`~attnzoo.distributed.documents`); every segment of a shard needs at least
+        ``conv_size - 1`` tokens.
     """
 
     def __init__(self, module: nn.Module, *, group: Any = None, layout: str = "contiguous",
