@@ -5,8 +5,11 @@ parameter gradient summed over the ranks; float64 to 1e-9 relative, float32 to 1
 
 * every registered variant (``attnzoo.variants.VARIANTS``) under ``context_parallel``: softmax
   ones by ring and by Ulysses attention, recurrent and feature-map ones by the state scan, in the
-  contiguous and zigzag layouts; NSA and Infini-attention (and mask patterns on the ring) are
-  refused by name;
+  contiguous and zigzag layouts; NSA, Infini-attention and FoX (and mask patterns and sigmoid
+  attention on the ring) are refused by name;
+* a ``DecoderLM`` with a sigmoid-attention layer (default bias ``-log(N)``: the whole sequence's
+  ``N`` on every rank) under ``method="ulysses"`` (2 ranks both layouts, 4 ranks zigzag with K/V
+  heads replicated);
 * packed documents: ``ring_attention(..., cu_seqlens=)`` == ``az.attention`` with a document mask,
   with the shard pairs no document spans skipped (``PAIR_STATS``), and a ``DecoderLM`` under
   ``documents(cu)`` == the model on ``cu_seqlens``;
@@ -44,9 +47,9 @@ from attnzoo.distributed.comm import resolve_group
 from attnzoo.variants import VARIANTS, build_attention
 from dist_spawn import CountingTask, ranks_fixture, rel
 
-REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention", "sigmoid": "SigmoidAttention",
-           "fox": "FoxAttention"}
-RING_REFUSED = {"local_global", "streaming"}  # mask patterns: Ulysses only
+REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention", "fox": "FoxAttention"}
+# mask patterns, and sigmoid attention (no normaliser to merge shard pairs with): Ulysses only
+RING_REFUSED = {"local_global", "streaming", "sigmoid"}
 # (layout, method, causal wanted); a variant that is causal-only runs causal
 CONFIGS_2 = [("contiguous", "ring", True), ("zigzag", "ulysses", False)]
 CONFIGS_4 = [("zigzag", "ring", True)]
@@ -170,6 +173,31 @@ def _packed_lm(rank: int, world: int, res: dict[str, Any]) -> None:
         res[f"packed_lm/{method}"] = errs
 
 
+def _sigmoid_lm(world: int, res: dict[str, Any]) -> None:
+    """DecoderLM (GQA, layer 0 sigmoid attention with bias -log(N)) under Ulysses == one process."""
+    tokens = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(12))
+    for layout in ("contiguous", "zigzag") if world == 2 else ("zigzag",):
+        torch.manual_seed(13)
+        model = az.DecoderLM(32, 16, 2, 4, num_kv_heads=2, dtype=torch.float64)
+        model.blocks[0].attn = build_attention("sigmoid", 16, 4, num_kv_heads=2, sigmoid_bias=None,
+                                               dtype=torch.float64)
+        logits = model(tokens)
+        g_logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+        logits.backward(g_logits)
+        ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        context_parallel(model, layout=layout, method="ulysses")
+        pos = shard_positions(16, layout=layout)
+        local = model(tokens[:, pos], positions=pos)
+        local.backward(g_logits[:, pos])
+        errs = {"out": rel(gather_sequence(local.detach(), 1, layout=layout), logits)}
+        for n, p in model.named_parameters():
+            gr = p.grad.clone()
+            dist.all_reduce(gr)
+            errs[f"d:{n}"] = rel(gr, ref[n.replace(".module", "")])
+        res[f"sigmoid_lm/{layout}"] = errs
+
+
 def _errors(rank: int, world: int, res: dict[str, Any]) -> None:
     """A recurrent mixer with a too-short shard on one rank, and ranks that disagree on the batch."""
     mixer = ContextParallelRecurrent(build_attention("gated_deltanet", 16, 2))  # conv_size 4: 3-token tails
@@ -240,6 +268,7 @@ def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
     _variants(world, res)
     _ring_docs(rank, world, res)
     _packed_lm(rank, world, res)
+    _sigmoid_lm(world, res)
     _errors(rank, world, res)
     res["train/losses"] = train_losses(2)
 
@@ -247,6 +276,7 @@ def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
 def _job_four(rank: int, world: int, res: dict[str, Any]) -> None:
     _fsdp_step(rank, world, res)
     _variants(world, res)
+    _sigmoid_lm(world, res)
     res["train/losses"] = train_losses(2)
 
 
@@ -326,6 +356,12 @@ def test_packed_decoder_lm_under_documents(two: list[dict[str, Any]], method: st
     _assert_errs(two, f"packed_lm/{method}", 1e-9)
 
 
+@pytest.mark.parametrize("world, layout", [(2, "contiguous"), (2, "zigzag"), (4, "zigzag")])
+def test_sigmoid_decoder_lm_under_ulysses(two: list[dict[str, Any]], four: list[dict[str, Any]], world: int,
+                                          layout: str) -> None:
+    _assert_errs(two if world == 2 else four, f"sigmoid_lm/{layout}", 1e-9)
+
+
 @pytest.mark.parametrize("key, match", [("err/short_shard", r"at least 3 tokens per segment"),
                                         ("err/batch_differs", r"ranks disagree")])
 def test_bad_shards_raise_on_every_rank(two: list[dict[str, Any]], key: str, match: str) -> None:
@@ -376,7 +412,8 @@ def test_refusals_name_the_module_before_any_communication() -> None:
             context_parallel(model)
     with pytest.raises(ValueError, match=r"method must be one of"):
         context_parallel(_Holder(build_attention("mha", 16, 2)), method="tree")
-    with pytest.raises(ValueError, match=r"use method='ulysses'"):
-        context_parallel(_Holder(build_attention("local_global", 16, 2, **VARIANTS["local_global"].check)))
+    for name in ("local_global", "sigmoid"):
+        with pytest.raises(ValueError, match=rf"mix \({type(build_attention(name, 16, 2)).__name__}\).*use method='ulysses'"):
+            context_parallel(_Holder(build_attention(name, 16, 2, **VARIANTS[name].check)))
     with pytest.raises(TypeError, match=r"group must be None, a ProcessGroup or a DeviceMesh"):
         context_parallel(_Holder(build_attention("mha", 16, 2)), group="cp")

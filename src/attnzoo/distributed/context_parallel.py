@@ -3,11 +3,12 @@ that it runs on a sequence sharded over the ranks of a group.
 
 * softmax attention (:class:`~attnzoo.MultiHeadAttention` and its variants, MLA, differential
   attention): :class:`ContextParallel` points the module's attend seam at :func:`ring_attention`
-  (``method="ring"``) or :func:`ulysses_attention` (``method="ulysses"``);
+  (``method="ring"``) or :func:`ulysses_attention` (``method="ulysses"``); sigmoid attention
+  under ``method="ulysses"`` (its per-rank call is :func:`attnzoo.sigmoid_attention`);
 * recurrent and feature-map mixers: :class:`~attnzoo.distributed.recurrent.ContextParallelRecurrent`
   (state summaries scanned over the ranks);
-* anything else (NSA, Infini-attention, sigmoid and forgetting attention) is refused by name, before any
-  communication.
+* anything else (NSA, Infini-attention, forgetting attention, sigmoid attention under the ring)
+  is refused by name, before any communication.
 
 Packed documents: inside ``with documents(cu_seqlens):`` (global boundaries) the attention of
 every wrapped module is restricted to documents.
@@ -49,8 +50,6 @@ METHODS = ("ring", "ulysses")
 REFUSED: dict[type, str] = {
     NativeSparseAttention: "its selection branch ranks blocks of the whole sequence by the scores of compressed "
                            "keys (a global top-k per query); run it on the gathered sequence",
-    SigmoidAttention: "sigmoid attention has no normaliser, so its shard pairs would add without a "
-                      "log-sum-exp merge: not implemented in ring_attention / ulysses_attention yet",
     FoxAttention: "its score bias is the cumulative sum of the forget gates over the whole sequence (a prefix "
                   "sum across ranks): not implemented in context parallelism yet",
     InfiniAttention: "its compressive memory is read and written per segment of segment_len tokens with a "
@@ -91,7 +90,14 @@ def _check_method(method: object, fn: str) -> str:
 
 
 def _attention_problem(module: nn.Module, method: str) -> str | None:
-    """Why a softmax-attention module cannot run under ``method`` (``None``: it can)."""
+    """Why a softmax- or sigmoid-attention module cannot run under ``method`` (``None``: it can)."""
+    if isinstance(module, SigmoidAttention):
+        if module.kv_dim is not None:
+            return "a cross-attention module (kv_dim set) is not supported; shard the queries only"
+        if method == "ring":
+            return ("sigmoid attention has no normaliser, so its shard pairs would add without a log-sum-exp "
+                    "merge: not implemented in ring_attention yet; use method='ulysses'")
+        return None
     if isinstance(module, MultiHeadAttention):
         if module.kv_dim is not None:
             return "a cross-attention module (kv_dim set) is not supported; shard the queries only"
@@ -126,7 +132,8 @@ class ContextParallel(nn.Module):
 
     Args:
         module: a self-attention ``MultiHeadAttention`` (GQA/MQA/sliding-window, RoPE, ALiBi,
-            sinks; local-global and streaming patterns with ``method="ulysses"``), a
+            sinks; local-global and streaming patterns and ``SigmoidAttention`` with
+            ``method="ulysses"``), a
             ``MultiHeadLatentAttention`` or a ``DifferentialAttention``.
         group: a ProcessGroup or a 1-D DeviceMesh (``mesh["cp"]``), default the world.
         layout: ``"contiguous"`` or ``"zigzag"``: how ``x`` was cut (:func:`shard_sequence`).
@@ -191,7 +198,8 @@ class ContextParallel(nn.Module):
             raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
                              f"[{B}, {n}], got "
                              f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
-        seam = _ring_attend if self.method == "ring" else _ulysses_attend
+        seam = (_sigmoid_ulysses_attend if isinstance(m, SigmoidAttention)
+                else _ring_attend if self.method == "ring" else _ulysses_attend)
         # The module runs its own forward; only its attend seam is pointed at the ring for this call.
         attend = functools.partial(seam, group=self.group, layout=self.layout, cp_backend=self.backend,
                                    timeout=self.timeout, cu_seqlens=DOCUMENTS.get())
@@ -246,6 +254,23 @@ def _ulysses_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str,
                              backend=cp_backend, timeout=timeout, mask=mask)
 
 
+def _sigmoid_ulysses_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
+                            timeout: timedelta | None, cu_seqlens: Tensor | None, bias: float | None = None,
+                            causal: bool = False, window: Any = None, mask: Any = None, scale: float | None = None,
+                            softcap: float | None = None, q_offset: int | None = None,
+                            alibi_slopes: Tensor | None = None, return_weights: bool = False,
+                            backend: str = "auto") -> Tensor:
+    """The attend seam of a :class:`~attnzoo.SigmoidAttention` under ``method="ulysses"``:
+    :func:`attnzoo.sigmoid_attention`'s keywords in, :func:`ulysses_attention` with
+    ``score="sigmoid"`` out (the default ``bias`` is ``-log(N)`` of the whole sequence, as in one
+    process)."""
+    del q_offset, backend
+    _seam_checks(mask, return_weights, 0.0, "ulysses")
+    return ulysses_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
+                             alibi_slopes=alibi_slopes, layout=layout, cu_seqlens=cu_seqlens, backend=cp_backend,
+                             timeout=timeout, mask=mask, score="sigmoid", bias=bias)
+
+
 def _wrap(name: str, module: nn.Module, group: Any, layout: str, method: str, backend: str,
           timeout: float | timedelta | None) -> nn.Module:
     """The context-parallel wrapper of one mixer, or ``ValueError`` naming it and why not."""
@@ -273,9 +298,10 @@ def context_parallel(
     """Make every mixer inside ``model`` run on a sequence sharded over the ranks of ``group``.
 
     Softmax attention (MHA and its variants, MLA, differential) runs ring or Ulysses attention
-    (``method``); recurrent mixers (retnet, gla, deltanet, gated_deltanet, kda, mamba2) and feature-map
-    attention (linear, performer) pass state summaries between ranks; NSA and Infini-attention
-    are refused by name. Afterwards the model takes this rank's shard of the tokens and their
+    (``method``), sigmoid attention Ulysses only; recurrent mixers (retnet, gla, deltanet,
+    gated_deltanet, kda, mamba2) and feature-map attention (linear, performer) pass state
+    summaries between ranks; NSA, Infini-attention, FoX (and sigmoid attention under
+    ``method="ring"``) are refused by name. Afterwards the model takes this rank's shard of the tokens and their
     global positions, e.g. ``model(shard_sequence(tokens, 1, layout=...),
     positions=shard_positions(N, layout=...))`` for a :class:`~attnzoo.DecoderLM`, and returns
     the outputs of the local tokens. ``model`` is modified in place (parameters are shared, not

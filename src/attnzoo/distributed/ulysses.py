@@ -32,6 +32,7 @@ from attnzoo.distributed.sharding import (
 )
 from attnzoo.functional._request import check_qkv
 from attnzoo.functional.attention import attention
+from attnzoo.functional.sigmoid import sigmoid_attention
 from attnzoo.masks import Mask, document
 
 __all__ = ["ulysses_attention"]
@@ -39,13 +40,24 @@ __all__ = ["ulysses_attention"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # entries of the cross-rank check; all but "n" (contiguous layout) must agree
 _FIELDS = ("B", "Hq", "Hkv", "n", "D", "Dv", "dtype", "layout", "causal", "left", "right", "scale", "softcap",
-           "alibi", "sinks", "needs_grad", "cu_len", "cu_sum", "cu_chk")
+           "alibi", "sinks", "needs_grad", "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias")
+
+#: The scores :func:`ulysses_attention` computes.
+SCORES = ("softmax", "sigmoid")
 
 
 def _local_checks(q: object, k: object, v: object, world: int, layout: str, causal: object, win: Window | None,
                   scale: object, softcap: object, alibi_slopes: object, sinks: object,
-                  cu_seqlens: object) -> list[float]:
+                  cu_seqlens: object, score: object, bias: object) -> list[float]:
     check_qkv(q, k, v)
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score == "sigmoid" and sinks is not None:
+        raise ValueError("score='sigmoid' has no normaliser: sinks must be None")
+    if bias is not None and score != "sigmoid":
+        raise ValueError(f"bias applies to score='sigmoid' only, got score={score!r}")
+    if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
+        raise ValueError(f"bias must be a finite float or None (default -log(N) of the whole sequence), got {bias!r}")
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     check_bool(causal, "causal")
     B, hq, n, d = q.shape
@@ -77,7 +89,7 @@ def _local_checks(q: object, k: object, v: object, world: int, layout: str, caus
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return [B, hq, hkv, n, d, v.shape[3], _DTYPES.index(q.dtype), LAYOUTS.index(layout), float(bool(causal)),
             left, right, sc, 0.0 if softcap is None else float(softcap), a, float(sinks is not None),  # type: ignore[arg-type]
-            float(needs_grad), *cu]
+            float(needs_grad), *cu, float(score == "sigmoid"), 0.0 if bias is None else float(bias)]
 
 
 def _describe(row: list[float]) -> str:
@@ -101,11 +113,14 @@ def ulysses_attention(
     mask: Mask | None = None,
     backend: str = "auto",
     timeout: float | timedelta | None = None,
+    score: str = "softmax",
+    bias: float | None = None,
 ) -> Tensor:
     """Exact attention over a sharded sequence by two all-to-alls (DeepSpeed-Ulysses style).
 
-    Every rank passes its shard and gets back its rows of ``az.attention`` on the gathered
-    sequence, forward and backward (the backward of each all-to-all is the reverse all-to-all).
+    Every rank passes its shard and gets back its rows of ``az.attention`` (``score="sigmoid"``:
+    :func:`attnzoo.sigmoid_attention`) on the gathered sequence, forward and backward (the
+    backward of each all-to-all is the reverse all-to-all).
 
     Args:
         q: local queries ``[B, Hq, n, D]``; ``Hq`` divisible by the number of ranks ``P``.
@@ -123,6 +138,9 @@ def ulysses_attention(
             local-global; every rank holds the whole sequence for its heads). Not a tensor.
         backend: the :func:`attnzoo.attention` backend of the per-rank call.
         timeout: seconds (or a timedelta) for any network wait (default: the group's).
+        score: ``"softmax"`` or ``"sigmoid"`` (no normaliser; no ``sinks``).
+        bias: the sigmoid bias (``score="sigmoid"`` only); default ``-log(N)`` of the *whole*
+            sequence, as one process computes it.
 
     Returns:
         ``out [B, Hq, n, Dv]``.
@@ -147,7 +165,8 @@ def ulysses_attention(
         if mask is not None and not isinstance(mask, Mask):
             raise TypeError(f"mask must be an attnzoo.masks.Mask over global positions or None, got "
                             f"{type(mask).__name__} (a dense mask does not shard)")
-        vals = _local_checks(q, k, v, world, layout, causal, win, scale, softcap, alibi_slopes, sinks, cu_seqlens)
+        vals = _local_checks(q, k, v, world, layout, causal, win, scale, softcap, alibi_slopes, sinks, cu_seqlens,
+                             score, bias)
     except (TypeError, ValueError) as e:
         err = e
     same = [i for i, f in enumerate(_FIELDS) if f != "n" or layout == "zigzag"]
@@ -162,13 +181,14 @@ def ulysses_attention(
         docs = document(document_ids(cu, total, q.device))
         mask = docs if mask is None else mask & docs
     return _exchange_and_attend(q, k, v, pg, tmo, layout, lengths, mask, causal=causal, window=win, scale=scale,
-                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
+                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, backend=backend,
+                                score=score, bias=bias)
 
 
 def _exchange_and_attend(q: Tensor, k: Tensor, v: Tensor, pg: Any, tmo: timedelta | None, layout: str,
                          lengths: list[int], mask: Mask | None, *, causal: bool, window: Window | None,
                          scale: float | None, softcap: float | None, alibi_slopes: Tensor | None,
-                         sinks: Tensor | None, backend: str) -> Tensor:
+                         sinks: Tensor | None, backend: str, score: str, bias: float | None) -> Tensor:
     """Sequence shards -> head shards (global order), attention, and back (all validated)."""
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     win = window
@@ -186,9 +206,13 @@ def _exchange_and_attend(q: Tensor, k: Tensor, v: Tensor, pg: Any, tmo: timedelt
 
     qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
     heads = slice(rank * hq // world, (rank + 1) * hq // world)
-    out = attention(qh, kh, vh, mask=mask, causal=causal, window=win, scale=scale, softcap=softcap,
-                    alibi_slopes=None if alibi_slopes is None else alibi_slopes[heads],
-                    sinks=None if sinks is None else sinks[heads], backend=backend)
+    slopes = None if alibi_slopes is None else alibi_slopes[heads]
+    if score == "sigmoid":  # no normaliser: the same call as one process, for this rank's heads
+        out = sigmoid_attention(qh, kh, vh, bias=bias, mask=mask, causal=causal, window=win, scale=scale,
+                                softcap=softcap, alibi_slopes=slopes, backend=backend)
+    else:
+        out = attention(qh, kh, vh, mask=mask, causal=causal, window=win, scale=scale, softcap=softcap,
+                        alibi_slopes=slopes, sinks=None if sinks is None else sinks[heads], backend=backend)
     assert isinstance(out, Tensor)
     if to_global is not None:  # back to rank order
         out = out.index_select(2, order.to(q.device))

@@ -798,6 +798,8 @@ class SigmoidAttention(MultiHeadAttention):
     """
 
     _score = "sigmoid"
+    #: the attend seam calls :func:`attnzoo.sigmoid_attention` (context parallelism swaps it)
+    default_attend = staticmethod(sigmoid_attention)
 
     def _check_settings(self) -> None:
         if self.backend not in ("auto", "reference", "tiled") or self.dropout:
@@ -807,9 +809,9 @@ class SigmoidAttention(MultiHeadAttention):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
               return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
-        res = sigmoid_attention(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
-                                scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
-                                return_weights=return_weights, backend=self.backend)
+        res = self.attend(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
+                          scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
+                          return_weights=return_weights, backend=self.backend)
         return (res[0], res[1]) if return_weights else (res, None)
 
     def _check_self_cache(self, cache: Cache | None) -> None:

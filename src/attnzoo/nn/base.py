@@ -18,7 +18,8 @@
 * empty inputs: ``x [B, N, C]`` with ``B = 0`` or ``N = 0`` is checked like any input and gives an
   empty ``[B, N, C]`` output (a cache is left unchanged), whatever the module's kernels are;
 * the *attend seam*: softmax modules compute attention only through :meth:`attend`, which calls
-  ``self.attend_fn`` (by default :func:`attnzoo.attention`, with exactly its keywords). Context
+  ``self.attend_fn`` (by default :func:`attnzoo.attention`, with exactly its keywords;
+  ``default_attend`` of the class, e.g. :func:`attnzoo.sigmoid_attention` for sigmoid attention). Context
   parallelism swaps that function (a picklable callable) instead of copying a forward.
 """
 
@@ -70,6 +71,10 @@ class AttentionBase(nn.Module):
         factory: ``{"device": ..., "dtype": ...}`` of the parameters.
     """
 
+    #: The function behind the attend seam by default (:class:`~attnzoo.SigmoidAttention`:
+    #: :func:`attnzoo.sigmoid_attention`); ``attend_fn`` starts as it and takes its keywords.
+    default_attend: ClassVar[Callable[..., Any]] = staticmethod(attention)
+
     #: Why ``return_weights=True`` is refused (``None``: the module can return attention weights).
     no_weights_reason: ClassVar[str | None] = None
 
@@ -101,7 +106,7 @@ class AttentionBase(nn.Module):
         check_flag(bias, "bias", cls)
         if layout not in ("qkv", "q_kv", "q_k_v"):
             raise ValueError(f"{cls}: layout must be 'qkv', 'q_kv' or 'q_k_v', got {layout!r}")
-        self.attend_fn: Callable[..., Any] = attention
+        self.attend_fn: Callable[..., Any] = type(self).default_attend
         self._layout = layout
         self._make_projections(bias, factory or {}, kv_dim or self.dim)
 
@@ -281,7 +286,8 @@ class AttentionBase(nn.Module):
     # ------------------------------------------------------------------ the attend seam
     def attend(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Any:
         """Attention of ``q [B, H, Nq, D]`` over ``k, v [B, Hkv, Nk, D]`` through ``self.attend_fn``
-        (default :func:`attnzoo.attention`); ``kw`` are exactly :func:`attnzoo.attention`'s keywords."""
+        (default :func:`attnzoo.attention`); ``kw`` are exactly the keywords of the class's
+        ``default_attend`` (:func:`attnzoo.attention`'s, or :func:`attnzoo.sigmoid_attention`'s)."""
         return self.attend_fn(q, k, v, **kw)
 
 
