@@ -5,11 +5,11 @@ parameter gradient summed over the ranks; float64 to 1e-9 relative, float32 to 1
 
 * every registered variant (``attnzoo.variants.VARIANTS``) under ``context_parallel``: softmax
   ones by ring and by Ulysses attention, recurrent and feature-map ones by the state scan, in the
-  contiguous and zigzag layouts; NSA, Infini-attention and FoX (and mask patterns and sigmoid
-  attention on the ring) are refused by name;
-* a ``DecoderLM`` with a sigmoid-attention layer (default bias ``-log(N)``: the whole sequence's
-  ``N`` on every rank) under ``method="ulysses"`` (2 ranks both layouts, 4 ranks zigzag with K/V
-  heads replicated);
+  contiguous and zigzag layouts; NSA, Infini-attention and FoX (and mask patterns on the ring)
+  are refused by name;
+* sigmoid attention: ``ring_attention`` / ``ulysses_attention(..., score="sigmoid")`` ==
+  ``az.sigmoid_attention`` (documents, window, default bias ``-log(N)`` of the whole sequence),
+  and a ``DecoderLM`` with a sigmoid-attention layer under both methods (2 and 4 ranks);
 * packed documents: ``ring_attention(..., cu_seqlens=)`` == ``az.attention`` with a document mask,
   with the shard pairs no document spans skipped (``PAIR_STATS``), and a ``DecoderLM`` under
   ``documents(cu)`` == the model on ``cu_seqlens``;
@@ -42,14 +42,14 @@ from attnzoo.distributed import (
     ring_attention,
     shard_positions,
     shard_sequence,
+    ulysses_attention,
 )
 from attnzoo.distributed.comm import resolve_group
 from attnzoo.variants import VARIANTS, build_attention
 from dist_spawn import CountingTask, ranks_fixture, rel
 
 REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention", "fox": "FoxAttention"}
-# mask patterns, and sigmoid attention (no normaliser to merge shard pairs with): Ulysses only
-RING_REFUSED = {"local_global", "streaming", "sigmoid"}
+RING_REFUSED = {"local_global", "streaming"}  # mask patterns: Ulysses only
 # (layout, method, causal wanted); a variant that is causal-only runs causal
 CONFIGS_2 = [("contiguous", "ring", True), ("zigzag", "ulysses", False)]
 CONFIGS_4 = [("zigzag", "ring", True)]
@@ -173,10 +173,14 @@ def _packed_lm(rank: int, world: int, res: dict[str, Any]) -> None:
         res[f"packed_lm/{method}"] = errs
 
 
+SIGMOID_LM_CASES = {2: [("ulysses", "contiguous"), ("ring", "zigzag")],
+                    4: [("ulysses", "zigzag"), ("ring", "contiguous")]}
+
+
 def _sigmoid_lm(world: int, res: dict[str, Any]) -> None:
     """DecoderLM (GQA, layer 0 sigmoid attention with bias -log(N)) under Ulysses == one process."""
     tokens = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(12))
-    for layout in ("contiguous", "zigzag") if world == 2 else ("zigzag",):
+    for method, layout in SIGMOID_LM_CASES[world]:
         torch.manual_seed(13)
         model = az.DecoderLM(32, 16, 2, 4, num_kv_heads=2, dtype=torch.float64)
         model.blocks[0].attn = build_attention("sigmoid", 16, 4, num_kv_heads=2, sigmoid_bias=None,
@@ -186,7 +190,7 @@ def _sigmoid_lm(world: int, res: dict[str, Any]) -> None:
         logits.backward(g_logits)
         ref = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
-        context_parallel(model, layout=layout, method="ulysses")
+        context_parallel(model, layout=layout, method=method)
         pos = shard_positions(16, layout=layout)
         local = model(tokens[:, pos], positions=pos)
         local.backward(g_logits[:, pos])
@@ -195,7 +199,37 @@ def _sigmoid_lm(world: int, res: dict[str, Any]) -> None:
             gr = p.grad.clone()
             dist.all_reduce(gr)
             errs[f"d:{n}"] = rel(gr, ref[n.replace(".module", "")])
-        res[f"sigmoid_lm/{layout}"] = errs
+        res[f"sigmoid_lm/{method}/{layout}"] = errs
+
+
+SIGMOID_CASES = [  # name, method, layout, causal, window, cu (N = 16)
+    ("ring_docs_window", "ring", "zigzag", False, (3, 2), [0, 5, 6, 16]),
+    ("ring_causal_uneven", "ring", "contiguous", True, None, None),
+    ("ulysses_docs_causal", "ulysses", "contiguous", True, None, [0, 9, 16]),
+]
+
+
+def _sigmoid_functional(world: int, res: dict[str, Any]) -> None:
+    """ring / ulysses_attention(score="sigmoid") == az.sigmoid_attention on the gathered sequence."""
+    g = torch.Generator().manual_seed(15)
+    for name, method, layout, causal, window, cu_list in SIGMOID_CASES:
+        n = 16 if layout == "zigzag" or cu_list else 15
+        q, k, v = (torch.randn(2, h, n, 8, generator=g, dtype=torch.float64).requires_grad_() for h in (4, 2, 2))
+        d_out = torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64)
+        cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32)
+        mask = None if cu is None else az.masks.document(torch.searchsorted(cu[1:].long(), torch.arange(n),
+                                                                            right=True))
+        ref = az.sigmoid_attention(q, k, v, mask=mask, causal=causal, window=window, backend="reference")
+        ref.backward(d_out)
+        ql, kl, vl = (shard_sequence(t.detach(), world, layout=layout).requires_grad_() for t in (q, k, v))
+        fn = ring_attention if method == "ring" else ulysses_attention
+        out = fn(ql, kl, vl, causal=causal, window=window, layout=layout, cu_seqlens=cu, score="sigmoid")
+        out.backward(shard_sequence(d_out, world, layout=layout))
+        res[f"sigmoid/{name}"] = {
+            "out": rel(gather_sequence(out.detach(), world, layout=layout), ref),
+            **{f"d{w}": rel(gather_sequence(t.grad, world, layout=layout), s.grad)
+               for w, t, s in (("q", ql, q), ("k", kl, k), ("v", vl, v))},
+        }
 
 
 def _errors(rank: int, world: int, res: dict[str, Any]) -> None:
@@ -269,6 +303,7 @@ def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
     _ring_docs(rank, world, res)
     _packed_lm(rank, world, res)
     _sigmoid_lm(world, res)
+    _sigmoid_functional(world, res)
     _errors(rank, world, res)
     res["train/losses"] = train_losses(2)
 
@@ -356,10 +391,16 @@ def test_packed_decoder_lm_under_documents(two: list[dict[str, Any]], method: st
     _assert_errs(two, f"packed_lm/{method}", 1e-9)
 
 
-@pytest.mark.parametrize("world, layout", [(2, "contiguous"), (2, "zigzag"), (4, "zigzag")])
-def test_sigmoid_decoder_lm_under_ulysses(two: list[dict[str, Any]], four: list[dict[str, Any]], world: int,
-                                          layout: str) -> None:
-    _assert_errs(two if world == 2 else four, f"sigmoid_lm/{layout}", 1e-9)
+@pytest.mark.parametrize("world, method, layout", [(w, m, lay) for w, cases in SIGMOID_LM_CASES.items()
+                                                   for m, lay in cases])
+def test_sigmoid_decoder_lm_context_parallel(two: list[dict[str, Any]], four: list[dict[str, Any]], world: int,
+                                             method: str, layout: str) -> None:
+    _assert_errs(two if world == 2 else four, f"sigmoid_lm/{method}/{layout}", 1e-9)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SIGMOID_CASES])
+def test_sigmoid_ring_and_ulysses_equal_sigmoid_attention(two: list[dict[str, Any]], case: str) -> None:
+    _assert_errs(two, f"sigmoid/{case}", 1e-9)
 
 
 @pytest.mark.parametrize("key, match", [("err/short_shard", r"at least 3 tokens per segment"),
@@ -412,8 +453,7 @@ def test_refusals_name_the_module_before_any_communication() -> None:
             context_parallel(model)
     with pytest.raises(ValueError, match=r"method must be one of"):
         context_parallel(_Holder(build_attention("mha", 16, 2)), method="tree")
-    for name in ("local_global", "sigmoid"):
-        with pytest.raises(ValueError, match=rf"mix \({type(build_attention(name, 16, 2)).__name__}\).*use method='ulysses'"):
-            context_parallel(_Holder(build_attention(name, 16, 2, **VARIANTS[name].check)))
+    with pytest.raises(ValueError, match=r"use method='ulysses'"):
+        context_parallel(_Holder(build_attention("local_global", 16, 2, **VARIANTS["local_global"].check)))
     with pytest.raises(TypeError, match=r"group must be None, a ProcessGroup or a DeviceMesh"):
         context_parallel(_Holder(build_attention("mha", 16, 2)), group="cp")

@@ -3,12 +3,12 @@ that it runs on a sequence sharded over the ranks of a group.
 
 * softmax attention (:class:`~attnzoo.MultiHeadAttention` and its variants, MLA, differential
   attention): :class:`ContextParallel` points the module's attend seam at :func:`ring_attention`
-  (``method="ring"``) or :func:`ulysses_attention` (``method="ulysses"``); sigmoid attention
-  under ``method="ulysses"`` (its per-rank call is :func:`attnzoo.sigmoid_attention`);
+  (``method="ring"``) or :func:`ulysses_attention` (``method="ulysses"``); sigmoid attention the
+  same with ``score="sigmoid"`` (the ring adds its shard pairs' outputs, no log-sum-exp merge);
 * recurrent and feature-map mixers: :class:`~attnzoo.distributed.recurrent.ContextParallelRecurrent`
   (state summaries scanned over the ranks);
-* anything else (NSA, Infini-attention, forgetting attention, sigmoid attention under the ring)
-  is refused by name, before any communication.
+* anything else (NSA, Infini-attention, forgetting attention) is refused by name, before any
+  communication.
 
 Packed documents: inside ``with documents(cu_seqlens):`` (global boundaries) the attention of
 every wrapped module is restricted to documents.
@@ -94,9 +94,6 @@ def _attention_problem(module: nn.Module, method: str) -> str | None:
     if isinstance(module, SigmoidAttention):
         if module.kv_dim is not None:
             return "a cross-attention module (kv_dim set) is not supported; shard the queries only"
-        if method == "ring":
-            return ("sigmoid attention has no normaliser, so its shard pairs would add without a log-sum-exp "
-                    "merge: not implemented in ring_attention yet; use method='ulysses'")
         return None
     if isinstance(module, MultiHeadAttention):
         if module.kv_dim is not None:
@@ -132,8 +129,8 @@ class ContextParallel(nn.Module):
 
     Args:
         module: a self-attention ``MultiHeadAttention`` (GQA/MQA/sliding-window, RoPE, ALiBi,
-            sinks; local-global and streaming patterns and ``SigmoidAttention`` with
-            ``method="ulysses"``), a
+            sinks; local-global and streaming patterns with ``method="ulysses"``; a
+            ``SigmoidAttention``), a
             ``MultiHeadLatentAttention`` or a ``DifferentialAttention``.
         group: a ProcessGroup or a 1-D DeviceMesh (``mesh["cp"]``), default the world.
         layout: ``"contiguous"`` or ``"zigzag"``: how ``x`` was cut (:func:`shard_sequence`).
@@ -198,11 +195,13 @@ class ContextParallel(nn.Module):
             raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
                              f"[{B}, {n}], got "
                              f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
-        seam = (_sigmoid_ulysses_attend if isinstance(m, SigmoidAttention)
+        seam = (_sigmoid_attend if isinstance(m, SigmoidAttention)
                 else _ring_attend if self.method == "ring" else _ulysses_attend)
         # The module runs its own forward; only its attend seam is pointed at the ring for this call.
         attend = functools.partial(seam, group=self.group, layout=self.layout, cp_backend=self.backend,
                                    timeout=self.timeout, cu_seqlens=DOCUMENTS.get())
+        if seam is _sigmoid_attend:
+            attend = functools.partial(attend, method=self.method)
         saved, m.attend_fn = m.attend_fn, attend
         try:
             out = m(x) if positions is None else m(x, positions=positions)  # [B, n, C]
@@ -254,21 +253,22 @@ def _ulysses_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str,
                              backend=cp_backend, timeout=timeout, mask=mask)
 
 
-def _sigmoid_ulysses_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
-                            timeout: timedelta | None, cu_seqlens: Tensor | None, bias: float | None = None,
-                            causal: bool = False, window: Any = None, mask: Any = None, scale: float | None = None,
-                            softcap: float | None = None, q_offset: int | None = None,
-                            alibi_slopes: Tensor | None = None, return_weights: bool = False,
-                            backend: str = "auto") -> Tensor:
-    """The attend seam of a :class:`~attnzoo.SigmoidAttention` under ``method="ulysses"``:
-    :func:`attnzoo.sigmoid_attention`'s keywords in, :func:`ulysses_attention` with
-    ``score="sigmoid"`` out (the default ``bias`` is ``-log(N)`` of the whole sequence, as in one
-    process)."""
+def _sigmoid_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
+                    timeout: timedelta | None, cu_seqlens: Tensor | None, method: str, bias: float | None = None,
+                    causal: bool = False, window: Any = None, mask: Any = None, scale: float | None = None,
+                    softcap: float | None = None, q_offset: int | None = None, alibi_slopes: Tensor | None = None,
+                    return_weights: bool = False, backend: str = "auto") -> Tensor:
+    """The attend seam of a :class:`~attnzoo.SigmoidAttention`: :func:`attnzoo.sigmoid_attention`'s
+    keywords in, :func:`ring_attention` / :func:`ulysses_attention` with ``score="sigmoid"`` out
+    (the default ``bias`` is ``-log(N)`` of the whole sequence, as in one process)."""
     del q_offset, backend
-    _seam_checks(mask, return_weights, 0.0, "ulysses")
-    return ulysses_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
-                             alibi_slopes=alibi_slopes, layout=layout, cu_seqlens=cu_seqlens, backend=cp_backend,
-                             timeout=timeout, mask=mask, score="sigmoid", bias=bias)
+    _seam_checks(mask, return_weights, 0.0, method)
+    kw: dict[str, Any] = {"group": group, "causal": causal, "window": window, "scale": scale, "softcap": softcap,
+                          "alibi_slopes": alibi_slopes, "layout": layout, "cu_seqlens": cu_seqlens,
+                          "backend": cp_backend, "timeout": timeout, "score": "sigmoid", "bias": bias}
+    out = ring_attention(q, k, v, **kw) if method == "ring" else ulysses_attention(q, k, v, mask=mask, **kw)
+    assert isinstance(out, Tensor)
+    return out
 
 
 def _wrap(name: str, module: nn.Module, group: Any, layout: str, method: str, backend: str,
@@ -298,10 +298,10 @@ def context_parallel(
     """Make every mixer inside ``model`` run on a sequence sharded over the ranks of ``group``.
 
     Softmax attention (MHA and its variants, MLA, differential) runs ring or Ulysses attention
-    (``method``), sigmoid attention Ulysses only; recurrent mixers (retnet, gla, deltanet,
-    gated_deltanet, kda, mamba2) and feature-map attention (linear, performer) pass state
-    summaries between ranks; NSA, Infini-attention, FoX (and sigmoid attention under
-    ``method="ring"``) are refused by name. Afterwards the model takes this rank's shard of the tokens and their
+    (``method``), and so does sigmoid attention (``score="sigmoid"``: no normaliser); recurrent
+    mixers (retnet, gla, deltanet, gated_deltanet, kda, mamba2) and feature-map attention (linear,
+    performer) pass state summaries between ranks; NSA, Infini-attention and FoX are refused by
+    name. Afterwards the model takes this rank's shard of the tokens and their
     global positions, e.g. ``model(shard_sequence(tokens, 1, layout=...),
     positions=shard_positions(N, layout=...))`` for a :class:`~attnzoo.DecoderLM`, and returns
     the outputs of the local tokens. ``model`` is modified in place (parameters are shared, not

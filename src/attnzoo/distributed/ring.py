@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,7 @@ from attnzoo.distributed.sharding import (
     Segment,
     check_cu_seqlens,
     check_layout,
+    check_score,
     check_seq_len,
     contiguous_lengths,
     cu_checksum,
@@ -35,6 +37,7 @@ from attnzoo.functional._request import build_request, check_qkv
 from attnzoo.functional.attention import attention, merge_attention
 from attnzoo.functional.rules import compute_dtype, key_bounds
 from attnzoo.functional.score_mod import ScoreMod, ScoreModFn, check_score_mod
+from attnzoo.functional.sigmoid import sigmoid_attention
 from attnzoo.functional.tiled import accumulate_grads, tile_plan
 
 __all__ = ["BACKWARD_BLOCK", "PAIR_STATS", "ring_attention", "work_per_rank"]
@@ -51,7 +54,7 @@ _HIDDEN, _PARTIAL, _FULL = 0, 1, 2
 
 _META_FIELDS = ("ok", "B", "Hq", "Hkv", "Nq", "Nk", "D", "Dv", "dtype", "layout", "causal",
                 "left", "right", "scale", "needs_grad", "softcap", "alibi_sum", "alibi_check",
-                "cu_len", "cu_sum", "cu_chk")
+                "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias")
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class _Meta:
 
 def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win: Window | None,
                 scale: float | None, softcap: float | None = None, alibi: Tensor | None = None,
-                cu: Tensor | None = None) -> list[float]:
+                cu: Tensor | None = None, score: list[float] | None = None) -> list[float]:
     """Encode this rank's (already validated) request for the cross-rank comparison."""
     check_qkv(q, k, v)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
@@ -103,7 +106,7 @@ def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win:
     a_chk = 0.0 if alibi is None else 1.0 + float((alibi.double().cpu() * torch.arange(1, Hq + 1)).sum())
     vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, _DTYPES.index(q.dtype), LAYOUTS.index(layout),
             float(causal), left, right, sc, float(needs_grad), 0.0 if softcap is None else float(softcap), a_sum,
-            a_chk, *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu))]
+            a_chk, *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu)), *(score or [0.0, 0.0])]
     return [float(x) for x in vals]
 
 
@@ -187,6 +190,7 @@ class _Config:
     alibi: Tensor | None = None  # [Hq] slopes in the compute dtype
     docs: Tensor | None = None  # [N] document id of every global position (cu_seqlens)
     score_mod: ScoreMod | None = None  # az.attention's score_mod, on global positions
+    sigmoid_bias: float | None = None  # set: sigmoid scores with this bias (no normaliser)
 
 
 def _pair(qs: Segment, ks: Segment, cfg: _Config) -> tuple[int, Tensor | None]:
@@ -289,25 +293,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ring: Ring, metas: list[_Meta],  # type: ignore[override]
                 cfg: _Config, sinks: Tensor | None, *captured: Tensor) -> tuple[Tensor, Tensor]:
-        P, r = ring.size, ring.rank
+        r = ring.rank
         lengths = [int(m.Nq) for m in metas]
         cdt = compute_dtype(q.dtype)
         B, hq, n, _ = q.shape
         out = torch.zeros(B, hq, n, v.shape[-1], dtype=cdt, device=q.device)  # [B, Hq, n, Dv]
         lse = torch.full((B, hq, n), -math.inf, dtype=cdt, device=q.device)  # [B, Hq, n]
         q_segs = segments(cfg.layout, lengths, r)
-        k_cur, v_cur = k.contiguous(), v.contiguous()
-        for t in range(P):
-            src = (r - t) % P
-            pending = None
-            if t < P - 1:  # start moving the next shard before computing on this one
-                nxt = (src - 1) % P
-                pending = ring.start([k_cur, v_cur], [(_shard_shape(k, lengths[nxt]), k.dtype),
-                                                      (_shard_shape(v, lengths[nxt]), v.dtype)],
-                                     tag=0, what=f"K/V shards (step {t + 1} of {P})")
-            _forward_pairs(q, k_cur, v_cur, q_segs, segments(cfg.layout, lengths, src), out, lse, cfg)
-            if pending is not None:
-                k_cur, v_cur = ring.finish(pending)
+        _ring_forward_steps(ring, k, v, lengths, lambda k_cur, v_cur, src: _forward_pairs(
+            q, k_cur, v_cur, q_segs, segments(cfg.layout, lengths, src), out, lse, cfg))
         if sinks is not None:
             # Each head's sink logit joins every row's softmax as a key with no value: lse' =
             # logaddexp(lse, z), out' = out exp(lse - lse'). The backward below, run with (out',
@@ -327,46 +321,144 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, d_out: Tensor, _d_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse, sinks = ctx.saved_tensors
         ring, lengths, cfg = ctx.ring, ctx.lengths, ctx.cfg
-        P, r = ring.size, ring.rank
         cdt = compute_dtype(q.dtype)
         d_out = d_out.contiguous().to(cdt)  # the kernel runs in the compute dtype
         delta = (d_out * out.to(cdt)).sum(-1)  # [B, Hq, n]
         q_c = q.to(cdt)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        q_segs = segments(cfg.layout, lengths, r)
-        k_cur, v_cur = k.contiguous(), v.contiguous()
-        dkv_pending: Pending | None = None
+        q_segs = segments(cfg.layout, lengths, ring.rank)
         captured_grads = {id(t): torch.zeros_like(t) for t in ctx.captured if t.requires_grad}
-        for t in range(P):
-            src = (r - t) % P
-            nxt = (src - 1) % P
-            kv_pending = None
-            if t < P - 1:
-                kv_pending = ring.start([k_cur, v_cur], [(_shard_shape(k, lengths[nxt]), k.dtype),
-                                                         (_shard_shape(v, lengths[nxt]), v.dtype)],
-                                        tag=0, what=f"K/V shards (backward step {t + 1} of {P})")
-            dk = torch.zeros(_shard_shape(k, lengths[src]), dtype=cdt, device=k.device)
-            dv = torch.zeros(_shard_shape(v, lengths[src]), dtype=cdt, device=v.device)
-            _backward_pairs(q_c, d_out, lse, delta, k_cur.to(cdt), v_cur.to(cdt), q_segs,
-                            segments(cfg.layout, lengths, src), dq, dk, dv, cfg, captured_grads)
-            if dkv_pending is not None:  # the buffers of shard `src` arrive with its earlier contributions
-                dk_in, dv_in = ring.finish(dkv_pending)
-                dk += dk_in
-                dv += dv_in
-            if P > 1:
-                dkv_pending = ring.start([dk, dv], [(_shard_shape(k, lengths[nxt]), cdt),
-                                                    (_shard_shape(v, lengths[nxt]), cdt)],
-                                         tag=2, what=f"dK/dV buffers (backward step {t + 1} of {P})")
-            if kv_pending is not None:
-                k_cur, v_cur = ring.finish(kv_pending)
-        if dkv_pending is not None:  # after P hops our own buffers are back, complete
-            dk, dv = ring.finish(dkv_pending)
+        dk, dv = _ring_backward_steps(ring, k, v, lengths, cdt, lambda k_cur, v_cur, src, dk, dv: _backward_pairs(
+            q_c, d_out, lse, delta, k_cur.to(cdt), v_cur.to(cdt), q_segs, segments(cfg.layout, lengths, src),
+            dq, dk, dv, cfg, captured_grads))
         d_sinks = None
         if sinks is not None:  # d z_h = -sum over this rank's rows of p_sink * delta (the sink has v = 0)
             p_sink = torch.exp(sinks.to(cdt).view(1, -1, 1) - lse)  # [B, Hq, n]
             d_sinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
         d_captured = tuple(captured_grads.get(id(t)) for t in ctx.captured)  # this rank's rows' share
         return dq.mul_(cfg.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, d_sinks, *d_captured
+
+
+def _ring_forward_steps(ring: Ring, k: Tensor, v: Tensor, lengths: list[int],
+                        step: Callable[[Tensor, Tensor, int], None]) -> None:
+    """Pass the K/V shards around the ring: ``step(k_src, v_src, src)`` runs on every rank's shard
+    in turn (its own first), while the next shard is already on its way."""
+    P, r = ring.size, ring.rank
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    for t in range(P):
+        src = (r - t) % P
+        pending = None
+        if t < P - 1:  # start moving the next shard before computing on this one
+            nxt = (src - 1) % P
+            pending = ring.start([k_cur, v_cur], [(_shard_shape(k, lengths[nxt]), k.dtype),
+                                                  (_shard_shape(v, lengths[nxt]), v.dtype)],
+                                 tag=0, what=f"K/V shards (step {t + 1} of {P})")
+        step(k_cur, v_cur, src)
+        if pending is not None:
+            k_cur, v_cur = ring.finish(pending)
+
+
+def _ring_backward_steps(ring: Ring, k: Tensor, v: Tensor, lengths: list[int], cdt: torch.dtype,
+                         step: Callable[[Tensor, Tensor, int, Tensor, Tensor], None]) -> tuple[Tensor, Tensor]:
+    """The backward ring: ``step(k_src, v_src, src, dk, dv)`` adds this rank's contributions to the
+    zeroed buffers ``dk, dv`` (compute dtype ``cdt``) of shard ``src``; the buffers travel with the
+    shards and come back complete: this rank's ``(dk, dv)``."""
+    P, r = ring.size, ring.rank
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    dkv_pending: Pending | None = None
+    dk = dv = k  # replaced at the first step
+    for t in range(P):
+        src = (r - t) % P
+        nxt = (src - 1) % P
+        kv_pending = None
+        if t < P - 1:
+            kv_pending = ring.start([k_cur, v_cur], [(_shard_shape(k, lengths[nxt]), k.dtype),
+                                                     (_shard_shape(v, lengths[nxt]), v.dtype)],
+                                    tag=0, what=f"K/V shards (backward step {t + 1} of {P})")
+        dk = torch.zeros(_shard_shape(k, lengths[src]), dtype=cdt, device=k.device)
+        dv = torch.zeros(_shard_shape(v, lengths[src]), dtype=cdt, device=v.device)
+        step(k_cur, v_cur, src, dk, dv)
+        if dkv_pending is not None:  # the buffers of shard `src` arrive with its earlier contributions
+            dk_in, dv_in = ring.finish(dkv_pending)
+            dk += dk_in
+            dv += dv_in
+        if P > 1:
+            dkv_pending = ring.start([dk, dv], [(_shard_shape(k, lengths[nxt]), cdt),
+                                                (_shard_shape(v, lengths[nxt]), cdt)],
+                                     tag=2, what=f"dK/dV buffers (backward step {t + 1} of {P})")
+        if kv_pending is not None:
+            k_cur, v_cur = ring.finish(kv_pending)
+    if dkv_pending is not None:  # after P hops our own buffers are back, complete
+        dk, dv = ring.finish(dkv_pending)
+    return dk, dv
+
+
+def _sigmoid_pair(qq: Tensor, kk: Tensor, vv: Tensor, qs: Segment, ks: Segment, doc_mask: Tensor | None,
+                  cfg: _Config) -> Tensor:
+    """Sigmoid attention of one shard pair at its global offsets: its share of the rows' sums."""
+    out = sigmoid_attention(qq, kk, vv, bias=cfg.sigmoid_bias, mask=doc_mask, causal=cfg.causal, window=cfg.window,
+                            q_offset=qs.global_lo - ks.global_lo, scale=cfg.scale, softcap=cfg.softcap,
+                            alibi_slopes=cfg.alibi, backend=cfg.backend)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def _visible_pairs(q_segs: list[Segment], k_segs: list[Segment], cfg: _Config,
+                   count: bool) -> Iterator[tuple[slice, slice, Segment, Segment, Tensor | None]]:
+    """The (query slice, key slice, segments, document mask) of every shard pair not hidden."""
+    for qs in q_segs:
+        for ks in k_segs:
+            vis, doc_mask = _pair(qs, ks, cfg)
+            if count:
+                PAIR_STATS["skipped" if vis == _HIDDEN else "computed"] += 1
+            if vis != _HIDDEN:
+                yield (slice(qs.local_lo, qs.local_lo + qs.length), slice(ks.local_lo, ks.local_lo + ks.length),
+                       qs, ks, doc_mask)
+
+
+class _RingSigmoid(torch.autograd.Function):
+    """Sigmoid attention around the ring: no normaliser, so each row's output is the plain sum of
+    its shard pairs' outputs; the backward recomputes every visible pair under autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ring: Ring, metas: list[_Meta],  # type: ignore[override]
+                cfg: _Config) -> Tensor:
+        lengths = [int(m.Nq) for m in metas]
+        cdt = compute_dtype(q.dtype)
+        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=cdt, device=q.device)  # [B, Hq, n, Dv]
+        q_segs = segments(cfg.layout, lengths, ring.rank)
+
+        def step(k_src: Tensor, v_src: Tensor, src: int) -> None:
+            for q_sl, k_sl, qs, ks, doc_mask in _visible_pairs(q_segs, segments(cfg.layout, lengths, src), cfg, True):
+                out[:, :, q_sl] += _sigmoid_pair(q[:, :, q_sl], k_src[:, :, k_sl], v_src[:, :, k_sl], qs, ks,
+                                                 doc_mask, cfg).to(cdt)
+
+        _ring_forward_steps(ring, k, v, lengths, step)
+        ctx.save_for_backward(q, k, v)
+        ctx.ring, ctx.lengths, ctx.cfg = ring, lengths, cfg
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        ring, lengths, cfg = ctx.ring, ctx.lengths, ctx.cfg
+        cdt = compute_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        q_segs = segments(cfg.layout, lengths, ring.rank)
+
+        def step(k_src: Tensor, v_src: Tensor, src: int, dk: Tensor, dv: Tensor) -> None:
+            for q_sl, k_sl, qs, ks, doc_mask in _visible_pairs(q_segs, segments(cfg.layout, lengths, src), cfg, False):
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, q_sl], k_src[:, :, k_sl], v_src[:, :, k_sl]))
+                with torch.enable_grad():
+                    o = _sigmoid_pair(qq, kk, vv, qs, ks, doc_mask, cfg)
+                gq, gk, gv = torch.autograd.grad(o, (qq, kk, vv), d_out[:, :, q_sl].to(o.dtype))
+                dq[:, :, q_sl] += gq.to(cdt)
+                dk[:, :, k_sl] += gk.to(cdt)
+                dv[:, :, k_sl] += gv.to(cdt)
+
+        dk, dv = _ring_backward_steps(ring, k, v, lengths, cdt, step)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _shard_shape(t: Tensor, n: int) -> tuple[int, ...]:
@@ -424,6 +516,8 @@ def ring_attention(
     sinks: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     score_mod: ScoreModFn | None = None,
+    score: str = "softmax",
+    bias: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded across the ranks of a process group.
 
@@ -460,6 +554,11 @@ def ring_attention(
             only. Shard pairs that no document spans are skipped (counted in ``PAIR_STATS``).
         score_mod: as in ``az.attention``, on *global* positions (the same function on every
             rank); the tensors it captures get this rank's rows' share of their gradients.
+        score: ``"softmax"`` or ``"sigmoid"`` (:func:`attnzoo.sigmoid_attention`: no normaliser,
+            so each row is the plain sum of its shard pairs' outputs; not with ``sinks``,
+            ``score_mod`` or ``return_lse``).
+        bias: the sigmoid bias (``score="sigmoid"`` only); default ``-log(N)`` of the *whole*
+            sequence, as one process computes it.
 
     Returns:
         ``out [B, Hq, n, Dv]`` (dtype of ``q``), or ``(out, lse)`` with ``return_lse``.
@@ -486,7 +585,11 @@ def ring_attention(
         if sinks is not None and sinks.shape[0] != q.shape[1]:
             raise ValueError(f"sinks must have shape [Hq] = [{q.shape[1]}], got {tuple(sinks.shape)}")
         cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, fn)
-        vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes, cu)
+        sig = check_score(score, bias, sinks)
+        if score == "sigmoid" and (score_mod is not None or return_lse):
+            raise ValueError("score='sigmoid' has no log-sum-exp and takes no score_mod: "
+                             "return_lse must be False and score_mod None")
+        vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes, cu, sig)
         mod = check_score_mod(score_mod, q, q.shape[2], 0)
     except (TypeError, ValueError) as e:
         err = e
@@ -501,6 +604,10 @@ def ring_attention(
                   block=block, softcap=None if softcap is None else float(softcap),
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),
                   docs=docs, score_mod=mod)
+    if score == "sigmoid":
+        total = sum(int(m.Nq) for m in metas)
+        cfg = dataclasses.replace(cfg, sigmoid_bias=-math.log(total) if bias is None else float(bias))
+        return _RingSigmoid.apply(q, k, v, ring, metas, cfg)  # type: ignore[no-any-return]
     out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg, sinks, *(mod.captured if mod is not None else ()))
     if return_lse:
         return out, lse.float() if lse.dtype != torch.float64 else lse

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextvars
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,6 +74,24 @@ def check_cu_seqlens(cu_seqlens: object, fn: str) -> Tensor:
     if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"{fn}: cu_seqlens must start at 0 and never decrease, got {cu.tolist()}")
     return cu
+
+
+#: The scores of :func:`ring_attention` / :func:`ulysses_attention`.
+SCORES = ("softmax", "sigmoid")
+
+
+def check_score(score: object, bias: object, sinks: object) -> list[float]:
+    """Validate ``score`` / sigmoid ``bias`` (``sinks`` need a softmax) and encode them for the
+    cross-rank comparison: ``[is sigmoid, bias or 0]``."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score == "sigmoid" and sinks is not None:
+        raise ValueError("score='sigmoid' has no normaliser: sinks must be None")
+    if bias is not None and score != "sigmoid":
+        raise ValueError(f"bias applies to score='sigmoid' only, got score={score!r}")
+    if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
+        raise ValueError(f"bias must be a finite float or None (default -log(N) of the whole sequence), got {bias!r}")
+    return [float(score == "sigmoid"), 0.0 if bias is None else float(bias)]
 
 
 def cu_checksum(cu: Tensor) -> list[float]:

@@ -26,6 +26,7 @@ from attnzoo.distributed.sharding import (
     LAYOUTS,
     check_cu_seqlens,
     check_layout,
+    check_score,
     cu_checksum,
     document_ids,
     positions_of,
@@ -42,22 +43,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("B", "Hq", "Hkv", "n", "D", "Dv", "dtype", "layout", "causal", "left", "right", "scale", "softcap",
            "alibi", "sinks", "needs_grad", "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias")
 
-#: The scores :func:`ulysses_attention` computes.
-SCORES = ("softmax", "sigmoid")
-
 
 def _local_checks(q: object, k: object, v: object, world: int, layout: str, causal: object, win: Window | None,
                   scale: object, softcap: object, alibi_slopes: object, sinks: object,
                   cu_seqlens: object, score: object, bias: object) -> list[float]:
     check_qkv(q, k, v)
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    if score == "sigmoid" and sinks is not None:
-        raise ValueError("score='sigmoid' has no normaliser: sinks must be None")
-    if bias is not None and score != "sigmoid":
-        raise ValueError(f"bias applies to score='sigmoid' only, got score={score!r}")
-    if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
-        raise ValueError(f"bias must be a finite float or None (default -log(N) of the whole sequence), got {bias!r}")
+    sig = check_score(score, bias, sinks)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     check_bool(causal, "causal")
     B, hq, n, d = q.shape
@@ -89,7 +80,7 @@ def _local_checks(q: object, k: object, v: object, world: int, layout: str, caus
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return [B, hq, hkv, n, d, v.shape[3], _DTYPES.index(q.dtype), LAYOUTS.index(layout), float(bool(causal)),
             left, right, sc, 0.0 if softcap is None else float(softcap), a, float(sinks is not None),  # type: ignore[arg-type]
-            float(needs_grad), *cu, float(score == "sigmoid"), 0.0 if bias is None else float(bias)]
+            float(needs_grad), *cu, *sig]
 
 
 def _describe(row: list[float]) -> str:
