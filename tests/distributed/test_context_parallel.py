@@ -5,7 +5,8 @@ parameter gradient summed over the ranks; float64 to 1e-9 relative, float32 to 1
 
 * every registered variant (``attnzoo.variants.VARIANTS``) under ``context_parallel``: softmax
   ones by ring and by Ulysses attention, recurrent and feature-map ones by the state scan, in the
-  contiguous and zigzag layouts; NSA, Infini-attention and FoX (and mask patterns on the ring)
+  contiguous and zigzag layouts (FoX: the forget gates of the whole sequence gathered, their
+  cumulative sum taken in global order); NSA and Infini-attention (and mask patterns on the ring)
   are refused by name;
 * sigmoid attention: ``ring_attention`` / ``ulysses_attention(..., score="sigmoid")`` ==
   ``az.sigmoid_attention`` (documents, window, default bias ``-log(N)`` of the whole sequence),
@@ -48,12 +49,12 @@ from attnzoo.distributed.comm import resolve_group
 from attnzoo.variants import VARIANTS, build_attention
 from dist_spawn import CountingTask, ranks_fixture, rel
 
-REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention", "fox": "FoxAttention"}
+REFUSED = {"nsa": "NativeSparseAttention", "infini": "InfiniAttention"}
 RING_REFUSED = {"local_global", "streaming"}  # mask patterns: Ulysses only
 # (layout, method, causal wanted); a variant that is causal-only runs causal
 CONFIGS_2 = [("contiguous", "ring", True), ("zigzag", "ulysses", False)]
 CONFIGS_4 = [("zigzag", "ring", True)]
-FOUR_RANK_VARIANTS = ("gated_deltanet", "linear", "mla")
+FOUR_RANK_VARIANTS = ("gated_deltanet", "linear", "mla", "fox", "sigmoid")
 
 
 class _Holder(nn.Module):
@@ -148,12 +149,16 @@ def _lm(seed: int, mixer: str | None, vocab: int = 32, dtype: torch.dtype = torc
     return model
 
 
+PACKED_LM_CASES = [("mla", "ring", "zigzag"), ("mla", "ulysses", "contiguous"), ("fox", "ring", "contiguous"),
+                   ("fox", "ulysses", "zigzag")]
+
+
 def _packed_lm(rank: int, world: int, res: dict[str, Any]) -> None:
-    """DecoderLM (MHA + MLA) on packed documents: context parallel under documents(cu) == cu_seqlens."""
+    """DecoderLM (GQA + MLA / FoX) on packed documents: context parallel under documents(cu) == cu_seqlens."""
     cu = torch.tensor([0, 5, 6, 16], dtype=torch.int32)
     tokens = torch.randint(0, 32, (1, 16), generator=torch.Generator().manual_seed(8))
-    for method, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
-        model = _lm(4, "mla")
+    for mixer, method, layout in PACKED_LM_CASES:
+        model = _lm(4, mixer)
         logits = model(tokens, cu_seqlens=cu)
         g_logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
         logits.backward(g_logits)
@@ -170,7 +175,7 @@ def _packed_lm(rank: int, world: int, res: dict[str, Any]) -> None:
             gr = p.grad.clone()
             dist.all_reduce(gr)
             errs[f"d:{n}"] = rel(gr, ref[n.replace(".module", "")])
-        res[f"packed_lm/{method}"] = errs
+        res[f"packed_lm/{mixer}/{method}"] = errs
 
 
 SIGMOID_LM_CASES = {2: [("ulysses", "contiguous"), ("ring", "zigzag")],
@@ -386,9 +391,9 @@ def test_ring_skips_shard_pairs_no_document_spans(two: list[dict[str, Any]]) -> 
     assert all(res["stats/docs_bidir_zz"]["skipped"] > 0 for res in two)
 
 
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_packed_decoder_lm_under_documents(two: list[dict[str, Any]], method: str) -> None:
-    _assert_errs(two, f"packed_lm/{method}", 1e-9)
+@pytest.mark.parametrize("mixer, method, layout", PACKED_LM_CASES)
+def test_packed_decoder_lm_under_documents(two: list[dict[str, Any]], mixer: str, method: str, layout: str) -> None:
+    _assert_errs(two, f"packed_lm/{mixer}/{method}", 1e-9)
 
 
 @pytest.mark.parametrize("world, method, layout", [(w, m, lay) for w, cases in SIGMOID_LM_CASES.items()

@@ -210,7 +210,7 @@ def add_arena_arguments(parser: argparse.ArgumentParser) -> None:
 _CP_HELP = ("under torchrun: shard every sequence over the ranks (zigzag layout) and run ring attention instead "
             f"of splitting the batch; softmax variants only ({','.join(CONTEXT_PARALLEL_VARIANTS)}); --seq-len "
             "must be divisible by 2 x ranks. With N: FSDP2 on a (world / N, N) mesh, sequences over N ranks, rows "
-            "of the batch over the rest, every variant but nsa, infini and fox (attnzoo.arena.parallel; not "
+            "of the batch over the rest, every variant but nsa and infini (attnzoo.arena.parallel; not "
             "checkpointed)")
 
 

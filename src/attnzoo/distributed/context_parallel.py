@@ -5,10 +5,11 @@ that it runs on a sequence sharded over the ranks of a group.
   attention): :class:`ContextParallel` points the module's attend seam at :func:`ring_attention`
   (``method="ring"``) or :func:`ulysses_attention` (``method="ulysses"``); sigmoid attention the
   same with ``score="sigmoid"`` (the ring adds its shard pairs' outputs, no log-sum-exp merge);
+  forgetting attention (FoX) the same with its forget-gate bias as a ``score_mod`` on global
+  positions (the gates of the whole sequence gathered, their prefix sum taken in global order);
 * recurrent and feature-map mixers: :class:`~attnzoo.distributed.recurrent.ContextParallelRecurrent`
   (state summaries scanned over the ranks);
-* anything else (NSA, Infini-attention, forgetting attention) is refused by name, before any
-  communication.
+* anything else (NSA, Infini-attention) is refused by name, before any communication.
 
 Packed documents: inside ``with documents(cu_seqlens):`` (global boundaries) the attention of
 every wrapped module is restricted to documents.
@@ -24,18 +25,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.distributed.comm import as_timeout, require_dist, resolve_group, wait
+from attnzoo.distributed.comm import all_gather_grad, as_timeout, require_dist, resolve_group, wait
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
-from attnzoo.distributed.sharding import DOCUMENTS, check_layout, segments
+from attnzoo.distributed.sharding import DOCUMENTS, check_layout, positions_of, segments
 from attnzoo.distributed.ulysses import ulysses_attention
 from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.differential import DifferentialAttention
 from attnzoo.nn.feature_attention import _FeatureAttention
-from attnzoo.nn.fox import FoxAttention
+from attnzoo.nn.fox import FoxAttention, forgetting_bias
 from attnzoo.nn.infini import InfiniAttention
 from attnzoo.nn.mla import MultiHeadLatentAttention
 from attnzoo.nn.nsa import NativeSparseAttention
@@ -50,8 +52,6 @@ METHODS = ("ring", "ulysses")
 REFUSED: dict[type, str] = {
     NativeSparseAttention: "its selection branch ranks blocks of the whole sequence by the scores of compressed "
                            "keys (a global top-k per query); run it on the gathered sequence",
-    FoxAttention: "its score bias is the cumulative sum of the forget gates over the whole sequence (a prefix "
-                  "sum across ranks): not implemented in context parallelism yet",
     InfiniAttention: "its compressive memory is read and written per segment of segment_len tokens with a "
                      "local softmax inside each segment; shards would have to be whole segments",
 }
@@ -112,7 +112,7 @@ def _attention_problem(module: nn.Module, method: str) -> str | None:
         if module.options.dropout > 0:
             return f"attention dropout ({module.options.dropout}) is not supported"
         return None
-    if isinstance(module, DifferentialAttention):
+    if isinstance(module, (DifferentialAttention, FoxAttention)):
         return None
     return f"{type(module).__name__} is not a softmax-attention module"
 
@@ -130,7 +130,7 @@ class ContextParallel(nn.Module):
     Args:
         module: a self-attention ``MultiHeadAttention`` (GQA/MQA/sliding-window, RoPE, ALiBi,
             sinks; local-global and streaming patterns with ``method="ulysses"``; a
-            ``SigmoidAttention``), a
+            ``SigmoidAttention``), a ``FoxAttention``, a
             ``MultiHeadLatentAttention`` or a ``DifferentialAttention``.
         group: a ProcessGroup or a 1-D DeviceMesh (``mesh["cp"]``), default the world.
         layout: ``"contiguous"`` or ``"zigzag"``: how ``x`` was cut (:func:`shard_sequence`).
@@ -146,9 +146,10 @@ class ContextParallel(nn.Module):
                  backend: str = "auto", timeout: float | timedelta | None = None) -> None:
         super().__init__()
         method = _check_method(method, "ContextParallel")
-        if not isinstance(module, (MultiHeadAttention, MultiHeadLatentAttention, DifferentialAttention)):
-            raise TypeError(f"ContextParallel wraps a MultiHeadAttention, MultiHeadLatentAttention or "
-                            f"DifferentialAttention, got {type(module).__name__}")
+        if not isinstance(module, (MultiHeadAttention, MultiHeadLatentAttention, DifferentialAttention,
+                                   FoxAttention)):
+            raise TypeError(f"ContextParallel wraps a MultiHeadAttention, MultiHeadLatentAttention, "
+                            f"DifferentialAttention or FoxAttention, got {type(module).__name__}")
         problem = _attention_problem(module, method)
         if problem is not None:
             raise ValueError(f"ContextParallel: {type(module).__name__}: {problem}")
@@ -184,6 +185,8 @@ class ContextParallel(nn.Module):
         if x.dim() != 3 or x.shape[-1] != m.dim:
             raise ValueError(f"ContextParallel: x must have shape [B, n, C] with C = {m.dim}, got {tuple(x.shape)}")
         B, n, _ = x.shape
+        if isinstance(m, FoxAttention):  # no positional encoding: positions are not used
+            return self._fox(x)
         if positions is None:
             if getattr(m, "rope", None) is not None or isinstance(m, MultiHeadLatentAttention):
                 lengths = _all_lengths(n, self.group, x.device, self.timeout)
@@ -209,6 +212,29 @@ class ContextParallel(nn.Module):
             m.attend_fn = saved
         assert isinstance(out, Tensor)
         return out
+
+    def _fox(self, x: Tensor) -> Tensor:
+        """FoX on the shard ``x [B, n, C]``: every rank gathers the forget gates ``log f`` of the whole
+        sequence (``[B, H, N]``, small) and takes their cumulative sum in global order, so the
+        score bias ``c_i - c_j`` of every shard pair is the one of one process; the attention is
+        ring or Ulysses attention with that bias as a ``score_mod`` on global positions."""
+        m = self.module
+        assert isinstance(m, FoxAttention)
+        n = x.shape[1]
+        lengths = _all_lengths(n, self.group, x.device, self.timeout)
+        q, k, v = m.project_qkv(x)  # [B, H, n, D], [B, Hkv, n, D]
+        log_f = m.log_forget(x)  # [B, H, n]
+        every = all_gather_grad(F.pad(log_f, (0, max(lengths) - n)), self.group, self.timeout,
+                                "ContextParallel: the FoX forget gates")  # [P, B, H, n_max]
+        in_rank_order = torch.cat([every[r, :, :, :ln] for r, ln in enumerate(lengths)], dim=-1)  # [B, H, N]
+        order = torch.cat([positions_of(self.layout, lengths, r) for r in range(len(lengths))]).to(x.device)
+        c = torch.cumsum(in_rank_order[:, :, torch.argsort(order)], dim=-1)  # [B, H, N], global order
+        kw: dict[str, Any] = {"group": self.group, "causal": True, "layout": self.layout, "backend": self.backend,
+                              "timeout": self.timeout, "cu_seqlens": DOCUMENTS.get(),
+                              "score_mod": forgetting_bias(c)}
+        out = ring_attention(q, k, v, **kw) if self.method == "ring" else ulysses_attention(q, k, v, **kw)
+        assert isinstance(out, Tensor)
+        return m.merge_heads(out)  # [B, n, C]
 
     def extra_repr(self) -> str:
         return f"layout={self.layout!r}, method={self.method!r}"
@@ -298,10 +324,10 @@ def context_parallel(
     """Make every mixer inside ``model`` run on a sequence sharded over the ranks of ``group``.
 
     Softmax attention (MHA and its variants, MLA, differential) runs ring or Ulysses attention
-    (``method``), and so does sigmoid attention (``score="sigmoid"``: no normaliser); recurrent
-    mixers (retnet, gla, deltanet, gated_deltanet, kda, mamba2) and feature-map attention (linear,
-    performer) pass state summaries between ranks; NSA, Infini-attention and FoX are refused by
-    name. Afterwards the model takes this rank's shard of the tokens and their
+    (``method``), and so do sigmoid attention (``score="sigmoid"``: no normaliser) and FoX (its
+    forget gates gathered over the ranks); recurrent mixers (retnet, gla, deltanet,
+    gated_deltanet, kda, mamba2) and feature-map attention (linear, performer) pass state
+    summaries between ranks; NSA and Infini-attention are refused by name. Afterwards the model takes this rank's shard of the tokens and their
     global positions, e.g. ``model(shard_sequence(tokens, 1, layout=...),
     positions=shard_positions(N, layout=...))`` for a :class:`~attnzoo.DecoderLM`, and returns
     the outputs of the local tokens. ``model`` is modified in place (parameters are shared, not

@@ -33,6 +33,7 @@ from attnzoo.distributed.sharding import (
 )
 from attnzoo.functional._request import check_qkv
 from attnzoo.functional.attention import attention
+from attnzoo.functional.score_mod import ScoreModFn
 from attnzoo.functional.sigmoid import sigmoid_attention
 from attnzoo.masks import Mask, document
 
@@ -106,6 +107,7 @@ def ulysses_attention(
     timeout: float | timedelta | None = None,
     score: str = "softmax",
     bias: float | None = None,
+    score_mod: ScoreModFn | None = None,
 ) -> Tensor:
     """Exact attention over a sharded sequence by two all-to-alls (DeepSpeed-Ulysses style).
 
@@ -132,6 +134,9 @@ def ulysses_attention(
         score: ``"softmax"`` or ``"sigmoid"`` (no normaliser; no ``sinks``).
         bias: the sigmoid bias (``score="sigmoid"`` only); default ``-log(N)`` of the *whole*
             sequence, as one process computes it.
+        score_mod: as in :func:`attnzoo.attention` (softmax only), seeing *global* positions and
+            *global* query heads ``h`` (the same function on every rank; the tensors it captures
+            get this rank's heads' share of their gradients).
 
     Returns:
         ``out [B, Hq, n, Dv]``.
@@ -158,6 +163,9 @@ def ulysses_attention(
                             f"{type(mask).__name__} (a dense mask does not shard)")
         vals = _local_checks(q, k, v, world, layout, causal, win, scale, softcap, alibi_slopes, sinks, cu_seqlens,
                              score, bias)
+        if score_mod is not None and (score != "softmax" or not callable(score_mod)):
+            raise TypeError(f"score_mod must be a callable with score='softmax' or None, got {score_mod!r} "
+                            f"with score={score!r}")
     except (TypeError, ValueError) as e:
         err = e
     same = [i for i, f in enumerate(_FIELDS) if f != "n" or layout == "zigzag"]
@@ -173,13 +181,25 @@ def ulysses_attention(
         mask = docs if mask is None else mask & docs
     return _exchange_and_attend(q, k, v, pg, tmo, layout, lengths, mask, causal=causal, window=win, scale=scale,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, backend=backend,
-                                score=score, bias=bias)
+                                score=score, bias=bias, score_mod=score_mod)
+
+
+def _at_heads(mod: ScoreModFn | None, h0: int) -> ScoreModFn | None:
+    """``mod`` for this rank's heads ``h0 ..``: the function sees global query heads."""
+    if mod is None or h0 == 0:
+        return mod
+
+    def shifted(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mod(s, b, h + h0, q_idx, kv_idx)
+
+    return shifted
 
 
 def _exchange_and_attend(q: Tensor, k: Tensor, v: Tensor, pg: Any, tmo: timedelta | None, layout: str,
                          lengths: list[int], mask: Mask | None, *, causal: bool, window: Window | None,
                          scale: float | None, softcap: float | None, alibi_slopes: Tensor | None,
-                         sinks: Tensor | None, backend: str, score: str, bias: float | None) -> Tensor:
+                         sinks: Tensor | None, backend: str, score: str, bias: float | None,
+                         score_mod: ScoreModFn | None) -> Tensor:
     """Sequence shards -> head shards (global order), attention, and back (all validated)."""
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     win = window
@@ -203,7 +223,8 @@ def _exchange_and_attend(q: Tensor, k: Tensor, v: Tensor, pg: Any, tmo: timedelt
                                 softcap=softcap, alibi_slopes=slopes, backend=backend)
     else:
         out = attention(qh, kh, vh, mask=mask, causal=causal, window=win, scale=scale, softcap=softcap,
-                        alibi_slopes=slopes, sinks=None if sinks is None else sinks[heads], backend=backend)
+                        alibi_slopes=slopes, sinks=None if sinks is None else sinks[heads], backend=backend,
+                        score_mod=_at_heads(score_mod, heads.start))
     assert isinstance(out, Tensor)
     if to_global is not None:  # back to rank order
         out = out.index_select(2, order.to(q.device))
