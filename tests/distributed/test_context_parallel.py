@@ -149,6 +149,26 @@ def _lm(seed: int, mixer: str | None, vocab: int = 32, dtype: torch.dtype = torc
     return model
 
 
+def _reference_grads(model: nn.Module, logits: torch.Tensor, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Backpropagate seeded random logit gradients; return them and the parameter gradients (then zeroed)."""
+    g_logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    logits.backward(g_logits)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return g_logits, ref
+
+
+def _lm_errors(model: nn.Module, local: torch.Tensor, logits: torch.Tensor, ref: dict[str, torch.Tensor],
+               layout: str) -> dict[str, float]:
+    """Relative errors of the gathered local logits and of every parameter gradient summed over ranks."""
+    errs = {"out": rel(gather_sequence(local.detach(), 1, layout=layout), logits)}
+    for n, p in model.named_parameters():
+        gr = p.grad.clone()
+        dist.all_reduce(gr)  # each rank holds its tokens' share
+        errs[f"d:{n}"] = rel(gr, ref[n.replace(".module", "")])
+    return errs
+
+
 PACKED_LM_CASES = [("mla", "ring", "zigzag"), ("mla", "ulysses", "contiguous"), ("fox", "ring", "contiguous"),
                    ("fox", "ulysses", "zigzag")]
 
@@ -160,21 +180,14 @@ def _packed_lm(rank: int, world: int, res: dict[str, Any]) -> None:
     for mixer, method, layout in PACKED_LM_CASES:
         model = _lm(4, mixer)
         logits = model(tokens, cu_seqlens=cu)
-        g_logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        logits.backward(g_logits)
-        ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad()
+        g_logits, ref = _reference_grads(model, logits, 9)
         context_parallel(model, layout=layout, method=method)
         pos = shard_positions(16, layout=layout)
         doc_pos = (torch.arange(16) - cu.long()[torch.searchsorted(cu[1:].long(), torch.arange(16), right=True)])
         with documents(cu):
             local = model(tokens[:, pos], positions=doc_pos[pos])
         local.backward(g_logits[:, pos])
-        errs = {"out": rel(gather_sequence(local.detach(), 1, layout=layout), logits)}
-        for n, p in model.named_parameters():
-            gr = p.grad.clone()
-            dist.all_reduce(gr)
-            errs[f"d:{n}"] = rel(gr, ref[n.replace(".module", "")])
+        errs = _lm_errors(model, local, logits, ref, layout)
         res[f"packed_lm/{mixer}/{method}"] = errs
 
 
@@ -183,7 +196,7 @@ SIGMOID_LM_CASES = {2: [("ulysses", "contiguous"), ("ring", "zigzag")],
 
 
 def _sigmoid_lm(world: int, res: dict[str, Any]) -> None:
-    """DecoderLM (GQA, layer 0 sigmoid attention with bias -log(N)) under Ulysses == one process."""
+    """DecoderLM (GQA, layer 0 sigmoid attention with bias -log(N)) under ring / Ulysses == one process."""
     tokens = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(12))
     for method, layout in SIGMOID_LM_CASES[world]:
         torch.manual_seed(13)
@@ -191,19 +204,12 @@ def _sigmoid_lm(world: int, res: dict[str, Any]) -> None:
         model.blocks[0].attn = build_attention("sigmoid", 16, 4, num_kv_heads=2, sigmoid_bias=None,
                                                dtype=torch.float64)
         logits = model(tokens)
-        g_logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
-        logits.backward(g_logits)
-        ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad()
+        g_logits, ref = _reference_grads(model, logits, 14)
         context_parallel(model, layout=layout, method=method)
         pos = shard_positions(16, layout=layout)
         local = model(tokens[:, pos], positions=pos)
         local.backward(g_logits[:, pos])
-        errs = {"out": rel(gather_sequence(local.detach(), 1, layout=layout), logits)}
-        for n, p in model.named_parameters():
-            gr = p.grad.clone()
-            dist.all_reduce(gr)
-            errs[f"d:{n}"] = rel(gr, ref[n.replace(".module", "")])
+        errs = _lm_errors(model, local, logits, ref, layout)
         res[f"sigmoid_lm/{method}/{layout}"] = errs
 
 

@@ -466,8 +466,10 @@ def _shard_shape(t: Tensor, n: int) -> tuple[int, ...]:
 
 
 def _check_options(scale: object, return_lse: object, block: object, backend: object, softcap: object,
-                   alibi_slopes: object, sinks: object = None) -> None:
-    """Local checks of ``ring_attention``'s options (errors travel to every rank)."""
+                   alibi_slopes: object, sinks: object = None,
+                   score: tuple[object, object, object] = ("softmax", None, None)) -> list[float]:
+    """Local checks of ``ring_attention``'s options (errors travel to every rank); ``score`` is
+    ``(score, bias, score_mod)``; returns the score's entries of the cross-rank comparison."""
     if scale is not None:
         check_positive_float(scale, "scale")
     check_bool(return_lse, "return_lse")
@@ -485,6 +487,25 @@ def _check_options(scale: object, return_lse: object, block: object, backend: ob
                               or not bool(torch.isfinite(sinks).all())):
         raise ValueError(f"sinks must be a finite float tensor [Hq] or None, got "
                          f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else sinks!r}")
+    return _check_ring_score(score[0], score[1], sinks, score[2], return_lse)
+
+
+def _ring_sigmoid(q: Tensor, k: Tensor, v: Tensor, ring: Ring, metas: list[_Meta], cfg: _Config,
+                  bias: float | None) -> Tensor:
+    """Sigmoid attention around the ring (validated); the default bias is ``-log(N)`` of the whole sequence."""
+    b = -math.log(sum(int(m.Nq) for m in metas)) if bias is None else float(bias)
+    out = _RingSigmoid.apply(q, k, v, ring, metas, dataclasses.replace(cfg, sigmoid_bias=b))
+    assert isinstance(out, Tensor)
+    return out
+
+
+def _check_ring_score(score: object, bias: object, sinks: object, score_mod: object, return_lse: object) -> list[float]:
+    """:func:`check_score`, and a sigmoid score has no LSE to return and takes no ``score_mod``."""
+    sig = check_score(score, bias, sinks)
+    if score == "sigmoid" and (score_mod is not None or return_lse):
+        raise ValueError("score='sigmoid' has no log-sum-exp and takes no score_mod: "
+                         "return_lse must be False and score_mod None")
+    return sig
 
 
 def _global_documents(cu_seqlens: Tensor, metas: list[Any], rank: int, device: torch.device) -> Tensor:
@@ -554,11 +575,9 @@ def ring_attention(
             only. Shard pairs that no document spans are skipped (counted in ``PAIR_STATS``).
         score_mod: as in ``az.attention``, on *global* positions (the same function on every
             rank); the tensors it captures get this rank's rows' share of their gradients.
-        score: ``"softmax"`` or ``"sigmoid"`` (:func:`attnzoo.sigmoid_attention`: no normaliser,
-            so each row is the plain sum of its shard pairs' outputs; not with ``sinks``,
-            ``score_mod`` or ``return_lse``).
-        bias: the sigmoid bias (``score="sigmoid"`` only); default ``-log(N)`` of the *whole*
-            sequence, as one process computes it.
+        score, bias: ``"softmax"``, or ``"sigmoid"`` (:func:`attnzoo.sigmoid_attention` with ``bias``,
+            default ``-log(N)`` of the whole sequence): each row sums its shard pairs' outputs, no
+            normaliser; not with ``sinks``, ``score_mod`` or ``return_lse``.
 
     Returns:
         ``out [B, Hq, n, Dv]`` (dtype of ``q``), or ``(out, lse)`` with ``return_lse``.
@@ -581,14 +600,10 @@ def ring_attention(
         layout = check_layout(layout, fn)
         check_bool(causal, "causal")
         win = normalize_window(window)
-        _check_options(scale, return_lse, block, backend, softcap, alibi_slopes, sinks)
+        sig = _check_options(scale, return_lse, block, backend, softcap, alibi_slopes, sinks, (score, bias, score_mod))
         if sinks is not None and sinks.shape[0] != q.shape[1]:
             raise ValueError(f"sinks must have shape [Hq] = [{q.shape[1]}], got {tuple(sinks.shape)}")
         cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, fn)
-        sig = check_score(score, bias, sinks)
-        if score == "sigmoid" and (score_mod is not None or return_lse):
-            raise ValueError("score='sigmoid' has no log-sum-exp and takes no score_mod: "
-                             "return_lse must be False and score_mod None")
         vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes, cu, sig)
         mod = check_score_mod(score_mod, q, q.shape[2], 0)
     except (TypeError, ValueError) as e:
@@ -605,9 +620,7 @@ def ring_attention(
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),
                   docs=docs, score_mod=mod)
     if score == "sigmoid":
-        total = sum(int(m.Nq) for m in metas)
-        cfg = dataclasses.replace(cfg, sigmoid_bias=-math.log(total) if bias is None else float(bias))
-        return _RingSigmoid.apply(q, k, v, ring, metas, cfg)  # type: ignore[no-any-return]
+        return _ring_sigmoid(q, k, v, ring, metas, cfg, bias)
     out, lse = _RingAttention.apply(q, k, v, ring, metas, cfg, sinks, *(mod.captured if mod is not None else ()))
     if return_lse:
         return out, lse.float() if lse.dtype != torch.float64 else lse
