@@ -24,10 +24,15 @@ SMALL = dict(hidden_size=64, intermediate_size=96, vocab_size=V, max_position_em
 
 
 def perturbed(model: Any, seed: int = 0, scale: float = 0.1) -> Any:
+    """Every parameter, and the expert-choice biases (DeepSeek's ``e_score_correction_bias``
+    buffers, zeros at init), plus seeded noise."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn(b.shape, generator=g) * scale)
     return model.eval()
 
 
