@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import UnsupportedConfigError, from_hf  # noqa: E402
+from attnzoo.interop import from_hf  # noqa: E402
 from attnzoo.nn.kda import KimiDeltaAttention  # noqa: E402
 from attnzoo.nn.mla import MultiHeadLatentAttention  # noqa: E402
 from attnzoo.nn.moe import MixtureOfExperts  # noqa: E402
@@ -57,24 +57,14 @@ def test_correction_bias_chooses_the_experts() -> None:
 
 
 def test_packed_sequences_equal_each_alone() -> None:
-    ours = from_hf(checks.hf_model(_config()))
-    lengths = [5, 11, 1, 8]
-    seqs = [checks.tokens(n, batch=1, seed=10 + i) for i, n in enumerate(lengths)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    with torch.no_grad():
-        packed = ours(torch.cat(seqs, dim=1), cu_seqlens=cu)
-        alone = torch.cat([ours(s) for s in seqs], dim=1)
-    assert checks.rel(packed, alone) <= 1e-5
+    checks.check_packed_equals_each_alone(_config)
 
 
 @pytest.mark.parametrize(("key", "value", "named"), [("attention_bias", True, "attention_bias=True"),
                                                      ("num_expert_group", 2, "n_group=2"),
                                                      ("hidden_act", "gelu", "hidden_act='gelu'")])
 def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None:
-    hf = T.KimiLinearForCausalLM(_config())
-    setattr(hf.config, key, value)
-    with pytest.raises(UnsupportedConfigError, match=named):
-        from_hf(hf)
+    checks.check_refused(T.KimiLinearForCausalLM, _config, key, value, named)
 
 
 class TestKimiLinear(checks.FamilyChecks):

@@ -11,7 +11,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import UnsupportedConfigError, from_hf  # noqa: E402
+from attnzoo.interop import from_hf  # noqa: E402
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet  # noqa: E402
 from attnzoo.nn.moe import MixtureOfExperts  # noqa: E402
 
@@ -34,10 +34,11 @@ def test_layer_structure() -> None:
 
 
 def test_unsupported_options_are_named() -> None:
-    hf = T.Qwen3_5MoeForCausalLM(_config())
-    hf.config.attention_bias = True
-    with pytest.raises(UnsupportedConfigError, match="attention_bias=True"):
-        from_hf(hf)
+    checks.check_refused(T.Qwen3_5MoeForCausalLM, _config, "attention_bias", True, "attention_bias=True")
+
+
+def test_packed_sequences_equal_each_alone() -> None:
+    checks.check_packed_equals_each_alone(_config)
 
 
 class TestQwen35Moe(checks.FamilyChecks):

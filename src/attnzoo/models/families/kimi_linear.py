@@ -27,7 +27,6 @@ import functools
 import re
 from typing import Any
 
-import torch
 from torch import Tensor
 
 import attnzoo.models.families._common as parts
@@ -112,10 +111,7 @@ def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
         for pattern, repl in _SAVED:
             key = pattern.sub(repl, key)
         out[key] = t
-    for key in [k for k in out if k.endswith("self_attn.q_conv1d.weight")]:
-        head = key[: -len("q_conv1d.weight")]
-        out[f"{head}conv1d.weight"] = torch.cat([out.pop(f"{head}{n}_conv1d.weight") for n in "qkv"])
-    return out
+    return parts.fuse_qkv_convs(out, "self_attn")
 
 
 def convert_kimi_linear(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
