@@ -12,8 +12,8 @@ import math
 
 import torch
 
-__all__ = ["Window", "check_bool", "check_float", "check_int", "check_number_above", "check_positive_float",
-           "check_tensor_ranks", "nonempty_name_arg", "nonnegative_int_arg", "normalize_window", "positive_float_arg",
+__all__ = ["Window", "check_bool", "check_cu_seqlens_tensor", "check_float", "check_int", "check_number_above",
+           "check_positive_float", "check_tensor_ranks", "nonempty_name_arg", "nonnegative_int_arg", "normalize_window", "positive_float_arg",
            "positive_int_arg"]
 
 #: A normalised attention window: ``(left, right)``, ``None`` = unbounded side.
@@ -27,6 +27,18 @@ def check_tensor_ranks(rank: int, layout: str, **tensors: object) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
             raise ValueError(f"{name} must be rank {rank} {layout}, got shape {tuple(t.shape)}")
+
+
+def check_cu_seqlens_tensor(owner: str, cu_seqlens: object) -> torch.Tensor:
+    """``cu_seqlens`` of packed sequences as an int32 tensor ``[S+1]`` with ``S >= 1`` (``TypeError`` /
+    ``ValueError`` naming ``owner`` and it otherwise); its values are the caller's to check."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{owner}: cu_seqlens must be an int32 tensor [S+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{owner}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{owner}: cu_seqlens must be 1-d [S+1] with S >= 1, got shape {tuple(cu_seqlens.shape)}")
+    return cu_seqlens
 
 
 def check_int(x: object, name: str, minimum: int | None = 1, owner: str | None = None,

@@ -134,6 +134,24 @@ def test_bad_cu_seqlens_is_named(case: tuple[str, object, type, str]) -> None:
             call()
 
 
+@pytest.mark.parametrize("cu, exc, words", [
+    ([0, 8], TypeError, "must be an int32 tensor [S+1], got list"),
+    (torch.tensor([0, 8]), TypeError, "must have dtype torch.int32, got torch.int64"),
+    (i32([0, 8]).view(1, 2), ValueError, "must be 1-d [S+1] with S >= 1, got shape (1, 2)"),
+    (i32([8]), ValueError, "must be 1-d [S+1] with S >= 1, got shape (1,)"),
+], ids=["list", "int64", "2-d", "one entry"])
+def test_kernel_and_module_name_a_bad_cu_seqlens_tensor_alike(cu: object, exc: type, words: str) -> None:
+    """The kernels' and the modules' packed-input checks share their tensor checks: same text after the owner."""
+    q, k, v = torch.randn(1, 2, 8, 3), torch.randn(1, 2, 8, 3), torch.randn(1, 2, 8, 4)
+    with pytest.raises(exc) as kernel:
+        az.gated_linear_attention(q, k, v, -torch.rand(1, 2, 8, 3), cu_seqlens=cu)
+    with pytest.raises(exc) as module:
+        az.variants.build_attention("gla", 16, 2)(torch.randn(1, 8, 16), cu_seqlens=cu)
+    assert str(kernel.value).startswith("gated_linear_attention: ")
+    assert str(module.value).startswith("GatedLinearAttention: ")
+    assert str(kernel.value).split(": ", 1)[1] == str(module.value).split(": ", 1)[1] == f"cu_seqlens {words}"
+
+
 def test_packed_needs_batch_one_and_per_sequence_states() -> None:
     q, k, v = torch.randn(2, 2, 8, 3), torch.randn(2, 2, 8, 3), torch.randn(2, 2, 8, 4)
     with pytest.raises(ValueError, match="B == 1"):

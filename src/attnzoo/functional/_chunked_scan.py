@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_tensor_ranks
+from attnzoo._validate import check_cu_seqlens_tensor, check_tensor_ranks
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -136,15 +136,10 @@ def check_cu_seqlens(fn: str, cu_seqlens: object, batch: int, n: int) -> list[in
     """``cu_seqlens`` of packed sequences: int32 ``[S+1]``, from 0, non-decreasing, to ``N``, with ``B == 1``.
 
     Sequences of length 0 are allowed (their state passes through unchanged)."""
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"{fn}: cu_seqlens must be an int32 tensor [S+1], got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{fn}: cu_seqlens must be 1-d [S+1] with S >= 1, got shape {tuple(cu_seqlens.shape)}")
+    cu = check_cu_seqlens_tensor(fn, cu_seqlens)
     if batch != 1:
         raise ValueError(f"{fn}: packed sequences (cu_seqlens) need batch size B == 1, got B = {batch}")
-    bounds = [int(c) for c in cu_seqlens.tolist()]
+    bounds = [int(c) for c in cu.tolist()]
     if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in itertools.pairwise(bounds)):
         shown: list[object] = list(bounds) if len(bounds) <= 12 else [*bounds[:6], "...", *bounds[-5:]]
         raise ValueError(f"{fn}: cu_seqlens must start at 0, never decrease and end at N = {n}, got {shown}")

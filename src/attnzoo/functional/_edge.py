@@ -87,6 +87,14 @@ def _bad_keys(r: AttnRequest) -> Tensor:
     return ~torch.isfinite(r.k).all(dim=-1) | ~torch.isfinite(r.v).all(dim=-1)
 
 
+def _maybe_non_finite(*tensors: Tensor) -> bool:
+    """Whether one of ``tensors`` may hold a NaN or inf: one reduction each (a NaN/inf anywhere makes
+    the sum non-finite; ~10x cheaper than ``isfinite().all()`` on CPU). A sum that merely overflows
+    answers ``True`` and only costs the exact inspection that follows."""
+    total = sum((t.sum() for t in tensors), torch.zeros((), dtype=tensors[0].dtype, device=tensors[0].device))
+    return not bool(torch.isfinite(total))
+
+
 def _nan_rows(result: Tensor | tuple[Tensor, ...], rows: Tensor, value: float = float("nan"),
               lse_value: float = float("nan")) -> Tensor | tuple[Tensor, ...]:
     """``result`` (``out`` or ``(out, lse?, weights?)``) with ``value`` on the query rows ``rows [B, Hq, Nq]``
@@ -120,17 +128,16 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
         # kernel's own (NaN on reference/tiled; torch's fused CPU kernel returns it finite). Checking q
         # here would cost every decode step (the module's one-token call is unmasked) ~50% on small Nk.
         return run(r)
-    if hides and _needs_grad(r):  # a finite forward can still hide a NaN key from autograd
+    if _needs_grad(r) and _maybe_non_finite(r.k, r.v):  # a finite forward can hide a NaN key from autograd
         bad = _bad_keys(r)
         if bool(bad.any()):
             result = _clean_run(r, bad, run)
             return _fix_queries(r, result) if fused else result
     result = run(r)
-    # A leak can only show as a non-finite output: one reduction of the output (a NaN/inf anywhere
-    # makes the sum non-finite; ~10x cheaper than isfinite().all() on CPU) decides whether K and V
-    # are inspected at all. A float16 sum that merely overflows only costs that inspection.
+    # A leak can only show as a non-finite output: one reduction of the output decides whether K and
+    # V are inspected at all.
     out = result[0] if isinstance(result, tuple) else result
-    if bool(torch.isfinite(out.sum() + r.q.sum())):
+    if not _maybe_non_finite(out, r.q):
         return result
     bad = _bad_keys(r)
     if bool(bad.any()):  # else the non-finite output comes from q or the mask, not from hidden keys

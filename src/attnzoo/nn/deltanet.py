@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from attnzoo.functional.delta_rule import delta_rule
 from attnzoo.nn.base import check_flag
 from attnzoo.nn.recurrent import (
-    HeadNorm,
     RecurrentMixer,
     check_chunk,
     recurrent_cost,
@@ -83,12 +82,8 @@ class DeltaNet(RecurrentMixer):
         self.allow_neg_eigval = check_flag(allow_neg_eigval, "allow_neg_eigval", cls)
         self.chunk_size = check_chunk(chunk_size)
         hv = self.set_value_heads(num_v_heads, self.head_dim, bias, fk)
-        inner, v_inner = self.num_heads * self.head_dim, hv * self.head_dim
         self.b_proj = nn.Linear(dim, hv, bias=False, **fk)
-        self.g_proj = nn.Linear(dim, v_inner, bias=bias, **fk) if self.output_gate else None
-        self.norm = HeadNorm(hv, self.head_dim, "rms", 1e-5, fk)
-        self.make_convs({"q": inner, "k": inner, "v": v_inner}, conv_size, False, fk)
-        self.state_shape = (hv, self.head_dim, self.head_dim)
+        self.gate_norm_convs(conv_size, bias, fk)
 
     def _log_decay(self, x: Tensor) -> Tensor | None:
         return None

@@ -38,6 +38,13 @@ __all__ = ["LinearAttention", "PerformerAttention", "RecurrentStateCache"]
 
 
 # --------------------------------------------------------------------------- shared helpers
+def refuse_context(cls: str, context: object, why: str) -> None:
+    """``ValueError`` unless ``context`` is ``None``: a causal self-attention module over one stream
+    (``why`` says what it is) has no cross-attention."""
+    if context is not None:
+        raise ValueError(f"{cls}: context (cross-attention) is not supported: {why}")
+
+
 def key_padding_from_mask(cls: str, mask: object, batch: int, n_new: int, n_total: int,
                           device: torch.device) -> Tensor | None:
     """``mask`` -> bool ``[B, n_new]`` (True = real token) for the ``n_new`` newest keys, or ``None``.

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_cu_seqlens_tensor
+
 __all__ = [
     "OUTPUT_GATES",
     "QK_NORMS",
@@ -116,17 +118,12 @@ def check_cu_seqlens(cu_seqlens: object, x: Tensor, owner: str) -> Tensor:
     if x.shape[0] != 1:
         raise ValueError(f"{owner}: packed input (cu_seqlens given) must have batch size 1, [1, T, C]; "
                          f"got x {tuple(x.shape)}")
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"{owner}: cu_seqlens must be an int32 tensor [S+1], got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{owner}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{owner}: cu_seqlens must be 1-d [S+1] with S >= 1, got shape {tuple(cu_seqlens.shape)}")
-    values = cu_seqlens.tolist()
+    cu = check_cu_seqlens_tensor(owner, cu_seqlens)
+    values = cu.tolist()
     if values[0] != 0 or values[-1] != x.shape[1] or any(b < a for a, b in itertools.pairwise(values)):
         raise ValueError(f"{owner}: cu_seqlens must start at 0, never decrease and end at T = {x.shape[1]} "
                          f"tokens, got {values}")
-    return cu_seqlens.to(x.device)
+    return cu.to(x.device)
 
 
 def packed_positions(cu_seqlens: Tensor, total: int) -> Tensor:

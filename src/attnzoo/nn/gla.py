@@ -19,11 +19,8 @@ from torch import Tensor, nn
 
 from attnzoo._validate import check_int, check_positive_float
 from attnzoo.functional.gla import gated_linear_attention
-from attnzoo.nn.base import check_flag
 from attnzoo.nn.recurrent import (
-    HeadNorm,
     RecurrentMixer,
-    check_chunk,
     recurrent_cost,
     register_recurrent,
     wide,
@@ -40,8 +37,7 @@ class GatedLinearAttention(RecurrentMixer):
     """GLA: data-dependent decays per key dimension, per-head RMSNorm, swish output gate.
 
     Args:
-        dim: model width ``C``.
-        num_heads: heads ``H``.
+        dim, num_heads: model width ``C`` and heads ``H``.
         head_dim: ``D`` (default ``C // H``); the state is ``D x D`` per head.
         bias: biases in the q/k/v/output projections.
         gate_rank: rank of the decay projection ``W_1 [C, r] W_2 [r, H D]``.
@@ -63,17 +59,12 @@ class GatedLinearAttention(RecurrentMixer):
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
         cls = type(self).__name__
-        self.output_gate = check_flag(output_gate, "output_gate", cls)
-        self.chunk_size = check_chunk(chunk_size)
+        self.set_gate_and_chunk(output_gate, chunk_size)
         self.gate_temperature = check_positive_float(gate_temperature, "gate_temperature", cls)
         hv = self.set_value_heads(num_v_heads, self.head_dim, bias, fk)
-        inner, v_inner = self.num_heads * self.head_dim, hv * self.head_dim
         self.gk_proj = nn.Sequential(nn.Linear(dim, check_int(gate_rank, "gate_rank", owner=cls), bias=False, **fk),
-                                     nn.Linear(gate_rank, v_inner, bias=True, **fk))
-        self.g_proj = nn.Linear(dim, v_inner, bias=bias, **fk) if self.output_gate else None
-        self.norm = HeadNorm(hv, self.head_dim, "rms", 1e-5, fk)
-        self.make_convs({"q": inner, "k": inner, "v": v_inner}, conv_size, False, fk)
-        self.state_shape = (hv, self.head_dim, self.head_dim)
+                                     nn.Linear(gate_rank, hv * self.head_dim, bias=True, **fk))
+        self.gate_norm_convs(conv_size, bias, fk)
 
     def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
              cu: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:

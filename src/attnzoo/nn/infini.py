@@ -19,7 +19,7 @@ from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.costs import projection_cost, visible_pairs
-from attnzoo.nn.feature_attention import key_padding_from_mask
+from attnzoo.nn.feature_attention import key_padding_from_mask, refuse_context
 from attnzoo.nn.packing import check_packed_call, run_per_sequence
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
@@ -155,9 +155,7 @@ class InfiniAttention(AttentionBase):
             ``[B, N, C]``.
         """
         cls = type(self).__name__
-        if context is not None:
-            raise ValueError(f"{cls}: context (cross-attention) is not supported: Infini-attention is causal "
-                             f"self-attention over one stream")
+        refuse_context(cls, context, "Infini-attention is causal self-attention over one stream")
         x = self.check_call(x, cache, positions, return_weights, InfiniCache)
         if cu_seqlens is not None:
             cu = check_packed_call(cls, x, cu_seqlens, cache=cache, mask=mask, positions=positions)

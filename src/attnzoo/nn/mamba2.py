@@ -26,12 +26,10 @@ from torch import Tensor, nn
 
 from attnzoo._validate import check_int
 from attnzoo.functional.gla import gated_linear_attention
-from attnzoo.nn.base import check_flag
 from attnzoo.nn.deltanet import init_decay_parameters
 from attnzoo.nn.recurrent import (
     HeadNorm,
     RecurrentMixer,
-    check_chunk,
     recurrent_cost,
     register_recurrent,
     wide,
@@ -77,8 +75,7 @@ class Mamba2(RecurrentMixer):
         self.ngroups = check_int(ngroups, "ngroups", owner=cls)
         if H % self.ngroups:
             raise ValueError(f"{cls}: num_heads ({H}) must be divisible by ngroups ({self.ngroups})")
-        self.output_gate = check_flag(output_gate, "output_gate", cls)
-        self.chunk_size = check_chunk(chunk_size)
+        self.set_gate_and_chunk(output_gate, chunk_size)
         self.inner_head_dim = P = self.expand * self.head_dim
         gs = self.ngroups * self.state_size
         # the rows of Mamba-2's in_proj, one Linear each: C (queries), B (keys), x (values), z, dt

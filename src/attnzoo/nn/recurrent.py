@@ -28,9 +28,9 @@ from attnzoo._validate import check_int
 from attnzoo.functional._chunked_scan import compute_dtype
 from attnzoo.functional.linear import check_chunk_size
 from attnzoo.masks import Mask
-from attnzoo.nn.base import AttentionBase
+from attnzoo.nn.base import AttentionBase, check_flag
 from attnzoo.nn.cache import SnapshotCache
-from attnzoo.nn.feature_attention import key_padding_from_mask
+from attnzoo.nn.feature_attention import key_padding_from_mask, refuse_context
 from attnzoo.nn.packing import check_packed_call
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
@@ -230,9 +230,7 @@ class RecurrentMixer(AttentionBase):
                 boundary (each sequence computes what it computes alone). No cache, mask or positions.
         """
         cls = type(self).__name__
-        if context is not None:
-            raise ValueError(f"{cls}: context (cross-attention) is not supported: a recurrent mixer is causal "
-                             f"self-attention over one stream")
+        refuse_context(cls, context, "a recurrent mixer is causal self-attention over one stream")
         x = self.check_call(x, cache, positions, return_weights, RecurrentCache)
         if cu_seqlens is not None:
             cu = check_packed_call(cls, x, cu_seqlens, cache=cache, mask=mask, positions=positions)
@@ -300,6 +298,22 @@ class RecurrentMixer(AttentionBase):
             self.v_proj = nn.Linear(self.dim, hv * width, bias=bias, **fk)
             self.out_proj = nn.Linear(hv * width, self.dim, bias=bias, **fk)
         return hv
+
+    def set_gate_and_chunk(self, output_gate: object, chunk_size: object) -> None:
+        """``self.output_gate`` (a bool) and ``self.chunk_size`` (an int >= 1), checked in that order."""
+        self.output_gate = check_flag(output_gate, "output_gate", type(self).__name__)
+        self.chunk_size = check_chunk(chunk_size)
+
+    def gate_norm_convs(self, conv_size: int, bias: bool, fk: dict[str, Any]) -> None:
+        """The ``D x D``-state mixers' parts after :meth:`set_value_heads` (``Hv = num_v_heads``): the output
+        gate ``g_proj [C, Hv D]`` when ``self.output_gate``, a per-value-head RMS :class:`HeadNorm`, the
+        q/k/v short convolutions (no bias) and ``state_shape = (Hv, D, D)``."""
+        hv, d = self.num_v_heads, self.head_dim
+        inner, v_inner = self.num_heads * d, hv * d
+        self.g_proj = nn.Linear(self.dim, v_inner, bias=bias, **fk) if self.output_gate else None
+        self.norm = HeadNorm(hv, d, "rms", 1e-5, fk)
+        self.make_convs({"q": inner, "k": inner, "v": v_inner}, conv_size, False, fk)
+        self.state_shape = (hv, d, d)
 
     def make_convs(self, channels: dict[str, int], conv_size: int, bias: bool, factory: dict[str, Any]) -> None:
         """Create ``ShortConv`` ``{name}_conv`` for every entry of ``channels`` (none when ``conv_size == 0``)."""

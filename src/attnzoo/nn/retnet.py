@@ -17,11 +17,9 @@ from torch import Tensor, nn
 
 from attnzoo.functional.gla import gated_linear_attention
 from attnzoo.functional.retention import retention
-from attnzoo.nn.base import check_flag
 from attnzoo.nn.recurrent import (
     HeadNorm,
     RecurrentMixer,
-    check_chunk,
     recurrent_cost,
     register_recurrent,
     wide,
@@ -56,8 +54,7 @@ class MultiScaleRetention(RecurrentMixer):
                  dtype: torch.dtype | None = None) -> None:
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
-        self.output_gate = check_flag(output_gate, "output_gate", type(self).__name__)
-        self.chunk_size = check_chunk(chunk_size)
+        self.set_gate_and_chunk(output_gate, chunk_size)
         inner = self.num_heads * self.head_dim
         self.g_proj = nn.Linear(dim, inner, bias=bias, **fk) if self.output_gate else None
         self.norm = HeadNorm(self.num_heads, self.head_dim, "layer", 1e-5, fk)
