@@ -47,7 +47,8 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
         plan.put(f"{ours}score_bias", f"{theirs}gate.e_score_correction_bias")
         plan.put_pairs(f"{ours}shared_expert.", f"{theirs}shared_experts.",
                        [(n, n) for n in ("gate_proj", "up_proj", "down_proj")], bias=False)
-    elif layout == "stacked" and plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
+        return  # its shared experts are always there (``shared``/``shared_gate`` do not apply)
+    if layout == "stacked" and plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
         plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
         _put_per_expert(plan, ours, theirs)
     elif layout == "stacked":
