@@ -73,7 +73,8 @@ def expected(q: Tensor, k: Tensor, v: Tensor, *, score: str = "softmax", sinks: 
 
 
 B, HQ, HKV, N, D = 2, 4, 2, 7, 4
-KINDS = ("causal", "window", "bool_padding", "float_padding", "mask_padding", "float_bias", "empty_row")
+KINDS = ("causal", "window", "bool_padding", "float_padding", "mask_padding", "float_bias", "empty_row",
+         "unmasked")
 
 
 def make_case(kind: str, where: str, value: float, dtype: torch.dtype, seed: int = 0
@@ -93,6 +94,7 @@ def make_case(kind: str, where: str, value: float, dtype: torch.dtype, seed: int
         "mask_padding": {"mask": M.key_padding(real)},
         "float_bias": {"mask": torch.randn(B, 1, N, N, generator=g, dtype=torch.float64) + neg, "causal": True},
         "empty_row": {"mask": torch.ones(B, 1, N, N, dtype=torch.bool).index_fill(2, torch.tensor([0]), False)},
+        "unmasked": {},  # every row sees every key: a bad key spoils its batch row, a bad query its own row
     }[kind]
     # the hidden slot: the newest key under causality, the oldest under a window, the padding slot
     b, j = {"causal": (0, N - 1), "window": (0, 0), "float_bias": (1, 2)}.get(kind, (1, 2))

@@ -8,9 +8,32 @@ interop, the CLI) are imported only when used. Semantics: ``docs/conventions.md`
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
-from attnzoo import masks
+
+def _command_name() -> str | None:
+    """The name this process's Ctrl-C line starts with when it is the ``attnzoo`` command, else ``None``:
+    ``python -m attnzoo`` / ``-m attnzoo.arena`` (``sys.argv[0]`` is ``"-m"`` while the module is
+    located) or the ``attnzoo`` console script (the main module's file name)."""
+    argv = getattr(sys, "orig_argv", [])
+    if sys.argv[:1] == ["-m"] and "-m" in argv[1:]:
+        i = argv.index("-m", 1)
+        target = argv[i + 1] if i + 1 < len(argv) else ""
+        return {"attnzoo": "attnzoo", "attnzoo.arena": "arena"}.get(target)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    return "attnzoo" if os.path.splitext(os.path.basename(main_file))[0] in ("attnzoo", "attnzoo-script") else None
+
+
+try:  # the one ``import torch`` (about a second): Ctrl-C here, when it is the command, is one line
+    from attnzoo import masks
+except KeyboardInterrupt:
+    _name = _command_name()
+    if _name is None:
+        raise
+    print(f"{_name}: interrupted; nothing written", file=sys.stderr)
+    raise SystemExit(130) from None
 
 __version__ = "0.1.0"
 

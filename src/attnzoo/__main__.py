@@ -2,8 +2,8 @@
 
 import sys
 
-try:  # Ctrl-C while the command modules load: one line (main handles it from then on; an interrupt
-    # while the attnzoo package itself imports torch, before this file runs, is still a traceback)
+try:  # Ctrl-C while the command modules load: one line (main handles it from then on; the
+    # attnzoo package does while it imports torch, before this file runs)
     from attnzoo.cli import main
 except KeyboardInterrupt:
     print("attnzoo: interrupted; nothing written", file=sys.stderr)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from attnzoo.masks import Mask
 from attnzoo.masks import key_padding as key_padding_mask
 from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.cache import CompositeCache
 from attnzoo.nn.packing import check_packed_call, run_packed
 from attnzoo.variants import build_attention, variant_names
 
@@ -649,10 +650,12 @@ def _built(factory: Callable[[], nn.Module], name: str, owner: str) -> nn.Module
     return module
 
 
-class BlockCache:
+class BlockCache(CompositeCache):
     """Decode cache of a block with cross-attention: the self-attention's cache plus the
     context's keys/values (projected once, on the first call). Cache protocol: ``length`` and
-    ``batch_size`` (of the self-attention cache), ``reset()`` (forgets the context too)."""
+    ``batch_size`` (of the self-attention cache), ``reset()`` (forgets the context too),
+    ``mark()``/``rollback()``/``commit()`` over both (a rollback also forgets a context cache
+    built after the mark)."""
 
     def __init__(self, self_cache: Any, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -671,6 +674,24 @@ class BlockCache:
     def reset(self) -> None:
         self.self_cache.reset()
         self.cross_cache = None
+
+    def parts(self) -> list[Any]:
+        """The self-attention cache, and the context's once built."""
+        return [self.self_cache] + ([] if self.cross_cache is None else [self.cross_cache])
+
+    def mark(self) -> object:
+        return (self.cross_cache, super().mark())
+
+    def rollback(self, mark: object) -> None:
+        if not isinstance(mark, tuple) or len(mark) != 2:
+            raise TypeError(f"BlockCache.rollback: expected a mark from mark(), got {type(mark).__name__}")
+        self.cross_cache = mark[0]
+        super().rollback(mark[1])
+
+    def commit(self, mark: object) -> None:
+        if not isinstance(mark, tuple) or len(mark) != 2:
+            raise TypeError(f"BlockCache.commit: expected a mark from mark(), got {type(mark).__name__}")
+        super().commit(mark[1])
 
     def cross(self, module: nn.Module, context: Tensor) -> Any:
         """The cross-attention cache, built for ``context [B, M, C]`` on first use."""

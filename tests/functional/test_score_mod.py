@@ -16,6 +16,7 @@ import attnzoo as az
 from attnzoo.functional import choose_backend
 from attnzoo.functional._request import build_request
 from attnzoo.functional.tiled import TileConfig, use_tiles
+from attnzoo.variants import build_attention
 
 SMALL = TileConfig(block_q=8, block_k=4, max_chunk_k=12, merge_k=8)
 
@@ -402,3 +403,13 @@ def test_varlen_inference_keeps_score_mod() -> None:
         lo += n
     with pytest.raises(TypeError, match="score_mod must be callable"), torch.no_grad():
         az.attention_varlen(q, k, v, cu, cu, score_mod=3)
+
+
+@pytest.mark.parametrize("name", ["linear", "infini", "diff", "mla"])
+def test_variants_without_a_score_matrix_refuse_score_mod_by_name(name: str) -> None:
+    with pytest.raises(TypeError, match="score_mod"):
+        build_attention(name, 16, 2, score_mod=lambda s, b, h, qi, ki: s)
+    if name == "linear":
+        q = torch.randn(1, 2, 4, 8)
+        with pytest.raises(TypeError, match="score_mod"):
+            az.sigmoid_attention(q, q, q, score_mod=lambda s, b, h, qi, ki: s)

@@ -21,8 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, T, NEW = 50, 12, 6
 #: variants whose module refuses a padding mask by name (nothing silently wrong)
 REFUSES_PADDING = {"nsa": "mask is not supported"}
-#: known: Infini-attention's segments are cut at stream positions, so padding shifts them
-KNOWN_SHIFTED = {"infini"}
 
 
 def _model(name: str) -> az.DecoderLM:
@@ -57,8 +55,6 @@ def _decoded_logits(lm: az.DecoderLM, prompt: torch.Tensor, real: torch.Tensor, 
 @pytest.mark.parametrize("pad", [2, 5])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_left_padded_generation_equals_each_row_alone(name: str, pad: int) -> None:
-    if name in KNOWN_SHIFTED:
-        pytest.xfail(f"{name}: its segments are cut at stream positions (padding shifts them)")
     lm = _model(name)
     prompt, real, a, b = _batch(pad, seed=pad)
     if name in REFUSES_PADDING:
@@ -115,3 +111,39 @@ def test_streaming_cache_positions_refuse_padding() -> None:
     real[1, :2] = False
     with pytest.raises(ValueError, match="position_mode='cache' takes no padding"):
         m(torch.randn(2, 5, 16), mask=real[:, None, None, :])
+
+
+def test_infini_segments_count_each_rows_real_tokens() -> None:
+    """Infini-attention's segments close at each row's ``segment_len``-th real token: left paddings from
+    0 to past two segments, rows of different phases in one batch, chunked prefill + decode through
+    the cache, equal each row alone; right padding without a cache too; a pad between real tokens,
+    or after one in a cached call, is refused by name before any state changes."""
+    torch.manual_seed(0)
+    m = az.InfiniAttention(16, 2, segment_len=3, update="delta").eval()
+    pads = (0, 1, 2, 4, 7)
+    x = torch.randn(len(pads), T + NEW, 16)
+    real = torch.ones(len(pads), T + NEW, dtype=torch.bool)
+    for i, p in enumerate(pads):
+        real[i, :p] = False
+    with torch.no_grad():
+        full = m(x, mask=real)
+        cache = m.init_cache(len(pads), T + NEW)
+        outs = [m(x[:, :4], cache=cache, mask=real[:, :4]), m(x[:, 4:T], cache=cache, mask=real[:, :T])]
+        outs += [m(x[:, t:t + 1], cache=cache, mask=real[:, :t + 1]) for t in range(T, T + NEW)]
+        assert cache.state.fill < m.segment_len  # the buffer never outgrows one segment
+        for i, p in enumerate(pads):
+            alone = m(x[i:i + 1, p:])[0]
+            assert (full[i, p:] - alone).abs().max().item() <= 1e-5, f"full forward, pad={p}"
+            assert (torch.cat(outs, 1)[i, p:] - alone).abs().max().item() <= 1e-5, f"decode, pad={p}"
+        right = real.flip(1)  # right padding, no cache
+        for i, p in enumerate(pads):
+            n = T + NEW - p
+            assert (m(x, mask=right)[i, :n] - m(x[i:i + 1, :n])[0]).abs().max().item() <= 1e-5, f"right, pad={p}"
+        gap = torch.ones(1, 6, dtype=torch.bool).index_fill(1, torch.tensor([2]), False)
+        with pytest.raises(ValueError, match=r"variant 'infini'.*between two real ones"):
+            m(x[:1, :6], mask=gap)
+        cache = m.init_cache(1, 16)
+        m(x[:1, :5], cache=cache)
+        with pytest.raises(ValueError, match=r"variant 'infini'.*after a real one in a cached call"):
+            m(x[:1, 5:6], cache=cache, mask=torch.tensor([[True] * 5 + [False]]))
+        assert cache.length == 5

@@ -2,8 +2,8 @@
 
 import sys
 
-try:  # Ctrl-C while the arena modules load: one line (run_arena handles it from then on; an interrupt
-    # while the attnzoo package itself imports torch, before this file runs, is still a traceback)
+try:  # Ctrl-C while the arena modules load: one line (run_arena handles it from then on; the
+    # attnzoo package does while it imports torch, before this file runs)
     from attnzoo.arena import main
 except KeyboardInterrupt:
     print("arena: interrupted; nothing written", file=sys.stderr)

@@ -15,8 +15,11 @@ float sum's order), which results record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from typing import Any
@@ -59,8 +62,12 @@ class Workers:
         self._pool = ProcessPoolExecutor(self.jobs, mp_context=ctx, initializer=init, initargs=init_args)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if self._pool is not None:
+            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                # Ctrl-C: the workers ignore it (see completed); stop them now, not after their runs
+                for proc in list(getattr(self._pool, "_processes", {}).values()):
+                    proc.terminate()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
@@ -72,7 +79,8 @@ class Workers:
         caller) cancels the calls that have not started."""
         if self._pool is None:
             raise RuntimeError("Workers.completed: use the Workers inside a `with` block")
-        futures: dict[Future[Any], int] = {self._pool.submit(fn, *call): i for i, call in enumerate(calls)}
+        with _sigint_ignored():  # the pool spawns its processes inside submit: they inherit SIG_IGN
+            futures: dict[Future[Any], int] = {self._pool.submit(fn, *call): i for i, call in enumerate(calls)}
         try:
             for fut in as_completed(futures):
                 exc = fut.exception()
@@ -80,3 +88,19 @@ class Workers:
         finally:
             for fut in futures:
                 fut.cancel()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored for the block (main thread only; elsewhere a no-op). A process spawned inside it
+    keeps ignoring Ctrl-C from its first instruction (an ignored signal survives ``exec`` and Python
+    keeps it ignored), so a worker never prints a ``KeyboardInterrupt`` traceback, even while it
+    imports torch: the parent alone reports the interrupt (one line) and stops the workers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -16,7 +16,6 @@ every wrapped module is restricted to documents.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator
 from datetime import timedelta
@@ -29,7 +28,7 @@ from torch import Tensor, nn
 from attnzoo.distributed.comm import as_timeout, require_dist, resolve_group, wait
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
-from attnzoo.distributed.sharding import check_layout, segments
+from attnzoo.distributed.sharding import DOCUMENTS, check_layout, segments
 from attnzoo.distributed.ulysses import ulysses_attention
 from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
 from attnzoo.nn.base import AttentionBase
@@ -58,23 +57,22 @@ REFUSED: dict[type, str] = {
                      "local softmax inside each segment; shards would have to be whole segments",
 }
 
-_DOCS: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("attnzoo_cp_documents", default=None)
-
-
 @contextlib.contextmanager
 def documents(cu_seqlens: Tensor) -> Iterator[None]:
     """Packed documents for context-parallel modules: inside the block, every wrapped attention
-    module attends within the documents of the *global* boundaries ``cu_seqlens [S+1]``.
+    module attends within the documents of the *global* boundaries ``cu_seqlens [S+1]``, and
+    every wrapped recurrent / feature-map mixer restarts its state (and its short convolutions)
+    at each boundary, inside a shard or on a shard edge.
 
-    Pass the local tokens as usual, with ``positions=`` their positions *inside their document*
-    (for RoPE). Recurrent mixers are refused under documents (``ValueError``)."""
+    Pass the local tokens as usual (``[1, n, C]``: packed documents are one row), with
+    ``positions=`` their positions *inside their document* (for RoPE)."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"documents: cu_seqlens must be an int tensor [S+1], got {type(cu_seqlens).__name__}")
-    token = _DOCS.set(cu_seqlens)
+    token = DOCUMENTS.set(cu_seqlens)
     try:
         yield
     finally:
-        _DOCS.reset(token)
+        DOCUMENTS.reset(token)
 
 
 def _all_lengths(n: int, group: Any, device: torch.device, timeout: timedelta | None) -> list[int]:
@@ -196,7 +194,7 @@ class ContextParallel(nn.Module):
         seam = _ring_attend if self.method == "ring" else _ulysses_attend
         # The module runs its own forward; only its attend seam is pointed at the ring for this call.
         attend = functools.partial(seam, group=self.group, layout=self.layout, cp_backend=self.backend,
-                                   timeout=self.timeout, cu_seqlens=_DOCS.get())
+                                   timeout=self.timeout, cu_seqlens=DOCUMENTS.get())
         saved, m.attend_fn = m.attend_fn, attend
         try:
             out = m(x) if positions is None else m(x, positions=positions)  # [B, n, C]

@@ -21,13 +21,22 @@ inputs of each segment) are all-gathered first, since the next segment's first o
 Feature-map attention (linear, Performer) is the special case ``M = I`` with the state ``(S, z)``;
 bidirectional feature-map attention sums every segment's state instead.
 
+Packed documents (:func:`attnzoo.distributed.documents`, global ``cu_seqlens``): a segment in
+which a document starts (inside it or on its first token) passes on the final state of its last
+document from zeros (``M = 0``: the scan restarts there); its later documents run from zeros (one
+packed call of the mixer's kernel), and the convolution tail it receives is zeroed before the
+start of its first token's document.
+
 Every exchange is differentiable (the backward of an all-gather is an all-reduce of the slot
 gradients), so the forward and all gradients equal one process running the whole sequence.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +45,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from attnzoo.distributed.comm import agree, all_gather_grad, as_timeout, require_dist, resolve_group
-from attnzoo.distributed.sharding import LAYOUTS, check_layout, segments
+from attnzoo.distributed.sharding import (
+    DOCUMENTS,
+    LAYOUTS,
+    Segment,
+    check_cu_seqlens,
+    check_layout,
+    cu_checksum,
+    segments,
+)
 from attnzoo.functional._chunked_scan import compute_dtype
 from attnzoo.nn.feature_attention import _FeatureAttention
 from attnzoo.nn.recurrent import RecurrentMixer
@@ -81,8 +98,27 @@ class _MixerRunner:
         m = torch.cat([s[(1 + j) * B:(2 + j) * B] - c for j in range(p)], dim=-1)[..., :dk]  # [B, H, Dk, Dk]
         return c, m
 
-    def run(self, x: Tensor, state: Tensor, prev: Tensor | None) -> Tensor:
-        return self.m._mix(x, None, state, self.convs(prev))[0]
+    def last_state(self, x: Tensor) -> Tensor:
+        """The final state of ``x`` run from zeros (a piece that starts a document)."""
+        return self.m._mix(x, None, None, {})[1]
+
+    def reset_summary(self, x: Tensor, cut: _Cut) -> tuple[Tensor, Tensor | None]:
+        """A segment in which a document starts: ``C`` is its last document's state, ``M = 0``."""
+        c = self.last_state(x[:, cut.bounds[-2]:])
+        return c, c.new_zeros(*c.shape[:-1], c.shape[-2])
+
+    def run(self, x: Tensor, state: Tensor, prev: Tensor | None, cut: _Cut) -> Tensor:
+        """Outputs of a segment entered with ``state`` and the inputs ``prev`` before it; the
+        documents of ``cut`` after its first piece start from zeros (one packed call)."""
+        if len(cut.bounds) == 2 and not cut.fresh:
+            return self.m._mix(x, None, state, self.convs(prev))[0]
+        s = len(cut.bounds) - 1
+        first = torch.zeros_like(state) if cut.fresh else state  # [1, H, Dk, Dv]
+        init = torch.cat([first, first.new_zeros(s - 1, *first.shape[1:])])
+        conv = {k: torch.cat([torch.zeros_like(t) if cut.fresh else t, t.new_zeros(s - 1, *t.shape[1:])])
+                for k, t in self.convs(prev).items()}
+        cu = torch.tensor(cut.bounds, dtype=torch.int32, device=x.device)
+        return self.m._mix(x, None, init, conv, cu)[0]
 
 
 class _FeatureRunner:
@@ -105,13 +141,42 @@ class _FeatureRunner:
         _, (s, z) = self.m._attend(q, k, v, causal=True, state=None, return_state=True, pad=None)
         return torch.cat((s, z[..., None]), dim=-1), None
 
-    def run(self, x: Tensor, state: Tensor, prev: Tensor | None, *, readout: bool = False) -> Tensor:
-        """Outputs from ``state``; ``readout``: from the state alone (every local key hidden)."""
+    def last_state(self, x: Tensor) -> Tensor:
+        return self.summary(x, None)[0]
+
+    def reset_summary(self, x: Tensor, cut: _Cut) -> tuple[Tensor, Tensor | None]:
+        return self.last_state(x[:, cut.bounds[-2]:]), None
+
+    def _one(self, x: Tensor, state: Tensor, readout: bool) -> Tensor:
         q, k, v = self._qkv(x)
         pad = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device) if readout else None
         out, _ = self.m._attend(q, k, v, causal=True, state=(state[..., :-1], state[..., -1]),
                                 return_state=True, pad=pad)
         return self.m.merge_heads(out)
+
+    def run(self, x: Tensor, state: Tensor, prev: Tensor | None, cut: _Cut) -> Tensor:
+        """Outputs of a segment entered with ``state``; every document of ``cut`` after its first
+        piece starts from zeros (feature-map attention has no packed kernel: one call per piece)."""
+        if len(cut.bounds) == 2 and not cut.fresh:
+            return self._one(x, state, False)
+        outs = [self._one(x[:, lo:hi], torch.zeros_like(state) if j or cut.fresh else state, False)
+                for j, (lo, hi) in enumerate(itertools.pairwise(cut.bounds)) if hi > lo]
+        return torch.cat(outs, dim=1)
+
+    def doc_sums(self, x: Tensor, cut: _Cut, num_docs: int) -> Tensor:
+        """Bidirectional: this segment's state ``(S, z)`` of each global document ``[S_docs, B, H, F, Dv + 1]``."""
+        out: list[Tensor | None] = [None] * num_docs
+        for (lo, hi), d in zip(itertools.pairwise(cut.bounds), cut.docs, strict=True):
+            if hi > lo:
+                out[d] = self.last_state(x[:, lo:hi])
+        like = next(t for t in out if t is not None)
+        return torch.stack([torch.zeros_like(like) if t is None else t for t in out])
+
+    def readout(self, x: Tensor, states: Tensor, cut: _Cut) -> Tensor:
+        """Bidirectional: every token reads the whole state of its document (``states [S_docs, ...]``)."""
+        outs = [self._one(x[:, lo:hi], states[d], True)
+                for (lo, hi), d in zip(itertools.pairwise(cut.bounds), cut.docs, strict=True) if hi > lo]
+        return torch.cat(outs, dim=1)
 
 
 class ContextParallelRecurrent(nn.Module):
@@ -125,8 +190,9 @@ class ContextParallelRecurrent(nn.Module):
         timeout: seconds (or a timedelta) for any network wait.
 
     Shapes:
-        ``forward(x [B, n, C]) -> [B, n, C]``, ``x`` this rank's shard of ``[B, N, C]``; every
-        segment of a shard needs at least ``conv_size - 1`` tokens.
+        ``forward(x [B, n, C]) -> [B, n, C]``, ``x`` this rank's shard of ``[B, N, C]`` (``B = 1``
+        inside :func:`~attnzoo.distributed.documents`); every segment of a shard needs at least
+        ``conv_size - 1`` tokens.
     """
 
     def __init__(self, module: nn.Module, *, group: Any = None, layout: str = "contiguous",
@@ -152,58 +218,72 @@ class ContextParallelRecurrent(nn.Module):
         """Mix this rank's tokens ``x [B, n, C]`` as part of the whole sharded sequence.
 
         ``positions`` is accepted and unused (the recurrence has no positions); ``mask`` and
-        ``cache`` must be ``None`` (``ValueError``: decode with the unwrapped module).
+        ``cache`` must be ``None`` (``ValueError``: decode with the unwrapped module). Inside
+        :func:`attnzoo.distributed.documents` (``x [1, n, C]``) every document starts from a zero
+        state and zero convolution inputs, wherever its boundary falls.
         """
         fn = "ContextParallelRecurrent"
         require_dist(fn)
         del positions
-        m, run = self.module, self._runner
-        pg, tmo = self.group, self.timeout
+        run, pg, tmo = self._runner, self.group, self.timeout
         rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        vals, err = self._local_checks(x, mask, cache)
-        same = [0, 2, 3] + ([1] if self.layout == "zigzag" else [])
-        rows = agree(pg, vals, err, fn, tmo, same=same,
-                     describe=lambda r: f"B={r[0]:g}, n={r[1]:g}, layout={LAYOUTS[int(r[2])]}, needs_grad={r[3]:g}")
+        docs = DOCUMENTS.get()
+        vals, err = self._local_checks(x, mask, cache, docs)
+        same = [0, 2, 3, 4, 5, 6] + ([1] if self.layout == "zigzag" else [])
+        rows = agree(pg, vals, err, fn, tmo, same=same, describe=_describe)
         lengths = [int(r[1]) for r in rows]
+        cu = None if docs is None else [int(c) for c in docs.tolist()]
+        if cu is not None and cu[-1] != sum(lengths):  # the same cu and lengths on every rank: all raise
+            raise ValueError(f"{fn} on rank {rank}: documents' cu_seqlens must end at the global length "
+                             f"{sum(lengths)} (the sum of the shards {lengths}), got {cu}")
         # every segment of the sequence, in global order: (global_lo, rank, index on that rank)
         order = sorted((s.global_lo, r, i) for r in range(world) for i, s in enumerate(segments(self.layout,
                                                                                               lengths, r)))
         place = {(r, i): g for g, (_, r, i) in enumerate(order)}
         mine = segments(self.layout, lengths, rank)
+        cuts = {(r, i): _cut(s, cu) for r in range(world) for i, s in enumerate(segments(self.layout, lengths, r))}
         xs = [x[:, s.local_lo:s.local_lo + s.length] for s in mine]
+        if not getattr(self.module, "causal", True):  # bidirectional feature-map attention
+            assert isinstance(run, _FeatureRunner)
+            num_docs = 1 if cu is None else len(cu) - 1
+            sums = all_gather_grad(torch.stack([run.doc_sums(xi, cuts[(rank, i)], num_docs)
+                                                for i, xi in enumerate(xs)]), pg, tmo,
+                                   f"{fn}: document states")  # [P, segs, S_docs, B, H, F, Dv + 1]
+            states = sums.sum(dim=(0, 1))
+            y = torch.cat([run.readout(xi, states, cuts[(rank, i)]) for i, xi in enumerate(xs)], dim=1)
+            return y
         tie = x.new_zeros(())  # every rank's outputs depend on every gathered tensor (collective backward)
         prev: list[Tensor | None] = [None] * len(mine)
         if run.tail:
             tails = all_gather_grad(torch.stack([run.tails(xi) for xi in xs]), pg, tmo,  # type: ignore[misc]
                                     f"{fn}: short-convolution tails")  # [P, segs, B, Ch, k - 1]
             tie = tie + tails.sum() * 0
-            for i in range(len(mine)):
+            for i, s in enumerate(mine):
                 g = place[(rank, i)]
                 if g > 0:
                     _, r0, i0 = order[g - 1]
-                    prev[i] = tails[r0, i0]
-        summaries = [run.summary(xi, pv) for xi, pv in zip(xs, prev, strict=True)]
-        c_loc = torch.stack([c for c, _ in summaries])  # [segs, B, H, Dk, W]
-        cs = all_gather_grad(c_loc, pg, tmo, f"{fn}: state summaries")  # [P, segs, B, H, Dk, W]
-        tie = tie + cs.sum() * 0
-        ms = None
-        if summaries[0][1] is not None:
-            ms = all_gather_grad(torch.stack([mm for _, mm in summaries]), pg, tmo,  # type: ignore[misc]
-                                 f"{fn}: state transition maps")  # [P, segs, B, H, Dk, Dk]
-            tie = tie + ms.sum() * 0
-        causal = getattr(m, "causal", True)
-        outs = []
-        for i, xi in enumerate(xs):
-            if not causal:  # bidirectional feature-map attention: every key of every segment
-                assert isinstance(run, _FeatureRunner)
-                outs.append(run.run(xi, cs.sum(dim=(0, 1)), None, readout=True))
-                continue
-            outs.append(run.run(xi, _incoming(place[(rank, i)], order, cs, ms), prev[i]))
+                    prev[i] = _same_document(tails[r0, i0], s.global_lo, cuts[(rank, i)].start)
+        summaries = [run.summary(xi, pv) if not cuts[(rank, i)].reset else run.reset_summary(xi, cuts[(rank, i)])
+                     for i, (xi, pv) in enumerate(zip(xs, prev, strict=True))]
+        # one exchange for C and M together (two would let the ranks' backward passes, whose graphs
+        # differ where documents cut the segments, run their all_reduces in different orders)
+        c_loc = torch.stack([c if m is None else torch.cat((c, m), dim=-1) for c, m in summaries])
+        if run.tail:  # the tails' backward strictly after the summaries' on every rank
+            c_loc = c_loc + tails.sum().to(c_loc.dtype) * 0
+        both = all_gather_grad(c_loc, pg, tmo, f"{fn}: state summaries")  # [P, segs, B, H, Dk, W (+ Dk)]
+        tie = tie + both.sum() * 0
+        width = summaries[0][0].shape[-1]
+        cs = both[..., :width]
+        ms = None if summaries[0][1] is None else both[..., width:]
+        resets = [cuts[(r, i)].reset for _, r, i in order]
+        outs = [run.run(xi, _incoming(place[(rank, i)], order, cs, ms, resets), prev[i], cuts[(rank, i)])
+                for i, xi in enumerate(xs)]
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return y + tie.to(y.dtype)
 
-    def _local_checks(self, x: object, mask: Any, cache: Any) -> tuple[list[float] | None, Exception | None]:
-        """This rank's ``[B, n, layout, needs_grad]`` or its error (reported on every rank by ``agree``)."""
+    def _local_checks(self, x: object, mask: Any, cache: Any,
+                      docs: Tensor | None) -> tuple[list[float] | None, Exception | None]:
+        """This rank's ``[B, n, layout, needs_grad, *cu checksum]`` or its error (reported on every rank by ``agree``)."""
         m, run = self.module, self._runner
         try:
             if mask is not None or cache is not None:
@@ -217,8 +297,13 @@ class ContextParallelRecurrent(nn.Module):
                 raise ValueError(f"{type(m).__name__} needs {'two equal chunks of ' if parts == 2 else ''}at least "
                                  f"{max(1, run.tail)} tokens per segment on every rank (its short convolutions "
                                  f"read the previous {run.tail} inputs), got a local length of {n}")
+            cu = [0.0, 0.0, 0.0]
+            if docs is not None:
+                cu = cu_checksum(check_cu_seqlens(docs, "documents"))
+                if x.shape[0] != 1:
+                    raise ValueError(f"packed documents are one row: x must be [1, n, C], got {tuple(x.shape)}")
             needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters()))
-            return [x.shape[0], n, LAYOUTS.index(self.layout), float(needs_grad)], None
+            return [x.shape[0], n, LAYOUTS.index(self.layout), float(needs_grad), *cu], None
         except (TypeError, ValueError) as e:
             return None, e
 
@@ -226,9 +311,51 @@ class ContextParallelRecurrent(nn.Module):
         return f"layout={self.layout!r}"
 
 
-def _incoming(g: int, order: list[tuple[int, int, int]], cs: Tensor, ms: Tensor | None) -> Tensor:
-    """State entering global segment ``g``: the maps of segments ``0 .. g-1`` composed from zeros."""
+def _describe(row: list[float]) -> str:
+    return (f"B={row[0]:g}, n={row[1]:g}, layout={LAYOUTS[int(row[2])]}, needs_grad={row[3]:g}, "
+            f"documents' cu_seqlens (numel, sum, weighted sum)=({row[4]:g}, {row[5]:g}, {row[6]:g})")
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A segment cut by the documents: ``bounds`` are the local boundaries ``[0, .., length]`` of
+    its pieces (one document each), ``docs`` the global document of each piece; ``fresh``: a
+    document starts at its first token; ``reset``: a document starts at or after its first token
+    (the state it passes on does not depend on the state it gets); ``start``: the global position
+    where the document of its first token starts."""
+
+    bounds: list[int]
+    docs: list[int]
+    fresh: bool
+    reset: bool
+    start: int
+
+
+def _cut(seg: Segment, cu: list[int] | None) -> _Cut:
+    lo, hi = seg.global_lo, seg.global_lo + seg.length
+    if cu is None:
+        return _Cut([0, seg.length], [0], False, False, 0)
+    inner = sorted({b for b in cu if lo < b < hi})
+    bounds = [0, *(b - lo for b in inner), seg.length]
+    docs = [bisect.bisect_right(cu, lo + b) - 1 for b in bounds[:-1]]
+    return _Cut(bounds, docs, lo in cu, lo in cu or bool(inner), max(b for b in cu if b <= lo))
+
+
+def _same_document(tail: Tensor, lo: int, start: int) -> Tensor:
+    """The inputs ``tail [B, Ch, w]`` at positions ``lo - w .. lo - 1``, zeroed before ``start`` (the
+    beginning of the document of position ``lo``): a convolution never reads another document."""
+    w = tail.shape[-1]
+    if lo - w >= start:
+        return tail
+    keep = torch.arange(lo - w, lo, device=tail.device) >= start
+    return tail * keep.to(tail.dtype)
+
+
+def _incoming(g: int, order: list[tuple[int, int, int]], cs: Tensor, ms: Tensor | None,
+              resets: list[bool]) -> Tensor:
+    """State entering global segment ``g``: the maps of segments ``0 .. g-1`` composed from zeros
+    (a segment in which a document starts passes on its own summary alone)."""
     state = torch.zeros_like(cs[0, 0])
-    for _, r, i in order[:g]:
-        state = cs[r, i] + (state if ms is None else torch.matmul(ms[r, i], state))
+    for h, (_, r, i) in enumerate(order[:g]):
+        state = cs[r, i] if resets[h] else cs[r, i] + (state if ms is None else torch.matmul(ms[r, i], state))
     return state

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,11 +19,16 @@ from torch import Tensor
 
 from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, wait
 
-__all__ = ["LAYOUTS", "Segment", "check_cu_seqlens", "document_ids", "gather_sequence", "segments", "shard_positions",
+__all__ = ["DOCUMENTS", "LAYOUTS", "Segment", "check_cu_seqlens", "document_ids", "gather_sequence", "segments", "shard_positions",
            "shard_sequence"]
 
 #: Sequence layouts understood by every function of this package.
 LAYOUTS = ("contiguous", "zigzag")
+
+
+#: The *global* document boundaries ``cu_seqlens [S+1]`` set by
+#: :func:`attnzoo.distributed.documents` for the context-parallel modules (``None``: one document).
+DOCUMENTS: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("attnzoo_cp_documents", default=None)
 
 
 def check_layout(layout: object, fn: str) -> str:

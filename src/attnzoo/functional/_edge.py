@@ -13,9 +13,11 @@
 * non-finite queries: a row whose query holds a NaN or inf is NaN when it sees any key (zeros
   when it sees none), and no other row changes. torch's fused CPU kernel returns such a row
   finite (its running maximum skips NaN); on masked requests the guard restores the NaN. An
-  unmasked request goes straight to the kernel (nothing is hidden there; the one-token decode
-  call is unmasked and a check of q would cost it ~50% at small Nk), so on ``sdpa``/``flash``
-  a non-finite query row of an unmasked call is the kernel's own result.
+  unmasked request (every row sees every key, nothing is hidden) gets no host-side check (the
+  one-token decode call is unmasked and a sync on q would cost it ~50% at small Nk): a fused
+  kernel's result there gets ``0 * sum_d(q) [B, Hq, Nq, 1]`` added (one reduction and one add,
+  no sync), which is ``+0`` on a finite row (bitwise the kernel's result) and NaN on a row whose
+  query holds a NaN or inf.
 
 Both guards run in eager mode only (under ``torch.compile`` the request goes straight to the
 kernel). :func:`guard_nonfinite` serves :func:`attnzoo.attention` (with or without ``sinks``)
@@ -123,11 +125,13 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
     ``fused=False`` says that ``run`` spreads a non-finite query into its row by itself (the plain
     PyTorch backends): an unmasked request then goes straight to ``run`` (no extra pass)."""
     hides = _hides_keys(r)
-    if is_empty(r) or tracing() or not hides:
-        # unmasked: every row sees every key, so nothing hidden can leak; a non-finite query row is the
-        # kernel's own (NaN on reference/tiled; torch's fused CPU kernel returns it finite). Checking q
-        # here would cost every decode step (the module's one-token call is unmasked) ~50% on small Nk.
+    if is_empty(r) or tracing():
         return run(r)
+    if not hides:
+        # unmasked: every row sees every key, so nothing hidden can leak; a non-finite query row is NaN
+        # on reference/tiled by their math, and made NaN without a host sync on fused kernels (torch's
+        # fused CPU kernel returns it finite). A sync on q would cost every decode step ~50% on small Nk.
+        return _spread_queries(r, run(r)) if fused else run(r)
     if _needs_grad(r) and _maybe_non_finite(r.k, r.v):  # a finite forward can hide a NaN key from autograd
         bad = _bad_keys(r)
         if bool(bad.any()):
@@ -143,6 +147,21 @@ def guard_nonfinite(r: AttnRequest, run: Callable[[AttnRequest], Tensor | tuple[
     if bool(bad.any()):  # else the non-finite output comes from q or the mask, not from hidden keys
         result = _clean_run(r, bad, run)
     return _fix_queries(r, result) if fused else result
+
+
+def _spread_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+    """``result`` plus ``0 * sum_d(q)`` on every row (``torch.add(.., alpha=0)``: one kernel, no host
+    sync): ``+0`` where the query is finite, NaN where it holds a NaN or inf. For unmasked requests
+    (every row sees a key). A float16 sum is taken in float32 and zeroed before the cast back (a
+    finite row whose sum would overflow float16 stays finite)."""
+    if r.q.dtype == torch.float16:
+        row = r.q.sum(dim=-1, keepdim=True, dtype=torch.float32).mul_(0).to(r.q.dtype)  # [B, Hq, Nq, 1]
+    else:
+        row = r.q.sum(dim=-1, keepdim=True)  # [B, Hq, Nq, 1]; bfloat16 has float32's range
+    if isinstance(result, Tensor):
+        return torch.add(result, row, alpha=0)
+    # out [B, Hq, Nq, Dv], lse [B, Hq, Nq], weights [B, Hq, Nq, Nk]
+    return tuple(torch.add(t, row.squeeze(-1) if t.dim() == 3 else row, alpha=0) for t in result)
 
 
 def _fix_queries(r: AttnRequest, result: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:

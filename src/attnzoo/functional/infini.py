@@ -18,6 +18,10 @@ for float64 inputs); an empty memory retrieves zeros. A final segment shorter th
 Streaming: :class:`InfiniState` carries the memory plus the keys/values of the current, not yet
 complete segment, so feeding a sequence piece by piece (down to one token at a time) gives the same
 outputs as one call on all of it. Its size never exceeds the memory plus one segment.
+
+Padding: with a ``key_padding_mask`` each row's segments count its own real tokens, so rows padded
+differently close their segments at different stream positions (``_run_padded``): a left-padded
+row equals the row alone, in one call or streamed.
 """
 
 from __future__ import annotations
@@ -106,6 +110,47 @@ def _update(k: Tensor, v: Tensor, valid: Tensor | None, mem: Tensor, norm: Tenso
     return mem, norm
 
 
+def _run_padded(q: Tensor, k: Tensor, v: Tensor, real: Tensor, g: Tensor, st: InfiniState, out: Tensor, *,
+                segment_len: int, update: str, window: object, backend: str) -> InfiniState:
+    """:func:`infini_attention` with key padding ``real [B, N]`` (True = real token), writing ``out``.
+
+    A row's segment closes at its ``segment_len``-th *real* token (padding counts for nothing), so a
+    left-padded row is segmented as the row alone. Rows close at different stream positions: the
+    stream is cut into pieces at every position where some row closes; in a piece each row sees the
+    buffered keys its ``seg_valid`` marks (its open segment) plus the piece's, and only the rows that
+    close write their segment into the memory (the others' keys are weighted 0 there: an exact no-op).
+    Buffer columns that no row holds any more are dropped, so with left padding the buffer stays
+    under ``segment_len`` keys."""
+    n = q.shape[2]
+    mem, norm, pk, pv, pvalid = st.memory, st.norm, st.seg_k.to(q.dtype), st.seg_v.to(q.dtype), st.seg_valid
+    assert pvalid is not None
+    count = pvalid.sum(dim=-1)  # [B] real tokens in each row's open segment
+    pos = 0
+    while pos < n:
+        seen = count[:, None] + real[:, pos:].cumsum(dim=-1)  # [B, n - pos]
+        closes = (seen == segment_len) & real[:, pos:]  # the token that closes a row's segment
+        first = closes.any(dim=0).nonzero()
+        take = int(first[0, 0]) + 1 if first.numel() else n - pos  # host sync: one per piece
+        qn = q[:, :, pos:pos + take]
+        kk = torch.cat([pk, k[:, :, pos:pos + take]], dim=2)  # [B, H, f + take, D]
+        vv = torch.cat([pv, v[:, :, pos:pos + take]], dim=2)
+        valid = torch.cat([pvalid, real[:, pos:pos + take]], dim=1)  # [B, f + take]
+        local = attention(qn, kk, vv, mask=valid[:, None, None, :], causal=True, window=window,  # type: ignore[arg-type]
+                          backend=backend)  # [B, H, take, Dv]
+        assert isinstance(local, Tensor)
+        retrieved = _retrieve(_sigma(qn.to(mem.dtype)), mem, norm)  # from each row's earlier segments
+        out[:, :, pos:pos + take] = (g * retrieved + (1.0 - g) * local.to(mem.dtype)).to(q.dtype)
+        ends = closes[:, take - 1]  # [B] rows whose segment closes with this piece
+        if first.numel():
+            mem, norm = _update(kk, vv, valid & ends[:, None], mem, norm, update)
+            valid = valid & ~ends[:, None]
+        keep = valid.any(dim=0)  # [f + take] columns some row still holds
+        pk, pv, pvalid = kk[:, :, keep], vv[:, :, keep], valid[:, keep]
+        count = pvalid.sum(dim=-1)
+        pos += take
+    return InfiniState(memory=mem, norm=norm, seg_k=pk, seg_v=pv, seg_valid=pvalid)
+
+
 def _check_state(state: object, b: int, h: int, d: int, dv: int, seg: int, device: torch.device) -> InfiniState:
     if not isinstance(state, InfiniState):
         raise TypeError(f"state must be an InfiniState, got {type(state).__name__}")
@@ -174,7 +219,9 @@ def infini_attention(
         state: :class:`InfiniState` from an earlier call (tokens continue its stream).
         return_state: also return the state after these tokens.
         key_padding_mask: bool ``[B, N]``, True = real token; padded keys are hidden from the local
-            attention and write nothing into the memory.
+            attention and write nothing into the memory, and a row's segments count its real tokens
+            only (a segment closes at its ``segment_len``-th real token), so a left-padded row
+            gives the row alone. ``window`` counts stream positions.
         window: local attention window inside a segment (``attention``'s ``window``, with causal).
         backend: ``attention`` backend for the local part.
 
@@ -192,6 +239,12 @@ def infini_attention(
         pvalid = torch.ones(b, pk.shape[2], dtype=torch.bool, device=q.device)
     g = torch.sigmoid(gate.to(mem.dtype)).view(1, h, 1, 1)
     out = q.new_empty(b, h, n, dv)  # written segment by segment (no list + concatenation)
+    if pvalid is not None:  # padding: each row's segments count its own real tokens
+        real = (key_padding_mask if key_padding_mask is not None
+                else torch.ones(b, n, dtype=torch.bool, device=q.device))
+        st = _run_padded(q, k, v, real, g, InfiniState(mem, norm, pk, pv, pvalid), out,
+                         segment_len=segment_len, update=update, window=window, backend=backend)
+        return (out, st) if return_state else out
     pos = 0
     while pos < n:
         fill = pk.shape[2]

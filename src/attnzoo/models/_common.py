@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from attnzoo import _validate
 from attnzoo._devices import tracing
 from attnzoo.blocks import RMSNorm, state_without_unpicklable_config
+from attnzoo.nn.cache import CompositeCache
 from attnzoo.nn.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -118,9 +119,11 @@ class FromConfig:
         return sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
 
 
-class LayerCaches:
+class LayerCaches(CompositeCache):
     """The decode caches of a stack of layers (one per layer), with the cache protocol:
-    ``length`` (tokens written so far), ``batch_size``, ``reset()``; index it for one layer's cache."""
+    ``length`` (tokens written so far), ``batch_size``, ``reset()``, ``mark()``/``rollback()``/
+    ``commit()`` over every layer (:class:`~attnzoo.nn.cache.CompositeCache`: a model call through
+    it is all-or-nothing); index it for one layer's cache."""
 
     def __init__(self, caches: Sequence[Any]) -> None:
         if len(caches) == 0:
@@ -138,6 +141,10 @@ class LayerCaches:
     def reset(self) -> None:
         for c in self.layers:
             c.reset()
+
+    def parts(self) -> list[Any]:
+        """Every layer's cache."""
+        return list(self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -24,6 +24,7 @@ from attnzoo.models._common import (
     rotary_for,
 )
 from attnzoo.models.config import DecoderConfig
+from attnzoo.nn.cache import transaction
 from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
 from attnzoo.nn.positional import ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS
@@ -311,8 +312,14 @@ class DecoderLM(FromConfig, nn.Module):
                 every sequence and no token attends across a boundary (equal to running each alone).
                 Not with a cache, ``positions``, ``attention_mask`` or ``context``.
 
-        Returns: ``logits [B, N, V]``.
+        Returns: ``logits [B, N, V]``. With a cache the call is all-or-nothing: when it raises anywhere
+        (in any layer, the final norm or the head; a ``KeyboardInterrupt`` too), no layer's cache changes.
         """
+        if isinstance(cache, LayerCaches) and not cache.in_transaction:
+            # one transaction over every layer's cache, which the layers' own calls join (nn/cache.py)
+            return transaction(cache, lambda: self(tokens, cache=cache, positions=positions,
+                                                   attention_mask=attention_mask, context=context,
+                                                   context_mask=context_mask, cu_seqlens=cu_seqlens))
         owner = "DecoderLM"
         check_tokens(tokens, self.vocab_size, owner)
         B, N = tokens.shape

@@ -19,7 +19,9 @@ and infini modules have recurrent-state caches with the same members):
   this around a whole call: every :class:`~attnzoo.nn.base.AttentionBase` module's ``forward``
   with ``cache=`` runs in one, so a call that raises anywhere (a bad argument, the attention, the
   output projection or gate, a ``KeyboardInterrupt``) changes nothing. Transactions nest: only the
-  outermost one marks, rolls back and commits.
+  outermost one marks, rolls back and commits. A cache made of caches (:class:`CompositeCache`: a
+  model's per-layer caches, a block's self- and cross-attention caches) takes part as one: a
+  model call is one transaction over every layer's cache, which the layers' own calls join.
 
 A module called with ``cache=...`` receives only the NEW tokens, which sit at positions
 ``cache.length ..``; it writes their keys and values by position and advances ``length``.
@@ -39,7 +41,7 @@ from torch import Tensor
 
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache", "transaction"]
+__all__ = ["CompositeCache", "KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache", "transaction"]
 
 T = TypeVar("T")
 
@@ -65,6 +67,52 @@ def transaction(cache: Any, fn: Callable[[], T]) -> T:
     cache.in_transaction = False
     cache.commit(mark)
     return out
+
+
+class CompositeCache:
+    """The ``mark``/``rollback``/``commit`` protocol of a cache made of other caches (:meth:`parts`): a
+    mark holds every part's mark, and opening a :func:`transaction` on the whole (``in_transaction``)
+    opens it on every part, so the parts' own module calls join it: the whole call, every layer
+    and whatever runs after the last one (a norm, a head), is all-or-nothing."""
+
+    _in_transaction: bool = False
+
+    def parts(self) -> list[Any]:
+        """The member caches that exist now."""
+        raise NotImplementedError
+
+    def _guarded_parts(self) -> list[Any]:
+        return [c for c in self.parts() if callable(getattr(c, "mark", None))]
+
+    @property
+    def in_transaction(self) -> bool:
+        """True while a :func:`transaction` is open on this cache (and so on every part)."""
+        return self._in_transaction
+
+    @in_transaction.setter
+    def in_transaction(self, value: bool) -> None:
+        self._in_transaction = value
+        for c in self._guarded_parts():
+            c.in_transaction = value
+
+    def mark(self) -> object:
+        """An opaque token of every part's state, for :meth:`rollback`."""
+        return tuple((c, c.mark()) for c in self._guarded_parts())
+
+    def _check_mark(self, mark: object) -> tuple[tuple[Any, object], ...]:
+        if not isinstance(mark, tuple) or not all(isinstance(m, tuple) and len(m) == 2 for m in mark):
+            raise TypeError(f"{type(self).__name__}.rollback: expected a mark from mark(), got {type(mark).__name__}")
+        return mark
+
+    def rollback(self, mark: object) -> None:
+        """Return every part to the state ``mark`` was taken in."""
+        for c, m in self._check_mark(mark):
+            c.rollback(m)
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: every part drops what a rollback would have needed."""
+        for c, m in self._check_mark(mark):
+            c.commit(m)
 
 
 class _LengthCache:

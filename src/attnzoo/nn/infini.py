@@ -143,7 +143,9 @@ class InfiniAttention(AttentionBase):
             x: tokens (a floating tensor); with a cache only the NEW ones (they continue the cached stream).
             context: must be ``None`` (no cross-attention).
             mask: key padding: bool ``[B, N]`` (``[B, cache.length + N]`` accepted with a cache) or
-                ``attnzoo.masks.key_padding(...)``.
+                ``attnzoo.masks.key_padding(...)``. Left padding: each row's segments count its real
+                tokens (a left-padded row equals the row alone); right padding without a cache. A pad
+                between real tokens (or after one, with a cache) is a ``ValueError``.
             cache: an :class:`InfiniCache` from :meth:`init_cache`, updated in place (unchanged when
                 the call raises).
             positions: validated, unused.
@@ -167,7 +169,11 @@ class InfiniAttention(AttentionBase):
                 raise ValueError(f"{cls}: the cache holds (H, D, L) = "
                                  f"{(cache.num_heads, cache.head_dim, cache.segment_len)}, this module needs "
                                  f"{want}; use module.init_cache()")
-        pad = key_padding_from_mask(cls, mask, b, n, n + (cache.length if cache is not None else 0), x.device)
+        total = n + (cache.length if cache is not None else 0)
+        pad = key_padding_from_mask(cls, mask, b, n, total, x.device)
+        if pad is not None:  # the whole mask given ([B, N] or [B, cache.length + N]): left/right padding only
+            width = mask.shape[-1] if isinstance(mask, Tensor) else total
+            _check_padding(cls, key_padding_from_mask(cls, mask, b, width, total, x.device), cache is not None)
         q, k, v = self.project_qkv(x)  # [B, H, N, D] each
         kw: dict[str, Any] = {"segment_len": self.segment_len, "update": self.update, "key_padding_mask": pad,
                               "window": self.window, "backend": self.backend}
@@ -181,6 +187,22 @@ class InfiniAttention(AttentionBase):
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"segment_len={self.segment_len}, update={self.update!r}, backend={self.backend!r}, "
                 f"window={self.window}")
+
+
+def _check_padding(cls: str, m: Tensor | None, cached: bool) -> None:
+    """Key padding ``m [B, L]`` (True = real; every key given) that Infini-attention serves as each row
+    alone: left padding (segments count each row's real tokens), and right padding without a cache.
+    A pad between real tokens, or after one with a cache, is a ``ValueError`` (the segments would
+    count the pad's stream position, or the buffered segment would outgrow ``segment_len``)."""
+    if m is None or m.shape[1] < 2:
+        return
+    after_real = m.cummax(dim=1).values & ~m  # [B, L] pads after a real token
+    if cached and bool(after_real.any()):
+        raise ValueError(f"{cls} (variant 'infini'): mask / attention_mask pads a token after a real one in a "
+                         f"cached call; with a cache only left padding is supported")
+    if bool((after_real.cummax(dim=1).values & m).any()):
+        raise ValueError(f"{cls} (variant 'infini'): mask / attention_mask pads a token between two real ones; "
+                         f"only left or right padding is supported (segments count each row's real tokens)")
 
 
 # --------------------------------------------------------------------------- variant spec
