@@ -12,10 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import attnzoo as az
-from attnzoo.interop import from_hf, load_pretrained
+from attnzoo.interop import UnsupportedConfigError, from_hf, load_pretrained
 
 V = 128
 TOL = 1e-4
@@ -24,10 +25,15 @@ SMALL = dict(hidden_size=64, intermediate_size=96, vocab_size=V, max_position_em
 
 
 def perturbed(model: Any, seed: int = 0, scale: float = 0.1) -> Any:
+    """Every parameter, and the expert-choice biases (DeepSeek's ``e_score_correction_bias``
+    buffers, zeros at init), plus seeded noise."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn(b.shape, generator=g) * scale)
     return model.eval()
 
 
@@ -110,6 +116,25 @@ def check_cached_decode(make: Callable[[], Any], n: int = 20, prefill: int = 7) 
         steps += [ours(x[:, t:t + 1], cache=cache) for t in range(prefill, n)]
     err = rel(torch.cat(steps, dim=1), full)
     assert err <= TOL, f"cached decode vs full forward: relative error {err:.2e}"
+
+
+def check_packed_equals_each_alone(make: Callable[[], Any], lengths: tuple[int, ...] = (5, 11, 1, 8)) -> None:
+    """Packed sequences (``cu_seqlens``) through the converted model == each sequence alone."""
+    ours = from_hf(hf_model(make()))
+    seqs = [tokens(n, batch=1, seed=10 + i) for i, n in enumerate(lengths)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        packed = ours(torch.cat(seqs, dim=1), cu_seqlens=cu)
+        alone = torch.cat([ours(s) for s in seqs], dim=1)
+    assert rel(packed, alone) <= 1e-5
+
+
+def check_refused(model_class: Any, make: Callable[[], Any], key: str, value: Any, named: str) -> None:
+    """Setting ``key=value`` on the config makes ``from_hf`` refuse, naming ``named``."""
+    hf = model_class(make())
+    setattr(hf.config, key, value)
+    with pytest.raises(UnsupportedConfigError, match=named):
+        from_hf(hf)
 
 
 def check_folder(make: Callable[[], Any], tmp_path: Path) -> None:

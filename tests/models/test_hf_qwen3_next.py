@@ -8,12 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import UnsupportedConfigError, from_hf  # noqa: E402
+from attnzoo.interop import from_hf  # noqa: E402
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet  # noqa: E402
 from attnzoo.nn.moe import MixtureOfExperts  # noqa: E402
 
@@ -36,21 +35,11 @@ def test_layer_structure() -> None:
 
 
 def test_packed_sequences_equal_each_alone() -> None:
-    ours = from_hf(checks.hf_model(_config()))
-    lengths = [5, 11, 1, 8]
-    seqs = [checks.tokens(n, batch=1, seed=10 + i) for i, n in enumerate(lengths)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    with torch.no_grad():
-        packed = ours(torch.cat(seqs, dim=1), cu_seqlens=cu)
-        alone = torch.cat([ours(s) for s in seqs], dim=1)
-    assert checks.rel(packed, alone) <= 1e-5
+    checks.check_packed_equals_each_alone(_config)
 
 
 def test_unsupported_options_are_named() -> None:
-    hf = T.Qwen3NextForCausalLM(_config())
-    hf.config.attention_bias = True
-    with pytest.raises(UnsupportedConfigError, match="attention_bias=True"):
-        from_hf(hf)
+    checks.check_refused(T.Qwen3NextForCausalLM, _config, "attention_bias", True, "attention_bias=True")
 
 
 class TestQwen3Next(checks.FamilyChecks):

@@ -20,10 +20,15 @@ C, HID, E = 16, 12, 4
 
 
 def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter, and the expert-choice bias buffers (ours ``score_bias``, transformers'
+    ``e_score_correction_bias``), drawn from N(0, 0.25)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for name, b in module.named_buffers():
+            if name.endswith(("score_bias", "e_score_correction_bias")):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
     return module.eval()
 
 
@@ -40,7 +45,14 @@ def _reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
         xt = xs[t]
         logits = p["router.weight"] @ xt + p.get("router.bias", 0.0)
         order = sorted(range(E), key=lambda e: -float(logits[e]))[: moe.top_k]
-        if moe.routing == "softmax_topk":
+        if moe.routing == "sigmoid_topk":  # the bias picks, the sigmoid weights
+            bias = moe.score_bias.double()
+            order = sorted(range(E), key=lambda e: -float(torch.sigmoid(logits[e]) + bias[e]))[: moe.top_k]
+            w = {e: torch.sigmoid(logits[e]) for e in order}
+            if moe.norm_topk_prob:
+                total = sum(w.values()) + 1e-20
+                w = {e: v / total for e, v in w.items()}
+        elif moe.routing == "softmax_topk":
             probs = torch.softmax(logits, 0)
             w = {e: probs[e] for e in order}
             if moe.norm_topk_prob:
@@ -85,6 +97,9 @@ CASES: dict[str, dict[str, Any]] = {
                              "experts": Experts("clamped_swiglu", swiglu_limit=1.0, swiglu_alpha=1.702, bias=True)},
     "topk_sigmoid_inputs_shared": {"routing": Routing("topk_sigmoid", weight_inputs=True), "shared": True},
     "shared_gated": {"routing": Routing("softmax_topk", norm_topk_prob=True), "shared": True, "shared_gate": True},
+    "sigmoid_topk_norm_scaled_shared": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, scaling=2.5),
+                                        "shared": True},
+    "sigmoid_topk": {"routing": Routing("sigmoid_topk")},
 }
 
 
@@ -148,6 +163,7 @@ T = transformers
 
 def _hf_blocks() -> dict[str, tuple[Any, Any, str]]:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
     from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
@@ -166,10 +182,13 @@ def _hf_blocks() -> dict[str, tuple[Any, Any, str]]:
         "llama4": (Llama4TextMoe, T.Llama4TextConfig(num_local_experts=E, intermediate_size=HID,
                                                      intermediate_size_mlp=HID, hidden_size=C,
                                                      num_experts_per_tok=1), "transposed"),
+        "kimi_linear": (KimiLinearMoE, T.KimiLinearConfig(num_local_experts=E, moe_intermediate_size=HID,
+                                                          n_shared_experts=2, routed_scaling_factor=2.5,
+                                                          **common), "deepseek"),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_norm", "qwen3_next", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_norm", "qwen3_next", "gpt_oss", "llama4", "kimi_linear"])
 def test_moe_equals_transformers_block(name: str) -> None:
     cls, cfg, layout = _hf_blocks()[name]
     theirs = _randomize(cls(cfg))

@@ -88,6 +88,10 @@ class DeltaNet(RecurrentMixer):
     def _log_decay(self, x: Tensor) -> Tensor | None:
         return None
 
+    def _l2(self, t: Tensor) -> Tensor:
+        """The L2 normalisation of the query/key heads ``[B, H, N, D]`` (over ``D``)."""
+        return F.normalize(t, dim=-1)
+
     def _beta(self, x: Tensor) -> Tensor:
         """``[B, Hv, N]`` in [0, 1] (or [0, 2] with ``allow_neg_eigval``)."""
         beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)
@@ -98,7 +102,7 @@ class DeltaNet(RecurrentMixer):
         new: dict[str, Tensor] = {}
         q, k, v = (self.heads(self.short_conv(n, p(x), pad, conv, new, cu=cu))
                    for n, p in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)))  # [B, H(v), N, D]
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = self._l2(q), self._l2(k)
         beta = self._beta(x)  # [B, Hv, N]
         log_decay = self._log_decay(x)  # [B, Hv, N(, D)] or None
         if pad is not None:  # a padded token neither writes (beta = 0) nor decays the state

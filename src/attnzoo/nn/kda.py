@@ -6,7 +6,7 @@ The gated delta rule with a decay per key channel (:func:`attnzoo.delta_rule` wi
 here and its fused ``conv1d`` is split by rows into ``q_conv``, ``k_conv``, ``v_conv``)::
 
     q, k, v = silu(conv(x W_q)), silu(conv(x W_k)), silu(conv(x W_v))       # short causal convolutions
-    q, k    = l2norm(q), l2norm(k)                                          # per head
+    q, k    = l2norm(q), l2norm(k)            # per head; x / sqrt(|x|^2 + qk_norm_eps)
     g_t     = -exp(A_log) * softplus(x_t W_fa W_fb + dt_bias)               # [Hv, D] per token, <= 0
     beta_t  = sigmoid(x_t W_b)                                              # [Hv]
     o       = delta_rule(q, k, v, beta, log_decay=g)                        # scale 1/sqrt(D)
@@ -62,6 +62,9 @@ class KimiDeltaAttention(DeltaNet):
             its own decay, ``beta`` and gate.
         allow_neg_eigval: ``beta`` in [0, 2] (see :class:`~attnzoo.nn.deltanet.DeltaNet`).
         norm_eps: epsilon of the gated RMSNorm (Kimi Linear's ``rms_norm_eps``).
+        qk_norm_eps: an epsilon inside the L2 norm of ``q`` and ``k``: ``x / sqrt(|x|^2 + eps)``
+            (Kimi Linear's checkpoints, as transformers and fla: ``1e-6``); ``0`` (default): the
+            exact ``x / |x|``.
         device, dtype: of the parameters.
 
     Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache`: the state ``[B, Hv, D, D]`` and the
@@ -70,11 +73,14 @@ class KimiDeltaAttention(DeltaNet):
 
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, bias: bool = False,
                  conv_size: int = 4, chunk_size: int = 64, num_v_heads: int | None = None,
-                 allow_neg_eigval: bool = False, norm_eps: float = 1e-6,
+                 allow_neg_eigval: bool = False, norm_eps: float = 1e-6, *, qk_norm_eps: float = 0.0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, conv_size=conv_size, output_gate=False,
                          chunk_size=chunk_size, num_v_heads=num_v_heads, allow_neg_eigval=allow_neg_eigval,
                          device=device, dtype=dtype)
+        if isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float)) or not 0 <= qk_norm_eps < 1:
+            raise ValueError(f"KimiDeltaAttention: qk_norm_eps must be a float in [0, 1), got {qk_norm_eps!r}")
+        self.qk_norm_eps = float(qk_norm_eps)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         d, v_inner = self.head_dim, self.num_v_heads * self.head_dim
         del self.norm  # the gated norm below replaces DeltaNet's per-head RMSNorm
@@ -86,6 +92,12 @@ class KimiDeltaAttention(DeltaNet):
         self.g_a_proj = nn.Linear(dim, d, bias=False, **fk)
         self.g_b_proj = nn.Linear(d, v_inner, bias=False, **fk)
         self.o_norm = GatedRMSNorm(d, norm_eps, fk)
+
+    def _l2(self, t: Tensor) -> Tensor:
+        """``t / sqrt(|t|^2 + qk_norm_eps)`` over the head width (``F.normalize`` when 0)."""
+        if not self.qk_norm_eps:
+            return super()._l2(t)
+        return t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + self.qk_norm_eps)
 
     def _log_decay(self, x: Tensor) -> Tensor:
         """``[B, Hv, N, D]``, ``<= 0``: ``-exp(A_log) * softplus(x W_fa W_fb + dt_bias)``."""

@@ -9,6 +9,10 @@ weights ``w``, and its output is ``sum_e w_e * expert_e(x)`` (or, with ``weight_
   over all ``E`` experts, the ``k`` largest kept; ``norm_topk_prob`` renormalises them to sum to 1.
 * ``"topk_softmax"`` (gpt-oss): the ``k`` largest logits, then a softmax over those ``k``.
 * ``"topk_sigmoid"`` (Llama-4): the ``k`` largest logits, each through a sigmoid (float32).
+* ``"sigmoid_topk"`` (DeepSeek-V3, Kimi Linear): ``p = sigmoid(l)`` in float32; the ``k`` experts
+  of largest ``p + score_bias`` (``score_bias [E]``, a buffer: transformers'
+  ``e_score_correction_bias``, which picks but does not weight) keep their ``p``;
+  ``norm_topk_prob`` divides them by their sum (plus ``1e-20``). One expert group only.
 
 The routing settings come as one :class:`Routing`, the experts' as one :class:`Experts`.
 ``Routing.scaling`` multiplies the routed weights (DeepSeek's ``routed_scaling_factor``).
@@ -31,7 +35,7 @@ from torch import Tensor, nn
 
 __all__ = ["EXPERT_ACTIVATIONS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
+ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_topk")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -60,8 +64,10 @@ class Routing:
     """How :class:`MixtureOfExperts` weights its experts (validated on construction).
 
     Args:
-        kind: ``"softmax_topk"``, ``"topk_softmax"`` or ``"topk_sigmoid"`` (module docstring).
-        norm_topk_prob: renormalise the kept softmax probabilities (``kind="softmax_topk"`` only).
+        kind: ``"softmax_topk"``, ``"topk_softmax"``, ``"topk_sigmoid"`` or ``"sigmoid_topk"``
+            (module docstring).
+        norm_topk_prob: renormalise the kept probabilities (``kind="softmax_topk"`` or
+            ``"sigmoid_topk"`` only).
         scaling: a factor on the routed weights (DeepSeek's ``routed_scaling_factor``).
         bias: a bias on the router (``router.bias [E]``).
         weight_inputs: scale each expert's input by its weight instead of its output (Llama-4).
@@ -78,8 +84,9 @@ class Routing:
             raise ValueError(f"Routing: kind must be one of {list(ROUTINGS)}, got {self.kind!r}")
         for name in ("norm_topk_prob", "bias", "weight_inputs"):
             _flag(getattr(self, name), f"Routing: {name}")
-        if self.norm_topk_prob and self.kind != "softmax_topk":
-            raise ValueError(f"Routing: norm_topk_prob applies to kind='softmax_topk', got {self.kind!r}")
+        if self.norm_topk_prob and self.kind not in ("softmax_topk", "sigmoid_topk"):
+            raise ValueError(f"Routing: norm_topk_prob applies to kind='softmax_topk' or 'sigmoid_topk', "
+                             f"got {self.kind!r}")
         object.__setattr__(self, "scaling", _finite(self.scaling, "Routing: scaling"))
 
 
@@ -130,7 +137,8 @@ class MixtureOfExperts(nn.Module):
 
     Weights: ``router`` (``[E, C]``, bias ``[E]``), ``gate_proj``/``up_proj`` ``[E, F, C]``,
     ``down_proj`` ``[E, C, F]`` (biases ``gate_bias``/``up_bias`` ``[E, F]``, ``down_bias``
-    ``[E, C]``), ``shared_expert``, ``shared_gate``.
+    ``[E, C]``), ``shared_expert``, ``shared_gate``; buffer ``score_bias [E]`` (float32) with
+    ``"sigmoid_topk"``.
     Shapes: ``x [..., C] -> [..., C]``.
 
     Example: gpt-oss's layer is ``MixtureOfExperts(C, F, E, k, routing=Routing("topk_softmax",
@@ -165,6 +173,11 @@ class MixtureOfExperts(nn.Module):
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         E, F_, C = num_experts, hidden, dim
         self.router = nn.Linear(C, E, bias=routing.bias, **kw)
+        self.score_bias: Tensor | None
+        if routing.kind == "sigmoid_topk":
+            self.register_buffer("score_bias", torch.zeros(E, device=device, dtype=torch.float32))
+        else:
+            self.score_bias = None
         self.gate_proj = nn.Parameter(torch.empty(E, F_, C, **kw))
         self.up_proj = nn.Parameter(torch.empty(E, F_, C, **kw))
         self.down_proj = nn.Parameter(torch.empty(E, C, F_, **kw))
@@ -192,6 +205,12 @@ class MixtureOfExperts(nn.Module):
             weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif self.score_bias is not None:  # sigmoid_topk: the bias picks, the sigmoid weights
+            probs = torch.sigmoid(logits.to(wide))  # [T, E]
+            experts = torch.topk(probs + self.score_bias.to(wide), self.top_k, dim=-1)[1]  # [T, k]
+            weights = probs.gather(-1, experts)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         else:
             top, experts = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
             weights = (torch.softmax(top, dim=-1) if self.routing == "topk_softmax"

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
@@ -29,6 +30,7 @@ __all__ = [
     "block",
     "decoder",
     "finish",
+    "fuse_qkv_convs",
     "gated_mlp",
     "head_size_of",
     "layer_types",
@@ -182,6 +184,16 @@ def put_head(plan: Plan, head_size: int | None, tied: bool, ignore: list[str]) -
         plan.put("lm_head.weight", "score.weight")
     if head_size is not None:
         ignore.append(r"lm_head\.weight")
+
+
+def fuse_qkv_convs(sd: dict[str, Tensor], owner: str) -> dict[str, Tensor]:
+    """Saved folders keep a linear layer's short convolutions apart (``{owner}.q_conv1d.weight``,
+    ``k_conv1d``, ``v_conv1d``); transformers' module fuses them by rows into ``{owner}.conv1d.weight``.
+    Returns ``sd`` with every such triple fused (in place)."""
+    for key in [k for k in sd if k.endswith(f"{owner}.q_conv1d.weight")]:
+        head = key[: -len("q_conv1d.weight")]
+        sd[f"{head}conv1d.weight"] = torch.cat([sd.pop(f"{head}{n}_conv1d.weight") for n in "qkv"])
+    return sd
 
 
 def plan_for(sd: dict[str, Tensor], prefix: str, arch: str) -> Plan:

@@ -12,6 +12,9 @@ Layouts (``E`` experts, hidden ``F``, width ``C``):
   ``down_proj_bias [E, C]``.
 * ``"transposed"`` (Llama-4): ``router.weight``, ``experts.gate_up_proj [E, C, 2F]`` (columns
   ``[gate, up]``), ``experts.down_proj [E, F, C]``, ``shared_expert.{gate,up,down}_proj``.
+* ``"deepseek"`` (DeepSeek-V3's MoE, Kimi Linear): the stacked experts, ``gate.weight [E, C]``
+  with ``gate.e_score_correction_bias [E]``, ungated ``shared_experts.{gate,up,down}_proj``
+  (hidden ``moe_intermediate_size * n_shared_experts``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
 __all__ = ["LAYOUTS", "moe_from_config", "put_moe"]
 
-LAYOUTS = ("stacked", "interleaved", "transposed")
+LAYOUTS = ("stacked", "interleaved", "transposed", "deepseek")
 
 
 def _t(x: Tensor) -> Tensor:
@@ -39,6 +42,12 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
     """Plan the weights of the :class:`MixtureOfExperts` at ``ours`` (``"blocks.3.ffn."``) from
     transformers' MoE block at ``theirs`` (``"layers.3.mlp."``) in ``layout`` (see the module
     docstring)."""
+    if layout == "deepseek":
+        put_moe(plan, ours, theirs, "stacked")
+        plan.put(f"{ours}score_bias", f"{theirs}gate.e_score_correction_bias")
+        plan.put_pairs(f"{ours}shared_expert.", f"{theirs}shared_experts.",
+                       [(n, n) for n in ("gate_proj", "up_proj", "down_proj")], bias=False)
+        return  # its shared experts are always there (``shared``/``shared_gate`` do not apply)
     if layout == "stacked" and plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
         plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
         _put_per_expert(plan, ours, theirs)
@@ -114,4 +123,25 @@ def moe_from_config(hf: HFConfig, layout: str, *, device: Any = None, dtype: Any
         E, k, F_ = hf.req("num_local_experts"), hf.req("num_experts_per_tok"), hf.req("intermediate_size")
         return MixtureOfExperts(C, F_, E, k, routing=Routing("topk_sigmoid", weight_inputs=True),
                                 shared_expert=FeedForward(C, F_, "swiglu", bias=False, **kw), **kw)
+    if layout == "deepseek":
+        return _deepseek_moe(hf, kw)
     raise ValueError(f"moe_from_config: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+
+
+def _deepseek_moe(hf: HFConfig, kw: dict[str, Any]) -> nn.Module:
+    """DeepSeek-V3's MoE (sigmoid scores, the correction bias choosing, ``routed_scaling_factor``,
+    ``n_shared_experts`` ungated shared experts); the config read under its own names or under
+    the names transformers saves (``num_experts``, ``num_experts_per_token``, ...)."""
+    groups = hf.first(("n_group", "num_expert_group"), 1)
+    if groups != 1:
+        raise hf.unsupported(f"n_group={groups} (group-limited expert routing; supported: 1)")
+    C, F_ = hf.req("hidden_size"), hf.req("moe_intermediate_size")
+    E = hf.first(("n_routed_experts", "num_local_experts", "num_experts"), None)
+    k = hf.first(("num_experts_per_tok", "num_experts_per_token"), None)
+    if E is None or k is None:
+        raise hf.unsupported("a mixture of experts without num_experts / num_experts_per_tok")
+    routing = Routing("sigmoid_topk", norm_topk_prob=hf.first(("norm_topk_prob", "moe_renormalize"), True, bool),
+                      scaling=hf.get("routed_scaling_factor", 1.0, float))
+    n_shared = hf.first(("n_shared_experts", "num_shared_experts"), 0)
+    shared = FeedForward(C, F_ * n_shared, "swiglu", bias=False, **kw) if n_shared else None
+    return MixtureOfExperts(C, F_, E, k, routing=routing, shared_expert=shared, **kw)

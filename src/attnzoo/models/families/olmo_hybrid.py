@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 from torch import Tensor
 
 import attnzoo.models.families._common as parts
@@ -64,10 +63,7 @@ def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     for key, t in sd.items():
         key = key.replace(".attention_layer_norm.", ".input_layernorm.")
         out[key.replace(".feedforward_layer_norm.", ".post_attention_layernorm.")] = t
-    for key in [k for k in out if k.endswith("linear_attn.q_conv1d.weight")]:
-        head = key[: -len("q_conv1d.weight")]
-        out[f"{head}conv1d.weight"] = torch.cat([out.pop(f"{head}{n}_conv1d.weight") for n in "qkv"])
-    return out
+    return parts.fuse_qkv_convs(out, "linear_attn")
 
 
 def convert_olmo_hybrid(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:

@@ -1,5 +1,6 @@
 """Qwen3.5 (text) -> :class:`~attnzoo.DecoderLM`: ``Qwen3_5ForCausalLM`` and ``Qwen3_5TextModel``
-(``model_type="qwen3_5_text"``).
+(``model_type="qwen3_5_text"``); Qwen3.5-MoE (text): ``Qwen3_5MoeForCausalLM`` and
+``Qwen3_5MoeTextModel`` (``model_type="qwen3_5_moe_text"``).
 
 The Qwen3-Next stack (:mod:`attnzoo.models.families.qwen3_next`: gated DeltaNet with grouped
 value heads 3 : 1 gated full attention with partial rotary) with dense SwiGLU feed-forwards and
@@ -7,6 +8,10 @@ the linear layers' projections stored apart (``in_proj_qkv`` rows ``[q; k; v]``,
 ``in_proj_b``, ``in_proj_a``). Text positions only: the multimodal rope sections
 (``mrope_section``) rotate every frequency by the same text position, which is the plain
 (partial) RoPE.
+
+Qwen3.5-MoE is the same stack with Qwen3-Next's MoE (softmax then top-k, always renormalised,
+the sigmoid-gated shared expert) on every layer: its config has no ``intermediate_size``,
+``decoder_sparse_step``, ``mlp_only_layers`` nor ``norm_topk_prob``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families.qwen3_next import convert_qwen3_next, put_deltanet_rest
 from attnzoo.models.hf._state import HFConfig, Plan
 
-__all__ = ["convert_qwen3_5", "put_split_deltanet"]
+__all__ = ["convert_qwen3_5", "convert_qwen3_5_moe", "put_split_deltanet"]
 
 
 def put_split_deltanet(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
@@ -37,3 +42,14 @@ def convert_qwen3_5(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     return convert_qwen3_next(hf, sd, device=device, dtype=dtype, linear_map=put_split_deltanet)
 
 
+
+
+def convert_qwen3_5_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """Qwen3.5-MoE: the Qwen3-Next conversion with an MoE on every layer, renormalised top-k."""
+    for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
+        if hf.has(key):
+            raise hf.unsupported(f"{key}={hf.raw(key)!r} (Qwen3.5-MoE has an MoE on every layer, renormalised)")
+    hf.req("num_experts")
+    fixed = HFConfig({**hf.data, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                      "intermediate_size": hf.req("moe_intermediate_size")}, hf.source, hf.arch)
+    return convert_qwen3_next(fixed, sd, device=device, dtype=dtype, linear_map=put_split_deltanet)

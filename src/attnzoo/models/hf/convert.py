@@ -17,10 +17,11 @@ from torch import Tensor, nn
 
 from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.families.gpt_oss import convert_gpt_oss
+from attnzoo.models.families.kimi_linear import convert_kimi_linear
 from attnzoo.models.families.llama4 import convert_llama4
 from attnzoo.models.families.olmo3 import convert_olmo3
 from attnzoo.models.families.olmo_hybrid import convert_olmo_hybrid
-from attnzoo.models.families.qwen3_5 import convert_qwen3_5
+from attnzoo.models.families.qwen3_5 import convert_qwen3_5, convert_qwen3_5_moe
 from attnzoo.models.families.qwen3_next import convert_qwen3_next
 from attnzoo.models.families.smollm3 import convert_smollm3
 from attnzoo.models.hf._state import HFConfig
@@ -40,7 +41,8 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "Gemma3TextModel", "SmolLM3ForCausalLM",
                            "Olmo3ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
                            "Llama4TextModel", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
-                           "OlmoHybridForCausalLM")
+                           "OlmoHybridForCausalLM", "KimiLinearForCausalLM", "KimiLinearModel",
+                           "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -48,6 +50,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "olmo3": ("OLMo3", convert_olmo3), "gpt_oss": ("gpt-oss", convert_gpt_oss),
     "llama4_text": ("Llama-4", convert_llama4), "qwen3_next": ("Qwen3-Next", convert_qwen3_next),
     "qwen3_5_text": ("Qwen3.5", convert_qwen3_5), "olmo_hybrid": ("OLMo-hybrid", convert_olmo_hybrid),
+    "kimi_linear": ("Kimi Linear", convert_kimi_linear), "qwen3_5_moe_text": ("Qwen3.5-MoE", convert_qwen3_5_moe),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
