@@ -107,4 +107,9 @@ class CountingTask:
         return seq[:, :-1], seq[:, 1:]
 
     def evaluate(self, model: nn.Module, device: torch.device, seed: int) -> dict[str, float]:
-        raise NotImplementedError
+        """``val_loss`` (nats) on one held-out batch (steps below 0 are never trained on)."""
+        x, y = self.batch(-1, 8, seed)
+        with torch.no_grad():
+            logits = model(x.to(device))  # [B, N, V]
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+        return {"val_loss": float(loss)}

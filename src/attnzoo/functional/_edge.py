@@ -93,7 +93,9 @@ def _maybe_non_finite(*tensors: Tensor) -> bool:
     """Whether one of ``tensors`` may hold a NaN or inf: one reduction each (a NaN/inf anywhere makes
     the sum non-finite; ~10x cheaper than ``isfinite().all()`` on CPU). A sum that merely overflows
     answers ``True`` and only costs the exact inspection that follows."""
-    total = sum((t.sum() for t in tensors), torch.zeros((), dtype=tensors[0].dtype, device=tensors[0].device))
+    total = tensors[0].sum()
+    for t in tensors[1:]:
+        total = total + t.sum()
     return not bool(torch.isfinite(total))
 
 

@@ -33,6 +33,7 @@ by :func:`attnzoo.attention` without a copy (GQA/MQA).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -69,7 +70,7 @@ def transaction(cache: Any, fn: Callable[[], T]) -> T:
     return out
 
 
-class CompositeCache:
+class CompositeCache(abc.ABC):
     """The ``mark``/``rollback``/``commit`` protocol of a cache made of other caches (:meth:`parts`): a
     mark holds every part's mark, and opening a :func:`transaction` on the whole (``in_transaction``)
     opens it on every part, so the parts' own module calls join it: the whole call, every layer
@@ -77,9 +78,9 @@ class CompositeCache:
 
     _in_transaction: bool = False
 
+    @abc.abstractmethod
     def parts(self) -> list[Any]:
         """The member caches that exist now."""
-        raise NotImplementedError
 
     def _guarded_parts(self) -> list[Any]:
         return [c for c in self.parts() if callable(getattr(c, "mark", None))]
