@@ -21,8 +21,11 @@ What reaches :func:`attnzoo.attention`:
   lets a query see itself and the ``W - 1`` keys before it) plus a ``[B, 1, 1, Nk]`` key-padding
   mask, so the tiled backend runs its band path. Llama 4's chunked causal masks and the blockwise
   overlay (``causal | blockwise_overlay(ids)``) become :class:`attnzoo.masks.Mask` structure
-  (``HFMask.structure``), whose empty tiles the tiled backend skips. Any other mask function
-  (packed sequences, user ``or``/``and`` overlays) falls back to transformers' dense bool mask.
+  (``HFMask.structure``), whose empty tiles the tiled backend skips. Packed sequences (the
+  ``position_ids`` restarting at 0 that ``DataCollatorWithFlattening`` makes, over a causal or
+  sliding-window mask) keep their sequence ids (``HFMask.segments``) and run through
+  :func:`attnzoo.attention_varlen`: each sequence alone, no ``[Nq, Nk]`` mask. Any other mask
+  function (user ``or``/``and`` overlays) falls back to transformers' dense bool mask.
 * GQA: key/value arrive with ``Hkv`` heads and are passed as they are (no ``repeat_kv``).
 * ``scaling``, ``softcap``, ``dropout`` (the model passes 0 at eval), attention sinks
   (``s_aux``, or ``sinks`` per head or per query), T5's relative ``position_bias`` (added to the
@@ -50,6 +53,7 @@ from torch import Tensor
 from attnzoo import hf_kernels
 from attnzoo import masks as az_masks
 from attnzoo.functional.attention import attention
+from attnzoo.functional.varlen import attention_varlen
 
 #: registered name -> attnzoo backend
 BACKEND_BY_NAME: dict[str, str] = {
@@ -71,6 +75,10 @@ class HFMask:
         padding: bool ``[B, Nk]``, True for real keys; None when no key is padding.
         q_offset: position of the first query relative to the first key of this layer's K/V.
         q_length: ``Nq``; kv_length: ``Nk`` the attention function will receive.
+        structure: a position pattern replacing ``causal`` / ``sliding_window`` (chunked,
+            blockwise), or None.
+        segments: long ``[B, N]`` sequence ids of packed rows (``Nq == Nk == N``, keys and queries
+            the same tokens): a query sees only keys of its own sequence; None when not packed.
 
     ``ndim`` and ``shape`` describe the dense mask it stands for (``[B or 1, 1, Nq, Nk]``), so
     model code that inspects a prepared 4D mask (generation with static caches hands the masks
@@ -83,16 +91,16 @@ class HFMask:
     q_offset: int
     q_length: int
     kv_length: int
-    #: a position pattern replacing ``causal`` / ``sliding_window`` (chunked, blockwise), or None
     structure: az_masks.Mask | None = None
+    segments: Tensor | None = None
 
     ndim = 4
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(B or 1, 1, Nq, Nk)`` of the dense mask this stands for."""
-        if self.padding is not None:
-            batch = self.padding.shape[0]
+        if self.padding is not None or self.segments is not None:
+            batch = (self.padding if self.padding is not None else self.segments).shape[0]
         else:
             batch = max([1] + [leaf.batch or 1 for leaf in self.structure._leaves()] if self.structure else [1])
         return (batch, 1, self.q_length, self.kv_length)
@@ -105,7 +113,7 @@ class HFMask:
     def to_dense(self) -> Tensor:
         """Bool ``[B or 1, 1, Nq, Nk]`` (True = may attend), for tools that need a tensor."""
         q_length = self.q_length
-        dev = self.padding.device if self.padding is not None else None
+        dev = next((t.device for t in (self.padding, self.segments) if t is not None), None)
         qp = torch.arange(q_length, device=dev).view(-1, 1) + self.q_offset  # [Nq, 1]
         kp = torch.arange(self.kv_length, device=dev).view(1, -1)  # [1, Nk]
         ok = torch.ones(q_length, self.kv_length, dtype=torch.bool, device=dev)
@@ -119,7 +127,22 @@ class HFMask:
                                                  device=dev)
         if self.padding is not None:
             ok = ok & self.padding[:, None, None, :]
+        if self.segments is not None:
+            ok = ok & (self.segments[:, None, :, None] == self.segments[:, None, None, :])
         return ok
+
+    def cu_seqlens(self) -> Tensor:
+        """int32 ``[S+1]`` boundaries of the packed sequences over the ``B * N`` flattened tokens
+        (a sequence never spans two rows), for :func:`attnzoo.attention_varlen`."""
+        seg = self.segments
+        if seg is None:
+            raise ValueError("attnzoo: cu_seqlens() needs a packed mask (segments), got segments=None")
+        rows, n = seg.shape
+        new = torch.ones(rows, n, dtype=torch.bool, device=seg.device)
+        new[:, 1:] = seg[:, 1:] != seg[:, :-1]  # each row starts a sequence
+        starts = new.reshape(-1).nonzero().reshape(-1)
+        end = torch.tensor([rows * n], device=seg.device)
+        return torch.cat([starts, end]).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- mask side
@@ -183,6 +206,28 @@ def _structured(mask_function: Callable, kv_offset: int) -> az_masks.Mask | None
     return None
 
 
+def _packed(mask_function: Callable) -> tuple[Callable, Tensor] | None:
+    """``(base mask function, sequence ids [B, N])`` of transformers' packed-sequence mask
+    (``and_masks(remap_positions_for_packed_sequence(base, position_ids),
+    packed_sequence_mask_function(ids))``), None otherwise."""
+    from transformers import masking_utils as mu
+
+    if getattr(mask_function, "__code__", None) is not mu.and_masks(mu.causal_mask_function).__code__:
+        return None
+    parts = _closure_value(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    remap, same = parts
+    ids = _closure_value(same, "packed_sequence_mask") if callable(same) else None
+    if getattr(same, "__code__", None) is not mu.packed_sequence_mask_function(torch.zeros(1, 1)).__code__ \
+            or getattr(remap, "__code__", None) is not mu.remap_positions_for_packed_sequence(
+                mu.causal_mask_function, torch.zeros(1, 1)).__code__ \
+            or not isinstance(ids, Tensor) or ids.dim() != 2:
+        return None
+    base = _closure_value(remap, "mask_function")
+    return (base, ids) if callable(base) else None
+
+
 def _padding(attention_mask: Tensor | None, kv_length: int, kv_offset: int) -> Tensor | None:
     """The layer's slice ``[B, Nk]`` of transformers' 2D padding mask, None if nothing is padded."""
     if attention_mask is None:
@@ -221,6 +266,13 @@ def attnzoo_mask(
     if isinstance(attention_mask, HFMask):  # already prepared (static-cache generation)
         return attention_mask
     fn = mu.causal_mask_function if mask_function is None else mask_function
+    packed = None if kwargs.get("use_vmap") else _packed(fn)
+    kind = None if packed is None else _classify(packed[0])
+    if kind is not None and packed is not None and packed[1].shape[-1] == q_length == kv_length \
+            and int(q_offset) == int(kv_offset) == 0 and _padding(attention_mask, kv_length, kv_offset) is None:
+        causal, window = kind
+        return HFMask(causal=causal, sliding_window=window, padding=None, q_offset=0, q_length=int(q_length),
+                      kv_length=int(kv_length), segments=packed[1].expand(batch_size, -1).long())
     kind = None if kwargs.get("use_vmap") else _classify(fn)
     structure = None if kind is not None or kwargs.get("use_vmap") else _structured(fn, int(kv_offset))
     if structure is not None:
@@ -252,6 +304,8 @@ def _mask_arguments(module: torch.nn.Module, key: Tensor, attention_mask: Any,
             raise ValueError(f"attnzoo: the mask was built for {attention_mask.kv_length} keys but the "
                              f"attention received {nk} (key shape {tuple(key.shape)})")
         pad = attention_mask.padding
+        if attention_mask.segments is not None:  # packed, not served by attention_varlen here: dense
+            return {"mask": attention_mask.to_dense(), "causal": False, "window": None, "q_offset": None}
         if attention_mask.structure is not None:  # chunked / blockwise: the Mask, AND the key padding
             m = attention_mask.structure
             return {"mask": m if pad is None else m & az_masks.key_padding(pad), "causal": False, "window": None,
@@ -281,7 +335,8 @@ SERVED_KEYWORDS: frozenset[str] = frozenset({
 #: Keywords that models forward to every attention function but that do not change the attention
 #: of the query/key/value/mask it receives (transformers' ``sdpa`` ignores them too): positions
 #: already applied by RoPE, cache and output flags, and flash-attention's varlen metadata (packed
-#: sequences reach attnzoo as the mask transformers builds from ``position_ids``, as for ``sdpa``).
+#: sequences reach attnzoo as the mask transformers builds from ``position_ids``: an
+#: :class:`HFMask` with ``segments``, run through :func:`attnzoo.attention_varlen`).
 NEUTRAL_KEYWORDS: frozenset[str] = frozenset({
     "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
@@ -365,6 +420,10 @@ def attnzoo_attention_forward(
         ``(out [B, Nq, Hq, Dv], weights [B, Hq, Nq, Nk] or None)``.
     """
     _check_keywords(module, kwargs)
+    if isinstance(attention_mask, HFMask) and attention_mask.segments is not None:
+        packed = _packed_forward(query, key, value, attention_mask, scaling, dropout, backend, kwargs)
+        if packed is not None:
+            return packed, None
     extra: dict[str, Any] = _mask_arguments(module, key, attention_mask, kwargs)
     if kwargs.get("position_bias") is not None:
         _with_bias(extra, kwargs["position_bias"])
@@ -388,6 +447,24 @@ def attnzoo_attention_forward(
         out = (out.to(kept.dtype) * kept).to(out.dtype)  # [B, Hq, Nq, Dv]
         weights = None if weights is None else weights * kept.to(weights.dtype)
     return out.transpose(1, 2).contiguous(), weights  # [B, Nq, Hq, Dv]
+
+
+def _packed_forward(query: Tensor, key: Tensor, value: Tensor, mask: HFMask, scaling: float | None,
+                    dropout: float, backend: str, kwargs: dict[str, Any]) -> Tensor | None:
+    """Packed rows through :func:`attnzoo.attention_varlen` (``[B, Nq, Hq, Dv]``), or None when the
+    call asks for what the packed path does not serve (weights, dropout, a position bias, per-query
+    sinks, a key length other than the mask's): the caller then uses the dense mask."""
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if kwargs.get("output_attentions") or float(dropout or 0.0) != 0.0 or kwargs.get("position_bias") is not None \
+            or (sinks is not None and (not isinstance(sinks, Tensor) or sinks.dim() != 1)) \
+            or key.shape[2] != mask.kv_length or query.shape[2] != mask.q_length:
+        return None
+    B, Hq, N, _ = query.shape
+    cu = mask.cu_seqlens().to(query.device)
+    flat = [t.transpose(1, 2).reshape(B * N, t.shape[1], t.shape[-1]) for t in (query, key, value)]  # [T, H, D]
+    out = attention_varlen(*flat, cu, cu, causal=mask.causal, window=mask.window, softcap=kwargs.get("softcap"),
+                           scale=scaling, sinks=sinks, backend=backend)
+    return out.reshape(B, N, Hq, value.shape[-1])  # [B, Nq, Hq, Dv]
 
 
 def _forward_for(backend: str) -> Callable[..., tuple[Tensor, Tensor | None]]:

@@ -1,0 +1,78 @@
+"""``attnzoo.hf.register()`` end to end on every family whose linear-attention layers call
+transformers' kernel hooks (Qwen3.5, Qwen3.5-MoE, OLMo-hybrid, Kimi Linear; Qwen3-Next has its
+own module, ``test_hf_kernels.py``): with attnzoo's kernels served, the logits of a left-padded
+batch and greedy generation (cached decode) equal those with transformers' own PyTorch fallback
+put back, and padding-free packed input gives each sequence's logits alone (the fallback
+refuses packed input)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import attnzoo.hf as azhf
+import hf_family_checks as checks
+from attnzoo import hf_kernels
+
+azhf.register()
+
+#: transformers' modeling module name -> the test module holding that family's tiny offline config
+FAMILIES = {"qwen3_5": "test_hf_qwen3_5", "qwen3_5_moe": "test_hf_qwen3_5_moe",
+            "olmo_hybrid": "test_hf_olmo_hybrid", "kimi_linear": "test_hf_kimi_linear"}
+
+
+def _config(family: str) -> Any:
+    make: Callable[..., Any] = importlib.import_module(FAMILIES[family])._config
+    return make()
+
+
+def _modeling(family: str) -> Any:
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def _run(hf: Any, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        logits = hf(input_ids=x, attention_mask=mask).logits
+    gen = hf.generate(input_ids=x[1:, :7], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return logits, gen
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_served_hooks_equal_the_fallback(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    modeling = _modeling(family)
+    served = [fn for (mod, fn) in hf_kernels.ORIGINALS if mod == family]
+    assert served, f"register() serves no hook of {family}"
+    assert all(getattr(modeling, fn) is not hf_kernels.ORIGINALS[(family, fn)] for fn in served)
+    hf = checks.hf_model(_config(family))
+    x, mask = checks.padded(30)
+    ours, gen = _run(hf, x, mask)
+    for fn in served:
+        monkeypatch.setattr(modeling, fn, hf_kernels.ORIGINALS[(family, fn)])
+    ref, ref_gen = _run(hf, x, mask)
+    real = mask.bool()
+    err = checks.rel(ours[real], ref[real])
+    assert err <= checks.TOL, f"{family}: served kernels vs fallback, max rel error {err:.2e} (hooks {served})"
+    assert torch.equal(gen, ref_gen), f"{family}: greedy generation differs\n{gen}\n{ref_gen}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_sequences_equal_each_alone(family: str) -> None:
+    """Padding-free input as ``DataCollatorWithFlattening`` makes it (``position_ids`` restarting,
+    ``cu_seq_lens_q/k``, no cache), lengths including 1."""
+    hf = checks.hf_model(_config(family))
+    lengths = [6, 1, 13, 9]
+    seqs = [checks.tokens(n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = hf(input_ids=torch.cat(seqs, dim=1), position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
+                    cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)).logits
+        alone = torch.cat([hf(input_ids=s, use_cache=False).logits for s in seqs], dim=1)
+    err = checks.rel(packed, alone)
+    assert err <= checks.TOL, f"{family}: packed vs each alone, lengths {lengths}: max rel error {err:.2e}"
