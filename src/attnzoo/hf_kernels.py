@@ -2,7 +2,8 @@
 :func:`attnzoo.hf.register`).
 
 transformers 5.x reaches the linear-attention kernels of its hybrid models (Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE, OLMo-hybrid, Kimi Linear) through module-level functions decorated with
+Qwen3.5-MoE, OLMo-hybrid, Kimi Linear) and of its Mamba-2 models (Mamba-2, Bamba, Granite-MoE-hybrid,
+Zamba2, Falcon-H1, Nemotron-H) through module-level functions decorated with
 ``use_kernel_func_from_hub_with_fallback``: a hub kernel, else the ``fla`` / ``causal_conv1d``
 package, else a slow PyTorch loop that also refuses packed sequences. :func:`install` replaces
 those module functions with attnzoo's exact kernels:
@@ -12,7 +13,13 @@ those module functions with attnzoo's exact kernels:
   channel) -> :func:`attnzoo.delta_rule` (chunked WY form; grouped value heads natively, q/k
   never expanded), ``cu_seqlens`` (or ``cu_seq_lens_q``) keeping packed sequences apart;
 * ``causal_conv1d_fn`` / ``causal_conv1d_update`` -> a depthwise causal conv that, given
-  ``cu_seq_lens_q`` or ``seq_idx``, never reads across a packed sequence boundary.
+  ``cu_seq_lens_q`` or ``seq_idx``, never reads across a packed sequence boundary;
+* ``mamba2_chunk_scan`` (Mamba-2's SSD scan, hub name ``mamba_chunk_scan_combined``) ->
+  :func:`attnzoo.gated_linear_attention` with one decay per head and token (``q = C``, ``k = B``,
+  ``v = x dt``, ``log_decay = dt A``, scale 1; B/C groups as grouped value heads), packed with
+  ``cu_seq_lens_q`` or ``seq_idx`` (transformers' own fallback ignores both and lets the state
+  flow from one packed sequence into the next); ``mamba2_selective_state_update`` (one decode
+  step) -> the same recurrence, one token.
 
 Layouts are transformers': ``q, k [B, N, Hk, Dk]``, ``v [B, N, Hv, Dv]``, ``g`` (log decay)
 ``[B, N, Hv]`` or ``[B, N, Hv, Dk]``, ``beta [B, N, Hv]``, states ``[B, Hv, Dk, Dv]`` (``[S, ...]``
@@ -30,12 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.functional.delta_rule import delta_rule
+from attnzoo.functional.gla import gated_linear_attention
 from attnzoo.models.families.qwen3_next import causal_conv, segment_ids
 
-__all__ = ["HOOKS", "ORIGINALS", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_rule", "install"]
+__all__ = ["HOOKS", "ORIGINALS", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_rule", "install",
+           "ssd_chunk_scan", "ssd_state_update"]
 
 #: transformers model modules with linear-attention hooks
-MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
+MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
+           "mamba2", "bamba", "granitemoehybrid", "zamba2", "falcon_h1", "nemotron_h")
 #: (module, function name) -> the transformers function it replaced
 ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
 
@@ -47,6 +57,90 @@ def _l2(x: Tensor) -> Tensor:
 def _packed(kwargs: dict[str, Any]) -> Tensor | None:
     cu = kwargs.get("cu_seqlens")
     return kwargs.get("cu_seq_lens_q") if cu is None else cu
+
+
+def _boundaries(kwargs: dict[str, Any], owner: str) -> Tensor | None:
+    """int32 ``cu_seqlens [S+1]`` from ``cu_seqlens`` / ``cu_seq_lens_q`` or from ``seq_idx [1, N]``
+    (the sequence index of each packed token), None when the input is not packed."""
+    cu = _packed(kwargs)
+    if cu is not None:
+        return cu.to(torch.int32)
+    seq_idx = kwargs.get("seq_idx")
+    if seq_idx is None:
+        return None
+    if not isinstance(seq_idx, Tensor) or seq_idx.dim() != 2 or seq_idx.shape[0] != 1:
+        raise ValueError(f"{owner}: seq_idx must be a tensor [1, N] (packed), got "
+                         f"{tuple(seq_idx.shape) if isinstance(seq_idx, Tensor) else type(seq_idx).__name__}")
+    ids = seq_idx[0]
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    end = torch.tensor([ids.numel()], device=ids.device)
+    return torch.cat([starts.nonzero().reshape(-1), end]).to(torch.int32)
+
+
+def _time_steps(dt: Tensor, dt_bias: Tensor | None, softplus: bool, limit: tuple[float, float], cdt: torch.dtype) -> Tensor:
+    """Mamba-2's step sizes: ``dt + dt_bias``, softplus when asked, clamped to ``limit``."""
+    dt = dt.to(cdt)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(cdt)
+    if softplus:
+        dt = F.softplus(dt)
+    return dt.clamp(min=limit[0], max=limit[1])
+
+
+def ssd_chunk_scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+                   D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
+                   dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),
+                   return_final_states: bool = False, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba-2's SSD scan in transformers' layout.
+
+    ``hidden_states x [B, N, H, P]``, ``dt [B, N, H]``, ``A [H]`` (``< 0``), ``B``/``C``
+    ``[B, N, G, Ns]`` (``H % G == 0``: head ``h`` reads group ``h // (H / G)``), ``D [H]``,
+    ``initial_states [B, H, P, Ns]``. With ``dt`` the step sizes (:func:`_time_steps`), the state
+    ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T`` and ``y_t = S_t C_t + D x_t``. Returns
+    ``y [B, N, H, P]`` in float32 (float64 for float64 input), as transformers' fallback, and with
+    ``return_final_states`` the last state ``[B, H, P, Ns]``. Packed input (``cu_seq_lens_q`` or
+    ``seq_idx``, ``B == 1``) restarts the state at every sequence start."""
+    owner = "mamba2_chunk_scan"
+    if kwargs.get("z") is not None:
+        raise NotImplementedError(f"{owner}: z (a gate inside the scan) is not served; the models gate after it")
+    cdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    step = _time_steps(dt, dt_bias, dt_softplus, dt_limit, cdt).transpose(1, 2)  # [B, H, N]
+    x = hidden_states.to(cdt).transpose(1, 2)  # [B, H, N, P]
+    q, k = (t.to(cdt).transpose(1, 2) for t in (C, B))  # [B, G, N, Ns]
+    cu = _boundaries(kwargs, owner)
+    if cu is not None and return_final_states:
+        raise ValueError(f"{owner}: packed input (cu_seq_lens_q / seq_idx) has one final state per sequence; "
+                         f"return_final_states=True expects one per batch row")
+    s0 = None if initial_states is None else initial_states.to(cdt).transpose(-1, -2)  # [B, H, Ns, P]
+    y, state = gated_linear_attention(q, k, x * step[..., None], A.to(cdt)[:, None] * step, scale=1.0,
+                                      initial_state=s0, return_state=True, chunk_size=chunk_size, cu_seqlens=cu)
+    if D is not None:
+        y = y + D.to(cdt)[:, None, None] * x
+    out = y.transpose(1, 2).contiguous()  # [B, N, H, P]
+    return (out, state.transpose(-1, -2)) if return_final_states else out
+
+
+def ssd_state_update(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                     D: Tensor | None = None, dt_bias: Tensor | None = None, dt_softplus: bool = False,
+                     z: Tensor | None = None, **kwargs: Any) -> Tensor:
+    """One Mamba-2 decode step (``selective_state_update``): ``state [B, H, P, Ns]`` (updated in
+    place), ``hidden_states x [B, H, P]``, ``dt [B, H, P]``, ``A [H, P, Ns]``, ``B``/``C [B, G, Ns]``,
+    ``D``/``dt_bias [H, P]``; ``S = exp(dt A) S + dt x B^T``, ``y = S C + D x`` (times
+    ``silu(z)`` when given). Returns ``y [B, H, P]`` in ``hidden_states``' dtype."""
+    cdt = torch.float64 if state.dtype == torch.float64 else torch.float32
+    step = _time_steps(dt, dt_bias, dt_softplus, (0.0, float("inf")), cdt)  # [B, H, P]
+    groups = state.shape[1] // B.shape[1]
+    Bh, Ch = (t.to(cdt).repeat_interleave(groups, dim=1)[:, :, None, :] for t in (B, C))  # [B, H, 1, Ns]
+    x = hidden_states.to(cdt)
+    new = state.to(cdt) * torch.exp(step[..., None] * A.to(cdt)) + (step * x)[..., None] * Bh
+    state.copy_(new.to(state.dtype))
+    y = (new * Ch).sum(-1)  # [B, H, P]
+    if D is not None:
+        y = y + D.to(cdt) * x
+    if z is not None:
+        y = y * F.silu(z.to(cdt))
+    return y.to(hidden_states.dtype)
 
 
 def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
@@ -128,6 +222,8 @@ HOOKS: dict[str, Callable[..., Any]] = {
     "recurrent_kimi_delta_attention": recurrent_gated_delta_rule,
     "causal_conv1d_fn": causal_conv1d_fn,
     "causal_conv1d_update": causal_conv1d_update,
+    "mamba2_chunk_scan": ssd_chunk_scan,
+    "mamba2_selective_state_update": ssd_state_update,
 }
 
 
