@@ -31,6 +31,11 @@ def _config(**kw: Any) -> Any:
                                  **kw})
 
 
+def _grouped_routing() -> Any:
+    """Group-limited routing: 8 experts in 4 groups, each token's 2 experts from its best 2 groups."""
+    return _config(num_local_experts=8, n_group=4, topk_group=2)
+
+
 def _low_rank_query() -> Any:
     """A low-rank query (``q_lora_rank``), unnormalised expert weights, two shared experts."""
     return _config(q_lora_rank=24, norm_topk_prob=False, n_shared_experts=2, linear_conv_kernel_dim=3)
@@ -61,7 +66,6 @@ def test_packed_sequences_equal_each_alone() -> None:
 
 
 @pytest.mark.parametrize(("key", "value", "named"), [("attention_bias", True, "attention_bias=True"),
-                                                     ("num_expert_group", 2, "n_group=2"),
                                                      ("hidden_act", "gelu", "hidden_act='gelu'")])
 def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None:
     checks.check_refused(T.KimiLinearForCausalLM, _config, key, value, named)
@@ -69,4 +73,4 @@ def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None
 
 class TestKimiLinear(checks.FamilyChecks):
     config = staticmethod(_config)
-    cases = (_low_rank_query,)
+    cases = (_grouped_routing, _low_rank_query)

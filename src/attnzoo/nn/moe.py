@@ -12,7 +12,10 @@ weights ``w``, and its output is ``sum_e w_e * expert_e(x)`` (or, with ``weight_
 * ``"sigmoid_topk"`` (DeepSeek-V3, Kimi Linear): ``p = sigmoid(l)`` in float32; the ``k`` experts
   of largest ``p + score_bias`` (``score_bias [E]``, a buffer: transformers'
   ``e_score_correction_bias``, which picks but does not weight) keep their ``p``;
-  ``norm_topk_prob`` divides them by their sum (plus ``1e-20``). One expert group only.
+  ``norm_topk_prob`` divides them by their sum (plus ``1e-20``). With ``groups = G > 1``
+  (group-limited routing, DeepSeek-V3's ``n_group`` / ``topk_group``) the ``E`` experts form
+  ``G`` consecutive groups, each scored by the sum of its two largest ``p + score_bias``; only the
+  ``topk_groups`` best groups' experts can be picked.
 
 The routing settings come as one :class:`Routing`, the experts' as one :class:`Experts`.
 ``Routing.scaling`` multiplies the routed weights (DeepSeek's ``routed_scaling_factor``).
@@ -71,6 +74,8 @@ class Routing:
         scaling: a factor on the routed weights (DeepSeek's ``routed_scaling_factor``).
         bias: a bias on the router (``router.bias [E]``).
         weight_inputs: scale each expert's input by its weight instead of its output (Llama-4).
+        groups: expert groups ``G`` of group-limited routing (``kind="sigmoid_topk"`` only; 1: none).
+        topk_groups: the groups a token's experts may come from (``1 <= topk_groups <= groups``).
     """
 
     kind: str = "softmax_topk"
@@ -78,6 +83,8 @@ class Routing:
     scaling: float = 1.0
     bias: bool = False
     weight_inputs: bool = False
+    groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTINGS:
@@ -88,6 +95,12 @@ class Routing:
             raise ValueError(f"Routing: norm_topk_prob applies to kind='softmax_topk' or 'sigmoid_topk', "
                              f"got {self.kind!r}")
         object.__setattr__(self, "scaling", _finite(self.scaling, "Routing: scaling"))
+        groups, topk_groups = _pos_int(self.groups, "groups"), _pos_int(self.topk_groups, "topk_groups")
+        if topk_groups > groups:
+            raise ValueError(f"Routing: topk_groups must be <= groups={groups}, got {topk_groups}")
+        if groups > 1 and self.kind != "sigmoid_topk":
+            raise ValueError(f"Routing: groups > 1 (group-limited routing) applies to kind='sigmoid_topk', "
+                             f"got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,12 @@ class MixtureOfExperts(nn.Module):
         E, F_, C = num_experts, hidden, dim
         self.router = nn.Linear(C, E, bias=routing.bias, **kw)
         self.score_bias: Tensor | None
+        self.groups, self.topk_groups = routing.groups, routing.topk_groups
+        if routing.groups > 1 and (E % routing.groups or E // routing.groups < 2
+                                   or top_k > routing.topk_groups * (E // routing.groups)):
+            raise ValueError(f"MixtureOfExperts: group-limited routing needs num_experts={E} divisible by "
+                             f"groups={routing.groups} into groups of >= 2 and top_k={top_k} <= topk_groups * "
+                             f"experts per group ({routing.topk_groups} * {E // routing.groups})")
         if routing.kind == "sigmoid_topk":
             self.register_buffer("score_bias", torch.zeros(E, device=device, dtype=torch.float32))
         else:
@@ -207,7 +226,7 @@ class MixtureOfExperts(nn.Module):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         elif self.score_bias is not None:  # sigmoid_topk: the bias picks, the sigmoid weights
             probs = torch.sigmoid(logits.to(wide))  # [T, E]
-            experts = torch.topk(probs + self.score_bias.to(wide), self.top_k, dim=-1)[1]  # [T, k]
+            experts = torch.topk(self._in_best_groups(probs + self.score_bias.to(wide)), self.top_k, dim=-1)[1]
             weights = probs.gather(-1, experts)
             if self.norm_topk_prob:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -218,6 +237,16 @@ class MixtureOfExperts(nn.Module):
         if self.routed_scaling != 1.0:
             weights = weights * self.routed_scaling
         return weights.to(x.dtype), experts, logits
+
+    def _in_best_groups(self, choice: Tensor) -> Tensor:
+        """``choice [T, E]`` with the experts outside each token's ``topk_groups`` best groups (a
+        group's score: the sum of its two largest choices) set to ``-inf``; unchanged for 1 group."""
+        if self.groups == 1:
+            return choice
+        by_group = choice.unflatten(-1, (self.groups, -1))  # [T, G, E / G]
+        best = by_group.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices  # [T, topk_groups]
+        keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(-1, best, True)  # [T, G]
+        return by_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert ``e`` on ``x [T, C]`` -> ``[T, C]``."""

@@ -132,16 +132,15 @@ def _deepseek_moe(hf: HFConfig, kw: dict[str, Any]) -> nn.Module:
     """DeepSeek-V3's MoE (sigmoid scores, the correction bias choosing, ``routed_scaling_factor``,
     ``n_shared_experts`` ungated shared experts); the config read under its own names or under
     the names transformers saves (``num_experts``, ``num_experts_per_token``, ...)."""
-    groups = hf.first(("n_group", "num_expert_group"), 1)
-    if groups != 1:
-        raise hf.unsupported(f"n_group={groups} (group-limited expert routing; supported: 1)")
+    groups = hf.first(("n_group", "num_expert_group"), 1) or 1
+    topk_groups = hf.first(("topk_group",), 1) or 1
     C, F_ = hf.req("hidden_size"), hf.req("moe_intermediate_size")
     E = hf.first(("n_routed_experts", "num_local_experts", "num_experts"), None)
     k = hf.first(("num_experts_per_tok", "num_experts_per_token"), None)
     if E is None or k is None:
         raise hf.unsupported("a mixture of experts without num_experts / num_experts_per_tok")
     routing = Routing("sigmoid_topk", norm_topk_prob=hf.first(("norm_topk_prob", "moe_renormalize"), True, bool),
-                      scaling=hf.get("routed_scaling_factor", 1.0, float))
+                      scaling=hf.get("routed_scaling_factor", 1.0, float), groups=groups, topk_groups=topk_groups)
     n_shared = hf.first(("n_shared_experts", "num_shared_experts"), 0)
     shared = FeedForward(C, F_ * n_shared, "swiglu", bias=False, **kw) if n_shared else None
     return MixtureOfExperts(C, F_, E, k, routing=routing, shared_expert=shared, **kw)

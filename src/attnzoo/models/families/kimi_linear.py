@@ -17,7 +17,7 @@
   ``e_score_correction_bias`` choosing the experts, ``routed_scaling_factor``, ungated shared
   experts) on the ``sparse`` layers, a dense SwiGLU on the ``dense`` ones.
 
-Refused by name: ``n_group > 1`` (group-limited routing), ``attention_bias``, an activation
+Group-limited routing (``n_group``, ``topk_group``) as transformers routes. Refused by name: ``attention_bias``, an activation
 other than SiLU, ``pretraining_tp != 1``.
 """
 
