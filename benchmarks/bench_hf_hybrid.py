@@ -4,8 +4,9 @@ three ways on the same weights:
 
 * ``hf-fallback``: transformers' eager model with its own PyTorch kernels (what a CPU gets
   without ``fla``: the chunked delta rule loop, ``F.conv1d``);
-* ``hf+attnzoo``: the same transformers model after ``attnzoo.hf.register()`` (its
-  linear-attention hooks served by :mod:`attnzoo.hf_kernels`);
+* ``hf+attnzoo``: the same transformers model after ``attnzoo.hf.register()``, run with
+  ``attn_implementation="attnzoo"`` (its full-attention layers through :func:`attnzoo.attention`)
+  and its linear-attention hooks served by :mod:`attnzoo.hf_kernels`;
 * ``attnzoo``: the model converted by ``attnzoo.interop.from_hf``.
 
 Times are medians of interleaved repeats (each way in turn, then again), so load from other
@@ -79,6 +80,7 @@ def main() -> None:
 
     def hf_logits(served: bool) -> torch.Tensor:
         _set_hooks(served)
+        hf.set_attn_implementation("attnzoo" if served else "eager")
         return hf(input_ids=x, use_cache=False).logits
 
     def train(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> None:
