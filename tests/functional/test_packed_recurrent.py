@@ -67,8 +67,18 @@ def i32(cu: list[int]) -> Tensor:
     return torch.tensor(cu, dtype=torch.int32)
 
 
+@pytest.fixture(params=["per_sequence", "padded"])
+def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the chunked form runs packed sequences: each alone (CPU's default) or padded to whole
+    chunks in one call (``_chunked_scan.PACK_CHUNKS_ON``: CUDA's default), forced here on CPU."""
+    import attnzoo.functional._chunked_scan as scan
+
+    monkeypatch.setattr(scan, "PACK_CHUNKS_ON", frozenset({"cpu", "cuda"} if request.param == "padded" else ()))
+    return str(request.param)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_equals_each_sequence_alone_in_the_token_loop(family: str) -> None:
+def test_packed_equals_each_sequence_alone_in_the_token_loop(family: str, packing: str) -> None:
     x, cu, f, kind = make(family, LENGTHS)
     ref, s_ref = packed_loop(kind, x["q"], x["k"], x["v"], x["g"], cu, x.get("beta"), s0=x["s0"])
     for form, chunk in [("recurrent", None), ("quadratic", None), ("chunked", 4), ("chunked", 64), ("auto", 8),
@@ -80,7 +90,7 @@ def test_packed_equals_each_sequence_alone_in_the_token_loop(family: str) -> Non
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_gradients_equal_each_sequence_alone(family: str) -> None:
+def test_packed_gradients_equal_each_sequence_alone(family: str, packing: str) -> None:
     """Gradients of one packed call equal the gradients of separate per-sequence calls."""
     lengths = [4, 1, 7, 0, 2]
     x, cu, f, _ = make(family, lengths, seed=1)
@@ -190,3 +200,44 @@ def test_a_packed_module_call_takes_no_cache_or_mask() -> None:
         m(x, cu_seqlens=i32([0, 2, 6]), mask=torch.ones(1, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match="batch size 1"):
         m(torch.randn(2, 6, 16), cu_seqlens=i32([0, 2, 6]))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunk_groups_record_one_split_and_one_cat_not_a_slice_per_group(packed: bool, packing: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many chunk groups (a tiny group budget) give the gradients of one group, and autograd records no
+    slice of a full-length tensor and no in-place write into one: each would make the backward build a
+    full-length gradient per group (quadratic in N; 16k tokens spent half their backward filling zeros)."""
+    import collections
+
+    import attnzoo.functional._chunked_scan as scan
+
+    gen = torch.Generator().manual_seed(0)
+    n = 300
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    x = {"q": q, "k": F.normalize(k, dim=-1), "v": v, "beta": torch.rand(1, 2, n, generator=gen, dtype=torch.float64),
+         "log_decay": -torch.rand(1, 2, n, 8, generator=gen, dtype=torch.float64)}
+    cu = torch.tensor([0, 37, 200, n], dtype=torch.int32) if packed else None
+
+    def grads(budget: int) -> tuple[list[torch.Tensor], collections.Counter[tuple[str, int]]]:
+        monkeypatch.setattr(scan, "GROUP_BUDGET_BYTES", budget)
+        leaves = {name: t.clone().requires_grad_() for name, t in x.items()}
+        out = az.delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], log_decay=leaves["log_decay"],
+                            form="chunked", chunk_size=16, cu_seqlens=cu)
+        nodes, seen, todo = collections.Counter(), set(), [out.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            sizes = tuple(getattr(fn, "_saved_self_sym_sizes", ()))
+            nodes[(type(fn).__name__, max(sizes, default=0))] += 1
+            todo.extend(nxt for nxt, _ in fn.next_functions)
+        return list(torch.autograd.grad(out.pow(2).sum(), list(leaves.values()))), nodes
+
+    want, _ = grads(scan.GROUP_BUDGET_BYTES)
+    got, nodes = grads(1)  # one chunk per group: 19 groups
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert not [key for key in nodes if key[0] == "CopySlices"]
+    assert not [key for key in nodes if key[0] in ("SliceBackward0", "SelectBackward0") and key[1] >= n]

@@ -48,6 +48,8 @@ __all__ = [
     "resolve_form",
     "run_family",
     "suffix_sum",
+    "token_prefix_sum",
+    "token_suffix_sum",
     "token_loop",
 ]
 
@@ -202,6 +204,21 @@ def suffix_sum(g: Tensor, dim: int) -> Tensor:
     return torch.cat([incl.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim=dim)
 
 
+def token_prefix_sum(g: Tensor) -> Tensor:
+    """``sum_{i <= t} g_i`` over the tokens of ``[..., C, Dk]`` (inclusive), as one matmul with a
+    lower-triangular matrix of ones: each entry a direct sum of its terms, and on CPU several times
+    faster than ``cumsum`` along a non-last dimension."""
+    c = g.shape[-2]
+    return torch.matmul(torch.ones(c, c, dtype=g.dtype, device=g.device).tril_(), g)
+
+
+def token_suffix_sum(g: Tensor, *, inclusive: bool = False) -> Tensor:
+    """``sum_{i > t} g_i`` (``i >= t`` with ``inclusive``) over the tokens of ``[..., C, Dk]``, as
+    :func:`token_prefix_sum` does (one matmul; the same values as :func:`suffix_sum` along ``-2``)."""
+    c = g.shape[-2]
+    return torch.matmul(torch.ones(c, c, dtype=g.dtype, device=g.device).triu_(0 if inclusive else 1), g)
+
+
 def _group_chunks(per_chunk_bytes: int, n_chunks: int) -> int:
     return max(1, min(n_chunks, GROUP_BUDGET_BYTES // max(1, per_chunk_bytes)))
 
@@ -230,16 +247,25 @@ def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[
     n, dv = v.shape[-2:]
     lead, tdim = v.shape[:-2], v.dim() - 2
     chunk = min(chunk, n)
-    out = v.new_empty(*lead, n, dv, dtype=s0.dtype)
     compiling = tracing() and segments is None
     carry = _Carry(s0, segments)
     step = _group_chunks(per_chunk_bytes, -(-n // chunk)) * chunk
     # compiled: one group, always padded, so that nothing loops or branches on the length
     groups = [(0, n)] if compiling else [(lo, min(n, lo + step)) for lo in range(0, n, step)]
-    for lo, hi in groups:
+    # Training: split the inputs once and concatenate the outputs once, so that the backward is one
+    # split and one cat. Per-group slices and in-place writes into `out` would each make autograd
+    # build a full-length gradient per group (quadratic in N: 16k tokens spent half their backward
+    # filling zeros).
+    recorded = _recorded(q, k, v, s0, *gates)
+    out = v.new_empty(*lead, n, dv, dtype=s0.dtype) if not recorded else v.new_empty(0)
+    sizes = [hi - lo for lo, hi in groups]
+    inputs = (q, k, v, *gates)
+    pieces = [inputs] if len(sizes) == 1 else list(zip(*(t.split(sizes, dim=tdim) for t in inputs), strict=True))
+    outs: list[Tensor] = []
+    for (lo, hi), piece in zip(groups, pieces, strict=True):
         m = -(-(hi - lo) // chunk)
         pad = m * chunk - (hi - lo)
-        xs = [t.narrow(tdim, lo, hi - lo).to(s0.dtype) for t in (q, k, v, *gates)]  # tokens on dim tdim
+        xs = [t.to(s0.dtype) for t in piece]  # tokens on dim tdim
         xs[0] = xs[0] * scale
         if compiling or pad:  # zero tokens at the end: no key, no write, no decay (pad unread when compiling)
             xs = [F.pad(t, (0, 0, 0, pad)) if t.dim() == v.dim() else F.pad(t, (0, pad)) for t in xs]
@@ -257,7 +283,13 @@ def chunked_scan(parts: Parts, q: Tensor, k: Tensor, v: Tensor, gates: Sequence[
         else:
             starts = carry.run(a, r, lo // chunk)
         o = o_intra + torch.matmul(q_state, starts)  # [*L, m, C, Dv]
-        out.narrow(tdim, lo, hi - lo).copy_(o.flatten(tdim, tdim + 1).narrow(tdim, 0, hi - lo))
+        o = o.flatten(tdim, tdim + 1).narrow(tdim, 0, hi - lo)
+        if recorded:
+            outs.append(o)
+        else:  # inference: written in place, no second full-length copy
+            out.narrow(tdim, lo, hi - lo).copy_(o)
+    if recorded:
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=tdim)
     return out, carry.end()
 
 
@@ -448,6 +480,20 @@ def token_loop(name: str, loop: Loop, shapes: Loop) -> Loop:
 
 
 # --------------------------------------------------------------------------- grouped heads, packing
+#: Device types on which packed sequences in the chunked form are padded to whole chunks and run as one
+#: call (``chunked_scan(segments=...)``); elsewhere each sequence runs alone (inputs split once). On CPU
+#: the per-sequence calls won every measured case (issue 34, 1 thread, 16k tokens, ``/tmp`` scripts
+#: timing both in alternation on the 2-core Xeon): inference 1.0x vs padded 1.06-1.29x, forward +
+#: backward with 16 / 256 / 1024 / 4096 sequences padded 1.03-1.24 / 1.02-1.24 / 1.06-1.85 / 4.5x the
+#: per-sequence time (padding to the chunk and a Python step per chunk). One call per sequence is a
+#: kernel launch each on a GPU, where packing is the usual choice (fla); unmeasured here.
+PACK_CHUNKS_ON: frozenset[str] = frozenset({"cuda"})
+
+
+def _recorded(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 #: ``form(q, k, v, gates, s0, chunk, segments) -> (out, S)`` on grouped views (q already scaled for
 #: the loop; see :func:`run_family`): one of a family's computation forms.
 Form = Callable[..., tuple[Tensor, Tensor]]
@@ -462,10 +508,11 @@ def run_family(forms: Mapping[str, Form], q: Tensor, k: Tensor, v: Tensor, gates
     gates and the state ``[B, Hk, G, ...]`` (``G = Hv / Hk``): value head ``j = h G + i`` reads key head
     ``h = j // G``, and ``q, k`` broadcast over ``G`` without a copy.
 
-    Packed sequences (``bounds = cu_seqlens``, ``B == 1``): the recurrent and quadratic forms run each
-    sequence alone; the chunked form pads every sequence with zero tokens (no write, no decay) to a
+    Packed sequences (``bounds = cu_seqlens``, ``B == 1``): each sequence runs alone (the inputs split
+    once, the outputs concatenated once), except the chunked form on the devices of
+    :data:`PACK_CHUNKS_ON`, which pads every sequence with zero tokens (no write, no decay) to a
     multiple of the chunk, runs all chunks at once and restarts the carried state at each sequence's
-    first chunk (``chunked_scan(segments=...)``), so the work is that of one call on ``T + S C`` tokens.
+    first chunk (``chunked_scan(segments=...)``): the work of one call on ``T + S C`` tokens.
     """
     hk, hv = k.shape[1], v.shape[1]
     grp = (hk, hv // hk)
@@ -475,14 +522,17 @@ def run_family(forms: Mapping[str, Form], q: Tensor, k: Tensor, v: Tensor, gates
     run = forms[form]
     if bounds is None:
         out, state = run(q5, k5, v5, g5, s5, chunk, None)
-    elif form != "chunked":  # one sequence at a time (the loop is the definition; quadratic: one chunk each)
+    elif form != "chunked" or v.device.type not in PACK_CHUNKS_ON:
+        # one sequence at a time: the definition for the loop, one chunk each for the quadratic form,
+        # and the chunked form where that measured faster than padding (see PACK_CHUNKS_ON)
+        lengths = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+        pieces = zip(*(t.split(lengths, dim=3) for t in (q5, k5, v5, *g5)), strict=True)  # one split: linear backward
         outs, states = [], []
-        for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-            if hi == lo:
+        for i, (n, part) in enumerate(zip(lengths, pieces, strict=True)):
+            if n == 0:
                 states.append(s5[i:i + 1])
                 continue
-            part = [t.narrow(3, lo, hi - lo) for t in (q5, k5, v5, *g5)]
-            o, s = run(*part[:3], part[3:], s5[i:i + 1], chunk, None)
+            o, s = run(*part[:3], list(part[3:]), s5[i:i + 1], chunk, None)
             outs.append(o)
             states.append(s)
         out, state = torch.cat(outs, dim=3), torch.cat(states, dim=0)
@@ -491,14 +541,19 @@ def run_family(forms: Mapping[str, Form], q: Tensor, k: Tensor, v: Tensor, gates
         c = min(chunk, max(lengths))
         blocks = [-(-n // c) for n in lengths]  # chunks per sequence
         firsts = [sum(blocks[:i]) for i in range(len(blocks))]
-        slots = torch.cat([torch.arange(lo, lo + n) for lo, n in zip((f * c for f in firsts), lengths, strict=False)])
-        slots = slots.to(v.device)  # [T]: each token's place in the padded stream
-        total = sum(blocks) * c
+        pads = [m * c - n for n, m in zip(lengths, blocks, strict=True)]
 
         def pack(t: Tensor) -> Tensor:
-            return t.new_zeros(*t.shape[:3], total, *t.shape[4:]).index_copy(3, slots, t)
+            """Each sequence followed by its zero tokens, in one copy (contiguous pieces, no scatter)."""
+            pieces = []
+            for piece, pad in zip(t.split(lengths, dim=3), pads, strict=True):
+                pieces.append(piece)
+                if pad:
+                    pieces.append(t.new_zeros(*t.shape[:3], pad, *t.shape[4:]))
+            return torch.cat(pieces, dim=3)
 
         o, state = run(*(pack(t) for t in (q5, k5, v5)), [pack(g) for g in g5], s5, c,
                        list(zip(firsts, blocks, strict=False)))
-        out = o.index_select(3, slots)
+        out = torch.cat([piece.narrow(3, 0, n) for piece, n in zip(o.split([m * c for m in blocks], dim=3), lengths,
+                                                                   strict=True)], dim=3)
     return out.flatten(1, 2), state.flatten(1, 2)

@@ -42,6 +42,8 @@ from attnzoo.functional._chunked_scan import (
     resolve_form,
     run_family,
     suffix_sum,
+    token_prefix_sum,
+    token_suffix_sum,
     token_loop,
 )
 from attnzoo.functional.gla import SUB_CHUNK, vector_scores
@@ -57,15 +59,15 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> tuple[Te
     dv = v.shape[-1]
     eye_c = torch.eye(c, dtype=k.dtype, device=k.device)
     if g.dim() == k.dim():  # per key channel: the scores are GLA's vector-decay scores
-        b = g.cumsum(dim=-2)  # [..., C, Dk]: log decay from the chunk start, <= 0
+        b = token_prefix_sum(g)  # [..., C, Dk]: log decay from the chunk start, <= 0
         gam = b.exp()
         shape = torch.broadcast_shapes(k.shape, g.shape)
         qx, kx = q.expand(shape), k.expand(shape)  # one chunk group's tiles, not a full-length copy
-        kk = vector_scores(kx, kx, g, SUB_CHUNK)  # [..., C, C]: sum_d k_td k_id exp(b_td - b_id), i <= t
-        p = vector_scores(qx, kx, g, SUB_CHUNK)
+        # [2, ..., C, C]: sum_d x_td k_id exp(b_td - b_id), i <= t, for x = k and x = q (the decays computed once)
+        kk, p = vector_scores(torch.stack([kx, qx]), kx, g, SUB_CHUNK).unbind(0)
         lower = (beta.unsqueeze(-1) * kk).tril(-1)  # L
         k_gam = k * gam  # [..., C, Dk]: K Gamma
-        k_hat = k * suffix_sum(g, -2).exp()  # decayed to the chunk end
+        k_hat = k * token_suffix_sum(g).exp()  # decayed to the chunk end
         a_diag = torch.diag_embed(b[..., -1, :].exp())  # [..., Dk, Dk]
     else:
         b = g.cumsum(dim=-1)  # [..., C]
@@ -120,7 +122,8 @@ def _forms(scale: float) -> dict[str, Callable[..., tuple[Tensor, Tensor]]]:
     def chunked(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
                 segments: list[tuple[int, int]] | None) -> tuple[Tensor, Tensor]:
         c, dk, dv = min(chunk, v.shape[-2]), k.shape[-1], v.shape[-1]
-        vec = 4 * c * c * dk if gates[1].dim() == v.dim() else 0  # the vector-decay scores' temporaries
+        # the two vector-decay score calls' temporaries: per halving level O(C Dk), diagonal blocks [sub, sub, Dk]
+        vec = 2 * c * dk * (3 * min(SUB_CHUNK, c) + 6) if gates[1].dim() == v.dim() else 0
         per_chunk = v[..., 0, 0].numel() * s0.element_size() * (6 * c * c + 6 * c * (dk + dv)
                                                                 + 3 * dk * (dk + dv) + vec)
         return chunked_scan(_parts, q, k, v, gates, s0, c, per_chunk, scale, segments)

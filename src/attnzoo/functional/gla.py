@@ -21,6 +21,12 @@ down to ``sub`` tokens; the ``sub x sub`` blocks left on the diagonal are comput
 (a ``[sub, sub, Dk]`` tensor). With a scalar decay per token the decay factors out
 of the sum over d: ``A = (Q K^T) * exp(b_t - b_s)``.
 
+Fast plan (:func:`_plan`, chosen per call from the decays): when every block of
+``MATMUL_SUB_CHUNK`` tokens decays by at most ``MATMUL_DIAGONAL_SPAN`` per channel, the halving stops
+at those blocks and each is one matmul of ``q_t exp(b_t - b_m)`` and ``k_s exp(b_m - b_s)`` (``m`` its
+middle token; one factor may exceed 1 by at most ``exp(span)``), masked to ``s <= t``. Otherwise the
+exact plan above runs. Both give the definition to float64 rounding (``docs/recurrent.md``).
+
 The halving runs as one operator, ``attnzoo::gla_vector_scores``, whose backward is the same
 halving again (a block's ``dq_t = exp(b_t - b_r) (dA k_ref)``, ``dk_s = exp(b_r - b_s) (dA^T q_ref)``;
 the diagonal blocks elementwise) and ``dg`` the suffix sum of ``db = q dq - k dk``: in eager mode
@@ -52,12 +58,19 @@ from torch import Tensor
 
 from attnzoo._devices import tracing
 from attnzoo.functional import _chunked_scan as scan
-from attnzoo.functional._chunked_scan import log_segsum, suffix_sum
+from attnzoo.functional._chunked_scan import log_segsum, suffix_sum, token_prefix_sum, token_suffix_sum
 
-__all__ = ["COMPILED_SUB_CHUNK", "SUB_CHUNK", "gated_linear_attention", "run_gla", "vector_scores"]
+__all__ = ["COMPILED_SUB_CHUNK", "MATMUL_DIAGONAL_SPAN", "MATMUL_SUB_CHUNK", "SUB_CHUNK", "gated_linear_attention", "run_gla", "vector_scores"]
 
 #: Length of the diagonal blocks the halving of the vector-decay scores stops at (computed elementwise).
 SUB_CHUNK = 4
+#: Diagonal block length of the fast plan (see :func:`_plan`): the halving stops at blocks of this many
+#: tokens and each is one matmul instead of an elementwise ``[sub, sub, Dk]`` tensor.
+MATMUL_SUB_CHUNK = 16
+#: The fast plan's bound on ``-(total log decay of one diagonal block)`` per channel, by compute dtype: the
+#: block's factors ``exp(+-(b_t - b_m))`` stay within ``exp(span)`` (float32 ``exp(20) ~ 5e8``: no overflow,
+#: and the products that survive the causal mask are at most ``|q_d k_d|``, so no precision is lost).
+MATMUL_DIAGONAL_SPAN = {torch.float32: 20.0, torch.float64: 50.0}
 #: Block length of the loop-free vector-decay scores of a compiled graph (smaller blocks make many tiny
 #: matmuls: 4 ran the compiled call 2x slower than eager; 8 and 16 ran it at 0.7-0.9x, issue 20).
 COMPILED_SUB_CHUNK = 16
@@ -77,7 +90,7 @@ def _level_decays(g: Tensor, w: int) -> tuple[Tensor, Tensor]:
     """One halving level (segments of ``2w`` tokens, ``r`` the last token of each first half):
     ``exp(b_t - b_r)`` on the second halves and ``exp(b_r - b_s)`` on the first halves, ``[..., P, w, Dk]``."""
     gh = g.unflatten(-2, (-1, 2, w))  # [..., P, 2, w, Dk]
-    return gh[..., 1, :, :].cumsum(dim=-2).exp(), suffix_sum(gh[..., 0, :, :], -2).exp()
+    return token_prefix_sum(gh[..., 1, :, :]).exp_(), token_suffix_sum(gh[..., 0, :, :]).exp_()
 
 
 def _level_block(x: Tensor, w: int) -> Tensor:
@@ -97,15 +110,60 @@ def _by_block(t: Tensor, sub: int) -> Tensor:
     return t.unflatten(-2, (-1, sub)).transpose(-1, -2)
 
 
+def _plan(g: Tensor, sub: int) -> tuple[int, bool]:
+    """``(sub, matmul_diagonal)`` for the scores of one call (the same for its backward: it reads g only).
+
+    The fast plan stops the halving at :data:`MATMUL_SUB_CHUNK` tokens and computes each diagonal block
+    as one matmul (:func:`_diagonal_factors`); it needs every such block's total log decay per channel to
+    be at least ``-MATMUL_DIAGONAL_SPAN`` (checked on the values: weak decays, as trained GLA/KDA layers
+    mostly have). Stronger decays, other dtypes, ``sub`` already at least a block (the quadratic form),
+    or a chunk shorter than two blocks keep the exact elementwise plan with ``sub``.
+    """
+    c = g.shape[-2]
+    span = MATMUL_DIAGONAL_SPAN.get(g.dtype)
+    if span is None or sub >= MATMUL_SUB_CHUNK or c < 2 * MATMUL_SUB_CHUNK or g.numel() == 0:
+        return sub, False
+    pad = -c % MATMUL_SUB_CHUNK
+    totals = F.pad(g, (0, 0, 0, pad)).unflatten(-2, (-1, MATMUL_SUB_CHUNK)).sum(dim=-2)  # [..., nb, Dk]
+    if bool(totals.min() >= -span):
+        return MATMUL_SUB_CHUNK, True
+    return sub, False
+
+
+def _diagonal_factors(g: Tensor, sub: int) -> tuple[Tensor, Tensor]:
+    """``(exp(b_t - b_m), exp(b_m - b_t))`` per diagonal block, ``[..., nb, sub, Dk]``, with ``b`` the
+    block's inclusive prefix sum of ``g`` and ``m`` its middle token: ``A[t, s] = (q_t e_t) . (k_s f_s)``
+    for ``s <= t`` (entries above the diagonal are computed too and masked by the callers)."""
+    rel = torch.matmul(_midpoint_sums(sub, g), g.unflatten(-2, (-1, sub)))  # [..., nb, sub, Dk]: b_t - b_m
+    return rel.exp(), rel.neg().exp_()
+
+
+def _midpoint_sums(sub: int, like: Tensor) -> Tensor:
+    """``M [sub, sub]`` with ``(M g)_t = b_t - b_m`` summed directly (``m = sub/2 - 1``): ``+g_i`` for
+    ``m < i <= t`` below the midpoint's row, ``-g_i`` for ``t < i <= m`` above it."""
+    t = torch.arange(sub, device=like.device)
+    i, m = t[None, :], sub // 2 - 1
+    after, before = (i > m) & (i <= t[:, None]), (i > t[:, None]) & (i <= m)
+    return after.to(like.dtype) - before.to(like.dtype)
+
+
+def _causal_block_mask(sub: int, like: Tensor) -> Tensor:
+    """``[sub, sub]`` lower-triangular (diagonal included) mask in ``like``'s dtype and device."""
+    return torch.ones(sub, sub, dtype=like.dtype, device=like.device).tril_()
+
+
 def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
     """``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` for ``s <= t`` (0 above). ``[..., C, Dk]`` -> ``[..., C, C]``.
 
     Halving: at each level the chunk is a row of segments of ``2w`` tokens; the block "second half
     x first half" of each segment is one matmul of ``q_t exp(b_t - b_r)`` and ``k_s exp(b_r - b_s)``,
     ``r`` the segment's midpoint (prefix and suffix sums inside a half: never positive). The
-    ``sub x sub`` blocks on the diagonal are left, computed elementwise (``[sub, sub, Dk]``).
+    ``sub x sub`` blocks on the diagonal are left, computed elementwise (``[sub, sub, Dk]``) or, in the
+    fast plan of :func:`_plan`, as one matmul each. ``q`` may carry leading stack dimensions ``[S, ..., C,
+    Dk]`` (several query sets against one ``k``, ``g``: the decays are computed once) -> ``[S, ..., C, C]``.
     """
     c = q.shape[-2]
+    sub, matmul_diagonal = _plan(g, sub)
     sub, levels, (q, k, g) = _padded(q, k, g, sub)
     cp = q.shape[-2]
     scores = q.new_zeros(*q.shape[:-2], cp, cp)
@@ -115,9 +173,15 @@ def _vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
         q_ref = q.unflatten(-2, (-1, 2, w))[..., 1, :, :] * a_q  # [..., P, w, Dk]
         k_ref = k.unflatten(-2, (-1, 2, w))[..., 0, :, :] * a_k
         _level_block(scores, w).copy_(torch.matmul(q_ref, k_ref.transpose(-1, -2)))
-    qt, kt = _by_block(q, sub), _by_block(k, sub)  # [..., nb, Dk, sub]
-    decay = log_segsum(_by_block(g, sub)).exp_()  # [..., nb, Dk, t, s]
-    _diagonal_blocks(scores, sub).copy_((qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3))
+    if matmul_diagonal:
+        e, f = _diagonal_factors(g, sub)  # [..., nb, sub, Dk]
+        qb, kb = q.unflatten(-2, (-1, sub)) * e, k.unflatten(-2, (-1, sub)) * f
+        diag = torch.matmul(qb, kb.transpose(-1, -2)).mul_(_causal_block_mask(sub, q))  # [..., nb, t, s]
+    else:
+        qt, kt = _by_block(q, sub), _by_block(k, sub)  # [..., nb, Dk, sub]
+        decay = log_segsum(_by_block(g, sub)).exp_()  # [..., nb, Dk, t, s]
+        diag = (qt.unsqueeze(-1) * decay * kt.unsqueeze(-2)).sum(dim=-3)
+    _diagonal_blocks(scores, sub).copy_(diag)
     return scores[..., :c, :c]
 
 
@@ -126,8 +190,10 @@ def _vector_scores_grad(d_scores: Tensor, q: Tensor, k: Tensor, g: Tensor, sub: 
     below the diagonal), by the same halving: a block's ``dq_t = exp(b_t - b_r) * (dA k_ref)`` and
     ``dk_s = exp(b_r - b_s) * (dA^T q_ref)``. Since ``dA[t, s] / db_t = -dA[t, s] / db_s = q_t k_s
     exp(b_t - b_s)`` (per d), ``db = q dq - k dk``, and ``b`` being the prefix sum of ``g``, ``dg`` is
-    the suffix sum of ``db`` (inclusive)."""
+    the suffix sum of ``db`` (inclusive). A stack of queries ``q [S, ..., C, Dk]`` (see
+    :func:`_vector_scores`) sums its share of ``dk`` and ``dg`` over ``S``."""
     c = q.shape[-2]
+    sub, matmul_diagonal = _plan(g, sub)
     sub, levels, (q, k, g) = _padded(q, k, g, sub)
     cp = q.shape[-2]
     da = F.pad(d_scores, (0, cp - c, 0, cp - c)) if cp > c else d_scores
@@ -138,15 +204,35 @@ def _vector_scores_grad(d_scores: Tensor, q: Tensor, k: Tensor, g: Tensor, sub: 
         qh, kh = q.unflatten(-2, (-1, 2, w)), k.unflatten(-2, (-1, 2, w))  # [..., P, 2, w, Dk]
         block = _level_block(da, w)  # [..., P, w (t), w (s)]
         dq.unflatten(-2, (-1, 2, w))[..., 1, :, :].add_(a_q * torch.matmul(block, kh[..., 0, :, :] * a_k))
-        dk.unflatten(-2, (-1, 2, w))[..., 0, :, :].add_(a_k * torch.matmul(block.transpose(-1, -2),
-                                                                           qh[..., 1, :, :] * a_q))
-    qt, kt = _by_block(q, sub), _by_block(k, sub)  # [..., nb, Dk, sub]
-    weight = log_segsum(_by_block(g, sub)).exp_() * _diagonal_blocks(da, sub).unsqueeze(-3)  # [..., nb, Dk, t, s]
-    dq.add_((weight * kt.unsqueeze(-2)).sum(dim=-1).transpose(-1, -2).flatten(-3, -2))
-    dk.add_((weight * qt.unsqueeze(-1)).sum(dim=-2).transpose(-1, -2).flatten(-3, -2))
-    db = q * dq - k * dk
-    dg = db.flip(-2).cumsum(dim=-2).flip(-2)
+        dk.unflatten(-2, (-1, 2, w))[..., 0, :, :].add_(a_k * _summed_to(
+            torch.matmul(block.transpose(-1, -2), qh[..., 1, :, :] * a_q), q, k))
+    _add_diagonal_grads(dq, dk, _diagonal_blocks(da, sub), q, k, g, sub, matmul_diagonal)
+    db = _summed_to(q * dq, q, k) - k * dk
+    dg = token_suffix_sum(db, inclusive=True)
     return dq[..., :c, :], dk[..., :c, :], dg[..., :c, :]
+
+
+def _add_diagonal_grads(dq: Tensor, dk: Tensor, d_diag: Tensor, q: Tensor, k: Tensor, g: Tensor, sub: int,
+                        matmul_diagonal: bool) -> None:
+    """Add the diagonal blocks' share of ``dq, dk [..., cp, Dk]`` for their score gradients
+    ``d_diag [..., nb, t, s]``, by the plan the forward used (see :func:`_plan`)."""
+    if matmul_diagonal:
+        e, f = _diagonal_factors(g, sub)  # [..., nb, sub, Dk]
+        d_blk = d_diag * _causal_block_mask(sub, q)
+        qb, kb = q.unflatten(-2, (-1, sub)) * e, k.unflatten(-2, (-1, sub)) * f
+        dq.unflatten(-2, (-1, sub)).add_(torch.matmul(d_blk, kb).mul_(e))
+        dk.unflatten(-2, (-1, sub)).add_(_summed_to(torch.matmul(d_blk.transpose(-1, -2), qb), q, k).mul_(f))
+        return
+    qt, kt = _by_block(q, sub), _by_block(k, sub)  # [..., nb, Dk, sub]
+    weight = log_segsum(_by_block(g, sub)).exp_() * d_diag.unsqueeze(-3)  # [..., nb, Dk, t, s]
+    dq.add_((weight * kt.unsqueeze(-2)).sum(dim=-1).transpose(-1, -2).flatten(-3, -2))
+    dk.add_(_summed_to((weight * qt.unsqueeze(-1)).sum(dim=-2).transpose(-1, -2).flatten(-3, -2), q, k))
+
+
+def _summed_to(t: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """``t`` summed over the leading stack dimensions ``q`` has beyond ``k`` (several query sets)."""
+    extra = q.dim() - k.dim()
+    return t.sum(dim=tuple(range(extra))) if extra > 0 else t
 
 
 @torch.library.custom_op("attnzoo::gla_vector_scores", mutates_args=())
@@ -220,8 +306,8 @@ def _blocked_vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
 def _parts(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, sub: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chunk parts ``(O_intra, Q', A, R)`` (see ``_chunked_scan``); g ``[..., C]`` or ``[..., C, Dk]``."""
     if g.dim() == q.dim():  # one decay per key dimension
-        b = g.cumsum(dim=-2)  # [..., C, Dk]: log decay from the chunk start to t
-        after = suffix_sum(g, -2)  # log decay from t to the chunk end
+        b = token_prefix_sum(g)  # [..., C, Dk]: log decay from the chunk start to t
+        after = token_suffix_sum(g)  # log decay from t to the chunk end
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, g))
         shape = torch.broadcast_shapes(q.shape, g.shape)
         qx, kx = q.expand(shape), k.expand(shape)  # grouped value heads: this group's tiles only

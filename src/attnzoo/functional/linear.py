@@ -27,7 +27,7 @@ The math runs in float32 (float64 for float64 inputs); the returned state is in 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -190,7 +190,16 @@ def _recurrent_shapes(fq: Tensor, fk: Tensor, v: Tensor, s: Tensor, z: Tensor) -
 _recurrent_op = token_loop("linear_recurrent", _recurrent, _recurrent_shapes)
 
 
-Featurizer = Callable[[int, int], Tensor]  # (lo, hi) -> features of tokens lo:hi [B, H, hi - lo, F]
+#: ``sizes -> features [B, H, n_i, F]`` of consecutive runs of ``n_i`` tokens (``sum(sizes)`` = all of them),
+#: one run at a time: the input is split once (a slice per run would make autograd build a full-length
+#: gradient per run, quadratic in N).
+Featurizer = Callable[[list[int]], Iterator[Tensor]]
+
+
+def runs(t: Tensor, sizes: list[int], dim: int) -> tuple[Tensor, ...]:
+    """``t`` split into runs of ``sizes`` along ``dim``; one run is ``t`` itself (no size enters a
+    compiled graph, so one graph serves every length)."""
+    return (t,) if len(sizes) == 1 else t.split(sizes, dim=dim)
 
 
 def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, z: Tensor, chunk: int,
@@ -207,20 +216,20 @@ def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, 
     b, h, n, dv = v.shape
     f = s.shape[2]
     chunk = min(chunk, n)  # a sequence shorter than one chunk is one chunk, not a padded one
-    out = v.new_empty(b, h, n, dv)
+    out: Tensor | None = None  # inference writes in place; with autograd recording, the runs are concatenated
     se = torch.cat([s, z.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv + 1]
     per_chunk = b * h * (3 * f * (dv + 1) + chunk * chunk + 3 * chunk * (f + dv + 1)) * v.element_size()
     g = max(1, min(-(-n // chunk), _GROUP_BUDGET_BYTES // max(1, per_chunk)))
     # Compiled: one group (a loop over groups would specialise the graph on the length N).
     compiling = tracing()
     step = n if compiling else g * chunk
-    for lo in [0] if compiling else range(0, n, step):
-        hi = min(n, lo + step)
-        m = -(-(hi - lo) // chunk)
-        pad = m * chunk - (hi - lo)
-        qs, ks = fq_fn(lo, hi), fk_fn(lo, hi)  # [B, H, n, F]
-        vs = v[:, :, lo:hi]
-        ve = torch.cat([vs, vs.new_ones(b, h, hi - lo, 1)], dim=-1)  # [B, H, n, Dv + 1]
+    sizes = [n] if compiling else [min(step, n - lo) for lo in range(0, n, step)]
+    outs: list[Tensor] = []
+    n_done = 0
+    for qs, ks, vs in zip(fq_fn(sizes), fk_fn(sizes), runs(v, sizes, 2), strict=True):  # [B, H, n, F]
+        m = -(-vs.shape[2] // chunk)
+        pad = m * chunk - vs.shape[2]
+        ve = torch.cat([vs, vs.new_ones(b, h, vs.shape[2], 1)], dim=-1)  # [B, H, n, Dv + 1]
         if pad:  # zero keys add nothing; zero queries are dropped below
             qs, ks, ve = (F.pad(t, (0, 0, 0, pad)) for t in (qs, ks, ve))
         qc = qs.reshape(b, h, m, chunk, f)  # [B, H, m, C, F]
@@ -234,8 +243,16 @@ def _chunked_causal(fq_fn: Featurizer, fk_fn: Featurizer, v: Tensor, s: Tensor, 
         s_pre = torch.cat([se.unsqueeze(2), kv[:, :, :-1]], dim=2).cumsum_(dim=2)  # [B, H, m, F, Dv + 1]
         nd = nd + torch.matmul(qc, s_pre)
         res = _divide(nd[..., :dv], nd[..., dv], eps).reshape(b, h, m * chunk, dv)
-        out[:, :, lo:hi] = res[:, :, : hi - lo]
+        if res.requires_grad:
+            outs.append(res[:, :, : vs.shape[2]])
+        else:
+            if out is None:
+                out = v.new_empty(b, h, n, dv)
+            out.narrow(2, n_done, vs.shape[2]).copy_(res[:, :, : vs.shape[2]])
+        n_done += vs.shape[2]
         se = s_pre[:, :, -1] + kv[:, :, -1]
+    if out is None:
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out, se[..., :dv], se[..., dv]
 
 
@@ -255,9 +272,10 @@ def feature_attention(
     """Attention from feature functions (shared by linear attention and Performer).
 
     Args:
-        fq_fn: ``(lo, hi) -> [B, H, hi - lo, F]`` query features of tokens ``lo:hi``, compute dtype.
-        fk_fn: the same for keys (padded keys already zeroed). The chunked causal form calls both
-            one group of chunks at a time, so the full ``[N, F]`` features never exist at once.
+        fq_fn: ``sizes -> iterator of [B, H, n_i, F]``: query features of consecutive runs of tokens,
+            compute dtype (see :data:`Featurizer`).
+        fk_fn: the same for keys (padded keys already zeroed). The chunked causal form asks for one
+            group of chunks at a time, so the full ``[N, F]`` features never exist at once.
         v: values ``[B, H, Nk, Dv]`` in the compute dtype.
         n_q: number of queries ``Nq``; n_feat: ``F``.
         causal: prefix attention (``Nq == Nk``).
@@ -283,7 +301,7 @@ def feature_attention(
     if causal and form in ("auto", "chunked"):
         out, s_end, z_end = _chunked_causal(fq_fn, fk_fn, v, s0, z0, chunk, eps)
         return out, (s_end, z_end)
-    fq, fk = fq_fn(0, n_q), fk_fn(0, n_k)
+    (fq,), (fk,) = fq_fn([n_q]), fk_fn([n_k])
     if form == "quadratic":
         num, den = _quadratic(fq, fk, v, causal, state, eps)
         kv = torch.matmul(fk.transpose(-1, -2), v)  # [B, H, F, Dv]
@@ -354,16 +372,16 @@ def linear_attention(
     # the feature count, from one token (the map is per token)
     n_feat = apply_feature_map(fn, q[:, :, :1].to(cdt), "q").shape[-1]
 
-    def fq_fn(lo: int, hi: int) -> Tensor:
-        return apply_feature_map(fn, q[:, :, lo:hi].to(cdt), "q")  # [B, H, n, F]
+    def fq_fn(sizes: list[int]) -> Iterator[Tensor]:
+        return (apply_feature_map(fn, part.to(cdt), "q") for part in runs(q, sizes, 2))  # [B, H, n, F]
 
-    def fk_fn(lo: int, hi: int) -> Tensor:
-        fk = apply_feature_map(fn, k[:, :, lo:hi].to(cdt), "k")  # [B, H, n, F]
-        if fk.shape[-1] != n_feat:
-            raise ValueError(f"feature_map gave {n_feat} features for q but {fk.shape[-1]} for k")
-        if pad is not None:
-            fk = fk * pad[:, None, lo:hi, None].to(cdt)  # padded keys contribute nothing
-        return fk
+    def fk_fn(sizes: list[int]) -> Iterator[Tensor]:
+        pads = [None] * len(sizes) if pad is None else runs(pad, sizes, 1)
+        for part, part_pad in zip(runs(k, sizes, 2), pads, strict=True):
+            fk = apply_feature_map(fn, part.to(cdt), "k")  # [B, H, n, F]
+            if fk.shape[-1] != n_feat:
+                raise ValueError(f"feature_map gave {n_feat} features for q but {fk.shape[-1]} for k")
+            yield fk if part_pad is None else fk * part_pad[:, None, :, None].to(cdt)  # padded keys: nothing
 
     st = check_state(state, b, h, n_feat, v.shape[-1], cdt, q.device)
     out, new_state = feature_attention(fq_fn, fk_fn, v.to(cdt), n_q, n_feat, causal=causal, form=form,

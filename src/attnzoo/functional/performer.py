@@ -27,6 +27,7 @@ key exponent ``w . x - |x|^2/2 = |w|^2/2 - |x - w|^2/2`` is bounded by ``|w|^2 /
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -40,6 +41,7 @@ from attnzoo.functional.linear import (
     check_key_padding,
     check_state,
     feature_attention,
+    runs,
 )
 from attnzoo.functional.rules import compute_dtype
 
@@ -183,13 +185,14 @@ def performer_attention(
     n_q = q.shape[2]
     stabilize = not causal and st is None and not return_state
 
-    def fq_fn(lo: int, hi: int) -> Tensor:
-        return performer_features(q[:, :, lo:hi].to(cdt), projection, is_query=True, root=root)
+    def fq_fn(sizes: list[int]) -> Iterator[Tensor]:
+        return (performer_features(part.to(cdt), projection, is_query=True, root=root) for part in runs(q, sizes, 2))
 
-    def fk_fn(lo: int, hi: int) -> Tensor:
-        return performer_features(k[:, :, lo:hi].to(cdt), projection, is_query=False,
-                                  key_padding_mask=None if pad is None else pad[:, lo:hi],
-                                  stabilize_keys=stabilize, root=root)
+    def fk_fn(sizes: list[int]) -> Iterator[Tensor]:
+        pads = [None] * len(sizes) if pad is None else runs(pad, sizes, 1)
+        return (performer_features(part.to(cdt), projection, is_query=False, key_padding_mask=part_pad,
+                                   stabilize_keys=stabilize, root=root)
+                for part, part_pad in zip(runs(k, sizes, 2), pads, strict=True))
 
     out, new_state = feature_attention(fq_fn, fk_fn, v.to(cdt), n_q, projection.shape[0], causal=causal,
                                        form=form, chunk_size=chunk, state=st, eps=0.0)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo.functional.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
 from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters
 from attnzoo.nn.recurrent import recurrent_cost, register_recurrent, wide
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
@@ -115,6 +116,20 @@ class KimiDeltaAttention(DeltaNet):
 
 
 # --------------------------------------------------------------------------- variant spec
+def _decay_sum_flops(c: int, d: int) -> int:
+    """Per token and head, the matmuls that sum the per-channel log decays in a chunk of ``c`` tokens
+    (``attnzoo.functional.gla``): the prefix and suffix sums over the chunk (``2 c d`` each), those of
+    every halving level over its halves (``2 (c' - sub) d`` in all, ``c'`` the chunk padded to
+    ``sub 2^levels``) and, in the fast plan (chunks of at least two diagonal blocks), each diagonal
+    block's midpoint sums and its two score matmuls (``6 sub d``)."""
+    fast = c >= 2 * MATMUL_SUB_CHUNK
+    sub = MATMUL_SUB_CHUNK if fast else SUB_CHUNK
+    padded = sub
+    while padded < c:
+        padded *= 2
+    return 4 * c * d + 2 * (padded - sub) * d + (6 * sub * d if fast else 0)
+
+
 def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     """Like Gated DeltaNet's, with the low-rank (rank ``D``) gate and output-gate projections instead of
     Gated DeltaNet's full output gate; the per-channel scores ``Q K^T`` and ``K K^T`` are computed by
@@ -126,6 +141,7 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     up = 2 * shape.batch * shape.seq_len * D * inner * 2  # f_b_proj and g_b_proj
     c = min(cfg.chunk_size or 64, shape.seq_len)
     halving = shape.batch * H * shape.seq_len * 2 * c * D  # Q K^T and K K^T by halving: the lower half only
+    halving -= shape.batch * H * shape.seq_len * _decay_sum_flops(c, D)
     return replace(est, flops_projections=est.flops_projections + up, flops_backward=est.flops_backward + 2 * up,
                    flops_attention=est.flops_attention - halving, flops_useful=est.flops_useful - halving)
 

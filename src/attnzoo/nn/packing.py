@@ -39,7 +39,9 @@ def run_per_sequence(forward: Callable[[Tensor], Tensor], x: Tensor, cu_seqlens:
     """``forward`` on each packed sequence of ``x [1, T, C]`` alone -> ``[1, T, C_out]`` (``cu_seqlens``
     validated by the caller; empty sequences are skipped)."""
     bounds = [int(c) for c in cu_seqlens.tolist()]
-    outs = [forward(x[:, lo:hi]) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+    lengths = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    # one split, not a slice per sequence: autograd would build a full-length gradient for each slice
+    outs = [forward(piece) for piece, n in zip(x.split(lengths, dim=1), lengths, strict=True) if n > 0]
     return torch.cat(outs, dim=1)
 
 
