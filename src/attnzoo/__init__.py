@@ -12,6 +12,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from attnzoo._interrupt import interrupted_exit_code
+
 
 def _command_name() -> str | None:
     """The name this process's Ctrl-C line starts with when it is the ``attnzoo`` command, else ``None``:
@@ -33,7 +35,7 @@ except KeyboardInterrupt:
     if _name is None:
         raise
     print(f"{_name}: interrupted; nothing written", file=sys.stderr)
-    raise SystemExit(130) from None
+    raise SystemExit(interrupted_exit_code()) from None
 
 __version__ = "0.1.0"
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from attnzoo import viz
+from attnzoo._interrupt import interrupted_exit_code
 from attnzoo._memory import format_bytes as _human_bytes
 from attnzoo._outputs import ensure_output_dir, ensure_output_file
 from attnzoo._validate import nonempty_name_arg as _file_name
@@ -690,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + 13
     except KeyboardInterrupt:  # pragma: no cover
         print("interrupted", file=sys.stderr)
-        return 130
+        return interrupted_exit_code()
 
 
 if __name__ == "__main__":  # pragma: no cover

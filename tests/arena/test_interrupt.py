@@ -119,3 +119,29 @@ def test_sigint_inside_arena_workers_is_one_line(tmp_path: Path) -> None:
         [p for p in ckpt.iterdir() if p.suffix == ".pt"]) >= 2)
     _one_line(err, "arena")
     assert err.strip().endswith("resume with --resume"), err
+
+
+#: ``python -m interrupted_in_string``: the arena, with Ctrl-C raised inside code run from a string (as it
+#: lands when it comes while a module declaring a dataclass imports: dataclasses ``exec`` each ``__init__``)
+INTERRUPT_IN_STRING = '''
+import sys
+import attnzoo.arena.runner as runner
+
+def _interrupt(*args, **kwargs):
+    exec("raise KeyboardInterrupt")
+
+runner._make_task = _interrupt
+from attnzoo.arena import main
+raise SystemExit(main(sys.argv[1:]))
+'''
+
+
+def test_sigint_inside_string_code_still_exits_130(tmp_path: Path) -> None:
+    """CPython <= 3.11 notes an interrupt leaving string-run code as unhandled even when it is caught, and
+    ``python -m`` then ends by SIGINT (-2) instead of 130: one CI run hit this through a dataclass."""
+    (tmp_path / "interrupted_in_string.py").write_text(INTERRUPT_IN_STRING)
+    argv = _arena_argv(tmp_path / "o", 4)[2:]
+    proc = subprocess.run([sys.executable, "-m", "interrupted_in_string", *argv], capture_output=True, text=True,
+                          env=_env(tmp_path), timeout=300, cwd=tmp_path)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == "arena: interrupted; nothing written", proc.stderr

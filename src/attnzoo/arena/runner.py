@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from attnzoo._interrupt import interrupted_exit_code
 from attnzoo._outputs import ensure_output_dir
 from attnzoo._validate import nonnegative_int_arg as _nonnegative_int
 from attnzoo._validate import positive_float_arg as _positive_float
@@ -805,7 +806,7 @@ def _one_line_interrupt(fn: Any) -> Any:
             return fn(args)
         except KeyboardInterrupt:
             print(interrupted_line(args), file=sys.stderr, flush=True)
-            return 130
+            return interrupted_exit_code()
 
     return wrapped
 

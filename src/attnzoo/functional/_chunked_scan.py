@@ -48,9 +48,9 @@ __all__ = [
     "resolve_form",
     "run_family",
     "suffix_sum",
+    "token_loop",
     "token_prefix_sum",
     "token_suffix_sum",
-    "token_loop",
 ]
 
 #: Computation forms of the recurrent families.

@@ -42,9 +42,9 @@ from attnzoo.functional._chunked_scan import (
     resolve_form,
     run_family,
     suffix_sum,
+    token_loop,
     token_prefix_sum,
     token_suffix_sum,
-    token_loop,
 )
 from attnzoo.functional.gla import SUB_CHUNK, vector_scores
 

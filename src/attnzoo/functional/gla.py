@@ -58,7 +58,12 @@ from torch import Tensor
 
 from attnzoo._devices import tracing
 from attnzoo.functional import _chunked_scan as scan
-from attnzoo.functional._chunked_scan import log_segsum, suffix_sum, token_prefix_sum, token_suffix_sum
+from attnzoo.functional._chunked_scan import (
+    log_segsum,
+    suffix_sum,
+    token_prefix_sum,
+    token_suffix_sum,
+)
 
 __all__ = ["COMPILED_SUB_CHUNK", "MATMUL_DIAGONAL_SPAN", "MATMUL_SUB_CHUNK", "SUB_CHUNK", "gated_linear_attention", "run_gla", "vector_scores"]
 
