@@ -17,8 +17,9 @@ carries position (the paper's FoX uses none).
 
 Decoding: :class:`FoxCache` is a :class:`~attnzoo.nn.cache.KVCache` that also holds ``c`` of every
 cached token; a new token's ``c`` continues the sum, so decode == full forward. Packed sequences
-(``cu_seqlens``) use one cumulative sum over the packed tokens: ``c_i - c_j`` within a sequence
-only sums that sequence's gates, and pairs across sequences are hidden.
+(``cu_seqlens``) sum each sequence's gates from zero at its start, as that sequence alone does (one
+sum over the packed tokens would make ``c_i - c_j`` round differently when another sequence changes),
+and pairs across sequences are hidden.
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ class FoxAttention(AttentionBase):
         return (res[0], res[1]) if return_weights else (res, None)
 
     def _packed(self, x: Tensor, cu: Tensor) -> Tensor:
-        """``[1, H, T, D]`` of packed sequences (one cumulative sum: differences stay in a sequence)."""
+        """``[1, H, T, D]`` of packed sequences (a cumulative sum per sequence, from zero at its start)."""
         q, k, v = self.project_qkv(x)
-        c = torch.cumsum(self.log_forget(x), dim=-1)[0]  # [H, T]
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        c = torch.cat([part.cumsum(-1) for part in self.log_forget(x)[0].split(lengths, dim=-1)], dim=-1)  # [H, T]
         starts, last = cu[:-1].long(), c.shape[-1] - 1
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
