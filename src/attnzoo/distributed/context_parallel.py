@@ -37,7 +37,7 @@ from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.differential import DifferentialAttention
 from attnzoo.nn.feature_attention import _FeatureAttention
-from attnzoo.nn.fox import FoxAttention, forgetting_bias
+from attnzoo.nn.fox import FoxAttention, forget_sums, forgetting_bias
 from attnzoo.nn.infini import InfiniAttention
 from attnzoo.nn.mla import MultiHeadLatentAttention
 from attnzoo.nn.nsa import NativeSparseAttention
@@ -215,7 +215,8 @@ class ContextParallel(nn.Module):
 
     def _fox(self, x: Tensor) -> Tensor:
         """FoX on the shard ``x [B, n, C]``: every rank gathers the forget gates ``log f`` of the whole
-        sequence (``[B, H, N]``, small) and takes their cumulative sum in global order, so the
+        sequence (``[B, H, N]``, small) and takes their cumulative sum in global order (restarting at every
+        document under :func:`documents`, as the packed module does), so the
         score bias ``c_i - c_j`` of every shard pair is the one of one process; the attention is
         ring or Ulysses attention with that bias as a ``score_mod`` on global positions."""
         m = self.module
@@ -228,9 +229,10 @@ class ContextParallel(nn.Module):
                                 "ContextParallel: the FoX forget gates")  # [P, B, H, n_max]
         in_rank_order = torch.cat([every[r, :, :, :ln] for r, ln in enumerate(lengths)], dim=-1)  # [B, H, N]
         order = torch.cat([positions_of(self.layout, lengths, r) for r in range(len(lengths))]).to(x.device)
-        c = torch.cumsum(in_rank_order[:, :, torch.argsort(order)], dim=-1)  # [B, H, N], global order
+        documents = DOCUMENTS.get()
+        c = forget_sums(in_rank_order[:, :, torch.argsort(order)], documents)  # [B, H, N], global order
         kw: dict[str, Any] = {"group": self.group, "causal": True, "layout": self.layout, "backend": self.backend,
-                              "timeout": self.timeout, "cu_seqlens": DOCUMENTS.get(),
+                              "timeout": self.timeout, "cu_seqlens": documents,
                               "score_mod": forgetting_bias(c)}
         out = ring_attention(q, k, v, **kw) if self.method == "ring" else ulysses_attention(q, k, v, **kw)
         assert isinstance(out, Tensor)

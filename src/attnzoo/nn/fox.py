@@ -40,7 +40,7 @@ from attnzoo.nn.costs import softmax_cost
 from attnzoo.nn.frontier import check_cu_seqlens
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
-__all__ = ["FoxAttention", "FoxCache", "forgetting_bias"]
+__all__ = ["FoxAttention", "FoxCache", "forget_sums", "forgetting_bias"]
 
 
 class FoxCache(KVCache):
@@ -66,6 +66,16 @@ class FoxCache(KVCache):
         c_new = prev + torch.cumsum(log_f, dim=-1)
         self.log_gates[:, :, start:start + n] = c_new.detach()
         return torch.cat([self.log_gates[:, :, :start], c_new], dim=-1)  # gradients reach the new gates
+
+
+def forget_sums(log_f: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    """``c``: the cumulative sum of ``log_f [..., N]`` along its last dimension, restarting from zero at
+    every sequence of ``cu_seqlens`` (int ``[S+1]`` over ``N``; ``None``: one sequence). Each sequence's
+    ``c_i - c_j`` then depends on its own gates only, bitwise as that sequence alone gives it."""
+    if cu_seqlens is None:
+        return torch.cumsum(log_f, dim=-1)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return torch.cat([part.cumsum(-1) for part in log_f.split(lengths, dim=-1)], dim=-1)
 
 
 def forgetting_bias(c: Tensor) -> Any:
@@ -190,8 +200,7 @@ class FoxAttention(AttentionBase):
     def _packed(self, x: Tensor, cu: Tensor) -> Tensor:
         """``[1, H, T, D]`` of packed sequences (a cumulative sum per sequence, from zero at its start)."""
         q, k, v = self.project_qkv(x)
-        lengths = (cu[1:] - cu[:-1]).tolist()
-        c = torch.cat([part.cumsum(-1) for part in self.log_forget(x)[0].split(lengths, dim=-1)], dim=-1)  # [H, T]
+        c = forget_sums(self.log_forget(x)[0], cu)  # [H, T]
         starts, last = cu[:-1].long(), c.shape[-1] - 1
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
