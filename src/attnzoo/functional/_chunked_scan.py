@@ -314,12 +314,12 @@ class _Carry:
             return starts
         starts = []
         full = a.dim() == r.dim()
-        for i in range(r.shape[-3]):
+        for i, (a_i, r_i) in enumerate(_per_chunk(a, r)):
             j = j0 + i
             if j in self.first:
                 self.s = self.s0[self.first[j]:self.first[j] + 1]
             starts.append(self.s)
-            self.s = _step(a.select(a.dim() - (3 if full else 2), i), r.select(r.dim() - 3, i), self.s, full)
+            self.s = _step(a_i, r_i, self.s, full)
             if j in self.last:
                 self.finals[self.last[j]] = self.s
         return torch.stack(starts, dim=r.dim() - 3)
@@ -344,10 +344,17 @@ def _loop_starts(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     (chunks on dim -3 of ``r``; ``[B, H, m, ...]`` as the compiled operators use)."""
     starts = []
     full = a.dim() == r.dim()
-    for i in range(r.shape[-3]):
+    for a_i, r_i in _per_chunk(a, r):
         starts.append(s)
-        s = _step(a.select(a.dim() - (3 if full else 2), i), r.select(r.dim() - 3, i), s, full)
+        s = _step(a_i, r_i, s, full)
     return torch.stack(starts, dim=r.dim() - 3), s
+
+
+def _per_chunk(a: Tensor, r: Tensor) -> zip[tuple[Tensor, Tensor]]:
+    """``(A_i, R_i)`` of every chunk (chunks on dim -3 of ``r``), by one ``unbind`` each: its backward is
+    one stack, where a ``select`` per chunk made autograd zero-fill the whole group once per chunk
+    (quadratic in the chunks of a group: 11% of a 16k gated delta rule training step)."""
+    return zip(a.unbind(a.dim() - (3 if a.dim() == r.dim() else 2)), r.unbind(r.dim() - 3), strict=True)
 
 
 def _diagonal_starts(a: Tensor, r: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:

@@ -82,7 +82,7 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> tuple[Te
     bk = beta.unsqueeze(-1) * k_gam
     rhs = torch.cat([bv, bk.expand(*bv.shape[:-1], dk)], dim=-1)  # [..., C, Dv + Dk]
     x = torch.linalg.solve_triangular(eye_c + lower, rhs, upper=False, unitriangular=True)
-    u_tilde, w = x[..., :dv], x[..., dv:]  # [..., C, Dv], [..., C, Dk]
+    u_tilde, w = x.split([dv, dk], dim=-1)  # [..., C, Dv], [..., C, Dk] (backward: one cat, no zero fill)
     o_intra = torch.matmul(p, u_tilde)
     q_state = q * gam - torch.matmul(p, w)  # [..., C, Dk]
     a = a_diag - torch.matmul(k_hat.transpose(-1, -2), w)  # [..., Dk, Dk]
