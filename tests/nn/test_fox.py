@@ -10,7 +10,7 @@ import torch
 
 import attnzoo as az
 from attnzoo.functional.tiled import TileConfig, use_tiles
-from attnzoo.nn.fox import FoxAttention, FoxCache
+from attnzoo.nn.fox import FoxAttention, FoxCache, forget_sums
 from attnzoo.nn.spec import CostShape
 from attnzoo.variants import VARIANTS, build_attention, resolve_config
 
@@ -116,3 +116,20 @@ def test_fox_dense_bias_backend_equals_score_mod() -> None:
     cache = dense.init_cache(2, 10)
     steps = torch.cat([dense(x[:, :6], cache=cache)] + [dense(x[:, t:t + 1], cache=cache) for t in range(6, 10)], 1)
     torch.testing.assert_close(steps, tiled(x), rtol=1e-5, atol=1e-5)
+
+
+def test_forget_sums_restart_at_every_sequence_bitwise() -> None:
+    """Packed FoX sums each sequence's gates from zero, bitwise as that sequence alone: one running sum
+    over all packed tokens would make ``c_i - c_j`` round differently when an earlier sequence changes."""
+    gen = torch.Generator().manual_seed(0)
+    log_f = -torch.rand(3, 40, generator=gen, dtype=torch.float64) * 7  # [H, T]
+    cu = torch.tensor([0, 9, 9, 10, 31, 40], dtype=torch.int32)
+    packed = forget_sums(log_f, cu)
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        assert torch.equal(packed[:, lo:hi], forget_sums(log_f[:, lo:hi]))
+    changed = log_f.clone()
+    changed[:, 10:31] *= 3  # another sequence only
+    keep = torch.ones(40, dtype=torch.bool)
+    keep[10:31] = False
+    assert torch.equal(forget_sums(changed, cu)[:, keep], packed[:, keep])
+    assert torch.equal(forget_sums(log_f), torch.cumsum(log_f, dim=-1))
