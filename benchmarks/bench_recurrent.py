@@ -24,7 +24,8 @@ Usage::
 
 ``--frontier`` (issue 34): at each length, forward and forward + backward (chunked, fp32, median of
 ``--repeats``, the compared calls interleaved): KDA (``delta_rule`` with ``log_decay [B, H, N, Dk]``)
-over the scalar-decay gated delta rule; 16 packed sequences of mixed lengths (one call with
+over the scalar-decay gated delta rule, with weak decays (``logsigmoid(x + 3)``: the fast plan) and with
+the strong ones of a freshly initialised Kimi Linear layer (the exact plan); 16 packed sequences of mixed lengths (one call with
 ``cu_seqlens``) over a loop of 16 per-sequence calls (gated delta rule and KDA); and the peak extra
 memory of one KDA forward per length (fresh subprocess, as above): linear in N means a constant MB/token.
 """
@@ -70,6 +71,17 @@ def make(kernel: str, n: int, b: int = B, h: int = H, d: int = D) -> tuple[Call,
     if kernel == "kda":  # a decay per key channel
         x["log_decay"] = F.logsigmoid(torch.randn(B, H, n, D, generator=gen) + 3)
     return lambda q, k, v, beta, **kw: az.delta_rule(q, k, v, beta, **kw), x
+
+
+def kimi_init_decays(n: int, b: int = B, h: int = H, d: int = D) -> torch.Tensor:
+    """Per-channel log decays as a freshly initialised Kimi Linear layer gives them (Mamba-2's
+    initialisation: ``-A softplus(dt_bias)`` with ``A ~ U(1, 16)`` per head and ``dt`` log-uniform in
+    [1e-3, 0.1] per channel): some channels decay by e^-100 over a chunk, so the exact plan runs."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.empty(h).uniform_(1, 16, generator=gen)
+    dt = torch.empty(h, d).uniform_(-6.9078, -2.3026, generator=gen).exp()
+    jitter = 1 + 0.1 * torch.randn(b, h, n, d, generator=gen)
+    return -(a[:, None] * dt)[None, :, None, :] * jitter.clamp_min(0)
 
 
 def _vm(field: str) -> int:
@@ -175,6 +187,7 @@ def frontier_rows(n: int, repeats: int, threads: int) -> list[dict[str, object]]
     """KDA vs the gated delta rule, packed vs a loop, at length ``n`` (forward and forward + backward)."""
     rows: list[dict[str, object]] = []
     inputs = {k: make(k, n)[1] for k in ("gated_deltanet", "kda")}
+    inputs["kda_strong"] = {**inputs["kda"], "log_decay": kimi_init_decays(n)}
     for backward in (False, True):
         xs = {k: {name: t.clone().requires_grad_(backward) for name, t in x.items()} for k, x in inputs.items()}
 
@@ -183,10 +196,14 @@ def frontier_rows(n: int, repeats: int, threads: int) -> list[dict[str, object]]
             return lambda: az.delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"],
                                          form="chunked", **kw)  # type: ignore[return-value]
 
-        t = interleaved({"gdn": run("gated_deltanet"), "kda": run("kda")}, backward, repeats)
+        t = interleaved({"gdn": run("gated_deltanet"), "kda": run("kda"), "strong": run("kda_strong")}, backward,
+                        repeats)
         rows.append({"case": "kda_vs_gated_delta", "N": n, "pass": "fwd+bwd" if backward else "fwd",
                      "gated_delta_s": round(t["gdn"], 3), "kda_s": round(t["kda"], 3),
                      "kda_over_gated_delta": round(t["kda"] / t["gdn"], 2)})
+        rows.append({"case": "kda_kimi_init_decays_vs_gated_delta", "N": n, "pass": "fwd+bwd" if backward else "fwd",
+                     "gated_delta_s": round(t["gdn"], 3), "kda_s": round(t["strong"], 3),
+                     "kda_over_gated_delta": round(t["strong"] / t["gdn"], 2)})
         lengths = mixed_lengths(n)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         for k in ("gated_deltanet", "kda"):

@@ -43,11 +43,16 @@ def rel_err(got: Tensor, ref: Tensor) -> float:
 
 
 def test_the_plan_follows_the_decays_the_dtype_and_the_chunk() -> None:
+    """The fast plan takes the largest block (16, 32, ... up to the whole chunk) whose every total log
+    decay per channel is within the span; none: the exact elementwise plan."""
     sub = gla.MATMUL_SUB_CHUNK
     _, _, weak = inputs(64, 0.1)
+    _, _, medium = inputs(64, 2.5)  # 16 tokens sum to about -20 (within float64's 50), 64 tokens to about -80
     _, _, strong = inputs(64, 10.0)
-    assert gla._plan(weak, gla.SUB_CHUNK) == (sub, True)
-    assert gla._plan(weak.float(), gla.SUB_CHUNK) == (sub, True)
+    assert gla._plan(weak, gla.SUB_CHUNK) == (64, True)  # the whole chunk is one block
+    assert gla._plan(weak.float(), gla.SUB_CHUNK) == (64, True)
+    assert gla._plan(weak[..., :50, :], gla.SUB_CHUNK) == (64, True)  # 50 tokens: one block, padded
+    assert gla._plan(medium, gla.SUB_CHUNK) in ((sub, True), (2 * sub, True))
     assert gla._plan(strong, gla.SUB_CHUNK) == (gla.SUB_CHUNK, False)  # 16 tokens of up to e^-10: beyond the span
     assert gla._plan(weak.bfloat16(), gla.SUB_CHUNK) == (gla.SUB_CHUNK, False)  # no span for bfloat16
     assert gla._plan(weak[..., : 2 * sub - 1, :], gla.SUB_CHUNK) == (gla.SUB_CHUNK, False)  # under two blocks
@@ -55,8 +60,9 @@ def test_the_plan_follows_the_decays_the_dtype_and_the_chunk() -> None:
     # the bound is on each block's total per channel, inclusive
     span = gla.MATMUL_DIAGONAL_SPAN[torch.float64]
     at_bound = torch.full((1, 64, 1), -span / sub, dtype=torch.float64)
-    assert gla._plan(at_bound, gla.SUB_CHUNK)[1]
+    assert gla._plan(at_bound, gla.SUB_CHUNK) == (sub, True)  # blocks of 32 would decay by twice the span
     assert not gla._plan(at_bound * 1.01, gla.SUB_CHUNK)[1]
+    assert gla._plan(at_bound / 4, gla.SUB_CHUNK) == (64, True)  # the whole chunk exactly at the span
 
 
 @pytest.mark.parametrize("c", [32, 50, 64, 100])
@@ -103,6 +109,34 @@ def test_the_operator_gradients_equal_autograd_of_the_definition(plan: str, stac
     torch.library.opcheck(gla.vector_scores, (q, k, g, gla.SUB_CHUNK))
 
 
+@pytest.mark.parametrize("decay", [0.1, 2.5, 10.0])  # the whole chunk, blocks of 16/32, the exact plan
+@pytest.mark.parametrize("stack", [0, 2])
+def test_chunk_scores_equal_the_definition_with_gradients(decay: float, stack: int) -> None:
+    """``chunk_scores`` (what GLA and KDA call): one autograd matmul when the whole chunk is one block,
+    the halving operator otherwise; zero above the diagonal, values and float64 gradients as the definition."""
+    q, k, g = (t.requires_grad_() for t in inputs(64, decay, stack=stack, seed=7))
+    got = gla.chunk_scores(q, k, g, gla.SUB_CHUNK)
+    want = definition(q, k, g)
+    assert rel_err(got, want) < 1e-12
+    assert not got.detach().triu(1).any()
+    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(8), dtype=got.dtype)
+    grads = torch.autograd.grad((got * weight).sum(), (q, k, g))
+    wants = torch.autograd.grad((want * weight).sum(), (q, k, g))
+    for name, a, b in zip("qkg", grads, wants, strict=True):
+        assert rel_err(a, b) < 1e-11, f"d{name} (decay={decay}, stack={stack}): {rel_err(a, b):.2e}"
+
+
+def test_the_whole_chunk_plan_in_float32_at_its_span_bound() -> None:
+    """float32, every channel decaying by exactly the span over the chunk: finite, float32 precision."""
+    q, k, _ = inputs(64, 1.0, dtype=torch.float32)
+    span = gla.MATMUL_DIAGONAL_SPAN[torch.float32]
+    g = torch.full_like(q[..., :1], -span / 64).expand_as(q).contiguous()
+    assert gla._plan(g, gla.SUB_CHUNK) == (64, True)
+    got = gla.chunk_scores(q, k, g, gla.SUB_CHUNK)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, definition(q, k, g)) < 2e-6
+
+
 def test_gradcheck_on_the_fast_plan() -> None:
     q, k, g = (t[:1, :1, ..., :3].contiguous().requires_grad_() for t in inputs(33, 0.2, seed=5))
     assert gla._plan(g, gla.SUB_CHUNK)[1]
@@ -117,14 +151,14 @@ def _layer_inputs(n: int, decay: float, seed: int = 0) -> dict[str, Tensor]:
             "initial_state": torch.randn(1, 2, 6, 6, generator=gen, dtype=torch.float64)}
 
 
-@pytest.mark.parametrize("decay", [0.05, 10.0])  # the fast plan; strong decays: the exact plan
+@pytest.mark.parametrize("decay", [0.05, 2.5, 10.0])  # whole chunks; blocks of 16/32; strong decays: the exact plan
 @pytest.mark.parametrize("kind", ["delta", "gla"])
 def test_kda_and_gla_by_both_plans_equal_the_token_loop(kind: str, decay: float) -> None:
     """Chunked KDA (the delta rule with per-channel decays) and GLA over 3.5 chunks of 64, outputs,
     states and float64 gradients against the token loop."""
     x = {name: t.requires_grad_() for name, t in _layer_inputs(224, decay).items()}
     # chunks of 64 hold whole blocks of 16: the plan of the whole sequence is every chunk's
-    assert gla._plan(x["log_decay"].detach(), gla.SUB_CHUNK)[1] == (decay < 1)
+    assert gla._plan(x["log_decay"].detach(), gla.SUB_CHUNK)[1] == (decay < 5)
     if kind == "delta":
         out, s = az.delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"],
                                initial_state=x["initial_state"], return_state=True, form="chunked", chunk_size=64)

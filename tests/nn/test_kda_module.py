@@ -75,10 +75,9 @@ def test_kda_is_registered_with_a_cost_and_parameter_names_of_kimi_linear(monkey
     from torch.utils.flop_counter import FlopCounterMode
 
     import attnzoo as az
-    import attnzoo.functional.delta_rule as dr
-    from attnzoo.functional.gla import _vector_scores
+    import attnzoo.functional.gla as gla
 
-    monkeypatch.setattr(dr, "vector_scores", _vector_scores)  # the operator's body, visible to the counter
+    monkeypatch.setattr(gla, "vector_scores", gla._vector_scores)  # the operator's body, visible to the counter
     for n in (40, 300):
         with torch.no_grad(), FlopCounterMode(display=False) as fc:
             build_attention("kda", 64, 8).eval()(torch.randn(1, n, 64))

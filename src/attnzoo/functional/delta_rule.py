@@ -46,7 +46,7 @@ from attnzoo.functional._chunked_scan import (
     token_prefix_sum,
     token_suffix_sum,
 )
-from attnzoo.functional.gla import SUB_CHUNK, vector_scores
+from attnzoo.functional.gla import SUB_CHUNK, chunk_scores
 
 __all__ = ["delta_rule"]
 
@@ -64,7 +64,7 @@ def _parts(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> tuple[Te
         shape = torch.broadcast_shapes(k.shape, g.shape)
         qx, kx = q.expand(shape), k.expand(shape)  # one chunk group's tiles, not a full-length copy
         # [2, ..., C, C]: sum_d x_td k_id exp(b_td - b_id), i <= t, for x = k and x = q (the decays computed once)
-        kk, p = vector_scores(torch.stack([kx, qx]), kx, g, SUB_CHUNK).unbind(0)
+        kk, p = chunk_scores(torch.stack([kx, qx]), kx, g, SUB_CHUNK).unbind(0)
         lower = (beta.unsqueeze(-1) * kk).tril(-1)  # L
         k_gam = k * gam  # [..., C, Dk]: K Gamma
         k_hat = k * token_suffix_sum(g).exp()  # decayed to the chunk end

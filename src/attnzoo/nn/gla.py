@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int, check_positive_float
-from attnzoo.functional.gla import gated_linear_attention
+from attnzoo.functional.gla import MATMUL_SUB_CHUNK, gated_linear_attention
 from attnzoo.nn.recurrent import (
     RecurrentMixer,
     recurrent_cost,
@@ -89,8 +89,13 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     est = recurrent_cost(cfg, shape, in_width=4 * inner, inner=inner, dk=cfg.head_dim, dv=cfg.head_dim,
                          conv_channels=0, conv_size=0, kernel="vector", extra_params=inner + GATE_RANK * inner + inner)
     gate_flops = 2 * shape.batch * shape.seq_len * GATE_RANK * (C + inner)
-    return replace(est, flops_projections=est.flops_projections + gate_flops,
-                   flops_backward=est.flops_backward + 2 * gate_flops, params=est.params + C * GATE_RANK)
+    # the per-channel decay sums of a chunk as matmuls: prefix and suffix (2 c D each) and, in the fast plan of
+    # weak decays (chunks of two blocks or more, attnzoo.functional.gla), the whole chunk's midpoint sums (2 c D)
+    c = min(cfg.chunk_size or 64, shape.seq_len)
+    sums = shape.batch * cfg.num_heads * shape.seq_len * 6 * c * cfg.head_dim if c >= 2 * MATMUL_SUB_CHUNK else 0
+    return replace(est, flops_projections=est.flops_projections + gate_flops, flops_attention=est.flops_attention + sums,
+                   flops_useful=est.flops_useful + sums, flops_backward=est.flops_backward + 2 * gate_flops + 2 * sums,
+                   params=est.params + C * GATE_RANK)
 
 
 register_recurrent("gla", GatedLinearAttention, _cost, "state S [D, D] per head", order=21)
