@@ -10,6 +10,7 @@ Usage::
 
     python benchmarks/bench_score_mod.py                       # N = 4096 and 16384, H = 4, D = 64
     python benchmarks/bench_score_mod.py --sizes 4096 --heads 8 --repeats 5 --json out.json
+    python benchmarks/bench_score_mod.py --flex    # also the compiled path: FlexAttention forward (CPU: no backward)
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def alibi_score_mod(slopes: torch.Tensor) -> Callable[..., torch.Tensor]:
     return score_mod
 
 
-def case(n: int, heads: int, dim: int, repeats: int, learned: bool) -> dict[str, float]:
+def case(n: int, heads: int, dim: int, repeats: int, learned: bool, with_flex: bool = False) -> dict[str, float]:
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(1, heads, n, dim, generator=g, requires_grad=True) for _ in range(3))
     slopes = alibi_slopes(heads)
@@ -75,13 +76,24 @@ def case(n: int, heads: int, dim: int, repeats: int, learned: bool) -> dict[str,
         az.attention(q, k, v, causal=True, score_mod=mod, backend="tiled").sum().backward()
         return None
 
-    f = timed({"builtin": fwd_builtin, "score_mod": fwd_mod}, repeats)
+    qd, kd, vd = (t.detach() for t in (q, k, v))  # FlexAttention on CPU refuses inputs that require grad
+
+    def fwd_flex() -> object:
+        with torch.no_grad():
+            return az.attention(qd, kd, vd, causal=True, score_mod=mod, backend="flex")
+
+    fwd = {"builtin": fwd_builtin, "score_mod": fwd_mod, **({"flex": fwd_flex} if with_flex else {})}
+    f = timed(fwd, repeats)  # (the first call of flex compiles: the warm-up call of timed())
     t = timed({"builtin": train_builtin, "score_mod": train_mod}, repeats)
     row: dict[str, float] = {"N": n}
     for tag, res in (("fwd", f), ("train", t)):
         for i, unit in enumerate(("wall", "cpu")):
             row[f"{tag}_builtin_{unit}_s"], row[f"{tag}_score_mod_{unit}_s"] = res["builtin"][i], res["score_mod"][i]
             row[f"{tag}_{unit}_ratio"] = res["score_mod"][i] / res["builtin"][i]
+    if with_flex:
+        for i, unit in enumerate(("wall", "cpu")):
+            row[f"fwd_flex_{unit}_s"] = f["flex"][i]
+            row[f"fwd_flex_{unit}_ratio"] = f["flex"][i] / f["builtin"][i]
     return row
 
 
@@ -92,6 +104,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--learned", action="store_true", help="the score_mod's slopes require gradients")
+    p.add_argument("--flex", action="store_true",
+                   help="also time the score_mod forward on backend='flex' (torch.compile'd FlexAttention)")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args()
     rows = []
@@ -100,12 +114,15 @@ def main() -> None:
     print("times: median wall / median process CPU seconds; ratio = score_mod / built-in")
     print(f"{'N':>6} {'fwd builtin':>16} {'fwd mod':>16} {'ratio':>11} {'f+b builtin':>16} {'f+b mod':>16} {'ratio':>11}")
     for n in args.sizes:
-        r = case(n, args.heads, args.dim, args.repeats, args.learned)
+        r = case(n, args.heads, args.dim, args.repeats, args.learned, args.flex)
         rows.append(r)
         cells = [f"{r[f'{t}_{w}_wall_s']:7.2f}/{r[f'{t}_{w}_cpu_s']:<7.2f}"
                  for t in ("fwd", "train") for w in ("builtin", "score_mod")]
         ratios = [f"{r[f'{t}_wall_ratio']:4.2f}/{r[f'{t}_cpu_ratio']:<4.2f}" for t in ("fwd", "train")]
         print(f"{n:>6} {cells[0]:>16} {cells[1]:>16} {ratios[0]:>11} {cells[2]:>16} {cells[3]:>16} {ratios[1]:>11}")
+        if args.flex:
+            print(f"{'':>6} flex score_mod forward {r['fwd_flex_wall_s']:.2f}/{r['fwd_flex_cpu_s']:.2f} s, ratio to "
+                  f"built-in {r['fwd_flex_wall_ratio']:.2f}/{r['fwd_flex_cpu_ratio']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -413,3 +413,58 @@ def test_variants_without_a_score_matrix_refuse_score_mod_by_name(name: str) -> 
         q = torch.randn(1, 2, 4, 8)
         with pytest.raises(TypeError, match="score_mod"):
             az.sigmoid_attention(q, q, q, score_mod=lambda s, b, h, qi, ki: s)
+
+
+_TABLE = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+ADDITIVITY = [
+    ("alibi", lambda s, b, h, qi, ki: s - torch.tensor([0.5, 0.25])[h] * (qi - ki).abs(), True),
+    ("table", lambda s, b, h, qi, ki: s + _TABLE[h, (qi - ki).clamp(0, 15)], True),
+    ("bias first", lambda s, b, h, qi, ki: (qi - ki).float() * 0.1 + s, True),
+    ("two shifts", lambda s, b, h, qi, ki: (s + 1) - _TABLE[h, qi.clamp(0, 15)], True),
+    ("identity", lambda s, b, h, qi, ki: s, True),
+    ("scaled", lambda s, b, h, qi, ki: s * 2, False),
+    ("tanh", lambda s, b, h, qi, ki: torch.tanh(s), False),
+    ("where", lambda s, b, h, qi, ki: torch.where(qi >= ki, s, torch.full_like(s, -1e4)), False),
+    ("bias minus score", lambda s, b, h, qi, ki: (qi - ki).float() - s, False),
+    ("score twice", lambda s, b, h, qi, ki: s + s, False),
+    ("shift then scale", lambda s, b, h, qi, ki: (s + 1) * 2, False),
+    ("in place", lambda s, b, h, qi, ki: s.add_(1), False),
+    ("alpha", lambda s, b, h, qi, ki: torch.add(s, 1.0, alpha=2), False),  # additive, but not recognised: safe
+]
+
+
+@pytest.mark.parametrize(("name", "fn", "additive"), ADDITIVITY, ids=[c[0] for c in ADDITIVITY])
+def test_additive_score_mods_are_recognised_and_nothing_else(name: str, fn, additive: bool) -> None:
+    """Only ``score + bias`` chains (the bias not computed from the score) count as additive: their
+    gradient w.r.t. the score is the identity, which the backward then uses without re-running them."""
+    from attnzoo.functional.score_mod import check_score_mod
+
+    q = torch.randn(1, 2, 8, 4)
+    assert check_score_mod(fn, q, 8, 0).additive is additive
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_additive_score_mod_backward_skips_the_rerun_only_without_captured_gradients(learned: bool) -> None:
+    """An additive score_mod is not differentiated in the backward (no call on a score that requires
+    grad) when nothing it captures needs a gradient; with a learned bias table it is (for the table's
+    gradient). Both equal the oracle."""
+    q, k, v = _qkv(1, 2, 2, 20, 20, 4, 4, torch.float64, seed=11)
+    table = torch.randn(2, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(12)).requires_grad_(learned)
+    calls = []
+
+    def mod(score, b, h, q_idx, kv_idx):
+        calls.append(score.requires_grad)  # True: a vector-Jacobian product through it
+        return score + table[h, q_idx - kv_idx + 20]
+
+    with use_tiles(SMALL):
+        out, lse = az.attention(q, k, v, causal=True, score_mod=mod, backend="tiled", return_lse=True)
+        before = len(calls)
+        got = _grads(out, lse, [q, k, v, *([table] if learned else [])])
+    assert any(calls[before:]) is learned
+    rel = (torch.arange(20).view(-1, 1) - torch.arange(20).view(1, -1) + 20).clamp(0, 39)
+    bias = table[torch.arange(2).view(-1, 1, 1), rel.unsqueeze(0)].unsqueeze(0)  # [1, H, N, N]
+    want_out, want_lse = oracle_attention(q, k, v, mask=bias, causal=True)
+    want = _grads(want_out, want_lse, [q, k, v, *([table] if learned else [])])
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

