@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -563,6 +564,8 @@ class SlidingWindowAttention(MultiHeadAttention):
         if cls is SlidingWindowAttention and isinstance(sinks, int) and not isinstance(sinks, bool) and sinks > 0:
             cls = StreamingAttention
         return super().__new__(cls)
+
+    __new__.__signature__ = inspect.signature(__init__)  # type: ignore[attr-defined]  # help(): __init__'s arguments
 
     def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
