@@ -145,6 +145,9 @@ def test_device_and_dtype_through_the_builder() -> None:
     mla = build_attention("mla", C, H, dtype=DT, form="materialised", norm_eps=1e-5)
     assert {p.dtype for p in mla.parameters()} == {DT} and mla.form == "materialised"
     assert isinstance(mla.options, MLAOptions) and mla.options.norm_eps == 1e-5
+    ready = _parts(kv_heads=H)  # ready-made parts pass through a builder (and take its dtype)
+    m3 = build_attention("mha", C, H, parts=ready, dtype=DT)
+    assert m3.parts is ready and ready.q_norm_weight.dtype == DT and ready.q_norm.weight is ready.q_norm_weight
 
 
 # --------------------------------------------------------------------------- decode == full
@@ -228,7 +231,8 @@ def test_signatures_have_no_kwargs(cls) -> None:
                                           options={"form": "auto"}), TypeError, "options must be an MLAOptions"),
      (lambda: build_attention("mha", C, H, qk_norm="layer"), ValueError, "qk_norm must be one of"),
      (lambda: build_attention("mha", C, H, qk_norm_eps=1e-5), ValueError, "qk_norm_eps applies"),
-     (lambda: build_attention("gqa", C, H, score="sigmoid"), ValueError, "score")],
+     (lambda: build_attention("gqa", C, H, score="sigmoid"), ValueError, "score"),
+     (lambda: build_attention("mha", C, H, parts=AttentionParts(), sinks=True), ValueError, "not both")],
 )
 def test_bad_input_names_the_argument(make, exc, words) -> None:
     with pytest.raises(exc, match=words):

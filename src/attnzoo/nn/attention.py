@@ -788,8 +788,9 @@ def build_softmax(cls: type[MultiHeadAttention], dim: int, num_heads: int, *, de
     """``cls(dim, num_heads, ..., parts=...)`` from keyword settings (what ``attention_kwargs`` dicts and
     :func:`attnzoo.variants.build_attention` carry): the :data:`PART_SETTINGS` (``qk_norm="head"``,
     ``sinks=True``, ``softcap=...``) become :func:`~attnzoo.nn.parts.parts_from_settings`; ``score="sigmoid"``
-    makes a :class:`SigmoidAttention`; the module is built on ``device`` and cast to ``dtype`` (a
-    given rotary embedding and ``score_mod`` keep theirs). The rest goes to ``cls`` as is."""
+    makes a :class:`SigmoidAttention` (only from ``MultiHeadAttention``); ready-made ``parts=`` pass through
+    instead. The module is built on ``device`` and cast to ``dtype`` (a given rotary embedding and
+    ``score_mod`` keep theirs). The rest goes to ``cls`` as is."""
     part_kw = {k: settings.pop(k) for k in PART_SETTINGS if k in settings}
     score = settings.pop("score", cls._score)
     if score not in ("softmax", "sigmoid") or (score != cls._score and cls is not MultiHeadAttention):
@@ -799,8 +800,10 @@ def build_softmax(cls: type[MultiHeadAttention], dim: int, num_heads: int, *, de
         cls = SigmoidAttention if score == "sigmoid" else cls
         if settings.pop("dropout", 0.0):
             raise ValueError(f"{cls.__name__} takes no attention dropout; use dropout=0.0")
+    parts = settings.pop("parts", None)  # parts built by the caller, or the keywords' parts: not both
+    if parts is not None and part_kw:
+        raise ValueError(f"{cls.__name__}: pass parts= or the part keywords {sorted(part_kw)}, not both")
     with contextlib.nullcontext() if device is None else torch.device(device):
-        parts = None
         if part_kw:
             fixed = cls._fixed_kv_heads if isinstance(cls._fixed_kv_heads, int) else None
             parts = parts_from_settings(dim, num_heads, settings.get("num_kv_heads", fixed), settings.get("head_dim"),
