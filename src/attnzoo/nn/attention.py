@@ -518,7 +518,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     """Grouped-query attention (Ainslie et al., 2023): ``num_kv_heads`` KV heads, each shared by
     ``num_heads // num_kv_heads`` query heads (head ``h`` reads KV head ``h // group``).
 
-    ``MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, **kw)``; the cache holds
+    ``MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, ...)``, same arguments; the cache holds
     ``num_kv_heads / num_heads`` of MHA's bytes.
     """
 
