@@ -571,11 +571,14 @@ def _build(dim: int, num_heads: int, *, causal: bool = True, head_dim: int | Non
     if num_kv_heads is not None and num_kv_heads != num_heads:
         raise ValueError(f"mla: every head reads the shared latent; num_kv_heads must be None or num_heads "
                          f"({num_heads}), got {num_kv_heads}")
-    if head_dim is None and dim % num_heads:
-        raise ValueError(f"mla: dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim / the sizes")
-    d = mla_sizes(dim // num_heads if head_dim is None else head_dim)
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        kw.setdefault(name, getattr(d, name))
+    sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if any(name not in kw for name in sizes):  # DeepSeek-V3's proportions for the sizes not given
+        if head_dim is None and dim % num_heads:
+            raise ValueError(f"mla: dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim / "
+                             f"the sizes")
+        d = mla_sizes(dim // num_heads if head_dim is None else head_dim)
+        for name in sizes:
+            kw.setdefault(name, getattr(d, name))
     options = MLAOptions(**{k: kw.pop(k) for k in OPTION_SETTINGS if k in kw})
     with contextlib.nullcontext() if device is None else torch.device(device):
         module = MultiHeadLatentAttention(dim, num_heads, causal=causal, options=options, **kw)
