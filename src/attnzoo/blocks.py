@@ -443,8 +443,8 @@ class BlockConfig(Config):
                                device=device, dtype=dtype)
 
         def cross() -> nn.Module:
-            return MultiHeadAttention(self.dim, self.num_heads, kv_dim=self.context_dim or self.dim,
-                                      head_dim=akw.get("head_dim"), bias=self.bias, causal=False, **kw)
+            return build_attention("mha", self.dim, self.num_heads, kv_dim=self.context_dim or self.dim,
+                                   head_dim=akw.get("head_dim"), bias=self.bias, causal=False, **kw)
 
         return BlockLayers(
             attention=attention,

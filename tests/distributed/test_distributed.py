@@ -39,6 +39,7 @@ from attnzoo.distributed import (
     shard_sequence,
     work_per_rank,
 )
+from attnzoo.variants import build_attention
 from dist_spawn import CountingTask, ranks_fixture, rel, save
 
 # (name, layout, causal, window, Hq, Hkv, N[, {"alibi": bool, "softcap": float}]) per world size
@@ -202,7 +203,7 @@ def _check_context_parallel(rank: int, world: int, res: dict[str, Any]) -> None:
                              ("alibi_causal", "zigzag", {"causal": True, "alibi": True}),
                              ("sinks_gqa_causal", "zigzag", {"causal": True, "sinks": True, "num_kv_heads": 2})):
         torch.manual_seed(7)
-        mha = az.MultiHeadAttention(32, 4, dtype=torch.float64, **kw)
+        mha = build_attention("mha", 32, 4, **{"causal": False, **kw}, dtype=torch.float64)
         x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
         y = mha(x)
         gy = torch.randn_like(y)

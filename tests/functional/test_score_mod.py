@@ -16,6 +16,7 @@ import attnzoo as az
 from attnzoo.functional import choose_backend
 from attnzoo.functional._request import build_request
 from attnzoo.functional.tiled import TileConfig, use_tiles
+from attnzoo.nn.parts import AttentionParts, Scores
 from attnzoo.variants import build_attention
 
 SMALL = TileConfig(block_q=8, block_k=4, max_chunk_k=12, merge_k=8)
@@ -201,12 +202,12 @@ def test_varlen_score_mod_equals_each_sequence_alone() -> None:
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_module_score_mod_decode_equals_full(window: int | None) -> None:
-    """``MultiHeadAttention(score_mod=...)``: token-by-token decoding with a cache == the full forward
+    """``MultiHeadAttention(parts=AttentionParts(scores=Scores(score_mod=...)))``: token-by-token decoding with a cache == the full forward
     (the score_mod sees stream positions also when a sliding cache holds only the last keys)."""
     torch.manual_seed(0)
     slopes = torch.linspace(0.1, 0.8, 4)
-    mha = az.MultiHeadAttention(32, 4, causal=True, window=window,
-                                score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs() + 0.01 * qi)
+    mod = Scores(score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs() + 0.01 * qi)
+    mha = az.MultiHeadAttention(32, 4, causal=True, window=window, parts=AttentionParts(scores=mod))
     x = torch.randn(2, 11, 32)
     full = mha(x)
     cache = mha.init_cache(2, 11)
@@ -272,7 +273,9 @@ def test_bad_score_mod(bad, error, match) -> None:
     with pytest.raises(error, match=match):
         az.attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu, score_mod=bad)
     with pytest.raises(TypeError, match="score_mod"):
-        az.MultiHeadAttention(16, 2, score_mod=3)
+        Scores(score_mod=3)
+    with pytest.raises(TypeError, match="score_mod"):
+        build_attention("mha", 16, 2, score_mod=3)
 
 
 def test_score_mod_docs_run() -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import attnzoo as az
 from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.mla import LatentCache
+from attnzoo.nn.parts import AttentionParts, Scores
 from attnzoo.variants import build_attention
 
 
@@ -109,7 +110,7 @@ def test_caches_store_only_kv_heads_and_bytes_scale_with_them() -> None:
 
 
 def test_init_cache_kind_device_dtype() -> None:
-    sw = az.SlidingWindowAttention(32, 4, window=5, dtype=torch.float64)
+    sw = az.SlidingWindowAttention(32, 4, window=5).to(torch.float64)
     c = sw.init_cache(3, 100)
     assert isinstance(c, az.SlidingWindowKVCache) and c.capacity == 6 and c.dtype == torch.float64
     # a window longer than max_len needs no ring
@@ -127,7 +128,8 @@ def test_sliding_cache_any_chunking_equals_full_forward(window: int, cuts: list[
     """Any split of the sequence into prefill/decode chunks, any window (ring wrap-arounds in the
     middle of chunks included) gives the full forward's outputs."""
     torch.manual_seed(window * 31 + len(cuts))
-    m = az.SlidingWindowAttention(16, 2, window=window, num_kv_heads=kv, rope=True, alibi=alibi).eval()
+    m = az.SlidingWindowAttention(16, 2, window=window, num_kv_heads=kv, rope=True,
+                                  parts=AttentionParts(scores=Scores(alibi=alibi))).eval()
     x = torch.randn(1, 15, 16)
     bounds = [0, *sorted(cuts), 15]
     with torch.no_grad():

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo as az
+from attnzoo.nn.attention import build_softmax
 from attnzoo.nn.differential import DifferentialAttention, lambda_init
+from attnzoo.nn.parts import AttentionParts, OutputGate, Scores, qk_rmsnorm, sink_logits
 from attnzoo.variants import VARIANTS, build_attention
 
 DT = torch.float64
@@ -59,23 +61,25 @@ def mha_ref(m, x, allowed, pos=None):
         return t.view(B, N, h, D).transpose(1, 2)
 
     q, k, v = F.linear(x, wq, bq), F.linear(x, wk, bk), F.linear(x, wv, bv)  # [B, N, h*D]
-    fr, eps = m.frontier, m.options.qk_norm_eps
-    if fr.qk_norm == "all":  # OLMo2: over all heads of a token
+    fr = m.frontier
+    qk_norm = None if fr.q_norm is None else "all" if fr.q_norm.over_heads else "head"
+    eps = None if fr.q_norm is None else fr.q_norm.eps
+    if qk_norm == "all":  # OLMo2: over all heads of a token
         q, k = rms_ref(q, fr.q_norm_weight, eps), rms_ref(k, fr.k_norm_weight, eps)
     q, k, v = heads(q, H), heads(k, Hkv), heads(v, Hkv)
-    if fr.qk_norm == "head":  # Qwen3 / Gemma3: per head
+    if qk_norm == "head":  # Qwen3 / Gemma3: per head
         q, k = rms_ref(q, fr.q_norm_weight, eps), rms_ref(k, fr.k_norm_weight, eps)
     if m.rope is not None:
         p = torch.arange(N) if pos is None else pos
         q, k = rope_ref(q, p), rope_ref(k, p)
-    if m.options.score == "sigmoid":
+    if isinstance(m, az.SigmoidAttention):
         H_ = q.shape[1]
         kk, vv = k.repeat_interleave(H_ // Hkv, 1), v.repeat_interleave(H_ // Hkv, 1)
-        w = torch.sigmoid(q @ kk.transpose(-1, -2) / math.sqrt(D) + m.options.sigmoid_bias) * allowed
+        w = torch.sigmoid(q @ kk.transpose(-1, -2) / math.sqrt(D) + m.sigmoid_bias) * allowed
         out = w @ vv
     else:
-        out = softmax_ref(q, k, v, allowed, m.scale, m.sinks, m.options.softcap)  # [B, H, N, D]
-    if fr.output_gate is not None:
+        out = softmax_ref(q, k, v, allowed, m.scale, m.sinks, m.scores.softcap)  # [B, H, N, D]
+    if fr.gate_proj is not None:
         g = torch.sigmoid(F.linear(x, fr.gate_proj.weight))  # [B, N, H] or [B, N, H*D]
         out = out * g.view(B, N, H, -1).transpose(1, 2)
     return m.out_proj(out.transpose(1, 2).reshape(B, N, H * D))
@@ -132,7 +136,8 @@ def test_sinks_forward_backward_match_reference(kind, kw) -> None:
 @pytest.mark.parametrize("chunk", [1, 4])
 def test_sinks_decode_equals_full(chunk) -> None:
     torch.manual_seed(0)
-    m = _randomise(az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True, sinks=True)).eval()
+    m = _randomise(build_softmax(az.GroupedQueryAttention, 16, 4, num_kv_heads=2, causal=True, rope=True,
+                                 sinks=True)).eval()
     x = torch.randn(2, 13, 16)
     with torch.no_grad():
         torch.testing.assert_close(decode(m, x, chunk)[0], m(x), atol=2e-6, rtol=1e-5)
@@ -143,8 +148,8 @@ def test_sinks_decode_equals_full(chunk) -> None:
 @pytest.mark.parametrize("gate", [None, "head", "element"])
 def test_qk_norm_and_output_gate_match_reference(qk_norm, gate) -> None:
     torch.manual_seed(0)
-    m = _randomise(az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm,
-                                         output_gate=gate).to(DT))
+    m = _randomise(build_softmax(az.MultiHeadAttention, 16, 4, num_kv_heads=2, causal=True, rope=True,
+                                 qk_norm=qk_norm, output_gate=gate).to(DT))
     matches_reference(m, torch.randn(2, 7, 16, dtype=DT))
     want = {"head": (4,), "all": (16,)}[qk_norm]  # Qwen3: [D]; OLMo2: [H*D]
     assert m.frontier.q_norm_weight.shape == want
@@ -153,22 +158,23 @@ def test_qk_norm_and_output_gate_match_reference(qk_norm, gate) -> None:
 @pytest.mark.parametrize("qk_norm", ["head", "all"])
 def test_qk_norm_eps_and_softcap_match_reference_and_decode(qk_norm) -> None:
     torch.manual_seed(0)
-    m = _randomise(az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm,
-                                         qk_norm_eps=0.5, softcap=0.7, sinks=True).to(DT))
-    assert m.frontier.qk_norm_eps == 0.5 and "softcap=0.7" in repr(m)
+    m = _randomise(build_softmax(az.MultiHeadAttention, 16, 4, num_kv_heads=2, causal=True, rope=True,
+                                 qk_norm=qk_norm, qk_norm_eps=0.5, softcap=0.7, sinks=True).to(DT))
+    assert m.frontier.q_norm.eps == 0.5 and "softcap=0.7" in repr(m)
     x = torch.randn(2, 7, 16, dtype=DT)
     out = matches_reference(m, x)
     with torch.no_grad():
         torch.testing.assert_close(decode(m, x, 3)[0], out)
-    plain = az.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm, sinks=True).to(DT)
+    plain = build_softmax(az.MultiHeadAttention, 16, 4, num_kv_heads=2, causal=True, rope=True, qk_norm=qk_norm,
+                          sinks=True).to(DT)
     plain.load_state_dict(m.state_dict())
     assert not torch.allclose(plain(x), out)  # the eps and the cap both matter at these sizes
 
 
 def test_qk_norm_all_differs_from_head() -> None:
     torch.manual_seed(0)
-    a = az.MultiHeadAttention(16, 4, causal=True, qk_norm="head").to(DT)
-    b = az.MultiHeadAttention(16, 4, causal=True, qk_norm="all").to(DT)
+    a = build_softmax(az.MultiHeadAttention, 16, 4, causal=True, qk_norm="head").to(DT)
+    b = build_softmax(az.MultiHeadAttention, 16, 4, causal=True, qk_norm="all").to(DT)
     b.load_state_dict({k: v for k, v in a.state_dict().items() if "norm" not in k}, strict=False)
     x = torch.randn(1, 5, 16, dtype=DT)
     assert not torch.allclose(a(x), b(x))
@@ -176,8 +182,8 @@ def test_qk_norm_all_differs_from_head() -> None:
 
 def test_sigmoid_score_matches_reference_and_decodes() -> None:
     torch.manual_seed(0)
-    m = _randomise(az.MultiHeadAttention(16, 4, causal=True, rope=True, score="sigmoid", sigmoid_bias=-1.5,
-                                         qk_norm="head").to(DT))
+    m = _randomise(build_softmax(az.SigmoidAttention, 16, 4, causal=True, rope=True, sigmoid_bias=-1.5,
+                                 qk_norm="head").to(DT))
     x = torch.randn(2, 8, 16, dtype=DT)
     out, ref = m(x), mha_ref(m, x, causal_allowed(8))
     torch.testing.assert_close(out, ref)
@@ -185,15 +191,15 @@ def test_sigmoid_score_matches_reference_and_decodes() -> None:
         torch.testing.assert_close(a, b)
     with torch.no_grad():
         torch.testing.assert_close(decode(m, x, 3)[0], m(x))
-    free = az.MultiHeadAttention(16, 4, causal=True, score="sigmoid")  # bias -log(Nk) of each call
+    free = az.SigmoidAttention(16, 4, causal=True)  # bias -log(Nk) of each call
     with pytest.raises(ValueError, match="sigmoid_bias"):
         free(x.float()[:, :1], cache=free.init_cache(2, 8))
 
 
 def test_all_options_together_decode_equals_full() -> None:
     torch.manual_seed(0)
-    m = _randomise(az.SlidingWindowAttention(24, 6, window=4, num_kv_heads=2, rope=True, sinks=True, qk_norm="all",
-                                             output_gate="element")).eval()
+    m = _randomise(build_softmax(az.SlidingWindowAttention, 24, 6, window=4, num_kv_heads=2, rope=True, sinks=True,
+                                 qk_norm="all", output_gate="element")).eval()
     x = torch.randn(2, 17, 24)
     with torch.no_grad():
         full = m(x)
@@ -206,7 +212,7 @@ def test_all_options_together_decode_equals_full() -> None:
     [({"qk_norm": "layer"}, ValueError, "qk_norm"), ({"output_gate": True}, ValueError, "output_gate"),
      ({"score": "relu"}, ValueError, "score"), ({"sinks": 1}, TypeError, "sinks"),
      ({"score": "sigmoid", "sinks": True}, ValueError, "sigmoid"),
-     ({"sigmoid_bias": -1.0}, ValueError, "sigmoid_bias"),
+     ({"sigmoid_bias": -1.0}, TypeError, "sigmoid_bias"),
      ({"score": "sigmoid", "sigmoid_bias": float("nan")}, ValueError, "sigmoid_bias"),
      ({"score": "sigmoid", "backend": "sdpa"}, ValueError, "backend"), ({"qk_norms": "head"}, TypeError, "qk_norms"),
      ({"qk_norm_eps": 1e-5}, ValueError, "qk_norm_eps"), ({"qk_norm": "head", "qk_norm_eps": 0.0}, ValueError,
@@ -214,8 +220,9 @@ def test_all_options_together_decode_equals_full() -> None:
      ({"softcap": 0.0}, ValueError, "softcap"), ({"softcap": float("inf")}, ValueError, "softcap")],
 )
 def test_bad_options(kw, exc, words) -> None:
+    """The builders' keyword settings (what attention_kwargs dicts carry) are checked by name."""
     with pytest.raises(exc, match=words):
-        az.MultiHeadAttention(16, 4, causal=True, **kw)
+        build_attention("mha", 16, 4, causal=True, **kw)
 
 
 # --------------------------------------------------------------------------- 2. StreamingLLM
@@ -250,8 +257,8 @@ def streaming_cache_ref(m, x):
 @pytest.mark.parametrize(("sinks", "softcap"), [(False, None), (True, None), (True, 0.8)])
 def test_streaming_absolute_matches_the_mask_reference(sinks, softcap) -> None:
     torch.manual_seed(0)
-    m = _randomise(az.SlidingWindowAttention(16, 4, window=5, sink_tokens=3, num_kv_heads=2, rope=True,
-                                             sinks=sinks, softcap=softcap).to(DT))
+    m = _randomise(build_softmax(az.SlidingWindowAttention, 16, 4, window=5, sink_tokens=3, num_kv_heads=2,
+                                 rope=True, sinks=sinks, softcap=softcap).to(DT))
     x = torch.randn(2, 30, 16, dtype=DT)
     out, ref = m(x), mha_ref(m, x, streaming_allowed(30, 3, 5))
     torch.testing.assert_close(out, ref)
@@ -265,8 +272,8 @@ def test_streaming_absolute_matches_the_mask_reference(sinks, softcap) -> None:
 @pytest.mark.parametrize("sinks", [False, True])
 def test_streaming_cache_convention_matches_the_literal_reference(sinks) -> None:
     torch.manual_seed(0)
-    m = _randomise(az.SlidingWindowAttention(16, 4, window=5, sink_tokens=3, num_kv_heads=2, rope=True,
-                                             sinks=sinks, position_mode="cache").to(DT))
+    m = _randomise(build_softmax(az.SlidingWindowAttention, 16, 4, window=5, sink_tokens=3, num_kv_heads=2,
+                                 rope=True, sinks=sinks, position_mode="cache").to(DT))
     x = torch.randn(2, 30, 16, dtype=DT)
     out, ref = m(x), streaming_cache_ref(m, x)
     torch.testing.assert_close(out, ref)
@@ -276,8 +283,8 @@ def test_streaming_cache_convention_matches_the_literal_reference(sinks) -> None
     with torch.no_grad():  # the cached steps are the paper's re-rotation; chunks use the merged form
         torch.testing.assert_close(decode(m, x, 1)[0], ref)
         torch.testing.assert_close(decode(m, x, 7)[0], ref)
-    absolute = az.SlidingWindowAttention(16, 4, window=5, sink_tokens=3, num_kv_heads=2, rope=True,
-                                         sinks=sinks).to(DT)
+    absolute = build_softmax(az.SlidingWindowAttention, 16, 4, window=5, sink_tokens=3, num_kv_heads=2, rope=True,
+                             sinks=sinks).to(DT)
     absolute.load_state_dict(m.state_dict())
     same = absolute(x)
     torch.testing.assert_close(same[:, :9], out[:, :9])  # nothing evicted yet: the conventions agree
@@ -288,7 +295,8 @@ def test_streaming_cache_convention_matches_the_literal_reference(sinks) -> None
 def test_streaming_decode_equals_full_over_2000_tokens(mode) -> None:
     torch.manual_seed(0)
     n, w, N = 4, 24, 2100
-    m = az.SlidingWindowAttention(8, 2, window=w, sink_tokens=n, rope=True, position_mode=mode, sinks=True).to(DT)
+    m = build_softmax(az.SlidingWindowAttention, 8, 2, window=w, sink_tokens=n, rope=True, position_mode=mode,
+                      sinks=True).to(DT)
     m = _randomise(m).eval()
     x = torch.randn(1, N, 8, dtype=DT)
     with torch.no_grad():
@@ -342,9 +350,10 @@ def test_streaming_spec_bounds_the_cache() -> None:
 @pytest.mark.parametrize(
     ("kw", "exc", "words"),
     [({"sink_tokens": -1}, ValueError, "sink_tokens"), ({"sink_tokens": 1.5}, TypeError, "sink_tokens"),
-     ({"sink_tokens": 2, "causal": False}, ValueError, "causal"), ({"position_mode": "relative"}, ValueError,
-                                                                    "position_mode"),
-     ({"sink_tokens": 2, "alibi": True}, ValueError, "alibi")],
+     ({"sink_tokens": 2, "causal": False}, ValueError, "causal"),
+     ({"sink_tokens": 2, "position_mode": "relative"}, ValueError, "position_mode"),
+     ({"position_mode": "cache"}, TypeError, "position_mode"),  # sink_tokens=0: a plain sliding window
+     ({"sink_tokens": 2, "parts": AttentionParts(scores=Scores(alibi=True))}, ValueError, "alibi")],
 )
 def test_streaming_bad_input(kw, exc, words) -> None:
     with pytest.raises(exc, match=words):
@@ -441,13 +450,18 @@ def test_differential_bad_input(args, kw, exc, words) -> None:
 
 
 # --------------------------------------------------------------------------- 5. packed sequences
+def _norms(mode, H, Hkv, D, eps=1e-6):
+    q_norm, k_norm = qk_rmsnorm(mode, H, Hkv, D, eps)
+    return {"q_norm": q_norm, "k_norm": k_norm}
+
+
 PACKED = [
-    ("mha", lambda: az.MultiHeadAttention(16, 4, causal=True, rope=True, sinks=True, qk_norm="head",
-                                          output_gate="head")),
+    ("mha", lambda: az.MultiHeadAttention(16, 4, causal=True, rope=True, parts=AttentionParts(
+        sinks=sink_logits(4), output_gate=OutputGate(16, 4, 4, "head"), **_norms("head", 4, 4, 4)))),
     ("gqa", lambda: az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True)),
-    ("softcap", lambda: az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True, softcap=0.8, qk_norm="all",
-                                                 qk_norm_eps=0.3)),
-    ("bidirectional", lambda: az.MultiHeadAttention(16, 4, rope=True, alibi=True)),
+    ("softcap", lambda: az.GroupedQueryAttention(16, 4, 2, causal=True, rope=True, parts=AttentionParts(
+        scores=Scores(softcap=0.8), **_norms("all", 4, 2, 4, eps=0.3)))),
+    ("bidirectional", lambda: az.MultiHeadAttention(16, 4, rope=True, parts=AttentionParts(scores=Scores(alibi=True)))),
     ("sliding", lambda: az.SlidingWindowAttention(16, 4, window=2, rope=True)),
     ("diff", lambda: az.DifferentialAttention(16, 2, num_kv_heads=1, rope=True)),
 ]
@@ -575,9 +589,10 @@ def test_streaming_is_its_own_class() -> None:
 
 
 def test_sigmoid_is_its_own_class() -> None:
-    """SigmoidAttention carries the sigmoid score (the `sigmoid` variant); MultiHeadAttention(score='sigmoid')
-    builds one, and the other softmax classes refuse the score by name instead of ignoring it."""
-    m = az.MultiHeadAttention(16, 4, causal=True, score="sigmoid", sigmoid_bias=-1.0)
+    """SigmoidAttention carries the sigmoid score (the `sigmoid` variant; build_attention("mha", score="sigmoid")
+    builds one), and the softmax classes take no score keyword (a TypeError, not an ignored setting)."""
+    m = az.SigmoidAttention(16, 4, causal=True, sigmoid_bias=-1.0)
+    assert type(build_attention("mha", 16, 4, score="sigmoid", sigmoid_bias=-1.0)) is az.SigmoidAttention
     assert type(m) is az.SigmoidAttention
     assert type(az.variants.build_attention("sigmoid", 16, 4)) is az.SigmoidAttention
     x = torch.randn(2, 6, 16)
@@ -586,8 +601,10 @@ def test_sigmoid_is_its_own_class() -> None:
     torch.testing.assert_close(m(x), m.merge_heads(want))
     for make in (lambda: az.SlidingWindowAttention(16, 4, 3, score="sigmoid"),
                  lambda: az.GroupedQueryAttention(16, 4, 2, score="sigmoid")):
-        with pytest.raises(ValueError, match="SigmoidAttention"):
+        with pytest.raises(TypeError, match="score"):
             make()
+    with pytest.raises(ValueError, match="score"):
+        build_attention("sliding", 16, 4, score="sigmoid")  # only MultiHeadAttention's builder turns sigmoid
     with pytest.raises(ValueError, match="fixed sigmoid_bias"):
         free = az.SigmoidAttention(16, 4, causal=True)
         free(x, cache=free.init_cache(2, 6))

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import attnzoo as az
 from attnzoo.cost import estimate
 from attnzoo.models import DecoderLM
-from attnzoo.nn.mla import LatentCache, MultiHeadLatentAttention, mla_flops, mla_sizes
+from attnzoo.nn.mla import LatentCache, MLAOptions, MultiHeadLatentAttention, mla_flops, mla_sizes
 from attnzoo.variants import build_attention, kv_cache_bytes_per_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,14 +78,14 @@ def mla_reference(m: MultiHeadLatentAttention, x: torch.Tensor, base: float = 10
 @pytest.mark.parametrize("q_lora", [None, 12])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_forward_equals_float64_reference(q_lora: int | None, interleaved: bool) -> None:
-    m = _module(q_lora, bias=True, rope_interleave=interleaved)
+    m = _module(q_lora, bias=True, options=MLAOptions(rope_interleave=interleaved))
     x = torch.randn(2, 11, 48)
     ref = mla_reference(m, x, interleaved=interleaved)
     for form in ("materialised", "absorbed"):
         m.form = form
         err = (m(x).double() - ref).abs().max().item()
         assert err < 1e-5, f"{form}, q_lora={q_lora}, interleaved={interleaved}: max err {err:.2e}"
-    m64 = _module(q_lora, F64, bias=True, rope_interleave=interleaved)
+    m64 = _module(q_lora, F64, bias=True, options=MLAOptions(rope_interleave=interleaved))
     assert (m64(x.double()) - mla_reference(m64, x, interleaved=interleaved)).abs().max().item() < 1e-12
 
 
@@ -247,11 +247,12 @@ def test_yarn_scale_and_frequencies_follow_deepseek() -> None:
     yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
             "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
     m = MultiHeadLatentAttention(64, 2, kv_lora_rank=16, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                                 v_head_dim=128, rope_scaling=yarn)
+                                 v_head_dim=128, options=MLAOptions(rope_scaling=yarn))
     mscale = 0.1 * math.log(40.0) + 1.0
     assert m.softmax_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
     with pytest.raises(ValueError, match="dynamic"):
-        MultiHeadLatentAttention(64, 2, **SIZES, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+        MultiHeadLatentAttention(64, 2, **SIZES,
+                                 options=MLAOptions(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
 
 
 # ----------------------------------------------------------------------------- costs
@@ -276,7 +277,13 @@ def test_bad_input_errors() -> None:
     with pytest.raises(TypeError, match="unexpected keyword"):
         MultiHeadLatentAttention(48, 4, **SIZES, window=3)
     with pytest.raises(ValueError, match="form"):
-        MultiHeadLatentAttention(48, 4, **SIZES, form="fast")
+        MultiHeadLatentAttention(48, 4, **SIZES, options=MLAOptions(form="fast"))
+    with pytest.raises(ValueError, match="form"):
+        build_attention("mla", 48, 4, form="fast")
+    with pytest.raises(TypeError, match="options"):
+        MultiHeadLatentAttention(48, 4, **SIZES, options={"form": "auto"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        MultiHeadLatentAttention(48, 4, **SIZES, form="auto")
     m = _module()
     with pytest.raises(ValueError, match="form"):
         m.form = "fused"

@@ -8,12 +8,15 @@ from torch import nn
 
 import attnzoo as az
 from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.parts import AttentionParts, Scores
+from attnzoo.variants import build_attention
 
 DIM, HEADS = 32, 4
 
 
 def build(variant: str, *, rope: bool = False, alibi: bool = False, backend: str = "auto", **kw) -> nn.Module:
-    common = dict(causal=True, rope=rope or None, alibi=alibi, backend=backend, **kw)
+    common = dict(causal=True, rope=rope or None, backend=backend, parts=AttentionParts(scores=Scores(alibi=alibi)),
+                  **kw)
     if variant == "mha":
         return az.MultiHeadAttention(DIM, HEADS, **common)
     if variant == "gqa":
@@ -77,7 +80,8 @@ def test_windowed_module_with_a_full_kv_cache() -> None:
     """A window over a full KVCache (keys left of the window are skipped as a view) == full forward,
     also with a key mask whose columns must be skipped with them."""
     torch.manual_seed(14)
-    m = az.MultiHeadAttention(DIM, HEADS, num_kv_heads=2, causal=True, window=3, rope=True, alibi=True).eval()
+    m = az.MultiHeadAttention(DIM, HEADS, num_kv_heads=2, causal=True, window=3, rope=True,
+                              parts=AttentionParts(scores=Scores(alibi=True))).eval()
     x = torch.randn(2, 12, DIM)
     real = torch.ones(2, 12, dtype=torch.bool)
     real[1, 7] = False
@@ -233,9 +237,9 @@ def test_gqa_with_duplicated_kv_weights_equals_mha(rope: bool) -> None:
 
 def test_auto_backend_matches_reference_and_weights() -> None:
     torch.manual_seed(10)
-    m = az.MultiHeadAttention(DIM, HEADS, num_kv_heads=2, causal=True, window=3, alibi=True).eval()
-    ref = az.MultiHeadAttention(DIM, HEADS, num_kv_heads=2, causal=True, window=3, alibi=True,
-                                backend="reference").eval()
+    m = az.MultiHeadAttention(DIM, HEADS, num_kv_heads=2, causal=True, window=3, parts=AttentionParts(scores=Scores(alibi=True))).eval()
+    ref = az.MultiHeadAttention(DIM, HEADS, num_kv_heads=2, causal=True, window=3, backend="reference",
+                                parts=AttentionParts(scores=Scores(alibi=True))).eval()
     ref.load_state_dict(m.state_dict())
     x = torch.randn(2, 12, DIM, dtype=torch.float32)
     with torch.no_grad():
@@ -250,7 +254,7 @@ def test_auto_backend_matches_reference_and_weights() -> None:
 
 def test_float64_and_head_dim_independent_of_width() -> None:
     torch.manual_seed(11)
-    m = az.MultiHeadAttention(20, 3, head_dim=8, bias=False, causal=True, dtype=torch.float64)
+    m = az.MultiHeadAttention(20, 3, head_dim=8, bias=False, causal=True).to(torch.float64)
     assert m.qkv_proj.weight.shape == (3 * 3 * 8, 20) and m.qkv_proj.bias is None
     x = torch.randn(2, 5, 20, dtype=torch.float64)
     y = m(x)
@@ -406,7 +410,7 @@ def _held(cache) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- issue 14: module inputs
 ALL_MODULES = [
-    lambda: az.MultiHeadAttention(DIM, HEADS, causal=True, rope=True, alibi=True),
+    lambda: az.MultiHeadAttention(DIM, HEADS, causal=True, rope=True, parts=AttentionParts(scores=Scores(alibi=True))),
     lambda: az.MultiHeadAttention(DIM, HEADS, kv_dim=24),
     lambda: az.GroupedQueryAttention(DIM, HEADS, num_kv_heads=2, causal=True),
     lambda: az.MultiQueryAttention(DIM, HEADS, causal=True),
@@ -439,10 +443,14 @@ def test_integer_x_is_a_type_error_naming_x(make) -> None:
         make()(torch.ones(1, 4, DIM, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -1.0, 0.0, "1"])
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -1.0, 0.0])
 def test_bad_scale_rejected_at_construction(scale) -> None:
     with pytest.raises(ValueError, match="scale must be a finite positive float"):
-        az.MultiHeadAttention(64, 4, scale=scale)
+        Scores(scale=scale)
+    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+        build_attention("mha", 64, 4, scale=scale)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        Scores(scale="1")
 
 
 def test_unknown_keyword_is_a_type_error() -> None:

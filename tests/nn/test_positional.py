@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnzoo as az
+from attnzoo.nn.parts import AttentionParts, Scores
 from attnzoo.nn.positional import interleaved_to_split_half, sinusoidal_table
 
 
@@ -215,7 +216,7 @@ def test_alibi_slopes_non_power_of_two() -> None:
 
 def test_alibi_module_matches_explicit_bias() -> None:
     torch.manual_seed(8)
-    m = az.MultiHeadAttention(36, 6, causal=True, alibi=True, backend="reference").eval()
+    m = az.MultiHeadAttention(36, 6, causal=True, backend="reference", parts=AttentionParts(scores=Scores(alibi=True))).eval()
     plain = az.MultiHeadAttention(36, 6, causal=True, backend="reference").eval()
     plain.load_state_dict(m.state_dict())
     x = torch.randn(2, 7, 36)

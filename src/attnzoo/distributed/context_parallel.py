@@ -98,8 +98,6 @@ def _attention_problem(module: nn.Module, method: str) -> str | None:
     if isinstance(module, MultiHeadAttention):
         if module.kv_dim is not None:
             return "a cross-attention module (kv_dim set) is not supported; shard the queries only"
-        if module.options.score != "softmax":
-            return f"score={module.options.score!r} attention is not softmax attention"
         if module._structure() is not None and method == "ring":
             return ("it uses a mask pattern (local-global / streaming); ring attention supports causal and "
                     "window only: use method='ulysses'")

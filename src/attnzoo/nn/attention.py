@@ -24,10 +24,11 @@ from separate q/k/v weights, ``qkv_weights`` returns views of them):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -41,15 +42,8 @@ from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
 from attnzoo.nn.cache import KVCache, SinkWindowKVCache, SlidingWindowKVCache
 from attnzoo.nn.costs import softmax_cost
-from attnzoo.nn.frontier import (
-    OUTPUT_GATES,
-    QK_NORM_EPS,
-    QK_NORMS,
-    SCORES,
-    FrontierParts,
-    check_cu_seqlens,
-    packed_positions,
-)
+from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
+from attnzoo.nn.parts import AttentionParts, Scores, parts_from_settings, placed
 from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 from attnzoo.nn.streaming import (
@@ -61,80 +55,10 @@ from attnzoo.nn.streaming import (
     streaming_pattern,
 )
 
-__all__ = ["AttentionOptions", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
-           "SigmoidAttention", "SlidingWindowAttention", "StreamingAttention", "default_kv_heads"]
+__all__ = ["PART_SETTINGS", "GroupedQueryAttention", "MultiHeadAttention", "MultiQueryAttention",
+           "SigmoidAttention", "SlidingWindowAttention", "StreamingAttention", "build_softmax", "default_kv_heads"]
 
 Cache = KVCache | SlidingWindowKVCache
-
-
-@dataclass(frozen=True)
-class AttentionOptions:
-    """The less common :class:`MultiHeadAttention` settings, passed as keywords (``alibi=True``...).
-
-    Attributes:
-        alibi: add ALiBi biases with :func:`alibi_slopes` ``(H)``.
-        scale: score scale, default ``1 / sqrt(D)``; a finite positive float.
-        sinks: a learnable ``[H]`` sink logit per query head (gpt-oss attention sinks), passed to
-            :func:`attnzoo.attention` as ``sinks=``.
-        qk_norm: ``None``, ``"head"`` (per-head RMSNorm of q and k: Qwen3, Gemma3) or ``"all"``
-            (RMSNorm over all heads of a token: OLMo2), before RoPE.
-        qk_norm_eps: the epsilon of that RMSNorm (finite, > 0; only with ``qk_norm``).
-        softcap: scores become ``softcap * tanh(scores / softcap)`` after the scale (Gemma 2);
-            a finite positive float or ``None``.
-        output_gate: ``None``, ``"head"`` or ``"element"``: the attention output times
-            ``sigmoid(gate_proj(x))`` before ``out_proj`` (gated attention, Qwen3-Next).
-        score: ``"softmax"`` or ``"sigmoid"`` (:func:`attnzoo.sigmoid_attention`).
-        sigmoid_bias: the bias of ``score="sigmoid"``; ``None``: ``-log(Nk)`` of the call (decoding
-            with a cache then needs an explicit value, since ``Nk`` changes from step to step).
-    """
-
-    alibi: bool = False
-    scale: float | None = None
-    sinks: bool = False
-    qk_norm: str | None = None
-    output_gate: str | None = None
-    score: str = "softmax"
-    sigmoid_bias: float | None = None
-    qk_norm_eps: float = QK_NORM_EPS
-    softcap: float | None = None
-
-    @classmethod
-    def parse(cls, owner: str, options: dict[str, Any]) -> tuple[AttentionOptions, dict[str, Any]]:
-        """Split keyword ``options`` into ``(AttentionOptions, {"device", "dtype"})``; unknown keys raise."""
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - {*known, "device", "dtype"})
-        if unknown:
-            raise TypeError(f"{owner}: unexpected keyword argument(s) {unknown}; expected some of "
-                            f"{sorted([*known, 'device', 'dtype'])}")
-        alibi = check_flag(options.get("alibi", False), "alibi", owner)
-        sinks = check_flag(options.get("sinks", False), "sinks", owner)
-        scale, bias, eps, softcap = (_finite(owner, name, options.get(name), positive) for name, positive in (
-            ("scale", True), ("sigmoid_bias", False), ("qk_norm_eps", True), ("softcap", True)))
-        for name, choices in (("qk_norm", QK_NORMS), ("output_gate", OUTPUT_GATES), ("score", SCORES)):
-            if options.get(name, cls.score if name == "score" else None) not in choices:
-                raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {options[name]!r}")
-        score = options.get("score", "softmax")
-        if score == "sigmoid" and (sinks or alibi):
-            raise ValueError(f"{owner}: score='sigmoid' has no softmax normaliser; it does not take sinks=True "
-                             f"or alibi=True (got sinks={sinks}, alibi={alibi})")
-        if score != "sigmoid" and bias is not None:
-            raise ValueError(f"{owner}: sigmoid_bias applies to score='sigmoid' only, got score={score!r}")
-        if eps is not None and options.get("qk_norm") is None:
-            raise ValueError(f"{owner}: qk_norm_eps applies with qk_norm='head' or 'all' only, got qk_norm=None")
-        return cls(alibi, scale, sinks, options.get("qk_norm"), options.get("output_gate"), score, bias,
-                   QK_NORM_EPS if eps is None else eps, softcap), {
-            "device": options.get("device"), "dtype": options.get("dtype")}
-
-
-def _finite(owner: str, name: str, value: object, positive: bool) -> float | None:
-    """``value`` as a finite float (``> 0`` when ``positive``) or ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (positive and not value > 0):
-        raise ValueError(f"{owner}: {name} must be a finite{' positive' if positive else ''} float or None, "
-                         f"got {value!r}")
-    return float(value)
 
 
 def _resolve_rope(owner: str, rope: object, head_dim: int) -> RotaryEmbedding | None:
@@ -162,7 +86,7 @@ class _PackedAttention:
         cls = type(self).__name__
         given = [n for n, v in (("context", context), ("mask", mask), ("cache", cache), ("positions", positions))
                  if v is not None] + (["return_weights"] if return_weights else [])
-        if given or self.kv_dim is not None or self._structure() is not None or self.options.score != "softmax":
+        if given or self.kv_dim is not None or self._structure() is not None or self._score != "softmax":
             raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
                              f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
         cu = check_cu_seqlens(cu_seqlens, x, cls)
@@ -175,7 +99,7 @@ class _PackedAttention:
         q, k = self._rotate(q, pos), self._rotate(k, pos)
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=self.causal, window=self.window, alibi_slopes=self._slopes(x.device),
-                               scale=self.scale, softcap=self.options.softcap, sinks=self.sinks,
+                               scale=self.scale, softcap=self.scores.softcap, sinks=self.sinks,
                                score_mod=self.score_mod, backend=self.backend)  # [T, H, Dv]
         return out.transpose(0, 1).reshape(1, H, T, -1)
 
@@ -248,8 +172,10 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         rope: ``None``, ``True`` (``RotaryEmbedding(head_dim)``) or a :class:`RotaryEmbedding`.
         dropout: attention-weight dropout (training only).
         backend: backend of :func:`attnzoo.attention` (``"auto"`` picks the fastest exact one).
-        **options: ``alibi``, ``scale``, ... (see :class:`AttentionOptions`), ``score_mod`` (see
-            :func:`_checked_score_mod`), ``device``, ``dtype`` (of the parameters).
+        parts: the injected :class:`~attnzoo.nn.parts.AttentionParts` (QK-norms, output gate, sink
+            logits, :class:`~attnzoo.nn.parts.Scores`: ALiBi, scale, soft cap, ``score_mod``); ``None``:
+            none. Device/dtype: build under ``with torch.device(...)`` and ``.to(dtype)``, or through
+            :func:`attnzoo.variants.build_attention` (``device=``, ``dtype=``, the parts' keywords).
 
     Shapes:
         ``forward(x [B, N, C], context [B, M, kv_dim] | None) -> [B, N, C]``, with
@@ -259,28 +185,25 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, kv_dim: int | None = None,
                  head_dim: int | None = None, bias: bool = True, causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None, rope: bool | RotaryEmbedding | None = None,
-                 dropout: float = 0.0, backend: str = "auto", **options: Any) -> None:
+                 dropout: float = 0.0, backend: str = "auto", *, parts: AttentionParts | None = None) -> None:
         cls = type(self).__name__
-        score_mod = _checked_score_mod(cls, options.pop("score_mod", None), type(self)._score)
         num_kv_heads = _alias_kv_heads(type(self)._fixed_kv_heads, cls, num_kv_heads)
-        opts, factory = AttentionOptions.parse(cls, {"score": type(self)._score, **options})
-        if opts.score != type(self)._score:
-            raise ValueError(f"{cls}: score={opts.score!r} is SigmoidAttention's (a MultiHeadAttention with its "
-                             f"arguments); {cls} computes {type(self)._score!r} scores")
+        if parts is not None and not isinstance(parts, AttentionParts):
+            raise TypeError(f"{cls}: parts must be an AttentionParts or None, got {type(parts).__name__}")
         super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias,
-                         layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim, factory=factory)
+                         layout="qkv" if kv_dim is None else "q_kv", kv_dim=kv_dim)
         self.kv_dim = None if kv_dim is None else int(kv_dim)
-        self.score_mod = score_mod  # an nn.Module becomes a submodule: its parameters train with this module
+        parts = AttentionParts() if parts is None else parts
+        parts.check(cls, self.dim, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.scores: Scores = parts.scores
+        self.score_mod = parts.scores.score_mod  # an nn.Module becomes a submodule: its parameters train with this module
         self.causal = check_flag(causal, "causal", cls)
         self.window = normalize_window(window)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"{cls}: dropout must be a float in [0, 1), got {dropout!r}")
         self.dropout = float(dropout)
         self.backend = check_backend(backend, cls)
-        self.options = opts
-        self.frontier = FrontierParts(self.dim, self.num_heads, self.num_kv_heads, self.head_dim, sinks=opts.sinks,
-                                      qk_norm=opts.qk_norm, output_gate=opts.output_gate, factory=factory,
-                                      qk_norm_eps=opts.qk_norm_eps)
+        self.frontier = parts  # the checkpoint name of the parts (frontier.q_norm_weight, frontier.sinks, ...)
         self.rope: RotaryEmbedding | None = _resolve_rope(cls, rope, self.head_dim)
         self._alibi_cache: dict[torch.device, Tensor] = {}
         if self.kv_dim is not None and (self.causal or self.window is not None or self.rope is not None
@@ -297,21 +220,20 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     #: the score this class computes (``SigmoidAttention``: ``"sigmoid"``)
     _score = "softmax"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> MultiHeadAttention:
-        """``MultiHeadAttention(..., score="sigmoid")`` is a :class:`SigmoidAttention`."""
-        if cls is MultiHeadAttention and kwargs.get("score") == "sigmoid":
-            cls = SigmoidAttention
-        return super().__new__(cls)
+    @property
+    def parts(self) -> AttentionParts:
+        """The injected :class:`~attnzoo.nn.parts.AttentionParts` (held as ``frontier``, its checkpoint name)."""
+        return self.frontier
 
     @property
     def alibi(self) -> bool:
-        """ALiBi biases on (see :class:`AttentionOptions`)."""
-        return self.options.alibi
+        """ALiBi biases on (``parts.scores.alibi``)."""
+        return self.scores.alibi
 
     @property
     def scale(self) -> float | None:
         """Score scale (``None``: ``1 / sqrt(D)``)."""
-        return self.options.scale
+        return self.scores.scale
 
     @property
     def sinks(self) -> nn.Parameter | None:
@@ -406,7 +328,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         ``score_mod`` (its positions shifted by ``key_start``, the stream position of the first key
         held) when given; unset ones are left out, so a swapped ``attend_fn`` sees only what the
         module uses."""
-        extra: dict[str, Any] = {} if self.options.softcap is None else {"softcap": self.options.softcap}
+        extra: dict[str, Any] = {} if self.scores.softcap is None else {"softcap": self.scores.softcap}
         if with_sinks and self.sinks is not None:
             extra["sinks"] = self.sinks
         if self.score_mod is not None:
@@ -468,7 +390,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         qk_, v_ = qkv.split(((H + Hkv) * self.head_dim, Hkv * self.head_dim), dim=-1)
         qk = self.split_heads(qk_)  # [B, H + Hkv, N, D]: q and k heads side by side
         v = self.split_heads(v_)  # [B, Hkv, N, D]
-        if self.frontier.qk_norm is not None:
+        if self.frontier.q_norm is not None:
             qk = torch.cat((self.frontier.norm_q(qk[:, :H]), self.frontier.norm_k(qk[:, H:])), dim=1)
         if self.rope is not None and rotate:  # one rotation for the q and k heads together
             qk = self._rotate(qk, resolve_positions(positions, N, start, x.device, batch=B))
@@ -515,23 +437,11 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         s = f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
         for name, value, default in (("kv_dim", self.kv_dim, None), ("causal", self.causal, False),
                                      ("window", self.window, None), ("alibi", self.alibi, False),
-                                     ("softcap", self.options.softcap, None),
+                                     ("softcap", self.scores.softcap, None),
                                      ("dropout", self.dropout, 0.0), ("backend", self.backend, "auto")):
             if value != default:
                 s += f", {name}={value!r}"
         return s
-
-
-def _checked_score_mod(cls: str, score_mod: object, score: str) -> Callable[..., Tensor] | None:
-    """``score_mod`` of a module: ``fn(score, b, h, q_idx, kv_idx) -> score`` of :func:`attnzoo.attention`,
-    at the tokens' positions in the stream (as causal/window/ALiBi use them; with a cache,
-    ``cache.length + i``); an ``nn.Module`` becomes a submodule. Softmax scores only."""
-    if score_mod is not None and not callable(score_mod):
-        raise TypeError(f"{cls}: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
-                        f"got {type(score_mod).__name__}")
-    if score_mod is not None and score != "softmax":
-        raise ValueError(f"{cls}: score_mod needs score='softmax', got score={score!r}")
-    return score_mod  # type: ignore[return-value]
 
 
 def _alias_kv_heads(fixed: int | str | None, owner: str, num_kv_heads: int | None) -> int | None:
@@ -608,7 +518,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     """Grouped-query attention (Ainslie et al., 2023): ``num_kv_heads`` KV heads, each shared by
     ``num_heads // num_kv_heads`` query heads (head ``h`` reads KV head ``h // group``).
 
-    ``MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, **kw)``; the cache holds
+    ``MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, ...)``, same arguments; the cache holds
     ``num_kv_heads / num_heads`` of MHA's bytes.
     """
 
@@ -620,41 +530,42 @@ class SlidingWindowAttention(MultiHeadAttention):
     ``window`` keys before it; decoding uses a :class:`SlidingWindowKVCache` of ``window + 1`` slots.
 
     Mistral's ``sliding_window=W`` is ``window=W - 1``. ``MultiHeadAttention(dim, num_heads,
-    window=window, causal=causal, **kw)``; with ``causal=False`` the window is two-sided.
+    window=window, causal=causal, ...)``; with ``causal=False`` the window is two-sided. The other
+    arguments are :class:`MultiHeadAttention`'s, keyword-only.
 
-    StreamingLLM (Xiao et al., 2023): ``sink_tokens=n`` keeps the first ``n`` tokens visible to every
-    query, plus the window: ``causal() & (sliding_window(w, 0) | global_tokens(range(n)))``, decoded
-    with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots. ``position_mode``: ``"absolute"``
-    (RoPE at the tokens' absolute positions) or ``"cache"`` (the paper's: positions counted inside
-    the cache, keys stored before RoPE and re-rotated at their cache slots every step); see
-    :mod:`attnzoo.nn.streaming` and ``docs/softmax-frontier.md``. With sink tokens a cached call
-    (and any call in ``"cache"`` mode) returns no weights and takes no ``alibi``.
+    StreamingLLM (Xiao et al., 2023): ``sink_tokens=n > 0`` builds a :class:`StreamingAttention`: the
+    first ``n`` tokens stay visible to every query, plus the window, decoded with a
+    :class:`SinkWindowKVCache` of ``n + w + 1`` slots; it also takes ``position_mode`` (see there).
     """
 
     _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
 
-    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 0,
-                 position_mode: str = "absolute", **kw: Any) -> None:
-        cls = "SlidingWindowAttention"
+    def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 0, *,
+                 num_kv_heads: int | None = None, head_dim: int | None = None, bias: bool = True,
+                 rope: bool | RotaryEmbedding | None = None, dropout: float = 0.0, backend: str = "auto",
+                 parts: AttentionParts | None = None) -> None:
+        cls = type(self).__name__
         for name, value in (("window", window), ("sink_tokens", sink_tokens)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{cls}: {name} must be an int, got {type(value).__name__} ({value!r})")
             if value < 0:
                 raise ValueError(f"{cls}: {name} must be >= 0, got {value}")
-        if position_mode not in POSITION_MODES:
-            raise ValueError(f"{cls}: position_mode must be one of {list(POSITION_MODES)}, got {position_mode!r}")
-        super().__init__(dim, num_heads, window=window, causal=causal, **kw)
-        if sink_tokens and (not causal or self.alibi or self.options.score != "softmax"):
+        super().__init__(dim, num_heads, num_kv_heads, None, head_dim, bias, causal, window, rope, dropout, backend,
+                         parts=parts)
+        if sink_tokens and (not causal or self.alibi or self._score != "softmax"):
             raise ValueError(f"{cls}: sink_tokens (StreamingLLM) needs causal=True softmax attention without "
-                             f"alibi, got causal={causal}, alibi={self.alibi}, score={self.options.score!r}")
-        self.window_size, self.sink_tokens, self.position_mode = window, sink_tokens, position_mode
+                             f"alibi, got causal={causal}, alibi={self.alibi}, score={self._score!r}")
+        self.window_size, self.sink_tokens, self.position_mode = window, sink_tokens, "absolute"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> SlidingWindowAttention:
-        """``SlidingWindowAttention(..., sink_tokens=n)`` with ``n > 0`` is a :class:`StreamingAttention`."""
+        """``SlidingWindowAttention(..., sink_tokens=n)`` with ``n > 0`` is a :class:`StreamingAttention`
+        (Python then runs ``StreamingAttention.__init__`` with the same arguments)."""
         sinks = kwargs.get("sink_tokens", args[4] if len(args) > 4 else 0)
         if cls is SlidingWindowAttention and isinstance(sinks, int) and not isinstance(sinks, bool) and sinks > 0:
             cls = StreamingAttention
         return super().__new__(cls)
+
+    __new__.__signature__ = inspect.signature(__init__)  # type: ignore[attr-defined]  # help(): __init__'s arguments
 
     def _self(self, x: Tensor, mask: Tensor | Mask | None, cache: Any, positions: Tensor | None,
               return_weights: bool) -> tuple[Tensor, Tensor | None]:
@@ -668,15 +579,27 @@ class StreamingAttention(SlidingWindowAttention):
     """StreamingLLM attention (Xiao et al., 2023): a causal sliding window plus ``sink_tokens`` first
     tokens every query sees, decoded with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots (the
     ``streaming`` variant). What ``SlidingWindowAttention(..., sink_tokens=n)`` builds for ``n > 0``;
-    arguments as :class:`SlidingWindowAttention` (``sink_tokens >= 1``)."""
+    arguments as :class:`SlidingWindowAttention` (``sink_tokens >= 1``, no attention dropout), plus
+
+    ``position_mode``: ``"absolute"`` (RoPE at the tokens' absolute positions) or ``"cache"`` (the
+    paper's: positions counted inside the cache, keys stored before RoPE and re-rotated at their cache
+    slots every step); see :mod:`attnzoo.nn.streaming` and ``docs/softmax-frontier.md``. A cached
+    call (and any call in ``"cache"`` mode) returns no weights; no ``alibi``."""
 
     _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
 
     def __init__(self, dim: int, num_heads: int, window: int, causal: bool = True, sink_tokens: int = 1,
-                 position_mode: str = "absolute", **kw: Any) -> None:
-        super().__init__(dim, num_heads, window, causal, sink_tokens, position_mode, **kw)
+                 position_mode: str = "absolute", *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = True, rope: bool | RotaryEmbedding | None = None, backend: str = "auto",
+                 parts: AttentionParts | None = None) -> None:
+        if position_mode not in POSITION_MODES:
+            raise ValueError(f"StreamingAttention: position_mode must be one of {list(POSITION_MODES)}, got "
+                             f"{position_mode!r}")
+        super().__init__(dim, num_heads, window, causal, sink_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         bias=bias, rope=rope, backend=backend, parts=parts)
         if not self.sink_tokens:
             raise ValueError("StreamingAttention: sink_tokens must be >= 1 (use SlidingWindowAttention for none)")
+        self.position_mode = position_mode
 
     def _structure(self) -> Mask | None:
         return streaming_pattern(self.window_size, self.sink_tokens)
@@ -791,31 +714,55 @@ class SigmoidAttention(MultiHeadAttention):
     """Sigmoid attention (Ramapuram et al., 2024): ``sigmoid(q k^T * scale + b)`` in place of the
     softmax, no normaliser (:func:`attnzoo.sigmoid_attention`), behind the ``sigmoid`` variant.
 
-    Arguments as :class:`MultiHeadAttention` (``MultiHeadAttention(..., score="sigmoid")`` builds
-    one); ``sigmoid_bias`` is ``b`` (``None``: ``-log(Nk)`` of each call, so decoding through a cache
-    needs a fixed value). No ``sinks`` or ``alibi`` (nothing to normalise against); backend
-    ``auto``, ``reference`` or ``tiled`` without dropout.
+    Arguments as :class:`MultiHeadAttention` without ``dropout``, plus ``sigmoid_bias``: ``b``
+    (``None``: ``-log(Nk)`` of each call, so decoding through a cache needs a fixed value). The
+    parts take no ``sinks``, ``alibi`` or ``score_mod`` (nothing to normalise against); backend
+    ``auto``, ``reference`` or ``tiled``.
     """
 
     _score = "sigmoid"
     #: the attend seam calls :func:`attnzoo.sigmoid_attention` (context parallelism swaps it)
     default_attend = staticmethod(sigmoid_attention)
 
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, kv_dim: int | None = None,
+                 head_dim: int | None = None, bias: bool = True, causal: bool = False,
+                 window: int | tuple[int | None, int | None] | None = None, rope: bool | RotaryEmbedding | None = None,
+                 backend: str = "auto", *, sigmoid_bias: float | None = None,
+                 parts: AttentionParts | None = None) -> None:
+        if sigmoid_bias is not None and (isinstance(sigmoid_bias, bool) or not isinstance(sigmoid_bias, (int, float))):
+            raise TypeError(f"SigmoidAttention: sigmoid_bias must be a float or None, got "
+                            f"{type(sigmoid_bias).__name__} ({sigmoid_bias!r})")
+        if sigmoid_bias is not None and not math.isfinite(sigmoid_bias):
+            raise ValueError(f"SigmoidAttention: sigmoid_bias must be a finite float or None, got {sigmoid_bias!r}")
+        super().__init__(dim, num_heads, num_kv_heads, kv_dim, head_dim, bias, causal, window, rope, 0.0, backend,
+                         parts=parts)
+        self._bias = None if sigmoid_bias is None else float(sigmoid_bias)
+
+    @property
+    def sigmoid_bias(self) -> float | None:
+        """``b`` of ``sigmoid(q k^T * scale + b)`` (``None``: ``-log(Nk)`` of each call)."""
+        return self._bias
+
     def _check_settings(self) -> None:
-        if self.backend not in ("auto", "reference", "tiled") or self.dropout:
-            raise ValueError(f"{type(self).__name__}: score='sigmoid' runs on backend 'auto', 'reference' or 'tiled' "
-                             f"without dropout, got backend={self.backend!r}, dropout={self.dropout}")
+        p = self.frontier
+        if p.sinks is not None or p.scores.alibi or p.scores.score_mod is not None:
+            raise ValueError(f"{type(self).__name__}: sigmoid scores have no softmax normaliser; parts must have no "
+                             f"sinks, alibi or score_mod (got sinks={p.sinks is not None}, alibi={p.scores.alibi}, "
+                             f"score_mod={p.scores.score_mod})")
+        if self.backend not in ("auto", "reference", "tiled"):
+            raise ValueError(f"{type(self).__name__}: sigmoid attention runs on backend 'auto', 'reference' or "
+                             f"'tiled', got backend={self.backend!r}")
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, causal: bool,
               window: Any, q_offset: int | None, alibi: Tensor | None,
               return_weights: bool, key_start: int = 0) -> tuple[Tensor, Tensor | None]:
-        res = self.attend(q, k, v, bias=self.options.sigmoid_bias, causal=causal, window=window, mask=mask,
-                          scale=self.scale, softcap=self.options.softcap, q_offset=q_offset,
+        res = self.attend(q, k, v, bias=self.sigmoid_bias, causal=causal, window=window, mask=mask,
+                          scale=self.scale, softcap=self.scores.softcap, q_offset=q_offset,
                           return_weights=return_weights, backend=self.backend)
         return (res[0], res[1]) if return_weights else (res, None)
 
     def _check_self_cache(self, cache: Cache | None) -> None:
-        if cache is not None and self.options.sigmoid_bias is None:
+        if cache is not None and self.sigmoid_bias is None:
             raise ValueError(f"{type(self).__name__}: decoding score='sigmoid' with a cache needs a fixed sigmoid_bias "
                              f"(the default -log(Nk) changes with the number of keys each call sees); build with "
                              f"sigmoid_bias=...")
@@ -832,22 +779,55 @@ def default_kv_heads(num_heads: int) -> int:
     return kv
 
 
+#: the builders' keyword settings that become the injected :class:`~attnzoo.nn.parts.AttentionParts`
+PART_SETTINGS = ("alibi", "scale", "softcap", "score_mod", "sinks", "qk_norm", "qk_norm_eps", "output_gate")
+
+
+def build_softmax(cls: type[MultiHeadAttention], dim: int, num_heads: int, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None, **settings: Any) -> nn.Module:
+    """``cls(dim, num_heads, ..., parts=...)`` from keyword settings (what ``attention_kwargs`` dicts and
+    :func:`attnzoo.variants.build_attention` carry): the :data:`PART_SETTINGS` (``qk_norm="head"``,
+    ``sinks=True``, ``softcap=...``) become :func:`~attnzoo.nn.parts.parts_from_settings`; ``score="sigmoid"``
+    makes a :class:`SigmoidAttention` (only from ``MultiHeadAttention``); ready-made ``parts=`` pass through
+    instead. The module is built on ``device`` and cast to ``dtype`` (a given rotary embedding and
+    ``score_mod`` keep theirs). The rest goes to ``cls`` as is."""
+    part_kw = {k: settings.pop(k) for k in PART_SETTINGS if k in settings}
+    score = settings.pop("score", cls._score)
+    if score not in ("softmax", "sigmoid") or (score != cls._score and cls is not MultiHeadAttention):
+        raise ValueError(f"{cls.__name__}: score must be {cls._score!r} (or 'sigmoid' for MultiHeadAttention), "
+                         f"got {score!r}")
+    if score == "sigmoid" or cls is StreamingAttention:  # no attention dropout there
+        cls = SigmoidAttention if score == "sigmoid" else cls
+        if settings.pop("dropout", 0.0):
+            raise ValueError(f"{cls.__name__} takes no attention dropout; use dropout=0.0")
+    parts = settings.pop("parts", None)  # parts built by the caller, or the keywords' parts: not both
+    if parts is not None and part_kw:
+        raise ValueError(f"{cls.__name__}: pass parts= or the part keywords {sorted(part_kw)}, not both")
+    with contextlib.nullcontext() if device is None else torch.device(device):
+        if part_kw:
+            fixed = cls._fixed_kv_heads if isinstance(cls._fixed_kv_heads, int) else None
+            parts = parts_from_settings(dim, num_heads, settings.get("num_kv_heads", fixed), settings.get("head_dim"),
+                                        **part_kw)
+        module = cls(dim, num_heads, parts=parts, **settings)
+    return placed(module, dtype, keep=(module.rope, module.score_mod))
+
+
 def _build_mha(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    return MultiHeadAttention(dim, num_heads, causal=causal, **kw)
+    return build_softmax(MultiHeadAttention, dim, num_heads, causal=causal, **kw)
 
 
 def _build_mqa(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    return MultiQueryAttention(dim, num_heads, causal=causal, **kw)
+    return build_softmax(MultiQueryAttention, dim, num_heads, causal=causal, **kw)
 
 
 def _build_gqa(dim: int, num_heads: int, *, causal: bool = True, num_kv_heads: int | None = None,
                **kw: Any) -> nn.Module:
     kv = num_kv_heads if num_kv_heads is not None else default_kv_heads(num_heads)
-    return GroupedQueryAttention(dim, num_heads, num_kv_heads=kv, causal=causal, **kw)
+    return build_softmax(GroupedQueryAttention, dim, num_heads, num_kv_heads=kv, causal=causal, **kw)
 
 
 def _build_sliding(dim: int, num_heads: int, *, causal: bool = True, window: int = 64, **kw: Any) -> nn.Module:
-    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal, **kw)
+    return build_softmax(SlidingWindowAttention, dim, num_heads, window=window, causal=causal, **kw)
 
 
 def _dense_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
@@ -878,7 +858,7 @@ register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) til
 
 
 def _build_sigmoid(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
-    return SigmoidAttention(dim, num_heads, causal=causal, **kw)
+    return build_softmax(SigmoidAttention, dim, num_heads, causal=causal, **kw)
 
 
 #: the ``sigmoid`` variant's default bias: the paper's ``b = -log(n)`` at ``n = 64`` tokens, fixed so a
@@ -900,8 +880,8 @@ def _streaming_sinks(global_tokens: tuple[int, ...]) -> int:
 
 def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
                      global_tokens: tuple[int, ...] = (0, 1, 2, 3), **kw: Any) -> nn.Module:
-    return SlidingWindowAttention(dim, num_heads, window=window, causal=causal,
-                                  sink_tokens=_streaming_sinks(global_tokens), **kw)
+    return build_softmax(StreamingAttention, dim, num_heads, window=window, causal=causal,
+                         sink_tokens=_streaming_sinks(global_tokens), **kw)
 
 
 def _streaming_cost(cfg: VariantConfig, shape: CostShape) -> Cost:

@@ -21,8 +21,10 @@ from torch import Tensor, nn
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 from attnzoo.masks import global_tokens as global_mask
-from attnzoo.nn.attention import MultiHeadAttention
+from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.costs import softmax_cost
+from attnzoo.nn.parts import AttentionParts
+from attnzoo.nn.positional import RotaryEmbedding
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 from attnzoo.nn.streaming import padding_offsets, rows_from_first_real
 
@@ -40,26 +42,24 @@ class LocalGlobalAttention(MultiHeadAttention):
         global_tokens: absolute positions of the global tokens (e.g. ``(0,)`` for a CLS token).
         causal: also hide keys after the query (decoding then uses a full :class:`KVCache`,
             since a global query needs every earlier key).
-        **kw: the other :class:`MultiHeadAttention` arguments (``num_kv_heads``, ``rope``,
-            ``alibi``, ``backend``, ...; not ``window``/``kv_dim``).
+        num_kv_heads, head_dim, bias, rope, dropout, backend, parts: as :class:`MultiHeadAttention`
+            (keyword-only; ALiBi, soft cap, sinks... are injected through ``parts``).
 
     Shapes:
         ``forward(x [B, N, C], *, mask, cache, positions, return_weights) -> [B, N, C]``.
     """
 
     def __init__(self, dim: int, num_heads: int, window: int, global_tokens: Sequence[int] | Tensor = (0,),
-                 causal: bool = False, **kw: Any) -> None:
+                 causal: bool = False, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = True, rope: bool | RotaryEmbedding | None = None, dropout: float = 0.0,
+                 backend: str = "auto", parts: AttentionParts | None = None) -> None:
         if isinstance(window, bool) or not isinstance(window, int):
             raise TypeError(f"LocalGlobalAttention: window must be an int, got {type(window).__name__} ({window!r})")
         if window < 0:
             raise ValueError(f"LocalGlobalAttention: window must be >= 0, got {window}")
-        for bad in ("kv_dim",):
-            if kw.get(bad) is not None:
-                raise TypeError(f"LocalGlobalAttention is self-attention; {bad} is not supported")
         positions = _check_global_tokens(global_tokens)
-        super().__init__(dim, num_heads, causal=causal, **kw)
-        if self.window is not None:
-            raise TypeError("LocalGlobalAttention: pass the local window as the 'window' argument only")
+        super().__init__(dim, num_heads, num_kv_heads, None, head_dim, bias, causal, None, rope, dropout, backend,
+                         parts=parts)
         sliding_window(window, window) | global_mask(list(positions))  # validates the positions
         self.local_window = window
         self.global_positions: tuple[int, ...] = positions
@@ -161,7 +161,8 @@ def _tensor_mask(m4: Tensor, q_offset: int) -> Mask:
 # --------------------------------------------------------------------------- variant spec
 def _build(dim: int, num_heads: int, *, causal: bool = True, window: int = 64,
            global_tokens: tuple[int, ...] = (0,), **kw: Any) -> nn.Module:
-    return LocalGlobalAttention(dim, num_heads, window=window, global_tokens=global_tokens, causal=causal, **kw)
+    return build_softmax(LocalGlobalAttention, dim, num_heads, window=window, global_tokens=global_tokens,
+                         causal=causal, **kw)
 
 
 def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:

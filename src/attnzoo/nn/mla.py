@@ -30,6 +30,7 @@ mscale_all_dim)^2`` with YaRN scaling; RoPE on adjacent channel pairs with ``rop
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from attnzoo.nn.attention import _check_mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
 from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.costs import computed_pairs, resolve_backend, visible_pairs
+from attnzoo.nn.parts import placed
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 from attnzoo.nn.rope_scaling import rope_inv_freq
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
@@ -168,7 +170,8 @@ class LatentCache(_LengthCache):
 # --------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class MLAOptions:
-    """The less common :class:`MultiHeadLatentAttention` settings (keywords).
+    """The less common :class:`MultiHeadLatentAttention` settings, one value passed as ``options=``
+    (checked here: a wrong type is a ``TypeError``, a bad value a ``ValueError``, each naming the field).
 
     Attributes:
         rope_base: RoPE base (``rope_theta``) when the module builds its own rotary embedding.
@@ -194,30 +197,24 @@ class MLAOptions:
     dropout: float = 0.0
     form: str = "auto"
 
-    @classmethod
-    def parse(cls, owner: str, options: dict[str, Any]) -> tuple[MLAOptions, dict[str, Any]]:
-        """Split keyword ``options`` into ``(MLAOptions, {"device", "dtype"})``; unknown keys raise."""
-        known = (*cls.__dataclass_fields__, "device", "dtype")
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise TypeError(f"{owner}: unexpected keyword argument(s) {unknown}; expected some of {sorted(known)}")
-        kw = {k: v for k, v in options.items() if k not in ("device", "dtype")}
-        opts = cls(**kw)
-        _check_float(owner, "norm_eps", opts.norm_eps, positive=False)
-        if opts.scale is not None:
-            _check_float(owner, "scale", opts.scale)
-        if opts.rope_base is not None:
-            _check_float(owner, "rope_base", opts.rope_base)
-        if opts.rope_interleave is not None:
-            check_flag(opts.rope_interleave, "rope_interleave", owner)
-        if opts.rope_scaling is not None and not isinstance(opts.rope_scaling, Mapping):
+    def __post_init__(self) -> None:
+        owner = "MLAOptions"
+        _check_float(owner, "norm_eps", self.norm_eps, positive=False)
+        if self.scale is not None:
+            _check_float(owner, "scale", self.scale)
+        if self.rope_base is not None:
+            _check_float(owner, "rope_base", self.rope_base)
+        if self.rope_interleave is not None:
+            check_flag(self.rope_interleave, "rope_interleave", owner)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Mapping):
             raise TypeError(f"{owner}: rope_scaling must be a dict of rope parameters or None, got "
-                            f"{type(opts.rope_scaling).__name__}")
-        if isinstance(opts.dropout, bool) or not isinstance(opts.dropout, (int, float)) or not 0 <= opts.dropout < 1:
-            raise ValueError(f"{owner}: dropout must be a float in [0, 1), got {opts.dropout!r}")
-        if opts.form not in FORMS:
-            raise ValueError(f"{owner}: form must be one of {FORMS}, got {opts.form!r}")
-        return opts, {"device": options.get("device"), "dtype": options.get("dtype")}
+                            f"{type(self.rope_scaling).__name__}")
+        if self.max_position_embeddings is not None:
+            check_int(self.max_position_embeddings, "max_position_embeddings", owner=owner)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"{owner}: dropout must be a float in [0, 1), got {self.dropout!r}")
+        if self.form not in FORMS:
+            raise ValueError(f"{owner}: form must be one of {FORMS}, got {self.form!r}")
 
 
 def _check_float(owner: str, name: str, value: object, positive: bool = True) -> float:
@@ -257,9 +254,10 @@ class MultiHeadLatentAttention(AttentionBase):
             a :class:`RotaryEmbedding` whose base, pairing and scaling are applied to the ``dr``
             channels (e.g. a ``DecoderLM``'s shared rope, built for the model's head width).
         backend: backend of :func:`attnzoo.attention`.
-        **options: see :class:`MLAOptions` (``rope_base``, ``rope_interleave``, ``rope_scaling``,
-            ``max_position_embeddings``, ``norm_eps``, ``scale``, ``dropout``, ``form``), ``device``,
-            ``dtype``.
+        options: an :class:`MLAOptions` (``rope_base``, ``rope_interleave``, ``rope_scaling``,
+            ``max_position_embeddings``, ``norm_eps``, ``scale``, ``dropout``, ``form``); ``None``: the
+            defaults. Device/dtype: build under ``with torch.device(...)`` and ``.to(dtype)``, or through
+            ``build_attention("mla", ..., device=, dtype=, <MLAOptions fields>)``.
 
     Attributes:
         sizes: the :class:`MLASizes`; ``head_dim`` is ``v_head_dim`` (the width of a head's output,
@@ -274,13 +272,15 @@ class MultiHeadLatentAttention(AttentionBase):
     def __init__(self, dim: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, causal: bool = True,
                  bias: bool = False, rope: bool | RotaryEmbedding | None = None, backend: str = "auto",
-                 **options: Any) -> None:
+                 options: MLAOptions | None = None) -> None:
         cls = type(self).__name__
-        opts, factory = MLAOptions.parse(cls, options)
+        if options is not None and not isinstance(options, MLAOptions):
+            raise TypeError(f"{cls}: options must be an MLAOptions or None, got {type(options).__name__}")
+        opts = MLAOptions() if options is None else options
         self.sizes = _check_sizes(cls, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)
         self._norm_eps = opts.norm_eps
         # head_dim: the width of a head's output, dv (= dn = D with DeepSeek's proportions, as the cost model)
-        super().__init__(dim, num_heads, head_dim=self.sizes.v_head_dim, bias=bias, factory=factory)
+        super().__init__(dim, num_heads, head_dim=self.sizes.v_head_dim, bias=bias)
         self.causal = check_flag(causal, "causal", cls)
         self.backend = check_backend(backend, cls)
         self.options = opts
@@ -561,17 +561,28 @@ def _check_sizes(cls: str, r: object, dn: object, dr: object, dv: object, rq: ob
 
 
 # --------------------------------------------------------------------------- variant spec
+#: the ``mla`` builder's keyword settings that make its :class:`MLAOptions`
+OPTION_SETTINGS = tuple(MLAOptions.__dataclass_fields__)
+
+
 def _build(dim: int, num_heads: int, *, causal: bool = True, head_dim: int | None = None,
-           num_kv_heads: int | None = None, **kw: Any) -> nn.Module:
+           num_kv_heads: int | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+           **kw: Any) -> nn.Module:
     if num_kv_heads is not None and num_kv_heads != num_heads:
         raise ValueError(f"mla: every head reads the shared latent; num_kv_heads must be None or num_heads "
                          f"({num_heads}), got {num_kv_heads}")
-    if head_dim is None and dim % num_heads:
-        raise ValueError(f"mla: dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim / the sizes")
-    d = mla_sizes(dim // num_heads if head_dim is None else head_dim)
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        kw.setdefault(name, getattr(d, name))
-    return MultiHeadLatentAttention(dim, num_heads, causal=causal, **kw)
+    sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if any(name not in kw for name in sizes):  # DeepSeek-V3's proportions for the sizes not given
+        if head_dim is None and dim % num_heads:
+            raise ValueError(f"mla: dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim / "
+                             f"the sizes")
+        d = mla_sizes(dim // num_heads if head_dim is None else head_dim)
+        for name in sizes:
+            kw.setdefault(name, getattr(d, name))
+    options = MLAOptions(**{k: kw.pop(k) for k in OPTION_SETTINGS if k in kw})
+    with contextlib.nullcontext() if device is None else torch.device(device):
+        module = MultiHeadLatentAttention(dim, num_heads, causal=causal, options=options, **kw)
+    return placed(module, dtype, keep=(module.rope,))
 
 
 def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:

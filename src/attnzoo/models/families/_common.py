@@ -20,9 +20,9 @@ from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
-from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
+from attnzoo.variants import build_attention
 
 __all__ = [
     "GATED",
@@ -221,7 +221,7 @@ def attention_factory(hf: HFConfig, *, window: int | None, rope: nn.Module | Non
         kw["output_gate"] = output_gate
     if scale is not None:
         kw["scale"] = scale
-    return functools.partial(MultiHeadAttention, C, H, **kw)
+    return functools.partial(build_attention, "mha", C, H, **kw)
 
 
 def sliding_windows(hf: HFConfig, kinds: Sequence[str]) -> list[int | None]:

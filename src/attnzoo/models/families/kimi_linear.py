@@ -34,7 +34,7 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.kda import KimiDeltaAttention
-from attnzoo.nn.mla import MultiHeadLatentAttention
+from attnzoo.variants import build_attention
 
 __all__ = ["build_kimi_linear", "convert_kimi_linear"]
 
@@ -63,7 +63,7 @@ def build_kimi_linear(hf: HFConfig, *, head_size: int | None = None, device: Any
     kinds, mlps = parts.layer_types(hf, depth, TYPES), _mlp_types(hf, depth)
     linear = functools.partial(KimiDeltaAttention, C, hf.req("linear_num_heads"), head_dim=hf.req("linear_head_dim"),
                                conv_size=hf.get("linear_conv_kernel_dim", 4), norm_eps=eps, qk_norm_eps=1e-6, **kw)
-    full = functools.partial(MultiHeadLatentAttention, C, H, kv_lora_rank=hf.req("kv_lora_rank"),
+    full = functools.partial(build_attention, "mla", C, H, kv_lora_rank=hf.req("kv_lora_rank"),
                              qk_nope_head_dim=hf.req("qk_nope_head_dim"), qk_rope_head_dim=hf.req("qk_rope_head_dim"),
                              v_head_dim=hf.req("v_head_dim"), q_lora_rank=hf.get("q_lora_rank", None),
                              rope=False, dropout=hf.get("attention_dropout", 0.0, float), **kw)
