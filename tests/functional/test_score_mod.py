@@ -433,6 +433,8 @@ ADDITIVITY = [
     ("shift then scale", lambda s, b, h, qi, ki: (s + 1) * 2, False),
     ("in place", lambda s, b, h, qi, ki: s.add_(1), False),
     ("alpha", lambda s, b, h, qi, ki: torch.add(s, 1.0, alpha=2), False),  # additive, but not recognised: safe
+    ("values out and back", lambda s, b, h, qi, ki: s + torch.tensor(s.tolist()), False),  # 2 * score
+    ("shape read", lambda s, b, h, qi, ki: s + torch.zeros(s.shape).mul_(s.dim()), True),
 ]
 
 

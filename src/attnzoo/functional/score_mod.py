@@ -60,6 +60,9 @@ class ScoreMod:
 
 _ADDS = (Tensor.__add__, Tensor.__radd__, Tensor.add, torch.add)
 _SUBS = (Tensor.__sub__, Tensor.sub, torch.sub)
+#: what may be read of the score without its values (a property getter's name is "__get__")
+_METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "stride", "element_size", "is_contiguous",
+                       "is_floating_point", "get_device"})
 
 
 class _Captures(TorchFunctionMode):
@@ -107,7 +110,9 @@ class _Captures(TorchFunctionMode):
         out = func(*args, **kwargs)
         self._note(out, made=True)
         made = [x for x in pytree.tree_leaves(out) if isinstance(x, Tensor)]
-        if uses_score and made:  # (reading a property such as .shape makes no tensor: ignored)
+        if uses_score and not made and getattr(func, "__name__", "") not in _METADATA:
+            self.other_use = True  # the score's values left torch (.tolist(), .numpy(), .item()): not followed
+        elif uses_score and made:
             if self._is_shift(func, args, kwargs) and isinstance(out, Tensor):
                 self._chain.add(id(out))
             else:
