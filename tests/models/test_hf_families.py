@@ -300,13 +300,13 @@ def test_left_padded_batch_generation(family: str) -> None:
 
 def test_decoder_family_options_are_validated() -> None:
     with pytest.raises(ValueError, match="qk_norm must be one of"):
-        az.DecoderLM(V, 64, 2, 4, qk_norm="per-head")
+        az.models.DecoderConfig(V, 64, 2, 4, qk_norm="per-head")
     with pytest.raises(ValueError, match=r"layer_windows must be a tuple of depth=2"):
-        az.DecoderLM(V, 64, 2, 4, layer_windows=(3,))
+        az.models.DecoderConfig(V, 64, 2, 4, layer_windows=(3,))
     with pytest.raises(ValueError, match="sublayer_norm='both' needs norm_first=True"):
-        az.DecoderLM(V, 64, 2, 4, sublayer_norm="both", norm_first=False)
+        az.DecoderLM(config=az.models.DecoderConfig(V, 64, 2, 4, sublayer_norm="both", norm_first=False))
     with pytest.raises(ValueError, match="need attention='mha' or 'sliding'"):
-        az.DecoderLM(V, 64, 2, 4, attention="linear", attn_softcap=5.0)
-    model = az.DecoderLM(V, 64, 2, 4, head_size=0)
+        az.models.DecoderConfig(V, 64, 2, 4, attention="linear", attn_softcap=5.0)
+    model = az.DecoderLM(config=az.models.DecoderConfig(V, 64, 2, 4, head_size=0))
     with pytest.raises(ValueError, match="no LM head"):
         model.generate(_tokens(4), 2)

@@ -28,7 +28,8 @@ class Injected(KeyboardInterrupt):
 def _model(attention: object, **kw: object) -> az.DecoderLM:
     torch.manual_seed(0)
     akw = dict(VARIANTS[attention].check) if isinstance(attention, str) else None
-    return az.DecoderLM(VOCAB, 32, 2, 4, attention=attention, max_seq_len=32, attention_kwargs=akw, **kw).eval()
+    cfg = az.models.DecoderConfig(VOCAB, 32, 2, 4, attention=attention, max_seq_len=32, attention_kwargs=akw, **kw)
+    return az.DecoderLM(config=cfg).eval()
 
 
 def _fail_after(sub: nn.Module) -> torch.utils.hooks.RemovableHandle:

@@ -32,7 +32,7 @@ from attnzoo.arena.progress import Overall
 from attnzoo.arena.storage import write_atomic
 from attnzoo.arena.trainer import gpt2_init
 from attnzoo.arena.workers import Workers, worker_plan
-from attnzoo.models import DecoderLM
+from attnzoo.models import DecoderConfig, DecoderLM
 from attnzoo.variants import VARIANTS, layer_pattern
 
 __all__ = ["RunSpec", "add_preset_arguments", "best_of", "cosine_epoch_lr", "partial_report", "preset_model", "preset_runs", "run_preset", "train_run"]
@@ -79,8 +79,8 @@ def preset_model(variant: str, width: int, depth: int, heads: int, vocab: int, m
         akw = VARIANTS[names[0]].arena_settings(width, heads, window or max(1, max_len // 4))
     attention: Any = layers[0] if len(names) == 1 else list(layers)
     torch.manual_seed(seed)
-    model = DecoderLM(vocab, width, depth, heads, attention=attention, attention_kwargs=akw or None, pos="learned",
-                      max_seq_len=max_len, head_size=0)
+    model = DecoderLM(config=DecoderConfig(vocab, width, depth, heads, attention=attention, attention_kwargs=akw or None,
+                                           pos="learned", max_seq_len=max_len, head_size=0))
     for block in model.blocks:  # type: ignore[attr-defined]
         block.ffn = nn.Identity()
     gpt2_init(model)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._devices import tracing
-from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
+from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
@@ -100,10 +100,12 @@ class DecoderLM(FromConfig, nn.Module):
 
     Build it from a :class:`~attnzoo.models.DecoderConfig` (``DecoderLM.from_config(cfg)``,
     ``DecoderLM(config=cfg)``; presets ``gpt2``, ``llama``, ``mistral``, ``arena_lm``,
-    ``arena_mqar``) or from the config's fields as arguments, listed here (an unknown keyword
-    is a ``TypeError`` naming it); ``device``/``dtype`` place the parameters.
+    ``arena_mqar``). The constructor's own keywords (``vocab_size``, ``dim``, ``depth``,
+    ``num_heads``, ``attention``, ``num_kv_heads``, ``max_seq_len``, ``pos``) are shorthands for
+    those fields and override ``config``'s when given; every other field goes through ``config=``
+    (an unknown keyword is a ``TypeError`` naming it); ``device``/``dtype`` place the parameters.
 
-    Args:
+    The config's fields:
         vocab_size: vocabulary ``V``.
         dim: width ``C``.
         depth: number of blocks.
@@ -142,13 +144,15 @@ class DecoderLM(FromConfig, nn.Module):
     config_class = DecoderConfig
 
     def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
-                 num_heads: int | None = None, *, config: DecoderConfig | None = None,
+                 num_heads: int | None = None, *, attention: AttentionSpec | Sequence[AttentionSpec] | None = None,
+                 num_kv_heads: int | None = None, max_seq_len: int | None = None, pos: str | None = None,
+                 config: DecoderConfig | None = None,
                  blocks: Sequence[nn.Module] | Callable[[int], nn.Module] | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 **options: Any) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        cfg = DecoderConfig.resolve(config, "DecoderLM", {"vocab_size": vocab_size, "dim": dim, "depth": depth,
-                                                          "num_heads": num_heads}, options)
+        cfg = DecoderConfig.resolve(config, "DecoderLM", {
+            "vocab_size": vocab_size, "dim": dim, "depth": depth, "num_heads": num_heads, "attention": attention,
+            "num_kv_heads": num_kv_heads, "max_seq_len": max_seq_len, "pos": pos})
         self.config = cfg
         self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
         self.max_seq_len, self.pos, self.head_dim = cfg.max_seq_len, cfg.resolved_pos, cfg.resolved_head_dim

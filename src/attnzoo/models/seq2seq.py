@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo.blocks import AttentionSpec
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
@@ -30,10 +31,12 @@ class Transformer(FromConfig, nn.Module):
     LayerNorm after each stack, ReLU feed-forward of width ``4 * dim``, sinusoidal positions,
     token embeddings scaled by ``sqrt(dim)``, dropout 0.1.
 
-    Build it from a :class:`~attnzoo.models.Seq2SeqConfig` (``from_config``; preset
-    ``transformer_base``) or from the config's fields as arguments, listed here.
+    Build it from a :class:`~attnzoo.models.Seq2SeqConfig` (``config=``, ``from_config``; preset
+    ``transformer_base``). The constructor's own keywords (the six positionals, ``attention``,
+    ``dropout``, ``norm_first``) are shorthands for those fields and override ``config``'s when
+    given; every other field goes through ``config=``.
 
-    Args:
+    The config's fields:
         src_vocab_size, tgt_vocab_size: vocabularies.
         dim, num_heads: width ``C`` and heads.
         encoder_depth, decoder_depth: number of blocks of each stack.
@@ -51,13 +54,14 @@ class Transformer(FromConfig, nn.Module):
 
     def __init__(self, src_vocab_size: int | None = None, tgt_vocab_size: int | None = None,
                  dim: int | None = None, num_heads: int | None = None, encoder_depth: int | None = None,
-                 decoder_depth: int | None = None, *, config: Seq2SeqConfig | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 **options: Any) -> None:
+                 decoder_depth: int | None = None, *, attention: AttentionSpec | None = None,
+                 dropout: float | None = None, norm_first: bool | None = None, config: Seq2SeqConfig | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         given = {"src_vocab_size": src_vocab_size, "tgt_vocab_size": tgt_vocab_size, "dim": dim,
-                 "num_heads": num_heads, "encoder_depth": encoder_depth, "decoder_depth": decoder_depth}
-        cfg = Seq2SeqConfig.resolve(config, "Transformer", given, options)
+                 "num_heads": num_heads, "encoder_depth": encoder_depth, "decoder_depth": decoder_depth,
+                 "attention": attention, "dropout": dropout, "norm_first": norm_first}
+        cfg = Seq2SeqConfig.resolve(config, "Transformer", given)
         self.config = cfg
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.encoder = TransformerEncoder(config=self.encoder_config(cfg), **kw)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
+from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
@@ -148,11 +149,12 @@ def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None,
     """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
     rotary embedding and positions): token embedding, final RMSNorm, the head of ``head_size``
     (``logit_softcap`` applies to the LM head only, as in transformers)."""
-    return DecoderLM(hf.req("vocab_size"), hf.req("hidden_size"), len(blocks), hf.req("num_attention_heads"),
-                     blocks=blocks, pos="rope", norm="rms", norm_eps=norm_eps,
-                     tie_embeddings=hf.get("tie_word_embeddings", False, bool), head_size=head_size,
-                     embed_scale=embed_scale, logit_softcap=logit_softcap if head_size is None else None,
-                     max_seq_len=hf.get("max_position_embeddings", 2048), device=device, dtype=dtype)
+    cfg = DecoderConfig(hf.req("vocab_size"), hf.req("hidden_size"), len(blocks), hf.req("num_attention_heads"),
+                        pos="rope", norm="rms", norm_eps=norm_eps,
+                        tie_embeddings=hf.get("tie_word_embeddings", False, bool), head_size=head_size,
+                        embed_scale=embed_scale, logit_softcap=logit_softcap if head_size is None else None,
+                        max_seq_len=hf.get("max_position_embeddings", 2048))
+    return DecoderLM(config=cfg, blocks=blocks, device=device, dtype=dtype)
 
 
 def put_attention(plan: Plan, ours: str, theirs: str, *, bias: bool, qk_norm: bool = False,
