@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
+from torch import nn
 
 import attnzoo as az
 
@@ -48,3 +50,43 @@ def test_explicit_keywords_override_the_config() -> None:
         az.DecoderLM(config=az.models.EncoderConfig(50, 16, 1, 2))
     with pytest.raises(ValueError, match="pos must be one of"):
         az.DecoderLM(50, 16, 1, 2, pos="alibi")
+
+
+def test_parts_are_checked_and_named() -> None:
+    with pytest.raises(TypeError, match="parts must be a DecoderParts"):
+        az.DecoderLM(50, 16, 1, 2, parts={"head": None})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"head must be an nn\.Module"):
+        az.models.DecoderParts(head="lm")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="blocks must be a list of modules"):
+        az.models.DecoderParts(blocks=az.TransformerBlock(16, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        az.models.LMHead(16, 50, softcap=-1.0)
+    with pytest.raises(ValueError, match="tie_embeddings=True ties the LMHead"):
+        az.DecoderLM(50, 16, 1, 2, parts=az.models.DecoderParts(embedding=nn.Identity()))
+    cfg = az.models.DecoderConfig(50, 16, 2, 2)
+    with pytest.raises(TypeError, match="change must return a BlockConfig"):
+        az.DecoderLM.with_blocks(cfg, lambda b, i: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match="without blocks"):
+        az.DecoderLM.with_blocks(cfg, lambda b, i: b, parts=az.models.DecoderParts(blocks=[nn.Identity()] * 2))
+
+
+def test_injected_parts_equal_the_formula() -> None:
+    """A scaled embedding and a soft-capped head change exactly what they say: the same weights
+    through a plain model give ``softcap * tanh(plain(scale * emb) / softcap)``."""
+    torch.manual_seed(0)
+    cfg = az.models.DecoderConfig(50, 16, 2, 2, norm="rms", ffn="swiglu")
+    parts = az.models.DecoderParts(embedding=az.models.ScaledEmbedding(50, 16, scale=4.0),
+                                   head=az.models.LMHead(16, 50, softcap=3.0))
+    capped = az.DecoderLM(config=cfg, parts=parts).eval()
+    assert capped.tie_embeddings and capped.lm_head.weight is capped.tok_emb.weight
+    plain = az.DecoderLM(config=cfg).eval()
+    plain.load_state_dict(capped.state_dict())  # the same weight names
+    tokens = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        x = plain.tok_emb(tokens) * 4.0
+        for block in plain.blocks:
+            x = block(x)
+        want = 3.0 * torch.tanh(plain.lm_head(plain.norm(x)) / 3.0)
+        torch.testing.assert_close(capped(tokens), want)
+        packed = capped(tokens.reshape(1, 14), cu_seqlens=torch.tensor([0, 7, 14], dtype=torch.int32))
+        torch.testing.assert_close(packed.reshape(2, 7, 50), want, rtol=1e-5, atol=1e-5)

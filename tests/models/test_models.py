@@ -19,6 +19,7 @@ from torch import nn
 
 import attnzoo as az
 from attnzoo.arena.runner import build_model, settings_for
+from attnzoo.models.parts import DecoderParts
 from attnzoo.variants import variant_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,8 +150,8 @@ def test_tied_and_untied_heads() -> None:
 
 def test_cross_attention_decoder_decode_equals_full() -> None:
     torch.manual_seed(4)
-    model = az.DecoderLM(config=az.models.DecoderConfig(V, 32, 2, 4, cross_attention=True, context_dim=24,
-                                                        max_seq_len=32)).eval()
+    model = az.DecoderLM.with_blocks(az.models.DecoderConfig(V, 32, 2, 4, max_seq_len=32),
+                                     lambda b, _: b.replace(cross_attention=True, context_dim=24)).eval()
     _randomize(model)
     tokens, ctx = torch.randint(0, V, (2, 9)), torch.randn(2, 6, 24)
     ctx_mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
@@ -219,7 +220,7 @@ def test_transformer_equals_torch_transformer(norm_first: bool) -> None:
         expected = ours.decoder.lm_head(hidden)
         got = ours(src, tgt, src_mask=src_real)
     _close(got, expected, 1e-5, f"Transformer norm_first={norm_first}")
-    assert math.isclose(ours.decoder.embed_scale, math.sqrt(C))
+    assert math.isclose(ours.decoder.tok_emb.scale, math.sqrt(C))
 
 
 def test_transformer_generate_equals_greedy_recompute() -> None:
@@ -299,8 +300,8 @@ def test_vit_decode_free_encoder_with_cross_attention_decoder() -> None:
     """The captioning shape: a decoder attends to ViT features."""
     torch.manual_seed(9)
     vit = az.VisionTransformer(16, 4, 3, 0, 32, 1, 4).eval()
-    dec = az.DecoderLM(config=az.models.DecoderConfig(V, 24, 1, 4, cross_attention=True, context_dim=32,
-                                                      max_seq_len=16)).eval()
+    dec = az.DecoderLM.with_blocks(az.models.DecoderConfig(V, 24, 1, 4, max_seq_len=16),
+                                   lambda b, _: b.replace(cross_attention=True, context_dim=32)).eval()
     feats = vit.forward_features(torch.randn(2, 3, 16, 16))
     tokens = dec.generate(torch.zeros(2, 1, dtype=torch.long), 5, context=feats)
     with torch.no_grad():
@@ -547,20 +548,21 @@ def test_per_layer_entries_are_checked() -> None:
 
 
 def test_given_blocks_compose_a_model() -> None:
-    """DecoderLM(blocks=...) takes prebuilt layers (a list or a factory) and keeps their weights; block
+    """DecoderLM(parts=DecoderParts(blocks=...)) takes prebuilt layers (a list or a factory) and keeps their weights; block
     settings that would be ignored are refused."""
     torch.manual_seed(0)
     ref = az.DecoderLM(config=az.models.DecoderConfig(V, 32, 3, 4, attention="gla/mha/mha", norm="rms")).eval()
-    made = az.DecoderLM(config=az.models.DecoderConfig(V, 32, 3, 4, norm="rms"), blocks=lambda i: ref.blocks[i]).eval()
+    made = az.DecoderLM(config=az.models.DecoderConfig(V, 32, 3, 4, norm="rms"),
+                        parts=DecoderParts(blocks=lambda i: ref.blocks[i])).eval()
     made.tok_emb.load_state_dict(ref.tok_emb.state_dict())
     made.norm.load_state_dict(ref.norm.state_dict())
     tokens = torch.randint(0, V, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(made(tokens), ref(tokens))
     with pytest.raises(ValueError, match="would be ignored"):
-        az.DecoderLM(V, 32, 3, 4, attention="gla", blocks=list(ref.blocks))
+        az.DecoderLM(V, 32, 3, 4, attention="gla", parts=DecoderParts(blocks=list(ref.blocks)))
     with pytest.raises(ValueError, match="depth=3"):
-        az.DecoderLM(V, 32, 3, 4, blocks=list(ref.blocks)[:2])
+        az.DecoderLM(V, 32, 3, 4, parts=DecoderParts(blocks=list(ref.blocks)[:2]))
 
 
 def test_hybrid_stack_packed_equals_each_document_alone() -> None:
