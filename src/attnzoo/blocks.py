@@ -218,7 +218,7 @@ def _check_eps(x: object, name: str, owner: str) -> float:
 
 class Config:
     """Base of the frozen model and block configs (dataclasses): named presets, validated
-    ``replace``, and the keyword-options path of the model constructors.
+    ``replace``, and :meth:`resolve`, which the model constructors' shape keywords go through.
 
     A subclass lists its presets in ``PRESETS`` (name -> field values); ``Cls.preset(name,
     **overrides)`` builds one. Every field is validated when a config is made, so a bad value

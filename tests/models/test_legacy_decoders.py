@@ -5,6 +5,7 @@ a post-norm model without head, a cross-attention decoder and a plain GQA one)."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,9 @@ def test_config_from_dict_translates_rope_and_names_the_moved_fields() -> None:
     old = DATA["plain"]["config"]
     cfg = DecoderConfig.from_dict(old)
     assert cfg.rope == Rope(base=1000.0) and cfg.attention == "gqa" and len(DecoderConfig.field_names()) == 18
-    assert DecoderConfig.from_dict(cfg.to_dict()) == cfg  # a new dict round-trips
+    assert DecoderConfig.from_dict(cfg.to_dict()) == cfg == DecoderConfig(**cfg.to_dict())  # a new dict round-trips
+    assert json.loads(json.dumps(cfg.to_dict()))["rope"] == {"base": 1000.0, "scaling": None, "factor": 1.0,
+                                                             "parameters": None}
     yarn = DecoderConfig.from_dict({**old, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     assert yarn.rope.parameters == {"rope_type": "yarn", "factor": 2.0}
     with pytest.raises(ValueError, match=r"embed_scale=4\.0 -> DecoderParts\(embedding=ScaledEmbedding"):

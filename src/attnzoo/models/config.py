@@ -146,9 +146,12 @@ class Rope:
 
     @classmethod
     def of(cls, value: object, owner: str = "DecoderConfig") -> Rope:
-        """``value`` as a :class:`Rope`: a Rope, a number (the base) or a Hugging Face rope dict."""
+        """``value`` as a :class:`Rope`: a Rope, a number (the base), a dict of these fields (what
+        :meth:`DecoderConfig.to_dict` writes) or a Hugging Face rope dict (``rope_type``, ...)."""
         if isinstance(value, Rope):
             return value
+        if isinstance(value, Mapping) and value and set(value) <= set(ROPE_FIELDS):
+            return cls(**value)
         if isinstance(value, Mapping):
             return cls(base=float(value.get("rope_theta") or 10000.0), parameters=value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -163,6 +166,8 @@ class Rope:
                                          max_position_embeddings=max_seq_len)
         return RotaryEmbedding(width, base=self.base, scaling=self.scaling, scaling_factor=self.factor)
 
+
+ROPE_FIELDS = ("base", "scaling", "factor", "parameters")
 
 #: The fields DecoderConfig had before the per-family options moved into the model's parts
 #: (issue 32), with their defaults then; :meth:`DecoderConfig.from_dict` translates them.
@@ -265,7 +270,7 @@ class DecoderConfig(Config):
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DecoderConfig:
         """The config of a field dict, also one saved before issue 32 (``to_dict()`` of the
-        34-field config): ``rope_base``/``rope_scaling``/``rope_scaling_factor``/``rope_parameters``
+        33-field config): ``rope_base``/``rope_scaling``/``rope_scaling_factor``/``rope_parameters``
         become ``rope``; the other removed fields are accepted at their old defaults. A removed
         field set otherwise describes a part of the model, not its config: ``ValueError`` naming
         it and where it went (:func:`attnzoo.models.legacy.decoder_from_dict` builds the whole
@@ -283,6 +288,11 @@ class DecoderConfig(Config):
             new["rope"] = legacy_rope(old)
         cls._check_names(new, "DecoderConfig.from_dict")
         return cls(**new)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict, ``rope`` as a dict of its fields (so a config of names and
+        numbers serialises as JSON; ``DecoderConfig(**d)`` and :meth:`from_dict` read it back)."""
+        return {**super().to_dict(), "rope": {f: getattr(self.rope, f) for f in ROPE_FIELDS}}
 
     @property
     def resolved_head_dim(self) -> int:

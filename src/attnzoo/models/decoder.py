@@ -369,7 +369,7 @@ class DecoderLM(FromConfig, nn.Module):
             attention_mask: ``[B, L]`` bool, True for real tokens, ``L = N`` (no cache) or
                 ``cache.length + N`` (every token written so far, then the new ones). Padded keys
                 are hidden; positions count real tokens only (left padding for generation).
-            context: ``[B, M, context_dim]`` for a model built with ``cross_attention=True``.
+            context: ``[B, M, context_dim]`` for a model whose blocks have cross-attention.
             context_mask: ``[B, M]`` bool, True for real context tokens.
             cu_seqlens: packed documents: ``tokens [1, T]`` hold ``S`` sequences end to end and
                 ``cu_seqlens`` (int32 ``[S+1]``) their cumulative lengths; positions restart at 0 in
