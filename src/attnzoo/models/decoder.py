@@ -222,22 +222,21 @@ class DecoderLM(FromConfig, nn.Module):
         ropes = {} if given is not None else shared_rotaries(cfg)
         self.rope = ropes.get(self.head_dim, next(iter(ropes.values()), None)) if given is None \
             else _first_rotary(given)
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw) if parts.embedding is None else None
+        built = {"pos_emb"} | {name for name, part in (("tok_emb", parts.embedding), ("blocks", given),
+                                                        ("norm", parts.norm), ("lm_head", parts.head)) if part is None}
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw) if parts.embedding is None else parts.embedding
         self.pos_emb = position_table(self.pos, cfg.dim, cfg.max_seq_len, **kw)
         self.drop = nn.Dropout(cfg.dropout)
-        if given is None:
-            self.blocks = nn.ModuleList([TransformerBlock(config=self.block_config(cfg, ropes, i), **kw)
-                                         for i in range(cfg.depth)])
-        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if parts.norm is None else None
-        self.lm_head = LMHead(cfg.dim, cfg.vocab_size, **kw) if parts.head is None else None
-        init_weights(self, depth=cfg.depth)
-        # given parts after the initialisation: they keep their own weights
-        for name, part in (("tok_emb", parts.embedding), ("norm", parts.norm), ("lm_head", parts.head)):
-            if part is not None:
-                setattr(self, name, part)
-        if given is not None:
-            self.blocks = nn.ModuleList(given)
+        self.blocks = nn.ModuleList(given if given is not None else [
+            TransformerBlock(config=self.block_config(cfg, ropes, i), **kw) for i in range(cfg.depth)])
+        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if parts.norm is None else parts.norm
+        self.lm_head = LMHead(cfg.dim, cfg.vocab_size, **kw) if parts.head is None else parts.head
         self.tie_embeddings = _tie(self.lm_head, self.tok_emb, cfg)
+        if self.tie_embeddings and parts.embedding is not None:
+            built.discard("lm_head")  # tied to a given embedding: its weight is the embedding's
+        for name, child in self.named_children():  # given parts keep their own weights
+            if name in built:
+                init_weights(child, depth=cfg.depth)
         self.cross_attention = any(getattr(b, "cross_attn", None) is not None for b in self.blocks)
 
     @classmethod

@@ -70,9 +70,7 @@ def _parts(old: Mapping[str, Any], cfg: DecoderConfig, device: Any, dtype: Any) 
     if old["head_size"] is not None and old["logit_softcap"] is not None:
         raise ValueError(f"decoder_from_dict: logit_softcap={old['logit_softcap']} on a head of head_size="
                          f"{old['head_size']} has no part (LMHead caps the vocabulary logits only)")
-    head = None
-    if old["head_size"] is not None or old["logit_softcap"] is not None:
-        head = head_for(C, V, old["head_size"], softcap=old["logit_softcap"], **kw)
+    head = head_for(C, V, old["head_size"], softcap=old["logit_softcap"], **kw)
     parts = DecoderParts(embedding=embedding, norm=None if use_final else nn.Identity(), head=head)
     for part in (parts.embedding, parts.head):
         if part is not None:

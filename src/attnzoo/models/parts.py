@@ -85,14 +85,16 @@ class LMHead(nn.Linear):
 
 
 def head_for(dim: int, vocab_size: int, size: int | None, *, softcap: float | None = None,
-             device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
-    """The head a converted checkpoint has: ``size=None`` the :class:`LMHead` over the vocabulary
-    (with the final-logit ``softcap``: it belongs to the LM head only, as in transformers),
+             device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module | None:
+    """The head a converted checkpoint has, for ``DecoderParts(head=...)``: ``size=None`` the
+    :class:`LMHead` over the vocabulary with the final-logit ``softcap`` (it belongs to the LM
+    head only, as in transformers), or ``None`` without a softcap (the model's default head, which
+    it builds and initialises itself),
     ``0`` none (``nn.Identity``: the model returns its final hidden states ``[B, N, C]``), ``k`` a
     ``k``-way per-token classification head (``nn.Linear(dim, k, bias=False)``, transformers'
     ``score``)."""
     if size is None:
-        return LMHead(dim, vocab_size, softcap=softcap, device=device, dtype=dtype)
+        return None if softcap is None else LMHead(dim, vocab_size, softcap=softcap, device=device, dtype=dtype)
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"head_for: size must be None or an int >= 0, got {size!r}")
     if size == 0:
