@@ -110,10 +110,11 @@ def train_part(args: argparse.Namespace) -> list[dict[str, object]]:
     for shape in args.shapes:
         torch.manual_seed(0)
         if shape == "gpt2":
-            ours = az.DecoderLM(V, 384, 6, 6, pos="learned", norm="layer", ffn="gelu", max_seq_len=N)
+            ours = az.DecoderLM(config=az.models.DecoderConfig(V, 384, 6, 6, pos="learned", norm="layer", ffn="gelu",
+                                                               max_seq_len=N))
         else:
-            ours = az.DecoderLM(V, 384, 6, 6, pos="rope", norm="rms", ffn="swiglu", bias=False, norm_eps=1e-6,
-                                max_seq_len=N)
+            ours = az.DecoderLM(config=az.models.DecoderConfig(V, 384, 6, 6, pos="rope", norm="rms", ffn="swiglu",
+                                                               bias=False, norm_eps=1e-6, max_seq_len=N))
         plain = PlainLM(V, 384, 6, 6, N, shape)
         n_ours, n_plain = ours.num_parameters(), sum(p.numel() for p in plain.parameters())
         data = torch.randint(0, V, (B, N + 1))

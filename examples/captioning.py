@@ -48,8 +48,10 @@ class Captioner(nn.Module):
     def __init__(self, dim: int = 64) -> None:
         super().__init__()
         self.encoder = az.VisionTransformer(IMAGE, 8, 3, num_classes=0, dim=dim, depth=2, num_heads=4)
-        self.decoder = az.DecoderLM(len(VOCAB), dim, 2, 4, cross_attention=True, context_dim=dim,
-                                    max_seq_len=8, pos="learned")
+        cfg = az.models.DecoderConfig(len(VOCAB), dim, 2, 4, max_seq_len=8, pos="learned")
+        # cross-attention is a property of the blocks: the decoder's own blocks, each attending to the image
+        self.decoder = az.DecoderLM.with_blocks(cfg, lambda block, _: block.replace(cross_attention=True,
+                                                                                    context_dim=dim))
 
     def forward(self, images: Tensor, captions: Tensor) -> Tensor:
         return self.decoder(captions, context=self.encoder.forward_features(images))  # [B, N, V]

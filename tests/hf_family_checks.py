@@ -80,7 +80,7 @@ def check_base_model(make: Callable[[], Any], n: int = 16) -> float:
 
     hf = hf_model(make(), T.AutoModel)
     ours = from_hf(hf)
-    assert ours.head_size == 0
+    assert isinstance(ours.lm_head, torch.nn.Identity)
     x, mask = padded(n, pad=3)
     with torch.no_grad():
         ref = hf(input_ids=x, attention_mask=mask).last_hidden_state

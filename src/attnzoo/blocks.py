@@ -218,7 +218,7 @@ def _check_eps(x: object, name: str, owner: str) -> float:
 
 class Config:
     """Base of the frozen model and block configs (dataclasses): named presets, validated
-    ``replace``, and the keyword-options path of the model constructors.
+    ``replace``, and :meth:`resolve`, which the model constructors' shape keywords go through.
 
     A subclass lists its presets in ``PRESETS`` (name -> field values); ``Cls.preset(name,
     **overrides)`` builds one. Every field is validated when a config is made, so a bad value
@@ -263,16 +263,17 @@ class Config:
         return {n: getattr(self, n) for n in self.field_names()}
 
     @classmethod
-    def resolve(cls, config: object, owner: str, given: dict[str, Any], options: dict[str, Any]) -> Any:
+    def resolve(cls, config: object, owner: str, given: dict[str, Any]) -> Any:
         """The config a constructor builds from: ``config`` (or the field defaults) updated with
-        the non-``None`` positional arguments ``given`` and the keyword ``options``."""
-        cls._check_names(options, owner)
+        the arguments in ``given`` that are not ``None`` (a constructor's explicit keywords default
+        to ``None``: "not given", so the config's value stands)."""
+        cls._check_names(given, owner)
         values = {k: v for k, v in given.items() if v is not None}
         if config is None:
-            return cls(**values, **options)
+            return cls(**values)
         if not isinstance(config, cls):
             raise TypeError(f"{owner}: config must be a {cls.__name__}, got {type(config).__name__}")
-        return config.replace(**values, **options) if values or options else config
+        return config.replace(**values) if values else config
 
 
 def _picklable(value: object) -> bool:
@@ -461,37 +462,45 @@ class TransformerBlock(nn.Module):
     """One transformer layer: self-attention, optional cross-attention, feed-forward.
 
     Built from layer factories (:class:`BlockLayers`), or from a :class:`BlockConfig`, or from
-    its fields as keywords (the config's fields: ``attention``, ``attention_kwargs``, ``causal``,
-    ``cross_attention``, ``context_dim``, ``norm``, ``norm_eps``, ``norm_first``, ``ffn``,
-    ``ffn_hidden``, ``dropout``, ``bias``)::
+    the common fields as keywords (``attention``, ``attention_kwargs``, ``causal``, ``norm``,
+    ``ffn``, ``norm_first``; the others, e.g. ``cross_attention``, ``ffn_hidden``, ``dropout``,
+    ``sublayer_norm``, through ``config=``)::
 
         TransformerBlock(64, 4, attention="gqa", causal=True, norm="rms", ffn="swiglu")
-        TransformerBlock(config=BlockConfig(64, 4, norm_first=False))
+        TransformerBlock(config=BlockConfig(64, 4, norm_first=False, cross_attention=True))
         TransformerBlock(64, layers=BlockLayers(attention=..., feed_forward=..., norm=...))
 
     Args:
         dim: model width ``C``.
         num_heads: attention heads (not used with ``layers``).
-        config: a :class:`BlockConfig`; keyword options override its fields.
-        layers: the factories to build from (then neither ``config`` nor options).
+        attention, attention_kwargs, causal, norm, ffn, norm_first: the :class:`BlockConfig`
+            fields of the same names; ``None`` (the default) keeps the config's value (or the
+            field's default without a config).
+        config: a :class:`BlockConfig`; the keywords above override its fields.
+        layers: the factories to build from (then neither ``config`` nor the keywords).
         device, dtype: of the parameters built from a config.
 
     Shapes: ``x [B, N, C]``, ``context [B, M, context_dim]`` -> ``[B, N, C]``.
     """
 
-    def __init__(self, dim: int | None = None, num_heads: int | None = None, *, config: BlockConfig | None = None,
-                 layers: BlockLayers | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, **options: Any) -> None:
+    def __init__(self, dim: int | None = None, num_heads: int | None = None, *,
+                 attention: AttentionSpec | None = None, attention_kwargs: Mapping[str, Any] | None = None,
+                 causal: bool | None = None, norm: str | None = None, ffn: str | None = None,
+                 norm_first: bool | None = None, config: BlockConfig | None = None, layers: BlockLayers | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         owner = "TransformerBlock"
         self.config: BlockConfig | None = None
+        given = {"dim": dim, "num_heads": num_heads, "attention": attention, "attention_kwargs": attention_kwargs,
+                 "causal": causal, "norm": norm, "ffn": ffn, "norm_first": norm_first}
         if layers is None:
-            self.config = BlockConfig.resolve(config, owner, {"dim": dim, "num_heads": num_heads}, options)
+            self.config = BlockConfig.resolve(config, owner, given)
             layers = self.config.layers(device=device, dtype=dtype)
             dim, num_heads = self.config.dim, self.config.num_heads
-        elif config is not None or options:
-            raise TypeError(f"{owner}: layers=... builds the block by itself; config and options "
-                            f"({sorted(options)}) cannot be combined with it")
+        elif config is not None or any(v is not None for v in list(given.values())[2:]):
+            extra = sorted(k for k, v in list(given.items())[2:] if v is not None)
+            raise TypeError(f"{owner}: layers=... builds the block by itself; config and the keywords {extra} "
+                            f"cannot be combined with it")
         elif not isinstance(layers, BlockLayers):
             raise TypeError(f"{owner}: layers must be a BlockLayers, got {type(layers).__name__}")
         self.dim = _check_pos_int(dim, "dim", owner)

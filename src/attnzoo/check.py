@@ -46,7 +46,7 @@ from attnzoo.functional import attention as _attention_module
 from attnzoo.functional._request import build_request
 from attnzoo.functional.attention import BACKENDS, attention, available_backends
 from attnzoo.functional.linear import linear_attention
-from attnzoo.models import DecoderLM
+from attnzoo.models import DecoderConfig, DecoderLM
 from attnzoo.oracle import oracle_attention
 from attnzoo.variants import VARIANTS, build_attention, variant_names
 
@@ -577,7 +577,8 @@ def check_models(
         row = CheckRow("model", f"DecoderLM[{name}]", "decode == full")
         try:
             torch.manual_seed(seed)
-            model = DecoderLM(61, 32, 2, 4, attention=name, attention_kwargs=_check_settings(name) or None)
+            model = DecoderLM(config=DecoderConfig(61, 32, 2, 4, attention=name,
+                                                 attention_kwargs=_check_settings(name) or None))
         except (ImportError, AttributeError):
             row.status = "missing"
             rows.append(row)

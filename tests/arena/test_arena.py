@@ -29,7 +29,7 @@ from attnzoo.arena.progress import make_progress
 from attnzoo.arena.tasks import IGNORE, load_shakespeare
 from attnzoo.arena.trainer import StepInfo, load_checkpoint, make_optimizer, save_checkpoint
 from attnzoo.arena.workers import worker_plan
-from attnzoo.models import DecoderLM
+from attnzoo.models import DecoderConfig, DecoderLM
 
 # Tiny models gain nothing from a second thread, and on a shared machine OpenMP barriers between
 # two threads can cost 30x (conftest.one_thread restores the setting afterwards).
@@ -277,7 +277,7 @@ def test_cache_bytes_follow_the_kv_heads() -> None:
     torch.manual_seed(0)
     per = {}
     for name, kw in [("mha", {}), ("gqa", {"num_kv_heads": 1}), ("sliding", {"attention_kwargs": {"window": 7}})]:
-        model = DecoderLM(20, 32, 2, 4, attention=name, max_seq_len=24, **kw).eval()
+        model = DecoderLM(config=DecoderConfig(20, 32, 2, 4, attention=name, max_seq_len=24, **kw)).eval()
         per[name] = state_bytes(model, tokens)
     # mha: K and V of 4 heads x 8 dims x 24 tokens x 2 layers in float32
     assert per["mha"] == 2 * 4 * 8 * 24 * 2 * 4

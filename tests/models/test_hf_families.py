@@ -23,12 +23,14 @@ transformers = pytest.importorskip("transformers")
 
 import attnzoo as az  # noqa: E402
 import attnzoo.hf as azhf  # noqa: E402
+from attnzoo.blocks import BlockConfig  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
     CheckpointFormatError,
     UnsupportedConfigError,
     from_hf,
     load_pretrained,
 )
+from attnzoo.models.parts import DecoderParts  # noqa: E402
 
 T = transformers
 V = 128
@@ -92,13 +94,13 @@ def test_base_model_and_sequence_classification(family: str) -> None:
     x = _tokens(12)
     base = _hf(family, T.AutoModel)
     ours = from_hf(base)
-    assert ours.head_size == 0
+    assert isinstance(ours.lm_head, torch.nn.Identity)
     with torch.no_grad():
         err = _rel(ours(x), base(input_ids=x).last_hidden_state)
     assert err <= TOL, f"{family}Model: relative error {err:.2e}"
     cls = _hf(family, T.AutoModelForSequenceClassification, num_labels=3)
     ours = from_hf(cls)
-    assert ours.head_size == 3
+    assert ours.lm_head.out_features == 3 and not ours.tie_embeddings
     with torch.no_grad():
         err = _rel(ours(x)[:, -1], cls(input_ids=x).logits)  # transformers reads the last non-pad token
     assert err <= TOL, f"{family}ForSequenceClassification: relative error {err:.2e}"
@@ -299,14 +301,16 @@ def test_left_padded_batch_generation(family: str) -> None:
 
 
 def test_decoder_family_options_are_validated() -> None:
+    """The family options live on the parts now (attention options, block configs, heads), and
+    each still fails where it is written, naming itself."""
     with pytest.raises(ValueError, match="qk_norm must be one of"):
-        az.DecoderLM(V, 64, 2, 4, qk_norm="per-head")
-    with pytest.raises(ValueError, match=r"layer_windows must be a tuple of depth=2"):
-        az.DecoderLM(V, 64, 2, 4, layer_windows=(3,))
+        az.TransformerBlock(config=BlockConfig(64, 4, attention_kwargs={"qk_norm": "per-head"}))
+    with pytest.raises(ValueError, match=r"blocks must hold depth=2"):
+        az.DecoderLM(V, 64, 2, 4, parts=DecoderParts(blocks=[az.TransformerBlock(64, 4)]))
     with pytest.raises(ValueError, match="sublayer_norm='both' needs norm_first=True"):
-        az.DecoderLM(V, 64, 2, 4, sublayer_norm="both", norm_first=False)
-    with pytest.raises(ValueError, match="need attention='mha' or 'sliding'"):
-        az.DecoderLM(V, 64, 2, 4, attention="linear", attn_softcap=5.0)
-    model = az.DecoderLM(V, 64, 2, 4, head_size=0)
+        BlockConfig(64, 4, sublayer_norm="both", norm_first=False)
+    with pytest.raises(TypeError, match="softcap"):
+        az.TransformerBlock(config=BlockConfig(64, 4, attention="linear", attention_kwargs={"softcap": 5.0}))
+    model = az.DecoderLM(V, 64, 2, 4, parts=DecoderParts(head=torch.nn.Identity()))
     with pytest.raises(ValueError, match="no LM head"):
         model.generate(_tokens(4), 2)

@@ -25,8 +25,8 @@ REFUSES_PADDING = {"nsa": "mask is not supported"}
 
 def _model(name: str) -> az.DecoderLM:
     torch.manual_seed(0)
-    return az.DecoderLM(VOCAB, 32, 2, 4, attention=name, max_seq_len=64,
-                        attention_kwargs=dict(VARIANTS[name].check)).eval()
+    return az.DecoderLM(config=az.models.DecoderConfig(VOCAB, 32, 2, 4, attention=name, max_seq_len=64,
+                                                       attention_kwargs=dict(VARIANTS[name].check))).eval()
 
 
 def _batch(pad: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

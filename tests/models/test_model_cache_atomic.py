@@ -28,7 +28,8 @@ class Injected(KeyboardInterrupt):
 def _model(attention: object, **kw: object) -> az.DecoderLM:
     torch.manual_seed(0)
     akw = dict(VARIANTS[attention].check) if isinstance(attention, str) else None
-    return az.DecoderLM(VOCAB, 32, 2, 4, attention=attention, max_seq_len=32, attention_kwargs=akw, **kw).eval()
+    cfg = az.models.DecoderConfig(VOCAB, 32, 2, 4, attention=attention, max_seq_len=32, attention_kwargs=akw, **kw)
+    return az.DecoderLM(config=cfg).eval()
 
 
 def _fail_after(sub: nn.Module) -> torch.utils.hooks.RemovableHandle:
@@ -70,4 +71,7 @@ def test_a_failed_model_call_leaves_every_layer_cache_unchanged(name: str) -> No
 
 def test_hybrid_stack_and_cross_attention_calls_are_all_or_nothing() -> None:
     _check(_model(("gla", "mha")))
-    _check(_model("gqa", cross_attention=True, context_dim=16), context=torch.randn(2, CTX, 16))
+    torch.manual_seed(0)
+    cross = az.DecoderLM.with_blocks(az.models.DecoderConfig(VOCAB, 32, 2, 4, attention="gqa", max_seq_len=32),
+                                     lambda b, _: b.replace(cross_attention=True, context_dim=16)).eval()
+    _check(cross, context=torch.randn(2, CTX, 16))

@@ -484,8 +484,9 @@ def test_packed_equals_each_sequence_alone(name, make) -> None:
 @pytest.mark.parametrize("attention", ["gqa", "sliding", "diff"])
 def test_decoder_lm_packed_equals_each_document(attention) -> None:
     torch.manual_seed(0)
-    lm = az.DecoderLM(40, 16, 2, 2, attention=attention, max_seq_len=32,
-                      attention_kwargs={"window": 3} if attention == "sliding" else None).to(DT)
+    cfg = az.models.DecoderConfig(40, 16, 2, 2, attention=attention, max_seq_len=32,
+                                  attention_kwargs={"window": 3} if attention == "sliding" else None)
+    lm = az.DecoderLM(config=cfg).to(DT)
     tokens = torch.randint(0, 40, (1, 20))
     cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
     packed = lm(tokens, cu_seqlens=cu)

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import attnzoo as az
 from attnzoo.cost import estimate
-from attnzoo.models import DecoderLM
+from attnzoo.models import DecoderConfig, DecoderLM
 from attnzoo.nn.mla import LatentCache, MLAOptions, MultiHeadLatentAttention, mla_flops, mla_sizes
 from attnzoo.variants import build_attention, kv_cache_bytes_per_token
 
@@ -163,7 +163,8 @@ def test_weights_and_mask_objects_agree_across_forms() -> None:
 
 
 def test_left_padded_generation_matches_unpadded() -> None:
-    model = DecoderLM(50, 48, 2, 4, attention="mla", norm="rms", ffn="swiglu", attention_kwargs=SIZES).eval()
+    model = DecoderLM(config=DecoderConfig(50, 48, 2, 4, attention="mla", norm="rms", ffn="swiglu",
+                                           attention_kwargs=SIZES)).eval()
     prompt = torch.randint(2, 50, (1, 5))
     alone = model.generate(prompt, max_new_tokens=6)
     padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), prompt), 1)
@@ -303,8 +304,8 @@ def test_bad_input_errors() -> None:
 
 
 def test_decoder_lm_with_mla_decodes_like_its_full_forward() -> None:
-    model = DecoderLM(50, 48, 2, 4, attention="mla", norm="rms", ffn="swiglu",
-                      attention_kwargs={**SIZES, "q_lora_rank": 12}).eval()
+    model = DecoderLM(config=DecoderConfig(50, 48, 2, 4, attention="mla", norm="rms", ffn="swiglu",
+                                           attention_kwargs={**SIZES, "q_lora_rank": 12})).eval()
     toks = torch.randint(0, 50, (2, 10))
     full = model(toks)
     cache = model.init_cache(2, 10)

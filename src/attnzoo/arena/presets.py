@@ -357,7 +357,7 @@ def scored_logits(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tenso
     """Logits at the scored positions only: ``([S, V], scored [B, N] bool)``.
 
     ``model`` returns hidden states ``[B, N, C]`` (a :class:`~attnzoo.models.DecoderLM` built with
-    ``head_size=0``); the head is the token embedding (tied, as in Zoology). With a vocabulary of
+    ``DecoderParts(head=nn.Identity())``); the head is the token embedding (tied, as in Zoology). With a vocabulary of
     8,192 and a handful of queries per sequence this is the same loss as the full ``[B, N, V]``
     logits at a small fraction of their cost.
     """

@@ -60,7 +60,7 @@ from attnzoo.arena.trainer import (
 from attnzoo.arena.verdict import verdict
 from attnzoo.arena.workers import Workers, worker_plan
 from attnzoo.distributed import ContextParallel, context_parallel, gather_sequence, shard_positions
-from attnzoo.models import DecoderLM
+from attnzoo.models import DecoderConfig, DecoderLM
 from attnzoo.variants import VARIANTS, layer_pattern, variant_names
 
 __all__ = ["CONTEXT_PARALLEL_VARIANTS", "DEFAULT_VARIANTS", "TASKS", "TaskSettings", "add_arena_arguments",
@@ -262,9 +262,10 @@ def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: t
                  max_len: int = 0) -> torch.nn.Module:
     akw = entry_kwargs(variant, s.width, s.heads, s.window)  # e.g. window, performer's F
     torch.manual_seed(seed)
-    model = DecoderLM(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
-                      max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
-                      pos=_arena_pos(s.pos, variant), device=device)
+    cfg = DecoderConfig(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
+                        max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
+                        pos=_arena_pos(s.pos, variant))
+    model = DecoderLM(config=cfg, device=device)
     gpt2_init(model)
     return model
 

@@ -32,7 +32,8 @@ from attnzoo.arena.progress import Overall
 from attnzoo.arena.storage import write_atomic
 from attnzoo.arena.trainer import gpt2_init
 from attnzoo.arena.workers import Workers, worker_plan
-from attnzoo.models import DecoderLM
+from attnzoo.models import DecoderConfig, DecoderLM
+from attnzoo.models.parts import DecoderParts
 from attnzoo.variants import VARIANTS, layer_pattern
 
 __all__ = ["RunSpec", "add_preset_arguments", "best_of", "cosine_epoch_lr", "partial_report", "preset_model", "preset_runs", "run_preset", "train_run"]
@@ -67,8 +68,8 @@ class RunSpec:
 
 def preset_model(variant: str, width: int, depth: int, heads: int, vocab: int, max_len: int, seed: int,
                  window: int | None = None) -> nn.Module:
-    """The papers' MQAR model with ``variant`` as its sequence mixer: ``DecoderLM(head_size=0)``
-    (returns hidden states ``[B, N, C]``; :func:`~attnzoo.arena.presets.scored_logits` applies the
+    """The papers' MQAR model with ``variant`` as its sequence mixer: ``DecoderLM`` with no head
+    (``DecoderParts(head=nn.Identity())``: it returns hidden states ``[B, N, C]``; :func:`~attnzoo.arena.presets.scored_logits` applies the
     tied head), learned positions, pre-norm LayerNorm blocks whose MLP is the identity (Zoology's
     ``state_mixer=Identity``: each block adds ``LayerNorm(x)`` where the MLP would add ``MLP(LN(x))``),
     normal(0, 0.02) initialisation. A ``/`` pattern builds a hybrid stack (one name per layer)."""
@@ -79,8 +80,9 @@ def preset_model(variant: str, width: int, depth: int, heads: int, vocab: int, m
         akw = VARIANTS[names[0]].arena_settings(width, heads, window or max(1, max_len // 4))
     attention: Any = layers[0] if len(names) == 1 else list(layers)
     torch.manual_seed(seed)
-    model = DecoderLM(vocab, width, depth, heads, attention=attention, attention_kwargs=akw or None, pos="learned",
-                      max_seq_len=max_len, head_size=0)
+    cfg = DecoderConfig(vocab, width, depth, heads, attention=attention, attention_kwargs=akw or None, pos="learned",
+                        max_seq_len=max_len)
+    model = DecoderLM(config=cfg, parts=DecoderParts(head=nn.Identity()))
     for block in model.blocks:  # type: ignore[attr-defined]
         block.ffn = nn.Identity()
     gpt2_init(model)

@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 from attnzoo.blocks import (
     ACTIVATIONS,
     NORMS,
-    SUBLAYER_NORMS,
     AttentionSpec,
     Config,
     _check_bool,
@@ -35,9 +34,10 @@ from attnzoo.blocks import (
     check_attention_spec,
 )
 from attnzoo.models._common import POSITIONS, check_int
+from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS, layer_pattern
 
-__all__ = ["PRESETS", "DecoderConfig", "EncoderConfig", "Seq2SeqConfig", "ViTConfig"]
+__all__ = ["PRESETS", "DecoderConfig", "EncoderConfig", "Rope", "Seq2SeqConfig", "ViTConfig"]
 
 ROPE_SCALINGS = (None, "linear", "ntk")
 
@@ -115,24 +115,102 @@ def _check_optional_bool(cfg: Any, owner: str, *names: str) -> None:
 
 
 @dataclass(frozen=True)
+class Rope:
+    """The rotary embedding a :class:`DecoderConfig`'s layers share (with ``pos="rope"``).
+
+    Fields:
+        base: the frequency base (``rope_theta``; 10000 in RoFormer, 500000 in LLaMA 3).
+        scaling: ``None``, ``"linear"`` (position interpolation) or ``"ntk"`` (NTK-aware base),
+            by ``factor`` (``>= 1``); see :class:`~attnzoo.RotaryEmbedding`.
+        parameters: a Hugging Face ``rope_parameters`` dict (``rope_type`` ``default``/``linear``/
+            ``dynamic``/``yarn``/``llama3``/``longrope`` and its keys; ``rope_theta`` defaults to
+            ``base``), replacing ``scaling``/``factor``: a
+            :class:`~attnzoo.nn.positional.ScaledRotaryEmbedding`.
+
+    ``DecoderConfig(rope=...)`` also takes a number (the base) or a Hugging Face dict.
+    """
+
+    base: float = 10000.0
+    scaling: str | None = None
+    factor: float = 1.0
+    parameters: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        owner = "Rope"
+        _check_positive_float(self.base, "base", owner)
+        if self.scaling not in ROPE_SCALINGS:
+            raise ValueError(f"{owner}: scaling must be one of {list(ROPE_SCALINGS)}, got {self.scaling!r}")
+        if _check_positive_float(self.factor, "factor", owner) < 1:
+            raise ValueError(f"{owner}: factor must be >= 1, got {self.factor}")
+        _frozen_kwargs(self, "parameters")
+
+    @classmethod
+    def of(cls, value: object, owner: str = "DecoderConfig") -> Rope:
+        """``value`` as a :class:`Rope`: a Rope, a number (the base), a dict of these fields (what
+        :meth:`DecoderConfig.to_dict` writes) or a Hugging Face rope dict (``rope_type``, ...)."""
+        if isinstance(value, Rope):
+            return value
+        if isinstance(value, Mapping) and value and set(value) <= set(ROPE_FIELDS):
+            return cls(**value)
+        if isinstance(value, Mapping):
+            return cls(base=float(value.get("rope_theta") or 10000.0), parameters=value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return cls(base=float(value))
+        raise TypeError(f"{owner}: rope must be a Rope, a number (the base) or a Hugging Face rope dict, "
+                        f"got {type(value).__name__} ({value!r})")
+
+    def module(self, width: int, max_seq_len: int) -> RotaryEmbedding:
+        """The rotary embedding of ``width`` channels these settings describe."""
+        if self.parameters is not None:
+            return ScaledRotaryEmbedding(width, {"rope_theta": self.base, **self.parameters},
+                                         max_position_embeddings=max_seq_len)
+        return RotaryEmbedding(width, base=self.base, scaling=self.scaling, scaling_factor=self.factor)
+
+
+ROPE_FIELDS = ("base", "scaling", "factor", "parameters")
+
+#: The fields DecoderConfig had before the per-family options moved into the model's parts
+#: (issue 32), with their defaults then; :meth:`DecoderConfig.from_dict` translates them.
+LEGACY_DECODER_FIELDS: dict[str, Any] = {
+    "rope_base": 10000.0, "rope_scaling": None, "rope_scaling_factor": 1.0, "rope_parameters": None,
+    "norm_first": True, "final_norm": None, "embed_scale": None, "cross_attention": False, "context_dim": None,
+    "qk_norm": None, "qk_norm_eps": 1e-6, "attn_softcap": None, "logit_softcap": None, "sublayer_norm": "input",
+    "layer_windows": None, "head_size": None,
+}
+#: Where each removed field went (for the error of :meth:`DecoderConfig.from_dict`).
+MOVED = {
+    "norm_first": "the blocks (BlockConfig.norm_first, DecoderParts(blocks=...))",
+    "final_norm": "DecoderParts(norm=...) (nn.Identity() for none)",
+    "embed_scale": "DecoderParts(embedding=ScaledEmbedding(V, C, scale=...))",
+    "cross_attention": "the blocks (BlockConfig(cross_attention=True, context_dim=...))",
+    "context_dim": "the blocks (BlockConfig.context_dim)",
+    "qk_norm": "the blocks' attention_kwargs (qk_norm=, qk_norm_eps=)",
+    "qk_norm_eps": "the blocks' attention_kwargs (qk_norm_eps=)",
+    "attn_softcap": "the blocks' attention_kwargs (softcap=)",
+    "logit_softcap": "DecoderParts(head=LMHead(C, V, softcap=...))",
+    "sublayer_norm": "the blocks (BlockConfig.sublayer_norm)",
+    "layer_windows": "the blocks' attention_kwargs (window= per layer)",
+    "head_size": "DecoderParts(head=nn.Linear(C, k, bias=False) or nn.Identity())",
+}
+
+
+def legacy_rope(values: Mapping[str, Any]) -> Rope:
+    """The :class:`Rope` of a pre-issue-32 config dict's ``rope_base``/``rope_scaling``/
+    ``rope_scaling_factor``/``rope_parameters``."""
+    return Rope(base=values.get("rope_base", 10000.0), scaling=values.get("rope_scaling"),
+                factor=values.get("rope_scaling_factor", 1.0), parameters=values.get("rope_parameters"))
+
+
+@dataclass(frozen=True)
 class DecoderConfig(Config):
-    """A :class:`~attnzoo.DecoderLM`: the fields are its keyword arguments (see its docstring).
+    """A :class:`~attnzoo.DecoderLM`'s stack: the fields every decoder has (see its docstring).
 
-    ``rope_scaling`` (``None``, ``"linear"`` position interpolation or ``"ntk"``) and
-    ``rope_scaling_factor`` (``>= 1``) configure the rotary embedding, next to ``rope_base``;
-    ``rope_parameters`` (a Hugging Face dict: ``rope_type`` ``default``/``linear``/``dynamic``/
-    ``yarn``/``llama3``/``longrope`` and its keys, ``rope_theta`` defaulting to ``rope_base``)
-    replaces both.
-
-    The options of the open-weight families (all off by default): ``qk_norm`` (``"head"``: RMSNorm
-    of each query/key head, Qwen 3; ``"all"``: over all heads flattened, OLMo 2) with
-    ``qk_norm_eps``; ``attn_softcap`` (attention scores ``c * tanh(s / c)``, Gemma 2);
-    ``logit_softcap`` (the same on the output logits); ``sublayer_norm`` (``"input"``,
-    ``"both"``, ``"output"``; see :class:`~attnzoo.blocks.BlockConfig`); ``layer_windows`` (one
-    entry per layer: the left window of a causal sliding layer, or ``None`` for a full one;
-    needs ``attention="mha"``); ``head_size`` (``None``: the LM head over ``vocab_size``;
-    ``0``: no head, the model returns the final hidden states ``[B, N, C]``; ``k``: a
-    ``k``-way per-token head, e.g. sequence classification read at the last token).
+    ``rope`` (a :class:`Rope`; a number is its base, a Hugging Face dict its ``parameters``)
+    configures the shared rotary embedding. What differs between families is no field here but
+    a part the model takes (:class:`~attnzoo.models.parts.DecoderParts`): blocks with
+    cross-attention, QK norms, softcaps, per-layer windows or sub-layer output norms; a scaled
+    embedding; a final norm or none; a soft-capped, classification or no head.
+    :meth:`from_dict` reads a config dict saved before those fields moved.
     """
 
     vocab_size: int
@@ -151,25 +229,11 @@ class DecoderConfig(Config):
     dropout: float = 0.0
     bias: bool = True
     norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    rope_scaling: str | None = None
-    rope_scaling_factor: float = 1.0
     head_dim: int | None = None
-    norm_first: bool = True
-    final_norm: bool | None = None
-    embed_scale: float | None = None
-    cross_attention: bool = False
-    context_dim: int | None = None
-    rope_parameters: Mapping[str, Any] | None = None
-    qk_norm: str | None = None
-    qk_norm_eps: float = 1e-6
-    attn_softcap: float | None = None
-    logit_softcap: float | None = None
-    sublayer_norm: str = "input"
-    layer_windows: tuple[int | None, ...] | None = None
-    head_size: int | None = None
+    rope: Rope = Rope()
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+    # not a field: Config declares PRESETS as a ClassVar
+    PRESETS = {  # noqa: RUF012
         "gpt2": {"vocab_size": 50257, "dim": 768, "depth": 12, "num_heads": 12, "max_seq_len": 1024,
                  "pos": "learned", "norm": "layer", "ffn": "gelu_tanh", "tie_embeddings": True, "bias": True},
         "llama": {"vocab_size": 32000, "dim": 4096, "depth": 32, "num_heads": 32, "max_seq_len": 4096,
@@ -189,9 +253,8 @@ class DecoderConfig(Config):
         owner = "DecoderLM"
         _check_common(self, owner, ("vocab_size", "dim", "depth", "num_heads", "max_seq_len"), layered=True)
         resolve_positions(self.pos, self.attention, owner)
-        for name in ("tie_embeddings", "bias", "norm_first", "cross_attention"):
+        for name in ("tie_embeddings", "bias"):
             _check_bool(getattr(self, name), name, owner)
-        _check_optional_bool(self, owner, "final_norm")
         if self.head_dim is None and self.dim % self.num_heads:
             raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads}), "
                              f"or pass head_dim")
@@ -202,16 +265,34 @@ class DecoderConfig(Config):
             if not isinstance(self.attention, str) and not (
                     isinstance(self.attention, tuple) and any(isinstance(a, str) for a in self.attention)):
                 raise ValueError(f"{owner}: num_kv_heads only applies when attention is a registry name")
-        _check_positive_float(self.rope_base, "rope_base", owner)
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(f"{owner}: rope_scaling must be one of {list(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
-        if _check_positive_float(self.rope_scaling_factor, "rope_scaling_factor", owner) < 1:
-            raise ValueError(f"{owner}: rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
-        if self.embed_scale is not None:
-            _check_positive_float(self.embed_scale, "embed_scale", owner)
-        if self.context_dim is not None:
-            check_int(self.context_dim, "context_dim", owner)
-        _check_family_options(self, owner)
+        object.__setattr__(self, "rope", Rope.of(self.rope, owner))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> DecoderConfig:
+        """The config of a field dict, also one saved before issue 32 (``to_dict()`` of the
+        33-field config): ``rope_base``/``rope_scaling``/``rope_scaling_factor``/``rope_parameters``
+        become ``rope``; the other removed fields are accepted at their old defaults. A removed
+        field set otherwise describes a part of the model, not its config: ``ValueError`` naming
+        it and where it went (:func:`attnzoo.models.legacy.decoder_from_dict` builds the whole
+        model from such a dict)."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"DecoderConfig.from_dict: values must be a dict, got {type(values).__name__}")
+        old = {k: values[k] for k in LEGACY_DECODER_FIELDS if k in values}
+        parts = {k: v for k, v in old.items() if k in MOVED and v != LEGACY_DECODER_FIELDS[k]}
+        if parts:
+            where = "; ".join(f"{k}={v!r} -> {MOVED[k]}" for k, v in parts.items())
+            raise ValueError(f"DecoderConfig.from_dict: {sorted(parts)} describe parts of the model, not its "
+                             f"config ({where}); attnzoo.models.legacy.decoder_from_dict(values) builds the model")
+        new = {k: v for k, v in values.items() if k not in LEGACY_DECODER_FIELDS}
+        if "rope" not in new and any(k.startswith("rope_") for k in old):
+            new["rope"] = legacy_rope(old)
+        cls._check_names(new, "DecoderConfig.from_dict")
+        return cls(**new)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict, ``rope`` as a dict of its fields (so a config of names and
+        numbers serialises as JSON; ``DecoderConfig(**d)`` and :meth:`from_dict` read it back)."""
+        return {**super().to_dict(), "rope": {f: getattr(self.rope, f) for f in ROPE_FIELDS}}
 
     @property
     def resolved_head_dim(self) -> int:
@@ -227,35 +308,6 @@ class DecoderConfig(Config):
     def layer_attention(self) -> tuple[AttentionSpec, ...]:
         """The attention entry of every layer (``depth`` entries)."""
         return self.attention if isinstance(self.attention, tuple) else (self.attention,) * self.depth
-
-
-def _check_family_options(cfg: DecoderConfig, owner: str) -> None:
-    """The open-weight family options of a :class:`DecoderConfig`."""
-    _frozen_kwargs(cfg, "rope_parameters")
-    if cfg.qk_norm is not None:
-        _check_choice(cfg.qk_norm, "qk_norm", ("head", "all"), owner)
-    _check_eps(cfg.qk_norm_eps, "qk_norm_eps", owner)
-    for name in ("attn_softcap", "logit_softcap"):
-        if getattr(cfg, name) is not None:
-            _check_positive_float(getattr(cfg, name), name, owner)
-    _check_choice(cfg.sublayer_norm, "sublayer_norm", SUBLAYER_NORMS, owner)
-    if cfg.head_size is not None:
-        check_int(cfg.head_size, "head_size", owner, minimum=0)
-    if (cfg.qk_norm is not None or cfg.attn_softcap is not None or cfg.layer_windows is not None) \
-            and cfg.attention not in ("mha", "sliding"):
-        raise ValueError(f"{owner}: qk_norm, attn_softcap and layer_windows need attention='mha' or 'sliding', "
-                         f"got {cfg.attention!r}")
-    if cfg.layer_windows is not None:
-        if cfg.attention != "mha":
-            raise ValueError(f"{owner}: layer_windows needs attention='mha', got {cfg.attention!r}")
-        windows = tuple(cfg.layer_windows) if isinstance(cfg.layer_windows, (list, tuple)) else None
-        if windows is None or len(windows) != cfg.depth:
-            raise ValueError(f"{owner}: layer_windows must be a tuple of depth={cfg.depth} entries (int or None), "
-                             f"got {cfg.layer_windows!r}")
-        for w in windows:
-            if w is not None:
-                check_int(w, "layer_windows entry", owner, minimum=0)
-        object.__setattr__(cfg, "layer_windows", windows)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -10,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._devices import tracing
-from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
+from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
@@ -24,12 +25,13 @@ from attnzoo.models._common import (
     rotary_for,
 )
 from attnzoo.models.config import DecoderConfig
+from attnzoo.models.parts import DecoderParts, LMHead
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
-from attnzoo.nn.positional import ScaledRotaryEmbedding
+from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS
 
-__all__ = ["DecoderLM", "sample_next_token"]
+__all__ = ["DecoderLM", "outer_config", "sample_next_token", "shared_rotaries"]
 
 
 def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
@@ -59,9 +61,8 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-#: The fields that shape the blocks a DecoderLM builds; with ``blocks=...`` they must keep their defaults.
-_BLOCK_FIELDS = ("attention", "attention_kwargs", "num_kv_heads", "ffn", "ffn_hidden", "qk_norm", "attn_softcap",
-                 "sublayer_norm", "layer_windows", "cross_attention", "context_dim", "norm_first", "head_dim")
+#: The fields that shape the blocks a DecoderLM builds; with given blocks they must keep their defaults.
+_BLOCK_FIELDS = ("attention", "attention_kwargs", "num_kv_heads", "ffn", "ffn_hidden")
 
 
 def _given_blocks(blocks: object, cfg: DecoderConfig) -> list[nn.Module]:
@@ -89,28 +90,91 @@ def _check_flag(x: object, owner: str) -> bool:
     return x
 
 
+def shared_rotaries(cfg: DecoderConfig) -> dict[int, nn.Module]:
+    """The rotary embeddings the layers of ``cfg`` share, one per width their variants rotate (most
+    take the head width; see :attr:`~attnzoo.nn.spec.VariantSpec.rope_dim`), built from
+    ``cfg.rope`` (:meth:`~attnzoo.models.config.Rope.module`). Empty unless ``pos="rope"``; a
+    rotary embedding given in ``attention_kwargs["rope"]`` is used as is."""
+    ropes: dict[int, nn.Module] = {}
+    pos, head_dim = cfg.resolved_pos, cfg.resolved_head_dim
+    for entry in dict.fromkeys(cfg.layer_attention):
+        width = VARIANTS[entry].rope_channels(head_dim) if isinstance(entry, str) else head_dim
+        if width in ropes:
+            continue
+        rope = rotary_for(pos, entry, cfg.attention_kwargs, width, cfg.rope.base, cfg.rope.scaling, cfg.rope.factor)
+        given = (cfg.attention_kwargs or {}).get("rope")
+        if rope is not None and cfg.rope.parameters is not None and given is not rope:
+            rope = cfg.rope.module(width, cfg.max_seq_len)
+        if rope is not None:
+            ropes[width] = rope
+    return ropes
+
+
+def outer_config(cfg: DecoderConfig) -> DecoderConfig:
+    """``cfg`` with its block fields at their defaults (and ``pos`` resolved): the config of a
+    :class:`DecoderLM` given blocks that a builder made from ``cfg`` (with
+    :meth:`DecoderLM.block_config`, changing what its layers do differently)."""
+    defaults = DecoderConfig(1, 1, 1, 1)
+    return cfg.replace(pos=cfg.resolved_pos, **{f: getattr(defaults, f) for f in _BLOCK_FIELDS})
+
+
+def _first_rotary(blocks: Sequence[nn.Module]) -> nn.Module | None:
+    """The first rotary embedding inside given blocks (``longrope`` generation looks at it)."""
+    return next((m for b in blocks for m in b.modules() if isinstance(m, RotaryEmbedding)), None)
+
+
+def _tie(head: nn.Module, embedding: nn.Module, cfg: DecoderConfig) -> bool:
+    """Tie an :class:`LMHead` to the embedding's ``weight [V, C]`` when ``tie_embeddings``."""
+    if not (cfg.tie_embeddings and isinstance(head, LMHead)):
+        return False
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.shape != head.weight.shape:
+        raise ValueError(f"DecoderLM: tie_embeddings=True ties the LMHead [{head.out_features}, {head.in_features}] "
+                         f"to the embedding's weight, but the embedding has "
+                         f"{'no weight' if weight is None else f'a weight of shape {tuple(weight.shape)}'}; "
+                         f"set tie_embeddings=False")
+    head.weight = weight
+    return True
+
+
+def _head_width(head: nn.Module) -> int | None:
+    """The output width of a head (0: ``Identity``), or ``None`` when it cannot be told."""
+    if isinstance(head, nn.Identity):
+        return 0
+    return head.out_features if isinstance(head, nn.Linear) else None
+
+
 class DecoderLM(FromConfig, nn.Module):
     """Decoder-only language model: token embedding, a stack of causal :class:`TransformerBlock`
-    (pre-norm by default), a final norm and an LM head.
+    (pre-norm), a final norm and an LM head.
 
     Covers GPT-2 (learned positions, LayerNorm, ``gelu_tanh``, tied head) and LLaMA/Mistral
-    (RoPE, RMSNorm, SwiGLU, GQA, sliding window, untied head) through its arguments; with
-    ``cross_attention=True`` every block also attends to a ``context`` (an encoder's output, e.g.
-    ViT patch features for captioning).
+    (RoPE, RMSNorm, SwiGLU, GQA, sliding window, untied head) through its config. What differs
+    between families is passed as parts (:class:`~attnzoo.models.parts.DecoderParts`): blocks
+    built elsewhere (cross-attention to a ``context`` such as ViT features for captioning, QK
+    norms, per-layer windows, softcaps), a scaled embedding, another final norm, a soft-capped,
+    classification or no head::
+
+        cfg = DecoderConfig(V, C, L, H, norm="rms", ffn="geglu_tanh", pos="rope")
+        gemma_like = DecoderLM(config=cfg, parts=DecoderParts(embedding=ScaledEmbedding(V, C, scale=C ** 0.5),
+                                                              head=LMHead(C, V, softcap=30.0)))
 
     Build it from a :class:`~attnzoo.models.DecoderConfig` (``DecoderLM.from_config(cfg)``,
     ``DecoderLM(config=cfg)``; presets ``gpt2``, ``llama``, ``mistral``, ``arena_lm``,
-    ``arena_mqar``) or from the config's fields as arguments, listed here (an unknown keyword
-    is a ``TypeError`` naming it); ``device``/``dtype`` place the parameters.
+    ``arena_mqar``). The constructor's own keywords (``vocab_size``, ``dim``, ``depth``,
+    ``num_heads``, ``attention``, ``num_kv_heads``, ``max_seq_len``, ``pos``) are shorthands for
+    those fields and override ``config``'s when given; every other field goes through ``config=``
+    (an unknown keyword is a ``TypeError`` naming it); ``parts`` the modules; ``device``/``dtype``
+    place the parameters built here.
 
-    Args:
+    The config's fields:
         vocab_size: vocabulary ``V``.
         dim: width ``C``.
         depth: number of blocks.
         num_heads: query heads.
         attention: a registry name (``mha``, ``mqa``, ``gqa``, ``sliding``, ``local_global``,
-            ``linear``, ``performer``, ``infini``) or a callable ``(dim, num_heads) -> nn.Module``
-            called once per layer.
+            ``linear``, ``performer``, ``infini``, ...), a callable ``(dim, num_heads) -> nn.Module``
+            called once per layer, or one entry per layer (a list, or a ``"a/b/c"`` pattern).
         attention_kwargs: extra builder arguments (``window``, ``bias``, ...).
         num_kv_heads: KV heads for ``mha``/``gqa`` (GQA when ``< num_heads``).
         max_seq_len: the longest sequence: size of the learned/sinusoidal table and the bound for
@@ -125,16 +189,12 @@ class DecoderLM(FromConfig, nn.Module):
         dropout: residual/FFN/embedding dropout (attention-weight dropout: ``attention_kwargs``).
         bias: biases in the attention projections (unless ``attention_kwargs`` sets ``bias``) and
             the FFN.
-        rope_base: RoPE base (``rope_theta``); ``rope_scaling``/``rope_scaling_factor``: RoPE
-            context extension (``"linear"``, ``"ntk"``); ``head_dim``: per-head width (default ``dim //
-            num_heads``; only for registry attention that accepts it).
-        norm_first: pre-norm blocks (default) or post-norm (the original Transformer decoder).
-        final_norm: apply a norm after the last block (default: ``norm_first``).
-        embed_scale: multiply token embeddings by this (the original Transformer uses
-            ``sqrt(dim)``); ``None`` = 1.
-        cross_attention: add cross-attention to ``context [B, M, context_dim]`` in every block.
+        head_dim: per-head width (default ``dim // num_heads``; only for registry attention that
+            accepts it).
+        rope: the rotary embedding's :class:`~attnzoo.models.config.Rope` (base, ``linear``/``ntk``
+            scaling, or a Hugging Face ``rope_parameters`` dict).
 
-    Shapes: ``tokens [B, N]`` long -> ``logits [B, N, V]``.
+    Shapes: ``tokens [B, N]`` long -> ``logits [B, N, V]`` (with a given head: what it returns).
     Weights: ``tok_emb``, ``pos_emb`` (learned), ``blocks[i]`` (see :class:`TransformerBlock`),
     ``norm``, ``lm_head``.
     """
@@ -142,69 +202,84 @@ class DecoderLM(FromConfig, nn.Module):
     config_class = DecoderConfig
 
     def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
-                 num_heads: int | None = None, *, config: DecoderConfig | None = None,
-                 blocks: Sequence[nn.Module] | Callable[[int], nn.Module] | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 **options: Any) -> None:
+                 num_heads: int | None = None, *, attention: AttentionSpec | Sequence[AttentionSpec] | None = None,
+                 num_kv_heads: int | None = None, max_seq_len: int | None = None, pos: str | None = None,
+                 config: DecoderConfig | None = None, parts: DecoderParts | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        cfg = DecoderConfig.resolve(config, "DecoderLM", {"vocab_size": vocab_size, "dim": dim, "depth": depth,
-                                                          "num_heads": num_heads}, options)
+        cfg = DecoderConfig.resolve(config, "DecoderLM", {
+            "vocab_size": vocab_size, "dim": dim, "depth": depth, "num_heads": num_heads, "attention": attention,
+            "num_kv_heads": num_kv_heads, "max_seq_len": max_seq_len, "pos": pos})
+        if parts is None:
+            parts = DecoderParts()
+        elif not isinstance(parts, DecoderParts):
+            raise TypeError(f"DecoderLM: parts must be a DecoderParts, got {type(parts).__name__}")
         self.config = cfg
         self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
         self.max_seq_len, self.pos, self.head_dim = cfg.max_seq_len, cfg.resolved_pos, cfg.resolved_head_dim
-        self.embed_scale = None if cfg.embed_scale is None else float(cfg.embed_scale)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        given = None if blocks is None else _given_blocks(blocks, cfg)
-        ropes = {} if given is not None else self._rotaries(cfg)
-        self.rope = ropes.get(self.head_dim, next(iter(ropes.values()), None))
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
+        given = None if parts.blocks is None else _given_blocks(parts.blocks, cfg)
+        ropes = {} if given is not None else shared_rotaries(cfg)
+        self.rope = ropes.get(self.head_dim, next(iter(ropes.values()), None)) if given is None \
+            else _first_rotary(given)
+        built = {"pos_emb"} | {name for name, part in (("tok_emb", parts.embedding), ("blocks", given),
+                                                        ("norm", parts.norm), ("lm_head", parts.head)) if part is None}
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw) if parts.embedding is None else parts.embedding
         self.pos_emb = position_table(self.pos, cfg.dim, cfg.max_seq_len, **kw)
         self.drop = nn.Dropout(cfg.dropout)
-        if given is None:
-            self.blocks = nn.ModuleList([TransformerBlock(config=self.block_config(cfg, ropes, i), **kw)
-                                         for i in range(cfg.depth)])
-        use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm
-        self.norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
-        self.head_size, self.logit_softcap = cfg.head_size, cfg.logit_softcap
-        self.lm_head: nn.Module = (nn.Identity() if cfg.head_size == 0 else
-                                   nn.Linear(cfg.dim, cfg.head_size or cfg.vocab_size, bias=False, **kw))
-        self.tie_embeddings = cfg.tie_embeddings and cfg.head_size is None
-        if self.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
-        self.cross_attention = cfg.cross_attention
-        init_weights(self, depth=cfg.depth)
-        if given is not None:  # after the initialisation: given blocks keep their own weights
-            self.blocks = nn.ModuleList(given)
+        self.blocks = nn.ModuleList(given if given is not None else [
+            TransformerBlock(config=self.block_config(cfg, ropes, i), **kw) for i in range(cfg.depth)])
+        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if parts.norm is None else parts.norm
+        self.lm_head = LMHead(cfg.dim, cfg.vocab_size, **kw) if parts.head is None else parts.head
+        self.tie_embeddings = _tie(self.lm_head, self.tok_emb, cfg)
+        if self.tie_embeddings and parts.embedding is not None:
+            built.discard("lm_head")  # tied to a given embedding: its weight is the embedding's
+        for name, child in self.named_children():  # given parts keep their own weights
+            if name in built:
+                init_weights(child, depth=cfg.depth)
+        self.cross_attention = any(getattr(b, "cross_attn", None) is not None for b in self.blocks)
 
-    def _rotaries(self, cfg: DecoderConfig) -> dict[int, nn.Module]:
-        """The rotary embeddings the layers share, one per width their variants rotate (most take the
-        head width; see :attr:`~attnzoo.nn.spec.VariantSpec.rope_dim`); a
-        :class:`ScaledRotaryEmbedding` with ``rope_parameters``. Empty unless ``pos="rope"``."""
-        ropes: dict[int, nn.Module] = {}
-        for entry in dict.fromkeys(cfg.layer_attention):
-            width = VARIANTS[entry].rope_channels(self.head_dim) if isinstance(entry, str) else self.head_dim
-            if width in ropes:
-                continue
-            rope = rotary_for(self.pos, entry, cfg.attention_kwargs, width, cfg.rope_base, cfg.rope_scaling,
-                              cfg.rope_scaling_factor)
-            given = (cfg.attention_kwargs or {}).get("rope")
-            if rope is not None and cfg.rope_parameters is not None and given is not rope:
-                params = {"rope_theta": cfg.rope_base, **cfg.rope_parameters}
-                rope = ScaledRotaryEmbedding(width, params, max_position_embeddings=cfg.max_seq_len)
-            if rope is not None:
-                ropes[width] = rope
-        return ropes
+    @classmethod
+    def with_blocks(cls, config: DecoderConfig, change: Callable[[BlockConfig, int], BlockConfig], *,
+                    parts: DecoderParts | None = None, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> DecoderLM:
+        """The decoder ``config`` describes, with each layer's :class:`~attnzoo.blocks.BlockConfig`
+        (:meth:`block_config`, the shared rotary embedding included) first passed through
+        ``change(block_config, layer)``: what a family's layers do differently (cross-attention,
+        a layer's window, QK norms, sub-layer output norms, post-norm)::
+
+            captioner = DecoderLM.with_blocks(cfg, lambda b, i: b.replace(cross_attention=True, context_dim=768))
+
+        The blocks are initialised as the model's own; ``parts`` gives the other parts (its
+        ``blocks`` must be ``None``). The model's config is :func:`outer_config` of ``config``."""
+        owner = "DecoderLM.with_blocks"
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"{owner}: config must be a DecoderConfig, got {type(config).__name__}")
+        if not callable(change):
+            raise TypeError(f"{owner}: change must be a callable (BlockConfig, layer) -> BlockConfig, "
+                            f"got {type(change).__name__}")
+        parts = DecoderParts() if parts is None else parts
+        if not isinstance(parts, DecoderParts) or parts.blocks is not None:
+            raise TypeError(f"{owner}: parts must be a DecoderParts without blocks (they are built here), got {parts!r}")
+        ropes = shared_rotaries(config)
+        configs = [change(cls.block_config(config, ropes, i), i) for i in range(config.depth)]
+        bad = [type(c).__name__ for c in configs if not isinstance(c, BlockConfig)]
+        if bad:
+            raise TypeError(f"{owner}: change must return a BlockConfig, got {bad[0]}")
+        blocks = nn.ModuleList([TransformerBlock(config=c, device=device, dtype=dtype) for c in configs])
+        init_weights(blocks, depth=config.depth)
+        return cls(config=outer_config(config), parts=dataclasses.replace(parts, blocks=list(blocks)), device=device,
+                   dtype=dtype)
 
     @staticmethod
     def block_config(cfg: DecoderConfig, rope: nn.Module | Mapping[int, nn.Module] | None = None,
                      layer: int | None = None) -> BlockConfig:
-        """The (causal) :class:`~attnzoo.blocks.BlockConfig` of layer ``layer`` (``None``: any
-        layer of a uniform stack without ``layer_windows``): a registry builder gets ``bias``,
-        ``head_dim``, ``num_kv_heads`` (in a mixed stack: the layers whose variant takes it) and
-        the shared ``rope`` (one module, or ``{width: module}``; only layers whose variant takes a
-        rotary embedding) unless ``attention_kwargs`` sets them; ``qk_norm`` (with
-        ``qk_norm_eps``) and ``attn_softcap`` become the attention options ``qk_norm``,
-        ``qk_norm_eps`` and ``softcap`` (see :class:`~attnzoo.nn.attention.AttentionOptions`)."""
+        """The causal pre-norm :class:`~attnzoo.blocks.BlockConfig` of layer ``layer`` (``None``:
+        any layer of a uniform stack): a registry builder gets ``bias``, ``head_dim``,
+        ``num_kv_heads`` (in a mixed stack: the layers whose variant takes it) and the shared
+        ``rope`` (one module, or ``{width: module}`` from :func:`shared_rotaries`; only layers
+        whose variant takes a rotary embedding) unless ``attention_kwargs`` sets them. A family
+        builder starts from it and changes what its layers do differently (``replace``)."""
         akw = dict(cfg.attention_kwargs or {})
         uniform = not isinstance(cfg.attention, tuple)
         if layer is None and not uniform:
@@ -223,19 +298,9 @@ class DecoderLM(FromConfig, nn.Module):
                 akw["rope"] = rope
             elif spec.takes_rope() and cfg.resolved_pos != "rope":
                 akw.setdefault("rope", False)  # pos says none: a module with a default rotary (MLA) drops it
-            if cfg.layer_windows is not None and layer is not None:
-                akw.pop("window", None)
-                if cfg.layer_windows[layer] is not None:
-                    akw["window"] = cfg.layer_windows[layer]
-            if cfg.qk_norm is not None:
-                akw["qk_norm"], akw["qk_norm_eps"] = cfg.qk_norm, cfg.qk_norm_eps
-            if cfg.attn_softcap is not None:
-                akw["softcap"] = cfg.attn_softcap
         return BlockConfig(cfg.dim, cfg.num_heads, attention=attention, attention_kwargs=akw or None,
-                           causal=True, cross_attention=cfg.cross_attention, context_dim=cfg.context_dim,
-                           norm=cfg.norm, norm_eps=cfg.norm_eps, norm_first=cfg.norm_first, ffn=cfg.ffn,
-                           ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias,
-                           sublayer_norm=cfg.sublayer_norm)
+                           causal=True, norm=cfg.norm, norm_eps=cfg.norm_eps, ffn=cfg.ffn,
+                           ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias)
 
     # ----------------------------------------------------------------- helpers
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
@@ -252,8 +317,6 @@ class DecoderLM(FromConfig, nn.Module):
         """Token (+ absolute position) embeddings ``[B, N, C]``; ``positions`` ``[N]`` or ``[B, N]``
         (default ``0..N-1``)."""
         x = self.tok_emb(tokens)  # [B, N, C]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
         if self.pos_emb is not None:
             x = self.pos_emb(x, positions)  # [B, N, C]
         return self.drop(x)
@@ -274,7 +337,7 @@ class DecoderLM(FromConfig, nn.Module):
         if not self.cross_attention:
             if context is not None or context_mask is not None:
                 raise ValueError(f"{owner}: context given but the model has no cross-attention "
-                                 f"(build it with cross_attention=True)")
+                                 f"(give it blocks built with BlockConfig(cross_attention=True))")
             return None
         if context is None:
             raise ValueError(f"{owner}: this model has cross-attention; pass context [B, M, C]")
@@ -305,7 +368,7 @@ class DecoderLM(FromConfig, nn.Module):
             attention_mask: ``[B, L]`` bool, True for real tokens, ``L = N`` (no cache) or
                 ``cache.length + N`` (every token written so far, then the new ones). Padded keys
                 are hidden; positions count real tokens only (left padding for generation).
-            context: ``[B, M, context_dim]`` for a model built with ``cross_attention=True``.
+            context: ``[B, M, context_dim]`` for a model whose blocks have cross-attention.
             context_mask: ``[B, M]`` bool, True for real context tokens.
             cu_seqlens: packed documents: ``tokens [1, T]`` hold ``S`` sequences end to end and
                 ``cu_seqlens`` (int32 ``[S+1]``) their cumulative lengths; positions restart at 0 in
@@ -357,10 +420,7 @@ class DecoderLM(FromConfig, nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, context, key_padding=kp, context_mask=context_mask,
                       cache=None if cache is None else cache[i], positions=attn_pos)  # [B, N, C]
-        logits = self.lm_head(self.norm(x))  # [B, N, V]
-        if self.logit_softcap is not None:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits
+        return self.lm_head(self.norm(x))  # [B, N, V]
 
     def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
         """Logits ``[1, T, V]`` of packed sequences (see :meth:`forward`)."""
@@ -382,8 +442,10 @@ class DecoderLM(FromConfig, nn.Module):
                         eos_token_id: object, extend_context: bool = False) -> None:
         """The sampling settings and the length bound of :meth:`generate`."""
         owner = "DecoderLM.generate"
-        if self.head_size is not None:
-            raise ValueError(f"{owner}: the model has no LM head (head_size={self.head_size}); nothing to sample")
+        width = _head_width(self.lm_head)
+        if width is not None and width != self.vocab_size:
+            raise ValueError(f"{owner}: the model has no LM head (its head is {type(self.lm_head).__name__} "
+                             f"with {width} outputs, vocab_size={self.vocab_size}); nothing to sample")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"{owner}: temperature must be a float >= 0, got {temperature!r}")
         if top_k is not None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.blocks import ACTIVATIONS, BlockConfig, TransformerBlock, make_norm
+from attnzoo.blocks import ACTIVATIONS, AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
     check_padding_mask,
@@ -89,11 +89,13 @@ class TransformerEncoder(FromConfig, nn.Module):
     Transformer; or ``"rope"`` in the attention; or ``"none"``) + optional token types, an optional
     embedding norm; then ``depth`` non-causal :class:`TransformerBlock` and an optional final norm.
 
-    Build it from an :class:`~attnzoo.models.EncoderConfig` (``from_config``; preset ``bert``)
-    or from the config's fields as arguments (listed here; an unknown keyword is a
-    ``TypeError``). A BERT folder loads with :func:`attnzoo.interop.load_bert`.
+    Build it from an :class:`~attnzoo.models.EncoderConfig` (``config=``, ``from_config``; preset
+    ``bert``). The constructor's own keywords (``vocab_size``, ``dim``, ``depth``, ``num_heads``,
+    ``attention``, ``max_seq_len``, ``pos``, ``type_vocab_size``) are shorthands for those fields
+    and override ``config``'s when given; every other field goes through ``config=`` (an unknown
+    keyword is a ``TypeError`` naming it). A BERT folder loads with :func:`attnzoo.interop.load_bert`.
 
-    Args:
+    The config's fields:
         vocab_size, dim, depth, num_heads: vocabulary ``V``, width ``C``, blocks, heads.
         max_seq_len: number of positions of the learned/sinusoidal table.
         pos: ``"learned" | "sinusoidal" | "rope" | "none"``.
@@ -117,12 +119,14 @@ class TransformerEncoder(FromConfig, nn.Module):
     config_class = EncoderConfig
 
     def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
-                 num_heads: int | None = None, *, config: EncoderConfig | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 **options: Any) -> None:
+                 num_heads: int | None = None, *, attention: AttentionSpec | None = None,
+                 max_seq_len: int | None = None, pos: str | None = None, type_vocab_size: int | None = None,
+                 config: EncoderConfig | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        cfg = EncoderConfig.resolve(config, "TransformerEncoder", {"vocab_size": vocab_size, "dim": dim,
-                                                                   "depth": depth, "num_heads": num_heads}, options)
+        cfg = EncoderConfig.resolve(config, "TransformerEncoder", {
+            "vocab_size": vocab_size, "dim": dim, "depth": depth, "num_heads": num_heads, "attention": attention,
+            "max_seq_len": max_seq_len, "pos": pos, "type_vocab_size": type_vocab_size})
         self.config = cfg
         self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
         self.max_seq_len, self.type_vocab_size, self.pos = cfg.max_seq_len, cfg.type_vocab_size, cfg.pos

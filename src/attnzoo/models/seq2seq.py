@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo.blocks import AttentionSpec
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
@@ -18,6 +19,7 @@ from attnzoo.models._common import (
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
+from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
 __all__ = ["Transformer"]
 
@@ -30,10 +32,12 @@ class Transformer(FromConfig, nn.Module):
     LayerNorm after each stack, ReLU feed-forward of width ``4 * dim``, sinusoidal positions,
     token embeddings scaled by ``sqrt(dim)``, dropout 0.1.
 
-    Build it from a :class:`~attnzoo.models.Seq2SeqConfig` (``from_config``; preset
-    ``transformer_base``) or from the config's fields as arguments, listed here.
+    Build it from a :class:`~attnzoo.models.Seq2SeqConfig` (``config=``, ``from_config``; preset
+    ``transformer_base``). The constructor's own keywords (the six positionals, ``attention``,
+    ``dropout``, ``norm_first``) are shorthands for those fields and override ``config``'s when
+    given; every other field goes through ``config=``.
 
-    Args:
+    The config's fields:
         src_vocab_size, tgt_vocab_size: vocabularies.
         dim, num_heads: width ``C`` and heads.
         encoder_depth, decoder_depth: number of blocks of each stack.
@@ -51,24 +55,24 @@ class Transformer(FromConfig, nn.Module):
 
     def __init__(self, src_vocab_size: int | None = None, tgt_vocab_size: int | None = None,
                  dim: int | None = None, num_heads: int | None = None, encoder_depth: int | None = None,
-                 decoder_depth: int | None = None, *, config: Seq2SeqConfig | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 **options: Any) -> None:
+                 decoder_depth: int | None = None, *, attention: AttentionSpec | None = None,
+                 dropout: float | None = None, norm_first: bool | None = None, config: Seq2SeqConfig | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         given = {"src_vocab_size": src_vocab_size, "tgt_vocab_size": tgt_vocab_size, "dim": dim,
-                 "num_heads": num_heads, "encoder_depth": encoder_depth, "decoder_depth": decoder_depth}
-        cfg = Seq2SeqConfig.resolve(config, "Transformer", given, options)
+                 "num_heads": num_heads, "encoder_depth": encoder_depth, "decoder_depth": decoder_depth,
+                 "attention": attention, "dropout": dropout, "norm_first": norm_first}
+        cfg = Seq2SeqConfig.resolve(config, "Transformer", given)
         self.config = cfg
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.encoder = TransformerEncoder(config=self.encoder_config(cfg), **kw)
-        self.decoder = DecoderLM(config=self.decoder_config(cfg), **kw)
+        self.decoder = self.build_decoder(cfg, **kw)
 
     @staticmethod
     def _common(cfg: Seq2SeqConfig) -> dict[str, Any]:
         return {"dim": cfg.dim, "num_heads": cfg.num_heads, "ffn": cfg.ffn, "ffn_hidden": cfg.ffn_hidden,
-                "norm": cfg.norm, "norm_eps": cfg.norm_eps, "norm_first": cfg.norm_first,
-                "max_seq_len": cfg.max_seq_len, "pos": cfg.pos, "dropout": cfg.dropout, "bias": cfg.bias,
-                "embed_scale": math.sqrt(cfg.dim), "final_norm": True}
+                "norm": cfg.norm, "norm_eps": cfg.norm_eps, "max_seq_len": cfg.max_seq_len, "pos": cfg.pos,
+                "dropout": cfg.dropout, "bias": cfg.bias}
 
     @classmethod
     def encoder_config(cls, cfg: Seq2SeqConfig) -> EncoderConfig:
@@ -76,14 +80,28 @@ class Transformer(FromConfig, nn.Module):
         decoder's attention name)."""
         attention = cfg.attention if cfg.encoder_attention is None else cfg.encoder_attention
         return EncoderConfig(cfg.src_vocab_size, depth=cfg.encoder_depth, attention=attention, embed_norm=False,
+                             norm_first=cfg.norm_first, embed_scale=math.sqrt(cfg.dim), final_norm=True,
                              **cls._common(cfg))
 
     @classmethod
     def decoder_config(cls, cfg: Seq2SeqConfig) -> DecoderConfig:
-        """The decoder stack: causal self-attention and cross-attention to the encoder's output."""
+        """The decoder stack's config (its blocks add cross-attention, see :meth:`build_decoder`)."""
         return DecoderConfig(cfg.tgt_vocab_size, depth=cfg.decoder_depth, attention=cfg.attention,
-                             attention_kwargs=cfg.attention_kwargs, cross_attention=True,
-                             tie_embeddings=cfg.tie_embeddings, **cls._common(cfg))
+                             attention_kwargs=cfg.attention_kwargs, tie_embeddings=cfg.tie_embeddings,
+                             **cls._common(cfg))
+
+    @classmethod
+    def build_decoder(cls, cfg: Seq2SeqConfig, *, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> DecoderLM:
+        """The decoder: blocks with causal self-attention and cross-attention to the encoder's
+        output (post-norm unless ``norm_first``), token embeddings scaled by ``sqrt(dim)``, a final
+        norm (:meth:`DecoderLM.with_blocks`)."""
+        stack = cls.decoder_config(cfg)
+        embedding = ScaledEmbedding(stack.vocab_size, stack.dim, scale=math.sqrt(cfg.dim), device=device, dtype=dtype)
+        nn.init.normal_(embedding.weight, 0.0, 0.02)
+        return DecoderLM.with_blocks(stack, lambda block, _: block.replace(cross_attention=True,
+                                                                           norm_first=cfg.norm_first),
+                                     parts=DecoderParts(embedding=embedding), device=device, dtype=dtype)
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """``src [B, M]`` (``src_mask [B, M]`` bool, True = real) -> ``memory [B, M, C]``."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.blocks import BlockConfig, TransformerBlock, make_norm
+from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import FromConfig, init_weights
 from attnzoo.models.config import ViTConfig
 
@@ -20,10 +20,12 @@ class VisionTransformer(FromConfig, nn.Module):
     (interpolated bicubically to other image sizes), pre-norm blocks, a final norm and a
     classification head.
 
-    Build it from a :class:`~attnzoo.models.ViTConfig` (``from_config``; preset ``vit_b16``) or
-    from the config's fields as arguments, listed here.
+    Build it from a :class:`~attnzoo.models.ViTConfig` (``config=``, ``from_config``; preset
+    ``vit_b16``). The constructor's own keywords (the seven positionals, ``attention``, ``pool``)
+    are shorthands for those fields and override ``config``'s when given; every other field goes
+    through ``config=``.
 
-    Args:
+    The config's fields:
         image_size: ``S`` or ``(H, W)`` the position table is built for.
         patch_size: ``P`` or ``(Ph, Pw)``; image sides must be multiples of it.
         in_channels: image channels.
@@ -46,13 +48,14 @@ class VisionTransformer(FromConfig, nn.Module):
 
     def __init__(self, image_size: int | tuple[int, int] | None = None, patch_size: int | tuple[int, int] | None = None,
                  in_channels: int | None = None, num_classes: int | None = None, dim: int | None = None,
-                 depth: int | None = None, num_heads: int | None = None, *, config: ViTConfig | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 **options: Any) -> None:
+                 depth: int | None = None, num_heads: int | None = None, *, attention: AttentionSpec | None = None,
+                 pool: str | None = None, config: ViTConfig | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         given = {"image_size": image_size, "patch_size": patch_size, "in_channels": in_channels,
-                 "num_classes": num_classes, "dim": dim, "depth": depth, "num_heads": num_heads}
-        cfg = ViTConfig.resolve(config, "VisionTransformer", given, options)
+                 "num_classes": num_classes, "dim": dim, "depth": depth, "num_heads": num_heads,
+                 "attention": attention, "pool": pool}
+        cfg = ViTConfig.resolve(config, "VisionTransformer", given)
         self.config = cfg
         self.image_size, self.patch_size = cfg.image_size, cfg.patch_size
         self.in_channels, self.num_classes, self.pool = cfg.in_channels, cfg.num_classes, cfg.pool

@@ -17,9 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
+from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.models.parts import DecoderParts, ScaledEmbedding, head_for
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 from attnzoo.variants import build_attention
@@ -146,13 +148,17 @@ def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None,
             embed_scale: float | None = None, logit_softcap: float | None = None, device: Any = None,
             dtype: Any = None) -> DecoderLM:
     """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
-    rotary embedding and positions): token embedding, final RMSNorm, the head of ``head_size``
-    (``logit_softcap`` applies to the LM head only, as in transformers)."""
-    return DecoderLM(hf.req("vocab_size"), hf.req("hidden_size"), len(blocks), hf.req("num_attention_heads"),
-                     blocks=blocks, pos="rope", norm="rms", norm_eps=norm_eps,
-                     tie_embeddings=hf.get("tie_word_embeddings", False, bool), head_size=head_size,
-                     embed_scale=embed_scale, logit_softcap=logit_softcap if head_size is None else None,
-                     max_seq_len=hf.get("max_position_embeddings", 2048), device=device, dtype=dtype)
+    rotary embedding and positions): the token embedding (times ``embed_scale``), the final
+    RMSNorm, the head of ``head_size`` (see :func:`~attnzoo.models.parts.head_for`)."""
+    V, C = hf.req("vocab_size"), hf.req("hidden_size")
+    cfg = DecoderConfig(V, C, len(blocks), hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=norm_eps,
+                        tie_embeddings=hf.get("tie_word_embeddings", False, bool),
+                        max_seq_len=hf.get("max_position_embeddings", 2048))
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    embedding = None if embed_scale is None else ScaledEmbedding(V, C, scale=embed_scale, **kw)
+    parts = DecoderParts(blocks=blocks, embedding=embedding,
+                         head=head_for(C, V, head_size, softcap=logit_softcap, **kw))
+    return DecoderLM(config=cfg, parts=parts, **kw)
 
 
 def put_attention(plan: Plan, ours: str, theirs: str, *, bias: bool, qk_norm: bool = False,

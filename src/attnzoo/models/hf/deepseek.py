@@ -62,7 +62,7 @@ def deepseek_config(hf: HFConfig) -> DecoderConfig:
         hf.req("vocab_size"), C, layers, H, attention="mla", attention_kwargs=akw, max_seq_len=max_pos, pos="rope",
         norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6, float),
         ffn=hf.activation("hidden_act", GATED_ACTIVATIONS, "silu"), ffn_hidden=hf.req("intermediate_size"),
-        tie_embeddings=hf.get("tie_word_embeddings", False, bool), bias=False, rope_base=base,
+        tie_embeddings=hf.get("tie_word_embeddings", False, bool), bias=False, rope=base,
         head_dim=None if C % H == 0 else qk)
 
 

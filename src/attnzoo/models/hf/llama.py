@@ -28,13 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.models.config import DecoderConfig
+from attnzoo.blocks import BlockConfig
+from attnzoo.models.config import DecoderConfig, Rope
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.models.parts import DecoderParts, ScaledEmbedding, head_for
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 
-__all__ = ["FAMILIES", "Family", "convert_llama", "llama_config", "rope_settings"]
+__all__ = ["FAMILIES", "Family", "build_llama", "convert_llama", "llama_config", "rope_settings"]
 
 GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
                      "gelu_new": "geglu_tanh"}
@@ -60,10 +62,11 @@ FAMILIES = {
 }
 
 
-def rope_settings(hf: HFConfig) -> dict[str, Any]:
-    """``rope_base`` and, for a scaled rope type, ``rope_scaling="linear"`` + factor (``linear``)
-    or the ``rope_parameters`` dict (``dynamic``, ``yarn``, ``llama3``, ``longrope``), checked by
-    computing the frequencies once. Full rotary width only."""
+def rope_settings(hf: HFConfig) -> Rope:
+    """The :class:`~attnzoo.models.config.Rope` of a config: the base and, for a scaled rope
+    type, ``scaling="linear"`` + factor (``linear``) or the ``rope_parameters`` dict (``dynamic``,
+    ``yarn``, ``llama3``, ``longrope``), checked by computing the frequencies once. Full rotary
+    width only."""
     params = dict(hf.get("rope_scaling", {}, dict))
     params.update(hf.get("rope_parameters", {}, dict))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
@@ -72,13 +75,13 @@ def rope_settings(hf: HFConfig) -> dict[str, Any]:
         raise hf.unsupported(f"partial_rotary_factor={partial}")
     base = float(params.get("rope_theta", hf.get("rope_theta", 10000.0, float)))
     if rope_type == "default":
-        return {"rope_base": base}
+        return Rope(base=base)
     if rope_type not in ROPE_SCALINGS:
         raise hf.unsupported(f"rope_type={rope_type!r} (supported: {', '.join(map(repr, ROPE_SCALINGS))})")
     if rope_type == "linear":
         if not isinstance(params.get("factor"), (int, float)):
             raise hf.unsupported(f"rope_type='linear' without a numeric factor (got {params.get('factor')!r})")
-        return {"rope_base": base, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
+        return Rope(base=base, scaling="linear", factor=float(params["factor"]))
     if params.get("original_max_position_embeddings") is None and hf.has("original_max_position_embeddings"):
         params["original_max_position_embeddings"] = hf.req("original_max_position_embeddings")
     params = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
@@ -89,7 +92,7 @@ def rope_settings(hf: HFConfig) -> dict[str, Any]:
                                                                                           2048))
     except ValueError as exc:
         raise CheckpointFormatError(f"{hf.source}: rope parameters: {exc}") from exc
-    return {"rope_base": base, "rope_parameters": params}
+    return Rope(base=base, parameters=params)
 
 
 def _windows(hf: HFConfig, depth: int) -> list[int | None]:
@@ -107,27 +110,25 @@ def _windows(hf: HFConfig, depth: int) -> list[int | None]:
     return [window - 1 if types is None or types[i] == "sliding_attention" else None for i in range(depth)]
 
 
-def _attention(hf: HFConfig, fam: Family, depth: int, head_dim: int) -> dict[str, Any]:
-    """The attention fields of the :class:`DecoderConfig`."""
-    akw: dict[str, Any] = {"bias": fam.qkv_bias or hf.get("attention_bias", False, bool)}
+def _layer_options(hf: HFConfig, fam: Family, head_dim: int) -> dict[str, Any]:
+    """What every layer's attention of ``fam`` adds to the registry defaults: QK RMSNorm
+    (Qwen3, OLMo2), Gemma 2's score scale and attention softcap."""
+    out: dict[str, Any] = {}
+    if fam.qk_norm is not None:
+        out.update(qk_norm=fam.qk_norm, qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float))
     if fam.gemma == 2:
-        akw["scale"] = float(hf.get("query_pre_attn_scalar", head_dim, float)) ** -0.5
-    windows = _windows(hf, depth)
-    out: dict[str, Any] = {"attention": "mha", "attention_kwargs": akw}
-    if len(set(windows)) > 1:
-        out["layer_windows"] = tuple(windows)
-    elif windows and windows[0] is not None:
-        out["attention"], akw["window"] = "sliding", windows[0]
-    if fam.gemma == 2:
-        out["attn_softcap"] = hf.get("attn_logit_softcapping", None, float)
-        out["logit_softcap"] = hf.get("final_logit_softcapping", None, float)
+        out["scale"] = float(hf.get("query_pre_attn_scalar", head_dim, float)) ** -0.5
+        softcap = hf.get("attn_logit_softcapping", None, float)
+        if softcap is not None:
+            out["softcap"] = softcap
     return out
 
 
-def llama_config(hf: HFConfig, *, sliding: bool = True, family: str = "llama", head_size: int | None = None) -> DecoderConfig:
-    """The :class:`DecoderConfig` of a config of the family ``family`` (a ``model_type`` of
-    :data:`FAMILIES`); ``head_size`` as :class:`DecoderConfig`'s. ``sliding=False`` ignores
-    ``sliding_window``."""
+def llama_config(hf: HFConfig, *, sliding: bool = True, family: str = "llama") -> DecoderConfig:
+    """The :class:`DecoderConfig` of the stack of a config of the family ``family`` (a
+    ``model_type`` of :data:`FAMILIES`): what every layer shares. One window for every layer is
+    ``attention="sliding"``; per-layer windows are set on the blocks (:func:`build_llama`).
+    ``sliding=False`` ignores ``sliding_window``."""
     fam = FAMILIES[family]
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
     D, depth = hf.get("head_dim", C // H), hf.req("num_hidden_layers")
@@ -137,18 +138,43 @@ def llama_config(hf: HFConfig, *, sliding: bool = True, family: str = "llama", h
         raise hf.unsupported("use_bidirectional_attention=True")
     act_key = "hidden_activation" if hf.has("hidden_activation") else "hidden_act"
     ffn = hf.activation(act_key, GATED_ACTIVATIONS, "gelu_pytorch_tanh" if fam.gemma else "silu")
-    attn = _attention(hf if sliding else HFConfig({**hf.data, "sliding_window": None}, hf.source, hf.arch),
-                      fam, depth, D)
-    if head_size is not None:  # the final-logit softcap belongs to the LM head only
-        attn.pop("logit_softcap", None)
+    akw: dict[str, Any] = {"bias": fam.qkv_bias or hf.get("attention_bias", False, bool)}
+    windows = _windows(hf, depth) if sliding else [None] * depth
+    attention = "mha"
+    if len(set(windows)) == 1 and windows[0] is not None:
+        attention, akw["window"] = "sliding", windows[0]
     return DecoderConfig(
-        hf.req("vocab_size"), C, depth, H, num_kv_heads=hf.get("num_key_value_heads", H),
-        max_seq_len=hf.get("max_position_embeddings", 2048), pos="rope", norm="rms",
-        norm_eps=hf.get("rms_norm_eps", 1e-6, float), ffn=ffn, ffn_hidden=hf.req("intermediate_size"),
-        tie_embeddings=hf.get("tie_word_embeddings", fam.gemma > 0, bool), bias=hf.get("mlp_bias", False, bool),
-        head_dim=D if D != C // H or C % H else None, embed_scale=C ** 0.5 if fam.gemma else None,
-        qk_norm=fam.qk_norm, qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float), sublayer_norm=fam.sublayer_norm,
-        head_size=head_size, **attn, **rope_settings(hf))
+        hf.req("vocab_size"), C, depth, H, attention=attention, attention_kwargs=akw,
+        num_kv_heads=hf.get("num_key_value_heads", H), max_seq_len=hf.get("max_position_embeddings", 2048),
+        pos="rope", norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6, float), ffn=ffn,
+        ffn_hidden=hf.req("intermediate_size"), tie_embeddings=hf.get("tie_word_embeddings", fam.gemma > 0, bool),
+        bias=hf.get("mlp_bias", False, bool), head_dim=D if D != C // H or C % H else None, rope=rope_settings(hf))
+
+
+def build_llama(hf: HFConfig, *, family: str = "llama", sliding: bool = True, head_size: int | None = None,
+                device: Any = None, dtype: Any = None) -> DecoderLM:
+    """The decoder of a config of ``family`` (random weights): the blocks of :func:`llama_config`'s
+    stack with the family's attention options (:func:`_layer_options`), per-layer windows and
+    sub-layer norms; Gemma's embeddings times ``sqrt(hidden)``; Gemma 2's final-logit softcap on
+    the LM head; the head of ``head_size`` (:func:`~attnzoo.models.parts.head_for`)."""
+    fam = FAMILIES[family]
+    stack = llama_config(hf, sliding=sliding, family=family)
+    windows = _windows(hf, stack.depth) if sliding and stack.attention == "mha" else [None] * stack.depth
+    options = _layer_options(hf, fam, stack.resolved_head_dim)
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+
+    def layer(block: BlockConfig, i: int) -> BlockConfig:
+        window = {} if windows[i] is None else {"window": windows[i]}
+        return block.replace(attention_kwargs={**(block.attention_kwargs or {}), **options, **window},
+                             sublayer_norm=fam.sublayer_norm)
+
+    V, C = stack.vocab_size, stack.dim
+    softcap = hf.get("final_logit_softcapping", None, float) if fam.gemma == 2 else None
+    parts = DecoderParts(embedding=ScaledEmbedding(V, C, scale=C ** 0.5, **kw) if fam.gemma else None,
+                         head=head_for(C, V, head_size, softcap=softcap, **kw))
+    if not options and fam.sublayer_norm == "input" and all(w is None for w in windows):
+        return DecoderLM(config=stack, parts=parts, **kw)  # the config's own blocks: model.config rebuilds it
+    return DecoderLM.with_blocks(stack, layer, parts=parts, **kw)
 
 
 def _plus_one(t: Tensor) -> Tensor:
@@ -205,18 +231,19 @@ def convert_llama(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
     elif not prefix and "lm_head.weight" not in sd and not any(
             str(a).endswith("ForCausalLM") for a in hf.get("architectures", [], list)):
         head_size = 0
-    cfg = llama_config(hf, sliding=sliding, family=family, head_size=head_size)
-    model = DecoderLM.from_config(cfg, device=device, dtype=dtype or float_dtype(sd))
+    model = build_llama(hf, family=family, sliding=sliding, head_size=head_size, device=device,
+                        dtype=dtype or float_dtype(sd))
+    stack = llama_config(hf, sliding=sliding, family=family)
     fam = FAMILIES[family]
     plan = Plan(Source(sd, prefix), hf.arch)
     plan.put("tok_emb.weight", "embed_tokens.weight")
-    for i in range(cfg.depth):
-        _layer(plan, i, fam, cfg)
+    for i in range(stack.depth):
+        _layer(plan, i, fam, stack)
     plan.put("norm.weight", "norm.weight", _plus_one if fam.gemma else None)
     ignore = [r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.\w+"]
     plan.src.prefix = ""
     if head_size is None:
-        plan.head(cfg.tie_embeddings, ignore)
+        plan.head(model.tie_embeddings, ignore)
     elif head_size > 0:
         plan.put("lm_head.weight", "score.weight")
     if head_size is not None:

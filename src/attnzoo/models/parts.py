@@ -1,0 +1,143 @@
+"""The parts a :class:`~attnzoo.DecoderLM` is assembled from, for builders that inject them.
+
+A decoder is a token embedding, a list of blocks, a final norm and a head. By default
+``DecoderLM`` builds all four from its :class:`~attnzoo.models.DecoderConfig`; a family builder
+(or a user) passes the ones that differ as modules in :class:`DecoderParts` instead of setting
+flags on a shared config (torchtune's ``TransformerDecoder(tok_embeddings=, layers=, norm=,
+output=)``)::
+
+    parts = DecoderParts(embedding=ScaledEmbedding(V, C, scale=C ** 0.5),   # Gemma's sqrt(C)
+                         head=LMHead(C, V, softcap=30.0))                     # Gemma 2's logit softcap
+    lm = DecoderLM(config=cfg, parts=parts)
+
+The weight names do not change with the parts (``tok_emb.weight``, ``norm.weight``,
+``lm_head.weight``): :class:`ScaledEmbedding` is an ``nn.Embedding`` and :class:`LMHead` an
+``nn.Linear``, so state dicts saved before parts existed load as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["DecoderParts", "LMHead", "ScaledEmbedding", "head_for"]
+
+
+def _check_scale(x: object, name: str, owner: str) -> float | None:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a float or None, got {type(x).__name__} ({x!r})")
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {x}")
+    return float(x)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """A token embedding whose vectors are multiplied by ``scale`` (Gemma and the original
+    Transformer use ``sqrt(dim)``). Weight: ``weight [V, C]``, as ``nn.Embedding``.
+
+    Shapes: ``tokens [B, N]`` -> ``[B, N, C]``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, scale: float,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        checked = _check_scale(scale, "scale", "ScaledEmbedding")
+        if checked is None:
+            raise TypeError("ScaledEmbedding: scale must be a float > 0, got None (use nn.Embedding for no scale)")
+        self.scale = checked
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(tokens) * self.scale  # [B, N, C]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:g}"
+
+
+class LMHead(nn.Linear):
+    """The language-model head: ``logits = x W^T`` over the vocabulary, optionally soft-capped
+    (``c * tanh(logits / c)``, Gemma 2's ``final_logit_softcapping``). It is the head a
+    :class:`~attnzoo.DecoderLM` ties to its token embedding (``tie_embeddings``) and samples from
+    in :meth:`~attnzoo.DecoderLM.generate`. Weight: ``weight [V, C]`` (no bias by default).
+
+    Shapes: ``[B, N, C]`` -> ``[B, N, V]``.
+    """
+
+    def __init__(self, dim: int, vocab_size: int, *, softcap: float | None = None, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, vocab_size, bias=bias, device=device, dtype=dtype)
+        self.softcap = _check_scale(softcap, "softcap", "LMHead")
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = super().forward(x)  # [B, N, V]
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+    def extra_repr(self) -> str:
+        cap = "" if self.softcap is None else f", softcap={self.softcap:g}"
+        return f"{super().extra_repr()}{cap}"
+
+
+def head_for(dim: int, vocab_size: int, size: int | None, *, softcap: float | None = None,
+             device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module | None:
+    """The head a converted checkpoint has, for ``DecoderParts(head=...)``: ``size=None`` the
+    :class:`LMHead` over the vocabulary with the final-logit ``softcap`` (it belongs to the LM
+    head only, as in transformers), or ``None`` without a softcap (the model's default head, which
+    it builds and initialises itself),
+    ``0`` none (``nn.Identity``: the model returns its final hidden states ``[B, N, C]``), ``k`` a
+    ``k``-way per-token classification head (``nn.Linear(dim, k, bias=False)``, transformers'
+    ``score``)."""
+    if size is None:
+        return None if softcap is None else LMHead(dim, vocab_size, softcap=softcap, device=device, dtype=dtype)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"head_for: size must be None or an int >= 0, got {size!r}")
+    if size == 0:
+        return nn.Identity()
+    return nn.Linear(dim, size, bias=False, device=device, dtype=dtype)
+
+
+Blocks = Sequence[nn.Module] | Callable[[int], nn.Module]
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """Modules a :class:`~attnzoo.DecoderLM` takes as they are instead of building them from its
+    config (each ``None``: built from the config). Given parts keep their own weights.
+
+    Fields:
+        blocks: one module per layer (``depth`` of them; e.g. :class:`~attnzoo.TransformerBlock`
+            with cross-attention, per-layer windows, QK norms, sub-layer output norms), or a
+            factory ``layer -> module``. The config's block fields (``attention``,
+            ``attention_kwargs``, ``num_kv_heads``, ``ffn``, ``ffn_hidden``) must then keep
+            their defaults: they would be ignored (:func:`~attnzoo.models.decoder.outer_config`).
+        embedding: ``tokens [B, N] -> [B, N, C]`` (default ``nn.Embedding(V, C)``; e.g.
+            :class:`ScaledEmbedding`). Tied to an :class:`LMHead` by ``tie_embeddings`` when it
+            has a ``weight [V, C]``.
+        norm: the final norm (default: the config's ``norm``); ``nn.Identity()`` for none.
+        head: ``[B, N, C] -> [B, N, *]`` (default :class:`LMHead` over the vocabulary); a
+            classification head (``nn.Linear(C, k, bias=False)``: per-token scores, read at the
+            last token for sequence classification), or ``nn.Identity()`` to return the final
+            hidden states ``[B, N, C]``.
+    """
+
+    blocks: Blocks | None = None
+    embedding: nn.Module | None = None
+    norm: nn.Module | None = None
+    head: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        owner = "DecoderParts"
+        for name in ("embedding", "norm", "head"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, nn.Module):
+                raise TypeError(f"{owner}: {name} must be an nn.Module or None, got {type(value).__name__}")
+        b = self.blocks
+        if b is not None and (isinstance(b, nn.Module) or not (callable(b) or isinstance(b, Sequence))):
+            raise TypeError(f"{owner}: blocks must be a list of modules (one per layer) or a callable "
+                            f"layer -> module, got {type(b).__name__}")
