@@ -126,6 +126,64 @@ def test_chunk_scores_equal_the_definition_with_gradients(decay: float, stack: i
         assert rel_err(a, b) < 1e-11, f"d{name} (decay={decay}, stack={stack}): {rel_err(a, b):.2e}"
 
 
+def _mixed(c: int, dtype: torch.dtype = torch.float64, stack: int = 0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Channels 1 and 3 decay strongly (up to e^-5 a token), the others weakly: the channel split."""
+    q, k, g = inputs(c, 0.05, dtype=dtype, stack=stack, seed=seed)
+    strong = torch.zeros(5, dtype=torch.bool)
+    strong[[1, 3]] = True
+    g = torch.where(strong, g * 100, g)
+    return q, k, g
+
+
+@pytest.mark.parametrize("stack", [0, 2])
+def test_strong_channels_are_split_off_and_the_sum_equals_the_definition(stack: int) -> None:
+    """Some channels beyond the span, the others within it as whole chunks: the strong ones (lowest totals
+    first) run through the halving operator, the rest through one matmul; values and float64 gradients
+    equal the definition."""
+    q, k, g = (t.requires_grad_() for t in _mixed(64, stack=stack, seed=4))
+    assert not gla._plan(g.detach(), gla.SUB_CHUNK)[1]  # no single plan fits
+    exact = gla._exact_channels(g.detach(), gla.SUB_CHUNK)
+    assert exact is not None and sorted(exact.flatten().unique().tolist()) == [1, 3]
+    got = gla.chunk_scores(q, k, g, gla.SUB_CHUNK)
+    want = definition(q, k, g)
+    assert rel_err(got, want) < 1e-12
+    assert not got.detach().triu(1).any()
+    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(5), dtype=got.dtype)
+    grads = torch.autograd.grad((got * weight).sum(), (q, k, g))
+    wants = torch.autograd.grad((want * weight).sum(), (q, k, g))
+    for name, a, b in zip("qkg", grads, wants, strict=True):
+        assert rel_err(a, b) < 1e-11, f"d{name} (stack={stack}): {rel_err(a, b):.2e}"
+
+
+def test_the_split_needs_most_channels_weak() -> None:
+    """More than half the channels beyond the span, or none: no split (the halving or the whole chunk)."""
+    _, _, g = inputs(64, 0.05)
+    assert gla._exact_channels(g, gla.SUB_CHUNK) is None  # all weak: the whole-chunk plan serves it
+    assert gla._exact_channels(g * 400, gla.SUB_CHUNK) is None  # all strong
+    _, _, mixed = _mixed(64)
+    assert gla._exact_channels(mixed, gla.MATMUL_SUB_CHUNK) is None  # the quadratic form's one block
+    assert gla._exact_channels(mixed.bfloat16(), gla.SUB_CHUNK) is None  # no span for bfloat16
+
+
+@pytest.mark.parametrize("kind", ["delta", "gla"])
+def test_kda_and_gla_with_mixed_decays_equal_the_token_loop(kind: str) -> None:
+    """The channel split inside the chunked layers (3.5 chunks of 64), float32 within 1e-5 of the float64 loop."""
+    x = _layer_inputs(224, 0.05, seed=6)
+    x["log_decay"][..., [0, 4]] *= 200  # two of six channels strong
+    x = {n: t.float() for n, t in x.items()}
+    if kind == "delta":
+        out = az.delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"],
+                            initial_state=x["initial_state"], form="chunked", chunk_size=64)
+        ref, _ = token_loop("delta", *(x[n].double() for n in ("q", "k", "v", "log_decay", "beta")),
+                            s0=x["initial_state"].double())
+    else:
+        out = az.gated_linear_attention(x["q"], x["k"], x["v"], x["log_decay"], initial_state=x["initial_state"],
+                                        form="chunked", chunk_size=64)
+        ref, _ = token_loop("gla", *(x[n].double() for n in ("q", "k", "v", "log_decay")),
+                            s0=x["initial_state"].double())
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_the_whole_chunk_plan_in_float32_at_its_span_bound() -> None:
     """float32, every channel decaying by exactly the span over the chunk: finite, float32 precision."""
     q, k, _ = inputs(64, 1.0, dtype=torch.float32)

@@ -27,8 +27,9 @@ at those blocks and each is one matmul of ``q_t exp(b_t - b_m)`` and ``k_s exp(b
 middle token; one factor may exceed 1 by at most ``exp(span)``), masked to ``s <= t``; the block is
 doubled while every block still fits the span, up to the whole chunk, which is then one matmul through
 plain autograd ops (:func:`chunk_scores`: at 16k tokens a KDA training step ran 0.8-0.9x the time of
-the 16-token blocks). Otherwise the exact plan above runs. All give the definition to float64
-rounding (``docs/recurrent.md``).
+the 16-token blocks). When only some channels are beyond the span, those run through the halving
+and the rest through that matmul (:func:`chunk_scores`). Otherwise the exact plan above runs. All
+give the definition to float64 rounding (``docs/recurrent.md``).
 
 The halving runs as one operator, ``attnzoo::gla_vector_scores``, whose backward is the same
 halving again (a block's ``dq_t = exp(b_t - b_r) (dA k_ref)``, ``dk_s = exp(b_r - b_s) (dA^T q_ref)``;
@@ -291,19 +292,57 @@ def chunk_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
     """The vector-decay scores of one chunk group, ``q [S?, ..., C, Dk]`` (optionally a stack of query
     sets), ``k, g [..., C, Dk]`` -> ``[S?, ..., C, C]`` (zero above the diagonal).
 
-    When :func:`_plan` takes the whole chunk as one block (every chunk's total log decay per channel
-    within the span, as weak decays give), the scores are one matmul of ``q_t exp(b_t - b_m)`` and
-    ``k_s exp(b_m - b_s)`` through plain autograd ops (no halving, no custom operator: the backward is
-    a few matmuls); otherwise, and in a compiled graph, :func:`vector_scores` (the halving operator) runs."""
+    The scores are a sum over key channels, so channels can take different plans:
+
+    * every chunk's total log decay per channel within the span (weak decays): the whole chunk is one
+      block, one matmul of ``q_t exp(b_t - b_m)`` and ``k_s exp(b_m - b_s)`` through plain autograd
+      ops (no halving, no custom operator: the backward is a few matmuls);
+    * some channels beyond the span (strong decays, as a freshly initialised Kimi Linear layer has in
+      about a fifth of its channels): those channels (the ``K`` with the most negative totals, ``K`` the
+      largest count of any chunk, at most half the channels) are gathered and run through
+      :func:`vector_scores` (the halving operator, which picks its own plan for them), the others
+      through the matmul above, and the two sums added;
+    * otherwise, and in a compiled graph, :func:`vector_scores` on all channels."""
     c = q.shape[-2]
     if tracing():  # a compiled graph cannot branch on the decays' values: the operator decides inside
         return vector_scores(q, k, g, sub)
     sub_used, matmul_diagonal = _plan(g, sub)
-    if not (matmul_diagonal and sub_used >= c):
+    if matmul_diagonal and sub_used >= c:
+        return _whole_chunk_scores(q, k, g, None)
+    exact = _exact_channels(g, sub)
+    if exact is None:
         return vector_scores(q, k, g, sub)
-    rel = torch.matmul(_midpoint_sums(c, g), g)  # [..., C, Dk]: b_t - b_m, summed directly
+    keep = torch.ones(g.shape[:-2] + g.shape[-1:], dtype=g.dtype, device=g.device).scatter_(-1, exact, 0.0)
+
+    def pick(t: Tensor) -> Tensor:  # [S?, ..., C, Dk] -> the exact channels [S?, ..., C, K]
+        return torch.gather(t, -1, exact.unsqueeze(-2).expand(*t.shape[:-1], exact.shape[-1]))
+
+    return _whole_chunk_scores(q, k, g, keep.unsqueeze(-2)) + vector_scores(pick(q), pick(k), pick(g), sub)
+
+
+def _whole_chunk_scores(q: Tensor, k: Tensor, g: Tensor, keep: Tensor | None) -> Tensor:
+    """The scores of one-block chunks by one matmul (see :func:`chunk_scores`), over the channels where
+    ``keep [..., 1, Dk]`` is 1 (all without it; the others' exponents are zeroed before ``exp``)."""
+    rel = torch.matmul(_midpoint_sums(q.shape[-2], g), g)  # [..., C, Dk]: b_t - b_m, summed directly
+    if keep is not None:
+        rel, q = rel * keep, q * keep
     k_ref = k * rel.neg().exp()  # k_s exp(b_m - b_s)
     return torch.matmul(q * rel.exp(), k_ref.transpose(-1, -2)).tril_()  # [S?, ..., C, C], s <= t
+
+
+def _exact_channels(g: Tensor, sub: int) -> Tensor | None:
+    """The channels to leave to the halving, ``[..., K]`` (the lowest chunk totals first), when the others
+    fit the span as one block and ``K <= Dk / 2``; ``None`` when the split does not apply (see :func:`_plan`'s
+    conditions: a dtype with a span, chunks of two blocks or more, not the quadratic form's one block)."""
+    c, dk = g.shape[-2:]
+    span = MATMUL_DIAGONAL_SPAN.get(g.dtype)
+    if span is None or sub >= MATMUL_SUB_CHUNK or c < 2 * MATMUL_SUB_CHUNK or g.numel() == 0:
+        return None
+    totals = g.sum(dim=-2)  # [..., Dk]: each chunk's total log decay per channel
+    count = int((totals < -span).sum(dim=-1).max())
+    if count == 0 or count > dk // 2:
+        return None
+    return torch.argsort(totals, dim=-1)[..., :count]
 
 
 def _blocked_vector_scores(q: Tensor, k: Tensor, g: Tensor, sub: int) -> Tensor:
