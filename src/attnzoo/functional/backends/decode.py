@@ -39,10 +39,10 @@ import torch
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional._edge import empty_result, is_empty
-from attnzoo.functional._request import AttnRequest, build_request
-from attnzoo.functional.halfmath import HALF_DTYPES, half_math
-from attnzoo.functional.rules import compute_dtype, key_bounds, visible
+from attnzoo.functional.backends.halfmath import HALF_DTYPES, half_math
+from attnzoo.functional.core._edge import empty_result, is_empty
+from attnzoo.functional.core._request import AttnRequest, build_request
+from attnzoo.functional.core.rules import compute_dtype, key_bounds, visible
 
 __all__ = ["MAX_QUERIES", "MIN_KEYS", "MIN_KEYS_OTHER", "SCORE_BYTES", "decode_attention", "run_split_kv",
            "split_kv_attention", "use_split_kv"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest, Capabilities
+from attnzoo.functional.core._request import AttnRequest, Capabilities
 
 
 def _available(device: torch.device) -> bool:

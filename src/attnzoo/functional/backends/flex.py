@@ -14,7 +14,7 @@
   graph; before, each shape compiled anew and the 9th hit torch's recompile limit and ran unfused. On CPU, requests that
   torch's compiled kernel cannot serve correctly (gradients, LSE, fewer keys than one block) run
   FlexAttention's eager path instead. Set
-  ``attnzoo.functional.flex.COMPILE = False`` for FlexAttention's eager (debug) path.
+  ``attnzoo.functional.backends.flex.COMPILE = False`` for FlexAttention's eager (debug) path.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional._request import AttnRequest, Capabilities, combine_structure
-from attnzoo.functional.rules import alibi_bias
+from attnzoo.functional.core._request import AttnRequest, Capabilities, combine_structure
+from attnzoo.functional.core.rules import alibi_bias
 from attnzoo.masks import BLOCK_FULL, BLOCK_PARTIAL, Mask
 
 COMPILE = True

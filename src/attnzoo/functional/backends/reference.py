@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest, Capabilities
-from attnzoo.functional.rules import compute_dtype
+from attnzoo.functional.core._request import AttnRequest, Capabilities
+from attnzoo.functional.core.rules import compute_dtype
 
 #: The reference serves every request.
 CAPABILITIES = Capabilities("reference", frozenset())

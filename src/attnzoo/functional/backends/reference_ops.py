@@ -20,10 +20,10 @@ ALiBi slopes keep the traced path. ``Mask`` objects are evaluated into a dense m
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest, build_request
-from attnzoo.functional.reference import reference_attention
-from attnzoo.functional.rules import compute_dtype
-from attnzoo.functional.tiled_ops import dense_mask
+from attnzoo.functional.backends.reference import reference_attention
+from attnzoo.functional.backends.tiled_ops import dense_mask
+from attnzoo.functional.core._request import AttnRequest, build_request
+from attnzoo.functional.core.rules import compute_dtype
 
 __all__ = ["reference_bwd", "reference_fwd", "reference_op_attention"]
 

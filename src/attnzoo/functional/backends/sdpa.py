@@ -7,7 +7,7 @@ Translations done here:
 * GQA through ``enable_gqa=True`` (K/V are never expanded in memory);
 * ALiBi and float masks become an additive float ``attn_mask``;
 * half-precision inputs on a CPU whose half matmuls are >= 1.25x slower than float32 ones run in float32
-  (measured once per process, ``attnzoo.functional.halfmath``);
+  (measured once per process, ``attnzoo.functional.backends.halfmath``);
 * rows with no visible key are given one harmless visible key and their output is zeroed, so
   they return zeros (never NaN) with finite gradients.
 
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional._request import AttnRequest, Capabilities
-from attnzoo.functional.halfmath import half_math
-from attnzoo.functional.rules import output_like_v, stored_like_v
+from attnzoo.functional.backends.halfmath import half_math
+from attnzoo.functional.core._request import AttnRequest, Capabilities
+from attnzoo.functional.core.rules import output_like_v, stored_like_v
 from attnzoo.masks import visible as visible_rule
 
 #: What this backend cannot do (feature names of ``AttnRequest.features()``).
@@ -53,7 +53,7 @@ def sdpa_attention(r: AttnRequest) -> Tensor:
     only_causal = (r.causal and r.window is None and r.mask_obj is None and r.mask_tensor is None
                    and r.alibi_slopes is None)
     # Half inputs run through float32 math (converted in and back) where SDPA in the half dtype is
-    # measured slower than SDPA through float32 (attnzoo.functional.halfmath, kernel="sdpa").
+    # measured slower than SDPA through float32 (attnzoo.functional.backends.halfmath, kernel="sdpa").
     math_dtype = half_math(r.q.dtype, r.q.device, kernel="sdpa")
     if math_dtype != r.q.dtype:
         r32 = dataclasses.replace(r, q=r.q.to(math_dtype), k=r.k.to(math_dtype), v=r.v.to(math_dtype))
@@ -153,7 +153,7 @@ def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
 def sdpa_cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                        scale: float) -> tuple[Tensor, Tensor]:
     """torch's CPU flash attention forward (what eager SDPA runs): ``out [B, Hq, Nq, D]`` stored as
-    :func:`~attnzoo.functional.rules.output_like_v` says, else as ``q`` (the kernel writes ``q``'s layout;
+    :func:`~attnzoo.functional.core.rules.output_like_v` says, else as ``q`` (the kernel writes ``q``'s layout;
     a copy only when the two differ, e.g. RoPE wrote ``q`` as ``[B, H, N, D]`` while ``v`` is a
     ``[B, N, H, D]`` view) and ``lse [B, Hq, Nq]`` (float32; float64 for float64 inputs) stored as ``[B, Nq, Hq]`` as the
     kernel returns it. ``mask``: an additive ``[Nq, Nk]`` mask or ``None``."""

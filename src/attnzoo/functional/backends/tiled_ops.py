@@ -12,7 +12,7 @@ hidden behind ``torch.library.custom_op``:
 Both take only tensors and Python scalars, have fake (meta) implementations giving the output
 shapes, and ``tiled_fwd``'s autograd formula calls ``tiled_bwd``, so a compiled training step holds
 one node per direction. The real implementations rebuild the :class:`AttnRequest` and run the
-eager kernels (:func:`attnzoo.functional.tiled.tiled_attention` and its backward), so compiled and
+eager kernels (:func:`attnzoo.functional.backends.tiled.tiled_attention` and its backward), so compiled and
 eager results are the same numbers.
 
 A :class:`~attnzoo.masks.Mask` object (a Python predicate) cannot cross the operator boundary: in a
@@ -24,13 +24,13 @@ memory, unlike the eager tiled path that evaluates it per tile).
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest, build_request
-from attnzoo.functional.rules import output_like_v, stored_like_v
-from attnzoo.functional.tiled import (
+from attnzoo.functional.backends.tiled import (
     attention_backward,
     plan_for,
     tiled_attention,
 )
+from attnzoo.functional.core._request import AttnRequest, build_request
+from attnzoo.functional.core.rules import output_like_v, stored_like_v
 
 __all__ = ["dense_mask", "op_request", "tiled_bwd", "tiled_fwd", "tiled_op_attention", "traceable_visible_fraction"]
 
@@ -150,7 +150,7 @@ def dense_mask(r: AttnRequest) -> Tensor | None:
 
 def tiled_op_attention(r: AttnRequest) -> tuple[Tensor, Tensor | None]:
     """Run a validated request on the tiled backend through the custom operators (what a compiled
-    graph calls). Returns ``(out, lse or None)`` like :func:`~attnzoo.functional.tiled.tiled_attention`."""
+    graph calls). Returns ``(out, lse or None)`` like :func:`~attnzoo.functional.backends.tiled.tiled_attention`."""
     left, right = r.window if r.window is not None else (None, None)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
     out, lse = tiled_fwd(r.q, r.k, r.v, dense_mask(r), r.causal, left, right, r.window is not None,

@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional._request import AttnRequest
-from attnzoo.functional.rules import compute_dtype
+from attnzoo.functional.core._request import AttnRequest
+from attnzoo.functional.core.rules import compute_dtype
 
 __all__ = ["empty_result", "guard_nonfinite", "is_empty"]
 

@@ -25,8 +25,8 @@ from attnzoo._validate import (
     check_tensor_ranks,
     normalize_window,
 )
-from attnzoo.functional.rules import alibi_bias, compute_dtype
-from attnzoo.functional.score_mod import ScoreMod, check_score_mod, score_indices
+from attnzoo.functional.core.rules import alibi_bias, compute_dtype
+from attnzoo.functional.core.score_mod import ScoreMod, check_score_mod, score_indices
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 

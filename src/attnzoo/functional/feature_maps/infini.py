@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._validate import check_int, normalize_window
-from attnzoo.functional._request import check_qkv
-from attnzoo.functional.attention import attention
-from attnzoo.functional.rules import compute_dtype
+from attnzoo.functional.core._request import check_qkv
+from attnzoo.functional.core.rules import compute_dtype
+from attnzoo.functional.softmax.attention import attention
 
 __all__ = ["UPDATES", "InfiniState", "infini_attention"]
 

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional._chunked_scan import token_loop
-from attnzoo.functional._request import check_qkv
-from attnzoo.functional.rules import compute_dtype  # also imported from here by nn/
+from attnzoo.functional.core._request import check_qkv
+from attnzoo.functional.core.rules import compute_dtype  # also imported from here by nn/
+from attnzoo.functional.recurrent._chunked_scan import token_loop
 
 __all__ = ["FEATURE_MAPS", "FORMS", "linear_attention", "resolve_feature_map"]
 

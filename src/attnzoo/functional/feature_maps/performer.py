@@ -8,7 +8,7 @@ so with ``F`` directions ``W [F, D]`` the positive random features
 ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(F)`` give an unbiased estimate ``phi(x) . phi(y)`` of
 ``exp(x . y)``, always positive (a well-behaved normaliser). Queries and keys are scaled by
 ``scale ** 0.5`` first, so ``x_q . x_k = scale * q . k``. The attention itself is linear attention
-on these features (:mod:`attnzoo.functional.linear`): quadratic, chunked and recurrent forms, causal
+on these features (:mod:`attnzoo.functional.feature_maps.linear`): quadratic, chunked and recurrent forms, causal
 prefix sums by chunks, carried state ``(S [B, H, F, Dv], z [B, H, F])``.
 
 Orthogonal features (the "O" in FAVOR+): the rows of ``W`` are drawn in blocks of ``D`` exactly
@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from attnzoo._validate import check_int
-from attnzoo.functional.linear import (
+from attnzoo.functional.core.rules import compute_dtype
+from attnzoo.functional.feature_maps.linear import (
     State,
     check_chunk_size,
     check_form,
@@ -43,7 +44,6 @@ from attnzoo.functional.linear import (
     feature_attention,
     runs,
 )
-from attnzoo.functional.rules import compute_dtype
 
 __all__ = ["draw_performer_projection", "performer_attention", "performer_features"]
 

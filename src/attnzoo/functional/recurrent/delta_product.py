@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._validate import check_int
-from attnzoo.functional.delta_rule import delta_rule
+from attnzoo.functional.recurrent.delta_rule import delta_rule
 
 __all__ = ["delta_product"]
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnzoo.functional._chunked_scan import (
+from attnzoo.functional.recurrent._chunked_scan import (
     check_gate,
     check_recurrent_inputs,
     chunked_scan,
@@ -46,7 +46,7 @@ from attnzoo.functional._chunked_scan import (
     token_prefix_sum,
     token_suffix_sum,
 )
-from attnzoo.functional.gla import SUB_CHUNK, chunk_scores
+from attnzoo.functional.recurrent.gla import SUB_CHUNK, chunk_scores
 
 __all__ = ["delta_rule"]
 

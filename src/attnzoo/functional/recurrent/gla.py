@@ -60,8 +60,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional import _chunked_scan as scan
-from attnzoo.functional._chunked_scan import (
+from attnzoo.functional.recurrent import _chunked_scan as scan
+from attnzoo.functional.recurrent._chunked_scan import (
     log_segsum,
     suffix_sum,
     token_prefix_sum,
@@ -376,7 +376,7 @@ _recurrent_op = scan.token_loop("gla_recurrent", _recurrent, _recurrent_shapes)
 
 
 def _forms(scale: float) -> dict[str, scan.Form]:
-    """GLA's forms for :func:`attnzoo.functional._chunked_scan.run_family` (``s0`` in the compute dtype)."""
+    """GLA's forms for :func:`attnzoo.functional.recurrent._chunked_scan.run_family` (``s0`` in the compute dtype)."""
 
     def recurrent(q: Tensor, k: Tensor, v: Tensor, gates: list[Tensor], s0: Tensor, chunk: int,
                   segments: object) -> tuple[Tensor, Tensor]:

@@ -10,7 +10,7 @@ Parallel (quadratic) form: ``O = (Q K^T * D) V + (Q * gamma^t) S_0`` with the de
 tokens, plus the state carried between chunks, ``S_next = gamma^C S + sum_s gamma^(C - s) k_s v_s^T``.
 
 Retention is gated linear attention with the constant scalar log decay ``log(gamma)`` per token,
-and runs on :func:`attnzoo.functional.gla.run_gla` (decays in log space, exponents never positive).
+and runs on :func:`attnzoo.functional.recurrent.gla.run_gla` (decays in log space, exponents never positive).
 RetNet's group norm, swish gate and xPos rotation belong to the module, not to this function.
 """
 
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from attnzoo.functional._chunked_scan import (
+from attnzoo.functional.recurrent._chunked_scan import (
     check_gate,
     check_recurrent_inputs,
     compute_dtype,
     finish,
     resolve_form,
 )
-from attnzoo.functional.gla import run_gla
+from attnzoo.functional.recurrent.gla import run_gla
 
 __all__ = ["retention"]
 

@@ -11,19 +11,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-import attnzoo.functional.decode as decode
-import attnzoo.functional.flash as flash
-import attnzoo.functional.flex as flex
-import attnzoo.functional.reference as reference
-import attnzoo.functional.sdpa as sdpa
-import attnzoo.functional.tiled as tiled
+import attnzoo.functional.backends.decode as decode
+import attnzoo.functional.backends.flash as flash
+import attnzoo.functional.backends.flex as flex
+import attnzoo.functional.backends.reference as reference
+import attnzoo.functional.backends.sdpa as sdpa
+import attnzoo.functional.backends.tiled as tiled
 from attnzoo._devices import tracing
-from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
-from attnzoo.functional._request import AttnRequest, Capabilities, build_request
-from attnzoo.functional.reference_ops import reference_op_attention
-from attnzoo.functional.rules import compute_dtype
-from attnzoo.functional.sinks import sink_attention
-from attnzoo.functional.tiled_ops import tiled_op_attention, traceable_visible_fraction
+from attnzoo.functional.backends.reference_ops import reference_op_attention
+from attnzoo.functional.backends.tiled_ops import tiled_op_attention, traceable_visible_fraction
+from attnzoo.functional.core._edge import empty_result, guard_nonfinite, is_empty
+from attnzoo.functional.core._request import AttnRequest, Capabilities, build_request
+from attnzoo.functional.core.rules import compute_dtype
+from attnzoo.functional.softmax.sinks import sink_attention
 from attnzoo.masks import Mask
 
 __all__ = ["BACKENDS", "attention", "available_backends", "choose_backend", "merge_attention"]
@@ -70,7 +70,7 @@ def choose_backend(r: AttnRequest) -> str:
     5. A window or mask that hides at least half of the 128 x 128 tiles of a score matrix of at
        least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
     6. Otherwise -> ``sdpa``; for float16/bfloat16 on CPU it runs natively or through float32
-       math where half matmuls were measured >= 1.25x slower (``attnzoo.functional.halfmath``).
+       math where half matmuls were measured >= 1.25x slower (``attnzoo.functional.backends.halfmath``).
 
     Whatever rule picks a backend that lacks a feature of the request (e.g. ``softcap`` with a
     float-mask gradient), ``tiled`` serves it if it can, else ``reference``: ``auto`` never
@@ -139,7 +139,7 @@ def attention(
         return_weights: also return the weights ``[B, Hq, Nq, Nk]`` (``reference`` backend only).
         backend: ``"auto" | "reference" | "sdpa" | "tiled" | "flex" | "flash"``.
         sinks: ``[Hq]`` sink logits (gpt-oss): each row's softmax also counts ``exp(sinks[h])``,
-            whose column is dropped; the LSE includes it. See ``attnzoo.functional.sinks``.
+            whose column is dropped; the LSE includes it. See ``attnzoo.functional.softmax.sinks``.
         score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature) applied
             to the scaled (and soft-capped) scores before ALiBi, float masks and hidden keys;
             ``score [B, Hq, bq, bk]`` float32 (float64 for float64 inputs) for one tile and int64

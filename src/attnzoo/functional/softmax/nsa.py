@@ -41,7 +41,7 @@ from torch import Tensor
 
 from attnzoo._devices import tracing
 from attnzoo._validate import check_int
-from attnzoo.functional.attention import attention
+from attnzoo.functional.softmax.attention import attention
 
 __all__ = ["NSAConfig", "compress_blocks", "nsa_attention", "num_compressed", "pick_blocks"]
 

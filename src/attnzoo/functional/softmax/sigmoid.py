@@ -34,12 +34,12 @@ from torch import Tensor
 
 from attnzoo._devices import tracing
 from attnzoo._validate import check_float
-from attnzoo.functional._edge import empty_result, guard_nonfinite, is_empty
-from attnzoo.functional._request import AttnRequest, build_request
-from attnzoo.functional.reference import compute_dtype, masked_scores
-from attnzoo.functional.rules import output_like_v, stored_like_v
-from attnzoo.functional.tiled import TilePlan, tile_plan
-from attnzoo.functional.tiled_ops import dense_mask, op_request
+from attnzoo.functional.backends.reference import compute_dtype, masked_scores
+from attnzoo.functional.backends.tiled import TilePlan, tile_plan
+from attnzoo.functional.backends.tiled_ops import dense_mask, op_request
+from attnzoo.functional.core._edge import empty_result, guard_nonfinite, is_empty
+from attnzoo.functional.core._request import AttnRequest, build_request
+from attnzoo.functional.core.rules import output_like_v, stored_like_v
 from attnzoo.masks import Mask
 
 __all__ = ["SIGMOID_BACKENDS", "sigmoid_attention"]
@@ -146,7 +146,7 @@ def sigmoid_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bo
                 window_right: int | None, has_window: bool, q_offset: int, scale: float, softcap: float | None,
                 alibi_slopes: Tensor | None, bias: float) -> Tensor:
     """Tiled sigmoid attention forward ``out [B, Hq, Nq, Dv]`` (q/k/v already in the compute dtype), stored
-    as :func:`~attnzoo.functional.rules.output_like_v` says (renamed from ``sigmoid_fwd`` when that layout came in)."""
+    as :func:`~attnzoo.functional.core.rules.output_like_v` says (renamed from ``sigmoid_fwd`` when that layout came in)."""
     r = op_request(q, k, v, mask, causal, window_left, window_right, has_window, q_offset, scale, softcap,
                    alibi_slopes, False)
     with torch.no_grad():

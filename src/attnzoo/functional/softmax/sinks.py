@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional._edge import guard_nonfinite
-from attnzoo.functional._request import AttnRequest
-from attnzoo.functional.sdpa import dense_mask
+from attnzoo.functional.backends.sdpa import dense_mask
+from attnzoo.functional.core._edge import guard_nonfinite
+from attnzoo.functional.core._request import AttnRequest
 
 __all__ = ["apply_sinks", "check_sinks", "sink_attention"]
 

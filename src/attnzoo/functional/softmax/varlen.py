@@ -34,12 +34,12 @@ from torch import Tensor
 
 from attnzoo._devices import tracing
 from attnzoo._validate import check_bool, check_positive_float, check_tensor_ranks
-from attnzoo.functional._request import Window, build_request, check_qkv, normalize_window
-from attnzoo.functional.attention import BACKENDS, attention
-from attnzoo.functional.rules import alibi_bias
-from attnzoo.functional.score_mod import ScoreModFn
-from attnzoo.functional.tiled import attention_backward, native_half_matmul, plan_for
-from attnzoo.functional.varlen_split import split_applies, split_varlen
+from attnzoo.functional.backends.tiled import attention_backward, native_half_matmul, plan_for
+from attnzoo.functional.core._request import Window, build_request, check_qkv, normalize_window
+from attnzoo.functional.core.rules import alibi_bias
+from attnzoo.functional.core.score_mod import ScoreModFn
+from attnzoo.functional.softmax.attention import BACKENDS, attention
+from attnzoo.functional.softmax.varlen_split import split_applies, split_varlen
 from attnzoo.masks import Mask
 
 __all__ = ["attention_varlen", "varlen_bwd", "varlen_fwd", "varlen_mask"]
@@ -218,7 +218,7 @@ def varlen_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Ten
 def _hide_nonfinite(cu_q: Tensor, cu_k: Tensor, causal: bool, win: Window | None, group: int, k: Tensor, v: Tensor,
                     out: Tensor, lse: Tensor, d_out: Tensor, d_lse: Tensor | None,
                     ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]]:
-    """The backward of the forward's non-finite guard (``attnzoo.functional._edge``): keys whose K or V
+    """The backward of the forward's non-finite guard (``attnzoo.functional.core._edge``): keys whose K or V
     holds a non-finite entry ran zeroed and the rows that see one were set to NaN (no gradient).
     Returns ``(bad [Tk, Hkv] or None, (k, v, out, lse, d_out, d_lse))`` with those keys zeroed and
     those rows neutral (``out = dO = d_lse = 0``, ``lse = +inf``: probability 0 everywhere)."""

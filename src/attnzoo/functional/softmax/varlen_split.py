@@ -1,6 +1,6 @@
 """``attention_varlen``'s split path: packed sequences run as per-length batched calls of ``attention``.
 
-The packed path of :mod:`attnzoo.functional.varlen` runs the whole ``[1, H, T, D]`` packed tensor
+The packed path of :mod:`attnzoo.functional.softmax.varlen` runs the whole ``[1, H, T, D]`` packed tensor
 through the ``tiled`` backend with a sequence mask: exact, and its work follows ``sum n_q n_k``,
 but it is a Python loop over tiles. Where every sequence is a request torch's fused SDPA kernel
 serves (no LSE, softcap or sinks), calling :func:`attnzoo.attention` once per sequence is faster
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo.functional.attention import attention
+from attnzoo.functional.softmax.attention import attention
 
 __all__ = ["MAX_SPLIT_CALLS", "split_applies", "split_varlen"]
 

@@ -33,7 +33,7 @@ Half-precision inputs get float32 scores from float32 copies of Q and K (half pr
 to half precision were off by O(1) for large logits), float32 softmax, statistics, accumulators
 and backward; only an inference forward's ``P V`` matmuls run in half precision, unless half matmuls are
 measured >= 1.25x slower than float32 ones (never on CUDA; see
-:mod:`attnzoo.functional.halfmath`); then every tile runs in float32. Half-precision
+:mod:`attnzoo.functional.backends.halfmath`); then every tile runs in float32. Half-precision
 probabilities are normalised per chunk before the P V matmul (no float16 overflow, and a row
 with one visible key returns its value exactly); float16 inputs whose scores could exceed the
 float16 range run in float32.
@@ -51,11 +51,14 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest, Capabilities
-from attnzoo.functional.halfmath import half_math
-from attnzoo.functional.tiled.backward import FP16_SAFE_LIMIT, accumulate_grads, attention_backward
-from attnzoo.functional.tiled.forward import attention_forward
-from attnzoo.functional.tiled.plan import (
+from attnzoo.functional.backends.halfmath import half_math
+from attnzoo.functional.backends.tiled.backward import (
+    FP16_SAFE_LIMIT,
+    accumulate_grads,
+    attention_backward,
+)
+from attnzoo.functional.backends.tiled.forward import attention_forward
+from attnzoo.functional.backends.tiled.plan import (
     DEFAULT_TILES,
     PLAN_CACHE_SIZE,
     Band,
@@ -67,7 +70,8 @@ from attnzoo.functional.tiled.plan import (
     tile_plan,
     use_tiles,
 )
-from attnzoo.functional.tiled.scores import LOG2E
+from attnzoo.functional.backends.tiled.scores import LOG2E
+from attnzoo.functional.core._request import AttnRequest, Capabilities
 
 __all__ = [
     "CAPABILITIES",
@@ -113,7 +117,7 @@ class _TiledAttention(torch.autograd.Function):
 def native_half_matmul(dtype: torch.dtype, device_type: str) -> bool:
     """Whether tiles of ``dtype`` (float16/bfloat16) inputs are multiplied in ``dtype`` on
     ``device_type``: always on CUDA; on CPU unless measured >= 1.25x slower than float32 (see
-    :mod:`attnzoo.functional.halfmath`: timed once per process, never read from CPU flags)."""
+    :mod:`attnzoo.functional.backends.halfmath`: timed once per process, never read from CPU flags)."""
     return half_math(dtype, device_type) == dtype
 
 
@@ -126,7 +130,7 @@ def _fp16_scores_may_overflow(r: AttnRequest) -> bool:
 def plan_for(r: AttnRequest, block_q: int | None = None, block_k: int | None = None,
              tiles: TileConfig | None = None) -> TilePlan:
     """The plan :func:`tiled_attention` runs ``r`` with (the custom operators of
-    :mod:`attnzoo.functional.tiled_ops` recompute it in their backward from the same request)."""
+    :mod:`attnzoo.functional.backends.tiled_ops` recompute it in their backward from the same request)."""
     plan = tile_plan(r, block_q, block_k, tiles)
     if r.score_mod is not None:  # score_mod runs on [B, Hq, bq, bk] tiles: no sliding-window bands
         return dataclasses.replace(plan, bands=())

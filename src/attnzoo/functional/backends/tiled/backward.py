@@ -16,11 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest
-from attnzoo.functional.rules import compute_dtype
-from attnzoo.functional.score_mod import score_mod_vjp
-from attnzoo.functional.tiled.plan import Band, Chunk, TilePlan
-from attnzoo.functional.tiled.scores import (
+from attnzoo.functional.backends.tiled.plan import Band, Chunk, TilePlan
+from attnzoo.functional.backends.tiled.scores import (
     as_heads,
     band_scores,
     exp_,
@@ -31,6 +28,9 @@ from attnzoo.functional.tiled.scores import (
     tile_scores,
     unfold_rows,
 )
+from attnzoo.functional.core._request import AttnRequest
+from attnzoo.functional.core.rules import compute_dtype
+from attnzoo.functional.core.score_mod import score_mod_vjp
 
 __all__ = ["FP16_SAFE_LIMIT", "accumulate_grads", "attention_backward", "backward_band", "fp16_grads_may_overflow"]
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest
-from attnzoo.functional.rules import compute_dtype
-from attnzoo.functional.tiled.plan import Band, Chunk, TilePlan
-from attnzoo.functional.tiled.scores import (
+from attnzoo.functional.backends.tiled.plan import Band, Chunk, TilePlan
+from attnzoo.functional.backends.tiled.scores import (
     ScoreBound,
     band_scores,
     exp_,
@@ -20,6 +18,8 @@ from attnzoo.functional.tiled.scores import (
     tile_scores,
     unfold_rows,
 )
+from attnzoo.functional.core._request import AttnRequest
+from attnzoo.functional.core.rules import compute_dtype
 
 __all__ = ["attention_forward", "band_pieces", "forward_band"]
 

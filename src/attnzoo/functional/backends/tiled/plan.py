@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from attnzoo._validate import check_int
-from attnzoo.functional._request import AttnRequest
+from attnzoo.functional.core._request import AttnRequest
 from attnzoo.masks import BLOCK_EMPTY, BLOCK_FULL, Mask
 
 __all__ = ["DEFAULT_TILES", "Band", "Chunk", "TileConfig", "TilePlan", "current_tiles", "tile_plan", "use_tiles"]
@@ -58,7 +58,7 @@ def current_tiles() -> TileConfig:
 def use_tiles(tiles: TileConfig) -> Iterator[TileConfig]:
     """Run the ``tiled`` backend with ``tiles`` inside the ``with`` block (this thread/context only)::
 
-        with attnzoo.functional.tiled.use_tiles(TileConfig(block_q=8, block_k=4, max_chunk_k=12, merge_k=8)):
+        with attnzoo.functional.backends.tiled.use_tiles(TileConfig(block_q=8, block_k=4, max_chunk_k=12, merge_k=8)):
             out = az.attention(q, k, v, causal=True, backend="tiled")
     """
     if not isinstance(tiles, TileConfig):

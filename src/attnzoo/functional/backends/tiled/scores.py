@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnzoo.functional._request import AttnRequest
-from attnzoo.functional.rules import alibi_bias
-from attnzoo.functional.tiled.plan import Band, Chunk
+from attnzoo.functional.backends.tiled.plan import Band, Chunk
+from attnzoo.functional.core._request import AttnRequest
+from attnzoo.functional.core.rules import alibi_bias
 
 
 def _fold(t: Tensor | None, hkv: int, group: int, rows: int, cols: int) -> Tensor | None:
