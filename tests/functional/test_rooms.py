@@ -83,3 +83,23 @@ def test_public_names_and_custom_operators_stay() -> None:
     for op in ("gla_vector_scores", "gla_vector_scores_bwd", "tiled_attention_fwd", "tiled_attention_bwd",
                "matrix_scan", "nsa_sparse", "varlen_fwd", "sigmoid_attention_fwd", "band_mask"):
         assert hasattr(torch.ops.attnzoo, op), op
+
+
+def test_rooms_import_only_the_rooms_below_them() -> None:
+    """The "imports" column of docs/architecture.md's rooms table: the rooms form no cycle."""
+    import ast
+    from pathlib import Path
+
+    allowed = {"core": set(), "backends": {"core"}, "softmax": {"core", "backends"},
+               "feature_maps": {"core", "softmax", "recurrent"}, "recurrent": set()}
+    root = Path(F.__file__).parent
+    for room, below in allowed.items():
+        for path in (root / room).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                for name in names:
+                    parts = name.split(".")
+                    if parts[:2] == ["attnzoo", "functional"]:
+                        assert len(parts) > 2 and parts[2] in allowed, f"{path}: {name} (not in a room)"
+                        assert parts[2] == room or parts[2] in below, f"{path}: {name}"
