@@ -177,7 +177,7 @@ def cpu_model() -> str:
 def bench_half(repeats: int) -> list[dict]:
     """bf16 and fp16 causal N=4096: ``auto`` against SDPA in that dtype and SDPA through float32,
     with the errors (N=1024) of ``auto`` and of a plain eager implementation in that dtype vs float64."""
-    from attnzoo.functional import halfmath
+    from attnzoo.functional.backends import halfmath
 
     n = 4096
     rows = []

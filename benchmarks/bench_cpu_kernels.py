@@ -4,7 +4,7 @@ Rows (float32, forward, ``torch.inference_mode``; medians of interleaved repeats
 ours alternating so that machine load hits both alike):
 
 * ``decode``: one token against a 32k GQA cache (32 query / 8 KV heads, D=128): ``az.attention``
-  (``auto`` = the split-KV kernel, :mod:`attnzoo.functional.decode`) vs SDPA ``enable_gqa``;
+  (``auto`` = the split-KV kernel, :mod:`attnzoo.functional.backends.decode`) vs SDPA ``enable_gqa``;
 * ``local_global``: a decode step after 2,048 tokens (dim 512, 8 heads, window 64) vs the same
   step of ``mha``, and the pattern-as-``Mask`` path it replaced;
 * ``nsa``: the ``nsa`` module vs the dense ``gqa`` module (dim 512, 8 heads, 2 KV heads), forward,

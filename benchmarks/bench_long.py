@@ -54,7 +54,7 @@ def _make_call(method: str, n: int) -> Callable[[], object]:
     import torch
 
     import attnzoo as az
-    from attnzoo.functional.infini import infini_attention
+    from attnzoo.functional.feature_maps.infini import infini_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, n, D, generator=g).mul_(0.5 if i < 2 else 1.0) for i in range(3))

@@ -5,7 +5,7 @@ B=1, H=8 query heads, Hkv=2 (GQA groups of 4, as published), D=64, float32, forw
 sizes: compressed blocks ``l=32`` with stride ``d=16``, top-``n=16`` selected blocks of ``l'=64``
 tokens (the first and two local blocks included), window ``w=512``. Rows:
 
-* ``nsa``: :func:`attnzoo.functional.nsa.nsa_attention` (``form="fast"``), block compression
+* ``nsa``: :func:`attnzoo.functional.softmax.nsa.nsa_attention` (``form="fast"``), block compression
   included (the MLP of :class:`attnzoo.nn.nsa.BlockCompressor`);
 * ``nsa:selected``: the selected branch alone (block picks precomputed): the part that gathers
   only the ``n l'`` selected keys per query, so its time should grow ~linearly in N
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 import attnzoo as az
-from attnzoo.functional.nsa import (
+from attnzoo.functional.softmax.nsa import (
     NSAConfig,
     _blocks,
     _chunk_selected,

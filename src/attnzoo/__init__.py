@@ -42,17 +42,17 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # functional core
-    "attention": "attnzoo.functional.attention",
-    "merge_attention": "attnzoo.functional.attention",
-    "attention_varlen": "attnzoo.functional.varlen",
-    "sigmoid_attention": "attnzoo.functional.sigmoid",
-    "available_backends": "attnzoo.functional.attention",
-    "linear_attention": "attnzoo.functional.linear",
-    "performer_attention": "attnzoo.functional.performer",
-    "draw_performer_projection": "attnzoo.functional.performer",
-    "retention": "attnzoo.functional.retention",
-    "gated_linear_attention": "attnzoo.functional.gla",
-    "delta_rule": "attnzoo.functional.delta_rule",
+    "attention": "attnzoo.functional.softmax.attention",
+    "merge_attention": "attnzoo.functional.softmax.attention",
+    "attention_varlen": "attnzoo.functional.softmax.varlen",
+    "sigmoid_attention": "attnzoo.functional.softmax.sigmoid",
+    "available_backends": "attnzoo.functional.softmax.attention",
+    "linear_attention": "attnzoo.functional.feature_maps.linear",
+    "performer_attention": "attnzoo.functional.feature_maps.performer",
+    "draw_performer_projection": "attnzoo.functional.feature_maps.performer",
+    "retention": "attnzoo.functional.recurrent.retention",
+    "gated_linear_attention": "attnzoo.functional.recurrent.gla",
+    "delta_rule": "attnzoo.functional.recurrent.delta_rule",
     # modules
     "MultiHeadAttention": "attnzoo.nn.attention",
     "MultiQueryAttention": "attnzoo.nn.attention",
@@ -118,7 +118,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - static re-exports for type checkers
-    from attnzoo.functional.attention import (  # noqa: F401
+    from attnzoo.functional.softmax.attention import (  # noqa: F401
         attention,
         available_backends,
         merge_attention,

@@ -43,9 +43,9 @@ import attnzoo as az
 import attnzoo.masks as M
 from attnzoo._devices import resolve_device
 from attnzoo.functional import attention as _attention_module
-from attnzoo.functional._request import build_request
-from attnzoo.functional.attention import BACKENDS, attention, available_backends
-from attnzoo.functional.linear import linear_attention
+from attnzoo.functional.core._request import build_request
+from attnzoo.functional.feature_maps.linear import linear_attention
+from attnzoo.functional.softmax.attention import BACKENDS, attention, available_backends
 from attnzoo.models import DecoderConfig, DecoderLM
 from attnzoo.oracle import oracle_attention
 from attnzoo.variants import VARIANTS, build_attention, variant_names

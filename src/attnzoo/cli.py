@@ -32,7 +32,7 @@ from attnzoo.arena import add_arena_arguments, load_arena_model, run_arena
 from attnzoo.bench import format_value, run_bench
 from attnzoo.check import backend_cases, run_checks
 from attnzoo.cost import StackEstimate, dtype_from_name, estimate, estimate_stack
-from attnzoo.functional.attention import available_backends
+from attnzoo.functional.softmax.attention import available_backends
 from attnzoo.variants import VARIANTS, layer_pattern, variant_names
 
 __all__ = ["build_parser", "main"]

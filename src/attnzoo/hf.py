@@ -52,8 +52,8 @@ from torch import Tensor
 
 from attnzoo import hf_kernels
 from attnzoo import masks as az_masks
-from attnzoo.functional.attention import attention
-from attnzoo.functional.varlen import attention_varlen
+from attnzoo.functional.softmax.attention import attention
+from attnzoo.functional.softmax.varlen import attention_varlen
 
 #: registered name -> attnzoo backend
 BACKEND_BY_NAME: dict[str, str] = {

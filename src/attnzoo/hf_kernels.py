@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.functional.delta_rule import delta_rule
-from attnzoo.functional.gla import gated_linear_attention
+from attnzoo.functional.recurrent.delta_rule import delta_rule
+from attnzoo.functional.recurrent.gla import gated_linear_attention
 from attnzoo.models.families.qwen3_next import causal_conv, segment_ids
 
 __all__ = ["HOOKS", "ORIGINALS", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_rule", "install",

@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnzoo as az
-import attnzoo.functional.flex as flex_mod
-import attnzoo.functional.tiled as tiled_mod
-import attnzoo.functional.tiled.backward as tiled_backward
-import attnzoo.functional.tiled.forward as tiled_forward
+import attnzoo.functional.backends.flex as flex_mod
+import attnzoo.functional.backends.tiled as tiled_mod
+import attnzoo.functional.backends.tiled.backward as tiled_backward
+import attnzoo.functional.backends.tiled.forward as tiled_forward
 from attnzoo import masks as M
 from attnzoo.functional import choose_backend
-from attnzoo.functional._request import build_request
-from attnzoo.functional.tiled import DEFAULT_TILES, TileConfig, use_tiles
+from attnzoo.functional.backends.tiled import DEFAULT_TILES, TileConfig, use_tiles
+from attnzoo.functional.core._request import build_request
 from attnzoo.oracle import oracle_attention, visible_table
 
 #: Tiny tiles so that small inputs exercise many tiles, chunk merging and skipping.
@@ -101,7 +101,7 @@ def check_backend(backend: str, case: dict, dtype: torch.dtype = torch.float32) 
     r = build_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), window=kw.get("window"),
                       q_offset=kw.get("q_offset"), scale=kw.get("scale"), softcap=kw.get("softcap"),
                       alibi_slopes=kw.get("alibi_slopes"), dropout_p=0.0, return_lse=True, return_weights=False)
-    from attnzoo.functional.attention import _missing
+    from attnzoo.functional.softmax.attention import _missing
 
     grads = backend != "flex"  # FlexAttention has no CPU backward
     if _missing(r, backend) - {"return_lse", "float64"}:

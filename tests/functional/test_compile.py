@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnzoo as az
-from attnzoo.functional.nsa import (
+from attnzoo.functional.backends.tiled_ops import tiled_fwd
+from attnzoo.functional.softmax.nsa import (
     NSAConfig,
     nsa_attention,
     nsa_sparse,
     nsa_sparse_fwd,
     num_compressed,
 )
-from attnzoo.functional.tiled_ops import tiled_fwd
 from attnzoo.models.export import CachedStep, cache_tensors
 from attnzoo.variants import VARIANTS, build_attention
 
@@ -122,7 +122,7 @@ def test_flex_block_table_operator() -> None:
     from the same predicate evaluated densely."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from attnzoo.functional.flex import BLOCK_FULL, BLOCK_PARTIAL, block_table
+    from attnzoo.functional.backends.flex import BLOCK_FULL, BLOCK_PARTIAL, block_table
 
     q = _flex_inputs()[0][:, :, 44:]  # [1, 4, 256, D] against 300 keys: q_offset 44
     for args in ((q, True, None, None, False, False, 300, 44), (q, True, 130, 0, True, False, 300, 44),
@@ -238,7 +238,7 @@ def test_sdpa_band_mask_operator_when_no_row_is_empty(window: tuple[int | None, 
     """Compiled ``sdpa`` with a causal/window request in which every query sees its own key takes its
     additive mask from the ``attnzoo::band_mask`` operator (no generated kernel for the mask); a
     request that may leave a row empty keeps the empty-row-safe path. Both equal eager."""
-    from attnzoo.functional.sdpa import band_mask
+    from attnzoo.functional.backends.sdpa import band_mask
 
     q, k, v = _qkv()
     nq = N - 5 if q_offset == 5 else N
@@ -266,7 +266,7 @@ def test_sdpa_compiled_cpu_training_runs_torchs_flash_kernels_as_one_operator(
     """Compiled ``sdpa`` training on CPU (causal, GQA, a band) calls ``attnzoo::sdpa_cpu_flash_forward`` (torch's
     CPU flash forward; its autograd formula the flash backward): outputs and gradients equal eager SDPA.
     Without gradients the plain SDPA call stays."""
-    from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
+    from attnzoo.functional.backends.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
 
     q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(hkv=hkv))
 
@@ -308,7 +308,7 @@ def test_inductor_sdpa_training_matches_eager(dtype: torch.dtype) -> None:
     SDPA operators' outputs keep the kernel's memory layout (gradients and LSE stored ``[B, N, H, *]``)
     and ``out`` is stored as ``v`` when the shapes agree (else as ``q``, the kernel's), so a fake that
     said otherwise fails here."""
-    from attnzoo.functional.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
+    from attnzoo.functional.backends.sdpa import sdpa_cpu_flash_bwd, sdpa_cpu_flash_fwd
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = az.attention(q, k, v, causal=True, backend="sdpa")  # [B, H, N, D]
@@ -397,7 +397,7 @@ def test_reference_compiles_to_its_operators_with_the_eager_gradients(case: str)
 
 
 def test_reference_operators_pass_opcheck() -> None:
-    from attnzoo.functional.reference_ops import reference_bwd, reference_fwd
+    from attnzoo.functional.backends.reference_ops import reference_bwd, reference_fwd
 
     q, k, v = (t.double() for t in _qkv(hkv=2))
     args = (None, True, 8, 0, True, 0, 0.25, 5.0, None)
@@ -596,7 +596,7 @@ def test_new_kernels_compiled_match_eager_with_gradients(name: str) -> None:
 
 
 def test_sigmoid_custom_operator_registration() -> None:
-    from attnzoo.functional.sigmoid import sigmoid_fwd
+    from attnzoo.functional.softmax.sigmoid import sigmoid_fwd
 
     q, k, v = _qkv(grad=True)
     mask = torch.rand(1, 1, N, N) > 0.3
@@ -641,7 +641,7 @@ def test_matrix_scan_operator_gradients_equal_the_loop() -> None:
     """``attnzoo::matrix_scan`` (the delta rule's chunk-to-chunk scan in a compiled graph): float64
     gradients of its reverse-scan backward equal autograd through the eager loop, with the chunk
     starts, the final state or both used; ``opcheck`` passes."""
-    from attnzoo.functional._chunked_scan import _loop_starts, matrix_scan
+    from attnzoo.functional.recurrent._chunked_scan import _loop_starts, matrix_scan
 
     g = torch.Generator().manual_seed(0)
     a = (0.3 * torch.randn(2, 3, 5, 4, 4, generator=g, dtype=torch.float64)).requires_grad_()
@@ -750,7 +750,7 @@ def test_token_loop_operators_pass_opcheck() -> None:
 
 @pytest.mark.parametrize("name", ["varlen-auto", "varlen-sdpa", "varlen-alibi"])
 def test_varlen_inference_runs_as_one_operator_and_matches_eager(name: str) -> None:
-    from attnzoo.functional.varlen import varlen_fwd
+    from attnzoo.functional.softmax.varlen import varlen_fwd
 
     args = _packed()
     dynamo.reset()
@@ -878,7 +878,7 @@ def test_nsa_operator_backward_is_analytic_and_equals_autograd(n: int, q_offset:
     """``attnzoo::nsa_sparse_bwd`` computes the gradients from the probabilities and picks its
     forward saved (no second forward): float64 gradients of every input equal autograd through
     the eager chunk loop, with ragged chunks, GQA / MQA and no complete compressed block."""
-    from attnzoo.functional.nsa import _sparse
+    from attnzoo.functional.softmax.nsa import _sparse
 
     cfg = NSAConfig(**NSA_SMALL)
     g = torch.Generator().manual_seed(5)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import attnzoo as az
-import attnzoo.functional.nsa as nsa_mod
-from attnzoo.functional import decode
-from attnzoo.functional._request import build_request
-from attnzoo.functional.nsa import NSAConfig, nsa_attention
-from attnzoo.functional.varlen_split import split_applies
+import attnzoo.functional.softmax.nsa as nsa_mod
+from attnzoo.functional.backends import decode
+from attnzoo.functional.core._request import build_request
+from attnzoo.functional.softmax.nsa import NSAConfig, nsa_attention
+from attnzoo.functional.softmax.varlen_split import split_applies
 from attnzoo.nn.nsa import BlockCompressor
 
 F64 = torch.float64

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import attnzoo as az
-from attnzoo.functional.delta_product import delta_product
+from attnzoo.functional.recurrent.delta_product import delta_product
 from attnzoo.variants import build_attention
 from recurrent_oracle import token_loop
 

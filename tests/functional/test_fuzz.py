@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import attnzoo as az
 from attnzoo import masks as M
-from attnzoo.functional import halfmath
+from attnzoo.functional.backends import halfmath
 from attnzoo.oracle import oracle_attention, visible_table
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # flex's eager-mode notice

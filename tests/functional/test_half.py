@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import attnzoo as az
-from attnzoo.functional import halfmath
-from attnzoo.functional._request import build_request
-from attnzoo.functional.attention import choose_backend
-from attnzoo.functional.tiled import native_half_matmul
-from attnzoo.functional.tiled_ops import tiled_op_attention
+from attnzoo.functional.backends import halfmath
+from attnzoo.functional.backends.tiled import native_half_matmul
+from attnzoo.functional.backends.tiled_ops import tiled_op_attention
+from attnzoo.functional.core._request import build_request
+from attnzoo.functional.softmax.attention import choose_backend
 from attnzoo.oracle import oracle_attention
 
 BACKENDS = ("reference", "sdpa", "tiled", "flex")
@@ -94,7 +94,7 @@ def test_large_scores_within_twice_eager_error(dtype: torch.dtype, magnitude: fl
 
 
 def test_auto_sends_half_to_sdpa_whatever_the_math(half_mode: str) -> None:
-    from attnzoo.functional._request import build_request
+    from attnzoo.functional.core._request import build_request
 
     q = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
     r = build_request(q, q, q, mask=None, causal=True, window=None, q_offset=None, scale=None, softcap=None,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo as az
-from attnzoo.functional.linear import FEATURE_MAPS
+from attnzoo.functional.feature_maps.linear import FEATURE_MAPS
 from attnzoo.variants import build_attention
 
 

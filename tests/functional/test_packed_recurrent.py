@@ -71,7 +71,7 @@ def i32(cu: list[int]) -> Tensor:
 def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways the chunked form runs packed sequences: each alone (CPU's default) or padded to whole
     chunks in one call (``_chunked_scan.PACK_CHUNKS_ON``: CUDA's default), forced here on CPU."""
-    import attnzoo.functional._chunked_scan as scan
+    import attnzoo.functional.recurrent._chunked_scan as scan
 
     monkeypatch.setattr(scan, "PACK_CHUNKS_ON", frozenset({"cpu", "cuda"} if request.param == "padded" else ()))
     return str(request.param)
@@ -210,7 +210,7 @@ def test_chunk_groups_record_one_split_and_one_cat_not_a_slice_per_group(packed:
     full-length gradient per group (quadratic in N; 16k tokens spent half their backward filling zeros)."""
     import collections
 
-    import attnzoo.functional._chunked_scan as scan
+    import attnzoo.functional.recurrent._chunked_scan as scan
 
     gen = torch.Generator().manual_seed(0)
     n = 300

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import attnzoo as az
-from attnzoo.functional._chunked_scan import resolve_form
+from attnzoo.functional.recurrent._chunked_scan import resolve_form
 
 FAMILIES = ["retention", "gla", "gla_scalar", "deltanet", "gated_deltanet"]
 Run = Callable[..., "Tensor | tuple[Tensor, Tensor]"]
@@ -160,7 +160,7 @@ def test_loop_free_vector_scores_equal_the_halving() -> None:
     block, one-token chunks and decays of e^-320 over a chunk; compiled (aot_eager) chunked GLA with
     such decays equals the float64 recurrence (inference: the loop-free scores) and has finite
     gradients in float32 (training: the halving as an operator)."""
-    from attnzoo.functional.gla import _blocked_vector_scores, _vector_scores
+    from attnzoo.functional.recurrent.gla import _blocked_vector_scores, _vector_scores
 
     gen = torch.Generator().manual_seed(0)
     for c, sub, decay in ((64, 16, 1.0), (50, 16, 1.0), (64, 8, 10.0), (7, 16, 1.0), (1, 16, 1.0), (33, 4, 10.0)):
@@ -188,7 +188,7 @@ def test_vector_scores_operator_gradient_equals_autograd_of_the_halving(c: int, 
     for dq and dk, ``dg`` the suffix sum of ``q dq - k dk``) gives the values and float64 gradients of
     autograd through the halving: chunks that are not a power of two times ``sub``, one token, one
     sub-block (the quadratic form), decays of e^-320 over a chunk. Passes ``opcheck``."""
-    from attnzoo.functional.gla import _vector_scores, vector_scores
+    from attnzoo.functional.recurrent.gla import _vector_scores, vector_scores
 
     gen = torch.Generator().manual_seed(c)
     q, k = (torch.randn(2, 3, c, 5, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))

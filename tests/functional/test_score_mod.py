@@ -14,8 +14,8 @@ from torch.utils._pytree import tree_leaves
 
 import attnzoo as az
 from attnzoo.functional import choose_backend
-from attnzoo.functional._request import build_request
-from attnzoo.functional.tiled import TileConfig, use_tiles
+from attnzoo.functional.backends.tiled import TileConfig, use_tiles
+from attnzoo.functional.core._request import build_request
 from attnzoo.nn.parts import AttentionParts, Scores
 from attnzoo.variants import build_attention
 
@@ -442,7 +442,7 @@ ADDITIVITY = [
 def test_additive_score_mods_are_recognised_and_nothing_else(name: str, fn, additive: bool) -> None:
     """Only ``score + bias`` chains (the bias not computed from the score) count as additive: their
     gradient w.r.t. the score is the identity, which the backward then uses without re-running them."""
-    from attnzoo.functional.score_mod import check_score_mod
+    from attnzoo.functional.core.score_mod import check_score_mod
 
     q = torch.randn(1, 2, 8, 4)
     assert check_score_mod(fn, q, 8, 0).additive is additive

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnzoo as az
-from attnzoo.functional.sinks import apply_sinks
+from attnzoo.functional.softmax.sinks import apply_sinks
 
 
 def oracle(q, k, v, sinks, *, causal=False, window=None, q_offset=None, scale=None):

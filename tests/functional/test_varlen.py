@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnzoo as az
-from attnzoo.functional.varlen import varlen_mask
+from attnzoo.functional.softmax.varlen import varlen_mask
 from attnzoo.masks import BLOCK_EMPTY, BLOCK_FULL
 
 SELF = ([70, 0, 200, 5, 130], None)  # self-attention lengths (cu_k = cu_q), an empty sequence included
@@ -100,7 +100,7 @@ def test_per_sequence_backends(backend: str) -> None:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_packed_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch.nn.attention.flex_attention")
-    import attnzoo.functional.flex as flex
+    import attnzoo.functional.backends.flex as flex
 
     monkeypatch.setattr(flex, "COMPILE", False)  # eager FlexAttention: no compile time in the suite
     q, k, v, cu_q, cu_k = _inputs([40, 25, 0, 70], None, hq=2, hkv=1)
@@ -233,8 +233,8 @@ def test_float64_gradients_through_the_operator_equal_per_sequence_reference(cas
 def test_half_gradients_through_the_operator(dtype: torch.dtype, native: bool, monkeypatch: pytest.MonkeyPatch,
                                              ) -> None:
     """Half inputs: tiles in the half dtype or in float32 (what halfmath picks per machine), both tested."""
-    import attnzoo.functional.tiled as tiled
-    import attnzoo.functional.varlen as varlen
+    import attnzoo.functional.backends.tiled as tiled
+    import attnzoo.functional.softmax.varlen as varlen
 
     for module in (tiled, varlen):
         monkeypatch.setattr(module, "native_half_matmul", lambda dt, device_type: native)
@@ -335,7 +335,7 @@ def test_training_step_forward_and_backward_has_no_graph_breaks() -> None:
 
 
 def test_varlen_operators_pass_opcheck() -> None:
-    from attnzoo.functional.varlen import varlen_bwd, varlen_fwd
+    from attnzoo.functional.softmax.varlen import varlen_bwd, varlen_fwd
 
     q, k, v, cu_q, cu_k = _inputs([7, 0, 12], [9, 3, 12], hq=4, hkv=2, d=8, dv=6, dtype=torch.float64)
     sinks, slopes = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64), torch.linspace(0.1, 0.4, 4, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The two plans of the per-channel (vector) decay scores of GLA and KDA (``attnzoo.functional.gla``).
+"""The two plans of the per-channel (vector) decay scores of GLA and KDA (``attnzoo.functional.recurrent.gla``).
 
 The fast plan (blocks of ``MATMUL_SUB_CHUNK`` tokens on the diagonal, one matmul each) runs when every
 block's total log decay is within ``MATMUL_DIAGONAL_SPAN``; otherwise the exact elementwise plan runs.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import attnzoo as az
-import attnzoo.functional.gla as gla
+import attnzoo.functional.recurrent.gla as gla
 from recurrent_oracle import token_loop
 
 

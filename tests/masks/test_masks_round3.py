@@ -10,8 +10,8 @@ import torch
 from tests.oracle import oracle_attention
 
 import attnzoo as az
-from attnzoo.functional._request import build_request
-from attnzoo.functional.tiled import TileConfig, tile_plan, use_tiles
+from attnzoo.functional.backends.tiled import TileConfig, tile_plan, use_tiles
+from attnzoo.functional.core._request import build_request
 from attnzoo.masks import (
     BLOCK_EMPTY,
     BLOCK_FULL,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnzoo as az
-from attnzoo.functional.tiled import TileConfig, use_tiles
+from attnzoo.functional.backends.tiled import TileConfig, use_tiles
 from attnzoo.nn.fox import FoxAttention, FoxCache, forget_sums
 from attnzoo.nn.spec import CostShape
 from attnzoo.variants import VARIANTS, build_attention, resolve_config

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo as az
-from attnzoo.functional.infini import InfiniState, infini_attention
+from attnzoo.functional.feature_maps.infini import InfiniState, infini_attention
 from attnzoo.variants import build_attention
 
 

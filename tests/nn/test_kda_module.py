@@ -75,7 +75,7 @@ def test_kda_is_registered_with_a_cost_and_parameter_names_of_kimi_linear(monkey
     from torch.utils.flop_counter import FlopCounterMode
 
     import attnzoo as az
-    import attnzoo.functional.gla as gla
+    import attnzoo.functional.recurrent.gla as gla
 
     monkeypatch.setattr(gla, "vector_scores", gla._vector_scores)  # the operator's body, visible to the counter
     for n in (40, 300):

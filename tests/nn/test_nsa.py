@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnzoo.cost import estimate
-from attnzoo.functional.nsa import NSAConfig, nsa_attention, num_compressed, pick_blocks
+from attnzoo.functional.softmax.nsa import NSAConfig, nsa_attention, num_compressed, pick_blocks
 from attnzoo.nn.nsa import BlockCompressor, NativeSparseAttention, NSACache, nsa_pairs
 from attnzoo.variants import VARIANTS, build_attention, resolve_config
 
@@ -215,7 +215,7 @@ def test_selected_branch_work_is_n_l_prime_keys_a_query() -> None:
     its FLOPs are linear in N (4x the tokens, 4x the FLOPs), not quadratic."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from attnzoo.functional.nsa import _blocks, _chunk_selected
+    from attnzoo.functional.softmax.nsa import _blocks, _chunk_selected
 
     cfg = NSAConfig(4, 2, 4, 4, 4)
     flops = []
@@ -235,7 +235,7 @@ def test_selected_branch_work_is_n_l_prime_keys_a_query() -> None:
 def test_banded_window_equals_the_chunk_loop(h: int, g: int, nq: int, nk: int, w: int) -> None:
     """The compiled graph's window branch (one call over blocks of ``w`` queries and their ``2 w``-key
     slabs) equals the eager chunk loop in float64: ragged blocks, GQA, a ``q_offset``, one query."""
-    from attnzoo.functional.nsa import _window, _window_banded
+    from attnzoo.functional.softmax.nsa import _window, _window_banded
 
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, h, nq, 8, generator=gen, dtype=F64)

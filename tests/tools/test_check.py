@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import attnzoo.functional.sdpa as sdpa_mod
+import attnzoo.functional.backends.sdpa as sdpa_mod
 from attnzoo.check import backend_cases, check_backends, check_models, check_variants, run_checks
 
 FAST = ["reference", "sdpa", "tiled"]

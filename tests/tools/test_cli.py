@@ -108,7 +108,7 @@ def test_check_passes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_check_exit_code_reflects_failure(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import attnzoo.functional.sdpa as sdpa_mod
+    import attnzoo.functional.backends.sdpa as sdpa_mod
 
     real = sdpa_mod.sdpa_attention
     monkeypatch.setattr(sdpa_mod, "sdpa_attention", lambda r: real(r) + 1e-2)

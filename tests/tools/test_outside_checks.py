@@ -10,8 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import attnzoo as az
 from attnzoo.cost import estimate
-from attnzoo.functional import flex
-from attnzoo.functional.nsa import NSAConfig, num_compressed
+from attnzoo.functional.backends import flex
+from attnzoo.functional.softmax.nsa import NSAConfig, num_compressed
 from attnzoo.nn.nsa import QUERY_CHUNK, nsa_computed_pairs
 from attnzoo.variants import build_attention
 
@@ -65,7 +65,7 @@ def test_nsa_flops_equal_flop_counter(n: int, dim: int, heads: int) -> None:
 
 
 def _counted(n: int, cfg: NSAConfig, chunk: int) -> tuple[int, int, int]:
-    """The fast form's pairs by walking its chunks as ``attnzoo.functional.nsa`` does."""
+    """The fast form's pairs by walking its chunks as ``attnzoo.functional.softmax.nsa`` does."""
     cmp = slc = win = 0
     for a in range(0, n, chunk):
         t1 = min(n, a + chunk)

@@ -16,7 +16,7 @@ import torch
 
 from attnzoo.cli import main
 from attnzoo.cost import estimate
-from attnzoo.functional.varlen import attention_varlen
+from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.hf.safetensors import read_safetensors
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding

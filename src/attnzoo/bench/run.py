@@ -25,7 +25,7 @@ from attnzoo.bench.measure import (
 )
 from attnzoo.bench.plot import plot_bench
 from attnzoo.cost import dtype_from_name, estimate, estimate_stack
-from attnzoo.functional.attention import attention
+from attnzoo.functional.softmax.attention import attention
 from attnzoo.variants import VARIANTS, build_attention, layer_pattern
 
 __all__ = ["BACKEND_TARGETS", "BenchReport", "BenchResult", "estimate_case_bytes", "run_bench"]

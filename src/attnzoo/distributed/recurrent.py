@@ -54,7 +54,7 @@ from attnzoo.distributed.sharding import (
     cu_checksum,
     segments,
 )
-from attnzoo.functional._chunked_scan import compute_dtype
+from attnzoo.functional.recurrent._chunked_scan import compute_dtype
 from attnzoo.nn.feature_attention import _FeatureAttention
 from attnzoo.nn.recurrent import RecurrentMixer
 

@@ -33,12 +33,12 @@ from attnzoo.distributed.sharding import (
     document_ids,
     segments,
 )
-from attnzoo.functional._request import build_request, check_qkv
-from attnzoo.functional.attention import attention, merge_attention
-from attnzoo.functional.rules import compute_dtype, key_bounds
-from attnzoo.functional.score_mod import ScoreMod, ScoreModFn, check_score_mod
-from attnzoo.functional.sigmoid import sigmoid_attention
-from attnzoo.functional.tiled import accumulate_grads, tile_plan
+from attnzoo.functional.backends.tiled import accumulate_grads, tile_plan
+from attnzoo.functional.core._request import build_request, check_qkv
+from attnzoo.functional.core.rules import compute_dtype, key_bounds
+from attnzoo.functional.core.score_mod import ScoreMod, ScoreModFn, check_score_mod
+from attnzoo.functional.softmax.attention import attention, merge_attention
+from attnzoo.functional.softmax.sigmoid import sigmoid_attention
 
 __all__ = ["BACKWARD_BLOCK", "PAIR_STATS", "ring_attention", "work_per_rank"]
 
@@ -246,7 +246,7 @@ def _backward_pairs(q: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, k_src:
     """Accumulate the gradients of attention of the local queries over one K/V shard.
 
     Each visible (query segment, key segment) pair runs the tiled backend's backward kernel
-    (:func:`attnzoo.functional.tiled.accumulate_grads`) with the *global* LSE and
+    (:func:`attnzoo.functional.backends.tiled.accumulate_grads`) with the *global* LSE and
     ``delta = rowsum(dO * O)`` of every row, so the pairs' sums are the exact gradients.
     ``q``, ``d_out`` and the shards are in the compute dtype; ``dq [B, Hq, n, D]`` (without the
     factor ``scale``) and ``dk, dv [B, Hkv, m, D|Dv]`` are accumulators in the compute dtype.

@@ -31,10 +31,10 @@ from attnzoo.distributed.sharding import (
     document_ids,
     positions_of,
 )
-from attnzoo.functional._request import check_qkv
-from attnzoo.functional.attention import attention
-from attnzoo.functional.score_mod import ScoreModFn
-from attnzoo.functional.sigmoid import sigmoid_attention
+from attnzoo.functional.core._request import check_qkv
+from attnzoo.functional.core.score_mod import ScoreModFn
+from attnzoo.functional.softmax.attention import attention
+from attnzoo.functional.softmax.sigmoid import sigmoid_attention
 from attnzoo.masks import Mask, document
 
 __all__ = ["ulysses_attention"]

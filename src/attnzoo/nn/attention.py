@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo.functional._request import normalize_window
-from attnzoo.functional.attention import merge_attention
-from attnzoo.functional.sigmoid import sigmoid_attention
-from attnzoo.functional.varlen import attention_varlen
+from attnzoo.functional.core._request import normalize_window
+from attnzoo.functional.softmax.attention import merge_attention
+from attnzoo.functional.softmax.sigmoid import sigmoid_attention
+from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
 from attnzoo.nn.cache import KVCache, SinkWindowKVCache, SlidingWindowKVCache

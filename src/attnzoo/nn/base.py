@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.attention import BACKENDS, attention
+from attnzoo.functional.softmax.attention import BACKENDS, attention
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.positional import resolve_positions
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.functional.delta_rule import delta_rule
+from attnzoo.functional.recurrent.delta_rule import delta_rule
 from attnzoo.nn.base import check_flag
 from attnzoo.nn.recurrent import (
     RecurrentMixer,

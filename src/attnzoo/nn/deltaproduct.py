@@ -3,7 +3,7 @@
 As :class:`~attnzoo.nn.deltanet.GatedDeltaNet`, except that ``k_proj``, ``v_proj`` (and their short
 convolutions) and ``b_proj`` give ``n_h`` keys, values and betas per token (``[B, N, n_h H D]``, read
 as ``n_h`` consecutive micro-tokens, fla's layout), and the kernel is
-:func:`attnzoo.functional.delta_product.delta_product`: per token one decay ``a_t``, then ``n_h``
+:func:`attnzoo.functional.recurrent.delta_product.delta_product`: per token one decay ``a_t``, then ``n_h``
 delta-rule steps, then the read-out with ``q_t``. ``allow_neg_eigval`` (beta in [0, 2]) is the
 setting DeltaProduct's paper trains with for state tracking.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.delta_product import delta_product
+from attnzoo.functional.recurrent.delta_product import delta_product
 from attnzoo.nn.deltanet import GatedDeltaNet
 from attnzoo.nn.recurrent import ShortConv, recurrent_cost, register_recurrent, wide
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.functional.varlen import attention_varlen
+from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag
 from attnzoo.nn.cache import KVCache

@@ -19,14 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.linear import (
+from attnzoo.functional.feature_maps.linear import (
     FeatureMap,
     check_chunk_size,
     compute_dtype,
     linear_attention,
     resolve_feature_map,
 )
-from attnzoo.functional.performer import draw_performer_projection, performer_attention
+from attnzoo.functional.feature_maps.performer import draw_performer_projection, performer_attention
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_flag
 from attnzoo.nn.cache import SnapshotCache

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.functional.rules import compute_dtype
-from attnzoo.functional.varlen import attention_varlen
+from attnzoo.functional.core.rules import compute_dtype
+from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import KVCache

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int, check_positive_float
-from attnzoo.functional.gla import MATMUL_SUB_CHUNK, gated_linear_attention
+from attnzoo.functional.recurrent.gla import MATMUL_SUB_CHUNK, gated_linear_attention
 from attnzoo.nn.recurrent import (
     RecurrentMixer,
     recurrent_cost,
@@ -90,7 +90,7 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
                          conv_channels=0, conv_size=0, kernel="vector", extra_params=inner + GATE_RANK * inner + inner)
     gate_flops = 2 * shape.batch * shape.seq_len * GATE_RANK * (C + inner)
     # the per-channel decay sums of a chunk as matmuls: prefix and suffix (2 c D each) and, in the fast plan of
-    # weak decays (chunks of two blocks or more, attnzoo.functional.gla), the whole chunk's midpoint sums (2 c D)
+    # weak decays (chunks of two blocks or more, attnzoo.functional.recurrent.gla), the whole chunk's midpoint sums (2 c D)
     c = min(cfg.chunk_size or 64, shape.seq_len)
     sums = shape.batch * cfg.num_heads * shape.seq_len * 6 * c * cfg.head_dim if c >= 2 * MATMUL_SUB_CHUNK else 0
     return replace(est, flops_projections=est.flops_projections + gate_flops, flops_attention=est.flops_attention + sums,

@@ -1,6 +1,6 @@
 """Infini-attention module (Munkhdalai et al. 2024): local causal softmax + compressive memory.
 
-The math lives in :func:`attnzoo.functional.infini.infini_attention`; this module owns the
+The math lives in :func:`attnzoo.functional.feature_maps.infini.infini_attention`; this module owns the
 projections ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, the per-head gate and the cache
 (:class:`InfiniCache`: the memory plus the current partial segment, never more).
 """
@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional._request import normalize_window
-from attnzoo.functional.infini import UPDATES, InfiniState, infini_attention
+from attnzoo.functional.core._request import normalize_window
+from attnzoo.functional.feature_maps.infini import UPDATES, InfiniState, infini_attention
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import SnapshotCache
@@ -29,7 +29,7 @@ __all__ = ["InfiniAttention", "InfiniCache"]
 class InfiniCache(SnapshotCache):
     """Decoding/streaming state of :class:`InfiniAttention`.
 
-    Holds an :class:`~attnzoo.functional.infini.InfiniState`: memory ``M [B, H, D, D]`` and
+    Holds an :class:`~attnzoo.functional.feature_maps.infini.InfiniState`: memory ``M [B, H, D, D]`` and
     ``z [B, H, D]`` (float32) plus the keys/values of the current partial segment (fewer than
     ``segment_len`` tokens). Its size is bounded by the memory plus one segment, whatever the
     number of tokens fed. Protocol (``attnzoo.nn.cache``): ``length``, ``batch_size``, ``nbytes``,
@@ -94,7 +94,7 @@ class InfiniAttention(AttentionBase):
     (:func:`attnzoo.attention` with ``backend`` and ``window``) and retrieves from a per-head,
     per-batch-element compressive memory of all earlier segments; a learnable per-head gate
     ``sigmoid(gate[h])`` (initialised at 0.5) mixes the two. See
-    :mod:`attnzoo.functional.infini` for the formulas.
+    :mod:`attnzoo.functional.feature_maps.infini` for the formulas.
 
     Args:
         dim: model width ``C``.

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.functional.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
+from attnzoo.functional.recurrent.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
 from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters
 from attnzoo.nn.recurrent import recurrent_cost, register_recurrent, wide
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
@@ -118,7 +118,7 @@ class KimiDeltaAttention(DeltaNet):
 # --------------------------------------------------------------------------- variant spec
 def _decay_sum_flops(c: int, d: int) -> int:
     """Per token and head, the matmuls that sum the per-channel log decays in a chunk of ``c`` tokens
-    (``attnzoo.functional.gla``): the prefix and suffix sums over the chunk (``2 c d`` each), those of
+    (``attnzoo.functional.recurrent.gla``): the prefix and suffix sums over the chunk (``2 c d`` each), those of
     every halving level over its halves (``2 (c' - sub) d`` in all, ``c'`` the chunk padded to
     ``sub 2^levels``) and, in the fast plan (chunks of at least two diagonal blocks), each diagonal
     block's midpoint sums and its two score matmuls (``6 sub d``)."""
@@ -133,7 +133,7 @@ def _decay_sum_flops(c: int, d: int) -> int:
 def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     """Like Gated DeltaNet's, with the low-rank (rank ``D``) gate and output-gate projections instead of
     Gated DeltaNet's full output gate; the per-channel scores ``Q K^T`` and ``K K^T`` are computed by
-    halving (``attnzoo.functional.gla``), whose matmuls cover only the blocks below the diagonal."""
+    halving (``attnzoo.functional.recurrent.gla``), whose matmuls cover only the blocks below the diagonal."""
     inner, H, D = cfg.num_heads * cfg.head_dim, cfg.num_heads, cfg.head_dim
     in_width = 3 * inner + H + 2 * D  # q, k, v, beta and the two rank-D down projections
     est = recurrent_cost(cfg, shape, in_width=in_width, inner=inner, dk=D, dv=D, conv_channels=3 * inner,

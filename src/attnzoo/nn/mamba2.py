@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.gla import gated_linear_attention
+from attnzoo.functional.recurrent.gla import gated_linear_attention
 from attnzoo.nn.deltanet import init_decay_parameters
 from attnzoo.nn.recurrent import (
     HeadNorm,

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.varlen import _check_cu, attention_varlen
+from attnzoo.functional.softmax.varlen import _check_cu, attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.attention import _check_mask
 from attnzoo.nn.base import AttentionBase, check_backend, check_flag

@@ -1,6 +1,6 @@
 """Native sparse attention module (Yuan et al. 2025, DeepSeek) with its decode cache and variant spec.
 
-The math lives in :mod:`attnzoo.functional.nsa`. This module owns the projections (GQA: ``H``
+The math lives in :mod:`attnzoo.functional.softmax.nsa`. This module owns the projections (GQA: ``H``
 query heads, ``Hkv`` key/value heads; selection is shared by the heads of a group), the two block
 compressors (one for keys, one for values: an MLP over the ``l`` tokens of a block plus an
 intra-block position embedding, as published), the per-head branch gates
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.nsa import NSAConfig, compress_blocks, nsa_attention, num_compressed
+from attnzoo.functional.softmax.nsa import NSAConfig, compress_blocks, nsa_attention, num_compressed
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.cache import SnapshotCache
@@ -35,7 +35,7 @@ def default_nsa_kv_heads(num_heads: int, given: int | None = None) -> int:
 
 class BlockCompressor(nn.Module):
     """``phi``: ``[B, h, N, D] -> [B, h, Nc, D]``, one vector per complete block of ``l`` tokens
-    (stride ``d``): ``fc2(gelu(fc1(vec(block + pos))))`` (:func:`attnzoo.functional.nsa.compress_blocks`)."""
+    (stride ``d``): ``fc2(gelu(fc1(vec(block + pos))))`` (:func:`attnzoo.functional.softmax.nsa.compress_blocks`)."""
 
     def __init__(self, head_dim: int, block_len: int, block_stride: int, factory: dict[str, Any]) -> None:
         super().__init__()
@@ -114,7 +114,7 @@ class NSACache(SnapshotCache):
 class NativeSparseAttention(AttentionBase):
     """Native sparse attention: compressed blocks + top-n selected blocks + sliding window, gated.
 
-    Causal by construction. See :mod:`attnzoo.functional.nsa` for the three branches.
+    Causal by construction. See :mod:`attnzoo.functional.softmax.nsa` for the three branches.
 
     Args:
         dim: model width ``C``.

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional._chunked_scan import compute_dtype
-from attnzoo.functional.linear import check_chunk_size
+from attnzoo.functional.feature_maps.linear import check_chunk_size
+from attnzoo.functional.recurrent._chunked_scan import compute_dtype
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_flag
 from attnzoo.nn.cache import SnapshotCache

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo.functional.gla import gated_linear_attention
-from attnzoo.functional.retention import retention
+from attnzoo.functional.recurrent.gla import gated_linear_attention
+from attnzoo.functional.recurrent.retention import retention
 from attnzoo.nn.recurrent import (
     HeadNorm,
     RecurrentMixer,

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional._request import normalize_window
+from attnzoo.functional.core._request import normalize_window
 
 __all__ = [
     "REGISTRY",
