@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo.functional.attention import attention
+from attnzoo.functional.softmax.attention import attention
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe

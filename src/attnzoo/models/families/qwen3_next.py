@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo.functional.delta_rule import delta_rule
+from attnzoo.functional.recurrent.delta_rule import delta_rule
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
