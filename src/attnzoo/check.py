@@ -42,7 +42,6 @@ from torch import Tensor
 import attnzoo as az
 import attnzoo.masks as M
 from attnzoo._devices import resolve_device
-from attnzoo.functional import attention as _attention_module
 from attnzoo.functional.core._request import build_request
 from attnzoo.functional.feature_maps.linear import linear_attention
 from attnzoo.functional.softmax.attention import BACKENDS, attention, available_backends
@@ -240,16 +239,6 @@ def _lse_err(a: Tensor, ref: Tensor) -> float:
     return _max_err(a[fin], ref[fin]) if bool(fin.any()) else 0.0
 
 
-def _missing_features(q: Tensor, k: Tensor, v: Tensor, kwargs: dict[str, Any], backend: str) -> set[str]:
-    kw = dict(kwargs)
-    r = build_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), window=kw.get("window"),
-                      q_offset=kw.get("q_offset"), scale=None, softcap=kw.get("softcap"),
-                      alibi_slopes=kw.get("alibi_slopes"), dropout_p=0.0,
-                      return_lse=kw.get("return_lse", False), return_weights=False)
-    missing = getattr(_attention_module, "_missing", None)
-    return set(missing(r, backend)) if missing is not None else set()
-
-
 @dataclass
 class _Oracle:
     """The float64 reference of one case: output, LSE, gradients of q, k, v, and its empty rows."""
@@ -372,9 +361,6 @@ def _check_case(case: BackendCase, x64: _Inputs, names: list[str], dtypes: Seque
             row = rows[(b, dt)]
             if progress is not None:
                 progress(f"{b} {dt} {case.name}")
-            if _missing_features(x.q, x.k, x.v, x.kwargs, b):
-                row.skipped += 1
-                continue
             got = _run_backend(b, x, grad, row, label)
             if got is not None:
                 _compare(row, label, got, ref, tols)
