@@ -11,6 +11,7 @@ import argparse
 import itertools
 import math
 from collections.abc import Callable, Iterable
+from typing import Literal, overload
 
 import torch
 
@@ -115,10 +116,8 @@ def check_float(value: object, name: str, owner: str | None = None, *, expected:
     return float(value)
 
 
-def _finite(value: object, name: str, owner: str | None, optional: bool, ok: Callable[[float], bool],
-            expected: str) -> float | None:
-    if value is None and optional:
-        return None
+def _float_in_range(value: object, name: str, owner: str | None, optional: bool, ok: Callable[[float], bool],
+                    expected: str) -> float:
     none = " or None" if optional else ""
     x = check_float(value, name, owner, expected=f"a float{none}")
     if not math.isfinite(x) or not ok(x):
@@ -126,26 +125,47 @@ def _finite(value: object, name: str, owner: str | None, optional: bool, ok: Cal
     return x
 
 
+@overload
+def check_finite_float(value: object, name: str, owner: str | None = ..., *,
+                       optional: Literal[False] = ...) -> float: ...
+@overload
+def check_finite_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
 def check_finite_float(value: object, name: str, owner: str | None = None, *, optional: bool = False) -> float | None:
     """``value`` as a finite ``float`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
-    return _finite(value, name, owner, optional, lambda x: True, "a finite number")
+    if value is None and optional:
+        return None
+    return _float_in_range(value, name, owner, optional, lambda x: True, "a finite number")
 
 
+@overload
+def check_positive_float(value: object, name: str, owner: str | None = ..., *,
+                         optional: Literal[False] = ...) -> float: ...
+@overload
+def check_positive_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
 def check_positive_float(value: object, name: str, owner: str | None = None, *,
                          optional: bool = False) -> float | None:
     """``value`` as a finite ``float > 0`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
-    return _finite(value, name, owner, optional, lambda x: x > 0, "a finite positive number")
+    if value is None and optional:
+        return None
+    return _float_in_range(value, name, owner, optional, lambda x: x > 0, "a finite positive number")
 
 
+@overload
+def check_nonnegative_float(value: object, name: str, owner: str | None = ..., *,
+                            optional: Literal[False] = ...) -> float: ...
+@overload
+def check_nonnegative_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
 def check_nonnegative_float(value: object, name: str, owner: str | None = None, *,
                             optional: bool = False) -> float | None:
     """``value`` as a finite ``float >= 0`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
-    return _finite(value, name, owner, optional, lambda x: x >= 0, "a finite non-negative number")
+    if value is None and optional:
+        return None
+    return _float_in_range(value, name, owner, optional, lambda x: x >= 0, "a finite non-negative number")
 
 
 def check_number_above(value: object, name: str, owner: str | None = None, *, lower: float) -> float:
     """``value`` as a finite ``float`` strictly above ``lower`` (ints accepted, ``bool`` refused)."""
-    return float(_finite(value, name, owner, False, lambda x: x > lower, f"a finite number > {lower:g}"))  # type: ignore[arg-type]
+    return _float_in_range(value, name, owner, False, lambda x: x > lower, f"a finite number > {lower:g}")
 
 
 def check_probability(value: object, name: str, owner: str | None = None) -> float:

@@ -150,9 +150,7 @@ class FeedForward(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.dim = check_int(dim, "dim", "FeedForward")
-        if not isinstance(activation, str) or activation not in ACTIVATIONS:
-            raise ValueError(f"FeedForward: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-        self.activation = activation
+        self.activation = check_choice(activation, "activation", "FeedForward", choices=ACTIVATIONS)
         self.hidden = default_ffn_hidden(dim, activation) if hidden is None else check_int(hidden, "hidden", "FeedForward")
         self.act, self.gated = ACTIVATIONS[activation]
         kw: dict[str, Any] = {"device": device, "dtype": dtype}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnzoo._validate import check_cu_seqlens
+from attnzoo._validate import check_choice, check_cu_seqlens, check_int
 from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, wait
 
 __all__ = [
@@ -43,10 +43,7 @@ DOCUMENTS: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("attnz
 
 
 def check_layout(layout: object, fn: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
-    assert isinstance(layout, str)
-    return layout
+    return check_choice(layout, "layout", fn, choices=LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -115,8 +112,7 @@ def positions_of(layout: str, lengths: Sequence[int], rank: int, device: torch.d
 
 
 def check_seq_len(seq_len: int, world_size: int, layout: str, fn: str) -> None:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
-        raise TypeError(f"{fn}: seq_len must be an int, got {type(seq_len).__name__}")
+    check_int(seq_len, "seq_len", fn, minimum=None)
     if seq_len < world_size:
         raise ValueError(f"{fn}: a sequence of {seq_len} tokens cannot give every one of "
                          f"{world_size} ranks a token")

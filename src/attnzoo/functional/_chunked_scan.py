@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_bool, check_cu_seqlens, check_optional_int, check_tensor_ranks
+from attnzoo._validate import (
+    check_bool,
+    check_choice,
+    check_cu_seqlens,
+    check_optional_int,
+    check_tensor_ranks,
+)
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -111,8 +117,7 @@ def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: obje
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{fn}: scale must be a finite float or None, got {scale!r}")
     check_bool(return_state, "return_state", fn)
-    if not isinstance(form, str) or form not in FORMS:
-        raise ValueError(f"{fn}: form must be one of {FORMS}, got {form!r}")
+    check_choice(form, "form", fn, choices=FORMS)
     chunk_size = check_optional_int(chunk_size, "chunk_size", fn) or DEFAULT_CHUNK
     if initial_state is not None:
         lead = "S" if bounds is not None else "B"

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_bool, check_optional_int
+from attnzoo._validate import check_bool, check_choice, check_optional_int
 from attnzoo.functional._chunked_scan import token_loop
 from attnzoo.functional._request import check_qkv
 from attnzoo.functional.rules import compute_dtype  # also imported from here by nn/
@@ -74,9 +74,7 @@ def resolve_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tensor]:
 
 # --------------------------------------------------------------------------- validation
 def check_form(form: object) -> str:
-    if not isinstance(form, str) or form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    return form
+    return check_choice(form, "form", choices=FORMS)
 
 
 def check_key_padding(mask: object, batch: int, n_k: int, device: torch.device) -> Tensor | None:

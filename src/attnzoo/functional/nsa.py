@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_int
+from attnzoo._validate import check_choice, check_int
 from attnzoo.functional.attention import attention
 
 __all__ = ["NSAConfig", "compress_blocks", "nsa_attention", "num_compressed", "pick_blocks"]
@@ -620,8 +620,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor,
     _check(q, k, v, k_cmp, v_cmp, gates)
     if not isinstance(config, NSAConfig):
         raise TypeError(f"nsa_attention: config must be an NSAConfig, got {type(config).__name__}")
-    if form not in FORMS:
-        raise ValueError(f"nsa_attention: form must be one of {FORMS}, got {form!r}")
+    check_choice(form, "form", "nsa_attention", choices=FORMS)
     query_chunk = check_int(query_chunk, "query_chunk", minimum=1, owner="nsa_attention")
     Nq, Nk = q.shape[2], k.shape[2]
     q_offset = Nk - Nq if q_offset is None else check_int(q_offset, "q_offset", minimum=0, owner="nsa_attention")

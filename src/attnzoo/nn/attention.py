@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._validate import check_bool, check_int, check_probability
+from attnzoo._validate import check_bool, check_choice, check_int, check_probability
 from attnzoo.functional._request import normalize_window
 from attnzoo.functional.attention import merge_attention
 from attnzoo.functional.sigmoid import sigmoid_attention
@@ -589,9 +589,7 @@ class StreamingAttention(SlidingWindowAttention):
                  position_mode: str = "absolute", *, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, rope: bool | RotaryEmbedding | None = None, backend: str = "auto",
                  parts: AttentionParts | None = None) -> None:
-        if position_mode not in POSITION_MODES:
-            raise ValueError(f"StreamingAttention: position_mode must be one of {list(POSITION_MODES)}, got "
-                             f"{position_mode!r}")
+        check_choice(position_mode, "position_mode", "StreamingAttention", choices=POSITION_MODES)
         super().__init__(dim, num_heads, window, causal, sink_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          bias=bias, rope=rope, backend=backend, parts=parts)
         if not self.sink_tokens:

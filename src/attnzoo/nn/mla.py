@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from attnzoo._validate import (
     check_bool,
+    check_choice,
     check_int,
     check_nonnegative_float,
     check_positive_float,
@@ -218,8 +219,7 @@ class MLAOptions:
         if self.max_position_embeddings is not None:
             check_int(self.max_position_embeddings, "max_position_embeddings", owner=owner)
         check_probability(self.dropout, "dropout", owner)
-        if self.form not in FORMS:
-            raise ValueError(f"{owner}: form must be one of {FORMS}, got {self.form!r}")
+        check_choice(self.form, "form", owner, choices=FORMS)
 
 
 def _yarn_mscale(scale: float, m: float) -> float:

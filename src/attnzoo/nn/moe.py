@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_bool, check_int, check_positive_float
+from attnzoo._validate import check_bool, check_choice, check_int, check_positive_float
 
 __all__ = ["EXPERT_ACTIVATIONS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
 
@@ -69,8 +69,7 @@ class Routing:
     topk_groups: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in ROUTINGS:
-            raise ValueError(f"Routing: kind must be one of {list(ROUTINGS)}, got {self.kind!r}")
+        check_choice(self.kind, "kind", "Routing", choices=ROUTINGS)
         for name in ("norm_topk_prob", "bias", "weight_inputs"):
             check_bool(getattr(self, name), name, "Routing")
         if self.norm_topk_prob and self.kind not in ("softmax_topk", "sigmoid_topk"):
@@ -103,9 +102,7 @@ class Experts:
     bias: bool = False
 
     def __post_init__(self) -> None:
-        if self.activation not in EXPERT_ACTIVATIONS:
-            raise ValueError(f"Experts: activation must be one of {list(EXPERT_ACTIVATIONS)}, "
-                             f"got {self.activation!r}")
+        check_choice(self.activation, "activation", "Experts", choices=EXPERT_ACTIVATIONS)
         clamped = self.activation == "clamped_swiglu"
         if clamped != (self.swiglu_limit is not None and self.swiglu_alpha is not None):
             raise ValueError("Experts: activation='clamped_swiglu' needs swiglu_limit and swiglu_alpha "

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._validate import check_bool, check_int, check_positive_float
+from attnzoo._validate import check_bool, check_choice, check_int, check_positive_float
 from attnzoo.nn.frontier import QK_NORM_EPS, rms_norm_heads
 
 __all__ = ["AttentionParts", "OutputGate", "QKNorm", "Scores", "parts_from_settings", "qk_rmsnorm", "sink_logits"]
@@ -76,8 +76,7 @@ def qk_rmsnorm(mode: str, num_heads: int, num_kv_heads: int, head_dim: int,
                eps: float = QK_NORM_EPS) -> tuple[QKNorm, QKNorm]:
     """``(q_norm, k_norm)``: ``mode="head"`` RMSNorm of every head over ``D`` (weights ``[D]``:
     Qwen3, Gemma3) or ``"all"`` over all heads of a token (weights ``[H*D]``, ``[Hkv*D]``: OLMo2)."""
-    if mode not in QK_NORMS:
-        raise ValueError(f"qk_rmsnorm: mode must be one of {list(QK_NORMS)}, got {mode!r}")
+    check_choice(mode, "mode", "qk_rmsnorm", choices=QK_NORMS)
     wide = mode == "all"
     return (QKNorm(num_heads * head_dim if wide else head_dim, eps=eps, over_heads=wide),
             QKNorm(num_kv_heads * head_dim if wide else head_dim, eps=eps, over_heads=wide))
@@ -93,8 +92,7 @@ class OutputGate(nn.Linear):
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mode: str = "head") -> None:
-        if mode not in GATES:
-            raise ValueError(f"OutputGate: mode must be one of {list(GATES)}, got {mode!r}")
+        check_choice(mode, "mode", "OutputGate", choices=GATES)
         H, D = check_int(num_heads, "num_heads", "OutputGate"), check_int(head_dim, "head_dim", "OutputGate")
         super().__init__(check_int(dim, "dim", "OutputGate"), H if mode == "head" else H * D, bias=False)
         self.mode, self.num_heads, self.head_dim = mode, H, D
