@@ -133,10 +133,7 @@ class _FeatureAttention(AttentionBase):
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v",
                          factory={"device": device, "dtype": dtype})
         self.causal = check_bool(causal, "causal", type(self).__name__)
-        c = check_optional_int(chunk_size, "chunk_size")
-        if c is None:
-            raise TypeError("chunk_size must be an int >= 1, got None")
-        self.chunk_size = c
+        self.chunk_size = check_int(chunk_size, "chunk_size")
 
     # subclasses -------------------------------------------------------------
     @property
