@@ -8,16 +8,39 @@ value received and what was expected.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
+from collections.abc import Callable, Iterable
+from typing import Literal, overload
 
 import torch
 
-__all__ = ["Window", "check_bool", "check_cu_seqlens_tensor", "check_float", "check_int", "check_number_above",
-           "check_positive_float", "check_tensor_ranks", "nonempty_name_arg", "nonnegative_int_arg", "normalize_window", "positive_float_arg",
-           "positive_int_arg"]
+__all__ = ["Window", "check_bool", "check_choice", "check_cu_seqlens", "check_finite_float", "check_float", "check_int",
+           "check_nonnegative_float", "check_number_above", "check_optional_int", "check_positive_float",
+           "check_probability", "check_tensor_ranks", "nonempty_name_arg", "nonnegative_int_arg", "normalize_window",
+           "positive_float_arg", "positive_int_arg"]
 
 #: A normalised attention window: ``(left, right)``, ``None`` = unbounded side.
 Window = tuple[int | None, int | None]
+
+
+def _where(owner: str | None) -> str:
+    return f"{owner}: " if owner else ""
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_error(value: object, name: str, owner: str | None, expected: str) -> TypeError:
+    return TypeError(f"{_where(owner)}{name} must be {expected}, got {type(value).__name__} ({_shown(value)})")
+
+
+def _range_error(value: object, name: str, owner: str | None, expected: str) -> ValueError:
+    return ValueError(f"{_where(owner)}{name} must be {expected}, got {_shown(value)}")
 
 
 def check_tensor_ranks(rank: int, layout: str, **tensors: object) -> None:
@@ -29,66 +52,137 @@ def check_tensor_ranks(rank: int, layout: str, **tensors: object) -> None:
             raise ValueError(f"{name} must be rank {rank} {layout}, got shape {tuple(t.shape)}")
 
 
-def check_cu_seqlens_tensor(owner: str, cu_seqlens: object) -> torch.Tensor:
-    """``cu_seqlens`` of packed sequences as an int32 tensor ``[S+1]`` with ``S >= 1`` (``TypeError`` /
-    ``ValueError`` naming ``owner`` and it otherwise); its values are the caller's to check."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{owner}: cu_seqlens must be an int32 tensor [S+1], got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{owner}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{owner}: cu_seqlens must be 1-d [S+1] with S >= 1, got shape {tuple(cu_seqlens.shape)}")
-    return cu_seqlens
+def check_cu_seqlens(value: object, name: str = "cu_seqlens", owner: str | None = None, *, total: int | None = None,
+                     int32: bool = True, values: bool = True) -> torch.Tensor:
+    """Cumulative lengths of packed sequences: a 1-d integer tensor ``[S+1]`` with ``S >= 1`` (``int32``
+    unless ``int32=False``) whose values start at 0, never decrease and end at ``total`` (when given).
 
-
-def check_int(x: object, name: str, minimum: int | None = 1, owner: str | None = None,
-              allow_tensor: bool = False) -> int:
-    """``x`` as an ``int`` (``bool`` refused) that is at least ``minimum`` (``None``: no bound).
-
-    With ``allow_tensor`` a one-element integer tensor is accepted too (read with ``.item()``)."""
-    where = f"{owner}: " if owner else ""
-    if allow_tensor and isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point() \
-            and x.dtype != torch.bool:
-        x = int(x.item())
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{where}{name} must be an int, got {type(x).__name__} ({x!r})")
-    if minimum is not None and x < minimum:
-        raise ValueError(f"{where}{name} must be >= {minimum}, got {x}")
-    return x
-
-
-def check_bool(x: object, name: str, owner: str | None = None) -> bool:
-    """``x`` if it is a ``bool``, else ``TypeError`` naming ``name``."""
-    if not isinstance(x, bool):
-        where = f"{owner}: " if owner else ""
-        raise TypeError(f"{where}{name} must be a bool, got {type(x).__name__}")
-    return x
-
-
-def check_float(x: object, name: str, owner: str | None = None, expected: str = "a float") -> float:
-    """``x`` as a ``float`` (ints accepted, ``bool`` refused; no range check), else ``TypeError``
-    saying ``name`` must be ``expected``."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        where = f"{owner}: " if owner else ""
-        raise TypeError(f"{where}{name} must be {expected}, got {type(x).__name__}")
-    return float(x)
-
-
-def check_positive_float(x: object, name: str, owner: str | None = None) -> float:
-    """``x`` as a finite, positive ``float`` (ints accepted, ``bool`` refused)."""
-    value = check_float(x, name, owner)
-    if not math.isfinite(value) or value <= 0:
-        where = f"{owner}: " if owner else ""
-        raise ValueError(f"{where}{name} must be a finite positive number, got {x}")
+    ``values=False`` skips the value checks (they read the tensor on the host, e.g. not while tracing)."""
+    if not isinstance(value, torch.Tensor):
+        raise _type_error(value, name, owner, f"an {'int32' if int32 else 'int'} tensor [S+1]")
+    if int32 and value.dtype != torch.int32:
+        raise TypeError(f"{_where(owner)}{name} must have dtype torch.int32 (as flash-attn's varlen API), "
+                        f"got {value.dtype}; use .to(torch.int32)")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{_where(owner)}{name} must be an int tensor [S+1], got dtype {value.dtype}")
+    if value.dim() != 1 or value.numel() < 2:
+        raise ValueError(f"{_where(owner)}{name} must be 1-d [S+1] with S >= 1, got shape {tuple(value.shape)}")
+    if values:
+        bounds = [int(c) for c in value.tolist()]
+        if bounds[0] != 0 or any(b < a for a, b in itertools.pairwise(bounds)) \
+                or (total is not None and bounds[-1] != total):
+            shown: list[object] = bounds if len(bounds) <= 12 else [*bounds[:6], "...", *bounds[-5:]]
+            end = "" if total is None else f" and end at {total} (the number of packed tokens)"
+            raise ValueError(f"{_where(owner)}{name} must start at 0, be non-decreasing{end}, got {shown}")
     return value
 
 
-def check_number_above(x: object, name: str, lower: float, owner: str | None = None) -> float:
-    """``x`` as a finite ``float`` strictly above ``lower`` (ints accepted, ``bool`` refused)."""
-    value = check_float(x, name, owner, expected="a number")
-    if not math.isfinite(value) or value <= lower:
-        where = f"{owner}: " if owner else ""
-        raise ValueError(f"{where}{name} must be a finite number > {lower:g}, got {x}")
+def check_int(value: object, name: str, owner: str | None = None, *, minimum: int | None = 1,
+              allow_tensor: bool = False) -> int:
+    """``value`` as an ``int`` (``bool`` refused) that is at least ``minimum`` (``None``: no bound).
+
+    With ``allow_tensor`` a one-element integer tensor is accepted too (read with ``.item()``)."""
+    if allow_tensor and isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(value, name, owner, "an int")
+    if minimum is not None and value < minimum:
+        raise _range_error(value, name, owner, f">= {minimum}")
+    return value
+
+
+def check_optional_int(value: object, name: str, owner: str | None = None, *, minimum: int | None = 1) -> int | None:
+    """``None``, or ``value`` as an ``int`` at least ``minimum`` (:func:`check_int`)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(value, name, owner, "an int or None")
+    return check_int(value, name, owner, minimum=minimum)
+
+
+def check_bool(value: object, name: str, owner: str | None = None) -> bool:
+    """``value`` if it is a ``bool``, else ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise _type_error(value, name, owner, "a bool")
+    return value
+
+
+def check_float(value: object, name: str, owner: str | None = None, *, expected: str = "a float") -> float:
+    """``value`` as a ``float`` (ints accepted, ``bool`` refused; no range check), else ``TypeError``
+    saying ``name`` must be ``expected``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(value, name, owner, expected)
+    return float(value)
+
+
+def _float_in_range(value: object, name: str, owner: str | None, optional: bool, ok: Callable[[float], bool],
+                    expected: str) -> float:
+    none = " or None" if optional else ""
+    x = check_float(value, name, owner, expected=f"a float{none}")
+    if not math.isfinite(x) or not ok(x):
+        raise _range_error(value, name, owner, f"{expected}{none}")
+    return x
+
+
+@overload
+def check_finite_float(value: object, name: str, owner: str | None = ..., *,
+                       optional: Literal[False] = ...) -> float: ...
+@overload
+def check_finite_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
+def check_finite_float(value: object, name: str, owner: str | None = None, *, optional: bool = False) -> float | None:
+    """``value`` as a finite ``float`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
+    if value is None and optional:
+        return None
+    return _float_in_range(value, name, owner, optional, lambda x: True, "a finite number")
+
+
+@overload
+def check_positive_float(value: object, name: str, owner: str | None = ..., *,
+                         optional: Literal[False] = ...) -> float: ...
+@overload
+def check_positive_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
+def check_positive_float(value: object, name: str, owner: str | None = None, *,
+                         optional: bool = False) -> float | None:
+    """``value`` as a finite ``float > 0`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
+    if value is None and optional:
+        return None
+    return _float_in_range(value, name, owner, optional, lambda x: x > 0, "a finite positive number")
+
+
+@overload
+def check_nonnegative_float(value: object, name: str, owner: str | None = ..., *,
+                            optional: Literal[False] = ...) -> float: ...
+@overload
+def check_nonnegative_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
+def check_nonnegative_float(value: object, name: str, owner: str | None = None, *,
+                            optional: bool = False) -> float | None:
+    """``value`` as a finite ``float >= 0`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
+    if value is None and optional:
+        return None
+    return _float_in_range(value, name, owner, optional, lambda x: x >= 0, "a finite non-negative number")
+
+
+def check_number_above(value: object, name: str, owner: str | None = None, *, lower: float) -> float:
+    """``value`` as a finite ``float`` strictly above ``lower`` (ints accepted, ``bool`` refused)."""
+    return _float_in_range(value, name, owner, False, lambda x: x > lower, f"a finite number > {lower:g}")
+
+
+def check_probability(value: object, name: str, owner: str | None = None) -> float:
+    """``value`` as a ``float`` in ``[0, 1)`` (a dropout probability; ints accepted, ``bool`` refused)."""
+    x = check_float(value, name, owner)
+    if not 0.0 <= x < 1.0:
+        raise _range_error(value, name, owner, "a float in [0, 1)")
+    return x
+
+
+def check_choice(value: object, name: str, owner: str | None = None, *, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices`` (``TypeError`` for a non-``str``, ``ValueError`` otherwise)."""
+    options = list(choices)
+    if not isinstance(value, str):
+        raise _type_error(value, name, owner, f"one of {options}")
+    if value not in options:
+        raise _range_error(value, name, owner, f"one of {options}")
     return value
 
 

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import math
 import pickle
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -30,6 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_nonnegative_float,
+    check_probability,
+)
 from attnzoo.masks import Mask
 from attnzoo.masks import key_padding as key_padding_mask
 from attnzoo.nn.attention import MultiHeadAttention
@@ -57,22 +64,6 @@ SUBLAYER_NORMS = ("input", "both", "output")
 NORMS = ("layer", "rms")
 
 
-def _check_pos_int(x: object, name: str, owner: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{owner}: {name} must be an int, got {type(x).__name__} ({x!r})")
-    if x <= 0:
-        raise ValueError(f"{owner}: {name} must be > 0, got {x}")
-    return x
-
-
-def _check_prob(x: object, name: str, owner: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a float, got {type(x).__name__}")
-    if not 0.0 <= x < 1.0:
-        raise ValueError(f"{owner}: {name} must be in [0, 1), got {x}")
-    return float(x)
-
-
 def _check_input(x: object, dim: int, owner: str, name: str = "x") -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -97,7 +88,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.dim = _check_pos_int(dim, "dim", "RMSNorm")
+        self.dim = check_int(dim, "dim", "RMSNorm")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"RMSNorm: eps must be a float >= 0, got {eps!r}")
         self.eps = float(eps)
@@ -158,18 +149,15 @@ class FeedForward(nn.Module):
                  dropout: float = 0.0, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.dim = _check_pos_int(dim, "dim", "FeedForward")
-        if not isinstance(activation, str) or activation not in ACTIVATIONS:
-            raise ValueError(f"FeedForward: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-        self.activation = activation
-        self.hidden = default_ffn_hidden(dim, activation) if hidden is None else _check_pos_int(
-            hidden, "hidden", "FeedForward")
+        self.dim = check_int(dim, "dim", "FeedForward")
+        self.activation = check_choice(activation, "activation", "FeedForward", choices=ACTIVATIONS)
+        self.hidden = default_ffn_hidden(dim, activation) if hidden is None else check_int(hidden, "hidden", "FeedForward")
         self.act, self.gated = ACTIVATIONS[activation]
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.up_proj = nn.Linear(dim, self.hidden, bias=bias, **kw)
         self.gate_proj = nn.Linear(dim, self.hidden, bias=bias, **kw) if self.gated else None
         self.down_proj = nn.Linear(self.hidden, dim, bias=bias, **kw)
-        self.dropout = nn.Dropout(_check_prob(dropout, "dropout", "FeedForward"))
+        self.dropout = nn.Dropout(check_probability(dropout, "dropout", "FeedForward"))
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor):
@@ -188,32 +176,6 @@ class FeedForward(nn.Module):
 
 AttentionSpec = str | nn.Module | Callable[[int, int], nn.Module]
 Factory = Callable[[], nn.Module]
-
-
-def _check_bool(x: object, name: str, owner: str) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{owner}: {name} must be a bool, got {type(x).__name__} ({x!r})")
-    return x
-
-
-def _check_choice(x: object, name: str, choices: Sequence[str], owner: str) -> str:
-    if not isinstance(x, str) or x not in choices:
-        raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {x!r}")
-    return x
-
-
-def _check_positive_float(x: object, name: str, owner: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a float, got {type(x).__name__} ({x!r})")
-    if not (x > 0 and math.isfinite(x)):
-        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {x}")
-    return float(x)
-
-
-def _check_eps(x: object, name: str, owner: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (x >= 0 and math.isfinite(x)):
-        raise ValueError(f"{owner}: {name} must be a finite float >= 0, got {x!r}")
-    return float(x)
 
 
 class Config:
@@ -412,24 +374,24 @@ class BlockConfig(Config):
 
     def __post_init__(self) -> None:
         owner = "TransformerBlock"
-        _check_choice(self.sublayer_norm, "sublayer_norm", SUBLAYER_NORMS, owner)
+        check_choice(self.sublayer_norm, "sublayer_norm", owner, choices=SUBLAYER_NORMS)
         if self.sublayer_norm != "input" and not self.norm_first:
             raise ValueError(f"{owner}: sublayer_norm={self.sublayer_norm!r} needs norm_first=True")
         _frozen_kwargs(self, "attention_kwargs")
-        dim, heads = _check_pos_int(self.dim, "dim", owner), _check_pos_int(self.num_heads, "num_heads", owner)
+        dim, heads = check_int(self.dim, "dim", owner), check_int(self.num_heads, "num_heads", owner)
         if dim % heads and not (self.attention_kwargs or {}).get("head_dim"):
             raise ValueError(f"{owner}: dim ({dim}) must be divisible by num_heads ({heads}), "
                              f"or pass attention_kwargs={{'head_dim': ...}}")
-        _check_choice(self.norm, "norm", NORMS, owner)
-        _check_choice(self.ffn, "ffn", list(ACTIVATIONS), owner)
+        check_choice(self.norm, "norm", owner, choices=NORMS)
+        check_choice(self.ffn, "ffn", owner, choices=list(ACTIVATIONS))
         for name in ("causal", "cross_attention", "norm_first", "bias"):
-            _check_bool(getattr(self, name), name, owner)
-        _check_prob(self.dropout, "dropout", owner)
-        _check_eps(self.norm_eps, "norm_eps", owner)
+            check_bool(getattr(self, name), name, owner)
+        check_probability(self.dropout, "dropout", owner)
+        check_nonnegative_float(self.norm_eps, "norm_eps", owner)
         if self.ffn_hidden is not None:
-            _check_pos_int(self.ffn_hidden, "ffn_hidden", owner)
+            check_int(self.ffn_hidden, "ffn_hidden", owner)
         if self.context_dim is not None:
-            _check_pos_int(self.context_dim, "context_dim", owner)
+            check_int(self.context_dim, "context_dim", owner)
             if not self.cross_attention:
                 raise ValueError(f"{owner}: context_dim={self.context_dim} given but cross_attention=False")
         check_attention_spec(self.attention, self.attention_kwargs, owner)
@@ -503,8 +465,8 @@ class TransformerBlock(nn.Module):
                             f"cannot be combined with it")
         elif not isinstance(layers, BlockLayers):
             raise TypeError(f"{owner}: layers must be a BlockLayers, got {type(layers).__name__}")
-        self.dim = _check_pos_int(dim, "dim", owner)
-        self.norm_first = _check_bool(layers.norm_first, "norm_first", owner)
+        self.dim = check_int(dim, "dim", owner)
+        self.norm_first = check_bool(layers.norm_first, "norm_first", owner)
         self.attn_norm = _built(layers.norm, "norm", owner)
         self.attn = _built(layers.attention, "attention", owner)
         self.num_heads: int | None = num_heads if num_heads is not None else getattr(self.attn, "num_heads", None)
@@ -517,7 +479,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = _built(layers.norm, "norm", owner)
         self.ffn = _built(layers.feed_forward, "feed_forward", owner)
         self.attn_out_norm, self.ffn_out_norm = _sublayer_norms(layers, self, owner)
-        self.dropout = nn.Dropout(_check_prob(layers.dropout, "dropout", owner))
+        self.dropout = nn.Dropout(check_probability(layers.dropout, "dropout", owner))
 
     def __getstate__(self) -> dict[str, Any]:
         return state_without_unpicklable_config(super().__getstate__())
@@ -639,7 +601,7 @@ def _sublayer_norms(layers: BlockLayers, block: TransformerBlock, owner: str) ->
     """The output norms of the self-attention and FFN sub-layers (``Identity`` unless
     ``sublayer_norm`` is ``"both"`` or ``"output"``); with ``"output"`` the input norms of
     ``block`` become ``Identity``."""
-    kind = _check_choice(layers.sublayer_norm, "sublayer_norm", SUBLAYER_NORMS, owner)
+    kind = check_choice(layers.sublayer_norm, "sublayer_norm", owner, choices=SUBLAYER_NORMS)
     if kind == "input":
         return nn.Identity(), nn.Identity()
     if not layers.norm_first:

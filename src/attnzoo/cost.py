@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_int, check_optional_int
 from attnzoo.nn.costs import visible_pairs as _visible_pairs
 from attnzoo.nn.spec import CostShape, VariantConfig
 from attnzoo.variants import VARIANTS, layer_pattern, resolve_config, variant_names
@@ -153,8 +153,7 @@ def estimate(
     check_int(batch, "batch")
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    check_optional_int(chunk_size, "chunk_size")
     dt = dtype_from_name(dtype)
     e = torch.finfo(dt).bits // 8
     spec = VARIANTS[variant]

@@ -145,8 +145,9 @@ def test_bad_cu_seqlens_is_named(case: tuple[str, object, type, str]) -> None:
 
 
 @pytest.mark.parametrize("cu, exc, words", [
-    ([0, 8], TypeError, "must be an int32 tensor [S+1], got list"),
-    (torch.tensor([0, 8]), TypeError, "must have dtype torch.int32, got torch.int64"),
+    ([0, 8], TypeError, "must be an int32 tensor [S+1], got list ([0, 8])"),
+    (torch.tensor([0, 8]), TypeError,
+     "must have dtype torch.int32 (as flash-attn's varlen API), got torch.int64; use .to(torch.int32)"),
     (i32([0, 8]).view(1, 2), ValueError, "must be 1-d [S+1] with S >= 1, got shape (1, 2)"),
     (i32([8]), ValueError, "must be 1-d [S+1] with S >= 1, got shape (1,)"),
 ], ids=["list", "int64", "2-d", "one entry"])

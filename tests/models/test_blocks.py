@@ -96,7 +96,7 @@ def test_feedforward_default_hidden() -> None:
 def test_feedforward_bad_input() -> None:
     with pytest.raises(ValueError, match="activation must be one of"):
         az.FeedForward(8, activation="tanh")
-    with pytest.raises(ValueError, match="hidden must be > 0"):
+    with pytest.raises(ValueError, match="hidden must be >= 1"):
         az.FeedForward(8, 0)
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
         az.FeedForward(8)(torch.randn(2, 3, 7))

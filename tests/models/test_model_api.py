@@ -59,7 +59,7 @@ def test_parts_are_checked_and_named() -> None:
         az.models.DecoderParts(head="lm")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="blocks must be a list of modules"):
         az.models.DecoderParts(blocks=az.TransformerBlock(16, 2))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+    with pytest.raises(ValueError, match="softcap must be a finite positive number"):
         az.models.LMHead(16, 50, softcap=-1.0)
     with pytest.raises(ValueError, match="tie_embeddings=True ties the LMHead"):
         az.DecoderLM(50, 16, 1, 2, parts=az.models.DecoderParts(embedding=nn.Identity()))

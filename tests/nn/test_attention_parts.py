@@ -210,7 +210,7 @@ def test_signatures_have_no_kwargs(cls) -> None:
       "parts.output_gate"),
      (lambda: az.MultiHeadAttention(C, 2, parts=_parts(None, None)), ValueError, r"parts.sinks must have shape"),
      (lambda: Scores(alibi=1), TypeError, "alibi must be a bool"),
-     (lambda: Scores(softcap=-1.0), ValueError, "softcap must be a finite positive float"),
+     (lambda: Scores(softcap=-1.0), ValueError, "softcap must be a finite positive number"),
      (lambda: Scores(score_mod="x"), TypeError, "score_mod must be callable"),
      (lambda: QKNorm(D, eps=0.0), ValueError, "eps must be a finite positive"),
      (lambda: QKNorm(D, over_heads="yes"), TypeError, "over_heads must be a bool"),

@@ -500,8 +500,8 @@ def test_decoder_lm_packed_equals_each_document(attention) -> None:
 @pytest.mark.parametrize(
     ("cu", "x_shape", "kw", "exc", "words"),
     [(torch.tensor([0, 3, 6]), (1, 6, 16), {}, TypeError, "int32"),
-     (torch.tensor([0, 3, 5], dtype=torch.int32), (1, 6, 16), {}, ValueError, "end at T"),
-     (torch.tensor([0, 4, 3, 6], dtype=torch.int32), (1, 6, 16), {}, ValueError, "never decrease"),
+     (torch.tensor([0, 3, 5], dtype=torch.int32), (1, 6, 16), {}, ValueError, r"end at 6 \(the number of packed tokens\)"),
+     (torch.tensor([0, 4, 3, 6], dtype=torch.int32), (1, 6, 16), {}, ValueError, "non-decreasing"),
      (torch.tensor([0, 3, 6], dtype=torch.int32), (2, 6, 16), {}, ValueError, "batch size 1"),
      (torch.tensor([0, 3, 6], dtype=torch.int32), (1, 6, 16), {"return_weights": True}, ValueError, "return_weights"),
      ([0, 3, 6], (1, 6, 16), {}, TypeError, "cu_seqlens")],

@@ -136,7 +136,7 @@ def test_moe_validates_its_arguments() -> None:
         Routing("softmax")
     with pytest.raises(ValueError, match="Routing: norm_topk_prob applies to kind='softmax_topk'"):
         Routing("topk_softmax", norm_topk_prob=True)
-    with pytest.raises(ValueError, match="Routing: scaling must be a finite float > 0"):
+    with pytest.raises(ValueError, match="Routing: scaling must be a finite positive number"):
         Routing(scaling=float("inf"))
     with pytest.raises(TypeError, match="Routing: weight_inputs must be a bool"):
         Routing(weight_inputs=1)  # type: ignore[arg-type]

@@ -445,9 +445,9 @@ def test_integer_x_is_a_type_error_naming_x(make) -> None:
 
 @pytest.mark.parametrize("scale", [float("inf"), float("nan"), -1.0, 0.0])
 def test_bad_scale_rejected_at_construction(scale) -> None:
-    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
         Scores(scale=scale)
-    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
         build_attention("mha", 64, 4, scale=scale)
     with pytest.raises(TypeError, match="scale must be a float"):
         Scores(scale="1")

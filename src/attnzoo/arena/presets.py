@@ -299,7 +299,7 @@ class PaperMQAR:
     name: str = "mqar-paper"
 
     def __post_init__(self) -> None:
-        _check_int(self.vocab_size, "vocab_size", 4)
+        _check_int(self.vocab_size, "vocab_size", minimum=4)
         if not self.train or not self.test:
             raise ValueError("PaperMQAR: train and test need at least one segment each")
         self.seq_len = max(c.seq_len for c in self.train)

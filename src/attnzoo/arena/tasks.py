@@ -94,7 +94,7 @@ class ShakespeareTask:
     val_ids: Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_int(self.seq_len, "seq_len", 2)
+        _check_int(self.seq_len, "seq_len", minimum=2)
         _check_int(self.eval_windows, "eval_windows")
         _check_int(self.eval_batch, "eval_batch")
         if not 0.0 < self.val_fraction < 0.5:
@@ -193,9 +193,9 @@ class MQARTask:
     name: str = "mqar"
 
     def __post_init__(self) -> None:
-        _check_int(self.seq_len, "seq_len", 4)
+        _check_int(self.seq_len, "seq_len", minimum=4)
         _check_int(self.num_kv_pairs, "num_kv_pairs")
-        _check_int(self.vocab_size, "vocab_size", 4)
+        _check_int(self.vocab_size, "vocab_size", minimum=4)
         _check_int(self.eval_examples, "eval_examples")
         _check_int(self.eval_batch, "eval_batch")
         if 4 * self.num_kv_pairs > self.seq_len:

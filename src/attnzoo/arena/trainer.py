@@ -68,8 +68,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"TrainConfig: lr must be > 0, got {self.lr}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"TrainConfig: warmup must be an int >= 0, got {self.warmup!r}")
+        check_int(self.warmup, "warmup", "TrainConfig", minimum=0)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:
@@ -263,8 +262,7 @@ def _checked_train_args(steps: int, global_batch: int, start_step: int, seed: in
     start_step = check_int(start_step, "start_step", minimum=0, owner="train")
     if start_step > steps:
         raise ValueError(f"train: start_step ({start_step}) is beyond steps ({steps})")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"train: seed must be an int, got {type(seed).__name__}")
+    check_int(seed, "seed", "train", minimum=None)
     if sequence_layout is not None and sequence_layout not in ("contiguous", "zigzag"):
         raise ValueError(f"train: sequence_layout must be None, 'contiguous' or 'zigzag', got {sequence_layout!r}")
     return steps, global_batch, start_step

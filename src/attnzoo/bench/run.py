@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import platform
 import statistics
 from collections.abc import Callable, Sequence
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from attnzoo._devices import resolve_device
 from attnzoo._memory import refuse_if_too_big
+from attnzoo._validate import check_int, check_positive_float
 from attnzoo.bench.measure import (
     matmul_peak_gflops,
     measure_peak_memory,
@@ -162,12 +162,8 @@ def _checked_setup(mode: str, dtype: str | torch.dtype, device: str | torch.devi
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dt}")
     dev = resolve_device(device)
     for name, val in ints.items():
-        low = 0 if name == "warmup" else 1
-        if isinstance(val, bool) or not isinstance(val, int) or val < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
-    if isinstance(max_case_seconds, bool) or not isinstance(max_case_seconds, (int, float)) \
-            or not (math.isfinite(max_case_seconds) and max_case_seconds > 0):
-        raise ValueError(f"max_case_seconds must be a positive finite number, got {max_case_seconds!r}")
+        check_int(val, name, minimum=0 if name == "warmup" else 1)
+    check_positive_float(max_case_seconds, "max_case_seconds")
     return dt, dev
 
 

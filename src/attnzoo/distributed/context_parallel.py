@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_choice
 from attnzoo.distributed.comm import all_gather_grad, as_timeout, require_dist, resolve_group, wait
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
@@ -83,10 +84,7 @@ def _all_lengths(n: int, group: Any, device: torch.device, timeout: timedelta | 
 
 
 def _check_method(method: object, fn: str) -> str:
-    if method not in METHODS:
-        raise ValueError(f"{fn}: method must be one of {METHODS}, got {method!r}")
-    assert isinstance(method, str)
-    return method
+    return check_choice(method, "method", fn, choices=METHODS)
 
 
 def _attention_problem(module: nn.Module, method: str) -> str | None:

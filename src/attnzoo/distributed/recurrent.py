@@ -49,9 +49,9 @@ from attnzoo.distributed.sharding import (
     DOCUMENTS,
     LAYOUTS,
     Segment,
-    check_cu_seqlens,
     check_layout,
     cu_checksum,
+    global_cu_seqlens,
     segments,
 )
 from attnzoo.functional.recurrent._chunked_scan import compute_dtype
@@ -299,7 +299,7 @@ class ContextParallelRecurrent(nn.Module):
                                  f"read the previous {run.tail} inputs), got a local length of {n}")
             cu = [0.0, 0.0, 0.0]
             if docs is not None:
-                cu = cu_checksum(check_cu_seqlens(docs, "documents"))
+                cu = cu_checksum(global_cu_seqlens(docs, "documents"))
                 if x.shape[0] != 1:
                     raise ValueError(f"packed documents are one row: x must be [1, n, C], got {tuple(x.shape)}")
             needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters()))

@@ -24,13 +24,13 @@ from attnzoo.distributed.comm import Pending, Ring, as_timeout, require_dist, re
 from attnzoo.distributed.sharding import (
     LAYOUTS,
     Segment,
-    check_cu_seqlens,
     check_layout,
     check_score,
     check_seq_len,
     contiguous_lengths,
     cu_checksum,
     document_ids,
+    global_cu_seqlens,
     segments,
 )
 from attnzoo.functional.backends.tiled import accumulate_grads, tile_plan
@@ -603,7 +603,7 @@ def ring_attention(
         sig = _check_options(scale, return_lse, block, backend, softcap, alibi_slopes, sinks, (score, bias, score_mod))
         if sinks is not None and sinks.shape[0] != q.shape[1]:
             raise ValueError(f"sinks must have shape [Hq] = [{q.shape[1]}], got {tuple(sinks.shape)}")
-        cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, fn)
+        cu = None if cu_seqlens is None else global_cu_seqlens(cu_seqlens, fn)
         vals = _local_meta(q, k, v, layout, causal, win, scale, softcap, alibi_slopes, cu, sig)
         mod = check_score_mod(score_mod, q, q.shape[2], 0)
     except (TypeError, ValueError) as e:

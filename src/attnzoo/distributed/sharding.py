@@ -18,10 +18,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attnzoo._validate import check_choice, check_cu_seqlens, check_int
 from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, wait
 
-__all__ = ["DOCUMENTS", "LAYOUTS", "Segment", "check_cu_seqlens", "document_ids", "gather_sequence", "segments", "shard_positions",
-           "shard_sequence"]
+__all__ = [
+    "DOCUMENTS",
+    "LAYOUTS",
+    "Segment",
+    "document_ids",
+    "gather_sequence",
+    "global_cu_seqlens",
+    "segments",
+    "shard_positions",
+    "shard_sequence",
+]
 
 #: Sequence layouts understood by every function of this package.
 LAYOUTS = ("contiguous", "zigzag")
@@ -33,10 +43,7 @@ DOCUMENTS: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("attnz
 
 
 def check_layout(layout: object, fn: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
-    assert isinstance(layout, str)
-    return layout
+    return check_choice(layout, "layout", fn, choices=LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -62,18 +69,10 @@ def segments(layout: str, lengths: Sequence[int], rank: int) -> list[Segment]:
     return [Segment(0, c, rank * c), Segment(c, c, (2 * p - 1 - rank) * c)]
 
 
-def check_cu_seqlens(cu_seqlens: object, fn: str) -> Tensor:
-    """Local checks of a *global* ``cu_seqlens``: an int tensor ``[S+1]`` from 0, never decreasing
-    (its end, the global length, is checked once every rank's shard length is known)."""
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
-        raise TypeError(f"{fn}: cu_seqlens must be an int tensor [S+1] of global document boundaries, got "
-                        f"{cu_seqlens.dtype if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{fn}: cu_seqlens must be 1-d [S+1] with S >= 1, got shape {tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.long().cpu()
-    if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{fn}: cu_seqlens must start at 0 and never decrease, got {cu.tolist()}")
-    return cu
+def global_cu_seqlens(cu_seqlens: object, fn: str) -> Tensor:
+    """A *global* ``cu_seqlens`` (any int dtype, from 0, never decreasing; its end, the global length, is
+    checked once every rank's shard length is known) as an int64 CPU tensor."""
+    return check_cu_seqlens(cu_seqlens, owner=fn, int32=False).long().cpu()
 
 
 #: The scores of :func:`ring_attention` / :func:`ulysses_attention`.
@@ -113,8 +112,7 @@ def positions_of(layout: str, lengths: Sequence[int], rank: int, device: torch.d
 
 
 def check_seq_len(seq_len: int, world_size: int, layout: str, fn: str) -> None:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
-        raise TypeError(f"{fn}: seq_len must be an int, got {type(seq_len).__name__}")
+    check_int(seq_len, "seq_len", fn, minimum=None)
     if seq_len < world_size:
         raise ValueError(f"{fn}: a sequence of {seq_len} tokens cannot give every one of "
                          f"{world_size} ranks a token")

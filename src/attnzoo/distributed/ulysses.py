@@ -24,11 +24,11 @@ from attnzoo._validate import Window, check_bool, normalize_window
 from attnzoo.distributed.comm import agree, all_to_all_grad, as_timeout, require_dist, resolve_group
 from attnzoo.distributed.sharding import (
     LAYOUTS,
-    check_cu_seqlens,
     check_layout,
     check_score,
     cu_checksum,
     document_ids,
+    global_cu_seqlens,
     positions_of,
 )
 from attnzoo.functional.core._request import check_qkv
@@ -72,7 +72,7 @@ def _local_checks(q: object, k: object, v: object, world: int, layout: str, caus
         if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != (hq,) or not t.is_floating_point()):
             raise ValueError(f"{name} must be a float tensor [Hq] = [{hq}] or None, got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else t!r}")
-    cu = [0.0, 0.0, 0.0] if cu_seqlens is None else cu_checksum(check_cu_seqlens(cu_seqlens, "ulysses_attention"))
+    cu = [0.0, 0.0, 0.0] if cu_seqlens is None else cu_checksum(global_cu_seqlens(cu_seqlens, "ulysses_attention"))
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)  # type: ignore[arg-type]
     left = -2.0 if win is None else (-1.0 if win[0] is None else float(win[0]))
     right = -2.0 if win is None else (-1.0 if win[1] is None else float(win[1]))

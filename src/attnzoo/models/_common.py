@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from attnzoo import _validate
 from attnzoo._devices import tracing
 from attnzoo.blocks import RMSNorm, state_without_unpicklable_config
 from attnzoo.nn.cache import CompositeCache
@@ -53,11 +52,6 @@ def rotary_for(pos: str, attention: object, attention_kwargs: Any, head_dim: int
     if attention_kwargs and "rope" in attention_kwargs:
         return None
     return RotaryEmbedding(head_dim, base=base, scaling=scaling, scaling_factor=scaling_factor)
-
-
-def check_int(x: object, name: str, owner: str, *, minimum: int = 1) -> int:
-    """:func:`attnzoo._validate.check_int` with the owner named first in the message."""
-    return _validate.check_int(x, name, minimum, owner)
 
 
 def check_tokens(tokens: object, vocab_size: int, owner: str, name: str = "tokens") -> Tensor:

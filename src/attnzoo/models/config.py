@@ -20,20 +20,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from attnzoo._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_nonnegative_float,
+    check_positive_float,
+    check_probability,
+)
 from attnzoo.blocks import (
     ACTIVATIONS,
     NORMS,
     AttentionSpec,
     Config,
-    _check_bool,
-    _check_choice,
-    _check_eps,
-    _check_positive_float,
-    _check_prob,
     _frozen_kwargs,
     check_attention_spec,
 )
-from attnzoo.models._common import POSITIONS, check_int
+from attnzoo.models._common import POSITIONS
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS, layer_pattern
 
@@ -47,10 +50,10 @@ def _check_common(cfg: Any, owner: str, names: tuple[str, ...], *, layered: bool
     may be one entry per layer, see :func:`layer_entries`)."""
     for name in names:
         check_int(getattr(cfg, name), name, owner)
-    _check_choice(cfg.norm, "norm", NORMS, owner)
-    _check_choice(cfg.ffn, "ffn", list(ACTIVATIONS), owner)
-    _check_prob(cfg.dropout, "dropout", owner)
-    _check_eps(cfg.norm_eps, "norm_eps", owner)
+    check_choice(cfg.norm, "norm", owner, choices=NORMS)
+    check_choice(cfg.ffn, "ffn", owner, choices=list(ACTIVATIONS))
+    check_probability(cfg.dropout, "dropout", owner)
+    check_nonnegative_float(cfg.norm_eps, "norm_eps", owner)
     if cfg.ffn_hidden is not None:
         check_int(cfg.ffn_hidden, "ffn_hidden", owner)
     _frozen_kwargs(cfg, "attention_kwargs")
@@ -99,7 +102,7 @@ def resolve_positions(pos: str | None, attention: object, owner: str) -> str:
     takes = len(names) < len(entries) or any(VARIANTS[n].takes_rope() for n in names)
     if pos is None:
         return "rope" if takes else "none"
-    _check_choice(pos, "pos", POSITIONS, owner)
+    check_choice(pos, "pos", owner, choices=POSITIONS)
     if pos == "rope" and not takes:
         kinds = {n: VARIANTS[n].positions for n in dict.fromkeys(names)}
         raise ValueError(f"{owner}: pos='rope' but no layer takes a rotary embedding: attention "
@@ -111,7 +114,7 @@ def resolve_positions(pos: str | None, attention: object, owner: str) -> str:
 def _check_optional_bool(cfg: Any, owner: str, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) is not None:
-            _check_bool(getattr(cfg, name), name, owner)
+            check_bool(getattr(cfg, name), name, owner)
 
 
 @dataclass(frozen=True)
@@ -137,10 +140,10 @@ class Rope:
 
     def __post_init__(self) -> None:
         owner = "Rope"
-        _check_positive_float(self.base, "base", owner)
+        check_positive_float(self.base, "base", owner)
         if self.scaling not in ROPE_SCALINGS:
             raise ValueError(f"{owner}: scaling must be one of {list(ROPE_SCALINGS)}, got {self.scaling!r}")
-        if _check_positive_float(self.factor, "factor", owner) < 1:
+        if check_positive_float(self.factor, "factor", owner) < 1:
             raise ValueError(f"{owner}: factor must be >= 1, got {self.factor}")
         _frozen_kwargs(self, "parameters")
 
@@ -254,7 +257,7 @@ class DecoderConfig(Config):
         _check_common(self, owner, ("vocab_size", "dim", "depth", "num_heads", "max_seq_len"), layered=True)
         resolve_positions(self.pos, self.attention, owner)
         for name in ("tie_embeddings", "bias"):
-            _check_bool(getattr(self, name), name, owner)
+            check_bool(getattr(self, name), name, owner)
         if self.head_dim is None and self.dim % self.num_heads:
             raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads}), "
                              f"or pass head_dim")
@@ -351,7 +354,7 @@ class EncoderConfig(Config):
         check_int(self.type_vocab_size, "type_vocab_size", owner, minimum=0)
         resolve_positions(self.pos, self.attention, owner)
         for name in ("norm_first", "bias", "pooler", "mlm_head"):
-            _check_bool(getattr(self, name), name, owner)
+            check_bool(getattr(self, name), name, owner)
         _check_optional_bool(self, owner, "embed_norm", "final_norm")
         check_int(self.num_labels, "num_labels", owner, minimum=0)
         if self.num_labels and not self.pooler:
@@ -359,8 +362,8 @@ class EncoderConfig(Config):
         if self.dim % self.num_heads:
             raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.embed_scale is not None:
-            _check_positive_float(self.embed_scale, "embed_scale", owner)
-        _check_positive_float(self.rope_base, "rope_base", owner)
+            check_positive_float(self.embed_scale, "embed_scale", owner)
+        check_positive_float(self.rope_base, "rope_base", owner)
 
 
 @dataclass(frozen=True)
@@ -396,9 +399,9 @@ class Seq2SeqConfig(Config):
         owner = "Transformer"
         _check_common(self, owner, ("src_vocab_size", "tgt_vocab_size", "dim", "num_heads", "encoder_depth",
                                     "decoder_depth", "max_seq_len"))
-        _check_choice(self.pos, "pos", POSITIONS, owner)
+        check_choice(self.pos, "pos", owner, choices=POSITIONS)
         for name in ("norm_first", "bias", "tie_embeddings"):
-            _check_bool(getattr(self, name), name, owner)
+            check_bool(getattr(self, name), name, owner)
         if self.encoder_attention is not None:
             check_attention_spec(self.encoder_attention, None, owner, instance_ok=False)
 
@@ -444,8 +447,8 @@ class ViTConfig(Config):
         if self.dim % self.num_heads:
             raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         for name in ("qkv_bias", "class_token", "pooler"):
-            _check_bool(getattr(self, name), name, owner)
-        _check_choice(self.pool, "pool", ("cls", "mean"), owner)
+            check_bool(getattr(self, name), name, owner)
+        check_choice(self.pool, "pool", owner, choices=("cls", "mean"))
         if (self.pool == "cls" or self.pooler) and not self.class_token:
             raise ValueError(f"{owner}: pool='cls' and pooler=True need class_token=True")
 

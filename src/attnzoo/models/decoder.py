@@ -11,11 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._devices import tracing
+from attnzoo._validate import check_bool, check_int
 from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
-    check_int,
     check_padding_mask,
     check_tokens,
     init_weights,
@@ -27,7 +27,7 @@ from attnzoo.models._common import (
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.parts import DecoderParts, LMHead
 from attnzoo.nn.cache import transaction
-from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
+from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS
 
@@ -82,12 +82,6 @@ def _given_blocks(blocks: object, cfg: DecoderConfig) -> list[nn.Module]:
         raise ValueError(f"{owner}: blocks=... are built by the caller, so {stray} would be ignored; build those "
                          f"settings into the blocks")
     return list(blocks)
-
-
-def _check_flag(x: object, owner: str) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{owner}: extend_context must be a bool, got {type(x).__name__}")
-    return x
 
 
 def shared_rotaries(cfg: DecoderConfig) -> dict[int, nn.Module]:
@@ -427,7 +421,7 @@ class DecoderLM(FromConfig, nn.Module):
         if any(u is not None for u in unsupported):
             raise ValueError("DecoderLM: packed input (cu_seqlens) takes no cache, positions, attention_mask or "
                              "context")
-        cu = check_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), "DecoderLM")
+        cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), "DecoderLM")
         pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
         if self.pos in ("learned", "sinusoidal") and pos.numel() and int(pos.max()) >= self.max_seq_len:
             raise ValueError(f"DecoderLM: a packed sequence of {int(pos.max()) + 1} tokens is longer than the "
@@ -457,7 +451,7 @@ class DecoderLM(FromConfig, nn.Module):
             check_int(eos_token_id, "eos_token_id", owner, minimum=0)
             if eos_token_id >= self.vocab_size:
                 raise ValueError(f"{owner}: eos_token_id must be < vocab_size={self.vocab_size}, got {eos_token_id}")
-        if n + new > self.max_seq_len and self.pos in ("rope", "none") and _check_flag(extend_context, owner):
+        if n + new > self.max_seq_len and self.pos in ("rope", "none") and check_bool(extend_context, "extend_context", owner):
             warnings.warn(f"{owner}: generating {n + new} tokens, past the model's {self.max_seq_len} positions "
                           f"(max_seq_len); quality beyond the trained length is not guaranteed", stacklevel=4)
             return

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_choice
 from attnzoo.blocks import ACTIVATIONS, AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
@@ -234,8 +235,7 @@ class TransformerEncoder(FromConfig, nn.Module):
                normalize: bool = False, token_type_ids: Tensor | None = None) -> Tensor:
         """Sentence embeddings ``[B, C]``: the encoder, then ``pooling`` (``"mean"`` over real tokens
         as sentence-transformers, ``"cls"``, ``"max"``), then L2 normalisation if ``normalize``."""
-        if pooling not in POOLINGS:
-            raise ValueError(f"TransformerEncoder.encode: pooling must be one of {POOLINGS}, got {pooling!r}")
+        check_choice(pooling, "pooling", "TransformerEncoder.encode", choices=POOLINGS)
         hidden = self(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
         if pooling == "mean":
             out = mean_pool(hidden, attention_mask)

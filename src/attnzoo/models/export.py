@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int
 from attnzoo.models._common import LayerCaches
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.nn.cache import KVCache
@@ -49,8 +50,7 @@ class CachedStep(nn.Module):
         super().__init__()
         if not isinstance(model, DecoderLM):
             raise TypeError(f"CachedStep: model must be a DecoderLM, got {type(model).__name__}")
-        if isinstance(past_len, bool) or not isinstance(past_len, int) or past_len < 0:
-            raise ValueError(f"CachedStep: past_len must be an int >= 0, got {past_len!r}")
+        check_int(past_len, "past_len", "CachedStep", minimum=0)
         self.model = model
         self.past_len = past_len
 

@@ -17,24 +17,15 @@ The weight names do not change with the parts (``tok_emb.weight``, ``norm.weight
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int, check_positive_float
+
 __all__ = ["DecoderParts", "LMHead", "ScaledEmbedding", "head_for"]
-
-
-def _check_scale(x: object, name: str, owner: str) -> float | None:
-    if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a float or None, got {type(x).__name__} ({x!r})")
-    if not (x > 0 and math.isfinite(x)):
-        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {x}")
-    return float(x)
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -47,7 +38,7 @@ class ScaledEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, scale: float,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
-        checked = _check_scale(scale, "scale", "ScaledEmbedding")
+        checked = check_positive_float(scale, "scale", "ScaledEmbedding", optional=True)
         if checked is None:
             raise TypeError("ScaledEmbedding: scale must be a float > 0, got None (use nn.Embedding for no scale)")
         self.scale = checked
@@ -71,7 +62,7 @@ class LMHead(nn.Linear):
     def __init__(self, dim: int, vocab_size: int, *, softcap: float | None = None, bias: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(dim, vocab_size, bias=bias, device=device, dtype=dtype)
-        self.softcap = _check_scale(softcap, "softcap", "LMHead")
+        self.softcap = check_positive_float(softcap, "softcap", "LMHead", optional=True)
 
     def forward(self, x: Tensor) -> Tensor:
         logits = super().forward(x)  # [B, N, V]
@@ -95,8 +86,7 @@ def head_for(dim: int, vocab_size: int, size: int | None, *, softcap: float | No
     ``score``)."""
     if size is None:
         return None if softcap is None else LMHead(dim, vocab_size, softcap=softcap, device=device, dtype=dtype)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"head_for: size must be None or an int >= 0, got {size!r}")
+    check_int(size, "size", "head_for", minimum=0)
     if size == 0:
         return nn.Identity()
     return nn.Linear(dim, size, bias=False, device=device, dtype=dtype)

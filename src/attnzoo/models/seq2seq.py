@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int
 from attnzoo.blocks import AttentionSpec
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
-    check_int,
     check_padding_mask,
     check_tokens,
 )

@@ -34,15 +34,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_bool, check_choice, check_int, check_probability
 from attnzoo.functional.core._request import normalize_window
 from attnzoo.functional.softmax.attention import merge_attention
 from attnzoo.functional.softmax.sigmoid import sigmoid_attention
 from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.masks import Mask
-from attnzoo.nn.base import AttentionBase, check_backend, check_flag
+from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import KVCache, SinkWindowKVCache, SlidingWindowKVCache
 from attnzoo.nn.costs import softmax_cost
-from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
+from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.parts import AttentionParts, Scores, parts_from_settings, placed
 from attnzoo.nn.positional import RotaryEmbedding, alibi_slopes, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
@@ -89,7 +90,7 @@ class _PackedAttention:
         if given or self.kv_dim is not None or self._structure() is not None or self._score != "softmax":
             raise ValueError(f"{cls}: packed input (cu_seqlens) is plain causal/window softmax self-attention; it "
                              f"does not take {given or 'a cross-attention, position-pattern or sigmoid module'}")
-        cu = check_cu_seqlens(cu_seqlens, x, cls)
+        cu = packed_cu_seqlens(cu_seqlens, x, cls)
         if self.training and self.dropout:
             raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
         H, T = self.num_heads, x.shape[1]
@@ -197,10 +198,9 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         parts.check(cls, self.dim, self.num_heads, self.num_kv_heads, self.head_dim)
         self.scores: Scores = parts.scores
         self.score_mod = parts.scores.score_mod  # an nn.Module becomes a submodule: its parameters train with this module
-        self.causal = check_flag(causal, "causal", cls)
+        self.causal = check_bool(causal, "causal", cls)
         self.window = normalize_window(window)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"{cls}: dropout must be a float in [0, 1), got {dropout!r}")
+        check_probability(dropout, "dropout", cls)
         self.dropout = float(dropout)
         self.backend = check_backend(backend, cls)
         self.frontier = parts  # the checkpoint name of the parts (frontier.q_norm_weight, frontier.sinks, ...)
@@ -546,10 +546,7 @@ class SlidingWindowAttention(MultiHeadAttention):
                  parts: AttentionParts | None = None) -> None:
         cls = type(self).__name__
         for name, value in (("window", window), ("sink_tokens", sink_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{cls}: {name} must be an int, got {type(value).__name__} ({value!r})")
-            if value < 0:
-                raise ValueError(f"{cls}: {name} must be >= 0, got {value}")
+            check_int(value, name, cls, minimum=0)
         super().__init__(dim, num_heads, num_kv_heads, None, head_dim, bias, causal, window, rope, dropout, backend,
                          parts=parts)
         if sink_tokens and (not causal or self.alibi or self._score != "softmax"):
@@ -592,9 +589,7 @@ class StreamingAttention(SlidingWindowAttention):
                  position_mode: str = "absolute", *, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, rope: bool | RotaryEmbedding | None = None, backend: str = "auto",
                  parts: AttentionParts | None = None) -> None:
-        if position_mode not in POSITION_MODES:
-            raise ValueError(f"StreamingAttention: position_mode must be one of {list(POSITION_MODES)}, got "
-                             f"{position_mode!r}")
+        check_choice(position_mode, "position_mode", "StreamingAttention", choices=POSITION_MODES)
         super().__init__(dim, num_heads, window, causal, sink_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          bias=bias, rope=rope, backend=backend, parts=parts)
         if not self.sink_tokens:

@@ -33,21 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.softmax.attention import BACKENDS, attention
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["AttentionBase", "check_backend", "check_flag"]
+__all__ = ["AttentionBase", "check_backend"]
 
 T = TypeVar("T")
-
-
-def check_flag(value: object, name: str, owner: str) -> bool:
-    """``value`` as a bool (TypeError naming ``name`` otherwise)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} ({value!r})")
-    return value
 
 
 def check_backend(backend: object, owner: str) -> str:
@@ -103,7 +96,7 @@ class AttentionBase(nn.Module):
                                  f"or pass head_dim explicitly")
             head_dim = self.dim // self.num_heads
         self.head_dim = check_int(head_dim, "head_dim", owner=cls)
-        check_flag(bias, "bias", cls)
+        check_bool(bias, "bias", cls)
         if layout not in ("qkv", "q_kv", "q_k_v"):
             raise ValueError(f"{cls}: layout must be 'qkv', 'q_kv' or 'q_k_v', got {layout!r}")
         self.attend_fn: Callable[..., Any] = type(self).default_attend
@@ -234,8 +227,7 @@ class AttentionBase(nn.Module):
         """Shared checks of a forward call; returns ``x``. ``positions`` are validated only."""
         cls = type(self).__name__
         x = self.check_x(x)
-        if not isinstance(return_weights, bool):
-            raise TypeError(f"{cls}: return_weights must be a bool, got {type(return_weights).__name__}")
+        check_bool(return_weights, "return_weights", cls)
         if return_weights and self.no_weights_reason is not None:
             raise ValueError(f"{cls}: return_weights=True is not supported ({self.no_weights_reason})")
         if cache is not None:

@@ -182,7 +182,7 @@ class SnapshotCache(_LengthCache):
 
     def advance(self, n: object, device: torch.device) -> Tensor:
         """Count ``n`` more tokens; return their positions ``[n]`` (int64, on ``device``)."""
-        count = _check_int(n, "n", 0)
+        count = _check_int(n, "n", minimum=0)
         self.length += count
         return torch.arange(self.length - count, self.length, device=device)
 
@@ -195,10 +195,10 @@ class _CacheBase(_LengthCache):
 
     def __init__(self, batch_size: int, slots: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: int | None, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
-        self._batch_size = _check_int(batch_size, "batch_size", 1)
-        self.num_kv_heads = _check_int(num_kv_heads, "num_kv_heads", 1)
-        self.head_dim = _check_int(head_dim, "head_dim", 1)
-        self.v_head_dim = self.head_dim if v_head_dim is None else _check_int(v_head_dim, "v_head_dim", 1)
+        self._batch_size = _check_int(batch_size, "batch_size", minimum=1)
+        self.num_kv_heads = _check_int(num_kv_heads, "num_kv_heads", minimum=1)
+        self.head_dim = _check_int(head_dim, "head_dim", minimum=1)
+        self.v_head_dim = self.head_dim if v_head_dim is None else _check_int(v_head_dim, "v_head_dim", minimum=1)
         dt = dtype or torch.get_default_dtype()
         self.k = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.head_dim, device=device, dtype=dt)
         self.v = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.v_head_dim, device=device, dtype=dt)
@@ -266,7 +266,7 @@ class KVCache(_CacheBase):
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        self.max_len = _check_int(max_len, "max_len", 1)
+        self.max_len = _check_int(max_len, "max_len", minimum=1)
         super().__init__(batch_size, self.max_len, num_kv_heads, head_dim, v_head_dim, device, dtype)
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -361,9 +361,9 @@ class SlidingWindowKVCache(_SlotCache):
     def __init__(self, batch_size: int, window: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, max_len: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        self.window = _check_int(window, "window", 0)
+        self.window = _check_int(window, "window", minimum=0)
         self.capacity = self.window + 1
-        self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
+        self.max_len = None if max_len is None else _check_int(max_len, "max_len", minimum=1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=self.k.device)
 
@@ -437,10 +437,10 @@ class SinkWindowKVCache(_SlotCache):
     def __init__(self, batch_size: int, sink_tokens: int, window: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, max_len: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        self.sink_tokens = _check_int(sink_tokens, "sink_tokens", 0)
-        self.window = _check_int(window, "window", 0)
+        self.sink_tokens = _check_int(sink_tokens, "sink_tokens", minimum=0)
+        self.window = _check_int(window, "window", minimum=0)
         self.capacity = self.sink_tokens + self.window + 1
-        self.max_len = None if max_len is None else _check_int(max_len, "max_len", 1)
+        self.max_len = None if max_len is None else _check_int(max_len, "max_len", minimum=1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
 
     def _held_ranges(self, length: int) -> tuple[tuple[int, int], tuple[int, int]]:

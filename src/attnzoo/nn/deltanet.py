@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.recurrent.delta_rule import delta_rule
-from attnzoo.nn.base import check_flag
 from attnzoo.nn.recurrent import (
     RecurrentMixer,
-    check_chunk,
     recurrent_cost,
     register_recurrent,
     wide,
@@ -78,9 +77,9 @@ class DeltaNet(RecurrentMixer):
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
         cls = type(self).__name__
         gate = self.gated if output_gate is None else output_gate
-        self.output_gate = check_flag(gate, "output_gate", cls)
-        self.allow_neg_eigval = check_flag(allow_neg_eigval, "allow_neg_eigval", cls)
-        self.chunk_size = check_chunk(chunk_size)
+        self.output_gate = check_bool(gate, "output_gate", cls)
+        self.allow_neg_eigval = check_bool(allow_neg_eigval, "allow_neg_eigval", cls)
+        self.chunk_size = check_int(chunk_size, "chunk_size")
         hv = self.set_value_heads(num_v_heads, self.head_dim, bias, fk)
         self.b_proj = nn.Linear(dim, hv, bias=False, **fk)
         self.gate_norm_convs(conv_size, bias, fk)

@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.masks import Mask
-from attnzoo.nn.base import AttentionBase, check_backend, check_flag
+from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import KVCache
 from attnzoo.nn.costs import softmax_cost
-from attnzoo.nn.frontier import check_cu_seqlens, packed_positions
+from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
@@ -72,23 +73,19 @@ class DifferentialAttention(AttentionBase):
                  dtype: torch.dtype | None = None) -> None:
         cls = type(self).__name__
         factory = {"device": device, "dtype": dtype}
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"{cls}: num_heads must be an int >= 1, got {num_heads!r}")
-        kv = num_heads if num_kv_heads is None else num_kv_heads
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
-            raise ValueError(f"{cls}: num_kv_heads must be an int >= 1, got {num_kv_heads!r}")
+        check_int(num_heads, "num_heads", cls)
+        kv = num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", cls)
         if head_dim is None:
             if isinstance(dim, int) and dim % (2 * num_heads):
                 raise ValueError(f"{cls}: dim ({dim}) must be divisible by 2 * num_heads ({2 * num_heads}), "
                                  f"or pass head_dim")
             head_dim = dim // (2 * num_heads) if isinstance(dim, int) else None
-        if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
-            raise ValueError(f"{cls}: layer_index must be an int >= 0 (0-based depth), got {layer_index!r}")
+        check_int(layer_index, "layer_index (0-based depth)", cls, minimum=0)
         # two q/k heads of d per differential head; values of 2d = two "heads" of d per KV group
         super().__init__(dim, 2 * num_heads, num_kv_heads=2 * kv, head_dim=head_dim, bias=bias, layout="q_k_v",
                          factory=factory)
         self.diff_heads, self.diff_kv_heads = num_heads, kv
-        self.causal = check_flag(causal, "causal", cls)
+        self.causal = check_bool(causal, "causal", cls)
         self.backend = check_backend(backend, cls)
         self.layer_index, self.lambda_init = layer_index, lambda_init(layer_index)
         self.rope = _rope(cls, rope, self.head_dim)
@@ -137,7 +134,7 @@ class DifferentialAttention(AttentionBase):
         if cu_seqlens is not None:
             if cache is not None or mask is not None or positions is not None:
                 raise ValueError(f"{cls}: packed input (cu_seqlens) takes no cache, mask or positions")
-            cu = check_cu_seqlens(cu_seqlens, x, cls)
+            cu = packed_cu_seqlens(cu_seqlens, x, cls)
             return self._combine(*self._packed(x, cu))
         return self._combine(*self.guarded(cache, lambda: self._maps(x, mask, cache, positions)))
 

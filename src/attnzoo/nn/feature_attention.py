@@ -18,17 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_bool, check_int, check_optional_int
 from attnzoo.functional.feature_maps.linear import (
     FeatureMap,
-    check_chunk_size,
     compute_dtype,
     linear_attention,
     resolve_feature_map,
 )
 from attnzoo.functional.feature_maps.performer import draw_performer_projection, performer_attention
 from attnzoo.masks import Mask
-from attnzoo.nn.base import AttentionBase, check_flag
+from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.costs import projection_cost
 from attnzoo.nn.packing import check_packed_call, run_per_sequence
@@ -133,11 +132,8 @@ class _FeatureAttention(AttentionBase):
                  bias: bool, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v",
                          factory={"device": device, "dtype": dtype})
-        self.causal = check_flag(causal, "causal", type(self).__name__)
-        c = check_chunk_size(chunk_size)
-        if c is None:
-            raise TypeError("chunk_size must be an int >= 1, got None")
-        self.chunk_size = c
+        self.causal = check_bool(causal, "causal", type(self).__name__)
+        self.chunk_size = check_int(chunk_size, "chunk_size")
 
     # subclasses -------------------------------------------------------------
     @property
@@ -314,12 +310,10 @@ class PerformerAttention(_FeatureAttention):
         super().__init__(dim, num_heads, causal=causal, chunk_size=chunk_size, head_dim=head_dim, bias=bias,
                          device=device, dtype=dtype)
         self._num_features = check_int(num_features, "num_features")
-        if not isinstance(orthogonal, bool):
-            raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+        check_bool(orthogonal, "orthogonal")
         self.orthogonal = orthogonal
         self.redraw_interval = None if redraw_interval is None else check_int(redraw_interval, "redraw_interval")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        check_optional_int(seed, "seed", minimum=None)
         self.seed = seed
         self.num_draws = 0  # projections drawn so far; the current one is draw num_draws - 1
         self._calls_since_draw = 0

@@ -37,7 +37,7 @@ from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import KVCache
 from attnzoo.nn.costs import softmax_cost
-from attnzoo.nn.frontier import check_cu_seqlens
+from attnzoo.nn.frontier import packed_cu_seqlens
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
 __all__ = ["FoxAttention", "FoxCache", "forget_sums", "forgetting_bias"]
@@ -173,7 +173,7 @@ class FoxAttention(AttentionBase):
         if cu_seqlens is not None:
             if cache is not None or mask is not None or return_weights:
                 raise ValueError(f"{cls}: packed input (cu_seqlens) takes no cache, mask or return_weights")
-            return self.merge_heads(self._packed(x, check_cu_seqlens(cu_seqlens, x, cls)))
+            return self.merge_heads(self._packed(x, packed_cu_seqlens(cu_seqlens, x, cls)))
         out, weights = self.guarded(cache, lambda: self._attend(x, mask, cache, return_weights))
         y = self.merge_heads(out)
         return (y, weights) if return_weights else y

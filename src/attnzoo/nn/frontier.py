@@ -3,23 +3,21 @@
 sink logits) are injected modules, :mod:`attnzoo.nn.parts`.
 
 * :func:`rms_norm_heads`: RMSNorm of ``[B, h, N, D]`` heads, per head or over all heads of a token.
-* :func:`check_cu_seqlens` / :func:`packed_positions`: packed input ``[1, T, C]`` with int32
+* :func:`packed_cu_seqlens` / :func:`packed_positions`: packed input ``[1, T, C]`` with int32
   cumulative lengths ``cu_seqlens [S+1]``; positions restart at 0 in every sequence.
 """
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo._validate import check_cu_seqlens_tensor
+from attnzoo._validate import check_cu_seqlens
 
 __all__ = [
     "QK_NORM_EPS",
-    "check_cu_seqlens",
+    "packed_cu_seqlens",
     "packed_positions",
     "rms_norm_heads",
 ]
@@ -47,17 +45,13 @@ def rms_norm_heads(t: Tensor, weight: Tensor, eps: float, over_heads: bool) -> T
     return _rms(flat, weight, eps).view(B, N, h, D).transpose(1, 2)
 
 
-def check_cu_seqlens(cu_seqlens: object, x: Tensor, owner: str) -> Tensor:
-    """``cu_seqlens`` for a packed ``x [1, T, C]``: int32 ``[S+1]``, from 0, non-decreasing, to ``T``."""
+def packed_cu_seqlens(cu_seqlens: object, x: Tensor, owner: str) -> Tensor:
+    """``cu_seqlens`` for a packed ``x [1, T, C]`` (:func:`attnzoo._validate.check_cu_seqlens` with
+    ``total=T``), on x's device."""
     if x.shape[0] != 1:
         raise ValueError(f"{owner}: packed input (cu_seqlens given) must have batch size 1, [1, T, C]; "
                          f"got x {tuple(x.shape)}")
-    cu = check_cu_seqlens_tensor(owner, cu_seqlens)
-    values = cu.tolist()
-    if values[0] != 0 or values[-1] != x.shape[1] or any(b < a for a, b in itertools.pairwise(values)):
-        raise ValueError(f"{owner}: cu_seqlens must start at 0, never decrease and end at T = {x.shape[1]} "
-                         f"tokens, got {values}")
-    return cu.to(x.device)
+    return check_cu_seqlens(cu_seqlens, owner=owner, total=x.shape[1]).to(x.device)
 
 
 def packed_positions(cu_seqlens: Tensor, total: int) -> Tensor:

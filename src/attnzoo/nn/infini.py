@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_choice, check_int
 from attnzoo.functional.core._request import normalize_window
 from attnzoo.functional.feature_maps.infini import UPDATES, InfiniState, infini_attention
 from attnzoo.masks import Mask
@@ -119,9 +119,7 @@ class InfiniAttention(AttentionBase):
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
         self.segment_len = check_int(segment_len, "segment_len")
-        if update not in UPDATES:
-            raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
-        self.update = update
+        self.update = check_choice(update, "update", choices=UPDATES)
         self.backend = check_backend(backend, type(self).__name__)
         self.window = normalize_window(window)
         self.gate = nn.Parameter(torch.zeros(self.num_heads, **fk))  # sigmoid(0) = 0.5

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_probability
 from attnzoo.functional.recurrent.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
 from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters
 from attnzoo.nn.recurrent import recurrent_cost, register_recurrent, wide
@@ -79,8 +80,7 @@ class KimiDeltaAttention(DeltaNet):
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, conv_size=conv_size, output_gate=False,
                          chunk_size=chunk_size, num_v_heads=num_v_heads, allow_neg_eigval=allow_neg_eigval,
                          device=device, dtype=dtype)
-        if isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float)) or not 0 <= qk_norm_eps < 1:
-            raise ValueError(f"KimiDeltaAttention: qk_norm_eps must be a float in [0, 1), got {qk_norm_eps!r}")
+        check_probability(qk_norm_eps, "qk_norm_eps", "KimiDeltaAttention")
         self.qk_norm_eps = float(qk_norm_eps)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         d, v_inner = self.head_dim, self.num_v_heads * self.head_dim

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_int
 from attnzoo.masks import Mask, sliding_window
 from attnzoo.masks import causal as causal_mask
 from attnzoo.masks import global_tokens as global_mask
@@ -53,10 +54,7 @@ class LocalGlobalAttention(MultiHeadAttention):
                  causal: bool = False, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, rope: bool | RotaryEmbedding | None = None, dropout: float = 0.0,
                  backend: str = "auto", parts: AttentionParts | None = None) -> None:
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"LocalGlobalAttention: window must be an int, got {type(window).__name__} ({window!r})")
-        if window < 0:
-            raise ValueError(f"LocalGlobalAttention: window must be >= 0, got {window}")
+        check_int(window, "window", "LocalGlobalAttention", minimum=0)
         positions = _check_global_tokens(global_tokens)
         super().__init__(dim, num_heads, num_kv_heads, None, head_dim, bias, causal, None, rope, dropout, backend,
                          parts=parts)

@@ -39,11 +39,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int
+from attnzoo._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_nonnegative_float,
+    check_positive_float,
+    check_probability,
+)
 from attnzoo.functional.softmax.varlen import _check_cu, attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.nn.attention import _check_mask
-from attnzoo.nn.base import AttentionBase, check_backend, check_flag
+from attnzoo.nn.base import AttentionBase, check_backend
 from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.costs import computed_pairs, resolve_backend, visible_pairs
 from attnzoo.nn.parts import placed
@@ -199,30 +206,20 @@ class MLAOptions:
 
     def __post_init__(self) -> None:
         owner = "MLAOptions"
-        _check_float(owner, "norm_eps", self.norm_eps, positive=False)
+        check_nonnegative_float(self.norm_eps, "norm_eps", owner)
         if self.scale is not None:
-            _check_float(owner, "scale", self.scale)
+            check_positive_float(self.scale, "scale", owner)
         if self.rope_base is not None:
-            _check_float(owner, "rope_base", self.rope_base)
+            check_positive_float(self.rope_base, "rope_base", owner)
         if self.rope_interleave is not None:
-            check_flag(self.rope_interleave, "rope_interleave", owner)
+            check_bool(self.rope_interleave, "rope_interleave", owner)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Mapping):
             raise TypeError(f"{owner}: rope_scaling must be a dict of rope parameters or None, got "
                             f"{type(self.rope_scaling).__name__}")
         if self.max_position_embeddings is not None:
             check_int(self.max_position_embeddings, "max_position_embeddings", owner=owner)
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"{owner}: dropout must be a float in [0, 1), got {self.dropout!r}")
-        if self.form not in FORMS:
-            raise ValueError(f"{owner}: form must be one of {FORMS}, got {self.form!r}")
-
-
-def _check_float(owner: str, name: str, value: object, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not (value > 0 if positive else value >= 0):
-        raise ValueError(f"{owner}: {name} must be a finite {'positive' if positive else 'non-negative'} number, "
-                         f"got {value!r}")
-    return float(value)
+        check_probability(self.dropout, "dropout", owner)
+        check_choice(self.form, "form", owner, choices=FORMS)
 
 
 def _yarn_mscale(scale: float, m: float) -> float:
@@ -281,7 +278,7 @@ class MultiHeadLatentAttention(AttentionBase):
         self._norm_eps = opts.norm_eps
         # head_dim: the width of a head's output, dv (= dn = D with DeepSeek's proportions, as the cost model)
         super().__init__(dim, num_heads, head_dim=self.sizes.v_head_dim, bias=bias)
-        self.causal = check_flag(causal, "causal", cls)
+        self.causal = check_bool(causal, "causal", cls)
         self.backend = check_backend(backend, cls)
         self.options = opts
         self.form = opts.form

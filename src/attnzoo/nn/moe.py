@@ -36,30 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._validate import check_bool, check_choice, check_int, check_positive_float
+
 __all__ = ["EXPERT_ACTIVATIONS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_topk")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
-
-
-def _pos_int(x: object, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"MixtureOfExperts: {name} must be an int, got {type(x).__name__} ({x!r})")
-    if x <= 0:
-        raise ValueError(f"MixtureOfExperts: {name} must be > 0, got {x}")
-    return x
-
-
-def _flag(x: object, name: str) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__} ({x!r})")
-    return x
-
-
-def _finite(x: object, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{name} must be a finite float > 0, got {x!r}")
-    return float(x)
 
 
 @dataclass(frozen=True)
@@ -87,15 +69,14 @@ class Routing:
     topk_groups: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in ROUTINGS:
-            raise ValueError(f"Routing: kind must be one of {list(ROUTINGS)}, got {self.kind!r}")
+        check_choice(self.kind, "kind", "Routing", choices=ROUTINGS)
         for name in ("norm_topk_prob", "bias", "weight_inputs"):
-            _flag(getattr(self, name), f"Routing: {name}")
+            check_bool(getattr(self, name), name, "Routing")
         if self.norm_topk_prob and self.kind not in ("softmax_topk", "sigmoid_topk"):
             raise ValueError(f"Routing: norm_topk_prob applies to kind='softmax_topk' or 'sigmoid_topk', "
                              f"got {self.kind!r}")
-        object.__setattr__(self, "scaling", _finite(self.scaling, "Routing: scaling"))
-        groups, topk_groups = _pos_int(self.groups, "groups"), _pos_int(self.topk_groups, "topk_groups")
+        object.__setattr__(self, "scaling", check_positive_float(self.scaling, "scaling", "Routing"))
+        groups, topk_groups = check_int(self.groups, "groups", "Routing"), check_int(self.topk_groups, "topk_groups", "Routing")
         if topk_groups > groups:
             raise ValueError(f"Routing: topk_groups must be <= groups={groups}, got {topk_groups}")
         if groups > 1 and self.kind != "sigmoid_topk":
@@ -121,9 +102,7 @@ class Experts:
     bias: bool = False
 
     def __post_init__(self) -> None:
-        if self.activation not in EXPERT_ACTIVATIONS:
-            raise ValueError(f"Experts: activation must be one of {list(EXPERT_ACTIVATIONS)}, "
-                             f"got {self.activation!r}")
+        check_choice(self.activation, "activation", "Experts", choices=EXPERT_ACTIVATIONS)
         clamped = self.activation == "clamped_swiglu"
         if clamped != (self.swiglu_limit is not None and self.swiglu_alpha is not None):
             raise ValueError("Experts: activation='clamped_swiglu' needs swiglu_limit and swiglu_alpha "
@@ -131,8 +110,8 @@ class Experts:
                              f"swiglu_limit={self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r}")
         for name in ("swiglu_limit", "swiglu_alpha"):
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, _finite(getattr(self, name), f"Experts: {name}"))
-        _flag(self.bias, "Experts: bias")
+                object.__setattr__(self, name, check_positive_float(getattr(self, name), name, "Experts"))
+        check_bool(self.bias, "bias", "Experts")
 
 
 class MixtureOfExperts(nn.Module):
@@ -162,8 +141,8 @@ class MixtureOfExperts(nn.Module):
                  experts: Experts | None = None, shared_expert: nn.Module | None = None, shared_gate: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.dim, self.hidden = _pos_int(dim, "dim"), _pos_int(hidden, "hidden")
-        self.num_experts, self.top_k = _pos_int(num_experts, "num_experts"), _pos_int(top_k, "top_k")
+        self.dim, self.hidden = check_int(dim, "dim", "MixtureOfExperts"), check_int(hidden, "hidden", "MixtureOfExperts")
+        self.num_experts, self.top_k = check_int(num_experts, "num_experts", "MixtureOfExperts"), check_int(top_k, "top_k", "MixtureOfExperts")
         if top_k > num_experts:
             raise ValueError(f"MixtureOfExperts: top_k ({top_k}) must be <= num_experts ({num_experts})")
         routing = Routing() if routing is None else routing
@@ -181,7 +160,7 @@ class MixtureOfExperts(nn.Module):
         if shared_expert is not None and not isinstance(shared_expert, nn.Module):
             raise TypeError(f"MixtureOfExperts: shared_expert must be an nn.Module or None, "
                             f"got {type(shared_expert).__name__}")
-        if _flag(shared_gate, "MixtureOfExperts: shared_gate") and shared_expert is None:
+        if check_bool(shared_gate, "shared_gate", "MixtureOfExperts") and shared_expert is None:
             raise ValueError("MixtureOfExperts: shared_gate=True needs a shared_expert")
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         E, F_, C = num_experts, hidden, dim

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from attnzoo.nn.frontier import check_cu_seqlens
+from attnzoo.nn.frontier import packed_cu_seqlens
 
 __all__ = ["accepts_cu_seqlens", "check_packed_call", "run_packed", "run_per_sequence"]
 
@@ -32,7 +32,7 @@ def check_packed_call(owner: str, x: Tensor, cu_seqlens: object, **unsupported: 
     given = [name for name, value in unsupported.items() if value is not None and value is not False]
     if given:
         raise ValueError(f"{owner}: packed input (cu_seqlens) takes no {', '.join(given)}")
-    return check_cu_seqlens(cu_seqlens, x, owner)
+    return packed_cu_seqlens(cu_seqlens, x, owner)
 
 
 def run_per_sequence(forward: Callable[[Tensor], Tensor], x: Tensor, cu_seqlens: Tensor) -> Tensor:

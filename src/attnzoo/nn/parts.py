@@ -24,7 +24,6 @@ registered there (the :class:`QKNorm` modules themselves are kept as its setting
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,32 +31,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._validate import check_bool, check_choice, check_int, check_positive_float
 from attnzoo.nn.frontier import QK_NORM_EPS, rms_norm_heads
 
 __all__ = ["AttentionParts", "OutputGate", "QKNorm", "Scores", "parts_from_settings", "qk_rmsnorm", "sink_logits"]
 
 QK_NORMS = ("head", "all")
 GATES = ("head", "element")
-
-
-def _pos_int(value: object, name: str, owner: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{owner}: {name} must be >= 1, got {value}")
-    return value
-
-
-def _finite(value: object, name: str, owner: str, *, positive: bool) -> float | None:
-    """``value`` as a finite float (``> 0`` when ``positive``) or ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a float or None, got {type(value).__name__} ({value!r})")
-    if not math.isfinite(value) or (positive and not value > 0):
-        raise ValueError(f"{owner}: {name} must be a finite{' positive' if positive else ''} float or None, "
-                         f"got {value!r}")
-    return float(value)
 
 
 class QKNorm(nn.Module):
@@ -74,10 +54,9 @@ class QKNorm(nn.Module):
 
     def __init__(self, width: int, *, eps: float = QK_NORM_EPS, over_heads: bool = False) -> None:
         super().__init__()
-        self.width = _pos_int(width, "width", "QKNorm")
-        self.eps = _finite(eps, "eps", "QKNorm", positive=True)
-        if not isinstance(over_heads, bool):
-            raise TypeError(f"QKNorm: over_heads must be a bool, got {type(over_heads).__name__} ({over_heads!r})")
+        self.width = check_int(width, "width", "QKNorm")
+        self.eps = check_positive_float(eps, "eps", "QKNorm", optional=True)
+        check_bool(over_heads, "over_heads", "QKNorm")
         self.over_heads = over_heads
         self.weight = nn.Parameter(torch.ones(self.width))
 
@@ -97,8 +76,7 @@ def qk_rmsnorm(mode: str, num_heads: int, num_kv_heads: int, head_dim: int,
                eps: float = QK_NORM_EPS) -> tuple[QKNorm, QKNorm]:
     """``(q_norm, k_norm)``: ``mode="head"`` RMSNorm of every head over ``D`` (weights ``[D]``:
     Qwen3, Gemma3) or ``"all"`` over all heads of a token (weights ``[H*D]``, ``[Hkv*D]``: OLMo2)."""
-    if mode not in QK_NORMS:
-        raise ValueError(f"qk_rmsnorm: mode must be one of {list(QK_NORMS)}, got {mode!r}")
+    check_choice(mode, "mode", "qk_rmsnorm", choices=QK_NORMS)
     wide = mode == "all"
     return (QKNorm(num_heads * head_dim if wide else head_dim, eps=eps, over_heads=wide),
             QKNorm(num_kv_heads * head_dim if wide else head_dim, eps=eps, over_heads=wide))
@@ -114,10 +92,9 @@ class OutputGate(nn.Linear):
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mode: str = "head") -> None:
-        if mode not in GATES:
-            raise ValueError(f"OutputGate: mode must be one of {list(GATES)}, got {mode!r}")
-        H, D = _pos_int(num_heads, "num_heads", "OutputGate"), _pos_int(head_dim, "head_dim", "OutputGate")
-        super().__init__(_pos_int(dim, "dim", "OutputGate"), H if mode == "head" else H * D, bias=False)
+        check_choice(mode, "mode", "OutputGate", choices=GATES)
+        H, D = check_int(num_heads, "num_heads", "OutputGate"), check_int(head_dim, "head_dim", "OutputGate")
+        super().__init__(check_int(dim, "dim", "OutputGate"), H if mode == "head" else H * D, bias=False)
         self.mode, self.num_heads, self.head_dim = mode, H, D
 
     def gate(self, out: Tensor, x: Tensor) -> Tensor:
@@ -133,7 +110,7 @@ class OutputGate(nn.Linear):
 
 def sink_logits(num_heads: int) -> nn.Parameter:
     """A learnable ``[H]`` sink logit per query head (gpt-oss), initialised to 0."""
-    return nn.Parameter(torch.zeros(_pos_int(num_heads, "num_heads", "sink_logits")))
+    return nn.Parameter(torch.zeros(check_int(num_heads, "num_heads", "sink_logits")))
 
 
 @dataclass(frozen=True)
@@ -155,10 +132,9 @@ class Scores:
     score_mod: Callable[..., Tensor] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.alibi, bool):
-            raise TypeError(f"Scores: alibi must be a bool, got {type(self.alibi).__name__} ({self.alibi!r})")
-        object.__setattr__(self, "scale", _finite(self.scale, "scale", "Scores", positive=True))
-        object.__setattr__(self, "softcap", _finite(self.softcap, "softcap", "Scores", positive=True))
+        check_bool(self.alibi, "alibi", "Scores")
+        object.__setattr__(self, "scale", check_positive_float(self.scale, "scale", "Scores", optional=True))
+        object.__setattr__(self, "softcap", check_positive_float(self.softcap, "softcap", "Scores", optional=True))
         if self.score_mod is not None and not callable(self.score_mod):
             raise TypeError(f"Scores: score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
                             f"got {type(self.score_mod).__name__}")
@@ -252,17 +228,16 @@ def parts_from_settings(dim: int, num_heads: int, num_kv_heads: int | None, head
     ``sinks=True``, ``output_gate="head"``, ``softcap=...``: what ``attention_kwargs`` dicts carry).
     ``num_kv_heads``/``head_dim`` ``None``: ``num_heads`` / ``dim // num_heads``."""
     owner = "attention settings"
-    if not isinstance(sinks, bool):
-        raise TypeError(f"{owner}: sinks must be a bool, got {type(sinks).__name__} ({sinks!r})")
+    check_bool(sinks, "sinks", owner)
     for name, value, choices in (("qk_norm", qk_norm, QK_NORMS), ("output_gate", output_gate, GATES)):
         if value is not None and value not in choices:
             raise ValueError(f"{owner}: {name} must be one of {[None, *choices]}, got {value!r}")
     if qk_norm_eps is not None and qk_norm is None:
         raise ValueError(f"{owner}: qk_norm_eps applies with qk_norm='head' or 'all' only, got qk_norm=None")
-    H = _pos_int(num_heads, "num_heads", owner)
-    Hkv = H if num_kv_heads is None else _pos_int(num_kv_heads, "num_kv_heads", owner)
-    D = _pos_int(dim // H if head_dim is None else head_dim, "head_dim", owner)
-    eps = QK_NORM_EPS if qk_norm_eps is None else _finite(qk_norm_eps, "qk_norm_eps", owner, positive=True)
+    H = check_int(num_heads, "num_heads", owner)
+    Hkv = H if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", owner)
+    D = check_int(dim // H if head_dim is None else head_dim, "head_dim", owner)
+    eps = QK_NORM_EPS if qk_norm_eps is None else check_positive_float(qk_norm_eps, "qk_norm_eps", owner, optional=True)
     q_norm, k_norm = (None, None) if qk_norm is None else qk_rmsnorm(qk_norm, H, Hkv, D, eps)
     return AttentionParts(q_norm=q_norm, k_norm=k_norm, sinks=sink_logits(H) if sinks else None,
                           output_gate=None if output_gate is None else OutputGate(dim, H, D, output_gate),

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_float, check_number_above
+from attnzoo._validate import check_bool, check_float, check_int, check_number_above
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 
 __all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "ScaledRotaryEmbedding", "SinusoidalPositionalEncoding",
@@ -31,14 +31,6 @@ __all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "ScaledRotaryEmbeddi
 
 
 # --------------------------------------------------------------------------- helpers
-def _check_pos_int(x: object, name: str, minimum: int = 1) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} ({x!r})")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
-
-
 def resolve_positions(
     positions: Tensor | None,
     n: int,
@@ -54,7 +46,7 @@ def resolve_positions(
     size a ``[B, N]`` tensor must match. Negative positions are rejected.
     """
     if positions is None:
-        off = _check_pos_int(offset, "offset", minimum=0)
+        off = check_int(offset, "offset", minimum=0)
         return torch.arange(off, off + n, device=device)
     if not isinstance(positions, Tensor):
         raise TypeError(f"{name} must be an int tensor [N] or [B, N], got {type(positions).__name__}")
@@ -153,9 +145,9 @@ class SinusoidalPositionalEncoding(_PositionTable):
     def __init__(self, dim: int, max_len: int = 8192, *, base: float = 10000.0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.dim = _check_pos_int(dim, "dim")
-        self.max_len = _check_pos_int(max_len, "max_len")
-        check_number_above(base, "base", 1.0, type(self).__name__)
+        self.dim = check_int(dim, "dim")
+        self.max_len = check_int(max_len, "max_len")
+        check_number_above(base, "base", lower=1.0, owner=type(self).__name__)
         self.base = float(base)
         table = sinusoidal_table(self.max_len, self.dim, self.base, dtype or torch.get_default_dtype())
         self.register_buffer("pe", table.to(device), persistent=False)  # [max_len, C]
@@ -187,8 +179,8 @@ class LearnedPositionalEmbedding(_PositionTable):
     def __init__(self, dim: int, max_len: int, *, init_std: float = 0.02,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.dim = _check_pos_int(dim, "dim")
-        self.max_len = _check_pos_int(max_len, "max_len")
+        self.dim = check_int(dim, "dim")
+        self.max_len = check_int(max_len, "max_len")
         self.init_std = float(init_std)
         self.weight = nn.Parameter(torch.empty(self.max_len, self.dim, device=device, dtype=dtype))
         self.reset_parameters()
@@ -241,20 +233,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: int | None = None, scaling: str | None = None, scaling_factor: float = 1.0) -> None:
         super().__init__()
-        self.dim = _check_pos_int(dim, "dim")
-        rd = self.dim if rotary_dim is None else _check_pos_int(rotary_dim, "rotary_dim")
+        self.dim = check_int(dim, "dim")
+        rd = self.dim if rotary_dim is None else check_int(rotary_dim, "rotary_dim")
         if rd > self.dim:
             raise ValueError(f"rotary_dim must be <= dim = {self.dim}, got {rd}")
         if rd % 2:
             which = "dim" if rotary_dim is None else "rotary_dim"
             raise ValueError(f"RotaryEmbedding rotates channel pairs, so {which} must be even, got {rd}")
         self.rotary_dim = rd
-        check_number_above(base, "base", 1.0, type(self).__name__)
-        if not isinstance(interleaved, bool):
-            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+        check_number_above(base, "base", lower=1.0, owner=type(self).__name__)
+        check_bool(interleaved, "interleaved")
         if scaling not in (None, "linear", "ntk"):
             raise ValueError(f"scaling must be None, 'linear' or 'ntk', got {scaling!r}")
-        if check_float(scaling_factor, "scaling_factor", type(self).__name__, "a number") < 1 \
+        if check_float(scaling_factor, "scaling_factor", type(self).__name__, expected="a number") < 1 \
                 or not math.isfinite(scaling_factor):
             raise ValueError(f"scaling_factor must be a finite number >= 1, got {scaling_factor!r}")
         if scaling == "ntk" and rd <= 2:
@@ -365,7 +356,7 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
     ``p`` slopes for ``p`` heads followed by every other slope of the ``2p``-head sequence
     (``r' = 2^(-4/p)``: ``r'^1, r'^3, ...``) until there are ``n`` (the paper's reference code).
     """
-    n = _check_pos_int(num_heads, "num_heads")
+    n = check_int(num_heads, "num_heads")
 
     def pow2(m: int) -> list[float]:
         start = 2.0 ** (-8.0 / m)

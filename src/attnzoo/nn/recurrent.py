@@ -24,17 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int
-from attnzoo.functional.feature_maps.linear import check_chunk_size
+from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.recurrent._chunked_scan import compute_dtype
 from attnzoo.masks import Mask
-from attnzoo.nn.base import AttentionBase, check_flag
+from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.cache import SnapshotCache
 from attnzoo.nn.feature_attention import key_padding_from_mask, refuse_context
 from attnzoo.nn.packing import check_packed_call
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig, VariantSpec, register
 
-__all__ = ["HeadNorm", "RecurrentCache", "RecurrentMixer", "ShortConv", "check_chunk", "recurrent_cost",
+__all__ = ["HeadNorm", "RecurrentCache", "RecurrentMixer", "ShortConv", "recurrent_cost",
            "register_recurrent", "wide"]
 
 
@@ -42,14 +41,6 @@ def wide(t: Tensor) -> Tensor:
     """Half (float16 / bfloat16) tensors as float32, others unchanged: what the recurrent mixers feed their
     kernels, whose states and outputs would overflow fp16 (issue 33: ``x * 30`` gave NaN)."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def check_chunk(chunk_size: object) -> int:
-    """``chunk_size`` as an int >= 1 (TypeError / ValueError naming it otherwise)."""
-    c = check_chunk_size(chunk_size)
-    if c is None:
-        raise TypeError("chunk_size must be an int >= 1, got None")
-    return c
 
 
 class RecurrentCache(SnapshotCache):
@@ -90,7 +81,7 @@ class RecurrentCache(SnapshotCache):
 
     def update(self, state: Tensor, conv: Mapping[str, Tensor], n: int) -> tuple[Tensor, Tensor]:
         """Store the state and convolution inputs after ``n`` more tokens; return ``(state, positions [n])``."""
-        n = check_int(n, "n", 0)
+        n = check_int(n, "n", minimum=0)
         if tuple(state.shape) != tuple(self.state.shape) or set(conv) != set(self.conv):
             raise ValueError(f"RecurrentCache.update: expected state {tuple(self.state.shape)} and convolutions "
                              f"{sorted(self.conv)}, got {tuple(state.shape)} and {sorted(conv)}")
@@ -301,8 +292,8 @@ class RecurrentMixer(AttentionBase):
 
     def set_gate_and_chunk(self, output_gate: object, chunk_size: object) -> None:
         """``self.output_gate`` (a bool) and ``self.chunk_size`` (an int >= 1), checked in that order."""
-        self.output_gate = check_flag(output_gate, "output_gate", type(self).__name__)
-        self.chunk_size = check_chunk(chunk_size)
+        self.output_gate = check_bool(output_gate, "output_gate", type(self).__name__)
+        self.chunk_size = check_int(chunk_size, "chunk_size")
 
     def gate_norm_convs(self, conv_size: int, bias: bool, fk: dict[str, Any]) -> None:
         """The ``D x D``-state mixers' parts after :meth:`set_value_heads` (``Hv = num_v_heads``): the output
@@ -317,7 +308,7 @@ class RecurrentMixer(AttentionBase):
 
     def make_convs(self, channels: dict[str, int], conv_size: int, bias: bool, factory: dict[str, Any]) -> None:
         """Create ``ShortConv`` ``{name}_conv`` for every entry of ``channels`` (none when ``conv_size == 0``)."""
-        self.conv_size = check_int(conv_size, "conv_size", 0, type(self).__name__)
+        self.conv_size = check_int(conv_size, "conv_size", minimum=0, owner=type(self).__name__)
         self.conv_channels = dict(channels) if self.conv_size else {}
         for name, ch in self.conv_channels.items():
             setattr(self, f"{name}_conv", ShortConv(ch, self.conv_size, bias, factory))

@@ -219,9 +219,9 @@ def check_rope_parameters(params: Mapping[str, Any], rope_type: str) -> None:
         if params.get(key) is not None:
             check_positive_float(params[key], key, owner)
     if params.get("rope_theta") is not None:
-        check_number_above(params["rope_theta"], "rope_theta", 1.0, owner)
+        check_number_above(params["rope_theta"], "rope_theta", lower=1.0, owner=owner)
     if params.get("original_max_position_embeddings") is not None:  # log(L) divides in longrope
-        check_number_above(params["original_max_position_embeddings"], "original_max_position_embeddings", 1.0, owner)
+        check_number_above(params["original_max_position_embeddings"], "original_max_position_embeddings", lower=1.0, owner=owner)
     low, high = params.get("low_freq_factor"), params.get("high_freq_factor")
     if rope_type == "llama3" and low is not None and high is not None and not float(high) > float(low):
         raise ValueError(f"{owner}: high_freq_factor must be > low_freq_factor, got {high} <= {low}")

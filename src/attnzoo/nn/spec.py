@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.core._request import normalize_window
 
 __all__ = [
@@ -191,10 +191,6 @@ def register(spec: VariantSpec) -> VariantSpec:
     return spec
 
 
-def _pos_int(x: object, name: str) -> int:
-    return check_int(x, name, 1)
-
-
 def _check_options(spec: VariantSpec, given: dict[str, Any]) -> None:
     unknown = sorted(set(given) - set(KNOWN_OPTIONS) - {"head_dim", "causal"})
     if unknown:
@@ -205,8 +201,7 @@ def _check_options(spec: VariantSpec, given: dict[str, Any]) -> None:
         raise ValueError(f"{spec.name}: setting(s) {stray} do not apply to this variant "
                          f"(it takes {list(spec.options) or 'none of ' + str(list(KNOWN_OPTIONS))})")
     causal = given.get("causal", True)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool(causal, "causal")
     if causal not in spec.causal_modes:
         raise ValueError(f"{spec.name}: causal={causal} is not supported (supported: {list(spec.causal_modes)})")
 
@@ -218,8 +213,8 @@ def resolve_config(spec: VariantSpec, dim: int, num_heads: int, **settings: Any)
     ``global_tokens``, ``num_features``, ``segment_len``, ``chunk_size``. A setting outside the
     spec's ``options`` raises ``ValueError`` (it would be silently ignored otherwise).
     """
-    dim = _pos_int(dim, "dim")
-    num_heads = _pos_int(num_heads, "num_heads")
+    dim = check_int(dim, "dim")
+    num_heads = check_int(num_heads, "num_heads")
     given = {k: v for k, v in settings.items() if v is not None}
     _check_options(spec, given)
     kw = {**spec.defaults, **given}
@@ -228,12 +223,11 @@ def resolve_config(spec: VariantSpec, dim: int, num_heads: int, **settings: Any)
         if dim % num_heads:
             raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}; pass head_dim")
         head_dim = dim // num_heads
-    head_dim = _pos_int(head_dim, "head_dim")
+    head_dim = check_int(head_dim, "head_dim")
     causal = bool(kw.get("causal", True))
     kv_given = kw.get("num_kv_heads") if "num_kv_heads" in spec.options else None
     kv_rule = spec.kv_heads or (lambda h, g: h if g is None else g)
-    kv = _pos_int(kv_rule(num_heads, None if kv_given is None else _pos_int(kv_given, "num_kv_heads")),
-                  "num_kv_heads")
+    kv = check_int(kv_rule(num_heads, None if kv_given is None else check_int(kv_given, "num_kv_heads")), "num_kv_heads")
     if num_heads % kv:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={kv}")
     window = None
@@ -242,9 +236,9 @@ def resolve_config(spec: VariantSpec, dim: int, num_heads: int, **settings: Any)
         window = normalize_window((w, 0) if isinstance(w, int) and not isinstance(w, bool) and causal else w)
     globals_ = tuple(int(g) for g in kw.get("global_tokens", ())) if "global_tokens" in spec.options else ()
     nf = kw.get("num_features") if "num_features" in spec.options else None
-    nf = None if nf is None else _pos_int(nf, "num_features")
-    seg = _pos_int(kw["segment_len"], "segment_len") if "segment_len" in spec.options else None
+    nf = None if nf is None else check_int(nf, "num_features")
+    seg = check_int(kw["segment_len"], "segment_len") if "segment_len" in spec.options else None
     chunk = kw.get("chunk_size") if "chunk_size" in spec.options else None
     return VariantConfig(name=spec.name, dim=dim, num_heads=num_heads, num_kv_heads=kv, head_dim=head_dim,
                          causal=causal, window=window, global_tokens=globals_, num_features=nf,
-                         segment_len=seg, chunk_size=None if chunk is None else _pos_int(chunk, "chunk_size"))
+                         segment_len=seg, chunk_size=None if chunk is None else check_int(chunk, "chunk_size"))

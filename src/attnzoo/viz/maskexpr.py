@@ -11,6 +11,7 @@ from torch import Tensor
 
 from attnzoo import masks as M
 from attnzoo._memory import refuse_if_too_big
+from attnzoo._validate import check_int
 
 __all__ = ["BYTES_PER_PAIR", "dense_mask", "mask_to_text", "parse_mask"]
 
@@ -90,8 +91,7 @@ def dense_mask(mask: M.Mask | Tensor | str, n_q: int, n_k: int | None = None, *,
     """
     n_k = n_q if n_k is None else n_k
     for name, v in (("n_q", n_q), ("n_k", n_k)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_int(v, name)
     if isinstance(mask, str):
         mask = parse_mask(mask)
     if isinstance(mask, M.Mask):

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from attnzoo import masks as M
 from attnzoo._memory import refuse_if_too_big
+from attnzoo._validate import check_int
 from attnzoo.nn.positional import alibi_slopes, sinusoidal_table
 from attnzoo.viz.maskexpr import dense_mask
 
@@ -227,8 +228,7 @@ def plot_positional(kind: str = "all", *, n: int = 128, dim: int = 128, heads: i
     if kind not in (*POSITIONAL_KINDS, "all"):
         raise ValueError(f"kind must be one of {(*POSITIONAL_KINDS, 'all')}, got {kind!r}")
     for name, v in (("n", n), ("dim", dim), ("heads", heads)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_int(v, name)
     if dim % 2:
         raise ValueError(f"dim must be even (sine/cosine and RoPE pairs), got {dim}")
     todo = list(POSITIONAL_KINDS) if kind == "all" else [kind]

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._devices import tracing
+from attnzoo._validate import check_optional_int
 from attnzoo.functional.backends.halfmath import HALF_DTYPES, half_math
 from attnzoo.functional.core._edge import empty_result, is_empty
 from attnzoo.functional.core._request import AttnRequest, build_request
@@ -133,8 +134,7 @@ def decode_attention(
     r = build_request(q, k, v, mask=None, causal=causal, window=window, q_offset=q_offset, scale=scale,
                       softcap=softcap, alibi_slopes=None, dropout_p=0.0, return_lse=return_lse,
                       return_weights=False)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be a positive int (keys per chunk) or None, got {chunk!r}")
+    check_optional_int(chunk, "chunk")
     out, lse = split_kv_attention(r, chunk)
     return (out, lse) if return_lse else out
 

@@ -19,9 +19,9 @@ from attnzoo._devices import tracing
 from attnzoo._validate import (
     Window,
     check_bool,
-    check_float,
     check_int,
     check_positive_float,
+    check_probability,
     check_tensor_ranks,
     normalize_window,
 )
@@ -286,13 +286,6 @@ def _check_slopes(alibi_slopes: object, q: Tensor) -> Tensor | None:
     return alibi_slopes.to(device=q.device, dtype=compute_dtype(q.dtype))
 
 
-def _check_dropout(dropout_p: object) -> float:
-    value = check_float(dropout_p, "dropout_p")
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    return value
-
-
 def build_request(
     q: Tensor,
     k: Tensor,
@@ -320,7 +313,7 @@ def build_request(
     sc = 1.0 / math.sqrt(q.shape[3]) if scale is None else check_positive_float(scale, "scale")
     cap = None if softcap is None else check_positive_float(softcap, "softcap")
     slopes = _check_slopes(alibi_slopes, q)
-    p = _check_dropout(dropout_p)
+    p = check_probability(dropout_p, "dropout_p")
     check_bool(return_lse, "return_lse")
     check_bool(return_weights, "return_weights")
     mod = check_score_mod(score_mod, q, nk, off)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo._validate import check_int, normalize_window
+from attnzoo._validate import check_choice, check_int, normalize_window
 from attnzoo.functional.core._request import check_qkv
 from attnzoo.functional.core.rules import compute_dtype
 from attnzoo.functional.softmax.attention import attention
@@ -181,8 +181,7 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, gate: object, segment_len: obje
         raise ValueError(f"infini_attention needs k/v with the heads and tokens of q, got q {tuple(q.shape)} "
                          f"and k {tuple(k.shape)}")
     check_int(segment_len, "segment_len", minimum=1)
-    if update not in UPDATES:
-        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    check_choice(update, "update", choices=UPDATES)
     if not isinstance(gate, Tensor) or tuple(gate.shape) != (h,):
         got = tuple(gate.shape) if isinstance(gate, Tensor) else type(gate).__name__
         raise ValueError(f"gate must be a tensor of shape [H] = [{h}], got {got}")

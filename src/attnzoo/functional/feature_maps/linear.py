@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
+from attnzoo._validate import check_bool, check_choice, check_optional_int
 from attnzoo.functional.core._request import check_qkv
 from attnzoo.functional.core.rules import compute_dtype  # also imported from here by nn/
 from attnzoo.functional.recurrent._chunked_scan import token_loop
@@ -72,20 +73,8 @@ def resolve_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tensor]:
 
 
 # --------------------------------------------------------------------------- validation
-def check_chunk_size(chunk_size: object, name: str = "chunk_size") -> int | None:
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"{name} must be an int or None, got {type(chunk_size).__name__} ({chunk_size!r})")
-    if chunk_size < 1:
-        raise ValueError(f"{name} must be >= 1, got {chunk_size}")
-    return chunk_size
-
-
 def check_form(form: object) -> str:
-    if not isinstance(form, str) or form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    return form
+    return check_choice(form, "form", choices=FORMS)
 
 
 def check_key_padding(mask: object, batch: int, n_k: int, device: torch.device) -> Tensor | None:
@@ -128,8 +117,7 @@ def check_inputs(q: object, k: object, v: object, causal: object) -> None:
     """q, k, v agreement (shared rules of ``attention``) plus the feature-attention restrictions."""
     check_qkv(q, k, v)
     assert isinstance(q, Tensor) and isinstance(k, Tensor)  # for type checkers; check_qkv raised otherwise
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool(causal, "causal")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"feature-map attention needs as many key/value heads as query heads, got "
                          f"q {tuple(q.shape)} and k {tuple(k.shape)} (expand K/V for GQA)")
@@ -359,10 +347,9 @@ def linear_attention(
     """
     check_inputs(q, k, v, causal)
     fn = resolve_feature_map(feature_map)
-    chunk = check_chunk_size(chunk_size)
+    chunk = check_optional_int(chunk_size, "chunk_size")
     form = check_form(form)
-    if not isinstance(return_state, bool):
-        raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
+    check_bool(return_state, "return_state")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:  # no math.isfinite: traceable
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     b, h, n_q, _ = q.shape

@@ -32,11 +32,10 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_bool, check_int, check_optional_int, check_positive_float
 from attnzoo.functional.core.rules import compute_dtype
 from attnzoo.functional.feature_maps.linear import (
     State,
-    check_chunk_size,
     check_form,
     check_inputs,
     check_key_padding,
@@ -74,16 +73,13 @@ def draw_performer_projection(
     """
     f = check_int(num_features, "num_features")
     d = check_int(head_dim, "head_dim")
-    if not isinstance(orthogonal, bool):
-        raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+    check_bool(orthogonal, "orthogonal")
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed, not both")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(check_int(seed, "seed", minimum=None))
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if not orthogonal:
@@ -165,18 +161,10 @@ def performer_attention(
         raise ValueError(f"projection must have shape [F, D] with F >= 1 and D = {d}, got {tuple(projection.shape)}")
     if projection.device != q.device:
         raise ValueError(f"projection is on {projection.device} but q is on {q.device}")
-    chunk = check_chunk_size(chunk_size)
+    chunk = check_optional_int(chunk_size, "chunk_size")
     form = check_form(form)
-    if not isinstance(return_state, bool):
-        raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
-    if scale is None:
-        sc = 1.0 / math.sqrt(d)
-    else:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be a finite positive number, got {scale}")
-        sc = float(scale)
+    check_bool(return_state, "return_state")
+    sc = 1.0 / math.sqrt(d) if scale is None else check_positive_float(scale, "scale")
     b, h, _, _ = q.shape
     cdt = compute_dtype(q.dtype)
     pad = check_key_padding(key_padding_mask, b, k.shape[2], k.device)

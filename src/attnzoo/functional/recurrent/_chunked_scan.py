@@ -31,13 +31,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_cu_seqlens_tensor, check_tensor_ranks
+from attnzoo._validate import (
+    check_bool,
+    check_choice,
+    check_cu_seqlens,
+    check_optional_int,
+    check_tensor_ranks,
+)
 
 __all__ = [
     "DEFAULT_CHUNK",
     "FORMS",
     "GROUP_BUDGET_BYTES",
-    "check_cu_seqlens",
     "check_gate",
     "check_recurrent_inputs",
     "chunked_scan",
@@ -45,6 +50,7 @@ __all__ = [
     "finish",
     "log_segsum",
     "matrix_scan",
+    "packed_bounds",
     "resolve_form",
     "run_family",
     "suffix_sum",
@@ -105,21 +111,14 @@ def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: obje
         raise ValueError(f"{fn}: q, k, v need N >= 1 tokens and head dims >= 1, got q {tuple(q.shape)}, "
                          f"v {tuple(v.shape)}")
     b, _, n, dk = q.shape
-    bounds = None if cu_seqlens is None else check_cu_seqlens(fn, cu_seqlens, b, n)
+    bounds = None if cu_seqlens is None else packed_bounds(fn, cu_seqlens, b, n)
     if scale is None:
         scale = dk ** -0.5  # (symbolic under dynamic shapes: no check on it)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{fn}: scale must be a finite float or None, got {scale!r}")
-    if not isinstance(return_state, bool):
-        raise TypeError(f"{fn}: return_state must be a bool, got {type(return_state).__name__}")
-    if not isinstance(form, str) or form not in FORMS:
-        raise ValueError(f"{fn}: form must be one of {FORMS}, got {form!r}")
-    if chunk_size is None:
-        chunk_size = DEFAULT_CHUNK
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"{fn}: chunk_size must be an int or None, got {type(chunk_size).__name__}")
-    if chunk_size < 1:
-        raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
+    check_bool(return_state, "return_state", fn)
+    check_choice(form, "form", fn, choices=FORMS)
+    chunk_size = check_optional_int(chunk_size, "chunk_size", fn) or DEFAULT_CHUNK
     if initial_state is not None:
         lead = "S" if bounds is not None else "B"
         if not isinstance(initial_state, Tensor) or not initial_state.is_floating_point():
@@ -134,18 +133,12 @@ def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: obje
     return float(scale), chunk_size, bounds
 
 
-def check_cu_seqlens(fn: str, cu_seqlens: object, batch: int, n: int) -> list[int]:
-    """``cu_seqlens`` of packed sequences: int32 ``[S+1]``, from 0, non-decreasing, to ``N``, with ``B == 1``.
-
-    Sequences of length 0 are allowed (their state passes through unchanged)."""
-    cu = check_cu_seqlens_tensor(fn, cu_seqlens)
+def packed_bounds(fn: str, cu_seqlens: object, batch: int, n: int) -> list[int]:
+    """The bounds of packed sequences (``B == 1``; :func:`attnzoo._validate.check_cu_seqlens` with
+    ``total=N``). Sequences of length 0 are allowed (their state passes through unchanged)."""
     if batch != 1:
         raise ValueError(f"{fn}: packed sequences (cu_seqlens) need batch size B == 1, got B = {batch}")
-    bounds = [int(c) for c in cu.tolist()]
-    if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in itertools.pairwise(bounds)):
-        shown: list[object] = list(bounds) if len(bounds) <= 12 else [*bounds[:6], "...", *bounds[-5:]]
-        raise ValueError(f"{fn}: cu_seqlens must start at 0, never decrease and end at N = {n}, got {shown}")
-    return bounds
+    return [int(c) for c in check_cu_seqlens(cu_seqlens, owner=fn, total=n).tolist()]
 
 
 def check_gate(fn: str, name: str, x: object, shapes: Sequence[tuple[int, ...]], device: torch.device,

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_bool
 from attnzoo.functional.recurrent._chunked_scan import (
     check_gate,
     check_recurrent_inputs,
@@ -176,8 +177,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tens
                                                     chunk_size, cu_seqlens)
     b, hv, n, dv = v.shape
     dk = q.shape[-1]
-    if not isinstance(allow_neg_eigval, bool):
-        raise TypeError(f"{fn}: allow_neg_eigval must be a bool, got {type(allow_neg_eigval).__name__}")
+    check_bool(allow_neg_eigval, "allow_neg_eigval", fn)
     check_gate(fn, "beta", beta, [(b, hv, n)], q.device, 0.0, 2.0 if allow_neg_eigval else 1.0)
     if log_decay is not None:
         check_gate(fn, "log_decay", log_decay, [(b, hv, n), (b, hv, n, dk)], q.device, float("-inf"), 0.0,

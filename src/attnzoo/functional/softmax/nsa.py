@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_int
+from attnzoo._validate import check_choice, check_int
 from attnzoo.functional.softmax.attention import attention
 
 __all__ = ["NSAConfig", "compress_blocks", "nsa_attention", "num_compressed", "pick_blocks"]
@@ -70,7 +70,7 @@ class NSAConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_len", "block_stride", "select_len", "num_selected", "window", "local_blocks"):
-            check_int(getattr(self, name), name, 1, owner="NSAConfig")
+            check_int(getattr(self, name), name, minimum=1, owner="NSAConfig")
         if self.block_stride > self.block_len or self.block_stride > self.select_len:
             raise ValueError(f"NSAConfig: block_stride must be <= block_len and <= select_len, got block_stride="
                              f"{self.block_stride}, block_len={self.block_len}, select_len={self.select_len}")
@@ -620,11 +620,10 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor,
     _check(q, k, v, k_cmp, v_cmp, gates)
     if not isinstance(config, NSAConfig):
         raise TypeError(f"nsa_attention: config must be an NSAConfig, got {type(config).__name__}")
-    if form not in FORMS:
-        raise ValueError(f"nsa_attention: form must be one of {FORMS}, got {form!r}")
-    query_chunk = check_int(query_chunk, "query_chunk", 1, owner="nsa_attention")
+    check_choice(form, "form", "nsa_attention", choices=FORMS)
+    query_chunk = check_int(query_chunk, "query_chunk", minimum=1, owner="nsa_attention")
     Nq, Nk = q.shape[2], k.shape[2]
-    q_offset = Nk - Nq if q_offset is None else check_int(q_offset, "q_offset", 0, owner="nsa_attention")
+    q_offset = Nk - Nq if q_offset is None else check_int(q_offset, "q_offset", minimum=0, owner="nsa_attention")
     if q_offset + Nq > Nk:
         raise ValueError(f"nsa_attention: queries at positions {q_offset}..{q_offset + Nq - 1} need their keys, "
                          f"but k holds only Nk = {Nk} positions (causal: q_offset + Nq <= Nk)")

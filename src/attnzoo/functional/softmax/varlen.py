@@ -27,13 +27,11 @@ checks on ``cu_seqlens`` values run in eager mode only.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_bool, check_positive_float, check_tensor_ranks
+from attnzoo._validate import check_bool, check_cu_seqlens, check_positive_float, check_tensor_ranks
 from attnzoo.functional.backends.tiled import attention_backward, native_half_matmul, plan_for
 from attnzoo.functional.core._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.core.rules import alibi_bias
@@ -49,26 +47,11 @@ PACKED_BACKENDS = ("tiled", "flex")
 
 
 def _check_cu(cu: object, name: str, total: int, device: torch.device) -> Tensor:
-    """Validate cumulative lengths: int32 ``[S+1]``, starting at 0, non-decreasing, ending at ``total``."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be an int32 tensor [S+1], got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32 (as flash-attn's varlen API), got {cu.dtype}; "
-                        f"use .to(torch.int32)")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1-d [S+1] with S >= 1 sequences, got shape {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not tracing():
-        values = cu.tolist()
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]} ({name}={values})")
-        if any(b < a for a, b in itertools.pairwise(values)):
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if values[-1] != total:
-            raise ValueError(f"{name} must end at the number of packed tokens {total}, got {values[-1]} "
-                             f"({name}={values})")
-    return cu
+    """Cumulative lengths (:func:`attnzoo._validate.check_cu_seqlens`, values read unless tracing) on q's device."""
+    checked = check_cu_seqlens(cu, name, total=total, values=not tracing())
+    if checked.device != device:
+        raise ValueError(f"{name} is on {checked.device} but q is on {device}")
+    return checked
 
 
 def _check_packed(q: object, k: object, v: object) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._validate import check_int
 from attnzoo.functional.softmax.attention import attention
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
@@ -74,8 +75,7 @@ class Llama4Attention(nn.Module):
         owner = "Llama4Attention"
         for name, value in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("chunk_size", 1 if chunk_size is None else chunk_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{owner}: {name} must be an int > 0, got {value!r}")
+            check_int(value, name, owner)
         if num_heads % num_kv_heads:
             raise ValueError(f"{owner}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.recurrent.delta_rule import delta_rule
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
@@ -127,16 +128,13 @@ class QwenGatedDeltaNet(nn.Module):
         super().__init__()
         for name, value in (("dim", dim), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                             ("k_head_dim", k_head_dim), ("v_head_dim", v_head_dim), ("conv_kernel", conv_kernel)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"QwenGatedDeltaNet: {name} must be an int > 0, got {value!r}")
+            check_int(value, name, "QwenGatedDeltaNet")
         if num_v_heads % num_k_heads:
             raise ValueError(f"QwenGatedDeltaNet: num_v_heads ({num_v_heads}) must be a multiple of num_k_heads "
                              f"({num_k_heads})")
         self.dim, self.hk, self.hv, self.dk, self.dv = dim, num_k_heads, num_v_heads, k_head_dim, v_head_dim
         self.conv_kernel, self.norm_eps = conv_kernel, float(norm_eps)
-        if not isinstance(allow_neg_eigval, bool):
-            raise TypeError(f"QwenGatedDeltaNet: allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")
-        self.allow_neg_eigval = allow_neg_eigval
+        self.allow_neg_eigval = check_bool(allow_neg_eigval, "allow_neg_eigval", "QwenGatedDeltaNet")
         self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
