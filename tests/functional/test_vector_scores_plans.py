@@ -115,6 +115,11 @@ def test_chunk_scores_equal_the_definition_with_gradients(decay: float, stack: i
     """``chunk_scores`` (what GLA and KDA call): one autograd matmul when the whole chunk is one block,
     the halving operator otherwise; zero above the diagonal, values and float64 gradients as the definition."""
     q, k, g = (t.requires_grad_() for t in inputs(64, decay, stack=stack, seed=7))
+    _assert_chunk_scores_exact(q, k, g, f"decay={decay}, stack={stack}")
+
+
+def _assert_chunk_scores_exact(q: Tensor, k: Tensor, g: Tensor, label: str) -> None:
+    """``chunk_scores`` == the definition (values to 1e-12, zero above the diagonal, float64 gradients)."""
     got = gla.chunk_scores(q, k, g, gla.SUB_CHUNK)
     want = definition(q, k, g)
     assert rel_err(got, want) < 1e-12
@@ -123,7 +128,7 @@ def test_chunk_scores_equal_the_definition_with_gradients(decay: float, stack: i
     grads = torch.autograd.grad((got * weight).sum(), (q, k, g))
     wants = torch.autograd.grad((want * weight).sum(), (q, k, g))
     for name, a, b in zip("qkg", grads, wants, strict=True):
-        assert rel_err(a, b) < 1e-11, f"d{name} (decay={decay}, stack={stack}): {rel_err(a, b):.2e}"
+        assert rel_err(a, b) < 1e-11, f"d{name} ({label}): {rel_err(a, b):.2e}"
 
 
 def _mixed(c: int, dtype: torch.dtype = torch.float64, stack: int = 0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
@@ -144,15 +149,7 @@ def test_strong_channels_are_split_off_and_the_sum_equals_the_definition(stack: 
     assert not gla._plan(g.detach(), gla.SUB_CHUNK)[1]  # no single plan fits
     exact = gla._exact_channels(g.detach(), gla.SUB_CHUNK)
     assert exact is not None and sorted(exact.flatten().unique().tolist()) == [1, 3]
-    got = gla.chunk_scores(q, k, g, gla.SUB_CHUNK)
-    want = definition(q, k, g)
-    assert rel_err(got, want) < 1e-12
-    assert not got.detach().triu(1).any()
-    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(5), dtype=got.dtype)
-    grads = torch.autograd.grad((got * weight).sum(), (q, k, g))
-    wants = torch.autograd.grad((want * weight).sum(), (q, k, g))
-    for name, a, b in zip("qkg", grads, wants, strict=True):
-        assert rel_err(a, b) < 1e-11, f"d{name} (stack={stack}): {rel_err(a, b):.2e}"
+    _assert_chunk_scores_exact(q, k, g, f"split, stack={stack}")
 
 
 def test_the_split_needs_most_channels_weak() -> None:
