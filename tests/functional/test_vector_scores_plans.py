@@ -168,6 +168,8 @@ def test_kda_and_gla_with_mixed_decays_equal_the_token_loop(kind: str) -> None:
     x = _layer_inputs(224, 0.05, seed=6)
     x["log_decay"][..., [0, 4]] *= 200  # two of six channels strong
     x = {n: t.float() for n, t in x.items()}
+    exact = gla._exact_channels(x["log_decay"][..., :64, :], gla.SUB_CHUNK)  # the first chunk takes the split
+    assert exact is not None and sorted(exact.flatten().unique().tolist()) == [0, 4]
     if kind == "delta":
         out = az.delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"],
                             initial_state=x["initial_state"], form="chunked", chunk_size=64)
