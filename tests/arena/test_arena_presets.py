@@ -79,7 +79,13 @@ def test_reduced_budget_states_its_cuts_and_keeps_the_data_semantics() -> None:
     r = presets.budget(full, "reduced")
     assert r.size == "reduced" and r.notes
     assert [(c.seq_len, c.pairs) for c in r.train] == [(64, 4), (128, 8)]  # fewer lengths
-    assert r.widths == (64, 128) and set(r.lrs) <= set(full.lrs) and len(r.lrs) == 2
+    assert r.widths == (64, 128) and r.lrs == presets.REDUCED_LRS == (1e-3, 1e-2)
+    for name in presets.PRESETS:  # inside each paper's learning-rate range, and on Based's grid
+        paper = presets.PRESETS[name]
+        assert min(paper.lrs) <= min(r.lrs) and max(r.lrs) <= max(paper.lrs) + 1e-12
+        assert presets.budget(paper, "reduced").lrs == r.lrs
+    assert set(r.lrs) <= {round(x, 12) for x in presets.PRESETS["based-fig2"].lrs}
+    assert sum(c.examples for c in r.train) == 2 * 192_000 and r.max_epochs == 1 and r.evals_per_epoch == 8
     assert (r.vocab, r.power_a, r.threshold, r.random_non_queries) == (8192, 0.01, 0.99, False)
     assert presets.budget(full, "full") is full
     with pytest.raises(ValueError, match="size"):
@@ -237,6 +243,42 @@ def test_best_of_takes_the_maximum_over_learning_rates() -> None:
     assert len(pts) == 1 and pts[0]["accuracy"] == 0.9 and pts[0]["best_lr"] == 3e-3  # tie: smaller lr
     assert not pts[0]["at_lr_edge"]
     assert sweep.best_of([rec(1e-3, 0.1), rec(1e-2, 0.9)])[0]["at_lr_edge"]
+
+
+def _fake_record(spec: sweep.RunSpec, accuracy: float) -> dict[str, object]:
+    return {"spec": {**spec.__dict__}, "key": spec.key, "final": {"accuracy": accuracy, "by_segment": {}},
+            "stopped_early": accuracy > 0.99, "evals": [{"epoch": 1}], "state_bytes": 1}
+
+
+def test_sweep_points_order_the_learning_rates_from_the_largest() -> None:
+    p = presets.budget(presets.PRESETS["zoology-fig2"], "reduced")
+    specs = sweep.preset_runs(p)
+    points = sweep.sweep_points(specs)
+    assert len(points) == len(p.variants) * len(p.train) * len(p.widths)
+    assert sorted(i for pt in points for i in pt) == list(range(len(specs)))
+    for pt in points:
+        assert len({specs[i].point for i in pt}) == 1
+        assert [specs[i].lr for i in pt] == sorted(p.lrs, reverse=True)
+
+
+def test_run_point_skips_smaller_rates_once_one_passes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    p = presets.budget(presets.PRESETS["zoology-fig2"], "reduced")
+    specs = [sweep.RunSpec(p.name, p.size, "mha", 64, "64/4", lr) for lr in (1e-2, 3e-3, 1e-3)]
+    trained: list[float] = []
+
+    def fake(p_: object, spec: sweep.RunSpec, device: str, out: str) -> dict[str, object]:
+        trained.append(spec.lr)
+        return _fake_record(spec, {1e-2: 0.3, 3e-3: 0.995, 1e-3: 0.999}[spec.lr])
+
+    monkeypatch.setattr(sweep, "_run_in_worker", fake)
+    recs = sweep.run_point(p, specs, [None, None, None], "cpu", str(tmp_path))
+    assert trained == [1e-2, 3e-3] and recs[2] is None  # 1e-3 skipped: 3e-3 passed 0.99
+    assert [r["final"]["accuracy"] for r in recs if r] == [0.3, 0.995]
+    trained.clear()  # --resume: a reused record that passed stops the point without training
+    recs = sweep.run_point(p, specs, [_fake_record(specs[0], 0.995), None, None], "cpu", str(tmp_path))
+    assert trained == [] and recs[1] is None and recs[2] is None
+    recs = sweep.run_point(p, specs, [_fake_record(specs[0], 0.2), None, None], "cpu", str(tmp_path))
+    assert trained == [3e-3] and recs[0]["final"]["accuracy"] == 0.2  # type: ignore[index]
 
 
 def test_preset_runs_cover_the_sweep() -> None:

@@ -135,10 +135,11 @@ def _budget_lines(p: Preset, result: dict[str, Any]) -> list[str]:
              f"random non-query tokens: {p.random_non_queries}",
              f"- Models: {p.depth} layers, {p.heads} head(s), no MLP, widths {list(p.widths)}; batch "
              f"{dict(p.batch)}; AdamW weight decay {p.weight_decay}, cosine over {p.max_epochs} epochs; learning "
-             f"rates {[float(f'{x:.3g}') for x in p.lrs]} (best of, per point); early stop once the test accuracy "
-             f"exceeds {p.threshold}",
+             f"rates {[float(f'{x:.3g}') for x in p.lrs]} (best of, per point; tried from the largest down, the "
+             f"rest skipped once one passes the threshold); early stop once the test accuracy exceeds {p.threshold}",
              f"- Settings from `{p.source}`; {len(result['runs'])} runs, {result['wall_s']:.0f} s wall on "
-             f"{result['jobs']} worker(s) ({result['reused']} reused with --resume)"]
+             f"{result['jobs']} worker(s) ({result['reused']} reused with --resume, "
+             f"{len(result.get('skipped', []))} skipped after a larger learning rate passed {p.threshold})"]
     if p.notes:
         lines.append("- Deviations from the paper: " + "; ".join(p.notes) + ".")
     return lines

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from attnzoo._validate import check_int as _check_int
 from attnzoo.arena.tasks import IGNORE, batch_generator
 
-__all__ = ["PRESETS", "PUBLISHED", "MQARCell", "PaperMQAR", "Preset", "budget", "lr_grid", "paper_mqar"]
+__all__ = ["PRESETS", "PUBLISHED", "REDUCED_LRS", "MQARCell", "PaperMQAR", "Preset", "budget", "lr_grid", "paper_mqar"]
 
 _SOURCE = "HazyResearch/zoology@d88d6f5"
 
@@ -183,23 +183,30 @@ _DEVIATIONS = (
 )
 
 
+#: The learning rates of the reduced budgets (see :func:`budget`).
+REDUCED_LRS = (1e-3, 1e-2)
+
+
 def budget(preset: Preset, size: str) -> Preset:
     """``preset`` at a budget: ``"full"`` (the paper's numbers), ``"reduced"`` (the default on a
     CPU) or ``"quick"`` (a smoke test of about a minute). The report states which.
 
     ``reduced``: the two shortest Zoology lengths (64 tokens / 4 pairs, 128 / 8), or Based's
-    64-token segment tested at 4 and 8 pairs; widths 64 and 128; the paper's two largest learning
-    rates (the smaller ones are the slowest to leave the plateau); one pass over 60,000 training
-    sequences (no sequence is seen twice, so a small pool cannot be memorised: with 20,000 sequences
-    and several epochs mha's training loss fell to 0.55 nats while its test accuracy stayed at 25%),
-    batch 64, evaluated (and early-stopped) every quarter pass; 1,000 test sequences; the first
-    two variants. ``quick``: vocabulary 256, widths 16 and 32, 256 sequences, two epochs."""
+    64-token segment tested at 4 and 8 pairs; widths 64 and 128; learning rates 1e-3 and 1e-2
+    (:data:`REDUCED_LRS`: inside both papers' ranges; 1e-3 is on Based's grid, not on Zoology's,
+    whose neighbours left attention on its plateau: measured with mha at width 64 on 64 tokens, 2.15e-3
+    stayed at 25% for 4,000 steps and 4.64e-4 for 3,500, while 1e-3 passed 90% at 3,500; the
+    one-pass gated DeltaNet needs 1e-2); one pass over 192,000 training sequences at batch 64 (3,000
+    steps; no sequence is seen twice, so the pool cannot be memorised: with 20,000 sequences and
+    several epochs mha's training loss fell to 0.55 nats while its test accuracy stayed at 25%),
+    evaluated (and early-stopped) every eighth of the pass; 1,000 test sequences; the first two
+    variants. ``quick``: vocabulary 256, widths 16 and 32, 256 sequences, two epochs."""
     if size == "full":
         return preset
     if size not in ("reduced", "quick"):
         raise ValueError(f"budget: size must be 'full', 'reduced' or 'quick', got {size!r}")
     quick = size == "quick"
-    examples, test, epochs = (256, 64, 2) if quick else (60_000, 1_000, 1)
+    examples, test, epochs = (256, 64, 2) if quick else (192_000, 1_000, 1)
     if preset.mixture:
         train = (MQARCell(64, 4, examples),)
         tests = (MQARCell(64, 4, test), MQARCell(64, 8, test))
@@ -208,9 +215,9 @@ def budget(preset: Preset, size: str) -> Preset:
         train = tuple(replace(c, examples=examples) for c in keep)
         tests = tuple(MQARCell(c.seq_len, c.pairs, test) for c in keep)
     return replace(preset, train=train, test=tests, widths=(16, 32) if quick else (64, 128),
-                   lrs=preset.lrs[-1:] if quick else preset.lrs[-2:], max_epochs=epochs,
+                   lrs=preset.lrs[-1:] if quick else REDUCED_LRS, max_epochs=epochs,
                    batch=tuple((n, 32 if quick else 64) for n, _ in preset.batch), vocab=256 if quick else preset.vocab,
-                   variants=preset.variants[:2], size=size, evals_per_epoch=1 if quick else 4, notes=_DEVIATIONS)
+                   variants=preset.variants[:2], size=size, evals_per_epoch=1 if quick else 8, notes=_DEVIATIONS)
 
 
 def _power_law(space: int, power_a: float) -> Tensor:
@@ -310,6 +317,8 @@ class PaperMQAR:
         self.train_y = torch.cat([p[1] for p in parts])
         self.tests = [(c, *_segment(c, self.vocab_size, self.seed, 101 + i, self.power_a,
                                     self.random_non_queries, c.seq_len)) for i, c in enumerate(self.test)]
+        self._order_key: tuple[int, int] | None = None
+        self._order = torch.empty(0, dtype=torch.long)
 
     @property
     def examples(self) -> int:
@@ -323,8 +332,10 @@ class PaperMQAR:
         """Batch ``step``: the next ``batch_size`` sequences of this epoch's shuffle of the pool."""
         per = self.steps_per_epoch(batch_size)
         epoch, i = divmod(step, per)
-        order = torch.randperm(self.examples, generator=batch_generator(seed, 21, epoch))
-        idx = order[i * batch_size:(i + 1) * batch_size]
+        if self._order_key != (seed, epoch):  # one shuffle per epoch, not one per step
+            self._order = torch.randperm(self.examples, generator=batch_generator(seed, 21, epoch))
+            self._order_key = (seed, epoch)
+        idx = self._order[i * batch_size:(i + 1) * batch_size]
         return self.train_x[idx].long(), self.train_y[idx].long()
 
     @torch.no_grad()

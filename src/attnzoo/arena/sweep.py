@@ -36,7 +36,8 @@ from attnzoo.models import DecoderConfig, DecoderLM
 from attnzoo.models.parts import DecoderParts
 from attnzoo.variants import VARIANTS, layer_pattern
 
-__all__ = ["RunSpec", "add_preset_arguments", "best_of", "cosine_epoch_lr", "partial_report", "preset_model", "preset_runs", "run_preset", "train_run"]
+__all__ = ["RunSpec", "add_preset_arguments", "best_of", "cosine_epoch_lr", "partial_report", "preset_model", "preset_runs",
+           "run_point", "run_preset", "sweep_points", "train_run"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,42 @@ def best_of(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def sweep_points(specs: list[RunSpec]) -> list[list[int]]:
+    """The indices of ``specs`` grouped by point (everything but the learning rate), each group
+    ordered from the largest learning rate down: the order :func:`run_point` trains them in."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, s in enumerate(specs):
+        groups.setdefault(s.point, []).append(i)
+    return [sorted(g, key=lambda i: -specs[i].lr) for g in groups.values()]
+
+
+def _point_left(point: list[int], reused: list[dict[str, Any] | None]) -> bool:
+    for i in point:
+        if reused[i] is None:
+            return True
+        if reused[i]["stopped_early"]:  # type: ignore[index]
+            return False
+    return False
+
+
+def run_point(p: Preset, specs: list[RunSpec], reused: list[dict[str, Any] | None], device: str, out: str,
+              ) -> list[dict[str, Any] | None]:
+    """Train one point's learning rates, largest first, until one passes the threshold.
+
+    The papers' value of a point is the best final accuracy over its learning rates; once a run has
+    passed the threshold (early stop, accuracy > ``p.threshold``) the others could add at most
+    ``1 - threshold`` (one point at 0.99), so they are skipped (``None`` in the returned list, one
+    entry per spec). ``reused`` holds records of finished runs (``--resume``; ``None``: train), and
+    each trained run's record is written to ``out/runs/<key>.json`` as it finishes."""
+    recs: list[dict[str, Any] | None] = [None] * len(specs)
+    for j, (spec, old) in enumerate(zip(specs, reused)):
+        recs[j] = old if old is not None else _run_in_worker(p, spec, device, out)
+        if recs[j]["stopped_early"]:  # type: ignore[index]
+            break
+    return recs
+
+
+
 def _run_in_worker(p: Preset, spec: RunSpec, device: str, out: str) -> dict[str, Any]:
     record = train_run(p, spec, device)
     write_atomic(Path(out) / "runs" / f"{spec.key}.json", json.dumps(record, indent=1))
@@ -265,36 +302,46 @@ def run_preset(args: argparse.Namespace) -> int:
     specs = preset_runs(p, variants, args.seed)
     out = ensure_output_dir(args.out or f"arena-{p.name}" + ("-quick" if size == "quick" else ""), "--out")
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    records: list[dict[str, Any] | None] = [(_reused(out, s) if args.resume else None) for s in specs]
-    todo = sorted((i for i, r in enumerate(records) if r is None),  # cheap cells first: a cut-short sweep has them
-                  key=lambda i: (int(specs[i].train.split("/")[0]) if "/" in specs[i].train else 0, specs[i].width, i))
+    reused = [(_reused(out, s) if args.resume else None) for s in specs]
+    points = sweep_points(specs)
+    todo = sorted((pt for pt in points if _point_left(pt, reused)),  # cheap cells first: a cut-short sweep has them
+                  key=lambda pt: (int(specs[pt[0]].train.split("/")[0]) if "/" in specs[pt[0]].train else 0,
+                                  specs[pt[0]].width, pt[0]))
     jobs, threads = worker_plan(args, max(1, len(todo)))
-    overall = Overall([float(specs[i].width) for i in todo] or [1.0], enabled=args.progress != "none")
+    overall = Overall([float(specs[pt[0]].width) for pt in todo] or [1.0], enabled=args.progress != "none")
+    records: list[dict[str, Any] | None] = list(reused)
+    calls = [(p, [specs[i] for i in pt], [reused[i] for i in pt], args.device, str(out)) for pt in todo]
     t0 = time.perf_counter()
     if todo and jobs > 1:
         with Workers(jobs, threads) as workers:
-            for j, rec, exc in workers.completed(_run_in_worker, [(p, specs[i], args.device, str(out)) for i in todo]):
+            for j, recs, exc in workers.completed(run_point, calls):
                 if exc is not None:
                     raise exc
-                records[todo[j]] = rec
-                overall.completed(f"{specs[todo[j]].key}: accuracy {100 * rec['final']['accuracy']:.1f}%",
-                                  float(specs[todo[j]].width))
+                for i, rec in zip(todo[j], recs):
+                    records[i] = rec
+                best = max(r["final"]["accuracy"] for r in recs if r is not None)
+                overall.completed(f"{specs[todo[j][0]].key}: best accuracy {100 * best:.1f}%",
+                                  float(specs[todo[j][0]].width))
     else:
         if threads is not None:
             torch.set_num_threads(threads)
-        for i in todo:
-            overall.start(specs[i].key)
-            records[i] = _run_in_worker(p, specs[i], args.device, str(out))
+        for pt, call in zip(todo, calls):
+            overall.start(specs[pt[0]].key)
+            for i, rec in zip(pt, run_point(*call)):
+                records[i] = rec
             overall.finish(trained=True)
     wall = time.perf_counter() - t0
     done = [r for r in records if r is not None]
+    trained = sum(1 for r, old in zip(records, reused) if r is not None and old is None)
+    skipped = [s.key for s, r in zip(specs, records) if r is None]
     result = {"preset": p.name, "size": size, "paper": p.paper, "source": p.source, "settings": _settings(p),
               "runs": done, "points": best_of(done), "wall_s": wall, "jobs": jobs, "threads": threads,
-              "reused": len(specs) - len(todo), "torch_threads": torch.get_num_threads()}
+              "reused": len(done) - trained, "skipped": skipped, "torch_threads": torch.get_num_threads()}
     write_atomic(out / "preset.json", json.dumps(result, indent=1))
     from_report = write_preset_report(result, p, out)
-    print(f"arena --preset {p.name} ({size}): {len(done)} runs ({len(todo)} trained, {len(specs) - len(todo)} "
-          f"reused) in {wall:.0f} s on {jobs} worker(s); report: {from_report}", flush=True)
+    print(f"arena --preset {p.name} ({size}): {len(done)} runs ({trained} trained, {len(done) - trained} reused, "
+          f"{len(skipped)} skipped: a larger learning rate of their point passed {p.threshold}) in {wall:.0f} s on "
+          f"{jobs} worker(s); report: {from_report}", flush=True)
     return 0
 
 
