@@ -311,7 +311,7 @@ def test_bad_inputs_name_the_argument(case: tuple[str, Callable[[], object], typ
 
 
 def test_docs_example_runs() -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "recurrent.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "recurrent.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
     for i, code in enumerate(blocks):

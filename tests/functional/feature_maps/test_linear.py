@@ -253,7 +253,7 @@ def test_efficient_docs_examples_run() -> None:
     import re
     from pathlib import Path
 
-    page = Path(__file__).resolve().parents[2] / "docs" / "efficient.md"
+    page = Path(__file__).resolve().parents[3] / "docs" / "efficient.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     assert len(blocks) >= 4
     for i, code in enumerate(blocks):

@@ -173,7 +173,7 @@ def test_docs_examples_run_and_drawings_hold() -> None:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "softmax-frontier.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "softmax-frontier.md").read_text()
     found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(found) >= 3
     for i, code in enumerate(found):
