@@ -29,8 +29,8 @@ from attnzoo.distributed.sharding import (
     check_seq_len,
     contiguous_lengths,
     cu_checksum,
-    document_ids,
     global_cu_seqlens,
+    global_document_ids,
     segments,
 )
 from attnzoo.functional.backends.tiled import accumulate_grads, tile_plan
@@ -508,16 +508,6 @@ def _check_ring_score(score: object, bias: object, sinks: object, score_mod: obj
     return sig
 
 
-def _global_documents(cu_seqlens: Tensor, metas: list[Any], rank: int, device: torch.device) -> Tensor:
-    """Document id ``[N]`` of every global position from the global ``cu_seqlens`` (checked on every rank)."""
-    total = sum(int(m.Nq) for m in metas)
-    cu = cu_seqlens.long().cpu()
-    if int(cu[-1]) != total:  # the same cu_seqlens (checked) and lengths on every rank: all raise
-        raise ValueError(f"ring_attention on rank {rank}: cu_seqlens must end at the global length "
-                         f"{total} (the sum of the shards), got {cu.tolist()}")
-    return document_ids(cu, total, device)
-
-
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -614,7 +604,8 @@ def ring_attention(
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
     metas = _exchange_meta(ring, vals, err, device)
-    docs = None if cu_seqlens is None else _global_documents(cu_seqlens, metas, ring.rank, q.device)
+    docs = None if cu_seqlens is None else global_document_ids(cu_seqlens, [int(m.Nq) for m in metas], fn,
+                                                               ring.rank, q.device)
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
                   block=block, softcap=None if softcap is None else float(softcap),
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),

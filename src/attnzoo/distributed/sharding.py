@@ -25,9 +25,11 @@ __all__ = [
     "DOCUMENTS",
     "LAYOUTS",
     "Segment",
+    "check_global_end",
     "document_ids",
     "gather_sequence",
     "global_cu_seqlens",
+    "global_document_ids",
     "segments",
     "shard_positions",
     "shard_sequence",
@@ -103,6 +105,24 @@ def document_ids(cu: Tensor, seq_len: int, device: torch.device | None = None) -
     """Document index of every global position ``[N]`` (int64) from ``cu_seqlens [S+1]``."""
     t = torch.arange(seq_len)
     return torch.searchsorted(cu.long().cpu()[1:], t, right=True).to(device)
+
+
+def check_global_end(cu: Tensor | Sequence[int], lengths: Sequence[int], fn: str, rank: int, *,
+                     name: str = "cu_seqlens") -> None:
+    """``ValueError`` unless the global ``cu`` ends at the global length, the sum of every rank's shard
+    ``lengths``. Every rank holds the same ``cu`` and lengths, so every rank raises together."""
+    total = sum(lengths)
+    got = cu.tolist() if isinstance(cu, Tensor) else list(cu)
+    if int(got[-1]) != total:
+        raise ValueError(f"{fn} on rank {rank}: {name} must end at the global length {total} "
+                         f"(the sum of the shards {list(lengths)}), got {got}")
+
+
+def global_document_ids(cu: Tensor, lengths: Sequence[int], fn: str, rank: int,
+                        device: torch.device | None = None) -> Tensor:
+    """:func:`document_ids` of the whole sequence, once :func:`check_global_end` holds."""
+    check_global_end(cu, lengths, fn, rank)
+    return document_ids(cu, sum(lengths), device)
 
 
 def positions_of(layout: str, lengths: Sequence[int], rank: int, device: torch.device | None = None) -> Tensor:

@@ -27,8 +27,8 @@ from attnzoo.distributed.sharding import (
     check_layout,
     check_score,
     cu_checksum,
-    document_ids,
     global_cu_seqlens,
+    global_document_ids,
     positions_of,
 )
 from attnzoo.functional.core._request import check_qkv
@@ -171,13 +171,8 @@ def ulysses_attention(
     same = [i for i, f in enumerate(_FIELDS) if f != "n" or layout == "zigzag"]
     rows = agree(pg, vals, err, fn, tmo, same=same, describe=_describe)
     lengths = [int(r[_FIELDS.index("n")]) for r in rows]
-    total = sum(lengths)
     if cu_seqlens is not None:
-        cu = cu_seqlens.long().cpu()
-        if int(cu[-1]) != total:  # every rank holds the same cu_seqlens and lengths: all raise
-            raise ValueError(f"{fn} on rank {rank}: cu_seqlens must end at the global length {total} "
-                             f"(the sum of the shards {lengths}), got {cu.tolist()}")
-        docs = document(document_ids(cu, total, q.device))
+        docs = document(global_document_ids(cu_seqlens, lengths, fn, rank, q.device))
         mask = docs if mask is None else mask & docs
     return _exchange_and_attend(q, k, v, pg, tmo, layout, lengths, mask, causal=causal, window=win, scale=scale,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, backend=backend,
