@@ -597,8 +597,7 @@ def ring_attention(
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
     metas = _exchange_meta(ring, vals, err, device)
-    docs = None if cu_seqlens is None else global_document_ids(cu_seqlens, [int(m.Nq) for m in metas], fn,
-                                                               ring.rank, q.device)
+    docs = None if cu_seqlens is None else global_document_ids(cu_seqlens, [int(m.Nq) for m in metas], fn, ring.rank, q.device)
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
                   block=block, softcap=None if softcap is None else float(softcap),
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),
