@@ -8,7 +8,7 @@ matter to it). Sinks and sigmoid attention are written here from their definitio
 * sinks (gpt-oss): ``lse' = logaddexp(lse, z_h)``, ``out' = out * exp(lse - lse')``;
 * sigmoid: ``out_i = sum_{j visible} sigmoid(s_ij + b) v_j`` (``b`` defaults to ``-log Nk``).
 
-Used by ``tests/test_nonfinite.py`` (a grid) and ``tests/test_fuzz.py`` (properties): :func:`check` runs a
+Used by ``tests/functional/core/test_nonfinite.py`` (a grid) and ``tests/functional/test_fuzz.py`` (properties): :func:`check` runs a
 call and compares it with :func:`expected`.
 """
 

@@ -244,12 +244,16 @@ def _sigmoid_functional(world: int, res: dict[str, Any]) -> None:
 
 
 def _errors(rank: int, world: int, res: dict[str, Any]) -> None:
-    """A recurrent mixer with a too-short shard on one rank, and ranks that disagree on the batch."""
+    """A recurrent mixer with a too-short shard on one rank, and ranks that disagree on the batch;
+    ring attention over documents whose ``cu_seqlens`` end short of the global length."""
     mixer = ContextParallelRecurrent(build_attention("gated_deltanet", 16, 2))  # conv_size 4: 3-token tails
-    for key, x in (("err/short_shard", torch.randn(1, 2 if rank == 0 else 8, 16)),
-                   ("err/batch_differs", torch.randn(1 + rank, 8, 16))):
+    q = torch.randn(1, 2, 8, 4)
+    calls = {"err/short_shard": lambda: mixer(torch.randn(1, 2 if rank == 0 else 8, 16)),
+             "err/batch_differs": lambda: mixer(torch.randn(1 + rank, 8, 16)),
+             "err/ring_cu_end": lambda: ring_attention(q, q, q, cu_seqlens=torch.tensor([0, 4, 15]))}
+    for key, call in calls.items():
         try:
-            mixer(x)
+            call()
             res[key] = "no error"
         except (ValueError, TypeError) as e:
             res[key] = f"{type(e).__name__}: {e}"
@@ -415,7 +419,9 @@ def test_sigmoid_ring_and_ulysses_equal_sigmoid_attention(two: list[dict[str, An
 
 
 @pytest.mark.parametrize("key, match", [("err/short_shard", r"at least 3 tokens per segment"),
-                                        ("err/batch_differs", r"ranks disagree")])
+                                        ("err/batch_differs", r"ranks disagree"),
+                                        ("err/ring_cu_end", r"cu_seqlens must end at the global length 16 "
+                                                            r"\(the sum of the shards \[8, 8\]\)")])
 def test_bad_shards_raise_on_every_rank(two: list[dict[str, Any]], key: str, match: str) -> None:
     for r, res in enumerate(two):
         msg = res[key]

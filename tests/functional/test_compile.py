@@ -5,14 +5,13 @@ inductor."""
 
 import functools
 import itertools
-import re
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo as dynamo
 import torch.nn.functional as F
+from tests.tools.test_docs import run_blocks
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnzoo as az
@@ -513,13 +512,8 @@ def test_dynamic_shapes_decoder_lm_compiles_once() -> None:
 # --------------------------------------------------------------------------- docs
 def test_compile_docs_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/compile.md runs as written (with the aot_eager backend, to keep the test short)."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "compile.md").read_text()
-    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(found) >= 2
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    for i, code in enumerate(found):
-        dynamo.reset()
-        exec(compile(code, f"docs/compile.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    run_blocks("docs/compile.md", minimum=2, before_each=dynamo.reset)
 
 
 def test_dynamic_shapes_linear_attention_compiles_at_most_twice() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.tools.test_docs import run_blocks
 from torch import Tensor
 
 import attnzoo as az
@@ -293,14 +294,7 @@ def test_registered_everywhere_with_a_closed_form_cost(name: str) -> None:
 
 
 def test_the_recurrent_docs_examples_run() -> None:
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / "docs" / "recurrent.md").read_text()
-    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(found) >= 2
-    for i, code in enumerate(found):
-        exec(compile(code, f"recurrent.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    run_blocks("docs/recurrent.md", minimum=2)
 
 
 @pytest.mark.parametrize("name", NAMES)

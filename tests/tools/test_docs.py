@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,16 +13,26 @@ PAGES = ["README.md", "docs/backends.md", "docs/models.md"]
 
 
 def blocks(page: str) -> list[str]:
+    """The python blocks of ``page`` (a path from the repository root)."""
     text = (ROOT / page).read_text()
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
+def run_blocks(page: str, *, minimum: int = 1, before_each: Callable[[], None] | None = None) -> str:
+    """Run every python block of ``page`` as written, each in a fresh namespace (after
+    ``before_each()``), failing unless there are at least ``minimum``; return the page's text."""
+    found = blocks(page)
+    assert len(found) >= minimum, f"{page}: {len(found)} python blocks, expected at least {minimum}"
+    for i, code in enumerate(found):
+        if before_each is not None:
+            before_each()
+        exec(compile(code, f"{page}[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    return (ROOT / page).read_text()
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_python_blocks_run(page: str) -> None:
-    found = blocks(page)
-    assert found, f"{page} has no python example"
-    for i, code in enumerate(found):
-        exec(compile(code, f"{page}[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    run_blocks(page)
 
 
 def test_readme_has_exactly_two_setup_commands() -> None:

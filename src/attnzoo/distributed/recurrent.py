@@ -49,6 +49,7 @@ from attnzoo.distributed.sharding import (
     DOCUMENTS,
     LAYOUTS,
     Segment,
+    check_global_end,
     check_layout,
     cu_checksum,
     global_cu_seqlens,
@@ -233,9 +234,8 @@ class ContextParallelRecurrent(nn.Module):
         rows = agree(pg, vals, err, fn, tmo, same=same, describe=_describe)
         lengths = [int(r[1]) for r in rows]
         cu = None if docs is None else [int(c) for c in docs.tolist()]
-        if cu is not None and cu[-1] != sum(lengths):  # the same cu and lengths on every rank: all raise
-            raise ValueError(f"{fn} on rank {rank}: documents' cu_seqlens must end at the global length "
-                             f"{sum(lengths)} (the sum of the shards {lengths}), got {cu}")
+        if cu is not None:
+            check_global_end(cu, lengths, fn, rank, name="documents' cu_seqlens")
         # every segment of the sequence, in global order: (global_lo, rank, index on that rank)
         order = sorted((s.global_lo, r, i) for r in range(world) for i, s in enumerate(segments(self.layout,
                                                                                               lengths, r)))

@@ -22,16 +22,20 @@ from torch.autograd.function import once_differentiable
 from attnzoo._validate import Window, check_bool, check_int, check_positive_float, normalize_window
 from attnzoo.distributed.comm import Pending, Ring, as_timeout, require_dist, resolve_group, wait
 from attnzoo.distributed.sharding import (
+    DTYPES,
     LAYOUTS,
     Segment,
+    alibi_checksum,
     check_layout,
+    check_local_shards,
     check_score,
     check_seq_len,
     contiguous_lengths,
     cu_checksum,
-    document_ids,
     global_cu_seqlens,
+    global_document_ids,
     segments,
+    window_and_scale,
 )
 from attnzoo.functional.backends.tiled import accumulate_grads, tile_plan
 from attnzoo.functional.core._request import build_request, check_qkv
@@ -49,7 +53,6 @@ PAIR_STATS: Counter[str] = Counter()
 #: Query rows per block in the backward pass (memory ``O(BACKWARD_BLOCK x local N)``).
 BACKWARD_BLOCK = 256
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HIDDEN, _PARTIAL, _FULL = 0, 1, 2
 
 _META_FIELDS = ("ok", "B", "Hq", "Hkv", "Nq", "Nk", "D", "Dv", "dtype", "layout", "causal",
@@ -69,7 +72,7 @@ class _Meta:
     def describe(self) -> str:
         if not self.ok:
             return "invalid inputs"
-        dt = _DTYPES[int(self.dtype)]
+        dt = DTYPES[int(self.dtype)]
         win = None if self.left == -2 else (None if self.left < 0 else int(self.left), None if self.right < 0 else int(self.right))
         grad = ", needs grad" if self.needs_grad else ""
         return (f"q [{int(self.B)}, {int(self.Hq)}, {int(self.Nq)}, {int(self.D)}], k/v [{int(self.B)}, "
@@ -85,28 +88,18 @@ def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win:
     """Encode this rank's (already validated) request for the cross-rank comparison."""
     check_qkv(q, k, v)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    check_local_shards(q, k, layout)
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if Nq != Nk:
-        raise ValueError(f"ring_attention shards queries and keys alike, so q and k must have the same "
-                         f"local length, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if Nq == 0:
-        raise ValueError(f"ring_attention needs at least one token per rank, got q {tuple(q.shape)}")
-    if layout == "zigzag" and Nq % 2:
-        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local length must be "
-                         f"even, got q {tuple(q.shape)}")
-    sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    left = -2.0 if win is None else (-1.0 if win[0] is None else float(win[0]))
-    right = -2.0 if win is None else (-1.0 if win[1] is None else float(win[1]))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if alibi is not None and tuple(alibi.shape) != (Hq,):
         raise ValueError(f"alibi_slopes must have shape [Hq] = [{Hq}], got {tuple(alibi.shape)}")
     # two checksums of the slopes: their sum and an order-sensitive one (1 + sum_h h * slope_h; 0 = none)
     a_sum = 0.0 if alibi is None else float(alibi.double().sum())
-    a_chk = 0.0 if alibi is None else 1.0 + float((alibi.double().cpu() * torch.arange(1, Hq + 1)).sum())
-    vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, _DTYPES.index(q.dtype), LAYOUTS.index(layout),
-            float(causal), left, right, sc, float(needs_grad), 0.0 if softcap is None else float(softcap), a_sum,
-            a_chk, *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu)), *(score or [0.0, 0.0])]
+    vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, DTYPES.index(q.dtype), LAYOUTS.index(layout), float(causal),
+            *window_and_scale(win, scale, D), float(needs_grad), 0.0 if softcap is None else float(softcap),
+            a_sum, alibi_checksum(alibi, Hq), *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu)),
+            *(score or [0.0, 0.0])]
     return [float(x) for x in vals]
 
 
@@ -508,16 +501,6 @@ def _check_ring_score(score: object, bias: object, sinks: object, score_mod: obj
     return sig
 
 
-def _global_documents(cu_seqlens: Tensor, metas: list[Any], rank: int, device: torch.device) -> Tensor:
-    """Document id ``[N]`` of every global position from the global ``cu_seqlens`` (checked on every rank)."""
-    total = sum(int(m.Nq) for m in metas)
-    cu = cu_seqlens.long().cpu()
-    if int(cu[-1]) != total:  # the same cu_seqlens (checked) and lengths on every rank: all raise
-        raise ValueError(f"ring_attention on rank {rank}: cu_seqlens must end at the global length "
-                         f"{total} (the sum of the shards), got {cu.tolist()}")
-    return document_ids(cu, total, device)
-
-
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -614,7 +597,7 @@ def ring_attention(
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
     metas = _exchange_meta(ring, vals, err, device)
-    docs = None if cu_seqlens is None else _global_documents(cu_seqlens, metas, ring.rank, q.device)
+    docs = None if cu_seqlens is None else global_document_ids(cu_seqlens, [int(m.Nq) for m in metas], fn, ring.rank, q.device)
     cfg = _Config(layout=layout, causal=causal, window=win, scale=metas[ring.rank].scale, backend=backend,
                   block=block, softcap=None if softcap is None else float(softcap),
                   alibi=None if alibi_slopes is None else alibi_slopes.detach().to(q.device, compute_dtype(q.dtype)),

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnzoo._validate import check_choice, check_cu_seqlens, check_int
+from attnzoo._validate import Window, check_choice, check_cu_seqlens, check_int
 from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, wait
 
 __all__ = [
@@ -35,6 +35,8 @@ __all__ = [
 
 #: Sequence layouts understood by every function of this package.
 LAYOUTS = ("contiguous", "zigzag")
+#: The dtypes of a sharded attention call, by index in the cross-rank comparison.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 #: The *global* document boundaries ``cu_seqlens [S+1]`` set by
@@ -103,6 +105,51 @@ def document_ids(cu: Tensor, seq_len: int, device: torch.device | None = None) -
     """Document index of every global position ``[N]`` (int64) from ``cu_seqlens [S+1]``."""
     t = torch.arange(seq_len)
     return torch.searchsorted(cu.long().cpu()[1:], t, right=True).to(device)
+
+
+def check_local_shards(q: Tensor, k: Tensor, layout: str) -> None:
+    """This rank's ``q`` and ``k`` shards hold the same positions (the same local length), at least one
+    token, and an even length under the zigzag layout (two equal chunks)."""
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q and k are shards of the same positions, so they need the same local length, got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[2] == 0:
+        raise ValueError(f"every rank needs at least one token, got q {tuple(q.shape)}")
+    if layout == "zigzag" and q.shape[2] % 2:
+        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local length must be even, "
+                         f"got q {tuple(q.shape)}")
+
+
+def window_and_scale(win: Window | None, scale: float | None, head_dim: int) -> list[float]:
+    """``[left, right, scale]`` for the cross-rank comparison: ``-1`` for an unbounded side, ``-2`` for
+    both without a window; the scale defaults to ``1 / sqrt(head_dim)``."""
+    sides = [-2.0, -2.0] if win is None else [-1.0 if w is None else float(w) for w in win]
+    return [*sides, 1.0 / math.sqrt(head_dim) if scale is None else float(scale)]
+
+
+def alibi_checksum(slopes: Tensor | None, num_heads: int) -> float:
+    """``1 + sum_h h * slope_h`` (order-sensitive; ``0`` without slopes) for the cross-rank comparison."""
+    if slopes is None:
+        return 0.0
+    return 1.0 + float((slopes.detach().double().cpu() * torch.arange(1, num_heads + 1)).sum())
+
+
+def check_global_end(cu: Tensor | Sequence[int], lengths: Sequence[int], fn: str, rank: int, *,
+                     name: str = "cu_seqlens") -> None:
+    """``ValueError`` unless the global ``cu`` ends at the global length, the sum of every rank's shard
+    ``lengths``. Every rank holds the same ``cu`` and lengths, so every rank raises together."""
+    total = sum(lengths)
+    got = cu.tolist() if isinstance(cu, Tensor) else list(cu)
+    if int(got[-1]) != total:
+        raise ValueError(f"{fn} on rank {rank}: {name} must end at the global length {total} "
+                         f"(the sum of the shards {list(lengths)}), got {got}")
+
+
+def global_document_ids(cu: Tensor, lengths: Sequence[int], fn: str, rank: int,
+                        device: torch.device | None = None) -> Tensor:
+    """:func:`document_ids` of the whole sequence, once :func:`check_global_end` holds."""
+    check_global_end(cu, lengths, fn, rank)
+    return document_ids(cu, sum(lengths), device)
 
 
 def positions_of(layout: str, lengths: Sequence[int], rank: int, device: torch.device | None = None) -> Tensor:

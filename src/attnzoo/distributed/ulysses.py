@@ -12,7 +12,6 @@ query heads read it when ``Hkv < P`` (``P % Hkv == 0``): never more copies than 
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from typing import Any
 
@@ -23,13 +22,17 @@ from torch import Tensor
 from attnzoo._validate import Window, check_bool, normalize_window
 from attnzoo.distributed.comm import agree, all_to_all_grad, as_timeout, require_dist, resolve_group
 from attnzoo.distributed.sharding import (
+    DTYPES,
     LAYOUTS,
+    alibi_checksum,
     check_layout,
+    check_local_shards,
     check_score,
     cu_checksum,
-    document_ids,
     global_cu_seqlens,
+    global_document_ids,
     positions_of,
+    window_and_scale,
 )
 from attnzoo.functional.core._request import check_qkv
 from attnzoo.functional.core.score_mod import ScoreModFn
@@ -39,7 +42,6 @@ from attnzoo.masks import Mask, document
 
 __all__ = ["ulysses_attention"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # entries of the cross-rank check; all but "n" (contiguous layout) must agree
 _FIELDS = ("B", "Hq", "Hkv", "n", "D", "Dv", "dtype", "layout", "causal", "left", "right", "scale", "softcap",
            "alibi", "sinks", "needs_grad", "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias")
@@ -52,16 +54,9 @@ def _local_checks(q: object, k: object, v: object, world: int, layout: str, caus
     sig = check_score(score, bias, sinks)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     check_bool(causal, "causal")
+    check_local_shards(q, k, layout)
     B, hq, n, d = q.shape
     hkv = k.shape[1]
-    if k.shape[2] != n:
-        raise ValueError(f"q and k are shards of the same positions, so they need the same local length, got "
-                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if n == 0:
-        raise ValueError(f"every rank needs at least one token, got q {tuple(q.shape)}")
-    if layout == "zigzag" and n % 2:
-        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local length must be even, "
-                         f"got q {tuple(q.shape)}")
     if hq % world:
         raise ValueError(f"Ulysses attention shards query heads over the {world} ranks, so Hq must be divisible by "
                          f"{world}, got Hq={hq} (use ring attention)")
@@ -73,14 +68,10 @@ def _local_checks(q: object, k: object, v: object, world: int, layout: str, caus
             raise ValueError(f"{name} must be a float tensor [Hq] = [{hq}] or None, got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else t!r}")
     cu = [0.0, 0.0, 0.0] if cu_seqlens is None else cu_checksum(global_cu_seqlens(cu_seqlens, "ulysses_attention"))
-    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)  # type: ignore[arg-type]
-    left = -2.0 if win is None else (-1.0 if win[0] is None else float(win[0]))
-    right = -2.0 if win is None else (-1.0 if win[1] is None else float(win[1]))
-    a = 0.0 if alibi_slopes is None else 1.0 + float((alibi_slopes.detach().double().cpu()  # type: ignore[union-attr]
-                                                      * torch.arange(1, hq + 1)).sum())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return [B, hq, hkv, n, d, v.shape[3], _DTYPES.index(q.dtype), LAYOUTS.index(layout), float(bool(causal)),
-            left, right, sc, 0.0 if softcap is None else float(softcap), a, float(sinks is not None),  # type: ignore[arg-type]
+    return [B, hq, hkv, n, d, v.shape[3], DTYPES.index(q.dtype), LAYOUTS.index(layout), float(bool(causal)),
+            *window_and_scale(win, scale, d), 0.0 if softcap is None else float(softcap),  # type: ignore[arg-type]
+            alibi_checksum(alibi_slopes, hq), float(sinks is not None),  # type: ignore[arg-type]
             float(needs_grad), *cu, *sig]
 
 
@@ -171,13 +162,8 @@ def ulysses_attention(
     same = [i for i, f in enumerate(_FIELDS) if f != "n" or layout == "zigzag"]
     rows = agree(pg, vals, err, fn, tmo, same=same, describe=_describe)
     lengths = [int(r[_FIELDS.index("n")]) for r in rows]
-    total = sum(lengths)
     if cu_seqlens is not None:
-        cu = cu_seqlens.long().cpu()
-        if int(cu[-1]) != total:  # every rank holds the same cu_seqlens and lengths: all raise
-            raise ValueError(f"{fn} on rank {rank}: cu_seqlens must end at the global length {total} "
-                             f"(the sum of the shards {lengths}), got {cu.tolist()}")
-        docs = document(document_ids(cu, total, q.device))
+        docs = document(global_document_ids(cu_seqlens, lengths, fn, rank, q.device))
         mask = docs if mask is None else mask & docs
     return _exchange_and_attend(q, k, v, pg, tmo, layout, lengths, mask, causal=causal, window=win, scale=scale,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, backend=backend,

@@ -28,8 +28,10 @@ from attnzoo.variants import build_attention
 
 __all__ = [
     "GATED",
+    "PRE_NORMS",
     "attention_factory",
     "block",
+    "convert_layers",
     "decoder",
     "finish",
     "fuse_qkv_convs",
@@ -52,6 +54,10 @@ __all__ = [
 #: transformers' activation names -> attnzoo's gated FeedForward activations
 GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
          "gelu_new": "geglu_tanh"}
+
+#: A pre-norm layer's RMSNorms: ``input_layernorm`` before the attention, ``post_attention_layernorm``
+#: before the MLP.
+PRE_NORMS = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"))
 
 
 def plus_one(t: Tensor) -> Tensor:
@@ -259,3 +265,21 @@ def finish(plan: Plan, model: DecoderLM, head_size: int | None, *,
     put_head(plan, head_size, model.tie_embeddings, patterns)
     plan.apply(model, ignore=patterns)
     return model
+
+
+def convert_layers(hf: HFConfig, sd: dict[str, Tensor], build: Callable[..., DecoderLM], *, device: Any,
+                   dtype: Any, ffn: Callable[[Plan, str, str], None] = put_mlp,
+                   norms: Sequence[tuple[str, str]] = PRE_NORMS, qk_norm: bool = False,
+                   sinks: bool = False) -> DecoderLM:
+    """A conversion (:func:`start`, then :func:`finish`) of a decoder whose every layer ``i`` is
+    ``layers.{i}.self_attn`` (:func:`put_attention` with the checkpoint's ``attention_bias``,
+    ``qk_norm`` and ``sinks``), ``layers.{i}.mlp`` (planned by ``ffn(plan, ours, theirs)``) and the
+    norms ``norms`` (``(ours, theirs)`` pairs, weights only)."""
+    model, plan, head_size = start(hf, sd, build, device=device, dtype=dtype)
+    bias = hf.get("attention_bias", False, bool)
+    for i in range(model.depth):
+        o, h = f"blocks.{i}.", f"layers.{i}."
+        put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=bias, qk_norm=qk_norm, sinks=sinks)
+        ffn(plan, f"{o}ffn.", f"{h}mlp.")
+        plan.put_pairs(o, h, norms, bias=False)
+    return finish(plan, model, head_size)

@@ -38,11 +38,5 @@ def build_gpt_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = N
 
 def convert_gpt_oss(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them)."""
-    model, plan, head_size = parts.start(hf, sd, build_gpt_oss, device=device, dtype=dtype)
-    for i in range(model.depth):
-        o, h = f"blocks.{i}.", f"layers.{i}."
-        parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool), sinks=True)
-        put_moe(plan, f"{o}ffn.", f"{h}mlp.", "interleaved")
-        plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")],
-                       bias=False)
-    return parts.finish(plan, model, head_size)
+    return parts.convert_layers(hf, sd, build_gpt_oss, device=device, dtype=dtype, sinks=True,
+                                ffn=functools.partial(put_moe, layout="interleaved"))

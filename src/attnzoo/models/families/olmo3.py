@@ -34,12 +34,7 @@ def build_olmo3(hf: HFConfig, *, head_size: int | None = None, device: Any = Non
 
 
 def convert_olmo3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """Build the decoder and copy the weights (the head follows them)."""
-    model, plan, head_size = parts.start(hf, sd, build_olmo3, device=device, dtype=dtype)
-    for i in range(model.depth):
-        o, h = f"blocks.{i}.", f"layers.{i}."
-        parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool), qk_norm=True)
-        parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
-        plan.put_pairs(o, h, [("attn_out_norm", "post_attention_layernorm"),
-                              ("ffn_out_norm", "post_feedforward_layernorm")], bias=False)
-    return parts.finish(plan, model, head_size)
+    """Build the decoder and copy the weights (the head follows them); RMSNorms on the sub-layer outputs."""
+    return parts.convert_layers(hf, sd, build_olmo3, device=device, dtype=dtype, qk_norm=True,
+                                norms=[("attn_out_norm", "post_attention_layernorm"),
+                                       ("ffn_out_norm", "post_feedforward_layernorm")])

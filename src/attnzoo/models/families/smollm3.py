@@ -8,6 +8,7 @@ others share one rotary embedding (``rope_parameters``, scaled types included). 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import Tensor
@@ -42,11 +43,5 @@ def build_smollm3(hf: HFConfig, *, head_size: int | None = None, device: Any = N
 
 def convert_smollm3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them)."""
-    model, plan, head_size = parts.start(hf, sd, build_smollm3, device=device, dtype=dtype)
-    for i in range(model.depth):
-        o, h = f"blocks.{i}.", f"layers.{i}."
-        parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool))
-        parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.", bias=hf.get("mlp_bias", False, bool))
-        plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")],
-                       bias=False)
-    return parts.finish(plan, model, head_size)
+    return parts.convert_layers(hf, sd, build_smollm3, device=device, dtype=dtype,
+                                ffn=functools.partial(parts.put_mlp, bias=hf.get("mlp_bias", False, bool)))

@@ -11,11 +11,11 @@ import inspect
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.tools.test_docs import run_blocks
 from torch import Tensor
 
 import attnzoo as az
@@ -311,11 +311,7 @@ def test_bad_inputs_name_the_argument(case: tuple[str, Callable[[], object], typ
 
 
 def test_docs_example_runs() -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "recurrent.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"docs/recurrent.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    run_blocks("docs/recurrent.md")
 
 
 # The pinned signatures (DESIGN.md, "Additions pinned"): the shared keyword tail is one contract;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.tools.test_docs import run_blocks
 
 import attnzoo as az
 from attnzoo.functional.feature_maps.linear import FEATURE_MAPS
@@ -250,14 +251,7 @@ def test_registry_builds_linear() -> None:
 
 
 def test_efficient_docs_examples_run() -> None:
-    import re
-    from pathlib import Path
-
-    page = Path(__file__).resolve().parents[2] / "docs" / "efficient.md"
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    assert len(blocks) >= 4
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"docs/efficient.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    run_blocks("docs/efficient.md", minimum=4)
 
 
 @pytest.mark.parametrize("form", ["auto", "quadratic", "chunked", "recurrent"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.oracle import oracle_attention
-from tests.tools.test_docs import blocks as doc_blocks
+from tests.tools.test_docs import run_blocks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -280,10 +280,7 @@ def test_bad_score_mod(bad, error, match) -> None:
 
 def test_score_mod_docs_run() -> None:
     """Every python block of docs/score-mod.md runs as written (test_docs.py's block finder)."""
-    found = doc_blocks("docs/score-mod.md")
-    assert len(found) >= 3
-    for i, code in enumerate(found):
-        exec(compile(code, f"docs/score-mod.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    run_blocks("docs/score-mod.md", minimum=3)
 
 
 HALF_CASES = {

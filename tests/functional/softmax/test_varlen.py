@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.tools.test_docs import run_blocks
 
 import attnzoo as az
 from attnzoo.functional.softmax.varlen import varlen_mask
@@ -171,13 +172,8 @@ def test_bad_shapes() -> None:
 def test_docs_examples_run_and_drawings_hold() -> None:
     """docs/softmax-frontier.md: every python block runs; the drawn varlen patterns are the mask's."""
     import re
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "softmax-frontier.md").read_text()
-    found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(found) >= 3
-    for i, code in enumerate(found):
-        exec(compile(code, f"softmax-frontier.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
+    text = run_blocks("docs/softmax-frontier.md", minimum=3)
     cq, ck = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
     drawn = re.findall(r"seq \d  row \d \(pos -?\d\)\s+([01]) ([01]) ([01]) \| ([01]) ([01])", text)
     assert len(drawn) == 10
