@@ -16,7 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.softmax.nsa import NSAConfig, compress_blocks, nsa_attention, num_compressed
+from attnzoo.functional.softmax.nsa import (
+    NSAConfig,
+    compress_blocks,
+    nsa_attention,
+    num_compressed,
+    window_chunk,
+)
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.cache import SnapshotCache
@@ -251,8 +257,9 @@ def nsa_computed_pairs(n: int, cfg: NSAConfig, query_chunk: int = QUERY_CHUNK) -
     * compressed: a chunk of ``c`` queries ending at ``t1`` scores every block its last query can
       see, ``c * num_compressed(t1)``;
     * selected: ``c * min(n_sel, ceil(t1 / l')) * l'`` (the chunk's pick count, padded picks included);
-    * window: a chunk of ``max(query_chunk, w)`` queries scores a dense slab from ``w - 1`` keys
-      before it to its end (``az.attention`` on a dense backend at these sizes)."""
+    * window: a chunk of ``c = window_chunk(query_chunk, w)`` queries starting at ``a`` scores a dense
+      slab from ``min(a, w - 1)`` keys before it to its end (``az.attention`` on a dense backend at
+      these sizes)."""
     bl, d, sl, k, w = cfg.block_len, cfg.block_stride, cfg.select_len, cfg.num_selected, cfg.window
     c = query_chunk
     full, rest = divmod(n, c)
@@ -265,13 +272,12 @@ def nsa_computed_pairs(n: int, cfg: NSAConfig, query_chunk: int = QUERY_CHUNK) -
     sat = min(full, max(0, -(-((k - 1) * sl + 1) // c) - 1))  # full chunks with ceil(t1 / l') < k
     slc_chunks = _floor_sum(sat, sl, c, c + sl - 1) + k * (full - sat)
     slc = c * sl * slc_chunks + (rest * sl * min(k, -(-n // sl)) if rest else 0)
-    # window: chunk 0 scores its own keys; chunk j > 0 of size c_j scores c_j + w - 1 keys
-    cw = max(c, w)
+    # window: chunk j (size c_j, from a_j = j cw) scores c_j + min(a_j, w - 1) keys
+    cw = window_chunk(c, w)
     wfull, wrest = divmod(n, cw)
-    first = min(cw, n)
-    win = first * first + max(wfull - 1, 0) * cw * (cw + w - 1)
-    if wrest and wfull:
-        win += wrest * (wrest + w - 1)
+    near = min(wfull, -(-(w - 1) // cw))  # full chunks with a_j < w - 1
+    win = cw * cw * (near + near * (near - 1) // 2) + (wfull - near) * cw * (cw + w - 1)
+    win += wrest * (wrest + min(wfull * cw, w - 1))
     return cmp, slc, win
 
 
