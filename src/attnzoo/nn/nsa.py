@@ -257,9 +257,8 @@ def nsa_computed_pairs(n: int, cfg: NSAConfig, query_chunk: int = QUERY_CHUNK) -
     * compressed: a chunk of ``c`` queries ending at ``t1`` scores every block its last query can
       see, ``c * num_compressed(t1)``;
     * selected: ``c * min(n_sel, ceil(t1 / l')) * l'`` (the chunk's pick count, padded picks included);
-    * window: a chunk of ``c = window_chunk(query_chunk, w)`` queries starting at ``a`` scores a dense
-      slab from ``min(a, w - 1)`` keys before it to its end (``az.attention`` on a dense backend at
-      these sizes)."""
+    * window: every block of ``c = window_chunk(query_chunk, w)`` queries (the last one padded)
+      scores a dense slab of ``c + w - 1`` keys (one ``az.attention`` call over all blocks)."""
     bl, d, sl, k, w = cfg.block_len, cfg.block_stride, cfg.select_len, cfg.num_selected, cfg.window
     c = query_chunk
     full, rest = divmod(n, c)
@@ -272,12 +271,9 @@ def nsa_computed_pairs(n: int, cfg: NSAConfig, query_chunk: int = QUERY_CHUNK) -
     sat = min(full, max(0, -(-((k - 1) * sl + 1) // c) - 1))  # full chunks with ceil(t1 / l') < k
     slc_chunks = _floor_sum(sat, sl, c, c + sl - 1) + k * (full - sat)
     slc = c * sl * slc_chunks + (rest * sl * min(k, -(-n // sl)) if rest else 0)
-    # window: chunk j (size c_j, from a_j = j cw) scores c_j + min(a_j, w - 1) keys
+    # window: ceil(n / c) blocks of c queries, each over c + w - 1 keys
     cw = window_chunk(c, w)
-    wfull, wrest = divmod(n, cw)
-    near = min(wfull, -(-(w - 1) // cw))  # full chunks with a_j < w - 1
-    win = cw * cw * (near + near * (near - 1) // 2) + (wfull - near) * cw * (cw + w - 1)
-    win += wrest * (wrest + min(wfull * cw, w - 1))
+    win = -(-n // cw) * cw * (cw + w - 1)
     return cmp, slc, win
 
 

@@ -26,7 +26,7 @@ Every size and branch of the fast form comes from Python ints, never from tensor
 sync, no graph break). Under ``torch.compile`` the compressed and selected branches run as one
 custom operator, ``attnzoo::nsa_sparse_fwd`` (backward: ``attnzoo::nsa_sparse_bwd``, the softmax
 backward of both branches from the probabilities and picks the forward saved), and the window
-branch as one batched ``az.attention`` call over blocks of ``w`` queries (:func:`_window_banded`).
+branch as one batched ``az.attention`` call over blocks of queries (:func:`_window_banded`), as in eager.
 """
 
 from __future__ import annotations
@@ -532,55 +532,49 @@ def _sparse_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v
     return (torch.cat(dqs, 3).flatten(1, 2), dk, dv, dkc, dvc, torch.cat(dgs, 3).flatten(1, 2))
 
 
-#: Queries per window chunk (at most; more if ``query_chunk`` is larger): a chunk of ``c`` scores
+#: Queries per window block (at most; more if ``query_chunk`` is larger): a block of ``c`` scores
 #: ``c + w - 1`` keys for ``w`` visible ones, so ``w = 512`` wastes half at ``c = w`` and a fifth at
-#: ``c = 128`` (measured at N=16384, one thread: 0.37 s at 128 or 256 queries vs 0.49 s at 512).
-WINDOW_QUERIES = 256
+#: ``c = 128`` (measured at N=16384, one thread: 0.30 s at 128 queries, 0.34 s at 256, 0.43 s at 512).
+WINDOW_QUERIES = 128
 
 
 def window_chunk(query_chunk: int, window: int) -> int:
-    """Queries per chunk of the eager window branch: ``max(query_chunk, min(window, WINDOW_QUERIES))``."""
+    """Queries per block of the window branch: ``max(query_chunk, min(window, WINDOW_QUERIES))``."""
     return max(query_chunk, min(window, WINDOW_QUERIES))
 
 
 def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int,
             backend: str) -> Tensor:
-    """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` per chunk of
-    :func:`window_chunk` queries over the only keys its window can reach (``c + w - 1`` keys a chunk:
-    O(N w), no tile walk)."""
-    c, w, nq = window_chunk(query_chunk, cfg.window), cfg.window, q.shape[2]
-    if tracing():
-        return _window_banded(q, k, v, w, q_offset, scale, backend)
-    outs = []
-    for a in range(0, nq, c):
-        lo, hi = max(0, q_offset + a - w + 1), q_offset + min(nq, a + c)
-        outs.append(attention(q[:, :, a:a + c], k[:, :, lo:hi], v[:, :, lo:hi], causal=True, window=(w - 1, 0),
-                              q_offset=q_offset + a - lo, scale=scale, backend=backend))
-    return torch.cat(outs, dim=2)  # type: ignore[arg-type]
+    """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` as one batched call over blocks
+    of :func:`window_chunk` queries (:func:`_window_banded`: ``c + w - 1`` keys a block, O(N w))."""
+    return _window_banded(q, k, v, cfg.window, q_offset, scale, backend, window_chunk(query_chunk, cfg.window))
 
 
-def _window_banded(q: Tensor, k: Tensor, v: Tensor, w: int, q_offset: int, scale: float, backend: str) -> Tensor:
-    """The window branch as one batched call (what a compiled graph runs: no loop whose trip count
-    would depend on the length). Queries in blocks of ``w``; block ``j`` (positions ``t0 .. t0 + w - 1``)
-    attends over the ``2 w`` keys from ``t0 - w + 1``, where query ``i`` sees slab key ``m`` iff
-    ``i <= m <= i + w - 1`` (the same band for every block), and only keys inside ``0 .. Nk - 1``.
-    ``O(N w)`` work like the eager chunk loop, exact."""
+def _window_banded(q: Tensor, k: Tensor, v: Tensor, w: int, q_offset: int, scale: float, backend: str,
+                   block: int | None = None) -> Tensor:
+    """The window branch as one batched call (no loop whose trip count would depend on the length:
+    one graph when compiled, and one kernel call instead of a call per chunk, which a loaded thread
+    pool makes each wait). Queries in blocks of ``c = block`` (default ``w``); block ``j`` (positions
+    ``t0 .. t0 + c - 1``) attends over the ``c + w - 1`` keys from ``t0 - w + 1``, where query ``i``
+    sees slab key ``m`` iff ``i <= m <= i + w - 1`` (the same band for every block), and only keys
+    inside ``0 .. Nk - 1``. ``O(N (c + w))`` work, exact."""
     B, H, nq, D = q.shape
     G, nk = k.shape[1], k.shape[2]
-    nb = -(-nq // w)
+    c = w if block is None else block
+    nb, span = -(-nq // c), c + w - 1
     lo = q_offset - w + 1  # position of block 0's first slab key
-    slab = torch.arange(2 * w, device=q.device)
+    slab = torch.arange(span, device=q.device)
 
-    def slabs(x: Tensor) -> Tensor:  # [B, G, Nk, d] -> [B nb, G, 2 w, d], w zero keys padded on both ends
-        xs = F.pad(x, (0, 0, w, w))[:, :, lo + w:lo + w + (nb + 1) * w].unfold(2, 2 * w, w)  # [B, G, nb, d, 2w]
-        return xs.permute(0, 2, 1, 4, 3).reshape(B * nb, G, 2 * w, x.shape[-1])
+    def slabs(x: Tensor) -> Tensor:  # [B, G, Nk, d] -> [B nb, G, c + w - 1, d], zero keys padded on both ends
+        xs = F.pad(x, (0, 0, w - 1, max(0, q_offset + nb * c - nk)))[:, :, lo + w - 1:lo + w - 1 + (nb - 1) * c + span]
+        return xs.unfold(2, span, c).permute(0, 2, 1, 4, 3).reshape(B * nb, G, span, x.shape[-1])
 
-    band = (slab[None, :] >= slab[:w, None]) & (slab[None, :] <= slab[:w, None] + w - 1)  # [w, 2w]
-    pos = lo + torch.arange(nb, device=q.device)[:, None] * w + slab  # [nb, 2w] key positions
-    mask = band & ((pos >= 0) & (pos < nk))[:, None, :]  # [nb, w, 2w]
-    qb = F.pad(q, (0, 0, 0, nb * w - nq)).view(B, H, nb, w, D).transpose(1, 2).reshape(B * nb, H, w, D)
+    band = (slab[None, :] >= slab[:c, None]) & (slab[None, :] <= slab[:c, None] + w - 1)  # [c, c + w - 1]
+    pos = lo + torch.arange(nb, device=q.device)[:, None] * c + slab  # [nb, c + w - 1] key positions
+    mask = band & ((pos >= 0) & (pos < nk))[:, None, :]  # [nb, c, c + w - 1]
+    qb = F.pad(q, (0, 0, 0, nb * c - nq)).view(B, H, nb, c, D).transpose(1, 2).reshape(B * nb, H, c, D)
     o = attention(qb, slabs(k), slabs(v), mask=mask[:, None].repeat(B, 1, 1, 1), scale=scale, backend=backend)
-    return o.view(B, nb, H, w, -1).transpose(1, 2).reshape(B, H, nb * w, -1)[:, :, :nq]  # type: ignore[union-attr]
+    return o.view(B, nb, H, c, -1).transpose(1, 2).reshape(B, H, nb * c, -1)[:, :, :nq]  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- compiled form
