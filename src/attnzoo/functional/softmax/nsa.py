@@ -428,8 +428,10 @@ def _pair_tiles(group: Tensor, row: Tensor, n_groups: int, n_rows: int, size: in
     holding pairs of one group (group ids in ``[0, n_groups)``, tiles in group order): returns
     ``tile_group [T]`` and ``slot_row [T size]``, the query row of every slot (``n_rows`` for the
     padding slots of a group's last tile). A host sync (the tile count): eager only."""
-    group, order = torch.sort(group, stable=True)
-    row = row[order]
+    # float keys (exact below 2^53): a comparison sort; torch sorts 1-D integer keys by a parallel
+    # radix sort that waits for every pool thread at each pass (2 loaded threads: 169 ms vs 27 ms)
+    order = torch.sort(group.double(), stable=True).indices
+    group, row = group[order], row[order]
     counts = torch.bincount(group, minlength=n_groups)  # pairs per group
     tiles_per = (counts + size - 1) // size
     tile_start = torch.cumsum(tiles_per, 0) - tiles_per  # first tile of each group
