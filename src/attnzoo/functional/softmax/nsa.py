@@ -104,15 +104,16 @@ def compress_blocks(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor | None, w2: T
     return torch.nn.functional.linear(hidden, w2, b2)
 
 
-def _masked_softmax(s: Tensor, allowed: Tensor, empty_rows: bool) -> Tensor:
+def _masked_softmax(s: Tensor, allowed: Tensor, empty_rows: bool, first: int = 0) -> Tensor:
     """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give zeros.
 
     ``empty_rows`` says (from Python ints, never from tensor data: no host sync, no graph break)
     whether some row may allow nothing; without such rows the plain softmax runs (two passes).
-    ``s`` is overwritten (every caller passes freshly computed scores)."""
+    ``s`` is overwritten (every caller passes freshly computed scores). Columns before ``first`` are
+    allowed in every row: only the rest is masked."""
     if s.shape[-1] == 0:
         return s
-    s = s.masked_fill_(~allowed, float("-inf"))
+    s[..., first:].masked_fill_(~allowed[..., first:], float("-inf"))
     if not empty_rows:
         return torch.softmax(s, dim=-1)
     m = s.amax(-1, keepdim=True).detach()
@@ -222,7 +223,8 @@ def _chunk_compressed(qg: Tensor, k_cmp: Tensor, v_cmp: Tensor, t: Tensor, t0: i
         return qg.new_zeros(B, G, r, c, v_cmp.shape[-1]), qg.new_zeros(B, G, r, c, 0)
     ends = torch.arange(nc, device=qg.device) * cfg.block_stride + cfg.block_len - 1
     s = torch.einsum("bgrcd,bgnd->bgrcn", qg * scale, k_cmp[:, :, :nc])  # scaled once, on the queries
-    p = _masked_softmax(s, ends[None, :] <= t[:, None], t0 < cfg.block_len - 1)
+    first = min(nc, num_compressed(t0 + 1, cfg.block_len, cfg.block_stride))  # seen by every query of the chunk
+    p = _masked_softmax(s, ends[None, :] <= t[:, None], t0 < cfg.block_len - 1, first)
     return torch.einsum("bgrcn,bgnd->bgrcd", p, v_cmp[:, :, :nc]), p
 
 
