@@ -7,11 +7,12 @@ tokens (the first and two local blocks included), window ``w=512``. Rows:
 
 * ``nsa``: :func:`attnzoo.functional.softmax.nsa.nsa_attention` (``form="fast"``), block compression
   included (the MLP of :class:`attnzoo.nn.nsa.BlockCompressor`);
-* ``nsa:selected``: the selected branch alone (block picks precomputed): the part that gathers
-  only the ``n l'`` selected keys per query, so its time should grow ~linearly in N
-  (``t(4N)/t(N)`` ~ 4); the compressed branch still scores ``N^2 / (2 d)`` (query, block) pairs;
-* ``nsa:window``: the window branch alone (``az.attention(window=(w - 1, 0), causal=True)`` per
-  chunk of ``w`` queries over the ``<= 2 w`` keys their windows reach);
+* ``nsa:selected``: the selected branch alone as inference runs it (random block picks
+  precomputed; :func:`attnzoo.functional.softmax.nsa._selected_tiles` in passes of ``SDPA_PASS``
+  queries): it reads only the ``n l'`` selected keys per query, so its time should grow ~linearly
+  in N (``t(4N)/t(N)`` ~ 4); the compressed branch still scores ``N^2 / (2 d)`` (query, block) pairs;
+* ``nsa:window``: the window branch alone (``az.attention(window=(w - 1, 0), causal=True)`` as one
+  banded call over blocks of 128 queries, each over the ``128 + w - 1`` keys their windows reach);
 * ``dense``: ``az.attention(q, k, v, causal=True, backend="sdpa")`` (GQA, K/V not expanded). Above
   ``--dense-max`` it is not run: the table shows ``t(dense-max) * (N / dense-max)^2`` marked
   ``(estimate)``.
@@ -34,12 +35,14 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 import attnzoo as az
 from attnzoo.functional.softmax.nsa import (
+    SDPA_PASS,
     NSAConfig,
     _blocks,
-    _chunk_selected,
+    _selected_tiles,
     _window,
     nsa_attention,
     pick_blocks,
@@ -73,13 +76,15 @@ def _calls(n: int) -> dict[str, Callable[[], object]]:
     ns = kb.shape[2]
     picks = []
     g = torch.Generator().manual_seed(1)
-    for a in range(0, n, CHUNK):
-        t = torch.arange(a, min(n, a + CHUNK))
-        picks.append((t, *pick_blocks(torch.rand(B, HKV, len(t), ns, generator=g), t, CFG)))
+    n_sel = min(CFG.num_selected, ns)
+    for a in range(0, n, SDPA_PASS):
+        t = torch.arange(a, min(n, a + SDPA_PASS))
+        idx, ok = pick_blocks(torch.rand(B, HKV, len(t), ns, generator=g), t, CFG)
+        picks.append((t, F.pad(idx, (0, n_sel - idx.shape[-1])), F.pad(ok, (0, n_sel - ok.shape[-1]))))
     scale = D ** -0.5
 
     def selected() -> object:
-        return [_chunk_selected(q[:, :, t[0]:t[-1] + 1].unflatten(1, (HKV, H // HKV)), kb, vb, idx, ok, t, CFG, scale)
+        return [_selected_tiles(q[:, :, t[0]:t[-1] + 1].unflatten(1, (HKV, H // HKV)), kb, vb, idx, ok, t, CFG, scale)
                 for t, idx, ok in picks]
 
     return {"nsa": nsa, "nsa:selected": selected,

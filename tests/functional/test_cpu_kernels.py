@@ -168,6 +168,45 @@ def test_nsa_block_major_float32() -> None:
     assert (fast.double() - ref).abs().max() < 1e-5
 
 
+
+@pytest.mark.parametrize("tiles", [(64, 4096), (4, 100)])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300, 0), (1, 4, 1, 260, 301, None), (1, 6, 3, 257, 257, 0)])
+def test_nsa_inference_tiles_equal_reference(shape, tiles, monkeypatch) -> None:
+    """Inference (no autograd): the selected branch as tiles of torch's CPU flash kernel merged by
+    their log-sum-exps (``_selected_tiles``; own-block tiles masked) == the dense float64 reference,
+    with the default tiles and with tiles of 4 queries in passes of 100 (many tiles, ragged passes)."""
+    B, H, G, Nq, Nk, q_offset = shape
+    monkeypatch.setattr(nsa_mod, "SDPA_TILE", tiles[0])
+    monkeypatch.setattr(nsa_mod, "SDPA_PASS", tiles[1])
+    calls = []
+    monkeypatch.setattr(nsa_mod, "_selected_block_major", lambda *a: calls.append(a))  # must not run
+    cfg = NSAConfig(block_len=8, block_stride=4, select_len=8, num_selected=4, window=16)
+    q, k, v = _qkv(B, H, G, Nq, Nk, D=16, Dv=16)
+    gates = torch.rand(B, H, Nq, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
+    torch.manual_seed(0)
+    comp = BlockCompressor(16, 8, 4, {"dtype": F64})
+    with torch.no_grad():
+        fast = nsa_attention(q, k, v, comp(k), comp(v), gates, cfg, form="fast", query_chunk=32, q_offset=q_offset)
+        ref = nsa_attention(q, k, v, comp(k), comp(v), gates, cfg, form="reference", q_offset=q_offset)
+    assert not calls
+    assert (fast - ref).abs().max() < 1e-12, f"{shape}, tiles {tiles}: error {(fast - ref).abs().max():.2e}"
+
+
+@pytest.mark.parametrize(("bl", "d", "lp"), [(32, 16, 64), (4, 2, 4), (6, 3, 3), (7, 2, 4), (5, 1, 3), (6, 4, 6)])
+def test_nsa_overlap_scores_equal_the_overlap_matrix(bl: int, d: int, lp: int) -> None:
+    """Block importance (each compressed block's probability added to every selection block it
+    overlaps) == ``p @ overlap`` from the definition: the periodic form (``d | l'``) and the scatter
+    form ((6, 4, 6)), selection-block counts that cut the last overlaps off included."""
+    cfg = NSAConfig(bl, d, lp, 4, 4)
+    for nc in (1, 2, 5, 17, 40):
+        full = -(-((nc - 1) * d + bl) // lp)
+        for ns in (full, max(1, full - 2)):
+            p = torch.rand(2, 3, 5, nc, generator=torch.Generator().manual_seed(nc), dtype=F64)
+            starts, jl = torch.arange(nc)[:, None] * d, torch.arange(ns)[None, :] * lp
+            want = p @ ((starts < jl + lp) & (starts + bl > jl)).to(F64)
+            got = nsa_mod._overlap_scores(p, ns, cfg)
+            assert (got - want).abs().max() < 1e-12, f"l={bl} d={d} l'={lp} nc={nc} ns={ns}"
+
 # ------------------------------------------------------------------ varlen split path
 @pytest.mark.parametrize("lengths", [[5, 9, 9, 9, 1, 30, 30], [16] * 6, [1]])
 @pytest.mark.parametrize("window", [None, (4, 0)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attnzoo as az
 from attnzoo.cost import estimate
 from attnzoo.functional.softmax.nsa import NSAConfig, nsa_attention, num_compressed, pick_blocks
 from attnzoo.nn.nsa import BlockCompressor, NativeSparseAttention, NSACache, nsa_pairs
@@ -231,15 +232,17 @@ def test_selected_branch_work_is_n_l_prime_keys_a_query() -> None:
 
 
 @pytest.mark.parametrize(("h", "g", "nq", "nk", "w"), [(4, 2, 45, 48, 8), (2, 1, 30, 30, 7), (4, 4, 5, 40, 16),
-                                                       (2, 2, 1, 9, 4)])
-def test_banded_window_equals_the_chunk_loop(h: int, g: int, nq: int, nk: int, w: int) -> None:
-    """The compiled graph's window branch (one call over blocks of ``w`` queries and their ``2 w``-key
-    slabs) equals the eager chunk loop in float64: ragged blocks, GQA, a ``q_offset``, one query."""
-    from attnzoo.functional.softmax.nsa import _window, _window_banded
+                                                       (2, 2, 1, 9, 4), (2, 1, 40, 40, 1)])
+@pytest.mark.parametrize("block", [None, 3, 16])
+def test_banded_window_equals_window_attention(h: int, g: int, nq: int, nk: int, w: int, block: int | None) -> None:
+    """The window branch (one call over blocks of ``block`` queries, default ``w``, and their
+    ``block + w - 1``-key slabs) equals ``az.attention(window=(w - 1, 0), causal=True)`` in float64:
+    ragged blocks, GQA, a ``q_offset``, one query, blocks shorter and longer than the window."""
+    from attnzoo.functional.softmax.nsa import _window_banded
 
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, h, nq, 8, generator=gen, dtype=F64)
     k, v = (torch.randn(2, g, nk, 8, generator=gen, dtype=F64) for _ in range(2))
-    cfg = NSAConfig(4, 2, 4, 4, w)
-    want = _window(q, k, v, cfg, nk - nq, 0.3, 16, "reference")
-    torch.testing.assert_close(_window_banded(q, k, v, w, nk - nq, 0.3, "auto"), want, rtol=1e-12, atol=1e-12)
+    want = az.attention(q, k, v, causal=True, window=(w - 1, 0), q_offset=nk - nq, scale=0.3, backend="reference")
+    got = _window_banded(q, k, v, w, nk - nq, 0.3, "auto", block)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 import attnzoo as az
 from attnzoo.cost import estimate
 from attnzoo.functional.backends import flex
-from attnzoo.functional.softmax.nsa import NSAConfig, num_compressed
+from attnzoo.functional.softmax.nsa import NSAConfig, num_compressed, window_chunk
 from attnzoo.nn.nsa import QUERY_CHUNK, nsa_computed_pairs
 from attnzoo.variants import build_attention
 
@@ -71,9 +71,9 @@ def _counted(n: int, cfg: NSAConfig, chunk: int) -> tuple[int, int, int]:
         t1 = min(n, a + chunk)
         cmp += (t1 - a) * num_compressed(t1, cfg.block_len, cfg.block_stride)
         slc += (t1 - a) * min(cfg.num_selected, (t1 - 1) // cfg.select_len + 1) * cfg.select_len
-    cw = max(chunk, cfg.window)
-    for a in range(0, n, cw):
-        win += min(cw, n - a) * (min(n, a + cw) - max(0, a - cfg.window + 1))
+    cw = window_chunk(chunk, cfg.window)
+    for _ in range(0, n, cw):  # one banded call: every block (the last one padded) scores c + w - 1 keys
+        win += cw * (cw + cfg.window - 1)
     return cmp, slc, win
 
 

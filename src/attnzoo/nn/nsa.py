@@ -16,7 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
-from attnzoo.functional.softmax.nsa import NSAConfig, compress_blocks, nsa_attention, num_compressed
+from attnzoo.functional.softmax.nsa import (
+    NSAConfig,
+    compress_blocks,
+    nsa_attention,
+    num_compressed,
+    window_chunk,
+)
 from attnzoo.masks import Mask
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.cache import SnapshotCache
@@ -251,8 +257,8 @@ def nsa_computed_pairs(n: int, cfg: NSAConfig, query_chunk: int = QUERY_CHUNK) -
     * compressed: a chunk of ``c`` queries ending at ``t1`` scores every block its last query can
       see, ``c * num_compressed(t1)``;
     * selected: ``c * min(n_sel, ceil(t1 / l')) * l'`` (the chunk's pick count, padded picks included);
-    * window: a chunk of ``max(query_chunk, w)`` queries scores a dense slab from ``w - 1`` keys
-      before it to its end (``az.attention`` on a dense backend at these sizes)."""
+    * window: every block of ``c = window_chunk(query_chunk, w)`` queries (the last one padded)
+      scores a dense slab of ``c + w - 1`` keys (one ``az.attention`` call over all blocks)."""
     bl, d, sl, k, w = cfg.block_len, cfg.block_stride, cfg.select_len, cfg.num_selected, cfg.window
     c = query_chunk
     full, rest = divmod(n, c)
@@ -265,13 +271,9 @@ def nsa_computed_pairs(n: int, cfg: NSAConfig, query_chunk: int = QUERY_CHUNK) -
     sat = min(full, max(0, -(-((k - 1) * sl + 1) // c) - 1))  # full chunks with ceil(t1 / l') < k
     slc_chunks = _floor_sum(sat, sl, c, c + sl - 1) + k * (full - sat)
     slc = c * sl * slc_chunks + (rest * sl * min(k, -(-n // sl)) if rest else 0)
-    # window: chunk 0 scores its own keys; chunk j > 0 of size c_j scores c_j + w - 1 keys
-    cw = max(c, w)
-    wfull, wrest = divmod(n, cw)
-    first = min(cw, n)
-    win = first * first + max(wfull - 1, 0) * cw * (cw + w - 1)
-    if wrest and wfull:
-        win += wrest * (wrest + w - 1)
+    # window: ceil(n / c) blocks of c queries, each over c + w - 1 keys
+    cw = window_chunk(c, w)
+    win = -(-n // cw) * cw * (cw + w - 1)
     return cmp, slc, win
 
 

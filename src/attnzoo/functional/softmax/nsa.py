@@ -26,7 +26,7 @@ Every size and branch of the fast form comes from Python ints, never from tensor
 sync, no graph break). Under ``torch.compile`` the compressed and selected branches run as one
 custom operator, ``attnzoo::nsa_sparse_fwd`` (backward: ``attnzoo::nsa_sparse_bwd``, the softmax
 backward of both branches from the probabilities and picks the forward saved), and the window
-branch as one batched ``az.attention`` call over blocks of ``w`` queries (:func:`_window_banded`).
+branch as one batched ``az.attention`` call over blocks of queries (:func:`_window_banded`), as in eager.
 """
 
 from __future__ import annotations
@@ -104,14 +104,16 @@ def compress_blocks(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor | None, w2: T
     return torch.nn.functional.linear(hidden, w2, b2)
 
 
-def _masked_softmax(s: Tensor, allowed: Tensor, empty_rows: bool) -> Tensor:
+def _masked_softmax(s: Tensor, allowed: Tensor, empty_rows: bool, first: int = 0) -> Tensor:
     """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give zeros.
 
     ``empty_rows`` says (from Python ints, never from tensor data: no host sync, no graph break)
-    whether some row may allow nothing; without such rows the plain softmax runs (two passes)."""
+    whether some row may allow nothing; without such rows the plain softmax runs (two passes).
+    ``s`` is overwritten (every caller passes freshly computed scores). Columns before ``first`` are
+    allowed in every row: only the rest is masked."""
     if s.shape[-1] == 0:
         return s
-    s = s.masked_fill(~allowed, float("-inf"))
+    s[..., first:].masked_fill_(~allowed[..., first:], float("-inf"))
     if not empty_rows:
         return torch.softmax(s, dim=-1)
     m = s.amax(-1, keepdim=True).detach()
@@ -177,6 +179,8 @@ def _overlap_scores(p: Tensor, ns: int, cfg: NSAConfig) -> Tensor:
     A block with no ``r``-th overlapped selection block adds an exact ``0`` (to a clamped index)
     instead of being filtered out: the same sums, and no shape read from tensor data."""
     nc = p.shape[-1]
+    if nc and cfg.select_len % cfg.block_stride == 0:
+        return _overlap_scores_periodic(p, ns, cfg)
     out = p.new_zeros(*p.shape[:-1], ns)
     if nc == 0:
         return out
@@ -189,6 +193,25 @@ def _overlap_scores(p: Tensor, ns: int, cfg: NSAConfig) -> Tensor:
     return out
 
 
+def _overlap_scores_periodic(p: Tensor, ns: int, cfg: NSAConfig) -> Tensor:
+    """:func:`_overlap_scores` when ``d`` divides ``l'`` (``m = l' / d`` compressed blocks start in each
+    selection block): block ``i`` starts in selection block ``i // m`` and reaches ``u`` blocks
+    further iff ``u l' <= (i mod m) d + l - 1``, a pattern of period ``m``. So ``p`` is cut into rows
+    of ``m`` blocks, one ``[m, U]`` matmul sums each row under every reach ``u``, and the sums are
+    added ``u`` selection blocks further: no scatter over the last axis."""
+    nc, lp, d = p.shape[-1], cfg.select_len, cfg.block_stride
+    m = lp // d
+    rows = -(-nc // m)
+    reach = torch.arange(-(-(cfg.block_len - 1) // lp) + 1, device=p.device)  # [U]
+    phase = torch.arange(m, device=p.device)[:, None] * d
+    pattern = (reach[None, :] * lp <= phase + cfg.block_len - 1).to(p.dtype)  # [m, U]
+    sums = F.pad(p, (0, rows * m - nc)).unflatten(-1, (rows, m)) @ pattern  # [..., rows, U]
+    out = p.new_zeros(*p.shape[:-1], max(ns, rows + reach.numel()))
+    for u in range(reach.numel()):
+        out[..., u:u + rows] += sums[..., u]
+    return out[..., :ns]
+
+
 def _chunk_compressed(qg: Tensor, k_cmp: Tensor, v_cmp: Tensor, t: Tensor, t0: int, cfg: NSAConfig,
                       scale: float) -> tuple[Tensor, Tensor]:
     """Compressed branch of one query chunk ``qg [B, G, r, c, D]`` at positions ``t = t0 .. t0 + c - 1``
@@ -199,8 +222,9 @@ def _chunk_compressed(qg: Tensor, k_cmp: Tensor, v_cmp: Tensor, t: Tensor, t0: i
     if nc == 0:
         return qg.new_zeros(B, G, r, c, v_cmp.shape[-1]), qg.new_zeros(B, G, r, c, 0)
     ends = torch.arange(nc, device=qg.device) * cfg.block_stride + cfg.block_len - 1
-    s = torch.einsum("bgrcd,bgnd->bgrcn", qg, k_cmp[:, :, :nc]) * scale
-    p = _masked_softmax(s, ends[None, :] <= t[:, None], t0 < cfg.block_len - 1)
+    s = torch.einsum("bgrcd,bgnd->bgrcn", qg * scale, k_cmp[:, :, :nc])  # scaled once, on the queries
+    first = min(nc, num_compressed(t0 + 1, cfg.block_len, cfg.block_stride))  # seen by every query of the chunk
+    p = _masked_softmax(s, ends[None, :] <= t[:, None], t0 < cfg.block_len - 1, first)
     return torch.einsum("bgrcn,bgnd->bgrcd", p, v_cmp[:, :, :nc]), p
 
 
@@ -300,6 +324,10 @@ def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates
 BLOCK_MAJOR_MIN_QUERIES = 256
 #: Queries of one block-major tile (the rows that share one gathered key block).
 BLOCK_TILE = 16
+#: Queries of one tile of the inference form (:func:`_selected_tiles`).
+SDPA_TILE = 64
+#: Queries per pass of the inference form (bounds its gathered query tiles: ``~ G n r D 4`` bytes a query).
+SDPA_PASS = 4096
 #: Queries per block-major pass (bounds the pass's score tiles: ``~ G n r l' 4`` bytes a query).
 BLOCK_MAJOR_CHUNK = 1024
 _LOG2E = 1.4426950408889634
@@ -329,14 +357,94 @@ def _sparse_block_major(q: Tensor, kb: Tensor, vb: Tensor, k_cmp: Tensor, v_cmp:
         oks.append(F.pad(ok, (0, n - ok.shape[-1])))
     idx_all, ok_all = torch.cat(picks, 2), torch.cat(oks, 2)  # [B, G, Nq, n]
     o_slc = []
-    for a in range(0, Nq, BLOCK_MAJOR_CHUNK):
-        sl = slice(a, a + BLOCK_MAJOR_CHUNK)
-        t = torch.arange(q_offset + a, q_offset + min(Nq, a + BLOCK_MAJOR_CHUNK), device=q.device)
-        o_slc.append(_selected_block_major(qg_all[:, :, :, sl], kb, vb, idx_all[:, :, sl], ok_all[:, :, sl], t,
-                                           cfg, scale))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, kb, vb))
+    selected, c = (_selected_block_major, BLOCK_MAJOR_CHUNK) if grad else (_selected_tiles, SDPA_PASS)
+    for a in range(0, Nq, c):
+        sl = slice(a, a + c)
+        t = torch.arange(q_offset + a, q_offset + min(Nq, a + c), device=q.device)
+        o_slc.append(selected(qg_all[:, :, :, sl], kb, vb, idx_all[:, :, sl], ok_all[:, :, sl], t, cfg, scale))
     g = gates.unflatten(1, (G, r))  # [B, G, r, Nq, 3]
     out = g[..., 0:1] * torch.cat(o_cmp, 3) + g[..., 1:2] * torch.cat(o_slc, 3)
     return out.flatten(1, 2)
+
+
+def _pairs(qg: Tensor, idx: Tensor, ok: Tensor, ns: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The real (query row, picked block) pairs of ``idx, ok [B, G, c, n]``: flat block ids
+    ``[pairs]`` (rows of ``kb.reshape(B G Ns, l', D)``), query rows ``[pairs]`` (``(b, g, i)``
+    flattened) and the query rows ``[B G c + 1, r, D]`` of ``qg [B, G, r, c, D]`` with one zero
+    row last (what padding slots read). A host sync (the pair count): eager only."""
+    B, G, r, c, D = qg.shape
+    base = torch.arange(B * G, device=qg.device).view(B, G, 1, 1)
+    blk = (base * ns + idx).flatten()  # [B G c n] flat block ids
+    row = (base * c + torch.arange(c, device=qg.device).view(1, 1, c, 1)).expand_as(idx).flatten()
+    keep = ok.flatten()
+    q_rows = torch.cat((qg.permute(0, 1, 3, 2, 4).reshape(B * G * c, r, D), qg.new_zeros(1, r, D)))
+    return blk[keep], row[keep], q_rows
+
+
+def _selected_tiles(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, t: Tensor, cfg: NSAConfig,
+                    scale: float) -> Tensor:
+    """:func:`_selected_block_major` for inference (no autograd through it): each tile of
+    :data:`SDPA_TILE` queries of one key block is one batch entry of torch's CPU flash attention
+    (``_scaled_dot_product_flash_attention_for_cpu``: fused scores, softmax and ``P V``, and the
+    tile's log-sum-exp), and the tiles of a query merge by their log-sum-exps:
+    ``o = sum_t exp(lse_t - lse) o_t``, ``lse = log sum_t exp(lse_t)``. A block before the query's
+    own is wholly visible (no mask); the pairs of a query's own block form separate tiles that get a
+    causal mask. Returns ``[B, G, r, c, Dv]``."""
+    B, G, r, c, D = qg.shape
+    ns, lp, Dv = kb.shape[2], kb.shape[3], vb.shape[-1]
+    nb, n_rows, P = B * G * ns, B * G * c, SDPA_TILE
+    t_rows = torch.cat((t.repeat(B * G), t.new_full((1,), ns * lp)))  # position of each row; padding sees all
+    blk, row, q_rows = _pairs(qg, idx, ok, ns)
+    own = blk % ns == t_rows[row] // lp  # the query's own block (its later keys hidden)
+    tile_grp, slot_row = _pair_tiles(blk + nb * (~own).long(), row, 2 * nb, n_rows, P)  # own-block tiles first
+    n_own = int((tile_grp < nb).sum())
+    tile_blk = tile_grp % nb
+    qt = q_rows.index_select(0, slot_row).view(-1, 1, P * r, D)  # [T, 1, P r, D]
+    kt = kb.reshape(nb, lp, D).index_select(0, tile_blk).unsqueeze(1)  # [T, 1, l', D]
+    vt = vb.reshape(nb, lp, Dv).index_select(0, tile_blk).unsqueeze(1)
+    kpos = (tile_blk[:n_own] % ns).view(-1, 1, 1, 1) * lp + torch.arange(lp, device=qg.device)  # [To, 1, 1, l']
+    hidden = kpos > t_rows.index_select(0, slot_row[:n_own * P]).view(n_own, P, 1, 1)  # [To, P, 1, l']
+    bias = qg.new_zeros(n_own, P, r, lp).masked_fill_(hidden, float("-inf")).view(n_own, 1, P * r, lp)
+    parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qt[sl], kt[sl], vt[sl], 0.0, False, attn_mask=m, scale=scale)
+        for sl, m in ((slice(0, n_own), bias), (slice(n_own, None), None)) if sl.stop != sl.start]
+    lse = torch.cat([x[1] for x in parts]).reshape(-1, r)  # [T P, r]
+    m_row = torch.full((n_rows + 1, r), float("-inf"), dtype=lse.dtype, device=qg.device)
+    m_row = m_row.scatter_reduce_(0, slot_row.view(-1, 1).expand(-1, r), lse, "amax")  # finite: own block
+    w = torch.exp(lse - m_row.index_select(0, slot_row)).to(vb.dtype)  # [T P, r]
+    num = qg.new_zeros(n_rows + 1, r, Dv)
+    den = qg.new_zeros(n_rows + 1, r).index_add_(0, slot_row, w)
+    start = 0
+    for o, _ in parts:  # no concatenated copy of the tiles' outputs: each part weighted in place, added
+        o = o.view(-1, r, Dv)  # [T' P, r, Dv]
+        rows = slice(start, start + o.shape[0])
+        num.index_add_(0, slot_row[rows], o.mul_(w[rows].unsqueeze(-1)))
+        start = rows.stop
+    out = num[:n_rows] / den[:n_rows].unsqueeze(-1)  # den >= 1: the pair holding the row's maximum
+    return out.view(B, G, c, r, Dv).permute(0, 1, 3, 2, 4)
+
+
+def _pair_tiles(group: Tensor, row: Tensor, n_groups: int, n_rows: int, size: int) -> tuple[Tensor, Tensor]:
+    """Cut (query row, group) pairs ``row, group [pairs]`` into tiles of ``size`` slots, each tile
+    holding pairs of one group (group ids in ``[0, n_groups)``, tiles in group order): returns
+    ``tile_group [T]`` and ``slot_row [T size]``, the query row of every slot (``n_rows`` for the
+    padding slots of a group's last tile). A host sync (the tile count): eager only."""
+    # float keys (exact below 2^53): a comparison sort; torch sorts 1-D integer keys by a parallel
+    # radix sort that waits for every pool thread at each pass (2 loaded threads: 169 ms vs 27 ms)
+    order = torch.sort(group.double(), stable=True).indices
+    group, row = group[order], row[order]
+    counts = torch.bincount(group, minlength=n_groups)  # pairs per group
+    tiles_per = (counts + size - 1) // size
+    tile_start = torch.cumsum(tiles_per, 0) - tiles_per  # first tile of each group
+    pair_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(group.numel(), device=group.device) - pair_start[group]  # position among its group's pairs
+    slot = (tile_start[group] + rank // size) * size + rank % size  # [pairs] -> slot of the tile table
+    n_tiles = int(tiles_per.sum())
+    tile_group = torch.repeat_interleave(torch.arange(n_groups, device=group.device), tiles_per,
+                                         output_size=n_tiles)
+    slot_row = torch.full((n_tiles * size,), n_rows, dtype=torch.long, device=group.device)
+    return tile_group, slot_row.index_put_((slot,), row)
 
 
 def _selected_block_major(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, t: Tensor, cfg: NSAConfig,
@@ -352,24 +460,9 @@ def _selected_block_major(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: T
     ns, lp, Dv = kb.shape[2], kb.shape[3], vb.shape[-1]
     dev, P = qg.device, BLOCK_TILE
     n_rows = B * G * c  # query rows (b, g, i); one more row takes the padding slots
-    blk = (torch.arange(B * G, device=dev).view(B, G, 1, 1) * ns + idx).flatten()  # [B G c n] flat block ids
-    row = (torch.arange(B * G, device=dev).view(B, G, 1, 1) * c
-           + torch.arange(c, device=dev).view(1, 1, c, 1)).expand_as(idx).flatten()
-    keep = ok.flatten()
-    blk, row = blk[keep], row[keep]  # the real pairs (a host sync: eager only)
-    blk, order = torch.sort(blk, stable=True)
-    row = row[order]
-    counts = torch.bincount(blk, minlength=B * G * ns)  # pairs per block
-    tiles_per = (counts + P - 1) // P
-    tile_start = torch.cumsum(tiles_per, 0) - tiles_per  # first tile of each block
-    pair_start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(blk.numel(), device=dev) - pair_start[blk]  # position among its block's pairs
-    tile = tile_start[blk] + rank // P
-    slot = tile * P + rank % P  # [pairs] -> slot of the tile table
-    n_tiles = int(tiles_per.sum())
-    tile_blk = torch.repeat_interleave(torch.arange(B * G * ns, device=dev), tiles_per, output_size=n_tiles)
-    slot_row = torch.full((n_tiles * P,), n_rows, dtype=torch.long, device=dev).index_put_((slot,), row)
-    q_rows = torch.cat((qg.permute(0, 1, 3, 2, 4).reshape(n_rows, r, D), qg.new_zeros(1, r, D)))  # [rows+1, r, D]
+    blk, row, q_rows = _pairs(qg, idx, ok, ns)
+    tile_blk, slot_row = _pair_tiles(blk, row, B * G * ns, n_rows, P)
+    n_tiles = tile_blk.numel()
     qt = q_rows.index_select(0, slot_row).view(n_tiles, P * r, D)  # [T, P r, D]
     kt = kb.reshape(B * G * ns, lp, D).index_select(0, tile_blk)  # [T, l', D]
     s = torch.bmm(qt, kt.transpose(1, 2)) * (scale * _LOG2E)  # [T, P r, l'], base-2 scores (exp2 is faster)
@@ -443,43 +536,49 @@ def _sparse_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v
     return (torch.cat(dqs, 3).flatten(1, 2), dk, dv, dkc, dvc, torch.cat(dgs, 3).flatten(1, 2))
 
 
+#: Queries per window block (at most; more if ``query_chunk`` is larger): a block of ``c`` scores
+#: ``c + w - 1`` keys for ``w`` visible ones, so ``w = 512`` wastes half at ``c = w`` and a fifth at
+#: ``c = 128`` (measured at N=16384, one thread: 0.30 s at 128 queries, 0.34 s at 256, 0.43 s at 512).
+WINDOW_QUERIES = 128
+
+
+def window_chunk(query_chunk: int, window: int) -> int:
+    """Queries per block of the window branch: ``max(query_chunk, min(window, WINDOW_QUERIES))``."""
+    return max(query_chunk, min(window, WINDOW_QUERIES))
+
+
 def _window(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, q_offset: int, scale: float, query_chunk: int,
             backend: str) -> Tensor:
-    """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` per chunk of ``max(query_chunk, w)``
-    queries over the only keys its window can reach (``<= 2 w`` keys a query: O(N w), no tile walk)."""
-    c, w, nq = max(query_chunk, cfg.window), cfg.window, q.shape[2]
-    if tracing():
-        return _window_banded(q, k, v, w, q_offset, scale, backend)
-    outs = []
-    for a in range(0, nq, c):
-        lo, hi = max(0, q_offset + a - w + 1), q_offset + min(nq, a + c)
-        outs.append(attention(q[:, :, a:a + c], k[:, :, lo:hi], v[:, :, lo:hi], causal=True, window=(w - 1, 0),
-                              q_offset=q_offset + a - lo, scale=scale, backend=backend))
-    return torch.cat(outs, dim=2)  # type: ignore[arg-type]
+    """Window branch: ``az.attention(window=(w - 1, 0), causal=True)`` as one batched call over blocks
+    of :func:`window_chunk` queries (:func:`_window_banded`: ``c + w - 1`` keys a block, O(N w))."""
+    return _window_banded(q, k, v, cfg.window, q_offset, scale, backend, window_chunk(query_chunk, cfg.window))
 
 
-def _window_banded(q: Tensor, k: Tensor, v: Tensor, w: int, q_offset: int, scale: float, backend: str) -> Tensor:
-    """The window branch as one batched call (what a compiled graph runs: no loop whose trip count
-    would depend on the length). Queries in blocks of ``w``; block ``j`` (positions ``t0 .. t0 + w - 1``)
-    attends over the ``2 w`` keys from ``t0 - w + 1``, where query ``i`` sees slab key ``m`` iff
-    ``i <= m <= i + w - 1`` (the same band for every block), and only keys inside ``0 .. Nk - 1``.
-    ``O(N w)`` work like the eager chunk loop, exact."""
+def _window_banded(q: Tensor, k: Tensor, v: Tensor, w: int, q_offset: int, scale: float, backend: str,
+                   block: int | None = None) -> Tensor:
+    """The window branch as one batched call (no loop whose trip count would depend on the length:
+    one graph when compiled, and one kernel call instead of a call per chunk, which a loaded thread
+    pool makes each wait). Queries in blocks of ``c = block`` (default ``w``); block ``j`` (positions
+    ``t0 .. t0 + c - 1``) attends over the ``c + w - 1`` keys from ``t0 - w + 1``, where query ``i``
+    sees slab key ``m`` iff ``i <= m <= i + w - 1`` (the same band for every block), and only keys
+    inside ``0 .. Nk - 1``. ``O(N (c + w))`` work, exact."""
     B, H, nq, D = q.shape
     G, nk = k.shape[1], k.shape[2]
-    nb = -(-nq // w)
+    c = w if block is None else block
+    nb, span = -(-nq // c), c + w - 1
     lo = q_offset - w + 1  # position of block 0's first slab key
-    slab = torch.arange(2 * w, device=q.device)
+    slab = torch.arange(span, device=q.device)
 
-    def slabs(x: Tensor) -> Tensor:  # [B, G, Nk, d] -> [B nb, G, 2 w, d], w zero keys padded on both ends
-        xs = F.pad(x, (0, 0, w, w))[:, :, lo + w:lo + w + (nb + 1) * w].unfold(2, 2 * w, w)  # [B, G, nb, d, 2w]
-        return xs.permute(0, 2, 1, 4, 3).reshape(B * nb, G, 2 * w, x.shape[-1])
+    def slabs(x: Tensor) -> Tensor:  # [B, G, Nk, d] -> [B nb, G, c + w - 1, d], zero keys padded on both ends
+        xs = F.pad(x, (0, 0, w - 1, max(0, q_offset + nb * c - nk)))[:, :, lo + w - 1:lo + w - 1 + (nb - 1) * c + span]
+        return xs.unfold(2, span, c).permute(0, 2, 1, 4, 3).reshape(B * nb, G, span, x.shape[-1])
 
-    band = (slab[None, :] >= slab[:w, None]) & (slab[None, :] <= slab[:w, None] + w - 1)  # [w, 2w]
-    pos = lo + torch.arange(nb, device=q.device)[:, None] * w + slab  # [nb, 2w] key positions
-    mask = band & ((pos >= 0) & (pos < nk))[:, None, :]  # [nb, w, 2w]
-    qb = F.pad(q, (0, 0, 0, nb * w - nq)).view(B, H, nb, w, D).transpose(1, 2).reshape(B * nb, H, w, D)
+    band = (slab[None, :] >= slab[:c, None]) & (slab[None, :] <= slab[:c, None] + w - 1)  # [c, c + w - 1]
+    pos = lo + torch.arange(nb, device=q.device)[:, None] * c + slab  # [nb, c + w - 1] key positions
+    mask = band & ((pos >= 0) & (pos < nk))[:, None, :]  # [nb, c, c + w - 1]
+    qb = F.pad(q, (0, 0, 0, nb * c - nq)).view(B, H, nb, c, D).transpose(1, 2).reshape(B * nb, H, c, D)
     o = attention(qb, slabs(k), slabs(v), mask=mask[:, None].repeat(B, 1, 1, 1), scale=scale, backend=backend)
-    return o.view(B, nb, H, w, -1).transpose(1, 2).reshape(B, H, nb * w, -1)[:, :, :nq]  # type: ignore[union-attr]
+    return o.view(B, nb, H, c, -1).transpose(1, 2).reshape(B, H, nb * c, -1)[:, :, :nq]  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- compiled form
