@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnzoo.functional.backends.tiled.flat import edge_rows, flat_window, forward_flat
 from attnzoo.functional.backends.tiled.plan import Band, Chunk, TilePlan
 from attnzoo.functional.backends.tiled.scores import (
     ScoreBound,
@@ -72,6 +73,12 @@ def attention_forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: T
     Dv = v.shape[-1]
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=compute_dtype(q.dtype), device=q.device) if need_lse else None
+    window = flat_window(r, plan, q, k, v)
+    if window is not None:  # every head's window blocks at once, then each head's edge blocks
+        forward_flat(r, plan, window, q, k, v, out, lse)
+        for i in edge_rows(plan, window):  # a few blocks: no bound (max-tracking), no pass over all keys
+            _forward_block(r, plan, i, plan.rows[i], q, k, v, None, out, lse)
+        return out, lse
     bound = score_bound(r, q, k)
     in_band = {i for band in plan.bands for i in range(band.first, band.first + band.count)}
     # Blocks outside bands first, bands last (in order): each band piece then finds the output rows

@@ -37,6 +37,7 @@ class TileConfig:
     band_elems: int = 1 << 22  #: score elements of one forward band batch
     min_tail_block: int = 8  #: smallest query sub-block the last band pieces shrink to
     backward_band_elems: int = 1 << 21  #: score elements of one backward band piece
+    flat_elems: int = 1 << 20  #: score elements of one group of head-flattened window blocks (forward, see .flat)
 
     def __post_init__(self) -> None:
         for f in fields(self):
