@@ -7,6 +7,8 @@ checks that the request really takes the path under test. Forward, LSE and gradi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,11 +31,11 @@ def _qkv(B: int, H: int, N: int, D: int = 8, Hkv: int | None = None, dtype=F64, 
     return tuple(torch.randn(s, generator=g, dtype=F64).to(dtype).requires_grad_() for s in shapes)
 
 
-def _takes_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> bool:
+def _takes_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: TileConfig = TILES, **kw) -> bool:
     r = build_request(q, k, v, mask=None, causal=kw.get("causal", False), window=kw.get("window"),
                       q_offset=kw.get("q_offset"), scale=None, softcap=kw.get("softcap"), alibi_slopes=None,
                       dropout_p=0.0, return_lse=True, return_weights=False)
-    with use_tiles(TILES):
+    with use_tiles(tiles):
         return flat_window(r, plan_for(r), q, k, v) is not None
 
 
@@ -87,6 +89,7 @@ FALLBACKS = {  # what the flat band does not serve: the band path runs, same num
     "q_offset": dict(q_offset=3),
     "transposed": dict(transposed=True),
     "ragged_n": dict(N=250),
+    "switched_off": dict(tiles=dataclasses.replace(TILES, flat_elems=0)),
 }
 
 
@@ -97,9 +100,10 @@ def test_flat_band_declines_and_band_path_is_exact(name: str) -> None:
     q, k, v = _qkv(1, H, N, Hkv=spec.pop("Hkv", None))
     if spec.pop("transposed", False):  # [B, N, H, D] storage seen as [B, H, N, D]
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    tiles = spec.pop("tiles", TILES)
     kw = dict(causal=True, window=(20, 0), **spec)
-    assert not _takes_flat(q, k, v, **kw), f"{name}: unexpectedly served by the flat band"
-    with use_tiles(TILES):
+    assert not _takes_flat(q, k, v, tiles, **kw), f"{name}: unexpectedly served by the flat band"
+    with use_tiles(tiles):
         out, lse = az.attention(q, k, v, backend="tiled", return_lse=True, **kw)
     ref, ref_lse = az.attention(q, k, v, backend="reference", return_lse=True, **kw)
     assert (out - ref).abs().max() < 1e-12, f"{name}: out error {(out - ref).abs().max():.2e}"
@@ -126,8 +130,10 @@ def _row_kwargs(spec: dict, hq: int) -> dict:
     return kw
 
 
+@pytest.mark.parametrize("row_elems", [1 << 14, 0], ids=["rows", "chunks_only"])
 @pytest.mark.parametrize("name", sorted(ROW_CASES))
-def test_whole_row_softmax_equals_reference_float64(name: str, monkeypatch) -> None:
+def test_whole_row_softmax_equals_reference_float64(name: str, row_elems: int, monkeypatch) -> None:
+    """With ``row_elems=0`` every block runs the online softmax by chunks (the path it replaced)."""
     B, Hq, Hkv, Nq, Nk, spec = ROW_CASES[name]
     g = torch.Generator().manual_seed(2)
     q = torch.randn(B, Hq, Nq, 8, generator=g, dtype=F64).requires_grad_()
@@ -136,10 +142,10 @@ def test_whole_row_softmax_equals_reference_float64(name: str, monkeypatch) -> N
     calls = []
     row = tiled_forward._forward_row
     monkeypatch.setattr(tiled_forward, "_forward_row", lambda *a: calls.append(a[2]) or row(*a))
-    with use_tiles(TILES):
+    with use_tiles(dataclasses.replace(TILES, row_elems=row_elems)):
         out, lse = az.attention(q, k, v, backend="tiled", return_lse=True, **kw)
     ref, ref_lse = az.attention(q, k, v, backend="reference", return_lse=True, **kw)
-    assert calls, f"{name}: no query block took the whole-row softmax"
+    assert bool(calls) == bool(row_elems), f"{name}: {len(calls)} blocks took the whole-row softmax"
     assert (out - ref).abs().max() < 1e-12, f"{name}: out error {(out - ref).abs().max():.2e}"
     fin = torch.isfinite(ref_lse)
     assert torch.equal(fin, torch.isfinite(lse)) and (lse - ref_lse)[fin].abs().max() < 1e-12, f"{name}: lse"

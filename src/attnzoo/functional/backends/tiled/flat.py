@@ -33,8 +33,8 @@ def flat_window(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: Tensor)
     Served: a window with both sides bounded and >= 0 after causality (every row sees its own
     key), no other mask, bias or ``score_mod``, no GQA, ``Nq == Nk`` with ``q_offset == 0``,
     contiguous q/k/v of one float dtype, ``N`` a multiple of the plan's query block and the plan
-    made of bands (what ``band_plan`` chose for this window)."""
-    if (r.window is None or not plan.bands or r.group != 1 or r.nq != r.nk or r.q_offset != 0
+    made of bands (what ``band_plan`` chose for this window), unless ``flat_elems`` is 0."""
+    if (r.window is None or not plan.bands or not plan.tiles.flat_elems or r.group != 1 or r.nq != r.nk or r.q_offset != 0
             or r.mask_tensor is not None or r.mask_obj is not None or r.score_mod is not None
             or r.alibi_slopes is not None):
         return None

@@ -3,6 +3,8 @@ block, and sliding-window bands in one batched matmul (see the package docstring
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch import Tensor
 
@@ -12,8 +14,8 @@ from attnzoo.functional.backends.tiled.scores import (
     ScoreBound,
     band_scores,
     cap_scores,
-    finish_tile_scores,
     exp_,
+    finish_tile_scores,
     fold_q,
     log_,
     score_bound,
@@ -168,7 +170,7 @@ def _row_fits(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk, ...])
     structure (no float mask or ``score_mod``)."""
     if not chunks or r.float_mask is not None or r.score_mod is not None:
         return False
-    if all(c.needs_mask for c in chunks) or any(a.k_hi != b.k_lo for a, b in zip(chunks, chunks[1:])):
+    if all(c.needs_mask for c in chunks) or any(a.k_hi != b.k_lo for a, b in pairwise(chunks)):
         return False
     rows = min(r.nq, (i + 1) * plan.block_q) - i * plan.block_q
     return r.batch * r.hq * rows * (chunks[-1].k_hi - chunks[0].k_lo) <= plan.tiles.row_elems

@@ -39,12 +39,16 @@ class TileConfig:
     band_elems: int = 1 << 22  #: score elements of one forward band batch
     min_tail_block: int = 8  #: smallest query sub-block the last band pieces shrink to
     backward_band_elems: int = 1 << 21  #: score elements of one backward band piece
-    row_elems: int = 1 << 22  #: score elements of one whole-row softmax (forward, see forward._forward_row)
-    flat_elems: int = 1 << 20  #: score elements of one group of head-flattened window blocks (forward, see .flat)
+    row_elems: int = 1 << 22  #: score elements of one whole-row softmax (forward, see forward._forward_row; 0: off)
+    flat_elems: int = 1 << 20  #: score elements of one group of head-flattened window blocks (forward, see .flat; 0: off)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_int(getattr(self, f.name), f.name, minimum=1, owner="TileConfig")
+            check_int(getattr(self, f.name), f.name, minimum=0 if f.name in _SWITCHABLE else 1, owner="TileConfig")
+
+
+#: ``TileConfig`` fields whose 0 turns their fast path off (the per-chunk / per-head band paths run).
+_SWITCHABLE = frozenset({"row_elems", "flat_elems"})
 
 
 #: The tile sizes every call uses unless :func:`use_tiles` says otherwise.
