@@ -27,9 +27,10 @@ class TileConfig:
     causal N=4096): with chunks of at most 512 keys a 128 x 512 float32 score tile stays in a
     core's L2 cache, and the forward ran 10-20% (forward+backward 25%) faster than with 256-row
     blocks and 2048-key chunks. A query block whose keys form one run of at most ``row_elems``
-    scores (all heads) skips the chunks: one softmax over the whole row (same speed on one thread,
-    2.4-3x faster on two threads of a busy machine: fewer ops, see docs/performance.md). Tests
-    pass small sizes (:func:`use_tiles`) so that small inputs cross many tiles."""
+    scores (all heads) skips the chunks: one softmax over the whole row (2-5% slower on one thread,
+    1.1-4.5x faster on two threads of a busy machine: fewer ops, see docs/performance.md;
+    ``row_elems=0`` keeps the chunks). Tests pass small sizes (:func:`use_tiles`) so that small
+    inputs cross many tiles."""
 
     block_q: int = 128  #: query rows per block
     block_k: int = 128  #: key tile size of the block map
