@@ -39,8 +39,8 @@ with one visible key returns its value exactly); float16 inputs whose scores cou
 float16 range run in float32.
 
 Layout: :mod:`.plan` (tile sizes as a :class:`TileConfig`, the tile plan and its cache),
-:mod:`.scores` (tile and band scores), :mod:`.forward`, :mod:`.backward` (also the kernel that
-ring attention reuses). Tile sizes are an argument (``tiled_attention(r, tiles=...)``) or a
+:mod:`.scores` (tile and band scores), :mod:`.forward`, :mod:`.flat` (the forward of a sliding window
+over every head at once), :mod:`.backward` (also the kernel that ring attention reuses). Tile sizes are an argument (``tiled_attention(r, tiles=...)``) or a
 context (:func:`use_tiles`), never module globals.
 """
 

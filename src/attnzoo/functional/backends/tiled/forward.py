@@ -3,14 +3,19 @@ block, and sliding-window bands in one batched matmul (see the package docstring
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch import Tensor
 
+from attnzoo.functional.backends.tiled.flat import edge_rows, flat_window, forward_flat
 from attnzoo.functional.backends.tiled.plan import Band, Chunk, TilePlan
 from attnzoo.functional.backends.tiled.scores import (
     ScoreBound,
     band_scores,
+    cap_scores,
     exp_,
+    finish_tile_scores,
     fold_q,
     log_,
     score_bound,
@@ -72,12 +77,22 @@ def attention_forward(r: AttnRequest, plan: TilePlan, q: Tensor, k: Tensor, v: T
     Dv = v.shape[-1]
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=compute_dtype(q.dtype), device=q.device) if need_lse else None
+    window = flat_window(r, plan, q, k, v)
+    if window is not None:  # every head's window blocks at once, then each head's edge blocks
+        forward_flat(r, plan, window, q, k, v, out, lse)
+        for i in edge_rows(plan, window):  # a few blocks: no bound (max-tracking), no pass over all keys
+            _forward_block(r, plan, i, plan.rows[i], q, k, v, None, out, lse)
+        return out, lse
     bound = score_bound(r, q, k)
     in_band = {i for band in plan.bands for i in range(band.first, band.first + band.count)}
     # Blocks outside bands first, bands last (in order): each band piece then finds the output rows
     # after it still unwritten (untouched pages) and sizes itself to fit there (band_pieces).
     for i, chunks in enumerate(plan.rows):
-        if i not in in_band:
+        if i in in_band:
+            continue
+        if _row_fits(r, plan, i, chunks):
+            _forward_row(r, plan, i, chunks, q, k, v, out, lse)
+        else:
             _forward_block(r, plan, i, chunks, q, k, v, bound, out, lse)
     for band in plan.bands:
         for bq, piece in band_pieces(band, plan.block_q, Nq, Dv, plan.tiles.min_tail_block):
@@ -146,6 +161,46 @@ def _forward_block(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk, 
         shift = torch.zeros_like(ell) if m is None else torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         row_lse = torch.where(ok, (shift + log_(safe_ell, unit)) / unit, torch.full_like(ell, float("-inf")))
         lse[:, :, q_lo:q_hi] = unfold_rows(row_lse.squeeze(-1), Hq, rows)
+
+
+def _row_fits(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk, ...]) -> bool:
+    """Whether query block ``i`` runs as one whole-row softmax (:func:`_forward_row`): its chunks are
+    one contiguous key range whose scores fit in ``row_elems``, one of them is fully visible (so no
+    row is empty, where ``softmax`` would give NaN) and nothing can add ``-inf`` outside the
+    structure (no float mask or ``score_mod``)."""
+    if not chunks or r.float_mask is not None or r.score_mod is not None:
+        return False
+    if all(c.needs_mask for c in chunks) or any(a.k_hi != b.k_lo for a, b in pairwise(chunks)):
+        return False
+    rows = min(r.nq, (i + 1) * plan.block_q) - i * plan.block_q
+    return r.batch * r.hq * rows * (chunks[-1].k_hi - chunks[0].k_lo) <= plan.tiles.row_elems
+
+
+def _forward_row(r: AttnRequest, plan: TilePlan, i: int, chunks: tuple[Chunk, ...], q: Tensor, k: Tensor,
+                 v: Tensor, out: Tensor, lse: Tensor | None) -> None:
+    """Query block ``i`` against all its keys at once: one ``baddbmm`` (scale inside), the biases
+    and masks on the partial chunks' columns, one in-place ``softmax`` (exact: it subtracts the
+    row maximum) and one ``P V`` matmul, where the online softmax issues six ops per chunk. Each op
+    waits for the whole thread pool, so on a busy machine the op count, not the arithmetic, sets
+    the time (docs/performance.md, issue 37)."""
+    B, Hq, Nq = q.shape[:3]
+    q_lo, q_hi = i * plan.block_q, min(Nq, (i + 1) * plan.block_q)
+    k_lo, k_hi = chunks[0].k_lo, chunks[-1].k_hi
+    q3 = fold_q(q, r.hkv, r.group, q_lo, q_hi).flatten(0, 1)  # [B*Hkv, G*bq, D]
+    k3 = k[:, :, k_lo:k_hi].flatten(0, 1)  # [B*Hkv, W, D]
+    s = torch.baddbmm(q3.new_empty(q3.shape[0], q3.shape[1], k_hi - k_lo), q3, k3.transpose(1, 2),
+                      beta=0, alpha=r.scale)  # q, k are float32/64 here (tiled_attention converts half ones)
+    s = cap_scores(r, s.view(B, r.hkv, -1, k_hi - k_lo))[0]  # [B, Hkv, G*bq, W]
+    for c in chunks:  # the user's biases and the structure's -inf, column range by column range
+        part = s[..., c.k_lo - k_lo:c.k_hi - k_lo]
+        done = finish_tile_scores(r, part, q_lo, q_hi, c)
+        if done is not part:
+            part.copy_(done)
+    if lse is not None:
+        lse[:, :, q_lo:q_hi] = unfold_rows(torch.logsumexp(s, dim=-1), Hq, q_hi - q_lo)
+    p = torch.softmax(s, dim=-1, out=s).to(v.dtype)  # normalised before any half cast (see _p_times_v)
+    o = torch.matmul(p, v[:, :, k_lo:k_hi])  # [B, Hkv, G*bq, Dv]
+    out[:, :, q_lo:q_hi] = unfold_rows(o, Hq, q_hi - q_lo)
 
 
 def forward_band(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Tensor,

@@ -26,8 +26,11 @@ class TileConfig:
     The defaults (:data:`DEFAULT_TILES`) were measured on the 2-core AVX2 machine (B=1, H=8, D=64,
     causal N=4096): with chunks of at most 512 keys a 128 x 512 float32 score tile stays in a
     core's L2 cache, and the forward ran 10-20% (forward+backward 25%) faster than with 256-row
-    blocks and 2048-key chunks. Tests pass small ones (:func:`use_tiles`) so that small inputs
-    cross many tiles."""
+    blocks and 2048-key chunks. A query block whose keys form one run of at most ``row_elems``
+    scores (all heads) skips the chunks: one softmax over the whole row (2-5% slower on one thread,
+    1.1-4.5x faster on two threads of a busy machine: fewer ops, see docs/performance.md;
+    ``row_elems=0`` keeps the chunks). Tests pass small sizes (:func:`use_tiles`) so that small
+    inputs cross many tiles."""
 
     block_q: int = 128  #: query rows per block
     block_k: int = 128  #: key tile size of the block map
@@ -37,10 +40,16 @@ class TileConfig:
     band_elems: int = 1 << 22  #: score elements of one forward band batch
     min_tail_block: int = 8  #: smallest query sub-block the last band pieces shrink to
     backward_band_elems: int = 1 << 21  #: score elements of one backward band piece
+    row_elems: int = 1 << 22  #: score elements of one whole-row softmax (forward, see forward._forward_row; 0: off)
+    flat_elems: int = 1 << 20  #: score elements of one group of head-flattened window blocks (forward, see .flat; 0: off)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_int(getattr(self, f.name), f.name, minimum=1, owner="TileConfig")
+            check_int(getattr(self, f.name), f.name, minimum=0 if f.name in _SWITCHABLE else 1, owner="TileConfig")
+
+
+#: ``TileConfig`` fields whose 0 turns their fast path off (the per-chunk / per-head band paths run).
+_SWITCHABLE = frozenset({"row_elems", "flat_elems"})
 
 
 #: The tile sizes every call uses unless :func:`use_tiles` says otherwise.

@@ -34,11 +34,15 @@ def raw_tile_scores(r: AttnRequest, q_t: Tensor, k_c: Tensor) -> tuple[Tensor, T
     s = torch.matmul(q_t, k_c.transpose(-1, -2))  # [B, Hkv, G*bq, bk]
     if s.dtype != torch.float32 and s.dtype != torch.float64:
         s = s.float()
-    t: Tensor | None = None
-    if r.softcap is not None:
-        t = torch.tanh(s / r.softcap)
-        s = t * r.softcap
-    return s, t
+    return cap_scores(r, s)
+
+
+def cap_scores(r: AttnRequest, s: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(softcap * tanh(s / softcap), tanh(s / softcap))`` when ``r`` sets a softcap, else ``(s, None)``."""
+    if r.softcap is None:
+        return s, None
+    t = torch.tanh(s / r.softcap)
+    return t * r.softcap, t
 
 
 def as_heads(r: AttnRequest, s: Tensor) -> Tensor:
@@ -135,7 +139,7 @@ def score_bound(r: AttnRequest, q: Tensor, k: Tensor) -> ScoreBound | None:
 
 
 
-def _true_runs(flags: Tensor) -> list[tuple[int, int]]:
+def true_runs(flags: Tensor) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges of consecutive True entries of a 1-d bool tensor."""
     f = flags.to(torch.int8).cpu()
     edges = torch.diff(f, prepend=f.new_zeros(1), append=f.new_zeros(1)).nonzero().flatten().tolist()
@@ -228,7 +232,7 @@ def _mask_band(r: AttnRequest, geo: _BandGeometry, s: Tensor) -> None:
     else:
         hidden = hidden.reshape(b, geo.hkv, 1, G * bq, S)
     # Fill only the key columns where something is hidden (a window's two edges).
-    for c_lo, c_hi in _true_runs(hidden.reshape(-1, S).any(dim=0)):
+    for c_lo, c_hi in true_runs(hidden.reshape(-1, S).any(dim=0)):
         s[..., c_lo:c_hi].masked_fill_(hidden[..., c_lo:c_hi], float("-inf"))
 
 
@@ -237,10 +241,7 @@ def band_scores(r: AttnRequest, bq: int, band: Band, q: Tensor, k: Tensor, v: Te
     """Scores of a band of query blocks in one batched matmul per KV head, times ``unit`` (see
     ``score_unit``; only for requests without softcap or biases)."""
     q_grp, k_win, v_win, s = _band_matmul(r, bq, band, q, k, v, unit)
-    t: Tensor | None = None
-    if r.softcap is not None:
-        t = torch.tanh(s / r.softcap)
-        s = t * r.softcap
+    s, t = cap_scores(r, s)
     q_lo, R = band.first * bq, band.count * bq
     q_pos = (torch.arange(q_lo, q_lo + R, device=q.device) + r.q_offset).view(1, 1, R, 1)
     geo = _BandGeometry(r.hkv, r.group, bq, band.count, band.width, band.k_lo, q_pos)
