@@ -12,7 +12,7 @@ ours alternating so that machine load hits both alike):
 * ``varlen``: ``attention_varlen`` (``auto``) on 16 mixed causal sequences (T = 24,576) vs a Python
   loop of per-sequence SDPA that also assembles the packed output, and ``backend="tiled"``;
 * ``tiled``: ``backend="tiled"`` vs SDPA ``is_causal`` at N=4096, 8 heads (query blocks as whole-row
-  softmaxes; and the online softmax by key chunks it replaced, ``TileConfig(row_elems=0)``);
+  softmaxes; and the whole-row softmax, ``TileConfig(row_elems=1 << 22)``, off by default);
 * ``window``: causal window (256, 0) at N=65536 (``auto`` = ``tiled``'s flat band,
   :mod:`attnzoo.functional.backends.tiled.flat`) as a fraction of a 2048^2 fp32 matmul's rate,
   the two timed interleaved (the FLOPs are those of the visible scores: ``4 H D sum(min(i, 256) + 1)``),
@@ -146,9 +146,10 @@ def bench_tiled(repeats: int) -> None:
     q, k, v = (torch.randn(1, 8, 4096, 64, generator=g) for _ in range(3))
     tiled = lambda: az.attention(q, k, v, causal=True, backend="tiled")  # noqa: E731
     t = timed({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), "ours": tiled,
-               "chunks": _with_tiles(replace(DEFAULT_TILES, row_elems=0), tiled)}, repeats)
-    _row("tiled dense causal N=4096, 8 heads, D=64 (whole-row softmax)", t["ours"], t["sdpa"], "tiled / SDPA is_causal")
-    _row("  (before: online softmax by 512-key chunks)", t["chunks"], t["sdpa"], "tiled, row_elems=0 / SDPA")
+               "rows": _with_tiles(replace(DEFAULT_TILES, row_elems=1 << 22), tiled)}, repeats)
+    _row("tiled dense causal N=4096, 8 heads, D=64 (online softmax by 512-key chunks)", t["ours"], t["sdpa"],
+         "tiled / SDPA is_causal")
+    _row("  (whole-row softmax, row_elems=2^22; off by default)", t["rows"], t["sdpa"], "tiled, rows / SDPA")
 
 
 def bench_window(repeats: int) -> None:

@@ -173,8 +173,8 @@ PAPER_COUNTERPART = {"zoology-fig2": {"mha": "Attention"},
 
 _DEVIATIONS = (
     "every model gets learned absolute positions (Zoology gives them to attention only; its other mixers, and "
-    "Based's every layer, start with a short convolution that supplies the shift, which attnzoo's variants do not "
-    "have)",
+    "Based's every layer, start with a short convolution that supplies the shift: attnzoo's gated_deltanet and "
+    "mamba2 have their own (kernel 4), its mha, linear and sliding have none)",
     "no dropout (Zoology: 0.1 on the embeddings and the attention weights)",
     "learned positions are trained only up to the longest training sequence, so Based's longer test segments "
     "(512, 1024 tokens; --full only) test position extrapolation as well",

@@ -26,11 +26,12 @@ class TileConfig:
     The defaults (:data:`DEFAULT_TILES`) were measured on the 2-core AVX2 machine (B=1, H=8, D=64,
     causal N=4096): with chunks of at most 512 keys a 128 x 512 float32 score tile stays in a
     core's L2 cache, and the forward ran 10-20% (forward+backward 25%) faster than with 256-row
-    blocks and 2048-key chunks. A query block whose keys form one run of at most ``row_elems``
-    scores (all heads) skips the chunks: one softmax over the whole row (2-5% slower on one thread,
-    1.1-4.5x faster on two threads of a busy machine: fewer ops, see docs/performance.md;
-    ``row_elems=0`` keeps the chunks). Tests pass small sizes (:func:`use_tiles`) so that small
-    inputs cross many tiles."""
+    blocks and 2048-key chunks. With ``row_elems > 0`` a query block whose keys form one run of at
+    most ``row_elems`` scores (all heads) skips the chunks: one softmax over the whole row. It is off
+    by default (``0``), decided by measurement on the 2-core Xeon (docs/performance.md, N=4096 causal,
+    2 threads): 1.66x SDPA's time against the chunks' 1.30x quiet, 2.91x against 1.75x with two busy
+    processes; it was faster only while other users' jobs held the cores (1.1-4.5x). Tests pass small
+    sizes (:func:`use_tiles`) so that small inputs cross many tiles."""
 
     block_q: int = 128  #: query rows per block
     block_k: int = 128  #: key tile size of the block map
@@ -40,7 +41,7 @@ class TileConfig:
     band_elems: int = 1 << 22  #: score elements of one forward band batch
     min_tail_block: int = 8  #: smallest query sub-block the last band pieces shrink to
     backward_band_elems: int = 1 << 21  #: score elements of one backward band piece
-    row_elems: int = 1 << 22  #: score elements of one whole-row softmax (forward, see forward._forward_row; 0: off)
+    row_elems: int = 0  #: score elements of one whole-row softmax (forward, see forward._forward_row; 0: off)
     flat_elems: int = 1 << 20  #: score elements of one group of head-flattened window blocks (forward, see .flat; 0: off)
 
     def __post_init__(self) -> None:
