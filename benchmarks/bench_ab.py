@@ -22,35 +22,19 @@ import sys
 from pathlib import Path
 
 #: name -> code run in the child (``REPEATS`` calls of ``step()`` are timed; setup is not)
+#: the module-forward cases: name -> the ``build_attention`` arguments of the module timed
+_MODULES = {"mha": '"mha", 256, 8, causal=True', "sliding": '"sliding", 256, 8, window=128',
+            "gated_deltanet": '"gated_deltanet", 256, 4', "linear": '"linear", 256, 8, causal=True'}
+_MODULE_STEP = """
+m = build_attention({args}).eval()
+x = torch.randn(4, 512, 256)
+def step():
+    with torch.no_grad():
+        m(x)
+"""
+
 CASES: dict[str, str] = {
-    "mha module fwd N=512": """
-m = build_attention("mha", 256, 8, causal=True).eval()
-x = torch.randn(4, 512, 256)
-def step():
-    with torch.no_grad():
-        m(x)
-""",
-    "sliding module fwd N=512": """
-m = build_attention("sliding", 256, 8, window=128).eval()
-x = torch.randn(4, 512, 256)
-def step():
-    with torch.no_grad():
-        m(x)
-""",
-    "gated_deltanet module fwd N=512": """
-m = build_attention("gated_deltanet", 256, 4).eval()
-x = torch.randn(4, 512, 256)
-def step():
-    with torch.no_grad():
-        m(x)
-""",
-    "linear module fwd N=512": """
-m = build_attention("linear", 256, 8, causal=True).eval()
-x = torch.randn(4, 512, 256)
-def step():
-    with torch.no_grad():
-        m(x)
-""",
+    **{f"{name} module fwd N=512": _MODULE_STEP.format(args=args) for name, args in _MODULES.items()},
     "DecoderLM mha fwd 4x512": """
 lm = az.DecoderLM(256, 256, 4, 8).eval()
 t = torch.randint(0, 256, (4, 512))
