@@ -261,6 +261,19 @@ def test_sweep_points_order_the_learning_rates_from_the_largest() -> None:
         assert [specs[i].lr for i in pt] == sorted(p.lrs, reverse=True)
 
 
+def test_point_cost_puts_the_longest_widest_point_first() -> None:
+    """run_preset trains points costliest first (the longest run starts at once under --jobs)."""
+    p = presets.budget(presets.PRESETS["zoology-fig2"], "reduced")
+    specs = sweep.preset_runs(p)
+    costs = {(s.width, s.train): sweep.point_cost(p, s) for s in specs}
+    longest, widest = max(int(t.split("/")[0]) for _, t in costs), max(w for w, _ in costs)
+    top = max(costs, key=costs.__getitem__)
+    assert top == (widest, next(t for _, t in costs if int(t.split("/")[0]) == longest))
+    assert costs[(64, "64/4")] < costs[(64, "128/8")] < costs[(128, "128/8")]
+    b = presets.budget(presets.PRESETS["based-fig2"], "reduced")
+    assert all(sweep.point_cost(b, s) > 0 for s in sweep.preset_runs(b))  # the mixture has a cost too
+
+
 def test_run_point_skips_smaller_rates_once_one_passes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     p = presets.budget(presets.PRESETS["zoology-fig2"], "reduced")
     specs = [sweep.RunSpec(p.name, p.size, "mha", 64, "64/4", lr) for lr in (1e-2, 3e-3, 1e-3)]

@@ -24,7 +24,7 @@ from attnzoo.arena.verdict import RISING, SOLVED, mqar_converged
 
 __all__ = ["LR_SWEEP", "StopRun", "best_lr_record", "plateau_lines", "should_stop", "sweep_lrs"]
 
-#: Peak learning rates of ``--lr-sweep`` around the default 3e-3 (a factor ~3 each way).
+#: Peak learning rates of ``--lr-sweep`` (a factor ~3 apart, from the ``mqar`` default 1e-3 up).
 LR_SWEEP = (1e-3, 3e-3, 1e-2)
 
 
@@ -85,8 +85,8 @@ def plateau_lines(results: dict[str, Any]) -> list[str]:
         if s and acc < SOLVED and sees_every_token(v, s["width"], s["heads"], s["seq_len"], s["window"] or s["seq_len"]):
             out.append(f"- mqar/{v}: {100 * acc:.1f}% at step {r['evals'][-1]['step']}, "
                        f"{100 * (1 - acc):.1f} points below its plateau (every query sees every pair, so 100% is "
-                       f"reachable: a larger batch gets there, see docs/arena.md); the budget, not the mechanism, "
-                       f"set this number")
+                       f"reachable: a smaller peak learning rate (--lr-sweep) or a larger batch gets there, see "
+                       f"docs/arena.md); the budget, not the mechanism, set this number")
     if mq and not out:
         out.append(f"- mqar: every variant was solved (>= {100 * SOLVED:.0f}%) or flat within {100 * RISING:.0f} "
                    f"points over its last three evaluations (its plateau at this width)")

@@ -108,9 +108,9 @@ class TaskSettings:
 _DEFAULTS = {
     "lm": TaskSettings("lm", seq_len=128, steps=200, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=20,
                        eval_every=40),
-    "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=128, width=64, depth=2, heads=4, lr=3e-3,
+    "mqar": TaskSettings("mqar", seq_len=32, steps=600, batch=128, width=64, depth=2, heads=4, lr=1e-3,
                          warmup=300, eval_every=50, num_kv_pairs=4, vocab_size=64, window=8, pos="learned",
-                         max_steps=1000),
+                         max_steps=1500),
 }
 _QUICK = {
     "lm": TaskSettings("lm", seq_len=32, steps=12, batch=8, width=32, depth=1, heads=2, lr=3e-3, warmup=3,
