@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -32,6 +33,7 @@ from attnzoo.arena import add_arena_arguments, load_arena_model, run_arena
 from attnzoo.bench import format_value, run_bench
 from attnzoo.check import backend_cases, run_checks
 from attnzoo.cost import StackEstimate, dtype_from_name, estimate, estimate_stack
+from attnzoo.functional.backends.tiled import native as _native
 from attnzoo.functional.softmax.attention import available_backends
 from attnzoo.variants import VARIANTS, layer_pattern, variant_names
 
@@ -483,6 +485,38 @@ def cmd_arena(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
 
 
+# =========================================================================== native
+def cmd_native(args: argparse.Namespace) -> int:
+    """``attnzoo native [--build]``: whether the compiled sliding-window kernel is built for this
+    Python/torch/CPU (and used), or build it (:mod:`attnzoo.functional.backends.tiled.native`)."""
+    if args.build:
+        t0 = time.perf_counter()
+        try:
+            path = _native.build(verbose=args.verbose)
+        except _native.NativeUnavailable as exc:
+            raise CLIError(f"{exc}\nattnzoo keeps its PyTorch path; nothing else changes.") from None
+        print(f"built {path} in {time.perf_counter() - t0:.1f} s")
+    mod = _native.native_module()
+    state = ("off (ATTNZOO_NATIVE=0)" if not _native.enabled() else
+             "built and used for float32 sliding windows" if mod is not None else
+             "not built for this Python/torch/CPU (attnzoo native --build)")
+    print(f"compiled window kernel: {state}; build directory {_native.build_dir()}")
+    return 0
+
+
+_NATIVE_ABOUT = ("The optional C++ kernel for float32 sliding-window attention on x86 CPUs (needs g++ and "
+                 "ninja; about 20 s to build). Without --build: says whether it is built for this Python, "
+                 "torch and CPU. Once built, 'auto' uses it; ATTNZOO_NATIVE=0 turns it off.")
+
+
+def _add_native_parser(sub: Any) -> None:
+    p = _command(sub, "native", cmd_native, help="build or inspect the optional compiled sliding-window kernel",
+                 description=_NATIVE_ABOUT)
+    p.add_argument("--build", action="store_true", help="compile it now (into $ATTNZOO_NATIVE_DIR, default "
+                                                        "~/.cache/attnzoo/native)")
+    p.add_argument("--verbose", action="store_true", help="show the compiler's output while building")
+
+
 # =========================================================================== parsers
 def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], *, help: str,
              description: str, table: str | None = None) -> argparse.ArgumentParser:
@@ -641,7 +675,7 @@ def _add_arena_parser(sub: Any, full: bool) -> None:
 def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     """The ``attnzoo`` argument parser (``with_arena=False`` leaves out the arena's options)."""
     parser = _Parser(prog="attnzoo", description="attention mechanisms: list, check, bench, cost, "
-                                     "viz, arena. Each command has --help.")
+                                     "viz, native, arena. Each command has --help.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -650,6 +684,7 @@ def build_parser(with_arena: bool = True) -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_cost_parser(sub)
     _add_viz_parser(sub)
+    _add_native_parser(sub)
     _add_arena_parser(sub, with_arena)
     return parser
 

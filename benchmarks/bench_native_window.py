@@ -1,0 +1,102 @@
+"""The compiled sliding-window kernel (:mod:`attnzoo.functional.backends.tiled.native`) against the
+PyTorch flat band and the fp32 matmul peak: issue 37's "window (256, 0) at N = 65536 at >= 50% of
+the run's fp32 matmul peak", quiet or beside busy processes.
+
+Builds the kernel first when it is not built for this Python/torch/CPU (``attnzoo native --build``,
+about 20 s; into ``$ATTNZOO_NATIVE_DIR``). Rows, timed interleaved (medians): ``torch.mm`` of
+2048^2 (the peak), ``auto`` with the kernel turned off (the flat band), the kernel at each
+``--blocks`` query-block size, and with ``--gemm-only`` its two ``sgemm`` per block without the
+softmax pass (the bound of this design). ``--load N`` runs beside N busy one-thread processes
+(``bench_cpu_kernels``' loaded column) and adds ``auto`` with flat groups of 2^24 scores (16x fewer
+torch operations than the default 2^20).
+
+Usage::
+
+    python benchmarks/bench_native_window.py [--blocks 32 64 128] [--repeats 7] [--gemm-only] [--load 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from bench_core import timed  # the script's folder is on sys.path
+from bench_cpu_kernels import _busy, _with_tiles
+
+import attnzoo as az
+from attnzoo.functional.backends.tiled import native
+from attnzoo.functional.backends.tiled.plan import DEFAULT_TILES
+
+
+def _without_native(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        os.environ["ATTNZOO_NATIVE"] = "0"
+        try:
+            return fn()
+        finally:
+            del os.environ["ATTNZOO_NATIVE"]
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--blocks", type=int, nargs="+", default=[native.BLOCK])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--gemm-only", action="store_true")
+    p.add_argument("--load", type=int, default=0, help="busy one-thread processes started for the timing")
+    a = p.parse_args()
+    os.environ.pop("ATTNZOO_NATIVE", None)
+    if native.native_module() is None:
+        t0 = time.perf_counter()
+        try:
+            native.build()
+        except native.NativeUnavailable as e:
+            raise SystemExit(str(e)) from None
+        print(f"built in {time.perf_counter() - t0:.1f} s")
+    ext = native.native_module()
+    assert ext is not None
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    n, w = 65536, 256
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, 64, generator=g) for _ in range(3))
+    qf, kf, vf = (x.flatten(0, 1) for x in (q, k, v))
+    mm = torch.randn(2048, 2048, generator=g)
+    auto = lambda: az.attention(q, k, v, causal=True, window=(w, 0))  # noqa: E731
+    fns: dict[str, Callable[[], object]] = {"mm": lambda: torch.mm(mm, mm), "auto, kernel off (flat band)":
+                                            _without_native(auto)}
+    if a.load:
+        fns["auto, kernel off, flat groups of 2^24 scores"] = _without_native(
+            _with_tiles(replace(DEFAULT_TILES, flat_elems=1 << 24), auto))
+    for b in a.blocks:
+        fns[f"compiled kernel, B={b}" + (" (auto)" if b == native.BLOCK else "")] = \
+            lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, b, True)
+        if a.gemm_only:
+            fns[f"  its two sgemm only, B={b}"] = lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, b, False)
+    busy = [mp.get_context("spawn").Process(target=_busy, args=(time.time() + 3600,), daemon=True)
+            for _ in range(a.load)]
+    for proc in busy:
+        proc.start()
+    try:
+        with torch.inference_mode():
+            t = timed(fns, a.repeats)
+    finally:
+        for proc in busy:
+            proc.terminate()
+    flops = 4.0 * 8 * 64 * sum(min(i, w) + 1 for i in range(n))
+    peak = 2 * 2048**3 / t["mm"] / 1e9
+    print(f"{a.load} busy processes of ours during the timing")
+    print(f"| window ({w}, 0) N={n}, 8 heads, D=64 | GFLOP/s (peak: fp32 2048^2 matmul {peak:.0f}) | ms | of peak |")
+    print("|---|---:|---:|---:|")
+    for name, s in t.items():
+        if name != "mm":
+            print(f"| {name} | {flops / s / 1e9:.0f} | {s * 1e3:.0f} | {100 * flops / s / 1e9 / peak:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

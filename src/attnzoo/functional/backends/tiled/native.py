@@ -1,0 +1,156 @@
+r"""The compiled sliding-window forward: an opt-in C++ twin of the flat band (:mod:`.flat`).
+
+``native_window.cpp`` (beside this file) computes causal and two-sided sliding windows in float32
+on the CPU: OpenMP over (head, block of 32 queries); per block one BLAS ``sgemm`` for the scores of
+the keys the block can see (``log2 e`` folded into the scale), one pass per row for the maximum,
+``exp2`` and the sum with the invisible columns zeroed, one ``sgemm`` for ``P V``, rows scaled by
+``1 / sum``. One parallel region per call instead of ~1,000 torch operations: on the 2-core Xeon of
+docs/performance.md it ran the (256, 0) window at N = 65,536 at 44% of the fp32 matmul peak against
+31% for the flat band, and at 48% against 3% beside two busy processes.
+
+It is **built on request, never at import or call time**: ``attnzoo native --build`` (or
+:func:`build`) compiles it with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s) into
+``$ATTNZOO_NATIVE_DIR`` (default ``~/.cache/attnzoo/native``), under a tag of the Python, torch
+and CPU it was built for. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
+(:func:`native_window`); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_`` symbol that
+torch's x86 CPU wheels export (MKL); where that, a compiler or ninja is missing, :func:`build`
+raises :class:`NativeUnavailable` with the reason and the PyTorch path stays in use. The PyTorch
+flat band / per-block bands remain the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from attnzoo.functional.core._request import AttnRequest
+
+__all__ = ["BLOCK", "NativeUnavailable", "build", "build_dir", "enabled", "native_module", "native_window",
+           "window_sides"]
+
+SOURCE = Path(__file__).with_name("native_window.cpp")
+#: Query rows per block (measured: 32 -> 44% of peak, 64 -> 43%, 128 -> 39%; docs/performance.md).
+BLOCK = 32
+_NAME = "attnzoo_native_window"
+_cache: dict[Path, ModuleType | None] = {}
+
+
+class NativeUnavailable(RuntimeError):
+    """The compiled kernel cannot be built or loaded here (the message says why)."""
+
+
+def _cpu_tag() -> str:
+    """A short hash of what the compiled code depends on: Python, torch, the CPU's flags
+    (``-march=native``) and the source."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    key = "|".join((sys.version, torch.__version__, platform.machine(), flags, SOURCE.read_text()))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where the kernel is built and looked for: ``$ATTNZOO_NATIVE_DIR/<tag>`` (default root
+    ``~/.cache/attnzoo/native``); the tag changes with Python, torch, the CPU flags and the source."""
+    root = os.environ.get("ATTNZOO_NATIVE_DIR") or Path.home() / ".cache" / "attnzoo" / "native"
+    return Path(root) / _cpu_tag()
+
+
+def enabled() -> bool:
+    """False when ``ATTNZOO_NATIVE=0`` (the PyTorch path always)."""
+    return os.environ.get("ATTNZOO_NATIVE", "1") != "0"
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-ffast-math", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    return flags
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel into :func:`build_dir` and return the path of the built module.
+
+    Raises :class:`NativeUnavailable` (with the compiler's or loader's message) where it cannot be
+    built or loaded: no compiler or ninja, no ``sgemm_`` in torch's libraries, not x86."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise NativeUnavailable(f"the compiled window kernel is for x86-64 CPUs; this is {platform.machine()}")
+    from torch.utils import cpp_extension  # imported only to build
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(_NAME, [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+                           build_directory=str(out), verbose=verbose)
+    except Exception as e:  # a compiler, linker or loader error: the reason is in its message
+        raise NativeUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {e}") from e
+    _cache.pop(out, None)
+    return _built(out)
+
+
+def _built(out: Path) -> Path:
+    return out / f"{_NAME}{'.pyd' if sys.platform == 'win32' else '.so'}"
+
+
+def native_module() -> ModuleType | None:
+    """The built kernel's module, or ``None`` (not built for this Python/torch/CPU, turned off with
+    ``ATTNZOO_NATIVE=0``, or it does not load). Never compiles."""
+    if not enabled():
+        return None
+    out = build_dir()
+    if out not in _cache:
+        path, mod = _built(out), None
+        if path.exists():
+            try:
+                spec = importlib.util.spec_from_file_location(_NAME, path)
+                if spec is not None and spec.loader is not None:
+                    mod = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(mod)
+            except (ImportError, OSError):
+                mod = None
+        _cache[out] = mod
+    return _cache[out]
+
+
+def window_sides(r: AttnRequest) -> tuple[int, int] | None:
+    """``(left, right)`` of ``r``'s window after causality when both are bounded and >= 0 (every
+    row then sees its own key), else ``None``."""
+    if r.window is None:
+        return None
+    left, right = r.window
+    if r.causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None or right is None or left < 0 or right < 0:
+        return None
+    return left, right
+
+
+def native_window(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(out [B, Hq, N, Dv], lse [B, Hq, N])`` from the compiled kernel when it is built and serves
+    ``r``, else ``None``.
+
+    Served: an inference forward (the caller checks that no gradient is needed) of a window whose
+    two sides are bounded (:func:`window_sides`), no other mask, bias, softcap, ALiBi or
+    ``score_mod``, ``Nq == Nk`` with ``q_offset == 0``, contiguous float32 CPU q/k/v (GQA allowed)."""
+    sides = window_sides(r)
+    if (sides is None or r.nq != r.nk or r.q_offset != 0 or r.mask_tensor is not None or r.mask_obj is not None
+            or r.score_mod is not None or r.alibi_slopes is not None or r.softcap is not None or r.dropout_p):
+        return None
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
+        return None
+    mod = native_module()
+    if mod is None:
+        return None
+    B, Hq, N, _ = q.shape
+    out, lse = mod.window_fwd(q.view(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), sides[0], sides[1],
+                              float(r.scale), BLOCK, True)
+    return out.view(B, Hq, N, -1), lse.view(B, Hq, N)

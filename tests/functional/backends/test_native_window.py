@@ -1,0 +1,154 @@
+"""The compiled sliding-window forward (``tiled/native.py``, ``native_window.cpp``) against the float64
+reference, the requests it must leave to the PyTorch path, and ``attnzoo native``.
+
+The kernel is built once for the module into a temporary ``ATTNZOO_NATIVE_DIR`` (about 20 s); where
+it cannot be built (no compiler, ninja or MKL ``sgemm_``, not x86) the tests that need it skip with
+the reason and the fallback tests still run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import attnzoo as az
+from attnzoo import cli
+from attnzoo.functional.backends.tiled import native
+
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("native")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ATTNZOO_NATIVE_DIR", str(root))
+    mp.delenv("ATTNZOO_NATIVE", raising=False)
+    yield root
+    native._cache.clear()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def built(native_dir: Path) -> object:
+    try:
+        native.build()
+    except native.NativeUnavailable as exc:
+        pytest.skip(f"the compiled window kernel cannot be built here: {exc}")
+    mod = native.native_module()
+    assert mod is not None
+    return mod
+
+
+@pytest.fixture
+def calls(built: object, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Counts the kernel's calls (the windows it was called with)."""
+    seen: list[tuple[int, int]] = []
+
+    def spy(q, k, v, left, right, scale, block, softmax):  # type: ignore[no-untyped-def]
+        seen.append((left, right))
+        return built.window_fwd(q, k, v, left, right, scale, block, softmax)  # type: ignore[attr-defined]
+
+    monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(window_fwd=spy))
+    return seen
+
+
+def _qkv(B: int, H: int, Hkv: int, N: int, D: int, Dv: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=g, dtype=F64) for s in ((B, H, N, D), (B, Hkv, N, D), (B, Hkv, N, Dv)))
+
+
+CASES = [  # (B, H, Hkv, N, D, Dv, causal, window)
+    (2, 4, 4, 200, 16, 16, True, (37, 0)),
+    (1, 4, 2, 777, 32, 24, False, (64, 5)),  # two-sided window, GQA 2, N not a multiple of the block
+    (2, 4, 1, 300, 8, 8, True, (300, 0)),  # window over the whole sequence, MQA
+    (1, 2, 2, 65, 16, 16, True, (0, 0)),  # each query sees only its own key
+    (1, 2, 2, 100, 16, 16, True, (10, 7)),  # causal clips the right side to 0
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"N{c[3]}-win{c[7]}-g{c[1] // c[2]}" for c in CASES])
+def test_native_window_matches_the_float64_reference(case, calls: list[tuple[int, int]]) -> None:
+    B, H, Hkv, N, D, Dv, causal, window = case
+    q, k, v = _qkv(B, H, Hkv, N, D, Dv)
+    ref, ref_lse = az.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="reference")
+    eager = az.attention(q.float(), k.float(), v.float(), causal=causal, window=window, backend="reference")
+    with torch.inference_mode():
+        out, lse = az.attention(q.float(), k.float(), v.float(), causal=causal, window=window, return_lse=True,
+                                backend="tiled")
+    assert calls == [(window[0], 0 if causal else window[1])]
+    bound = 2 * (eager.double() - ref).abs().max().item() + 1e-6
+    assert (out.double() - ref).abs().max().item() <= bound
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)
+
+
+def test_auto_uses_it_for_a_long_float32_window(calls: list[tuple[int, int]]) -> None:
+    q, k, v = (t.float() for t in _qkv(1, 2, 2, 4096, 32, 32))
+    with torch.no_grad():
+        out = az.attention(q, k, v, causal=True, window=(256, 0))
+    assert calls == [(256, 0)]
+    torch.testing.assert_close(out, az.attention(q, k, v, causal=True, window=(256, 0), backend="reference"),
+                               atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("what", ["training", "softcap", "float64", "mask", "q_offset", "off"])
+def test_requests_it_does_not_serve_take_the_pytorch_path(what: str, calls: list[tuple[int, int]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = (t.float() for t in _qkv(1, 2, 2, 96, 16, 16))
+    kw: dict[str, object] = {"causal": True, "window": (20, 0), "backend": "tiled"}
+    if what == "training":
+        q.requires_grad_()
+    elif what == "softcap":
+        kw["softcap"] = 5.0
+    elif what == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif what == "mask":
+        kw["mask"] = torch.ones(1, 1, 96, 96, dtype=torch.bool)
+    elif what == "q_offset":
+        q, kw["q_offset"] = q[:, :, -32:].contiguous(), 64
+    elif what == "off":
+        monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+    out = az.attention(q, k, v, **kw)
+    ref_kw = {**kw, "backend": "reference"}
+    torch.testing.assert_close(out, az.attention(q.detach(), k, v, **ref_kw), atol=1e-5, rtol=1e-5)
+    assert calls == []
+    if what == "training":
+        out.sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_not_built_means_none_and_no_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNZOO_NATIVE_DIR", str(tmp_path))
+    native._cache.pop(native.build_dir(), None)
+    assert native.native_module() is None
+    assert list(tmp_path.iterdir()) == []  # looking never builds
+
+
+def test_the_kernel_checks_its_inputs(built: object) -> None:
+    q = torch.randn(2, 8, 4)
+    with pytest.raises(RuntimeError, match="float32"):
+        built.window_fwd(q.double(), q.double(), q.double(), 2, 0, 0.5, 32, True)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="multiple"):
+        built.window_fwd(torch.randn(3, 8, 4), q, q, 2, 0, 0.5, 32, True)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=">= 0"):
+        built.window_fwd(q, q, q, -1, 0, 0.5, 32, True)  # type: ignore[attr-defined]
+
+
+def test_cli_native_reports_and_explains_a_failed_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ATTNZOO_NATIVE_DIR", str(tmp_path))
+    assert cli.main(["native"]) == 0
+    assert "not built" in capsys.readouterr().out
+
+    def fail(verbose: bool = False) -> Path:
+        raise native.NativeUnavailable("no compiler here")
+
+    monkeypatch.setattr(native, "build", fail)
+    assert cli.main(["native", "--build"]) == 2
+    assert "no compiler here" in capsys.readouterr().err
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+    assert cli.main(["native"]) == 0
+    assert "off (ATTNZOO_NATIVE=0)" in capsys.readouterr().out
