@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.arena.test_interrupt import default_sigint
 
 from attnzoo.arena import add_arena_arguments, run_arena
 from attnzoo.arena import runner as arena_runner
@@ -169,7 +170,8 @@ def test_sigint_during_start_up_prints_no_traceback(tmp_path: Path) -> None:
     out = tmp_path / "o"
     argv = [a if a != "4" else "400" for a in ARGV]  # a run long enough to be interrupted
     proc = subprocess.Popen([sys.executable, "-m", "attnzoo.arena", *argv, "--out", str(out)],
-                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while not (out / arena_runner.KIND_FILE).exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -46,6 +46,14 @@ def _hook(folder: Path, *, workers: bool = False) -> Path:
     return folder
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` of the children these tests interrupt: SIGINT at its default. A test runner
+    started in the background by a non-interactive shell (``cmd &``) ignores SIGINT, ignored signals
+    stay ignored across ``exec``, and Python then installs no ``KeyboardInterrupt`` handler: the
+    child would never see the interrupt the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env(*front: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (*front, SRC)), "OMP_NUM_THREADS": "1"}
 
@@ -65,7 +73,7 @@ def test_sigint_while_torch_is_imported_is_one_line(tmp_path: Path, form: str) -
     argv = {"module": ["-m", "attnzoo", "cost", "mha"], "arena_module": ["-m", "attnzoo.arena", "--quick"],
             "console_script": [str(script), "cost", "mha"]}[form]
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=_env(hook), timeout=300,
-                          cwd=tmp_path)
+                          cwd=tmp_path, preexec_fn=default_sigint)
     assert proc.returncode == 130, (proc.returncode, proc.stderr)
     _one_line(proc.stderr, "arena" if form == "arena_module" else "attnzoo")
     assert not (tmp_path / "arena-quick").exists()
@@ -74,7 +82,7 @@ def test_sigint_while_torch_is_imported_is_one_line(tmp_path: Path, form: str) -
 def test_library_import_keeps_its_keyboard_interrupt(tmp_path: Path) -> None:
     """``import attnzoo`` in someone else's program: the interrupt is theirs (no exit, no swallowing)."""
     proc = subprocess.run([sys.executable, "-c", "import attnzoo"], capture_output=True, text=True,
-                          env=_env(_hook(tmp_path / "hook")), timeout=300, cwd=tmp_path)
+                          env=_env(_hook(tmp_path / "hook")), timeout=300, cwd=tmp_path, preexec_fn=default_sigint)
     assert proc.returncode != 130 and "KeyboardInterrupt" in proc.stderr, proc.stderr
 
 
@@ -88,7 +96,7 @@ def _interrupted_arena(out: Path, env: dict[str, str], signal_when: Callable[[],
     """Run ``arena --jobs 2`` in its own process group; with ``signal_when``, send the group SIGINT (as a
     terminal's Ctrl-C: the parent and every worker) once it holds. Asserts exit 130; returns stderr."""
     proc = subprocess.Popen([sys.executable, *_arena_argv(out, 2000)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, preexec_fn=default_sigint)
     try:
         if signal_when is not None:
             deadline = time.monotonic() + 240
@@ -142,6 +150,6 @@ def test_sigint_inside_string_code_still_exits_130(tmp_path: Path) -> None:
     (tmp_path / "interrupted_in_string.py").write_text(INTERRUPT_IN_STRING)
     argv = _arena_argv(tmp_path / "o", 4)[2:]
     proc = subprocess.run([sys.executable, "-m", "interrupted_in_string", *argv], capture_output=True, text=True,
-                          env=_env(tmp_path), timeout=300, cwd=tmp_path)
+                          env=_env(tmp_path), timeout=300, cwd=tmp_path, preexec_fn=default_sigint)
     assert proc.returncode == 130, (proc.returncode, proc.stderr)
     assert proc.stderr.strip() == "arena: interrupted; nothing written", proc.stderr
