@@ -1,6 +1,7 @@
-"""The compiled sliding-window kernel (:mod:`attnzoo.functional.backends.tiled.native`) against the
-PyTorch flat band and the fp32 matmul peak: issue 37's "window (256, 0) at N = 65536 at >= 50% of
-the run's fp32 matmul peak", quiet or beside busy processes.
+"""The compiled forward (:mod:`attnzoo.functional.backends.tiled.native`) against the PyTorch paths:
+issue 37's "window (256, 0) at N = 65536 at >= 50% of the run's fp32 matmul peak" and "tiled within
+1.2x of SDPA" (dense causal N = 4096, 8 heads, D = 64; and with a softcap of 30, which SDPA cannot
+do), quiet or beside busy processes.
 
 Builds the kernel first when it is not built for this Python/torch/CPU (``attnzoo native --build``,
 about 20 s; into ``$ATTNZOO_NATIVE_DIR``). Rows, timed interleaved (medians): ``torch.mm`` of
@@ -8,7 +9,8 @@ about 20 s; into ``$ATTNZOO_NATIVE_DIR``). Rows, timed interleaved (medians): ``
 ``--blocks`` query-block size, and with ``--gemm-only`` its two ``sgemm`` per block without the
 softmax pass (the bound of this design). ``--load N`` runs beside N busy one-thread processes
 (``bench_cpu_kernels``' loaded column) and adds ``auto`` with flat groups of 2^24 scores (16x fewer
-torch operations than the default 2^20).
+torch operations than the default 2^20). The second table: SDPA ``is_causal``, ``backend="tiled"``
+with the kernel off and on, and ``auto`` with ``softcap=30`` off and on, timed interleaved.
 
 Usage::
 
@@ -44,6 +46,22 @@ def _without_native(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def _dense_fns(g: torch.Generator) -> dict[str, Callable[[], object]]:
+    q, k, v = (torch.randn(1, 8, 4096, 64, generator=g) for _ in range(3))
+    tiled = lambda: az.attention(q, k, v, causal=True, backend="tiled")  # noqa: E731
+    capped = lambda: az.attention(q, k, v, causal=True, softcap=30.0)  # noqa: E731
+    return {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "tiled, kernel off (PyTorch)": _without_native(tiled), "tiled, compiled kernel": tiled,
+            "softcap 30, auto, kernel off (PyTorch tiled)": _without_native(capped),
+            "softcap 30, auto, compiled kernel": capped}
+
+
+def _dense_table(t: dict[str, float]) -> None:
+    print("\n| causal N=4096, 8 heads, D=64 | ms | / SDPA is_causal |\n|---|---:|---:|")
+    for name, s in t.items():
+        print(f"| {name} | {s * 1e3:.1f} | {s / t['sdpa']:.2f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, nargs="+", default=[native.BLOCK])
@@ -75,9 +93,9 @@ def main() -> None:
             _with_tiles(replace(DEFAULT_TILES, flat_elems=1 << 24), auto))
     for b in a.blocks:
         fns[f"compiled kernel, B={b}" + (" (auto)" if b == native.BLOCK else "")] = \
-            lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, b, True)
+            lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, 0.0, b, True)
         if a.gemm_only:
-            fns[f"  its two sgemm only, B={b}"] = lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, b, False)
+            fns[f"  its two sgemm only, B={b}"] = lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, 0.0, b, False)
     busy = [mp.get_context("spawn").Process(target=_busy, args=(time.time() + 3600,), daemon=True)
             for _ in range(a.load)]
     for proc in busy:
@@ -85,12 +103,14 @@ def main() -> None:
     try:
         with torch.inference_mode():
             t = timed(fns, a.repeats)
+            t2 = timed(_dense_fns(g), a.repeats)
     finally:
         for proc in busy:
             proc.terminate()
     flops = 4.0 * 8 * 64 * sum(min(i, w) + 1 for i in range(n))
     peak = 2 * 2048**3 / t["mm"] / 1e9
     print(f"{a.load} busy processes of ours during the timing")
+    _dense_table(t2)
     print(f"| window ({w}, 0) N={n}, 8 heads, D=64 | GFLOP/s (peak: fp32 2048^2 matmul {peak:.0f}) | ms | of peak |")
     print("|---|---:|---:|---:|")
     for name, s in t.items():

@@ -487,8 +487,8 @@ def cmd_arena(args: argparse.Namespace) -> int:
 
 # =========================================================================== native
 def cmd_native(args: argparse.Namespace) -> int:
-    """``attnzoo native [--build]``: whether the compiled sliding-window kernel is built for this
-    Python/torch/CPU (and used), or build it (:mod:`attnzoo.functional.backends.tiled.native`)."""
+    """``attnzoo native [--build]``: whether the compiled forward is built for this Python/torch/CPU
+    (and used), or build it (:mod:`attnzoo.functional.backends.tiled.native`)."""
     if args.build:
         t0 = time.perf_counter()
         try:
@@ -498,19 +498,20 @@ def cmd_native(args: argparse.Namespace) -> int:
         print(f"built {path} in {time.perf_counter() - t0:.1f} s")
     mod = _native.native_module()
     state = ("off (ATTNZOO_NATIVE=0)" if not _native.enabled() else
-             "built and used for float32 sliding windows" if mod is not None else
+             "built and used for float32 inference by the tiled backend" if mod is not None else
              "not built for this Python/torch/CPU (attnzoo native --build)")
-    print(f"compiled window kernel: {state}; build directory {_native.build_dir()}")
+    print(f"compiled forward: {state}; build directory {_native.build_dir()}")
     return 0
 
 
-_NATIVE_ABOUT = ("The optional C++ kernel for float32 sliding-window attention on x86 CPUs (needs g++ and "
-                 "ninja; about 20 s to build). Without --build: says whether it is built for this Python, "
-                 "torch and CPU. Once built, 'auto' uses it; ATTNZOO_NATIVE=0 turns it off.")
+_NATIVE_ABOUT = ("The optional C++ forward for float32 inference of full, causal and sliding-window attention "
+                 "(softcap included) on x86 CPUs (needs g++ and ninja; about 20 s to build). Without --build: "
+                 "says whether it is built for this Python, torch and CPU. Once built, the tiled backend (and "
+                 "'auto' where it picks tiled) uses it; ATTNZOO_NATIVE=0 turns it off.")
 
 
 def _add_native_parser(sub: Any) -> None:
-    p = _command(sub, "native", cmd_native, help="build or inspect the optional compiled sliding-window kernel",
+    p = _command(sub, "native", cmd_native, help="build or inspect the optional compiled attention forward",
                  description=_NATIVE_ABOUT)
     p.add_argument("--build", action="store_true", help="compile it now (into $ATTNZOO_NATIVE_DIR, default "
                                                         "~/.cache/attnzoo/native)")

@@ -1,5 +1,6 @@
-"""The compiled sliding-window forward (``tiled/native.py``, ``native_window.cpp``) against the float64
-reference, the requests it must leave to the PyTorch path, and ``attnzoo native``.
+"""The compiled forward (``tiled/native.py``, ``native_window.cpp``: windows, causal and full
+attention, softcap) against the float64 reference, the requests it must leave to the PyTorch path,
+and ``attnzoo native``.
 
 The kernel is built once for the module into a temporary ``ATTNZOO_NATIVE_DIR`` (about 20 s); where
 it cannot be built (no compiler, ninja or MKL ``sgemm_``, not x86) the tests that need it skip with
@@ -48,9 +49,9 @@ def calls(built: object, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int
     """Counts the kernel's calls (the windows it was called with)."""
     seen: list[tuple[int, int]] = []
 
-    def spy(q, k, v, left, right, scale, block, softmax):  # type: ignore[no-untyped-def]
+    def spy(q, k, v, left, right, scale, softcap, block, softmax):  # type: ignore[no-untyped-def]
         seen.append((left, right))
-        return built.window_fwd(q, k, v, left, right, scale, block, softmax)  # type: ignore[attr-defined]
+        return built.window_fwd(q, k, v, left, right, scale, softcap, block, softmax)  # type: ignore[attr-defined]
 
     monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(window_fwd=spy))
     return seen
@@ -61,28 +62,44 @@ def _qkv(B: int, H: int, Hkv: int, N: int, D: int, Dv: int, seed: int = 0):
     return tuple(torch.randn(s, generator=g, dtype=F64) for s in ((B, H, N, D), (B, Hkv, N, D), (B, Hkv, N, Dv)))
 
 
-CASES = [  # (B, H, Hkv, N, D, Dv, causal, window)
-    (2, 4, 4, 200, 16, 16, True, (37, 0)),
-    (1, 4, 2, 777, 32, 24, False, (64, 5)),  # two-sided window, GQA 2, N not a multiple of the block
-    (2, 4, 1, 300, 8, 8, True, (300, 0)),  # window over the whole sequence, MQA
-    (1, 2, 2, 65, 16, 16, True, (0, 0)),  # each query sees only its own key
-    (1, 2, 2, 100, 16, 16, True, (10, 7)),  # causal clips the right side to 0
+CASES = [  # (B, H, Hkv, N, D, Dv, causal, window, softcap, the (left, right) the kernel is called with)
+    (2, 4, 4, 200, 16, 16, True, (37, 0), None, (37, 0)),
+    (1, 4, 2, 777, 32, 24, False, (64, 5), None, (64, 5)),  # two-sided, GQA 2, N not a multiple of the block
+    (2, 4, 1, 300, 8, 8, True, (300, 0), None, (300, 0)),  # window over the whole sequence, MQA
+    (1, 2, 2, 65, 16, 16, True, (0, 0), None, (0, 0)),  # each query sees only its own key
+    (1, 2, 2, 100, 16, 16, True, (10, 7), None, (10, 0)),  # causal clips the right side to 0
+    (2, 4, 2, 300, 16, 16, True, None, None, (300, 0)),  # dense causal
+    (1, 2, 1, 150, 16, 8, False, None, None, (150, 150)),  # full (bidirectional)
+    (1, 4, 2, 333, 16, 16, True, None, 2.0, (333, 0)),  # causal with a softcap that binds
+    (1, 2, 2, 200, 16, 16, True, (50, 0), 1.5, (50, 0)),  # window with a softcap
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"N{c[3]}-win{c[7]}-g{c[1] // c[2]}" for c in CASES])
-def test_native_window_matches_the_float64_reference(case, calls: list[tuple[int, int]]) -> None:
-    B, H, Hkv, N, D, Dv, causal, window = case
+@pytest.mark.parametrize("case", CASES, ids=[f"N{c[3]}-win{c[7]}-causal{c[6]}-cap{c[8]}-g{c[1] // c[2]}"
+                                             for c in CASES])
+def test_native_forward_matches_the_float64_reference(case, calls: list[tuple[int, int]]) -> None:
+    B, H, Hkv, N, D, Dv, causal, window, softcap, sides = case
     q, k, v = _qkv(B, H, Hkv, N, D, Dv)
-    ref, ref_lse = az.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="reference")
-    eager = az.attention(q.float(), k.float(), v.float(), causal=causal, window=window, backend="reference")
+    q = q * 3  # large enough scores that a softcap of 1.5-2 changes them
+    kw = {"causal": causal, "window": window, "softcap": softcap}
+    ref, ref_lse = az.attention(q, k, v, return_lse=True, backend="reference", **kw)
+    eager = az.attention(q.float(), k.float(), v.float(), backend="reference", **kw)
     with torch.inference_mode():
-        out, lse = az.attention(q.float(), k.float(), v.float(), causal=causal, window=window, return_lse=True,
-                                backend="tiled")
-    assert calls == [(window[0], 0 if causal else window[1])]
+        out, lse = az.attention(q.float(), k.float(), v.float(), return_lse=True, backend="tiled", **kw)
+    assert calls == [sides]
     bound = 2 * (eager.double() - ref).abs().max().item() + 1e-6
     assert (out.double() - ref).abs().max().item() <= bound
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)
+
+
+def test_scores_past_the_buffer_limit_keep_the_pytorch_path(calls: list[tuple[int, int]],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "MAX_SCORE_BYTES", native.BLOCK * 100 * 4)  # rows of at most 100 keys
+    q, k, v = (t.float() for t in _qkv(1, 2, 2, 256, 16, 16))
+    with torch.no_grad():
+        az.attention(q, k, v, causal=True, window=(30, 0), backend="tiled")  # 64 + 30 keys a block: served
+        az.attention(q, k, v, causal=True, backend="tiled")  # 256: not
+    assert calls == [(30, 0)]
 
 
 def test_auto_uses_it_for_a_long_float32_window(calls: list[tuple[int, int]]) -> None:
@@ -94,15 +111,15 @@ def test_auto_uses_it_for_a_long_float32_window(calls: list[tuple[int, int]]) ->
                                atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("what", ["training", "softcap", "float64", "mask", "q_offset", "off"])
+@pytest.mark.parametrize("what", ["training", "alibi", "float64", "mask", "q_offset", "off"])
 def test_requests_it_does_not_serve_take_the_pytorch_path(what: str, calls: list[tuple[int, int]],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = (t.float() for t in _qkv(1, 2, 2, 96, 16, 16))
     kw: dict[str, object] = {"causal": True, "window": (20, 0), "backend": "tiled"}
     if what == "training":
         q.requires_grad_()
-    elif what == "softcap":
-        kw["softcap"] = 5.0
+    elif what == "alibi":
+        kw["alibi_slopes"] = torch.tensor([0.5, 0.25])
     elif what == "float64":
         q, k, v = q.double(), k.double(), v.double()
     elif what == "mask":
@@ -130,11 +147,13 @@ def test_not_built_means_none_and_no_compile(tmp_path: Path, monkeypatch: pytest
 def test_the_kernel_checks_its_inputs(built: object) -> None:
     q = torch.randn(2, 8, 4)
     with pytest.raises(RuntimeError, match="float32"):
-        built.window_fwd(q.double(), q.double(), q.double(), 2, 0, 0.5, 32, True)  # type: ignore[attr-defined]
+        built.window_fwd(q.double(), q.double(), q.double(), 2, 0, 0.5, 0.0, 32, True)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="multiple"):
-        built.window_fwd(torch.randn(3, 8, 4), q, q, 2, 0, 0.5, 32, True)  # type: ignore[attr-defined]
+        built.window_fwd(torch.randn(3, 8, 4), q, q, 2, 0, 0.5, 0.0, 32, True)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match=">= 0"):
-        built.window_fwd(q, q, q, -1, 0, 0.5, 32, True)  # type: ignore[attr-defined]
+        built.window_fwd(q, q, q, -1, 0, 0.5, 0.0, 32, True)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="softcap"):
+        built.window_fwd(q, q, q, 2, 0, 0.5, -1.0, 32, True)  # type: ignore[attr-defined]
 
 
 def test_cli_native_reports_and_explains_a_failed_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

@@ -40,7 +40,7 @@ float16 range run in float32.
 
 Layout: :mod:`.plan` (tile sizes as a :class:`TileConfig`, the tile plan and its cache),
 :mod:`.scores` (tile and band scores), :mod:`.forward`, :mod:`.flat` (the forward of a sliding window
-over every head at once), :mod:`.native` (its compiled C++ twin, opt-in: ``attnzoo native --build``), :mod:`.backward` (also the kernel that ring attention reuses). Tile sizes are an argument (``tiled_attention(r, tiles=...)``) or a
+over every head at once), :mod:`.native` (a compiled C++ forward for float32 inference, opt-in: ``attnzoo native --build``), :mod:`.backward` (also the kernel that ring attention reuses). Tile sizes are an argument (``tiled_attention(r, tiles=...)``) or a
 context (:func:`use_tiles`), never module globals.
 """
 
@@ -58,7 +58,7 @@ from attnzoo.functional.backends.tiled.backward import (
     attention_backward,
 )
 from attnzoo.functional.backends.tiled.forward import attention_forward
-from attnzoo.functional.backends.tiled.native import native_window
+from attnzoo.functional.backends.tiled.native import native_forward
 from attnzoo.functional.backends.tiled.plan import (
     DEFAULT_TILES,
     PLAN_CACHE_SIZE,
@@ -169,7 +169,7 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
         v = v.float()
     if training:
         out, lse = _TiledAttention.apply(q, k, v, r, plan, *captured)
-    elif (fast := native_window(r, q, k, v)) is not None:  # the compiled twin of the flat band, when built
+    elif (fast := native_forward(r, q, k, v)) is not None:  # the compiled twin of the forward, when built
         out, lse = fast[0], fast[1] if r.return_lse else None
     else:
         out, lse = attention_forward(r, plan, q, k, v, need_lse=r.return_lse)

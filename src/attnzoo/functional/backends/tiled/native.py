@@ -1,18 +1,20 @@
-r"""The compiled sliding-window forward: an opt-in C++ twin of the flat band (:mod:`.flat`).
+r"""The compiled forward: an opt-in C++ twin of the tiled forward for windows, causal and full
+attention (with softcap) in float32 inference.
 
-``native_window.cpp`` (beside this file) computes causal and two-sided sliding windows in float32
-on the CPU: OpenMP over (head, block of 32 queries); per block one BLAS ``sgemm`` for the scores of
-the keys the block can see (``log2 e`` folded into the scale), one pass per row for the maximum,
-``exp2`` and the sum with the invisible columns zeroed, one ``sgemm`` for ``P V``, rows scaled by
-``1 / sum``. One parallel region per call instead of ~1,000 torch operations: on the 2-core Xeon of
-docs/performance.md it ran the (256, 0) window at N = 65,536 at 44% of the fp32 matmul peak against
-31% for the flat band, and at 48% against 3% beside two busy processes.
+``native_window.cpp`` (beside this file) runs on the CPU as OpenMP over (head, block of 64
+queries); per block one BLAS ``sgemm`` for the scores of the keys the block can see (``log2 e``
+folded into the scale), one pass per row for the softcap, the maximum, ``exp2`` and the sum with the
+invisible columns zeroed, one ``sgemm`` for ``P V``, rows scaled by ``1 / sum``. One parallel region
+per call instead of ~1,000 torch operations: on the 2-core Xeon of docs/performance.md it ran the
+(256, 0) window at N = 65,536 at 43% of the fp32 matmul peak against 31% for the flat band (60%
+against 10% beside two busy processes), and dense causal N = 4096 in 0.90x SDPA's time against
+1.37x for the PyTorch tiled forward.
 
 It is **built on request, never at import or call time**: ``attnzoo native --build`` (or
 :func:`build`) compiles it with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s) into
 ``$ATTNZOO_NATIVE_DIR`` (default ``~/.cache/attnzoo/native``), under a tag of the Python, torch
 and CPU it was built for. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
-(:func:`native_window`); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_`` symbol that
+(:func:`native_forward`); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_`` symbol that
 torch's x86 CPU wheels export (MKL); where that, a compiler or ninja is missing, :func:`build`
 raises :class:`NativeUnavailable` with the reason and the PyTorch path stays in use. The PyTorch
 flat band / per-block bands remain the reference it is tested against.
@@ -33,12 +35,16 @@ from torch import Tensor
 
 from attnzoo.functional.core._request import AttnRequest
 
-__all__ = ["BLOCK", "NativeUnavailable", "build", "build_dir", "enabled", "native_module", "native_window",
-           "window_sides"]
+__all__ = ["BLOCK", "MAX_SCORE_BYTES", "NativeUnavailable", "build", "build_dir", "enabled", "native_forward",
+           "native_module", "visible_sides"]
 
 SOURCE = Path(__file__).with_name("native_window.cpp")
-#: Query rows per block (measured: 32 -> 44% of peak, 64 -> 43%, 128 -> 39%; docs/performance.md).
-BLOCK = 32
+#: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
+#: rows; dense causal N=4096 1.00x / 0.90x / 0.94x SDPA's time at 32 / 64 / 128).
+BLOCK = 64
+#: The largest score buffer of one thread (BLOCK x the keys a block sees, float32); longer rows (dense
+#: attention beyond N = 262,144) keep the PyTorch path, whose memory is O(N x block) by chunks.
+MAX_SCORE_BYTES = 64 << 20
 _NAME = "attnzoo_native_window"
 _cache: dict[Path, ModuleType | None] = {}
 
@@ -121,36 +127,40 @@ def native_module() -> ModuleType | None:
     return _cache[out]
 
 
-def window_sides(r: AttnRequest) -> tuple[int, int] | None:
-    """``(left, right)`` of ``r``'s window after causality when both are bounded and >= 0 (every
-    row then sees its own key), else ``None``."""
-    if r.window is None:
-        return None
-    left, right = r.window
+def visible_sides(r: AttnRequest) -> tuple[int, int] | None:
+    """``(left, right)``: query ``i`` of ``r`` sees keys ``i - left .. i + right`` (an unbounded side is
+    ``N``; causality clips ``right`` to 0), or ``None`` when a side is negative (a row could see
+    nothing: the PyTorch path handles empty rows)."""
+    left, right = r.window if r.window is not None else (None, None)
+    left = r.nk if left is None else left
+    right = r.nk if right is None else right
     if r.causal:
-        right = 0 if right is None else min(right, 0)
-    if left is None or right is None or left < 0 or right < 0:
+        right = min(right, 0)
+    if left < 0 or right < 0:
         return None
-    return left, right
+    return min(left, r.nk), min(right, r.nk)
 
 
-def native_window(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
+def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
     """``(out [B, Hq, N, Dv], lse [B, Hq, N])`` from the compiled kernel when it is built and serves
     ``r``, else ``None``.
 
-    Served: an inference forward (the caller checks that no gradient is needed) of a window whose
-    two sides are bounded (:func:`window_sides`), no other mask, bias, softcap, ALiBi or
-    ``score_mod``, ``Nq == Nk`` with ``q_offset == 0``, contiguous float32 CPU q/k/v (GQA allowed)."""
-    sides = window_sides(r)
+    Served: an inference forward (the caller checks that no gradient is needed) of full, causal or
+    sliding-window attention (:func:`visible_sides`) with an optional softcap; no other mask, ALiBi or
+    ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; contiguous float32 CPU q/k/v (GQA allowed);
+    a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
+    sides = visible_sides(r)
     if (sides is None or r.nq != r.nk or r.q_offset != 0 or r.mask_tensor is not None or r.mask_obj is not None
-            or r.score_mod is not None or r.alibi_slopes is not None or r.softcap is not None or r.dropout_p):
+            or r.score_mod is not None or r.alibi_slopes is not None or r.dropout_p):
         return None
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
+        return None
+    if BLOCK * min(r.nk, BLOCK + sides[0] + sides[1]) * 4 > MAX_SCORE_BYTES:
         return None
     mod = native_module()
     if mod is None:
         return None
     B, Hq, N, _ = q.shape
     out, lse = mod.window_fwd(q.view(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), sides[0], sides[1],
-                              float(r.scale), BLOCK, True)
+                              float(r.scale), float(r.softcap or 0.0), BLOCK, True)
     return out.view(B, Hq, N, -1), lse.view(B, Hq, N)

@@ -1,5 +1,5 @@
-// attnzoo's compiled sliding-window forward (float32, CPU); built by `attnzoo native --build`.
-// Reference: attnzoo.functional.backends.tiled (PyTorch); see tiled/native.py for what it serves.
+// attnzoo's compiled attention forward (float32, CPU: full, causal, sliding windows, softcap); built by
+// `attnzoo native --build`. Reference: attnzoo.functional.backends.tiled (PyTorch); see tiled/native.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -17,10 +17,12 @@ static void gemm(char ta, char tb, int m, int n, int k, float alpha, const float
 }
 
 // q [BH, N, D], k [BHk, N, D], v [BHk, N, Dv] contiguous float32; query i sees keys
-// i - left .. i + right. Returns out [BH, N, Dv] and lse [BH, N] (natural log).
+// i - left .. i + right (left = right = N: every key; left = N, right = 0: causal). Scores are
+// scale * q.k, capped to softcap * tanh(score / softcap) when softcap > 0. Returns out [BH, N, Dv]
+// and lse [BH, N] (natural log). softmax = false leaves the two sgemm only (a benchmark bound).
 std::vector<at::Tensor> window_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   int64_t left, int64_t right, double scale, int64_t block,
-                                   bool softmax) {
+                                   int64_t left, int64_t right, double scale, double softcap,
+                                   int64_t block, bool softmax) {
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous(),
                 "window_fwd: q, k, v must be contiguous 3-d float32 CPU tensors");
@@ -28,8 +30,12 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0 && v.size(0) == k.size(0), "window_fwd: q heads must be a multiple of k/v heads");
   TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(2) == q.size(2), "window_fwd: q, k, v lengths or q/k widths differ");
   TORCH_CHECK(left >= 0 && right >= 0 && block > 0, "window_fwd: left, right must be >= 0 and block > 0");
+  TORCH_CHECK(softcap >= 0, "window_fwd: softcap must be >= 0 (0: none)");
   const int64_t BH = q.size(0), N = q.size(1), D = q.size(2), BHk = k.size(0), Dv = v.size(2);
-  const int64_t G = BH / BHk, nblk = (N + block - 1) / block, span = block + left + right;
+  const int64_t G = BH / BHk, nblk = (N + block - 1) / block;
+  const int64_t span = std::min<int64_t>(N, block + std::min(left, N) + std::min(right, N));
+  const float log2e = 1.4426950408889634f, cap = (float)softcap, inv_cap = cap > 0 ? 1.f / cap : 0.f;
+  const float alpha = cap > 0 ? (float)scale : (float)scale * log2e;  // capped scores take log2 e after tanh
   auto out = at::empty({BH, N, Dv}, q.options());
   auto lse = at::empty({BH, N}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -48,12 +54,16 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q, const at::Tensor& k, con
       const float* kb = kp + (kv * N + k_lo) * D;
       const float* vb = vp + (kv * N + k_lo) * Dv;
       float* ob = op + (bh * N + s) * Dv;
-      gemm('T', 'N', L, (int)R, (int)D, (float)(scale * 1.4426950408889634), kb, (int)D, qb, (int)D,
-           0.f, S.data(), L);
+      gemm('T', 'N', L, (int)R, (int)D, alpha, kb, (int)D, qb, (int)D, 0.f, S.data(), L);
       for (int64_t r = 0; r < R && softmax; ++r) {
         const int64_t i = s + r;
         const int64_t lo = std::max(k_lo, i - left) - k_lo, hi = std::min(k_hi, i + right + 1) - k_lo;
         float* row = S.data() + r * L;
+        if (cap > 0) {
+          // cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1)): exp2f vectorises, tanhf does not
+          const float k2 = 2.f * log2e * inv_cap, capl2 = cap * log2e;
+          for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
+        }
         float m = neg_inf;
         for (int64_t c = lo; c < hi; ++c) m = std::max(m, row[c]);
         if (lo > 0) std::fill(row, row + lo, 0.f);
