@@ -171,3 +171,52 @@ def test_cli_native_reports_and_explains_a_failed_build(monkeypatch: pytest.Monk
     monkeypatch.setenv("ATTNZOO_NATIVE", "0")
     assert cli.main(["native"]) == 0
     assert "off (ATTNZOO_NATIVE=0)" in capsys.readouterr().out
+
+
+VARLEN = [  # (lengths, Hq, Hkv, causal, window, softcap)
+    ((5, 70, 1, 130, 64), 4, 2, True, None, None),
+    ((33, 0, 100, 7), 2, 2, False, None, None),  # an empty sequence, bidirectional
+    ((90, 200, 65), 4, 1, True, (40, 0), None),
+    ((120, 50), 2, 2, False, (16, 9), 2.0),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=[f"len{c[0]}-causal{c[3]}-win{c[4]}-cap{c[5]}" for c in VARLEN])
+def test_native_varlen_matches_per_sequence_reference(case, built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths, hq, hkv, causal, window, softcap = case
+    called: list[int] = []
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        called.append(1)
+        return built.varlen_fwd(*args)  # type: ignore[attr-defined]
+
+    monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(varlen_fwd=spy))
+    g = torch.Generator().manual_seed(1)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, 16, generator=g, dtype=F64) * 2 for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"causal": causal, "window": window, "softcap": softcap}
+    ref, ref_lse = az.attention_varlen(q, k, v, cu, cu, return_lse=True, backend="reference", **kw)
+    eager = az.attention_varlen(q.float(), k.float(), v.float(), cu, cu, backend="reference", **kw)
+    with torch.no_grad():
+        out, lse = az.attention_varlen(q.float(), k.float(), v.float(), cu, cu, return_lse=True, **kw)
+        plain = az.attention_varlen(q.float(), k.float(), v.float(), cu, cu, backend="tiled", **kw)
+    assert called == [1, 1]
+    assert (out.double() - ref).abs().max().item() <= 2 * (eager.double() - ref).abs().max().item() + 1e-6
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)
+    assert torch.equal(plain, out)
+
+
+def test_native_varlen_leaves_training_sinks_and_unequal_lengths_to_pytorch(calls: list[tuple[int, int]],
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    monkeypatch.setattr(native._cache[native.build_dir()], "varlen_fwd", lambda *a: seen.append(1), raising=False)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(40, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    ref = az.attention_varlen(q, k, v, cu, cu, causal=True, backend="reference")
+    qg = q.clone().requires_grad_()
+    torch.testing.assert_close(az.attention_varlen(qg, k, v, cu, cu, causal=True), ref, atol=1e-5, rtol=1e-5)
+    az.attention_varlen(q, k, v, cu, cu, causal=True, sinks=torch.zeros(2))
+    az.attention_varlen(q[:30], k, v, torch.tensor([0, 10, 30], dtype=torch.int32), cu, causal=True)
+    assert seen == []

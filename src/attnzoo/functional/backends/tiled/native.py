@@ -36,7 +36,7 @@ from torch import Tensor
 from attnzoo.functional.core._request import AttnRequest
 
 __all__ = ["BLOCK", "MAX_SCORE_BYTES", "NativeUnavailable", "build", "build_dir", "enabled", "native_forward",
-           "native_module", "visible_sides"]
+           "native_module", "native_varlen", "sides", "visible_sides"]
 
 SOURCE = Path(__file__).with_name("native_window.cpp")
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
@@ -128,17 +128,22 @@ def native_module() -> ModuleType | None:
 
 
 def visible_sides(r: AttnRequest) -> tuple[int, int] | None:
-    """``(left, right)``: query ``i`` of ``r`` sees keys ``i - left .. i + right`` (an unbounded side is
-    ``N``; causality clips ``right`` to 0), or ``None`` when a side is negative (a row could see
-    nothing: the PyTorch path handles empty rows)."""
-    left, right = r.window if r.window is not None else (None, None)
-    left = r.nk if left is None else left
-    right = r.nk if right is None else right
-    if r.causal:
+    """``(left, right)``: query ``i`` of ``r`` sees keys ``i - left .. i + right`` (see :func:`sides`)."""
+    return sides(r.window, r.causal, r.nk)
+
+
+def sides(window: tuple[int | None, int | None] | None, causal: bool, n: int) -> tuple[int, int] | None:
+    """``(left, right)`` of a normalised ``window`` over ``n`` keys: an unbounded side is ``n``;
+    causality clips ``right`` to 0; ``None`` when a side is negative (a row could see nothing: the
+    PyTorch path handles empty rows)."""
+    left, right = window if window is not None else (None, None)
+    left = n if left is None else left
+    right = n if right is None else right
+    if causal:
         right = min(right, 0)
     if left < 0 or right < 0:
         return None
-    return min(left, r.nk), min(right, r.nk)
+    return min(left, n), min(right, n)
 
 
 def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -164,3 +169,28 @@ def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     out, lse = mod.window_fwd(q.view(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), sides[0], sides[1],
                               float(r.scale), float(r.softcap or 0.0), BLOCK, True)
     return out.view(B, Hq, N, -1), lse.view(B, Hq, N)
+
+
+def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *, causal: bool,
+                  window: tuple[int | None, int | None] | None, scale: float | None,
+                  softcap: float | None) -> tuple[Tensor, Tensor] | None:
+    """``(out [T, Hq, Dv], lse [Hq, T])`` of packed sequences (``attention_varlen``'s validated
+    arguments) from the compiled kernel when it is built and serves them, else ``None``.
+
+    Served: inference (the caller checks that no gradient is needed) with ``cu_q == cu_k`` (each
+    sequence's queries are its keys), no ALiBi, sinks or ``score_mod`` (the caller checks), contiguous
+    float32 CPU q/k/v, a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
+        return None
+    if q.shape[0] == 0 or not torch.equal(cu_q, cu_k):
+        return None
+    bounds = cu_q.to(torch.int64).contiguous()
+    longest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
+    lr = sides(window, causal, longest)
+    if lr is None or BLOCK * min(longest, BLOCK + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
+        return None
+    mod = native_module()
+    if mod is None:
+        return None
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), BLOCK)

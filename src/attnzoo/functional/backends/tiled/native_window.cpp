@@ -16,6 +16,53 @@ static void gemm(char ta, char tb, int m, int n, int k, float alpha, const float
   sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
+// The output and log-sum-exp tensors of a call and the raw pointers the blocks read and write.
+struct Buffers {
+  at::Tensor out, lse;
+  const float *qp, *kp, *vp;
+  float *op, *lp;
+  Buffers(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef out_shape,
+          at::IntArrayRef lse_shape)
+      : out(at::empty(out_shape, q.options())), lse(at::empty(lse_shape, q.options())),
+        qp(q.data_ptr<float>()), kp(k.data_ptr<float>()), vp(v.data_ptr<float>()),
+        op(out.data_ptr<float>()), lp(lse.data_ptr<float>()) {}
+};
+
+// One block of R queries (query i0 + r, rows of q at stride ldq) against keys k_lo .. k_hi - 1 (rows
+// of k, v at strides ldk, ldv): query i sees keys i - left .. i + right within them. S holds R x L
+// scores, inv R floats. Writes R output rows (stride ldo) and R log-sum-exps (natural log, stride 1).
+static void attend_block(const float* qb, int ldq, const float* kb, int ldk, const float* vb, int ldv,
+                         float* ob, int ldo, float* lse, int64_t R, int64_t i0, int64_t k_lo, int64_t k_hi,
+                         int64_t left, int64_t right, int D, int Dv, float scale, float cap, bool softmax,
+                         float* S, float* inv) {
+  const float log2e = 1.4426950408889634f, neg_inf = -std::numeric_limits<float>::infinity();
+  const int L = (int)(k_hi - k_lo);
+  const float alpha = cap > 0 ? scale : scale * log2e;  // capped scores take log2 e after tanh
+  gemm('T', 'N', L, (int)R, D, alpha, kb, ldk, qb, ldq, 0.f, S, L);
+  for (int64_t r = 0; r < R && softmax; ++r) {
+    const int64_t i = i0 + r;
+    const int64_t lo = std::max(k_lo, i - left) - k_lo, hi = std::min(k_hi, i + right + 1) - k_lo;
+    float* row = S + r * L;
+    if (cap > 0) {  // cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1)): exp2f vectorises, tanhf does not
+      const float k2 = 2.f * log2e / cap, capl2 = cap * log2e;
+      for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
+    }
+    float m = neg_inf;
+    for (int64_t c = lo; c < hi; ++c) m = std::max(m, row[c]);
+    if (lo > 0) std::fill(row, row + lo, 0.f);
+    if (hi < L) std::fill(row + hi, row + L, 0.f);
+    float sum = 0.f;
+    for (int64_t c = lo; c < hi; ++c) { const float p = exp2f(row[c] - m); row[c] = p; sum += p; }
+    lse[r] = (m + std::log2(sum)) * 0.6931471805599453f;
+    inv[r] = 1.f / sum;
+  }
+  gemm('N', 'N', Dv, (int)R, L, 1.f, vb, ldv, S, L, 0.f, ob, ldo);
+  for (int64_t r = 0; r < R && softmax; ++r) {
+    float* o = ob + r * ldo;
+    for (int64_t c = 0; c < Dv; ++c) o[c] *= inv[r];
+  }
+}
+
 // q [BH, N, D], k [BHk, N, D], v [BHk, N, Dv] contiguous float32; query i sees keys
 // i - left .. i + right (left = right = N: every key; left = N, right = 0: causal). Scores are
 // scale * q.k, capped to softcap * tanh(score / softcap) when softcap > 0. Returns out [BH, N, Dv]
@@ -34,55 +81,66 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q, const at::Tensor& k, con
   const int64_t BH = q.size(0), N = q.size(1), D = q.size(2), BHk = k.size(0), Dv = v.size(2);
   const int64_t G = BH / BHk, nblk = (N + block - 1) / block;
   const int64_t span = std::min<int64_t>(N, block + std::min(left, N) + std::min(right, N));
-  const float log2e = 1.4426950408889634f, cap = (float)softcap, inv_cap = cap > 0 ? 1.f / cap : 0.f;
-  const float alpha = cap > 0 ? (float)scale : (float)scale * log2e;  // capped scores take log2 e after tanh
-  auto out = at::empty({BH, N, Dv}, q.options());
-  auto lse = at::empty({BH, N}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+  Buffers b(q, k, v, {BH, N, Dv}, {BH, N});
   at::parallel_for(0, BH * nblk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> S(block * span), inv(block);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t bh = t / nblk, s = (t % nblk) * block, e = std::min(N, s + block), R = e - s;
+      const int64_t bh = t / nblk, s = (t % nblk) * block, e = std::min(N, s + block);
       const int64_t kv = bh / G, k_lo = std::max<int64_t>(0, s - left), k_hi = std::min(N, e + right);
-      const int L = (int)(k_hi - k_lo);
-      const float* qb = qp + (bh * N + s) * D;
-      const float* kb = kp + (kv * N + k_lo) * D;
-      const float* vb = vp + (kv * N + k_lo) * Dv;
-      float* ob = op + (bh * N + s) * Dv;
-      gemm('T', 'N', L, (int)R, (int)D, alpha, kb, (int)D, qb, (int)D, 0.f, S.data(), L);
-      for (int64_t r = 0; r < R && softmax; ++r) {
-        const int64_t i = s + r;
-        const int64_t lo = std::max(k_lo, i - left) - k_lo, hi = std::min(k_hi, i + right + 1) - k_lo;
-        float* row = S.data() + r * L;
-        if (cap > 0) {
-          // cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1)): exp2f vectorises, tanhf does not
-          const float k2 = 2.f * log2e * inv_cap, capl2 = cap * log2e;
-          for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
-        }
-        float m = neg_inf;
-        for (int64_t c = lo; c < hi; ++c) m = std::max(m, row[c]);
-        if (lo > 0) std::fill(row, row + lo, 0.f);
-        if (hi < L) std::fill(row + hi, row + L, 0.f);
-        float sum = 0.f;
-        for (int64_t c = lo; c < hi; ++c) { const float p = exp2f(row[c] - m); row[c] = p; sum += p; }
-        lp[bh * N + i] = (m + std::log2(sum)) * 0.6931471805599453f;
-        inv[r] = 1.f / sum;
-      }
-      gemm('N', 'N', (int)Dv, (int)R, L, 1.f, vb, (int)Dv, S.data(), L, 0.f, ob, (int)Dv);
-      for (int64_t r = 0; r < R && softmax; ++r) {
-        float* o = ob + r * Dv;
-        for (int64_t c = 0; c < Dv; ++c) o[c] *= inv[r];
-      }
+      attend_block(b.qp + (bh * N + s) * D, (int)D, b.kp + (kv * N + k_lo) * D, (int)D, b.vp + (kv * N + k_lo) * Dv,
+                   (int)Dv, b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi, left, right,
+                   (int)D, (int)Dv, (float)scale, (float)softcap, softmax, S.data(), inv.data());
     }
   });
-  return {out, lse};
+  return {b.out, b.lse};
+}
+
+// Packed variable-length sequences (flash-attn's varlen layout, queries and keys of equal lengths):
+// q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] contiguous float32, cu int64 [S + 1] (0 .. T). Within
+// each sequence query i sees keys i - left .. i + right of the same sequence. Returns out [T, Hq, Dv]
+// and lse [Hq, T].
+std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cu, int64_t left, int64_t right, double scale,
+                                   double softcap, int64_t block) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous(),
+                "varlen_fwd: q, k, v must be contiguous 3-d float32 CPU tensors");
+  }
+  TORCH_CHECK(cu.device().is_cpu() && cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.is_contiguous() &&
+              cu.numel() >= 1, "varlen_fwd: cu must be a contiguous 1-d int64 CPU tensor");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1), "varlen_fwd: q heads must be a multiple of k/v heads");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(2) == q.size(2), "varlen_fwd: q, k, v lengths or q/k widths differ");
+  TORCH_CHECK(left >= 0 && right >= 0 && block > 0 && softcap >= 0, "varlen_fwd: left, right, softcap must be >= 0 and block > 0");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), Dv = v.size(2), G = Hq / Hkv;
+  const int64_t* c = cu.data_ptr<int64_t>();
+  const int64_t S = cu.numel() - 1;
+  TORCH_CHECK(c[0] == 0 && c[S] == T, "varlen_fwd: cu must run from 0 to T");
+  std::vector<int64_t> task_seq, task_start;  // one task per (sequence, block of queries); heads below
+  int64_t longest = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(c[i + 1] >= c[i], "varlen_fwd: cu must not decrease");
+    longest = std::max(longest, c[i + 1] - c[i]);
+    for (int64_t s0 = c[i]; s0 < c[i + 1]; s0 += block) { task_seq.push_back(i); task_start.push_back(s0); }
+  }
+  const int64_t ntask = (int64_t)task_seq.size();
+  const int64_t span = std::min<int64_t>(longest, block + std::min(left, longest) + std::min(right, longest));
+  Buffers b(q, k, v, {T, Hq, Dv}, {Hq, T});
+  at::parallel_for(0, Hq * ntask, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Sb(block * std::max<int64_t>(span, 1)), inv(block);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h = t / ntask, task = t % ntask, seq = task_seq[task], s = task_start[task];
+      const int64_t e = std::min(c[seq + 1], s + block), kv = h / G;
+      const int64_t k_lo = std::max(c[seq], s - left), k_hi = std::min(c[seq + 1], e + right);
+      attend_block(b.qp + (s * Hq + h) * D, (int)(Hq * D), b.kp + (k_lo * Hkv + kv) * D, (int)(Hkv * D),
+                   b.vp + (k_lo * Hkv + kv) * Dv, (int)(Hkv * Dv), b.op + (s * Hq + h) * Dv, (int)(Hq * Dv),
+                   b.lp + h * T + s, e - s, s, k_lo, k_hi, left, right, (int)D, (int)Dv, (float)scale,
+                   (float)softcap, true, Sb.data(), inv.data());
+    }
+  });
+  return {b.out, b.lse};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("window_fwd", &window_fwd, "sliding-window attention forward (float32)");
+  m.def("window_fwd", &window_fwd, "attention forward over [BH, N, D] (float32)");
+  m.def("varlen_fwd", &varlen_fwd, "attention forward over packed sequences [T, H, D] (float32)");
 }
