@@ -38,7 +38,7 @@ def built(native_dir: Path) -> object:
     try:
         native.build()
     except native.NativeUnavailable as exc:
-        pytest.skip(f"the compiled window kernel cannot be built here: {exc}")
+        pytest.skip(f"the compiled forward cannot be built here: {exc}")
     mod = native.native_module()
     assert mod is not None
     return mod

@@ -6,9 +6,9 @@ queries); per block one BLAS ``sgemm`` for the scores of the keys the block can 
 folded into the scale), one pass per row for the softcap, the maximum, ``exp2`` and the sum with the
 invisible columns zeroed, one ``sgemm`` for ``P V``, rows scaled by ``1 / sum``. One parallel region
 per call instead of ~1,000 torch operations: on the 2-core Xeon of docs/performance.md it ran the
-(256, 0) window at N = 65,536 at 43% of the fp32 matmul peak against 31% for the flat band (60%
-against 10% beside two busy processes), and dense causal N = 4096 in 0.90x SDPA's time against
-1.37x for the PyTorch tiled forward.
+(256, 0) window at N = 65,536 at 42-43% of the fp32 matmul peak against 31-33% for the flat band
+(56% against 21% beside two busy processes), and dense causal N = 4096 in 0.94x SDPA's time against
+1.31-1.36x for the PyTorch tiled forward.
 
 It is **built on request, never at import or call time**: ``attnzoo native --build`` (or
 :func:`build`) compiles it with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s) into
@@ -22,6 +22,7 @@ flat band / per-block bands remain the reference it is tested against.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -53,9 +54,10 @@ class NativeUnavailable(RuntimeError):
     """The compiled kernel cannot be built or loaded here (the message says why)."""
 
 
+@functools.cache
 def _cpu_tag() -> str:
     """A short hash of what the compiled code depends on: Python, torch, the CPU's flags
-    (``-march=native``) and the source."""
+    (``-march=native``) and the source (computed once a process: it is on every call's path)."""
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
@@ -89,7 +91,7 @@ def build(verbose: bool = False) -> Path:
     Raises :class:`NativeUnavailable` (with the compiler's or loader's message) where it cannot be
     built or loaded: no compiler or ninja, no ``sgemm_`` in torch's libraries, not x86."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        raise NativeUnavailable(f"the compiled window kernel is for x86-64 CPUs; this is {platform.machine()}")
+        raise NativeUnavailable(f"the compiled forward is for x86-64 CPUs; this is {platform.machine()}")
     from torch.utils import cpp_extension  # imported only to build
 
     out = build_dir()
@@ -182,15 +184,13 @@ def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *
     float32 CPU q/k/v, a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
         return None
-    if q.shape[0] == 0 or not torch.equal(cu_q, cu_k):
+    mod = native_module()  # first: without the build, no other work on this path
+    if mod is None or q.shape[0] == 0 or not torch.equal(cu_q, cu_k):
         return None
     bounds = cu_q.to(torch.int64).contiguous()
     longest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
     lr = sides(window, causal, longest)
     if lr is None or BLOCK * min(longest, BLOCK + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
-        return None
-    mod = native_module()
-    if mod is None:
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), BLOCK)
