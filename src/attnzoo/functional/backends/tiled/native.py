@@ -69,8 +69,12 @@ def _cpu_tag() -> str:
 def build_dir() -> Path:
     """Where the kernel is built and looked for: ``$ATTNZOO_NATIVE_DIR/<tag>`` (default root
     ``~/.cache/attnzoo/native``); the tag changes with Python, torch, the CPU flags and the source."""
-    root = os.environ.get("ATTNZOO_NATIVE_DIR") or Path.home() / ".cache" / "attnzoo" / "native"
-    return Path(root) / _cpu_tag()
+    return _dir_for(os.environ.get("ATTNZOO_NATIVE_DIR") or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _dir_for(root: str) -> Path:
+    return (Path(root) if root else Path.home() / ".cache" / "attnzoo" / "native") / _cpu_tag()
 
 
 def enabled() -> bool:
