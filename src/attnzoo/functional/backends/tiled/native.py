@@ -37,7 +37,7 @@ from torch import Tensor
 from attnzoo.functional.core._request import AttnRequest
 
 __all__ = ["BLOCK", "MAX_SCORE_BYTES", "NativeUnavailable", "build", "build_dir", "enabled", "native_forward",
-           "native_module", "native_varlen", "sides", "visible_sides"]
+           "native_module", "native_varlen", "sides"]
 
 SOURCE = Path(__file__).with_name("native_window.cpp")
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
@@ -133,11 +133,6 @@ def native_module() -> ModuleType | None:
     return _cache[out]
 
 
-def visible_sides(r: AttnRequest) -> tuple[int, int] | None:
-    """``(left, right)``: query ``i`` of ``r`` sees keys ``i - left .. i + right`` (see :func:`sides`)."""
-    return sides(r.window, r.causal, r.nk)
-
-
 def sides(window: tuple[int | None, int | None] | None, causal: bool, n: int) -> tuple[int, int] | None:
     """``(left, right)`` of a normalised ``window`` over ``n`` keys: an unbounded side is ``n``;
     causality clips ``right`` to 0; ``None`` when a side is negative (a row could see nothing: the
@@ -152,27 +147,34 @@ def sides(window: tuple[int | None, int | None] | None, causal: bool, n: int) ->
     return min(left, n), min(right, n)
 
 
+def _kernel_for(q: Tensor, k: Tensor, v: Tensor, lr: tuple[int, int] | None, n: int) -> ModuleType | None:
+    """The built module when it serves float32 contiguous CPU ``q, k, v`` whose rows of up to ``n``
+    keys see ``lr = (left, right)`` within a score buffer of :data:`MAX_SCORE_BYTES`, else ``None``
+    (the module is asked last: without the build only these cheap checks run)."""
+    if lr is None or BLOCK * min(n, BLOCK + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
+        return None
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
+        return None
+    return native_module()
+
+
 def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
     """``(out [B, Hq, N, Dv], lse [B, Hq, N])`` from the compiled kernel when it is built and serves
     ``r``, else ``None``.
 
     Served: an inference forward (the caller checks that no gradient is needed) of full, causal or
-    sliding-window attention (:func:`visible_sides`) with an optional softcap; no other mask, ALiBi or
+    sliding-window attention (:func:`sides`) with an optional softcap; no other mask, ALiBi or
     ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; contiguous float32 CPU q/k/v (GQA allowed);
     a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
-    sides = visible_sides(r)
-    if (sides is None or r.nq != r.nk or r.q_offset != 0 or r.mask_tensor is not None or r.mask_obj is not None
+    if (r.nq != r.nk or r.q_offset != 0 or r.mask_tensor is not None or r.mask_obj is not None
             or r.score_mod is not None or r.alibi_slopes is not None or r.dropout_p):
         return None
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
-        return None
-    if BLOCK * min(r.nk, BLOCK + sides[0] + sides[1]) * 4 > MAX_SCORE_BYTES:
-        return None
-    mod = native_module()
-    if mod is None:
+    lr = sides(r.window, r.causal, r.nk)
+    mod = _kernel_for(q, k, v, lr, r.nk)
+    if mod is None or lr is None:
         return None
     B, Hq, N, _ = q.shape
-    out, lse = mod.window_fwd(q.view(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), sides[0], sides[1],
+    out, lse = mod.window_fwd(q.view(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), lr[0], lr[1],
                               float(r.scale), float(r.softcap or 0.0), BLOCK, True)
     return out.view(B, Hq, N, -1), lse.view(B, Hq, N)
 
@@ -186,15 +188,13 @@ def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *
     Served: inference (the caller checks that no gradient is needed) with ``cu_q == cu_k`` (each
     sequence's queries are its keys), no ALiBi, sinks or ``score_mod`` (the caller checks), contiguous
     float32 CPU q/k/v, a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
-        return None
-    mod = native_module()  # first: without the build, no other work on this path
-    if mod is None or q.shape[0] == 0 or not torch.equal(cu_q, cu_k):
+    if native_module() is None or q.shape[0] == 0 or not torch.equal(cu_q, cu_k):  # unbuilt: no other work
         return None
     bounds = cu_q.to(torch.int64).contiguous()
     longest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
     lr = sides(window, causal, longest)
-    if lr is None or BLOCK * min(longest, BLOCK + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
+    mod = _kernel_for(q, k, v, lr, longest)
+    if mod is None or lr is None:
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), BLOCK)
