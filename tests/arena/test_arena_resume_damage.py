@@ -168,14 +168,23 @@ def test_sigint_during_start_up_prints_no_traceback(tmp_path: Path) -> None:
     """``python -m attnzoo.arena`` interrupted as soon as it has started (its folder is being set up)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "o"
-    argv = [a if a != "4" else "400" for a in ARGV]  # a run long enough to be interrupted
+    # A run that neither ends nor writes a checkpoint before the interrupt, however long this process
+    # is kept off the cores (a CI run once saw the 400-step version finish first and exit 0).
+    long = {"--steps": "1000000", "--checkpoint-every": "1000000"}
+    argv = [long.get(prev, a) for prev, a in zip(("",) + ARGV, ARGV)]
     proc = subprocess.Popen([sys.executable, "-m", "attnzoo.arena", *argv, "--out", str(out)],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
                             preexec_fn=default_sigint)
-    deadline = time.monotonic() + 120
-    while not (out / arena_runner.KIND_FILE).exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / arena_runner.KIND_FILE).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the arena ended before the interrupt: {proc.returncode}"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert err.strip().splitlines() == ["arena: interrupted; nothing written"], err
