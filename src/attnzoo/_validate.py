@@ -11,11 +11,11 @@ import argparse
 import itertools
 import math
 from collections.abc import Callable, Iterable
-from typing import Literal, overload
+from typing import Literal, Protocol, cast, overload
 
 import torch
 
-__all__ = ["Window", "check_bool", "check_choice", "check_cu_seqlens", "check_finite_float", "check_float", "check_int",
+__all__ = ["FloatCheck", "Window", "check_bool", "check_choice", "check_cu_seqlens", "check_finite_float", "check_float", "check_int",
            "check_nonnegative_float", "check_number_above", "check_optional_int", "check_positive_float",
            "check_probability", "check_tensor_ranks", "nonempty_name_arg", "nonnegative_int_arg", "normalize_window",
            "positive_float_arg", "positive_int_arg"]
@@ -125,42 +125,35 @@ def _float_in_range(value: object, name: str, owner: str | None, optional: bool,
     return x
 
 
-@overload
-def check_finite_float(value: object, name: str, owner: str | None = ..., *,
-                       optional: Literal[False] = ...) -> float: ...
-@overload
-def check_finite_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
-def check_finite_float(value: object, name: str, owner: str | None = None, *, optional: bool = False) -> float | None:
-    """``value`` as a finite ``float`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
-    if value is None and optional:
-        return None
-    return _float_in_range(value, name, owner, optional, lambda x: True, "a finite number")
+class FloatCheck(Protocol):
+    """The type of :func:`check_finite_float`, :func:`check_positive_float` and
+    :func:`check_nonnegative_float`: ``value`` as a ``float`` in the check's range (ints accepted,
+    ``bool`` refused); with ``optional=True`` a ``None`` is returned as it is."""
+
+    @overload
+    def __call__(self, value: object, name: str, owner: str | None = ..., *,
+                 optional: Literal[False] = ...) -> float: ...
+    @overload
+    def __call__(self, value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
 
 
-@overload
-def check_positive_float(value: object, name: str, owner: str | None = ..., *,
-                         optional: Literal[False] = ...) -> float: ...
-@overload
-def check_positive_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
-def check_positive_float(value: object, name: str, owner: str | None = None, *,
-                         optional: bool = False) -> float | None:
-    """``value`` as a finite ``float > 0`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
-    if value is None and optional:
-        return None
-    return _float_in_range(value, name, owner, optional, lambda x: x > 0, "a finite positive number")
+def _float_check(fn_name: str, ok: Callable[[float], bool], expected: str, rule: str) -> FloatCheck:
+    """A :class:`FloatCheck` accepting the finite floats where ``ok`` holds (``expected`` words them)."""
+
+    def check(value: object, name: str, owner: str | None = None, *, optional: bool = False) -> float | None:
+        if value is None and optional:
+            return None
+        return _float_in_range(value, name, owner, optional, ok, expected)
+
+    check.__name__ = check.__qualname__ = fn_name
+    check.__doc__ = f"``value`` as a finite ``float`` {rule}(ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."
+    return cast(FloatCheck, check)
 
 
-@overload
-def check_nonnegative_float(value: object, name: str, owner: str | None = ..., *,
-                            optional: Literal[False] = ...) -> float: ...
-@overload
-def check_nonnegative_float(value: object, name: str, owner: str | None = ..., *, optional: bool) -> float | None: ...
-def check_nonnegative_float(value: object, name: str, owner: str | None = None, *,
-                            optional: bool = False) -> float | None:
-    """``value`` as a finite ``float >= 0`` (ints accepted, ``bool`` refused; ``None`` kept with ``optional``)."""
-    if value is None and optional:
-        return None
-    return _float_in_range(value, name, owner, optional, lambda x: x >= 0, "a finite non-negative number")
+check_finite_float = _float_check("check_finite_float", lambda x: True, "a finite number", "")
+check_positive_float = _float_check("check_positive_float", lambda x: x > 0, "a finite positive number", "``> 0`` ")
+check_nonnegative_float = _float_check("check_nonnegative_float", lambda x: x >= 0, "a finite non-negative number",
+                                       "``>= 0`` ")
 
 
 def check_number_above(value: object, name: str, owner: str | None = None, *, lower: float) -> float:

@@ -536,16 +536,30 @@ def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], *, 
     return p
 
 
+#: the layer-shape options of list, bench and cost: flags and what each one sets (DESIGN.md letters)
+_LAYER_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "batch": (("--batch",), "batch B"), "seq_len": (("--seq-len", "-n"), "sequence length N"),
+    "dim": (("--dim",), "model width C"), "heads": (("--heads",), "query heads H"),
+    "kv_heads": (("--kv-heads",), "KV heads of gqa"), "head_dim": (("--head-dim",), "head width D"),
+}
+
+
+def _add_layer_options(p: argparse.ArgumentParser, **defaults: int | tuple[int | None, str]) -> None:
+    """Add the named :data:`_LAYER_OPTIONS` (positive ints) with this command's defaults: a number,
+    or ``(value, what the default means)`` where the value alone says too little (``None``)."""
+    for key, default in defaults.items():
+        flags, what = _LAYER_OPTIONS[key]
+        value, shown = default if isinstance(default, tuple) else (default, str(default))
+        p.add_argument(*flags, type=_positive_int, default=value, help=f"{what} (default: {shown})")
+
+
 def _add_list_parser(sub: Any) -> None:
     p = _command(sub, "list", cmd_list,
                  help="table of every registered variant: family, costs, decoding, masks",
                  description="Every registered attention variant with its family, exactness, complexity, "
                              "KV-cache bytes per token for a config, decoding cache and masks.")
-    p.add_argument("--dim", type=_positive_int, default=512, help="model width C (default: %(default)s)")
-    p.add_argument("--heads", type=_positive_int, default=8, help="query heads H (default: %(default)s)")
-    p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads of gqa (default: H/4)")
+    _add_layer_options(p, dim=512, heads=8, kv_heads=(None, "H/4"), seq_len=(4096, "4096, the 'cache at N' column"))
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="cache dtype (default: %(default)s)")
-    p.add_argument("--seq-len", type=_positive_int, default=4096, help="tokens for the 'cache at N' column")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
     p.add_argument("--wide", action="store_true", help="add the attention-memory, decoding-cache and masks columns")
@@ -596,9 +610,7 @@ def _add_bench_parser(sub: Any) -> None:
     p.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd", help="(default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="(default: %(default)s)")
     p.add_argument("--device", type=_device_arg, default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--batch", type=_positive_int, default=1, help="B (default: %(default)s)")
-    p.add_argument("--heads", type=_positive_int, default=8, help="H (default: %(default)s)")
-    p.add_argument("--head-dim", type=_positive_int, default=64, help="D (default: %(default)s)")
+    _add_layer_options(p, batch=1, heads=8, head_dim=64)
     p.add_argument("--window", type=_positive_int, default=None, help="causal sliding window (left size)")
     p.add_argument("--no-causal", action="store_true", help="non-causal attention for backend targets")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per case (median; default 5)")
@@ -626,12 +638,7 @@ def _add_cost_parser(sub: Any) -> None:
                              "estimate): FLOPs, bytes moved, activation memory, KV-cache size.", table="plain")
     p.add_argument("variant", help="a registered variant (attnzoo list), or a per-layer stack 'a/b/c' "
                                     "(e.g. gated_deltanet/gated_deltanet/gated_deltanet/mha)")
-    p.add_argument("--seq-len", "-n", type=_positive_int, default=4096, help="N (default: %(default)s)")
-    p.add_argument("--dim", type=_positive_int, default=512, help="C (default: %(default)s)")
-    p.add_argument("--heads", type=_positive_int, default=8, help="H (default: %(default)s)")
-    p.add_argument("--batch", type=_positive_int, default=1, help="B (default: %(default)s)")
-    p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads (gqa)")
-    p.add_argument("--head-dim", type=_positive_int, default=None, help="D (default: C / H)")
+    _add_layer_options(p, seq_len=4096, dim=512, heads=8, batch=1, kv_heads=(None, "H/4"), head_dim=(None, "C / H"))
     p.add_argument("--window", type=_window, default=None, help="W or LEFT,RIGHT (sliding, local_global)")
     p.add_argument("--features", type=_positive_int, default=None, help="F of linear / performer")
     p.add_argument("--segment-len", type=_positive_int, default=None, help="S of infini")
