@@ -21,6 +21,10 @@ ours alternating so that machine load hits both alike):
 ``--load 2`` starts two busy processes (each a loop of 1024^2 fp32 matmuls on one thread) for the
 duration of the run: the "loaded" column of the issue. Print the CPU with ``lscpu`` beside it.
 
+With the compiled kernels built (``attnzoo native --build``; the header says whether they are), the
+``nsa``, ``varlen``, ``tiled`` and ``window`` rows use them, and each gains a row of the PyTorch path
+(``ATTNZOO_NATIVE=0``) timed in the same interleaved run.
+
 Usage::
 
     python benchmarks/bench_cpu_kernels.py                  # every row, as the machine is
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from bench_core import timed  # the script's folder is on sys.path
 
 import attnzoo as az
+from attnzoo.functional.backends.tiled.native import native_module
 from attnzoo.functional.backends.tiled.plan import DEFAULT_TILES, TileConfig, use_tiles
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.local_global import LocalGlobalAttention
@@ -57,6 +62,26 @@ def _busy(stop: float) -> None:
     a = torch.randn(1024, 1024)
     while time.time() < stop:
         a = torch.mm(a, a).clamp_(-1, 1)
+
+
+def _pytorch_path(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the compiled kernels off (``ATTNZOO_NATIVE=0``): the PyTorch path they replace."""
+    def run() -> object:
+        old = os.environ.get("ATTNZOO_NATIVE")
+        os.environ["ATTNZOO_NATIVE"] = "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["ATTNZOO_NATIVE"]
+            else:
+                os.environ["ATTNZOO_NATIVE"] = old
+    return run
+
+
+def _with_pytorch_path(fns: dict[str, Callable[[], object]], key: str = "ours") -> dict[str, Callable[[], object]]:
+    """``fns`` and, where the compiled kernels are built, ``"pytorch"``: ``fns[key]`` without them."""
+    return {**fns, "pytorch": _pytorch_path(fns[key])} if native_module() is not None else fns
 
 
 def _row(name: str, ours: float, peer: float, what: str) -> None:
@@ -106,8 +131,10 @@ def bench_nsa(sizes: list[int], repeats: int) -> None:
     gqa = build_attention("gqa", 512, 8, causal=True, num_kv_heads=2).eval()
     for n in sizes:
         x = torch.randn(1, n, 512)
-        t = timed({"gqa": lambda x=x: gqa(x), "ours": lambda x=x: nsa(x)}, repeats)
+        t = timed(_with_pytorch_path({"gqa": lambda x=x: gqa(x), "ours": lambda x=x: nsa(x)}), repeats)
         _row(f"nsa module N={n} (dim 512, 8 heads)", t["ours"], t["gqa"], "nsa / dense gqa module")
+        if "pytorch" in t:
+            _row("  (PyTorch selected branch, ATTNZOO_NATIVE=0)", t["pytorch"], t["gqa"], "nsa / dense gqa module")
 
 
 def _loop_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -128,8 +155,10 @@ def bench_varlen(repeats: int, packed_peer: bool = True) -> None:
                                             "ours": lambda: az.attention_varlen(q, k, v, cu, cu, causal=True)}
     if packed_peer:
         fns["tiled"] = lambda: az.attention_varlen(q, k, v, cu, cu, causal=True, backend="tiled")
-    t = timed(fns, repeats)
+    t = timed(_with_pytorch_path(fns), repeats)
     _row("attention_varlen, 16 mixed causal sequences, T=24,576", t["ours"], t["loop"], "auto / per-sequence SDPA loop")
+    if "pytorch" in t:
+        _row("  (PyTorch path, ATTNZOO_NATIVE=0)", t["pytorch"], t["loop"], "auto / per-sequence SDPA loop")
     if packed_peer:
         _row("  (before: the packed tiled path)", t["tiled"], t["loop"], "tiled / per-sequence SDPA loop")
 
@@ -145,10 +174,13 @@ def bench_tiled(repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 4096, 64, generator=g) for _ in range(3))
     tiled = lambda: az.attention(q, k, v, causal=True, backend="tiled")  # noqa: E731
-    t = timed({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), "ours": tiled,
-               "rows": _with_tiles(replace(DEFAULT_TILES, row_elems=1 << 22), tiled)}, repeats)
+    t = timed(_with_pytorch_path({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                  "ours": tiled, "rows": _pytorch_path(_with_tiles(replace(DEFAULT_TILES, row_elems=1 << 22), tiled))}),
+              repeats)
     _row("tiled dense causal N=4096, 8 heads, D=64 (online softmax by 512-key chunks)", t["ours"], t["sdpa"],
          "tiled / SDPA is_causal")
+    if "pytorch" in t:
+        _row("  (PyTorch path, ATTNZOO_NATIVE=0)", t["pytorch"], t["sdpa"], "tiled / SDPA is_causal")
     _row("  (whole-row softmax, row_elems=2^22; off by default)", t["rows"], t["sdpa"], "tiled, rows / SDPA")
 
 
@@ -158,11 +190,14 @@ def bench_window(repeats: int) -> None:
     q, k, v = (torch.randn(1, 8, n, 64, generator=g) for _ in range(3))
     a = torch.randn(2048, 2048, generator=g)
     auto = lambda: az.attention(q, k, v, causal=True, window=(256, 0))  # noqa: E731
-    t = timed({"auto": auto, "band": _with_tiles(replace(DEFAULT_TILES, flat_elems=0), auto),
-               "mm": lambda: torch.mm(a, a)}, repeats)  # the peak measured between our calls
+    t = timed(_with_pytorch_path({"auto": auto, "band": _pytorch_path(_with_tiles(replace(DEFAULT_TILES, flat_elems=0), auto)),
+                                  "mm": lambda: torch.mm(a, a)}, "auto"), repeats)  # the peak measured between our calls
     flops = 4.0 * 8 * 64 * sum(min(i, 256) + 1 for i in range(n))
     peak = 2 * 2048**3 / t["mm"] / 1e9
-    for name, what in (("auto", "auto (tiled flat band)"), ("band", "  (before: per-head band, flat_elems=0)")):
+    rows = [("auto", "auto (compiled kernel)" if "pytorch" in t else "auto (tiled flat band)"),
+            *([("pytorch", "  (PyTorch flat band, ATTNZOO_NATIVE=0)")] if "pytorch" in t else []),
+            ("band", "  (before: per-head band, flat_elems=0)")]
+    for name, what in rows:
         rate = flops / t[name] / 1e9
         print(f"| window (256, 0) N=65536, {what} | {rate:.1f} GFLOP/s vs fp32 matmul {peak:.1f} | "
               f"{t[name] * 1e3:.1f} ms | **{100 * rate / peak:.0f}%** of peak |", flush=True)
@@ -182,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         b.start()
     try:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
-              f"load average {os.getloadavg()[0]:.1f} at start, {a.load} busy processes of ours")
+              f"load average {os.getloadavg()[0]:.1f} at start, {a.load} busy processes of ours, compiled kernels "
+              f"{'built (ATTNZOO_NATIVE_DIR)' if native_module() is not None else 'not built'}")
         print("| row | ours / peer | times | ratio |\n| --- | --- | --- | --- |")
         with torch.inference_mode():
             few = max(1, a.repeats // 3)

@@ -171,7 +171,7 @@ def test_sigint_during_start_up_prints_no_traceback(tmp_path: Path) -> None:
     # A run that neither ends nor writes a checkpoint before the interrupt, however long this process
     # is kept off the cores (a CI run once saw the 400-step version finish first and exit 0).
     long = {"--steps": "1000000", "--checkpoint-every": "1000000"}
-    argv = [long.get(prev, a) for prev, a in zip(("",) + ARGV, ARGV)]
+    argv = [long.get(prev, a) for prev, a in zip(("", *ARGV), ARGV, strict=False)]
     proc = subprocess.Popen([sys.executable, "-m", "attnzoo.arena", *argv, "--out", str(out)],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
                             preexec_fn=default_sigint)

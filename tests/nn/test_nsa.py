@@ -246,3 +246,34 @@ def test_banded_window_equals_window_attention(h: int, g: int, nq: int, nk: int,
     want = az.attention(q, k, v, causal=True, window=(w - 1, 0), q_offset=nk - nq, scale=0.3, backend="reference")
     got = _window_banded(q, k, v, w, nk - nq, 0.3, "auto", block)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_inference_block_major_with_value_width_unlike_key_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Enough queries for the block-major inference branch and ``Dv != D``: torch's CPU flash kernel
+    (its tiles) takes equal widths only, so the branch must fall back to its matmul tiles."""
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")  # the PyTorch path, whether or not the compiled one is built
+    cfg = NSAConfig(4, 2, 4, 4, 4)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 2, 300, 8, generator=g, dtype=F64), torch.randn(1, 1, 320, 8, generator=g, dtype=F64)
+    v = torch.randn(1, 1, 320, 12, generator=g, dtype=F64)
+    gates = torch.rand(1, 2, 300, 3, generator=g, dtype=F64)
+    torch.manual_seed(0)
+    kc = BlockCompressor(8, cfg.block_len, cfg.block_stride, {"dtype": F64})(k).detach()
+    vc = BlockCompressor(12, cfg.block_len, cfg.block_stride, {"dtype": F64})(v).detach()
+    ref = nsa_attention(q, k, v, kc, vc, gates, cfg, form="reference")
+    with torch.no_grad():
+        out = nsa_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), gates.float(), cfg)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_docs_examples_run() -> None:
+    """Every python block of docs/nsa.md runs as written."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "nsa.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for i, code in enumerate(blocks):
+        torch.manual_seed(i)
+        exec(compile(code, f"docs/nsa.md[block {i}]", "exec"), {})

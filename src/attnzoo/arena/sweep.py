@@ -265,7 +265,7 @@ def run_point(p: Preset, specs: list[RunSpec], reused: list[dict[str, Any] | Non
     entry per spec). ``reused`` holds records of finished runs (``--resume``; ``None``: train), and
     each trained run's record is written to ``out/runs/<key>.json`` as it finishes."""
     recs: list[dict[str, Any] | None] = [None] * len(specs)
-    for j, (spec, old) in enumerate(zip(specs, reused)):
+    for j, (spec, old) in enumerate(zip(specs, reused, strict=True)):
         recs[j] = old if old is not None else _run_in_worker(p, spec, device, out)
         if recs[j]["stopped_early"]:  # type: ignore[index]
             break
@@ -342,7 +342,7 @@ def run_preset(args: argparse.Namespace) -> int:
             for j, recs, exc in workers.completed(run_point, calls):
                 if exc is not None:
                     raise exc
-                for i, rec in zip(todo[j], recs):
+                for i, rec in zip(todo[j], recs, strict=True):
                     records[i] = rec
                 best = max(r["final"]["accuracy"] for r in recs if r is not None)
                 overall.completed(f"{specs[todo[j][0]].key}: best accuracy {100 * best:.1f}%",
@@ -350,15 +350,15 @@ def run_preset(args: argparse.Namespace) -> int:
     else:
         if threads is not None:
             torch.set_num_threads(threads)
-        for pt, call in zip(todo, calls):
+        for pt, call in zip(todo, calls, strict=True):
             overall.start(specs[pt[0]].key)
-            for i, rec in zip(pt, run_point(*call)):
+            for i, rec in zip(pt, run_point(*call), strict=True):
                 records[i] = rec
             overall.finish(trained=True)
     wall = time.perf_counter() - t0
     done = [r for r in records if r is not None]
-    trained = sum(1 for r, old in zip(records, reused) if r is not None and old is None)
-    skipped = [s.key for s, r in zip(specs, records) if r is None]
+    trained = sum(1 for r, old in zip(records, reused, strict=True) if r is not None and old is None)
+    skipped = [s.key for s, r in zip(specs, records, strict=True) if r is None]
     result = {"preset": p.name, "size": size, "paper": p.paper, "source": p.source, "settings": _settings(p),
               "runs": done, "points": best_of(done), "wall_s": wall, "jobs": jobs, "threads": threads,
               "reused": len(done) - trained, "skipped": skipped, "torch_threads": torch.get_num_threads()}

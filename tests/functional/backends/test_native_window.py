@@ -1,6 +1,6 @@
 """The compiled forward (``tiled/native.py``, ``native_window.cpp``: windows, causal and full
-attention, softcap) against the float64 reference, the requests it must leave to the PyTorch path,
-and ``attnzoo native``.
+attention, softcap; ``native_nsa.cpp``: NSA's selected branch) against the float64 reference, the
+requests it must leave to the PyTorch path, and ``attnzoo native``.
 
 The kernel is built once for the module into a temporary ``ATTNZOO_NATIVE_DIR`` (about 20 s); where
 it cannot be built (no compiler, ninja or MKL ``sgemm_``, not x86) the tests that need it skip with
@@ -18,6 +18,8 @@ import torch
 import attnzoo as az
 from attnzoo import cli
 from attnzoo.functional.backends.tiled import native
+from attnzoo.functional.softmax.nsa import NSAConfig, nsa_attention
+from attnzoo.nn.nsa import BlockCompressor
 
 F64 = torch.float64
 
@@ -220,3 +222,77 @@ def test_native_varlen_leaves_training_sinks_and_unequal_lengths_to_pytorch(call
     az.attention_varlen(q, k, v, cu, cu, causal=True, sinks=torch.zeros(2))
     az.attention_varlen(q[:30], k, v, torch.tensor([0, 10, 30], dtype=torch.int32), cu, causal=True)
     assert seen == []
+
+
+NSA_CASES = [  # (config (l, d, l', n, w), H, Hkv, Nq, Nk, D, Dv): Nq >= 256 runs the block-major branch
+    (NSAConfig(32, 16, 64, 16, 512), 8, 2, 700, 700, 16, 16),  # the module's defaults, GQA 4
+    (NSAConfig(4, 2, 4, 4, 4), 3, 1, 300, 333, 8, 8),  # tiny blocks (Ns = 84), MQA, queries after a prefix
+    (NSAConfig(4, 4, 8, 3, 6), 4, 4, 257, 1000, 8, 12),  # wider selection blocks, Dv != D, q_offset 743
+    (NSAConfig(6, 3, 3, 4, 5), 2, 2, 400, 401, 8, 8),  # selection blocks shorter than compressed ones
+]
+
+
+@pytest.mark.parametrize("case", NSA_CASES, ids=[f"Nq{c[3]}-Nk{c[4]}-g{c[1] // c[2]}-lsel{c[0].select_len}"
+                                                 for c in NSA_CASES])
+def test_native_nsa_selected_matches_the_float64_reference(case, built: object,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nsa_attention`` in float32 inference with the compiled selected branch against the dense
+    float64 reference form; as close as the PyTorch float32 path is, and the kernel was called."""
+    cfg, H, G, Nq, Nk, D, Dv = case
+    g = torch.Generator().manual_seed(Nq)
+    q = torch.randn(2, H, Nq, D, generator=g, dtype=F64)
+    k = torch.randn(2, G, Nk, D, generator=g, dtype=F64)
+    v = torch.randn(2, G, Nk, Dv, generator=g, dtype=F64)
+    gates = torch.rand(2, H, Nq, 3, generator=g, dtype=F64)
+    torch.manual_seed(0)
+    comp_k = BlockCompressor(D, cfg.block_len, cfg.block_stride, {"dtype": F64})
+    comp_v = BlockCompressor(Dv, cfg.block_len, cfg.block_stride, {"dtype": F64})
+    args64 = (q, k, v, comp_k(k).detach(), comp_v(v).detach(), gates)
+    args32 = tuple(t.float() for t in args64)
+    ref = nsa_attention(*args64, cfg, form="reference")
+    called: list[int] = []
+    kernel = built.nsa_selected_fwd  # type: ignore[attr-defined]
+    monkeypatch.setitem(native._cache, native.build_dir(),
+                        SimpleNamespace(nsa_selected_fwd=lambda *a: called.append(1) or kernel(*a)))
+    with torch.no_grad():
+        out = nsa_attention(*args32, cfg)
+        monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+        eager = nsa_attention(*args32, cfg)
+    assert called == [1]
+    err, eager_err = ((x.double() - ref).abs().max().item() for x in (out, eager))
+    assert err <= 2 * eager_err + 1e-6, (err, eager_err)
+
+
+def test_native_nsa_selected_leaves_training_and_float64_to_pytorch(built: object,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(nsa_selected_fwd=lambda *a: seen.append(1)))
+    cfg = NSAConfig(4, 2, 4, 4, 4)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=g) for _ in range(3))
+    comp = BlockCompressor(8, cfg.block_len, cfg.block_stride, {})
+    kc, vc = comp(k).detach(), comp(v).detach()
+    gates = torch.rand(1, 2, 300, 3, generator=g)
+    out = nsa_attention(q.requires_grad_(), k, v, kc, vc, gates, cfg)  # training: the autograd path
+    out.sum().backward()
+    with torch.no_grad():
+        nsa_attention(q.double(), k.double(), v.double(), kc.double(), vc.double(), gates.double(), cfg)
+    assert seen == [] and q.grad is not None
+
+
+def test_the_nsa_kernel_checks_its_inputs(built: object) -> None:
+    kb = torch.randn(1, 1, 4, 8, 16)
+    q = torch.randn(1, 2, 32, 16)
+    idx = torch.zeros(1, 1, 32, 2, dtype=torch.long)
+    ok = torch.ones(1, 1, 32, 2, dtype=torch.bool)
+    fwd = built.nsa_selected_fwd  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="float32"):
+        fwd(q.double(), kb, kb, idx, ok, 0, 0.25, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fwd(q, kb, kb, idx + 4, ok, 0, 0.25, 16)
+    with pytest.raises(RuntimeError, match="t0"):
+        fwd(q, kb, kb, idx, ok, 1, 0.25, 16)  # positions 1 .. 32 need 33 keys; the blocks hold 32
+    with pytest.raises(RuntimeError, match="idx"):
+        fwd(q, kb, kb, idx.int(), ok, 0, 0.25, 16)
+    padded = fwd(q, kb, kb, idx + 4, ok & False, 0, 0.25, 16)  # padding slots are never read
+    assert torch.equal(padded, torch.zeros_like(padded))

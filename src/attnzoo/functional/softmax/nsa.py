@@ -41,6 +41,7 @@ from torch import Tensor
 
 from attnzoo._devices import tracing
 from attnzoo._validate import check_choice, check_int
+from attnzoo.functional.backends.tiled.native import native_nsa_selected
 from attnzoo.functional.softmax.attention import attention
 
 __all__ = ["NSAConfig", "compress_blocks", "nsa_attention", "num_compressed", "pick_blocks"]
@@ -356,13 +357,18 @@ def _sparse_block_major(q: Tensor, kb: Tensor, vb: Tensor, k_cmp: Tensor, v_cmp:
         picks.append(F.pad(idx, (0, n - idx.shape[-1])))
         oks.append(F.pad(ok, (0, n - ok.shape[-1])))
     idx_all, ok_all = torch.cat(picks, 2), torch.cat(oks, 2)  # [B, G, Nq, n]
-    o_slc = []
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, kb, vb))
-    selected, c = (_selected_block_major, BLOCK_MAJOR_CHUNK) if grad else (_selected_tiles, SDPA_PASS)
-    for a in range(0, Nq, c):
-        sl = slice(a, a + c)
-        t = torch.arange(q_offset + a, q_offset + min(Nq, a + c), device=q.device)
-        o_slc.append(selected(qg_all[:, :, :, sl], kb, vb, idx_all[:, :, sl], ok_all[:, :, sl], t, cfg, scale))
+    native = None if grad else native_nsa_selected(q, kb, vb, idx_all, ok_all, q_offset, scale)
+    if native is not None:  # the compiled twin of _selected_tiles (built by `attnzoo native --build`)
+        o_slc = [native.unflatten(1, (G, r))]
+    else:
+        o_slc = []
+        tiles = not grad and vb.shape[-1] == kb.shape[-1]  # torch's CPU flash kernel takes Dv == D only
+        selected, c = (_selected_tiles, SDPA_PASS) if tiles else (_selected_block_major, BLOCK_MAJOR_CHUNK)
+        for a in range(0, Nq, c):
+            sl = slice(a, a + c)
+            t = torch.arange(q_offset + a, q_offset + min(Nq, a + c), device=q.device)
+            o_slc.append(selected(qg_all[:, :, :, sl], kb, vb, idx_all[:, :, sl], ok_all[:, :, sl], t, cfg, scale))
     g = gates.unflatten(1, (G, r))  # [B, G, r, Nq, 3]
     out = g[..., 0:1] * torch.cat(o_cmp, 3) + g[..., 1:2] * torch.cat(o_slc, 3)
     return out.flatten(1, 2)

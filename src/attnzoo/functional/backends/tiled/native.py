@@ -37,9 +37,10 @@ from torch import Tensor
 from attnzoo.functional.core._request import AttnRequest
 
 __all__ = ["BLOCK", "MAX_SCORE_BYTES", "NativeUnavailable", "build", "build_dir", "enabled", "native_forward",
-           "native_module", "native_varlen", "sides"]
+           "native_module", "native_nsa_selected", "native_varlen", "sides"]
 
-SOURCE = Path(__file__).with_name("native_window.cpp")
+#: the compiled sources, one module: attention over windows / packed sequences, and NSA's selected branch
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_window.cpp", "native_nsa.cpp"))
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
 #: rows; dense causal N=4096 1.00x / 0.90x / 0.94x SDPA's time at 32 / 64 / 128).
 BLOCK = 64
@@ -62,7 +63,7 @@ def _cpu_tag() -> str:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    key = "|".join((sys.version, torch.__version__, platform.machine(), flags, SOURCE.read_text()))
+    key = "|".join((sys.version, torch.__version__, platform.machine(), flags, *(s.read_text() for s in SOURCES)))
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -101,10 +102,10 @@ def build(verbose: bool = False) -> Path:
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(_NAME, [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+        cpp_extension.load(_NAME, [str(s) for s in SOURCES], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
                            build_directory=str(out), verbose=verbose)
     except Exception as e:  # a compiler, linker or loader error: the reason is in its message
-        raise NativeUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {e}") from e
+        raise NativeUnavailable(f"building {', '.join(s.name for s in SOURCES)} failed: {type(e).__name__}: {e}") from e
     _cache.pop(out, None)
     return _built(out)
 
@@ -198,3 +199,24 @@ def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), BLOCK)
+
+
+#: Queries per task of the compiled NSA selected branch (one (batch, KV group) each; measured,
+#: docs/performance.md).
+NSA_CHUNK = 512
+
+
+def native_nsa_selected(q: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, q_offset: int,
+                        scale: float) -> Tensor | None:
+    """NSA's selected branch ``[B, H, Nq, Dv]`` from the compiled kernel when it is built and serves
+    the call, else ``None``: queries ``q [B, H, Nq, D]`` at positions ``q_offset ..`` over their
+    picked blocks ``idx, ok [B, G, Nq, n]`` (``ok`` false: a padding slot) of the key / value blocks
+    ``kb [B, G, Ns, l', D]``, ``vb [B, G, Ns, l', Dv]``, each query seeing the picked keys at or
+    before its position. Served: inference (the caller checks), float32 CPU tensors."""
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, kb, vb)):
+        return None
+    mod = native_module()
+    if mod is None:
+        return None
+    return mod.nsa_selected_fwd(q.contiguous(), kb.contiguous(), vb.contiguous(), idx.contiguous(),
+                                ok.contiguous(), int(q_offset), float(scale), NSA_CHUNK)

@@ -140,7 +140,12 @@ std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, con
   return {b.out, b.lse};
 }
 
+// native_nsa.cpp
+at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& idx,
+                            const at::Tensor& ok, int64_t t0, double scale, int64_t chunk);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("nsa_selected_fwd", &nsa_selected_fwd, "NSA's selected branch over picked key blocks (float32)");
   m.def("window_fwd", &window_fwd, "attention forward over [BH, N, D] (float32)");
   m.def("varlen_fwd", &varlen_fwd, "attention forward over packed sequences [T, H, D] (float32)");
 }
