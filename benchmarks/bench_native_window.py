@@ -11,10 +11,13 @@ softmax pass (the bound of this design). ``--load N`` runs beside N busy one-thr
 (``bench_cpu_kernels``' loaded column) and adds ``auto`` with flat groups of 2^24 scores (16x fewer
 torch operations than the default 2^20). The second table: SDPA ``is_causal``, ``backend="tiled"``
 with the kernel off and on, and ``auto`` with ``softcap=30`` off and on, timed interleaved.
+``--train`` adds a third: forward + backward (the compiled ``window_bwd``) against the PyTorch
+tiled backward and SDPA's, for dense causal N = 4096, softcap 30 and the (256, 0) window at N =
+16,384 and 65,536.
 
 Usage::
 
-    python benchmarks/bench_native_window.py [--blocks 32 64 128] [--repeats 7] [--gemm-only] [--load 2]
+    python benchmarks/bench_native_window.py [--blocks 32 64 128] [--repeats 7] [--gemm-only] [--load 2] [--train]
 """
 
 from __future__ import annotations
@@ -62,12 +65,32 @@ def _dense_table(t: dict[str, float]) -> None:
         print(f"| {name} | {s * 1e3:.1f} | {s / t['sdpa']:.2f}x |")
 
 
+def _train_fns(g: torch.Generator) -> dict[str, Callable[[], object]]:
+    """Forward + backward of each case, kernel on and off, and SDPA's causal training step."""
+    fns: dict[str, Callable[[], object]] = {}
+    for n, window, cap in ((4096, None, None), (4096, None, 30.0), (16384, (256, 0), None), (65536, (256, 0), None)):
+        q, k, v = (torch.randn(1, 8, n, 64, generator=g, requires_grad=True) for _ in range(3))
+        d_out = torch.randn(1, 8, n, 64, generator=g)
+
+        def step(q=q, k=k, v=v, d_out=d_out, window=window, cap=cap) -> None:  # type: ignore[no-untyped-def]
+            az.attention(q, k, v, causal=True, window=window, softcap=cap, backend="tiled").backward(d_out)
+
+        name = f"N={n}" + (f", window {window}" if window else "") + (f", softcap {cap:g}" if cap else "")
+        fns[f"{name}: compiled"] = step
+        fns[f"{name}: PyTorch tiled"] = _without_native(step)
+        if n == 4096 and cap is None:
+            fns[f"{name}: SDPA is_causal"] = lambda q=q, k=k, v=v, d_out=d_out: \
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(d_out)
+    return fns
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, nargs="+", default=[native.BLOCK])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--gemm-only", action="store_true")
     p.add_argument("--load", type=int, default=0, help="busy one-thread processes started for the timing")
+    p.add_argument("--train", action="store_true", help="also time forward + backward (the compiled backward)")
     a = p.parse_args()
     os.environ.pop("ATTNZOO_NATIVE", None)
     if native.native_module() is None:
@@ -104,6 +127,7 @@ def main() -> None:
         with torch.inference_mode():
             t = timed(fns, a.repeats)
             t2 = timed(_dense_fns(g), a.repeats)
+        t3 = timed(_train_fns(g), max(1, a.repeats // 2)) if a.train else {}
     finally:
         for proc in busy:
             proc.terminate()
@@ -111,6 +135,11 @@ def main() -> None:
     peak = 2 * 2048**3 / t["mm"] / 1e9
     print(f"{a.load} busy processes of ours during the timing")
     _dense_table(t2)
+    if t3:
+        print("\n| forward + backward, 8 heads, D=64 | ms | / PyTorch tiled |\n|---|---:|---:|")
+        for name, s in t3.items():
+            base = t3[name.rsplit(": ", 1)[0] + ": PyTorch tiled"]
+            print(f"| {name} | {s * 1e3:.1f} | {s / base:.2f}x |")
     print(f"| window ({w}, 0) N={n}, 8 heads, D=64 | GFLOP/s (peak: fp32 2048^2 matmul {peak:.0f}) | ms | of peak |")
     print("|---|---:|---:|---:|")
     for name, s in t.items():

@@ -29,6 +29,7 @@ from attnzoo.functional.backends.tiled import (
     plan_for,
     tiled_attention,
 )
+from attnzoo.functional.backends.tiled.native import native_backward
 from attnzoo.functional.core._request import AttnRequest, build_request
 from attnzoo.functional.core.rules import output_like_v, stored_like_v
 
@@ -93,7 +94,9 @@ def tiled_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Tens
     if q.dtype in (torch.float16, torch.bfloat16):
         qc, kc, vc, oc = q.float(), k.float(), v.float(), out.float()  # as the eager path computes
     with torch.no_grad():
-        dq, dk, dv = attention_backward(r, plan, qc, kc, vc, oc, lse, d_out.to(qc.dtype).contiguous(), d_lse)
+        fast = native_backward(r, qc, kc, vc, oc, lse, d_out, d_lse)  # the compiled kernel, when built
+        dq, dk, dv = fast if fast is not None else attention_backward(r, plan, qc, kc, vc, oc, lse,
+                                                                      d_out.to(qc.dtype).contiguous(), d_lse)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 

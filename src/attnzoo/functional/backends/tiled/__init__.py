@@ -167,10 +167,10 @@ def tiled_attention(r: AttnRequest, block_q: int | None = None, block_k: int | N
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
     if training and half:
         v = v.float()
-    if training:
+    if (fast := native_forward(r, q, k, v)) is not None:  # the compiled twin (forward and backward), when built
+        out, lse = fast[0], fast[1] if r.return_lse or training else None
+    elif training:
         out, lse = _TiledAttention.apply(q, k, v, r, plan, *captured)
-    elif (fast := native_forward(r, q, k, v)) is not None:  # the compiled twin of the forward, when built
-        out, lse = fast[0], fast[1] if r.return_lse else None
     else:
         out, lse = attention_forward(r, plan, q, k, v, need_lse=r.return_lse)
     return out.to(r.q.dtype), lse

@@ -1,5 +1,6 @@
-r"""The compiled forward: an opt-in C++ twin of the tiled forward for windows, causal and full
-attention (with softcap) in float32 inference.
+r"""The compiled kernels: an opt-in C++ twin of the tiled forward and backward for windows, causal
+and full attention (with softcap) in float32, of the packed varlen forward, and of NSA's selected
+branch.
 
 ``native_window.cpp`` (beside this file) runs on the CPU as OpenMP over (head, block of 64
 queries); per block one BLAS ``sgemm`` for the scores of the keys the block can see (``log2 e``
@@ -8,13 +9,18 @@ invisible columns zeroed, one ``sgemm`` for ``P V``, rows scaled by ``1 / sum``.
 per call instead of ~1,000 torch operations: on the 2-core Xeon of docs/performance.md it ran the
 (256, 0) window at N = 65,536 at 42-43% of the fp32 matmul peak against 31-33% for the flat band
 (56% against 21% beside two busy processes), and dense causal N = 4096 in 0.94x SDPA's time against
-1.31-1.36x for the PyTorch tiled forward.
+1.31-1.36x for the PyTorch tiled forward. Its backward (``window_bwd``: per block of queries the
+scores recomputed from the saved LSE, ``dP = dO V^T``, ``dS``, then ``dQ``, and ``dK`` / ``dV`` into
+private buffers per (KV head, segment of query blocks) added up at the end) trains dense causal
+N = 4096 in 0.85x SDPA's forward + backward time (the PyTorch tiled backward: 1.33x).
 
 It is **built on request, never at import or call time**: ``attnzoo native --build`` (or
 :func:`build`) compiles it with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s) into
 ``$ATTNZOO_NATIVE_DIR`` (default ``~/.cache/attnzoo/native``), under a tag of the Python, torch
 and CPU it was built for. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
-(:func:`native_forward`); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_`` symbol that
+(:func:`native_forward`, differentiable; :func:`native_backward` inside compiled graphs), and so do
+``attention_varlen`` (:func:`native_varlen`) and the ``nsa`` variant (:func:`native_nsa_selected`);
+``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_`` symbol that
 torch's x86 CPU wheels export (MKL); where that, a compiler or ninja is missing, :func:`build`
 raises :class:`NativeUnavailable` with the reason and the PyTorch path stays in use. The PyTorch
 flat band / per-block bands remain the reference it is tested against.
@@ -36,8 +42,20 @@ from torch import Tensor
 
 from attnzoo.functional.core._request import AttnRequest
 
-__all__ = ["BLOCK", "MAX_SCORE_BYTES", "NativeUnavailable", "build", "build_dir", "enabled", "native_forward",
-           "native_module", "native_nsa_selected", "native_varlen", "sides"]
+__all__ = [
+    "BLOCK",
+    "MAX_SCORE_BYTES",
+    "NativeUnavailable",
+    "build",
+    "build_dir",
+    "enabled",
+    "native_backward",
+    "native_forward",
+    "native_module",
+    "native_nsa_selected",
+    "native_varlen",
+    "sides",
+]
 
 #: the compiled sources, one module: attention over windows / packed sequences, and NSA's selected branch
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_window.cpp", "native_nsa.cpp"))
@@ -163,21 +181,70 @@ def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     """``(out [B, Hq, N, Dv], lse [B, Hq, N])`` from the compiled kernel when it is built and serves
     ``r``, else ``None``.
 
-    Served: an inference forward (the caller checks that no gradient is needed) of full, causal or
-    sliding-window attention (:func:`sides`) with an optional softcap; no other mask, ALiBi or
+    Served: a forward of full, causal or sliding-window attention (:func:`sides`) with an optional
+    softcap — differentiable (the compiled ``window_bwd``) when q, k or v needs a gradient —; no other mask, ALiBi or
     ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; contiguous float32 CPU q/k/v (GQA allowed);
     a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
+    served = _served(r, q, k, v)
+    if served is None:
+        return None
+    mod, lr = served
+    B, Hq, N, _ = q.shape
+    args = (q.reshape(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # training: the compiled backward
+        out, lse = _NativeWindow.apply(*args, mod, lr, float(r.scale), float(r.softcap or 0.0))
+    else:
+        out, lse = mod.window_fwd(*args, lr[0], lr[1], float(r.scale), float(r.softcap or 0.0), BLOCK, True)
+    return out.view(B, Hq, N, -1), lse.view(B, Hq, N)
+
+
+def _served(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[ModuleType, tuple[int, int]] | None:
+    """The built module and ``(left, right)`` when the compiled kernels serve ``r`` on these tensors."""
     if (r.nq != r.nk or r.q_offset != 0 or r.mask_tensor is not None or r.mask_obj is not None
             or r.score_mod is not None or r.alibi_slopes is not None or r.dropout_p):
         return None
     lr = sides(r.window, r.causal, r.nk)
     mod = _kernel_for(q, k, v, lr, r.nk)
-    if mod is None or lr is None:
+    return None if mod is None or lr is None else (mod, lr)
+
+
+def native_backward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+                    d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(dq, dk, dv)`` of :func:`native_forward`'s request from the compiled ``window_bwd`` when it is
+    built and serves ``r`` (``out`` / ``lse`` of the forward, float32 ``lse``), else ``None``: what the
+    compiled graph's backward operator (:mod:`attnzoo.functional.backends.tiled_ops`) runs."""
+    served = _served(r, q, k, v)
+    if served is None or lse.dtype != torch.float32 or lse.numel() != r.nq * q.shape[0] * q.shape[1]:
         return None
+    mod, lr = served
     B, Hq, N, _ = q.shape
-    out, lse = mod.window_fwd(q.view(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), lr[0], lr[1],
-                              float(r.scale), float(r.softcap or 0.0), BLOCK, True)
-    return out.view(B, Hq, N, -1), lse.view(B, Hq, N)
+    flat = (q.reshape(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), out.float().reshape(B * Hq, N, -1).contiguous(),
+            lse.reshape(B * Hq, N).contiguous(), d_out.float().reshape(B * Hq, N, -1).contiguous(),
+            (torch.zeros_like(lse) if d_lse is None else d_lse.float()).reshape(B * Hq, N).contiguous())
+    dq, dk, dv = mod.window_bwd(*flat, lr[0], lr[1], float(r.scale), float(r.softcap or 0.0), BLOCK)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+class _NativeWindow(torch.autograd.Function):
+    """``window_fwd`` and its backward ``window_bwd`` (the compiled kernels) as one differentiable op
+    over ``[BH, N, D]`` rows; gradients to q, k, v from both outputs (out and the LSE)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mod: ModuleType,  # type: ignore[override]
+                lr: tuple[int, int], scale: float, softcap: float) -> tuple[Tensor, Tensor]:
+        out, lse = mod.window_fwd(q, k, v, lr[0], lr[1], scale, softcap, BLOCK, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mod, ctx.lr, ctx.scale, ctx.softcap = mod, lr, scale, softcap
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        d_out = torch.zeros_like(out) if d_out is None else d_out.float().contiguous()
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.float().contiguous()
+        dq, dk, dv = ctx.mod.window_bwd(q, k, v, out, lse, d_out, d_lse, ctx.lr[0], ctx.lr[1], ctx.scale,
+                                        ctx.softcap, BLOCK)
+        return dq, dk, dv, None, None, None, None
 
 
 def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *, causal: bool,

@@ -140,6 +140,134 @@ std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, con
   return {b.out, b.lse};
 }
 
+// Row-major C = alpha op(A) op(B) + beta C (C [m x n]): the column-major call on the transposes.
+static void gemm_rm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                    int ldb, float beta, float* c, int ldc) {
+  gemm(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+}
+
+// The backward of window_fwd: q, k, v, out [BH | BHk, N, *], lse [BH, N] (natural log, from window_fwd),
+// d_out [BH, N, Dv], d_lse [BH, N] (zeros when the log-sum-exp takes no gradient), all contiguous
+// float32. Per block of queries the scores are recomputed, P = exp(S - lse), dP = dO V^T,
+// dS = P (dP - delta + d_lse) with delta = rowsum(dO out) (times 1 - tanh^2 under a softcap),
+// dQ = scale dS K, dK += scale dS^T Q, dV += P^T dO. Tasks are (KV head, segment of query blocks)
+// with private dK / dV over the segment's keys, added up after the parallel region (no races).
+// Returns dq [BH, N, D], dk [BHk, N, D], dv [BHk, N, Dv].
+std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& out, const at::Tensor& lse, const at::Tensor& d_out,
+                                   const at::Tensor& d_lse, int64_t left, int64_t right, double scale,
+                                   double softcap, int64_t block) {
+  for (const at::Tensor* t : {&q, &k, &v, &out, &d_out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous(),
+                "window_bwd: q, k, v, out, d_out must be contiguous 3-d float32 CPU tensors");
+  }
+  for (const at::Tensor* t : {&lse, &d_lse}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
+                t->size(0) == q.size(0) && t->size(1) == q.size(1), "window_bwd: lse and d_lse must be [BH, N] float32");
+  }
+  TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0 && v.size(0) == k.size(0), "window_bwd: q heads must be a multiple of k/v heads");
+  TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(2) == q.size(2), "window_bwd: q, k, v lengths or q/k widths differ");
+  TORCH_CHECK(out.sizes() == d_out.sizes() && out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == v.size(2),
+              "window_bwd: out and d_out must be [BH, N, Dv]");
+  TORCH_CHECK(left >= 0 && right >= 0 && block > 0 && softcap >= 0, "window_bwd: left, right, softcap must be >= 0 and block > 0");
+  const int64_t BH = q.size(0), N = q.size(1), D = q.size(2), BHk = k.size(0), Dv = v.size(2);
+  const int64_t G = BH / BHk, nblk = (N + block - 1) / block;
+  left = std::min(left, N);
+  right = std::min(right, N);
+  const int64_t span = std::min<int64_t>(N, block + left + right);
+  // segments of query blocks per KV head: about two tasks a thread
+  const int64_t nseg = std::min<int64_t>(nblk, std::max<int64_t>(1, (2 * at::get_num_threads() + BHk - 1) / BHk));
+  const int64_t per = (nblk + nseg - 1) / nseg;
+  at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  std::vector<std::vector<float>> pk(BHk * nseg), pv(BHk * nseg);  // private dK / dV of each task
+  std::vector<int64_t> plo(BHk * nseg, 0), phi(BHk * nseg, 0);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>(), *dop = d_out.data_ptr<float>();
+  const float* dlp = d_lse.data_ptr<float>();
+  float* dqp = dq.data_ptr<float>();
+  const float log2e = 1.4426950408889634f, sc = (float)scale, cap = (float)softcap;
+  at::parallel_for(0, BHk * nseg, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> S(block * span), dP(block * span), T(cap > 0 ? block * span : 0), delta(block);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / nseg, seg = task % nseg;
+      const int64_t b0 = seg * per, b1 = std::min(nblk, b0 + per);
+      if (b0 >= b1) continue;
+      const int64_t s_lo = std::max<int64_t>(0, b0 * block - left), s_hi = std::min(N, std::min(N, b1 * block) + right);
+      plo[task] = s_lo; phi[task] = s_hi;
+      std::vector<float>& dkp = pk[task];
+      std::vector<float>& dvp = pv[task];
+      dkp.assign((s_hi - s_lo) * D, 0.f);
+      dvp.assign((s_hi - s_lo) * Dv, 0.f);
+      for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t s = blk * block, e = std::min(N, s + block), R = e - s;
+          const int64_t k_lo = std::max<int64_t>(0, s - left), k_hi = std::min(N, e + right);
+          const int L = (int)(k_hi - k_lo);
+          const float* qb = qp + (h * N + s) * D;
+          const float* kb = kp + (kv * N + k_lo) * D;
+          const float* vb = vp + (kv * N + k_lo) * Dv;
+          const float* dob = dop + (h * N + s) * Dv;
+          const float* ob = op + (h * N + s) * Dv;
+          for (int64_t r = 0; r < R; ++r) {  // delta - d_lse per row
+            float acc = 0.f;
+            for (int64_t c = 0; c < Dv; ++c) acc += dob[r * Dv + c] * ob[r * Dv + c];
+            delta[r] = acc - dlp[h * N + s + r];
+          }
+          gemm_rm('N', 'T', (int)R, L, (int)D, cap > 0 ? sc : sc * log2e, qb, (int)D, kb, (int)D, 0.f, S.data(), L);
+          gemm_rm('N', 'T', (int)R, L, (int)Dv, 1.f, dob, (int)Dv, vb, (int)Dv, 0.f, dP.data(), L);
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t i = s + r;
+            const int64_t lo = std::max(k_lo, i - left) - k_lo, hi = std::min(k_hi, i + right + 1) - k_lo;
+            float* srow = S.data() + r * L;
+            float* drow = dP.data() + r * L;
+            const float l2 = lp[h * N + i] * log2e;
+            if (cap > 0) {
+              float* trow = T.data() + r * L;
+              const float k2 = 2.f * log2e / cap;
+              for (int64_t c = lo; c < hi; ++c) {
+                const float t = 1.f - 2.f / (exp2f(srow[c] * k2) + 1.f);  // tanh(raw / cap)
+                trow[c] = 1.f - t * t;
+                srow[c] = cap * log2e * t;
+              }
+              for (int64_t c = lo; c < hi; ++c) {
+                const float p = exp2f(srow[c] - l2);
+                srow[c] = p;
+                drow[c] = p * (drow[c] - delta[r]) * trow[c];
+              }
+            } else {
+              for (int64_t c = lo; c < hi; ++c) {
+                const float p = exp2f(srow[c] - l2);
+                srow[c] = p;
+                drow[c] = p * (drow[c] - delta[r]);
+              }
+            }
+            if (lo > 0) { std::fill(srow, srow + lo, 0.f); std::fill(drow, drow + lo, 0.f); }
+            if (hi < L) { std::fill(srow + hi, srow + L, 0.f); std::fill(drow + hi, drow + L, 0.f); }
+          }
+          gemm_rm('N', 'N', (int)R, (int)D, L, sc, dP.data(), L, kb, (int)D, 0.f, dqp + (h * N + s) * D, (int)D);
+          gemm_rm('T', 'N', L, (int)Dv, (int)R, 1.f, S.data(), L, dob, (int)Dv, 1.f, dvp.data() + (k_lo - s_lo) * Dv, (int)Dv);
+          gemm_rm('T', 'N', L, (int)D, (int)R, sc, dP.data(), L, qb, (int)D, 1.f, dkp.data() + (k_lo - s_lo) * D, (int)D);
+        }
+      }
+    }
+  });
+  float *dkd = dk.data_ptr<float>(), *dvd = dv.data_ptr<float>();
+  at::parallel_for(0, BHk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t kv = begin; kv < end; ++kv) {
+      for (int64_t seg = 0; seg < nseg; ++seg) {
+        const int64_t task = kv * nseg + seg, lo = plo[task], n = phi[task] - lo;
+        const float* a = pk[task].data();
+        const float* b = pv[task].data();
+        float* ko = dkd + (kv * N + lo) * D;
+        float* vo = dvd + (kv * N + lo) * Dv;
+        for (int64_t x = 0; x < n * D; ++x) ko[x] += a[x];
+        for (int64_t x = 0; x < n * Dv; ++x) vo[x] += b[x];
+      }
+    }
+  });
+  return {dq, dk, dv};
+}
+
 // native_nsa.cpp
 at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& idx,
                             const at::Tensor& ok, int64_t t0, double scale, int64_t chunk);
@@ -147,5 +275,6 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nsa_selected_fwd", &nsa_selected_fwd, "NSA's selected branch over picked key blocks (float32)");
   m.def("window_fwd", &window_fwd, "attention forward over [BH, N, D] (float32)");
+  m.def("window_bwd", &window_bwd, "the backward of window_fwd (float32)");
   m.def("varlen_fwd", &varlen_fwd, "attention forward over packed sequences [T, H, D] (float32)");
 }
