@@ -255,6 +255,7 @@ VARLEN = [  # (lengths, Hq, Hkv, causal, window, softcap)
     ((33, 0, 100, 7), 2, 2, False, None, None),  # an empty sequence, bidirectional
     ((90, 200, 65), 4, 1, True, (40, 0), None),
     ((120, 50), 2, 2, False, (16, 9), 2.0),
+    ((1100, 3, 300), 2, 1, True, None, None),  # rows of >= WIDE_ROWS keys: blocks of VARLEN_BLOCK queries
 ]
 
 
@@ -264,7 +265,7 @@ def test_native_varlen_matches_per_sequence_reference(case, built: object, monke
     called: list[int] = []
 
     def spy(*args):  # type: ignore[no-untyped-def]
-        called.append(1)
+        called.append(args[-1])  # the query block
         return built.varlen_fwd(*args)  # type: ignore[attr-defined]
 
     monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(varlen_fwd=spy))
@@ -278,7 +279,8 @@ def test_native_varlen_matches_per_sequence_reference(case, built: object, monke
     with torch.no_grad():
         out, lse = az.attention_varlen(q.float(), k.float(), v.float(), cu, cu, return_lse=True, **kw)
         plain = az.attention_varlen(q.float(), k.float(), v.float(), cu, cu, backend="tiled", **kw)
-    assert called == [1, 1]
+    wide = causal and window is None and max(lengths) >= native.WIDE_ROWS
+    assert called == [native.VARLEN_BLOCK if wide else native.BLOCK] * 2
     assert (out.double() - ref).abs().max().item() <= 2 * (eager.double() - ref).abs().max().item() + 1e-6
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)
     assert torch.equal(plain, out)

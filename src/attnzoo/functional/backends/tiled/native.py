@@ -45,6 +45,8 @@ from attnzoo.functional.core._request import AttnRequest
 __all__ = [
     "BLOCK",
     "MAX_SCORE_BYTES",
+    "VARLEN_BLOCK",
+    "WIDE_ROWS",
     "NativeUnavailable",
     "build",
     "build_dir",
@@ -62,6 +64,11 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_window.cpp",
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
 #: rows; dense causal N=4096 1.00x / 0.90x / 0.94x SDPA's time at 32 / 64 / 128).
 BLOCK = 64
+#: Query rows per block of packed varlen sequences whose rows see at least :data:`WIDE_ROWS` keys
+#: (measured, docs/performance.md: 16 mixed causal sequences 0.99x / 0.96x / 0.95x the per-sequence
+#: SDPA loop's time at 64 / 128 / 256 rows); narrower windows keep :data:`BLOCK` (less masked work).
+VARLEN_BLOCK = 128
+WIDE_ROWS = 1024
 #: The largest score buffer of one thread (BLOCK x the keys a block sees, float32); longer rows (dense
 #: attention beyond N = 262,144) keep the PyTorch path, whose memory is O(N x block) by chunks.
 MAX_SCORE_BYTES = 64 << 20
@@ -166,11 +173,12 @@ def sides(window: tuple[int | None, int | None] | None, causal: bool, n: int) ->
     return min(left, n), min(right, n)
 
 
-def _kernel_for(q: Tensor, k: Tensor, v: Tensor, lr: tuple[int, int] | None, n: int) -> ModuleType | None:
+def _kernel_for(q: Tensor, k: Tensor, v: Tensor, lr: tuple[int, int] | None, n: int,
+                block: int = BLOCK) -> ModuleType | None:
     """The built module when it serves float32 contiguous CPU ``q, k, v`` whose rows of up to ``n``
     keys see ``lr = (left, right)`` within a score buffer of :data:`MAX_SCORE_BYTES`, else ``None``
     (the module is asked last: without the build only these cheap checks run)."""
-    if lr is None or BLOCK * min(n, BLOCK + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
+    if lr is None or block * min(n, block + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
         return None
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
         return None
@@ -261,11 +269,12 @@ def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *
     bounds = cu_q.to(torch.int64).contiguous()
     longest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
     lr = sides(window, causal, longest)
-    mod = _kernel_for(q, k, v, lr, longest)
+    block = VARLEN_BLOCK if lr is not None and lr[0] + lr[1] >= WIDE_ROWS else BLOCK
+    mod = _kernel_for(q, k, v, lr, longest, block)
     if mod is None or lr is None:
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), BLOCK)
+    return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), block)
 
 
 #: Queries per task of the compiled NSA selected branch (one (batch, KV group) each; measured,
