@@ -22,7 +22,7 @@ ours alternating so that machine load hits both alike):
 duration of the run: the "loaded" column of the issue. Print the CPU with ``lscpu`` beside it.
 
 With the compiled kernels built (``attnzoo native --build``; the header says whether they are), the
-``nsa``, ``varlen``, ``tiled`` and ``window`` rows use them, and each gains a row of the PyTorch path
+``decode``, ``nsa``, ``varlen``, ``tiled`` and ``window`` rows use them, and each gains a row of the PyTorch path
 (``ATTNZOO_NATIVE=0``) timed in the same interleaved run.
 
 Usage::
@@ -95,9 +95,11 @@ def bench_decode(repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 32, 1, 128, generator=g)
     k, v = torch.randn(1, 8, 32768, 128, generator=g), torch.randn(1, 8, 32768, 128, generator=g)
-    t = timed({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-               "ours": lambda: az.attention(q, k, v)}, repeats)
+    t = timed(_with_pytorch_path({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                                  "ours": lambda: az.attention(q, k, v)}), repeats)
     _row("decode 1 token, 32k cache, GQA 32/8, D=128", t["ours"], t["sdpa"], "auto (split-KV) / SDPA enable_gqa")
+    if "pytorch" in t:
+        _row("  (PyTorch split-KV, ATTNZOO_NATIVE=0)", t["pytorch"], t["sdpa"], "auto (split-KV) / SDPA enable_gqa")
 
 
 def _step(module: torch.nn.Module, prompt: torch.Tensor, token: torch.Tensor) -> Callable[[], object]:

@@ -498,8 +498,8 @@ def cmd_native(args: argparse.Namespace) -> int:
         print(f"built {path} in {time.perf_counter() - t0:.1f} s")
     mod = _native.native_module()
     state = ("off (ATTNZOO_NATIVE=0)" if not _native.enabled() else
-             "built and used (tiled backend forward and backward; attention_varlen and NSA's selected branch "
-             "in inference)"
+             "built and used (tiled backend forward and backward; split-KV decoding, attention_varlen and "
+             "NSA's selected branch in inference)"
              if mod is not None else
              "not built for this Python/torch/CPU (attnzoo native --build)")
     print(f"compiled forward: {state}; build directory {_native.build_dir()}")
@@ -507,8 +507,8 @@ def cmd_native(args: argparse.Namespace) -> int:
 
 
 _NATIVE_ABOUT = ("The optional C++ kernels on x86 CPUs: the float32 forward and backward of full, causal and "
-                 "sliding-window attention (softcap included), and the inference of packed varlen sequences and "
-                 "of NSA's selected branch (needs g++ and ninja; about 25 s "
+                 "sliding-window attention (softcap included), and the inference of split-KV decoding, packed "
+                 "varlen sequences and NSA's selected branch (needs g++ and ninja; about 25 s "
                  "to build). Without --build: says whether it is built for this Python, torch and CPU. Once "
                  "built, the tiled backend (and 'auto' where it picks tiled), attention_varlen and the nsa "
                  "variant use it; ATTNZOO_NATIVE=0 turns it off.")

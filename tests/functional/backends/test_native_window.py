@@ -391,3 +391,72 @@ def test_compiled_graphs_train_through_the_kernels(bwd_calls: list[str]) -> None
     (az.attention(*ref, causal=True, window=(20, 0), backend="reference") * d_out.double()).sum().backward()
     for a, r in zip(leaves, ref, strict=True):
         torch.testing.assert_close(a.grad.double(), r.grad, atol=2e-5, rtol=1e-4)
+
+
+DECODE = [  # (B, Hq, Hkv, Nq, Nk, D, Dv, causal, window, softcap, q_offset)
+    (1, 8, 2, 1, 3000, 32, 32, True, None, None, None),  # GQA 4, three splits
+    (2, 4, 1, 3, 2500, 16, 8, True, (100, 0), None, None),  # MQA, a window, Dv != D, a few queries
+    (1, 4, 4, 2, 1500, 16, 16, False, None, 2.0, None),  # bidirectional with a softcap that binds
+    (1, 4, 2, 8, 2100, 16, 16, True, (10, 3), None, 1000),  # queries in the middle of the cache
+    (1, 2, 2, 2, 100, 8, 8, True, (0, 0), None, 99),  # the second query sees no key: zeros, LSE -inf
+]
+
+
+@pytest.mark.parametrize("case", DECODE, ids=[f"B{c[0]}-g{c[1] // c[2]}-Nq{c[3]}-Nk{c[4]}-win{c[8]}-cap{c[9]}"
+                                              for c in DECODE])
+def test_native_decode_matches_the_float64_reference(case, built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split-KV decoding through the compiled kernel, reading K/V as slices of a longer cache (rows
+    contiguous, heads strided): output and LSE against the float64 reference, within 2x the error of
+    the PyTorch split-KV path."""
+    from attnzoo.functional.backends.decode import decode_attention
+
+    B, Hq, Hkv, Nq, Nk, D, Dv, causal, window, softcap, q_offset = case
+    g = torch.Generator().manual_seed(Nk)
+    q = torch.randn(B, Hq, Nq, D, generator=g) * 2
+    k = torch.randn(B, Hkv, Nk + 50, D, generator=g)[:, :, :Nk]  # a cache buffer longer than its fill
+    v = torch.randn(B, Hkv, Nk + 50, Dv, generator=g)[:, :, :Nk]
+    kw = {"causal": causal, "window": window, "softcap": softcap, "q_offset": q_offset}
+    ref, ref_lse = az.attention(q.double(), k.double(), v.double(), return_lse=True, backend="reference", **kw)
+    called: list[int] = []
+    kernel = built.decode_fwd  # type: ignore[attr-defined]
+    monkeypatch.setitem(native._cache, native.build_dir(),
+                        SimpleNamespace(decode_fwd=lambda *a: called.append(1) or kernel(*a)))
+    with torch.no_grad():
+        out, lse = decode_attention(q, k, v, return_lse=True, **kw)
+        monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+        eager, eager_lse = decode_attention(q, k, v, return_lse=True, **kw)
+    assert called == [1]
+    assert (out.double() - ref).abs().max().item() <= 2 * (eager.double() - ref).abs().max().item() + 1e-6
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and torch.equal(torch.isinf(eager_lse), torch.isinf(lse))
+    seen = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[seen].double(), ref_lse[seen], atol=1e-5, rtol=1e-6)
+
+
+def test_native_decode_serves_auto_and_leaves_gradients_to_pytorch(built: object,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    kernel = built.decode_fwd  # type: ignore[attr-defined]
+    monkeypatch.setitem(native._cache, native.build_dir(),
+                        SimpleNamespace(decode_fwd=lambda *a: seen.append(1) or kernel(*a)))
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(1, 8, 1, 16, generator=g), torch.randn(1, 2, 4096, 16, generator=g), torch.randn(1, 2, 4096, 16, generator=g)
+    with torch.no_grad():
+        out = az.attention(q, k, v, causal=True, q_offset=4095)  # auto: GQA decoding over >= 2,048 keys
+    assert seen == [1]
+    torch.testing.assert_close(out, az.attention(q, k, v, causal=True, q_offset=4095, backend="reference"),
+                               atol=2e-6, rtol=1e-5)
+    qg = q.clone().requires_grad_()
+    az.attention(qg, k, v, causal=True, q_offset=4095).sum().backward()  # autograd: the PyTorch path
+    az.attention(q.double(), k.double(), v.double(), causal=True, q_offset=4095)  # float64: the oracle
+    assert seen == [1] and qg.grad is not None
+
+
+def test_the_decode_kernel_checks_its_inputs(built: object) -> None:
+    fwd = built.decode_fwd  # type: ignore[attr-defined]
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 64, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        fwd(q.double(), k, k, 64, 0, 63, 0.3, 0.0, 16)
+    with pytest.raises(RuntimeError, match="disagree"):
+        fwd(torch.randn(1, 3, 1, 8), k, k, 64, 0, 63, 0.3, 0.0, 16)
+    with pytest.raises(RuntimeError, match=">= 0"):
+        fwd(q, k, k, -1, 0, 63, 0.3, 0.0, 16)

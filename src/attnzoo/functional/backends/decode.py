@@ -41,6 +41,7 @@ from torch import Tensor
 from attnzoo._devices import tracing
 from attnzoo._validate import check_optional_int
 from attnzoo.functional.backends.halfmath import HALF_DTYPES, half_math
+from attnzoo.functional.backends.tiled.native import native_decode
 from attnzoo.functional.core._edge import empty_result, is_empty
 from attnzoo.functional.core._request import AttnRequest, build_request
 from attnzoo.functional.core.rules import compute_dtype, key_bounds, visible
@@ -152,6 +153,9 @@ def split_kv_attention(r: AttnRequest, chunk: int | None = None) -> tuple[Tensor
     if is_empty(r):
         out, lse, _ = empty_result(r)
         return out, lse
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
+    if chunk is None and not grad and (fast := native_decode(r)) is not None:  # compiled, when built
+        return fast
     B, Hq, Nq, D = r.q.shape
     Hkv, G, Dv, Nk = r.hkv, r.group, r.v.shape[-1], r.nk
     cdt = compute_dtype(r.q.dtype)

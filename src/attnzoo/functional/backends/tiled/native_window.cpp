@@ -140,6 +140,111 @@ std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, con
   return {b.out, b.lse};
 }
 
+// Split-KV decoding: a few queries against a long cache, GQA-aware. q [B, Hq, Nq, D] contiguous;
+// k [B, Hkv, Nk, D] and v [B, Hkv, Nk, Dv] with contiguous rows (any batch / head strides: a slice of
+// a longer cache is read in place). The G = Hq / Hkv query heads of a KV head are stacked as
+// G Nq rows, so each key is read once for its group. Query i (position q_offset + i) sees keys
+// q_offset + i - left .. q_offset + i + right (clipped to the cache). Tasks are (batch, KV head,
+// split of `split` keys); each writes its rows' maximum, sum and unnormalised output, merged after
+// the parallel region by their log-sum-exps. Returns out [B, Hq, Nq, Dv] and lse [B, Hq, Nq]
+// (natural log; -inf and a zero row where a query sees no key).
+std::vector<at::Tensor> decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t left,
+                                   int64_t right, int64_t q_offset, double scale, double softcap, int64_t split) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(3) == 1 &&
+                t->stride(2) == t->size(3), "decode_fwd: q, k, v must be 4-d float32 CPU tensors with contiguous rows");
+  }
+  TORCH_CHECK(q.is_contiguous(), "decode_fwd: q must be contiguous");
+  const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Nk && k.size(3) == D &&
+              Hkv > 0 && Hq % Hkv == 0, "decode_fwd: q, k, v shapes disagree");
+  TORCH_CHECK(left >= 0 && right >= 0 && q_offset >= 0 && split > 0 && softcap >= 0,
+              "decode_fwd: left, right, q_offset, softcap must be >= 0 and split > 0");
+  const int64_t G = Hq / Hkv, rows = G * Nq, nsplit = std::max<int64_t>(1, (Nk + split - 1) / split);
+  at::Tensor out = at::empty({B, Hq, Nq, Dv}, q.options()), lse = at::empty({B, Hq, Nq}, q.options());
+  std::vector<float> pm(B * Hkv * nsplit * rows), pl(B * Hkv * nsplit * rows), po(B * Hkv * nsplit * rows * Dv);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t ksb = k.stride(0), ksh = k.stride(1), vsb = v.stride(0), vsh = v.stride(1);
+  const float log2e = 1.4426950408889634f, cap = (float)softcap;
+  const float none = std::numeric_limits<float>::lowest();  // -ffast-math: no infinities
+  at::parallel_for(0, B * Hkv * nsplit, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> S;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nsplit, sp = task % nsplit, b = bh / Hkv, h = bh % Hkv;
+      // keys of this split that some query sees
+      const int64_t c0 = std::max(sp * split, std::max<int64_t>(0, q_offset - left));
+      const int64_t c1 = std::min(std::min(Nk, (sp + 1) * split), q_offset + Nq - 1 + right + 1);
+      float* m = pm.data() + task * rows;
+      float* l = pl.data() + task * rows;
+      float* o = po.data() + task * rows * Dv;
+      if (c1 <= c0) {
+        std::fill(m, m + rows, none); std::fill(l, l + rows, 0.f); std::fill(o, o + rows * Dv, 0.f);
+        continue;
+      }
+      const int C = (int)(c1 - c0);
+      S.resize(rows * C);
+      const float* kc = kp + b * ksb + h * ksh + c0 * D;
+      const float* vc = vp + b * vsb + h * vsh + c0 * Dv;
+      const float* qg = qp + (b * Hq + h * G) * Nq * D;  // the group's rows, row g Nq + i
+      gemm('T', 'N', C, (int)rows, (int)D, cap > 0 ? (float)scale : (float)scale * log2e, kc, (int)D, qg, (int)D,
+           0.f, S.data(), C);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = q_offset + r % Nq;
+        const int64_t lo = std::max(c0, pos - left) - c0, hi = std::min(c1, pos + right + 1) - c0;
+        float* row = S.data() + r * C;
+        if (hi <= lo) {
+          std::fill(row, row + C, 0.f); m[r] = none; l[r] = 0.f;
+          continue;
+        }
+        if (cap > 0) {
+          const float k2 = 2.f * log2e / cap, capl2 = cap * log2e;
+          for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
+        }
+        float mx = none;
+        for (int64_t c = lo; c < hi; ++c) mx = std::max(mx, row[c]);
+        if (lo > 0) std::fill(row, row + lo, 0.f);
+        if (hi < C) std::fill(row + hi, row + C, 0.f);
+        float sum = 0.f;
+        for (int64_t c = lo; c < hi; ++c) { const float e = exp2f(row[c] - mx); row[c] = e; sum += e; }
+        m[r] = mx; l[r] = sum;
+      }
+      gemm('N', 'N', (int)Dv, (int)rows, C, 1.f, vc, (int)Dv, S.data(), C, 0.f, o, (int)Dv);
+    }
+  });
+  float *outp = out.data_ptr<float>(), *lsep = lse.data_ptr<float>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float mx = none;
+        for (int64_t sp = 0; sp < nsplit; ++sp) {
+          const int64_t t = bh * nsplit + sp;
+          if (pl[t * rows + r] > 0.f) mx = std::max(mx, pm[t * rows + r]);
+        }
+        float* dst = outp + (bh * rows + r) * Dv;  // [B, Hkv, G Nq, Dv] is [B, Hq, Nq, Dv]
+        std::fill(dst, dst + Dv, 0.f);
+        float den = 0.f;
+        for (int64_t sp = 0; sp < nsplit; ++sp) {
+          const int64_t t = bh * nsplit + sp;
+          if (!(pl[t * rows + r] > 0.f)) continue;
+          const float w = exp2f(pm[t * rows + r] - mx);
+          den += w * pl[t * rows + r];
+          const float* src = po.data() + (t * rows + r) * Dv;
+          for (int64_t c = 0; c < Dv; ++c) dst[c] += w * src[c];
+        }
+        if (den > 0.f) {
+          const float inv = 1.f / den;
+          for (int64_t c = 0; c < Dv; ++c) dst[c] *= inv;
+          lsep[bh * rows + r] = (mx + std::log2(den)) * 0.6931471805599453f;
+        } else {
+          lsep[bh * rows + r] = -std::numeric_limits<float>::infinity();
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
 // Row-major C = alpha op(A) op(B) + beta C (C [m x n]): the column-major call on the transposes.
 static void gemm_rm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
                     int ldb, float beta, float* c, int ldc) {
@@ -275,6 +380,7 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nsa_selected_fwd", &nsa_selected_fwd, "NSA's selected branch over picked key blocks (float32)");
   m.def("window_fwd", &window_fwd, "attention forward over [BH, N, D] (float32)");
+  m.def("decode_fwd", &decode_fwd, "split-KV decoding over a cache (float32)");
   m.def("window_bwd", &window_bwd, "the backward of window_fwd (float32)");
   m.def("varlen_fwd", &varlen_fwd, "attention forward over packed sequences [T, H, D] (float32)");
 }
