@@ -28,6 +28,26 @@ struct Buffers {
         op(out.data_ptr<float>()), lp(lse.data_ptr<float>()) {}
 };
 
+// One row of L scores (log2 units unless capped) whose columns lo .. hi - 1 (lo < hi) are visible:
+// the softcap (cap > 0: cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1)), since exp2f
+// vectorises and tanhf does not, then log2 e), the maximum, the row turned into 2^(s - max) with the
+// invisible columns zeroed. Returns the maximum and writes the sum into *sum.
+static float softmax_row(float* row, int64_t lo, int64_t hi, int64_t L, float cap, float* sum) {
+  const float log2e = 1.4426950408889634f;
+  if (cap > 0) {
+    const float k2 = 2.f * log2e / cap, capl2 = cap * log2e;
+    for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
+  }
+  float m = row[lo];
+  for (int64_t c = lo + 1; c < hi; ++c) m = std::max(m, row[c]);
+  if (lo > 0) std::fill(row, row + lo, 0.f);
+  if (hi < L) std::fill(row + hi, row + L, 0.f);
+  float acc = 0.f;
+  for (int64_t c = lo; c < hi; ++c) { const float e = exp2f(row[c] - m); row[c] = e; acc += e; }
+  *sum = acc;
+  return m;
+}
+
 // One block of R queries (query i0 + r, rows of q at stride ldq) against keys k_lo .. k_hi - 1 (rows
 // of k, v at strides ldk, ldv): query i sees keys i - left .. i + right within them. S holds R x L
 // scores, inv R floats. Writes R output rows (stride ldo) and R log-sum-exps (natural log, stride 1).
@@ -35,24 +55,15 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
                          float* ob, int ldo, float* lse, int64_t R, int64_t i0, int64_t k_lo, int64_t k_hi,
                          int64_t left, int64_t right, int D, int Dv, float scale, float cap, bool softmax,
                          float* S, float* inv) {
-  const float log2e = 1.4426950408889634f, neg_inf = -std::numeric_limits<float>::infinity();
+  const float log2e = 1.4426950408889634f;
   const int L = (int)(k_hi - k_lo);
   const float alpha = cap > 0 ? scale : scale * log2e;  // capped scores take log2 e after tanh
   gemm('T', 'N', L, (int)R, D, alpha, kb, ldk, qb, ldq, 0.f, S, L);
   for (int64_t r = 0; r < R && softmax; ++r) {
     const int64_t i = i0 + r;
     const int64_t lo = std::max(k_lo, i - left) - k_lo, hi = std::min(k_hi, i + right + 1) - k_lo;
-    float* row = S + r * L;
-    if (cap > 0) {  // cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1)): exp2f vectorises, tanhf does not
-      const float k2 = 2.f * log2e / cap, capl2 = cap * log2e;
-      for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
-    }
-    float m = neg_inf;
-    for (int64_t c = lo; c < hi; ++c) m = std::max(m, row[c]);
-    if (lo > 0) std::fill(row, row + lo, 0.f);
-    if (hi < L) std::fill(row + hi, row + L, 0.f);
     float sum = 0.f;
-    for (int64_t c = lo; c < hi; ++c) { const float p = exp2f(row[c] - m); row[c] = p; sum += p; }
+    const float m = softmax_row(S + r * L, lo, hi, L, cap, &sum);  // every row sees its own key (left, right >= 0)
     lse[r] = (m + std::log2(sum)) * 0.6931471805599453f;
     inv[r] = 1.f / sum;
   }
@@ -197,17 +208,7 @@ std::vector<at::Tensor> decode_fwd(const at::Tensor& q, const at::Tensor& k, con
           std::fill(row, row + C, 0.f); m[r] = none; l[r] = 0.f;
           continue;
         }
-        if (cap > 0) {
-          const float k2 = 2.f * log2e / cap, capl2 = cap * log2e;
-          for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
-        }
-        float mx = none;
-        for (int64_t c = lo; c < hi; ++c) mx = std::max(mx, row[c]);
-        if (lo > 0) std::fill(row, row + lo, 0.f);
-        if (hi < C) std::fill(row + hi, row + C, 0.f);
-        float sum = 0.f;
-        for (int64_t c = lo; c < hi; ++c) { const float e = exp2f(row[c] - mx); row[c] = e; sum += e; }
-        m[r] = mx; l[r] = sum;
+        m[r] = softmax_row(row, lo, hi, C, cap, &l[r]);
       }
       gemm('N', 'N', (int)Dv, (int)rows, C, 1.f, vc, (int)Dv, S.data(), C, 0.f, o, (int)Dv);
     }
