@@ -281,8 +281,11 @@ std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, con
   left = std::min(left, N);
   right = std::min(right, N);
   const int64_t span = std::min<int64_t>(N, block + left + right);
-  // segments of query blocks per KV head: about two tasks a thread
-  const int64_t nseg = std::min<int64_t>(nblk, std::max<int64_t>(1, (2 * at::get_num_threads() + BHk - 1) / BHk));
+  // segments of query blocks per KV head: about two tasks a thread, as long as the tasks' private
+  // dK / dV (each over its segment's keys) hold at most 4x the keys of the whole dK / dV
+  int64_t nseg = std::min<int64_t>(nblk, std::max<int64_t>(1, (2 * at::get_num_threads() + BHk - 1) / BHk));
+  auto private_keys = [&](int64_t n) { return n * std::min(N, ((nblk + n - 1) / n) * block + left + right); };
+  while (nseg > 1 && private_keys(nseg) > 4 * N) --nseg;
   const int64_t per = (nblk + nseg - 1) / nseg;
   at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   std::vector<std::vector<float>> pk(BHk * nseg), pv(BHk * nseg);  // private dK / dV of each task
