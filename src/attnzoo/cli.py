@@ -503,6 +503,19 @@ def cmd_native(args: argparse.Namespace) -> int:
              if mod is not None else
              "not built for this Python/torch/CPU (attnzoo native --build)")
     print(f"compiled forward: {state}; build directory {_native.build_dir()}")
+    if mod is not None and _native.enabled():
+        mode = _native.auto_mode()
+        if mode == "measure":
+            inf, train = _native.calibration(False), _native.calibration(True)
+            say = " and ".join(f"{what} ({ratio:.2f}x SDPA's time)" for what, ratio in
+                               (("inference", inf), ("training", train)) if ratio <= _native.AUTO_MAX_RATIO)
+            print(f"auto on this CPU: the kernel takes {inf:.2f}x SDPA's time in inference and {train:.2f}x in "
+                  f"training (causal [2, 8, 512, 64] float32, {torch.get_num_threads()} threads); auto runs "
+                  f"float32 attention of >= {_native.AUTO_MIN_KEYS} keys through it for "
+                  f"{say or 'neither (both above ' + format(_native.AUTO_MAX_RATIO) + 'x)'}; "
+                  f"ATTNZOO_NATIVE_AUTO=native|sdpa decides instead")
+        else:
+            print(f"auto: ATTNZOO_NATIVE_AUTO={mode}")
     return 0
 
 

@@ -30,6 +30,7 @@ def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     mp = pytest.MonkeyPatch()
     mp.setenv("ATTNZOO_NATIVE_DIR", str(root))
     mp.delenv("ATTNZOO_NATIVE", raising=False)
+    mp.setenv("ATTNZOO_NATIVE_AUTO", "sdpa")  # auto's choices as without the build (its own test below)
     yield root
     native._cache.clear()
     mp.undo()
@@ -460,3 +461,78 @@ def test_the_decode_kernel_checks_its_inputs(built: object) -> None:
         fwd(torch.randn(1, 3, 1, 8), k, k, 64, 0, 63, 0.3, 0.0, 16)
     with pytest.raises(RuntimeError, match=">= 0"):
         fwd(q, k, k, -1, 0, 63, 0.3, 0.0, 16)
+
+
+def test_a_modules_strided_projections_are_read_in_place(bwd_calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v as attention modules make them (``[B, N, H, D]`` projections viewed as ``[B, H, N, D]``:
+    rows contiguous, heads strided) reach the kernel without a copy, forward and backward, and a
+    ``sliding`` module's forward runs it."""
+    from attnzoo.variants import build_attention
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 130, h, 16, generator=g).transpose(1, 2) for h in (4, 2, 2))
+    assert not q.is_contiguous()
+    d_out = torch.randn(2, 4, 130, 16, generator=g, dtype=F64)
+    kw = {"causal": True, "window": (30, 0)}
+    zeros = torch.zeros(2, 4, 130, dtype=F64)
+    ref = _grads(q.double(), k.double(), v.double(), d_out, zeros, F64, "reference", **kw)
+    ours = _grads(q, k, v, d_out, zeros, torch.float32, "tiled", **kw)
+    assert bwd_calls == ["fwd", "bwd"]
+    for a, r in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, r, atol=2e-5, rtol=1e-4)
+    m = build_attention("sliding", 32, 2, causal=True, window=16).eval()
+    x = torch.randn(1, 1100, 32, generator=g)  # 1.2M scores, 1.5% visible: auto picks tiled
+    with torch.no_grad():
+        y = m(x)
+        assert bwd_calls == ["fwd", "bwd", "fwd"]
+        monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+        torch.testing.assert_close(y, m(x), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["native", "sdpa", "measure"])
+def test_auto_prefers_the_kernel_over_sdpa_as_measured(mode: str, bwd_calls: list[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``auto`` would run SDPA (float32 CPU, no mask), it runs the compiled kernel from
+    ``AUTO_MIN_KEYS`` keys when ``ATTNZOO_NATIVE_AUTO`` says so, or (``measure``) when the kernel was
+    timed at most ``AUTO_MAX_RATIO`` of SDPA's time on this CPU; never below ``AUTO_MIN_KEYS``, with a
+    mask, or for another dtype. The results equal the reference either way."""
+    monkeypatch.setenv("ATTNZOO_NATIVE_AUTO", mode)
+    if mode == "measure":
+        monkeypatch.setattr(native, "_calibrated", {})
+        monkeypatch.setattr(native, "_time_against_sdpa", lambda mod, training: 0.5 if training else 2.0)
+    n = native.AUTO_MIN_KEYS
+    q, k, v = (t.float() for t in _qkv(1, 2, 1, n, 16, 16, seed=9))
+    with torch.no_grad():
+        out = az.attention(q, k, v, causal=True)
+        az.attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], causal=True)  # too few keys
+        az.attention(q, k, v, mask=torch.ones(n, n, dtype=torch.bool))  # a mask tensor
+        az.attention(q.double(), k.double(), v.double(), causal=True)  # float64: the oracle
+    assert bwd_calls == (["fwd"] if mode == "native" else [])  # measure: inference timed at 2x SDPA's time
+    torch.testing.assert_close(out, az.attention(q, k, v, causal=True, backend="reference"), atol=2e-6, rtol=1e-5)
+    bwd_calls.clear()
+    qg = q.clone().requires_grad_()
+    az.attention(qg, k, v, causal=True).sum().backward()  # measure: training timed at 0.5x
+    assert bwd_calls == (["fwd", "bwd"] if mode in ("native", "measure") else [])
+    assert native.calibration(True) == (0.5 if mode == "measure" else native.calibration(True))
+
+
+def test_the_calibration_measures_once_and_a_bad_mode_is_named(built: object,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_calibrated", {})
+    ratio = native.calibration(False)
+    assert 0 < ratio < float("inf") and native.calibration(False) == ratio  # cached: the same number
+    monkeypatch.setenv("ATTNZOO_NATIVE_AUTO", "fastest")
+    with pytest.raises(ValueError, match="ATTNZOO_NATIVE_AUTO"):
+        native.auto_mode()
+
+
+def test_cli_native_reports_auto_calibration(built: object, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(native, "_calibrated", {False: 0.7, True: 1.3})
+    monkeypatch.setenv("ATTNZOO_NATIVE_AUTO", "measure")
+    assert cli.main(["native"]) == 0
+    out = capsys.readouterr().out
+    assert "0.70x SDPA's time in inference and 1.30x in training" in out and "for inference (0.70x" in out
+    monkeypatch.setenv("ATTNZOO_NATIVE_AUTO", "sdpa")
+    assert cli.main(["native"]) == 0
+    assert "ATTNZOO_NATIVE_AUTO=sdpa" in capsys.readouterr().out

@@ -19,6 +19,7 @@ import attnzoo.functional.backends.sdpa as sdpa
 import attnzoo.functional.backends.tiled as tiled
 from attnzoo._devices import tracing
 from attnzoo.functional.backends.reference_ops import reference_op_attention
+from attnzoo.functional.backends.tiled.native import prefer_over_sdpa
 from attnzoo.functional.backends.tiled_ops import tiled_op_attention, traceable_visible_fraction
 from attnzoo.functional.core._edge import empty_result, guard_nonfinite, is_empty
 from attnzoo.functional.core._request import AttnRequest, Capabilities, build_request
@@ -71,6 +72,9 @@ def choose_backend(r: AttnRequest) -> str:
        least 2^20 entries -> ``tiled`` (it skips them; a dense kernel computes every score).
     6. Otherwise -> ``sdpa``; for float16/bfloat16 on CPU it runs natively or through float32
        math where half matmuls were measured >= 1.25x slower (``attnzoo.functional.backends.halfmath``).
+       With the optional compiled kernels built, float32 CPU requests they serve from 128 keys go to
+       ``tiled`` (which runs them) where the kernel was measured on this CPU at <= 0.9x SDPA's time
+       (``attnzoo.functional.backends.tiled.native.prefer_over_sdpa``; ``ATTNZOO_NATIVE_AUTO``).
 
     Whatever rule picks a backend that lacks a feature of the request (e.g. ``softcap`` with a
     float-mask gradient), ``tiled`` serves it if it can, else ``reference``: ``auto`` never
@@ -79,6 +83,10 @@ def choose_backend(r: AttnRequest) -> str:
     name = _first_choice(r)
     if name != "reference" and _missing(r, name):
         return "tiled" if not _missing(r, "tiled") else "reference"
+    if name == "sdpa" and not tracing():
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
+        if prefer_over_sdpa(r, training):  # the compiled kernel, where built and measured faster here
+            return "tiled"
     return name
 
 

@@ -35,24 +35,30 @@ import importlib.util
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.functional.core._request import AttnRequest
 from attnzoo.functional.core.rules import key_bounds
 
 __all__ = [
+    "AUTO_MAX_RATIO",
+    "AUTO_MIN_KEYS",
     "BLOCK",
     "DECODE_SPLIT",
     "MAX_SCORE_BYTES",
     "VARLEN_BLOCK",
     "WIDE_ROWS",
     "NativeUnavailable",
+    "auto_mode",
     "build",
     "build_dir",
+    "calibration",
     "enabled",
     "native_backward",
     "native_decode",
@@ -60,6 +66,7 @@ __all__ = [
     "native_module",
     "native_nsa_selected",
     "native_varlen",
+    "prefer_over_sdpa",
     "sides",
 ]
 
@@ -178,14 +185,18 @@ def sides(window: tuple[int | None, int | None] | None, causal: bool, n: int) ->
 
 
 def _kernel_for(q: Tensor, k: Tensor, v: Tensor, lr: tuple[int, int] | None, n: int,
-                block: int = BLOCK) -> ModuleType | None:
-    """The built module when it serves float32 contiguous CPU ``q, k, v`` whose rows of up to ``n``
-    keys see ``lr = (left, right)`` within a score buffer of :data:`MAX_SCORE_BYTES`, else ``None``
-    (the module is asked last: without the build only these cheap checks run)."""
+                block: int = BLOCK, strided: bool = False) -> ModuleType | None:
+    """The built module when it serves float32 CPU ``q, k, v`` (contiguous; with ``strided``, rows
+    contiguous and any other strides) whose rows of up to ``n`` keys see ``lr = (left, right)``
+    within a score buffer of :data:`MAX_SCORE_BYTES`, else ``None`` (the module is asked last:
+    without the build only these cheap checks run)."""
     if lr is None or block * min(n, block + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
         return None
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (q, k, v)):
-        return None
+    for t in (q, k, v):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return None
+        if not (t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1] if strided else t.is_contiguous()):
+            return None
     return native_module()
 
 
@@ -195,19 +206,18 @@ def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
 
     Served: a forward of full, causal or sliding-window attention (:func:`sides`) with an optional
     softcap — differentiable (the compiled ``window_bwd``) when q, k or v needs a gradient —; no other mask, ALiBi or
-    ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; contiguous float32 CPU q/k/v (GQA allowed);
-    a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
+    ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; float32 CPU q/k/v with contiguous rows (any
+    other strides: a module's ``[B, N, H, D]`` projection viewed as ``[B, H, N, D]`` is read in place;
+    GQA allowed); a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
     served = _served(r, q, k, v)
     if served is None:
         return None
     mod, lr = served
-    B, Hq, N, _ = q.shape
-    args = (q.reshape(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # training: the compiled backward
-        out, lse = _NativeWindow.apply(*args, mod, lr, float(r.scale), float(r.softcap or 0.0))
+        out, lse = _NativeWindow.apply(q, k, v, mod, lr, float(r.scale), float(r.softcap or 0.0))
     else:
-        out, lse = mod.window_fwd(*args, lr[0], lr[1], float(r.scale), float(r.softcap or 0.0), BLOCK, True)
-    return out.view(B, Hq, N, -1), lse.view(B, Hq, N)
+        out, lse = mod.window_fwd(q, k, v, lr[0], lr[1], float(r.scale), float(r.softcap or 0.0), BLOCK, True)
+    return out, lse
 
 
 def _served(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[ModuleType, tuple[int, int]] | None:
@@ -216,7 +226,7 @@ def _served(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[ModuleType
             or r.score_mod is not None or r.alibi_slopes is not None or r.dropout_p):
         return None
     lr = sides(r.window, r.causal, r.nk)
-    mod = _kernel_for(q, k, v, lr, r.nk)
+    mod = _kernel_for(q, k, v, lr, r.nk, strided=True)
     return None if mod is None or lr is None else (mod, lr)
 
 
@@ -228,18 +238,28 @@ def native_backward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     served = _served(r, q, k, v)
     if served is None or lse.dtype != torch.float32 or lse.numel() != r.nq * q.shape[0] * q.shape[1]:
         return None
-    mod, lr = served
-    B, Hq, N, _ = q.shape
-    flat = (q.reshape(B * Hq, N, -1), k.flatten(0, 1), v.flatten(0, 1), out.float().reshape(B * Hq, N, -1).contiguous(),
-            lse.reshape(B * Hq, N).contiguous(), d_out.float().reshape(B * Hq, N, -1).contiguous(),
-            (torch.zeros_like(lse) if d_lse is None else d_lse.float()).reshape(B * Hq, N).contiguous())
-    dq, dk, dv = mod.window_bwd(*flat, lr[0], lr[1], float(r.scale), float(r.softcap or 0.0), BLOCK)
+    return _window_bwd(served[0], served[1], float(r.scale), float(r.softcap or 0.0), q, k, v, out, lse, d_out,
+                       d_lse)
+
+
+def _window_bwd(mod: ModuleType, lr: tuple[int, int], scale: float, softcap: float, q: Tensor, k: Tensor,
+                v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor | None,
+                d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``window_bwd`` on ``[B, H, N, *]`` tensors (copied to the contiguous float32 ``[B H, N, *]`` rows
+    it reads where they are not), gradients in the shapes of q, k, v."""
+    def rows(t: Tensor) -> Tensor:
+        return t.float().contiguous().flatten(0, 1)
+
+    d_out = torch.zeros_like(out) if d_out is None else d_out
+    d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+    dq, dk, dv = mod.window_bwd(*(rows(t) for t in (q, k, v, out, lse, d_out, d_lse)), lr[0], lr[1], scale,
+                                softcap, BLOCK)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 class _NativeWindow(torch.autograd.Function):
     """``window_fwd`` and its backward ``window_bwd`` (the compiled kernels) as one differentiable op
-    over ``[BH, N, D]`` rows; gradients to q, k, v from both outputs (out and the LSE)."""
+    over ``[B, H, N, D]`` tensors; gradients to q, k, v from both outputs (out and the LSE)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mod: ModuleType,  # type: ignore[override]
@@ -252,11 +272,8 @@ class _NativeWindow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        d_out = torch.zeros_like(out) if d_out is None else d_out.float().contiguous()
-        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.float().contiguous()
-        dq, dk, dv = ctx.mod.window_bwd(q, k, v, out, lse, d_out, d_lse, ctx.lr[0], ctx.lr[1], ctx.scale,
-                                        ctx.softcap, BLOCK)
-        return dq, dk, dv, None, None, None, None
+        return (*_window_bwd(ctx.mod, ctx.lr, ctx.scale, ctx.softcap, q, k, v, out, lse, d_out, d_lse),
+                None, None, None, None)
 
 
 def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *, causal: bool,
@@ -331,3 +348,77 @@ def native_decode(r: AttnRequest) -> tuple[Tensor, Tensor] | None:
         return None  # rows that see nothing by construction: the PyTorch path
     return mod.decode_fwd(q, k, v, min(left, far), min(right, far), r.q_offset, float(r.scale),
                           float(r.softcap or 0.0), DECODE_SPLIT)
+
+
+#: Fewest keys from which ``auto`` may run float32 full / causal / windowed CPU attention that it would
+#: give SDPA through the compiled kernel instead (measured on the Xeon of docs/performance.md, kernel /
+#: SDPA time, training and inference: 0.76x / 0.86x at 32 x 4 heads x 128 keys, 0.65x / 0.68x at 512;
+#: but 1.8x / 2.1x at 64 keys and 1.3x / 1.4x at 32, where fixed costs dominate).
+AUTO_MIN_KEYS = 128
+#: ``auto`` prefers the kernel when its calibration call takes at most this fraction of SDPA's time.
+AUTO_MAX_RATIO = 0.9
+_AUTO_MODES = ("measure", "native", "sdpa")
+_calibrated: dict[bool, float] = {}
+
+
+def auto_mode() -> str:
+    """``ATTNZOO_NATIVE_AUTO``: ``measure`` (default: time the kernel against SDPA once a process),
+    ``native`` (always prefer the kernel where it serves) or ``sdpa`` (never)."""
+    mode = os.environ.get("ATTNZOO_NATIVE_AUTO", "measure").strip().lower() or "measure"
+    if mode not in _AUTO_MODES:
+        raise ValueError(f"ATTNZOO_NATIVE_AUTO must be one of {_AUTO_MODES}, got {mode!r}")
+    return mode
+
+
+def prefer_over_sdpa(r: AttnRequest, training: bool) -> bool:
+    """Whether ``auto``, having chosen SDPA for ``r``, runs the compiled kernel instead: it is built and
+    serves ``r`` (float32 CPU, ``Nq == Nk`` of at least :data:`AUTO_MIN_KEYS`, no mask tensor /
+    ``Mask`` / ALiBi / dropout) and, per :func:`auto_mode`, it was measured on this CPU at most
+    :data:`AUTO_MAX_RATIO` of SDPA's time for this mode (``training``: forward + backward) — timed
+    once a process, as the half-precision policy is (:func:`calibration`)."""
+    if r.nk < AUTO_MIN_KEYS or r.q.device.type != "cpu" or r.q.dtype != torch.float32:
+        return False
+    if _served(r, r.q, r.k, r.v) is None:
+        return False
+    mode = auto_mode()
+    if mode != "measure":
+        return mode == "native"
+    return calibration(training) <= AUTO_MAX_RATIO
+
+
+def calibration(training: bool) -> float:
+    """The kernel's time over SDPA's for causal attention, ``[2, 8, 512, 64]`` float32, on this CPU with
+    the process's threads (``training``: forward + backward); measured on the first call (best of
+    three, interleaved, after a warm-up: about 0.1 s), then cached. ``inf`` without the build."""
+    if training not in _calibrated:
+        mod = native_module()
+        _calibrated[training] = float("inf") if mod is None else _time_against_sdpa(mod, training)
+    return _calibrated[training]
+
+
+def _time_against_sdpa(mod: ModuleType, training: bool) -> float:
+    g = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.randn(2, 8, 512, 64, generator=g) for _ in range(4))
+    if training:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def ours() -> None:
+        if training:
+            _NativeWindow.apply(q, k, v, mod, (512, 0), 0.125, 0.0)[0].backward(d_out)
+        else:
+            mod.window_fwd(q, k, v, 512, 0, 0.125, 0.0, BLOCK, True)
+
+    def sdpa() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if training:
+            out.backward(d_out)
+
+    best = {ours: float("inf"), sdpa: float("inf")}
+    with torch.enable_grad() if training else torch.no_grad():
+        for i in range(4):  # the first round warms up
+            for fn in (ours, sdpa):
+                t0 = time.perf_counter()
+                fn()
+                if i:
+                    best[fn] = min(best[fn], time.perf_counter() - t0)
+    return best[ours] / best[sdpa]

@@ -74,35 +74,43 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
   }
 }
 
-// q [BH, N, D], k [BHk, N, D], v [BHk, N, Dv] contiguous float32; query i sees keys
-// i - left .. i + right (left = right = N: every key; left = N, right = 0: causal). Scores are
-// scale * q.k, capped to softcap * tanh(score / softcap) when softcap > 0. Returns out [BH, N, Dv]
-// and lse [BH, N] (natural log). softmax = false leaves the two sgemm only (a benchmark bound).
-std::vector<at::Tensor> window_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+// q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv] float32 with contiguous rows and any other
+// strides (the [B, N, H, D] -> [B, H, N, D] view of a projection is read in place; 3-d [BH, N, D]
+// is taken as B = 1); query i sees keys i - left .. i + right (left = right = N: every key;
+// left = N, right = 0: causal). Scores are scale * q.k, capped to softcap * tanh(score / softcap)
+// when softcap > 0. Returns out [B, Hq, N, Dv] and lse [B, Hq, N] (natural log; 3-d inputs: without
+// B). softmax = false leaves the two sgemm only (a benchmark bound).
+std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, const at::Tensor& v3,
                                    int64_t left, int64_t right, double scale, double softcap,
                                    int64_t block, bool softmax) {
+  const bool flat = q3.dim() == 3;
+  const at::Tensor q = flat ? q3.unsqueeze(0) : q3, k = flat ? k3.unsqueeze(0) : k3, v = flat ? v3.unsqueeze(0) : v3;
   for (const at::Tensor* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous(),
-                "window_fwd: q, k, v must be contiguous 3-d float32 CPU tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(3) == 1 &&
+                t->stride(2) >= t->size(3), "window_fwd: q, k, v must be 3-d or 4-d float32 CPU tensors with contiguous rows");
   }
-  TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0 && v.size(0) == k.size(0), "window_fwd: q heads must be a multiple of k/v heads");
-  TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(2) == q.size(2), "window_fwd: q, k, v lengths or q/k widths differ");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
+              v.size(1) == k.size(1), "window_fwd: q heads must be a multiple of k/v heads (same batch)");
+  TORCH_CHECK(k.size(2) == q.size(2) && v.size(2) == q.size(2) && k.size(3) == q.size(3), "window_fwd: q, k, v lengths or q/k widths differ");
   TORCH_CHECK(left >= 0 && right >= 0 && block > 0, "window_fwd: left, right must be >= 0 and block > 0");
   TORCH_CHECK(softcap >= 0, "window_fwd: softcap must be >= 0 (0: none)");
-  const int64_t BH = q.size(0), N = q.size(1), D = q.size(2), BHk = k.size(0), Dv = v.size(2);
-  const int64_t G = BH / BHk, nblk = (N + block - 1) / block;
+  const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), D = q.size(3), Hkv = k.size(1), Dv = v.size(3);
+  const int64_t G = Hq / Hkv, nblk = (N + block - 1) / block;
   const int64_t span = std::min<int64_t>(N, block + std::min(left, N) + std::min(right, N));
-  Buffers b(q, k, v, {BH, N, Dv}, {BH, N});
-  at::parallel_for(0, BH * nblk, 1, [&](int64_t begin, int64_t end) {
+  Buffers b(q, k, v, {B, Hq, N, Dv}, {B, Hq, N});
+  at::parallel_for(0, B * Hq * nblk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> S(block * span), inv(block);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nblk, s = (t % nblk) * block, e = std::min(N, s + block);
-      const int64_t kv = bh / G, k_lo = std::max<int64_t>(0, s - left), k_hi = std::min(N, e + right);
-      attend_block(b.qp + (bh * N + s) * D, (int)D, b.kp + (kv * N + k_lo) * D, (int)D, b.vp + (kv * N + k_lo) * Dv,
-                   (int)Dv, b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi, left, right,
+      const int64_t bi = bh / Hq, kv = (bh % Hq) / G, k_lo = std::max<int64_t>(0, s - left), k_hi = std::min(N, e + right);
+      attend_block(b.qp + bi * q.stride(0) + (bh % Hq) * q.stride(1) + s * q.stride(2), (int)q.stride(2),
+                   b.kp + bi * k.stride(0) + kv * k.stride(1) + k_lo * k.stride(2), (int)k.stride(2),
+                   b.vp + bi * v.stride(0) + kv * v.stride(1) + k_lo * v.stride(2), (int)v.stride(2),
+                   b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi, left, right,
                    (int)D, (int)Dv, (float)scale, (float)softcap, softmax, S.data(), inv.data());
     }
   });
+  if (flat) return {b.out.squeeze(0), b.lse.squeeze(0)};
   return {b.out, b.lse};
 }
 
