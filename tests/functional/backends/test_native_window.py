@@ -52,9 +52,9 @@ def calls(built: object, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int
     """Counts the kernel's calls (the windows it was called with)."""
     seen: list[tuple[int, int]] = []
 
-    def spy(q, k, v, left, right, scale, softcap, block, softmax):  # type: ignore[no-untyped-def]
+    def spy(q, k, v, left, right, scale, softcap, block, softmax, slopes=None):  # type: ignore[no-untyped-def]
         seen.append((left, right))
-        return built.window_fwd(q, k, v, left, right, scale, softcap, block, softmax)  # type: ignore[attr-defined]
+        return built.window_fwd(q, k, v, left, right, scale, softcap, block, softmax, slopes)  # type: ignore[attr-defined]
 
     monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(window_fwd=spy))
     return seen
@@ -194,13 +194,13 @@ def test_auto_uses_it_for_a_long_float32_window(calls: list[tuple[int, int]]) ->
                                atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("what", ["alibi", "float64", "mask", "q_offset", "off"])
+@pytest.mark.parametrize("what", ["alibi gradient", "float64", "mask", "q_offset", "off"])
 def test_requests_it_does_not_serve_take_the_pytorch_path(what: str, calls: list[tuple[int, int]],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = (t.float() for t in _qkv(1, 2, 2, 96, 16, 16))
     kw: dict[str, object] = {"causal": True, "window": (20, 0), "backend": "tiled"}
-    if what == "alibi":
-        kw["alibi_slopes"] = torch.tensor([0.5, 0.25])
+    if what == "alibi gradient":  # tiled refuses it; auto gives it to the reference
+        kw["alibi_slopes"], kw["backend"] = torch.tensor([0.5, 0.25], requires_grad=True), "auto"
     elif what == "float64":
         q, k, v = q.double(), k.double(), v.double()
     elif what == "mask":
@@ -507,6 +507,10 @@ def test_auto_prefers_the_kernel_over_sdpa_as_measured(mode: str, bwd_calls: lis
         az.attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], causal=True)  # too few keys
         az.attention(q, k, v, mask=torch.ones(n, n, dtype=torch.bool))  # a mask tensor
         az.attention(q.double(), k.double(), v.double(), causal=True)  # float64: the oracle
+        span = native.AUTO_MAX_SPAN
+        monkeypatch.setattr(native, "AUTO_MAX_SPAN", n - 1)
+        az.attention(q, k, v, causal=True)  # rows longer than the span the kernel wins on
+        monkeypatch.setattr(native, "AUTO_MAX_SPAN", span)
     assert bwd_calls == (["fwd"] if mode == "native" else [])  # measure: inference timed at 2x SDPA's time
     torch.testing.assert_close(out, az.attention(q, k, v, causal=True, backend="reference"), atol=2e-6, rtol=1e-5)
     bwd_calls.clear()
@@ -536,3 +540,30 @@ def test_cli_native_reports_auto_calibration(built: object, monkeypatch: pytest.
     monkeypatch.setenv("ATTNZOO_NATIVE_AUTO", "sdpa")
     assert cli.main(["native"]) == 0
     assert "ATTNZOO_NATIVE_AUTO=sdpa" in capsys.readouterr().out
+
+
+ALIBI = [  # (H, Hkv, N, causal, window, softcap)
+    (4, 2, 300, True, None, None),
+    (2, 2, 200, True, (40, 0), None),
+    (4, 1, 150, False, None, 2.0),  # bidirectional: |i - j| on both sides, under a softcap
+]
+
+
+@pytest.mark.parametrize("case", ALIBI, ids=[f"N{c[2]}-causal{c[3]}-win{c[4]}-cap{c[5]}" for c in ALIBI])
+def test_native_alibi_matches_the_float64_reference(case, bwd_calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ALiBi (MPT, BLOOM) in the compiled forward and backward: output, LSE and q/k/v gradients within 2x
+    the float32 PyTorch path's error of the float64 reference (slopes without gradient)."""
+    H, Hkv, N, causal, window, softcap = case
+    q, k, v = _qkv(2, H, Hkv, N, 16, 16, seed=10)
+    g = torch.Generator().manual_seed(11)
+    d_out, d_lse = torch.randn(2, H, N, 16, generator=g, dtype=F64), torch.randn(2, H, N, generator=g, dtype=F64)
+    slopes = az.alibi_slopes(H)
+    kw = {"causal": causal, "window": window, "softcap": softcap}
+    ref = _grads(q, k, v, d_out, d_lse, F64, "reference", alibi_slopes=slopes.double(), **kw)
+    ours = _grads(q, k, v, d_out, d_lse, torch.float32, "tiled", alibi_slopes=slopes, **kw)
+    assert bwd_calls == ["fwd", "bwd"]
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+    eager = _grads(q, k, v, d_out, d_lse, torch.float32, "tiled", alibi_slopes=slopes, **kw)
+    for name, a, e, r in zip(("out", "lse", "dq", "dk", "dv"), ours, eager, ref, strict=True):
+        err, eager_err = (a - r).abs().max().item(), (e - r).abs().max().item()
+        assert err <= 2 * eager_err + 1e-6, (name, err, eager_err)

@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from attnzoo.functional.core.rules import key_bounds
 
 __all__ = [
     "AUTO_MAX_RATIO",
+    "AUTO_MAX_SPAN",
     "AUTO_MIN_KEYS",
     "BLOCK",
     "DECODE_SPLIT",
@@ -72,6 +74,8 @@ __all__ = [
 
 #: the compiled sources, one module: attention over windows / packed sequences, and NSA's selected branch
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_window.cpp", "native_nsa.cpp"))
+#: what the sources include from beside them (part of the build tag)
+HEADERS = (Path(__file__).with_name("native_common.h"),)
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
 #: rows; dense causal N=4096 1.00x / 0.90x / 0.94x SDPA's time at 32 / 64 / 128).
 BLOCK = 64
@@ -99,7 +103,7 @@ def _cpu_tag() -> str:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    key = "|".join((sys.version, torch.__version__, platform.machine(), flags, *(s.read_text() for s in SOURCES)))
+    key = "|".join((sys.version, torch.__version__, platform.machine(), flags, *(s.read_text() for s in SOURCES + HEADERS)))
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -205,29 +209,45 @@ def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     ``r``, else ``None``.
 
     Served: a forward of full, causal or sliding-window attention (:func:`sides`) with an optional
-    softcap — differentiable (the compiled ``window_bwd``) when q, k or v needs a gradient —; no other mask, ALiBi or
-    ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; float32 CPU q/k/v with contiguous rows (any
+    softcap and ALiBi (slopes without gradient) — differentiable (the compiled ``window_bwd``) when q,
+    k or v needs a gradient —; no other mask or ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; float32 CPU q/k/v with contiguous rows (any
     other strides: a module's ``[B, N, H, D]`` projection viewed as ``[B, H, N, D]`` is read in place;
     GQA allowed); a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
-    served = _served(r, q, k, v)
-    if served is None:
+    kern = _served(r, q, k, v)
+    if kern is None:
         return None
-    mod, lr = served
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # training: the compiled backward
-        out, lse = _NativeWindow.apply(q, k, v, mod, lr, float(r.scale), float(r.softcap or 0.0))
+        out, lse = _NativeWindow.apply(q, k, v, kern)
     else:
-        out, lse = mod.window_fwd(q, k, v, lr[0], lr[1], float(r.scale), float(r.softcap or 0.0), BLOCK, True)
+        out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, BLOCK, True, kern.slopes)
     return out, lse
 
 
-def _served(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[ModuleType, tuple[int, int]] | None:
-    """The built module and ``(left, right)`` when the compiled kernels serve ``r`` on these tensors."""
+class _Kernel(NamedTuple):
+    """A request as the window kernels take it: the built module, ``(left, right)``, the scale, the
+    softcap (0: none) and the ALiBi slopes (``[Hq]`` float32, or ``None``)."""
+
+    mod: ModuleType
+    lr: tuple[int, int]
+    scale: float
+    softcap: float
+    slopes: Tensor | None
+
+
+def _served(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> _Kernel | None:
+    """The kernel call serving ``r`` on these tensors, or ``None``: full, causal or windowed attention,
+    ``Nq == Nk`` from position 0, an optional softcap and ALiBi (no gradient to its slopes); no other
+    mask, ``score_mod`` or dropout."""
+    slopes = r.alibi_slopes
     if (r.nq != r.nk or r.q_offset != 0 or r.mask_tensor is not None or r.mask_obj is not None
-            or r.score_mod is not None or r.alibi_slopes is not None or r.dropout_p):
+            or r.score_mod is not None or r.dropout_p or (slopes is not None and slopes.requires_grad)):
         return None
     lr = sides(r.window, r.causal, r.nk)
     mod = _kernel_for(q, k, v, lr, r.nk, strided=True)
-    return None if mod is None or lr is None else (mod, lr)
+    if mod is None or lr is None:
+        return None
+    return _Kernel(mod, lr, float(r.scale), float(r.softcap or 0.0),
+                   None if slopes is None else slopes.detach().float().contiguous())
 
 
 def native_backward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
@@ -235,15 +255,13 @@ def native_backward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     """``(dq, dk, dv)`` of :func:`native_forward`'s request from the compiled ``window_bwd`` when it is
     built and serves ``r`` (``out`` / ``lse`` of the forward, float32 ``lse``), else ``None``: what the
     compiled graph's backward operator (:mod:`attnzoo.functional.backends.tiled_ops`) runs."""
-    served = _served(r, q, k, v)
-    if served is None or lse.dtype != torch.float32 or lse.numel() != r.nq * q.shape[0] * q.shape[1]:
+    kern = _served(r, q, k, v)
+    if kern is None or lse.dtype != torch.float32 or lse.numel() != r.nq * q.shape[0] * q.shape[1]:
         return None
-    return _window_bwd(served[0], served[1], float(r.scale), float(r.softcap or 0.0), q, k, v, out, lse, d_out,
-                       d_lse)
+    return _window_bwd(kern, q, k, v, out, lse, d_out, d_lse)
 
 
-def _window_bwd(mod: ModuleType, lr: tuple[int, int], scale: float, softcap: float, q: Tensor, k: Tensor,
-                v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor | None,
+def _window_bwd(kern: _Kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor | None,
                 d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``window_bwd`` on ``[B, H, N, *]`` tensors (copied to the contiguous float32 ``[B H, N, *]`` rows
     it reads where they are not), gradients in the shapes of q, k, v."""
@@ -252,8 +270,9 @@ def _window_bwd(mod: ModuleType, lr: tuple[int, int], scale: float, softcap: flo
 
     d_out = torch.zeros_like(out) if d_out is None else d_out
     d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
-    dq, dk, dv = mod.window_bwd(*(rows(t) for t in (q, k, v, out, lse, d_out, d_lse)), lr[0], lr[1], scale,
-                                softcap, BLOCK)
+    slopes = None if kern.slopes is None else kern.slopes.repeat(q.shape[0])  # per [B H] row
+    dq, dk, dv = kern.mod.window_bwd(*(rows(t) for t in (q, k, v, out, lse, d_out, d_lse)), *kern.lr, kern.scale,
+                                     kern.softcap, BLOCK, slopes)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
@@ -262,18 +281,16 @@ class _NativeWindow(torch.autograd.Function):
     over ``[B, H, N, D]`` tensors; gradients to q, k, v from both outputs (out and the LSE)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mod: ModuleType,  # type: ignore[override]
-                lr: tuple[int, int], scale: float, softcap: float) -> tuple[Tensor, Tensor]:
-        out, lse = mod.window_fwd(q, k, v, lr[0], lr[1], scale, softcap, BLOCK, True)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, kern: _Kernel) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, BLOCK, True, kern.slopes)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mod, ctx.lr, ctx.scale, ctx.softcap = mod, lr, scale, softcap
+        ctx.kern = kern
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_window_bwd(ctx.mod, ctx.lr, ctx.scale, ctx.softcap, q, k, v, out, lse, d_out, d_lse),
-                None, None, None, None)
+        return (*_window_bwd(ctx.kern, q, k, v, out, lse, d_out, d_lse), None)
 
 
 def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *, causal: bool,
@@ -355,6 +372,10 @@ def native_decode(r: AttnRequest) -> tuple[Tensor, Tensor] | None:
 #: SDPA time, training and inference: 0.76x / 0.86x at 32 x 4 heads x 128 keys, 0.65x / 0.68x at 512;
 #: but 1.8x / 2.1x at 64 keys and 1.3x / 1.4x at 32, where fixed costs dominate).
 AUTO_MIN_KEYS = 128
+#: Most keys a block of queries may see for ``auto`` to prefer the kernel: its score rows stop fitting
+#: the L2 cache beyond (dense causal inference, kernel / SDPA time: 0.92-0.99x at 4,096 keys, 1.07x at
+#: 8,192, 1.14x at 16,384).
+AUTO_MAX_SPAN = 4096
 #: ``auto`` prefers the kernel when its calibration call takes at most this fraction of SDPA's time.
 AUTO_MAX_RATIO = 0.9
 _AUTO_MODES = ("measure", "native", "sdpa")
@@ -372,13 +393,14 @@ def auto_mode() -> str:
 
 def prefer_over_sdpa(r: AttnRequest, training: bool) -> bool:
     """Whether ``auto``, having chosen SDPA for ``r``, runs the compiled kernel instead: it is built and
-    serves ``r`` (float32 CPU, ``Nq == Nk`` of at least :data:`AUTO_MIN_KEYS`, no mask tensor /
-    ``Mask`` / ALiBi / dropout) and, per :func:`auto_mode`, it was measured on this CPU at most
+    serves ``r`` (float32 CPU, ``Nq == Nk`` of at least :data:`AUTO_MIN_KEYS`, blocks that see at most
+    :data:`AUTO_MAX_SPAN` keys, no mask tensor / ``Mask`` / dropout) and, per :func:`auto_mode`, it was measured on this CPU at most
     :data:`AUTO_MAX_RATIO` of SDPA's time for this mode (``training``: forward + backward) — timed
     once a process, as the half-precision policy is (:func:`calibration`)."""
     if r.nk < AUTO_MIN_KEYS or r.q.device.type != "cpu" or r.q.dtype != torch.float32:
         return False
-    if _served(r, r.q, r.k, r.v) is None:
+    kern = _served(r, r.q, r.k, r.v)
+    if kern is None or min(r.nk, BLOCK + kern.lr[0] + kern.lr[1]) > AUTO_MAX_SPAN:
         return False
     mode = auto_mode()
     if mode != "measure":
@@ -404,7 +426,7 @@ def _time_against_sdpa(mod: ModuleType, training: bool) -> float:
 
     def ours() -> None:
         if training:
-            _NativeWindow.apply(q, k, v, mod, (512, 0), 0.125, 0.0)[0].backward(d_out)
+            _NativeWindow.apply(q, k, v, _Kernel(mod, (512, 0), 0.125, 0.0, None))[0].backward(d_out)
         else:
             mod.window_fwd(q, k, v, 512, 0, 0.125, 0.0, BLOCK, True)
 

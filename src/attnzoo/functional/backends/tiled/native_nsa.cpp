@@ -7,15 +7,13 @@
 #include <limits>
 #include <vector>
 
-extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
-                       const float*, const int*, const float*, const int*, const float*, float*, const int*);
+#include "native_common.h"
+
+using attnzoo_native::FlushDenormals;
+using attnzoo_native::exp2_clamped;
+using attnzoo_native::gemm;
 
 namespace {
-
-void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-          float beta, float* c, int ldc) {
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
 
 // Thread-local work space of one chunk of queries: the (query, block) pairs sorted by block, the
 // gathered query rows, the scores and P V of one block, and each query row's running softmax state.
@@ -62,6 +60,7 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
   // built with -ffast-math (no infinities): "no score yet" is the lowest finite float
   const float alpha2 = (float)scale * 1.4426950408889634f, none = std::numeric_limits<float>::lowest();
   at::parallel_for(0, B * G * nchunk, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     Chunk w;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bg = task / nchunk, i0 = (task % nchunk) * chunk, i1 = std::min(N, i0 + chunk), c = i1 - i0;
@@ -103,8 +102,8 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
             if (hi <= 0) { w.alpha[row] = 1.f; continue; }  // no visible key in this block (not from pick_blocks)
             const float m_new = std::max(w.m[st], mx);
             float sum = 0.f;
-            for (int64_t k = 0; k < hi; ++k) { const float e = exp2f(sr[k] - m_new); sr[k] = e; sum += e; }
-            const float a = w.m[st] == none ? 0.f : exp2f(w.m[st] - m_new);  // 0 for the row's first block
+            for (int64_t k = 0; k < hi; ++k) { const float e = exp2_clamped(sr[k] - m_new); sr[k] = e; sum += e; }
+            const float a = w.m[st] == none ? 0.f : exp2_clamped(w.m[st] - m_new);  // 0 for the row's first block
             w.alpha[row] = a;
             w.l[st] = w.l[st] * a + sum;
             w.m[st] = m_new;

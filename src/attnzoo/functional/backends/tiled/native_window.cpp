@@ -7,14 +7,11 @@
 #include <limits>
 #include <vector>
 
-extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
-                       const float*, const int*, const float*, const int*, const float*, float*, const int*);
+#include "native_common.h"
 
-// Column-major BLAS: C = alpha op(A) op(B) + beta C.
-static void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda,
-                 const float* b, int ldb, float beta, float* c, int ldc) {
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
+using attnzoo_native::FlushDenormals;
+using attnzoo_native::exp2_clamped;
+using attnzoo_native::gemm;
 
 // The output and log-sum-exp tensors of a call and the raw pointers the blocks read and write.
 struct Buffers {
@@ -28,22 +25,35 @@ struct Buffers {
         op(out.data_ptr<float>()), lp(lse.data_ptr<float>()) {}
 };
 
+// The softcap of scores lo .. hi - 1 of a row: cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1))
+// (exp2f vectorises, tanhf does not), in log2 units; nothing when cap = 0.
+static void cap_row(float* row, int64_t lo, int64_t hi, float cap) {
+  if (cap <= 0) return;
+  const float log2e = 1.4426950408889634f, k2 = 2.f * log2e / cap, capl2 = cap * log2e;
+  for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2_clamped(row[c] * k2) + 1.f));
+}
+
+// ALiBi: adds -slope2 |d0 - c| to scores lo .. hi - 1 of a row whose query sits at column d0
+// (slope2 = slope log2 e, log2 units); nothing when slope2 = 0.
+static void alibi_row(float* row, int64_t lo, int64_t hi, int64_t d0, float slope2) {
+  if (slope2 == 0.f) return;
+  float* r = row + lo;
+  const float at = (float)(d0 - lo);  // the query's column from lo; 32-bit counters vectorise
+  for (int c = 0; c < (int)(hi - lo); ++c) r[c] -= slope2 * std::fabs(at - (float)c);
+}
+
 // One row of L scores (log2 units unless capped) whose columns lo .. hi - 1 (lo < hi) are visible:
 // the softcap (cap > 0: cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1)), since exp2f
 // vectorises and tanhf does not, then log2 e), the maximum, the row turned into 2^(s - max) with the
 // invisible columns zeroed. Returns the maximum and writes the sum into *sum.
 static float softmax_row(float* row, int64_t lo, int64_t hi, int64_t L, float cap, float* sum) {
-  const float log2e = 1.4426950408889634f;
-  if (cap > 0) {
-    const float k2 = 2.f * log2e / cap, capl2 = cap * log2e;
-    for (int64_t c = lo; c < hi; ++c) row[c] = capl2 * (1.f - 2.f / (exp2f(row[c] * k2) + 1.f));
-  }
+  cap_row(row, lo, hi, cap);
   float m = row[lo];
   for (int64_t c = lo + 1; c < hi; ++c) m = std::max(m, row[c]);
   if (lo > 0) std::fill(row, row + lo, 0.f);
   if (hi < L) std::fill(row + hi, row + L, 0.f);
   float acc = 0.f;
-  for (int64_t c = lo; c < hi; ++c) { const float e = exp2f(row[c] - m); row[c] = e; acc += e; }
+  for (int64_t c = lo; c < hi; ++c) { const float e = exp2_clamped(row[c] - m); row[c] = e; acc += e; }
   *sum = acc;
   return m;
 }
@@ -54,7 +64,7 @@ static float softmax_row(float* row, int64_t lo, int64_t hi, int64_t L, float ca
 static void attend_block(const float* qb, int ldq, const float* kb, int ldk, const float* vb, int ldv,
                          float* ob, int ldo, float* lse, int64_t R, int64_t i0, int64_t k_lo, int64_t k_hi,
                          int64_t left, int64_t right, int D, int Dv, float scale, float cap, bool softmax,
-                         float* S, float* inv) {
+                         float* S, float* inv, float slope2 = 0.f) {
   const float log2e = 1.4426950408889634f;
   const int L = (int)(k_hi - k_lo);
   const float alpha = cap > 0 ? scale : scale * log2e;  // capped scores take log2 e after tanh
@@ -63,7 +73,9 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
     const int64_t i = i0 + r;
     const int64_t lo = std::max(k_lo, i - left) - k_lo, hi = std::min(k_hi, i + right + 1) - k_lo;
     float sum = 0.f;
-    const float m = softmax_row(S + r * L, lo, hi, L, cap, &sum);  // every row sees its own key (left, right >= 0)
+    cap_row(S + r * L, lo, hi, cap);
+    alibi_row(S + r * L, lo, hi, i - k_lo, slope2);
+    const float m = softmax_row(S + r * L, lo, hi, L, 0.f, &sum);  // every row sees its own key (left, right >= 0)
     lse[r] = (m + std::log2(sum)) * 0.6931471805599453f;
     inv[r] = 1.f / sum;
   }
@@ -74,15 +86,27 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
   }
 }
 
+// ALiBi slopes [H] (any float dtype) times log2 e per head, or zeros without slopes.
+static std::vector<float> alibi_slopes2(const c10::optional<at::Tensor>& slopes, int64_t H, const char* fn) {
+  std::vector<float> out(H, 0.f);
+  if (!slopes.has_value() || !slopes->defined()) return out;
+  TORCH_CHECK(slopes->dim() == 1 && slopes->size(0) == H && slopes->is_floating_point() && slopes->device().is_cpu(),
+              fn, ": slopes must be a 1-d float CPU tensor of the query heads");
+  const at::Tensor s = slopes->to(at::kFloat).contiguous();
+  for (int64_t h = 0; h < H; ++h) out[h] = s.data_ptr<float>()[h] * 1.4426950408889634f;
+  return out;
+}
+
 // q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv] float32 with contiguous rows and any other
 // strides (the [B, N, H, D] -> [B, H, N, D] view of a projection is read in place; 3-d [BH, N, D]
 // is taken as B = 1); query i sees keys i - left .. i + right (left = right = N: every key;
 // left = N, right = 0: causal). Scores are scale * q.k, capped to softcap * tanh(score / softcap)
-// when softcap > 0. Returns out [B, Hq, N, Dv] and lse [B, Hq, N] (natural log; 3-d inputs: without
-// B). softmax = false leaves the two sgemm only (a benchmark bound).
+// when softcap > 0, then minus slope_h |i - j| with ALiBi slopes [Hq]. Returns out [B, Hq, N, Dv] and
+// lse [B, Hq, N] (natural log; 3-d inputs: without B). softmax = false leaves the two sgemm only (a
+// benchmark bound).
 std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, const at::Tensor& v3,
                                    int64_t left, int64_t right, double scale, double softcap,
-                                   int64_t block, bool softmax) {
+                                   int64_t block, bool softmax, const c10::optional<at::Tensor>& slopes) {
   const bool flat = q3.dim() == 3;
   const at::Tensor q = flat ? q3.unsqueeze(0) : q3, k = flat ? k3.unsqueeze(0) : k3, v = flat ? v3.unsqueeze(0) : v3;
   for (const at::Tensor* t : {&q, &k, &v}) {
@@ -97,8 +121,10 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
   const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), D = q.size(3), Hkv = k.size(1), Dv = v.size(3);
   const int64_t G = Hq / Hkv, nblk = (N + block - 1) / block;
   const int64_t span = std::min<int64_t>(N, block + std::min(left, N) + std::min(right, N));
+  const std::vector<float> slope2 = alibi_slopes2(slopes, Hq, "window_fwd");
   Buffers b(q, k, v, {B, Hq, N, Dv}, {B, Hq, N});
   at::parallel_for(0, B * Hq * nblk, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     std::vector<float> S(block * span), inv(block);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nblk, s = (t % nblk) * block, e = std::min(N, s + block);
@@ -107,7 +133,7 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
                    b.kp + bi * k.stride(0) + kv * k.stride(1) + k_lo * k.stride(2), (int)k.stride(2),
                    b.vp + bi * v.stride(0) + kv * v.stride(1) + k_lo * v.stride(2), (int)v.stride(2),
                    b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi, left, right,
-                   (int)D, (int)Dv, (float)scale, (float)softcap, softmax, S.data(), inv.data());
+                   (int)D, (int)Dv, (float)scale, (float)softcap, softmax, S.data(), inv.data(), slope2[bh % Hq]);
     }
   });
   if (flat) return {b.out.squeeze(0), b.lse.squeeze(0)};
@@ -145,6 +171,7 @@ std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, con
   const int64_t span = std::min<int64_t>(longest, block + std::min(left, longest) + std::min(right, longest));
   Buffers b(q, k, v, {T, Hq, Dv}, {Hq, T});
   at::parallel_for(0, Hq * ntask, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     std::vector<float> Sb(block * std::max<int64_t>(span, 1)), inv(block);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = t / ntask, task = t % ntask, seq = task_seq[task], s = task_start[task];
@@ -188,6 +215,7 @@ std::vector<at::Tensor> decode_fwd(const at::Tensor& q, const at::Tensor& k, con
   const float log2e = 1.4426950408889634f, cap = (float)softcap;
   const float none = std::numeric_limits<float>::lowest();  // -ffast-math: no infinities
   at::parallel_for(0, B * Hkv * nsplit, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     std::vector<float> S;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nsplit, sp = task % nsplit, b = bh / Hkv, h = bh % Hkv;
@@ -223,6 +251,7 @@ std::vector<at::Tensor> decode_fwd(const at::Tensor& q, const at::Tensor& k, con
   });
   float *outp = out.data_ptr<float>(), *lsep = lse.data_ptr<float>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     for (int64_t bh = begin; bh < end; ++bh) {
       for (int64_t r = 0; r < rows; ++r) {
         float mx = none;
@@ -236,7 +265,7 @@ std::vector<at::Tensor> decode_fwd(const at::Tensor& q, const at::Tensor& k, con
         for (int64_t sp = 0; sp < nsplit; ++sp) {
           const int64_t t = bh * nsplit + sp;
           if (!(pl[t * rows + r] > 0.f)) continue;
-          const float w = exp2f(pm[t * rows + r] - mx);
+          const float w = exp2_clamped(pm[t * rows + r] - mx);
           den += w * pl[t * rows + r];
           const float* src = po.data() + (t * rows + r) * Dv;
           for (int64_t c = 0; c < Dv; ++c) dst[c] += w * src[c];
@@ -270,7 +299,7 @@ static void gemm_rm(char ta, char tb, int m, int n, int k, float alpha, const fl
 std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& d_out,
                                    const at::Tensor& d_lse, int64_t left, int64_t right, double scale,
-                                   double softcap, int64_t block) {
+                                   double softcap, int64_t block, const c10::optional<at::Tensor>& slopes) {
   for (const at::Tensor* t : {&q, &k, &v, &out, &d_out}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous(),
                 "window_bwd: q, k, v, out, d_out must be contiguous 3-d float32 CPU tensors");
@@ -295,6 +324,7 @@ std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, con
   auto private_keys = [&](int64_t n) { return n * std::min(N, ((nblk + n - 1) / n) * block + left + right); };
   while (nseg > 1 && private_keys(nseg) > 4 * N) --nseg;
   const int64_t per = (nblk + nseg - 1) / nseg;
+  const std::vector<float> slope2 = alibi_slopes2(slopes, BH, "window_bwd");  // [BH]: 3-d rows of B = 1
   at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   std::vector<std::vector<float>> pk(BHk * nseg), pv(BHk * nseg);  // private dK / dV of each task
   std::vector<int64_t> plo(BHk * nseg, 0), phi(BHk * nseg, 0);
@@ -304,6 +334,7 @@ std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, con
   float* dqp = dq.data_ptr<float>();
   const float log2e = 1.4426950408889634f, sc = (float)scale, cap = (float)softcap;
   at::parallel_for(0, BHk * nseg, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     std::vector<float> S(block * span), dP(block * span), T(cap > 0 ? block * span : 0), delta(block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / nseg, seg = task % nseg;
@@ -342,18 +373,20 @@ std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, con
               float* trow = T.data() + r * L;
               const float k2 = 2.f * log2e / cap;
               for (int64_t c = lo; c < hi; ++c) {
-                const float t = 1.f - 2.f / (exp2f(srow[c] * k2) + 1.f);  // tanh(raw / cap)
+                const float t = 1.f - 2.f / (exp2_clamped(srow[c] * k2) + 1.f);  // tanh(raw / cap)
                 trow[c] = 1.f - t * t;
                 srow[c] = cap * log2e * t;
               }
+              alibi_row(srow, lo, hi, i - k_lo, slope2[h]);
               for (int64_t c = lo; c < hi; ++c) {
-                const float p = exp2f(srow[c] - l2);
+                const float p = exp2_clamped(srow[c] - l2);
                 srow[c] = p;
                 drow[c] = p * (drow[c] - delta[r]) * trow[c];
               }
             } else {
+              alibi_row(srow, lo, hi, i - k_lo, slope2[h]);
               for (int64_t c = lo; c < hi; ++c) {
-                const float p = exp2f(srow[c] - l2);
+                const float p = exp2_clamped(srow[c] - l2);
                 srow[c] = p;
                 drow[c] = p * (drow[c] - delta[r]);
               }
@@ -370,6 +403,7 @@ std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, con
   });
   float *dkd = dk.data_ptr<float>(), *dvd = dv.data_ptr<float>();
   at::parallel_for(0, BHk, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     for (int64_t kv = begin; kv < end; ++kv) {
       for (int64_t seg = 0; seg < nseg; ++seg) {
         const int64_t task = kv * nseg + seg, lo = plo[task], n = phi[task] - lo;
@@ -391,8 +425,12 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nsa_selected_fwd", &nsa_selected_fwd, "NSA's selected branch over picked key blocks (float32)");
-  m.def("window_fwd", &window_fwd, "attention forward over [BH, N, D] (float32)");
+  m.def("window_fwd", &window_fwd, "attention forward over [B, H, N, D] (float32)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("left"), py::arg("right"), py::arg("scale"), py::arg("softcap"), py::arg("block"),
+        py::arg("softmax"), py::arg("slopes") = py::none());
   m.def("decode_fwd", &decode_fwd, "split-KV decoding over a cache (float32)");
-  m.def("window_bwd", &window_bwd, "the backward of window_fwd (float32)");
+  m.def("window_bwd", &window_bwd, "the backward of window_fwd (float32)", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("d_out"), py::arg("d_lse"), py::arg("left"), py::arg("right"),
+        py::arg("scale"), py::arg("softcap"), py::arg("block"), py::arg("slopes") = py::none());
   m.def("varlen_fwd", &varlen_fwd, "attention forward over packed sequences [T, H, D] (float32)");
 }
