@@ -75,6 +75,8 @@ CASES = [  # (B, H, Hkv, N, D, Dv, causal, window, softcap, the (left, right) th
     (1, 2, 1, 150, 16, 8, False, None, None, (150, 150)),  # full (bidirectional)
     (1, 4, 2, 333, 16, 16, True, None, 2.0, (333, 0)),  # causal with a softcap that binds
     (1, 2, 2, 200, 16, 16, True, (50, 0), 1.5, (50, 0)),  # window with a softcap
+    (1, 2, 1, 1500, 16, 16, True, None, 2.0, (1500, 0)),  # rows longer than KEY_CHUNK: a running maximum
+    (1, 2, 2, 1300, 8, 8, False, None, None, (1300, 1300)),  # ... bidirectional
 ]
 
 
@@ -256,7 +258,7 @@ VARLEN = [  # (lengths, Hq, Hkv, causal, window, softcap)
     ((33, 0, 100, 7), 2, 2, False, None, None),  # an empty sequence, bidirectional
     ((90, 200, 65), 4, 1, True, (40, 0), None),
     ((120, 50), 2, 2, False, (16, 9), 2.0),
-    ((1100, 3, 300), 2, 1, True, None, None),  # rows of >= WIDE_ROWS keys: blocks of VARLEN_BLOCK queries
+    ((1100, 3, 300), 2, 1, True, None, None),  # rows of >= WIDE_ROWS keys: blocks of WIDE_BLOCK queries
 ]
 
 
@@ -281,7 +283,7 @@ def test_native_varlen_matches_per_sequence_reference(case, built: object, monke
         out, lse = az.attention_varlen(q.float(), k.float(), v.float(), cu, cu, return_lse=True, **kw)
         plain = az.attention_varlen(q.float(), k.float(), v.float(), cu, cu, backend="tiled", **kw)
     wide = causal and window is None and max(lengths) >= native.WIDE_ROWS
-    assert called == [native.VARLEN_BLOCK if wide else native.BLOCK] * 2
+    assert called == [native.WIDE_BLOCK if wide else native.BLOCK] * 2
     assert (out.double() - ref).abs().max().item() <= 2 * (eager.double() - ref).abs().max().item() + 1e-6
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)
     assert torch.equal(plain, out)
@@ -546,6 +548,7 @@ ALIBI = [  # (H, Hkv, N, causal, window, softcap)
     (4, 2, 300, True, None, None),
     (2, 2, 200, True, (40, 0), None),
     (4, 1, 150, False, None, 2.0),  # bidirectional: |i - j| on both sides, under a softcap
+    (2, 1, 1200, True, None, None),  # rows longer than KEY_CHUNK
 ]
 
 

@@ -54,7 +54,7 @@ __all__ = [
     "BLOCK",
     "DECODE_SPLIT",
     "MAX_SCORE_BYTES",
-    "VARLEN_BLOCK",
+    "WIDE_BLOCK",
     "WIDE_ROWS",
     "NativeUnavailable",
     "auto_mode",
@@ -79,10 +79,11 @@ HEADERS = (Path(__file__).with_name("native_common.h"),)
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
 #: rows; dense causal N=4096 1.00x / 0.90x / 0.94x SDPA's time at 32 / 64 / 128).
 BLOCK = 64
-#: Query rows per block of packed varlen sequences whose rows see at least :data:`WIDE_ROWS` keys
-#: (measured, docs/performance.md: 16 mixed causal sequences 0.99x / 0.96x / 0.95x the per-sequence
-#: SDPA loop's time at 64 / 128 / 256 rows); narrower windows keep :data:`BLOCK` (less masked work).
-VARLEN_BLOCK = 128
+#: Query rows per block where rows see at least :data:`WIDE_ROWS` keys (measured, docs/performance.md:
+#: dense causal N = 4096 / 16384 at 0.92x / 1.00x SDPA's time with 64 rows, 0.87x / 0.94x with 128;
+#: 16 packed causal sequences 0.99x / 0.96x the per-sequence SDPA loop's time); narrower windows
+#: keep :data:`BLOCK` (a block's masked triangles grow with it).
+WIDE_BLOCK = 128
 WIDE_ROWS = 1024
 #: The largest score buffer of one thread (BLOCK x the keys a block sees, float32); longer rows (dense
 #: attention beyond N = 262,144) keep the PyTorch path, whose memory is O(N x block) by chunks.
@@ -219,8 +220,14 @@ def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # training: the compiled backward
         out, lse = _NativeWindow.apply(q, k, v, kern)
     else:
-        out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, BLOCK, True, kern.slopes)
+        out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, _block(kern.lr), True,
+                                       kern.slopes)
     return out, lse
+
+
+def _block(lr: tuple[int, int] | None) -> int:
+    """Query rows per block of the forward for rows seeing ``lr = (left, right)``."""
+    return WIDE_BLOCK if lr is not None and lr[0] + lr[1] >= WIDE_ROWS else BLOCK
 
 
 class _Kernel(NamedTuple):
@@ -282,7 +289,8 @@ class _NativeWindow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, kern: _Kernel) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, BLOCK, True, kern.slopes)
+        out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, _block(kern.lr), True,
+                                       kern.slopes)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kern = kern
         return out, lse
@@ -307,7 +315,7 @@ def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *
     bounds = cu_q.to(torch.int64).contiguous()
     longest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
     lr = sides(window, causal, longest)
-    block = VARLEN_BLOCK if lr is not None and lr[0] + lr[1] >= WIDE_ROWS else BLOCK
+    block = _block(lr)
     mod = _kernel_for(q, k, v, lr, longest, block)
     if mod is None or lr is None:
         return None
@@ -372,9 +380,9 @@ def native_decode(r: AttnRequest) -> tuple[Tensor, Tensor] | None:
 #: SDPA time, training and inference: 0.76x / 0.86x at 32 x 4 heads x 128 keys, 0.65x / 0.68x at 512;
 #: but 1.8x / 2.1x at 64 keys and 1.3x / 1.4x at 32, where fixed costs dominate).
 AUTO_MIN_KEYS = 128
-#: Most keys a block of queries may see for ``auto`` to prefer the kernel: its score rows stop fitting
-#: the L2 cache beyond (dense causal inference, kernel / SDPA time: 0.92-0.99x at 4,096 keys, 1.07x at
-#: 8,192, 1.14x at 16,384).
+#: Most keys a block of queries may see for ``auto`` to prefer the kernel: beyond, SDPA's flash kernel
+#: catches up (dense causal, kernel / SDPA time, inference / training: 0.96x / 0.89x at 2,048 keys,
+#: 0.94x / 0.94x at 4,096, 0.96x / 0.99x at 8,192, 0.97x / 1.05x at 16,384).
 AUTO_MAX_SPAN = 4096
 #: ``auto`` prefers the kernel when its calibration call takes at most this fraction of SDPA's time.
 AUTO_MAX_RATIO = 0.9
@@ -428,7 +436,7 @@ def _time_against_sdpa(mod: ModuleType, training: bool) -> float:
         if training:
             _NativeWindow.apply(q, k, v, _Kernel(mod, (512, 0), 0.125, 0.0, None))[0].backward(d_out)
         else:
-            mod.window_fwd(q, k, v, 512, 0, 0.125, 0.0, BLOCK, True)
+            mod.window_fwd(q, k, v, 512, 0, 0.125, 0.0, _block((512, 0)), True)
 
     def sdpa() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -42,47 +42,88 @@ static void alibi_row(float* row, int64_t lo, int64_t hi, int64_t d0, float slop
   for (int c = 0; c < (int)(hi - lo); ++c) r[c] -= slope2 * std::fabs(at - (float)c);
 }
 
-// One row of L scores (log2 units unless capped) whose columns lo .. hi - 1 (lo < hi) are visible:
-// the softcap (cap > 0: cap tanh(x / cap) as cap (1 - 2 / (2^(2 log2e x / cap) + 1)), since exp2f
-// vectorises and tanhf does not, then log2 e), the maximum, the row turned into 2^(s - max) with the
-// invisible columns zeroed. Returns the maximum and writes the sum into *sum.
-static float softmax_row(float* row, int64_t lo, int64_t hi, int64_t L, float cap, float* sum) {
-  cap_row(row, lo, hi, cap);
-  float m = row[lo];
-  for (int64_t c = lo + 1; c < hi; ++c) m = std::max(m, row[c]);
+// Turns scores lo .. hi - 1 (lo < hi) of a row of L into 2^(s - m), zeroes the other columns, and
+// returns their sum.
+static float exp_row(float* row, int64_t lo, int64_t hi, int64_t L, float m) {
   if (lo > 0) std::fill(row, row + lo, 0.f);
   if (hi < L) std::fill(row + hi, row + L, 0.f);
   float acc = 0.f;
   for (int64_t c = lo; c < hi; ++c) { const float e = exp2_clamped(row[c] - m); row[c] = e; acc += e; }
-  *sum = acc;
+  return acc;
+}
+
+static float max_of(const float* row, int64_t lo, int64_t hi) {
+  float m = row[lo];
+  for (int64_t c = lo + 1; c < hi; ++c) m = std::max(m, row[c]);
   return m;
 }
 
+// One row of L scores (log2 units unless capped) whose columns lo .. hi - 1 (lo < hi) are visible:
+// the softcap, the maximum, the row turned into 2^(s - max) with the invisible columns zeroed.
+// Returns the maximum and writes the sum into *sum.
+static float softmax_row(float* row, int64_t lo, int64_t hi, int64_t L, float cap, float* sum) {
+  cap_row(row, lo, hi, cap);
+  const float m = max_of(row, lo, hi);
+  *sum = exp_row(row, lo, hi, L, m);
+  return m;
+}
+
+// Keys per pass of a block of queries: longer rows are taken in chunks with a running maximum (the
+// chunk's scores stay in the L2 cache; one pass over 16,384 keys ran at 1.14x SDPA's time).
+static constexpr int64_t KEY_CHUNK = 1024;
+
+// Per-thread buffers of attend_block: scores of a block x KEY_CHUNK keys, and per row the running
+// maximum, sum and rescale factor.
+struct BlockScratch {
+  std::vector<float> S, m, l, a;
+  BlockScratch(int64_t block, int64_t span)
+      : S(block * std::max<int64_t>(1, std::min(span, KEY_CHUNK))), m(block), l(block), a(block) {}
+};
+
 // One block of R queries (query i0 + r, rows of q at stride ldq) against keys k_lo .. k_hi - 1 (rows
-// of k, v at strides ldk, ldv): query i sees keys i - left .. i + right within them. S holds R x L
-// scores, inv R floats. Writes R output rows (stride ldo) and R log-sum-exps (natural log, stride 1).
+// of k, v at strides ldk, ldv): query i sees keys i - left .. i + right within them (at least one).
+// Keys in chunks of KEY_CHUNK: per chunk one sgemm for the scores, the softcap / ALiBi / running
+// maximum / exp2 / sum pass, the output rows rescaled, one sgemm adding P V. Writes R output rows
+// (stride ldo) and R log-sum-exps (natural log, stride 1). softmax = false: the sgemm only.
 static void attend_block(const float* qb, int ldq, const float* kb, int ldk, const float* vb, int ldv,
                          float* ob, int ldo, float* lse, int64_t R, int64_t i0, int64_t k_lo, int64_t k_hi,
                          int64_t left, int64_t right, int D, int Dv, float scale, float cap, bool softmax,
-                         float* S, float* inv, float slope2 = 0.f) {
-  const float log2e = 1.4426950408889634f;
-  const int L = (int)(k_hi - k_lo);
+                         BlockScratch& w, float slope2 = 0.f) {
+  const float log2e = 1.4426950408889634f, none = std::numeric_limits<float>::lowest();
   const float alpha = cap > 0 ? scale : scale * log2e;  // capped scores take log2 e after tanh
-  gemm('T', 'N', L, (int)R, D, alpha, kb, ldk, qb, ldq, 0.f, S, L);
-  for (int64_t r = 0; r < R && softmax; ++r) {
-    const int64_t i = i0 + r;
-    const int64_t lo = std::max(k_lo, i - left) - k_lo, hi = std::min(k_hi, i + right + 1) - k_lo;
-    float sum = 0.f;
-    cap_row(S + r * L, lo, hi, cap);
-    alibi_row(S + r * L, lo, hi, i - k_lo, slope2);
-    const float m = softmax_row(S + r * L, lo, hi, L, 0.f, &sum);  // every row sees its own key (left, right >= 0)
-    lse[r] = (m + std::log2(sum)) * 0.6931471805599453f;
-    inv[r] = 1.f / sum;
+  float* S = w.S.data();
+  std::fill(w.m.begin(), w.m.begin() + R, none);
+  std::fill(w.l.begin(), w.l.begin() + R, 0.f);
+  for (int64_t c0 = k_lo; c0 < k_hi; c0 += KEY_CHUNK) {
+    const int64_t c1 = std::min(k_hi, c0 + KEY_CHUNK);
+    const int L = (int)(c1 - c0);
+    gemm('T', 'N', L, (int)R, D, alpha, kb + (c0 - k_lo) * ldk, ldk, qb, ldq, 0.f, S, L);
+    for (int64_t r = 0; r < R && softmax; ++r) {
+      const int64_t i = i0 + r;
+      const int64_t lo = std::max(c0, i - left) - c0, hi = std::min(c1, i + right + 1) - c0;
+      float* row = S + r * L;
+      if (hi <= lo) { std::fill(row, row + L, 0.f); w.a[r] = 1.f; continue; }
+      cap_row(row, lo, hi, cap);
+      alibi_row(row, lo, hi, i - c0, slope2);
+      const float m_new = std::max(w.m[r], max_of(row, lo, hi));
+      const float sum = exp_row(row, lo, hi, L, m_new);
+      w.a[r] = w.m[r] == none ? 0.f : exp2_clamped(w.m[r] - m_new);  // rescales the earlier chunks
+      w.l[r] = w.l[r] * w.a[r] + sum;
+      w.m[r] = m_new;
+    }
+    if (c0 > k_lo && softmax) {
+      for (int64_t r = 0; r < R; ++r) {
+        float* o = ob + r * ldo;
+        for (int64_t c = 0; c < Dv; ++c) o[c] *= w.a[r];
+      }
+    }
+    gemm('N', 'N', Dv, (int)R, L, 1.f, vb + (c0 - k_lo) * ldv, ldv, S, L, c0 > k_lo ? 1.f : 0.f, ob, ldo);
   }
-  gemm('N', 'N', Dv, (int)R, L, 1.f, vb, ldv, S, L, 0.f, ob, ldo);
   for (int64_t r = 0; r < R && softmax; ++r) {
+    lse[r] = (w.m[r] + std::log2(w.l[r])) * 0.6931471805599453f;
+    const float inv = 1.f / w.l[r];
     float* o = ob + r * ldo;
-    for (int64_t c = 0; c < Dv; ++c) o[c] *= inv[r];
+    for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
   }
 }
 
@@ -125,7 +166,7 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
   Buffers b(q, k, v, {B, Hq, N, Dv}, {B, Hq, N});
   at::parallel_for(0, B * Hq * nblk, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
-    std::vector<float> S(block * span), inv(block);
+    BlockScratch w(block, span);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nblk, s = (t % nblk) * block, e = std::min(N, s + block);
       const int64_t bi = bh / Hq, kv = (bh % Hq) / G, k_lo = std::max<int64_t>(0, s - left), k_hi = std::min(N, e + right);
@@ -133,7 +174,7 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
                    b.kp + bi * k.stride(0) + kv * k.stride(1) + k_lo * k.stride(2), (int)k.stride(2),
                    b.vp + bi * v.stride(0) + kv * v.stride(1) + k_lo * v.stride(2), (int)v.stride(2),
                    b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi, left, right,
-                   (int)D, (int)Dv, (float)scale, (float)softcap, softmax, S.data(), inv.data(), slope2[bh % Hq]);
+                   (int)D, (int)Dv, (float)scale, (float)softcap, softmax, w, slope2[bh % Hq]);
     }
   });
   if (flat) return {b.out.squeeze(0), b.lse.squeeze(0)};
@@ -172,7 +213,7 @@ std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, con
   Buffers b(q, k, v, {T, Hq, Dv}, {Hq, T});
   at::parallel_for(0, Hq * ntask, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
-    std::vector<float> Sb(block * std::max<int64_t>(span, 1)), inv(block);
+    BlockScratch w(block, span);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = t / ntask, task = t % ntask, seq = task_seq[task], s = task_start[task];
       const int64_t e = std::min(c[seq + 1], s + block), kv = h / G;
@@ -180,7 +221,7 @@ std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, con
       attend_block(b.qp + (s * Hq + h) * D, (int)(Hq * D), b.kp + (k_lo * Hkv + kv) * D, (int)(Hkv * D),
                    b.vp + (k_lo * Hkv + kv) * Dv, (int)(Hkv * Dv), b.op + (s * Hq + h) * Dv, (int)(Hq * Dv),
                    b.lp + h * T + s, e - s, s, k_lo, k_hi, left, right, (int)D, (int)Dv, (float)scale,
-                   (float)softcap, true, Sb.data(), inv.data());
+                   (float)softcap, true, w);
     }
   });
   return {b.out, b.lse};
