@@ -5,6 +5,12 @@ Only the standard library: the package uses it before it imports torch.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
 #: the exit status of a command stopped by Ctrl-C (128 + SIGINT), as a shell reports it
 INTERRUPTED = 130
 
@@ -21,3 +27,40 @@ def interrupted_exit_code() -> int:
     """
     eval("None")  # clears the interpreter's unhandled-interrupt note (see above); runs no user input
     return INTERRUPTED
+
+
+_pending = False
+
+
+def _remember_and_raise(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    _pending = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def remembered_interrupts() -> Iterator[None]:
+    """Ctrl-C inside the block raises ``KeyboardInterrupt`` as usual and is also remembered, so that a
+    library which swallows it (torch imports ``torch._dynamo`` lazily in the first optimizer's
+    ``add_param_group``, and an interrupt landing in that import was seen lost in CI) cannot make it
+    vanish: :func:`raise_if_interrupted` raises it again. Main thread only, and only where SIGINT has
+    Python's default handler (a shell's ignored SIGINT stays ignored); the handler is restored after."""
+    global _pending
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    _pending = False
+    previous = signal.signal(signal.SIGINT, _remember_and_raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _pending = False
+
+
+def raise_if_interrupted() -> None:
+    """``KeyboardInterrupt`` if a Ctrl-C arrived inside :func:`remembered_interrupts` (once raised and
+    swallowed by a library); called by the arena's training loop at every step."""
+    if _pending:
+        raise KeyboardInterrupt

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from attnzoo._interrupt import interrupted_exit_code
+from attnzoo._interrupt import interrupted_exit_code, remembered_interrupts
 from attnzoo._outputs import ensure_output_dir
 from attnzoo._validate import nonnegative_int_arg as _nonnegative_int
 from attnzoo._validate import positive_float_arg as _positive_float
@@ -804,7 +804,8 @@ def _one_line_interrupt(fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapped(args: argparse.Namespace) -> int:
         try:
-            return fn(args)
+            with remembered_interrupts():  # a Ctrl-C a library swallows is raised again at the next step
+                return fn(args)
         except KeyboardInterrupt:
             print(interrupted_line(args), file=sys.stderr, flush=True)
             return interrupted_exit_code()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from attnzoo._interrupt import raise_if_interrupted
 from attnzoo._validate import check_int
 from attnzoo.arena.parallel import ParallelPlan
 from attnzoo.arena.storage import load_checkpoint, save_checkpoint
@@ -217,6 +218,7 @@ def train(
     tokens = 0
     busy = 0.0  # seconds spent in training steps (callbacks and checkpoints excluded)
     for step in range(start_step, steps):
+        raise_if_interrupted()  # a Ctrl-C that a library swallowed (see attnzoo._interrupt)
         t0 = time.perf_counter()
         lr = lr_at(step, steps, cfg)
         for group in opt.param_groups:
