@@ -85,8 +85,10 @@ BLOCK = 64
 #: keep :data:`BLOCK` (a block's masked triangles grow with it).
 WIDE_BLOCK = 128
 WIDE_ROWS = 1024
-#: The largest score buffer of one thread (BLOCK x the keys a block sees, float32); longer rows (dense
-#: attention beyond N = 262,144) keep the PyTorch path, whose memory is O(N x block) by chunks.
+#: The largest score buffer of one thread (a block x the keys it sees, float32): what the backward's
+#: three row buffers need (the forward takes keys in chunks of 1,024 and would not, so the limit is
+#: conservative for inference); longer rows (dense attention beyond N = 262,144 at 64-row blocks)
+#: keep the PyTorch path, whose memory is O(N x block) by chunks.
 MAX_SCORE_BYTES = 64 << 20
 _NAME = "attnzoo_native_window"
 _cache: dict[Path, ModuleType | None] = {}
