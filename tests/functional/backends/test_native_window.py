@@ -571,3 +571,55 @@ def test_native_alibi_matches_the_float64_reference(case, bwd_calls: list[str], 
     for name, a, e, r in zip(("out", "lse", "dq", "dk", "dv"), ours, eager, ref, strict=True):
         err, eager_err = (a - r).abs().max().item(), (e - r).abs().max().item()
         assert err <= 2 * eager_err + 1e-6, (name, err, eager_err)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["k", "q"])
+def test_every_kernel_makes_a_row_that_sees_a_non_finite_score_nan(built: object, value: float, where: str) -> None:
+    """docs/conventions.md: a row whose query, or a key it sees, holds a NaN or inf is NaN (and its LSE);
+    every other row is the clean run's. The kernels are built with -ffast-math, under which a float
+    test for NaN may be folded away and the exp2 clamp turned a NaN into a finite number: before the
+    bit test, a NaN key vanished from an unmasked row."""
+    g = torch.Generator().manual_seed(11)
+    n, j, i = 96, 40, 50  # the bad key j (window rows j .. j + 8 see it), the bad query row i
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for _ in range(3))
+    bad_q, bad_k = q.clone(), k.clone()
+    if where == "k":
+        bad_k[0, 1, j, 3] = value
+    else:
+        bad_q[0, 1, i, 3] = value
+    hit = torch.zeros(1, 2, n, dtype=torch.bool)
+    if where == "k":
+        hit[0, 1, j:j + 9] = True
+    else:
+        hit[0, 1, i] = True
+    fwd = built.window_fwd  # type: ignore[attr-defined]
+    out, lse = fwd(bad_q, bad_k, v, 8, 0, 0.35, 0.0, 32, True, None)
+    clean, clean_lse = fwd(q, k, v, 8, 0, 0.35, 0.0, 32, True, None)
+    assert torch.equal(torch.isnan(out).any(-1), hit) and torch.equal(torch.isnan(lse), hit)
+    torch.testing.assert_close(out[~hit], clean[~hit], atol=0, rtol=0)
+    torch.testing.assert_close(lse[~hit], clean_lse[~hit], atol=0, rtol=0)
+    # decoding: the last 4 queries against the whole cache, 2 splits (a NaN split poisons the merge)
+    dq = bad_q[:, :, -4:].contiguous() if where == "q" else q[:, :, -4:].contiguous()
+    dec, dec_lse = built.decode_fwd(dq, bad_k, v, n, 0, n - 4, 0.35, 0.0, 48)  # type: ignore[attr-defined]
+    rows = torch.zeros(1, 2, 4, dtype=torch.bool)
+    if where == "k":
+        rows[0, 1] = True  # every decoding query sees key j
+    assert torch.equal(torch.isnan(dec).any(-1), rows) and torch.equal(torch.isnan(dec_lse), rows)
+    assert torch.isfinite(dec[~rows]).all()
+
+
+def test_the_nsa_kernel_makes_a_row_that_sees_a_non_finite_key_nan(built: object) -> None:
+    kb = torch.randn(1, 1, 4, 8, 16, generator=torch.Generator().manual_seed(12))
+    q = torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(13))
+    idx = torch.arange(4).repeat(32, 1)[:, :2].reshape(1, 1, 32, 2).contiguous()  # blocks 0 and 1
+    ok = torch.ones(1, 1, 32, 2, dtype=torch.bool)
+    fwd = built.nsa_selected_fwd  # type: ignore[attr-defined]
+    clean = fwd(q, kb, kb, idx, ok, 0, 0.25, 16)
+    bad = kb.clone()
+    bad[0, 0, 1, 2, 5] = float("nan")  # key 10: queries 10 .. 31 see it
+    out = fwd(q, bad, kb, idx, ok, 0, 0.25, 16)
+    hit = torch.zeros(1, 2, 32, dtype=torch.bool)
+    hit[:, :, 10:] = True
+    assert torch.equal(torch.isnan(out).any(-1), hit)
+    torch.testing.assert_close(out[~hit], clean[~hit], atol=0, rtol=0)

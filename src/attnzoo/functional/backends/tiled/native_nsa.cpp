@@ -10,7 +10,9 @@
 #include "native_common.h"
 
 using attnzoo_native::FlushDenormals;
+using attnzoo_native::any_nonfinite;
 using attnzoo_native::exp2_clamped;
+using attnzoo_native::nan_value;
 using attnzoo_native::gemm;
 
 namespace {
@@ -20,6 +22,7 @@ namespace {
 struct Chunk {
   std::vector<int64_t> start, pair_query;      // CSR by block: pairs start[j] .. start[j + 1] - 1
   std::vector<float> qt, s, o, alpha, m, l, acc;
+  std::vector<char> bad;  // query rows that saw a non-finite score: NaN
 };
 
 }  // namespace
@@ -76,6 +79,7 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
       for (int64_t e = 0; e < c * n; ++e) if (ob[e]) w.pair_query[fill[ib[e]]++] = e / n;
       w.m.assign(c * r, none);
       w.l.assign(c * r, 0.f);
+      w.bad.assign(c * r, 0);
       w.acc.assign(c * r * Dv, 0.f);
       for (int64_t j = 0; j < Ns; ++j) {
         const int64_t p0 = w.start[j], np = w.start[j + 1] - p0, R = np * r;
@@ -100,6 +104,7 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
             for (int64_t k = 0; k < hi; ++k) mx = std::max(mx, sr[k]);
             if (hi < L) std::fill(sr + std::max<int64_t>(hi, 0), sr + L, 0.f);
             if (hi <= 0) { w.alpha[row] = 1.f; continue; }  // no visible key in this block (not from pick_blocks)
+            if (any_nonfinite(sr, hi)) w.bad[st] = 1;  // the row ends as NaN
             const float m_new = std::max(w.m[st], mx);
             float sum = 0.f;
             for (int64_t k = 0; k < hi; ++k) { const float e = exp2_clamped(sr[k] - m_new); sr[k] = e; sum += e; }
@@ -126,6 +131,7 @@ at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at:
           const float lsum = w.l[qi * r + h], inv = lsum > 0.f ? 1.f / lsum : 0.f;
           const float* acc = w.acc.data() + (qi * r + h) * Dv;
           float* o = op + ((b * H + g * r + h) * N + i0 + qi) * Dv;
+          if (w.bad[qi * r + h]) { std::fill(o, o + Dv, nan_value()); continue; }
           for (int64_t d = 0; d < Dv; ++d) o[d] = acc[d] * inv;
         }
       }

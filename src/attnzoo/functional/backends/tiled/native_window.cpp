@@ -10,8 +10,10 @@
 #include "native_common.h"
 
 using attnzoo_native::FlushDenormals;
+using attnzoo_native::any_nonfinite;
 using attnzoo_native::exp2_clamped;
 using attnzoo_native::gemm;
+using attnzoo_native::nan_value;
 
 // The output and log-sum-exp tensors of a call and the raw pointers the blocks read and write.
 struct Buffers {
@@ -76,8 +78,9 @@ static constexpr int64_t KEY_CHUNK = 1024;
 // maximum, sum and rescale factor.
 struct BlockScratch {
   std::vector<float> S, m, l, a;
+  std::vector<char> bad;  // rows that saw a non-finite score: NaN
   BlockScratch(int64_t block, int64_t span)
-      : S(block * std::max<int64_t>(1, std::min(span, KEY_CHUNK))), m(block), l(block), a(block) {}
+      : S(block * std::max<int64_t>(1, std::min(span, KEY_CHUNK))), m(block), l(block), a(block), bad(block) {}
 };
 
 // One block of R queries (query i0 + r, rows of q at stride ldq) against keys k_lo .. k_hi - 1 (rows
@@ -94,6 +97,7 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
   float* S = w.S.data();
   std::fill(w.m.begin(), w.m.begin() + R, none);
   std::fill(w.l.begin(), w.l.begin() + R, 0.f);
+  std::fill(w.bad.begin(), w.bad.begin() + R, 0);
   for (int64_t c0 = k_lo; c0 < k_hi; c0 += KEY_CHUNK) {
     const int64_t c1 = std::min(k_hi, c0 + KEY_CHUNK);
     const int L = (int)(c1 - c0);
@@ -103,6 +107,7 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
       const int64_t lo = std::max(c0, i - left) - c0, hi = std::min(c1, i + right + 1) - c0;
       float* row = S + r * L;
       if (hi <= lo) { std::fill(row, row + L, 0.f); w.a[r] = 1.f; continue; }
+      if (any_nonfinite(row + lo, hi - lo)) w.bad[r] = 1;  // the row ends as NaN; go on with finite numbers
       cap_row(row, lo, hi, cap);
       alibi_row(row, lo, hi, i - c0, slope2);
       const float m_new = std::max(w.m[r], max_of(row, lo, hi));
@@ -120,9 +125,14 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
     gemm('N', 'N', Dv, (int)R, L, 1.f, vb + (c0 - k_lo) * ldv, ldv, S, L, c0 > k_lo ? 1.f : 0.f, ob, ldo);
   }
   for (int64_t r = 0; r < R && softmax; ++r) {
+    float* o = ob + r * ldo;
+    if (w.bad[r]) {
+      lse[r] = nan_value();
+      std::fill(o, o + Dv, nan_value());
+      continue;
+    }
     lse[r] = (w.m[r] + std::log2(w.l[r])) * 0.6931471805599453f;
     const float inv = 1.f / w.l[r];
-    float* o = ob + r * ldo;
     for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
   }
 }
@@ -285,7 +295,9 @@ std::vector<at::Tensor> decode_fwd(const at::Tensor& q, const at::Tensor& k, con
           std::fill(row, row + C, 0.f); m[r] = none; l[r] = 0.f;
           continue;
         }
+        const bool bad = any_nonfinite(row + lo, hi - lo);
         m[r] = softmax_row(row, lo, hi, C, cap, &l[r]);
+        if (bad) l[r] = nan_value();  // the merge makes the row NaN
       }
       gemm('N', 'N', (int)Dv, (int)rows, C, 1.f, vc, (int)Dv, S.data(), C, 0.f, o, (int)Dv);
     }
@@ -296,11 +308,18 @@ std::vector<at::Tensor> decode_fwd(const at::Tensor& q, const at::Tensor& k, con
     for (int64_t bh = begin; bh < end; ++bh) {
       for (int64_t r = 0; r < rows; ++r) {
         float mx = none;
+        bool bad = false;
         for (int64_t sp = 0; sp < nsplit; ++sp) {
           const int64_t t = bh * nsplit + sp;
+          bad = bad || any_nonfinite(&pl[t * rows + r], 1);
           if (pl[t * rows + r] > 0.f) mx = std::max(mx, pm[t * rows + r]);
         }
         float* dst = outp + (bh * rows + r) * Dv;  // [B, Hkv, G Nq, Dv] is [B, Hq, Nq, Dv]
+        if (bad) {  // a split saw a non-finite score
+          std::fill(dst, dst + Dv, nan_value());
+          lsep[bh * rows + r] = nan_value();
+          continue;
+        }
         std::fill(dst, dst + Dv, 0.f);
         float den = 0.f;
         for (int64_t sp = 0; sp < nsplit; ++sp) {
