@@ -327,6 +327,7 @@ def test_named_backend_refuses_missing_feature() -> None:
 
 def test_tiled_memory_is_linear_in_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forward+backward never holds an N x N tensor: the largest score tile is block_q x chunk."""
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")  # the PyTorch tiled path itself (not its compiled twin)
     tiles = TileConfig(block_q=64, block_k=64, max_chunk_k=256)
     sizes: list[int] = []
     n = 1024
@@ -410,6 +411,7 @@ def test_flex_compiled_matches_reference(monkeypatch: pytest.MonkeyPatch, n_q: i
 @pytest.mark.parametrize("hkv", [1, 4])
 def test_tiled_sliding_window_band_gradients(monkeypatch: pytest.MonkeyPatch, window, extra, hkv) -> None:
     """The backward pass of window bands (default block sizes) against float64 autograd of the reference."""
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")  # the PyTorch tiled path itself (not its compiled twin)
     pieces: list[int] = []
     real = tiled_backward.backward_band
     monkeypatch.setattr(tiled_backward, "backward_band", lambda *a: (pieces.append(1), real(*a))[1])
@@ -485,6 +487,7 @@ def test_band_pieces_cover_the_band_and_fit_in_the_unwritten_rows() -> None:
 @pytest.mark.parametrize("hkv", [1, 2])
 def test_tiled_band_tail_sub_blocks_match_reference(monkeypatch: pytest.MonkeyPatch, mask, hkv) -> None:
     """The last band blocks, cut into sub-blocks over their key windows, give the reference's rows."""
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")  # the PyTorch tiled path itself (not its compiled twin)
     sizes: list[int] = []
     real = tiled_forward.forward_band
     monkeypatch.setattr(tiled_forward, "forward_band", lambda r, bq, *a: (sizes.append(bq), real(r, bq, *a))[1])

@@ -217,8 +217,14 @@ def test_requests_it_does_not_serve_take_the_pytorch_path(what: str, calls: list
     assert calls == []
 
 
+def _not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As after an install that built no kernels (pip's isolated build, no compiler)."""
+    monkeypatch.setattr(native, "installed_path", lambda: None)
+
+
 def test_not_built_means_none_and_no_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTNZOO_NATIVE_DIR", str(tmp_path))
+    _not_installed(monkeypatch)
     native._cache.pop(native.build_dir(), None)
     assert native.native_module() is None
     assert list(tmp_path.iterdir()) == []  # looking never builds
@@ -239,6 +245,8 @@ def test_the_kernel_checks_its_inputs(built: object) -> None:
 def test_cli_native_reports_and_explains_a_failed_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("ATTNZOO_NATIVE_DIR", str(tmp_path))
+    _not_installed(monkeypatch)
+    native._cache.pop(native.build_dir(), None)
     assert cli.main(["native"]) == 0
     assert "not built" in capsys.readouterr().out
 

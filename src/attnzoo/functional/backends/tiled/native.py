@@ -14,23 +14,26 @@ scores recomputed from the saved LSE, ``dP = dO V^T``, ``dS``, then ``dQ``, and 
 private buffers per (KV head, segment of query blocks) added up at the end) trains dense causal
 N = 4096 in 0.85x SDPA's forward + backward time (the PyTorch tiled backward: 1.33x).
 
-It is **built on request, never at import or call time**: ``attnzoo native --build`` (or
-:func:`build`) compiles it with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s) into
-``$ATTNZOO_NATIVE_DIR`` (default ``~/.cache/attnzoo/native``), under a tag of the Python, torch
-and CPU it was built for. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
+It is **built at install time or on request, never at import or call time**: the README's ``pip
+install --no-build-isolation`` runs ``setup.py``, which compiles it beside this file (with a tag
+file); ``attnzoo native --build`` (or :func:`build`) compiles it with ``torch.utils.cpp_extension``
+(g++ and ninja; about 25 s) into ``$ATTNZOO_NATIVE_DIR`` (default ``~/.cache/attnzoo/native``), under
+a tag of the Python, torch and CPU it was built for (:mod:`.native_build`). :func:`module_path` picks
+the second where both exist; a build whose tag is not this Python's, torch's, CPU's and sources' is
+never loaded. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
 (:func:`native_forward`, differentiable; :func:`native_backward` inside compiled graphs), and so do
 ``attention_varlen`` (:func:`native_varlen`), split-KV decoding (:func:`native_decode`) and the ``nsa``
-variant (:func:`native_nsa_selected`);
-``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_`` symbol that
-torch's x86 CPU wheels export (MKL); where that, a compiler or ninja is missing, :func:`build`
-raises :class:`NativeUnavailable` with the reason and the PyTorch path stays in use. The PyTorch
+variant (:func:`native_nsa_selected`); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_``
+symbol that torch's x86 CPU wheels export (MKL); where that, a compiler or ninja is missing,
+:func:`build` raises :class:`NativeUnavailable` with the reason (``setup.py`` prints it and installs
+without the kernels) and the PyTorch path stays in use. The PyTorch
 flat band / per-block bands remain the reference it is tested against.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib.machinery
 import importlib.util
 import os
 import platform
@@ -44,6 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnzoo.functional.backends.tiled.native_build import (
+    NAME,
+    SOURCES,
+    TAG_FILE,
+    compile_flags,
+    cpu_tag,
+    link_flags,
+)
 from attnzoo.functional.core._request import AttnRequest
 from attnzoo.functional.core.rules import key_bounds
 
@@ -62,6 +73,8 @@ __all__ = [
     "build_dir",
     "calibration",
     "enabled",
+    "installed_path",
+    "module_path",
     "native_backward",
     "native_decode",
     "native_forward",
@@ -72,10 +85,6 @@ __all__ = [
     "sides",
 ]
 
-#: the compiled sources, one module: attention over windows / packed sequences, and NSA's selected branch
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_window.cpp", "native_nsa.cpp"))
-#: what the sources include from beside them (part of the build tag)
-HEADERS = (Path(__file__).with_name("native_common.h"),)
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
 #: rows; dense causal N=4096 1.00x / 0.90x / 0.94x SDPA's time at 32 / 64 / 128).
 BLOCK = 64
@@ -90,24 +99,11 @@ WIDE_ROWS = 1024
 #: conservative for inference); longer rows (dense attention beyond N = 262,144 at 64-row blocks)
 #: keep the PyTorch path, whose memory is O(N x block) by chunks.
 MAX_SCORE_BYTES = 64 << 20
-_NAME = "attnzoo_native_window"
 _cache: dict[Path, ModuleType | None] = {}
 
 
 class NativeUnavailable(RuntimeError):
     """The compiled kernel cannot be built or loaded here (the message says why)."""
-
-
-@functools.cache
-def _cpu_tag() -> str:
-    """A short hash of what the compiled code depends on: Python, torch, the CPU's flags
-    (``-march=native``) and the source (computed once a process: it is on every call's path)."""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
-    key = "|".join((sys.version, torch.__version__, platform.machine(), flags, *(s.read_text() for s in SOURCES + HEADERS)))
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def build_dir() -> Path:
@@ -118,19 +114,12 @@ def build_dir() -> Path:
 
 @functools.lru_cache(maxsize=16)
 def _dir_for(root: str) -> Path:
-    return (Path(root) if root else Path.home() / ".cache" / "attnzoo" / "native") / _cpu_tag()
+    return (Path(root) if root else Path.home() / ".cache" / "attnzoo" / "native") / cpu_tag()
 
 
 def enabled() -> bool:
     """False when ``ATTNZOO_NATIVE=0`` (the PyTorch path always)."""
     return os.environ.get("ATTNZOO_NATIVE", "1") != "0"
-
-
-def _flags() -> list[str]:
-    flags = ["-O3", "-ffast-math", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags += ["-march=native", "-mprefer-vector-width=512"]
-    return flags
 
 
 def build(verbose: bool = False) -> Path:
@@ -145,7 +134,7 @@ def build(verbose: bool = False) -> Path:
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(_NAME, [str(s) for s in SOURCES], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+        cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=compile_flags(), extra_ldflags=link_flags(),
                            build_directory=str(out), verbose=verbose)
     except Exception as e:  # a compiler, linker or loader error: the reason is in its message
         raise NativeUnavailable(f"building {', '.join(s.name for s in SOURCES)} failed: {type(e).__name__}: {e}") from e
@@ -154,7 +143,30 @@ def build(verbose: bool = False) -> Path:
 
 
 def _built(out: Path) -> Path:
-    return out / f"{_NAME}{'.pyd' if sys.platform == 'win32' else '.so'}"
+    return out / f"{NAME}{'.pyd' if sys.platform == 'win32' else '.so'}"
+
+
+def installed_path() -> Path | None:
+    """The module ``pip install --no-build-isolation`` built beside this file (``setup.py``), when the
+    tag written beside it is this Python's, torch's, CPU's and sources' (:func:`native_build.cpu_tag`),
+    else ``None``: a build for another torch or CPU, or for sources edited since, is never loaded."""
+    return _installed_in(Path(__file__).parent)
+
+
+def _installed_in(here: Path) -> Path | None:
+    try:
+        tag = (here / TAG_FILE).read_text().strip()
+    except OSError:
+        return None
+    path = here / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    return path if tag == cpu_tag() and path.exists() else None
+
+
+def module_path() -> Path | None:
+    """The file :func:`native_module` loads: the build of ``attnzoo native --build`` in
+    :func:`build_dir` when there is one, else the one ``pip install`` built (:func:`installed_path`)."""
+    built = _built(build_dir())
+    return built if built.exists() else installed_path()
 
 
 def native_module() -> ModuleType | None:
@@ -164,10 +176,10 @@ def native_module() -> ModuleType | None:
         return None
     out = build_dir()
     if out not in _cache:
-        path, mod = _built(out), None
-        if path.exists():
+        path, mod = module_path(), None
+        if path is not None:
             try:
-                spec = importlib.util.spec_from_file_location(_NAME, path)
+                spec = importlib.util.spec_from_file_location(NAME, path)
                 if spec is not None and spec.loader is not None:
                     mod = importlib.util.module_from_spec(spec)
                     spec.loader.exec_module(mod)
