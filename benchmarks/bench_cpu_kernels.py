@@ -11,6 +11,8 @@ ours alternating so that machine load hits both alike):
   at ``--nsa-sizes`` (the crossing length is where the ratio passes 1);
 * ``varlen``: ``attention_varlen`` (``auto``) on 16 mixed causal sequences (T = 24,576) vs a Python
   loop of per-sequence SDPA that also assembles the packed output, and ``backend="tiled"``;
+* ``varlen_train``: the same sequences trained (forward + backward, float32): ``attention_varlen``
+  vs the loop of per-sequence SDPA under autograd, and the PyTorch path;
 * ``tiled``: ``backend="tiled"`` vs SDPA ``is_causal`` at N=4096, 8 heads (query blocks as whole-row
   softmaxes; and the whole-row softmax, ``TileConfig(row_elems=1 << 22)``, off by default);
 * ``window``: causal window (256, 0) at N=65536 (``auto`` = ``tiled``'s flat band,
@@ -53,7 +55,7 @@ from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.local_global import LocalGlobalAttention
 from attnzoo.variants import build_attention
 
-ROWS = ("decode", "local_global", "nsa", "varlen", "tiled", "window")
+ROWS = ("decode", "local_global", "nsa", "varlen", "varlen_train", "tiled", "window")
 MIXED = [6144, 3840, 3072, 2304, 1920, 1536, 1344, 1152, 960, 768, 576, 384, 240, 192, 96, 48]  # 16, 24,576
 
 
@@ -165,6 +167,30 @@ def bench_varlen(repeats: int, packed_peer: bool = True) -> None:
         _row("  (before: the packed tiled path)", t["tiled"], t["loop"], "tiled / per-sequence SDPA loop")
 
 
+def bench_varlen_train(repeats: int) -> None:
+    with torch.inference_mode(False), torch.enable_grad():
+        g = torch.Generator().manual_seed(0)
+        t_ = sum(MIXED)
+        base = [torch.randn(t_, 8, 64, generator=g) for _ in range(4)]  # q, k, v, d_out
+        cu = torch.tensor([0, *torch.tensor(MIXED).cumsum(0).tolist()], dtype=torch.int32)
+
+        def step(attend: Callable[..., torch.Tensor]) -> Callable[[], object]:
+            def run() -> object:
+                with torch.enable_grad():
+                    q, k, v = (t.clone().requires_grad_() for t in base[:3])
+                    (attend(q, k, v) * base[3]).sum().backward()
+                return q.grad
+            return run
+
+        fns = {"loop": step(lambda q, k, v: _loop_sdpa(q, k, v, MIXED)),
+               "ours": step(lambda q, k, v: az.attention_varlen(q, k, v, cu, cu, causal=True))}
+        t = timed(_with_pytorch_path(fns), repeats)
+    _row("attention_varlen training (fwd + bwd), 16 mixed causal sequences", t["ours"], t["loop"],
+         "auto / per-sequence SDPA loop")
+    if "pytorch" in t:
+        _row("  (PyTorch path, ATTNZOO_NATIVE=0)", t["pytorch"], t["loop"], "auto / per-sequence SDPA loop")
+
+
 def _with_tiles(tiles: TileConfig, fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
         with use_tiles(tiles):
@@ -226,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             few = max(1, a.repeats // 3)
             runs: dict[str, Callable[[], None]] = {
                 "decode": lambda: bench_decode(a.repeats), "local_global": lambda: bench_local_global(a.repeats),
-                "nsa": lambda: bench_nsa(a.nsa_sizes, max(1, a.repeats // 9)), "varlen": lambda: bench_varlen(few, not a.no_packed_peer),
+                "nsa": lambda: bench_nsa(a.nsa_sizes, max(1, a.repeats // 9)), "varlen": lambda: bench_varlen(few, not a.no_packed_peer), "varlen_train": lambda: bench_varlen_train(few),
                 "tiled": lambda: bench_tiled(few), "window": lambda: bench_window(few)}
             for name in a.only:
                 runs[name]()

@@ -297,19 +297,58 @@ def test_native_varlen_matches_per_sequence_reference(case, built: object, monke
     assert torch.equal(plain, out)
 
 
-def test_native_varlen_leaves_training_sinks_and_unequal_lengths_to_pytorch(calls: list[tuple[int, int]],
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_varlen_leaves_sinks_and_unequal_lengths_to_pytorch(calls: list[tuple[int, int]],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
     monkeypatch.setattr(native._cache[native.build_dir()], "varlen_fwd", lambda *a: seen.append(1), raising=False)
+    monkeypatch.setattr(native._cache[native.build_dir()], "window_bwd", lambda *a: seen.append(2), raising=False)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(40, 2, 8, generator=g) for _ in range(3))
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
     ref = az.attention_varlen(q, k, v, cu, cu, causal=True, backend="reference")
+    sinks = torch.zeros(2, requires_grad=True)
+    torch.testing.assert_close(az.attention_varlen(q, k, v, cu, cu, causal=True, sinks=sinks * 0 - 1e9), ref,
+                               atol=1e-5, rtol=1e-5)
     qg = q.clone().requires_grad_()
-    torch.testing.assert_close(az.attention_varlen(qg, k, v, cu, cu, causal=True), ref, atol=1e-5, rtol=1e-5)
-    az.attention_varlen(q, k, v, cu, cu, causal=True, sinks=torch.zeros(2))
+    az.attention_varlen(qg, k, v, cu, cu, causal=True, sinks=sinks).sum().backward()
     az.attention_varlen(q[:30], k, v, torch.tensor([0, 10, 30], dtype=torch.int32), cu, causal=True)
-    assert seen == []
+    qs = q[:30].clone().requires_grad_()
+    az.attention_varlen(qs, k, v, torch.tensor([0, 10, 30], dtype=torch.int32), cu, causal=True).sum().backward()
+    assert seen == [] and qg.grad is not None and qs.grad is not None
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=[f"len{c[0]}-causal{c[3]}-win{c[4]}-cap{c[5]}" for c in VARLEN])
+def test_native_varlen_trains_like_the_float64_reference(case, built: object,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed training (forward ``varlen_fwd``, backward ``window_bwd`` once per non-empty sequence):
+    the output and the gradients of q, k, v within 2x the PyTorch float32 path's error of float64."""
+    lengths, hq, hkv, causal, window, softcap = case
+    calls: list[int] = []
+    fwd, bwd = built.varlen_fwd, built.window_bwd  # type: ignore[attr-defined]
+    monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(
+        varlen_fwd=lambda *a: calls.append(1) or fwd(*a), window_bwd=lambda *a: calls.append(2) or bwd(*a)))
+    g = torch.Generator().manual_seed(3)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, 16, generator=g, dtype=F64) * 2 for h in (hq, hkv, hkv))
+    d_out = torch.randn(T, hq, 16, generator=g, dtype=F64)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"causal": causal, "window": window, "softcap": softcap}
+
+    def grads(dtype: torch.dtype, **extra: object) -> list[torch.Tensor]:
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = az.attention_varlen(*leaves, cu, cu, **kw, **extra)
+        (out * d_out.to(dtype)).sum().backward()
+        return [out.detach().double(), *(t.grad.double() for t in leaves)]
+
+    ref = grads(F64, backend="reference")
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+    eager = grads(torch.float32)
+    monkeypatch.delenv("ATTNZOO_NATIVE")
+    ours = grads(torch.float32)
+    assert calls == [1] + [2] * sum(1 for n in lengths if n > 0)
+    for name, mine, theirs, exact in zip(("out", "dq", "dk", "dv"), ours, eager, ref, strict=True):
+        err, bound = (mine - exact).abs().max().item(), (theirs - exact).abs().max().item()
+        assert err <= 2 * bound + 1e-5, f"{name}: {err:.2e} vs the PyTorch path's {bound:.2e}"
 
 
 NSA_CASES = [  # (config (l, d, l', n, w), H, Hkv, Nq, Nk, D, Dv): Nq >= 256 runs the block-major branch

@@ -33,7 +33,7 @@ from torch import Tensor
 from attnzoo._devices import tracing
 from attnzoo._validate import check_bool, check_cu_seqlens, check_positive_float, check_tensor_ranks
 from attnzoo.functional.backends.tiled import attention_backward, native_half_matmul, plan_for
-from attnzoo.functional.backends.tiled.native import native_varlen
+from attnzoo.functional.backends.tiled.native import native_varlen, native_varlen_bwd
 from attnzoo.functional.core._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.core.rules import alibi_bias
 from attnzoo.functional.core.score_mod import ScoreModFn
@@ -142,7 +142,9 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, caus
     kw = dict(causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
               return_lse=return_lse)
     with torch.no_grad():
-        out, lse = _eager_varlen(q, k, v, cu_q, cu_k, win, kw, backend)
+        fast = (native_varlen(q, k, v, cu_q, cu_k, causal=causal, window=win, scale=scale, softcap=softcap)
+                if backend == "tiled" and alibi_slopes is None and sinks is None else None)  # the compiled kernel
+        out, lse = fast if fast is not None else _eager_varlen(q, k, v, cu_q, cu_k, win, kw, backend)
     return out.contiguous(), (lse if return_lse else q.new_empty(0, dtype=_lse_dtype(q))).contiguous()
 
 
@@ -179,7 +181,12 @@ def varlen_bwd(d_out: Tensor, d_lse: Tensor | None, q: Tensor, k: Tensor, v: Ten
         if q.dtype in (torch.float16, torch.bfloat16) and not native_half_matmul(q.dtype, q.device.type):
             # tiles in float32, as the eager tiled path computes them (dO too: the tile matmuls need one dtype)
             qc, kc, vc, oc, d_out = q.float(), k.float(), v.float(), out.float(), d_out.float()
-        if q.shape[0] == 0 or k.shape[0] == 0:  # no query or no key anywhere: nothing reaches q, k, v
+        fast = (native_varlen_bwd(qc, kc, vc, oc, lse, d_out, d_lse, cu_q, causal=causal, window=win, scale=scale,
+                                  softcap=softcap)
+                if alibi_slopes is None and sinks is None and bool(torch.equal(cu_q, cu_k)) else None)
+        if fast is not None:  # the compiled kernel, one call per sequence
+            dq, dk, dv = fast
+        elif q.shape[0] == 0 or k.shape[0] == 0:  # no query or no key anywhere: nothing reaches q, k, v
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         elif alibi_slopes is not None and not bool(torch.equal(cu_q, cu_k)):
             dq, dk, dv = _per_sequence_bwd(d_out, d_lse, qc, kc, vc, oc, lse, cu_q.tolist(), cu_k.tolist(),

@@ -22,7 +22,7 @@ a tag of the Python, torch and CPU it was built for (:mod:`.native_build`). :fun
 the second where both exist; a build whose tag is not this Python's, torch's, CPU's and sources' is
 never loaded. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
 (:func:`native_forward`, differentiable; :func:`native_backward` inside compiled graphs), and so do
-``attention_varlen`` (:func:`native_varlen`), split-KV decoding (:func:`native_decode`) and the ``nsa``
+``attention_varlen`` (:func:`native_varlen`, and :func:`native_varlen_bwd` in training), split-KV decoding (:func:`native_decode`) and the ``nsa``
 variant (:func:`native_nsa_selected`); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_``
 symbol that torch's x86 CPU wheels export (MKL); where that, a compiler or ninja is missing,
 :func:`build` raises :class:`NativeUnavailable` with the reason (``setup.py`` prints it and installs
@@ -39,6 +39,7 @@ import os
 import platform
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
@@ -81,6 +82,7 @@ __all__ = [
     "native_module",
     "native_nsa_selected",
     "native_varlen",
+    "native_varlen_bwd",
     "prefer_over_sdpa",
     "sides",
 ]
@@ -335,6 +337,39 @@ def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), block)
+
+
+def native_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+                      d_lse: Tensor | None, cu: Tensor, *, causal: bool,
+                      window: tuple[int | None, int | None] | None, scale: float | None,
+                      softcap: float | None) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, Dv])`` of packed sequences whose queries are their
+    keys (``cu`` their boundaries) from the compiled ``window_bwd``, one call per sequence on its
+    ``[H, n, *]`` rows, else ``None`` (not built, not float32 CPU, a row that sees no key, a score
+    buffer over :data:`MAX_SCORE_BYTES`). ``out`` / ``lse [Hq, T]`` are the forward's (either path's:
+    both are the natural-log LSE); no ALiBi, sinks or ``score_mod`` (the caller checks)."""
+    mod = native_module()
+    tensors = (q, k, v, out, d_out, lse) if d_lse is None else (q, k, v, out, d_out, lse, d_lse)
+    if mod is None or q.shape[0] == 0 or not all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                                 for t in tensors):
+        return None
+    bounds = cu.tolist()
+    longest = max(b - a for a, b in pairwise(bounds))
+    lr = sides(window, causal, longest)
+    if lr is None or BLOCK * min(longest, BLOCK + lr[0] + lr[1]) * 4 > MAX_SCORE_BYTES:
+        return None
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in pairwise(bounds):
+        if b == a:
+            continue
+        rows = [t[a:b].transpose(0, 1).contiguous() for t in (q, k, v, out)]  # the sequence's [H, n, *]
+        grads = mod.window_bwd(*rows, lse[:, a:b].contiguous(), d_out[a:b].transpose(0, 1).contiguous(),
+                               d_lse[:, a:b].contiguous(), *lr, float(scale), float(softcap or 0.0), BLOCK, None)
+        for whole, part in zip((dq, dk, dv), grads, strict=True):
+            whole[a:b] = part.transpose(0, 1)
+    return dq, dk, dv
 
 
 #: Queries per task of the compiled NSA selected branch (one (batch, KV group) each; measured,
