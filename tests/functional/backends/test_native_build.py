@@ -80,6 +80,30 @@ def test_a_module_that_does_not_load_means_the_pytorch_path(tmp_path: Path, monk
         native._cache.pop(native.build_dir(), None)
 
 
+def test_cli_native_says_why_an_installed_build_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """After a torch upgrade the install's module no longer matches: ``attnzoo native`` says so."""
+    from attnzoo import cli
+
+    here = tmp_path / "site"
+    _install(here, "0123456789abcdef")
+    monkeypatch.setattr(native, "__file__", str(here / "native.py"))
+    monkeypatch.setenv("ATTNZOO_NATIVE_DIR", str(tmp_path / "cache"))
+    native._cache.pop(native.build_dir(), None)
+    try:
+        assert native.installed_path() is None
+        assert "built for tag 0123456789abcdef" in (native.stale_install() or "")
+        assert cli.main(["native"]) == 0
+        out = capsys.readouterr().out
+        assert "not built" in out and "the install's build is not used" in out
+        (here / native_build.TAG_FILE).unlink()
+        assert "has no" in (native.stale_install() or "")
+        (here / MODULE).unlink()
+        assert native.stale_install() is None  # no module: nothing to explain
+    finally:
+        native._cache.pop(native.build_dir(), None)
+
+
 def _setup_build_ext(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """``python setup.py build_ext`` of a copy of the repository's build files into ``tmp_path``."""
     src = tmp_path / "repo"

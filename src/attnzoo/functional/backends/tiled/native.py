@@ -85,6 +85,7 @@ __all__ = [
     "native_varlen_bwd",
     "prefer_over_sdpa",
     "sides",
+    "stale_install",
 ]
 
 #: Query rows per block (measured, docs/performance.md: window (256, 0) at N=65536 191 / 193 ms at 32 / 64
@@ -162,6 +163,21 @@ def _installed_in(here: Path) -> Path | None:
         return None
     path = here / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     return path if tag == cpu_tag() and path.exists() else None
+
+
+def stale_install() -> str | None:
+    """Why the module ``pip install`` built beside this file is not used, when there is one that is
+    not (``None`` otherwise): built for another Python, torch, CPU or source (say, torch upgraded
+    since the install)."""
+    here = Path(__file__).parent
+    path = here / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    if not path.exists() or installed_path() is not None:
+        return None
+    try:
+        tag = (here / TAG_FILE).read_text().strip()
+    except OSError:
+        return f"{path.name} has no {TAG_FILE} beside it"
+    return f"{path.name} was built for tag {tag}, this Python/torch/CPU/source is {cpu_tag()}"
 
 
 def module_path() -> Path | None:
