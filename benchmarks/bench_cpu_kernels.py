@@ -9,6 +9,7 @@ ours alternating so that machine load hits both alike):
   step of ``mha``, and the pattern-as-``Mask`` path it replaced;
 * ``nsa``: the ``nsa`` module vs the dense ``gqa`` module (dim 512, 8 heads, 2 KV heads), forward,
   at ``--nsa-sizes`` (the crossing length is where the ratio passes 1);
+* ``nsa_train``: the same modules' training steps (forward + backward of the summed output);
 * ``varlen``: ``attention_varlen`` (``auto``) on 16 mixed causal sequences (T = 24,576) vs a Python
   loop of per-sequence SDPA that also assembles the packed output, and ``backend="tiled"``;
 * ``varlen_train``: the same sequences trained (forward + backward, float32): ``attention_varlen``
@@ -55,7 +56,7 @@ from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.local_global import LocalGlobalAttention
 from attnzoo.variants import build_attention
 
-ROWS = ("decode", "local_global", "nsa", "varlen", "varlen_train", "tiled", "window")
+ROWS = ("decode", "local_global", "nsa", "nsa_train", "varlen", "varlen_train", "tiled", "window")
 MIXED = [6144, 3840, 3072, 2304, 1920, 1536, 1344, 1152, 960, 768, 576, 384, 240, 192, 96, 48]  # 16, 24,576
 
 
@@ -139,6 +140,28 @@ def bench_nsa(sizes: list[int], repeats: int) -> None:
         _row(f"nsa module N={n} (dim 512, 8 heads)", t["ours"], t["gqa"], "nsa / dense gqa module")
         if "pytorch" in t:
             _row("  (PyTorch selected branch, ATTNZOO_NATIVE=0)", t["pytorch"], t["gqa"], "nsa / dense gqa module")
+
+
+def bench_nsa_train(sizes: list[int], repeats: int) -> None:
+    with torch.inference_mode(False), torch.enable_grad():
+        torch.manual_seed(0)
+        nsa = build_attention("nsa", 512, 8, causal=True)
+        gqa = build_attention("gqa", 512, 8, causal=True, num_kv_heads=2)
+        for n in sizes:
+            x = torch.randn(1, n, 512)
+
+            def step(module: torch.nn.Module, x: torch.Tensor = x) -> Callable[[], object]:
+                def run() -> object:
+                    with torch.enable_grad():
+                        xi = x.clone().requires_grad_()
+                        module(xi).sum().backward()
+                    return xi.grad
+                return run
+
+            t = timed(_with_pytorch_path({"gqa": step(gqa), "ours": step(nsa)}), repeats)
+            _row(f"nsa module training step (fwd + bwd) N={n}", t["ours"], t["gqa"], "nsa / dense gqa module")
+            if "pytorch" in t:
+                _row("  (PyTorch selected branch, ATTNZOO_NATIVE=0)", t["pytorch"], t["gqa"], "nsa / dense gqa module")
 
 
 def _loop_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -252,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
             few = max(1, a.repeats // 3)
             runs: dict[str, Callable[[], None]] = {
                 "decode": lambda: bench_decode(a.repeats), "local_global": lambda: bench_local_global(a.repeats),
-                "nsa": lambda: bench_nsa(a.nsa_sizes, max(1, a.repeats // 9)), "varlen": lambda: bench_varlen(few, not a.no_packed_peer), "varlen_train": lambda: bench_varlen_train(few),
+                "nsa": lambda: bench_nsa(a.nsa_sizes, max(1, a.repeats // 9)),
+                "nsa_train": lambda: bench_nsa_train(a.nsa_sizes, max(1, a.repeats // 9)), "varlen": lambda: bench_varlen(few, not a.no_packed_peer), "varlen_train": lambda: bench_varlen_train(few),
                 "tiled": lambda: bench_tiled(few), "window": lambda: bench_window(few)}
             for name in a.only:
                 runs[name]()

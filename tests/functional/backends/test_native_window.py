@@ -390,20 +390,62 @@ def test_native_nsa_selected_matches_the_float64_reference(case, built: object,
     assert err <= 2 * eager_err + 1e-6, (err, eager_err)
 
 
-def test_native_nsa_selected_leaves_training_and_float64_to_pytorch(built: object,
+@pytest.mark.parametrize("case", NSA_CASES, ids=[f"Nq{c[3]}-Nk{c[4]}-g{c[1] // c[2]}-lsel{c[0].select_len}"
+                                                 for c in NSA_CASES])
+def test_native_nsa_selected_trains_like_the_float64_reference(case, built: object,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nsa_attention`` trained in float32 with the compiled selected branch (forward with its LSE,
+    ``nsa_selected_bwd``): the gradients of q, k, v and the gates within 2x the PyTorch float32
+    path's error of the float64 reference form's, and both kernels ran."""
+    cfg, H, G, Nq, Nk, D, Dv = case
+    g = torch.Generator().manual_seed(Nq + 1)
+    q = torch.randn(2, H, Nq, D, generator=g, dtype=F64)
+    k = torch.randn(2, G, Nk, D, generator=g, dtype=F64)
+    v = torch.randn(2, G, Nk, Dv, generator=g, dtype=F64)
+    gates = torch.rand(2, H, Nq, 3, generator=g, dtype=F64)
+    d_out = torch.randn(2, H, Nq, Dv, generator=g, dtype=F64)
+    torch.manual_seed(0)
+    comp_k = BlockCompressor(D, cfg.block_len, cfg.block_stride, {"dtype": F64})
+    comp_v = BlockCompressor(Dv, cfg.block_len, cfg.block_stride, {"dtype": F64})
+    kc, vc = comp_k(k).detach(), comp_v(v).detach()
+
+    def grads(dtype: torch.dtype, **kw: object) -> list[torch.Tensor]:
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v, gates)]
+        out = nsa_attention(leaves[0], leaves[1], leaves[2], kc.to(dtype), vc.to(dtype), leaves[3], cfg, **kw)
+        (out * d_out.to(dtype)).sum().backward()
+        return [out.detach().double(), *(t.grad.double() for t in leaves)]
+
+    ref = grads(F64, form="reference")
+    calls: list[str] = []
+    fwd, bwd = built.nsa_selected_train_fwd, built.nsa_selected_bwd  # type: ignore[attr-defined]
+    monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(
+        nsa_selected_train_fwd=lambda *a: calls.append("fwd") or fwd(*a),
+        nsa_selected_bwd=lambda *a: calls.append("bwd") or bwd(*a)))
+    ours = grads(torch.float32)
+    assert calls == ["fwd", "bwd"]
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+    eager = grads(torch.float32)
+    for name, mine, theirs, exact in zip(("out", "dq", "dk", "dv", "dgates"), ours, eager, ref, strict=True):
+        err, bound = (mine - exact).abs().max().item(), (theirs - exact).abs().max().item()
+        assert err <= 2 * bound + 1e-5, f"{name}: {err:.2e} vs the PyTorch path's {bound:.2e}"
+
+
+def test_native_nsa_selected_leaves_float64_and_decoding_to_pytorch(built: object,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(nsa_selected_fwd=lambda *a: seen.append(1)))
+    monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(
+        nsa_selected_fwd=lambda *a: seen.append(1), nsa_selected_train_fwd=lambda *a: seen.append(2)))
     cfg = NSAConfig(4, 2, 4, 4, 4)
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 300, 8, generator=g) for _ in range(3))
-    comp = BlockCompressor(8, cfg.block_len, cfg.block_stride, {})
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=g, dtype=F64) for _ in range(3))
+    comp = BlockCompressor(8, cfg.block_len, cfg.block_stride, {"dtype": F64})
     kc, vc = comp(k).detach(), comp(v).detach()
-    gates = torch.rand(1, 2, 300, 3, generator=g)
-    out = nsa_attention(q.requires_grad_(), k, v, kc, vc, gates, cfg)  # training: the autograd path
+    gates = torch.rand(1, 2, 300, 3, generator=g, dtype=F64)
+    out = nsa_attention(q.requires_grad_(), k, v, kc, vc, gates, cfg)  # float64 training: the autograd path
     out.sum().backward()
-    with torch.no_grad():
-        nsa_attention(q.double(), k.double(), v.double(), kc.double(), vc.double(), gates.double(), cfg)
+    with torch.no_grad():  # fewer than 256 queries (decoding): the per-query gather
+        nsa_attention(q[:, :, -8:].float(), k.float(), v.float(), kc.float(), vc.float(), gates[:, :, -8:].float(),
+                      cfg, q_offset=292)
     assert seen == [] and q.grad is not None
 
 

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from attnzoo._devices import tracing
 from attnzoo._validate import check_choice, check_int
-from attnzoo.functional.backends.tiled.native import native_nsa_selected
+from attnzoo.functional.backends.tiled.native import native_nsa_selected, native_nsa_selected_train
 from attnzoo.functional.softmax.attention import attention
 
 __all__ = ["NSAConfig", "compress_blocks", "nsa_attention", "num_compressed", "pick_blocks"]
@@ -358,8 +358,8 @@ def _sparse_block_major(q: Tensor, kb: Tensor, vb: Tensor, k_cmp: Tensor, v_cmp:
         oks.append(F.pad(ok, (0, n - ok.shape[-1])))
     idx_all, ok_all = torch.cat(picks, 2), torch.cat(oks, 2)  # [B, G, Nq, n]
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, kb, vb))
-    native = None if grad else native_nsa_selected(q, kb, vb, idx_all, ok_all, q_offset, scale)
-    if native is not None:  # the compiled twin of _selected_tiles (built by `attnzoo native --build`)
+    native = (native_nsa_selected_train if grad else native_nsa_selected)(q, kb, vb, idx_all, ok_all, q_offset, scale)
+    if native is not None:  # the compiled twin of _selected_tiles / _selected_block_major (when built)
         o_slc = [native.unflatten(1, (G, r))]
     else:
         o_slc = []

@@ -23,7 +23,7 @@ the second where both exist; a build whose tag is not this Python's, torch's, CP
 never loaded. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
 (:func:`native_forward`, differentiable; :func:`native_backward` inside compiled graphs), and so do
 ``attention_varlen`` (:func:`native_varlen`, and :func:`native_varlen_bwd` in training), split-KV decoding (:func:`native_decode`) and the ``nsa``
-variant (:func:`native_nsa_selected`); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_``
+variant (:func:`native_nsa_selected`; :func:`native_nsa_selected_train` in training); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_``
 symbol that torch's x86 CPU wheels export (MKL); where that, a compiler or ninja is missing,
 :func:`build` raises :class:`NativeUnavailable` with the reason (``setup.py`` prints it and installs
 without the kernels) and the PyTorch path stays in use. The PyTorch
@@ -81,6 +81,7 @@ __all__ = [
     "native_forward",
     "native_module",
     "native_nsa_selected",
+    "native_nsa_selected_train",
     "native_varlen",
     "native_varlen_bwd",
     "prefer_over_sdpa",
@@ -407,6 +408,41 @@ def native_nsa_selected(q: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tens
         return None
     return mod.nsa_selected_fwd(q.contiguous(), kb.contiguous(), vb.contiguous(), idx.contiguous(),
                                 ok.contiguous(), int(q_offset), float(scale), NSA_CHUNK)
+
+
+def native_nsa_selected_train(q: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, q_offset: int,
+                              scale: float) -> Tensor | None:
+    """:func:`native_nsa_selected` for training: the same ``[B, H, Nq, Dv]``, differentiable in ``q``,
+    ``kb`` and ``vb`` through the compiled ``nsa_selected_bwd`` (the forward keeps each row's
+    log-sum-exp for it), or ``None`` where the kernels are not built or the tensors are not float32
+    CPU."""
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, kb, vb)):
+        return None
+    mod = native_module()
+    if mod is None:
+        return None
+    return _NativeNSASelected.apply(q, kb, vb, idx.contiguous(), ok.contiguous(), int(q_offset), float(scale), mod)
+
+
+class _NativeNSASelected(torch.autograd.Function):
+    """``nsa_selected_train_fwd`` and ``nsa_selected_bwd`` as one differentiable op in q, kb, vb."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor, q_offset: int,  # type: ignore[override]
+                scale: float, mod: ModuleType) -> Tensor:
+        q, kb, vb = q.contiguous(), kb.contiguous(), vb.contiguous()
+        out, lse = mod.nsa_selected_train_fwd(q, kb, vb, idx, ok, q_offset, scale, NSA_CHUNK)
+        ctx.save_for_backward(q, kb, vb, idx, ok, out, lse)
+        ctx.args = (q_offset, scale, mod)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):  # type: ignore[override]
+        q, kb, vb, idx, ok, out, lse = ctx.saved_tensors
+        q_offset, scale, mod = ctx.args
+        dq, dkb, dvb = mod.nsa_selected_bwd(q, kb, vb, idx, ok, out, lse, d_out.float().contiguous(), q_offset,
+                                            scale, NSA_CHUNK)
+        return dq, dkb, dvb, None, None, None, None, None
 
 
 #: Keys per task of the compiled split-KV decode (one (batch, KV head, split) each; measured, one

@@ -490,9 +490,18 @@ std::vector<at::Tensor> window_bwd(const at::Tensor& q, const at::Tensor& k, con
 // native_nsa.cpp
 at::Tensor nsa_selected_fwd(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& idx,
                             const at::Tensor& ok, int64_t t0, double scale, int64_t chunk);
+std::vector<at::Tensor> nsa_selected_train_fwd(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
+                                               const at::Tensor& idx, const at::Tensor& ok, int64_t t0, double scale,
+                                               int64_t chunk);
+std::vector<at::Tensor> nsa_selected_bwd(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
+                                         const at::Tensor& idx, const at::Tensor& ok, const at::Tensor& out,
+                                         const at::Tensor& lse, const at::Tensor& d_out, int64_t t0, double scale,
+                                         int64_t chunk);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nsa_selected_fwd", &nsa_selected_fwd, "NSA's selected branch over picked key blocks (float32)");
+  m.def("nsa_selected_train_fwd", &nsa_selected_train_fwd, "nsa_selected_fwd and its log2 log-sum-exps");
+  m.def("nsa_selected_bwd", &nsa_selected_bwd, "the backward of nsa_selected_train_fwd (float32)");
   m.def("window_fwd", &window_fwd, "attention forward over [B, H, N, D] (float32)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("left"), py::arg("right"), py::arg("scale"), py::arg("softcap"), py::arg("block"),
         py::arg("softmax"), py::arg("slopes") = py::none());
