@@ -498,8 +498,8 @@ def cmd_native(args: argparse.Namespace) -> int:
         print(f"built {path} in {time.perf_counter() - t0:.1f} s")
     mod = _native.native_module()
     state = ("off (ATTNZOO_NATIVE=0)" if not _native.enabled() else
-             f"built and used from {_native.module_path()} (tiled backend and attention_varlen forward and "
-             "backward; split-KV decoding and NSA's selected branch in inference)"
+             f"built and used from {_native.module_path()} (tiled backend, attention_varlen and NSA's "
+             "selected branch forward and backward; split-KV decoding)"
              if mod is not None else
              "not built for this Python/torch/CPU (attnzoo native --build; or reinstall as the README says)")
     print(f"compiled kernels: {state}; build directory {_native.build_dir()}")
@@ -522,8 +522,8 @@ def cmd_native(args: argparse.Namespace) -> int:
 
 
 _NATIVE_ABOUT = ("The optional C++ kernels on x86 CPUs: the float32 forward and backward of full, causal and "
-                 "sliding-window attention (softcap included) and of packed varlen sequences, and the inference "
-                 "of split-KV decoding and NSA's selected branch (needs g++ and ninja; about 25 s "
+                 "sliding-window attention (softcap included), of packed varlen sequences and of NSA's selected "
+                 "branch, and split-KV decoding (needs g++ and ninja; about 25 s "
                  "to build). The README's install (pip install --no-build-isolation) builds them already; "
                  "--build builds them into the cache folder (after an install that could not). Without "
                  "--build: says whether they are built for this Python, torch and CPU, and where. Once "
