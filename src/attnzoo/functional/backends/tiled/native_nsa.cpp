@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "native_common.h"
@@ -194,8 +195,8 @@ std::vector<at::Tensor> nsa_selected_train_fwd(const at::Tensor& q, const at::Te
 // The backward of nsa_selected_train_fwd: out, d_out [B, G r, N, Dv], lse [B, G r, N] (its log2
 // log-sum-exps). Per chunk of queries and picked block, as the forward: S recomputed, P = 2^(S - lse),
 // dP = dO V^T, dS = P (dP - delta) with delta = rowsum(dO out), dQ += scale dS K (the task's own
-// rows), dK += scale dS^T Q and dV += P^T dO into the thread's private copy of the blocks, added up
-// after the parallel region. A row whose LSE is not finite (it saw an inf or a NaN) sends NaN to its
+// rows), dK += scale dS^T Q and dV += P^T dO into a private copy of the blocks per range of tasks (one
+// range a thread), added to the outputs under a lock when the range is done. A row whose LSE is not finite (it saw an inf or a NaN) sends NaN to its
 // dQ and nothing to the blocks. Returns dq [B, G r, N, D], dkb [B, G, Ns, L, D], dvb [B, G, Ns, L, Dv].
 std::vector<at::Tensor> nsa_selected_bwd(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
                                          const at::Tensor& idx, const at::Tensor& ok, const at::Tensor& out,
@@ -219,15 +220,13 @@ std::vector<at::Tensor> nsa_selected_bwd(const at::Tensor& q, const at::Tensor& 
   const float *opp = out.data_ptr<float>(), *dop = d_out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   float* dqp = dq.data_ptr<float>();
   const float alpha2 = (float)scale * 1.4426950408889634f, sc = (float)scale;
-  const int threads = at::get_num_threads();
-  std::vector<std::vector<float>> dk_t(threads), dv_t(threads);  // per thread, allocated on first use
+  float *dkp = dkb.data_ptr<float>(), *dvp = dvb.data_ptr<float>();
+  std::mutex merge;
   at::parallel_for(0, z.B * G * z.nchunk, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     Chunk w;
-    const int tid = at::get_thread_num();
-    std::vector<float>& dk = dk_t[tid];
-    std::vector<float>& dv = dv_t[tid];
-    if (dk.empty()) { dk.assign(blocks * D, 0.f); dv.assign(blocks * Dv, 0.f); }
+    // this range's private dK / dV of every block (a range per thread), added to the outputs at its end
+    std::vector<float> dk(blocks * D, 0.f), dv(blocks * Dv, 0.f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bg = task / z.nchunk, i0 = (task % z.nchunk) * chunk, i1 = std::min(N, i0 + chunk), c = i1 - i0;
       const int64_t b = bg / G, g = bg % G;
@@ -294,15 +293,9 @@ std::vector<at::Tensor> nsa_selected_bwd(const at::Tensor& q, const at::Tensor& 
         }
       }
     }
+    const std::lock_guard<std::mutex> lock(merge);
+    for (int64_t x = 0; x < blocks * D; ++x) dkp[x] += dk[x];
+    for (int64_t x = 0; x < blocks * Dv; ++x) dvp[x] += dv[x];
   });
-  float *dkp = dkb.data_ptr<float>(), *dvp = dvb.data_ptr<float>();
-  for (int t = 0; t < threads; ++t) {
-    if (dk_t[t].empty()) continue;
-    const float *a = dk_t[t].data(), *v = dv_t[t].data();
-    at::parallel_for(0, blocks, 1024, [&](int64_t lo, int64_t hi) {
-      for (int64_t x = lo * D; x < hi * D; ++x) dkp[x] += a[x];
-      for (int64_t x = lo * Dv; x < hi * Dv; ++x) dvp[x] += v[x];
-    });
-  }
   return {dq, dkb, dvb};
 }
