@@ -157,12 +157,18 @@ def installed_path() -> Path | None:
     return _installed_in(Path(__file__).parent)
 
 
-def _installed_in(here: Path) -> Path | None:
+def _install_files(here: Path) -> tuple[Path, str | None]:
+    """The module ``setup.py`` would have built in ``here`` and the tag written beside it (``None``:
+    no tag file)."""
     try:
-        tag = (here / TAG_FILE).read_text().strip()
+        tag: str | None = (here / TAG_FILE).read_text().strip()
     except OSError:
-        return None
-    path = here / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+        tag = None
+    return here / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}", tag
+
+
+def _installed_in(here: Path) -> Path | None:
+    path, tag = _install_files(here)
     return path if tag == cpu_tag() and path.exists() else None
 
 
@@ -170,13 +176,10 @@ def stale_install() -> str | None:
     """Why the module ``pip install`` built beside this file is not used, when there is one that is
     not (``None`` otherwise): built for another Python, torch, CPU or source (say, torch upgraded
     since the install)."""
-    here = Path(__file__).parent
-    path = here / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
-    if not path.exists() or installed_path() is not None:
+    path, tag = _install_files(Path(__file__).parent)
+    if not path.exists() or tag == cpu_tag():
         return None
-    try:
-        tag = (here / TAG_FILE).read_text().strip()
-    except OSError:
+    if tag is None:
         return f"{path.name} has no {TAG_FILE} beside it"
     return f"{path.name} was built for tag {tag}, this Python/torch/CPU/source is {cpu_tag()}"
 
