@@ -46,16 +46,16 @@ def _native_extension() -> dict:
     if os.environ.get("ATTNZOO_NATIVE_BUILD", "1") == "0":
         _say("ATTNZOO_NATIVE_BUILD=0: the compiled kernels are not built")
         return {}
-    if platform.machine() not in ("x86_64", "AMD64"):
-        _say(f"the compiled kernels are for x86-64 CPUs, this is {platform.machine()}: not built")
-        return {}
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         _say("torch is not importable in this build (pip's isolated build): the compiled kernels are "
              "not built; install with --no-build-isolation after torch, or run `attnzoo native --build`")
         return {}
-    recipe = _recipe()
+    recipe = _recipe()  # imports torch: after the check above
+    if not recipe.is_x86():
+        _say(f"the compiled kernels are for x86-64 CPUs, this is {platform.machine()}: not built")
+        return {}
 
     class OptionalBuild(BuildExtension):  # type: ignore[misc]
         """Builds the kernels if it can; a failure leaves the PyTorch path and the install intact."""

@@ -18,9 +18,9 @@ It is **built at install time or on request, never at import or call time**: the
 install --no-build-isolation`` runs ``setup.py``, which compiles it beside this file (with a tag
 file); ``attnzoo native --build`` (or :func:`build`) compiles it with ``torch.utils.cpp_extension``
 (g++ and ninja; about 25 s) into ``$ATTNZOO_NATIVE_DIR`` (default ``~/.cache/attnzoo/native``), under
-a tag of the Python, torch and CPU it was built for (:mod:`.native_build`). :func:`module_path` picks
-the second where both exist; a build whose tag is not this Python's, torch's, CPU's and sources' is
-never loaded. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
+a tag of the Python, torch and CPU it was built for (:mod:`.native_build`). Where both exist,
+:func:`module_path` picks the ``attnzoo native --build`` one; a build whose tag is not this Python's,
+torch's, CPU's and sources' is never loaded. Once built, ``auto`` and ``backend="tiled"`` use it for what it serves
 (:func:`native_forward`, differentiable; :func:`native_backward` inside compiled graphs), and so do
 ``attention_varlen`` (:func:`native_varlen`, and :func:`native_varlen_bwd` in training), split-KV decoding (:func:`native_decode`) and the ``nsa``
 variant (:func:`native_nsa_selected`; :func:`native_nsa_selected_train` in training); ``ATTNZOO_NATIVE=0`` turns it off. It needs the ``sgemm_``
@@ -54,6 +54,7 @@ from attnzoo.functional.backends.tiled.native_build import (
     TAG_FILE,
     compile_flags,
     cpu_tag,
+    is_x86,
     link_flags,
 )
 from attnzoo.functional.core._request import AttnRequest
@@ -131,7 +132,7 @@ def build(verbose: bool = False) -> Path:
 
     Raises :class:`NativeUnavailable` (with the compiler's or loader's message) where it cannot be
     built or loaded: no compiler or ninja, no ``sgemm_`` in torch's libraries, not x86."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not is_x86():
         raise NativeUnavailable(f"the compiled forward is for x86-64 CPUs; this is {platform.machine()}")
     from torch.utils import cpp_extension  # imported only to build
 
@@ -369,7 +370,7 @@ def native_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     buffer over :data:`MAX_SCORE_BYTES`). ``out`` / ``lse [Hq, T]`` are the forward's (either path's:
     both are the natural-log LSE); no ALiBi, sinks or ``score_mod`` (the caller checks)."""
     mod = native_module()
-    tensors = (q, k, v, out, d_out, lse) if d_lse is None else (q, k, v, out, d_out, lse, d_lse)
+    tensors = (q, k, v, out, d_out, lse, *(() if d_lse is None else (d_lse,)))
     if mod is None or q.shape[0] == 0 or not all(t.dtype == torch.float32 and t.device.type == "cpu"
                                                  for t in tensors):
         return None

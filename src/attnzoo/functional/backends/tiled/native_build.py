@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HEADERS", "NAME", "SOURCES", "TAG_FILE", "compile_flags", "cpu_tag", "link_flags"]
+__all__ = ["HEADERS", "NAME", "SOURCES", "TAG_FILE", "compile_flags", "cpu_tag", "is_x86", "link_flags"]
 
 #: the extension module's name (one module: windows / packed sequences / decoding, and NSA's selected branch)
 NAME = "attnzoo_native_window"
@@ -42,11 +42,17 @@ def cpu_tag() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def is_x86() -> bool:
+    """Whether this machine is x86-64, the only one the kernels are written for (their BLAS symbol,
+    ``-march=native`` and the AVX-512 width hint)."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def compile_flags() -> list[str]:
     """The C++ flags: optimised for the CPU that builds (the tag holds its flags); no debug
     information (Python's default ``-g`` makes the module 16 MB instead of 0.3)."""
     flags = ["-O3", "-g0", "-ffast-math", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64"):
+    if is_x86():
         flags += ["-march=native", "-mprefer-vector-width=512"]
     return flags
 
