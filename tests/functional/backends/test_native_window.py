@@ -52,9 +52,9 @@ def calls(built: object, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int
     """Counts the kernel's calls (the windows it was called with)."""
     seen: list[tuple[int, int]] = []
 
-    def spy(q, k, v, left, right, scale, softcap, block, softmax, slopes=None):  # type: ignore[no-untyped-def]
+    def spy(q, k, v, left, right, scale, softcap, block, softmax, slopes=None, finite=None):  # type: ignore[no-untyped-def]
         seen.append((left, right))
-        return built.window_fwd(q, k, v, left, right, scale, softcap, block, softmax, slopes)  # type: ignore[attr-defined]
+        return built.window_fwd(q, k, v, left, right, scale, softcap, block, softmax, slopes, finite)  # type: ignore[attr-defined]
 
     monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(window_fwd=spy))
     return seen
@@ -276,7 +276,7 @@ def test_native_varlen_matches_per_sequence_reference(case, built: object, monke
     called: list[int] = []
 
     def spy(*args):  # type: ignore[no-untyped-def]
-        called.append(args[-1])  # the query block
+        called.append(args[8])  # the query block
         return built.varlen_fwd(*args)  # type: ignore[attr-defined]
 
     monkeypatch.setitem(native._cache, native.build_dir(), SimpleNamespace(varlen_fwd=spy))
@@ -712,3 +712,91 @@ def test_the_nsa_kernel_makes_a_row_that_sees_a_non_finite_key_nan(built: object
     hit[:, :, 10:] = True
     assert torch.equal(torch.isnan(out).any(-1), hit)
     torch.testing.assert_close(out[~hit], clean[~hit], atol=0, rtol=0)
+
+
+FUSED = [  # (B, H, Hkv, N, D, Dv, left, right, block, strided): the register-blocked forward's cases
+    (1, 2, 1, 1, 64, 64, 0, 0, 64, False),  # a single query
+    (2, 4, 2, 200, 64, 64, 37, 0, 64, False),  # causal window, GQA, a partial last block
+    (1, 2, 2, 100, 40, 48, 7, 7, 48, True),  # D not a multiple of 16, 3 value vectors, two-sided, strided
+    (1, 3, 1, 1100, 64, 128, 1100, 0, 64, True),  # dense causal past a 512-key chunk, MQA, strided
+    (1, 2, 1, 700, 16, 80, 700, 700, 32, False),  # bidirectional over two chunks, 5 value vectors
+    (1, 2, 2, 333, 128, 16, 256, 0, 128, False),  # 16-wide values, four sub-blocks of 32 a block
+    (1, 1, 1, 65, 8, 112, 0, 0, 64, True),  # each query sees only its own key, 7 value vectors
+]
+
+
+def _fused_inputs(case):  # type: ignore[no-untyped-def]
+    B, H, Hkv, N, D, Dv, *_, strided = case
+    q, k, v = _qkv(B, H, Hkv, N, D, Dv, seed=3)
+    q = q * 2
+    if strided:  # a module's [B, N, H, D] projections viewed as [B, H, N, D]
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", FUSED, ids=[f"N{c[3]}-D{c[4]}-Dv{c[5]}-win{c[6:8]}-g{c[1] // c[2]}-strided{c[9]}"
+                                             for c in FUSED])
+def test_the_register_blocked_forward_matches_the_float64_reference(case, built: object) -> None:
+    """The AVX-512 micro-kernel form (``native_fused.h``) against the float64 reference, within 2x the
+    sgemm form's error (its output and LSE), on windows, chunked rows, GQA, odd widths and strided
+    layouts; and the strided layout (rows copied together by ``RowPack``) gives what the contiguous one
+    gives."""
+    _, _, _, _, D, _, left, right, block, strided = case
+    q, k, v = _fused_inputs(case)
+    ref, ref_lse = az.attention(q, k, v, window=(left, right), backend="reference", return_lse=True)
+    scale = D ** -0.5
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    errors = {}
+    for on in (True, False):
+        was = built.set_fused(on)  # type: ignore[attr-defined]
+        try:
+            out, lse = built.window_fwd(qf, kf, vf, left, right, scale, 0.0, block, True)  # type: ignore[attr-defined]
+            if strided:
+                same, same_lse = built.window_fwd(qf.contiguous(), kf.contiguous(), vf.contiguous(), left, right,  # type: ignore[attr-defined]
+                                                  scale, 0.0, block, True)
+                torch.testing.assert_close(out, same, rtol=0, atol=1e-6)
+                torch.testing.assert_close(lse, same_lse, rtol=0, atol=1e-6)
+        finally:
+            built.set_fused(was)  # type: ignore[attr-defined]
+        errors[on] = ((out.double() - ref).abs().max().item(), (lse.double() - ref_lse).abs().max().item())
+    for fused, plain in zip(errors[True], errors[False], strict=True):
+        assert fused <= 2 * plain + 1e-6, errors
+
+
+def test_the_kernel_vouches_for_a_finite_output_and_not_for_a_leak(built: object,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``finite`` says whether every output value is finite: on clean inputs the non-finite guard of
+    ``az.attention`` then skips its pass over the output; a NaN value row hidden from the rows before
+    it (which a P V tile multiplies by zero) makes the kernel say no, and the guard keeps those rows
+    finite."""
+    from attnzoo.functional.core import _edge
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(3))
+    finite = torch.zeros((), dtype=torch.bool)
+    built.window_fwd(q, k, v, 4, 0, 0.125, 0.0, 64, True, None, finite)  # type: ignore[attr-defined]
+    assert bool(finite)
+    monkeypatch.setitem(native._cache, native.build_dir(), built)
+
+    def no_pass(*tensors: torch.Tensor) -> bool:
+        raise AssertionError("the guard read the output although the kernel vouched for it")
+
+    with monkeypatch.context() as m:
+        m.setattr(_edge, "_maybe_non_finite", no_pass)
+        clean = az.attention(q, k, v, window=(4, 0), backend="tiled")
+    torch.testing.assert_close(clean, az.attention(q, k, v, window=(4, 0), backend="reference"), rtol=1e-5, atol=1e-5)
+    v[0, 0, 150] = float("nan")
+    built.window_fwd(q, k, v, 4, 0, 0.125, 0.0, 64, True, None, finite)  # type: ignore[attr-defined]
+    assert not bool(finite)
+    out = az.attention(q, k, v, window=(4, 0), backend="tiled")
+    sees = torch.zeros(300, dtype=torch.bool)
+    sees[150:155] = True  # the rows whose window holds key 150
+    assert torch.isnan(out[0, 0, sees]).all() and torch.isfinite(out[0, 0, ~sees]).all()
+    assert torch.isfinite(out[0, 1]).all()
+
+
+def test_the_build_says_which_forward_form_it_has(built: object) -> None:
+    """``has_fused`` is true exactly where the compiler targeted AVX-512 (the micro-kernels); ``attnzoo
+    native`` reports it."""
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    assert built.has_fused() == (" avx512f" in flags)  # type: ignore[attr-defined]

@@ -142,7 +142,8 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, caus
     kw = dict(causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
               return_lse=return_lse)
     with torch.no_grad():
-        fast = (native_varlen(q, k, v, cu_q, cu_k, causal=causal, window=win, scale=scale, softcap=softcap)
+        fast = (native_varlen(q, k, v, cu_q, cu_k, causal=causal, window=win, scale=scale, softcap=softcap,
+                              training=True)
                 if backend == "tiled" and alibi_slopes is None and sinks is None else None)  # the compiled kernel
         out, lse = fast if fast is not None else _eager_varlen(q, k, v, cu_q, cu_k, win, kw, backend)
     return out.contiguous(), (lse if return_lse else q.new_empty(0, dtype=_lse_dtype(q))).contiguous()

@@ -57,6 +57,7 @@ from attnzoo.functional.backends.tiled.native_build import (
     is_x86,
     link_flags,
 )
+from attnzoo.functional.core._edge import vouch_finite
 from attnzoo.functional.core._request import AttnRequest
 from attnzoo.functional.core.rules import key_bounds
 
@@ -257,8 +258,11 @@ def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # training: the compiled backward
         out, lse = _NativeWindow.apply(q, k, v, kern)
     else:
+        finite = torch.zeros((), dtype=torch.bool)
         out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, _block(kern.lr), True,
-                                       kern.slopes)
+                                       kern.slopes, finite)
+        if bool(finite):  # the kernel saw every value it wrote: the non-finite guard need not read them
+            vouch_finite(out)
     return out, lse
 
 
@@ -326,8 +330,9 @@ class _NativeWindow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, kern: _Kernel) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        # the sgemm form: window_bwd recomputes the scores as it does, against this LSE
         out, lse = kern.mod.window_fwd(q, k, v, *kern.lr, kern.scale, kern.softcap, _block(kern.lr), True,
-                                       kern.slopes)
+                                       kern.slopes, None, False)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kern = kern
         return out, lse
@@ -340,9 +345,11 @@ class _NativeWindow(torch.autograd.Function):
 
 def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *, causal: bool,
                   window: tuple[int | None, int | None] | None, scale: float | None,
-                  softcap: float | None) -> tuple[Tensor, Tensor] | None:
+                  softcap: float | None, training: bool = False) -> tuple[Tensor, Tensor] | None:
     """``(out [T, Hq, Dv], lse [Hq, T])`` of packed sequences (``attention_varlen``'s validated
     arguments) from the compiled kernel when it is built and serves them, else ``None``.
+    ``training``: the LSE is for :func:`native_varlen_bwd`, so the scores are computed as it
+    recomputes them (the sgemm form, not the register-blocked one).
 
     Served: inference (the caller checks that no gradient is needed) with ``cu_q == cu_k`` (each
     sequence's queries are its keys), no ALiBi, sinks or ``score_mod`` (the caller checks), contiguous
@@ -357,7 +364,7 @@ def native_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *
     if mod is None or lr is None:
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), block)
+    return mod.varlen_fwd(q, k, v, bounds, lr[0], lr[1], float(scale), float(softcap or 0.0), block, not training)
 
 
 def native_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,

@@ -24,7 +24,7 @@ NAME = "attnzoo_native_window"
 #: the compiled sources
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_window.cpp", "native_nsa.cpp"))
 #: what the sources include from beside them (part of the tag)
-HEADERS = (Path(__file__).with_name("native_common.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_common.h", "native_fused.h"))
 #: written beside a module that ``pip install`` built: the tag it was built for
 TAG_FILE = f"{NAME}.tag"
 

@@ -4,10 +4,13 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "native_common.h"
+#include "native_fused.h"
 
 using attnzoo_native::FlushDenormals;
 using attnzoo_native::any_nonfinite;
@@ -90,9 +93,36 @@ static constexpr int64_t KEY_CHUNK = 1024;
 struct BlockScratch {
   std::vector<float> S, m, l, a;
   std::vector<char> bad;  // rows that saw a non-finite score: NaN
+  bool out_finite = true;  // every output value attend_block wrote so far is finite
+#if defined(__AVX512F__)
+  std::unique_ptr<attnzoo_native::FusedScratch> fused;  // made on first use
+#endif
   BlockScratch(int64_t block, int64_t span)
       : S(block * std::max<int64_t>(1, std::min(span, KEY_CHUNK))), m(block), l(block), a(block), bad(block) {}
 };
+
+// Whether attend_block may use the register-blocked form (native_fused.h) where it applies; off, the
+// sgemm form serves every call (tests compare the two through `set_fused`).
+static bool g_fused = true;
+
+static bool set_fused(bool on) {
+  const bool was = g_fused;
+  g_fused = on;
+  return was;
+}
+
+// Whether this build has the register-blocked form (compiled for a CPU with AVX-512).
+static bool has_fused() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Keys per pass of the register-blocked form: 512 keys x 32 queries of scores (64 KB, in the L2 cache).
+static constexpr int64_t FUSED_CHUNK = 512;
+
 
 // One block of R queries (query i0 + r, rows of q at stride ldq) against keys k_lo .. k_hi - 1 (rows
 // of k, v at strides ldk, ldv): query i sees keys i - left .. i + right within them (at least one).
@@ -102,9 +132,21 @@ struct BlockScratch {
 static void attend_block(const float* qb, int ldq, const float* kb, int ldk, const float* vb, int ldv,
                          float* ob, int ldo, float* lse, int64_t R, int64_t i0, int64_t k_lo, int64_t k_hi,
                          int64_t left, int64_t right, int D, int Dv, float scale, float cap, bool softmax,
-                         BlockScratch& w, float slope2 = 0.f) {
+                         BlockScratch& w, float slope2 = 0.f, bool fused = true) {
   const float log2e = 1.4426950408889634f, none = std::numeric_limits<float>::lowest();
   const float alpha = cap > 0 ? scale : scale * log2e;  // capped scores take log2 e after tanh
+#if defined(__AVX512F__)
+  if (softmax && fused && g_fused && attnzoo_native::fused_applies(Dv, cap, slope2)) {
+    using attnzoo_native::FQ;
+    if (!w.fused) w.fused = std::make_unique<attnzoo_native::FusedScratch>(D, FUSED_CHUNK);
+    for (int64_t r0 = 0; r0 < R; r0 += FQ) {
+      w.out_finite &= attnzoo_native::fused_block(qb + r0 * ldq, ldq, kb, ldk, vb, ldv, ob + r0 * ldo, ldo, lse + r0,
+                                  std::min<int64_t>(FQ, R - r0), i0 + r0, k_lo, k_hi, left, right, D, Dv, alpha,
+                                  FUSED_CHUNK, *w.fused);
+    }
+    return;
+  }
+#endif
   float* S = w.S.data();
   std::fill(w.m.begin(), w.m.begin() + R, none);
   std::fill(w.l.begin(), w.l.begin() + R, 0.f);
@@ -139,11 +181,13 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
     if (w.bad[r]) {
       lse[r] = nan_value();
       std::fill(o, o + Dv, nan_value());
+      w.out_finite = false;
       continue;
     }
     lse[r] = (w.m[r] + std::log2(w.l[r])) * 0.6931471805599453f;
     const float inv = 1.f / w.l[r];
     for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
+    if (any_nonfinite(o, Dv)) w.out_finite = false;
   }
 }
 
@@ -164,10 +208,58 @@ static std::vector<float> alibi_slopes2(const c10::optional<at::Tensor>& slopes,
 // left = N, right = 0: causal). Scores are scale * q.k, capped to softcap * tanh(score / softcap)
 // when softcap > 0, then minus slope_h |i - j| with ALiBi slopes [Hq]. Returns out [B, Hq, N, Dv] and
 // lse [B, Hq, N] (natural log; 3-d inputs: without B). softmax = false leaves the two sgemm only (a
-// benchmark bound).
+// benchmark bound). `finite`, a bool tensor of one element when given, is set to whether every output
+// value is finite (the caller's non-finite guard then need not read the output again). fused = false
+// keeps the sgemm form: a training forward whose LSE window_bwd recomputes its scores against (the
+// register-blocked form rounds the scores differently, ~1e-6, which the gradients would show).
+// A thread's copy of the key and value rows its blocks read, one head's rows lo .. hi - 1 contiguous,
+// for layouts whose rows lie far apart (a [B, N, H, D] projection viewed as [B, H, N, D], packed
+// [T, H, D] sequences): a block re-reads its keys' rows, and at a stride of H x D they collide in the
+// L1 cache's sets (dense causal N = 4096 from the view: 93 ms instead of 64; docs/performance.md).
+// Consecutive blocks of a head slide forward, so each row is copied about once; a block seeing more
+// rows than the copy holds reads the source in place.
+struct RowPack {
+  std::vector<float> k, v;
+  int64_t id = -1, lo = 0, hi = 0;
+  const int64_t cap;
+  const int D, Dv;
+  RowPack(int64_t cap_rows, int D_, int Dv_) : cap(cap_rows), D(D_), Dv(Dv_) {}
+  // Points kb / vb (rows of head `head`, source row r at ks + r ldk / vs + r ldv) at a contiguous copy of
+  // rows k_lo .. k_hi - 1 (ldk = D, ldv = Dv) when they fit; else leaves them as they are.
+  void cover(int64_t head, const float* ks, int ldk_src, const float* vs, int ldv_src, int64_t k_lo, int64_t k_hi,
+             const float*& kb, int& ldk, const float*& vb, int& ldv) {
+    if (k_hi - k_lo > cap) return;
+    if (k.empty()) {
+      k.resize((size_t)(cap * D));
+      v.resize((size_t)(cap * Dv));
+    }
+    if (head != id || k_lo < lo || k_lo > hi) { id = head; lo = hi = k_lo; }
+    if (k_hi - lo > cap) {  // slide: keep rows k_lo .. hi - 1 at the front
+      std::memmove(k.data(), k.data() + (k_lo - lo) * D, sizeof(float) * (hi - k_lo) * D);
+      std::memmove(v.data(), v.data() + (k_lo - lo) * Dv, sizeof(float) * (hi - k_lo) * Dv);
+      lo = k_lo;
+    }
+    for (int64_t r = hi; r < k_hi; ++r) {
+      std::memcpy(k.data() + (r - lo) * D, ks + r * ldk_src, sizeof(float) * D);
+      std::memcpy(v.data() + (r - lo) * Dv, vs + r * ldv_src, sizeof(float) * Dv);
+    }
+    hi = std::max(hi, k_hi);
+    kb = k.data() + (k_lo - lo) * D;
+    vb = v.data() + (k_lo - lo) * Dv;
+    ldk = D;
+    ldv = Dv;
+  }
+};
+
+// Rows a RowPack holds: four blocks' worth (2,048 at least), at most 16 MB of keys and values.
+static int64_t pack_rows(int64_t span, int64_t D, int64_t Dv) {
+  return std::min<int64_t>(std::max<int64_t>(4 * span, 2048), ((int64_t)16 << 20) / (4 * (D + Dv)));
+}
+
 std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, const at::Tensor& v3,
                                    int64_t left, int64_t right, double scale, double softcap,
-                                   int64_t block, bool softmax, const c10::optional<at::Tensor>& slopes) {
+                                   int64_t block, bool softmax, const c10::optional<at::Tensor>& slopes,
+                                   const c10::optional<at::Tensor>& finite, bool fused) {
   const bool flat = q3.dim() == 3;
   const at::Tensor q = flat ? q3.unsqueeze(0) : q3, k = flat ? k3.unsqueeze(0) : k3, v = flat ? v3.unsqueeze(0) : v3;
   for (const at::Tensor* t : {&q, &k, &v}) {
@@ -183,20 +275,37 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
   const int64_t G = Hq / Hkv, nblk = (N + block - 1) / block;
   const int64_t span = std::min<int64_t>(N, block + std::min(left, N) + std::min(right, N));
   const std::vector<float> slope2 = alibi_slopes2(slopes, Hq, "window_fwd");
+  const bool report = finite.has_value() && finite->defined();
+  if (report) {
+    TORCH_CHECK(finite->scalar_type() == at::kBool && finite->numel() == 1 && finite->device().is_cpu() &&
+                finite->is_contiguous(), "window_fwd: finite must be a one-element bool CPU tensor");
+  }
+  std::atomic<bool> all_finite(true);
   Buffers b(q, k, v, {B, Hq, N, Dv}, {B, Hq, N});
   at::parallel_for(0, B * Hq * nblk, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     BlockScratch w(block, span);
+    struct Report {  // this range's verdict, also when it ends early
+      BlockScratch& w;
+      std::atomic<bool>& all;
+      ~Report() { if (!w.out_finite) all.store(false); }
+    } report_range{w, all_finite};
+    RowPack pack(pack_rows(span, D, Dv), (int)D, (int)Dv);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nblk, s = (t % nblk) * block, e = std::min(N, s + block);
       const int64_t bi = bh / Hq, kv = (bh % Hq) / G, k_lo = std::max<int64_t>(0, s - left), k_hi = std::min(N, e + right);
+      const float* ks = b.kp + bi * k.stride(0) + kv * k.stride(1);  // row 0 of the head
+      const float* vs = b.vp + bi * v.stride(0) + kv * v.stride(1);
+      const float* kb = ks + k_lo * k.stride(2);
+      const float* vb = vs + k_lo * v.stride(2);
+      int ldk = (int)k.stride(2), ldv = (int)v.stride(2);
+      if (ldk != D || ldv != Dv) pack.cover(bi * Hkv + kv, ks, ldk, vs, ldv, k_lo, k_hi, kb, ldk, vb, ldv);
       attend_block(b.qp + bi * q.stride(0) + (bh % Hq) * q.stride(1) + s * q.stride(2), (int)q.stride(2),
-                   b.kp + bi * k.stride(0) + kv * k.stride(1) + k_lo * k.stride(2), (int)k.stride(2),
-                   b.vp + bi * v.stride(0) + kv * v.stride(1) + k_lo * v.stride(2), (int)v.stride(2),
-                   b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi, left, right,
-                   (int)D, (int)Dv, (float)scale, (float)softcap, softmax, w, slope2[bh % Hq]);
+                   kb, ldk, vb, ldv, b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi,
+                   left, right, (int)D, (int)Dv, (float)scale, (float)softcap, softmax, w, slope2[bh % Hq], fused);
     }
   });
+  if (report) *finite->data_ptr<bool>() = softmax && all_finite.load();
   if (flat) return {b.out.squeeze(0), b.lse.squeeze(0)};
   return {b.out, b.lse};
 }
@@ -207,7 +316,7 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
 // and lse [Hq, T].
 std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& cu, int64_t left, int64_t right, double scale,
-                                   double softcap, int64_t block) {
+                                   double softcap, int64_t block, bool fused) {
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous(),
                 "varlen_fwd: q, k, v must be contiguous 3-d float32 CPU tensors");
@@ -234,14 +343,18 @@ std::vector<at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, con
   at::parallel_for(0, Hq * ntask, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     BlockScratch w(block, span);
+    RowPack pack(pack_rows(span, D, Dv), (int)D, (int)Dv);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = t / ntask, task = t % ntask, seq = task_seq[task], s = task_start[task];
       const int64_t e = std::min(c[seq + 1], s + block), kv = h / G;
       const int64_t k_lo = std::max(c[seq], s - left), k_hi = std::min(c[seq + 1], e + right);
-      attend_block(b.qp + (s * Hq + h) * D, (int)(Hq * D), b.kp + (k_lo * Hkv + kv) * D, (int)(Hkv * D),
-                   b.vp + (k_lo * Hkv + kv) * Dv, (int)(Hkv * Dv), b.op + (s * Hq + h) * Dv, (int)(Hq * Dv),
+      const float* kb = b.kp + (k_lo * Hkv + kv) * D;
+      const float* vb = b.vp + (k_lo * Hkv + kv) * Dv;
+      int ldk = (int)(Hkv * D), ldv = (int)(Hkv * Dv);
+      if (Hkv > 1) pack.cover(kv, b.kp + kv * D, ldk, b.vp + kv * Dv, ldv, k_lo, k_hi, kb, ldk, vb, ldv);
+      attend_block(b.qp + (s * Hq + h) * D, (int)(Hq * D), kb, ldk, vb, ldv, b.op + (s * Hq + h) * Dv, (int)(Hq * Dv),
                    b.lp + h * T + s, e - s, s, k_lo, k_hi, left, right, (int)D, (int)Dv, (float)scale,
-                   (float)softcap, true, w);
+                   (float)softcap, true, w, 0.f, fused);
     }
   });
   return {b.out, b.lse};
@@ -502,12 +615,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nsa_selected_fwd", &nsa_selected_fwd, "NSA's selected branch over picked key blocks (float32)");
   m.def("nsa_selected_train_fwd", &nsa_selected_train_fwd, "nsa_selected_fwd and its log2 log-sum-exps");
   m.def("nsa_selected_bwd", &nsa_selected_bwd, "the backward of nsa_selected_train_fwd (float32)");
+  m.def("has_fused", &has_fused, "whether this build has the register-blocked AVX-512 form");
+  m.def("set_fused", &set_fused, "use the register-blocked AVX-512 form where it applies; returns the previous setting",
+        py::arg("on"));
   m.def("window_fwd", &window_fwd, "attention forward over [B, H, N, D] (float32)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("left"), py::arg("right"), py::arg("scale"), py::arg("softcap"), py::arg("block"),
-        py::arg("softmax"), py::arg("slopes") = py::none());
+        py::arg("softmax"), py::arg("slopes") = py::none(), py::arg("finite") = py::none(), py::arg("fused") = true);
   m.def("decode_fwd", &decode_fwd, "split-KV decoding over a cache (float32)");
   m.def("window_bwd", &window_bwd, "the backward of window_fwd (float32)", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::arg("d_out"), py::arg("d_lse"), py::arg("left"), py::arg("right"),
         py::arg("scale"), py::arg("softcap"), py::arg("block"), py::arg("slopes") = py::none());
-  m.def("varlen_fwd", &varlen_fwd, "attention forward over packed sequences [T, H, D] (float32)");
+  m.def("varlen_fwd", &varlen_fwd, "attention forward over packed sequences [T, H, D] (float32)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("cu"), py::arg("left"), py::arg("right"), py::arg("scale"),
+        py::arg("softcap"), py::arg("block"), py::arg("fused") = true);
 }
