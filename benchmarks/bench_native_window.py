@@ -6,8 +6,9 @@ do), quiet or beside busy processes.
 Builds the kernel first when it is not built for this Python/torch/CPU (``attnzoo native --build``,
 about 20 s; into ``$ATTNZOO_NATIVE_DIR``). Rows, timed interleaved (medians): ``torch.mm`` of
 2048^2 (the peak), ``auto`` with the kernel turned off (the flat band), the kernel at each
-``--blocks`` query-block size, and with ``--gemm-only`` its two ``sgemm`` per block without the
-softmax pass (the bound of this design). ``--load N`` runs beside N busy one-thread processes
+``--blocks`` query-block size, the same call in its ``sgemm`` form where the build has the
+register-blocked AVX-512 form (``native_fused.h``), and with ``--gemm-only`` the two ``sgemm`` per
+block without the softmax pass (the bound of the ``sgemm`` form). ``--load N`` runs beside N busy one-thread processes
 (``bench_cpu_kernels``' loaded column) and adds ``auto`` with flat groups of 2^24 scores (16x fewer
 torch operations than the default 2^20). The second table: SDPA ``is_causal``, ``backend="tiled"``
 with the kernel off and on, and ``auto`` with ``softcap=30`` off and on, timed interleaved.
@@ -29,6 +30,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 from bench_core import timed  # the script's folder is on sys.path
@@ -84,6 +86,15 @@ def _train_fns(g: torch.Generator) -> dict[str, Callable[[], object]]:
     return fns
 
 
+def _sgemm_form(ext: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, b: int) -> object:
+    """``window_fwd`` with the register-blocked AVX-512 form switched off for the call."""
+    was = ext.set_fused(False)
+    try:
+        return ext.window_fwd(q, k, v, w, 0, 0.125, 0.0, b, True)
+    finally:
+        ext.set_fused(was)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, nargs="+", default=[native.BLOCK])
@@ -117,6 +128,8 @@ def main() -> None:
     for b in a.blocks:
         fns[f"compiled kernel, B={b}" + (" (auto)" if b == native.BLOCK else "")] = \
             lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, 0.0, b, True)
+        if ext.has_fused():  # the same call in the sgemm form (what the register-blocked one replaced)
+            fns[f"  its sgemm form, B={b}"] = lambda b=b: _sgemm_form(ext, qf, kf, vf, w, b)
         if a.gemm_only:
             fns[f"  its two sgemm only, B={b}"] = lambda b=b: ext.window_fwd(qf, kf, vf, w, 0, 0.125, 0.0, b, False)
     busy = [mp.get_context("spawn").Process(target=_busy, args=(time.time() + 3600,), daemon=True)
