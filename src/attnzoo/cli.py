@@ -504,8 +504,8 @@ def cmd_native(args: argparse.Namespace) -> int:
              "not built for this Python/torch/CPU (attnzoo native --build; or reinstall as the README says)")
     print(f"compiled kernels: {state}; build directory {_native.build_dir()}")
     if mod is not None and _native.enabled():
-        print("forward form: " + ("register-blocked AVX-512 micro-kernels (float32 inference without softcap or ALiBi; "
-                                  "sgemm for the rest)" if mod.has_fused() else "sgemm (no AVX-512 on the CPU that built it)"))
+        print("forward form: " + ("register-blocked AVX-512 micro-kernels (float32 inference; sgemm for training and "
+                                  "value widths not a multiple of 16 up to 128)" if mod.has_fused() else "sgemm (no AVX-512 on the CPU that built it)"))
     if mod is None and (stale := _native.stale_install()) is not None:
         print(f"the install's build is not used: {stale} (attnzoo native --build, or reinstall)")
     if mod is not None and _native.enabled():

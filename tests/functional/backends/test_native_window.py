@@ -714,19 +714,22 @@ def test_the_nsa_kernel_makes_a_row_that_sees_a_non_finite_key_nan(built: object
     torch.testing.assert_close(out[~hit], clean[~hit], atol=0, rtol=0)
 
 
-FUSED = [  # (B, H, Hkv, N, D, Dv, left, right, block, strided): the register-blocked forward's cases
-    (1, 2, 1, 1, 64, 64, 0, 0, 64, False),  # a single query
-    (2, 4, 2, 200, 64, 64, 37, 0, 64, False),  # causal window, GQA, a partial last block
-    (1, 2, 2, 100, 40, 48, 7, 7, 48, True),  # D not a multiple of 16, 3 value vectors, two-sided, strided
-    (1, 3, 1, 1100, 64, 128, 1100, 0, 64, True),  # dense causal past a 512-key chunk, MQA, strided
-    (1, 2, 1, 700, 16, 80, 700, 700, 32, False),  # bidirectional over two chunks, 5 value vectors
-    (1, 2, 2, 333, 128, 16, 256, 0, 128, False),  # 16-wide values, four sub-blocks of 32 a block
-    (1, 1, 1, 65, 8, 112, 0, 0, 64, True),  # each query sees only its own key, 7 value vectors
+FUSED = [  # (B, H, Hkv, N, D, Dv, left, right, block, strided, softcap, alibi): the register-blocked forward's cases
+    (1, 2, 1, 1, 64, 64, 0, 0, 64, False, 0.0, False),  # a single query
+    (2, 4, 2, 200, 64, 64, 37, 0, 64, False, 0.0, False),  # causal window, GQA, a partial last block
+    (1, 2, 2, 100, 40, 48, 7, 7, 48, True, 0.0, False),  # D not a multiple of 16, 3 value vectors, two-sided, strided
+    (1, 3, 1, 1100, 64, 128, 1100, 0, 64, True, 0.0, False),  # dense causal past a 512-key chunk, MQA, strided
+    (1, 2, 1, 700, 16, 80, 700, 700, 32, False, 0.0, False),  # bidirectional over two chunks, 5 value vectors
+    (1, 2, 2, 333, 128, 16, 256, 0, 128, False, 0.0, False),  # 16-wide values, four sub-blocks of 32 a block
+    (1, 1, 1, 65, 8, 112, 0, 0, 64, True, 0.0, False),  # each query sees only its own key, 7 value vectors
+    (1, 4, 2, 600, 64, 64, 600, 0, 64, False, 2.0, False),  # a softcap that binds, past a chunk
+    (1, 2, 2, 150, 32, 32, 50, 3, 64, True, 0.0, True),  # ALiBi on a two-sided window, strided
+    (2, 2, 1, 900, 16, 48, 900, 900, 64, False, 1.5, True),  # both, bidirectional over two chunks
 ]
 
 
 def _fused_inputs(case):  # type: ignore[no-untyped-def]
-    B, H, Hkv, N, D, Dv, *_, strided = case
+    B, H, Hkv, N, D, Dv, _, _, _, strided, *_ = case
     q, k, v = _qkv(B, H, Hkv, N, D, Dv, seed=3)
     q = q * 2
     if strided:  # a module's [B, N, H, D] projections viewed as [B, H, N, D]
@@ -735,25 +738,28 @@ def _fused_inputs(case):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("case", FUSED, ids=[f"N{c[3]}-D{c[4]}-Dv{c[5]}-win{c[6:8]}-g{c[1] // c[2]}-strided{c[9]}"
-                                             for c in FUSED])
+                                             f"-cap{c[10]}-alibi{c[11]}" for c in FUSED])
 def test_the_register_blocked_forward_matches_the_float64_reference(case, built: object) -> None:
     """The AVX-512 micro-kernel form (``native_fused.h``) against the float64 reference, within 2x the
     sgemm form's error (its output and LSE), on windows, chunked rows, GQA, odd widths and strided
-    layouts; and the strided layout (rows copied together by ``RowPack``) gives what the contiguous one
-    gives."""
-    _, _, _, _, D, _, left, right, block, strided = case
+    layouts, softcaps and ALiBi; and the strided layout (rows copied together by ``RowPack``) gives what
+    the contiguous one gives."""
+    _, H, _, _, D, _, left, right, block, strided, cap, alibi = case
     q, k, v = _fused_inputs(case)
-    ref, ref_lse = az.attention(q, k, v, window=(left, right), backend="reference", return_lse=True)
+    slopes = torch.linspace(0.05, 0.4, H, dtype=F64) if alibi else None
+    ref, ref_lse = az.attention(q, k, v, window=(left, right), softcap=cap or None, alibi_slopes=slopes,
+                                backend="reference", return_lse=True)
     scale = D ** -0.5
+    extra = (None if slopes is None else slopes.float(),)
     qf, kf, vf = (t.float() for t in (q, k, v))
     errors = {}
     for on in (True, False):
         was = built.set_fused(on)  # type: ignore[attr-defined]
         try:
-            out, lse = built.window_fwd(qf, kf, vf, left, right, scale, 0.0, block, True)  # type: ignore[attr-defined]
+            out, lse = built.window_fwd(qf, kf, vf, left, right, scale, cap, block, True, *extra)  # type: ignore[attr-defined]
             if strided:
                 same, same_lse = built.window_fwd(qf.contiguous(), kf.contiguous(), vf.contiguous(), left, right,  # type: ignore[attr-defined]
-                                                  scale, 0.0, block, True)
+                                                  scale, cap, block, True, *extra)
                 torch.testing.assert_close(out, same, rtol=0, atol=1e-6)
                 torch.testing.assert_close(lse, same_lse, rtol=0, atol=1e-6)
         finally:

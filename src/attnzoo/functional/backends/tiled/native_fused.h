@@ -1,4 +1,4 @@
-// attnzoo's register-blocked attention block for AVX-512 (float32, no softcap / ALiBi): the scores of a
+// attnzoo's register-blocked attention block for AVX-512 (float32; softcap, ALiBi): the scores of a
 // block of 32 queries are computed transposed, S^T [keys, 32], by a micro-kernel that keeps a tile of
 // keys x 32 queries in registers (a key's element broadcast, the queries' column loaded), so that the
 // softmax's maximum, exp2 and sum run across the 32 queries in two vectors, masked key tiles are
@@ -22,9 +22,10 @@ namespace attnzoo_native {
 constexpr int FQ = 32;   // queries per sub-block: two vectors
 constexpr int FKT = 12;  // keys per score tile: 24 accumulators
 
-// 2^x for a vector of x <= 0 (|error| ~1e-7 relative): x = t + f with t an integer, f in [-0.5, 0.5],
-// 2^f by its degree-6 Taylor polynomial, times 2^t by vscalefps, which underflows to 0 (or a denormal
-// that the kernels' FlushDenormals turns into 0) however negative t is: no clamp needed.
+// 2^x for a vector (|error| ~1e-7 relative): x = t + f with t an integer, f in [-0.5, 0.5], 2^f by its
+// degree-6 Taylor polynomial, times 2^t by vscalefps, which underflows to 0 (or a denormal that the
+// kernels' FlushDenormals turns into 0) however negative t is, and overflows to inf however positive:
+// no clamp needed.
 inline __m512 exp2_v(__m512 x) {
   const __m512 t = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, t);
@@ -76,6 +77,21 @@ inline void pack_queries(const float* q, int ldq, int64_t R, int D, float alpha,
   }
 }
 
+// The per-score transforms of a call, in log2 units: the softcap (cap > 0: x -> cap log2(e) tanh(x /
+// cap), the scores having been scaled without log2 e) and ALiBi (slope2 = slope log2 e: minus slope2
+// |i - j| for query i and key j).
+struct ScoreMods {
+  float cap = 0.f, slope2 = 0.f;
+};
+
+// tanh(x) as 1 - 2 / (2^(2 log2(e) x) + 1), the division by a reciprocal estimate and one Newton step.
+inline __m512 tanh_v(__m512 x) {
+  const __m512 e = _mm512_add_ps(exp2_v(_mm512_mul_ps(x, _mm512_set1_ps(2.8853900817779268f))), _mm512_set1_ps(1.f));
+  __m512 r = _mm512_rcp14_ps(e);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(e, r, _mm512_set1_ps(2.f)));  // r (2 - e r)
+  return _mm512_fnmadd_ps(_mm512_set1_ps(2.f), r, _mm512_set1_ps(1.f));
+}
+
 // Lanes holding an inf or a NaN (vfpclassps: QNaN 0x01, +inf 0x08, -inf 0x10, SNaN 0x80), which
 // -ffast-math cannot fold away.
 inline __mmask16 nonfinite_v(__m512 x) { return _mm512_fpclass_ps_mask(x, 0x01 | 0x08 | 0x10 | 0x80); }
@@ -104,7 +120,7 @@ inline Visible visible_of(int64_t c, int64_t i0, int64_t R, int64_t left, int64_
 template <int NR, int W>
 __attribute__((noinline)) void score_tile(const float* k, int ldk, const float* qt, int D, float* st, int64_t c_abs,
                                           int64_t i0, int64_t R, int64_t left, int64_t right, bool full, __m512& mx0,
-                                          __m512& mx1, __mmask16& bad0, __mmask16& bad1) {
+                                          __m512& mx1, __mmask16& bad0, __mmask16& bad1, const ScoreMods& mods) {
   constexpr bool LO = (W & 1) != 0, HI = (W & 2) != 0;
   __m512 acc0[NR], acc1[NR];
 #pragma GCC unroll 16
@@ -130,14 +146,24 @@ __attribute__((noinline)) void score_tile(const float* k, int ldk, const float* 
       bad1 |= nonfinite_v(s1);
     } else {
       const Visible vis = visible_of(c_abs + j, i0, R, left, right);
-      if constexpr (LO) {
-        bad0 |= nonfinite_v(s0) & vis.lo;
-        s0 = _mm512_mask_blend_ps(vis.lo, none, s0);
-      }
-      if constexpr (HI) {
-        bad1 |= nonfinite_v(s1) & vis.hi;
-        s1 = _mm512_mask_blend_ps(vis.hi, none, s1);
-      }
+      if constexpr (LO) bad0 |= nonfinite_v(s0) & vis.lo;
+      if constexpr (HI) bad1 |= nonfinite_v(s1) & vis.hi;
+    }
+    if (mods.cap > 0.f) {  // tested for inf / NaN first: the cap would bound them
+      const __m512 inv = _mm512_set1_ps(1.f / mods.cap), c2 = _mm512_set1_ps(mods.cap * 1.4426950408889634f);
+      if constexpr (LO) s0 = _mm512_mul_ps(c2, tanh_v(_mm512_mul_ps(s0, inv)));
+      if constexpr (HI) s1 = _mm512_mul_ps(c2, tanh_v(_mm512_mul_ps(s1, inv)));
+    }
+    if (mods.slope2 != 0.f) {  // minus slope2 |i - j|: lane r is query i0 + r
+      const __m512 at = _mm512_set1_ps((float)(i0 - (c_abs + j))), sl = _mm512_set1_ps(mods.slope2);
+      const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      if constexpr (LO) s0 = _mm512_fnmadd_ps(sl, _mm512_abs_ps(_mm512_add_ps(lanes, at)), s0);
+      if constexpr (HI) s1 = _mm512_fnmadd_ps(sl, _mm512_abs_ps(_mm512_add_ps(_mm512_add_ps(lanes, _mm512_set1_ps(16.f)), at)), s1);
+    }
+    if (!full) {
+      const Visible vis = visible_of(c_abs + j, i0, R, left, right);
+      if constexpr (LO) s0 = _mm512_mask_blend_ps(vis.lo, none, s0);
+      if constexpr (HI) s1 = _mm512_mask_blend_ps(vis.hi, none, s1);
     }
     if constexpr (LO) mx0 = _mm512_max_ps(mx0, s0);
     if constexpr (HI) mx1 = _mm512_max_ps(mx1, s1);
@@ -149,10 +175,10 @@ __attribute__((noinline)) void score_tile(const float* k, int ldk, const float* 
 template <int NR>
 inline void score_tile_of(int w, const float* k, int ldk, const float* qt, int D, float* st, int64_t c_abs, int64_t i0,
                           int64_t R, int64_t left, int64_t right, bool full, __m512& mx0, __m512& mx1,
-                          __mmask16& bad0, __mmask16& bad1) {
-  if (w == 3) score_tile<NR, 3>(k, ldk, qt, D, st, c_abs, i0, R, left, right, full, mx0, mx1, bad0, bad1);
-  else if (w == 1) score_tile<NR, 1>(k, ldk, qt, D, st, c_abs, i0, R, left, right, full, mx0, mx1, bad0, bad1);
-  else score_tile<NR, 2>(k, ldk, qt, D, st, c_abs, i0, R, left, right, full, mx0, mx1, bad0, bad1);
+                          __mmask16& bad0, __mmask16& bad1, const ScoreMods& mods) {
+  if (w == 3) score_tile<NR, 3>(k, ldk, qt, D, st, c_abs, i0, R, left, right, full, mx0, mx1, bad0, bad1, mods);
+  else if (w == 1) score_tile<NR, 1>(k, ldk, qt, D, st, c_abs, i0, R, left, right, full, mx0, mx1, bad0, bad1, mods);
+  else score_tile<NR, 2>(k, ldk, qt, D, st, c_abs, i0, R, left, right, full, mx0, mx1, bad0, bad1, mods);
 }
 
 // out rows 0 .. ROWS - 1 (stride ldo, NV vectors wide) += sum over keys c in [0, L) of P^T[c, r0 + i]
@@ -244,10 +270,8 @@ struct FusedScratch {
   FusedScratch(int D, int64_t chunk) : qt((size_t)D * FQ), st((size_t)chunk * FQ) {}
 };
 
-// Whether fused_block serves a call: no softcap / ALiBi, value width 16 .. 128 in vectors of 16.
-inline bool fused_applies(int Dv, float cap, float slope2) {
-  return cap <= 0.f && slope2 == 0.f && Dv % 16 == 0 && Dv >= 16 && Dv <= 128;
-}
+// Whether fused_block serves a call: value width 16 .. 128 in vectors of 16.
+inline bool fused_applies(int Dv) { return Dv % 16 == 0 && Dv >= 16 && Dv <= 128; }
 
 // One sub-block of R <= 32 queries (query i0 + r: row r of q, stride ldq) against keys k_lo .. k_hi - 1
 // (rows of k / v at strides ldk / ldv; query i sees keys i - left .. i + right, at least one of them),
@@ -256,7 +280,7 @@ inline bool fused_applies(int Dv, float cap, float slope2) {
 // output value written is finite (a NaN value row that some row's probabilities reach shows here).
 inline bool fused_block(const float* q, int ldq, const float* k, int ldk, const float* v, int ldv, float* o, int ldo,
                         float* lse, int64_t R, int64_t i0, int64_t k_lo, int64_t k_hi, int64_t left, int64_t right,
-                        int D, int Dv, float alpha, int64_t chunk, FusedScratch& w) {
+                        int D, int Dv, float alpha, int64_t chunk, FusedScratch& w, const ScoreMods& mods) {
   // the rows the next sub-block adds (keys and values after this one's, its queries): fetched from
   // memory while this one computes (at 64k rows a head, q / k / v do not fit in the caches)
 #ifdef ATTNZOO_PREFETCH
@@ -286,14 +310,14 @@ inline bool fused_block(const float* q, int ldq, const float* k, int ldk, const 
       const bool full = c >= i0 + R - 1 - left && c + nr - 1 <= i0 + right && R == FQ;
       // the lanes some key of the tile is visible to: [c - right - i0, c + nr - 1 + left - i0]
       const int64_t lane_lo = c - right - i0, lane_hi = c + nr - 1 + left - i0;
-      const int w = (lane_lo <= 15 && lane_hi >= 0 ? 1 : 0) | (R > 16 && lane_lo <= R - 1 && lane_hi >= 16 ? 2 : 0);
-      if (w == 0) {  // no lane sees the tile (cannot happen for a band; kept exact)
+      const int lanes = (lane_lo <= 15 && lane_hi >= 0 ? 1 : 0) | (R > 16 && lane_lo <= R - 1 && lane_hi >= 16 ? 2 : 0);
+      if (lanes == 0) {  // no lane sees the tile (cannot happen for a band; kept exact)
         for (int j = 0; j < nr * FQ; ++j) st[(c - c0) * FQ + j] = -3.0e38f;
         continue;
       }
       const float* kc = k + (c - k_lo) * ldk;
       switch (nr) {
-#define ATTNZOO_TILE(n) case n: score_tile_of<n>(w, kc, ldk, qt, D, st + (c - c0) * FQ, c, i0, R, left, right, full, mx0, mx1, bad0, bad1); break;
+#define ATTNZOO_TILE(n) case n: score_tile_of<n>(lanes, kc, ldk, qt, D, st + (c - c0) * FQ, c, i0, R, left, right, full, mx0, mx1, bad0, bad1, mods); break;
         ATTNZOO_TILE(1) ATTNZOO_TILE(2) ATTNZOO_TILE(3) ATTNZOO_TILE(4) ATTNZOO_TILE(5) ATTNZOO_TILE(6)
         ATTNZOO_TILE(7) ATTNZOO_TILE(8) ATTNZOO_TILE(9) ATTNZOO_TILE(10) ATTNZOO_TILE(11) ATTNZOO_TILE(12)
 #undef ATTNZOO_TILE

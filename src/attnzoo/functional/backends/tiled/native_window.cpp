@@ -136,13 +136,13 @@ static void attend_block(const float* qb, int ldq, const float* kb, int ldk, con
   const float log2e = 1.4426950408889634f, none = std::numeric_limits<float>::lowest();
   const float alpha = cap > 0 ? scale : scale * log2e;  // capped scores take log2 e after tanh
 #if defined(__AVX512F__)
-  if (softmax && fused && g_fused && attnzoo_native::fused_applies(Dv, cap, slope2)) {
+  if (softmax && fused && g_fused && attnzoo_native::fused_applies(Dv)) {
     using attnzoo_native::FQ;
     if (!w.fused) w.fused = std::make_unique<attnzoo_native::FusedScratch>(D, FUSED_CHUNK);
     for (int64_t r0 = 0; r0 < R; r0 += FQ) {
       w.out_finite &= attnzoo_native::fused_block(qb + r0 * ldq, ldq, kb, ldk, vb, ldv, ob + r0 * ldo, ldo, lse + r0,
                                   std::min<int64_t>(FQ, R - r0), i0 + r0, k_lo, k_hi, left, right, D, Dv, alpha,
-                                  FUSED_CHUNK, *w.fused);
+                                  FUSED_CHUNK, *w.fused, attnzoo_native::ScoreMods{cap, slope2});
     }
     return;
   }
