@@ -47,7 +47,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from bench_core import timed  # the script's folder is on sys.path
+from bench_core import cpu_model, timed  # the script's folder is on sys.path
 
 import attnzoo as az
 from attnzoo.functional.backends.tiled.native import native_module
@@ -267,9 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     for b in busy:
         b.start()
     try:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
-              f"load average {os.getloadavg()[0]:.1f} at start, {a.load} busy processes of ours, compiled kernels "
-              f"{'built (ATTNZOO_NATIVE_DIR)' if native_module() is not None else 'not built'}")
+        mod = native_module()
+        form = "" if mod is None else (", register-blocked AVX-512 forward" if mod.has_fused() else ", sgemm forward")
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu_model()} "
+              f"({platform.machine()}), load average {os.getloadavg()[0]:.1f} at start, {a.load} busy processes of "
+              f"ours, compiled kernels {'built' + form if mod is not None else 'not built'}")
         print("| row | ours / peer | times | ratio |\n| --- | --- | --- | --- |")
         with torch.inference_mode():
             few = max(1, a.repeats // 3)

@@ -33,7 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from bench_core import timed  # the script's folder is on sys.path
+from bench_core import cpu_model, timed  # the script's folder is on sys.path
 from bench_cpu_kernels import _busy, _with_tiles
 
 import attnzoo as az
@@ -113,7 +113,8 @@ def main() -> None:
         print(f"built in {time.perf_counter() - t0:.1f} s")
     ext = native.native_module()
     assert ext is not None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu_model()} ({platform.machine()}), "
+          f"forward form: {'register-blocked AVX-512' if ext.has_fused() else 'sgemm'}")
     n, w = 65536, 256
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, n, 64, generator=g) for _ in range(3))
