@@ -18,6 +18,7 @@ import torch
 import attnzoo as az
 from attnzoo import cli
 from attnzoo.functional.backends.tiled import native
+from attnzoo.functional.core import _edge
 from attnzoo.functional.softmax.nsa import NSAConfig, nsa_attention
 from attnzoo.nn.nsa import BlockCompressor
 
@@ -775,8 +776,6 @@ def test_the_kernel_vouches_for_a_finite_output_and_not_for_a_leak(built: object
     ``az.attention`` then skips its pass over the output; a NaN value row hidden from the rows before
     it (which a P V tile multiplies by zero) makes the kernel say no, and the guard keeps those rows
     finite."""
-    from attnzoo.functional.core import _edge
-
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(3))
     finite = torch.zeros((), dtype=torch.bool)

@@ -266,7 +266,6 @@ inline void pv_rows(const float* pt, int64_t R, const float* v, int ldv, int64_t
 struct FusedScratch {
   std::vector<float> qt, st;
   alignas(64) float m[FQ], l[FQ], a[FQ];
-  uint32_t bad = 0;
   FusedScratch(int D, int64_t chunk) : qt((size_t)D * FQ), st((size_t)chunk * FQ) {}
 };
 
@@ -281,17 +280,6 @@ inline bool fused_applies(int Dv) { return Dv % 16 == 0 && Dv >= 16 && Dv <= 128
 inline bool fused_block(const float* q, int ldq, const float* k, int ldk, const float* v, int ldv, float* o, int ldo,
                         float* lse, int64_t R, int64_t i0, int64_t k_lo, int64_t k_hi, int64_t left, int64_t right,
                         int D, int Dv, float alpha, int64_t chunk, FusedScratch& w, const ScoreMods& mods) {
-  // the rows the next sub-block adds (keys and values after this one's, its queries): fetched from
-  // memory while this one computes (at 64k rows a head, q / k / v do not fit in the caches)
-#ifdef ATTNZOO_PREFETCH
-  const int64_t ahead = std::min(k_hi, i0 + R + right + FQ);
-  for (int64_t c = std::min(k_hi, i0 + R + right); c < ahead; ++c) {
-    for (int x = 0; x < D; x += 16) _mm_prefetch((const char*)(k + (c - k_lo) * ldk + x), _MM_HINT_T1);
-    for (int x = 0; x < Dv; x += 16) _mm_prefetch((const char*)(v + (c - k_lo) * ldv + x), _MM_HINT_T1);
-  }
-  for (int r = 0; r < FQ; ++r)
-    for (int x = 0; x < D; x += 16) _mm_prefetch((const char*)(q + (R + r) * ldq + x), _MM_HINT_T1);
-#endif
   float* qt = w.qt.data();
   pack_queries(q, ldq, R, D, alpha, qt);
   const __m512 none = _mm512_set1_ps(-3.0e38f);
