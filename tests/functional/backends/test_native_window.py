@@ -803,5 +803,8 @@ def test_the_kernel_vouches_for_a_finite_output_and_not_for_a_leak(built: object
 def test_the_build_says_which_forward_form_it_has(built: object) -> None:
     """``has_fused`` is true exactly where the compiler targeted AVX-512 (the micro-kernels); ``attnzoo
     native`` reports it."""
-    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "")
     assert built.has_fused() == (" avx512f" in flags)  # type: ignore[attr-defined]
