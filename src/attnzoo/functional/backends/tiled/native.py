@@ -250,7 +250,7 @@ def native_forward(r: AttnRequest, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     Served: a forward of full, causal or sliding-window attention (:func:`sides`) with an optional
     softcap and ALiBi (slopes without gradient) — differentiable (the compiled ``window_bwd``) when q,
     k or v needs a gradient —; no other mask or ``score_mod``; ``Nq == Nk`` with ``q_offset == 0``; float32 CPU q/k/v with contiguous rows (any
-    other strides: a module's ``[B, N, H, D]`` projection viewed as ``[B, H, N, D]`` is read in place;
+    other strides: a module's ``[B, N, H, D]`` projection viewed as ``[B, H, N, D]`` needs no whole copy, each thread copies the key/value rows it reads;
     GQA allowed); a score buffer of at most :data:`MAX_SCORE_BYTES` a thread."""
     kern = _served(r, q, k, v)
     if kern is None:

@@ -123,7 +123,6 @@ static bool has_fused() {
 // Keys per pass of the register-blocked form: 512 keys x 32 queries of scores (64 KB, in the L2 cache).
 static constexpr int64_t FUSED_CHUNK = 512;
 
-
 // One block of R queries (query i0 + r, rows of q at stride ldq) against keys k_lo .. k_hi - 1 (rows
 // of k, v at strides ldk, ldv): query i sees keys i - left .. i + right within them (at least one).
 // Keys in chunks of KEY_CHUNK: per chunk one sgemm for the scores, the softcap / ALiBi / running
@@ -202,16 +201,6 @@ static std::vector<float> alibi_slopes2(const c10::optional<at::Tensor>& slopes,
   return out;
 }
 
-// q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv] float32 with contiguous rows and any other
-// strides (the [B, N, H, D] -> [B, H, N, D] view of a projection is read in place; 3-d [BH, N, D]
-// is taken as B = 1); query i sees keys i - left .. i + right (left = right = N: every key;
-// left = N, right = 0: causal). Scores are scale * q.k, capped to softcap * tanh(score / softcap)
-// when softcap > 0, then minus slope_h |i - j| with ALiBi slopes [Hq]. Returns out [B, Hq, N, Dv] and
-// lse [B, Hq, N] (natural log; 3-d inputs: without B). softmax = false leaves the two sgemm only (a
-// benchmark bound). `finite`, a bool tensor of one element when given, is set to whether every output
-// value is finite (the caller's non-finite guard then need not read the output again). fused = false
-// keeps the sgemm form: a training forward whose LSE window_bwd recomputes its scores against (the
-// register-blocked form rounds the scores differently, ~1e-6, which the gradients would show).
 // A thread's copy of the key and value rows its blocks read, one head's rows lo .. hi - 1 contiguous,
 // for layouts whose rows lie far apart (a [B, N, H, D] projection viewed as [B, H, N, D], packed
 // [T, H, D] sequences): a block re-reads its keys' rows, and at a stride of H x D they collide in the
@@ -256,6 +245,16 @@ static int64_t pack_rows(int64_t span, int64_t D, int64_t Dv) {
   return std::min<int64_t>(std::max<int64_t>(4 * span, 2048), ((int64_t)16 << 20) / (4 * (D + Dv)));
 }
 
+// q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv] float32 with contiguous rows and any other
+// strides (the [B, N, H, D] -> [B, H, N, D] view of a projection: no whole copy, see RowPack; 3-d [BH, N, D]
+// is taken as B = 1); query i sees keys i - left .. i + right (left = right = N: every key;
+// left = N, right = 0: causal). Scores are scale * q.k, capped to softcap * tanh(score / softcap)
+// when softcap > 0, then minus slope_h |i - j| with ALiBi slopes [Hq]. Returns out [B, Hq, N, Dv] and
+// lse [B, Hq, N] (natural log; 3-d inputs: without B). softmax = false leaves the two sgemm only (a
+// benchmark bound). `finite`, a bool tensor of one element when given, is set to whether every output
+// value is finite (the caller's non-finite guard then need not read the output again). fused = false
+// keeps the sgemm form: a training forward whose LSE window_bwd recomputes its scores against (the
+// register-blocked form rounds the scores differently, ~1e-6, which the gradients would show).
 std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, const at::Tensor& v3,
                                    int64_t left, int64_t right, double scale, double softcap,
                                    int64_t block, bool softmax, const c10::optional<at::Tensor>& slopes,
@@ -285,11 +284,6 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
   at::parallel_for(0, B * Hq * nblk, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     BlockScratch w(block, span);
-    struct Report {  // this range's verdict, also when it ends early
-      BlockScratch& w;
-      std::atomic<bool>& all;
-      ~Report() { if (!w.out_finite) all.store(false); }
-    } report_range{w, all_finite};
     RowPack pack(pack_rows(span, D, Dv), (int)D, (int)Dv);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nblk, s = (t % nblk) * block, e = std::min(N, s + block);
@@ -304,6 +298,7 @@ std::vector<at::Tensor> window_fwd(const at::Tensor& q3, const at::Tensor& k3, c
                    kb, ldk, vb, ldv, b.op + (bh * N + s) * Dv, (int)Dv, b.lp + bh * N + s, e - s, s, k_lo, k_hi,
                    left, right, (int)D, (int)Dv, (float)scale, (float)softcap, softmax, w, slope2[bh % Hq], fused);
     }
+    if (!w.out_finite) all_finite.store(false);
   });
   if (report) *finite->data_ptr<bool>() = softmax && all_finite.load();
   if (flat) return {b.out.squeeze(0), b.lse.squeeze(0)};
