@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from attnzoo.arena import presets, run_arena, settings_for, sweep
+from attnzoo.arena import runner as arena_runner
 from attnzoo.arena.fairness import best_lr_record, plateau_lines, should_stop, sweep_lrs
 from attnzoo.arena.hybrid import check_entry, entry_kwargs, stack_cache_bytes
 from attnzoo.arena.paper_report import _interp, compare_to_paper
@@ -400,6 +401,25 @@ def test_hybrid_runs_in_the_arena_with_its_verdict(tmp_path: Path) -> None:
     assert (out / "recall_vs_state.png").is_file() or "no plots" in (out / "report.md").read_text()
     assert isinstance(plateau_lines(res), list)
     assert list((out / "runs").glob("mqar-gated_deltanet+mha.json"))  # a '/' never makes a folder
+
+
+def test_the_pinned_pattern_builds_its_softmax_layer_at_the_default_depth(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """DESIGN's CLI call names a 4-layer pattern; the default depth is shorter: the task deepens to it
+    (every variant alike) instead of cycling the ``mha`` layer away and training without positions."""
+    pattern = "gated_deltanet/gated_deltanet/gated_deltanet/mha"
+    out = tmp_path / "p"
+    assert run_arena(_args("--quick", "--task", "lm", "--variants", f"{pattern},mha", "--steps", "2",
+                           "--no-measure", "--progress", "plain", "--out", str(out))) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["lm"]["depth"] == 4 and res["settings"]["lm"]["pos"] == "rope"
+    assert "depth 1 -> 4" in capsys.readouterr().err
+    s = arena_runner.settings_for("lm", _args("--quick"))
+    model = arena_runner.build_model(replace(s, depth=4), pattern, 65, 0)
+    assert [type(b.attn).__name__ for b in model.blocks][-1] == "MultiHeadAttention"
+    assert model.blocks[-1].attn.rope is not None  # the softmax layer got its RoPE
+    deep, notes = arena_runner.deepen_for_patterns({"lm": s}, [pattern], depth_given=True)
+    assert deep["lm"].depth == s.depth and "only the first 1 layer(s)" in notes[0]
 
 
 def test_hybrid_preset_model_builds_one_variant_per_layer() -> None:

@@ -251,11 +251,37 @@ def _make_task(s: TaskSettings) -> Task:
     return MQARTask(seq_len=s.seq_len, num_kv_pairs=s.num_kv_pairs, vocab_size=s.vocab_size)
 
 
-def _arena_pos(pos: str, variant: str) -> str:
-    """The task's ``pos``, except that a rope task gives ``"none"`` to a stack none of whose variants takes
-    a rotary embedding (they carry order themselves or rely on causality; see ``VariantSpec.positions``)."""
-    takes = any(VARIANTS[n].takes_rope() for n in layer_pattern(variant, 1 + variant.count("/")))
+def _arena_pos(pos: str, variant: str, depth: int) -> str:
+    """The task's ``pos``, except that a rope task gives ``"none"`` to a stack none of whose ``depth``
+    layers takes a rotary embedding (they carry order themselves or rely on causality; see
+    ``VariantSpec.positions``). The layers are the pattern cycled to the depth, as the model builds them."""
+    takes = any(VARIANTS[n].takes_rope() for n in layer_pattern(variant, depth))
     return "none" if pos == "rope" and not takes else pos
+
+
+def deepen_for_patterns(settings: dict[str, TaskSettings], variants: list[str],
+                        depth_given: bool) -> tuple[dict[str, TaskSettings], list[str]]:
+    """Every layer of a ``/`` pattern built: ``(settings, notes)``.
+
+    Without ``--depth``, a task whose default depth is shorter than the longest pattern gets that
+    pattern's length (for every variant of the task, so they stay comparable): the pinned
+    ``--variants "gated_deltanet/gated_deltanet/gated_deltanet/mha"`` trains its ``mha`` layer at the
+    default depth too. With ``--depth`` the pattern is cycled to it as asked, and a note names the
+    layers that a shorter depth leaves out.
+    """
+    longest = max((1 + v.count("/") for v in variants), default=1)
+    out, notes = dict(settings), []
+    for task, s in settings.items():
+        if s.depth >= longest:
+            continue
+        if depth_given:
+            cut = [v for v in variants if 1 + v.count("/") > s.depth]
+            notes.append(f"arena: --depth {s.depth} builds only the first {s.depth} layer(s) of {cut}")
+        else:
+            out[task] = replace(s, depth=longest)
+            notes.append(f"arena: {task}: depth {s.depth} -> {longest}, the longest layer pattern's length "
+                         f"(every variant of the task gets it; --depth sets it)")
+    return out, notes
 
 
 def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: torch.device,
@@ -264,7 +290,7 @@ def _build_model(s: TaskSettings, variant: str, vocab: int, seed: int, device: t
     torch.manual_seed(seed)
     cfg = DecoderConfig(vocab, s.width, s.depth, s.heads, attention=variant, attention_kwargs=akw or None,
                         max_seq_len=max(s.seq_len, len(SAMPLE_PROMPT) + _sample_len(s), max_len),
-                        pos=_arena_pos(s.pos, variant))
+                        pos=_arena_pos(s.pos, variant, s.depth))
     model = DecoderLM(config=cfg, device=device)
     gpt2_init(model)
     return model
@@ -838,13 +864,16 @@ def run_arena(args: argparse.Namespace) -> int:
     device = _check_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    settings = {t: settings_for(t, args) for t in tasks}
+    settings, notes = deepen_for_patterns({t: settings_for(t, args) for t in tasks}, variants,
+                                          getattr(args, "depth", None) is not None)
     task_objs = {t: _make_task(s) for t, s in settings.items()}  # validates seq_len / pairs early
     out = resolve_out(args)
     created = init_distributed(device)
     try:
         rank, world = rank_and_world()
         args.rank_zero_msgs = rank == 0 and args.progress != "none"
+        for note in notes if args.rank_zero_msgs else ():
+            print(note, file=sys.stderr, flush=True)
         if device.type == "cuda" and world > 1:
             device = torch.device("cuda", torch.cuda.current_device())
         _check_world(settings, cp, rank, world)
