@@ -142,7 +142,9 @@ class Mask:
                 raise ValueError(f"Mask.from_mask_mod({name}): the mask_mod failed under torch.vmap "
                                  f"({type(e).__name__}: {e}); it must take 0-d tensors and return a 0-d bool tensor "
                                  f"(use torch.where, not Python if/and/or on tensors)") from e
-            return out
+            # the broadcast shape of the positions: 0-d under FlexAttention's own vmap (which calls
+            # the predicate with scalars), [B, H, Nq, Nk]-broadcastable everywhere else
+            return out.reshape(torch.broadcast_shapes(b.shape, h.shape, q.shape, k.shape))
 
         return cls(predicate, name)
 
