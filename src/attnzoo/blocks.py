@@ -23,7 +23,7 @@ import functools
 import math
 import pickle
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -231,7 +231,16 @@ class Config:
         to ``None``: "not given", so the config's value stands)."""
         cls._check_names(given, owner)
         values = {k: v for k, v in given.items() if v is not None}
+        for name, value in values.items():  # DecoderLM(cfg): a config where a size was expected
+            if isinstance(value, Config):
+                raise TypeError(f"{owner}: {name} got a {type(value).__name__}; pass a config as "
+                                f"config=..., e.g. {owner}(config=cfg)")
         if config is None:
+            missing = [f.name for f in fields(cls)  # type: ignore[arg-type]
+                       if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
+            if missing:
+                raise TypeError(f"{owner}: {', '.join(missing)} must be given without config= "
+                                f"(or pass config={cls.__name__}(...))")
             return cls(**values)
         if not isinstance(config, cls):
             raise TypeError(f"{owner}: config must be a {cls.__name__}, got {type(config).__name__}")

@@ -90,3 +90,19 @@ def test_injected_parts_equal_the_formula() -> None:
         torch.testing.assert_close(capped(tokens), want)
         packed = capped(tokens.reshape(1, 14), cu_seqlens=torch.tensor([0, 7, 14], dtype=torch.int32))
         torch.testing.assert_close(packed.reshape(2, 7, 50), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [az.DecoderLM, az.TransformerEncoder], ids=lambda c: c.__name__)
+def test_a_config_passed_as_a_size_or_missing_sizes_say_what_to_do(cls: type) -> None:
+    cfg = cls.config_class(50, 16, 1, 2)
+    with pytest.raises(TypeError, match=r"vocab_size got a .*Config; pass a config as config="):
+        cls(cfg)
+    with pytest.raises(TypeError, match="depth, num_heads must be given without config="):
+        cls(50, 16)
+    assert isinstance(cls(config=cfg), cls)
+
+
+def test_packed_tokens_of_more_than_one_row_are_named() -> None:
+    lm = az.DecoderLM(config=az.models.DecoderConfig(50, 16, 1, 2, max_seq_len=32))
+    with pytest.raises(ValueError, match=r"one row of tokens \[1, T\]; got tokens \(2, 13\)"):
+        lm(torch.zeros(2, 13, dtype=torch.long), cu_seqlens=torch.tensor([0, 5, 13], dtype=torch.int32))

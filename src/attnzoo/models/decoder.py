@@ -421,6 +421,9 @@ class DecoderLM(FromConfig, nn.Module):
         if any(u is not None for u in unsupported):
             raise ValueError("DecoderLM: packed input (cu_seqlens) takes no cache, positions, attention_mask or "
                              "context")
+        if tokens.shape[0] != 1:
+            raise ValueError(f"DecoderLM: packed input (cu_seqlens given) must be one row of tokens [1, T]; got "
+                             f"tokens {tuple(tokens.shape)} (pack the sequences end to end, lengths in cu_seqlens)")
         cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), "DecoderLM")
         pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
         if self.pos in ("learned", "sinusoidal") and pos.numel() and int(pos.max()) >= self.max_seq_len:

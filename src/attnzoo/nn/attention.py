@@ -518,8 +518,9 @@ class GroupedQueryAttention(MultiHeadAttention):
     """Grouped-query attention (Ainslie et al., 2023): ``num_kv_heads`` KV heads, each shared by
     ``num_heads // num_kv_heads`` query heads (head ``h`` reads KV head ``h // group``).
 
-    ``MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, ...)``, same arguments; the cache holds
-    ``num_kv_heads / num_heads`` of MHA's bytes.
+    ``MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, ...)``, same arguments, except that
+    ``num_kv_heads`` must be given (a ``TypeError`` without it: GQA without groups is MHA); the cache
+    holds ``num_kv_heads / num_heads`` of MHA's bytes.
     """
 
     _fixed_kv_heads = "required"
