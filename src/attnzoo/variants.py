@@ -76,6 +76,13 @@ def build_attention(name: str, dim: int, num_heads: int, **kwargs: Any) -> nn.Mo
             over the spec's ``defaults``.
     """
     spec = _spec(name)
+    if not spec.backends and "backend" in kwargs:
+        backend = kwargs.pop("backend")
+        if backend != "auto":
+            takes = [n for n, s in VARIANTS.items() if s.backends]
+            raise ValueError(f"build_attention({name!r}): backend={backend!r}, but {name} computes with its own "
+                             f"kernels and forms and takes no attention backend (only 'auto', the default); "
+                             f"variants that take one: {takes}")
     return spec.build(dim, num_heads, **{**spec.defaults, **kwargs})
 
 

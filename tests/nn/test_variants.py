@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -178,3 +179,17 @@ def test_every_registered_module_is_on_the_one_base() -> None:
         assert m.attend_fn is not None, name
         with contextlib.suppress(TypeError):  # a module without separate q/k/v projections says so (mla)
             assert len(m.qkv_weights()) == 3, name
+
+
+@pytest.mark.parametrize("name", variant_names())
+def test_build_attention_takes_backend_where_the_module_does(name: str) -> None:
+    """``spec.backends`` tells the truth about the module's signature; ``backend="auto"`` builds every
+    variant; ``"reference"`` builds those with backends and is a ValueError naming the others."""
+    spec = VARIANTS[name]
+    module = build_attention(name, 32, 4, backend="auto")
+    assert ("backend" in inspect.signature(type(module).__init__).parameters) == spec.backends
+    if spec.backends:
+        assert build_attention(name, 32, 4, backend="reference").backend == "reference"
+    else:
+        with pytest.raises(ValueError, match=rf"build_attention\('{name}'\): backend='reference'.*takes no attention"):
+            build_attention(name, 32, 4, backend="reference")

@@ -421,7 +421,8 @@ def _performer_arena(width: int, heads: int, window: int | None) -> dict[str, An
 
 
 _FEATURE = {"family": "feature-map", "exact": False, "time": "O(N C^2 + N F C)", "memory": "O(N F) chunked",
-            "decoding": "state S [F, Dv] + z [F] per head", "masks": "causal, key padding", "positions": "none"}
+            "decoding": "state S [F, Dv] + z [F] per head", "masks": "causal, key padding", "positions": "none",
+            "backends": False}
 register(VariantSpec("linear", build=_build_linear, cost=_linear_cost, defaults={"chunk_size": 64},
                      options=("chunk_size",), check={"chunk_size": 5}, order=5, **_FEATURE, arena_default=True))
 register(VariantSpec("performer", build=_build_performer, cost=_performer_cost,

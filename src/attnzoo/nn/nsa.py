@@ -315,4 +315,4 @@ register(VariantSpec("nsa", "sparse", False, "O(N C^2 + N (N/d + n l' + w) C)", 
                      "K,V of every token + compressed blocks", _build, _cost, defaults=DEFAULTS,
                      options=("num_kv_heads",), kv_heads=default_nsa_kv_heads, causal_modes=(True,),
                      check={"block_len": 4, "block_stride": 2, "select_len": 4, "num_selected": 4, "window": 4},
-                     arena=_arena, masks="causal", order=8, positions="none"))
+                     arena=_arena, masks="causal", order=8, positions="none", backends=False))

@@ -334,7 +334,7 @@ def register_recurrent(name: str, cls: type[nn.Module], cost: Callable[[VariantC
         name, "recurrent", False, "O(N C^2 + N c C)", "O(N c) chunked", decoding,
         functools.partial(_build_causal, cls, name), cost, defaults={"chunk_size": 64}, options=("chunk_size",),
         causal_modes=(True,), check=check or {"chunk_size": 8}, masks="causal, key padding", order=order,
-        positions="own"))
+        positions="own", backends=False))
 
 
 def recurrent_cost(cfg: VariantConfig, shape: CostShape, *, in_width: int, inner: int, dk: int, dv: int,

@@ -118,6 +118,9 @@ class VariantSpec:
             refuses it naming the variant, never silently nothing.
         rope_dim: ``head_dim -> channels`` of the rotary embedding the variant takes (default: the
             head width; e.g. differential attention rotates half-heads).
+        backends: the module takes an attention ``backend`` (``"reference"``, ``"sdpa"``, ...); False:
+            it computes with its own kernels and forms, and :func:`~attnzoo.variants.build_attention`
+            refuses a ``backend`` other than ``"auto"`` for it, naming the variant.
         order: listing order (built-ins 0..99; a new variant lands after them by default).
         arena_default: trained by a plain ``attnzoo arena`` (whose whole run must fit in about ten
             minutes on 2 cores, so it holds one representative per family); every variant can be
@@ -144,6 +147,7 @@ class VariantSpec:
     rope_dim: Callable[[int], int] | None = None
     order: int = 100
     arena_default: bool = False
+    backends: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
