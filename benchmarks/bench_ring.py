@@ -3,7 +3,8 @@
 Spawns P gloo ranks on this machine (CPU) for each P, shards a sequence of N tokens with the
 zigzag layout and runs causal GQA ring attention and Ulysses attention (all-to-all to head
 shards), forward + backward; P = 1 is one process calling ``az.attention`` on the whole
-sequence. On every rank it records
+sequence. Every (N, P, method) gets one unmeasured forward + backward call first (one-time costs
+such as the ``auto`` backend's calibration stay out of the numbers). On every rank it records
 the peak of *live tensor bytes allocated by the call* (inputs excluded), tracked with a
 ``TorchDispatchMode`` that follows every tensor an op creates until it is freed: a deterministic
 count of what the attention itself needs, independent of the allocator and of noisy RSS.
@@ -111,6 +112,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, outdir: 
         del full
         for method in methods:
             peaks, fwd_peaks, times = [], [], []
+            # One unmeasured forward + backward first: one-time costs (the ``auto`` backend's calibration
+            # against SDPA, once a process) stay out of the peaks and the times.
+            dist.barrier()
+            _call(method, q, k, v, args).backward(d_out)
+            q.grad = k.grad = v.grad = None
             for _ in range(args.repeats):
                 dist.barrier()
                 with LiveBytes() as fwd_mode:

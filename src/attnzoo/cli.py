@@ -564,7 +564,7 @@ def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], *, 
 _LAYER_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "batch": (("--batch",), "batch B"), "seq_len": (("--seq-len", "-n"), "sequence length N"),
     "dim": (("--dim",), "model width C"), "heads": (("--heads",), "query heads H"),
-    "kv_heads": (("--kv-heads",), "KV heads of gqa"), "head_dim": (("--head-dim",), "head width D"),
+    "kv_heads": (("--kv-heads",), "KV heads Hkv of every variant that has KV groups (mha, gqa, sliding, ...)"), "head_dim": (("--head-dim",), "head width D"),
 }
 
 
@@ -582,7 +582,7 @@ def _add_list_parser(sub: Any) -> None:
                  help="table of every registered variant: family, costs, decoding, masks",
                  description="Every registered attention variant with its family, exactness, complexity, "
                              "KV-cache bytes per token for a config, decoding cache and masks.")
-    _add_layer_options(p, dim=512, heads=8, kv_heads=(None, "H/4"), seq_len=(4096, "4096, the 'cache at N' column"))
+    _add_layer_options(p, dim=512, heads=8, kv_heads=(None, "each variant's own: H, or H/4 for gqa and nsa"), seq_len=(4096, "4096, the 'cache at N' column"))
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="cache dtype (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
@@ -662,7 +662,7 @@ def _add_cost_parser(sub: Any) -> None:
                              "estimate): FLOPs, bytes moved, activation memory, KV-cache size.", table="plain")
     p.add_argument("variant", help="a registered variant (attnzoo list), or a per-layer stack 'a/b/c' "
                                     "(e.g. gated_deltanet/gated_deltanet/gated_deltanet/mha)")
-    _add_layer_options(p, seq_len=4096, dim=512, heads=8, batch=1, kv_heads=(None, "H/4"), head_dim=(None, "C / H"))
+    _add_layer_options(p, seq_len=4096, dim=512, heads=8, batch=1, kv_heads=(None, "the variant's own: H, or H/4 for gqa and nsa"), head_dim=(None, "C / H"))
     p.add_argument("--window", type=_window, default=None, help="W or LEFT,RIGHT (sliding, local_global)")
     p.add_argument("--features", type=_positive_int, default=None, help="F of linear / performer")
     p.add_argument("--segment-len", type=_positive_int, default=None, help="S of infini")
