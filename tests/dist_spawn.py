@@ -37,6 +37,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def rel_grad(g: torch.Tensor, want: torch.Tensor, scale: float) -> float:
+    """``max |g - want|`` relative to ``want``'s own size, floored at sqrt(eps) of ``scale`` (the
+    model's largest gradient): a gradient that is zero in exact arithmetic (a key bias under a
+    shift-invariant softmax) is rounding noise whose size depends on the summation order."""
+    floor = torch.finfo(want.dtype).eps ** 0.5 * scale
+    return float((g.detach().double() - want.detach().double()).abs().max()) / max(float(want.abs().max()), floor)
+
+
 def save(rank: int, res: dict[str, Any]) -> None:
     """Write this rank's results now (for a worker about to die on purpose)."""
     torch.save(res, os.path.join(os.environ["ATTNZOO_TEST_OUTDIR"], f"rank{rank}.pt"))

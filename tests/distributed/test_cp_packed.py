@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import attnzoo as az
 from attnzoo.distributed import (
+    ContextParallelGathered,
     ContextParallelRecurrent,
     context_parallel,
     documents,
@@ -33,11 +34,12 @@ from attnzoo.distributed import (
     ulysses_attention,
 )
 from attnzoo.variants import VARIANTS, build_attention
-from dist_spawn import ranks_fixture, rel, save
+from dist_spawn import ranks_fixture, rel, rel_grad, save
 
-#: every recurrent / feature-map variant context_parallel supports (linear_bidir: causal=False)
+#: every recurrent / feature-map variant context_parallel supports (linear_bidir: causal=False), and
+#: the two it runs on the gathered sequence (one call per document)
 MIXERS = ("retnet", "gla", "deltanet", "gated_deltanet", "mamba2", "kda", "gated_deltaproduct", "linear",
-          "performer", "linear_bidir")
+          "performer", "linear_bidir", "nsa", "infini")
 # (name, layout, cu) per world size; the comments give the segments of each rank
 CASES = {
     # contiguous [0, 8) | [8, 16): 5 and 11 inside, 8 on the edge
@@ -83,12 +85,13 @@ def _packed_case(mixer: str, layout: str, cu_list: list[int]) -> dict[str, float
         local = model(tokens[:, pos], positions=doc_pos[pos])
     local.backward(g_logits[:, pos])
     errs = {"out": rel(gather_sequence(local.detach(), 1, layout=layout), logits)}
+    scale = max(float(g.abs().max()) for g in ref.values())
     for k, p in model.named_parameters():
         if p.grad is None:
             continue
         gr = p.grad.clone()
         dist.all_reduce(gr)
-        errs[f"d:{k}"] = rel(gr, ref[k.replace(".module", "")])
+        errs[f"d:{k}"] = rel_grad(gr, ref[k.replace(".module", "")], scale)
     return errs
 
 
@@ -129,8 +132,17 @@ def _bad_arguments(rank: int, world: int, res: dict[str, Any]) -> None:
     h = 4 if rank == 0 else 3  # heads divisible by the ranks on rank 0 only
     _capture(res, "err/uly_heads_one_rank", lambda: ulysses_attention(torch.randn(1, h, 8, 4), torch.randn(1, h, 8, 4),
                                                                        torch.randn(1, h, 8, 4), timeout=TIMEOUT))
+    gathered = ContextParallelGathered(build_attention("nsa", 16, 2, **VARIANTS["nsa"].check), timeout=TIMEOUT)
+    mine = torch.arange(8.0) if rank == 1 else torch.arange(8) + 8 * rank  # float positions on rank 1 only
+    _capture(res, "err/gathered_positions_one_rank", lambda: gathered(x, positions=mine))
+    _capture(res, "err/gathered_cu_end", lambda: _under_docs(torch.tensor([0, 3, 8 * world + 1]), gathered, x))
     with documents(cu_good):  # the group still works after every one of these
         res["err/usable"] = float(mixer(x).shape == x.shape)
+
+
+def _under_docs(cu: torch.Tensor, mixer: torch.nn.Module, x: torch.Tensor) -> Any:
+    with documents(cu):
+        return mixer(x)
 
 
 class _Raise(torch.nn.Module):
@@ -213,6 +225,8 @@ def test_recurrent_documents_equal_cu_seqlens_4_ranks(four: list[dict[str, Any]]
     ("err/rec_cu_type", 1, r"cu_seqlens must be an int tensor"),
     ("err/uly_cu_differs", None, r"ranks disagree"),
     ("err/uly_heads_one_rank", 1, r"Hq must be divisible by 2"),
+    ("err/gathered_positions_one_rank", 1, r"positions must be an int tensor"),
+    ("err/gathered_cu_end", None, r"cu_seqlens must end at the global length 16"),
 ])
 def test_bad_argument_on_one_rank_raises_on_every_rank(two: list[dict[str, Any]], key: str, bad: int | None,
                                                        match: str) -> None:

@@ -43,7 +43,8 @@ died or timed out becomes a ``RuntimeError`` naming the rank, the ring step and 
 Layout of the package: :mod:`.comm` (process groups and meshes, ring exchange, differentiable
 collectives), :mod:`.sharding` (layouts, shard/gather), :mod:`.ring` (ring attention),
 :mod:`.ulysses` (all-to-all attention), :mod:`.recurrent` (state scans for recurrent and
-feature-map mixers), :mod:`.context_parallel` (module wrappers, :func:`context_parallel`).
+feature-map mixers), :mod:`.gathered` (the exact fallback for NSA and Infini-attention: the whole
+sequence on every rank), :mod:`.context_parallel` (module wrappers, :func:`context_parallel`).
 
 Positions follow ``docs/conventions.md``: key ``j`` is visible to query ``p`` under ``causal``
 iff ``j <= p``, under ``window=(left, right)`` iff ``p - left <= j <= p + right``.
@@ -56,6 +57,7 @@ from attnzoo.distributed.context_parallel import (
     context_parallel,
     documents,
 )
+from attnzoo.distributed.gathered import ContextParallelGathered
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import BACKWARD_BLOCK, PAIR_STATS, ring_attention, work_per_rank
 from attnzoo.distributed.sharding import LAYOUTS, gather_sequence, shard_positions, shard_sequence
@@ -67,6 +69,7 @@ __all__ = [
     "METHODS",
     "PAIR_STATS",
     "ContextParallel",
+    "ContextParallelGathered",
     "ContextParallelRecurrent",
     "context_parallel",
     "documents",

@@ -178,6 +178,15 @@ class _AllGather(torch.autograd.Function):
         return g[ctx.rank], None, None, None
 
 
+def all_lengths(n: int, group: Any, device: torch.device, timeout: timedelta | None, owner: str) -> list[int]:
+    """Every rank's shard length ``n``, in rank order (one small all-gather)."""
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    bufs = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    wait(dist.all_gather(bufs, mine, group=group, async_op=True), timeout, dist.get_rank(group),
+         f"{owner}: the all_gather of shard lengths")
+    return [int(b.item()) for b in bufs]
+
+
 def all_gather_grad(x: Tensor, group: Any, timeout: timedelta | None, what: str) -> Tensor:
     """Differentiable ``all_gather``: ``x [...]`` on every rank -> ``[P, ...]`` (every rank's ``x``).
 

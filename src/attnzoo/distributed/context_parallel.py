@@ -9,7 +9,9 @@ that it runs on a sequence sharded over the ranks of a group.
   positions (the gates of the whole sequence gathered, their prefix sum taken in global order);
 * recurrent and feature-map mixers: :class:`~attnzoo.distributed.recurrent.ContextParallelRecurrent`
   (state summaries scanned over the ranks);
-* anything else (NSA, Infini-attention) is refused by name, before any communication.
+* NSA and Infini-attention (no sharded form): :class:`~attnzoo.distributed.gathered.
+  ContextParallelGathered` runs them on the gathered sequence (exact; no memory saving for that
+  mixer), or, with ``fallback="refuse"``, they are refused by name before any communication.
 
 Packed documents: inside ``with documents(cu_seqlens):`` (global boundaries) the attention of
 every wrapped module is restricted to documents.
@@ -29,7 +31,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_choice
-from attnzoo.distributed.comm import all_gather_grad, as_timeout, require_dist, resolve_group, wait
+from attnzoo.distributed.comm import (
+    all_gather_grad,
+    all_lengths,
+    as_timeout,
+    require_dist,
+    resolve_group,
+)
+from attnzoo.distributed.gathered import ContextParallelGathered
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
 from attnzoo.distributed.sharding import DOCUMENTS, check_layout, positions_of, segments
@@ -49,10 +58,13 @@ __all__ = ["METHODS", "ContextParallel", "context_parallel", "documents"]
 #: Attention methods of :func:`context_parallel`.
 METHODS = ("ring", "ulysses")
 
+#: What :func:`context_parallel` does with a mixer that has no sharded form.
+FALLBACKS = ("gather", "refuse")
+
 #: Modules that cannot run on a sharded sequence, and why.
 REFUSED: dict[type, str] = {
     NativeSparseAttention: "its selection branch ranks blocks of the whole sequence by the scores of compressed "
-                           "keys (a global top-k per query); run it on the gathered sequence",
+                           "keys (a global top-k per query)",
     InfiniAttention: "its compressive memory is read and written per segment of segment_len tokens with a "
                      "local softmax inside each segment; shards would have to be whole segments",
 }
@@ -73,14 +85,6 @@ def documents(cu_seqlens: Tensor) -> Iterator[None]:
         yield
     finally:
         DOCUMENTS.reset(token)
-
-
-def _all_lengths(n: int, group: Any, device: torch.device, timeout: timedelta | None) -> list[int]:
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
-    bufs = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    wait(dist.all_gather(bufs, mine, group=group, async_op=True), timeout, dist.get_rank(group),
-          "ContextParallel: the all_gather of shard lengths")
-    return [int(b.item()) for b in bufs]
 
 
 def _check_method(method: object, fn: str) -> str:
@@ -185,7 +189,7 @@ class ContextParallel(nn.Module):
             return self._fox(x)
         if positions is None:
             if getattr(m, "rope", None) is not None or isinstance(m, MultiHeadLatentAttention):
-                lengths = _all_lengths(n, self.group, x.device, self.timeout)
+                lengths = all_lengths(n, self.group, x.device, self.timeout, "ContextParallel")
                 rank = dist.get_rank(self.group)
                 positions = torch.cat([torch.arange(s.global_lo, s.global_lo + s.length, device=x.device)
                                        for s in segments(self.layout, lengths, rank)])
@@ -218,7 +222,7 @@ class ContextParallel(nn.Module):
         m = self.module
         assert isinstance(m, FoxAttention)
         n = x.shape[1]
-        lengths = _all_lengths(n, self.group, x.device, self.timeout)
+        lengths = all_lengths(n, self.group, x.device, self.timeout, "ContextParallel")
         q, k, v = m.project_qkv(x)  # [B, H, n, D], [B, Hkv, n, D]
         log_f = m.log_forget(x)  # [B, H, n]
         every = all_gather_grad(F.pad(log_f, (0, max(lengths) - n)), self.group, self.timeout,
@@ -295,19 +299,47 @@ def _sigmoid_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str,
     return out
 
 
+def _ulysses_fits(module: nn.Module, group: Any) -> bool:
+    """Whether Ulysses can shard ``module``'s heads over the group (Hq divisible by the ranks, Hkv
+    divisible or dividing)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"context_parallel: {type(module).__name__}'s mask pattern has no ring form and the "
+                         "choice between Ulysses and the gathered fallback reads the group's size: initialise "
+                         "torch.distributed first (or pass method='ulysses')")
+    world = dist.get_world_size(group)
+    hq, hkv = getattr(module, "num_heads", 0), getattr(module, "num_kv_heads", 0)
+    return hq > 0 and hkv > 0 and hq % world == 0 and (hkv % world == 0 or world % hkv == 0)
+
+
 def _wrap(name: str, module: nn.Module, group: Any, layout: str, method: str, backend: str,
-          timeout: float | timedelta | None) -> nn.Module:
+          timeout: float | timedelta | None, fallback: str) -> nn.Module:
     """The context-parallel wrapper of one mixer, or ``ValueError`` naming it and why not."""
     where = f"context_parallel: {name or 'the model'} ({type(module).__name__})"
+    gathered = functools.partial(ContextParallelGathered, module, group=group, layout=layout, timeout=timeout)
     for cls, why in REFUSED.items():
         if isinstance(module, cls):
-            raise ValueError(f"{where} cannot run on a sharded sequence: {why}")
+            if fallback == "gather":
+                return gathered()
+            raise ValueError(f"{where} cannot run on a sharded sequence: {why} (fallback='gather' runs it on "
+                             f"the gathered sequence)")
     if isinstance(module, (RecurrentMixer, _FeatureAttention)):
         return ContextParallelRecurrent(module, group=group, layout=layout, timeout=timeout)
     problem = _attention_problem(module, method)
+    if problem is not None and method == "ring" and fallback == "gather" and _pattern_only(module):
+        if _ulysses_fits(module, group):  # a mask pattern: Ulysses holds the whole sequence per head
+            return ContextParallel(module, group=group, layout=layout, method="ulysses", backend=backend,
+                                   timeout=timeout)
+        return gathered()
     if problem is not None:
         raise ValueError(f"{where}: {problem}")
     return ContextParallel(module, group=group, layout=layout, method=method, backend=backend, timeout=timeout)
+
+
+def _pattern_only(module: nn.Module) -> bool:
+    """A self-attention module whose one obstacle to the ring is its mask pattern (local-global,
+    streaming): it runs under Ulysses."""
+    return (isinstance(module, MultiHeadAttention) and not isinstance(module, SigmoidAttention)
+            and _attention_problem(module, "ulysses") is None)
 
 
 def context_parallel(
@@ -318,14 +350,20 @@ def context_parallel(
     *,
     backend: str = "auto",
     timeout: float | timedelta | None = None,
+    fallback: str = "gather",
 ) -> nn.Module:
     """Make every mixer inside ``model`` run on a sequence sharded over the ranks of ``group``.
 
     Softmax attention (MHA and its variants, MLA, differential) runs ring or Ulysses attention
     (``method``), and so do sigmoid attention (``score="sigmoid"``: no normaliser) and FoX (its
     forget gates gathered over the ranks); recurrent mixers (retnet, gla, deltanet,
-    gated_deltanet, kda, mamba2) and feature-map attention (linear, performer) pass state
-    summaries between ranks; NSA and Infini-attention are refused by name. Afterwards the model takes this rank's shard of the tokens and their
+    gated_deltanet, kda, mamba2, gated_deltaproduct) and feature-map attention (linear, performer)
+    pass state summaries between ranks. What has no sharded form under ``method`` takes the
+    ``fallback``: with ``"gather"`` (default) a mask pattern (local-global, streaming) under the
+    ring runs Ulysses where its heads divide over the ranks, and NSA and Infini-attention (and a
+    pattern whose heads do not divide) run on the gathered sequence
+    (:class:`~attnzoo.distributed.gathered.ContextParallelGathered`: exact, but that mixer holds
+    the whole sequence on every rank); with ``"refuse"`` they are a ``ValueError`` naming them. Afterwards the model takes this rank's shard of the tokens and their
     global positions, e.g. ``model(shard_sequence(tokens, 1, layout=...),
     positions=shard_positions(N, layout=...))`` for a :class:`~attnzoo.DecoderLM`, and returns
     the outputs of the local tokens. ``model`` is modified in place (parameters are shared, not
@@ -340,23 +378,25 @@ def context_parallel(
         method: ``"ring"`` or ``"ulysses"`` for the softmax-attention modules.
         backend: attention backend of each per-rank call.
         timeout: seconds (or a timedelta) for any single network wait.
+        fallback: ``"gather"`` or ``"refuse"``: what a mixer without a sharded form does (above).
 
     Raises:
-        ValueError / TypeError before any communication: a mixer that cannot be sharded (named),
-        bad arguments.
+        ValueError / TypeError before any communication: a mixer that cannot be sharded under
+        ``fallback="refuse"`` (named), bad arguments.
     """
     fn = "context_parallel"
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
     layout = check_layout(layout, fn)
     method = _check_method(method, fn)
+    fallback = check_choice(fallback, "fallback", fn, choices=FALLBACKS)
     group = resolve_group(group, fn)
     if isinstance(model, AttentionBase):
         raise TypeError(f"{fn}: wrap a single attention module with ContextParallel(module) (or "
                         "ContextParallelRecurrent for a recurrent mixer)")
     targets: list[tuple[str, nn.Module]] = []
     for name, mod in model.named_modules():
-        if not name or isinstance(mod, (ContextParallel, ContextParallelRecurrent)):
+        if not name or isinstance(mod, (ContextParallel, ContextParallelRecurrent, ContextParallelGathered)):
             continue
         if any(name.startswith(t + ".") for t, _ in targets):
             continue  # inside a mixer already chosen (e.g. the compressor of an NSA module)
@@ -366,7 +406,7 @@ def context_parallel(
             targets.append((name, mod))
     if not targets:
         raise ValueError(f"{fn}: {type(model).__name__} contains no self-attention or recurrent mixer")
-    wrapped = [(name, _wrap(name, mod, group, layout, method, backend, timeout))
+    wrapped = [(name, _wrap(name, mod, group, layout, method, backend, timeout, fallback))
                for name, mod in targets]  # validate all before changing anything
     for name, cp in wrapped:
         parent_name, _, child = name.rpartition(".")
