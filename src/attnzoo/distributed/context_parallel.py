@@ -34,14 +34,19 @@ from attnzoo._validate import check_choice
 from attnzoo.distributed.comm import (
     all_gather_grad,
     all_lengths,
-    as_timeout,
     require_dist,
     resolve_group,
 )
 from attnzoo.distributed.gathered import ContextParallelGathered
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
-from attnzoo.distributed.sharding import DOCUMENTS, check_layout, positions_of, segments
+from attnzoo.distributed.sharding import (
+    DOCUMENTS,
+    ShardedMixer,
+    check_layout,
+    positions_of,
+    segments,
+)
 from attnzoo.distributed.ulysses import ulysses_attention
 from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
 from attnzoo.nn.base import AttentionBase
@@ -117,7 +122,7 @@ def _attention_problem(module: nn.Module, method: str) -> str | None:
     return f"{type(module).__name__} is not a softmax-attention module"
 
 
-class ContextParallel(nn.Module):
+class ContextParallel(ShardedMixer):
     """Run a softmax-attention module on a sequence sharded over ranks.
 
     The wrapped module keeps its parameters and runs its own forward (projections, norms, RoPE
@@ -144,7 +149,6 @@ class ContextParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, group: Any = None, layout: str = "contiguous", method: str = "ring",
                  backend: str = "auto", timeout: float | timedelta | None = None) -> None:
-        super().__init__()
         method = _check_method(method, "ContextParallel")
         if not isinstance(module, (MultiHeadAttention, MultiHeadLatentAttention, DifferentialAttention,
                                    FoxAttention)):
@@ -153,14 +157,10 @@ class ContextParallel(nn.Module):
         problem = _attention_problem(module, method)
         if problem is not None:
             raise ValueError(f"ContextParallel: {type(module).__name__}: {problem}")
-        self.module = module
-        self.group = resolve_group(group, "ContextParallel")
-        self.layout = check_layout(layout, "ContextParallel")
-        self.method = method
         if not isinstance(backend, str):
             raise TypeError(f"ContextParallel: backend must be a str, got {type(backend).__name__}")
-        self.backend = backend
-        self.timeout = as_timeout(timeout)
+        super().__init__(module, group, layout, timeout, "ContextParallel")
+        self.method, self.backend = method, backend
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, mask: Any = None, cache: Any = None) -> Tensor:
         """Attend from this rank's tokens ``x [B, n, C]`` to the whole sharded sequence.

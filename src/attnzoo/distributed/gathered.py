@@ -25,16 +25,14 @@ from torch import Tensor, nn
 from attnzoo.distributed.comm import (
     agree,
     all_gather_grad,
-    as_timeout,
     require_dist,
-    resolve_group,
     wait,
 )
 from attnzoo.distributed.sharding import (
     DOCUMENTS,
     LAYOUTS,
+    ShardedMixer,
     check_global_end,
-    check_layout,
     cu_checksum,
     global_cu_seqlens,
     positions_of,
@@ -43,7 +41,7 @@ from attnzoo.distributed.sharding import (
 __all__ = ["ContextParallelGathered"]
 
 
-class ContextParallelGathered(nn.Module):
+class ContextParallelGathered(ShardedMixer):
     """Run ``module`` on the whole sequence gathered from its shards; return this rank's rows.
 
     Args:
@@ -60,13 +58,9 @@ class ContextParallelGathered(nn.Module):
 
     def __init__(self, module: nn.Module, *, group: Any = None, layout: str = "contiguous",
                  timeout: float | timedelta | None = None) -> None:
-        super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ContextParallelGathered: module must be an nn.Module, got {type(module).__name__}")
-        self.module = module
-        self.group = resolve_group(group, "ContextParallelGathered")
-        self.layout = check_layout(layout, "ContextParallelGathered")
-        self.timeout = as_timeout(timeout)
+        super().__init__(module, group, layout, timeout, "ContextParallelGathered")
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, mask: Any = None, cache: Any = None) -> Tensor:
         """Mix this rank's tokens ``x [B, n, C]`` as part of the whole sharded sequence.

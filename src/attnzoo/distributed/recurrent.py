@@ -44,13 +44,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from attnzoo.distributed.comm import agree, all_gather_grad, as_timeout, require_dist, resolve_group
+from attnzoo.distributed.comm import agree, all_gather_grad, require_dist
 from attnzoo.distributed.sharding import (
     DOCUMENTS,
     LAYOUTS,
     Segment,
+    ShardedMixer,
     check_global_end,
-    check_layout,
     cu_checksum,
     global_cu_seqlens,
     segments,
@@ -180,7 +180,7 @@ class _FeatureRunner:
         return torch.cat(outs, dim=1)
 
 
-class ContextParallelRecurrent(nn.Module):
+class ContextParallelRecurrent(ShardedMixer):
     """Run a recurrent or feature-map mixer on a sequence sharded over ranks (see the module docstring).
 
     Args:
@@ -198,22 +198,20 @@ class ContextParallelRecurrent(nn.Module):
 
     def __init__(self, module: nn.Module, *, group: Any = None, layout: str = "contiguous",
                  timeout: float | timedelta | None = None) -> None:
-        super().__init__()
         cls = type(module).__name__
+        runner: _MixerRunner | _FeatureRunner
         if isinstance(module, RecurrentMixer):
-            self._runner: _MixerRunner | _FeatureRunner = _MixerRunner(module)
+            runner = _MixerRunner(module)
         elif isinstance(module, _FeatureAttention):
             if getattr(module, "redraw_interval", None) is not None:
                 raise ValueError(f"ContextParallelRecurrent: {cls} redraws its random features every "
                                  f"{module.redraw_interval} training calls (redraw_interval); the ranks' draws "  # type: ignore[attr-defined]
                                  "would diverge. Build it with redraw_interval=None")
-            self._runner = _FeatureRunner(module)
+            runner = _FeatureRunner(module)
         else:
             raise TypeError(f"ContextParallelRecurrent wraps a recurrent mixer or a feature-map attention, got {cls}")
-        self.module = module
-        self.group = resolve_group(group, "ContextParallelRecurrent")
-        self.layout = check_layout(layout, "ContextParallelRecurrent")
-        self.timeout = as_timeout(timeout)
+        super().__init__(module, group, layout, timeout, "ContextParallelRecurrent")
+        self._runner = runner
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, mask: Any = None, cache: Any = None) -> Tensor:
         """Mix this rank's tokens ``x [B, n, C]`` as part of the whole sharded sequence.

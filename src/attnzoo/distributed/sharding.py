@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnzoo._validate import Window, check_choice, check_cu_seqlens, check_int
-from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, wait
+from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, resolve_group, wait
 
 __all__ = [
     "DOCUMENTS",
@@ -307,3 +307,15 @@ def gather_sequence(
     return out
 
 
+class ShardedMixer(nn.Module):
+    """What every context-parallel wrapper holds: the wrapped ``module``, the process ``group`` it
+    shards over (resolved from a ProcessGroup or DeviceMesh), the ``layout`` of the shards and the
+    ``timeout`` of a network wait; ``owner`` names the wrapper in errors."""
+
+    def __init__(self, module: nn.Module, group: Any, layout: str, timeout: float | timedelta | None,
+                 owner: str) -> None:
+        super().__init__()
+        self.module = module
+        self.group = resolve_group(group, owner)
+        self.layout = check_layout(layout, owner)
+        self.timeout = as_timeout(timeout)
