@@ -55,7 +55,7 @@ def test_sliding_cache_ring_holds_only_the_window() -> None:
     torch.manual_seed(1)
     w = 3
     cache = az.SlidingWindowKVCache(1, w, num_kv_heads=1, head_dim=2)
-    assert cache.capacity == w + 1 and cache.k.shape == (1, 1, w + 1, 2)
+    assert cache.capacity == w and cache.k.shape == (1, 1, w, 2)  # DESIGN: at most `window` keys held
     seq_k = torch.randn(1, 1, 20, 2)
     seq_v = torch.randn(1, 1, 20, 2)
     for p in range(20):
@@ -64,8 +64,8 @@ def test_sliding_cache_ring_holds_only_the_window() -> None:
         assert pos.tolist() == expect, "keys come back in position order (contiguous positions)"
         # each returned key is the key of its position (RoPE'd keys stay attached to their position)
         assert torch.equal(k[0, 0], seq_k[0, 0, pos]) and torch.equal(v[0, 0], seq_v[0, 0, pos])
-        assert k.shape[2] <= w + 1
-    assert cache.nbytes == 2 * (w + 1) * 2 * 4
+        assert k.shape[2] <= w + 1 and cache.num_cached <= w  # the query's own key comes with the call
+    assert cache.nbytes == 2 * w * 2 * 4
 
 
 def test_sliding_cache_chunks_longer_than_the_ring() -> None:
@@ -73,10 +73,10 @@ def test_sliding_cache_chunks_longer_than_the_ring() -> None:
     cache = az.SlidingWindowKVCache(2, 2, num_kv_heads=1, head_dim=3)
     seq = torch.randn(2, 1, 12, 3)
     cache.update(seq[:, :, :2], seq[:, :, :2])
-    k, _, pos = cache.update(seq[:, :, 2:9], seq[:, :, 2:9])  # 7 new > capacity 3
+    k, _, pos = cache.update(seq[:, :, 2:9], seq[:, :, 2:9])  # 7 new > capacity 2
     assert pos.tolist() == list(range(0, 9)), "a chunk sees the ring's keys followed by its own"
     assert torch.equal(k, seq[:, :, :9])
-    assert sorted(cache.slot_positions.tolist()) == [6, 7, 8]
+    assert sorted(cache.slot_positions.tolist()) == [7, 8]
     k, _, pos = cache.update(seq[:, :, 9:10], seq[:, :, 9:10])
     assert pos.tolist() == [7, 8, 9]
     assert torch.equal(k, seq[:, :, 7:10])
@@ -112,7 +112,7 @@ def test_caches_store_only_kv_heads_and_bytes_scale_with_them() -> None:
 def test_init_cache_kind_device_dtype() -> None:
     sw = az.SlidingWindowAttention(32, 4, window=5).to(torch.float64)
     c = sw.init_cache(3, 100)
-    assert isinstance(c, az.SlidingWindowKVCache) and c.capacity == 6 and c.dtype == torch.float64
+    assert isinstance(c, az.SlidingWindowKVCache) and c.capacity == 5 and c.dtype == torch.float64
     # a window longer than max_len needs no ring
     assert isinstance(sw.init_cache(3, 4), az.KVCache)
     lg = az.LocalGlobalAttention(32, 4, window=2, causal=True)
@@ -136,7 +136,7 @@ def test_sliding_cache_any_chunking_equals_full_forward(window: int, cuts: list[
         full = m(x)
         cache = m.init_cache(1, 15)
         out = torch.cat([m(x[:, a:b], cache=cache) for a, b in itertools.pairwise(bounds)], dim=1)
-    assert cache.k.shape[2] == min(window + 1, 15) or isinstance(cache, az.KVCache)
+    assert cache.k.shape[2] == window or isinstance(cache, az.KVCache)
     assert (out - full).abs().max() < 1e-5, f"window={window} chunks={bounds}"
 
 

@@ -302,11 +302,11 @@ def test_streaming_decode_equals_full_over_2000_tokens(mode) -> None:
     with torch.no_grad():
         full = m(x)
         cache = m.init_cache(1, N)
-        assert isinstance(cache, az.SinkWindowKVCache) and cache.k.shape[2] == n + w + 1
+        assert isinstance(cache, az.SinkWindowKVCache) and cache.k.shape[2] == n + w
         outs = []
         for t in range(N):
             outs.append(m(x[:, t:t + 1], cache=cache))
-            assert cache.num_cached <= n + w + 1
+            assert cache.num_cached <= n + w
         torch.testing.assert_close(torch.cat(outs, 1), full)
         torch.testing.assert_close(decode(m, x, 97)[0], full)
     if mode == "absolute":  # == the pattern of the issue under absolute positions
@@ -323,24 +323,25 @@ def _qkv_abs(m, x):
 
 def test_sink_window_cache_holds_sinks_and_ring_and_rolls_back() -> None:
     c = az.SinkWindowKVCache(1, 2, 3, 1, 1)
-    assert c.capacity == 6
+    assert c.capacity == 5  # n + w: the query's own key comes with the call
     k = torch.arange(10.0).view(1, 1, 10, 1)
     _, _, pos = c.update(k[:, :, :7], k[:, :, :7])
     assert pos.tolist() == list(range(7))  # a chunk gets everything it may need
+    assert c.held_positions().tolist() == [0, 1, 4, 5, 6]
     _, kk, pos = c.update(k[:, :, 7:8], k[:, :, 7:8])
     assert pos.tolist() == [0, 1, 4, 5, 6, 7] and kk.flatten().tolist() == [0, 1, 4, 5, 6, 7]
     mark = c.mark()
     c.update(k[:, :, 8:9], k[:, :, 8:9])
     c.rollback(mark)
-    assert c.length == 8 and c.held_positions().tolist() == [0, 1, 4, 5, 6, 7]
+    assert c.length == 8 and c.held_positions().tolist() == [0, 1, 5, 6, 7]
     assert c.update(k[:, :, 8:9], k[:, :, 8:9])[0].flatten().tolist() == [0, 1, 5, 6, 7, 8]
 
 
 def test_streaming_spec_bounds_the_cache() -> None:
     spec = VARIANTS["streaming"]
     est = az.cost.estimate("streaming", 10**6, 64, 4, window=32, global_tokens=(0, 1, 2, 3))
-    assert est.kv_cache_max_tokens == 4 + 32 + 1
-    assert est.kv_cache_bytes == 37 * est.kv_cache_bytes_per_token
+    assert est.kv_cache_max_tokens == 4 + 32
+    assert est.kv_cache_bytes == 36 * est.kv_cache_bytes_per_token
     m = build_attention("streaming", 32, 4, **spec.check)
     assert m.sink_tokens == 2 and m.window_size == 4
     with pytest.raises(ValueError, match="global_tokens"):
@@ -526,7 +527,8 @@ def test_packed_refuses_caches_and_patterns() -> None:
 
 
 def test_docs_draw_the_streaming_pattern_and_its_positions() -> None:
-    """docs/softmax-frontier.md's StreamingLLM table is the mask, the cache's held keys and both conventions."""
+    """docs/softmax-frontier.md's StreamingLLM table is the mask, the keys each decoding query reads
+    from the cache (held keys + its own) and both conventions."""
     import re
     from pathlib import Path
 
@@ -538,9 +540,10 @@ def test_docs_draw_the_streaming_pattern_and_its_positions() -> None:
     cache = az.SinkWindowKVCache(1, 2, 2, 1, 1)
     for p, (qs, drawn, held, qa, ka, qc, kc) in enumerate(rows):
         assert int(qs) == p and [c == "1" for c in drawn.split()] == allowed[p].tolist()
-        cache.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
+        read = cache.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))[2]
         keys = [int(j) for j in held.split()]
-        assert keys == cache.held_positions().tolist() == [j for j in range(7) if allowed[p, j]]
+        assert keys == read.tolist() == [j for j in range(7) if allowed[p, j]]
+        assert cache.num_cached <= 2 + 2
         assert (int(qa), [int(j) for j in ka.split()]) == (p, keys)
         assert (int(qc), [int(j) for j in kc.split()]) == (min(p, 2 + 2), list(range(len(keys))))
 

@@ -105,9 +105,9 @@ def test_sliding_cache_memory_stays_at_window() -> None:
         for _ in range(5 * w):
             m(torch.randn(1, 1, DIM), cache=cache)
     assert cache.length == 7 + 5 * w
-    assert cache.k.shape == (1, 2, w + 1, DIM // HEADS) and cache.v.shape == (1, 2, w + 1, DIM // HEADS)
+    assert cache.k.shape == (1, 2, w, DIM // HEADS) and cache.v.shape == (1, 2, w, DIM // HEADS)
     assert cache.nbytes == nbytes and cache.k.data_ptr() == ptr, "the ring buffer was reallocated"
-    assert sorted(cache.slot_positions.tolist()) == list(range(cache.length - w - 1, cache.length))
+    assert sorted(cache.slot_positions.tolist()) == list(range(cache.length - w, cache.length))
 
 
 def test_decode_with_left_padding_positions_and_mask() -> None:

@@ -169,7 +169,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         causal: causal self-attention (required for decoding with a cache).
         window: ``w`` or ``(left, right)`` as in :func:`attnzoo.attention`; with ``causal`` a query
             sees itself and the ``left`` keys before it, and :meth:`init_cache` returns a
-            :class:`SlidingWindowKVCache` of ``left + 1`` slots.
+            :class:`SlidingWindowKVCache` of ``left`` slots (the keys before the next query).
         rope: ``None``, ``True`` (``RotaryEmbedding(head_dim)``) or a :class:`RotaryEmbedding`.
         dropout: attention-weight dropout (training only).
         backend: backend of :func:`attnzoo.attention` (``"auto"`` picks the fastest exact one).
@@ -255,7 +255,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
 
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> KVCache | SlidingWindowKVCache:
-        """A cache for decoding with this module: a :class:`SlidingWindowKVCache` of ``left + 1`` slots for
+        """A cache for decoding with this module: a :class:`SlidingWindowKVCache` of ``left`` slots for
         causal sliding-window attention, else a :class:`KVCache` of ``max_len`` slots (for a
         cross-attention module, ``max_len`` is the context length). Device/dtype default to the module's."""
         return super().init_cache(batch_size, max_len, device=device, dtype=dtype)  # type: ignore[no-any-return]
@@ -263,7 +263,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
     def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str,
                    dtype: torch.dtype) -> KVCache | SlidingWindowKVCache:
         left = self._sliding_left()
-        if left is not None and left + 1 < max_len:
+        if left is not None and left < max_len:
             return SlidingWindowKVCache(batch_size, left, self.num_kv_heads, self.head_dim, max_len=max_len,
                                         device=device, dtype=dtype)
         return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim, device=device, dtype=dtype)
@@ -528,7 +528,7 @@ class GroupedQueryAttention(MultiHeadAttention):
 
 class SlidingWindowAttention(MultiHeadAttention):
     """Causal sliding-window attention (Longformer/Mistral style): each query sees itself and the
-    ``window`` keys before it; decoding uses a :class:`SlidingWindowKVCache` of ``window + 1`` slots.
+    ``window`` keys before it; decoding uses a :class:`SlidingWindowKVCache` of ``window`` slots.
 
     Mistral's ``sliding_window=W`` is ``window=W - 1``. ``MultiHeadAttention(dim, num_heads,
     window=window, causal=causal, ...)``; with ``causal=False`` the window is two-sided. The other
@@ -536,7 +536,7 @@ class SlidingWindowAttention(MultiHeadAttention):
 
     StreamingLLM (Xiao et al., 2023): ``sink_tokens=n > 0`` builds a :class:`StreamingAttention`: the
     first ``n`` tokens stay visible to every query, plus the window, decoded with a
-    :class:`SinkWindowKVCache` of ``n + w + 1`` slots; it also takes ``position_mode`` (see there).
+    :class:`SinkWindowKVCache` of ``n + w`` slots; it also takes ``position_mode`` (see there).
     """
 
     _cache_types = (KVCache, SlidingWindowKVCache, SinkWindowKVCache)
@@ -575,7 +575,7 @@ class SlidingWindowAttention(MultiHeadAttention):
 
 class StreamingAttention(SlidingWindowAttention):
     """StreamingLLM attention (Xiao et al., 2023): a causal sliding window plus ``sink_tokens`` first
-    tokens every query sees, decoded with a :class:`SinkWindowKVCache` of ``n + w + 1`` slots (the
+    tokens every query sees, decoded with a :class:`SinkWindowKVCache` of ``n + w`` slots (the
     ``streaming`` variant). What ``SlidingWindowAttention(..., sink_tokens=n)`` builds for ``n > 0``;
     arguments as :class:`SlidingWindowAttention` (``sink_tokens >= 1``, no attention dropout), plus
 
@@ -882,11 +882,11 @@ def _build_streaming(dim: int, num_heads: int, *, causal: bool = True, window: i
 
 def _streaming_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     """The causal ``window | sinks`` pattern (the sinks are global tokens ``0 .. n - 1``; under causality
-    their rows see only sinks) and a cache of at most ``n + w + 1`` tokens."""
+    their rows see only sinks) and a cache of at most ``n + w`` tokens."""
     n_sinks = _streaming_sinks(cfg.global_tokens)
     cost = softmax_cost(cfg, shape)
     left = cfg.window[0] if cfg.window is not None and cfg.window[0] is not None else 0
-    kv_max = n_sinks + left + 1
+    kv_max = n_sinks + left
     return dataclasses.replace(cost, kv_cache_max_tokens=kv_max,
                                kv_cache_bytes=shape.batch * min(shape.seq_len, kv_max) * cost.kv_cache_bytes_per_token)
 

@@ -329,23 +329,23 @@ class _SlotCache(_CacheBase):
 
     def bytes_per_token(self) -> float:
         """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""
-        return self.nbytes / self.capacity
+        B, H = self.k.shape[:2]
+        return float(B * H * (self.head_dim * self.k.element_size() + self.v_head_dim * self.v.element_size()))
 
 
 class SlidingWindowKVCache(_SlotCache):
     """A ring buffer for causal sliding-window attention that never holds more than the window.
 
     With ``window = w`` (the module convention: a query sees itself and the ``w`` keys before
-    it) the buffers hold ``capacity = w + 1`` slots: ``k [B, Hkv, w + 1, D]``. Token ``p`` lives in
-    slot ``p % capacity``; ``slot_positions[s]`` is the absolute position in slot ``s`` (``-1`` when
-    empty). Keys are stored after RoPE, so their rotation stays right after wrap-around.
+    it) the buffers hold ``capacity = w`` slots, ``k [B, Hkv, w, D]``: the keys *before* the next
+    query (its own key comes with the call that needs it). Token ``p`` lives in slot ``p % w``;
+    ``slot_positions[s]`` is the absolute position in slot ``s`` (``-1`` when empty). Keys are
+    stored after RoPE, so their rotation stays right after wrap-around.
 
-    :meth:`update` returns ``(k, v, key_positions)``: the keys a chunk of new queries may need, in
-    position order, and their absolute positions ``[Nk]`` (contiguous: ``length - Nk .. length - 1``
-    after the update). A single new token (decoding) gets the ring's keys gathered in position order
-    (``Nk <= w + 1``, every key visible); a chunk of ``n > 1`` tokens (prefill) gets the ring's held
-    keys followed by the ``n`` new keys (the earliest new queries still need keys the chunk is about
-    to overwrite). Only the last ``min(n, w + 1)`` new tokens are written into the ring.
+    :meth:`update` returns ``(k, v, key_positions)``: the held keys followed by the ``n`` new ones,
+    in position order, and their absolute positions ``[Nk]`` (contiguous: ``length - Nk .. length -
+    1`` after the update; decoding one token gets ``Nk <= w + 1`` keys, every one visible), then
+    keeps the last ``min(n, w)`` new tokens in the ring.
 
     Args:
         batch_size: ``B``.
@@ -362,7 +362,7 @@ class SlidingWindowKVCache(_SlotCache):
                  v_head_dim: int | None = None, max_len: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self.window = _check_int(window, "window", minimum=0)
-        self.capacity = self.window + 1
+        self.capacity = self.window
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", minimum=1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=self.k.device)
@@ -386,41 +386,33 @@ class SlidingWindowKVCache(_SlotCache):
         if self.max_len is not None and start + n > self.max_len:
             raise ValueError(f"SlidingWindowKVCache overflow: {start} tokens seen + {n} new > max_len={self.max_len}")
         held = self.num_cached
-        old_order = torch.arange(start - held, start, device=self.k.device) % self.capacity  # slots, by position
-        if n == 0:  # nothing to absorb: the held keys, unchanged
-            return (self.k.index_select(2, old_order), self.v.index_select(2, old_order),
-                    torch.arange(start - held, start, device=self.k.device))
+        order = torch.arange(start - held, start, device=self.k.device) % max(self.capacity, 1)  # slots, by position
+        out_k = torch.cat((self.k.index_select(2, order), k_new), dim=2)  # [B, Hkv, held + n, D]
+        out_v = torch.cat((self.v.index_select(2, order), v_new), dim=2)
         keep = min(n, self.capacity)  # only the last `capacity` new tokens can still be needed later
         pos_keep = torch.arange(start + n - keep, start + n, device=self.k.device)
-        slots = pos_keep % self.capacity
-        if n > 1:  # what the early queries of the chunk still need, before the ring is overwritten
-            out_k = torch.cat((self.k.index_select(2, old_order), k_new), dim=2)  # [B, Hkv, held + n, D]
-            out_v = torch.cat((self.v.index_select(2, old_order), v_new), dim=2)
+        slots = pos_keep % max(self.capacity, 1)
         self._save(start, slots, [(self.k, 2), (self.v, 2), (self.slot_positions, 0)])
         self.k.index_copy_(2, slots, k_new[:, :, n - keep:])
         self.v.index_copy_(2, slots, v_new[:, :, n - keep:])
         self.slot_positions.index_copy_(0, slots, pos_keep)
         self.length = start + n
-        if n == 1:
-            h = self.num_cached
-            order = torch.arange(self.length - h, self.length, device=self.k.device) % self.capacity
-            out_k, out_v = self.k.index_select(2, order), self.v.index_select(2, order)
-        return out_k, out_v, torch.arange(self.length - out_k.shape[2], self.length, device=self.k.device)
+        return out_k, out_v, torch.arange(start - held, start + n, device=self.k.device)
 
 
 class SinkWindowKVCache(_SlotCache):
-    """StreamingLLM's cache: ``n`` attention-sink tokens kept forever plus a ring of the last ``w + 1``.
+    """StreamingLLM's cache: ``n`` attention-sink tokens kept forever plus a ring of the last ``w``.
 
-    With ``sink_tokens = n`` and ``window = w`` the buffers hold ``capacity = n + w + 1`` slots:
-    token ``p < n`` lives in slot ``p``, token ``p >= n`` in slot ``n + (p - n) % (w + 1)``. That
-    is every key a query at the newest position can see under
-    ``causal() & (sliding_window(w, 0) | global_tokens(range(n)))``, and never more.
+    With ``sink_tokens = n`` and ``window = w`` the buffers hold ``capacity = n + w`` slots: token
+    ``p < n`` lives in slot ``p``, token ``p >= n`` in slot ``n + (p - n) % w``. That is every key
+    *before* the next query that it can see under
+    ``causal() & (sliding_window(w, 0) | global_tokens(range(n)))``, and never more (its own key
+    comes with the call that needs it).
 
     :meth:`update` returns ``(k, v, key_positions)`` in position order (ascending; contiguous except
-    for the gap between the sinks and the window): a single new token (decoding) gets the held
-    keys after writing it (``Nk <= n + w + 1``, every key visible); a chunk of ``m > 1`` tokens gets
-    the keys held before the chunk followed by its ``m`` new keys, then keeps only what later
-    queries can need. Whether the keys are stored after RoPE (absolute positions) or before it
+    for the gap between the sinks and the window): the keys held before the call followed by its
+    ``m`` new keys (decoding one token: ``Nk <= n + w + 1``, every key visible), then keeps only
+    what later queries can need. Whether the keys are stored after RoPE (absolute positions) or before it
     (StreamingLLM's positions inside the cache) is the module's choice.
 
     Args:
@@ -439,14 +431,14 @@ class SinkWindowKVCache(_SlotCache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self.sink_tokens = _check_int(sink_tokens, "sink_tokens", minimum=0)
         self.window = _check_int(window, "window", minimum=0)
-        self.capacity = self.sink_tokens + self.window + 1
+        self.capacity = self.sink_tokens + self.window
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", minimum=1)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
 
     def _held_ranges(self, length: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """The held positions after ``length`` tokens as two ``[lo, hi)`` ranges (sinks, ring); Python
         ints, so that compiled callers see no data-dependent shapes."""
-        n, ring = self.sink_tokens, self.window + 1
+        n, ring = self.sink_tokens, self.window
         return (0, min(length, n)), (max(n, length - ring), max(n, length))
 
     def _positions(self, ranges: Iterable[tuple[int, int]], offset: int = 0) -> Tensor:
@@ -459,7 +451,7 @@ class SinkWindowKVCache(_SlotCache):
 
     def _slots(self, positions: Tensor) -> Tensor:
         n = self.sink_tokens
-        return torch.where(positions < n, positions, n + (positions - n) % (self.window + 1))
+        return torch.where(positions < n, positions, n + (positions - n) % max(self.window, 1))
 
     def reset(self) -> None:
         self.length = 0
@@ -488,12 +480,10 @@ class SinkWindowKVCache(_SlotCache):
         if m == 0:  # nothing to absorb: the held keys, unchanged
             old = self._slots(before)
             return self.k.index_select(2, old), self.v.index_select(2, old), before
-        new_pos = torch.arange(start, start + m, device=self.k.device)
-        if m > 1:
-            old = self._slots(before)
-            out_k = torch.cat((self.k.index_select(2, old), k_new), dim=2)  # [B, Hkv, held + m, D]
-            out_v = torch.cat((self.v.index_select(2, old), v_new), dim=2)
-            out_pos = torch.cat((before, new_pos))
+        old = self._slots(before)
+        out_k = torch.cat((self.k.index_select(2, old), k_new), dim=2)  # [B, Hkv, held + m, D]
+        out_v = torch.cat((self.v.index_select(2, old), v_new), dim=2)
+        out_pos = torch.cat((before, torch.arange(start, start + m, device=self.k.device)))
         after_ranges = self._held_ranges(start + m)
         n = self.sink_tokens
         if sink_offsets is None:
@@ -511,10 +501,6 @@ class SinkWindowKVCache(_SlotCache):
         if sink_offsets is not None and n:
             self._write_sinks(k_new, v_new, sink_offsets, start)
         self.length = start + m
-        if m == 1:
-            out_pos = self._positions(after_ranges)
-            held = self._slots(out_pos)
-            out_k, out_v = self.k.index_select(2, held), self.v.index_select(2, held)
         return out_k, out_v, out_pos
 
     def _write_sinks(self, k_new: Tensor, v_new: Tensor, offsets: Tensor, start: int) -> None:

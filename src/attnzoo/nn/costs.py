@@ -218,7 +218,7 @@ def _softmax_residue(cfg: VariantConfig, shape: CostShape, used: str, dense_patt
 def softmax_cost(cfg: VariantConfig, shape: CostShape, *, ring: bool = False) -> Cost:
     """Cost of a softmax attention layer (MHA/GQA/MQA, windows, global tokens).
 
-    ``ring``: the decode cache is a ring buffer of ``left + 1`` slots (causal sliding window).
+    ``ring``: the decode cache is a ring buffer of ``left`` slots (causal sliding window).
     """
     B, N, e = shape.batch, shape.seq_len, shape.elem_bytes
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -228,7 +228,7 @@ def softmax_cost(cfg: VariantConfig, shape: CostShape, *, ring: bool = False) ->
     visible = visible_pairs(cfg, N)
     # the tiled kernel multiplies P by [V | 1] (one extra column gives the softmax normaliser)
     flops_attn = 2 * B * Hq * pairs * (2 * D + (1 if used == "tiled" else 0))
-    kv_max = cfg.window[0] + 1 if ring and cfg.window is not None and cfg.window[0] is not None else None
+    kv_max = cfg.window[0] if ring and cfg.window is not None and cfg.window[0] is not None else None
     per_token = 2 * Hkv * D * e
     residue, traffic = _softmax_residue(cfg, shape, used, dense_pattern=cfg.window is None and not cfg.global_tokens)
     act = B * N * cfg.dim * e + qkv_bytes + B * N * Hq * D * e + residue
