@@ -4,6 +4,8 @@ lengths, across chunk boundaries), the cache protocol, key padding, gradients, b
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -309,3 +311,23 @@ def test_flops_estimate_against_the_flop_counter(name: str, n: int) -> None:
         m(torch.randn(1, n, 64))
     measured, est = fc.get_total_flops(), az.cost.estimate(name, n, 64, 8).flops
     assert abs(est - measured) <= 0.15 * measured, f"{name} N={n}: estimate {est} vs measured {measured}"
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "gated_deltaproduct", "kda"])
+def test_float16_zero_heads_stay_finite_and_match_float64(name: str) -> None:
+    """A zero query/key head (a left-padded token, an all-zero input token) is L2-normalised in
+    float32: F.normalize's floor of 1e-12 is 0 in float16, which made 0/0 = NaN spread through
+    the state. The float16 module equals its float64 copy on the same rounded weights and input."""
+    torch.manual_seed(0)
+    m = build_attention(name, 32, 4, chunk_size=8).half().eval()
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).half()
+    x[0, 0] = 0
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, :5] = False  # row 1 left-padded by 5
+    m64 = copy.deepcopy(m).double()
+    with torch.no_grad():
+        for kw in ({}, {"mask": mask}):
+            y, ref = m(x, **kw), m64(x.double(), **kw)
+            assert torch.isfinite(y).all(), kw
+            err = (y.double() - ref).abs().max() / ref.abs().max()
+            assert err < 30 * torch.finfo(torch.float16).eps, (kw, float(err))

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int
+from attnzoo.functional.core.rules import compute_dtype
 from attnzoo.functional.recurrent.delta_rule import delta_rule
 from attnzoo.nn.recurrent import (
     RecurrentMixer,
@@ -43,6 +44,15 @@ def init_decay_parameters(a_log: Tensor, dt_bias: Tensor, a_range: tuple[float, 
     dt = torch.empty_like(dt_bias).uniform_(lo, hi).exp().clamp_min(1e-4)
     dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+
+
+def l2_normalize(t: Tensor, eps: float = 0.0) -> Tensor:
+    """``t / |t|`` over the last dim (``eps > 0``: ``t / sqrt(|t|^2 + eps)``), computed in float32 for
+    half inputs: ``F.normalize``'s floor of 1e-12 is 0 in float16, so a zero head (a padded token, a
+    zero input) became 0/0 = NaN and spread through the recurrent state."""
+    x = t.to(compute_dtype(t.dtype))
+    y = F.normalize(x, dim=-1) if not eps else x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    return y.to(t.dtype)
 
 class DeltaNet(RecurrentMixer):
     """DeltaNet: the delta rule with L2-normalised q, k and ``beta = sigmoid(x W_beta)``.
@@ -89,7 +99,7 @@ class DeltaNet(RecurrentMixer):
 
     def _l2(self, t: Tensor) -> Tensor:
         """The L2 normalisation of the query/key heads ``[B, H, N, D]`` (over ``D``)."""
-        return F.normalize(t, dim=-1)
+        return l2_normalize(t)
 
     def _beta(self, x: Tensor) -> Tensor:
         """``[B, Hv, N]`` in [0, 1] (or [0, 2] with ``allow_neg_eigval``)."""

@@ -15,12 +15,11 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_int
 from attnzoo.functional.recurrent.delta_product import delta_product
-from attnzoo.nn.deltanet import GatedDeltaNet
+from attnzoo.nn.deltanet import GatedDeltaNet, l2_normalize
 from attnzoo.nn.recurrent import ShortConv, recurrent_cost, register_recurrent, wide
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
@@ -68,7 +67,7 @@ class GatedDeltaProduct(GatedDeltaNet):
         q = self.heads(self.short_conv("q", self.q_proj(x), pad, conv, new, cu=cu))  # [B, Hk, N, D]
         k = self._micro(self.short_conv("k", self.k_proj(x), pad, conv, new, cu=cu))  # [B, Hk, N n_h, D]
         v = self._micro(self.short_conv("v", self.v_proj(x), pad, conv, new, cu=cu))  # [B, Hv, N n_h, D]
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = l2_normalize(q), l2_normalize(k)
         beta = torch.sigmoid(self.b_proj(x)).reshape(x.shape[0], -1, self.num_v_heads).transpose(1, 2)
         beta = 2 * beta if self.allow_neg_eigval else beta  # [B, Hv, N n_h]
         log_decay = self._log_decay(x)  # [B, Hv, N]

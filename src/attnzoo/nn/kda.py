@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from attnzoo._validate import check_probability
 from attnzoo.functional.recurrent.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
-from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters
+from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters, l2_normalize
 from attnzoo.nn.recurrent import recurrent_cost, register_recurrent, wide
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
@@ -96,9 +96,7 @@ class KimiDeltaAttention(DeltaNet):
 
     def _l2(self, t: Tensor) -> Tensor:
         """``t / sqrt(|t|^2 + qk_norm_eps)`` over the head width (``F.normalize`` when 0)."""
-        if not self.qk_norm_eps:
-            return super()._l2(t)
-        return t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + self.qk_norm_eps)
+        return l2_normalize(t, self.qk_norm_eps)
 
     def _log_decay(self, x: Tensor) -> Tensor:
         """``[B, Hv, N, D]``, ``<= 0``: ``-exp(A_log) * softplus(x W_fa W_fb + dt_bias)``."""

@@ -42,6 +42,7 @@ from torch import Tensor
 from attnzoo._devices import tracing
 from attnzoo._validate import check_choice, check_int
 from attnzoo.functional.backends.tiled.native import native_nsa_selected, native_nsa_selected_train
+from attnzoo.functional.core.rules import compute_dtype
 from attnzoo.functional.softmax.attention import attention
 
 __all__ = ["NSAConfig", "compress_blocks", "nsa_attention", "num_compressed", "pick_blocks"]
@@ -159,8 +160,9 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, ga
     ns = -(-Nk // cfg.select_len)
     starts = torch.arange(Nc, device=q.device)[:, None] * cfg.block_stride
     jl = torch.arange(ns, device=q.device)[None, :] * cfg.select_len
-    overlap = ((starts < jl + cfg.select_len) & (starts + cfg.block_len > jl)).to(q.dtype)  # [Nc, Ns]
-    imp = (p_cmp.detach() @ overlap).view(B, G, r, Nq, ns).sum(2)
+    wide = compute_dtype(q.dtype)  # block scores in float32 at least: bf16 ties flip the top-k
+    overlap = ((starts < jl + cfg.select_len) & (starts + cfg.block_len > jl)).to(wide)  # [Nc, Ns]
+    imp = (p_cmp.detach().to(wide) @ overlap).view(B, G, r, Nq, ns).sum(2)
     idx, ok = pick_blocks(imp, t, cfg)
     chosen = torch.zeros(B, G, Nq, ns, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
     tokens = chosen[..., key // cfg.select_len] & (key[None, :] <= t[:, None])  # [B, G, Nq, Nk]
@@ -237,7 +239,7 @@ def _chunk_selected(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor,
     ksel, vsel = _gather_blocks(kb, idx), _gather_blocks(vb, idx)  # [B, G, c, n*l', D]
     kpos = (idx[..., None] * cfg.select_len + torch.arange(cfg.select_len, device=kb.device)).flatten(3)
     allowed = ok.repeat_interleave(cfg.select_len, -1) & (kpos <= t[:, None])  # [B, G, c, n*l']
-    s = torch.einsum("bgrcd,bgcmd->bgrcm", qg, ksel) * scale
+    s = torch.einsum("bgrcd,bgcmd->bgrcm", qg * scale, ksel)  # scaled first: unscaled fp16 scores overflow
     p = _masked_softmax(s, allowed[:, :, None], False)  # block 0 is always picked, and key 0 <= t
     return torch.einsum("bgrcm,bgcmd->bgrcd", p, vsel), p
 
@@ -310,7 +312,7 @@ def _sparse(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates
         t = torch.arange(t0, t1, device=q.device)
         o_cmp, p = _chunk_compressed(qg, k_cmp, v_cmp, t, t0, cfg, scale)
         with torch.no_grad():
-            imp = _overlap_scores(p.detach().sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
+            imp = _overlap_scores(p.detach().to(compute_dtype(p.dtype)).sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
             idx, ok = pick_blocks(imp, t, cfg)
         o_slc, p_slc = _chunk_selected(qg, kb, vb, idx, ok, t, cfg, scale)
         g = gates[:, :, a:a + query_chunk].unflatten(1, (G, r))
@@ -351,7 +353,7 @@ def _sparse_block_major(q: Tensor, kb: Tensor, vb: Tensor, k_cmp: Tensor, v_cmp:
         o, p = _chunk_compressed(qg_all[:, :, :, a:a + step], k_cmp, v_cmp, t, t0, cfg, scale)
         o_cmp.append(o)
         with torch.no_grad():
-            imp = _overlap_scores(p.detach().sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
+            imp = _overlap_scores(p.detach().to(compute_dtype(p.dtype)).sum(2), (t1 - 1) // cfg.select_len + 1, cfg)
             idx, ok = pick_blocks(imp, t, cfg)
         n = min(cfg.num_selected, kb.shape[2])  # pad every chunk's picks to n (padding: ok = False)
         picks.append(F.pad(idx, (0, n - idx.shape[-1])))
