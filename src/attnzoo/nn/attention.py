@@ -620,6 +620,10 @@ class StreamingAttention(SlidingWindowAttention):
         if cache is not None and not isinstance(cache, SinkWindowKVCache):
             raise TypeError(f"{cls}: a module with sink_tokens={self.sink_tokens} decodes with a SinkWindowKVCache, "
                             f"got {type(cache).__name__}; use module.init_cache()")
+        if cache is not None and (cache.sink_tokens, cache.window) != (self.sink_tokens, self.window_size):
+            raise ValueError(f"{cls}: the cache keeps sink_tokens={cache.sink_tokens}, window={cache.window}; the "
+                             f"module needs sink_tokens={self.sink_tokens}, window={self.window_size}; use "
+                             f"module.init_cache()")
         padded = padding_offsets(mask, x.shape[1] + (0 if cache is None else cache.length))  # left padding
         if cache is None and self.position_mode == "absolute" and padded is None:
             return MultiHeadAttention._self(self, x, mask, cache, positions, return_weights)

@@ -101,7 +101,8 @@ class AttentionBase(nn.Module):
             raise ValueError(f"{cls}: layout must be 'qkv', 'q_kv' or 'q_k_v', got {layout!r}")
         self.attend_fn: Callable[..., Any] = type(self).default_attend
         self._layout = layout
-        self._make_projections(bias, factory or {}, kv_dim or self.dim)
+        kv_dim = self.dim if kv_dim is None else check_int(kv_dim, "kv_dim", owner=cls)
+        self._make_projections(bias, factory or {}, kv_dim)
 
     # ------------------------------------------------------------------ projections
     def _make_projections(self, bias: bool, fk: dict[str, Any], kv_dim: int) -> None:

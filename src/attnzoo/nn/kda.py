@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_probability
+from attnzoo._validate import check_positive_float, check_probability
 from attnzoo.functional.recurrent.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
 from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters, l2_normalize
 from attnzoo.nn.recurrent import recurrent_cost, register_recurrent, wide
@@ -81,6 +81,7 @@ class KimiDeltaAttention(DeltaNet):
                          chunk_size=chunk_size, num_v_heads=num_v_heads, allow_neg_eigval=allow_neg_eigval,
                          device=device, dtype=dtype)
         check_probability(qk_norm_eps, "qk_norm_eps", "KimiDeltaAttention")
+        check_positive_float(norm_eps, "norm_eps", "KimiDeltaAttention")
         self.qk_norm_eps = float(qk_norm_eps)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         d, v_inner = self.head_dim, self.num_v_heads * self.head_dim

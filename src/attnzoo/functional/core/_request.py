@@ -269,6 +269,11 @@ def _check_mask(mask: object, q: Tensor, nk: int) -> tuple[Tensor | None, Mask |
                              f"{[B, Hq, Nq, nk]} (dimension {letter}: got {got}, expected 1 or {want})")
     if m4.device != q.device:
         raise ValueError(f"mask is on {m4.device} but q is on {q.device}")
+    if m4.is_floating_point() and m4.numel() and not tracing():
+        top = float(m4.amax())  # one reduction; NaN propagates through it
+        if not top < math.inf:  # NaN or +inf: backends disagreed (zeros on one, NaN on another)
+            raise ValueError(f"mask: a float mask is an additive bias and must not hold NaN or +inf (got max "
+                             f"{top}); hide a key with -inf or a bool mask")
     return m4, None
 
 
@@ -279,6 +284,8 @@ def _check_slopes(alibi_slopes: object, q: Tensor) -> Tensor | None:
     hq = q.shape[1]
     if not isinstance(alibi_slopes, Tensor):
         raise TypeError(f"alibi_slopes must be a tensor [Hq], got {type(alibi_slopes).__name__}")
+    if not alibi_slopes.is_floating_point():
+        raise TypeError(f"alibi_slopes must be a floating-point tensor [Hq], got dtype {alibi_slopes.dtype}")
     if _shape(alibi_slopes) != (hq,):
         raise ValueError(f"alibi_slopes must have shape [Hq] = [{hq}], got {_shape(alibi_slopes)}")
     if not tracing() and not bool(torch.isfinite(alibi_slopes).all()):

@@ -114,8 +114,10 @@ def check_recurrent_inputs(fn: str, q: object, k: object, v: object, scale: obje
     bounds = None if cu_seqlens is None else packed_bounds(fn, cu_seqlens, b, n)
     if scale is None:
         scale = dk ** -0.5  # (symbolic under dynamic shapes: no check on it)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"{fn}: scale must be a finite float or None, got {scale!r}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{fn}: scale must be a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{fn}: scale must be a finite float > 0 or None, got {scale!r}")
     check_bool(return_state, "return_state", fn)
     check_choice(form, "form", fn, choices=FORMS)
     chunk_size = check_optional_int(chunk_size, "chunk_size", fn) or DEFAULT_CHUNK

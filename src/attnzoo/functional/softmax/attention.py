@@ -249,6 +249,9 @@ def merge_attention(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Ten
     for i, (o, s) in enumerate(zip(outs, lses, strict=True)):
         if not isinstance(o, Tensor) or not isinstance(s, Tensor):
             raise TypeError(f"merge_attention: item {i} is not a pair of tensors")
+        if not o.is_floating_point() or not s.is_floating_point():
+            raise TypeError(f"merge_attention: outs[{i}] and lses[{i}] must be floating-point tensors, got "
+                            f"{o.dtype} and {s.dtype}")
         if o.dim() != 4 or o.shape != ref_o.shape:
             raise ValueError(f"merge_attention: outs[{i}] has shape {tuple(o.shape)}, expected "
                              f"{tuple(ref_o.shape)} [B, H, Nq, Dv]")

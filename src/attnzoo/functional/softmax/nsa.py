@@ -239,7 +239,10 @@ def _chunk_selected(qg: Tensor, kb: Tensor, vb: Tensor, idx: Tensor, ok: Tensor,
     ksel, vsel = _gather_blocks(kb, idx), _gather_blocks(vb, idx)  # [B, G, c, n*l', D]
     kpos = (idx[..., None] * cfg.select_len + torch.arange(cfg.select_len, device=kb.device)).flatten(3)
     allowed = ok.repeat_interleave(cfg.select_len, -1) & (kpos <= t[:, None])  # [B, G, c, n*l']
-    s = torch.einsum("bgrcd,bgcmd->bgrcm", qg * scale, ksel)  # scaled first: unscaled fp16 scores overflow
+    if qg.dtype == torch.float16:  # scaled first: unscaled float16 scores overflow (to inf, then NaN rows)
+        s = torch.einsum("bgrcd,bgcmd->bgrcm", qg * scale, ksel)
+    else:  # the compiled kernel's order (its operator and this eager form agree to rounding)
+        s = torch.einsum("bgrcd,bgcmd->bgrcm", qg, ksel) * scale
     p = _masked_softmax(s, allowed[:, :, None], False)  # block 0 is always picked, and key 0 <= t
     return torch.einsum("bgrcm,bgcmd->bgrcd", p, vsel), p
 

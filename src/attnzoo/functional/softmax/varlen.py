@@ -34,10 +34,17 @@ from attnzoo._devices import tracing
 from attnzoo._validate import check_bool, check_cu_seqlens, check_positive_float, check_tensor_ranks
 from attnzoo.functional.backends.tiled import attention_backward, native_half_matmul, plan_for
 from attnzoo.functional.backends.tiled.native import native_varlen, native_varlen_bwd
-from attnzoo.functional.core._request import Window, build_request, check_qkv, normalize_window
+from attnzoo.functional.core._request import (
+    Window,
+    _check_slopes,
+    build_request,
+    check_qkv,
+    normalize_window,
+)
 from attnzoo.functional.core.rules import alibi_bias
 from attnzoo.functional.core.score_mod import ScoreModFn
 from attnzoo.functional.softmax.attention import BACKENDS, attention
+from attnzoo.functional.softmax.sinks import check_sinks
 from attnzoo.functional.softmax.varlen_split import split_applies, split_varlen
 from attnzoo.masks import Mask
 
@@ -447,14 +454,15 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     check_bool(return_lse, "return_lse")  # every option checked here: the op paths below take them as is
     scale = None if scale is None else check_positive_float(scale, "scale")
     softcap = None if softcap is None else check_positive_float(softcap, "softcap")
-    if alibi_slopes is not None:
-        check_tensor_ranks(1, "[Hq]", alibi_slopes=alibi_slopes)
+    _check_slopes(alibi_slopes, q)  # q [Tq, Hq, D]: Hq at dim 1 as in [B, Hq, Nq, D]
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], q.device)
     win = normalize_window(window)
     if (backend in ("auto", "tiled") and not tracing() and score_mod is None and alibi_slopes is None
             and sinks is None and not _needs_grad(q, k, v, None)):  # the opt-in compiled kernel, when built
         fast = native_varlen(q, k, v, cu_q, cu_k, causal=causal, window=win, scale=scale, softcap=softcap)
         if fast is not None:
-            return fast if return_lse else fast[0]
+            return (fast[0], fast[1]) if return_lse else fast[0]  # a tuple, whatever the kernel returned
     if backend == "auto" and not tracing() and score_mod is None:  # per-length SDPA calls: varlen_split.py
         bq, bk = cu_q.tolist(), cu_k.tolist()
         if split_applies(q, k, v, bq, bk, softcap=softcap, sinks=sinks, return_lse=return_lse):

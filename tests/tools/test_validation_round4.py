@@ -1,0 +1,56 @@
+"""Round 4 of bad input (an audit of every public name): calls that were accepted and gave a
+silently wrong or backend-dependent result, or failed inside torch. Each is now refused at the
+boundary naming the argument; docs/bad-input.md ("round 4") lists them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import attnzoo as az
+from attnzoo.functional.softmax.attention import merge_attention
+from attnzoo.nn.kda import KimiDeltaAttention
+
+G = torch.Generator().manual_seed(0)
+Q4 = torch.randn(1, 2, 5, 8, generator=G)
+PACKED = torch.randn(10, 4, 16, generator=G)
+CU = torch.tensor([0, 4, 10], dtype=torch.int32)
+R = torch.randn(1, 1, 4, 4, generator=G)
+
+
+def _streaming_with_a_smaller_cache() -> object:
+    m = az.StreamingAttention(8, 2, window=2, sink_tokens=1)
+    return m(torch.randn(1, 1, 8), cache=az.SinkWindowKVCache(1, 0, 1, 2, 4, max_len=16))
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    (lambda: az.attention(Q4, Q4, Q4, mask=torch.full((5, 5), float("nan"))), ValueError, r"mask: .*NaN or \+inf"),
+    (lambda: az.attention(Q4, Q4, Q4, mask=torch.zeros(5, 5).fill_diagonal_(float("inf"))), ValueError,
+     r"mask: .*NaN or \+inf"),
+    (lambda: az.attention(Q4, Q4, Q4, alibi_slopes=torch.ones(2, dtype=torch.bool)), TypeError,
+     "alibi_slopes must be a floating-point tensor"),
+    (lambda: az.attention_varlen(PACKED, PACKED, PACKED, CU, CU, alibi_slopes=torch.ones(4, dtype=torch.long)),
+     TypeError, "alibi_slopes must be a floating-point tensor"),
+    (lambda: az.attention_varlen(PACKED, PACKED, PACKED, CU, CU, sinks=[0.0] * 4), TypeError, "sinks must be"),
+    (lambda: az.retention(R, R, R, torch.tensor([0.9]), scale=0), ValueError, "scale must be a finite float > 0"),
+    (lambda: az.retention(R, R, R, torch.tensor([0.9]), scale=-1.0), ValueError, "scale must be"),
+    (lambda: KimiDeltaAttention(8, 2, norm_eps=-1.0), ValueError, "norm_eps"),
+    (lambda: KimiDeltaAttention(8, 2, norm_eps=float("nan")), ValueError, "norm_eps"),
+    (lambda: merge_attention([Q4.long()], [torch.zeros(1, 2, 5)]), TypeError, r"outs\[0\] .* floating-point"),
+    (lambda: az.MultiHeadAttention(8, 2, kv_dim=0), ValueError, "kv_dim must be >= 1"),
+    (_streaming_with_a_smaller_cache, ValueError, r"cache keeps sink_tokens=0, window=1; the module needs"),
+])
+def test_refused_at_the_boundary(call: Callable[[], object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_the_valid_neighbours_still_work() -> None:
+    causal = torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(az.attention(Q4, Q4, Q4, mask=causal), az.attention(Q4, Q4, Q4, causal=True))
+    out = az.attention_varlen(PACKED, PACKED, PACKED, CU, CU, return_lse=True)
+    assert isinstance(out, tuple) and len(out) == 2  # the compiled kernel's result too (it gave a list)
+    m = az.StreamingAttention(8, 2, window=2, sink_tokens=1)
+    assert m(torch.randn(1, 1, 8), cache=m.init_cache(1, 16)).shape == (1, 1, 8)
