@@ -54,3 +54,16 @@ def test_the_valid_neighbours_still_work() -> None:
     assert isinstance(out, tuple) and len(out) == 2  # the compiled kernel's result too (it gave a list)
     m = az.StreamingAttention(8, 2, window=2, sink_tokens=1)
     assert m(torch.randn(1, 1, 8), cache=m.init_cache(1, 16)).shape == (1, 1, 8)
+
+
+def test_a_non_finite_future_key_never_reaches_an_earlier_row_of_linear_attention() -> None:
+    """The quadratic form masked its causal scores by a product (NaN * 0 = NaN), so rows before a NaN
+    key were NaN there and finite in the chunked and recurrent forms: now every form agrees."""
+    q = torch.rand(1, 1, 6, 4, generator=G)
+    k, v = q.clone(), torch.rand(1, 1, 6, 4, generator=G)
+    k[..., 3, :] = float("nan")
+    outs = {f: az.linear_attention(q, k, v, causal=True, form=f)[..., :3, :] for f in ("quadratic", "chunked",
+                                                                                         "recurrent")}
+    for f, o in outs.items():
+        assert torch.isfinite(o).all(), f
+        torch.testing.assert_close(o, outs["recurrent"])

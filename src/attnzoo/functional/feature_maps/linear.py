@@ -148,8 +148,7 @@ def _quadratic(fq: Tensor, fk: Tensor, v: Tensor, causal: bool, state: State | N
     """Reference form; returns ``(num [B,H,Nq,Dv], den [B,H,Nq])``."""
     a = torch.matmul(fq, fk.transpose(-1, -2))  # [B, H, Nq, Nk]
     if causal:
-        n = a.shape[-1]
-        a = a * torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+        a = a.tril()  # a masked write, not a product: a non-finite future key's column never reaches a row
     num = torch.matmul(a, v)  # [B, H, Nq, Dv]
     den = a.sum(dim=-1)  # [B, H, Nq]
     if state is not None:
