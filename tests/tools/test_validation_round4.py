@@ -10,8 +10,11 @@ import pytest
 import torch
 
 import attnzoo as az
+from attnzoo.distributed import work_per_rank
 from attnzoo.functional.softmax.attention import merge_attention
+from attnzoo.nn.attention import default_kv_heads
 from attnzoo.nn.kda import KimiDeltaAttention
+from attnzoo.variants import build_attention
 
 G = torch.Generator().manual_seed(0)
 Q4 = torch.randn(1, 2, 5, 8, generator=G)
@@ -41,6 +44,15 @@ def _streaming_with_a_smaller_cache() -> object:
     (lambda: merge_attention([Q4.long()], [torch.zeros(1, 2, 5)]), TypeError, r"outs\[0\] .* floating-point"),
     (lambda: az.MultiHeadAttention(8, 2, kv_dim=0), ValueError, "kv_dim must be >= 1"),
     (_streaming_with_a_smaller_cache, ValueError, r"cache keeps sink_tokens=0, window=1; the module needs"),
+    (lambda: build_attention("fox", 16, 2)(torch.randn(1, 3, 16), cache=build_attention("fox", 32, 4).init_cache(1, 16)),
+     ValueError, r"FoxCache: the cache holds batch 1 x 4 heads"),
+    (lambda: az.alibi_slopes(4, dtype=torch.int64), TypeError, "dtype must be a floating"),
+    (lambda: az.MultiHeadAttention(8, 2, causal=True).init_cache(2, 8, dtype=torch.int64), TypeError,
+     "KVCache: dtype must be a floating"),
+    (lambda: az.SlidingWindowKVCache(1, 2, 2, 4, dtype=torch.int32), TypeError, "dtype must be a floating"),
+    (lambda: work_per_rank(8, 0), ValueError, "world_size must be >= 1"),
+    (lambda: work_per_rank(8, 2, causal="yes"), TypeError, "causal must be a bool"),
+    (lambda: default_kv_heads(0), ValueError, "num_heads must be >= 1"),
 ])
 def test_refused_at_the_boundary(call: Callable[[], object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):

@@ -156,6 +156,8 @@ def work_per_rank(seq_len: int, world_size: int, *, layout: str = "contiguous", 
     last rank's work; ``"zigzag"`` gives every rank the same.
     """
     layout = check_layout(layout, "work_per_rank")
+    check_int(world_size, "world_size", "work_per_rank")
+    check_bool(causal, "causal", "work_per_rank")
     check_seq_len(seq_len, world_size, layout, "work_per_rank")
     win = normalize_window(window)
     lengths = contiguous_lengths(seq_len, world_size) if layout == "contiguous" else [seq_len // world_size] * world_size

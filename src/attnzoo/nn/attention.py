@@ -773,6 +773,7 @@ class SigmoidAttention(MultiHeadAttention):
 def default_kv_heads(num_heads: int) -> int:
     """GQA's default number of KV heads: a quarter of the query heads (LLaMA-style), but at least
     two so that ``gqa`` stays distinct from ``mqa`` (one KV head) at small head counts."""
+    check_int(num_heads, "num_heads", "default_kv_heads")
     kv = num_heads // 4 if num_heads // 4 >= 2 else max(1, num_heads // 2)
     while num_heads % kv:
         kv -= 1

@@ -200,6 +200,8 @@ class _CacheBase(_LengthCache):
         self.head_dim = _check_int(head_dim, "head_dim", minimum=1)
         self.v_head_dim = self.head_dim if v_head_dim is None else _check_int(v_head_dim, "v_head_dim", minimum=1)
         dt = dtype or torch.get_default_dtype()
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise TypeError(f"{type(self).__name__}: dtype must be a floating torch.dtype (keys and values), got {dt!r}")
         self.k = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.head_dim, device=device, dtype=dt)
         self.v = torch.zeros(self._batch_size, self.num_kv_heads, slots, self.v_head_dim, device=device, dtype=dt)
         self.length = 0

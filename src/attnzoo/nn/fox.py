@@ -60,6 +60,10 @@ class FoxCache(KVCache):
         """Write the cumulative gates of ``log_f [B, H, n]`` (the new tokens' ``log f``) after the
         cached ones and return ``c`` of all ``length + n`` tokens (call before :meth:`update`)."""
         start, n = self.length, log_f.shape[-1]
+        if tuple(log_f.shape[:2]) != tuple(self.log_gates.shape[:2]):
+            raise ValueError(f"FoxCache: the cache holds batch {self.log_gates.shape[0]} x {self.log_gates.shape[1]} "
+                             f"heads, the module gives {tuple(log_f.shape[:2])}; use module.init_cache() (a cache "
+                             f"of another module does not fit)")
         if start + n > self.max_len:
             raise ValueError(f"FoxCache: {start} cached + {n} new tokens exceed max_len={self.max_len}")
         prev = self.log_gates[:, :, start - 1:start] if start else log_f.new_zeros((*log_f.shape[:2], 1))

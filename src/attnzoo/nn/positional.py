@@ -357,6 +357,8 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
     (``r' = 2^(-4/p)``: ``r'^1, r'^3, ...``) until there are ``n`` (the paper's reference code).
     """
     n = check_int(num_heads, "num_heads")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"alibi_slopes: dtype must be a floating torch.dtype, got {dtype!r}")
 
     def pow2(m: int) -> list[float]:
         start = 2.0 ** (-8.0 / m)

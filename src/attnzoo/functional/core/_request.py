@@ -270,7 +270,7 @@ def _check_mask(mask: object, q: Tensor, nk: int) -> tuple[Tensor | None, Mask |
     if m4.device != q.device:
         raise ValueError(f"mask is on {m4.device} but q is on {q.device}")
     if m4.is_floating_point() and m4.numel() and not tracing():
-        top = float(m4.amax())  # one reduction; NaN propagates through it
+        top = float(m4.detach().amax())  # one reduction; NaN propagates through it
         if not top < math.inf:  # NaN or +inf: backends disagreed (zeros on one, NaN on another)
             raise ValueError(f"mask: a float mask is an additive bias and must not hold NaN or +inf (got max "
                              f"{top}); hide a key with -inf or a bool mask")
