@@ -151,6 +151,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.dim = check_int(dim, "dim", "FeedForward")
         self.activation = check_choice(activation, "activation", "FeedForward", choices=ACTIVATIONS)
+        check_bool(bias, "bias", "FeedForward")
         self.hidden = default_ffn_hidden(dim, activation) if hidden is None else check_int(hidden, "hidden", "FeedForward")
         self.act, self.gated = ACTIVATIONS[activation]
         kw: dict[str, Any] = {"device": device, "dtype": dtype}

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import attnzoo as az
+from attnzoo.blocks import FeedForward
 from attnzoo.distributed import work_per_rank
 from attnzoo.functional.softmax.attention import merge_attention
+from attnzoo.models.parts import LMHead
 from attnzoo.nn.attention import default_kv_heads
 from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.variants import build_attention
@@ -53,6 +55,10 @@ def _streaming_with_a_smaller_cache() -> object:
     (lambda: work_per_rank(8, 0), ValueError, "world_size must be >= 1"),
     (lambda: work_per_rank(8, 2, causal="yes"), TypeError, "causal must be a bool"),
     (lambda: default_kv_heads(0), ValueError, "num_heads must be >= 1"),
+    (lambda: FeedForward(8, bias="no"), TypeError, "FeedForward: bias must be a bool"),
+    (lambda: LMHead(8, 16, bias="no"), TypeError, "LMHead: bias must be a bool"),
+    (lambda: LMHead(8, -1), ValueError, "LMHead: vocab_size must be >= 1"),
+    (lambda: az.available_backends("tpu"), ValueError, "available_backends: device must be"),
 ])
 def test_refused_at_the_boundary(call: Callable[[], object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
@@ -79,3 +85,9 @@ def test_a_non_finite_future_key_never_reaches_an_earlier_row_of_linear_attentio
     for f, o in outs.items():
         assert torch.isfinite(o).all(), f
         torch.testing.assert_close(o, outs["recurrent"])
+
+
+def test_no_backend_is_available_on_a_device_this_machine_lacks() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert az.available_backends("cuda:0") == [] and "reference" in az.available_backends("cpu")

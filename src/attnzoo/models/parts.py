@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int, check_positive_float
+from attnzoo._validate import check_bool, check_int, check_positive_float
 
 __all__ = ["DecoderParts", "LMHead", "ScaledEmbedding", "head_for"]
 
@@ -61,6 +61,9 @@ class LMHead(nn.Linear):
 
     def __init__(self, dim: int, vocab_size: int, *, softcap: float | None = None, bias: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        check_int(dim, "dim", "LMHead")
+        check_int(vocab_size, "vocab_size", "LMHead")
+        check_bool(bias, "bias", "LMHead")
         super().__init__(dim, vocab_size, bias=bias, device=device, dtype=dtype)
         self.softcap = check_positive_float(softcap, "softcap", "LMHead", optional=True)
 

@@ -42,8 +42,14 @@ _SPARSE_MIN_SCORES = 1 << 20
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
-    """Backends that can run on ``device`` in this environment."""
-    dev = torch.device(device)
+    """Backends that can run on ``device`` in this environment (none on a device this machine lacks)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"available_backends: device must be a torch.device or a device string such as 'cpu' "
+                         f"or 'cuda:0', got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return []
     return [name for name, caps in CAPABILITIES.items() if caps.available(dev)]
 
 
