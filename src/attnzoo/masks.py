@@ -24,13 +24,14 @@ rows at a time, so a block map never needs ``Nq x Nk`` memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attnzoo._validate import check_int
+from attnzoo._devices import tracing
+from attnzoo._validate import check_bool, check_int, normalize_window
 
 __all__ = [
     "BLOCK_EMPTY",
@@ -85,7 +86,7 @@ class Mask:
     Semantics: ``True`` where a query may attend. See ``docs/conventions.md``.
     """
 
-    __slots__ = ("_children", "_op", "_tiles", "batch", "fn", "name", "relative")
+    __slots__ = ("_children", "_limits", "_op", "_tiles", "batch", "fn", "name", "relative")
 
     def __init__(
         self,
@@ -104,6 +105,10 @@ class Mask:
         self.batch = batch
         self._op: str | None = None
         self._children: tuple[Mask, ...] = ()
+        #: The tables of positions this mask (its leaves) read: ``(mask name, argument, keys, positions)``
+        #: for a mask whose table covers only key positions ``< keys`` or query and key positions
+        #: ``< positions`` (see :meth:`_check_extent`); empty for a pattern defined at every position.
+        self._limits: tuple[tuple[str, str, int | None, int | None], ...] = ()
         #: True when the predicate depends on ``q_pos - k_pos`` only (causal, windows and their
         #: compositions): a tile's pattern then repeats along the diagonal.
         self.relative = relative
@@ -120,6 +125,7 @@ class Mask:
         out = Mask(lambda b, h, q, k: ~inner.fn(b, h, q, k), f"~{inner.name}", batch=inner.batch)
         out._op, out._children = "~", (inner,)
         out.relative = inner.relative
+        out._limits = inner._limits
         return out
 
     @classmethod
@@ -169,9 +175,21 @@ class Mask:
         ``q_offset`` defaults to ``n_k - n_q`` (bottom-right alignment).
         """
         _check_dims(batch=batch, heads=heads, n_q=n_q, n_k=n_k)
+        off = self.check_sizes(batch, n_q, n_k, q_offset)
+        return self.evaluate(batch, heads, off, 0, n_q, 0, n_k, device=device)
+
+    def check_sizes(self, batch: int, n_q: int, n_k: int, q_offset: int | None = None) -> int:
+        """Refuse (``ValueError``) sizes this mask was not built for: another batch size
+        (``key_padding``, ``document``, ...), or positions beyond a table: more keys than the columns
+        of a bool ``key_padding [B, W]`` (``Nk <= W``), queries or keys beyond ``doc_ids`` /
+        ``block_ids`` (``q_offset + Nq <= N`` and ``Nk <= N``). A longer table is fine (a mask over
+        the whole sequence, evaluated by a cached call on its first keys). Returns the query offset
+        (``n_k - n_q`` when ``None``). :meth:`materialize` and :meth:`block_map` call it;
+        :meth:`evaluate` checks the positions of its tile the same way."""
         self._check_batch(batch)
         off = n_k - n_q if q_offset is None else _as_int(q_offset, "q_offset")
-        return self.evaluate(batch, heads, off, 0, n_q, 0, n_k, device=device)
+        self._check_extent(off + n_q, n_k)
+        return off
 
     def evaluate(
         self,
@@ -187,11 +205,15 @@ class Mask:
     ) -> Tensor:
         """Evaluate the predicate on query rows ``q_lo:q_hi`` and keys ``k_lo:k_hi``.
 
-        Row indices are relative to the query tensor; positions are ``q_offset + row``.
+        Row indices are relative to the query tensor; positions are ``q_offset + row``. A mask
+        whose table covers only some positions (a bool ``key_padding``, ``document``,
+        ``blockwise``) raises ``ValueError`` for keys or queries beyond it.
         Returns bool ``[B, H, q_hi - q_lo, k_hi - k_lo]`` (an expanded view), or with
         ``expand=False`` the predicate's own broadcastable result (size 1 on the batch/head
         dimensions it does not depend on).
         """
+        if self._limits:
+            self._check_extent(q_offset + q_hi, k_hi)
         dev = torch.device("cpu") if device is None else torch.device(device)
         b = torch.arange(batch, device=dev).view(batch, 1, 1, 1)
         h = torch.arange(heads, device=dev).view(1, heads, 1, 1)
@@ -228,8 +250,7 @@ class Mask:
         ``block_q`` query rows at a time, so memory stays ``O(block_q x Nk)``.
         """
         _check_dims(batch=batch, heads=heads, n_q=n_q, n_k=n_k, block_q=block_q, block_k=block_k)
-        self._check_batch(batch)
-        off = n_k - n_q if q_offset is None else _as_int(q_offset, "q_offset")
+        off = self.check_sizes(batch, n_q, n_k, q_offset)
         dev = torch.device("cpu") if device is None else torch.device(device)
         qs = torch.arange(0, n_q, block_q, device=dev)
         ks = torch.arange(0, n_k, block_k, device=dev)
@@ -286,6 +307,20 @@ class Mask:
             if m.batch is not None and m.batch not in (1, batch):
                 raise ValueError(f"mask {m.name}: built for batch size {m.batch}, used with batch size {batch}")
 
+    def _check_extent(self, q_end: int, k_end: int) -> None:
+        """Refuse queries at positions ``< q_end`` or keys at positions ``< k_end`` that a leaf's table
+        does not cover (a table longer than needed is fine: masks are over absolute positions, and a
+        cached or chunked call evaluates a mask built for the whole sequence on some of its keys)."""
+        for name, arg, keys, positions in self._limits:
+            if keys is not None and k_end > keys:
+                raise ValueError(f"mask {name}: {arg} is a bool mask [B, {keys}] (one column per key position), "
+                                 f"used with keys up to position {k_end - 1} (Nk = {k_end}); it hides those "
+                                 f"beyond column {keys - 1} only by accident: its width must be >= Nk")
+            if positions is not None and max(q_end, k_end) > positions:
+                raise ValueError(f"mask {name}: {arg} has length {positions}, but it must cover every query and "
+                                 f"key position (queries: q_offset + Nq = {q_end}, keys: Nk = {k_end}); "
+                                 f"its length must be >= both")
+
     def _leaves(self) -> list[Mask]:
         if not self._children:
             return [self]
@@ -318,6 +353,7 @@ def _combine(op: str, a: Mask, b: Mask) -> Mask:
         out = Mask(lambda bb, h, q, k: a.fn(bb, h, q, k) | b.fn(bb, h, q, k), f"({a.name} | {b.name})")
     out._op, out._children = op, (a, b)
     out.relative = a.relative and b.relative
+    out._limits = a._limits + b._limits
     if a.batch is not None and b.batch is not None and 1 not in (a.batch, b.batch) and a.batch != b.batch:
         raise ValueError(f"Mask {op}: operands are tied to different batch sizes {a.batch} and {b.batch}")
     return out
@@ -333,21 +369,35 @@ def _check_dims(**dims: int) -> None:
         check_int(value, name, minimum=1, allow_tensor=True)
 
 
+def _tied(mask: Mask, arg: str, *, keys: int | None = None, positions: int | None = None) -> Mask:
+    """``mask``, recorded as covering key positions ``< keys`` or query and key positions
+    ``< positions`` (its table ``arg``): :meth:`Mask.evaluate`, :meth:`Mask.materialize` and
+    :meth:`Mask.block_map` then refuse positions beyond it instead of clamping or hiding them."""
+    mask._limits = ((mask.name, arg, keys, positions),)
+    return mask
+
+
 def _window_side(x: object, name: str) -> int | None:
     return None if x is None else check_int(x, name, minimum=0, allow_tensor=True)
 
 
 # --------------------------------------------------------------------------- the visibility rule
 def visible(q_pos: Tensor, k_pos: Tensor, *, causal: bool = False,
-            window: tuple[int | None, int | None] | None = None) -> Tensor:
+            window: int | tuple[int | None, int | None] | None = None) -> Tensor:
     """The one causal/window rule of ``docs/conventions.md`` over absolute positions.
 
     Key ``j`` is visible to the query at ``p`` iff ``j <= p`` (``causal``) and
-    ``p - left <= j <= p + right`` (``window=(left, right)``, ``None`` = unbounded side).
+    ``p - left <= j <= p + right`` (``window=(left, right)``, ``None`` = unbounded side; an int
+    ``w`` is ``(w, w)``, as in :func:`attnzoo.attention`).
     ``q_pos`` and ``k_pos`` are broadcastable int tensors; returns a bool tensor of their
     broadcast shape (a 0-d ``True`` when nothing constrains)."""
+    for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
+        if not isinstance(pos, Tensor) or pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+            got = f"dtype {pos.dtype}" if isinstance(pos, Tensor) else type(pos).__name__
+            raise TypeError(f"visible: {name} must be an int tensor of positions, got {got}")
+    check_bool(causal, "causal", "visible")
     ok = torch.ones((), dtype=torch.bool, device=q_pos.device)
-    left, right = window if window is not None else (None, None)
+    left, right = normalize_window(window) or (None, None)
     if causal:
         ok = ok & (k_pos <= q_pos)
     if left is not None:
@@ -397,8 +447,10 @@ def key_padding(lengths_or_mask: Tensor | Sequence[int]) -> Mask:
     """Hide padded keys.
 
     Args:
-        lengths_or_mask: int lengths ``[B]`` (keys ``0 .. length-1`` are real) or a bool
-            ``[B, Nk]`` tensor, True for real keys.
+        lengths_or_mask: int lengths ``[B]`` (keys ``0 .. length-1`` are real; a length may be
+            below ``Nk``) or a bool ``[B, W]`` tensor, True for real keys, one column per key
+            position: used with more keys than ``W`` it is a ``ValueError`` (it would hide them);
+            a wider mask is fine (built for the whole sequence, used by a cached call).
     """
     x = lengths_or_mask
     if not isinstance(x, Tensor):
@@ -415,7 +467,7 @@ def key_padding(lengths_or_mask: Tensor | Sequence[int]) -> Mask:
         def fn(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
             return real[b, k.clamp(max=n_k - 1)] & (k < n_k)
 
-        return Mask(fn, "key_padding(bool)", batch=real.shape[0])
+        return _tied(Mask(fn, "key_padding(bool)", batch=real.shape[0]), "lengths_or_mask", keys=n_k)
     if x.is_floating_point() or x.dim() != 1:
         raise ValueError(f"key_padding: lengths must be an int tensor [B], got dtype {x.dtype} shape {tuple(x.shape)}")
     if (x < 0).any():
@@ -437,7 +489,8 @@ def document(doc_ids: Tensor) -> Mask:
 
     Args:
         doc_ids: int ``[N]`` or ``[B, N]`` document id of every position (queries and keys share
-            the position axis, so ``q_offset + Nq <= N`` and ``Nk <= N``).
+            the position axis, so ``q_offset + Nq <= N`` and ``Nk <= N``; a shorter table is a
+            ``ValueError`` when the mask is evaluated).
     """
     if not isinstance(doc_ids, Tensor) or doc_ids.is_floating_point() or doc_ids.dtype == torch.bool:
         raise TypeError(f"document: doc_ids must be an int tensor [N] or [B, N], got {type(doc_ids).__name__}"
@@ -454,20 +507,17 @@ def document(doc_ids: Tensor) -> Mask:
         bb = torch.zeros_like(b) if single else b
         return ids[bb, q.clamp(0, n - 1)] == ids[bb, k.clamp(0, n - 1)]
 
-    return Mask(fn, "document", batch=None if single else ids.shape[0])
+    return _tied(Mask(fn, "document", batch=None if single else ids.shape[0]), "doc_ids", positions=n)
 
 
 def prefix_lm(prefix_len: int | Tensor) -> Mask:
     """Prefix language model: causal, plus every query sees the first ``prefix_len`` keys.
 
     Args:
-        prefix_len: an int, or int ``[B]`` per batch element.
+        prefix_len: an int ``>= 0``, or an int tensor ``[B]`` of values ``>= 0``, one per batch element.
     """
-    if isinstance(prefix_len, Tensor):
-        if prefix_len.dim() != 1 or prefix_len.is_floating_point():
-            raise ValueError(f"prefix_lm: prefix_len must be an int or an int tensor [B], got shape "
-                             f"{tuple(prefix_len.shape)} dtype {prefix_len.dtype}")
-        plen = prefix_len.long()
+    if isinstance(prefix_len, Tensor) and prefix_len.dim() != 0:
+        plen = _int_tensor(prefix_len, "prefix_len", "prefix_lm")
 
         def fn_t(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
             return (k <= q) | (k < plen[b])
@@ -487,27 +537,54 @@ def prefix_lm(prefix_len: int | Tensor) -> Mask:
     return Mask(lambda b, h, q, k: (k <= q) | (k < p), f"prefix_lm({p})", tiles=tiles)
 
 
+#: Up to this position, global tokens are looked up in a bool table (one byte a position); a
+#: larger position is compared with every global position instead (no table proportional to it).
+_GLOBAL_TABLE_LIMIT = 1 << 20
+
+
+def _global_positions(positions: object) -> list[int]:
+    """``positions`` (a non-empty sequence of ints ``>= 0`` or an int tensor ``[G]``) as a list."""
+    expected = "a non-empty sequence of int positions or an int tensor [G]"
+    if isinstance(positions, Tensor):
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise TypeError(f"global_tokens: positions must be {expected}, got a tensor of dtype {positions.dtype}")
+        if positions.dim() != 1:
+            raise ValueError(f"global_tokens: positions must be {expected}, got shape {tuple(positions.shape)}")
+        vals = positions.tolist()
+    elif isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+        raise TypeError(f"global_tokens: positions must be {expected}, got {type(positions).__name__} ({positions!r})")
+    else:  # plain ints are checked in Python (no tensor syncs: modules build this mask while compiled)
+        vals = list(positions)
+    bad = [x for x in vals if isinstance(x, bool) or not isinstance(x, int)]
+    if bad:
+        raise TypeError(f"global_tokens: positions must hold ints, got {type(bad[0]).__name__} ({bad[0]!r})")
+    if not vals:
+        raise ValueError(f"global_tokens: positions must be {expected}, got an empty {type(positions).__name__}")
+    if min(vals) < 0:
+        raise ValueError(f"global_tokens: positions must be >= 0, got {vals}")
+    return vals
+
+
 def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
     """Longformer global tokens: they attend to every key and every query attends to them.
 
     Combine with a local pattern: ``sliding_window(w, w) | global_tokens([0])``.
+
+    Args:
+        positions: a non-empty sequence of int positions ``>= 0`` or an int tensor ``[G]``.
     """
-    if isinstance(positions, Tensor):
-        vals = positions.tolist() if positions.dim() == 1 and not positions.is_floating_point() else None
-    else:  # plain ints are checked in Python (no tensor syncs: modules build this mask while compiled)
-        vals = list(positions)
-    if (not vals or (isinstance(positions, Tensor) and positions.dtype == torch.bool)
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in vals)):
-        raise ValueError(f"global_tokens: positions must be a non-empty list of ints, got {positions!r}")
-    if min(vals) < 0:
-        raise ValueError(f"global_tokens: positions must be >= 0, got {vals}")
+    vals = _global_positions(positions)
     uniq = sorted(set(vals))  # in Python: no data-dependent tensor op, so compiled modules keep one graph
     gmax = uniq[-1]
     sorted_pos = torch.tensor(uniq, dtype=torch.int64)
-    table = torch.zeros(gmax + 1, dtype=torch.bool)
-    table[sorted_pos] = True
+    table: Tensor | None = None
+    if gmax < _GLOBAL_TABLE_LIMIT:
+        table = torch.zeros(gmax + 1, dtype=torch.bool)
+        table[sorted_pos] = True
 
     def is_global(x: Tensor) -> Tensor:
+        if table is None:  # a far position: compare with each global one ([..., G] for a moment)
+            return (x.unsqueeze(-1) == sorted_pos.to(x.device)).any(dim=-1)
         t = table.to(x.device)
         return (x <= gmax) & (x >= 0) & t[x.clamp(0, gmax)]
 
@@ -523,6 +600,18 @@ def global_tokens(positions: Sequence[int] | Tensor) -> Mask:
         return full, empty
 
     return Mask(lambda b, h, q, k: is_global(q) | is_global(k), f"global_tokens({vals[:4]})", tiles=tiles)
+
+
+def _int_tensor(x: Tensor, name: str, owner: str) -> Tensor:
+    """``x`` as a long ``[B]`` tensor of values ``>= 0`` (``TypeError`` for another dtype,
+    ``ValueError`` for another shape or a negative value)."""
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{owner}: {name} must be an int or an int tensor [B], got dtype {x.dtype}")
+    if x.dim() != 1:
+        raise ValueError(f"{owner}: {name} must be an int or an int tensor [B], got shape {tuple(x.shape)}")
+    if x.numel() and not tracing() and bool((x < 0).any()):
+        raise ValueError(f"{owner}: {name} must be >= 0, got {x.tolist()}")
+    return x.long()
 
 
 def _per_batch(x: int | Tensor, name: str) -> int | Tensor:
@@ -574,7 +663,8 @@ def blockwise(block_ids: Tensor) -> Mask:
 
     Args:
         block_ids: int ``[N]`` or ``[B, N]``, the block of every position (queries and keys share
-            the position axis).
+            the position axis, so ``q_offset + Nq <= N`` and ``Nk <= N``; a shorter table is a
+            ``ValueError`` when the mask is evaluated).
     """
     if not isinstance(block_ids, Tensor) or block_ids.is_floating_point() or block_ids.dtype == torch.bool:
         raise TypeError(f"blockwise: block_ids must be an int tensor [N] or [B, N], got {type(block_ids).__name__}"
@@ -592,7 +682,7 @@ def blockwise(block_ids: Tensor) -> Mask:
         gk = torch.where((k >= 0) & (k < n), t[bb, k.clamp(0, n - 1)], -1)
         return (gq == gk) & (gq >= 0)
 
-    return Mask(fn, "blockwise", batch=None if single else ids.shape[0])
+    return _tied(Mask(fn, "blockwise", batch=None if single else ids.shape[0]), "block_ids", positions=n)
 
 
 def bidirectional_window(w: int) -> Mask:
@@ -623,6 +713,15 @@ def dilated_window(left: int, right: int = 0, dilation: int = 1) -> Mask:
     return Mask(fn, f"dilated_window({lo},{hi},{d})", tiles=tiles, relative=True)
 
 
+def _pair(x: object, name: str, owner: str) -> tuple[object, object]:
+    """An int for both axes, or a ``(rows, cols)`` pair (a tuple or list of two)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"{owner}: {name} must be an int or a pair (rows, cols), got {x!r} ({len(x)} entries)")
+        return x[0], x[1]
+    return x, x
+
+
 def _natten_start(i: Tensor, length: int, kernel: int, dilation: int) -> tuple[Tensor, Tensor]:
     """NATTEN's 1-D neighbourhood of index ``i`` on an axis of ``length``: ``(group, start)``, the keys
     being ``group + dilation * (start + t)`` for ``0 <= t < kernel`` (clamped inside the axis)."""
@@ -641,9 +740,10 @@ def neighborhood_2d(height: int, width: int, kernel: int | tuple[int, int], dila
     does, so every query sees exactly ``kh * kw`` keys. With ``dilation`` the window takes every
     ``dilation``-th token of the query's own residue class along each axis.
 
-    Positions outside ``0 .. height * width - 1`` see nothing."""
-    kh, kw = (kernel, kernel) if not isinstance(kernel, tuple) else kernel
-    dh, dw = (dilation, dilation) if not isinstance(dilation, tuple) else dilation
+    ``kernel`` and ``dilation`` are ints or ``(rows, cols)`` pairs. Positions outside
+    ``0 .. height * width - 1`` see nothing."""
+    kh, kw = _pair(kernel, "kernel", "neighborhood_2d")
+    dh, dw = _pair(dilation, "dilation", "neighborhood_2d")
     H = check_int(height, "height", minimum=1, owner="neighborhood_2d")
     W = check_int(width, "width", minimum=1, owner="neighborhood_2d")
     kh, kw = (check_int(x, "kernel", minimum=1, owner="neighborhood_2d") for x in (kh, kw))

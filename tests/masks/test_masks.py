@@ -203,3 +203,152 @@ def test_visible_is_the_oracles_rule(causal: bool, window: tuple | None, q_offse
     q_pos = (q_offset + torch.arange(n_q)).view(-1, 1)
     got = M.visible(q_pos, torch.arange(n_k).view(1, -1), causal=causal, window=window).expand(n_q, n_k)
     assert torch.equal(got, visible_table(1, 1, n_q, n_k, causal=causal, window=window, q_offset=q_offset)[0, 0])
+
+
+# --------------------------------------------------------------------------- sizes a mask is tied to
+def _backends() -> list[str]:
+    import attnzoo as az
+
+    return [b for b in ("reference", "sdpa", "tiled", "flex") if b in az.available_backends()] + ["auto"]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_bool_key_padding_narrower_than_nk_is_refused(backend: str) -> None:
+    """A5: a bool key_padding [B, 3] used with Nk = 5 hid keys 3 and 4 without a word."""
+    import attnzoo as az
+
+    q = torch.randn(2, 2, 5, 8)
+    narrow = M.key_padding(torch.ones(2, 3, dtype=torch.bool))
+    for mask in (narrow, M.causal() & narrow, ~narrow):
+        with pytest.raises(ValueError, match=r"lengths_or_mask is a bool mask \[B, 3\].*Nk"):
+            az.attention(q, q, q, mask=mask, backend=backend)
+
+
+def test_bool_key_padding_narrower_than_nk_is_refused_by_every_evaluation() -> None:
+    """A5: materialize, block_map (the tiled/flex tile maps) and check_sizes refuse it too."""
+    narrow = M.key_padding(torch.ones(2, 3, dtype=torch.bool))
+    for call in (lambda: narrow.materialize(2, 1, 5, 5), lambda: narrow.block_map(2, 1, 5, 5, 2, 2),
+                 lambda: (narrow & M.causal()).check_sizes(2, 5, 5), lambda: narrow.evaluate(2, 1, 0, 0, 5, 2, 4)):
+        with pytest.raises(ValueError, match=r"lengths_or_mask is a bool mask \[B, 3\].*Nk = [45]"):
+            call()
+
+
+def test_bool_key_padding_wider_than_nk_is_the_mask_of_the_first_keys() -> None:
+    """A mask over the whole sequence, used by a call that sees its first Nk keys (a cached or
+    chunked call, e.g. StreamingAttention's sink part), reads the first Nk columns, on every path."""
+    import attnzoo as az
+
+    real = torch.tensor([[1, 0, 1, 1, 0, 1, 1, 0], [1, 1, 1, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    wide = M.key_padding(real)
+    assert torch.equal(wide.materialize(2, 1, 5, 5), M.key_padding(real[:, :5]).materialize(2, 1, 5, 5))
+    q = torch.randn(2, 2, 5, 8)
+    want = az.attention(q, q, q, mask=real[:, None, None, :5], backend="reference")
+    for backend in _backends():
+        torch.testing.assert_close(az.attention(q, q, q, mask=wide, backend=backend), want)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_key_padding_of_the_right_width_and_lengths_still_work(backend: str) -> None:
+    """The valid forms: a bool mask [B, Nk], and lengths <= Nk (the lengths form has no fixed width)."""
+    import attnzoo as az
+
+    q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    real = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    want = az.attention(q, k, v, mask=real[:, None, None, :], backend="reference")
+    torch.testing.assert_close(az.attention(q, k, v, mask=M.key_padding(real), backend=backend), want)
+    torch.testing.assert_close(az.attention(q, k, v, mask=M.key_padding([3, 5]), backend=backend), want)
+    assert torch.equal(M.key_padding(real).materialize(2, 1, 4, 5), M.key_padding([3, 5]).materialize(2, 1, 4, 5))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_document_ids_shorter_than_the_positions_are_refused(backend: str) -> None:
+    """A6: doc_ids [0, 0, 1] with Nq = Nk = 5 clamped positions 3, 4 to the last document."""
+    import attnzoo as az
+
+    q = torch.randn(1, 2, 5, 8)
+    short = M.document(torch.tensor([0, 0, 1]))
+    for call in (lambda: short.materialize(1, 1, 5, 5), lambda: short.block_map(1, 1, 5, 5, 2, 2),
+                 lambda: az.attention(q, q, q, mask=short & M.causal(), backend=backend)):
+        with pytest.raises(ValueError, match=r"doc_ids has length 3.*Nk = 5"):
+            call()
+    # queries beyond the table: 2 queries after 4 keys need positions 0..5
+    with pytest.raises(ValueError, match=r"doc_ids has length 5.*q_offset \+ Nq = 6"):
+        M.document(torch.arange(5)).materialize(1, 1, 2, 4, q_offset=4)
+
+
+def test_document_ids_that_cover_the_positions_still_work() -> None:
+    ids = torch.tensor([0, 0, 1, 1, 1, 2])
+    rule = torch.tensor([[bool(ids[p] == ids[j]) for j in range(5)] for p in range(3, 6)])
+    got = M.document(ids).materialize(1, 1, 3, 5, q_offset=3)[0, 0]  # decoding-like: queries 3..5
+    assert torch.equal(got, rule)
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    import attnzoo as az
+
+    want = az.attention(q, k, v, mask=rule, q_offset=3, backend="reference")
+    for backend in _backends():
+        torch.testing.assert_close(az.attention(q, k, v, mask=M.document(ids), q_offset=3, backend=backend), want)
+
+
+def test_prefix_lm_tensor_must_hold_ints_at_least_zero() -> None:
+    """A23: a bool tensor and negative lengths were accepted (the int form already refused -1)."""
+    with pytest.raises(TypeError, match="prefix_len"):
+        M.prefix_lm(torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="prefix_len"):
+        M.prefix_lm(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"prefix_len must be >= 0, got \[-3, 2\]"):
+        M.prefix_lm(torch.tensor([-3, 2]))
+    with pytest.raises(ValueError, match="prefix_len"):
+        M.prefix_lm(torch.tensor([[1, 2]]))
+    per_row = M.prefix_lm(torch.tensor([0, 2])).materialize(2, 1, 4, 4)
+    assert torch.equal(per_row[0], M.prefix_lm(0).materialize(1, 1, 4, 4)[0])
+    assert torch.equal(per_row[1], M.prefix_lm(2).materialize(1, 1, 4, 4)[0])
+    assert torch.equal(M.prefix_lm(torch.tensor(2)).materialize(1, 1, 4, 4), M.prefix_lm(2).materialize(1, 1, 4, 4))
+
+
+def test_global_tokens_bad_positions_name_the_argument() -> None:
+    """C8: an int or None was an internal 'int object is not iterable'."""
+    for bad in (0, None, "0", 1.5):
+        with pytest.raises(TypeError, match="positions"):
+            M.global_tokens(bad)
+    for bad in (("a",), [1.5], [True], torch.tensor([0.0]), torch.tensor([True])):
+        with pytest.raises(TypeError, match="positions"):
+            M.global_tokens(bad)
+    with pytest.raises(ValueError, match="positions"):
+        M.global_tokens(torch.tensor([[0, 1]]))
+    assert torch.equal(M.global_tokens(range(2)).materialize(1, 1, 4, 4),
+                       M.global_tokens(torch.tensor([0, 1])).materialize(1, 1, 4, 4))
+
+
+def test_global_tokens_at_a_far_position_allocate_no_table() -> None:
+    """C8: global_tokens([10**13]) allocated a 10 TB table (RuntimeError); a far position now costs
+    nothing and changes nothing inside a short sequence."""
+    near = M.sliding_window(1, 1) | M.global_tokens([1])
+    far = M.sliding_window(1, 1) | M.global_tokens([1, 10**13])
+    assert torch.equal(far.materialize(1, 1, 6, 6), near.materialize(1, 1, 6, 6))
+    assert torch.equal(far.block_map(1, 1, 6, 6, 2, 2), near.block_map(1, 1, 6, 6, 2, 2))
+    assert not M.global_tokens([10**13]).materialize(1, 1, 3, 3).any()
+    at_end = M.global_tokens([(1 << 20) + 2]).materialize(1, 1, 1, (1 << 20) + 4, q_offset=0)[0, 0, 0]
+    assert at_end.nonzero().flatten().tolist() == [(1 << 20) + 2]
+
+
+def test_visible_checks_its_arguments() -> None:
+    """C10: lists were an AttributeError, an int window a TypeError 'cannot unpack', causal='no' was
+    True and a negative window side was accepted."""
+    q, k = torch.arange(6).view(-1, 1), torch.arange(6).view(1, -1)
+    with pytest.raises(TypeError, match="q_pos"):
+        M.visible([0, 1], [0, 1])
+    with pytest.raises(TypeError, match="k_pos"):
+        M.visible(q, [0, 1])
+    with pytest.raises(TypeError, match="q_pos"):
+        M.visible(q.float(), k)
+    with pytest.raises(TypeError, match="causal"):
+        M.visible(q, k, causal="no")
+    with pytest.raises(ValueError, match="window"):
+        M.visible(q, k, window=(-1, 0))
+    with pytest.raises(ValueError, match="window"):
+        M.visible(q, k, window=-2)
+    with pytest.raises(TypeError, match="window"):
+        M.visible(q, k, window=(1, 2, 3))
+    # an int window is (w, w), as in attnzoo.attention
+    assert torch.equal(M.visible(q, k, window=3), M.visible(q, k, window=(3, 3)))
+    assert torch.equal(M.visible(q, k, window=3), visible_table(1, 1, 6, 6, window=(3, 3), q_offset=0)[0, 0])

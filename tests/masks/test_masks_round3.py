@@ -207,3 +207,33 @@ def test_hf_chunked_and_blockwise_masks_are_structure() -> None:
         out, _ = attnzoo_attention_forward(module, q, k, v, got, scaling=0.3)
         ref, _ = attnzoo_attention_forward(module, q, k, v, want, scaling=0.3)
         torch.testing.assert_close(out, ref)
+
+
+def test_blockwise_ids_shorter_than_the_positions_are_refused() -> None:
+    """A6: block_ids [0, 0, 1] with Nq = Nk = 5 treated positions 3, 4 as text without a word."""
+    short = az.masks.causal() | blockwise(torch.tensor([0, 0, 1]))
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"block_ids has length 3.*Nk = 5"):
+        short.materialize(1, 1, 5, 5)
+    with pytest.raises(ValueError, match=r"block_ids has length 3"):
+        short.block_map(1, 1, 5, 5, 2, 2)
+    for backend in [*az.available_backends(), "auto"]:
+        with pytest.raises(ValueError, match=r"block_ids has length 3"):
+            az.attention(q, q, q, mask=short, backend=backend)
+    # ids that cover every position still work, queries after cached keys included
+    ids = torch.tensor([-1, 0, 0, -1, 1, 1])
+    want = _table(lambda b, p, j: j <= p or (ids[p] == ids[j] and ids[p] >= 0), 1, 2, 6, q_offset=4)
+    assert torch.equal((az.masks.causal() | blockwise(ids)).materialize(1, 1, 2, 6, q_offset=4), want)
+
+
+@pytest.mark.parametrize("kernel, dilation, name", [((3,), 1, "kernel"), ((3, 3, 3), 1, "kernel"),
+                                                    (3, (1, 1, 1), "dilation"), (3, (), "dilation")])
+def test_neighborhood_2d_pairs_of_another_length_name_the_argument(kernel, dilation, name: str) -> None:
+    """C9: a kernel (3,) or (3, 3, 3) was an unpacking ValueError that named nothing."""
+    with pytest.raises(ValueError, match=f"neighborhood_2d: {name} must be an int or a pair"):
+        neighborhood_2d(6, 6, kernel, dilation)
+
+
+def test_neighborhood_2d_takes_a_list_pair_as_a_tuple() -> None:
+    assert torch.equal(neighborhood_2d(6, 7, [3, 5], [1, 1]).materialize(1, 1, 42, 42),
+                       neighborhood_2d(6, 7, (3, 5), 1).materialize(1, 1, 42, 42))

@@ -11,7 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_bool, check_int
+from attnzoo._validate import (
+    check_bool,
+    check_float,
+    check_int,
+    check_nonnegative_float,
+    check_optional_int,
+)
 from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
@@ -34,18 +40,64 @@ from attnzoo.variants import VARIANTS
 __all__ = ["DecoderLM", "outer_config", "sample_next_token", "shared_rotaries"]
 
 
+def check_sampling(temperature: object, top_k: object, top_p: object, generator: object,
+                   owner: str) -> tuple[float, int | None, float | None]:
+    """The sampling settings of :func:`sample_next_token` and ``generate`` (one check for both):
+    ``temperature`` a finite float ``>= 0``, ``top_k`` ``None`` or an int ``>= 1`` (above the
+    vocabulary it keeps every token), ``top_p`` ``None`` or a float in ``(0, 1]``, ``generator``
+    ``None`` or a ``torch.Generator``. Returns ``(temperature, top_k, top_p)``."""
+    t = check_nonnegative_float(temperature, "temperature", owner)
+    k = check_optional_int(top_k, "top_k", owner, minimum=1)
+    p = None
+    if top_p is not None:
+        p = check_float(top_p, "top_p", owner, expected="a float in (0, 1] or None")
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"{owner}: top_p must be a float in (0, 1], got {top_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__} "
+                        f"({generator!r})")
+    return t, k, p
+
+
+def _check_logits(logits: object, owner: str) -> Tensor:
+    """``logits`` a floating tensor ``[B, V]`` (``V >= 1``) with no NaN or ``+inf`` and a logit above
+    ``-inf`` in every row (eager only: reading the values syncs)."""
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"{owner}: logits must be a floating-point torch.Tensor [B, V], got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"{owner}: logits must be a floating-point tensor [B, V], got dtype {logits.dtype}")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"{owner}: logits must have shape [B, V] with V >= 1, got {tuple(logits.shape)}")
+    if logits.numel() and not tracing():  # one read-back for the three value checks
+        nan, posinf, hidden = (int(c) for c in torch.stack([torch.isnan(logits).sum(), torch.isposinf(logits).sum(),
+                                                            torch.isneginf(logits).all(dim=-1).sum()]).tolist())
+        if nan or posinf:
+            raise ValueError(f"{owner}: logits must not hold NaN or +inf, got {nan} NaN and {posinf} +inf")
+        if hidden:
+            rows = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
+            raise ValueError(f"{owner}: logits rows {rows} are all -inf: no token to pick")
+    return logits
+
+
 def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
-    """Pick the next token from ``logits [B, V]``.
+    """Pick the next token from ``logits [B, V]`` (floating point, no NaN, a logit above ``-inf``
+    in every row).
 
     ``temperature == 0`` is greedy (argmax; ``top_k``/``top_p`` are then irrelevant). Otherwise
-    the logits are divided by ``temperature``, restricted to the ``top_k`` largest and to the
-    smallest set of tokens whose probability reaches ``top_p`` (nucleus; the most likely token is
-    always kept), and sampled with ``generator``. Returns ``[B]`` long.
+    the logits are divided by ``temperature`` (a finite float ``> 0``), restricted to the
+    ``top_k`` largest (an int ``>= 1``; every token when ``top_k >= V``) and to the smallest set
+    of tokens whose probability reaches ``top_p`` (in ``(0, 1]``; nucleus; the most likely token
+    is always kept), and sampled with ``generator``. Returns ``[B]`` long. Bad arguments raise
+    ``TypeError``/``ValueError`` naming them.
     """
+    owner = "sample_next_token"
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
+    _check_logits(logits, owner)
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: no overflow at a tiny temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -136,6 +188,25 @@ def _head_width(head: nn.Module) -> int | None:
     if isinstance(head, nn.Identity):
         return 0
     return head.out_features if isinstance(head, nn.Linear) else None
+
+
+def _left_padding(attention_mask: object, prompt: Tensor, new: int, owner: str) -> Tensor:
+    """A prompt's ``attention_mask [B, N]`` (left padding: in every row the real tokens are a
+    non-empty suffix) extended by ``new`` real slots: bool ``[B, N + new]``."""
+    batch, n = prompt.shape
+    am = check_padding_mask(attention_mask, batch, n, owner)
+    if not bool(am.any(dim=1).all()):
+        raise ValueError(f"{owner}: every prompt row needs at least one real token in attention_mask")
+    gaps = am[:, :-1] & ~am[:, 1:]  # [B, N-1]: a real token followed by padding
+    if bool(gaps.any()):
+        row, col = (int(i) for i in gaps.nonzero()[0])
+        raise ValueError(f"{owner}: attention_mask must be left padding (generation appends after the last "
+                         f"token, so each row's real tokens must be a suffix: once True, True to the end); row "
+                         f"{row} has a real token at {col} followed by padding at {col + 1}: "
+                         f"{am[row].int().tolist()}")
+    full = torch.ones(batch, n + new, dtype=torch.bool, device=prompt.device)
+    full[:, :n] = am
+    return full
 
 
 class DecoderLM(FromConfig, nn.Module):
@@ -435,26 +506,20 @@ class DecoderLM(FromConfig, nn.Module):
         return self.lm_head(self.norm(x))  # [1, T, V]
 
     # --------------------------------------------------------------- generate
-    def _check_generate(self, n: int, new: int, temperature: object, top_k: object, top_p: object,
-                        eos_token_id: object, extend_context: bool = False) -> None:
-        """The sampling settings and the length bound of :meth:`generate`."""
-        owner = "DecoderLM.generate"
+    def _check_generate(self, n: int, new: int, eos_token_id: object, extend_context: object = False,
+                        owner: str = "DecoderLM.generate") -> None:
+        """The head, ``eos_token_id``, ``extend_context`` and the length bound of :meth:`generate`
+        (the sampling settings: :func:`check_sampling`)."""
         width = _head_width(self.lm_head)
         if width is not None and width != self.vocab_size:
             raise ValueError(f"{owner}: the model has no LM head (its head is {type(self.lm_head).__name__} "
                              f"with {width} outputs, vocab_size={self.vocab_size}); nothing to sample")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-            raise ValueError(f"{owner}: temperature must be a float >= 0, got {temperature!r}")
-        if top_k is not None:
-            check_int(top_k, "top_k", owner)
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                                  or not 0.0 < top_p <= 1.0):
-            raise ValueError(f"{owner}: top_p must be a float in (0, 1], got {top_p!r}")
+        check_bool(extend_context, "extend_context", owner)
         if eos_token_id is not None:
             check_int(eos_token_id, "eos_token_id", owner, minimum=0)
             if eos_token_id >= self.vocab_size:
                 raise ValueError(f"{owner}: eos_token_id must be < vocab_size={self.vocab_size}, got {eos_token_id}")
-        if n + new > self.max_seq_len and self.pos in ("rope", "none") and check_bool(extend_context, "extend_context", owner):
+        if n + new > self.max_seq_len and self.pos in ("rope", "none") and extend_context:
             warnings.warn(f"{owner}: generating {n + new} tokens, past the model's {self.max_seq_len} positions "
                           f"(max_seq_len); quality beyond the trained length is not guaranteed", stacklevel=4)
             return
@@ -500,12 +565,13 @@ class DecoderLM(FromConfig, nn.Module):
             prompt: ``[B, N]`` token ids; batched prompts of different lengths are left-padded and
                 described by ``attention_mask``.
             max_new_tokens: tokens to generate (``>= 0``).
-            temperature: ``0`` = greedy; else sampling at this temperature.
-            top_k: keep only the ``k`` most likely tokens when sampling.
+            temperature: ``0`` = greedy; else sampling at this temperature (finite, ``> 0``).
+            top_k: keep only the ``k`` most likely tokens when sampling (``>= 1``).
             top_p: nucleus sampling threshold in ``(0, 1]``.
             eos_token_id: a row that produced it keeps producing it; generation stops early when
                 every row has.
-            attention_mask: ``[B, N]`` bool, True for real prompt tokens (left padding).
+            attention_mask: ``[B, N]`` bool, True for real prompt tokens: left padding only (in
+                each row, once a token is real every later one is; ``ValueError`` otherwise).
             generator: a ``torch.Generator`` for reproducible sampling.
             context, context_mask: for cross-attention models (see :meth:`forward`).
             extend_context: let a RoPE (or position-free) model generate past ``max_seq_len``, with
@@ -516,18 +582,15 @@ class DecoderLM(FromConfig, nn.Module):
         owner = "DecoderLM.generate"
         check_tokens(prompt, self.vocab_size, owner, "prompt")
         B, n = prompt.shape
+        if B == 0:
+            raise ValueError(f"{owner}: prompt must hold at least one row [B, N] with B >= 1, got {tuple(prompt.shape)}")
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        self._check_generate(n, new, temperature, top_k, top_p, eos_token_id, extend_context)
+        temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
+        self._check_generate(n, new, eos_token_id, extend_context)
+        full_mask = None if attention_mask is None else _left_padding(attention_mask, prompt, new, owner)
         if new == 0:
             return prompt.clone()
         dev = prompt.device
-        full_mask: Tensor | None = None
-        if attention_mask is not None:
-            am = check_padding_mask(attention_mask, B, n, owner)
-            if not bool(am.any(dim=1).all()):
-                raise ValueError(f"{owner}: every prompt row needs at least one real token in attention_mask")
-            full_mask = torch.ones(B, n + new, dtype=torch.bool, device=dev)
-            full_mask[:, :n] = am
         cache = self.init_cache(B, n + new)
         tokens = torch.empty(B, n + new, dtype=torch.long, device=dev)
         tokens[:, :n] = prompt
@@ -539,7 +602,7 @@ class DecoderLM(FromConfig, nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         written = n
         for t in range(new):
-            tok = sample_next_token(logits, temperature=float(temperature), top_k=top_k, top_p=top_p,
+            tok = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                     generator=generator)  # [B]
             if eos_token_id is not None:
                 tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)

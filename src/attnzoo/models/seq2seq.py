@@ -17,7 +17,7 @@ from attnzoo.models._common import (
     check_tokens,
 )
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
-from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.decoder import DecoderLM, check_sampling
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
@@ -132,13 +132,20 @@ class Transformer(FromConfig, nn.Module):
                  top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
         """Encode ``src`` once, then decode from ``bos_token_id`` with the cache.
 
-        Returns ``[B, 1 + T]`` (the BOS column first), ``T <= max_new_tokens``.
+        The sampling settings are those of :meth:`DecoderLM.generate`; every argument is checked
+        before the source is encoded. Returns ``[B, 1 + T]`` (the BOS column first),
+        ``T <= max_new_tokens``.
         """
         owner = "Transformer.generate"
         check_tokens(src, self.encoder.vocab_size, owner, "src")
+        if src.shape[0] == 0:
+            raise ValueError(f"{owner}: src must hold at least one row [B, M] with B >= 1, got {tuple(src.shape)}")
         check_int(bos_token_id, "bos_token_id", owner, minimum=0)
         if bos_token_id >= self.decoder.vocab_size:
             raise ValueError(f"{owner}: bos_token_id must be < {self.decoder.vocab_size}, got {bos_token_id}")
+        new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
+        check_sampling(temperature, top_k, top_p, generator, owner)
+        self.decoder._check_generate(1, new, eos_token_id, owner=owner)
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[1], owner, "src_mask")
         memory = self.encode(src, src_mask)
