@@ -13,6 +13,7 @@ import attnzoo as az
 from attnzoo.blocks import FeedForward
 from attnzoo.distributed import work_per_rank
 from attnzoo.functional.softmax.attention import merge_attention
+from attnzoo.models.config import Rope
 from attnzoo.models.parts import LMHead
 from attnzoo.nn.attention import default_kv_heads
 from attnzoo.nn.kda import KimiDeltaAttention
@@ -59,6 +60,8 @@ def _streaming_with_a_smaller_cache() -> object:
     (lambda: LMHead(8, 16, bias="no"), TypeError, "LMHead: bias must be a bool"),
     (lambda: LMHead(8, -1), ValueError, "LMHead: vocab_size must be >= 1"),
     (lambda: az.available_backends("tpu"), ValueError, "available_backends: device must be"),
+    (lambda: az.RotaryEmbedding(8, scaling_factor=4.0), ValueError, "scaling_factor=4.0 applies only with"),
+    (lambda: Rope(factor=2.0), ValueError, r"Rope: factor=2.0 applies only with"),
 ])
 def test_refused_at_the_boundary(call: Callable[[], object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):

@@ -145,6 +145,9 @@ class Rope:
             raise ValueError(f"{owner}: scaling must be one of {list(ROPE_SCALINGS)}, got {self.scaling!r}")
         if check_positive_float(self.factor, "factor", owner) < 1:
             raise ValueError(f"{owner}: factor must be >= 1, got {self.factor}")
+        if self.scaling is None and self.factor != 1:
+            raise ValueError(f"{owner}: factor={self.factor} applies only with scaling='linear' or 'ntk' (scaling is "
+                             f"None: the factor would be ignored)")
         _frozen_kwargs(self, "parameters")
 
     @classmethod

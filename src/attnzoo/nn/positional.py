@@ -250,6 +250,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"scaling_factor must be a finite number >= 1, got {scaling_factor!r}")
         if scaling == "ntk" and rd <= 2:
             raise ValueError(f"scaling='ntk' needs rotary_dim > 2, got {rd}")
+        if scaling is None and scaling_factor != 1:
+            raise ValueError(f"scaling_factor={scaling_factor!r} applies only with scaling='linear' or 'ntk' "
+                             f"(scaling is None: the factor would be ignored)")
         self.base = float(base)
         self.interleaved = interleaved
         self.scaling = scaling
