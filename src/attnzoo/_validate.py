@@ -43,11 +43,14 @@ def _range_error(value: object, name: str, owner: str | None, expected: str) -> 
     return ValueError(f"{_where(owner)}{name} must be {expected}, got {_shown(value)}")
 
 
-def check_tensor_ranks(rank: int, layout: str, **tensors: object) -> None:
-    """Each keyword a ``torch.Tensor`` of rank ``rank`` (``layout`` names its dims in the message)."""
+def check_tensor_ranks(rank: int, layout: str, *, floating: bool = False, **tensors: object) -> None:
+    """Each keyword a ``torch.Tensor`` of rank ``rank`` (``layout`` names its dims in the message),
+    of a floating dtype when ``floating``."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if floating and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor {layout}, got dtype {t.dtype}")
         if t.dim() != rank:
             raise ValueError(f"{name} must be rank {rank} {layout}, got shape {tuple(t.shape)}")
 

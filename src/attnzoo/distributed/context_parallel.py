@@ -40,13 +40,7 @@ from attnzoo.distributed.comm import (
 from attnzoo.distributed.gathered import ContextParallelGathered
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
-from attnzoo.distributed.sharding import (
-    DOCUMENTS,
-    ShardedMixer,
-    check_layout,
-    positions_of,
-    segments,
-)
+from attnzoo.distributed.sharding import DOCUMENTS, ShardedMixer, check_layout, positions_of
 from attnzoo.distributed.ulysses import ulysses_attention
 from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
 from attnzoo.nn.base import AttentionBase
@@ -190,9 +184,7 @@ class ContextParallel(ShardedMixer):
         if positions is None:
             if getattr(m, "rope", None) is not None or isinstance(m, MultiHeadLatentAttention):
                 lengths = all_lengths(n, self.group, x.device, self.timeout, "ContextParallel")
-                rank = dist.get_rank(self.group)
-                positions = torch.cat([torch.arange(s.global_lo, s.global_lo + s.length, device=x.device)
-                                       for s in segments(self.layout, lengths, rank)])
+                positions = positions_of(self.layout, lengths, dist.get_rank(self.group), device=x.device)
         elif (not isinstance(positions, Tensor) or tuple(positions.shape) not in ((n,), (B, n))
               or positions.is_floating_point()):
             raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "

@@ -34,13 +34,7 @@ from attnzoo._devices import tracing
 from attnzoo._validate import check_bool, check_cu_seqlens, check_positive_float, check_tensor_ranks
 from attnzoo.functional.backends.tiled import attention_backward, native_half_matmul, plan_for
 from attnzoo.functional.backends.tiled.native import native_varlen, native_varlen_bwd
-from attnzoo.functional.core._request import (
-    Window,
-    _check_slopes,
-    build_request,
-    check_qkv,
-    normalize_window,
-)
+from attnzoo.functional.core._request import Window, build_request, check_qkv, normalize_window
 from attnzoo.functional.core.rules import alibi_bias
 from attnzoo.functional.core.score_mod import ScoreModFn
 from attnzoo.functional.softmax.attention import BACKENDS, attention
@@ -454,7 +448,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     check_bool(return_lse, "return_lse")  # every option checked here: the op paths below take them as is
     scale = None if scale is None else check_positive_float(scale, "scale")
     softcap = None if softcap is None else check_positive_float(softcap, "softcap")
-    _check_slopes(alibi_slopes, q)  # q [Tq, Hq, D]: Hq at dim 1 as in [B, Hq, Nq, D]
+    if alibi_slopes is not None:
+        check_tensor_ranks(1, "[Hq]", floating=True, alibi_slopes=alibi_slopes)
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
     win = normalize_window(window)
