@@ -111,7 +111,7 @@ def test_cost_streaming_sinks_follow_the_builder() -> None:
         estimate("streaming", 100, 64, 4, global_tokens=(1, 2))
     with pytest.raises(ValueError, match=r"got \(1, 2\)"):
         build_attention("streaming", 64, 4, global_tokens=(1, 2))
-    assert estimate("streaming", 100, 64, 4, global_tokens=(0, 1), window=8).kv_cache_max_tokens == 2 + 8 + 1
+    assert estimate("streaming", 100, 64, 4, global_tokens=(0, 1), window=8).kv_cache_max_tokens == 2 + 8  # sinks + window (the query's own key comes with the call)
 
 
 def test_mla_head_dim_below_four_is_refused_by_builder_and_cost() -> None:
