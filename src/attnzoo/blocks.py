@@ -99,6 +99,8 @@ class RMSNorm(nn.Module):
             raise TypeError(f"RMSNorm: x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: x must have shape [..., {self.dim}], got {tuple(x.shape)}")
+        if not x.is_floating_point():  # an int input came back truncated to zeros
+            raise TypeError(f"RMSNorm: x must be a floating-point tensor, got dtype {x.dtype}")
         if x.dtype in (torch.float32, torch.float64):
             return F.rms_norm(x, (self.dim,), self.weight.to(x.dtype), self.eps)
         x32 = x.float()

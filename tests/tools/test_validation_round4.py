@@ -10,13 +10,15 @@ import pytest
 import torch
 
 import attnzoo as az
-from attnzoo.blocks import FeedForward
+from attnzoo.blocks import FeedForward, RMSNorm
 from attnzoo.distributed import work_per_rank
 from attnzoo.functional.softmax.attention import merge_attention
 from attnzoo.models.config import Rope
+from attnzoo.models.encoder import cls_pool, max_pool, mean_pool
 from attnzoo.models.parts import LMHead
 from attnzoo.nn.attention import default_kv_heads
 from attnzoo.nn.kda import KimiDeltaAttention
+from attnzoo.nn.parts import QKNorm
 from attnzoo.variants import build_attention
 
 G = torch.Generator().manual_seed(0)
@@ -62,6 +64,10 @@ def _streaming_with_a_smaller_cache() -> object:
     (lambda: az.available_backends("tpu"), ValueError, "available_backends: device must be"),
     (lambda: az.RotaryEmbedding(8, scaling_factor=4.0), ValueError, "scaling_factor=4.0 applies only with"),
     (lambda: Rope(factor=2.0), ValueError, r"Rope: factor=2.0 applies only with"),
+    (lambda: RMSNorm(8)(torch.ones(1, 8, dtype=torch.long)), TypeError, "RMSNorm: x must be a floating-point"),
+    (lambda: QKNorm(4)(torch.full((1, 1, 1, 4), 3)), TypeError, "QKNorm: t must be a floating-point"),
+    (lambda: mean_pool(torch.ones(2, 3, 4, dtype=torch.long)), TypeError, "mean_pool: hidden must be a floating"),
+    (lambda: cls_pool(torch.randn(2, 0, 4)), ValueError, r"cls_pool: hidden must be a tensor \[B, N, C\] with N >= 1"),
 ])
 def test_refused_at_the_boundary(call: Callable[[], object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
@@ -94,3 +100,10 @@ def test_no_backend_is_available_on_a_device_this_machine_lacks() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert az.available_backends("cuda:0") == [] and "reference" in az.available_backends("cpu")
+
+
+def test_max_pool_of_a_row_without_real_tokens_is_zeros_as_mean_pool() -> None:
+    h = torch.randn(2, 3, 4, generator=G)
+    m = torch.tensor([[True, True, False], [False, False, False]])
+    assert torch.equal(max_pool(h, m)[1], torch.zeros(4)) and torch.equal(mean_pool(h, m)[1], torch.zeros(4))
+    torch.testing.assert_close(max_pool(h, m)[0], h[0, :2].amax(dim=0))

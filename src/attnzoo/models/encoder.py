@@ -26,9 +26,12 @@ POOLINGS = ("mean", "cls", "max")
 
 
 def _check_hidden(hidden: object, owner: str) -> Tensor:
-    if not isinstance(hidden, Tensor) or hidden.dim() != 3:
-        got = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
-        raise ValueError(f"{owner}: hidden must be a tensor [B, N, C], got {got}")
+    if not isinstance(hidden, Tensor):
+        raise TypeError(f"{owner}: hidden must be a floating-point tensor [B, N, C], got {type(hidden).__name__}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"{owner}: hidden must be a floating-point tensor [B, N, C], got dtype {hidden.dtype}")
+    if hidden.dim() != 3 or hidden.shape[1] == 0:
+        raise ValueError(f"{owner}: hidden must be a tensor [B, N, C] with N >= 1, got {tuple(hidden.shape)}")
     return hidden
 
 
@@ -47,12 +50,14 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
 
 
 def max_pool(hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """Channel-wise max over the real tokens: ``[B, N, C] -> [B, C]``."""
+    """Channel-wise max over the real tokens: ``[B, N, C] -> [B, C]``; a row without real tokens
+    gives zeros (as :func:`mean_pool`; its max over nothing was ``-inf``)."""
     _check_hidden(hidden, "max_pool")
     if attention_mask is None:
         return hidden.amax(dim=1)
     m = check_padding_mask(attention_mask, hidden.shape[0], hidden.shape[1], "max_pool")
-    return hidden.masked_fill(~m[:, :, None], float("-inf")).amax(dim=1)
+    out = hidden.masked_fill(~m[:, :, None], float("-inf")).amax(dim=1)  # [B, C]
+    return torch.where(m.any(dim=1, keepdim=True), out, torch.zeros_like(out))
 
 
 def cls_pool(hidden: Tensor) -> Tensor:

@@ -66,6 +66,9 @@ class QKNorm(nn.Module):
 
     def normalize(self, t: Tensor, weight: Tensor) -> Tensor:
         """The norm of ``t [B, h, N, D]`` with ``weight`` (the one an :class:`AttentionParts` registered)."""
+        if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 4:
+            got = f"dtype {t.dtype}, shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"QKNorm: t must be a floating-point tensor [B, h, N, D], got {got}")
         return rms_norm_heads(t, weight, self.eps, self.over_heads)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
