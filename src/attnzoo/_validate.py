@@ -15,10 +15,28 @@ from typing import Literal, Protocol, cast, overload
 
 import torch
 
-__all__ = ["FloatCheck", "Window", "check_bool", "check_choice", "check_cu_seqlens", "check_finite_float", "check_float", "check_int",
-           "check_nonnegative_float", "check_number_above", "check_optional_int", "check_positive_float",
-           "check_probability", "check_tensor_ranks", "nonempty_name_arg", "nonnegative_int_arg", "normalize_window",
-           "positive_float_arg", "positive_int_arg"]
+__all__ = [
+    "FloatCheck",
+    "Window",
+    "check_bool",
+    "check_choice",
+    "check_cu_seqlens",
+    "check_finite_float",
+    "check_float",
+    "check_float_tensor",
+    "check_int",
+    "check_nonnegative_float",
+    "check_number_above",
+    "check_optional_int",
+    "check_positive_float",
+    "check_probability",
+    "check_tensor_ranks",
+    "nonempty_name_arg",
+    "nonnegative_int_arg",
+    "normalize_window",
+    "positive_float_arg",
+    "positive_int_arg",
+]
 
 #: A normalised attention window: ``(left, right)``, ``None`` = unbounded side.
 Window = tuple[int | None, int | None]
@@ -53,6 +71,20 @@ def check_tensor_ranks(rank: int, layout: str, *, floating: bool = False, **tens
             raise TypeError(f"{name} must be a floating-point tensor {layout}, got dtype {t.dtype}")
         if t.dim() != rank:
             raise ValueError(f"{name} must be rank {rank} {layout}, got shape {tuple(t.shape)}")
+
+
+def check_float_tensor(value: object, name: str, owner: str, layout: str, *, nonempty: int | None = None
+                       ) -> torch.Tensor:
+    """A floating-point tensor of rank ``layout.count(",") + 1`` (``layout`` such as ``"[B, N, C]"``
+    names its dims in the message) whose dim ``nonempty`` (if given) is at least 1."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{owner}: {name} must be a floating-point tensor {layout}, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{owner}: {name} must be a floating-point tensor {layout}, got dtype {value.dtype}")
+    if value.dim() != layout.count(",") + 1 or (nonempty is not None and value.shape[nonempty] == 0):
+        dim = "" if nonempty is None else f" with {layout.strip('[]').split(', ')[nonempty]} >= 1"
+        raise ValueError(f"{owner}: {name} must have shape {layout}{dim}, got {tuple(value.shape)}")
+    return value
 
 
 def check_cu_seqlens(value: object, name: str = "cu_seqlens", owner: str | None = None, *, total: int | None = None,

@@ -67,7 +67,7 @@ def _streaming_with_a_smaller_cache() -> object:
     (lambda: RMSNorm(8)(torch.ones(1, 8, dtype=torch.long)), TypeError, "RMSNorm: x must be a floating-point"),
     (lambda: QKNorm(4)(torch.full((1, 1, 1, 4), 3)), TypeError, "QKNorm: t must be a floating-point"),
     (lambda: mean_pool(torch.ones(2, 3, 4, dtype=torch.long)), TypeError, "mean_pool: hidden must be a floating"),
-    (lambda: cls_pool(torch.randn(2, 0, 4)), ValueError, r"cls_pool: hidden must be a tensor \[B, N, C\] with N >= 1"),
+    (lambda: cls_pool(torch.randn(2, 0, 4)), ValueError, r"cls_pool: hidden must have shape \[B, N, C\] with N >= 1"),
 ])
 def test_refused_at_the_boundary(call: Callable[[], object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):

@@ -14,6 +14,7 @@ from attnzoo._devices import tracing
 from attnzoo._validate import (
     check_bool,
     check_float,
+    check_float_tensor,
     check_int,
     check_nonnegative_float,
     check_optional_int,
@@ -62,12 +63,7 @@ def check_sampling(temperature: object, top_k: object, top_p: object, generator:
 def _check_logits(logits: object, owner: str) -> Tensor:
     """``logits`` a floating tensor ``[B, V]`` (``V >= 1``) with no NaN or ``+inf`` and a logit above
     ``-inf`` in every row (eager only: reading the values syncs)."""
-    if not isinstance(logits, Tensor):
-        raise TypeError(f"{owner}: logits must be a floating-point torch.Tensor [B, V], got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"{owner}: logits must be a floating-point tensor [B, V], got dtype {logits.dtype}")
-    if logits.dim() != 2 or logits.shape[1] == 0:
-        raise ValueError(f"{owner}: logits must have shape [B, V] with V >= 1, got {tuple(logits.shape)}")
+    logits = check_float_tensor(logits, "logits", owner, "[B, V]", nonempty=1)
     if logits.numel() and not tracing():  # one read-back for the three value checks
         nan, posinf, hidden = (int(c) for c in torch.stack([torch.isnan(logits).sum(), torch.isposinf(logits).sum(),
                                                             torch.isneginf(logits).all(dim=-1).sum()]).tolist())

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_choice
+from attnzoo._validate import check_choice, check_float_tensor
 from attnzoo.blocks import ACTIVATIONS, AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
@@ -26,13 +26,7 @@ POOLINGS = ("mean", "cls", "max")
 
 
 def _check_hidden(hidden: object, owner: str) -> Tensor:
-    if not isinstance(hidden, Tensor):
-        raise TypeError(f"{owner}: hidden must be a floating-point tensor [B, N, C], got {type(hidden).__name__}")
-    if not hidden.is_floating_point():
-        raise TypeError(f"{owner}: hidden must be a floating-point tensor [B, N, C], got dtype {hidden.dtype}")
-    if hidden.dim() != 3 or hidden.shape[1] == 0:
-        raise ValueError(f"{owner}: hidden must be a tensor [B, N, C] with N >= 1, got {tuple(hidden.shape)}")
-    return hidden
+    return check_float_tensor(hidden, "hidden", owner, "[B, N, C]", nonempty=1)
 
 
 def mean_pool(hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
