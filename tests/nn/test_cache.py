@@ -184,3 +184,16 @@ def test_snapshot_caches_roll_back_a_call(variant: str) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(TypeError, match=f"{type(cache).__name__}.rollback"):
         cache.rollback(5)
+
+
+@pytest.mark.parametrize("make", [lambda: az.SlidingWindowKVCache(1, 3, 1, 2), lambda: az.SinkWindowKVCache(1, 1, 2, 1, 2)],
+                         ids=["sliding", "sink"])
+def test_a_zero_token_update_keeps_the_last_update_undoable(make) -> None:  # type: ignore[no-untyped-def]
+    cache, seq = make(), torch.randn(1, 1, 9, 2)
+    cache.update(seq[:, :, :5], seq[:, :, :5])
+    mark = cache.mark()
+    held = cache.update(seq[:, :, 5:6], seq[:, :, 5:6])[2]
+    cache.update(seq[:, :, :0], seq[:, :, :0])
+    cache.rollback(mark)
+    assert cache.length == 5
+    assert torch.equal(cache.update(seq[:, :, 5:6], seq[:, :, 5:6])[2], held)

@@ -31,12 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_choice
-from attnzoo.distributed.comm import (
-    all_gather_grad,
-    all_lengths,
-    require_dist,
-    resolve_group,
-)
+from attnzoo.distributed.comm import all_gather_grad, all_lengths, require_dist, resolve_group
 from attnzoo.distributed.gathered import ContextParallelGathered
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention

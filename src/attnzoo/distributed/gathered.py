@@ -22,12 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.distributed.comm import (
-    agree,
-    all_gather_grad,
-    require_dist,
-    wait,
-)
+from attnzoo.distributed.comm import agree, all_gather_grad, require_dist, wait
 from attnzoo.distributed.sharding import (
     DOCUMENTS,
     LAYOUTS,

@@ -89,7 +89,13 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
     """
     owner = "sample_next_token"
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
-    _check_logits(logits, owner)
+    return _sample(_check_logits(logits, owner), temperature, top_k, top_p, generator)
+
+
+def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None) -> Tensor:
+    """:func:`sample_next_token` on checked arguments (``generate`` checks its settings once, not at
+    every step)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float()
@@ -598,8 +604,7 @@ class DecoderLM(FromConfig, nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         written = n
         for t in range(new):
-            tok = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    generator=generator)  # [B]
+            tok = _sample(logits, temperature, top_k, top_p, generator)  # [B]; settings checked above
             if eos_token_id is not None:
                 tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
                 done = done | (tok == eos_token_id)

@@ -391,6 +391,8 @@ class SlidingWindowKVCache(_SlotCache):
         order = torch.arange(start - held, start, device=self.k.device) % max(self.capacity, 1)  # slots, by position
         out_k = torch.cat((self.k.index_select(2, order), k_new), dim=2)  # [B, Hkv, held + n, D]
         out_v = torch.cat((self.v.index_select(2, order), v_new), dim=2)
+        if n == 0:  # nothing to absorb: the held keys, and the last update stays undoable
+            return out_k, out_v, torch.arange(start - held, start, device=self.k.device)
         keep = min(n, self.capacity)  # only the last `capacity` new tokens can still be needed later
         pos_keep = torch.arange(start + n - keep, start + n, device=self.k.device)
         slots = pos_keep % max(self.capacity, 1)
