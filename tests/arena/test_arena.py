@@ -619,3 +619,28 @@ def test_sees_every_token_comes_from_the_cost_model() -> None:
     full = [v for v in VARIANTS if sees_every_token(v, 64, 4, 64, grid_window(None, 64))]
     assert {"mha", "mqa", "gqa"} <= set(full)
     assert not {"sliding", "local_global", "streaming", "linear", "deltanet", "nsa"} & set(full)
+
+
+def test_an_early_stopped_run_checkpoints_the_weights_it_reports(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adaptive MQAR budget ends a run by raising from the step callback, which used to skip the
+    trainer's checkpoint of that step: the checkpoint (what load_arena_model and viz read) was up
+    to checkpoint_every steps older than the weights the record reports."""
+    from dataclasses import replace
+
+    import attnzoo.arena.runner as runner
+    from attnzoo.arena import load_arena_model
+
+    monkeypatch.setitem(runner._DEFAULTS, "mqar", replace(
+        runner._DEFAULTS["mqar"], steps=6, max_steps=30, batch=8, width=16, depth=1, heads=2, lr=1e-4, warmup=1,
+        eval_every=3))
+    assert run_arena(_args("--task", "mqar", "--variants", "linear", "--no-measure", "--progress", "none",
+                           "--checkpoint-every", "4", "--out", str(tmp_path))) == 0
+    rec = json.loads((tmp_path / "runs" / "mqar-linear.json").read_text())
+    assert len(rec["train_losses"]) < 30  # the run did stop early (at a step checkpoint_every does not hit)
+    assert len(rec["train_losses"]) % 4
+    ckpt = tmp_path / "checkpoints" / "mqar-linear.pt"
+    assert torch.load(ckpt, weights_only=True)["step"] == len(rec["train_losses"])
+    model, _ = load_arena_model(ckpt)
+    task = runner._make_task(runner._DEFAULTS["mqar"])
+    assert task.evaluate(model, torch.device("cpu"), 0) == rec["final"]

@@ -513,6 +513,8 @@ class _Run:
                       parallel=self.plan)
             except StopRun:  # an adaptive budget ended early: solved, or flat past its nominal steps
                 model.eval()
+                if self.plan is None and last:  # the checkpoint holds the weights the record reports
+                    checkpoint(last[0].step, opt)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return (last[0] if last else None), wall, cpu
 
