@@ -331,3 +331,25 @@ def test_float16_zero_heads_stay_finite_and_match_float64(name: str) -> None:
             assert torch.isfinite(y).all(), kw
             err = (y.double() - ref).abs().max() / ref.abs().max()
             assert err < 30 * torch.finfo(torch.float16).eps, (kw, float(err))
+
+
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])  # RMS and layer head norms
+def test_head_norm_survives_outputs_whose_squares_overflow_float32(name: str) -> None:
+    """Mamba-2's head output reaches ~1e20 for inputs ~1e5, whose float32 squares overflow: the
+    RMS/layer head norm gave zeros. Rows are now scaled by a power of two first; the float32
+    module equals its float64 copy, and at ordinary scales the new norm equals the plain formula."""
+    torch.manual_seed(0)
+    m64 = build_attention(name, 32, 4, **VARIANTS[name].check).double().eval()
+    m32 = copy.deepcopy(m64).float()
+    for scale in (1.0, 1e4, 1e5):
+        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * scale
+        with torch.no_grad():
+            y, ref = m32(x.float()).double(), m64(x)
+        assert (ref.abs().amax(-1) > 0).all()
+        assert (y - ref).abs().max() / ref.abs().max() < 1e-4, (name, scale)
+    norm = m64.norm
+    o = torch.randn(2, *norm.weight.shape[:1], 5, norm.weight.shape[1], dtype=torch.float64) * 3
+    plain = o - o.mean(-1, keepdim=True) if norm.kind == "layer" else o
+    plain = plain * torch.rsqrt(plain.square().mean(-1, keepdim=True) + norm.eps) * norm.weight[:, None, :]
+    plain = plain if norm.bias is None else plain + norm.bias[:, None, :]
+    torch.testing.assert_close(norm(o), plain, rtol=1e-15, atol=0)

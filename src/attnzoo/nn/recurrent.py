@@ -163,12 +163,19 @@ class HeadNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_heads, head_dim, **factory)) if kind == "layer" else None
 
     def forward(self, o: Tensor) -> Tensor:
-        """Normalised in ``o``'s dtype or float32, whichever is wider (the parameters are cast to it)."""
+        """Normalised in ``o``'s dtype or float32, whichever is wider (the parameters are cast to it).
+
+        Rows whose largest entry exceeds 1 are first divided by a power of two at least as large
+        (and ``eps`` by its square): the squares then cannot overflow (float32 squares overflow from
+        ``|o| ~ 1.8e19``, which Mamba-2's output reaches for inputs ~1e4, giving zeros). A power of
+        two rounds nothing, so rows that did not overflow are normalised as before."""
         o = o if o.dtype == torch.float64 else o.float()
+        _, exp = torch.frexp(o.detach().abs().amax(-1, keepdim=True))
+        scale = torch.exp2(exp.clamp_min(0).to(o.dtype))  # [..., 1]
+        o, eps = o / scale, self.eps / scale.square()
         if self.kind == "layer":
-            o = F.layer_norm(o, o.shape[-1:], eps=self.eps)
-        else:
-            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+            o = o - o.mean(-1, keepdim=True)
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps)
         o = o * self.weight[:, None, :].to(o.dtype)
         return o if self.bias is None else o + self.bias[:, None, :].to(o.dtype)
 
