@@ -177,6 +177,37 @@ def test_load_pretrained_folder_equals_from_hf(which: str, tmp_path: Path) -> No
         _close(ours(x), expected, TOL, f"{which} from folder")
 
 
+def _plus_one_family(which: str) -> torch.nn.Module:
+    if which == "gemma":
+        cfg = T.GemmaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=64)
+    else:
+        cfg = T.Qwen3NextConfig(
+            vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=24, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8)
+    hf = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():  # norm weights (zeros at init, read as 1 + w) away from 0
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return hf
+
+
+@pytest.mark.parametrize("which", ["gemma", "qwen3_next"])  # the LLaMA-layout converter and a family builder
+def test_a_bfloat16_folder_loads_into_float32_as_transformers_loads_it(which: str, tmp_path: Path) -> None:
+    """Gemma-style ``1 + weight`` norms: ``1 + w`` was rounded to the checkpoint's bfloat16 before
+    the float32 model got it (0.34 relative logits error on Qwen3-Next); transformers adds the 1
+    in float32 at run time."""
+    _plus_one_family(which).to(torch.bfloat16).save_pretrained(tmp_path)
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_pretrained(tmp_path, dtype=torch.float32)
+    x = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _close(ours(x), ref(input_ids=x).logits, 2e-5, f"{which}: bfloat16 folder in float32")
+
+
 def test_read_safetensors_matches_the_safetensors_package(tmp_path: Path) -> None:
     st = pytest.importorskip("safetensors.torch")
     tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.arange(7),

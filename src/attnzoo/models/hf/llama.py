@@ -31,6 +31,7 @@ from torch import Tensor
 from attnzoo.blocks import BlockConfig
 from attnzoo.models.config import DecoderConfig, Rope
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families._common import plus_one
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding, head_for
@@ -177,11 +178,6 @@ def build_llama(hf: HFConfig, *, family: str = "llama", sliding: bool = True, he
     return DecoderLM.with_blocks(stack, layer, parts=parts, **kw)
 
 
-def _plus_one(t: Tensor) -> Tensor:
-    """Gemma's RMSNorm multiplies by ``1 + weight``."""
-    return (t.float() + 1.0).to(t.dtype)
-
-
 def _norm_pairs(fam: Family) -> list[tuple[str, str]]:
     if fam.gemma == 2:
         return [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
@@ -216,7 +212,7 @@ def _layer(plan: Plan, i: int, fam: Family, cfg: DecoderConfig) -> None:
         for n in ("q_norm", "k_norm"):
             plan.put(f"{o}attn.frontier.{n}_weight", f"{h}self_attn.{n}.weight")
     for ours, theirs in _norm_pairs(fam):
-        plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", _plus_one if fam.gemma else None)
+        plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", plus_one if fam.gemma else None)
 
 
 def convert_llama(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any, sliding: bool = True,
@@ -239,7 +235,7 @@ def convert_llama(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
     plan.put("tok_emb.weight", "embed_tokens.weight")
     for i in range(stack.depth):
         _layer(plan, i, fam, stack)
-    plan.put("norm.weight", "norm.weight", _plus_one if fam.gemma else None)
+    plan.put("norm.weight", "norm.weight", plus_one if fam.gemma else None)
     ignore = [r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.\w+"]
     plan.src.prefix = ""
     if head_size is None:
