@@ -47,16 +47,21 @@ from attnzoo.variants import build_attention, variant_names
 __all__ = ["ACTIVATIONS", "NORMS", "BlockCache", "BlockConfig", "BlockLayers", "Config", "FeedForward", "RMSNorm",
            "TransformerBlock", "make_norm"]
 
+def _gelu_tanh(x: Tensor) -> Tensor:
+    """GELU's tanh approximation (a named function: modules holding it pickle, a lambda does not)."""
+    return F.gelu(x, approximate="tanh")
+
+
 #: Activation names accepted by :class:`FeedForward`; the gated ones multiply ``act(gate(x))``
 #: by ``up(x)`` (Shazeer 2020, "GLU variants improve Transformer").
 ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
     "relu": (F.relu, False),
     "gelu": (F.gelu, False),  # exact (erf) GELU: BERT, ViT
-    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), False),  # GPT-2's "gelu_new"
+    "gelu_tanh": (_gelu_tanh, False),  # GPT-2's "gelu_new"
     "silu": (F.silu, False),
     "swiglu": (F.silu, True),  # LLaMA, Mistral
     "geglu": (F.gelu, True),
-    "geglu_tanh": (lambda x: F.gelu(x, approximate="tanh"), True),  # Gemma's gated gelu_pytorch_tanh
+    "geglu_tanh": (_gelu_tanh, True),  # Gemma's gated gelu_pytorch_tanh
 }
 #: Where a pre-norm block normalises its sub-layers: ``"input"`` (GPT-2, LLaMA), ``"both"`` the
 #: input and the output before the residual add (Gemma 2), ``"output"`` only the output (OLMo 2).

@@ -19,6 +19,7 @@ from torch import nn
 
 import attnzoo as az
 from attnzoo.arena.runner import build_model, settings_for
+from attnzoo.models.config import DecoderConfig
 from attnzoo.models.parts import DecoderParts
 from attnzoo.variants import variant_names
 
@@ -471,6 +472,16 @@ def test_models_pickle_with_their_configs() -> None:
     by_lambda = az.DecoderLM(V, 32, 1, 4, attention=lambda d, h: az.MultiHeadAttention(d, h, causal=True)).eval()
     copy = pickle.loads(pickle.dumps(by_lambda))
     assert copy.config is None and torch.equal(copy(x), by_lambda(x))
+
+
+@pytest.mark.parametrize("ffn", sorted(az.blocks.ACTIVATIONS))
+def test_every_activation_pickles(ffn: str) -> None:
+    """GPT-2's and Gemma's tanh GELUs were lambdas: their FeedForward, and so every GPT-2/Gemma
+    model (from_hf included), failed torch.save(model) and pickle."""
+    x = torch.randint(0, V, (1, 5))
+    model = az.DecoderLM(config=DecoderConfig(vocab_size=V, dim=16, depth=1, num_heads=2, ffn=ffn)).eval()
+    copy = pickle.loads(pickle.dumps(model))
+    assert torch.equal(copy(x), model(x))
 
 
 # --------------------------------------------------------------------------- hybrid stacks, positions
