@@ -208,6 +208,22 @@ def test_a_bfloat16_folder_loads_into_float32_as_transformers_loads_it(which: st
         _close(ours(x), ref(input_ids=x).logits, 2e-5, f"{which}: bfloat16 folder in float32")
 
 
+def test_gemma_legacy_hidden_act_gelu_means_tanh_gelu(tmp_path: Path) -> None:
+    """Gemma's first config.json files say ``"hidden_act": "gelu"``; transformers runs the tanh
+    approximation for it (the converter built the exact-erf GeGLU: 1e-4 relative logits error)."""
+    _plus_one_family("gemma").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    cfg.pop("hidden_activation", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_pretrained(tmp_path)
+    assert ours.config is not None and ours.config.ffn == "geglu_tanh"
+    x = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _close(ours(x), ref(input_ids=x).logits, 2e-5, "gemma, legacy hidden_act")
+
+
 def test_read_safetensors_matches_the_safetensors_package(tmp_path: Path) -> None:
     st = pytest.importorskip("safetensors.torch")
     tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.arange(7),

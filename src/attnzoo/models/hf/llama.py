@@ -139,6 +139,8 @@ def llama_config(hf: HFConfig, *, sliding: bool = True, family: str = "llama") -
         raise hf.unsupported("use_bidirectional_attention=True")
     act_key = "hidden_activation" if hf.has("hidden_activation") else "hidden_act"
     ffn = hf.activation(act_key, GATED_ACTIVATIONS, "gelu_pytorch_tanh" if fam.gemma else "silu")
+    if fam.gemma == 1 and act_key == "hidden_act" and hf.raw(act_key) == "gelu":
+        ffn = GATED_ACTIVATIONS["gelu_pytorch_tanh"]  # the first releases' legacy value means tanh GELU (transformers)
     akw: dict[str, Any] = {"bias": fam.qkv_bias or hf.get("attention_bias", False, bool)}
     windows = _windows(hf, depth) if sliding else [None] * depth
     attention = "mha"
