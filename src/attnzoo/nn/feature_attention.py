@@ -326,6 +326,30 @@ class PerformerAttention(_FeatureAttention):
         """Random features per head ``F``."""
         return self._num_features
 
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        """Also save the redraw schedule, ``redraw_schedule = [num_draws, training calls since the
+        last draw]`` (int64, a tensor so that safetensors can hold it): a module restored
+        mid-training redraws when the original would have."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "redraw_schedule"] = torch.tensor([self.num_draws, self._calls_since_draw])
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """Read the schedule back; a state dict saved without it (before it was saved) loads strictly."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "redraw_schedule"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        sched = state_dict.get(key)
+        if sched is None:
+            return
+        if not isinstance(sched, Tensor) or sched.shape != (2,) or sched.is_floating_point():
+            error_msgs.append(f"{key}: expected an int tensor [2] (num_draws, calls since the last draw), got "
+                              f"{tuple(sched.shape) if isinstance(sched, Tensor) else type(sched).__name__}")
+            return
+        self.num_draws, self._calls_since_draw = (int(v) for v in sched.tolist())
+
     @torch.no_grad()
     def redraw_projection(self) -> None:
         """Draw a fresh projection now (reproducible: draw ``i`` uses ``seed + i`` when a seed is set).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -199,6 +201,36 @@ def test_module_redraw_schedule_and_seed() -> None:
         a(x)
     assert torch.equal(a.projection, p1)  # never in eval mode
     assert "projection" in a.state_dict()
+
+
+def test_a_restored_module_continues_the_redraw_schedule(tmp_path: Path) -> None:
+    """The schedule (draws so far, calls since the last) was not in the state dict: a module
+    restored mid-training restarted it and trained on other projections than the original."""
+    x = torch.randn(1, 6, 32)
+
+    def make() -> az.PerformerAttention:
+        return az.PerformerAttention(32, 4, num_features=16, causal=True, redraw_interval=2, seed=0).train()
+
+    a = make()
+    for _ in range(5):
+        a(x)
+    sd = a.state_dict()
+    assert sd["redraw_schedule"].tolist() == [3, 1]
+    b = make()
+    b.load_state_dict(sd)
+    for _ in range(4):
+        assert torch.equal(a(x), b(x))
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+
+    save_file(b.state_dict(), str(tmp_path / "m.safetensors"))  # every entry a tensor
+    c = make()
+    c.load_state_dict(load_file(str(tmp_path / "m.safetensors")))
+    assert torch.equal(c(x), b(x))
+    old = {k: v for k, v in sd.items() if k != "redraw_schedule"}  # saved before the schedule was
+    make().load_state_dict(old)
+    with pytest.raises(RuntimeError, match="redraw_schedule"):
+        make().load_state_dict({**sd, "redraw_schedule": torch.zeros(3)})
 
 
 def test_module_stale_cache_after_redraw() -> None:
