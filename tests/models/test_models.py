@@ -484,6 +484,23 @@ def test_every_activation_pickles(ffn: str) -> None:
     assert torch.equal(copy(x), model(x))
 
 
+@pytest.mark.parametrize("kw", [{"attention": name} for name in variant_names()]
+                         + [{"attention": "mha", "pos": "sinusoidal"}, {"attention": ["gated_deltanet", "mla"]}],
+                         ids=lambda kw: str(kw["attention"]) + str(kw.get("pos", "")))
+def test_a_model_built_on_the_meta_device_loads_and_runs(kw: dict[str, object]) -> None:
+    """Deferred init (build under ``torch.device("meta")``, ``to_empty``, ``load_state_dict``): the
+    RoPE frequencies were built on meta and never moved (a device error), and a non-persistent
+    table such as the sinusoidal one would be left uninitialised."""
+    x = torch.randint(0, V, (1, 8))
+    torch.manual_seed(0)
+    ref = az.DecoderLM(V, 32, 2, 4, max_seq_len=32, **kw).eval()  # type: ignore[arg-type]
+    with torch.device("meta"):
+        lazy = az.DecoderLM(V, 32, 2, 4, max_seq_len=32, **kw)  # type: ignore[arg-type]
+    lazy.to_empty(device="cpu")
+    lazy.load_state_dict(ref.state_dict())
+    assert torch.equal(lazy.eval()(x), ref(x))
+
+
 # --------------------------------------------------------------------------- hybrid stacks, positions
 HYBRIDS = [["gated_deltanet", "gated_deltanet", "gated_deltanet", "mha"], ["mamba2", "sliding", "gla", "gqa"],
            ["linear", "mha", "diff", "retnet"], "deltanet/mla"]

@@ -330,7 +330,7 @@ class MultiHeadLatentAttention(AttentionBase):
         if rope_type in _SEQ_DEPENDENT_ROPE:
             raise ValueError(f"{cls}: rope_type {rope_type!r} changes the frequencies with the sequence length, which "
                              f"a cache of rotated keys cannot follow; use 'default', 'linear', 'yarn' or 'llama3'")
-        inv, att = rope_inv_freq(params, dr, max_position_embeddings=opts.max_position_embeddings)
+        inv, att = rope_inv_freq(params, dr, max_position_embeddings=opts.max_position_embeddings, device="cpu")
         return built, (inv, att)
 
     def _scale(self, opts: MLAOptions) -> float:

@@ -23,7 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._devices import tracing
-from attnzoo._validate import check_bool, check_float, check_int, check_number_above
+from attnzoo._validate import (
+    check_bool,
+    check_float,
+    check_int,
+    check_nonnegative_float,
+    check_number_above,
+)
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 
 __all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "ScaledRotaryEmbedding", "SinusoidalPositionalEncoding",
@@ -63,9 +69,10 @@ def resolve_positions(
     return positions.to(device=device, dtype=torch.long)
 
 
-def _require_tensor(positions: object) -> Tensor:
+def _require_tensor(positions: object, owner: str | None = None) -> Tensor:
     if not isinstance(positions, Tensor):
-        raise TypeError(f"positions must be an int tensor [N] or [B, N], got {type(positions).__name__}")
+        where = f"{owner}: " if owner else ""
+        raise TypeError(f"{where}positions must be an int tensor [N] or [B, N], got {type(positions).__name__}")
     return positions
 
 
@@ -152,6 +159,16 @@ class SinusoidalPositionalEncoding(_PositionTable):
         table = sinusoidal_table(self.max_len, self.dim, self.base, dtype or torch.get_default_dtype())
         self.register_buffer("pe", table.to(device), persistent=False)  # [max_len, C]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> SinusoidalPositionalEncoding:
+        """Moves and casts rebuild the table from its formula: ``to_empty`` (after a build on the
+        meta device) leaves a buffer uninitialised, and a non-persistent one is not in the state
+        dict that would refill it."""
+        super()._apply(fn, recurse)
+        if self.pe.device.type != "meta":
+            self.pe = sinusoidal_table(self.max_len, self.dim, self.base, torch.float64).to(self.pe.device,
+                                                                                            self.pe.dtype)
+        return self
+
     def _table(self) -> Tensor:
         return self.pe
 
@@ -181,7 +198,7 @@ class LearnedPositionalEmbedding(_PositionTable):
         super().__init__()
         self.dim = check_int(dim, "dim")
         self.max_len = check_int(max_len, "max_len")
-        self.init_std = float(init_std)
+        self.init_std = check_nonnegative_float(init_std, "init_std", "LearnedPositionalEmbedding")
         self.weight = nn.Parameter(torch.empty(self.max_len, self.dim, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -261,7 +278,8 @@ class RotaryEmbedding(nn.Module):
         if scaling == "ntk":
             eff_base = self.base * self.scaling_factor ** (rd / (rd - 2))
         self.effective_base = eff_base
-        self._set_inv_freq(eff_base ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd))  # [rd/2]
+        # on the CPU even under ``with torch.device("meta")``: a constant, not a parameter to_empty would fill
+        self._set_inv_freq(eff_base ** (-torch.arange(0, rd, 2, dtype=torch.float64, device="cpu") / rd))  # [rd/2]
 
     def _set_inv_freq(self, inv_freq64: Tensor) -> None:
         """Keep the frequencies in float64 (outside the module's buffers, so ``.half()`` never degrades
@@ -285,6 +303,7 @@ class RotaryEmbedding(nn.Module):
 
     def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Rotation angles ``positions[..., None] * theta`` (after scaling): ``[..., N, rotary_dim / 2]``."""
+        _require_tensor(positions, type(self).__name__)
         pos = positions.to(dtype)
         if self.scaling == "linear":
             pos = pos / self.scaling_factor
@@ -314,6 +333,9 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Apply precomputed ``cos, sin`` (from :meth:`cos_sin`) to ``x [B, H, N, D]``."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"{type(self).__name__}.rotate: x must be [B, H, N, D] with D = {self.dim}, "
+                             f"got {tuple(x.shape)}")
         rd = self.rotary_dim
         cdt = cos.dtype
         xr = x[..., :rd] if rd < self.dim else x  # [B, H, N, R]
@@ -428,6 +450,7 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
         return length == int(self.rope_parameters.get("original_max_position_embeddings") or 0) + 1
 
     def angles(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        _require_tensor(positions, type(self).__name__)
         seq_len = int(positions.max()) + 1 if positions.numel() else 1
         key = (self._key(seq_len), positions.device)
         inv = self._scaled_cache.get(key)

@@ -113,7 +113,7 @@ def _yarn(dim: int, base: float, p: Mapping[str, Any], max_pos: int | None, seq_
     lo, hi = max(lo, 0), min(hi, dim - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1).to(device)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
     inv = default_inv_freq(dim, base, device)
     keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate (low frequencies)
     return (inv / factor) * (1 - keep) + inv * keep, float(attn)
