@@ -104,6 +104,9 @@ class CostEstimate:
 
 def visible_pairs(cfg: VariantConfig, seq_len: int) -> int:
     """Number of (query, key) pairs the config lets attend, per batch element and head (closed-form)."""
+    if not isinstance(cfg, VariantConfig):
+        raise TypeError(f"visible_pairs: cfg must be an attnzoo.nn.spec.VariantConfig, "
+                        f"got {type(cfg).__name__}")
     return _visible_pairs(cfg, check_int(seq_len, "seq_len"))
 
 
@@ -239,6 +242,10 @@ def measure_activation_bytes(fn: Callable[[], Any], exclude: Any = ()) -> int:
     parameters) and their storages are left out. This is the quantity
     :attr:`CostEstimate.activation_bytes` predicts.
     """
+    exclude = list(exclude)
+    if not all(isinstance(t, torch.Tensor) for t in exclude):
+        raise TypeError(f"measure_activation_bytes: exclude must hold tensors (e.g. model.parameters()), "
+                        f"got {sorted({type(t).__name__ for t in exclude if not isinstance(t, torch.Tensor)})}")
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, int] = {}
 

@@ -222,7 +222,7 @@ def shard_sequence(
     fn = "shard_sequence"
     if not isinstance(x, Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(1, x.dim()):
+    if isinstance(dim, bool) or not isinstance(dim, int) or x.dim() == 0 or not -x.dim() <= dim < x.dim():
         raise ValueError(f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
     pos = shard_positions(x.shape[dim], group=group, layout=layout, rank=rank, world_size=world_size,
@@ -299,7 +299,7 @@ def gather_sequence(
     layout = check_layout(layout, fn)
     if not isinstance(x, Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(1, x.dim()):
+    if isinstance(dim, bool) or not isinstance(dim, int) or x.dim() == 0 or not -x.dim() <= dim < x.dim():
         raise ValueError(f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
     out = _GatherSequence.apply(x, dim % x.dim(), group, layout, as_timeout(timeout))

@@ -122,6 +122,9 @@ class LayerCaches(CompositeCache):
     def __init__(self, caches: Sequence[Any]) -> None:
         if len(caches) == 0:
             raise ValueError("LayerCaches: need at least one layer cache")
+        bad = [type(c).__name__ for c in caches if not (hasattr(c, "length") and hasattr(c, "reset"))]
+        if bad:
+            raise TypeError(f"LayerCaches: caches must be decode caches (with length and reset()), got {bad}")
         self.layers = list(caches)
 
     @property

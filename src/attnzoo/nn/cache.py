@@ -477,6 +477,13 @@ class SinkWindowKVCache(_SlotCache):
         module hides them). Positions in the result then label sink slot ``i`` as ``i``.
         """
         self._check_new(k_new, v_new)
+        if sink_offsets is not None and (not isinstance(sink_offsets, Tensor) or sink_offsets.is_floating_point()
+                                         or sink_offsets.dtype == torch.bool
+                                         or tuple(sink_offsets.shape) != (k_new.shape[0],)):
+            got = (f"{sink_offsets.dtype} {tuple(sink_offsets.shape)}" if isinstance(sink_offsets, Tensor)
+                   else type(sink_offsets).__name__)
+            raise ValueError(f"SinkWindowKVCache: sink_offsets must be an int tensor [B] = [{k_new.shape[0]}] or "
+                             f"None, got {got}")
         m, start = k_new.shape[2], self.length
         if self.max_len is not None and start + m > self.max_len:
             raise ValueError(f"SinkWindowKVCache overflow: {start} tokens seen + {m} new > max_len={self.max_len}")

@@ -69,6 +69,11 @@ class QKNorm(nn.Module):
         if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 4:
             got = f"dtype {t.dtype}, shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
             raise TypeError(f"QKNorm: t must be a floating-point tensor [B, h, N, D], got {got}")
+        width = t.shape[1] * t.shape[3] if self.over_heads else t.shape[3]
+        if width != weight.shape[0]:
+            what = "h * D" if self.over_heads else "D"
+            raise ValueError(f"QKNorm: t [B, h, N, D] must have {what} = {weight.shape[0]} (the norm's width), "
+                             f"got shape {tuple(t.shape)}")
         return rms_norm_heads(t, weight, self.eps, self.over_heads)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
@@ -103,6 +108,9 @@ class OutputGate(nn.Linear):
     def gate(self, out: Tensor, x: Tensor) -> Tensor:
         """``out [B, H, N, Dv]`` times ``sigmoid(gate_proj(x [B, N, C]))`` (``[B, H, N, 1]`` or ``[B, H, N, Dv]``)."""
         B, H, N, Dv = out.shape
+        if self.num_heads != H or (self.mode != "head" and Dv != self.head_dim):
+            raise ValueError(f"OutputGate: out must be [B, H, N, Dv] with H = {self.num_heads}"
+                             f"{'' if self.mode == 'head' else f' and Dv = {self.head_dim}'}, got {tuple(out.shape)}")
         g = torch.sigmoid(self(x))  # [B, N, H] or [B, N, H*Dv]
         g = g.view(B, N, H, 1 if self.mode == "head" else Dv).transpose(1, 2)
         return out * g.to(out.dtype)

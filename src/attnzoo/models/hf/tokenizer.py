@@ -51,10 +51,11 @@ class WordPieceTokenizer:
             tokens = Path(vocab).read_text(encoding="utf-8").split("\n")
             if tokens and tokens[-1] == "":
                 tokens = tokens[:-1]
-        elif isinstance(vocab, Sequence):
+        elif isinstance(vocab, Sequence) and all(isinstance(t, str) for t in vocab):
             tokens = list(vocab)
         else:
-            raise TypeError(f"WordPieceTokenizer: vocab must be a path or a list of tokens, got {type(vocab).__name__}")
+            got = f"a {type(vocab).__name__} with non-str items" if isinstance(vocab, Sequence) else type(vocab).__name__
+            raise TypeError(f"WordPieceTokenizer: vocab must be a path or a list of str tokens, got {got}")
         self.vocab: dict[str, int] = {}
         for i, tok in enumerate(tokens):
             self.vocab.setdefault(tok.rstrip("\r"), i)
