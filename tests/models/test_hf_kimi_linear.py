@@ -5,6 +5,7 @@ experts, routed scaling, a shared expert) after a dense first layer; equal to tr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import from_hf  # noqa: E402
+from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
 from attnzoo.nn.kda import KimiDeltaAttention  # noqa: E402
 from attnzoo.nn.mla import MultiHeadLatentAttention  # noqa: E402
 from attnzoo.nn.moe import MixtureOfExperts  # noqa: E402
@@ -74,3 +75,17 @@ def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None
 class TestKimiLinear(checks.FamilyChecks):
     config = staticmethod(_config)
     cases = (_grouped_routing, _low_rank_query)
+
+
+def test_the_configured_length_is_the_models_length(tmp_path: Path) -> None:
+    """KimiLinearConfig keeps max_position_embeddings as ``model_max_length`` (its to_dict and
+    config.json have only that name): the converter fell back to 2048 positions, so generation
+    past the configured length was not refused and past 2048 it was."""
+    hf = checks.hf_model(_config(max_position_embeddings=32))
+    ours = from_hf(hf)
+    assert ours.max_seq_len == 32
+    with pytest.raises(ValueError, match="exceeds the model's 32 positions"):
+        ours.generate(checks.tokens(10, batch=1), 40)
+    hf.save_pretrained(tmp_path)
+    assert load_pretrained(tmp_path).max_seq_len == 32
+    assert from_hf(checks.hf_model(_config(max_position_embeddings=4096))).max_seq_len == 4096

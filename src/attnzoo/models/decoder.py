@@ -525,13 +525,14 @@ class DecoderLM(FromConfig, nn.Module):
             warnings.warn(f"{owner}: generating {n + new} tokens, past the model's {self.max_seq_len} positions "
                           f"(max_seq_len); quality beyond the trained length is not guaranteed", stacklevel=4)
             return
+        hint = ("pass extend_context=True to go past it" if self.pos in ("rope", "none")
+                else f"its {self.pos} position table has no more rows")
         if n > self.max_seq_len:
             raise ValueError(f"{owner}: prompt of {n} tokens is longer than the model's {self.max_seq_len} "
-                             f"positions (max_seq_len; pass extend_context=True to go past it with RoPE)")
+                             f"positions (max_seq_len; {hint})")
         if n + new > self.max_seq_len:
             raise ValueError(f"{owner}: prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model's "
-                             f"{self.max_seq_len} positions (max_seq_len; pass extend_context=True to go past "
-                             f"it with RoPE)")
+                             f"{self.max_seq_len} positions (max_seq_len; {hint})")
 
     def _decode_step(self, tokens: Tensor, cache: LayerCaches, positions: Tensor | None, attention_mask: Tensor | None,
                      context: Tensor | None, context_mask: Tensor | None) -> Tensor:

@@ -117,7 +117,7 @@ def rotary(hf: HFConfig, params: Mapping[str, Any], head_dim: int, *, rotary_dim
     p = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
     if p.get("original_max_position_embeddings") is None and hf.has("original_max_position_embeddings"):
         p["original_max_position_embeddings"] = hf.req("original_max_position_embeddings")
-    max_pos = hf.get("max_position_embeddings", 2048)
+    max_pos = max_positions(hf)
     try:
         rope_inv_freq(p, rotary_dim or head_dim, max_position_embeddings=max_pos)
     except ValueError as exc:
@@ -154,6 +154,12 @@ def head_size_of(hf: HFConfig, sd: Mapping[str, Tensor]) -> tuple[str, int | Non
     return prefix, None
 
 
+def max_positions(hf: HFConfig) -> int:
+    """The model's positions: ``max_position_embeddings``, or ``model_max_length`` where a config
+    stores it under that name (Kimi Linear's ``to_dict()`` and ``config.json``), else 2048."""
+    return int(hf.first(("max_position_embeddings", "model_max_length"), 2048))
+
+
 def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None, norm_eps: float,
             embed_scale: float | None = None, logit_softcap: float | None = None, device: Any = None,
             dtype: Any = None) -> DecoderLM:
@@ -163,7 +169,7 @@ def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None,
     V, C = hf.req("vocab_size"), hf.req("hidden_size")
     cfg = DecoderConfig(V, C, len(blocks), hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=norm_eps,
                         tie_embeddings=hf.get("tie_word_embeddings", False, bool),
-                        max_seq_len=hf.get("max_position_embeddings", 2048))
+                        max_seq_len=max_positions(hf))
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     embedding = None if embed_scale is None else ScaledEmbedding(V, C, scale=embed_scale, **kw)
     parts = DecoderParts(blocks=blocks, embedding=embedding,
