@@ -320,8 +320,37 @@ def train_losses(plan_cp: int | None) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- jobs
+def _score_mod_attention() -> tuple[nn.Module, nn.Parameter]:
+    """MHA with a score_mod adding a learned bias on absolute positions, and that bias table."""
+    table = nn.Parameter(torch.randn(32, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+    parts = az.AttentionParts(scores=az.Scores(score_mod=lambda s, b, h, q, k: s + table[(q - k).abs() + q % 4]))
+    return az.MultiHeadAttention(16, 2, causal=True, parts=parts).double(), table
+
+
+def _score_mod_lm(res: dict[str, Any]) -> None:
+    """A layer built with a score_mod (a learned bias on absolute positions): the context-parallel
+    seams passed no score_mod (every rank raised a TypeError at the first forward)."""
+    tokens = torch.randint(0, 32, (1, 16), generator=torch.Generator().manual_seed(8))
+    for method, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
+        model = _lm(4, None)
+        model.blocks[0].attn, table = _score_mod_attention()
+        logits = model(tokens)
+        g_logits, ref = _reference_grads(model, logits, 9)
+        table_grad, table.grad = table.grad.clone(), None
+        context_parallel(model, layout=layout, method=method)
+        pos = shard_positions(16, layout=layout)
+        local = model(tokens[:, pos], positions=pos)
+        local.backward(g_logits[:, pos])
+        errs = _lm_errors(model, local, logits, ref, layout)
+        captured = table.grad.clone()
+        dist.all_reduce(captured)
+        errs["d:captured_table"] = rel(captured, table_grad)
+        res[f"score_mod_lm/{method}"] = errs
+
+
 def _job_two(rank: int, world: int, res: dict[str, Any]) -> None:
     _variants(world, res)
+    _score_mod_lm(res)
     _ring_docs(rank, world, res)
     _packed_lm(rank, world, res)
     _sigmoid_lm(world, res)
@@ -412,6 +441,11 @@ def test_ring_skips_shard_pairs_no_document_spans(two: list[dict[str, Any]]) -> 
     # bidirectional zigzag, documents [0, 6), [6, 7), [7, 16): chunks 0-3 of 4 tokens; the pair
     # (chunk 0, chunk 2 or 3) shares no document: skipped, which the bidirectional pattern never does
     assert all(res["stats/docs_bidir_zz"]["skipped"] > 0 for res in two)
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_a_layer_with_a_score_mod_runs_context_parallel(two: list[dict[str, Any]], method: str) -> None:
+    _assert_errs(two, f"score_mod_lm/{method}", 1e-9)
 
 
 @pytest.mark.parametrize("mixer, method, layout", PACKED_LM_CASES)

@@ -39,7 +39,10 @@ from dist_spawn import ranks_fixture, rel, rel_grad, save
 #: every recurrent / feature-map variant context_parallel supports (linear_bidir: causal=False), and
 #: the two it runs on the gathered sequence (one call per document)
 MIXERS = ("retnet", "gla", "deltanet", "gated_deltanet", "mamba2", "kda", "gated_deltaproduct", "linear",
-          "performer", "linear_bidir", "nsa", "infini")
+          "performer", "linear_bidir", "nsa", "infini",
+          # softmax layers whose global / sink tokens or score_mod read positions: under documents they
+          # count from each document's start, so they run gathered (the sharded seams see absolute ones)
+          "local_global", "streaming", "mha_score_mod")
 # (name, layout, cu) per world size; the comments give the segments of each rank
 CASES = {
     # contiguous [0, 8) | [8, 16): 5 and 11 inside, 8 on the edge
@@ -60,6 +63,11 @@ TIMEOUT = 10.0
 def _lm(mixer: str) -> az.DecoderLM:
     torch.manual_seed(4)
     model = az.DecoderLM(32, 16, 2, 2, num_kv_heads=1, dtype=torch.float64)
+    if mixer == "mha_score_mod":  # a learned bias on absolute positions (q_idx - 4)
+        table = torch.nn.Parameter(torch.randn(32, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+        parts = az.AttentionParts(scores=az.Scores(score_mod=lambda s, b, h, q, k: s + table[(q - k).abs() + q % 4]))
+        model.blocks[0].attn = az.MultiHeadAttention(16, 2, causal=True, parts=parts).double()
+        return model
     name = "linear" if mixer == "linear_bidir" else mixer
     kw = dict(VARIANTS[name].check)
     if mixer == "linear_bidir":

@@ -37,12 +37,13 @@ from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
 from attnzoo.distributed.sharding import DOCUMENTS, ShardedMixer, check_layout, positions_of
 from attnzoo.distributed.ulysses import ulysses_attention
-from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention
+from attnzoo.nn.attention import MultiHeadAttention, SigmoidAttention, StreamingAttention
 from attnzoo.nn.base import AttentionBase
 from attnzoo.nn.differential import DifferentialAttention
 from attnzoo.nn.feature_attention import _FeatureAttention
 from attnzoo.nn.fox import FoxAttention, forget_sums, forgetting_bias
 from attnzoo.nn.infini import InfiniAttention
+from attnzoo.nn.local_global import LocalGlobalAttention
 from attnzoo.nn.mla import MultiHeadLatentAttention
 from attnzoo.nn.nsa import NativeSparseAttention
 from attnzoo.nn.recurrent import RecurrentMixer
@@ -174,6 +175,11 @@ class ContextParallel(ShardedMixer):
         if x.dim() != 3 or x.shape[-1] != m.dim:
             raise ValueError(f"ContextParallel: x must have shape [B, n, C] with C = {m.dim}, got {tuple(x.shape)}")
         B, n, _ = x.shape
+        if DOCUMENTS.get() is not None and _counts_from_document_start(m):
+            # global tokens, sink tokens and a score_mod's positions count from each document's start
+            # in packed input; the sharded seams see absolute positions: run this layer gathered
+            gathered = ContextParallelGathered(m, group=self.group, layout=self.layout, timeout=self.timeout)
+            return gathered(x, positions=positions)
         if isinstance(m, FoxAttention):  # no positional encoding: positions are not used
             return self._fox(x)
         if positions is None:
@@ -229,6 +235,11 @@ class ContextParallel(ShardedMixer):
         return f"layout={self.layout!r}, method={self.method!r}"
 
 
+def _counts_from_document_start(module: nn.Module) -> bool:
+    """Whether the module's pattern or score modification reads positions (not only offsets)."""
+    return isinstance(module, (LocalGlobalAttention, StreamingAttention)) or getattr(module, "score_mod", None) is not None
+
+
 def _seam_checks(mask: Any, return_weights: bool, dropout_p: float, method: str) -> None:
     if return_weights or dropout_p:
         raise ValueError("ContextParallel: return_weights and attention dropout are not supported")
@@ -241,7 +252,8 @@ def _ring_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp
                  timeout: timedelta | None, cu_seqlens: Tensor | None, mask: Any = None, causal: bool = False,
                  window: Any = None, scale: float | None = None, softcap: float | None = None,
                  alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, return_weights: bool = False,
-                 q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
+                 q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None,
+                 score_mod: Any = None) -> Tensor:
     """The attend seam under ``method="ring"``: ``az.attention``'s keywords in, :func:`ring_attention`
     over the group out (``q_offset`` is ignored: the ring places every shard at its global
     positions from ``layout``)."""
@@ -249,7 +261,7 @@ def _ring_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp
     _seam_checks(mask, return_weights, dropout_p, "ring")
     out = ring_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
                          alibi_slopes=alibi_slopes, layout=layout, backend=cp_backend, timeout=timeout,
-                         sinks=sinks, cu_seqlens=cu_seqlens)
+                         sinks=sinks, cu_seqlens=cu_seqlens, score_mod=score_mod)
     assert isinstance(out, Tensor)
     return out
 
@@ -258,14 +270,15 @@ def _ulysses_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str,
                     timeout: timedelta | None, cu_seqlens: Tensor | None, mask: Any = None, causal: bool = False,
                     window: Any = None, scale: float | None = None, softcap: float | None = None,
                     alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, return_weights: bool = False,
-                    q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
+                    q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None,
+                    score_mod: Any = None) -> Tensor:
     """The attend seam under ``method="ulysses"`` (a position ``Mask`` of the module, e.g.
     local-global, applies unchanged: every rank holds the whole sequence for its heads)."""
     del q_offset, backend
     _seam_checks(mask, return_weights, dropout_p, "ulysses")
     return ulysses_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
                              alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens=cu_seqlens,
-                             backend=cp_backend, timeout=timeout, mask=mask)
+                             backend=cp_backend, timeout=timeout, mask=mask, score_mod=score_mod)
 
 
 def _sigmoid_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
