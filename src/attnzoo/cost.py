@@ -216,8 +216,9 @@ def estimate_stack(pattern: str | Sequence[str], seq_len: int, dim: int, num_hea
         seq_len, dim, num_heads: as :func:`estimate`.
         depth: layers of the stack (default: the pattern's length).
         **settings: the keywords of :func:`estimate`; a variant setting (``num_kv_heads``,
-            ``window``, ``num_features``, ...) goes to the layers whose variant takes it, the others
-            (``batch``, ``head_dim``, ``causal``, ``dtype``, ``backend``) to every layer.
+            ``window``, ``num_features``, ...) goes to the layers whose variant takes it (one that no
+            layer takes is a ``ValueError``, as :func:`estimate` refuses it for one variant), the
+            others (``batch``, ``head_dim``, ``causal``, ``dtype``, ``backend``) to every layer.
 
     Returns:
         A :class:`StackEstimate`.
@@ -227,6 +228,11 @@ def estimate_stack(pattern: str | Sequence[str], seq_len: int, dim: int, num_hea
     unknown = sorted(set(settings) - set(_LAYER_SETTINGS) - {"batch", "head_dim", "causal", "dtype", "backend"})
     if unknown:
         raise TypeError(f"estimate_stack: unknown setting(s) {unknown}")
+    unused = sorted(k for k in settings if k in _LAYER_SETTINGS and settings[k] is not None
+                    and not any(k in VARIANTS[n].options for n in names))
+    if unused:
+        raise ValueError(f"estimate_stack: setting(s) {unused} apply to no layer of {'/'.join(dict.fromkeys(names))} "
+                         f"(each variant's settings: attnzoo list)")
     per_name: dict[str, CostEstimate] = {}
     for name in dict.fromkeys(names):
         own = {k: v for k, v in settings.items() if k not in _LAYER_SETTINGS or k in VARIANTS[name].options}

@@ -173,6 +173,10 @@ def test_closed_form_at_a_billion_tokens(name: str) -> None:
     est = estimate(name, 10**9, 4096, 32, backend="auto")
     assert est.flops > 0 and est.kv_cache_bytes >= 0 and 0 < est.visible_fraction <= 1
     for backend in ("tiled", "flex", "ideal"):
+        if name == "sigmoid" and backend == "flex":  # as the module, the estimate refuses what cannot run it
+            with pytest.raises(ValueError, match="sigmoid attention runs on backend"):
+                estimate(name, 10**9, 4096, 32, backend=backend)
+            continue
         assert estimate(name, 10**9, 4096, 32, backend=backend).flops_attention > 0
 
 
@@ -220,3 +224,60 @@ def test_stack_estimate_sums_its_layers() -> None:
         az.cost.estimate_stack("gla/nope", 128, 64, 4)
     with pytest.raises(TypeError, match="unknown setting"):
         az.cost.estimate_stack("gla/mha", 128, 64, 4, windw=3)
+
+
+def test_the_auto_backends_calibration_is_not_measured_as_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` times the compiled kernel against SDPA once a process, with gradients for training;
+    a measurement whose call ran that calibration counted its saved tensors (33x the module's)."""
+    from attnzoo.functional.backends.tiled import native
+
+    if native.native_module() is None:
+        pytest.skip("the compiled kernel is not built: auto never calibrates")
+    monkeypatch.setattr(native, "_calibrated", {})  # as in a fresh process
+    monkeypatch.setenv("ATTNZOO_NATIVE_AUTO", "measure")
+    torch.manual_seed(0)
+    mod = build_attention("mha", 64, 4).train()
+    x = torch.randn(1, 300, 64)
+    first = measure_activation_bytes(lambda: mod(x), exclude=list(mod.parameters()))
+    assert native._calibrated, "the call did not calibrate: the test no longer tests anything"
+    assert first == measure_activation_bytes(lambda: mod(x), exclude=list(mod.parameters()))
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_kv_cache_bytes_equal_the_cache_after_decoding(name: str) -> None:
+    """After decoding N tokens one by one the cache holds what the estimate says (Infini had its
+    segment counted whole although a full segment is folded into the memory; a streaming cache
+    allocated sink + window slots for a stream of fewer tokens)."""
+    import inspect
+
+    accepted = inspect.signature(estimate).parameters
+    kw = {k: v for k, v in VARIANTS[name].check.items() if k in accepted and name != "nsa"}  # nsa: its own sizes
+    torch.manual_seed(0)
+    mod = build_attention(name, 32, 4, **kw).eval()
+    for n in (5, 21):
+        cache = mod.init_cache(2, n)
+        with torch.no_grad():
+            for _ in range(n):
+                mod(torch.randn(2, 1, 32), cache=cache)
+        assert estimate(name, n, 32, 4, batch=2, **kw).kv_cache_bytes == cache.nbytes, (name, n, kw)
+    if name == "streaming":  # a stream shorter than sink + window allocates only its own slots
+        small = build_attention(name, 32, 4, window=64, global_tokens=(0, 1, 2, 3)).init_cache(2, 8)
+        assert small.capacity == 8
+        assert estimate(name, 8, 32, 4, batch=2, window=64, global_tokens=(0, 1, 2, 3)).kv_cache_bytes == small.nbytes
+
+
+def test_sigmoid_is_counted_on_the_backend_it_runs() -> None:
+    """SigmoidAttention's auto is tiled (it has no SDPA form); the estimate said sdpa and counted N^2."""
+    assert estimate("sigmoid", 2048, 64, 4).backend == "tiled"
+    assert estimate("sigmoid", 2048, 64, 4).flops_attention == estimate("mha", 2048, 64, 4, backend="tiled").flops_attention
+    with pytest.raises(ValueError, match="sigmoid attention runs on backend"):
+        estimate("sigmoid", 2048, 64, 4, backend="sdpa")
+
+
+def test_a_stack_setting_that_no_layer_takes_is_refused() -> None:
+    from attnzoo.cost import estimate_stack
+
+    with pytest.raises(ValueError, match=r"setting\(s\) \['window'\] apply to no layer of gated_deltanet/mha"):
+        estimate_stack("gated_deltanet/mha", 128, 64, 4, window=16)
+    stack = estimate_stack("sliding/mha", 128, 64, 4, window=16)  # taken by the sliding layer only
+    assert stack.layers[0].kv_cache_max_tokens == 16 and stack.layers[1].kv_cache_max_tokens is None

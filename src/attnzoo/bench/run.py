@@ -208,7 +208,9 @@ def _variant_case(name: str, n: int, st: _Setup, g: torch.Generator) -> tuple[Ca
             h = y if len(mods) == 1 else h + y
         return h
 
-    window = {"window": st.window} if st.window is not None else {}
+    # --window applies to the layers that take one (as they were built); a stack without any gets none
+    takes = any("window" in VARIANTS[name].options for name in names)
+    window = {"window": st.window} if st.window is not None and takes else {}
     cost = estimate_stack(names, n, dim, st.heads, batch=st.batch, backend="ideal", **window)
     return call, cost.flops_projections + cost.flops_useful
 

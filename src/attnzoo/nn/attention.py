@@ -858,6 +858,17 @@ register(VariantSpec("sliding", "softmax", True, "O(N C^2 + N W C)", "O(N W) til
                      arena_default=True))
 
 
+def _sigmoid_cost(cfg: VariantConfig, shape: CostShape) -> Cost:
+    """Sigmoid attention runs on ``reference`` or ``tiled`` only (``auto``: ``tiled``), with the
+    scores of a softmax layer."""
+    if shape.backend not in ("auto", "reference", "tiled", "ideal"):
+        raise ValueError(f"sigmoid: sigmoid attention runs on backend 'auto', 'reference' or 'tiled', "
+                         f"got backend={shape.backend!r}")
+    if shape.backend == "auto":
+        shape = dataclasses.replace(shape, backend="tiled")
+    return softmax_cost(cfg, shape)
+
+
 def _build_sigmoid(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:
     return build_softmax(SigmoidAttention, dim, num_heads, causal=causal, **kw)
 
@@ -866,7 +877,7 @@ def _build_sigmoid(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) 
 #: cached decode equals the full forward (pass ``sigmoid_bias=-math.log(n)`` for your length)
 SIGMOID_BIAS = -math.log(64)
 register(VariantSpec("sigmoid", "sigmoid", False, "O(N C^2 + N^2 C)", "O(N) (tiled)", "K,V of every head",
-                     _build_sigmoid, _dense_cost, defaults={"sigmoid_bias": SIGMOID_BIAS}, options=("num_kv_heads",),
+                     _build_sigmoid, _sigmoid_cost, defaults={"sigmoid_bias": SIGMOID_BIAS}, options=("num_kv_heads",),
                      check={"sigmoid_bias": -2.0}, masks="causal, window, any mask", positions="rope", order=18))
 
 

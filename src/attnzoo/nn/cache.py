@@ -407,7 +407,8 @@ class SlidingWindowKVCache(_SlotCache):
 class SinkWindowKVCache(_SlotCache):
     """StreamingLLM's cache: ``n`` attention-sink tokens kept forever plus a ring of the last ``w``.
 
-    With ``sink_tokens = n`` and ``window = w`` the buffers hold ``capacity = n + w`` slots: token
+    With ``sink_tokens = n`` and ``window = w`` the buffers hold ``capacity = n + w`` slots (``max_len``
+    if smaller): token
     ``p < n`` lives in slot ``p``, token ``p >= n`` in slot ``n + (p - n) % w``. That is every key
     *before* the next query that it can see under
     ``causal() & (sliding_window(w, 0) | global_tokens(range(n)))``, and never more (its own key
@@ -435,8 +436,9 @@ class SinkWindowKVCache(_SlotCache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self.sink_tokens = _check_int(sink_tokens, "sink_tokens", minimum=0)
         self.window = _check_int(window, "window", minimum=0)
-        self.capacity = self.sink_tokens + self.window
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", minimum=1)
+        # a stream of at most max_len tokens never fills more slots (its positions map to themselves)
+        self.capacity = min(self.sink_tokens + self.window, self.max_len or self.sink_tokens + self.window)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
 
     def _held_ranges(self, length: int) -> tuple[tuple[int, int], tuple[int, int]]:

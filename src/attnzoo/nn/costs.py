@@ -226,8 +226,7 @@ def softmax_cost(cfg: VariantConfig, shape: CostShape, *, ring: bool = False) ->
     used = resolve_backend(cfg, shape)
     pairs = computed_pairs(cfg, N, used)
     visible = visible_pairs(cfg, N)
-    # the tiled kernel multiplies P by [V | 1] (one extra column gives the softmax normaliser)
-    flops_attn = 2 * B * Hq * pairs * (2 * D + (1 if used == "tiled" else 0))
+    flops_attn = 2 * B * Hq * pairs * 2 * D  # S = Q K^T and P V (the row sums are no matrix product)
     kv_max = cfg.window[0] if ring and cfg.window is not None and cfg.window[0] is not None else None
     per_token = 2 * Hkv * D * e
     residue, traffic = _softmax_residue(cfg, shape, used, dense_pattern=cfg.window is None and not cfg.global_tokens)

@@ -209,7 +209,8 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     B, N, e, acc = shape.batch, shape.seq_len, shape.elem_bytes, shape.acc_bytes
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     params, flops_proj, qkv_bytes, io_bytes = projection_cost(cfg, shape)
-    S = min(cfg.segment_len or N, N)
+    seg = cfg.segment_len or N + 1  # without a segment length every token stays in the segment
+    S = min(seg, N)
     flops_local = 2 * B * Hq * (N // S * S * S + (N % S) ** 2) * 2 * D
     flops_mem = 2 * B * Hq * N * D * (D + 1) * 2  # retrieve sigma(Q) M, update M += sigma(K)^T V
     pairs = visible_pairs(cfg, N)
@@ -221,8 +222,9 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
                 flops_useful=2 * B * Hq * pairs * 2 * D + flops_mem, flops_backward=2 * flops_proj + 2 * flops_attn,
                 bytes_moved=io_bytes + 2 * qkv_bytes + 2 * B * N * Hq * D * e + 4 * B * Hq * N * S * acc,
                 activation_bytes=act, kv_cache_bytes_per_token=0,
-                kv_cache_bytes=B * Hkv * (D * D + D) * acc + B * min(N, S) * 2 * Hkv * D * e,
-                kv_cache_max_tokens=S, params=params, visible_pairs=pairs)
+                # a full segment is folded into the memory: the cache holds the N mod S tokens after it
+                kv_cache_bytes=B * Hkv * (D * D + D) * acc + B * (N % seg) * 2 * Hkv * D * e,
+                kv_cache_max_tokens=min(N, seg - 1), params=params, visible_pairs=pairs)
 
 
 def _build(dim: int, num_heads: int, *, causal: bool = True, **kw: Any) -> nn.Module:

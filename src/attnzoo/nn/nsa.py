@@ -297,7 +297,8 @@ def _cost(cfg: VariantConfig, shape: CostShape) -> Cost:
     return Cost(backend="nsa", flops_projections=flops_proj, flops_attention=flops_attn,
                 flops_useful=2 * B * Hq * (cmp + slc + win) * 2 * D, flops_backward=2 * flops_proj + 2 * flops_attn,
                 bytes_moved=io_bytes + 2 * qkv_bytes + 2 * B * N * Hq * D * e + gathered, activation_bytes=act,
-                kv_cache_bytes_per_token=per_token, kv_cache_bytes=B * (N + nblk) * per_token,
+                # the cache keeps one compressed slot even before the first block closes
+                kv_cache_bytes_per_token=per_token, kv_cache_bytes=B * (N + max(1, nblk)) * per_token,
                 kv_cache_max_tokens=None, params=params, visible_pairs=cmp + slc + win)
 
 
