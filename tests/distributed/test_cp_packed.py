@@ -25,11 +25,13 @@ import torch.distributed as dist
 
 import attnzoo as az
 from attnzoo.distributed import (
+    ContextParallel,
     ContextParallelGathered,
     ContextParallelRecurrent,
     context_parallel,
     documents,
     gather_sequence,
+    ring_attention,
     shard_positions,
     ulysses_attention,
 )
@@ -144,6 +146,20 @@ def _bad_arguments(rank: int, world: int, res: dict[str, Any]) -> None:
     mine = torch.arange(8.0) if rank == 1 else torch.arange(8) + 8 * rank  # float positions on rank 1 only
     _capture(res, "err/gathered_positions_one_rank", lambda: gathered(x, positions=mine))
     _capture(res, "err/gathered_cu_end", lambda: _under_docs(torch.tensor([0, 3, 8 * world + 1]), gathered, x))
+    sinks = torch.tensor([1.0, -0.5, 0.25, 2.0])
+    _capture(res, "err/ring_sinks_one_rank", lambda: ring_attention(q, q, q, sinks=sinks if rank == 0 else None,
+                                                                     timeout=TIMEOUT))
+    _capture(res, "err/ring_score_mod_one_rank", lambda: ring_attention(
+        q, q, q, score_mod=(lambda s, b, h, i, j: s) if rank == 0 else None, timeout=TIMEOUT))
+    _capture(res, "err/uly_sinks_values", lambda: ulysses_attention(q, kv, kv, sinks=sinks * (1 + 2 * rank),
+                                                                    timeout=TIMEOUT))  # sum h*s_h agrees
+    _capture(res, "err/uly_mask_one_rank", lambda: ulysses_attention(
+        q, kv, kv, mask=az.masks.sliding_window(2, 0) if rank == 0 else None, timeout=TIMEOUT))
+    softmax = ContextParallel(build_attention("mha", 16, 2), timeout=TIMEOUT)  # the ring seam
+    _capture(res, "err/cp_softmax_width_one_rank", lambda: softmax(torch.randn(1, 8, 16 if rank == 0 else 12)))
+    _capture(res, "err/gather_shape", lambda: gather_sequence(torch.ones(1, 4, 3 + rank), 1, timeout=TIMEOUT))
+    _capture(res, "err/gather_dtype", lambda: gather_sequence(  # the same bytes: read as the other dtype
+        torch.ones(1, 4, 3, dtype=torch.float64) if rank == 0 else torch.ones(1, 4, 6), 1, timeout=TIMEOUT))
     with documents(cu_good):  # the group still works after every one of these
         res["err/usable"] = float(mixer(x).shape == x.shape)
 
@@ -235,6 +251,14 @@ def test_recurrent_documents_equal_cu_seqlens_4_ranks(four: list[dict[str, Any]]
     ("err/uly_heads_one_rank", 1, r"Hq must be divisible by 2"),
     ("err/gathered_positions_one_rank", 1, r"positions must be an int tensor"),
     ("err/gathered_cu_end", None, r"cu_seqlens must end at the global length 16"),
+    # options that were not compared (each rank computed with its own: silently not one process's result)
+    ("err/ring_sinks_one_rank", None, r"ranks disagree on 'sinks'"),
+    ("err/ring_score_mod_one_rank", None, r"ranks disagree on 'score_mod'"),
+    ("err/uly_sinks_values", None, r"ranks disagree on 'sinks'"),
+    ("err/uly_mask_one_rank", None, r"ranks disagree on 'mask'"),
+    ("err/cp_softmax_width_one_rank", 1, r"x must have shape \[B, n, C\] with C = 16"),  # was: rank 0 timed out
+    ("err/gather_shape", None, r"gather_sequence .*ranks disagree on 'size of dim 2'"),  # was: gloo aborted
+    ("err/gather_dtype", None, r"gather_sequence .*ranks disagree on 'dtype'"),
 ])
 def test_bad_argument_on_one_rank_raises_on_every_rank(two: list[dict[str, Any]], key: str, bad: int | None,
                                                        match: str) -> None:

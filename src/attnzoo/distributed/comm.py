@@ -128,10 +128,12 @@ def group_device(group: Any) -> torch.device:
 
 
 def agree(group: Any, vals: Sequence[float] | None, err: Exception | None, fn: str,
-          timeout: timedelta | None, *, same: Sequence[int] = (), describe: Any = None) -> list[list[float]]:
+          timeout: timedelta | None, *, same: Sequence[int] = (), describe: Any = None,
+          names: Sequence[str] = ()) -> list[list[float]]:
     """Every rank's ``vals`` (one small ``all_gather``); raise on *every* rank when one rank failed
     its local checks (``err``, re-raised with its type on that rank) or the ranks disagree on the
-    entries at indices ``same``. ``describe(vals) -> str`` renders one rank's entry in the error."""
+    entries at indices ``same``. ``describe(vals) -> str`` renders one rank's entry in the error;
+    ``names`` name the entries there."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     width = 1 + (len(vals) if vals is not None else 0)
     n = max(width, 64)  # a failed rank does not know the width: every rank sends a fixed-size vector
@@ -152,7 +154,8 @@ def agree(group: Any, vals: Sequence[float] | None, err: Exception | None, fn: s
     for i in same:
         if len({row[i] for row in out}) > 1:
             table = "; ".join(f"rank {r}: {describe(row) if describe else row}" for r, row in enumerate(out))
-            raise ValueError(f"{fn} on rank {rank}: ranks disagree (entry {i}); {table}")
+            what = f"on {names[i]!r}" if i < len(names) else f"(entry {i})"
+            raise ValueError(f"{fn} on rank {rank}: ranks disagree {what}; {table}")
     return out
 
 

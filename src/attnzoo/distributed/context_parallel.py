@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._validate import check_choice
-from attnzoo.distributed.comm import all_gather_grad, all_lengths, require_dist, resolve_group
+from attnzoo.distributed.comm import (
+    agree,
+    all_gather_grad,
+    all_lengths,
+    require_dist,
+    resolve_group,
+)
 from attnzoo.distributed.gathered import ContextParallelGathered
 from attnzoo.distributed.recurrent import ContextParallelRecurrent
 from attnzoo.distributed.ring import ring_attention
@@ -166,15 +172,14 @@ class ContextParallel(ShardedMixer):
         """
         require_dist("ContextParallel")
         m = self.module
-        if mask is not None or cache is not None:
-            raise ValueError("ContextParallel: mask= and cache= are not supported (the module's causal/window "
-                             "apply, documents come from attnzoo.distributed.documents; decode with the unwrapped "
-                             "module)")
-        if not isinstance(x, Tensor):
-            raise TypeError(f"ContextParallel: x must be a tensor [B, n, C], got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != m.dim:
-            raise ValueError(f"ContextParallel: x must have shape [B, n, C] with C = {m.dim}, got {tuple(x.shape)}")
-        B, n, _ = x.shape
+        err: Exception | None = None
+        try:  # checked on every rank first: a bad input on one rank is an error on all (none waits)
+            self._local_checks(x, positions, mask, cache)
+        except (TypeError, ValueError) as e:
+            err = e
+        agree(self.group, None if err is not None else [x.shape[0], x.shape[-1]], err, "ContextParallel",
+              self.timeout, same=[0, 1])
+        n = x.shape[1]
         if DOCUMENTS.get() is not None and _counts_from_document_start(m):
             # global tokens, sink tokens and a score_mod's positions count from each document's start
             # in packed input; the sharded seams see absolute positions: run this layer gathered
@@ -182,15 +187,9 @@ class ContextParallel(ShardedMixer):
             return gathered(x, positions=positions)
         if isinstance(m, FoxAttention):  # no positional encoding: positions are not used
             return self._fox(x)
-        if positions is None:
-            if getattr(m, "rope", None) is not None or isinstance(m, MultiHeadLatentAttention):
-                lengths = all_lengths(n, self.group, x.device, self.timeout, "ContextParallel")
-                positions = positions_of(self.layout, lengths, dist.get_rank(self.group), device=x.device)
-        elif (not isinstance(positions, Tensor) or tuple(positions.shape) not in ((n,), (B, n))
-              or positions.is_floating_point()):
-            raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
-                             f"[{B}, {n}], got "
-                             f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
+        if positions is None and (getattr(m, "rope", None) is not None or isinstance(m, MultiHeadLatentAttention)):
+            lengths = all_lengths(n, self.group, x.device, self.timeout, "ContextParallel")
+            positions = positions_of(self.layout, lengths, dist.get_rank(self.group), device=x.device)
         seam = (_sigmoid_attend if isinstance(m, SigmoidAttention)
                 else _ring_attend if self.method == "ring" else _ulysses_attend)
         # The module runs its own forward; only its attend seam is pointed at the ring for this call.
@@ -205,6 +204,23 @@ class ContextParallel(ShardedMixer):
             m.attend_fn = saved
         assert isinstance(out, Tensor)
         return out
+
+    def _local_checks(self, x: object, positions: object, mask: object, cache: object) -> None:
+        if mask is not None or cache is not None:
+            raise ValueError("ContextParallel: mask= and cache= are not supported (the module's causal/window "
+                             "apply, documents come from attnzoo.distributed.documents; decode with the unwrapped "
+                             "module)")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"ContextParallel: x must be a tensor [B, n, C], got {type(x).__name__}")
+        dim = self.module.dim
+        if x.dim() != 3 or x.shape[-1] != dim:
+            raise ValueError(f"ContextParallel: x must have shape [B, n, C] with C = {dim}, got {tuple(x.shape)}")
+        B, n, _ = x.shape
+        if positions is not None and (not isinstance(positions, Tensor)
+                                      or tuple(positions.shape) not in ((n,), (B, n)) or positions.is_floating_point()):
+            raise ValueError(f"ContextParallel: positions must be an int tensor [n] = [{n}] or [B, n] = "
+                             f"[{B}, {n}], got "
+                             f"{positions if not isinstance(positions, Tensor) else tuple(positions.shape)}")
 
     def _fox(self, x: Tensor) -> Tensor:
         """FoX on the shard ``x [B, n, C]``: every rank gathers the forget gates ``log f`` of the whole

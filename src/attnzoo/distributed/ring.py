@@ -57,7 +57,7 @@ _HIDDEN, _PARTIAL, _FULL = 0, 1, 2
 
 _META_FIELDS = ("ok", "B", "Hq", "Hkv", "Nq", "Nk", "D", "Dv", "dtype", "layout", "causal",
                 "left", "right", "scale", "needs_grad", "softcap", "alibi_sum", "alibi_check",
-                "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias")
+                "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias", "sinks", "score_mod", "mask")
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win:
     vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, DTYPES.index(q.dtype), LAYOUTS.index(layout), float(causal),
             *window_and_scale(win, scale, D), float(needs_grad), 0.0 if softcap is None else float(softcap),
             a_sum, alibi_checksum(alibi, Hq), *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu)),
-            *(score or [0.0, 0.0])]
+            *(score or [0.0] * 5)]
     return [float(x) for x in vals]
 
 
@@ -496,7 +496,7 @@ def _ring_sigmoid(q: Tensor, k: Tensor, v: Tensor, ring: Ring, metas: list[_Meta
 
 def _check_ring_score(score: object, bias: object, sinks: object, score_mod: object, return_lse: object) -> list[float]:
     """:func:`check_score`, and a sigmoid score has no LSE to return and takes no ``score_mod``."""
-    sig = check_score(score, bias, sinks)
+    sig = check_score(score, bias, sinks, score_mod)
     if score == "sigmoid" and (score_mod is not None or return_lse):
         raise ValueError("score='sigmoid' has no log-sum-exp and takes no score_mod: "
                          "return_lse must be False and score_mod None")

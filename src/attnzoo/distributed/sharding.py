@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from attnzoo._validate import Window, check_choice, check_cu_seqlens, check_int
-from attnzoo.distributed.comm import as_timeout, rank_and_size, require_dist, resolve_group, wait
+from attnzoo.distributed.comm import (
+    agree,
+    as_timeout,
+    rank_and_size,
+    require_dist,
+    resolve_group,
+    wait,
+)
 
 __all__ = [
     "DOCUMENTS",
@@ -81,9 +89,17 @@ def global_cu_seqlens(cu_seqlens: object, fn: str) -> Tensor:
 SCORES = ("softmax", "sigmoid")
 
 
-def check_score(score: object, bias: object, sinks: object) -> list[float]:
+def _fingerprint(text: str) -> float:
+    """48 bits of a digest of ``text``, exact in a float64 and the same in every process."""
+    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))
+
+
+def check_score(score: object, bias: object, sinks: object, score_mod: object = None, mask: object = None
+                ) -> list[float]:
     """Validate ``score`` / sigmoid ``bias`` (``sinks`` need a softmax) and encode them for the
-    cross-rank comparison: ``[is sigmoid, bias or 0]``."""
+    cross-rank comparison: ``[is sigmoid, bias or 0, a checksum of the sink logits (0: none),
+    a score_mod given, a checksum of the Mask's name (0: none)]`` (a callable cannot be compared
+    across processes, so only its presence is; a Mask is compared by its printed expression)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     if score == "sigmoid" and sinks is not None:
@@ -92,7 +108,10 @@ def check_score(score: object, bias: object, sinks: object) -> list[float]:
         raise ValueError(f"bias applies to score='sigmoid' only, got score={score!r}")
     if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
         raise ValueError(f"bias must be a finite float or None (default -log(N) of the whole sequence), got {bias!r}")
-    return [float(score == "sigmoid"), 0.0 if bias is None else float(bias)]
+    sink_chk = 1.0 + _fingerprint(str(sinks.detach().double().cpu().tolist())) if isinstance(sinks, Tensor) else 0.0
+    mask_chk = 0.0 if mask is None else 1.0 + _fingerprint(str(getattr(mask, "name", type(mask).__name__)))
+    return [float(score == "sigmoid"), 0.0 if bias is None else float(bias), sink_chk, float(score_mod is not None),
+            mask_chk]
 
 
 def cu_checksum(cu: Tensor) -> list[float]:
@@ -237,11 +256,15 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, dim: int, group: Any, layout: str, timeout: timedelta | None) -> Tensor:  # type: ignore[override]
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         x = x.contiguous()
-        n_local = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
-        lengths_t = [torch.zeros_like(n_local) for _ in range(size)]
-        wait(dist.all_gather(lengths_t, n_local, group=group, async_op=True), timeout, rank,
-              "gather_sequence: the all_gather of shard lengths")
-        lengths = [int(t.item()) for t in lengths_t]
+        # the shards must agree on everything but their length: a mismatch made gloo abort the
+        # process, or read another dtype's bytes when the sizes happened to match
+        others = [s for i, s in enumerate(x.shape) if i != dim]
+        vals = [x.shape[dim], _fingerprint(str(x.dtype)), x.dim(), dim, *others]
+        names = ("length", "dtype", "rank", "dim", *(f"size of dim {i}" for i in range(x.dim()) if i != dim))
+        rows = agree(group, vals, None, "gather_sequence", timeout, same=range(1, len(vals)), names=names,
+                     describe=lambda r: f"{int(r[0])} positions along dim {int(r[3])}, other sizes "
+                                        f"{[int(v) for v in r[4:]]}")
+        lengths = [int(r[0]) for r in rows]
         if layout == "zigzag" and (len(set(lengths)) != 1 or lengths[0] % 2):
             raise ValueError(f"gather_sequence: the zigzag layout needs equal, even shard lengths on every "
                              f"rank, got {lengths}")

@@ -44,14 +44,13 @@ __all__ = ["ulysses_attention"]
 
 # entries of the cross-rank check; all but "n" (contiguous layout) must agree
 _FIELDS = ("B", "Hq", "Hkv", "n", "D", "Dv", "dtype", "layout", "causal", "left", "right", "scale", "softcap",
-           "alibi", "sinks", "needs_grad", "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias")
+           "alibi", "needs_grad", "cu_len", "cu_sum", "cu_chk", "sigmoid", "bias", "sinks", "score_mod", "mask")
 
 
 def _local_checks(q: object, k: object, v: object, world: int, layout: str, causal: object, win: Window | None,
                   scale: object, softcap: object, alibi_slopes: object, sinks: object,
-                  cu_seqlens: object, score: object, bias: object) -> list[float]:
+                  cu_seqlens: object, score: object, bias: object, score_mod: object, mask: object) -> list[float]:
     check_qkv(q, k, v)
-    sig = check_score(score, bias, sinks)
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     check_bool(causal, "causal")
     check_local_shards(q, k, layout)
@@ -67,12 +66,12 @@ def _local_checks(q: object, k: object, v: object, world: int, layout: str, caus
         if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != (hq,) or not t.is_floating_point()):
             raise ValueError(f"{name} must be a float tensor [Hq] = [{hq}] or None, got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else t!r}")
+    sig = check_score(score, bias, sinks, score_mod, mask)
     cu = [0.0, 0.0, 0.0] if cu_seqlens is None else cu_checksum(global_cu_seqlens(cu_seqlens, "ulysses_attention"))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return [B, hq, hkv, n, d, v.shape[3], DTYPES.index(q.dtype), LAYOUTS.index(layout), float(bool(causal)),
             *window_and_scale(win, scale, d), 0.0 if softcap is None else float(softcap),  # type: ignore[arg-type]
-            alibi_checksum(alibi_slopes, hq), float(sinks is not None),  # type: ignore[arg-type]
-            float(needs_grad), *cu, *sig]
+            alibi_checksum(alibi_slopes, hq), float(needs_grad), *cu, *sig]  # type: ignore[arg-type]
 
 
 def _describe(row: list[float]) -> str:
@@ -153,14 +152,14 @@ def ulysses_attention(
             raise TypeError(f"mask must be an attnzoo.masks.Mask over global positions or None, got "
                             f"{type(mask).__name__} (a dense mask does not shard)")
         vals = _local_checks(q, k, v, world, layout, causal, win, scale, softcap, alibi_slopes, sinks, cu_seqlens,
-                             score, bias)
+                             score, bias, score_mod, mask)
         if score_mod is not None and (score != "softmax" or not callable(score_mod)):
             raise TypeError(f"score_mod must be a callable with score='softmax' or None, got {score_mod!r} "
                             f"with score={score!r}")
     except (TypeError, ValueError) as e:
         err = e
     same = [i for i, f in enumerate(_FIELDS) if f != "n" or layout == "zigzag"]
-    rows = agree(pg, vals, err, fn, tmo, same=same, describe=_describe)
+    rows = agree(pg, vals, err, fn, tmo, same=same, describe=_describe, names=_FIELDS)
     lengths = [int(r[_FIELDS.index("n")]) for r in rows]
     if cu_seqlens is not None:
         docs = document(global_document_ids(cu_seqlens, lengths, fn, rank, q.device))
