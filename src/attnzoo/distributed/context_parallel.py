@@ -190,13 +190,10 @@ class ContextParallel(ShardedMixer):
         if positions is None and (getattr(m, "rope", None) is not None or isinstance(m, MultiHeadLatentAttention)):
             lengths = all_lengths(n, self.group, x.device, self.timeout, "ContextParallel")
             positions = positions_of(self.layout, lengths, dist.get_rank(self.group), device=x.device)
-        seam = (_sigmoid_attend if isinstance(m, SigmoidAttention)
-                else _ring_attend if self.method == "ring" else _ulysses_attend)
+        seam = _sigmoid_attend if isinstance(m, SigmoidAttention) else _sharded_attend
         # The module runs its own forward; only its attend seam is pointed at the ring for this call.
-        attend = functools.partial(seam, group=self.group, layout=self.layout, cp_backend=self.backend,
-                                   timeout=self.timeout, cu_seqlens=DOCUMENTS.get())
-        if seam is _sigmoid_attend:
-            attend = functools.partial(attend, method=self.method)
+        attend = functools.partial(seam, method=self.method, group=self.group, layout=self.layout,
+                                   cp_backend=self.backend, timeout=self.timeout, cu_seqlens=DOCUMENTS.get())
         saved, m.attend_fn = m.attend_fn, attend
         try:
             out = m(x) if positions is None else m(x, positions=positions)  # [B, n, C]
@@ -264,37 +261,25 @@ def _seam_checks(mask: Any, return_weights: bool, dropout_p: float, method: str)
                          f"{'ring attention takes causal/window only' if method == 'ring' else 'only position masks (attnzoo.masks.Mask) shard'}")
 
 
-def _ring_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
-                 timeout: timedelta | None, cu_seqlens: Tensor | None, mask: Any = None, causal: bool = False,
-                 window: Any = None, scale: float | None = None, softcap: float | None = None,
-                 alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, return_weights: bool = False,
-                 q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None,
-                 score_mod: Any = None) -> Tensor:
-    """The attend seam under ``method="ring"``: ``az.attention``'s keywords in, :func:`ring_attention`
-    over the group out (``q_offset`` is ignored: the ring places every shard at its global
-    positions from ``layout``)."""
-    del q_offset, backend  # the ring places shards by layout; each pair runs on cp_backend
-    _seam_checks(mask, return_weights, dropout_p, "ring")
-    out = ring_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
-                         alibi_slopes=alibi_slopes, layout=layout, backend=cp_backend, timeout=timeout,
-                         sinks=sinks, cu_seqlens=cu_seqlens, score_mod=score_mod)
-    assert isinstance(out, Tensor)
-    return out
-
-
-def _ulysses_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
+def _sharded_attend(q: Tensor, k: Tensor, v: Tensor, *, method: str, group: Any, layout: str, cp_backend: str,
                     timeout: timedelta | None, cu_seqlens: Tensor | None, mask: Any = None, causal: bool = False,
                     window: Any = None, scale: float | None = None, softcap: float | None = None,
                     alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, return_weights: bool = False,
                     q_offset: int | None = None, backend: str = "auto", sinks: Tensor | None = None,
                     score_mod: Any = None) -> Tensor:
-    """The attend seam under ``method="ulysses"`` (a position ``Mask`` of the module, e.g.
-    local-global, applies unchanged: every rank holds the whole sequence for its heads)."""
+    """The attend seam of a softmax module: ``az.attention``'s keywords in, :func:`ring_attention` or
+    :func:`ulysses_attention` (``method``) over the group out. ``q_offset`` is ignored (every shard sits
+    at its global positions from ``layout``) and ``backend`` too (each piece runs on ``cp_backend``);
+    under Ulysses a position ``Mask`` of the module (e.g. local-global) applies unchanged: every rank
+    holds the whole sequence for its heads."""
     del q_offset, backend
-    _seam_checks(mask, return_weights, dropout_p, "ulysses")
-    return ulysses_attention(q, k, v, group=group, causal=causal, window=window, scale=scale, softcap=softcap,
-                             alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, cu_seqlens=cu_seqlens,
-                             backend=cp_backend, timeout=timeout, mask=mask, score_mod=score_mod)
+    _seam_checks(mask, return_weights, dropout_p, method)
+    kw: dict[str, Any] = {"group": group, "causal": causal, "window": window, "scale": scale, "softcap": softcap,
+                          "alibi_slopes": alibi_slopes, "sinks": sinks, "layout": layout, "cu_seqlens": cu_seqlens,
+                          "backend": cp_backend, "timeout": timeout, "score_mod": score_mod}
+    out = ring_attention(q, k, v, **kw) if method == "ring" else ulysses_attention(q, k, v, mask=mask, **kw)
+    assert isinstance(out, Tensor)
+    return out
 
 
 def _sigmoid_attend(q: Tensor, k: Tensor, v: Tensor, *, group: Any, layout: str, cp_backend: str,
