@@ -197,3 +197,19 @@ def test_a_zero_token_update_keeps_the_last_update_undoable(make) -> None:  # ty
     cache.rollback(mark)
     assert cache.length == 5
     assert torch.equal(cache.update(seq[:, :, 5:6], seq[:, :, 5:6])[2], held)
+
+
+@pytest.mark.parametrize(("sinks", "window"), [(0, 3), (2, 3), (4, 1), (3, 0)])
+def test_sink_window_cache_holds_exactly_what_the_next_query_sees(sinks: int, window: int) -> None:
+    """After L tokens the cache holds the sinks and the last ``window`` keys, each with its own
+    values, and nothing else (a ring bound off by one passed the cache's other tests: only the
+    module-level decode == full forward caught it)."""
+    cache = az.SinkWindowKVCache(1, sinks, window, 1, 2)
+    keys = torch.arange(12, dtype=torch.float32).view(1, 1, 12, 1).expand(1, 1, 12, 2)
+    for length in range(1, 13):
+        cache.update(keys[:, :, length - 1:length], keys[:, :, length - 1:length])
+        want = sorted(set(range(min(length, sinks))) | set(range(max(sinks, length - window), length)))
+        held = cache.held_positions()
+        assert held.tolist() == want, (length, held.tolist())
+        k, _, pos = cache.update(keys[:, :, :0], keys[:, :, :0])  # the held keys, in position order
+        assert pos.tolist() == want and k[0, 0, :, 0].tolist() == [float(p) for p in want], length

@@ -117,9 +117,35 @@ def test_block_map_is_exact_where_it_matters(lengths, causal, window) -> None:
     """No tile marked empty has a visible pair, no tile marked full a hidden one, and every tile
     whose queries and keys lie in different sequences is empty (never computed)."""
     lq, lk = lengths[0], lengths[1] or lengths[0]
-    cu_q, cu_k = _cu(lq), _cu(lk)
+    _assert_block_map_exact(_cu(lq), _cu(lk), causal, window, 32, 16)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, (5, 0)), (False, (3, 6))])
+def test_block_map_is_exact_for_every_sequence_start_within_two_tiles(causal, window) -> None:
+    """The cases above never put a sequence start (or a window's first key) on a key tile's last
+    key, the one place where an off-by-one in the empty-tile test changes the map: a mutation there
+    passed the whole suite while a packed causal [127, 173] was 2.8 off. Every first length from
+    1 to two key tiles, tiny tiles."""
+    for first in range(1, 9):
+        cu = _cu([first, 13, 6])
+        _assert_block_map_exact(cu, cu, causal, window, 8, 4)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-if-built", "pytorch-path"])
+def test_packed_tiled_equals_each_sequence_alone_at_a_tile_edge(native: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The regression case of the mutation above: a sequence boundary one key before a tile edge
+    (the compiled kernel, where built, has no block map: the PyTorch path is the one it tests)."""
+    monkeypatch.setenv("ATTNZOO_NATIVE", native)
+    torch.manual_seed(0)
+    q, k, v, cu_q, cu_k = _inputs([127, 173], None)
+    out = az.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="tiled")
+    want, _ = per_sequence_reference(q, k, v, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _assert_block_map_exact(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window, bq: int, bk: int) -> None:
     m = varlen_mask(cu_q, cu_k, causal=causal, window=window)
-    tq, tk, bq, bk = sum(lq), sum(lk), 32, 16
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
     dense = m.materialize(1, 1, tq, tk, q_offset=0)[0, 0]
     bm = m.block_map(1, 1, tq, tk, bq, bk, q_offset=0)[0, 0]
     seq_q = torch.searchsorted(cu_q[1:].long(), torch.arange(tq), right=True)
