@@ -189,6 +189,17 @@ def backend_cases() -> list[BackendCase]:
           quick=True),
         C("huge scores ~+-300 softcap 50", 1, 4, 4, 33, 45, 16, 16,
           lambda g: {"causal": True, "scale": 20.0, "softcap": 50.0, "return_lse": True}),
+        # cases a mutation test found missing: several key chunks with scores past the bound that lets
+        # the tiled kernel skip the running maximum (its rescale), a window edge on a key tile's last
+        # key, ALiBi on the band path of a tile-crossing window, softcap before ALiBi
+        C("700 keys, score bound past 60 (online rescale)", 1, 2, 2, 130, 700, 16, 16,
+          lambda g: {"causal": True, "scale": 2.0, "return_lse": True}),
+        C("window (129,0): an edge on a tile's last key", 1, 2, 2, 300, 300, 16, 16,
+          lambda g: {"causal": True, "window": (129, 0)}),
+        C("alibi + tile-crossing window", 1, 4, 2, 300, 300, 16, 16,
+          lambda g: {"causal": True, "window": (100, 0), "alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}),
+        C("softcap + alibi", 2, 4, 4, 40, 40, 16, 16,
+          lambda g: {"causal": True, "softcap": 2.0, "alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}),
     ]
 
 
@@ -258,6 +269,16 @@ class _Inputs:
     v: Tensor
     dout: Tensor
     kwargs: dict[str, Any]
+    dlse: Tensor  # the LSE's share of the loss where a case returns it
+
+
+def _grads(out: Tensor, lse: Tensor | None, leaves: list[Tensor], x: _Inputs) -> list[Tensor]:
+    """Gradients of q, k, v of ``<out, dout>`` plus, where the case returns a finite LSE, ``<lse, dlse>``
+    (so a wrong LSE gradient fails too)."""
+    loss = (out * x.dout).sum()
+    if lse is not None and x.kwargs.get("return_lse") and bool(torch.isfinite(lse).all()):
+        loss = loss + (lse * x.dlse.to(lse.dtype)).sum()
+    return list(torch.autograd.grad(loss, leaves))
 
 
 def _case_inputs(case: BackendCase, seed: int, dev: torch.device) -> _Inputs:
@@ -268,7 +289,8 @@ def _case_inputs(case: BackendCase, seed: int, dev: torch.device) -> _Inputs:
     v64 = torch.randn(case.b, case.hkv, case.nk, case.dv, generator=g, dtype=torch.float64)
     dout64 = torch.randn(case.b, case.hq, case.nq, case.dv, generator=g, dtype=torch.float64)
     kwargs = {k_: (v_.to(dev) if isinstance(v_, Tensor) else v_) for k_, v_ in case.kwargs(g).items()}
-    return _Inputs(q64.to(dev), k64.to(dev), v64.to(dev), dout64.to(dev), kwargs)
+    dlse64 = torch.randn(case.b, case.hq, case.nq, generator=g, dtype=torch.float64)
+    return _Inputs(q64.to(dev), k64.to(dev), v64.to(dev), dout64.to(dev), kwargs, dlse64.to(dev))
 
 
 def _oracle(x: _Inputs, grad: bool) -> _Oracle:
@@ -276,7 +298,7 @@ def _oracle(x: _Inputs, grad: bool) -> _Oracle:
     ops, sharing no code with the backends (not the library's own ``reference`` backend)."""
     leaves = [t.clone().requires_grad_(grad) for t in (x.q, x.k, x.v)]
     out, lse = oracle_attention(*leaves, **{k: v for k, v in x.kwargs.items() if k != "return_lse"})
-    grads = list(torch.autograd.grad(out, leaves, x.dout)) if grad else []
+    grads = _grads(out, lse, leaves, x) if grad else []
     lse = lse.detach()
     return _Oracle(out.detach(), lse, grads, ~torch.isfinite(lse))
 
@@ -285,7 +307,7 @@ def _tolerances(x: _Inputs, ref: _Oracle, dtype: torch.dtype, grad: bool) -> tup
     """Tolerances of output, LSE and gradients in ``dtype`` (see the module docstring)."""
     el = [t.clone().requires_grad_(grad) for t in (x.q, x.k, x.v)]
     e_out, e_lse = _eager(*el, x.kwargs)
-    e_grads = list(torch.autograd.grad(e_out, el, x.dout)) if grad else []
+    e_grads = _grads(e_out, e_lse, el, x) if grad else []
     extra = FP32_EXTRA if dtype == torch.float32 else 1.0
     tol_out = extra * OUT_FACTOR * _max_err(e_out.detach(), ref.out) + 2 * _ref_bits(ref.out, dtype)
     tol_lse = (extra * OUT_FACTOR * _lse_err(e_lse.detach(), ref.lse)
@@ -300,8 +322,8 @@ def _call_backend(b: str, x: _Inputs, with_grad: bool) -> tuple[Tensor, Tensor |
     bl = [t.clone().requires_grad_(with_grad) for t in (x.q, x.k, x.v)]
     res = attention(*bl, **x.kwargs, backend=b)
     out, lse = (res if x.kwargs.get("return_lse") else (res, None))  # type: ignore[misc]
-    grads = list(torch.autograd.grad(out, bl, x.dout)) if with_grad else []
-    return out.detach(), lse, grads
+    grads = _grads(out, lse, bl, x) if with_grad else []
+    return out.detach(), None if lse is None else lse.detach(), grads
 
 
 def _run_backend(b: str, x: _Inputs, grad: bool, row: CheckRow, label: str
@@ -355,7 +377,7 @@ def _check_case(case: BackendCase, x64: _Inputs, names: list[str], dtypes: Seque
     label = f"{case.name} [B={case.b} Hq={case.hq} Hkv={case.hkv} Nq={case.nq} Nk={case.nk}]"
     for dt in dtypes:
         dtype = DTYPES[dt]
-        x = _Inputs(*(t.to(dtype) for t in (x64.q, x64.k, x64.v, x64.dout)), x64.kwargs)
+        x = _Inputs(*(t.to(dtype) for t in (x64.q, x64.k, x64.v, x64.dout)), x64.kwargs, x64.dlse)
         tols = _tolerances(x, ref, dtype, grad)  # the baseline: a plain eager implementation in this dtype
         for b in names:
             row = rows[(b, dt)]
