@@ -168,3 +168,23 @@ def test_backends_are_checked_against_the_independent_oracle(monkeypatch: pytest
     assert rows[("reference", "float32")].passed
     n_cases = sum(1 for c in check_mod.backend_cases() if c.quick)
     assert len(calls) >= n_cases
+
+
+def test_the_grid_catches_a_wrong_lse_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend whose LSE has the right value but a negated gradient (a flipped d_lse term in a
+    backward) passed the grid when only <out, dout> was differentiated."""
+    import attnzoo.check as check_mod
+
+    real = check_mod.attention
+
+    def negated_lse_gradient(*args: object, **kwargs: object) -> object:
+        res = real(*args, **kwargs)
+        if kwargs.get("return_lse"):
+            out, lse = res
+            return out, 2 * lse.detach() - lse  # the same values, the gradient negated
+        return res
+
+    monkeypatch.setattr(check_mod, "attention", negated_lse_gradient)
+    rows = check_backends(["reference"], ("float32",))
+    assert not rows[0].passed
+    assert any("return_lse causal" in f and " dq:" in f for f in rows[0].failures), rows[0].failures[:3]
