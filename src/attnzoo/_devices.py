@@ -1,4 +1,5 @@
-"""Device argument validation shared by the measuring tools (``check``, ``bench``)."""
+"""Device and dtype helpers: device argument validation shared by the measuring tools (``check``,
+``bench``), the one ``is_compiling`` question, and buffers kept in float32 through half casts."""
 
 from __future__ import annotations
 
@@ -23,3 +24,14 @@ def tracing() -> bool:
     from a mask's data, a timed choice); a traced graph decides from shapes only.
     """
     return torch.compiler.is_compiling()
+
+
+def restore_float32(module: torch.nn.Module, name: str, before: torch.Tensor | None) -> None:
+    """After ``module._apply`` (``.to``, ``.half()``, ...): a buffer that must stay float32 (or
+    float64) and was just cast to 16 bits is put back from its value ``before`` the cast, on the
+    new device, in float32. Nothing changes for moves that keep the dtype or on the meta device."""
+    now = getattr(module, name)
+    if (before is None or now is None or now.dtype not in (torch.float16, torch.bfloat16)
+            or before.dtype not in (torch.float32, torch.float64) or before.device.type == "meta"):
+        return
+    setattr(module, name, before.to(device=now.device, dtype=torch.float32))

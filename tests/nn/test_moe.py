@@ -202,3 +202,20 @@ def test_moe_equals_transformers_block(name: str) -> None:
         ref = ref[0] if isinstance(ref, tuple) else ref
         err = _rel(ours(x).reshape(ref.shape), ref)
     assert err < 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_half_casts_keep_the_expert_choice_bias_in_float32() -> None:
+    """``score_bias`` is float32 at construction in any dtype; ``.to(bfloat16)`` rounded it (the
+    bias decides the top-k near ties), so the two ways of getting a bfloat16 model disagreed."""
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(16, 8, 4, 2, routing=Routing(kind="sigmoid_topk"))
+    with torch.no_grad():
+        moe.score_bias.copy_(torch.randn(4) * 1e-3 + 0.1)
+    built = MixtureOfExperts(16, 8, 4, 2, routing=Routing(kind="sigmoid_topk"), dtype=torch.bfloat16)
+    built.load_state_dict(moe.state_dict())
+    cast = moe.to(torch.bfloat16)
+    assert cast.score_bias.dtype == built.score_bias.dtype == torch.float32
+    assert torch.equal(cast.score_bias, built.score_bias)
+    x = torch.randn(5, 16).bfloat16()
+    assert torch.equal(cast(x), built(x))
+    assert cast.double().score_bias.dtype == torch.float64  # wider casts apply as usual

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo._devices import restore_float32
 from attnzoo._validate import check_bool, check_int, check_optional_int
 from attnzoo.functional.feature_maps.linear import (
     FeatureMap,
@@ -325,6 +326,13 @@ class PerformerAttention(_FeatureAttention):
     def num_features(self) -> int:
         """Random features per head ``F``."""
         return self._num_features
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PerformerAttention:
+        """Half casts leave the projection in float32 (as ``dtype=`` at construction does)."""
+        before = self.projection
+        super()._apply(fn, recurse)
+        restore_float32(self, "projection", before)
+        return self
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         """Also save the redraw schedule, ``redraw_schedule = [num_draws, training calls since the

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._devices import restore_float32
 from attnzoo._validate import check_bool, check_choice, check_int, check_positive_float
 
 __all__ = ["EXPERT_ACTIVATIONS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
@@ -192,6 +193,14 @@ class MixtureOfExperts(nn.Module):
         for w in (self.gate_proj, self.up_proj, self.down_proj):
             bound = 1.0 / math.sqrt(w.shape[-1])
             nn.init.uniform_(w, -bound, bound)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MixtureOfExperts:
+        """Half casts leave ``score_bias`` in float32 (transformers keeps DeepSeek-V3's and Kimi's
+        correction bias in float32 too): a bias rounded to 16 bits picks other experts near ties."""
+        before = self.score_bias
+        super()._apply(fn, recurse)
+        restore_float32(self, "score_bias", before)
+        return self
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router of ``x [T, C]``: ``(weights [T, k], experts [T, k] long, logits [T, E])``; the

@@ -258,3 +258,15 @@ def test_chunked_gradients_match_numerical() -> None:
         lambda a, b, c: az.performer_attention(a, b, c, w, causal=True, chunk_size=3, key_padding_mask=pad),
         (q, k, v))
     assert torch.autograd.gradcheck(lambda a, b, c: az.performer_attention(a, b, c, w), (q, k, v))
+
+
+def test_half_casts_keep_the_projection_in_float32() -> None:
+    """The projection is float32 at construction in any dtype (docs/efficient.md); ``.to(bfloat16)``
+    rounded it, so a cast module and one built in bfloat16 gave different outputs (1e-3)."""
+    a = az.PerformerAttention(32, 4, num_features=16, causal=True, seed=0)
+    b = az.PerformerAttention(32, 4, num_features=16, causal=True, seed=0, dtype=torch.bfloat16)
+    b.load_state_dict(a.state_dict())
+    a16 = a.to(torch.bfloat16)
+    assert a16.projection.dtype == b.projection.dtype == torch.float32
+    x = torch.randn(1, 8, 32).bfloat16()
+    assert torch.equal(a16(x), b(x))
