@@ -35,9 +35,11 @@ def _window_sides(window: int | tuple[int | None, int | None] | None) -> tuple[i
 
 
 def _tensor4(name: str, t: object) -> Tensor:
-    if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 4:
-        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        got = t.dtype if isinstance(t, Tensor) else type(t).__name__
         raise TypeError(f"oracle: {name} must be a floating-point tensor [B, H, N, D], got {got}")
+    if t.dim() != 4:
+        raise ValueError(f"oracle: {name} must be [B, H, N, D], got shape {tuple(t.shape)}")
     return t
 
 

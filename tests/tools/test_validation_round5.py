@@ -31,6 +31,7 @@ ROPE = RotaryEmbedding(4)
     (lambda: oracle_attention(Q, torch.randn(1, 0, 5, 4), torch.randn(1, 0, 5, 4)), ValueError, r"Hq % Hkv"),
     (lambda: oracle_attention([1], K, V), TypeError, r"oracle: q must be a floating-point tensor"),
     (lambda: oracle_attention(Q.long(), K, V), TypeError, r"oracle: q must be a floating-point tensor"),
+    (lambda: oracle_attention(Q[0], K, V), ValueError, r"oracle: q must be \[B, H, N, D\], got shape \(2, 3, 4\)"),
     (lambda: oracle_attention(Q, torch.randn(1, 2, 5, 3), V), ValueError, r"k \(1, 2, 5, 3\)"),
     (lambda: oracle_attention(Q, K, torch.randn(1, 2, 4, 4)), ValueError, r"v \(1, 2, 4, 4\)"),
     (lambda: oracle_attention(Q, K, V, window=(2,)), ValueError, r"oracle: window must be"),
