@@ -13,6 +13,7 @@ from tests.tools.test_docs import run_blocks
 from torch import Tensor
 
 import attnzoo as az
+import attnzoo.nn.recurrent as recurrent_module
 from attnzoo.masks import key_padding
 from attnzoo.nn.deltanet import DeltaNet, GatedDeltaNet
 from attnzoo.nn.gla import GatedLinearAttention
@@ -334,7 +335,7 @@ def test_float16_zero_heads_stay_finite_and_match_float64(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["mamba2", "retnet"])  # RMS and layer head norms
-def test_head_norm_survives_outputs_whose_squares_overflow_float32(name: str) -> None:
+def test_head_norm_survives_outputs_whose_squares_overflow_float32(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mamba-2's head output reaches ~1e20 for inputs ~1e5, whose float32 squares overflow: the
     RMS/layer head norm gave zeros. Rows are now scaled by a power of two first; the float32
     module equals its float64 copy, and at ordinary scales the new norm equals the plain formula."""
@@ -347,9 +348,18 @@ def test_head_norm_survives_outputs_whose_squares_overflow_float32(name: str) ->
             y, ref = m32(x.float()).double(), m64(x)
         assert (ref.abs().amax(-1) > 0).all()
         assert (y - ref).abs().max() / ref.abs().max() < 1e-4, (name, scale)
-    norm = m64.norm
-    o = torch.randn(2, *norm.weight.shape[:1], 5, norm.weight.shape[1], dtype=torch.float64) * 3
-    plain = o - o.mean(-1, keepdim=True) if norm.kind == "layer" else o
-    plain = plain * torch.rsqrt(plain.square().mean(-1, keepdim=True) + norm.eps) * norm.weight[:, None, :]
+    norm = m32.norm  # ordinary rows: bit for bit the norm without the guard
+    o = torch.randn(2, *norm.weight.shape[:1], 5, norm.weight.shape[1]) * 3
+    if norm.kind == "layer":
+        plain = F.layer_norm(o, o.shape[-1:], eps=norm.eps)
+    else:
+        plain = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm.eps)
+    plain = plain * norm.weight[:, None, :]
     plain = plain if norm.bias is None else plain + norm.bias[:, None, :]
-    torch.testing.assert_close(norm(o), plain, rtol=1e-15, atol=0)
+    assert torch.equal(norm(o), plain)
+    monkeypatch.setattr(recurrent_module, "_may_overflow", lambda t: True)  # the path traced / accelerator calls take
+    assert torch.equal(norm(o), plain)  # ordinary rows are divided by exactly 1
+    with torch.no_grad():
+        big = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 1e5
+        y, ref = m32(big.float()).double(), m64(big)
+    assert (y - ref).abs().max() / ref.abs().max() < 1e-4

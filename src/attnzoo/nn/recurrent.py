@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.recurrent._chunked_scan import compute_dtype
 from attnzoo.masks import Mask
@@ -150,6 +151,17 @@ class ShortConv(nn.Module):
         return y, last.view(ch, s, w).transpose(0, 1)
 
 
+def _may_overflow(o: Tensor) -> bool:
+    """Whether some entry of ``o`` may square past float range (``|o| >= 2^56``): always when
+    traced or off the CPU (no host read there), else one ``aminmax`` read back."""
+    if tracing() or o.device.type != "cpu":
+        return True
+    if not o.numel():
+        return False
+    lo, hi = torch.aminmax(o.detach())
+    return max(-float(lo), float(hi)) >= 2.0 ** 56
+
+
 class HeadNorm(nn.Module):
     """Normalise each head of ``o [B, H, N, D]`` over ``D``: LayerNorm (``kind="layer"``, RetNet's
     group norm) or RMSNorm (``"rms"``), with a learned scale ``[H, D]`` (and bias for LayerNorm)."""
@@ -165,17 +177,20 @@ class HeadNorm(nn.Module):
     def forward(self, o: Tensor) -> Tensor:
         """Normalised in ``o``'s dtype or float32, whichever is wider (the parameters are cast to it).
 
-        Rows whose largest entry exceeds 1 are first divided by a power of two at least as large
-        (and ``eps`` by its square): the squares then cannot overflow (float32 squares overflow from
-        ``|o| ~ 1.8e19``, which Mamba-2's output reaches for inputs ~1e4, giving zeros). A power of
-        two rounds nothing, so rows that did not overflow are normalised as before."""
+        Rows whose largest entry passes ``2^56`` are first divided by a power of two that brings it
+        below (exact; ``eps`` is then negligible either way): float32 squares overflow from
+        ``|o| ~ 1.8e19``, which Mamba-2's output reaches for inputs ~1e4, and the norm gave zeros.
+        Eager on the CPU one ``aminmax`` decides whether any row needs it (other rows are
+        normalised bit for bit as without the guard); traced or on an accelerator the division
+        always runs (no host read)."""
         o = o if o.dtype == torch.float64 else o.float()
-        _, exp = torch.frexp(o.detach().abs().amax(-1, keepdim=True))
-        scale = torch.exp2(exp.clamp_min(0).to(o.dtype))  # [..., 1]
-        o, eps = o / scale, self.eps / scale.square()
+        if _may_overflow(o):
+            _, exp = torch.frexp(o.detach().abs().amax(-1, keepdim=True))
+            o = o / torch.exp2((exp - 56).clamp_min(0).to(o.dtype))  # [..., 1]: 1 for ordinary rows
         if self.kind == "layer":
-            o = o - o.mean(-1, keepdim=True)
-        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps)
+            o = F.layer_norm(o, o.shape[-1:], eps=self.eps)
+        else:
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = o * self.weight[:, None, :].to(o.dtype)
         return o if self.bias is None else o + self.bias[:, None, :].to(o.dtype)
 
