@@ -252,3 +252,20 @@ def test_load_hf_bert_folder_and_capture(tmp_path: Path) -> None:
 def test_alibi_picture_refuses_sizes_beyond_memory() -> None:
     with pytest.raises(ValueError, match="memory"):
         plot_positional("alibi", n=10**7)
+
+
+def test_a_call_without_weights_does_not_leave_an_older_map_as_the_latest() -> None:
+    """A StreamingLLM cached step gives no weights (recorded in ``skipped``), but ``cap[0]`` kept
+    returning the full forward's map as if it were the latest call's."""
+    torch.manual_seed(0)
+    m = az.StreamingAttention(32, 4, window=6, sink_tokens=2).eval()
+    x = torch.randn(1, 12, 32)
+    with torch.no_grad(), capture_attention(m) as cap:
+        m(x)
+        assert cap[0].shape == (1, 4, 12, 12)
+        m(x[:, :1], cache=m.init_cache(1, 12))
+        with pytest.raises(KeyError, match="latest call of layer 'StreamingAttention' gave no attention weights"):
+            cap[0]
+        assert len(cap.maps["StreamingAttention"]) == 1  # the earlier map is still there
+        m(x)  # a call with weights makes its map the latest again
+        assert cap[0].shape == (1, 4, 12, 12)

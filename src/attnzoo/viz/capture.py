@@ -24,16 +24,22 @@ class AttentionCapture:
     ``maps[layer]`` is the list of weight tensors ``[B, H, Nq, Nk]`` one module produced, one per
     call, in call order (decoding with a cache makes one call per step). ``layers`` lists the
     attention modules' qualified names in model order; ``skipped`` the modules that could not
-    return weights, with the reason.
+    return weights, with the reason; ``last_skipped`` those whose latest call gave none.
     """
 
     layers: list[str] = field(default_factory=list)
     maps: dict[str, list[Tensor]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    last_skipped: set[str] = field(default_factory=set)
 
     def __getitem__(self, layer: str | int) -> Tensor:
-        """The last weights of ``layer`` (a name or an index into :attr:`layers`): ``[B, H, Nq, Nk]``."""
+        """The weights of ``layer``'s latest call (a name or an index into :attr:`layers`):
+        ``[B, H, Nq, Nk]``. ``KeyError`` when that call gave none (e.g. a StreamingLLM cached step:
+        the earlier calls' maps stay in :attr:`maps`, but they are not the latest)."""
         name = self.layers[layer] if isinstance(layer, int) else layer
+        if name in self.last_skipped:
+            raise KeyError(f"the latest call of layer {name!r} gave no attention weights ({self.skipped[name]}); "
+                           f"maps[{name!r}] holds its {len(self.maps.get(name, []))} earlier map(s)")
         if name not in self.maps or not self.maps[name]:
             raise KeyError(f"no attention weights recorded for layer {name!r}; recorded: {list(self.maps)}")
         return self.maps[name][-1]
@@ -70,6 +76,11 @@ def _recording_forward(orig: Callable[..., Any], name: str, cap: AttentionCaptur
 
     def keep(w: Tensor) -> None:
         cap.maps[name].append(w.detach() if detach else w)
+        cap.last_skipped.discard(name)
+
+    def skip(exc: Exception) -> None:
+        cap.skipped[name] = str(exc)
+        cap.last_skipped.add(name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("return_weights"):
@@ -80,7 +91,7 @@ def _recording_forward(orig: Callable[..., Any], name: str, cap: AttentionCaptur
             try:
                 out, w = orig(*args, **kwargs, return_weights=True)
             except _NO_WEIGHTS as exc:
-                cap.skipped[name] = str(exc)
+                skip(exc)
                 return orig(*args, **kwargs)
             keep(w)
             return out
@@ -88,9 +99,9 @@ def _recording_forward(orig: Callable[..., Any], name: str, cap: AttentionCaptur
         try:
             with torch.no_grad():
                 res = orig(*args, **kwargs, return_weights=True)
-            cap.maps[name].append(res[1].detach())
+            keep(res[1].detach())
         except _NO_WEIGHTS as exc:
-            cap.skipped[name] = str(exc)
+            skip(exc)
         return out
 
     return wrapped
