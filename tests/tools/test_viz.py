@@ -269,3 +269,13 @@ def test_a_call_without_weights_does_not_leave_an_older_map_as_the_latest() -> N
         assert len(cap.maps["StreamingAttention"]) == 1  # the earlier map is still there
         m(x)  # a call with weights makes its map the latest again
         assert cap[0].shape == (1, 4, 12, 12)
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(tmp_path: Path) -> None:
+    """A folder with weights but no tokenizer raised transformers' own error, naming no file of ours."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"has no tokenizer attnzoo can read \(vocab.txt, or tokenizer.json"):
+        load_model(tmp_path)

@@ -60,7 +60,11 @@ def _hf_tokenize(p: Path) -> Tokenize:
     except ImportError as exc:
         raise ValueError(f"{p} has no vocab.txt; reading its tokenizer needs transformers "
                          f"(pip install 'attnzoo[hf]')") from exc
-    hf_tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError) as exc:  # no tokenizer files: transformers' message names none of ours
+        raise ValueError(f"{p} has no tokenizer attnzoo can read (vocab.txt, or tokenizer.json / "
+                         f"tokenizer_config.json for transformers): {str(exc).splitlines()[0]}") from exc
 
     def tokenize(text: str) -> tuple[Tensor, list[str]]:
         ids = hf_tok(text)["input_ids"]
