@@ -35,3 +35,15 @@ def restore_float32(module: torch.nn.Module, name: str, before: torch.Tensor | N
             or before.dtype not in (torch.float32, torch.float64) or before.device.type == "meta"):
         return
     setattr(module, name, before.to(device=now.device, dtype=torch.float32))
+
+
+def cache_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of a decode cache: ``dtype`` when given, else what the keys will be: the autocast
+    dtype when ``torch.autocast`` is on for the parameters' device type and they are float32 (its
+    matmuls then return that dtype), else the parameters' dtype."""
+    if dtype is not None:
+        return dtype
+    kind = param.device.type
+    if param.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return param.dtype

@@ -110,7 +110,7 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (self.dim,), self.weight.to(x.dtype), self.eps)
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return (self.weight * y.to(x.dtype)).to(x.dtype)  # x's dtype under autocast too (float32 weight)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

@@ -606,3 +606,32 @@ def test_hybrid_stack_packed_equals_each_document_alone() -> None:
         packed = model(torch.cat(docs, dim=1), cu_seqlens=cu)
         alone = torch.cat([model(d) for d in docs], dim=1)
     _close(packed, alone, 1e-4, "hybrid packed vs each alone")
+
+
+def test_qk_norm_runs_under_autocast() -> None:
+    """Under torch.autocast the QK-norm multiplied a bfloat16 q/k by its float32 weight: q and k came
+    out float32 next to a bfloat16 v and attention refused them (every Qwen3/Gemma3/OLMo2-shaped
+    model)."""
+    torch.manual_seed(0)
+    lm = az.DecoderLM.with_blocks(DecoderConfig(V, 32, 2, 4, norm="rms"), lambda b, i: dataclasses.replace(
+        b, attention_kwargs={**b.attention_kwargs, "qk_norm": "head"}))
+    tokens = torch.randint(0, V, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lm(tokens)
+    out.float().sum().backward()
+    ref = lm(tokens)
+    assert out.dtype == torch.bfloat16 and float((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("name", variant_names())
+def test_generate_under_autocast(name: str) -> None:
+    """A float32 model's decode caches were float32 while its keys under autocast are bfloat16: the
+    cache refused them (12 of the 21 variants). A cache now takes the autocast dtype."""
+    torch.manual_seed(0)
+    lm = az.DecoderLM(V, 32, 2, 4, attention=name).eval()
+    prompt = torch.randint(0, V, (1, 6))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lm.generate(prompt, 4)
+        cache = lm.init_cache(1, 10)
+        assert lm(prompt, cache=cache).dtype == torch.bfloat16
+    assert out.shape == (1, 10)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._devices import tracing
+from attnzoo._devices import cache_dtype, tracing
 from attnzoo._validate import (
     check_bool,
     check_float,
@@ -377,7 +377,7 @@ class DecoderLM(FromConfig, nn.Module):
         check_int(max_len, "max_len", "DecoderLM.init_cache")
         p = self.tok_emb.weight
         device = p.device if device is None else device
-        dtype = p.dtype if dtype is None else dtype
+        dtype = cache_dtype(p, dtype)  # the autocast dtype under torch.autocast (the keys' dtype)
         return LayerCaches([b.init_cache(batch_size, max_len, device=device, dtype=dtype) for b in self.blocks])
 
     def embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:

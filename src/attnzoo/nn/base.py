@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._devices import cache_dtype
 from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.softmax.attention import BACKENDS, attention
 from attnzoo.nn.cache import transaction
@@ -247,12 +248,12 @@ class AttentionBase(nn.Module):
     # ------------------------------------------------------------------ caches
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> Any:
-        """A decode cache for this module (see the subclass); device/dtype default to the module's."""
+        """A decode cache for this module (see the subclass); device/dtype default to the module's
+        (under ``torch.autocast``, a float32 module's cache takes the autocast dtype, as its keys do)."""
         check_int(batch_size, "batch_size")
         check_int(max_len, "max_len")
         p = self.out_proj.weight
-        return self._new_cache(batch_size, max_len, p.device if device is None else device,
-                               p.dtype if dtype is None else dtype)
+        return self._new_cache(batch_size, max_len, p.device if device is None else device, cache_dtype(p, dtype))
 
     def _new_cache(self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no decode cache")

@@ -28,11 +28,12 @@ QK_NORM_EPS = 1e-6
 
 def _rms(t: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last axis; half-precision inputs are normalised in float32 and cast back
-    before the weight (as Hugging Face's ``q_norm``/``k_norm``)."""
+    before the weight (as Hugging Face's ``q_norm``/``k_norm``). The result has ``t``'s dtype: under
+    ``torch.autocast`` a float32 weight would have made q and k float32 next to a half v."""
     if t.dtype in (torch.float32, torch.float64):
         return F.rms_norm(t, (t.shape[-1],), weight.to(t.dtype), eps)
     t32 = t.float()
-    return weight * (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
+    return (weight * (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)).to(t.dtype)
 
 
 def rms_norm_heads(t: Tensor, weight: Tensor, eps: float, over_heads: bool) -> Tensor:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._devices import cache_dtype
 from attnzoo._validate import check_int
 from attnzoo.functional.softmax.attention import attention
 from attnzoo.masks import Mask
@@ -91,7 +92,7 @@ class Llama4Attention(nn.Module):
                    dtype: torch.dtype | None = None) -> PositionedKVCache:
         p = self.q_proj.weight
         return PositionedKVCache(batch_size, max_len, self.num_kv_heads, self.head_dim,
-                                 device=p.device if device is None else device, dtype=p.dtype if dtype is None else dtype)
+                                 device=p.device if device is None else device, dtype=cache_dtype(p, dtype))
 
     def _l2(self, t: Tensor) -> Tensor:
         assert self.l2_norm_eps is not None

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._devices import cache_dtype
 from attnzoo._validate import check_bool, check_int
 from attnzoo.functional.recurrent.delta_rule import delta_rule
 from attnzoo.masks import Mask
@@ -152,7 +153,7 @@ class QwenGatedDeltaNet(nn.Module):
         """A :class:`LinearStateCache` (its size does not depend on ``max_len``)."""
         p = self.out_proj.weight
         return LinearStateCache(batch_size, self.conv_kernel, self.conv_dim, self.hv, self.dk, self.dv,
-                                device=p.device if device is None else device, dtype=p.dtype if dtype is None else dtype)
+                                device=p.device if device is None else device, dtype=cache_dtype(p, dtype))
 
     def forward(self, x: Tensor, *, mask: Tensor | Mask | None = None, cache: LinearStateCache | None = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
