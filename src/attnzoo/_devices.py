@@ -44,6 +44,10 @@ def cache_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
     kind = param.device.type
-    if param.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+    if param.dtype == torch.float32 and kind in _AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return param.dtype
+
+
+#: device types torch.autocast knows (asking about another, e.g. "meta", raises inside torch)
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")

@@ -496,6 +496,7 @@ def test_a_model_built_on_the_meta_device_loads_and_runs(kw: dict[str, object]) 
     ref = az.DecoderLM(V, 32, 2, 4, max_seq_len=32, **kw).eval()  # type: ignore[arg-type]
     with torch.device("meta"):
         lazy = az.DecoderLM(V, 32, 2, 4, max_seq_len=32, **kw)  # type: ignore[arg-type]
+    lazy.init_cache(1, 8)  # a cache of the meta model (its dtype rule asks autocast about the device)
     lazy.to_empty(device="cpu")
     lazy.load_state_dict(ref.state_dict())
     assert torch.equal(lazy.eval()(x), ref(x))
