@@ -240,7 +240,10 @@ def test_the_auto_backends_calibration_is_not_measured_as_activations(monkeypatc
     x = torch.randn(1, 300, 64)
     first = measure_activation_bytes(lambda: mod(x), exclude=list(mod.parameters()))
     assert native._calibrated, "the call did not calibrate: the test no longer tests anything"
-    assert first == measure_activation_bytes(lambda: mod(x), exclude=list(mod.parameters()))
+    second = measure_activation_bytes(lambda: mod(x), exclude=list(mod.parameters()))
+    # equal up to a small tensor (storages are told apart by address, which a freed scalar's may
+    # share with another); the timing run added 33x
+    assert abs(first - second) <= 0.01 * second, (first, second)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
