@@ -37,6 +37,10 @@ def restore_float32(module: torch.nn.Module, name: str, before: torch.Tensor | N
     setattr(module, name, before.to(device=now.device, dtype=torch.float32))
 
 
+#: device types torch.autocast knows (asking about another, e.g. "meta", raises inside torch)
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
+
+
 def cache_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype of a decode cache: ``dtype`` when given, else what the keys will be: the autocast
     dtype when ``torch.autocast`` is on for the parameters' device type and they are float32 (its
@@ -48,6 +52,3 @@ def cache_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
         return torch.get_autocast_dtype(kind)
     return param.dtype
 
-
-#: device types torch.autocast knows (asking about another, e.g. "meta", raises inside torch)
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")

@@ -25,7 +25,6 @@ from attnzoo.distributed.sharding import (
     DTYPES,
     LAYOUTS,
     Segment,
-    alibi_checksum,
     check_layout,
     check_local_shards,
     check_score,
@@ -34,6 +33,7 @@ from attnzoo.distributed.sharding import (
     cu_checksum,
     global_cu_seqlens,
     global_document_ids,
+    head_values_checksum,
     segments,
     window_and_scale,
 )
@@ -98,7 +98,7 @@ def _local_meta(q: object, k: object, v: object, layout: str, causal: bool, win:
     a_sum = 0.0 if alibi is None else float(alibi.double().sum())
     vals = [1.0, B, Hq, Hkv, Nq, Nk, D, Dv, DTYPES.index(q.dtype), LAYOUTS.index(layout), float(causal),
             *window_and_scale(win, scale, D), float(needs_grad), 0.0 if softcap is None else float(softcap),
-            a_sum, alibi_checksum(alibi, Hq), *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu)),
+            a_sum, head_values_checksum(alibi, Hq), *([0.0, 0.0, 0.0] if cu is None else cu_checksum(cu)),
             *(score or [0.0] * 5)]
     return [float(x) for x in vals]
 

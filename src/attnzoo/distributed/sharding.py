@@ -108,7 +108,7 @@ def check_score(score: object, bias: object, sinks: object, score_mod: object = 
         raise ValueError(f"bias applies to score='sigmoid' only, got score={score!r}")
     if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
         raise ValueError(f"bias must be a finite float or None (default -log(N) of the whole sequence), got {bias!r}")
-    sink_chk = 1.0 + _fingerprint(str(sinks.detach().double().cpu().tolist())) if isinstance(sinks, Tensor) else 0.0
+    sink_chk = head_values_checksum(sinks, sinks.numel()) if isinstance(sinks, Tensor) else 0.0
     mask_chk = 0.0 if mask is None else 1.0 + _fingerprint(str(getattr(mask, "name", type(mask).__name__)))
     return [float(score == "sigmoid"), 0.0 if bias is None else float(bias), sink_chk, float(score_mod is not None),
             mask_chk]
@@ -146,11 +146,13 @@ def window_and_scale(win: Window | None, scale: float | None, head_dim: int) -> 
     return [*sides, 1.0 / math.sqrt(head_dim) if scale is None else float(scale)]
 
 
-def alibi_checksum(slopes: Tensor | None, num_heads: int) -> float:
-    """``1 + sum_h h * slope_h`` (order-sensitive; ``0`` without slopes) for the cross-rank comparison."""
+def head_values_checksum(slopes: Tensor | None, num_heads: int) -> float:
+    """A per-head tensor (ALiBi slopes, sink logits) for the cross-rank comparison: ``1 +`` a digest of
+    its ``num_heads`` values (``0`` without one). A weighted sum let ``[1, -0.5]`` and ``[3, -1.5]``
+    agree."""
     if slopes is None:
         return 0.0
-    return 1.0 + float((slopes.detach().double().cpu() * torch.arange(1, num_heads + 1)).sum())
+    return 1.0 + _fingerprint(str(slopes.detach().double().cpu().reshape(num_heads).tolist()))
 
 
 def check_global_end(cu: Tensor | Sequence[int], lengths: Sequence[int], fn: str, rank: int, *,
@@ -260,7 +262,7 @@ class _GatherSequence(torch.autograd.Function):
         # process, or read another dtype's bytes when the sizes happened to match
         others = [s for i, s in enumerate(x.shape) if i != dim]
         vals = [x.shape[dim], _fingerprint(str(x.dtype)), x.dim(), dim, *others]
-        names = ("length", "dtype", "rank", "dim", *(f"size of dim {i}" for i in range(x.dim()) if i != dim))
+        names = ("length", "dtype", "ndim", "dim", *(f"size of dim {i}" for i in range(x.dim()) if i != dim))
         rows = agree(group, vals, None, "gather_sequence", timeout, same=range(1, len(vals)), names=names,
                      describe=lambda r: f"{int(r[0])} positions along dim {int(r[3])}, other sizes "
                                         f"{[int(v) for v in r[4:]]}")

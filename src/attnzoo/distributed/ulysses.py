@@ -24,13 +24,13 @@ from attnzoo.distributed.comm import agree, all_to_all_grad, as_timeout, require
 from attnzoo.distributed.sharding import (
     DTYPES,
     LAYOUTS,
-    alibi_checksum,
     check_layout,
     check_local_shards,
     check_score,
     cu_checksum,
     global_cu_seqlens,
     global_document_ids,
+    head_values_checksum,
     positions_of,
     window_and_scale,
 )
@@ -71,7 +71,7 @@ def _local_checks(q: object, k: object, v: object, world: int, layout: str, caus
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return [B, hq, hkv, n, d, v.shape[3], DTYPES.index(q.dtype), LAYOUTS.index(layout), float(bool(causal)),
             *window_and_scale(win, scale, d), 0.0 if softcap is None else float(softcap),  # type: ignore[arg-type]
-            alibi_checksum(alibi_slopes, hq), float(needs_grad), *cu, *sig]  # type: ignore[arg-type]
+            head_values_checksum(alibi_slopes, hq), float(needs_grad), *cu, *sig]  # type: ignore[arg-type]
 
 
 def _describe(row: list[float]) -> str:

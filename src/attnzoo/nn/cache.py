@@ -438,7 +438,8 @@ class SinkWindowKVCache(_SlotCache):
         self.window = _check_int(window, "window", minimum=0)
         self.max_len = None if max_len is None else _check_int(max_len, "max_len", minimum=1)
         # a stream of at most max_len tokens never fills more slots (its positions map to themselves)
-        self.capacity = min(self.sink_tokens + self.window, self.max_len or self.sink_tokens + self.window)
+        ring = self.sink_tokens + self.window
+        self.capacity = ring if self.max_len is None else min(ring, self.max_len)
         super().__init__(batch_size, self.capacity, num_kv_heads, head_dim, v_head_dim, device, dtype)
 
     def _held_ranges(self, length: int) -> tuple[tuple[int, int], tuple[int, int]]:
