@@ -153,6 +153,8 @@ def _bad_arguments(rank: int, world: int, res: dict[str, Any]) -> None:
         q, q, q, score_mod=(lambda s, b, h, i, j: s) if rank == 0 else None, timeout=TIMEOUT))
     _capture(res, "err/uly_sinks_values", lambda: ulysses_attention(q, kv, kv, sinks=sinks * (1 + 2 * rank),
                                                                     timeout=TIMEOUT))  # sum h*s_h agrees
+    slopes = torch.tensor([1.0, -0.5, 0.0, 0.0]) * (1 + 2 * rank)  # sum_h h * s_h = 0 on both ranks
+    _capture(res, "err/uly_alibi_values", lambda: ulysses_attention(q, kv, kv, alibi_slopes=slopes, timeout=TIMEOUT))
     _capture(res, "err/uly_mask_one_rank", lambda: ulysses_attention(
         q, kv, kv, mask=az.masks.sliding_window(2, 0) if rank == 0 else None, timeout=TIMEOUT))
     softmax = ContextParallel(build_attention("mha", 16, 2), timeout=TIMEOUT)  # the ring seam
@@ -256,6 +258,7 @@ def test_recurrent_documents_equal_cu_seqlens_4_ranks(four: list[dict[str, Any]]
     ("err/ring_score_mod_one_rank", None, r"ranks disagree on 'score_mod'"),
     ("err/uly_sinks_values", None, r"ranks disagree on 'sinks'"),
     ("err/uly_mask_one_rank", None, r"ranks disagree on 'mask'"),
+    ("err/uly_alibi_values", None, r"ranks disagree on 'alibi'"),  # a weighted-sum checksum agreed
     ("err/cp_softmax_width_one_rank", 1, r"x must have shape \[B, n, C\] with C = 16"),  # was: rank 0 timed out
     ("err/gather_shape", None, r"gather_sequence .*ranks disagree on 'size of dim 2'"),  # was: gloo aborted
     ("err/gather_dtype", None, r"gather_sequence .*ranks disagree on 'dtype'"),
