@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_bool, check_int, check_nonnegative_float
 from attnzoo.functional.recurrent.gla import gated_linear_attention
 from attnzoo.nn.deltanet import init_decay_parameters
 from attnzoo.nn.recurrent import (
@@ -54,7 +54,10 @@ class Mamba2(RecurrentMixer):
         ngroups: groups of heads sharing ``B`` and ``C`` (divides ``H``).
         conv_size: kernel of the short causal convolutions on ``x, B, C`` (0 = none; default 4).
         output_gate: the gate ``silu(z)`` before the RMSNorm (off: a plain RMSNorm, no ``z``).
-        bias: biases in the input/output projections (Mamba-2: none; the convolutions have one).
+        bias: biases in the input/output projections (Mamba-2: none).
+        conv_bias: biases in the short convolutions (Mamba-2: yes).
+        norm_eps: epsilon of the gated RMSNorm (Mamba-2: ``1e-5``; the Hugging Face hybrids use their
+            ``rms_norm_eps`` / ``layer_norm_epsilon``).
         chunk_size: chunk of the SSD's chunked form.
         device, dtype: of the parameters.
 
@@ -65,6 +68,7 @@ class Mamba2(RecurrentMixer):
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, expand: int = EXPAND,
                  state_size: int = STATE_SIZE, ngroups: int = 1, conv_size: int = CONV_SIZE,
                  output_gate: bool = True, bias: bool = False, chunk_size: int = 64,
+                 conv_bias: bool = True, norm_eps: float = 1e-5,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
@@ -89,8 +93,9 @@ class Mamba2(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.empty(H, **fk))
         init_decay_parameters(self.A_log, self.dt_bias)
         self.D = nn.Parameter(torch.ones(H, **fk))
-        self.norm = HeadNorm(self.ngroups, H * P // self.ngroups, "rms", 1e-5, fk)
-        self.make_convs({"x": H * P, "B": gs, "C": gs}, conv_size, True, fk)
+        eps = check_nonnegative_float(norm_eps, "norm_eps", cls)
+        self.norm = HeadNorm(self.ngroups, H * P // self.ngroups, "rms", eps, fk)
+        self.make_convs({"x": H * P, "B": gs, "C": gs}, conv_size, check_bool(conv_bias, "conv_bias", cls), fk)
         self.state_shape = (H, self.state_size, P)
 
     def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
@@ -117,7 +122,7 @@ class Mamba2(RecurrentMixer):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, inner_head_dim={self.inner_head_dim}, "
                 f"state_size={self.state_size}, ngroups={self.ngroups}, conv_size={self.conv_size}, "
-                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}")
+                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}, norm_eps={self.norm.eps}")
 
 
 # --------------------------------------------------------------------------- variant spec

@@ -267,10 +267,12 @@ def start(hf: HFConfig, sd: dict[str, Tensor], build: Callable[..., DecoderLM], 
 
 
 def finish(plan: Plan, model: DecoderLM, head_size: int | None, *,
-           norm_transform: Callable[[Tensor], Tensor] | None = None, ignore: Sequence[str] = ()) -> DecoderLM:
-    """Plan the final norm and the head, then copy every planned tensor (the rotary buffers of
-    the checkpoint and the patterns ``ignore`` are not expected to match anything)."""
-    plan.put("norm.weight", "norm.weight", norm_transform)
+           norm_transform: Callable[[Tensor], Tensor] | None = None, ignore: Sequence[str] = (),
+           final_norm: str = "norm") -> DecoderLM:
+    """Plan the final norm (the checkpoint's ``{final_norm}.weight``) and the head, then copy every
+    planned tensor (the rotary buffers of the checkpoint and the patterns ``ignore`` are not
+    expected to match anything)."""
+    plan.put("norm.weight", f"{final_norm}.weight", norm_transform)
     patterns = [r"(model\.)?rotary_emb\w*\.\w+", *ignore]
     put_head(plan, head_size, model.tie_embeddings, patterns)
     plan.apply(model, ignore=patterns)
