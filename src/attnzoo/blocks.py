@@ -52,6 +52,11 @@ def _gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _relu2(x: Tensor) -> Tensor:
+    """Squared ReLU (So et al. 2021, "Primer"; Nemotron-H's MLPs): ``relu(x)^2``."""
+    return torch.square(F.relu(x))
+
+
 #: Activation names accepted by :class:`FeedForward`; the gated ones multiply ``act(gate(x))``
 #: by ``up(x)`` (Shazeer 2020, "GLU variants improve Transformer").
 ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
@@ -59,6 +64,7 @@ ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
     "gelu": (F.gelu, False),  # exact (erf) GELU: BERT, ViT
     "gelu_tanh": (_gelu_tanh, False),  # GPT-2's "gelu_new"
     "silu": (F.silu, False),
+    "relu2": (_relu2, False),  # Nemotron-H, Primer
     "swiglu": (F.silu, True),  # LLaMA, Mistral
     "geglu": (F.gelu, True),
     "geglu_tanh": (_gelu_tanh, True),  # Gemma's gated gelu_pytorch_tanh
@@ -296,10 +302,12 @@ class BlockLayers:
     sub-layer (each gets its own weights). Each returns an ``nn.Module`` taking and returning
     ``[B, N, C]``; the attention module follows the attention protocol
     (``forward(x, *, mask=None, cache=None, positions=None)``, ``init_cache``).
+    ``feed_forward=None`` builds a mixer-only layer (no feed-forward sub-layer and no norm for
+    it: Mamba-2's and Nemotron-H's mixer layers).
     """
 
     attention: Factory
-    feed_forward: Factory
+    feed_forward: Factory | None
     norm: Factory
     cross_attention: Factory | None = None
     norm_first: bool = True
@@ -493,8 +501,11 @@ class TransformerBlock(nn.Module):
             self.cross_norm = _built(layers.norm, "norm", owner)
             self.cross_attn = _built(layers.cross_attention, "cross_attention", owner)
         self.context_dim = None if self.cross_attn is None else (layers.context_dim or self.dim)
-        self.ffn_norm = _built(layers.norm, "norm", owner)
-        self.ffn = _built(layers.feed_forward, "feed_forward", owner)
+        self.ffn_norm: nn.Module | None = None
+        self.ffn: nn.Module | None = None
+        if layers.feed_forward is not None:  # None: a mixer-only layer
+            self.ffn_norm = _built(layers.norm, "norm", owner)
+            self.ffn = _built(layers.feed_forward, "feed_forward", owner)
         self.attn_out_norm, self.ffn_out_norm = _sublayer_norms(layers, self, owner)
         self.dropout = nn.Dropout(check_probability(layers.dropout, "dropout", owner))
 
@@ -600,11 +611,15 @@ class TransformerBlock(nn.Module):
             if self.cross_attn is not None:
                 assert self.cross_norm is not None
                 x = x + drop(self._cross(self.cross_norm(x), context, context_mask, cross_cache))
+            if self.ffn is None:
+                return x
             return x + drop(self.ffn_out_norm(self.ffn(self.ffn_norm(x))))
         x = self.attn_norm(x + drop(self._mix(x, mask, cache, positions, cu_seqlens)))
         if self.cross_attn is not None:
             assert self.cross_norm is not None
             x = self.cross_norm(x + drop(self._cross(x, context, context_mask, cross_cache)))
+        if self.ffn is None:
+            return x
         return self.ffn_norm(x + drop(self.ffn(x)))
 
     def _cross(self, h: Tensor, context: Tensor | None, context_mask: Any, cache: Any) -> Tensor:
@@ -624,8 +639,9 @@ def _sublayer_norms(layers: BlockLayers, block: TransformerBlock, owner: str) ->
     if not layers.norm_first:
         raise ValueError(f"{owner}: sublayer_norm={kind!r} needs norm_first=True")
     if kind == "output":
-        block.attn_norm, block.ffn_norm = nn.Identity(), nn.Identity()
-    return _built(layers.norm, "norm", owner), _built(layers.norm, "norm", owner)
+        block.attn_norm = nn.Identity()
+        block.ffn_norm = None if block.ffn is None else nn.Identity()
+    return _built(layers.norm, "norm", owner), nn.Identity() if block.ffn is None else _built(layers.norm, "norm", owner)
 
 
 def _built(factory: Callable[[], nn.Module], name: str, owner: str) -> nn.Module:

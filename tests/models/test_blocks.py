@@ -64,6 +64,8 @@ def _ffn_reference(ffn: az.FeedForward, x: torch.Tensor) -> torch.Tensor:
     def act(name: str, t: torch.Tensor) -> torch.Tensor:
         if name == "relu":
             return t.clamp(min=0)
+        if name == "relu2":
+            return t.clamp(min=0) ** 2
         if name in ("gelu", "geglu"):
             return 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
         if name in ("gelu_tanh", "geglu_tanh"):
@@ -262,3 +264,27 @@ def test_block_from_layer_factories_equals_keyword_block() -> None:
         az.TransformerBlock(16, layers=layers, norm="rms")
     with pytest.raises(TypeError, match=r"feed_forward factory must return an nn\.Module"):
         az.TransformerBlock(16, layers=dataclasses.replace(layers, feed_forward=lambda: None))
+
+
+@pytest.mark.parametrize(("norm_first", "sublayer_norm"), [(True, "input"), (True, "output"), (False, "input")])
+def test_mixer_only_block_is_the_mixer_sublayer_alone(norm_first: bool, sublayer_norm: str) -> None:
+    """``feed_forward=None``: no feed-forward sub-layer and no norm for it (Mamba-2's layers); the
+    output is the mixer sub-layer of the same block with a feed-forward, as that block computes it
+    before its feed-forward (pre-norm, output norm, post-norm)."""
+    torch.manual_seed(3)
+    mixer = lambda: az.MultiHeadAttention(16, 2, causal=True)  # noqa: E731
+    norm = lambda: RMSNorm(16, eps=1e-5)  # noqa: E731
+    alone = az.TransformerBlock(16, layers=BlockLayers(attention=mixer, feed_forward=None, norm=norm,
+                                                        norm_first=norm_first, sublayer_norm=sublayer_norm)).eval()
+    assert alone.ffn is None and alone.ffn_norm is None
+    assert not any(name.startswith(("ffn.", "ffn_norm.", "ffn_out_norm.")) for name in alone.state_dict())
+    x = torch.randn(2, 7, 16)
+    attn_norm, attn_out_norm = alone.attn_norm, alone.attn_out_norm
+    if norm_first:
+        expected = x + attn_out_norm(alone.attn(attn_norm(x)))
+    else:
+        expected = attn_norm(x + alone.attn(x))
+    _close(alone(x), expected, 1e-6, "mixer-only block")
+    cache = alone.init_cache(2, 7)
+    steps = torch.cat([alone(x[:, :4], cache=cache), alone(x[:, 4:5], cache=cache), alone(x[:, 5:], cache=cache)], 1)
+    _close(steps, alone(x), 1e-5, "mixer-only decode")

@@ -250,7 +250,7 @@ class DecoderLM(FromConfig, nn.Module):
             others, e.g. ``linear``/``performer``/``infini``, take no RoPE and rely on causality),
             ``"learned"``, ``"sinusoidal"`` or ``"none"``.
         norm: ``"layer"`` or ``"rms"``; ``norm_eps`` its epsilon.
-        ffn: feed-forward activation (``relu``, ``gelu``, ``gelu_tanh``, ``silu``, ``swiglu``,
+        ffn: feed-forward activation (``relu``, ``relu2``, ``gelu``, ``gelu_tanh``, ``silu``, ``swiglu``,
             ``geglu``); ``ffn_hidden`` its hidden width.
         tie_embeddings: the LM head shares the token embedding matrix.
         dropout: residual/FFN/embedding dropout (attention-weight dropout: ``attention_kwargs``).

@@ -125,9 +125,10 @@ def rotary(hf: HFConfig, params: Mapping[str, Any], head_dim: int, *, rotary_dim
     return ScaledRotaryEmbedding(head_dim, p, max_position_embeddings=max_pos, rotary_dim=rotary_dim)
 
 
-def block(dim: int, attention: Callable[[], nn.Module], feed_forward: Callable[[], nn.Module],
+def block(dim: int, attention: Callable[[], nn.Module], feed_forward: Callable[[], nn.Module] | None,
           norm: Callable[[], nn.Module], *, sublayer_norm: str = "input") -> TransformerBlock:
-    """A pre-norm :class:`TransformerBlock` from its parts' factories."""
+    """A pre-norm :class:`TransformerBlock` from its parts' factories (``feed_forward=None``: a
+    mixer-only layer)."""
     return TransformerBlock(dim, layers=BlockLayers(attention=attention, feed_forward=feed_forward, norm=norm,
                                                     sublayer_norm=sublayer_norm))
 
@@ -161,13 +162,14 @@ def max_positions(hf: HFConfig) -> int:
 
 
 def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None, norm_eps: float,
-            embed_scale: float | None = None, logit_softcap: float | None = None, device: Any = None,
-            dtype: Any = None) -> DecoderLM:
+            embed_scale: float | None = None, logit_softcap: float | None = None, heads: int | None = None,
+            device: Any = None, dtype: Any = None) -> DecoderLM:
     """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
     rotary embedding and positions): the token embedding (times ``embed_scale``), the final
-    RMSNorm, the head of ``head_size`` (see :func:`~attnzoo.models.parts.head_for`)."""
+    RMSNorm, the head of ``head_size`` (see :func:`~attnzoo.models.parts.head_for`). ``heads``:
+    the config's head count where it has no ``num_attention_heads`` (an attention-free stack)."""
     V, C = hf.req("vocab_size"), hf.req("hidden_size")
-    cfg = DecoderConfig(V, C, len(blocks), hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=norm_eps,
+    cfg = DecoderConfig(V, C, len(blocks), heads or hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=norm_eps,
                         tie_embeddings=hf.get("tie_word_embeddings", False, bool),
                         max_seq_len=max_positions(hf))
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
