@@ -49,3 +49,11 @@ def test_every_layer_is_mixer_only() -> None:
 ])
 def test_options_it_cannot_reproduce_are_refused(key: str, value: Any, named: str) -> None:
     checks.check_refused(T.Mamba2ForCausalLM, _config, key, value, named)
+
+
+def test_packed_sequences_equal_each_alone() -> None:
+    checks.check_packed_equals_each_alone(_config)
+
+
+def test_packed_training_gradients_equal_each_alone() -> None:
+    checks.check_packed_gradients_equal_each_alone(_config)
