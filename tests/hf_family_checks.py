@@ -140,11 +140,11 @@ def check_packed_gradients_equal_each_alone(make: Callable[[], Any], lengths: tu
         return torch.nn.functional.cross_entropy(logits[0, :-1], seq[0, 1:], reduction="sum")
 
     logits = ours(torch.cat(seqs, dim=1), cu_seqlens=cu)
-    packed = sum(loss(logits[:, int(a):int(b)], s) for a, b, s in zip(cu[:-1], cu[1:], seqs))
+    packed = sum(loss(logits[:, int(a):int(b)], s) for a, b, s in zip(cu[:-1], cu[1:], seqs, strict=True))
     got = torch.autograd.grad(packed, list(ours.parameters()))
     alone = sum(loss(ours(s), s) for s in seqs)
     want = torch.autograd.grad(alone, list(ours.parameters()))
-    assert max(rel(g, w) for g, w in zip(got, want) if w.abs().max() > 0) <= 1e-9
+    assert max(rel(g, w) for g, w in zip(got, want, strict=True) if w.abs().max() > 0) <= 1e-9
 
 
 def check_refused(model_class: Any, make: Callable[[], Any], key: str, value: Any, named: str) -> None:
