@@ -77,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "KimiDeltaAttention": "attnzoo.nn.kda",
     "GatedDeltaProduct": "attnzoo.nn.deltaproduct",
     "Mamba2": "attnzoo.nn.mamba2",
+    "ParallelMixers": "attnzoo.nn.parallel",
     "RecurrentCache": "attnzoo.nn.recurrent",
     "MultiHeadLatentAttention": "attnzoo.nn.mla",
     "NativeSparseAttention": "attnzoo.nn.nsa",

@@ -75,8 +75,8 @@ def _merge(o: Tensor) -> Tensor:
     return o.transpose(1, 2).flatten(2)
 
 
-def _rms(o: Tensor, w: Tensor) -> Tensor:
-    return o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+def _rms(o: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
+    return o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def _ref_retnet(m: MultiScaleRetention, x: Tensor) -> Tensor:
@@ -118,8 +118,13 @@ def _ref_mamba2(m: Mamba2, x: Tensor) -> Tensor:
     dt = F.softplus(m.dt_proj(x) + m.dt_bias).transpose(1, 2)  # [B, H, N]
     decay = torch.exp(dt * -m.A_log.exp()[:, None])
     y = _loop(cm, bm, xs * dt[..., None], decay[..., None].expand_as(bm), None, 1.0) + m.D[:, None, None] * xs
-    y = _merge(y) * F.silu(m.z_proj(x))  # gate, then RMSNorm per group
-    y = _rms(y.unflatten(-1, (m.ngroups, -1)), m.norm.weight).flatten(-2)
+    y, gate = _merge(y), F.silu(m.z_proj(x))
+    if m.gate_norm != "before_gate":  # gate, then RMSNorm per group (or no norm)
+        y = y * gate
+    if m.norm is not None:
+        y = _rms(y.unflatten(-1, (m.ngroups, -1)), m.norm.weight, m.norm.eps).flatten(-2)
+    if m.gate_norm == "before_gate":  # RMSNorm per group, then gate
+        y = y * gate
     return m.out_proj(y)
 
 
@@ -130,7 +135,8 @@ REFS = {"retnet": _ref_retnet, "gla": _ref_gla, "deltanet": _ref_deltanet, "gate
 @pytest.mark.parametrize(("name", "kw"), [(n, {}) for n in NAMES] + [
     ("gla", {"conv_size": 4}), ("deltanet", {"conv_size": 0, "output_gate": True}),
     ("gated_deltanet", {"conv_size": 2, "output_gate": False}), ("mamba2", {"ngroups": 3, "state_size": 5}),
-    ("mamba2", {"conv_size": 3, "expand": 1})])
+    ("mamba2", {"conv_size": 3, "expand": 1}), ("mamba2", {"ngroups": 3, "gate_norm": "before_gate"}),
+    ("mamba2", {"gate_norm": "none", "conv_bias": False}), ("mamba2", {"norm_eps": 1e-3})])
 @pytest.mark.parametrize("n", [1, 9, 13])
 def test_module_equals_the_float64_recurrence_from_the_paper(name: str, kw: dict, n: int) -> None:
     m = _build(name, **kw)
@@ -275,6 +281,12 @@ def test_bad_inputs_raise(name: str) -> None:
 def test_bad_options_raise() -> None:
     with pytest.raises(ValueError, match="ngroups"):
         Mamba2(C, H, ngroups=2)
+    with pytest.raises(ValueError, match="gate_norm"):
+        Mamba2(C, H, gate_norm="middle")
+    with pytest.raises(TypeError, match="conv_bias"):
+        Mamba2(C, H, conv_bias=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="norm_eps"):
+        Mamba2(C, H, norm_eps=-1.0)
     with pytest.raises(ValueError, match="conv_size"):
         DeltaNet(C, H, conv_size=-1)
     with pytest.raises(TypeError, match="output_gate"):

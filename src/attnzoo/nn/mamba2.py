@@ -10,7 +10,8 @@ head); ``x, B, C`` go through short causal depthwise convolutions and SiLU. Then
 
 computed by :func:`attnzoo.gated_linear_attention` with one decay per token
 (``q = C, k = B, v = x dt, log_decay = dt A``, scale 1; chunked scan in plain PyTorch, recurrent
-decode), then the gated RMSNorm ``norm(y * silu(z))`` (per group) and the output projection. The
+decode), then the gated RMSNorm ``norm(y * silu(z))`` (per group; ``gate_norm`` picks
+``norm(y) * silu(z)`` or no norm instead) and the output projection. The
 separate projections equal Mamba-2's fused ``in_proj`` (and the per-channel convolutions its
 fused ``conv1d``) split by rows.
 """
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_bool, check_int, check_nonnegative_float
+from attnzoo._validate import check_bool, check_choice, check_int, check_nonnegative_float
 from attnzoo.functional.recurrent.gla import gated_linear_attention
 from attnzoo.nn.deltanet import init_decay_parameters
 from attnzoo.nn.recurrent import (
@@ -36,10 +37,13 @@ from attnzoo.nn.recurrent import (
 )
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
-__all__ = ["Mamba2"]
+__all__ = ["GATE_NORMS", "Mamba2"]
 
 #: defaults the cost model assumes (they are not cost-model options)
 EXPAND, STATE_SIZE, CONV_SIZE = 2, 64, 4
+#: where the gated RMSNorm sits: ``norm(y * silu(z))`` (Mamba-2), ``norm(y) * silu(z)``, or no norm
+#: (``y * silu(z)``; Falcon-H1's ``mamba_rms_norm=False``)
+GATE_NORMS = ("after_gate", "before_gate", "none")
 
 
 class Mamba2(RecurrentMixer):
@@ -58,6 +62,8 @@ class Mamba2(RecurrentMixer):
         conv_bias: biases in the short convolutions (Mamba-2: yes).
         norm_eps: epsilon of the gated RMSNorm (Mamba-2: ``1e-5``; the Hugging Face hybrids use their
             ``rms_norm_eps`` / ``layer_norm_epsilon``).
+        gate_norm: ``"after_gate"`` (Mamba-2: ``norm(y * silu(z))``), ``"before_gate"``
+            (``norm(y) * silu(z)``) or ``"none"`` (``y * silu(z)``, no norm weights).
         chunk_size: chunk of the SSD's chunked form.
         device, dtype: of the parameters.
 
@@ -68,7 +74,7 @@ class Mamba2(RecurrentMixer):
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, expand: int = EXPAND,
                  state_size: int = STATE_SIZE, ngroups: int = 1, conv_size: int = CONV_SIZE,
                  output_gate: bool = True, bias: bool = False, chunk_size: int = 64,
-                 conv_bias: bool = True, norm_eps: float = 1e-5,
+                 conv_bias: bool = True, norm_eps: float = 1e-5, gate_norm: str = "after_gate",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
@@ -94,7 +100,8 @@ class Mamba2(RecurrentMixer):
         init_decay_parameters(self.A_log, self.dt_bias)
         self.D = nn.Parameter(torch.ones(H, **fk))
         eps = check_nonnegative_float(norm_eps, "norm_eps", cls)
-        self.norm = HeadNorm(self.ngroups, H * P // self.ngroups, "rms", eps, fk)
+        self.gate_norm = check_choice(gate_norm, "gate_norm", cls, choices=GATE_NORMS)
+        self.norm = None if gate_norm == "none" else HeadNorm(self.ngroups, H * P // self.ngroups, "rms", eps, fk)
         self.make_convs({"x": H * P, "B": gs, "C": gs}, conv_size, check_bool(conv_bias, "conv_bias", cls), fk)
         self.state_shape = (H, self.state_size, P)
 
@@ -113,16 +120,21 @@ class Mamba2(RecurrentMixer):
         y, state = gated_linear_attention(q, k, xs * dt[..., None], log_decay, scale=1.0, initial_state=state,
                                           return_state=True, chunk_size=self.chunk_size, cu_seqlens=cu)
         y = (y + wide(self.D)[:, None, None] * xs).transpose(1, 2).flatten(2)  # [B, N, H * P], float32 for half
-        if self.z_proj is not None:
-            y = y * F.silu(wide(self.z_proj(x)))
-        b, n, _ = y.shape
-        y = self.norm(y.reshape(b, n, self.ngroups, -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
+        gate = None if self.z_proj is None else F.silu(wide(self.z_proj(x)))
+        if gate is not None and self.gate_norm != "before_gate":
+            y = y * gate
+        if self.norm is not None:
+            b, n, _ = y.shape
+            y = self.norm(y.reshape(b, n, self.ngroups, -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
+        if gate is not None and self.gate_norm == "before_gate":
+            y = y * gate
         return self.out_proj(y.to(x.dtype)), state, new
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, inner_head_dim={self.inner_head_dim}, "
                 f"state_size={self.state_size}, ngroups={self.ngroups}, conv_size={self.conv_size}, "
-                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}, norm_eps={self.norm.eps}")
+                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}, gate_norm={self.gate_norm!r}"
+                + ("" if self.norm is None else f", norm_eps={self.norm.eps}"))
 
 
 # --------------------------------------------------------------------------- variant spec

@@ -24,13 +24,14 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.mamba2 import Mamba2
 
-__all__ = ["BAMBA_KEYS", "MambaKeys", "mamba_factory", "put_mamba"]
+__all__ = ["BAMBA_KEYS", "MambaKeys", "in_proj_widths", "mamba_factory", "put_mamba"]
 
 
 @dataclass(frozen=True)
 class MambaKeys:
-    """The config keys of a family's Mamba-2 sizes (``head_dim`` may hold ``"auto"``:
-    ``expand * hidden_size / heads``)."""
+    """The config keys of a family's Mamba-2 sizes. ``head_dim`` may hold ``"auto"``: the inner
+    width over the heads, the inner width being the ``inner`` key where the family has one
+    (Falcon-H1's ``mamba_d_ssm``) and set, else ``expand * hidden_size``."""
 
     heads: str
     head_dim: str
@@ -42,6 +43,7 @@ class MambaKeys:
     proj_bias: str
     norm_eps: str
     activation: str = "hidden_act"
+    inner: str | None = None
 
 
 BAMBA_KEYS = MambaKeys("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv",
@@ -49,14 +51,17 @@ BAMBA_KEYS = MambaKeys("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_
 
 
 def _head_dim(hf: HFConfig, keys: MambaKeys, heads: int) -> int:
-    """``P``: the head width, checked against ``expand * hidden_size == heads * P``."""
-    inner = hf.get(keys.expand, 2) * hf.req("hidden_size")
-    raw = hf.raw(keys.head_dim, "auto")
-    head_dim = inner // heads if raw == "auto" else hf.req(keys.head_dim)
-    if head_dim < 1 or heads * head_dim != inner:
-        raise CheckpointFormatError(f"{hf.source}: {keys.heads} ({heads}) x {keys.head_dim} ({raw!r}) must equal "
-                                    f"{keys.expand} x hidden_size ({inner})")
-    return head_dim
+    """``P``: the head width, given, or ``"auto"``: the inner width over ``heads`` (which must
+    divide it). A given width is the checkpoint's to match (a wrong one is a shape mismatch
+    naming the tensor when the weights load)."""
+    if hf.raw(keys.head_dim, "auto") != "auto":
+        return int(hf.req(keys.head_dim))
+    inner = hf.get(keys.inner, None) if keys.inner else None
+    inner = inner or hf.get(keys.expand, 2) * hf.req("hidden_size")
+    if inner % heads:
+        raise CheckpointFormatError(f"{hf.source}: {keys.heads} ({heads}) must divide the Mamba-2 inner width "
+                                    f"({inner}) when {keys.head_dim} is 'auto'")
+    return int(inner // heads)
 
 
 def _number(value: Any) -> float:
@@ -80,11 +85,12 @@ def _dt_limit_is_open(value: Any) -> bool:
     return lo <= 0 and hi == math.inf
 
 
-def mamba_factory(hf: HFConfig, keys: MambaKeys, *, device: Any = None, dtype: Any = None) -> Callable[[], Mamba2]:
+def mamba_factory(hf: HFConfig, keys: MambaKeys, *, gate_norm: str = "after_gate", device: Any = None,
+                  dtype: Any = None) -> Callable[[], Mamba2]:
     """A factory of one layer's :class:`Mamba2` from the config (``H`` heads of ``P`` channels,
     ``ngroups`` groups of ``state`` for ``B``/``C``, the convolution's kernel and bias, the gated
-    norm's epsilon). Refused by name: biased projections, a clamped ``time_step_limit``, a
-    convolution activation other than SiLU."""
+    norm's epsilon and place, ``gate_norm``). Refused by name: biased projections, a clamped
+    ``time_step_limit``, a convolution activation other than SiLU."""
     heads = hf.req(keys.heads)
     if hf.get(keys.proj_bias, False, bool):
         raise hf.unsupported(f"{keys.proj_bias}=True")
@@ -97,7 +103,14 @@ def mamba_factory(hf: HFConfig, keys: MambaKeys, *, device: Any = None, dtype: A
         Mamba2, hf.req("hidden_size"), heads, head_dim=_head_dim(hf, keys, heads), expand=1,
         state_size=hf.req(keys.state), ngroups=hf.get(keys.groups, 1), conv_size=hf.get(keys.conv, 4),
         conv_bias=hf.get(keys.conv_bias, True, bool), norm_eps=hf.get(keys.norm_eps, 1e-5, float),
-        device=device, dtype=dtype)
+        gate_norm=gate_norm, device=device, dtype=dtype)
+
+
+def in_proj_widths(hf: HFConfig, keys: MambaKeys) -> tuple[int, int, int, int, int]:
+    """The widths of the ``[z | x | B | C | dt]`` row blocks of transformers' fused ``in_proj``."""
+    heads = hf.req(keys.heads)
+    inner, gs = heads * _head_dim(hf, keys, heads), hf.get(keys.groups, 1) * hf.req(keys.state)
+    return inner, inner, gs, gs, heads
 
 
 def _rows(lo: int, hi: int) -> Callable[[Tensor], Tensor]:
@@ -106,7 +119,8 @@ def _rows(lo: int, hi: int) -> Callable[[Tensor], Tensor]:
 
 def put_mamba(plan: Plan, ours: str, theirs: str, mixer: Mamba2) -> None:
     """Plan ``mixer`` (at ``ours``, e.g. ``"blocks.0.attn."``) from transformers' mixer at ``theirs``
-    (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm``, ``out_proj``)."""
+    (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm`` unless the mixer has none,
+    ``out_proj``)."""
     inner, gs, heads = mixer.num_heads * mixer.inner_head_dim, mixer.ngroups * mixer.state_size, mixer.num_heads
     starts = {"z_proj": 0, "v_proj": inner, "k_proj": 2 * inner, "q_proj": 2 * inner + gs, "dt_proj": 2 * inner + 2 * gs}
     widths = {"z_proj": inner, "v_proj": inner, "k_proj": gs, "q_proj": gs, "dt_proj": heads}
@@ -120,5 +134,6 @@ def put_mamba(plan: Plan, ours: str, theirs: str, mixer: Mamba2) -> None:
         lo += width
     for name in ("A_log", "D", "dt_bias"):
         plan.put(f"{ours}{name}", f"{theirs}{name}")
-    plan.put(f"{ours}norm.weight", f"{theirs}norm.weight", lambda t: t.reshape(mixer.ngroups, -1))
+    if mixer.norm is not None:
+        plan.put(f"{ours}norm.weight", f"{theirs}norm.weight", lambda t: t.reshape(mixer.ngroups, -1))
     plan.put(f"{ours}out_proj.weight", f"{theirs}out_proj.weight")

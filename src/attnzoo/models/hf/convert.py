@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.models.families.bamba import convert_bamba
+from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.families.gpt_oss import convert_gpt_oss
 from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
@@ -47,7 +48,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "OlmoHybridForCausalLM", "KimiLinearForCausalLM", "KimiLinearModel",
                            "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel", "BambaForCausalLM", "BambaModel",
                            "Mamba2ForCausalLM", "Mamba2Model", "GraniteMoeHybridForCausalLM",
-                           "GraniteMoeHybridModel")
+                           "GraniteMoeHybridModel", "FalconH1ForCausalLM", "FalconH1Model")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -57,7 +58,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "qwen3_5_text": ("Qwen3.5", convert_qwen3_5), "olmo_hybrid": ("OLMo-hybrid", convert_olmo_hybrid),
     "kimi_linear": ("Kimi Linear", convert_kimi_linear), "qwen3_5_moe_text": ("Qwen3.5-MoE", convert_qwen3_5_moe),
     "bamba": ("Bamba", convert_bamba), "mamba2": ("Mamba-2", convert_mamba2),
-    "granitemoehybrid": ("Granite 4.0-H", convert_granitemoehybrid),
+    "granitemoehybrid": ("Granite 4.0-H", convert_granitemoehybrid), "falcon_h1": ("Falcon-H1", convert_falcon_h1),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
