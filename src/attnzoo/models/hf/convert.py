@@ -23,6 +23,7 @@ from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
 from attnzoo.models.families.llama4 import convert_llama4
 from attnzoo.models.families.mamba2 import convert_mamba2
+from attnzoo.models.families.nemotron_h import convert_nemotron_h
 from attnzoo.models.families.olmo3 import convert_olmo3
 from attnzoo.models.families.olmo_hybrid import convert_olmo_hybrid
 from attnzoo.models.families.qwen3_5 import convert_qwen3_5, convert_qwen3_5_moe
@@ -47,8 +48,9 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "Llama4TextModel", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
                            "OlmoHybridForCausalLM", "KimiLinearForCausalLM", "KimiLinearModel",
                            "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel", "BambaForCausalLM", "BambaModel",
-                           "Mamba2ForCausalLM", "Mamba2Model", "GraniteMoeHybridForCausalLM",
-                           "GraniteMoeHybridModel", "FalconH1ForCausalLM", "FalconH1Model")
+                           "GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel", "Mamba2ForCausalLM",
+                           "Mamba2Model", "NemotronHForCausalLM", "NemotronHModel",
+                           "FalconH1ForCausalLM", "FalconH1Model")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -57,8 +59,9 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "llama4_text": ("Llama-4", convert_llama4), "qwen3_next": ("Qwen3-Next", convert_qwen3_next),
     "qwen3_5_text": ("Qwen3.5", convert_qwen3_5), "olmo_hybrid": ("OLMo-hybrid", convert_olmo_hybrid),
     "kimi_linear": ("Kimi Linear", convert_kimi_linear), "qwen3_5_moe_text": ("Qwen3.5-MoE", convert_qwen3_5_moe),
-    "bamba": ("Bamba", convert_bamba), "mamba2": ("Mamba-2", convert_mamba2),
-    "granitemoehybrid": ("Granite 4.0-H", convert_granitemoehybrid), "falcon_h1": ("Falcon-H1", convert_falcon_h1),
+    "bamba": ("Bamba", convert_bamba), "granitemoehybrid": ("Granite 4.0-H", convert_granitemoehybrid),
+    "mamba2": ("Mamba-2", convert_mamba2), "nemotron_h": ("Nemotron-H", convert_nemotron_h),
+    "falcon_h1": ("Falcon-H1", convert_falcon_h1),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
