@@ -52,8 +52,8 @@ def test_layers_are_mamba_and_attention_in_parallel() -> None:
         assert isinstance(block.attn, ParallelMixers)
         mamba, attn = block.attn.mixers
         assert isinstance(mamba, Mamba2) and isinstance(attn, MultiHeadAttention)
-        assert mamba.norm is None and mamba.num_heads * mamba.inner_head_dim == 96
-    assert [from_hf(checks.hf_model(make())).blocks[0].attn.mixers[0].gate_norm
+        assert mamba.norm.weight is None and mamba.num_heads * mamba.inner_head_dim == 96
+    assert [from_hf(checks.hf_model(make())).blocks[0].attn.mixers[0].norm.place
             for make in (_norm_after_gate, _norm_before_gate)] == ["after_gate", "before_gate"]
 
 

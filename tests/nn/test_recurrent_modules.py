@@ -5,6 +5,7 @@ lengths, across chunk boundaries), the cache protocol, key padding, gradients, b
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import attnzoo.nn.recurrent as recurrent_module
 from attnzoo.masks import key_padding
 from attnzoo.nn.deltanet import DeltaNet, GatedDeltaNet
 from attnzoo.nn.gla import GatedLinearAttention
-from attnzoo.nn.mamba2 import Mamba2
+from attnzoo.nn.mamba2 import GatedRMSNorm, Mamba2
 from attnzoo.nn.recurrent import RecurrentCache
 from attnzoo.nn.retnet import MultiScaleRetention
 from attnzoo.variants import VARIANTS, build_attention
@@ -119,11 +120,11 @@ def _ref_mamba2(m: Mamba2, x: Tensor) -> Tensor:
     decay = torch.exp(dt * -m.A_log.exp()[:, None])
     y = _loop(cm, bm, xs * dt[..., None], decay[..., None].expand_as(bm), None, 1.0) + m.D[:, None, None] * xs
     y, gate = _merge(y), F.silu(m.z_proj(x))
-    if m.gate_norm != "before_gate":  # gate, then RMSNorm per group (or no norm)
+    if m.norm.place != "before_gate":  # gate, then RMSNorm per group (or no norm)
         y = y * gate
-    if m.norm is not None:
+    if m.norm.weight is not None:
         y = _rms(y.unflatten(-1, (m.ngroups, -1)), m.norm.weight, m.norm.eps).flatten(-2)
-    if m.gate_norm == "before_gate":  # RMSNorm per group, then gate
+    if m.norm.place == "before_gate":  # RMSNorm per group, then gate
         y = y * gate
     return m.out_proj(y)
 
@@ -135,14 +136,35 @@ REFS = {"retnet": _ref_retnet, "gla": _ref_gla, "deltanet": _ref_deltanet, "gate
 @pytest.mark.parametrize(("name", "kw"), [(n, {}) for n in NAMES] + [
     ("gla", {"conv_size": 4}), ("deltanet", {"conv_size": 0, "output_gate": True}),
     ("gated_deltanet", {"conv_size": 2, "output_gate": False}), ("mamba2", {"ngroups": 3, "state_size": 5}),
-    ("mamba2", {"conv_size": 3, "expand": 1}), ("mamba2", {"ngroups": 3, "gate_norm": "before_gate"}),
-    ("mamba2", {"gate_norm": "none", "conv_bias": False}), ("mamba2", {"norm_eps": 1e-3})])
+    ("mamba2", {"conv_size": 3, "expand": 1})])
 @pytest.mark.parametrize("n", [1, 9, 13])
 def test_module_equals_the_float64_recurrence_from_the_paper(name: str, kw: dict, n: int) -> None:
     m = _build(name, **kw)
     x = torch.randn(2, n, C, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     with torch.no_grad():
         torch.testing.assert_close(m(x), REFS[name](m, x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(("place", "eps", "conv_bias"), [("before_gate", 1e-5, True), ("none", 1e-5, False),
+                                                         ("after_gate", 1e-3, False)])
+def test_mamba2_norm_and_convolution_parts_equal_the_recurrence(place: str, eps: float, conv_bias: bool) -> None:
+    """The parts a family swaps in (the gated norm's place and epsilon, convolutions without
+    biases) against the float64 reference."""
+    m = _build("mamba2", ngroups=3)
+    m.norm = GatedRMSNorm(3, m.num_heads * m.inner_head_dim // 3, place=place, eps=eps, dtype=torch.float64)
+    with torch.no_grad():
+        if m.norm.weight is not None:
+            m.norm.weight.add_(0.1 * torch.randn_like(m.norm.weight))
+    if not conv_bias:
+        for name in m.conv_channels:
+            getattr(m, f"{name}_conv").bias = None
+    x = torch.randn(2, 9, C, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), _ref_mamba2(m, x), rtol=1e-10, atol=1e-10)
+    cache = m.init_cache(2, 9)
+    with torch.no_grad():
+        steps = torch.cat([m(x[:, :4], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(4, 9)], 1)
+        torch.testing.assert_close(steps, m(x), rtol=1e-9, atol=1e-9)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -281,12 +303,12 @@ def test_bad_inputs_raise(name: str) -> None:
 def test_bad_options_raise() -> None:
     with pytest.raises(ValueError, match="ngroups"):
         Mamba2(C, H, ngroups=2)
-    with pytest.raises(ValueError, match="gate_norm"):
-        Mamba2(C, H, gate_norm="middle")
-    with pytest.raises(TypeError, match="conv_bias"):
-        Mamba2(C, H, conv_bias=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="norm_eps"):
-        Mamba2(C, H, norm_eps=-1.0)
+    with pytest.raises(ValueError, match="place"):
+        GatedRMSNorm(1, 4, place="middle")
+    with pytest.raises(ValueError, match="eps"):
+        GatedRMSNorm(1, 4, eps=-1.0)
+    with pytest.raises(ValueError, match="groups"):
+        GatedRMSNorm(0, 4)
     with pytest.raises(ValueError, match="conv_size"):
         DeltaNet(C, H, conv_size=-1)
     with pytest.raises(TypeError, match="output_gate"):
@@ -368,9 +390,10 @@ def test_head_norm_survives_outputs_whose_squares_overflow_float32(name: str, mo
         plain = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm.eps)
     plain = plain * norm.weight[:, None, :]
     plain = plain if norm.bias is None else plain + norm.bias[:, None, :]
-    assert torch.equal(norm(o), plain)
+    head_norm = functools.partial(recurrent_module.HeadNorm.forward, norm)  # Mamba-2's GatedRMSNorm is one too
+    assert torch.equal(head_norm(o), plain)
     monkeypatch.setattr(recurrent_module, "_may_overflow", lambda t: True)  # the path traced / accelerator calls take
-    assert torch.equal(norm(o), plain)  # ordinary rows are divided by exactly 1
+    assert torch.equal(head_norm(o), plain)  # ordinary rows are divided by exactly 1
     with torch.no_grad():
         big = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 1e5
         y, ref = m32(big.float()).double(), m64(big)

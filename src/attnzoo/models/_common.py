@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +10,7 @@ from torch import Tensor, nn
 
 from attnzoo._devices import tracing
 from attnzoo.blocks import RMSNorm, state_without_unpicklable_config
-from attnzoo.nn.cache import CompositeCache
+from attnzoo.nn.cache import CacheList
 from attnzoo.nn.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -113,44 +112,11 @@ class FromConfig:
         return sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
 
 
-class LayerCaches(CompositeCache):
+class LayerCaches(CacheList):
     """The decode caches of a stack of layers (one per layer), with the cache protocol:
     ``length`` (tokens written so far), ``batch_size``, ``reset()``, ``mark()``/``rollback()``/
     ``commit()`` over every layer (:class:`~attnzoo.nn.cache.CompositeCache`: a model call through
     it is all-or-nothing); index it for one layer's cache."""
-
-    def __init__(self, caches: Sequence[Any]) -> None:
-        if len(caches) == 0:
-            raise ValueError("LayerCaches: need at least one layer cache")
-        bad = [type(c).__name__ for c in caches if not (hasattr(c, "length") and hasattr(c, "reset"))]
-        if bad:
-            raise TypeError(f"LayerCaches: caches must be decode caches (with length and reset()), got {bad}")
-        self.layers = list(caches)
-
-    @property
-    def length(self) -> int:
-        return int(self.layers[0].length)
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.layers[0].batch_size)
-
-    def reset(self) -> None:
-        for c in self.layers:
-            c.reset()
-
-    def parts(self) -> list[Any]:
-        """Every layer's cache."""
-        return list(self.layers)
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.layers[i]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.layers)
 
     def __repr__(self) -> str:
         return f"LayerCaches(layers={len(self.layers)}, length={self.length}, batch_size={self.batch_size})"

@@ -34,7 +34,7 @@ by :func:`attnzoo.attention` without a copy (GQA/MQA).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -42,7 +42,7 @@ from torch import Tensor
 
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["CompositeCache", "KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache", "transaction"]
+__all__ = ["CacheList", "CompositeCache", "KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache", "transaction"]
 
 T = TypeVar("T")
 
@@ -114,6 +114,47 @@ class CompositeCache(abc.ABC):
         """The call that took ``mark`` succeeded: every part drops what a rollback would have needed."""
         for c, m in self._check_mark(mark):
             c.commit(m)
+
+
+class CacheList(CompositeCache):
+    """Caches side by side, one per member (a model's layers, a :class:`~attnzoo.nn.parallel.ParallelMixers`'
+    parts), with the cache protocol: ``length`` and ``batch_size`` (every member has written as
+    many tokens for as many rows: the first one's), ``reset()``, ``mark()``/``rollback()``/``commit()``
+    over every member; index it for one member's cache."""
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        owner = type(self).__name__
+        if len(caches) == 0:
+            raise ValueError(f"{owner}: need at least one cache")
+        bad = [type(c).__name__ for c in caches if not (hasattr(c, "length") and hasattr(c, "reset"))]
+        if bad:
+            raise TypeError(f"{owner}: caches must be decode caches (with length and reset()), got {bad}")
+        self.layers = list(caches)
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0].length)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.layers[0].batch_size)
+
+    def reset(self) -> None:
+        for c in self.layers:
+            c.reset()
+
+    def parts(self) -> list[Any]:
+        """Every member's cache."""
+        return list(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.layers[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.layers)
 
 
 class _LengthCache:

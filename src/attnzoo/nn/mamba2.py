@@ -10,8 +10,8 @@ head); ``x, B, C`` go through short causal depthwise convolutions and SiLU. Then
 
 computed by :func:`attnzoo.gated_linear_attention` with one decay per token
 (``q = C, k = B, v = x dt, log_decay = dt A``, scale 1; chunked scan in plain PyTorch, recurrent
-decode), then the gated RMSNorm ``norm(y * silu(z))`` (per group; ``gate_norm`` picks
-``norm(y) * silu(z)`` or no norm instead) and the output projection. The
+decode), then the gated RMSNorm ``norm(y * silu(z))`` (per group: :class:`GatedRMSNorm`, a part
+a family replaces for ``norm(y) * silu(z)`` or no norm) and the output projection. The
 separate projections equal Mamba-2's fused ``in_proj`` (and the per-channel convolutions its
 fused ``conv1d``) split by rows.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_bool, check_choice, check_int, check_nonnegative_float
+from attnzoo._validate import check_choice, check_int, check_nonnegative_float
 from attnzoo.functional.recurrent.gla import gated_linear_attention
 from attnzoo.nn.deltanet import init_decay_parameters
 from attnzoo.nn.recurrent import (
@@ -37,13 +37,45 @@ from attnzoo.nn.recurrent import (
 )
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
-__all__ = ["GATE_NORMS", "Mamba2"]
+__all__ = ["GATE_NORMS", "GatedRMSNorm", "Mamba2"]
 
 #: defaults the cost model assumes (they are not cost-model options)
 EXPAND, STATE_SIZE, CONV_SIZE = 2, 64, 4
 #: where the gated RMSNorm sits: ``norm(y * silu(z))`` (Mamba-2), ``norm(y) * silu(z)``, or no norm
 #: (``y * silu(z)``; Falcon-H1's ``mamba_rms_norm=False``)
 GATE_NORMS = ("after_gate", "before_gate", "none")
+
+
+class GatedRMSNorm(HeadNorm):
+    """Mamba-2's output norm: an RMSNorm per group of heads (weight ``[G, W]``) with the output
+    gate ``silu(z)``: ``norm(y * gate)`` (``place="after_gate"``, Mamba-2), ``norm(y) * gate``
+    (``"before_gate"``), or ``y * gate`` and no norm weights (``"none"``). Without a gate (a mixer
+    built with ``output_gate=False``) it is the plain norm.
+
+    ``forward(y [B, N, G * W], gate [B, N, G * W] | None) -> [B, N, G * W]`` (float32 for half
+    inputs, as :class:`~attnzoo.nn.recurrent.HeadNorm`).
+    """
+
+    def __init__(self, groups: int, width: int, *, place: str = "after_gate", eps: float = 1e-5,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(check_int(groups, "groups", owner="GatedRMSNorm"), check_int(width, "width", owner="GatedRMSNorm"),
+                         "rms", check_nonnegative_float(eps, "eps", "GatedRMSNorm"), {"device": device, "dtype": dtype})
+        self.place = check_choice(place, "place", "GatedRMSNorm", choices=GATE_NORMS)
+        if self.place == "none":
+            self.weight = None  # type: ignore[assignment]
+
+    def forward(self, y: Tensor, gate: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        if gate is not None and self.place != "before_gate":
+            y = y * gate
+        if self.weight is not None:
+            b, n, _ = y.shape
+            y = super().forward(y.reshape(b, n, self.weight.shape[0], -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
+        if gate is not None and self.place == "before_gate":
+            y = y * gate
+        return y
+
+    def extra_repr(self) -> str:
+        return f"place={self.place!r}" + ("" if self.weight is None else f", groups={self.weight.shape[0]}, eps={self.eps}")
 
 
 class Mamba2(RecurrentMixer):
@@ -58,14 +90,14 @@ class Mamba2(RecurrentMixer):
         ngroups: groups of heads sharing ``B`` and ``C`` (divides ``H``).
         conv_size: kernel of the short causal convolutions on ``x, B, C`` (0 = none; default 4).
         output_gate: the gate ``silu(z)`` before the RMSNorm (off: a plain RMSNorm, no ``z``).
-        bias: biases in the input/output projections (Mamba-2: none).
-        conv_bias: biases in the short convolutions (Mamba-2: yes).
-        norm_eps: epsilon of the gated RMSNorm (Mamba-2: ``1e-5``; the Hugging Face hybrids use their
-            ``rms_norm_eps`` / ``layer_norm_epsilon``).
-        gate_norm: ``"after_gate"`` (Mamba-2: ``norm(y * silu(z))``), ``"before_gate"``
-            (``norm(y) * silu(z)``) or ``"none"`` (``y * silu(z)``, no norm weights).
+        bias: biases in the input/output projections (Mamba-2: none; the convolutions have one).
         chunk_size: chunk of the SSD's chunked form.
         device, dtype: of the parameters.
+
+    Parts: ``norm`` (a :class:`GatedRMSNorm`, ``place="after_gate"``, ``eps=1e-5``) and the
+    convolutions ``x_conv``, ``B_conv``, ``C_conv`` (:class:`~attnzoo.nn.recurrent.ShortConv`, with
+    biases) are modules a family replaces or changes after building (the Hugging Face builders set
+    the norm's place and epsilon, and drop the convolutions' biases where a checkpoint has none).
 
     Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache`: the state ``[B, H, N_s, P]`` and the
     last ``conv_size - 1`` inputs of the ``x, B, C`` convolutions.
@@ -74,7 +106,6 @@ class Mamba2(RecurrentMixer):
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, expand: int = EXPAND,
                  state_size: int = STATE_SIZE, ngroups: int = 1, conv_size: int = CONV_SIZE,
                  output_gate: bool = True, bias: bool = False, chunk_size: int = 64,
-                 conv_bias: bool = True, norm_eps: float = 1e-5, gate_norm: str = "after_gate",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(dim, num_heads, head_dim=head_dim, bias=bias, layout="q_k_v", factory=fk)
@@ -99,10 +130,8 @@ class Mamba2(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.empty(H, **fk))
         init_decay_parameters(self.A_log, self.dt_bias)
         self.D = nn.Parameter(torch.ones(H, **fk))
-        eps = check_nonnegative_float(norm_eps, "norm_eps", cls)
-        self.gate_norm = check_choice(gate_norm, "gate_norm", cls, choices=GATE_NORMS)
-        self.norm = None if gate_norm == "none" else HeadNorm(self.ngroups, H * P // self.ngroups, "rms", eps, fk)
-        self.make_convs({"x": H * P, "B": gs, "C": gs}, conv_size, check_bool(conv_bias, "conv_bias", cls), fk)
+        self.norm = GatedRMSNorm(self.ngroups, H * P // self.ngroups, **fk)
+        self.make_convs({"x": H * P, "B": gs, "C": gs}, conv_size, True, fk)
         self.state_shape = (H, self.state_size, P)
 
     def _mix(self, x: Tensor, pad: Tensor | None, state: Tensor | None, conv: Mapping[str, Tensor],
@@ -120,21 +149,13 @@ class Mamba2(RecurrentMixer):
         y, state = gated_linear_attention(q, k, xs * dt[..., None], log_decay, scale=1.0, initial_state=state,
                                           return_state=True, chunk_size=self.chunk_size, cu_seqlens=cu)
         y = (y + wide(self.D)[:, None, None] * xs).transpose(1, 2).flatten(2)  # [B, N, H * P], float32 for half
-        gate = None if self.z_proj is None else F.silu(wide(self.z_proj(x)))
-        if gate is not None and self.gate_norm != "before_gate":
-            y = y * gate
-        if self.norm is not None:
-            b, n, _ = y.shape
-            y = self.norm(y.reshape(b, n, self.ngroups, -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
-        if gate is not None and self.gate_norm == "before_gate":
-            y = y * gate
+        y = self.norm(y, None if self.z_proj is None else F.silu(wide(self.z_proj(x))))
         return self.out_proj(y.to(x.dtype)), state, new
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, inner_head_dim={self.inner_head_dim}, "
                 f"state_size={self.state_size}, ngroups={self.ngroups}, conv_size={self.conv_size}, "
-                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}, gate_norm={self.gate_norm!r}"
-                + ("" if self.norm is None else f", norm_eps={self.norm.eps}"))
+                f"output_gate={self.output_gate}, chunk_size={self.chunk_size}")
 
 
 # --------------------------------------------------------------------------- variant spec

@@ -23,46 +23,19 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.masks import Mask
-from attnzoo.nn.cache import CompositeCache
+from attnzoo.nn.cache import CacheList
 from attnzoo.nn.packing import run_packed
 
 __all__ = ["ParallelCache", "ParallelMixers"]
 
 
-class ParallelCache(CompositeCache):
+class ParallelCache(CacheList):
     """The decode cache of a :class:`ParallelMixers`: one cache per part (in the parts' order),
     with the cache protocol (``length``, ``batch_size``, ``reset()``, ``mark()``/``rollback()``/
     ``commit()`` over every part)."""
 
-    def __init__(self, caches: Sequence[Any]) -> None:
-        if len(caches) == 0:
-            raise ValueError("ParallelCache: need at least one part cache")
-        self.caches = list(caches)
-
-    def parts(self) -> list[Any]:
-        return list(self.caches)
-
-    @property
-    def length(self) -> int:
-        """Tokens written so far (every part has written as many)."""
-        return int(self.caches[0].length)
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.caches[0].batch_size)
-
-    def reset(self) -> None:
-        for c in self.caches:
-            c.reset()
-
-    def __len__(self) -> int:
-        return len(self.caches)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.caches[i]
-
     def __repr__(self) -> str:
-        return f"ParallelCache(parts={[type(c).__name__ for c in self.caches]}, length={self.length})"
+        return f"ParallelCache(parts={[type(c).__name__ for c in self.layers]}, length={self.length})"
 
 
 class ParallelMixers(nn.Module):

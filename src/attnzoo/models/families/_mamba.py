@@ -22,7 +22,7 @@ from torch import Tensor
 
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
-from attnzoo.nn.mamba2 import Mamba2
+from attnzoo.nn.mamba2 import GatedRMSNorm, Mamba2
 
 __all__ = ["BAMBA_KEYS", "MambaKeys", "in_proj_widths", "mamba_factory", "put_mamba"]
 
@@ -99,11 +99,25 @@ def mamba_factory(hf: HFConfig, keys: MambaKeys, *, gate_norm: str = "after_gate
     act = hf.get(keys.activation, "silu", str)
     if act not in ("silu", "swish"):
         raise hf.unsupported(f"{keys.activation}={act!r} in the Mamba-2 mixer (supported: 'silu')")
-    return functools.partial(
-        Mamba2, hf.req("hidden_size"), heads, head_dim=_head_dim(hf, keys, heads), expand=1,
-        state_size=hf.req(keys.state), ngroups=hf.get(keys.groups, 1), conv_size=hf.get(keys.conv, 4),
-        conv_bias=hf.get(keys.conv_bias, True, bool), norm_eps=hf.get(keys.norm_eps, 1e-5, float),
-        gate_norm=gate_norm, device=device, dtype=dtype)
+    sizes = {"head_dim": _head_dim(hf, keys, heads), "expand": 1, "state_size": hf.req(keys.state),
+             "ngroups": hf.get(keys.groups, 1), "conv_size": hf.get(keys.conv, 4)}
+    return functools.partial(_mamba2, hf.req("hidden_size"), heads, sizes, place=gate_norm,
+                             eps=hf.get(keys.norm_eps, 1e-5, float), conv_bias=hf.get(keys.conv_bias, True, bool),
+                             device=device, dtype=dtype)
+
+
+def _mamba2(dim: int, heads: int, sizes: dict[str, int], *, place: str, eps: float, conv_bias: bool,
+            device: Any, dtype: Any) -> Mamba2:
+    """A :class:`Mamba2` with the checkpoint's parts: its gated norm (``place``, ``eps``) and, where
+    the checkpoint has none, convolutions without biases."""
+    mixer = Mamba2(dim, heads, **sizes, device=device, dtype=dtype)
+    groups = mixer.ngroups
+    mixer.norm = GatedRMSNorm(groups, heads * mixer.inner_head_dim // groups, place=place, eps=eps,
+                              device=device, dtype=dtype)
+    if not conv_bias:
+        for name in mixer.conv_channels:
+            getattr(mixer, f"{name}_conv").bias = None
+    return mixer
 
 
 def in_proj_widths(hf: HFConfig, keys: MambaKeys) -> tuple[int, int, int, int, int]:
@@ -134,6 +148,6 @@ def put_mamba(plan: Plan, ours: str, theirs: str, mixer: Mamba2) -> None:
         lo += width
     for name in ("A_log", "D", "dt_bias"):
         plan.put(f"{ours}{name}", f"{theirs}{name}")
-    if mixer.norm is not None:
+    if mixer.norm.weight is not None:
         plan.put(f"{ours}norm.weight", f"{theirs}norm.weight", lambda t: t.reshape(mixer.ngroups, -1))
     plan.put(f"{ours}out_proj.weight", f"{theirs}out_proj.weight")
