@@ -1,7 +1,9 @@
 """The mixture-of-experts feed-forward (:class:`attnzoo.nn.moe.MixtureOfExperts`): equal to a
 float64 token loop written from the routing formulas, and to transformers' own MoE blocks
-(Qwen3-MoE, Qwen3-Next with its gated shared expert, gpt-oss, Llama-4) with their weights
-mapped by :func:`attnzoo.models.families._moe.put_moe`."""
+(Qwen3-MoE, Qwen3-Next with its gated shared expert, gpt-oss, Llama-4, Kimi Linear) with their
+weights mapped by :func:`attnzoo.models.families._moe.put_moe`, and Nemotron-H's (ungated relu^2
+experts, group-limited sigmoid routing) mapped by
+:func:`attnzoo.models.families.nemotron_h.put_nemotron_moe`."""
 
 from __future__ import annotations
 
@@ -66,11 +68,15 @@ def _reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
         for e in order:
             we = w[e] * moe.routed_scaling
             inp = xt * we if moe.weight_inputs else xt
-            g = p["gate_proj"][e] @ inp + (p["gate_bias"][e] if moe.bias else 0.0)
             u = p["up_proj"][e] @ inp + (p["up_bias"][e] if moe.bias else 0.0)
-            if moe.activation == "swiglu":
+            if moe.activation == "relu2":  # ungated: no gate_proj
+                assert "gate_proj" not in p and "gate_bias" not in p
+                h = torch.clamp(u, min=0) ** 2
+            elif moe.activation == "swiglu":
+                g = p["gate_proj"][e] @ inp + (p["gate_bias"][e] if moe.bias else 0.0)
                 h = g * torch.sigmoid(g) * u
             else:
+                g = p["gate_proj"][e] @ inp + (p["gate_bias"][e] if moe.bias else 0.0)
                 lim, alpha = moe.swiglu_limit, moe.swiglu_alpha
                 g, u = g.clamp(max=lim), u.clamp(-lim, lim)
                 h = (u + 1) * g * torch.sigmoid(alpha * g)
@@ -78,7 +84,10 @@ def _reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
             out[t] += y if moe.weight_inputs else we * y
         if moe.shared_expert is not None:
             s = {n.split(".", 1)[1]: v for n, v in p.items() if n.startswith("shared_expert.")}
-            hs = F.silu(s["gate_proj.weight"] @ xt) * (s["up_proj.weight"] @ xt)
+            if "gate_proj.weight" in s:
+                hs = F.silu(s["gate_proj.weight"] @ xt) * (s["up_proj.weight"] @ xt)
+            else:  # a relu^2 shared expert (Nemotron-H)
+                hs = torch.clamp(s["up_proj.weight"] @ xt, min=0) ** 2
             sh = s["down_proj.weight"] @ hs
             if moe.shared_gate is not None:
                 sh = sh * torch.sigmoid(p["shared_gate.weight"][0] @ xt)
@@ -100,6 +109,11 @@ CASES: dict[str, dict[str, Any]] = {
     "sigmoid_topk_norm_scaled_shared": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, scaling=2.5),
                                         "shared": True},
     "sigmoid_topk": {"routing": Routing("sigmoid_topk")},
+    "relu2": {"experts": Experts("relu2")},
+    "relu2_biased": {"routing": Routing("softmax_topk", norm_topk_prob=True), "experts": Experts("relu2", bias=True)},
+    # Nemotron-H: sigmoid scores chosen with the bias, renormalised, scaled; a relu^2 shared expert
+    "sigmoid_topk_relu2_shared": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, scaling=2.5),
+                                  "experts": Experts("relu2"), "shared": "relu2"},
 }
 
 
@@ -107,7 +121,8 @@ CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_equals_float64_token_loop(case: str, top_k: int) -> None:
     kw = dict(CASES[case])
-    shared = FeedForward(C, 8, "swiglu", bias=False) if kw.pop("shared", False) else None
+    shared_act = kw.pop("shared", False)
+    shared = FeedForward(C, 8, "swiglu" if shared_act is True else shared_act, bias=False) if shared_act else None
     moe = _randomize(MixtureOfExperts(C, HID, E, top_k, shared_expert=shared, **kw))
     x = _x()
     with torch.no_grad():
@@ -129,6 +144,43 @@ def test_moe_gradients_reach_every_chosen_expert() -> None:
     assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
 
 
+def test_relu2_experts_have_no_gate() -> None:
+    """Ungated experts: no ``gate_proj`` / ``gate_bias`` parameter or state-dict key; every other
+    name as for gated experts; gradients reach ``up_proj`` of exactly the chosen experts."""
+    moe = _randomize(MixtureOfExperts(C, HID, E, 2, experts=Experts("relu2", bias=True)))
+    assert moe.gate_proj is None and moe.gate_bias is None and not moe.gated
+    assert sorted(moe.state_dict()) == ["down_bias", "down_proj", "router.weight", "up_bias", "up_proj"]
+    assert sum(p.numel() for p in moe.parameters()) == E * C + 2 * E * HID * C + E * HID + E * C
+    gated = MixtureOfExperts(C, HID, E, 2, experts=Experts("swiglu", bias=True))
+    assert set(gated.state_dict()) - set(moe.state_dict()) == {"gate_proj", "gate_bias"}
+    assert "activation='relu2'" in repr(moe)
+    x = _x(32).requires_grad_(True)
+    moe(x).square().sum().backward()
+    chosen = torch.unique(moe.route(x.detach().reshape(-1, C))[1])
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for e in range(E):
+        assert bool((moe.up_proj.grad[e] != 0).any()) == bool((chosen == e).any())
+    moe.reset_parameters()  # skips the missing gate
+    assert float(moe.up_proj.detach().abs().max()) <= 1 / C ** 0.5
+
+
+def test_sigmoid_routing_runs_its_router_in_float32() -> None:
+    """``"sigmoid_topk"`` computes its logits as transformers' DeepSeek-V3 / Kimi / Nemotron-H
+    routers do, ``linear(x.float(), W.float())``, from a half-precision input: a bfloat16 matmul
+    rounds the logits (and the sigmoid scores near ties pick other experts)."""
+    moe = _randomize(MixtureOfExperts(C, HID, E, 2, routing=Routing("sigmoid_topk", norm_topk_prob=True),
+                                      experts=Experts("relu2"))).to(torch.bfloat16)
+    x = _x(40).reshape(-1, C).bfloat16()
+    with torch.no_grad():
+        weights, experts, logits = moe.route(x)
+    want = F.linear(x.float(), moe.router.weight.float())
+    assert logits.dtype == torch.float32 and torch.equal(logits, want)
+    assert not torch.equal(logits, moe.router(x).float())  # the bfloat16 matmul is not that
+    probs = torch.sigmoid(want)
+    assert torch.equal(experts, torch.topk(probs + moe.score_bias, 2, dim=-1)[1])
+    assert weights.dtype == torch.bfloat16
+
+
 def test_moe_validates_its_arguments() -> None:
     with pytest.raises(ValueError, match=r"top_k \(5\) must be <= num_experts \(4\)"):
         MixtureOfExperts(C, HID, E, 5)
@@ -144,6 +196,16 @@ def test_moe_validates_its_arguments() -> None:
         Experts("gelu")
     with pytest.raises(ValueError, match="clamped_swiglu' needs swiglu_limit"):
         Experts("clamped_swiglu")
+    with pytest.raises(ValueError, match=r"only it takes them\), got activation='relu2', swiglu_limit=1\.0"):
+        Experts("relu2", swiglu_limit=1.0)
+    with pytest.raises(ValueError, match="only it takes them"):
+        Experts("relu2", swiglu_limit=1.0, swiglu_alpha=1.702)
+    with pytest.raises(ValueError, match="only it takes them"):  # one of the two was silently accepted
+        Experts("swiglu", swiglu_alpha=1.702)
+    with pytest.raises(ValueError, match="needs swiglu_limit and swiglu_alpha"):
+        Experts("clamped_swiglu", swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="Experts: activation must be one of"):
+        Experts("relu")
     with pytest.raises(TypeError, match="Experts: bias must be a bool"):
         Experts(bias="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="routing must be a Routing or None, got str"):
@@ -219,3 +281,28 @@ def test_half_casts_keep_the_expert_choice_bias_in_float32() -> None:
     x = torch.randn(5, 16).bfloat16()
     assert torch.equal(cast(x), built(x))
     assert cast.double().score_bias.dtype == torch.float64  # wider casts apply as usual
+
+
+@pytest.mark.parametrize(("groups", "topk_groups", "norm"), [(1, 1, True), (2, 1, True), (2, 2, False)])
+def test_moe_equals_nemotron_h_block(groups: int, topk_groups: int, norm: bool) -> None:
+    """transformers' ``NemotronHMoE`` (ungated relu^2 experts, sigmoid scores with the correction
+    bias choosing, group-limited, ``routed_scaling_factor``, a relu^2 shared expert) equals the
+    converter's :class:`MixtureOfExperts`, weights from the in-memory (stacked) names."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    from attnzoo.models.families.nemotron_h import moe_factory, put_nemotron_moe
+
+    cfg = T.NemotronHConfig(hidden_size=C, n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=HID,
+                            moe_shared_expert_intermediate_size=8, n_group=groups, topk_group=topk_groups,
+                            norm_topk_prob=norm, routed_scaling_factor=2.5)
+    theirs = _randomize(NemotronHMoE(cfg))
+    hf = HFConfig(cfg.to_dict(), "nemotron_h", "nemotron_h")
+    ours = moe_factory(hf, "relu2")()
+    assert ours.gate_proj is None and ours.groups == groups and ours.norm_topk_prob == norm
+    plan = Plan(Source({k: v.detach() for k, v in theirs.state_dict().items()}), "nemotron_h")
+    put_nemotron_moe(plan, "", "", E, mlp_bias=False)
+    plan.apply(ours)
+    x = _x(9)
+    with torch.no_grad():
+        err = _rel(ours(x), theirs(x))
+    assert err < 1e-5, f"relative error {err:.2e}"

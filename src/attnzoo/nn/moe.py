@@ -1,5 +1,5 @@
-"""A mixture-of-experts feed-forward: a top-k router over ``E`` gated experts, an optional
-shared expert (with an optional sigmoid gate).
+"""A mixture-of-experts feed-forward: a top-k router over ``E`` experts (gated, or relu^2 without
+a gate), an optional shared expert (with an optional sigmoid gate).
 
 Each token ``x [C]`` gets router logits ``l = W_r x (+ b_r)`` ``[E]``, picks ``k`` experts and
 weights ``w``, and its output is ``sum_e w_e * expert_e(x)`` (or, with ``weight_inputs``,
@@ -9,7 +9,8 @@ weights ``w``, and its output is ``sum_e w_e * expert_e(x)`` (or, with ``weight_
   over all ``E`` experts, the ``k`` largest kept; ``norm_topk_prob`` renormalises them to sum to 1.
 * ``"topk_softmax"`` (gpt-oss): the ``k`` largest logits, then a softmax over those ``k``.
 * ``"topk_sigmoid"`` (Llama-4): the ``k`` largest logits, each through a sigmoid (float32).
-* ``"sigmoid_topk"`` (DeepSeek-V3, Kimi Linear): ``p = sigmoid(l)`` in float32; the ``k`` experts
+* ``"sigmoid_topk"`` (DeepSeek-V3, Kimi Linear, Nemotron-H): ``l`` and ``p = sigmoid(l)`` in
+  float32 (the router's matmul too, as transformers computes it); the ``k`` experts
   of largest ``p + score_bias`` (``score_bias [E]``, a buffer: transformers'
   ``e_score_correction_bias``, which picks but does not weight) keep their ``p``;
   ``norm_topk_prob`` divides them by their sum (plus ``1e-20``). With ``groups = G > 1``
@@ -21,7 +22,8 @@ The routing settings come as one :class:`Routing`, the experts' as one :class:`E
 ``Routing.scaling`` multiplies the routed weights (DeepSeek's ``routed_scaling_factor``).
 Experts: ``"swiglu"`` ``down(silu(gate(x)) * up(x))``; ``"clamped_swiglu"`` (gpt-oss):
 ``g = min(gate(x), limit)``, ``u = clamp(up(x), -limit, limit)``,
-``down((u + 1) * g * sigmoid(alpha * g))``. The shared expert is any module ``[.., C] -> [.., C]``
+``down((u + 1) * g * sigmoid(alpha * g))``; ``"relu2"`` (Nemotron-H, no gate: the experts have no
+``gate_proj`` at all) ``down(relu(up(x)) ** 2)``. The shared expert is any module ``[.., C] -> [.., C]``
 (e.g. a :class:`~attnzoo.FeedForward`); ``shared_gate`` multiplies it by ``sigmoid(w_s . x)``
 (Qwen2-MoE, Qwen3-Next).
 """
@@ -39,10 +41,12 @@ from torch import Tensor, nn
 from attnzoo._devices import restore_float32
 from attnzoo._validate import check_bool, check_choice, check_int, check_positive_float
 
-__all__ = ["EXPERT_ACTIVATIONS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
+__all__ = ["EXPERT_ACTIVATIONS", "GATED_EXPERTS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_topk")
-EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2")
+#: the expert activations with a ``gate_proj`` (the others have none)
+GATED_EXPERTS = ("swiglu", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -87,11 +91,11 @@ class Routing:
 
 @dataclass(frozen=True)
 class Experts:
-    """The gated experts of :class:`MixtureOfExperts` (validated on construction).
+    """The experts of :class:`MixtureOfExperts` (validated on construction).
 
     Args:
-        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (which needs ``swiglu_limit`` and
-            ``swiglu_alpha``, and only it takes them).
+        activation: ``"swiglu"``, ``"clamped_swiglu"`` (which needs ``swiglu_limit`` and
+            ``swiglu_alpha``, and only it takes them) or ``"relu2"`` (ungated: no ``gate_proj``).
         swiglu_limit: the clamp ``limit`` of ``"clamped_swiglu"``.
         swiglu_alpha: the sigmoid slope ``alpha`` of ``"clamped_swiglu"``.
         bias: biases on the experts' projections.
@@ -105,7 +109,8 @@ class Experts:
     def __post_init__(self) -> None:
         check_choice(self.activation, "activation", "Experts", choices=EXPERT_ACTIVATIONS)
         clamped = self.activation == "clamped_swiglu"
-        if clamped != (self.swiglu_limit is not None and self.swiglu_alpha is not None):
+        given = (self.swiglu_limit is not None, self.swiglu_alpha is not None)
+        if given != (clamped, clamped):
             raise ValueError("Experts: activation='clamped_swiglu' needs swiglu_limit and swiglu_alpha "
                              f"(and only it takes them), got activation={self.activation!r}, "
                              f"swiglu_limit={self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r}")
@@ -114,9 +119,14 @@ class Experts:
                 object.__setattr__(self, name, check_positive_float(getattr(self, name), name, "Experts"))
         check_bool(self.bias, "bias", "Experts")
 
+    @property
+    def gated(self) -> bool:
+        """Whether the experts have a ``gate_proj`` (``"swiglu"``, ``"clamped_swiglu"``)."""
+        return self.activation in GATED_EXPERTS
+
 
 class MixtureOfExperts(nn.Module):
-    """Top-k routed gated experts plus an optional shared expert (see the module docstring).
+    """Top-k routed experts plus an optional shared expert (see the module docstring).
 
     Args:
         dim: model width ``C``.
@@ -124,18 +134,23 @@ class MixtureOfExperts(nn.Module):
         num_experts: ``E``.
         top_k: experts per token ``k`` (``<= E``).
         routing: a :class:`Routing` (default ``Routing()``: ``"softmax_topk"``, unnormalised).
-        experts: an :class:`Experts` (default ``Experts()``: SwiGLU without biases).
+        experts: an :class:`Experts` (default ``Experts()``: SwiGLU without biases; ``Experts("relu2")``:
+            ungated).
         shared_expert: a module added to every token's output, or ``None``.
         shared_gate: gate the shared expert by ``sigmoid(shared_gate(x))`` (a ``[1, C]`` linear).
 
     Weights: ``router`` (``[E, C]``, bias ``[E]``), ``gate_proj``/``up_proj`` ``[E, F, C]``,
     ``down_proj`` ``[E, C, F]`` (biases ``gate_bias``/``up_bias`` ``[E, F]``, ``down_bias``
     ``[E, C]``), ``shared_expert``, ``shared_gate``; buffer ``score_bias [E]`` (float32) with
-    ``"sigmoid_topk"``.
+    ``"sigmoid_topk"``. Ungated experts (``"relu2"``) have no ``gate_proj`` / ``gate_bias``
+    (both ``None``, absent from the state dict).
     Shapes: ``x [..., C] -> [..., C]``.
 
     Example: gpt-oss's layer is ``MixtureOfExperts(C, F, E, k, routing=Routing("topk_softmax",
-    bias=True), experts=Experts("clamped_swiglu", swiglu_limit=7.0, swiglu_alpha=1.702, bias=True))``.
+    bias=True), experts=Experts("clamped_swiglu", swiglu_limit=7.0, swiglu_alpha=1.702, bias=True))``;
+    Nemotron-H's ``MixtureOfExperts(C, F, E, k, routing=Routing("sigmoid_topk", norm_topk_prob=True,
+    scaling=s, groups=G, topk_groups=g), experts=Experts("relu2"), shared_expert=FeedForward(C, F_s,
+    "relu2", bias=False))``.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, routing: Routing | None = None,
@@ -177,11 +192,12 @@ class MixtureOfExperts(nn.Module):
             self.register_buffer("score_bias", torch.zeros(E, device=device, dtype=torch.float32))
         else:
             self.score_bias = None
-        self.gate_proj = nn.Parameter(torch.empty(E, F_, C, **kw))
+        self.gated = gated = experts.gated
+        self.gate_proj = nn.Parameter(torch.empty(E, F_, C, **kw)) if gated else None
         self.up_proj = nn.Parameter(torch.empty(E, F_, C, **kw))
         self.down_proj = nn.Parameter(torch.empty(E, C, F_, **kw))
         self.bias = bias = experts.bias
-        self.gate_bias = nn.Parameter(torch.zeros(E, F_, **kw)) if bias else None
+        self.gate_bias = nn.Parameter(torch.zeros(E, F_, **kw)) if bias and gated else None
         self.up_bias = nn.Parameter(torch.zeros(E, F_, **kw)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(E, C, **kw)) if bias else None
         self.shared_expert = shared_expert
@@ -191,6 +207,8 @@ class MixtureOfExperts(nn.Module):
     def reset_parameters(self) -> None:
         """Expert weights uniform in ``+-1/sqrt(fan_in)`` (``nn.Linear``'s bound); biases zero."""
         for w in (self.gate_proj, self.up_proj, self.down_proj):
+            if w is None:  # ungated experts
+                continue
             bound = 1.0 / math.sqrt(w.shape[-1])
             nn.init.uniform_(w, -bound, bound)
 
@@ -204,9 +222,15 @@ class MixtureOfExperts(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router of ``x [T, C]``: ``(weights [T, k], experts [T, k] long, logits [T, E])``; the
-        softmax/sigmoid run in at least float32, the weights come back in ``x``'s dtype."""
-        logits = self.router(x)  # [T, E]
-        wide = torch.promote_types(logits.dtype, torch.float32)  # half precision routes in float32
+        softmax/sigmoid run in at least float32 (``"sigmoid_topk"``'s router matmul too, as
+        transformers' DeepSeek-V3 / Kimi / Nemotron-H routers compute it), the weights come back in
+        ``x``'s dtype."""
+        wide = torch.promote_types(x.dtype, torch.float32)  # half precision routes in float32
+        if self.score_bias is not None:  # sigmoid_topk: float32 logits from half-precision inputs
+            r = self.router
+            logits = F.linear(x.to(wide), r.weight.to(wide), None if r.bias is None else r.bias.to(wide))
+        else:
+            logits = self.router(x)  # [T, E]
         if self.routing == "softmax_topk":
             probs = torch.softmax(logits, dim=-1, dtype=wide)  # [T, E]
             weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
@@ -238,8 +262,11 @@ class MixtureOfExperts(nn.Module):
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert ``e`` on ``x [T, C]`` -> ``[T, C]``."""
-        g = F.linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # [T, F]
         u = F.linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # [T, F]
+        if self.gate_proj is None:  # relu2: no gate
+            h = torch.square(F.relu(u))
+            return F.linear(h, self.down_proj[e], None if self.down_bias is None else self.down_bias[e])  # [T, C]
+        g = F.linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # [T, F]
         if self.activation == "swiglu":
             h = F.silu(g) * u
         else:

@@ -13,27 +13,44 @@ Every Hugging Face layer is ``x + mixer(norm(x))``: one RMSNorm (``layers.{j}.no
 * ``"full_attention"`` (``*``): causal GQA attention with no positions at all (NoPE), heads of
   ``head_dim`` (from the config), scale ``head_dim ** -0.5``, no biases;
 * ``"mlp"`` (``-``): ``down_proj(relu(up_proj(x)) ** 2)``, no gate (``mlp_hidden_act``);
-* ``"moe"`` (``E``, Nemotron 3 Nano): refused (below).
+* ``"moe"`` (``E``, Nemotron 3 Nano; modeling 762-892): a
+  :class:`~attnzoo.nn.moe.MixtureOfExperts` with ``n_routed_experts`` (alias ``num_local_experts``)
+  ungated relu^2 experts (``Experts("relu2")``: ``down(relu(up(x)) ** 2)``, hidden
+  ``moe_intermediate_size``, no biases), ``num_experts_per_tok`` per token, routed as
+  ``NemotronHTopkRouter`` does (``Routing("sigmoid_topk", norm_topk_prob=norm_topk_prob,
+  scaling=routed_scaling_factor, groups=n_group, topk_groups=topk_group)``: float32 logits and
+  sigmoid scores, ``gate.e_score_correction_bias`` -> ``score_bias`` choosing but not weighting,
+  group-limited choice, the kept scores divided by their sum plus ``1e-20`` when
+  ``norm_topk_prob``, times ``routed_scaling_factor``), plus ONE shared expert, a relu^2
+  :class:`~attnzoo.FeedForward` of ``moe_shared_expert_intermediate_size`` (``shared_experts``,
+  biased with ``mlp_bias``; ``n_shared_experts`` is not read by the modeling, nor here).
 
 attnzoo's :class:`~attnzoo.TransformerBlock` is a mixer and an optional feed-forward, each
 pre-norm: ``x1 = x + mixer(attn_norm(x)); x2 = x1 + ffn(ffn_norm(x1))``. That is exactly two
 Hugging Face layers, a mixer layer ``j`` and the MLP layer ``j + 1`` after it, so the layers are
-paired from the left (:func:`pair_layers`):
+paired from the left (:func:`pair_layers`); an ``mlp`` and a ``moe`` layer pair alike (a
+"feed-forward layer"):
 
-* a mixer layer ``j`` followed by an MLP layer: ONE block ``i`` covering HF layers ``j, j + 1``
-  (``attn_norm`` <- ``layers.{j}.norm``, ``attn`` <- ``layers.{j}.mixer``, ``ffn_norm`` <-
-  ``layers.{j+1}.norm``, ``ffn`` (:class:`~attnzoo.FeedForward`, ``up_proj`` / ``down_proj``) <-
-  ``layers.{j+1}.mixer``);
-* a mixer layer not followed by an MLP layer: a mixer-only block (``feed_forward=None``).
+* a mixer layer ``j`` followed by a feed-forward layer: ONE block ``i`` covering HF layers
+  ``j, j + 1`` (``attn_norm`` <- ``layers.{j}.norm``, ``attn`` <- ``layers.{j}.mixer``,
+  ``ffn_norm`` <- ``layers.{j+1}.norm``, ``ffn`` <- ``layers.{j+1}.mixer``: a
+  :class:`~attnzoo.FeedForward` (``up_proj`` / ``down_proj``) for ``mlp``, the
+  :class:`~attnzoo.nn.moe.MixtureOfExperts` for ``moe``);
+* a mixer layer not followed by a feed-forward layer: a mixer-only block (``feed_forward=None``).
 
-So ``"M-M*-MM-"`` (8 HF layers) is 5 blocks: ``[M-] [M] [*-] [M] [M-]``, and the model's
-``depth`` counts blocks, not Hugging Face layers. An MLP layer with no mixer layer before it (a
-leading ``-``, or ``--``) has no block to go into: refused, naming the layer.
+So ``"M-M*-MM-"`` (8 HF layers) is 5 blocks: ``[M-] [M] [*-] [M] [M-]``, ``"MEM*EM-"`` is
+``[ME] [M] [*E] [M-]``, and the model's ``depth`` counts blocks, not Hugging Face layers. A
+feed-forward layer with no mixer layer before it (a leading ``-`` / ``E``, or ``--``, ``-E``)
+has no block to go into: refused, naming the layer.
 
 Checkpoint names: ``model.embeddings``, ``model.layers.{j}.norm`` / ``.mixer.*``,
 ``model.norm_f``, ``lm_head`` in memory; saved folders write ``backbone.`` for ``model.``
-(transformers renames them on load and back on save): both load. ``mtp.*`` (multi-token
-prediction) tensors are ignored, as transformers ignores them.
+(transformers renames them on load and back on save): both load. A ``moe`` layer's mixer is
+``gate.weight [E, C]``, ``gate.e_score_correction_bias [E]``, ``experts.up_proj [E, I, C]``,
+``experts.down_proj [E, C, I]`` and ``shared_experts.{up,down}_proj.weight`` in memory; saved
+folders hold one tensor per expert instead, ``experts.{e}.up_proj.weight [I, C]`` /
+``experts.{e}.down_proj.weight [C, I]`` (``conversion_mapping.py`` 1783-1799): both load.
+``mtp.*`` (multi-token prediction) tensors are ignored, as transformers ignores them.
 
 Read as transformers does (``configuration_nemotron_h.py`` / ``modeling_nemotron_h.py`` of
 transformers 5.25):
@@ -51,33 +68,47 @@ transformers 5.25):
   result (``expand`` / ``mamba_proj_bias`` / ``residual_in_fp32`` are not read by the modeling;
   the chunk is a schedule of the same scan).
 
-Refused by name: ``moe`` layers (attnzoo's :class:`~attnzoo.nn.moe.MixtureOfExperts` has no
-non-gated relu^2 experts nor the latent projections), an MLP layer with no mixer before it,
-``use_bias=True`` (biased Mamba ``in_proj`` / ``out_proj``), a clamped ``time_step_limit``,
-``mamba_hidden_act`` other than SiLU, an ``mlp_hidden_act`` :class:`~attnzoo.FeedForward` does not
-have. ``mlp_bias=True`` is reproduced (biases on ``up_proj`` / ``down_proj``).
+Refused by name: a feed-forward layer with no mixer before it, ``use_bias=True`` (biased Mamba
+``in_proj`` / ``out_proj``), a clamped ``time_step_limit``, ``mamba_hidden_act`` other than SiLU,
+an ``mlp_hidden_act`` :class:`~attnzoo.FeedForward` does not have; with ``moe`` layers:
+``moe_latent_size`` set (the ``fc1_latent_proj`` / ``fc2_latent_proj`` around the experts, which
+run in the latent width: not in :class:`~attnzoo.nn.moe.MixtureOfExperts`), ``mlp_hidden_act``
+other than ``relu2`` (the routed experts take it too, and attnzoo's ungated experts are relu^2
+only), and routing transformers itself cannot run or attnzoo refuses (``n_routed_experts`` not
+split by ``n_group`` into groups of >= 2 when ``n_group > 1``, ``topk_group > n_group``,
+``num_experts_per_tok`` above what the ``topk_group`` groups hold, ``routed_scaling_factor <= 0``).
+``mlp_bias=True`` is reproduced (biases on ``up_proj`` / ``down_proj`` of the MLPs and of the
+shared expert; the routed experts never have biases).
 
-In half precision two roundings differ from transformers' (in float32 they agree):
+In half precision three roundings differ from transformers' (in float32 they agree):
 transformers' RMSNorm multiplies by its weight in float32 before casting (attnzoo casts, then
-multiplies), and it keeps the Mamba state cache in ``mamba_ssm_cache_dtype`` (float32).
+multiplies), it keeps the Mamba state cache in ``mamba_ssm_cache_dtype`` (float32), and it keeps
+the router weight ``gate.weight`` in float32 (``_keep_in_fp32_modules_strict``, modeling 1106;
+attnzoo's router matmul runs in float32, as transformers', but from the weight rounded to the
+model's dtype) and scales the experts' outputs by float32 weights (attnzoo rounds them to the
+model's dtype first).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, cast
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import FeedForward
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._mamba import MambaKeys, mamba_factory, put_mamba
-from attnzoo.models.hf._state import HFConfig, float_dtype
+from attnzoo.models.hf._state import HFConfig, Plan, float_dtype
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.mamba2 import Mamba2
+from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
-__all__ = ["DEFAULTS", "LAYER_KINDS", "NEMOTRON_H_KEYS", "build_nemotron_h", "convert_nemotron_h", "layer_kinds", "pair_layers"]
+__all__ = ["DEFAULTS", "FEED_FORWARDS", "LAYER_KINDS", "NEMOTRON_H_KEYS", "build_nemotron_h", "convert_nemotron_h",
+           "layer_kinds", "moe_factory", "moe_routing", "pair_layers", "put_nemotron_moe"]
 
 #: ``hybrid_override_pattern`` characters -> ``layers_block_type`` names (config 279-282)
 LAYER_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -95,11 +126,15 @@ DEFAULTS: dict[str, Any] = {
     "head_dim": 128, "max_position_embeddings": 4096, "intermediate_size": 21504, "mlp_hidden_act": "relu2",
     "mlp_bias": False, "ssm_state_size": 128, "mamba_num_heads": 128, "mamba_head_dim": 64,
     "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4, "use_conv_bias": True, "use_bias": False,
-    "layer_norm_epsilon": 1e-5}
+    "layer_norm_epsilon": 1e-5, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
+    "moe_shared_expert_intermediate_size": 7688, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True}
 #: transformers' ``mlp_hidden_act`` names -> :class:`~attnzoo.FeedForward`'s (ungated) activations
 MLP_ACTIVATIONS = {"relu2": "relu2", "relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu",
                    "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _MIXERS = ("linear_attention", "full_attention")
+#: the feed-forward layer kinds, each paired with the mixer layer before it
+FEED_FORWARDS = ("mlp", "moe")
 #: the Mamba-2 mixer's keys: ``mamba_head_dim`` is always given (:data:`DEFAULTS`), so the inner
 #: width is ``mamba_num_heads * mamba_head_dim`` (``expand`` is not read, as in transformers)
 NEMOTRON_H_KEYS = MambaKeys("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "expand",
@@ -111,6 +146,8 @@ def _canonical(hf: HFConfig) -> HFConfig:
     ``layers_block_type`` set, and the two options the modeling ignores made explicit
     (``attention_bias`` and ``tie_word_embeddings`` False)."""
     data = {**DEFAULTS, **{k: v for k, v in hf.data.items() if v is not None}}
+    if hf.data.get("n_routed_experts") is None and hf.data.get("num_local_experts") is not None:
+        data["n_routed_experts"] = hf.data["num_local_experts"]  # the config's attribute_map (config 84)
     if "num_key_value_heads" in hf.data and hf.data["num_key_value_heads"] is None:  # config 202-203
         data["num_key_value_heads"] = data["num_attention_heads"]
     for old, new in _LEGACY_KEYS.items():
@@ -146,24 +183,64 @@ def layer_kinds(hf: HFConfig) -> list[str]:
     return kinds
 
 
-def pair_layers(hf: HFConfig, kinds: list[str]) -> list[tuple[int, bool]]:
-    """The blocks as ``(j, with_mlp)``: block ``i`` covers Hugging Face layer ``j`` (a mixer) and,
-    when ``with_mlp``, the MLP layer ``j + 1`` (see the module docstring). Refused by name: ``moe``
-    layers, an MLP layer with no mixer layer right before it."""
+def pair_layers(hf: HFConfig, kinds: list[str]) -> list[tuple[int, str | None]]:
+    """The blocks as ``(j, ffn)``: block ``i`` covers Hugging Face layer ``j`` (a mixer) and, when
+    ``ffn`` is ``"mlp"`` or ``"moe"``, the feed-forward layer ``j + 1`` of that kind (``None``: a
+    mixer-only block; see the module docstring). Refused by name: a feed-forward layer with no
+    mixer layer right before it."""
     pattern = "".join(_CHARS[t] for t in kinds)
-    moe = [j for j, t in enumerate(kinds) if t == "moe"]
-    if moe:
-        raise hf.unsupported(f"moe layers (layers {moe} of the pattern {pattern!r}: non-gated relu^2 experts)")
-    blocks: list[tuple[int, bool]] = []
+    blocks: list[tuple[int, str | None]] = []
     j = 0
     while j < len(kinds):
         if kinds[j] not in _MIXERS:
-            raise hf.unsupported(f"an mlp layer with no mixer layer before it (layer {j} of the pattern "
-                                 f"{pattern!r}: a block is a mixer and the mlp after it)")
-        with_mlp = j + 1 < len(kinds) and kinds[j + 1] == "mlp"
-        blocks.append((j, with_mlp))
-        j += 2 if with_mlp else 1
+            article = "an" if kinds[j] == "mlp" else "a"
+            raise hf.unsupported(f"{article} {kinds[j]} layer with no mixer layer before it (layer {j} of the pattern "
+                                 f"{pattern!r}: a block is a mixer and the mlp or moe layer after it)")
+        ffn = kinds[j + 1] if j + 1 < len(kinds) and kinds[j + 1] in FEED_FORWARDS else None
+        blocks.append((j, ffn))
+        j += 2 if ffn else 1
     return blocks
+
+
+def moe_routing(hf: HFConfig) -> Routing:
+    """``NemotronHTopkRouter``'s routing (modeling 854-892): sigmoid scores chosen with the
+    correction bias, group-limited by ``n_group`` / ``topk_group``, ``norm_topk_prob``,
+    ``routed_scaling_factor``; what transformers cannot run or attnzoo cannot express is refused
+    by name."""
+    E, k = hf.req("n_routed_experts"), hf.req("num_experts_per_tok")
+    groups, topk_groups = hf.req("n_group"), hf.req("topk_group")
+    scaling = hf.req("routed_scaling_factor", float)
+    if groups < 1 or not 1 <= topk_groups <= groups:
+        raise hf.unsupported(f"n_group={groups}, topk_group={topk_groups} (need 1 <= topk_group <= n_group)")
+    if groups > 1 and (E % groups or E // groups < 2 or k > topk_groups * (E // groups)):
+        raise hf.unsupported(f"n_routed_experts={E} in n_group={groups} groups with topk_group={topk_groups} and "
+                             f"num_experts_per_tok={k} (need groups of >= 2 experts, and num_experts_per_tok <= "
+                             f"topk_group * experts per group)")
+    if not scaling > 0 or scaling == float("inf"):
+        raise hf.unsupported(f"routed_scaling_factor={scaling!r} (attnzoo's routing scales by a positive factor)")
+    if not 1 <= k <= E:
+        raise hf.unsupported(f"num_experts_per_tok={k} with n_routed_experts={E}")
+    return Routing("sigmoid_topk", norm_topk_prob=hf.req("norm_topk_prob", bool), scaling=scaling, groups=groups,
+                   topk_groups=topk_groups)
+
+
+def moe_factory(hf: HFConfig, act: str, *, device: Any = None, dtype: Any = None) -> Callable[[], nn.Module]:
+    """The factory of a ``moe`` layer's :class:`MixtureOfExperts` (``NemotronHMoE``, modeling
+    810-851): relu^2 routed experts, one relu^2 shared expert; refuses the latent projections and
+    any ``mlp_hidden_act`` but ``relu2`` by name."""
+    latent = hf.raw("moe_latent_size")
+    if latent is not None:
+        raise hf.unsupported(f"moe_latent_size={latent!r} (the fc1_latent_proj / fc2_latent_proj around the experts)")
+    if act != "relu2":
+        raise hf.unsupported(f"mlp_hidden_act={hf.raw('mlp_hidden_act')!r} with moe layers (the routed experts "
+                             f"take it too; attnzoo's ungated experts are relu2 only)")
+    C, kw = hf.req("hidden_size"), {"device": device, "dtype": dtype}
+    routing = moe_routing(hf)
+    shared = functools.partial(FeedForward, C, hf.req("moe_shared_expert_intermediate_size"), act,
+                               bias=hf.req("mlp_bias", bool), **kw)
+    return lambda: MixtureOfExperts(C, hf.req("moe_intermediate_size"), hf.req("n_routed_experts"),
+                                    hf.req("num_experts_per_tok"), routing=routing, experts=Experts("relu2"),
+                                    shared_expert=shared(), **kw)
 
 
 def build_nemotron_h(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
@@ -177,9 +254,13 @@ def build_nemotron_h(hf: HFConfig, *, head_size: int | None = None, device: Any 
     act = hf.activation("mlp_hidden_act", MLP_ACTIVATIONS, "relu2")
     mixers = {"linear_attention": mamba_factory(hf, NEMOTRON_H_KEYS, **kw),
               "full_attention": parts.attention_factory(hf, window=None, rope=None, **kw)}
-    mlp = functools.partial(FeedForward, C, hf.req("intermediate_size"), act, bias=hf.req("mlp_bias", bool), **kw)
+    ffns: dict[str | None, Any] = {
+        None: None, "mlp": functools.partial(FeedForward, C, hf.req("intermediate_size"), act,
+                                             bias=hf.req("mlp_bias", bool), **kw)}
+    if any(ffn == "moe" for _, ffn in blocks_of):
+        ffns["moe"] = moe_factory(hf, act, **kw)
     norm = parts.rms_norm(C, eps, **kw)
-    blocks = [parts.block(C, mixers[kinds[j]], mlp if with_mlp else None, norm) for j, with_mlp in blocks_of]
+    blocks = [parts.block(C, mixers[kinds[j]], ffns[ffn], norm) for j, ffn in blocks_of]
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
@@ -191,14 +272,15 @@ def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 def convert_nemotron_h(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them): block ``i`` from the
     Hugging Face layers ``j`` (and ``j + 1``) of :func:`pair_layers`; every checkpoint key is used
-    or named (``mtp.*`` ignored)."""
+    or named (``mtp.*`` ignored); a ``moe`` layer's experts stacked (in memory) or one tensor per
+    expert (saved folders)."""
     hf, sd = _canonical(hf), _saved_names(sd)
     prefix, head_size = parts.head_size_of(hf, sd)
     model = build_nemotron_h(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
     plan = parts.plan_for(sd, prefix, hf.arch)
     plan.put("tok_emb.weight", "embeddings.weight")
     mlp_bias = hf.req("mlp_bias", bool)
-    for i, (j, with_mlp) in enumerate(pair_layers(hf, hf.req("layers_block_type", list))):
+    for i, (j, ffn) in enumerate(pair_layers(hf, hf.req("layers_block_type", list))):
         o, h = f"blocks.{i}.", f"layers.{j}."
         block = model.blocks[i]
         if isinstance(block.attn, Mamba2):
@@ -206,9 +288,31 @@ def convert_nemotron_h(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         else:
             parts.put_attention(plan, f"{o}attn", f"{h}mixer.", bias=False)
         plan.put(f"{o}attn_norm.weight", f"{h}norm.weight")
-        if with_mlp:
+        if ffn is not None:
             nxt = f"layers.{j + 1}."
-            plan.put_pairs(f"{o}ffn.", f"{nxt}mixer.", [("up_proj", "up_proj"), ("down_proj", "down_proj")],
-                           bias=mlp_bias)
+            if ffn == "moe":
+                put_nemotron_moe(plan, f"{o}ffn.", f"{nxt}mixer.", hf.req("n_routed_experts"), mlp_bias=mlp_bias)
+            else:
+                plan.put_pairs(f"{o}ffn.", f"{nxt}mixer.", [("up_proj", "up_proj"), ("down_proj", "down_proj")],
+                               bias=mlp_bias)
             plan.put(f"{o}ffn_norm.weight", f"{nxt}norm.weight")
     return parts.finish(plan, model, head_size, final_norm="norm_f", ignore=[r"(model\.)?mtp\..*"])
+
+
+def put_nemotron_moe(plan: Plan, ours: str, theirs: str, num_experts: int, *, mlp_bias: bool) -> None:
+    """Plan the :class:`MixtureOfExperts` at ``ours`` (``"blocks.1.ffn."``) from transformers'
+    ``NemotronHMoE`` at ``theirs`` (``"layers.2.mixer."``): the router and its correction bias,
+    the stacked ``experts.up_proj`` / ``experts.down_proj`` (or, in a saved folder, one
+    ``experts.{e}.*_proj.weight`` per expert, stacked here), the shared expert."""
+    plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
+    plan.put(f"{ours}score_bias", f"{theirs}gate.e_score_correction_bias")
+    for name in ("up_proj", "down_proj"):
+        if plan.src.has(f"{theirs}experts.{name}") or not plan.src.has(f"{theirs}experts.0.{name}.weight"):
+            plan.put(f"{ours}{name}", f"{theirs}experts.{name}")
+            continue
+        each = [plan.src.take(f"{theirs}experts.{e}.{name}.weight") for e in range(num_experts)]
+        if all(t is not None for t in each):
+            plan.put_tensor(f"{ours}{name}", torch.stack(cast(list[Tensor], each)),
+                            f"{plan.src.prefix}{theirs}experts.*.{name}.weight")
+    plan.put_pairs(f"{ours}shared_expert.", f"{theirs}shared_experts.",
+                   [("up_proj", "up_proj"), ("down_proj", "down_proj")], bias=mlp_bias)
