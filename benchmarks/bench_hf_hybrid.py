@@ -1,6 +1,8 @@
-"""A Qwen3-Next-shaped hybrid (3 gated-DeltaNet layers per gated-attention layer, MoE) on the
-CPU in float32: prefill of N tokens and one training step (forward + backward of the LM loss),
-three ways on the same weights:
+"""A hybrid model on the CPU in float32 — Qwen3-Next-shaped (3 gated-DeltaNet layers per
+gated-attention layer, MoE; the default) or one of the Mamba-2 families (``--family bamba``,
+``falcon_h1``, ``nemotron_h``, ``mamba2``: Mamba-2 mixers with attention layers, in parallel for
+Falcon-H1): prefill of N tokens and one training step (forward + backward of the LM loss), three
+ways on the same weights:
 
 * ``hf-fallback``: transformers' eager model with its own PyTorch kernels (what a CPU gets
   without ``fla``: the chunked delta rule loop, ``F.conv1d``);
@@ -15,6 +17,7 @@ logits of the three are compared once (max relative difference vs hf-fallback).
 
     python benchmarks/bench_hf_hybrid.py                       # N = 4096, 3 repeats
     python benchmarks/bench_hf_hybrid.py --tokens 1024 --repeats 5 --threads 2
+    python benchmarks/bench_hf_hybrid.py --family bamba --tokens 2048
 """
 
 from __future__ import annotations
@@ -31,16 +34,46 @@ import attnzoo.hf as azhf
 from attnzoo import hf_kernels
 from attnzoo.interop import from_hf
 
+#: family (transformers' model module) -> what its config builds
+FAMILIES = {"qwen3_next": "4 layers: 3 linear : 1 full, MoE 4 experts top-2",
+            "bamba": "4 layers: 3 Mamba-2 : 1 attention, SwiGLU MLPs",
+            "falcon_h1": "4 layers: Mamba-2 beside attention in every layer, SwiGLU MLPs",
+            "nemotron_h": "7 layers M-M-M*- (4 attnzoo blocks): 3 Mamba-2 : 1 attention, 3 relu^2 MLPs",
+            "mamba2": "4 Mamba-2 mixer-only layers"}
+
+
+def _config(args: argparse.Namespace) -> object:
+    """A small config of ``args.family`` (:data:`FAMILIES`) of width ``args.dim`` (heads of 64)."""
+    import transformers as T
+
+    C, heads = args.dim, args.dim // 64
+    common = {"vocab_size": 1024, "hidden_size": C, "max_position_embeddings": 2 * args.tokens}
+    attn = {"num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2)}
+    mamba = {"mamba_n_heads": 2 * heads, "mamba_d_state": 64, "mamba_chunk_size": 64}
+    if args.family == "qwen3_next":
+        return T.Qwen3NextConfig(**common, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=64, intermediate_size=2 * C, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=C, shared_expert_intermediate_size=C, linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
+    if args.family == "bamba":
+        return T.BambaConfig(**common, **attn, **mamba, num_hidden_layers=4, attn_layer_indices=[3],
+                             intermediate_size=2 * C)
+    if args.family == "falcon_h1":
+        return T.FalconH1Config(**common, **attn, **mamba, num_hidden_layers=4, intermediate_size=2 * C,
+                                mamba_d_ssm=2 * C)
+    if args.family == "nemotron_h":
+        return T.NemotronHConfig(**common, **attn, head_dim=64, hybrid_override_pattern="M-M-M*-",
+                                 mamba_num_heads=2 * heads, mamba_head_dim=64, ssm_state_size=64, n_groups=1,
+                                 chunk_size=64, intermediate_size=2 * C)
+    return T.Mamba2Config(**{k: v for k, v in common.items() if k != "max_position_embeddings"},
+                          num_hidden_layers=4, num_heads=2 * heads, head_dim=64, state_size=64, n_groups=1,
+                          chunk_size=64)
+
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
     import transformers as T
 
-    cfg = T.Qwen3NextConfig(
-        vocab_size=1024, hidden_size=args.dim, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, intermediate_size=2 * args.dim, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=args.dim, shared_expert_intermediate_size=args.dim, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-        max_position_embeddings=2 * args.tokens)
+    cfg = _config(args)
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():
@@ -49,12 +82,13 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
-def _set_hooks(served: bool) -> None:
+def _set_hooks(family: str, served: bool) -> None:
     """transformers' own kernels (``served=False``) or attnzoo's behind its hooks."""
-    import transformers.models.qwen3_next.modeling_qwen3_next as mq
+    import importlib
 
+    mq = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     for (module, fn), original in hf_kernels.ORIGINALS.items():
-        if module == "qwen3_next":
+        if module == family:
             setattr(mq, fn, hf_kernels.HOOKS[fn] if served else original)
 
 
@@ -66,6 +100,7 @@ def _time(fn: Callable[[], object]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=list(FAMILIES), default="qwen3_next")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
@@ -79,8 +114,9 @@ def main() -> None:
     x = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(1))
 
     def hf_logits(served: bool) -> torch.Tensor:
-        _set_hooks(served)
-        hf.set_attn_implementation("attnzoo" if served else "eager")
+        _set_hooks(args.family, served)
+        if args.family != "mamba2":  # attention-free: no attention implementation to set
+            hf.set_attn_implementation("attnzoo" if served else "eager")
         return hf(input_ids=x, use_cache=False).logits
 
     def train(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> None:
@@ -106,7 +142,7 @@ def main() -> None:
             times.setdefault((name, "train step"), []).append(_time(step))
             print(f"# repeat {r}: {name} prefill {times[(name, 'prefill')][-1]:.2f} s, train step "
                   f"{times[(name, 'train step')][-1]:.2f} s", flush=True)
-    print(f"Qwen3-Next-shaped, dim={args.dim}, 4 layers (3 linear : 1 full, MoE 4 experts top-2), "
+    print(f"{args.family}, dim={args.dim}, {FAMILIES[args.family]}, "
           f"N={args.tokens}, threads={torch.get_num_threads()}, repeats={args.repeats}")
     print(f"{'way':<12} {'case':<11} {'median s':>9} {'ratio':>7} {'max rel err':>12}")
     for case in ("prefill", "train step"):
