@@ -52,7 +52,7 @@ def _reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
             order = sorted(range(E), key=lambda e: -float(torch.sigmoid(logits[e]) + bias[e]))[: moe.top_k]
             w = {e: torch.sigmoid(logits[e]) for e in order}
             if moe.norm_topk_prob:
-                total = sum(w.values()) + 1e-20
+                total = sum(w.values()) + moe.norm_eps
                 w = {e: v / total for e, v in w.items()}
         elif moe.routing == "softmax_topk":
             probs = torch.softmax(logits, 0)
@@ -109,6 +109,8 @@ CASES: dict[str, dict[str, Any]] = {
     "sigmoid_topk_norm_scaled_shared": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, scaling=2.5),
                                         "shared": True},
     "sigmoid_topk": {"routing": Routing("sigmoid_topk")},
+    # LFM2-MoE: renormalised by sum + 1e-6 (the float64 comparison sees the 1e-6)
+    "sigmoid_topk_norm_eps": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, norm_eps=1e-6, scaling=0.5)},
     "relu2": {"experts": Experts("relu2")},
     "relu2_biased": {"routing": Routing("softmax_topk", norm_topk_prob=True), "experts": Experts("relu2", bias=True)},
     # Nemotron-H: sigmoid scores chosen with the bias, renormalised, scaled; a relu^2 shared expert
@@ -192,6 +194,15 @@ def test_moe_validates_its_arguments() -> None:
         Routing(scaling=float("inf"))
     with pytest.raises(TypeError, match="Routing: weight_inputs must be a bool"):
         Routing(weight_inputs=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Routing: norm_eps applies to kind='sigmoid_topk', got 'softmax_topk'"):
+        Routing("softmax_topk", norm_topk_prob=True, norm_eps=1e-6)
+    with pytest.raises(ValueError, match="Routing: norm_eps must be a finite non-negative number"):
+        Routing("sigmoid_topk", norm_eps=-1e-6)
+    with pytest.raises(ValueError, match="Routing: norm_eps must be a finite non-negative number"):
+        Routing("sigmoid_topk", norm_eps=float("nan"))
+    with pytest.raises(TypeError, match="Routing: norm_eps must be a float"):
+        Routing("sigmoid_topk", norm_eps=True)  # type: ignore[arg-type]
+    assert Routing("sigmoid_topk", norm_eps=0).norm_eps == 0.0 and Routing().norm_eps == 1e-20
     with pytest.raises(ValueError, match="Experts: activation must be one of"):
         Experts("gelu")
     with pytest.raises(ValueError, match="clamped_swiglu' needs swiglu_limit"):

@@ -13,7 +13,8 @@ weights ``w``, and its output is ``sum_e w_e * expert_e(x)`` (or, with ``weight_
   float32 (the router's matmul too, as transformers computes it); the ``k`` experts
   of largest ``p + score_bias`` (``score_bias [E]``, a buffer: transformers'
   ``e_score_correction_bias``, which picks but does not weight) keep their ``p``;
-  ``norm_topk_prob`` divides them by their sum (plus ``1e-20``). With ``groups = G > 1``
+  ``norm_topk_prob`` divides them by their sum plus ``Routing.norm_eps`` (``1e-20``, DeepSeek-V3's;
+  LFM2-MoE adds ``1e-6``). With ``groups = G > 1``
   (group-limited routing, DeepSeek-V3's ``n_group`` / ``topk_group``) the ``E`` experts form
   ``G`` consecutive groups, each scored by the sum of its two largest ``p + score_bias``; only the
   ``topk_groups`` best groups' experts can be picked.
@@ -39,14 +40,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo._devices import restore_float32
-from attnzoo._validate import check_bool, check_choice, check_int, check_positive_float
+from attnzoo._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_nonnegative_float,
+    check_positive_float,
+)
 
-__all__ = ["EXPERT_ACTIVATIONS", "GATED_EXPERTS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
+__all__ = ["EXPERT_ACTIVATIONS", "GATED_EXPERTS", "NORM_EPS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_topk")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2")
 #: the expert activations with a ``gate_proj`` (the others have none)
 GATED_EXPERTS = ("swiglu", "clamped_swiglu")
+#: ``Routing.norm_eps``'s default: DeepSeek-V3's ``sum + 1e-20`` (a sigmoid sum is never 0)
+NORM_EPS = 1e-20
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,9 @@ class Routing:
         weight_inputs: scale each expert's input by its weight instead of its output (Llama-4).
         groups: expert groups ``G`` of group-limited routing (``kind="sigmoid_topk"`` only; 1: none).
         topk_groups: the groups a token's experts may come from (``1 <= topk_groups <= groups``).
+        norm_eps: added to the kept weights' sum before ``norm_topk_prob`` divides by it
+            (``kind="sigmoid_topk"`` only, finite and ``>= 0``; unused without ``norm_topk_prob``):
+            ``1e-20`` as DeepSeek-V3 / Kimi Linear / Nemotron-H, ``1e-6`` as LFM2-MoE.
     """
 
     kind: str = "softmax_topk"
@@ -72,6 +84,7 @@ class Routing:
     weight_inputs: bool = False
     groups: int = 1
     topk_groups: int = 1
+    norm_eps: float = NORM_EPS
 
     def __post_init__(self) -> None:
         check_choice(self.kind, "kind", "Routing", choices=ROUTINGS)
@@ -87,6 +100,10 @@ class Routing:
         if groups > 1 and self.kind != "sigmoid_topk":
             raise ValueError(f"Routing: groups > 1 (group-limited routing) applies to kind='sigmoid_topk', "
                              f"got {self.kind!r}")
+        norm_eps = check_nonnegative_float(self.norm_eps, "norm_eps", "Routing")
+        if norm_eps != NORM_EPS and self.kind != "sigmoid_topk":  # softmax_topk renormalises without one
+            raise ValueError(f"Routing: norm_eps applies to kind='sigmoid_topk', got {self.kind!r}")
+        object.__setattr__(self, "norm_eps", norm_eps)
 
 
 @dataclass(frozen=True)
@@ -170,7 +187,7 @@ class MixtureOfExperts(nn.Module):
             raise TypeError(f"MixtureOfExperts: experts must be an Experts or None, got {type(experts).__name__} "
                             f"({experts!r})")
         self.routing, self.norm_topk_prob, self.routed_scaling = routing.kind, routing.norm_topk_prob, routing.scaling
-        self.weight_inputs = routing.weight_inputs
+        self.weight_inputs, self.norm_eps = routing.weight_inputs, routing.norm_eps
         self.activation, self.swiglu_limit, self.swiglu_alpha = (experts.activation, experts.swiglu_limit,
                                                                  experts.swiglu_alpha)
         if shared_expert is not None and not isinstance(shared_expert, nn.Module):
@@ -241,7 +258,7 @@ class MixtureOfExperts(nn.Module):
             experts = torch.topk(self._in_best_groups(probs + self.score_bias.to(wide)), self.top_k, dim=-1)[1]
             weights = probs.gather(-1, experts)
             if self.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         else:
             top, experts = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
             weights = (torch.softmax(top, dim=-1) if self.routing == "topk_softmax"

@@ -1,4 +1,5 @@
-"""LFM2 (``lfm2``) -> :class:`~attnzoo.DecoderLM`: ``Lfm2ForCausalLM`` and ``Lfm2Model``.
+"""LFM2 (``lfm2``) -> :class:`~attnzoo.DecoderLM`: ``Lfm2ForCausalLM`` and ``Lfm2Model``; and
+LFM2-MoE (``lfm2_moe``): ``Lfm2MoeForCausalLM`` and ``Lfm2MoeModel`` (below).
 
 Liquid AI's LFM2 (transformers ``models/lfm2``; line numbers below are ``modeling_lfm2.py`` /
 ``configuration_lfm2.py`` of transformers 5.25). Every layer is pre-norm (modeling 418-461):
@@ -25,25 +26,53 @@ absent, every layer attention when both are):
 Config keys are read as transformers reads them (:func:`canonical`): the legacy ``block_ff_dim``
 and ``tie_embedding`` override ``intermediate_size`` / ``tie_word_embeddings`` (config 90-91), and
 keys a ``config.json`` leaves out take ``Lfm2Config``'s defaults (:data:`DEFAULTS`, config 58-79).
+
+LFM2-MoE (transformers ``models/lfm2_moe``; line numbers ``modeling_lfm2_moe.py`` /
+``configuration_lfm2_moe.py`` of 5.25) is the same stack (the same short-conv mixer, modeling
+455-500, and QK-normed attention, modeling 286-343; the same pre-norm layer, modeling 503-550;
+``layer_types`` entries ``"conv"`` / ``"full_attention"``, the two masks of modeling 637-640)
+whose feed-forward depends on the layer (modeling 512-516):
+
+* layers ``i < num_dense_layers``: the SwiGLU ``w1``/``w3``/``w2`` of width ``intermediate_size``
+  as given (``Lfm2MoeMLP``, modeling 118-128: LFM2's ``block_auto_adjust_ff_dim`` does not apply,
+  the config has no ``block_*`` keys);
+* the others: a :class:`~attnzoo.nn.moe.MixtureOfExperts` (``Lfm2MoeSparseMoeBlock``, modeling
+  171-213): router ``gate.weight [E, C]``, scores ``sigmoid(logits)``; with ``use_expert_bias``
+  the ``k`` experts of largest ``sigmoid + expert_bias`` (``expert_bias [E]``, a float32 buffer:
+  our ``score_bias``) keep their sigmoid, else the ``k`` largest sigmoids (a zero ``score_bias``);
+  ``norm_topk_prob`` divides them by their sum ``+ 1e-6`` (``Routing(norm_eps=1e-6)``), then
+  ``routed_scaling_factor`` multiplies them; SwiGLU experts ``experts.gate_up_proj [E, 2I, C]``
+  (rows ``[gate; up]``) and ``experts.down_proj [E, C, I]`` (``I = moe_intermediate_size``;
+  ``Lfm2MoeExperts``, modeling 131-168), no shared expert. Saved folders hold one tensor per expert instead,
+  ``experts.{e}.w1/w3/w2.weight`` (transformers' ``conversion_mapping`` stacks them on load and
+  splits them on save): both load.
+
+Its config (:func:`canonical_moe`) takes ``Lfm2MoeConfig``'s defaults (:data:`MOE_DEFAULTS`,
+config 65-90) and folds ``tie_embedding`` in (config 92-94), but reads none of LFM2's other legacy
+keys (``block_ff_dim``, ``full_attn_idxs``): ``layer_types`` is required, as transformers indexes
+it per layer (modeling 506; ``None`` fails there).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo._validate import check_int
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families._moe import put_moe
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv
 
-__all__ = ["DEFAULTS", "Lfm2ShortConvMixer", "build_lfm2", "canonical", "convert_lfm2", "ff_dim"]
+__all__ = ["DEFAULTS", "MOE_DEFAULTS", "Lfm2ShortConvMixer", "build_lfm2", "build_lfm2_moe", "canonical",
+           "canonical_moe", "convert_lfm2", "convert_lfm2_moe", "ff_dim", "moe_factory", "put_lfm2_moe"]
 
 TYPES = ("conv", "full_attention")
 
@@ -55,6 +84,23 @@ DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "conv_bias": False, "conv_L_cache": 3,
     "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True,
 }
+
+#: ``Lfm2MoeConfig``'s defaults of the keys read here (configuration_lfm2_moe 65-90; ``rope_theta``:
+#: ``default_theta``, 63)
+MOE_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 7168, "moe_intermediate_size": 1792,
+    "num_hidden_layers": 32, "max_position_embeddings": 128_000, "norm_eps": 1e-5, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "conv_bias": False,
+    "conv_L_cache": 3, "num_dense_layers": 2, "num_experts_per_tok": 4, "num_experts": 32, "use_expert_bias": True,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+}
+
+#: ``Lfm2MoeTopKRouter``'s ``sum + 1e-6`` under ``norm_topk_prob`` (modeling 192-193)
+MOE_NORM_EPS = 1e-6
+
+#: the SwiGLU projections, ours and transformers' (``w1`` gate, ``w3`` up, ``w2`` down): the dense
+#: MLPs' names, and each expert's in a saved LFM2-MoE folder (``conversion_mapping["lfm2_moe"]``)
+SWIGLU = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 
 
 class Lfm2ShortConvMixer(RecurrentMixer):
@@ -114,25 +160,49 @@ class Lfm2ShortConvMixer(RecurrentMixer):
         return f"dim={self.dim}, conv_size={self.conv_size}, bias={self.conv_bias}"
 
 
-def canonical(hf: HFConfig) -> HFConfig:
-    """``hf`` as transformers reads it: :data:`DEFAULTS` where a key is absent, the legacy keys
-    ``block_ff_dim`` / ``tie_embedding`` folded in (config 90-91), ``layer_types`` set (from
-    ``full_attn_idxs``, else every layer attention; config 81-88), and the attention's options the
-    modeling fixes made explicit (no biases, no dropout: modeling 213-216, 252)."""
-    data = {**DEFAULTS, **{k: v for k, v in hf.data.items() if v is not None}}
-    if "block_ffn_dim_multiplier" in hf.data and hf.data["block_ffn_dim_multiplier"] is None:
-        data["block_ffn_dim_multiplier"] = None  # None skips the multiplier and the rounding (modeling 118)
-    if hf.data.get("block_ff_dim") is not None:
-        data["intermediate_size"] = hf.data["block_ff_dim"]
+def _read(hf: HFConfig, defaults: Mapping[str, Any]) -> HFConfig:
+    """What both configs read alike: ``defaults`` where a key is absent, ``tie_embedding`` folded
+    into ``tie_word_embeddings``, and the attention's options the modeling fixes made explicit (no
+    biases, no dropout: modeling 213-216, 252)."""
+    data = {**defaults, **{k: v for k, v in hf.data.items() if v is not None}}
     if hf.data.get("tie_embedding") is not None:
         data["tie_word_embeddings"] = hf.data["tie_embedding"]
-    out = HFConfig(data, hf.source, hf.arch)
+    data.update(attention_bias=False, attention_dropout=0.0)
+    return HFConfig(data, hf.source, hf.arch)
+
+
+def canonical(hf: HFConfig) -> HFConfig:
+    """``hf`` as transformers reads an ``Lfm2Config``: :data:`DEFAULTS` where a key is absent, the
+    legacy keys ``block_ff_dim`` / ``tie_embedding`` folded in (config 90-91), ``layer_types`` set
+    (from ``full_attn_idxs``, else every layer attention; config 81-88), no attention biases or
+    dropout."""
+    out = _read(hf, DEFAULTS)
+    if "block_ffn_dim_multiplier" in hf.data and hf.data["block_ffn_dim_multiplier"] is None:
+        out.data["block_ffn_dim_multiplier"] = None  # None skips the multiplier and the rounding (modeling 118)
+    if hf.data.get("block_ff_dim") is not None:
+        out.data["intermediate_size"] = hf.data["block_ff_dim"]
     if out.get("layer_types", None, list) is None:
         depth = out.req("num_hidden_layers")
         idxs = out.get("full_attn_idxs", list(range(depth)), list)
         out.data["layer_types"] = ["full_attention" if i in idxs else "conv" for i in range(depth)]
-    out.data.update(attention_bias=False, attention_dropout=0.0)
     return out
+
+
+def canonical_moe(hf: HFConfig) -> HFConfig:
+    """``hf`` as transformers reads an ``Lfm2MoeConfig``: :data:`MOE_DEFAULTS` where a key is
+    absent, ``tie_embedding`` folded in (config 92-94), no attention biases or dropout;
+    ``layer_types`` required (see the module docstring)."""
+    out = _read(hf, MOE_DEFAULTS)
+    out.req("layer_types", list)
+    return out
+
+
+def _size(hf: HFConfig, key: str) -> int:
+    """The integer ``key``, which must be >= 1."""
+    value = hf.req(key)
+    if value < 1:
+        raise CheckpointFormatError(f"{hf.source}: key {key!r} must be >= 1, got {value!r}")
+    return int(value)
 
 
 def ff_dim(hf: HFConfig) -> int:
@@ -155,24 +225,61 @@ def ff_dim(hf: HFConfig) -> int:
     return width
 
 
-def build_lfm2(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
-    """The decoder of an ``Lfm2Config`` (random weights; see the module docstring)."""
-    hf = canonical(hf)
+def _decoder(hf: HFConfig, ffns: Sequence[Callable[[], nn.Module]], *, head_size: int | None, device: Any,
+             dtype: Any) -> DecoderLM:
+    """The stack of a canonical config: layer ``i``'s mixer by ``layer_types``, its feed-forward
+    from the factory ``ffns[i]``."""
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.req("norm_eps", float), {"device": device, "dtype": dtype}
     D = hf.get("head_dim", C // H)
     kinds = parts.layer_types(hf, depth, TYPES)
-    K = hf.req("conv_L_cache")
-    if K < 1:
-        raise CheckpointFormatError(f"{hf.source}: key 'conv_L_cache' must be >= 1, got {K!r}")
     rope = parts.rotary(hf, parts.rope_params(hf), D)
     # the QK-norm's epsilon is norm_eps (modeling 217-218), not rms_norm_eps (attention_factory's)
     attention = functools.partial(parts.attention_factory(hf, window=None, rope=rope, qk_norm="head", **kw),
                                   qk_norm_eps=eps)
-    conv = functools.partial(Lfm2ShortConvMixer, C, K, bias=hf.req("conv_bias", bool), **kw)
-    ffn, norm = parts.gated_mlp(C, ff_dim(hf), "swiglu", **kw), parts.rms_norm(C, eps, **kw)
-    blocks = [parts.block(C, conv if k == "conv" else attention, ffn, norm) for k in kinds]
+    conv = functools.partial(Lfm2ShortConvMixer, C, _size(hf, "conv_L_cache"), bias=hf.req("conv_bias", bool), **kw)
+    norm = parts.rms_norm(C, eps, **kw)
+    blocks = [parts.block(C, conv if k == "conv" else attention, ffn, norm) for k, ffn in zip(kinds, ffns, strict=True)]
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def build_lfm2(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """The decoder of an ``Lfm2Config`` (random weights; see the module docstring)."""
+    hf = canonical(hf)
+    ffn = parts.gated_mlp(hf.req("hidden_size"), ff_dim(hf), "swiglu", device=device, dtype=dtype)
+    return _decoder(hf, [ffn] * hf.req("num_hidden_layers"), head_size=head_size, device=device, dtype=dtype)
+
+
+def dense_layers(hf: HFConfig) -> int:
+    """How many leading layers of an ``Lfm2MoeConfig`` are dense (``layer_idx < num_dense_layers``,
+    modeling 512-516), in ``[0, num_hidden_layers]``."""
+    return min(max(hf.req("num_dense_layers"), 0), hf.req("num_hidden_layers"))
+
+
+def moe_factory(hf: HFConfig, *, device: Any = None, dtype: Any = None) -> Callable[[], nn.Module]:
+    """The factory of an LFM2-MoE sparse layer's :class:`MixtureOfExperts` (see the module
+    docstring); a ``routed_scaling_factor`` that is not a finite positive number is refused by name."""
+    E, k = _size(hf, "num_experts"), _size(hf, "num_experts_per_tok")
+    if k > E:  # transformers' topk fails too
+        raise CheckpointFormatError(f"{hf.source}: num_experts_per_tok={k} is more than num_experts={E}")
+    scaling = hf.req("routed_scaling_factor", float)
+    if not 0 < scaling < float("inf"):
+        raise hf.unsupported(f"routed_scaling_factor={scaling!r} (attnzoo's routing scales by a finite positive "
+                             f"factor)")
+    routing = Routing("sigmoid_topk", norm_topk_prob=hf.req("norm_topk_prob", bool), scaling=scaling,
+                      norm_eps=MOE_NORM_EPS)
+    return functools.partial(MixtureOfExperts, hf.req("hidden_size"), _size(hf, "moe_intermediate_size"), E, k,
+                             routing=routing, device=device, dtype=dtype)
+
+
+def build_lfm2_moe(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                   dtype: Any = None) -> DecoderLM:
+    """The decoder of an ``Lfm2MoeConfig`` (random weights; see the module docstring)."""
+    hf = canonical_moe(hf)
+    dense, depth, kw = dense_layers(hf), hf.req("num_hidden_layers"), {"device": device, "dtype": dtype}
+    ffns = [parts.gated_mlp(hf.req("hidden_size"), hf.req("intermediate_size"), "swiglu", **kw)] * dense
+    ffns += [moe_factory(hf, **kw)] * (depth - dense) if dense < depth else []
+    return _decoder(hf, ffns, head_size=head_size, **kw)
 
 
 def put_short_conv(plan: Plan, ours: str, theirs: str, *, bias: bool) -> None:
@@ -189,10 +296,40 @@ def put_lfm2_attention(plan: Plan, ours: str, theirs: str) -> None:
         plan.put(f"{ours}frontier.{n}_norm_weight", f"{theirs}{n}_layernorm.weight")
 
 
-def convert_lfm2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """Build the decoder and copy the weights (the head follows them)."""
-    hf = canonical(hf)
-    model, plan, head_size = parts.start(hf, sd, build_lfm2, device=device, dtype=dtype)
+def put_swiglu(plan: Plan, ours: str, theirs: str) -> None:
+    """A :class:`~attnzoo.FeedForward` at ``ours`` from ``Lfm2MLP`` / ``Lfm2MoeMLP`` at ``theirs``
+    (``w1`` gate, ``w3`` up, ``w2`` down)."""
+    plan.put_pairs(ours, theirs, SWIGLU, bias=False)
+
+
+def put_lfm2_moe(plan: Plan, ours: str, theirs: str, num_experts: int, *, expert_bias: bool) -> None:
+    """Plan the :class:`MixtureOfExperts` at ``ours`` (``"blocks.3.ffn."``) from
+    ``Lfm2MoeSparseMoeBlock`` at ``theirs`` (``"layers.3.feed_forward."``): the router
+    ``gate.weight``, the stacked experts (in memory) or one ``experts.{e}.w1/w3/w2.weight`` per
+    expert (saved folders), ``expert_bias`` into ``score_bias`` (zeros without ``use_expert_bias``:
+    the plain top-k of the sigmoids)."""
+    if not plan.src.has(f"{theirs}experts.0.w1.weight"):
+        put_moe(plan, ours, theirs, "stacked")  # gate.weight, experts.gate_up_proj (rows [gate; up]), down_proj
+    else:
+        plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
+        for name, saved in SWIGLU:
+            each = [plan.src.take(f"{theirs}experts.{e}.{saved}.weight") for e in range(num_experts)]
+            if all(t is not None for t in each):
+                plan.put_tensor(f"{ours}{name}", torch.stack([t for t in each if t is not None]),
+                                f"{plan.src.prefix}{theirs}experts.*.{saved}.weight")
+    if expert_bias:
+        plan.put(f"{ours}score_bias", f"{theirs}expert_bias")
+    else:
+        plan.put_tensor(f"{ours}score_bias", torch.zeros(num_experts, dtype=torch.float32),
+                        "(use_expert_bias=False: no bias)")
+
+
+def _convert(hf: HFConfig, sd: dict[str, Tensor], build: Callable[..., DecoderLM],
+             put_ffn: Callable[[Plan, str, str, int], None], *, device: Any, dtype: Any) -> DecoderLM:
+    """Build the decoder of the canonical ``hf`` and copy the weights (the head follows them):
+    the mixers and norms of every layer here, layer ``i``'s feed-forward by ``put_ffn(plan, ours,
+    theirs, i)``."""
+    model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
     kinds = parts.layer_types(hf, model.depth, TYPES)
     bias = hf.req("conv_bias", bool)
     for i, kind in enumerate(kinds):
@@ -201,7 +338,26 @@ def convert_lfm2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
             put_short_conv(plan, f"{o}attn.", f"{h}conv.", bias=bias)
         else:
             put_lfm2_attention(plan, f"{o}attn.", f"{h}self_attn.")
-        plan.put_pairs(f"{o}ffn.", f"{h}feed_forward.", [("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")],
-                       bias=False)
+        put_ffn(plan, f"{o}ffn.", f"{h}feed_forward.", i)
         plan.put_pairs(o, h, [("attn_norm", "operator_norm"), ("ffn_norm", "ffn_norm")], bias=False)
     return parts.finish(plan, model, head_size, final_norm="embedding_norm")
+
+
+def convert_lfm2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """Build an LFM2 decoder and copy the weights (the head follows them)."""
+    return _convert(canonical(hf), sd, build_lfm2, lambda plan, ours, theirs, _: put_swiglu(plan, ours, theirs),
+                    device=device, dtype=dtype)
+
+
+def convert_lfm2_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """Build an LFM2-MoE decoder and copy the weights (the head follows them)."""
+    hf = canonical_moe(hf)
+    dense, experts, bias = dense_layers(hf), hf.req("num_experts"), hf.req("use_expert_bias", bool)
+
+    def put_ffn(plan: Plan, ours: str, theirs: str, i: int) -> None:
+        if i < dense:
+            put_swiglu(plan, ours, theirs)
+        else:
+            put_lfm2_moe(plan, ours, theirs, experts, expert_bias=bias)
+
+    return _convert(hf, sd, build_lfm2_moe, put_ffn, device=device, dtype=dtype)
