@@ -109,6 +109,9 @@ def test_moe_block_equals_transformers_in_float64(expert_bias: bool, norm: bool,
     config = _config(use_expert_bias=expert_bias, norm_topk_prob=norm, routed_scaling_factor=scaling)
     torch.manual_seed(0)
     block = T.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeSparseMoeBlock(config)
+    with torch.no_grad():  # built alone, its expert weights are torch.empty (garbage, NaN at times)
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
     theirs = checks.perturbed(block, scale=0.5).double()
     ours = moe_factory(canonical_moe(HFConfig(config.to_dict(), "test", "LFM2-MoE")), dtype=torch.float64)()
     plan = Plan(Source({k: v.detach() for k, v in theirs.state_dict().items()}), "LFM2-MoE")
