@@ -168,6 +168,22 @@ def test_encoder_and_vit_forwards_have_no_graph_breaks() -> None:
     assert _break_count(vit, torch.randn(2, 3, 32, 32)) == 0
 
 
+def test_mixer_only_and_parallel_mixer_blocks_have_no_graph_breaks() -> None:
+    """The compositions of the Mamba-2 families: a mixer-only block (Mamba-2, Nemotron-H) and a
+    ``ParallelMixers`` block (Falcon-H1: Mamba-2 beside attention)."""
+    from attnzoo.blocks import BlockLayers
+
+    norm = lambda: az.RMSNorm(32)  # noqa: E731
+    blocks = [az.TransformerBlock(32, layers=BlockLayers(attention=lambda: az.Mamba2(32, 4, chunk_size=8),
+                                                         feed_forward=None, norm=norm)),
+              az.TransformerBlock(32, layers=BlockLayers(
+                  attention=lambda: az.ParallelMixers([az.Mamba2(32, 4, chunk_size=8),
+                                                       az.MultiHeadAttention(32, 4, causal=True, rope=True)]),
+                  feed_forward=lambda: az.FeedForward(32, activation="relu2"), norm=norm))]
+    lm = az.DecoderLM(100, 32, 2, 4, parts=az.models.DecoderParts(blocks=blocks)).eval()
+    assert _break_count(lm, torch.randint(0, 100, (2, N))) == 0
+
+
 def _lm(attention: str = "sliding") -> az.DecoderLM:
     return az.DecoderLM(vocab_size=100, dim=32, depth=2, num_heads=4, attention=attention).eval()
 
