@@ -3,9 +3,10 @@
 
 transformers 5.x reaches the linear-attention kernels of its hybrid models (Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE, OLMo-hybrid, Kimi Linear) and of its Mamba-2 models (Mamba-2, Bamba, Granite-MoE-hybrid,
-Zamba2, Falcon-H1, Nemotron-H) through module-level functions decorated with
-``use_kernel_func_from_hub_with_fallback``: a hub kernel, else the ``fla`` / ``causal_conv1d``
-package, else a slow PyTorch loop that also refuses packed sequences. :func:`install` replaces
+Zamba2, Falcon-H1, Nemotron-H) and of LFM2 / LFM2-MoE (their short convolutions) through
+module-level functions decorated with ``use_kernel_func_from_hub_with_fallback``: a hub kernel,
+else the ``fla`` / ``causal_conv1d`` package, else a slow PyTorch loop that refuses packed
+sequences (LFM2's fallback convolution runs them, reading across the sequence boundaries). :func:`install` replaces
 those module functions with attnzoo's exact kernels:
 
 * ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` (gated DeltaNet) and
@@ -45,7 +46,7 @@ __all__ = ["HOOKS", "ORIGINALS", "causal_conv1d_fn", "causal_conv1d_update", "ch
 
 #: transformers model modules with linear-attention hooks
 MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
-           "mamba2", "bamba", "granitemoehybrid", "zamba2", "falcon_h1", "nemotron_h")
+           "mamba2", "bamba", "granitemoehybrid", "zamba2", "falcon_h1", "nemotron_h", "lfm2", "lfm2_moe")
 #: (module, function name) -> the transformers function it replaced
 ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
 

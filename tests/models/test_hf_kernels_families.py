@@ -1,9 +1,11 @@
 """``attnzoo.hf.register()`` end to end on every family whose linear-attention layers call
 transformers' kernel hooks (Qwen3.5, Qwen3.5-MoE, OLMo-hybrid, Kimi Linear; Qwen3-Next has its
-own module, ``test_hf_kernels.py``): with attnzoo's kernels served, the logits of a left-padded
+own module, ``test_hf_kernels.py``; LFM2 and LFM2-MoE, whose short convolutions call the
+``causal_conv1d`` hooks): with attnzoo's kernels served, the logits of a left-padded
 batch and greedy generation (cached decode) equal those with transformers' own PyTorch fallback
 put back, and padding-free packed input gives each sequence's logits alone (the fallback
-refuses packed input)."""
+refuses packed input; LFM2's fallback convolution runs it, across the sequence boundaries: 0.66
+relative off each sequence alone)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ azhf.register()
 
 #: transformers' modeling module name -> the test module holding that family's tiny offline config
 FAMILIES = {"qwen3_5": "test_hf_qwen3_5", "qwen3_5_moe": "test_hf_qwen3_5_moe",
-            "olmo_hybrid": "test_hf_olmo_hybrid", "kimi_linear": "test_hf_kimi_linear"}
+            "olmo_hybrid": "test_hf_olmo_hybrid", "kimi_linear": "test_hf_kimi_linear",
+            "lfm2": "test_hf_lfm2", "lfm2_moe": "test_hf_lfm2_moe"}
 
 
 def _config(family: str) -> Any:
