@@ -1,11 +1,12 @@
 """A hybrid model on the CPU in float32 — Qwen3-Next-shaped (3 gated-DeltaNet layers per
 gated-attention layer, MoE; the default) or one of the Mamba-2 families (``--family bamba``,
 ``falcon_h1``, ``nemotron_h``, ``mamba2``: Mamba-2 mixers with attention layers, in parallel for
-Falcon-H1): prefill of N tokens and one training step (forward + backward of the LM loss), three
+Falcon-H1; ``lfm2``: LFM2's gated short convolutions with attention): prefill of N tokens and one training step (forward + backward of the LM loss), three
 ways on the same weights:
 
-* ``hf-fallback``: transformers' eager model with its own PyTorch kernels (what a CPU gets
-  without ``fla``: the chunked delta rule loop, ``F.conv1d``);
+* ``hf-fallback``: transformers' model with its own PyTorch kernels (what a CPU gets without
+  ``fla`` / ``mamba_ssm``: the chunked delta rule / SSD loops, ``F.conv1d``) and its ``eager``
+  attention (``--hf-attention sdpa``: its CPU default, torch's SDPA);
 * ``hf+attnzoo``: the same transformers model after ``attnzoo.hf.register()``, run with
   ``attn_implementation="attnzoo"`` (its full-attention layers through :func:`attnzoo.attention`)
   and its linear-attention hooks served by :mod:`attnzoo.hf_kernels`;
@@ -39,7 +40,8 @@ FAMILIES = {"qwen3_next": "4 layers: 3 linear : 1 full, MoE 4 experts top-2",
             "bamba": "4 layers: 3 Mamba-2 : 1 attention, SwiGLU MLPs",
             "falcon_h1": "4 layers: Mamba-2 beside attention in every layer, SwiGLU MLPs",
             "nemotron_h": "7 layers M-M-M*- (4 attnzoo blocks): 3 Mamba-2 : 1 attention, 3 relu^2 MLPs",
-            "mamba2": "4 Mamba-2 mixer-only layers"}
+            "mamba2": "4 Mamba-2 mixer-only layers",
+            "lfm2": "4 layers: 3 gated short convolutions : 1 attention, SwiGLU MLPs"}
 
 
 def _config(args: argparse.Namespace) -> object:
@@ -65,6 +67,9 @@ def _config(args: argparse.Namespace) -> object:
         return T.NemotronHConfig(**common, **attn, head_dim=64, hybrid_override_pattern="M-M-M*-",
                                  mamba_num_heads=2 * heads, mamba_head_dim=64, ssm_state_size=64, n_groups=1,
                                  chunk_size=64, intermediate_size=2 * C)
+    if args.family == "lfm2":
+        return T.Lfm2Config(**common, **attn, num_hidden_layers=4, intermediate_size=3 * C,
+                            layer_types=["conv", "conv", "conv", "full_attention"])
     return T.Mamba2Config(**{k: v for k, v in common.items() if k != "max_position_embeddings"},
                           num_hidden_layers=4, num_heads=2 * heads, head_dim=64, state_size=64, n_groups=1,
                           chunk_size=64)
@@ -75,7 +80,7 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
 
     cfg = _config(args)
     torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=args.hf_attention)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -102,6 +107,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", choices=list(FAMILIES), default="qwen3_next")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hf-attention", choices=("eager", "sdpa"), default="eager",
+                    help="transformers' attention of the hf-fallback way: eager (the docs' tables) or sdpa "
+                         "(its default on a CPU)")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -116,7 +124,7 @@ def main() -> None:
     def hf_logits(served: bool) -> torch.Tensor:
         _set_hooks(args.family, served)
         if args.family != "mamba2":  # attention-free: no attention implementation to set
-            hf.set_attn_implementation("attnzoo" if served else "eager")
+            hf.set_attn_implementation("attnzoo" if served else args.hf_attention)
         return hf(input_ids=x, use_cache=False).logits
 
     def train(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> None:
@@ -142,7 +150,7 @@ def main() -> None:
             times.setdefault((name, "train step"), []).append(_time(step))
             print(f"# repeat {r}: {name} prefill {times[(name, 'prefill')][-1]:.2f} s, train step "
                   f"{times[(name, 'train step')][-1]:.2f} s", flush=True)
-    print(f"{args.family}, dim={args.dim}, {FAMILIES[args.family]}, "
+    print(f"{args.family}, dim={args.dim}, {FAMILIES[args.family]}, hf attention {args.hf_attention}, "
           f"N={args.tokens}, threads={torch.get_num_threads()}, repeats={args.repeats}")
     print(f"{'way':<12} {'case':<11} {'median s':>9} {'ratio':>7} {'max rel err':>12}")
     for case in ("prefill", "train step"):
