@@ -23,6 +23,7 @@ from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
 from attnzoo.models.families.lfm2 import convert_lfm2, convert_lfm2_moe
 from attnzoo.models.families.llama4 import convert_llama4
+from attnzoo.models.families.mamba1 import convert_falcon_mamba, convert_mamba
 from attnzoo.models.families.mamba2 import convert_mamba2
 from attnzoo.models.families.nemotron_h import convert_nemotron_h
 from attnzoo.models.families.olmo3 import convert_olmo3
@@ -52,7 +53,8 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel", "Mamba2ForCausalLM",
                            "Mamba2Model", "NemotronHForCausalLM", "NemotronHModel",
                            "FalconH1ForCausalLM", "FalconH1Model",
-                           "Lfm2ForCausalLM", "Lfm2Model", "Lfm2MoeForCausalLM", "Lfm2MoeModel")
+                           "Lfm2ForCausalLM", "Lfm2Model", "MambaForCausalLM", "MambaModel",
+                           "FalconMambaForCausalLM", "FalconMambaModel", "Lfm2MoeForCausalLM", "Lfm2MoeModel")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -64,6 +66,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "bamba": ("Bamba", convert_bamba), "granitemoehybrid": ("Granite 4.0-H", convert_granitemoehybrid),
     "mamba2": ("Mamba-2", convert_mamba2), "nemotron_h": ("Nemotron-H", convert_nemotron_h),
     "falcon_h1": ("Falcon-H1", convert_falcon_h1), "lfm2": ("LFM2", convert_lfm2),
+    "mamba": ("Mamba", convert_mamba), "falcon_mamba": ("FalconMamba", convert_falcon_mamba),
     "lfm2_moe": ("LFM2-MoE", convert_lfm2_moe),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
