@@ -28,7 +28,7 @@ from attnzoo.blocks import FeedForward
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
-__all__ = ["LAYOUTS", "moe_from_config", "put_moe"]
+__all__ = ["LAYOUTS", "moe_from_config", "put_moe", "put_per_expert"]
 
 LAYOUTS = ("stacked", "interleaved", "transposed", "deepseek")
 
@@ -50,7 +50,7 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
         return  # its shared experts are always there (``shared``/``shared_gate`` do not apply)
     if layout == "stacked" and plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
         plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
-        _put_per_expert(plan, ours, theirs)
+        put_per_expert(plan, ours, theirs)
     elif layout == "stacked":
         plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
         key = f"{theirs}experts.gate_up_proj"
@@ -82,7 +82,7 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
         plan.put(f"{ours}shared_gate.weight", f"{theirs}shared_expert_gate.weight")
 
 
-def _put_per_expert(plan: Plan, ours: str, theirs: str) -> None:
+def put_per_expert(plan: Plan, ours: str, theirs: str) -> None:
     """The saved-checkpoint form of the stacked layout: ``experts.{e}.{gate,up,down}_proj.weight``."""
     count = 0
     while plan.src.has(f"{theirs}experts.{count}.gate_proj.weight"):

@@ -31,6 +31,10 @@ FalconMamba (``FalconMambaMixer``, modeling_falcon_mamba 477-612) is the same mi
 RMSNorms of epsilon ``mixer_rms_eps`` (modeling_falcon_mamba 47-61, 531-533, 596-598; their
 ``weight`` buffers are dummies, not saved, never read); its final norm is the same RMSNorm.
 
+Jamba's mixer (:mod:`attnzoo.models.families.jamba`) is the same mixer with RMSNorms *with*
+weights at the same places: parts a family sets after building (``dt_layernorm``,
+``b_layernorm``, ``c_layernorm``; ``None`` by default).
+
 Padding. transformers zeroes a padded token's mixer input (before ``in_proj``) and the
 convolution's output (modeling 571 and 609; modeling_falcon_mamba 572 and 588); both are
 reproduced, so with ``use_bias`` a padded token feeds ``in_proj``'s bias to the convolution as
@@ -71,7 +75,7 @@ import attnzoo.models.families._common as parts
 from attnzoo._validate import check_int
 from attnzoo.functional.recurrent.gla import gated_linear_attention
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families.mamba2 import _saved_names
+from attnzoo.models.families.mamba2 import backbone_names
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv, wide
@@ -120,6 +124,10 @@ class Mamba1Mixer(RecurrentMixer):
     ``conv1d.weight [I, 1, K]`` (``nn.Conv1d``'s), ``x_proj [R + 2N, I]`` (rows ``[dt; B; C]``),
     ``dt_proj [I, R]`` with bias, ``A_log [I, N]``, ``D [I]``, ``out_proj [C, I]``.
 
+    Parts a family may set after building (Jamba): ``dt_layernorm``, ``b_layernorm``,
+    ``c_layernorm``, modules applied to ``dt`` (before ``dt_proj``), ``B`` and ``C`` in place of
+    the weightless norms (``mixer_rms_eps`` must then be ``None``); ``None`` (the default): none.
+
     The attention protocol of :class:`~attnzoo.nn.recurrent.RecurrentMixer`: ``forward(x, *,
     mask=, cache=, positions=, cu_seqlens=)``. Key padding zeroes the padded tokens' input (before
     ``in_proj``) and the convolution's output there, and a padded token does not decay the state
@@ -159,6 +167,10 @@ class Mamba1Mixer(RecurrentMixer):
             self.dt_proj.bias.copy_(_inverse_softplus(dt.clamp_min(1e-4)))
         self.conv_channels = {"conv1d": inner}
         self.state_shape = (inner, self.state_size, 1)
+        # norms with weights on dt, B, C (Jamba): parts a family sets after building
+        self.dt_layernorm: nn.Module | None = None
+        self.b_layernorm: nn.Module | None = None
+        self.c_layernorm: nn.Module | None = None
 
     def _rms(self, t: Tensor) -> Tensor:
         """FalconMamba's weightless RMSNorm over the last dimension, in float32 (or wider), cast back
@@ -180,6 +192,9 @@ class Mamba1Mixer(RecurrentMixer):
         dt, b, c = self.x_proj(xs).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         if self.mixer_rms_eps is not None:  # FalconMamba (modeling_falcon_mamba 596-598)
             dt, b, c = self._rms(dt), self._rms(b), self._rms(c)
+        if self.dt_layernorm is not None:  # Jamba (modeling_jamba 720-722)
+            assert self.b_layernorm is not None and self.c_layernorm is not None
+            dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         # dt_proj's bias is added in float32 before the softplus (modeling 616, 374, 259-261)
         dt = F.softplus(wide(F.linear(dt, self.dt_proj.weight)) + wide(self.dt_proj.bias)).transpose(1, 2)  # [B, I, T]
         if pad is not None:  # a padded token neither writes (x = 0) nor decays the state
@@ -267,7 +282,7 @@ def put_mamba1(plan: Plan, ours: str, theirs: str, *, bias: bool, conv_bias: boo
 def _convert(hf: HFConfig, sd: dict[str, Tensor], *, falcon: bool, device: Any, dtype: Any) -> DecoderLM:
     hf = canonical(hf, FALCON_DEFAULTS if falcon else DEFAULTS)
     build = functools.partial(_build, falcon=falcon)
-    model, plan, head_size = parts.start(hf, _saved_names(sd), build, device=device, dtype=dtype)
+    model, plan, head_size = parts.start(hf, backbone_names(sd), build, device=device, dtype=dtype)
     bias, conv_bias = hf.req("use_bias", bool), hf.req("use_conv_bias", bool)
     for i in range(model.depth):
         put_mamba1(plan, f"blocks.{i}.attn.", f"layers.{i}.mixer.", bias=bias, conv_bias=conv_bias)

@@ -23,7 +23,7 @@ from attnzoo.models.families._mamba import MambaKeys, mamba_factory, put_mamba
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.nn.mamba2 import Mamba2
 
-__all__ = ["MAMBA2_KEYS", "build_mamba2", "convert_mamba2"]
+__all__ = ["MAMBA2_KEYS", "backbone_names", "build_mamba2", "convert_mamba2"]
 
 MAMBA2_KEYS = MambaKeys("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "expand",
                         "use_conv_bias", "use_bias", "layer_norm_epsilon")
@@ -38,7 +38,7 @@ def build_mamba2(hf: HFConfig, *, head_size: int | None = None, device: Any = No
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, heads=hf.req("num_heads"), **kw)
 
 
-def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+def backbone_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """The checkpoint's names as the shared helpers read them: no ``backbone.`` prefix,
     ``embeddings`` (or the legacy ``embedding``) -> ``embed_tokens``, ``norm_f`` -> ``norm``."""
     out: dict[str, Tensor] = {}
@@ -53,7 +53,7 @@ def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def convert_mamba2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them)."""
-    model, plan, head_size = parts.start(hf, _saved_names(sd), build_mamba2, device=device, dtype=dtype)
+    model, plan, head_size = parts.start(hf, backbone_names(sd), build_mamba2, device=device, dtype=dtype)
     for i, block in enumerate(model.blocks):
         put_mamba(plan, f"blocks.{i}.attn.", f"layers.{i}.mixer.", cast(Mamba2, block.attn))
         plan.put(f"blocks.{i}.attn_norm.weight", f"layers.{i}.norm.weight")

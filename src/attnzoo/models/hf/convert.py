@@ -20,6 +20,7 @@ from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.families.gpt_oss import convert_gpt_oss
 from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
+from attnzoo.models.families.jamba import convert_jamba
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
 from attnzoo.models.families.lfm2 import convert_lfm2, convert_lfm2_moe
 from attnzoo.models.families.llama4 import convert_llama4
@@ -54,7 +55,8 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "Mamba2Model", "NemotronHForCausalLM", "NemotronHModel",
                            "FalconH1ForCausalLM", "FalconH1Model",
                            "Lfm2ForCausalLM", "Lfm2Model", "MambaForCausalLM", "MambaModel",
-                           "FalconMambaForCausalLM", "FalconMambaModel", "Lfm2MoeForCausalLM", "Lfm2MoeModel")
+                           "FalconMambaForCausalLM", "FalconMambaModel", "Lfm2MoeForCausalLM", "Lfm2MoeModel",
+                           "JambaForCausalLM", "JambaModel")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -67,7 +69,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "mamba2": ("Mamba-2", convert_mamba2), "nemotron_h": ("Nemotron-H", convert_nemotron_h),
     "falcon_h1": ("Falcon-H1", convert_falcon_h1), "lfm2": ("LFM2", convert_lfm2),
     "mamba": ("Mamba", convert_mamba), "falcon_mamba": ("FalconMamba", convert_falcon_mamba),
-    "lfm2_moe": ("LFM2-MoE", convert_lfm2_moe),
+    "lfm2_moe": ("LFM2-MoE", convert_lfm2_moe), "jamba": ("Jamba", convert_jamba),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
