@@ -147,6 +147,26 @@ def check_packed_gradients_equal_each_alone(make: Callable[[], Any], lengths: tu
     assert max(rel(g, w) for g, w in zip(got, want, strict=True) if w.abs().max() > 0) <= 1e-9
 
 
+def check_folder_without_keys(hf: Any, tmp_path: Path, keys: tuple[str, ...]) -> None:
+    """``hf`` saved with ``keys`` left out of its ``config.json`` (a hand-written or older file):
+    ``load_pretrained`` reads it as transformers' ``from_pretrained`` does (same logits)."""
+    import json
+
+    import transformers as T
+
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    for key in keys:
+        data.pop(key, None)
+    path.write_text(json.dumps(data))
+    model = load_pretrained(tmp_path)
+    again = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = tokens(10)
+    with torch.no_grad():
+        assert rel(model(x), again(input_ids=x).logits) <= TOL
+
+
 def check_refused(model_class: Any, make: Callable[[], Any], key: str, value: Any, named: str) -> None:
     """Setting ``key=value`` on the config makes ``from_hf`` refuse, naming ``named``."""
     hf = model_class(make())
