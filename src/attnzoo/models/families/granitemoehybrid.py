@@ -71,8 +71,7 @@ POSITIONS = (None, "nope", "rope")
 
 def _with_defaults(hf: HFConfig) -> HFConfig:
     """``hf`` with :data:`DEFAULTS` filled in where the config leaves a key out (or ``None``)."""
-    missing = {k: v for k, v in DEFAULTS.items() if not hf.has(k)}
-    return HFConfig({**hf.data, **missing}, hf.source, hf.arch) if missing else hf
+    return hf.with_defaults(DEFAULTS)
 
 
 def _multiplier(hf: HFConfig, key: str) -> float:

@@ -85,7 +85,7 @@ def canonical(hf: HFConfig) -> HFConfig:
     (also ``num_local_experts``, its attribute alias), ``num_key_value_heads`` (absent: 8;
     ``None``: ``num_attention_heads``), ``mamba_dt_rank`` resolved, no attention biases (transformers
     builds none)."""
-    data = {**DEFAULTS, **{k: v for k, v in hf.data.items() if v is not None}}
+    data = hf.with_defaults(DEFAULTS).data
     if "num_experts" not in hf.data and hf.data.get("num_local_experts") is not None:
         data["num_experts"] = hf.data["num_local_experts"]
     if "num_key_value_heads" in hf.data and hf.data["num_key_value_heads"] is None:  # config 102-103

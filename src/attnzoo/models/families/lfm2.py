@@ -164,7 +164,7 @@ def _read(hf: HFConfig, defaults: Mapping[str, Any]) -> HFConfig:
     """What both configs read alike: ``defaults`` where a key is absent, ``tie_embedding`` folded
     into ``tie_word_embeddings``, and the attention's options the modeling fixes made explicit (no
     biases, no dropout: modeling 213-216, 252)."""
-    data = {**defaults, **{k: v for k, v in hf.data.items() if v is not None}}
+    data = hf.with_defaults(defaults).data
     if hf.data.get("tie_embedding") is not None:
         data["tie_word_embeddings"] = hf.data["tie_embedding"]
     data.update(attention_bias=False, attention_dropout=0.0)

@@ -219,8 +219,7 @@ def canonical(hf: HFConfig, defaults: Mapping[str, Any] = DEFAULTS) -> HFConfig:
     """``hf`` as transformers reads it: ``defaults`` where a key is absent, ``time_step_rank``
     resolved (``"auto"``: ``ceil(hidden_size / 16)``, else ``int()`` of it: modeling 502),
     ``intermediate_size`` the stored one, else ``int(expand * hidden_size)`` (config 94-97)."""
-    data = {**defaults, **{k: v for k, v in hf.data.items() if v is not None}}
-    out = HFConfig(data, hf.source, hf.arch)
+    out = hf.with_defaults(defaults)
     C = out.req("hidden_size")
     rank = out.raw("time_step_rank")
     if rank == "auto":

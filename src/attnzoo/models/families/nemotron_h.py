@@ -145,7 +145,7 @@ def _canonical(hf: HFConfig) -> HFConfig:
     """``hf`` as transformers reads it: the legacy keys folded in, :data:`DEFAULTS` where absent,
     ``layers_block_type`` set, and the two options the modeling ignores made explicit
     (``attention_bias`` and ``tie_word_embeddings`` False)."""
-    data = {**DEFAULTS, **{k: v for k, v in hf.data.items() if v is not None}}
+    data = hf.with_defaults(DEFAULTS).data
     if hf.data.get("n_routed_experts") is None and hf.data.get("num_local_experts") is not None:
         data["n_routed_experts"] = hf.data["num_local_experts"]  # the config's attribute_map (config 84)
     if "num_key_value_heads" in hf.data and hf.data["num_key_value_heads"] is None:  # config 202-203

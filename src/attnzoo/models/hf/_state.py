@@ -79,6 +79,11 @@ class HFConfig:
                 return self._typed(key, self.data[key], kind)
         return default
 
+    def with_defaults(self, defaults: Mapping[str, Any]) -> HFConfig:
+        """A copy whose keys absent or ``None`` take ``defaults`` (a ``config.json`` that leaves out
+        its config class's defaults, read as transformers reads it); ``None`` values are dropped."""
+        return HFConfig({**defaults, **{k: v for k, v in self.data.items() if v is not None}}, self.source, self.arch)
+
     def unsupported(self, what: str) -> UnsupportedConfigError:
         return UnsupportedConfigError(f"{self.arch}: {what} is not supported by attnzoo.interop ({self.source})")
 
