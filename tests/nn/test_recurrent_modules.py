@@ -309,6 +309,10 @@ def test_bad_options_raise() -> None:
         GatedRMSNorm(1, 4, eps=-1.0)
     with pytest.raises(ValueError, match="groups"):
         GatedRMSNorm(0, 4)
+    with pytest.raises(ValueError, match=r"y must be \[B, N, 8\]"):
+        GatedRMSNorm(2, 4)(torch.randn(1, 3, 6))
+    with pytest.raises(ValueError, match="gate must have"):
+        GatedRMSNorm(2, 4)(torch.randn(1, 3, 8), torch.randn(1, 3, 4))
     with pytest.raises(ValueError, match="conv_size"):
         DeltaNet(C, H, conv_size=-1)
     with pytest.raises(TypeError, match="output_gate"):

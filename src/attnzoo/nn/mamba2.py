@@ -65,6 +65,11 @@ class GatedRMSNorm(HeadNorm):
             self.weight = None  # type: ignore[assignment]
 
     def forward(self, y: Tensor, gate: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        width = None if self.weight is None else self.weight.numel()
+        if y.dim() != 3 or (width is not None and y.shape[-1] != width):
+            raise ValueError(f"GatedRMSNorm: y must be [B, N, {width or 'G * W'}], got {tuple(y.shape)}")
+        if gate is not None and gate.shape != y.shape:
+            raise ValueError(f"GatedRMSNorm: gate must have y's shape {tuple(y.shape)}, got {tuple(gate.shape)}")
         if gate is not None and self.place != "before_gate":
             y = y * gate
         if self.weight is not None:
