@@ -57,7 +57,9 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 
-__all__ = ["DEFAULTS", "build_granitemoehybrid", "convert_granitemoehybrid"]
+__all__ = ["CHECKS", "DEFAULTS", "build_granitemoehybrid", "convert_granitemoehybrid", "embed_scale",
+           "experts_factory", "finish_folded", "multiplier", "put_experts", "put_feed_forward",
+           "put_shared_mlp", "refuse_partial_rotary"]
 
 #: transformers' ``GraniteMoeHybridConfig`` defaults of the keys read here that a ``config.json``
 #: may leave out (where the shared helpers would assume another value or require the key)
@@ -74,7 +76,9 @@ def _with_defaults(hf: HFConfig) -> HFConfig:
     return hf.with_defaults(DEFAULTS)
 
 
-def _multiplier(hf: HFConfig, key: str) -> float:
+def multiplier(hf: HFConfig, key: str) -> float:
+    """One of Granite's multipliers (``embedding_multiplier``, ``residual_multiplier``,
+    ``attention_multiplier``, ``logits_scaling``): 1.0 when absent."""
     return cast(float, hf.get(key, 1.0, float))
 
 
@@ -82,19 +86,36 @@ def _positive(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
 
 
+#: The checks (``key -> ok(value)``, for :func:`~attnzoo.models.families._common.unsupported_keys`)
+#: of the Granite options shared by the Granite families: SwiGLU feed-forwards, a positive score
+#: scale and embedding multiplier, a non-zero logit divisor.
+CHECKS: dict[str, Callable[[Any], bool]] = {
+    "hidden_act": lambda v: v in (None, "silu", "swish"),  # the Mamba-2 convolutions and the SwiGLUs
+    "attention_multiplier": _positive,  # the score scale
+    "embedding_multiplier": _positive,
+    "logits_scaling": lambda v: v is None or (isinstance(v, (int, float)) and v != 0),
+}
+
+
+def refuse_partial_rotary(hf: HFConfig) -> None:
+    """Refuse a ``partial_rotary_factor`` other than 1 by name (transformers' Granite attention
+    rotates the whole head: its cos/sin of a partial factor would not fit)."""
+    factor = parts.rope_params(hf).get("partial_rotary_factor", 1.0)
+    if factor not in (None, 1, 1.0):
+        raise hf.unsupported(f"partial_rotary_factor={factor!r} (the whole head is rotated)")
+
+
+def embed_scale(hf: HFConfig) -> float | None:
+    """The token embedding's scale (``embedding_multiplier``; ``None``: a plain embedding)."""
+    embed = multiplier(hf, "embedding_multiplier")
+    return None if embed == 1.0 else embed
+
+
 def _refuse(hf: HFConfig) -> None:
     """The options attnzoo cannot reproduce, by name."""
-    parts.unsupported_keys(hf, {
-        "position_embedding_type": lambda v: v in POSITIONS,
-        "hidden_act": lambda v: v in (None, "silu", "swish"),  # the Mamba-2 convolutions and the SwiGLUs
-        "attention_multiplier": _positive,  # the score scale
-        "embedding_multiplier": _positive,
-        "logits_scaling": lambda v: v is None or (isinstance(v, (int, float)) and v != 0),
-    })
+    parts.unsupported_keys(hf, {"position_embedding_type": lambda v: v in POSITIONS, **CHECKS})
     if hf.raw("position_embedding_type") == "rope":
-        factor = parts.rope_params(hf).get("partial_rotary_factor", 1.0)
-        if factor not in (None, 1, 1.0):  # transformers rotates the whole head (its cos/sin would not fit)
-            raise hf.unsupported(f"partial_rotary_factor={factor!r} (the whole head is rotated)")
+        refuse_partial_rotary(hf)
 
 
 def _feed_forward(hf: HFConfig, *, device: Any, dtype: Any) -> Callable[[], nn.Module]:
@@ -102,13 +123,22 @@ def _feed_forward(hf: HFConfig, *, device: Any, dtype: Any) -> Callable[[], nn.M
     expert, or the shared MLP alone when ``num_local_experts <= 0`` (transformers: ``> 0``)."""
     C, kw = hf.req("hidden_size"), {"device": device, "dtype": dtype}
     shared = parts.gated_mlp(C, hf.req("shared_intermediate_size"), "swiglu", **kw)
-    E = hf.req("num_local_experts")
-    if E <= 0:
+    if hf.req("num_local_experts") <= 0:
         return shared
+    return experts_factory(hf, shared, **kw)
+
+
+def experts_factory(hf: HFConfig, shared: Callable[[], nn.Module] | None, *, device: Any,
+                    dtype: Any) -> Callable[[], nn.Module]:
+    """A factory of Granite's :class:`MixtureOfExperts` (``num_local_experts`` SwiGLU experts of
+    ``intermediate_size``, the top ``num_experts_per_tok`` logits then a softmax over them), with
+    the module ``shared()`` as its always-on shared expert (``shared=None``: none)."""
+    C, E, k, F_ = (hf.req(n) for n in ("hidden_size", "num_local_experts", "num_experts_per_tok",
+                                       "intermediate_size"))
 
     def moe() -> nn.Module:
-        return MixtureOfExperts(C, hf.req("intermediate_size"), E, hf.req("num_experts_per_tok"),
-                                routing=Routing("topk_softmax"), shared_expert=shared(), **kw)
+        return MixtureOfExperts(C, F_, E, k, routing=Routing("topk_softmax"),
+                                shared_expert=None if shared is None else shared(), device=device, dtype=dtype)
 
     return moe
 
@@ -123,13 +153,11 @@ def build_granitemoehybrid(hf: HFConfig, *, head_size: int | None = None, device
     rope = (parts.rotary(hf, parts.rope_params(hf), hf.get("head_dim", C // H))
             if hf.raw("position_embedding_type") == "rope" else None)
     mixers = {"attention": parts.attention_factory(hf, window=None, rope=rope,
-                                                   scale=_multiplier(hf, "attention_multiplier"), **kw),
+                                                   scale=multiplier(hf, "attention_multiplier"), **kw),
               "mamba": mamba_factory(hf, BAMBA_KEYS, **kw)}
     ffn, norm = _feed_forward(hf, **kw), parts.rms_norm(C, eps, **kw)
     blocks = [parts.block(C, mixers[k], ffn, norm) for k in hybrid_kinds(hf, depth)]
-    embed = _multiplier(hf, "embedding_multiplier")
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps,
-                         embed_scale=None if embed == 1.0 else embed, **kw)
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=embed_scale(hf), **kw)
 
 
 def _present(plan: Plan, names: Iterable[str]) -> str:
@@ -138,7 +166,7 @@ def _present(plan: Plan, names: Iterable[str]) -> str:
     return next((n for n in names if plan.src.has(n)), names[0])
 
 
-def _put_shared_mlp(plan: Plan, ours: str, theirs: str) -> None:
+def put_shared_mlp(plan: Plan, ours: str, theirs: str) -> None:
     """A :class:`~attnzoo.FeedForward` at ``ours`` from the shared MLP at ``theirs``
     (``input_linear`` rows ``[gate; up]``, ``output_linear``)."""
     key = f"{theirs}input_linear.weight"
@@ -147,7 +175,7 @@ def _put_shared_mlp(plan: Plan, ours: str, theirs: str) -> None:
     plan.put(f"{ours}down_proj.weight", f"{theirs}output_linear.weight")
 
 
-def _put_experts(plan: Plan, ours: str, theirs: str) -> None:
+def put_experts(plan: Plan, ours: str, theirs: str) -> None:
     """The router and experts of the :class:`MixtureOfExperts` at ``ours`` from
     ``{theirs}block_sparse_moe.`` (in memory: ``router.weight``, ``experts.gate_up_proj``,
     ``experts.down_proj``; in a saved folder: ``router.layer.weight``, ``input_linear.weight``,
@@ -171,6 +199,34 @@ def _fold(plan: Plan, model: nn.Module, names: Iterable[str], factor: float, why
             plan.values[name] = (t.to(model.get_parameter(name).dtype) * factor, f"{key} x {why}")
 
 
+def put_feed_forward(plan: Plan, ours: str, theirs: str, ffn: nn.Module) -> list[str]:
+    """Plan one layer's feed-forward ``ffn`` at ``ours`` (``"blocks.3.ffn."``) from the layer
+    ``theirs`` (``"layers.3."``): the experts (:func:`put_experts`) and their shared expert when
+    it has one, or a dense shared MLP alone. Returns the names of the planned weights that write
+    into the residual stream (for :func:`finish_folded`)."""
+    if not isinstance(ffn, MixtureOfExperts):
+        put_shared_mlp(plan, ours, f"{theirs}shared_mlp.")
+        return [f"{ours}down_proj.weight"]
+    put_experts(plan, ours, theirs)
+    if ffn.shared_expert is None:
+        return [f"{ours}down_proj"]
+    put_shared_mlp(plan, f"{ours}shared_expert.", f"{theirs}shared_mlp.")
+    return [f"{ours}down_proj", f"{ours}shared_expert.down_proj.weight"]
+
+
+def finish_folded(plan: Plan, model: DecoderLM, hf: HFConfig, head_size: int | None,
+                  writes: Iterable[str]) -> DecoderLM:
+    """:func:`~attnzoo.models.families._common.finish` with Granite's ``residual_multiplier``
+    folded into the planned weights ``writes`` (those writing into the residual stream) and
+    ``1 / logits_scaling`` into the final norm of an LM head (a base model: unscaled)."""
+    _fold(plan, model, writes, multiplier(hf, "residual_multiplier"), "residual_multiplier")
+    logits_scaling = multiplier(hf, "logits_scaling")
+    norm_transform = None
+    if head_size is None and logits_scaling != 1.0:  # the LM head's logits only (a base model: none)
+        norm_transform = functools.partial(_divided, by=logits_scaling)
+    return parts.finish(plan, model, head_size, norm_transform=norm_transform)
+
+
 def convert_granitemoehybrid(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them), folding
     ``residual_multiplier`` and ``logits_scaling`` in (see the module docstring)."""
@@ -186,20 +242,9 @@ def convert_granitemoehybrid(hf: HFConfig, sd: dict[str, Tensor], *, device: Any
             parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=bias)
             writes += [f"{o}attn.out_proj.bias"] if bias else []
         writes.append(f"{o}attn.out_proj.weight")
-        if isinstance(block.ffn, MixtureOfExperts):
-            _put_experts(plan, f"{o}ffn.", h)
-            _put_shared_mlp(plan, f"{o}ffn.shared_expert.", f"{h}shared_mlp.")
-            writes += [f"{o}ffn.down_proj", f"{o}ffn.shared_expert.down_proj.weight"]
-        else:
-            _put_shared_mlp(plan, f"{o}ffn.", f"{h}shared_mlp.")
-            writes.append(f"{o}ffn.down_proj.weight")
+        writes += put_feed_forward(plan, f"{o}ffn.", h, block.ffn)
         plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
-    _fold(plan, model, writes, _multiplier(hf, "residual_multiplier"), "residual_multiplier")
-    logits_scaling = _multiplier(hf, "logits_scaling")
-    norm_transform = None
-    if head_size is None and logits_scaling != 1.0:  # the LM head's logits only (a base model: none)
-        norm_transform = functools.partial(_divided, by=logits_scaling)
-    return parts.finish(plan, model, head_size, norm_transform=norm_transform)
+    return finish_folded(plan, model, hf, head_size, writes)
 
 
 def _divided(t: Tensor, *, by: float) -> Tensor:

@@ -19,6 +19,7 @@ from attnzoo.models.families.bamba import convert_bamba
 from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.families.gpt_oss import convert_gpt_oss
+from attnzoo.models.families.granitemoe_swa import convert_granitemoe_swa
 from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
 from attnzoo.models.families.jamba import convert_jamba
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
@@ -56,7 +57,9 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "FalconH1ForCausalLM", "FalconH1Model",
                            "Lfm2ForCausalLM", "Lfm2Model", "MambaForCausalLM", "MambaModel",
                            "FalconMambaForCausalLM", "FalconMambaModel", "Lfm2MoeForCausalLM", "Lfm2MoeModel",
-                           "JambaForCausalLM", "JambaModel")
+                           "JambaForCausalLM", "JambaModel", "Lfm3ForCausalLM", "Lfm3Model",
+                           "LaraMiniForCausalLM", "LaraMiniModel", "GraniteMoeSWAForCausalLM", "GraniteMoeSWAModel",
+                           "BailingHybridForCausalLM", "BailingHybridModel")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -70,6 +73,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "falcon_h1": ("Falcon-H1", convert_falcon_h1), "lfm2": ("LFM2", convert_lfm2),
     "mamba": ("Mamba", convert_mamba), "falcon_mamba": ("FalconMamba", convert_falcon_mamba),
     "lfm2_moe": ("LFM2-MoE", convert_lfm2_moe), "jamba": ("Jamba", convert_jamba),
+    "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
