@@ -72,7 +72,8 @@ from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv
 
 __all__ = ["DEFAULTS", "MOE_DEFAULTS", "Lfm2ShortConvMixer", "build_lfm2", "build_lfm2_moe", "canonical",
-           "canonical_moe", "convert_lfm2", "convert_lfm2_moe", "ff_dim", "moe_factory", "put_lfm2_moe"]
+           "canonical_moe", "convert_lfm2", "convert_lfm2_moe", "ff_dim", "moe_factory", "put_lfm2_moe",
+           "put_short_conv", "put_swiglu", "short_conv_factory"]
 
 TYPES = ("conv", "full_attention")
 
@@ -225,6 +226,13 @@ def ff_dim(hf: HFConfig) -> int:
     return width
 
 
+def short_conv_factory(hf: HFConfig, *, device: Any = None, dtype: Any = None) -> Callable[[], nn.Module]:
+    """The factory of a ``"conv"`` layer's :class:`Lfm2ShortConvMixer`: kernel ``conv_L_cache``
+    (>= 1, else named), biases by ``conv_bias`` (LFM2, LFM2-MoE and LFM3 alike)."""
+    return functools.partial(Lfm2ShortConvMixer, hf.req("hidden_size"), _size(hf, "conv_L_cache"),
+                             bias=hf.req("conv_bias", bool), device=device, dtype=dtype)
+
+
 def _decoder(hf: HFConfig, ffns: Sequence[Callable[[], nn.Module]], *, head_size: int | None, device: Any,
              dtype: Any) -> DecoderLM:
     """The stack of a canonical config: layer ``i``'s mixer by ``layer_types``, its feed-forward
@@ -237,7 +245,7 @@ def _decoder(hf: HFConfig, ffns: Sequence[Callable[[], nn.Module]], *, head_size
     # the QK-norm's epsilon is norm_eps (modeling 217-218), not rms_norm_eps (attention_factory's)
     attention = functools.partial(parts.attention_factory(hf, window=None, rope=rope, qk_norm="head", **kw),
                                   qk_norm_eps=eps)
-    conv = functools.partial(Lfm2ShortConvMixer, C, _size(hf, "conv_L_cache"), bias=hf.req("conv_bias", bool), **kw)
+    conv = short_conv_factory(hf, **kw)
     norm = parts.rms_norm(C, eps, **kw)
     blocks = [parts.block(C, conv if k == "conv" else attention, ffn, norm) for k, ffn in zip(kinds, ffns, strict=True)]
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)

@@ -24,6 +24,7 @@ from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
 from attnzoo.models.families.jamba import convert_jamba
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
 from attnzoo.models.families.lfm2 import convert_lfm2, convert_lfm2_moe
+from attnzoo.models.families.lfm3 import convert_lfm3
 from attnzoo.models.families.llama4 import convert_llama4
 from attnzoo.models.families.mamba1 import convert_falcon_mamba, convert_mamba
 from attnzoo.models.families.mamba2 import convert_mamba2
@@ -73,6 +74,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "falcon_h1": ("Falcon-H1", convert_falcon_h1), "lfm2": ("LFM2", convert_lfm2),
     "mamba": ("Mamba", convert_mamba), "falcon_mamba": ("FalconMamba", convert_falcon_mamba),
     "lfm2_moe": ("LFM2-MoE", convert_lfm2_moe), "jamba": ("Jamba", convert_jamba),
+    "lfm3": ("LFM3", convert_lfm3),
     "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
