@@ -23,6 +23,7 @@ from attnzoo.models.families.granitemoe_swa import convert_granitemoe_swa
 from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
 from attnzoo.models.families.jamba import convert_jamba
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
+from attnzoo.models.families.lara_mini import convert_lara_mini
 from attnzoo.models.families.lfm2 import convert_lfm2, convert_lfm2_moe
 from attnzoo.models.families.lfm3 import convert_lfm3
 from attnzoo.models.families.llama4 import convert_llama4
@@ -75,6 +76,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "mamba": ("Mamba", convert_mamba), "falcon_mamba": ("FalconMamba", convert_falcon_mamba),
     "lfm2_moe": ("LFM2-MoE", convert_lfm2_moe), "jamba": ("Jamba", convert_jamba),
     "lfm3": ("LFM3", convert_lfm3),
+    "lara_mini": ("Lara-mini", convert_lara_mini),
     "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
