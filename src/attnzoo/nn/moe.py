@@ -23,8 +23,10 @@ The routing settings come as one :class:`Routing`, the experts' as one :class:`E
 ``Routing.scaling`` multiplies the routed weights (DeepSeek's ``routed_scaling_factor``).
 Experts: ``"swiglu"`` ``down(silu(gate(x)) * up(x))``; ``"clamped_swiglu"`` (gpt-oss):
 ``g = min(gate(x), limit)``, ``u = clamp(up(x), -limit, limit)``,
-``down((u + 1) * g * sigmoid(alpha * g))``; ``"relu2"`` (Nemotron-H, no gate: the experts have no
-``gate_proj`` at all) ``down(relu(up(x)) ** 2)``. The shared expert is any module ``[.., C] -> [.., C]``
+``down((u + 1) * g * sigmoid(alpha * g))``; ``"limited_swiglu"`` (Ling's linear hybrids,
+``bailing_hybrid``: SwiGLU clipped after the activation)
+``down(min(silu(gate(x)), limit) * clamp(up(x), -limit, limit))``; ``"relu2"`` (Nemotron-H, no
+gate: the experts have no ``gate_proj`` at all) ``down(relu(up(x)) ** 2)``. The shared expert is any module ``[.., C] -> [.., C]``
 (e.g. a :class:`~attnzoo.FeedForward`); ``shared_gate`` multiplies it by ``sigmoid(w_s . x)``
 (Qwen2-MoE, Qwen3-Next).
 """
@@ -51,9 +53,9 @@ from attnzoo._validate import (
 __all__ = ["EXPERT_ACTIVATIONS", "GATED_EXPERTS", "NORM_EPS", "ROUTINGS", "Experts", "MixtureOfExperts", "Routing"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_topk")
-EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "limited_swiglu", "relu2")
 #: the expert activations with a ``gate_proj`` (the others have none)
-GATED_EXPERTS = ("swiglu", "clamped_swiglu")
+GATED_EXPERTS = ("swiglu", "clamped_swiglu", "limited_swiglu")
 #: ``Routing.norm_eps``'s default: DeepSeek-V3's ``sum + 1e-20`` (a sigmoid sum is never 0)
 NORM_EPS = 1e-20
 
@@ -112,8 +114,9 @@ class Experts:
 
     Args:
         activation: ``"swiglu"``, ``"clamped_swiglu"`` (which needs ``swiglu_limit`` and
-            ``swiglu_alpha``, and only it takes them) or ``"relu2"`` (ungated: no ``gate_proj``).
-        swiglu_limit: the clamp ``limit`` of ``"clamped_swiglu"``.
+            ``swiglu_alpha``, and only it takes them), ``"limited_swiglu"`` (which needs
+            ``swiglu_limit`` alone) or ``"relu2"`` (ungated: no ``gate_proj``).
+        swiglu_limit: the clamp ``limit`` of ``"clamped_swiglu"`` / ``"limited_swiglu"``.
         swiglu_alpha: the sigmoid slope ``alpha`` of ``"clamped_swiglu"``.
         bias: biases on the experts' projections.
     """
@@ -127,7 +130,10 @@ class Experts:
         check_choice(self.activation, "activation", "Experts", choices=EXPERT_ACTIVATIONS)
         clamped = self.activation == "clamped_swiglu"
         given = (self.swiglu_limit is not None, self.swiglu_alpha is not None)
-        if given != (clamped, clamped):
+        if self.activation == "limited_swiglu" and given != (True, False):
+            raise ValueError("Experts: activation='limited_swiglu' needs swiglu_limit and takes no swiglu_alpha, "
+                             f"got swiglu_limit={self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r}")
+        if self.activation != "limited_swiglu" and given != (clamped, clamped):
             raise ValueError("Experts: activation='clamped_swiglu' needs swiglu_limit and swiglu_alpha "
                              f"(and only it takes them), got activation={self.activation!r}, "
                              f"swiglu_limit={self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r}")
@@ -286,6 +292,9 @@ class MixtureOfExperts(nn.Module):
         g = F.linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # [T, F]
         if self.activation == "swiglu":
             h = F.silu(g) * u
+        elif self.activation == "limited_swiglu":
+            assert self.swiglu_limit is not None
+            h = F.silu(g).clamp(max=self.swiglu_limit) * u.clamp(-self.swiglu_limit, self.swiglu_limit)
         else:
             assert self.swiglu_limit is not None and self.swiglu_alpha is not None
             g = g.clamp(max=self.swiglu_limit)

@@ -19,6 +19,8 @@ Layouts (``E`` experts, hidden ``F``, width ``C``):
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from attnzoo.blocks import FeedForward
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
-__all__ = ["LAYOUTS", "moe_from_config", "put_moe", "put_per_expert"]
+__all__ = ["LAYOUTS", "deepseek_moe", "moe_from_config", "put_moe", "put_per_expert"]
 
 LAYOUTS = ("stacked", "interleaved", "transposed", "deepseek")
 
@@ -124,14 +126,19 @@ def moe_from_config(hf: HFConfig, layout: str, *, device: Any = None, dtype: Any
         return MixtureOfExperts(C, F_, E, k, routing=Routing("topk_sigmoid", weight_inputs=True),
                                 shared_expert=FeedForward(C, F_, "swiglu", bias=False, **kw), **kw)
     if layout == "deepseek":
-        return _deepseek_moe(hf, kw)
+        return deepseek_moe(hf, **kw)
     raise ValueError(f"moe_from_config: layout must be one of {list(LAYOUTS)}, got {layout!r}")
 
 
-def _deepseek_moe(hf: HFConfig, kw: dict[str, Any]) -> nn.Module:
+def deepseek_moe(hf: HFConfig, *, experts: Experts | None = None,
+                 shared_expert: Callable[[int, int], nn.Module] | None = None, device: Any = None,
+                 dtype: Any = None) -> nn.Module:
     """DeepSeek-V3's MoE (sigmoid scores, the correction bias choosing, ``routed_scaling_factor``,
     ``n_shared_experts`` ungated shared experts); the config read under its own names or under
-    the names transformers saves (``num_experts``, ``num_experts_per_token``, ...)."""
+    the names transformers saves (``num_experts``, ``num_experts_per_token``, ...). ``experts``:
+    the routed experts (default SwiGLU); ``shared_expert(dim, hidden)``: the shared experts' module
+    (default a SwiGLU :class:`FeedForward`), ``hidden = moe_intermediate_size * n_shared_experts``."""
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
     groups = hf.first(("n_group", "num_expert_group"), 1) or 1
     topk_groups = hf.first(("topk_group",), 1) or 1
     C, F_ = hf.req("hidden_size"), hf.req("moe_intermediate_size")
@@ -142,5 +149,6 @@ def _deepseek_moe(hf: HFConfig, kw: dict[str, Any]) -> nn.Module:
     routing = Routing("sigmoid_topk", norm_topk_prob=hf.first(("norm_topk_prob", "moe_renormalize"), True, bool),
                       scaling=hf.get("routed_scaling_factor", 1.0, float), groups=groups, topk_groups=topk_groups)
     n_shared = hf.first(("n_shared_experts", "num_shared_experts"), 0)
-    shared = FeedForward(C, F_ * n_shared, "swiglu", bias=False, **kw) if n_shared else None
-    return MixtureOfExperts(C, F_, E, k, routing=routing, shared_expert=shared, **kw)
+    make = shared_expert or functools.partial(FeedForward, activation="swiglu", bias=False, **kw)
+    shared = make(C, F_ * n_shared) if n_shared else None
+    return MixtureOfExperts(C, F_, E, k, routing=routing, experts=experts, shared_expert=shared, **kw)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
@@ -36,12 +37,12 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.variants import build_attention
 
-__all__ = ["build_kimi_linear", "convert_kimi_linear"]
+__all__ = ["TYPES", "build_kimi_linear", "convert_kimi_linear", "mlp_types", "put_kda", "put_mla", "saved_names"]
 
 TYPES = ("linear_attention", "full_attention")
 
 
-def _mlp_types(hf: HFConfig, depth: int) -> list[str]:
+def mlp_types(hf: HFConfig, depth: int) -> list[str]:
     """``mlp_layer_types`` (``dense``/``sparse`` per layer); absent: dense layers then sparse
     from ``first_k_dense_replace`` (1 by default, as transformers)."""
     types = hf.get("mlp_layer_types", None, list)
@@ -60,7 +61,7 @@ def build_kimi_linear(hf: HFConfig, *, head_size: int | None = None, device: Any
                                 "attention_bias": lambda v: not v, "pretraining_tp": lambda v: v in (None, 1)})
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
-    kinds, mlps = parts.layer_types(hf, depth, TYPES), _mlp_types(hf, depth)
+    kinds, mlps = parts.layer_types(hf, depth, TYPES), mlp_types(hf, depth)
     linear = functools.partial(KimiDeltaAttention, C, hf.req("linear_num_heads"), head_dim=hf.req("linear_head_dim"),
                                conv_size=hf.get("linear_conv_kernel_dim", 4), norm_eps=eps, qk_norm_eps=1e-6, **kw)
     full = functools.partial(build_attention, "mla", C, H, kv_lora_rank=hf.req("kv_lora_rank"),
@@ -74,28 +75,34 @@ def build_kimi_linear(hf: HFConfig, *, head_size: int | None = None, device: Any
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
-def _put_kda(plan: Plan, ours: str, theirs: str) -> None:
-    """A :class:`KimiDeltaAttention` from transformers' ``KimiLinearDeltaAttention``."""
-    plan.put_pairs(ours, theirs, [(n, n) for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj",
+def put_kda(plan: Plan, ours: str, theirs: str, *, forget: Sequence[str] = ("f_a_proj", "f_b_proj"),
+            output_gate: Sequence[str] = ("g_a_proj", "g_b_proj")) -> None:
+    """A :class:`KimiDeltaAttention` from transformers' ``KimiLinearDeltaAttention`` (the
+    projections ``forget`` under ``forget_gate.`` and ``output_gate`` keep their names; Ling's
+    hybrids have full-rank ``f_proj`` / ``g_proj`` instead of the low-rank pairs)."""
+    plan.put_pairs(ours, theirs, [(n, n) for n in ("q_proj", "k_proj", "v_proj", "b_proj", *output_gate,
                                                    "o_norm")] + [("out_proj", "o_proj")], bias=False)
     conv = f"{theirs}conv1d.weight"
     for j, n in enumerate("qkv"):
         plan.put(f"{ours}{n}_conv.weight", conv, lambda w, j=j: w.chunk(3, dim=0)[j].contiguous())
     gate = f"{theirs}forget_gate."
-    plan.put_pairs(ours, gate, [("f_a_proj", "f_a_proj"), ("f_b_proj", "f_b_proj")], bias=False)
+    plan.put_pairs(ours, gate, [(n, n) for n in forget], bias=False)
     plan.put(f"{ours}A_log", f"{gate}A_log", lambda w: w.reshape(-1))
     plan.put(f"{ours}dt_bias", f"{gate}dt_bias")
 
 
-def _put_mla(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
-    """A :class:`MultiHeadLatentAttention` from transformers' ``KimiLinearAttention``."""
-    pairs = [("kv_a_proj", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b_proj", "kv_b_proj"),
-             ("out_proj", "o_proj")]
+def put_mla(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
+    """A :class:`MultiHeadLatentAttention` from transformers' ``KimiLinearAttention`` (with
+    ``attention_bias``, DeepSeek's biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``)."""
+    biased = [("kv_a_proj", "kv_a_proj_with_mqa"), ("out_proj", "o_proj")]
+    pairs = [("kv_a_norm", "kv_a_layernorm"), ("kv_b_proj", "kv_b_proj")]
     if hf.get("q_lora_rank", None) is None:
         pairs.append(("q_proj", "q_proj"))
     else:
-        pairs += [("q_a_proj", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b_proj", "q_b_proj")]
+        biased.append(("q_a_proj", "q_a_proj"))
+        pairs += [("q_a_norm", "q_a_layernorm"), ("q_b_proj", "q_b_proj")]
     plan.put_pairs(ours, theirs, pairs, bias=False)
+    plan.put_pairs(ours, theirs, biased, bias=hf.get("attention_bias", False, bool))
 
 
 _SAVED = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.\d+\.)w1\."), r"\1gate_proj."),
@@ -103,12 +110,13 @@ _SAVED = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.exper
           (re.compile(r"\.self_attn\.(A_log|dt_bias|f_a_proj\.weight|f_b_proj\.weight)$"), r".self_attn.forget_gate.\1"))
 
 
-def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A saved folder's names (Moonshot's: ``block_sparse_moe``, experts ``w1/w3/w2``, the forget
-    gate's weights on the layer, ``{q,k,v}_conv1d``) -> the transformers module's."""
+def saved_names(sd: dict[str, Tensor], table: Sequence[tuple[re.Pattern[str], str]] = _SAVED) -> dict[str, Tensor]:
+    """A saved folder's names -> the transformers module's: each ``(pattern, replacement)`` of
+    ``table`` applied in order (Moonshot's by default: ``block_sparse_moe``, experts ``w1/w3/w2``,
+    the forget gate's weights on the layer), then ``{q,k,v}_conv1d`` fused into ``conv1d``."""
     out: dict[str, Tensor] = {}
     for key, t in sd.items():
-        for pattern, repl in _SAVED:
+        for pattern, repl in table:
             key = pattern.sub(repl, key)
         out[key] = t
     return parts.fuse_qkv_convs(out, "self_attn")
@@ -116,15 +124,15 @@ def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def convert_kimi_linear(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; saved-folder names too)."""
-    sd = _saved_names(sd)
+    sd = saved_names(sd)
     model, plan, head_size = parts.start(hf, sd, build_kimi_linear, device=device, dtype=dtype)
-    kinds, mlps = parts.layer_types(hf, model.depth, TYPES), _mlp_types(hf, model.depth)
+    kinds, mlps = parts.layer_types(hf, model.depth, TYPES), mlp_types(hf, model.depth)
     for i in range(model.depth):
         o, h = f"blocks.{i}.", f"layers.{i}."
         if kinds[i] == "linear_attention":
-            _put_kda(plan, f"{o}attn.", f"{h}self_attn.")
+            put_kda(plan, f"{o}attn.", f"{h}self_attn.")
         else:
-            _put_mla(plan, f"{o}attn.", f"{h}self_attn.", hf)
+            put_mla(plan, f"{o}attn.", f"{h}self_attn.", hf)
         if mlps[i] == "sparse":
             put_moe(plan, f"{o}ffn.", f"{h}mlp.", "deepseek")
         else:

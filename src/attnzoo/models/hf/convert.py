@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo.models.families.bailing_hybrid import convert_bailing_hybrid
 from attnzoo.models.families.bamba import convert_bamba
 from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
@@ -78,6 +79,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "lfm3": ("LFM3", convert_lfm3),
     "lara_mini": ("Lara-mini", convert_lara_mini),
     "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
+    "bailing_hybrid": ("Bailing-hybrid", convert_bailing_hybrid),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",

@@ -21,10 +21,10 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.llama import GATED_ACTIVATIONS
 
-__all__ = ["convert_deepseek", "deepseek_config"]
+__all__ = ["convert_deepseek", "deepseek_config", "extra_layer", "mla_rope"]
 
 
-def _rope(hf: HFConfig) -> tuple[float, dict[str, Any] | None]:
+def mla_rope(hf: HFConfig) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling dict or None)`` from ``rope_parameters`` / ``rope_scaling``."""
     params = dict(hf.get("rope_scaling", {}, dict))
     params.update(hf.get("rope_parameters", {}, dict))
@@ -47,7 +47,7 @@ def deepseek_config(hf: HFConfig) -> DecoderConfig:
     if hf.get("pretraining_tp", 1) != 1:
         raise hf.unsupported(f"pretraining_tp={hf.raw('pretraining_tp')}")
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
-    base, scaling = _rope(hf)
+    base, scaling = mla_rope(hf)
     max_pos = hf.get("max_position_embeddings", 4096)
     akw: dict[str, Any] = {
         "kv_lora_rank": hf.req("kv_lora_rank"), "q_lora_rank": hf.get("q_lora_rank", None),
@@ -66,7 +66,7 @@ def deepseek_config(hf: HFConfig) -> DecoderConfig:
         head_dim=None if C % H == 0 else qk)
 
 
-def _extra_layer(key: str, prefix: str, depth: int) -> bool:
+def extra_layer(key: str, prefix: str, depth: int) -> bool:
     """A multi-token-prediction layer's key (``layers.{j}`` with ``j >= num_hidden_layers``): unused."""
     head = prefix + "layers."
     index = key[len(head):].split(".", 1)[0] if key.startswith(head) else ""
@@ -80,7 +80,7 @@ def convert_deepseek(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype:
     akw = cfg.attention_kwargs or {}
     bias = bool(akw["bias"])
     prefix = "model." if any(k.startswith("model.") for k in sd) else ""
-    sd = {k: v for k, v in sd.items() if not _extra_layer(k, prefix, cfg.depth)}
+    sd = {k: v for k, v in sd.items() if not extra_layer(k, prefix, cfg.depth)}
     plan = Plan(Source(sd, prefix), hf.arch)
     plan.put("tok_emb.weight", "embed_tokens.weight")
     for i in range(cfg.depth):
