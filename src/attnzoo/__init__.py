@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "retention": "attnzoo.functional.recurrent.retention",
     "gated_linear_attention": "attnzoo.functional.recurrent.gla",
     "delta_rule": "attnzoo.functional.recurrent.delta_rule",
+    "selective_scan": "attnzoo.functional.recurrent.selective_scan",
     # modules
     "MultiHeadAttention": "attnzoo.nn.attention",
     "MultiQueryAttention": "attnzoo.nn.attention",

@@ -21,9 +21,9 @@ RMSNorms (modeling 626-643) of epsilon ``layer_norm_epsilon``, the last one ``no
   ``y_t = h_t C_t + D x_t`` with ``A = -exp(A_log) [I, N]`` (modeling 373), ``D`` (modeling 325),
   then ``y * silu(z)`` (modeling 328) and ``out_proj`` (modeling 622).
 
-The scan is attnzoo's :func:`~attnzoo.functional.gated_linear_attention` with ``I`` value heads of
-width 1 over one key head of width ``N`` (grouped value heads: ``q = C``, ``k = B`` are never
-expanded), ``v = dt * x``, the log decay ``dt * A`` per key channel, scale 1; its state
+The scan is :func:`attnzoo.selective_scan` (``functional/recurrent/selective_scan.py``:
+:func:`~attnzoo.functional.gated_linear_attention` with ``I`` value heads of width 1 over one key
+head of width ``N``, ``v = dt * x``, the log decay ``dt * A`` per key channel, scale 1); its state
 ``[B, I, N, 1]`` is the decode cache, its ``cu_seqlens`` the packed sequences.
 
 FalconMamba (``FalconMambaMixer``, modeling_falcon_mamba 477-612) is the same mixer whose
@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo._validate import check_int
-from attnzoo.functional.recurrent.gla import gated_linear_attention
+from attnzoo.functional.recurrent.selective_scan import SCAN_CHUNK, selective_scan
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families.mamba2 import backbone_names
 from attnzoo.models.hf._state import HFConfig, Plan
@@ -93,7 +93,7 @@ DEFAULTS: dict[str, Any] = {
 FALCON_DEFAULTS: dict[str, Any] = {**DEFAULTS, "mixer_rms_eps": 1e-6}
 
 #: the chunk length of the scan (see the ``chunk_size`` argument of :class:`Mamba1Mixer`)
-CHUNK_SIZE = 16
+CHUNK_SIZE = SCAN_CHUNK
 
 
 def _inverse_softplus(t: Tensor) -> Tensor:
@@ -114,10 +114,8 @@ class Mamba1Mixer(RecurrentMixer):
         bias: biases on ``in_proj`` and ``out_proj``.
         mixer_rms_eps: FalconMamba: weightless RMSNorms of this epsilon on ``dt`` (before
             ``dt_proj``), ``B`` and ``C``; ``None`` (Mamba): none.
-        chunk_size: the scan's chunk length. The default, 16: forward + backward of one mixer at
-            ``T`` = 1024, ``N`` = 16, one CPU thread, chunks of 8 and 16 ran within 10% of each other
-            (``I`` = 128: 0.42 s; 1536: 4.9-5.3 s), 32 and 64 10-35% slower; peak memory alike
-            (the chunked scan's intra-chunk scores are ``[B, I, T, chunk]``: value heads of width 1).
+        chunk_size: the scan's chunk length (default :data:`attnzoo.functional.recurrent.selective_scan.SCAN_CHUNK`,
+            measured there).
         device, dtype: of the parameters.
 
     Weights (transformers' names and layouts): ``in_proj [2I, C]`` (rows ``[x; z]``),
@@ -199,15 +197,12 @@ class Mamba1Mixer(RecurrentMixer):
         dt = F.softplus(wide(F.linear(dt, self.dt_proj.weight)) + wide(self.dt_proj.bias)).transpose(1, 2)  # [B, I, T]
         if pad is not None:  # a padded token neither writes (x = 0) nor decays the state
             dt = dt * pad[:, None, :].to(dt.dtype)
-        xw = wide(xs).transpose(1, 2)  # [B, I, T]
-        log_decay = dt[..., None] * -wide(self.A_log).exp()[None, :, None, :]  # [B, I, T, N], <= 0
-        # I value heads of width 1 reading one key head of width N: q = C, k = B, v = dt * x
-        y, state = gated_linear_attention(wide(c)[:, None], wide(b)[:, None], (dt * xw)[..., None], log_decay,
-                                          scale=1.0, initial_state=state, return_state=True,
-                                          chunk_size=self.chunk_size, cu_seqlens=cu)
-        y = y[..., 0] + wide(self.D)[:, None] * xw  # [B, I, T]
-        y = y.transpose(1, 2) * F.silu(wide(z))  # modeling 325-328
-        return self.out_proj(y.to(x.dtype)), state, {"conv1d": last}
+        s0 = None if state is None else state[..., 0]  # the cache keeps [B, I, N, 1]
+        y, last_state = selective_scan(wide(xs).transpose(1, 2), dt, -wide(self.A_log).exp(), wide(b).transpose(1, 2),
+                                       wide(c).transpose(1, 2), wide(self.D), wide(z).transpose(1, 2),
+                                       initial_state=s0, return_last_state=True, cu_seqlens=cu,
+                                       chunk_size=self.chunk_size)  # modeling 317-328
+        return self.out_proj(y.transpose(1, 2).to(x.dtype)), last_state[..., None], {"conv1d": last}
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, inner={self.inner}, state_size={self.state_size}, dt_rank={self.dt_rank}, "
