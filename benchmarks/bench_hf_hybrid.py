@@ -1,7 +1,8 @@
 """A hybrid model on the CPU in float32 — Qwen3-Next-shaped (3 gated-DeltaNet layers per
 gated-attention layer, MoE; the default) or one of the Mamba-2 families (``--family bamba``,
 ``falcon_h1``, ``nemotron_h``, ``mamba2``: Mamba-2 mixers with attention layers, in parallel for
-Falcon-H1; ``lfm2``: LFM2's gated short convolutions with attention): prefill of N tokens and one training step (forward + backward of the LM loss), three
+Falcon-H1; ``lfm2``: LFM2's gated short convolutions with attention; ``mamba``: Mamba-1's selective
+scan, whose transformers fallback is a Python loop over the tokens): prefill of N tokens and one training step (forward + backward of the LM loss), three
 ways on the same weights:
 
 * ``hf-fallback``: transformers' model with its own PyTorch kernels (what a CPU gets without
@@ -41,6 +42,7 @@ FAMILIES = {"qwen3_next": "4 layers: 3 linear : 1 full, MoE 4 experts top-2",
             "falcon_h1": "4 layers: Mamba-2 beside attention in every layer, SwiGLU MLPs",
             "nemotron_h": "7 layers M-M-M*- (4 attnzoo blocks): 3 Mamba-2 : 1 attention, 3 relu^2 MLPs",
             "mamba2": "4 Mamba-2 mixer-only layers",
+            "mamba": "4 Mamba-1 mixer-only layers (state 16, expand 2)",
             "lfm2": "4 layers: 3 gated short convolutions : 1 attention, SwiGLU MLPs"}
 
 
@@ -70,6 +72,8 @@ def _config(args: argparse.Namespace) -> object:
     if args.family == "lfm2":
         return T.Lfm2Config(**common, **attn, num_hidden_layers=4, intermediate_size=3 * C,
                             layer_types=["conv", "conv", "conv", "full_attention"])
+    if args.family == "mamba":
+        return T.MambaConfig(vocab_size=1024, hidden_size=C, num_hidden_layers=4, state_size=16, expand=2)
     return T.Mamba2Config(**{k: v for k, v in common.items() if k != "max_position_embeddings"},
                           num_hidden_layers=4, num_heads=2 * heads, head_dim=64, state_size=64, n_groups=1,
                           chunk_size=64)
@@ -123,7 +127,7 @@ def main() -> None:
 
     def hf_logits(served: bool) -> torch.Tensor:
         _set_hooks(args.family, served)
-        if args.family != "mamba2":  # attention-free: no attention implementation to set
+        if args.family not in ("mamba2", "mamba"):  # attention-free: no attention implementation to set
             hf.set_attn_implementation("attnzoo" if served else args.hf_attention)
         return hf(input_ids=x, use_cache=False).logits
 

@@ -3,7 +3,9 @@
 
 transformers 5.x reaches the linear-attention kernels of its hybrid models (Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE, OLMo-hybrid, Kimi Linear) and of its Mamba-2 models (Mamba-2, Bamba, Granite-MoE-hybrid,
-Zamba2, Falcon-H1, Nemotron-H) and of LFM2 / LFM2-MoE (their short convolutions) through
+Zamba2, Falcon-H1, Nemotron-H), of its Mamba-1 models (Mamba, FalconMamba, Jamba, Zamba), of the
+2026 linear hybrids (Bailing-hybrid, GLM-5-Next and Kimi Linear: KDA; Qwen4-Exp and Lara-mini:
+gated DeltaNet) and of LFM2 / LFM2-MoE / LFM3 / Inkling (their short convolutions) through
 module-level functions decorated with ``use_kernel_func_from_hub_with_fallback``: a hub kernel,
 else the ``fla`` / ``causal_conv1d`` package, else a slow PyTorch loop that refuses packed
 sequences (LFM2's fallback convolution runs them, reading across the sequence boundaries). :func:`install` replaces
@@ -22,6 +24,14 @@ those module functions with attnzoo's exact kernels:
   flow from one packed sequence into the next); ``mamba2_selective_state_update`` (one decode
   step) -> the same recurrence, one token.
 
+* ``mamba_selective_scan`` (Mamba-1's scan, hub name ``selective_scan_fn``; Mamba, FalconMamba,
+  Jamba, Zamba) -> :func:`attnzoo.selective_scan`; ``mamba_selective_state_update`` (one decode
+  step) -> the Mamba-2 step with one head; ``mamba_scan_forward`` (the layer's scan with its cache;
+  Mamba, FalconMamba, Jamba) -> :func:`mamba_scan_forward`, which starts from the cached state
+  (transformers' own ignores it when more than one token follows a filled cache) and keeps packed
+  sequences apart (``cu_seq_lens_q`` / ``seq_idx``). ``mamba_inner_fn`` (the fused training path,
+  ``None`` without the CUDA package) is left as it is: the unfused path it falls back to is served.
+
 Layouts are transformers': ``q, k [B, N, Hk, Dk]``, ``v [B, N, Hv, Dv]``, ``g`` (log decay)
 ``[B, N, Hv]`` or ``[B, N, Hv, Dk]``, ``beta [B, N, Hv]``, states ``[B, Hv, Dk, Dv]`` (``[S, ...]``
 packed); conv inputs ``[B, C, N]``, weights ``[C, K]``, states ``[B, C, S]``.
@@ -39,14 +49,17 @@ from torch import Tensor
 
 from attnzoo.functional.recurrent.delta_rule import delta_rule
 from attnzoo.functional.recurrent.gla import gated_linear_attention
+from attnzoo.functional.recurrent.selective_scan import selective_scan
 from attnzoo.models.families.qwen3_next import causal_conv, segment_ids
 
 __all__ = ["HOOKS", "ORIGINALS", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_rule", "install",
-           "ssd_chunk_scan", "ssd_state_update"]
+           "mamba1_scan", "mamba1_state_update", "mamba_scan_forward", "ssd_chunk_scan", "ssd_state_update"]
 
 #: transformers model modules with linear-attention hooks
-MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
-           "mamba2", "bamba", "granitemoehybrid", "zamba2", "falcon_h1", "nemotron_h", "lfm2", "lfm2_moe")
+MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "glm5_next",
+           "qwen4_exp", "lara_mini", "mamba2", "bamba", "granitemoehybrid", "zamba2", "falcon_h1", "nemotron_h",
+           "mamba", "falcon_mamba", "jamba", "zamba", "lfm2", "lfm2_moe", "lfm3", "inkling", "inkling2",
+           "inkling2_loop")
 #: (module, function name) -> the transformers function it replaced
 ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
 
@@ -144,6 +157,85 @@ def ssd_state_update(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor
     return y.to(hidden_states.dtype)
 
 
+def mamba1_scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
+                return_last_state: bool = False, use_mambapy: bool = False, use_associative_scan: bool = False,
+                **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba-1's selective scan (``mamba_selective_scan``) in transformers' layout: ``x``, ``dt``,
+    ``z [B, I, T]``, ``A [I, N]``, ``B``/``C [B, N, T]``, ``D``/``delta_bias [I]``. Returns
+    ``y [B, I, T]`` in float32 (float64 for float64 input), as transformers' fallback, and with
+    ``return_last_state`` the state ``[B, I, N]``; ``cu_seq_lens_q`` / ``seq_idx`` pack sequences.
+    ``use_mambapy`` / ``use_associative_scan`` pick other loops for the same scan: ignored."""
+    cdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    return selective_scan(hidden_states.to(cdt), dt, A, B, C, D, z, delta_bias=delta_bias,
+                          delta_softplus=delta_softplus, return_last_state=return_last_state,
+                          cu_seqlens=_boundaries(kwargs, "mamba_selective_scan"))
+
+
+def mamba1_state_update(state: Tensor, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                        D: Tensor | None = None, dt_bias: Tensor | None = None, dt_softplus: bool = False,
+                        z: Tensor | None = None, **kwargs: Any) -> Tensor:
+    """One Mamba-1 decode step (``mamba_selective_state_update``): ``state [B, I, N]`` (updated in
+    place), ``hidden_states``/``dt``/``z [B, I]``, ``A [I, N]``, ``B``/``C [B, N]``,
+    ``D``/``dt_bias [I]``: :func:`ssd_state_update` with one head of ``I`` channels."""
+    return ssd_state_update(state[:, None], hidden_states[:, None], dt[:, None], A[None], B[:, None], C[:, None],
+                            D=None if D is None else D[None], dt_bias=None if dt_bias is None else dt_bias[None],
+                            dt_softplus=dt_softplus, z=None if z is None else z[:, None])[:, 0]
+
+
+def _scan_rest(module: Any, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, gate: Tensor,
+               state: Tensor, bias: Tensor | None) -> tuple[list[Tensor], list[Tensor]]:
+    """The last tokens one at a time (a cache that records each step's state): outputs
+    ``[B, I, 1]`` and the states after each token."""
+    outs, states = [], []
+    for t in range(x.shape[-1]):
+        outs.append(mamba1_state_update(state, x[..., t], dt[..., t], A, B[:, t], C[:, t], module.D,
+                                        dt_bias=bias, dt_softplus=True, z=gate[..., t])[..., None])
+        states.append(state.clone())
+    return outs, states
+
+
+def mamba_scan_forward(module: Any, hidden_states: Tensor, time_step: Tensor, B: Tensor, C: Tensor, gate: Tensor,
+                       cache: Any, **kwargs: Any) -> Tensor:
+    """A Mamba-1 layer's scan with its cache (transformers' ``mamba_scan_forward``; ``x``, ``time_step``,
+    ``gate [B, I, T]``, ``B``/``C [B, T, N]``; the parameters read from ``module``). One token after a
+    filled cache: one step. Otherwise the scan starts from the cached state (zeros for an empty
+    cache); packed input (``cu_seq_lens_q`` / ``seq_idx``, no cache) restarts it at every sequence;
+    a cache that records the last tokens' states gets them one step at a time, as transformers does."""
+    owner, layer = "mamba_scan_forward", module.layer_idx
+    state = cache.get_recurrent_state(layer, state_idx=0) if cache is not None else None
+    A = -torch.exp(module.A_log.float())
+    bias = module.dt_proj.bias.float() if module.dt_proj.bias is not None else None
+    T = hidden_states.shape[-1]
+    if state is not None and T == 1:
+        state = state.clone()
+        out = mamba1_state_update(state, hidden_states[..., 0], time_step[..., 0], A, B[:, 0], C[:, 0], module.D,
+                                  dt_bias=bias, dt_softplus=True, z=gate[..., 0])[..., None]
+        cache.update_recurrent_state(state, layer)
+        return out
+    cu = _boundaries(kwargs, owner)
+    if cu is not None and cache is not None:
+        raise ValueError(f"{owner}: packed input (cu_seq_lens_q / seq_idx) with a cache: the cache holds one state "
+                         f"per batch row, a packed row holds several sequences")
+    rest = min(cache.get_recurrent_states_to_keep(layer), T) if cache is not None else 0
+    split = T - rest
+    cdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    outs: list[Tensor] = []
+    if split > 0:
+        y, state = selective_scan(hidden_states[..., :split].to(cdt), time_step[..., :split], A,
+                                  B[:, :split].transpose(1, 2), C[:, :split].transpose(1, 2), module.D.float(),
+                                  gate[..., :split], delta_bias=bias, delta_softplus=True, initial_state=state,
+                                  return_last_state=True, cu_seqlens=cu)
+        outs.append(y)
+    if state is None:
+        state = A.new_zeros(hidden_states.shape[0], *A.shape)
+    more, states = _scan_rest(module, hidden_states[..., split:], time_step[..., split:], A, B[:, split:],
+                              C[:, split:], gate[..., split:], state, bias)
+    if cache is not None:
+        cache.update_recurrent_state(states if states else state, layer)
+    return torch.cat(outs + more, dim=-1)
+
+
 def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
                            initial_state: Tensor | None = None, output_final_state: bool = False,
                            use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
@@ -225,6 +317,9 @@ HOOKS: dict[str, Callable[..., Any]] = {
     "causal_conv1d_update": causal_conv1d_update,
     "mamba2_chunk_scan": ssd_chunk_scan,
     "mamba2_selective_state_update": ssd_state_update,
+    "mamba_selective_scan": mamba1_scan,
+    "mamba_selective_state_update": mamba1_state_update,
+    "mamba_scan_forward": mamba_scan_forward,
 }
 
 

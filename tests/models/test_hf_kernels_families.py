@@ -1,6 +1,7 @@
 """``attnzoo.hf.register()`` end to end on every family whose linear-attention layers call
 transformers' kernel hooks (Qwen3.5, Qwen3.5-MoE, OLMo-hybrid, Kimi Linear; Qwen3-Next has its
-own module, ``test_hf_kernels.py``; LFM2 and LFM2-MoE, whose short convolutions call the
+own module, ``test_hf_kernels.py``; Lara-mini (gated DeltaNet), Bailing-hybrid (KDA); LFM2, LFM2-MoE
+and LFM3, whose short convolutions call the
 ``causal_conv1d`` hooks): with attnzoo's kernels served, the logits of a left-padded
 batch and greedy generation (cached decode) equal those with transformers' own PyTorch fallback
 put back, and padding-free packed input gives each sequence's logits alone (the fallback
@@ -27,7 +28,8 @@ azhf.register()
 #: transformers' modeling module name -> the test module holding that family's tiny offline config
 FAMILIES = {"qwen3_5": "test_hf_qwen3_5", "qwen3_5_moe": "test_hf_qwen3_5_moe",
             "olmo_hybrid": "test_hf_olmo_hybrid", "kimi_linear": "test_hf_kimi_linear",
-            "lfm2": "test_hf_lfm2", "lfm2_moe": "test_hf_lfm2_moe"}
+            "lfm2": "test_hf_lfm2", "lfm2_moe": "test_hf_lfm2_moe", "lara_mini": "test_hf_lara_mini",
+            "lfm3": "test_hf_lfm3", "bailing_hybrid": "test_hf_bailing_hybrid"}
 
 
 def _config(family: str) -> Any:
