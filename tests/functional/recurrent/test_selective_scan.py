@@ -47,9 +47,10 @@ def _inputs(b: int = 2, inner: int = 6, T: int = 37, N: int = 5, groups: int | N
             "B": r(*bc), "C": r(*bc), "D": r(inner), "z": r(b, inner, T), "delta_bias": r(inner)}
 
 
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
 @pytest.mark.parametrize("groups", [None, 1, 3])
 @pytest.mark.parametrize("options", ["all", "bare"])
-def test_equals_the_token_loop(groups: int | None, options: str) -> None:
+def test_equals_the_token_loop(groups: int | None, options: str, form: str) -> None:
     x = _inputs(groups=groups)
     if options == "bare":  # no D, no gate, no bias, no softplus (delta made positive), no initial state
         x.update(D=None, z=None, delta_bias=None, delta=x["delta"].abs())
@@ -57,7 +58,7 @@ def test_equals_the_token_loop(groups: int | None, options: str) -> None:
     else:
         h0, softplus = torch.randn(2, 6, 5, dtype=D64), True
     y, h = az.selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], delta_bias=x["delta_bias"],
-                             delta_softplus=softplus, initial_state=h0, return_last_state=True)
+                             delta_softplus=softplus, initial_state=h0, return_last_state=True, form=form)
     ry, rh = _loop(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], softplus, h0)
     torch.testing.assert_close(y, ry, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(h, rh, rtol=1e-12, atol=1e-12)
@@ -77,20 +78,42 @@ def test_gradients_equal_the_token_loop() -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 32, 64])
+@pytest.mark.parametrize("chunk", [1, 5, 16, 32, 64])  # the chunked scan against the loop
 def test_every_chunk_length_gives_the_same_scan(chunk: int) -> None:
     x = _inputs(T=70)
-    ref = az.selective_scan(**x, delta_softplus=True, chunk_size=32)
-    torch.testing.assert_close(az.selective_scan(**x, delta_softplus=True, chunk_size=chunk), ref,
+    ref = az.selective_scan(**x, delta_softplus=True, form="recurrent")
+    torch.testing.assert_close(az.selective_scan(**x, delta_softplus=True, chunk_size=chunk, form="chunked"), ref,
                                rtol=1e-12, atol=1e-12)
 
 
-def test_packed_sequences_equal_each_alone() -> None:
+def test_auto_loops_without_gradients_and_chunks_with_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import attnzoo.functional.recurrent.selective_scan as module
+
+    forms: list[str] = []
+    real = module.gated_linear_attention
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        forms.append(kw["form"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, "gated_linear_attention", spy)
+    x = _inputs(T=9)
+    az.selective_scan(**x, delta_softplus=True)
+    x["u"].requires_grad_()
+    az.selective_scan(**x, delta_softplus=True)
+    with torch.no_grad():
+        az.selective_scan(**x, delta_softplus=True)
+    assert forms == ["recurrent", "chunked", "recurrent"]
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_packed_sequences_equal_each_alone(form: str) -> None:
     lengths = [7, 1, 0, 12]
     x = _inputs(b=1, T=sum(lengths), groups=2)
     h0 = torch.randn(len(lengths), 6, 5, dtype=D64)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    y, h = az.selective_scan(**x, delta_softplus=True, initial_state=h0, return_last_state=True, cu_seqlens=cu)
+    y, h = az.selective_scan(**x, delta_softplus=True, initial_state=h0, return_last_state=True, cu_seqlens=cu,
+                             form=form)
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         if s == e:  # an empty sequence keeps its initial state
             torch.testing.assert_close(h[i], h0[i], rtol=0, atol=0)
@@ -122,6 +145,7 @@ def test_half_input_computes_in_float32() -> None:
     ({"z": torch.zeros(1, 6, 37)}, "z must be"),
     ({"initial_state": torch.zeros(2, 6, 4)}, "initial_state must be"),
     ({"chunk_size": 0}, "chunk_size"),
+    ({"form": "loop"}, "form"),
     ({"u": torch.zeros(2, 6)}, "u must have shape"),
     ({"cu_seqlens": torch.tensor([0, 5, 30], dtype=torch.int32)}, "cu_seqlens"),
 ])
@@ -139,3 +163,9 @@ def test_wrong_types_name_the_argument() -> None:
         az.selective_scan(**{**x, "u": x["u"].long()})
     with pytest.raises(TypeError, match="delta_softplus"):
         az.selective_scan(**x, delta_softplus="yes")
+
+
+def test_a_growing_state_is_refused_by_name() -> None:
+    x = _inputs(dtype=torch.float32)  # delta ~ N(0, 1) without the softplus: some steps are negative
+    with pytest.raises(ValueError, match=r"dt \* A must be <= 0"):
+        az.selective_scan(**x)
