@@ -59,6 +59,9 @@ CALLS: dict[str, Callable[..., object]] = {
     "linear": lambda q, k, v: az.linear_attention(q, k, v, causal=True),
     "linear-chunked": lambda q, k, v: az.linear_attention(q, k, v, causal=True, chunk_size=16),
     "performer": lambda q, k, v: az.performer_attention(q, k, v, torch.randn(8, D), causal=True),
+    # Mamba-1's scan: u, delta [1, 4, N], A [4, 4] (negative), B/C [1, 4, N]; compiled: the chunked form
+    "selective-scan": lambda q, k, v: az.selective_scan(q[..., 0], k[..., 0], -v[0, :, :4, 0].abs(), k[:1, 0, :, 1:5].mT,
+                                                        v[:1, 0, :, 1:5].mT, delta_softplus=True),
 }
 
 
@@ -194,7 +197,7 @@ def test_decoder_lm_forward_has_no_graph_breaks() -> None:
 
 # --------------------------------------------------------------- compiled == eager
 GRAD_CALLS = ("causal-reference", "causal-sdpa", "causal-tiled", "window-tiled", "window-sdpa",
-              "mask-object-tiled", "tiled-softcap-alibi-lse", "linear-chunked", "performer")
+              "mask-object-tiled", "tiled-softcap-alibi-lse", "linear-chunked", "performer", "selective-scan")
 
 
 def _outputs_and_grads(fn: Callable[..., object], args: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
