@@ -19,6 +19,7 @@ from attnzoo.models.families.bailing_hybrid import convert_bailing_hybrid
 from attnzoo.models.families.bamba import convert_bamba
 from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
+from attnzoo.models.families.glm5_next import convert_glm5_next
 from attnzoo.models.families.gpt_oss import convert_gpt_oss
 from attnzoo.models.families.granitemoe_swa import convert_granitemoe_swa
 from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
@@ -62,7 +63,9 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "FalconMambaForCausalLM", "FalconMambaModel", "Lfm2MoeForCausalLM", "Lfm2MoeModel",
                            "JambaForCausalLM", "JambaModel", "Lfm3ForCausalLM", "Lfm3Model",
                            "LaraMiniForCausalLM", "LaraMiniModel", "GraniteMoeSWAForCausalLM", "GraniteMoeSWAModel",
-                           "BailingHybridForCausalLM", "BailingHybridModel")
+                           "BailingHybridForCausalLM", "BailingHybridModel", "Glm5NextTextModel",
+                           "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "MiniMaxModel",
+                           "Qwen4ExpForCausalLM", "Qwen4ExpTextModel")
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -80,6 +83,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "lara_mini": ("Lara-mini", convert_lara_mini),
     "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
     "bailing_hybrid": ("Bailing-hybrid", convert_bailing_hybrid),
+    "glm5_next_text": ("GLM-5-Next", convert_glm5_next), "glm5_next": ("GLM-5-Next", convert_glm5_next),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
