@@ -163,17 +163,21 @@ def max_positions(hf: HFConfig) -> int:
 
 def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None, norm_eps: float,
             embed_scale: float | None = None, logit_softcap: float | None = None, heads: int | None = None,
-            device: Any = None, dtype: Any = None) -> DecoderLM:
+            embedding: nn.Module | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
-    rotary embedding and positions): the token embedding (times ``embed_scale``), the final
-    RMSNorm, the head of ``head_size`` (see :func:`~attnzoo.models.parts.head_for`). ``heads``:
-    the config's head count where it has no ``num_attention_heads`` (an attention-free stack)."""
+    rotary embedding and positions): the token embedding (times ``embed_scale``; or the module
+    ``embedding``, e.g. MiniMax's normalised one), the final RMSNorm, the head of ``head_size``
+    (see :func:`~attnzoo.models.parts.head_for`). ``heads``: the config's head count where it has
+    no ``num_attention_heads`` (an attention-free stack)."""
     V, C = hf.req("vocab_size"), hf.req("hidden_size")
     cfg = DecoderConfig(V, C, len(blocks), heads or hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=norm_eps,
                         tie_embeddings=hf.get("tie_word_embeddings", False, bool),
                         max_seq_len=max_positions(hf))
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
-    embedding = None if embed_scale is None else ScaledEmbedding(V, C, scale=embed_scale, **kw)
+    if embedding is not None and embed_scale is not None:
+        raise ValueError("decoder: give embed_scale or embedding, not both")
+    if embed_scale is not None:
+        embedding = ScaledEmbedding(V, C, scale=embed_scale, **kw)
     parts = DecoderParts(blocks=blocks, embedding=embedding,
                          head=head_for(C, V, head_size, softcap=logit_softcap, **kw))
     return DecoderLM(config=cfg, parts=parts, **kw)

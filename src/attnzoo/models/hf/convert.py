@@ -31,6 +31,7 @@ from attnzoo.models.families.lfm3 import convert_lfm3
 from attnzoo.models.families.llama4 import convert_llama4
 from attnzoo.models.families.mamba1 import convert_falcon_mamba, convert_mamba
 from attnzoo.models.families.mamba2 import convert_mamba2
+from attnzoo.models.families.minimax import convert_minimax
 from attnzoo.models.families.nemotron_h import convert_nemotron_h
 from attnzoo.models.families.olmo3 import convert_olmo3
 from attnzoo.models.families.olmo_hybrid import convert_olmo_hybrid
@@ -84,6 +85,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
     "bailing_hybrid": ("Bailing-hybrid", convert_bailing_hybrid),
     "glm5_next_text": ("GLM-5-Next", convert_glm5_next), "glm5_next": ("GLM-5-Next", convert_glm5_next),
+    "minimax": ("MiniMax", convert_minimax),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
