@@ -37,6 +37,7 @@ from attnzoo.models.families.olmo3 import convert_olmo3
 from attnzoo.models.families.olmo_hybrid import convert_olmo_hybrid
 from attnzoo.models.families.qwen3_5 import convert_qwen3_5, convert_qwen3_5_moe
 from attnzoo.models.families.qwen3_next import convert_qwen3_next
+from attnzoo.models.families.qwen4_exp import convert_qwen4_exp
 from attnzoo.models.families.smollm3 import convert_smollm3
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
@@ -84,6 +85,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "lara_mini": ("Lara-mini", convert_lara_mini),
     "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
     "bailing_hybrid": ("Bailing-hybrid", convert_bailing_hybrid),
+    "qwen4_exp_text": ("Qwen4-Exp", convert_qwen4_exp),
     "glm5_next_text": ("GLM-5-Next", convert_glm5_next), "glm5_next": ("GLM-5-Next", convert_glm5_next),
     "minimax": ("MiniMax", convert_minimax),
 }
