@@ -82,7 +82,10 @@ class HFMask:
 
     ``ndim`` and ``shape`` describe the dense mask it stands for (``[B or 1, 1, Nq, Nk]``), so
     model code that inspects a prepared 4D mask (generation with static caches hands the masks
-    built by ``create_masks_for_generate`` back to the model) leaves it alone.
+    built by ``create_masks_for_generate`` back to the model) leaves it alone. Model code that
+    works on the mask as a bool tensor (Qwen4-Exp's indexed attention reads ``dtype``, indexes it
+    and ANDs its key selection in) gets the dense mask: ``dtype`` is ``torch.bool`` and ``&``,
+    ``~`` and indexing act on :meth:`to_dense` (the attention then receives that tensor).
     """
 
     causal: bool
@@ -95,6 +98,25 @@ class HFMask:
     segments: Tensor | None = None
 
     ndim = 4
+    dtype = torch.bool
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the padding / segments (the CPU when the mask is pure structure)."""
+        held = next((t for t in (self.padding, self.segments) if t is not None), None)
+        return torch.device("cpu") if held is None else held.device
+
+    def __and__(self, other: Tensor) -> Tensor:
+        return self.to_dense() & other
+
+    def __rand__(self, other: Tensor) -> Tensor:
+        return other & self.to_dense()
+
+    def __invert__(self) -> Tensor:
+        return ~self.to_dense()
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return self.to_dense()[index]
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
