@@ -129,6 +129,21 @@ def check_packed_equals_each_alone(make: Callable[[], Any], lengths: tuple[int, 
     assert rel(packed, alone) <= 1e-5
 
 
+def check_transformers_packed(hf: Any, lengths: tuple[int, ...] = (6, 1, 13, 9)) -> None:
+    """A transformers model (served by ``register()``) on padding-free input as
+    ``DataCollatorWithFlattening`` makes it (``position_ids`` restarting, ``cu_seq_lens_q/k``, no
+    cache) gives each sequence's logits alone."""
+    seqs = [tokens(n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = hf(input_ids=torch.cat(seqs, dim=1), position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
+                    cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)).logits
+        alone = torch.cat([hf(input_ids=s, use_cache=False).logits for s in seqs], dim=1)
+    err = rel(packed, alone)
+    assert err <= TOL, f"{type(hf).__name__}: packed vs each alone, lengths {lengths}: max rel error {err:.2e}"
+
+
 def check_packed_gradients_equal_each_alone(make: Callable[[], Any], lengths: tuple[int, ...] = (6, 9, 3)) -> None:
     """Packed training: the gradients of a packed batch's summed next-token loss equal those of
     the sequences run one at a time (the converted model, float64)."""

@@ -68,16 +68,5 @@ def test_served_hooks_equal_the_fallback(family: str, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_sequences_equal_each_alone(family: str) -> None:
-    """Padding-free input as ``DataCollatorWithFlattening`` makes it (``position_ids`` restarting,
-    ``cu_seq_lens_q/k``, no cache), lengths including 1."""
-    hf = checks.hf_model(_config(family))
-    lengths = [6, 1, 13, 9]
-    seqs = [checks.tokens(n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = hf(input_ids=torch.cat(seqs, dim=1), position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
-                    cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)).logits
-        alone = torch.cat([hf(input_ids=s, use_cache=False).logits for s in seqs], dim=1)
-    err = checks.rel(packed, alone)
-    assert err <= checks.TOL, f"{family}: packed vs each alone, lengths {lengths}: max rel error {err:.2e}"
+    """Padding-free input (``checks.check_transformers_packed``), lengths including 1."""
+    checks.check_transformers_packed(checks.hf_model(_config(family)))

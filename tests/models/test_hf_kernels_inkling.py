@@ -69,14 +69,4 @@ def test_served_convolutions_equal_the_fallback(family: str, monkeypatch: pytest
 
 
 def test_inkling2_packed_sequences_equal_each_alone() -> None:
-    hf = _model("inkling2")
-    lengths = [6, 1, 13, 9]
-    seqs = [checks.tokens(n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = hf(input_ids=torch.cat(seqs, dim=1), position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
-                    cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)).logits
-        alone = torch.cat([hf(input_ids=s, use_cache=False).logits for s in seqs], dim=1)
-    err = checks.rel(packed, alone)
-    assert err <= checks.TOL, f"packed vs each alone: max rel error {err:.2e}"
+    checks.check_transformers_packed(_model("inkling2"))
