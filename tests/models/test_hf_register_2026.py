@@ -25,7 +25,7 @@ FAMILIES = ("test_hf_gemma3", "test_hf_smollm3", "test_hf_olmo3", "test_hf_gpt_o
             "test_hf_granitemoe_swa", "test_hf_granitemoehybrid", "test_hf_bamba", "test_hf_falcon_h1",
             "test_hf_jamba", "test_hf_lfm2", "test_hf_lfm3", "test_hf_lara_mini", "test_hf_qwen3_next",
             "test_hf_kimi_linear", "test_hf_bailing_hybrid", "test_hf_nemotron_h", "test_hf_minimax",
-            "test_hf_qwen4_exp")
+            "test_hf_qwen4_exp", "test_hf_zamba2")
 
 
 @pytest.mark.parametrize("module", FAMILIES)
