@@ -251,3 +251,17 @@ def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None
     object.__setattr__(hf.config, key, value)  # past the strict config's checks (a hand-written config.json)
     with pytest.raises(UnsupportedConfigError, match=named):
         from_hf(hf)
+
+
+def test_multimodal_base_model_converts_to_its_text_model() -> None:
+    """``Glm5NextModel`` (``language_model.*`` beside ``visual.*``, no head): its text part."""
+    torch.manual_seed(0)
+    hf = checks.perturbed(T.Glm5NextModel._from_config(_lm_config(), attn_implementation="eager"))
+    ours = from_hf(hf)
+    assert isinstance(ours.lm_head, torch.nn.Identity)
+    x, mask = checks.padded(30)
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask).last_hidden_state
+        got = ours(x, attention_mask=mask.bool())
+    real = mask.bool()
+    assert checks.rel(got[real], ref[real]) <= checks.TOL

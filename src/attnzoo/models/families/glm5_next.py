@@ -638,16 +638,24 @@ def build_glm5_next(hf: HFConfig, *, head_size: int | None = None, device: Any =
                       parts=DecoderParts(blocks=blocks, head=head_for(C, V, head_size, **kw)), **kw)
 
 
+def _text_key(key: str) -> str:
+    """``model.language_model.X`` (``Glm5NextForConditionalGeneration``) -> ``model.X``;
+    ``language_model.X`` (``Glm5NextModel``, no head) -> ``X`` (as ``Glm5NextTextModel`` saves it)."""
+    for wrapped, plain in (("model.language_model.", "model."), ("language_model.", "")):
+        if key.startswith(wrapped):
+            return plain + key[len(wrapped):]
+    return key
+
+
 def _text_part(hf: HFConfig, sd: dict[str, Tensor]) -> tuple[HFConfig, dict[str, Tensor]]:
-    """The text model of a ``glm5_next`` checkpoint (``text_config``; ``model.language_model.`` read as
-    ``model.``; the vision tower dropped); a text checkpoint as it is."""
+    """The text model of a ``glm5_next`` checkpoint (``text_config``; its language model's keys
+    read as the text model's, :func:`_text_key`; the vision tower dropped); a text checkpoint as it is."""
     if not hf.has("text_config"):
         return hf, sd
     text = {**hf.req("text_config", dict)}
     if hf.has("tie_word_embeddings"):
         text["tie_word_embeddings"] = hf.raw("tie_word_embeddings")
-    out = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
-           for k, v in sd.items() if not k.startswith(("model.visual.", "visual."))}
+    out = {_text_key(k): v for k, v in sd.items() if not k.startswith(("model.visual.", "visual."))}
     return HFConfig(text, f"{hf.source} (text_config)", hf.arch), out
 
 
