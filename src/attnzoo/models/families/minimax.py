@@ -82,7 +82,6 @@ part of it and fail), an unknown layer type or ``rope_type``. ``output_router_lo
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -92,7 +91,7 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo._devices import restore_float32
-from attnzoo._validate import check_int
+from attnzoo._validate import check_finite_float, check_int
 from attnzoo.blocks import BlockLayers, RMSNorm, TransformerBlock
 from attnzoo.functional.recurrent.gla import gated_linear_attention
 from attnzoo.models.decoder import DecoderLM
@@ -224,8 +223,13 @@ class NormedEmbedding(nn.Embedding):
         return self.norm(super().forward(tokens))  # [B, N, C]
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _factor_ok(value: Any, *, nonzero: bool = False) -> bool:
+    """A residual factor attnzoo can fold: a finite number (not zero when it is divided out)."""
+    try:
+        factor = check_finite_float(value, "factor")
+    except (TypeError, ValueError):
+        return False
+    return factor != 0 or not nonzero
 
 
 def _partial_rotary_ok(hf: HFConfig) -> bool:
@@ -245,8 +249,8 @@ def canonical(hf: HFConfig) -> HFConfig:
     if act not in ("silu", "swish"):
         raise out.unsupported(f"hidden_act={act!r} (the q/k/v activation and the experts'; supported: 'silu')")
     for key in ("full_attn", "linear_attn", "mlp"):
-        parts.unsupported_keys(out, {f"{key}_alpha_factor": lambda v: _finite(v) and v != 0,
-                                     f"{key}_beta_factor": _finite})
+        parts.unsupported_keys(out, {f"{key}_alpha_factor": lambda v: _factor_ok(v, nonzero=True),
+                                     f"{key}_beta_factor": _factor_ok})
     parts.unsupported_keys(out, {"router_jitter_noise": lambda v: v in (None, 0, 0.0)})
     if not _partial_rotary_ok(out):
         raise out.unsupported("partial_rotary_factor < 1 with a scaled rope_type (transformers' MiniMax rotates "
