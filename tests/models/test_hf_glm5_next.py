@@ -95,9 +95,9 @@ def _convert(hf: Any) -> Glm5NextLM:
                              dtype=torch.float32)
 
 
-@pytest.mark.parametrize("make", [_config, _softplus_no_tail, _default_schedules])
-def test_hidden_states_equal_transformers(make: Any) -> None:
-    hf = _base(make)
+def _check_hidden_states(hf: Any) -> None:
+    """A model without a head converts to one (no LM head) with its hidden states on a left-padded
+    batch (and on the unpadded row alone)."""
     ours = from_hf(hf)
     assert isinstance(ours.lm_head, torch.nn.Identity)
     x, mask = checks.padded(30)
@@ -108,6 +108,11 @@ def test_hidden_states_equal_transformers(make: Any) -> None:
     real = mask.bool()
     err = max(checks.rel(got[real], ref[real]), checks.rel(alone, ref[1:]))
     assert err <= checks.TOL, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("make", [_config, _softplus_no_tail, _default_schedules])
+def test_hidden_states_equal_transformers(make: Any) -> None:
+    _check_hidden_states(_base(make))
 
 
 def test_language_model_logits_equal_transformers() -> None:
@@ -256,12 +261,4 @@ def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None
 def test_multimodal_base_model_converts_to_its_text_model() -> None:
     """``Glm5NextModel`` (``language_model.*`` beside ``visual.*``, no head): its text part."""
     torch.manual_seed(0)
-    hf = checks.perturbed(T.Glm5NextModel._from_config(_lm_config(), attn_implementation="eager"))
-    ours = from_hf(hf)
-    assert isinstance(ours.lm_head, torch.nn.Identity)
-    x, mask = checks.padded(30)
-    with torch.no_grad():
-        ref = hf(input_ids=x, attention_mask=mask).last_hidden_state
-        got = ours(x, attention_mask=mask.bool())
-    real = mask.bool()
-    assert checks.rel(got[real], ref[real]) <= checks.TOL
+    _check_hidden_states(checks.perturbed(T.Glm5NextModel._from_config(_lm_config(), attn_implementation="eager")))
