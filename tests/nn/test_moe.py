@@ -75,6 +75,10 @@ def _reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
             elif moe.activation == "swiglu":
                 g = p["gate_proj"][e] @ inp + (p["gate_bias"][e] if moe.bias else 0.0)
                 h = g * torch.sigmoid(g) * u
+            elif moe.activation == "limited_swiglu":  # clipped after the activation (Ling's hybrids)
+                g = p["gate_proj"][e] @ inp + (p["gate_bias"][e] if moe.bias else 0.0)
+                lim = moe.swiglu_limit
+                h = torch.clamp(g * torch.sigmoid(g), max=lim) * u.clamp(-lim, lim)
             else:
                 g = p["gate_proj"][e] @ inp + (p["gate_bias"][e] if moe.bias else 0.0)
                 lim, alpha = moe.swiglu_limit, moe.swiglu_alpha
@@ -112,6 +116,8 @@ CASES: dict[str, dict[str, Any]] = {
     # LFM2-MoE: renormalised by sum + 1e-6 (the float64 comparison sees the 1e-6)
     "sigmoid_topk_norm_eps": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, norm_eps=1e-6, scaling=0.5)},
     "relu2": {"experts": Experts("relu2")},
+    "limited_swiglu": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, scaling=2.5),
+                       "experts": Experts("limited_swiglu", swiglu_limit=0.05)},
     "relu2_biased": {"routing": Routing("softmax_topk", norm_topk_prob=True), "experts": Experts("relu2", bias=True)},
     # Nemotron-H: sigmoid scores chosen with the bias, renormalised, scaled; a relu^2 shared expert
     "sigmoid_topk_relu2_shared": {"routing": Routing("sigmoid_topk", norm_topk_prob=True, scaling=2.5),
@@ -215,6 +221,10 @@ def test_moe_validates_its_arguments() -> None:
         Experts("swiglu", swiglu_alpha=1.702)
     with pytest.raises(ValueError, match="needs swiglu_limit and swiglu_alpha"):
         Experts("clamped_swiglu", swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="limited_swiglu' needs swiglu_limit and takes no swiglu_alpha"):
+        Experts("limited_swiglu")
+    with pytest.raises(ValueError, match="limited_swiglu' needs swiglu_limit and takes no swiglu_alpha"):
+        Experts("limited_swiglu", swiglu_limit=7.0, swiglu_alpha=1.0)
     with pytest.raises(ValueError, match="Experts: activation must be one of"):
         Experts("relu")
     with pytest.raises(TypeError, match="Experts: bias must be a bool"):
