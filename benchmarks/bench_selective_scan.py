@@ -4,7 +4,7 @@ The scan runs as gated linear attention with ``I`` value heads of width 1 and a 
 channel, so its cost is the chunked intra-chunk scores (``[B, I, T, chunk]``). With Mamba's decays
 (``A = -(1..N)``, ``dt`` log-uniform in ``[1e-3, 0.1]``: the S4D-real initialisation, what a
 checkpoint holds), this times the chunked scan at several chunk lengths and the token loop
-(``form="recurrent"``, forward only), forward without gradients and forward + backward, float32,
+(``form="recurrent"``, forward only: an elementwise loop over the tokens), forward without gradients and forward + backward, float32,
 ``B = 1``; the best of ``--repeats`` (the cases interleaved, so load hits them alike). The
 default chunk is :data:`attnzoo.functional.recurrent.selective_scan.SCAN_CHUNK`.
 
@@ -21,7 +21,6 @@ import time
 import torch
 
 from attnzoo import selective_scan
-from attnzoo.functional.recurrent.gla import gated_linear_attention
 
 
 def _inputs(inner: int, tokens: int, state: int, grad: bool, dt_max: float) -> list[torch.Tensor]:
@@ -36,16 +35,15 @@ def _inputs(inner: int, tokens: int, state: int, grad: bool, dt_max: float) -> l
 def _run(args: list[torch.Tensor], chunk: int | None, grad: bool) -> float:
     u, dt, A, B, C, z = args
     start = time.perf_counter()
-    if chunk is None:  # the loop: gated_linear_attention's recurrent form through the same mapping
+    if chunk is None:  # the token loop (form="recurrent")
         with torch.no_grad():
-            gated_linear_attention(C[:, None].transpose(-1, -2), B[:, None].transpose(-1, -2),
-                                   (dt * u)[..., None], dt[..., None] * A[:, None], scale=1.0, form="recurrent")
+            selective_scan(u, dt, A, B, C, None, z, form="recurrent")
         return time.perf_counter() - start
     if grad:
-        selective_scan(u, dt, A, B, C, None, z, chunk_size=chunk).sum().backward()
+        selective_scan(u, dt, A, B, C, None, z, chunk_size=chunk, form="chunked").sum().backward()
     else:
         with torch.no_grad():
-            selective_scan(u, dt, A, B, C, None, z, chunk_size=chunk)
+            selective_scan(u, dt, A, B, C, None, z, chunk_size=chunk, form="chunked")
     return time.perf_counter() - start
 
 

@@ -90,13 +90,13 @@ def test_auto_loops_without_gradients_and_chunks_with_them(monkeypatch: pytest.M
     import attnzoo.functional.recurrent.selective_scan as module
 
     forms: list[str] = []
-    real = module.gated_linear_attention
+    real = module._scan
 
     def spy(*args: Any, **kw: Any) -> Any:
         forms.append(kw["form"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(module, "gated_linear_attention", spy)
+    monkeypatch.setattr(module, "_scan", spy)
     x = _inputs(T=9)
     az.selective_scan(**x, delta_softplus=True)
     x["u"].requires_grad_()
@@ -147,6 +147,7 @@ def test_half_input_computes_in_float32() -> None:
     ({"chunk_size": 0}, "chunk_size"),
     ({"form": "loop"}, "form"),
     ({"u": torch.zeros(2, 6)}, "u must have shape"),
+    ({"u": torch.zeros(2, 6, 0)}, "u must have shape"),
     ({"cu_seqlens": torch.tensor([0, 5, 30], dtype=torch.int32)}, "cu_seqlens"),
 ])
 def test_bad_input_names_the_argument(change: dict[str, Any], match: str) -> None:
@@ -169,3 +170,7 @@ def test_a_growing_state_is_refused_by_name() -> None:
     x = _inputs(dtype=torch.float32)  # delta ~ N(0, 1) without the softplus: some steps are negative
     with pytest.raises(ValueError, match=r"dt \* A must be <= 0"):
         az.selective_scan(**x)
+    with pytest.raises(ValueError, match=r"dt \* A must be <= 0"):  # positive steps, a positive A entry
+        az.selective_scan(**{**x, "A": x["A"].abs()}, delta_softplus=True)
+    with pytest.raises(ValueError, match="must be finite"):
+        az.selective_scan(**{**x, "delta": x["delta"].clone().fill_(float("nan"))}, delta_softplus=True)

@@ -41,7 +41,7 @@ FORMS = ("auto", "chunked", "recurrent")
 #: work (``[B, I, T, chunk]``). Measured with Mamba's decays (``A = -(1..16)``, ``dt`` log-uniform in
 #: ``[1e-3, 0.1]``), ``I`` = 512, 2-core Xeon (AVX-512), forward + backward at T = 2048: chunk 16
 #: 2.10 s, 24 2.90 s, 32 0.76 s, 48 1.36 s, 64 1.27 s (2 threads; 1 thread: 3.77 / 1.27 / 2.18 s for
-#: 16 / 32 / 64); forward without gradients 0.75 / 0.25 / 0.45 s, the token loop 0.26 s
+#: 16 / 32 / 64); forward without gradients 0.80 / 0.25 / 0.43 s, the token loop 0.16 s
 #: (``benchmarks/bench_selective_scan.py``; the halving plans of the chunked scan favour powers of two)
 SCAN_CHUNK = 32
 _OWNER = "selective_scan"
@@ -51,11 +51,11 @@ def _resolve_form(form: str, *tensors: Tensor | None) -> str:
     """``"auto"``: the token loop when no gradient is asked for (eager), else the chunked scan.
 
     Forward without gradients (``benchmarks/bench_selective_scan.py``, the 2-core Xeon above, 2
-    threads, ``I`` = 512, ``T`` = 512): with Mamba's initial steps (``dt <= 0.1``) the loop 0.059 s,
-    chunk 32 0.062 s (``T`` = 2048: 0.29 / 0.25 s); with the stronger decays of larger steps
-    (``dt <= 1``, the chunked scan's exact plan) the loop 0.069 s, chunk 32 0.25 s, 16 0.23 s. The
-    loop is never much slower and up to 3.6x faster; with gradients, autograd through it is not an
-    option (transformers' loop: a training step 3.9x the served chunked scan's, ``bench_hf_hybrid.py
+    threads, ``I`` = 512): with Mamba's initial steps (``dt <= 0.1``) the elementwise token loop
+    0.038 s against chunk 32 0.060 s at ``T`` = 512 (``T`` = 2048: 0.161 / 0.247 s); with the
+    stronger decays of larger steps (``dt <= 1``, the chunked scan's exact plan) 0.035 s against
+    0.208 s (chunk 16: 0.197 s): 1.5-6x faster. With gradients, autograd through a loop is not an
+    option (transformers' loop: a training step 16x the served chunked scan's, ``bench_hf_hybrid.py
     --family mamba``). A compiled graph takes the chunked scan (a loop of ``T`` steps would unroll).
     """
     if form != "auto":
@@ -87,6 +87,51 @@ def _check_per_channel(inner: int, state: int, A: Tensor, D: Tensor | None, delt
         if x is not None and (not isinstance(x, Tensor) or x.shape != (inner,)):
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{_OWNER}: {name} must be a tensor [I] = [{inner}] or None, got {shape}")
+
+
+def _token_loop(x: Tensor, dt: Tensor, A: Tensor, k: Tensor, q: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The recurrence one token at a time, elementwise (``form="recurrent"`` without packing):
+    ``x``, ``dt [B, I, T]``, ``A [I, N]``, ``k = B``, ``q = C [B, G, T, N]``, ``s0 [B, I, N]`` or
+    None -> ``(h . C [B, I, T], h_T [B, I, N])``. The channels of a group share its ``B``/``C``
+    (a view ``[B, G, I / G, N]``, nothing expanded); 1.5x faster than gated_linear_attention's
+    general recurrent form (``I`` = 512, ``T`` = 1024, ``N`` = 16, no gradients; packed input
+    takes that form, which restarts at the boundaries)."""
+    b, inner, steps = x.shape
+    g, n = k.shape[1], A.shape[1]
+    shape = (b, g, inner // g, n)
+    a = A.reshape(g, inner // g, n)
+    h = x.new_zeros(shape) if s0 is None else s0.reshape(shape)
+    dtv, dtx = dt.reshape(b, g, inner // g, steps), (dt * x).reshape(b, g, inner // g, steps)
+    ys = []
+    for t in range(steps):
+        h = torch.exp(dtv[..., t, None] * a) * h + dtx[..., t, None] * k[:, :, None, t]
+        ys.append((h * q[:, :, None, t]).sum(-1))  # [B, G, I / G]
+    return torch.stack(ys, dim=-1).reshape(b, inner, steps), h.reshape(b, inner, n)
+
+
+def _check_decays(dt: Tensor, A: Tensor) -> None:
+    """Every log decay ``dt * A`` finite and ``<= 0`` (eager only: it reads the values)."""
+    if tracing():
+        return
+    if not bool(torch.isfinite(dt).all()) or not bool(torch.isfinite(A).all()):
+        raise ValueError(f"{_OWNER}: the steps dt (delta after delta_bias / softplus) and A must be finite")
+    lo, hi = float(dt.detach().amin()), float(dt.detach().amax())
+    if (lo < 0 and bool((A < 0).any())) or (hi > 0 and bool((A > 0).any())):
+        raise ValueError(f"{_OWNER}: the log decays dt * A must be <= 0 (A <= 0 and steps dt >= 0: softplus them "
+                         f"with delta_softplus=True, or give a non-negative delta), got dt in [{lo:.4g}, {hi:.4g}] "
+                         f"and A in [{float(A.detach().amin()):.4g}, {float(A.detach().amax()):.4g}]")
+
+
+def _scan(x: Tensor, dt: Tensor, A: Tensor, k: Tensor, q: Tensor, s0: Tensor | None, *, form: str, chunk: int,
+          cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``h . C [B, I, T]`` and the last states ``[B or S, I, N]``: the token loop (unpacked), else
+    :func:`~attnzoo.functional.recurrent.gla.gated_linear_attention` in ``form`` (value heads of width 1)."""
+    if form == "recurrent" and cu_seqlens is None:
+        return _token_loop(x, dt, A, k, q, s0)
+    y, state = gated_linear_attention(q, k, (dt * x)[..., None], dt[..., None] * A[:, None], scale=1.0,
+                                      initial_state=None if s0 is None else s0[..., None], return_state=True,
+                                      form=form, chunk_size=chunk, cu_seqlens=cu_seqlens)
+    return y[..., 0], state[..., 0]
 
 
 def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
@@ -121,7 +166,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     Raises:
         ValueError / TypeError naming the argument: shapes, dtypes, a positive ``dt A``.
     """
-    u = check_float_tensor(u, "u", _OWNER, "[B, I, T]")
+    u = check_float_tensor(u, "u", _OWNER, "[B, I, T]", nonempty=2)
     for name, x in (("delta", delta), ("z", z)):
         if (x is not None or name == "delta") and (not isinstance(x, Tensor) or x.shape != u.shape):
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -146,18 +191,11 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     dt = delta.to(cdt) + (0.0 if delta_bias is None else delta_bias.to(cdt)[:, None])
     dt = F.softplus(dt) if softplus else dt  # [B, I, T]
     x = u.to(cdt)
-    s0 = None if initial_state is None else initial_state.to(cdt)[..., None]  # [B, I, N, 1]
-    log_decay = dt[..., None] * A.to(cdt)[:, None]  # [B, I, T, N]
-    if not tracing() and bool((log_decay > 0).any()):
-        raise ValueError(f"{_OWNER}: the log decays dt * A must be <= 0 (A <= 0 and steps dt >= 0: softplus them "
-                         f"with delta_softplus=True, or give a non-negative delta), got a largest of "
-                         f"{log_decay.max().item():.4g}")
-    y, state = gated_linear_attention(q.to(cdt), k.to(cdt), (dt * x)[..., None], log_decay,
-                                      scale=1.0, initial_state=s0, return_state=True, form=resolved,
-                                      chunk_size=chunk, cu_seqlens=cu_seqlens)
-    y = y[..., 0]  # [B, I, T]
+    _check_decays(dt, A.to(cdt))
+    y, state = _scan(x, dt, A.to(cdt), k.to(cdt), q.to(cdt), None if initial_state is None else initial_state.to(cdt),
+                     form=resolved, chunk=chunk, cu_seqlens=cu_seqlens)
     if D is not None:
         y = y + D.to(cdt)[:, None] * x
     if z is not None:
         y = y * F.silu(z.to(cdt))
-    return (y.to(u.dtype), state[..., 0]) if last else y.to(u.dtype)
+    return (y.to(u.dtype), state) if last else y.to(u.dtype)
