@@ -141,14 +141,20 @@ def test_moe_equals_float64_token_loop(case: str, top_k: int) -> None:
         assert _rel(moe64(x.double()), _reference(moe64, x)) < 1e-12
 
 
-def test_moe_gradients_reach_every_chosen_expert() -> None:
-    moe = _randomize(MixtureOfExperts(C, HID, E, 2, routing=Routing(norm_topk_prob=True)))
+def _check_gradients_reach_the_chosen_experts(moe: MixtureOfExperts, weight: str) -> None:
+    """A backward through ``moe`` reaches the per-expert ``weight`` of exactly the experts routed to."""
     x = _x(32).requires_grad_(True)
     moe(x).square().sum().backward()
     chosen = torch.unique(moe.route(x.detach().reshape(-1, C))[1])
     assert x.grad is not None and torch.isfinite(x.grad).all()
+    grad = getattr(moe, weight).grad
     for e in range(E):
-        assert bool((moe.gate_proj.grad[e] != 0).any()) == bool((chosen == e).any())
+        assert bool((grad[e] != 0).any()) == bool((chosen == e).any())
+
+
+def test_moe_gradients_reach_every_chosen_expert() -> None:
+    moe = _randomize(MixtureOfExperts(C, HID, E, 2, routing=Routing(norm_topk_prob=True)))
+    _check_gradients_reach_the_chosen_experts(moe, "gate_proj")
     assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
 
 
@@ -162,12 +168,7 @@ def test_relu2_experts_have_no_gate() -> None:
     gated = MixtureOfExperts(C, HID, E, 2, experts=Experts("swiglu", bias=True))
     assert set(gated.state_dict()) - set(moe.state_dict()) == {"gate_proj", "gate_bias"}
     assert "activation='relu2'" in repr(moe)
-    x = _x(32).requires_grad_(True)
-    moe(x).square().sum().backward()
-    chosen = torch.unique(moe.route(x.detach().reshape(-1, C))[1])
-    assert x.grad is not None and torch.isfinite(x.grad).all()
-    for e in range(E):
-        assert bool((moe.up_proj.grad[e] != 0).any()) == bool((chosen == e).any())
+    _check_gradients_reach_the_chosen_experts(moe, "up_proj")
     moe.reset_parameters()  # skips the missing gate
     assert float(moe.up_proj.detach().abs().max()) <= 1 / C ** 0.5
 
