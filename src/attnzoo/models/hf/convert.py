@@ -39,6 +39,7 @@ from attnzoo.models.families.qwen3_5 import convert_qwen3_5, convert_qwen3_5_moe
 from attnzoo.models.families.qwen3_next import convert_qwen3_next
 from attnzoo.models.families.qwen4_exp import convert_qwen4_exp
 from attnzoo.models.families.smollm3 import convert_smollm3
+from attnzoo.models.families.sparse_moe import convert_sparse_moe
 from attnzoo.models.families.zamba2 import convert_zamba2
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
@@ -68,7 +69,10 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "LaraMiniForCausalLM", "LaraMiniModel", "GraniteMoeSWAForCausalLM", "GraniteMoeSWAModel",
                            "BailingHybridForCausalLM", "BailingHybridModel", "Glm5NextTextModel",
                            "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "MiniMaxModel",
-                           "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model")
+                           "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model",
+                           "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
+                           "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
+                           )
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -90,6 +94,8 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "glm5_next_text": ("GLM-5-Next", convert_glm5_next), "glm5_next": ("GLM-5-Next", convert_glm5_next),
     "minimax": ("MiniMax", convert_minimax),
     "zamba2": ("Zamba2", convert_zamba2),
+    "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
+    "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",

@@ -1,0 +1,196 @@
+"""The sparse-MoE decoders of the LLaMA line through ``from_hf`` (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE): GQA + RoPE layers whose feed-forward is a top-k softmax mixture of SwiGLU experts (a
+sigmoid-gated shared expert, dense layers by ``mlp_only_layers`` / ``decoder_sparse_step``, sliding
+windows, QK norms per family); equal to transformers' eager (see ``hf_family_checks``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_family_checks as checks  # noqa: E402
+
+T = transformers
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MOE = {"num_hidden_layers": 3, "num_experts_per_tok": 2}
+
+
+def _mixtral(**kw: Any) -> Any:
+    """3 layers, 4 experts top-2 (renormalised), no window."""
+    return T.MixtralConfig(**{**checks.SMALL, **MOE, "num_local_experts": 4, **kw})
+
+
+def _mixtral_other(**kw: Any) -> Any:
+    """A window of 6 on every layer, head_dim 24, 3 experts top-1, tied embeddings."""
+    return _mixtral(**{"sliding_window": 6, "head_dim": 24, "num_local_experts": 3, "num_experts_per_tok": 1,
+                       "tie_word_embeddings": True, "rms_norm_eps": 1e-3, **kw})
+
+
+def _qwen2(**kw: Any) -> Any:
+    """4 layers, 4 experts top-2 (not renormalised), a shared expert of 40, q/k/v biases."""
+    return T.Qwen2MoeConfig(**{**checks.SMALL, **MOE, "num_hidden_layers": 4, "num_experts": 4,
+                               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 40, **kw})
+
+
+def _qwen2_other(**kw: Any) -> Any:
+    """Sliding layers by transformers' rule (even layers below max_window_layers=3), window 6, every
+    second layer sparse and layer 1 dense by mlp_only_layers (so layers 0, 1, 2 dense, 3 sparse),
+    renormalised top-3 of 5, no q/k/v biases."""
+    return _qwen2(**{"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 3,
+                     "decoder_sparse_step": 2, "mlp_only_layers": [1], "num_experts": 5, "num_experts_per_tok": 3,
+                     "norm_topk_prob": True, "qkv_bias": False, **kw})
+
+
+def _qwen3(**kw: Any) -> Any:
+    """3 layers, per-head QK norms, 4 experts top-2 renormalised."""
+    return T.Qwen3MoeConfig(**{**checks.SMALL, **MOE, "num_experts": 4, "moe_intermediate_size": 32,
+                               "norm_topk_prob": True, **kw})
+
+
+def _qwen3_other(**kw: Any) -> Any:
+    """One window of 6 on every layer, head_dim 24, attention biases, layer 0 dense, not
+    renormalised, tied embeddings."""
+    return _qwen3(**{"use_sliding_window": True, "sliding_window": 6, "head_dim": 24, "attention_bias": True,
+                     "mlp_only_layers": [0], "norm_topk_prob": False, "tie_word_embeddings": True, **kw})
+
+
+def _olmoe(**kw: Any) -> Any:
+    """3 layers, QK norms over all heads, 4 experts top-2 (not renormalised)."""
+    return T.OlmoeConfig(**{**checks.SMALL, **MOE, "num_experts": 4, **kw})
+
+
+def _olmoe_other(**kw: Any) -> Any:
+    """Renormalised top-3 of 5, attention biases, 4 key/value heads (= query heads)."""
+    return _olmoe(**{"num_experts": 5, "num_experts_per_tok": 3, "norm_topk_prob": True, "attention_bias": True,
+                     "num_key_value_heads": 4, **kw})
+
+
+class TestMixtral(checks.FamilyChecks):
+    config = staticmethod(_mixtral)
+    cases = (_mixtral_other,)
+
+
+class TestQwen2Moe(checks.FamilyChecks):
+    config = staticmethod(_qwen2)
+    cases = (_qwen2_other,)
+
+
+class TestQwen3Moe(checks.FamilyChecks):
+    config = staticmethod(_qwen3)
+    cases = (_qwen3_other,)
+
+
+class TestOlmoe(checks.FamilyChecks):
+    config = staticmethod(_olmoe)
+    cases = (_olmoe_other,)
+
+
+def test_structure() -> None:
+    from attnzoo.blocks import FeedForward
+    from attnzoo.interop import from_hf
+    from attnzoo.nn.moe import MixtureOfExperts
+
+    hf = checks.hf_model(_qwen2_other())
+    ours = from_hf(hf)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    biased = checks.hf_model(_qwen2())  # q/k/v biases: the output projection gets a zero bias of C
+    assert sum(p.numel() for p in from_hf(biased).parameters()) == sum(p.numel() for p in biased.parameters()) + 4 * 64
+    assert [type(b.ffn) for b in ours.blocks] == [FeedForward] * 3 + [MixtureOfExperts]
+    assert [b.attn.window for b in ours.blocks] == [(5, 5), None, (5, 5), None]
+    moe = ours.blocks[3].ffn
+    assert (moe.num_experts, moe.top_k, moe.routing, moe.norm_topk_prob) == (5, 3, "softmax_topk", True)
+    assert moe.shared_expert is not None and moe.shared_gate is not None
+    mixtral = from_hf(checks.hf_model(_mixtral_other()))
+    assert all(b.attn.window == (5, 5) for b in mixtral.blocks) and mixtral.tie_embeddings
+    assert all(b.ffn.norm_topk_prob and b.ffn.shared_expert is None for b in mixtral.blocks)
+
+
+def test_saved_mistral_names_load(tmp_path: Path) -> None:
+    """A Mixtral folder in Mistral's own names (``block_sparse_moe``, experts ``w1``/``w3``/``w2``)."""
+    from safetensors.torch import save_file
+
+    from attnzoo.interop import load_pretrained
+
+    hf = checks.hf_model(_mixtral())
+    hf.config.save_pretrained(tmp_path)
+    sd = {}
+    for key, t in hf.state_dict().items():
+        if ".mlp.experts.gate_up_proj" in key:
+            base = key.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts.")
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2)
+                sd[f"{base}{e}.w1.weight"], sd[f"{base}{e}.w3.weight"] = gate.contiguous(), up.contiguous()
+        elif ".mlp.experts.down_proj" in key:
+            base = key.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts.")
+            sd.update({f"{base}{e}.w2.weight": w.contiguous() for e, w in enumerate(t)})
+        else:
+            sd[key.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t.contiguous()
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    x = checks.tokens(10)
+    with torch.no_grad():
+        assert checks.rel(load_pretrained(tmp_path)(x), hf(input_ids=x).logits) <= checks.TOL
+
+
+@pytest.mark.parametrize(("make", "keys"), [
+    (lambda: _mixtral(num_attention_heads=8, num_key_value_heads=8, num_local_experts=8),
+     ("num_local_experts", "num_experts_per_tok", "sliding_window", "hidden_act", "rms_norm_eps", "rope_parameters",
+      "rope_theta", "tie_word_embeddings", "router_jitter_noise")),
+    (lambda: _qwen2(num_attention_heads=16, num_key_value_heads=16, max_window_layers=28),
+     ("qkv_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "decoder_sparse_step",
+      "mlp_only_layers", "norm_topk_prob", "hidden_act", "rope_parameters", "rope_theta")),
+    (lambda: _qwen3(norm_topk_prob=False),
+     ("use_sliding_window", "sliding_window", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob",
+      "attention_bias", "hidden_act", "rope_parameters", "rope_theta")),
+    (lambda: _olmoe(num_attention_heads=4, num_key_value_heads=4),
+     ("num_key_value_heads", "clip_qkv", "norm_topk_prob", "attention_bias", "hidden_act", "rope_parameters",
+      "rope_theta")),
+    (_qwen2_other, ("layer_types",)),
+], ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_moe_layer_types"])
+def test_config_json_without_defaults_loads(make: Any, keys: tuple[str, ...], tmp_path: Path) -> None:
+    """A ``config.json`` leaving these keys out: read as transformers' ``from_pretrained`` reads it."""
+    checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
+
+
+@pytest.mark.parametrize(("model_class", "make", "key", "value", "named"), [
+    (T.MixtralForCausalLM, _mixtral, "router_jitter_noise", 0.1, "router_jitter_noise"),
+    (T.MixtralForCausalLM, _mixtral, "hidden_act", "gelu", "hidden_act"),
+    (T.OlmoeForCausalLM, _olmoe, "clip_qkv", 8.0, "clip_qkv"),
+    (T.Qwen3MoeForCausalLM, _qwen3, "decoder_sparse_step", 0, "decoder_sparse_step"),
+], ids=["jitter", "activation", "clip_qkv", "sparse_step"])
+def test_options_it_cannot_reproduce_are_refused(model_class: Any, make: Any, key: str, value: Any,
+                                                  named: str) -> None:
+    checks.check_refused(model_class, make, key, value, named)
+
+
+@pytest.mark.parametrize("make", [_mixtral_other, _qwen2_other], ids=["mixtral", "qwen2_moe"])
+def test_packed_sequences_equal_each_alone(make: Any) -> None:
+    checks.check_packed_equals_each_alone(make)
+
+
+def test_packed_training_gradients_equal_each_alone() -> None:
+    checks.check_packed_gradients_equal_each_alone(_qwen3)
+
+
+@pytest.mark.parametrize("make", [_mixtral_other, _qwen2_other, _qwen3_other, _olmoe_other],
+                         ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_transformers_through_register(make: Any) -> None:
+    """transformers' own model with ``attn_implementation="attnzoo"`` (``attnzoo.hf.register()``):
+    the eager logits on a left-padded batch, and packed input (``cu_seq_lens``) == each alone."""
+    import attnzoo.hf as azhf
+
+    azhf.register()
+    hf = checks.hf_model(make())
+    x, mask = checks.padded(20)
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask).logits
+        hf.set_attn_implementation("attnzoo")
+        ours = hf(input_ids=x, attention_mask=mask).logits
+    assert checks.rel(ours[mask.bool()], ref[mask.bool()]) <= checks.TOL
+    checks.check_transformers_packed(hf)
