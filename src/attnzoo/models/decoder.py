@@ -397,6 +397,18 @@ class DecoderLM(FromConfig, nn.Module):
                              f"got {tuple(positions.shape)}")
         return positions.long()
 
+    def _cache_length(self, cache: object, batch: int) -> int:
+        """The tokens already in ``cache`` (0 without one), checked: one cache per layer from
+        :meth:`init_cache`, built for ``batch`` rows."""
+        if cache is None:
+            return 0
+        owner = type(self).__name__
+        if not isinstance(cache, LayerCaches) or len(cache) != self.depth:
+            raise TypeError(f"{owner}: cache must come from {owner}.init_cache ({self.depth} layers), got {cache!r}")
+        if cache.batch_size != batch:
+            raise ValueError(f"{owner}: cache was built for batch size {cache.batch_size}, tokens have {batch}")
+        return cache.length
+
     def _context_mask(self, context: Tensor | None, context_mask: Tensor | None, batch: int) -> Tensor | None:
         """Check ``context`` against the model's cross-attention; ``context_mask [B, M]`` ->
         ``[B, 1, 1, M]`` bool."""
@@ -455,14 +467,7 @@ class DecoderLM(FromConfig, nn.Module):
         B, N = tokens.shape
         if cu_seqlens is not None:
             return self._packed(tokens, cu_seqlens, cache, positions, attention_mask, context)
-        past = 0
-        if cache is not None:
-            if not isinstance(cache, LayerCaches) or len(cache) != self.depth:
-                raise TypeError(f"{owner}: cache must come from DecoderLM.init_cache ({self.depth} layers), "
-                                f"got {cache!r}")
-            if cache.batch_size != B:
-                raise ValueError(f"{owner}: cache was built for batch size {cache.batch_size}, tokens have {B}")
-            past = cache.length
+        past = self._cache_length(cache, B)
         kp: Tensor | None = None
         if attention_mask is not None:
             am = check_padding_mask(attention_mask, B, past + N, owner)

@@ -63,7 +63,6 @@ whose ``shared`` layer does not follow a ``full`` indexed layer (transformers fa
 from __future__ import annotations
 
 import functools
-import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -73,17 +72,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo.models._common import LayerCaches, check_padding_mask, check_tokens
+from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
-from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import put_moe
 from attnzoo.models.families.bailing_hybrid import LimitedSwiGLU
 from attnzoo.models.families.kimi_linear import put_kda, put_mla, saved_names
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.deepseek import extra_layer
+from attnzoo.models.loop import LayerLoopLM
 from attnzoo.models.parts import DecoderParts, head_for
-from attnzoo.nn.cache import _LengthCache, transaction
-from attnzoo.nn.frontier import packed_cu_seqlens
+from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import wide
@@ -478,55 +476,27 @@ class HyperBlock(nn.Module):
         return self.ffn_hc.merge(x, self.ffn(self.ffn_norm(h)), post, comb), selected
 
 
-class Glm5NextLM(DecoderLM):
-    """A :class:`~attnzoo.DecoderLM` of :class:`HyperBlock` layers on ``streams`` residual streams:
-    the embedding copied onto every stream, the streams' mean before the final norm. Position-free
-    (``positions`` are accepted and unused). ``cu_seqlens`` runs each packed sequence alone.
-    Generation, caches and the rest as :class:`~attnzoo.DecoderLM`."""
+class Glm5NextLM(LayerLoopLM):
+    """A :class:`~attnzoo.models.loop.LayerLoopLM` of :class:`HyperBlock` layers on ``streams``
+    residual streams: the embedding copied onto every stream, the streams' mean before the final
+    norm. Position-free (``positions`` are accepted and unused). ``cu_seqlens`` runs each packed
+    sequence alone. Generation, caches and the rest as :class:`~attnzoo.DecoderLM`."""
 
     def __init__(self, *, streams: int, config: DecoderConfig, parts: DecoderParts,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(config=config, parts=parts, device=device, dtype=dtype)
         self.streams = streams
 
-    def forward(self, tokens: Tensor, *, cache: LayerCaches | None = None, positions: Tensor | None = None,
-                attention_mask: Tensor | None = None, context: Tensor | None = None,
-                context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
-        """As :meth:`DecoderLM.forward` (no ``context``); ``positions`` unused."""
-        if isinstance(cache, LayerCaches) and not cache.in_transaction:
-            return transaction(cache, lambda: self(tokens, cache=cache, positions=positions,
-                                                   attention_mask=attention_mask, cu_seqlens=cu_seqlens))
-        owner = type(self).__name__
-        check_tokens(tokens, self.vocab_size, owner)
-        if context is not None or context_mask is not None:
-            raise ValueError(f"{owner}: context= is not supported (the model has no cross-attention)")
-        if cu_seqlens is not None:
-            return self._packed(tokens, cu_seqlens, cache, positions, attention_mask)
-        B, N = tokens.shape
-        past = 0
-        if cache is not None:
-            if not isinstance(cache, LayerCaches) or len(cache) != self.depth:
-                raise TypeError(f"{owner}: cache must come from init_cache ({self.depth} layers), got {cache!r}")
-            if cache.batch_size != B:
-                raise ValueError(f"{owner}: cache was built for batch size {cache.batch_size}, tokens have {B}")
-            past = cache.length
-        kp = None if attention_mask is None else check_padding_mask(attention_mask, B, past + N, owner)
-        x = self.embed(tokens).unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()  # [B, N, S, C]
+    def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
+                   past: int, cache: LayerCaches | None) -> Tensor:
+        """The streams ``[B, N, S, C]`` through the blocks (each may hand its key selection to the
+        next); their mean ``[B, N, C]``."""
+        h = x.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()  # [B, N, S, C]
         selected = None
         for i, block in enumerate(self.blocks):
-            x, selected = block(x, key_padding=kp, cache=None if cache is None else cache[i], selected=selected)
-        return self.lm_head(self.norm(x.mean(dim=2)))  # [B, N, V]
-
-    def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
-        """Packed sequences, each run alone (``[1, T, V]``)."""
-        if any(u is not None for u in unsupported):
-            raise ValueError(f"{type(self).__name__}: packed input (cu_seqlens) takes no cache, positions or "
-                             f"attention_mask")
-        if tokens.shape[0] != 1:
-            raise ValueError(f"{type(self).__name__}: packed input must be one row of tokens [1, T], got "
-                             f"{tuple(tokens.shape)}")
-        cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), type(self).__name__).tolist()
-        return torch.cat([self(tokens[:, a:b]) for a, b in itertools.pairwise(cu) if b > a], dim=1)
+            h, selected = block(h, key_padding=key_padding, cache=None if cache is None else cache[i],
+                                selected=selected)
+        return h.mean(dim=2)
 
     def extra_repr(self) -> str:
         return f"streams={self.streams}"

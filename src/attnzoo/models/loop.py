@@ -1,0 +1,101 @@
+"""``LayerLoopLM``: a :class:`~attnzoo.DecoderLM` whose layers pass more than the residual stream.
+
+Most decoders are a chain of blocks ``[B, N, C] -> [B, N, C]``, which :class:`~attnzoo.DecoderLM`
+runs. Some 2026 models pass more between their layers: several residual streams mixed by
+hyper-connections (GLM-5-Next, DeepSeek-V4), the outputs of every earlier block for an attention
+over depth (Inkling2), a key selection one layer hands to the next. Such a model subclasses
+:class:`LayerLoopLM` and writes only its layer loop, :meth:`LayerLoopLM.run_layers`; the rest is
+``DecoderLM``'s own: the checks of ``forward``'s arguments, the all-or-nothing cache transaction,
+:meth:`~attnzoo.DecoderLM.init_cache`, :meth:`~attnzoo.DecoderLM.generate`, the embedding, the
+final norm and the head::
+
+    class TwoStreamLM(LayerLoopLM):
+        def run_layers(self, x, *, tokens, key_padding, positions, past, cache):
+            streams = torch.stack([x, x], dim=2)                      # [B, N, 2, C]
+            for i, block in enumerate(self.blocks):
+                streams = block(streams, key_padding=key_padding, cache=None if cache is None else cache[i])
+            return streams.mean(dim=2)                                # [B, N, C] -> final norm, head
+
+Packed input (``cu_seqlens``) runs each sequence alone, so the layers need no packed path.
+There is no cross-attention (``context``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from attnzoo.models._common import (
+    LayerCaches,
+    check_padding_mask,
+    check_tokens,
+    positions_from_mask,
+)
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.nn.cache import transaction
+from attnzoo.nn.frontier import packed_cu_seqlens
+
+__all__ = ["LayerLoopLM"]
+
+
+class LayerLoopLM(DecoderLM):
+    """A :class:`~attnzoo.DecoderLM` that runs its own layer loop (see the module docstring):
+    a subclass implements :meth:`run_layers`. Built as ``DecoderLM`` is (``config=``, ``parts=``
+    with the blocks); its ``forward`` takes ``DecoderLM.forward``'s arguments but ``context``.
+
+    Shapes: ``tokens [B, N]`` -> ``logits [B, N, V]`` (packed: ``[1, T]`` -> ``[1, T, V]``).
+    """
+
+    def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
+                   past: int, cache: LayerCaches | None) -> Tensor:
+        """The layers on the embeddings ``x [B, N, C]``; returns ``[B, N, C]`` for the final norm.
+
+        Args:
+            tokens: the token ids ``[B, N]`` (for layers that read them).
+            key_padding: bool ``[B, past + N]`` (True = real token) or ``None`` (all real).
+            positions: the caller's positions ``[N]`` or ``[B, N]`` (checked), or ``None``
+                (:meth:`default_positions` gives the usual ones).
+            past: tokens already in ``cache`` (0 without one).
+            cache: one cache per layer (``cache[i]``), or ``None``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement run_layers")
+
+    @staticmethod
+    def default_positions(key_padding: Tensor | None, past: int, n: int, device: torch.device) -> Tensor:
+        """Positions ``[B, N]`` counting real tokens only (from ``key_padding``), else ``[1, N]``
+        ``past .. past + N - 1``."""
+        if key_padding is not None:
+            return positions_from_mask(key_padding)[:, past:]
+        return torch.arange(past, past + n, device=device)[None]
+
+    def forward(self, tokens: Tensor, *, cache: LayerCaches | None = None, positions: Tensor | None = None,
+                attention_mask: Tensor | None = None, context: Tensor | None = None,
+                context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+        """As :meth:`DecoderLM.forward <attnzoo.DecoderLM.forward>`, without ``context``."""
+        if isinstance(cache, LayerCaches) and not cache.in_transaction:
+            return transaction(cache, lambda: self(tokens, cache=cache, positions=positions,
+                                                   attention_mask=attention_mask, cu_seqlens=cu_seqlens))
+        owner = type(self).__name__
+        check_tokens(tokens, self.vocab_size, owner)
+        if context is not None or context_mask is not None:
+            raise ValueError(f"{owner}: context= is not supported (the model has no cross-attention)")
+        if cu_seqlens is not None:
+            return self._packed(tokens, cu_seqlens, cache, positions, attention_mask)
+        B, N = tokens.shape
+        past = self._cache_length(cache, B)
+        kp = None if attention_mask is None else check_padding_mask(attention_mask, B, past + N, owner)
+        pos = None if positions is None else self._check_positions(positions, B, N)
+        h = self.run_layers(self.embed(tokens), tokens=tokens, key_padding=kp, positions=pos, past=past, cache=cache)
+        return self.lm_head(self.norm(h))  # [B, N, V]
+
+    def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
+        """Packed sequences, each run alone (``[1, T, V]``)."""
+        owner = type(self).__name__
+        if any(u is not None for u in unsupported):
+            raise ValueError(f"{owner}: packed input (cu_seqlens) takes no cache, positions or attention_mask")
+        if tokens.shape[0] != 1:
+            raise ValueError(f"{owner}: packed input must be one row of tokens [1, T], got {tuple(tokens.shape)}")
+        cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), owner).tolist()
+        return torch.cat([self(tokens[:, a:b]) for a, b in itertools.pairwise(cu) if b > a], dim=1)
