@@ -51,6 +51,31 @@ def test_packed_equals_each_alone() -> None:
         torch.testing.assert_close(lm(torch.cat(seqs, dim=1), cu_seqlens=cu), torch.cat([lm(s) for s in seqs], dim=1))
 
 
+class PackingTwoStreamLM(TwoStreamLM):
+    """The same model, its blocks taking the packed row whole (``packs = True``)."""
+
+    packs = True
+
+    def run_layers(self, x: Tensor, *, cu_seqlens: Tensor | None = None, **kw: Any) -> Tensor:
+        a, b = x, x
+        for block in self.blocks:
+            a = a + (block(a + b) if cu_seqlens is None else block(a + b, cu_seqlens=cu_seqlens))
+        return a + b
+
+
+def test_packed_whole_equals_each_alone() -> None:
+    lm = _model()
+    lm.__class__ = PackingTwoStreamLM
+    seqs = [torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 1)]
+    cu = torch.tensor([0, 3, 10, 11], dtype=torch.int32)
+    seen: list[Any] = []
+    lm.blocks[0].register_forward_pre_hook(lambda m, a, k: seen.append(k.get("cu_seqlens")), with_kwargs=True)
+    with torch.no_grad():
+        packed = lm(torch.cat(seqs, dim=1), cu_seqlens=cu)
+        assert seen and seen[0] is not None  # one call over the whole row
+        torch.testing.assert_close(packed, torch.cat([lm(s) for s in seqs], dim=1), rtol=1e-5, atol=1e-5)
+
+
 def test_generate_runs_through_the_loop() -> None:
     lm, x = _model(), torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(2))
     out = lm.generate(x, 4)

@@ -16,8 +16,10 @@ final norm and the head::
                 streams = block(streams, key_padding=key_padding, cache=None if cache is None else cache[i])
             return streams.mean(dim=2)                                # [B, N, C] -> final norm, head
 
-Packed input (``cu_seqlens``) runs each sequence alone, so the layers need no packed path.
-There is no cross-attention (``context``).
+Packed input (``cu_seqlens``) runs each sequence alone, so the layers need no packed path; a
+subclass whose layers take ``cu_seqlens`` sets ``packs = True`` and gets the packed row whole
+(``cu_seqlens`` and the positions restarting in every sequence). There is no cross-attention
+(``context``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from attnzoo.models._common import (
 )
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.nn.cache import transaction
-from attnzoo.nn.frontier import packed_cu_seqlens
+from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 
 __all__ = ["LayerLoopLM"]
 
@@ -48,8 +50,11 @@ class LayerLoopLM(DecoderLM):
     Shapes: ``tokens [B, N]`` -> ``logits [B, N, V]`` (packed: ``[1, T]`` -> ``[1, T, V]``).
     """
 
+    #: the layers take packed input (``cu_seqlens``) themselves; otherwise each sequence runs alone
+    packs: bool = False
+
     def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
-                   past: int, cache: LayerCaches | None) -> Tensor:
+                   past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
         """The layers on the embeddings ``x [B, N, C]``; returns ``[B, N, C]`` for the final norm.
 
         Args:
@@ -59,6 +64,8 @@ class LayerLoopLM(DecoderLM):
                 (:meth:`default_positions` gives the usual ones).
             past: tokens already in ``cache`` (0 without one).
             cache: one cache per layer (``cache[i]``), or ``None``.
+            cu_seqlens: with ``packs = True``, packed sequences' cumulative lengths (int32
+                ``[S+1]``; ``x`` is ``[1, T, C]``, ``positions [T]`` restart in each), else ``None``.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement run_layers")
 
@@ -91,11 +98,16 @@ class LayerLoopLM(DecoderLM):
         return self.lm_head(self.norm(h))  # [B, N, V]
 
     def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
-        """Packed sequences, each run alone (``[1, T, V]``)."""
+        """Packed sequences (``[1, T, V]``): through the layers whole (``packs``), else each alone."""
         owner = type(self).__name__
         if any(u is not None for u in unsupported):
             raise ValueError(f"{owner}: packed input (cu_seqlens) takes no cache, positions or attention_mask")
         if tokens.shape[0] != 1:
             raise ValueError(f"{owner}: packed input must be one row of tokens [1, T], got {tuple(tokens.shape)}")
-        cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), owner).tolist()
-        return torch.cat([self(tokens[:, a:b]) for a, b in itertools.pairwise(cu) if b > a], dim=1)
+        cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), owner)
+        if not self.packs:
+            return torch.cat([self(tokens[:, a:b]) for a, b in itertools.pairwise(cu.tolist()) if b > a], dim=1)
+        pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
+        h = self.run_layers(self.embed(tokens, pos), tokens=tokens, key_padding=None, positions=pos, past=0,
+                            cache=None, cu_seqlens=cu)
+        return self.lm_head(self.norm(h))  # [1, T, V]

@@ -488,7 +488,7 @@ class Glm5NextLM(LayerLoopLM):
         self.streams = streams
 
     def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
-                   past: int, cache: LayerCaches | None) -> Tensor:
+                   past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
         """The streams ``[B, N, S, C]`` through the blocks (each may hand its key selection to the
         next); their mean ``[B, N, C]``."""
         h = x.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()  # [B, N, S, C]

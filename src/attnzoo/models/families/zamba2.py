@@ -21,10 +21,10 @@ rotary positions when ``use_mem_rope``. The attention reads ``2C`` channels with
 transformers ties the shared blocks only with ``tie_word_embeddings=True`` (its tying follows that
 flag); untied, every hybrid layer has a block of its own, and so does the converted model.
 
-The embeddings reach the blocks on the residual stream itself: :class:`StreamEmbedding` returns
-``[e | e]`` (``[B, N, 2C]``), every layer updates the first half and passes ``e`` on, and
-:class:`StreamNorm`, the final norm, reads the first half. So cached decoding, packed sequences
-(``cu_seqlens``) and :meth:`~attnzoo.DecoderLM.generate` need nothing of their own.
+The model is a :class:`Zamba2LM`, a :class:`~attnzoo.models.loop.LayerLoopLM` whose layer loop
+hands every layer the token embeddings ``e`` beside the residual stream ``h``; the caches, packed
+sequences (``cu_seqlens``, through the layers whole) and :meth:`~attnzoo.DecoderLM.generate` are
+``DecoderLM``'s.
 
 The Mamba-2 mixers as transformers builds them: SiLU convolutions with biases (whatever
 ``use_conv_bias`` says), the gated norm's epsilon ``1e-5``, and ``dt = softplus(.)`` clamped from
@@ -47,19 +47,21 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import ACTIVATIONS, RMSNorm
+from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._mamba import MambaKeys, mamba_factory, put_mamba
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.models.loop import LayerLoopLM
 from attnzoo.models.parts import DecoderParts, head_for
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.cache import CacheList
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.variants import build_attention
 
-__all__ = ["AdaptedLinear", "FlooredLinear", "SharedTransformer", "SharedTransformerUse", "StreamEmbedding",
-           "StreamNorm", "Zamba2Layer", "build_zamba2", "convert_zamba2", "layer_kinds"]
+__all__ = ["AdaptedLinear", "FlooredLinear", "SharedTransformer", "SharedTransformerUse", "Zamba2LM", "Zamba2Layer",
+           "build_zamba2", "convert_zamba2", "layer_kinds"]
 
 #: the mixer's sizes under the names of the view :func:`_mamba_view` builds
 MAMBA_KEYS = MambaKeys("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv",
@@ -76,18 +78,8 @@ LAYER_NAMES = {"hybrid": "hybrid", "linear_attention": "mamba", "mamba": "mamba"
 
 
 # --------------------------------------------------------------------------- parts
-class StreamEmbedding(nn.Embedding):
-    """The token embedding ``e`` twice, side by side: ``tokens [B, N] -> [e | e]`` ``[B, N, 2C]``.
-    The first half is the residual stream ``h``, the second rides along for the shared blocks
-    (``weight [V, C]``, tied to the LM head like a plain embedding)."""
-
-    def forward(self, tokens: Tensor) -> Tensor:  # type: ignore[override]
-        e = super().forward(tokens)  # [B, N, C]
-        return torch.cat([e, e], dim=-1)  # [B, N, 2C]
-
-
 class StreamNorm(RMSNorm):
-    """The final RMSNorm over the residual stream's first half: ``[..., 2C] -> [..., C]``."""
+    """A final RMSNorm over the first ``C`` channels of a wider stream: ``[..., > C] -> [..., C]``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x[..., : self.dim])
@@ -175,10 +167,10 @@ class SharedTransformerUse(nn.Module):
 
 
 class Zamba2Layer(nn.Module):
-    """One Zamba2 layer on the stream ``x = [h | e]`` (``[B, N, 2C]``): ``h' = h + attn(attn_norm(u))``
-    with ``u = h`` (a Mamba-2 layer) or ``u = h + shared(x)`` (a hybrid layer); returns ``[h' | e]``.
-    ``attn`` is the Mamba-2 mixer (the name every attnzoo block gives its mixer), ``shared`` a
-    :class:`SharedTransformerUse` or ``None``.
+    """One Zamba2 layer on the residual stream ``h [B, N, C]`` beside the token embeddings ``e``:
+    ``h' = h + attn(attn_norm(u))`` with ``u = h`` (a Mamba-2 layer) or ``u = h + shared([h | e])``
+    (a hybrid layer). ``attn`` is the Mamba-2 mixer (the name every attnzoo block gives its mixer),
+    ``shared`` a :class:`SharedTransformerUse` or ``None``.
 
     Decode cache: the mixer's, or for a hybrid layer a :class:`~attnzoo.nn.cache.CacheList` of the
     shared attention's KV cache and the mixer's."""
@@ -197,28 +189,45 @@ class Zamba2Layer(nn.Module):
             return mixer
         return CacheList([self.shared.attn.init_cache(batch_size, max_len, device=device, dtype=dtype), mixer])
 
-    def forward(self, x: Tensor, context: Tensor | None = None, *, key_padding: Tensor | None = None,
-                context_mask: Any = None, cache: Any = None, positions: Tensor | None = None,
-                cu_seqlens: Tensor | None = None) -> Tensor:
-        """``x [B, N, 2C]`` (with a cache the new tokens; with ``cu_seqlens`` packed ``[1, T, 2C]``)
-        -> ``[B, N, 2C]``; the arguments as :meth:`attnzoo.TransformerBlock.forward` (no context)."""
-        if context is not None or context_mask is not None:
-            raise ValueError("Zamba2Layer: no cross-attention; context must be None")
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != 2 * self.dim:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"Zamba2Layer: x must be the stream [h | e] of shape [B, N, {2 * self.dim}], got {got}")
-        h, mixer_cache = x[..., : self.dim], cache  # [B, N, C]
-        u = h
+    def forward(self, h: Tensor, *, embeddings: Tensor, key_padding: Tensor | None = None, cache: Any = None,
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+        """``h``, ``embeddings`` ``[B, N, C]`` (with a cache the new tokens; with ``cu_seqlens``
+        packed ``[1, T, C]``) -> ``h' [B, N, C]``; ``key_padding [B, Nk]`` bool (True = real token),
+        ``positions`` of the shared attention's rotary."""
+        if not isinstance(h, Tensor) or h.dim() != 3 or h.shape[-1] != self.dim or h.shape != embeddings.shape:
+            got = tuple(h.shape) if isinstance(h, Tensor) else type(h).__name__
+            raise ValueError(f"Zamba2Layer: h must be [B, N, {self.dim}] like embeddings "
+                             f"{tuple(embeddings.shape)}, got {got}")
+        u, mixer_cache = h, cache
         if self.shared is not None:
             attn_cache, mixer_cache = (None, None) if cache is None else (cache[0], cache[1])
-            u = h + self.shared(x, key_padding=key_padding, cache=attn_cache, positions=positions,
-                                cu_seqlens=cu_seqlens)
+            u = h + self.shared(torch.cat([h, embeddings], dim=-1), key_padding=key_padding, cache=attn_cache,
+                                positions=positions, cu_seqlens=cu_seqlens)
         kw: dict[str, Any] = {}
         for name, value in (("mask", key_padding), ("cache", mixer_cache), ("cu_seqlens", cu_seqlens)):
             if value is not None:
                 kw[name] = value
-        h = h + self.attn(self.attn_norm(u), **kw)  # [B, N, C]
-        return torch.cat([h, x[..., self.dim:]], dim=-1)  # [B, N, 2C]
+        return h + self.attn(self.attn_norm(u), **kw)  # [B, N, C]
+
+
+class Zamba2LM(LayerLoopLM):
+    """The Zamba2 decoder: a :class:`~attnzoo.models.loop.LayerLoopLM` of :class:`Zamba2Layer`
+    layers, each given the token embeddings beside the stream; packed input runs whole."""
+
+    packs = True
+
+    def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
+                   past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
+        """``x`` the embeddings ``e [B, N, C]``, also the stream's start; returns the stream."""
+        if cu_seqlens is not None:  # packed: the attention restarts its positions at each boundary
+            positions = None
+        elif positions is None and key_padding is not None:  # count real tokens only (left padding)
+            positions = self.default_positions(key_padding, past, x.shape[1], x.device)
+        h = x
+        for i, layer in enumerate(self.blocks):
+            h = layer(h, embeddings=x, key_padding=key_padding, cache=None if cache is None else cache[i],
+                      positions=positions, cu_seqlens=cu_seqlens)
+        return h
 
 
 # --------------------------------------------------------------------------- the config
@@ -326,9 +335,8 @@ def build_zamba2(hf: HFConfig, *, head_size: int | None = None, device: Any = No
     blocks = [Zamba2Layer(RMSNorm(C, eps, **kw), mixer(), next(uses) if k == "hybrid" else None) for k in kinds]
     cfg = DecoderConfig(V, C, depth, hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=eps,
                         tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
-    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, embedding=StreamEmbedding(V, C, **kw),
-                                                    norm=StreamNorm(C, eps, **kw),
-                                                    head=head_for(C, V, head_size, **kw)), **kw)
+    return Zamba2LM(config=cfg, parts=DecoderParts(blocks=blocks, norm=RMSNorm(C, eps, **kw),
+                                                   head=head_for(C, V, head_size, **kw)), **kw)
 
 
 # --------------------------------------------------------------------------- the weights
