@@ -39,13 +39,14 @@ XOR of the last tokens times seeded odd multipliers (splitmix64), modulo a per-h
 in one table; the history stops at ``eos_token_id``, padded tokens read as ``eos``),
 ``g_s = signed_sqrt(<RMSNorm(key_proj(e))_s, RMSNorm(x)_s> / sqrt(C))``,
 ``gv_s = sigmoid(g_s) value_proj(e)`` and ``conv`` a depthwise causal conv of kernel
-``ple_conv_kernel_size`` and dilation ``ngram_size``. The token ids reach the layers in the stream:
-with PLE the embedding appends the ids as base-256 digits (exact in every float dtype; the
-sub-layers write zeros there and the final read ignores them).
+``ple_conv_kernel_size`` and dilation ``ngram_size``. The model is a :class:`Qwen4ExpLM`, a
+:class:`~attnzoo.models.loop.LayerLoopLM` whose layer loop copies the embedding onto the streams and
+runs each PLE layer's :class:`PerLayerEmbedding` (held by the layer's :class:`HyperMixer`) on the
+token ids before the layer.
 
 Padding: the DeltaNet zeroes padded tokens (l. 594), PLE zeroes its conv inputs and reads padded ids
-as ``eos`` (l. 1364-1366, 1577-1581). Packed sequences (``cu_seqlens``): every mixer (PLE included)
-runs one sequence at a time, so a packed batch equals each sequence alone; transformers' eager model
+as ``eos`` (l. 1364-1366, 1577-1581). Packed sequences (``cu_seqlens``) run one sequence at a time,
+so a packed batch equals each sequence alone; transformers' eager model
 has no packed path for these layers (its PLE n-gram and conv cross the boundaries).
 
 Exact ties at the indexer's cut (several blocks scoring ``0`` after the ReLU: frequent with few index
@@ -65,18 +66,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.families.qwen3_5 import put_split_deltanet
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, _real_tokens, put_gated_attention
 from attnzoo.models.hf._state import HFConfig, Plan
+from attnzoo.models.loop import LayerLoopLM
 from attnzoo.models.parts import DecoderParts, head_for
 from attnzoo.nn.cache import CacheList
 
 __all__ = ["GatedResidual", "GroupedRMSNorm", "HyperFeedForward", "HyperMixer", "IndexedAttention",
-           "NGramEmbedding", "PerLayerEmbedding", "QSAIndexer", "StreamEmbedding", "build_qwen4_exp",
-           "convert_qwen4_exp"]
+           "NGramEmbedding", "PerLayerEmbedding", "QSAIndexer", "Qwen4ExpLM", "build_qwen4_exp", "convert_qwen4_exp"]
 
 KINDS = ("linear_attention", "indexed_attention")
 
@@ -102,11 +104,10 @@ class GroupedRMSNorm(nn.Module):
 
 class GatedResidual(nn.Module):
     """The gated read and write-back of ``streams`` residual streams of width ``dim`` (see the module
-    docstring). ``combine=False``: the read only (the model's final mixer). Inputs wider than
-    ``streams * dim`` (the token-id digits) are read on their first ``streams * dim`` channels.
+    docstring). ``combine=False``: the read only (the model's final mixer).
 
     Weights: ``norm.weight [S C]``, ``down.weight [rank, S C]``, ``up.weight [S C, rank]``,
-    ``inject.weight [S, S C]``. ``forward(x [B, N, >= S C]) -> [B, N, C]`` (the read)."""
+    ``inject.weight [S, S C]``. ``forward(x [B, N, S C]) -> [B, N, C]`` (the read)."""
 
     def __init__(self, dim: int, streams: int, rank: int, eps: float, *, combine: bool = True,
                  device: Any = None, dtype: Any = None) -> None:
@@ -120,51 +121,18 @@ class GatedResidual(nn.Module):
 
     def read(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(h [B, N, C], inj [B, N, S] or None)``: the sub-layer's input and write-back weights."""
-        xn = self.norm(x[..., : self.streams * self.dim])
+        xn = self.norm(x)
         w = torch.sigmoid(self.up(F.silu(self.down(xn) / self.streams))).unflatten(-1, (self.streams, self.dim))
         h = (w * xn.unflatten(-1, (self.streams, self.dim))).mean(dim=-2)
         inj = None if self.inject is None else 2 * torch.sigmoid(self.inject(xn) / self.streams)
         return h, inj
 
-    def write(self, out: Tensor, inj: Tensor, width: int) -> Tensor:
-        """The update ``inj_s * out`` of every stream ``[B, N, S C]``, zero-padded to ``width``."""
-        upd = (out.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
-        return F.pad(upd, (0, width - upd.shape[-1]))
+    def write(self, out: Tensor, inj: Tensor) -> Tensor:
+        """The update ``inj_s * out`` of every stream ``[B, N, S C]``."""
+        return (out.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.read(x)[0]
-
-
-def id_digits(vocab_size: int) -> int:
-    """Base-256 digits that hold every token id below ``vocab_size``."""
-    d = 1
-    while 256 ** d < vocab_size:
-        d += 1
-    return d
-
-
-class StreamEmbedding(nn.Embedding):
-    """The token embedding repeated over ``streams`` residual streams (``[e; e; ...]``), then with
-    ``digits`` > 0 the token id as that many base-256 digits (for the PLE layers).
-    ``tokens [B, N] -> [B, N, S C + digits]``; weight ``[V, C]``."""
-
-    def __init__(self, vocab_size: int, dim: int, streams: int, digits: int = 0, *, device: Any = None,
-                 dtype: Any = None) -> None:
-        super().__init__(vocab_size, dim, device=device, dtype=dtype)
-        self.streams, self.digits = streams, digits
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        e = super().forward(tokens).repeat(1, 1, self.streams)  # [B, N, S C]
-        if not self.digits:
-            return e
-        d = torch.stack([(tokens >> (8 * i)) & 255 for i in range(self.digits)], dim=-1)
-        return torch.cat([e, d.to(e.dtype)], dim=-1)
-
-
-def token_ids(x: Tensor, digits: int) -> Tensor:
-    """The token ids ``[B, N]`` carried in the last ``digits`` channels of the stream."""
-    d = x[..., x.shape[-1] - digits:].round().long()
-    return sum(d[..., i] << (8 * i) for i in range(digits))  # type: ignore[return-value]
 
 
 _MASK64, _GAMMA = (1 << 64) - 1, 0x9E3779B97F4A7C15
@@ -445,17 +413,15 @@ class IndexedAttention(nn.Module):
 
 
 class HyperMixer(nn.Module):
-    """A layer's token mixer on the hyper-connected stream ``x [B, N, W]`` (``W = S C`` + the id
-    digits): optionally PLE first (``x += ple``), then the :class:`GatedResidual` read, the ``mixer``
-    (attention protocol) and the write-back; returns the update ``[B, N, W]`` (zeros on the digits).
-    Packed input runs one sequence at a time (``run_packed``)."""
+    """A layer's token mixer on the hyper-connected stream ``x [B, N, S C]``: the
+    :class:`GatedResidual` read, the ``mixer`` (attention protocol) and the write-back; returns the
+    update ``[B, N, S C]``. A PLE layer's :class:`PerLayerEmbedding` ``ple`` is held here (its
+    weights and cache belong to the layer) and run by :class:`Qwen4ExpLM` on the token ids before
+    the layer."""
 
-    def __init__(self, residual: GatedResidual, mixer: nn.Module, *, ple: PerLayerEmbedding | None = None,
-                 digits: int = 0) -> None:
+    def __init__(self, residual: GatedResidual, mixer: nn.Module, *, ple: PerLayerEmbedding | None = None) -> None:
         super().__init__()
-        if ple is not None and digits < 1:
-            raise ValueError("HyperMixer: a PLE layer needs the token ids in the stream (digits >= 1)")
-        self.residual, self.mixer, self.ple, self.digits = residual, mixer, ple, digits
+        self.residual, self.mixer, self.ple = residual, mixer, ple
 
     def init_cache(self, batch_size: int, max_len: int, *, device: Any = None, dtype: Any = None) -> Any:
         """The mixer's cache, with PLE a :class:`~attnzoo.nn.cache.CacheList` of it and a :class:`PLECache`."""
@@ -464,18 +430,10 @@ class HyperMixer(nn.Module):
         return own if self.ple is None else CacheList([own, self.ple.init_cache(batch_size, max_len, **kw)])
 
     def forward(self, x: Tensor, *, mask: Any = None, cache: Any = None, positions: Tensor | None = None) -> Tensor:
-        width = self.residual.streams * self.residual.dim
-        stream, update = x[..., :width], None
-        own, ple_cache = (cache, None) if self.ple is None or cache is None else cache.layers
-        if self.ple is not None:
-            past = 0 if ple_cache is None else ple_cache.length
-            real = _real_tokens(mask, x.shape[0], x.shape[1], past)
-            update = self.ple(stream, token_ids(x, self.digits), real, ple_cache)
-            stream = stream + update
-        h, inj = self.residual.read(stream)
+        own = cache.layers[0] if self.ple is not None and cache is not None else cache
+        h, inj = self.residual.read(x)
         kw = {k: v for k, v in (("mask", mask), ("cache", own), ("positions", positions)) if v is not None}
-        out = self.residual.write(self.mixer(h, **kw), inj, x.shape[-1])  # type: ignore[arg-type]
-        return out if update is None else out + F.pad(update, (0, x.shape[-1] - width))
+        return self.residual.write(self.mixer(h, **kw), inj)  # type: ignore[arg-type]
 
 
 class HyperFeedForward(nn.Module):
@@ -488,7 +446,37 @@ class HyperFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h, inj = self.residual.read(x)
-        return self.residual.write(self.ffn(h), inj, x.shape[-1])  # type: ignore[arg-type]
+        return self.residual.write(self.ffn(h), inj)  # type: ignore[arg-type]
+
+
+class Qwen4ExpLM(LayerLoopLM):
+    """The Qwen4-Exp decoder: a :class:`~attnzoo.models.loop.LayerLoopLM` whose loop copies the token
+    embedding onto ``streams`` residual streams (``[B, N, S C]``), adds each PLE layer's per-layer
+    embedding of the token ids before the layer, and runs the layers (:class:`HyperMixer` /
+    :class:`HyperFeedForward` blocks); the final norm is the streams' read (``[B, N, C]``)."""
+
+    def __init__(self, *, streams: int, config: DecoderConfig, parts: DecoderParts,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config=config, parts=parts, device=device, dtype=dtype)
+        self.streams = streams
+
+    def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
+                   past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
+        """``x [B, N, C]`` -> the streams ``[B, N, S C]`` after the last layer."""
+        if positions is None and key_padding is not None:  # count real tokens only (left padding)
+            positions = self.default_positions(key_padding, past, x.shape[1], x.device)
+        real = None if key_padding is None else key_padding[:, past:]  # [B, N]
+        h = x.repeat(1, 1, self.streams)  # [B, N, S C]
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache[i]
+            ple = block.attn.ple
+            if ple is not None:
+                h = h + ple(h, tokens, real, None if layer_cache is None else layer_cache.layers[1])
+            h = block(h, key_padding=key_padding, cache=layer_cache, positions=positions)
+        return h
+
+    def extra_repr(self) -> str:
+        return f"streams={self.streams}"
 
 
 def _check(hf: HFConfig) -> None:
@@ -579,7 +567,6 @@ def build_qwen4_exp(hf: HFConfig, *, head_size: int | None = None, device: Any =
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     kinds = _kinds(hf, depth)
     ple = {i: n for n, i in enumerate(_ple_layers(hf, kinds))}
-    digits = id_digits(V) if ple else 0
     linear = functools.partial(QwenGatedDeltaNet, C, hf.req("linear_num_key_heads"), hf.req("linear_num_value_heads"),
                                hf.req("linear_key_head_dim"), hf.req("linear_value_head_dim"),
                                hf.get("linear_conv_kernel_dim", 4), norm_eps=eps, **kw)
@@ -587,16 +574,15 @@ def build_qwen4_exp(hf: HFConfig, *, head_size: int | None = None, device: Any =
 
     def mixer(i: int) -> HyperMixer:
         inner = linear() if kinds[i] == "linear_attention" else _indexed(hf, eps, kw)
-        return HyperMixer(residual(), inner, ple=_ple(hf, ple[i], S, eps, kw) if i in ple else None, digits=digits)
+        return HyperMixer(residual(), inner, ple=_ple(hf, ple[i], S, eps, kw) if i in ple else None)
 
-    blocks = [parts.block(S * C + digits, functools.partial(mixer, i),
+    blocks = [parts.block(S * C, functools.partial(mixer, i),
                           lambda: HyperFeedForward(residual(), moe_from_config(moe_hf, "stacked", **kw)), nn.Identity)
               for i in range(depth)]
     cfg = DecoderConfig(V, C, depth, hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=eps,
                         tie_embeddings=hf.get("tie_word_embeddings", False, bool), max_seq_len=parts.max_positions(hf))
-    return DecoderLM(config=cfg, parts=DecoderParts(
-        blocks=blocks, embedding=StreamEmbedding(V, C, S, digits, **kw), norm=residual(combine=False),
-        head=head_for(C, V, head_size, **kw)), **kw)
+    return Qwen4ExpLM(streams=S, config=cfg, parts=DecoderParts(
+        blocks=blocks, norm=residual(combine=False), head=head_for(C, V, head_size, **kw)), **kw)
 
 
 def _put_residual(plan: Plan, ours: str, theirs: str, *, combine: bool = True) -> None:
