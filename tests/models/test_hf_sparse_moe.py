@@ -72,6 +72,44 @@ def _olmoe_other(**kw: Any) -> Any:
                      "num_key_value_heads": 4, **kw})
 
 
+def _glm(**kw: Any) -> Any:
+    """4 layers (the first dense), 8 experts in 2 groups, top-2 of the best group, a shared expert,
+    q/k/v biases, rotary on half of each head (the default), routed scaling 1.5."""
+    return T.Glm4MoeConfig(**{**checks.SMALL, "num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "attention_bias": True,
+                              "routed_scaling_factor": 1.5, **kw})
+
+
+def _glm_other(**kw: Any) -> Any:
+    """Per-head QK norms, two dense layers, not renormalised, no biases, 2 shared experts, rotary on
+    a quarter of each head, head_dim 24."""
+    return _glm(**{"use_qk_norm": True, "first_k_dense_replace": 2, "norm_topk_prob": False, "attention_bias": False,
+                   "n_shared_experts": 2, "n_group": 1, "num_experts_per_tok": 3, "head_dim": 24,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                   **kw})
+
+
+def _m2(**kw: Any) -> Any:
+    """3 layers, QK norms over all heads, 6 experts top-2 by sigmoid + bias, rotary on 8 of 16."""
+    return T.MiniMaxM2Config(**{**checks.SMALL, "num_hidden_layers": 3, "num_local_experts": 6,
+                                "num_experts_per_tok": 2, "head_dim": 16, "rotary_dim": 8, **kw})
+
+
+def _m2_other(**kw: Any) -> Any:
+    """Full rotary, top-3, tied embeddings, head_dim 24."""
+    return _m2(**{"rotary_dim": 24, "head_dim": 24, "num_experts_per_tok": 3, "tie_word_embeddings": True, **kw})
+
+
+class TestGlm4Moe(checks.FamilyChecks):
+    config = staticmethod(_glm)
+    cases = (_glm_other,)
+
+
+class TestMiniMaxM2(checks.FamilyChecks):
+    config = staticmethod(_m2)
+    cases = (_m2_other,)
+
+
 class TestMixtral(checks.FamilyChecks):
     config = staticmethod(_mixtral)
     cases = (_mixtral_other,)
@@ -152,7 +190,13 @@ def test_saved_mistral_names_load(tmp_path: Path) -> None:
      ("num_key_value_heads", "clip_qkv", "norm_topk_prob", "attention_bias", "hidden_act", "rope_parameters",
       "rope_theta")),
     (_qwen2_other, ("layer_types",)),
-], ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_moe_layer_types"])
+    (lambda: _glm(num_key_value_heads=8, num_attention_heads=8, n_group=1, routed_scaling_factor=1.0,
+                  attention_bias=False),
+     ("num_key_value_heads", "attention_bias", "use_qk_norm", "first_k_dense_replace", "n_shared_experts", "n_group",
+      "topk_group", "routed_scaling_factor", "norm_topk_prob", "hidden_act", "rms_norm_eps")),
+    (lambda: _m2(num_key_value_heads=8, num_attention_heads=8, head_dim=128, hidden_size=64),
+     ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act")),
+], ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_moe_layer_types", "glm4_moe", "minimax_m2"])
 def test_config_json_without_defaults_loads(make: Any, keys: tuple[str, ...], tmp_path: Path) -> None:
     """A ``config.json`` leaving these keys out: read as transformers' ``from_pretrained`` reads it."""
     checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
@@ -174,12 +218,34 @@ def test_packed_sequences_equal_each_alone(make: Any) -> None:
     checks.check_packed_equals_each_alone(make)
 
 
-def test_packed_training_gradients_equal_each_alone() -> None:
-    checks.check_packed_gradients_equal_each_alone(_qwen3)
+@pytest.mark.parametrize("make", [_qwen3, _glm], ids=["qwen3_moe", "glm4_moe"])
+def test_packed_training_gradients_equal_each_alone(make: Any) -> None:
+    checks.check_packed_gradients_equal_each_alone(make)
 
 
-@pytest.mark.parametrize("make", [_mixtral_other, _qwen2_other, _qwen3_other, _olmoe_other],
-                         ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_multi_token_prediction_layers_are_dropped(tmp_path: Path) -> None:
+    """GLM-4.5's checkpoints hold ``num_nextn_predict_layers`` extra layers after the last one: not
+    part of the causal LM, ignored (any other unexpected key still fails the load)."""
+    from safetensors.torch import load_file, save_file
+
+    from attnzoo.interop import load_pretrained
+
+    hf = checks.hf_model(_glm())
+    hf.save_pretrained(tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd.update({k.replace("layers.3.", "layers.4."): v.clone() for k, v in sd.items() if ".layers.3." in k})
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    x = checks.tokens(10)
+    with torch.no_grad():
+        assert checks.rel(load_pretrained(tmp_path)(x), hf(input_ids=x).logits) <= checks.TOL
+    sd["model.stray.weight"] = torch.zeros(2)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(Exception, match="stray"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("make", [_mixtral_other, _qwen2_other, _qwen3_other, _olmoe_other, _glm_other, _m2],
+                         ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2"])
 def test_transformers_through_register(make: Any) -> None:
     """transformers' own model with ``attn_implementation="attnzoo"`` (``attnzoo.hf.register()``):
     the eager logits on a left-padded batch, and packed input (``cu_seq_lens``) == each alone."""

@@ -72,6 +72,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model",
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
                            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
+                           "Glm4MoeForCausalLM", "Glm4MoeModel", "MiniMaxM2ForCausalLM", "MiniMaxM2Model",
                            )
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
@@ -96,6 +97,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "zamba2": ("Zamba2", convert_zamba2),
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
     "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
+    "glm4_moe": ("GLM-4.5", convert_sparse_moe), "minimax_m2": ("MiniMax-M2", convert_sparse_moe),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
