@@ -38,6 +38,7 @@ from attnzoo.models.families.olmo_hybrid import convert_olmo_hybrid
 from attnzoo.models.families.qwen3_5 import convert_qwen3_5, convert_qwen3_5_moe
 from attnzoo.models.families.qwen3_next import convert_qwen3_next
 from attnzoo.models.families.qwen4_exp import convert_qwen4_exp
+from attnzoo.models.families.recurrent_gemma import convert_recurrent_gemma
 from attnzoo.models.families.smollm3 import convert_smollm3
 from attnzoo.models.families.sparse_moe import convert_sparse_moe
 from attnzoo.models.families.zamba2 import convert_zamba2
@@ -70,6 +71,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "BailingHybridForCausalLM", "BailingHybridModel", "Glm5NextTextModel",
                            "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "MiniMaxModel",
                            "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model",
+                           "RecurrentGemmaForCausalLM", "RecurrentGemmaModel",
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
                            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
                            "Glm4MoeForCausalLM", "Glm4MoeModel", "MiniMaxM2ForCausalLM", "MiniMaxM2Model",
@@ -95,6 +97,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "glm5_next_text": ("GLM-5-Next", convert_glm5_next), "glm5_next": ("GLM-5-Next", convert_glm5_next),
     "minimax": ("MiniMax", convert_minimax),
     "zamba2": ("Zamba2", convert_zamba2),
+    "recurrent_gemma": ("RecurrentGemma", convert_recurrent_gemma),
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
     "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
     "glm4_moe": ("GLM-4.5", convert_sparse_moe), "minimax_m2": ("MiniMax-M2", convert_sparse_moe),
