@@ -23,6 +23,7 @@ from attnzoo.models.families.glm5_next import convert_glm5_next
 from attnzoo.models.families.gpt_oss import convert_gpt_oss
 from attnzoo.models.families.granitemoe_swa import convert_granitemoe_swa
 from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
+from attnzoo.models.families.inkling import convert_inkling
 from attnzoo.models.families.jamba import convert_jamba
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
 from attnzoo.models.families.lara_mini import convert_lara_mini
@@ -72,6 +73,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "MiniMaxModel",
                            "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model",
                            "RecurrentGemmaForCausalLM", "RecurrentGemmaModel",
+                           "InklingForCausalLM", "InklingTextModel",
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
                            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
                            "Glm4MoeForCausalLM", "Glm4MoeModel", "MiniMaxM2ForCausalLM", "MiniMaxM2Model",
@@ -98,6 +100,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "minimax": ("MiniMax", convert_minimax),
     "zamba2": ("Zamba2", convert_zamba2),
     "recurrent_gemma": ("RecurrentGemma", convert_recurrent_gemma),
+    "inkling_text": ("Inkling", convert_inkling),
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
     "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
     "glm4_moe": ("GLM-4.5", convert_sparse_moe), "minimax_m2": ("MiniMax-M2", convert_sparse_moe),
