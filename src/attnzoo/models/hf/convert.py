@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from attnzoo.models.families.bailing_hybrid import convert_bailing_hybrid
 from attnzoo.models.families.bamba import convert_bamba
+from attnzoo.models.families.deepseek_v4 import convert_deepseek_v4
 from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.families.glm5_next import convert_glm5_next
@@ -74,6 +75,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model",
                            "RecurrentGemmaForCausalLM", "RecurrentGemmaModel",
                            "InklingForCausalLM", "InklingTextModel",
+                           "DeepseekV4ForCausalLM", "DeepseekV4Model",
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
                            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
                            "Glm4MoeForCausalLM", "Glm4MoeModel", "MiniMaxM2ForCausalLM", "MiniMaxM2Model",
@@ -101,6 +103,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "zamba2": ("Zamba2", convert_zamba2),
     "recurrent_gemma": ("RecurrentGemma", convert_recurrent_gemma),
     "inkling_text": ("Inkling", convert_inkling),
+    "deepseek_v4": ("DeepSeek-V4", convert_deepseek_v4),
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
     "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
     "glm4_moe": ("GLM-4.5", convert_sparse_moe), "minimax_m2": ("MiniMax-M2", convert_sparse_moe),
