@@ -78,13 +78,6 @@ LAYER_NAMES = {"hybrid": "hybrid", "linear_attention": "mamba", "mamba": "mamba"
 
 
 # --------------------------------------------------------------------------- parts
-class StreamNorm(RMSNorm):
-    """A final RMSNorm over the first ``C`` channels of a wider stream: ``[..., > C] -> [..., C]``."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x[..., : self.dim])
-
-
 class FlooredLinear(nn.Linear):
     """``max(x W^T + b, floor)``: Mamba-2's ``dt`` projection with the mixer's ``dt_bias`` as its
     bias (the mixer's own is then zero). Since softplus increases, ``softplus(max(u, floor))`` is
