@@ -77,6 +77,18 @@ class LayerLoopLM(DecoderLM):
             return positions_from_mask(key_padding)[:, past:]
         return torch.arange(past, past + n, device=device)[None]
 
+    def rotary_positions(self, positions: Tensor | None, key_padding: Tensor | None, past: int, n: int,
+                         device: torch.device, cu_seqlens: Tensor | None = None) -> Tensor | None:
+        """The positions to hand rotary attention modules, as :class:`~attnzoo.DecoderLM` hands
+        them: the caller's; without them, counted over real tokens when ``key_padding`` is given
+        (:meth:`default_positions`), else ``None`` (the modules count from their cache); ``None``
+        for packed input (the modules restart at each boundary of ``cu_seqlens``)."""
+        if cu_seqlens is not None:
+            return None
+        if positions is None and key_padding is not None:
+            return self.default_positions(key_padding, past, n, device)
+        return positions
+
     def forward(self, tokens: Tensor, *, cache: LayerCaches | None = None, positions: Tensor | None = None,
                 attention_mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:

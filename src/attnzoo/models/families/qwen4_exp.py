@@ -463,8 +463,7 @@ class Qwen4ExpLM(LayerLoopLM):
     def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
                    past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
         """``x [B, N, C]`` -> the streams ``[B, N, S C]`` after the last layer."""
-        if positions is None and key_padding is not None:  # count real tokens only (left padding)
-            positions = self.default_positions(key_padding, past, x.shape[1], x.device)
+        positions = self.rotary_positions(positions, key_padding, past, x.shape[1], x.device, cu_seqlens)
         real = None if key_padding is None else key_padding[:, past:]  # [B, N]
         h = x.repeat(1, 1, self.streams)  # [B, N, S C]
         for i, block in enumerate(self.blocks):

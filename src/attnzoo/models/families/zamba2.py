@@ -212,10 +212,7 @@ class Zamba2LM(LayerLoopLM):
     def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
                    past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
         """``x`` the embeddings ``e [B, N, C]``, also the stream's start; returns the stream."""
-        if cu_seqlens is not None:  # packed: the attention restarts its positions at each boundary
-            positions = None
-        elif positions is None and key_padding is not None:  # count real tokens only (left padding)
-            positions = self.default_positions(key_padding, past, x.shape[1], x.device)
+        positions = self.rotary_positions(positions, key_padding, past, x.shape[1], x.device, cu_seqlens)
         h = x
         for i, layer in enumerate(self.blocks):
             h = layer(h, embeddings=x, key_padding=key_padding, cache=None if cache is None else cache[i],
