@@ -30,7 +30,7 @@ from attnzoo.blocks import FeedForward
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
-__all__ = ["LAYOUTS", "deepseek_moe", "moe_from_config", "put_moe", "put_per_expert"]
+__all__ = ["LAYOUTS", "deepseek_moe", "moe_from_config", "put_moe", "put_per_expert", "put_stacked_experts"]
 
 LAYOUTS = ("stacked", "interleaved", "transposed", "deepseek")
 
@@ -55,10 +55,7 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
         put_per_expert(plan, ours, theirs)
     elif layout == "stacked":
         plan.put(f"{ours}router.weight", f"{theirs}gate.weight")
-        key = f"{theirs}experts.gate_up_proj"
-        plan.put(f"{ours}gate_proj", key, lambda w: w[:, : w.shape[1] // 2].contiguous())
-        plan.put(f"{ours}up_proj", key, lambda w: w[:, w.shape[1] // 2:].contiguous())
-        plan.put(f"{ours}down_proj", f"{theirs}experts.down_proj")
+        put_stacked_experts(plan, ours, theirs)
     elif layout == "interleaved":
         plan.put(f"{ours}router.weight", f"{theirs}router.weight")
         plan.put(f"{ours}router.bias", f"{theirs}router.bias")
@@ -82,6 +79,15 @@ def put_moe(plan: Plan, ours: str, theirs: str, layout: str, *, shared: bool = F
                        [(n, n) for n in ("gate_proj", "up_proj", "down_proj")], bias=False)
     if shared_gate:
         plan.put(f"{ours}shared_gate.weight", f"{theirs}shared_expert_gate.weight")
+
+
+def put_stacked_experts(plan: Plan, ours: str, theirs: str) -> None:
+    """The experts of the stacked layout in memory: ``experts.gate_up_proj [E, 2F, C]`` (rows
+    ``[gate; up]``) and ``experts.down_proj [E, C, F]``, without the router."""
+    key = f"{theirs}experts.gate_up_proj"
+    plan.put(f"{ours}gate_proj", key, lambda w: w[:, : w.shape[1] // 2].contiguous())
+    plan.put(f"{ours}up_proj", key, lambda w: w[:, w.shape[1] // 2:].contiguous())
+    plan.put(f"{ours}down_proj", f"{theirs}experts.down_proj")
 
 
 def put_per_expert(plan: Plan, ours: str, theirs: str) -> None:

@@ -58,7 +58,7 @@ from torch import Tensor
 
 import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._moe import put_per_expert
+from attnzoo.models.families._moe import put_per_expert, put_stacked_experts
 from attnzoo.models.families.mamba1 import Mamba1Mixer, put_mamba1
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
@@ -164,10 +164,7 @@ def _put_experts(plan: Plan, ours: str, theirs: str) -> None:
     if plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
         put_per_expert(plan, ours, theirs)
         return
-    key = f"{theirs}experts.gate_up_proj"
-    plan.put(f"{ours}gate_proj", key, lambda w: w[:, : w.shape[1] // 2].contiguous())
-    plan.put(f"{ours}up_proj", key, lambda w: w[:, w.shape[1] // 2:].contiguous())
-    plan.put(f"{ours}down_proj", f"{theirs}experts.down_proj")
+    put_stacked_experts(plan, ours, theirs)
 
 
 def convert_jamba(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:

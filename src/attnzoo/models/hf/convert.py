@@ -44,6 +44,7 @@ from attnzoo.models.families.recurrent_gemma import convert_recurrent_gemma
 from attnzoo.models.families.smollm3 import convert_smollm3
 from attnzoo.models.families.sparse_moe import convert_sparse_moe
 from attnzoo.models.families.zamba2 import convert_zamba2
+from attnzoo.models.families.zaya import convert_zaya
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
 from attnzoo.models.hf.deepseek import convert_deepseek
@@ -74,6 +75,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "MiniMaxModel",
                            "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model",
                            "RecurrentGemmaForCausalLM", "RecurrentGemmaModel",
+                           "ZayaForCausalLM", "ZayaModel",
                            "InklingForCausalLM", "InklingTextModel",
                            "DeepseekV4ForCausalLM", "DeepseekV4Model",
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
@@ -102,6 +104,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "minimax": ("MiniMax", convert_minimax),
     "zamba2": ("Zamba2", convert_zamba2),
     "recurrent_gemma": ("RecurrentGemma", convert_recurrent_gemma),
+    "zaya": ("Zaya", convert_zaya),
     "inkling_text": ("Inkling", convert_inkling),
     "deepseek_v4": ("DeepSeek-V4", convert_deepseek_v4),
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
