@@ -397,14 +397,20 @@ class DecoderLM(FromConfig, nn.Module):
                              f"got {tuple(positions.shape)}")
         return positions.long()
 
+    @property
+    def cache_layers(self) -> int:
+        """The layer caches :meth:`init_cache` bundles: one per layer (a model that runs some layers
+        more than once holds more)."""
+        return self.depth
+
     def _cache_length(self, cache: object, batch: int) -> int:
-        """The tokens already in ``cache`` (0 without one), checked: one cache per layer from
-        :meth:`init_cache`, built for ``batch`` rows."""
+        """The tokens already in ``cache`` (0 without one), checked: the :attr:`cache_layers`
+        caches of :meth:`init_cache`, built for ``batch`` rows."""
         if cache is None:
             return 0
-        owner = type(self).__name__
-        if not isinstance(cache, LayerCaches) or len(cache) != self.depth:
-            raise TypeError(f"{owner}: cache must come from {owner}.init_cache ({self.depth} layers), got {cache!r}")
+        owner, count = type(self).__name__, self.cache_layers
+        if not isinstance(cache, LayerCaches) or len(cache) != count:
+            raise TypeError(f"{owner}: cache must come from {owner}.init_cache ({count} layer caches), got {cache!r}")
         if cache.batch_size != batch:
             raise ValueError(f"{owner}: cache was built for batch size {cache.batch_size}, tokens have {batch}")
         return cache.length

@@ -107,7 +107,11 @@ class LayerLoopLM(DecoderLM):
         kp = None if attention_mask is None else check_padding_mask(attention_mask, B, past + N, owner)
         pos = None if positions is None else self._check_positions(positions, B, N)
         h = self.run_layers(self.embed(tokens), tokens=tokens, key_padding=kp, positions=pos, past=past, cache=cache)
-        return self.lm_head(self.norm(h))  # [B, N, V]
+        return self.logits(h)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The final norm and the head on the layers' output ``h [B, N, C]`` -> ``[B, N, V]``."""
+        return self.lm_head(self.norm(h))
 
     def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
         """Packed sequences (``[1, T, V]``): through the layers whole (``packs``), else each alone."""
@@ -122,4 +126,4 @@ class LayerLoopLM(DecoderLM):
         pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
         h = self.run_layers(self.embed(tokens, pos), tokens=tokens, key_padding=None, positions=pos, past=0,
                             cache=None, cu_seqlens=cu)
-        return self.lm_head(self.norm(h))  # [1, T, V]
+        return self.logits(h)  # [1, T, V]

@@ -25,6 +25,7 @@ from attnzoo.models.families.gpt_oss import convert_gpt_oss
 from attnzoo.models.families.granitemoe_swa import convert_granitemoe_swa
 from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
 from attnzoo.models.families.inkling import convert_inkling
+from attnzoo.models.families.inkling2 import convert_inkling2, convert_inkling2_loop
 from attnzoo.models.families.jamba import convert_jamba
 from attnzoo.models.families.kimi_linear import convert_kimi_linear
 from attnzoo.models.families.lara_mini import convert_lara_mini
@@ -77,6 +78,8 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "RecurrentGemmaForCausalLM", "RecurrentGemmaModel",
                            "ZayaForCausalLM", "ZayaModel",
                            "InklingForCausalLM", "InklingTextModel",
+                           "Inkling2ForCausalLM", "Inkling2TextModel",
+                           "Inkling2LoopForCausalLM", "Inkling2LoopTextModel",
                            "DeepseekV4ForCausalLM", "DeepseekV4Model",
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
                            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
@@ -106,6 +109,8 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "recurrent_gemma": ("RecurrentGemma", convert_recurrent_gemma),
     "zaya": ("Zaya", convert_zaya),
     "inkling_text": ("Inkling", convert_inkling),
+    "inkling2_text": ("Inkling2", convert_inkling2),
+    "inkling2_loop_text": ("Inkling2-loop", convert_inkling2_loop),
     "deepseek_v4": ("DeepSeek-V4", convert_deepseek_v4),
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
     "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
