@@ -2,8 +2,8 @@
 (2026: short convolutions in every layer, sliding and full attention, MoE), whose convolutions
 call the ``causal_conv1d`` hooks: with attnzoo's kernels served, the logits of a batch and greedy
 generation (cached decode) equal those with transformers' own fallback put back, and Inkling2's
-padding-free packed input gives each sequence's logits alone. (attnzoo does not convert these
-models: ``from_hf`` refuses them as an unknown architecture.)"""
+padding-free packed input gives each sequence's logits alone. (``from_hf`` converts them too: ``tests/models/test_hf_inkling.py``,
+``test_hf_inkling2.py``, ``test_hf_inkling2_loop.py``.)"""
 
 from __future__ import annotations
 
