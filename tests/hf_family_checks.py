@@ -129,6 +129,27 @@ def check_packed_equals_each_alone(make: Callable[[], Any], lengths: tuple[int, 
     assert rel(packed, alone) <= 1e-5
 
 
+def check_register_equals_eager(hf: Any, n: int = 30) -> None:
+    """transformers' own model with ``attn_implementation="attnzoo"`` (``attnzoo.hf.register()``)
+    gives its ``eager`` logits at the real tokens of a left-padded batch (the model is left set to
+    ``attnzoo``)."""
+    import transformers as T
+
+    import attnzoo.hf as azhf
+
+    if "attnzoo" not in T.AttentionInterface._global_mapping:  # registered once (a test may spy on it)
+        azhf.register()
+    x, mask = padded(n)
+    with torch.no_grad():
+        hf.set_attn_implementation("eager")
+        ref = hf(input_ids=x, attention_mask=mask).logits
+        hf.set_attn_implementation("attnzoo")
+        got = hf(input_ids=x, attention_mask=mask).logits
+    real = mask.bool()
+    err = rel(got[real], ref[real])
+    assert err <= TOL, f"{type(hf).__name__}: attn_implementation='attnzoo' vs eager, max rel error {err:.2e}"
+
+
 def check_transformers_packed(hf: Any, lengths: tuple[int, ...] = (6, 1, 13, 9)) -> None:
     """A transformers model (served by ``register()``) on padding-free input as
     ``DataCollatorWithFlattening`` makes it (``position_ids`` restarting, ``cu_seq_lens_q/k``, no

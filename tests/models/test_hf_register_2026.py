@@ -38,17 +38,8 @@ def test_attnzoo_attention_equals_eager(module: str, monkeypatch: pytest.MonkeyP
         return served(*args, **kwargs)
 
     monkeypatch.setitem(mapping, "attnzoo", counted)
-    hf = checks.hf_model(importlib.import_module(module)._config())
-    x, mask = checks.padded(30)
-    with torch.no_grad():
-        hf.set_attn_implementation("eager")
-        ref = hf(input_ids=x, attention_mask=mask).logits
-        hf.set_attn_implementation("attnzoo")
-        ours = hf(input_ids=x, attention_mask=mask).logits
+    checks.check_register_equals_eager(checks.hf_model(importlib.import_module(module)._config()))
     assert calls, f"{module}: no layer called attnzoo's attention"
-    real = mask.bool()
-    err = checks.rel(ours[real], ref[real])
-    assert err <= checks.TOL, f"{module}: attn_implementation='attnzoo' vs eager, max rel error {err:.2e}"
 
 
 @pytest.mark.parametrize("module", ["test_hf_qwen4_exp", "test_hf_gpt_oss", "test_hf_minimax", "test_hf_lfm3"])

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from attnzoo.models.hf.errors import CheckpointFormatError, UnsupportedConfigError, WeightLoadError
 
-__all__ = ["HFConfig", "Plan", "Source", "float_dtype", "load_qkv_into", "transpose"]
+__all__ = ["HFConfig", "Plan", "Source", "float_dtype", "load_gate_up_into", "load_qkv_into", "transpose"]
 
 _MISSING = object()
 
@@ -217,6 +217,16 @@ def float_dtype(sd: Mapping[str, Tensor]) -> torch.dtype:
         if t.is_floating_point():
             return t.dtype
     return torch.float32
+
+
+def load_gate_up_into(plan: Plan, ours: str, key: str) -> None:
+    """A fused ``gate_up_proj`` weight (rows ``[gate; up]``, Phi3 / GLM-4) at ``key`` into the
+    ``{ours}gate_proj.weight`` and ``{ours}up_proj.weight`` of a gated feed-forward."""
+    gate_up = plan.src.take(key)
+    if gate_up is not None:
+        gate, up = gate_up.chunk(2, dim=0)
+        plan.put_tensor(f"{ours}gate_proj.weight", gate, f"{key}[:F]")
+        plan.put_tensor(f"{ours}up_proj.weight", up, f"{key}[F:]")
 
 
 def load_qkv_into(plan: Plan, prefix: str, keys: tuple[str, str, str], bias_keys: tuple[str, str, str] | None,

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from attnzoo.models.families.bailing_hybrid import convert_bailing_hybrid
 from attnzoo.models.families.bamba import convert_bamba
 from attnzoo.models.families.deepseek_v4 import convert_deepseek_v4
+from attnzoo.models.families.dense import convert_dense
 from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.families.glm5_next import convert_glm5_next
@@ -84,6 +85,12 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
                            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
                            "Glm4MoeForCausalLM", "Glm4MoeModel", "MiniMaxM2ForCausalLM", "MiniMaxM2Model",
+                           "Cohere2ForCausalLM", "Cohere2Model",
+                           "Exaone4ForCausalLM", "Exaone4Model",
+                           "Ministral3ForCausalLM", "Ministral3Model",
+                           "SeedOssForCausalLM", "SeedOssModel",
+                           "ApertusForCausalLM", "ApertusModel",
+                           "Glm4ForCausalLM", "Glm4Model",
                            )
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
@@ -115,6 +122,12 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
     "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
     "glm4_moe": ("GLM-4.5", convert_sparse_moe), "minimax_m2": ("MiniMax-M2", convert_sparse_moe),
+    "cohere2": ("Cohere2", convert_dense),
+    "exaone4": ("EXAONE 4", convert_dense),
+    "ministral3": ("Ministral 3", convert_dense),
+    "seed_oss": ("Seed-OSS", convert_dense),
+    "apertus": ("Apertus", convert_dense),
+    "glm4": ("GLM-4", convert_dense),
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",

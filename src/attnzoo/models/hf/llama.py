@@ -32,7 +32,14 @@ from attnzoo.blocks import BlockConfig
 from attnzoo.models.config import DecoderConfig, Rope
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._common import plus_one
-from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+from attnzoo.models.hf._state import (
+    HFConfig,
+    Plan,
+    Source,
+    float_dtype,
+    load_gate_up_into,
+    load_qkv_into,
+)
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding, head_for
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
@@ -194,11 +201,7 @@ def _layer(plan: Plan, i: int, fam: Family, cfg: DecoderConfig) -> None:
     attn_bias, mlp_bias = bool(cfg.attention_kwargs and cfg.attention_kwargs["bias"]), cfg.bias
     if fam.fused:
         plan.put(f"{o}attn.qkv_proj.weight", f"{h}self_attn.qkv_proj.weight")
-        gate_up = plan.src.take(f"{h}mlp.gate_up_proj.weight")
-        if gate_up is not None:
-            gate, up = gate_up.chunk(2, dim=0)
-            plan.put_tensor(f"{o}ffn.gate_proj.weight", gate, f"{h}mlp.gate_up_proj.weight[:F]")
-            plan.put_tensor(f"{o}ffn.up_proj.weight", up, f"{h}mlp.gate_up_proj.weight[F:]")
+        load_gate_up_into(plan, f"{o}ffn.", f"{h}mlp.gate_up_proj.weight")
         plan.put_pairs(o, h, [("ffn.down_proj", "mlp.down_proj")], bias=False)
     else:
         load_qkv_into(plan, o + "attn", tuple(f"{h}self_attn.{n}_proj.weight" for n in "qkv"),

@@ -1,0 +1,482 @@
+"""Dense decoders of the LLaMA line -> :class:`~attnzoo.DecoderLM`: Cohere2, EXAONE 4, Ministral 3,
+Seed-OSS, Apertus and GLM-4, as ``*ForCausalLM`` and ``*Model`` (one converter, dispatching on
+``model_type``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
+
+* Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
+  ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
+  :class:`ParallelBlock`); ``layer_types`` (default: 3 sliding : 1 full, from
+  ``sliding_window_pattern``, ``configuration_cohere2.py`` 95-101); the sliding layers rotate
+  adjacent channel pairs (``repeat_interleave`` 81, ``rotate_half`` 142-147), the full layers have
+  no positions (222-223); the logits times ``logit_scale`` (476; :class:`ScaledLMHead`); a
+  bias-free LayerNorm at the end; ``head_dim`` (``hidden / heads`` unless the config gives one).
+* EXAONE 4 (``modeling_exaone4.py``): OLMo 2's layer (norms on the sub-layer outputs, 308/314)
+  with per-head QK RMSNorm before RoPE (229-230); with a ``sliding_window`` only the sliding layers
+  rotate, the full ones have no positions (234-235); no biases.
+* Ministral 3 (``modeling_ministral3.py``): Mistral's layer (one ``sliding_window`` for every
+  layer, 168/367) whose queries, after RoPE, are multiplied by
+  ``1 + llama_4_scaling_beta * log(1 + floor(p / original_max_position_embeddings))`` at their
+  position ``p`` (105-107, 147-151; :class:`TemperedAttention`). transformers' ``forward``
+  without ``position_ids`` counts positions from the first slot (left padding included),
+  ``generate`` from the attention mask; attnzoo takes the positions it is given, else those of
+  the attention mask (``generate``'s).
+* Seed-OSS (``modeling_seed_oss.py``): LLaMA with q/k/v biases (``attention_bias``) apart from the
+  output projection's (``attention_out_bias``, 180), MLP biases (``mlp_bias``, 75-77) and the
+  ``residual_dropout`` on both sub-layer outputs (83, 224: the block's dropout, training only).
+* Apertus (``modeling_apertus.py``): per-head QK RMSNorm before RoPE (240-241), the norms
+  ``attention_layernorm`` / ``feedforward_layernorm`` (292/306), an ungated MLP
+  ``down(act(up(x)))`` (43-58) with the xIELU activation (``activations.py`` 281-288, its
+  ``alpha_p``, ``alpha_n``, ``beta``, ``eps`` per layer; :class:`XIELU`).
+* GLM-4-0414 (``modeling_glm4.py``): norms on both sides of both sub-layers (``input_layernorm``,
+  ``post_self_attn_layernorm``, ``post_attention_layernorm``, ``post_mlp_layernorm``; 96-110),
+  the fused ``gate_up_proj`` (rows ``[gate; up]``, 54-61), q/k/v biases without an output bias
+  (220), RoPE on the first ``partial_rotary_factor`` (default 0.5) of each head, adjacent pairs
+  (176-195).
+
+Adjacent-pair RoPE is attnzoo's ``interleaved`` rotary (:class:`~attnzoo.nn.positional.RotaryEmbedding`),
+so the q/k weights are copied as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import attnzoo.models.families._common as parts
+from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
+from attnzoo.models.config import DecoderConfig
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.hf._state import HFConfig, Plan, load_gate_up_into, load_qkv_into
+from attnzoo.models.parts import DecoderParts, LMHead, head_for
+from attnzoo.nn.attention import MultiHeadAttention, build_softmax
+from attnzoo.nn.positional import resolve_positions
+
+__all__ = ["XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "convert_dense"]
+
+TYPES = ("sliding_attention", "full_attention")
+#: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
+UNGATED = {"relu": "relu", "gelu": "gelu", "silu": "silu", "relu2": "relu2", "gelu_pytorch_tanh": "gelu_tanh",
+           "gelu_new": "gelu_tanh"}
+
+
+# --------------------------------------------------------------------------- family-local modules
+class ParallelBlock(TransformerBlock):
+    """Cohere's parallel layer (``modeling_cohere2.py`` 288-312): one norm, then the attention and
+    the MLP of the same normalised input added to the residual together,
+    ``x + drop(attn(n)) + drop(ffn(n))``, ``n = attn_norm(x)``. Built from :class:`BlockLayers`
+    (its ``norm`` once: ``ffn_norm`` is ``None``).
+
+    Shapes: ``x [B, N, C] -> [B, N, C]``."""
+
+    def __init__(self, dim: int, layers: BlockLayers) -> None:
+        super().__init__(dim, layers=layers)
+        self.ffn_norm = None
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Any = None,  # type: ignore[override]
+                key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+        """The arguments of :meth:`TransformerBlock.forward` (no ``context``: no cross-attention)."""
+        if context is not None or context_mask is not None:
+            raise ValueError("ParallelBlock: no cross-attention; context and context_mask must be None")
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"ParallelBlock: x must be [B, N, {self.dim}], got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if key_padding is not None:
+            mask = self._self_mask(mask, key_padding)
+        assert self.ffn is not None
+        h = self.attn_norm(x)  # [B, N, C]
+        return x + self.dropout(self._mix(h, mask, cache, positions, cu_seqlens)) + self.dropout(self.ffn(h))
+
+
+class ScaledLMHead(LMHead):
+    """:class:`~attnzoo.models.parts.LMHead` whose logits are multiplied by ``scale`` (Cohere's
+    ``logit_scale``, ``modeling_cohere2.py`` 476). Shapes: ``[B, N, C] -> [B, N, V]``."""
+
+    def __init__(self, dim: int, vocab_size: int, *, scale: float, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(dim, vocab_size, device=device, dtype=dtype)
+        self.scale = float(scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:g}"
+
+
+class TemperedAttention(MultiHeadAttention):
+    """:class:`~attnzoo.MultiHeadAttention` whose queries (after QK-norm and RoPE) are multiplied
+    by ``1 + beta * log(1 + floor(p / span))`` at their position ``p`` (Ministral 3's
+    ``get_llama_4_attn_scale``, ``modeling_ministral3.py`` 105-107, 147-151); ``temperature =
+    (beta, span)`` is set after building (``None``: plain attention). Packed input runs one
+    sequence at a time (positions restart per sequence).
+
+    Shapes: as :class:`~attnzoo.MultiHeadAttention`."""
+
+    temperature: tuple[float, float] | None = None
+
+    def _project_self(self, x: Tensor, positions: Tensor | None, start: int, *,
+                      rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = super()._project_self(x, positions, start, rotate=rotate)
+        if self.temperature is None:
+            return q, k, v
+        beta, span = self.temperature
+        B, N, _ = x.shape
+        pos = resolve_positions(positions, N, start, x.device, batch=B)  # [N] or [B, N]
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scale = 1.0 + beta * torch.log1p(torch.floor(pos.to(wide) / span))  # [N] | [B, N]
+        return q * scale.unsqueeze(-1).unsqueeze(-3).to(q.dtype), k, v  # [.., 1, N, 1] over [B, H, N, D]
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        if self.temperature is not None:
+            raise ValueError("TemperedAttention: packed input (cu_seqlens) runs one sequence at a time here "
+                             "(the query temperature needs each token's position)")
+        return super()._packed(x, cu_seqlens, context, mask, cache, positions, return_weights)
+
+
+class XIELU(nn.Module):
+    """The xIELU activation (Huang & Schlag 2024; transformers' ``XIELUActivation``,
+    ``activations.py`` 231-288): ``ap x^2 + beta x`` for ``x > 0``, else
+    ``an (expm1(min(x, eps)) - x) + beta x``, ``ap = softplus(alpha_p)``,
+    ``an = beta + softplus(alpha_n)``. Weights: ``alpha_p [1]``, ``alpha_n [1]``; buffers ``beta``,
+    ``eps`` (scalars, as the checkpoints keep them). Shapes: ``[...] -> [...]``."""
+
+    def __init__(self, *, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.alpha_p = nn.Parameter(torch.zeros(1, **kw))
+        self.alpha_n = nn.Parameter(torch.zeros(1, **kw))
+        self.register_buffer("beta", torch.tensor(0.5, **kw))
+        self.register_buffer("eps", torch.tensor(-1e-6, **kw))
+
+    def forward(self, x: Tensor) -> Tensor:
+        ap = F.softplus(self.alpha_p)
+        an = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, ap * x * x + self.beta * x,
+                           (torch.expm1(torch.minimum(x, self.eps)) - x) * an + self.beta * x)
+
+
+class XIELUFeedForward(FeedForward):
+    """Apertus' MLP (``modeling_apertus.py`` 43-58): ``down(xielu(up(x)))``, no biases; the
+    activation's weights at ``act_fn``. Shapes: ``[B, N, C] -> [B, N, C]``."""
+
+    def __init__(self, dim: int, hidden: int, *, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(dim, hidden, "relu", bias=False, device=device, dtype=dtype)
+        self.act_fn = XIELU(device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.dropout(self.act_fn(self.up_proj(x))))  # [B, N, C]
+
+
+# --------------------------------------------------------------------------- shared builders
+def _make_attention(dim: int, heads: int, settings: Mapping[str, Any], out_bias: bool,
+                    temperature: tuple[float, float] | None) -> nn.Module:
+    """A (tempered) :class:`MultiHeadAttention` of ``settings`` whose output projection has a bias
+    iff ``out_bias`` (the q/k/v biases follow ``settings["bias"]``)."""
+    module = build_softmax(TemperedAttention if temperature else MultiHeadAttention, dim, heads, **settings)
+    out = module.out_proj
+    if out_bias and out.bias is None:
+        out.bias = nn.Parameter(torch.zeros(out.out_features, device=out.weight.device, dtype=out.weight.dtype))
+    elif not out_bias and out.bias is not None:
+        out.register_parameter("bias", None)
+    if temperature:
+        module.temperature = temperature
+    return module
+
+
+def _attention(hf: HFConfig, *, window: int | None, rope: nn.Module | None, biases: tuple[bool, bool],
+               qk_norm: str | None = None, temperature: tuple[float, float] | None = None,
+               kw: Mapping[str, Any]) -> Callable[[], nn.Module]:
+    """A factory of one layer's attention (:func:`~attnzoo.models.families._common.attention_factory`'s
+    settings) with the q/k/v and output biases ``biases``."""
+    base = parts.attention_factory(hf, window=window, rope=rope, qk_norm=qk_norm, **kw)
+    settings = {**base.keywords, "bias": biases[0], "causal": True}
+    return functools.partial(_make_attention, hf.req("hidden_size"), hf.req("num_attention_heads"), settings,
+                             biases[1], temperature)
+
+
+def _rope(hf: HFConfig, head_dim: int, *, interleaved: bool = False, rotary_dim: int | None = None) -> nn.Module:
+    rope = parts.rotary(hf, parts.rope_params(hf), head_dim, rotary_dim=rotary_dim)
+    rope.interleaved = interleaved  # adjacent pairs: the rotation reads the flag (RotaryEmbedding.rotate)
+    return rope
+
+
+def _block(dim: int, attention: Callable[[], nn.Module], ffn: Callable[[], nn.Module], norm: Callable[[], nn.Module],
+           *, sublayer_norm: str = "input", dropout: float = 0.0) -> TransformerBlock:
+    return TransformerBlock(dim, layers=BlockLayers(attention=attention, feed_forward=ffn, norm=norm,
+                                                    sublayer_norm=sublayer_norm, dropout=dropout))
+
+
+def _common(hf: HFConfig) -> tuple[int, int, int, int]:
+    """``(C, H, depth, head_dim)``; ``pretraining_tp`` other than 1 refused."""
+    parts.unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1)})
+    C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
+    return C, H, depth, hf.get("head_dim", C // H)
+
+
+def _pattern_types(hf: HFConfig, default_pattern: int) -> HFConfig:
+    """``layer_types`` from the legacy ``sliding_window_pattern`` (every ``p``-th layer full, the
+    others sliding) when the config has none (``configuration_cohere2.py`` 95-101,
+    ``configuration_exaone4.py`` 100-107)."""
+    if hf.has("layer_types"):
+        return hf
+    pattern = hf.raw("sliding_window_pattern", default_pattern)
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        raise hf.unsupported(f"sliding_window_pattern={pattern!r} without layer_types (supported: an int >= 1)")
+    out = HFConfig(dict(hf.data), hf.source, hf.arch)
+    out.data["layer_types"] = [TYPES[0] if (i + 1) % pattern else TYPES[1] for i in range(hf.req("num_hidden_layers"))]
+    return out
+
+
+# --------------------------------------------------------------------------- the families
+def build_cohere2(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Cohere2: parallel blocks, interleaved RoPE on sliding layers, NoPE full layers (module docstring)."""
+    C, H, depth, D = _common(hf)
+    eps, kw = hf.get("layer_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    kinds = parts.layer_types(hf, depth, TYPES)
+    rope = _rope(hf, D, interleaved=True)
+    bias = hf.get("attention_bias", False, bool)
+    norm = functools.partial(nn.LayerNorm, C, eps=eps, bias=False, **kw)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    blocks = [ParallelBlock(C, BlockLayers(attention=_attention(hf, window=w, rope=rope if w is not None else None,
+                                                                biases=(bias, bias), kw=kw), feed_forward=ffn, norm=norm))
+              for w in parts.sliding_windows(hf, kinds)]
+    V = hf.req("vocab_size")
+    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=eps,
+                        tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
+    head = (ScaledLMHead(C, V, scale=hf.get("logit_scale", 0.0625, float), **kw) if head_size is None
+            else head_for(C, V, head_size, **kw))
+    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head), **kw)
+
+
+def build_exaone4(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """EXAONE 4: output norms, per-head QK norm, NoPE full layers when windowed (module docstring)."""
+    C, _, depth, D = _common(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    windowed = hf.get("sliding_window", None) is not None
+    kinds = parts.layer_types(hf, depth, TYPES) if windowed else ["full_attention"] * depth
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    blocks = [parts.block(C, _attention(hf, window=w, rope=rope if w is not None or not windowed else None,
+                                        biases=(False, False), qk_norm="head", kw=kw),
+                          ffn, parts.rms_norm(C, eps, **kw), sublayer_norm="output")
+              for w in parts.sliding_windows(hf, kinds)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def _temperature(hf: HFConfig) -> tuple[float, float] | None:
+    """Ministral 3's ``(llama_4_scaling_beta, original_max_position_embeddings)`` of ``rope_parameters``
+    (``None``: no ``llama_4_scaling_beta``, or 0)."""
+    params = parts.rope_params(hf)
+    beta = params.get("llama_4_scaling_beta")
+    if beta in (None, 0, 0.0):
+        return None
+    span = params.get("original_max_position_embeddings")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not isinstance(span, (int, float)) or span <= 0:
+        raise hf.unsupported(f"llama_4_scaling_beta={beta!r} with original_max_position_embeddings={span!r} "
+                             f"(supported: numbers, the span > 0)")
+    return float(beta), float(span)
+
+
+def build_ministral3(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                     dtype: Any = None) -> DecoderLM:
+    """Ministral 3: Mistral with the query temperature (module docstring)."""
+    C, _, depth, D = _common(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    rope, temperature = parts.rotary(hf, parts.rope_params(hf), D), _temperature(hf)
+    window = hf.get("sliding_window", None)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    blocks = [parts.block(C, _attention(hf, window=None if window is None else window - 1, rope=rope,
+                                        biases=(False, False), temperature=temperature, kw=kw),
+                          ffn, parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def _seed_biases(hf: HFConfig) -> tuple[bool, bool]:
+    return hf.get("attention_bias", True, bool), hf.get("attention_out_bias", False, bool)
+
+
+def build_seed_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Seed-OSS: LLaMA with separate q/k/v and output biases, MLP biases, residual dropout."""
+    C, _, depth, D = _common(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
+                          bias=hf.get("mlp_bias", False, bool), **kw)
+    blocks = [_block(C, _attention(hf, window=None, rope=rope, biases=_seed_biases(hf), kw=kw), ffn,
+                     parts.rms_norm(C, eps, **kw), dropout=hf.get("residual_dropout", 0.0, float))
+              for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def build_apertus(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Apertus: per-head QK norm, ungated xIELU MLP (module docstring)."""
+    C, _, depth, D = _common(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    act, F_ = hf.get("hidden_act", "xielu", str), hf.req("intermediate_size")
+    if act == "xielu":
+        ffn: Callable[[], nn.Module] = functools.partial(XIELUFeedForward, C, F_, **kw)
+    elif act in UNGATED:
+        ffn = functools.partial(FeedForward, C, F_, UNGATED[act], bias=False, **kw)
+    else:
+        raise hf.unsupported(f"hidden_act={act!r} (supported: 'xielu', {', '.join(map(repr, UNGATED))})")
+    bias = hf.get("attention_bias", False, bool)
+    blocks = [parts.block(C, _attention(hf, window=None, rope=rope, biases=(bias, bias), qk_norm="head", kw=kw), ffn,
+                          parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def _glm4_rotary_dim(hf: HFConfig, head_dim: int) -> int:
+    """``int(head_dim * partial_rotary_factor)`` (default 0.5, ``configuration_glm4.py`` 76), even."""
+    factor = parts.rope_params(hf).get("partial_rotary_factor", hf.raw("partial_rotary_factor", 0.5))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise hf.unsupported(f"partial_rotary_factor={factor!r} (supported: 0 < factor <= 1)")
+    rotary = int(head_dim * factor)
+    if rotary % 2:
+        raise hf.unsupported(f"partial_rotary_factor={factor!r}: {rotary} rotated channels of {head_dim} (odd)")
+    return rotary
+
+
+def build_glm4(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """GLM-4-0414: norms on both sides, partial interleaved RoPE, q/k/v biases only."""
+    C, _, depth, D = _common(hf)
+    eps, kw = hf.get("rms_norm_eps", 1.5625e-7, float), {"device": device, "dtype": dtype}
+    rope = _rope(hf, D, interleaved=True, rotary_dim=_glm4_rotary_dim(hf, D))
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    bias = hf.get("attention_bias", True, bool)
+    blocks = [parts.block(C, _attention(hf, window=None, rope=rope, biases=(bias, False), kw=kw), ffn,
+                          parts.rms_norm(C, eps, **kw), sublayer_norm="both") for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+# --------------------------------------------------------------------------- weights
+def _put_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """The gated MLP without biases (the families whose transformers MLP has none, whatever ``mlp_bias`` says)."""
+    parts.put_mlp(plan, ours, theirs)
+
+
+def _put_seed_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """Seed-OSS' gated MLP, biased by ``mlp_bias``."""
+    parts.put_mlp(plan, ours, theirs, bias=hf.get("mlp_bias", False, bool))
+
+
+def _put_gate_up(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """GLM-4's fused ``gate_up_proj`` (rows ``[gate; up]``) and ``down_proj``."""
+    load_gate_up_into(plan, ours, f"{theirs}gate_up_proj.weight")
+    plan.put_pairs(ours, theirs, [("down_proj", "down_proj")], bias=False)
+
+
+def _put_xielu_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """Apertus' ``up_proj``, ``down_proj`` and, with xIELU, ``act_fn.{alpha_p, alpha_n}`` and the buffers
+    ``act_fn.{beta, eps}`` where the checkpoint has them."""
+    plan.put_pairs(ours, theirs, [("up_proj", "up_proj"), ("down_proj", "down_proj")], bias=False)
+    if hf.get("hidden_act", "xielu", str) != "xielu":
+        return
+    for name in ("alpha_p", "alpha_n"):
+        plan.put(f"{ours}act_fn.{name}", f"{theirs}act_fn.{name}")
+    for name, default in (("beta", 0.5), ("eps", -1e-6)):  # transformers' initial values where a checkpoint has none
+        if plan.src.has(f"{theirs}act_fn.{name}"):
+            plan.put(f"{ours}act_fn.{name}", f"{theirs}act_fn.{name}")
+        else:
+            plan.put_tensor(f"{ours}act_fn.{name}", torch.tensor(default), f"{name}={default} (transformers' default)")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's builder, config defaults (what ``config.json`` may leave out) and weight map."""
+
+    build: Callable[..., DecoderLM]
+    defaults: Mapping[str, Any]
+    norms: Sequence[tuple[str, str]]
+    biases: Callable[[HFConfig], tuple[bool, bool]]
+    qk_norm: bool = False
+    ffn: Callable[[HFConfig, Plan, str, str], None] = _put_mlp
+    pattern: int | None = None  # the default sliding_window_pattern, for families with layer_types
+    window: int | None = None  # the default sliding_window (only where the key is absent: null means none)
+
+
+def _attention_bias(default: bool, out: bool | None = None) -> Callable[[HFConfig], tuple[bool, bool]]:
+    def biases(hf: HFConfig) -> tuple[bool, bool]:
+        bias = hf.get("attention_bias", default, bool)
+        return bias, bias if out is None else out
+    return biases
+
+
+def _no_bias(hf: HFConfig) -> tuple[bool, bool]:
+    return False, False
+
+
+FAMILIES: dict[str, Family] = {
+    "cohere2": Family(build_cohere2, {"logit_scale": 0.0625, "layer_norm_eps": 1e-5, "tie_word_embeddings": True,
+                                      "max_position_embeddings": 8192, "hidden_act": "silu"},
+                      [("attn_norm", "input_layernorm")], _attention_bias(False), pattern=4, window=4096),
+    "exaone4": Family(build_exaone4, {"rms_norm_eps": 1e-5, "hidden_act": "silu"},
+                      [("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")],
+                      _no_bias, qk_norm=True, pattern=4, window=4096),
+    "ministral3": Family(build_ministral3, {
+        "rms_norm_eps": 1e-5, "head_dim": 128, "max_position_embeddings": 262144, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                            "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}},
+        parts.PRE_NORMS, _no_bias),
+    "seed_oss": Family(build_seed_oss, {"rms_norm_eps": 1e-6, "head_dim": 128, "attention_bias": True,
+                                        "attention_out_bias": False, "residual_dropout": 0.1,
+                                        "attention_dropout": 0.1, "max_position_embeddings": 524288},
+                       parts.PRE_NORMS, _seed_biases, ffn=_put_seed_mlp),
+    "apertus": Family(build_apertus, {
+        "rms_norm_eps": 1e-5, "hidden_act": "xielu", "max_position_embeddings": 65536,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
+                            "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+        [("attn_norm", "attention_layernorm"), ("ffn_norm", "feedforward_layernorm")], _attention_bias(False),
+        qk_norm=True, ffn=_put_xielu_mlp),
+    "glm4": Family(build_glm4, {"rms_norm_eps": 1.5625e-7, "head_dim": 128, "attention_bias": True,
+                                "max_position_embeddings": 131072, "hidden_act": "silu"},
+                   [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
+                    ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm")],
+                   _attention_bias(True, False), ffn=_put_gate_up),
+}
+
+
+def canonical(hf: HFConfig) -> tuple[HFConfig, Family]:
+    """``hf`` as transformers reads it (the family's defaults where a key is absent; ``layer_types``
+    from ``sliding_window_pattern``) and its :class:`Family`."""
+    model_type = hf.raw("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise hf.unsupported(f"model_type={model_type!r} (this converter: {', '.join(map(repr, FAMILIES))})")
+    out = hf.with_defaults(family.defaults)
+    if family.window is not None and "sliding_window" not in hf.data:
+        out.data["sliding_window"] = family.window
+    if family.pattern is not None and out.has("sliding_window"):
+        out = _pattern_types(out, family.pattern)
+    return out, family
+
+
+def build_dense(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """The decoder of the config's ``model_type`` (random weights; see the module docstring)."""
+    out, family = canonical(hf)
+    return family.build(out, head_size=head_size, device=device, dtype=dtype)
+
+
+def convert_dense(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> nn.Module:
+    """Build the decoder of the config's ``model_type`` and copy the weights (the head follows them)."""
+    hf, family = canonical(hf)
+    model, plan, head_size = parts.start(hf, sd, family.build, device=device, dtype=dtype)
+    qkv_bias, out_bias = family.biases(hf)
+    for i in range(model.depth):
+        o, h = f"blocks.{i}.", f"layers.{i}.self_attn."
+        load_qkv_into(plan, f"{o}attn", tuple(f"{h}{n}_proj.weight" for n in "qkv"),
+                      tuple(f"{h}{n}_proj.bias" for n in "qkv") if qkv_bias else None, qkv_bias)
+        plan.put_pairs(f"{o}attn.", h, [("out_proj", "o_proj")], bias=out_bias)
+        if family.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{n}.weight")
+        family.ffn(hf, plan, f"{o}ffn.", f"layers.{i}.mlp.")
+        plan.put_pairs(o, f"layers.{i}.", family.norms, bias=False)
+    return parts.finish(plan, model, head_size)
