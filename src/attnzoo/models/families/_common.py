@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
+from attnzoo.blocks import BlockLayers, FeedForward, RMSNorm, TransformerBlock, make_norm
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
@@ -29,11 +29,13 @@ from attnzoo.variants import build_attention
 __all__ = [
     "GATED",
     "PRE_NORMS",
+    "Float32ScaleRMSNorm",
     "attention_factory",
     "block",
     "convert_layers",
     "decoder",
     "finish",
+    "float32_scale_norms",
     "fuse_qkv_convs",
     "gated_mlp",
     "head_size_of",
@@ -65,8 +67,70 @@ def plus_one(t: Tensor) -> Tensor:
     float64) whatever the checkpoint's dtype. A bfloat16 checkpoint loaded into a float32 model
     keeps ``1 + w`` exact, as transformers computes it at run time (rounded to bfloat16 first,
     a weight near 0 lost its low bits: 0.34 relative logits error on a random Qwen3-Next); the
-    copy into a bfloat16 model rounds it once."""
+    copy into a bfloat16 model rounds it once, unless the norm keeps its weight in float32
+    (:class:`Float32ScaleRMSNorm`'s ``keep_float32``)."""
     return t.to(torch.promote_types(t.dtype, torch.float32)) + 1.0
+
+
+class Float32ScaleRMSNorm(RMSNorm):
+    """:class:`~attnzoo.blocks.RMSNorm` that, for a half-precision input, multiplies by its weight in
+    float32 and rounds once: ``(weight * x32 / rms(x32)).to(x.dtype)``.
+
+    transformers' Gemma / Qwen3-Next ``1 + weight`` norms compute ``(norm(x.float()) * (1.0 +
+    weight.float())).type_as(x)`` (``modeling_qwen3_next.py`` 135-140), OLMo-3 / OLMo-hybrid /
+    gpt-oss / Nemotron-H / Lara-mini ``(weight * hidden_states).to(input_dtype)``: one rounding.
+    :class:`RMSNorm` follows LLaMA (``weight * hidden_states.to(input_dtype)``, two roundings),
+    which in bfloat16 took a random Qwen3.5's logits to 0.81 relative error (transformers': 0.08).
+
+    Args:
+        dim, eps: as :class:`RMSNorm`.
+        keep_float32: the weight stays float32 under half-precision casts (``.to``, ``.half()``):
+            a ``1 + w`` weight (see :func:`plus_one`) rounded to 16 bits is off by up to 2^-9 in
+            every channel alike, an error the hidden states then carry coherently (transformers
+            keeps ``w`` and adds 1 in float32; gpt-oss' checkpoints keep these norms in float32).
+
+    Float32 and float64 inputs: as :class:`RMSNorm`. Shapes: ``[..., C] -> [..., C]``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, keep_float32: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, eps, device=device, dtype=torch.float32 if keep_float32 else dtype)
+        self.keep_float32 = bool(keep_float32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not isinstance(x, Tensor) or not x.is_floating_point() or x.dtype in (torch.float32, torch.float64)
+                or x.dim() == 0 or x.shape[-1] != self.dim):
+            return super().forward(x)  # full precision, or the argument errors
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Float32ScaleRMSNorm:
+        before = self.weight.data
+        super()._apply(fn, recurse)
+        w = self.weight
+        if (self.keep_float32 and w.dtype in (torch.float16, torch.bfloat16) and before.device.type != "meta"
+                and before.dtype in (torch.float32, torch.float64)):
+            w.data = before.to(device=w.device, dtype=torch.float32)
+            if w.grad is not None:
+                w.grad = w.grad.float()
+        return self
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", keep_float32=True" if self.keep_float32 else "")
+
+
+def float32_scale_norms(model: nn.Module, *, keep_float32: bool = False) -> nn.Module:
+    """``model`` with every :class:`~attnzoo.blocks.RMSNorm` (that class exactly: the blocks' and the
+    final norm) replaced in place by a :class:`Float32ScaleRMSNorm` (``keep_float32``: its weight
+    in float32), same names, same state dict: for the families whose transformers norms apply the
+    weight in float32. Call it before loading the weights."""
+    for name, module in list(model.named_modules()):
+        if type(module) is RMSNorm:
+            parent, _, attr = name.rpartition(".")
+            wide = Float32ScaleRMSNorm(module.dim, module.eps, keep_float32=keep_float32, device="meta")
+            weight = module.weight
+            wide.weight = nn.Parameter(weight.detach().float(), weight.requires_grad) if keep_float32 else weight
+            setattr(model.get_submodule(parent) if parent else model, attr, wide)
+    return model
 
 
 def unsupported_keys(hf: HFConfig, checks: Mapping[str, Callable[[Any], bool]]) -> None:

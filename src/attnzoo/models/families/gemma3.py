@@ -10,6 +10,8 @@ layers' ``rope_parameters["full_attention"]`` (1M, possibly scaled). Norms on bo
 both sub-layers, Gemma's ``1 + weight`` RMSNorms (loaded as ``weight + 1``), embeddings times
 ``sqrt(hidden_size)``, tanh-GeGLU, the optional final-logit softcap. ``attn_logit_softcapping`` is refused: transformers'
 Gemma3 attention does not apply it (5.24), so no conversion could equal it.
+Half precision: the ``1 + weight`` norms scale in float32, their weight kept in float32
+(``modeling_gemma3.py`` 128-133, :class:`~attnzoo.models.families._common.Float32ScaleRMSNorm`).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def build_gemma3(hf: HFConfig, *, head_size: int | None = None, device: Any = No
     blocks = [parts.block(C, parts.attention_factory(hf, window=w, rope=ropes[k], qk_norm="head", scale=scale, **kw), ffn,
                     parts.rms_norm(C, eps, **kw), sublayer_norm="both")
               for k, w in zip(kinds, parts.sliding_windows(hf, kinds), strict=True)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=C ** 0.5,
-                   logit_softcap=hf.get("final_logit_softcapping", None, float), **kw)
+    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=C ** 0.5,
+                   logit_softcap=hf.get("final_logit_softcapping", None, float), **kw), keep_float32=True)
 
 
 def convert_gemma3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:

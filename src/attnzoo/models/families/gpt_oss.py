@@ -6,6 +6,8 @@ logit per query head (``sinks``), a causal window of ``sliding_window - 1`` keys
 shared by all layers; then a :class:`~attnzoo.nn.moe.MixtureOfExperts` (router with a bias,
 top-k of the logits then a softmax over the ``k``, experts with biases and the clamped SwiGLU
 ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``). RMSNorm pre-norm.
+Half precision: the RMSNorms scale in float32 (``modeling_gpt_oss.py`` 47-61) with their weights
+kept in float32, as ``_keep_in_fp32_modules`` loads them (388).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def build_gpt_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     ffn = functools.partial(moe_from_config, hf, "interleaved", **kw)
     blocks = [parts.block(C, parts.attention_factory(hf, window=w, rope=rope, sinks=True, **kw), ffn, parts.rms_norm(C, eps, **kw))
               for w in parts.sliding_windows(hf, kinds)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw), keep_float32=True)
 
 
 def convert_gpt_oss(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:

@@ -34,9 +34,9 @@ config 84-116). Accepted and without effect on the outputs: ``output_router_logi
 ``partial_rotary_factor`` other than 1 (transformers' Lara attention rotates the whole head: the
 default rope ignores the factor, the scaled ones fail on it).
 
-Half precision: the RMSNorms (and the DeltaNet's gated norm) apply their weight after casting
-back to the input dtype (attnzoo's convention, as for Qwen3-Next), transformers' Lara norms in
-float32 before casting: a last-bit difference in bfloat16, not reproduced.
+Half precision: the RMSNorms scale by their weight in float32 and round once, as
+``LaraMiniRMSNorm`` (modeling 53-66: :class:`~attnzoo.models.families._common.Float32ScaleRMSNorm`);
+the DeltaNet's convolution and gated norm round as transformers' (see Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def build_lara_mini(hf: HFConfig, *, head_size: int | None = None, device: Any =
               for kind, window in zip(kinds, parts.sliding_windows(hf, kinds), strict=True)]
     moe = functools.partial(lara_moe, hf, **kw)
     blocks = [parts.block(C, mixer, moe, parts.rms_norm(C, eps, **kw)) for mixer in mixers]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw))
 
 
 def put_lara_deltanet(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:

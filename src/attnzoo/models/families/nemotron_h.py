@@ -80,13 +80,13 @@ split by ``n_group`` into groups of >= 2 when ``n_group > 1``, ``topk_group > n_
 ``mlp_bias=True`` is reproduced (biases on ``up_proj`` / ``down_proj`` of the MLPs and of the
 shared expert; the routed experts never have biases).
 
-In half precision three roundings differ from transformers' (in float32 they agree):
-transformers' RMSNorm multiplies by its weight in float32 before casting (attnzoo casts, then
-multiplies), it keeps the Mamba state cache in ``mamba_ssm_cache_dtype`` (float32), and it keeps
-the router weight ``gate.weight`` in float32 (``_keep_in_fp32_modules_strict``, modeling 1106;
-attnzoo's router matmul runs in float32, as transformers', but from the weight rounded to the
-model's dtype) and scales the experts' outputs by float32 weights (attnzoo rounds them to the
-model's dtype first).
+In half precision the RMSNorms multiply by their weight in float32 before casting, as
+transformers' (modeling 726-742, :class:`~attnzoo.models.families._common.Float32ScaleRMSNorm`),
+and the Mamba state is float32 (transformers' ``mamba_ssm_cache_dtype``). Two roundings still
+differ (in float32 they agree): transformers keeps the router weight ``gate.weight`` in float32
+(``_keep_in_fp32_modules_strict``, modeling 1106; attnzoo's router matmul runs in float32, as
+transformers', but from the weight rounded to the model's dtype) and scales the experts' outputs
+by float32 weights (attnzoo rounds them to the model's dtype first).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def build_nemotron_h(hf: HFConfig, *, head_size: int | None = None, device: Any 
         ffns["moe"] = moe_factory(hf, act, **kw)
     norm = parts.rms_norm(C, eps, **kw)
     blocks = [parts.block(C, mixers[kinds[j]], ffns[ffn], norm) for j, ffn in blocks_of]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw))
 
 
 def _saved_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:

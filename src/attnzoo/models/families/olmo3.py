@@ -4,6 +4,8 @@ OLMo 2's layer (QK RMSNorm over all heads of a token, applied to the projections
 RMSNorms on the sub-layer *outputs*, none on their inputs) with ``layer_types``: by default three
 ``sliding_attention`` layers (``sliding_window - 1`` keys back) per ``full_attention`` layer,
 each kind with its own rotary embedding (``rope_parameters[layer_type]``).
+Half precision: the RMSNorms scale in float32 and round once (``modeling_olmo3.py`` 43-57,
+:class:`~attnzoo.models.families._common.Float32ScaleRMSNorm`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def build_olmo3(hf: HFConfig, *, head_size: int | None = None, device: Any = Non
     blocks = [parts.block(C, parts.attention_factory(hf, window=w, rope=ropes[k], qk_norm="all", **kw), ffn,
                     parts.rms_norm(C, eps, **kw), sublayer_norm="output")
               for k, w in zip(kinds, parts.sliding_windows(hf, kinds), strict=True)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw))
 
 
 def convert_olmo3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:

@@ -9,6 +9,9 @@
 * Full layers (OLMo's norms on the sub-layer outputs): QK RMSNorm over all heads, RoPE unless
   the config has no ``rope_theta`` (the released checkpoints: NoPE), causal attention.
 * Dense SwiGLU feed-forwards; plain RMSNorms.
+
+Half precision: the RMSNorms scale in float32 and round once (``modeling_olmo_hybrid.py`` 70-84,
+:class:`~attnzoo.models.families._common.Float32ScaleRMSNorm`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def build_olmo_hybrid(hf: HFConfig, *, head_size: int | None = None, device: Any
     blocks = [parts.block(C, linear, ffn, norm) if k == "linear_attention" else parts.block(C, full, ffn, norm,
                                                                                 sublayer_norm="output")
               for k in kinds]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw))
 
 
 def _put_linear(plan: Plan, ours: str, theirs: str) -> None:

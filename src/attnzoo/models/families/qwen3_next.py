@@ -22,6 +22,11 @@ Norms are Qwen3-Next's ``1 + weight`` RMSNorms (loaded as ``weight + 1``), excep
 norm of the linear layers (plain ``weight``). The weights of ``in_proj_qkvz`` / ``in_proj_ba``
 are grouped per key head in transformers; they are regrouped at load into ``[q; k; v; z]`` /
 ``[b; a]``.
+
+Half precision, as transformers rounds (``modeling_qwen3_next.py``): the ``1 + weight`` norms scale
+in float32 with their weight kept in float32 (126-140,
+:class:`~attnzoo.models.families._common.Float32ScaleRMSNorm`), the convolution sums in float32
+and rounds once (``F.conv1d``, 320-359), the gated norm multiplies the gate in float32 (66-75).
 """
 
 from __future__ import annotations
@@ -88,21 +93,23 @@ def causal_conv(u: Tensor, weight: Tensor, bias: Tensor | None = None, *, prefix
     """Depthwise causal conv1d of ``u [B, N, C]`` with ``weight [C, K]`` (column ``K-1`` multiplies
     the current token), after ``prefix [B, K-1, C]`` (the previous inputs; zeros when ``None``).
     With ``segments [N]`` (packed sequences) a tap never reads another sequence's token.
-    Returns ``[B, N, C]`` (no activation)."""
+    Returns ``[B, N, C]`` in ``u``'s dtype (no activation): half-precision inputs are summed in
+    float32 and rounded once, as ``F.conv1d`` and the ``causal_conv1d`` kernels accumulate (a
+    rounding per tap: 1.3-1.6 times transformers' bfloat16 logits error on Qwen3-Next)."""
     B, N, C = u.shape
     K = weight.shape[-1]
-    if prefix is None:
-        prefix = u.new_zeros(B, K - 1, C)
-    full = torch.cat([prefix.to(u.dtype), u], dim=1)  # [B, K-1+N, C]
-    out = torch.zeros_like(u) if bias is None else bias.to(u.dtype).expand_as(u).clone()
+    wide = torch.promote_types(u.dtype, torch.float32)
+    full = torch.cat([u.new_zeros(B, K - 1, C, dtype=wide) if prefix is None else prefix.to(wide), u.to(wide)],
+                     dim=1)  # [B, K-1+N, C]
+    out = u.new_zeros(B, N, C, dtype=wide) if bias is None else bias.to(wide).expand(B, N, C).clone()
     for j in range(K):  # tap j reads the token j steps back
-        tap = full[:, K - 1 - j: K - 1 - j + N] * weight[:, K - 1 - j].to(u.dtype)
+        tap = full[:, K - 1 - j: K - 1 - j + N] * weight[:, K - 1 - j].to(wide)
         if segments is not None and j:
             same = torch.zeros(N, dtype=torch.bool, device=u.device)
             same[j:] = segments[j:] == segments[:-j]
             tap = tap * same[None, :, None]
         out = out + tap
-    return out
+    return out.to(u.dtype)
 
 
 class QwenGatedDeltaNet(nn.Module):
@@ -191,10 +198,17 @@ class QwenGatedDeltaNet(nn.Module):
         if cache is not None:
             cache.state.copy_(state)
             cache.length += N
-        o = out.transpose(1, 2)  # [B, N, Hv, Dv]
-        o = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(x.dtype) * self.norm_weight
-        o = o * F.silu(z.reshape(B, N, self.hv, self.dv).to(cdt)).to(x.dtype)
+        o = self.gated_norm(out.transpose(1, 2), z.reshape(B, N, self.hv, self.dv))  # [B, N, Hv, Dv]
         return self.out_proj(o.reshape(B, N, self.value_dim))
+
+    def gated_norm(self, o: Tensor, z: Tensor) -> Tensor:
+        """The per-head RMSNorm of the rule's output ``o [B, N, Hv, Dv]`` (float32 or float64) times
+        ``silu(z)`` (``z [B, N, Hv, Dv]`` in the model's dtype), returned in ``z``'s dtype. As
+        transformers' ``Qwen3NextRMSNormGated`` (``modeling_qwen3_next.py`` 66-75): the normalised
+        ``o`` cast to the model's dtype times the weight, then the gate multiplied in float32 with
+        one rounding after it (a gate rounded to 16 bits first: a second rounding in half precision)."""
+        normed = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(z.dtype) * self.norm_weight
+        return (normed * F.silu(z.to(o.dtype))).to(z.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, num_k_heads={self.hk}, num_v_heads={self.hv}, k_head_dim={self.dk}, "
@@ -226,7 +240,7 @@ def build_qwen3_next(hf: HFConfig, *, head_size: int | None = None, device: Any 
     dense = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw)
     blocks = [parts.block(C, linear if kinds[i] == "linear_attention" else full, moe if i in sparse else dense,
                     parts.rms_norm(C, eps, **kw)) for i in range(depth)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw), keep_float32=True)
 
 
 def _per_key_head(w: Tensor, hk: int, sizes: list[int]) -> list[Tensor]:
