@@ -21,6 +21,7 @@ from attnzoo.models.families.deepseek_v4 import convert_deepseek_v4
 from attnzoo.models.families.dense import convert_dense
 from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
+from attnzoo.models.families.gemma4 import convert_gemma4
 from attnzoo.models.families.glm5_next import convert_glm5_next
 from attnzoo.models.families.gpt_oss import convert_gpt_oss
 from attnzoo.models.families.granitemoe_swa import convert_granitemoe_swa
@@ -81,6 +82,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "InklingForCausalLM", "InklingTextModel",
                            "Inkling2ForCausalLM", "Inkling2TextModel",
                            "Inkling2LoopForCausalLM", "Inkling2LoopTextModel",
+                           "Gemma4ForCausalLM", "Gemma4TextModel",
                            "DeepseekV4ForCausalLM", "DeepseekV4Model",
                            "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
                            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
@@ -118,6 +120,7 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "inkling_text": ("Inkling", convert_inkling),
     "inkling2_text": ("Inkling2", convert_inkling2),
     "inkling2_loop_text": ("Inkling2-loop", convert_inkling2_loop),
+    "gemma4_text": ("Gemma 4", convert_gemma4),
     "deepseek_v4": ("DeepSeek-V4", convert_deepseek_v4),
     "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
     "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
