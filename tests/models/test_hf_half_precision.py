@@ -77,7 +77,14 @@ RECURRENT: dict[str, str] = {f: FAMILIES[f][1] for f in (
 RECURRENT.update({"qwen4_exp_text": "_no_ple", "glm5_next_text": "_linear_only"})
 
 
+#: LLaMA-layout families (``models/hf/llama.py``, outside ``BUILDERS``; configs of ``test_hf_families``)
+#: whose transformers norms scale by ``1 + w`` in float32
+LLAMA_LAYOUT = ("gemma", "gemma2")
+
+
 def _maker(family: str, name: str | None = None) -> Callable[[], Any]:
+    if family in LLAMA_LAYOUT:
+        return importlib.import_module("test_hf_families").CONFIGS[family]
     module = importlib.import_module(FAMILIES[family][0])
     if name == "_linear_only":
         return lambda: module._config(layer_types=["linear_attention"] * 4)
@@ -162,7 +169,7 @@ def test_the_families_are_dispatched() -> None:
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + list(LLAMA_LAYOUT))
 def test_logits_no_worse_than_transformers_in_the_same_dtype(family: str, dtype: torch.dtype, tmp_path: Path) -> None:
     e = _errors(family, dtype, tmp_path, seed=0)
     assert not _bad(e), (f"{family} in {dtype}: relative error {e['ours']:.2e} (max {e['ours_max']:.2e}) vs "
@@ -255,7 +262,8 @@ def test_float32_scale_norm_equals_transformers_bitwise(module: str, cls: str, p
 #: float32 (a ``1 + w`` weight, rounded to 16 bits, errs alike in every token; gpt-oss' checkpoints
 #: keep these norms in float32)
 FLOAT32_SCALE = {"gemma3_text": True, "qwen3_next": True, "qwen3_5_text": True, "qwen3_5_moe_text": True,
-                 "gpt_oss": True, "olmo3": False, "olmo_hybrid": False, "nemotron_h": False, "lara_mini": False}
+                 "gpt_oss": True, "olmo3": False, "olmo_hybrid": False, "nemotron_h": False, "lara_mini": False,
+                 "gemma": True, "gemma2": True}
 
 
 @pytest.mark.parametrize("family", sorted(FLOAT32_SCALE))

@@ -31,7 +31,7 @@ from torch import Tensor
 from attnzoo.blocks import BlockConfig
 from attnzoo.models.config import DecoderConfig, Rope
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._common import plus_one
+from attnzoo.models.families._common import float32_scale_norms, plus_one
 from attnzoo.models.hf._state import (
     HFConfig,
     Plan,
@@ -183,8 +183,11 @@ def build_llama(hf: HFConfig, *, family: str = "llama", sliding: bool = True, he
     parts = DecoderParts(embedding=ScaledEmbedding(V, C, scale=C ** 0.5, **kw) if fam.gemma else None,
                          head=head_for(C, V, head_size, softcap=softcap, **kw))
     if not options and fam.sublayer_norm == "input" and all(w is None for w in windows):
-        return DecoderLM(config=stack, parts=parts, **kw)  # the config's own blocks: model.config rebuilds it
-    return DecoderLM.with_blocks(stack, layer, parts=parts, **kw)
+        model = DecoderLM(config=stack, parts=parts, **kw)  # the config's own blocks: model.config rebuilds it
+    else:
+        model = DecoderLM.with_blocks(stack, layer, parts=parts, **kw)
+    # Gemma's norms scale by 1 + w in float32 and round once (transformers' GemmaRMSNorm)
+    return float32_scale_norms(model, keep_float32=True) if fam.gemma else model
 
 
 def _norm_pairs(fam: Family) -> list[tuple[str, str]]:
