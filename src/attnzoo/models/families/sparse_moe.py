@@ -1,6 +1,9 @@
 """The sparse-MoE decoders of the LLaMA line -> :class:`~attnzoo.DecoderLM`: Mixtral
-(``MixtralForCausalLM`` / ``MixtralModel``), Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 (``glm4_moe``) and
-MiniMax-M2. Line numbers are transformers 5.25's ``models/<family>/modeling_<family>.py``.
+(``MixtralForCausalLM`` / ``MixtralModel``), Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 (``glm4_moe``),
+MiniMax-M2, and the second batch: dots.llm1 (``dots1``), ERNIE-4.5-MoE (``ernie4_5_moe``),
+Hunyuan-A13B (``hunyuan_v1_moe``), EXAONE-MoE (``exaone_moe``), Solar-Open (``solar_open``), AFMoE
+(``afmoe``) and HY-V3 (``hy_v3``). Line numbers are transformers 5.25's
+``models/<family>/modeling_<family>.py`` (``configuration_<family>.py`` where it says so).
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -38,9 +41,52 @@ softmax over every expert in float32, the top ``num_experts_per_tok``, renormali
   ``sigmoid(logits) + e_score_correction_bias`` (the buffer on the MoE block), weighted by the
   sigmoids renormalised to sum 1 (no epsilon, no scaling, no shared expert).
 
+The second batch (each row: what it changes; "DeepSeek-V3's MoE" as for GLM-4.5, its shared
+experts ungated, of ``moe_intermediate_size * n_shared_experts`` (or ``num_shared_experts``)):
+
+* **dots.llm1** (``dots1``; 183-270, 272-400): Qwen3's attention (per-head QK RMSNorm before RoPE,
+  biases on q/k/v/o by ``attention_bias``), dense layers below ``first_k_dense_replace`` (default 0),
+  DeepSeek-V3's MoE (``norm_topk_prob`` default False); ``layer_types`` by default sliding from
+  ``max_window_layers`` on when ``sliding_window`` is set (configuration 111-121).
+* **ERNIE-4.5-MoE** (``ernie4_5_moe``; 130-166, 269-410): RoPE on adjacent channel pairs (l. 130-166:
+  ``rotate_half`` over ``0::2`` / ``1::2``); the MoE on layer ``i`` iff ``moe_layer_start_index <= i
+  <= moe_layer_end_index`` and ``(i + 1) % moe_layer_interval == 0`` (l. 396-402); router in float32
+  (l. 336-358): the top ``moe_k`` of ``softmax + e_score_correction_bias`` (``moe_statics``, ``[1,
+  E]``) pick, their softmax probabilities weight, divided by ``max(sum, moe_norm_min)``
+  (:class:`Float32RouterMoE`); ``moe_num_shared_experts`` ungated shared experts; tied embeddings by
+  default. The checkpoints' ``mtp`` layers are dropped.
+* **Hunyuan-A13B** (``hunyuan_v1_moe``; 153-300, 380-440): per-head ``query_layernorm`` /
+  ``key_layernorm`` *after* RoPE (l. 196-200, :class:`PostRopeNormAttention`: the logits then depend
+  on absolute positions, counted from each row's first token as ``generate`` counts them); every
+  layer a MoE whose experts and always-on ungated ``shared_mlp`` have ``intermediate_size``, routed
+  by a float32 softmax top-``moe_topk``, always renormalised (l. 225-245); ``rope_type="dynamic"``
+  with ``alpha``: the base ``theta * alpha ** (D / (D - 2))`` (l. 381-440).
+* **EXAONE-MoE** (``exaone_moe``; 137-210, 309-380): per-head QK RMSNorm, no attention biases, RoPE
+  on the sliding layers only when ``sliding_window`` is set (the full layers are NoPE, l. 184-186);
+  ``layer_types`` by default full every ``sliding_window_pattern``-th layer (configuration 122-135);
+  dense layers by ``mlp_layer_types`` (default below ``first_k_dense_replace``); DeepSeek-V3's MoE
+  (``routed_scaling_factor`` 2.5 by default). The checkpoints' ``mtp`` layers are dropped.
+* **Solar-Open** (``solar_open``; 184-345): LLaMA's attention with q/k/v biases by ``attention_bias``
+  and none on ``o_proj`` (l. 279-301), GLM-4.5's MoE on every layer, full RoPE (theta 1e6).
+* **AFMoE** (``afmoe``; 95-460): four OLMo-2 RMSNorms a layer (before and after the attention and the
+  MLP, l. 388-452: ``sublayer_norm="both"``, the weights applied and kept in float32), per-head QK
+  RMSNorm, an element-wise output gate ``sigmoid(gate_proj(x))`` before ``o_proj`` (l. 383), RoPE
+  on the sliding layers only (l. 359-361; full every ``global_attn_every_n_layers``-th, configuration
+  112-120), embeddings times ``sqrt(hidden_size)`` when ``mup_enabled`` (l. 567); dense layers below
+  ``num_dense_layers``; a MoE routed by the top-k of ``sigmoid + expert_bias``, renormalised,
+  times ``route_scale`` (l. 126-160), with ``num_shared_experts`` ungated shared experts.
+* **HY-V3** (``hy_v3``; 199-400): per-head QK RMSNorm, biases on q/k/v/o by ``attention_bias``, dense
+  MLPs and shared experts with ``mlp_bias``, dense layers by ``mlp_layer_types`` (default: the first),
+  the MoE routed as MiniMax-M2 (the block's ``e_score_correction_bias``) with ``1e-20`` and
+  ``router_scaling_factor`` (l. 271-300). Its ``enable_moe_fp32_combine`` (routed + shared summed in
+  float32) changes nothing in float32; in half precision attnzoo sums in the model's dtype.
+
 Refused by name: ``router_jitter_noise`` > 0 (Mixtral multiplies the MoE input by noise while
 training, l. 124: not reproduced), OLMoE's ``clip_qkv`` (a clamp of q, k and v that attnzoo's
-attention does not have), ``hidden_act`` other than SiLU in the experts.
+attention does not have), ``hidden_act`` other than SiLU in the experts; ERNIE's ``use_bias``
+(biases on every projection and on the LM head); Hunyuan's per-layer ``num_experts`` list (its
+``moe_topk`` may be one per layer); ``mlp_layer_types`` entries other than ``"dense"`` /
+``"sparse"``; EXAONE-MoE's string ``sliding_window_pattern`` without ``layer_types``.
 """
 
 from __future__ import annotations
@@ -51,28 +97,43 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo.blocks import FeedForward
+from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._moe import deepseek_moe, moe_from_config, put_moe
+from attnzoo.models.families._moe import deepseek_moe, moe_from_config, put_moe, put_per_expert
 from attnzoo.models.families.kimi_linear import saved_names
 from attnzoo.models.hf._state import HFConfig, Plan, load_qkv_into
+from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.nn.attention import MultiHeadAttention, build_softmax
+from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
+from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["VARIANTS", "Variant", "build_sparse_moe", "convert_sparse_moe", "sparse_layers", "window_of_layers"]
+__all__ = ["MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "Variant", "build_sparse_moe",
+           "convert_sparse_moe", "layer_kinds", "sparse_layers", "window_of_layers"]
 
 
 @dataclass(frozen=True)
 class Variant:
     """What a family changes in the shared layer (see the module docstring)."""
 
-    qk_norm: str | None = None  # "head" / "all", or None; "head_if_flag": per head when use_qk_norm
+    qk_norm: str | None = None  # "head" / "all", or None; "head_if_flag": per head when use_qk_norm;
+    #                             "head_after_rope": per head after the rotation (Hunyuan)
     qkv_bias: str | None = None  # the key whose value puts biases on q/k/v but none on o_proj
-    routing: str = "softmax"  # "softmax" (stacked top-k), "deepseek" (GLM-4.5), "sigmoid" (MiniMax-M2)
+    routing: str = "softmax"  # "softmax" (stacked top-k), "deepseek" (GLM-4.5 ...), "sigmoid" (MiniMax-M2),
+    #                           "ernie" / "hunyuan" (:class:`Float32RouterMoE`)
     width: str = "moe_intermediate_size"  # the experts' hidden width key
     shared: bool = False  # Qwen2-MoE's sigmoid-gated shared expert
     renorm: bool = False  # the top-k always renormalised (Mixtral)
+    keys: str | None = None  # batch 2: the MoE block's tensor names, a key of ``MOE_KEYS``
+    scaling: str = "routed_scaling_factor"  # the key of the routed weights' factor (routing "deepseek")
+    rope_layers: str = "all"  # "sliding" (AFMoE: full layers NoPE), "sliding_if_window" (EXAONE-MoE)
+    interleaved: bool = False  # RoPE on adjacent channel pairs (ERNIE-4.5)
+    sandwich: bool = False  # AFMoE: RMSNorms before and after the attention and the MLP, an output gate
 
 
 VARIANTS: dict[str, Variant] = {
@@ -82,6 +143,26 @@ VARIANTS: dict[str, Variant] = {
     "olmoe": Variant(qk_norm="all", width="intermediate_size"),
     "glm4_moe": Variant(qk_norm="head_if_flag", qkv_bias="attention_bias", routing="deepseek"),
     "minimax_m2": Variant(qk_norm="all", routing="sigmoid", width="intermediate_size"),
+    "dots1": Variant(qk_norm="head", routing="deepseek", keys="gate"),
+    "ernie4_5_moe": Variant(routing="ernie", keys="ernie", interleaved=True),
+    "hunyuan_v1_moe": Variant(qk_norm="head_after_rope", routing="hunyuan", width="intermediate_size", keys="hunyuan"),
+    "exaone_moe": Variant(qk_norm="head", routing="deepseek", keys="gate", rope_layers="sliding_if_window"),
+    "solar_open": Variant(qkv_bias="attention_bias", routing="deepseek", keys="gate"),
+    "afmoe": Variant(qk_norm="head", routing="deepseek", keys="afmoe", scaling="route_scale", rope_layers="sliding",
+                     sandwich=True),
+    "hy_v3": Variant(qk_norm="head", routing="deepseek", keys="block", scaling="router_scaling_factor"),
+}
+#: batch 2's MoE block names, each as the names it may have (transformers' module first, then a
+#: saved folder's: EXAONE-MoE / HY-V3 / ERNIE-4.5 save their original checkpoints' names):
+#: (router weight, expert-choice bias, shared experts' module)
+MOE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "gate": (("gate.weight",), ("gate.e_score_correction_bias", "e_score_correction_bias"), ("shared_experts",)),
+    "block": (("gate.weight", "router.gate.weight"), ("e_score_correction_bias", "expert_bias"),
+              ("shared_experts", "shared_mlp")),
+    "afmoe": (("router.gate.weight",), ("expert_bias",), ("shared_experts",)),
+    "ernie": (("gate.weight",), ("gate.moe_statics.e_score_correction_bias", "moe_statics.e_score_correction_bias"),
+              ("shared_experts",)),
+    "hunyuan": (("gate.wg.weight",), (), ("shared_mlp",)),
 }
 #: transformers' defaults of the keys read here, per family (a ``config.json`` may leave them out;
 #: ``num_experts`` stands for ``num_local_experts`` too)
@@ -101,7 +182,38 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                  "routed_scaling_factor": 1.0, "norm_topk_prob": True, "hidden_act": "silu"},
     "minimax_m2": {"num_experts": 256, "num_experts_per_tok": 8, "num_key_value_heads": 8, "head_dim": 128,
                    "rms_norm_eps": 1e-6, "rope_theta": 5e6, "hidden_act": "silu"},
+    "dots1": {"num_experts": None, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "first_k_dense_replace": 0,
+              "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+              "sliding_window": 4096, "max_window_layers": 62, "attention_bias": False, "hidden_act": "silu"},
+    "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536,
+                     "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1,
+                     "moe_layer_interval": 1, "moe_norm_min": 1e-12, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+                     "rope_theta": 5e5, "tie_word_embeddings": True, "use_bias": False, "hidden_act": "silu"},
+    "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "rms_norm_eps": 1e-5, "attention_bias": False,
+                       "hidden_act": "silu"},
+    "exaone_moe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 1024, "num_shared_experts": 1,
+                   "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+                   "first_k_dense_replace": 1, "num_key_value_heads": 32, "rms_norm_eps": 1e-5, "sliding_window": 4096,
+                   "sliding_window_pattern": 4, "hidden_act": "silu"},
+    "solar_open": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1280, "n_shared_experts": 1,
+                   "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                   "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                   "attention_bias": False, "hidden_act": "silu"},
+    "afmoe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408, "num_shared_experts": 2,
+              "route_scale": 1.0, "num_dense_layers": 1, "head_dim": 128, "rms_norm_eps": 1e-5,
+              "global_attn_every_n_layers": 4, "sliding_window": 1024, "mup_enabled": False, "attention_bias": False,
+              "hidden_act": "silu"},
+    "hy_v3": {"num_experts": 192, "num_experts_per_tok": 8, "moe_intermediate_size": 1536, "num_shared_experts": 1,
+              "router_scaling_factor": 2.826, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+              "rope_theta": 11158840.0, "attention_bias": False, "mlp_bias": False, "first_k_dense_replace": 1,
+              "hidden_act": "silu"},
 }
+#: the families whose every layer attends to the whole causal past (no window)
+_FULL = ("olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3")
+TYPES = ("full_attention", "sliding_attention")
+#: AFMoE's four RMSNorms per layer (before/after the attention, before/after the MLP)
+SANDWICH = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_mlp_layernorm"), ("ffn_out_norm", "post_mlp_layernorm"))
 #: a layer's key and its index (``model.layers.{i}.`` / ``layers.{i}.``)
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 #: Mistral's saved names of Mixtral's MoE (``block_sparse_moe``, experts ``w1/w3/w2``)
@@ -111,26 +223,65 @@ _SAVED = tuple((re.compile(p), r) for p, r in (
 
 
 def sparse_layers(hf: HFConfig, depth: int) -> list[bool]:
-    """Which layers have the MoE: all of them (Mixtral, OLMoE, MiniMax-M2), those from
-    ``first_k_dense_replace`` on (GLM-4.5), or Qwen-MoE's rule (not in ``mlp_only_layers``,
-    ``(i + 1) % decoder_sparse_step == 0``, ``num_experts > 0``)."""
-    first = hf.get("first_k_dense_replace", 0)
-    step = hf.get("decoder_sparse_step", 1)
+    """Which layers have the MoE: EXAONE-MoE's / HY-V3's ``mlp_layer_types`` (``"dense"`` /
+    ``"sparse"``) when given; else all of them (Mixtral, OLMoE, MiniMax-M2, Solar-Open, Hunyuan),
+    those from ``first_k_dense_replace`` (GLM-4.5, dots.llm1) / ``num_dense_layers`` (AFMoE) /
+    ``moe_layer_start_index`` to ``moe_layer_end_index`` (ERNIE-4.5) on, Qwen-MoE's rule (not in
+    ``mlp_only_layers``, ``(i + 1) % decoder_sparse_step == 0``; ERNIE's ``moe_layer_interval``), and
+    ``num_experts > 0``."""
+    types = hf.get("mlp_layer_types", None, list)
+    if types is not None:
+        if len(types) != depth:
+            raise CheckpointFormatError(f"{hf.source}: mlp_layer_types has {len(types)} entries for {depth} layers")
+        for t in types:
+            if t not in ("dense", "sparse"):
+                raise hf.unsupported(f"mlp_layer_types entry {t!r} (supported: 'dense', 'sparse')")
+        return [t == "sparse" for t in types]
+    first = hf.first(("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"), 0)
+    last = hf.get("moe_layer_end_index", -1)
+    last = depth - 1 if last == -1 else last
+    step = hf.first(("decoder_sparse_step", "moe_layer_interval"), 1)
     dense = set(hf.get("mlp_only_layers", None, list) or [])
     if step < 1:
-        raise hf.unsupported(f"decoder_sparse_step={step} (expected an int >= 1)")
+        key = "decoder_sparse_step" if hf.has("decoder_sparse_step") else "moe_layer_interval"
+        raise hf.unsupported(f"{key}={step} (expected an int >= 1)")
     experts = hf.first(("num_experts", "num_local_experts"), 0) or 0
-    return [experts > 0 and i >= first and i not in dense and (i + 1) % step == 0 for i in range(depth)]
+    return [experts > 0 and first <= i <= last and i not in dense and (i + 1) % step == 0 for i in range(depth)]
+
+
+def layer_kinds(hf: HFConfig, model_type: str, depth: int) -> list[str]:
+    """Each layer's attention kind (``"sliding_attention"`` / ``"full_attention"``) of the families
+    that name them: ``layer_types`` when given, else dots.llm1's rule (sliding from
+    ``max_window_layers`` on, when ``sliding_window`` is set), EXAONE-MoE's (full every
+    ``sliding_window_pattern``-th layer; none without ``sliding_window``), AFMoE's (full every
+    ``global_attn_every_n_layers``-th); full everywhere for the other families."""
+    if hf.has("layer_types") and model_type in ("dots1", "exaone_moe", "afmoe"):
+        return parts.layer_types(hf, depth, TYPES)
+    window = hf.get("sliding_window", None)
+    if model_type == "dots1":
+        first = hf.get("max_window_layers", 62)
+        return [TYPES[window is not None and i >= first] for i in range(depth)]
+    if model_type == "exaone_moe" and window is not None:
+        pattern = hf.raw("sliding_window_pattern", 4)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise hf.unsupported(f"sliding_window_pattern={pattern!r} without layer_types (supported: an int >= 1)")
+        return [TYPES[(i + 1) % pattern != 0] for i in range(depth)]
+    if model_type == "afmoe":
+        every = hf.get("global_attn_every_n_layers", 4)
+        return [TYPES[(i + 1) % every != 0] for i in range(depth)]
+    return [TYPES[0]] * depth
 
 
 def window_of_layers(hf: HFConfig, model_type: str, depth: int) -> list[int | None]:
     """Each layer's left window (``sliding_window - 1``) or ``None``, as each family's config
     post-processing decides it (see the module docstring)."""
     window = hf.get("sliding_window", None)
-    if model_type in ("olmoe", "glm4_moe", "minimax_m2") or not window:
+    if model_type in _FULL or not window:
         return [None] * depth
     if model_type == "mixtral":
         return [window - 1] * depth
+    if model_type in ("dots1", "exaone_moe", "afmoe"):
+        return parts.sliding_windows(hf, layer_kinds(hf, model_type, depth))
     if not hf.get("use_sliding_window", False, bool):
         return [None] * depth
     if model_type == "qwen3_moe":
@@ -138,9 +289,16 @@ def window_of_layers(hf: HFConfig, model_type: str, depth: int) -> list[int | No
     first = hf.get("max_window_layers", 28)
     kinds = hf.get("layer_types", None, list) or [
         "sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(depth)]
-    kinds = parts.layer_types(hf.with_defaults({"layer_types": kinds}), depth,
-                              ("sliding_attention", "full_attention"))
+    kinds = parts.layer_types(hf.with_defaults({"layer_types": kinds}), depth, TYPES)
     return parts.sliding_windows(hf, kinds)
+
+
+def _rotates(hf: HFConfig, variant: Variant, kinds: list[str]) -> list[bool]:
+    """Which layers rotate: all, or the sliding ones only (AFMoE; EXAONE-MoE when it has a
+    ``sliding_window``): the full layers are NoPE."""
+    if variant.rope_layers == "all" or (variant.rope_layers == "sliding_if_window" and not hf.has("sliding_window")):
+        return [True] * len(kinds)
+    return [k == "sliding_attention" for k in kinds]
 
 
 def _read(hf: HFConfig) -> tuple[HFConfig, str]:
@@ -148,19 +306,36 @@ def _read(hf: HFConfig) -> tuple[HFConfig, str]:
     model_type = str(hf.raw("model_type"))
     if model_type not in VARIANTS:
         raise ValueError(f"sparse_moe: model_type must be one of {list(VARIANTS)}, got {model_type!r}")
+    if isinstance(hf.raw("num_experts"), list):  # Hunyuan's original per-layer expert counts
+        raise hf.unsupported(f"num_experts={hf.raw('num_experts')!r} (a list per layer; supported: one int)")
     defaults = dict(DEFAULTS[model_type])  # the expert count under either name (Qwen3-MoE saves num_local_experts)
-    defaults["num_experts"] = hf.first(("num_experts", "num_local_experts", "n_routed_experts"),
+    defaults["num_experts"] = hf.first(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
                                        defaults["num_experts"])
+    topk = hf.raw("moe_topk")  # Hunyuan's: one int, or one per layer (read by _top_ks)
+    defaults["num_experts_per_tok"] = hf.first(("num_experts_per_tok", "moe_k"),
+                                               topk if isinstance(topk, int) else defaults.get("num_experts_per_tok"))
+    scaling = VARIANTS[model_type].scaling
+    if scaling != "routed_scaling_factor":  # AFMoE's route_scale, HY-V3's router_scaling_factor
+        defaults["routed_scaling_factor"] = hf.get(scaling, defaults[scaling], float)
     hf = hf.with_defaults(defaults)
     parts.unsupported_keys(hf, {"router_jitter_noise": lambda v: not v, "clip_qkv": lambda v: v is None,
-                                "pretraining_tp": lambda v: v in (None, 1)})
+                                "pretraining_tp": lambda v: v in (None, 1), "use_bias": lambda v: not v})
     return hf, model_type
 
 
-def _rotary(hf: HFConfig, head_dim: int) -> Any:
+def _rotary(hf: HFConfig, variant: Variant, head_dim: int) -> Any:
     """The rotary embedding, on the first ``rotary_dim`` channels of a head (MiniMax-M2's key) or
-    ``partial_rotary_factor`` of them (GLM-4.5: 0.5 by default)."""
+    ``partial_rotary_factor`` of them (GLM-4.5: 0.5 by default); ERNIE-4.5's on adjacent pairs;
+    Hunyuan's ``alpha`` (``rope_type="dynamic"``) stretches the base to ``theta * alpha ** (D / (D - 2))``."""
     params = parts.rope_params(hf)
+    if params.get("alpha") is not None and params.get("rope_type", params.get("type")) == "dynamic":
+        D = hf.get("head_dim", head_dim)
+        return RotaryEmbedding(D, base=float(params["rope_theta"]) * float(params["alpha"]) ** (D / (D - 2)))
+    if variant.interleaved:
+        if params.get("rope_type", "default") != "default":
+            raise hf.unsupported(f"rope_type={params.get('rope_type')!r} with ERNIE's interleaved RoPE "
+                                 f"(supported: 'default')")
+        return RotaryEmbedding(head_dim, base=float(params["rope_theta"]), interleaved=True)
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5 if hf.raw("model_type") ==
                                                          "glm4_moe" else 1.0, float))
     rot = hf.get("rotary_dim", int(head_dim * factor))
@@ -168,9 +343,14 @@ def _rotary(hf: HFConfig, head_dim: int) -> Any:
 
 
 def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
-    """The factory of a sparse layer's :class:`~attnzoo.nn.moe.MixtureOfExperts`."""
-    if variant.routing == "deepseek":
-        return functools.partial(deepseek_moe, hf, **kw)
+    """The factory of a sparse layer's :class:`~attnzoo.nn.moe.MixtureOfExperts` (SwiGLU experts only)."""
+    if hf.get("hidden_act", "silu", str) not in ("silu", "swish"):
+        raise hf.unsupported(f"hidden_act={hf.raw('hidden_act')!r} in the experts (supported: 'silu')")
+    if variant.routing == "deepseek":  # HY-V3's shared experts carry mlp_bias
+        shared = functools.partial(FeedForward, activation="swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
+        return functools.partial(deepseek_moe, hf, shared_expert=shared, **kw)
+    if variant.routing in ("ernie", "hunyuan"):
+        return functools.partial(_float32_moe, hf, variant.routing == "ernie", **kw)
     if variant.routing == "sigmoid":
         routing = Routing("sigmoid_topk", norm_topk_prob=True, norm_eps=0.0)
         return functools.partial(MixtureOfExperts, hf.req("hidden_size"), hf.req(variant.width), hf.req("num_experts"),
@@ -181,34 +361,84 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
     return functools.partial(moe_from_config, view, "stacked", **kw)
 
 
+def _float32_moe(hf: HFConfig, ernie: bool, *, device: Any = None, dtype: Any = None) -> Float32RouterMoE:
+    """ERNIE-4.5's MoE (experts of ``moe_intermediate_size``, the choice bias, ``moe_norm_min``,
+    ``moe_num_shared_experts`` ungated shared experts) or Hunyuan's (experts and one ungated
+    shared MLP of ``intermediate_size``)."""
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    C, E, k = hf.req("hidden_size"), hf.req("num_experts"), hf.req("num_experts_per_tok")
+    if not ernie:
+        F_ = hf.req("intermediate_size")
+        return Float32RouterMoE(C, F_, E, k, choice_bias=False, norm_min=0.0,
+                                shared_expert=FeedForward(C, F_, "swiglu", bias=False, **kw), **kw)
+    F_, n = hf.req("moe_intermediate_size"), hf.get("moe_num_shared_experts", 0)
+    shared = FeedForward(C, F_ * n, "swiglu", bias=False, **kw) if n else None
+    return Float32RouterMoE(C, F_, E, k, choice_bias=True, norm_min=hf.get("moe_norm_min", 1e-12, float),
+                            shared_expert=shared, **kw)
+
+
 def _qk_norm(hf: HFConfig, variant: Variant) -> str | None:
     if variant.qk_norm == "head_if_flag":
         return "head" if hf.get("use_qk_norm", False, bool) else None
     return variant.qk_norm
 
 
+def _attention(hf: HFConfig, variant: Variant, window: int | None, rope: Any, kw: dict[str, Any]) -> Any:
+    """The factory of one layer's attention (``rope=None``: a NoPE layer)."""
+    qk_norm = _qk_norm(hf, variant)
+    if qk_norm == "head_after_rope":
+        C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
+        return functools.partial(
+            build_softmax, PostRopeNormAttention, C, H, num_kv_heads=hf.get("num_key_value_heads", H),
+            head_dim=hf.get("head_dim", C // H), bias=hf.get("attention_bias", False, bool), causal=True,
+            window=window, rope=rope, dropout=hf.get("attention_dropout", 0.0, float), qk_norm="head",
+            qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float), **kw)
+    attn_cfg = hf.with_defaults({"attention_bias": _qkv_bias(hf, variant)}) if variant.qkv_bias else hf
+    return parts.attention_factory(attn_cfg, window=window, rope=rope, qk_norm=qk_norm,
+                                   output_gate="element" if variant.sandwich else None, **kw)
+
+
 def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                      dtype: Any = None) -> DecoderLM:
-    """The decoder of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / GLM-4.5 / MiniMax-M2 config
-    (random weights; the family is the config's ``model_type``; see the module docstring)."""
+    """The decoder of a sparse-MoE config of the LLaMA line (random weights; the family is the
+    config's ``model_type``; see the module docstring)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
-    attn_cfg = hf.with_defaults({"attention_bias": _qkv_bias(hf, variant)}) if variant.qkv_bias else hf
-    rope = _rotary(hf, hf.get("head_dim", C // H))
-    moe = _moe(hf, variant, kw)
+    rope = _rotary(hf, variant, hf.get("head_dim", C // H))
+    sparse = sparse_layers(hf, depth)
+    moes = [_moe(HFConfig({**hf.data, "num_experts_per_tok": k}, hf.source, hf.arch) if k else hf, variant, kw)
+            for k in _top_ks(hf, depth)]
     act = hf.activation("hidden_act", parts.GATED, "silu")
-    dense = parts.gated_mlp(C, hf.req("intermediate_size"), act, **kw)
-    attention = functools.partial(parts.attention_factory, attn_cfg, rope=rope, qk_norm=_qk_norm(hf, variant), **kw)
-    blocks = [parts.block(C, attention(window=w), moe if sparse else dense, parts.rms_norm(C, eps, **kw))
-              for w, sparse in zip(window_of_layers(hf, model_type, depth), sparse_layers(hf, depth), strict=True)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    dense = None if all(sparse) else parts.gated_mlp(C, hf.req("intermediate_size"), act,
+                                                     bias=hf.get("mlp_bias", False, bool), **kw)
+    rotates = _rotates(hf, variant, layer_kinds(hf, model_type, depth))
+    blocks = [parts.block(C, _attention(hf, variant, w, rope if r else None, kw), moe if s else dense,
+                          parts.rms_norm(C, eps, **kw), sublayer_norm="both" if variant.sandwich else "input")
+              for w, r, s, moe in zip(window_of_layers(hf, model_type, depth), rotates, sparse, moes, strict=True)]
+    scale = C ** 0.5 if hf.get("mup_enabled", False, bool) else None  # AFMoE's muP embedding scale
+    model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, **kw)
+    if variant.sandwich:  # AFMoE's OLMo-2 norms: the weight applied in float32, kept in float32
+        parts.float32_scale_norms(model, keep_float32=True)
+    return model
+
+
+def _top_ks(hf: HFConfig, depth: int) -> list[int | None]:
+    """Each layer's own top-k where Hunyuan's ``moe_topk`` is a list (one per layer; its gate reads
+    ``moe_topk[layer_idx]``, modeling 230-231), else ``None`` (the config's one top-k)."""
+    topk = hf.raw("moe_topk")
+    if not isinstance(topk, list):
+        return [None] * depth
+    if len(topk) != depth or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in topk):
+        raise CheckpointFormatError(f"{hf.source}: moe_topk must be one int or one int >= 1 per layer "
+                                    f"({depth}), got {topk!r}")
+    return list(topk)
 
 
 def _qkv_bias(hf: HFConfig, variant: Variant) -> bool:
-    """Qwen2-MoE's ``qkv_bias`` (default True), GLM-4.5's ``attention_bias``: biases on q, k and v,
-    none on ``o_proj``."""
+    """Qwen2-MoE's ``qkv_bias`` (default True), GLM-4.5's / Solar-Open's ``attention_bias``: biases
+    on q, k and v, none on ``o_proj``."""
     return variant.qkv_bias is not None and hf.get(variant.qkv_bias, True, bool)
 
 
@@ -221,9 +451,51 @@ def _put_qkv_biased(plan: Plan, ours: str, theirs: str, dim: int) -> None:
     plan.put_tensor(f"{ours}.out_proj.bias", torch.zeros(dim), "zeros (the o_proj has no bias)")
 
 
-def _put_ffn(plan: Plan, ours: str, theirs: str, variant: Variant, sparse: bool) -> None:
-    if not sparse:
-        parts.put_mlp(plan, ours, theirs)
+def _put_attention(plan: Plan, ours: str, theirs: str, hf: HFConfig, variant: Variant) -> None:
+    """A layer's attention at ``ours`` (``"blocks.3.attn"``) from ``theirs`` (``"layers.3.self_attn."``):
+    q/k/v(/o) and their biases, the QK norms (Hunyuan's ``query_layernorm``/``key_layernorm``),
+    AFMoE's output gate ``gate_proj``."""
+    qk_norm = _qk_norm(hf, variant)
+    if _qkv_bias(hf, variant):
+        _put_qkv_biased(plan, ours, theirs, hf.req("hidden_size"))
+    else:
+        parts.put_attention(plan, ours, theirs, bias=hf.get("attention_bias", False, bool))
+    names = ("query_layernorm", "key_layernorm") if qk_norm == "head_after_rope" else ("q_norm", "k_norm")
+    if qk_norm is not None:
+        for n, name in zip(("q_norm", "k_norm"), names, strict=True):
+            plan.put(f"{ours}.frontier.{n}_weight", f"{theirs}{name}.weight")
+    if variant.sandwich:
+        plan.put(f"{ours}.frontier.gate_proj.weight", f"{theirs}gate_proj.weight")
+
+
+def _put_keyed_moe(plan: Plan, ours: str, theirs: str, variant: Variant, moe: Any, bias: bool) -> None:
+    """Batch 2's MoE blocks (names in ``MOE_KEYS``): the router, the expert-choice bias (ERNIE's
+    ``[1, E]`` flattened), the stacked experts (or one tensor per expert, as saved folders hold
+    them), the shared experts (``bias``: HY-V3's ``mlp_bias``)."""
+    router, choice, shared = (next((k for k in names if plan.src.has(f"{theirs}{k}{tail}")), names[0]) if names else None
+                              for names, tail in zip(MOE_KEYS[variant.keys or "gate"], ("", "", ".down_proj.weight"),
+                                                     strict=True))
+    plan.put(f"{ours}router.weight", f"{theirs}{router}")
+    if choice is not None:
+        plan.put(f"{ours}score_bias", f"{theirs}{choice}", lambda t: t.reshape(-1))
+    if plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
+        put_per_expert(plan, ours, theirs)
+    else:
+        key = f"{theirs}experts.gate_up_proj"
+        plan.put(f"{ours}gate_proj", key, lambda w: w[:, : w.shape[1] // 2].contiguous())
+        plan.put(f"{ours}up_proj", key, lambda w: w[:, w.shape[1] // 2:].contiguous())
+        plan.put(f"{ours}down_proj", f"{theirs}experts.down_proj")
+    if moe.shared_expert is not None:
+        plan.put_pairs(f"{ours}shared_expert.", f"{theirs}{shared}.",
+                       [(n, n) for n in ("gate_proj", "up_proj", "down_proj")], bias=bias)
+
+
+def _put_ffn(plan: Plan, ours: str, theirs: str, variant: Variant, ffn: Any, hf: HFConfig) -> None:
+    bias = hf.get("mlp_bias", False, bool)
+    if not isinstance(ffn, MixtureOfExperts):
+        parts.put_mlp(plan, ours, theirs, bias=bias)
+    elif variant.keys is not None:
+        _put_keyed_moe(plan, ours, theirs, variant, ffn, bias)
     elif variant.routing == "deepseek":
         put_moe(plan, ours, theirs, "deepseek")
     else:
@@ -234,23 +506,86 @@ def _put_ffn(plan: Plan, ours: str, theirs: str, variant: Variant, sparse: bool)
 
 def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; Mistral's saved MoE names
-    too; GLM-4.5's multi-token-prediction layers dropped)."""
+    too; the multi-token-prediction layers of GLM-4.5 / HY-V3 (``layers.{j >= depth}``) and of
+    ERNIE-4.5 / EXAONE-MoE (``mtp.*``) dropped)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
     sd = saved_names(sd, _SAVED)
     model, plan, head_size = parts.start(hf, sd, build_sparse_moe, device=device, dtype=dtype)
-    qk_norm = _qk_norm(hf, variant) is not None
-    for i, sparse in enumerate(sparse_layers(hf, model.depth)):
+    for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"layers.{i}."
-        if _qkv_bias(hf, variant):
-            _put_qkv_biased(plan, f"{o}attn", f"{h}self_attn.", hf.req("hidden_size"))
-            if qk_norm:
-                for n in ("q_norm", "k_norm"):
-                    plan.put(f"{o}attn.frontier.{n}_weight", f"{h}self_attn.{n}.weight")
-        else:
-            parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool),
-                                qk_norm=qk_norm)
-        _put_ffn(plan, f"{o}ffn.", f"{h}mlp.", variant, sparse)
-        plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
+        _put_attention(plan, f"{o}attn", f"{h}self_attn.", hf, variant)
+        _put_ffn(plan, f"{o}ffn.", f"{h}mlp.", variant, block.ffn, hf)
+        plan.put_pairs(o, h, SANDWICH if variant.sandwich else parts.PRE_NORMS, bias=False)
     extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= model.depth}
-    return parts.finish(plan, model, head_size, ignore=[rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)])
+    ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)]
+    if model_type in ("ernie4_5_moe", "exaone_moe"):
+        ignore.append(r"(model\.)?mtp.*")
+    return parts.finish(plan, model, head_size, ignore=ignore)
+
+
+class Float32RouterMoE(MixtureOfExperts):
+    """A :class:`~attnzoo.nn.moe.MixtureOfExperts` routed as ERNIE-4.5 (modular 101-124) and
+    Hunyuan (modular 120-136) route: the router's logits and softmax in float32, the ``k`` experts of
+    largest probability (plus ``score_bias [E]`` with ``choice_bias``: ERNIE's
+    ``e_score_correction_bias``, which picks but does not weight), their probabilities divided by
+    ``max(sum, norm_min)``.
+
+    Args: as :class:`~attnzoo.nn.moe.MixtureOfExperts` (SwiGLU experts), plus ``choice_bias`` and
+    ``norm_min`` (ERNIE's ``moe_norm_min``; 0 for Hunyuan's plain renormalisation).
+    Shapes: ``x [..., C] -> [..., C]``."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, choice_bias: bool, norm_min: float,
+                 shared_expert: nn.Module | None = None, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(dim, hidden, num_experts, top_k, routing=Routing("softmax_topk", norm_topk_prob=True),
+                         shared_expert=shared_expert, device=device, dtype=dtype)
+        self.norm_min = float(norm_min)
+        if choice_bias:
+            del self.score_bias
+            self.register_buffer("score_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router of ``x [T, C]``: ``(weights [T, k], experts [T, k] long, logits [T, E])``."""
+        wide = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(wide), self.router.weight.to(wide))  # [T, E]
+        probs = torch.softmax(logits, dim=-1)
+        choice = probs if self.score_bias is None else probs + self.score_bias.to(wide)
+        experts = torch.topk(choice, self.top_k, dim=-1)[1]  # [T, k]
+        weights = probs.gather(-1, experts)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(self.norm_min)
+        return weights.to(x.dtype), experts, logits
+
+
+class PostRopeNormAttention(MultiHeadAttention):
+    """Hunyuan-MoE's attention (modular 60-100): the per-head q/k RMSNorms (the parts'
+    ``qk_norm="head"``, ``query_layernorm``/``key_layernorm``) applied *after* the rotary embedding.
+
+    Shapes: as :class:`~attnzoo.MultiHeadAttention` (``x [B, N, C] -> [B, N, C]``; packed
+    ``[1, T, C]`` with ``cu_seqlens``)."""
+
+    def _project_self(self, x: Tensor, positions: Tensor | None, start: int, *,
+                      rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, N, D]``, ``k, v [B, Hkv, N, D]``: rotated, then normed."""
+        if not rotate:
+            raise ValueError(f"{type(self).__name__}: the q/k norms follow the rotation, so it cannot hand out "
+                             f"unrotated keys (a sink cache)")
+        B, N, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qk_, v_ = self.qkv_proj(x).split(((H + Hkv) * D, Hkv * D), dim=-1)
+        qk = self._rotate(self.split_heads(qk_), resolve_positions(positions, N, start, x.device, batch=B))
+        return self.frontier.norm_q(qk[:, :H]), self.frontier.norm_k(qk[:, H:]), self.split_heads(v_)
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        """Packed self-attention of ``x [1, T, C]`` (``cu_seqlens``): ``[1, H, T, D]`` before the merge."""
+        cls = type(self).__name__
+        if any(v is not None for v in (context, mask, cache, positions)) or return_weights or \
+                (self.training and self.dropout):
+            raise ValueError(f"{cls}: packed input (cu_seqlens) takes no context, mask, cache, positions, "
+                             f"return_weights or attention dropout")
+        cu = packed_cu_seqlens(cu_seqlens, x, cls)
+        T = x.shape[1]
+        q, k, v = self._project_self(x, packed_positions(cu, T), 0, rotate=True)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                               causal=True, window=self.window, scale=self.scale, backend=self.backend)  # [T, H, D]
+        return out.transpose(0, 1).reshape(1, self.num_heads, T, -1)
