@@ -312,3 +312,15 @@ def test_apertus_checkpoint_without_xielu_buffers_loads() -> None:
     with torch.no_grad():
         assert checks.rel(ours(x), hf(input_ids=x).logits) <= checks.TOL
 
+
+
+def test_every_family_is_dispatched() -> None:
+    """A dense family is a ``Family`` row and an ``ARCHITECTURES`` row; ``convert.py`` dispatches
+    every one of them with no line of its own."""
+    from attnzoo.interop import SUPPORTED_ARCHITECTURES
+    from attnzoo.models.families.dense import ARCHITECTURES, FAMILIES
+    from attnzoo.models.hf.convert import BUILDERS
+
+    assert set(ARCHITECTURES) == set(FAMILIES)
+    assert all(BUILDERS[t][0] == name for t, (name, _) in ARCHITECTURES.items())
+    assert all(c in SUPPORTED_ARCHITECTURES for _, classes in ARCHITECTURES.values() for c in classes)

@@ -260,3 +260,15 @@ def test_transformers_through_register(make: Any) -> None:
         ours = hf(input_ids=x, attention_mask=mask).logits
     assert checks.rel(ours[mask.bool()], ref[mask.bool()]) <= checks.TOL
     checks.check_transformers_packed(hf)
+
+
+def test_every_variant_is_dispatched() -> None:
+    """A family of the builder is a ``Variant`` row and an ``ARCHITECTURES`` row; ``convert.py``
+    dispatches every one of them with no line of its own."""
+    from attnzoo.interop import SUPPORTED_ARCHITECTURES
+    from attnzoo.models.families.sparse_moe import ARCHITECTURES, VARIANTS
+    from attnzoo.models.hf.convert import BUILDERS
+
+    assert set(ARCHITECTURES) == set(VARIANTS)
+    assert all(BUILDERS[t][0] == name for t, (name, _) in ARCHITECTURES.items())
+    assert all(c in SUPPORTED_ARCHITECTURES for _, classes in ARCHITECTURES.values() for c in classes)

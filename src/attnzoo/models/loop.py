@@ -29,17 +29,20 @@ import itertools
 import torch
 from torch import Tensor
 
+from attnzoo._validate import check_int
 from attnzoo.models._common import (
     LayerCaches,
     check_padding_mask,
     check_tokens,
     positions_from_mask,
 )
+from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.parts import DecoderParts
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 
-__all__ = ["LayerLoopLM"]
+__all__ = ["LayerLoopLM", "StreamsLM"]
 
 
 class LayerLoopLM(DecoderLM):
@@ -127,3 +130,17 @@ class LayerLoopLM(DecoderLM):
         h = self.run_layers(self.embed(tokens, pos), tokens=tokens, key_padding=None, positions=pos, past=0,
                             cache=None, cu_seqlens=cu)
         return self.logits(h)  # [1, T, V]
+
+
+class StreamsLM(LayerLoopLM):
+    """A :class:`LayerLoopLM` over ``streams`` copies of the residual stream (hyper-connections:
+    GLM-5-Next, Qwen4-Exp, DeepSeek-V4); the subclass's :meth:`~LayerLoopLM.run_layers` spreads the
+    embedding over them and reads them back."""
+
+    def __init__(self, *, streams: int, config: DecoderConfig, parts: DecoderParts,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config=config, parts=parts, device=device, dtype=dtype)
+        self.streams = check_int(streams, "streams", type(self).__name__)
+
+    def extra_repr(self) -> str:
+        return f"streams={self.streams}"

@@ -141,16 +141,19 @@ def unsupported_keys(hf: HFConfig, checks: Mapping[str, Callable[[Any], bool]]) 
             raise hf.unsupported(f"{key}={value!r}")
 
 
-def layer_types(hf: HFConfig, depth: int, allowed: Sequence[str]) -> list[str]:
-    """``layer_types`` (one per layer, each in ``allowed``), ``full_attention`` everywhere when absent."""
-    types = hf.get("layer_types", None, list)
+def layer_types(hf: HFConfig, depth: int, allowed: Sequence[str], *, key: str = "layer_types",
+                default: Sequence[str] | None = None) -> list[str]:
+    """The per-layer kinds under ``key`` (one per layer, each in ``allowed``); when absent
+    ``default``, or ``full_attention`` everywhere."""
+    types = hf.get(key, None, list)
     if types is None:
-        return ["full_attention"] * depth
+        return list(default) if default is not None else ["full_attention"] * depth
     if len(types) != depth:
-        raise CheckpointFormatError(f"{hf.source}: layer_types has {len(types)} entries for {depth} layers")
+        raise CheckpointFormatError(f"{hf.source}: {key} has {len(types)} entries for {depth} layers")
+    what = key[:-1].replace("_", " ")  # "layer type", "mlp layer type"
     for t in types:
         if t not in allowed:
-            raise hf.unsupported(f"layer type {t!r} (supported: {', '.join(map(repr, allowed))})")
+            raise hf.unsupported(f"{what} {t!r} (supported: {', '.join(map(repr, allowed))})")
     return list(types)
 
 

@@ -91,7 +91,7 @@ from attnzoo.models.families._moe import put_moe
 from attnzoo.models.families.glm5_next import ClampedMoE, ClampedSwiGLU, HyperBlock, HyperConnection
 from attnzoo.models.families.kimi_linear import saved_names
 from attnzoo.models.hf._state import HFConfig, Plan
-from attnzoo.models.loop import LayerLoopLM
+from attnzoo.models.loop import StreamsLM
 from attnzoo.models.parts import DecoderParts, head_for
 from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.moe import Routing
@@ -558,7 +558,7 @@ class V4Block(HyperBlock):
         return self.ffn_hc.merge(x, self.ffn(self.ffn_norm(h), tokens), post, comb)
 
 
-class DeepseekV4LM(LayerLoopLM):
+class DeepseekV4LM(StreamsLM):
     """A :class:`~attnzoo.models.loop.LayerLoopLM` of :class:`V4Block` layers on ``streams``
     residual streams: the embedding copied onto every stream, :class:`HyperHead` before the final
     norm. ``positions`` (``[N]`` or ``[B, N]``; default ``past .. past + N - 1``) place the rotaries
@@ -568,9 +568,8 @@ class DeepseekV4LM(LayerLoopLM):
 
     def __init__(self, *, head: HyperHead, config: DecoderConfig, parts: DecoderParts,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__(config=config, parts=parts, device=device, dtype=dtype)
+        super().__init__(streams=head.hc_fn.shape[0], config=config, parts=parts, device=device, dtype=dtype)
         self.hc_head = head
-        self.streams = head.hc_fn.shape[0]
 
     def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
                    past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -581,9 +580,6 @@ class DeepseekV4LM(LayerLoopLM):
         for i, block in enumerate(self.blocks):
             h = block(h, tokens=tokens, positions=pos, key_padding=key_padding, cache=None if cache is None else cache[i])
         return self.hc_head(h)
-
-    def extra_repr(self) -> str:
-        return f"streams={self.streams}"
 
 
 # --------------------------------------------------------------------------- config

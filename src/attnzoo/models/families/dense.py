@@ -56,7 +56,7 @@ from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "convert_dense"]
+__all__ = ["ARCHITECTURES", "XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "convert_dense"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -412,6 +412,16 @@ def _no_bias(hf: HFConfig) -> tuple[bool, bool]:
     return False, False
 
 
+#: ``model_type`` -> (the family's name, the transformers classes that convert), which
+#: ``models/hf/convert.py`` reads: a family added here needs no line there
+ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "cohere2": ("Cohere2", ("Cohere2ForCausalLM", "Cohere2Model")),
+    "exaone4": ("EXAONE 4", ("Exaone4ForCausalLM", "Exaone4Model")),
+    "ministral3": ("Ministral 3", ("Ministral3ForCausalLM", "Ministral3Model")),
+    "seed_oss": ("Seed-OSS", ("SeedOssForCausalLM", "SeedOssModel")),
+    "apertus": ("Apertus", ("ApertusForCausalLM", "ApertusModel")),
+    "glm4": ("GLM-4", ("Glm4ForCausalLM", "Glm4Model")),
+}
 FAMILIES: dict[str, Family] = {
     "cohere2": Family(build_cohere2, {"logit_scale": 0.0625, "layer_norm_eps": 1e-5, "tie_word_embeddings": True,
                                       "max_position_embeddings": 8192, "hidden_act": "silu"},

@@ -79,7 +79,7 @@ from attnzoo.models.families.bailing_hybrid import LimitedSwiGLU
 from attnzoo.models.families.kimi_linear import put_kda, put_mla, saved_names
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.deepseek import extra_layer
-from attnzoo.models.loop import LayerLoopLM
+from attnzoo.models.loop import StreamsLM
 from attnzoo.models.parts import DecoderParts, head_for
 from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.kda import KimiDeltaAttention
@@ -476,16 +476,11 @@ class HyperBlock(nn.Module):
         return self.ffn_hc.merge(x, self.ffn(self.ffn_norm(h)), post, comb), selected
 
 
-class Glm5NextLM(LayerLoopLM):
+class Glm5NextLM(StreamsLM):
     """A :class:`~attnzoo.models.loop.LayerLoopLM` of :class:`HyperBlock` layers on ``streams``
     residual streams: the embedding copied onto every stream, the streams' mean before the final
     norm. Position-free (``positions`` are accepted and unused). ``cu_seqlens`` runs each packed
     sequence alone. Generation, caches and the rest as :class:`~attnzoo.DecoderLM`."""
-
-    def __init__(self, *, streams: int, config: DecoderConfig, parts: DecoderParts,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__(config=config, parts=parts, device=device, dtype=dtype)
-        self.streams = streams
 
     def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
                    past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -497,9 +492,6 @@ class Glm5NextLM(LayerLoopLM):
             h, selected = block(h, key_padding=key_padding, cache=None if cache is None else cache[i],
                                 selected=selected)
         return h.mean(dim=2)
-
-    def extra_repr(self) -> str:
-        return f"streams={self.streams}"
 
 
 # --------------------------------------------------------------------------- config
@@ -664,3 +656,4 @@ def convert_glm5_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype
         _put_layer(plan, hf, i)
     parts.finish(plan, model, head_size)
     return model
+

@@ -371,16 +371,9 @@ def _layer_kinds(hf: HFConfig, depth: int) -> list[str]:
 
 def _mlp_kinds(hf: HFConfig, depth: int) -> list[str]:
     """``mlp_layer_types`` (config 160-162: absent, the first ``dense_mlp_idx`` layers dense)."""
-    kinds = hf.get("mlp_layer_types", None, list)
-    if kinds is None:
-        dense = hf.get("dense_mlp_idx", 0)
-        return ["dense" if i < dense else "sparse" for i in range(depth)]
-    if len(kinds) != depth:
-        raise CheckpointFormatError(f"{hf.source}: mlp_layer_types has {len(kinds)} entries for {depth} layers")
-    for kind in kinds:
-        if kind not in MLP_TYPES:
-            raise hf.unsupported(f"mlp layer type {kind!r} (supported: {', '.join(map(repr, MLP_TYPES))})")
-    return list(kinds)
+    dense = hf.get("dense_mlp_idx", 0)
+    return parts.layer_types(hf, depth, MLP_TYPES, key="mlp_layer_types",
+                             default=["dense" if i < dense else "sparse" for i in range(depth)])
 
 
 def _finite(value: Any) -> bool:

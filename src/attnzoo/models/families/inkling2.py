@@ -267,6 +267,17 @@ def _apply_keeping_float32(module: nn.Module, names: tuple[str, ...], fn: Any, r
     _restore_float32(module, before)
 
 
+class Float32Params(nn.Module):
+    """A module whose parameters named in ``FLOAT32`` stay float32 through half-precision casts
+    (:func:`_apply_keeping_float32`)."""
+
+    FLOAT32: tuple[str, ...] = ()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Float32Params:
+        _apply_keeping_float32(self, self.FLOAT32, fn, recurse)
+        return self
+
+
 # --------------------------------------------------------------------------- cache
 class Inkling2Cache(_LengthCache):
     """One Inkling2 layer's decode cache, written in place by position: ``k [B, Hkv, max_len, D]``,
@@ -320,13 +331,15 @@ def _conv_context(x: Tensor, taps: int, cache: Inkling2Cache | None, name: str) 
 
 
 # --------------------------------------------------------------------------- convolutions
-class ShortConv(nn.Module):
+class ShortConv(Float32Params):
     """Inkling2's short convolution (modeling 341-394): ``(conv(x * real) + x) / sqrt(K + 1)``, a
     causal depthwise convolution of ``K`` taps in float32 (``weight[:, K - 1]`` weights the current
     token), padded tokens zeroed in its input only.
 
     Weights: ``weight [W, K]``. Shapes: ``x [B, N, W]``, ``real [B, N]`` bool -> ``[B, N, W]``.
     """
+
+    FLOAT32 = ("weight",)
 
     def __init__(self, width: int, taps: int, name: str, *, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -339,10 +352,6 @@ class ShortConv(nn.Module):
         ctx = _conv_context(masked, self.taps, cache, self.name).transpose(1, 2)  # [B, W, K - 1 + N]
         y = F.conv1d(ctx, self.weight.to(xf.dtype).unsqueeze(1), groups=ctx.shape[1]).transpose(1, 2)  # [B, N, W]
         return ((y + xf) / math.sqrt(self.taps + 1)).to(x.dtype)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> ShortConv:
-        _apply_keeping_float32(self, ("weight",), fn, recurse)
-        return self
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, taps={self.taps}"
@@ -523,13 +532,15 @@ def block_attention(query: Tensor, blocks: Tensor, partial: Tensor) -> Tensor:
     return torch.einsum("bnqs,bnsc->bnqc", scores.softmax(-1), states)
 
 
-class BlockAttentionResidual(nn.Module):
+class BlockAttentionResidual(Float32Params):
     """Inkling2's block attention residual (modeling 877-902): per token, ``Q`` learned queries
     attend over the block states and the partial sum, all normalised by an unweighted RMSNorm (the
     keys and the values), score scale ``C ** -0.5``; float32.
 
     Weights: ``query [Q, C]``. Shapes: ``blocks [B, N, S, C]``, ``partial [B, N, C]`` -> ``[B, N, Q, C]``.
     """
+
+    FLOAT32 = ("query",)
 
     def __init__(self, dim: int, num_queries: int = 1, *, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -538,15 +549,11 @@ class BlockAttentionResidual(nn.Module):
     def forward(self, blocks: Tensor, partial: Tensor) -> Tensor:
         return block_attention(self.query, blocks, partial)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> BlockAttentionResidual:
-        _apply_keeping_float32(self, ("query",), fn, recurse)
-        return self
-
     def extra_repr(self) -> str:
         return f"{self.query.shape[1]}, queries={self.query.shape[0]}"
 
 
-class MessageGate(nn.Module):
+class MessageGate(Float32Params):
     """Inkling2-loop's message gate (modeling_inkling2_loop ``Inkling2LoopMessageGate``):
     ``d = down_proj([rms(x), rms(m)])`` (unweighted RMSNorms, ``eps``), ``(1 - tanh(forget_weight d))
     * x + tanh(message_weight d) * m`` in float32.
@@ -554,6 +561,8 @@ class MessageGate(nn.Module):
     Weights: ``down_proj [r, 2 C]``, ``forget_weight`` / ``message_weight [C, r]`` (float32).
     Shapes: ``x, m [B, N, C]`` -> ``[B, N, C]`` float32.
     """
+
+    FLOAT32 = ("forget_weight", "message_weight")
 
     def __init__(self, dim: int, rank: int, eps: float, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -570,12 +579,8 @@ class MessageGate(nn.Module):
         forget, gain = torch.tanh(F.linear(d, self.forget_weight)), torch.tanh(F.linear(d, self.message_weight))
         return (1 - forget) * x + gain * m
 
-    def _apply(self, fn: Any, recurse: bool = True) -> MessageGate:
-        _apply_keeping_float32(self, ("forget_weight", "message_weight"), fn, recurse)
-        return self
 
-
-class MessageInput(nn.Module):
+class MessageInput(Float32Params):
     """Inkling2-loop's message attention residual (``Inkling2LoopMessageAttentionResidual``): for
     loop layer ``j``, its 4 queries (q, k, v and MLP messages) attend over the previous pass's block
     states and last hidden state as :func:`block_attention`.
@@ -584,16 +589,14 @@ class MessageInput(nn.Module):
     -> ``[B, N, 4, C]``.
     """
 
+    FLOAT32 = ("query",)
+
     def __init__(self, dim: int, loop_layers: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(loop_layers, 4, dim, device=device, dtype=torch.float32))
 
     def forward(self, blocks: Tensor, partial: Tensor, j: int) -> Tensor:
         return block_attention(self.query[j], blocks, partial)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> MessageInput:
-        _apply_keeping_float32(self, ("query",), fn, recurse)
-        return self
 
 
 class Inkling2Layer(nn.Module):

@@ -73,7 +73,7 @@ from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.families.qwen3_5 import put_split_deltanet
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, _real_tokens, put_gated_attention
 from attnzoo.models.hf._state import HFConfig, Plan
-from attnzoo.models.loop import LayerLoopLM
+from attnzoo.models.loop import StreamsLM
 from attnzoo.models.parts import DecoderParts, head_for
 from attnzoo.nn.cache import CacheList
 
@@ -449,16 +449,11 @@ class HyperFeedForward(nn.Module):
         return self.residual.write(self.ffn(h), inj)  # type: ignore[arg-type]
 
 
-class Qwen4ExpLM(LayerLoopLM):
+class Qwen4ExpLM(StreamsLM):
     """The Qwen4-Exp decoder: a :class:`~attnzoo.models.loop.LayerLoopLM` whose loop copies the token
     embedding onto ``streams`` residual streams (``[B, N, S C]``), adds each PLE layer's per-layer
     embedding of the token ids before the layer, and runs the layers (:class:`HyperMixer` /
     :class:`HyperFeedForward` blocks); the final norm is the streams' read (``[B, N, C]``)."""
-
-    def __init__(self, *, streams: int, config: DecoderConfig, parts: DecoderParts,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__(config=config, parts=parts, device=device, dtype=dtype)
-        self.streams = streams
 
     def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
                    past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -474,8 +469,6 @@ class Qwen4ExpLM(LayerLoopLM):
             h = block(h, key_padding=key_padding, cache=layer_cache, positions=positions)
         return h
 
-    def extra_repr(self) -> str:
-        return f"streams={self.streams}"
 
 
 def _check(hf: HFConfig) -> None:
@@ -636,3 +629,4 @@ def convert_qwen4_exp(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype
     parts.put_head(plan, head_size, model.tie_embeddings, ignore)
     plan.apply(model, ignore=ignore)
     return model
+

@@ -113,7 +113,7 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "Variant", "build_sparse_moe",
+__all__ = ["ARCHITECTURES", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "Variant", "build_sparse_moe",
            "convert_sparse_moe", "layer_kinds", "sparse_layers", "window_of_layers"]
 
 
@@ -136,6 +136,23 @@ class Variant:
     sandwich: bool = False  # AFMoE: RMSNorms before and after the attention and the MLP, an output gate
 
 
+#: ``model_type`` -> (the family's name, the transformers classes that convert), which
+#: ``models/hf/convert.py`` reads: a family added here needs no line there
+ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "mixtral": ("Mixtral", ("MixtralForCausalLM", "MixtralModel")),
+    "qwen2_moe": ("Qwen2-MoE", ("Qwen2MoeForCausalLM", "Qwen2MoeModel")),
+    "qwen3_moe": ("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3MoeModel")),
+    "olmoe": ("OLMoE", ("OlmoeForCausalLM", "OlmoeModel")),
+    "glm4_moe": ("GLM-4.5", ("Glm4MoeForCausalLM", "Glm4MoeModel")),
+    "minimax_m2": ("MiniMax-M2", ("MiniMaxM2ForCausalLM", "MiniMaxM2Model")),
+    "dots1": ("dots.llm1", ("Dots1ForCausalLM", "Dots1Model")),
+    "ernie4_5_moe": ("ERNIE-4.5-MoE", ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel")),
+    "hunyuan_v1_moe": ("Hunyuan-MoE", ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model")),
+    "exaone_moe": ("EXAONE-MoE", ("ExaoneMoeForCausalLM", "ExaoneMoeModel")),
+    "solar_open": ("Solar-Open", ("SolarOpenForCausalLM", "SolarOpenModel")),
+    "afmoe": ("AFMoE", ("AfmoeForCausalLM", "AfmoeModel")),
+    "hy_v3": ("HY-V3", ("HYV3ForCausalLM", "HYV3Model")),
+}
 VARIANTS: dict[str, Variant] = {
     "mixtral": Variant(width="intermediate_size", renorm=True),
     "qwen2_moe": Variant(qkv_bias="qkv_bias", shared=True),

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo.models.families import dense, sparse_moe
 from attnzoo.models.families.bailing_hybrid import convert_bailing_hybrid
 from attnzoo.models.families.bamba import convert_bamba
 from attnzoo.models.families.deepseek_v4 import convert_deepseek_v4
-from attnzoo.models.families.dense import convert_dense
 from attnzoo.models.families.falcon_h1 import convert_falcon_h1
 from attnzoo.models.families.gemma3 import convert_gemma3
 from attnzoo.models.families.gemma4 import convert_gemma4
@@ -45,7 +45,6 @@ from attnzoo.models.families.qwen3_next import convert_qwen3_next
 from attnzoo.models.families.qwen4_exp import convert_qwen4_exp
 from attnzoo.models.families.recurrent_gemma import convert_recurrent_gemma
 from attnzoo.models.families.smollm3 import convert_smollm3
-from attnzoo.models.families.sparse_moe import convert_sparse_moe
 from attnzoo.models.families.zamba2 import convert_zamba2
 from attnzoo.models.families.zaya import convert_zaya
 from attnzoo.models.hf._state import HFConfig
@@ -84,23 +83,8 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "Inkling2LoopForCausalLM", "Inkling2LoopTextModel",
                            "Gemma4ForCausalLM", "Gemma4TextModel",
                            "DeepseekV4ForCausalLM", "DeepseekV4Model",
-                           "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
-                           "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
-                           "Glm4MoeForCausalLM", "Glm4MoeModel", "MiniMaxM2ForCausalLM", "MiniMaxM2Model",
-                           "Dots1ForCausalLM", "Dots1Model",
-                           "Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel",
-                           "HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model",
-                           "ExaoneMoeForCausalLM", "ExaoneMoeModel",
-                           "SolarOpenForCausalLM", "SolarOpenModel",
-                           "AfmoeForCausalLM", "AfmoeModel",
-                           "HYV3ForCausalLM", "HYV3Model",
-                           "Cohere2ForCausalLM", "Cohere2Model",
-                           "Exaone4ForCausalLM", "Exaone4Model",
-                           "Ministral3ForCausalLM", "Ministral3Model",
-                           "SeedOssForCausalLM", "SeedOssModel",
-                           "ApertusForCausalLM", "ApertusModel",
-                           "Glm4ForCausalLM", "Glm4Model",
-                           )
+                           *(c for family in (sparse_moe, dense) for _, classes in family.ARCHITECTURES.values()
+                             for c in classes))
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families` (each owns its weight map).
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -129,22 +113,8 @@ BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "inkling2_loop_text": ("Inkling2-loop", convert_inkling2_loop),
     "gemma4_text": ("Gemma 4", convert_gemma4),
     "deepseek_v4": ("DeepSeek-V4", convert_deepseek_v4),
-    "mixtral": ("Mixtral", convert_sparse_moe), "qwen2_moe": ("Qwen2-MoE", convert_sparse_moe),
-    "qwen3_moe": ("Qwen3-MoE", convert_sparse_moe), "olmoe": ("OLMoE", convert_sparse_moe),
-    "glm4_moe": ("GLM-4.5", convert_sparse_moe), "minimax_m2": ("MiniMax-M2", convert_sparse_moe),
-    "dots1": ("dots.llm1", convert_sparse_moe),
-    "ernie4_5_moe": ("ERNIE-4.5-MoE", convert_sparse_moe),
-    "hunyuan_v1_moe": ("Hunyuan-MoE", convert_sparse_moe),
-    "exaone_moe": ("EXAONE-MoE", convert_sparse_moe),
-    "solar_open": ("Solar-Open", convert_sparse_moe),
-    "afmoe": ("AFMoE", convert_sparse_moe),
-    "hy_v3": ("HY-V3", convert_sparse_moe),
-    "cohere2": ("Cohere2", convert_dense),
-    "exaone4": ("EXAONE 4", convert_dense),
-    "ministral3": ("Ministral 3", convert_dense),
-    "seed_oss": ("Seed-OSS", convert_dense),
-    "apertus": ("Apertus", convert_dense),
-    "glm4": ("GLM-4", convert_dense),
+    **{t: (name, sparse_moe.convert_sparse_moe) for t, (name, _) in sparse_moe.ARCHITECTURES.items()},
+    **{t: (name, dense.convert_dense) for t, (name, _) in dense.ARCHITECTURES.items()},
 }
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
