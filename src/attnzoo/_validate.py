@@ -31,6 +31,7 @@ __all__ = [
     "check_positive_float",
     "check_probability",
     "check_tensor_ranks",
+    "is_finite_number",
     "nonempty_name_arg",
     "nonnegative_int_arg",
     "normalize_window",
@@ -141,6 +142,12 @@ def check_bool(value: object, name: str, owner: str | None = None) -> bool:
     if not isinstance(value, bool):
         raise _type_error(value, name, owner, "a bool")
     return value
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (``bool`` is not): the predicate form of
+    :func:`check_finite_float`, for config values that are refused by name rather than raised on."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_float(value: object, name: str, owner: str | None = None, *, expected: str = "a float") -> float:

@@ -315,12 +315,12 @@ def test_apertus_checkpoint_without_xielu_buffers_loads() -> None:
 
 
 def test_every_family_is_dispatched() -> None:
-    """A dense family is a ``Family`` row and an ``ARCHITECTURES`` row; ``convert.py`` dispatches
+    """A dense family is a ``Family`` row (its name and classes included); ``convert.py`` dispatches
     every one of them with no line of its own."""
     from attnzoo.interop import SUPPORTED_ARCHITECTURES
-    from attnzoo.models.families.dense import ARCHITECTURES, FAMILIES
+    from attnzoo.models.families.dense import DISPATCH, FAMILIES
     from attnzoo.models.hf.convert import BUILDERS
 
-    assert set(ARCHITECTURES) == set(FAMILIES)
-    assert all(BUILDERS[t][0] == name for t, (name, _) in ARCHITECTURES.items())
-    assert all(c in SUPPORTED_ARCHITECTURES for _, classes in ARCHITECTURES.values() for c in classes)
+    assert set(DISPATCH) == set(FAMILIES)
+    assert all(BUILDERS[t] == (d.name, d.convert) for t, d in DISPATCH.items())
+    assert all(c in SUPPORTED_ARCHITECTURES for d in DISPATCH.values() for c in d.classes)

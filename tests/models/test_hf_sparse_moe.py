@@ -263,12 +263,12 @@ def test_transformers_through_register(make: Any) -> None:
 
 
 def test_every_variant_is_dispatched() -> None:
-    """A family of the builder is a ``Variant`` row and an ``ARCHITECTURES`` row; ``convert.py``
-    dispatches every one of them with no line of its own."""
+    """A family of the builder is a ``Variant`` row (its name and classes included); ``convert.py``
+    dispatches every one of them through ``DISPATCH``, with no line of its own."""
     from attnzoo.interop import SUPPORTED_ARCHITECTURES
-    from attnzoo.models.families.sparse_moe import ARCHITECTURES, VARIANTS
+    from attnzoo.models.families.sparse_moe import DISPATCH, VARIANTS
     from attnzoo.models.hf.convert import BUILDERS
 
-    assert set(ARCHITECTURES) == set(VARIANTS)
-    assert all(BUILDERS[t][0] == name for t, (name, _) in ARCHITECTURES.items())
-    assert all(c in SUPPORTED_ARCHITECTURES for _, classes in ARCHITECTURES.values() for c in classes)
+    assert set(DISPATCH) == set(VARIANTS)
+    assert all(BUILDERS[t] == (d.name, d.convert) for t, d in DISPATCH.items())
+    assert all(c in SUPPORTED_ARCHITECTURES for d in DISPATCH.values() for c in d.classes)

@@ -129,3 +129,9 @@ def test_check_cu_seqlens() -> None:
     with pytest.raises(ValueError, match=r"got \[0, 3, 2\]"):
         v.check_cu_seqlens(torch.tensor([0, 3, 2], dtype=torch.int32), "cu_seqlens_q")
     v.check_cu_seqlens(torch.tensor([0, 3, 2], dtype=torch.int32), values=False)  # values not read
+
+
+@pytest.mark.parametrize(("value", "expected"), [(1, True), (2.5, True), (-0.0, True), (True, False),
+                                                 (math.inf, False), (math.nan, False), ("1", False), (None, False)])
+def test_is_finite_number(value: object, expected: bool) -> None:
+    assert v.is_finite_number(value) is expected

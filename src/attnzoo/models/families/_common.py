@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from attnzoo.variants import build_attention
 __all__ = [
     "GATED",
     "PRE_NORMS",
+    "Dispatch",
     "Float32ScaleRMSNorm",
     "attention_factory",
     "block",
@@ -131,6 +133,17 @@ def float32_scale_norms(model: nn.Module, *, keep_float32: bool = False) -> nn.M
             wide.weight = nn.Parameter(weight.detach().float(), weight.requires_grad) if keep_float32 else weight
             setattr(model.get_submodule(parent) if parent else model, attr, wide)
     return model
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How :func:`attnzoo.interop.from_hf` reaches a family: its name (messages,
+    ``MODEL_TYPES``), its converter ``(hf, sd, *, device, dtype) -> model`` and the transformers
+    classes it converts. A family module lists its own as ``DISPATCH`` (``model_type`` -> Dispatch)."""
+
+    name: str
+    convert: Callable[..., nn.Module]
+    classes: tuple[str, ...]
 
 
 def unsupported_keys(hf: HFConfig, checks: Mapping[str, Callable[[Any], bool]]) -> None:

@@ -74,8 +74,18 @@ from attnzoo.nn.moe import Experts
 from attnzoo.nn.parts import OutputGate, placed
 from attnzoo.nn.recurrent import wide
 
-__all__ = ["DEFAULTS", "GatedLatentAttention", "LimitedSwiGLU", "LingDeltaAttention", "build_bailing_hybrid",
-           "canonical", "convert_bailing_hybrid", "layer_kinds", "swiglu_limits"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "GatedLatentAttention",
+    "LimitedSwiGLU",
+    "LingDeltaAttention",
+    "build_bailing_hybrid",
+    "canonical",
+    "convert_bailing_hybrid",
+    "layer_kinds",
+    "swiglu_limits",
+]
 
 #: ``BailingHybridConfig``'s defaults of the keys read here, for a ``config.json`` that leaves them
 #: out (the MoE's under the names transformers saves: ``num_experts``, ``num_expert_group``, ...)
@@ -316,3 +326,9 @@ def convert_bailing_hybrid(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, 
             parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
         plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
     return parts.finish(plan, model, head_size)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "bailing_hybrid": parts.Dispatch("Bailing-hybrid", convert_bailing_hybrid, ("BailingHybridForCausalLM", "BailingHybridModel")),
+}

@@ -20,7 +20,7 @@ from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.mamba2 import Mamba2
 
-__all__ = ["build_bamba", "convert_bamba", "hybrid_kinds"]
+__all__ = ["DISPATCH", "build_bamba", "convert_bamba", "hybrid_kinds"]
 
 #: the norms of a Bamba layer: (attnzoo, transformers)
 NORMS = (("attn_norm", "input_layernorm"), ("ffn_norm", "pre_ff_layernorm"))
@@ -73,3 +73,7 @@ def convert_bamba(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
         parts.put_mlp(plan, f"{o}ffn.", f"{h}feed_forward.")
         plan.put_pairs(o, h, NORMS, bias=False)
     return parts.finish(plan, model, head_size, final_norm="final_layernorm")
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"bamba": parts.Dispatch("Bamba", convert_bamba, ("BambaForCausalLM", "BambaModel"))}

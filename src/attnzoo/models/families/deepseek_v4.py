@@ -97,9 +97,25 @@ from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.moe import Routing
 from attnzoo.nn.rope_scaling import rope_inv_freq
 
-__all__ = ["DEFAULTS", "KINDS", "Compressor", "DeepseekV4LM", "HyperHead", "InterleavedRope", "LightningIndexer",
-           "V4Attention", "V4Block", "V4Cache", "V4MoE", "V4RMSNorm", "V4Shape", "build_deepseek_v4", "canonical",
-           "convert_deepseek_v4"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "KINDS",
+    "Compressor",
+    "DeepseekV4LM",
+    "HyperHead",
+    "InterleavedRope",
+    "LightningIndexer",
+    "V4Attention",
+    "V4Block",
+    "V4Cache",
+    "V4MoE",
+    "V4RMSNorm",
+    "V4Shape",
+    "build_deepseek_v4",
+    "canonical",
+    "convert_deepseek_v4",
+]
 
 #: ``DeepseekV4Config``'s defaults of the keys read here, for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {
@@ -769,3 +785,9 @@ def convert_deepseek_v4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dty
         plan.put(f"hc_head.{n}", f"hc_head.{n}")
     parts.finish(plan, model, head_size)
     return model
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "deepseek_v4": parts.Dispatch("DeepSeek-V4", convert_deepseek_v4, ("DeepseekV4ForCausalLM", "DeepseekV4Model")),
+}

@@ -56,7 +56,7 @@ from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["ARCHITECTURES", "XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "convert_dense"]
+__all__ = ["DISPATCH", "XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "convert_dense"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -399,6 +399,8 @@ class Family:
     ffn: Callable[[HFConfig, Plan, str, str], None] = _put_mlp
     pattern: int | None = None  # the default sliding_window_pattern, for families with layer_types
     window: int | None = None  # the default sliding_window (only where the key is absent: null means none)
+    name: str = ""  # the family's name (messages, ``MODEL_TYPES``)
+    classes: tuple[str, ...] = ()  # the transformers classes that convert
 
 
 def _attention_bias(default: bool, out: bool | None = None) -> Callable[[HFConfig], tuple[bool, bool]]:
@@ -412,44 +414,40 @@ def _no_bias(hf: HFConfig) -> tuple[bool, bool]:
     return False, False
 
 
-#: ``model_type`` -> (the family's name, the transformers classes that convert), which
-#: ``models/hf/convert.py`` reads: a family added here needs no line there
-ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "cohere2": ("Cohere2", ("Cohere2ForCausalLM", "Cohere2Model")),
-    "exaone4": ("EXAONE 4", ("Exaone4ForCausalLM", "Exaone4Model")),
-    "ministral3": ("Ministral 3", ("Ministral3ForCausalLM", "Ministral3Model")),
-    "seed_oss": ("Seed-OSS", ("SeedOssForCausalLM", "SeedOssModel")),
-    "apertus": ("Apertus", ("ApertusForCausalLM", "ApertusModel")),
-    "glm4": ("GLM-4", ("Glm4ForCausalLM", "Glm4Model")),
-}
 FAMILIES: dict[str, Family] = {
     "cohere2": Family(build_cohere2, {"logit_scale": 0.0625, "layer_norm_eps": 1e-5, "tie_word_embeddings": True,
                                       "max_position_embeddings": 8192, "hidden_act": "silu"},
-                      [("attn_norm", "input_layernorm")], _attention_bias(False), pattern=4, window=4096),
+                      [("attn_norm", "input_layernorm")], _attention_bias(False), pattern=4, window=4096,
+        name="Cohere2", classes=("Cohere2ForCausalLM", "Cohere2Model")),
     "exaone4": Family(build_exaone4, {"rms_norm_eps": 1e-5, "hidden_act": "silu"},
                       [("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")],
-                      _no_bias, qk_norm=True, pattern=4, window=4096),
+                      _no_bias, qk_norm=True, pattern=4, window=4096,
+        name="EXAONE 4", classes=("Exaone4ForCausalLM", "Exaone4Model")),
     "ministral3": Family(build_ministral3, {
         "rms_norm_eps": 1e-5, "head_dim": 128, "max_position_embeddings": 262144, "hidden_act": "silu",
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
                             "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
                             "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}},
-        parts.PRE_NORMS, _no_bias),
+        parts.PRE_NORMS, _no_bias,
+        name="Ministral 3", classes=("Ministral3ForCausalLM", "Ministral3Model")),
     "seed_oss": Family(build_seed_oss, {"rms_norm_eps": 1e-6, "head_dim": 128, "attention_bias": True,
                                         "attention_out_bias": False, "residual_dropout": 0.1,
                                         "attention_dropout": 0.1, "max_position_embeddings": 524288},
-                       parts.PRE_NORMS, _seed_biases, ffn=_put_seed_mlp),
+                       parts.PRE_NORMS, _seed_biases, ffn=_put_seed_mlp,
+        name="Seed-OSS", classes=("SeedOssForCausalLM", "SeedOssModel")),
     "apertus": Family(build_apertus, {
         "rms_norm_eps": 1e-5, "hidden_act": "xielu", "max_position_embeddings": 65536,
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
                             "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
         [("attn_norm", "attention_layernorm"), ("ffn_norm", "feedforward_layernorm")], _attention_bias(False),
-        qk_norm=True, ffn=_put_xielu_mlp),
+        qk_norm=True, ffn=_put_xielu_mlp,
+        name="Apertus", classes=("ApertusForCausalLM", "ApertusModel")),
     "glm4": Family(build_glm4, {"rms_norm_eps": 1.5625e-7, "head_dim": 128, "attention_bias": True,
                                 "max_position_embeddings": 131072, "hidden_act": "silu"},
                    [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
                     ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm")],
-                   _attention_bias(True, False), ffn=_put_gate_up),
+                   _attention_bias(True, False), ffn=_put_gate_up,
+        name="GLM-4", classes=("Glm4ForCausalLM", "Glm4Model")),
 }
 
 
@@ -490,3 +488,7 @@ def convert_dense(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
         family.ffn(hf, plan, f"{o}ffn.", f"layers.{i}.mlp.")
         plan.put_pairs(o, f"layers.{i}.", family.norms, bias=False)
     return parts.finish(plan, model, head_size)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``: every ``Family``
+DISPATCH = {t: parts.Dispatch(f.name, convert_dense, f.classes) for t, f in FAMILIES.items()}

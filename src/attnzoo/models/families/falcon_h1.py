@@ -37,7 +37,7 @@ from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.nn.parallel import ParallelMixers
 
-__all__ = ["build_falcon_h1", "convert_falcon_h1", "fold_multipliers"]
+__all__ = ["DISPATCH", "build_falcon_h1", "convert_falcon_h1", "fold_multipliers"]
 
 KEYS = dataclasses.replace(BAMBA_KEYS, inner="mamba_d_ssm")
 NORMS = (("attn_norm", "input_layernorm"), ("ffn_norm", "pre_ff_layernorm"))
@@ -131,3 +131,7 @@ def convert_falcon_h1(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype
         parts.put_mlp(plan, f"{o}ffn.", f"{h}feed_forward.")
         plan.put_pairs(o, h, NORMS, bias=False)
     return parts.finish(plan, model, head_size, final_norm="final_layernorm")
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"falcon_h1": parts.Dispatch("Falcon-H1", convert_falcon_h1, ("FalconH1ForCausalLM", "FalconH1Model"))}

@@ -24,7 +24,7 @@ import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig
 
-__all__ = ["build_gemma3", "convert_gemma3"]
+__all__ = ["DISPATCH", "build_gemma3", "convert_gemma3"]
 
 TYPES = ("sliding_attention", "full_attention")
 NORMS = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
@@ -64,3 +64,7 @@ def convert_gemma3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
             plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", parts.plus_one)
     return parts.finish(plan, model, head_size, norm_transform=parts.plus_one,
                         ignore=[r"(model\.)?embed_tokens\.embed_scale"])
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"gemma3_text": parts.Dispatch("Gemma3", convert_gemma3, ("Gemma3ForCausalLM", "Gemma3TextModel"))}

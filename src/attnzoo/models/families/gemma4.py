@@ -85,9 +85,24 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["DEFAULTS", "Gemma4Attention", "Gemma4Block", "Gemma4Embedding", "Gemma4LM", "Gemma4MoE",
-           "Gemma4RoutedExperts", "KVSharing", "PerLayerEmbedding", "PerLayerInput", "SharedKV", "SharedKVCounter",
-           "build_gemma4", "canonical", "convert_gemma4"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "Gemma4Attention",
+    "Gemma4Block",
+    "Gemma4Embedding",
+    "Gemma4LM",
+    "Gemma4MoE",
+    "Gemma4RoutedExperts",
+    "KVSharing",
+    "PerLayerEmbedding",
+    "PerLayerInput",
+    "SharedKV",
+    "SharedKVCounter",
+    "build_gemma4",
+    "canonical",
+    "convert_gemma4",
+]
 
 TYPES = ("sliding_attention", "full_attention")
 NORMS = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
@@ -639,3 +654,7 @@ def convert_gemma4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
         plan.put("per_layer.proj.weight", "per_layer_model_projection.weight")
         plan.put("per_layer.norm.weight", "per_layer_projection_norm.weight")
     return parts.finish(plan, model, head_size, ignore=ignore)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"gemma4_text": parts.Dispatch("Gemma 4", convert_gemma4, ("Gemma4ForCausalLM", "Gemma4TextModel"))}

@@ -86,9 +86,22 @@ from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import wide
 
-__all__ = ["DEFAULTS", "BoundedKDA", "ClampedMoE", "ClampedSwiGLU", "DSAIndexer", "Glm5NextLM", "HyperBlock",
-           "HyperConnection", "IndexedCache", "IndexedLatentAttention", "build_glm5_next", "canonical",
-           "convert_glm5_next"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "BoundedKDA",
+    "ClampedMoE",
+    "ClampedSwiGLU",
+    "DSAIndexer",
+    "Glm5NextLM",
+    "HyperBlock",
+    "HyperConnection",
+    "IndexedCache",
+    "IndexedLatentAttention",
+    "build_glm5_next",
+    "canonical",
+    "convert_glm5_next",
+]
 
 #: ``Glm5NextTextConfig``'s defaults of the keys read here, for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {
@@ -657,3 +670,9 @@ def convert_glm5_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype
     parts.finish(plan, model, head_size)
     return model
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "glm5_next_text": parts.Dispatch("GLM-5-Next", convert_glm5_next, ("Glm5NextTextModel",)),
+    "glm5_next": parts.Dispatch("GLM-5-Next", convert_glm5_next, ("Glm5NextForConditionalGeneration",)),
+}

@@ -22,7 +22,7 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig
 
-__all__ = ["build_gpt_oss", "convert_gpt_oss"]
+__all__ = ["DISPATCH", "build_gpt_oss", "convert_gpt_oss"]
 
 
 def build_gpt_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
@@ -42,3 +42,7 @@ def convert_gpt_oss(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     """Build the decoder and copy the weights (the head follows them)."""
     return parts.convert_layers(hf, sd, build_gpt_oss, device=device, dtype=dtype, sinks=True,
                                 ffn=functools.partial(put_moe, layout="interleaved"))
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"gpt_oss": parts.Dispatch("gpt-oss", convert_gpt_oss, ("GptOssForCausalLM",))}

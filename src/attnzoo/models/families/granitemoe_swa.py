@@ -55,7 +55,7 @@ from attnzoo.models.families.granitemoehybrid import (
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 
-__all__ = ["DEFAULTS", "build_granitemoe_swa", "convert_granitemoe_swa"]
+__all__ = ["DEFAULTS", "DISPATCH", "build_granitemoe_swa", "convert_granitemoe_swa"]
 
 #: transformers' ``GraniteMoeSWAConfig`` defaults of the keys read here that a ``config.json``
 #: may leave out (``layer_types`` and ``layer_rope_theta`` are defaulted per layer, see the module
@@ -133,3 +133,9 @@ def convert_granitemoe_swa(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, 
         writes += put_feed_forward(plan, f"{o}ffn.", h, block.ffn)
         plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
     return finish_folded(plan, model, hf, head_size, writes)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "granitemoe_swa": parts.Dispatch("GraniteMoe-SWA", convert_granitemoe_swa, ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAModel")),
+}

@@ -57,9 +57,21 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 
-__all__ = ["CHECKS", "DEFAULTS", "build_granitemoehybrid", "convert_granitemoehybrid", "embed_scale",
-           "experts_factory", "finish_folded", "multiplier", "put_experts", "put_feed_forward",
-           "put_shared_mlp", "refuse_partial_rotary"]
+__all__ = [
+    "CHECKS",
+    "DEFAULTS",
+    "DISPATCH",
+    "build_granitemoehybrid",
+    "convert_granitemoehybrid",
+    "embed_scale",
+    "experts_factory",
+    "finish_folded",
+    "multiplier",
+    "put_experts",
+    "put_feed_forward",
+    "put_shared_mlp",
+    "refuse_partial_rotary",
+]
 
 #: transformers' ``GraniteMoeHybridConfig`` defaults of the keys read here that a ``config.json``
 #: may leave out (where the shared helpers would assume another value or require the key)
@@ -250,3 +262,9 @@ def convert_granitemoehybrid(hf: HFConfig, sd: dict[str, Tensor], *, device: Any
 def _divided(t: Tensor, *, by: float) -> Tensor:
     """``t / by`` computed in at least float32 (the final norm's weight: ``[C]``)."""
     return t.to(torch.promote_types(t.dtype, torch.float32)) / by
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "granitemoehybrid": parts.Dispatch("Granite 4.0-H", convert_granitemoehybrid, ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel")),
+}

@@ -85,7 +85,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -93,7 +92,7 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo._validate import check_int
+from attnzoo._validate import check_int, is_finite_number
 from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families.minimax import NormedEmbedding
@@ -108,8 +107,18 @@ from attnzoo.nn.packing import check_packed_call
 from attnzoo.nn.parts import AttentionParts, Scores, placed, qk_rmsnorm
 from attnzoo.nn.recurrent import RecurrentCache, ShortConv
 
-__all__ = ["DEFAULTS", "InklingAttention", "InklingLayer", "build_inkling", "canonical", "convert_inkling",
-           "log_scale", "relative_bias", "residual_conv"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "InklingAttention",
+    "InklingLayer",
+    "build_inkling",
+    "canonical",
+    "convert_inkling",
+    "log_scale",
+    "relative_bias",
+    "residual_conv",
+]
 
 #: ``InklingTextConfig``'s defaults of the keys read here (config 106-147), for a ``config.json``
 #: that leaves them out
@@ -376,10 +385,6 @@ def _mlp_kinds(hf: HFConfig, depth: int) -> list[str]:
                              default=["dense" if i < dense else "sparse" for i in range(depth)])
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _refuse(hf: HFConfig) -> None:
     """Refuse, by name, what the converter cannot reproduce (see the module docstring)."""
     act = hf.req("hidden_act", str)
@@ -388,12 +393,12 @@ def _refuse(hf: HFConfig) -> None:
     parts.unsupported_keys(hf, {
         "shared_expert_sink": lambda v: v is True,
         "n_shared_experts": lambda v: isinstance(v, int) and v >= 1,
-        "logits_mup_width_multiplier": lambda v: _finite(v) and v != 0,
-        "route_scale": _finite,
-        "log_scaling_alpha": _finite,
+        "logits_mup_width_multiplier": lambda v: is_finite_number(v) and v != 0,
+        "route_scale": is_finite_number,
+        "log_scaling_alpha": is_finite_number,
     })
     floor = hf.raw("log_scaling_n_floor")
-    if floor is not None and not (_finite(floor) and floor > 0):
+    if floor is not None and not (is_finite_number(floor) and floor > 0):
         raise hf.unsupported(f"log_scaling_n_floor={floor!r} (a positive number, or None)")
 
 
@@ -556,3 +561,6 @@ def convert_inkling(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     plan.apply(model, ignore=ignore)
     return model
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"inkling_text": parts.Dispatch("Inkling", convert_inkling, ("InklingForCausalLM", "InklingTextModel"))}

@@ -125,11 +125,33 @@ from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import wide
 
-__all__ = ["DEFAULTS", "LOOP_DEFAULTS", "BlockAttentionResidual", "DynamicShortConv", "HeadShape", "Inkling2Attention",
-           "Inkling2Cache", "Inkling2LM", "Inkling2Layer", "Inkling2LoopLM", "MessageGate", "MessageInput",
-           "RelativePositionBias", "Settings", "ShortConv", "SoftcappedMoE", "block_attention", "build_inkling2",
-           "build_inkling2_loop", "canonical", "canonical_loop", "convert_inkling2", "convert_inkling2_loop",
-           "module_names"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "LOOP_DEFAULTS",
+    "BlockAttentionResidual",
+    "DynamicShortConv",
+    "HeadShape",
+    "Inkling2Attention",
+    "Inkling2Cache",
+    "Inkling2LM",
+    "Inkling2Layer",
+    "Inkling2LoopLM",
+    "MessageGate",
+    "MessageInput",
+    "RelativePositionBias",
+    "Settings",
+    "ShortConv",
+    "SoftcappedMoE",
+    "block_attention",
+    "build_inkling2",
+    "build_inkling2_loop",
+    "canonical",
+    "canonical_loop",
+    "convert_inkling2",
+    "convert_inkling2_loop",
+    "module_names",
+]
 
 #: ``Inkling2TextConfig``'s defaults of the keys read here (configuration 83-119), for a
 #: ``config.json`` that leaves them out
@@ -972,3 +994,9 @@ def convert_inkling2_loop(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, d
     hf = canonical_loop(hf)
     return _convert(hf, sd, build_inkling2_loop, loop_of(hf), device=device, dtype=dtype)
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "inkling2_text": parts.Dispatch("Inkling2", convert_inkling2, ("Inkling2ForCausalLM", "Inkling2TextModel")),
+    "inkling2_loop_text": parts.Dispatch("Inkling2-loop", convert_inkling2_loop, ("Inkling2LoopForCausalLM", "Inkling2LoopTextModel")),
+}

@@ -64,7 +64,7 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 
-__all__ = ["DEFAULTS", "build_jamba", "canonical", "convert_jamba", "layer_kinds"]
+__all__ = ["DEFAULTS", "DISPATCH", "build_jamba", "canonical", "convert_jamba", "layer_kinds"]
 
 #: ``JambaConfig``'s defaults of the keys read here (config 67-99), for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {
@@ -186,3 +186,7 @@ def convert_jamba(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
             parts.put_mlp(plan, f"{o}ffn.", f"{h}feed_forward.")
         plan.put_pairs(o, h, NORMS, bias=False)
     return parts.finish(plan, model, head_size, final_norm="final_layernorm")
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"jamba": parts.Dispatch("Jamba", convert_jamba, ("JambaForCausalLM", "JambaModel"))}

@@ -37,7 +37,7 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.variants import build_attention
 
-__all__ = ["TYPES", "build_kimi_linear", "convert_kimi_linear", "mlp_types", "put_kda", "put_mla", "saved_names"]
+__all__ = ["DISPATCH", "TYPES", "build_kimi_linear", "convert_kimi_linear", "mlp_types", "put_kda", "put_mla", "saved_names"]
 
 TYPES = ("linear_attention", "full_attention")
 
@@ -139,3 +139,9 @@ def convert_kimi_linear(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dty
             parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
         plan.put_pairs(o, h, [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")], bias=False)
     return parts.finish(plan, model, head_size)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "kimi_linear": parts.Dispatch("Kimi Linear", convert_kimi_linear, ("KimiLinearForCausalLM", "KimiLinearModel")),
+}

@@ -71,9 +71,24 @@ from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv
 
-__all__ = ["DEFAULTS", "MOE_DEFAULTS", "Lfm2ShortConvMixer", "build_lfm2", "build_lfm2_moe", "canonical",
-           "canonical_moe", "convert_lfm2", "convert_lfm2_moe", "ff_dim", "moe_factory", "put_lfm2_moe",
-           "put_short_conv", "put_swiglu", "short_conv_factory"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "MOE_DEFAULTS",
+    "Lfm2ShortConvMixer",
+    "build_lfm2",
+    "build_lfm2_moe",
+    "canonical",
+    "canonical_moe",
+    "convert_lfm2",
+    "convert_lfm2_moe",
+    "ff_dim",
+    "moe_factory",
+    "put_lfm2_moe",
+    "put_short_conv",
+    "put_swiglu",
+    "short_conv_factory",
+]
 
 TYPES = ("conv", "full_attention")
 
@@ -369,3 +384,10 @@ def convert_lfm2_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype:
             put_lfm2_moe(plan, ours, theirs, experts, expert_bias=bias)
 
     return _convert(hf, sd, build_lfm2_moe, put_ffn, device=device, dtype=dtype)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "lfm2": parts.Dispatch("LFM2", convert_lfm2, ("Lfm2ForCausalLM", "Lfm2Model")),
+    "lfm2_moe": parts.Dispatch("LFM2-MoE", convert_lfm2_moe, ("Lfm2MoeForCausalLM", "Lfm2MoeModel")),
+}

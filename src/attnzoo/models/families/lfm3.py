@@ -55,7 +55,7 @@ from attnzoo.models.families.lfm2 import put_short_conv, put_swiglu, short_conv_
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.nn.positional import RotaryEmbedding
 
-__all__ = ["DEFAULTS", "ProportionalRotaryEmbedding", "build_lfm3", "canonical", "convert_lfm3", "rotary_for"]
+__all__ = ["DEFAULTS", "DISPATCH", "ProportionalRotaryEmbedding", "build_lfm3", "canonical", "convert_lfm3", "rotary_for"]
 
 TYPES = ("conv", "sliding_attention", "full_attention")
 
@@ -208,3 +208,7 @@ def convert_lfm3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
         put_swiglu(plan, f"{o}ffn.", f"{h}feed_forward.")
         plan.put_pairs(o, h, norms, bias=False)
     return parts.finish(plan, model, head_size, final_norm="embedding_norm")
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"lfm3": parts.Dispatch("LFM3", convert_lfm3, ("Lfm3ForCausalLM", "Lfm3Model"))}

@@ -38,7 +38,7 @@ from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.cache import KVCache
 
-__all__ = ["Llama4Attention", "build_llama4", "convert_llama4"]
+__all__ = ["DISPATCH", "Llama4Attention", "build_llama4", "convert_llama4"]
 
 
 class PositionedKVCache(KVCache):
@@ -228,3 +228,6 @@ def convert_llama4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
                        bias=False)
     return parts.finish(plan, model, head_size)
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"llama4_text": parts.Dispatch("Llama-4", convert_llama4, ("Llama4ForCausalLM", "Llama4TextModel"))}

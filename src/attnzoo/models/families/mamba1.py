@@ -80,8 +80,17 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv, wide
 
-__all__ = ["DEFAULTS", "Mamba1Mixer", "build_falcon_mamba", "build_mamba", "canonical", "convert_falcon_mamba",
-           "convert_mamba", "put_mamba1"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "Mamba1Mixer",
+    "build_falcon_mamba",
+    "build_mamba",
+    "canonical",
+    "convert_falcon_mamba",
+    "convert_mamba",
+    "put_mamba1",
+]
 
 #: ``MambaConfig``'s defaults of the keys read here (configuration_mamba 67-92; FalconMamba's are the
 #: same plus ``mixer_rms_eps``, configuration_falcon_mamba 73-100), for a ``config.json`` that leaves them out
@@ -294,3 +303,10 @@ def convert_mamba(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
 def convert_falcon_mamba(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build a FalconMamba decoder and copy the weights (the head follows them)."""
     return _convert(hf, sd, falcon=True, device=device, dtype=dtype)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "mamba": parts.Dispatch("Mamba", convert_mamba, ("MambaForCausalLM", "MambaModel")),
+    "falcon_mamba": parts.Dispatch("FalconMamba", convert_falcon_mamba, ("FalconMambaForCausalLM", "FalconMambaModel")),
+}

@@ -23,7 +23,7 @@ from attnzoo.models.families._mamba import MambaKeys, mamba_factory, put_mamba
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.nn.mamba2 import Mamba2
 
-__all__ = ["MAMBA2_KEYS", "backbone_names", "build_mamba2", "convert_mamba2"]
+__all__ = ["DISPATCH", "MAMBA2_KEYS", "backbone_names", "build_mamba2", "convert_mamba2"]
 
 MAMBA2_KEYS = MambaKeys("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "expand",
                         "use_conv_bias", "use_bias", "layer_norm_epsilon")
@@ -58,3 +58,7 @@ def convert_mamba2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
         put_mamba(plan, f"blocks.{i}.attn.", f"layers.{i}.mixer.", cast(Mamba2, block.attn))
         plan.put(f"blocks.{i}.attn_norm.weight", f"layers.{i}.norm.weight")
     return parts.finish(plan, model, head_size)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"mamba2": parts.Dispatch("Mamba-2", convert_mamba2, ("Mamba2ForCausalLM", "Mamba2Model"))}

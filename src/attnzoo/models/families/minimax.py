@@ -101,8 +101,17 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import RecurrentMixer, wide
 
-__all__ = ["DEFAULTS", "LightningAttention", "NormedEmbedding", "build_minimax", "canonical", "convert_minimax",
-           "lightning_slopes", "put_lightning"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "LightningAttention",
+    "NormedEmbedding",
+    "build_minimax",
+    "canonical",
+    "convert_minimax",
+    "lightning_slopes",
+    "put_lightning",
+]
 
 #: ``MiniMaxConfig``'s defaults of the keys read here (configuration_minimax 82-113), for a
 #: ``config.json`` that leaves them out
@@ -345,3 +354,7 @@ def convert_minimax(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
             factors[f"blocks.{i}.ffn_norm.weight"] = _factors(hf, kinds[i + 1])[0]
     _fold(plan, factors)
     return parts.finish(plan, model, head_size, ignore=[_DECAY_BUFFERS])
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"minimax": parts.Dispatch("MiniMax", convert_minimax, ("MiniMaxForCausalLM", "MiniMaxModel"))}

@@ -107,8 +107,20 @@ from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
-__all__ = ["DEFAULTS", "FEED_FORWARDS", "LAYER_KINDS", "NEMOTRON_H_KEYS", "build_nemotron_h", "convert_nemotron_h",
-           "layer_kinds", "moe_factory", "moe_routing", "pair_layers", "put_nemotron_moe"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "FEED_FORWARDS",
+    "LAYER_KINDS",
+    "NEMOTRON_H_KEYS",
+    "build_nemotron_h",
+    "convert_nemotron_h",
+    "layer_kinds",
+    "moe_factory",
+    "moe_routing",
+    "pair_layers",
+    "put_nemotron_moe",
+]
 
 #: ``hybrid_override_pattern`` characters -> ``layers_block_type`` names (config 279-282)
 LAYER_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -316,3 +328,7 @@ def put_nemotron_moe(plan: Plan, ours: str, theirs: str, num_experts: int, *, ml
                             f"{plan.src.prefix}{theirs}experts.*.{name}.weight")
     plan.put_pairs(f"{ours}shared_expert.", f"{theirs}shared_experts.",
                    [("up_proj", "up_proj"), ("down_proj", "down_proj")], bias=mlp_bias)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"nemotron_h": parts.Dispatch("Nemotron-H", convert_nemotron_h, ("NemotronHForCausalLM", "NemotronHModel"))}

@@ -18,7 +18,7 @@ import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig
 
-__all__ = ["build_olmo3", "convert_olmo3"]
+__all__ = ["DISPATCH", "build_olmo3", "convert_olmo3"]
 
 
 def build_olmo3(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
@@ -40,3 +40,7 @@ def convert_olmo3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
     return parts.convert_layers(hf, sd, build_olmo3, device=device, dtype=dtype, qk_norm=True,
                                 norms=[("attn_out_norm", "post_attention_layernorm"),
                                        ("ffn_out_norm", "post_feedforward_layernorm")])
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"olmo3": parts.Dispatch("OLMo3", convert_olmo3, ("Olmo3ForCausalLM",))}

@@ -26,7 +26,7 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, put_deltanet_rest
 from attnzoo.models.hf._state import HFConfig, Plan
 
-__all__ = ["build_olmo_hybrid", "convert_olmo_hybrid"]
+__all__ = ["DISPATCH", "build_olmo_hybrid", "convert_olmo_hybrid"]
 
 TYPES = ("linear_attention", "full_attention")
 
@@ -85,3 +85,7 @@ def convert_olmo_hybrid(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dty
         parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
         plan.put_pairs(o, h, norms, bias=False)
     return parts.finish(plan, model, head_size)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"olmo_hybrid": parts.Dispatch("OLMo-hybrid", convert_olmo_hybrid, ("OlmoHybridForCausalLM",))}

@@ -21,10 +21,11 @@ from typing import Any
 from torch import Tensor
 
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families._common import Dispatch
 from attnzoo.models.families.qwen3_next import convert_qwen3_next, put_deltanet_rest
 from attnzoo.models.hf._state import HFConfig, Plan
 
-__all__ = ["convert_qwen3_5", "convert_qwen3_5_moe", "put_split_deltanet"]
+__all__ = ["DISPATCH", "convert_qwen3_5", "convert_qwen3_5_moe", "put_split_deltanet"]
 
 
 def put_split_deltanet(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
@@ -53,3 +54,10 @@ def convert_qwen3_5_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dty
     fixed = HFConfig({**hf.data, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
                       "intermediate_size": hf.req("moe_intermediate_size")}, hf.source, hf.arch)
     return convert_qwen3_next(fixed, sd, device=device, dtype=dtype, linear_map=put_split_deltanet)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "qwen3_5_text": Dispatch("Qwen3.5", convert_qwen3_5, ("Qwen3_5ForCausalLM",)),
+    "qwen3_5_moe_text": Dispatch("Qwen3.5-MoE", convert_qwen3_5_moe, ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel")),
+}

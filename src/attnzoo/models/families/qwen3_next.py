@@ -49,7 +49,7 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan
 
-__all__ = ["LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "causal_conv", "convert_qwen3_next",
+__all__ = ["DISPATCH", "LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "causal_conv", "convert_qwen3_next",
            "put_gated_deltanet", "segment_ids"]
 
 
@@ -309,3 +309,6 @@ def convert_qwen3_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
             plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", parts.plus_one)
     return parts.finish(plan, model, head_size, norm_transform=parts.plus_one)
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"qwen3_next": parts.Dispatch("Qwen3-Next", convert_qwen3_next, ("Qwen3NextForCausalLM",))}

@@ -77,7 +77,7 @@ from attnzoo.models.loop import StreamsLM
 from attnzoo.models.parts import DecoderParts, head_for
 from attnzoo.nn.cache import CacheList
 
-__all__ = ["GatedResidual", "GroupedRMSNorm", "HyperFeedForward", "HyperMixer", "IndexedAttention",
+__all__ = ["DISPATCH", "GatedResidual", "GroupedRMSNorm", "HyperFeedForward", "HyperMixer", "IndexedAttention",
            "NGramEmbedding", "PerLayerEmbedding", "QSAIndexer", "Qwen4ExpLM", "build_qwen4_exp", "convert_qwen4_exp"]
 
 KINDS = ("linear_attention", "indexed_attention")
@@ -630,3 +630,8 @@ def convert_qwen4_exp(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype
     plan.apply(model, ignore=ignore)
     return model
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "qwen4_exp_text": parts.Dispatch("Qwen4-Exp", convert_qwen4_exp, ("Qwen4ExpForCausalLM", "Qwen4ExpTextModel")),
+}

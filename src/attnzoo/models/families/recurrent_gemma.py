@@ -126,8 +126,19 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv, wide
 
-__all__ = ["DEFAULTS", "GATE_SCALE", "RGLRU", "BoundedSqrt", "GriffinRecurrentBlock", "build_recurrent_gemma",
-           "canonical", "convert_recurrent_gemma", "layer_kinds", "put_recurrent"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "GATE_SCALE",
+    "RGLRU",
+    "BoundedSqrt",
+    "GriffinRecurrentBlock",
+    "build_recurrent_gemma",
+    "canonical",
+    "convert_recurrent_gemma",
+    "layer_kinds",
+    "put_recurrent",
+]
 
 #: ``RecurrentGemmaConfig``'s defaults of the keys read here (config 59-80), for a ``config.json``
 #: that leaves them out; ``max_position_embeddings`` is not one of its keys (see the module docstring)
@@ -428,3 +439,8 @@ def convert_recurrent_gemma(hf: HFConfig, sd: dict[str, Tensor], *, device: Any,
             plan.put(f"{o}{ours}.weight", f"layers.{i}.{theirs}.weight", parts.plus_one)
     return parts.finish(plan, model, head_size, norm_transform=parts.plus_one, final_norm="final_norm")
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "recurrent_gemma": parts.Dispatch("RecurrentGemma", convert_recurrent_gemma, ("RecurrentGemmaForCausalLM", "RecurrentGemmaModel")),
+}

@@ -18,7 +18,7 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 
-__all__ = ["build_smollm3", "convert_smollm3"]
+__all__ = ["DISPATCH", "build_smollm3", "convert_smollm3"]
 
 
 def build_smollm3(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
@@ -45,3 +45,7 @@ def convert_smollm3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     """Build the decoder and copy the weights (the head follows them)."""
     return parts.convert_layers(hf, sd, build_smollm3, device=device, dtype=dtype,
                                 ffn=functools.partial(parts.put_mlp, bias=hf.get("mlp_bias", False, bool)))
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"smollm3": parts.Dispatch("SmolLM3", convert_smollm3, ("SmolLM3ForCausalLM",))}

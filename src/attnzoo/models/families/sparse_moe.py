@@ -113,14 +113,17 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["ARCHITECTURES", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "Variant", "build_sparse_moe",
+__all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "Variant", "build_sparse_moe",
            "convert_sparse_moe", "layer_kinds", "sparse_layers", "window_of_layers"]
 
 
 @dataclass(frozen=True)
 class Variant:
-    """What a family changes in the shared layer (see the module docstring)."""
+    """What a family changes in the shared layer (see the module docstring), with its name and the
+    transformers classes that convert."""
 
+    name: str
+    classes: tuple[str, ...]
     qk_norm: str | None = None  # "head" / "all", or None; "head_if_flag": per head when use_qk_norm;
     #                             "head_after_rope": per head after the rotation (Hunyuan)
     qkv_bias: str | None = None  # the key whose value puts biases on q/k/v but none on o_proj
@@ -136,38 +139,33 @@ class Variant:
     sandwich: bool = False  # AFMoE: RMSNorms before and after the attention and the MLP, an output gate
 
 
-#: ``model_type`` -> (the family's name, the transformers classes that convert), which
-#: ``models/hf/convert.py`` reads: a family added here needs no line there
-ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "mixtral": ("Mixtral", ("MixtralForCausalLM", "MixtralModel")),
-    "qwen2_moe": ("Qwen2-MoE", ("Qwen2MoeForCausalLM", "Qwen2MoeModel")),
-    "qwen3_moe": ("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3MoeModel")),
-    "olmoe": ("OLMoE", ("OlmoeForCausalLM", "OlmoeModel")),
-    "glm4_moe": ("GLM-4.5", ("Glm4MoeForCausalLM", "Glm4MoeModel")),
-    "minimax_m2": ("MiniMax-M2", ("MiniMaxM2ForCausalLM", "MiniMaxM2Model")),
-    "dots1": ("dots.llm1", ("Dots1ForCausalLM", "Dots1Model")),
-    "ernie4_5_moe": ("ERNIE-4.5-MoE", ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel")),
-    "hunyuan_v1_moe": ("Hunyuan-MoE", ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model")),
-    "exaone_moe": ("EXAONE-MoE", ("ExaoneMoeForCausalLM", "ExaoneMoeModel")),
-    "solar_open": ("Solar-Open", ("SolarOpenForCausalLM", "SolarOpenModel")),
-    "afmoe": ("AFMoE", ("AfmoeForCausalLM", "AfmoeModel")),
-    "hy_v3": ("HY-V3", ("HYV3ForCausalLM", "HYV3Model")),
-}
 VARIANTS: dict[str, Variant] = {
-    "mixtral": Variant(width="intermediate_size", renorm=True),
-    "qwen2_moe": Variant(qkv_bias="qkv_bias", shared=True),
-    "qwen3_moe": Variant(qk_norm="head"),
-    "olmoe": Variant(qk_norm="all", width="intermediate_size"),
-    "glm4_moe": Variant(qk_norm="head_if_flag", qkv_bias="attention_bias", routing="deepseek"),
-    "minimax_m2": Variant(qk_norm="all", routing="sigmoid", width="intermediate_size"),
-    "dots1": Variant(qk_norm="head", routing="deepseek", keys="gate"),
-    "ernie4_5_moe": Variant(routing="ernie", keys="ernie", interleaved=True),
-    "hunyuan_v1_moe": Variant(qk_norm="head_after_rope", routing="hunyuan", width="intermediate_size", keys="hunyuan"),
-    "exaone_moe": Variant(qk_norm="head", routing="deepseek", keys="gate", rope_layers="sliding_if_window"),
-    "solar_open": Variant(qkv_bias="attention_bias", routing="deepseek", keys="gate"),
-    "afmoe": Variant(qk_norm="head", routing="deepseek", keys="afmoe", scaling="route_scale", rope_layers="sliding",
-                     sandwich=True),
-    "hy_v3": Variant(qk_norm="head", routing="deepseek", keys="block", scaling="router_scaling_factor"),
+    "mixtral": Variant("Mixtral", ("MixtralForCausalLM", "MixtralModel"),
+                       width="intermediate_size", renorm=True),
+    "qwen2_moe": Variant("Qwen2-MoE", ("Qwen2MoeForCausalLM", "Qwen2MoeModel"),
+                         qkv_bias="qkv_bias", shared=True),
+    "qwen3_moe": Variant("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3MoeModel"),
+                         qk_norm="head"),
+    "olmoe": Variant("OLMoE", ("OlmoeForCausalLM", "OlmoeModel"),
+                     qk_norm="all", width="intermediate_size"),
+    "glm4_moe": Variant("GLM-4.5", ("Glm4MoeForCausalLM", "Glm4MoeModel"),
+                        qk_norm="head_if_flag", qkv_bias="attention_bias", routing="deepseek"),
+    "minimax_m2": Variant("MiniMax-M2", ("MiniMaxM2ForCausalLM", "MiniMaxM2Model"),
+                          qk_norm="all", routing="sigmoid", width="intermediate_size"),
+    "dots1": Variant("dots.llm1", ("Dots1ForCausalLM", "Dots1Model"),
+                     qk_norm="head", routing="deepseek", keys="gate"),
+    "ernie4_5_moe": Variant("ERNIE-4.5-MoE", ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel"),
+                            routing="ernie", keys="ernie", interleaved=True),
+    "hunyuan_v1_moe": Variant("Hunyuan-MoE", ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model"),
+                              qk_norm="head_after_rope", routing="hunyuan", width="intermediate_size", keys="hunyuan"),
+    "exaone_moe": Variant("EXAONE-MoE", ("ExaoneMoeForCausalLM", "ExaoneMoeModel"),
+                          qk_norm="head", routing="deepseek", keys="gate", rope_layers="sliding_if_window"),
+    "solar_open": Variant("Solar-Open", ("SolarOpenForCausalLM", "SolarOpenModel"),
+                          qkv_bias="attention_bias", routing="deepseek", keys="gate"),
+    "afmoe": Variant("AFMoE", ("AfmoeForCausalLM", "AfmoeModel"),
+                     qk_norm="head", routing="deepseek", keys="afmoe", scaling="route_scale", rope_layers="sliding", sandwich=True),
+    "hy_v3": Variant("HY-V3", ("HYV3ForCausalLM", "HYV3Model"),
+                     qk_norm="head", routing="deepseek", keys="block", scaling="router_scaling_factor"),
 }
 #: batch 2's MoE block names, each as the names it may have (transformers' module first, then a
 #: saved folder's: EXAONE-MoE / HY-V3 / ERNIE-4.5 save their original checkpoints' names):
@@ -606,3 +604,7 @@ class PostRopeNormAttention(MultiHeadAttention):
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=True, window=self.window, scale=self.scale, backend=self.backend)  # [T, H, D]
         return out.transpose(0, 1).reshape(1, self.num_heads, T, -1)
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``: every ``Variant``
+DISPATCH = {t: parts.Dispatch(v.name, convert_sparse_moe, v.classes) for t, v in VARIANTS.items()}

@@ -60,7 +60,7 @@ from attnzoo.nn.cache import CacheList
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.variants import build_attention
 
-__all__ = ["AdaptedLinear", "FlooredLinear", "SharedTransformer", "SharedTransformerUse", "Zamba2LM", "Zamba2Layer",
+__all__ = ["DISPATCH", "AdaptedLinear", "FlooredLinear", "SharedTransformer", "SharedTransformerUse", "Zamba2LM", "Zamba2Layer",
            "build_zamba2", "convert_zamba2", "layer_kinds"]
 
 #: the mixer's sizes under the names of the view :func:`_mamba_view` builds
@@ -401,3 +401,7 @@ def convert_zamba2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
         plan.put(f"blocks.{i}.shared.linear.weight", f"layers.{i}.linear.weight")
         _claim_copies(plan, i, source, slot)
     return parts.finish(plan, model, head_size, final_norm="final_layernorm")
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"zamba2": parts.Dispatch("Zamba2", convert_zamba2, ("Zamba2ForCausalLM", "Zamba2Model"))}

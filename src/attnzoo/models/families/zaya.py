@@ -114,8 +114,22 @@ from attnzoo.nn.moe import MixtureOfExperts
 from attnzoo.nn.parts import placed
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["DEFAULTS", "CCAAttention", "CCAState", "ResidualScaling", "StreamNorm", "ZayaEmbedding", "ZayaLM",
-           "ZayaLayer", "ZayaMoE", "ZayaRouter", "build_zaya", "canonical", "convert_zaya"]
+__all__ = [
+    "DEFAULTS",
+    "DISPATCH",
+    "CCAAttention",
+    "CCAState",
+    "ResidualScaling",
+    "StreamNorm",
+    "ZayaEmbedding",
+    "ZayaLM",
+    "ZayaLayer",
+    "ZayaMoE",
+    "ZayaRouter",
+    "build_zaya",
+    "canonical",
+    "convert_zaya",
+]
 
 #: ``ZayaConfig``'s defaults of the keys read here (C 60-91), for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {
@@ -601,3 +615,6 @@ def convert_zaya(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
         plan.src.prefix = prefix
     return cast(ZayaLM, parts.finish(plan, model, head_size))
 
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"zaya": parts.Dispatch("Zaya", convert_zaya, ("ZayaForCausalLM", "ZayaModel"))}

@@ -15,38 +15,39 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo.models.families import dense, sparse_moe
-from attnzoo.models.families.bailing_hybrid import convert_bailing_hybrid
-from attnzoo.models.families.bamba import convert_bamba
-from attnzoo.models.families.deepseek_v4 import convert_deepseek_v4
-from attnzoo.models.families.falcon_h1 import convert_falcon_h1
-from attnzoo.models.families.gemma3 import convert_gemma3
-from attnzoo.models.families.gemma4 import convert_gemma4
-from attnzoo.models.families.glm5_next import convert_glm5_next
-from attnzoo.models.families.gpt_oss import convert_gpt_oss
-from attnzoo.models.families.granitemoe_swa import convert_granitemoe_swa
-from attnzoo.models.families.granitemoehybrid import convert_granitemoehybrid
-from attnzoo.models.families.inkling import convert_inkling
-from attnzoo.models.families.inkling2 import convert_inkling2, convert_inkling2_loop
-from attnzoo.models.families.jamba import convert_jamba
-from attnzoo.models.families.kimi_linear import convert_kimi_linear
-from attnzoo.models.families.lara_mini import convert_lara_mini
-from attnzoo.models.families.lfm2 import convert_lfm2, convert_lfm2_moe
-from attnzoo.models.families.lfm3 import convert_lfm3
-from attnzoo.models.families.llama4 import convert_llama4
-from attnzoo.models.families.mamba1 import convert_falcon_mamba, convert_mamba
-from attnzoo.models.families.mamba2 import convert_mamba2
-from attnzoo.models.families.minimax import convert_minimax
-from attnzoo.models.families.nemotron_h import convert_nemotron_h
-from attnzoo.models.families.olmo3 import convert_olmo3
-from attnzoo.models.families.olmo_hybrid import convert_olmo_hybrid
-from attnzoo.models.families.qwen3_5 import convert_qwen3_5, convert_qwen3_5_moe
-from attnzoo.models.families.qwen3_next import convert_qwen3_next
-from attnzoo.models.families.qwen4_exp import convert_qwen4_exp
-from attnzoo.models.families.recurrent_gemma import convert_recurrent_gemma
-from attnzoo.models.families.smollm3 import convert_smollm3
-from attnzoo.models.families.zamba2 import convert_zamba2
-from attnzoo.models.families.zaya import convert_zaya
+import attnzoo.models.families.bailing_hybrid as bailing_hybrid
+import attnzoo.models.families.bamba as bamba
+import attnzoo.models.families.deepseek_v4 as deepseek_v4
+import attnzoo.models.families.dense as dense
+import attnzoo.models.families.falcon_h1 as falcon_h1
+import attnzoo.models.families.gemma3 as gemma3
+import attnzoo.models.families.gemma4 as gemma4
+import attnzoo.models.families.glm5_next as glm5_next
+import attnzoo.models.families.gpt_oss as gpt_oss
+import attnzoo.models.families.granitemoe_swa as granitemoe_swa
+import attnzoo.models.families.granitemoehybrid as granitemoehybrid
+import attnzoo.models.families.inkling as inkling
+import attnzoo.models.families.inkling2 as inkling2
+import attnzoo.models.families.jamba as jamba
+import attnzoo.models.families.kimi_linear as kimi_linear
+import attnzoo.models.families.lara_mini as lara_mini
+import attnzoo.models.families.lfm2 as lfm2
+import attnzoo.models.families.lfm3 as lfm3
+import attnzoo.models.families.llama4 as llama4
+import attnzoo.models.families.mamba1 as mamba1
+import attnzoo.models.families.mamba2 as mamba2
+import attnzoo.models.families.minimax as minimax
+import attnzoo.models.families.nemotron_h as nemotron_h
+import attnzoo.models.families.olmo3 as olmo3
+import attnzoo.models.families.olmo_hybrid as olmo_hybrid
+import attnzoo.models.families.qwen3_5 as qwen3_5
+import attnzoo.models.families.qwen3_next as qwen3_next
+import attnzoo.models.families.qwen4_exp as qwen4_exp
+import attnzoo.models.families.recurrent_gemma as recurrent_gemma
+import attnzoo.models.families.smollm3 as smollm3
+import attnzoo.models.families.sparse_moe as sparse_moe
+import attnzoo.models.families.zamba2 as zamba2
+import attnzoo.models.families.zaya as zaya
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
 from attnzoo.models.hf.deepseek import convert_deepseek
@@ -57,65 +58,22 @@ from attnzoo.models.hf.vit import convert_vit
 
 __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "load_pretrained", "read_config"]
 
+#: the family modules (``models/families/``), in the order ``MODEL_TYPES`` lists them
+FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, olmo_hybrid, kimi_linear, bamba,
+                  granitemoehybrid, mamba2, nemotron_h, falcon_h1, lfm2, mamba1, jamba, lfm3, lara_mini,
+                  granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
+                  inkling, inkling2, gemma4, deepseek_v4, sparse_moe, dense)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
                            "*ForSequenceClassification", "ViTModel", "ViTForImageClassification",
-                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "Gemma3TextModel", "SmolLM3ForCausalLM",
-                           "Olmo3ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
-                           "Llama4TextModel", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
-                           "OlmoHybridForCausalLM", "KimiLinearForCausalLM", "KimiLinearModel",
-                           "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel", "BambaForCausalLM", "BambaModel",
-                           "GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel", "Mamba2ForCausalLM",
-                           "Mamba2Model", "NemotronHForCausalLM", "NemotronHModel",
-                           "FalconH1ForCausalLM", "FalconH1Model",
-                           "Lfm2ForCausalLM", "Lfm2Model", "MambaForCausalLM", "MambaModel",
-                           "FalconMambaForCausalLM", "FalconMambaModel", "Lfm2MoeForCausalLM", "Lfm2MoeModel",
-                           "JambaForCausalLM", "JambaModel", "Lfm3ForCausalLM", "Lfm3Model",
-                           "LaraMiniForCausalLM", "LaraMiniModel", "GraniteMoeSWAForCausalLM", "GraniteMoeSWAModel",
-                           "BailingHybridForCausalLM", "BailingHybridModel", "Glm5NextTextModel",
-                           "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "MiniMaxModel",
-                           "Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Zamba2ForCausalLM", "Zamba2Model",
-                           "RecurrentGemmaForCausalLM", "RecurrentGemmaModel",
-                           "ZayaForCausalLM", "ZayaModel",
-                           "InklingForCausalLM", "InklingTextModel",
-                           "Inkling2ForCausalLM", "Inkling2TextModel",
-                           "Inkling2LoopForCausalLM", "Inkling2LoopTextModel",
-                           "Gemma4ForCausalLM", "Gemma4TextModel",
-                           "DeepseekV4ForCausalLM", "DeepseekV4Model",
-                           *(c for family in (sparse_moe, dense) for _, classes in family.ARCHITECTURES.values()
-                             for c in classes))
+                           "DeepseekV3ForCausalLM",
+                           *(c for m in FAMILY_MODULES for d in m.DISPATCH.values() for c in d.classes))
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
-#: :mod:`attnzoo.models.families` (each owns its weight map).
+#: :mod:`attnzoo.models.families`: each family module declares its own ``DISPATCH`` (name, converter,
+#: transformers classes), so adding one touches its module, its test and the tuple below.
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
-    "gemma3_text": ("Gemma3", convert_gemma3), "smollm3": ("SmolLM3", convert_smollm3),
-    "olmo3": ("OLMo3", convert_olmo3), "gpt_oss": ("gpt-oss", convert_gpt_oss),
-    "llama4_text": ("Llama-4", convert_llama4), "qwen3_next": ("Qwen3-Next", convert_qwen3_next),
-    "qwen3_5_text": ("Qwen3.5", convert_qwen3_5), "olmo_hybrid": ("OLMo-hybrid", convert_olmo_hybrid),
-    "kimi_linear": ("Kimi Linear", convert_kimi_linear), "qwen3_5_moe_text": ("Qwen3.5-MoE", convert_qwen3_5_moe),
-    "bamba": ("Bamba", convert_bamba), "granitemoehybrid": ("Granite 4.0-H", convert_granitemoehybrid),
-    "mamba2": ("Mamba-2", convert_mamba2), "nemotron_h": ("Nemotron-H", convert_nemotron_h),
-    "falcon_h1": ("Falcon-H1", convert_falcon_h1), "lfm2": ("LFM2", convert_lfm2),
-    "mamba": ("Mamba", convert_mamba), "falcon_mamba": ("FalconMamba", convert_falcon_mamba),
-    "lfm2_moe": ("LFM2-MoE", convert_lfm2_moe), "jamba": ("Jamba", convert_jamba),
-    "lfm3": ("LFM3", convert_lfm3),
-    "lara_mini": ("Lara-mini", convert_lara_mini),
-    "granitemoe_swa": ("GraniteMoe-SWA", convert_granitemoe_swa),
-    "bailing_hybrid": ("Bailing-hybrid", convert_bailing_hybrid),
-    "qwen4_exp_text": ("Qwen4-Exp", convert_qwen4_exp),
-    "glm5_next_text": ("GLM-5-Next", convert_glm5_next), "glm5_next": ("GLM-5-Next", convert_glm5_next),
-    "minimax": ("MiniMax", convert_minimax),
-    "zamba2": ("Zamba2", convert_zamba2),
-    "recurrent_gemma": ("RecurrentGemma", convert_recurrent_gemma),
-    "zaya": ("Zaya", convert_zaya),
-    "inkling_text": ("Inkling", convert_inkling),
-    "inkling2_text": ("Inkling2", convert_inkling2),
-    "inkling2_loop_text": ("Inkling2-loop", convert_inkling2_loop),
-    "gemma4_text": ("Gemma 4", convert_gemma4),
-    "deepseek_v4": ("DeepSeek-V4", convert_deepseek_v4),
-    **{t: (name, sparse_moe.convert_sparse_moe) for t, (name, _) in sparse_moe.ARCHITECTURES.items()},
-    **{t: (name, dense.convert_dense) for t, (name, _) in dense.ARCHITECTURES.items()},
-}
+    t: (d.name, d.convert) for m in FAMILY_MODULES for t, d in m.DISPATCH.items()}
 #: ``model_type`` of a config -> the architecture it loads as.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
                **{k: f.arch for k, f in FAMILIES.items()}, **{k: arch for k, (arch, _) in BUILDERS.items()}}
