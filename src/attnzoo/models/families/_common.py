@@ -27,33 +27,10 @@ from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 from attnzoo.variants import build_attention
 
-__all__ = [
-    "GATED",
-    "PRE_NORMS",
-    "Dispatch",
-    "Float32ScaleRMSNorm",
-    "attention_factory",
-    "block",
-    "convert_layers",
-    "decoder",
-    "finish",
-    "float32_scale_norms",
-    "fuse_qkv_convs",
-    "gated_mlp",
-    "head_size_of",
-    "layer_types",
-    "plan_for",
-    "plus_one",
-    "put_attention",
-    "put_head",
-    "put_mlp",
-    "rms_norm",
-    "rope_params",
-    "rotary",
-    "sliding_windows",
-    "start",
-    "unsupported_keys",
-]
+__all__ = ["GATED", "PRE_NORMS", "Dispatch", "Float32ScaleRMSNorm", "attention_factory", "block", "convert_layers",
+           "decoder", "finish", "float32_scale_norms", "fuse_qkv_convs", "gated_mlp", "head_size_of", "layer_types",
+           "plan_for", "plus_one", "put_attention", "put_head", "put_mlp", "rms_norm", "rope_params", "rotary",
+           "sliding_windows", "start", "unsupported_keys"]
 
 #: transformers' activation names -> attnzoo's gated FeedForward activations
 GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",

@@ -74,18 +74,8 @@ from attnzoo.nn.moe import Experts
 from attnzoo.nn.parts import OutputGate, placed
 from attnzoo.nn.recurrent import wide
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "GatedLatentAttention",
-    "LimitedSwiGLU",
-    "LingDeltaAttention",
-    "build_bailing_hybrid",
-    "canonical",
-    "convert_bailing_hybrid",
-    "layer_kinds",
-    "swiglu_limits",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "GatedLatentAttention", "LimitedSwiGLU", "LingDeltaAttention",
+           "build_bailing_hybrid", "canonical", "convert_bailing_hybrid", "layer_kinds", "swiglu_limits"]
 
 #: ``BailingHybridConfig``'s defaults of the keys read here, for a ``config.json`` that leaves them
 #: out (the MoE's under the names transformers saves: ``num_experts``, ``num_expert_group``, ...)

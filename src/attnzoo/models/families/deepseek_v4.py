@@ -97,25 +97,9 @@ from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.moe import Routing
 from attnzoo.nn.rope_scaling import rope_inv_freq
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "KINDS",
-    "Compressor",
-    "DeepseekV4LM",
-    "HyperHead",
-    "InterleavedRope",
-    "LightningIndexer",
-    "V4Attention",
-    "V4Block",
-    "V4Cache",
-    "V4MoE",
-    "V4RMSNorm",
-    "V4Shape",
-    "build_deepseek_v4",
-    "canonical",
-    "convert_deepseek_v4",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "KINDS", "Compressor", "DeepseekV4LM", "HyperHead", "InterleavedRope",
+           "LightningIndexer", "V4Attention", "V4Block", "V4Cache", "V4MoE", "V4RMSNorm", "V4Shape",
+           "build_deepseek_v4", "canonical", "convert_deepseek_v4"]
 
 #: ``DeepseekV4Config``'s defaults of the keys read here, for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {

@@ -85,24 +85,9 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "Gemma4Attention",
-    "Gemma4Block",
-    "Gemma4Embedding",
-    "Gemma4LM",
-    "Gemma4MoE",
-    "Gemma4RoutedExperts",
-    "KVSharing",
-    "PerLayerEmbedding",
-    "PerLayerInput",
-    "SharedKV",
-    "SharedKVCounter",
-    "build_gemma4",
-    "canonical",
-    "convert_gemma4",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "Gemma4Attention", "Gemma4Block", "Gemma4Embedding", "Gemma4LM", "Gemma4MoE",
+           "Gemma4RoutedExperts", "KVSharing", "PerLayerEmbedding", "PerLayerInput", "SharedKV", "SharedKVCounter",
+           "build_gemma4", "canonical", "convert_gemma4"]
 
 TYPES = ("sliding_attention", "full_attention")
 NORMS = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),

@@ -86,22 +86,9 @@ from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import wide
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "BoundedKDA",
-    "ClampedMoE",
-    "ClampedSwiGLU",
-    "DSAIndexer",
-    "Glm5NextLM",
-    "HyperBlock",
-    "HyperConnection",
-    "IndexedCache",
-    "IndexedLatentAttention",
-    "build_glm5_next",
-    "canonical",
-    "convert_glm5_next",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "BoundedKDA", "ClampedMoE", "ClampedSwiGLU", "DSAIndexer", "Glm5NextLM",
+           "HyperBlock", "HyperConnection", "IndexedCache", "IndexedLatentAttention", "build_glm5_next", "canonical",
+           "convert_glm5_next"]
 
 #: ``Glm5NextTextConfig``'s defaults of the keys read here, for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {

@@ -57,21 +57,9 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 
-__all__ = [
-    "CHECKS",
-    "DEFAULTS",
-    "DISPATCH",
-    "build_granitemoehybrid",
-    "convert_granitemoehybrid",
-    "embed_scale",
-    "experts_factory",
-    "finish_folded",
-    "multiplier",
-    "put_experts",
-    "put_feed_forward",
-    "put_shared_mlp",
-    "refuse_partial_rotary",
-]
+__all__ = ["CHECKS", "DEFAULTS", "DISPATCH", "build_granitemoehybrid", "convert_granitemoehybrid", "embed_scale",
+           "experts_factory", "finish_folded", "multiplier", "put_experts", "put_feed_forward", "put_shared_mlp",
+           "refuse_partial_rotary"]
 
 #: transformers' ``GraniteMoeHybridConfig`` defaults of the keys read here that a ``config.json``
 #: may leave out (where the shared helpers would assume another value or require the key)

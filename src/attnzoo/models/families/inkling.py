@@ -107,18 +107,8 @@ from attnzoo.nn.packing import check_packed_call
 from attnzoo.nn.parts import AttentionParts, Scores, placed, qk_rmsnorm
 from attnzoo.nn.recurrent import RecurrentCache, ShortConv
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "InklingAttention",
-    "InklingLayer",
-    "build_inkling",
-    "canonical",
-    "convert_inkling",
-    "log_scale",
-    "relative_bias",
-    "residual_conv",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "InklingAttention", "InklingLayer", "build_inkling", "canonical", "convert_inkling",
+           "log_scale", "relative_bias", "residual_conv"]
 
 #: ``InklingTextConfig``'s defaults of the keys read here (config 106-147), for a ``config.json``
 #: that leaves them out

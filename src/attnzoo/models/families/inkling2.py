@@ -125,33 +125,11 @@ from attnzoo.nn.cache import _LengthCache
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import wide
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "LOOP_DEFAULTS",
-    "BlockAttentionResidual",
-    "DynamicShortConv",
-    "HeadShape",
-    "Inkling2Attention",
-    "Inkling2Cache",
-    "Inkling2LM",
-    "Inkling2Layer",
-    "Inkling2LoopLM",
-    "MessageGate",
-    "MessageInput",
-    "RelativePositionBias",
-    "Settings",
-    "ShortConv",
-    "SoftcappedMoE",
-    "block_attention",
-    "build_inkling2",
-    "build_inkling2_loop",
-    "canonical",
-    "canonical_loop",
-    "convert_inkling2",
-    "convert_inkling2_loop",
-    "module_names",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "LOOP_DEFAULTS", "BlockAttentionResidual", "DynamicShortConv", "HeadShape",
+           "Inkling2Attention", "Inkling2Cache", "Inkling2LM", "Inkling2Layer", "Inkling2LoopLM", "MessageGate",
+           "MessageInput", "RelativePositionBias", "Settings", "ShortConv", "SoftcappedMoE", "block_attention",
+           "build_inkling2", "build_inkling2_loop", "canonical", "canonical_loop", "convert_inkling2",
+           "convert_inkling2_loop", "module_names"]
 
 #: ``Inkling2TextConfig``'s defaults of the keys read here (configuration 83-119), for a
 #: ``config.json`` that leaves them out

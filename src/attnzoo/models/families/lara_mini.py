@@ -57,17 +57,8 @@ from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, put_deltanet_r
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "LAYER_PATTERN",
-    "Float32Router",
-    "build_lara_mini",
-    "canonical",
-    "convert_lara_mini",
-    "lara_moe",
-    "put_lara_deltanet",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "LAYER_PATTERN", "Float32Router", "build_lara_mini", "canonical",
+           "convert_lara_mini", "lara_moe", "put_lara_deltanet"]
 
 #: the released layer pattern, repeated over the depth when ``layer_types`` is absent (config 118-129)
 LAYER_PATTERN = ("linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention")

@@ -71,24 +71,9 @@ from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "MOE_DEFAULTS",
-    "Lfm2ShortConvMixer",
-    "build_lfm2",
-    "build_lfm2_moe",
-    "canonical",
-    "canonical_moe",
-    "convert_lfm2",
-    "convert_lfm2_moe",
-    "ff_dim",
-    "moe_factory",
-    "put_lfm2_moe",
-    "put_short_conv",
-    "put_swiglu",
-    "short_conv_factory",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "MOE_DEFAULTS", "Lfm2ShortConvMixer", "build_lfm2", "build_lfm2_moe", "canonical",
+           "canonical_moe", "convert_lfm2", "convert_lfm2_moe", "ff_dim", "moe_factory", "put_lfm2_moe",
+           "put_short_conv", "put_swiglu", "short_conv_factory"]
 
 TYPES = ("conv", "full_attention")
 

@@ -80,17 +80,8 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv, wide
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "Mamba1Mixer",
-    "build_falcon_mamba",
-    "build_mamba",
-    "canonical",
-    "convert_falcon_mamba",
-    "convert_mamba",
-    "put_mamba1",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "Mamba1Mixer", "build_falcon_mamba", "build_mamba", "canonical",
+           "convert_falcon_mamba", "convert_mamba", "put_mamba1"]
 
 #: ``MambaConfig``'s defaults of the keys read here (configuration_mamba 67-92; FalconMamba's are the
 #: same plus ``mixer_rms_eps``, configuration_falcon_mamba 73-100), for a ``config.json`` that leaves them out

@@ -101,17 +101,8 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.recurrent import RecurrentMixer, wide
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "LightningAttention",
-    "NormedEmbedding",
-    "build_minimax",
-    "canonical",
-    "convert_minimax",
-    "lightning_slopes",
-    "put_lightning",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "LightningAttention", "NormedEmbedding", "build_minimax", "canonical",
+           "convert_minimax", "lightning_slopes", "put_lightning"]
 
 #: ``MiniMaxConfig``'s defaults of the keys read here (configuration_minimax 82-113), for a
 #: ``config.json`` that leaves them out

@@ -107,20 +107,8 @@ from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "FEED_FORWARDS",
-    "LAYER_KINDS",
-    "NEMOTRON_H_KEYS",
-    "build_nemotron_h",
-    "convert_nemotron_h",
-    "layer_kinds",
-    "moe_factory",
-    "moe_routing",
-    "pair_layers",
-    "put_nemotron_moe",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "FEED_FORWARDS", "LAYER_KINDS", "NEMOTRON_H_KEYS", "build_nemotron_h",
+           "convert_nemotron_h", "layer_kinds", "moe_factory", "moe_routing", "pair_layers", "put_nemotron_moe"]
 
 #: ``hybrid_override_pattern`` characters -> ``layers_block_type`` names (config 279-282)
 LAYER_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}

@@ -126,19 +126,8 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.recurrent import RecurrentMixer, ShortConv, wide
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "GATE_SCALE",
-    "RGLRU",
-    "BoundedSqrt",
-    "GriffinRecurrentBlock",
-    "build_recurrent_gemma",
-    "canonical",
-    "convert_recurrent_gemma",
-    "layer_kinds",
-    "put_recurrent",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "GATE_SCALE", "RGLRU", "BoundedSqrt", "GriffinRecurrentBlock",
+           "build_recurrent_gemma", "canonical", "convert_recurrent_gemma", "layer_kinds", "put_recurrent"]
 
 #: ``RecurrentGemmaConfig``'s defaults of the keys read here (config 59-80), for a ``config.json``
 #: that leaves them out; ``max_position_embeddings`` is not one of its keys (see the module docstring)

@@ -114,22 +114,8 @@ from attnzoo.nn.moe import MixtureOfExperts
 from attnzoo.nn.parts import placed
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = [
-    "DEFAULTS",
-    "DISPATCH",
-    "CCAAttention",
-    "CCAState",
-    "ResidualScaling",
-    "StreamNorm",
-    "ZayaEmbedding",
-    "ZayaLM",
-    "ZayaLayer",
-    "ZayaMoE",
-    "ZayaRouter",
-    "build_zaya",
-    "canonical",
-    "convert_zaya",
-]
+__all__ = ["DEFAULTS", "DISPATCH", "CCAAttention", "CCAState", "ResidualScaling", "StreamNorm", "ZayaEmbedding",
+           "ZayaLM", "ZayaLayer", "ZayaMoE", "ZayaRouter", "build_zaya", "canonical", "convert_zaya"]
 
 #: ``ZayaConfig``'s defaults of the keys read here (C 60-91), for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {
