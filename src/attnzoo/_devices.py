@@ -1,5 +1,5 @@
 """Device and dtype helpers: device argument validation shared by the measuring tools (``check``,
-``bench``), the one ``is_compiling`` question, and buffers kept in float32 through half casts."""
+``bench``), the one ``is_compiling`` question, and buffers and parameters kept in float32 through half casts."""
 
 from __future__ import annotations
 
@@ -35,6 +35,27 @@ def restore_float32(module: torch.nn.Module, name: str, before: torch.Tensor | N
             or before.dtype not in (torch.float32, torch.float64) or before.device.type == "meta"):
         return
     setattr(module, name, before.to(device=now.device, dtype=torch.float32))
+
+
+def float32_snapshot(module: torch.nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The data of ``module``'s parameters ``names`` (dotted paths: ``"q_conv.weight"``), taken just
+    before ``module._apply``, for :func:`restore_float32_params` to put back after it."""
+    return {name: module.get_parameter(name).data for name in names}
+
+
+def restore_float32_params(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    """After ``module._apply`` (``.to``, ``.half()``, ...): each parameter of ``before`` (from
+    :func:`float32_snapshot`) that was float32 (or float64) and was just cast to 16 bits gets its
+    value ``before`` the cast back, on the new device, in float32 (the same ``nn.Parameter``,
+    its ``.grad`` widened too). Nothing changes for moves that keep the dtype or on the meta device."""
+    for name, old in before.items():
+        now = module.get_parameter(name)
+        if (now.dtype not in (torch.float16, torch.bfloat16) or old.dtype not in (torch.float32, torch.float64)
+                or old.device.type == "meta"):
+            continue
+        now.data = old.to(device=now.device, dtype=torch.float32)
+        if now.grad is not None:
+            now.grad = now.grad.float()
 
 
 #: device types torch.autocast knows (asking about another, e.g. "meta", raises inside torch)

@@ -12,6 +12,7 @@ from torch import Tensor
 from attnzoo.nn.kda import KimiDeltaAttention
 from attnzoo.variants import VARIANTS, build_attention
 from recurrent_oracle import token_loop
+from twins import assert_same_forward_and_gradients
 
 C, H = 24, 3  # head_dim 8
 
@@ -143,3 +144,69 @@ def test_half_modules_stay_finite_and_near_the_float32_module(name: str, dtype: 
     err = float((got.float() - ref).abs().max() / ref.abs().max())
     bound = 0.05 if dtype == torch.float16 else 0.2  # relative to max |out|: half rounding of the projections
     assert err < bound, f"{name} {dtype} x{amp}: rel err {err:.3f}"
+
+
+def _kept(*groups: str, dtype: torch.dtype = torch.float32) -> KimiDeltaAttention:
+    torch.manual_seed(0)
+    return KimiDeltaAttention(C, H, chunk_size=4, dtype=dtype).keep_in_float32(*groups).eval()
+
+
+def test_keep_in_float32_keeps_the_decay_and_convolutions_through_half_casts() -> None:
+    """``keep_in_float32`` (transformers' ``_keep_in_fp32_modules_strict``: ``dt_bias``, ``A_log``,
+    ``conv1d``): those parameters float32 when built in bfloat16 and after ``.half()`` /
+    ``.bfloat16()`` / ``.to()``, the same ``nn.Parameter`` with its exact value; the others follow
+    the casts; only the named groups are kept; wider casts apply as usual."""
+    ref = _kept()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    kept = ("A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight")
+    built = _kept("dt_bias", "A_log", "conv", dtype=torch.bfloat16)
+    assert sorted(built.float32_params) == sorted(kept)
+    assert {n for n, p in built.named_parameters() if p.dtype == torch.float32} == set(kept)
+    built.load_state_dict(ref.state_dict())
+    m = _kept("dt_bias", "A_log", "conv")
+    m.load_state_dict(ref.state_dict())
+    params = {n: m.get_parameter(n) for n in kept}
+    for cast, dtype in ((m.half, torch.float16), (m.bfloat16, torch.bfloat16), (lambda: m.to(torch.float16), torch.float16)):
+        cast()
+        for n in kept:
+            assert m.get_parameter(n) is params[n] and params[n].dtype == torch.float32
+            assert torch.equal(params[n], ref.get_parameter(n)) and torch.equal(built.get_parameter(n), params[n])
+        assert m.q_proj.weight.dtype == m.o_norm.weight.dtype == dtype
+    assert m.double().dt_bias.dtype == torch.float64
+    only = _kept("dt_bias").bfloat16()  # Kimi Linear keeps dt_bias alone
+    assert only.float32_params == ("dt_bias",) and only.A_log.dtype == only.q_conv.weight.dtype == torch.bfloat16
+    assert _kept().bfloat16().dt_bias.dtype == torch.bfloat16  # none by default
+    with pytest.raises(ValueError, match=r"groups must be among .* got 'conv1d'"):
+        _kept("conv1d")
+
+
+def test_keep_in_float32_leaves_float32_unchanged_and_widens_half_inputs() -> None:
+    """In float32 the kept module equals the plain one bit for bit (forward and gradients); in
+    bfloat16 the output is bfloat16, the float32 convolutions convolve and apply SiLU in float32 and
+    round once (the inputs they keep for the cache in bfloat16), decoding through the cache equals
+    the full forward, and gradients reach the float32 parameters."""
+    plain, kept = _kept(), _kept("dt_bias", "A_log", "conv")
+    kept.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 9, C, generator=torch.Generator().manual_seed(4))
+    assert_same_forward_and_gradients(plain, kept, x)
+    kept.zero_grad()
+    kept.bfloat16()
+    t = kept.q_proj(x.bfloat16())
+    new: dict[str, Tensor] = {}
+    y = kept.short_conv("q", t, None, {}, new)
+    want = F.silu(F.conv1d(F.pad(t.float().transpose(1, 2), (kept.conv_size - 1, 0)), kept.q_conv.weight,
+                           groups=t.shape[-1])).transpose(1, 2).bfloat16()
+    assert y.dtype == new["q"].dtype == torch.bfloat16 and torch.equal(y, want)
+    xb = x.bfloat16()
+    with torch.no_grad():
+        full = kept(xb)
+        cache = kept.init_cache(2, 9)
+        steps = torch.cat([kept(xb[:, :4], cache=cache)] + [kept(xb[:, s:s + 1], cache=cache) for s in range(4, 9)], 1)
+    assert full.dtype == torch.bfloat16 and torch.isfinite(full).all()
+    torch.testing.assert_close(steps, full, rtol=2e-2, atol=2e-2)
+    kept(xb).float().square().sum().backward()
+    for n in kept.float32_params:
+        grad = kept.get_parameter(n).grad
+        assert grad is not None and grad.dtype == torch.float32 and float(grad.abs().sum()) > 0, n

@@ -17,6 +17,7 @@ from attnzoo.blocks import FeedForward
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan, Source
 from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
+from twins import assert_same_forward_and_gradients
 
 C, HID, E = 16, 12, 4
 
@@ -328,3 +329,57 @@ def test_moe_equals_nemotron_h_block(groups: int, topk_groups: int, norm: bool) 
     with torch.no_grad():
         err = _rel(ours(x), theirs(x))
     assert err < 1e-5, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("routing", ["sigmoid_topk", "softmax_topk", "topk_softmax"])
+def test_keep_router_float32_keeps_the_router_through_half_casts(routing: str) -> None:
+    """``keep_router_float32=True`` (transformers' ``gate.weight`` in ``_keep_in_fp32_modules_strict``):
+    the router weight and bias are float32 when built in bfloat16 and after ``.half()`` /
+    ``.bfloat16()`` / ``.to()``, the same ``nn.Parameter`` (its value exact: a float32 checkpoint's);
+    the other weights follow the casts; wider casts apply as usual."""
+    kw: dict[str, Any] = {"routing": Routing(routing, bias=True)}
+    moe = _randomize(MixtureOfExperts(C, HID, E, 2, keep_router_float32=True, **kw))
+    want = moe.router.weight.detach().clone()
+    built = MixtureOfExperts(C, HID, E, 2, keep_router_float32=True, dtype=torch.bfloat16, **kw)
+    assert built.router.weight.dtype == built.router.bias.dtype == torch.float32
+    assert built.up_proj.dtype == torch.bfloat16
+    built.load_state_dict(moe.state_dict())
+    assert torch.equal(built.router.weight, want)
+    param = moe.router.weight
+    for cast, dtype in ((moe.half, torch.float16), (moe.bfloat16, torch.bfloat16),
+                        (lambda: moe.to(torch.float16), torch.float16)):
+        cast()
+        assert moe.router.weight is param and moe.router.weight.dtype == moe.router.bias.dtype == torch.float32
+        assert torch.equal(moe.router.weight, want) and moe.up_proj.dtype == dtype
+    assert moe.double().router.weight.dtype == torch.float64
+    plain = MixtureOfExperts(C, HID, E, 2, dtype=torch.bfloat16, **kw)
+    assert not plain.keep_router_float32 and plain.router.weight.dtype == torch.bfloat16
+    assert MixtureOfExperts(C, HID, E, 2, **kw).keep_router_in_float32().keep_router_float32
+    with pytest.raises(TypeError, match="keep_router_float32 must be a bool"):
+        MixtureOfExperts(C, HID, E, 2, keep_router_float32=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("routing", ["sigmoid_topk", "softmax_topk", "topk_softmax", "topk_sigmoid"])
+def test_keep_router_float32_routes_in_float32_and_leaves_float32_unchanged(routing: str) -> None:
+    """In float32 the option changes nothing (bit for bit, forward and gradients); in bfloat16 the
+    logits are ``linear(x.float(), W)`` from the float32 weight, the output is bfloat16, and
+    gradients reach the float32 router weight."""
+    kw: dict[str, Any] = {"routing": Routing(routing, weight_inputs=routing == "topk_sigmoid")}
+    plain = _randomize(MixtureOfExperts(C, HID, E, 2, **kw))
+    kept = MixtureOfExperts(C, HID, E, 2, keep_router_float32=True, **kw)
+    kept.load_state_dict(plain.state_dict())
+    x = _x(12)
+    assert_same_forward_and_gradients(plain, kept, x)
+    kept.zero_grad()
+    kept.bfloat16()
+    xb = _x(12).bfloat16()
+    _, _, logits = kept.route(xb.reshape(-1, C))
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, F.linear(xb.reshape(-1, C).float(), kept.router.weight))
+    out = kept(xb)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    out.float().square().sum().backward()
+    grad = kept.router.weight.grad
+    assert grad is not None and grad.dtype == torch.float32 and float(grad.abs().sum()) > 0
+    kept.half()  # a float32 gradient stays float32 with its weight
+    assert kept.router.weight.grad.dtype == torch.float32

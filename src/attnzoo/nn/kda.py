@@ -15,10 +15,18 @@ here and its fused ``conv1d`` is split by rows into ``q_conv``, ``k_conv``, ``v_
 ``W_fa [C, D]``, ``W_fb [D, Hv D]`` (``f_a_proj``, ``f_b_proj``) and ``W_ga, W_gb`` (``g_a_proj``,
 ``g_b_proj``) are low-rank (rank ``D``); ``A_log [Hv]`` and ``dt_bias [Hv D]`` take Mamba-2's
 initialisation; the norm's scale ``o_norm.weight [D]`` is shared by the heads.
+
+:meth:`KimiDeltaAttention.keep_in_float32` keeps ``dt_bias``, ``A_log`` and / or the short
+convolutions in float32 whatever the module's dtype, through later casts too, as transformers keeps
+them (``_keep_in_fp32_modules_strict``: Kimi Linear's ``dt_bias``, Ling's hybrids' and GLM-5-Next's
+``dt_bias``, ``A_log`` and ``conv1d``); the decay is computed in float32 anyway, and a float32
+convolution on half-precision inputs convolves and applies SiLU in float32, then rounds once (as
+transformers' ``causal_conv1d_fn``). A float32 module is unchanged by it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -26,13 +34,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo._devices import float32_snapshot, restore_float32_params
 from attnzoo._validate import check_positive_float, check_probability
 from attnzoo.functional.recurrent.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
 from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters, l2_normalize
 from attnzoo.nn.recurrent import recurrent_cost, register_recurrent, wide
 from attnzoo.nn.spec import Cost, CostShape, VariantConfig
 
-__all__ = ["GatedRMSNorm", "KimiDeltaAttention"]
+__all__ = ["FLOAT32_GROUPS", "GatedRMSNorm", "KimiDeltaAttention"]
+
+#: what :meth:`KimiDeltaAttention.keep_in_float32` can keep in float32 (``"conv"``: the three short
+#: convolutions' weights and biases)
+FLOAT32_GROUPS = ("dt_bias", "A_log", "conv")
 
 
 class GatedRMSNorm(nn.Module):
@@ -71,6 +84,8 @@ class KimiDeltaAttention(DeltaNet):
 
     Decode cache: :class:`~attnzoo.nn.recurrent.RecurrentCache`: the state ``[B, Hv, D, D]`` and the
     last ``conv_size - 1`` inputs of the three convolutions.
+
+    ``float32_params``: the parameters :meth:`keep_in_float32` keeps in float32 (none by default).
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int | None = None, bias: bool = False,
@@ -94,6 +109,45 @@ class KimiDeltaAttention(DeltaNet):
         self.g_a_proj = nn.Linear(dim, d, bias=False, **fk)
         self.g_b_proj = nn.Linear(d, v_inner, bias=False, **fk)
         self.o_norm = GatedRMSNorm(d, norm_eps, fk)
+        self.float32_params: tuple[str, ...] = ()
+
+    def keep_in_float32(self, *groups: str) -> KimiDeltaAttention:
+        """Keep ``groups`` (of :data:`FLOAT32_GROUPS`: ``"dt_bias"``, ``"A_log"``, ``"conv"``) in
+        float32 from now on: cast to float32 now if 16-bit, and put back in float32 after every half
+        cast (``.to``, ``.half()``, ``.bfloat16()``). Call it before loading weights, so that a
+        float32 checkpoint's values load exactly. Returns ``self``."""
+        for group in groups:
+            if group not in FLOAT32_GROUPS:
+                raise ValueError(f"{type(self).__name__}.keep_in_float32: groups must be among {FLOAT32_GROUPS}, "
+                                 f"got {group!r}")
+        convs = [f"{n}_conv" for n in ("q", "k", "v") if "conv" in groups and hasattr(self, f"{n}_conv")]
+        names = [n for n in ("dt_bias", "A_log") if n in groups]
+        names += [f"{c}.{n}" for c in convs for n, _ in self.get_submodule(c).named_parameters()]
+        for name in names:
+            p = self.get_parameter(name)
+            if p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.float()
+        self.float32_params = tuple(dict.fromkeys((*self.float32_params, *names)))
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> KimiDeltaAttention:
+        """Half casts leave :attr:`float32_params` in float32 (see :meth:`keep_in_float32`)."""
+        kept = float32_snapshot(self, self.float32_params)
+        super()._apply(fn, recurse)
+        restore_float32_params(self, kept)
+        return self
+
+    def short_conv(self, name: str, t: Tensor, pad: Tensor | None, conv: Mapping[str, Tensor],
+                   out: dict[str, Tensor], *, silu: bool = True, cu: Tensor | None = None) -> Tensor:
+        """As the base class's; a float32 convolution (:meth:`keep_in_float32`) on half-precision
+        ``t [B, N, Ch]`` convolves and applies SiLU in float32 and rounds once to ``t``'s dtype (the
+        inputs kept for the cache stay in ``t``'s dtype)."""
+        if (f"{name}_conv.weight" not in self.float32_params or t.dtype not in (torch.float16, torch.bfloat16)
+                or self.get_parameter(f"{name}_conv.weight").dtype == t.dtype):
+            return super().short_conv(name, t, pad, conv, out, silu=silu, cu=cu)
+        y = super().short_conv(name, wide(t), pad, conv, out, silu=silu, cu=cu)
+        out[name] = out[name].to(t.dtype)
+        return y.to(t.dtype)
 
     def _l2(self, t: Tensor) -> Tensor:
         """``t / sqrt(|t|^2 + qk_norm_eps)`` over the head width (``F.normalize`` when 0)."""

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._devices import restore_float32
+from attnzoo._devices import float32_snapshot, restore_float32, restore_float32_params
 from attnzoo._validate import (
     check_bool,
     check_choice,
@@ -161,6 +161,10 @@ class MixtureOfExperts(nn.Module):
             ungated).
         shared_expert: a module added to every token's output, or ``None``.
         shared_gate: gate the shared expert by ``sigmoid(shared_gate(x))`` (a ``[1, C]`` linear).
+        keep_router_float32: the router's weight (and bias) in float32 whatever ``dtype``, kept so
+            through later casts (``.to``, ``.half()``, ``.bfloat16()``; see
+            :meth:`keep_router_in_float32`), as transformers keeps ``gate.weight`` of DeepSeek-V3-style
+            routers (``_keep_in_fp32_modules_strict``). A float32 model is unchanged by it.
 
     Weights: ``router`` (``[E, C]``, bias ``[E]``), ``gate_proj``/``up_proj`` ``[E, F, C]``,
     ``down_proj`` ``[E, C, F]`` (biases ``gate_bias``/``up_bias`` ``[E, F]``, ``down_bias``
@@ -178,7 +182,8 @@ class MixtureOfExperts(nn.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, routing: Routing | None = None,
                  experts: Experts | None = None, shared_expert: nn.Module | None = None, shared_gate: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 keep_router_float32: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.dim, self.hidden = check_int(dim, "dim", "MixtureOfExperts"), check_int(hidden, "hidden", "MixtureOfExperts")
         self.num_experts, self.top_k = check_int(num_experts, "num_experts", "MixtureOfExperts"), check_int(top_k, "top_k", "MixtureOfExperts")
@@ -225,7 +230,21 @@ class MixtureOfExperts(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(E, C, **kw)) if bias else None
         self.shared_expert = shared_expert
         self.shared_gate = nn.Linear(C, 1, bias=False, **kw) if shared_gate else None
+        self.keep_router_float32 = False
+        if check_bool(keep_router_float32, "keep_router_float32", "MixtureOfExperts"):
+            self.keep_router_in_float32()
         self.reset_parameters()
+
+    def keep_router_in_float32(self) -> MixtureOfExperts:
+        """From now on the router's weight (and bias) stays float32: cast to float32 now if 16-bit,
+        and put back in float32 after every half cast (``keep_router_float32=True`` does this on
+        construction; for a factory that does not take it). Call it before loading weights, so that
+        a float32 checkpoint's router loads exactly. Returns ``self``."""
+        self.keep_router_float32 = True
+        for p in self.router.parameters():
+            if p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.float()
+        return self
 
     def reset_parameters(self) -> None:
         """Expert weights uniform in ``+-1/sqrt(fan_in)`` (``nn.Linear``'s bound); biases zero."""
@@ -237,20 +256,26 @@ class MixtureOfExperts(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> MixtureOfExperts:
         """Half casts leave ``score_bias`` in float32 (transformers keeps DeepSeek-V3's and Kimi's
-        correction bias in float32 too): a bias rounded to 16 bits picks other experts near ties."""
+        correction bias in float32 too): a bias rounded to 16 bits picks other experts near ties;
+        with ``keep_router_float32`` the router's weight (and bias) too."""
         before = self.score_bias
+        names = tuple(f"router.{n}" for n, _ in self.router.named_parameters()) if self.keep_router_float32 else ()
+        router = float32_snapshot(self, names)
         super()._apply(fn, recurse)
         restore_float32(self, "score_bias", before)
+        restore_float32_params(self, router)
         return self
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router of ``x [T, C]``: ``(weights [T, k], experts [T, k] long, logits [T, E])``; the
         softmax/sigmoid run in at least float32 (``"sigmoid_topk"``'s router matmul too, as
-        transformers' DeepSeek-V3 / Kimi / Nemotron-H routers compute it), the weights come back in
+        transformers' DeepSeek-V3 / Kimi / Nemotron-H routers compute it; and any routing with a
+        float32 router on half-precision ``x``: ``keep_router_float32``), the weights come back in
         ``x``'s dtype."""
         wide = torch.promote_types(x.dtype, torch.float32)  # half precision routes in float32
-        if self.score_bias is not None:  # sigmoid_topk: float32 logits from half-precision inputs
-            r = self.router
+        r = self.router
+        if self.score_bias is not None or (self.keep_router_float32 and r.weight.dtype != x.dtype):
+            # float32 logits from half-precision inputs
             logits = F.linear(x.to(wide), r.weight.to(wide), None if r.bias is None else r.bias.to(wide))
         else:
             logits = self.router(x)  # [T, E]

@@ -43,6 +43,12 @@ Kimi Linear's layout (:mod:`.kimi_linear`) with these differences, each reproduc
   renames them on load and back on save): both load. A ``config.json`` that leaves out keys reads
   them as :data:`DEFAULTS` (``BailingHybridConfig``'s).
 
+In half precision (``from_hf(dtype=)``, later ``.to()`` / ``.half()`` / ``.bfloat16()``) the MoE
+routers' weight and the KDA's ``dt_bias``, ``A_log`` and short convolutions stay float32, as
+transformers keeps them (``_keep_in_fp32_modules_strict``, modeling 1022-1028: ``gate.weight``,
+``conv1d``, ``dt_bias``, ``A_log``; ``e_score_correction_bias`` is ``score_bias``, float32 always);
+the convolutions then convolve and apply SiLU in float32 and round once, as its ``causal_conv1d_fn``.
+
 Refused by name: an activation other than SiLU (it is also the convolutions'),
 ``num_key_value_heads != num_attention_heads`` (transformers' latent attention cannot run it),
 the ``dynamic`` / ``longrope`` rope types and ``partial_rotary_factor``, a negative SwiGLU limit.
@@ -64,7 +70,14 @@ import attnzoo.models.families._common as parts
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
-from attnzoo.models.families.kimi_linear import TYPES, mlp_types, put_kda, put_mla, saved_names
+from attnzoo.models.families.kimi_linear import (
+    TYPES,
+    float32_router,
+    mlp_types,
+    put_kda,
+    put_mla,
+    saved_names,
+)
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.deepseek import extra_layer, mla_rope
 from attnzoo.models.hf.errors import CheckpointFormatError
@@ -90,6 +103,9 @@ DEFAULTS: dict[str, Any] = {
     "topk_group": 4, "routed_scaling_factor": 2.5, "moe_renormalize": True,
 }
 
+#: the KDA parameters transformers keeps in float32 (modeling 1022-1028; ``"conv"``: ``conv1d``)
+KDA_FLOAT32 = ("dt_bias", "A_log", "conv")
+
 #: Ant's saved names -> transformers' module names (its ``conversion_mapping`` for the family)
 _SAVED = ((re.compile(r"^(model\.)?word_embeddings\."), r"\1embed_tokens."),
           (re.compile(r"\.attention\."), ".self_attn."),
@@ -110,6 +126,8 @@ class LingDeltaAttention(KimiDeltaAttention):
         lower_bound: ``kda_lower_bound``: the decay ``lower_bound * sigmoid(exp(A_log) * f)`` in
             ``[lower_bound, 0]`` (transformers' ``kda_safe_gate``); ``None``: Kimi's
             ``-exp(A_log) * softplus(f)``. ``f = x W_f + dt_bias``.
+        keep_float32: parameter groups kept in float32 whatever ``dtype`` (of
+            :data:`~attnzoo.nn.kda.FLOAT32_GROUPS`; :meth:`~attnzoo.nn.kda.KimiDeltaAttention.keep_in_float32`).
         device, dtype: of the parameters.
 
     Parameters as :class:`~attnzoo.nn.kda.KimiDeltaAttention` with ``f_proj [H D, C]`` and
@@ -118,12 +136,13 @@ class LingDeltaAttention(KimiDeltaAttention):
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, *, conv_size: int, norm_eps: float,
-                 lower_bound: float | None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 lower_bound: float | None, keep_float32: tuple[str, ...] = (),
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(dim, num_heads, head_dim=head_dim, conv_size=conv_size, norm_eps=norm_eps, qk_norm_eps=1e-6,
                          device=device, dtype=dtype)
         if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
             raise ValueError(f"LingDeltaAttention: lower_bound must be a number or None, got {lower_bound!r}")
+        self.keep_in_float32(*keep_float32)
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         inner = self.num_v_heads * self.head_dim
@@ -268,7 +287,7 @@ def _moe(hf: HFConfig, limit: float, shared_limit: float, kw: dict[str, Any]) ->
     """The factory of a ``sparse`` layer's MoE with its SwiGLU limits (0: none)."""
     experts = Experts("limited_swiglu", swiglu_limit=limit) if limit else None
     shared = functools.partial(LimitedSwiGLU, limit=shared_limit, **kw) if shared_limit else None
-    return functools.partial(deepseek_moe, hf, experts=experts, shared_expert=shared, **kw)
+    return float32_router(functools.partial(deepseek_moe, hf, experts=experts, shared_expert=shared, **kw))
 
 
 def build_bailing_hybrid(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
@@ -284,7 +303,8 @@ def build_bailing_hybrid(hf: HFConfig, *, head_size: int | None = None, device: 
     linear = functools.partial(LingDeltaAttention, C, hf.first(("linear_num_heads", "num_attention_heads"), None),
                                hf.first(("linear_head_dim", "head_dim"), None),
                                conv_size=hf.first(("linear_conv_kernel_dim", "short_conv_kernel_size"), 4),
-                               norm_eps=eps, lower_bound=hf.get("kda_lower_bound", -5.0, float) if safe else None, **kw)
+                               norm_eps=eps, lower_bound=hf.get("kda_lower_bound", -5.0, float) if safe else None,
+                               keep_float32=KDA_FLOAT32, **kw)
     full, norm = _latent_attention(hf, kw), parts.rms_norm(C, eps, **kw)
     dense = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw)
     blocks = [parts.block(C, linear if kinds[i] == "linear_attention" else full,

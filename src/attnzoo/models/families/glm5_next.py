@@ -54,6 +54,12 @@ Saved folders use the checkpoint's names (``hc_attn_fn``, the forget gate's weig
 ``{q,k,v}_conv1d``, one tensor per expert): both load. Multi-token-prediction layers
 (``layers.{j}``, ``j >= num_hidden_layers``) and the vision tower are dropped.
 
+In half precision (``from_hf(dtype=)``, later ``.to()`` / ``.half()`` / ``.bfloat16()``) what
+transformers keeps in float32 stays float32 (``_keep_in_fp32_modules_strict``, l. 1464-1474): the
+MoE routers' weight (``gate.weight``), the KDA's ``dt_bias``, ``A_log`` and short convolutions
+(``conv1d``: convolution and SiLU then in float32, rounded once, as its ``causal_conv1d_fn``), the
+hyper-connections' ``base`` and ``scale``; ``e_score_correction_bias`` is ``score_bias``, float32 always.
+
 Refused by name: ``qk_rope_head_dim != 0``, ``num_key_value_heads != num_attention_heads``,
 ``q_lora_rank=None`` (all three refused by transformers too), an activation other than SiLU,
 ``swiglu_limit`` ``None`` or ``<= 0``, ``index_topk`` not a multiple of ``index_kpool``, and ``indexer_types``
@@ -72,6 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._devices import float32_snapshot, restore_float32_params
 from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.families._moe import put_moe
@@ -103,6 +110,9 @@ DEFAULTS: dict[str, Any] = {
     "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "index_kpool": 16, "index_kpool_always_select_tail": True,
 }
 
+#: the KDA parameters transformers keeps in float32 (l. 1464-1474; ``"conv"``: ``conv1d``)
+KDA_FLOAT32 = ("dt_bias", "A_log", "conv")
+
 #: the checkpoint's names -> transformers' module names (its ``conversion_mapping`` for the family)
 _SAVED = ((re.compile(r"\.self_attn\.(A_log|dt_bias|f_a_proj\.weight|f_b_proj\.weight)$"), r".self_attn.forget_gate.\1"),
           (re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".\1_hc.\2"))
@@ -118,7 +128,8 @@ class HyperConnection(nn.Module):
         iters: Sinkhorn iterations (``hc_sinkhorn_iters``).
         eps: the floor added to ``pre``, ``comb`` and the Sinkhorn sums (``hc_eps``).
         norm_eps: epsilon of the unweighted RMSNorm of the flattened streams (``rms_norm_eps``).
-        device, dtype: of ``fn`` (``base`` and ``scale`` are float32, as transformers keeps them).
+        device, dtype: of ``fn`` (``base`` and ``scale`` are float32, as transformers keeps them, and
+            stay so through half casts).
 
     Weights: ``fn [(2 + S) S, S C]``, ``base [(2 + S) S]``, ``scale [3]``.
     Shapes: :meth:`forward` ``x [B, N, S, C] -> (post [B, N, S], comb [B, N, S, S], h [B, N, C])``.
@@ -136,6 +147,13 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.randn(width, streams * dim, device=device, dtype=dtype) * 0.02)
         self.base = nn.Parameter(torch.zeros(width, device=device, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, device=device, dtype=torch.float32))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> HyperConnection:
+        """Half casts leave ``base`` and ``scale`` in float32."""
+        kept = float32_snapshot(self, ("base", "scale"))
+        super()._apply(fn, recurse)
+        restore_float32_params(self, kept)
+        return self
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, N, S, _ = x.shape
@@ -180,13 +198,13 @@ class ClampedSwiGLU(LimitedSwiGLU):
 class ClampedMoE(MixtureOfExperts):
     """A :class:`~attnzoo.nn.moe.MixtureOfExperts` of SwiGLU experts that clamp before the
     activation, as :class:`ClampedSwiGLU` (``limit``); the arguments, weights and routing as the
-    base class's."""
+    base class's (``keep_router_float32``: the router weight in float32 whatever ``dtype``)."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, routing: Routing, limit: float,
-                 shared_expert: nn.Module | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__(dim, hidden, num_experts, top_k, routing=routing, shared_expert=shared_expert, device=device,
-                         dtype=dtype)
+                 shared_expert: nn.Module | None = None, keep_router_float32: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, hidden, num_experts, top_k, routing=routing, shared_expert=shared_expert,
+                         keep_router_float32=keep_router_float32, device=device, dtype=dtype)
         if isinstance(limit, bool) or not isinstance(limit, (int, float)):
             raise ValueError(f"ClampedMoE: limit must be a number, got {limit!r}")
         self.limit = float(limit)
@@ -206,25 +224,28 @@ def _moe(hf: HFConfig, limit: float, kw: dict[str, Any]) -> nn.Module:
                       topk_groups=hf.get("topk_group", 1) or 1)
     n_shared = hf.get("n_shared_experts", 0) or 0
     shared = ClampedSwiGLU(C, F_ * n_shared, limit, **kw) if n_shared else None
-    return ClampedMoE(C, F_, E, k, routing=routing, shared_expert=shared, limit=limit, **kw)
+    return ClampedMoE(C, F_, E, k, routing=routing, shared_expert=shared, limit=limit, keep_router_float32=True, **kw)
 
 
 # --------------------------------------------------------------------------- linear layers
 class BoundedKDA(KimiDeltaAttention):
     """:class:`~attnzoo.nn.kda.KimiDeltaAttention` whose decay is bounded when ``lower_bound`` is set:
     ``lower_bound * sigmoid(exp(A_log) * f)`` in ``[lower_bound, 0]``; ``None``: Kimi's
-    ``-exp(A_log) * softplus(f)``; ``f = x W_fa W_fb + dt_bias``. The other arguments as the base
-    class's; the L2 norm of q and k is ``x / sqrt(|x|^2 + 1e-6)``, as transformers'."""
+    ``-exp(A_log) * softplus(f)``; ``f = x W_fa W_fb + dt_bias``. ``keep_float32``: parameter groups
+    kept in float32 whatever ``dtype`` (:meth:`~attnzoo.nn.kda.KimiDeltaAttention.keep_in_float32`).
+    The other arguments as the base class's; the L2 norm of q and k is ``x / sqrt(|x|^2 + 1e-6)``,
+    as transformers'."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, *, conv_size: int, norm_eps: float,
-                 lower_bound: float | None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 lower_bound: float | None, keep_float32: tuple[str, ...] = (),
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
             raise ValueError(f"BoundedKDA: lower_bound must be a number or None, got {lower_bound!r}")
         self_bound = None if lower_bound is None else float(lower_bound)
         super().__init__(dim, num_heads, head_dim=head_dim, conv_size=conv_size, norm_eps=norm_eps, qk_norm_eps=1e-6,
                          device=device, dtype=dtype)
         self.lower_bound = self_bound
+        self.keep_in_float32(*keep_float32)
 
     def _log_decay(self, x: Tensor) -> Tensor:
         if self.lower_bound is None:
@@ -576,7 +597,8 @@ def _layer(hf: HFConfig, i: int, kw: dict[str, Any]) -> HyperBlock:
     if hf.req("layer_types", list)[i] == "linear_attention":
         attn: nn.Module = BoundedKDA(C, hf.req("linear_num_heads"), hf.req("linear_head_dim"),
                                      conv_size=hf.req("linear_conv_kernel_dim"), norm_eps=eps,
-                                     lower_bound=hf.get("linear_lower_bound", None, float), **kw)
+                                     lower_bound=hf.get("linear_lower_bound", None, float),
+                                     keep_float32=KDA_FLOAT32, **kw)
     else:
         attn = _indexed(hf, i, kw)
     sparse = hf.req("mlp_layer_types", list)[i] == "sparse"

@@ -19,27 +19,51 @@
 
 Group-limited routing (``n_group``, ``topk_group``) as transformers routes. Refused by name: ``attention_bias``, an activation
 other than SiLU, ``pretraining_tp != 1``.
+
+In half precision (``from_hf(dtype=)``, later ``.to()`` / ``.half()`` / ``.bfloat16()``) the MoE
+routers' weight and the KDA's ``dt_bias`` stay float32, as transformers keeps them
+(``_keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias"]``, modeling
+944; ``A_log`` and the convolutions are not in it); ``score_bias`` is float32 always.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.kda import KimiDeltaAttention
+from attnzoo.nn.moe import MixtureOfExperts
 from attnzoo.variants import build_attention
 
-__all__ = ["DISPATCH", "TYPES", "build_kimi_linear", "convert_kimi_linear", "mlp_types", "put_kda", "put_mla", "saved_names"]
+__all__ = ["DISPATCH", "KDA_FLOAT32", "TYPES", "build_kimi_linear", "convert_kimi_linear", "float32_router",
+           "mlp_types", "put_kda", "put_mla", "saved_names"]
 
 TYPES = ("linear_attention", "full_attention")
+#: the KDA parameters transformers keeps in float32 in Kimi Linear (modeling 944)
+KDA_FLOAT32 = ("dt_bias",)
+
+
+def float32_router(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """The factory ``make`` with its :class:`~attnzoo.nn.moe.MixtureOfExperts`' router weight kept in
+    float32 (:meth:`~attnzoo.nn.moe.MixtureOfExperts.keep_router_in_float32`), as transformers keeps
+    ``gate.weight`` (for the ``_moe`` factories, which do not take ``keep_router_float32``)."""
+    def build() -> nn.Module:
+        moe = make()
+        return moe.keep_router_in_float32() if isinstance(moe, MixtureOfExperts) else moe
+    return build
+
+
+def _kda(make: Callable[[], KimiDeltaAttention], groups: tuple[str, ...]) -> Callable[[], KimiDeltaAttention]:
+    """The factory ``make`` with the KDA's ``groups`` kept in float32 (:meth:`KimiDeltaAttention.keep_in_float32`)."""
+    return lambda: make().keep_in_float32(*groups)
 
 
 def mlp_types(hf: HFConfig, depth: int) -> list[str]:
@@ -62,13 +86,14 @@ def build_kimi_linear(hf: HFConfig, *, head_size: int | None = None, device: Any
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
     kinds, mlps = parts.layer_types(hf, depth, TYPES), mlp_types(hf, depth)
-    linear = functools.partial(KimiDeltaAttention, C, hf.req("linear_num_heads"), head_dim=hf.req("linear_head_dim"),
-                               conv_size=hf.get("linear_conv_kernel_dim", 4), norm_eps=eps, qk_norm_eps=1e-6, **kw)
+    linear = _kda(functools.partial(KimiDeltaAttention, C, hf.req("linear_num_heads"), head_dim=hf.req("linear_head_dim"),
+                                    conv_size=hf.get("linear_conv_kernel_dim", 4), norm_eps=eps, qk_norm_eps=1e-6, **kw),
+                  KDA_FLOAT32)
     full = functools.partial(build_attention, "mla", C, H, kv_lora_rank=hf.req("kv_lora_rank"),
                              qk_nope_head_dim=hf.req("qk_nope_head_dim"), qk_rope_head_dim=hf.req("qk_rope_head_dim"),
                              v_head_dim=hf.req("v_head_dim"), q_lora_rank=hf.get("q_lora_rank", None),
                              rope=False, dropout=hf.get("attention_dropout", 0.0, float), **kw)
-    moe = functools.partial(moe_from_config, hf, "deepseek", **kw)
+    moe = float32_router(functools.partial(moe_from_config, hf, "deepseek", **kw))
     dense, norm = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw), parts.rms_norm(C, eps, **kw)
     blocks = [parts.block(C, linear if kinds[i] == "linear_attention" else full, moe if mlps[i] == "sparse" else dense,
                           norm) for i in range(depth)]

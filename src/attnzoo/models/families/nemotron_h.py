@@ -82,11 +82,12 @@ shared expert; the routed experts never have biases).
 
 In half precision the RMSNorms multiply by their weight in float32 before casting, as
 transformers' (modeling 726-742, :class:`~attnzoo.models.families._common.Float32ScaleRMSNorm`),
-and the Mamba state is float32 (transformers' ``mamba_ssm_cache_dtype``). Two roundings still
-differ (in float32 they agree): transformers keeps the router weight ``gate.weight`` in float32
-(``_keep_in_fp32_modules_strict``, modeling 1106; attnzoo's router matmul runs in float32, as
-transformers', but from the weight rounded to the model's dtype) and scales the experts' outputs
-by float32 weights (attnzoo rounds them to the model's dtype first).
+and the Mamba state is float32 (transformers' ``mamba_ssm_cache_dtype``). The router weight
+``gate.weight`` stays float32 whatever the model's dtype (``keep_router_float32``), as transformers
+keeps it (``_keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]``, modeling
+1106; the Mamba ``A_log`` / ``dt_bias`` are not in it), and the router matmul runs in float32, as
+transformers'. One rounding still differs (in float32 they agree): transformers scales the experts'
+outputs by float32 weights (attnzoo rounds them to the model's dtype first).
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def moe_factory(hf: HFConfig, act: str, *, device: Any = None, dtype: Any = None
                                bias=hf.req("mlp_bias", bool), **kw)
     return lambda: MixtureOfExperts(C, hf.req("moe_intermediate_size"), hf.req("n_routed_experts"),
                                     hf.req("num_experts_per_tok"), routing=routing, experts=Experts("relu2"),
-                                    shared_expert=shared(), **kw)
+                                    shared_expert=shared(), keep_router_float32=True, **kw)
 
 
 def build_nemotron_h(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
