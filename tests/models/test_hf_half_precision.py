@@ -68,14 +68,37 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "bailing_hybrid": ("test_hf_bailing_hybrid", "_config"), "qwen4_exp_text": ("test_hf_qwen4_exp", "_config"),
     "glm5_next_text": ("test_hf_glm5_next", "_config"), "glm5_next": ("test_hf_glm5_next", "_lm_config"),
     "minimax": ("test_hf_minimax", "_config"), "zamba2": ("test_hf_zamba2", "_config"),
+    # round 6
+    "mixtral": ("test_hf_sparse_moe", "_mixtral"), "qwen2_moe": ("test_hf_sparse_moe", "_qwen2"),
+    "qwen3_moe": ("test_hf_sparse_moe", "_qwen3"), "olmoe": ("test_hf_sparse_moe", "_olmoe"),
+    "glm4_moe": ("test_hf_sparse_moe", "_glm"), "minimax_m2": ("test_hf_sparse_moe", "_m2"),
+    "dots1": ("test_hf_sparse_moe_2", "_dots1"), "ernie4_5_moe": ("test_hf_sparse_moe_2", "_ernie"),
+    "hunyuan_v1_moe": ("test_hf_sparse_moe_2", "_hunyuan"), "exaone_moe": ("test_hf_sparse_moe_2", "_exaone"),
+    "solar_open": ("test_hf_sparse_moe_2", "_solar"), "afmoe": ("test_hf_sparse_moe_2", "_afmoe"),
+    "hy_v3": ("test_hf_sparse_moe_2", "_hy3"), "cohere2": ("test_hf_dense", "_cohere2"),
+    "exaone4": ("test_hf_dense", "_exaone4"), "ministral3": ("test_hf_dense", "_ministral3"),
+    "seed_oss": ("test_hf_dense", "_seed_oss"), "apertus": ("test_hf_dense", "_apertus"),
+    "glm4": ("test_hf_dense", "_glm4"), "recurrent_gemma": ("test_hf_recurrent_gemma", "_config"),
+    "zaya": ("test_hf_zaya", "_config"), "inkling_text": ("test_hf_inkling", "_config"),
+    "gemma4_text": ("test_hf_gemma4", "_config"), "deepseek_v4": ("test_hf_deepseek_v4", "_config"),
 }
+#: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
+#: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
+#: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
+#: forward): compared on an unpadded batch
+UNPADDED = {"hunyuan_v1_moe", "recurrent_gemma"}
+#: families whose router takes one expert only (Zaya's config refuses more): top-k left as configured
+TOP1 = {"zaya"}
+#: (family, dtype) pairs transformers itself cannot run: DeepSeek-V4 in float16 (a float32 matmul
+#: against float16 inside its indexer, "expected m1 and m2 to have the same dtype")
+PEER_FAILS = {("deepseek_v4", torch.float16)}
 #: the families with a recurrent state (or a short convolution's) in their decode cache; the
 #: value: the config maker whose cached decode equals the full forward (GLM-5-Next's indexed
 #: layers select from the pools complete so far while decoding: KDA layers only)
 RECURRENT: dict[str, str] = {f: FAMILIES[f][1] for f in (
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bamba", "granitemoehybrid",
     "mamba2", "nemotron_h", "falcon_h1", "lfm2", "mamba", "falcon_mamba", "lfm2_moe", "jamba", "lfm3", "lara_mini",
-    "bailing_hybrid", "minimax", "zamba2")}
+    "bailing_hybrid", "minimax", "zamba2", "recurrent_gemma", "inkling_text")}
 RECURRENT.update({"qwen4_exp_text": "_no_ple", "glm5_next_text": "_linear_only"})
 
 
@@ -119,7 +142,8 @@ def _hf(family: str, seed: int = 0, maker: str | None = None) -> Any:
     """transformers' float32 eager model, every weight perturbed, and the expert biases that
     ``checks.perturbed`` leaves at 0 (LFM2-MoE's ``expert_bias``) too, enough to choose."""
     torch.manual_seed(seed)
-    config = _continuous(_maker(family, maker)())
+    config = _maker(family, maker)()
+    config = config if family in TOP1 else _continuous(config)
     auto = _auto(family)
     model = (auto._from_config if family == "glm5_next" else auto.from_config)(config, attn_implementation="eager")
     model = checks.perturbed(model, seed)
@@ -147,7 +171,7 @@ def _errors(family: str, dtype: torch.dtype, folder: Path, seed: int) -> dict[st
     hf.save_pretrained(folder / str(seed))
     peer = _auto(family).from_pretrained(folder / str(seed), dtype=dtype, attn_implementation="eager").eval()
     ours = from_hf(hf, dtype=dtype)
-    x, mask = checks.padded(30)
+    x, mask = checks.padded(30, pad=0 if family in UNPADDED else 5)
     real = mask.bool()
     with torch.no_grad():
         ref = _out(hf, x, mask)[real]
@@ -165,14 +189,19 @@ def _bad(e: dict[str, float]) -> bool:
 
 
 def test_the_families_are_dispatched() -> None:
-    """Each family here is a ``from_hf`` family (the families added after this module, and
-    RecurrentGemma, Zaya, Inkling / Inkling2 written beside it, are not covered yet)."""
+    """Each family here is a ``from_hf`` family, and every builder family is here but Inkling2 /
+    Inkling2-loop (on random weights transformers' own bf16 run is 0.9 relative off its float32 on
+    the loop model: no peer to compare with) and the ones written after this list."""
     assert set(FAMILIES) <= set(BUILDERS)
+    assert set(BUILDERS) - set(FAMILIES) <= {"inkling2_text", "inkling2_loop_text", "deepseek_v3", "deepseek_v2",
+                                            "glm4_moe_lite", "minicpm5_moe", "mistral4"}
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", sorted(FAMILIES) + list(LLAMA_LAYOUT))
 def test_logits_no_worse_than_transformers_in_the_same_dtype(family: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    if (family, dtype) in PEER_FAILS:
+        pytest.skip(f"transformers' own {family} does not run in {dtype}")
     e = _errors(family, dtype, tmp_path, seed=0)
     assert not _bad(e), (f"{family} in {dtype}: relative error {e['ours']:.2e} (max {e['ours_max']:.2e}) vs "
                          f"transformers' {e['peer']:.2e} (max {e['peer_max']:.2e})")

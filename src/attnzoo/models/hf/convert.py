@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 import attnzoo.models.families.bailing_hybrid as bailing_hybrid
 import attnzoo.models.families.bamba as bamba
+import attnzoo.models.families.deepseek as deepseek
 import attnzoo.models.families.deepseek_v4 as deepseek_v4
 import attnzoo.models.families.dense as dense
 import attnzoo.models.families.falcon_h1 as falcon_h1
@@ -50,7 +51,6 @@ import attnzoo.models.families.zamba2 as zamba2
 import attnzoo.models.families.zaya as zaya
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.bert import convert_bert
-from attnzoo.models.hf.deepseek import convert_deepseek
 from attnzoo.models.hf.gpt2 import convert_gpt2
 from attnzoo.models.hf.llama import FAMILIES, convert_llama
 from attnzoo.models.hf.safetensors import load_state_dict_from_folder, read_json
@@ -62,12 +62,11 @@ __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "lo
 FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, olmo_hybrid, kimi_linear, bamba,
                   granitemoehybrid, mamba2, nemotron_h, falcon_h1, lfm2, mamba1, jamba, lfm3, lara_mini,
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
-                  inkling, inkling2, gemma4, deepseek_v4, sparse_moe, dense)
+                  inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
                            "*ForSequenceClassification", "ViTModel", "ViTForImageClassification",
-                           "DeepseekV3ForCausalLM",
                            *(c for m in FAMILY_MODULES for d in m.DISPATCH.values() for c in d.classes))
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families`: each family module declares its own ``DISPATCH`` (name, converter,
@@ -75,7 +74,7 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     t: (d.name, d.convert) for m in FAMILY_MODULES for t, d in m.DISPATCH.items()}
 #: ``model_type`` of a config -> the architecture it loads as.
-MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT", "deepseek_v3": "DeepSeek-V3",
+MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT",
                **{k: f.arch for k, f in FAMILIES.items()}, **{k: arch for k, (arch, _) in BUILDERS.items()}}
 
 
@@ -87,8 +86,6 @@ def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dt
         return convert_bert(hf, sd, strict_prefix=strict_prefix, **kw)
     if model_type in BUILDERS:
         return BUILDERS[model_type][1](hf, sd, **kw)
-    if model_type == "deepseek_v3":
-        return convert_deepseek(hf, sd, **kw)
     if model_type == "gpt2":
         return convert_gpt2(hf, sd, **kw)
     if model_type in FAMILIES:
