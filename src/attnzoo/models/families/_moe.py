@@ -103,7 +103,8 @@ def put_per_expert(plan: Plan, ours: str, theirs: str) -> None:
                             f"{plan.src.prefix}{theirs}experts.*.{name}.weight")
 
 
-def moe_from_config(hf: HFConfig, layout: str, *, device: Any = None, dtype: Any = None) -> nn.Module:
+def moe_from_config(hf: HFConfig, layout: str, *, keep_router_float32: bool = False, device: Any = None,
+                    dtype: Any = None) -> nn.Module:
     """The :class:`MixtureOfExperts` of one MoE layer of ``hf`` in the family's ``layout``:
     ``stacked`` (softmax then top-k, ``norm_topk_prob``, a sigmoid-gated shared expert when
     ``shared_expert_intermediate_size`` is set), ``interleaved`` (gpt-oss: top-k then softmax,
@@ -132,18 +133,20 @@ def moe_from_config(hf: HFConfig, layout: str, *, device: Any = None, dtype: Any
         return MixtureOfExperts(C, F_, E, k, routing=Routing("topk_sigmoid", weight_inputs=True),
                                 shared_expert=FeedForward(C, F_, "swiglu", bias=False, **kw), **kw)
     if layout == "deepseek":
-        return deepseek_moe(hf, **kw)
+        return deepseek_moe(hf, keep_router_float32=keep_router_float32, **kw)
     raise ValueError(f"moe_from_config: layout must be one of {list(LAYOUTS)}, got {layout!r}")
 
 
 def deepseek_moe(hf: HFConfig, *, experts: Experts | None = None,
-                 shared_expert: Callable[[int, int], nn.Module] | None = None, device: Any = None,
-                 dtype: Any = None) -> nn.Module:
+                 shared_expert: Callable[[int, int], nn.Module] | None = None, keep_router_float32: bool = False,
+                 device: Any = None, dtype: Any = None) -> nn.Module:
     """DeepSeek-V3's MoE (sigmoid scores, the correction bias choosing, ``routed_scaling_factor``,
     ``n_shared_experts`` ungated shared experts); the config read under its own names or under
     the names transformers saves (``num_experts``, ``num_experts_per_token``, ...). ``experts``:
     the routed experts (default SwiGLU); ``shared_expert(dim, hidden)``: the shared experts' module
-    (default a SwiGLU :class:`FeedForward`), ``hidden = moe_intermediate_size * n_shared_experts``."""
+    (default a SwiGLU :class:`FeedForward`), ``hidden = moe_intermediate_size * n_shared_experts``;
+    ``keep_router_float32``: the router's weight in float32 whatever the dtype (the families whose
+    transformers model lists ``gate.weight`` in ``_keep_in_fp32_modules_strict``)."""
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     groups = hf.first(("n_group", "num_expert_group"), 1) or 1
     topk_groups = hf.first(("topk_group",), 1) or 1
@@ -157,4 +160,5 @@ def deepseek_moe(hf: HFConfig, *, experts: Experts | None = None,
     n_shared = hf.first(("n_shared_experts", "num_shared_experts"), 0)
     make = shared_expert or functools.partial(FeedForward, activation="swiglu", bias=False, **kw)
     shared = make(C, F_ * n_shared) if n_shared else None
-    return MixtureOfExperts(C, F_, E, k, routing=routing, experts=experts, shared_expert=shared, **kw)
+    return MixtureOfExperts(C, F_, E, k, routing=routing, experts=experts, shared_expert=shared,
+                            keep_router_float32=keep_router_float32, **kw)

@@ -72,7 +72,6 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
 from attnzoo.models.families.kimi_linear import (
     TYPES,
-    float32_router,
     mlp_types,
     put_kda,
     put_mla,
@@ -287,7 +286,7 @@ def _moe(hf: HFConfig, limit: float, shared_limit: float, kw: dict[str, Any]) ->
     """The factory of a ``sparse`` layer's MoE with its SwiGLU limits (0: none)."""
     experts = Experts("limited_swiglu", swiglu_limit=limit) if limit else None
     shared = functools.partial(LimitedSwiGLU, limit=shared_limit, **kw) if shared_limit else None
-    return float32_router(functools.partial(deepseek_moe, hf, experts=experts, shared_expert=shared, **kw))
+    return functools.partial(deepseek_moe, hf, experts=experts, shared_expert=shared, keep_router_float32=True, **kw)
 
 
 def build_bailing_hybrid(hf: HFConfig, *, head_size: int | None = None, device: Any = None,

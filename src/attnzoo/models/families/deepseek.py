@@ -404,13 +404,17 @@ def _moe(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[], nn.M
     n_shared, bias = hf.get("n_shared_experts", 0) or 0, hf.get("mlp_bias", False, bool)
     shared = functools.partial(FeedForward, activation="swiglu", bias=bias, **kw)
     if model_type in SIGMOID:
-        return functools.partial(deepseek_moe, hf, shared_expert=shared, **kw)
+        return functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=True, **kw)
     groups, topk_groups = _groups(hf, model_type)
     v2 = model_type == "deepseek_v2"
     routing = SoftmaxRouting(hf.get("routed_scaling_factor", 1.0, float), groups, topk_groups,
                              "max" if v2 else "top2", not v2 and hf.get("norm_topk_prob", True, bool), v2)
-    return lambda: SoftmaxGroupMoE(C, F_, hf.req("n_routed_experts"), hf.req("num_experts_per_tok"), routing=routing,
-                                   shared_expert=shared(C, F_ * n_shared) if n_shared else None, **kw)
+
+    def make() -> nn.Module:
+        moe = SoftmaxGroupMoE(C, F_, hf.req("n_routed_experts"), hf.req("num_experts_per_tok"), routing=routing,
+                              shared_expert=shared(C, F_ * n_shared) if n_shared else None, **kw)
+        return moe.keep_router_in_float32() if v2 else moe  # V2 keeps gate.weight float32, Mistral 4 not
+    return make
 
 
 def build_deepseek(hf: HFConfig, model_type: str, *, head_size: int | None = None, device: Any = None,

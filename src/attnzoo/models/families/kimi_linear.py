@@ -33,32 +33,21 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 import attnzoo.models.families._common as parts
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.kda import KimiDeltaAttention
-from attnzoo.nn.moe import MixtureOfExperts
 from attnzoo.variants import build_attention
 
-__all__ = ["DISPATCH", "KDA_FLOAT32", "TYPES", "build_kimi_linear", "convert_kimi_linear", "float32_router",
+__all__ = ["DISPATCH", "KDA_FLOAT32", "TYPES", "build_kimi_linear", "convert_kimi_linear",
            "mlp_types", "put_kda", "put_mla", "saved_names"]
 
 TYPES = ("linear_attention", "full_attention")
 #: the KDA parameters transformers keeps in float32 in Kimi Linear (modeling 944)
 KDA_FLOAT32 = ("dt_bias",)
-
-
-def float32_router(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    """The factory ``make`` with its :class:`~attnzoo.nn.moe.MixtureOfExperts`' router weight kept in
-    float32 (:meth:`~attnzoo.nn.moe.MixtureOfExperts.keep_router_in_float32`), as transformers keeps
-    ``gate.weight`` (for the ``_moe`` factories, which do not take ``keep_router_float32``)."""
-    def build() -> nn.Module:
-        moe = make()
-        return moe.keep_router_in_float32() if isinstance(moe, MixtureOfExperts) else moe
-    return build
 
 
 def _kda(make: Callable[[], KimiDeltaAttention], groups: tuple[str, ...]) -> Callable[[], KimiDeltaAttention]:
@@ -93,7 +82,7 @@ def build_kimi_linear(hf: HFConfig, *, head_size: int | None = None, device: Any
                              qk_nope_head_dim=hf.req("qk_nope_head_dim"), qk_rope_head_dim=hf.req("qk_rope_head_dim"),
                              v_head_dim=hf.req("v_head_dim"), q_lora_rank=hf.get("q_lora_rank", None),
                              rope=False, dropout=hf.get("attention_dropout", 0.0, float), **kw)
-    moe = float32_router(functools.partial(moe_from_config, hf, "deepseek", **kw))
+    moe = functools.partial(moe_from_config, hf, "deepseek", keep_router_float32=True, **kw)
     dense, norm = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw), parts.rms_norm(C, eps, **kw)
     blocks = [parts.block(C, linear if kinds[i] == "linear_attention" else full, moe if mlps[i] == "sparse" else dense,
                           norm) for i in range(depth)]

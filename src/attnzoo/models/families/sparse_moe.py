@@ -137,6 +137,7 @@ class Variant:
     rope_layers: str = "all"  # "sliding" (AFMoE: full layers NoPE), "sliding_if_window" (EXAONE-MoE)
     interleaved: bool = False  # RoPE on adjacent channel pairs (ERNIE-4.5)
     sandwich: bool = False  # AFMoE: RMSNorms before and after the attention and the MLP, an output gate
+    float32_router: bool = False  # the router weight kept float32 (transformers' _keep_in_fp32_modules_strict)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -149,23 +150,23 @@ VARIANTS: dict[str, Variant] = {
     "olmoe": Variant("OLMoE", ("OlmoeForCausalLM", "OlmoeModel"),
                      qk_norm="all", width="intermediate_size"),
     "glm4_moe": Variant("GLM-4.5", ("Glm4MoeForCausalLM", "Glm4MoeModel"),
-                        qk_norm="head_if_flag", qkv_bias="attention_bias", routing="deepseek"),
+                        qk_norm="head_if_flag", qkv_bias="attention_bias", routing="deepseek", float32_router=True),
     "minimax_m2": Variant("MiniMax-M2", ("MiniMaxM2ForCausalLM", "MiniMaxM2Model"),
                           qk_norm="all", routing="sigmoid", width="intermediate_size"),
     "dots1": Variant("dots.llm1", ("Dots1ForCausalLM", "Dots1Model"),
-                     qk_norm="head", routing="deepseek", keys="gate"),
+                     qk_norm="head", routing="deepseek", keys="gate", float32_router=True),
     "ernie4_5_moe": Variant("ERNIE-4.5-MoE", ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel"),
                             routing="ernie", keys="ernie", interleaved=True),
     "hunyuan_v1_moe": Variant("Hunyuan-MoE", ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model"),
                               qk_norm="head_after_rope", routing="hunyuan", width="intermediate_size", keys="hunyuan"),
     "exaone_moe": Variant("EXAONE-MoE", ("ExaoneMoeForCausalLM", "ExaoneMoeModel"),
-                          qk_norm="head", routing="deepseek", keys="gate", rope_layers="sliding_if_window"),
+                          qk_norm="head", routing="deepseek", keys="gate", rope_layers="sliding_if_window", float32_router=True),
     "solar_open": Variant("Solar-Open", ("SolarOpenForCausalLM", "SolarOpenModel"),
-                          qkv_bias="attention_bias", routing="deepseek", keys="gate"),
+                          qkv_bias="attention_bias", routing="deepseek", keys="gate", float32_router=True),
     "afmoe": Variant("AFMoE", ("AfmoeForCausalLM", "AfmoeModel"),
                      qk_norm="head", routing="deepseek", keys="afmoe", scaling="route_scale", rope_layers="sliding", sandwich=True),
     "hy_v3": Variant("HY-V3", ("HYV3ForCausalLM", "HYV3Model"),
-                     qk_norm="head", routing="deepseek", keys="block", scaling="router_scaling_factor"),
+                     qk_norm="head", routing="deepseek", keys="block", scaling="router_scaling_factor", float32_router=True),
 }
 #: batch 2's MoE block names, each as the names it may have (transformers' module first, then a
 #: saved folder's: EXAONE-MoE / HY-V3 / ERNIE-4.5 save their original checkpoints' names):
@@ -363,7 +364,8 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
         raise hf.unsupported(f"hidden_act={hf.raw('hidden_act')!r} in the experts (supported: 'silu')")
     if variant.routing == "deepseek":  # HY-V3's shared experts carry mlp_bias
         shared = functools.partial(FeedForward, activation="swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
-        return functools.partial(deepseek_moe, hf, shared_expert=shared, **kw)
+        return functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=variant.float32_router,
+                                 **kw)
     if variant.routing in ("ernie", "hunyuan"):
         return functools.partial(_float32_moe, hf, variant.routing == "ernie", **kw)
     if variant.routing == "sigmoid":
