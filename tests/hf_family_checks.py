@@ -165,9 +165,12 @@ def check_transformers_packed(hf: Any, lengths: tuple[int, ...] = (6, 1, 13, 9))
     assert err <= TOL, f"{type(hf).__name__}: packed vs each alone, lengths {lengths}: max rel error {err:.2e}"
 
 
-def check_packed_gradients_equal_each_alone(make: Callable[[], Any], lengths: tuple[int, ...] = (6, 9, 3)) -> None:
+def check_packed_gradients_equal_each_alone(make: Callable[[], Any], lengths: tuple[int, ...] = (6, 9, 3),
+                                            no_gradient: str | None = None) -> None:
     """Packed training: the gradients of a packed batch's summed next-token loss equal those of
-    the sequences run one at a time (the converted model, float64)."""
+    the sequences run one at a time (the converted model, float64). ``no_gradient``: a name part
+    of the parameters that get no gradient by design (an indexer's discrete top-k selection, as in
+    transformers); they must get none either way, and only they."""
     ours = from_hf(hf_model(make())).double().train()
     seqs = [tokens(n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -175,12 +178,16 @@ def check_packed_gradients_equal_each_alone(make: Callable[[], Any], lengths: tu
     def loss(logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits[0, :-1], seq[0, 1:], reduction="sum")
 
+    names, params = zip(*ours.named_parameters(), strict=True)
     logits = ours(torch.cat(seqs, dim=1), cu_seqlens=cu)
     packed = sum(loss(logits[:, int(a):int(b)], s) for a, b, s in zip(cu[:-1], cu[1:], seqs, strict=True))
-    got = torch.autograd.grad(packed, list(ours.parameters()))
+    got = torch.autograd.grad(packed, params, allow_unused=no_gradient is not None)
     alone = sum(loss(ours(s), s) for s in seqs)
-    want = torch.autograd.grad(alone, list(ours.parameters()))
-    assert max(rel(g, w) for g, w in zip(got, want, strict=True) if w.abs().max() > 0) <= 1e-9
+    want = torch.autograd.grad(alone, params, allow_unused=no_gradient is not None)
+    unused = {n for n, w in zip(names, want, strict=True) if w is None}
+    assert no_gradient is None or (unused and all(no_gradient in n for n in unused)), sorted(unused)
+    assert {n for n, g in zip(names, got, strict=True) if g is None} == unused
+    assert max(rel(g, w) for g, w in zip(got, want, strict=True) if w is not None and w.abs().max() > 0) <= 1e-9
 
 
 def check_folder_without_keys(hf: Any, tmp_path: Path, keys: tuple[str, ...]) -> None:

@@ -225,26 +225,9 @@ def test_packed_sequences_equal_each_alone() -> None:
 
 
 def test_packed_training_gradients_equal_each_alone() -> None:
-    """Float64 training: the gradients of a packed batch's summed next-token loss equal those of the
-    sequences run one at a time (``checks.check_packed_gradients_equal_each_alone``, allowing the
-    indexers' weights no gradient: their top-k selection is discrete, as in transformers)."""
-    ours = from_hf(checks.hf_model(_sigmoid_yarn())).double().train()
-    lengths = (6, 9, 3)
-    seqs = [checks.tokens(n, batch=1, seed=20 + i) for i, n in enumerate(lengths)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-    def loss(logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits[0, :-1], seq[0, 1:], reduction="sum")
-
-    names, params = zip(*ours.named_parameters(), strict=True)
-    logits = ours(torch.cat(seqs, dim=1), cu_seqlens=cu)
-    packed = sum(loss(logits[:, int(a):int(b)], s) for a, b, s in zip(cu[:-1], cu[1:], seqs, strict=True))
-    got = torch.autograd.grad(packed, params, allow_unused=True)
-    want = torch.autograd.grad(sum(loss(ours(s), s) for s in seqs), params, allow_unused=True)
-    unused = {n for n, g in zip(names, want, strict=True) if g is None}
-    assert unused and all(".indexer." in n for n in unused)
-    assert {n for n, g in zip(names, got, strict=True) if g is None} == unused
-    assert max(checks.rel(g, w) for g, w in zip(got, want, strict=True) if w is not None and w.abs().max() > 0) <= 1e-9
+    """Float64 training: the gradients of a packed batch equal the sequences' one at a time; the
+    indexers' weights get none (their top-k selection is discrete, as in transformers)."""
+    checks.check_packed_gradients_equal_each_alone(_sigmoid_yarn, no_gradient=".indexer.")
 
 
 def test_saved_folder_uses_checkpoint_names(tmp_path: Path) -> None:

@@ -83,6 +83,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "gemma4_text": ("test_hf_gemma4", "_config"), "deepseek_v4": ("test_hf_deepseek_v4", "_config"),
     "deepseek_v3": ("test_hf_deepseek", "_v3"), "deepseek_v2": ("test_hf_deepseek", "_v2"),
     "glm4_moe_lite": ("test_hf_deepseek", "_glm_lite"), "minicpm5_moe": ("test_hf_deepseek", "_cpm5"),
+    "deepseek_v32": ("test_hf_deepseek_dsa", "_v32_yarn"), "glm_moe_dsa": ("test_hf_deepseek_dsa", "_glm_wide"),
+    "axk1": ("test_hf_deepseek_dsa", "_axk1"),
 }
 #: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
@@ -328,9 +330,9 @@ _HC = ("attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale")
 FLOAT32_KEPT: dict[str, tuple[str, ...]] = {
     "kimi_linear": ("ffn.router.weight", "attn.dt_bias"), "bailing_hybrid": ("ffn.router.weight", *_KDA),
     "glm5_next_text": ("ffn.router.weight", *_KDA, *_HC), "glm5_next": ("ffn.router.weight", *_KDA, *_HC),
-    "nemotron_h": ("ffn.router.weight",),
+    "nemotron_h": ("ffn.router.weight",), "axk1": ("ffn.moe.router.weight",),
     **dict.fromkeys(("glm4_moe", "dots1", "exaone_moe", "solar_open", "hy_v3", "deepseek_v3", "deepseek_v2",
-                     "glm4_moe_lite", "minicpm5_moe"), ("ffn.router.weight",)),
+                     "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa"), ("ffn.router.weight",)),
 }
 
 

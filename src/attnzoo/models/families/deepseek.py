@@ -1,7 +1,8 @@
 """The DeepSeek MLA lineage -> :class:`~attnzoo.DecoderLM`: transformers' ``deepseek_v3``
 (DeepSeek-V3, R1, V3.1, Kimi K2), ``deepseek_v2`` (DeepSeek-V2, V2-Lite, V2.5) and their
-descendants ``glm4_moe_lite``, ``mistral4`` and ``minicpm5_moe``; the ``*ForCausalLM`` and base
-``*Model`` classes of each.
+descendants ``glm4_moe_lite``, ``mistral4``, ``minicpm5_moe``, ``axk1`` (SK Telecom's A.X-K1) and
+the DeepSeek-sparse-attention models ``deepseek_v32`` (DeepSeek-V3.2) and ``glm_moe_dsa`` (GLM-5's
+DSA MoE); the ``*ForCausalLM`` and base ``*Model`` classes of each.
 
 Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSNorms of
 ``rms_norm_eps``) around:
@@ -49,6 +50,29 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSN
   attention (``head_dim``, ``num_key_value_heads``) with split-half RoPE of ``rope_parameters`` and
   an element-wise sigmoid output gate: ``q_gate_proj`` rows ``[q_h; gate_h]`` per head go to the
   query rows of :class:`~attnzoo.MultiHeadAttention` and its ``output_gate="element"``.
+* A.X-K1 (``modular_axk1.py``) is DeepSeek-V3 (always a ``q_lora_rank``) whose MoE output is
+  RMS-normalised (``post_mlp_layernorm``, ``rms_norm_eps``; l. 169-187): :class:`PostNormMoE`. Its
+  layer kinds: ``mlp_layer_types``, else ``sparse`` where ``i >= first_k_dense_replace`` (default 1)
+  and ``i % moe_layer_freq == 0`` (l. 137-143; this ``moe_layer_freq`` transformers honours). Its
+  released checkpoints keep the norm on the layer (``layers.{i}.post_mlp_layernorm``, also on the dense
+  layers, unused) and route without ``e_score_correction_bias`` (0 when absent): both load.
+* DeepSeek-V3.2 and GLM-MoE-DSA (``modular_deepseek_v32.py``, ``modular_glm_moe_dsa.py`` of
+  transformers 5.25): every layer's attention is DeepSeek-V3's latent attention (always a
+  ``q_lora_rank``, always interleaved RoPE: their configs have no ``rope_interleave``, l. 303) in
+  which each query attends only the ``index_topk`` keys its "lightning indexer" scores best
+  (``DeepseekV32Indexer``, l. 172-267; the selection folded into the eager mask, l. 322-336):
+  :class:`IndexedLatentAttention` with a :class:`LightningTopK` (``indexer.wq_b``, ``wk``,
+  ``k_norm``, ``weights_proj`` under transformers' names). The indexer rotates the first
+  ``qk_rope_head_dim`` channels of its queries and keys with the attention's cos/sin: split halves
+  in V3.2 (l. 246), adjacent pairs in GLM-MoE-DSA (``modular_glm_moe_dsa.py`` 173). Its decode cache
+  keeps every token's index key beside the latent. The feed-forward is DeepSeek-V3's, the layer kinds
+  from ``mlp_layer_types`` (default: ``first_k_dense_replace = 3`` dense layers). Exact score ties at
+  the top-k cut (keys scoring 0 after the ReLU, frequent with few index heads) are broken by
+  ``torch.topk`` over the same row as transformers (the full forward: ``[B, N, M]`` rows with the
+  invisible keys at the float32 minimum; a decode step: its one row), so attnzoo's full forward
+  equals transformers' full forward and its cached decode transformers' cached decode; at such ties
+  the two differ from each other, in transformers as here (measured on 2-4 index heads: 0.18-0.98
+  relative on the logits; without ties they agree to ~1e-6). Packed sequences run one at a time.
 * Multi-token-prediction layers (``layers.{j}`` with ``j >= num_hidden_layers``, V3's
   ``num_nextn_predict_layers``) are not part of the causal LM: their weights are dropped, as
   transformers drops them (``modeling_deepseek_v3.py`` 536).
@@ -63,7 +87,10 @@ any gated one), a ``topk_method`` other than ``greedy`` / ``group_limited_greedy
 ``moe_layer_freq != 1`` (transformers ignores it: a checkpoint trained with it would run
 differently there), expert groups that do not divide the experts (into groups of >= 2 where a
 group is scored by its two best) or cannot hold ``num_experts_per_tok`` in the ``topk_group``
-kept, MiniCPM5-MoE's ``attention_bias``.
+kept, MiniCPM5-MoE's ``attention_bias``; for the DSA models ``q_lora_rank=None`` (a ``config.json``
+only: transformers' config rejects it), ``index_head_dim < qk_rope_head_dim``, and GLM-MoE-DSA's
+``shared`` layers (``indexer_types``, or as derived from ``index_topk_pattern`` /
+``index_topk_freq`` / ``index_skip_topk_offset``: a layer reusing the previous layer's top-k).
 """
 
 from __future__ import annotations
@@ -84,17 +111,20 @@ from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
 from attnzoo.models.families.kimi_linear import mlp_types, put_mla
+from attnzoo.models.families.qwen3_next import real_keys
+from attnzoo.models.families.qwen4_exp import IndexerCache
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.deepseek import extra_layer, mla_rope
+from attnzoo.nn.cache import CacheList
 from attnzoo.nn.mla import LatentCache, MLAOptions, MLASizes, MultiHeadLatentAttention
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.parts import placed
 from attnzoo.nn.positional import resolve_positions
 from attnzoo.variants import build_attention
 
-__all__ = ["DEFAULTS", "DISPATCH", "PositionScaledLatentAttention", "SoftmaxGroupMoE", "SoftmaxRouting",
-           "build_deepseek", "canonical", "convert_deepseek_v2", "convert_deepseek_v3", "convert_glm4_moe_lite",
-           "convert_minicpm5_moe", "convert_mistral4", "moe_layers", "position_scaled_attention"]
+__all__ = ["DEFAULTS", "DISPATCH", "IndexedLatentAttention", "LightningTopK", "PositionScaledLatentAttention",
+           "PostNormMoE", "SoftmaxGroupMoE", "SoftmaxRouting", "build_deepseek", "canonical", "convert_deepseek",
+           "indexed_attention", "moe_layers", "position_scaled_attention"]
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -134,13 +164,33 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                      "moe_intermediate_size": 512, "num_experts_per_tok": 16, "n_shared_experts": 1,
                      "n_routed_experts": 160, "routed_scaling_factor": 3.66, "n_group": 1, "topk_group": 1,
                      "norm_topk_prob": True},
+    "axk1": {**_COMMON, "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+             "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64, "n_shared_experts": 1,
+             "n_routed_experts": 192, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+             "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 32768,
+             "rope_interleave": True},
+    "deepseek_v32": {**_COMMON, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                     "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                     "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "n_group": 8,
+                     "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                     "max_position_embeddings": 163840, "index_topk": 2048, "index_head_dim": 128,
+                     "index_n_heads": 64},
+    "glm_moe_dsa": {**_COMMON, "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+                    "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+                    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "q_lora_rank": 2048,
+                    "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1,
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                    "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "index_topk": 2048,
+                    "index_head_dim": 128, "index_n_heads": 32},
 }
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 #: the model types routing as DeepSeek-V3 (sigmoid scores, ``e_score_correction_bias``)
-SIGMOID = ("deepseek_v3", "glm4_moe_lite", "minicpm5_moe")
+SIGMOID = ("deepseek_v3", "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1")
 #: the model types whose layers list their kinds in ``mlp_layer_types`` (default: one dense layer)
-LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe")
+LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1")
+#: the DeepSeek-sparse-attention model types (every layer an :class:`IndexedLatentAttention`)
+DSA = ("deepseek_v32", "glm_moe_dsa")
 
 
 @dataclass(frozen=True)
@@ -293,13 +343,174 @@ def position_scaled_attention(dim: int, num_heads: int, sizes: MLASizes, *, bias
     return module
 
 
+# --------------------------------------------------------------------------- DeepSeek sparse attention
+def _rotate_leading(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """RoPE on the first ``2 R`` channels of ``x [..., D]`` (``cos``, ``sin`` broadcastable to
+    ``[..., R]``), the rest passed through. Split halves, or (``interleaved``) the adjacent pairs
+    ``(2i, 2i + 1)`` rotated and laid out as split halves, as transformers' indexer leaves them
+    (``apply_rotary_pos_emb_interleave``, ``modeling_deepseek_v3.py`` 294-330): the scores are the
+    same, the layout keeps their float sums in transformers' order."""
+    rd = 2 * cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., : rd // 2], rot[..., rd // 2:])
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
+
+
+class LightningTopK(nn.Module):
+    """DeepSeek-V3.2's DSA "lightning indexer" (``DeepseekV32Indexer``, ``modular_deepseek_v32.py``
+    172-267; GLM-MoE-DSA's, ``modular_glm_moe_dsa.py`` 134-194, rotates interleaved pairs): per query
+    the ``topk`` best visible keys by
+
+        ``score[n, m] = sum_h w_h(x_n) H^-1/2 relu(q_{n,h} . k_m / sqrt(Di))``
+
+    with ``q = RoPE(q_resid W_q)`` (``[B, N, H, Di]``, ``q_resid`` the attention's normalised query
+    latent), ``k = RoPE(LayerNorm(x W_k))`` (``[B, M, Di]``, LayerNorm eps 1e-6), ``w = x W_w``; RoPE
+    on the first ``qk_rope_head_dim`` channels with the attention's cos/sin. float32 scores; the cut
+    is ``torch.topk`` over each query's row of ``M`` scores with the invisible keys at the float32
+    minimum, exactly as transformers calls it (so exact ties at the cut -- keys scoring 0 after the
+    ReLU -- are broken the same way). No gradient flows through the selection (transformers runs the
+    indexer under ``no_grad``).
+
+    Weights under transformers' names: ``wq_b [H Di, rq]``, ``wk [Di, C]``, ``k_norm`` (``[Di]``
+    weight and bias), ``weights_proj [H, C]``.
+
+    Args:
+        dim: model width ``C``. q_rank: ``q_lora_rank``. heads, head_dim: ``index_n_heads``,
+        ``index_head_dim``. topk: ``index_topk``. interleaved: RoPE on adjacent pairs (GLM-MoE-DSA).
+    """
+
+    def __init__(self, dim: int, q_rank: int, *, heads: int, head_dim: int, topk: int, interleaved: bool,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if min(heads, head_dim, topk) < 1:
+            raise ValueError(f"LightningTopK: heads ({heads}), head_dim ({head_dim}) and topk ({topk}) must be >= 1")
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.heads, self.head_dim, self.topk, self.interleaved = heads, head_dim, topk, bool(interleaved)
+        self.wq_b = nn.Linear(q_rank, heads * head_dim, bias=False, **kw)
+        self.wk = nn.Linear(dim, head_dim, bias=False, **kw)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6, **kw)
+        self.weights_proj = nn.Linear(dim, heads, bias=False, **kw)
+
+    def keys(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The index keys ``[B, N, Di]`` of ``x [B, N, C]`` (``cos``, ``sin``: ``[1 | B, N, R]``)."""
+        return _rotate_leading(self.k_norm(self.wk(x)), cos, sin, self.interleaved)
+
+    def forward(self, x: Tensor, q_resid: Tensor, rope: tuple[Tensor, Tensor], keys: Tensor,
+                visible: Tensor) -> Tensor:
+        """``[B, 1, N, M]`` bool: the keys each of the ``N`` queries attends (selected and visible).
+        ``keys [B, M, Di]`` (from :meth:`keys`), ``visible [B, N, M]``, ``rope``: the queries' ``(cos,
+        sin)`` ``[1 | B, N, R]``."""
+        B, N, _ = x.shape
+        cos, sin = rope
+        q = self.wq_b(q_resid).view(B, N, self.heads, self.head_dim)
+        q = _rotate_leading(q, cos.unsqueeze(2), sin.unsqueeze(2), self.interleaved)  # [B, N, H, Di]
+        scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim ** -0.5)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5  # [B, N, H]
+        index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, N, M]
+        index = index.masked_fill(~visible, torch.finfo(index.dtype).min)
+        top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
+        return (chosen & visible).unsqueeze(1)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, head_dim={self.head_dim}, topk={self.topk}, interleaved={self.interleaved}"
+
+
+class IndexedLatentAttention(MultiHeadLatentAttention):
+    """Multi-head latent attention over the keys a :class:`LightningTopK` selects (DeepSeek-V3.2's /
+    GLM-MoE-DSA's attention, ``modular_deepseek_v32.py`` 270-360): the selection is a boolean mask on
+    top of causality and padding, which equals attention over the selected keys alone (the ``indexer``
+    runs under ``no_grad``; ``weights_proj`` computes in its own dtype, as transformers' l. 262).
+
+    Args (``dim``, ``num_heads``, ``sizes``, ``bias``, ``options`` as for
+    :class:`~attnzoo.nn.mla.MultiHeadLatentAttention`; ``sizes.q_lora_rank`` must be set):
+        indexer: the layer's :class:`LightningTopK` (``indexer``).
+
+    Attention protocol (``forward(x [B, N, C], *, mask, cache, positions) -> [B, N, C]``, ``mask`` a
+    key padding); the decode cache is a :class:`~attnzoo.nn.cache.CacheList` of the latent cache and
+    the index keys (:class:`~attnzoo.models.families.qwen4_exp.IndexerCache`). Packed sequences run
+    one at a time (no ``cu_seqlens`` path). Build under ``with torch.device(...)``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
+                 indexer: LightningTopK) -> None:
+        super().__init__(dim, num_heads, kv_lora_rank=sizes.kv_lora_rank, qk_nope_head_dim=sizes.qk_nope_head_dim,
+                         qk_rope_head_dim=sizes.qk_rope_head_dim, v_head_dim=sizes.v_head_dim,
+                         q_lora_rank=sizes.q_lora_rank, bias=bias, rope=True, options=options)
+        if sizes.q_lora_rank is None or indexer.head_dim < sizes.qk_rope_head_dim:
+            raise ValueError(f"IndexedLatentAttention: needs a q_lora_rank (got {sizes.q_lora_rank}) and an indexer "
+                             f"head_dim ({indexer.head_dim}) >= qk_rope_head_dim ({sizes.qk_rope_head_dim})")
+        self.indexer = indexer
+
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> CacheList:  # type: ignore[override]
+        """The latent cache and the index keys' :class:`IndexerCache`."""
+        p = self.indexer.wk.weight
+        latent = super().init_cache(batch_size, max_len, device=device, dtype=dtype)
+        return CacheList([latent, IndexerCache(batch_size, max_len, self.indexer.head_dim, device=device or p.device,
+                                               dtype=dtype or p.dtype)])
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *,  # type: ignore[override]
+                mask: Tensor | Mask | None = None, cache: CacheList | None = None,
+                positions: Tensor | None = None) -> Tensor:
+        if context is not None:
+            raise ValueError("IndexedLatentAttention: no cross-attention (context)")
+        B, N, _ = x.shape
+        latent, index = (None, None) if cache is None else cache.layers
+        past = 0 if index is None else index.length
+        real = real_keys(mask, B, past + N, x.device)
+        pos = resolve_positions(positions, N, past, x.device, batch=B)
+        with torch.no_grad():
+            cos, sin = (t[:, 0] for t in self._cos_sin(pos, torch.float32))  # [1 | B, N, R]
+            keys = self.indexer.keys(x, cos, sin)
+            if index is not None:
+                keys = index.update(keys, pos.expand(B, N))[0]
+            q_resid = self.q_a_norm(self.q_a_proj(x))
+            causal = torch.arange(past + N, device=x.device) <= torch.arange(past, past + N, device=x.device)[:, None]
+            allowed = self.indexer(x, q_resid, (cos, sin), keys, real[:, None] & causal)
+        kw: dict[str, Any] = {} if positions is None else {"positions": positions}
+        return super().forward(x, mask=allowed, cache=latent, **kw)  # type: ignore[return-value]
+
+
+def indexed_attention(dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
+                      indexer: dict[str, Any], device: Any = None, dtype: Any = None) -> IndexedLatentAttention:
+    """An :class:`IndexedLatentAttention` with a :class:`LightningTopK` of ``indexer``'s arguments
+    on ``device`` in ``dtype`` (its rotary embedding kept in its own; in float16 the indexer's
+    ``weights_proj`` kept float32, as transformers' ``from_pretrained(dtype=torch.float16)`` keeps it)."""
+    with contextlib.nullcontext() if device is None else torch.device(device):
+        module = IndexedLatentAttention(dim, num_heads, sizes, bias=bias, options=options,
+                                        indexer=LightningTopK(dim, int(sizes.q_lora_rank or 0), **indexer))
+    # transformers keeps ``indexer.weights_proj`` float32 in float16 (``_keep_in_fp32_modules``; not in bfloat16)
+    placed(module, dtype, keep=(module.rope, *([module.indexer.weights_proj] if dtype == torch.float16 else [])))
+    return module
+
+
+class PostNormMoE(nn.Module):
+    """A.X-K1's mixture of experts (``AXK1MoE``, ``modular_axk1.py`` 169-187): DeepSeek-V3's MoE (with
+    its shared experts) followed by an RMSNorm of its output, ``post_mlp_layernorm(moe(x))``.
+
+    Args:
+        moe: the mixture of experts (``moe``). norm: the RMSNorm (``post_mlp_layernorm``, ``[C]``).
+
+    Shapes: ``[..., C] -> [..., C]``.
+    """
+
+    def __init__(self, moe: nn.Module, norm: nn.Module) -> None:
+        super().__init__()
+        self.moe, self.post_mlp_layernorm = moe, norm
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.post_mlp_layernorm(self.moe(x))
+
+
 def canonical(hf: HFConfig, model_type: str) -> HFConfig:
     """``hf`` as transformers reads it (:data:`DEFAULTS` where a key is absent); refuses what has
     no equivalent (see the module docstring)."""
     full = hf.with_defaults(DEFAULTS[model_type])
     if "q_lora_rank" in hf.data and hf.data["q_lora_rank"] is None:  # null: a full query projection
         full = HFConfig({**full.data, "q_lora_rank": None}, hf.source, hf.arch)
-    hf = _mistral4_defaults(full) if model_type == "mistral4" else full
+    hf = _mistral4_defaults(full) if model_type == "mistral4" else _axk1_kinds(full) if model_type == "axk1" else full
     H = hf.req("num_attention_heads")
     if model_type == "minicpm5_moe":
         parts.unsupported_keys(hf, {"attention_bias": lambda v: not v, "use_gated_attention": lambda v: v is not False,
@@ -309,6 +520,10 @@ def canonical(hf: HFConfig, model_type: str) -> HFConfig:
     parts.unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1), "moe_layer_freq": lambda v: v in (None, 1)})
     if model_type == "deepseek_v2":
         parts.unsupported_keys(hf, {"topk_method": lambda v: v in TOPK_METHODS})
+    if model_type in (*DSA, "axk1") and hf.get("q_lora_rank", None) is None:
+        raise hf.unsupported(f"q_lora_rank=None ({model_type}'s attention always has the query latent)")
+    if model_type in DSA:
+        _check_dsa(hf, model_type)
     if any(moe_layers(hf, model_type)):
         parts.unsupported_keys(hf, {"hidden_act": lambda v: v in ("silu", "swish")})
         (groups, topk_groups), E = _groups(hf, model_type), hf.req("n_routed_experts")
@@ -318,6 +533,43 @@ def canonical(hf: HFConfig, model_type: str) -> HFConfig:
             raise hf.unsupported(f"n_group={groups} with topk_group={topk_groups} (groups of >= {smallest} of the "
                                  f"n_routed_experts={E} experts holding num_experts_per_tok={hf.raw('num_experts_per_tok')})")
     return hf
+
+
+def _check_dsa(hf: HFConfig, model_type: str) -> None:
+    """Refuse the DSA options without an equivalent: ``index_head_dim < qk_rope_head_dim``, and
+    GLM-MoE-DSA's ``shared`` ``indexer_types`` (a layer reusing the previous layer's selection)."""
+    if hf.req("index_head_dim") < hf.req("qk_rope_head_dim") or min(hf.req("index_n_heads"), hf.req("index_topk")) < 1:
+        raise hf.unsupported(f"index_head_dim={hf.raw('index_head_dim')} (>= qk_rope_head_dim), "
+                             f"index_n_heads={hf.raw('index_n_heads')}, index_topk={hf.raw('index_topk')} (>= 1)")
+    types = _indexer_types(hf) if model_type == "glm_moe_dsa" else []
+    if any(t != "full" for t in types):
+        raise hf.unsupported(f"indexer_types={types!r} (a 'shared' layer reusing the previous layer's top-k)")
+
+
+def _axk1_kinds(hf: HFConfig) -> HFConfig:
+    """A.X-K1's ``mlp_layer_types`` as ``AXK1Config`` derives them when absent
+    (``modular_axk1.py`` 137-143): ``sparse`` where ``i >= first_k_dense_replace`` (default 1) and
+    ``i % moe_layer_freq == 0``; the two legacy keys are then spent."""
+    data = {k: v for k, v in hf.data.items() if k not in ("first_k_dense_replace", "moe_layer_freq")}
+    if hf.get("mlp_layer_types", None, list) is None:
+        first, freq = hf.get("first_k_dense_replace", 1), max(hf.get("moe_layer_freq", 1) or 1, 1)
+        data["mlp_layer_types"] = ["sparse" if i >= first and i % freq == 0 else "dense"
+                                   for i in range(hf.req("num_hidden_layers"))]
+    return HFConfig(data, hf.source, hf.arch)
+
+
+def _indexer_types(hf: HFConfig) -> list[str]:
+    """GLM-MoE-DSA's ``indexer_types`` as ``GlmMoeDsaConfig`` derives them when absent
+    (``modular_glm_moe_dsa.py`` 109-124): from ``index_topk_pattern`` (``"F"``/``"S"`` per layer), else
+    ``full`` where ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0``."""
+    types = hf.get("indexer_types", None, list)
+    if types is not None:
+        return list(types)
+    pattern = hf.data.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(hf.get("index_topk_freq", 1) or 1, 1), hf.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(hf.req("num_hidden_layers"))]
 
 
 def _mistral4_defaults(hf: HFConfig) -> HFConfig:
@@ -384,10 +636,18 @@ def _attention(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[]
         "kv_lora_rank": hf.req("kv_lora_rank"), "q_lora_rank": hf.get("q_lora_rank", None),
         "qk_nope_head_dim": hf.req("qk_nope_head_dim"), "qk_rope_head_dim": hf.req("qk_rope_head_dim"),
         "v_head_dim": hf.req("v_head_dim"), "bias": hf.get("attention_bias", False, bool), "rope_base": base,
-        "rope_interleave": model_type == "deepseek_v2" or hf.get("rope_interleave", True, bool), "norm_eps": 1e-6,
+        "rope_interleave": model_type in ("deepseek_v2", *DSA) or hf.get("rope_interleave", True, bool), "norm_eps": 1e-6,
         "dropout": hf.get("attention_dropout", 0.0, float)}
     if scaling is not None:
         akw.update(rope_scaling=scaling, max_position_embeddings=parts.max_positions(hf))
+    if model_type in DSA:
+        sizes = MLASizes(**{k: akw.pop(k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                      "v_head_dim", "q_lora_rank")})
+        bias = akw.pop("bias")
+        indexer = {"heads": hf.req("index_n_heads"), "head_dim": hf.req("index_head_dim"),
+                   "topk": hf.req("index_topk"), "interleaved": model_type == "glm_moe_dsa"}
+        return functools.partial(indexed_attention, hf.req("hidden_size"), hf.req("num_attention_heads"), sizes,
+                                 bias=bias, options=MLAOptions(**akw), indexer=indexer, **kw)
     if query_scaling is not None:
         sizes = MLASizes(**{k: akw.pop(k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                       "v_head_dim", "q_lora_rank")})
@@ -403,6 +663,10 @@ def _moe(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[], nn.M
     C, F_ = hf.req("hidden_size"), hf.req("moe_intermediate_size")
     n_shared, bias = hf.get("n_shared_experts", 0) or 0, hf.get("mlp_bias", False, bool)
     shared = functools.partial(FeedForward, activation="swiglu", bias=bias, **kw)
+    if model_type == "axk1":
+        moe = functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=True, **kw)
+        norm = parts.rms_norm(C, hf.get("rms_norm_eps", 1e-6, float), **kw)
+        return lambda: PostNormMoE(moe(), norm())
     if model_type in SIGMOID:
         return functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=True, **kw)
     groups, topk_groups = _groups(hf, model_type)
@@ -433,11 +697,21 @@ def build_deepseek(hf: HFConfig, model_type: str, *, head_size: int | None = Non
 
 
 def _put_moe(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
-    """A mixture-of-experts layer: the router, its correction bias (V3), the stacked or per-expert
-    experts, the shared experts (with ``mlp_bias``'s biases) when ``n_shared_experts > 0``."""
+    """A mixture-of-experts layer: the router, its correction bias (V3; A.X-K1's checkpoints route
+    without one: 0 when absent), the stacked or per-expert experts, the shared experts (with
+    ``mlp_bias``'s biases) when ``n_shared_experts > 0``; A.X-K1's ``post_mlp_layernorm`` (saved
+    folders: on the layer, ``layers.{i}.post_mlp_layernorm``)."""
+    if hf.raw("model_type") == "axk1":
+        layer = theirs[: -len("mlp.")]
+        saved = f"{layer}post_mlp_layernorm.weight"
+        plan.put(f"{ours}post_mlp_layernorm.weight", saved if plan.src.has(saved) else f"{theirs}post_mlp_layernorm.weight")
+        ours = f"{ours}moe."
     put_moe(plan, ours, theirs, "stacked")
-    if hf.raw("model_type") in SIGMOID:
-        plan.put(f"{ours}score_bias", f"{theirs}gate.e_score_correction_bias")
+    bias = f"{theirs}gate.e_score_correction_bias"
+    if hf.raw("model_type") == "axk1" and not plan.src.has(bias):
+        plan.put_tensor(f"{ours}score_bias", torch.zeros(hf.req("n_routed_experts")), f"{bias} (absent: 0)")
+    elif hf.raw("model_type") in SIGMOID:
+        plan.put(f"{ours}score_bias", bias)
     if hf.get("n_shared_experts", 0):
         parts.put_mlp(plan, f"{ours}shared_expert.", f"{theirs}shared_experts.", bias=hf.get("mlp_bias", False, bool))
 
@@ -471,46 +745,38 @@ def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: An
             _put_gated_attention(plan, f"{o}attn", f"{h}self_attn.", hf)
         else:
             put_mla(plan, f"{o}attn.", f"{h}self_attn.", hf)
+        if model_type in DSA:
+            for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+                plan.put(f"{o}attn.indexer.{name}", f"{h}self_attn.indexer.{name}")
         if sparse:
             _put_moe(plan, f"{o}ffn.", f"{h}mlp.", hf)
         else:
             parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.", bias=hf.get("mlp_bias", False, bool))
         plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
     unused = [] if hf.get("n_shared_experts", 0) else [r"(model\.)?layers\.\d+\.mlp\.shared_experts\..*"]
+    if model_type == "axk1":  # the released checkpoints store the norm on the dense layers too, unused
+        unused.append(r"(model\.)?layers\.\d+\.(mlp\.)?post_mlp_layernorm\..*")
     return parts.finish(plan, model, head_size, ignore=unused)
 
 
-def convert_deepseek_v3(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """A ``DeepseekV3ForCausalLM`` / ``DeepseekV3Model`` (see the module docstring)."""
-    return _convert("deepseek_v3", hf, sd, device=device, dtype=dtype)
-
-
-def convert_deepseek_v2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """A ``DeepseekV2ForCausalLM`` / ``DeepseekV2Model`` (see the module docstring)."""
-    return _convert("deepseek_v2", hf, sd, device=device, dtype=dtype)
-
-
-def convert_mistral4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """A ``Mistral4ForCausalLM`` / ``Mistral4Model`` (see the module docstring)."""
-    return _convert("mistral4", hf, sd, device=device, dtype=dtype)
-
-
-def convert_minicpm5_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """A ``MiniCPM5MoeForCausalLM`` / ``MiniCPM5MoeModel`` (see the module docstring)."""
-    return _convert("minicpm5_moe", hf, sd, device=device, dtype=dtype)
-
-
-def convert_glm4_moe_lite(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """A ``Glm4MoeLiteForCausalLM`` / ``Glm4MoeLiteModel`` (see the module docstring)."""
-    return _convert("glm4_moe_lite", hf, sd, device=device, dtype=dtype)
+def convert_deepseek(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """A model of the lineage, by the config's ``model_type`` (see the module docstring): DeepSeek-V3 /
+    V2 / V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral 4, MiniCPM5-MoE, A.X-K1."""
+    model_type = str(hf.raw("model_type"))
+    if model_type not in DEFAULTS:
+        raise ValueError(f"convert_deepseek: model_type must be one of {list(DEFAULTS)}, got {model_type!r}")
+    return _convert(model_type, hf, sd, device=device, dtype=dtype)
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
 DISPATCH = {
-    "deepseek_v3": parts.Dispatch("DeepSeek-V3", convert_deepseek_v3, ("DeepseekV3ForCausalLM", "DeepseekV3Model")),
-    "deepseek_v2": parts.Dispatch("DeepSeek-V2", convert_deepseek_v2, ("DeepseekV2ForCausalLM", "DeepseekV2Model")),
-    "glm4_moe_lite": parts.Dispatch("GLM-4-MoE-Lite", convert_glm4_moe_lite,
+    "deepseek_v3": parts.Dispatch("DeepSeek-V3", convert_deepseek, ("DeepseekV3ForCausalLM", "DeepseekV3Model")),
+    "deepseek_v2": parts.Dispatch("DeepSeek-V2", convert_deepseek, ("DeepseekV2ForCausalLM", "DeepseekV2Model")),
+    "glm4_moe_lite": parts.Dispatch("GLM-4-MoE-Lite", convert_deepseek,
                                     ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel")),
-    "mistral4": parts.Dispatch("Mistral-4", convert_mistral4, ("Mistral4ForCausalLM", "Mistral4Model")),
-    "minicpm5_moe": parts.Dispatch("MiniCPM5-MoE", convert_minicpm5_moe, ("MiniCPM5MoeForCausalLM", "MiniCPM5MoeModel")),
+    "mistral4": parts.Dispatch("Mistral-4", convert_deepseek, ("Mistral4ForCausalLM", "Mistral4Model")),
+    "minicpm5_moe": parts.Dispatch("MiniCPM5-MoE", convert_deepseek, ("MiniCPM5MoeForCausalLM", "MiniCPM5MoeModel")),
+    "axk1": parts.Dispatch("A.X-K1", convert_deepseek, ("AXK1ForCausalLM", "AXK1Model")),
+    "deepseek_v32": parts.Dispatch("DeepSeek-V3.2", convert_deepseek, ("DeepseekV32ForCausalLM", "DeepseekV32Model")),
+    "glm_moe_dsa": parts.Dispatch("GLM-MoE-DSA", convert_deepseek, ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel")),
 }

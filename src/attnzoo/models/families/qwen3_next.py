@@ -83,6 +83,13 @@ def _real_tokens(mask: Tensor | Mask | None, B: int, N: int, past: int) -> Tenso
     return mask.expand(B, -1, -1, -1)[:, 0, -1, past:]
 
 
+def real_keys(mask: Tensor | Mask | None, batch: int, keys: int, device: torch.device) -> Tensor:
+    """``[B, keys]`` bool, True for the real keys (every one cached and new) from the key-padding
+    mask a block passes; all True without one (the indexed attentions' selection reads it)."""
+    real = _real_tokens(mask, batch, keys, 0)
+    return torch.ones(batch, keys, dtype=torch.bool, device=device) if real is None else real
+
+
 def segment_ids(cu_seqlens: Tensor, n: int) -> Tensor:
     """The sequence index ``[T]`` of every token of a packed batch (``cu_seqlens [S+1]``)."""
     return torch.searchsorted(cu_seqlens[1:].long(), torch.arange(n, device=cu_seqlens.device), right=True)

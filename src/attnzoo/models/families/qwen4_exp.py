@@ -71,7 +71,11 @@ from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.families.qwen3_5 import put_split_deltanet
-from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, _real_tokens, put_gated_attention
+from attnzoo.models.families.qwen3_next import (
+    QwenGatedDeltaNet,
+    put_gated_attention,
+    real_keys,
+)
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.loop import StreamsLM
 from attnzoo.models.parts import DecoderParts, head_for
@@ -403,9 +407,7 @@ class IndexedAttention(nn.Module):
         B, N, _ = x.shape
         kv, idx = (None, None) if cache is None else cache.layers
         past = 0 if idx is None else idx.length
-        real = _real_tokens(mask, B, past + N, 0)
-        if real is None:
-            real = torch.ones(B, past + N, dtype=torch.bool, device=x.device)
+        real = real_keys(mask, B, past + N, x.device)
         pos = torch.arange(past, past + N, device=x.device) if positions is None else positions.long()
         allowed = self.indexer(x, pos.expand(B, N), real, idx)  # [B, 1, N, past + N]
         kw: dict[str, Any] = {} if positions is None else {"positions": positions}
