@@ -85,14 +85,18 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "glm4_moe_lite": ("test_hf_deepseek", "_glm_lite"), "minicpm5_moe": ("test_hf_deepseek", "_cpm5"),
     "deepseek_v32": ("test_hf_deepseek_dsa", "_v32_yarn"), "glm_moe_dsa": ("test_hf_deepseek_dsa", "_glm_wide"),
     "axk1": ("test_hf_deepseek_dsa", "_axk1"),
+    **{t: ("test_hf_lineage_more", f"_{m}") for t, m in (
+        ("granite", "granite"), ("granitemoe", "granitemoe"), ("starcoder2", "starcoder2"), ("phimoe", "phimoe"),
+        ("mimo_v2_flash", "mimo"), ("laguna", "laguna"))},
 }
 #: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
 #: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
 #: forward): compared on an unpadded batch
 UNPADDED = {"hunyuan_v1_moe", "recurrent_gemma"}
-#: families whose router takes one expert only (Zaya's config refuses more): top-k left as configured
-TOP1 = {"zaya"}
+#: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
+#: two, its sparsemixer): top-k left as configured
+TOP1 = {"zaya", "phimoe"}
 #: (family, dtype) pairs transformers itself cannot run: DeepSeek-V4 in float16 (a float32 matmul
 #: against float16 inside its indexer, "expected m1 and m2 to have the same dtype")
 PEER_FAILS = {("deepseek_v4", torch.float16)}

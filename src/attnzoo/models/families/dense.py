@@ -1,5 +1,5 @@
 """Dense decoders of the LLaMA line -> :class:`~attnzoo.DecoderLM`: Cohere2, EXAONE 4, Ministral 3,
-Seed-OSS, Apertus and GLM-4, as ``*ForCausalLM`` and ``*Model`` (one converter, dispatching on
+Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``) and StarCoder2 (``starcoder2``), as ``*ForCausalLM`` and ``*Model`` (one converter, dispatching on
 ``model_type``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
@@ -32,6 +32,19 @@ Seed-OSS, Apertus and GLM-4, as ``*ForCausalLM`` and ``*Model`` (one converter, 
   (220), RoPE on the first ``partial_rotary_factor`` (default 0.5) of each head, adjacent pairs
   (176-195).
 
+* Granite 3.x (``modeling_granite.py``): LLaMA with four multipliers: the token embeddings times
+  ``embedding_multiplier`` (388), the attention scores times ``attention_multiplier`` instead of
+  ``head_dim ** -0.5`` (124), each sub-layer output times ``residual_multiplier`` before the residual
+  add (275, 280), the logits divided by ``logits_scaling`` (489); biases on q/k/v/o by
+  ``attention_bias`` (129-138), on the MLP by ``mlp_bias`` (210-212). The residual multiplier and
+  ``1 / logits_scaling`` are folded into the weights at load, as for Granite 4.0-H
+  (:func:`~attnzoo.models.families.granitemoehybrid.finish_folded`).
+* StarCoder2 (``modeling_starcoder2.py``): LayerNorms with biases (``norm_epsilon``; 212-213, 323), an
+  ungated MLP ``c_proj(act(c_fc(x)))`` (53-66; ``gelu_pytorch_tanh`` by default) and q/k/v/o, all
+  biased by ``use_bias`` (57-58, 153-156); one causal window of ``sliding_window - 1`` keys on every
+  layer when set (193, 358); ``residual_dropout`` on both sub-layer outputs (66, 199-200: the block's
+  dropout) and ``embedding_dropout`` after the embedding (368: the decoder's), training only.
+
 Adjacent-pair RoPE is attnzoo's ``interleaved`` rotary (:class:`~attnzoo.nn.positional.RotaryEmbedding`),
 so the q/k weights are copied as they are.
 """
@@ -51,12 +64,19 @@ import attnzoo.models.families._common as parts
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families.granitemoehybrid import CHECKS as GRANITE_CHECKS
+from attnzoo.models.families.granitemoehybrid import (
+    embed_scale,
+    finish_folded,
+    multiplier,
+    refuse_partial_rotary,
+)
 from attnzoo.models.hf._state import HFConfig, Plan, load_gate_up_into, load_qkv_into
 from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["DISPATCH", "XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "convert_dense"]
+__all__ = ["DISPATCH", "XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "build_granite", "build_starcoder2", "convert_dense"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -332,6 +352,42 @@ def build_apertus(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
+def build_granite(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Granite 3.x: LLaMA with the score scale ``attention_multiplier`` and the embedding multiplier
+    (the residual multiplier and ``logits_scaling`` are folded in at load: module docstring)."""
+    C, _, depth, D = _common(hf)
+    parts.unsupported_keys(hf, GRANITE_CHECKS)
+    refuse_partial_rotary(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
+    bias = hf.get("attention_bias", False, bool)
+    attn = _attention(hf, window=None, rope=rope, biases=(bias, bias),
+                      kw={**kw, "scale": multiplier(hf, "attention_multiplier")})
+    blocks = [parts.block(C, attn, ffn, parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=embed_scale(hf), **kw)
+
+
+def build_starcoder2(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                     dtype: Any = None) -> DecoderLM:
+    """StarCoder2: biased LayerNorms, an ungated biased MLP, one window on every layer (module docstring)."""
+    C, H, depth, D = _common(hf)
+    eps, kw = hf.get("norm_epsilon", 1e-5, float), {"device": device, "dtype": dtype}
+    act, bias = hf.get("hidden_act", "gelu_pytorch_tanh", str), hf.get("use_bias", True, bool)
+    if act not in UNGATED:
+        raise hf.unsupported(f"hidden_act={act!r} (supported: {', '.join(map(repr, UNGATED))})")
+    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), UNGATED[act], bias=bias, **kw)
+    window = hf.get("sliding_window", None)
+    norm = functools.partial(nn.LayerNorm, C, eps=eps, **kw)
+    attn = _attention(hf, window=None if window is None else window - 1, rope=parts.rotary(hf, parts.rope_params(hf), D),
+                      biases=(bias, bias), kw=kw)
+    blocks = [_block(C, attn, ffn, norm, dropout=hf.get("residual_dropout", 0.0, float)) for _ in range(depth)]
+    V = hf.req("vocab_size")
+    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=eps, dropout=hf.get("embedding_dropout", 0.0, float),
+                        tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
+    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head_for(C, V, head_size, **kw)), **kw)
+
+
 def _glm4_rotary_dim(hf: HFConfig, head_dim: int) -> int:
     """``int(head_dim * partial_rotary_factor)`` (default 0.5, ``configuration_glm4.py`` 76), even."""
     factor = parts.rope_params(hf).get("partial_rotary_factor", hf.raw("partial_rotary_factor", 0.5))
@@ -372,6 +428,16 @@ def _put_gate_up(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
     plan.put_pairs(ours, theirs, [("down_proj", "down_proj")], bias=False)
 
 
+def _put_c_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """StarCoder2's ungated MLP (``c_fc``, ``c_proj``), biased by ``use_bias``."""
+    plan.put_pairs(ours, theirs, [("up_proj", "c_fc"), ("down_proj", "c_proj")], bias=hf.get("use_bias", True, bool))
+
+
+def _use_bias(hf: HFConfig) -> tuple[bool, bool]:
+    bias = hf.get("use_bias", True, bool)
+    return bias, bias
+
+
 def _put_xielu_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
     """Apertus' ``up_proj``, ``down_proj`` and, with xIELU, ``act_fn.{alpha_p, alpha_n}`` and the buffers
     ``act_fn.{beta, eps}`` where the checkpoint has them."""
@@ -399,6 +465,8 @@ class Family:
     ffn: Callable[[HFConfig, Plan, str, str], None] = _put_mlp
     pattern: int | None = None  # the default sliding_window_pattern, for families with layer_types
     window: int | None = None  # the default sliding_window (only where the key is absent: null means none)
+    layer_norm: bool = False  # LayerNorms with biases (StarCoder2), the final one included
+    folded: bool = False  # Granite: residual_multiplier and logits_scaling folded into the weights
     name: str = ""  # the family's name (messages, ``MODEL_TYPES``)
     classes: tuple[str, ...] = ()  # the transformers classes that convert
 
@@ -448,6 +516,13 @@ FAMILIES: dict[str, Family] = {
                     ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm")],
                    _attention_bias(True, False), ffn=_put_gate_up,
         name="GLM-4", classes=("Glm4ForCausalLM", "Glm4Model")),
+    "granite": Family(build_granite, {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "hidden_act": "silu"},
+                      parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp, folded=True,
+        name="Granite", classes=("GraniteForCausalLM", "GraniteModel")),
+    "starcoder2": Family(build_starcoder2, {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "use_bias": True,
+                                            "tie_word_embeddings": True, "max_position_embeddings": 4096},
+                         parts.PRE_NORMS, _use_bias, ffn=_put_c_mlp, layer_norm=True,
+        name="StarCoder2", classes=("Starcoder2ForCausalLM", "Starcoder2Model")),
 }
 
 
@@ -486,8 +561,17 @@ def convert_dense(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
             for n in ("q_norm", "k_norm"):
                 plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{n}.weight")
         family.ffn(hf, plan, f"{o}ffn.", f"layers.{i}.mlp.")
-        plan.put_pairs(o, f"layers.{i}.", family.norms, bias=False)
+        plan.put_pairs(o, f"layers.{i}.", family.norms, bias=family.layer_norm)
+    if family.layer_norm:
+        plan.put("norm.bias", "norm.bias")
+    if family.folded:  # every weight writing into the residual stream: the out and down projections
+        writes = [n for n in plan.values if n.endswith(_WRITES)]
+        return finish_folded(plan, model, hf, head_size, writes)
     return parts.finish(plan, model, head_size)
+
+
+#: the weights of a layer that write into the residual stream (Granite's ``residual_multiplier``)
+_WRITES = ("attn.out_proj.weight", "attn.out_proj.bias", "ffn.down_proj.weight", "ffn.down_proj.bias")
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``: every ``Family``

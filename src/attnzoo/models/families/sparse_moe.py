@@ -2,8 +2,9 @@
 (``MixtralForCausalLM`` / ``MixtralModel``), Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 (``glm4_moe``),
 MiniMax-M2, and the second batch: dots.llm1 (``dots1``), ERNIE-4.5-MoE (``ernie4_5_moe``),
 Hunyuan-A13B (``hunyuan_v1_moe``), EXAONE-MoE (``exaone_moe``), Solar-Open (``solar_open``), AFMoE
-(``afmoe``) and HY-V3 (``hy_v3``). Line numbers are transformers 5.25's
-``models/<family>/modeling_<family>.py`` (``configuration_<family>.py`` where it says so).
+(``afmoe``), HY-V3 (``hy_v3``), GraniteMoE (``granitemoe``) and PhiMoE (``phimoe``; line numbers of
+its ``modular_phimoe.py``). Line numbers are transformers 5.25's ``models/<family>/modeling_<family>.py``
+(``configuration_<family>.py`` where it says so).
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -80,13 +81,35 @@ experts ungated, of ``moe_intermediate_size * n_shared_experts`` (or ``num_share
   the MoE routed as MiniMax-M2 (the block's ``e_score_correction_bias``) with ``1e-20`` and
   ``router_scaling_factor`` (l. 271-300). Its ``enable_moe_fp32_combine`` (routed + shared summed in
   float32) changes nothing in float32; in half precision attnzoo sums in the model's dtype.
+* **GraniteMoE** (``granitemoe``; 113-190, 263-365, 394-450, 545-620): Granite's multipliers (the
+  embeddings times ``embedding_multiplier`` l. 447, scores times ``attention_multiplier`` l. 272,
+  sub-layer outputs times ``residual_multiplier`` l. 359/363, logits divided by ``logits_scaling``
+  l. 559), q/k/v/o biases by ``attention_bias``; every layer Granite 4.0-H's experts without a
+  shared MLP (``block_sparse_moe``: ``router.weight``, the top-k of the logits then a softmax over
+  them, l. 128-132; saved as ``router.layer`` / ``input_linear`` / ``output_linear``). The residual
+  multiplier and ``1 / logits_scaling`` are folded into the weights at load
+  (:func:`~attnzoo.models.families.granitemoehybrid.finish_folded`).
+* **PhiMoE** (Phi-3.5-MoE, ``phimoe``; modular 74-76, 137-255, 258-330): Mixtral's layer and
+  experts with LayerNorms (weights and biases, eps ``rms_norm_eps``; 310-316, 327-330), q/k/v/o
+  biases by ``attention_bias``, an LM-head bias by ``lm_head_bias`` (335), one window of
+  ``sliding_window - 1`` keys on every layer; routed by the *sparsemixer* (137-255, eval branch;
+  :class:`SparseMixerMoE`): always two experts, the first the top logit ``m1`` weighted by the
+  softmax over the logits ``s`` with ``(m1 - s) / max(|s|, m1) <= 2 * router_jitter_noise`` (the
+  others masked), the second the top of the rest ``m2`` weighted likewise (``m2`` in place of
+  ``m1``, the first expert masked). transformers' training branch samples the experts (Gumbel) and
+  rescales the gradients (Heun's estimator): attnzoo trains through the deterministic choice with
+  plain autograd gradients. Saved folders (``block_sparse_moe.gate``, experts ``w1``/``w3``/``w2``)
+  load too.
 
 Refused by name: ``router_jitter_noise`` > 0 (Mixtral multiplies the MoE input by noise while
 training, l. 124: not reproduced), OLMoE's ``clip_qkv`` (a clamp of q, k and v that attnzoo's
 attention does not have), ``hidden_act`` other than SiLU in the experts; ERNIE's ``use_bias``
 (biases on every projection and on the LM head); Hunyuan's per-layer ``num_experts`` list (its
 ``moe_topk`` may be one per layer); ``mlp_layer_types`` entries other than ``"dense"`` /
-``"sparse"``; EXAONE-MoE's string ``sliding_window_pattern`` without ``layer_types``.
+``"sparse"``; EXAONE-MoE's string ``sliding_window_pattern`` without ``layer_types``; PhiMoE's ``num_experts_per_tok`` other than 2
+(the sparsemixer picks two, whatever it says), ``input_jitter_noise`` > 0 (training noise on the MoE
+input) and ``rope_type`` other than ``"default"`` (its rotary switches between ``short_mscale`` and
+``long_mscale`` by the longest position of each call, modular 57-71).
 """
 
 from __future__ import annotations
@@ -103,18 +126,35 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import FeedForward
 from attnzoo.functional.softmax.varlen import attention_varlen
+from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._moe import deepseek_moe, moe_from_config, put_moe, put_per_expert
+from attnzoo.models.families._moe import (
+    deepseek_moe,
+    moe_from_config,
+    put_moe,
+    put_per_expert,
+    put_stacked_experts,
+)
+from attnzoo.models.families.granitemoehybrid import CHECKS as GRANITE_CHECKS
+from attnzoo.models.families.granitemoehybrid import (
+    embed_scale,
+    experts_factory,
+    finish_folded,
+    multiplier,
+    put_experts,
+    refuse_partial_rotary,
+)
 from attnzoo.models.families.kimi_linear import saved_names
 from attnzoo.models.hf._state import HFConfig, Plan, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "Variant", "build_sparse_moe",
-           "convert_sparse_moe", "layer_kinds", "sparse_layers", "window_of_layers"]
+__all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "SparseMixerMoE", "Variant",
+           "build_sparse_moe", "convert_sparse_moe", "layer_kinds", "sparse_layers", "window_of_layers"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +178,8 @@ class Variant:
     interleaved: bool = False  # RoPE on adjacent channel pairs (ERNIE-4.5)
     sandwich: bool = False  # AFMoE: RMSNorms before and after the attention and the MLP, an output gate
     float32_router: bool = False  # the router weight kept float32 (transformers' _keep_in_fp32_modules_strict)
+    granite: bool = False  # Granite's multipliers (GraniteMoE; routing "granite": its experts)
+    layer_norm: bool = False  # LayerNorms with biases and an LM-head bias by lm_head_bias (PhiMoE)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -167,6 +209,10 @@ VARIANTS: dict[str, Variant] = {
                      qk_norm="head", routing="deepseek", keys="afmoe", scaling="route_scale", rope_layers="sliding", sandwich=True),
     "hy_v3": Variant("HY-V3", ("HYV3ForCausalLM", "HYV3Model"),
                      qk_norm="head", routing="deepseek", keys="block", scaling="router_scaling_factor", float32_router=True),
+    "granitemoe": Variant("GraniteMoE", ("GraniteMoeForCausalLM", "GraniteMoeModel"),
+                          routing="granite", width="intermediate_size", granite=True),
+    "phimoe": Variant("PhiMoE", ("PhimoeForCausalLM", "PhimoeModel"),
+                      routing="sparsemixer", width="intermediate_size", layer_norm=True),
 }
 #: batch 2's MoE block names, each as the names it may have (transformers' module first, then a
 #: saved folder's: EXAONE-MoE / HY-V3 / ERNIE-4.5 save their original checkpoints' names):
@@ -223,9 +269,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "router_scaling_factor": 2.826, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
               "rope_theta": 11158840.0, "attention_bias": False, "mlp_bias": False, "first_k_dense_replace": 1,
               "hidden_act": "silu"},
+    "granitemoe": {"num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6,
+                   "attention_bias": False, "hidden_act": "silu"},
+    "phimoe": {"num_experts": 16, "num_local_experts": 16, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+               "num_key_value_heads": 8, "router_jitter_noise": 0.01, "input_jitter_noise": 0.0,
+               "attention_bias": False, "lm_head_bias": False, "max_position_embeddings": 131072, "rope_theta": 1e6,
+               "hidden_act": "silu"},
 }
 #: the families whose every layer attends to the whole causal past (no window)
-_FULL = ("olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3")
+_FULL = ("olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe")
 TYPES = ("full_attention", "sliding_attention")
 #: AFMoE's four RMSNorms per layer (before/after the attention, before/after the MLP)
 SANDWICH = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
@@ -294,7 +346,7 @@ def window_of_layers(hf: HFConfig, model_type: str, depth: int) -> list[int | No
     window = hf.get("sliding_window", None)
     if model_type in _FULL or not window:
         return [None] * depth
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "phimoe"):
         return [window - 1] * depth
     if model_type in ("dots1", "exaone_moe", "afmoe"):
         return parts.sliding_windows(hf, layer_kinds(hf, model_type, depth))
@@ -334,9 +386,24 @@ def _read(hf: HFConfig) -> tuple[HFConfig, str]:
     if scaling != "routed_scaling_factor":  # AFMoE's route_scale, HY-V3's router_scaling_factor
         defaults["routed_scaling_factor"] = hf.get(scaling, defaults[scaling], float)
     hf = hf.with_defaults(defaults)
-    parts.unsupported_keys(hf, {"router_jitter_noise": lambda v: not v, "clip_qkv": lambda v: v is None,
+    phimoe = VARIANTS[model_type].routing == "sparsemixer"  # its router_jitter_noise is the sparsemixer's epsilon
+    parts.unsupported_keys(hf, {"router_jitter_noise": lambda v: phimoe or not v, "clip_qkv": lambda v: v is None,
                                 "pretraining_tp": lambda v: v in (None, 1), "use_bias": lambda v: not v})
+    if phimoe:
+        _refuse_phimoe(hf)
+    if VARIANTS[model_type].granite:
+        parts.unsupported_keys(hf, GRANITE_CHECKS)
+        refuse_partial_rotary(hf)
     return hf, model_type
+
+
+def _refuse_phimoe(hf: HFConfig) -> None:
+    """PhiMoE's options attnzoo does not reproduce, by name (module docstring)."""
+    rope_type = parts.rope_params(hf).get("rope_type", "default")
+    if rope_type != "default":
+        raise hf.unsupported(f"rope_type={rope_type!r} (PhiMoE switches short_mscale / long_mscale by the longest "
+                             f"position of each call; supported: 'default')")
+    parts.unsupported_keys(hf, {"num_experts_per_tok": lambda v: v == 2, "input_jitter_noise": lambda v: not v})
 
 
 def _rotary(hf: HFConfig, variant: Variant, head_dim: int) -> Any:
@@ -366,6 +433,11 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
         shared = functools.partial(FeedForward, activation="swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
         return functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=variant.float32_router,
                                  **kw)
+    if variant.routing == "granite":
+        return experts_factory(hf, None, **kw)
+    if variant.routing == "sparsemixer":
+        return functools.partial(SparseMixerMoE, hf.req("hidden_size"), hf.req("intermediate_size"),
+                                 hf.req("num_experts"), eps=hf.req("router_jitter_noise", float), **kw)
     if variant.routing in ("ernie", "hunyuan"):
         return functools.partial(_float32_moe, hf, variant.routing == "ernie", **kw)
     if variant.routing == "sigmoid":
@@ -412,7 +484,8 @@ def _attention(hf: HFConfig, variant: Variant, window: int | None, rope: Any, kw
             qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float), **kw)
     attn_cfg = hf.with_defaults({"attention_bias": _qkv_bias(hf, variant)}) if variant.qkv_bias else hf
     return parts.attention_factory(attn_cfg, window=window, rope=rope, qk_norm=qk_norm,
-                                   output_gate="element" if variant.sandwich else None, **kw)
+                                   output_gate="element" if variant.sandwich else None,
+                                   scale=multiplier(hf, "attention_multiplier") if variant.granite else None, **kw)
 
 
 def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
@@ -431,14 +504,30 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     dense = None if all(sparse) else parts.gated_mlp(C, hf.req("intermediate_size"), act,
                                                      bias=hf.get("mlp_bias", False, bool), **kw)
     rotates = _rotates(hf, variant, layer_kinds(hf, model_type, depth))
+    norm = functools.partial(nn.LayerNorm, C, eps=eps, **kw) if variant.layer_norm else parts.rms_norm(C, eps, **kw)
     blocks = [parts.block(C, _attention(hf, variant, w, rope if r else None, kw), moe if s else dense,
-                          parts.rms_norm(C, eps, **kw), sublayer_norm="both" if variant.sandwich else "input")
+                          norm, sublayer_norm="both" if variant.sandwich else "input")
               for w, r, s, moe in zip(window_of_layers(hf, model_type, depth), rotates, sparse, moes, strict=True)]
     scale = C ** 0.5 if hf.get("mup_enabled", False, bool) else None  # AFMoE's muP embedding scale
+    scale = embed_scale(hf) if variant.granite else scale
+    if variant.layer_norm:
+        return _layer_norm_decoder(hf, blocks, norm, head_size, kw)
     model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, **kw)
     if variant.sandwich:  # AFMoE's OLMo-2 norms: the weight applied in float32, kept in float32
         parts.float32_scale_norms(model, keep_float32=True)
     return model
+
+
+def _layer_norm_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Any, head_size: int | None,
+                        kw: dict[str, Any]) -> DecoderLM:
+    """PhiMoE's decoder: the final LayerNorm ``norm()`` and, for an LM head, the bias ``lm_head_bias``."""
+    V, C = hf.req("vocab_size"), hf.req("hidden_size")
+    cfg = DecoderConfig(V, C, len(blocks), hf.req("num_attention_heads"), pos="rope", norm="layer",
+                        norm_eps=hf.req("rms_norm_eps", float), tie_embeddings=hf.get("tie_word_embeddings", False, bool),
+                        max_seq_len=parts.max_positions(hf))
+    head = (LMHead(C, V, bias=True, **kw) if head_size is None and hf.get("lm_head_bias", False, bool)
+            else head_for(C, V, head_size, **kw))
+    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head), **kw)
 
 
 def _top_ks(hf: HFConfig, depth: int) -> list[int | None]:
@@ -509,7 +598,14 @@ def _put_keyed_moe(plan: Plan, ours: str, theirs: str, variant: Variant, moe: An
 
 def _put_ffn(plan: Plan, ours: str, theirs: str, variant: Variant, ffn: Any, hf: HFConfig) -> None:
     bias = hf.get("mlp_bias", False, bool)
-    if not isinstance(ffn, MixtureOfExperts):
+    if variant.routing == "sparsemixer":  # PhiMoE: router.weight (a saved folder: gate.weight, per expert)
+        plan.put(f"{ours}router.weight", next((f"{theirs}{k}" for k in ("router.weight", "gate.weight")
+                                                if plan.src.has(f"{theirs}{k}")), f"{theirs}router.weight"))
+        if plan.src.has(f"{theirs}experts.0.gate_proj.weight"):
+            put_per_expert(plan, ours, theirs)
+        else:
+            put_stacked_experts(plan, ours, theirs)
+    elif not isinstance(ffn, MixtureOfExperts):
         parts.put_mlp(plan, ours, theirs, bias=bias)
     elif variant.keys is not None:
         _put_keyed_moe(plan, ours, theirs, variant, ffn, bias)
@@ -527,18 +623,39 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     ERNIE-4.5 / EXAONE-MoE (``mtp.*``) dropped)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
-    sd = saved_names(sd, _SAVED)
+    sd = sd if variant.granite else saved_names(sd, _SAVED)  # Mistral's names (GraniteMoE keeps block_sparse_moe)
     model, plan, head_size = parts.start(hf, sd, build_sparse_moe, device=device, dtype=dtype)
+    if variant.granite:
+        return _convert_granite(hf, model, plan, head_size)
     for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"layers.{i}."
         _put_attention(plan, f"{o}attn", f"{h}self_attn.", hf, variant)
         _put_ffn(plan, f"{o}ffn.", f"{h}mlp.", variant, block.ffn, hf)
-        plan.put_pairs(o, h, SANDWICH if variant.sandwich else parts.PRE_NORMS, bias=False)
+        plan.put_pairs(o, h, SANDWICH if variant.sandwich else parts.PRE_NORMS, bias=variant.layer_norm)
+    if variant.layer_norm:  # PhiMoE: the final LayerNorm's bias, the LM head's (read here: finish reads the weight)
+        plan.put("norm.bias", "norm.bias")
+        if isinstance(model.lm_head, LMHead) and model.lm_head.bias is not None:
+            plan.put_tensor("lm_head.bias", sd["lm_head.bias"], "lm_head.bias")
     extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= model.depth}
     ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)]
     if model_type in ("ernie4_5_moe", "exaone_moe"):
         ignore.append(r"(model\.)?mtp.*")
+    if model_type == "phimoe":
+        ignore.append(r"lm_head\.bias")
     return parts.finish(plan, model, head_size, ignore=ignore)
+
+
+def _convert_granite(hf: HFConfig, model: DecoderLM, plan: Plan, head_size: int | None) -> DecoderLM:
+    """GraniteMoE's weights (attention, ``block_sparse_moe`` experts, norms), ``residual_multiplier``
+    folded into the out and down projections and ``1 / logits_scaling`` into the final norm."""
+    bias, writes = hf.get("attention_bias", False, bool), []
+    for i in range(model.depth):
+        o, h = f"blocks.{i}.", f"layers.{i}."
+        parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=bias)
+        put_experts(plan, f"{o}ffn.", h)
+        plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
+        writes += [f"{o}attn.out_proj.weight", f"{o}ffn.down_proj"] + ([f"{o}attn.out_proj.bias"] if bias else [])
+    return finish_folded(plan, model, hf, head_size, writes)
 
 
 class Float32RouterMoE(MixtureOfExperts):
@@ -571,6 +688,39 @@ class Float32RouterMoE(MixtureOfExperts):
         weights = probs.gather(-1, experts)
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(self.norm_min)
         return weights.to(x.dtype), experts, logits
+
+
+class SparseMixerMoE(MixtureOfExperts):
+    """A :class:`~attnzoo.nn.moe.MixtureOfExperts` of two SwiGLU experts a token, routed by PhiMoE's
+    sparsemixer (``modular_phimoe.py`` 137-255, the eval branch): with the router's logits ``s [T,
+    E]``, the first expert is the top logit ``m1``, weighted by the softmax over the logits within
+    ``(m1 - s) / max(|s|, m1) <= 2 eps`` of it; the second the top ``m2`` of the others, weighted by
+    the softmax (the first masked out) over those within ``(m2 - s) / max(|s|, m2) <= 2 eps``.
+    ``eps``: PhiMoE's ``router_jitter_noise``. Shapes: ``x [..., C] -> [..., C]``."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, *, eps: float, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(dim, hidden, num_experts, 2, routing=Routing("softmax_topk"), device=device, dtype=dtype)
+        self.eps = float(eps)
+
+    def _pick(self, scores: Tensor, masked: Tensor) -> tuple[Tensor, Tensor]:
+        """One expert ``[T, 1]`` of ``masked [T, E]`` (``scores`` with the picked ones at ``-inf``)
+        and its weight ``[T, 1]``."""
+        top, index = masked.max(dim=-1, keepdim=True)  # [T, 1]
+        factor = scores.abs().clamp(min=top)  # with torch.no_grad() in transformers: a mask, no gradient
+        far = ((top - scores) / factor > 2 * self.eps).detach()
+        gates = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1)  # [T, E]
+        return gates.gather(-1, index), index
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router of ``x [T, C]``: ``(weights [T, 2], experts [T, 2] long, logits [T, E])``."""
+        logits = self.router(x)  # [T, E], in x's dtype (transformers' too)
+        w1, e1 = self._pick(logits, logits)
+        w2, e2 = self._pick(logits, logits.scatter(-1, e1, float("-inf")))
+        return torch.cat((w1, w2), dim=-1), torch.cat((e1, e2), dim=-1), logits
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sparsemixer eps={self.eps:g}"
 
 
 class PostRopeNormAttention(MultiHeadAttention):

@@ -31,12 +31,14 @@ import attnzoo.models.families.inkling as inkling
 import attnzoo.models.families.inkling2 as inkling2
 import attnzoo.models.families.jamba as jamba
 import attnzoo.models.families.kimi_linear as kimi_linear
+import attnzoo.models.families.laguna as laguna
 import attnzoo.models.families.lara_mini as lara_mini
 import attnzoo.models.families.lfm2 as lfm2
 import attnzoo.models.families.lfm3 as lfm3
 import attnzoo.models.families.llama4 as llama4
 import attnzoo.models.families.mamba1 as mamba1
 import attnzoo.models.families.mamba2 as mamba2
+import attnzoo.models.families.mimo_v2_flash as mimo_v2_flash
 import attnzoo.models.families.minimax as minimax
 import attnzoo.models.families.nemotron_h as nemotron_h
 import attnzoo.models.families.olmo3 as olmo3
@@ -62,7 +64,7 @@ __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "lo
 FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, olmo_hybrid, kimi_linear, bamba,
                   granitemoehybrid, mamba2, nemotron_h, falcon_h1, lfm2, mamba1, jamba, lfm3, lara_mini,
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
-                  inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense)
+                  inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
