@@ -88,6 +88,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     **{t: ("test_hf_lineage_more", f"_{m}") for t, m in (
         ("granite", "granite"), ("granitemoe", "granitemoe"), ("starcoder2", "starcoder2"), ("phimoe", "phimoe"),
         ("mimo_v2_flash", "mimo"), ("laguna", "laguna"))},
+    **{t: ("test_hf_sparse_moe_3", f"_{m}") for t, m in (("mellum", "mellum"), ("flint", "flint"),
+                                                            ("kolibri1", "kolibri"), ("cwm", "cwm"))},
 }
 #: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE

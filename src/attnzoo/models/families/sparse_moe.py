@@ -4,7 +4,8 @@ MiniMax-M2, and the second batch: dots.llm1 (``dots1``), ERNIE-4.5-MoE (``ernie4
 Hunyuan-A13B (``hunyuan_v1_moe``), EXAONE-MoE (``exaone_moe``), Solar-Open (``solar_open``), AFMoE
 (``afmoe``), HY-V3 (``hy_v3``), GraniteMoE (``granitemoe``) and PhiMoE (``phimoe``; line numbers of
 its ``modular_phimoe.py``). Line numbers are transformers 5.25's ``models/<family>/modeling_<family>.py``
-(``configuration_<family>.py`` where it says so).
+(``configuration_<family>.py`` where it says so); the third batch (Mellum, Flint, Kolibri-1) cites
+``modular_<family>.py``.
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -101,6 +102,36 @@ experts ungated, of ``moe_intermediate_size * n_shared_experts`` (or ``num_share
   plain autograd gradients. Saved folders (``block_sparse_moe.gate``, experts ``w1``/``w3``/``w2``)
   load too.
 
+The third batch:
+
+* **Mellum** (``mellum``; modular 39-160): Qwen3-MoE's attention (per-head QK RMSNorm, biases on
+  q/k/v/o by ``attention_bias``) and experts (float32 softmax top-k, ``norm_topk_prob`` True by
+  default) on Laguna's layer and model: a window of ``sliding_window - 1`` keys on the
+  ``sliding_attention`` layers of ``layer_types`` (default: all full, l. 88-89, 126-129), each layer
+  kind its own RoPE ``rope_parameters[kind]`` (thetas 5e5 full / 1e4 sliding, l. 93-97, 122), dense
+  SwiGLU layers by ``mlp_layer_types`` (default: all sparse, l. 90-91; 136-139). The checkpoints' ``mtp.*`` layer is
+  dropped (transformers ignores it too).
+* **Flint** (``flint``; modular 47-250): Qwen3-MoE's attention with a learnable sink logit per head
+  (l. 170-171, 182: ``sinks``, saved as ``softmax_offset``), RoPE on the sliding layers only
+  (the full ones NoPE, l. 200-203); ``layer_types`` by default full on layers 0, 1, every
+  ``i % 4 == 1`` and the last (l. 98-102), the rest a window of ``sliding_window - 1``; dense layers
+  in ``mlp_only_layers`` (default ``[0, 1]``, l. 103-104) and Qwen-MoE's ``decoder_sparse_step`` rule; the MoE
+  routed by the top-k of ``sigmoid(logits)`` (float32, no bias), renormalised when
+  ``norm_topk_prob`` (l. 116-132), plus an always-on *ungated* shared expert of
+  ``shared_expert_intermediate_size`` (l. 135-147); the router weight kept float32 (l. 236);
+  GPT-OSS's RMSNorms (the weight applied in float32, l. 108: the blocks' and the final norm; in half
+  precision attnzoo's per-head QK norms round before the weight).
+* **Kolibri-1** (``kolibri1``; modular 38-170): GLM-4's layer (l. 147-150: RMSNorms before and after both
+  sub-layers: ``post_self_attn_layernorm``, ``post_mlp_layernorm``; saved as ``post_attn_norm`` /
+  ``post_ffn_norm``), EXAONE-4's attention (l. 101-104: per-head QK RMSNorm, no biases, RoPE only on the sliding
+  layers when a ``sliding_window`` is set); ``layer_types`` by default full every fifth layer (l.
+  89-93); every layer a MoE (:class:`LogitBiasSigmoidMoE`) routed by the top-k of ``logits +
+  e_score_correction_bias`` (float32; saved as ``moe.router.expert_bias``), weighted by the
+  sigmoids of those logits, renormalised when ``norm_topk_prob`` (default False; l. 115-137), plus
+  an ungated shared expert of ``shared_expert_intermediate_size`` (DeepSeek-V3's block, l. 140-144).
+  (Without a ``sliding_window`` transformers' own model cannot run: it always builds the sliding
+  mask.)
+
 Refused by name: ``router_jitter_noise`` > 0 (Mixtral multiplies the MoE input by noise while
 training, l. 124: not reproduced), OLMoE's ``clip_qkv`` (a clamp of q, k and v that attnzoo's
 attention does not have), ``hidden_act`` other than SiLU in the experts; ERNIE's ``use_bias``
@@ -109,7 +140,9 @@ attention does not have), ``hidden_act`` other than SiLU in the experts; ERNIE's
 ``"sparse"``; EXAONE-MoE's string ``sliding_window_pattern`` without ``layer_types``; PhiMoE's ``num_experts_per_tok`` other than 2
 (the sparsemixer picks two, whatever it says), ``input_jitter_noise`` > 0 (training noise on the MoE
 input) and ``rope_type`` other than ``"default"`` (its rotary switches between ``short_mscale`` and
-``long_mscale`` by the longest position of each call, modular 57-71).
+``long_mscale`` by the longest position of each call, modular 57-71); Mellum's
+``partial_rotary_factor`` other than 1 (its Qwen3 rotation covers the whole head: transformers'
+own model fails on it).
 """
 
 from __future__ import annotations
@@ -153,7 +186,7 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "PostRopeNormAttention", "SparseMixerMoE", "Variant",
+__all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "LogitBiasSigmoidMoE", "PostRopeNormAttention", "SparseMixerMoE", "Variant",
            "build_sparse_moe", "convert_sparse_moe", "layer_kinds", "sparse_layers", "window_of_layers"]
 
 
@@ -180,6 +213,10 @@ class Variant:
     float32_router: bool = False  # the router weight kept float32 (transformers' _keep_in_fp32_modules_strict)
     granite: bool = False  # Granite's multipliers (GraniteMoE; routing "granite": its experts)
     layer_norm: bool = False  # LayerNorms with biases and an LM-head bias by lm_head_bias (PhiMoE)
+    rope_by_kind: bool = False  # each layer kind its own ``rope_parameters[kind]`` (Mellum)
+    sinks: bool = False  # a learnable sink logit per head (Flint)
+    glm4_norms: bool = False  # GLM-4's RMSNorms after the attention and the MLP too (Kolibri-1)
+    float32_norms: bool = False  # the RMSNorms apply their weight in float32, then round (Flint: GPT-OSS's)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -213,6 +250,11 @@ VARIANTS: dict[str, Variant] = {
                           routing="granite", width="intermediate_size", granite=True),
     "phimoe": Variant("PhiMoE", ("PhimoeForCausalLM", "PhimoeModel"),
                       routing="sparsemixer", width="intermediate_size", layer_norm=True),
+    "mellum": Variant("Mellum", ("MellumForCausalLM", "MellumModel"), qk_norm="head", rope_by_kind=True),
+    "flint": Variant("Flint", ("FlintForCausalLM", "FlintModel"), qk_norm="head", routing="sigmoid_shared",
+                     rope_layers="sliding", float32_router=True, sinks=True, float32_norms=True),
+    "kolibri1": Variant("Kolibri-1", ("Kolibri1ForCausalLM", "Kolibri1Model"), qk_norm="head", routing="kolibri",
+                        keys="gate", rope_layers="sliding_if_window", glm4_norms=True),
 }
 #: batch 2's MoE block names, each as the names it may have (transformers' module first, then a
 #: saved folder's: EXAONE-MoE / HY-V3 / ERNIE-4.5 save their original checkpoints' names):
@@ -275,19 +317,41 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                "num_key_value_heads": 8, "router_jitter_noise": 0.01, "input_jitter_noise": 0.0,
                "attention_bias": False, "lm_head_bias": False, "max_position_embeddings": 131072, "rope_theta": 1e6,
                "hidden_act": "silu"},
+    "mellum": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 896, "num_key_value_heads": 4,
+               "head_dim": 128, "rms_norm_eps": 1e-6, "sliding_window": 1024, "norm_topk_prob": True,
+               "attention_bias": False, "max_position_embeddings": 131072, "hidden_act": "silu",
+               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "flint": {"num_experts": 256, "num_experts_per_tok": 6, "moe_intermediate_size": 512,
+              "shared_expert_intermediate_size": 1024, "num_key_value_heads": 4, "head_dim": 128,
+              "attention_bias": False, "sliding_window": 513, "norm_topk_prob": True, "mlp_only_layers": [0, 1],
+              "decoder_sparse_step": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "hidden_act": "silu"},
+    "kolibri1": {"num_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 512,
+                 "shared_expert_intermediate_size": 512, "num_key_value_heads": 4, "head_dim": 128,
+                 "sliding_window": 513, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+                 "hidden_act": "silu"},
 }
 #: the families whose every layer attends to the whole causal past (no window)
 _FULL = ("olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe")
 TYPES = ("full_attention", "sliding_attention")
+#: the families whose windows follow ``layer_types`` (or their own default rule of layer kinds)
+_BY_TYPE = ("dots1", "exaone_moe", "afmoe", "mellum", "flint", "kolibri1")
 #: AFMoE's four RMSNorms per layer (before/after the attention, before/after the MLP)
 SANDWICH = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
             ("ffn_norm", "pre_mlp_layernorm"), ("ffn_out_norm", "post_mlp_layernorm"))
+#: GLM-4's four RMSNorms per layer (Kolibri-1)
+GLM4_NORMS = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
+              ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm"))
 #: a layer's key and its index (``model.layers.{i}.`` / ``layers.{i}.``)
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 #: Mistral's saved names of Mixtral's MoE (``block_sparse_moe``, experts ``w1/w3/w2``)
 _SAVED = tuple((re.compile(p), r) for p, r in (
     (r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+\.)w1\.", r"\1gate_proj."),
     (r"(\.experts\.\d+\.)w3\.", r"\1up_proj."), (r"(\.experts\.\d+\.)w2\.", r"\1down_proj.")))
+#: Kolibri-1's saved names (its original checkpoints'): the post-norms and the expert-choice bias
+_SAVED_KOLIBRI = _SAVED + tuple((re.compile(p), r) for p, r in (
+    (r"\.post_attn_norm\.", ".post_self_attn_layernorm."), (r"\.post_ffn_norm\.", ".post_mlp_layernorm."),
+    (r"\.moe\.router\.expert_bias$", ".mlp.gate.e_score_correction_bias")))
 
 
 def sparse_layers(hf: HFConfig, depth: int) -> list[bool]:
@@ -322,9 +386,14 @@ def layer_kinds(hf: HFConfig, model_type: str, depth: int) -> list[str]:
     that name them: ``layer_types`` when given, else dots.llm1's rule (sliding from
     ``max_window_layers`` on, when ``sliding_window`` is set), EXAONE-MoE's (full every
     ``sliding_window_pattern``-th layer; none without ``sliding_window``), AFMoE's (full every
-    ``global_attn_every_n_layers``-th); full everywhere for the other families."""
-    if hf.has("layer_types") and model_type in ("dots1", "exaone_moe", "afmoe"):
+    ``global_attn_every_n_layers``-th), Flint's (full on layers 0, 1, every ``i % 4 == 1`` and the
+    last), Kolibri-1's (full every fifth); full everywhere for the other families (Mellum without ``layer_types``)."""
+    if hf.has("layer_types") and model_type in _BY_TYPE:
         return parts.layer_types(hf, depth, TYPES)
+    if model_type == "flint":  # full on the first two, every fourth from 1 and the last (modular 98-102)
+        return [TYPES[not (i < 2 or i % 4 == 1 or i == depth - 1)] for i in range(depth)]
+    if model_type == "kolibri1":  # full every fifth layer (modular 89-93)
+        return [TYPES[(i + 1) % 5 != 0] for i in range(depth)]
     window = hf.get("sliding_window", None)
     if model_type == "dots1":
         first = hf.get("max_window_layers", 62)
@@ -348,7 +417,7 @@ def window_of_layers(hf: HFConfig, model_type: str, depth: int) -> list[int | No
         return [None] * depth
     if model_type in ("mixtral", "phimoe"):
         return [window - 1] * depth
-    if model_type in ("dots1", "exaone_moe", "afmoe"):
+    if model_type in _BY_TYPE:
         return parts.sliding_windows(hf, layer_kinds(hf, model_type, depth))
     if not hf.get("use_sliding_window", False, bool):
         return [None] * depth
@@ -406,11 +475,15 @@ def _refuse_phimoe(hf: HFConfig) -> None:
     parts.unsupported_keys(hf, {"num_experts_per_tok": lambda v: v == 2, "input_jitter_noise": lambda v: not v})
 
 
-def _rotary(hf: HFConfig, variant: Variant, head_dim: int) -> Any:
+def _rotary(hf: HFConfig, variant: Variant, head_dim: int, kind: str | None = None) -> Any:
     """The rotary embedding, on the first ``rotary_dim`` channels of a head (MiniMax-M2's key) or
     ``partial_rotary_factor`` of them (GLM-4.5: 0.5 by default); ERNIE-4.5's on adjacent pairs;
-    Hunyuan's ``alpha`` (``rope_type="dynamic"``) stretches the base to ``theta * alpha ** (D / (D - 2))``."""
-    params = parts.rope_params(hf)
+    Hunyuan's ``alpha`` (``rope_type="dynamic"``) stretches the base to ``theta * alpha ** (D / (D - 2))``;
+    ``kind``: Mellum's ``rope_parameters[kind]`` of one layer kind."""
+    params = parts.rope_params(hf, kind)
+    if variant.rope_by_kind and params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise hf.unsupported(f"partial_rotary_factor={params['partial_rotary_factor']!r} for {kind} (Mellum rotates "
+                             f"the whole head whatever it says; supported: 1.0)")
     if params.get("alpha") is not None and params.get("rope_type", params.get("type")) == "dynamic":
         D = hf.get("head_dim", head_dim)
         return RotaryEmbedding(D, base=float(params["rope_theta"]) * float(params["alpha"]) ** (D / (D - 2)))
@@ -440,6 +513,10 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
                                  hf.req("num_experts"), eps=hf.req("router_jitter_noise", float), **kw)
     if variant.routing in ("ernie", "hunyuan"):
         return functools.partial(_float32_moe, hf, variant.routing == "ernie", **kw)
+    if variant.routing == "sigmoid_shared":
+        return functools.partial(_shared_sigmoid_moe, hf, **kw)
+    if variant.routing == "kolibri":
+        return functools.partial(_kolibri_moe, hf, **kw)
     if variant.routing == "sigmoid":
         routing = Routing("sigmoid_topk", norm_topk_prob=True, norm_eps=0.0)
         return functools.partial(MixtureOfExperts, hf.req("hidden_size"), hf.req(variant.width), hf.req("num_experts"),
@@ -448,6 +525,28 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
                              "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 0)
                              if variant.shared else 0})
     return functools.partial(moe_from_config, view, "stacked", **kw)
+
+
+def _shared_sigmoid_moe(hf: HFConfig, *, device: Any = None, dtype: Any = None) -> MixtureOfExperts:
+    """Flint's MoE (modular 116-147): the top ``num_experts_per_tok`` of ``sigmoid(logits)`` (no
+    choice bias), renormalised to sum 1 (no epsilon) when ``norm_topk_prob``, plus an always-on
+    (ungated) SwiGLU shared expert of ``shared_expert_intermediate_size``."""
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    C = hf.req("hidden_size")
+    routing = Routing("sigmoid_topk", norm_topk_prob=hf.get("norm_topk_prob", True, bool), norm_eps=0.0)
+    shared = FeedForward(C, hf.req("shared_expert_intermediate_size"), "swiglu", bias=False, **kw)
+    return MixtureOfExperts(C, hf.req("moe_intermediate_size"), hf.req("num_experts"), hf.req("num_experts_per_tok"),
+                            routing=routing, shared_expert=shared, keep_router_float32=True, **kw)
+
+
+def _kolibri_moe(hf: HFConfig, *, device: Any = None, dtype: Any = None) -> LogitBiasSigmoidMoE:
+    """Kolibri-1's MoE (modular 140-150): :class:`LogitBiasSigmoidMoE` plus an always-on (ungated)
+    SwiGLU shared expert of ``shared_expert_intermediate_size``, on every layer."""
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    C = hf.req("hidden_size")
+    shared = FeedForward(C, hf.req("shared_expert_intermediate_size"), "swiglu", bias=False, **kw)
+    return LogitBiasSigmoidMoE(C, hf.req("moe_intermediate_size"), hf.req("num_experts"), hf.req("num_experts_per_tok"),
+                               norm_topk_prob=hf.get("norm_topk_prob", False, bool), shared_expert=shared, **kw)
 
 
 def _float32_moe(hf: HFConfig, ernie: bool, *, device: Any = None, dtype: Any = None) -> Float32RouterMoE:
@@ -484,7 +583,7 @@ def _attention(hf: HFConfig, variant: Variant, window: int | None, rope: Any, kw
             qk_norm_eps=hf.get("rms_norm_eps", 1e-6, float), **kw)
     attn_cfg = hf.with_defaults({"attention_bias": _qkv_bias(hf, variant)}) if variant.qkv_bias else hf
     return parts.attention_factory(attn_cfg, window=window, rope=rope, qk_norm=qk_norm,
-                                   output_gate="element" if variant.sandwich else None,
+                                   output_gate="element" if variant.sandwich else None, sinks=variant.sinks,
                                    scale=multiplier(hf, "attention_multiplier") if variant.granite else None, **kw)
 
 
@@ -496,18 +595,21 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     variant = VARIANTS[model_type]
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
-    rope = _rotary(hf, variant, hf.get("head_dim", C // H))
+    kinds = layer_kinds(hf, model_type, depth)
+    ropes = ({k: _rotary(hf, variant, hf.get("head_dim", C // H), k) for k in set(kinds)} if variant.rope_by_kind
+             else dict.fromkeys(kinds, _rotary(hf, variant, hf.get("head_dim", C // H))))
     sparse = sparse_layers(hf, depth)
     moes = [_moe(HFConfig({**hf.data, "num_experts_per_tok": k}, hf.source, hf.arch) if k else hf, variant, kw)
             for k in _top_ks(hf, depth)]
     act = hf.activation("hidden_act", parts.GATED, "silu")
     dense = None if all(sparse) else parts.gated_mlp(C, hf.req("intermediate_size"), act,
                                                      bias=hf.get("mlp_bias", False, bool), **kw)
-    rotates = _rotates(hf, variant, layer_kinds(hf, model_type, depth))
+    rotates = _rotates(hf, variant, kinds)
     norm = functools.partial(nn.LayerNorm, C, eps=eps, **kw) if variant.layer_norm else parts.rms_norm(C, eps, **kw)
-    blocks = [parts.block(C, _attention(hf, variant, w, rope if r else None, kw), moe if s else dense,
-                          norm, sublayer_norm="both" if variant.sandwich else "input")
-              for w, r, s, moe in zip(window_of_layers(hf, model_type, depth), rotates, sparse, moes, strict=True)]
+    blocks = [parts.block(C, _attention(hf, variant, w, ropes[k] if r else None, kw), moe if s else dense,
+                          norm, sublayer_norm="both" if variant.sandwich or variant.glm4_norms else "input")
+              for w, r, s, moe, k in zip(window_of_layers(hf, model_type, depth), rotates, sparse, moes, kinds,
+                                         strict=True)]
     scale = C ** 0.5 if hf.get("mup_enabled", False, bool) else None  # AFMoE's muP embedding scale
     scale = embed_scale(hf) if variant.granite else scale
     if variant.layer_norm:
@@ -515,6 +617,8 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, **kw)
     if variant.sandwich:  # AFMoE's OLMo-2 norms: the weight applied in float32, kept in float32
         parts.float32_scale_norms(model, keep_float32=True)
+    elif variant.float32_norms:  # Flint's GPT-OSS RMSNorms (the blocks' and the final one; the QK norms round first)
+        parts.float32_scale_norms(model)
     return model
 
 
@@ -572,6 +676,9 @@ def _put_attention(plan: Plan, ours: str, theirs: str, hf: HFConfig, variant: Va
             plan.put(f"{ours}.frontier.{n}_weight", f"{theirs}{name}.weight")
     if variant.sandwich:
         plan.put(f"{ours}.frontier.gate_proj.weight", f"{theirs}gate_proj.weight")
+    if variant.sinks:  # Flint's saved folders name them softmax_offset
+        plan.put(f"{ours}.frontier.sinks", next((f"{theirs}{k}" for k in ("sinks", "softmax_offset")
+                                                 if plan.src.has(f"{theirs}{k}")), f"{theirs}sinks"))
 
 
 def _put_keyed_moe(plan: Plan, ours: str, theirs: str, variant: Variant, moe: Any, bias: bool) -> None:
@@ -612,7 +719,10 @@ def _put_ffn(plan: Plan, ours: str, theirs: str, variant: Variant, ffn: Any, hf:
     elif variant.routing == "deepseek":
         put_moe(plan, ours, theirs, "deepseek")
     else:
-        put_moe(plan, ours, theirs, "stacked", shared=variant.shared, shared_gate=variant.shared)
+        put_moe(plan, ours, theirs, "stacked", shared=variant.shared or variant.routing == "sigmoid_shared",
+                shared_gate=variant.shared)
+        if variant.routing == "sigmoid_shared":  # Flint: no expert-choice bias
+            plan.put_tensor(f"{ours}score_bias", torch.zeros(ffn.num_experts), "zeros (Flint's router has no bias)")
         if variant.routing == "sigmoid":
             plan.put(f"{ours}score_bias", f"{theirs}e_score_correction_bias")
 
@@ -623,7 +733,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     ERNIE-4.5 / EXAONE-MoE (``mtp.*``) dropped)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
-    sd = sd if variant.granite else saved_names(sd, _SAVED)  # Mistral's names (GraniteMoE keeps block_sparse_moe)
+    table = _SAVED_KOLIBRI if variant.glm4_norms else _SAVED
+    sd = sd if variant.granite else saved_names(sd, table)  # Mistral's names (GraniteMoE keeps block_sparse_moe)
     model, plan, head_size = parts.start(hf, sd, build_sparse_moe, device=device, dtype=dtype)
     if variant.granite:
         return _convert_granite(hf, model, plan, head_size)
@@ -631,14 +742,15 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         o, h = f"blocks.{i}.", f"layers.{i}."
         _put_attention(plan, f"{o}attn", f"{h}self_attn.", hf, variant)
         _put_ffn(plan, f"{o}ffn.", f"{h}mlp.", variant, block.ffn, hf)
-        plan.put_pairs(o, h, SANDWICH if variant.sandwich else parts.PRE_NORMS, bias=variant.layer_norm)
+        norms = SANDWICH if variant.sandwich else GLM4_NORMS if variant.glm4_norms else parts.PRE_NORMS
+        plan.put_pairs(o, h, norms, bias=variant.layer_norm)
     if variant.layer_norm:  # PhiMoE: the final LayerNorm's bias, the LM head's (read here: finish reads the weight)
         plan.put("norm.bias", "norm.bias")
         if isinstance(model.lm_head, LMHead) and model.lm_head.bias is not None:
             plan.put_tensor("lm_head.bias", sd["lm_head.bias"], "lm_head.bias")
     extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= model.depth}
     ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)]
-    if model_type in ("ernie4_5_moe", "exaone_moe"):
+    if model_type in ("ernie4_5_moe", "exaone_moe", "mellum"):
         ignore.append(r"(model\.)?mtp.*")
     if model_type == "phimoe":
         ignore.append(r"lm_head\.bias")
@@ -687,6 +799,33 @@ class Float32RouterMoE(MixtureOfExperts):
         experts = torch.topk(choice, self.top_k, dim=-1)[1]  # [T, k]
         weights = probs.gather(-1, experts)
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(self.norm_min)
+        return weights.to(x.dtype), experts, logits
+
+
+class LogitBiasSigmoidMoE(MixtureOfExperts):
+    """A :class:`~attnzoo.nn.moe.MixtureOfExperts` routed as Kolibri-1 routes (modular 115-137): the
+    router's logits in float32, the ``k`` experts of largest ``logits + score_bias`` (the bias on the
+    *logits*, not on the sigmoids as DeepSeek-V3's), weighted by ``sigmoid(logits)`` of those,
+    renormalised to sum 1 (no epsilon) when ``norm_topk_prob``.
+
+    Args: as :class:`~attnzoo.nn.moe.MixtureOfExperts` (SwiGLU experts), plus ``norm_topk_prob``.
+    Shapes: ``x [..., C] -> [..., C]``."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, norm_topk_prob: bool,
+                 shared_expert: nn.Module | None = None, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(dim, hidden, num_experts, top_k, routing=Routing("sigmoid_topk", norm_topk_prob=norm_topk_prob,
+                                                                          norm_eps=0.0),
+                         shared_expert=shared_expert, device=device, dtype=dtype)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router of ``x [T, C]``: ``(weights [T, k], experts [T, k] long, logits [T, E])``."""
+        wide = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(wide), self.router.weight.to(wide))  # [T, E]
+        bias = self.score_bias if self.score_bias is not None else torch.zeros((), device=x.device)
+        experts = torch.topk(logits + bias.to(wide), self.top_k, dim=-1)[1]  # [T, k]
+        weights = torch.sigmoid(logits.gather(-1, experts))
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts, logits
 
 

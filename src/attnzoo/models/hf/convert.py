@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 import attnzoo.models.families.bailing_hybrid as bailing_hybrid
 import attnzoo.models.families.bamba as bamba
+import attnzoo.models.families.cwm as cwm
 import attnzoo.models.families.deepseek as deepseek
 import attnzoo.models.families.deepseek_v4 as deepseek_v4
 import attnzoo.models.families.dense as dense
@@ -64,7 +65,8 @@ __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "lo
 FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, olmo_hybrid, kimi_linear, bamba,
                   granitemoehybrid, mamba2, nemotron_h, falcon_h1, lfm2, mamba1, jamba, lfm3, lara_mini,
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
-                  inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna)
+                  inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
+                  cwm)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
