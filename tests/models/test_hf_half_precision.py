@@ -90,12 +90,15 @@ FAMILIES: dict[str, tuple[str, str]] = {
         ("mimo_v2_flash", "mimo"), ("laguna", "laguna"))},
     **{t: ("test_hf_sparse_moe_3", f"_{m}") for t, m in (("mellum", "mellum"), ("flint", "flint"),
                                                             ("kolibri1", "kolibri"), ("cwm", "cwm"))},
+    **{t: ("test_hf_dense_2", m) for t, m in (
+        ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
+        ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
 }
 #: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
 #: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
 #: forward): compared on an unpadded batch
-UNPADDED = {"hunyuan_v1_moe", "recurrent_gemma"}
+UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma"}
 #: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
 #: two, its sparsemixer): top-k left as configured
 TOP1 = {"zaya", "phimoe"}

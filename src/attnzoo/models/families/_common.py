@@ -28,7 +28,7 @@ from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
 from attnzoo.variants import build_attention
 
 __all__ = ["GATED", "PRE_NORMS", "Dispatch", "Float32ScaleRMSNorm", "attention_factory", "block", "convert_layers",
-           "decoder", "finish", "float32_scale_norms", "fuse_qkv_convs", "gated_mlp", "head_size_of", "layer_types",
+           "decoder", "dims", "finish", "float32_scale_norms", "fuse_qkv_convs", "gated_mlp", "head_size_of", "layer_types",
            "plan_for", "plus_one", "put_attention", "put_head", "put_mlp", "rms_norm", "rope_params", "rotary",
            "sliding_windows", "start", "unsupported_keys"]
 
@@ -121,6 +121,14 @@ class Dispatch:
     name: str
     convert: Callable[..., nn.Module]
     classes: tuple[str, ...]
+
+
+def dims(hf: HFConfig) -> tuple[int, int, int, int]:
+    """``(C, H, depth, head_dim)`` of a decoder config (``head_dim`` defaults to ``C // H``);
+    ``pretraining_tp`` other than 1 refused."""
+    unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1)})
+    C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
+    return C, H, depth, hf.get("head_dim", C // H)
 
 
 def unsupported_keys(hf: HFConfig, checks: Mapping[str, Callable[[Any], bool]]) -> None:

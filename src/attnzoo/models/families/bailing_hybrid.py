@@ -70,13 +70,7 @@ import attnzoo.models.families._common as parts
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
-from attnzoo.models.families.kimi_linear import (
-    TYPES,
-    mlp_types,
-    put_kda,
-    put_mla,
-    saved_names,
-)
+from attnzoo.models.families.kimi_linear import TYPES, mlp_types, put_kda, put_mla, saved_names
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.deepseek import extra_layer, mla_rope
 from attnzoo.models.hf.errors import CheckpointFormatError

@@ -41,19 +41,17 @@ def canonical(hf: HFConfig) -> HFConfig:
     out = hf.with_defaults(DEFAULTS)
     depth = out.req("num_hidden_layers")
     default = [TYPES[i % 4 != 0] for i in range(depth)]
-    out = HFConfig({**out.data, "attention_bias": False, "layer_types": out.get("layer_types", default, list)},
-                   hf.source, hf.arch)
-    parts.unsupported_keys(out, {"pretraining_tp": lambda v: v in (None, 1)})
-    return out
+    return HFConfig({**out.data, "attention_bias": False, "layer_types": out.get("layer_types", default, list)},
+                    hf.source, hf.arch)
 
 
 def build_cwm(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """The decoder of a ``CwmConfig`` (random weights; see the module docstring)."""
     hf = canonical(hf)
-    C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.req("rms_norm_eps", float), {"device": device, "dtype": dtype}
     kinds = parts.layer_types(hf, depth, TYPES)
-    rope = parts.rotary(hf, parts.rope_params(hf), hf.get("head_dim", C // H))
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
                           bias=hf.get("mlp_bias", False, bool), **kw)
     blocks = [parts.block(C, parts.attention_factory(hf, window=w, rope=rope, **kw), ffn, parts.rms_norm(C, eps, **kw))

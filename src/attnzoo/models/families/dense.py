@@ -1,6 +1,9 @@
 """Dense decoders of the LLaMA line -> :class:`~attnzoo.DecoderLM`: Cohere2, EXAONE 4, Ministral 3,
-Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``) and StarCoder2 (``starcoder2``), as ``*ForCausalLM`` and ``*Model`` (one converter, dispatching on
-``model_type``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
+Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``), Command R
+(``cohere``), OLMo 1 (``olmo``), GLM-4-9B (``glm``), ERNIE-4.5 (``ernie4_5``), HunYuan-V1-Dense
+(``hunyuan_v1_dense``), Helium (``helium``), Arcee AFM (``arcee``) and Nemotron-4 (``nemotron``), as
+``*ForCausalLM`` and ``*Model`` (one converter, dispatching on ``model_type``). Line numbers:
+transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
   ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
@@ -45,6 +48,33 @@ Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``) and StarCoder2 (``starcoder2
   layer when set (193, 358); ``residual_dropout`` on both sub-layer outputs (66, 199-200: the block's
   dropout) and ``embedding_dropout`` after the embedding (368: the decoder's), training only.
 
+* Command R (``modeling_cohere.py``): Cohere2's parallel layer (338) with interleaved RoPE
+  (``repeat_interleave`` 107) on every layer, no windows, bias-free LayerNorms (51), the logits
+  times ``logit_scale`` (498); ``use_qk_norm`` (per-head LayerNorms whose weights are
+  ``[heads, head_dim]``, 228-256) is refused.
+* OLMo 1 (``modeling_olmo.py``): LLaMA with non-parametric LayerNorms (eps 1e-5, 48-60; no norm
+  weights at all) and ``clip_qkv`` clamping the q, k and v projections before RoPE (235-238;
+  :class:`ClampedLinear` on the fused ``qkv_proj``); q/k/v/o biases by ``attention_bias``.
+* GLM-4-9B (``glm``, ``modeling_glm.py``): LLaMA's pre-norm layer with the fused ``gate_up_proj``
+  (53-61), q/k/v biases without an output bias (220) and RoPE on the first
+  ``partial_rotary_factor`` (default 0.5) of each head, adjacent pairs (151-195).
+* ERNIE-4.5 dense (``modeling_ernie4_5.py``): LLaMA with adjacent-pair RoPE (107, 176-177) and every
+  projection biased by ``use_bias`` (97-99, 199-202).
+* HunYuan-V1-Dense (``modeling_hunyuan_v1_dense.py``): LLaMA whose per-head query/key RMSNorms
+  come *after* RoPE (199-201; Hunyuan-A13B's
+  :class:`~attnzoo.models.families.sparse_moe.PostRopeNormAttention`), so absolute positions matter;
+  ``dynamic`` RoPE with an ``alpha`` is the fixed NTK base ``theta * alpha ** (D / (D - 2))``
+  (342-358).
+* Helium (``modeling_helium.py``): LLaMA with adjacent-pair RoPE (163, 192-193), q/k/v biases by
+  ``attention_bias`` and an unbiased ``o_proj`` of ``[hidden, hidden]`` (215-223: ``heads *
+  head_dim != hidden_size`` is refused, transformers' own forward fails there), MLP biases.
+* Arcee AFM (``modeling_arcee.py``): LLaMA with Nemotron's ungated MLP ``down(act(up(x)))``
+  (56-61; ReLU² by default), biased by ``mlp_bias``.
+* Nemotron-4 (``modeling_nemotron.py``): LayerNorm1P (``weight + 1`` with a bias, 62-80; loaded
+  as a LayerNorm of ``weight + 1``), the ungated MLP (172-183; ReLU² by default), RoPE on the first
+  ``partial_rotary_factor`` (default 0.5) of each head, halves rotated (158-168), q/k/v/o biases
+  by ``attention_bias``.
+
 Adjacent-pair RoPE is attnzoo's ``interleaved`` rotary (:class:`~attnzoo.nn.positional.RotaryEmbedding`),
 so the q/k weights are copied as they are.
 """
@@ -61,22 +91,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families.granitemoehybrid as granite
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families.granitemoehybrid import CHECKS as GRANITE_CHECKS
-from attnzoo.models.families.granitemoehybrid import (
-    embed_scale,
-    finish_folded,
-    multiplier,
-    refuse_partial_rotary,
-)
+from attnzoo.models.families.sparse_moe import PostRopeNormAttention
 from attnzoo.models.hf._state import HFConfig, Plan, load_gate_up_into, load_qkv_into
 from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["DISPATCH", "XIELU", "ParallelBlock", "ScaledLMHead", "TemperedAttention", "build_dense", "build_granite", "build_starcoder2", "convert_dense"]
+__all__ = ["DISPATCH", "XIELU", "ClampedLinear", "ParallelBlock", "ScaledLMHead",
+           "TemperedAttention", "build_dense", "build_granite", "build_starcoder2", "convert_dense"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -232,13 +258,6 @@ def _block(dim: int, attention: Callable[[], nn.Module], ffn: Callable[[], nn.Mo
                                                     sublayer_norm=sublayer_norm, dropout=dropout))
 
 
-def _common(hf: HFConfig) -> tuple[int, int, int, int]:
-    """``(C, H, depth, head_dim)``; ``pretraining_tp`` other than 1 refused."""
-    parts.unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1)})
-    C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
-    return C, H, depth, hf.get("head_dim", C // H)
-
-
 def _pattern_types(hf: HFConfig, default_pattern: int) -> HFConfig:
     """``layer_types`` from the legacy ``sliding_window_pattern`` (every ``p``-th layer full, the
     others sliding) when the config has none (``configuration_cohere2.py`` 95-101,
@@ -256,7 +275,7 @@ def _pattern_types(hf: HFConfig, default_pattern: int) -> HFConfig:
 # --------------------------------------------------------------------------- the families
 def build_cohere2(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """Cohere2: parallel blocks, interleaved RoPE on sliding layers, NoPE full layers (module docstring)."""
-    C, H, depth, D = _common(hf)
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("layer_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
     kinds = parts.layer_types(hf, depth, TYPES)
     rope = _rope(hf, D, interleaved=True)
@@ -266,17 +285,12 @@ def build_cohere2(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     blocks = [ParallelBlock(C, BlockLayers(attention=_attention(hf, window=w, rope=rope if w is not None else None,
                                                                 biases=(bias, bias), kw=kw), feed_forward=ffn, norm=norm))
               for w in parts.sliding_windows(hf, kinds)]
-    V = hf.req("vocab_size")
-    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=eps,
-                        tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
-    head = (ScaledLMHead(C, V, scale=hf.get("logit_scale", 0.0625, float), **kw) if head_size is None
-            else head_for(C, V, head_size, **kw))
-    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head), **kw)
+    return _parallel_decoder(hf, blocks, norm, eps, head_size, kw)
 
 
 def build_exaone4(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """EXAONE 4: output norms, per-head QK norm, NoPE full layers when windowed (module docstring)."""
-    C, _, depth, D = _common(hf)
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
     windowed = hf.get("sliding_window", None) is not None
     kinds = parts.layer_types(hf, depth, TYPES) if windowed else ["full_attention"] * depth
@@ -306,7 +320,7 @@ def _temperature(hf: HFConfig) -> tuple[float, float] | None:
 def build_ministral3(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                      dtype: Any = None) -> DecoderLM:
     """Ministral 3: Mistral with the query temperature (module docstring)."""
-    C, _, depth, D = _common(hf)
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
     rope, temperature = parts.rotary(hf, parts.rope_params(hf), D), _temperature(hf)
     window = hf.get("sliding_window", None)
@@ -323,7 +337,7 @@ def _seed_biases(hf: HFConfig) -> tuple[bool, bool]:
 
 def build_seed_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """Seed-OSS: LLaMA with separate q/k/v and output biases, MLP biases, residual dropout."""
-    C, _, depth, D = _common(hf)
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
     rope = parts.rotary(hf, parts.rope_params(hf), D)
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
@@ -336,7 +350,7 @@ def build_seed_oss(hf: HFConfig, *, head_size: int | None = None, device: Any = 
 
 def build_apertus(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """Apertus: per-head QK norm, ungated xIELU MLP (module docstring)."""
-    C, _, depth, D = _common(hf)
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
     rope = parts.rotary(hf, parts.rope_params(hf), D)
     act, F_ = hf.get("hidden_act", "xielu", str), hf.req("intermediate_size")
@@ -355,23 +369,23 @@ def build_apertus(hf: HFConfig, *, head_size: int | None = None, device: Any = N
 def build_granite(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """Granite 3.x: LLaMA with the score scale ``attention_multiplier`` and the embedding multiplier
     (the residual multiplier and ``logits_scaling`` are folded in at load: module docstring)."""
-    C, _, depth, D = _common(hf)
-    parts.unsupported_keys(hf, GRANITE_CHECKS)
-    refuse_partial_rotary(hf)
+    C, _, depth, D = parts.dims(hf)
+    parts.unsupported_keys(hf, granite.CHECKS)
+    granite.refuse_partial_rotary(hf)
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
     rope = parts.rotary(hf, parts.rope_params(hf), D)
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
     bias = hf.get("attention_bias", False, bool)
     attn = _attention(hf, window=None, rope=rope, biases=(bias, bias),
-                      kw={**kw, "scale": multiplier(hf, "attention_multiplier")})
+                      kw={**kw, "scale": granite.multiplier(hf, "attention_multiplier")})
     blocks = [parts.block(C, attn, ffn, parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=embed_scale(hf), **kw)
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=granite.embed_scale(hf), **kw)
 
 
 def build_starcoder2(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                      dtype: Any = None) -> DecoderLM:
     """StarCoder2: biased LayerNorms, an ungated biased MLP, one window on every layer (module docstring)."""
-    C, H, depth, D = _common(hf)
+    C, H, depth, D = parts.dims(hf)
     eps, kw = hf.get("norm_epsilon", 1e-5, float), {"device": device, "dtype": dtype}
     act, bias = hf.get("hidden_act", "gelu_pytorch_tanh", str), hf.get("use_bias", True, bool)
     if act not in UNGATED:
@@ -399,16 +413,212 @@ def _glm4_rotary_dim(hf: HFConfig, head_dim: int) -> int:
     return rotary
 
 
-def build_glm4(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
-    """GLM-4-0414: norms on both sides, partial interleaved RoPE, q/k/v biases only."""
-    C, _, depth, D = _common(hf)
+def _build_glm(hf: HFConfig, sublayer_norm: str, *, head_size: int | None, device: Any, dtype: Any) -> DecoderLM:
+    """GLM-4's layer: fused ``gate_up_proj``, q/k/v biases only, partial interleaved RoPE; the norms
+    on the inputs (``glm``) or on both sides of each sub-layer (``glm4``, GLM-4-0414)."""
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("rms_norm_eps", 1.5625e-7, float), {"device": device, "dtype": dtype}
     rope = _rope(hf, D, interleaved=True, rotary_dim=_glm4_rotary_dim(hf, D))
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
     bias = hf.get("attention_bias", True, bool)
     blocks = [parts.block(C, _attention(hf, window=None, rope=rope, biases=(bias, False), kw=kw), ffn,
-                          parts.rms_norm(C, eps, **kw), sublayer_norm="both") for _ in range(depth)]
+                          parts.rms_norm(C, eps, **kw), sublayer_norm=sublayer_norm) for _ in range(depth)]
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def build_glm4(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """GLM-4-0414: norms on both sides, partial interleaved RoPE, q/k/v biases only."""
+    return _build_glm(hf, "both", head_size=head_size, device=device, dtype=dtype)
+
+
+def _parallel_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Callable[[], nn.Module], eps: float,
+                      head_size: int | None, kw: Mapping[str, Any]) -> DecoderLM:
+    """Cohere's decoder around parallel ``blocks``: the final bias-free LayerNorm ``norm`` and the
+    head times ``logit_scale`` (a plain head for a base model or a score head)."""
+    C, H, V = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("vocab_size")
+    cfg = DecoderConfig(V, C, len(blocks), H, pos="rope", norm="layer", norm_eps=eps,
+                        tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
+    head = (ScaledLMHead(C, V, scale=hf.get("logit_scale", 0.0625, float), **kw) if head_size is None
+            else head_for(C, V, head_size, **kw))
+    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head), **kw)
+
+
+def build_cohere(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Command R (``cohere``): Cohere2's parallel layer with interleaved RoPE on every layer, no
+    windows; ``use_qk_norm`` (per-head LayerNorms with per-head weights) refused (module docstring)."""
+    parts.unsupported_keys(hf, {"use_qk_norm": lambda v: not v})
+    C, _, depth, D = parts.dims(hf)
+    eps, kw = hf.get("layer_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    bias = hf.get("attention_bias", False, bool)
+    norm = functools.partial(nn.LayerNorm, C, eps=eps, bias=False, **kw)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    attn = _attention(hf, window=None, rope=_rope(hf, D, interleaved=True), biases=(bias, bias), kw=kw)
+    blocks: list[nn.Module] = [ParallelBlock(C, BlockLayers(attention=attn, feed_forward=ffn, norm=norm))
+                               for _ in range(depth)]
+    return _parallel_decoder(hf, blocks, norm, eps, head_size, kw)
+
+
+def _llama_like(hf: HFConfig, head_size: int | None, kw: Mapping[str, Any], *, biases: tuple[bool, bool],
+                ffn: Callable[[], nn.Module], interleaved: bool) -> DecoderLM:
+    """A pre-norm RMSNorm LLaMA decoder with the q/k/v and output ``biases``, the MLP ``ffn`` and
+    RoPE on adjacent pairs iff ``interleaved`` (Helium, ERNIE-4.5, Arcee)."""
+    C, _, depth, D = parts.dims(hf)
+    eps = hf.get("rms_norm_eps", 1e-6, float)
+    rope = _rope(hf, D, interleaved=interleaved)
+    blocks = [parts.block(C, _attention(hf, window=None, rope=rope, biases=biases, kw=kw), ffn,
+                          parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def _helium_biases(hf: HFConfig) -> tuple[bool, bool]:
+    return hf.get("attention_bias", False, bool), False
+
+
+def build_helium(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Helium: LLaMA with interleaved RoPE, q/k/v biases without an output bias, MLP biases."""
+    kw = {"device": device, "dtype": dtype}
+    C, H, _, D = parts.dims(hf)
+    if H * D != C:  # o_proj is [C, C] (modeling_helium.py 223): transformers' own forward fails
+        raise hf.unsupported(f"head_dim={D} with num_attention_heads={H}: {H * D} channels != hidden_size={C}")
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
+                          bias=hf.get("mlp_bias", False, bool), **kw)
+    return _llama_like(hf, head_size, kw, biases=_helium_biases(hf), ffn=ffn, interleaved=True)
+
+
+def _ernie_bias(hf: HFConfig) -> tuple[bool, bool]:
+    bias = hf.get("use_bias", False, bool)
+    return bias, bias
+
+
+def build_ernie4_5(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                   dtype: Any = None) -> DecoderLM:
+    """ERNIE-4.5 (dense): LLaMA with interleaved RoPE, every projection biased by ``use_bias``."""
+    kw = {"device": device, "dtype": dtype}
+    ffn = parts.gated_mlp(hf.req("hidden_size"), hf.req("intermediate_size"),
+                          hf.activation("hidden_act", parts.GATED, "silu"), bias=_ernie_bias(hf)[0], **kw)
+    return _llama_like(hf, head_size, kw, biases=_ernie_bias(hf), ffn=ffn, interleaved=True)
+
+
+def build_arcee(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Arcee AFM: LLaMA with the ungated MLP ``down(act(up(x)))`` (ReLU² by default)."""
+    kw = {"device": device, "dtype": dtype}
+    act = hf.get("hidden_act", "relu2", str)
+    if act not in UNGATED:
+        raise hf.unsupported(f"hidden_act={act!r} (supported: {', '.join(map(repr, UNGATED))})")
+    ffn = functools.partial(FeedForward, hf.req("hidden_size"), hf.req("intermediate_size"), UNGATED[act],
+                            bias=hf.get("mlp_bias", False, bool), **kw)
+    bias = hf.get("attention_bias", False, bool)
+    return _llama_like(hf, head_size, kw, biases=(bias, bias), ffn=ffn, interleaved=False)
+
+
+class ClampedLinear(nn.Linear):
+    """OLMo's ``clip_qkv`` (``modeling_olmo.py`` 235-238): a linear map whose outputs are clamped to
+    ``[-clip, clip]`` (attnzoo's fused ``qkv_proj``: the q, k and v projections clamped alike,
+    before RoPE). Shapes: ``[..., in] -> [..., out]``."""
+
+    def __init__(self, in_features: int, out_features: int, *, clip: float, bias: bool = False, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.clip = float(clip)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).clamp(-self.clip, self.clip)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, clip={self.clip:g}"
+
+
+def _clamped(attention: Callable[[], nn.Module], clip: float | None) -> nn.Module:
+    """``attention()`` with its fused ``qkv_proj`` replaced by a :class:`ClampedLinear` of the same shape."""
+    module = attention()
+    if clip is not None:
+        old = module.qkv_proj
+        module.qkv_proj = ClampedLinear(old.in_features, old.out_features, clip=clip, bias=old.bias is not None,
+                                        device=old.weight.device, dtype=old.weight.dtype)
+    return module
+
+
+def _clip_qkv(hf: HFConfig) -> float | None:
+    clip = hf.raw("clip_qkv", None)
+    if clip is None:
+        return None
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0:
+        raise hf.unsupported(f"clip_qkv={clip!r} (supported: null or a number > 0)")
+    return float(clip)
+
+
+def build_olmo(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """OLMo 1: LLaMA with non-parametric LayerNorms (eps 1e-5, ``modeling_olmo.py`` 48-60) and
+    ``clip_qkv`` (:class:`ClampedLinear`)."""
+    C, H, depth, D = parts.dims(hf)
+    kw = {"device": device, "dtype": dtype}
+    norm = functools.partial(nn.LayerNorm, C, eps=1e-5, elementwise_affine=False, **kw)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    bias = hf.get("attention_bias", False, bool)
+    attn = functools.partial(_clamped, _attention(hf, window=None, rope=_rope(hf, D), biases=(bias, bias), kw=kw),
+                             _clip_qkv(hf))
+    blocks = [_block(C, attn, ffn, norm) for _ in range(depth)]
+    V = hf.req("vocab_size")
+    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=1e-5,
+                        tie_embeddings=hf.get("tie_word_embeddings", False, bool), max_seq_len=parts.max_positions(hf))
+    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head_for(C, V, head_size, **kw)),
+                     **kw)
+
+
+def build_glm(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """GLM-4 (``glm``): LLaMA's pre-norm layer with GLM-4-0414's fused ``gate_up_proj``, q/k/v
+    biases only and partial interleaved RoPE (module docstring)."""
+    return _build_glm(hf, "input", head_size=head_size, device=device, dtype=dtype)
+
+
+def _hunyuan_rope(hf: HFConfig, head_dim: int) -> nn.Module:
+    """HunYuan's RoPE: ``dynamic`` with an ``alpha`` is a fixed NTK base ``theta * alpha ** (D / (D - 2))``
+    (``modeling_hunyuan_v1_dense.py`` 296-307, 342-358); other types as usual."""
+    params = parts.rope_params(hf)
+    alpha = params.get("alpha")
+    if params.get("rope_type") == "dynamic" and alpha:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+            raise hf.unsupported(f"rope_parameters alpha={alpha!r} (supported: a number > 0)")
+        base = float(params["rope_theta"]) * float(alpha) ** (head_dim / (head_dim - 2))
+        return parts.rotary(hf, {"rope_type": "default", "rope_theta": base}, head_dim)
+    return parts.rotary(hf, params, head_dim)
+
+
+def build_hunyuan_v1_dense(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                           dtype: Any = None) -> DecoderLM:
+    """HunYuan-V1-Dense: LLaMA with per-head QK RMSNorm after RoPE (Hunyuan-A13B's
+    :class:`~attnzoo.models.families.sparse_moe.PostRopeNormAttention`)."""
+    C, H, depth, D = parts.dims(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    bias = hf.get("attention_bias", False, bool)
+    base = parts.attention_factory(hf, window=None, rope=_hunyuan_rope(hf, D), **kw)
+    attn = functools.partial(build_softmax, PostRopeNormAttention, C, H,
+                             **{**base.keywords, "bias": bias, "qk_norm": "head", "qk_norm_eps": eps})
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    blocks = [parts.block(C, attn, ffn, parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def build_nemotron(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Nemotron-4: LayerNorm1P (``weight + 1``, with bias; loaded as a LayerNorm of ``weight + 1``),
+    an ungated MLP (squared ReLU by default), partial RoPE on the first channels (module docstring)."""
+    C, H, depth, D = parts.dims(hf)
+    eps, kw = hf.get("norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    act = hf.get("hidden_act", "relu2", str)
+    if act not in UNGATED:
+        raise hf.unsupported(f"hidden_act={act!r} (supported: {', '.join(map(repr, UNGATED))})")
+    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), UNGATED[act],
+                            bias=hf.get("mlp_bias", False, bool), **kw)
+    norm = functools.partial(nn.LayerNorm, C, eps=eps, **kw)
+    bias = hf.get("attention_bias", False, bool)
+    rope = _rope(hf, D, rotary_dim=_glm4_rotary_dim(hf, D))
+    blocks = [_block(C, _attention(hf, window=None, rope=rope, biases=(bias, bias), kw=kw), ffn, norm)
+              for _ in range(depth)]
+    V = hf.req("vocab_size")
+    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=eps,
+                        tie_embeddings=hf.get("tie_word_embeddings", False, bool), max_seq_len=parts.max_positions(hf))
+    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head_for(C, V, head_size, **kw)),
+                     **kw)
 
 
 # --------------------------------------------------------------------------- weights
@@ -431,6 +641,17 @@ def _put_gate_up(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
 def _put_c_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
     """StarCoder2's ungated MLP (``c_fc``, ``c_proj``), biased by ``use_bias``."""
     plan.put_pairs(ours, theirs, [("up_proj", "c_fc"), ("down_proj", "c_proj")], bias=hf.get("use_bias", True, bool))
+
+
+def _put_ernie_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """ERNIE-4.5's gated MLP, biased by ``use_bias``."""
+    parts.put_mlp(plan, ours, theirs, bias=hf.get("use_bias", False, bool))
+
+
+def _put_up_down(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """Arcee's ungated MLP (``up_proj``, ``down_proj``), biased by ``mlp_bias``."""
+    plan.put_pairs(ours, theirs, [("up_proj", "up_proj"), ("down_proj", "down_proj")],
+                   bias=hf.get("mlp_bias", False, bool))
 
 
 def _use_bias(hf: HFConfig) -> tuple[bool, bool]:
@@ -467,6 +688,9 @@ class Family:
     window: int | None = None  # the default sliding_window (only where the key is absent: null means none)
     layer_norm: bool = False  # LayerNorms with biases (StarCoder2), the final one included
     folded: bool = False  # Granite: residual_multiplier and logits_scaling folded into the weights
+    post_rope_norm: bool = False  # HunYuan: query_layernorm / key_layernorm at attn.frontier.{q,k}_norm_weight
+    norm_transform: Callable[[Tensor], Tensor] | None = None  # Nemotron's LayerNorm1P: weight + 1
+    weightless: bool = False  # non-parametric norms (OLMo 1): no norm weights at all
     name: str = ""  # the family's name (messages, ``MODEL_TYPES``)
     classes: tuple[str, ...] = ()  # the transformers classes that convert
 
@@ -523,6 +747,45 @@ FAMILIES: dict[str, Family] = {
                                             "tie_word_embeddings": True, "max_position_embeddings": 4096},
                          parts.PRE_NORMS, _use_bias, ffn=_put_c_mlp, layer_norm=True,
         name="StarCoder2", classes=("Starcoder2ForCausalLM", "Starcoder2Model")),
+    "cohere": Family(build_cohere, {"logit_scale": 0.0625, "layer_norm_eps": 1e-5, "tie_word_embeddings": True,
+                                    "max_position_embeddings": 8192, "hidden_act": "silu",
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+                     [("attn_norm", "input_layernorm")], _attention_bias(False),
+        name="Cohere", classes=("CohereForCausalLM", "CohereModel")),
+    "helium": Family(build_helium, {"rms_norm_eps": 1e-8, "head_dim": 128, "max_position_embeddings": 4096,
+                                    "hidden_act": "silu", "tie_word_embeddings": False,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
+                     parts.PRE_NORMS, _helium_biases, ffn=_put_seed_mlp,
+        name="Helium", classes=("HeliumForCausalLM", "HeliumModel")),
+    "ernie4_5": Family(build_ernie4_5, {"rms_norm_eps": 1e-5, "head_dim": 128, "max_position_embeddings": 131072,
+                                        "hidden_act": "silu", "tie_word_embeddings": True,
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+                       parts.PRE_NORMS, _ernie_bias, ffn=_put_ernie_mlp,
+        name="ERNIE-4.5", classes=("Ernie4_5ForCausalLM", "Ernie4_5Model")),
+    "arcee": Family(build_arcee, {"rms_norm_eps": 1e-5, "hidden_act": "relu2", "max_position_embeddings": 4096,
+                                  "tie_word_embeddings": False,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                    parts.PRE_NORMS, _attention_bias(False), ffn=_put_up_down,
+        name="Arcee", classes=("ArceeForCausalLM", "ArceeModel")),
+    "olmo": Family(build_olmo, {"max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": False,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                   (), _attention_bias(False), weightless=True,
+        name="OLMo", classes=("OlmoForCausalLM", "OlmoModel")),
+    "glm": Family(build_glm, {"rms_norm_eps": 1.5625e-7, "head_dim": 128, "attention_bias": True,
+                              "max_position_embeddings": 131072, "hidden_act": "silu", "tie_word_embeddings": False},
+                  parts.PRE_NORMS, _attention_bias(True, False), ffn=_put_gate_up,
+        name="GLM", classes=("GlmForCausalLM", "GlmModel")),
+    "hunyuan_v1_dense": Family(build_hunyuan_v1_dense, {
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        parts.PRE_NORMS, _attention_bias(False), post_rope_norm=True,
+        name="HunYuan-V1-Dense", classes=("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model")),
+    "nemotron": Family(build_nemotron, {"norm_eps": 1e-5, "hidden_act": "relu2", "max_position_embeddings": 4096,
+                                        "tie_word_embeddings": False,
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                       parts.PRE_NORMS, _attention_bias(False), ffn=_put_up_down, layer_norm=True,
+                       norm_transform=parts.plus_one,
+        name="Nemotron", classes=("NemotronForCausalLM", "NemotronModel")),
 }
 
 
@@ -557,17 +820,28 @@ def convert_dense(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
         load_qkv_into(plan, f"{o}attn", tuple(f"{h}{n}_proj.weight" for n in "qkv"),
                       tuple(f"{h}{n}_proj.bias" for n in "qkv") if qkv_bias else None, qkv_bias)
         plan.put_pairs(f"{o}attn.", h, [("out_proj", "o_proj")], bias=out_bias)
+        if family.post_rope_norm:
+            for n, theirs in (("q_norm", "query_layernorm"), ("k_norm", "key_layernorm")):
+                plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{theirs}.weight")
         if family.qk_norm:
             for n in ("q_norm", "k_norm"):
                 plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{n}.weight")
         family.ffn(hf, plan, f"{o}ffn.", f"layers.{i}.mlp.")
-        plan.put_pairs(o, f"layers.{i}.", family.norms, bias=family.layer_norm)
+        for ours, theirs in family.norms:
+            plan.put(f"{o}{ours}.weight", f"layers.{i}.{theirs}.weight", family.norm_transform)
+            if family.layer_norm:
+                plan.put(f"{o}{ours}.bias", f"layers.{i}.{theirs}.bias")
     if family.layer_norm:
         plan.put("norm.bias", "norm.bias")
     if family.folded:  # every weight writing into the residual stream: the out and down projections
         writes = [n for n in plan.values if n.endswith(_WRITES)]
-        return finish_folded(plan, model, hf, head_size, writes)
-    return parts.finish(plan, model, head_size)
+        return granite.finish_folded(plan, model, hf, head_size, writes)
+    if family.weightless:  # no final norm weight: the head and the copy of parts.finish
+        patterns = [r"(model\.)?rotary_emb\w*\.\w+"]
+        parts.put_head(plan, head_size, model.tie_embeddings, patterns)
+        plan.apply(model, ignore=patterns)
+        return model
+    return parts.finish(plan, model, head_size, norm_transform=family.norm_transform)
 
 
 #: the weights of a layer that write into the residual stream (Granite's ``residual_multiplier``)
