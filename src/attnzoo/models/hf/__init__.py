@@ -7,6 +7,8 @@
   ``config.json`` and ``model.safetensors`` (or sharded safetensors, or ``pytorch_model.bin``);
   ``transformers`` is not needed, and ``safetensors`` is used (memory-mapped) when installed,
   else :func:`read_safetensors` parses the file with torch only.
+* :func:`to_hf` / :func:`save_pretrained` go the other way: an attnzoo model's weights written
+  back into a ``transformers`` model, or a checkpoint folder, of the layout it was converted from.
 * :class:`WordPieceTokenizer` reads a BERT ``vocab.txt``.
 
 Each family converter (``bert``, ``gpt2``, ``llama``, ``vit``) builds the attnzoo config
@@ -25,18 +27,9 @@ from attnzoo.models.hf.convert import (
 )
 from attnzoo.models.hf.errors import CheckpointFormatError, UnsupportedConfigError, WeightLoadError
 from attnzoo.models.hf.safetensors import load_state_dict_from_folder, read_safetensors
+from attnzoo.models.hf.save import ExportError, save_pretrained, to_hf
 from attnzoo.models.hf.tokenizer import WordPieceTokenizer
 
-__all__ = [
-    "MODEL_TYPES",
-    "SUPPORTED_ARCHITECTURES",
-    "CheckpointFormatError",
-    "UnsupportedConfigError",
-    "WeightLoadError",
-    "WordPieceTokenizer",
-    "from_hf",
-    "load_bert",
-    "load_pretrained",
-    "load_state_dict_from_folder",
-    "read_safetensors",
-]
+__all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "CheckpointFormatError", "ExportError", "UnsupportedConfigError",
+           "WeightLoadError", "WordPieceTokenizer", "from_hf", "load_bert", "load_pretrained",
+           "load_state_dict_from_folder", "read_safetensors", "save_pretrained", "to_hf"]

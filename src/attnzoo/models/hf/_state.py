@@ -4,7 +4,8 @@ maps checkpoint tensors onto an attnzoo model's parameters."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -12,9 +13,12 @@ from torch import Tensor, nn
 
 from attnzoo.models.hf.errors import CheckpointFormatError, UnsupportedConfigError, WeightLoadError
 
-__all__ = ["HFConfig", "Plan", "Source", "float_dtype", "load_gate_up_into", "load_qkv_into", "transpose"]
+__all__ = ["HFConfig", "Plan", "Source", "float_dtype", "load_gate_up_into", "load_qkv_into", "recorded_plans",
+           "transpose"]
 
 _MISSING = object()
+#: the open :func:`recorded_plans` lists, innermost last
+_RECORDING: list[list[Plan]] = []
 
 
 #: config keys that count or size something: an int ``>= 1`` wherever they are read
@@ -195,9 +199,25 @@ class Plan:
         problems = self._problems(params, ignore)
         if problems:
             raise WeightLoadError(f"cannot load {self.arch} weights: " + "; ".join(problems))
+        if _RECORDING:
+            _RECORDING[-1].append(self)
+            return
         with torch.no_grad():
             for name, (t, _) in self.values.items():
                 params[name].copy_(t)
+
+
+@contextmanager
+def recorded_plans() -> Iterator[list[Plan]]:
+    """Within this context, :meth:`Plan.apply` checks each plan against its model and appends it to
+    the yielded list instead of copying: the planned tensors keep their autograd history from the
+    checkpoint's (what :func:`~attnzoo.models.hf.save.to_hf` inverts)."""
+    plans: list[Plan] = []
+    _RECORDING.append(plans)
+    try:
+        yield plans
+    finally:
+        _RECORDING.pop()
 
 
 def _is_persistent(model: nn.Module, name: str) -> bool:

@@ -1,0 +1,201 @@
+"""attnzoo -> Hugging Face (``to_hf``, ``save_pretrained``): the inverse of ``from_hf`` /
+``load_pretrained`` for every converted ``model_type``.
+
+The sweep: two transformers models A and B of one tiny config with different (perturbed) weights;
+``to_hf(from_hf(B), A)`` makes A's conversion equal B's parameters and A's logits equal B's. Then
+the workflows a user runs (fine-tune with attnzoo, write back, reload with transformers; a folder
+without transformers; half precision), the tied and scaled cases, and the refusals: a parameter no
+checkpoint converts to, a model of another config, bad arguments."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import test_hf_families as lineage  # noqa: E402
+import test_hf_half_precision as half  # noqa: E402
+
+import hf_family_checks as checks  # noqa: E402
+from attnzoo.interop import ExportError, from_hf, load_pretrained, save_pretrained, to_hf  # noqa: E402
+
+T = transformers
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _gpt2(seed: int) -> Any:
+    torch.manual_seed(seed)
+    cfg = T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=24, initializer_range=0.3)
+    return T.GPT2LMHeadModel(cfg).eval()
+
+
+def _bert(seed: int, head: Any = None) -> Any:
+    torch.manual_seed(seed)
+    cfg = T.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                       max_position_embeddings=24, initializer_range=0.3)
+    return (head or T.BertModel)(cfg).eval()
+
+
+def _vit(seed: int) -> Any:
+    torch.manual_seed(seed)
+    cfg = T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, image_size=16,
+                      patch_size=4, num_labels=5, initializer_range=0.3)
+    return T.ViTForImageClassification(cfg).eval()
+
+
+def _maker(module: Any, family: str) -> Any:
+    if module is half:
+        return lambda seed: half._hf(family, seed)
+    return lambda seed: lineage._hf(family, seed=seed)
+
+
+#: ``model_type`` (or a name for the non-decoder cases) -> a maker of transformers model ``seed``
+MAKERS: dict[str, Any] = {
+    **{f: _maker(half, f) for f in half.FAMILIES}, **{f: _maker(lineage, f) for f in lineage.FAMILIES},
+    "gpt2": _gpt2, "bert": _bert, "vit": _vit,
+}
+
+
+def _out(model: Any, kind: str) -> torch.Tensor:
+    with torch.no_grad():
+        if kind == "vit":
+            return model(pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))).logits
+        x, mask = checks.padded(12, pad=0)
+        r = model(input_ids=x % 64 if kind in ("gpt2", "bert") else x, attention_mask=mask)
+        return (r.logits if hasattr(r, "logits") else r.last_hidden_state).float()
+
+
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+def test_to_hf_inverts_from_hf(kind: str) -> None:
+    target, source = MAKERS[kind](0), MAKERS[kind](1)
+    ours = from_hf(source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a dropped vision tower / MTP layer is kept, with a warning
+        assert to_hf(ours, target) is target
+    again = dict(from_hf(target).state_dict())
+    for name, want in ours.state_dict().items():
+        assert again[name].dtype == want.dtype, name
+        scale = float(want.abs().max()) if want.is_floating_point() and want.numel() else 1.0
+        assert torch.allclose(again[name], want, rtol=0, atol=4e-7 * max(scale, 1.0)), f"{kind}: {name}"
+    got, ref = _out(target, kind), _out(source, kind)
+    assert checks.rel(got, ref) <= 1e-5, kind
+
+
+def _train(model: torch.nn.Module, steps: int = 3, seed: int = 0) -> torch.nn.Module:
+    """A few SGD steps on random tokens (every parameter moves)."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.train()
+    for _ in range(steps):
+        x = torch.randint(3, lineage.V, (2, 16), generator=g)
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_fine_tune_write_back_and_reload_with_transformers(family: str, tmp_path: Path) -> None:
+    hf = lineage._hf(family)
+    ours = _train(from_hf(hf))
+    x = lineage._tokens()
+    to_hf(ours, hf)
+    hf.save_pretrained(tmp_path)
+    reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = ours(x)
+        assert checks.rel(reloaded(input_ids=x).logits, want) <= 1e-5
+        assert checks.rel(load_pretrained(tmp_path)(x), want) <= 1e-6
+
+
+def test_save_pretrained_without_transformers_keeps_the_folder_layout(tmp_path: Path) -> None:
+    hf = lineage._hf("llama").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "base")
+    (tmp_path / "base" / "tokenizer.json").write_text('{"version": "1.0"}')
+    ours = _train(load_pretrained(tmp_path / "base", dtype=torch.float32))
+    out = save_pretrained(ours, tmp_path / "tuned", like=tmp_path / "base")
+    assert out == tmp_path / "tuned"
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "base" / "config.json").read_text())
+    back = load_pretrained(out)
+    assert next(back.parameters()).dtype == torch.bfloat16  # the checkpoint's dtype, as like's
+    x = lineage._tokens()
+    with torch.no_grad():
+        want = ours.to(torch.bfloat16)(x).float()
+        assert checks.rel(back(x).float(), want) <= 1e-6  # bf16 weights on both sides: the same numbers
+        theirs = T.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        assert checks.rel(theirs(input_ids=x).logits.float(), want) <= 0.05  # bf16 arithmetic apart
+
+
+def test_a_float32_model_written_into_bfloat16_weights_rounds_once() -> None:
+    hf = lineage._hf("gemma").to(torch.bfloat16)
+    ours = _train(from_hf(hf, dtype=torch.float32))
+    to_hf(ours, hf)
+    again = from_hf(hf, dtype=torch.float32)
+    for name, want in ours.state_dict().items():
+        # Gemma's norms are 1 + w: w rounds to bfloat16, not 1 + w
+        assert torch.allclose(again.state_dict()[name], want, rtol=2 ** -7, atol=2 ** -7), name
+
+
+def test_a_moved_zero_padding_is_refused_by_name() -> None:
+    hf = half._hf("mimo_v2_flash", 0)
+    ours = from_hf(hf)
+    padded = [(n, p) for n, p in ours.named_parameters() if p.numel() and bool((p == 0).any())]
+    assert padded, "MiMo's narrower value heads are zero-padded in attnzoo"
+    name, param = padded[0]
+    with torch.no_grad():
+        param.add_(1e-3)
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    with pytest.raises(ExportError, match=rf"parameter '{name}'.*no checkpoint converts to it"):
+        to_hf(ours, hf)
+    assert all(torch.equal(v, before[k]) for k, v in hf.state_dict().items())  # nothing written
+
+
+def test_a_model_of_another_config_is_refused_listing_the_shapes() -> None:
+    ours = from_hf(lineage._hf("llama"))
+    other = lineage._hf("llama", intermediate_size=96)
+    with pytest.raises(ExportError, match=r"not a conversion of this LLaMA architecture.*shapes that differ"):
+        to_hf(ours, other)
+    with pytest.raises(ExportError, match="parameters it lacks"):
+        to_hf(torch.nn.Linear(2, 2), other)
+
+
+def test_kept_tensors_are_named_in_a_warning() -> None:
+    hf = MAKERS["glm5_next"](0)
+    with pytest.warns(UserWarning, match=r"to_hf\(Glm5NextForConditionalGeneration\): \d+ checkpoint tensors have "
+                                         r"no counterpart .*visual"):
+        to_hf(from_hf(MAKERS["glm5_next"](1)), hf)
+
+
+def test_bad_arguments() -> None:
+    hf = lineage._hf("llama")
+    ours = from_hf(hf)
+    with pytest.raises(TypeError, match=r"to_hf: model must be an nn\.Module, got dict"):
+        to_hf({}, hf)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"to_hf: hf_model must be an nn\.Module, got str"):
+        to_hf(ours, "llama")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"to_hf: hf_model \(Linear\) has no Hugging Face config"):
+        to_hf(ours, torch.nn.Linear(2, 2))
+    clip = T.CLIPTextModel(T.CLIPTextConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                                            num_hidden_layers=1, vocab_size=64))
+    with pytest.raises(ValueError, match="to_hf: hf_model has model_type 'clip_text_model'"):
+        to_hf(ours, clip)
+    with pytest.raises(TypeError, match=r"save_pretrained: model must be an nn\.Module, got int"):
+        save_pretrained(3, "out", like="in")  # type: ignore[arg-type]
+
+
+def test_save_pretrained_refuses_its_own_source(tmp_path: Path) -> None:
+    hf = lineage._hf("llama")
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="save_pretrained: folder must differ from like"):
+        save_pretrained(from_hf(hf), tmp_path, like=tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        save_pretrained(from_hf(hf), tmp_path / "out", like=tmp_path / "missing")
