@@ -19,11 +19,21 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import test_hf_deepseek as deepseek  # noqa: E402
 import test_hf_families as lineage  # noqa: E402
 import test_hf_half_precision as half  # noqa: E402
+import test_hf_inkling2 as inkling2  # noqa: E402
+import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import ExportError, from_hf, load_pretrained, save_pretrained, to_hf  # noqa: E402
+from attnzoo.interop import (  # noqa: E402
+    MODEL_TYPES,
+    ExportError,
+    from_hf,
+    load_pretrained,
+    save_pretrained,
+    to_hf,
+)
 
 T = transformers
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,11 +65,23 @@ def _maker(module: Any, family: str) -> Any:
     return lambda seed: lineage._hf(family, seed=seed)
 
 
+def _mistral4(seed: int) -> Any:
+    """transformers maps no ``AutoModelForCausalLM`` to ``Mistral4Config``: the class itself."""
+    torch.manual_seed(seed)
+    return checks.perturbed(T.Mistral4ForCausalLM._from_config(deepseek._m4(), attn_implementation="eager"), seed)
+
+
 #: ``model_type`` (or a name for the non-decoder cases) -> a maker of transformers model ``seed``
 MAKERS: dict[str, Any] = {
     **{f: _maker(half, f) for f in half.FAMILIES}, **{f: _maker(lineage, f) for f in lineage.FAMILIES},
-    "gpt2": _gpt2, "bert": _bert, "vit": _vit,
+    "gpt2": _gpt2, "bert": _bert, "vit": _vit, "mistral4": _mistral4,
+    "inkling2_text": lambda seed: checks.hf_model(inkling2._config(), seed=seed),
+    "inkling2_loop_text": lambda seed: checks.hf_model(inkling2_loop._config(), seed=seed),
 }
+
+
+def test_every_converted_model_type_is_swept() -> None:
+    assert set(MODEL_TYPES) <= set(MAKERS)
 
 
 def _out(model: Any, kind: str) -> torch.Tensor:
