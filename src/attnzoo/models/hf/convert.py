@@ -17,20 +17,29 @@ from torch import Tensor, nn
 
 import attnzoo.models.families.bailing_hybrid as bailing_hybrid
 import attnzoo.models.families.bamba as bamba
+import attnzoo.models.families.beam as beam
+import attnzoo.models.families.classic as classic
+import attnzoo.models.families.cohere_compass as cohere_compass
 import attnzoo.models.families.cwm as cwm
 import attnzoo.models.families.deepseek as deepseek
 import attnzoo.models.families.deepseek_v4 as deepseek_v4
 import attnzoo.models.families.dense as dense
+import attnzoo.models.families.diffllama as diffllama
+import attnzoo.models.families.doge as doge
 import attnzoo.models.families.falcon_h1 as falcon_h1
 import attnzoo.models.families.gemma3 as gemma3
+import attnzoo.models.families.gemma3n as gemma3n
 import attnzoo.models.families.gemma4 as gemma4
 import attnzoo.models.families.glm5_next as glm5_next
 import attnzoo.models.families.gpt_oss as gpt_oss
 import attnzoo.models.families.granitemoe_swa as granitemoe_swa
 import attnzoo.models.families.granitemoehybrid as granitemoehybrid
+import attnzoo.models.families.hrm as hrm
+import attnzoo.models.families.hy_v4 as hy_v4
 import attnzoo.models.families.inkling as inkling
 import attnzoo.models.families.inkling2 as inkling2
 import attnzoo.models.families.jamba as jamba
+import attnzoo.models.families.jetmoe as jetmoe
 import attnzoo.models.families.kimi_linear as kimi_linear
 import attnzoo.models.families.laguna as laguna
 import attnzoo.models.families.lara_mini as lara_mini
@@ -42,6 +51,7 @@ import attnzoo.models.families.mamba2 as mamba2
 import attnzoo.models.families.mimo_v2_flash as mimo_v2_flash
 import attnzoo.models.families.minimax as minimax
 import attnzoo.models.families.nemotron_h as nemotron_h
+import attnzoo.models.families.neox as neox
 import attnzoo.models.families.olmo3 as olmo3
 import attnzoo.models.families.olmo_hybrid as olmo_hybrid
 import attnzoo.models.families.qwen3_5 as qwen3_5
@@ -66,7 +76,7 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   granitemoehybrid, mamba2, nemotron_h, falcon_h1, lfm2, mamba1, jamba, lfm3, lara_mini,
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
-                  cwm)
+                  cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
