@@ -10,6 +10,7 @@ checkpoint converts to, a model of another config, bad arguments."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import test_hf_inkling2 as inkling2  # noqa: E402
 import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
 
 import hf_family_checks as checks  # noqa: E402
+from attnzoo import DecoderLM  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
     MODEL_TYPES,
     ExportError,
@@ -34,6 +36,8 @@ from attnzoo.interop import (  # noqa: E402
     save_pretrained,
     to_hf,
 )
+from attnzoo.models.config import DecoderConfig, Rope  # noqa: E402
+from attnzoo.models.hf.save import hf_config  # noqa: E402
 
 T = transformers
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -202,7 +206,7 @@ def test_bad_arguments() -> None:
     ours = from_hf(hf)
     with pytest.raises(TypeError, match=r"to_hf: model must be an nn\.Module, got dict"):
         to_hf({}, hf)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"to_hf: hf_model must be an nn\.Module, got str"):
+    with pytest.raises(TypeError, match=r"to_hf: hf_model must be an nn\.Module or None, got str"):
         to_hf(ours, "llama")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"to_hf: hf_model \(Linear\) has no Hugging Face config"):
         to_hf(ours, torch.nn.Linear(2, 2))
@@ -221,3 +225,56 @@ def test_save_pretrained_refuses_its_own_source(tmp_path: Path) -> None:
         save_pretrained(from_hf(hf), tmp_path, like=tmp_path)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         save_pretrained(from_hf(hf), tmp_path / "out", like=tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------- native models
+NATIVE = {
+    "llama_gqa": dict(attention="gqa", pos="rope", norm="rms", ffn="swiglu", bias=False, tie_embeddings=False),
+    "llama_mqa_bias": dict(attention="mqa", pos="rope", norm="rms", ffn="swiglu", bias=True, rope=Rope(base=500.0)),
+    "llama_linear_rope": dict(attention="mha", pos="rope", norm="rms", ffn="swiglu", bias=False,
+                              rope=Rope(base=1e4, scaling="linear", factor=2.0)),
+    "mistral": dict(attention="sliding", attention_kwargs={"window": 5}, pos="rope", norm="rms", ffn="swiglu",
+                    bias=False),
+    "gpt2": dict(attention="mha", pos="learned", norm="layer", ffn="gelu_tanh", bias=True, max_seq_len=64),
+}
+EXPECTED = {"llama_gqa": "LlamaForCausalLM", "llama_mqa_bias": "LlamaForCausalLM",
+            "llama_linear_rope": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_a_native_decoder_exports_as_its_family(name: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ours = _train(DecoderLM(config=DecoderConfig(lineage.V, 64, 2, 8, **NATIVE[name])))
+    hf = to_hf(ours)
+    assert type(hf).__name__ == EXPECTED[name]
+    x = lineage._tokens(n=24)
+    with torch.no_grad():
+        want = ours(x)
+        assert checks.rel(hf(input_ids=x).logits, want) <= 1e-5
+        save_pretrained(ours, tmp_path)
+        reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        assert checks.rel(reloaded(input_ids=x).logits, want) <= 1e-5
+        assert checks.rel(load_pretrained(tmp_path)(x), want) <= 1e-6
+
+
+@pytest.mark.parametrize(("settings", "why"), [
+    (dict(attention="linear"), "a layer's attention is LinearAttention"),
+    (dict(attention=("gqa", "gated_deltanet")), "a layer's attention is"),
+    (dict(attention="mha", pos="rope", norm="layer", ffn="gelu"), "pos='rope', norm='layer', ffn='gelu'"),
+    (dict(attention="mha", pos="learned", norm="layer", ffn="gelu_tanh", bias=False), "bias=False"),
+])
+def test_a_native_decoder_no_family_has_is_refused(settings: dict[str, Any], why: str) -> None:
+    ours = DecoderLM(config=DecoderConfig(lineage.V, 64, 2, 8, **settings))
+    with pytest.raises(ExportError, match=re.escape(why)):
+        hf_config(ours)
+    with pytest.raises(TypeError, match="hf_config: model must be a DecoderLM, got Linear"):
+        hf_config(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_to_hf_works_under_no_grad_and_inference_mode(mode: Any) -> None:
+    target, source = MAKERS["qwen3"](0), MAKERS["qwen3"](1)
+    ours = from_hf(source)
+    with mode():
+        to_hf(ours, target)
+    assert checks.rel(_out(target, "qwen3"), _out(source, "qwen3")) <= 1e-5

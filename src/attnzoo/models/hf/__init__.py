@@ -27,9 +27,9 @@ from attnzoo.models.hf.convert import (
 )
 from attnzoo.models.hf.errors import CheckpointFormatError, UnsupportedConfigError, WeightLoadError
 from attnzoo.models.hf.safetensors import load_state_dict_from_folder, read_safetensors
-from attnzoo.models.hf.save import ExportError, save_pretrained, to_hf
+from attnzoo.models.hf.save import ExportError, hf_config, save_pretrained, to_hf
 from attnzoo.models.hf.tokenizer import WordPieceTokenizer
 
 __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "CheckpointFormatError", "ExportError", "UnsupportedConfigError",
-           "WeightLoadError", "WordPieceTokenizer", "from_hf", "load_bert", "load_pretrained",
+           "WeightLoadError", "WordPieceTokenizer", "from_hf", "hf_config", "load_bert", "load_pretrained",
            "load_state_dict_from_folder", "read_safetensors", "save_pretrained", "to_hf"]

@@ -26,12 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnzoo.models.config import Rope
+from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, recorded_plans
 from attnzoo.models.hf.convert import MODEL_TYPES, _build, read_config
 from attnzoo.models.hf.errors import WeightLoadError
 from attnzoo.models.hf.safetensors import INSTALL_HINT, load_state_dict_from_folder
 
-__all__ = ["ExportError", "save_pretrained", "to_hf"]
+__all__ = ["ExportError", "hf_config", "save_pretrained", "to_hf"]
 
 #: files of a checkpoint folder that hold weights (replaced by ``save_pretrained``, not copied)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -154,13 +156,14 @@ def _solve_with(model: nn.Module, model_type: str, hf: HFConfig, sd: Mapping[str
     def probe(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
         return _planned(model_type, hf, {k: tensors.get(alias[k], v) for k, v in sd.items()}, strict_prefix)
 
-    leaves = {k: torch.zeros(v.shape, dtype=work, requires_grad=True) for k, v in floats.items()}
-    values0 = probe(leaves)
     targets = _targets(model)
-    _check_matches(values0, targets, arch, what)
-    with torch.no_grad():
-        values1 = probe({k: torch.ones(v.shape, dtype=work) for k, v in floats.items()})
-    solved = _solve(values0, values1, targets, leaves)
+    with torch.inference_mode(False), torch.enable_grad():  # the probe differentiates, whatever the caller's mode
+        leaves = {k: torch.zeros(v.shape, dtype=work, requires_grad=True) for k, v in floats.items()}
+        values0 = probe(leaves)
+        _check_matches(values0, targets, arch, what)
+        with torch.no_grad():
+            values1 = probe({k: torch.ones(v.shape, dtype=work) for k, v in floats.items()})
+        solved = _solve(values0, values1, targets, leaves)
     del values1
     out = {}
     with torch.no_grad():
@@ -206,7 +209,79 @@ def _warn_kept(what: str, kept: list[str]) -> None:
                       f"their values: {kept[:6]}{' ...' if len(kept) > 6 else ''}", stacklevel=3)
 
 
-def to_hf(model: nn.Module, hf_model: nn.Module) -> nn.Module:
+#: the attention modules a native model may have, for :func:`hf_config` (name -> has a window)
+_PLAIN_ATTENTION = {"MultiHeadAttention": False, "GroupedQueryAttention": False, "MultiQueryAttention": False,
+                    "SlidingWindowAttention": True}
+
+
+def _refuse_native(why: str) -> ExportError:
+    return ExportError(f"hf_config: {why}; a native DecoderLM exports as LLaMA (pos='rope', norm='rms', "
+                       "ffn='swiglu'), Mistral (the same with attention='sliding') or GPT-2 (pos='learned', "
+                       "norm='layer', ffn='gelu_tanh', bias=True, attention='mha')")
+
+
+def _attention_shape(model: DecoderLM) -> tuple[int, int | None]:
+    """``(num_kv_heads, left window or None)``, the same in every layer, of plain softmax attention."""
+    shapes = set()
+    for block in model.blocks:
+        attn = getattr(block, "attn", None)
+        kind = type(attn).__name__
+        if kind not in _PLAIN_ATTENTION or getattr(block, "cross_attn", None) is not None:
+            raise _refuse_native(f"a layer's attention is {kind} (plain softmax attention only)")
+        if getattr(attn, "scale", None) is not None or getattr(attn, "softcap", None) is not None:
+            raise _refuse_native(f"a layer's attention has a custom scale or softcap ({kind})")
+        window = attn.window[0] if _PLAIN_ATTENTION[kind] else None
+        shapes.add((attn.num_kv_heads, window))
+    if len(shapes) != 1:
+        raise _refuse_native(f"the layers differ in key/value heads or window: {sorted(shapes, key=str)}")
+    return shapes.pop()
+
+
+def _rope_keys(rope: Rope) -> dict[str, Any]:
+    if rope.parameters is not None:
+        return {"rope_parameters": dict(rope.parameters)}
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": rope.base}
+    if rope.scaling == "linear":
+        params.update(rope_type="linear", factor=rope.factor)
+    return {"rope_parameters": params}
+
+
+def hf_config(model: nn.Module) -> dict[str, Any]:
+    """The ``transformers`` config (a dict for ``transformers.AutoConfig.for_model(**d)``) of the
+    Hugging Face family whose conversion has the architecture of a native :class:`~attnzoo.DecoderLM`
+    (one built from a :class:`~attnzoo.models.DecoderConfig`, e.g. by the arena or a preset): LLaMA
+    (``pos='rope'``, ``norm='rms'``, ``ffn='swiglu'``; MHA, GQA or MQA), Mistral (the same with
+    ``attention='sliding'``) or GPT-2 (``pos='learned'``, ``norm='layer'``, ``ffn='gelu_tanh'``,
+    ``bias=True``, MHA). :func:`to_hf` with no ``hf_model`` builds it and checks the logits.
+
+    Raises:
+        TypeError: ``model`` is not a ``DecoderLM``.
+        ExportError: an architecture none of them has (named: the attention kind, a softcap, a
+            position or norm or feed-forward kind, given parts).
+    """
+    if not isinstance(model, DecoderLM):
+        raise TypeError(f"hf_config: model must be a DecoderLM, got {type(model).__name__}")
+    cfg = model.config
+    kv_heads, window = _attention_shape(model)
+    shared = {"vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.depth, "tie_word_embeddings": cfg.tie_embeddings}
+    ffn_hidden = model.blocks[0].ffn.hidden
+    kinds = (cfg.resolved_pos, cfg.norm, cfg.ffn)
+    if kinds == ("rope", "rms", "swiglu"):
+        out = {"model_type": "mistral" if window is not None else "llama", **shared, "hidden_size": cfg.dim,
+               "intermediate_size": ffn_hidden, "num_attention_heads": cfg.num_heads,
+               "num_key_value_heads": kv_heads, "head_dim": model.head_dim, "max_position_embeddings": cfg.max_seq_len,
+               "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", **_rope_keys(cfg.rope)}
+        if window is not None:
+            return {**out, "sliding_window": window + 1}
+        return {**out, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+    if kinds == ("learned", "layer", "gelu_tanh") and cfg.bias and kv_heads == cfg.num_heads and window is None:
+        return {"model_type": "gpt2", **shared, "n_embd": cfg.dim, "n_head": cfg.num_heads,
+                "n_layer": cfg.depth, "n_positions": cfg.max_seq_len, "n_inner": ffn_hidden,
+                "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new"}
+    raise _refuse_native(f"pos={cfg.resolved_pos!r}, norm={cfg.norm!r}, ffn={cfg.ffn!r}, bias={cfg.bias}")
+
+
+def to_hf(model: nn.Module, hf_model: nn.Module | None = None) -> nn.Module:
     """Write an attnzoo model's weights into a ``transformers`` model of the architecture it was
     converted from (the inverse of :func:`~attnzoo.interop.from_hf`): afterwards
     ``from_hf(hf_model)`` has ``model``'s parameters, so both give the same logits.
@@ -227,9 +302,12 @@ def to_hf(model: nn.Module, hf_model: nn.Module) -> nn.Module:
         ExportError: the model does not fit ``hf_model``'s architecture (names and shapes listed),
             or a parameter no checkpoint converts to (named).
     """
-    for arg, value in (("model", model), ("hf_model", hf_model)):
-        if not isinstance(value, nn.Module):
-            raise TypeError(f"to_hf: {arg} must be an nn.Module, got {type(value).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"to_hf: model must be an nn.Module, got {type(model).__name__}")
+    if hf_model is None:
+        return _native_to_hf(model)
+    if not isinstance(hf_model, nn.Module):
+        raise TypeError(f"to_hf: hf_model must be an nn.Module or None, got {type(hf_model).__name__}")
     name = type(hf_model).__name__
     config = getattr(hf_model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
@@ -250,18 +328,49 @@ def to_hf(model: nn.Module, hf_model: nn.Module) -> nn.Module:
     return hf_model
 
 
-def save_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, like: str | os.PathLike[str]) -> Path:
-    """Save an attnzoo model as a Hugging Face checkpoint folder, without ``transformers``: the
-    layout (``config.json``, tensor names and dtypes) of the folder ``like`` it was loaded from
-    (:func:`~attnzoo.interop.load_pretrained`), the weights ``model``'s. ``folder`` gets
-    ``model.safetensors`` and a copy of every other file of ``like`` (config, tokenizer, generation
-    config); ``load_pretrained(folder)`` then has ``model``'s parameters. Tensors the model has no
-    counterpart for keep ``like``'s values (with a warning).
+def _native_to_hf(model: nn.Module) -> nn.Module:
+    """:func:`to_hf` of a native ``DecoderLM``: the family of :func:`hf_config`, built by
+    transformers in the model's dtype, filled, and its logits checked against the model's."""
+    config = hf_config(model)
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("to_hf builds a transformers model: pip install 'attnzoo[hf]'") from e
+    param = next(model.parameters())
+    hf_config_obj = transformers.AutoConfig.for_model(**config)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config_obj, dtype=param.dtype,
+                                                            attn_implementation="eager")
+    to_hf(model, hf_model.to(param.device))
+    tokens = torch.randint(0, config["vocab_size"], (1, min(16, model.max_seq_len)),
+                           generator=torch.Generator().manual_seed(0)).to(param.device)
+    was_training = model.training
+    model.eval()
+    hf_model.eval()
+    with torch.no_grad():
+        ours, theirs = model(tokens).float(), hf_model(input_ids=tokens).logits.float()
+    model.train(was_training)
+    err = float((ours - theirs).abs().max() / ours.abs().max().clamp_min(1e-12))
+    if err > (1e-4 if param.dtype in (torch.float32, torch.float64) else 3e-2):
+        raise ExportError(f"to_hf: the {config['model_type']} model built for this DecoderLM gives other logits "
+                          f"(max relative difference {err:.3g}): a part of the model hf_config does not see")
+    return hf_model
+
+
+def save_pretrained(model: nn.Module, folder: str | os.PathLike[str], *,
+                    like: str | os.PathLike[str] | None = None) -> Path:
+    """Save an attnzoo model as a Hugging Face checkpoint folder. With ``like``, without
+    ``transformers``: the layout (``config.json``, tensor names and dtypes) of the folder ``like``
+    it was loaded from (:func:`~attnzoo.interop.load_pretrained`), the weights ``model``'s. ``folder``
+    gets ``model.safetensors`` and a copy of every other file of ``like`` (config, tokenizer,
+    generation config); ``load_pretrained(folder)`` then has ``model``'s parameters. Tensors the
+    model has no counterpart for keep ``like``'s values (with a warning). Without ``like``, a native
+    ``DecoderLM`` is saved as the family :func:`hf_config` names (``to_hf(model).save_pretrained``).
 
     Args:
         model: the attnzoo model.
         folder: the output folder (created; must not be ``like``).
-        like: the checkpoint folder whose conversion has ``model``'s parameter names and shapes.
+        like: the checkpoint folder whose conversion has ``model``'s parameter names and shapes, or
+            ``None`` for a native model.
 
     Returns:
         ``Path(folder)``.
@@ -273,6 +382,9 @@ def save_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, like: s
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_pretrained: model must be an nn.Module, got {type(model).__name__}")
+    if like is None:
+        to_hf(model).save_pretrained(folder)
+        return Path(folder)
     try:
         from safetensors.torch import save_file
     except ImportError as e:
