@@ -5,7 +5,8 @@ Hunyuan-A13B (``hunyuan_v1_moe``), EXAONE-MoE (``exaone_moe``), Solar-Open (``so
 (``afmoe``), HY-V3 (``hy_v3``), GraniteMoE (``granitemoe``) and PhiMoE (``phimoe``; line numbers of
 its ``modular_phimoe.py``). Line numbers are transformers 5.25's ``models/<family>/modeling_<family>.py``
 (``configuration_<family>.py`` where it says so); the third batch (Mellum, Flint, Kolibri-1) cites
-``modular_<family>.py``.
+``modular_<family>.py``; the fourth: GraniteMoeShared (``granitemoeshared``), FlexOlmo (``flex_olmo``),
+Param2-MoE (``param2moe``) and Sarvam-MoE (``sarvam_moe``).
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -132,6 +133,27 @@ The third batch:
   (Without a ``sliding_window`` transformers' own model cannot run: it always builds the sliding
   mask.)
 
+The fourth batch (``modeling_<family>.py`` line numbers):
+
+* **GraniteMoeShared** (``granitemoeshared``; 97-115, 340-385): GraniteMoE's layer (multipliers
+  folded as there) whose MoE output is added to an always-on SwiGLU ``shared_mlp`` of
+  ``shared_intermediate_size`` (``input_linear [2S, C]`` rows ``[gate; up]``, ``output_linear``;
+  none when 0, the default; l. 344, 377-383): Granite 4.0-H's ``put_feed_forward``.
+* **FlexOlmo** (``flex_olmo``; 46-60, 197-390): OLMoE's attention (QK RMSNorm over all heads of a
+  token, biases on q/k/v/o by ``attention_bias``) and experts (softmax in float32 over every
+  expert, top-k, ``norm_topk_prob``) on OLMo 2's layer: RMSNorms on the sub-layer *outputs* only
+  (``post_attention_layernorm`` / ``post_feedforward_layernorm``, l. 378, 384), the weight applied in
+  float32 (l. 55-60); every layer sparse; theta 5e5 by default.
+* **Param2-MoE** (``param2moe``) and **Sarvam-MoE** (``sarvam_moe``): transformers builds both as
+  ``Glm4MoeForCausalLM`` from their own configs (``configuration_param2moe.py`` /
+  ``configuration_sarvam_moe.py``, identical but for the defaults): GLM-4.5's model with the rotary
+  over the whole head (``partial_rotary_factor`` 1.0 by default, l. 124-127), per-head QK norms by
+  default (``use_qk_norm`` True), routed scaling 2.5; their original config names (``use_qkv_bias``,
+  ``num_shared_experts``, ``num_mtp_layers``; the configs' ``attribute_map``) read too. Their saved
+  folders keep the original checkpoints' names (``conversion_mapping.py``: ``word_embeddings``,
+  ``attention.query_key_value`` rows ``[q; k; v]``, ``attention.dense``,
+  ``query_layernorm`` / ``key_layernorm``, ``mlp.gate.expert_bias``): both load.
+
 Refused by name: ``router_jitter_noise`` > 0 (Mixtral multiplies the MoE input by noise while
 training, l. 124: not reproduced), OLMoE's ``clip_qkv`` (a clamp of q, k and v that attnzoo's
 attention does not have), ``hidden_act`` other than SiLU in the experts; ERNIE's ``use_bias``
@@ -174,7 +196,7 @@ from attnzoo.models.families.granitemoehybrid import (
     experts_factory,
     finish_folded,
     multiplier,
-    put_experts,
+    put_feed_forward,
     refuse_partial_rotary,
 )
 from attnzoo.models.families.kimi_linear import saved_names
@@ -217,8 +239,13 @@ class Variant:
     sinks: bool = False  # a learnable sink logit per head (Flint)
     glm4_norms: bool = False  # GLM-4's RMSNorms after the attention and the MLP too (Kolibri-1)
     float32_norms: bool = False  # the RMSNorms apply their weight in float32, then round (Flint: GPT-OSS's)
+    olmo2_norms: bool = False  # OLMo 2's RMSNorms on the sub-layer outputs only (FlexOlmo)
+    aliases: tuple[tuple[str, str], ...] = ()  # (a config's other name, the key read here), as attribute_map maps them
 
 
+#: Param2-MoE's / Sarvam-MoE's original config names (their configs' ``attribute_map``)
+_GLM_ALIASES = (("use_qkv_bias", "attention_bias"), ("num_shared_experts", "n_shared_experts"),
+                ("num_mtp_layers", "num_nextn_predict_layers"))
 VARIANTS: dict[str, Variant] = {
     "mixtral": Variant("Mixtral", ("MixtralForCausalLM", "MixtralModel"),
                        width="intermediate_size", renorm=True),
@@ -255,6 +282,14 @@ VARIANTS: dict[str, Variant] = {
                      rope_layers="sliding", float32_router=True, sinks=True, float32_norms=True),
     "kolibri1": Variant("Kolibri-1", ("Kolibri1ForCausalLM", "Kolibri1Model"), qk_norm="head", routing="kolibri",
                         keys="gate", rope_layers="sliding_if_window", glm4_norms=True),
+    "granitemoeshared": Variant("GraniteMoeShared", ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedModel"),
+                                routing="granite", width="intermediate_size", granite=True),
+    "flex_olmo": Variant("FlexOlmo", ("FlexOlmoForCausalLM", "FlexOlmoModel"), qk_norm="all", width="intermediate_size",
+                         float32_norms=True, olmo2_norms=True),
+    "param2moe": Variant("Param2-MoE", ("Glm4MoeForCausalLM", "Glm4MoeModel"), qk_norm="head_if_flag",
+                         qkv_bias="attention_bias", routing="deepseek", float32_router=True, aliases=_GLM_ALIASES),
+    "sarvam_moe": Variant("Sarvam-MoE", ("Glm4MoeForCausalLM", "Glm4MoeModel"), qk_norm="head_if_flag",
+                          qkv_bias="attention_bias", routing="deepseek", float32_router=True, aliases=_GLM_ALIASES),
 }
 #: batch 2's MoE block names, each as the names it may have (transformers' module first, then a
 #: saved folder's: EXAONE-MoE / HY-V3 / ERNIE-4.5 save their original checkpoints' names):
@@ -270,6 +305,10 @@ MOE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
 }
 #: transformers' defaults of the keys read here, per family (a ``config.json`` may leave them out;
 #: ``num_experts`` stands for ``num_local_experts`` too)
+#: what Param2-MoE and Sarvam-MoE share of their defaults (GLM-4.5's model, full rotation, QK norms)
+_GLM_DERIVED: dict[str, Any] = {
+    "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "use_qk_norm": True, "head_dim": 64, "rms_norm_eps": 1e-6, "attention_bias": False, "hidden_act": "silu"}
 DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                 "rope_theta": 1e6, "hidden_act": "silu"},
@@ -330,9 +369,23 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                  "shared_expert_intermediate_size": 512, "num_key_value_heads": 4, "head_dim": 128,
                  "sliding_window": 513, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
                  "hidden_act": "silu"},
+    "granitemoeshared": {"num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6,
+                         "attention_bias": False, "shared_intermediate_size": 0, "hidden_act": "silu"},
+    "flex_olmo": {"num_experts": 7, "num_experts_per_tok": 5, "rms_norm_eps": 1e-6, "norm_topk_prob": False,
+                  "attention_bias": False, "max_position_embeddings": 4096, "hidden_act": "silu",
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "param2moe": {**_GLM_DERIVED, "num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
+                  "n_shared_experts": 2, "num_key_value_heads": 8, "intermediate_size": 9216,
+                  "tie_word_embeddings": True, "max_position_embeddings": 32768,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 1.0}},
+    "sarvam_moe": {**_GLM_DERIVED, "num_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1024,
+                   "n_shared_experts": 1, "num_key_value_heads": 4, "intermediate_size": 8192,
+                   "tie_word_embeddings": False, "max_position_embeddings": 131072,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 8000000.0, "partial_rotary_factor": 1.0}},
 }
 #: the families whose every layer attends to the whole causal past (no window)
-_FULL = ("olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe")
+_FULL = ("olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe",
+         "granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe")
 TYPES = ("full_attention", "sliding_attention")
 #: the families whose windows follow ``layer_types`` (or their own default rule of layer kinds)
 _BY_TYPE = ("dots1", "exaone_moe", "afmoe", "mellum", "flint", "kolibri1")
@@ -342,6 +395,10 @@ SANDWICH = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_
 #: GLM-4's four RMSNorms per layer (Kolibri-1)
 GLM4_NORMS = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
               ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm"))
+#: the blocks' ``sublayer_norm`` by (four norms a layer: AFMoE, Kolibri-1; OLMo 2's output norms: FlexOlmo)
+_SUBLAYER_NORM = {(False, False): "input", (True, False): "both", (False, True): "output"}
+#: OLMo 2's RMSNorms on the sub-layer outputs (FlexOlmo)
+OLMO2_NORMS = (("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm"))
 #: a layer's key and its index (``model.layers.{i}.`` / ``layers.{i}.``)
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 #: Mistral's saved names of Mixtral's MoE (``block_sparse_moe``, experts ``w1/w3/w2``)
@@ -352,6 +409,14 @@ _SAVED = tuple((re.compile(p), r) for p, r in (
 _SAVED_KOLIBRI = _SAVED + tuple((re.compile(p), r) for p, r in (
     (r"\.post_attn_norm\.", ".post_self_attn_layernorm."), (r"\.post_ffn_norm\.", ".post_mlp_layernorm."),
     (r"\.moe\.router\.expert_bias$", ".mlp.gate.e_score_correction_bias")))
+#: Param2-MoE's / Sarvam-MoE's saved names (their original checkpoints', Ling's): the attention's
+#: (q/k/v fused by rows in ``query_key_value``, split by :func:`_split_fused_qkv`), the embedding, the choice bias
+_SAVED_LING = _SAVED + tuple((re.compile(p), r) for p, r in (
+    (r"(^|\.)word_embeddings\.", r"\1embed_tokens."), (r"\.attention\.", ".self_attn."),
+    (r"\.self_attn\.dense\.", ".self_attn.o_proj."), (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
+    (r"\.self_attn\.key_layernorm\.", ".self_attn.k_norm."), (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias")))
+#: the saved-name tables by ``model_type`` (the others: :data:`_SAVED`)
+_SAVED_BY_TYPE = {"kolibri1": _SAVED_KOLIBRI, "param2moe": _SAVED_LING, "sarvam_moe": _SAVED_LING}
 
 
 def sparse_layers(hf: HFConfig, depth: int) -> list[bool]:
@@ -445,6 +510,8 @@ def _read(hf: HFConfig) -> tuple[HFConfig, str]:
         raise ValueError(f"sparse_moe: model_type must be one of {list(VARIANTS)}, got {model_type!r}")
     if isinstance(hf.raw("num_experts"), list):  # Hunyuan's original per-layer expert counts
         raise hf.unsupported(f"num_experts={hf.raw('num_experts')!r} (a list per layer; supported: one int)")
+    aliased = {key: hf.raw(alias) for alias, key in VARIANTS[model_type].aliases if hf.has(alias) and not hf.has(key)}
+    hf = hf.with_defaults(aliased) if aliased else hf
     defaults = dict(DEFAULTS[model_type])  # the expert count under either name (Qwen3-MoE saves num_local_experts)
     defaults["num_experts"] = hf.first(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
                                        defaults["num_experts"])
@@ -506,8 +573,10 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
         shared = functools.partial(FeedForward, activation="swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
         return functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=variant.float32_router,
                                  **kw)
-    if variant.routing == "granite":
-        return experts_factory(hf, None, **kw)
+    if variant.routing == "granite":  # GraniteMoeShared: its always-on shared_mlp of shared_intermediate_size
+        width = hf.get("shared_intermediate_size", 0)
+        return experts_factory(hf, parts.gated_mlp(hf.req("hidden_size"), width, "swiglu", **kw) if width else None,
+                               **kw)
     if variant.routing == "sparsemixer":
         return functools.partial(SparseMixerMoE, hf.req("hidden_size"), hf.req("intermediate_size"),
                                  hf.req("num_experts"), eps=hf.req("router_jitter_noise", float), **kw)
@@ -606,8 +675,8 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
                                                      bias=hf.get("mlp_bias", False, bool), **kw)
     rotates = _rotates(hf, variant, kinds)
     norm = functools.partial(nn.LayerNorm, C, eps=eps, **kw) if variant.layer_norm else parts.rms_norm(C, eps, **kw)
-    blocks = [parts.block(C, _attention(hf, variant, w, ropes[k] if r else None, kw), moe if s else dense,
-                          norm, sublayer_norm="both" if variant.sandwich or variant.glm4_norms else "input")
+    blocks = [parts.block(C, _attention(hf, variant, w, ropes[k] if r else None, kw), moe if s else dense, norm,
+                          sublayer_norm=_SUBLAYER_NORM[(variant.sandwich or variant.glm4_norms, variant.olmo2_norms)])
               for w, r, s, moe, k in zip(window_of_layers(hf, model_type, depth), rotates, sparse, moes, kinds,
                                          strict=True)]
     scale = C ** 0.5 if hf.get("mup_enabled", False, bool) else None  # AFMoE's muP embedding scale
@@ -733,8 +802,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     ERNIE-4.5 / EXAONE-MoE (``mtp.*``) dropped)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
-    table = _SAVED_KOLIBRI if variant.glm4_norms else _SAVED
-    sd = sd if variant.granite else saved_names(sd, table)  # Mistral's names (GraniteMoE keeps block_sparse_moe)
+    # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
+    sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
     model, plan, head_size = parts.start(hf, sd, build_sparse_moe, device=device, dtype=dtype)
     if variant.granite:
         return _convert_granite(hf, model, plan, head_size)
@@ -742,7 +811,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         o, h = f"blocks.{i}.", f"layers.{i}."
         _put_attention(plan, f"{o}attn", f"{h}self_attn.", hf, variant)
         _put_ffn(plan, f"{o}ffn.", f"{h}mlp.", variant, block.ffn, hf)
-        norms = SANDWICH if variant.sandwich else GLM4_NORMS if variant.glm4_norms else parts.PRE_NORMS
+        norms = (SANDWICH if variant.sandwich else GLM4_NORMS if variant.glm4_norms else
+                 OLMO2_NORMS if variant.olmo2_norms else parts.PRE_NORMS)
         plan.put_pairs(o, h, norms, bias=variant.layer_norm)
     if variant.layer_norm:  # PhiMoE: the final LayerNorm's bias, the LM head's (read here: finish reads the weight)
         plan.put("norm.bias", "norm.bias")
@@ -757,16 +827,28 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     return parts.finish(plan, model, head_size, ignore=ignore)
 
 
+def _split_fused_qkv(sd: dict[str, Tensor], hf: HFConfig) -> dict[str, Tensor]:
+    """``sd`` with every ``self_attn.query_key_value.{weight,bias}`` (Ling's saved q/k/v, rows
+    ``[q; k; v]``) split into ``q_proj`` / ``k_proj`` / ``v_proj`` (in place)."""
+    C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
+    D, kv = hf.get("head_dim", C // H), hf.get("num_key_value_heads", H)
+    for key in [k for k in sd if ".self_attn.query_key_value." in k]:
+        head, _, tail = key.rpartition("query_key_value.")
+        for n, t in zip("qkv", sd.pop(key).split((H * D, kv * D, kv * D)), strict=True):
+            sd[f"{head}{n}_proj.{tail}"] = t
+    return sd
+
+
 def _convert_granite(hf: HFConfig, model: DecoderLM, plan: Plan, head_size: int | None) -> DecoderLM:
     """GraniteMoE's weights (attention, ``block_sparse_moe`` experts, norms), ``residual_multiplier``
     folded into the out and down projections and ``1 / logits_scaling`` into the final norm."""
     bias, writes = hf.get("attention_bias", False, bool), []
-    for i in range(model.depth):
+    for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"layers.{i}."
         parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=bias)
-        put_experts(plan, f"{o}ffn.", h)
+        writes += put_feed_forward(plan, f"{o}ffn.", h, block.ffn)  # the experts (and GraniteMoeShared's shared_mlp)
         plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
-        writes += [f"{o}attn.out_proj.weight", f"{o}ffn.down_proj"] + ([f"{o}attn.out_proj.bias"] if bias else [])
+        writes += [f"{o}attn.out_proj.weight"] + ([f"{o}attn.out_proj.bias"] if bias else [])
     return finish_folded(plan, model, hf, head_size, writes)
 
 
