@@ -2,7 +2,8 @@
 (DeepSeek-V3, R1, V3.1, Kimi K2), ``deepseek_v2`` (DeepSeek-V2, V2-Lite, V2.5) and their
 descendants ``glm4_moe_lite``, ``mistral4``, ``minicpm5_moe``, ``axk1`` (SK Telecom's A.X-K1) and
 the DeepSeek-sparse-attention models ``deepseek_v32`` (DeepSeek-V3.2) and ``glm_moe_dsa`` (GLM-5's
-DSA MoE); the ``*ForCausalLM`` and base ``*Model`` classes of each.
+DSA MoE), ``sarvam_mla`` (Sarvam-105B), the dense ``youtu`` (Youtu-LLM) and ``minicpm3`` (MiniCPM3);
+the ``*ForCausalLM`` and base ``*Model`` classes of each.
 
 Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSNorms of
 ``rms_norm_eps``) around:
@@ -73,6 +74,24 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSN
   equals transformers' full forward and its cached decode transformers' cached decode; at such ties
   the two differ from each other, in transformers as here (measured on 2-4 index heads: 0.18-0.98
   relative on the logits; without ties they agree to ~1e-6). Packed sequences run one at a time.
+* Sarvam-MLA (``sarvam_mla``: transformers builds its ``DeepseekV3ForCausalLM`` / ``DeepseekV3Model``
+  from a ``SarvamMLAConfig``) is DeepSeek-V3 with its own defaults (a full query projection, one
+  expert group, one dense layer); its original ``config.json`` names read as transformers'
+  ``SarvamMLAConfig.__post_init__`` reads them (``configuration_sarvam_mla.py`` 124-146):
+  ``num_experts`` / ``num_shared_experts`` / ``num_local_experts`` / ``num_mtp_layers`` under their
+  DeepSeek names, ``rope_scaling.type = "deepseek_yarn"`` as YaRN, ``head_dim`` / ``q_head_dim`` derived.
+* Youtu-LLM (``modular_youtu.py``) is DeepSeek-V3's latent attention (``rope_interleave``) in a dense
+  LLaMA stack: every layer's feed-forward the SwiGLU of ``intermediate_size``, no experts; its head
+  tied by default.
+* MiniCPM3 (``modeling_minicpm3.py``) is the same dense latent-attention stack with split-half RoPE
+  always (l. 319-321: no ``rope_interleave``), ``mlp_bias``, ``v_head_dim`` defaulting to
+  ``hidden_size // num_attention_heads``, and MiniCPM's three multipliers: the token embeddings times
+  ``scale_emb`` (a :class:`~attnzoo.models.parts.ScaledEmbedding`), every residual branch times
+  ``scale_depth / sqrt(num_hidden_layers)`` (l. 362-393; folded into ``o_proj`` with its bias and the
+  MLP's ``down_proj``), the final hidden states divided by ``hidden_size / dim_model_base`` before the
+  LM head (l. 555; folded into the final norm's weight of a ``*ForCausalLM``, as Granite's
+  ``logits_scaling``: a base ``*Model`` is unscaled). ``scale_depth`` / ``dim_model_base`` written as
+  ``null`` mean no scaling (``sqrt(num_hidden_layers)``, ``hidden_size``), as its config reads them.
 * Multi-token-prediction layers (``layers.{j}`` with ``j >= num_hidden_layers``, V3's
   ``num_nextn_predict_layers``) are not part of the causal LM: their weights are dropped, as
   transformers drops them (``modeling_deepseek_v3.py`` 536).
@@ -97,6 +116,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +130,7 @@ from attnzoo.blocks import FeedForward
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
+from attnzoo.models.families.granitemoehybrid import finish_folded
 from attnzoo.models.families.kimi_linear import mlp_types, put_mla
 from attnzoo.models.families.qwen3_next import real_keys
 from attnzoo.models.families.qwen4_exp import IndexerCache
@@ -122,7 +143,7 @@ from attnzoo.nn.parts import placed
 from attnzoo.nn.positional import resolve_positions
 from attnzoo.variants import build_attention
 
-__all__ = ["DEFAULTS", "DISPATCH", "IndexedLatentAttention", "LightningTopK", "PositionScaledLatentAttention",
+__all__ = ["CLASSES", "DEFAULTS", "DISPATCH", "IndexedLatentAttention", "LightningTopK", "PositionScaledLatentAttention",
            "PostNormMoE", "SoftmaxGroupMoE", "SoftmaxRouting", "build_deepseek", "canonical", "convert_deepseek",
            "indexed_attention", "moe_layers", "position_scaled_attention"]
 
@@ -182,11 +203,31 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
                     "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "index_topk": 2048,
                     "index_head_dim": 128, "index_n_heads": 32},
+    "sarvam_mla": {**_COMMON, "vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384,
+                   "moe_intermediate_size": 2048, "num_hidden_layers": 32, "num_attention_heads": 64,
+                   "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 2.5, "q_lora_rank": None,
+                   "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+                   "norm_topk_prob": True, "max_position_embeddings": 4096, "rope_interleave": True},
+    "youtu": {**_COMMON, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 6144,
+              "num_hidden_layers": 32, "num_attention_heads": 16, "max_position_embeddings": 131072,
+              "tie_word_embeddings": True, "rope_interleave": True},
+    "minicpm3": {**_COMMON, "vocab_size": 73448, "hidden_size": 2560, "intermediate_size": 6400, "num_hidden_layers": 62,
+                 "num_attention_heads": 40, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                 "tie_word_embeddings": True, "mlp_bias": False, "kv_lora_rank": 256, "q_lora_rank": 768,
+                 "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": None, "scale_emb": 12,
+                 "scale_depth": 1.4, "dim_model_base": 256},
 }
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 #: the model types routing as DeepSeek-V3 (sigmoid scores, ``e_score_correction_bias``)
-SIGMOID = ("deepseek_v3", "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1")
+SIGMOID = ("deepseek_v3", "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "sarvam_mla")
+#: the dense model types: every layer's feed-forward the SwiGLU of ``intermediate_size``
+DENSE = ("youtu", "minicpm3")
+#: per model type, the config names transformers' ``attribute_map`` reads as others (alias -> name)
+ALIASES: dict[str, dict[str, str]] = {
+    "sarvam_mla": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+                   "num_shared_experts": "n_shared_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+}
 #: the model types whose layers list their kinds in ``mlp_layer_types`` (default: one dense layer)
 LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1")
 #: the DeepSeek-sparse-attention model types (every layer an :class:`IndexedLatentAttention`)
@@ -507,11 +548,11 @@ class PostNormMoE(nn.Module):
 def canonical(hf: HFConfig, model_type: str) -> HFConfig:
     """``hf`` as transformers reads it (:data:`DEFAULTS` where a key is absent); refuses what has
     no equivalent (see the module docstring)."""
-    full = hf.with_defaults(DEFAULTS[model_type])
-    if "q_lora_rank" in hf.data and hf.data["q_lora_rank"] is None:  # null: a full query projection
-        full = HFConfig({**full.data, "q_lora_rank": None}, hf.source, hf.arch)
-    hf = _mistral4_defaults(full) if model_type == "mistral4" else _axk1_kinds(full) if model_type == "axk1" else full
+    hf = _derived(_legacy(hf, model_type), model_type)
     H = hf.req("num_attention_heads")
+    if model_type == "minicpm3":
+        parts.unsupported_keys(hf, {"scale_emb": lambda v: _number(v) and v > 0, "dim_model_base": lambda v: _number(v) and v != 0,
+                                    "scale_depth": _number})
     if model_type == "minicpm5_moe":
         parts.unsupported_keys(hf, {"attention_bias": lambda v: not v, "use_gated_attention": lambda v: v is not False,
                                     "partial_rotary_factor": lambda v: v in (None, 1, 1.0)})
@@ -533,6 +574,44 @@ def canonical(hf: HFConfig, model_type: str) -> HFConfig:
             raise hf.unsupported(f"n_group={groups} with topk_group={topk_groups} (groups of >= {smallest} of the "
                                  f"n_routed_experts={E} experts holding num_experts_per_tok={hf.raw('num_experts_per_tok')})")
     return hf
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _legacy(hf: HFConfig, model_type: str) -> HFConfig:
+    """A ``config.json``'s other names and values as transformers' config class translates them on
+    load: the ``attribute_map`` aliases (:data:`ALIASES`), Sarvam's ``rope_scaling.type =
+    "deepseek_yarn"`` (YaRN, ``configuration_sarvam_mla.py`` 124-146)."""
+    data = dict(hf.data)
+    for alias, name in ALIASES.get(model_type, {}).items():
+        value = data.pop(alias, None)
+        if value is not None and data.get(name) is None:
+            data[name] = value
+    rope = data.get("rope_scaling")
+    if model_type == "sarvam_mla" and isinstance(rope, dict) and "deepseek_yarn" in (rope.get("type"),
+                                                                                      rope.get("rope_type")):
+        del data["rope_scaling"]
+        data["rope_parameters"] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "yarn"}
+    return HFConfig(data, hf.source, hf.arch)
+
+
+def _derived(hf: HFConfig, model_type: str) -> HFConfig:
+    """:data:`DEFAULTS` where a key is absent, then what each config class derives: a null
+    ``q_lora_rank`` (a full query projection), Mistral-4's rope, A.X-K1's layer kinds, MiniCPM3's
+    ``v_head_dim`` (``hidden_size // num_attention_heads``) and its null multipliers (no scaling)."""
+    full = hf.with_defaults(DEFAULTS[model_type])
+    if "q_lora_rank" in hf.data and hf.data["q_lora_rank"] is None:  # null: a full query projection
+        full = HFConfig({**full.data, "q_lora_rank": None}, hf.source, hf.arch)
+    if model_type == "minicpm3":
+        C, H, depth = full.req("hidden_size"), full.req("num_attention_heads"), full.req("num_hidden_layers")
+        null = {k for k in ("scale_depth", "dim_model_base") if k in hf.data and hf.data[k] is None}
+        derived = {"v_head_dim": full.get("v_head_dim", C // H), "scale_depth": math.sqrt(depth),
+                   "dim_model_base": C}
+        full = HFConfig({**full.data, **{k: v for k, v in derived.items() if k == "v_head_dim" or k in null}},
+                        hf.source, hf.arch)
+    return _mistral4_defaults(full) if model_type == "mistral4" else _axk1_kinds(full) if model_type == "axk1" else full
 
 
 def _check_dsa(hf: HFConfig, model_type: str) -> None:
@@ -605,6 +684,8 @@ def moe_layers(hf: HFConfig, model_type: str) -> list[bool]:
     """Per layer: a mixture of experts (``i >= first_k_dense_replace``; GLM-4-MoE-Lite:
     ``mlp_layer_types[i] == "sparse"``, by default every layer but the first) or the dense MLP."""
     depth = hf.req("num_hidden_layers")
+    if model_type in DENSE:
+        return [False] * depth
     if model_type in LAYER_TYPED:
         return [t == "sparse" for t in mlp_types(hf, depth)]
     first = hf.get("first_k_dense_replace", 0)
@@ -616,6 +697,14 @@ def _groups(hf: HFConfig, model_type: str) -> tuple[int, int]:
     if model_type == "deepseek_v2" and hf.get("topk_method", "greedy", str) == "greedy":
         return 1, 1
     return hf.get("n_group", 1) or 1, hf.get("topk_group", 1) or 1
+
+
+def _interleaved(hf: HFConfig, model_type: str) -> bool:
+    """Whether the latent attention's RoPE rotates adjacent pairs: always in DeepSeek-V2 and the DSA
+    models, never in MiniCPM3 (neither reads ``rope_interleave``), else ``rope_interleave``."""
+    if model_type in ("deepseek_v2", *DSA) or model_type == "minicpm3":
+        return model_type != "minicpm3"
+    return bool(hf.get("rope_interleave", True, bool))
 
 
 def _attention(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[], nn.Module]:
@@ -636,7 +725,7 @@ def _attention(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[]
         "kv_lora_rank": hf.req("kv_lora_rank"), "q_lora_rank": hf.get("q_lora_rank", None),
         "qk_nope_head_dim": hf.req("qk_nope_head_dim"), "qk_rope_head_dim": hf.req("qk_rope_head_dim"),
         "v_head_dim": hf.req("v_head_dim"), "bias": hf.get("attention_bias", False, bool), "rope_base": base,
-        "rope_interleave": model_type in ("deepseek_v2", *DSA) or hf.get("rope_interleave", True, bool), "norm_eps": 1e-6,
+        "rope_interleave": _interleaved(hf, model_type), "norm_eps": 1e-6,
         "dropout": hf.get("attention_dropout", 0.0, float)}
     if scaling is not None:
         akw.update(rope_scaling=scaling, max_position_embeddings=parts.max_positions(hf))
@@ -691,9 +780,12 @@ def build_deepseek(hf: HFConfig, model_type: str, *, head_size: int | None = Non
     attention, norm = _attention(hf, model_type, kw), parts.rms_norm(C, eps, **kw)
     dense = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
                             bias=hf.get("mlp_bias", False, bool), **kw)
-    moe = _moe(hf, model_type, kw)
-    blocks = [parts.block(C, attention, moe if sparse else dense, norm) for sparse in moe_layers(hf, model_type)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+    kinds = moe_layers(hf, model_type)
+    moe = _moe(hf, model_type, kw) if any(kinds) else dense
+    blocks = [parts.block(C, attention, moe if sparse else dense, norm) for sparse in kinds]
+    scale = hf.get("scale_emb", 1.0, float) if model_type == "minicpm3" else 1.0
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=None if scale == 1.0 else scale,
+                         **kw)
 
 
 def _put_moe(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
@@ -753,30 +845,44 @@ def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: An
         else:
             parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.", bias=hf.get("mlp_bias", False, bool))
         plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
+    if model_type == "minicpm3":
+        return _finish_minicpm3(plan, model, hf, head_size)
     unused = [] if hf.get("n_shared_experts", 0) else [r"(model\.)?layers\.\d+\.mlp\.shared_experts\..*"]
     if model_type == "axk1":  # the released checkpoints store the norm on the dense layers too, unused
         unused.append(r"(model\.)?layers\.\d+\.(mlp\.)?post_mlp_layernorm\..*")
     return parts.finish(plan, model, head_size, ignore=unused)
 
 
+def _finish_minicpm3(plan: Plan, model: DecoderLM, hf: HFConfig, head_size: int | None) -> DecoderLM:
+    """MiniCPM3's residual scale ``scale_depth / sqrt(num_hidden_layers)`` folded into the weights
+    writing into the residual stream (``o_proj`` with its bias, ``down_proj`` with its bias) and
+    ``1 / (hidden_size / dim_model_base)`` into the final norm of an LM head, through Granite's
+    :func:`~attnzoo.models.families.granitemoehybrid.finish_folded`."""
+    writes = [f"blocks.{i}.{n}.{w}" for i in range(model.depth) for n in ("attn.out_proj", "ffn.down_proj")
+              for w in ("weight", "bias")]
+    residual = hf.req("scale_depth", float) / math.sqrt(hf.req("num_hidden_layers"))
+    logits = hf.req("hidden_size") / hf.req("dim_model_base", float)
+    multipliers = HFConfig({"residual_multiplier": residual, "logits_scaling": logits}, hf.source, hf.arch)
+    return finish_folded(plan, model, multipliers, head_size, writes)
+
+
 def convert_deepseek(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """A model of the lineage, by the config's ``model_type`` (see the module docstring): DeepSeek-V3 /
-    V2 / V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral 4, MiniCPM5-MoE, A.X-K1."""
+    V2 / V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral 4, MiniCPM5-MoE, A.X-K1, Sarvam-MLA, Youtu-LLM, MiniCPM3."""
     model_type = str(hf.raw("model_type"))
     if model_type not in DEFAULTS:
         raise ValueError(f"convert_deepseek: model_type must be one of {list(DEFAULTS)}, got {model_type!r}")
     return _convert(model_type, hf, sd, device=device, dtype=dtype)
 
 
+#: per ``model_type``: its name and the prefix of its transformers classes (``{prefix}ForCausalLM``,
+#: ``{prefix}Model``; Sarvam-MLA's are DeepSeek-V3's)
+CLASSES = {"deepseek_v3": ("DeepSeek-V3", "DeepseekV3"), "deepseek_v2": ("DeepSeek-V2", "DeepseekV2"),
+           "glm4_moe_lite": ("GLM-4-MoE-Lite", "Glm4MoeLite"), "mistral4": ("Mistral-4", "Mistral4"),
+           "minicpm5_moe": ("MiniCPM5-MoE", "MiniCPM5Moe"), "axk1": ("A.X-K1", "AXK1"),
+           "deepseek_v32": ("DeepSeek-V3.2", "DeepseekV32"), "glm_moe_dsa": ("GLM-MoE-DSA", "GlmMoeDsa"),
+           "sarvam_mla": ("Sarvam-MLA", "DeepseekV3"), "youtu": ("Youtu-LLM", "Youtu"), "minicpm3": ("MiniCPM3", "MiniCPM3")}
+
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
-DISPATCH = {
-    "deepseek_v3": parts.Dispatch("DeepSeek-V3", convert_deepseek, ("DeepseekV3ForCausalLM", "DeepseekV3Model")),
-    "deepseek_v2": parts.Dispatch("DeepSeek-V2", convert_deepseek, ("DeepseekV2ForCausalLM", "DeepseekV2Model")),
-    "glm4_moe_lite": parts.Dispatch("GLM-4-MoE-Lite", convert_deepseek,
-                                    ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel")),
-    "mistral4": parts.Dispatch("Mistral-4", convert_deepseek, ("Mistral4ForCausalLM", "Mistral4Model")),
-    "minicpm5_moe": parts.Dispatch("MiniCPM5-MoE", convert_deepseek, ("MiniCPM5MoeForCausalLM", "MiniCPM5MoeModel")),
-    "axk1": parts.Dispatch("A.X-K1", convert_deepseek, ("AXK1ForCausalLM", "AXK1Model")),
-    "deepseek_v32": parts.Dispatch("DeepSeek-V3.2", convert_deepseek, ("DeepseekV32ForCausalLM", "DeepseekV32Model")),
-    "glm_moe_dsa": parts.Dispatch("GLM-MoE-DSA", convert_deepseek, ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel")),
-}
+DISPATCH = {t: parts.Dispatch(name, convert_deepseek, (f"{prefix}ForCausalLM", f"{prefix}Model"))
+            for t, (name, prefix) in CLASSES.items()}

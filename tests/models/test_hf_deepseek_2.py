@@ -1,0 +1,206 @@
+"""More of the DeepSeek MLA lineage through ``from_hf``: Sarvam-MLA (DeepSeek-V3 built from its own
+config, with its original ``config.json`` names), the dense Youtu-LLM and MiniCPM3 (MiniCPM's
+embedding / residual / logit multipliers folded into weights); equal to transformers' eager (see
+``hf_family_checks``), packed sequences and their gradients equal to each sequence alone, refusals
+by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_family_checks as checks  # noqa: E402
+from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
+from attnzoo.models.parts import ScaledEmbedding  # noqa: E402
+from attnzoo.nn.mla import MultiHeadLatentAttention  # noqa: E402
+from attnzoo.nn.moe import MixtureOfExperts  # noqa: E402
+
+T = transformers
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+_MLA = dict(num_key_value_heads=4, num_hidden_layers=3, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=16)
+_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def _sarvam(**kw: Any) -> Any:
+    """Sarvam-MLA: 3 layers (dense, then MoE: 8 experts, one group), a full query projection."""
+    return T.SarvamMLAConfig(**{**checks.SMALL, **_MLA, **_MOE, **kw})
+
+
+def _sarvam_groups_yarn() -> Any:
+    """A low-rank query, YaRN, 4 groups (the best 2), two shared experts, attention biases, split-half RoPE."""
+    return _sarvam(q_lora_rank=24, rope_parameters=YARN, n_group=4, topk_group=2, n_shared_experts=2,
+                   attention_bias=True, rope_interleave=False, routed_scaling_factor=1.5)
+
+
+def _youtu(**kw: Any) -> Any:
+    """Youtu-LLM: 3 dense layers of latent attention (a low-rank query), a tied head."""
+    return T.YoutuConfig(**{**checks.SMALL, **_MLA, "q_lora_rank": 24, **kw})
+
+
+def _youtu_yarn() -> Any:
+    """A full query projection, YaRN, split-half RoPE, attention biases, an untied head."""
+    return _youtu(q_lora_rank=None, rope_parameters=YARN, rope_interleave=False, attention_bias=True,
+                  tie_word_embeddings=False)
+
+
+def _minicpm3(**kw: Any) -> Any:
+    """MiniCPM3: 3 dense layers of latent attention (a low-rank query, split-half RoPE), its default
+    multipliers (embeddings x12, residual branches x1.4/sqrt(3), hidden states / (64/256))."""
+    return T.MiniCPM3Config(**{**checks.SMALL, **_MLA, "q_lora_rank": 24, **kw})
+
+
+def _minicpm3_yarn() -> Any:
+    """A full query projection, YaRN, MLP and attention biases, an untied head, other multipliers."""
+    return _minicpm3(q_lora_rank=None, rope_parameters=YARN, mlp_bias=True, attention_bias=True,
+                     tie_word_embeddings=False, scale_emb=2.5, scale_depth=0.7, dim_model_base=16)
+
+
+class TestSarvamMLA(checks.FamilyChecks):
+    config = staticmethod(_sarvam)
+    cases = (_sarvam_groups_yarn,)
+
+
+class TestYoutu(checks.FamilyChecks):
+    config = staticmethod(_youtu)
+    cases = (_youtu_yarn,)
+
+
+class TestMiniCPM3(checks.FamilyChecks):
+    config = staticmethod(_minicpm3)
+    cases = (_minicpm3_yarn,)
+
+
+def test_layer_structure() -> None:
+    sarvam = from_hf(checks.hf_model(_sarvam_groups_yarn()))
+    assert type(sarvam.blocks[0].attn) is MultiHeadLatentAttention and not sarvam.blocks[0].attn.rope.interleaved
+    assert [isinstance(b.ffn, MixtureOfExperts) for b in sarvam.blocks] == [False, True, True]
+    assert (sarvam.blocks[1].ffn.groups, sarvam.blocks[1].ffn.routed_scaling) == (4, 1.5)
+    youtu = from_hf(checks.hf_model(_youtu()))
+    assert not any(isinstance(b.ffn, MixtureOfExperts) for b in youtu.blocks)
+    assert youtu.blocks[0].attn.rope.interleaved and youtu.lm_head.weight is youtu.tok_emb.weight
+    cpm = from_hf(checks.hf_model(_minicpm3()))
+    assert isinstance(cpm.tok_emb, ScaledEmbedding) and cpm.tok_emb.scale == 12.0
+    assert not cpm.blocks[0].attn.rope.interleaved and cpm.lm_head.weight is cpm.tok_emb.weight
+    assert not any(isinstance(b.ffn, MixtureOfExperts) for b in cpm.blocks)
+
+
+@pytest.mark.parametrize("make", [_sarvam_groups_yarn, _youtu, _minicpm3_yarn], ids=["sarvam", "youtu", "minicpm3"])
+def test_packed_sequences_equal_each_alone(make: Any) -> None:
+    checks.check_packed_equals_each_alone(make)
+
+
+@pytest.mark.parametrize("make", [_sarvam, _youtu_yarn, _minicpm3], ids=["sarvam", "youtu", "minicpm3"])
+def test_packed_gradients_equal_each_alone(make: Any) -> None:
+    checks.check_packed_gradients_equal_each_alone(make)
+
+
+def test_minicpm3_sequence_classification() -> None:
+    """``MiniCPM3ForSequenceClassification`` reads the base model's hidden states: the residual
+    scale is folded, the logit divisor is not (it belongs to the LM head)."""
+    torch.manual_seed(0)
+    hf = checks.perturbed(T.MiniCPM3ForSequenceClassification(_minicpm3(num_labels=3)))
+    ours, x = from_hf(hf), checks.tokens(12)
+    assert ours.lm_head.out_features == 3
+    with torch.no_grad():
+        assert checks.rel(ours(x)[:, -1], hf(input_ids=x).logits) <= checks.TOL
+
+
+def _rewrite_config(folder: Path, change: Any) -> None:
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _same_as_transformers(folder: Path, hf: Any) -> None:
+    """``load_pretrained(folder)`` == transformers' ``from_pretrained(folder)`` == ``hf``."""
+    again = T.AutoModelForCausalLM.from_pretrained(folder).eval()
+    x = checks.tokens(12)
+    with torch.no_grad():
+        want = again(input_ids=x).logits
+        assert checks.rel(load_pretrained(folder)(x), want) <= checks.TOL
+        assert checks.rel(hf(input_ids=x).logits, want) <= checks.TOL
+
+
+def test_sarvam_original_config_names(tmp_path: Path) -> None:
+    """Sarvam's original ``config.json`` (written for its remote code): ``num_experts`` /
+    ``num_shared_experts``, ``rope_scaling.type = "deepseek_yarn"``, a vLLM ``head_dim`` and
+    ``q_head_dim``: read as ``SarvamMLAConfig`` translates them."""
+    hf = checks.hf_model(_sarvam_groups_yarn())
+    hf.save_pretrained(tmp_path)
+
+    def legacy(data: dict[str, Any]) -> None:
+        data["num_experts"], data["num_shared_experts"] = data.pop("n_routed_experts"), data.pop("n_shared_experts")
+        rope = data.pop("rope_parameters")
+        data["rope_theta"] = rope.pop("rope_theta")
+        data["rope_scaling"] = {**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "deepseek_yarn"}
+        data.update(head_dim=16 + 8, q_head_dim=16)
+
+    _rewrite_config(tmp_path, legacy)
+    _same_as_transformers(tmp_path, hf)
+
+
+def test_minicpm3_null_multipliers(tmp_path: Path) -> None:
+    """``scale_depth`` / ``dim_model_base`` written as ``null``: no scaling (``sqrt(num_hidden_layers)``,
+    ``hidden_size``), as ``MiniCPM3Config`` reads them; ``v_head_dim`` left out: ``hidden_size // heads``."""
+    hf = checks.hf_model(_minicpm3(scale_depth=None, dim_model_base=None))
+    hf.save_pretrained(tmp_path)
+    _rewrite_config(tmp_path, lambda d: d.update(scale_depth=None, dim_model_base=None, v_head_dim=None))
+    _same_as_transformers(tmp_path, hf)
+
+
+def test_youtu_from_pretrained_zeroes_the_pad_row(tmp_path: Path) -> None:
+    """transformers' ``YoutuPreTrainedModel._init_weights`` zeroes ``embed_tokens``' ``pad_token_id``
+    row through ``weight.data`` (past the guard that spares loaded weights), so its
+    ``from_pretrained`` runs with that row zeroed (the tied head's too) where the checkpoint holds
+    other numbers; ``load_pretrained`` keeps the checkpoint's row (as the in-memory model has it)."""
+    hf = checks.hf_model(_youtu())
+    hf.save_pretrained(tmp_path)
+    again = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not again.model.embed_tokens.weight[0].any() and hf.model.embed_tokens.weight[0].any()
+    ours = load_pretrained(tmp_path)
+    assert torch.equal(ours.tok_emb.weight, hf.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("make,keys", [
+    (lambda: _sarvam(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
+     ("q_lora_rank", "n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob",
+      "rope_interleave", "n_shared_experts", "hidden_act", "rms_norm_eps", "tie_word_embeddings")),
+    (lambda: _youtu(pad_token_id=None),  # see test_youtu_from_pretrained_zeroes_the_pad_row
+     ("tie_word_embeddings", "rope_interleave", "attention_bias", "rms_norm_eps", "hidden_act")),
+    (_minicpm3, ("scale_emb", "scale_depth", "dim_model_base", "v_head_dim", "mlp_bias", "tie_word_embeddings",
+                 "rms_norm_eps", "attention_bias")),
+], ids=["sarvam", "youtu", "minicpm3"])
+def test_config_json_with_keys_left_out(tmp_path: Path, make: Any, keys: tuple[str, ...]) -> None:
+    """Keys left out of ``config.json`` read as the config classes' defaults (as ``from_pretrained``)."""
+    checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
+
+
+@pytest.mark.parametrize("model,make,key,value,named", [
+    ("sarvam", _sarvam, "hidden_act", "gelu", "hidden_act"),
+    ("sarvam", _sarvam, "num_key_value_heads", 2, "num_key_value_heads"),
+    ("sarvam", _sarvam, "moe_layer_freq", 2, "moe_layer_freq"),
+    ("sarvam", _sarvam, "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "dynamic"),
+    ("youtu", _youtu, "num_key_value_heads", 2, "num_key_value_heads"),
+    ("youtu", _youtu, "hidden_act", "relu", "hidden_act"),
+    ("youtu", _youtu, "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "longrope"),
+    ("cpm3", _minicpm3, "num_key_value_heads", 2, "num_key_value_heads"),
+    ("cpm3", _minicpm3, "scale_emb", 0, "scale_emb"),
+    ("cpm3", _minicpm3, "dim_model_base", 0, "dim_model_base"),
+    ("cpm3", _minicpm3, "pretraining_tp", 2, "pretraining_tp"),
+    ("cpm3", _minicpm3, "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor"),
+])
+def test_unsupported_options_are_refused(model: str, make: Any, key: str, value: Any, named: str) -> None:
+    cls = {"sarvam": T.DeepseekV3ForCausalLM, "youtu": T.YoutuForCausalLM, "cpm3": T.MiniCPM3ForCausalLM}[model]
+    checks.check_refused(cls, make, key, value, named)
