@@ -78,6 +78,40 @@ def _sarvam_other(**kw: Any) -> Any:
                       "tie_word_embeddings": True, "head_dim": 24, **kw})
 
 
+#: Kolibri 1.1's small indexer: more than 4 + 4 + 2 keys select, more than 8 pool (blocks of 4)
+INDEX = {"index_topk": 4, "index_pool_size": 8, "index_compression": 4, "index_num_heads": 2,
+         "index_num_local_tokens": 4, "index_num_sink_tokens": 2}
+K11_TYPES = ["sliding_attention", "indexed_attention", "indexed_attention", "sliding_attention", "indexed_attention",
+             "indexed_attention"]
+
+
+def _kolibri11(**kw: Any) -> Any:
+    """6 layers: sliding 0, 3 (window 6); indexed 1, 2, 4, 5 with indexers 1 and 4, layers 2 and 5
+    reading layer 1's keys and values (5 with layer 4's pool); dense layers 0, 1 (the default), 6
+    experts top-2 by logits + bias weighted by sigmoids, a shared expert of 40, head_dim 16."""
+    return T.Kolibri1_1Config(**{**checks.SMALL, **INDEX, "num_hidden_layers": 6, "head_dim": 16, "num_experts": 6,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "shared_expert_intermediate_size": 40, "sliding_window": 6,
+                                 "mlp_only_intermediate_size": 48, "layer_types": K11_TYPES, "index_layers": [1, 4],
+                                 "kv_source_layers": [0, 1, 1, 3, 4, 1], **kw})
+
+
+def _kolibri11_other(**kw: Any) -> Any:
+    """10 layers by the default layout (indexed 4 and 9, 9 reading 4's keys, one indexer), dense
+    layer 2 only, top-3 renormalised, one scoring head, pools of 16 in blocks of 8, 3 + 2 + 1 selected,
+    tied, theta 1e6."""
+    return _kolibri11(**{"num_hidden_layers": 10, "layer_types": None, "index_layers": None, "kv_source_layers": None,
+                         "mlp_only_layers": [2], "num_experts_per_tok": 3, "norm_topk_prob": True, "index_topk": 3,
+                         "index_pool_size": 16, "index_compression": 8, "index_num_heads": 1,
+                         "index_num_local_tokens": 2, "index_num_sink_tokens": 1, "tie_word_embeddings": True,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **kw})
+
+
+class TestKolibri11(checks.FamilyChecks):
+    config = staticmethod(_kolibri11)
+    cases = (_kolibri11_other,)
+
+
 class TestGraniteMoeShared(checks.FamilyChecks):
     config = staticmethod(_granitemoeshared)
     cases = (_granitemoeshared_other,)
@@ -115,6 +149,22 @@ def test_structure() -> None:
     assert all(type(b.attn_norm) is torch.nn.Identity and type(b.attn_out_norm) is not torch.nn.Identity
                and type(b.ffn_out_norm) is not torch.nn.Identity for b in ours.blocks)
 
+    from attnzoo.models.families.sparse_moe import IndexedAttention, LogitBiasSigmoidMoE
+
+    hf = checks.hf_model(_kolibri11())
+    ours = from_hf(hf)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    attns = [b.attn for b in ours.blocks]
+    assert [type(a) is IndexedAttention for a in attns] == [False, True, True, False, True, True]
+    assert [a.window for a in attns] == [(5, 5), None, None, (5, 5), None, None]
+    assert [a.rope is not None for a in attns] == [True, False, False, True, False, False]
+    assert [(a.source, a.reuses) for a in attns if isinstance(a, IndexedAttention)] == [
+        (True, False), (False, True), (True, False), (False, True)]
+    assert [type(b.ffn) for b in ours.blocks] == [FeedForward] * 2 + [LogitBiasSigmoidMoE] * 4
+    other = from_hf(checks.hf_model(_kolibri11_other()))
+    assert [i for i, b in enumerate(other.blocks) if isinstance(b.attn, IndexedAttention)] == [4, 9]
+    assert other.blocks[4].attn.source and other.blocks[9].attn.reuses and not other.blocks[9].attn.source
+
     for make in (_param2, _sarvam):
         hf = checks.hf_model(make())
         assert type(hf).__name__ == "Glm4MoeForCausalLM"
@@ -142,7 +192,17 @@ def test_structure() -> None:
      ("num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
       "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob", "use_qk_norm",
       "head_dim", "rms_norm_eps", "attention_bias", "tie_word_embeddings", "rope_parameters", "hidden_act")),
-], ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe"])
+    (lambda: _kolibri11_other(num_key_value_heads=4, num_attention_heads=12, hidden_size=48, head_dim=128,
+                              num_experts=6, num_experts_per_tok=6, moe_intermediate_size=512,
+                              shared_expert_intermediate_size=512, sliding_window=513, norm_topk_prob=False,
+                              mlp_only_layers=None, mlp_only_intermediate_size=3584, index_topk=2048,
+                              index_pool_size=16384, index_compression=16, index_num_heads=3,
+                              index_num_local_tokens=128, index_num_sink_tokens=8),
+     ("num_key_value_heads", "head_dim", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+      "sliding_window", "norm_topk_prob", "layer_types", "index_layers", "kv_source_layers", "mlp_only_layers",
+      "mlp_only_intermediate_size", "index_topk", "index_pool_size", "index_compression", "index_num_local_tokens",
+      "index_num_sink_tokens", "rms_norm_eps", "hidden_act")),
+], ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1"])
 def test_config_json_without_defaults_loads(make: Any, keys: tuple[str, ...], tmp_path: Path) -> None:
     """A ``config.json`` leaving these keys out: read as transformers' ``from_pretrained`` reads it."""
     checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
@@ -175,20 +235,68 @@ def test_param2_original_config_names_load(tmp_path: Path) -> None:
     (T.FlexOlmoForCausalLM, _flex_olmo, "hidden_act", "gelu", "hidden_act"),
     (T.Glm4MoeForCausalLM, _param2, "hidden_act", "gelu", "hidden_act"),
     (T.Glm4MoeForCausalLM, _sarvam, "pretraining_tp", 2, "pretraining_tp"),
-], ids=["granitemoeshared_activation", "granitemoeshared_partial_rope", "flex_olmo_activation", "param2_activation",
+    (T.Kolibri1_1ForCausalLM, _kolibri11, "hidden_act", "gelu", "hidden_act"),
+    (T.Kolibri1_1ForCausalLM, _kolibri11, "layer_types", ["full_attention"] * 6, "layer type"),
+], ids=["kolibri1_1_activation", "kolibri1_1_layer_type","granitemoeshared_activation", "granitemoeshared_partial_rope", "flex_olmo_activation", "param2_activation",
         "sarvam_pretraining_tp"])
 def test_options_it_cannot_reproduce_are_refused(model_class: Any, make: Any, key: str, value: Any,
                                                   named: str) -> None:
     checks.check_refused(model_class, make, key, value, named)
 
 
-@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam],
-                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe"])
+@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam, _kolibri11],
+                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1"])
 def test_packed_sequences_equal_each_alone(make: Any) -> None:
     checks.check_packed_equals_each_alone(make)
 
 
-@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2_other, _sarvam],
-                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe"])
+@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2_other, _sarvam, _kolibri11],
+                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1"])
 def test_packed_training_gradients_equal_each_alone(make: Any) -> None:
     checks.check_packed_gradients_equal_each_alone(make)
+
+
+def test_kolibri11_layouts_it_cannot_read_are_refused() -> None:
+    """More indexed layers than the default ``kv_source_layers`` covers (10) without the key (transformers'
+    config refuses it too), and a layer reading the keys of a later or a sliding layer."""
+    from attnzoo.interop import UnsupportedConfigError
+    from attnzoo.models.families.sparse_moe import kolibri1_1_layout
+    from attnzoo.models.hf._state import HFConfig
+    from attnzoo.models.hf.errors import CheckpointFormatError
+
+    with pytest.raises(UnsupportedConfigError, match="kv_source_layers"):
+        kolibri1_1_layout(HFConfig({}, "test"), 55)
+    kinds = {"layer_types": K11_TYPES, "index_layers": [1]}
+    for sources in ([0, 1, 4, 3, 4, 5], [0, 1, 1, 0, 4, 5], [0, 1, 1, 3, 2, 5]):
+        with pytest.raises(CheckpointFormatError, match="kv_source_layers"):
+            kolibri1_1_layout(HFConfig({**kinds, "kv_source_layers": sources}, "test"), 6)
+    with pytest.raises(CheckpointFormatError, match="index_layers"):
+        kolibri1_1_layout(HFConfig({**kinds, "index_layers": [2]}, "test"), 6)
+
+
+def test_kolibri11_nvfp4_and_selection_equal_transformers() -> None:
+    """:func:`nvfp4` equals transformers' ``nvfp4_fake_quantize`` bit for bit (float32 and bfloat16);
+    :class:`KolibriIndex`'s pools and selections equal ``Kolibri1_1Indexer``'s on a left-padded batch
+    of 40 keys (an indexer layer, then a layer selecting from its pool), and leave keys out."""
+    from transformers.models.kolibri1_1 import modeling_kolibri1_1 as theirs
+
+    from attnzoo.interop import from_hf
+    from attnzoo.models.families.sparse_moe import nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=g) * torch.logspace(-4, 3, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(nvfp4(x.to(dtype)), theirs.nvfp4_fake_quantize(x.to(dtype)))
+    config = _kolibri11()
+    index = from_hf(checks.hf_model(config)).blocks[1].attn.index
+    q, k = torch.randn(2, 4, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    visible = torch.ones(40, 40, dtype=torch.bool).tril().repeat(2, 1, 1)
+    visible[0, :, :7] = False  # row 0 left-padded by 7
+    pool = index.select_pool(q, k, visible)
+    chosen = index.select(q, k, visible, pool)
+    with torch.no_grad():
+        want, want_pool = theirs.Kolibri1_1Indexer(config, 1)(q, k, visible[:, None])
+        want2, _ = theirs.Kolibri1_1Indexer(config, 2)(q.flip(1), k, visible[:, None], want_pool)
+    assert torch.equal(pool, want_pool) and torch.equal(chosen, want[:, 0])
+    assert torch.equal(index.select(q.flip(1), k, visible, pool), want2[:, 0])
+    assert int(chosen[1, -1].sum()) == 4 + 4 + 2 and int(pool[1, -1].sum()) < 40

@@ -6,7 +6,7 @@ Hunyuan-A13B (``hunyuan_v1_moe``), EXAONE-MoE (``exaone_moe``), Solar-Open (``so
 its ``modular_phimoe.py``). Line numbers are transformers 5.25's ``models/<family>/modeling_<family>.py``
 (``configuration_<family>.py`` where it says so); the third batch (Mellum, Flint, Kolibri-1) cites
 ``modular_<family>.py``; the fourth: GraniteMoeShared (``granitemoeshared``), FlexOlmo (``flex_olmo``),
-Param2-MoE (``param2moe``) and Sarvam-MoE (``sarvam_moe``).
+Param2-MoE (``param2moe``), Sarvam-MoE (``sarvam_moe``) and Kolibri 1.1 (``kolibri1_1``).
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -153,6 +153,22 @@ The fourth batch (``modeling_<family>.py`` line numbers):
   folders keep the original checkpoints' names (``conversion_mapping.py``: ``word_embeddings``,
   ``attention.query_key_value`` rows ``[q; k; v]``, ``attention.dense``,
   ``query_layernorm`` / ``key_layernorm``, ``mlp.gate.expert_bias``): both load.
+* **Kolibri 1.1** (``kolibri1_1``; 43-189, 259-560): Kolibri-1's layer (GLM-4's four norms) and
+  MoE (:class:`LogitBiasSigmoidMoE` + ungated shared expert) with ``mlp_only_layers`` (default the
+  first two) dense SwiGLUs of ``mlp_only_intermediate_size``; ``layer_types`` ``sliding_attention``
+  (RoPE, a window of ``sliding_window - 1`` keys, per-head QK norms) and ``indexed_attention``
+  (default every fifth layer; :class:`IndexedAttention`): NoPE, per-head QK norms, over the keys a
+  weightless indexer selects (:class:`KolibriIndex`: the ``index_topk`` best of a pool of
+  ``index_pool_size`` keys picked by blocks of ``index_compression``, plus the first
+  ``index_num_sink_tokens`` and the last ``index_num_local_tokens``, scored by ReLU logits of the
+  first ``index_num_heads`` query heads against key head 0, NVFP4-rounded), the keys and values
+  rounded to NVFP4 (:func:`nvfp4`, a straight-through gradient); a layer of ``index_layers`` picks
+  a new pool, the others use the latest one; ``kv_source_layers``: a layer reading an earlier
+  indexed layer's keys and values (no ``k_proj`` / ``v_proj`` / ``k_norm`` of its own; gemma4's
+  :class:`~attnzoo.models.families.gemma4.SharedKV`). The model is a :class:`Kolibri11LM` (a
+  :class:`~attnzoo.models.loop.LayerLoopLM`): packed sequences run one at a time. The selection is
+  exact against transformers' (same float32 scores, ties to the earlier keys); its cached decode
+  equals its full forward (every query's selection depends on its own row only).
 
 Refused by name: ``router_jitter_noise`` > 0 (Mixtral multiplies the MoE input by noise while
 training, l. 124: not reproduced), OLMoE's ``clip_qkv`` (a clamp of q, k and v that attnzoo's
@@ -181,6 +197,7 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import FeedForward
 from attnzoo.functional.softmax.varlen import attention_varlen
+from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import (
@@ -190,6 +207,7 @@ from attnzoo.models.families._moe import (
     put_per_expert,
     put_stacked_experts,
 )
+from attnzoo.models.families.gemma4 import Gemma4Attention, KVSharing, SharedKV
 from attnzoo.models.families.granitemoehybrid import CHECKS as GRANITE_CHECKS
 from attnzoo.models.families.granitemoehybrid import (
     embed_scale,
@@ -200,16 +218,20 @@ from attnzoo.models.families.granitemoehybrid import (
     refuse_partial_rotary,
 )
 from attnzoo.models.families.kimi_linear import saved_names
+from attnzoo.models.families.qwen3_next import real_keys
 from attnzoo.models.hf._state import HFConfig, Plan, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.models.loop import LayerLoopLM
 from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "LogitBiasSigmoidMoE", "PostRopeNormAttention", "SparseMixerMoE", "Variant",
-           "build_sparse_moe", "convert_sparse_moe", "layer_kinds", "sparse_layers", "window_of_layers"]
+__all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "IndexPool", "IndexedAttention", "Kolibri11LM",
+           "KolibriIndex", "LogitBiasSigmoidMoE", "PostRopeNormAttention", "SparseMixerMoE", "Variant",
+           "build_sparse_moe", "convert_sparse_moe", "kolibri1_1_layout", "layer_kinds", "nvfp4", "sparse_layers",
+           "top_k_lowest", "window_of_layers"]
 
 
 @dataclass(frozen=True)
@@ -240,7 +262,8 @@ class Variant:
     glm4_norms: bool = False  # GLM-4's RMSNorms after the attention and the MLP too (Kolibri-1)
     float32_norms: bool = False  # the RMSNorms apply their weight in float32, then round (Flint: GPT-OSS's)
     olmo2_norms: bool = False  # OLMo 2's RMSNorms on the sub-layer outputs only (FlexOlmo)
-    aliases: tuple[tuple[str, str], ...] = ()  # (a config's other name, the key read here), as attribute_map maps them
+    aliases: tuple[tuple[str, str], ...] = ()
+    indexed: bool = False  # Kolibri 1.1: sliding and indexed layers (:class:`IndexedAttention`), KV sharing  # (a config's other name, the key read here), as attribute_map maps them
 
 
 #: Param2-MoE's / Sarvam-MoE's original config names (their configs' ``attribute_map``)
@@ -282,6 +305,8 @@ VARIANTS: dict[str, Variant] = {
                      rope_layers="sliding", float32_router=True, sinks=True, float32_norms=True),
     "kolibri1": Variant("Kolibri-1", ("Kolibri1ForCausalLM", "Kolibri1Model"), qk_norm="head", routing="kolibri",
                         keys="gate", rope_layers="sliding_if_window", glm4_norms=True),
+    "kolibri1_1": Variant("Kolibri-1.1", ("Kolibri1_1ForCausalLM", "Kolibri1_1Model"), qk_norm="head",
+                          routing="kolibri", keys="gate", glm4_norms=True, indexed=True),
     "granitemoeshared": Variant("GraniteMoeShared", ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedModel"),
                                 routing="granite", width="intermediate_size", granite=True),
     "flex_olmo": Variant("FlexOlmo", ("FlexOlmoForCausalLM", "FlexOlmoModel"), qk_norm="all", width="intermediate_size",
@@ -369,6 +394,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                  "shared_expert_intermediate_size": 512, "num_key_value_heads": 4, "head_dim": 128,
                  "sliding_window": 513, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
                  "hidden_act": "silu"},
+    "kolibri1_1": {"num_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 512,
+                   "shared_expert_intermediate_size": 512, "num_key_value_heads": 4, "head_dim": 128,
+                   "sliding_window": 513, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+                   "hidden_act": "silu", "index_topk": 2048, "index_pool_size": 16384, "index_compression": 16,
+                   "index_num_heads": 12, "index_num_local_tokens": 128, "index_num_sink_tokens": 8,
+                   "mlp_only_intermediate_size": 3584},
     "granitemoeshared": {"num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6,
                          "attention_bias": False, "shared_intermediate_size": 0, "hidden_act": "silu"},
     "flex_olmo": {"num_experts": 7, "num_experts_per_tok": 5, "rms_norm_eps": 1e-6, "norm_topk_prob": False,
@@ -416,7 +447,7 @@ _SAVED_LING = _SAVED + tuple((re.compile(p), r) for p, r in (
     (r"\.self_attn\.dense\.", ".self_attn.o_proj."), (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
     (r"\.self_attn\.key_layernorm\.", ".self_attn.k_norm."), (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias")))
 #: the saved-name tables by ``model_type`` (the others: :data:`_SAVED`)
-_SAVED_BY_TYPE = {"kolibri1": _SAVED_KOLIBRI, "param2moe": _SAVED_LING, "sarvam_moe": _SAVED_LING}
+_SAVED_BY_TYPE = {"kolibri1": _SAVED_KOLIBRI, "kolibri1_1": _SAVED_KOLIBRI, "param2moe": _SAVED_LING, "sarvam_moe": _SAVED_LING}
 
 
 def sparse_layers(hf: HFConfig, depth: int) -> list[bool]:
@@ -664,6 +695,8 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     variant = VARIANTS[model_type]
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
+    if variant.indexed:
+        return _build_kolibri1_1(hf, head_size, kw)
     kinds = layer_kinds(hf, model_type, depth)
     ropes = ({k: _rotary(hf, variant, hf.get("head_dim", C // H), k) for k in set(kinds)} if variant.rope_by_kind
              else dict.fromkeys(kinds, _rotary(hf, variant, hf.get("head_dim", C // H))))
@@ -807,6 +840,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     model, plan, head_size = parts.start(hf, sd, build_sparse_moe, device=device, dtype=dtype)
     if variant.granite:
         return _convert_granite(hf, model, plan, head_size)
+    if variant.indexed:
+        return _convert_kolibri1_1(hf, model, plan, head_size)
     for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"layers.{i}."
         _put_attention(plan, f"{o}attn", f"{h}self_attn.", hf, variant)
@@ -977,6 +1012,265 @@ class PostRopeNormAttention(MultiHeadAttention):
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=True, window=self.window, scale=self.scale, backend=self.backend)  # [T, H, D]
         return out.transpose(0, 1).reshape(1, self.num_heads, T, -1)
+
+
+# --------------------------------------------------------------------------- Kolibri 1.1's indexed attention
+def nvfp4(x: Tensor) -> Tensor:
+    """``x`` rounded to NVFP4 and back, in float32 (Kolibri 1.1's ``nvfp4_fake_quantize``, modeling
+    43-56): per 16 consecutive values of the last axis one E4M3 scale ``max |x| / 6`` (clamped to
+    ``[2^-9, 448]``), the scaled values to E2M1 magnitudes (steps 0.5 below 2, 1 below 4, 2 up to 6;
+    ties to even). Shapes: ``[..., 16 m] -> [..., 16 m]`` in ``x``'s dtype."""
+    groups = x.float().unflatten(-1, (-1, 16))  # [..., m, 16]
+    scale = (groups.abs().amax(-1, keepdim=True) / 6).clamp(2 ** -9, 448).to(torch.float8_e4m3fn).float()
+    scaled = groups / scale
+    size = scaled.abs().clamp(max=6)
+    step = torch.where(size < 2, 0.5, torch.where(size < 4, 1.0, 2.0))
+    return ((torch.round(size / step) * step).copysign(scaled) * scale).flatten(-2).to(x.dtype)
+
+
+def top_k_lowest(scores: Tensor, k: int) -> Tensor:
+    """Bool ``[..., M]``: the ``k`` highest finite ``scores [..., M]`` of each row, ties at the cut to
+    the lowest indices (``-inf`` never kept)."""
+    k = min(k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[..., -1:]  # [..., 1]
+    above = scores > kth
+    tied = (scores == kth) & (kth > float("-inf"))
+    return above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= k - above.sum(-1, keepdim=True)))
+
+
+@dataclass(frozen=True)
+class KolibriIndex:
+    """Kolibri 1.1's weightless key selection (``Kolibri1_1Indexer``, modeling 59-189): keys and
+    queries scored by ``sum_h relu(q_h . k) / (sqrt(D) * heads)`` over the first ``heads`` query heads
+    against key head 0, both rounded to NVFP4 (:func:`nvfp4`). A query that sees more than ``pool``
+    keys (counted from its first to its last visible one) gets a pool: the ``pool / compression``
+    best blocks of ``compression`` keys (averaged, from its first visible key; its newest incomplete
+    block scores 0); one that sees more than ``topk + local + sinks`` attends to the ``topk`` best of
+    its pool besides the first ``sinks`` and the last ``local`` keys. Ties go to the earlier keys."""
+
+    topk: int
+    pool: int
+    compression: int
+    heads: int
+    local: int
+    sinks: int
+    head_dim: int
+
+    def _scores(self, q: Tensor, keys: Tensor) -> Tensor:
+        """``[R, M]`` float32 of ``q [heads, R, D]``, ``keys [M, D]`` (float32), summed head by head."""
+        scores = q.new_zeros(q.shape[1], keys.shape[0])
+        for head in q:
+            scores += (head @ keys.T).relu()
+        return scores * (self.head_dim ** -0.5 / self.heads)
+
+    def _groups(self, visible: Tensor, more_than: int) -> Any:
+        """``(b, start, rows [R], length [R, 1])`` for the queries of row ``b`` whose first visible key
+        is ``start`` and that see more than ``more_than`` keys, from ``visible [B, N, M]``."""
+        starts = visible.int().argmax(-1)  # [B, N]
+        lengths = (visible.shape[-1] - visible.flip(-1).int().argmax(-1) - starts) * visible.any(-1)
+        for b in range(visible.shape[0]):
+            long = lengths[b] > more_than
+            for start in starts[b][long].unique().tolist():
+                rows = (long & (starts[b] == start)).nonzero().squeeze(-1)
+                yield b, start, rows, lengths[b, rows, None]
+
+    def select_pool(self, q: Tensor, k: Tensor, visible: Tensor) -> Tensor:
+        """The pool ``[B, N, M]`` bool of queries ``q [B, H, N, D]`` over keys ``k [B, Hkv, M, D]``."""
+        pool, c = visible.clone(), self.compression
+        unseen = ~visible.any(1)  # [B, M]: keys no query sees count as zeros in their block
+        for b, start, rows, length in self._groups(visible, self.pool):
+            keys = k[b, 0, start:].masked_fill(unseen[b, start:, None], 0.0)  # [M', D]
+            n = keys.shape[0] // c
+            summary = nvfp4(keys[: n * c].float().unflatten(0, (n, c)).sum(1) / c)  # [n, D]
+            scores = F.pad(self._scores(nvfp4(q[b, : self.heads, rows]).float(), summary), (0, 1))  # [R, n + 1]
+            block = torch.arange(n + 1, device=scores.device)
+            scores = torch.where(block < length // c, scores, 0.0)
+            scores = scores.masked_fill(block >= (length + c - 1) // c, float("-inf"))
+            chosen = top_k_lowest(scores, self.pool // c).repeat_interleave(c, dim=-1)[:, : keys.shape[0]]
+            pool[b, rows, start:] = chosen & visible[b, rows, start:]
+        return pool
+
+    def select(self, q: Tensor, k: Tensor, visible: Tensor, pool: Tensor) -> Tensor:
+        """The keys ``[B, N, M]`` bool each query attends (within ``visible``), from ``pool``."""
+        selected = visible.clone()
+        for b, start, rows, length in self._groups(visible, self.topk + self.local + self.sinks):
+            keys = nvfp4(k[b, 0, start:]).float()  # [M', D]
+            scores = self._scores(nvfp4(q[b, : self.heads, rows]).float(), keys)  # [R, M']
+            pos = torch.arange(keys.shape[0], device=scores.device)
+            sinks, local = pos < self.sinks, (pos >= length - self.local) & (pos < length)
+            candidates = pool[b, rows, start:] & ~sinks & (pos < length - self.local)
+            chosen = top_k_lowest(scores.masked_fill(~candidates, float("-inf")), self.topk)
+            selected[b, rows, start:] = (chosen | sinks | local) & visible[b, rows, start:]
+        return selected
+
+
+class IndexPool:
+    """The pool ``[B, N, M]`` bool of the latest indexer layer for the queries of the current call,
+    read by the indexed layers after it (Kolibri 1.1's ``index_pool``). Not a module."""
+
+    def __init__(self) -> None:
+        self.pool: Tensor | None = None
+
+
+class IndexedAttention(Gemma4Attention):
+    """Kolibri 1.1's ``indexed_attention`` layer (``Kolibri1_1Attention``, modeling 259-340): causal
+    GQA without positions (NoPE), per-head q/k RMSNorms, over the keys :class:`KolibriIndex` selects
+    (a boolean mask on top of causality and padding; no gradient through it), the keys and values
+    rounded to NVFP4 with a straight-through gradient; ``source``: an indexer layer (it selects the
+    pool it and the following layers select from, in ``pool``). KV sharing (``sharing``: a layer
+    reading an earlier layer's keys and values has only ``q_proj``) is :class:`Gemma4Attention`'s,
+    without its value norm.
+
+    Shapes: ``x [B, N, C] -> [B, N, C]``. Packed input: the model runs each sequence alone."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None, *,
+                 dropout: float = 0.0, parts: Any = None, sharing: KVSharing | None = None, index: KolibriIndex,
+                 pool: IndexPool, source: bool) -> None:
+        super().__init__(dim, num_heads, num_kv_heads, head_dim, dropout=dropout, parts=parts, sharing=sharing)
+        self.index, self.pool, self.source = index, pool, bool(source)
+
+    def _norm_v(self, v: Tensor) -> Tensor:
+        return v  # no value norm
+
+    def _attend_keys(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, start: int, first: int,
+                     return_weights: bool, *, decoding: bool) -> tuple[Tensor, Tensor | None]:
+        """The selection of the keys ``first ..`` (every key: no window) for the queries at ``start ..``."""
+        B, _, N, _ = q.shape
+        with torch.no_grad():
+            real = real_keys(mask, B, start + N, q.device)[:, first:]  # [B, M]
+            key_pos = torch.arange(first, start + N, device=q.device)
+            visible = real[:, None] & (key_pos <= torch.arange(start, start + N, device=q.device)[:, None])
+            if self.source:
+                self.pool.pool = self.index.select_pool(q, k, visible)
+            if self.pool.pool is None or self.pool.pool.shape != visible.shape:
+                raise RuntimeError("IndexedAttention: no pool for these queries; an indexer layer runs first")
+            allowed = self.index.select(q, k, visible, self.pool.pool)  # [B, N, M]
+        k = k + (nvfp4(k) - k).detach()
+        v = v + (nvfp4(v) - v).detach()
+        return super()._attend_keys(q, k, v, allowed.unsqueeze(1), start, first, return_weights, decoding=decoding)
+
+    def _packed(self, x: Tensor, cu_seqlens: object, context: object, mask: object, cache: object,
+                positions: object, return_weights: bool) -> Tensor:
+        raise ValueError(f"{type(self).__name__}: packed input (cu_seqlens) runs one sequence at a time "
+                         f"(the model's layer loop)")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.index}, indexer={self.source}"
+
+
+class Kolibri11LM(LayerLoopLM):
+    """Kolibri 1.1's decoder: its layers in order, each sequence of a packed batch alone (the
+    indexed layers hand keys, values and pools from layer to layer within one call)."""
+
+    def run_layers(self, x: Tensor, *, tokens: Tensor, key_padding: Tensor | None, positions: Tensor | None,
+                   past: int, cache: LayerCaches | None, cu_seqlens: Tensor | None = None) -> Tensor:
+        """``x [B, N, C]`` through the blocks -> ``[B, N, C]``."""
+        positions = self.rotary_positions(positions, key_padding, past, x.shape[1], x.device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, key_padding=key_padding, cache=None if cache is None else cache[i], positions=positions)
+        return x
+
+
+#: Kolibri 1.1's layer kinds
+KOLIBRI_TYPES = ("sliding_attention", "indexed_attention")
+
+
+def kolibri1_1_layout(hf: HFConfig, depth: int) -> tuple[list[str], list[int], set[int]]:
+    """``(kinds, kv_sources, indexers)`` of a Kolibri 1.1 config (configuration 126-190): the layer
+    kinds (default: indexed every fifth), the layer each reads its keys and values from (default:
+    of the indexed layers, the 2nd, 3rd and 10th read the 1st's, the 7th to 9th the 6th's), the
+    indexer layers (default: the 1st, 3rd, 4th and 6th indexed layer)."""
+    kinds = parts.layer_types(hf, depth, KOLIBRI_TYPES, default=[KOLIBRI_TYPES[(i + 1) % 5 == 0] for i in range(depth)])
+    indexed = [i for i, t in enumerate(kinds) if t == KOLIBRI_TYPES[1]]
+    indexers = hf.get("index_layers", None, list)
+    indexers = [indexed[j] for j in (0, 2, 3, 5) if j < len(indexed)] if indexers is None else indexers
+    sources = hf.get("kv_source_layers", None, list)
+    if sources is None:
+        if len(indexed) > len(_KOLIBRI_SOURCES):
+            raise hf.unsupported(f"{len(indexed)} indexed_attention layers without kv_source_layers (its default "
+                                 f"covers {len(_KOLIBRI_SOURCES)})")
+        sources = list(range(depth))
+        for i, j in zip(indexed, _KOLIBRI_SOURCES, strict=False):
+            sources[i] = indexed[j]
+    bad = len(sources) != depth or any(
+        not isinstance(s, int) or not 0 <= s <= i or sources[s] != s or kinds[s] != kinds[i]
+        or (kinds[i] == KOLIBRI_TYPES[0] and s != i) for i, s in enumerate(sources))
+    if bad or not set(indexers) <= set(indexed) or (indexed and indexed[0] not in indexers):
+        raise CheckpointFormatError(f"{hf.source}: kv_source_layers {sources!r} / index_layers {indexers!r} do not "
+                                    f"fit layer_types {kinds!r}")
+    return kinds, sources, set(indexers)
+
+
+#: the default ``kv_source_layers`` of the indexed layers, as indices into them (configuration 164)
+_KOLIBRI_SOURCES = (0, 0, 0, 3, 4, 5, 5, 5, 5, 0)
+
+
+def _kolibri_sharing(sources: list[int], store: SharedKV) -> list[KVSharing | None]:
+    """Each layer's part in KV sharing: a source others read ``"store"``, a reader ``"reuse"``
+    (the last reader of a source releases it), else ``None``."""
+    readers = {s for i, s in enumerate(sources) if s != i}
+    last = {s: max(i for i, t in enumerate(sources) if t == s and i != s) for s in readers}
+    return [KVSharing(store, str(s), "reuse", last[s] == i) if s != i else
+            KVSharing(store, str(i), "store") if i in readers else None for i, s in enumerate(sources)]
+
+
+def _kolibri_attention(hf: HFConfig, kind: str, i: int, layout: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """The factory of layer ``i``'s attention: sliding (RoPE, a window, per-head QK norms, no biases)
+    or :class:`IndexedAttention` (``layout``: ``(sharing, index, pool, indexers, rope)``)."""
+    sharing, index, pool, indexers, rope = layout
+    C, H, eps = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.get("rms_norm_eps", 1e-6, float)
+    if kind == KOLIBRI_TYPES[0]:
+        return parts.attention_factory(HFConfig({**hf.data, "attention_bias": False}, hf.source, hf.arch),
+                                       window=hf.req("sliding_window") - 1, rope=rope, qk_norm="head", **kw)
+    return functools.partial(build_softmax, IndexedAttention, C, H, num_kv_heads=hf.get("num_key_value_heads", H),
+                             head_dim=hf.get("head_dim", C // H), dropout=hf.get("attention_dropout", 0.0, float),
+                             qk_norm="head", qk_norm_eps=eps, sharing=sharing[i], index=index, pool=pool,
+                             source=i in indexers, **kw)
+
+
+def _kolibri_index(hf: HFConfig, D: int) -> KolibriIndex:
+    """The :class:`KolibriIndex` of the config (NVFP4 needs ``head_dim`` a multiple of 16)."""
+    H, Hkv = hf.req("num_attention_heads"), hf.get("num_key_value_heads", hf.req("num_attention_heads"))
+    index = KolibriIndex(*(hf.req(f"index_{k}") for k in ("topk", "pool_size", "compression", "num_heads",
+                                                          "num_local_tokens", "num_sink_tokens")), head_dim=D)
+    if D % 16 or not 0 < index.heads <= H // Hkv or min(index.topk, index.pool, index.compression) < 1 \
+            or index.pool % index.compression:
+        raise CheckpointFormatError(f"{hf.source}: Kolibri 1.1's indexer needs head_dim a multiple of 16, "
+                                    f"index_num_heads within the query heads of key head 0 and index_pool_size a "
+                                    f"multiple of index_compression; got {index}")
+    return index
+
+
+def _build_kolibri1_1(hf: HFConfig, head_size: int | None, kw: dict[str, Any]) -> DecoderLM:
+    """Kolibri 1.1 (module docstring): GLM-4's four norms, sliding and indexed layers, MoE or dense."""
+    C, H, depth, D = parts.dims(hf)
+    eps, V = hf.get("rms_norm_eps", 1e-6, float), hf.req("vocab_size")
+    kinds, sources, indexers = kolibri1_1_layout(hf, depth)
+    layout = (_kolibri_sharing(sources, SharedKV()), _kolibri_index(hf, D), IndexPool(), indexers,
+              parts.rotary(hf, parts.rope_params(hf), D))
+    dense = set(hf.get("mlp_only_layers", [0, 1], list))
+    mlp = parts.gated_mlp(C, hf.req("mlp_only_intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
+                          **kw)
+    moe = _moe(hf, VARIANTS["kolibri1_1"], kw)
+    blocks = [parts.block(C, _kolibri_attention(hf, kind, i, layout, kw), mlp if i in dense else moe,
+                          parts.rms_norm(C, eps, **kw), sublayer_norm="both") for i, kind in enumerate(kinds)]
+    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="rms", norm_eps=eps,
+                        tie_embeddings=hf.get("tie_word_embeddings", False, bool), max_seq_len=parts.max_positions(hf))
+    return Kolibri11LM(config=cfg, parts=DecoderParts(blocks=blocks, head=head_for(C, V, head_size, **kw)), **kw)
+
+
+def _convert_kolibri1_1(hf: HFConfig, model: DecoderLM, plan: Plan, head_size: int | None) -> DecoderLM:
+    """Kolibri 1.1's weights: a reading layer has ``q_proj``, ``q_norm`` and ``o_proj`` only."""
+    for i, block in enumerate(model.blocks):
+        o, h = f"blocks.{i}.", f"layers.{i}."
+        names = "q" if isinstance(block.attn, IndexedAttention) and block.attn.reuses else "qkv"
+        plan.put_cat(f"{o}attn.qkv_proj.weight", [f"{h}self_attn.{n}_proj.weight" for n in names])
+        plan.put(f"{o}attn.out_proj.weight", f"{h}self_attn.o_proj.weight")
+        for n in ("q",) if names == "q" else ("q", "k"):
+            plan.put(f"{o}attn.frontier.{n}_norm_weight", f"{h}self_attn.{n}_norm.weight")
+        _put_ffn(plan, f"{o}ffn.", f"{h}mlp.", VARIANTS["kolibri1_1"], block.ffn, hf)
+        plan.put_pairs(o, h, GLM4_NORMS, bias=False)
+    return parts.finish(plan, model, head_size)
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``: every ``Variant``
