@@ -1,6 +1,7 @@
 """More of the DeepSeek MLA lineage through ``from_hf``: Sarvam-MLA (DeepSeek-V3 built from its own
 config, with its original ``config.json`` names), the dense Youtu-LLM and MiniCPM3 (MiniCPM's
-embedding / residual / logit multipliers folded into weights); equal to transformers' eager (see
+embedding / residual / logit multipliers folded into weights), A.X-K2 (DeepSeek-V3.2's indexed
+attention with a gated query projection, gated norms, zero-filled expert groups); equal to transformers' eager (see
 ``hf_family_checks``), packed sequences and their gradients equal to each sequence alone, refusals
 by name."""
 
@@ -16,7 +17,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
+from attnzoo.interop import UnsupportedConfigError, from_hf, load_pretrained  # noqa: E402
+from attnzoo.models.families.deepseek import (  # noqa: E402
+    GatedQueryLatentAttention,
+    SigmoidGatedRMSNorm,
+    ZeroFilledGroupsMoE,
+)
 from attnzoo.models.parts import ScaledEmbedding  # noqa: E402
 from attnzoo.nn.mla import MultiHeadLatentAttention  # noqa: E402
 from attnzoo.nn.moe import MixtureOfExperts  # noqa: E402
@@ -65,6 +71,21 @@ def _minicpm3_yarn() -> Any:
                      tie_word_embeddings=False, scale_emb=2.5, scale_depth=0.7, dim_model_base=16)
 
 
+def _axk2(**kw: Any) -> Any:
+    """A.X-K2: 3 layers (dense, then MoE: 8 experts, no groups), each query attending its 5 best keys
+    of a 16-head indexer (no ties at the cut), the gated norms of rank 4."""
+    return T.AXK2Config(**{**checks.SMALL, **_MLA, **_MOE, "q_lora_rank": 24, "index_head_dim": 16,
+                           "index_n_heads": 16, "index_topk": 5, "gated_norm_rank": 4, **kw})
+
+
+def _axk2_groups_yarn() -> Any:
+    """Explicit kinds (sparse, dense, sparse, sparse), 4 groups (the best 2), two shared experts,
+    YaRN, attention biases, unnormalised weights, a tied head, 7 keys kept."""
+    return _axk2(num_hidden_layers=4, mlp_layer_types=["sparse", "dense", "sparse", "sparse"], n_group=4,
+                 topk_group=2, n_shared_experts=2, rope_parameters=YARN, attention_bias=True, norm_topk_prob=False,
+                 tie_word_embeddings=True, index_topk=7)
+
+
 class TestSarvamMLA(checks.FamilyChecks):
     config = staticmethod(_sarvam)
     cases = (_sarvam_groups_yarn,)
@@ -80,6 +101,11 @@ class TestMiniCPM3(checks.FamilyChecks):
     cases = (_minicpm3_yarn,)
 
 
+class TestAXK2(checks.FamilyChecks):
+    config = staticmethod(_axk2)
+    cases = (_axk2_groups_yarn,)
+
+
 def test_layer_structure() -> None:
     sarvam = from_hf(checks.hf_model(_sarvam_groups_yarn()))
     assert type(sarvam.blocks[0].attn) is MultiHeadLatentAttention and not sarvam.blocks[0].attn.rope.interleaved
@@ -92,23 +118,54 @@ def test_layer_structure() -> None:
     assert isinstance(cpm.tok_emb, ScaledEmbedding) and cpm.tok_emb.scale == 12.0
     assert not cpm.blocks[0].attn.rope.interleaved and cpm.lm_head.weight is cpm.tok_emb.weight
     assert not any(isinstance(b.ffn, MixtureOfExperts) for b in cpm.blocks)
+    axk2 = from_hf(checks.hf_model(_axk2_groups_yarn()))
+    assert all(type(b.attn) is GatedQueryLatentAttention and type(b.attn_norm) is SigmoidGatedRMSNorm
+               for b in axk2.blocks)
+    assert [type(b.ffn_norm) is SigmoidGatedRMSNorm for b in axk2.blocks] == [True, False, True, True]
+    assert [type(b.ffn) is ZeroFilledGroupsMoE for b in axk2.blocks] == [True, False, True, True]
+    assert axk2.blocks[0].attn.rope.interleaved and not axk2.blocks[0].attn.indexer.interleaved
+    assert not hasattr(axk2.blocks[0].attn, "q_b_proj") and axk2.blocks[0].ffn.groups == 4
 
 
-@pytest.mark.parametrize("make", [_sarvam_groups_yarn, _youtu, _minicpm3_yarn], ids=["sarvam", "youtu", "minicpm3"])
+@pytest.mark.parametrize("make", [_sarvam_groups_yarn, _youtu, _minicpm3_yarn, _axk2_groups_yarn],
+                         ids=["sarvam", "youtu", "minicpm3", "axk2"])
 def test_packed_sequences_equal_each_alone(make: Any) -> None:
     checks.check_packed_equals_each_alone(make)
 
 
-@pytest.mark.parametrize("make", [_sarvam, _youtu_yarn, _minicpm3], ids=["sarvam", "youtu", "minicpm3"])
-def test_packed_gradients_equal_each_alone(make: Any) -> None:
-    checks.check_packed_gradients_equal_each_alone(make)
+@pytest.mark.parametrize("make,no_gradient", [(_sarvam, None), (_youtu_yarn, None), (_minicpm3, None),
+                                              (_axk2_groups_yarn, ".indexer.")],
+                         ids=["sarvam", "youtu", "minicpm3", "axk2"])
+def test_packed_gradients_equal_each_alone(make: Any, no_gradient: str | None) -> None:
+    """Float64 training: packed == each alone (A.X-K2's indexers get no gradient: a discrete top-k)."""
+    checks.check_packed_gradients_equal_each_alone(make, no_gradient=no_gradient)
 
 
-def test_minicpm3_sequence_classification() -> None:
-    """``MiniCPM3ForSequenceClassification`` reads the base model's hidden states: the residual
-    scale is folded, the logit divisor is not (it belongs to the LM head)."""
+def test_axk2_groups_fill_zero() -> None:
+    """A.X-K2's group-limited routing scores the experts outside the kept groups 0, not ``-inf``:
+    with every correction bias at -2 (every biased score negative) it picks experts of the dropped
+    groups, and attnzoo with it; DeepSeek-V3's routing would not."""
+    hf = checks.hf_model(_axk2_groups_yarn())
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.fill_(-2.0)
+    ours, x = from_hf(hf), checks.tokens(12)
+    with torch.no_grad():
+        assert checks.rel(ours(x), hf(input_ids=x).logits) <= checks.TOL
+        for block in ours.blocks:
+            if isinstance(block.ffn, ZeroFilledGroupsMoE):
+                block.ffn.__class__ = MixtureOfExperts  # DeepSeek-V3's -inf
+        assert checks.rel(ours(x), hf(input_ids=x).logits) > 1e-3
+
+
+@pytest.mark.parametrize("make,cls", [(_minicpm3, "MiniCPM3ForSequenceClassification"),
+                                      (_axk2, "AXK2ForSequenceClassification")], ids=["minicpm3", "axk2"])
+def test_sequence_classification(make: Any, cls: str) -> None:
+    """``*ForSequenceClassification`` reads the base model's hidden states (MiniCPM3: the residual
+    scale is folded, the logit divisor is not: it belongs to the LM head)."""
     torch.manual_seed(0)
-    hf = checks.perturbed(T.MiniCPM3ForSequenceClassification(_minicpm3(num_labels=3)))
+    hf = checks.perturbed(getattr(T, cls)(make(num_labels=3)))
     ours, x = from_hf(hf), checks.tokens(12)
     assert ours.lm_head.out_features == 3
     with torch.no_grad():
@@ -180,10 +237,35 @@ def test_youtu_from_pretrained_zeroes_the_pad_row(tmp_path: Path) -> None:
      ("tie_word_embeddings", "rope_interleave", "attention_bias", "rms_norm_eps", "hidden_act")),
     (_minicpm3, ("scale_emb", "scale_depth", "dim_model_base", "v_head_dim", "mlp_bias", "tie_word_embeddings",
                  "rms_norm_eps", "attention_bias")),
-], ids=["sarvam", "youtu", "minicpm3"])
+    (lambda: _axk2(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], gated_norm_rank=16),
+     ("mlp_layer_types", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "n_shared_experts",
+      "attention_bias", "rms_norm_eps", "hidden_act", "tie_word_embeddings", "layer_types", "gated_norm_rank")),
+], ids=["sarvam", "youtu", "minicpm3", "axk2"])
 def test_config_json_with_keys_left_out(tmp_path: Path, make: Any, keys: tuple[str, ...]) -> None:
     """Keys left out of ``config.json`` read as the config classes' defaults (as ``from_pretrained``)."""
     checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
+
+
+def test_axk2_legacy_layer_keys(tmp_path: Path) -> None:
+    """A ``config.json`` with ``first_k_dense_replace`` / ``moe_layer_freq`` instead of
+    ``mlp_layer_types`` (``AXK2Config`` derives the kinds: sparse where ``i >= first`` and ``i % freq == 0``)."""
+    hf = checks.hf_model(_axk2(num_hidden_layers=4, mlp_layer_types=["dense", "dense", "sparse", "dense"]))
+    hf.save_pretrained(tmp_path)
+
+    def legacy(data: dict[str, Any]) -> None:
+        data.pop("mlp_layer_types")
+        data.update(first_k_dense_replace=1, moe_layer_freq=2)  # sparse at 2 only
+
+    _rewrite_config(tmp_path, legacy)
+    _same_as_transformers(tmp_path, hf)
+
+
+def test_axk2_null_query_latent_is_refused(tmp_path: Path) -> None:
+    """``q_lora_rank: null`` (only a ``config.json`` can say it: ``AXK2Config`` rejects it) is refused by name."""
+    checks.hf_model(_axk2()).save_pretrained(tmp_path)
+    _rewrite_config(tmp_path, lambda d: d.update(q_lora_rank=None))
+    with pytest.raises(UnsupportedConfigError, match="q_lora_rank"):
+        load_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("model,make,key,value,named", [
@@ -200,7 +282,13 @@ def test_config_json_with_keys_left_out(tmp_path: Path, make: Any, keys: tuple[s
     ("cpm3", _minicpm3, "pretraining_tp", 2, "pretraining_tp"),
     ("cpm3", _minicpm3, "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
      "partial_rotary_factor"),
+    ("axk2", _axk2, "hidden_act", "gelu", "hidden_act"),
+    ("axk2", _axk2, "num_key_value_heads", 2, "num_key_value_heads"),
+    ("axk2", _axk2, "index_head_dim", 4, "index_head_dim"),
+    ("axk2", _axk2, "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "dynamic"),
+    ("axk2", _axk2, "n_group", 3, "n_group=3"),
 ])
 def test_unsupported_options_are_refused(model: str, make: Any, key: str, value: Any, named: str) -> None:
-    cls = {"sarvam": T.DeepseekV3ForCausalLM, "youtu": T.YoutuForCausalLM, "cpm3": T.MiniCPM3ForCausalLM}[model]
+    cls = {"sarvam": T.DeepseekV3ForCausalLM, "youtu": T.YoutuForCausalLM, "cpm3": T.MiniCPM3ForCausalLM,
+           "axk2": T.AXK2ForCausalLM}[model]
     checks.check_refused(cls, make, key, value, named)

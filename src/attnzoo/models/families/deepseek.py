@@ -2,8 +2,8 @@
 (DeepSeek-V3, R1, V3.1, Kimi K2), ``deepseek_v2`` (DeepSeek-V2, V2-Lite, V2.5) and their
 descendants ``glm4_moe_lite``, ``mistral4``, ``minicpm5_moe``, ``axk1`` (SK Telecom's A.X-K1) and
 the DeepSeek-sparse-attention models ``deepseek_v32`` (DeepSeek-V3.2) and ``glm_moe_dsa`` (GLM-5's
-DSA MoE), ``sarvam_mla`` (Sarvam-105B), the dense ``youtu`` (Youtu-LLM) and ``minicpm3`` (MiniCPM3);
-the ``*ForCausalLM`` and base ``*Model`` classes of each.
+DSA MoE), ``sarvam_mla`` (Sarvam-105B), the dense ``youtu`` (Youtu-LLM) and ``minicpm3`` (MiniCPM3),
+``axk2`` (A.X-K2); the ``*ForCausalLM`` and base ``*Model`` classes of each.
 
 Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSNorms of
 ``rms_norm_eps``) around:
@@ -92,6 +92,17 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSN
   LM head (l. 555; folded into the final norm's weight of a ``*ForCausalLM``, as Granite's
   ``logits_scaling``: a base ``*Model`` is unscaled). ``scale_depth`` / ``dim_model_base`` written as
   ``null`` mean no scaling (``sqrt(num_hidden_layers)``, ``hidden_size``), as its config reads them.
+* A.X-K2 (``modular_axk2.py``, A.X-K1's successor) is DeepSeek-V3.2's indexed latent attention (split-half
+  RoPE in the indexer) with three changes: the queries and a per-channel output gate come from one
+  projection of the normalised and the raw query latent, ``q_gate_proj`` on ``[q_a_norm(c); c]``
+  (no ``q_b_proj``; the heads' outputs times ``sigmoid(gate)`` before ``o_proj``, l. 233-354:
+  :class:`GatedQueryLatentAttention`); ``input_layernorm`` on every layer and
+  ``post_attention_layernorm`` on the MoE layers are RMSNorms gated by a low-rank MLP of their own
+  output (``gated_norm_rank``, l. 171-187: :class:`SigmoidGatedRMSNorm`); the MoE is DeepSeek-V3's
+  with no expert groups by default (``n_group = None``) and, with groups, the dropped groups' experts
+  scored 0 rather than ``-inf`` (l. 196-214: :class:`ZeroFilledGroupsMoE`). Layer kinds as A.X-K1's.
+  Saved folders keep the released names (``q_b_proj`` for ``q_gate_proj``, ``W_down`` / ``W_up`` for the
+  gate MLP's ``fc1`` / ``fc2``, one tensor per expert): both load.
 * Multi-token-prediction layers (``layers.{j}`` with ``j >= num_hidden_layers``, V3's
   ``num_nextn_predict_layers``) are not part of the causal LM: their weights are dropped, as
   transformers drops them (``modeling_deepseek_v3.py`` 536).
@@ -107,7 +118,7 @@ any gated one), a ``topk_method`` other than ``greedy`` / ``group_limited_greedy
 differently there), expert groups that do not divide the experts (into groups of >= 2 where a
 group is scored by its two best) or cannot hold ``num_experts_per_tok`` in the ``topk_group``
 kept, MiniCPM5-MoE's ``attention_bias``; for the DSA models ``q_lora_rank=None`` (a ``config.json``
-only: transformers' config rejects it), ``index_head_dim < qk_rope_head_dim``, and GLM-MoE-DSA's
+only: transformers' config rejects it; A.X-K2 too), ``index_head_dim < qk_rope_head_dim``, and GLM-MoE-DSA's
 ``shared`` layers (``indexer_types``, or as derived from ``index_topk_pattern`` /
 ``index_topk_freq`` / ``index_skip_topk_offset``: a layer reusing the previous layer's top-k).
 """
@@ -126,7 +137,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo.blocks import FeedForward
+from attnzoo.blocks import FeedForward, make_norm
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
@@ -143,9 +154,10 @@ from attnzoo.nn.parts import placed
 from attnzoo.nn.positional import resolve_positions
 from attnzoo.variants import build_attention
 
-__all__ = ["CLASSES", "DEFAULTS", "DISPATCH", "IndexedLatentAttention", "LightningTopK", "PositionScaledLatentAttention",
-           "PostNormMoE", "SoftmaxGroupMoE", "SoftmaxRouting", "build_deepseek", "canonical", "convert_deepseek",
-           "indexed_attention", "moe_layers", "position_scaled_attention"]
+__all__ = ["CLASSES", "DEFAULTS", "DISPATCH", "GatedQueryLatentAttention", "IndexedLatentAttention", "LightningTopK",
+           "PositionScaledLatentAttention", "PostNormMoE", "SigmoidGatedRMSNorm", "SoftmaxGroupMoE", "SoftmaxRouting",
+           "ZeroFilledGroupsMoE", "build_deepseek", "canonical", "convert_deepseek", "indexed_attention", "moe_layers",
+           "position_scaled_attention"]
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -216,11 +228,18 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                  "tie_word_embeddings": True, "mlp_bias": False, "kv_lora_rank": 256, "q_lora_rank": 768,
                  "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": None, "scale_emb": 12,
                  "scale_depth": 1.4, "dim_model_base": 256},
+    "axk2": {**_COMMON, "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
+             "num_hidden_layers": 48, "num_attention_heads": 32, "n_shared_experts": 1, "n_routed_experts": 128,
+             "routed_scaling_factor": 2.5, "kv_lora_rank": 128, "q_lora_rank": 384, "qk_rope_head_dim": 32,
+             "v_head_dim": 64, "qk_nope_head_dim": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
+             "max_position_embeddings": 131072, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16,
+             "gated_norm_rank": 16, "n_group": None, "topk_group": None},
 }
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 #: the model types routing as DeepSeek-V3 (sigmoid scores, ``e_score_correction_bias``)
-SIGMOID = ("deepseek_v3", "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "sarvam_mla")
+SIGMOID = ("deepseek_v3", "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "sarvam_mla",
+           "axk2")
 #: the dense model types: every layer's feed-forward the SwiGLU of ``intermediate_size``
 DENSE = ("youtu", "minicpm3")
 #: per model type, the config names transformers' ``attribute_map`` reads as others (alias -> name)
@@ -229,9 +248,11 @@ ALIASES: dict[str, dict[str, str]] = {
                    "num_shared_experts": "n_shared_experts", "num_mtp_layers": "num_nextn_predict_layers"},
 }
 #: the model types whose layers list their kinds in ``mlp_layer_types`` (default: one dense layer)
-LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1")
+LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "axk2")
 #: the DeepSeek-sparse-attention model types (every layer an :class:`IndexedLatentAttention`)
-DSA = ("deepseek_v32", "glm_moe_dsa")
+DSA = ("deepseek_v32", "glm_moe_dsa", "axk2")
+#: A.X-K1 and A.X-K2: layer kinds from ``first_k_dense_replace`` / ``moe_layer_freq`` when ``mlp_layer_types`` is absent
+AXK = ("axk1", "axk2")
 
 
 @dataclass(frozen=True)
@@ -515,16 +536,94 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
 
 
 def indexed_attention(dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
-                      indexer: dict[str, Any], device: Any = None, dtype: Any = None) -> IndexedLatentAttention:
-    """An :class:`IndexedLatentAttention` with a :class:`LightningTopK` of ``indexer``'s arguments
-    on ``device`` in ``dtype`` (its rotary embedding kept in its own; in float16 the indexer's
-    ``weights_proj`` kept float32, as transformers' ``from_pretrained(dtype=torch.float16)`` keeps it)."""
+                      indexer: dict[str, Any], cls: type[IndexedLatentAttention] = IndexedLatentAttention,
+                      device: Any = None, dtype: Any = None) -> IndexedLatentAttention:
+    """An :class:`IndexedLatentAttention` (or its subclass ``cls``) with a :class:`LightningTopK` of
+    ``indexer``'s arguments on ``device`` in ``dtype`` (its rotary embedding kept in its own; in
+    float16 the indexer's ``weights_proj`` kept float32, as transformers'
+    ``from_pretrained(dtype=torch.float16)`` keeps it)."""
     with contextlib.nullcontext() if device is None else torch.device(device):
-        module = IndexedLatentAttention(dim, num_heads, sizes, bias=bias, options=options,
-                                        indexer=LightningTopK(dim, int(sizes.q_lora_rank or 0), **indexer))
+        module = cls(dim, num_heads, sizes, bias=bias, options=options,
+                     indexer=LightningTopK(dim, int(sizes.q_lora_rank or 0), **indexer))
     # transformers keeps ``indexer.weights_proj`` float32 in float16 (``_keep_in_fp32_modules``; not in bfloat16)
     placed(module, dtype, keep=(module.rope, *([module.indexer.weights_proj] if dtype == torch.float16 else [])))
     return module
+
+
+class GatedQueryLatentAttention(IndexedLatentAttention):
+    """A.X-K2's attention (``AXK2Attention``, ``modular_axk2.py`` 233-354): DeepSeek-V3.2's indexed
+    latent attention whose queries and a per-channel output gate come from one projection of both
+    the normalised and the raw query latent, ``q_gate_proj [H (dn + dr + dv), 2 rq]`` on ``[q_a_norm(c);
+    c]`` (``c = q_a_proj(x)``; no ``q_b_proj``): per head the rows ``[q_h; gate_h]``; the heads' outputs
+    ``o [B, H, N, dv]`` are multiplied by ``sigmoid(gate)`` (in float32) before ``out_proj``.
+
+    Args and attention protocol: as :class:`IndexedLatentAttention` (``sizes.q_lora_rank`` set).
+    Build under ``with torch.device(...)`` (or through :func:`indexed_attention` with ``cls=``).
+    """
+
+    def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
+                 indexer: LightningTopK) -> None:
+        super().__init__(dim, num_heads, sizes, bias=bias, options=options, indexer=indexer)
+        s, p = self.sizes, self.q_a_proj.weight
+        del self.q_b_proj
+        self.q_gate_proj = nn.Linear(2 * int(s.q_lora_rank or 0), num_heads * (s.qk_head_dim + s.v_head_dim), bias=False,
+                                     device=p.device, dtype=p.dtype)
+        self._gate: Tensor | None = None  # [B, H, N, dv]: from _queries to merge_heads of one call
+
+    def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``q_nope [B, H, N, dn]``, ``q_pe [B, H, N, dr]``; the output gate kept for :meth:`merge_heads`."""
+        s = self.sizes
+        c = self.q_a_proj(x)  # [B, N, rq]
+        qg = self.q_gate_proj(torch.cat((self.q_a_norm(c), c), dim=-1))  # [B, N, H (dn + dr + dv)]
+        B, N, _ = qg.shape
+        q, self._gate = qg.view(B, N, self.num_heads, -1).transpose(1, 2).split((s.qk_head_dim, s.v_head_dim), -1)
+        return q[..., : s.qk_nope_head_dim], q[..., s.qk_nope_head_dim:]
+
+    def merge_heads(self, out: Tensor) -> Tensor:
+        """``[B, H, N, dv]`` times ``sigmoid(gate)`` -> ``out_proj`` -> ``[B, N, C]``."""
+        gate, self._gate = self._gate, None
+        if gate is None:
+            raise RuntimeError("GatedQueryLatentAttention: merge_heads before the queries of the same call")
+        return super().merge_heads((out * torch.sigmoid(gate.float())).to(out.dtype))
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """A.X-K2's ``AXK2GatedRMSNorm`` (``modular_axk2.py`` 171-187): an RMSNorm whose output is gated by
+    a low-rank MLP of itself, ``y * sigmoid(fc2(silu(fc1(y))))`` with ``y = norm(x)`` (the sigmoid in
+    float32).
+
+    Args:
+        dim: ``C``. rank: ``gated_norm_rank``. eps: the RMSNorm's epsilon.
+
+    Weights: ``norm.weight [C]``, ``mlp.up_proj [rank, C]`` (transformers' ``mlp.fc1``),
+    ``mlp.down_proj [C, rank]`` (``mlp.fc2``). Shapes: ``[..., C] -> [..., C]``.
+    """
+
+    def __init__(self, dim: int, rank: int, eps: float, *, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.norm = make_norm("rms", dim, eps, device=device, dtype=dtype)
+        self.mlp = FeedForward(dim, rank, "silu", bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.norm(x)
+        return (y * torch.sigmoid(self.mlp(y).float())).to(y.dtype)
+
+
+class ZeroFilledGroupsMoE(MixtureOfExperts):
+    """DeepSeek-V3's mixture of experts as A.X-K2 routes it (``AXK2TopkRouter.apply_group_scoring``,
+    ``modular_axk2.py`` 196-214): the experts outside a token's kept groups get the choice score 0
+    instead of DeepSeek-V3's ``-inf``, so a kept expert whose biased score ``sigmoid + bias`` is
+    negative loses to them. One group: as :class:`~attnzoo.nn.moe.MixtureOfExperts`."""
+
+    @classmethod
+    def of(cls, moe: MixtureOfExperts) -> ZeroFilledGroupsMoE:
+        """``moe`` (built by :func:`~attnzoo.models.families._moe.deepseek_moe`) routing so, in place."""
+        moe.__class__ = cls
+        return moe  # type: ignore[return-value]
+
+    def _in_best_groups(self, choice: Tensor) -> Tensor:
+        kept = super()._in_best_groups(choice)
+        return kept if self.groups == 1 else kept.masked_fill(torch.isneginf(kept), 0.0)
 
 
 class PostNormMoE(nn.Module):
@@ -611,7 +710,7 @@ def _derived(hf: HFConfig, model_type: str) -> HFConfig:
                    "dim_model_base": C}
         full = HFConfig({**full.data, **{k: v for k, v in derived.items() if k == "v_head_dim" or k in null}},
                         hf.source, hf.arch)
-    return _mistral4_defaults(full) if model_type == "mistral4" else _axk1_kinds(full) if model_type == "axk1" else full
+    return _mistral4_defaults(full) if model_type == "mistral4" else _axk1_kinds(full) if model_type in AXK else full
 
 
 def _check_dsa(hf: HFConfig, model_type: str) -> None:
@@ -735,8 +834,9 @@ def _attention(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[]
         bias = akw.pop("bias")
         indexer = {"heads": hf.req("index_n_heads"), "head_dim": hf.req("index_head_dim"),
                    "topk": hf.req("index_topk"), "interleaved": model_type == "glm_moe_dsa"}
+        cls = GatedQueryLatentAttention if model_type == "axk2" else IndexedLatentAttention
         return functools.partial(indexed_attention, hf.req("hidden_size"), hf.req("num_attention_heads"), sizes,
-                                 bias=bias, options=MLAOptions(**akw), indexer=indexer, **kw)
+                                 bias=bias, options=MLAOptions(**akw), indexer=indexer, cls=cls, **kw)
     if query_scaling is not None:
         sizes = MLASizes(**{k: akw.pop(k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                       "v_head_dim", "q_lora_rank")})
@@ -757,7 +857,8 @@ def _moe(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[], nn.M
         norm = parts.rms_norm(C, hf.get("rms_norm_eps", 1e-6, float), **kw)
         return lambda: PostNormMoE(moe(), norm())
     if model_type in SIGMOID:
-        return functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=True, **kw)
+        sigmoid = functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=True, **kw)
+        return (lambda: ZeroFilledGroupsMoE.of(sigmoid())) if model_type == "axk2" else sigmoid
     groups, topk_groups = _groups(hf, model_type)
     v2 = model_type == "deepseek_v2"
     routing = SoftmaxRouting(hf.get("routed_scaling_factor", 1.0, float), groups, topk_groups,
@@ -782,7 +883,13 @@ def build_deepseek(hf: HFConfig, model_type: str, *, head_size: int | None = Non
                             bias=hf.get("mlp_bias", False, bool), **kw)
     kinds = moe_layers(hf, model_type)
     moe = _moe(hf, model_type, kw) if any(kinds) else dense
-    blocks = [parts.block(C, attention, moe if sparse else dense, norm) for sparse in kinds]
+    if model_type == "axk2":  # the gated norm before every attention and every MoE, a plain one before a dense MLP
+        gated = functools.partial(SigmoidGatedRMSNorm, C, hf.req("gated_norm_rank"), eps, **kw)
+        blocks = [parts.block(C, attention, moe if sparse else dense, gated) for sparse in kinds]
+        for block, sparse in zip(blocks, kinds, strict=True):
+            block.ffn_norm = block.ffn_norm if sparse else norm()
+    else:
+        blocks = [parts.block(C, attention, moe if sparse else dense, norm) for sparse in kinds]
     scale = hf.get("scale_emb", 1.0, float) if model_type == "minicpm3" else 1.0
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=None if scale == 1.0 else scale,
                          **kw)
@@ -824,6 +931,28 @@ def _put_gated_attention(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> No
     plan.put(f"{ours}.out_proj.weight", f"{theirs}o_proj.weight")
 
 
+def _put_axk2_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig, sparse: bool) -> None:
+    """A.X-K2's attention (:class:`GatedQueryLatentAttention`: ``q_gate_proj`` in place of ``q_b_proj``,
+    the biases of ``attention_bias`` on ``q_a_proj``, ``kv_a_proj_with_mqa``, ``o_proj``) and its
+    norms (:class:`SigmoidGatedRMSNorm` ``input_layernorm``, and ``post_attention_layernorm`` on a
+    ``sparse`` layer; a plain RMSNorm on a dense one). Saved folders keep the released names, which
+    transformers renames on load and back on save (``conversion_mapping.py``): ``q_b_proj`` for
+    ``q_gate_proj``, ``W_down`` / ``W_up`` for the gate MLP's ``mlp.fc1`` / ``mlp.fc2``."""
+    a, t = f"{ours}attn.", f"{theirs}self_attn."
+    fused = "q_gate_proj" if plan.src.has(f"{t}q_gate_proj.weight") else "q_b_proj"
+    plan.put_pairs(a, t, [("q_a_norm", "q_a_layernorm"), ("q_gate_proj", fused),
+                          ("kv_a_norm", "kv_a_layernorm"), ("kv_b_proj", "kv_b_proj")], bias=False)
+    plan.put_pairs(a, t, [("q_a_proj", "q_a_proj"), ("kv_a_proj", "kv_a_proj_with_mqa"), ("out_proj", "o_proj")],
+                   bias=hf.get("attention_bias", False, bool))
+    fc1, fc2 = ("mlp.fc1", "mlp.fc2") if plan.src.has(f"{theirs}input_layernorm.mlp.fc1.weight") else ("W_down", "W_up")
+    gated = [("norm", "norm"), ("mlp.up_proj", fc1), ("mlp.down_proj", fc2)]
+    plan.put_pairs(f"{ours}attn_norm.", f"{theirs}input_layernorm.", gated, bias=False)
+    if sparse:
+        plan.put_pairs(f"{ours}ffn_norm.", f"{theirs}post_attention_layernorm.", gated, bias=False)
+    else:
+        plan.put(f"{ours}ffn_norm.weight", f"{theirs}post_attention_layernorm.weight")
+
+
 def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; MTP layers dropped)."""
     hf = canonical(HFConfig({**hf.data, "model_type": model_type}, hf.source, hf.arch), model_type)
@@ -835,6 +964,8 @@ def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: An
         o, h = f"blocks.{i}.", f"layers.{i}."
         if model_type == "minicpm5_moe":
             _put_gated_attention(plan, f"{o}attn", f"{h}self_attn.", hf)
+        elif model_type == "axk2":
+            _put_axk2_layer(plan, o, h, hf, sparse)
         else:
             put_mla(plan, f"{o}attn.", f"{h}self_attn.", hf)
         if model_type in DSA:
@@ -844,7 +975,8 @@ def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: An
             _put_moe(plan, f"{o}ffn.", f"{h}mlp.", hf)
         else:
             parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.", bias=hf.get("mlp_bias", False, bool))
-        plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
+        if model_type != "axk2":
+            plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
     if model_type == "minicpm3":
         return _finish_minicpm3(plan, model, hf, head_size)
     unused = [] if hf.get("n_shared_experts", 0) else [r"(model\.)?layers\.\d+\.mlp\.shared_experts\..*"]
@@ -868,7 +1000,7 @@ def _finish_minicpm3(plan: Plan, model: DecoderLM, hf: HFConfig, head_size: int 
 
 def convert_deepseek(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """A model of the lineage, by the config's ``model_type`` (see the module docstring): DeepSeek-V3 /
-    V2 / V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral 4, MiniCPM5-MoE, A.X-K1, Sarvam-MLA, Youtu-LLM, MiniCPM3."""
+    V2 / V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral 4, MiniCPM5-MoE, A.X-K1 / K2, Sarvam-MLA, Youtu-LLM, MiniCPM3."""
     model_type = str(hf.raw("model_type"))
     if model_type not in DEFAULTS:
         raise ValueError(f"convert_deepseek: model_type must be one of {list(DEFAULTS)}, got {model_type!r}")
@@ -881,7 +1013,8 @@ CLASSES = {"deepseek_v3": ("DeepSeek-V3", "DeepseekV3"), "deepseek_v2": ("DeepSe
            "glm4_moe_lite": ("GLM-4-MoE-Lite", "Glm4MoeLite"), "mistral4": ("Mistral-4", "Mistral4"),
            "minicpm5_moe": ("MiniCPM5-MoE", "MiniCPM5Moe"), "axk1": ("A.X-K1", "AXK1"),
            "deepseek_v32": ("DeepSeek-V3.2", "DeepseekV32"), "glm_moe_dsa": ("GLM-MoE-DSA", "GlmMoeDsa"),
-           "sarvam_mla": ("Sarvam-MLA", "DeepseekV3"), "youtu": ("Youtu-LLM", "Youtu"), "minicpm3": ("MiniCPM3", "MiniCPM3")}
+           "sarvam_mla": ("Sarvam-MLA", "DeepseekV3"), "youtu": ("Youtu-LLM", "Youtu"), "minicpm3": ("MiniCPM3", "MiniCPM3"),
+           "axk2": ("A.X-K2", "AXK2")}
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
 DISPATCH = {t: parts.Dispatch(name, convert_deepseek, (f"{prefix}ForCausalLM", f"{prefix}Model"))
