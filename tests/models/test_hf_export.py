@@ -236,9 +236,21 @@ NATIVE = {
     "mistral": dict(attention="sliding", attention_kwargs={"window": 5}, pos="rope", norm="rms", ffn="swiglu",
                     bias=False),
     "gpt2": dict(attention="mha", pos="learned", norm="layer", ffn="gelu_tanh", bias=True, max_seq_len=64),
+    "gpt_neox": dict(attention="mha", pos="rope", norm="layer", ffn="gelu", bias=True, rope=Rope(base=500.0)),
+    "gpt_neox_untied": dict(attention="mha", pos="rope", norm="layer", ffn="gelu", bias=True, tie_embeddings=False),
 }
 EXPECTED = {"llama_gqa": "LlamaForCausalLM", "llama_mqa_bias": "LlamaForCausalLM",
-            "llama_linear_rope": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+            "llama_linear_rope": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel",
+            "gpt_neox": "GPTNeoXForCausalLM", "gpt_neox_untied": "GPTNeoXForCausalLM"}
+
+
+def test_the_arena_language_model_exports_as_gpt_neox() -> None:
+    ours = DecoderLM(config=DecoderConfig.preset("arena_lm", attention="mha")).eval()
+    hf = to_hf(ours)
+    assert type(hf).__name__ == "GPTNeoXForCausalLM"
+    x = torch.randint(0, 76, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert checks.rel(hf.eval()(input_ids=x).logits, ours(x)) <= 1e-5
 
 
 @pytest.mark.parametrize("name", sorted(NATIVE))
@@ -260,7 +272,8 @@ def test_a_native_decoder_exports_as_its_family(name: str, tmp_path: Path) -> No
 @pytest.mark.parametrize(("settings", "why"), [
     (dict(attention="linear"), "a layer's attention is LinearAttention"),
     (dict(attention=("gqa", "gated_deltanet")), "a layer's attention is"),
-    (dict(attention="mha", pos="rope", norm="layer", ffn="gelu"), "pos='rope', norm='layer', ffn='gelu'"),
+    (dict(attention="mha", pos="rope", norm="layer", ffn="gelu_tanh"), "pos='rope', norm='layer', ffn='gelu_tanh'"),
+    (dict(attention="gqa", pos="rope", norm="layer", ffn="gelu"), "pos='rope', norm='layer', ffn='gelu'"),
     (dict(attention="mha", pos="learned", norm="layer", ffn="gelu_tanh", bias=False), "bias=False"),
 ])
 def test_a_native_decoder_no_family_has_is_refused(settings: dict[str, Any], why: str) -> None:

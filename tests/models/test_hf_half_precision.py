@@ -90,6 +90,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         ("mimo_v2_flash", "mimo"), ("laguna", "laguna"))},
     **{t: ("test_hf_sparse_moe_3", f"_{m}") for t, m in (("mellum", "mellum"), ("flint", "flint"),
                                                             ("kolibri1", "kolibri"), ("cwm", "cwm"))},
+    **{t: ("test_hf_neox", f"_{t}") for t in ("gpt_neox", "phi", "stablelm", "persimmon", "gptj", "codegen")},
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},

@@ -216,8 +216,9 @@ _PLAIN_ATTENTION = {"MultiHeadAttention": False, "GroupedQueryAttention": False,
 
 def _refuse_native(why: str) -> ExportError:
     return ExportError(f"hf_config: {why}; a native DecoderLM exports as LLaMA (pos='rope', norm='rms', "
-                       "ffn='swiglu'), Mistral (the same with attention='sliding') or GPT-2 (pos='learned', "
-                       "norm='layer', ffn='gelu_tanh', bias=True, attention='mha')")
+                       "ffn='swiglu'), Mistral (the same with attention='sliding'), GPT-NeoX (pos='rope', "
+                       "norm='layer', ffn='gelu', bias=True, attention='mha': the arena's models) or GPT-2 "
+                       "(pos='learned', norm='layer', ffn='gelu_tanh', bias=True, attention='mha')")
 
 
 def _attention_shape(model: DecoderLM) -> tuple[int, int | None]:
@@ -251,8 +252,9 @@ def hf_config(model: nn.Module) -> dict[str, Any]:
     Hugging Face family whose conversion has the architecture of a native :class:`~attnzoo.DecoderLM`
     (one built from a :class:`~attnzoo.models.DecoderConfig`, e.g. by the arena or a preset): LLaMA
     (``pos='rope'``, ``norm='rms'``, ``ffn='swiglu'``; MHA, GQA or MQA), Mistral (the same with
-    ``attention='sliding'``) or GPT-2 (``pos='learned'``, ``norm='layer'``, ``ffn='gelu_tanh'``,
-    ``bias=True``, MHA). :func:`to_hf` with no ``hf_model`` builds it and checks the logits.
+    ``attention='sliding'``), GPT-NeoX with sequential residuals (``pos='rope'``, ``norm='layer'``,
+    ``ffn='gelu'``, ``bias=True``, MHA: the arena's language models) or GPT-2 (``pos='learned'``,
+    ``norm='layer'``, ``ffn='gelu_tanh'``, ``bias=True``, MHA). :func:`to_hf` with no ``hf_model`` builds it and checks the logits.
 
     Raises:
         TypeError: ``model`` is not a ``DecoderLM``.
@@ -274,7 +276,14 @@ def hf_config(model: nn.Module) -> dict[str, Any]:
         if window is not None:
             return {**out, "sliding_window": window + 1}
         return {**out, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
-    if kinds == ("learned", "layer", "gelu_tanh") and cfg.bias and kv_heads == cfg.num_heads and window is None:
+    plain = cfg.bias and kv_heads == cfg.num_heads and window is None and model.head_dim * cfg.num_heads == cfg.dim
+    if kinds == ("rope", "layer", "gelu") and plain and cfg.rope.parameters is None:
+        rope = {**_rope_keys(cfg.rope)["rope_parameters"], "partial_rotary_factor": 1.0}
+        return {"model_type": "gpt_neox", **shared, "hidden_size": cfg.dim, "num_attention_heads": cfg.num_heads,
+                "intermediate_size": ffn_hidden, "hidden_act": "gelu", "max_position_embeddings": cfg.max_seq_len,
+                "layer_norm_eps": cfg.norm_eps, "use_parallel_residual": False, "attention_bias": True,
+                "rope_parameters": rope}
+    if kinds == ("learned", "layer", "gelu_tanh") and plain:
         return {"model_type": "gpt2", **shared, "n_embd": cfg.dim, "n_head": cfg.num_heads,
                 "n_layer": cfg.depth, "n_positions": cfg.max_seq_len, "n_inner": ffn_hidden,
                 "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new"}
