@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import attnzoo.models.families.apertus1p5 as apertus1p5
 import attnzoo.models.families.bailing_hybrid as bailing_hybrid
 import attnzoo.models.families.bamba as bamba
 import attnzoo.models.families.beam as beam
@@ -26,6 +27,7 @@ import attnzoo.models.families.deepseek_v4 as deepseek_v4
 import attnzoo.models.families.dense as dense
 import attnzoo.models.families.diffllama as diffllama
 import attnzoo.models.families.doge as doge
+import attnzoo.models.families.dots3 as dots3
 import attnzoo.models.families.falcon_h1 as falcon_h1
 import attnzoo.models.families.gemma3 as gemma3
 import attnzoo.models.families.gemma3n as gemma3n
@@ -50,6 +52,7 @@ import attnzoo.models.families.mamba1 as mamba1
 import attnzoo.models.families.mamba2 as mamba2
 import attnzoo.models.families.mimo_v2_flash as mimo_v2_flash
 import attnzoo.models.families.minimax as minimax
+import attnzoo.models.families.minimax_m3 as minimax_m3
 import attnzoo.models.families.nemotron_h as nemotron_h
 import attnzoo.models.families.neox as neox
 import attnzoo.models.families.olmo3 as olmo3
@@ -58,8 +61,11 @@ import attnzoo.models.families.qwen3_5 as qwen3_5
 import attnzoo.models.families.qwen3_next as qwen3_next
 import attnzoo.models.families.qwen4_exp as qwen4_exp
 import attnzoo.models.families.recurrent_gemma as recurrent_gemma
+import attnzoo.models.families.rwkv as rwkv
 import attnzoo.models.families.smollm3 as smollm3
 import attnzoo.models.families.sparse_moe as sparse_moe
+import attnzoo.models.families.xlstm as xlstm
+import attnzoo.models.families.zamba as zamba
 import attnzoo.models.families.zamba2 as zamba2
 import attnzoo.models.families.zaya as zaya
 from attnzoo.models.hf._state import HFConfig
@@ -76,7 +82,8 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   granitemoehybrid, mamba2, nemotron_h, falcon_h1, lfm2, mamba1, jamba, lfm3, lara_mini,
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
-                  cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n)
+                  cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
+                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
