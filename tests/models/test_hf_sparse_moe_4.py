@@ -107,6 +107,32 @@ def _kolibri11_other(**kw: Any) -> Any:
                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **kw})
 
 
+def _cohere2_moe(**kw: Any) -> Any:
+    """4 layers: layer 0 dense (48 wide) and full with RoPE (the prefix pattern 1), then sliding / full
+    / sliding by ``sliding_window_pattern`` 2 (window 6; interleaved RoPE on sliding layers, NoPE on
+    full ones); 6 experts, the top-2 logits softmaxed, one shared expert averaged with them; bias-free
+    LayerNorms, logit scale 0.3, tied, head_dim 16."""
+    return T.Cohere2MoeConfig(**{**checks.SMALL, "num_hidden_layers": 4, "first_k_dense_replace": 1, "num_experts": 6,
+                                 "num_experts_per_tok": 2, "num_shared_experts": 1, "sliding_window": 6,
+                                 "sliding_window_pattern": 2, "prefix_dense_intermediate_size": 48, "head_dim": 16,
+                                 "logit_scale": 0.3, **kw})
+
+
+def _cohere2_moe_other(**kw: Any) -> Any:
+    """Two dense layers (sliding, full: prefix pattern 2, so the full one is NoPE), sigmoid routing
+    not renormalised, two shared experts summed, RMSNorms, q/k/v/o biases, untied, theta 1e6."""
+    return _cohere2_moe(**{"first_k_dense_replace": 2, "prefix_dense_sliding_window_pattern": 2,
+                           "expert_selection_fn": "sigmoid", "norm_topk_prob": False, "num_shared_experts": 2,
+                           "shared_expert_combination_strategy": "sum", "rms_norm_eps": 1e-5, "attention_bias": True,
+                           "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                           **kw})
+
+
+class TestCohere2Moe(checks.FamilyChecks):
+    config = staticmethod(_cohere2_moe)
+    cases = (_cohere2_moe_other,)
+
+
 class TestKolibri11(checks.FamilyChecks):
     config = staticmethod(_kolibri11)
     cases = (_kolibri11_other,)
@@ -165,6 +191,21 @@ def test_structure() -> None:
     assert [i for i, b in enumerate(other.blocks) if isinstance(b.attn, IndexedAttention)] == [4, 9]
     assert other.blocks[4].attn.source and other.blocks[9].attn.reuses and not other.blocks[9].attn.source
 
+    from attnzoo.nn.parallel import ParallelMixers
+
+    hf = checks.hf_model(_cohere2_moe())
+    ours = from_hf(hf)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    assert all(type(b.attn) is ParallelMixers and b.ffn is None for b in ours.blocks)
+    attns = [b.attn.mixers[0] for b in ours.blocks]
+    assert [a.window for a in attns] == [None, (5, 5), None, (5, 5)]
+    assert [a.rope is not None for a in attns] == [True, True, False, True] and attns[0].rope.interleaved
+    assert [type(b.attn.mixers[1].module) for b in ours.blocks] == [FeedForward] + [MixtureOfExperts] * 3
+    assert type(ours.norm) is torch.nn.LayerNorm and ours.norm.bias is None
+    other = from_hf(checks.hf_model(_cohere2_moe_other()))
+    assert [b.attn.mixers[0].rope is not None for b in other.blocks] == [True, False, True, False]
+    assert type(other.blocks[3].attn.mixers[1].module) is LogitBiasSigmoidMoE and type(other.norm) is not torch.nn.LayerNorm
+
     for make in (_param2, _sarvam):
         hf = checks.hf_model(make())
         assert type(hf).__name__ == "Glm4MoeForCausalLM"
@@ -192,6 +233,13 @@ def test_structure() -> None:
      ("num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
       "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob", "use_qk_norm",
       "head_dim", "rms_norm_eps", "attention_bias", "tie_word_embeddings", "rope_parameters", "hidden_act")),
+    (lambda: _cohere2_moe(first_k_dense_replace=0, num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+                          hidden_size=32, num_experts=8, num_shared_experts=0, sliding_window=4096, logit_scale=0.0625,
+                          sliding_window_pattern=4),
+     ("num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "num_shared_experts",
+      "shared_expert_combination_strategy", "expert_selection_fn", "norm_topk_prob", "layer_types", "mlp_layer_types",
+      "sliding_window", "sliding_window_pattern", "prefix_dense_sliding_window_pattern", "logit_scale",
+      "layer_norm_eps", "rms_norm_eps", "attention_bias", "tie_word_embeddings", "hidden_act")),
     (lambda: _kolibri11_other(num_key_value_heads=4, num_attention_heads=12, hidden_size=48, head_dim=128,
                               num_experts=6, num_experts_per_tok=6, moe_intermediate_size=512,
                               shared_expert_intermediate_size=512, sliding_window=513, norm_topk_prob=False,
@@ -202,7 +250,7 @@ def test_structure() -> None:
       "sliding_window", "norm_topk_prob", "layer_types", "index_layers", "kv_source_layers", "mlp_only_layers",
       "mlp_only_intermediate_size", "index_topk", "index_pool_size", "index_compression", "index_num_local_tokens",
       "index_num_sink_tokens", "rms_norm_eps", "hidden_act")),
-], ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1"])
+], ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "cohere2_moe", "kolibri1_1"])
 def test_config_json_without_defaults_loads(make: Any, keys: tuple[str, ...], tmp_path: Path) -> None:
     """A ``config.json`` leaving these keys out: read as transformers' ``from_pretrained`` reads it."""
     checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
@@ -236,22 +284,30 @@ def test_param2_original_config_names_load(tmp_path: Path) -> None:
     (T.Glm4MoeForCausalLM, _param2, "hidden_act", "gelu", "hidden_act"),
     (T.Glm4MoeForCausalLM, _sarvam, "pretraining_tp", 2, "pretraining_tp"),
     (T.Kolibri1_1ForCausalLM, _kolibri11, "hidden_act", "gelu", "hidden_act"),
+    (T.Cohere2MoeForCausalLM, _cohere2_moe, "hidden_act", "gelu", "hidden_act"),
+    (T.Cohere2MoeForCausalLM, _cohere2_moe, "expert_selection_fn", "relu", "expert_selection_fn"),
+    (T.Cohere2MoeForCausalLM, _cohere2_moe, "shared_expert_combination_strategy", "max",
+     "shared_expert_combination_strategy"),
+    (T.Cohere2MoeForCausalLM, _cohere2_moe, "rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+     "rope_type"),
     (T.Kolibri1_1ForCausalLM, _kolibri11, "layer_types", ["full_attention"] * 6, "layer type"),
-], ids=["kolibri1_1_activation", "kolibri1_1_layer_type","granitemoeshared_activation", "granitemoeshared_partial_rope", "flex_olmo_activation", "param2_activation",
+], ids=["kolibri1_1_activation", "kolibri1_1_layer_type", "cohere2_moe_activation", "cohere2_moe_selection",
+        "cohere2_moe_combination", "cohere2_moe_rope_type","granitemoeshared_activation", "granitemoeshared_partial_rope", "flex_olmo_activation", "param2_activation",
         "sarvam_pretraining_tp"])
 def test_options_it_cannot_reproduce_are_refused(model_class: Any, make: Any, key: str, value: Any,
                                                   named: str) -> None:
     checks.check_refused(model_class, make, key, value, named)
 
 
-@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam, _kolibri11],
-                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1"])
+@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam, _kolibri11, _cohere2_moe],
+                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe"])
 def test_packed_sequences_equal_each_alone(make: Any) -> None:
     checks.check_packed_equals_each_alone(make)
 
 
-@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2_other, _sarvam, _kolibri11],
-                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1"])
+@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2_other, _sarvam, _kolibri11,
+                                  _cohere2_moe_other],
+                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe"])
 def test_packed_training_gradients_equal_each_alone(make: Any) -> None:
     checks.check_packed_gradients_equal_each_alone(make)
 

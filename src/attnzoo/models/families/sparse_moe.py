@@ -6,7 +6,8 @@ Hunyuan-A13B (``hunyuan_v1_moe``), EXAONE-MoE (``exaone_moe``), Solar-Open (``so
 its ``modular_phimoe.py``). Line numbers are transformers 5.25's ``models/<family>/modeling_<family>.py``
 (``configuration_<family>.py`` where it says so); the third batch (Mellum, Flint, Kolibri-1) cites
 ``modular_<family>.py``; the fourth: GraniteMoeShared (``granitemoeshared``), FlexOlmo (``flex_olmo``),
-Param2-MoE (``param2moe``), Sarvam-MoE (``sarvam_moe``) and Kolibri 1.1 (``kolibri1_1``).
+Param2-MoE (``param2moe``), Sarvam-MoE (``sarvam_moe``), Cohere2-MoE (``cohere2_moe``) and Kolibri 1.1
+(``kolibri1_1``).
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -153,6 +154,22 @@ The fourth batch (``modeling_<family>.py`` line numbers):
   folders keep the original checkpoints' names (``conversion_mapping.py``: ``word_embeddings``,
   ``attention.query_key_value`` rows ``[q; k; v]``, ``attention.dense``,
   ``query_layernorm`` / ``key_layernorm``, ``mlp.gate.expert_bias``): both load.
+* **Cohere2-MoE** (``cohere2_moe``; 46-205, 330-420): Cohere2's *parallel* layer (one norm, then
+  the attention and the MLP / MoE of the same normed input added to the residual together, l.
+  411-413): here a :class:`~attnzoo.nn.parallel.ParallelMixers` of the attention and the
+  feed-forward (:class:`FeedForwardMixer`) in a block without a feed-forward; the norms bias-free
+  LayerNorms (``layer_norm_eps``; weight in float32) or RMSNorms when ``rms_norm_eps`` is set (l.
+  394-398); interleaved RoPE (adjacent pairs) on the sliding layers and, when
+  ``prefix_dense_sliding_window_pattern == 1``, on the dense layers (``force_rope``, l. 325-327), none
+  on the other full layers; a window of ``sliding_window - 1`` keys; biases on q/k/v/o by
+  ``attention_bias``; dense layers by ``mlp_layer_types`` (default the first ``first_k_dense_replace``,
+  ``prefix_dense_intermediate_size`` wide) and ``layer_types`` (configuration 128-150); the MoE
+  (:func:`_cohere_moe`): the top-k logits then a softmax over them, or their sigmoids renormalised
+  by ``norm_topk_prob`` (``expert_selection_fn``), experts of ``intermediate_size``,
+  ``num_shared_experts`` ungated shared experts summed with the routed output or averaged
+  (``shared_expert_combination_strategy``; the ``/ 2`` folded into both down projections at load:
+  exact); the logits times ``logit_scale`` (folded into the final norm of an LM head); tied
+  embeddings by default.
 * **Kolibri 1.1** (``kolibri1_1``; 43-189, 259-560): Kolibri-1's layer (GLM-4's four norms) and
   MoE (:class:`LogitBiasSigmoidMoE` + ungated shared expert) with ``mlp_only_layers`` (default the
   first two) dense SwiGLUs of ``mlp_only_intermediate_size``; ``layer_types`` ``sliding_attention``
@@ -207,7 +224,7 @@ from attnzoo.models.families._moe import (
     put_per_expert,
     put_stacked_experts,
 )
-from attnzoo.models.families.gemma4 import Gemma4Attention, KVSharing, SharedKV
+from attnzoo.models.families.gemma4 import Gemma4Attention, KVSharing, SharedKV, SharedKVCounter
 from attnzoo.models.families.granitemoehybrid import CHECKS as GRANITE_CHECKS
 from attnzoo.models.families.granitemoehybrid import (
     embed_scale,
@@ -226,6 +243,7 @@ from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
+from attnzoo.nn.parallel import ParallelMixers
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
 __all__ = ["DISPATCH", "MOE_KEYS", "VARIANTS", "Float32RouterMoE", "IndexPool", "IndexedAttention", "Kolibri11LM",
@@ -263,6 +281,7 @@ class Variant:
     float32_norms: bool = False  # the RMSNorms apply their weight in float32, then round (Flint: GPT-OSS's)
     olmo2_norms: bool = False  # OLMo 2's RMSNorms on the sub-layer outputs only (FlexOlmo)
     aliases: tuple[tuple[str, str], ...] = ()
+    parallel: bool = False  # Cohere2-MoE: the attention and the MoE side by side on one normed input
     indexed: bool = False  # Kolibri 1.1: sliding and indexed layers (:class:`IndexedAttention`), KV sharing  # (a config's other name, the key read here), as attribute_map maps them
 
 
@@ -307,6 +326,8 @@ VARIANTS: dict[str, Variant] = {
                         keys="gate", rope_layers="sliding_if_window", glm4_norms=True),
     "kolibri1_1": Variant("Kolibri-1.1", ("Kolibri1_1ForCausalLM", "Kolibri1_1Model"), qk_norm="head",
                           routing="kolibri", keys="gate", glm4_norms=True, indexed=True),
+    "cohere2_moe": Variant("Cohere2-MoE", ("Cohere2MoeForCausalLM", "Cohere2MoeModel"), routing="cohere",
+                           width="intermediate_size", keys="cohere", interleaved=True, parallel=True),
     "granitemoeshared": Variant("GraniteMoeShared", ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedModel"),
                                 routing="granite", width="intermediate_size", granite=True),
     "flex_olmo": Variant("FlexOlmo", ("FlexOlmoForCausalLM", "FlexOlmoModel"), qk_norm="all", width="intermediate_size",
@@ -327,6 +348,7 @@ MOE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "ernie": (("gate.weight",), ("gate.moe_statics.e_score_correction_bias", "moe_statics.e_score_correction_bias"),
               ("shared_experts",)),
     "hunyuan": (("gate.wg.weight",), (), ("shared_mlp",)),
+    "cohere": (("gate.weight",), (), ("shared_experts",)),
 }
 #: transformers' defaults of the keys read here, per family (a ``config.json`` may leave them out;
 #: ``num_experts`` stands for ``num_local_experts`` too)
@@ -400,6 +422,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "hidden_act": "silu", "index_topk": 2048, "index_pool_size": 16384, "index_compression": 16,
                    "index_num_heads": 12, "index_num_local_tokens": 128, "index_num_sink_tokens": 8,
                    "mlp_only_intermediate_size": 3584},
+    "cohere2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 128, "layer_norm_eps": 1e-5,
+                    "logit_scale": 0.0625, "tie_word_embeddings": True, "sliding_window": 4096, "attention_bias": False,
+                    "num_shared_experts": 0, "shared_expert_combination_strategy": "average",
+                    "expert_selection_fn": "softmax", "norm_topk_prob": True, "sliding_window_pattern": 4,
+                    "prefix_dense_sliding_window_pattern": 1, "max_position_embeddings": 8192, "hidden_act": "silu"},
     "granitemoeshared": {"num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6,
                          "attention_bias": False, "shared_intermediate_size": 0, "hidden_act": "silu"},
     "flex_olmo": {"num_experts": 7, "num_experts_per_tok": 5, "rms_norm_eps": 1e-6, "norm_topk_prob": False,
@@ -617,6 +644,8 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
         return functools.partial(_shared_sigmoid_moe, hf, **kw)
     if variant.routing == "kolibri":
         return functools.partial(_kolibri_moe, hf, **kw)
+    if variant.routing == "cohere":
+        return functools.partial(_cohere_moe, hf, **kw)
     if variant.routing == "sigmoid":
         routing = Routing("sigmoid_topk", norm_topk_prob=True, norm_eps=0.0)
         return functools.partial(MixtureOfExperts, hf.req("hidden_size"), hf.req(variant.width), hf.req("num_experts"),
@@ -697,6 +726,8 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
     if variant.indexed:
         return _build_kolibri1_1(hf, head_size, kw)
+    if variant.parallel:
+        return _build_cohere2_moe(hf, head_size, kw)
     kinds = layer_kinds(hf, model_type, depth)
     ropes = ({k: _rotary(hf, variant, hf.get("head_dim", C // H), k) for k in set(kinds)} if variant.rope_by_kind
              else dict.fromkeys(kinds, _rotary(hf, variant, hf.get("head_dim", C // H))))
@@ -725,12 +756,13 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
 
 
 def _layer_norm_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Any, head_size: int | None,
-                        kw: dict[str, Any]) -> DecoderLM:
-    """PhiMoE's decoder: the final LayerNorm ``norm()`` and, for an LM head, the bias ``lm_head_bias``."""
+                        kw: dict[str, Any], eps_key: str = "rms_norm_eps") -> DecoderLM:
+    """PhiMoE's decoder: the final LayerNorm ``norm()`` (eps ``eps_key``) and, for an LM head, the bias
+    ``lm_head_bias``; Cohere2-MoE's (``norm()`` a LayerNorm without bias, or an RMSNorm)."""
     V, C = hf.req("vocab_size"), hf.req("hidden_size")
-    cfg = DecoderConfig(V, C, len(blocks), hf.req("num_attention_heads"), pos="rope", norm="layer",
-                        norm_eps=hf.req("rms_norm_eps", float), tie_embeddings=hf.get("tie_word_embeddings", False, bool),
-                        max_seq_len=parts.max_positions(hf))
+    cfg = DecoderConfig(V, C, len(blocks), hf.req("num_attention_heads"), pos="rope",
+                        norm="layer" if isinstance(norm(), nn.LayerNorm) else "rms", norm_eps=hf.req(eps_key, float),
+                        tie_embeddings=hf.get("tie_word_embeddings", False, bool), max_seq_len=parts.max_positions(hf))
     head = (LMHead(C, V, bias=True, **kw) if head_size is None and hf.get("lm_head_bias", False, bool)
             else head_for(C, V, head_size, **kw))
     return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head), **kw)
@@ -842,6 +874,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         return _convert_granite(hf, model, plan, head_size)
     if variant.indexed:
         return _convert_kolibri1_1(hf, model, plan, head_size)
+    if variant.parallel:
+        return _convert_cohere2_moe(hf, model, plan, head_size)
     for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"layers.{i}."
         _put_attention(plan, f"{o}attn", f"{h}self_attn.", hf, variant)
@@ -1012,6 +1046,112 @@ class PostRopeNormAttention(MultiHeadAttention):
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=True, window=self.window, scale=self.scale, backend=self.backend)  # [T, H, D]
         return out.transpose(0, 1).reshape(1, self.num_heads, T, -1)
+
+
+# --------------------------------------------------------------------------- Cohere2-MoE's parallel layers
+class FeedForwardMixer(nn.Module):
+    """A token-wise module (a feed-forward, a mixture of experts) as one of the token mixers of a
+    :class:`~attnzoo.nn.parallel.ParallelMixers`: the attention protocol's ``mask`` and ``positions``
+    mean nothing to it, its decode cache only counts tokens (a gemma4 ``SharedKVCounter``).
+
+    Shapes: ``x [B, N, C] -> [B, N, C]``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> SharedKVCounter:
+        return SharedKVCounter(batch_size)
+
+    def forward(self, x: Tensor, *, mask: Any = None, cache: SharedKVCounter | None = None,
+                positions: Tensor | None = None) -> Tensor:
+        if cache is not None:
+            cache.advance(x.shape[1], x.device)
+        return self.module(x)  # [B, N, C]
+
+
+def _parallel(attention: Any, feed_forward: Any) -> ParallelMixers:
+    """Cohere's parallel layer as one mixer: ``attention(n) + feed_forward(n)`` of the same normed input."""
+    return ParallelMixers([attention(), FeedForwardMixer(feed_forward())])
+
+
+def _cohere_moe(hf: HFConfig, *, device: Any = None, dtype: Any = None) -> MixtureOfExperts:
+    """Cohere2-MoE's experts (modeling 130-205): the top-k logits, then a softmax over them
+    (``expert_selection_fn="softmax"``) or their sigmoids renormalised by ``norm_topk_prob``
+    (``"sigmoid"``: :class:`LogitBiasSigmoidMoE`, its bias 0); ``num_shared_experts`` ungated shared
+    experts of ``intermediate_size`` each (their average with the routed output is folded at load)."""
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    C, F_, E, k = (hf.req(n) for n in ("hidden_size", "intermediate_size", "num_experts", "num_experts_per_tok"))
+    n = hf.get("num_shared_experts", 0)
+    shared = FeedForward(C, F_ * n, "swiglu", bias=False, **kw) if n else None
+    how = hf.get("expert_selection_fn", "softmax", str)
+    if how == "sigmoid":
+        return LogitBiasSigmoidMoE(C, F_, E, k, norm_topk_prob=hf.get("norm_topk_prob", True, bool),
+                                   shared_expert=shared, **kw)
+    if how != "softmax":
+        raise hf.unsupported(f"expert_selection_fn={how!r} (supported: 'softmax', 'sigmoid')")
+    return MixtureOfExperts(C, F_, E, k, routing=Routing("topk_softmax"), shared_expert=shared, **kw)
+
+
+def _cohere_layout(hf: HFConfig, depth: int) -> tuple[list[str], list[str]]:
+    """``(layer kinds, mlp kinds)`` of Cohere2-MoE (configuration 128-150): ``layer_types`` and
+    ``mlp_layer_types``, by default from ``first_k_dense_replace`` dense layers, sliding but every
+    ``prefix_dense_sliding_window_pattern``-th, then sliding but every ``sliding_window_pattern``-th."""
+    k = hf.get("first_k_dense_replace", 0)
+    patterns = [hf.raw(key) for key in ("prefix_dense_sliding_window_pattern", "sliding_window_pattern")]
+    for key, p in zip(("prefix_dense_sliding_window_pattern", "sliding_window_pattern"), patterns, strict=True):
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise hf.unsupported(f"{key}={p!r} (supported: an int >= 1)")
+    kinds = [TYPES[(i + 1) % patterns[0] != 0] for i in range(k)] + [
+        TYPES[(i + 1) % patterns[1] != 0] for i in range(depth - k)]
+    return (parts.layer_types(hf, depth, TYPES, default=kinds),
+            parts.layer_types(hf, depth, ("dense", "sparse"), key="mlp_layer_types",
+                              default=["dense" if i < k else "sparse" for i in range(depth)]))
+
+
+def _build_cohere2_moe(hf: HFConfig, head_size: int | None, kw: dict[str, Any]) -> DecoderLM:
+    """Cohere2-MoE (module docstring): parallel layers, interleaved RoPE on the sliding (and, by
+    ``prefix_dense_sliding_window_pattern == 1``, the dense) layers, no positions on the others."""
+    C, _, depth, D = parts.dims(hf)
+    kinds, mlps = _cohere_layout(hf, depth)
+    if hf.has("rms_norm_eps"):
+        norm, eps_key = parts.rms_norm(C, hf.req("rms_norm_eps", float), **kw), "rms_norm_eps"
+    else:
+        norm, eps_key = functools.partial(nn.LayerNorm, C, eps=hf.req("layer_norm_eps", float), bias=False,
+                                          **kw), "layer_norm_eps"
+    rope, force = _rotary(hf, VARIANTS["cohere2_moe"], D), hf.req("prefix_dense_sliding_window_pattern") == 1
+    width = hf.get("prefix_dense_intermediate_size", None) or hf.req("intermediate_size")
+    mlp = parts.gated_mlp(C, width, hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    moe = _moe(hf, VARIANTS["cohere2_moe"], kw)
+    blocks = [parts.block(C, functools.partial(_parallel, parts.attention_factory(
+        hf, window=w, rope=rope if w is not None or (force and m == "dense") else None, **kw),
+        mlp if m == "dense" else moe), None, norm) for w, m in zip(parts.sliding_windows(hf, kinds), mlps, strict=True)]
+    return _layer_norm_decoder(hf, blocks, norm, head_size, kw, eps_key)
+
+
+def _convert_cohere2_moe(hf: HFConfig, model: DecoderLM, plan: Plan, head_size: int | None) -> DecoderLM:
+    """Cohere2-MoE's weights: the attention at ``attn.mixers.0``, the MLP or MoE at ``attn.mixers.1.module``;
+    the ``"average"`` of the routed and shared experts folded into their down projections (times 0.5:
+    exact), ``logit_scale`` into the final norm of an LM head."""
+    variant, bias = VARIANTS["cohere2_moe"], hf.get("attention_bias", False, bool)
+    average = hf.get("shared_expert_combination_strategy", "average", str)
+    if average not in ("average", "sum"):
+        raise hf.unsupported(f"shared_expert_combination_strategy={average!r} (supported: 'average', 'sum')")
+    for i, block in enumerate(model.blocks):
+        o, h, ffn = f"blocks.{i}.", f"layers.{i}.", block.attn.mixers[1].module
+        parts.put_attention(plan, f"{o}attn.mixers.0", f"{h}self_attn.", bias=bias)
+        _put_ffn(plan, f"{o}attn.mixers.1.module.", f"{h}mlp.", variant, ffn, hf)
+        if isinstance(ffn, LogitBiasSigmoidMoE):
+            plan.put_tensor(f"{o}attn.mixers.1.module.score_bias", torch.zeros(ffn.num_experts), "zeros (no bias)")
+        if isinstance(ffn, MixtureOfExperts) and ffn.shared_expert is not None and average == "average":
+            for name in (f"{o}attn.mixers.1.module.down_proj", f"{o}attn.mixers.1.module.shared_expert.down_proj.weight"):
+                t, key = plan.values[name]
+                plan.values[name] = (t * 0.5, f"{key} x 0.5 (the average of the routed and shared experts)")
+        plan.put_pairs(o, h, [("attn_norm", "input_layernorm")], bias=False)
+    scale = hf.req("logit_scale", float)
+    return parts.finish(plan, model, head_size, norm_transform=None if head_size is not None or scale == 1.0 else
+                        functools.partial(torch.mul, other=scale))
 
 
 # --------------------------------------------------------------------------- Kolibri 1.1's indexed attention
