@@ -1,9 +1,11 @@
 """Dense decoders of the LLaMA line -> :class:`~attnzoo.DecoderLM`: Cohere2, EXAONE 4, Ministral 3,
 Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``), Command R
 (``cohere``), OLMo 1 (``olmo``), GLM-4-9B (``glm``), ERNIE-4.5 (``ernie4_5``), HunYuan-V1-Dense
-(``hunyuan_v1_dense``), Helium (``helium``), Arcee AFM (``arcee``) and Nemotron-4 (``nemotron``), as
-``*ForCausalLM`` and ``*Model`` (one converter, dispatching on ``model_type``). Line numbers:
-transformers 5.25's ``models/<name>/modeling_<name>.py``.
+(``hunyuan_v1_dense``), Helium (``helium``), Arcee AFM (``arcee``), Nemotron-4 (``nemotron``), Ministral
+(``ministral``), VaultGemma (``vaultgemma``), Jais-2 (``jais2``), HyperCLOVA X (``hyperclovax``), Granite-SWA
+(``granite_swa``), EXAONE 3.x (``exaone``), InternLM3 (``internlm3``), IQuest-Coder (``iquestcoder``), NanoChat
+(``nanochat``) and BitNet (``bitnet``), as ``*ForCausalLM`` and ``*Model`` (one converter, dispatching on
+``model_type``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
   ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
@@ -75,6 +77,52 @@ transformers 5.25's ``models/<name>/modeling_<name>.py``.
   ``partial_rotary_factor`` (default 0.5) of each head, halves rotated (158-168), q/k/v/o biases
   by ``attention_bias``.
 
+* Ministral (``modeling_ministral.py``): Mistral's layer (no biases, 150-154) with a window of
+  ``sliding_window - 1`` keys on the ``sliding_attention`` layers of ``layer_types`` (155); absent, every
+  layer is sliding when a ``sliding_window`` is set, else full (``configuration_ministral.py`` 91-94).
+  transformers' forward asks the config for a window even then (``create_sliding_window_causal_mask``
+  raises on ``sliding_window=None``): an unwindowed Ministral runs here only.
+* VaultGemma (``modeling_vaultgemma.py``): Gemma 2 without the norms on the sub-layer outputs
+  (``input_layernorm``, ``pre_feedforward_layernorm`` only, 242-244): ``1 + w`` RMSNorms scaled in float32,
+  embeddings times ``sqrt(hidden)`` (371), scores times ``query_pre_attn_scalar ** -0.5`` (172) and
+  soft-capped by ``attn_logit_softcapping`` (226), logits by ``final_logit_softcapping`` (511-514; the
+  softcaps' defaults only where the key is absent: ``null`` is none), sliding / full layers alternating
+  from a sliding first by default, tanh-GeGLU (``hidden_activation``), q/k/v/o biased by ``attention_bias``.
+* Jais-2 (``modeling_jais2.py``): LLaMA's layer with biased LayerNorms (205-206, 316), the ungated MLP
+  ``down(act(up(x)))`` (50-55; ReLU² by default) biased by ``mlp_bias`` and q/k/v/o by ``attention_bias``
+  (both on by default): Nemotron-4's decoder with the whole head rotated.
+* HyperCLOVA X (``modeling_hyperclovax.py``): LLaMA with muP multipliers, the score scale
+  ``attention_multiplier`` (default ``head_dim ** -0.5``, 190), the embeddings times
+  ``embedding_multiplier`` (395), each sub-layer output times ``residual_multiplier`` (327, 334) and the
+  logits *times* ``logits_scaling`` (496: Granite divides), and with ``use_post_norm`` (Peri-LN, the
+  default) RMSNorms on the sub-layer outputs (``post_norm1`` / ``post_norm2``, 276-281). The residual
+  multiplier is folded into the output norms' weights (into ``o_proj`` / ``down_proj`` without them), the
+  logit one into the final norm of an LM head.
+* Granite-SWA (``modeling_granite_swa.py``): Granite's layer and multipliers (folded as Granite's) with
+  one learnable sink logit per query head (``sinks``: the ``sigmoid(logsumexp - sink)`` output rescaling,
+  109-117, is a softmax denominator term), a window of ``sliding_window - 1`` keys on the sliding layers
+  (``layer_types``; absent, every fourth layer full from the first) and a RoPE base per layer
+  (``layer_rope_theta``, ``0`` a NoPE layer; 395-398, 456-457): GraniteMoe-SWA's dense sibling.
+* EXAONE 3.x, InternLM3, IQuest-Coder (``exaone``, ``internlm3``, ``iquestcoder``): transformers builds
+  ``LlamaForCausalLM`` / ``LlamaModel`` for them (their ``modular_*.py`` hold a config only): LLaMA with
+  q/k/v/o biased by ``attention_bias`` and the MLP by ``mlp_bias``, each with its own defaults. EXAONE's
+  checkpoints (and transformers' ``save_pretrained`` folders) name the weights ``transformer.h.{i}.attn.attention``,
+  ``ln_1``, ``mlp.c_fc_0`` ... (``conversion_mapping.py`` "exaone"), read as transformers' names; EXAONE's
+  ``num_layers`` / ``layer_norm_epsilon`` / ``activation_function`` and InternLM3's ``qkv_bias`` / ``bias``
+  config keys are read as transformers' (their ``attribute_map``). IQuest-Coder's ``clip_qkv`` and
+  ``use_sliding_window`` (which transformers' config refuses) are refused by name.
+* NanoChat (``modeling_nanochat.py``): RMSNorms without weights (44-56) everywhere, the embeddings
+  normed before the first layer too (394; minimax's
+  :class:`~attnzoo.models.families.minimax.NormedEmbedding`), an ungated ReLU² MLP ``fc2(act(fc1(x)))``
+  (254-260), weightless per-head QK RMSNorms after RoPE (220-224; before it here: a rotation keeps the
+  norm), a RoPE turning the other way (``rotate_half`` gives ``(x2, -x1)``, 167-171: converted by negating the
+  second half of each query / key head's rows) and the logit softcap ``final_logit_softcapping``.
+* BitNet (``modeling_bitnet.py``; the unquantized weights as transformers holds them): LLaMA with an
+  RMSNorm before ``o_proj`` (``attn_sub_norm``, 177/217: hidden_size wide, so ``heads * head_dim`` must
+  be ``hidden_size``) and before ``down_proj`` (``ffn_sub_norm``, 74-77; :class:`SubNormLinear`) and a
+  gated ReLU² MLP (:class:`SubNormFeedForward`); a ``quantization_config`` (ternary BitLinear layers) is
+  refused by name.
+
 Adjacent-pair RoPE is attnzoo's ``interleaved`` rotary (:class:`~attnzoo.nn.positional.RotaryEmbedding`),
 so the q/k weights are copied as they are.
 """
@@ -82,8 +130,9 @@ so the q/k weights are copied as they are.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -92,17 +141,20 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 import attnzoo.models.families.granitemoehybrid as granite
-from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
+from attnzoo.blocks import ACTIVATIONS, BlockLayers, FeedForward, RMSNorm, TransformerBlock
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families.granitemoe_swa import _thetas as layer_thetas
+from attnzoo.models.families.minimax import NormedEmbedding
 from attnzoo.models.families.sparse_moe import PostRopeNormAttention
 from attnzoo.models.hf._state import HFConfig, Plan, load_gate_up_into, load_qkv_into
 from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["DISPATCH", "XIELU", "ClampedLinear", "ParallelBlock", "ScaledLMHead",
-           "TemperedAttention", "build_dense", "build_granite", "build_starcoder2", "convert_dense"]
+__all__ = ["DISPATCH", "FAMILIES", "XIELU", "ClampedLinear", "Family", "ParallelBlock", "ScaledLMHead",
+           "SubNormFeedForward", "SubNormLinear", "TemperedAttention", "WeightlessRMSNorm", "build_dense",
+           "build_granite", "build_starcoder2", "canonical", "convert_dense"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -237,11 +289,13 @@ def _make_attention(dim: int, heads: int, settings: Mapping[str, Any], out_bias:
 
 def _attention(hf: HFConfig, *, window: int | None, rope: nn.Module | None, biases: tuple[bool, bool],
                qk_norm: str | None = None, temperature: tuple[float, float] | None = None,
-               kw: Mapping[str, Any]) -> Callable[[], nn.Module]:
+               softcap: float | None = None, kw: Mapping[str, Any]) -> Callable[[], nn.Module]:
     """A factory of one layer's attention (:func:`~attnzoo.models.families._common.attention_factory`'s
-    settings) with the q/k/v and output biases ``biases``."""
+    settings) with the q/k/v and output biases ``biases`` and the score ``softcap`` (``None``: none)."""
     base = parts.attention_factory(hf, window=window, rope=rope, qk_norm=qk_norm, **kw)
     settings = {**base.keywords, "bias": biases[0], "causal": True}
+    if softcap is not None:
+        settings["softcap"] = softcap
     return functools.partial(_make_attention, hf.req("hidden_size"), hf.req("num_attention_heads"), settings,
                              biases[1], temperature)
 
@@ -282,9 +336,10 @@ def build_cohere2(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     bias = hf.get("attention_bias", False, bool)
     norm = functools.partial(nn.LayerNorm, C, eps=eps, bias=False, **kw)
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
-    blocks = [ParallelBlock(C, BlockLayers(attention=_attention(hf, window=w, rope=rope if w is not None else None,
-                                                                biases=(bias, bias), kw=kw), feed_forward=ffn, norm=norm))
-              for w in parts.sliding_windows(hf, kinds)]
+    blocks: list[nn.Module] = [
+        ParallelBlock(C, BlockLayers(attention=_attention(hf, window=w, rope=rope if w is not None else None,
+                                                          biases=(bias, bias), kw=kw), feed_forward=ffn, norm=norm))
+        for w in parts.sliding_windows(hf, kinds)]
     return _parallel_decoder(hf, blocks, norm, eps, head_size, kw)
 
 
@@ -366,40 +421,23 @@ def build_apertus(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
-def build_granite(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
-    """Granite 3.x: LLaMA with the score scale ``attention_multiplier`` and the embedding multiplier
-    (the residual multiplier and ``logits_scaling`` are folded in at load: module docstring)."""
-    C, _, depth, D = parts.dims(hf)
-    parts.unsupported_keys(hf, granite.CHECKS)
-    granite.refuse_partial_rotary(hf)
-    eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
-    rope = parts.rotary(hf, parts.rope_params(hf), D)
-    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
-    bias = hf.get("attention_bias", False, bool)
-    attn = _attention(hf, window=None, rope=rope, biases=(bias, bias),
-                      kw={**kw, "scale": granite.multiplier(hf, "attention_multiplier")})
-    blocks = [parts.block(C, attn, ffn, parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
-    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=granite.embed_scale(hf), **kw)
-
-
 def build_starcoder2(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                      dtype: Any = None) -> DecoderLM:
     """StarCoder2: biased LayerNorms, an ungated biased MLP, one window on every layer (module docstring)."""
-    C, H, depth, D = parts.dims(hf)
+    C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("norm_epsilon", 1e-5, float), {"device": device, "dtype": dtype}
-    act, bias = hf.get("hidden_act", "gelu_pytorch_tanh", str), hf.get("use_bias", True, bool)
-    if act not in UNGATED:
-        raise hf.unsupported(f"hidden_act={act!r} (supported: {', '.join(map(repr, UNGATED))})")
-    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), UNGATED[act], bias=bias, **kw)
+    bias = hf.get("use_bias", True, bool)
+    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), _ungated(hf, "gelu_pytorch_tanh"), bias=bias,
+                            **kw)
     window = hf.get("sliding_window", None)
     norm = functools.partial(nn.LayerNorm, C, eps=eps, **kw)
-    attn = _attention(hf, window=None if window is None else window - 1, rope=parts.rotary(hf, parts.rope_params(hf), D),
-                      biases=(bias, bias), kw=kw)
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    attn = _attention(hf, window=None if window is None else window - 1, rope=rope, biases=(bias, bias), kw=kw)
     blocks = [_block(C, attn, ffn, norm, dropout=hf.get("residual_dropout", 0.0, float)) for _ in range(depth)]
-    V = hf.req("vocab_size")
-    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=eps, dropout=hf.get("embedding_dropout", 0.0, float),
-                        tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
-    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head_for(C, V, head_size, **kw)), **kw)
+    head = head_for(C, hf.req("vocab_size"), head_size, **kw)
+    return _decoder_with(hf, blocks, norm(), kind="layer", eps=eps, head=head,
+                         tie=hf.get("tie_word_embeddings", True, bool), kw=kw,
+                         dropout=hf.get("embedding_dropout", 0.0, float))
 
 
 def _glm4_rotary_dim(hf: HFConfig, head_dim: int) -> int:
@@ -435,12 +473,24 @@ def _parallel_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Callable[[], 
                       head_size: int | None, kw: Mapping[str, Any]) -> DecoderLM:
     """Cohere's decoder around parallel ``blocks``: the final bias-free LayerNorm ``norm`` and the
     head times ``logit_scale`` (a plain head for a base model or a score head)."""
-    C, H, V = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("vocab_size")
-    cfg = DecoderConfig(V, C, len(blocks), H, pos="rope", norm="layer", norm_eps=eps,
-                        tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
+    C, V = hf.req("hidden_size"), hf.req("vocab_size")
     head = (ScaledLMHead(C, V, scale=hf.get("logit_scale", 0.0625, float), **kw) if head_size is None
             else head_for(C, V, head_size, **kw))
-    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head), **kw)
+    return _decoder_with(hf, blocks, norm(), kind="layer", eps=eps, head=head,
+                         tie=hf.get("tie_word_embeddings", True, bool), kw=kw)
+
+
+def _decoder_with(hf: HFConfig, blocks: Sequence[nn.Module], norm: nn.Module, *, kind: str, eps: float,
+                  head: nn.Module | None, tie: bool, kw: Mapping[str, Any], embedding: nn.Module | None = None,
+                  dropout: float = 0.0) -> DecoderLM:
+    """The :class:`DecoderLM` around ``blocks`` with the family's own final ``norm`` (a config
+    ``norm=kind`` of ``eps``), ``head``, token ``embedding`` (``None``: a plain one) and embedding
+    ``dropout``, for the families whose final norm :func:`~attnzoo.models.families._common.decoder`'s
+    RMSNorm is not."""
+    C, H, V = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("vocab_size")
+    cfg = DecoderConfig(V, C, len(blocks), H, pos="rope", norm=kind, norm_eps=eps, dropout=dropout, tie_embeddings=tie,
+                        max_seq_len=parts.max_positions(hf))
+    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, embedding=embedding, norm=norm, head=head), **kw)
 
 
 def build_cohere(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
@@ -502,10 +552,7 @@ def build_ernie4_5(hf: HFConfig, *, head_size: int | None = None, device: Any = 
 def build_arcee(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """Arcee AFM: LLaMA with the ungated MLP ``down(act(up(x)))`` (ReLU² by default)."""
     kw = {"device": device, "dtype": dtype}
-    act = hf.get("hidden_act", "relu2", str)
-    if act not in UNGATED:
-        raise hf.unsupported(f"hidden_act={act!r} (supported: {', '.join(map(repr, UNGATED))})")
-    ffn = functools.partial(FeedForward, hf.req("hidden_size"), hf.req("intermediate_size"), UNGATED[act],
+    ffn = functools.partial(FeedForward, hf.req("hidden_size"), hf.req("intermediate_size"), _ungated(hf, "relu2"),
                             bias=hf.get("mlp_bias", False, bool), **kw)
     bias = hf.get("attention_bias", False, bool)
     return _llama_like(hf, head_size, kw, biases=(bias, bias), ffn=ffn, interleaved=False)
@@ -550,7 +597,7 @@ def _clip_qkv(hf: HFConfig) -> float | None:
 def build_olmo(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """OLMo 1: LLaMA with non-parametric LayerNorms (eps 1e-5, ``modeling_olmo.py`` 48-60) and
     ``clip_qkv`` (:class:`ClampedLinear`)."""
-    C, H, depth, D = parts.dims(hf)
+    C, _, depth, D = parts.dims(hf)
     kw = {"device": device, "dtype": dtype}
     norm = functools.partial(nn.LayerNorm, C, eps=1e-5, elementwise_affine=False, **kw)
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
@@ -558,11 +605,9 @@ def build_olmo(hf: HFConfig, *, head_size: int | None = None, device: Any = None
     attn = functools.partial(_clamped, _attention(hf, window=None, rope=_rope(hf, D), biases=(bias, bias), kw=kw),
                              _clip_qkv(hf))
     blocks = [_block(C, attn, ffn, norm) for _ in range(depth)]
-    V = hf.req("vocab_size")
-    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=1e-5,
-                        tie_embeddings=hf.get("tie_word_embeddings", False, bool), max_seq_len=parts.max_positions(hf))
-    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head_for(C, V, head_size, **kw)),
-                     **kw)
+    head = head_for(C, hf.req("vocab_size"), head_size, **kw)
+    return _decoder_with(hf, blocks, norm(), kind="layer", eps=1e-5, head=head,
+                         tie=hf.get("tie_word_embeddings", False, bool), kw=kw)
 
 
 def build_glm(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
@@ -599,26 +644,276 @@ def build_hunyuan_v1_dense(hf: HFConfig, *, head_size: int | None = None, device
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
-def build_nemotron(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
-    """Nemotron-4: LayerNorm1P (``weight + 1``, with bias; loaded as a LayerNorm of ``weight + 1``),
-    an ungated MLP (squared ReLU by default), partial RoPE on the first channels (module docstring)."""
-    C, H, depth, D = parts.dims(hf)
-    eps, kw = hf.get("norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
-    act = hf.get("hidden_act", "relu2", str)
+def _ungated(hf: HFConfig, default: str) -> str:
+    """attnzoo's name (:data:`UNGATED`) of the config's ``hidden_act``; another one refused by name."""
+    act = hf.get("hidden_act", default, str)
     if act not in UNGATED:
         raise hf.unsupported(f"hidden_act={act!r} (supported: {', '.join(map(repr, UNGATED))})")
-    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), UNGATED[act],
+    return UNGATED[act]
+
+
+def _layer_norm_decoder(hf: HFConfig, eps: float, rotary_dim: int | None, *, head_size: int | None,
+                        kw: Mapping[str, Any]) -> DecoderLM:
+    """A pre-norm decoder of biased LayerNorms (``eps``), q/k/v/o biased by ``attention_bias``, the
+    ungated MLP ``down(act(up(x)))`` biased by ``mlp_bias`` (ReLU² by default) and RoPE on the first
+    ``rotary_dim`` channels of each head (``None``: all): Nemotron-4, Jais-2."""
+    C, _, depth, D = parts.dims(hf)
+    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), _ungated(hf, "relu2"),
                             bias=hf.get("mlp_bias", False, bool), **kw)
     norm = functools.partial(nn.LayerNorm, C, eps=eps, **kw)
     bias = hf.get("attention_bias", False, bool)
-    rope = _rope(hf, D, rotary_dim=_glm4_rotary_dim(hf, D))
+    rope = _rope(hf, D, rotary_dim=rotary_dim)
     blocks = [_block(C, _attention(hf, window=None, rope=rope, biases=(bias, bias), kw=kw), ffn, norm)
               for _ in range(depth)]
-    V = hf.req("vocab_size")
-    cfg = DecoderConfig(V, C, depth, H, pos="rope", norm="layer", norm_eps=eps,
-                        tie_embeddings=hf.get("tie_word_embeddings", False, bool), max_seq_len=parts.max_positions(hf))
-    return DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, norm=norm(), head=head_for(C, V, head_size, **kw)),
-                     **kw)
+    head = head_for(C, hf.req("vocab_size"), head_size, **kw)
+    return _decoder_with(hf, blocks, norm(), kind="layer", eps=eps, head=head,
+                         tie=hf.get("tie_word_embeddings", False, bool), kw=kw)
+
+
+def build_nemotron(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Nemotron-4: LayerNorm1P (``weight + 1``, with bias; loaded as a LayerNorm of ``weight + 1``),
+    an ungated MLP (squared ReLU by default), partial RoPE on the first channels (module docstring)."""
+    return _layer_norm_decoder(hf, hf.get("norm_eps", 1e-5, float), _glm4_rotary_dim(hf, parts.dims(hf)[3]),
+                               head_size=head_size, kw={"device": device, "dtype": dtype})
+
+
+def build_jais2(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Jais-2: LLaMA's layer with biased LayerNorms, the ungated MLP (ReLU² by default), q/k/v/o and
+    MLP biases (module docstring)."""
+    return _layer_norm_decoder(hf, hf.get("layer_norm_eps", 1e-5, float), None, head_size=head_size,
+                               kw={"device": device, "dtype": dtype})
+
+
+def build_ministral(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Ministral: Mistral's layer with a window on the ``sliding_attention`` layers (module docstring)."""
+    C, _, depth, D = parts.dims(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
+    kinds = parts.layer_types(hf, depth, TYPES, default=[TYPES[0] if hf.has("sliding_window") else TYPES[1]] * depth)
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    blocks = [parts.block(C, _attention(hf, window=w, rope=rope, biases=(False, False), kw=kw), ffn,
+                          parts.rms_norm(C, eps, **kw)) for w in parts.sliding_windows(hf, kinds)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def _none_or_positive(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
+
+
+def build_vaultgemma(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                     dtype: Any = None) -> DecoderLM:
+    """VaultGemma: Gemma 2 without the sub-layer output norms (module docstring)."""
+    parts.unsupported_keys(hf, {k: _none_or_positive for k in (
+        "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")})
+    C, _, depth, D = parts.dims(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
+    kinds = parts.layer_types(hf, depth, TYPES, default=[TYPES[i % 2] for i in range(depth)])
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"),
+                          hf.activation("hidden_activation", parts.GATED, "gelu_pytorch_tanh"), **kw)
+    bias, scale = hf.get("attention_bias", False, bool), hf.get("query_pre_attn_scalar", 256, float) ** -0.5
+    blocks = [parts.block(C, _attention(hf, window=w, rope=rope, biases=(bias, bias),
+                                        softcap=hf.get("attn_logit_softcapping", None, float),
+                                        kw={**kw, "scale": scale}), ffn, parts.rms_norm(C, eps, **kw))
+              for w in parts.sliding_windows(hf, kinds)]
+    model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=C ** 0.5,
+                          logit_softcap=hf.get("final_logit_softcapping", None, float), **kw)
+    return parts.float32_scale_norms(model, keep_float32=True)  # (1 + w) scaled in float32, as transformers
+
+
+#: HyperCLOVA X's multipliers attnzoo reproduces: a positive score scale and embedding multiplier,
+#: a non-zero logit multiplier (it is folded into the final norm as ``1 / (1 / s)``)
+HCX_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "attention_multiplier": _none_or_positive, "embedding_multiplier": _none_or_positive,
+    "logits_scaling": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0)}
+
+
+def build_hyperclovax(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                      dtype: Any = None) -> DecoderLM:
+    """HyperCLOVA X: LLaMA with muP multipliers and Peri-LN output norms (module docstring; the
+    residual and logit multipliers are folded in at load)."""
+    parts.unsupported_keys(hf, HCX_CHECKS)
+    C, _, depth, D = parts.dims(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
+                          bias=hf.get("mlp_bias", False, bool), **kw)
+    bias = hf.get("attention_bias", False, bool)
+    attn = _attention(hf, window=None, rope=parts.rotary(hf, parts.rope_params(hf), D), biases=(bias, bias),
+                      kw={**kw, "scale": hf.get("attention_multiplier", D ** -0.5, float)})
+    sublayer_norm = "both" if hf.get("use_post_norm", True, bool) else "input"
+    blocks = [parts.block(C, attn, ffn, parts.rms_norm(C, eps, **kw), sublayer_norm=sublayer_norm)
+              for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=granite.embed_scale(hf), **kw)
+
+
+def _granite_decoder(hf: HFConfig, *, kinds: Sequence[str], thetas: Sequence[float], sinks: bool,
+                     head_size: int | None, kw: Mapping[str, Any]) -> DecoderLM:
+    """Granite's decoder (the score scale ``attention_multiplier``, the embedding multiplier; the
+    residual and logit ones are folded in at load) with the layer kinds ``kinds`` (a window on the
+    sliding ones), each layer's RoPE base ``thetas`` (``0``: NoPE) and sink logits iff ``sinks``."""
+    C, _, _, D = parts.dims(hf)
+    parts.unsupported_keys(hf, granite.CHECKS)
+    granite.refuse_partial_rotary(hf)
+    eps, params = hf.get("rms_norm_eps", 1e-6, float), parts.rope_params(hf)
+    ropes = {t: parts.rotary(hf, {**params, "rope_theta": t}, D) for t in set(thetas) if t}
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", bias=hf.get("mlp_bias", False, bool), **kw)
+    bias = hf.get("attention_bias", False, bool)
+    akw = {**kw, "scale": granite.multiplier(hf, "attention_multiplier"), **({"sinks": True} if sinks else {})}
+    blocks = [parts.block(C, _attention(hf, window=w, rope=ropes.get(t), biases=(bias, bias), kw=akw), ffn,
+                          parts.rms_norm(C, eps, **kw))
+              for w, t in zip(parts.sliding_windows(hf, kinds), thetas, strict=True)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=granite.embed_scale(hf), **kw)
+
+
+def build_granite(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Granite 3.x: LLaMA with the score scale ``attention_multiplier`` and the embedding multiplier
+    (the residual multiplier and ``logits_scaling`` are folded in at load: module docstring)."""
+    depth = hf.req("num_hidden_layers")
+    return _granite_decoder(hf, kinds=[TYPES[1]] * depth, thetas=[float(parts.rope_params(hf)["rope_theta"])] * depth,
+                            sinks=False, head_size=head_size, kw={"device": device, "dtype": dtype})
+
+
+def build_granite_swa(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                      dtype: Any = None) -> DecoderLM:
+    """Granite-SWA: Granite with sink logits, sliding / full layers (``layer_types``; absent, every
+    fourth layer full from the first) and a RoPE base per layer (``layer_rope_theta``, 0: NoPE)."""
+    depth = hf.req("num_hidden_layers")
+    kinds = parts.layer_types(hf, depth, TYPES, default=[TYPES[1] if i % 4 == 0 else TYPES[0] for i in range(depth)])
+    return _granite_decoder(hf, kinds=kinds, thetas=layer_thetas(hf, depth), sinks=True, head_size=head_size,
+                            kw={"device": device, "dtype": dtype})
+
+
+def build_llama_variant(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                        dtype: Any = None) -> DecoderLM:
+    """LLaMA under its own ``model_type`` (EXAONE 3.x, InternLM3, IQuest-Coder: transformers builds
+    ``LlamaForCausalLM`` / ``LlamaModel`` for them): q/k/v/o biased by ``attention_bias``, the
+    gated MLP by ``mlp_bias``."""
+    kw = {"device": device, "dtype": dtype}
+    ffn = parts.gated_mlp(hf.req("hidden_size"), hf.req("intermediate_size"),
+                          hf.activation("hidden_act", parts.GATED, "silu"), bias=hf.get("mlp_bias", False, bool), **kw)
+    bias = hf.get("attention_bias", False, bool)
+    return _llama_like(hf, head_size, kw, biases=(bias, bias), ffn=ffn, interleaved=False)
+
+
+def build_iquestcoder(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                      dtype: Any = None) -> DecoderLM:
+    """IQuest-Coder: :func:`build_llama_variant`; ``clip_qkv`` and ``use_sliding_window`` (options of
+    the original code that transformers' config refuses) refused by name."""
+    parts.unsupported_keys(hf, {"clip_qkv": lambda v: v is None, "use_sliding_window": lambda v: not v})
+    return build_llama_variant(hf, head_size=head_size, device=device, dtype=dtype)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """NanoChat's RMSNorm without a weight (``modeling_nanochat.py`` 45-57): ``x / sqrt(mean(x^2) + eps)``
+    over the last axis, half precision normalised in float32 and cast back. Shapes: ``[..., C] -> [..., C]``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.dim, self.eps = int(dim), float(eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        return F.rms_norm(wide, (self.dim,), None, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+def _weightless_qk_norms(attention: Callable[[], nn.Module]) -> nn.Module:
+    """``attention()`` (built with ``qk_norm="head"``) whose q/k norm weights are fixed ones
+    (non-persistent buffers, not parameters): NanoChat's weightless QK RMSNorm. transformers applies
+    it after RoPE (220-224), attnzoo before: the same, a rotation keeps each head's mean square."""
+    module = attention()
+    frontier = module.frontier
+    for name in ("q_norm_weight", "k_norm_weight"):
+        ones = torch.ones_like(getattr(frontier, name)).detach()
+        delattr(frontier, name)
+        frontier.register_buffer(name, ones, persistent=False)
+    return module
+
+
+def build_nanochat(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """NanoChat: weightless RMSNorms (the embeddings normed too), weightless QK norms, ReLU² MLP,
+    the final-logit softcap (module docstring)."""
+    C, _, depth, D = parts.dims(hf)
+    eps, kw, V = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}, hf.req("vocab_size")
+    norm = functools.partial(WeightlessRMSNorm, C, eps)
+    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), _ungated(hf, "relu2"), bias=False, **kw)
+    bias = hf.get("attention_bias", False, bool)
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    attn = functools.partial(_weightless_qk_norms,
+                             _attention(hf, window=None, rope=rope, biases=(bias, bias), qk_norm="head", kw=kw))
+    blocks = [_block(C, attn, ffn, norm) for _ in range(depth)]
+    head = head_for(C, V, head_size, softcap=hf.get("final_logit_softcapping", None, float), **kw)
+    return _decoder_with(hf, blocks, norm(), kind="rms", eps=eps, head=head, kw=kw,
+                         tie=hf.get("tie_word_embeddings", False, bool),
+                         embedding=NormedEmbedding(V, C, norm=norm(), **kw))
+
+
+def _nanochat_qkv(hf: HFConfig, t: Tensor) -> Tensor:
+    """NanoChat's RoPE turns the other way (``rotate_half`` gives ``(x2, -x1)``, 167-171):
+    ``rope_nanochat(q) = S rope(S q)``, ``S`` negating the second half of each head, and ``S``
+    cancels in the scores (and in the weightless norms). So the query and key rows of the second
+    half of each head of the fused ``qkv_proj`` ``t`` (weight ``[(H + 2 Hkv) D, C]`` or bias) are negated."""
+    _, H, _, D = parts.dims(hf)
+    Hkv = hf.get("num_key_value_heads", H)
+    sign = torch.ones(H + 2 * Hkv, D, dtype=t.dtype, device=t.device)
+    sign[: H + Hkv, D // 2:] = -1
+    return t * sign.view(-1, *([1] * (t.dim() - 1)))
+
+
+class SubNormLinear(nn.Linear):
+    """BitNet's projections out of a sub-layer (``modeling_bitnet.py`` 74-77, 177, 217): a linear map
+    of its RMS-normed input, ``W rmsnorm(x) (+ b)``; the norm's weight ``sub_norm.weight [in]``.
+    Shapes: ``[..., in] -> [..., out]``."""
+
+    def __init__(self, in_features: int, out_features: int, *, eps: float, bias: bool = False, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.sub_norm = RMSNorm(in_features, eps, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.sub_norm(x))
+
+
+class SubNormFeedForward(FeedForward):
+    """BitNet's MLP (``modeling_bitnet.py`` 64-77): ``down(rmsnorm(act(gate(x)) * up(x)))``, gated with
+    the function of an ungated ``activation`` (ReLU² by default); ``down_proj`` a :class:`SubNormLinear`.
+    Shapes: ``[B, N, C] -> [B, N, C]``."""
+
+    def __init__(self, dim: int, hidden: int, activation: str, *, eps: float, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(dim, hidden, "swiglu", bias=False, device=device, dtype=dtype)
+        self.act, self.activation = ACTIVATIONS[activation][0], activation
+        self.down_proj = SubNormLinear(hidden, dim, eps=eps, device=device, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r} (gated)"
+
+
+def _sub_normed(attention: Callable[[], nn.Module], eps: float) -> nn.Module:
+    """``attention()`` with its ``out_proj`` a :class:`SubNormLinear` of the same shape (BitNet's ``attn_sub_norm``)."""
+    module = attention()
+    old = module.out_proj
+    module.out_proj = SubNormLinear(old.in_features, old.out_features, eps=eps, bias=old.bias is not None,
+                                    device=old.weight.device, dtype=old.weight.dtype)
+    return module
+
+
+def build_bitnet(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """BitNet b1.58 (unquantized weights): LLaMA with RMSNorms inside the sub-layers, before ``o_proj``
+    and ``down_proj``, and a gated ReLU² MLP (module docstring)."""
+    parts.unsupported_keys(hf, {"quantization_config": lambda v: v is None})
+    C, H, depth, D = parts.dims(hf)
+    if H * D != C:  # attn_sub_norm is hidden_size wide (modeling_bitnet.py 177): transformers' own forward fails
+        raise hf.unsupported(f"head_dim={D} with num_attention_heads={H}: {H * D} channels != hidden_size={C}")
+    eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    bias = hf.get("attention_bias", False, bool)
+    attn = functools.partial(_sub_normed, _attention(hf, window=None, rope=parts.rotary(hf, parts.rope_params(hf), D),
+                                                     biases=(bias, bias), kw=kw), eps)
+    ffn = functools.partial(SubNormFeedForward, C, hf.req("intermediate_size"), _ungated(hf, "relu2"), eps=eps, **kw)
+    blocks = [parts.block(C, attn, ffn, parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
 # --------------------------------------------------------------------------- weights
@@ -674,23 +969,90 @@ def _put_xielu_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
             plan.put_tensor(f"{ours}act_fn.{name}", torch.tensor(default), f"{name}={default} (transformers' default)")
 
 
+def _put_fc(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
+    """NanoChat's ungated MLP (``fc1``, ``fc2``), no biases."""
+    plan.put_pairs(ours, theirs, [("up_proj", "fc1"), ("down_proj", "fc2")], bias=False)
+
+
+def _hyperclovax_norms(hf: HFConfig) -> Sequence[tuple[str, str]]:
+    """HyperCLOVA X's norms: the pre-norms and, with ``use_post_norm`` (Peri-LN), ``post_norm1`` /
+    ``post_norm2`` on the sub-layer outputs."""
+    if not hf.get("use_post_norm", True, bool):
+        return parts.PRE_NORMS
+    return [*parts.PRE_NORMS, ("attn_out_norm", "post_norm1"), ("ffn_out_norm", "post_norm2")]
+
+
+#: the weights of a layer that write into the residual stream (Granite's ``residual_multiplier``)
+_WRITES = ("attn.out_proj.weight", "attn.out_proj.bias", "ffn.down_proj.weight", "ffn.down_proj.bias")
+#: HyperCLOVA X with Peri-LN: the output norms write into the residual stream (after their weight)
+_POST_NORMS = ("attn_out_norm.weight", "ffn_out_norm.weight")
+
+
+def _finish_granite(hf: HFConfig, plan: Plan, model: DecoderLM, head_size: int | None) -> DecoderLM:
+    """Granite's ``residual_multiplier`` folded into every weight writing into the residual stream,
+    ``1 / logits_scaling`` into the final norm of an LM head (:func:`granitemoehybrid.finish_folded`)."""
+    return granite.finish_folded(plan, model, hf, head_size, [n for n in plan.values if n.endswith(_WRITES)])
+
+
+def _finish_hyperclovax(hf: HFConfig, plan: Plan, model: DecoderLM, head_size: int | None) -> DecoderLM:
+    """HyperCLOVA X's ``residual_multiplier`` folded into the Peri-LN output norms' weights (into the
+    out / down projections without them) and its logit *multiplier* ``logits_scaling`` (Granite's
+    divides) into the final norm of an LM head."""
+    post = hf.get("use_post_norm", True, bool)
+    writes = [n for n in plan.values if n.endswith(_POST_NORMS if post else _WRITES)]
+    divisor = HFConfig({**hf.data, "logits_scaling": 1.0 / hf.get("logits_scaling", 1.0, float)}, hf.source, hf.arch)
+    return granite.finish_folded(plan, model, divisor, head_size, writes)
+
+
+def _finish_weightless(hf: HFConfig, plan: Plan, model: DecoderLM, head_size: int | None) -> DecoderLM:
+    """No final norm weight (OLMo 1, NanoChat): the head, then the copy of :func:`_common.finish`."""
+    patterns = [r"(model\.)?rotary_emb\w*\.\w+"]
+    parts.put_head(plan, head_size, model.tie_embeddings, patterns)
+    plan.apply(model, ignore=patterns)
+    return model
+
+
+#: EXAONE 3.x checkpoints' own names -> transformers' (its ``conversion_mapping.py`` "exaone"; a
+#: transformers ``save_pretrained`` folder is written with the checkpoint's names)
+EXAONE_NAMES = ((r"^transformer\.wte\.", "model.embed_tokens."), (r"^transformer\.h\.", "model.layers."),
+                (r"^transformer\.ln_f\.", "model.norm."), (r"\.attn\.attention\.", ".self_attn."),
+                (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."), (r"\.ln_1\.", ".input_layernorm."),
+                (r"\.ln_2\.", ".post_attention_layernorm."), (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
+                (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj."))
+#: EXAONE 3.x's own config keys -> transformers' (``ExaoneConfig.attribute_map``)
+EXAONE_KEYS = {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+               "activation_function": "hidden_act"}
+
+
+def _exaone_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``sd`` with EXAONE 3.x's checkpoint names read as transformers' (:data:`EXAONE_NAMES`)."""
+    def renamed(key: str) -> str:
+        for pattern, new in EXAONE_NAMES:
+            key = re.sub(pattern, new, key)
+        return key
+    return {renamed(k): v for k, v in sd.items()}
+
+
 @dataclass(frozen=True)
 class Family:
     """One family's builder, config defaults (what ``config.json`` may leave out) and weight map."""
 
     build: Callable[..., DecoderLM]
     defaults: Mapping[str, Any]
-    norms: Sequence[tuple[str, str]]
+    norms: Sequence[tuple[str, str]] | Callable[[HFConfig], Sequence[tuple[str, str]]]  # (ours, theirs) per layer
     biases: Callable[[HFConfig], tuple[bool, bool]]
     qk_norm: bool = False
     ffn: Callable[[HFConfig, Plan, str, str], None] = _put_mlp
     pattern: int | None = None  # the default sliding_window_pattern, for families with layer_types
-    window: int | None = None  # the default sliding_window (only where the key is absent: null means none)
+    absent: Mapping[str, Any] = field(default_factory=dict)  # defaults only where the key is absent (null: none)
     layer_norm: bool = False  # LayerNorms with biases (StarCoder2), the final one included
-    folded: bool = False  # Granite: residual_multiplier and logits_scaling folded into the weights
     post_rope_norm: bool = False  # HunYuan: query_layernorm / key_layernorm at attn.frontier.{q,k}_norm_weight
     norm_transform: Callable[[Tensor], Tensor] | None = None  # Nemotron's LayerNorm1P: weight + 1
-    weightless: bool = False  # non-parametric norms (OLMo 1): no norm weights at all
+    sinks: bool = False  # sink logits: self_attn.sinks at attn.frontier.sinks
+    qkv: Callable[[HFConfig, Tensor], Tensor] | None = None  # a transform of the fused qkv_proj weight and bias
+    aliases: Mapping[str, str] = field(default_factory=dict)  # a config.json's own keys -> transformers' names
+    rename: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None  # checkpoint names -> transformers'
+    finish: Callable[[HFConfig, Plan, DecoderLM, int | None], DecoderLM] | None = None  # else _common.finish
     name: str = ""  # the family's name (messages, ``MODEL_TYPES``)
     classes: tuple[str, ...] = ()  # the transformers classes that convert
 
@@ -709,11 +1071,12 @@ def _no_bias(hf: HFConfig) -> tuple[bool, bool]:
 FAMILIES: dict[str, Family] = {
     "cohere2": Family(build_cohere2, {"logit_scale": 0.0625, "layer_norm_eps": 1e-5, "tie_word_embeddings": True,
                                       "max_position_embeddings": 8192, "hidden_act": "silu"},
-                      [("attn_norm", "input_layernorm")], _attention_bias(False), pattern=4, window=4096,
+                      [("attn_norm", "input_layernorm")], _attention_bias(False), pattern=4,
+                      absent={"sliding_window": 4096},
         name="Cohere2", classes=("Cohere2ForCausalLM", "Cohere2Model")),
     "exaone4": Family(build_exaone4, {"rms_norm_eps": 1e-5, "hidden_act": "silu"},
                       [("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")],
-                      _no_bias, qk_norm=True, pattern=4, window=4096,
+                      _no_bias, qk_norm=True, pattern=4, absent={"sliding_window": 4096},
         name="EXAONE 4", classes=("Exaone4ForCausalLM", "Exaone4Model")),
     "ministral3": Family(build_ministral3, {
         "rms_norm_eps": 1e-5, "head_dim": 128, "max_position_embeddings": 262144, "hidden_act": "silu",
@@ -741,7 +1104,7 @@ FAMILIES: dict[str, Family] = {
                    _attention_bias(True, False), ffn=_put_gate_up,
         name="GLM-4", classes=("Glm4ForCausalLM", "Glm4Model")),
     "granite": Family(build_granite, {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "hidden_act": "silu"},
-                      parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp, folded=True,
+                      parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp, finish=_finish_granite,
         name="Granite", classes=("GraniteForCausalLM", "GraniteModel")),
     "starcoder2": Family(build_starcoder2, {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "use_bias": True,
                                             "tie_word_embeddings": True, "max_position_embeddings": 4096},
@@ -769,7 +1132,7 @@ FAMILIES: dict[str, Family] = {
         name="Arcee", classes=("ArceeForCausalLM", "ArceeModel")),
     "olmo": Family(build_olmo, {"max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": False,
                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-                   (), _attention_bias(False), weightless=True,
+                   (), _attention_bias(False), finish=_finish_weightless,
         name="OLMo", classes=("OlmoForCausalLM", "OlmoModel")),
     "glm": Family(build_glm, {"rms_norm_eps": 1.5625e-7, "head_dim": 128, "attention_bias": True,
                               "max_position_embeddings": 131072, "hidden_act": "silu", "tie_word_embeddings": False},
@@ -786,19 +1149,76 @@ FAMILIES: dict[str, Family] = {
                        parts.PRE_NORMS, _attention_bias(False), ffn=_put_up_down, layer_norm=True,
                        norm_transform=parts.plus_one,
         name="Nemotron", classes=("NemotronForCausalLM", "NemotronModel")),
+    "ministral": Family(build_ministral, {"rms_norm_eps": 1e-6, "num_key_value_heads": 8, "hidden_act": "silu",
+                                          "max_position_embeddings": 131072, "tie_word_embeddings": False},
+                        parts.PRE_NORMS, _no_bias, absent={"sliding_window": 4096},
+        name="Ministral", classes=("MinistralForCausalLM", "MinistralModel")),
+    "vaultgemma": Family(build_vaultgemma, {
+        "rms_norm_eps": 1e-6, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192, "tie_word_embeddings": True, "query_pre_attn_scalar": 256},
+        [("attn_norm", "input_layernorm"), ("ffn_norm", "pre_feedforward_layernorm")], _attention_bias(False),
+        absent={"sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+        norm_transform=parts.plus_one,
+        name="VaultGemma", classes=("VaultGemmaForCausalLM", "VaultGemmaModel")),
+    "jais2": Family(build_jais2, {"layer_norm_eps": 1e-5, "hidden_act": "relu2", "attention_bias": True,
+                                  "mlp_bias": True, "max_position_embeddings": 8192, "tie_word_embeddings": False},
+                    parts.PRE_NORMS, _attention_bias(True), ffn=_put_up_down, layer_norm=True,
+        name="Jais-2", classes=("Jais2ForCausalLM", "Jais2Model")),
+    "hyperclovax": Family(build_hyperclovax, {"rms_norm_eps": 1e-6, "hidden_act": "silu",
+                                              "max_position_embeddings": 2048, "tie_word_embeddings": False,
+                                              "use_post_norm": True},
+                          _hyperclovax_norms, _attention_bias(False), ffn=_put_seed_mlp, finish=_finish_hyperclovax,
+        name="HyperCLOVA X", classes=("HyperCLOVAXForCausalLM", "HyperCLOVAXModel")),
+    "granite_swa": Family(build_granite_swa, {"rms_norm_eps": 1e-5, "num_key_value_heads": 4, "hidden_act": "silu",
+                                              "max_position_embeddings": 8192, "tie_word_embeddings": True},
+                          parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp, sinks=True,
+                          absent={"sliding_window": 128}, finish=_finish_granite,
+        name="Granite-SWA", classes=("GraniteSWAForCausalLM", "GraniteSWAModel")),
+    "exaone": Family(build_llama_variant, {"rms_norm_eps": 1e-5, "num_key_value_heads": 8, "hidden_act": "silu",
+                                           "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                                           "rope_theta": 500000.0},
+                     parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp, aliases=EXAONE_KEYS,
+                     rename=_exaone_names,
+        name="EXAONE", classes=("LlamaForCausalLM", "LlamaModel")),
+    "internlm3": Family(build_llama_variant, {"rms_norm_eps": 1e-5, "num_key_value_heads": 2, "head_dim": 128,
+                                              "hidden_act": "silu", "max_position_embeddings": 32768,
+                                              "tie_word_embeddings": False},
+                        parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp,
+                        aliases={"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+        name="InternLM3", classes=("LlamaForCausalLM", "LlamaModel")),
+    "iquestcoder": Family(build_iquestcoder, {"rms_norm_eps": 1e-5, "num_key_value_heads": 8, "head_dim": 128,
+                                              "hidden_act": "silu", "max_position_embeddings": 131072,
+                                              "tie_word_embeddings": False},
+                          parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp,
+        name="IQuest-Coder", classes=("LlamaForCausalLM", "LlamaModel")),
+    "nanochat": Family(build_nanochat, {"rms_norm_eps": 1e-6, "hidden_act": "relu2", "max_position_embeddings": 2048,
+                                        "tie_word_embeddings": False},
+                       (), _attention_bias(False), ffn=_put_fc, qkv=_nanochat_qkv,
+                       absent={"final_logit_softcapping": 15.0}, finish=_finish_weightless,
+        name="NanoChat", classes=("NanoChatForCausalLM", "NanoChatModel")),
+    "bitnet": Family(build_bitnet, {"rms_norm_eps": 1e-5, "num_key_value_heads": 5, "hidden_act": "relu2",
+                                    "max_position_embeddings": 2048, "tie_word_embeddings": False,
+                                    "rope_theta": 500000.0},
+                     [*parts.PRE_NORMS, ("attn.out_proj.sub_norm", "self_attn.attn_sub_norm"),
+                      ("ffn.down_proj.sub_norm", "mlp.ffn_sub_norm")], _attention_bias(False),
+        name="BitNet", classes=("BitNetForCausalLM", "BitNetModel")),
 }
 
 
 def canonical(hf: HFConfig) -> tuple[HFConfig, Family]:
-    """``hf`` as transformers reads it (the family's defaults where a key is absent; ``layer_types``
-    from ``sliding_window_pattern``) and its :class:`Family`."""
+    """``hf`` as transformers reads it (a ``config.json``'s own keys under transformers' names, the
+    family's defaults where a key is absent; ``layer_types`` from ``sliding_window_pattern``) and its
+    :class:`Family`."""
     model_type = hf.raw("model_type")
     family = FAMILIES.get(model_type)
     if family is None:
         raise hf.unsupported(f"model_type={model_type!r} (this converter: {', '.join(map(repr, FAMILIES))})")
-    out = hf.with_defaults(family.defaults)
-    if family.window is not None and "sliding_window" not in hf.data:
-        out.data["sliding_window"] = family.window
+    data = dict(hf.data)
+    for alias, key in family.aliases.items():
+        if alias in data and data.get(key) is None:
+            data[key] = data.pop(alias)
+    out = HFConfig(data, hf.source, hf.arch).with_defaults(family.defaults)
+    out.data.update({k: v for k, v in family.absent.items() if k not in data})
     if family.pattern is not None and out.has("sliding_window"):
         out = _pattern_types(out, family.pattern)
     return out, family
@@ -810,42 +1230,51 @@ def build_dense(hf: HFConfig, *, head_size: int | None = None, device: Any = Non
     return family.build(out, head_size=head_size, device=device, dtype=dtype)
 
 
+def _transformed(plan: Plan, names: Sequence[str], fn: Callable[[Tensor], Tensor]) -> None:
+    """The planned tensors ``names`` (those planned) replaced by ``fn`` of them."""
+    for name in names:
+        if name in plan.values:
+            t, key = plan.values[name]
+            plan.values[name] = (fn(t), key)
+
+
+def _put_layer(hf: HFConfig, family: Family, plan: Plan, i: int) -> None:
+    """Plan layer ``i``: attention (biases, QK norms, sinks), MLP (``family.ffn``) and norms."""
+    o, h = f"blocks.{i}.", f"layers.{i}.self_attn."
+    qkv_bias, out_bias = family.biases(hf)
+    load_qkv_into(plan, f"{o}attn", tuple(f"{h}{n}_proj.weight" for n in "qkv"),
+                  tuple(f"{h}{n}_proj.bias" for n in "qkv") if qkv_bias else None, qkv_bias)
+    if family.qkv is not None:
+        _transformed(plan, [f"{o}attn.qkv_proj.weight", f"{o}attn.qkv_proj.bias"], functools.partial(family.qkv, hf))
+    plan.put_pairs(f"{o}attn.", h, [("out_proj", "o_proj")], bias=out_bias)
+    if family.post_rope_norm:
+        for n, theirs in (("q_norm", "query_layernorm"), ("k_norm", "key_layernorm")):
+            plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{theirs}.weight")
+    if family.qk_norm:
+        for n in ("q_norm", "k_norm"):
+            plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{n}.weight")
+    if family.sinks:
+        plan.put(f"{o}attn.frontier.sinks", f"{h}sinks")
+    family.ffn(hf, plan, f"{o}ffn.", f"layers.{i}.mlp.")
+    for ours, theirs in family.norms(hf) if callable(family.norms) else family.norms:
+        plan.put(f"{o}{ours}.weight", f"layers.{i}.{theirs}.weight", family.norm_transform)
+        if family.layer_norm:
+            plan.put(f"{o}{ours}.bias", f"layers.{i}.{theirs}.bias")
+
+
 def convert_dense(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> nn.Module:
     """Build the decoder of the config's ``model_type`` and copy the weights (the head follows them)."""
     hf, family = canonical(hf)
+    if family.rename is not None:
+        sd = family.rename(sd)
     model, plan, head_size = parts.start(hf, sd, family.build, device=device, dtype=dtype)
-    qkv_bias, out_bias = family.biases(hf)
     for i in range(model.depth):
-        o, h = f"blocks.{i}.", f"layers.{i}.self_attn."
-        load_qkv_into(plan, f"{o}attn", tuple(f"{h}{n}_proj.weight" for n in "qkv"),
-                      tuple(f"{h}{n}_proj.bias" for n in "qkv") if qkv_bias else None, qkv_bias)
-        plan.put_pairs(f"{o}attn.", h, [("out_proj", "o_proj")], bias=out_bias)
-        if family.post_rope_norm:
-            for n, theirs in (("q_norm", "query_layernorm"), ("k_norm", "key_layernorm")):
-                plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{theirs}.weight")
-        if family.qk_norm:
-            for n in ("q_norm", "k_norm"):
-                plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{n}.weight")
-        family.ffn(hf, plan, f"{o}ffn.", f"layers.{i}.mlp.")
-        for ours, theirs in family.norms:
-            plan.put(f"{o}{ours}.weight", f"layers.{i}.{theirs}.weight", family.norm_transform)
-            if family.layer_norm:
-                plan.put(f"{o}{ours}.bias", f"layers.{i}.{theirs}.bias")
+        _put_layer(hf, family, plan, i)
     if family.layer_norm:
         plan.put("norm.bias", "norm.bias")
-    if family.folded:  # every weight writing into the residual stream: the out and down projections
-        writes = [n for n in plan.values if n.endswith(_WRITES)]
-        return granite.finish_folded(plan, model, hf, head_size, writes)
-    if family.weightless:  # no final norm weight: the head and the copy of parts.finish
-        patterns = [r"(model\.)?rotary_emb\w*\.\w+"]
-        parts.put_head(plan, head_size, model.tie_embeddings, patterns)
-        plan.apply(model, ignore=patterns)
-        return model
+    if family.finish is not None:
+        return family.finish(hf, plan, model, head_size)
     return parts.finish(plan, model, head_size, norm_transform=family.norm_transform)
-
-
-#: the weights of a layer that write into the residual stream (Granite's ``residual_multiplier``)
-_WRITES = ("attn.out_proj.weight", "attn.out_proj.bias", "ffn.down_proj.weight", "ffn.down_proj.bias")
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``: every ``Family``
