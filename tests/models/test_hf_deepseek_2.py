@@ -1,7 +1,8 @@
 """More of the DeepSeek MLA lineage through ``from_hf``: Sarvam-MLA (DeepSeek-V3 built from its own
 config, with its original ``config.json`` names), the dense Youtu-LLM and MiniCPM3 (MiniCPM's
 embedding / residual / logit multipliers folded into weights), A.X-K2 (DeepSeek-V3.2's indexed
-attention with a gated query projection, gated norms, zero-filled expert groups); equal to transformers' eager (see
+attention with a gated query projection, gated norms, zero-filled expert groups) and LongCat-Flash
+(two latent-attention sub-layers per layer with a shortcut MoE of zero-computation experts); equal to transformers' eager (see
 ``hf_family_checks``), packed sequences and their gradients equal to each sequence alone, refusals
 by name."""
 
@@ -15,12 +16,15 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import hf_family_checks as checks  # noqa: E402
 from attnzoo.interop import UnsupportedConfigError, from_hf, load_pretrained  # noqa: E402
 from attnzoo.models.families.deepseek import (  # noqa: E402
     GatedQueryLatentAttention,
+    LongcatLayer,
     SigmoidGatedRMSNorm,
+    ZeroExpertMoE,
     ZeroFilledGroupsMoE,
 )
 from attnzoo.models.parts import ScaledEmbedding  # noqa: E402
@@ -86,6 +90,24 @@ def _axk2_groups_yarn() -> Any:
                  tie_word_embeddings=True, index_topk=7)
 
 
+_LONGCAT = dict(num_layers=2, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, head_dim=8, v_head_dim=16, ffn_hidden_size=48, expert_ffn_hidden_size=32)
+
+
+def _longcat(**kw: Any) -> Any:
+    """LongCat-Flash: 2 layers (4 attention sub-layers), 4 experts beside 2 zero-computation experts,
+    2 picked, scaled x2."""
+    return T.LongcatFlashConfig(**{**checks.SMALL, **_LONGCAT, "n_routed_experts": 4, "zero_expert_num": 2,
+                                   "moe_topk": 2, "routed_scaling_factor": 2.0, **kw})
+
+
+def _longcat_yarn() -> Any:
+    """YaRN, attention biases, a tied head, 4 zero experts and 5 picked (more than the 4 real
+    experts), the router's (unused) bias."""
+    return _longcat(rope_parameters=YARN, attention_bias=True, tie_word_embeddings=True, zero_expert_num=4,
+                    moe_topk=5, routed_scaling_factor=1.5, router_bias=True)
+
+
 class TestSarvamMLA(checks.FamilyChecks):
     config = staticmethod(_sarvam)
     cases = (_sarvam_groups_yarn,)
@@ -104,6 +126,11 @@ class TestMiniCPM3(checks.FamilyChecks):
 class TestAXK2(checks.FamilyChecks):
     config = staticmethod(_axk2)
     cases = (_axk2_groups_yarn,)
+
+
+class TestLongcatFlash(checks.FamilyChecks):
+    config = staticmethod(_longcat)
+    cases = (_longcat_yarn,)
 
 
 def test_layer_structure() -> None:
@@ -125,17 +152,33 @@ def test_layer_structure() -> None:
     assert [type(b.ffn) is ZeroFilledGroupsMoE for b in axk2.blocks] == [True, False, True, True]
     assert axk2.blocks[0].attn.rope.interleaved and not axk2.blocks[0].attn.indexer.interleaved
     assert not hasattr(axk2.blocks[0].attn, "q_b_proj") and axk2.blocks[0].ffn.groups == 4
+    longcat = from_hf(checks.hf_model(_longcat_yarn()))
+    layer = longcat.blocks[0]
+    assert type(layer) is LongcatLayer and len(longcat.blocks) == 2 and type(layer.moe) is ZeroExpertMoE
+    assert all(type(s.attn) is MultiHeadLatentAttention and s.attn.rope.interleaved for s in layer.sublayers)
+    assert (layer.moe.num_experts, layer.moe.zero_experts, layer.moe.top_k) == (4, 4, 5)
+    assert layer.moe.router.weight.shape == (8, 64) and longcat.lm_head.weight is longcat.tok_emb.weight
 
 
-@pytest.mark.parametrize("make", [_sarvam_groups_yarn, _youtu, _minicpm3_yarn, _axk2_groups_yarn],
-                         ids=["sarvam", "youtu", "minicpm3", "axk2"])
+def test_longcat_zero_experts_are_picked() -> None:
+    """The tested tokens route to zero-computation experts (the identity) as well as real ones."""
+    ours = from_hf(checks.hf_model(_longcat()))
+    moe = ours.blocks[0].moe
+    with torch.no_grad():
+        h = ours.blocks[0].sublayers[0](ours.embed(checks.tokens(20)))
+        experts = moe.route(ours.blocks[0].ffn_norms[0](h).reshape(-1, 64))[1]
+    assert (experts >= 4).any() and (experts < 4).any()
+
+
+@pytest.mark.parametrize("make", [_sarvam_groups_yarn, _youtu, _minicpm3_yarn, _axk2_groups_yarn, _longcat_yarn],
+                         ids=["sarvam", "youtu", "minicpm3", "axk2", "longcat"])
 def test_packed_sequences_equal_each_alone(make: Any) -> None:
     checks.check_packed_equals_each_alone(make)
 
 
 @pytest.mark.parametrize("make,no_gradient", [(_sarvam, None), (_youtu_yarn, None), (_minicpm3, None),
-                                              (_axk2_groups_yarn, ".indexer.")],
-                         ids=["sarvam", "youtu", "minicpm3", "axk2"])
+                                              (_axk2_groups_yarn, ".indexer."), (_longcat_yarn, None)],
+                         ids=["sarvam", "youtu", "minicpm3", "axk2", "longcat"])
 def test_packed_gradients_equal_each_alone(make: Any, no_gradient: str | None) -> None:
     """Float64 training: packed == each alone (A.X-K2's indexers get no gradient: a discrete top-k)."""
     checks.check_packed_gradients_equal_each_alone(make, no_gradient=no_gradient)
@@ -240,7 +283,10 @@ def test_youtu_from_pretrained_zeroes_the_pad_row(tmp_path: Path) -> None:
     (lambda: _axk2(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], gated_norm_rank=16),
      ("mlp_layer_types", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "n_shared_experts",
       "attention_bias", "rms_norm_eps", "hidden_act", "tie_word_embeddings", "layer_types", "gated_norm_rank")),
-], ids=["sarvam", "youtu", "minicpm3", "axk2"])
+    (lambda: _longcat(routed_scaling_factor=6.0, rms_norm_eps=1e-5),
+     ("rope_parameters", "routed_scaling_factor", "rms_norm_eps", "attention_bias", "hidden_act",
+      "tie_word_embeddings", "qk_head_dim", "num_key_value_heads")),
+], ids=["sarvam", "youtu", "minicpm3", "axk2", "longcat"])
 def test_config_json_with_keys_left_out(tmp_path: Path, make: Any, keys: tuple[str, ...]) -> None:
     """Keys left out of ``config.json`` read as the config classes' defaults (as ``from_pretrained``)."""
     checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
@@ -260,9 +306,46 @@ def test_axk2_legacy_layer_keys(tmp_path: Path) -> None:
     _same_as_transformers(tmp_path, hf)
 
 
-def test_axk2_null_query_latent_is_refused(tmp_path: Path) -> None:
-    """``q_lora_rank: null`` (only a ``config.json`` can say it: ``AXK2Config`` rejects it) is refused by name."""
-    checks.hf_model(_axk2()).save_pretrained(tmp_path)
+def test_longcat_other_config_names_and_mtp(tmp_path: Path) -> None:
+    """A ``config.json`` naming the sizes by ``LongcatFlashConfig``'s aliases (``num_hidden_layers``:
+    twice ``num_layers``; ``intermediate_size``, ``moe_intermediate_size``, ``num_experts_per_tok``,
+    ``num_local_experts``) and a checkpoint with the multi-token-prediction module (``model.mtp.*``,
+    dropped by transformers): read as transformers reads them."""
+    hf = checks.hf_model(_longcat())
+    hf.save_pretrained(tmp_path)
+    names = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
+             "expert_ffn_hidden_size": "moe_intermediate_size", "moe_topk": "num_experts_per_tok",
+             "n_routed_experts": "num_local_experts"}
+
+    def aliases(data: dict[str, Any]) -> None:
+        for name, alias in names.items():
+            data[alias] = data.pop(name) * (2 if alias == "num_hidden_layers" else 1)
+
+    _rewrite_config(tmp_path, aliases)
+    path = tmp_path / "model.safetensors"
+    sd = dict(safetensors_torch.load_file(str(path)))
+    sd.update({"model.mtp.layers.0.eh_proj.weight": torch.ones(64, 128), "model.mtp.norm.weight": torch.ones(64)})
+    safetensors_torch.save_file(sd, str(path), metadata={"format": "pt"})
+    _same_as_transformers(tmp_path, hf)
+
+
+@pytest.mark.parametrize("make,stray", [(_longcat, False), (_minicpm3, True), (_axk2, False)],
+                         ids=["longcat", "minicpm3", "axk2"])
+def test_stray_rope_interleave_is_ignored(tmp_path: Path, make: Any, stray: bool) -> None:
+    """A ``config.json`` with a ``rope_interleave`` its config class does not have: LongCat-Flash and
+    A.X-K2 rotate adjacent pairs, MiniCPM3 split halves, whatever it says (as transformers)."""
+    hf = checks.hf_model(make())
+    hf.save_pretrained(tmp_path)
+    _rewrite_config(tmp_path, lambda d: d.update(rope_interleave=stray))
+    x = checks.tokens(12)
+    with torch.no_grad():
+        assert checks.rel(load_pretrained(tmp_path)(x), hf(input_ids=x).logits) <= checks.TOL
+
+
+@pytest.mark.parametrize("make", [_axk2, _longcat], ids=["axk2", "longcat"])
+def test_null_query_latent_is_refused(tmp_path: Path, make: Any) -> None:
+    """``q_lora_rank: null`` (only a ``config.json`` can say it: the config classes reject it) is refused by name."""
+    checks.hf_model(make()).save_pretrained(tmp_path)
     _rewrite_config(tmp_path, lambda d: d.update(q_lora_rank=None))
     with pytest.raises(UnsupportedConfigError, match="q_lora_rank"):
         load_pretrained(tmp_path)
@@ -287,8 +370,13 @@ def test_axk2_null_query_latent_is_refused(tmp_path: Path) -> None:
     ("axk2", _axk2, "index_head_dim", 4, "index_head_dim"),
     ("axk2", _axk2, "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "dynamic"),
     ("axk2", _axk2, "n_group", 3, "n_group=3"),
+    ("longcat", _longcat, "num_key_value_heads", 2, "num_key_value_heads"),
+    ("longcat", _longcat, "head_dim", 4, "head_dim"),
+    ("longcat", _longcat, "qk_head_dim", 20, "qk_head_dim"),
+    ("longcat", _longcat, "hidden_act", "gelu", "hidden_act"),
+    ("longcat", _longcat, "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "dynamic"),
 ])
 def test_unsupported_options_are_refused(model: str, make: Any, key: str, value: Any, named: str) -> None:
     cls = {"sarvam": T.DeepseekV3ForCausalLM, "youtu": T.YoutuForCausalLM, "cpm3": T.MiniCPM3ForCausalLM,
-           "axk2": T.AXK2ForCausalLM}[model]
+           "axk2": T.AXK2ForCausalLM, "longcat": T.LongcatFlashForCausalLM}[model]
     checks.check_refused(cls, make, key, value, named)

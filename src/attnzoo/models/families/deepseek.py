@@ -3,7 +3,8 @@
 descendants ``glm4_moe_lite``, ``mistral4``, ``minicpm5_moe``, ``axk1`` (SK Telecom's A.X-K1) and
 the DeepSeek-sparse-attention models ``deepseek_v32`` (DeepSeek-V3.2) and ``glm_moe_dsa`` (GLM-5's
 DSA MoE), ``sarvam_mla`` (Sarvam-105B), the dense ``youtu`` (Youtu-LLM) and ``minicpm3`` (MiniCPM3),
-``axk2`` (A.X-K2); the ``*ForCausalLM`` and base ``*Model`` classes of each.
+``axk2`` (A.X-K2) and ``longcat_flash`` (Meituan's LongCat-Flash); the ``*ForCausalLM`` and base
+``*Model`` classes of each.
 
 Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSNorms of
 ``rms_norm_eps``) around:
@@ -77,32 +78,43 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSN
 * Sarvam-MLA (``sarvam_mla``: transformers builds its ``DeepseekV3ForCausalLM`` / ``DeepseekV3Model``
   from a ``SarvamMLAConfig``) is DeepSeek-V3 with its own defaults (a full query projection, one
   expert group, one dense layer); its original ``config.json`` names read as transformers'
-  ``SarvamMLAConfig.__post_init__`` reads them (``configuration_sarvam_mla.py`` 124-146):
+  ``SarvamMLAConfig.__post_init__`` reads them (``configuration_sarvam_mla.py`` 129-153):
   ``num_experts`` / ``num_shared_experts`` / ``num_local_experts`` / ``num_mtp_layers`` under their
   DeepSeek names, ``rope_scaling.type = "deepseek_yarn"`` as YaRN, ``head_dim`` / ``q_head_dim`` derived.
 * Youtu-LLM (``modular_youtu.py``) is DeepSeek-V3's latent attention (``rope_interleave``) in a dense
   LLaMA stack: every layer's feed-forward the SwiGLU of ``intermediate_size``, no experts; its head
   tied by default.
 * MiniCPM3 (``modeling_minicpm3.py``) is the same dense latent-attention stack with split-half RoPE
-  always (l. 319-321: no ``rope_interleave``), ``mlp_bias``, ``v_head_dim`` defaulting to
+  always (l. 322: no ``rope_interleave``), ``mlp_bias``, ``v_head_dim`` defaulting to
   ``hidden_size // num_attention_heads``, and MiniCPM's three multipliers: the token embeddings times
   ``scale_emb`` (a :class:`~attnzoo.models.parts.ScaledEmbedding`), every residual branch times
-  ``scale_depth / sqrt(num_hidden_layers)`` (l. 362-393; folded into ``o_proj`` with its bias and the
+  ``scale_depth / sqrt(num_hidden_layers)`` (l. 364-393; folded into ``o_proj`` with its bias and the
   MLP's ``down_proj``), the final hidden states divided by ``hidden_size / dim_model_base`` before the
-  LM head (l. 555; folded into the final norm's weight of a ``*ForCausalLM``, as Granite's
+  LM head (l. 556; folded into the final norm's weight of a ``*ForCausalLM``, as Granite's
   ``logits_scaling``: a base ``*Model`` is unscaled). ``scale_depth`` / ``dim_model_base`` written as
   ``null`` mean no scaling (``sqrt(num_hidden_layers)``, ``hidden_size``), as its config reads them.
 * A.X-K2 (``modular_axk2.py``, A.X-K1's successor) is DeepSeek-V3.2's indexed latent attention (split-half
   RoPE in the indexer) with three changes: the queries and a per-channel output gate come from one
   projection of the normalised and the raw query latent, ``q_gate_proj`` on ``[q_a_norm(c); c]``
-  (no ``q_b_proj``; the heads' outputs times ``sigmoid(gate)`` before ``o_proj``, l. 233-354:
+  (no ``q_b_proj``; the heads' outputs times ``sigmoid(gate)`` before ``o_proj``, l. 265-397:
   :class:`GatedQueryLatentAttention`); ``input_layernorm`` on every layer and
   ``post_attention_layernorm`` on the MoE layers are RMSNorms gated by a low-rank MLP of their own
-  output (``gated_norm_rank``, l. 171-187: :class:`SigmoidGatedRMSNorm`); the MoE is DeepSeek-V3's
+  output (``gated_norm_rank``, l. 193-207: :class:`SigmoidGatedRMSNorm`); the MoE is DeepSeek-V3's
   with no expert groups by default (``n_group = None``) and, with groups, the dropped groups' experts
-  scored 0 rather than ``-inf`` (l. 196-214: :class:`ZeroFilledGroupsMoE`). Layer kinds as A.X-K1's.
+  scored 0 rather than ``-inf`` (l. 219-237: :class:`ZeroFilledGroupsMoE`). Layer kinds as A.X-K1's.
   Saved folders keep the released names (``q_b_proj`` for ``q_gate_proj``, ``W_down`` / ``W_up`` for the
   gate MLP's ``fc1`` / ``fc2``, one tensor per expert): both load.
+* LongCat-Flash (``modeling_longcat_flash.py``; :func:`convert_longcat`, :func:`build_longcat`) stacks
+  ``num_layers`` :class:`LongcatLayer` s (``num_hidden_layers`` is twice that): two pre-norm latent
+  attentions (always a ``q_lora_rank``, interleaved RoPE), each followed by a dense SwiGLU
+  (``ffn_hidden_size``), and a shortcut :class:`ZeroExpertMoE` that reads the first MLP's input and
+  joins after the second MLP. Its attention multiplies the queries by ``sqrt(hidden_size / q_lora_rank)``
+  and the normalised latent by ``sqrt(hidden_size / kv_lora_rank)`` (l. 351-352, 394-396): folded into
+  ``q_b_proj`` and ``kv_a_layernorm``'s weight. The MoE routes a float32 softmax over ``n_routed_experts
+  + zero_expert_num`` experts, chooses by ``p + e_score_correction_bias``, weights by ``p *
+  routed_scaling_factor`` (not renormalised); a zero-computation expert passes the token through
+  (times its weight). The router's ``router_bias`` is never added by transformers (l. 143): its
+  ``classifier.bias`` is not loaded. The multi-token-prediction module ``model.mtp.*`` is dropped.
 * Multi-token-prediction layers (``layers.{j}`` with ``j >= num_hidden_layers``, V3's
   ``num_nextn_predict_layers``) are not part of the causal LM: their weights are dropped, as
   transformers drops them (``modeling_deepseek_v3.py`` 536).
@@ -120,7 +132,10 @@ group is scored by its two best) or cannot hold ``num_experts_per_tok`` in the `
 kept, MiniCPM5-MoE's ``attention_bias``; for the DSA models ``q_lora_rank=None`` (a ``config.json``
 only: transformers' config rejects it; A.X-K2 too), ``index_head_dim < qk_rope_head_dim``, and GLM-MoE-DSA's
 ``shared`` layers (``indexer_types``, or as derived from ``index_topk_pattern`` /
-``index_topk_freq`` / ``index_skip_topk_offset``: a layer reusing the previous layer's top-k).
+``index_topk_freq`` / ``index_skip_topk_offset``: a layer reusing the previous layer's top-k); MiniCPM3's
+``scale_emb <= 0`` and ``dim_model_base == 0``; LongCat-Flash's ``head_dim != qk_rope_head_dim``,
+``qk_head_dim != qk_nope_head_dim + qk_rope_head_dim`` (transformers' shapes would not fit), a null
+``q_lora_rank``, an activation other than SiLU, ``num_key_value_heads != num_attention_heads``.
 """
 
 from __future__ import annotations
@@ -140,7 +155,7 @@ import attnzoo.models.families._common as parts
 from attnzoo.blocks import FeedForward, make_norm
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._moe import deepseek_moe, put_moe
+from attnzoo.models.families._moe import deepseek_moe, put_moe, put_per_expert, put_stacked_experts
 from attnzoo.models.families.granitemoehybrid import finish_folded
 from attnzoo.models.families.kimi_linear import mlp_types, put_mla
 from attnzoo.models.families.qwen3_next import real_keys
@@ -155,9 +170,9 @@ from attnzoo.nn.positional import resolve_positions
 from attnzoo.variants import build_attention
 
 __all__ = ["CLASSES", "DEFAULTS", "DISPATCH", "GatedQueryLatentAttention", "IndexedLatentAttention", "LightningTopK",
-           "PositionScaledLatentAttention", "PostNormMoE", "SigmoidGatedRMSNorm", "SoftmaxGroupMoE", "SoftmaxRouting",
-           "ZeroFilledGroupsMoE", "build_deepseek", "canonical", "convert_deepseek", "indexed_attention", "moe_layers",
-           "position_scaled_attention"]
+           "LongcatLayer", "PositionScaledLatentAttention", "PostNormMoE", "SigmoidGatedRMSNorm", "SoftmaxGroupMoE",
+           "SoftmaxRouting", "ZeroExpertMoE", "ZeroFilledGroupsMoE", "build_deepseek", "build_longcat", "canonical",
+           "convert_deepseek", "convert_longcat", "indexed_attention", "moe_layers", "position_scaled_attention"]
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -234,6 +249,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
              "v_head_dim": 64, "qk_nope_head_dim": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
              "max_position_embeddings": 131072, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16,
              "gated_norm_rank": 16, "n_group": None, "topk_group": None},
+    "longcat_flash": {**_COMMON, "vocab_size": 131072, "hidden_size": 6144, "num_layers": 28, "num_attention_heads": 64,
+                      "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 10_000_000.0,
+                      "ffn_hidden_size": 12288, "head_dim": 64, "moe_topk": 12, "n_routed_experts": 512,
+                      "zero_expert_num": 256, "expert_ffn_hidden_size": 2048, "routed_scaling_factor": 6.0},
 }
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -246,6 +265,8 @@ DENSE = ("youtu", "minicpm3")
 ALIASES: dict[str, dict[str, str]] = {
     "sarvam_mla": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
                    "num_shared_experts": "n_shared_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+    "longcat_flash": {"num_local_experts": "n_routed_experts", "num_experts_per_tok": "moe_topk",
+                      "intermediate_size": "ffn_hidden_size", "moe_intermediate_size": "expert_ffn_hidden_size"},
 }
 #: the model types whose layers list their kinds in ``mlp_layer_types`` (default: one dense layer)
 LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "axk2")
@@ -551,7 +572,7 @@ def indexed_attention(dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, 
 
 
 class GatedQueryLatentAttention(IndexedLatentAttention):
-    """A.X-K2's attention (``AXK2Attention``, ``modular_axk2.py`` 233-354): DeepSeek-V3.2's indexed
+    """A.X-K2's attention (``AXK2Attention``, ``modular_axk2.py`` 265-397): DeepSeek-V3.2's indexed
     latent attention whose queries and a per-channel output gate come from one projection of both
     the normalised and the raw query latent, ``q_gate_proj [H (dn + dr + dv), 2 rq]`` on ``[q_a_norm(c);
     c]`` (``c = q_a_proj(x)``; no ``q_b_proj``): per head the rows ``[q_h; gate_h]``; the heads' outputs
@@ -588,7 +609,7 @@ class GatedQueryLatentAttention(IndexedLatentAttention):
 
 
 class SigmoidGatedRMSNorm(nn.Module):
-    """A.X-K2's ``AXK2GatedRMSNorm`` (``modular_axk2.py`` 171-187): an RMSNorm whose output is gated by
+    """A.X-K2's ``AXK2GatedRMSNorm`` (``modular_axk2.py`` 193-207): an RMSNorm whose output is gated by
     a low-rank MLP of itself, ``y * sigmoid(fc2(silu(fc1(y))))`` with ``y = norm(x)`` (the sigmoid in
     float32).
 
@@ -611,7 +632,7 @@ class SigmoidGatedRMSNorm(nn.Module):
 
 class ZeroFilledGroupsMoE(MixtureOfExperts):
     """DeepSeek-V3's mixture of experts as A.X-K2 routes it (``AXK2TopkRouter.apply_group_scoring``,
-    ``modular_axk2.py`` 196-214): the experts outside a token's kept groups get the choice score 0
+    ``modular_axk2.py`` 219-237): the experts outside a token's kept groups get the choice score 0
     instead of DeepSeek-V3's ``-inf``, so a kept expert whose biased score ``sigmoid + bias`` is
     negative loses to them. One group: as :class:`~attnzoo.nn.moe.MixtureOfExperts`."""
 
@@ -682,7 +703,8 @@ def _number(value: Any) -> bool:
 def _legacy(hf: HFConfig, model_type: str) -> HFConfig:
     """A ``config.json``'s other names and values as transformers' config class translates them on
     load: the ``attribute_map`` aliases (:data:`ALIASES`), Sarvam's ``rope_scaling.type =
-    "deepseek_yarn"`` (YaRN, ``configuration_sarvam_mla.py`` 124-146)."""
+    "deepseek_yarn"`` (YaRN, ``configuration_sarvam_mla.py`` 129-153), LongCat's ``num_hidden_layers``
+    (twice ``num_layers``)."""
     data = dict(hf.data)
     for alias, name in ALIASES.get(model_type, {}).items():
         value = data.pop(alias, None)
@@ -693,6 +715,8 @@ def _legacy(hf: HFConfig, model_type: str) -> HFConfig:
                                                                                       rope.get("rope_type")):
         del data["rope_scaling"]
         data["rope_parameters"] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "yarn"}
+    if model_type == "longcat_flash" and data.get("num_layers") is None and _number(data.get("num_hidden_layers")):
+        data["num_layers"] = data["num_hidden_layers"] // 2  # LongcatFlashConfig's num_hidden_layers setter
     return HFConfig(data, hf.source, hf.arch)
 
 
@@ -799,9 +823,9 @@ def _groups(hf: HFConfig, model_type: str) -> tuple[int, int]:
 
 
 def _interleaved(hf: HFConfig, model_type: str) -> bool:
-    """Whether the latent attention's RoPE rotates adjacent pairs: always in DeepSeek-V2 and the DSA
-    models, never in MiniCPM3 (neither reads ``rope_interleave``), else ``rope_interleave``."""
-    if model_type in ("deepseek_v2", *DSA) or model_type == "minicpm3":
+    """Whether the latent attention's RoPE rotates adjacent pairs: always in DeepSeek-V2, the DSA
+    models and LongCat-Flash, never in MiniCPM3 (none reads ``rope_interleave``), else ``rope_interleave``."""
+    if model_type in ("deepseek_v2", *DSA, "longcat_flash", "minicpm3"):
         return model_type != "minicpm3"
     return bool(hf.get("rope_interleave", True, bool))
 
@@ -1000,11 +1024,192 @@ def _finish_minicpm3(plan: Plan, model: DecoderLM, hf: HFConfig, head_size: int 
 
 def convert_deepseek(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """A model of the lineage, by the config's ``model_type`` (see the module docstring): DeepSeek-V3 /
-    V2 / V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral 4, MiniCPM5-MoE, A.X-K1 / K2, Sarvam-MLA, Youtu-LLM, MiniCPM3."""
+    V2 / V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral 4, MiniCPM5-MoE, A.X-K1 / K2, Sarvam-MLA, Youtu-LLM, MiniCPM3,
+    LongCat-Flash (:func:`convert_longcat`)."""
     model_type = str(hf.raw("model_type"))
     if model_type not in DEFAULTS:
         raise ValueError(f"convert_deepseek: model_type must be one of {list(DEFAULTS)}, got {model_type!r}")
+    if model_type == "longcat_flash":
+        return convert_longcat(hf, sd, device=device, dtype=dtype)
     return _convert(model_type, hf, sd, device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- LongCat-Flash
+class ZeroExpertMoE(MixtureOfExperts):
+    """LongCat-Flash's mixture of experts (``LongcatFlashMoE`` / ``LongcatFlashTopkRouter``,
+    ``modeling_longcat_flash.py`` 129-229): ``E`` SwiGLU experts beside ``Z`` zero-computation experts
+    (the identity). Per token ``x [C]``: ``p = softmax(W_r x)`` over all ``E + Z`` (float32; transformers
+    never adds the router's bias), the ``k`` experts of largest ``p + score_bias`` (``score_bias [E + Z]``,
+    transformers' ``e_score_correction_bias``), each weighted by its ``p`` times ``scaling`` (not
+    renormalised); a zero expert ``e >= E`` contributes ``weight * x``.
+
+    Args:
+        dim, hidden, num_experts (``E``), top_k (``k <= E + Z``): as :class:`~attnzoo.nn.moe.MixtureOfExperts`.
+        zero_experts: ``Z``. scaling: ``routed_scaling_factor``.
+        keep_router_float32, device, dtype: as :class:`~attnzoo.nn.moe.MixtureOfExperts`.
+
+    Weights: ``router [E + Z, C]``, the experts' ``gate_proj`` / ``up_proj [E, F, C]``, ``down_proj [E, C, F]``;
+    buffer ``score_bias [E + Z]`` (float32). Shapes: ``[..., C] -> [..., C]``.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, zero_experts: int, top_k: int, *, scaling: float,
+                 keep_router_float32: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, hidden, num_experts, min(top_k, num_experts), routing=Routing(scaling=scaling),
+                         device=device, dtype=dtype)
+        if isinstance(zero_experts, bool) or not isinstance(zero_experts, int) or zero_experts < 0 \
+                or not 1 <= top_k <= num_experts + zero_experts:
+            raise ValueError(f"ZeroExpertMoE: zero_experts must be an int >= 0 and 1 <= top_k <= num_experts + "
+                             f"zero_experts, got zero_experts={zero_experts!r}, top_k={top_k!r}")
+        self.top_k, self.zero_experts = top_k, zero_experts
+        self.router = nn.Linear(dim, num_experts + zero_experts, bias=False, device=device, dtype=dtype)
+        del self.score_bias
+        self.register_buffer("score_bias", torch.zeros(num_experts + zero_experts, device=device, dtype=torch.float32))
+        if keep_router_float32:
+            self.keep_router_in_float32()
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(weights [T, k], experts [T, k], logits [T, E + Z])`` of ``x [T, C]`` (see the class docstring)."""
+        wide = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(wide), self.router.weight.to(wide))  # [T, E + Z]
+        probs = torch.softmax(logits, dim=-1)
+        experts = torch.topk(probs + self.score_bias.to(wide), self.top_k, dim=-1).indices  # [T, k]
+        return (probs.gather(-1, experts) * self.routed_scaling).to(x.dtype), experts, logits
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.dim)  # [T, C]
+        weights, experts, _ = self.route(flat)
+        zero = experts >= self.num_experts  # [T, k]: the zero-computation experts
+        out = torch.zeros_like(flat)
+        for e in torch.unique(experts[~zero]).tolist():
+            token, slot = torch.nonzero(experts == e, as_tuple=True)
+            out.index_add_(0, token, (self.expert(e, flat[token]) * weights[token, slot, None]).to(out.dtype))
+        identity = weights.masked_fill(~zero, 0.0).sum(dim=-1, keepdim=True)  # [T, 1]
+        return (out + (flat * identity).to(out.dtype)).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, zero_experts={self.zero_experts}"
+
+
+class LongcatLayer(nn.Module):
+    """One LongCat-Flash layer (``LongcatFlashDecoderLayer``, ``modeling_longcat_flash.py`` 433-512): two
+    pre-norm attention sub-layers, each followed by a dense MLP, and one mixture of experts reading the
+    first MLP's input whose output joins at the very end (the shortcut)::
+
+        h = x + attn_0(norm_0(x));   m = ffn_norm_0(h)
+        h = h + mlp_0(m);            s = moe(m)
+        h = h + attn_1(norm_1(h))
+        out = h + mlp_1(ffn_norm_1(h)) + s
+
+    Args:
+        dim: ``C``. attention, mlp, norm, moe: factories of the sub-layers' modules.
+
+    Weights: ``sublayers.{j}`` (mixer-only :class:`~attnzoo.blocks.TransformerBlock`: ``attn_norm``,
+    ``attn``), ``ffn_norms.{j}``, ``mlps.{j}``, ``moe``. The decode cache: a
+    :class:`~attnzoo.nn.cache.CacheList` of the two attentions'. Block protocol as
+    :class:`~attnzoo.blocks.TransformerBlock` (``key_padding``, ``cache``, ``positions``, ``cu_seqlens``;
+    no cross-attention). Shapes: ``[B, N, C] -> [B, N, C]``.
+    """
+
+    def __init__(self, dim: int, *, attention: Callable[[], nn.Module], mlp: Callable[[], nn.Module],
+                 norm: Callable[[], nn.Module], moe: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.dim = dim
+        self.sublayers = nn.ModuleList([parts.block(dim, attention, None, norm) for _ in range(2)])
+        self.ffn_norms = nn.ModuleList([norm() for _ in range(2)])
+        self.mlps = nn.ModuleList([mlp() for _ in range(2)])
+        self.moe = moe()
+
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> CacheList:
+        return CacheList([s.init_cache(batch_size, max_len, device=device, dtype=dtype) for s in self.sublayers])
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *, key_padding: Tensor | None = None,
+                context_mask: Any = None, cache: CacheList | None = None, positions: Tensor | None = None,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        if context is not None or context_mask is not None:
+            raise ValueError("LongcatLayer: no cross-attention (context)")
+        caches = [None, None] if cache is None else list(cache)
+        kw: dict[str, Any] = {"key_padding": key_padding, "positions": positions, "cu_seqlens": cu_seqlens}
+        h = self.sublayers[0](x, cache=caches[0], **kw)
+        m = self.ffn_norms[0](h)
+        shortcut = self.moe(m)
+        h = h + self.mlps[0](m)
+        h = self.sublayers[1](h, cache=caches[1], **kw)
+        return h + self.mlps[1](self.ffn_norms[1](h)) + shortcut
+
+
+def _longcat(hf: HFConfig) -> HFConfig:
+    """A ``LongcatFlashConfig`` as transformers reads it (aliases, :data:`DEFAULTS`); refuses what
+    has no equivalent: ``num_key_value_heads != num_attention_heads``, a rope width ``head_dim`` or a
+    ``qk_head_dim`` other than MLA's (``qk_rope_head_dim``, ``qk_nope_head_dim + qk_rope_head_dim``:
+    transformers' shapes would not fit), a null ``q_lora_rank``, an activation other than SiLU (experts)."""
+    hf = _derived(_legacy(hf, "longcat_flash"), "longcat_flash")
+    dn, dr, H = hf.req("qk_nope_head_dim"), hf.req("qk_rope_head_dim"), hf.req("num_attention_heads")
+    parts.unsupported_keys(hf, {"num_key_value_heads": lambda v: v in (None, H), "head_dim": lambda v: v in (None, dr),
+                                "qk_head_dim": lambda v: v in (None, dn + dr), "q_lora_rank": lambda v: v is not None,
+                                "hidden_act": lambda v: v in ("silu", "swish"),
+                                "routed_scaling_factor": lambda v: _number(v) and v > 0})
+    return hf
+
+
+def build_longcat(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """The decoder of a ``LongcatFlashConfig`` (random weights; see :class:`LongcatLayer`): ``num_layers``
+    layers of two interleaved-RoPE latent attentions (the query / latent scales folded into weights
+    at conversion), two SwiGLU MLPs (``ffn_hidden_size``) and a :class:`ZeroExpertMoE`."""
+    hf = _longcat(hf)
+    C, eps, kw = hf.req("hidden_size"), hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    moe = functools.partial(ZeroExpertMoE, C, hf.req("expert_ffn_hidden_size"), hf.req("n_routed_experts"),
+                            hf.get("zero_expert_num", 0), hf.req("moe_topk"),
+                            scaling=hf.get("routed_scaling_factor", 1.0, float),
+                            keep_router_float32=dtype == torch.float16, **kw)  # _keep_in_fp32_modules: float16 only
+    layer = functools.partial(LongcatLayer, C, attention=_attention(hf, "longcat_flash", kw), moe=moe,
+                              mlp=parts.gated_mlp(C, hf.req("ffn_hidden_size"), "swiglu", **kw),
+                              norm=parts.rms_norm(C, eps, **kw))
+    return parts.decoder(hf, [layer() for _ in range(hf.req("num_layers"))], head_size=head_size, norm_eps=eps, **kw)
+
+
+def _scale(plan: Plan, name: str, factor: float, why: str) -> None:
+    """The planned tensor ``name`` times ``factor`` (computed in at least float32)."""
+    if name in plan.values:
+        t, key = plan.values[name]
+        plan.values[name] = (t.to(torch.promote_types(t.dtype, torch.float32)) * factor, f"{key} x {why}")
+
+
+def _put_longcat_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
+    """One :class:`LongcatLayer` from ``LongcatFlashDecoderLayer``: each ``self_attn.{j}`` (with
+    ``sqrt(hidden_size / q_lora_rank)`` folded into ``q_b_proj`` and ``sqrt(hidden_size / kv_lora_rank)``
+    into ``kv_a_layernorm``: ``LongcatFlashMLA`` multiplies the queries and the normalised latent by
+    them, l. 351-352, 394-396), the norms, ``mlps.{j}``, the MoE (``router.classifier``, the correction
+    bias, stacked or per-expert experts)."""
+    C = hf.req("hidden_size")
+    for j in range(2):
+        a = f"{ours}sublayers.{j}."
+        put_mla(plan, f"{a}attn.", f"{theirs}self_attn.{j}.", hf)
+        _scale(plan, f"{a}attn.q_b_proj.weight", math.sqrt(C / hf.req("q_lora_rank")), "mla_scale_q_lora")
+        _scale(plan, f"{a}attn.kv_a_norm.weight", math.sqrt(C / hf.req("kv_lora_rank")), "mla_scale_kv_lora")
+        plan.put(f"{a}attn_norm.weight", f"{theirs}input_layernorm.{j}.weight")
+        plan.put(f"{ours}ffn_norms.{j}.weight", f"{theirs}post_attention_layernorm.{j}.weight")
+        parts.put_mlp(plan, f"{ours}mlps.{j}.", f"{theirs}mlps.{j}.")
+    moe, theirs_moe = f"{ours}moe.", f"{theirs}mlp."
+    plan.put(f"{moe}router.weight", f"{theirs_moe}router.classifier.weight")
+    plan.put(f"{moe}score_bias", f"{theirs_moe}router.e_score_correction_bias")
+    if plan.src.has(f"{theirs_moe}experts.0.gate_proj.weight"):  # saved folders: one tensor per expert
+        put_per_expert(plan, moe, theirs_moe)
+    else:
+        put_stacked_experts(plan, moe, theirs_moe)
+
+
+def convert_longcat(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """LongCat-Flash (``LongcatFlashForCausalLM`` / ``LongcatFlashModel``): build and copy the weights
+    (the head follows them); the multi-token-prediction module (``model.mtp.*``) is dropped, as
+    transformers drops it, and the router's bias (``router_bias``) is unused there and here."""
+    hf = _longcat(hf)
+    model, plan, head_size = parts.start(hf, sd, build_longcat, device=device, dtype=dtype)
+    for i in range(model.depth):
+        _put_longcat_layer(plan, f"blocks.{i}.", f"layers.{i}.", hf)
+    return parts.finish(plan, model, head_size,
+                        ignore=[r"(model\.)?mtp\..*", r"(model\.)?layers\.\d+\.mlp\.router\.classifier\.bias"])
 
 
 #: per ``model_type``: its name and the prefix of its transformers classes (``{prefix}ForCausalLM``,
@@ -1014,7 +1219,7 @@ CLASSES = {"deepseek_v3": ("DeepSeek-V3", "DeepseekV3"), "deepseek_v2": ("DeepSe
            "minicpm5_moe": ("MiniCPM5-MoE", "MiniCPM5Moe"), "axk1": ("A.X-K1", "AXK1"),
            "deepseek_v32": ("DeepSeek-V3.2", "DeepseekV32"), "glm_moe_dsa": ("GLM-MoE-DSA", "GlmMoeDsa"),
            "sarvam_mla": ("Sarvam-MLA", "DeepseekV3"), "youtu": ("Youtu-LLM", "Youtu"), "minicpm3": ("MiniCPM3", "MiniCPM3"),
-           "axk2": ("A.X-K2", "AXK2")}
+           "axk2": ("A.X-K2", "AXK2"), "longcat_flash": ("LongCat-Flash", "LongcatFlash")}
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
 DISPATCH = {t: parts.Dispatch(name, convert_deepseek, (f"{prefix}ForCausalLM", f"{prefix}Model"))
