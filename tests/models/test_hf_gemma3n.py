@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 import hf_family_checks as checks  # noqa: E402
 from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
 from attnzoo.models.families.gemma3n import (  # noqa: E402
+    DEFAULTS,
     AltUp,
     Gemma3nBlock,
     Gemma3nLM,
@@ -223,6 +224,14 @@ def test_multimodal_model_is_refused() -> None:
     model.config = T.Gemma3nConfig(text_config=_config().to_dict())  # type: ignore[assignment]
     with pytest.raises(ValueError, match="model_type 'gemma3n'"):
         from_hf(model)
+
+
+def test_defaults_are_the_config_class_defaults() -> None:
+    """Every default read where a ``config.json`` leaves a key out is ``Gemma3nTextConfig``'s."""
+    ref = T.Gemma3nTextConfig().to_dict()
+    assert ref["intermediate_size"] == [DEFAULTS["intermediate_size"]] * DEFAULTS["num_hidden_layers"]
+    assert {k: ref[k] for k in DEFAULTS if k != "intermediate_size"} == {k: v for k, v in DEFAULTS.items()
+                                                                          if k != "intermediate_size"}
 
 
 def test_canonical_defaults() -> None:

@@ -1,6 +1,8 @@
 """Gemma 3n (text) -> :class:`~attnzoo.DecoderLM`: ``Gemma3nForCausalLM`` and ``Gemma3nTextModel``
-(``model_type="gemma3n_text"``). The multimodal ``Gemma3nForConditionalGeneration`` / ``Gemma3nModel``
-(``model_type="gemma3n"``) is not converted.
+(``model_type="gemma3n_text"``); and the Gemma 4 unified text decoder built from Gemma 3n's and
+Gemma 4's parts, ``Gemma4UnifiedForCausalLM`` and ``Gemma4UnifiedTextModel``
+(``model_type="gemma4_unified_text"``, at the end). The multimodal models (``model_type`` ``"gemma3n"``,
+``"gemma4_unified"``) are not converted.
 
 Line numbers: transformers 5.25, ``models/gemma3n/modeling_gemma3n.py`` (m.) and
 ``configuration_gemma3n.py`` (c.). Gemma 3n's decoder is Gemma 4's text decoder
@@ -48,6 +50,17 @@ Refused by name: ``altup_active_idx`` outside ``[0, altup_num_inputs)``, a
 ``partial_rotary_factor`` other than 1 on a scaled rope type (transformers' rotary tables would not fit
 the heads), rope types attnzoo has not, ``num_kv_shared_layers`` that leaves a reading layer's type
 without an earlier layer computing its keys, a non-gated activation.
+
+**Gemma 4 unified text** (``models/gemma4_unified/modeling_gemma4_unified.py`` (u.) and its
+``configuration_gemma4_unified.py``): Gemma 4's text decoder (:func:`~attnzoo.models.families.gemma4.build_gemma4`)
+without per-layer embeddings and without the MoE block -- Gemma 3n's RMSNorm (u. 156-174, the same
+arithmetic as Gemma 4's), Gemma 4's attention with keys-as-values and per-type head widths
+(``per_layer_config``), KV sharing with the double-wide MLP, the layer scalar, proportional RoPE on
+the full layers (u. 177-245, 323-433, 455-504). Its defaults differ from Gemma 4's: ``sliding_window``
+1024, ``max_position_embeddings`` 262144 (:data:`UNIFIED_DEFAULTS`). Refused by name as in Gemma 4
+(``use_bidirectional_attention="all"``, rope types other than ``default`` / ``proportional``,
+``per_layer_config`` keys other than the head width and KV heads), and ``num_kv_shared_layers`` equal to
+the depth (every layer reusing keys that only an assistant's target model supplies, configuration 196-197).
 """
 
 from __future__ import annotations
@@ -84,8 +97,9 @@ from attnzoo.models.loop import StreamsLM
 from attnzoo.models.parts import DecoderParts, head_for
 from attnzoo.nn.attention import build_softmax
 
-__all__ = ["DEFAULTS", "DISPATCH", "AltUp", "AltUpStreams", "Gemma3nBlock", "Gemma3nLM", "Gemma3nPerLayerEmbedding",
-           "Laurel", "SparseGatedMLP", "build_gemma3n", "canonical", "convert_gemma3n"]
+__all__ = ["DEFAULTS", "DISPATCH", "UNIFIED_DEFAULTS", "AltUp", "AltUpStreams", "Gemma3nBlock", "Gemma3nLM",
+           "Gemma3nPerLayerEmbedding", "Laurel", "SparseGatedMLP", "build_gemma3n", "build_gemma4_unified", "canonical",
+           "convert_gemma3n", "convert_gemma4_unified"]
 
 #: ``Gemma3nTextConfig``'s defaults of the keys read here (c. 95-126), for a ``config.json`` that
 #: leaves them out (``layer_types``, ``rope_parameters``, ``activation_sparsity_pattern``: :func:`canonical`)
@@ -468,5 +482,35 @@ def convert_gemma3n(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     return parts.finish(plan, model, head_size, ignore=ignore)
 
 
+# --------------------------------------------------------------------------- Gemma 4 unified text
+#: ``Gemma4UnifiedTextConfig``'s defaults where they differ from Gemma 4's (its configuration, 123-149), over
+#: :data:`~attnzoo.models.families.gemma4.DEFAULTS`
+UNIFIED_DEFAULTS: dict[str, Any] = {**gemma4.DEFAULTS, "max_position_embeddings": 262_144, "sliding_window": 1024}
+
+
+def _unified(hf: HFConfig) -> HFConfig:
+    """A ``Gemma4UnifiedTextConfig`` read as Gemma 4's text config: its defaults, no per-layer
+    embeddings and no MoE block (keys of those names, not the unified config's, are ignored as
+    transformers ignores them)."""
+    out = hf.with_defaults(UNIFIED_DEFAULTS)
+    out.data.update(hidden_size_per_layer_input=0, enable_moe_block=False)
+    return out
+
+
+def build_gemma4_unified(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                         dtype: Any = None) -> DecoderLM:
+    """The decoder of a ``Gemma4UnifiedTextConfig`` (random weights; see the module docstring)."""
+    return gemma4.build_gemma4(_unified(hf), head_size=head_size, device=device, dtype=dtype)
+
+
+def convert_gemma4_unified(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """Gemma 4's conversion of the unified text decoder (the weights have Gemma 4's names)."""
+    return gemma4.convert_gemma4(_unified(hf), sd, device=device, dtype=dtype)
+
+
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
-DISPATCH = {"gemma3n_text": parts.Dispatch("Gemma 3n", convert_gemma3n, ("Gemma3nForCausalLM", "Gemma3nTextModel"))}
+DISPATCH = {
+    "gemma3n_text": parts.Dispatch("Gemma 3n", convert_gemma3n, ("Gemma3nForCausalLM", "Gemma3nTextModel")),
+    "gemma4_unified_text": parts.Dispatch("Gemma 4 unified", convert_gemma4_unified,
+                                          ("Gemma4UnifiedForCausalLM", "Gemma4UnifiedTextModel")),
+}
