@@ -91,6 +91,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
     **{t: ("test_hf_sparse_moe_3", f"_{m}") for t, m in (("mellum", "mellum"), ("flint", "flint"),
                                                             ("kolibri1", "kolibri"), ("cwm", "cwm"))},
     **{t: ("test_hf_neox", f"_{t}") for t in ("gpt_neox", "phi", "stablelm", "persimmon", "gptj", "codegen")},
+    **{t: ("test_hf_dense_3", f"_{t}") for t in ("ministral", "vaultgemma", "jais2", "hyperclovax", "granite_swa",
+                                                 "exaone", "internlm3", "iquestcoder", "nanochat", "bitnet")},
+    **{t: ("test_hf_classic", m) for t, m in (("falcon", "_falcon_rw"), ("gpt_bigcode", "_bigcode_other"),
+                                              ("bloom", "_bloom_other"), ("mpt", "_mpt_other"), ("opt", "_opt_350m"),
+                                              ("gpt_neo", "_neo_other"))},
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
@@ -99,7 +104,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
 #: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
 #: forward): compared on an unpadded batch
-UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma"}
+UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo"}
 #: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
 #: two, its sparsemixer): top-k left as configured
 TOP1 = {"zaya", "phimoe"}
@@ -307,7 +312,7 @@ def test_float32_scale_norm_equals_transformers_bitwise(module: str, cls: str, p
 #: keep these norms in float32)
 FLOAT32_SCALE = {"gemma3_text": True, "qwen3_next": True, "qwen3_5_text": True, "qwen3_5_moe_text": True,
                  "gpt_oss": True, "olmo3": False, "olmo_hybrid": False, "nemotron_h": False, "lara_mini": False,
-                 "gemma": True, "gemma2": True}
+                 "gemma": True, "gemma2": True, "vaultgemma": True}
 
 
 @pytest.mark.parametrize("family", sorted(FLOAT32_SCALE))
