@@ -193,3 +193,30 @@ def test_config_json_with_keys_left_out(tmp_path: Path, make: Any, keys: tuple[s
 def test_unsupported_options_are_refused(model: str, make: Any, key: str, value: Any, named: str) -> None:
     cls = {"beam": T.BeamForCausalLM, "ergo": T.ErgoForCausalLM}[model]
     checks.check_refused(cls, make, key, value, named)
+
+
+def test_ergo_half_precision_keeps_the_float32_stream(tmp_path: Path) -> None:
+    """``from_hf(dtype=bfloat16)``: Ergo's embedding, norms, residual gates, router and expert norms stay
+    float32 (transformers' ``_keep_in_fp32_modules_strict``, but the q/k norms), through ``.half()`` too;
+    the residual stream runs in float32 and the logits come in bfloat16, no worse than transformers' own
+    bfloat16 model (``from_pretrained(dtype=)``) by more than 1.3x against the float32 logits (measured
+    0.92-1.11 over seeds 0-2 in both half dtypes, top-k made all-inclusive; 1.2-1.5 with a 16-bit stream)."""
+    hf = checks.hf_model(_ergo(num_experts_per_tok=8))
+    ours = from_hf(hf, dtype=torch.bfloat16)
+    kept = {n for n, p in ours.named_parameters() if p.dtype == torch.float32}
+    ends = ("tok_emb.weight", "norm.weight", "_residual.weight", "router.weight", "expert_norm",
+            "post_mlp_layernorm.weight")
+    assert kept == {n for n, _ in ours.named_parameters() if n.endswith(ends)}
+    hf.save_pretrained(tmp_path)
+    peer = T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    x, mask = checks.padded(30)
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask).logits[real]
+        got = ours(x, attention_mask=real)
+        theirs = peer(input_ids=x, attention_mask=mask).logits.float()[real]
+    assert got.dtype == torch.bfloat16
+    err, peer_err = (float((t.float() - ref).norm() / ref.norm()) for t in (got[real], theirs))
+    assert err <= 1.3 * peer_err, (err, peer_err)
+    ours.half()
+    assert {n for n, p in ours.named_parameters() if p.dtype == torch.float32} == kept

@@ -52,6 +52,13 @@ dense layers first):
 * Saved folders use the serving layout (``tok_embeddings``, ``attention.wqkv``, ``feed_forward.gate_kernel``
   transposed, ...; transformers' ``conversion_mapping`` for ``ergo``): both load.
 
+Half precision (``from_hf(dtype=)``, later casts): the RMSNorms scale in float32 and round once, as
+both families' norms; what transformers keeps float32 stays float32 (``_keep_in_fp32_modules_strict``):
+Beam's router weight; Ergo's token embedding (:class:`Float32Embedding`), RMSNorms, residual gates,
+router and expert norms, its residual stream running in float32 around sub-layers in the model's dtype
+(:meth:`MixedResidualBlock.branch_dtype`) and read by the head in its own (:class:`CastLMHead`: logits
+in the model's dtype, transformers' in float32); Ergo's q/k norms are not kept float32 here.
+
 Positions: a NoPE layer's Beam factor reads absolute positions; attnzoo counts them from each row's
 first real token, as transformers' ``generate`` does (its forward without ``position_ids`` counts a
 left-padded row's pads too). Packed sequences run one at a time through Beam's NoPE layers.
@@ -87,13 +94,15 @@ from attnzoo.models.families._moe import deepseek_moe, put_moe
 from attnzoo.models.families.deepseek import PostNormMoE
 from attnzoo.models.families.kimi_linear import saved_names
 from attnzoo.models.hf._state import HFConfig, Plan
+from attnzoo.models.parts import LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.moe import Experts, MixtureOfExperts, Routing
 from attnzoo.nn.parts import AttentionParts, OutputGate, Scores, qk_rmsnorm
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["DEFAULTS", "DISPATCH", "DepthScaledResidual", "ExpertNormMoE", "HeadBiasedGate", "LengthScaledAttention",
-           "MixedResidualBlock", "ResidualGate", "build_beam", "canonical", "convert_beam"]
+__all__ = ["DEFAULTS", "DISPATCH", "CastLMHead", "DepthScaledResidual", "ExpertNormMoE", "Float32Embedding",
+           "HeadBiasedGate", "LengthScaledAttention", "MixedResidualBlock", "ResidualGate", "build_beam", "canonical",
+           "convert_beam"]
 
 KINDS = ("sliding_attention", "full_attention")
 
@@ -227,12 +236,38 @@ class ResidualGate(nn.Module):
         return (branch * y + keep * x).to(x.dtype)
 
 
+class Float32Embedding(nn.Embedding):
+    """Ergo's token embedding, float32 whatever the model's dtype and kept so through half casts
+    (transformers builds it in float32 and keeps it, l. 551): the float32 residual stream's start.
+    Weight: ``weight [V, C]``. Shapes: ``tokens [B, N] -> [B, N, C]``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, device: torch.device | str | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=torch.float32)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Float32Embedding:
+        kept = float32_snapshot(self, ("weight",))
+        super()._apply(fn, recurse)
+        restore_float32_params(self, kept)
+        return self
+
+
+class CastLMHead(LMHead):
+    """:class:`~attnzoo.models.parts.LMHead` reading the (float32) stream in its weight's dtype
+    (Ergo's ``cast_input_to_weight_dtype``, l. 369-384). Shapes: ``[B, N, C] -> [B, N, V]``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 class MixedResidualBlock(TransformerBlock):
     """A pre- and post-normed layer (``sublayer_norm="both"``) whose residual connections are
     modules ``mix(y, x)`` of the sub-layer's normed output ``y`` and the stream ``x``::
 
         x = attn_residual(attn_out_norm(attn(attn_norm(x))), x)
         x = ffn_residual(ffn_out_norm(ffn(ffn_norm(x))), x)
+
+    The sub-layers run in :meth:`branch_dtype` and the stream keeps its own (Ergo's float32 stream
+    under a half-precision model; the same dtype otherwise).
 
     Args:
         dim: model width ``C``.
@@ -259,8 +294,16 @@ class MixedResidualBlock(TransformerBlock):
         if key_padding is not None:
             mask = self._self_mask(mask, key_padding)
         assert self.ffn is not None and self.ffn_norm is not None
-        x = self.attn_residual(self.attn_out_norm(self._mix(self.attn_norm(x), mask, cache, positions, cu_seqlens)), x)
-        return self.ffn_residual(self.ffn_out_norm(self.ffn(self.ffn_norm(x))), x)
+        branch = self.branch_dtype(x)
+        h = self._mix(self.attn_norm(x).to(branch), mask, cache, positions, cu_seqlens)
+        x = self.attn_residual(self.attn_out_norm(h.to(x.dtype)), x)
+        return self.ffn_residual(self.ffn_out_norm(self.ffn(self.ffn_norm(x).to(branch)).to(x.dtype)), x)
+
+    def branch_dtype(self, x: Tensor) -> torch.dtype:
+        """The sub-layers' dtype: the attention's output projection's (a half-precision model under a
+        float32 residual stream, as Ergo's: l. 463-482), else ``x``'s."""
+        weight = getattr(self.attn, "out_proj", None)
+        return weight.weight.dtype if isinstance(weight, nn.Linear) else x.dtype
 
 
 # --------------------------------------------------------------------------- feed-forward
@@ -430,9 +473,14 @@ def build_beam(hf: HFConfig, model_type: str, *, head_size: int | None = None, d
                              feed_forward=_feed_forward(hf, model_type, mlp == "sparse", kw))
         mix_attn, mix_ffn = _residuals(model_type, i, C, device)
         blocks.append(MixedResidualBlock(C, layers, attn_residual=mix_attn, ffn_residual=mix_ffn))
-    softcap = hf.get("final_logit_softcapping", None, float) if model_type == "beam" else None
-    model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, logit_softcap=softcap, **kw)
-    return parts.float32_scale_norms(model)
+    if model_type == "beam":
+        softcap = hf.get("final_logit_softcapping", None, float)
+        model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, logit_softcap=softcap, **kw)
+        return parts.float32_scale_norms(model)
+    V = hf.req("vocab_size")  # Ergo: the embedding, the norms and the residual stream in float32
+    model = parts.decoder(hf, blocks, head_size=0, norm_eps=eps, embedding=Float32Embedding(V, C, device=device), **kw)
+    model.lm_head = CastLMHead(C, V, **kw) if head_size is None else head_for(C, V, head_size, **kw)
+    return parts.float32_scale_norms(model, keep_float32=True)
 
 
 # --------------------------------------------------------------------------- convert
