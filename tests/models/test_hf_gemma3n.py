@@ -96,10 +96,14 @@ def test_greedy_generation_of_the_streams_case() -> None:
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
                                   {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}],
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                                  {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                   "long_factor": [1.5 + 0.2 * i for i in range(8)],
+                                   "original_max_position_embeddings": 16}],
                          ids=lambda r: r["rope_type"])
 def test_scaled_rope_of_the_full_layers(rope: dict[str, Any]) -> None:
-    """The full layers' scaled rope past ``max_position_embeddings`` (40 < 60 tokens: dynamic rescales)."""
+    """The full layers' scaled rope past ``max_position_embeddings`` (40 < 60 tokens: dynamic rescales,
+    longrope takes its long factors past its original 16 positions)."""
     params = {S: dict(ROPES[S]), F: {**rope, "rope_theta": 1e4}}
     checks.check_logits(lambda: _config(rope_parameters=params, max_position_embeddings=40), n=60)
 
