@@ -118,6 +118,19 @@ class HFMask:
     def __getitem__(self, index: Any) -> Tensor:
         return self.to_dense()[index]
 
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """A torch function given the mask computes on its dense form (Falcon's ALiBi path turns the
+        mask into an additive bias with ``torch.where(mask, 0, min)``)."""
+        def dense(x: Any) -> Any:
+            if isinstance(x, HFMask):
+                return x.to_dense()
+            if isinstance(x, (list, tuple)):
+                return type(x)(dense(v) for v in x)
+            return x
+
+        return func(*dense(args), **{k: dense(v) for k, v in (kwargs or {}).items()})
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(B or 1, 1, Nq, Nk)`` of the dense mask this stands for."""

@@ -307,12 +307,13 @@ def test_greedy_generation_identical_other_configs(name: str) -> None:
     checks.check_generation(ALL[name])
 
 
-@pytest.mark.parametrize("name", ["falcon", "falcon_40b", "gpt_bigcode", "gpt_bigcode_other", "opt", "opt_350m"])
+@pytest.mark.parametrize("name", ["falcon", "falcon_40b", "falcon_rw", "gpt_bigcode", "gpt_bigcode_other", "opt",
+                                  "opt_350m"])
 def test_register_equals_eager(name: str) -> None:
-    """transformers' own Falcon (RoPE), GPT-BigCode and OPT served by ``attnzoo.hf.register()``. (Falcon's
-    ALiBi path is not: its ``forward`` edits the mask ``create_causal_mask`` returns, ``torch.where`` on
-    it, which under ``register()`` is attnzoo's lazy mask; BLOOM, MPT and GPT-Neo have their own
-    attention code, no attention interface.)"""
+    """transformers' own Falcon (RoPE and ALiBi), GPT-BigCode and OPT served by ``attnzoo.hf.register()``
+    (Falcon's ALiBi path edits the mask ``create_causal_mask`` returns with ``torch.where``: attnzoo's
+    lazy mask answers torch functions with its dense form; BLOOM, MPT and GPT-Neo have their own
+    attention code, no attention interface)."""
     checks.check_register_equals_eager(checks.hf_model(ALL[name]()))
 
 
