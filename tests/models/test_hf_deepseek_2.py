@@ -184,6 +184,14 @@ def test_packed_gradients_equal_each_alone(make: Any, no_gradient: str | None) -
     checks.check_packed_gradients_equal_each_alone(make, no_gradient=no_gradient)
 
 
+@pytest.mark.parametrize("make", [_sarvam, _youtu_yarn, _minicpm3_yarn, _longcat_yarn],
+                         ids=["sarvam", "youtu", "minicpm3", "longcat"])
+def test_register_equals_eager(make: Any) -> None:
+    """transformers' own model with ``attn_implementation="attnzoo"`` gives its eager logits (A.X-K2,
+    as DeepSeek-V3.2, hands the attention function its indexer's ``indices``: refused by name there)."""
+    checks.check_register_equals_eager(checks.hf_model(make()))
+
+
 def test_axk2_groups_fill_zero() -> None:
     """A.X-K2's group-limited routing scores the experts outside the kept groups 0, not ``-inf``:
     with every correction bias at -2 (every biased score negative) it picks experts of the dropped
@@ -200,6 +208,26 @@ def test_axk2_groups_fill_zero() -> None:
             if isinstance(block.ffn, ZeroFilledGroupsMoE):
                 block.ffn.__class__ = MixtureOfExperts  # DeepSeek-V3's -inf
         assert checks.rel(ours(x), hf(input_ids=x).logits) > 1e-3
+
+
+def _decode(model: Any, x: torch.Tensor, prefill: int, hf: bool) -> torch.Tensor:
+    """Logits of a prefill then one token at a time through the cache (transformers' or attnzoo's)."""
+    cache = T.DynamicCache(config=model.config) if hf else model.init_cache(x.shape[0], x.shape[1])
+    run = (lambda t: model(input_ids=t, cache=cache, use_cache=True).logits) if hf else (lambda t: model(t, cache=cache))
+    return torch.cat([run(x[:, :prefill])] + [run(x[:, t:t + 1]) for t in range(prefill, x.shape[1])], dim=1)
+
+
+def test_axk2_cached_decode_follows_transformers_at_ties() -> None:
+    """A.X-K2's indexer is DeepSeek-V3.2's: with 2 index heads many keys tie at the top-k cut and
+    transformers' own cached decode differs from its full forward (measured 0.40 relative); attnzoo's
+    full forward equals transformers' full forward, its cached decode transformers' cached decode."""
+    hf = checks.hf_model(_axk2(index_n_heads=2))
+    ours, x = from_hf(hf), checks.tokens(20)
+    with torch.no_grad():
+        theirs_full, theirs_decode = hf(input_ids=x).logits, _decode(hf, x, 7, hf=True)
+        assert checks.rel(theirs_decode, theirs_full) > 1e-2
+        assert checks.rel(ours(x), theirs_full) <= checks.TOL
+        assert checks.rel(_decode(ours, x, 7, hf=False), theirs_decode) <= checks.TOL
 
 
 @pytest.mark.parametrize("make,cls", [(_minicpm3, "MiniCPM3ForSequenceClassification"),
