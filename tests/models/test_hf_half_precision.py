@@ -96,6 +96,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     **{t: ("test_hf_classic", m) for t, m in (("falcon", "_falcon_rw"), ("gpt_bigcode", "_bigcode_other"),
                                               ("bloom", "_bloom_other"), ("mpt", "_mpt_other"), ("opt", "_opt_350m"),
                                               ("gpt_neo", "_neo_other"))},
+    "gemma3n_text": ("test_hf_gemma3n", "_config"), "gemma4_unified_text": ("test_hf_gemma4_unified", "_shared"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
