@@ -97,6 +97,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                               ("bloom", "_bloom_other"), ("mpt", "_mpt_other"), ("opt", "_opt_350m"),
                                               ("gpt_neo", "_neo_other"))},
     "gemma3n_text": ("test_hf_gemma3n", "_config"), "gemma4_unified_text": ("test_hf_gemma4_unified", "_shared"),
+    "diffllama": ("test_hf_diffllama", "_config"), "jetmoe": ("test_hf_jetmoe", "_config"),
+    "doge": ("test_hf_doge", "_wide"), "hrm_text": ("test_hf_hrm", "_config"),
+    "cohere_compass_text": ("test_hf_cohere_compass", "_config"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
