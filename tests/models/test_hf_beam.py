@@ -220,3 +220,12 @@ def test_ergo_half_precision_keeps_the_float32_stream(tmp_path: Path) -> None:
     assert err <= 1.3 * peer_err, (err, peer_err)
     ours.half()
     assert {n for n, p in ours.named_parameters() if p.dtype == torch.float32} == kept
+
+
+@pytest.mark.parametrize("make", [_beam, _beam_other, _ergo_other], ids=["beam", "beam2", "ergo"])
+def test_register_equals_eager_and_packs(make: Any) -> None:
+    """transformers' own model served by ``attnzoo.hf.register()`` gives its eager logits on a
+    left-padded batch, and packed (``DataCollatorWithFlattening``) input gives each sequence's alone."""
+    hf = checks.hf_model(make())
+    checks.check_register_equals_eager(hf)
+    checks.check_transformers_packed(hf)

@@ -182,3 +182,11 @@ def test_config_json_nulls_are_refused(tmp_path: Path, key: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**data, key: None}))
     with pytest.raises(UnsupportedConfigError, match=key):
         load_pretrained(tmp_path)
+
+
+def test_register_refuses_the_indexed_attention() -> None:
+    """transformers' HY-V4 attention hands a non-eager attention function its top-k ``indices``
+    instead of folding them into the mask: ``attnzoo.hf.register()`` refuses to serve it by name
+    rather than ignore them (transformers itself supports only ``eager`` for it)."""
+    with pytest.raises(NotImplementedError, match="indices"):
+        checks.check_register_equals_eager(checks.hf_model(_hy()))
