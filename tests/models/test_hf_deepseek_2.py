@@ -63,6 +63,12 @@ def _youtu_yarn() -> Any:
                   tie_word_embeddings=False)
 
 
+def _youtu_no_pad() -> Any:
+    """Youtu-LLM without a ``pad_token_id``: transformers' ``from_pretrained`` then loads its
+    embeddings as saved (see :func:`test_youtu_from_pretrained_zeroes_the_pad_row`)."""
+    return _youtu(pad_token_id=None)
+
+
 def _minicpm3(**kw: Any) -> Any:
     """MiniCPM3: 3 dense layers of latent attention (a low-rank query, split-half RoPE), its default
     multipliers (embeddings x12, residual branches x1.4/sqrt(3), hidden states / (64/256))."""
@@ -304,8 +310,7 @@ def test_youtu_from_pretrained_zeroes_the_pad_row(tmp_path: Path) -> None:
     (lambda: _sarvam(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
      ("q_lora_rank", "n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob",
       "rope_interleave", "n_shared_experts", "hidden_act", "rms_norm_eps", "tie_word_embeddings")),
-    (lambda: _youtu(pad_token_id=None),  # see test_youtu_from_pretrained_zeroes_the_pad_row
-     ("tie_word_embeddings", "rope_interleave", "attention_bias", "rms_norm_eps", "hidden_act")),
+    (_youtu_no_pad, ("tie_word_embeddings", "rope_interleave", "attention_bias", "rms_norm_eps", "hidden_act")),
     (_minicpm3, ("scale_emb", "scale_depth", "dim_model_base", "v_head_dim", "mlp_bias", "tie_word_embeddings",
                  "rms_norm_eps", "attention_bias")),
     (lambda: _axk2(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], gated_norm_rank=16),
