@@ -128,6 +128,39 @@ def _cohere2_moe_other(**kw: Any) -> Any:
                            **kw})
 
 
+def _dbrx(**kw: Any) -> Any:
+    """3 layers, 4 heads over 2 KV heads, q/k/v clipped at 0.4 (the perturbed projections exceed it),
+    4 experts top-2 renormalised to sum 1 (``moe_normalize_expert_weights`` 1), ffn 32, untied."""
+    attn = {"kv_n_heads": 2, "clip_qkv": 0.4, "rope_theta": 10000.0, **kw.pop("attn_config", {})}  # read (unused)
+    ffn = {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, **kw.pop("ffn_config", {})}
+    return T.DbrxConfig(**{"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 256, "vocab_size": checks.V,
+                           "pad_token_id": 0, "attn_config": attn, "ffn_config": ffn, **kw})
+
+
+def _dbrx_other(**kw: Any) -> Any:
+    """A clip of 8 (the released checkpoints'; transformers cannot run without one: ``clamp(None, None)``),
+    one KV head (MQA), top-3 of 5 divided by their 2-norm, theta 1e6."""
+    return _dbrx(attn_config={"kv_n_heads": 1, "clip_qkv": 8.0},
+                 ffn_config={"moe_num_experts": 5, "moe_top_k": 3, "moe_normalize_expert_weights": 2.0},
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **kw)
+
+
+def _dbrx_unnormalised(**kw: Any) -> Any:
+    """The top-2 softmax probabilities as they are (``moe_normalize_expert_weights`` null), 8 heads over 4."""
+    return _dbrx(n_heads=8, attn_config={"kv_n_heads": 4}, ffn_config={"moe_normalize_expert_weights": None}, **kw)
+
+
+def _dbrx_every_expert(**kw: Any) -> Any:
+    """Every expert of 4 for every token (``moe_top_k`` 4): for the half-precision sweep, whose
+    all-inclusive top-k does not reach DBRX's ``ffn_config``."""
+    return _dbrx(ffn_config={"moe_top_k": 4}, **kw)
+
+
+class TestDbrx(checks.FamilyChecks):
+    config = staticmethod(_dbrx)
+    cases = (_dbrx_unnormalised, _dbrx_other)
+
+
 class TestCohere2Moe(checks.FamilyChecks):
     config = staticmethod(_cohere2_moe)
     cases = (_cohere2_moe_other,)
@@ -205,6 +238,17 @@ def test_structure() -> None:
     other = from_hf(checks.hf_model(_cohere2_moe_other()))
     assert [b.attn.mixers[0].rope is not None for b in other.blocks] == [True, False, True, False]
     assert type(other.blocks[3].attn.mixers[1].module) is LogitBiasSigmoidMoE and type(other.norm) is not torch.nn.LayerNorm
+
+    from attnzoo.models.families.sparse_moe import ClippedAttention, NormalizedTopKMoE
+
+    hf = checks.hf_model(_dbrx())
+    ours = from_hf(hf)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    assert all(type(b.attn) is ClippedAttention and b.attn.clip == 0.4 and b.attn.num_kv_heads == 2
+               and type(b.ffn) is NormalizedTopKMoE and b.ffn.p == 1.0 for b in ours.blocks)
+    assert type(ours.norm) is torch.nn.LayerNorm and ours.norm.bias is None and ours.norm.eps == 1e-5
+    unclipped = from_hf(checks.hf_model(_dbrx(attn_config={"clip_qkv": None})))
+    assert all(b.attn.clip is None for b in unclipped.blocks)
 
     for make in (_param2, _sarvam):
         hf = checks.hf_model(make())
@@ -299,15 +343,17 @@ def test_options_it_cannot_reproduce_are_refused(model_class: Any, make: Any, ke
     checks.check_refused(model_class, make, key, value, named)
 
 
-@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam, _kolibri11, _cohere2_moe],
-                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe"])
+@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam, _kolibri11, _cohere2_moe, _dbrx],
+                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe",
+                              "dbrx"])
 def test_packed_sequences_equal_each_alone(make: Any) -> None:
     checks.check_packed_equals_each_alone(make)
 
 
 @pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2_other, _sarvam, _kolibri11,
-                                  _cohere2_moe_other],
-                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe"])
+                                  _cohere2_moe_other, _dbrx_other],
+                         ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe",
+                              "dbrx"])
 def test_packed_training_gradients_equal_each_alone(make: Any) -> None:
     checks.check_packed_gradients_equal_each_alone(make)
 
@@ -356,3 +402,24 @@ def test_kolibri11_nvfp4_and_selection_equal_transformers() -> None:
     assert torch.equal(pool, want_pool) and torch.equal(chosen, want[:, 0])
     assert torch.equal(index.select(q.flip(1), k, visible, pool), want2[:, 0])
     assert int(chosen[1, -1].sum()) == 4 + 4 + 2 and int(pool[1, -1].sum()) < 40
+
+
+def test_dbrx_config_json_without_defaults_loads(tmp_path: Path) -> None:
+    """A DBRX ``config.json`` leaving out its top-level defaults and its whole ``ffn_config``
+    (``ffn_hidden_size`` 3584, 4 experts top-1 renormalised, SiLU): read as transformers reads it."""
+    hf = checks.hf_model(_dbrx(ffn_config={"ffn_hidden_size": 3584, "moe_num_experts": 4, "moe_top_k": 1}))
+    checks.check_folder_without_keys(hf, tmp_path, ("max_seq_len", "tie_word_embeddings", "rope_parameters",
+                                                    "resid_pdrop", "emb_pdrop", "num_key_value_heads", "ffn_config"))
+
+
+@pytest.mark.parametrize(("sub", "key", "value"), [
+    ("ffn_config", "moe_jitter_eps", 0.1), ("ffn_config", "ffn_act_fn", {"name": "gelu"}),
+    ("ffn_config", "moe_normalize_expert_weights", 0.0), ("attn_config", "clip_qkv", -1.0),
+], ids=["jitter", "activation", "norm_p", "clip"])
+def test_dbrx_options_it_cannot_reproduce_are_refused(sub: str, key: str, value: Any) -> None:
+    from attnzoo.interop import UnsupportedConfigError, from_hf
+
+    hf = T.DbrxForCausalLM(_dbrx())
+    setattr(getattr(hf.config, sub), key, value)
+    with pytest.raises(UnsupportedConfigError, match=key):
+        from_hf(hf)

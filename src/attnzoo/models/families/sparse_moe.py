@@ -6,8 +6,8 @@ Hunyuan-A13B (``hunyuan_v1_moe``), EXAONE-MoE (``exaone_moe``), Solar-Open (``so
 its ``modular_phimoe.py``). Line numbers are transformers 5.25's ``models/<family>/modeling_<family>.py``
 (``configuration_<family>.py`` where it says so); the third batch (Mellum, Flint, Kolibri-1) cites
 ``modular_<family>.py``; the fourth: GraniteMoeShared (``granitemoeshared``), FlexOlmo (``flex_olmo``),
-Param2-MoE (``param2moe``), Sarvam-MoE (``sarvam_moe``), Cohere2-MoE (``cohere2_moe``) and Kolibri 1.1
-(``kolibri1_1``).
+Param2-MoE (``param2moe``), Sarvam-MoE (``sarvam_moe``), Cohere2-MoE (``cohere2_moe``), DBRX (``dbrx``)
+and Kolibri 1.1 (``kolibri1_1``).
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -170,6 +170,20 @@ The fourth batch (``modeling_<family>.py`` line numbers):
   (``shared_expert_combination_strategy``; the ``/ 2`` folded into both down projections at load:
   exact); the logits times ``logit_scale`` (folded into the final norm of an LM head); tied
   embeddings by default.
+* **DBRX** (``dbrx``; 170-440): its own names (``transformer.wte``, ``blocks.{i}.norm_attn_norm.
+  {norm_1, attn.Wqkv, attn.out_proj, norm_2}``, ``blocks.{i}.ffn.{router.layer, experts.mlp.{w1,
+  v1, w2}}``, ``norm_f``) and nested config (``d_model`` / ``n_heads`` / ``n_layers`` /
+  ``max_seq_len``; ``attn_config``: ``kv_n_heads`` default 1, ``clip_qkv``, ``attn_pdrop``;
+  ``ffn_config``: ``ffn_hidden_size``, ``moe_num_experts``, ``moe_top_k``,
+  ``moe_normalize_expert_weights``, ``ffn_act_fn``); bias-free LayerNorms (eps 1e-5); the fused
+  q/k/v clamped to ``[-clip_qkv, clip_qkv]`` before RoPE (:class:`ClippedAttention`); every layer
+  :class:`NormalizedTopKMoE` (a softmax in the logits' dtype, the top-k divided by their
+  ``moe_normalize_expert_weights``-norm; experts ``w1`` / ``v1`` / ``w2`` ``[E F, C]``: gate, up and
+  the transposed down); ``resid_pdrop`` on both sub-layer outputs while training; ``emb_pdrop``
+  is stored but never applied by transformers (nor here). transformers reads the RoPE base from
+  ``rope_parameters`` (default 1e4) and ignores ``attn_config.rope_theta`` (the released
+  checkpoints put 5e5 there; attnzoo follows transformers), and its attention cannot run without a
+  ``clip_qkv`` (``clamp(None, None)``); attnzoo runs both.
 * **Kolibri 1.1** (``kolibri1_1``; 43-189, 259-560): Kolibri-1's layer (GLM-4's four norms) and
   MoE (:class:`LogitBiasSigmoidMoE` + ungated shared expert) with ``mlp_only_layers`` (default the
   first two) dense SwiGLUs of ``mlp_only_intermediate_size``; ``layer_types`` ``sliding_attention``
@@ -197,7 +211,13 @@ attention does not have), ``hidden_act`` other than SiLU in the experts; ERNIE's
 input) and ``rope_type`` other than ``"default"`` (its rotary switches between ``short_mscale`` and
 ``long_mscale`` by the longest position of each call, modular 57-71); Mellum's
 ``partial_rotary_factor`` other than 1 (its Qwen3 rotation covers the whole head: transformers'
-own model fails on it).
+own model fails on it). Fourth batch: GraniteMoeShared's Granite options as GraniteMoE's; Cohere2-MoE's
+``expert_selection_fn`` other than ``"softmax"`` / ``"sigmoid"``, ``shared_expert_combination_strategy``
+other than ``"average"`` / ``"sum"``, scaled RoPE types (interleaved pairs); DBRX's
+``moe_jitter_eps`` (training noise on the router input), ``ffn_act_fn`` other than SiLU,
+``moe_normalize_expert_weights`` <= 0, ``clip_qkv`` <= 0; Kolibri 1.1's layer types other than
+``sliding_attention`` / ``indexed_attention`` and more than 10 indexed layers without
+``kv_source_layers`` (its default covers 10; transformers' config refuses them too).
 """
 
 from __future__ import annotations
@@ -212,7 +232,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo.blocks import FeedForward
+from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
@@ -236,7 +256,7 @@ from attnzoo.models.families.granitemoehybrid import (
 )
 from attnzoo.models.families.kimi_linear import saved_names
 from attnzoo.models.families.qwen3_next import real_keys
-from attnzoo.models.hf._state import HFConfig, Plan, load_qkv_into
+from attnzoo.models.hf._state import HFConfig, Plan, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.loop import LayerLoopLM
 from attnzoo.models.parts import DecoderParts, LMHead, head_for
@@ -328,6 +348,9 @@ VARIANTS: dict[str, Variant] = {
                           routing="kolibri", keys="gate", glm4_norms=True, indexed=True),
     "cohere2_moe": Variant("Cohere2-MoE", ("Cohere2MoeForCausalLM", "Cohere2MoeModel"), routing="cohere",
                            width="intermediate_size", keys="cohere", interleaved=True, parallel=True),
+    "dbrx": Variant("DBRX", ("DbrxForCausalLM", "DbrxModel"), routing="dbrx", width="intermediate_size",
+                    aliases=(("d_model", "hidden_size"), ("n_heads", "num_attention_heads"),
+                             ("n_layers", "num_hidden_layers"), ("max_seq_len", "max_position_embeddings"))),
     "granitemoeshared": Variant("GraniteMoeShared", ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedModel"),
                                 routing="granite", width="intermediate_size", granite=True),
     "flex_olmo": Variant("FlexOlmo", ("FlexOlmoForCausalLM", "FlexOlmoModel"), qk_norm="all", width="intermediate_size",
@@ -427,6 +450,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "num_shared_experts": 0, "shared_expert_combination_strategy": "average",
                     "expert_selection_fn": "softmax", "norm_topk_prob": True, "sliding_window_pattern": 4,
                     "prefix_dense_sliding_window_pattern": 1, "max_position_embeddings": 8192, "hidden_act": "silu"},
+    "dbrx": {"num_experts": 4, "hidden_size": 2048, "num_attention_heads": 16, "num_hidden_layers": 24, "max_position_embeddings": 2048,
+             "tie_word_embeddings": False, "resid_pdrop": 0.0},
     "granitemoeshared": {"num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6,
                          "attention_bias": False, "shared_intermediate_size": 0, "hidden_act": "silu"},
     "flex_olmo": {"num_experts": 7, "num_experts_per_tok": 5, "rms_norm_eps": 1e-6, "norm_topk_prob": False,
@@ -570,6 +595,7 @@ def _read(hf: HFConfig) -> tuple[HFConfig, str]:
         raise hf.unsupported(f"num_experts={hf.raw('num_experts')!r} (a list per layer; supported: one int)")
     aliased = {key: hf.raw(alias) for alias, key in VARIANTS[model_type].aliases if hf.has(alias) and not hf.has(key)}
     hf = hf.with_defaults(aliased) if aliased else hf
+    hf = _dbrx_canonical(hf) if model_type == "dbrx" else hf
     defaults = dict(DEFAULTS[model_type])  # the expert count under either name (Qwen3-MoE saves num_local_experts)
     defaults["num_experts"] = hf.first(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
                                        defaults["num_experts"])
@@ -728,6 +754,8 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
         return _build_kolibri1_1(hf, head_size, kw)
     if variant.parallel:
         return _build_cohere2_moe(hf, head_size, kw)
+    if variant.routing == "dbrx":
+        return _build_dbrx(hf, head_size, kw)
     kinds = layer_kinds(hf, model_type, depth)
     ropes = ({k: _rotary(hf, variant, hf.get("head_dim", C // H), k) for k in set(kinds)} if variant.rope_by_kind
              else dict.fromkeys(kinds, _rotary(hf, variant, hf.get("head_dim", C // H))))
@@ -867,6 +895,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     ERNIE-4.5 / EXAONE-MoE (``mtp.*``) dropped)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
+    if model_type == "dbrx":
+        return _convert_dbrx(hf, sd, device=device, dtype=dtype)
     # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
     sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
     model, plan, head_size = parts.start(hf, sd, build_sparse_moe, device=device, dtype=dtype)
@@ -1046,6 +1076,125 @@ class PostRopeNormAttention(MultiHeadAttention):
         out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
                                causal=True, window=self.window, scale=self.scale, backend=self.backend)  # [T, H, D]
         return out.transpose(0, 1).reshape(1, self.num_heads, T, -1)
+
+
+# --------------------------------------------------------------------------- DBRX
+class ClippedAttention(MultiHeadAttention):
+    """DBRX's attention (``DbrxAttention``, modeling 170-240): the fused ``Wqkv``'s outputs (q, k and
+    v) clamped to ``[-clip, clip]`` before RoPE (``clip = None``: a plain
+    :class:`~attnzoo.MultiHeadAttention`; set after building). No QK norms.
+
+    Shapes: as :class:`~attnzoo.MultiHeadAttention` (``x [B, N, C] -> [B, N, C]``; packed ``[1, T, C]``)."""
+
+    clip: float | None = None
+
+    def _clamped(self, ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return ts if self.clip is None else tuple(t.clamp(-self.clip, self.clip) for t in ts)
+
+    def project_qkv(self, x: Tensor, source: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, N, D]``, ``k, v [B, Hkv, N, D]``, clamped (the packed path's projection)."""
+        q, k, v = self._clamped(super().project_qkv(x, source))
+        return q, k, v
+
+    def _project_self(self, x: Tensor, positions: Tensor | None, start: int, *,
+                      rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, N, D]``, ``k, v [B, Hkv, N, D]``: clamped, then rotated at ``positions``."""
+        q, k, v = self._clamped(super()._project_self(x, positions, start, rotate=False))
+        if rotate and self.rope is not None:
+            pos = resolve_positions(positions, x.shape[1], start, x.device, batch=x.shape[0])
+            q, k = self._rotate(q, pos), self._rotate(k, pos)
+        return q, k, v
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, clip={self.clip}"
+
+
+class NormalizedTopKMoE(MixtureOfExperts):
+    """DBRX's experts (``DbrxFFN``, modeling 330-365): a softmax over every expert in the logits' dtype,
+    the top ``k``, divided by their ``p``-norm (``moe_normalize_expert_weights``; ``None``: not
+    divided; ``p = 1`` renormalises to sum 1). SwiGLU experts. Shapes: ``x [..., C] -> [..., C]``."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, p: float | None, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(dim, hidden, num_experts, top_k, routing=Routing("softmax_topk"), device=device, dtype=dtype)
+        self.p = None if p is None else float(p)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router of ``x [T, C]``: ``(weights [T, k], experts [T, k] long, logits [T, E])``."""
+        logits = self.router(x)  # [T, E]
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=logits.dtype), self.top_k, dim=-1)
+        if self.p is not None:
+            weights = weights / torch.norm(weights, p=self.p, dim=-1, keepdim=True)
+        return weights, experts, logits
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, p={self.p}"
+
+
+def _dbrx_canonical(hf: HFConfig) -> HFConfig:
+    """DBRX's config (configuration 25-160) under the keys read here: its ``attn_config`` /
+    ``ffn_config`` read out (``kv_n_heads`` default 1, ``attn_pdrop``; ``ffn_hidden_size`` 3584,
+    ``moe_num_experts`` 4, ``moe_top_k`` 1, ``ffn_act_fn["name"]``); what attnzoo does not reproduce refused."""
+    attn, ffn = hf.get("attn_config", {}, dict), hf.get("ffn_config", {}, dict)
+    clip, jitter, p = attn.get("clip_qkv"), ffn.get("moe_jitter_eps"), ffn.get("moe_normalize_expert_weights", 1.0)
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+        raise hf.unsupported(f"attn_config.clip_qkv={clip!r} (supported: null or a number > 0)")
+    if jitter:  # the router's input times noise while training (modeling 320-324)
+        raise hf.unsupported(f"ffn_config.moe_jitter_eps={jitter!r} (supported: null or 0)")
+    if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0):
+        raise hf.unsupported(f"ffn_config.moe_normalize_expert_weights={p!r} (supported: null or a number > 0)")
+    return HFConfig({**hf.data, "num_key_value_heads": attn.get("kv_n_heads", 1),
+                     "attention_dropout": attn.get("attn_pdrop", 0.0) or 0.0,
+                     "intermediate_size": ffn.get("ffn_hidden_size", 3584), "num_experts": ffn.get("moe_num_experts", 4),
+                     "num_experts_per_tok": ffn.get("moe_top_k", 1),
+                     "hidden_act": (ffn.get("ffn_act_fn") or {}).get("name", "silu")}, hf.source, hf.arch)
+
+
+def _build_dbrx(hf: HFConfig, head_size: int | None, kw: dict[str, Any]) -> DecoderLM:
+    """DBRX (module docstring): bias-free LayerNorms (eps 1e-5), clipped GQA with RoPE, every layer
+    :class:`NormalizedTopKMoE`, ``resid_pdrop`` on both sub-layers' outputs."""
+    C, H, depth, D = parts.dims(hf)
+    attn, ffn = hf.get("attn_config", {}, dict), hf.get("ffn_config", {}, dict)
+    clip = attn.get("clip_qkv")
+    attention = functools.partial(
+        build_softmax, ClippedAttention, C, H, num_kv_heads=hf.req("num_key_value_heads"), head_dim=D, bias=False,
+        causal=True, rope=parts.rotary(hf, parts.rope_params(hf), D), dropout=hf.req("attention_dropout", float), **kw)
+    if hf.get("hidden_act", "silu", str) not in ("silu", "swish"):
+        raise hf.unsupported(f"ffn_config.ffn_act_fn={ffn.get('ffn_act_fn')!r} (supported: silu)")
+    moe = functools.partial(NormalizedTopKMoE, C, hf.req("intermediate_size"), hf.req("num_experts"),
+                            hf.req("num_experts_per_tok"), p=ffn.get("moe_normalize_expert_weights", 1.0), **kw)
+    norm = functools.partial(nn.LayerNorm, C, eps=1e-5, bias=False, **kw)
+    blocks = [TransformerBlock(C, layers=BlockLayers(attention=functools.partial(_with_clip, attention, clip),
+                                                     feed_forward=moe, norm=norm,
+                                                     dropout=hf.get("resid_pdrop", 0.0, float) or 0.0))
+              for _ in range(depth)]
+    return _layer_norm_decoder(HFConfig({**hf.data, "layer_norm_eps": 1e-5}, hf.source, hf.arch), blocks, norm,
+                               head_size, kw, "layer_norm_eps")
+
+
+def _with_clip(attention: Any, clip: float | None) -> ClippedAttention:
+    module = attention()
+    module.clip = None if clip is None else float(clip)
+    return module
+
+
+def _convert_dbrx(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
+    """DBRX's weights (``transformer.`` / a base model's own names): ``Wqkv`` rows ``[q; k; v]`` as
+    they are, the experts ``w1`` / ``v1`` / ``w2`` ``[E F, C]`` as gate / up / the transposed down."""
+    head_size = parts.head_size_of(hf, sd)[1]
+    model = build_sparse_moe(hf, head_size=head_size, device=device, dtype=dtype or float_dtype(sd))
+    plan = parts.plan_for(sd, "transformer." if any(k.startswith("transformer.") for k in sd) else "", hf.arch)
+    plan.put("tok_emb.weight", "wte.weight")
+    E, F_ = hf.req("num_experts"), hf.req("intermediate_size")
+    for i in range(model.depth):
+        o, h = f"blocks.{i}.", f"blocks.{i}."
+        plan.put_pairs(o, f"{h}norm_attn_norm.", [("attn.qkv_proj", "attn.Wqkv"), ("attn.out_proj", "attn.out_proj"),
+                                                  ("attn_norm", "norm_1"), ("ffn_norm", "norm_2")], bias=False)
+        plan.put(f"{o}ffn.router.weight", f"{h}ffn.router.layer.weight")
+        for ours, theirs in (("gate_proj", "w1"), ("up_proj", "v1")):
+            plan.put(f"{o}ffn.{ours}", f"{h}ffn.experts.mlp.{theirs}", lambda w: w.reshape(E, F_, -1))
+        plan.put(f"{o}ffn.down_proj", f"{h}ffn.experts.mlp.w2", lambda w: w.reshape(E, F_, -1).transpose(1, 2).contiguous())
+    return parts.finish(plan, model, head_size, final_norm="norm_f")
 
 
 # --------------------------------------------------------------------------- Cohere2-MoE's parallel layers
