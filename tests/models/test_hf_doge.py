@@ -9,6 +9,7 @@ equals transformers' cached decode, not the full forward (:func:`test_cached_dec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,10 @@ def test_packed_sequences_equal_each_alone(make: Any) -> None:
     """Packed: the attention and the MoE one sequence at a time; forward and float64 gradients."""
     checks.check_packed_equals_each_alone(make)
     checks.check_packed_gradients_equal_each_alone(make)
+
+
+@pytest.mark.parametrize("make", [_wide, _config], ids=["wide", "kept_window"])
+def test_register_equals_eager(make: Callable[[], Any]) -> None:
+    """transformers' own Doge served by ``attnzoo.hf.register()`` (its attention calls ``torch.where``
+    on the mask: attnzoo's lazy mask answers with its dense form)."""
+    checks.check_register_equals_eager(checks.hf_model(make()))
