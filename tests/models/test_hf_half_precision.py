@@ -100,6 +100,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "diffllama": ("test_hf_diffllama", "_config"), "jetmoe": ("test_hf_jetmoe", "_config"),
     "doge": ("test_hf_doge", "_wide"), "hrm_text": ("test_hf_hrm", "_config"),
     "cohere_compass_text": ("test_hf_cohere_compass", "_config"),
+    "beam": ("test_hf_beam", "_beam"), "ergo": ("test_hf_beam", "_ergo"), "hy_v4": ("test_hf_hy_v4", "_hy"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
@@ -108,7 +109,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
 #: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
 #: forward): compared on an unpadded batch
-UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo"}
+UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam"}
 #: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
 #: two, its sparsemixer): top-k left as configured
 TOP1 = {"zaya", "phimoe"}
@@ -349,7 +350,7 @@ _HC = ("attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale")
 FLOAT32_KEPT: dict[str, tuple[str, ...]] = {
     "kimi_linear": ("ffn.router.weight", "attn.dt_bias"), "bailing_hybrid": ("ffn.router.weight", *_KDA),
     "glm5_next_text": ("ffn.router.weight", *_KDA, *_HC), "glm5_next": ("ffn.router.weight", *_KDA, *_HC),
-    "nemotron_h": ("ffn.router.weight",), "axk1": ("ffn.moe.router.weight",),
+    "nemotron_h": ("ffn.router.weight",), "axk1": ("ffn.moe.router.weight",), "beam": ("ffn.router.weight",),
     **dict.fromkeys(("glm4_moe", "dots1", "exaone_moe", "solar_open", "hy_v3", "deepseek_v3", "deepseek_v2",
                      "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa"), ("ffn.router.weight",)),
 }
