@@ -407,6 +407,7 @@ def test_null_query_latent_is_refused(tmp_path: Path, make: Any) -> None:
     ("longcat", _longcat, "head_dim", 4, "head_dim"),
     ("longcat", _longcat, "qk_head_dim", 20, "qk_head_dim"),
     ("longcat", _longcat, "hidden_act", "gelu", "hidden_act"),
+    ("longcat", _longcat, "routed_scaling_factor", 0.0, "routed_scaling_factor"),
     ("longcat", _longcat, "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "dynamic"),
 ])
 def test_unsupported_options_are_refused(model: str, make: Any, key: str, value: Any, named: str) -> None:
