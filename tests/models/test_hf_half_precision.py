@@ -101,6 +101,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "doge": ("test_hf_doge", "_wide"), "hrm_text": ("test_hf_hrm", "_config"),
     "cohere_compass_text": ("test_hf_cohere_compass", "_config"),
     "beam": ("test_hf_beam", "_beam"), "ergo": ("test_hf_beam", "_ergo"), "hy_v4": ("test_hf_hy_v4", "_hy"),
+    "sarvam_mla": ("test_hf_deepseek_2", "_sarvam"), "youtu": ("test_hf_deepseek_2", "_youtu_no_pad"),
+    "minicpm3": ("test_hf_deepseek_2", "_minicpm3"), "axk2": ("test_hf_deepseek_2", "_axk2"),
+    "longcat_flash": ("test_hf_deepseek_2", "_longcat"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},

@@ -372,10 +372,12 @@ class DecoderLM(FromConfig, nn.Module):
     # ----------------------------------------------------------------- helpers
     def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> LayerCaches:
-        """One decode cache per layer (what each layer's attention module builds), bundled."""
+        """One decode cache per layer (what each layer's attention module builds), bundled; ``dtype``
+        by default that of the layers' first linear weight (the keys' dtype: an embedding or norm a
+        family keeps in float32 does not decide it)."""
         check_int(batch_size, "batch_size", "DecoderLM.init_cache")
         check_int(max_len, "max_len", "DecoderLM.init_cache")
-        p = self.tok_emb.weight
+        p = next((m.weight for m in self.blocks.modules() if isinstance(m, nn.Linear)), self.tok_emb.weight)
         device = p.device if device is None else device
         dtype = cache_dtype(p, dtype)  # the autocast dtype under torch.autocast (the keys' dtype)
         return LayerCaches([b.init_cache(batch_size, max_len, device=device, dtype=dtype) for b in self.blocks])
