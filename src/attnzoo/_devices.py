@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -73,3 +75,17 @@ def cache_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
         return torch.get_autocast_dtype(kind)
     return param.dtype
 
+
+class KeepsFloat32:
+    """A module mixin (``class M(KeepsFloat32, nn.Module)``): the parameters named in
+    ``float32_params`` (dotted paths) stay float32 through half-precision casts (``.half()``,
+    ``.to(torch.bfloat16)``, ``from_hf(dtype=)``), as transformers' ``_keep_in_fp32_modules``;
+    other moves (device, float64) apply as usual."""
+
+    float32_params: tuple[str, ...] = ()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        kept = float32_snapshot(self, self.float32_params)  # type: ignore[arg-type]
+        super()._apply(fn, recurse)  # type: ignore[misc]
+        restore_float32_params(self, kept)  # type: ignore[arg-type]
+        return self

@@ -522,6 +522,19 @@ class TransformerBlock(nn.Module):
             return self_cache
         return BlockCache(self_cache, device=device, dtype=dtype)
 
+    def _self_only(self, x: Tensor, context: Tensor | None, context_mask: Any, mask: Any,
+                   key_padding: Tensor | None) -> Any:
+        """For a block subclass without cross-attention (a parallel or differently-normed layer):
+        check ``x [B, N, C]`` and that no context was given (``ValueError`` naming the class), and
+        return ``mask`` combined with ``key_padding`` (:meth:`_self_mask`)."""
+        owner = type(self).__name__
+        if context is not None or context_mask is not None:
+            raise ValueError(f"{owner}: no cross-attention; context and context_mask must be None")
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{owner}: x must be [B, N, C] with C={self.dim}, got {got}")
+        return self._self_mask(mask, key_padding)
+
     def _self_mask(self, mask: Any, key_padding: Tensor | None) -> Any:
         """Combine a user mask with a key-padding mask ``[B, Nk]`` in the form the mixer takes: a
         ``[B, 1, 1, Nk]`` tensor for :class:`MultiHeadAttention` (the fused kernels' fast path),

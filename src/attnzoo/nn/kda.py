@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._devices import float32_snapshot, restore_float32_params
+from attnzoo._devices import KeepsFloat32
 from attnzoo._validate import check_positive_float, check_probability
 from attnzoo.functional.recurrent.gla import MATMUL_SUB_CHUNK, SUB_CHUNK
 from attnzoo.nn.deltanet import DeltaNet, init_decay_parameters, l2_normalize
@@ -63,7 +63,7 @@ class GatedRMSNorm(nn.Module):
         return o * torch.sigmoid(gate.to(o.dtype))
 
 
-class KimiDeltaAttention(DeltaNet):
+class KimiDeltaAttention(KeepsFloat32, DeltaNet):
     """KDA: the delta rule with per-channel decays from a low-rank gate, Kimi Linear's layer.
 
     Args:
@@ -128,13 +128,6 @@ class KimiDeltaAttention(DeltaNet):
             if p.dtype in (torch.float16, torch.bfloat16):
                 p.data = p.data.float()
         self.float32_params = tuple(dict.fromkeys((*self.float32_params, *names)))
-        return self
-
-    def _apply(self, fn: Any, recurse: bool = True) -> KimiDeltaAttention:
-        """Half casts leave :attr:`float32_params` in float32 (see :meth:`keep_in_float32`)."""
-        kept = float32_snapshot(self, self.float32_params)
-        super()._apply(fn, recurse)
-        restore_float32_params(self, kept)
         return self
 
     def short_conv(self, name: str, t: Tensor, pad: Tensor | None, conv: Mapping[str, Tensor],

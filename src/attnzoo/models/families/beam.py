@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo._devices import float32_snapshot, restore_float32_params
+from attnzoo._devices import KeepsFloat32
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
@@ -212,22 +212,19 @@ class DepthScaledResidual(nn.Module):
         return f"index={self.index}"
 
 
-class ResidualGate(nn.Module):
+class ResidualGate(KeepsFloat32, nn.Module):
     """Ergo's learned residual mix (``ErgoResidualGate``, l. 429-440): with ``b = sigmoid(w)``,
     ``b y + sqrt(1 + b) exp(-softplus(w) / 2) x`` (``w = 0``: ``y / 2 + sqrt(3 / 4) x``), ``w`` float32
     and kept so through half casts.
 
     Weight: ``weight [C]``. Shapes: ``y, x [..., C] -> [..., C]``."""
 
+    float32_params = ("weight",)
+
     def __init__(self, dim: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=torch.float32))
 
-    def _apply(self, fn: Any, recurse: bool = True) -> ResidualGate:
-        kept = float32_snapshot(self, ("weight",))
-        super()._apply(fn, recurse)
-        restore_float32_params(self, kept)
-        return self
 
     def forward(self, y: Tensor, x: Tensor) -> Tensor:
         w = self.weight.to(torch.promote_types(y.dtype, torch.float32))
@@ -236,19 +233,16 @@ class ResidualGate(nn.Module):
         return (branch * y + keep * x).to(x.dtype)
 
 
-class Float32Embedding(nn.Embedding):
+class Float32Embedding(KeepsFloat32, nn.Embedding):
     """Ergo's token embedding, float32 whatever the model's dtype and kept so through half casts
     (transformers builds it in float32 and keeps it, l. 551): the float32 residual stream's start.
     Weight: ``weight [V, C]``. Shapes: ``tokens [B, N] -> [B, N, C]``."""
 
+    float32_params = ("weight",)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, *, device: torch.device | str | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=torch.float32)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Float32Embedding:
-        kept = float32_snapshot(self, ("weight",))
-        super()._apply(fn, recurse)
-        restore_float32_params(self, kept)
-        return self
 
 
 class CastLMHead(LMHead):
@@ -286,13 +280,7 @@ class MixedResidualBlock(TransformerBlock):
                 key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         """The arguments of :meth:`TransformerBlock.forward` (no ``context``: no cross-attention)."""
-        if context is not None or context_mask is not None:
-            raise ValueError("MixedResidualBlock: no cross-attention; context and context_mask must be None")
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"MixedResidualBlock: x must be [B, N, {self.dim}], got "
-                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-        if key_padding is not None:
-            mask = self._self_mask(mask, key_padding)
+        mask = self._self_only(x, context, context_mask, mask, key_padding)
         assert self.ffn is not None and self.ffn_norm is not None
         branch = self.branch_dtype(x)
         h = self._mix(self.attn_norm(x).to(branch), mask, cache, positions, cu_seqlens)
@@ -307,7 +295,7 @@ class MixedResidualBlock(TransformerBlock):
 
 
 # --------------------------------------------------------------------------- feed-forward
-class ExpertNormMoE(MixtureOfExperts):
+class ExpertNormMoE(KeepsFloat32, MixtureOfExperts):
     """A :class:`~attnzoo.nn.moe.MixtureOfExperts` whose every expert's output is RMS-normalised with
     that expert's own weight (Ergo's ``post_expert_norm``, l. 316-366), in float32, before the routing
     weight: ``rmsnorm(expert_e(x)) * expert_norm[e]``. The other arguments as the base class's;
@@ -315,6 +303,8 @@ class ExpertNormMoE(MixtureOfExperts):
 
     Weights: also ``expert_norm [E, C]`` (float32, kept so through half casts).
     Shapes: ``x [..., C] -> [..., C]``."""
+
+    float32_params = ("expert_norm",)
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, eps: float, routing: Routing,
                  experts: Experts, shared_expert: nn.Module | None = None, keep_router_float32: bool = False,
@@ -324,11 +314,6 @@ class ExpertNormMoE(MixtureOfExperts):
         self.eps = float(eps)
         self.expert_norm = nn.Parameter(torch.ones(num_experts, dim, device=device, dtype=torch.float32))
 
-    def _apply(self, fn: Any, recurse: bool = True) -> ExpertNormMoE:
-        kept = float32_snapshot(self, ("expert_norm",))
-        super()._apply(fn, recurse)
-        restore_float32_params(self, kept)
-        return self
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         y = super().expert(e, x)  # [T, C]

@@ -191,15 +191,10 @@ class ResidualNormBlock(TransformerBlock):
                 key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         """The arguments of :meth:`TransformerBlock.forward` (no ``context``: no cross-attention)."""
-        if context is not None or context_mask is not None:
-            raise ValueError("ResidualNormBlock: no cross-attention; context and context_mask must be None")
+        mask = self._self_only(x, context, context_mask, mask, key_padding)
         if self.ffn is None or self.ffn_norm is None:
             raise ValueError("ResidualNormBlock: built without a feed-forward layer")
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"ResidualNormBlock: x must be [B, N, {self.dim}], got "
-                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
         h = self.attn_norm(x)  # [B, N, C]
-        mask = mask if key_padding is None else self._self_mask(mask, key_padding)
         g = self.ffn_norm(h + self.dropout(self._mix(h, mask, cache, positions, cu_seqlens)))
         return g + self.dropout(self.ffn(g))
 

@@ -179,13 +179,7 @@ class ParallelBlock(TransformerBlock):
                 key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         """The arguments of :meth:`TransformerBlock.forward` (no ``context``: no cross-attention)."""
-        if context is not None or context_mask is not None:
-            raise ValueError("ParallelBlock: no cross-attention; context and context_mask must be None")
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"ParallelBlock: x must be [B, N, {self.dim}], got "
-                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-        if key_padding is not None:
-            mask = self._self_mask(mask, key_padding)
+        mask = self._self_only(x, context, context_mask, mask, key_padding)
         assert self.ffn is not None
         h = self.attn_norm(x)  # [B, N, C]
         return x + self.dropout(self._mix(h, mask, cache, positions, cu_seqlens)) + self.dropout(self.ffn(h))

@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo._devices import float32_snapshot, restore_float32_params
+from attnzoo._devices import KeepsFloat32
 from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.families._moe import put_moe
@@ -119,7 +119,7 @@ _SAVED = ((re.compile(r"\.self_attn\.(A_log|dt_bias|f_a_proj\.weight|f_b_proj\.w
 
 
 # --------------------------------------------------------------------------- hyper-connections
-class HyperConnection(nn.Module):
+class HyperConnection(KeepsFloat32, nn.Module):
     """Manifold-constrained hyper-connection of ``streams`` residual streams (see the module docstring).
 
     Args:
@@ -135,6 +135,8 @@ class HyperConnection(nn.Module):
     Shapes: :meth:`forward` ``x [B, N, S, C] -> (post [B, N, S], comb [B, N, S, S], h [B, N, C])``.
     """
 
+    float32_params = ("base", "scale")
+
     def __init__(self, dim: int, streams: int, *, iters: int, eps: float, norm_eps: float,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -147,13 +149,6 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.randn(width, streams * dim, device=device, dtype=dtype) * 0.02)
         self.base = nn.Parameter(torch.zeros(width, device=device, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, device=device, dtype=torch.float32))
-
-    def _apply(self, fn: Any, recurse: bool = True) -> HyperConnection:
-        """Half casts leave ``base`` and ``scale`` in float32."""
-        kept = float32_snapshot(self, ("base", "scale"))
-        super()._apply(fn, recurse)
-        restore_float32_params(self, kept)
-        return self
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, N, S, _ = x.shape

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo._devices import float32_snapshot, restore_float32_params
+from attnzoo._devices import KeepsFloat32
 from attnzoo.blocks import FeedForward
 from attnzoo.masks import Mask
 from attnzoo.models._common import LayerCaches
@@ -109,7 +109,7 @@ _SAVED = tuple((re.compile(p), r) for p, r in (
 
 
 # --------------------------------------------------------------------------- hyper-connections
-class IndependentHyperConnection(nn.Module):
+class IndependentHyperConnection(KeepsFloat32, nn.Module):
     """HY-V4's hyper-connection of ``streams`` residual streams (see the module docstring): DeepSeek-V4's
     ``pre`` / ``post`` weights without ``comb`` (each stream keeps itself), ``post`` scaled by
     ``magnitude``, all in float32.
@@ -122,6 +122,8 @@ class IndependentHyperConnection(nn.Module):
     Shapes: :meth:`forward` ``x [B, N, S, C] -> (post [B, N, S], h [B, N, C])``.
     """
 
+    float32_params = ("fn", "base", "scale")
+
     def __init__(self, dim: int, streams: int, *, eps: float, magnitude: float, norm_eps: float,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -133,11 +135,6 @@ class IndependentHyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros(2 * streams, **kw))
         self.scale = nn.Parameter(torch.ones(2, **kw))
 
-    def _apply(self, fn: Any, recurse: bool = True) -> IndependentHyperConnection:
-        kept = float32_snapshot(self, ("fn", "base", "scale"))
-        super()._apply(fn, recurse)
-        restore_float32_params(self, kept)
-        return self
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         S = self.streams
@@ -158,13 +155,14 @@ class IndependentHyperConnection(nn.Module):
 
 
 # --------------------------------------------------------------------------- attention
-class SinkGatedLatent:
+class SinkGatedLatent(KeepsFloat32):
     """What HY-V4 adds to a :class:`~attnzoo.nn.mla.MultiHeadLatentAttention` (mixed in before it):
     one learnable sink logit per head (``sinks [H]``, float32) in the softmax and an element-wise
     output gate ``out * sigmoid(gate_proj(x))`` (``gate_proj [H dv, C]``) before ``out_proj``; the
     materialised form always (the sinks are per head). :meth:`_sink_gate` adds them after the base
     constructor."""
 
+    float32_params = ("sinks",)
     sinks: nn.Parameter
     gate_proj: nn.Linear
     _selection: Tensor | None = None
@@ -176,12 +174,6 @@ class SinkGatedLatent:
         mla.sinks = nn.Parameter(torch.zeros(H, device=p.device, dtype=torch.float32))
         mla.gate_proj = nn.Linear(dim, H * dv, bias=False, device=p.device, dtype=p.dtype)
         mla.form = "materialised"
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        kept = float32_snapshot(self, ("sinks",))  # type: ignore[arg-type]
-        super()._apply(fn, recurse)  # type: ignore[misc]
-        restore_float32_params(self, kept)  # type: ignore[arg-type]
-        return self
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor | None]:
         mla: Any = self

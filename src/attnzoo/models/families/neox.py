@@ -81,15 +81,9 @@ class TwoNormParallelBlock(TransformerBlock):
                 key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         """The arguments of :meth:`TransformerBlock.forward`; no cross-attention."""
-        owner = type(self).__name__
-        if context is not None or context_mask is not None:
-            raise ValueError(f"{owner}: a self-attention layer; context and context_mask must be None")
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{owner}: x must be [B, N, C] with C={self.dim}, got {got}")
+        mask = self._self_only(x, context, context_mask, mask, key_padding)
         if self.ffn is None or self.ffn_norm is None:
-            raise ValueError(f"{owner}: built without a feed-forward layer")
-        mask = mask if key_padding is None else self._self_mask(mask, key_padding)
+            raise ValueError(f"{type(self).__name__}: built without a feed-forward layer")
         mixed = self._mix(self.attn_norm(x), mask, cache, positions, cu_seqlens)  # [B, N, C]
         return x + self.dropout(mixed) + self.dropout(self.ffn(self.ffn_norm(x)))
 
