@@ -76,7 +76,7 @@ import attnzoo.models.families._common as parts
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families.dense import ParallelBlock, _clamped, _make_attention
+from attnzoo.models.families.dense import ParallelBlock, clamped_projection, make_attention
 from attnzoo.models.families.minimax import NormedEmbedding
 from attnzoo.models.families.neox import TwoNormParallelBlock
 from attnzoo.models.hf._state import HFConfig, Plan, float_dtype, load_qkv_into
@@ -441,7 +441,7 @@ def build_mpt(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
     kw, eps = {"device": device, "dtype": dtype}, hf.req("layer_norm_epsilon", float)
     attn = _attention(C, H, kw, bias=False, alibi=True, scale=attn_config.get("softmax_scale"))
     clip = attn_config.get("clip_qkv")
-    clipped = functools.partial(_clamped, attn, None if clip is None else float(clip))
+    clipped = functools.partial(clamped_projection, attn, None if clip is None else float(clip))
     norm = _layer_norm(C, eps, kw, bias=False)
     blocks = [parts.block(C, clipped, _mlp(C, 4 * C, "gelu", kw, bias=False), norm) for _ in range(depth)]
     return _decoder(hf, blocks, norm(), dims=(hf.req("vocab_size"), C, H), pos="none", max_len=hf.req("max_seq_len"),
@@ -532,7 +532,7 @@ def build_gpt_neo(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     blocks = []
     for kind in _neo_kinds(hf, depth):
         settings = _attention(C, H, kw, bias=False, scale=1.0, window=window if kind == "local" else None).keywords
-        attn = functools.partial(_make_attention, C, H, settings, True, None)  # q/k/v unbiased, out_proj biased
+        attn = functools.partial(make_attention, C, H, settings, True, None)  # q/k/v unbiased, out_proj biased
         blocks.append(parts.block(C, attn, ffn, _layer_norm(C, eps, kw)))
     return _decoder(hf, blocks, _layer_norm(C, eps, kw)(), dims=(hf.req("vocab_size"), C, H), pos="learned",
                     max_len=hf.req("max_position_embeddings"), head_size=head_size, kw=kw)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import BlockLayers
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families.dense import ParallelBlock, _parallel_decoder
+from attnzoo.models.families.dense import ParallelBlock, parallel_decoder
 from attnzoo.models.hf._state import HFConfig
 
 __all__ = ["DEFAULTS", "DISPATCH", "build_cohere_compass_text", "canonical", "convert_cohere_compass_text"]
@@ -85,7 +85,7 @@ def build_cohere_compass_text(hf: HFConfig, *, head_size: int | None = None, dev
         ParallelBlock(C, BlockLayers(attention=parts.attention_factory(hf, window=w, rope=ropes[k], **kw),
                                      feed_forward=ffn, norm=norm))
         for k, w in zip(kinds, parts.sliding_windows(hf, kinds), strict=True)]
-    return _parallel_decoder(hf, blocks, norm, eps, head_size, kw)
+    return parallel_decoder(hf, blocks, norm, eps, head_size, kw)
 
 
 def convert_cohere_compass_text(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:

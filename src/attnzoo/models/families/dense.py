@@ -144,7 +144,7 @@ import attnzoo.models.families.granitemoehybrid as granite
 from attnzoo.blocks import ACTIVATIONS, BlockLayers, FeedForward, RMSNorm, TransformerBlock
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families.granitemoe_swa import _thetas as layer_thetas
+from attnzoo.models.families.granitemoe_swa import layer_thetas
 from attnzoo.models.families.minimax import NormedEmbedding
 from attnzoo.models.families.sparse_moe import PostRopeNormAttention
 from attnzoo.models.hf._state import HFConfig, Plan, load_gate_up_into, load_qkv_into
@@ -154,7 +154,8 @@ from attnzoo.nn.positional import resolve_positions
 
 __all__ = ["DISPATCH", "FAMILIES", "XIELU", "ClampedLinear", "Family", "ParallelBlock", "ScaledLMHead",
            "SubNormFeedForward", "SubNormLinear", "TemperedAttention", "WeightlessRMSNorm", "build_dense",
-           "build_granite", "build_starcoder2", "canonical", "convert_dense"]
+           "build_granite", "build_starcoder2", "canonical", "clamped_projection", "convert_dense", "finish_weightless",
+           "make_attention", "parallel_decoder"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -266,7 +267,7 @@ class XIELUFeedForward(FeedForward):
 
 
 # --------------------------------------------------------------------------- shared builders
-def _make_attention(dim: int, heads: int, settings: Mapping[str, Any], out_bias: bool,
+def make_attention(dim: int, heads: int, settings: Mapping[str, Any], out_bias: bool,
                     temperature: tuple[float, float] | None) -> nn.Module:
     """A (tempered) :class:`MultiHeadAttention` of ``settings`` whose output projection has a bias
     iff ``out_bias`` (the q/k/v biases follow ``settings["bias"]``)."""
@@ -290,7 +291,7 @@ def _attention(hf: HFConfig, *, window: int | None, rope: nn.Module | None, bias
     settings = {**base.keywords, "bias": biases[0], "causal": True}
     if softcap is not None:
         settings["softcap"] = softcap
-    return functools.partial(_make_attention, hf.req("hidden_size"), hf.req("num_attention_heads"), settings,
+    return functools.partial(make_attention, hf.req("hidden_size"), hf.req("num_attention_heads"), settings,
                              biases[1], temperature)
 
 
@@ -334,7 +335,7 @@ def build_cohere2(hf: HFConfig, *, head_size: int | None = None, device: Any = N
         ParallelBlock(C, BlockLayers(attention=_attention(hf, window=w, rope=rope if w is not None else None,
                                                           biases=(bias, bias), kw=kw), feed_forward=ffn, norm=norm))
         for w in parts.sliding_windows(hf, kinds)]
-    return _parallel_decoder(hf, blocks, norm, eps, head_size, kw)
+    return parallel_decoder(hf, blocks, norm, eps, head_size, kw)
 
 
 def build_exaone4(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
@@ -463,7 +464,7 @@ def build_glm4(hf: HFConfig, *, head_size: int | None = None, device: Any = None
     return _build_glm(hf, "both", head_size=head_size, device=device, dtype=dtype)
 
 
-def _parallel_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Callable[[], nn.Module], eps: float,
+def parallel_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Callable[[], nn.Module], eps: float,
                       head_size: int | None, kw: Mapping[str, Any]) -> DecoderLM:
     """Cohere's decoder around parallel ``blocks``: the final bias-free LayerNorm ``norm`` and the
     head times ``logit_scale`` (a plain head for a base model or a score head)."""
@@ -499,7 +500,7 @@ def build_cohere(hf: HFConfig, *, head_size: int | None = None, device: Any = No
     attn = _attention(hf, window=None, rope=_rope(hf, D, interleaved=True), biases=(bias, bias), kw=kw)
     blocks: list[nn.Module] = [ParallelBlock(C, BlockLayers(attention=attn, feed_forward=ffn, norm=norm))
                                for _ in range(depth)]
-    return _parallel_decoder(hf, blocks, norm, eps, head_size, kw)
+    return parallel_decoder(hf, blocks, norm, eps, head_size, kw)
 
 
 def _llama_like(hf: HFConfig, head_size: int | None, kw: Mapping[str, Any], *, biases: tuple[bool, bool],
@@ -569,7 +570,7 @@ class ClampedLinear(nn.Linear):
         return f"{super().extra_repr()}, clip={self.clip:g}"
 
 
-def _clamped(attention: Callable[[], nn.Module], clip: float | None) -> nn.Module:
+def clamped_projection(attention: Callable[[], nn.Module], clip: float | None) -> nn.Module:
     """``attention()`` with its fused ``qkv_proj`` replaced by a :class:`ClampedLinear` of the same shape."""
     module = attention()
     if clip is not None:
@@ -596,7 +597,7 @@ def build_olmo(hf: HFConfig, *, head_size: int | None = None, device: Any = None
     norm = functools.partial(nn.LayerNorm, C, eps=1e-5, elementwise_affine=False, **kw)
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
     bias = hf.get("attention_bias", False, bool)
-    attn = functools.partial(_clamped, _attention(hf, window=None, rope=_rope(hf, D), biases=(bias, bias), kw=kw),
+    attn = functools.partial(clamped_projection, _attention(hf, window=None, rope=_rope(hf, D), biases=(bias, bias), kw=kw),
                              _clip_qkv(hf))
     blocks = [_block(C, attn, ffn, norm) for _ in range(depth)]
     head = head_for(C, hf.req("vocab_size"), head_size, **kw)
@@ -998,7 +999,7 @@ def _finish_hyperclovax(hf: HFConfig, plan: Plan, model: DecoderLM, head_size: i
     return granite.finish_folded(plan, model, divisor, head_size, writes)
 
 
-def _finish_weightless(hf: HFConfig, plan: Plan, model: DecoderLM, head_size: int | None) -> DecoderLM:
+def finish_weightless(hf: HFConfig, plan: Plan, model: DecoderLM, head_size: int | None) -> DecoderLM:
     """No final norm weight (OLMo 1, NanoChat): the head, then the copy of :func:`_common.finish`."""
     patterns = [r"(model\.)?rotary_emb\w*\.\w+"]
     parts.put_head(plan, head_size, model.tie_embeddings, patterns)
@@ -1126,7 +1127,7 @@ FAMILIES: dict[str, Family] = {
         name="Arcee", classes=("ArceeForCausalLM", "ArceeModel")),
     "olmo": Family(build_olmo, {"max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": False,
                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-                   (), _attention_bias(False), finish=_finish_weightless,
+                   (), _attention_bias(False), finish=finish_weightless,
         name="OLMo", classes=("OlmoForCausalLM", "OlmoModel")),
     "glm": Family(build_glm, {"rms_norm_eps": 1.5625e-7, "head_dim": 128, "attention_bias": True,
                               "max_position_embeddings": 131072, "hidden_act": "silu", "tie_word_embeddings": False},
@@ -1188,7 +1189,7 @@ FAMILIES: dict[str, Family] = {
     "nanochat": Family(build_nanochat, {"rms_norm_eps": 1e-6, "hidden_act": "relu2", "max_position_embeddings": 2048,
                                         "tie_word_embeddings": False},
                        (), _attention_bias(False), ffn=_put_fc, qkv=_nanochat_qkv,
-                       absent={"final_logit_softcapping": 15.0}, finish=_finish_weightless,
+                       absent={"final_logit_softcapping": 15.0}, finish=finish_weightless,
         name="NanoChat", classes=("NanoChatForCausalLM", "NanoChatModel")),
     "bitnet": Family(build_bitnet, {"rms_norm_eps": 1e-5, "num_key_value_heads": 5, "hidden_act": "relu2",
                                     "max_position_embeddings": 2048, "tie_word_embeddings": False,

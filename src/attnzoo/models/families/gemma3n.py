@@ -373,7 +373,7 @@ def _rope(hf: HFConfig, layer_type: str, head_dim: int) -> nn.Module:
     params = parts.rope_params(hf, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type in ("default", "proportional"):
-        return gemma4._rope(hf, layer_type, head_dim)
+        return gemma4.layer_rope(hf, layer_type, head_dim)
     partial = params.get("partial_rotary_factor")
     if partial is not None and partial != 1:
         raise hf.unsupported(f"rope_parameters[{layer_type!r}] partial_rotary_factor={partial} with "
@@ -448,7 +448,7 @@ def _put_layer(plan: Plan, block: nn.Module, i: int) -> list[str]:
     o, h = f"blocks.{i}.", f"layers.{i}."
     if not isinstance(block, Gemma3nBlock) or not isinstance(block.attn, Gemma4Attention):
         raise CheckpointFormatError(f"layer {i} is not a Gemma 3n layer ({type(block).__name__})")
-    gemma4._put_attention(plan, f"{o}attn.", f"{h}self_attn.", block.attn)
+    gemma4.put_attention(plan, f"{o}attn.", f"{h}self_attn.", block.attn)
     parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
     plan.put_pairs(o, h, NORMS, bias=False)
     a, t = f"{o}altup.", f"{h}altup."

@@ -85,9 +85,9 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.positional import RotaryEmbedding, resolve_positions
 
-__all__ = ["DEFAULTS", "DISPATCH", "Gemma4Attention", "Gemma4Block", "Gemma4Embedding", "Gemma4LM", "Gemma4MoE",
-           "Gemma4RoutedExperts", "KVSharing", "PerLayerEmbedding", "PerLayerInput", "SharedKV", "SharedKVCounter",
-           "build_gemma4", "canonical", "convert_gemma4"]
+__all__ = ["DEFAULTS", "DISPATCH", "NORMS", "TYPES", "Gemma4Attention", "Gemma4Block", "Gemma4Embedding", "Gemma4LM",
+           "Gemma4MoE", "Gemma4RoutedExperts", "KVSharing", "PerLayerEmbedding", "PerLayerInput", "SharedKV",
+           "SharedKVCounter", "build_gemma4", "canonical", "convert_gemma4", "layer_rope", "put_attention"]
 
 TYPES = ("sliding_attention", "full_attention")
 NORMS = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
@@ -490,7 +490,7 @@ def sharing_roles(hf: HFConfig, kinds: list[str]) -> list[tuple[str | None, bool
     return roles
 
 
-def _rope(hf: HFConfig, layer_type: str, head_dim: int) -> nn.Module:
+def layer_rope(hf: HFConfig, layer_type: str, head_dim: int) -> nn.Module:
     """The rotary embedding of the ``layer_type`` layers (m. 1070-1138): ``default`` (theta only,
     over the whole head) or ``proportional``."""
     params = parts.rope_params(hf, layer_type)
@@ -526,7 +526,7 @@ def _attention(hf: HFConfig, kind: str, size: tuple[int, int], sharing: KVSharin
     window = hf.req("sliding_window") - 1 if kind == "sliding_attention" else None
     return functools.partial(
         build_softmax, Gemma4Attention, hf.req("hidden_size"), hf.req("num_attention_heads"), num_kv_heads=Hkv,
-        head_dim=D, bias=hf.req("attention_bias", bool), window=window, rope=_rope(hf, kind, D),
+        head_dim=D, bias=hf.req("attention_bias", bool), window=window, rope=layer_rope(hf, kind, D),
         dropout=hf.get("attention_dropout", 0.0, float), qk_norm="head", qk_norm_eps=hf.req("rms_norm_eps", float),
         scale=1.0, sharing=sharing, k_eq_v=hf.req("attention_k_eq_v", bool) and kind == "full_attention",
         v_norm_eps=hf.req("rms_norm_eps", float), **kw)
@@ -577,7 +577,7 @@ def build_gemma4(hf: HFConfig, *, head_size: int | None = None, device: Any = No
 
 
 # --------------------------------------------------------------------------- the weights
-def _put_attention(plan: Plan, ours: str, theirs: str, attn: Gemma4Attention) -> None:
+def put_attention(plan: Plan, ours: str, theirs: str, attn: Gemma4Attention) -> None:
     """``qkv_proj`` rows ``[q; k; v]`` (``[q; k]`` with ``k_eq_v``, ``q`` on a reusing layer), ``out_proj``,
     the q/k norm weights (``v_norm`` has none)."""
     names = ["q"] if attn.reuses else ["q", "k"] if attn.k_eq_v else ["q", "k", "v"]
@@ -609,7 +609,7 @@ def _put_moe(plan: Plan, ours: str, theirs: str, hidden: int) -> None:
 def _put_layer(plan: Plan, block: Gemma4Block, i: int) -> None:
     o, h = f"blocks.{i}.", f"layers.{i}."
     assert isinstance(block.attn, Gemma4Attention)
-    _put_attention(plan, f"{o}attn.", f"{h}self_attn.", block.attn)
+    put_attention(plan, f"{o}attn.", f"{h}self_attn.", block.attn)
     if isinstance(block.ffn, Gemma4MoE):
         _put_moe(plan, f"{o}ffn.", h, block.ffn.experts.hidden)
         norms = [n for n in NORMS if n[0] != "ffn_norm"]

@@ -55,7 +55,7 @@ from attnzoo.models.families.granitemoehybrid import (
 from attnzoo.models.hf._state import HFConfig
 from attnzoo.models.hf.errors import CheckpointFormatError
 
-__all__ = ["DEFAULTS", "DISPATCH", "build_granitemoe_swa", "convert_granitemoe_swa"]
+__all__ = ["DEFAULTS", "DISPATCH", "build_granitemoe_swa", "convert_granitemoe_swa", "layer_thetas"]
 
 #: transformers' ``GraniteMoeSWAConfig`` defaults of the keys read here that a ``config.json``
 #: may leave out (``layer_types`` and ``layer_rope_theta`` are defaulted per layer, see the module
@@ -79,7 +79,7 @@ def _with_defaults(hf: HFConfig) -> HFConfig:
     return hf.with_defaults(defaults)
 
 
-def _thetas(hf: HFConfig, depth: int) -> list[float]:
+def layer_thetas(hf: HFConfig, depth: int) -> list[float]:
     """Each layer's RoPE base (``0``: NoPE): ``layer_rope_theta``, else the config's ``rope_theta``."""
     thetas = hf.get("layer_rope_theta", None, list)
     if thetas is None:
@@ -108,7 +108,7 @@ def build_granitemoe_swa(hf: HFConfig, *, head_size: int | None = None, device: 
     _refuse(hf)
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     eps, kw = hf.req("rms_norm_eps", float), {"device": device, "dtype": dtype}
-    kinds, thetas = parts.layer_types(hf, depth, KINDS), _thetas(hf, depth)
+    kinds, thetas = parts.layer_types(hf, depth, KINDS), layer_thetas(hf, depth)
     params = parts.rope_params(hf)
     ropes = {t: parts.rotary(hf, {**params, "rope_theta": t}, hf.get("head_dim", C // H)) for t in set(thetas) if t}
     shared = hf.req("shared_intermediate_size")

@@ -43,7 +43,7 @@ from attnzoo._devices import cache_dtype
 from attnzoo._validate import check_int
 from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
-from attnzoo.models.families.dense import WeightlessRMSNorm
+from attnzoo.models.families.dense import WeightlessRMSNorm, finish_weightless
 from attnzoo.models.hf._state import HFConfig, Plan, load_gate_up_into
 from attnzoo.models.loop import LayerLoopLM
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding, head_for
@@ -208,10 +208,7 @@ def convert_hrm_text(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype:
         for j in range(P):
             _put_layer(plan, f"blocks.{s * P + j}.", f"{stack}.layers.{j}.", bias=bias, mlp_bias=mlp_bias)
     plan.put("z_L_init", "z_L_init")
-    patterns = [r"(model\.)?rotary_emb\w*\.\w+"]
-    parts.put_head(plan, head_size, model.tie_embeddings, patterns)
-    plan.apply(model, ignore=patterns)
-    return model
+    return finish_weightless(hf, plan, model, head_size)  # type: ignore[return-value]
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
