@@ -113,3 +113,21 @@ def test_config_json_without_defaults_loads(tmp_path: Path) -> None:
 ])
 def test_options_it_cannot_reproduce_are_refused(key: str, value: Any, named: str) -> None:
     checks.check_refused(T.Apertus1p5TextForCausalLM, _apertus1p5, key, value, named)
+
+
+def test_multimodal_checkpoint_names_load(tmp_path: Path) -> None:
+    """Weights under the multimodal model's names (``model.language_model.*``, the tokenizers' beside
+    them): read as transformers' ``from_pretrained`` reads them for ``apertus1p5_text``."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    hf = checks.hf_model(_apertus1p5())
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    weights = {k.replace("model.", "model.language_model.", 1): v for k, v in safetensors_torch.load_file(path).items()}
+    weights["model.vision_tokenizer.quant_conv.weight"] = torch.zeros(2, 2)
+    safetensors_torch.save_file(weights, path, metadata={"format": "pt"})
+    again = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = checks.tokens(10)
+    with torch.no_grad():
+        ref = again(input_ids=x).logits
+        assert checks.rel(ref, hf(input_ids=x).logits) <= checks.TOL
+        assert checks.rel(load_pretrained(tmp_path)(x), ref) <= checks.TOL

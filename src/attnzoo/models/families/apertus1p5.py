@@ -31,13 +31,16 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 import attnzoo.models.families.dense as dense
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families.glm5_next import _text_key as text_key
 from attnzoo.models.hf._state import HFConfig
 
-__all__ = ["DEFAULTS", "DISPATCH", "PrunedLMHead", "build_apertus1p5", "canonical", "convert_apertus1p5",
+__all__ = ["DEFAULTS", "DISPATCH", "TOKENIZERS", "PrunedLMHead", "build_apertus1p5", "canonical", "convert_apertus1p5",
            "output_rows"]
 
 #: ``Apertus1p5TextConfig``'s defaults that differ from Apertus' (``configuration_apertus1p5.py`` 133, 147)
 DEFAULTS: dict[str, Any] = {"vocab_size": 266752, "tie_word_embeddings": False}
+#: the multimodal checkpoint's tokenizers (``_keys_to_ignore_on_load_unexpected``, modeling 600)
+TOKENIZERS = ("model.vision_tokenizer.", "model.audio_tokenizer.")
 
 
 class PrunedLMHead(nn.Module):
@@ -90,8 +93,11 @@ def build_apertus1p5(hf: HFConfig, *, head_size: int | None = None, device: Any 
 
 
 def convert_apertus1p5(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """Build the decoder and copy the weights (Apertus' weight map; the head follows them)."""
+    """Build the decoder and copy the weights (Apertus' weight map; the head follows them). The
+    multimodal checkpoint's names load too (``model.language_model.X`` as ``model.X``, its tokenizers'
+    weights dropped), as transformers' ``PrefixChange`` for ``apertus1p5_text`` reads them."""
     hf = canonical(hf)
+    sd = {text_key(k): v for k, v in sd.items() if not k.startswith(TOKENIZERS)}
     family = dense.FAMILIES["apertus"]
     model, plan, head_size = parts.start(hf, sd, build_apertus1p5, device=device, dtype=dtype)
     for i in range(model.depth):
