@@ -14,6 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import test_hf_dense_2 as dense2  # noqa: E402
+
 import hf_family_checks as checks  # noqa: E402
 
 T = transformers
@@ -166,6 +168,48 @@ class TestCohere2Moe(checks.FamilyChecks):
     cases = (_cohere2_moe_other,)
 
 
+def _dory(**kw: Any) -> Any:
+    """5 layers (sliding 0-2 and 4 with a window of 6, full 3: the default kinds): layer 0 once, layers
+    1-3 twice (``per_loop`` caches), layer 4 once; head_dim 16, ``initializer_range`` 0.1 (the nGPT
+    scales are ``s / initializer_range``: at the default 0.0177 the perturbed weights saturate every
+    softmax)."""
+    return T.DoryConfig(**{**checks.SMALL, "num_hidden_layers": 5, "head_dim": 16, "n_input_layers": 1,
+                           "n_output_layers": 1, "sliding_window": 6, "initializer_range": 0.1, **kw})
+
+
+def _dory_last_loop(**kw: Any) -> Any:
+    """The recurrent layers' caches written by the last loop only (``last_loop``)."""
+    return _dory(recurrent_kv_cache_mode="last_loop", **kw)
+
+
+def _dory_other(**kw: Any) -> Any:
+    """6 layers by explicit kinds (full 0 and 3), 2 + 2 + 2, three loops, q/k/v/o and MLP biases,
+    GELU (tanh), tied, thetas 1e3 / 1e5, ``ngpt_alpha_init`` 0.3."""
+    return _dory(**{"num_hidden_layers": 6, "n_input_layers": 2, "n_output_layers": 2, "n_recurrent_loops": 3,
+                    "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention",
+                                    "sliding_attention", "sliding_attention"],
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1e5}},
+                    "attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_pytorch_tanh",
+                    "tie_word_embeddings": True, "ngpt_alpha_init": 0.3, **kw})
+
+
+class TestDory(checks.FamilyChecks):
+    """Dory scales its queries per channel after RoPE, so its logits depend on the absolute positions:
+    compared at the positions ``generate`` gives a left-padded batch (``test_hf_dense_2``'s HunYuan check)."""
+
+    config = staticmethod(_dory)
+    cases = (_dory_last_loop, _dory_other)
+
+    def test_logits_equal_transformers(self) -> None:
+        for make in (self.config, *self.cases):
+            dense2._check_mask_positions(make)
+
+    def test_base_model_equals_transformers(self) -> None:
+        for make in (self.config, *self.cases):
+            dense2._check_mask_positions(make, T.AutoModel)
+
+
 class TestKolibri11(checks.FamilyChecks):
     config = staticmethod(_kolibri11)
     cases = (_kolibri11_other,)
@@ -250,6 +294,20 @@ def test_structure() -> None:
     unclipped = from_hf(checks.hf_model(_dbrx(attn_config={"clip_qkv": None})))
     assert all(b.attn.clip is None for b in unclipped.blocks)
 
+    from attnzoo.models.families._dory import DoryAttention, DoryLayer, DoryLM, L2Norm
+
+    hf = checks.hf_model(_dory())
+    ours = from_hf(hf)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    assert type(ours) is DoryLM and ours.sections == (1, 3, 2) and not ours.last_loop and type(ours.norm) is L2Norm
+    assert all(type(b) is DoryLayer and type(b.attn) is DoryAttention for b in ours.blocks)
+    assert [b.uses for b in ours.blocks] == [1, 2, 2, 2, 1]
+    assert [b.attn.window for b in ours.blocks] == [(5, 5)] * 3 + [None, (5, 5)]
+    other = from_hf(checks.hf_model(_dory_other()))
+    assert other.sections == (2, 2, 3) and [b.uses for b in other.blocks] == [1, 1, 3, 3, 1, 1]
+    last = from_hf(checks.hf_model(_dory_last_loop()))
+    assert last.last_loop and [b.uses for b in last.blocks] == [1] * 5
+
     for make in (_param2, _sarvam):
         hf = checks.hf_model(make())
         assert type(hf).__name__ == "Glm4MoeForCausalLM"
@@ -284,6 +342,10 @@ def test_structure() -> None:
       "shared_expert_combination_strategy", "expert_selection_fn", "norm_topk_prob", "layer_types", "mlp_layer_types",
       "sliding_window", "sliding_window_pattern", "prefix_dense_sliding_window_pattern", "logit_scale",
       "layer_norm_eps", "rms_norm_eps", "attention_bias", "tie_word_embeddings", "hidden_act")),
+    (lambda: _dory(num_hidden_layers=9, n_input_layers=4, n_output_layers=4, sliding_window=1024, num_key_value_heads=4),
+     ("n_input_layers", "n_output_layers", "n_recurrent_layers", "n_recurrent_loops", "recurrent_kv_cache_mode",
+      "ngpt_alpha_init", "attention_bias", "mlp_bias", "hidden_act", "tie_word_embeddings", "rope_parameters",
+      "sliding_window", "num_key_value_heads")),
     (lambda: _kolibri11_other(num_key_value_heads=4, num_attention_heads=12, hidden_size=48, head_dim=128,
                               num_experts=6, num_experts_per_tok=6, moe_intermediate_size=512,
                               shared_expert_intermediate_size=512, sliding_window=513, norm_topk_prob=False,
@@ -294,7 +356,7 @@ def test_structure() -> None:
       "sliding_window", "norm_topk_prob", "layer_types", "index_layers", "kv_source_layers", "mlp_only_layers",
       "mlp_only_intermediate_size", "index_topk", "index_pool_size", "index_compression", "index_num_local_tokens",
       "index_num_sink_tokens", "rms_norm_eps", "hidden_act")),
-], ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "cohere2_moe", "kolibri1_1"])
+], ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "cohere2_moe", "dory", "kolibri1_1"])
 def test_config_json_without_defaults_loads(make: Any, keys: tuple[str, ...], tmp_path: Path) -> None:
     """A ``config.json`` leaving these keys out: read as transformers' ``from_pretrained`` reads it."""
     checks.check_folder_without_keys(checks.hf_model(make()), tmp_path, keys)
@@ -329,13 +391,15 @@ def test_param2_original_config_names_load(tmp_path: Path) -> None:
     (T.Glm4MoeForCausalLM, _sarvam, "pretraining_tp", 2, "pretraining_tp"),
     (T.Kolibri1_1ForCausalLM, _kolibri11, "hidden_act", "gelu", "hidden_act"),
     (T.Cohere2MoeForCausalLM, _cohere2_moe, "hidden_act", "gelu", "hidden_act"),
+    (T.DoryForCausalLM, _dory, "hidden_act", "tanh", "hidden_act"),
+    (T.DoryForCausalLM, _dory, "layer_types", ["sliding_attention"] * 4 + ["chunked_attention"], "layer type"),
     (T.Cohere2MoeForCausalLM, _cohere2_moe, "expert_selection_fn", "relu", "expert_selection_fn"),
     (T.Cohere2MoeForCausalLM, _cohere2_moe, "shared_expert_combination_strategy", "max",
      "shared_expert_combination_strategy"),
     (T.Cohere2MoeForCausalLM, _cohere2_moe, "rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
      "rope_type"),
     (T.Kolibri1_1ForCausalLM, _kolibri11, "layer_types", ["full_attention"] * 6, "layer type"),
-], ids=["kolibri1_1_activation", "kolibri1_1_layer_type", "cohere2_moe_activation", "cohere2_moe_selection",
+], ids=["kolibri1_1_activation", "kolibri1_1_layer_type", "cohere2_moe_activation", "dory_activation", "dory_layer_type", "cohere2_moe_selection",
         "cohere2_moe_combination", "cohere2_moe_rope_type","granitemoeshared_activation", "granitemoeshared_partial_rope", "flex_olmo_activation", "param2_activation",
         "sarvam_pretraining_tp"])
 def test_options_it_cannot_reproduce_are_refused(model_class: Any, make: Any, key: str, value: Any,
@@ -343,17 +407,18 @@ def test_options_it_cannot_reproduce_are_refused(model_class: Any, make: Any, ke
     checks.check_refused(model_class, make, key, value, named)
 
 
-@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam, _kolibri11, _cohere2_moe, _dbrx],
+@pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2, _sarvam, _kolibri11, _cohere2_moe, _dbrx,
+                                  _dory_other],
                          ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe",
-                              "dbrx"])
+                              "dbrx", "dory"])
 def test_packed_sequences_equal_each_alone(make: Any) -> None:
     checks.check_packed_equals_each_alone(make)
 
 
 @pytest.mark.parametrize("make", [_granitemoeshared, _flex_olmo, _param2_other, _sarvam, _kolibri11,
-                                  _cohere2_moe_other, _dbrx_other],
+                                  _cohere2_moe_other, _dbrx_other, _dory],
                          ids=["granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "kolibri1_1", "cohere2_moe",
-                              "dbrx"])
+                              "dbrx", "dory"])
 def test_packed_training_gradients_equal_each_alone(make: Any) -> None:
     checks.check_packed_gradients_equal_each_alone(make)
 
@@ -423,3 +488,73 @@ def test_dbrx_options_it_cannot_reproduce_are_refused(sub: str, key: str, value:
     setattr(getattr(hf.config, sub), key, value)
     with pytest.raises(UnsupportedConfigError, match=key):
         from_hf(hf)
+
+
+def test_dory_last_loop_decodes_as_transformers() -> None:
+    """``recurrent_kv_cache_mode="last_loop"``: the loops before the last attend to the last loop's
+    cached past and their own tokens, so transformers' cached decode differs from its full forward;
+    attnzoo's cached decode equals transformers' cached decode, step by step (and generation is
+    token-identical: the class checks)."""
+    from transformers import DynamicCache
+
+    from attnzoo.interop import from_hf
+
+    hf = checks.hf_model(_dory_last_loop())
+    ours = from_hf(hf)
+    x = checks.tokens(16)
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        theirs = [hf(input_ids=x[:, :6], cache=cache, use_cache=True).logits]
+        theirs += [hf(input_ids=x[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(6, 16)]
+        mine = ours.init_cache(2, 16)
+        got = [ours(x[:, :6], cache=mine)] + [ours(x[:, t:t + 1], cache=mine) for t in range(6, 16)]
+        full = hf(input_ids=x).logits
+    theirs_t, got_t = torch.cat(theirs, dim=1), torch.cat(got, dim=1)
+    assert checks.rel(got_t, theirs_t) <= checks.TOL
+    assert checks.rel(theirs_t, full) > 1e-3  # transformers' own two paths differ
+
+
+def test_dory_released_layout_loads(tmp_path: Path) -> None:
+    """The released checkpoints' two blocks a layer (``backbone.layers.{2i}.mixer`` attention,
+    ``layers.{2i+1}.mixer`` MLP, ``attn_alpha`` / ``mlp_alpha``): loaded as transformers loads them."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from attnzoo.interop import load_pretrained
+
+    hf = checks.hf_model(_dory())
+    hf.save_pretrained(tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+
+    def released(key: str) -> str:
+        m = re.match(r"(backbone\.layers\.)(\d+)\.(self_attn|mlp|lambda_1|lambda_2)(.*)", key)
+        if m is None:
+            return key
+        i, part = int(m.group(2)), m.group(3)
+        index = 2 * i + (part in ("mlp", "lambda_2"))
+        name = {"lambda_1": "attn_alpha", "lambda_2": "mlp_alpha"}.get(part, "mixer")
+        return f"{m.group(1)}{index}.{name}{m.group(4)}"
+
+    save_file({released(k): v for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    again = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = checks.tokens(10)
+    with torch.no_grad():
+        assert checks.rel(again(input_ids=x).logits, hf(input_ids=x).logits) <= 1e-6
+        assert checks.rel(load_pretrained(tmp_path)(x), hf(input_ids=x).logits) <= checks.TOL
+
+
+def test_dory_layouts_it_cannot_read_are_refused() -> None:
+    """A ``recurrent_kv_cache_mode`` transformers' config would not take, and sections that do not
+    add up to the layers."""
+    from attnzoo.interop import UnsupportedConfigError
+    from attnzoo.models.families._dory import canonical
+    from attnzoo.models.hf._state import HFConfig
+    from attnzoo.models.hf.errors import CheckpointFormatError
+
+    data = {k: v for k, v in _dory().to_dict().items() if k != "recurrent_kv_cache_mode"}
+    with pytest.raises(UnsupportedConfigError, match="recurrent_kv_cache_mode"):
+        canonical(HFConfig({**data, "recurrent_kv_cache_mode": "every_loop"}, "test"))
+    with pytest.raises(CheckpointFormatError, match="n_input_layers"):
+        canonical(HFConfig({**data, "n_recurrent_layers": 8}, "test"))
+    assert canonical(HFConfig(data, "test")).req("n_recurrent_layers") == 3
