@@ -163,9 +163,14 @@ class TestDbrx(checks.FamilyChecks):
     cases = (_dbrx_unnormalised, _dbrx_other)
 
 
+def _cohere2_moe_sigmoid(**kw: Any) -> Any:
+    """Sigmoid routing renormalised (``norm_topk_prob`` True, the default), top-3, the shared expert averaged."""
+    return _cohere2_moe(**{"expert_selection_fn": "sigmoid", "num_experts_per_tok": 3, **kw})
+
+
 class TestCohere2Moe(checks.FamilyChecks):
     config = staticmethod(_cohere2_moe)
-    cases = (_cohere2_moe_other,)
+    cases = (_cohere2_moe_sigmoid, _cohere2_moe_other)
 
 
 def _dory(**kw: Any) -> Any:
