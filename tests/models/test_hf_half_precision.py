@@ -104,6 +104,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "sarvam_mla": ("test_hf_deepseek_2", "_sarvam"), "youtu": ("test_hf_deepseek_2", "_youtu_no_pad"),
     "minicpm3": ("test_hf_deepseek_2", "_minicpm3"), "axk2": ("test_hf_deepseek_2", "_axk2"),
     "longcat_flash": ("test_hf_deepseek_2", "_longcat"),
+    **{t: ("test_hf_sparse_moe_4", m) for t, m in (
+        ("granitemoeshared", "_granitemoeshared"), ("flex_olmo", "_flex_olmo"), ("param2moe", "_param2"),
+        ("sarvam_moe", "_sarvam"), ("kolibri1_1", "_kolibri11"), ("cohere2_moe", "_cohere2_moe"),
+        ("dbrx", "_dbrx_every_expert"), ("dory", "_dory"))},
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
@@ -112,7 +116,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
 #: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
 #: forward): compared on an unpadded batch
-UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam"}
+UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam", "dory"}
 #: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
 #: two, its sparsemixer): top-k left as configured
 TOP1 = {"zaya", "phimoe"}
