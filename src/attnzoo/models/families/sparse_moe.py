@@ -234,6 +234,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families.granitemoehybrid as granite
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.models._common import LayerCaches
@@ -248,15 +249,6 @@ from attnzoo.models.families._moe import (
     put_stacked_experts,
 )
 from attnzoo.models.families.gemma4 import Gemma4Attention, KVSharing, SharedKV, SharedKVCounter
-from attnzoo.models.families.granitemoehybrid import CHECKS as GRANITE_CHECKS
-from attnzoo.models.families.granitemoehybrid import (
-    embed_scale,
-    experts_factory,
-    finish_folded,
-    multiplier,
-    put_feed_forward,
-    refuse_partial_rotary,
-)
 from attnzoo.models.families.kimi_linear import saved_names
 from attnzoo.models.families.qwen3_next import real_keys
 from attnzoo.models.hf._state import HFConfig, Plan, float_dtype, load_qkv_into
@@ -623,8 +615,8 @@ def _read(hf: HFConfig) -> tuple[HFConfig, str]:
     if phimoe:
         _refuse_phimoe(hf)
     if VARIANTS[model_type].granite:
-        parts.unsupported_keys(hf, GRANITE_CHECKS)
-        refuse_partial_rotary(hf)
+        parts.unsupported_keys(hf, granite.CHECKS)
+        granite.refuse_partial_rotary(hf)
     return hf, model_type
 
 
@@ -670,7 +662,7 @@ def _moe(hf: HFConfig, variant: Variant, kw: dict[str, Any]) -> Any:
                                  **kw)
     if variant.routing == "granite":  # GraniteMoeShared: its always-on shared_mlp of shared_intermediate_size
         width = hf.get("shared_intermediate_size", 0)
-        return experts_factory(hf, parts.gated_mlp(hf.req("hidden_size"), width, "swiglu", **kw) if width else None,
+        return granite.experts_factory(hf, parts.gated_mlp(hf.req("hidden_size"), width, "swiglu", **kw) if width else None,
                                **kw)
     if variant.routing == "sparsemixer":
         return functools.partial(SparseMixerMoE, hf.req("hidden_size"), hf.req("intermediate_size"),
@@ -750,7 +742,7 @@ def _attention(hf: HFConfig, variant: Variant, window: int | None, rope: Any, kw
     attn_cfg = hf.with_defaults({"attention_bias": _qkv_bias(hf, variant)}) if variant.qkv_bias else hf
     return parts.attention_factory(attn_cfg, window=window, rope=rope, qk_norm=qk_norm,
                                    output_gate="element" if variant.sandwich else None, sinks=variant.sinks,
-                                   scale=multiplier(hf, "attention_multiplier") if variant.granite else None, **kw)
+                                   scale=granite.multiplier(hf, "attention_multiplier") if variant.granite else None, **kw)
 
 
 def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
@@ -786,7 +778,7 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
               for w, r, s, moe, k in zip(window_of_layers(hf, model_type, depth), rotates, sparse, moes, kinds,
                                          strict=True)]
     scale = C ** 0.5 if hf.get("mup_enabled", False, bool) else None  # AFMoE's muP embedding scale
-    scale = embed_scale(hf) if variant.granite else scale
+    scale = granite.embed_scale(hf) if variant.granite else scale
     if variant.layer_norm:
         return _layer_norm_decoder(hf, blocks, norm, head_size, kw)
     model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, **kw)
@@ -962,10 +954,10 @@ def _convert_granite(hf: HFConfig, model: DecoderLM, plan: Plan, head_size: int 
     for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"layers.{i}."
         parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=bias)
-        writes += put_feed_forward(plan, f"{o}ffn.", h, block.ffn)  # the experts (and GraniteMoeShared's shared_mlp)
+        writes += granite.put_feed_forward(plan, f"{o}ffn.", h, block.ffn)  # the experts (and GraniteMoeShared's shared_mlp)
         plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
         writes += [f"{o}attn.out_proj.weight"] + ([f"{o}attn.out_proj.bias"] if bias else [])
-    return finish_folded(plan, model, hf, head_size, writes)
+    return granite.finish_folded(plan, model, hf, head_size, writes)
 
 
 class Float32RouterMoE(MixtureOfExperts):
