@@ -61,6 +61,12 @@ def _m3_no_local() -> Any:
     return _m3(index_local_blocks=0, index_topk_blocks=1, index_n_heads=4)
 
 
+def _m3_all_blocks() -> Any:
+    """Every block kept (8 of 4 keys cover the 30 tokens checked): the indexer selects nothing away, so a
+    left-padded batch equals transformers' padded batch too (the half-precision sweep's config)."""
+    return _m3(index_topk_blocks=8)
+
+
 def _outputs(hf: Any, **kw: Any) -> torch.Tensor:
     out = hf(**kw)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
@@ -113,10 +119,10 @@ class TestMiniMaxM3(checks.FamilyChecks):
         check_generation_rows(self.config)
 
 
-def test_full_attention_layers_follow_transformers_padding() -> None:
-    """Without sparse layers a left-padded batch equals transformers' padded batch (the shared checks)."""
-    def make() -> Any:
-        return _m3(layer_types=[F, F, F])
+@pytest.mark.parametrize("make", [lambda: _m3(layer_types=[F, F, F]), _m3_all_blocks])
+def test_unselective_layers_follow_transformers_padding(make: Any) -> None:
+    """Without sparse layers, or with every block kept, a left-padded batch equals transformers' padded
+    batch (the shared checks)."""
     checks.check_logits(make)
     checks.check_base_model(make)
     checks.check_generation(make)
@@ -132,7 +138,7 @@ def test_transformers_left_padding_changes_the_selection() -> None:
         alone = hf(input_ids=x[:1, 5:]).logits[0]
         theirs = hf(input_ids=x, attention_mask=mask).logits[0, 5:]
         got = ours(x, attention_mask=mask.bool())[0, 5:]
-        every = from_hf(checks.hf_model(_m3(index_topk_blocks=8)))(x[:1, 5:])[0]
+        every = from_hf(checks.hf_model(_m3_all_blocks()))(x[:1, 5:])[0]
     assert checks.rel(theirs, alone) > 1e-2 and checks.rel(got, alone) <= checks.TOL
     assert checks.rel(every, alone) > 1e-2
 

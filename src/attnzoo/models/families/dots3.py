@@ -9,15 +9,15 @@ and decoder layer, GLM-MoE-DSA's indexer) with per-layer attention shapes. Every
 * Latent attention (``Dots3NoteTextAttention``, 443-614; :class:`DotsLatentAttention`,
   :class:`DotsIndexedAttention`) of the layer's own shape: ``per_layer_config`` overrides heads, ranks
   and head widths of single layers (transformers' heterogeneous configs; by default the sliding layers
-  take the ``swa_*`` shapes, configuration 316-334), always a ``q_lora_rank``, RoPE on adjacent pairs of
+  take the ``swa_*`` shapes, configuration 313-329), always a ``q_lora_rank``, RoPE on adjacent pairs of
   the ``qk_rope_head_dim`` channels with the rope of the layer's kind (``rope_parameters[kind]``, the
   sliding layers' theta ``swa_rope_theta``), the score scale ``(qk_nope + qk_rope) ** -0.5`` whatever the
-  rope type (504). What dots adds to DeepSeek's: the normalised query latent times
-  ``sqrt(hidden / q_lora_rank)`` and the key latent times ``sqrt(hidden / kv_lora_rank)`` (536-546: folded
+  rope type (501). What dots adds to DeepSeek's: the normalised query latent times
+  ``sqrt(hidden / q_lora_rank)`` and the key latent times ``sqrt(hidden / kv_lora_rank)`` (504-505, 545, 552: folded
   into ``q_a_layernorm`` / ``kv_a_layernorm``'s weights, which the indexer's query input shares), an
-  RMSNorm on the shared RoPE key before its rotation (``k_rope_only_layernorm``, 548-550:
+  RMSNorm on the shared RoPE key before its rotation (``k_rope_only_layernorm``, 556:
   :class:`KRopeNormedLinear`), and a per-head sigmoid gate ``g_proj(x)`` on the heads' outputs before
-  ``o_proj`` (603-608).
+  ``o_proj`` (609-610).
 * The layer kinds (``layer_types``): ``sliding_attention`` sees the last ``sliding_window`` keys
   (``kv > q - sliding_window``), ``indexed_attention`` the ``index_topk`` keys a GLM-MoE-DSA lightning
   indexer selects (192-282, interleaved RoPE; :class:`~attnzoo.models.families.deepseek.LightningTopK`
@@ -78,7 +78,7 @@ __all__ = ["DEFAULTS", "DISPATCH", "DotsIndexedAttention", "DotsLatentAttention"
            "build_dots3", "canonical", "convert_dots3", "layer_views"]
 
 TYPES = ("full_attention", "sliding_attention", "indexed_attention")
-#: ``Dots3NoteTextConfig``'s defaults of the keys read here (configuration 231-270)
+#: ``Dots3NoteTextConfig``'s defaults of the keys read here (configuration 230-275)
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824, "moe_intermediate_size": 1536,
     "num_hidden_layers": 46, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
@@ -88,7 +88,7 @@ DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
     "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64, "head_dim": 256,
     "shared_experts_intermediate_size": 1536}
-#: the sliding layers' shapes when the file has no ``per_layer_config`` (``swa_*`` keys; configuration 316-329)
+#: the sliding layers' shapes when the file has no ``per_layer_config`` (``swa_*`` keys; configuration 313-324)
 SWA_DEFAULTS: dict[str, int] = {"num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1024,
                                 "kv_lora_rank": 1024, "head_dim": 256, "qk_nope_head_dim": 192, "v_head_dim": 128}
 #: the attributes a layer's ``per_layer_config`` may set (those only its attention and indexer read)
@@ -100,7 +100,7 @@ PER_LAYER = frozenset({"num_attention_heads", "num_key_value_heads", "q_lora_ran
 # --------------------------------------------------------------------------- attention
 class KRopeNormedLinear(nn.Linear):
     """MLA's ``kv_a_proj`` (``[r + dr, C]``) whose trailing ``dr`` outputs, the shared RoPE key, go
-    through an RMSNorm (dots' ``k_rope_only_layernorm``, 548-550; before the rotation).
+    through an RMSNorm (dots' ``k_rope_only_layernorm``, 556; before the rotation).
 
     Weights: ``weight [r + dr, C]`` (``bias``), ``k_rope_norm.weight [dr]``. Shapes: ``[..., C] -> [..., r + dr]``."""
 
@@ -205,7 +205,7 @@ def latent_attention(dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, o
 
 # --------------------------------------------------------------------------- config
 def _legacy_kinds(hf: HFConfig, data: dict[str, Any]) -> list[str]:
-    """``layer_types`` as ``__post_init__`` derives and renames them (configuration 286-312)."""
+    """``layer_types`` as ``__post_init__`` derives and renames them (configuration 281, 299-312)."""
     depth = int(data["num_hidden_layers"])
     use_dsa = data.get("use_dsa", None if "per_layer_config" in data else True)
     kinds = data.get("layer_types")
@@ -218,7 +218,7 @@ def _legacy_kinds(hf: HFConfig, data: dict[str, Any]) -> list[str]:
 
 
 def _legacy_mlp(data: dict[str, Any]) -> list[str]:
-    """``mlp_layer_types`` from ``first_k_dense_replace`` / ``moe_layer_freq`` (configuration 290-297)."""
+    """``mlp_layer_types`` from ``first_k_dense_replace`` / ``moe_layer_freq`` (configuration 278-290)."""
     if data.get("mlp_layer_types") is not None:
         return list(data["mlp_layer_types"])
     first, freq = data.get("first_k_dense_replace", 1), data.get("moe_layer_freq", 1)
@@ -276,7 +276,7 @@ def _check(hf: HFConfig, view: HFConfig, kind: str) -> None:
 
 
 def _rope(hf: HFConfig, kind: str) -> tuple[float, dict[str, Any] | None]:
-    """``(theta, scaling params or None)`` of a layer kind (configuration 336-356)."""
+    """``(theta, scaling params or None)`` of a layer kind (configuration 334-356)."""
     params = hf.raw("rope_parameters") or hf.raw("rope_scaling")
     if params is None:
         sliding = kind == TYPES[1]

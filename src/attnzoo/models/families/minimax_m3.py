@@ -6,7 +6,7 @@ tower and projector are out of scope). Line numbers: transformers 5.25's
 Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``) around:
 
 * Attention (``MiniMaxM3VLAttention``, 408-490; MiniMax-M2's): GQA without biases, per-head QK
-  RMSNorms before RoPE (433-436), RoPE on the first ``head_dim * rope_parameters.partial_rotary_factor``
+  RMSNorms before RoPE (444-445), RoPE on the first ``head_dim * rope_parameters.partial_rotary_factor``
   channels of each head, split halves (296-317, 365-398). transformers does not read ``rotary_dim``
   (the checkpoints' key; its default 64 says nothing to a 128-wide head): neither does attnzoo. Every
   RMSNorm is Gemma's, ``(1 + w)`` applied in float32 (153-172): loaded as ``w + 1``
@@ -29,7 +29,7 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``) arou
   ``[gate; up]``. transformers forces ``hidden_act`` to ``silu`` and never uses it: neither does attnzoo.
 
 Padding: transformers anchors the indexer's blocks to key *slots* and its query blocks to
-``position_ids`` (its own TODO at 529-540: "only right-padding is equivalent"), so a left-padded row
+``position_ids`` (its own TODO at 524-534: "only right-padding is equivalent"), so a left-padded row
 selects other blocks than the same row alone, and its forward (positions = slots) and ``generate``
 (positions counted from the mask) disagree with each other. attnzoo anchors both to the positions
 counted over the real tokens and leaves the padding out of the blocks: a padded row computes exactly
@@ -38,7 +38,7 @@ full-attention layers are unaffected.
 
 Config files: released checkpoints' ``sparse_attention_config`` (``sparse_attention_freq`` for the
 layer kinds, ``sparse_num_index_heads`` ... for the indexer) and ``moe_layer_freq`` are read as
-``MiniMaxM3VLTextConfig.__post_init__`` reads them (l. 115-151 of its configuration); saved folders'
+``MiniMaxM3VLTextConfig.__post_init__`` reads them (l. 116-148 of its configuration); saved folders'
 ``model.mtp.*`` weights are dropped, as transformers drops them (``_keys_to_ignore_on_load_unexpected``).
 
 Refused by name: layer kinds other than these, ``index_head_dim`` smaller than the rotated width
@@ -67,7 +67,7 @@ __all__ = ["DEFAULTS", "DISPATCH", "BlockIndexer", "OaiSwiGLU", "build_minimax_m
            "convert_minimax_m3"]
 
 TYPES = ("full_attention", "minimax_m3_sparse")
-#: ``MiniMaxM3VLTextConfig``'s defaults of the keys read here (configuration 60-113)
+#: ``MiniMaxM3VLTextConfig``'s defaults of the keys read here (configuration 77-113)
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 200064, "hidden_size": 6144, "intermediate_size": 3072, "num_hidden_layers": 60,
     "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 524288,
@@ -76,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
     "routed_scaling_factor": 2.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "index_n_heads": 4,
     "index_head_dim": 128, "index_block_size": 128, "index_topk_blocks": 16, "index_local_blocks": 1,
     "rope_parameters": {"rope_type": "default", "rope_theta": 5e6}}
-#: the legacy ``sparse_attention_config`` keys -> the flat ones (configuration 121-130)
+#: the legacy ``sparse_attention_config`` keys -> the flat ones (configuration 124-133)
 LEGACY_INDEX = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
                 "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
                 "index_local_blocks": "sparse_local_block"}
