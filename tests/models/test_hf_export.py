@@ -25,6 +25,7 @@ import test_hf_families as lineage  # noqa: E402
 import test_hf_half_precision as half  # noqa: E402
 import test_hf_inkling2 as inkling2  # noqa: E402
 import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
+import test_hf_multimodal as multimodal  # noqa: E402
 
 import hf_family_checks as checks  # noqa: E402
 from attnzoo import DecoderLM  # noqa: E402
@@ -81,6 +82,7 @@ MAKERS: dict[str, Any] = {
     "gpt2": _gpt2, "bert": _bert, "vit": _vit, "mistral4": _mistral4,
     "inkling2_text": lambda seed: checks.hf_model(inkling2._config(), seed=seed),
     "inkling2_loop_text": lambda seed: checks.hf_model(inkling2_loop._config(), seed=seed),
+    **multimodal.SWEEP,  # the multimodal wrappers (their text decoder; the towers keep their values)
 }
 
 
@@ -216,6 +218,26 @@ def test_bad_arguments() -> None:
         to_hf(ours, clip)
     with pytest.raises(TypeError, match=r"save_pretrained: model must be an nn\.Module, got int"):
         save_pretrained(3, "out", like="in")  # type: ignore[arg-type]
+
+
+def test_save_pretrained_like_a_multimodal_folder_writes_its_text_decoder(tmp_path: Path) -> None:
+    """A wrapper's folder (Gemma 3: vision tower, projector, tied head): the fine-tuned text decoder
+    written in its layout without transformers, the towers kept, transformers' wrapper reloading it."""
+    hf = multimodal._hf("gemma3")
+    hf.save_pretrained(tmp_path / "base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dropped towers, then kept
+        ours = _train(load_pretrained(tmp_path / "base"))
+        save_pretrained(ours, tmp_path / "tuned", like=tmp_path / "base")
+        back = load_pretrained(tmp_path / "tuned")
+    theirs = T.AutoModelForImageTextToText.from_pretrained(tmp_path / "tuned", attn_implementation="eager").eval()
+    x = lineage._tokens()
+    with torch.no_grad():
+        want = ours(x)
+        assert checks.rel(back(x), want) <= 1e-6
+        assert checks.rel(theirs(input_ids=x).logits, want) <= 1e-5
+    towers = {k: v for k, v in hf.state_dict().items() if "vision_tower" in k or "multi_modal_projector" in k}
+    assert towers and all(torch.equal(theirs.state_dict()[k], v) for k, v in towers.items())
 
 
 def test_save_pretrained_refuses_its_own_source(tmp_path: Path) -> None:

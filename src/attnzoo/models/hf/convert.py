@@ -74,6 +74,7 @@ from attnzoo.models.hf.gpt2 import convert_gpt2
 from attnzoo.models.hf.llama import FAMILIES, convert_llama
 from attnzoo.models.hf.safetensors import load_state_dict_from_folder, read_json
 from attnzoo.models.hf.vit import convert_vit
+from attnzoo.models.hf.wrappers import WRAPPERS, text_part, warn_dropped
 
 __all__ = ["MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "from_hf", "load_bert", "load_pretrained", "read_config"]
 
@@ -88,21 +89,27 @@ SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Mode
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
                            "*ForSequenceClassification", "ViTModel", "ViTForImageClassification",
-                           *(c for m in FAMILY_MODULES for d in m.DISPATCH.values() for c in d.classes))
+                           *(c for m in FAMILY_MODULES for d in m.DISPATCH.values() for c in d.classes),
+                           *(c for w in WRAPPERS.values() for c in w.classes))
 #: ``model_type`` -> (architecture name, converter) of the families built per layer in
 #: :mod:`attnzoo.models.families`: each family module declares its own ``DISPATCH`` (name, converter,
 #: transformers classes), so adding one touches its module, its test and the tuple below.
 BUILDERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     t: (d.name, d.convert) for m in FAMILY_MODULES for t, d in m.DISPATCH.items()}
-#: ``model_type`` of a config -> the architecture it loads as.
+#: ``model_type`` of a config -> the architecture it loads as; the multimodal wrappers of
+#: :data:`~attnzoo.models.hf.wrappers.WRAPPERS` load as their text decoder.
 MODEL_TYPES = {"bert": "BERT", "gpt2": "GPT-2", "vit": "ViT",
-               **{k: f.arch for k, f in FAMILIES.items()}, **{k: arch for k, (arch, _) in BUILDERS.items()}}
+               **{k: f.arch for k, f in FAMILIES.items()}, **{k: arch for k, (arch, _) in BUILDERS.items()},
+               **{k: w.name for k, w in WRAPPERS.items()}}
 
 
 def _build(model_type: str, hf: HFConfig, sd: dict[str, Tensor], device: Any, dtype: Any,
            strict_prefix: bool = False) -> nn.Module:
-    """``model_type``: a key of :data:`MODEL_TYPES`; the weights pick the head."""
+    """``model_type``: a key of :data:`MODEL_TYPES`; the weights pick the head. A multimodal
+    wrapper is read as its text model first (:func:`~attnzoo.models.hf.wrappers.text_part`)."""
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    if model_type in WRAPPERS:
+        model_type, hf, sd = text_part(model_type, hf, sd)
     if model_type == "bert":
         return convert_bert(hf, sd, strict_prefix=strict_prefix, **kw)
     if model_type in BUILDERS:
@@ -125,8 +132,10 @@ def from_hf(hf_model: nn.Module, *, device: torch.device | str | None = None,
     ``phi3``, ``olmo2`` -> :class:`~attnzoo.DecoderLM` (``*ForCausalLM``: the LM head; ``*Model``:
     no head, the output is the final hidden states; ``*ForSequenceClassification``: the ``score``
     head per token, transformers reads it at the last non-padding token); ``vit`` ->
-    :class:`~attnzoo.VisionTransformer`. The result has the same weights, dtype and device
-    (unless given) and the same train/eval mode.
+    :class:`~attnzoo.VisionTransformer`. A multimodal wrapper (``Gemma3ForConditionalGeneration``,
+    ``LlavaForConditionalGeneration``, ... :data:`~attnzoo.models.hf.wrappers.WRAPPERS`) converts as
+    its text decoder, its towers dropped with a warning. The result has the same weights, dtype and
+    device (unless given) and the same train/eval mode.
 
     Raises:
         ValueError: an unknown architecture.
@@ -146,6 +155,8 @@ def from_hf(hf_model: nn.Module, *, device: torch.device | str | None = None,
         raise TypeError(f"from_hf: {name} has no Hugging Face config")
     hf = HFConfig(config.to_dict(), f"{name}.config", MODEL_TYPES[model_type])
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    if model_type in WRAPPERS:
+        warn_dropped(f"from_hf({name})", model_type, hf, sd)
     first = next(iter(hf_model.parameters()))
     model = _build(model_type, hf, sd, device if device is not None else first.device,
                    dtype if dtype is not None else first.dtype, strict_prefix=name == "BertModel")
@@ -181,6 +192,8 @@ def load_pretrained(folder: str | os.PathLike[str], *, device: torch.device | st
         raise ValueError(f"load_pretrained: unknown model_type {model_type!r} in {hf.source}; "
                          f"supported: {', '.join(MODEL_TYPES)}")
     sd = load_state_dict_from_folder(folder)
+    if model_type in WRAPPERS:
+        warn_dropped(f"load_pretrained({str(folder)!r})", model_type, hf, sd)
     return _build(model_type, hf, sd, device, dtype).eval()
 
 

@@ -1,0 +1,185 @@
+"""The text decoder inside a multimodal wrapper (``Gemma3ForConditionalGeneration``,
+``LlavaForConditionalGeneration``, ``Qwen3_5ForConditionalGeneration``, ...): one mechanism for every
+wrapper of :data:`WRAPPERS`.
+
+A wrapper's config holds its text model's config under ``text_config`` (a ``model_type`` attnzoo
+converts) and its state dict holds that model under a prefix:
+
+* transformers 5 ``*ForConditionalGeneration``: ``model.language_model.*`` + ``lm_head.weight``;
+* saved checkpoints of the wrappers transformers' ``conversion_mapping`` renames as ``llava`` (Gemma 3,
+  PaliGemma, Aya Vision, Mistral 3, LLaVA, ...: every release before transformers 5, and what
+  transformers 5's ``save_pretrained`` still writes for them), and transformers 5's
+  ``Llama4ForConditionalGeneration`` (its language model a ``Llama4ForCausalLM``):
+  ``language_model.model.*`` + ``language_model.lm_head.weight``, towers at the top; a base
+  ``*Model`` saved so (its ``architectures``) has no head;
+* transformers 5 base ``*Model`` (no head): ``language_model.*``.
+
+:func:`text_part` reads such a checkpoint as the text model's own: the text config (the wrapper's
+``tie_word_embeddings``, which decides whether its ``lm_head`` is tied, and what the wrapper's head
+does differently, :attr:`Wrapper.overrides`) and the language model's keys as ``model.*`` /
+``lm_head.weight`` (or the base model's), every other tensor (vision / audio towers, projectors,
+multimodal embedders, multi-token-prediction layers) dropped: :func:`warn_dropped` names them.
+The text model's own converter then builds the decoder, so ``from_hf``, ``load_pretrained`` and the
+inverse (``to_hf`` / ``save_pretrained(like=)``, which probe the converter) all go through here.
+
+The converted model is the wrapper on text-only input: ids that are not multimodal placeholders
+(image / video / audio soft tokens), no ``pixel_values``, no ``token_type_ids`` marking an image
+prefix (PaliGemma and Gemma 3 then attend bidirectionally over it). What each wrapper's forward
+changes for text is in its row: Gemma 3's head drops the text model's ``final_logit_softcapping``,
+Cohere2-Vision's drops ``logit_scale``; Qwen3.5's multimodal RoPE is the 1-D rotation when its three
+position streams are equal (text), PaliGemma's 1-based positions change nothing under RoPE.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from attnzoo.models.hf._state import HFConfig
+from attnzoo.models.hf.errors import CheckpointFormatError
+
+__all__ = ["WRAPPERS", "Wrapper", "dropped", "text_part", "warn_dropped"]
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal wrapper whose text decoder attnzoo converts.
+
+    Args:
+        name: for messages and ``MODEL_TYPES``.
+        classes: the transformers classes (``*ForConditionalGeneration``, the base ``*Model``).
+        text_types: the text ``model_type`` s verified inside it; the first is the wrapper config
+            class's default (a ``text_config`` without ``model_type``).
+        tie: the wrapper config class's ``tie_word_embeddings`` default (it, not the text config's,
+            ties the wrapper's ``lm_head``).
+        tie_keys: the wrapper config's keys for it, the first set wins (LFM2-VL's ``tie_embedding``).
+        tie_from_text: an untied wrapper ties when its text config does (``LlavaConfig``).
+        overrides: text config keys set to what the wrapper computes on text (Gemma 3's head applies
+            no final softcap, Cohere2-Vision's no ``logit_scale``; PaliGemma's mask is causal without
+            ``token_type_ids`` whatever its text config's ``use_bidirectional_attention``).
+        language_model: the name of the language model module in the wrapper.
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    text_types: tuple[str, ...]
+    tie: bool
+    tie_keys: tuple[str, ...] = ("tie_word_embeddings",)
+    tie_from_text: bool = False
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    language_model: str = "language_model"
+
+
+def _row(name: str, cls: str, text_types: tuple[str, ...], tie: bool, **kw: Any) -> Wrapper:
+    """``cls``: the classes' stem (``Gemma3`` -> ``Gemma3ForConditionalGeneration``, ``Gemma3Model``)."""
+    return Wrapper(name, (f"{cls}ForConditionalGeneration", f"{cls}Model"), text_types, tie, **kw)
+
+
+#: wrapper ``model_type`` -> its row; see ``tests/models/test_hf_multimodal.py`` for each one's check
+WRAPPERS: dict[str, Wrapper] = {
+    "gemma3": _row("Gemma 3 (multimodal)", "Gemma3", ("gemma3_text",), True, overrides={"final_logit_softcapping": None}),
+    "gemma3n": _row("Gemma 3n (multimodal)", "Gemma3n", ("gemma3n_text",), True),
+    "gemma4": _row("Gemma 4 (multimodal)", "Gemma4", ("gemma4_text",), True),
+    "gemma4_unified": _row("Gemma 4 unified (multimodal)", "Gemma4Unified", ("gemma4_unified_text",), True),
+    "llama4": Wrapper("Llama 4 (multimodal)", ("Llama4ForConditionalGeneration",), ("llama4_text",), False),
+    "mistral3": _row("Mistral 3 (multimodal)", "Mistral3", ("mistral", "ministral3"), True),
+    "qwen3_5": _row("Qwen3.5 (multimodal)", "Qwen3_5", ("qwen3_5_text",), False),
+    "qwen3_5_moe": _row("Qwen3.5-MoE (multimodal)", "Qwen3_5Moe", ("qwen3_5_moe_text",), False),
+    "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
+    "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
+    "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from_text=True),
+    "paligemma": _row("PaliGemma", "PaliGemma", ("gemma", "gemma2"), True,
+                      overrides={"use_bidirectional_attention": False}),
+    "aya_vision": _row("Aya Vision", "AyaVision", ("cohere2",), True),
+    "cohere2_vision": _row("Cohere2-Vision", "Cohere2Vision", ("cohere2",), True, overrides={"logit_scale": 1.0}),
+}
+
+
+def _base(w: Wrapper, hf: HFConfig) -> bool:
+    """A base ``*Model`` checkpoint (no head): its config's ``architectures`` name only that class."""
+    names = hf.get("architectures", [], list)
+    return bool(names) and all(n in w.classes and not n.endswith("ForConditionalGeneration") for n in names)
+
+
+def _layout(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig) -> tuple[tuple[str, str], ...]:
+    """``((wrapper prefix, text-model prefix), ...)`` of the state dict's layout."""
+    lm = w.language_model
+    if any(k.startswith(f"model.{lm}.") for k in sd):  # transformers 5 *ForConditionalGeneration
+        return (f"model.{lm}.", "model."), ("lm_head.", "lm_head.")
+    if any(k.startswith((f"{lm}.model.", f"{lm}.lm_head.")) for k in sd):  # saved (transformers 5 saves it so too)
+        return (f"{lm}.model.", "" if _base(w, hf) else "model."), (f"{lm}.lm_head.", "lm_head.")
+    if any(k.startswith(f"{lm}.") for k in sd):  # transformers 5 base *Model: no head
+        return ((f"{lm}.", ""),)
+    raise CheckpointFormatError(f"{hf.source}: no language model in the {w.name} checkpoint (no key under "
+                                f"'model.{lm}.', '{lm}.model.' or '{lm}.')")
+
+
+def _rekey(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig) -> tuple[dict[str, Tensor], list[str]]:
+    """``(the text model's state dict, the wrapper's keys dropped)`` (the same tensors)."""
+    layout = _layout(w, sd, hf)
+    out: dict[str, Tensor] = {}
+    rest = []
+    for key, value in sd.items():
+        theirs = next(((p, q) for p, q in layout if key.startswith(p)), None)
+        if theirs is None:
+            rest.append(key)
+        else:
+            out[theirs[1] + key[len(theirs[0]):]] = value
+    return out, rest
+
+
+def _tied(w: Wrapper, hf: HFConfig, text: Mapping[str, Any]) -> bool:
+    tie = next((hf.get(k, None, bool) for k in w.tie_keys if hf.has(k)), None)
+    if tie is None:
+        tie = w.tie
+    if w.tie_from_text and not tie:
+        tie = bool(text.get("tie_word_embeddings") or False)
+    return tie
+
+
+def _text_config(model_type: str, w: Wrapper, hf: HFConfig) -> HFConfig:
+    """The text model's config as its converter reads it (see :class:`Wrapper`)."""
+    text = dict(hf.req("text_config", dict))
+    text_type = text.get("model_type") or w.text_types[0]
+    if text_type not in w.text_types:
+        raise hf.unsupported(f"a {text_type!r} text model in {model_type} (the text models verified in it: "
+                             f"{list(w.text_types)})")
+    tie = _tied(w, hf, text)
+    for key in ("architectures", "tie_embedding"):  # the head follows the weights; the tie is the wrapper's
+        text.pop(key, None)
+    text.update(model_type=text_type, tie_word_embeddings=tie, **w.overrides)
+    return HFConfig(text, f"{hf.source} (text_config)", hf.arch)
+
+
+def text_part(model_type: str, hf: HFConfig, sd: Mapping[str, Tensor]) -> tuple[str, HFConfig, dict[str, Tensor]]:
+    """``(text model_type, text config, text state dict)`` of a wrapper checkpoint (``model_type`` a
+    key of :data:`WRAPPERS`; see the module docstring). ``sd`` is left as it is.
+
+    Raises:
+        UnsupportedConfigError: a text model not verified in this wrapper.
+        CheckpointFormatError: no ``text_config``, or no language model in ``sd``.
+    """
+    w = WRAPPERS[model_type]
+    text = _text_config(model_type, w, hf)
+    out, _ = _rekey(w, sd, hf)
+    return str(text.raw("model_type")), text, out
+
+
+def dropped(model_type: str, hf: HFConfig, sd: Mapping[str, Tensor]) -> list[str]:
+    """The keys of a wrapper checkpoint the text decoder has no use for (towers, projectors, ...)."""
+    return _rekey(WRAPPERS[model_type], sd, hf)[1]
+
+
+def warn_dropped(what: str, model_type: str, hf: HFConfig, sd: Mapping[str, Tensor]) -> None:
+    """Warn, naming them by module (``model.vision_tower``: 12 tensors), of the tensors :func:`text_part` drops."""
+    rest = dropped(model_type, hf, sd)
+    if rest:
+        groups = collections.Counter(".".join(k.split(".")[:2]) for k in rest)
+        listed = ", ".join(f"{g}.* ({n})" for g, n in groups.items())
+        warnings.warn(f"{what}: the text decoder of {WRAPPERS[model_type].name} is converted; {len(rest)} tensors of "
+                      f"the other modules have no attnzoo counterpart and are dropped: {listed}", stacklevel=3)

@@ -1,0 +1,365 @@
+"""The text decoder of a multimodal wrapper (``models/hf/wrappers.py``): ``from_hf`` /
+``load_pretrained`` / ``to_hf`` of ``*ForConditionalGeneration`` and the base ``*Model`` against
+transformers' eager wrapper on text-only input, tiny random configs (the vision tower as small as its
+config allows; Gemma 3n's timm tower, which needs ``timm`` and has no tiny config, a one-layer stub:
+its weights are dropped either way), every weight perturbed.
+
+Per case: the logits at the real tokens of a left-padded batch and the base model's hidden states,
+greedy generation (batch 1 and a left-padded batch 2) token-identical, a ``save_pretrained`` folder
+through ``load_pretrained`` (and the same tensors saved in the layout before transformers 5), and
+``to_hf`` back into a wrapper of other weights. Then the text-config keys a wrapper's forward
+replaces, the wrapper defaults a ``config.json`` may leave out, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import test_hf_dense as dense  # noqa: E402
+import test_hf_families as lineage  # noqa: E402
+import test_hf_gemma3 as gemma3  # noqa: E402
+import test_hf_gemma3n as gemma3n  # noqa: E402
+import test_hf_gemma4 as gemma4  # noqa: E402
+import test_hf_gemma4_unified as gemma4_unified  # noqa: E402
+import test_hf_lfm2 as lfm2  # noqa: E402
+import test_hf_llama4 as llama4  # noqa: E402
+import test_hf_qwen3_5 as qwen3_5  # noqa: E402
+import test_hf_qwen3_5_moe as qwen3_5_moe  # noqa: E402
+import test_hf_qwen4_exp as qwen4_exp  # noqa: E402
+
+import hf_family_checks as checks  # noqa: E402
+from attnzoo.interop import (  # noqa: E402
+    MODEL_TYPES,
+    CheckpointFormatError,
+    UnsupportedConfigError,
+    from_hf,
+    load_pretrained,
+    to_hf,
+)
+from attnzoo.models.hf.wrappers import WRAPPERS  # noqa: E402
+
+T = transformers
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: a one-layer vision tower (SigLIP / CLIP / Pixtral sizes)
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+              patch_size=8)
+#: a one-block Qwen-VL vision tower
+QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, num_position_embeddings=16,
+                   out_hidden_size=checks.SMALL["hidden_size"])
+
+
+def _siglip() -> Any:
+    return T.SiglipVisionConfig(**VISION)
+
+
+def _gemma3() -> Any:
+    """The text model's final softcap 5, which ``Gemma3ForConditionalGeneration``'s head does not apply."""
+    return T.Gemma3Config(text_config=gemma3._config(final_logit_softcapping=5.0), vision_config=_siglip(),
+                          mm_tokens_per_image=1)
+
+
+def _gemma3n() -> Any:
+    """A one-block audio tower; the vision tower a stub (:func:`_hf`)."""
+    audio = T.Gemma3nAudioConfig(hidden_size=16, input_feat_size=8, conf_num_attention_heads=2, conf_num_hidden_layers=1,
+                                 sscp_conv_channel_size=[4, 4])
+    vision = T.Gemma3nVisionConfig(hidden_size=16)
+    return T.Gemma3nConfig(text_config=gemma3n._config(), vision_config=vision, audio_config=audio)
+
+
+def _gemma4() -> Any:
+    vision = T.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=16)
+    return T.Gemma4Config(text_config=gemma4._config(), vision_config=vision, audio_config=None)
+
+
+def _gemma4_unified() -> Any:
+    return T.Gemma4UnifiedConfig(text_config=gemma4_unified._shared())
+
+
+def _llama4() -> Any:
+    vision = T.Llama4VisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                  vision_output_dim=16, image_size=16, patch_size=8, projector_input_dim=16,
+                                  projector_output_dim=16)
+    return T.Llama4Config(text_config=llama4._config(), vision_config=vision)
+
+
+def _pixtral() -> Any:
+    return T.PixtralVisionConfig(**VISION, head_dim=8)
+
+
+def _mistral3() -> Any:
+    """Mistral text (window 8) in the wrapper whose config ties by default where Mistral's does not."""
+    return T.Mistral3Config(text_config=lineage.CONFIGS["mistral"](), vision_config=_pixtral())
+
+
+def _mistral3_ministral3() -> Any:
+    """Ministral 3 text (YaRN), untied (Mistral-Small-3.x / Ministral 3 releases)."""
+    return T.Mistral3Config(text_config=dense._ministral3(), vision_config=_pixtral(), tie_word_embeddings=False)
+
+
+def _qwen3_5() -> Any:
+    return T.Qwen3_5Config(text_config=qwen3_5._config(), vision_config=dict(QWEN_VISION))
+
+
+def _qwen3_5_moe() -> Any:
+    return T.Qwen3_5MoeConfig(text_config=qwen3_5_moe._config(), vision_config=dict(QWEN_VISION))
+
+
+def _qwen4_exp() -> Any:
+    return T.Qwen4ExpConfig(text_config=qwen4_exp._config(), vision_config=dict(QWEN_VISION))
+
+
+def _lfm2_vl() -> Any:
+    vision = T.Siglip2VisionConfig(**{k: v for k, v in VISION.items() if k != "image_size"}, num_patches=4)
+    return T.Lfm2VlConfig(text_config=lfm2._config(), vision_config=vision)
+
+
+def _llava() -> Any:
+    return T.LlavaConfig(text_config=lineage.CONFIGS["llama"](), vision_config=T.CLIPVisionConfig(**VISION))
+
+
+def _llava_qwen2() -> Any:
+    """Qwen2 text (a window on the layers past ``max_window_layers``), tied through the text config."""
+    text = lineage.CONFIGS["qwen2"]()
+    text.tie_word_embeddings = True
+    return T.LlavaConfig(text_config=text, vision_config=T.CLIPVisionConfig(**VISION))
+
+
+def _paligemma() -> Any:
+    return T.PaliGemmaConfig(text_config=lineage.CONFIGS["gemma"](), vision_config=_siglip())
+
+
+def _paligemma2() -> Any:
+    """PaliGemma 2: Gemma 2 text (attention and final softcaps, window 8)."""
+    return T.PaliGemmaConfig(text_config=lineage.CONFIGS["gemma2"](), vision_config=_siglip())
+
+
+def _aya_vision() -> Any:
+    """Cohere2 text with logit_scale 0.3, which Aya Vision's head applies."""
+    return T.AyaVisionConfig(text_config=dense._cohere2(), vision_config=_siglip())
+
+
+def _cohere2_vision() -> Any:
+    """Cohere2 text with logit_scale 0.3, which Cohere2-Vision's head does not apply."""
+    return T.Cohere2VisionConfig(text_config=dense._cohere2(), vision_config=_siglip())
+
+
+#: case -> the wrapper config maker (no arguments); the case's wrapper ``model_type`` is its config's
+CASES: dict[str, Callable[[], Any]] = {
+    "gemma3": _gemma3, "gemma3n": _gemma3n, "gemma4": _gemma4, "gemma4_unified": _gemma4_unified, "llama4": _llama4,
+    "mistral3": _mistral3, "mistral3_ministral3": _mistral3_ministral3, "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe, "qwen4_exp": _qwen4_exp, "lfm2_vl": _lfm2_vl, "llava": _llava,
+    "llava_qwen2": _llava_qwen2, "paligemma": _paligemma, "paligemma2": _paligemma2, "aya_vision": _aya_vision,
+    "cohere2_vision": _cohere2_vision,
+}
+
+
+class _Stub(torch.nn.Module):
+    """Gemma 3n's vision tower in these tests (its timm MobileNet needs ``timm``)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, config.hidden_size)
+
+
+class _AutoWithStub:
+    """``AutoModel`` for ``modeling_gemma3n``: the stub for the vision config, else transformers'."""
+
+    @staticmethod
+    def from_config(config: Any, **kw: Any) -> Any:
+        if config.model_type == "gemma3n_vision":
+            return _Stub(config)
+        return T.AutoModel.from_config(config, **kw)
+
+
+def _hf(case: str, seed: int = 0, base: bool = False) -> Any:
+    """transformers' float32 eager wrapper of ``case`` (``base``: the ``*Model`` class), perturbed."""
+    config = CASES[case]()
+    auto = T.AutoModel if base else T.AutoModelForImageTextToText
+    torch.manual_seed(seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(T.models.gemma3n.modeling_gemma3n, "AutoModel", _AutoWithStub)
+        model = auto.from_config(config, attn_implementation="eager")
+    return checks.perturbed(model, seed)
+
+
+def _convert(hf: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dropped towers (tested once below)
+        return from_hf(hf)
+
+
+def _logits(hf: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = hf(input_ids=x, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _maker(case: str) -> Callable[[int], Any]:
+    return lambda seed: _hf(case, seed)
+
+
+#: the ``to_hf`` sweep of ``test_hf_export.py``: wrapper ``model_type`` -> ``seed -> transformers wrapper``
+SWEEP: dict[str, Callable[[int], Any]] = {t: _maker(t) for t in WRAPPERS}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_base_hidden_states_equal_the_wrapper(case: str) -> None:
+    x, mask = checks.padded(24)
+    real = mask.bool()
+    for base in (False,) if case == "llama4" else (False, True):  # Llama 4 has no base wrapper class
+        hf = _hf(case, base=base)
+        ours = _convert(hf)
+        assert isinstance(ours.lm_head, torch.nn.Identity) == base
+        with torch.no_grad():
+            got = ours(x, attention_mask=real)
+        err = checks.rel(got[real], _logits(hf, x, mask)[real])
+        assert err <= 1e-5, f"{case} ({'base' if base else 'logits'}): relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_generation_token_identical(case: str) -> None:
+    hf = _hf(case)
+    ours = _convert(hf)
+    kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    x = checks.tokens(7, batch=1)
+    assert torch.equal(ours.generate(x, 6), hf.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw))
+    x, mask = checks.padded(10, pad=3)
+    assert torch.equal(ours.generate(x, 6, attention_mask=mask.bool()), hf.generate(input_ids=x, attention_mask=mask,
+                                                                                     **kw))
+
+
+def _legacy(folder: Path, hf: Any, out: Path) -> None:
+    """``folder``'s checkpoint in the layout before transformers 5 (``language_model.model.*``,
+    ``language_model.lm_head.weight``, the towers at the top), tied head left out."""
+    from safetensors.torch import save_file
+
+    renamed = {}
+    for key, value in hf.state_dict().items():
+        if key.startswith("model.language_model."):
+            key = "language_model.model." + key[len("model.language_model."):]
+        elif key == "lm_head.weight":
+            if hf.config.tie_word_embeddings:
+                continue
+            key = "language_model.lm_head.weight"
+        elif key.startswith("model."):
+            key = key[len("model."):]
+        renamed[key] = value.contiguous().clone()
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    save_file(renamed, str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_folder_through_load_pretrained(case: str, tmp_path: Path) -> None:
+    """The folder transformers writes (for the wrappers it maps as LLaVA, the layout before
+    transformers 5), the other layout, and the base ``*Model``'s folder (no head)."""
+    x, mask = checks.padded(16, pad=3)
+    real = mask.bool()
+    for base in (False,) if case == "llama4" else (False, True):
+        hf = _hf(case, base=base)
+        new, old = tmp_path / f"new{base}", tmp_path / f"old{base}"
+        hf.save_pretrained(new)
+        folders = [new]
+        if not base and case != "llama4":  # Llama 4: transformers 5's own layout is the older one
+            _legacy(new, hf, old)
+            folders.append(old)
+        for folder in folders:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ours = load_pretrained(folder)
+            assert isinstance(ours.lm_head, torch.nn.Identity) == base
+            with torch.no_grad():
+                err = checks.rel(ours(x, attention_mask=real)[real], _logits(hf, x, mask)[real])
+            assert err <= 1e-5, f"{case} ({folder.name}): relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_to_hf_writes_the_text_decoder_back(case: str) -> None:
+    source, target = _hf(case, seed=1), _hf(case, seed=2)
+    towers = {k: v.clone() for k, v in target.state_dict().items() if "language_model" not in k and k != "lm_head.weight"}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert to_hf(_convert(source), target) is target
+    assert bool(towers) == any("keep their values" in str(w.message) for w in seen)
+    x, mask = checks.padded(16, pad=3)
+    real = mask.bool()
+    assert checks.rel(_logits(target, x, mask)[real], _logits(source, x, mask)[real]) <= 1e-5
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in towers.items())  # the towers as they were
+
+
+def test_every_wrapper_is_a_model_type_and_tested() -> None:
+    assert set(WRAPPERS) <= set(MODEL_TYPES)
+    assert {CASES[c]().model_type for c in CASES} == set(WRAPPERS)
+
+
+def test_the_dropped_towers_are_named_in_a_warning() -> None:
+    with pytest.warns(UserWarning, match=r"model\.vision_tower\.\* \(\d+\), model\.multi_modal_projector\.\*"):
+        from_hf(_hf("llava"))
+
+
+@pytest.mark.parametrize("model_type", sorted(WRAPPERS))
+def test_each_row_has_its_config_class_defaults(model_type: str) -> None:
+    """A ``config.json`` may leave out the wrapper's tie and its text model's ``model_type``: the
+    row's defaults are the config class's."""
+    config = T.AutoConfig.for_model(model_type)
+    w = WRAPPERS[model_type]
+    assert config.get_text_config().model_type == w.text_types[0]
+    assert bool(config.tie_word_embeddings) == w.tie
+
+
+def test_a_folder_without_the_wrapper_defaults_reads_them(tmp_path: Path) -> None:
+    """Mistral 3 ties by default where its Mistral text model does not; LLaVA ties when its text
+    config does; LFM2-VL's legacy ``tie_embedding`` wins."""
+    for case, drop, extra in (("mistral3", ("tie_word_embeddings",), {}), ("llava_qwen2", ("tie_word_embeddings",), {}),
+                              ("lfm2_vl", (), {"tie_embedding": True, "tie_word_embeddings": False})):
+        hf = _hf(case)
+        folder = tmp_path / case
+        hf.save_pretrained(folder)
+        data = json.loads((folder / "config.json").read_text())
+        for key in drop:
+            data.pop(key, None)
+        data["text_config"].pop("model_type" if case == "mistral3" else "architectures", None)
+        data.update(extra)
+        (folder / "config.json").write_text(json.dumps(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours = load_pretrained(folder)
+        assert ours.tie_embeddings, case
+        x, mask = checks.padded(12, pad=3)
+        real = mask.bool()
+        with torch.no_grad():
+            assert checks.rel(ours(x, attention_mask=real)[real], _logits(hf, x, mask)[real]) <= 1e-5, case
+
+
+def test_a_text_model_not_verified_in_the_wrapper_is_refused_by_name() -> None:
+    config = T.LlavaConfig(text_config=lineage.CONFIGS["gemma2"](), vision_config=T.CLIPVisionConfig(**VISION))
+    torch.manual_seed(0)
+    hf = T.LlavaForConditionalGeneration(config).eval()
+    with pytest.raises(UnsupportedConfigError, match=r"'gemma2' text model in llava .*\['llama', 'qwen2'\]"):
+        _convert(hf)
+
+
+def test_a_checkpoint_without_its_language_model_or_text_config_is_refused(tmp_path: Path) -> None:
+    hf = _hf("llava")
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in data.items() if k != "text_config"}))
+    with pytest.raises(CheckpointFormatError, match="missing key 'text_config'"):
+        load_pretrained(tmp_path)
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if "language_model" not in k},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match="no language model in the LLaVA checkpoint"):
+        load_pretrained(tmp_path)
