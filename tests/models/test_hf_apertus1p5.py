@@ -131,3 +131,8 @@ def test_multimodal_checkpoint_names_load(tmp_path: Path) -> None:
         ref = again(input_ids=x).logits
         assert checks.rel(ref, hf(input_ids=x).logits) <= checks.TOL
         assert checks.rel(load_pretrained(tmp_path)(x), ref) <= checks.TOL
+
+
+def test_register_attention_equals_eager() -> None:
+    """transformers' own Apertus 1.5 with ``attn_implementation="attnzoo"``: its eager logits."""
+    checks.check_register_equals_eager(checks.hf_model(_apertus1p5()))

@@ -240,3 +240,11 @@ def test_released_config_keys_and_mtp_weights_load(tmp_path: Path) -> None:
 ])
 def test_options_it_cannot_reproduce_are_refused(key: str, value: Any, named: str) -> None:
     checks.check_refused(T.MiniMaxM3VLForCausalLM, _m3, key, value, named)
+
+
+def test_register_attention_equals_eager() -> None:
+    """transformers' own model with ``attn_implementation="attnzoo"`` on full-attention layers: its eager
+    logits (a sparse layer passes ``block_indices``, which ``attnzoo.hf`` refuses by name)."""
+    checks.check_register_equals_eager(checks.hf_model(_m3(layer_types=[F, F, F])))
+    with pytest.raises(NotImplementedError, match="block_indices"):
+        checks.check_register_equals_eager(checks.hf_model(_m3()))
