@@ -71,26 +71,39 @@ def check_generation_rows_alone(make: Callable[[], Any], new: int = 8) -> None:
     assert torch.equal(got[:1, 3:], hf_generate(x[:1, 3:])) and torch.equal(got[1:], hf_generate(x[1:]))
 
 
-class TestRwkv(checks.FamilyChecks):
-    config = staticmethod(_config)
-    cases = (_every_layer,)
+class RowsAloneChecks(checks.FamilyChecks):
+    """:class:`~hf_family_checks.FamilyChecks` of a family whose transformers model ignores the
+    padding: the padded batch's rows against transformers on each row alone, the unpadded batch as
+    is (``configs``: every config so checked and decoded; ``config`` and ``cases`` generate)."""
+
+    configs: tuple[Callable[[], Any], ...] = ()
 
     def test_logits_equal_transformers(self) -> None:
-        for make in CONFIGS:
+        for make in self.configs:
             _check_logits(make)
-        _check_logits(_config, n=75)  # three chunks of the kernel
 
     def test_base_model_equals_transformers(self) -> None:
-        assert isinstance(from_hf(checks.hf_model(_config(), T.AutoModel)).lm_head, torch.nn.Identity)
-        for make in CONFIGS:
+        assert isinstance(from_hf(checks.hf_model(self.config(), T.AutoModel)).lm_head, torch.nn.Identity)
+        for make in self.configs:
             _check_logits(make, T.AutoModel, n=16)
 
     def test_greedy_generation_identical(self) -> None:
-        check_generation_rows_alone(_config)
+        for make in (self.config, *self.cases):
+            check_generation_rows_alone(make)
 
     def test_cached_decode_equals_full_forward(self) -> None:
-        for make in CONFIGS:
+        for make in self.configs:
             checks.check_cached_decode(make)
+
+
+class TestRwkv(RowsAloneChecks):
+    config = staticmethod(_config)
+    cases = (_every_layer,)
+    configs = CONFIGS
+
+
+def test_logits_over_several_kernel_chunks_equal_transformers() -> None:
+    _check_logits(_config, n=75)  # three chunks of 32
 
 
 def _inputs(b: int, t: int, a: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
@@ -115,6 +128,20 @@ def test_chunked_wkv_equals_the_token_loop(chunk: int) -> None:
     c1, t1 = wkv(w, u, k[:, 9:], v[:, 9:], t0, real[:, 9:], chunk_size=chunk)
     assert checks.rel(torch.cat([c0, c1], 1)[real], torch.cat([y0, y1], 1)[real]) <= 1e-12
     assert checks.rel(t1[..., :2] * t1[..., 2:].exp(), s1[..., :2] * s1[..., 2:].exp()) <= 1e-12
+
+
+def test_padded_tokens_inside_a_row_are_skipped() -> None:
+    """A row with padded tokens between real ones computes what the row of its real tokens alone
+    computes (no write, no decay), in both forms."""
+    w, u, k, v = _inputs(1, 15, 5)
+    real = torch.ones(1, 15, dtype=torch.bool)
+    real[0, [0, 3, 4, 9, 14]] = False
+    keep = real[0]
+    alone, state = wkv_recurrent(w, u, k[:, keep], v[:, keep])
+    for run in (wkv_recurrent, wkv):
+        got, last = run(w, u, k, v, None, real)
+        assert checks.rel(got[:, keep], alone) <= 1e-12
+        assert checks.rel(last[..., :2] * last[..., 2:].exp(), state[..., :2] * state[..., 2:].exp()) <= 1e-12
 
 
 def test_wkv_equals_transformers_kernel() -> None:
