@@ -108,6 +108,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
         ("granitemoeshared", "_granitemoeshared"), ("flex_olmo", "_flex_olmo"), ("param2moe", "_param2"),
         ("sarvam_moe", "_sarvam"), ("kolibri1_1", "_kolibri11"), ("cohere2_moe", "_cohere2_moe"),
         ("dbrx", "_dbrx_every_expert"), ("dory", "_dory"))},
+    "apertus1p5_text": ("test_hf_apertus1p5", "_apertus1p5"),
+    "minimax_m3_vl_text": ("test_hf_minimax_m3", "_m3_all_blocks"), "dots3_note_text": ("test_hf_dots3", "_dots3"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
@@ -324,7 +326,7 @@ def test_float32_scale_norm_equals_transformers_bitwise(module: str, cls: str, p
 #: keep these norms in float32)
 FLOAT32_SCALE = {"gemma3_text": True, "qwen3_next": True, "qwen3_5_text": True, "qwen3_5_moe_text": True,
                  "gpt_oss": True, "olmo3": False, "olmo_hybrid": False, "nemotron_h": False, "lara_mini": False,
-                 "gemma": True, "gemma2": True, "vaultgemma": True}
+                 "gemma": True, "gemma2": True, "vaultgemma": True, "minimax_m3_vl_text": True}
 
 
 @pytest.mark.parametrize("family", sorted(FLOAT32_SCALE))
@@ -358,6 +360,7 @@ FLOAT32_KEPT: dict[str, tuple[str, ...]] = {
     "kimi_linear": ("ffn.router.weight", "attn.dt_bias"), "bailing_hybrid": ("ffn.router.weight", *_KDA),
     "glm5_next_text": ("ffn.router.weight", *_KDA, *_HC), "glm5_next": ("ffn.router.weight", *_KDA, *_HC),
     "nemotron_h": ("ffn.router.weight",), "axk1": ("ffn.moe.router.weight",), "beam": ("ffn.router.weight",),
+    "dots3_note_text": ("ffn.router.weight",),
     **dict.fromkeys(("glm4_moe", "dots1", "exaone_moe", "solar_open", "hy_v3", "deepseek_v3", "deepseek_v2",
                      "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa"), ("ffn.router.weight",)),
 }
