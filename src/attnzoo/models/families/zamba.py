@@ -46,7 +46,7 @@ decay the state here (transformers' does: only padding after a real token differ
 Config keys a ``config.json`` leaves out take ``ZambaConfig``'s defaults (:data:`DEFAULTS`);
 ``attention_head_dim``, ``attention_hidden_size``, ``mamba_dt_rank="auto"`` and an absent
 ``layers_block_type`` (``[m, m, hybrid]`` then hybrid where ``i % attn_layer_period ==
-attn_layer_offset``, config 100-111) are derived as transformers derives them. Accepted without
+attn_layer_offset``, config 102-110) are derived as transformers derives them. Accepted without
 effect on the outputs: ``use_mamba_kernels``, ``use_associative_scan`` (implementations of the
 same scan), ``num_logits_to_keep``, the ``time_step_*`` initialisation ranges. Refused by name:
 ``hidden_mamba_act`` other than SiLU, ``attention_hidden_size`` other than ``2 * hidden_size``
@@ -89,7 +89,7 @@ from attnzoo.variants import build_attention
 
 __all__ = ["DEFAULTS", "DISPATCH", "ZambaMambaMixer", "build_zamba", "canonical", "convert_zamba"]
 
-#: ``ZambaConfig``'s defaults of the keys read here (configuration_zamba 55-92), for a ``config.json``
+#: ``ZambaConfig``'s defaults of the keys read here (configuration_zamba 61-95), for a ``config.json``
 #: that leaves them out
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 32000, "tie_word_embeddings": True, "hidden_size": 3712, "intermediate_size": 14848,
@@ -176,8 +176,8 @@ def canonical(hf: HFConfig) -> HFConfig:
         raise CheckpointFormatError(f"{hf.source}: key 'mamba_dt_rank' must be 'auto' or an integer >= 1, got {rank!r}")
     if data.get("layers_block_type") is None and data.get("layer_types") is None:
         period, offset = out.req("attn_layer_period"), out.req("attn_layer_offset")
-        data["layers_block_type"] = (["linear_attention"] * 2 + ["hybrid"] + [
-            "hybrid" if i % period == offset else "linear_attention" for i in range(depth - 3)])[:depth]
+        data["layers_block_type"] = ["linear_attention"] * 2 + ["hybrid"] + [
+            "hybrid" if i % period == offset else "linear_attention" for i in range(depth - 3)]
     return out
 
 
