@@ -31,7 +31,7 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 import attnzoo.models.families.dense as dense
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families.glm5_next import _text_key as text_key
+from attnzoo.models.families.glm5_next import text_key
 from attnzoo.models.hf._state import HFConfig
 
 __all__ = ["DEFAULTS", "DISPATCH", "TOKENIZERS", "PrunedLMHead", "build_apertus1p5", "canonical", "convert_apertus1p5",
@@ -101,7 +101,7 @@ def convert_apertus1p5(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     family = dense.FAMILIES["apertus"]
     model, plan, head_size = parts.start(hf, sd, build_apertus1p5, device=device, dtype=dtype)
     for i in range(model.depth):
-        dense._put_layer(hf, family, plan, i)
+        dense.put_layer(hf, family, plan, i)
     return parts.finish(plan, model, head_size)
 
 

@@ -172,7 +172,8 @@ from attnzoo.variants import build_attention
 __all__ = ["CLASSES", "DEFAULTS", "DISPATCH", "GatedQueryLatentAttention", "IndexedLatentAttention", "LightningTopK",
            "LongcatLayer", "PositionScaledLatentAttention", "PostNormMoE", "SigmoidGatedRMSNorm", "SoftmaxGroupMoE",
            "SoftmaxRouting", "ZeroExpertMoE", "ZeroFilledGroupsMoE", "build_deepseek", "build_longcat", "canonical",
-           "convert_deepseek", "convert_longcat", "indexed_attention", "moe_layers", "position_scaled_attention"]
+           "convert_deepseek", "convert_longcat", "indexed_attention", "moe_layers", "position_scaled_attention",
+           "scale_planned"]
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -1169,7 +1170,7 @@ def build_longcat(hf: HFConfig, *, head_size: int | None = None, device: Any = N
     return parts.decoder(hf, [layer() for _ in range(hf.req("num_layers"))], head_size=head_size, norm_eps=eps, **kw)
 
 
-def _scale(plan: Plan, name: str, factor: float, why: str) -> None:
+def scale_planned(plan: Plan, name: str, factor: float, why: str) -> None:
     """The planned tensor ``name`` times ``factor`` (computed in at least float32)."""
     if name in plan.values:
         t, key = plan.values[name]
@@ -1186,8 +1187,8 @@ def _put_longcat_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None
     for j in range(2):
         a = f"{ours}sublayers.{j}."
         put_mla(plan, f"{a}attn.", f"{theirs}self_attn.{j}.", hf)
-        _scale(plan, f"{a}attn.q_b_proj.weight", math.sqrt(C / hf.req("q_lora_rank")), "mla_scale_q_lora")
-        _scale(plan, f"{a}attn.kv_a_norm.weight", math.sqrt(C / hf.req("kv_lora_rank")), "mla_scale_kv_lora")
+        scale_planned(plan, f"{a}attn.q_b_proj.weight", math.sqrt(C / hf.req("q_lora_rank")), "mla_scale_q_lora")
+        scale_planned(plan, f"{a}attn.kv_a_norm.weight", math.sqrt(C / hf.req("kv_lora_rank")), "mla_scale_kv_lora")
         plan.put(f"{a}attn_norm.weight", f"{theirs}input_layernorm.{j}.weight")
         plan.put(f"{ours}ffn_norms.{j}.weight", f"{theirs}post_attention_layernorm.{j}.weight")
         parts.put_mlp(plan, f"{ours}mlps.{j}.", f"{theirs}mlps.{j}.")

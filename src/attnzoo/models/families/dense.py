@@ -155,7 +155,7 @@ from attnzoo.nn.positional import resolve_positions
 __all__ = ["DISPATCH", "FAMILIES", "XIELU", "ClampedLinear", "Family", "ParallelBlock", "ScaledLMHead",
            "SubNormFeedForward", "SubNormLinear", "TemperedAttention", "WeightlessRMSNorm", "build_dense",
            "build_granite", "build_starcoder2", "canonical", "clamped_projection", "convert_dense", "finish_weightless",
-           "make_attention", "parallel_decoder"]
+           "make_attention", "parallel_decoder", "put_layer"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -1233,7 +1233,7 @@ def _transformed(plan: Plan, names: Sequence[str], fn: Callable[[Tensor], Tensor
             plan.values[name] = (fn(t), key)
 
 
-def _put_layer(hf: HFConfig, family: Family, plan: Plan, i: int) -> None:
+def put_layer(hf: HFConfig, family: Family, plan: Plan, i: int) -> None:
     """Plan layer ``i``: attention (biases, QK norms, sinks), MLP (``family.ffn``) and norms."""
     o, h = f"blocks.{i}.", f"layers.{i}.self_attn."
     qkv_bias, out_bias = family.biases(hf)
@@ -1264,7 +1264,7 @@ def convert_dense(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
         sd = family.rename(sd)
     model, plan, head_size = parts.start(hf, sd, family.build, device=device, dtype=dtype)
     for i in range(model.depth):
-        _put_layer(hf, family, plan, i)
+        put_layer(hf, family, plan, i)
     if family.layer_norm:
         plan.put("norm.bias", "norm.bias")
     if family.finish is not None:

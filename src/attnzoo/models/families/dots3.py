@@ -65,8 +65,8 @@ from attnzoo.models.families.deepseek import (
     IndexedLatentAttention,
     LightningTopK,
     indexed_attention,
+    scale_planned,
 )
-from attnzoo.models.families.deepseek import _scale as scale_planned
 from attnzoo.models.families.kimi_linear import put_mla
 from attnzoo.models.families.qwen3_next import real_keys
 from attnzoo.models.hf._state import HFConfig, Plan

@@ -95,7 +95,7 @@ from attnzoo.nn.recurrent import wide
 
 __all__ = ["DEFAULTS", "DISPATCH", "BoundedKDA", "ClampedMoE", "ClampedSwiGLU", "DSAIndexer", "Glm5NextLM",
            "HyperBlock", "HyperConnection", "IndexedCache", "IndexedLatentAttention", "build_glm5_next", "canonical",
-           "convert_glm5_next"]
+           "convert_glm5_next", "text_key"]
 
 #: ``Glm5NextTextConfig``'s defaults of the keys read here, for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {
@@ -617,7 +617,7 @@ def build_glm5_next(hf: HFConfig, *, head_size: int | None = None, device: Any =
                       parts=DecoderParts(blocks=blocks, head=head_for(C, V, head_size, **kw)), **kw)
 
 
-def _text_key(key: str) -> str:
+def text_key(key: str) -> str:
     """``model.language_model.X`` (``Glm5NextForConditionalGeneration``) -> ``model.X``;
     ``language_model.X`` (``Glm5NextModel``, no head) -> ``X`` (as ``Glm5NextTextModel`` saves it)."""
     for wrapped, plain in (("model.language_model.", "model."), ("language_model.", "")):
@@ -628,13 +628,13 @@ def _text_key(key: str) -> str:
 
 def _text_part(hf: HFConfig, sd: dict[str, Tensor]) -> tuple[HFConfig, dict[str, Tensor]]:
     """The text model of a ``glm5_next`` checkpoint (``text_config``; its language model's keys
-    read as the text model's, :func:`_text_key`; the vision tower dropped); a text checkpoint as it is."""
+    read as the text model's, :func:`text_key`; the vision tower dropped); a text checkpoint as it is."""
     if not hf.has("text_config"):
         return hf, sd
     text = {**hf.req("text_config", dict)}
     if hf.has("tie_word_embeddings"):
         text["tie_word_embeddings"] = hf.raw("tie_word_embeddings")
-    out = {_text_key(k): v for k, v in sd.items() if not k.startswith(("model.visual.", "visual."))}
+    out = {text_key(k): v for k, v in sd.items() if not k.startswith(("model.visual.", "visual."))}
     return HFConfig(text, f"{hf.source} (text_config)", hf.arch), out
 
 
