@@ -110,6 +110,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         ("dbrx", "_dbrx_every_expert"), ("dory", "_dory"))},
     "apertus1p5_text": ("test_hf_apertus1p5", "_apertus1p5"),
     "minimax_m3_vl_text": ("test_hf_minimax_m3", "_m3_all_blocks"), "dots3_note_text": ("test_hf_dots3", "_dots3"),
+    "zamba": ("test_hf_zamba", "_config"), "rwkv": ("test_hf_rwkv", "_config"), "xlstm": ("test_hf_xlstm", "_config"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
@@ -118,7 +119,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
 #: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
 #: forward): compared on an unpadded batch
-UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam", "dory"}
+UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam", "dory", "rwkv", "xlstm"}
 #: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
 #: two, its sparsemixer): top-k left as configured
 TOP1 = {"zaya", "phimoe"}
@@ -131,7 +132,7 @@ PEER_FAILS = {("deepseek_v4", torch.float16)}
 RECURRENT: dict[str, str] = {f: FAMILIES[f][1] for f in (
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bamba", "granitemoehybrid",
     "mamba2", "nemotron_h", "falcon_h1", "lfm2", "mamba", "falcon_mamba", "lfm2_moe", "jamba", "lfm3", "lara_mini",
-    "bailing_hybrid", "minimax", "zamba2", "recurrent_gemma", "inkling_text")}
+    "bailing_hybrid", "minimax", "zamba2", "recurrent_gemma", "inkling_text", "zamba", "rwkv", "xlstm")}
 RECURRENT.update({"qwen4_exp_text": "_no_ple", "glm5_next_text": "_linear_only"})
 
 

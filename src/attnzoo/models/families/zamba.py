@@ -65,20 +65,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families.zamba2 as zamba2
 from attnzoo._validate import check_int
 from attnzoo.blocks import RMSNorm
 from attnzoo.functional.recurrent.selective_scan import selective_scan
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families.mamba1 import Mamba1Mixer
-from attnzoo.models.families.zamba2 import (
-    SharedTransformerUse,
-    Zamba2Layer,
-    Zamba2LM,
-    _hybrid_sources,
-    _shared_block,
-    layer_kinds,
-)
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.parts import DecoderParts, head_for
@@ -188,14 +181,14 @@ def _mixer(hf: HFConfig, kw: dict[str, Any]) -> ZambaMambaMixer:
                            conv_bias=hf.req("mamba_conv_bias", bool), bias=hf.req("mamba_proj_bias", bool), **kw)
 
 
-def _uses(hf: HFConfig, count: int, kw: dict[str, Any]) -> list[SharedTransformerUse]:
+def _uses(hf: HFConfig, count: int, kw: dict[str, Any]) -> list[zamba2.SharedTransformerUse]:
     """The ``count`` hybrid layers' uses of the shared block (one block when tied, else one each):
     its NoPE attention over ``2C`` (scale ``(head_dim / 2) ** -0.5``), the block's fused MLP and the
     layer's ``linear``."""
     C, H, D = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("attention_head_dim")
     s = {"C": C, "H": H, "Hkv": hf.get("num_key_value_heads", H), "D": D, "F": hf.req("intermediate_size")}
     tied = hf.get("tie_word_embeddings", True, bool)
-    blocks = [_shared_block(hf, s, kw) for _ in range(min(count, 1) if tied else count)]
+    blocks = [zamba2.shared_block(hf, s, kw) for _ in range(min(count, 1) if tied else count)]
     uses = []
     for i in range(count):
         block = blocks[i % len(blocks)]
@@ -203,7 +196,7 @@ def _uses(hf: HFConfig, count: int, kw: dict[str, Any]) -> list[SharedTransforme
             "mha", 2 * C, H, num_kv_heads=s["Hkv"], head_dim=D, bias=False, causal=True, rope=None,
             dropout=hf.get("attention_dropout", 0.0, float), scale=(D / 2) ** -0.5, **kw))
         attn.qkv_proj, attn.out_proj = block.qkv_proj, block.out_proj
-        uses.append(SharedTransformerUse(block, attn, cast(Any, block.gate_up_proj), nn.Linear(C, C, bias=False, **kw)))
+        uses.append(zamba2.SharedTransformerUse(block, attn, cast(Any, block.gate_up_proj), nn.Linear(C, C, bias=False, **kw)))
     return uses
 
 
@@ -216,13 +209,13 @@ def build_zamba(hf: HFConfig, *, head_size: int | None = None, device: Any = Non
         raise hf.unsupported(f"attention_hidden_size={hf.req('attention_hidden_size')} (the shared block reads "
                              f"[h | e], 2 * hidden_size = {2 * C} channels)")
     eps, kw = hf.req("rms_norm_eps", float), {"device": device, "dtype": dtype}
-    kinds = layer_kinds(hf, depth)
+    kinds = zamba2.layer_kinds(hf, depth)
     uses = iter(_uses(hf, kinds.count("hybrid"), kw))
-    blocks = [Zamba2Layer(RMSNorm(C, eps, **kw), cast(Mamba2, _mixer(hf, kw)),
+    blocks = [zamba2.Zamba2Layer(RMSNorm(C, eps, **kw), cast(Mamba2, _mixer(hf, kw)),
                           next(uses) if k == "hybrid" else None) for k in kinds]
     cfg = DecoderConfig(V, C, depth, hf.req("num_attention_heads"), pos="none", norm="rms", norm_eps=eps,
                         tie_embeddings=hf.get("tie_word_embeddings", True, bool), max_seq_len=parts.max_positions(hf))
-    return Zamba2LM(config=cfg, parts=DecoderParts(blocks=blocks, norm=RMSNorm(C, eps, **kw),
+    return zamba2.Zamba2LM(config=cfg, parts=DecoderParts(blocks=blocks, norm=RMSNorm(C, eps, **kw),
                                                    head=head_for(C, V, head_size, **kw)), **kw)
 
 
@@ -273,12 +266,12 @@ def convert_zamba(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
     """Build a Zamba decoder and copy the weights (the head follows them)."""
     hf = canonical(hf)
     model, plan, head_size = parts.start(hf, sd, build_zamba, device=device, dtype=dtype)
-    blocks = cast(Sequence[Zamba2Layer], model.blocks)
+    blocks = cast(Sequence[zamba2.Zamba2Layer], model.blocks)
     for i, block in enumerate(blocks):
         o, h = f"blocks.{i}.", f"layers.{i}." if block.shared is None else f"layers.{i}.mamba_decoder."
         put_zamba_mamba(plan, f"{o}attn.", f"{h}mamba.", cast(ZambaMambaMixer, block.attn))
         plan.put(f"{o}attn_norm.weight", f"{h}input_layernorm.weight")
-    for i, source, _ in _hybrid_sources(model):
+    for i, source, _ in zamba2.hybrid_sources(model):
         if source == i:
             _put_shared(plan, f"blocks.{i}.shared.block.", f"layers.{i}.shared_transf.")
         else:

@@ -61,7 +61,7 @@ from attnzoo.nn.mamba2 import Mamba2
 from attnzoo.variants import build_attention
 
 __all__ = ["DISPATCH", "AdaptedLinear", "FlooredLinear", "SharedTransformer", "SharedTransformerUse", "Zamba2LM", "Zamba2Layer",
-           "build_zamba2", "convert_zamba2", "layer_kinds"]
+           "build_zamba2", "convert_zamba2", "hybrid_sources", "layer_kinds", "shared_block"]
 
 #: the mixer's sizes under the names of the view :func:`_mamba_view` builds
 MAMBA_KEYS = MambaKeys("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv",
@@ -269,7 +269,7 @@ def _sizes(hf: HFConfig) -> dict[str, int]:
             "F": hf.get("intermediate_size", 4 * C), "r": hf.req("adapter_rank")}
 
 
-def _shared_block(hf: HFConfig, s: dict[str, int], kw: dict[str, Any]) -> SharedTransformer:
+def shared_block(hf: HFConfig, s: dict[str, int], kw: dict[str, Any]) -> SharedTransformer:
     """A :class:`SharedTransformer` of random weights."""
     eps = hf.get("rms_norm_eps", 1e-5, float)
     act = ACTIVATIONS[hf.activation("hidden_act", parts.GATED, "gelu")][0]
@@ -309,7 +309,7 @@ def _shared_uses(hf: HFConfig, count: int, kw: dict[str, Any]) -> list[SharedTra
         raise CheckpointFormatError(f"{hf.source}: num_mem_blocks must be >= 1, got {mem}")
     rope = parts.rotary(hf, parts.rope_params(hf), s["D"]) if hf.get("use_mem_rope", False, bool) else None
     tied = hf.get("tie_word_embeddings", True, bool)
-    blocks = [_shared_block(hf, s, kw) for _ in range(min(mem, count) if tied else count)]
+    blocks = [shared_block(hf, s, kw) for _ in range(min(mem, count) if tied else count)]
     return [_use(hf, blocks[i % len(blocks)], rope, s, kw) for i in range(count)]
 
 
@@ -372,7 +372,7 @@ def _claim_copies(plan: Plan, layer: int, source: int, slot: int) -> None:
             src.used.add(key)
 
 
-def _hybrid_sources(model: DecoderLM) -> list[tuple[int, int, int]]:
+def hybrid_sources(model: DecoderLM) -> list[tuple[int, int, int]]:
     """``(layer, source layer, slot)`` per hybrid layer: the first layer holding its block."""
     first: dict[int, int] = {}
     out = []
@@ -392,7 +392,7 @@ def convert_zamba2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
         o, h = f"blocks.{i}.", f"layers.{i}." if block.shared is None else f"layers.{i}.mamba_decoder."
         _put_floored_mamba(plan, f"{o}attn.", f"{h}mamba.", block.attn)
         plan.put(f"{o}attn_norm.weight", f"{h}input_layernorm.weight")
-    for i, source, slot in _hybrid_sources(model):
+    for i, source, slot in hybrid_sources(model):
         use = cast(SharedTransformerUse, blocks[i].shared)
         theirs = f"layers.{source}.shared_transformer."
         if source == i:
