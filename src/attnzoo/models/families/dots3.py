@@ -57,16 +57,11 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families.deepseek as deepseek
 from attnzoo.blocks import FeedForward
 from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import deepseek_moe, put_moe
-from attnzoo.models.families.deepseek import (
-    IndexedLatentAttention,
-    LightningTopK,
-    indexed_attention,
-    scale_planned,
-)
 from attnzoo.models.families.kimi_linear import put_mla
 from attnzoo.models.families.qwen3_next import real_keys
 from attnzoo.models.hf._state import HFConfig, Plan
@@ -183,13 +178,13 @@ class DotsLatentAttention(_DotsParts, MultiHeadLatentAttention):
         return f"{super().extra_repr()}, window={self.window}"
 
 
-class DotsIndexedAttention(_DotsParts, IndexedLatentAttention):
+class DotsIndexedAttention(_DotsParts, deepseek.IndexedLatentAttention):
     """dots' indexed latent attention: DeepSeek-V3.2's (:class:`IndexedLatentAttention`, GLM-MoE-DSA's
     interleaved indexer) with the RoPE key's norm and the per-head output gate. Args and shapes as the
     base class's (``options.norm_eps`` the norms' epsilon)."""
 
     def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
-                 indexer: LightningTopK) -> None:
+                 indexer: deepseek.LightningTopK) -> None:
         super().__init__(dim, num_heads, sizes, bias=bias, options=options, indexer=indexer)
         self._add_dots_parts(options.norm_eps)
 
@@ -305,7 +300,7 @@ def _attention(hf: HFConfig, view: HFConfig, kind: str, kw: dict[str, Any]) -> C
     if kind == TYPES[2]:
         indexer = {"heads": view.req("index_n_heads"), "head_dim": view.req("index_head_dim"),
                    "topk": view.req("index_topk"), "interleaved": True}
-        return functools.partial(indexed_attention, C, H, sizes, bias=bias, options=options, indexer=indexer,
+        return functools.partial(deepseek.indexed_attention, C, H, sizes, bias=bias, options=options, indexer=indexer,
                                  cls=DotsIndexedAttention, **kw)
     window = hf.req("sliding_window") if kind == TYPES[1] else None
     return functools.partial(latent_attention, C, H, sizes, bias=bias, options=options, window=window, **kw)
@@ -351,8 +346,8 @@ def _put_layer(plan: Plan, hf: HFConfig, view: HFConfig, i: int) -> None:
     plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
     put_mla(plan, a, t, view)
     C = hf.req("hidden_size")
-    scale_planned(plan, f"{a}q_a_norm.weight", math.sqrt(C / view.req("q_lora_rank")), "q_lora_scale")
-    scale_planned(plan, f"{a}kv_a_norm.weight", math.sqrt(C / view.req("kv_lora_rank")), "kv_lora_scale")
+    deepseek.scale_planned(plan, f"{a}q_a_norm.weight", math.sqrt(C / view.req("q_lora_rank")), "q_lora_scale")
+    deepseek.scale_planned(plan, f"{a}kv_a_norm.weight", math.sqrt(C / view.req("kv_lora_rank")), "kv_lora_scale")
     plan.put(f"{a}kv_a_proj.k_rope_norm.weight", f"{t}k_rope_only_layernorm.weight")
     plan.put(f"{a}g_proj.weight", f"{t}g_proj.weight")
     if hf.req("layer_types", list)[i] == TYPES[2]:
