@@ -12,6 +12,7 @@ replaces, the wrapper defaults a ``config.json`` may leave out, and the refusals
 
 from __future__ import annotations
 
+import importlib
 import json
 import warnings
 from collections.abc import Callable
@@ -23,14 +24,24 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import test_hf_apertus1p5 as apertus1p5  # noqa: E402
+import test_hf_cohere_compass as cohere_compass  # noqa: E402
+import test_hf_deepseek as deepseek  # noqa: E402
 import test_hf_dense as dense  # noqa: E402
+import test_hf_dense_3 as dense_3  # noqa: E402
+import test_hf_dots3 as dots3  # noqa: E402
 import test_hf_families as lineage  # noqa: E402
 import test_hf_gemma3 as gemma3  # noqa: E402
 import test_hf_gemma3n as gemma3n  # noqa: E402
 import test_hf_gemma4 as gemma4  # noqa: E402
 import test_hf_gemma4_unified as gemma4_unified  # noqa: E402
+import test_hf_inkling2 as inkling2  # noqa: E402
+import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
 import test_hf_lfm2 as lfm2  # noqa: E402
+import test_hf_lfm3 as lfm3  # noqa: E402
 import test_hf_llama4 as llama4  # noqa: E402
+import test_hf_nemotron_h as nemotron_h  # noqa: E402
+import test_hf_neox as neox  # noqa: E402
 import test_hf_qwen3_5 as qwen3_5  # noqa: E402
 import test_hf_qwen3_5_moe as qwen3_5_moe  # noqa: E402
 import test_hf_qwen4_exp as qwen4_exp  # noqa: E402
@@ -86,10 +97,11 @@ def _gemma4_unified() -> Any:
 
 
 def _llama4() -> Any:
+    """Tied by its text config (the wrapper's says untied): the language model is a ``Llama4ForCausalLM``."""
     vision = T.Llama4VisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                                   vision_output_dim=16, image_size=16, patch_size=8, projector_input_dim=16,
                                   projector_output_dim=16)
-    return T.Llama4Config(text_config=llama4._config(), vision_config=vision)
+    return T.Llama4Config(text_config=llama4._config(tie_word_embeddings=True), vision_config=vision)
 
 
 def _pixtral() -> Any:
@@ -153,32 +165,262 @@ def _cohere2_vision() -> Any:
     return T.Cohere2VisionConfig(text_config=dense._cohere2(), vision_config=_siglip())
 
 
+#: the sizes of a one-layer tower: every int of these names in a sub-config other than ``text_config``
+TOWER = dict(VISION, depth=1, num_heads=2, num_key_value_heads=2, head_dim=8, out_hidden_size=checks.SMALL["hidden_size"],
+             num_position_embeddings=16, projection_dim=16, vision_output_dim=16, projector_input_dim=16,
+             projector_output_dim=16, num_layers=1, embed_dim=16, encoder_hidden_size=16, layers=1, width=16)
+
+
+def _shrunk(config: Any) -> Any:
+    """``config`` with every sub-config but ``text_config`` cut to :data:`TOWER`'s sizes (in place)."""
+    for key, value in vars(config).items():
+        if hasattr(value, "to_dict") and key != "text_config":
+            _shrunk(value)
+        elif key in TOWER and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, key, TOWER[key])
+    if isinstance(getattr(config, "layer_types", None), list) and hasattr(config, "num_hidden_layers") \
+            and not hasattr(config, "vocab_size"):
+        config.layer_types = config.layer_types[:config.num_hidden_layers]
+    return config
+
+
+def _tiny(model_type: str, text: Any, **kw: Any) -> Any:
+    """The wrapper ``model_type``'s config (its class's defaults) around ``text``, the towers cut small."""
+    return _shrunk(T.AutoConfig.for_model(model_type, text_config=text.to_dict(), **kw))
+
+
+def _llama() -> Any:
+    return lineage.CONFIGS["llama"]()
+
+
+def _qwen2() -> Any:
+    return lineage.CONFIGS["qwen2"]()
+
+
+def _qwen3() -> Any:
+    return lineage.CONFIGS["qwen3"]()
+
+
+def _llava_next() -> Any:
+    return _tiny("llava_next", _llama())
+
+
+def _llava_next_mistral() -> Any:
+    return _tiny("llava_next", lineage.CONFIGS["mistral"]())
+
+
+def _llava_next_qwen2() -> Any:
+    return _tiny("llava_next", _qwen2())
+
+
+def _llava_next_video() -> Any:
+    return _tiny("llava_next_video", _llama())
+
+
+def _llava_onevision() -> Any:
+    return _tiny("llava_onevision", _qwen2())
+
+
+def _vipllava() -> Any:
+    return _tiny("vipllava", _llama())
+
+
+def _video_llava() -> Any:
+    return _tiny("video_llava", _llama())
+
+
+def _internvl() -> Any:
+    return _tiny("internvl", _qwen2())
+
+
+def _internvl_qwen3() -> Any:
+    return _tiny("internvl", _qwen3())
+
+
+def _got_ocr2() -> Any:
+    return _tiny("got_ocr2", _qwen2())
+
+
+def _pp_chart2table() -> Any:
+    return _tiny("pp_chart2table", _qwen2())
+
+
+def _ovis2() -> Any:
+    return _tiny("ovis2", _qwen2())
+
+
+def _ovis2_5() -> Any:
+    return _tiny("ovis2_5", _qwen3())
+
+
+def _lighton_ocr() -> Any:
+    return _tiny("lighton_ocr", _qwen3())
+
+
+def _qianfan_ocr() -> Any:
+    return _tiny("qianfan_ocr", _qwen3())
+
+
+def _deepseek_vl() -> Any:
+    return _tiny("deepseek_vl", _llama())
+
+
+def _deepseek_vl_hybrid() -> Any:
+    return _tiny("deepseek_vl_hybrid", _llama())
+
+
+def _janus() -> Any:
+    return _tiny("janus", _llama())
+
+
+def _video_llama_3() -> Any:
+    return _tiny("video_llama_3", _qwen2())
+
+
+def _exaone4_5() -> Any:
+    return _tiny("exaone4_5", dense._exaone4())
+
+
+def _kimi_k25() -> Any:
+    return _tiny("kimi_k25", deepseek._v3())
+
+
+def _lfm3_vl() -> Any:
+    return _tiny("lfm3_vl", lfm3._config())
+
+
+def _minicpm_ocr() -> Any:
+    return _tiny("minicpm_ocr", qwen3_5._config())
+
+
+def _minicpmv4_6() -> Any:
+    return _tiny("minicpmv4_6", qwen3_5._config())
+
+
+def _minicpmv4_7() -> Any:
+    return _tiny("minicpmv4_7", qwen3_5._config())
+
+
+def _cohere_compass() -> Any:
+    return _tiny("cohere_compass", cohere_compass._config())
+
+
+def _fuyu() -> Any:
+    return _tiny("fuyu", neox._persimmon())
+
+
+def _idefics2() -> Any:
+    return _tiny("idefics2", lineage.CONFIGS["mistral"]())
+
+
+def _idefics3() -> Any:
+    return _tiny("idefics3", _llama())
+
+
+def _smolvlm() -> Any:
+    return _tiny("smolvlm", _llama())
+
+
+def _shieldgemma2() -> Any:
+    return _tiny("shieldgemma2", gemma3._config(final_logit_softcapping=5.0), mm_tokens_per_image=1)
+
+
+def _llava_onevision1_5() -> Any:
+    return _tiny("llava_onevision1_5", _qwen3(), vision_config={"out_hidden_size": checks.SMALL["hidden_size"]})
+
+
+def _fast_vlm() -> Any:
+    """The timm tower a stub (:func:`_hf`)."""
+    return _tiny("fast_vlm", _qwen2())
+
+
+def _perception_lm() -> Any:
+    """The timm tower a stub (:func:`_hf`)."""
+    return _tiny("perception_lm", _llama(), vision_config={"model_args": {"embed_dim": 16}})
+
+
+def _hyperclovax_vision_v2() -> Any:
+    """HyperCLOVA X text with its four multipliers (``logits_scaling`` in the wrapper's head too)."""
+    return _tiny("hyperclovax_vision_v2", dense_3._hyperclovax())
+
+
+def _apertus1p5() -> Any:
+    """Image and audio codebooks of 8 at the top of the 128-token vocabulary (ids the text embedding reads)."""
+    vision = {"codebook_size": 8, "embed_dim": 32, "latent_channels": 32, "base_channels": 32,
+              "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [], "resolution": 16}
+    audio = {"codebook_size": 8, "num_filters": 4, "upsampling_ratios": [2, 2], "hidden_size": 32, "codebook_dim": 32,
+             "decoder_hidden_size": 32, "decoder_intermediate_size": 32, "decoder_num_layers": 1,
+             "decoder_attention_num_groups": 4, "num_lstm_layers": 1}
+    return _tiny("apertus1p5", apertus1p5._apertus1p5(), image_token_offset=112, audio_token_offset=120,
+                 vision_config=vision, audio_config=audio)
+
+
+def _dots3_note() -> Any:
+    out = checks.SMALL["hidden_size"]
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "moe_intermediate_size": 16, "mlp_layer_types": ["dense"], "num_local_experts": 2, "adapter_in_dim": 16,
+              "adapter_out_dim": out}
+    audio = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "head_dim": 8, "downsample_hidden_size": 8, "adapter_input_size": 16,
+             "adapter_out_dim": out, "conv_output_size": 32}
+    return _tiny("dots3_note", dots3._dots3(), vision_config=vision, audio_config=audio)
+
+
+def _nemotron_h_omni() -> Any:
+    return _tiny("nemotron_h_omni", nemotron_h._config())
+
+
+def _inkling2() -> Any:
+    return _tiny("inkling2", inkling2._config(), vision_config={"text_hidden_size": checks.SMALL["hidden_size"]})
+
+
+def _inkling2_loop() -> Any:
+    return _tiny("inkling2_loop", inkling2_loop._config(),
+                 vision_config={"text_hidden_size": checks.SMALL["hidden_size"]})
+
+
 #: case -> the wrapper config maker (no arguments); the case's wrapper ``model_type`` is its config's
 CASES: dict[str, Callable[[], Any]] = {
     "gemma3": _gemma3, "gemma3n": _gemma3n, "gemma4": _gemma4, "gemma4_unified": _gemma4_unified, "llama4": _llama4,
     "mistral3": _mistral3, "mistral3_ministral3": _mistral3_ministral3, "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5_moe, "qwen4_exp": _qwen4_exp, "lfm2_vl": _lfm2_vl, "llava": _llava,
     "llava_qwen2": _llava_qwen2, "paligemma": _paligemma, "paligemma2": _paligemma2, "aya_vision": _aya_vision,
-    "cohere2_vision": _cohere2_vision,
+    "cohere2_vision": _cohere2_vision, "llava_next": _llava_next, "llava_next_mistral": _llava_next_mistral,
+    "llava_next_qwen2": _llava_next_qwen2, "llava_next_video": _llava_next_video, "llava_onevision": _llava_onevision,
+    "vipllava": _vipllava, "video_llava": _video_llava, "internvl": _internvl, "internvl_qwen3": _internvl_qwen3,
+    "got_ocr2": _got_ocr2, "pp_chart2table": _pp_chart2table, "ovis2": _ovis2, "ovis2_5": _ovis2_5,
+    "lighton_ocr": _lighton_ocr, "qianfan_ocr": _qianfan_ocr, "deepseek_vl": _deepseek_vl,
+    "deepseek_vl_hybrid": _deepseek_vl_hybrid, "janus": _janus, "video_llama_3": _video_llama_3,
+    "exaone4_5": _exaone4_5, "kimi_k25": _kimi_k25, "lfm3_vl": _lfm3_vl, "minicpm_ocr": _minicpm_ocr,
+    "minicpmv4_6": _minicpmv4_6, "minicpmv4_7": _minicpmv4_7, "cohere_compass": _cohere_compass, "fuyu": _fuyu,
+    "idefics2": _idefics2, "idefics3": _idefics3, "smolvlm": _smolvlm, "shieldgemma2": _shieldgemma2,
+    "llava_onevision1_5": _llava_onevision1_5, "fast_vlm": _fast_vlm, "perception_lm": _perception_lm,
+    "hyperclovax_vision_v2": _hyperclovax_vision_v2, "apertus1p5": _apertus1p5, "dots3_note": _dots3_note,
+    "nemotron_h_omni": _nemotron_h_omni, "inkling2": _inkling2, "inkling2_loop": _inkling2_loop,
 }
 
 
 class _Stub(torch.nn.Module):
-    """Gemma 3n's vision tower in these tests (its timm MobileNet needs ``timm``)."""
+    """A tower transformers builds with timm (Gemma 3n's MobileNet, FastVLM's FastViT, PerceptionLM's
+    encoder): ``timm`` is not needed, the tower's weights are dropped either way."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.proj = torch.nn.Linear(4, config.hidden_size)
+        self.proj = torch.nn.Linear(4, getattr(config, "hidden_size", None) or 16)
 
 
 class _AutoWithStub:
-    """``AutoModel`` for ``modeling_gemma3n``: the stub for the vision config, else transformers'."""
+    """``AutoModel`` for the modeling modules of :data:`STUBBED`: the stub for a timm config."""
 
     @staticmethod
     def from_config(config: Any, **kw: Any) -> Any:
-        if config.model_type == "gemma3n_vision":
+        if config.model_type in ("gemma3n_vision", "timm_wrapper"):
             return _Stub(config)
         return T.AutoModel.from_config(config, **kw)
+
+
+#: the modeling modules that build a timm tower
+STUBBED = ("gemma3n", "fast_vlm", "perception_lm")
 
 
 def _hf(case: str, seed: int = 0, base: bool = False) -> Any:
@@ -187,9 +429,18 @@ def _hf(case: str, seed: int = 0, base: bool = False) -> Any:
     auto = T.AutoModel if base else T.AutoModelForImageTextToText
     torch.manual_seed(seed)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(T.models.gemma3n.modeling_gemma3n, "AutoModel", _AutoWithStub)
+        for name in STUBBED:
+            mp.setattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), "AutoModel",
+                       _AutoWithStub)
         model = auto.from_config(config, attn_implementation="eager")
     return checks.perturbed(model, seed)
+
+
+def _kinds(case: str) -> tuple[bool, ...]:
+    """``(False, True)``: the ``*ForConditionalGeneration`` and the base ``*Model``, where transformers
+    maps one to the config (not Llama 4, PP-Chart2Table, ShieldGemma 2)."""
+    base = T.models.auto.modeling_auto.MODEL_MAPPING_NAMES.get(CASES[case]().model_type, "")
+    return (False, True) if base.endswith("Model") else (False,)
 
 
 def _convert(hf: Any) -> Any:
@@ -216,10 +467,15 @@ SWEEP: dict[str, Callable[[int], Any]] = {t: _maker(t) for t in WRAPPERS}
 def test_logits_and_base_hidden_states_equal_the_wrapper(case: str) -> None:
     x, mask = checks.padded(24)
     real = mask.bool()
-    for base in (False,) if case == "llama4" else (False, True):  # Llama 4 has no base wrapper class
+    for base in _kinds(case):
         hf = _hf(case, base=base)
+        assert type(hf).__name__ in WRAPPERS[hf.config.model_type].classes
         ours = _convert(hf)
         assert isinstance(ours.lm_head, torch.nn.Identity) == base
+        if not base:  # tied as the wrapper is
+            head = next(p for n, p in hf.named_parameters(remove_duplicate=False) if n.endswith("lm_head.weight"))
+            embed = hf.get_input_embeddings().weight
+            assert ours.tie_embeddings == (head.data_ptr() == embed.data_ptr()), case
         with torch.no_grad():
             got = ours(x, attention_mask=real)
         err = checks.rel(got[real], _logits(hf, x, mask)[real])
@@ -238,6 +494,17 @@ def test_greedy_generation_token_identical(case: str) -> None:
                                                                                      **kw))
 
 
+#: wrappers whose folder transformers 5.25 writes it cannot read back itself (Kimi K2.5: its vision
+#: renames reversed onto the text layers, ``blocks`` / ``self_wqkv``; ShieldGemma 2: its prefix
+#: change reversed, ``model.language_model.model.*``, reloaded 1.0 relative off): the layout of their
+#: releases is tested
+UNSAVED = {"kimi_k25", "shieldgemma2"}
+#: wrappers whose base ``*Model`` folder transformers writes with the text model's keys under no
+#: prefix of their own (dots.3-note: ``layers.*``; LLaVA-OneVision-1.5: ``model.layers.*``, its
+#: conditional layout's ``model.model.*`` less one level): not told from the towers, refused
+BASE_UNSAVED = {"dots3_note", "llava_onevision1_5"}
+
+
 def _legacy(folder: Path, hf: Any, out: Path) -> None:
     """``folder``'s checkpoint in the layout before transformers 5 (``language_model.model.*``,
     ``language_model.lm_head.weight``, the towers at the top), tied head left out."""
@@ -248,7 +515,7 @@ def _legacy(folder: Path, hf: Any, out: Path) -> None:
         if key.startswith("model.language_model."):
             key = "language_model.model." + key[len("model.language_model."):]
         elif key == "lm_head.weight":
-            if hf.config.tie_word_embeddings:
+            if getattr(hf.config, "tie_word_embeddings", False):
                 continue
             key = "language_model.lm_head.weight"
         elif key.startswith("model."):
@@ -265,12 +532,18 @@ def test_folder_through_load_pretrained(case: str, tmp_path: Path) -> None:
     transformers 5), the other layout, and the base ``*Model``'s folder (no head)."""
     x, mask = checks.padded(16, pad=3)
     real = mask.bool()
-    for base in (False,) if case == "llama4" else (False, True):
+    for base in _kinds(case):
         hf = _hf(case, base=base)
         new, old = tmp_path / f"new{base}", tmp_path / f"old{base}"
         hf.save_pretrained(new)
-        folders = [new]
-        if not base and case != "llama4":  # Llama 4: transformers 5's own layout is the older one
+        folders = [] if case in UNSAVED else [new]
+        if base and case in BASE_UNSAVED:
+            with pytest.raises(CheckpointFormatError, match="no language model"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                load_pretrained(new)
+            continue
+        lm = WRAPPERS[hf.config.model_type].language_model
+        if not base and case != "llama4" and lm == "language_model":  # Llama 4's is the older one already
             _legacy(new, hf, old)
             folders.append(old)
         for folder in folders:
@@ -286,7 +559,8 @@ def test_folder_through_load_pretrained(case: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_to_hf_writes_the_text_decoder_back(case: str) -> None:
     source, target = _hf(case, seed=1), _hf(case, seed=2)
-    towers = {k: v.clone() for k, v in target.state_dict().items() if "language_model" not in k and k != "lm_head.weight"}
+    lm = WRAPPERS[target.config.model_type].language_model
+    towers = {k: v.clone() for k, v in target.state_dict().items() if lm not in k and k != "lm_head.weight"}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert to_hf(_convert(source), target) is target
@@ -314,7 +588,8 @@ def test_each_row_has_its_config_class_defaults(model_type: str) -> None:
     config = T.AutoConfig.for_model(model_type)
     w = WRAPPERS[model_type]
     assert config.get_text_config().model_type == w.text_types[0]
-    assert bool(config.tie_word_embeddings) == w.tie
+    tie = config.get_text_config() if w.tie_from == "text" else config
+    assert bool(getattr(tie, "tie_word_embeddings", False)) == w.tie  # Inkling2's config has none: untied
 
 
 def test_a_folder_without_the_wrapper_defaults_reads_them(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ position streams are equal (text), PaliGemma's 1-based positions change nothing 
 from __future__ import annotations
 
 import collections
+import functools
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,14 +57,19 @@ class Wrapper:
         classes: the transformers classes (``*ForConditionalGeneration``, the base ``*Model``).
         text_types: the text ``model_type`` s verified inside it; the first is the wrapper config
             class's default (a ``text_config`` without ``model_type``).
-        tie: the wrapper config class's ``tie_word_embeddings`` default (it, not the text config's,
-            ties the wrapper's ``lm_head``).
+        tie: the ``tie_word_embeddings`` default of the config that ties the ``lm_head`` (see ``tie_from``).
         tie_keys: the wrapper config's keys for it, the first set wins (LFM2-VL's ``tie_embedding``).
-        tie_from_text: an untied wrapper ties when its text config does (``LlavaConfig``).
+        tie_from: whose ``tie_word_embeddings`` ties the head: ``"wrapper"`` (the wrapper config's, not
+            the text config's: most), ``"either"`` (an untied wrapper ties when its text config does,
+            ``tie`` where that has none: ``LlavaConfig``), ``"text"`` (the language model is a ``*ForCausalLM`` of the text config:
+            Llama 4).
         overrides: text config keys set to what the wrapper computes on text (Gemma 3's head applies
             no final softcap, Cohere2-Vision's no ``logit_scale``; PaliGemma's mask is causal without
             ``token_type_ids`` whatever its text config's ``use_bidirectional_attention``).
         language_model: the name of the language model module in the wrapper.
+        saved: ``(pattern, replacement)`` regular expressions renaming a released or saved
+            checkpoint's keys to the layouts above, as transformers' ``conversion_mapping`` reads
+            them (Ovis2.5's ``llm.*``).
     """
 
     name: str
@@ -70,9 +77,10 @@ class Wrapper:
     text_types: tuple[str, ...]
     tie: bool
     tie_keys: tuple[str, ...] = ("tie_word_embeddings",)
-    tie_from_text: bool = False
+    tie_from: str = "wrapper"
     overrides: Mapping[str, Any] = field(default_factory=dict)
     language_model: str = "language_model"
+    saved: tuple[tuple[str, str], ...] = ()
 
 
 def _row(name: str, cls: str, text_types: tuple[str, ...], tie: bool, **kw: Any) -> Wrapper:
@@ -86,24 +94,70 @@ WRAPPERS: dict[str, Wrapper] = {
     "gemma3n": _row("Gemma 3n (multimodal)", "Gemma3n", ("gemma3n_text",), True),
     "gemma4": _row("Gemma 4 (multimodal)", "Gemma4", ("gemma4_text",), True),
     "gemma4_unified": _row("Gemma 4 unified (multimodal)", "Gemma4Unified", ("gemma4_unified_text",), True),
-    "llama4": Wrapper("Llama 4 (multimodal)", ("Llama4ForConditionalGeneration",), ("llama4_text",), False),
+    "llama4": Wrapper("Llama 4 (multimodal)", ("Llama4ForConditionalGeneration",), ("llama4_text",), False,
+                      tie_from="text"),
     "mistral3": _row("Mistral 3 (multimodal)", "Mistral3", ("mistral", "ministral3"), True),
     "qwen3_5": _row("Qwen3.5 (multimodal)", "Qwen3_5", ("qwen3_5_text",), False),
     "qwen3_5_moe": _row("Qwen3.5-MoE (multimodal)", "Qwen3_5Moe", ("qwen3_5_moe_text",), False),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
-    "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from_text=True),
+    "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from="either"),
     "paligemma": _row("PaliGemma", "PaliGemma", ("gemma", "gemma2"), True,
                       overrides={"use_bidirectional_attention": False}),
     "aya_vision": _row("Aya Vision", "AyaVision", ("cohere2",), True),
     "cohere2_vision": _row("Cohere2-Vision", "Cohere2Vision", ("cohere2",), True, overrides={"logit_scale": 1.0}),
+    "llava_next": _row("LLaVA-NeXT", "LlavaNext", ("llama", "mistral", "qwen2"), False),
+    "llava_next_video": _row("LLaVA-NeXT-Video", "LlavaNextVideo", ("llama",), False, tie_from="either"),
+    "llava_onevision": _row("LLaVA-OneVision", "LlavaOnevision", ("qwen2",), False, tie_from="either"),
+    "vipllava": _row("VipLLaVA", "VipLlava", ("llama",), False),
+    "video_llava": _row("Video-LLaVA", "VideoLlava", ("llama",), False),
+    "internvl": _row("InternVL", "InternVL", ("qwen2", "qwen3"), True),
+    "got_ocr2": _row("GOT-OCR2", "GotOcr2", ("qwen2",), True),
+    "pp_chart2table": _row("PP-Chart2Table", "GotOcr2", ("qwen2",), True),
+    "ovis2": _row("Ovis2", "Ovis2", ("qwen2",), True),
+    "ovis2_5": _row("Ovis2.5", "Ovis2_5", ("qwen3",), False, saved=((r"^llm\.", "language_model."),)),
+    "lighton_ocr": _row("LightOnOCR", "LightOnOcr", ("qwen3",), True),
+    "qianfan_ocr": _row("Qianfan-OCR", "QianfanOCR", ("qwen3",), False,  # transformers 5 saves encoder.layers
+                        saved=((r"^((model\.)?language_model\.(model\.)?)encoder\.layers\.", r"\1layers."),)),
+    "deepseek_vl": _row("DeepSeek-VL", "DeepseekVL", ("llama",), True),
+    "deepseek_vl_hybrid": _row("DeepSeek-VL hybrid", "DeepseekVLHybrid", ("llama",), True),
+    "janus": _row("Janus", "Janus", ("llama",), True),
+    "video_llama_3": _row("VideoLLaMA3", "VideoLlama3", ("qwen2",), False, tie_from="either"),
+    "exaone4_5": Wrapper("EXAONE 4.5", ("Exaone4_5_ForConditionalGeneration", "Exaone4_5_Model"), ("exaone4",), False),
+    "kimi_k25": Wrapper("Kimi K2.5", ("Kimi_K25ForConditionalGeneration", "Kimi_K25Model"), ("deepseek_v3",), True),
+    "lfm3_vl": _row("LFM3-VL", "Lfm3Vl", ("lfm3",), True),
+    "minicpm_ocr": _row("MiniCPM-OCR", "MiniCPMOcr", ("qwen3_5_text",), True),
+    "minicpmv4_6": _row("MiniCPM-V 4.6", "MiniCPMV4_6", ("qwen3_5_text",), False),
+    "minicpmv4_7": _row("MiniCPM-V 4.7", "MiniCPMV4_7", ("qwen3_5_text",), False),
+    "cohere_compass": _row("Cohere Compass (multimodal)", "CohereCompass", ("cohere_compass_text",), False),
+    "fuyu": Wrapper("Fuyu", ("FuyuForCausalLM", "FuyuModel"), ("persimmon",), False),
+    "idefics2": _row("Idefics2", "Idefics2", ("mistral",), False, language_model="text_model"),
+    "idefics3": _row("Idefics3", "Idefics3", ("llama",), False, language_model="text_model"),
+    "smolvlm": _row("SmolVLM", "SmolVLM", ("llama",), False, language_model="text_model"),
+    "llava_onevision1_5": _row("LLaVA-OneVision-1.5", "LlavaOnevision15", ("qwen3",), False,
+                               saved=((r"^model\.model\.", "model.language_model."),)),
+    "fast_vlm": _row("FastVLM", "FastVlm", ("qwen2",), False, tie_from="either"),
+    "perception_lm": _row("PerceptionLM", "PerceptionLM", ("llama",), False, tie_from="unset"),
+    "hyperclovax_vision_v2": _row("HyperCLOVA X Vision V2", "HyperCLOVAXVisionV2", ("hyperclovax",), True),
+    "apertus1p5": _row("Apertus 1.5 (multimodal)", "Apertus1p5", ("apertus1p5_text",), False),
+    "dots3_note": _row("dots.3-note (multimodal)", "Dots3Note", ("dots3_note_text",), False,  # text at model.*
+                       saved=((r"^model\.(?!language_model\.|vision_tower\.|audio_tower\.)", "model.language_model."),)),
+    "nemotron_h_omni": Wrapper("Nemotron-H Omni", ("NemotronH_Omni_Reasoning_V3",), ("nemotron_h",), False,
+                               tie_from="text", saved=((r"^language_model\.backbone\.", "language_model.model."),)),
+    # the checkpoints' own names (model.llm.*: the text converter reads them) kept under the language model
+    "inkling2": _row("Inkling2 (multimodal)", "Inkling2", ("inkling2_text",), False,
+                     saved=((r"^model\.llm\.", "model.language_model.llm."),)),
+    "inkling2_loop": _row("Inkling2-loop (multimodal)", "Inkling2Loop", ("inkling2_loop_text",), False,
+                          saved=((r"^model\.llm\.", "model.language_model.llm."),)),
+    "shieldgemma2": Wrapper("ShieldGemma 2", ("Gemma3ForConditionalGeneration",), ("gemma3_text",), True,
+                            tie_from="either", overrides={"final_logit_softcapping": None}),
 }
 
 
 def _base(w: Wrapper, hf: HFConfig) -> bool:
     """A base ``*Model`` checkpoint (no head): its config's ``architectures`` name only that class."""
     names = hf.get("architectures", [], list)
-    return bool(names) and all(n in w.classes and not n.endswith("ForConditionalGeneration") for n in names)
+    return bool(names) and all(n in w.classes and n.endswith("Model") for n in names)
 
 
 def _layout(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig) -> tuple[tuple[str, str], ...]:
@@ -121,25 +175,27 @@ def _layout(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig) -> tuple[tuple[s
 
 def _rekey(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig) -> tuple[dict[str, Tensor], list[str]]:
     """``(the text model's state dict, the wrapper's keys dropped)`` (the same tensors)."""
-    layout = _layout(w, sd, hf)
+    renamed = {functools.reduce(lambda k, r: re.sub(r[0], r[1], k), w.saved, key): key for key in sd}
+    layout = _layout(w, renamed, hf)
     out: dict[str, Tensor] = {}
     rest = []
-    for key, value in sd.items():
+    for key, original in renamed.items():
         theirs = next(((p, q) for p, q in layout if key.startswith(p)), None)
         if theirs is None:
-            rest.append(key)
+            rest.append(original)
         else:
-            out[theirs[1] + key[len(theirs[0]):]] = value
+            out[theirs[1] + key[len(theirs[0]):]] = sd[original]
     return out, rest
 
 
 def _tied(w: Wrapper, hf: HFConfig, text: Mapping[str, Any]) -> bool:
-    tie = next((hf.get(k, None, bool) for k in w.tie_keys if hf.has(k)), None)
-    if tie is None:
-        tie = w.tie
-    if w.tie_from_text and not tie:
-        tie = bool(text.get("tie_word_embeddings") or False)
-    return tie
+    """Whether the wrapper's ``lm_head`` is its embedding (:attr:`Wrapper.tie_from`)."""
+    by_text = w.tie if text.get("tie_word_embeddings") is None else bool(text["tie_word_embeddings"])
+    by_wrapper = next((hf.get(k, None, bool) for k in w.tie_keys if hf.has(k)), None)
+    if w.tie_from == "text" or (w.tie_from == "unset" and by_wrapper is None):
+        return by_text
+    tie = w.tie if by_wrapper is None else by_wrapper
+    return tie or (w.tie_from == "either" and by_text)
 
 
 def _text_config(model_type: str, w: Wrapper, hf: HFConfig) -> HFConfig:
