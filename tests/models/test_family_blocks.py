@@ -11,11 +11,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import hf_family_checks as checks  # noqa: E402
 import test_hf_beam as beam  # noqa: E402
 import test_hf_classic as classic  # noqa: E402
 import test_hf_dense_2 as dense2  # noqa: E402
 import test_hf_neox as neox  # noqa: E402
+
+import hf_family_checks as checks  # noqa: E402
 from attnzoo.interop import from_hf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
