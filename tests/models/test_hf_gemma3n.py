@@ -221,12 +221,12 @@ def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None
     checks.check_refused(T.Gemma3nForCausalLM, _config, key, value, named)
 
 
-def test_multimodal_model_is_refused() -> None:
-    """The multimodal ``model_type="gemma3n"`` (``Gemma3nForConditionalGeneration``: its default audio
-    and vision towers are too large to build here, so a module carrying its config) is not converted."""
+def test_multimodal_model_without_its_language_model_is_refused() -> None:
+    """The multimodal ``model_type="gemma3n"`` converts as its text decoder (``test_hf_multimodal``);
+    a module carrying its config but no language-model weights is refused by name."""
     model = torch.nn.Linear(1, 1)
     model.config = T.Gemma3nConfig(text_config=_config().to_dict())  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="model_type 'gemma3n'"):
+    with pytest.raises(ValueError, match="no language model in the Gemma 3n"):
         from_hf(model)
 
 

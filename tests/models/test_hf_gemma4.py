@@ -177,11 +177,15 @@ def test_unsupported_options_are_named(key: str, value: Any, named: str) -> None
     checks.check_refused(T.Gemma4ForCausalLM, _config, key, value, named)
 
 
-def test_multimodal_model_is_refused() -> None:
-    """``Gemma4ForConditionalGeneration`` (``model_type="gemma4"``) is not converted (text only)."""
+def test_multimodal_model_converts_as_its_text_decoder() -> None:
+    """``Gemma4ForConditionalGeneration`` (``model_type="gemma4"``) converts as its text decoder:
+    text-only logits equal the wrapper's (the wrapper cases in ``test_hf_multimodal``)."""
     cfg = T.Gemma4Config(text_config=_config().to_dict(), vision_config=None, audio_config=None)
-    with pytest.raises(ValueError, match="model_type 'gemma4'"):
-        from_hf(T.Gemma4ForConditionalGeneration(cfg))
+    torch.manual_seed(0)
+    wrapper = checks.perturbed(T.Gemma4ForConditionalGeneration(cfg))
+    x = checks.tokens(12)
+    with torch.no_grad():
+        assert checks.rel(from_hf(wrapper)(x), wrapper(input_ids=x).logits) <= 1e-5
 
 
 def test_last_layer_is_made_full_attention() -> None:
