@@ -125,9 +125,14 @@ def _nemotron_other() -> Any:
                                                      "partial_rotary_factor": 0.75})
 
 
+def _cohere_qk_norm() -> Any:
+    """Command R+: per-head QK LayerNorms (``use_qk_norm``), GQA, untied."""
+    return _cohere(use_qk_norm=True, num_key_value_heads=2, tie_word_embeddings=False)
+
+
 class TestCohere(checks.FamilyChecks):
     config = staticmethod(_cohere)
-    cases = (_cohere_other,)
+    cases = (_cohere_other, _cohere_qk_norm)
 
 
 class TestOlmo(checks.FamilyChecks):
@@ -296,7 +301,6 @@ def test_config_json_without_defaults_loads(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("model_class", "make", "key", "value", "named"), [
-    (T.CohereForCausalLM, _cohere, "use_qk_norm", True, "use_qk_norm"),
     (T.CohereForCausalLM, _cohere, "hidden_act", "relu", "hidden_act"),
     (T.OlmoForCausalLM, _olmo, "clip_qkv", -1.0, "clip_qkv"),
     (T.GlmForCausalLM, _glm, "rope_parameters", {"rope_type": "default", "rope_theta": 1e4,

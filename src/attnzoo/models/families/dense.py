@@ -52,8 +52,9 @@ Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``)
 
 * Command R (``modeling_cohere.py``): Cohere2's parallel layer (338) with interleaved RoPE
   (``repeat_interleave`` 107) on every layer, no windows, bias-free LayerNorms (51), the logits
-  times ``logit_scale`` (498); ``use_qk_norm`` (per-head LayerNorms whose weights are
-  ``[heads, head_dim]``, 228-256) is refused.
+  times ``logit_scale`` (498); ``use_qk_norm`` (Command R+): bias-free LayerNorms over each query
+  and key head, weights ``[heads, head_dim]``, before RoPE (228-256;
+  :class:`~attnzoo.models.families._qknorm.LayerNormQKAttention`).
 * OLMo 1 (``modeling_olmo.py``): LLaMA with non-parametric LayerNorms (eps 1e-5, 48-60; no norm
   weights at all) and ``clip_qkv`` clamping the q, k and v projections before RoPE (235-238;
   :class:`ClampedLinear` on the fused ``qkv_proj``); q/k/v/o biases by ``attention_bias``.
@@ -144,6 +145,7 @@ import attnzoo.models.families.granitemoehybrid as granite
 from attnzoo.blocks import ACTIVATIONS, BlockLayers, FeedForward, RMSNorm, TransformerBlock
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.families._qknorm import LayerNormQKAttention, QKLayerNorm
 from attnzoo.models.families.granitemoe_swa import layer_thetas
 from attnzoo.models.families.minimax import NormedEmbedding
 from attnzoo.models.families.sparse_moe import PostRopeNormAttention
@@ -270,8 +272,10 @@ class XIELUFeedForward(FeedForward):
 def make_attention(dim: int, heads: int, settings: Mapping[str, Any], out_bias: bool,
                     temperature: tuple[float, float] | None) -> nn.Module:
     """A (tempered) :class:`MultiHeadAttention` of ``settings`` whose output projection has a bias
-    iff ``out_bias`` (the q/k/v biases follow ``settings["bias"]``)."""
-    module = build_softmax(TemperedAttention if temperature else MultiHeadAttention, dim, heads, **settings)
+    iff ``out_bias`` (the q/k/v biases follow ``settings["bias"]``); with ``settings["qk_layernorm"]``
+    a :class:`~attnzoo.models.families._qknorm.LayerNormQKAttention` (Command R's ``use_qk_norm``)."""
+    cls = TemperedAttention if temperature else LayerNormQKAttention if "qk_layernorm" in settings else MultiHeadAttention
+    module = build_softmax(cls, dim, heads, **settings)
     out = module.out_proj
     if out_bias and out.bias is None:
         out.bias = nn.Parameter(torch.zeros(out.out_features, device=out.weight.device, dtype=out.weight.dtype))
@@ -284,13 +288,17 @@ def make_attention(dim: int, heads: int, settings: Mapping[str, Any], out_bias: 
 
 def _attention(hf: HFConfig, *, window: int | None, rope: nn.Module | None, biases: tuple[bool, bool],
                qk_norm: str | None = None, temperature: tuple[float, float] | None = None,
-               softcap: float | None = None, kw: Mapping[str, Any]) -> Callable[[], nn.Module]:
+               softcap: float | None = None, qk_layernorm: QKLayerNorm | None = None,
+               kw: Mapping[str, Any]) -> Callable[[], nn.Module]:
     """A factory of one layer's attention (:func:`~attnzoo.models.families._common.attention_factory`'s
-    settings) with the q/k/v and output biases ``biases`` and the score ``softcap`` (``None``: none)."""
+    settings) with the q/k/v and output biases ``biases``, the score ``softcap`` (``None``: none) and
+    per-head QK LayerNorms ``qk_layernorm`` (``None``: none)."""
     base = parts.attention_factory(hf, window=window, rope=rope, qk_norm=qk_norm, **kw)
     settings = {**base.keywords, "bias": biases[0], "causal": True}
     if softcap is not None:
         settings["softcap"] = softcap
+    if qk_layernorm is not None:
+        settings["qk_layernorm"] = qk_layernorm
     return functools.partial(make_attention, hf.req("hidden_size"), hf.req("num_attention_heads"), settings,
                              biases[1], temperature)
 
@@ -490,14 +498,16 @@ def _decoder_with(hf: HFConfig, blocks: Sequence[nn.Module], norm: nn.Module, *,
 
 def build_cohere(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
     """Command R (``cohere``): Cohere2's parallel layer with interleaved RoPE on every layer, no
-    windows; ``use_qk_norm`` (per-head LayerNorms with per-head weights) refused (module docstring)."""
-    parts.unsupported_keys(hf, {"use_qk_norm": lambda v: not v})
+    windows; ``use_qk_norm`` (Command R+): bias-free LayerNorms per query / key head, with a weight
+    row per head, before RoPE (module docstring)."""
     C, _, depth, D = parts.dims(hf)
     eps, kw = hf.get("layer_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
     bias = hf.get("attention_bias", False, bool)
     norm = functools.partial(nn.LayerNorm, C, eps=eps, bias=False, **kw)
     ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
-    attn = _attention(hf, window=None, rope=_rope(hf, D, interleaved=True), biases=(bias, bias), kw=kw)
+    qk = QKLayerNorm(per_head=True, bias=False, eps=eps) if hf.get("use_qk_norm", False, bool) else None
+    attn = _attention(hf, window=None, rope=_rope(hf, D, interleaved=True), biases=(bias, bias), qk_layernorm=qk,
+                      kw=kw)
     blocks: list[nn.Module] = [ParallelBlock(C, BlockLayers(attention=attn, feed_forward=ffn, norm=norm))
                                for _ in range(depth)]
     return parallel_decoder(hf, blocks, norm, eps, head_size, kw)
@@ -1250,6 +1260,8 @@ def put_layer(hf: HFConfig, family: Family, plan: Plan, i: int) -> None:
             plan.put(f"{o}attn.frontier.{n}_weight", f"{h}{n}.weight")
     if family.sinks:
         plan.put(f"{o}attn.frontier.sinks", f"{h}sinks")
+    if hf.get("use_qk_norm", False, bool):  # Command R+'s per-head LayerNorms (the only dense family with the key)
+        plan.put_pairs(f"{o}attn.", h, [("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")], bias=False)
     family.ffn(hf, plan, f"{o}ffn.", f"layers.{i}.mlp.")
     for ours, theirs in family.norms(hf) if callable(family.norms) else family.norms:
         plan.put(f"{o}{ours}.weight", f"layers.{i}.{theirs}.weight", family.norm_transform)
