@@ -85,10 +85,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families.glm5_next as glm5_next
 from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.families._moe import put_moe
-from attnzoo.models.families.glm5_next import ClampedMoE, ClampedSwiGLU, HyperBlock, HyperConnection
 from attnzoo.models.families.kimi_linear import saved_names
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.loop import StreamsLM
@@ -471,7 +471,7 @@ class V4Attention(nn.Module):
 
 
 # --------------------------------------------------------------------------- feed-forward
-class V4MoE(ClampedMoE):
+class V4MoE(glm5_next.ClampedMoE):
     """V4's MoE (see the module docstring): :class:`~attnzoo.models.families.glm5_next.ClampedMoE`'s
     clamped SwiGLU experts and shared expert, routed by ``scoring`` (``"sqrtsoftplus"``: ``sqrt(softplus(l))``,
     or ``"sigmoid"``) scores, the top ``k`` of ``score + score_bias`` or, with ``vocab`` (a ``hash_moe``
@@ -486,7 +486,7 @@ class V4MoE(ClampedMoE):
                  dtype: torch.dtype | None = None) -> None:
         if scoring not in ("sqrtsoftplus", "sigmoid"):
             raise ValueError(f"V4MoE: scoring must be 'sqrtsoftplus' or 'sigmoid', got {scoring!r}")
-        shared = ClampedSwiGLU(dim, hidden, limit, device=device, dtype=dtype)
+        shared = glm5_next.ClampedSwiGLU(dim, hidden, limit, device=device, dtype=dtype)
         super().__init__(dim, hidden, num_experts, top_k, routing=Routing("sigmoid_topk", scaling=scaling),
                          limit=limit, shared_expert=shared, device=device, dtype=dtype)
         self.scoring = scoring
@@ -541,7 +541,7 @@ class HyperHead(nn.Module):
         return ((pre + self.eps).unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
 
 
-class V4Block(HyperBlock):
+class V4Block(glm5_next.HyperBlock):
     """One V4 layer on the residual streams (GLM-5-Next's :class:`HyperBlock` parts, its own forward): ``attn_hc`` -> ``attn_norm`` -> ``attn``
     (:class:`V4Attention`), then ``ffn_hc`` -> ``ffn_norm`` -> ``ffn`` (:class:`V4MoE`, given the
     token ids); each result merged into the streams by its hyper-connection (l. 1148-1199).
@@ -703,7 +703,7 @@ def _layer(hf: HFConfig, i: int, ropes: dict[str, InterleavedRope], kw: dict[str
     ffn = V4MoE(C, hf.req("moe_intermediate_size"), hf.req("n_routed_experts"), hf.req("num_experts_per_tok"),
                 scoring=hf.req("scoring_func", str), scaling=hf.req("routed_scaling_factor", float),
                 limit=hf.req("swiglu_limit", float), vocab=hf.req("vocab_size") if hashed else None, **kw)
-    hc = functools.partial(HyperConnection, C, hf.req("hc_mult"), iters=hf.req("hc_sinkhorn_iters"),
+    hc = functools.partial(glm5_next.HyperConnection, C, hf.req("hc_mult"), iters=hf.req("hc_sinkhorn_iters"),
                            eps=hf.req("hc_eps", float), norm_eps=eps, device=kw["device"], dtype=torch.float32)
     norm = functools.partial(V4RMSNorm, C, eps, device=kw["device"])
     return V4Block(_attention(hf, i, ropes, kw), ffn, norm, hc)
@@ -752,9 +752,7 @@ def _put_layer(plan: Plan, hf: HFConfig, i: int) -> None:
     plan.put_pairs(f"{o}ffn.shared_expert.", f"{h}mlp.shared_experts.",
                    [(n, n) for n in ("gate_proj", "up_proj", "down_proj")], bias=False)
     plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
-    for hc in ("attn_hc", "ffn_hc"):
-        for n in ("fn", "base", "scale"):
-            plan.put(f"{o}{hc}.{n}", f"{h}{hc}.{n}")
+    glm5_next.put_hyper_connections(plan, o, h)
 
 
 def convert_deepseek_v4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> nn.Module:

@@ -95,7 +95,7 @@ from attnzoo.nn.recurrent import wide
 
 __all__ = ["DEFAULTS", "DISPATCH", "BoundedKDA", "ClampedMoE", "ClampedSwiGLU", "DSAIndexer", "Glm5NextLM",
            "HyperBlock", "HyperConnection", "IndexedCache", "IndexedLatentAttention", "build_glm5_next", "canonical",
-           "convert_glm5_next", "text_key"]
+           "convert_glm5_next", "put_hyper_connections", "text_key"]
 
 #: ``Glm5NextTextConfig``'s defaults of the keys read here, for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, Any] = {
@@ -655,9 +655,14 @@ def _put_layer(plan: Plan, hf: HFConfig, i: int) -> None:
     else:
         parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
     plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
-    for hc in ("attn_hc", "ffn_hc"):
-        for n in ("fn", "base", "scale"):
-            plan.put(f"{o}{hc}.{n}", f"{h}{hc}.{n}")
+    put_hyper_connections(plan, o, h)
+
+
+def put_hyper_connections(plan: Plan, ours: str, theirs: str) -> None:
+    """Plan a layer's two hyper-connections, ``{ours}attn_hc`` / ``{ours}ffn_hc`` (``fn``, ``base``,
+    ``scale``), from the same names under ``theirs`` (GLM-5-Next, DeepSeek-V4, HY-V4)."""
+    for name in (f"{hc}.{n}" for hc in ("attn_hc", "ffn_hc") for n in ("fn", "base", "scale")):
+        plan.put(ours + name, theirs + name)
 
 
 def convert_glm5_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> Glm5NextLM:

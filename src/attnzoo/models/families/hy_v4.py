@@ -77,7 +77,7 @@ from attnzoo.models.config import DecoderConfig
 from attnzoo.models.families._moe import put_moe
 from attnzoo.models.families.deepseek import IndexedLatentAttention, LightningTopK
 from attnzoo.models.families.deepseek_v4 import DeepseekV4LM, HyperHead
-from attnzoo.models.families.glm5_next import ClampedMoE, HyperBlock
+from attnzoo.models.families.glm5_next import ClampedMoE, HyperBlock, put_hyper_connections
 from attnzoo.models.families.kimi_linear import put_mla, saved_names
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.deepseek import extra_layer, mla_rope
@@ -397,8 +397,7 @@ def _put_layer(plan: Plan, hf: HFConfig, i: int) -> None:
         put_moe(plan, f"{o}ffn.", f"{h}mlp.", "stacked")
         plan.put(f"{o}ffn.score_bias", f"{h}mlp.gate.e_score_correction_bias")
     plan.put_pairs(o, h, parts.PRE_NORMS, bias=False)
-    for name in (f"{hc}.{n}" for hc in ("attn_hc", "ffn_hc") for n in ("fn", "base", "scale")):
-        plan.put(o + name, h + name)
+    put_hyper_connections(plan, o, h)
 
 
 def convert_hy_v4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> HYV4LM:
