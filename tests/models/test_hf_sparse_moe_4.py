@@ -299,7 +299,7 @@ def test_structure() -> None:
     unclipped = from_hf(checks.hf_model(_dbrx(attn_config={"clip_qkv": None})))
     assert all(b.attn.clip is None for b in unclipped.blocks)
 
-    from attnzoo.models.families._dory import DoryAttention, DoryLayer, DoryLM, L2Norm
+    from attnzoo.models.families.dory import DoryAttention, DoryLayer, DoryLM, L2Norm
 
     hf = checks.hf_model(_dory())
     ours = from_hf(hf)
@@ -553,7 +553,7 @@ def test_dory_layouts_it_cannot_read_are_refused() -> None:
     """A ``recurrent_kv_cache_mode`` transformers' config would not take, and sections that do not
     add up to the layers."""
     from attnzoo.interop import UnsupportedConfigError
-    from attnzoo.models.families._dory import canonical
+    from attnzoo.models.families.dory import canonical
     from attnzoo.models.hf._state import HFConfig
     from attnzoo.models.hf.errors import CheckpointFormatError
 

@@ -7,7 +7,7 @@ its ``modular_phimoe.py``). Line numbers are transformers 5.25's ``models/<famil
 (``configuration_<family>.py`` where it says so); the third batch (Mellum, Flint, Kolibri-1) cites
 ``modular_<family>.py``; the fourth: GraniteMoeShared (``granitemoeshared``), FlexOlmo (``flex_olmo``),
 Param2-MoE (``param2moe``), Sarvam-MoE (``sarvam_moe``), Cohere2-MoE (``cohere2_moe``), DBRX (``dbrx``),
-Kolibri 1.1 (``kolibri1_1``) and Dory (``dory``, in ``families/_dory.py``).
+Kolibri 1.1 (``kolibri1_1``); Dory, once a row here, is its own module (``families/dory.py``).
 
 Every layer is LLaMA's pre-norm layer (RMSNorm, GQA with RoPE on the whole head, no residual
 scaling) whose feed-forward is, on the *sparse* layers, a
@@ -184,8 +184,8 @@ The fourth batch (``modeling_<family>.py`` line numbers):
   ``rope_parameters`` (default 1e4) and ignores ``attn_config.rope_theta`` (the released
   checkpoints put 5e5 there; attnzoo follows transformers), and its attention cannot run without a
   ``clip_qkv`` (``clamp(None, None)``); attnzoo runs both.
-* **Dory** (``dory``): no MoE: an nGPT decoder whose middle layers run several times; a row whose
-  ``Variant.own`` builds and converts it in ``families/_dory.py`` (see there).
+* **Dory** (``dory``): no MoE (an nGPT decoder whose middle layers run several times): its own
+  module, ``families/dory.py``.
 * **Kolibri 1.1** (``kolibri1_1``; 43-189, 259-560): Kolibri-1's layer (GLM-4's four norms) and
   MoE (:class:`LogitBiasSigmoidMoE` + ungated shared expert) with ``mlp_only_layers`` (default the
   first two) dense SwiGLUs of ``mlp_only_intermediate_size``; ``layer_types`` ``sliding_attention``
@@ -240,7 +240,6 @@ from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.models._common import LayerCaches
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._dory import build_dory, convert_dory
 from attnzoo.models.families._moe import (
     deepseek_moe,
     moe_from_config,
@@ -297,7 +296,6 @@ class Variant:
     olmo2_norms: bool = False  # OLMo 2's RMSNorms on the sub-layer outputs only (FlexOlmo)
     aliases: tuple[tuple[str, str], ...] = ()
     parallel: bool = False  # Cohere2-MoE: the attention and the MoE side by side on one normed input
-    own: tuple[Any, Any] | None = None  # (builder, converter) of a family built elsewhere (Dory: families/_dory.py)
     indexed: bool = False  # Kolibri 1.1: sliding and indexed layers (:class:`IndexedAttention`), KV sharing  # (a config's other name, the key read here), as attribute_map maps them
 
 
@@ -347,7 +345,6 @@ VARIANTS: dict[str, Variant] = {
     "dbrx": Variant("DBRX", ("DbrxForCausalLM", "DbrxModel"), routing="dbrx", width="intermediate_size",
                     aliases=(("d_model", "hidden_size"), ("n_heads", "num_attention_heads"),
                              ("n_layers", "num_hidden_layers"), ("max_seq_len", "max_position_embeddings"))),
-    "dory": Variant("Dory", ("DoryForCausalLM", "DoryModel"), own=(build_dory, convert_dory)),
     "granitemoeshared": Variant("GraniteMoeShared", ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedModel"),
                                 routing="granite", width="intermediate_size", granite=True),
     "flex_olmo": Variant("FlexOlmo", ("FlexOlmoForCausalLM", "FlexOlmoModel"), qk_norm="all", width="intermediate_size",
@@ -583,12 +580,6 @@ def _rotates(hf: HFConfig, variant: Variant, kinds: list[str]) -> list[bool]:
     return [k == "sliding_attention" for k in kinds]
 
 
-def _own(hf: HFConfig) -> tuple[Any, Any] | None:
-    """The ``(builder, converter)`` of a row built outside this module (Dory), else ``None``."""
-    variant = VARIANTS.get(str(hf.raw("model_type")))
-    return None if variant is None else variant.own
-
-
 def _read(hf: HFConfig) -> tuple[HFConfig, str]:
     """``(hf with its family's defaults, model_type)``, the options it cannot reproduce refused."""
     model_type = str(hf.raw("model_type"))
@@ -749,9 +740,6 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
                      dtype: Any = None) -> DecoderLM:
     """The decoder of a sparse-MoE config of the LLaMA line (random weights; the family is the
     config's ``model_type``; see the module docstring)."""
-    own = _own(hf)
-    if own is not None:
-        return own[0](hf, head_size=head_size, device=device, dtype=dtype)  # type: ignore[no-any-return]
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
@@ -899,9 +887,6 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     """Build the decoder and copy the weights (the head follows them; Mistral's saved MoE names
     too; the multi-token-prediction layers of GLM-4.5 / HY-V3 (``layers.{j >= depth}``) and of
     ERNIE-4.5 / EXAONE-MoE (``mtp.*``) dropped)."""
-    own = _own(hf)
-    if own is not None:
-        return own[1](hf, sd, device=device, dtype=dtype)  # type: ignore[no-any-return]
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
     if model_type == "dbrx":

@@ -27,6 +27,7 @@ import attnzoo.models.families.deepseek_v4 as deepseek_v4
 import attnzoo.models.families.dense as dense
 import attnzoo.models.families.diffllama as diffllama
 import attnzoo.models.families.doge as doge
+import attnzoo.models.families.dory as dory
 import attnzoo.models.families.dots3 as dots3
 import attnzoo.models.families.falcon_h1 as falcon_h1
 import attnzoo.models.families.gemma3 as gemma3
@@ -84,7 +85,7 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
                   cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
-                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3)
+                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, dory)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",

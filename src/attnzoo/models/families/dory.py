@@ -67,7 +67,7 @@ from attnzoo.nn.packing import REFUSAL
 from attnzoo.nn.parts import AttentionParts, OutputGate
 from attnzoo.nn.positional import resolve_positions
 
-__all__ = ["DEFAULTS", "DoryAttention", "DoryHead", "DoryLM", "DoryLayer", "DoryMLP", "L2Norm",
+__all__ = ["DEFAULTS", "DISPATCH", "DoryAttention", "DoryHead", "DoryLM", "DoryLayer", "DoryMLP", "L2Norm",
            "ScaledOutputGate", "build_dory", "canonical", "convert_dory", "l2_norm"]
 
 TYPES = ("sliding_attention", "full_attention")
@@ -364,3 +364,7 @@ def convert_dory(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
         plan.put("lm_head.logit_scale", "lm_head.logit_scale")
     plan.apply(model, ignore=patterns)
     return model
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {"dory": parts.Dispatch("Dory", convert_dory, ("DoryForCausalLM", "DoryModel"))}
