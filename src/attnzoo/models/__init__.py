@@ -20,7 +20,7 @@ from attnzoo.models.decoder import DecoderLM, sample_next_token
 from attnzoo.models.encoder import TransformerEncoder, cls_pool, max_pool, mean_pool
 from attnzoo.models.legacy import decoder_from_dict
 from attnzoo.models.loop import LayerLoopLM
-from attnzoo.models.parts import DecoderParts, LMHead, ScaledEmbedding
+from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding
 from attnzoo.models.seq2seq import Transformer
 from attnzoo.models.vit import VisionTransformer
 
@@ -30,6 +30,7 @@ __all__ = [
     "DecoderLM",
     "DecoderParts",
     "EncoderConfig",
+    "EncoderParts",
     "LMHead",
     "LayerCaches",
     "LayerLoopLM",

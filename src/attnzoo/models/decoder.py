@@ -32,7 +32,7 @@ from attnzoo.models._common import (
     rotary_for,
 )
 from attnzoo.models.config import DecoderConfig
-from attnzoo.models.parts import DecoderParts, LMHead
+from attnzoo.models.parts import Blocks, DecoderParts, LMHead, given_blocks
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
@@ -119,23 +119,16 @@ def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float 
 _BLOCK_FIELDS = ("attention", "attention_kwargs", "num_kv_heads", "ffn", "ffn_hidden")
 
 
-def _given_blocks(blocks: object, cfg: DecoderConfig) -> list[nn.Module]:
+def _given_blocks(blocks: Blocks, cfg: DecoderConfig) -> list[nn.Module]:
     """``blocks``: one module per layer, or a factory ``layer -> module``; checked against ``cfg``."""
     owner = "DecoderLM"
-    if callable(blocks) and not isinstance(blocks, nn.Module):
-        blocks = [blocks(i) for i in range(cfg.depth)]
-    if isinstance(blocks, nn.Module) or not isinstance(blocks, Sequence):
-        raise TypeError(f"{owner}: blocks must be a list of modules (one per layer) or a callable layer -> module, "
-                        f"got {type(blocks).__name__}")
-    if len(blocks) != cfg.depth or not all(isinstance(b, nn.Module) for b in blocks):
-        raise ValueError(f"{owner}: blocks must hold depth={cfg.depth} nn.Module entries, got "
-                         f"{[type(b).__name__ for b in blocks]}")
+    given = given_blocks(blocks, cfg.depth, owner)
     defaults = DecoderConfig(1, 1, 1, 1)
     stray = [f for f in _BLOCK_FIELDS if getattr(cfg, f) != getattr(defaults, f)]
     if stray:
         raise ValueError(f"{owner}: blocks=... are built by the caller, so {stray} would be ignored; build those "
                          f"settings into the blocks")
-    return list(blocks)
+    return given
 
 
 def shared_rotaries(cfg: DecoderConfig) -> dict[int, nn.Module]:

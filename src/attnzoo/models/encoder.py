@@ -19,6 +19,7 @@ from attnzoo.models._common import (
     rotary_for,
 )
 from attnzoo.models.config import EncoderConfig
+from attnzoo.models.parts import EncoderParts, given_blocks
 
 __all__ = ["POOLINGS", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
 
@@ -121,33 +122,51 @@ class TransformerEncoder(FromConfig, nn.Module):
     def __init__(self, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
                  num_heads: int | None = None, *, attention: AttentionSpec | None = None,
                  max_seq_len: int | None = None, pos: str | None = None, type_vocab_size: int | None = None,
-                 config: EncoderConfig | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 config: EncoderConfig | None = None, parts: EncoderParts | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        cfg = EncoderConfig.resolve(config, "TransformerEncoder", {
+        owner = "TransformerEncoder"
+        cfg = EncoderConfig.resolve(config, owner, {
             "vocab_size": vocab_size, "dim": dim, "depth": depth, "num_heads": num_heads, "attention": attention,
             "max_seq_len": max_seq_len, "pos": pos, "type_vocab_size": type_vocab_size})
+        if parts is None:
+            parts = EncoderParts()
+        elif not isinstance(parts, EncoderParts):
+            raise TypeError(f"{owner}: parts must be an EncoderParts, got {type(parts).__name__}")
+        for field, part in (("mlm_head", parts.mlm), ("num_labels", parts.classifier)):
+            if part is not None and getattr(cfg, field):
+                raise ValueError(f"{owner}: {field}={getattr(cfg, field)!r} builds the head that "
+                                 f"EncoderParts gives; keep one of them")
         self.config = cfg
         self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
         self.max_seq_len, self.type_vocab_size, self.pos = cfg.max_seq_len, cfg.type_vocab_size, cfg.pos
         self.embed_scale = None if cfg.embed_scale is None else float(cfg.embed_scale)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
-        self.pos_emb = position_table(cfg.pos, cfg.dim, cfg.max_seq_len, **kw)
-        self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.dim, **kw) if cfg.type_vocab_size else None
-        use_embed_norm = (not cfg.norm_first) if cfg.embed_norm is None else cfg.embed_norm
+        self.embedding = parts.embedding
+        own = parts.embedding is None
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw) if own else None
+        self.pos_emb = position_table(cfg.pos, cfg.dim, cfg.max_seq_len, **kw) if own else None
+        self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.dim, **kw) if own and cfg.type_vocab_size else None
+        use_embed_norm = own and ((not cfg.norm_first) if cfg.embed_norm is None else cfg.embed_norm)
         self.embed_norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_embed_norm \
             else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
-        block = self.block_config(cfg)
-        self.blocks = nn.ModuleList([TransformerBlock(config=block, **kw) for _ in range(cfg.depth)])
+        self.given_blocks = parts.blocks is not None
+        self.blocks = nn.ModuleList(given_blocks(parts.blocks, cfg.depth, owner) if parts.blocks is not None else [
+            TransformerBlock(config=self.block_config(cfg), **kw) for _ in range(cfg.depth)])
         use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm
-        self.norm: nn.Module = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
+        self.norm: nn.Module = parts.norm if parts.norm is not None else \
+            make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if use_final else nn.Identity()
         self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler else None
-        self.classifier = nn.Linear(cfg.dim, cfg.num_labels, **kw) if cfg.num_labels else None
-        self.mlm = MaskedLMHead(cfg, **kw) if cfg.mlm_head else None
-        init_weights(self, depth=cfg.depth)
-        if self.mlm is not None:
+        self.classifier = nn.Linear(cfg.dim, cfg.num_labels, **kw) if cfg.num_labels else parts.classifier
+        self.mlm = MaskedLMHead(cfg, **kw) if cfg.mlm_head else parts.mlm
+        self._given_heads = parts.classifier is not None, parts.mlm is not None
+        given = {name for name, part in (("embedding", parts.embedding), ("blocks", parts.blocks), ("norm", parts.norm),
+                                         ("mlm", parts.mlm), ("classifier", parts.classifier)) if part is not None}
+        for name, child in self.named_children():  # given parts keep their own weights
+            if name not in given:
+                init_weights(child, depth=cfg.depth)
+        if cfg.mlm_head and self.mlm is not None and self.tok_emb is not None:
             self.mlm.decoder.weight = self.tok_emb.weight
 
     @staticmethod
@@ -164,7 +183,11 @@ class TransformerEncoder(FromConfig, nn.Module):
                            ffn=cfg.ffn, ffn_hidden=cfg.ffn_hidden, dropout=cfg.dropout, bias=cfg.bias)
 
     def embed(self, tokens: Tensor, token_type_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
-        """Token + position + type embeddings (normalised when ``embed_norm``): ``[B, N, C]``."""
+        """Token + position + type embeddings (normalised when ``embed_norm``), or the given
+        ``EncoderParts.embedding``: ``[B, N, C]``."""
+        if self.embedding is not None:
+            return self.drop(self.embedding(tokens, token_type_ids, positions))
+        assert self.tok_emb is not None  # built when no embedding part is given
         x = self.tok_emb(tokens)  # [B, N, C]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -190,11 +213,12 @@ class TransformerEncoder(FromConfig, nn.Module):
         owner = "TransformerEncoder"
         check_tokens(tokens, self.vocab_size, owner)
         B, n = tokens.shape
-        if self.pos in ("learned", "sinusoidal") and positions is None and n > self.max_seq_len:
+        if self.pos in ("learned", "sinusoidal") and self.pos_emb is not None and positions is None \
+                and n > self.max_seq_len:
             raise ValueError(f"{owner}: {n} tokens is longer than the model's {self.max_seq_len} positions "
                              f"(max_seq_len)")
         if token_type_ids is not None:
-            if self.type_emb is None:
+            if not self.type_vocab_size:
                 raise ValueError(f"{owner}: token_type_ids given but the model has no token types "
                                  f"(type_vocab_size=0)")
             check_tokens(token_type_ids, self.type_vocab_size, owner, "token_type_ids")
@@ -205,7 +229,7 @@ class TransformerEncoder(FromConfig, nn.Module):
         if attention_mask is not None:
             am = check_padding_mask(attention_mask, B, n, owner)
             kp = am  # [B, N]
-        attn_pos = positions if self.pos == "rope" else None
+        attn_pos = positions if self.pos == "rope" or self.given_blocks else None
         x = self.embed(tokens, token_type_ids, None if self.pos == "rope" else positions)
         for block in self.blocks:
             x = block(x, key_padding=kp, positions=attn_pos)  # [B, N, C]
@@ -217,11 +241,14 @@ class TransformerEncoder(FromConfig, nn.Module):
             raise ValueError("TransformerEncoder: this model has no pooler (build it with pooler=True)")
         return torch.tanh(self.pooler(cls_pool(hidden)))
 
-    def classify(self, hidden: Tensor) -> Tensor:
+    def classify(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Sequence-classification logits ``classifier(pooler_output(hidden))``: ``[B, N, C] -> [B, L]``
-        (BERT's ``BertForSequenceClassification``; needs ``num_labels``)."""
+        (BERT's ``BertForSequenceClassification``; needs ``num_labels``), or the given
+        ``EncoderParts.classifier`` with its own pooling over the real tokens of ``attention_mask [B, N]``."""
         if self.classifier is None:
             raise ValueError("TransformerEncoder: this model has no classifier (build it with num_labels=...)")
+        if self._given_heads[0]:
+            return self.classifier(_check_hidden(hidden, "TransformerEncoder.classify"), attention_mask)
         return self.classifier(self.pooler_output(hidden))
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:

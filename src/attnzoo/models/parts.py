@@ -1,4 +1,5 @@
-"""The parts a :class:`~attnzoo.DecoderLM` is assembled from, for builders that inject them.
+"""The parts a :class:`~attnzoo.DecoderLM` (or a :class:`~attnzoo.TransformerEncoder`) is assembled
+from, for builders that inject them.
 
 A decoder is a token embedding, a list of blocks, a final norm and a head. By default
 ``DecoderLM`` builds all four from its :class:`~attnzoo.models.DecoderConfig`; a family builder
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int, check_positive_float
 
-__all__ = ["DecoderParts", "LMHead", "ScaledEmbedding", "head_for"]
+__all__ = ["DecoderParts", "EncoderParts", "LMHead", "ScaledEmbedding", "given_blocks", "head_for"]
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -130,7 +131,61 @@ class DecoderParts:
             value = getattr(self, name)
             if value is not None and not isinstance(value, nn.Module):
                 raise TypeError(f"{owner}: {name} must be an nn.Module or None, got {type(value).__name__}")
-        b = self.blocks
-        if b is not None and (isinstance(b, nn.Module) or not (callable(b) or isinstance(b, Sequence))):
-            raise TypeError(f"{owner}: blocks must be a list of modules (one per layer) or a callable "
-                            f"layer -> module, got {type(b).__name__}")
+        _check_blocks(self.blocks, owner)
+
+
+def _check_blocks(b: object, owner: str) -> None:
+    if b is not None and (isinstance(b, nn.Module) or not (callable(b) or isinstance(b, Sequence))):
+        raise TypeError(f"{owner}: blocks must be a list of modules (one per layer) or a callable "
+                        f"layer -> module, got {type(b).__name__}")
+
+
+def given_blocks(blocks: Blocks, depth: int, owner: str) -> list[nn.Module]:
+    """``blocks`` of a parts object as a list of ``depth`` modules (a factory is called per layer)."""
+    if callable(blocks) and not isinstance(blocks, nn.Module):
+        blocks = [blocks(i) for i in range(depth)]
+    _check_blocks(blocks, owner)
+    if len(blocks) != depth or not all(isinstance(b, nn.Module) for b in blocks):
+        raise ValueError(f"{owner}: blocks must hold depth={depth} nn.Module entries, got "
+                         f"{[type(b).__name__ for b in blocks]}")
+    return list(blocks)
+
+
+@dataclass(frozen=True)
+class EncoderParts:
+    """Modules a :class:`~attnzoo.TransformerEncoder` takes as they are instead of building them from
+    its :class:`~attnzoo.models.EncoderConfig` (each ``None``: built from the config), so that an
+    encoder family (RoBERTa's padding-offset positions, ModernBERT's local/global layers, DeBERTa's
+    disentangled attention) is a builder of parts rather than config flags::
+
+        enc = TransformerEncoder(config=EncoderConfig(V, C, L, H, pos="none"),
+                                 parts=EncoderParts(blocks=[my_block(i) for i in range(L)]))
+
+    Fields:
+        embedding: ``embedding(tokens [B, N], token_type_ids [B, N] | None, positions [B, N] | None)
+            -> [B, N, C]``: the whole input embedding (tokens, positions, types, its norm) in place
+            of the config's ``tok_emb`` / ``pos_emb`` / ``type_emb`` / ``embed_norm`` (then not built).
+        blocks: one module per layer (``depth`` of them) or a factory ``layer -> module``, each
+            called ``block(x [B, N, C], key_padding=[B, N] bool | None, positions=[B, N] | None)``
+            (positions as given to the encoder). The config's block fields (``attention``,
+            ``attention_kwargs``, ``ffn``, ``ffn_hidden``, ``norm_first``) are then not used.
+        norm: the final norm (default: the config's ``final_norm``); ``nn.Identity()`` for none.
+        mlm: the masked-LM head ``[B, N, C] -> [B, N, V]`` of :meth:`~attnzoo.TransformerEncoder.mlm_logits`
+            (ties, if any, are the builder's).
+        classifier: the sequence classifier ``(hidden [B, N, C], attention_mask [B, N] | None) -> [B, L]``
+            of :meth:`~attnzoo.TransformerEncoder.classify`, its pooling included.
+    """
+
+    embedding: nn.Module | None = None
+    blocks: Blocks | None = None
+    norm: nn.Module | None = None
+    mlm: nn.Module | None = None
+    classifier: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        owner = "EncoderParts"
+        for name in ("embedding", "norm", "mlm", "classifier"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, nn.Module):
+                raise TypeError(f"{owner}: {name} must be an nn.Module or None, got {type(value).__name__}")
+        _check_blocks(self.blocks, owner)

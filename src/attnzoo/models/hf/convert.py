@@ -19,9 +19,11 @@ import attnzoo.models.families.apertus1p5 as apertus1p5
 import attnzoo.models.families.bailing_hybrid as bailing_hybrid
 import attnzoo.models.families.bamba as bamba
 import attnzoo.models.families.beam as beam
+import attnzoo.models.families.bert_kin as bert_kin
 import attnzoo.models.families.classic as classic
 import attnzoo.models.families.cohere_compass as cohere_compass
 import attnzoo.models.families.cwm as cwm
+import attnzoo.models.families.deberta as deberta
 import attnzoo.models.families.deepseek as deepseek
 import attnzoo.models.families.deepseek_v4 as deepseek_v4
 import attnzoo.models.families.dense as dense
@@ -54,6 +56,8 @@ import attnzoo.models.families.mamba2 as mamba2
 import attnzoo.models.families.mimo_v2_flash as mimo_v2_flash
 import attnzoo.models.families.minimax as minimax
 import attnzoo.models.families.minimax_m3 as minimax_m3
+import attnzoo.models.families.modernbert as modernbert
+import attnzoo.models.families.mpnet as mpnet
 import attnzoo.models.families.nemotron_h as nemotron_h
 import attnzoo.models.families.neox as neox
 import attnzoo.models.families.olmo3 as olmo3
@@ -62,9 +66,12 @@ import attnzoo.models.families.qwen3_5 as qwen3_5
 import attnzoo.models.families.qwen3_next as qwen3_next
 import attnzoo.models.families.qwen4_exp as qwen4_exp
 import attnzoo.models.families.recurrent_gemma as recurrent_gemma
+import attnzoo.models.families.roberta as roberta
+import attnzoo.models.families.rope_bert as rope_bert
 import attnzoo.models.families.rwkv as rwkv
 import attnzoo.models.families.smollm3 as smollm3
 import attnzoo.models.families.sparse_moe as sparse_moe
+import attnzoo.models.families.t5_encoder as t5_encoder
 import attnzoo.models.families.xlstm as xlstm
 import attnzoo.models.families.zamba as zamba
 import attnzoo.models.families.zamba2 as zamba2
@@ -85,7 +92,8 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
                   cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
-                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, dory)
+                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, dory, roberta, bert_kin, modernbert, deberta,
+                  mpnet, t5_encoder, rope_bert)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
