@@ -28,7 +28,7 @@ import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
 import test_hf_multimodal as multimodal  # noqa: E402
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo import DecoderLM  # noqa: E402
+from attnzoo import DecoderLM, TransformerEncoder  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
     MODEL_TYPES,
     ExportError,
@@ -37,7 +37,8 @@ from attnzoo.interop import (  # noqa: E402
     save_pretrained,
     to_hf,
 )
-from attnzoo.models.config import DecoderConfig, Rope  # noqa: E402
+from attnzoo.models import EncoderParts  # noqa: E402
+from attnzoo.models.config import DecoderConfig, EncoderConfig, Rope  # noqa: E402
 from attnzoo.models.hf.save import hf_config  # noqa: E402
 
 T = transformers
@@ -302,8 +303,57 @@ def test_a_native_decoder_no_family_has_is_refused(settings: dict[str, Any], why
     ours = DecoderLM(config=DecoderConfig(lineage.V, 64, 2, 8, **settings))
     with pytest.raises(ExportError, match=re.escape(why)):
         hf_config(ours)
-    with pytest.raises(TypeError, match="hf_config: model must be a DecoderLM, got Linear"):
+    with pytest.raises(TypeError, match="hf_config: model must be a DecoderLM or a TransformerEncoder, got Linear"):
         hf_config(torch.nn.Linear(2, 2))
+
+
+ENCODERS = {  # native BERT-shaped encoders (the heads pick the class) -> the transformers class
+    "BertModel": dict(pooler=True), "BertModel_no_pooler": dict(pooler=False, ffn="gelu_tanh"),
+    "BertForMaskedLM": dict(pooler=False, mlm_head=True), "BertForSequenceClassification": dict(num_labels=3)}
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_a_native_bert_shaped_encoder_exports_as_bert(name: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = EncoderConfig.preset("bert", vocab_size=lineage.V, dim=32, depth=2, num_heads=4, ffn_hidden=48,
+                               max_seq_len=32, **ENCODERS[name])
+    ours = TransformerEncoder(config=cfg)
+    with torch.no_grad():
+        for p in ours.parameters():  # no parameter left at its initial 0 / 1
+            p.add_(torch.randn_like(p) * 0.1)
+    ours.eval()
+    hf = to_hf(ours)
+    assert type(hf).__name__ == name.removesuffix("_no_pooler")
+    x, mask = checks.padded(12)
+    save_pretrained(ours, tmp_path)
+    reloaded = getattr(T, type(hf).__name__).from_pretrained(tmp_path).eval()
+    again = load_pretrained(tmp_path)
+    with torch.no_grad():
+        hidden = ours(x, attention_mask=mask)
+        if cfg.num_labels:
+            want, got = ours.classify(hidden), reloaded(input_ids=x, attention_mask=mask).logits
+        elif cfg.mlm_head:
+            want, got = ours.mlm_logits(hidden), reloaded(input_ids=x, attention_mask=mask).logits
+        else:
+            want, got = hidden, reloaded(input_ids=x, attention_mask=mask).last_hidden_state
+        keep = mask.bool() if want.dim() == 3 else slice(None)
+        assert checks.rel(got[keep], want[keep]) <= 1e-5
+        assert checks.rel(again(x, attention_mask=mask)[mask.bool()], hidden[mask.bool()]) <= 1e-6
+
+
+@pytest.mark.parametrize(("settings", "why"), [
+    (dict(norm_first=True), "norm_first=True"), (dict(pos="sinusoidal"), "pos='sinusoidal'"),
+    (dict(type_vocab_size=0), "type_vocab_size=0"), (dict(ffn="swiglu"), "ffn='swiglu'"),
+    (dict(mlm_head=True), "a pooler and a masked-LM head together")])
+def test_a_native_encoder_bert_cannot_hold_is_refused(settings: dict[str, Any], why: str) -> None:
+    cfg = EncoderConfig.preset("bert", vocab_size=lineage.V, dim=32, depth=2, num_heads=4, ffn_hidden=48,
+                               max_seq_len=32, **settings)
+    with pytest.raises(ExportError, match=re.escape(why)):
+        hf_config(TransformerEncoder(config=cfg))
+    enc = TransformerEncoder(config=EncoderConfig(lineage.V, 32, 2, 4), parts=EncoderParts(norm=torch.nn.Identity(),
+                                                                                         embedding=torch.nn.Identity()))
+    with pytest.raises(ExportError, match="built from given parts"):
+        hf_config(enc)
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])

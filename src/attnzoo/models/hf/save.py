@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from attnzoo.models.config import Rope
 from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, recorded_plans
 from attnzoo.models.hf.convert import MODEL_TYPES, _build, read_config
 from attnzoo.models.hf.errors import WeightLoadError
@@ -247,6 +248,39 @@ def _rope_keys(rope: Rope) -> dict[str, Any]:
     return {"rope_parameters": params}
 
 
+#: attnzoo feed-forward activations -> BERT's ``hidden_act``
+_BERT_ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+
+
+def _refuse_encoder(why: str) -> ExportError:
+    return ExportError(f"hf_config: {why}; a native TransformerEncoder exports as BERT (pos='learned', "
+                       "norm='layer', norm_first=False, embed_norm, no final norm, bias=True, attention='mha', "
+                       "type_vocab_size >= 1, ffn gelu / gelu_tanh / relu / silu, no parts given)")
+
+
+def _bert_config(model: TransformerEncoder) -> dict[str, Any]:
+    """The ``BertConfig`` (as a dict) of a native encoder of BERT's architecture, and its class in
+    ``"architectures"`` (``BertModel``, ``BertForMaskedLM`` or ``BertForSequenceClassification``)."""
+    cfg = model.config
+    if model.embedding is not None or model.given_blocks:
+        raise _refuse_encoder("the model was built from given parts")
+    kinds = (cfg.pos, cfg.norm, cfg.norm_first, isinstance(model.embed_norm, nn.LayerNorm),
+             isinstance(model.norm, nn.Identity), cfg.bias, cfg.attention, cfg.attention_kwargs, cfg.embed_scale)
+    if kinds != ("learned", "layer", False, True, True, True, "mha", None, None) or not cfg.type_vocab_size \
+            or cfg.ffn not in _BERT_ACTS:
+        raise _refuse_encoder(f"pos={cfg.pos!r}, norm={cfg.norm!r}, norm_first={cfg.norm_first}, ffn={cfg.ffn!r}, "
+                              f"bias={cfg.bias}, attention={cfg.attention!r}, type_vocab_size={cfg.type_vocab_size}")
+    if cfg.mlm_head and cfg.pooler:
+        raise _refuse_encoder("a pooler and a masked-LM head together (BertForPreTraining adds a next-sentence head)")
+    arch = "BertForSequenceClassification" if cfg.num_labels else "BertForMaskedLM" if cfg.mlm_head else "BertModel"
+    out = {"model_type": "bert", "architectures": [arch], "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+           "num_hidden_layers": cfg.depth, "num_attention_heads": cfg.num_heads,
+           "intermediate_size": model.blocks[0].ffn.hidden, "hidden_act": _BERT_ACTS[cfg.ffn],
+           "max_position_embeddings": cfg.max_seq_len, "type_vocab_size": cfg.type_vocab_size,
+           "layer_norm_eps": cfg.norm_eps, "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": 0.0}
+    return {**out, "num_labels": cfg.num_labels} if cfg.num_labels else out
+
+
 def hf_config(model: nn.Module) -> dict[str, Any]:
     """The ``transformers`` config (a dict for ``transformers.AutoConfig.for_model(**d)``) of the
     Hugging Face family whose conversion has the architecture of a native :class:`~attnzoo.DecoderLM`
@@ -254,15 +288,21 @@ def hf_config(model: nn.Module) -> dict[str, Any]:
     (``pos='rope'``, ``norm='rms'``, ``ffn='swiglu'``; MHA, GQA or MQA), Mistral (the same with
     ``attention='sliding'``), GPT-NeoX with sequential residuals (``pos='rope'``, ``norm='layer'``,
     ``ffn='gelu'``, ``bias=True``, MHA: the arena's language models) or GPT-2 (``pos='learned'``,
-    ``norm='layer'``, ``ffn='gelu_tanh'``, ``bias=True``, MHA). :func:`to_hf` with no ``hf_model`` builds it and checks the logits.
+    ``norm='layer'``, ``ffn='gelu_tanh'``, ``bias=True``, MHA); of a native
+    :class:`~attnzoo.TransformerEncoder` of BERT's architecture (learned positions, post-norm
+    LayerNorm, an embedding norm, token types, biases, MHA): BERT, its class in ``"architectures"``
+    (``BertModel`` with or without the pooler, ``BertForMaskedLM``, ``BertForSequenceClassification``).
+    :func:`to_hf` with no ``hf_model`` builds it and checks the outputs.
 
     Raises:
-        TypeError: ``model`` is not a ``DecoderLM``.
+        TypeError: ``model`` is not a ``DecoderLM`` or ``TransformerEncoder``.
         ExportError: an architecture none of them has (named: the attention kind, a softcap, a
             position or norm or feed-forward kind, given parts).
     """
+    if isinstance(model, TransformerEncoder):
+        return _bert_config(model)
     if not isinstance(model, DecoderLM):
-        raise TypeError(f"hf_config: model must be a DecoderLM, got {type(model).__name__}")
+        raise TypeError(f"hf_config: model must be a DecoderLM or a TransformerEncoder, got {type(model).__name__}")
     cfg = model.config
     kv_heads, window = _attention_shape(model)
     shared = {"vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.depth, "tie_word_embeddings": cfg.tie_embeddings}
@@ -337,31 +377,53 @@ def to_hf(model: nn.Module, hf_model: nn.Module | None = None) -> nn.Module:
     return hf_model
 
 
+def _native_outputs(model: nn.Module, hf_model: nn.Module, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """``(ours, theirs)``: the logits, or for an encoder the output of its head (hidden states,
+    masked-LM or classifier logits)."""
+    with torch.no_grad():
+        if not isinstance(model, TransformerEncoder):
+            return model(tokens).float(), hf_model(input_ids=tokens).logits.float()
+        hidden = model(tokens)
+        r = hf_model(input_ids=tokens)
+        if model.config.num_labels:
+            return model.classify(hidden).float(), r.logits.float()
+        if model.config.mlm_head:
+            return model.mlm_logits(hidden).float(), r.logits.float()
+        return hidden.float(), r.last_hidden_state.float()
+
+
 def _native_to_hf(model: nn.Module) -> nn.Module:
-    """:func:`to_hf` of a native ``DecoderLM``: the family of :func:`hf_config`, built by
-    transformers in the model's dtype, filled, and its logits checked against the model's."""
+    """:func:`to_hf` of a native ``DecoderLM`` / ``TransformerEncoder``: the family of
+    :func:`hf_config`, built by transformers in the model's dtype, filled, and its outputs checked
+    against the model's."""
     config = hf_config(model)
     try:
         import transformers
     except ImportError as e:
         raise ImportError("to_hf builds a transformers model: pip install 'attnzoo[hf]'") from e
     param = next(model.parameters())
+    arch = config.pop("architectures", None)
     hf_config_obj = transformers.AutoConfig.for_model(**config)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config_obj, dtype=param.dtype,
-                                                            attn_implementation="eager")
+    if arch is None:
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config_obj, dtype=param.dtype,
+                                                                attn_implementation="eager")
+    else:
+        kw = {"add_pooling_layer": model.pooler is not None} if arch[0] == "BertModel" else {}
+        hf_model = getattr(transformers, arch[0])._from_config(hf_config_obj, dtype=param.dtype,
+                                                               attn_implementation="eager", **kw)
     to_hf(model, hf_model.to(param.device))
     tokens = torch.randint(0, config["vocab_size"], (1, min(16, model.max_seq_len)),
                            generator=torch.Generator().manual_seed(0)).to(param.device)
     was_training = model.training
     model.eval()
     hf_model.eval()
-    with torch.no_grad():
-        ours, theirs = model(tokens).float(), hf_model(input_ids=tokens).logits.float()
+    ours, theirs = _native_outputs(model, hf_model, tokens)
     model.train(was_training)
     err = float((ours - theirs).abs().max() / ours.abs().max().clamp_min(1e-12))
     if err > (1e-4 if param.dtype in (torch.float32, torch.float64) else 3e-2):
-        raise ExportError(f"to_hf: the {config['model_type']} model built for this DecoderLM gives other logits "
-                          f"(max relative difference {err:.3g}): a part of the model hf_config does not see")
+        raise ExportError(f"to_hf: the {config['model_type']} model built for this {type(model).__name__} gives "
+                          f"other outputs (max relative difference {err:.3g}): a part of the model hf_config "
+                          "does not see")
     return hf_model
 
 
