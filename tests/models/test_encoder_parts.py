@@ -91,3 +91,58 @@ def test_bad_parts_are_refused() -> None:
     enc = TransformerEncoder(config=cfg, parts=EncoderParts(embedding=nn.Identity()))
     with pytest.raises(ValueError, match="no token types"):
         enc(torch.zeros(1, 3, dtype=torch.long), token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
+def _ragged(seed: int = 2) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([9, 3, 0, 12, 1])
+    mask = torch.arange(12)[None] < lengths[:, None]
+    return torch.randint(0, 50, (5, 12), generator=g).masked_fill(~mask, 0), mask
+
+
+@pytest.mark.parametrize("pooling", ["mean", "max", "cls"])
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_packed_encode_equals_the_padded_forward(pooling: str, pos: str) -> None:
+    torch.manual_seed(0)
+    enc = TransformerEncoder(config=CFG.replace(pos=pos, mlm_head=False, num_labels=0)).eval()
+    x, mask = _ragged()
+    types = (torch.arange(12) > 5).long().expand(5, 12)
+    with torch.no_grad():
+        want = enc.encode(x, mask, pooling=pooling, token_type_ids=types, packed=False)
+        got = enc.encode(x, mask, pooling=pooling, token_type_ids=types, packed=True)
+    real = mask.any(1)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-6)
+    assert not got[~real].any()  # a row without tokens pools to zeros
+
+
+def test_packed_forward_is_each_sequence_alone() -> None:
+    torch.manual_seed(0)
+    enc = TransformerEncoder(config=EncoderConfig(50, 32, 2, 4, type_vocab_size=2)).eval()
+    seqs = [torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 1, 8)]
+    cu = torch.tensor([0, 5, 6, 14], dtype=torch.int32)
+    with torch.no_grad():
+        packed = enc(torch.cat(seqs, 1), cu_seqlens=cu)
+        alone = torch.cat([enc(s) for s in seqs], 1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_input_is_refused_where_it_cannot_be_exact() -> None:
+    enc = TransformerEncoder(config=EncoderConfig(50, 32, 2, 4, max_seq_len=8))
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    x = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="takes no attention_mask or positions"):
+        enc(x, cu_seqlens=cu, attention_mask=torch.ones(1, 5))
+    with pytest.raises(ValueError, match="longer than the model's 8 positions"):
+        enc(torch.zeros(1, 9, dtype=torch.long), cu_seqlens=torch.tensor([0, 9], dtype=torch.int32))
+    given = TransformerEncoder(config=EncoderConfig(50, 32, 2, 4), parts=EncoderParts(embedding=nn.Embedding(50, 32)))
+    assert not given.packable
+    with pytest.raises(ValueError, match="a given embedding"):
+        given(x, cu_seqlens=cu)
+    left = torch.ones(2, 4, dtype=torch.bool)
+    left[0, 0] = False
+    with pytest.raises(ValueError, match="right-padded: False"):
+        enc.encode(torch.zeros(2, 4, dtype=torch.long), left, packed=True)
+    with pytest.raises(ValueError, match="needs an attention_mask"):
+        enc.encode(torch.zeros(2, 4, dtype=torch.long), packed=True)
+    with pytest.raises(TypeError, match="packed must be a bool or None"):
+        enc.encode(torch.zeros(2, 4, dtype=torch.long), left, packed="yes")  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from attnzoo.models._common import (
 )
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.parts import EncoderParts, given_blocks
+from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 
 __all__ = ["POOLINGS", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
 
@@ -200,31 +201,36 @@ class TransformerEncoder(FromConfig, nn.Module):
                 x = x + self.type_emb(token_type_ids)
         return self.drop(self.embed_norm(x))
 
+    @property
+    def packable(self) -> bool:
+        """Whether :meth:`forward` takes packed sequences (``cu_seqlens``): the config's embedding and
+        :class:`~attnzoo.TransformerBlock` layers (their mixers run packed sequences in one call)."""
+        return self.embedding is None and all(isinstance(b, TransformerBlock) for b in self.blocks)
+
     def forward(self, tokens: Tensor, *, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-                positions: Tensor | None = None) -> Tensor:
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         """Args:
-            tokens: ``[B, N]`` token ids.
+            tokens: ``[B, N]`` token ids, or ``[1, T]`` packed sequences with ``cu_seqlens``.
             attention_mask: ``[B, N]`` bool (or 0/1), True for real tokens; padded keys are hidden.
             token_type_ids: ``[B, N]`` ids in ``[0, type_vocab_size)`` (default all 0).
             positions: ``[N]`` or ``[B, N]`` absolute positions (default ``0..N-1``).
+            cu_seqlens: int32 ``[S+1]``: ``tokens [1, T]`` holds ``S`` sequences end to end (no padding),
+                sequence ``i`` at ``cu_seqlens[i]:cu_seqlens[i+1]``, each attending only to itself and
+                positioned from 0 (as a right-padded row); needs :attr:`packable`.
 
-        Returns: ``hidden [B, N, C]`` (padded positions hold unspecified values; pool with the mask).
+        Returns: ``hidden [B, N, C]`` (padded positions hold unspecified values; pool with the mask),
+        or ``[1, T, C]`` packed.
         """
         owner = "TransformerEncoder"
         check_tokens(tokens, self.vocab_size, owner)
+        if cu_seqlens is not None:
+            return self._packed(tokens, cu_seqlens, token_type_ids, attention_mask, positions)
         B, n = tokens.shape
         if self.pos in ("learned", "sinusoidal") and self.pos_emb is not None and positions is None \
                 and n > self.max_seq_len:
             raise ValueError(f"{owner}: {n} tokens is longer than the model's {self.max_seq_len} positions "
                              f"(max_seq_len)")
-        if token_type_ids is not None:
-            if not self.type_vocab_size:
-                raise ValueError(f"{owner}: token_type_ids given but the model has no token types "
-                                 f"(type_vocab_size=0)")
-            check_tokens(token_type_ids, self.type_vocab_size, owner, "token_type_ids")
-            if token_type_ids.shape != tokens.shape:
-                raise ValueError(f"{owner}: token_type_ids shape {tuple(token_type_ids.shape)} != tokens shape "
-                                 f"{tuple(tokens.shape)}")
+        self._check_types(token_type_ids, tokens)
         kp = None
         if attention_mask is not None:
             am = check_padding_mask(attention_mask, B, n, owner)
@@ -233,6 +239,40 @@ class TransformerEncoder(FromConfig, nn.Module):
         x = self.embed(tokens, token_type_ids, None if self.pos == "rope" else positions)
         for block in self.blocks:
             x = block(x, key_padding=kp, positions=attn_pos)  # [B, N, C]
+        return self.norm(x)
+
+    def _check_types(self, token_type_ids: Tensor | None, tokens: Tensor) -> None:
+        owner = "TransformerEncoder"
+        if token_type_ids is None:
+            return
+        if not self.type_vocab_size:
+            raise ValueError(f"{owner}: token_type_ids given but the model has no token types (type_vocab_size=0)")
+        check_tokens(token_type_ids, self.type_vocab_size, owner, "token_type_ids")
+        if token_type_ids.shape != tokens.shape:
+            raise ValueError(f"{owner}: token_type_ids shape {tuple(token_type_ids.shape)} != tokens shape "
+                             f"{tuple(tokens.shape)}")
+
+    def _packed(self, tokens: Tensor, cu_seqlens: Tensor, token_type_ids: Tensor | None,
+                attention_mask: Tensor | None, positions: Tensor | None) -> Tensor:
+        """:meth:`forward` of packed sequences ``tokens [1, T]`` -> ``[1, T, C]``."""
+        owner = "TransformerEncoder"
+        if attention_mask is not None or positions is not None:
+            raise ValueError(f"{owner}: packed input (cu_seqlens) takes no attention_mask or positions: the "
+                             "sequences are unpadded and each is positioned from 0")
+        if not self.packable:
+            kinds = sorted({type(b).__name__ for b in self.blocks if not isinstance(b, TransformerBlock)})
+            raise ValueError(f"{owner}: packed input (cu_seqlens) needs the config's embedding and "
+                             f"TransformerBlock layers; this model has "
+                             f"{'a given embedding' if self.embedding is not None else 'blocks ' + str(kinds)}")
+        cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), owner)
+        pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
+        if self.pos in ("learned", "sinusoidal") and pos.numel() and int(pos.max()) >= self.max_seq_len:
+            raise ValueError(f"{owner}: a packed sequence of {int(pos.max()) + 1} tokens is longer than the "
+                             f"model's {self.max_seq_len} positions (max_seq_len)")
+        self._check_types(token_type_ids, tokens)
+        x = self.embed(tokens, token_type_ids, None if self.pos == "rope" else pos[None])  # [1, T, C]
+        for block in self.blocks:
+            x = block(x, cu_seqlens=cu)  # [1, T, C]
         return self.norm(x)
 
     def pooler_output(self, hidden: Tensor) -> Tensor:
@@ -258,15 +298,62 @@ class TransformerEncoder(FromConfig, nn.Module):
         return self.mlm(hidden)
 
     def encode(self, tokens: Tensor, attention_mask: Tensor | None = None, *, pooling: str = "mean",
-               normalize: bool = False, token_type_ids: Tensor | None = None) -> Tensor:
+               normalize: bool = False, token_type_ids: Tensor | None = None, packed: bool | None = False) -> Tensor:
         """Sentence embeddings ``[B, C]``: the encoder, then ``pooling`` (``"mean"`` over real tokens
-        as sentence-transformers, ``"cls"``, ``"max"``), then L2 normalisation if ``normalize``."""
-        check_choice(pooling, "pooling", "TransformerEncoder.encode", choices=POOLINGS)
-        hidden = self(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        if pooling == "mean":
-            out = mean_pool(hidden, attention_mask)
-        elif pooling == "max":
-            out = max_pool(hidden, attention_mask)
+        as sentence-transformers, ``"cls"``, ``"max"``), then L2 normalisation if ``normalize``.
+
+        ``packed``: run only the real tokens of a right-padded batch, as packed sequences
+        (``cu_seqlens``: no work on padding, the same embeddings as the padded forward). ``True``
+        requires it; ``None`` packs when the model is :attr:`packable` and ``attention_mask`` is
+        right-padded with some padding; ``False`` (default) never packs."""
+        owner = "TransformerEncoder.encode"
+        check_choice(pooling, "pooling", owner, choices=POOLINGS)
+        if packed is not None and not isinstance(packed, bool):
+            raise TypeError(f"{owner}: packed must be a bool or None, got {type(packed).__name__}")
+        keep = None
+        if attention_mask is not None and packed is not False:
+            check_tokens(tokens, self.vocab_size, owner)
+            keep = check_padding_mask(attention_mask, tokens.shape[0], tokens.shape[1], owner)
+            lengths = keep.sum(1)
+            right = bool((keep == (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).all())
+            if packed and not (right and self.packable):
+                raise ValueError(f"{owner}: packed=True needs a right-padded attention_mask and a packable model "
+                                 f"(right-padded: {right}, packable: {self.packable})")
+            if not (right and self.packable and 0 < int(lengths.sum()) < keep.numel()):
+                keep = None
+        if keep is not None:
+            out = self._encode_packed(tokens, keep, token_type_ids, pooling)
         else:
-            out = cls_pool(hidden)
+            if packed:
+                raise ValueError(f"{owner}: packed=True needs an attention_mask")
+            hidden = self(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            out = self.pool(hidden, attention_mask, pooling)
         return F.normalize(out, dim=-1) if normalize else out
+
+    @staticmethod
+    def pool(hidden: Tensor, attention_mask: Tensor | None, pooling: str) -> Tensor:
+        """``hidden [B, N, C] -> [B, C]`` by :func:`mean_pool`, :func:`max_pool` or :func:`cls_pool`."""
+        if pooling == "mean":
+            return mean_pool(hidden, attention_mask)
+        if pooling == "max":
+            return max_pool(hidden, attention_mask)
+        return cls_pool(hidden)
+
+    def _encode_packed(self, tokens: Tensor, keep: Tensor, token_type_ids: Tensor | None, pooling: str) -> Tensor:
+        """:meth:`encode` of the real tokens ``keep [B, N]`` (right-padded) as packed sequences."""
+        lengths = keep.sum(1)  # [B]
+        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [B+1]
+        types = None if token_type_ids is None else token_type_ids[keep][None]
+        h = self(tokens[keep][None], token_type_ids=types, cu_seqlens=cu)[0]  # [T, C]
+        B, C = keep.shape[0], h.shape[-1]
+        seg = torch.repeat_interleave(torch.arange(B, device=h.device), lengths)  # [T]
+        some = (lengths > 0)[:, None]
+        if pooling == "mean":
+            total = torch.zeros(B, C, dtype=h.dtype, device=h.device).index_add_(0, seg, h)
+            return total / lengths.clamp(min=1)[:, None].to(h.dtype)
+        if pooling == "max":
+            top = torch.full((B, C), float("-inf"), dtype=h.dtype, device=h.device)
+            top = top.scatter_reduce(0, seg[:, None].expand(-1, C), h, "amax")
+            return torch.where(some, top, torch.zeros_like(top))
+        first = h[cu[:-1].long().clamp(max=h.shape[0] - 1)]  # [B, C]
+        return torch.where(some, first, torch.zeros_like(first))
