@@ -1,0 +1,70 @@
+"""transformers' encoders with attnzoo's kernels (``attn_implementation="attnzoo"``, through
+:func:`attnzoo.hf.register`) equal their eager model: every encoder family of the ``to_hf`` sweep
+whose attention goes through transformers' attention interface, on a batch with right-padded,
+left-padded and full rows. Families with their own attention code (DeBERTa's disentangled
+attention, T5's and MPNet's relative bias) do not take an ``attn_implementation``: transformers
+refuses it, and the test says so."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnzoo.hf as azhf  # noqa: E402
+import hf_encoder_checks as ec  # noqa: E402
+
+azhf.register()
+#: the test modules of the encoder families, each with its ``SWEEP`` (model_type -> maker of seed)
+MODULES = ("test_hf_roberta", "test_hf_bert_kin", "test_hf_modernbert", "test_hf_deberta", "test_hf_mpnet",
+           "test_hf_t5_encoder", "test_hf_rope_bert")
+
+
+def _sweep() -> dict[str, Any]:
+    out: dict[str, Any] = {"bert": lambda seed: ec.hf_encoder(transformers.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        pad_token_id=ec.PAD), transformers.BertModel, seed)}
+    for name in MODULES:
+        try:
+            out.update(importlib.import_module(name).SWEEP)
+        except ImportError:  # a family written later
+            continue
+    return out
+
+
+SWEEP = _sweep()
+
+
+def _out(model: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The hidden states of a base model, the logits of a model with a head ``[B, N, *]`` / ``[B, L]``."""
+    with torch.no_grad():
+        r = model(input_ids=x, attention_mask=mask)
+    return r.last_hidden_state if hasattr(r, "last_hidden_state") else r.logits
+
+
+@pytest.mark.parametrize("model_type", sorted(SWEEP))
+def test_attnzoo_kernels_equal_eager(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = azhf.attention
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        calls.append(tuple(q.shape))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(azhf, "attention", counted)
+    eager = SWEEP[model_type](0)
+    x, mask = ec.batch()
+    want = _out(eager, x, mask)
+    try:
+        eager.set_attn_implementation("attnzoo")
+    except (ValueError, NotImplementedError) as e:
+        pytest.skip(f"{model_type}: transformers takes no attn_implementation here ({str(e)[:80]})")
+    got = _out(eager, x, mask)
+    if not calls:
+        pytest.skip(f"{model_type}: its attention does not go through transformers' attention interface")
+    err = ec.real_rel(got, want, mask) if got.dim() == 3 else ec.rel(got, want)
+    assert err <= 1e-5, err
