@@ -86,6 +86,9 @@ def test_bad_parts_are_refused() -> None:
         EncoderParts(blocks=nn.Linear(2, 2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"depth=2 nn\.Module entries"):
         TransformerEncoder(config=cfg, parts=EncoderParts(blocks=[nn.Identity()]))
+    with pytest.raises(ValueError, match=r"dim \(30\) must be divisible by num_heads \(4\)"):
+        TransformerEncoder(config=EncoderConfig(50, 30, 2, 4))
+    TransformerEncoder(config=EncoderConfig(50, 30, 2, 4), parts=EncoderParts(blocks=[nn.Identity()] * 2))
     with pytest.raises(ValueError, match="mlm_head=True builds the head"):
         TransformerEncoder(config=CFG, parts=EncoderParts(mlm=nn.Identity()))
     enc = TransformerEncoder(config=cfg, parts=EncoderParts(embedding=nn.Identity()))

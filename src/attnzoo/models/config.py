@@ -362,8 +362,6 @@ class EncoderConfig(Config):
         check_int(self.num_labels, "num_labels", owner, minimum=0)
         if self.num_labels and not self.pooler:
             raise ValueError(f"{owner}: num_labels={self.num_labels} classifies the pooled output; set pooler=True")
-        if self.dim % self.num_heads:
-            raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.embed_scale is not None:
             check_positive_float(self.embed_scale, "embed_scale", owner)
         check_positive_float(self.rope_base, "rope_base", owner)

@@ -153,6 +153,8 @@ class TransformerEncoder(FromConfig, nn.Module):
             else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
         self.given_blocks = parts.blocks is not None
+        if not self.given_blocks and cfg.dim % cfg.num_heads:  # given blocks hold their own head widths (T5's d_kv)
+            raise ValueError(f"{owner}: dim ({cfg.dim}) must be divisible by num_heads ({cfg.num_heads})")
         self.blocks = nn.ModuleList(given_blocks(parts.blocks, cfg.depth, owner) if parts.blocks is not None else [
             TransformerBlock(config=self.block_config(cfg), **kw) for _ in range(cfg.depth)])
         use_final = cfg.norm_first if cfg.final_norm is None else cfg.final_norm

@@ -291,9 +291,8 @@ def build_t5_encoder(hf: HFConfig, *, per_layer_bias: bool, device: Any = None,
     norm = parts.rms_norm(C, hf.req("layer_norm_epsilon", float), **kw)
     blocks = [ClampedBlock(C, layers=BlockLayers(attention=functools.partial(attention, i), feed_forward=ffn,
                                                  norm=norm)) for i in range(depth)]
-    # EncoderConfig wants C % H == 0, which T5's d_kv heads need not meet (mT5-small: 512 wide, 6 heads);
-    # the given blocks carry the heads, the config's count is only descriptive then
-    cfg = EncoderConfig(V, C, depth, H if C % H == 0 else 1, pos="none", type_vocab_size=0, norm="rms",
+    # the given blocks carry T5's d_kv heads (mT5-small: 512 wide, 6 heads of 64): C % H need not be 0
+    cfg = EncoderConfig(V, C, depth, H, pos="none", type_vocab_size=0, norm="rms",
                         norm_eps=hf.req("layer_norm_epsilon", float), norm_first=True)
     return TransformerEncoder(config=cfg, parts=EncoderParts(blocks=blocks), **kw)
 
