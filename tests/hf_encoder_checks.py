@@ -9,6 +9,7 @@ A family's model is random-initialised offline from a tiny config, then every we
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,10 +18,13 @@ from typing import Any
 import torch
 
 import attnzoo as az
-from attnzoo.interop import from_hf, load_pretrained
+from attnzoo.interop import from_hf, load_pretrained, to_hf
 from hf_family_checks import V, perturbed, rel
 
 TOL = 1e-5
+#: the test modules of the encoder families, each with its ``SWEEP`` (model_type -> maker of seed)
+MODULES = ("test_hf_roberta", "test_hf_bert_kin", "test_hf_modernbert", "test_hf_deberta", "test_hf_mpnet",
+           "test_hf_t5_encoder", "test_hf_rope_bert")
 #: the pad token id of the checks' configs (RoBERTa's ``padding_idx``; BERT's 0 would do as well)
 PAD = 1
 
@@ -30,6 +34,15 @@ def hf_encoder(config: Any, model_class: Any, seed: int = 0, **kw: Any) -> Any:
     attention, every weight perturbed."""
     torch.manual_seed(seed)
     return perturbed(model_class._from_config(config, attn_implementation="eager", **kw), seed)
+
+
+def sweep() -> dict[str, Callable[[int], Any]]:
+    """Every encoder ``model_type`` -> a maker of its transformers model (``seed`` -> model): the
+    ``SWEEP`` of each family test module (BERT's is in ``test_hf_export``)."""
+    out: dict[str, Callable[[int], Any]] = {}
+    for name in MODULES:
+        out.update(importlib.import_module(name).SWEEP)
+    return out
 
 
 def batch(n: int = 12, pad: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +127,18 @@ def check_folder(hf: Any, tmp_path: Path, drop: tuple[str, ...] = ()) -> None:
         assert real_rel(model(x, attention_mask=mask), hf_hidden(hf, x, mask), mask) <= TOL
 
 
+def check_to_hf(make: Callable[[int], Any]) -> None:
+    """``to_hf(from_hf(B), A)`` (A, B: ``make(0)``, ``make(1)``, one config, other weights) makes A
+    convert to B's parameters exactly."""
+    target, source = make(0), make(1)
+    ours = from_hf(source)
+    assert to_hf(ours, target) is target
+    again = from_hf(target).state_dict()
+    for name, want in ours.state_dict().items():
+        torch.testing.assert_close(again[name], want, rtol=0, atol=4e-7 * max(float(want.abs().max()), 1.0),
+                                   msg=name)
+
+
 def check_half(hf: Any, dtype: torch.dtype = torch.bfloat16, slack: float = 2.0) -> None:
     """In ``dtype`` our hidden states are no further from the float64 model than transformers'
     own in ``dtype`` (times ``slack``, plus a floor of one ``dtype`` epsilon)."""
@@ -161,6 +186,13 @@ class EncoderChecks:
 
     def test_saved_folder_loads(self, tmp_path: Path) -> None:
         check_folder(hf_encoder(self.config(), self.base), tmp_path, self.drop)
+
+    def test_to_hf_writes_the_weights_back(self) -> None:
+        for cls in (self.base, self.mlm, self.classifier):
+            if cls is not None:
+                cfg = self.config()
+                cfg.num_labels = 3
+                check_to_hf(lambda seed, cfg=cfg, cls=cls: hf_encoder(cfg, cls, seed))
 
     def test_bfloat16_no_worse_than_transformers(self) -> None:
         check_half(hf_encoder(self.config(), self.base))
