@@ -1,9 +1,11 @@
-"""DeBERTa-v2 / v3 (``families/deberta.py``) against transformers' eager models: the shared encoder checks
+"""DeBERTa-v2 / v3 and v1 (``families/deberta.py``) against transformers' eager models: the shared encoder checks
 on DeBERTa-v3's settings (log-bucketed relative positions, shared attention keys, a normed relative table,
 no absolute positions), a case per option that changes the math (separate position projections, the
 convolution, c2p or p2c alone, unbucketed clamped distances, no relative attention, absolute positions and
 token types, an embedding projection, other head counts), every masked-LM head (legacy tied / untied, the
-new head, a narrower embedding), padded tokens equal to transformers' too, ``to_hf``, refusals."""
+new head, a narrower embedding), padded tokens equal to transformers' too, ``to_hf``, refusals; v1 (its
+head-interleaved ``in_proj``, windowed relative lookup, scale over every ``pos_att_type`` entry, float32
+LayerNorms) the same way."""
 
 from __future__ import annotations
 
@@ -33,8 +35,17 @@ V3: dict[str, Any] = {"relative_attention": True, "position_buckets": 8, "max_re
                       "position_biased_input": False, "type_vocab_size": 0}
 
 
+#: DeBERTa v1's settings (``microsoft/deberta-base``)
+V1: dict[str, Any] = {"relative_attention": True, "max_relative_positions": -1, "pos_att_type": "c2p|p2c",
+                      "position_biased_input": False, "type_vocab_size": 0}
+
+
 def _v3(**kw: Any) -> Any:
     return T.DebertaV2Config(**{**SIZES, **V3, **kw})
+
+
+def _v1(**kw: Any) -> Any:
+    return T.DebertaConfig(**{**SIZES, **V1, **kw})
 
 
 #: one config per option that changes the math
@@ -63,9 +74,21 @@ class TestDebertaV2(ec.EncoderChecks):
     drop = DROP
 
 
+class TestDeberta(ec.EncoderChecks):
+    config = staticmethod(_v1)
+    base, mlm, classifier = T.DebertaModel, T.DebertaForMaskedLM, T.DebertaForSequenceClassification
+    cases = (lambda: _v1(max_relative_positions=5),  # a window of 5 < 12 tokens: clamped lookups
+             lambda: _v1(pos_att_type=["c2p"], hidden_act="relu"),
+             lambda: _v1(pos_att_type=["p2c", "p2p"]),  # the scale counts "p2p" too
+             lambda: _v1(relative_attention=False, position_biased_input=True, type_vocab_size=2, embedding_size=24),
+             lambda: _v1(position_buckets=8, share_att_key=True, conv_kernel_size=3))  # v2 settings: not v1's
+    drop = DROP
+
+
 #: ``model_type`` -> a maker of a transformers base model ``seed`` (the ``to_hf`` export sweep)
 SWEEP: dict[str, Callable[[int], Any]] = {
     "deberta-v2": lambda seed: ec.hf_encoder(_v3(conv_kernel_size=3, share_att_key=False), T.DebertaV2Model, seed),
+    "deberta": lambda seed: ec.hf_encoder(_v1(), T.DebertaModel, seed),
 }
 
 
@@ -73,6 +96,8 @@ SWEEP: dict[str, Callable[[int], Any]] = {
                                 {"embedding_size": 24, "tie_word_embeddings": False}])
 def test_every_masked_lm_head(kw: dict[str, Any]) -> None:
     ec.check_mlm(ec.hf_encoder(_v3(**kw), T.DebertaV2ForMaskedLM))
+    if "embedding_size" not in kw:
+        ec.check_mlm(ec.hf_encoder(_v1(**kw), T.DebertaForMaskedLM))
 
 
 def test_classifier_pooler_activation() -> None:
@@ -128,8 +153,9 @@ def test_attention_refuses_packed_input_and_cross_attention() -> None:
         attn(x, context=x)
 
 
-def test_to_hf_round_trip() -> None:
-    a, b = (ec.hf_encoder(_v3(conv_kernel_size=3, share_att_key=False), T.DebertaV2Model, seed) for seed in (0, 1))
+@pytest.mark.parametrize("model_type", list(SWEEP))
+def test_to_hf_round_trip(model_type: str) -> None:
+    a, b = (SWEEP[model_type](seed) for seed in (0, 1))
     to_hf(from_hf(b), a)
     want = from_hf(b).state_dict()
     got = from_hf(a).state_dict()
@@ -170,4 +196,11 @@ def test_new_head_with_narrow_embeddings_is_refused() -> None:
     hf.config.legacy, hf.config.embedding_size = False, 24
     with warnings.catch_warnings(), pytest.raises(UnsupportedConfigError, match="legacy=False"):
         warnings.simplefilter("ignore")
+        from_hf(hf)
+
+
+def test_v1_talking_heads_are_refused() -> None:
+    hf = ec.hf_encoder(_v1(), T.DebertaModel)
+    hf.config.talking_head = True
+    with pytest.raises(UnsupportedConfigError, match="talking_head=True"):
         from_hf(hf)

@@ -1,6 +1,7 @@
-"""DeBERTa-v2 / v3 -> :class:`~attnzoo.TransformerEncoder`: ``DebertaV2Model``, ``DebertaV2ForMaskedLM`` and
-``DebertaV2ForSequenceClassification`` (``model_type="deberta-v2"``: the DeBERTa-v3 checkpoints and the NLI,
-zero-shot and cross-encoder models fine-tuned from them).
+"""DeBERTa-v2 / v3 and DeBERTa (v1) -> :class:`~attnzoo.TransformerEncoder`: ``DebertaV2Model``,
+``DebertaV2ForMaskedLM`` and ``DebertaV2ForSequenceClassification`` (``model_type="deberta-v2"``: the
+DeBERTa-v3 checkpoints and the NLI, zero-shot and cross-encoder models fine-tuned from them), and the same three
+of v1 (``DebertaModel``, ... ``model_type="deberta"``).
 
 Line numbers: transformers 5.25, ``models/deberta_v2/modeling_deberta_v2.py`` (m.) and
 ``configuration_deberta_v2.py`` (c.). DeBERTa is BERT-shaped (post-norm layers, biased projections,
@@ -15,8 +16,9 @@ relative distances put into log buckets (:func:`relative_positions`, m. 56-100).
   (``encoder.rel_embeddings``, with ``encoder.LayerNorm`` when ``norm_rel_ebd`` has ``layer_norm``), which
   every layer's attention reads.
 * **Layers** (m. 343-441): :class:`~attnzoo.TransformerBlock` (post-norm) around a
-  :class:`DisentangledAttention`; the first one a :class:`FirstBlock` when ``conv_kernel_size > 0``
-  (``ConvLayer``, m. 443-476: a 1-D convolution of the embeddings added to the first layer's output).
+  :class:`DisentangledAttention`; the first one a :class:`FirstBlock` (padded embeddings zeroed; with
+  ``conv_kernel_size > 0`` the ``ConvLayer``, m. 443-476: a 1-D convolution of the embeddings added to the
+  first layer's output).
 * **Heads**: the masked-LM head (``legacy=True``: ``cls.predictions``, m. 796-840; ``legacy=False``:
   ``lm_predictions.lm_head``, m. 843-877; both :class:`~attnzoo.models.encoder.MaskedLMHead`, the decoder
   tied to the word embeddings unless ``tie_word_embeddings=False``) and the sequence classifier
@@ -30,6 +32,14 @@ one uniformly to all tokens. Both are reproduced (:class:`FirstBlock`, :class:`D
 the padded tokens' states equal transformers' too (a left-padded row's first token is a pad, which
 the classifier reads). Relative positions are the tokens' indices in the row (``i - j``), also in
 left-padded rows, as transformers'; ``positions`` move only the absolute position embedding.
+
+**DeBERTa v1** (``models/deberta/modeling_deberta.py``) is v2 without buckets, shared or normed relative
+keys and the convolution (:data:`V1_SETTINGS`), with three differences: one ``in_proj`` without bias whose
+rows are interleaved per head (``[q_h; k_h; v_h]``, 159-160, 225-242) plus ``q_bias`` / ``v_bias`` (put into
+``qkv_proj``, the key bias zero), ``pos_proj`` without bias, a scale counting every ``pos_att_type`` entry
+(246), and ``DebertaLayerNorm`` (38-55: :class:`Float32LayerNorm`) in the embedding and the layers. Its
+relative lookup (a window of ``min(N, max_relative_positions)`` rows, 297-301) reads the same rows as v2's
+whole table. Refused: ``talking_head=True``.
 
 Refused by name: an even ``conv_kernel_size`` (transformers' convolution would shorten the sequence),
 ``pooler_hidden_size`` other than ``hidden_size``, ``attention_head_size`` times the heads other than
@@ -53,7 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
-from attnzoo.blocks import ACTIVATIONS, BlockConfig, TransformerBlock
+from attnzoo.blocks import ACTIVATIONS, BlockLayers, FeedForward, TransformerBlock
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import MaskedLMHead, TransformerEncoder, cls_pool
@@ -63,9 +73,9 @@ from attnzoo.models.parts import EncoderParts
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.parts import AttentionParts, Scores
 
-__all__ = ["ACTS", "DEFAULTS", "DISPATCH", "ContextPoolerClassifier", "DebertaEmbedding", "DisentangledAttention",
-           "FirstBlock", "RelativePositionTable", "build_deberta_v2", "convert_deberta_v2", "log_buckets",
-           "relative_positions"]
+__all__ = ["ACTS", "DEFAULTS", "DISPATCH", "OUTPUTS", "V1_SETTINGS", "ContextPoolerClassifier", "DebertaEmbedding",
+           "DisentangledAttention", "FirstBlock", "Float32LayerNorm", "RelativePositionTable", "build_deberta",
+           "convert_deberta", "log_buckets", "relative_positions"]
 
 #: ``DebertaV2Config``'s defaults (c. 60-84) and the ``getattr`` defaults of the model (m. 157-170, 446-448,
 #: 486-489, 581-586) a ``config.json`` may leave out
@@ -74,6 +84,13 @@ DEFAULTS: dict[str, Any] = {
     "relative_attention": False, "max_relative_positions": -1, "position_biased_input": True, "pos_att_type": None,
     "pooler_hidden_act": "gelu", "legacy": True, "tie_word_embeddings": True, "position_buckets": -1,
     "share_att_key": False, "norm_rel_ebd": "none", "conv_kernel_size": 0, "conv_groups": 1, "conv_act": "tanh"}
+#: DeBERTa v1 read as v2 settings: none of these is v1's (``models/deberta/``: no buckets, no normed or shared
+#: relative keys, no convolution, heads of ``hidden_size / heads``), whatever its config says
+V1_SETTINGS: dict[str, Any] = {"position_buckets": -1, "norm_rel_ebd": "none", "share_att_key": False,
+                               "conv_kernel_size": 0, "attention_head_size": None}
+#: the output side of a layer (m. 42-53, 378-407), attnzoo name -> transformers name
+OUTPUTS = (("attn.out_proj", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
+           ("ffn.up_proj", "intermediate.dense"), ("ffn.down_proj", "output.dense"), ("ffn_norm", "output.LayerNorm"))
 #: transformers' activation names -> attnzoo's (:data:`attnzoo.blocks.ACTIVATIONS`, plus ``tanh``)
 ACTS = {**HF_ACTIVATIONS, "tanh": "tanh"}
 
@@ -148,10 +165,11 @@ class DisentangledAttention(MultiHeadAttention):
         scores = (q_i . k_j + c2p + p2c) / sqrt(D * (1 + #terms)),  softmax over the real keys
 
     ``#terms`` counts ``c2p`` and ``p2c`` in ``pos_att`` whether or not a table is given (transformers
-    scales so also without ``relative_attention``, m. 231-237). The relative terms are a float bias
-    ``[B, H, N, N]`` with the mask folded in (masked scores ``finfo.min``), given to :func:`attnzoo.attention`
-    (dense softmax). A key-padding mask ``[B, 1, 1, N]`` (what :class:`~attnzoo.TransformerBlock` passes)
-    also masks the padded queries, whose rows then attend uniformly to every token, as transformers'.
+    scales so also without ``relative_attention``, m. 231-237; v1 counts every entry of ``pos_att_type``).
+    The relative terms are a float bias ``[B, H, N, N]`` with the mask folded in (masked scores
+    ``finfo.min``), given to :func:`attnzoo.attention` (dense softmax). A key-padding mask ``[B, 1, 1, N]``
+    (what :class:`~attnzoo.TransformerBlock` passes) also masks the padded queries, whose rows then attend
+    uniformly to every token, as transformers'.
 
     Weights: ``qkv_proj`` (rows ``[q; k; v]``, biased), ``out_proj``; with a table and not ``share_keys``,
     ``pos_key_proj`` (c2p; biased unless ``pos_key_bias=False``) and ``pos_query_proj`` (p2c). The table is
@@ -162,7 +180,9 @@ class DisentangledAttention(MultiHeadAttention):
         table: the shared relative table, or ``None`` (content scores only).
         pos_att: the relative terms, a subset of ``("c2p", "p2c")`` (other names are ignored).
         share_keys: project the table with the content ``Wq`` / ``Wk`` (``share_att_key``).
-        pos_key_bias: bias of ``pos_key_proj``.
+        pos_key_bias: bias of ``pos_key_proj`` (DeBERTa v1's ``pos_proj`` has none).
+        scale_terms: ``#terms`` of the scale (default: the relative terms in ``pos_att``; DeBERTa v1 counts
+            every entry of its ``pos_att_type``).
 
     Shapes: ``x [B, N, C] -> [B, N, C]``. Positions are the tokens' indices (``positions`` are not read);
     no cache, no packed input, no cross-attention.
@@ -170,10 +190,10 @@ class DisentangledAttention(MultiHeadAttention):
 
     def __init__(self, dim: int, num_heads: int, *, table: RelativePositionTable | None,
                  pos_att: Sequence[str] = ("c2p", "p2c"), share_keys: bool = False, pos_key_bias: bool = True,
-                 head_dim: int | None = None, dropout: float = 0.0) -> None:
+                 scale_terms: int | None = None, head_dim: int | None = None, dropout: float = 0.0) -> None:
         D = head_dim if head_dim is not None else dim // num_heads
         self.__dict__["pos_att"] = tuple(t for t in ("c2p", "p2c") if t in pos_att)
-        self.__dict__["root"] = math.sqrt(D * (1 + len(self.pos_att)))
+        self.__dict__["root"] = math.sqrt(D * (1 + (len(self.pos_att) if scale_terms is None else scale_terms)))
         super().__init__(dim, num_heads, head_dim=head_dim, bias=True, causal=False, dropout=dropout,
                          parts=AttentionParts(scores=Scores(scale=1.0 / self.root)))
         self.__dict__["table"] = table  # shared by every layer: not registered here
@@ -242,6 +262,16 @@ class DisentangledAttention(MultiHeadAttention):
         return f"{super().extra_repr()}, pos_att={self.pos_att}, share_keys={self.share_keys}"
 
 
+class Float32LayerNorm(nn.LayerNorm):
+    """DeBERTa v1's ``DebertaLayerNorm`` (``models/deberta/modeling_deberta.py`` 38-55): normalised in float32
+    (``eps`` inside the root), rounded to the input's dtype, then ``weight * x + bias`` in that dtype.
+    Weights as ``nn.LayerNorm``. Shapes: ``[..., C] -> [..., C]``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.layer_norm(x.float(), self.normalized_shape, None, None, self.eps).to(x.dtype)
+        return self.weight * y + self.bias
+
+
 class DebertaEmbedding(nn.Module):
     """DeBERTa's input embedding (m. 480-556): ``norm(proj(tok_emb(tokens) + pos_emb(positions) +
     type_emb(types)))``, each optional part ``None`` when absent; ``rel`` the
@@ -289,12 +319,12 @@ class FirstBlock(TransformerBlock):
     Shapes: ``[B, N, C] -> [B, N, C]``.
     """
 
-    def __init__(self, config: BlockConfig, *, kernel_size: int = 0, groups: int = 1, act: str = "tanh") -> None:
-        super().__init__(config=config)
-        C = config.dim
-        self.conv = nn.Conv1d(C, C, kernel_size, padding=(kernel_size - 1) // 2, groups=groups) if kernel_size \
-            else None
-        self.conv_norm = nn.LayerNorm(C, eps=config.norm_eps) if kernel_size else None
+    def __init__(self, dim: int, layers: BlockLayers, *, kernel_size: int = 0, groups: int = 1, act: str = "tanh",
+                 eps: float = 1e-7) -> None:
+        super().__init__(dim, layers=layers)
+        self.conv = nn.Conv1d(dim, dim, kernel_size, padding=(kernel_size - 1) // 2, groups=groups) \
+            if kernel_size else None
+        self.conv_norm = nn.LayerNorm(dim, eps=eps) if kernel_size else None
         self.act_name = act
         self.conv_act = _act(act)
 
@@ -388,10 +418,28 @@ def _mlm_head(cfg: EncoderConfig, E: int) -> MaskedLMHead:
     return head
 
 
-def build_deberta_v2(hf: HFConfig, *, mlm: bool = False, num_labels: int = 0,
-                     device: Any = None, dtype: Any = None) -> TransformerEncoder:
-    """The :class:`~attnzoo.TransformerEncoder` of a DeBERTa-v2 config (``hf`` with :data:`DEFAULTS`), with
-    the masked-LM head (``mlm``) and a classifier of ``num_labels`` labels when asked."""
+def _blocks(hf: HFConfig, table: RelativePositionTable | None, *, v1: bool) -> list[nn.Module]:
+    """The layers: post-norm :class:`~attnzoo.TransformerBlock` around :class:`DisentangledAttention`
+    (v1: ``pos_proj`` without bias, the scale counting every ``pos_att_type`` entry, :class:`Float32LayerNorm`),
+    the first a :class:`FirstBlock`."""
+    C, H, eps = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.get("layer_norm_eps", 1e-7, float)
+    pos_att = _pos_att(hf)
+    attention = functools.partial(DisentangledAttention, C, H, table=table, pos_att=pos_att,
+                                  share_keys=hf.get("share_att_key", False, bool), pos_key_bias=not v1,
+                                  scale_terms=len(pos_att) if v1 else None)
+    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), hf.activation("hidden_act", HF_ACTIVATIONS))
+    layers = BlockLayers(attention=attention, feed_forward=ffn, norm=functools.partial(
+        Float32LayerNorm if v1 else nn.LayerNorm, C, eps=eps), norm_first=False)
+    first = FirstBlock(C, layers, kernel_size=max(hf.get("conv_kernel_size", 0), 0), groups=hf.get("conv_groups", 1),
+                       act=hf.activation("conv_act", ACTS, "tanh"), eps=eps)
+    return [first] + [TransformerBlock(C, layers=layers) for _ in range(hf.req("num_hidden_layers") - 1)]
+
+
+def build_deberta(hf: HFConfig, *, v1: bool = False, mlm: bool = False, num_labels: int = 0,
+                  device: Any = None, dtype: Any = None) -> TransformerEncoder:
+    """The :class:`~attnzoo.TransformerEncoder` of a DeBERTa-v2 config, or of a v1 one (``v1``; read as v2
+    settings with :data:`V1_SETTINGS`), ``hf`` with :data:`DEFAULTS`; with the masked-LM head (``mlm``) and a
+    classifier of ``num_labels`` labels when asked."""
     V, C, depth, H = (hf.req(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"))
     E, eps = hf.get("embedding_size", C), hf.get("layer_norm_eps", 1e-7, float)
     P = hf.get("max_position_embeddings", 512)
@@ -401,23 +449,16 @@ def build_deberta_v2(hf: HFConfig, *, mlm: bool = False, num_labels: int = 0,
                         norm="layer", norm_eps=eps, norm_first=False, final_norm=False, ffn=act,
                         ffn_hidden=hf.req("intermediate_size"))
     table = _table(hf, C, eps)
-    attention = functools.partial(DisentangledAttention, table=table, pos_att=_pos_att(hf),
-                                  share_keys=hf.get("share_att_key", False, bool))
-    block = BlockConfig(C, H, attention=attention, norm="layer", norm_eps=eps, norm_first=False, ffn=act,
-                        ffn_hidden=cfg.ffn_hidden)
-    kernel = hf.get("conv_kernel_size", 0)
-    blocks: list[nn.Module] = [FirstBlock(block, kernel_size=max(kernel, 0), groups=hf.get("conv_groups", 1),
-                                          act=hf.activation("conv_act", ACTS, "tanh"))]
-    blocks += [TransformerBlock(config=block) for _ in range(depth - 1)]
     embedding = DebertaEmbedding(V, C, embedding_size=E, max_positions=P if hf.get("position_biased_input", True, bool)
-                                 else 0, type_vocab_size=cfg.type_vocab_size, norm=nn.LayerNorm(C, eps=eps), rel=table)
+                                 else 0, type_vocab_size=cfg.type_vocab_size,
+                                 norm=(Float32LayerNorm if v1 else nn.LayerNorm)(C, eps=eps), rel=table)
     classifier = ContextPoolerClassifier(C, num_labels, hf.activation("pooler_hidden_act", ACTS)) if num_labels \
         else None
     head = _mlm_head(cfg, E) if mlm else None
     if head is not None and _tied(hf):
         head.decoder.weight = embedding.tok_emb.weight
-    model = TransformerEncoder(config=cfg, parts=EncoderParts(embedding=embedding, blocks=blocks, mlm=head,
-                                                              classifier=classifier))
+    model = TransformerEncoder(config=cfg, parts=EncoderParts(embedding=embedding, blocks=_blocks(hf, table, v1=v1),
+                                                              mlm=head, classifier=classifier))
     return model.to(device=device, dtype=dtype)
 
 
@@ -432,9 +473,33 @@ def _layer(plan: Plan, i: int, attn: DisentangledAttention) -> None:
                        is not None)
     if attn.pos_query_proj is not None:
         plan.put_pairs(o, h, [("attn.pos_query_proj", "attention.self.pos_query_proj")])
-    plan.put_pairs(o, h, [("attn.out_proj", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
-                          ("ffn.up_proj", "intermediate.dense"), ("ffn.down_proj", "output.dense"),
-                          ("ffn_norm", "output.LayerNorm")])
+    plan.put_pairs(o, h, OUTPUTS)
+
+
+def _heads_first(w: Tensor, heads: int) -> Tensor:
+    """v1's ``in_proj.weight`` (rows per head ``[q_h; k_h; v_h]``, v1 225-227) as rows ``[q; k; v]``."""
+    return w.view(heads, 3, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape)
+
+
+def _zero_key_bias(qv: Tensor) -> Tensor:
+    """v1's ``q_bias`` and ``v_bias`` (``[q; v]``) as the ``[q; k; v]`` bias, ``k``'s zero (v1 241-242)."""
+    n = qv.shape[0] // 2
+    return torch.cat([qv[:n], qv.new_zeros(n), qv[n:]])
+
+
+def _layer_v1(plan: Plan, i: int, attn: DisentangledAttention) -> None:
+    """Layer ``i``'s weights of DeBERTa v1 (``models/deberta/modeling_deberta.py`` 138-277, 415-512): one
+    head-interleaved ``in_proj`` without bias, ``q_bias`` / ``v_bias``, ``pos_proj`` (c2p, no bias) and
+    ``pos_q_proj`` (p2c)."""
+    h, o = f"encoder.layer.{i}.", f"blocks.{i}."
+    plan.put(f"{o}attn.qkv_proj.weight", f"{h}attention.self.in_proj.weight",
+             functools.partial(_heads_first, heads=attn.num_heads))
+    plan.put_cat(f"{o}attn.qkv_proj.bias", [f"{h}attention.self.q_bias", f"{h}attention.self.v_bias"], _zero_key_bias)
+    if attn.pos_key_proj is not None:
+        plan.put(f"{o}attn.pos_key_proj.weight", f"{h}attention.self.pos_proj.weight")
+    if attn.pos_query_proj is not None:
+        plan.put_pairs(o, h, [("attn.pos_query_proj", "attention.self.pos_q_proj")])
+    plan.put_pairs(o, h, OUTPUTS)
 
 
 def _embeddings(plan: Plan, emb: DebertaEmbedding) -> None:
@@ -469,24 +534,37 @@ def _heads(plan: Plan, hf: HFConfig, model: TransformerEncoder, ignore: list[str
         plan.put_pairs("classifier.", "", [("pooler", "pooler.dense"), ("out", "classifier")])
 
 
-def convert_deberta_v2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> TransformerEncoder:
-    """Build the encoder and copy the weights. The heads follow the weights under no ``deberta.`` prefix:
-    ``cls.predictions`` (``legacy``) or ``lm_predictions.lm_head`` the masked-LM head, ``pooler.dense`` +
-    ``classifier`` the sequence classifier; other head weights are ignored with a ``UserWarning``."""
+def _settings(hf: HFConfig, v1: bool) -> HFConfig:
+    """``hf`` with :data:`DEFAULTS`; a v1 config with :data:`V1_SETTINGS` (what v1 has not), ``talking_head``
+    refused."""
     hf = hf.with_defaults(DEFAULTS)
+    if not v1:
+        return hf
+    if hf.get("talking_head", False, bool):
+        raise hf.unsupported("talking_head=True")
+    return HFConfig({**hf.data, **V1_SETTINGS}, hf.source, hf.arch)
+
+
+def convert_deberta(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
+                    v1: bool = False) -> TransformerEncoder:
+    """Build the encoder (DeBERTa-v2, or v1 when ``v1``) and copy the weights. The heads follow the weights
+    under no ``deberta.`` prefix: ``cls.predictions`` (``legacy``) or ``lm_predictions.lm_head`` the masked-LM
+    head, ``pooler.dense`` + ``classifier`` the sequence classifier; other head weights are ignored with a
+    ``UserWarning``."""
+    hf = _settings(hf, v1)
     prefix = "deberta." if any(k.startswith("deberta.") for k in sd) else ""
     mlm_key = "cls.predictions.transform.dense.weight" if hf.get("legacy", True, bool) else \
         "lm_predictions.lm_head.dense.weight"
     mlm = bool(prefix) and mlm_key in sd
     num_labels = int(sd["classifier.weight"].shape[0]) if prefix and "pooler.dense.weight" in sd and \
         "classifier.weight" in sd else 0
-    model = build_deberta_v2(hf, mlm=mlm, num_labels=num_labels, device=device, dtype=dtype or float_dtype(sd))
-    plan = Plan(Source(sd, prefix), "DeBERTa-v2")
+    model = build_deberta(hf, v1=v1, mlm=mlm, num_labels=num_labels, device=device, dtype=dtype or float_dtype(sd))
+    plan = Plan(Source(sd, prefix), "DeBERTa" if v1 else "DeBERTa-v2")
     emb = model.embedding
     assert isinstance(emb, DebertaEmbedding)
     _embeddings(plan, emb)
     for i, block in enumerate(model.blocks):
-        _layer(plan, i, block.attn)
+        (_layer_v1 if v1 else _layer)(plan, i, block.attn)
     if getattr(model.blocks[0], "conv", None) is not None:
         plan.put_pairs("blocks.0.", "encoder.conv.", [("conv", "conv"), ("conv_norm", "LayerNorm")])
     ignore = [r"(deberta\.)?embeddings\.position_ids"]
@@ -498,7 +576,7 @@ def convert_deberta_v2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     heads = sorted(k for k in sd if prefix and not k.startswith(prefix) and k not in plan.src.used
                    and not any(re.fullmatch(p, k) for p in ignore))
     if heads:
-        warnings.warn(f"DeBERTa-v2: the head weights {heads} have no attnzoo equivalent and are ignored "
+        warnings.warn(f"{plan.arch}: the head weights {heads} have no attnzoo equivalent and are ignored "
                       f"({hf.source})", stacklevel=4)
         ignore += [re.escape(k) for k in heads]
     plan.apply(model, ignore=ignore)
@@ -506,5 +584,8 @@ def convert_deberta_v2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
-DISPATCH = {"deberta-v2": parts.Dispatch("DeBERTa-v2", convert_deberta_v2, (
-    "DebertaV2Model", "DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification"))}
+DISPATCH = {
+    "deberta-v2": parts.Dispatch("DeBERTa-v2", convert_deberta, (
+        "DebertaV2Model", "DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification")),
+    "deberta": parts.Dispatch("DeBERTa", functools.partial(convert_deberta, v1=True), (
+        "DebertaModel", "DebertaForMaskedLM", "DebertaForSequenceClassification"))}
