@@ -9,8 +9,10 @@ LayerNorms) the same way."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 T = pytest.importorskip("transformers")
 
 import hf_encoder_checks as ec  # noqa: E402
-from attnzoo.interop import from_hf, to_hf  # noqa: E402
+from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
 from attnzoo.models.families.deberta import DisentangledAttention, log_buckets, relative_positions  # noqa: E402
 from attnzoo.models.hf.errors import UnsupportedConfigError  # noqa: E402
 from hf_family_checks import V, rel  # noqa: E402
@@ -107,11 +109,30 @@ def test_classifier_pooler_activation() -> None:
 
 
 def test_padded_tokens_equal_transformers_too() -> None:
-    """transformers zeroes the padded embeddings and lets padded queries attend uniformly: so here."""
+    """transformers zeroes the padded embeddings and lets padded queries attend uniformly: so here. No mask:
+    every token attends to every token in both."""
     hf = ec.hf_encoder(_v3(conv_kernel_size=3), T.DebertaV2Model)
     x, mask = ec.batch()
     with torch.no_grad():
         assert rel(from_hf(hf)(x, attention_mask=mask), ec.hf_hidden(hf, x, mask)) <= ec.TOL
+        assert rel(from_hf(hf)(x), hf(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state) <= ec.TOL
+
+
+@pytest.mark.parametrize("make,cls", [(_v3, T.DebertaV2ForSequenceClassification),
+                                      (_v1, T.DebertaForSequenceClassification)])
+def test_classifier_folder_with_the_old_pos_att_type_string(make: Any, cls: Any, tmp_path: Path) -> None:
+    """A fine-tuned classifier's folder loads with its head; ``"p2c|c2p"`` as older ``config.json`` files write it."""
+    cfg = make()
+    cfg.num_labels = 3
+    hf = ec.hf_encoder(cfg, cls)
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pos_att_type": "p2c|c2p"}))
+    model = load_pretrained(tmp_path)
+    x, mask = ec.batch()
+    with torch.no_grad():
+        assert rel(model.classify(model(x, attention_mask=mask), mask), hf(input_ids=x, attention_mask=mask).logits) \
+            <= ec.TOL
 
 
 def test_token_types_and_positions_follow_transformers() -> None:
@@ -154,12 +175,8 @@ def test_attention_refuses_packed_input_and_cross_attention() -> None:
 
 
 @pytest.mark.parametrize("model_type", list(SWEEP))
-def test_to_hf_round_trip(model_type: str) -> None:
-    a, b = (SWEEP[model_type](seed) for seed in (0, 1))
-    to_hf(from_hf(b), a)
-    want = from_hf(b).state_dict()
-    got = from_hf(a).state_dict()
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+def test_to_hf_with_the_convolution_and_own_position_projections(model_type: str) -> None:
+    ec.check_to_hf(SWEEP[model_type])
 
 
 def test_other_heads_are_ignored_with_a_warning() -> None:

@@ -455,11 +455,12 @@ def build_deberta(hf: HFConfig, *, v1: bool = False, mlm: bool = False, num_labe
     classifier = ContextPoolerClassifier(C, num_labels, hf.activation("pooler_hidden_act", ACTS)) if num_labels \
         else None
     head = _mlm_head(cfg, E) if mlm else None
-    if head is not None and _tied(hf):
-        head.decoder.weight = embedding.tok_emb.weight
     model = TransformerEncoder(config=cfg, parts=EncoderParts(embedding=embedding, blocks=_blocks(hf, table, v1=v1),
                                                               mlm=head, classifier=classifier))
-    return model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
+    if head is not None and _tied(hf):  # after the move: a move to another device makes new parameters
+        head.decoder.weight = embedding.tok_emb.weight
+    return model
 
 
 def _layer(plan: Plan, i: int, attn: DisentangledAttention) -> None:
