@@ -27,6 +27,7 @@ import test_hf_inkling2 as inkling2  # noqa: E402
 import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
 import test_hf_multimodal as multimodal  # noqa: E402
 
+import hf_encoder_checks as encoders  # noqa: E402
 import hf_family_checks as checks  # noqa: E402
 from attnzoo import DecoderLM, TransformerEncoder  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
@@ -84,6 +85,7 @@ MAKERS: dict[str, Any] = {
     "inkling2_text": lambda seed: checks.hf_model(inkling2._config(), seed=seed),
     "inkling2_loop_text": lambda seed: checks.hf_model(inkling2_loop._config(), seed=seed),
     **multimodal.SWEEP,  # the multimodal wrappers (their text decoder; the towers keep their values)
+    **encoders.sweep(),  # the encoder families (RoBERTa, ModernBERT, DeBERTa, T5, ...)
 }
 
 

@@ -7,7 +7,6 @@ refuses it, and the test says so."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import pytest
@@ -19,24 +18,9 @@ import attnzoo.hf as azhf  # noqa: E402
 import hf_encoder_checks as ec  # noqa: E402
 
 azhf.register()
-#: the test modules of the encoder families, each with its ``SWEEP`` (model_type -> maker of seed)
-MODULES = ("test_hf_roberta", "test_hf_bert_kin", "test_hf_modernbert", "test_hf_deberta", "test_hf_mpnet",
-           "test_hf_t5_encoder", "test_hf_rope_bert")
-
-
-def _sweep() -> dict[str, Any]:
-    out: dict[str, Any] = {"bert": lambda seed: ec.hf_encoder(transformers.BertConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-        pad_token_id=ec.PAD), transformers.BertModel, seed)}
-    for name in MODULES:
-        try:
-            out.update(importlib.import_module(name).SWEEP)
-        except ImportError:  # a family written later
-            continue
-    return out
-
-
-SWEEP = _sweep()
+SWEEP = {"bert": lambda seed: ec.hf_encoder(transformers.BertConfig(
+    vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+    pad_token_id=ec.PAD), transformers.BertModel, seed), **ec.sweep()}
 
 
 def _out(model: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
