@@ -298,17 +298,17 @@ def test_wordpiece_unit() -> None:
 
 # --------------------------------------------------------------------------- errors
 def test_unknown_architecture() -> None:
-    roberta = T.RobertaModel(T.RobertaConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=32))
-    with pytest.raises(ValueError, match=r"unknown architecture 'RobertaModel'.*BertModel"):
-        from_hf(roberta)
+    other = T.ConvBertModel(T.ConvBertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32, embedding_size=16))
+    with pytest.raises(ValueError, match=r"unknown architecture 'ConvBertModel'.*BertModel"):
+        from_hf(other)
     with pytest.raises(TypeError, match="expected a transformers model"):
         from_hf("bert")  # type: ignore[arg-type]
 
 
 def test_unknown_model_type_in_folder(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ValueError, match="unknown model_type 't5'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "funnel"}))
+    with pytest.raises(ValueError, match="unknown model_type 'funnel'"):
         load_pretrained(tmp_path)
 
 

@@ -22,7 +22,7 @@ from attnzoo.models.config import EncoderConfig
 from attnzoo.models.parts import EncoderParts, given_blocks
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 
-__all__ = ["POOLINGS", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
+__all__ = ["POOLINGS", "FirstTokenClassifier", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
 
 POOLINGS = ("mean", "cls", "max")
 
@@ -82,6 +82,33 @@ class MaskedLMHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.decoder(self.norm(self.act(self.transform(hidden))))  # [B, N, V]
+
+
+class FirstTokenClassifier(nn.Module):
+    """A sequence classifier of the first token: ``out_proj(act(dense(hidden[:, 0])))`` — RoBERTa's
+    and MPNet's classification head (``tanh``), DistilBERT's ``pre_classifier`` (``relu``),
+    ELECTRA's (``gelu``); the first slot whatever the mask (a pad in a left-padded row, as in
+    transformers). ``dropout`` between the layers in training.
+
+    Weights: ``dense [C, C]``, ``out_proj [L, C]``, both biased.
+    Shapes: ``hidden [B, N, C]`` (``attention_mask [B, N]`` unused) -> ``[B, L]``.
+    """
+
+    def __init__(self, dim: int, num_labels: int, *, activation: str = "tanh", dropout: float = 0.0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        check_choice(activation, "activation", "FirstTokenClassifier", choices=("tanh", *ACTIVATIONS))
+        act, gated = (torch.tanh, False) if activation == "tanh" else ACTIVATIONS[activation]
+        if gated:
+            raise ValueError(f"FirstTokenClassifier: activation must not be gated, got {activation!r}")
+        self.act = act
+        self.dense = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(dim, num_labels, device=device, dtype=dtype)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        first = self.dropout(cls_pool(hidden))  # [B, C]
+        return self.out_proj(self.dropout(self.act(self.dense(first))))  # [B, L]
 
 
 class TransformerEncoder(FromConfig, nn.Module):

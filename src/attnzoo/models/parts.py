@@ -126,12 +126,16 @@ class DecoderParts:
     head: nn.Module | None = None
 
     def __post_init__(self) -> None:
-        owner = "DecoderParts"
-        for name in ("embedding", "norm", "head"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, nn.Module):
-                raise TypeError(f"{owner}: {name} must be an nn.Module or None, got {type(value).__name__}")
-        _check_blocks(self.blocks, owner)
+        _check_parts(self, "DecoderParts", ("embedding", "norm", "head"))
+
+
+def _check_parts(parts: DecoderParts | EncoderParts, owner: str, modules: tuple[str, ...]) -> None:
+    """The fields ``modules`` of a parts object are modules or ``None``; its ``blocks`` a list or factory."""
+    for name in modules:
+        value = getattr(parts, name)
+        if value is not None and not isinstance(value, nn.Module):
+            raise TypeError(f"{owner}: {name} must be an nn.Module or None, got {type(value).__name__}")
+    _check_blocks(parts.blocks, owner)
 
 
 def _check_blocks(b: object, owner: str) -> None:
@@ -183,9 +187,4 @@ class EncoderParts:
     classifier: nn.Module | None = None
 
     def __post_init__(self) -> None:
-        owner = "EncoderParts"
-        for name in ("embedding", "norm", "mlm", "classifier"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, nn.Module):
-                raise TypeError(f"{owner}: {name} must be an nn.Module or None, got {type(value).__name__}")
-        _check_blocks(self.blocks, owner)
+        _check_parts(self, "EncoderParts", ("embedding", "norm", "mlm", "classifier"))

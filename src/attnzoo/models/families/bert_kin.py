@@ -34,7 +34,6 @@ groups than layers.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,13 +44,13 @@ import attnzoo.models.families._common as parts
 import attnzoo.models.hf.bert as bert
 from attnzoo.blocks import ACTIVATIONS, TransformerBlock
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.encoder import TransformerEncoder
+from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.parts import EncoderParts
 from attnzoo.nn.positional import LearnedPositionalEmbedding
 
 __all__ = ["ALBERT_LAYER", "DEFAULTS", "DISPATCH", "DISTILBERT_LAYER", "FactorisedEmbedding", "FactorisedMLMHead",
-           "FirstTokenClassifier", "albert_blocks", "convert_albert", "convert_distilbert", "convert_electra",
+           "albert_blocks", "apply_encoder_plan", "convert_albert", "convert_distilbert", "convert_electra",
            "put_post_norm_layer"]
 
 #: transformers' config defaults (``configuration_<name>.py``) for a ``config.json`` that leaves them out
@@ -141,25 +140,6 @@ class FactorisedMLMHead(nn.Module):
         return self.decoder(self.norm(self.act(self.transform(hidden))))  # [B, N, V]
 
 
-class FirstTokenClassifier(nn.Module):
-    """A sequence classifier on the first token: ``out(act(dense(hidden[:, 0])))`` (DistilBERT's
-    ``pre_classifier`` -> ReLU -> ``classifier``, ELECTRA's ``ElectraClassificationHead`` with GELU).
-
-    Weights: ``dense [C, C]``, ``out [L, C]``, both with bias.
-    Shapes: ``hidden [B, N, C]``, ``attention_mask [B, N]`` (unused: the first token is read) -> ``[B, L]``.
-    """
-
-    def __init__(self, dim: int, num_labels: int, *, activation: str, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.act = ACTIVATIONS[activation][0]
-        self.dense = nn.Linear(dim, dim, device=device, dtype=dtype)
-        self.out = nn.Linear(dim, num_labels, device=device, dtype=dtype)
-
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        return self.out(self.act(self.dense(hidden[:, 0])))  # [B, L]
-
-
 def put_post_norm_layer(plan: Plan, ours: str, theirs: str, names: tuple[str, ...]) -> None:
     """Map a BERT-shaped post-norm layer at ``theirs`` (its 8 sub-module ``names``: q, k, v, output,
     attention norm, FFN up, FFN down, FFN norm, all with biases) onto the
@@ -226,22 +206,15 @@ def _put_heads(plan: Plan, hf: HFConfig, model: TransformerEncoder, ignore: list
         if not _tie(hf, model, ignore, f"{decoder}.weight"):
             plan.put("mlm.decoder.weight", f"{decoder}.weight")
     if model.classifier is not None:
-        plan.put_pairs("classifier.", "", [("dense", classifier[0]), ("out", classifier[1])])
+        plan.put_pairs("classifier.", "", [("dense", classifier[0]), ("out_proj", classifier[1])])
     plan.src.prefix = prefix
 
 
-def _apply(plan: Plan, model: TransformerEncoder, hf: HFConfig, ignore: list[str]) -> TransformerEncoder:
-    """Check and copy the plan; checkpoint keys outside the base model's prefix that no head took
-    (the task heads attnzoo has no equivalent for) are named in a warning and ignored."""
-    prefix, sd = plan.src.prefix, plan.src.sd
-    ignore.append(_BUFFERS)
-    heads = sorted(k for k in sd if prefix and not k.startswith(prefix) and k not in plan.src.used
-                   and not any(re.fullmatch(p, k) for p in ignore))
-    if heads:
-        warnings.warn(f"{plan.arch}: the task head weights {heads} have no attnzoo equivalent and are ignored "
-                      f"({hf.source})", stacklevel=4)
-        ignore += [re.escape(k) for k in heads]
-    plan.apply(model, ignore=ignore)
+def apply_encoder_plan(plan: Plan, model: TransformerEncoder, hf: HFConfig,
+                       ignore: list[str]) -> TransformerEncoder:
+    """Check and copy the plan, the task heads attnzoo has no equivalent for warned about and left
+    out (:meth:`~attnzoo.models.hf._state.Plan.apply_base`)."""
+    plan.apply_base(model, prefix=plan.src.prefix, source=hf.source, ignore=[*ignore, _BUFFERS])
     return model
 
 
@@ -268,7 +241,7 @@ def convert_distilbert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         put_post_norm_layer(plan, f"blocks.{i}.", f"transformer.layer.{i}.", DISTILBERT_LAYER)
     _put_heads(plan, hf, model, ignore, ("vocab_transform", "vocab_layer_norm", "vocab_projector"),
                ("pre_classifier", "classifier"))
-    return _apply(plan, model, hf, ignore)
+    return apply_encoder_plan(plan, model, hf, ignore)
 
 
 def convert_electra(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> TransformerEncoder:
@@ -293,7 +266,7 @@ def convert_electra(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
         bert._layer(plan, i)
     _put_heads(plan, hf, model, ignore, ("generator_predictions.dense", "generator_predictions.LayerNorm",
                                          "generator_lm_head"), ("classifier.dense", "classifier.out_proj"))
-    return _apply(plan, model, hf, ignore)
+    return apply_encoder_plan(plan, model, hf, ignore)
 
 
 def _albert_mlm(plan: Plan, hf: HFConfig, model: TransformerEncoder, ignore: list[str]) -> None:
@@ -339,7 +312,7 @@ def convert_albert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
     if mlm is not None:
         _albert_mlm(plan, hf, model, ignore)
     plan.src.prefix = prefix
-    return _apply(plan, model, hf, ignore)
+    return apply_encoder_plan(plan, model, hf, ignore)
 
 
 DISPATCH = {

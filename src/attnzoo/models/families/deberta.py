@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -574,13 +572,7 @@ def convert_deberta(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     if emb.rel is None:  # built without relative_attention but never used (m. 583-584)
         ignore.append(r"(deberta\.)?encoder\.LayerNorm\.(weight|bias)")
     _heads(plan, hf, model, ignore)
-    heads = sorted(k for k in sd if prefix and not k.startswith(prefix) and k not in plan.src.used
-                   and not any(re.fullmatch(p, k) for p in ignore))
-    if heads:
-        warnings.warn(f"{plan.arch}: the head weights {heads} have no attnzoo equivalent and are ignored "
-                      f"({hf.source})", stacklevel=4)
-        ignore += [re.escape(k) for k in heads]
-    plan.apply(model, ignore=ignore)
+    plan.apply_base(model, prefix=prefix, source=hf.source, ignore=ignore)
     return model
 
 

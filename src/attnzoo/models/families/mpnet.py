@@ -29,7 +29,7 @@ the decoder tied to the word embeddings under ``tie_word_embeddings`` (441-444);
 ``tie_word_embeddings=False`` transformers unties ``lm_head.bias`` from ``lm_head.decoder.bias`` and
 the forward adds only the latter, which is what is loaded (``lm_head.bias`` is then unused);
 ``MPNetForSequenceClassification`` RoBERTa's head ``out_proj(tanh(dense(hidden[:, 0])))`` on the first
-slot, a pad in a left-padded row as in transformers (755-771; :class:`FirstTokenClassifier`).
+slot, a pad in a left-padded row as in transformers (755-771; :class:`~attnzoo.models.encoder.FirstTokenClassifier`).
 
 Refused by name: the task heads of ``MPNetForTokenClassification``, ``MPNetForQuestionAnswering`` and
 ``MPNetForMultipleChoice`` (their weights have no attnzoo head), ``relative_attention_num_buckets``
@@ -49,7 +49,7 @@ from attnzoo._validate import check_int
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.encoder import MaskedLMHead, TransformerEncoder
+from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
 from attnzoo.models.families._common import Dispatch
 from attnzoo.models.families.t5_encoder import RelativeBiasAttention, RelativePositionBias
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
@@ -58,8 +58,8 @@ from attnzoo.models.parts import EncoderParts
 from attnzoo.nn.attention import build_softmax
 from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
 
-__all__ = ["DISPATCH", "MPNET_BUCKETS", "MPNET_MAX_DISTANCE", "MPNET_PADDING_IDX", "FirstTokenClassifier",
-           "MPNetEmbedding", "SlotBiasAttention", "build_mpnet", "convert_mpnet", "padding_offset_positions"]
+__all__ = ["DISPATCH", "MPNET_BUCKETS", "MPNET_MAX_DISTANCE", "MPNET_PADDING_IDX", "MPNetEmbedding", "SlotBiasAttention",
+           "build_mpnet", "convert_mpnet", "padding_offset_positions", "plan_heads"]
 
 #: the buckets MPNet's bias always uses (``compute_position_bias``'s default, ``modeling_mpnet.py`` 311)
 MPNET_BUCKETS = 32
@@ -129,25 +129,6 @@ class MPNetEmbedding(nn.Module):
         return self.norm(self.tok_emb(tokens) + self.pos_emb(pos))  # [B, N, C]
 
 
-class FirstTokenClassifier(nn.Module):
-    """RoBERTa's / MPNet's sequence classifier (``modeling_mpnet.py`` 755-771):
-    ``out_proj(tanh(dense(hidden[:, 0])))``, the first slot whatever the mask (a pad in a
-    left-padded row, as in transformers).
-
-    Weights: ``dense [C, C]``, ``out_proj [L, C]``. Shapes: ``(hidden [B, N, C], attention_mask)``
-    -> ``[B, L]``.
-    """
-
-    def __init__(self, dim: int, num_labels: int, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.dense = nn.Linear(dim, dim, device=device, dtype=dtype)
-        self.out_proj = nn.Linear(dim, num_labels, device=device, dtype=dtype)
-
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        return self.out_proj(torch.tanh(self.dense(hidden[:, 0])))  # [B, L]
-
-
 # --------------------------------------------------------------------------- the model
 def _mpnet_config(hf: HFConfig, pooler: bool) -> EncoderConfig:
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
@@ -187,7 +168,7 @@ def build_mpnet(hf: HFConfig, *, pooler: bool, num_labels: int = 0, mlm: bool = 
     return TransformerEncoder(config=cfg, parts=parts, **kw)
 
 
-def _plan_heads(plan: Plan, hf: HFConfig, sd: dict[str, Tensor], model: TransformerEncoder,
+def plan_heads(plan: Plan, hf: HFConfig, sd: dict[str, Tensor], model: TransformerEncoder,
                 tied: bool) -> list[str]:
     """Plan the classifier and the LM head (keys outside the ``mpnet.`` prefix); returns the
     checkpoint keys to ignore (tied copies, the unused ``lm_head.bias``)."""
@@ -236,7 +217,7 @@ def convert_mpnet(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
                               ("ffn_norm", "output.LayerNorm")])
     if model.pooler is not None:
         plan.put_pairs("", "", [("pooler", "pooler.dense")])
-    plan.apply(model, ignore=_plan_heads(plan, hf, sd, model, tied))
+    plan.apply(model, ignore=plan_heads(plan, hf, sd, model, tied))
     return model
 
 

@@ -17,7 +17,7 @@ with three differences, each an :class:`~attnzoo.models.EncoderParts` part:
   not: the mask only hides keys (:class:`RobertaEmbedding`);
 * the sequence classifier reads the first position whatever the mask (a left-padded row reads a
   pad), ``out_proj(tanh(dense(h[:, 0])))``, no pooler (1149-1168; MPNet's
-  :class:`~attnzoo.models.families.mpnet.FirstTokenClassifier`, MPNet's head being RoBERTa's);
+  :class:`~attnzoo.models.encoder.FirstTokenClassifier`, MPNet's head being RoBERTa's);
 * the masked-LM head ``lm_head`` is BERT's shape with an exact GELU whatever ``hidden_act``
   (879-898): ``decoder(layer_norm(gelu(dense(h))))``, the decoder tied to the word embeddings and
   its bias to ``lm_head.bias`` (``tie_word_embeddings``, 798-802); untied, transformers' forward
@@ -49,13 +49,9 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import make_norm
-from attnzoo.models.encoder import MaskedLMHead, TransformerEncoder
-from attnzoo.models.families.bert_kin import _apply
-from attnzoo.models.families.mpnet import (
-    FirstTokenClassifier,
-    _plan_heads,
-    padding_offset_positions,
-)
+from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
+from attnzoo.models.families.bert_kin import apply_encoder_plan
+from attnzoo.models.families.mpnet import padding_offset_positions, plan_heads
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.bert import _layer, bert_config
 from attnzoo.models.parts import EncoderParts
@@ -207,9 +203,9 @@ def convert_roberta(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
         plan.put_pairs("", "", [("norm", v.final_norm)])
     if model.pooler is not None:
         plan.put_pairs("", "", [("pooler", "pooler.dense")])
-    ignore = _plan_heads(plan, hf, sd, model, tied)  # MPNet's heads are RoBERTa's (same names, same ties)
+    ignore = plan_heads(plan, hf, sd, model, tied)  # MPNet's heads are RoBERTa's (same names, same ties)
     plan.src.prefix = prefix
-    return _apply(plan, model, hf, ignore)  # BERT-kin's: other task heads warned about and ignored
+    return apply_encoder_plan(plan, model, hf, ignore)  # BERT-kin's: other task heads warned about and ignored
 
 DISPATCH = {t: parts.Dispatch(v.name, functools.partial(convert_roberta, model_type=t), v.classes)
             for t, v in VARIANTS.items()}

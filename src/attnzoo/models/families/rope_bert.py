@@ -60,13 +60,19 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.encoder import MaskedLMHead, TransformerEncoder, cls_pool, mean_pool
+from attnzoo.models.encoder import (
+    FirstTokenClassifier,
+    MaskedLMHead,
+    TransformerEncoder,
+    cls_pool,
+    mean_pool,
+)
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.bert import ACTIVATIONS
 from attnzoo.models.parts import EncoderParts, LMHead
 from attnzoo.variants import build_attention
 
-__all__ = ["CLASSIFIER_POOLINGS", "DISPATCH", "FAMILIES", "FUSED", "SAVED", "ClsHead", "EuroBertClassifier", "Family",
+__all__ = ["CLASSIFIER_POOLINGS", "DISPATCH", "FAMILIES", "FUSED", "SAVED", "EuroBertClassifier", "Family",
            "Heads", "TypedEmbedding", "build_rope_bert", "canonical", "convert_rope_bert", "transformers_names"]
 
 #: EuroBERT's ``classifier_pooling`` values (modeling 492-517)
@@ -95,25 +101,6 @@ class TypedEmbedding(nn.Module):
         if self.types is not None:
             x = x + (self.types.weight[0] if token_type_ids is None else self.types(token_type_ids))
         return self.norm(x)
-
-
-class ClsHead(nn.Module):
-    """A sequence classifier on the first token: ``out_proj(tanh(dense(hidden[:, 0])))`` (BERT's
-    pooler + classifier, RoBERTa's classification head; dropout between them in training).
-
-    Weights: ``dense [C, C]``, ``out_proj [L, C]``, both biased.
-    Shapes: ``hidden [B, N, C]`` (``attention_mask`` unused) -> ``[B, L]``.
-    """
-
-    def __init__(self, dim: int, num_labels: int, *, dropout: float = 0.0, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.dense = nn.Linear(dim, dim, device=device, dtype=dtype)
-        self.out_proj = nn.Linear(dim, num_labels, device=device, dtype=dtype)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        return self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(cls_pool(hidden))))))  # [B, L]
 
 
 class EuroBertClassifier(nn.Module):
@@ -330,8 +317,8 @@ def _classifier(hf: HFConfig, family: Family, num_labels: int, kw: dict[str, Any
     if family.classifier == "eurobert":
         return EuroBertClassifier(C, num_labels, hf.req("classifier_pooling", str), **kw)
     dropout = hf.get("classifier_dropout", None, float)
-    return ClsHead(C, num_labels, dropout=hf.get("hidden_dropout_prob", 0.0, float) if dropout is None else dropout,
-                   **kw)
+    return FirstTokenClassifier(C, num_labels, dropout=hf.get("hidden_dropout_prob", 0.0, float) if dropout is None
+                                else dropout, **kw)
 
 
 def build_rope_bert(hf: HFConfig, heads: Heads, *, device: Any = None, dtype: Any = None) -> TransformerEncoder:

@@ -4,6 +4,7 @@ maps checkpoint tensors onto an attnzoo model's parameters."""
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -205,6 +206,20 @@ class Plan:
         with torch.no_grad():
             for name, (t, _) in self.values.items():
                 params[name].copy_(t)
+
+    def apply_base(self, model: nn.Module, *, prefix: str, source: str, ignore: Iterable[str] = ()) -> None:
+        """:meth:`apply` for an encoder converted from a ``*For*`` checkpoint: the keys outside the
+        base model's ``prefix`` (``"roberta."``; ``""``: a base checkpoint, nothing to warn about)
+        that no head of ``model`` took and ``ignore`` does not match (the task heads attnzoo has no
+        equivalent for: QA, token classification, ...) are named in a ``UserWarning`` (``source``:
+        the config file or model) and left out."""
+        skip = list(ignore)
+        heads = sorted(k for k in self.src.sd if prefix and not k.startswith(prefix) and k not in self.src.used
+                       and not any(re.fullmatch(p, k) for p in skip))
+        if heads:
+            warnings.warn(f"{self.arch}: the task head weights {heads} have no attnzoo equivalent and are ignored "
+                          f"({source})", stacklevel=5)
+        self.apply(model, ignore=skip + [re.escape(k) for k in heads])
 
 
 @contextmanager

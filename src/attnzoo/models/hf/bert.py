@@ -6,8 +6,6 @@ pooler (``tanh(Linear(hidden[:, 0]))``) is kept when the checkpoint has one.
 
 from __future__ import annotations
 
-import re
-import warnings
 from typing import Any
 
 from torch import Tensor
@@ -79,12 +77,6 @@ def convert_bert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
         plan.put("mlm.decoder.bias", "cls.predictions.bias")
     # position_ids is a non-persistent buffer in recent versions but present in older files; the
     # MLM decoder's weight and bias are the (tied) word embeddings and cls.predictions.bias.
-    ignore = [r"(bert\.)?embeddings\.position_ids", r"cls\.predictions\.decoder\.(weight|bias)"]
-    heads = sorted(k for k in sd if prefix and not k.startswith(prefix) and k not in plan.src.used
-                   and not re.fullmatch(ignore[1], k))
-    if heads:
-        warnings.warn(f"BERT: the task head weights {heads} have no attnzoo equivalent and are ignored "
-                      f"({hf.source})", stacklevel=4)
-        ignore += [re.escape(k) for k in heads]
-    plan.apply(model, ignore=ignore)
+    plan.apply_base(model, prefix=prefix, source=hf.source,
+                    ignore=[r"(bert\.)?embeddings\.position_ids", r"cls\.predictions\.decoder\.(weight|bias)"])
     return model
