@@ -32,7 +32,7 @@ from attnzoo.models._common import (
     rotary_for,
 )
 from attnzoo.models.config import DecoderConfig
-from attnzoo.models.parts import Blocks, DecoderParts, LMHead, given_blocks
+from attnzoo.models.parts import Blocks, DecoderParts, LMHead, given_blocks, resolve_parts
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
@@ -270,10 +270,7 @@ class DecoderLM(FromConfig, nn.Module):
         cfg = DecoderConfig.resolve(config, "DecoderLM", {
             "vocab_size": vocab_size, "dim": dim, "depth": depth, "num_heads": num_heads, "attention": attention,
             "num_kv_heads": num_kv_heads, "max_seq_len": max_seq_len, "pos": pos})
-        if parts is None:
-            parts = DecoderParts()
-        elif not isinstance(parts, DecoderParts):
-            raise TypeError(f"DecoderLM: parts must be a DecoderParts, got {type(parts).__name__}")
+        parts = resolve_parts(parts, DecoderParts, "DecoderLM")
         self.config = cfg
         self.vocab_size, self.dim, self.depth, self.num_heads = cfg.vocab_size, cfg.dim, cfg.depth, cfg.num_heads
         self.max_seq_len, self.pos, self.head_dim = cfg.max_seq_len, cfg.resolved_pos, cfg.resolved_head_dim

@@ -19,7 +19,7 @@ from attnzoo.models._common import (
     rotary_for,
 )
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.parts import EncoderParts, given_blocks
+from attnzoo.models.parts import EncoderParts, given_blocks, resolve_parts
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 
 __all__ = ["POOLINGS", "FirstTokenClassifier", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
@@ -157,10 +157,7 @@ class TransformerEncoder(FromConfig, nn.Module):
         cfg = EncoderConfig.resolve(config, owner, {
             "vocab_size": vocab_size, "dim": dim, "depth": depth, "num_heads": num_heads, "attention": attention,
             "max_seq_len": max_seq_len, "pos": pos, "type_vocab_size": type_vocab_size})
-        if parts is None:
-            parts = EncoderParts()
-        elif not isinstance(parts, EncoderParts):
-            raise TypeError(f"{owner}: parts must be an EncoderParts, got {type(parts).__name__}")
+        parts = resolve_parts(parts, EncoderParts, owner)
         for field, part in (("mlm_head", parts.mlm), ("num_labels", parts.classifier)):
             if part is not None and getattr(cfg, field):
                 raise ValueError(f"{owner}: {field}={getattr(cfg, field)!r} builds the head that "

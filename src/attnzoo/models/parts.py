@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int, check_positive_float
 
-__all__ = ["DecoderParts", "EncoderParts", "LMHead", "ScaledEmbedding", "given_blocks", "head_for"]
+__all__ = ["DecoderParts", "EncoderParts", "LMHead", "ScaledEmbedding", "given_blocks", "head_for", "resolve_parts"]
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -142,6 +143,20 @@ def _check_blocks(b: object, owner: str) -> None:
     if b is not None and (isinstance(b, nn.Module) or not (callable(b) or isinstance(b, Sequence))):
         raise TypeError(f"{owner}: blocks must be a list of modules (one per layer) or a callable "
                         f"layer -> module, got {type(b).__name__}")
+
+
+P = TypeVar("P", "DecoderParts", "EncoderParts")
+
+
+def resolve_parts(parts: object, kind: type[P], owner: str) -> P:
+    """A model's ``parts=`` argument: ``None`` -> ``kind()`` (every part built from the config), else
+    it must be a ``kind``."""
+    if parts is None:
+        return kind()
+    if not isinstance(parts, kind):
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"{owner}: parts must be {article} {kind.__name__}, got {type(parts).__name__}")
+    return parts
 
 
 def given_blocks(blocks: Blocks, depth: int, owner: str) -> list[nn.Module]:
