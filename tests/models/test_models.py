@@ -293,7 +293,7 @@ def test_vit_shapes_and_interpolation() -> None:
     # interpolating to the training grid is the identity; a round trip through 2x is close to it
     pe = vit.position_embeddings(8, 8)
     assert pe.shape == (1, 65, 32)
-    headless = az.VisionTransformer(16, 4, 3, 0, 32, 1, 4, pool="mean")
+    headless = az.VisionTransformer(config=az.models.ViTConfig(16, 4, 3, 0, 32, 1, 4, pool="mean"))
     assert headless(x).shape == (2, 32)
 
 

@@ -20,7 +20,7 @@ from attnzoo.models.decoder import DecoderLM, sample_next_token
 from attnzoo.models.encoder import TransformerEncoder, cls_pool, max_pool, mean_pool
 from attnzoo.models.legacy import decoder_from_dict
 from attnzoo.models.loop import LayerLoopLM
-from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding
+from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding, ViTParts
 from attnzoo.models.seq2seq import Transformer
 from attnzoo.models.vit import VisionTransformer
 
@@ -40,6 +40,7 @@ __all__ = [
     "Transformer",
     "TransformerEncoder",
     "ViTConfig",
+    "ViTParts",
     "VisionTransformer",
     "cls_pool",
     "decoder_from_dict",

@@ -445,8 +445,6 @@ class ViTConfig(Config):
                                  f"(image_size={self.image_size}, patch_size={self.patch_size})")
         _check_common(self, owner, ("in_channels", "dim", "depth", "num_heads"))
         check_int(self.num_classes, "num_classes", owner, minimum=0)
-        if self.dim % self.num_heads:
-            raise ValueError(f"{owner}: dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         for name in ("qkv_bias", "class_token", "pooler"):
             check_bool(getattr(self, name), name, owner)
         check_choice(self.pool, "pool", owner, choices=("cls", "mean"))

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int, check_positive_float
 
-__all__ = ["DecoderParts", "EncoderParts", "LMHead", "ScaledEmbedding", "given_blocks", "head_for", "resolve_parts"]
+__all__ = ["DecoderParts", "EncoderParts", "LMHead", "ScaledEmbedding", "ViTParts", "given_blocks", "head_for",
+           "resolve_parts"]
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -130,7 +131,7 @@ class DecoderParts:
         _check_parts(self, "DecoderParts", ("embedding", "norm", "head"))
 
 
-def _check_parts(parts: DecoderParts | EncoderParts, owner: str, modules: tuple[str, ...]) -> None:
+def _check_parts(parts: DecoderParts | EncoderParts | ViTParts, owner: str, modules: tuple[str, ...]) -> None:
     """The fields ``modules`` of a parts object are modules or ``None``; its ``blocks`` a list or factory."""
     for name in modules:
         value = getattr(parts, name)
@@ -145,7 +146,7 @@ def _check_blocks(b: object, owner: str) -> None:
                         f"layer -> module, got {type(b).__name__}")
 
 
-P = TypeVar("P", "DecoderParts", "EncoderParts")
+P = TypeVar("P", "DecoderParts", "EncoderParts", "ViTParts")
 
 
 def resolve_parts(parts: object, kind: type[P], owner: str) -> P:
@@ -203,3 +204,32 @@ class EncoderParts:
 
     def __post_init__(self) -> None:
         _check_parts(self, "EncoderParts", ("embedding", "norm", "mlm", "classifier"))
+
+
+@dataclass(frozen=True)
+class ViTParts:
+    """Modules a :class:`~attnzoo.VisionTransformer` takes as they are instead of building them from
+    its :class:`~attnzoo.models.ViTConfig` (each ``None``: built from the config), for a vision family
+    whose parts differ (DINOv2's register tokens and layer scales, SigLIP's attention-pooling head,
+    CLIP's pre-norm)::
+
+        vit = VisionTransformer(config=cfg, parts=ViTParts(embedding=my_patches, head=my_head))
+
+    Fields:
+        embedding: ``images [B, in_channels, H, W] -> tokens [B, T, C]`` (patches, prefix tokens,
+            positions, any norm before the blocks) in place of the config's ``patch_embed`` /
+            ``cls_token`` / ``pos_embed`` (then not built).
+        blocks: one module per layer (``depth``) or a factory ``layer -> module``, each called
+            ``block(x [B, T, C])``.
+        norm: the final norm (default: the config's); ``nn.Identity()`` for none.
+        head: ``features [B, T, C] -> [B, K]`` with its own pooling, what :meth:`~attnzoo.VisionTransformer.forward`
+            returns (the config's ``pool`` / ``pooler`` / ``num_classes`` head is then not built).
+    """
+
+    embedding: nn.Module | None = None
+    blocks: Blocks | None = None
+    norm: nn.Module | None = None
+    head: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        _check_parts(self, "ViTParts", ("embedding", "norm", "head"))

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import FromConfig, init_weights
 from attnzoo.models.config import ViTConfig
+from attnzoo.models.parts import ViTParts, given_blocks, resolve_parts
 
 __all__ = ["VisionTransformer"]
 
@@ -21,7 +22,7 @@ class VisionTransformer(FromConfig, nn.Module):
     classification head.
 
     Build it from a :class:`~attnzoo.models.ViTConfig` (``config=``, ``from_config``; preset
-    ``vit_b16``). The constructor's own keywords (the seven positionals, ``attention``, ``pool``)
+    ``vit_b16``). The constructor's own keywords (the seven positionals, ``attention``)
     are shorthands for those fields and override ``config``'s when given; every other field goes
     through ``config=``.
 
@@ -42,6 +43,10 @@ class VisionTransformer(FromConfig, nn.Module):
     :meth:`forward_features` -> ``[B, T, C]`` with ``T = (H/Ph)(W/Pw) (+1 with class token)``.
     Weights: ``patch_embed`` (``Conv2d``), ``cls_token [1, 1, C]``, ``pos_embed [1, T, C]``,
     ``blocks``, ``norm``, ``pooler``, ``head``.
+
+    ``parts`` (:class:`~attnzoo.models.parts.ViTParts`): modules used as they are instead of the
+    config's — the embedding (patches, prefix tokens, positions), the blocks, the final norm, a
+    head with its own pooling — for vision families built from parts (DINOv2, SigLIP, CLIP).
     """
 
     config_class = ViTConfig
@@ -49,13 +54,15 @@ class VisionTransformer(FromConfig, nn.Module):
     def __init__(self, image_size: int | tuple[int, int] | None = None, patch_size: int | tuple[int, int] | None = None,
                  in_channels: int | None = None, num_classes: int | None = None, dim: int | None = None,
                  depth: int | None = None, num_heads: int | None = None, *, attention: AttentionSpec | None = None,
-                 pool: str | None = None, config: ViTConfig | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 config: ViTConfig | None = None, parts: ViTParts | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        owner = "VisionTransformer"
         given = {"image_size": image_size, "patch_size": patch_size, "in_channels": in_channels,
                  "num_classes": num_classes, "dim": dim, "depth": depth, "num_heads": num_heads,
-                 "attention": attention, "pool": pool}
-        cfg = ViTConfig.resolve(config, "VisionTransformer", given)
+                 "attention": attention}
+        cfg = ViTConfig.resolve(config, owner, given)
+        parts = resolve_parts(parts, ViTParts, owner)
         self.config = cfg
         self.image_size, self.patch_size = cfg.image_size, cfg.patch_size
         self.in_channels, self.num_classes, self.pool = cfg.in_channels, cfg.num_classes, cfg.pool
@@ -63,6 +70,29 @@ class VisionTransformer(FromConfig, nn.Module):
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.grid = (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
         self.num_prefix = 1 if cfg.class_token else 0
+        self.embedding = parts.embedding
+        if parts.embedding is None:
+            self._build_embedding(cfg, kw)
+        else:
+            self.patch_embed, self.cls_token, self.pos_embed = None, None, None
+        self.drop = nn.Dropout(cfg.dropout)
+        if parts.blocks is None and cfg.dim % cfg.num_heads:  # given blocks carry their own head widths
+            raise ValueError(f"{owner}: dim ({cfg.dim}) must be divisible by num_heads ({cfg.num_heads})")
+        self.blocks = nn.ModuleList(given_blocks(parts.blocks, cfg.depth, owner) if parts.blocks is not None else [
+            TransformerBlock(config=self.block_config(cfg), **kw) for _ in range(cfg.depth)])
+        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw) if parts.norm is None else parts.norm
+        own_head = self._own_head = parts.head is None
+        self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler and own_head else None
+        self.head = (nn.Linear(cfg.dim, cfg.num_classes, **kw) if cfg.num_classes else None) if own_head \
+            else parts.head
+        keep = {name for name, part in (("embedding", parts.embedding), ("blocks", parts.blocks),
+                                        ("norm", parts.norm), ("head", parts.head)) if part is not None}
+        for name, child in self.named_children():  # given parts keep their own weights
+            if name not in keep:
+                init_weights(child, depth=cfg.depth)
+
+    def _build_embedding(self, cfg: ViTConfig, kw: dict[str, Any]) -> None:
+        """The config's patch embedding, class token and position table."""
         self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.dim, kernel_size=self.patch_size, stride=self.patch_size,
                                      **kw)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim, **kw)) if cfg.class_token else None
@@ -70,13 +100,6 @@ class VisionTransformer(FromConfig, nn.Module):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.trunc_normal_(self.cls_token, std=0.02)
-        self.drop = nn.Dropout(cfg.dropout)
-        block = self.block_config(cfg)
-        self.blocks = nn.ModuleList([TransformerBlock(config=block, **kw) for _ in range(cfg.depth)])
-        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, **kw)
-        self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler else None
-        self.head = nn.Linear(cfg.dim, cfg.num_classes, **kw) if cfg.num_classes else None
-        init_weights(self, depth=cfg.depth)
 
     @staticmethod
     def block_config(cfg: ViTConfig) -> BlockConfig:
@@ -121,10 +144,16 @@ class VisionTransformer(FromConfig, nn.Module):
         """Token features after the final norm: ``[B, T, C]`` (class token first when present).
         Any image size that is a multiple of the patch size works (positions are interpolated)."""
         gh, gw = self._check_images(images)
+        if self.embedding is not None:
+            return self._run_blocks(self.embedding(images))
+        assert self.patch_embed is not None  # built when no embedding part is given
         x = self.patch_embed(images).flatten(2).transpose(1, 2)  # [B, gh*gw, C]
         if self.cls_token is not None:
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x), dim=1)  # [B, T, C]
-        x = self.drop(x + self.position_embeddings(gh, gw).to(x.dtype))
+        return self._run_blocks(x + self.position_embeddings(gh, gw).to(x.dtype))
+
+    def _run_blocks(self, x: Tensor) -> Tensor:
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x)  # [B, T, C]
         return self.norm(x)
@@ -143,6 +172,10 @@ class VisionTransformer(FromConfig, nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         """``images [B, in_channels, H, W]`` -> ``logits [B, num_classes]`` (pooled features
-        ``[B, C]`` when ``num_classes == 0``)."""
-        pooled = self.pool_features(self.forward_features(images))
+        ``[B, C]`` when ``num_classes == 0``; with a ``ViTParts.head``: what it returns)."""
+        features = self.forward_features(images)
+        if not self._own_head:
+            assert self.head is not None
+            return self.head(features)
+        pooled = self.pool_features(features)
         return pooled if self.head is None else self.head(pooled)
