@@ -21,6 +21,7 @@ import attnzoo.models.families.bamba as bamba
 import attnzoo.models.families.beam as beam
 import attnzoo.models.families.bert_kin as bert_kin
 import attnzoo.models.families.classic as classic
+import attnzoo.models.families.clip as clip
 import attnzoo.models.families.cohere_compass as cohere_compass
 import attnzoo.models.families.cwm as cwm
 import attnzoo.models.families.deberta as deberta
@@ -28,6 +29,7 @@ import attnzoo.models.families.deepseek as deepseek
 import attnzoo.models.families.deepseek_v4 as deepseek_v4
 import attnzoo.models.families.dense as dense
 import attnzoo.models.families.diffllama as diffllama
+import attnzoo.models.families.dinov2 as dinov2
 import attnzoo.models.families.doge as doge
 import attnzoo.models.families.dory as dory
 import attnzoo.models.families.dots3 as dots3
@@ -69,6 +71,7 @@ import attnzoo.models.families.recurrent_gemma as recurrent_gemma
 import attnzoo.models.families.roberta as roberta
 import attnzoo.models.families.rope_bert as rope_bert
 import attnzoo.models.families.rwkv as rwkv
+import attnzoo.models.families.siglip as siglip
 import attnzoo.models.families.smollm3 as smollm3
 import attnzoo.models.families.sparse_moe as sparse_moe
 import attnzoo.models.families.t5_encoder as t5_encoder
@@ -93,7 +96,7 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
                   cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
                   zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, dory, roberta, bert_kin, modernbert, deberta,
-                  mpnet, t5_encoder, rope_bert)
+                  mpnet, t5_encoder, rope_bert, dinov2, siglip, clip)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
