@@ -10,6 +10,7 @@ A family's model is random-initialised offline from a tiny config, then every we
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,23 @@ from hf_encoder_checks import check_to_hf, hf_encoder
 from hf_family_checks import rel
 
 TOL = 1e-5
+#: the test modules of the vision families, each with its ``VISION_SWEEP`` (model_type -> maker of seed)
+MODULES = ("test_hf_dinov2", "test_hf_siglip", "test_hf_clip")
 hf_vision = hf_encoder  # the same recipe: built offline in eager attention, every weight perturbed
+
+
+def sweep() -> dict[str, Callable[[int], Any]]:
+    """Every vision ``model_type`` -> a maker of its transformers model (``seed`` -> model): the
+    ``VISION_SWEEP`` of each family test module present (a family missing from it is caught by
+    ``test_hf_export.test_every_converted_model_type_is_swept``)."""
+    out: dict[str, Callable[[int], Any]] = {}
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        out.update(module.VISION_SWEEP)
+    return out
 
 
 def pixels(size: int | tuple[int, int] = 32, batch: int = 2, channels: int = 3, seed: int = 1) -> torch.Tensor:

@@ -29,6 +29,7 @@ import test_hf_multimodal as multimodal  # noqa: E402
 
 import hf_encoder_checks as encoders  # noqa: E402
 import hf_family_checks as checks  # noqa: E402
+import hf_vision_checks as vision  # noqa: E402
 from attnzoo import DecoderLM, TransformerEncoder  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
     MODEL_TYPES,
@@ -86,6 +87,7 @@ MAKERS: dict[str, Any] = {
     "inkling2_loop_text": lambda seed: checks.hf_model(inkling2_loop._config(), seed=seed),
     **multimodal.SWEEP,  # the multimodal wrappers (their text decoder; the towers keep their values)
     **encoders.sweep(),  # the encoder families (RoBERTa, ModernBERT, DeBERTa, T5, ...)
+    **vision.sweep(),  # the vision families (DINOv2, SigLIP, CLIP)
 }
 
 
@@ -97,6 +99,8 @@ def _out(model: Any, kind: str) -> torch.Tensor:
     with torch.no_grad():
         if kind == "vit":
             return model(pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))).logits
+        if getattr(model, "main_input_name", None) == "pixel_values":  # a vision family: its main output
+            return vision.hf_outputs(model, vision.pixels(channels=model.config.num_channels))[1]
         x, mask = checks.padded(12, pad=0)
         r = model(input_ids=x % 64 if kind in ("gpt2", "bert") else x, attention_mask=mask)
         return (r.logits if hasattr(r, "logits") else r.last_hidden_state).float()

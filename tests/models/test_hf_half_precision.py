@@ -38,7 +38,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import hf_encoder_checks as encoders  # noqa: E402
 import hf_family_checks as checks  # noqa: E402
+import hf_vision_checks as vision  # noqa: E402
 from attnzoo.blocks import RMSNorm  # noqa: E402
 from attnzoo.interop import from_hf  # noqa: E402
 from attnzoo.models.families._common import Float32ScaleRMSNorm  # noqa: E402
@@ -225,9 +227,11 @@ def _bad(e: dict[str, float]) -> bool:
 def test_the_families_are_dispatched() -> None:
     """Each family here is a ``from_hf`` family, and every builder family is here but Inkling2 /
     Inkling2-loop (on random weights transformers' own bf16 run is 0.9 relative off its float32 on
-    the loop model: no peer to compare with) and Mistral 4 (transformers maps no auto class to it)."""
+    the loop model: no peer to compare with), Mistral 4 (transformers maps no auto class to it) and
+    the encoder and vision families (checked in their own dtype test: ``EncoderChecks`` / ``VisionChecks``)."""
     assert set(FAMILIES) <= set(BUILDERS)
-    assert set(BUILDERS) - set(FAMILIES) <= {"inkling2_text", "inkling2_loop_text", "mistral4"}
+    others = set(encoders.sweep()) | set(vision.sweep())
+    assert set(BUILDERS) - set(FAMILIES) - others <= {"inkling2_text", "inkling2_loop_text", "mistral4"}
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
