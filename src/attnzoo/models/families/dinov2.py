@@ -1,9 +1,314 @@
-"""(being written) Hugging Face family builder: see docs/adding-a-family.md."""
+"""DINOv2 (``model_type="dinov2"``) and DINOv2 with registers (``"dinov2_with_registers"``) ->
+:class:`~attnzoo.VisionTransformer`: ``Dinov2Model``, ``Dinov2ForImageClassification``,
+``Dinov2WithRegistersModel``, ``Dinov2WithRegistersForImageClassification`` (transformers 5.25,
+``models/dinov2/modeling_dinov2.py`` and ``models/dinov2_with_registers/modeling_dinov2_with_registers.py``;
+line numbers below are those files', ``d2:`` and ``reg:``).
+
+The model is a pre-norm ViT built from parts:
+
+* the embedding (:class:`DinoEmbedding`): a conv patch embedding (``d2:`` 40-68; the pixels cast to
+  its weight's dtype), the class token first, plus the learned position table (class entry + a
+  square grid of patch entries); at another patch grid the patch entries are resized bicubically
+  **in float32** to the new grid, ``align_corners=False`` (``d2:`` 87-123), with ``antialias=True``
+  for the registers family only (``reg:`` 119-125, it matters when shrinking); then, with
+  registers, the register tokens are inserted after the class token, **without** positions
+  (``reg:`` 146-150). The ``mask_token`` (masked-image pretraining, only used with
+  ``bool_masked_pos``) is a parameter the embedding holds, so that ``to_hf`` writes it back;
+* per layer (``d2:`` 294-326): ``x + ls1 * o_proj(attn(norm1(x)))`` then ``x + ls2 * mlp(norm2(x))``,
+  the layer scales :class:`LayerScale` (a per-channel ``lambda1``, 228-234) in the block's output-norm
+  slots (``attn_out_norm`` / ``ffn_out_norm``); the attention has biases on ``o_proj`` always and on
+  q/k/v when ``qkv_bias`` (zeros otherwise); the MLP is ``fc2(act(fc1(x)))`` of width
+  ``int(hidden_size * mlp_ratio)`` (237-251) or, with ``use_swiglu_ffn``, a biased SwiGLU of width
+  ``(int(int(hidden_size * mlp_ratio) * 2 / 3) + 7) // 8 * 8`` (254-267, always SiLU);
+* a final LayerNorm; the head (:class:`ClassMeanHead`): the base model's ``pooler_output`` is the
+  normed class token (416); the classifier reads ``concat(class token, mean of the patch tokens)``
+  (``[B, 2C]``; 456-459, the register tokens left out of the mean, ``reg:`` 466-468) into a linear
+  layer (an identity when ``num_labels == 0``).
+
+Discrepancies found in transformers: its position interpolation resizes to the target grid by
+``size=`` (no ``scale_factor`` and none of the original DINO's ``+0.1`` offsets), and returns the
+table unchanged only when the patch count matches **and** the image is square in pixels (``d2:`` 101);
+at the training grid both give the same numbers, since a bicubic resize to the same size is exact.
+A non-square image works at any grid. The position table must be a square grid (``d2:`` 111-112
+reshape it so): configs whose ``image_size // patch_size`` grid is not square, or whose image size is
+not a multiple of the patch size, are refused by name; so are the ``Dinov2Backbone`` class (its
+feature maps are not a :class:`~attnzoo.VisionTransformer` output) and activations outside the
+table. ``drop_path_rate`` (stochastic depth, training only) is accepted and not reproduced: the
+converted model trains without it; the dropouts are kept.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-__all__ = ["DISPATCH"]
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-DISPATCH: dict[str, Any] = {}
+import attnzoo.models.families._common as parts
+from attnzoo._validate import check_int
+from attnzoo.blocks import FeedForward, TransformerBlock
+from attnzoo.models.config import ViTConfig
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+from attnzoo.models.hf.bert import ACTIVATIONS
+from attnzoo.models.parts import ViTParts
+from attnzoo.models.vit import VisionTransformer
+from attnzoo.variants import build_attention
+
+__all__ = ["DEFAULTS", "DISPATCH", "ClassMeanHead", "DinoEmbedding", "LayerScale", "build_dinov2", "convert_dinov2",
+           "swiglu_hidden", "with_layer_scales"]
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "mlp_ratio": 4, "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "layer_norm_eps": 1e-6, "image_size": 224,
+    "num_channels": 3, "qkv_bias": True, "layerscale_value": 1.0, "drop_path_rate": 0.0, "use_swiglu_ffn": False}
+#: the config classes' defaults (``configuration_dinov2.py``, ``configuration_dinov2_with_registers.py``) for
+#: the keys a ``config.json`` may leave out, by ``model_type``
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "dinov2": {**_COMMON, "patch_size": 14, "use_mask_token": True},
+    "dinov2_with_registers": {**_COMMON, "patch_size": 16, "num_register_tokens": 4}}
+#: the base model's prefix inside the classifier class, by ``model_type``
+PREFIXES = {"dinov2": "dinov2.", "dinov2_with_registers": "dinov2_with_registers."}
+
+
+class LayerScale(nn.Module):
+    """A learned per-channel scale (Touvron et al. 2021, "Going deeper with image transformers";
+    DINOv2's ``LayerScale``): ``y = x * gamma``, ``gamma [C]`` initialised to ``init_value``
+    (small, e.g. ``1e-5``, so that a deep residual stack starts near the identity).
+
+    Use it as the output-norm slot of a pre-norm :class:`~attnzoo.TransformerBlock`
+    (``block.attn_out_norm`` / ``block.ffn_out_norm``, see :func:`with_layer_scales`): the block then
+    computes ``x + gamma * sublayer(norm(x))``.
+
+    Shapes: ``[..., C]`` -> ``[..., C]``. Weight: ``gamma [C]``.
+    """
+
+    def __init__(self, dim: int, init_value: float = 1e-5, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dim = check_int(dim, "dim", "LayerScale")
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_value), device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma  # [..., C]
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}"
+
+
+def with_layer_scales(block: TransformerBlock, init_value: float = 1e-5, *, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> TransformerBlock:
+    """``block`` (pre-norm, input norms only) with a :class:`LayerScale` on each sub-layer's output
+    before its residual add (the ``attn_out_norm`` / ``ffn_out_norm`` slots): ``x + ls(f(norm(x)))``."""
+    block.attn_out_norm = LayerScale(block.dim, init_value, device=device, dtype=dtype)
+    if block.ffn is not None:
+        block.ffn_out_norm = LayerScale(block.dim, init_value, device=device, dtype=dtype)
+    return block
+
+
+class DinoEmbedding(nn.Module):
+    """DINOv2's input embedding as a :class:`~attnzoo.models.ViTParts` embedding: patches by a
+    strided convolution, the class token first, a learned position table (class entry + a square
+    ``grid x grid`` of patch entries) added, resized to other patch grids by :meth:`positions`; then
+    ``registers`` learned register tokens (no positions) inserted after the class token.
+
+    Args:
+        in_channels, dim: image channels, width ``C``.
+        patch_size: ``(Ph, Pw)``.
+        grid: the side of the position table's square patch grid.
+        registers: register tokens ``R`` (``None``: the family has none, no parameter).
+        mask_token: hold a ``mask_token [1, C]`` (masked-image pretraining; not used by :meth:`forward`).
+        antialias: antialiased bicubic resizing of the positions (DINOv2 with registers).
+
+    Shapes: ``images [B, in_channels, H, W]`` -> ``[B, 1 + R + (H/Ph)(W/Pw), C]``.
+    Weights: ``patch_embed`` (``Conv2d``), ``cls_token [1, 1, C]``, ``pos_embed [1, 1 + grid^2, C]``,
+    ``register_tokens [1, R, C]``, ``mask_token [1, C]``.
+    """
+
+    def __init__(self, in_channels: int, dim: int, patch_size: tuple[int, int], grid: int, *,
+                 registers: int | None = None, mask_token: bool = True, antialias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.dim, self.grid, self.antialias = dim, check_int(grid, "grid", "DinoEmbedding"), antialias
+        self.patch_embed = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size, **kw)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **kw))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + grid * grid, dim, **kw))
+        self.register_tokens = None if registers is None else nn.Parameter(torch.zeros(1, registers, dim, **kw))
+        self.mask_token = nn.Parameter(torch.zeros(1, dim, **kw)) if mask_token else None
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+
+    @property
+    def num_prefix(self) -> int:
+        """Tokens before the patches: the class token and the registers."""
+        return 1 + (0 if self.register_tokens is None else self.register_tokens.shape[1])
+
+    def positions(self, grid_h: int, grid_w: int) -> Tensor:
+        """``[1, 1 + grid_h * grid_w, C]``: the table at its own grid, else its patch entries resized
+        bicubically in float32 (``align_corners=False``, ``antialias`` as built) and cast back."""
+        if (grid_h, grid_w) == (self.grid, self.grid):
+            return self.pos_embed
+        table = self.pos_embed[:, 1:].reshape(1, self.grid, self.grid, self.dim).permute(0, 3, 1, 2)  # [1, C, g, g]
+        patch = F.interpolate(table.float(), size=(grid_h, grid_w), mode="bicubic", align_corners=False,
+                              antialias=self.antialias).to(self.pos_embed.dtype)
+        patch = patch.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, self.dim)  # [1, gh*gw, C]
+        return torch.cat((self.pos_embed[:, :1], patch), dim=1)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embed(images.to(self.patch_embed.weight.dtype))  # [B, C, gh, gw]
+        grid_h, grid_w = x.shape[-2:]
+        x = x.flatten(2).transpose(1, 2)  # [B, gh*gw, C]
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.positions(grid_h, grid_w)
+        if self.register_tokens is None:
+            return x  # [B, 1 + gh*gw, C]
+        registers = self.register_tokens.expand(x.shape[0], -1, -1)
+        return torch.cat((x[:, :1], registers, x[:, 1:]), dim=1)  # [B, 1 + R + gh*gw, C]
+
+
+class ClassMeanHead(nn.Module):
+    """DINOv2's heads: without a ``classifier``, the class token ``features[:, 0]`` (``pooler_output``);
+    with one, ``classifier(concat(features[:, 0], mean(features[:, num_prefix:])))`` (the mean over
+    the patch tokens, after the class and register tokens).
+
+    Shapes: ``features [B, T, C]`` -> ``[B, C]``, or ``[B, K]`` through a classifier ``Linear(2C, K)``
+    (``[B, 2C]`` through ``nn.Identity``). Weights: the classifier's.
+    """
+
+    def __init__(self, num_prefix: int, classifier: nn.Module | None = None) -> None:
+        super().__init__()
+        self.num_prefix = check_int(num_prefix, "num_prefix", "ClassMeanHead")
+        self.classifier = classifier
+
+    def forward(self, features: Tensor) -> Tensor:
+        cls = features[:, 0]  # [B, C]
+        if self.classifier is None:
+            return cls
+        return self.classifier(torch.cat((cls, features[:, self.num_prefix:].mean(dim=1)), dim=-1))  # [B, K]
+
+    def extra_repr(self) -> str:
+        return f"num_prefix={self.num_prefix}"
+
+
+def swiglu_hidden(dim: int, mlp_ratio: float) -> int:
+    """DINOv2's SwiGLU width: two thirds of ``int(dim * mlp_ratio)``, rounded up to a multiple of 8."""
+    return (int(int(dim * mlp_ratio) * 2 / 3) + 7) // 8 * 8
+
+
+def _pair(hf: HFConfig, key: str) -> tuple[int, int]:
+    value = hf.raw(key)
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    v = hf.req(key)
+    return v, v
+
+
+def _grid(hf: HFConfig) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """``(image_size, patch_size, grid side)``; a non-square or inexact table grid refused."""
+    size, patch = _pair(hf, "image_size"), _pair(hf, "patch_size")
+    if size[0] % patch[0] or size[1] % patch[1]:
+        raise hf.unsupported(f"image_size={hf.raw('image_size')} not a multiple of patch_size={hf.raw('patch_size')}")
+    gh, gw = size[0] // patch[0], size[1] // patch[1]
+    if gh != gw:
+        raise hf.unsupported(f"a non-square position grid {gh}x{gw} (image_size={hf.raw('image_size')}, "
+                             f"patch_size={hf.raw('patch_size')}; transformers reshapes the table to a square)")
+    return size, patch, gh
+
+
+def _blocks(hf: HFConfig, C: int, H: int, kw: dict[str, Any]) -> list[nn.Module]:
+    """One pre-norm block per layer: attention (``o_proj`` biased), the MLP or SwiGLU, two layer scales."""
+    ratio = hf.get("mlp_ratio", 4, float)
+    if hf.get("use_swiglu_ffn", False, bool):
+        ffn = functools.partial(FeedForward, C, swiglu_hidden(C, ratio), "swiglu", bias=True, **kw)
+    else:
+        ffn = functools.partial(FeedForward, C, int(C * ratio), hf.activation("hidden_act", ACTIVATIONS), bias=True,
+                                **kw)
+    attn = functools.partial(build_attention, "mha", C, H, head_dim=hf.get("head_dim", C // H), causal=False,
+                             bias=True, dropout=hf.get("attention_probs_dropout_prob", 0.0, float), **kw)
+    norm = functools.partial(nn.LayerNorm, C, eps=hf.get("layer_norm_eps", 1e-6, float), **kw)
+    scale = hf.get("layerscale_value", 1.0, float)
+    return [with_layer_scales(parts.block(C, attn, ffn, norm), scale, **kw) for _ in range(hf.req("num_hidden_layers"))]
+
+
+def build_dinov2(hf: HFConfig, *, model_type: str = "dinov2", classifier: int | None = None, device: Any = None,
+                 dtype: Any = None) -> VisionTransformer:
+    """The model of a DINOv2 config (random weights; see the module docstring). ``classifier``:
+    ``None`` the base model (output: the class token), else the classifier's labels (``0``: its
+    identity classifier, output ``[B, 2C]``)."""
+    hf = hf.with_defaults(DEFAULTS[model_type])
+    if "Dinov2Backbone" in hf.get("architectures", [], list) or "Dinov2WithRegistersBackbone" in hf.get(
+            "architectures", [], list):
+        raise hf.unsupported("the Backbone class (supported: the *Model and *ForImageClassification classes)")
+    C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
+    size, patch, grid = _grid(hf)
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    registers = hf.get("num_register_tokens", 0) if model_type == "dinov2_with_registers" else None
+    embedding = DinoEmbedding(hf.get("num_channels", 3), C, patch, grid, registers=registers,
+                              mask_token=registers is not None or hf.get("use_mask_token", True, bool),
+                              antialias=registers is not None, **kw)
+    linear = None if not classifier else nn.Linear(2 * C, classifier, **kw)
+    head = ClassMeanHead(embedding.num_prefix, None if classifier is None else linear or nn.Identity())
+    blocks = _blocks(hf, C, H, kw)
+    cfg = ViTConfig(size, patch, embedding.patch_embed.in_channels, classifier or 0, C, len(blocks), H,
+                    norm_eps=hf.get("layer_norm_eps", 1e-6, float), dropout=hf.get("hidden_dropout_prob", 0.0, float))
+    norm = nn.LayerNorm(C, eps=cfg.norm_eps, **kw)
+    return VisionTransformer(config=cfg, parts=ViTParts(embedding=embedding, blocks=blocks, norm=norm, head=head), **kw)
+
+
+def _put_layer(plan: Plan, i: int, *, qkv_bias: bool, swiglu: bool, legacy: bool) -> None:
+    """Layer ``i``: transformers 5's names, or (``legacy``: the hub's checkpoints and the folders
+    ``save_pretrained`` writes) ``attention.attention.{query,key,value}``, ``attention.output.dense`` and
+    the fused SwiGLU ``mlp.weights_in`` (rows ``[gate; up]``) / ``mlp.weights_out``."""
+    o, h = f"blocks.{i}.", f"encoder.layer.{i}."
+    names = ("attention.attention.query", "attention.attention.key", "attention.attention.value") if legacy else \
+        tuple(f"attention.{n}_proj" for n in "qkv")
+    load_qkv_into(plan, f"{o}attn", tuple(f"{h}{n}.weight" for n in names),
+                  tuple(f"{h}{n}.bias" for n in names) if qkv_bias else None, True)
+    if swiglu and legacy:
+        for suffix in ("weight", "bias"):
+            for j, name in enumerate(("gate_proj", "up_proj")):
+                plan.put(f"{o}ffn.{name}.{suffix}", f"{h}mlp.weights_in.{suffix}", lambda t, j=j: t.chunk(2)[j])
+    mlp = [("down_proj", "weights_out" if legacy else "down_proj")] if swiglu else [("up_proj", "fc1"),
+                                                                                   ("down_proj", "fc2")]
+    if swiglu and not legacy:
+        mlp += [("gate_proj", "gate_proj"), ("up_proj", "up_proj")]
+    plan.put_pairs(f"{o}ffn.", f"{h}mlp.", mlp)
+    out = "attention.output.dense" if legacy else "attention.o_proj"
+    plan.put_pairs(o, h, [("attn.out_proj", out), ("attn_norm", "norm1"), ("ffn_norm", "norm2")])
+    plan.put(f"{o}attn_out_norm.gamma", f"{h}layer_scale1.lambda1")
+    plan.put(f"{o}ffn_out_norm.gamma", f"{h}layer_scale2.lambda1")
+
+
+def convert_dinov2(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
+                   model_type: str = "dinov2") -> VisionTransformer:
+    """Build the model and copy the weights; the head follows them (the family prefix: the
+    classifier class, ``classifier.weight`` its labels; no prefix: the base model)."""
+    hf = hf.with_defaults(DEFAULTS[model_type])
+    prefix = PREFIXES[model_type] if any(k.startswith(PREFIXES[model_type]) for k in sd) else ""
+    labels = None if not prefix else int(sd["classifier.weight"].shape[0]) if "classifier.weight" in sd else 0
+    model = build_dinov2(hf, model_type=model_type, classifier=labels, device=device, dtype=dtype or float_dtype(sd))
+    plan = Plan(Source(sd, prefix), hf.arch)
+    plan.put_pairs("embedding.", "embeddings.", [("patch_embed", "patch_embeddings.projection")])
+    for ours, theirs in (("cls_token", "cls_token"), ("pos_embed", "position_embeddings"),
+                         ("register_tokens", "register_tokens"), ("mask_token", "mask_token")):
+        if getattr(model.embedding, ours) is not None:
+            plan.put(f"embedding.{ours}", f"embeddings.{theirs}")
+    legacy = not plan.src.has("encoder.layer.0.attention.o_proj.weight")
+    for i in range(model.depth):
+        _put_layer(plan, i, qkv_bias=hf.get("qkv_bias", True, bool), swiglu=hf.get("use_swiglu_ffn", False, bool),
+                   legacy=legacy)
+    plan.put_pairs("", "", [("norm", "layernorm")])
+    if labels:
+        plan.src.prefix = ""
+        plan.put_pairs("head.", "", [("classifier", "classifier")])
+    plan.apply(model)
+    return model
+
+
+#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
+DISPATCH = {
+    "dinov2": parts.Dispatch("DINOv2", convert_dinov2, ("Dinov2Model", "Dinov2ForImageClassification")),
+    "dinov2_with_registers": parts.Dispatch(
+        "DINOv2-with-registers", functools.partial(convert_dinov2, model_type="dinov2_with_registers"),
+        ("Dinov2WithRegistersModel", "Dinov2WithRegistersForImageClassification"))}

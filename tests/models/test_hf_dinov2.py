@@ -1,0 +1,134 @@
+"""DINOv2 and DINOv2 with registers (``families/dinov2.py``) against transformers' eager models:
+features and outputs of the base and classifier classes at the config's image size and at other
+(non-square, smaller, larger) sizes with the interpolated positions, the options that change the
+math, folders (also with the config's defaults left out), bf16, ``to_hf``, the refusals, and the
+:class:`LayerScale` part."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+T = pytest.importorskip("transformers")
+
+import hf_vision_checks as vc  # noqa: E402
+from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
+from attnzoo.models.families.dinov2 import DEFAULTS, LayerScale, build_dinov2, swiglu_hidden  # noqa: E402
+from attnzoo.models.hf._state import HFConfig  # noqa: E402
+from attnzoo.models.hf.errors import UnsupportedConfigError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+         "layerscale_value": 0.5}
+
+
+def _dinov2(**kw: Any) -> Any:
+    return T.Dinov2Config(**{**SMALL, **kw})
+
+
+def _registers(**kw: Any) -> Any:
+    return T.Dinov2WithRegistersConfig(**{**SMALL, "num_register_tokens": 3, **kw})
+
+
+class TestDinov2(vc.VisionChecks):
+    config = staticmethod(_dinov2)
+    classes = (T.Dinov2Model, T.Dinov2ForImageClassification)
+    other_size = (16, 40)  # non-square, another patch count: the positions are resized
+    cases = (lambda: _dinov2(qkv_bias=False, use_mask_token=False),
+             lambda: _dinov2(use_swiglu_ffn=True, mlp_ratio=3),
+             lambda: _dinov2(hidden_act="gelu_pytorch_tanh", mlp_ratio=2, layer_norm_eps=1e-3),
+             lambda: _dinov2(head_dim=16, num_channels=1, image_size=[16, 16], patch_size=[4, 4]),
+             lambda: _dinov2(num_labels=0))
+
+
+class TestDinov2WithRegisters(vc.VisionChecks):
+    config = staticmethod(_registers)
+    classes = (T.Dinov2WithRegistersModel, T.Dinov2WithRegistersForImageClassification)
+    other_size = (24, 48)
+    cases = (lambda: _registers(num_register_tokens=0, qkv_bias=False),
+             lambda: _registers(use_swiglu_ffn=True, hidden_act="relu"))
+
+
+#: model_type -> a maker of the transformers model (the ``to_hf`` export sweep)
+VISION_SWEEP = {"dinov2": lambda seed: vc.hf_vision(_dinov2(), T.Dinov2Model, seed),
+                "dinov2_with_registers": lambda seed: vc.hf_vision(_registers(), T.Dinov2WithRegistersModel, seed)}
+
+
+@pytest.mark.parametrize("size", [16, 48, (40, 8), (32, 48)])
+@pytest.mark.parametrize("make", [_dinov2, _registers])
+def test_positions_at_other_sizes(make: Any, size: Any) -> None:
+    """Shrunk (antialiased with registers), enlarged and far-from-square grids, both classes."""
+    base = T.Dinov2Model if make is _dinov2 else T.Dinov2WithRegistersModel
+    vc.check_vision(vc.hf_vision(make(), base), size)
+
+
+def test_same_patch_count_non_square_image() -> None:
+    """16 patches as 2x8 (transformers' table-as-is test looks at the count and the pixel sides)."""
+    for make, cls in ((_dinov2, T.Dinov2ForImageClassification),
+                      (_registers, T.Dinov2WithRegistersForImageClassification)):
+        vc.check_vision(vc.hf_vision(make(num_labels=3), cls), (16, 64))
+
+
+def test_folder_with_defaults_left_out(tmp_path: Path) -> None:
+    """A ``config.json`` without the keys at their config class's default loads as transformers reads it."""
+    for i, (cfg, cls) in enumerate(((_dinov2(), T.Dinov2Model),
+                                    (_registers(num_register_tokens=4, use_swiglu_ffn=True),
+                                     T.Dinov2WithRegistersModel))):
+        hf = vc.hf_vision(cfg, cls)
+        folder = tmp_path / str(i)
+        hf.save_pretrained(folder)
+        data = json.loads((folder / "config.json").read_text())
+        dropped = [k for k, v in DEFAULTS[data["model_type"]].items() if data.get(k) == v]
+        assert len(dropped) >= 8, dropped
+        for key in dropped:
+            del data[key]
+        (folder / "config.json").write_text(json.dumps(data))
+        images = vc.pixels()
+        with torch.no_grad():
+            assert vc.rel(load_pretrained(folder)(images), vc.hf_outputs(hf, images)[1]) <= vc.TOL
+
+
+def test_swiglu_width_rule() -> None:
+    assert swiglu_hidden(32, 3) == 64  # int(96 * 2 / 3) = 64
+    assert swiglu_hidden(1024, 4) == 2736  # ViT-L/g rule: 4096 * 2 / 3 = 2730.67 -> 2730 -> 2736
+    assert swiglu_hidden(30, 4) == 80  # 120 * 2 / 3 = 80
+
+
+@pytest.mark.parametrize("change, what", [
+    ({"image_size": [32, 48]}, "non-square position grid"),
+    ({"patch_size": [8, 4]}, "non-square position grid"),
+    ({"image_size": 36}, "not a multiple of patch_size"),
+    ({"hidden_act": "quick_gelu"}, "hidden_act"),
+    ({"architectures": ["Dinov2Backbone"]}, "Backbone"),
+])
+def test_refusals(change: dict[str, Any], what: str) -> None:
+    hf = HFConfig({**_dinov2().to_dict(), **change}, "test", "DINOv2")
+    with pytest.raises(UnsupportedConfigError, match=what):
+        build_dinov2(hf)
+
+
+def test_layer_scale_part() -> None:
+    ls = LayerScale(4, 0.1)
+    x = torch.randn(2, 3, 4)
+    assert torch.equal(ls(x), x * 0.1)
+    assert [n for n, _ in ls.named_parameters()] == ["gamma"]
+    with pytest.raises(TypeError):
+        LayerScale(2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("make", [_dinov2, _registers])
+def test_resized_positions_in_bfloat16_as_transformers(make: Any) -> None:
+    """The resize runs in float32 and is cast back: bf16 positions equal transformers' bit for bit."""
+    base = T.Dinov2Model if make is _dinov2 else T.Dinov2WithRegistersModel
+    hf = vc.hf_vision(make(), base).to(torch.bfloat16)
+    ours = from_hf(hf)
+    for h, w in ((16, 40), (48, 48), (8, 16)):
+        tokens = torch.zeros(1, 1 + (h // 8) * (w // 8), 32, dtype=torch.bfloat16)
+        with torch.no_grad():
+            want = hf.embeddings.interpolate_pos_encoding(tokens, h, w)
+        assert torch.equal(ours.embedding.positions(h // 8, w // 8), want.reshape(1, -1, 32))
