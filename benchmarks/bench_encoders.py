@@ -5,7 +5,8 @@ shape: hidden 384, 6 layers, 12 heads, FFN 1536) embeds a batch of ``--batch`` s
 lengths are drawn uniformly from ``[--min-len, --max-len]`` (padded to the longest, as a tokenizer
 pads a batch). Timed per implementation: transformers with ``attn_implementation`` ``eager`` and
 ``sdpa``, transformers with attnzoo's kernels (``attnzoo``, :func:`attnzoo.hf.register`), and the
-attnzoo model from :func:`attnzoo.interop.from_hf` (``from_hf``). Reported: the median wall time of
+attnzoo model from :func:`attnzoo.interop.from_hf` (``from_hf``; ``from_hf_packed``: only the real
+tokens, ``encode(packed=True)``, for a family whose encoder is packable). Reported: the median wall time of
 ``--repeats`` runs taken round-robin (outside load hits every implementation alike), sentences/s,
 the ratio to transformers' ``sdpa``, and the max relative error of the mean-pooled embeddings
 against ``eager``.
@@ -62,6 +63,8 @@ def runner(name: str, hf: Any, ours: Any, tokens: torch.Tensor, mask: torch.Tens
     """A no-argument callable returning the mean-pooled embeddings ``[B, C]`` of one implementation."""
     if name == "from_hf":
         return lambda: ours.encode(tokens, mask)
+    if name == "from_hf_packed":
+        return lambda: ours.encode(tokens, mask, packed=True)
 
     def run() -> torch.Tensor:
         hf.set_attn_implementation(name)
@@ -82,7 +85,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--impls", default="eager,sdpa,attnzoo,from_hf")
+    p.add_argument("--impls", default="eager,sdpa,attnzoo,from_hf,from_hf_packed")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args()
     if args.threads:
@@ -91,7 +94,7 @@ def main() -> None:
     hf = build(args)
     ours = from_hf(hf).eval()
     tokens, mask = batch(args)
-    impls = args.impls.split(",")
+    impls = [i for i in args.impls.split(",") if i != "from_hf_packed" or ours.packable]
     runs = {name: runner(name, hf, ours, tokens, mask) for name in impls}
     times: dict[str, list[float]] = {name: [] for name in impls}
     outs: dict[str, torch.Tensor] = {}
