@@ -100,7 +100,8 @@ def _out(model: Any, kind: str) -> torch.Tensor:
         if kind == "vit":
             return model(pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))).logits
         if getattr(model, "main_input_name", None) == "pixel_values":  # a vision family: its main output
-            return vision.hf_outputs(model, vision.pixels(channels=model.config.num_channels))[1]
+            channels = getattr(model.config, "vision_config", model.config).num_channels  # a dual model's tower
+            return vision.hf_outputs(model, vision.pixels(channels=channels))[1]
         x, mask = checks.padded(12, pad=0)
         r = model(input_ids=x % 64 if kind in ("gpt2", "bert") else x, attention_mask=mask)
         return (r.logits if hasattr(r, "logits") else r.last_hidden_state).float()
