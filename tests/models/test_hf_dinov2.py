@@ -17,7 +17,14 @@ T = pytest.importorskip("transformers")
 
 import hf_vision_checks as vc  # noqa: E402
 from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
-from attnzoo.models.families.dinov2 import DEFAULTS, LayerScale, build_dinov2, swiglu_hidden  # noqa: E402
+from attnzoo.models.families.dinov2 import (  # noqa: E402
+    DEFAULTS,
+    LayerScale,
+    PatchRope,
+    build_dinov2,
+    build_dinov3,
+    swiglu_hidden,
+)
 from attnzoo.models.hf._state import HFConfig  # noqa: E402
 from attnzoo.models.hf.errors import UnsupportedConfigError  # noqa: E402
 
@@ -46,6 +53,22 @@ class TestDinov2(vc.VisionChecks):
              lambda: _dinov2(num_labels=0))
 
 
+def _dinov3(**kw: Any) -> Any:
+    small = {k: v for k, v in SMALL.items() if k != "num_attention_heads"}
+    return T.DINOv3ViTConfig(**{**small, "num_attention_heads": 2, "intermediate_size": 48, "num_register_tokens": 4,
+                                **kw})
+
+
+class TestDinov3ViT(vc.VisionChecks):
+    config = staticmethod(_dinov3)
+    classes = (T.DINOv3ViTModel,)
+    other_size = (16, 40)  # RoPE on the patch grid of any size
+    cases = (lambda: _dinov3(num_register_tokens=0, rope_theta=1000.0, layer_norm_eps=1e-3),
+             lambda: _dinov3(use_gated_mlp=True, hidden_act="silu", key_bias=True, proj_bias=False),
+             lambda: _dinov3(query_bias=False, value_bias=False, proj_bias=False, mlp_bias=False, hidden_act="relu"),
+             lambda: _dinov3(num_attention_heads=4, num_channels=1, patch_size=4))
+
+
 class TestDinov2WithRegisters(vc.VisionChecks):
     config = staticmethod(_registers)
     classes = (T.Dinov2WithRegistersModel, T.Dinov2WithRegistersForImageClassification)
@@ -56,14 +79,15 @@ class TestDinov2WithRegisters(vc.VisionChecks):
 
 #: model_type -> a maker of the transformers model (the ``to_hf`` export sweep)
 VISION_SWEEP = {"dinov2": lambda seed: vc.hf_vision(_dinov2(), T.Dinov2Model, seed),
-                "dinov2_with_registers": lambda seed: vc.hf_vision(_registers(), T.Dinov2WithRegistersModel, seed)}
+                "dinov2_with_registers": lambda seed: vc.hf_vision(_registers(), T.Dinov2WithRegistersModel, seed),
+                "dinov3_vit": lambda seed: vc.hf_vision(_dinov3(), T.DINOv3ViTModel, seed)}
 
 
 @pytest.mark.parametrize("size", [16, 48, (40, 8), (32, 48)])
-@pytest.mark.parametrize("make", [_dinov2, _registers])
-def test_positions_at_other_sizes(make: Any, size: Any) -> None:
-    """Shrunk (antialiased with registers), enlarged and far-from-square grids, both classes."""
-    base = T.Dinov2Model if make is _dinov2 else T.Dinov2WithRegistersModel
+@pytest.mark.parametrize("make, base", [(_dinov2, T.Dinov2Model), (_registers, T.Dinov2WithRegistersModel),
+                                        (_dinov3, T.DINOv3ViTModel)])
+def test_positions_at_other_sizes(make: Any, base: Any, size: Any) -> None:
+    """Shrunk (antialiased with registers), enlarged and far-from-square grids."""
     vc.check_vision(vc.hf_vision(make(), base), size)
 
 
@@ -78,7 +102,7 @@ def test_folder_with_defaults_left_out(tmp_path: Path) -> None:
     """A ``config.json`` without the keys at their config class's default loads as transformers reads it."""
     for i, (cfg, cls) in enumerate(((_dinov2(), T.Dinov2Model),
                                     (_registers(num_register_tokens=4, use_swiglu_ffn=True),
-                                     T.Dinov2WithRegistersModel))):
+                                     T.Dinov2WithRegistersModel), (_dinov3(num_register_tokens=0), T.DINOv3ViTModel))):
         hf = vc.hf_vision(cfg, cls)
         folder = tmp_path / str(i)
         hf.save_pretrained(folder)
@@ -110,6 +134,31 @@ def test_refusals(change: dict[str, Any], what: str) -> None:
     hf = HFConfig({**_dinov2().to_dict(), **change}, "test", "DINOv2")
     with pytest.raises(UnsupportedConfigError, match=what):
         build_dinov2(hf)
+
+
+@pytest.mark.parametrize("change, what", [
+    ({"num_attention_heads": 4, "hidden_size": 24}, "multiple of 4"),
+    ({"use_gated_mlp": True, "hidden_act": "relu"}, "hidden_act"),
+    ({"architectures": ["DINOv3ViTBackbone"]}, "Backbone"),
+])
+def test_dinov3_refusals(change: dict[str, Any], what: str) -> None:
+    hf = HFConfig({**_dinov3().to_dict(), **change}, "test", "DINOv3-ViT")
+    with pytest.raises(UnsupportedConfigError, match=what):
+        build_dinov3(hf)
+
+
+def test_patch_rope_codes() -> None:
+    """Prefix tokens are not rotated; a patch's angles follow its centre in [-1, 1] on each axis."""
+    rope = PatchRope(8, base=100.0)
+    codes = PatchRope.codes(2, 2, 3)
+    cos, sin = rope.cos_sin(codes)
+    assert cos.shape == (1, 1, 8, 4) and torch.equal(cos[0, 0, :2], torch.ones(2, 4))
+    assert torch.equal(sin[0, 0, :2], torch.zeros(2, 4))
+    y, x = 2 * (1 + 0.5) / 2 - 1, 2 * (2 + 0.5) / 3 - 1  # the last patch: row 1, column 2
+    want = 2 * torch.pi * torch.tensor([y, y, x, x]) * torch.tensor([1.0, 0.1, 1.0, 0.1])
+    torch.testing.assert_close(sin[0, 0, -1], torch.sin(want))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        PatchRope(6, base=100.0)
 
 
 def test_layer_scale_part() -> None:
