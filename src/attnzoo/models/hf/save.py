@@ -197,9 +197,10 @@ def _invert(model: nn.Module, model_type: str, hf: HFConfig, sd: Mapping[str, Te
 
 
 def _uncovered(sd: Mapping[str, Tensor], written: Mapping[str, Tensor]) -> list[str]:
-    """Floating checkpoint tensors the export left as they were (tied copies of written ones aside)."""
+    """Floating checkpoint tensors the export left as they were (tied copies of written ones and
+    empty tensors, e.g. DINOv2's register table of zero registers, aside)."""
     shared = {t.untyped_storage().data_ptr() for k, t in sd.items() if k in written and t.device.type != "meta"}
-    return sorted(k for k, t in sd.items() if t.is_floating_point() and k not in written
+    return sorted(k for k, t in sd.items() if t.is_floating_point() and t.numel() and k not in written
                   and t.untyped_storage().data_ptr() not in shared)
 
 
