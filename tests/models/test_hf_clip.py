@@ -50,9 +50,8 @@ def _clip(num_labels: int = 3, cls: Any = T.CLIPConfig, **vision: Any) -> Any:
     """A ``CLIPConfig`` (``cls``: or MetaCLIP 2's) of the text and vision configs above."""
     text, image = (T.MetaClip2TextConfig, T.MetaClip2VisionConfig) if cls is T.MetaClip2Config else \
         (T.CLIPTextConfig, T.CLIPVisionConfig)
-    # num_channels: the export sweep reads config.num_channels, which a CLIPConfig keeps in vision_config
     return cls(text_config=_text(text).to_dict(), vision_config=_vision(image, **vision).to_dict(), projection_dim=20,
-               num_labels=num_labels, num_channels=3)
+               num_labels=num_labels)
 
 
 def _meta_vision() -> Any:
