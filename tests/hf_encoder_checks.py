@@ -24,7 +24,7 @@ from hf_family_checks import V, perturbed, rel
 TOL = 1e-5
 #: the test modules of the encoder families, each with its ``SWEEP`` (model_type -> maker of seed)
 MODULES = ("test_hf_roberta", "test_hf_bert_kin", "test_hf_modernbert", "test_hf_deberta", "test_hf_mpnet",
-           "test_hf_t5_encoder", "test_hf_rope_bert")
+           "test_hf_t5_encoder", "test_hf_rope_bert", "test_hf_clip")
 #: the pad token id of the checks' configs (RoBERTa's ``padding_idx``; BERT's 0 would do as well)
 PAD = 1
 

@@ -52,6 +52,11 @@ def _gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _quick_gelu(x: Tensor) -> Tensor:
+    """CLIP's ``quick_gelu``: ``x * sigmoid(1.702 x)``, a sigmoid approximation of GELU (OpenAI's CLIP checkpoints)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _relu2(x: Tensor) -> Tensor:
     """Squared ReLU (So et al. 2021, "Primer"; Nemotron-H's MLPs): ``relu(x)^2``."""
     return torch.square(F.relu(x))
@@ -63,6 +68,7 @@ ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
     "relu": (F.relu, False),
     "gelu": (F.gelu, False),  # exact (erf) GELU: BERT, ViT
     "gelu_tanh": (_gelu_tanh, False),  # GPT-2's "gelu_new"
+    "quick_gelu": (_quick_gelu, False),  # CLIP
     "silu": (F.silu, False),
     "relu2": (_relu2, False),  # Nemotron-H, Primer
     "swiglu": (F.silu, True),  # LLaMA, Mistral

@@ -220,10 +220,10 @@ def test_bad_arguments() -> None:
         to_hf(ours, "llama")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"to_hf: hf_model \(Linear\) has no Hugging Face config"):
         to_hf(ours, torch.nn.Linear(2, 2))
-    clip = T.CLIPTextModel(T.CLIPTextConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4,
-                                            num_hidden_layers=1, vocab_size=64))
-    with pytest.raises(ValueError, match="to_hf: hf_model has model_type 'clip_text_model'"):
-        to_hf(ours, clip)
+    other = T.ConvBertModel(T.ConvBertConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                                             num_hidden_layers=1, vocab_size=64, embedding_size=32))
+    with pytest.raises(ValueError, match="to_hf: hf_model has model_type 'convbert'"):
+        to_hf(ours, other)
     with pytest.raises(TypeError, match=r"save_pretrained: model must be an nn\.Module, got int"):
         save_pretrained(3, "out", like="in")  # type: ignore[arg-type]
 

@@ -16,8 +16,8 @@ The vision tower (:func:`build_clip_vision`):
   before the blocks (631-632), inside the embedding part;
 * pre-norm layers (353-383): ``x + out_proj(attn(layer_norm1(x)))``, ``x + fc2(act(fc1(layer_norm2(x))))``,
   q/k/v/out projections with biases, scale ``head_dim^-1/2``; the MLP's ``hidden_act``
-  (``quick_gelu``: ``x * sigmoid(1.702 x)``, OpenAI's checkpoints; ``gelu``: LAION's), see
-  :class:`CLIPFeedForward`;
+  (``quick_gelu``: ``x * sigmoid(1.702 x)``, OpenAI's checkpoints; ``gelu``: LAION's), an
+  :class:`~attnzoo.FeedForward`;
 * no final norm: ``last_hidden_state`` is the last layer's output (639), ``norm`` an identity;
 * the heads: ``pooler_output = post_layernorm(last_hidden_state[:, 0])`` (640-641) and
   ``image_embeds = visual_projection(pooler_output)`` (941-942, bias-free), :class:`ClassTokenPooler`;
@@ -77,11 +77,11 @@ from attnzoo.models.parts import EncoderParts, ViTParts
 from attnzoo.models.vit import VisionTransformer
 from attnzoo.variants import build_attention
 
-__all__ = ["ACTIVATIONS", "DISPATCH", "TEXT_DEFAULTS", "VISION_DEFAULTS", "CLIPFeedForward", "ClassTokenPooler",
+__all__ = ["ACTIVATIONS", "DISPATCH", "TEXT_DEFAULTS", "VISION_DEFAULTS", "ClassTokenPooler",
            "EOSPooler", "PatchEmbedding", "build_clip_text", "build_clip_vision", "convert_clip", "convert_clip_text",
-           "convert_clip_vision", "quick_gelu"]
+           "convert_clip_vision"]
 
-#: transformers' activation names -> attnzoo's (:data:`attnzoo.blocks.ACTIVATIONS`, plus ``quick_gelu``)
+#: transformers' activation names -> attnzoo's (:data:`attnzoo.blocks.ACTIVATIONS`)
 ACTIVATIONS = {**BERT_ACTIVATIONS, "quick_gelu": "quick_gelu"}
 #: ``CLIPVisionConfig``'s defaults (configuration_clip.py) for the keys a folder may leave out
 VISION_DEFAULTS: dict[str, Any] = {
@@ -96,25 +96,6 @@ TEXT_DEFAULTS: dict[str, Any] = {
 #: ``eos_token_id`` of the configs written before transformers PR #24773: the pooled token is then
 #: the one with the largest id (modeling_clip.py 551-561)
 LEGACY_EOS = 2
-
-
-def quick_gelu(x: Tensor) -> Tensor:
-    """CLIP's ``quick_gelu``: ``x * sigmoid(1.702 x)`` (a sigmoid approximation of GELU)."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-class CLIPFeedForward(FeedForward):
-    """CLIP's MLP ``fc2(act(fc1(x)))`` (``CLIPMLP``, 338-350) with biases: a :class:`~attnzoo.FeedForward`
-    whose ``activation`` may also be ``"quick_gelu"`` (:func:`quick_gelu`, which attnzoo's shared
-    activation table does not hold). Weights: ``up_proj [F, C]``, ``down_proj [C, F]`` (+ biases).
-    Shapes: ``[B, N, C] -> [B, N, C]``."""
-
-    def __init__(self, dim: int, hidden: int, activation: str, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        quick = activation == "quick_gelu"
-        super().__init__(dim, hidden, "gelu" if quick else activation, bias=True, device=device, dtype=dtype)
-        if quick:
-            self.act, self.activation = quick_gelu, activation
 
 
 class PatchEmbedding(nn.Module):
@@ -234,8 +215,8 @@ def _blocks(hf: HFConfig, *, causal: bool, kw: dict[str, Any]) -> list[nn.Module
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
     attn = functools.partial(build_attention, "mha", C, H, causal=causal, bias=True,
                              dropout=hf.get("attention_dropout", 0.0, float), **kw)
-    ffn = functools.partial(CLIPFeedForward, C, hf.req("intermediate_size"), hf.activation("hidden_act", ACTIVATIONS),
-                            **kw)
+    ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), hf.activation("hidden_act", ACTIVATIONS),
+                            bias=True, **kw)
     norm = functools.partial(nn.LayerNorm, C, eps=hf.get("layer_norm_eps", 1e-5, float), **kw)
     return [parts.block(C, attn, ffn, norm) for _ in range(hf.req("num_hidden_layers"))]
 
