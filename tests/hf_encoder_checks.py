@@ -110,6 +110,19 @@ def check_encode(hf: Any, n: int = 12) -> None:
     assert rel(got, want) <= TOL
 
 
+def check_encode_right_padded(hf: Any, n: int = 12) -> None:
+    """On a right-padded batch (as tokenizers pad) ``encode``'s default — packed where the model is
+    packable — equals the padded forward (``packed=False``) and runs for every family."""
+    ours = from_hf(hf)
+    x, mask = batch(n)
+    mask[1] = mask[1].flip(0)  # row 1 right-padded too
+    x[1] = x[1].flip(0)
+    with torch.no_grad():
+        want = ours.encode(x, mask, packed=False)
+        got = ours.encode(x, mask)
+    assert rel(got, want) <= TOL
+
+
 def check_folder(hf: Any, tmp_path: Path, drop: tuple[str, ...] = ()) -> None:
     """``hf.save_pretrained`` -> ``load_pretrained`` gives the same hidden states, also with the
     config keys ``drop`` left out of ``config.json`` (transformers reads their defaults)."""
@@ -183,6 +196,7 @@ class EncoderChecks:
 
     def test_mean_pooled_embeddings(self) -> None:
         check_encode(hf_encoder(self.config(), self.base))
+        check_encode_right_padded(hf_encoder(self.config(), self.base))
 
     def test_saved_folder_loads(self, tmp_path: Path) -> None:
         check_folder(hf_encoder(self.config(), self.base), tmp_path, self.drop)

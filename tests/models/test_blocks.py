@@ -70,6 +70,8 @@ def _ffn_reference(ffn: az.FeedForward, x: torch.Tensor) -> torch.Tensor:
             return 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
         if name in ("gelu_tanh", "geglu_tanh"):
             return 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
+        if name == "quick_gelu":
+            return t / (1 + torch.exp(-1.702 * t))
         return t / (1 + torch.exp(-t))  # silu / swiglu
 
     if ffn.gate_proj is not None:

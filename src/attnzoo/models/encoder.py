@@ -230,8 +230,11 @@ class TransformerEncoder(FromConfig, nn.Module):
     @property
     def packable(self) -> bool:
         """Whether :meth:`forward` takes packed sequences (``cu_seqlens``): the config's embedding and
-        :class:`~attnzoo.TransformerBlock` layers (their mixers run packed sequences in one call)."""
-        return self.embedding is None and all(isinstance(b, TransformerBlock) for b in self.blocks)
+        :class:`~attnzoo.TransformerBlock` layers that keep its forward (their mixers run packed
+        sequences in one call, or one sequence at a time: exact either way). A block class with its
+        own forward (T5's float16 clamp, DeBERTa's first layer) is not assumed to take them."""
+        return self.embedding is None and all(isinstance(b, TransformerBlock)
+                                              and type(b).forward is TransformerBlock.forward for b in self.blocks)
 
     def forward(self, tokens: Tensor, *, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
