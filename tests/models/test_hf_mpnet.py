@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_encoder_checks as ec  # noqa: E402
 from attnzoo.interop import UnsupportedConfigError, from_hf, to_hf  # noqa: E402
-from attnzoo.models.families.mpnet import SlotBiasAttention  # noqa: E402
+from attnzoo.models.families.mpnet import SlotBiasAttention, padding_offset_positions  # noqa: E402
 from attnzoo.models.families.t5_encoder import relative_position_buckets  # noqa: E402
 from hf_family_checks import V  # noqa: E402
 
@@ -125,3 +125,11 @@ def test_to_hf_keeps_the_table_rows_mpnet_never_reads() -> None:
     table = target.encoder.relative_attention_bias.weight
     assert torch.equal(table[:32], source.encoder.relative_attention_bias.weight[:32])
     assert torch.equal(table[32:], before)
+
+
+def test_padding_offset_positions_restart_in_every_packed_sequence() -> None:
+    """Packed, each sequence is counted as its own row (a real token with the pad id included)."""
+    rows = [torch.tensor([[5, 6, 1, 7]]), torch.tensor([[1]]), torch.tensor([[9, 9, 9]])]
+    cu = torch.tensor([0, 4, 5, 8], dtype=torch.int32)
+    want = torch.cat([padding_offset_positions(r, 1) for r in rows], dim=1)
+    assert torch.equal(padding_offset_positions(torch.cat(rows, dim=1), 1, cu), want)

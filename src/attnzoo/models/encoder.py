@@ -229,12 +229,14 @@ class TransformerEncoder(FromConfig, nn.Module):
 
     @property
     def packable(self) -> bool:
-        """Whether :meth:`forward` takes packed sequences (``cu_seqlens``): the config's embedding and
+        """Whether :meth:`forward` takes packed sequences (``cu_seqlens``): the config's embedding (or
+        a given one with a ``packed`` form, :class:`~attnzoo.models.parts.PackedFromZero`) and
         :class:`~attnzoo.TransformerBlock` layers that keep its forward (their mixers run packed
         sequences in one call, or one sequence at a time: exact either way). A block class with its
         own forward (T5's float16 clamp, DeBERTa's first layer) is not assumed to take them."""
-        return self.embedding is None and all(isinstance(b, TransformerBlock)
-                                              and type(b).forward is TransformerBlock.forward for b in self.blocks)
+        embeds = self.embedding is None or callable(getattr(self.embedding, "packed", None))
+        return embeds and all(isinstance(b, TransformerBlock) and type(b).forward is TransformerBlock.forward
+                              for b in self.blocks)
 
     def forward(self, tokens: Tensor, *, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -289,17 +291,21 @@ class TransformerEncoder(FromConfig, nn.Module):
             raise ValueError(f"{owner}: packed input (cu_seqlens) takes no attention_mask or positions: the "
                              "sequences are unpadded and each is positioned from 0")
         if not self.packable:
-            kinds = sorted({type(b).__name__ for b in self.blocks if not isinstance(b, TransformerBlock)})
-            raise ValueError(f"{owner}: packed input (cu_seqlens) needs the config's embedding and "
-                             f"TransformerBlock layers; this model has "
-                             f"{'a given embedding' if self.embedding is not None else 'blocks ' + str(kinds)}")
+            kinds = sorted({type(b).__name__ for b in self.blocks
+                            if not isinstance(b, TransformerBlock) or type(b).forward is not TransformerBlock.forward})
+            raise ValueError(f"{owner}: packed input (cu_seqlens) needs the config's embedding (or one with a "
+                             f"packed form) and TransformerBlock layers; this model has "
+                             f"{'blocks ' + str(kinds) if kinds else 'a given embedding without a packed form'}")
         cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), owner)
         pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
         if self.pos in ("learned", "sinusoidal") and pos.numel() and int(pos.max()) >= self.max_seq_len:
             raise ValueError(f"{owner}: a packed sequence of {int(pos.max()) + 1} tokens is longer than the "
                              f"model's {self.max_seq_len} positions (max_seq_len)")
         self._check_types(token_type_ids, tokens)
-        x = self.embed(tokens, token_type_ids, None if self.pos == "rope" else pos[None])  # [1, T, C]
+        if self.embedding is not None:
+            x = self.drop(self.embedding.packed(tokens, token_type_ids, cu))  # [1, T, C]
+        else:
+            x = self.embed(tokens, token_type_ids, None if self.pos == "rope" else pos[None])  # [1, T, C]
         for block in self.blocks:
             x = block(x, cu_seqlens=cu)  # [1, T, C]
         return self.norm(x)

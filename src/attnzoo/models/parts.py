@@ -26,9 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int, check_positive_float
+from attnzoo.nn.frontier import packed_positions
 
-__all__ = ["DecoderParts", "EncoderParts", "LMHead", "ScaledEmbedding", "ViTParts", "given_blocks", "head_for",
-           "resolve_parts"]
+__all__ = ["DecoderParts", "EncoderParts", "LMHead", "PackedFromZero", "ScaledEmbedding", "ViTParts", "given_blocks",
+           "head_for", "resolve_parts"]
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -146,6 +147,15 @@ def _check_blocks(b: object, owner: str) -> None:
                         f"layer -> module, got {type(b).__name__}")
 
 
+class PackedFromZero:
+    """Mixin of an :class:`EncoderParts` embedding whose ``positions`` are the tokens' 0-based places
+    in their sequence (a learned table read from 0, or no positions at all): its packed form embeds
+    ``tokens [1, T]`` with the positions restarting at 0 in every sequence of ``cu_seqlens``."""
+
+    def packed(self, tokens: Tensor, token_type_ids: Tensor | None, cu_seqlens: Tensor) -> Tensor:
+        return self(tokens, token_type_ids, packed_positions(cu_seqlens, tokens.shape[1])[None])  # type: ignore[operator]
+
+
 P = TypeVar("P", "DecoderParts", "EncoderParts", "ViTParts")
 
 
@@ -185,6 +195,9 @@ class EncoderParts:
         embedding: ``embedding(tokens [B, N], token_type_ids [B, N] | None, positions [B, N] | None)
             -> [B, N, C]``: the whole input embedding (tokens, positions, types, its norm) in place
             of the config's ``tok_emb`` / ``pos_emb`` / ``type_emb`` / ``embed_norm`` (then not built).
+            One that also has ``packed(tokens [1, T], token_type_ids [1, T] | None, cu_seqlens [S+1])
+            -> [1, T, C]`` (each sequence embedded as a right-padded row; :class:`PackedFromZero`)
+            lets the encoder take packed sequences.
         blocks: one module per layer (``depth`` of them) or a factory ``layer -> module``, each
             called ``block(x [B, N, C], key_padding=[B, N] bool | None, positions=[B, N] | None)``
             (positions as given to the encoder). The config's block fields (``attention``,

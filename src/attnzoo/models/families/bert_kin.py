@@ -46,7 +46,7 @@ from attnzoo.blocks import ACTIVATIONS, TransformerBlock
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
-from attnzoo.models.parts import EncoderParts
+from attnzoo.models.parts import EncoderParts, PackedFromZero
 from attnzoo.nn.positional import LearnedPositionalEmbedding
 
 __all__ = ["ALBERT_LAYER", "DEFAULTS", "DISPATCH", "DISTILBERT_LAYER", "FactorisedEmbedding", "FactorisedMLMHead",
@@ -80,7 +80,7 @@ DISTILBERT_EPS = 1e-12
 _BUFFERS = r"([a-z_]+\.)?embeddings\.(position_ids|token_type_ids)"
 
 
-class FactorisedEmbedding(nn.Module):
+class FactorisedEmbedding(PackedFromZero, nn.Module):
     """BERT's input embedding at its own width ``E``, optionally projected to the model width ``C``:
     ``project(norm(tok(tokens) + types(token_type_ids) + pos(positions)))`` (ELECTRA's
     ``embeddings`` + ``embeddings_project``, ALBERT's ``embeddings`` + ``embedding_hidden_mapping_in``;

@@ -53,7 +53,7 @@ from attnzoo.models.encoder import TransformerEncoder, cls_pool, mean_pool
 from attnzoo.models.families.minimax import NormedEmbedding
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.bert import ACTIVATIONS
-from attnzoo.models.parts import EncoderParts
+from attnzoo.models.parts import EncoderParts, PackedFromZero
 from attnzoo.variants import build_attention
 
 __all__ = ["DEFAULTS", "DISPATCH", "TYPES", "EncoderEmbedding", "PooledClassifier", "PredictionHead",
@@ -73,7 +73,7 @@ OTHER_HEADS = ("ModernBertForTokenClassification", "ModernBertForQuestionAnsweri
 ROPE_TYPES = ("default", "linear")
 
 
-class EncoderEmbedding(NormedEmbedding):
+class EncoderEmbedding(PackedFromZero, NormedEmbedding):
     """ModernBERT's input embedding as an :class:`~attnzoo.models.EncoderParts` embedding:
     ``drop(norm(weight[tokens]))`` (no positions: RoPE is in the attention; no token types).
     Weights: ``weight [V, C]`` (tied to the masked-LM decoder) and ``norm``'s.

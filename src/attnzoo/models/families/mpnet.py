@@ -57,6 +57,7 @@ from attnzoo.models.hf.bert import ACTIVATIONS
 from attnzoo.models.parts import EncoderParts
 from attnzoo.nn.attention import build_softmax
 from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
+from attnzoo.nn.frontier import packed_positions
 
 __all__ = ["DISPATCH", "MPNET_BUCKETS", "MPNET_MAX_DISTANCE", "MPNET_PADDING_IDX", "MPNetEmbedding", "SlotBiasAttention",
            "build_mpnet", "convert_mpnet", "padding_offset_positions", "plan_heads"]
@@ -91,12 +92,20 @@ class SlotBiasAttention(RelativeBiasAttention):
 
 
 # --------------------------------------------------------------------------- embeddings and heads
-def padding_offset_positions(tokens: Tensor, padding_idx: int = MPNET_PADDING_IDX) -> Tensor:
+def padding_offset_positions(tokens: Tensor, padding_idx: int = MPNET_PADDING_IDX,
+                             cu_seqlens: Tensor | None = None) -> Tensor:
     """RoBERTa's / MPNet's positions from the token ids (``modeling_mpnet.py`` 849-857): a pad
     (``tokens == padding_idx``) gets ``padding_idx``, a real token ``padding_idx + k`` for the k-th
-    real token of its row. ``tokens [B, N]`` -> int64 ``[B, N]``."""
+    real token of its row. ``tokens [B, N]`` -> int64 ``[B, N]``; with ``cu_seqlens [S+1]``,
+    ``tokens [1, T]`` holds packed sequences and the count restarts in each (as in its own row)."""
     real = tokens.ne(padding_idx).long()
-    return real.cumsum(dim=1) * real + padding_idx
+    count = real.cumsum(dim=1)  # [B, N]
+    if cu_seqlens is not None:
+        t = tokens.shape[1]
+        starts = torch.arange(t, device=tokens.device) - packed_positions(cu_seqlens, t)  # [T]: its sequence's first slot
+        before = torch.cat((count.new_zeros(1, 1), count[:, :-1]), dim=1)  # [1, T]: the count before each slot
+        count = count - before[:, starts]
+    return count * real + padding_idx
 
 
 class MPNetEmbedding(nn.Module):
@@ -127,6 +136,10 @@ class MPNetEmbedding(nn.Module):
                              f"positions (max_position_embeddings - padding_idx - 1)")
         pos = padding_offset_positions(tokens, self.padding_idx) if positions is None else positions
         return self.norm(self.tok_emb(tokens) + self.pos_emb(pos))  # [B, N, C]
+
+    def packed(self, tokens: Tensor, token_type_ids: Tensor | None, cu_seqlens: Tensor) -> Tensor:
+        """Packed sequences ``tokens [1, T]`` (``cu_seqlens [S+1]``), each counted as its own row."""
+        return self(tokens, token_type_ids, padding_offset_positions(tokens, self.padding_idx, cu_seqlens))
 
 
 # --------------------------------------------------------------------------- the model

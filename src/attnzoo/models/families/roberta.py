@@ -134,6 +134,10 @@ class RobertaEmbedding(nn.Module):
         x = x + (self.type_emb.weight[0] if token_type_ids is None else self.type_emb(token_type_ids))
         return self.norm(x + self.pos_emb(positions))
 
+    def packed(self, tokens: Tensor, token_type_ids: Tensor | None, cu_seqlens: Tensor) -> Tensor:
+        """Packed sequences ``tokens [1, T]`` (``cu_seqlens [S+1]``), each counted as its own row."""
+        return self(tokens, token_type_ids, padding_offset_positions(tokens, self.padding_idx, cu_seqlens))
+
     def extra_repr(self) -> str:
         return f"padding_idx={self.padding_idx}"
 

@@ -69,7 +69,7 @@ from attnzoo.models.encoder import (
 )
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.bert import ACTIVATIONS
-from attnzoo.models.parts import EncoderParts, LMHead
+from attnzoo.models.parts import EncoderParts, LMHead, PackedFromZero
 from attnzoo.variants import build_attention
 
 __all__ = ["CLASSIFIER_POOLINGS", "DISPATCH", "FAMILIES", "FUSED", "SAVED", "EuroBertClassifier", "Family",
@@ -79,7 +79,7 @@ __all__ = ["CLASSIFIER_POOLINGS", "DISPATCH", "FAMILIES", "FUSED", "SAVED", "Eur
 CLASSIFIER_POOLINGS = ("bos", "mean", "late")
 
 
-class TypedEmbedding(nn.Module):
+class TypedEmbedding(PackedFromZero, nn.Module):
     """Token embedding plus token-type embedding (type 0 where none is given; none at all without
     ``type_vocab_size``), then ``norm`` (a LayerNorm, or ``nn.Identity``): the embedding of GTE,
     NomicBERT, Jina v3 (LayerNorm) and EuroBERT (no types, no norm). No absolute positions: RoPE
