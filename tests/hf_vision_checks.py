@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import attnzoo as az
@@ -127,5 +128,6 @@ class VisionChecks:
         for cls in self.classes:
             check_to_hf(lambda seed, cls=cls: hf_vision(self.config(), cls, seed))
 
-    def test_bfloat16_no_worse_than_transformers(self) -> None:
-        check_half(hf_vision(self.config(), self.classes[0]))
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+    def test_half_precision_no_worse_than_transformers(self, dtype: torch.dtype) -> None:
+        check_half(hf_vision(self.config(), self.classes[0]), dtype)

@@ -142,26 +142,9 @@ def test_clip_model_folder_and_to_hf(tmp_path: Path) -> None:
         ec.check_to_hf(lambda seed: vc.hf_vision(_clip(), T.CLIPModel, seed))
 
 
-class TextChecks(ec.EncoderChecks):
-    """The encoder checks with bfloat16 on right-padded rows."""
-
-    def test_bfloat16_no_worse_than_transformers(self) -> None:
-        """Right-padded rows only: transformers' float64 reference is NaN on a left-padded row (its eager
-        softmax runs in float32, where float64's mask minimum is ``-inf``: a padded query under the causal
-        mask sees no key, and its NaN reaches the real tokens through zero attention weights)."""
-        hf = ec.hf_encoder(self.config(), self.base)
-        x, mask = ec.batch()
-        mask[1], x[1] = 1, x[2]
-        ref = ec.hf_hidden(hf.to(torch.float64), x, mask)
-        ours, theirs = from_hf(hf, dtype=torch.bfloat16), hf.to(torch.bfloat16)
-        with torch.no_grad():
-            ours_err = ec.real_rel(ours(x, attention_mask=mask).double(), ref, mask)
-        their_err = ec.real_rel(ec.hf_hidden(theirs, x, mask).double(), ref, mask)
-        assert ours_err <= 2 * their_err + torch.finfo(torch.bfloat16).eps, (ours_err, their_err)
-
-
-class TestCLIPText(TextChecks):
+class TestCLIPText(ec.EncoderChecks):
     config = staticmethod(_text)
+    half_full_rows = True  # a causal tower: see hf_encoder_checks.check_half
     base = T.CLIPTextModel
     cases = (lambda: _text(hidden_act="gelu"), lambda: _text(layer_norm_eps=1e-2), lambda: _text(eos_token_id=EOS))
     drop = ("hidden_act", "layer_norm_eps", "attention_dropout")
@@ -171,8 +154,9 @@ class TestCLIPText(TextChecks):
         ec.check_to_hf(lambda seed: ec.hf_encoder(_text(), T.CLIPTextModelWithProjection, seed))
 
 
-class TestMetaClip2Text(TextChecks):
+class TestMetaClip2Text(ec.EncoderChecks):
     config = staticmethod(_meta_text)
+    half_full_rows = True
     base = T.MetaClip2TextModel
     drop = ("hidden_act", "layer_norm_eps")
 
