@@ -1,4 +1,4 @@
-"""transformers' encoders with attnzoo's kernels (``attn_implementation="attnzoo"``, through
+"""transformers' encoders and vision towers with attnzoo's kernels (``attn_implementation="attnzoo"``, through
 :func:`attnzoo.hf.register`) equal their eager model: every encoder family of the ``to_hf`` sweep
 whose attention goes through transformers' attention interface, on a batch with right-padded,
 left-padded and full rows. Families with their own attention code (DeBERTa's disentangled
@@ -16,11 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 import attnzoo.hf as azhf  # noqa: E402
 import hf_encoder_checks as ec  # noqa: E402
+import hf_vision_checks as vc  # noqa: E402
 
 azhf.register()
 SWEEP = {"bert": lambda seed: ec.hf_encoder(transformers.BertConfig(
     vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
     pad_token_id=ec.PAD), transformers.BertModel, seed), **ec.sweep()}
+VISION = {k: v for k, v in vc.sweep().items() if k not in SWEEP}  # the vision towers (CLIP's text ones are above)
 
 
 def _out(model: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -52,3 +54,22 @@ def test_attnzoo_kernels_equal_eager(model_type: str, monkeypatch: pytest.Monkey
         pytest.skip(f"{model_type}: its attention does not go through transformers' attention interface")
     err = ec.real_rel(got, want, mask) if got.dim() == 3 else ec.rel(got, want)
     assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("model_type", sorted(VISION))
+def test_attnzoo_kernels_equal_eager_in_vision_towers(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = azhf.attention
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        calls.append(tuple(q.shape))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(azhf, "attention", counted)
+    model = VISION[model_type](0)
+    images = vc.pixels(channels=getattr(model.config, "vision_config", model.config).num_channels)
+    want = vc.hf_outputs(model, images)[1]
+    model.set_attn_implementation("attnzoo")
+    got = vc.hf_outputs(model, images)[1]
+    assert calls, f"{model_type}: transformers did not call attnzoo's kernel"
+    assert ec.rel(got, want) <= 1e-5
