@@ -25,6 +25,20 @@ SWEEP = {"bert": lambda seed: ec.hf_encoder(transformers.BertConfig(
 VISION = {k: v for k, v in vc.sweep().items() if k not in SWEEP}  # the vision towers (CLIP's text ones are above)
 
 
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The query shapes of every call transformers makes to attnzoo's attention kernel."""
+    seen: list[tuple[int, ...]] = []
+    real = azhf.attention
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        seen.append(tuple(q.shape))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(azhf, "attention", counted)
+    return seen
+
+
 def _out(model: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The hidden states of a base model, the logits of a model with a head ``[B, N, *]`` / ``[B, L]``."""
     with torch.no_grad():
@@ -33,15 +47,7 @@ def _out(model: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("model_type", sorted(SWEEP))
-def test_attnzoo_kernels_equal_eager(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, ...]] = []
-    real = azhf.attention
-
-    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
-        calls.append(tuple(q.shape))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(azhf, "attention", counted)
+def test_attnzoo_kernels_equal_eager(model_type: str, calls: list[tuple[int, ...]]) -> None:
     eager = SWEEP[model_type](0)
     x, mask = ec.batch()
     want = _out(eager, x, mask)
@@ -57,15 +63,7 @@ def test_attnzoo_kernels_equal_eager(model_type: str, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize("model_type", sorted(VISION))
-def test_attnzoo_kernels_equal_eager_in_vision_towers(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, ...]] = []
-    real = azhf.attention
-
-    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
-        calls.append(tuple(q.shape))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(azhf, "attention", counted)
+def test_attnzoo_kernels_equal_eager_in_vision_towers(model_type: str, calls: list[tuple[int, ...]]) -> None:
     model = VISION[model_type](0)
     images = vc.pixels(channels=getattr(model.config, "vision_config", model.config).num_channels)
     want = vc.hf_outputs(model, images)[1]
