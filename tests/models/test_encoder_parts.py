@@ -149,3 +149,22 @@ def test_packed_input_is_refused_where_it_cannot_be_exact() -> None:
         enc.encode(torch.zeros(2, 4, dtype=torch.long), packed=True)
     with pytest.raises(TypeError, match="packed must be a bool or None"):
         enc.encode(torch.zeros(2, 4, dtype=torch.long), left, packed="yes")  # type: ignore[arg-type]
+
+
+def test_first_token_classifier_and_pool_refuse_bad_arguments() -> None:
+    from attnzoo.models.encoder import FirstTokenClassifier
+
+    with pytest.raises(ValueError, match="FirstTokenClassifier: activation"):
+        FirstTokenClassifier(8, 2, activation="nope")
+    with pytest.raises(ValueError, match="must not be gated"):
+        FirstTokenClassifier(8, 2, activation="swiglu")
+    with pytest.raises(ValueError, match="num_labels"):
+        FirstTokenClassifier(8, 0)
+    with pytest.raises(ValueError, match="dropout"):
+        FirstTokenClassifier(8, 2, dropout=1.5)
+    with pytest.raises(ValueError, match="pooling"):
+        TransformerEncoder.pool(torch.zeros(1, 2, 8), None, "median")
+    enc = TransformerEncoder(config=EncoderConfig(50, 32, 1, 4, type_vocab_size=2))
+    x, mask = _ragged()
+    with pytest.raises(ValueError, match="token_type_ids shape"):
+        enc.encode(x, mask, token_type_ids=torch.zeros(5, 11, dtype=torch.long))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo._validate import check_choice, check_float_tensor
+from attnzoo._validate import check_choice, check_float_tensor, check_int, check_probability
 from attnzoo.blocks import ACTIVATIONS, AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
     FromConfig,
@@ -97,7 +97,11 @@ class FirstTokenClassifier(nn.Module):
     def __init__(self, dim: int, num_labels: int, *, activation: str = "tanh", dropout: float = 0.0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        check_choice(activation, "activation", "FirstTokenClassifier", choices=("tanh", *ACTIVATIONS))
+        owner = "FirstTokenClassifier"
+        check_int(dim, "dim", owner)
+        check_int(num_labels, "num_labels", owner)
+        check_probability(dropout, "dropout", owner)
+        check_choice(activation, "activation", owner, choices=("tanh", *ACTIVATIONS))
         act, gated = (torch.tanh, False) if activation == "tanh" else ACTIVATIONS[activation]
         if gated:
             raise ValueError(f"FirstTokenClassifier: activation must not be gated, got {activation!r}")
@@ -187,7 +191,7 @@ class TransformerEncoder(FromConfig, nn.Module):
         self.pooler = nn.Linear(cfg.dim, cfg.dim, **kw) if cfg.pooler else None
         self.classifier = nn.Linear(cfg.dim, cfg.num_labels, **kw) if cfg.num_labels else parts.classifier
         self.mlm = MaskedLMHead(cfg, **kw) if cfg.mlm_head else parts.mlm
-        self._given_heads = parts.classifier is not None, parts.mlm is not None
+        self._own_classifier = parts.classifier is None
         given = {name for name, part in (("embedding", parts.embedding), ("blocks", parts.blocks), ("norm", parts.norm),
                                          ("mlm", parts.mlm), ("classifier", parts.classifier)) if part is not None}
         for name, child in self.named_children():  # given parts keep their own weights
@@ -322,7 +326,7 @@ class TransformerEncoder(FromConfig, nn.Module):
         ``EncoderParts.classifier`` with its own pooling over the real tokens of ``attention_mask [B, N]``."""
         if self.classifier is None:
             raise ValueError("TransformerEncoder: this model has no classifier (build it with num_labels=...)")
-        if self._given_heads[0]:
+        if not self._own_classifier:
             return self.classifier(_check_hidden(hidden, "TransformerEncoder.classify"), attention_mask)
         return self.classifier(self.pooler_output(hidden))
 
@@ -349,6 +353,7 @@ class TransformerEncoder(FromConfig, nn.Module):
         keep = None
         if attention_mask is not None and packed is not False:
             check_tokens(tokens, self.vocab_size, owner)
+            self._check_types(token_type_ids, tokens)
             keep = check_padding_mask(attention_mask, tokens.shape[0], tokens.shape[1], owner)
             lengths = keep.sum(1)
             right = bool((keep == (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).all())
@@ -368,7 +373,9 @@ class TransformerEncoder(FromConfig, nn.Module):
 
     @staticmethod
     def pool(hidden: Tensor, attention_mask: Tensor | None, pooling: str) -> Tensor:
-        """``hidden [B, N, C] -> [B, C]`` by :func:`mean_pool`, :func:`max_pool` or :func:`cls_pool`."""
+        """``hidden [B, N, C] -> [B, C]`` by :func:`mean_pool`, :func:`max_pool` or :func:`cls_pool`
+        (``pooling``: one of :data:`POOLINGS`; ``attention_mask [B, N]``: the real tokens)."""
+        check_choice(pooling, "pooling", "TransformerEncoder.pool", choices=POOLINGS)
         if pooling == "mean":
             return mean_pool(hidden, attention_mask)
         if pooling == "max":

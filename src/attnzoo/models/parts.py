@@ -153,6 +153,7 @@ class PackedFromZero:
     ``tokens [1, T]`` with the positions restarting at 0 in every sequence of ``cu_seqlens``."""
 
     def packed(self, tokens: Tensor, token_type_ids: Tensor | None, cu_seqlens: Tensor) -> Tensor:
+        """``tokens [1, T]`` (types ``[1, T]`` or ``None``) of the sequences of ``cu_seqlens [S+1]`` -> ``[1, T, C]``."""
         return self(tokens, token_type_ids, packed_positions(cu_seqlens, tokens.shape[1])[None])  # type: ignore[operator]
 
 
