@@ -172,6 +172,8 @@ class TestMetaClip2Vision(vc.VisionChecks):
 class TestMetaClip2Classifier(vc.VisionChecks):
     config = staticmethod(_meta_clip)
     classes = (T.MetaClip2ForImageClassification,)
+    other_size = 48
+    other_kw = {"interpolate_pos_encoding": True}  # noqa: RUF012 (read only)
 
 
 class TestChineseCLIPVision(vc.VisionChecks):

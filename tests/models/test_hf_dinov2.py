@@ -117,10 +117,15 @@ def test_folder_with_defaults_left_out(tmp_path: Path) -> None:
             assert vc.rel(load_pretrained(folder)(images), vc.hf_outputs(hf, images)[1]) <= vc.TOL
 
 
-def test_swiglu_width_rule() -> None:
-    assert swiglu_hidden(32, 3) == 64  # int(96 * 2 / 3) = 64
-    assert swiglu_hidden(1024, 4) == 2736  # ViT-L/g rule: 4096 * 2 / 3 = 2730.67 -> 2730 -> 2736
-    assert swiglu_hidden(30, 4) == 80  # 120 * 2 / 3 = 80
+@pytest.mark.parametrize(("dim", "ratio"), [(32, 3), (1024, 4), (30, 4), (40, 3)])
+def test_swiglu_width_rule(dim: int, ratio: int) -> None:
+    """The width rule equals transformers' own SwiGLU MLP (which rounds up to a multiple of 8)."""
+    from transformers.models.dinov2.modeling_dinov2 import Dinov2SwiGLUFFN
+
+    cfg = T.Dinov2Config(hidden_size=dim, mlp_ratio=ratio, num_attention_heads=2)
+    theirs = Dinov2SwiGLUFFN(cfg)
+    widths = {m.out_features for m in theirs.modules() if isinstance(m, torch.nn.Linear) and m.out_features != dim}
+    assert widths == {swiglu_hidden(dim, ratio)}
 
 
 @pytest.mark.parametrize("change, what", [

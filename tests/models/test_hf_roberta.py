@@ -85,9 +85,15 @@ SWEEP: dict[str, Callable[[int], Any]] = {
 }
 
 
-def test_positions_are_counted_from_the_ids() -> None:
-    tokens = torch.tensor([[0, 5, 1, 7, 1], [1, 1, 4, 1, 9]])
-    assert padding_offset_positions(tokens, 1).tolist() == [[2, 3, 1, 4, 1], [1, 1, 2, 1, 3]]
+@pytest.mark.parametrize("padding_idx", [0, 1, 2])
+def test_positions_are_counted_from_the_ids(padding_idx: int) -> None:
+    """Equal to transformers' own rule (``RobertaEmbeddings.create_position_ids_from_input_ids``),
+    pad ids inside, before and after the real tokens; and per sequence when packed."""
+    tokens = torch.tensor([[0, 5, 1, 7, 1, 2], [1, 1, 4, 1, 9, 0], [2, 2, 2, 6, 8, 1]])
+    want = T.models.roberta.modeling_roberta.RobertaEmbeddings.create_position_ids_from_input_ids(tokens, padding_idx)
+    assert torch.equal(padding_offset_positions(tokens, padding_idx), want)
+    cu = torch.arange(0, 19, 6, dtype=torch.int32)
+    assert torch.equal(padding_offset_positions(tokens.reshape(1, -1), padding_idx, cu), want.reshape(1, -1))
 
 
 @pytest.mark.parametrize("make,base", [(_roberta, T.RobertaModel), (_xl, T.XLMRobertaXLModel)])

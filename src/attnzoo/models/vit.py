@@ -13,7 +13,24 @@ from attnzoo.models._common import FromConfig, init_weights
 from attnzoo.models.config import ViTConfig
 from attnzoo.models.parts import ViTParts, given_blocks, resolve_parts
 
-__all__ = ["VisionTransformer"]
+__all__ = ["VisionTransformer", "resize_grid"]
+
+
+def resize_grid(table: Tensor, grid: tuple[int, int], size: tuple[int, int], *, mode: str = "bicubic",
+                antialias: bool = False, float32: bool = False) -> Tensor:
+    """A position table of a patch grid resized to another grid (``interpolate_pos_encoding`` of
+    ViT, DINOv2, CLIP, SigLIP): ``table [gh * gw, C]`` (row-major over ``grid = (gh, gw)``, no prefix
+    entries) -> ``[H' * W', C]`` for ``size = (H', W')``, by ``F.interpolate`` (``mode``,
+    ``align_corners=False``, ``antialias``; in float32 and cast back if ``float32``). The table
+    itself when ``size == grid``."""
+    if tuple(size) == tuple(grid):
+        return table
+    (gh, gw), (h, w), c = grid, size, table.shape[-1]
+    if table.shape[0] != gh * gw:
+        raise ValueError(f"resize_grid: table has {table.shape[0]} rows, expected {gh} x {gw} = {gh * gw}")
+    t = table.reshape(1, gh, gw, c).permute(0, 3, 1, 2)  # [1, C, gh, gw]
+    t = F.interpolate(t.float() if float32 else t, size=(h, w), mode=mode, align_corners=False, antialias=antialias)
+    return t.permute(0, 2, 3, 1).reshape(h * w, c).to(table.dtype)  # [H' W', C]
 
 
 class VisionTransformer(FromConfig, nn.Module):
@@ -130,15 +147,11 @@ class VisionTransformer(FromConfig, nn.Module):
         """Position embeddings ``[1, T, C]`` for a ``grid_h x grid_w`` patch grid: the table itself
         for the training grid, else the patch part resized bicubically (``align_corners=False``,
         as Hugging Face's ``interpolate_pos_encoding`` and DINO); the class-token entry is kept."""
+        assert self.pos_embed is not None  # built when no embedding part is given
         if (grid_h, grid_w) == self.grid:
             return self.pos_embed
-        prefix = self.pos_embed[:, : self.num_prefix]  # [1, 1|0, C]
-        patch = self.pos_embed[:, self.num_prefix:]  # [1, gh*gw, C]
-        gh, gw = self.grid
-        patch = patch.reshape(1, gh, gw, self.dim).permute(0, 3, 1, 2)  # [1, C, gh, gw]
-        patch = F.interpolate(patch, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
-        patch = patch.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, self.dim)  # [1, T', C]
-        return torch.cat((prefix, patch), dim=1)
+        patch = resize_grid(self.pos_embed[0, self.num_prefix:], self.grid, (grid_h, grid_w))  # [T', C]
+        return torch.cat((self.pos_embed[:, : self.num_prefix], patch[None]), dim=1)  # [1, prefix + T', C]
 
     def forward_features(self, images: Tensor) -> Tensor:
         """Token features after the final norm: ``[B, T, C]`` (class token first when present).

@@ -63,7 +63,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
@@ -74,7 +73,7 @@ from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.bert import ACTIVATIONS as BERT_ACTIVATIONS
 from attnzoo.models.parts import EncoderParts, ViTParts
-from attnzoo.models.vit import VisionTransformer
+from attnzoo.models.vit import VisionTransformer, resize_grid
 from attnzoo.variants import build_attention
 
 __all__ = ["ACTIVATIONS", "DISPATCH", "TEXT_DEFAULTS", "VISION_DEFAULTS", "ClassTokenPooler",
@@ -128,10 +127,8 @@ class PatchEmbedding(nn.Module):
         ``[grid_h, grid_w, C]`` after the prefix entries (transformers' ``interpolate_pos_encoding``)."""
         if (grid_h, grid_w) == (self.grid, self.grid):
             return self.position_embedding
-        prefix, patch = self.position_embedding[: self.num_prefix], self.position_embedding[self.num_prefix:]
-        patch = patch.reshape(1, self.grid, self.grid, self.dim).permute(0, 3, 1, 2)  # [1, C, g, g]
-        patch = F.interpolate(patch, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
-        return torch.cat((prefix, patch.permute(0, 2, 3, 1).reshape(grid_h * grid_w, self.dim)))  # [T', C]
+        patch = resize_grid(self.position_embedding[self.num_prefix:], (self.grid, self.grid), (grid_h, grid_w))
+        return torch.cat((self.position_embedding[: self.num_prefix], patch))  # [T', C]
 
     def forward(self, images: Tensor) -> Tensor:
         x = self.patch_embed(images.to(self.patch_embed.weight.dtype))  # [B, C, gh, gw]

@@ -58,7 +58,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
@@ -68,7 +67,7 @@ from attnzoo.models.config import ViTConfig
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.bert import ACTIVATIONS
 from attnzoo.models.parts import ViTParts
-from attnzoo.models.vit import VisionTransformer
+from attnzoo.models.vit import VisionTransformer, resize_grid
 from attnzoo.nn.positional import RotaryEmbedding
 from attnzoo.variants import build_attention
 
@@ -180,11 +179,9 @@ class DinoEmbedding(nn.Module):
             raise ValueError("DinoEmbedding: built without a position table (grid=None)")
         if (grid_h, grid_w) == (self.grid, self.grid):
             return self.pos_embed
-        table = self.pos_embed[:, 1:].reshape(1, self.grid, self.grid, self.dim).permute(0, 3, 1, 2)  # [1, C, g, g]
-        patch = F.interpolate(table.float(), size=(grid_h, grid_w), mode="bicubic", align_corners=False,
-                              antialias=self.antialias).to(self.pos_embed.dtype)
-        patch = patch.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, self.dim)  # [1, gh*gw, C]
-        return torch.cat((self.pos_embed[:, :1], patch), dim=1)
+        patch = resize_grid(self.pos_embed[0, 1:], (self.grid, self.grid), (grid_h, grid_w), antialias=self.antialias,
+                            float32=True)  # [gh*gw, C]
+        return torch.cat((self.pos_embed[:, :1], patch[None]), dim=1)
 
     def forward(self, images: Tensor) -> Tensor:
         x = self.patch_embed(images.to(self.patch_embed.weight.dtype))  # [B, C, gh, gw]

@@ -57,7 +57,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
@@ -66,7 +65,7 @@ from attnzoo.models.config import ViTConfig
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.bert import ACTIVATIONS
 from attnzoo.models.parts import ViTParts
-from attnzoo.models.vit import VisionTransformer
+from attnzoo.models.vit import VisionTransformer, resize_grid
 from attnzoo.variants import build_attention
 
 __all__ = ["DEFAULTS", "DISPATCH", "SIGLIP2_DEFAULTS", "AttentionPoolingHead", "FlatPatchEmbedding", "build_siglip",
@@ -155,10 +154,10 @@ class FlatPatchEmbedding(nn.Module):
         self.pos_embed = nn.Parameter(torch.randn(grid * grid, dim, device=device, dtype=dtype) * 0.02)
 
     def positions(self, grid_h: int, grid_w: int) -> Tensor:
-        """``[grid_h * grid_w, C]``: the table resized to a ``grid_h x grid_w`` grid."""
-        table = self.pos_embed.reshape(1, self.grid, self.grid, self.dim).permute(0, 3, 1, 2).float()
-        resized = F.interpolate(table, size=(grid_h, grid_w), mode="bilinear", align_corners=False, antialias=True)
-        return resized[0].permute(1, 2, 0).reshape(grid_h * grid_w, self.dim).to(self.pos_embed.dtype)
+        """``[grid_h * grid_w, C]``: the table resized to a ``grid_h x grid_w`` grid (antialiased
+        bilinear in float32; the table itself at its own grid, which that resize leaves unchanged)."""
+        return resize_grid(self.pos_embed, (self.grid, self.grid), (grid_h, grid_w), mode="bilinear", antialias=True,
+                           float32=True)
 
     def forward(self, images: Tensor) -> Tensor:
         B, c, h, w = images.shape
