@@ -168,3 +168,25 @@ def test_first_token_classifier_and_pool_refuse_bad_arguments() -> None:
     x, mask = _ragged()
     with pytest.raises(ValueError, match="token_type_ids shape"):
         enc.encode(x, mask, token_type_ids=torch.zeros(5, 11, dtype=torch.long))
+
+
+def test_family_parts_refuse_bad_arguments() -> None:
+    from attnzoo.models.families.bert_kin import FactorisedMLMHead, albert_blocks
+    from attnzoo.models.families.deberta import log_buckets
+    from attnzoo.models.families.roberta import RobertaEmbedding
+
+    with pytest.raises(ValueError, match="FactorisedMLMHead: activation"):
+        FactorisedMLMHead(8, 8, 10, activation="nope", eps=1e-5)
+    with pytest.raises(ValueError, match="must not be gated"):
+        FactorisedMLMHead(8, 8, 10, activation="swiglu", eps=1e-5)
+    cfg = EncoderConfig(50, 32, 2, 4)
+    with pytest.raises(ValueError, match="groups"):
+        albert_blocks(cfg, 0, 1, 2, device=None, dtype=None)
+    with pytest.raises(ValueError, match="groups that never run"):
+        albert_blocks(cfg, 3, 1, 2, device=None, dtype=None)
+    with pytest.raises(ValueError, match="buckets"):
+        log_buckets(torch.arange(4), 1, 16)
+    with pytest.raises(ValueError, match="max_positions"):
+        log_buckets(torch.arange(4), 8, 5)
+    with pytest.raises(ValueError, match="padding_idx"):
+        RobertaEmbedding(10, 8, 12, 1, padding_idx=-1, norm_eps=1e-5)

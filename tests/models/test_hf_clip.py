@@ -253,3 +253,11 @@ def test_packed_encode_equals_the_padded_forward() -> None:
 def test_refused_options(convert: Any, data: dict[str, Any], what: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=what):
         convert(HFConfig(data, "config.json", "CLIP"), {}, device="meta", dtype=None)
+
+
+def test_build_clip_vision_refuses_an_unknown_head() -> None:
+    from attnzoo.models.families.clip import build_clip_vision
+    from attnzoo.models.hf._state import HFConfig
+
+    with pytest.raises(ValueError, match="head"):
+        build_clip_vision(HFConfig(_clip().vision_config.to_dict(), "test"), head="cls")

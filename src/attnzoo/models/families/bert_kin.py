@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 import attnzoo.models.hf.bert as bert
+from attnzoo._validate import check_choice, check_int
 from attnzoo.blocks import ACTIVATIONS, TransformerBlock
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
@@ -131,6 +132,9 @@ class FactorisedMLMHead(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        check_choice(activation, "activation", "FactorisedMLMHead", choices=ACTIVATIONS)
+        if ACTIVATIONS[activation][1]:
+            raise ValueError(f"FactorisedMLMHead: activation must not be gated, got {activation!r}")
         self.act = ACTIVATIONS[activation][0]
         self.transform = nn.Linear(dim, width, **kw)
         self.norm = nn.LayerNorm(width, eps=eps, **kw)
@@ -156,6 +160,11 @@ def albert_blocks(cfg: EncoderConfig, groups: int, inner: int, depth: int, *, de
     """ALBERT's ``depth * inner`` blocks: ``groups * inner`` distinct post-norm blocks, layer ``i``
     running group ``int(i / (depth / groups))`` (modeling_albert.py 270-280) so the same module repeats;
     also ``(group, layer in group) -> index of its first use`` (the name its weights have)."""
+    owner = "albert_blocks"
+    check_int(depth, "depth", owner)
+    check_int(inner, "inner", owner)
+    if check_int(groups, "groups", owner) > depth:
+        raise ValueError(f"{owner}: groups={groups} > depth={depth}: groups that never run")
     made = [[TransformerBlock(config=TransformerEncoder.block_config(cfg), device=device, dtype=dtype)
              for _ in range(inner)] for _ in range(groups)]
     blocks: list[nn.Module] = []

@@ -66,6 +66,7 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._validate import check_choice
 from attnzoo.blocks import FeedForward
 from attnzoo.models._common import check_padding_mask
 from attnzoo.models.config import EncoderConfig, ViTConfig
@@ -230,6 +231,7 @@ def build_clip_vision(hf: HFConfig, *, head: str, out: int = 0, device: Any = No
     """The vision tower of a ``CLIPVisionConfig`` (random weights; see the module docstring) with the
     head ``"pooler"`` (:class:`ClassTokenPooler`, projected to ``out`` if ``out``) or ``"mean"`` (the
     mean of the patch tokens, then a classifier of ``out`` classes if ``out``)."""
+    check_choice(head, "head", "build_clip_vision", choices=("pooler", "mean"))
     hf = hf.with_defaults(VISION_DEFAULTS)
     image, patch = _square(hf, "image_size"), _square(hf, "patch_size")
     C, eps = hf.req("hidden_size"), hf.get("layer_norm_eps", 1e-5, float)

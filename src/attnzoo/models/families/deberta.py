@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._validate import check_int
 from attnzoo.blocks import ACTIVATIONS, BlockLayers, FeedForward, TransformerBlock
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
@@ -104,9 +105,11 @@ def log_buckets(rel: Tensor, buckets: int, max_positions: int) -> Tensor:
     with ``mid = buckets // 2`` (``±(buckets - 1)`` at ``|r| = max_positions - 1``; longer distances go
     beyond, and the table's lookup clamps them), computed in
     float32 as transformers does. ``rel`` int ``[...]`` -> int64 ``[...]``."""
-    mid = buckets // 2
+    mid = check_int(buckets, "buckets", "log_buckets", minimum=2) // 2
+    if check_int(max_positions, "max_positions", "log_buckets") <= mid + 1:
+        raise ValueError(f"log_buckets: max_positions must exceed buckets // 2 + 1 = {mid + 1}, got {max_positions}")
     far = rel.abs().clamp(min=mid)  # the near ones are kept as they are below
-    ratio = torch.log(far / mid) / torch.log(torch.tensor((max_positions - 1) / mid))
+    ratio = torch.log(far / mid) / torch.log(torch.tensor((max_positions - 1) / mid))  # float32, as transformers
     log_pos = torch.ceil(ratio * (mid - 1)) + mid
     return torch.where(rel.abs() <= mid, rel.to(log_pos.dtype), log_pos * torch.sign(rel)).long()
 

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+from attnzoo._validate import check_int
 from attnzoo.blocks import make_norm
 from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
 from attnzoo.models.families.bert_kin import apply_encoder_plan
@@ -115,7 +116,7 @@ class RobertaEmbedding(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.padding_idx = padding_idx
+        self.padding_idx = check_int(padding_idx, "padding_idx", "RobertaEmbedding", minimum=0)
         self.tok_emb = nn.Embedding(vocab_size, dim, **kw)
         self.pos_emb = nn.Embedding(max_positions, dim, **kw)
         self.type_emb = nn.Embedding(type_vocab_size, dim, **kw)
@@ -125,9 +126,10 @@ class RobertaEmbedding(nn.Module):
         if positions is None:
             positions = padding_offset_positions(tokens, self.padding_idx)  # [B, N]
         table = self.pos_emb.num_embeddings
-        if positions.numel() and (int(positions.max()) >= table or int(positions.min()) < 0):
+        lo, hi = (int(t) for t in positions.aminmax()) if positions.numel() else (0, 0)  # one host sync
+        if hi >= table or lo < 0:
             raise ValueError(f"RobertaEmbedding: positions must lie in [0, {table}) (max_position_embeddings), got "
-                             f"{int(positions.min())}..{int(positions.max())}; counted from the ids they start at "
+                             f"{lo}..{hi}; counted from the ids they start at "
                              f"padding_idx + 1 = {self.padding_idx + 1}, so at most {table - self.padding_idx - 1} "
                              f"non-pad tokens fit")
         x = self.tok_emb(tokens)  # [B, N, C]
