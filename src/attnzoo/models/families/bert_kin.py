@@ -46,13 +46,12 @@ from attnzoo._validate import check_choice, check_int
 from attnzoo.blocks import ACTIVATIONS, TransformerBlock
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
-from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.parts import EncoderParts, PackedFromZero
 from attnzoo.nn.positional import LearnedPositionalEmbedding
 
 __all__ = ["ALBERT_LAYER", "DEFAULTS", "DISPATCH", "DISTILBERT_LAYER", "FactorisedEmbedding", "FactorisedMLMHead",
-           "albert_blocks", "apply_encoder_plan", "convert_albert", "convert_distilbert", "convert_electra",
-           "put_post_norm_layer"]
+           "albert_blocks", "apply_encoder_plan", "convert_albert", "convert_distilbert", "convert_electra"]
 
 #: transformers' config defaults (``configuration_<name>.py``) for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -142,17 +141,6 @@ class FactorisedMLMHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.decoder(self.norm(self.act(self.transform(hidden))))  # [B, N, V]
-
-
-def put_post_norm_layer(plan: Plan, ours: str, theirs: str, names: tuple[str, ...]) -> None:
-    """Map a BERT-shaped post-norm layer at ``theirs`` (its 8 sub-module ``names``: q, k, v, output,
-    attention norm, FFN up, FFN down, FFN norm, all with biases) onto the
-    :class:`~attnzoo.TransformerBlock` at ``ours`` (BERT's own names: :func:`attnzoo.models.hf.bert._layer`)."""
-    q, k, v, out, attn_norm, up, down, ffn_norm = names
-    load_qkv_into(plan, ours + "attn", tuple(f"{theirs}{n}.weight" for n in (q, k, v)),
-                  tuple(f"{theirs}{n}.bias" for n in (q, k, v)), True)
-    plan.put_pairs(ours, theirs, [("attn.out_proj", out), ("attn_norm", attn_norm), ("ffn.up_proj", up),
-                                  ("ffn.down_proj", down), ("ffn_norm", ffn_norm)])
 
 
 def albert_blocks(cfg: EncoderConfig, groups: int, inner: int, depth: int, *, device: Any,
@@ -247,7 +235,7 @@ def convert_distilbert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     plan, ignore = Plan(Source(sd, prefix), "DistilBERT"), []
     _put_embedding(plan, types=False, project=None)
     for i in range(cfg.depth):
-        put_post_norm_layer(plan, f"blocks.{i}.", f"transformer.layer.{i}.", DISTILBERT_LAYER)
+        bert.put_layer(plan, f"blocks.{i}.", f"transformer.layer.{i}.", DISTILBERT_LAYER)
     _put_heads(plan, hf, model, ignore, ("vocab_transform", "vocab_layer_norm", "vocab_projector"),
                ("pre_classifier", "classifier"))
     return apply_encoder_plan(plan, model, hf, ignore)
@@ -312,7 +300,7 @@ def convert_albert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: A
     plan, ignore = Plan(Source(sd, prefix), "ALBERT"), []
     _put_embedding(plan, types=True, project="encoder.embedding_hidden_mapping_in")
     for (g, j), i in first.items():
-        put_post_norm_layer(plan, f"blocks.{i}.", f"encoder.albert_layer_groups.{g}.albert_layers.{j}.", ALBERT_LAYER)
+        bert.put_layer(plan, f"blocks.{i}.", f"encoder.albert_layer_groups.{g}.albert_layers.{j}.", ALBERT_LAYER)
     if pooler:
         plan.put_pairs("", "", [("pooler", "pooler")])
     plan.src.prefix = ""

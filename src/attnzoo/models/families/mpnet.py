@@ -52,14 +52,14 @@ from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
 from attnzoo.models.families._common import Dispatch
 from attnzoo.models.families.t5_encoder import RelativeBiasAttention, RelativePositionBias
-from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
-from attnzoo.models.hf.bert import ACTIVATIONS
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
+from attnzoo.models.hf.bert import ACTIVATIONS, put_layer
 from attnzoo.models.parts import EncoderParts
 from attnzoo.nn.attention import build_softmax
 from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
 from attnzoo.nn.frontier import packed_positions
 
-__all__ = ["DISPATCH", "MPNET_BUCKETS", "MPNET_MAX_DISTANCE", "MPNET_PADDING_IDX", "MPNetEmbedding", "SlotBiasAttention",
+__all__ = ["DISPATCH", "MPNET_BUCKETS", "MPNET_LAYER", "MPNET_MAX_DISTANCE", "MPNET_PADDING_IDX", "MPNetEmbedding", "SlotBiasAttention",
            "build_mpnet", "convert_mpnet", "padding_offset_positions", "plan_heads"]
 
 #: the buckets MPNet's bias always uses (``compute_position_bias``'s default, ``modeling_mpnet.py`` 311)
@@ -68,6 +68,9 @@ MPNET_BUCKETS = 32
 MPNET_MAX_DISTANCE = 128
 #: the padding index of MPNet's embeddings, whatever the config's ``pad_token_id`` (60)
 MPNET_PADDING_IDX = 1
+#: MPNet's names of a layer's sub-modules, in :data:`attnzoo.models.hf.bert.BERT_LAYER`'s order
+MPNET_LAYER = ("attention.attn.q", "attention.attn.k", "attention.attn.v", "attention.attn.o", "attention.LayerNorm",
+               "intermediate.dense", "output.dense", "output.LayerNorm")
 #: the head weights outside the ``mpnet.`` prefix that attnzoo converts (LM head, sequence classifier)
 _HEADS = r"(lm_head|classifier\.(dense|out_proj))\."
 
@@ -222,12 +225,7 @@ def convert_mpnet(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
     plan.put("blocks.0.attn.relative_bias.weight", "encoder.relative_attention_bias.weight",  # one table, shared
              lambda t: t[:MPNET_BUCKETS])  # the rows past 32 are never read
     for i in range(model.depth):
-        h, o = f"encoder.layer.{i}.", f"blocks.{i}."
-        load_qkv_into(plan, o + "attn", tuple(f"{h}attention.attn.{n}.weight" for n in "qkv"),
-                      tuple(f"{h}attention.attn.{n}.bias" for n in "qkv"), True)
-        plan.put_pairs(o, h, [("attn.out_proj", "attention.attn.o"), ("attn_norm", "attention.LayerNorm"),
-                              ("ffn.up_proj", "intermediate.dense"), ("ffn.down_proj", "output.dense"),
-                              ("ffn_norm", "output.LayerNorm")])
+        put_layer(plan, f"blocks.{i}.", f"encoder.layer.{i}.", MPNET_LAYER)
     if model.pooler is not None:
         plan.put_pairs("", "", [("pooler", "pooler.dense")])
     plan.apply(model, ignore=plan_heads(plan, hf, sd, model, tied))

@@ -7,7 +7,7 @@ transformers 5.25's ``models/roberta/modeling_roberta.py`` (XLM-R and CamemBERT 
 ``modular_*.py``), ``models/roberta_prelayernorm/modeling_roberta_prelayernorm.py`` (PLN) and
 ``models/xlm_roberta_xl/modeling_xlm_roberta_xl.py`` (XL).
 
-BERT's encoder (its layers are BERT's, post-norm, mapped by :func:`attnzoo.models.hf.bert._layer`)
+BERT's encoder (its layers are BERT's, post-norm, mapped by :func:`attnzoo.models.hf.bert.put_layer`)
 with three differences, each an :class:`~attnzoo.models.EncoderParts` part:
 
 * positions come from the **token ids**, not from the attention mask (57-155): a token equal to
@@ -53,8 +53,8 @@ from attnzoo.blocks import make_norm
 from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
 from attnzoo.models.families.bert_kin import apply_encoder_plan
 from attnzoo.models.families.mpnet import padding_offset_positions, plan_heads
-from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
-from attnzoo.models.hf.bert import _layer, bert_config
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
+from attnzoo.models.hf.bert import BERT_LAYER, _layer, bert_config, put_layer
 from attnzoo.models.parts import EncoderParts
 
 __all__ = ["DEFAULTS", "DISPATCH", "VARIANTS", "RobertaEmbedding", "Variant", "build_roberta", "convert_roberta"]
@@ -171,15 +171,6 @@ def build_roberta(hf: HFConfig, v: Variant, *, pooler: bool = False, num_labels:
                               **kw)
 
 
-def _pre_norm_layer(plan: Plan, i: int, norms: tuple[str, str]) -> None:
-    """Layer ``i`` of a pre-norm variant: BERT's projections, the two norms under ``norms``."""
-    h, o = f"encoder.layer.{i}.", f"blocks.{i}."
-    load_qkv_into(plan, o + "attn", tuple(f"{h}attention.self.{n}.weight" for n in ("query", "key", "value")),
-                  tuple(f"{h}attention.self.{n}.bias" for n in ("query", "key", "value")), True)
-    plan.put_pairs(o, h, [("attn.out_proj", "attention.output.dense"), ("ffn.up_proj", "intermediate.dense"),
-                          ("ffn.down_proj", "output.dense"), ("attn_norm", norms[0]), ("ffn_norm", norms[1])])
-
-
 def convert_roberta(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
                     model_type: str = "roberta") -> TransformerEncoder:
     """Build the ``model_type`` variant and copy the weights; the heads follow the weights (a
@@ -204,7 +195,8 @@ def convert_roberta(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
         if v.pre_norms is None:
             _layer(plan, i)
         else:
-            _pre_norm_layer(plan, i, v.pre_norms)
+            put_layer(plan, f"blocks.{i}.", f"encoder.layer.{i}.", (*BERT_LAYER[:4], v.pre_norms[0], *BERT_LAYER[5:7],
+                                                                    v.pre_norms[1]))
     if v.final_norm is not None:
         plan.put_pairs("", "", [("norm", v.final_norm)])
     if model.pooler is not None:

@@ -14,7 +14,7 @@ from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 
-__all__ = ["ACTIVATIONS", "bert_config", "convert_bert"]
+__all__ = ["ACTIVATIONS", "BERT_LAYER", "bert_config", "convert_bert", "put_layer"]
 
 #: Hugging Face activation names -> :class:`attnzoo.FeedForward` activations.
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
@@ -36,13 +36,24 @@ def bert_config(hf: HFConfig, *, pooler: bool, num_labels: int = 0, mlm_head: bo
         ffn_hidden=hf.req("intermediate_size"), pooler=pooler, num_labels=num_labels, mlm_head=mlm_head)
 
 
+#: BERT's names of a layer's eight sub-modules (q, k, v, output, attention norm, FFN up, FFN down, FFN norm)
+BERT_LAYER = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+              "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+
+
+def put_layer(plan: Plan, ours: str, theirs: str, names: tuple[str, ...] = BERT_LAYER) -> None:
+    """Map a BERT-shaped layer at ``theirs`` (its eight sub-module ``names``, :data:`BERT_LAYER`'s
+    order, all with biases; pre- or post-norm alike) onto the :class:`~attnzoo.TransformerBlock` at
+    ``ours``: q/k/v fused into ``attn.qkv_proj``, then ``attn.out_proj``, ``attn_norm``, the FFN, ``ffn_norm``."""
+    q, k, v, out, attn_norm, up, down, ffn_norm = names
+    load_qkv_into(plan, ours + "attn", tuple(f"{theirs}{n}.weight" for n in (q, k, v)),
+                  tuple(f"{theirs}{n}.bias" for n in (q, k, v)), True)
+    plan.put_pairs(ours, theirs, [("attn.out_proj", out), ("attn_norm", attn_norm), ("ffn.up_proj", up),
+                                  ("ffn.down_proj", down), ("ffn_norm", ffn_norm)])
+
+
 def _layer(plan: Plan, i: int) -> None:
-    h, o = f"encoder.layer.{i}.", f"blocks.{i}."
-    load_qkv_into(plan, o + "attn", tuple(f"{h}attention.self.{n}.weight" for n in ("query", "key", "value")),
-                  tuple(f"{h}attention.self.{n}.bias" for n in ("query", "key", "value")), True)
-    plan.put_pairs(o, h, [("attn.out_proj", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
-                          ("ffn.up_proj", "intermediate.dense"), ("ffn.down_proj", "output.dense"),
-                          ("ffn_norm", "output.LayerNorm")])
+    put_layer(plan, f"blocks.{i}.", f"encoder.layer.{i}.")
 
 
 def convert_bert(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any,
