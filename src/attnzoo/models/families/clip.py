@@ -71,16 +71,20 @@ from attnzoo.blocks import FeedForward
 from attnzoo.models._common import check_padding_mask
 from attnzoo.models.config import EncoderConfig, ViTConfig
 from attnzoo.models.encoder import TransformerEncoder
-from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.bert import ACTIVATIONS as BERT_ACTIVATIONS
+from attnzoo.models.hf.bert import put_layer
 from attnzoo.models.parts import EncoderParts, ViTParts
 from attnzoo.models.vit import VisionTransformer, resize_grid
 from attnzoo.variants import build_attention
 
-__all__ = ["ACTIVATIONS", "DISPATCH", "TEXT_DEFAULTS", "VISION_DEFAULTS", "ClassTokenPooler",
+__all__ = ["ACTIVATIONS", "CLIP_LAYER", "DISPATCH", "TEXT_DEFAULTS", "VISION_DEFAULTS", "ClassTokenPooler",
            "EOSPooler", "PatchEmbedding", "build_clip_text", "build_clip_vision", "convert_clip", "convert_clip_text",
            "convert_clip_vision"]
 
+#: CLIP's (and SigLIP's) names of a layer's sub-modules, in :data:`attnzoo.models.hf.bert.BERT_LAYER`'s order
+CLIP_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "layer_norm1",
+              "mlp.fc1", "mlp.fc2", "layer_norm2")
 #: transformers' activation names -> attnzoo's (:data:`attnzoo.blocks.ACTIVATIONS`)
 ACTIVATIONS = {**BERT_ACTIVATIONS, "quick_gelu": "quick_gelu"}
 #: ``CLIPVisionConfig``'s defaults (configuration_clip.py) for the keys a folder may leave out
@@ -252,11 +256,7 @@ def build_clip_vision(hf: HFConfig, *, head: str, out: int = 0, device: Any = No
 def put_layers(plan: Plan, depth: int) -> None:
     """The ``encoder.layers.{i}`` of either tower into ``blocks.{i}``."""
     for i in range(depth):
-        o, h = f"blocks.{i}.", f"encoder.layers.{i}."
-        qkv = tuple(f"{h}self_attn.{n}_proj" for n in "qkv")
-        load_qkv_into(plan, f"{o}attn", tuple(k + ".weight" for k in qkv), tuple(k + ".bias" for k in qkv), True)
-        plan.put_pairs(o, h, [("attn.out_proj", "self_attn.out_proj"), ("attn_norm", "layer_norm1"),
-                              ("ffn.up_proj", "mlp.fc1"), ("ffn.down_proj", "mlp.fc2"), ("ffn_norm", "layer_norm2")])
+        put_layer(plan, f"blocks.{i}.", f"encoder.layers.{i}.", CLIP_LAYER)
 
 
 def _convert_vision(hf: HFConfig, sd: dict[str, Tensor], *, head: str, out: int, device: Any, dtype: Any,

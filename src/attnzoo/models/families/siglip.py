@@ -60,9 +60,10 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families.clip as clip
 from attnzoo.blocks import FeedForward
 from attnzoo.models.config import ViTConfig
-from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
+from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.bert import ACTIVATIONS
 from attnzoo.models.parts import ViTParts
 from attnzoo.models.vit import VisionTransformer, resize_grid
@@ -210,12 +211,7 @@ def build_siglip(hf: HFConfig, *, pool_head: bool, num_classes: int = 0, embeddi
 
 def put_layers(plan: Plan, depth: int) -> None:
     """The encoder layers (``encoder.layers.{i}.``) into the blocks and ``post_layernorm`` into the final norm."""
-    for i in range(depth):
-        o, h = f"blocks.{i}.", f"encoder.layers.{i}."
-        qkv = tuple(f"{h}self_attn.{n}_proj" for n in "qkv")
-        load_qkv_into(plan, o + "attn", tuple(k + ".weight" for k in qkv), tuple(k + ".bias" for k in qkv), True)
-        plan.put_pairs(o, h, [("attn.out_proj", "self_attn.out_proj"), ("attn_norm", "layer_norm1"),
-                              ("ffn_norm", "layer_norm2"), ("ffn.up_proj", "mlp.fc1"), ("ffn.down_proj", "mlp.fc2")])
+    clip.put_layers(plan, depth)  # CLIP's layer names
     plan.put_pairs("", "", [("norm", "post_layernorm")])
 
 
