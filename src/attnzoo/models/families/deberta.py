@@ -22,7 +22,7 @@ relative distances put into log buckets (:func:`relative_positions`, m. 56-100).
 * **Heads**: the masked-LM head (``legacy=True``: ``cls.predictions``, m. 796-840; ``legacy=False``:
   ``lm_predictions.lm_head``, m. 843-877; both :class:`~attnzoo.models.encoder.MaskedLMHead`, the decoder
   tied to the word embeddings unless ``tie_word_embeddings=False``) and the sequence classifier
-  (:class:`ContextPoolerClassifier`: ``ContextPooler`` m. 965-990 then ``classifier``). Token
+  (:class:`~attnzoo.models.encoder.FirstTokenClassifier`: ``ContextPooler`` m. 965-990 then ``classifier``). Token
   classification, question answering, multiple choice and the pretraining heads (``mask_predictions``)
   are ignored with a warning.
 
@@ -65,14 +65,14 @@ from attnzoo._validate import check_int
 from attnzoo.blocks import ACTIVATIONS, BlockLayers, FeedForward, TransformerBlock
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.encoder import MaskedLMHead, TransformerEncoder, cls_pool
+from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.bert import ACTIVATIONS as HF_ACTIVATIONS
 from attnzoo.models.parts import EncoderParts
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.parts import AttentionParts, Scores
 
-__all__ = ["ACTS", "DEFAULTS", "DISPATCH", "OUTPUTS", "V1_SETTINGS", "ContextPoolerClassifier", "DebertaEmbedding",
+__all__ = ["ACTS", "DEFAULTS", "DISPATCH", "OUTPUTS", "V1_SETTINGS", "DebertaEmbedding",
            "DisentangledAttention", "FirstBlock", "Float32LayerNorm", "RelativePositionTable", "build_deberta",
            "convert_deberta", "log_buckets", "relative_positions"]
 
@@ -345,27 +345,6 @@ class FirstBlock(TransformerBlock):
         return "" if self.conv is None else f"conv_act={self.act_name!r}"
 
 
-class ContextPoolerClassifier(nn.Module):
-    """DeBERTa's sequence classifier (``ContextPooler`` + ``classifier``, m. 965-990, 1001-1004):
-    ``out(act(pooler(hidden[:, 0])))``; the attention mask is not read (the first token is real).
-
-    Weights: ``pooler [C, C]``, ``out [L, C]`` (biased). Shapes: ``(hidden [B, N, C], mask) -> [B, L]``.
-    """
-
-    def __init__(self, dim: int, num_labels: int, act: str) -> None:
-        super().__init__()
-        self.pooler = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, num_labels)
-        self.act_name = act
-        self.act = _act(act)
-
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        return self.out(self.act(self.pooler(cls_pool(hidden))))  # [B, L]
-
-    def extra_repr(self) -> str:
-        return f"act={self.act_name!r}"
-
-
 def _pos_att(hf: HFConfig) -> tuple[str, ...]:
     """``pos_att_type`` as a tuple (a list, or ``"p2c|c2p"`` in older files; c. 87-89)."""
     raw = hf.raw("pos_att_type", [])
@@ -453,7 +432,7 @@ def build_deberta(hf: HFConfig, *, v1: bool = False, mlm: bool = False, num_labe
     embedding = DebertaEmbedding(V, C, embedding_size=E, max_positions=P if hf.get("position_biased_input", True, bool)
                                  else 0, type_vocab_size=cfg.type_vocab_size,
                                  norm=(Float32LayerNorm if v1 else nn.LayerNorm)(C, eps=eps), rel=table)
-    classifier = ContextPoolerClassifier(C, num_labels, hf.activation("pooler_hidden_act", ACTS)) if num_labels \
+    classifier = FirstTokenClassifier(C, num_labels, activation=hf.activation("pooler_hidden_act", ACTS)) if num_labels \
         else None
     head = _mlm_head(cfg, E) if mlm else None
     model = TransformerEncoder(config=cfg, parts=EncoderParts(embedding=embedding, blocks=_blocks(hf, table, v1=v1),
@@ -533,7 +512,7 @@ def _heads(plan: Plan, hf: HFConfig, model: TransformerEncoder, ignore: list[str
             plan.put_pairs("mlm.", head, [("decoder", "decoder")])
             ignore.append(r"cls\.predictions\.bias")  # unused by an untied decoder (m. 815-830)
     if model.classifier is not None:
-        plan.put_pairs("classifier.", "", [("pooler", "pooler.dense"), ("out", "classifier")])
+        plan.put_pairs("classifier.", "", [("dense", "pooler.dense"), ("out_proj", "classifier")])
 
 
 def _settings(hf: HFConfig, v1: bool) -> HFConfig:
