@@ -171,7 +171,8 @@ def test_first_token_classifier_and_pool_refuse_bad_arguments() -> None:
 
 
 def test_family_parts_refuse_bad_arguments() -> None:
-    from attnzoo.models.families.bert_kin import FactorisedMLMHead, albert_blocks
+    from attnzoo.models.encoder import FactorisedMLMHead
+    from attnzoo.models.families.bert_kin import albert_blocks
     from attnzoo.models.families.deberta import log_buckets
     from attnzoo.models.families.roberta import RobertaEmbedding
 

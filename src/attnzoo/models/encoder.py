@@ -22,7 +22,7 @@ from attnzoo.models.config import EncoderConfig
 from attnzoo.models.parts import EncoderParts, given_blocks, resolve_parts
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 
-__all__ = ["POOLINGS", "FirstTokenClassifier", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
+__all__ = ["POOLINGS", "FactorisedMLMHead", "FirstTokenClassifier", "TransformerEncoder", "cls_pool", "max_pool", "mean_pool"]
 
 POOLINGS = ("mean", "cls", "max")
 
@@ -79,6 +79,31 @@ class MaskedLMHead(nn.Module):
         self.transform = nn.Linear(cfg.dim, cfg.dim, device=device, dtype=dtype)
         self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
         self.decoder = nn.Linear(cfg.dim, cfg.vocab_size, device=device, dtype=dtype)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.decoder(self.norm(self.act(self.transform(hidden))))  # [B, N, V]
+
+
+class FactorisedMLMHead(nn.Module):
+    """A masked-LM head through the embedding width ``E``: ``decoder(norm(act(transform(hidden))))``
+    (ELECTRA's generator head, ALBERT's ``AlbertMLMHead``, DeBERTa's legacy head; with ``E = C``
+    DistilBERT's ``vocab_*`` layers, RoBERTa's / MPNet's / GTE's ``lm_head``). The decoder weight ``[V, E]`` is the token embedding's when the builder ties it.
+
+    Weights: ``transform [E, C]`` + bias, ``norm`` (LayerNorm over ``E``), ``decoder [V, E]`` + bias.
+    Shapes: ``[B, N, C] -> [B, N, V]``.
+    """
+
+    def __init__(self, dim: int, width: int, vocab_size: int, *, activation: str, eps: float,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        check_choice(activation, "activation", "FactorisedMLMHead", choices=ACTIVATIONS)
+        if ACTIVATIONS[activation][1]:
+            raise ValueError(f"FactorisedMLMHead: activation must not be gated, got {activation!r}")
+        self.act = ACTIVATIONS[activation][0]
+        self.transform = nn.Linear(dim, width, **kw)
+        self.norm = nn.LayerNorm(width, eps=eps, **kw)
+        self.decoder = nn.Linear(width, vocab_size, **kw)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.decoder(self.norm(self.act(self.transform(hidden))))  # [B, N, V]

@@ -42,16 +42,15 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 import attnzoo.models.hf.bert as bert
-from attnzoo._validate import check_choice, check_int
-from attnzoo.blocks import ACTIVATIONS, TransformerBlock
+from attnzoo._validate import check_int
+from attnzoo.blocks import TransformerBlock
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
+from attnzoo.models.encoder import FactorisedMLMHead, FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.parts import EncoderParts, PackedFromZero
 from attnzoo.nn.positional import LearnedPositionalEmbedding
 
-__all__ = ["ALBERT_LAYER", "DEFAULTS", "DISPATCH", "DISTILBERT_LAYER", "FactorisedEmbedding", "FactorisedMLMHead",
-           "albert_blocks", "apply_encoder_plan", "convert_albert", "convert_distilbert", "convert_electra"]
+__all__ = ["ALBERT_LAYER", "DEFAULTS", "DISPATCH", "DISTILBERT_LAYER", "FactorisedEmbedding", "albert_blocks", "apply_encoder_plan", "convert_albert", "convert_distilbert", "convert_electra"]
 
 #: transformers' config defaults (``configuration_<name>.py``) for a ``config.json`` that leaves them out
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -116,31 +115,6 @@ class FactorisedEmbedding(PackedFromZero, nn.Module):
             x = x + (self.types.weight[0] if token_type_ids is None else self.types(token_type_ids))
         x = self.norm(self.pos(x, positions))
         return x if self.project is None else self.project(x)  # [B, N, C]
-
-
-class FactorisedMLMHead(nn.Module):
-    """A masked-LM head through the embedding width ``E``: ``decoder(norm(act(transform(hidden))))``
-    (ELECTRA's generator head, ALBERT's ``AlbertMLMHead``, DistilBERT's ``vocab_*`` layers with
-    ``E = C``). The decoder weight ``[V, E]`` is the token embedding's when the builder ties it.
-
-    Weights: ``transform [E, C]`` + bias, ``norm`` (LayerNorm over ``E``), ``decoder [V, E]`` + bias.
-    Shapes: ``[B, N, C] -> [B, N, V]``.
-    """
-
-    def __init__(self, dim: int, width: int, vocab_size: int, *, activation: str, eps: float,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        check_choice(activation, "activation", "FactorisedMLMHead", choices=ACTIVATIONS)
-        if ACTIVATIONS[activation][1]:
-            raise ValueError(f"FactorisedMLMHead: activation must not be gated, got {activation!r}")
-        self.act = ACTIVATIONS[activation][0]
-        self.transform = nn.Linear(dim, width, **kw)
-        self.norm = nn.LayerNorm(width, eps=eps, **kw)
-        self.decoder = nn.Linear(width, vocab_size, **kw)
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.decoder(self.norm(self.act(self.transform(hidden))))  # [B, N, V]
 
 
 def albert_blocks(cfg: EncoderConfig, groups: int, inner: int, depth: int, *, device: Any,

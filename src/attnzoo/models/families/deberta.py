@@ -20,7 +20,7 @@ relative distances put into log buckets (:func:`relative_positions`, m. 56-100).
   ``conv_kernel_size > 0`` the ``ConvLayer``, m. 443-476: a 1-D convolution of the embeddings added to the
   first layer's output).
 * **Heads**: the masked-LM head (``legacy=True``: ``cls.predictions``, m. 796-840; ``legacy=False``:
-  ``lm_predictions.lm_head``, m. 843-877; both :class:`~attnzoo.models.encoder.MaskedLMHead`, the decoder
+  ``lm_predictions.lm_head``, m. 843-877; both :class:`~attnzoo.models.encoder.FactorisedMLMHead`, the decoder
   tied to the word embeddings unless ``tie_word_embeddings=False``) and the sequence classifier
   (:class:`~attnzoo.models.encoder.FirstTokenClassifier`: ``ContextPooler`` m. 965-990 then ``classifier``). Token
   classification, question answering, multiple choice and the pretraining heads (``mask_predictions``)
@@ -65,7 +65,7 @@ from attnzoo._validate import check_int
 from attnzoo.blocks import ACTIVATIONS, BlockLayers, FeedForward, TransformerBlock
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
+from attnzoo.models.encoder import FactorisedMLMHead, FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.bert import ACTIVATIONS as HF_ACTIVATIONS
 from attnzoo.models.parts import EncoderParts
@@ -388,14 +388,10 @@ def _tied(hf: HFConfig) -> bool:
     return not hf.get("legacy", True, bool) or hf.get("tie_word_embeddings", True, bool)
 
 
-def _mlm_head(cfg: EncoderConfig, E: int) -> MaskedLMHead:
+def _mlm_head(cfg: EncoderConfig, E: int) -> FactorisedMLMHead:
     """BERT's masked-LM head (``transform``, ``norm``, ``decoder`` + bias) from ``C`` to the embedding
     width ``E`` (legacy head, m. 796-830)."""
-    head = MaskedLMHead(cfg)
-    if cfg.dim != E:
-        head.transform, head.norm = nn.Linear(cfg.dim, E), nn.LayerNorm(E, eps=cfg.norm_eps)
-        head.decoder = nn.Linear(E, cfg.vocab_size)
-    return head
+    return FactorisedMLMHead(cfg.dim, E, cfg.vocab_size, activation=cfg.ffn, eps=cfg.norm_eps)
 
 
 def _blocks(hf: HFConfig, table: RelativePositionTable | None, *, v1: bool) -> list[nn.Module]:

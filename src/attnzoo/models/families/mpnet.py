@@ -49,7 +49,7 @@ from attnzoo._validate import check_int
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
-from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
+from attnzoo.models.encoder import FactorisedMLMHead, FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.families._common import Dispatch
 from attnzoo.models.families.t5_encoder import RelativeBiasAttention, RelativePositionBias
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
@@ -176,7 +176,7 @@ def build_mpnet(hf: HFConfig, *, pooler: bool, num_labels: int = 0, mlm: bool = 
         feed_forward=functools.partial(FeedForward, C, cfg.ffn_hidden, cfg.ffn, bias=True, **kw),
         norm=functools.partial(nn.LayerNorm, C, eps=eps, **kw), norm_first=False)
     embedding = MPNetEmbedding(cfg.vocab_size, C, cfg.max_seq_len, eps=eps, **kw)
-    head = MaskedLMHead(cfg.replace(ffn="gelu"), **kw) if mlm else None
+    head = FactorisedMLMHead(cfg.dim, cfg.dim, cfg.vocab_size, activation="gelu", eps=cfg.norm_eps, **kw) if mlm else None
     if head is not None and tied:
         head.decoder.weight = embedding.tok_emb.weight
     parts = EncoderParts(embedding=embedding, blocks=[TransformerBlock(C, layers=layers) for _ in range(cfg.depth)],

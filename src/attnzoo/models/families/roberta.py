@@ -50,7 +50,7 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 from attnzoo._validate import check_int
 from attnzoo.blocks import make_norm
-from attnzoo.models.encoder import FirstTokenClassifier, MaskedLMHead, TransformerEncoder
+from attnzoo.models.encoder import FactorisedMLMHead, FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.families.bert_kin import apply_encoder_plan
 from attnzoo.models.families.mpnet import padding_offset_positions, plan_heads
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
@@ -163,7 +163,7 @@ def build_roberta(hf: HFConfig, v: Variant, *, pooler: bool = False, num_labels:
     embedding = RobertaEmbedding(cfg.vocab_size, cfg.dim, cfg.max_seq_len, cfg.type_vocab_size,
                                  padding_idx=hf.get("pad_token_id", 1), norm_eps=cfg.norm_eps if v.embed_norm else None,
                                  **kw)
-    head = MaskedLMHead(cfg.replace(ffn="gelu"), **kw) if mlm else None
+    head = FactorisedMLMHead(cfg.dim, cfg.dim, cfg.vocab_size, activation="gelu", eps=cfg.norm_eps, **kw) if mlm else None
     if head is not None and tied:
         head.decoder.weight = embedding.tok_emb.weight
     classifier = FirstTokenClassifier(cfg.dim, num_labels, **kw) if num_labels else None

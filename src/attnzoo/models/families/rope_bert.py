@@ -61,8 +61,8 @@ import attnzoo.models.families._common as parts
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import (
+    FactorisedMLMHead,
     FirstTokenClassifier,
-    MaskedLMHead,
     TransformerEncoder,
     cls_pool,
     mean_pool,
@@ -303,9 +303,7 @@ def _mlm(hf: HFConfig, family: Family, embedding: TypedEmbedding, kw: dict[str, 
         act = family.mlm_act or hf.get("hidden_act", "gelu", str)
         if act not in ACTIVATIONS:
             raise hf.unsupported(f"hidden_act={act!r} in the MLM head (supported: {sorted(ACTIVATIONS)})")
-        head_cfg = EncoderConfig(V, C, 1, 1, norm="layer", norm_eps=hf.req("layer_norm_eps", float),
-                                 ffn=ACTIVATIONS[act])
-        head = MaskedLMHead(head_cfg, **kw)
+        head = FactorisedMLMHead(C, C, V, activation=ACTIVATIONS[act], eps=hf.req("layer_norm_eps", float), **kw)
         decoder = head.decoder
     if hf.get("tie_word_embeddings", False, bool):
         decoder.weight = embedding.tok.weight
