@@ -174,7 +174,7 @@ def test_family_parts_refuse_bad_arguments() -> None:
     from attnzoo.models.encoder import FactorisedMLMHead
     from attnzoo.models.families.bert_kin import albert_blocks
     from attnzoo.models.families.deberta import log_buckets
-    from attnzoo.models.families.roberta import RobertaEmbedding
+    from attnzoo.models.families.mpnet import PaddingOffsetEmbedding
 
     with pytest.raises(ValueError, match="FactorisedMLMHead: activation"):
         FactorisedMLMHead(8, 8, 10, activation="nope", eps=1e-5)
@@ -190,4 +190,4 @@ def test_family_parts_refuse_bad_arguments() -> None:
     with pytest.raises(ValueError, match="max_positions"):
         log_buckets(torch.arange(4), 8, 5)
     with pytest.raises(ValueError, match="padding_idx"):
-        RobertaEmbedding(10, 8, 12, 1, padding_idx=-1, norm_eps=1e-5)
+        PaddingOffsetEmbedding(10, 8, 12, 1, padding_idx=-1, norm_eps=1e-5)

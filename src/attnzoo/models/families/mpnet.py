@@ -11,7 +11,7 @@ MPNet is BERT's post-norm layer (attention, ``x + attn`` LayerNorm, ungated MLP 
   whatever the config's** ``pad_token_id`` (60), a token equal to it gets position 1 and the others
   ``1 + (number of non-pad tokens up to and including it)``, so a left-padded row's first real
   token sits at 2 as a right-padded one's (the attention mask is not read);
-  :class:`MPNetEmbedding` (tokens + positions, LayerNorm; no token types);
+  :class:`PaddingOffsetEmbedding` (tokens + positions, LayerNorm; no token types);
 * one relative position bias table ``encoder.relative_attention_bias [num_buckets, H]`` shared by
   every layer (269, 280, 311-346) and added to the scaled scores before the padding mask (152-157).
   Its buckets are T5's bidirectional log buckets over ``key - query`` with ``max_distance`` 128,
@@ -59,7 +59,7 @@ from attnzoo.nn.attention import build_softmax
 from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
 from attnzoo.nn.frontier import packed_positions
 
-__all__ = ["DISPATCH", "MPNET_BUCKETS", "MPNET_LAYER", "MPNET_MAX_DISTANCE", "MPNET_PADDING_IDX", "MPNetEmbedding", "SlotBiasAttention",
+__all__ = ["DISPATCH", "MPNET_BUCKETS", "MPNET_LAYER", "MPNET_MAX_DISTANCE", "MPNET_PADDING_IDX", "PaddingOffsetEmbedding", "SlotBiasAttention",
            "build_mpnet", "convert_mpnet", "padding_offset_positions", "plan_heads"]
 
 #: the buckets MPNet's bias always uses (``compute_position_bias``'s default, ``modeling_mpnet.py`` 311)
@@ -111,38 +111,56 @@ def padding_offset_positions(tokens: Tensor, padding_idx: int = MPNET_PADDING_ID
     return count * real + padding_idx
 
 
-class MPNetEmbedding(nn.Module):
-    """MPNet's input embedding (``modeling_mpnet.py`` 57-94): ``LayerNorm(tok_emb(tokens) +
-    pos_emb(positions))``, the positions :func:`padding_offset_positions` of the tokens unless
-    given (table indices, as transformers' ``position_ids``). No token types.
+class PaddingOffsetEmbedding(nn.Module):
+    """The input embedding of RoBERTa (``modeling_roberta.py`` 57-120) and MPNet (``modeling_mpnet.py``
+    57-94): ``norm(tok_emb[t] + type_emb[s] + pos_emb[p])`` with the positions ``p`` counted from the
+    token ids (:func:`padding_offset_positions`) unless given (table indices, as transformers'
+    ``position_ids``), token types 0 unless given (none when ``type_vocab_size == 0``: MPNet), ``norm``
+    a LayerNorm (``norm_eps``) or none (``None``: XLM-R-XL).
 
-    Weights: ``tok_emb [V, C]``, ``pos_emb [P, C]``, ``norm``. Shapes: ``tokens [B, N]`` ->
-    ``[B, N, C]``.
+    Weights: ``tok_emb [V, C]``, ``pos_emb [P, C]``, ``type_emb [T, C]`` (``T > 0``), ``norm``.
+    Shapes: ``tokens [B, N]``, ``token_type_ids [B, N] | None``, ``positions [B, N] | None`` -> ``[B, N, C]``.
     """
 
-    def __init__(self, vocab_size: int, dim: int, max_positions: int, *, eps: float,
-                 padding_idx: int = MPNET_PADDING_IDX, device: torch.device | str | None = None,
+    def __init__(self, vocab_size: int, dim: int, max_positions: int, type_vocab_size: int, *, padding_idx: int,
+                 norm_eps: float | None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.padding_idx = check_int(padding_idx, "padding_idx", "MPNetEmbedding", minimum=0)
+        owner = "PaddingOffsetEmbedding"
+        self.padding_idx = check_int(padding_idx, "padding_idx", owner, minimum=0)
         self.tok_emb = nn.Embedding(vocab_size, dim, **kw)
         self.pos_emb = nn.Embedding(max_positions, dim, **kw)
-        self.norm = nn.LayerNorm(dim, eps=eps, **kw)
+        types = check_int(type_vocab_size, "type_vocab_size", owner, minimum=0)
+        self.type_emb = nn.Embedding(types, dim, **kw) if types else None
+        self.norm: nn.Module = nn.Identity() if norm_eps is None else nn.LayerNorm(dim, eps=norm_eps, **kw)
 
     def forward(self, tokens: Tensor, token_type_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
-        if token_type_ids is not None:
-            raise ValueError("MPNetEmbedding: MPNet has no token types; token_type_ids must be None")
-        longest = self.pos_emb.num_embeddings - self.padding_idx - 1
-        if positions is None and tokens.shape[-1] > longest:
-            raise ValueError(f"MPNetEmbedding: {tokens.shape[-1]} tokens is longer than the model's {longest} "
-                             f"positions (max_position_embeddings - padding_idx - 1)")
-        pos = padding_offset_positions(tokens, self.padding_idx) if positions is None else positions
-        return self.norm(self.tok_emb(tokens) + self.pos_emb(pos))  # [B, N, C]
+        owner, table = "PaddingOffsetEmbedding", self.pos_emb.num_embeddings
+        longest = table - self.padding_idx - 1
+        if positions is None:
+            if tokens.shape[-1] > longest:  # counted from the ids: at most padding_idx + N (no host sync)
+                raise ValueError(f"{owner}: {tokens.shape[-1]} tokens is longer than the model's {longest} "
+                                 f"positions (max_position_embeddings - padding_idx - 1)")
+            positions = padding_offset_positions(tokens, self.padding_idx)  # [B, N]
+        elif positions.numel():
+            lo, hi = (int(t) for t in positions.aminmax())
+            if hi >= table or lo < 0:
+                raise ValueError(f"{owner}: positions must lie in [0, {table}) (max_position_embeddings), got "
+                                 f"{lo}..{hi}")
+        x = self.tok_emb(tokens)  # [B, N, C]
+        if self.type_emb is not None:
+            x = x + (self.type_emb.weight[0] if token_type_ids is None else self.type_emb(token_type_ids))
+        elif token_type_ids is not None:
+            raise ValueError(f"{owner}: this embedding has no token types; token_type_ids must be None")
+        return self.norm(x + self.pos_emb(positions))
 
     def packed(self, tokens: Tensor, token_type_ids: Tensor | None, cu_seqlens: Tensor) -> Tensor:
         """Packed sequences ``tokens [1, T]`` (``cu_seqlens [S+1]``), each counted as its own row."""
         return self(tokens, token_type_ids, padding_offset_positions(tokens, self.padding_idx, cu_seqlens))
+
+    def extra_repr(self) -> str:
+        return f"padding_idx={self.padding_idx}"
 
 
 # --------------------------------------------------------------------------- the model
@@ -162,7 +180,7 @@ def _mpnet_config(hf: HFConfig, pooler: bool) -> EncoderConfig:
 
 def build_mpnet(hf: HFConfig, *, pooler: bool, num_labels: int = 0, mlm: bool = False, tied: bool = True,
                 device: Any = None, dtype: Any = None) -> TransformerEncoder:
-    """The encoder of an MPNet config: :class:`MPNetEmbedding`, post-norm blocks of
+    """The encoder of an MPNet config: :class:`PaddingOffsetEmbedding`, post-norm blocks of
     :class:`SlotBiasAttention` sharing one T5 ``RelativePositionBias`` (32 buckets, max distance
     128), the pooler (``pooler``), a :class:`FirstTokenClassifier` of ``num_labels``
     (0: none) and the exact-GELU masked-LM head (``mlm``; its decoder tied to the word embeddings
@@ -175,7 +193,8 @@ def build_mpnet(hf: HFConfig, *, pooler: bool, num_labels: int = 0, mlm: bool = 
         attention=functools.partial(build_softmax, SlotBiasAttention, C, H, relative_bias=rel, bias=True, **kw),
         feed_forward=functools.partial(FeedForward, C, cfg.ffn_hidden, cfg.ffn, bias=True, **kw),
         norm=functools.partial(nn.LayerNorm, C, eps=eps, **kw), norm_first=False)
-    embedding = MPNetEmbedding(cfg.vocab_size, C, cfg.max_seq_len, eps=eps, **kw)
+    embedding = PaddingOffsetEmbedding(cfg.vocab_size, C, cfg.max_seq_len, 0, padding_idx=MPNET_PADDING_IDX,
+                                       norm_eps=eps, **kw)
     head = FactorisedMLMHead(cfg.dim, cfg.dim, cfg.vocab_size, activation="gelu", eps=cfg.norm_eps, **kw) if mlm else None
     if head is not None and tied:
         head.decoder.weight = embedding.tok_emb.weight

@@ -14,7 +14,7 @@ with three differences, each an :class:`~attnzoo.models.EncoderParts` part:
   ``pad_token_id`` (``padding_idx``) gets position ``padding_idx``, every other token
   ``padding_idx + `` the number of non-pad tokens up to and with it (MPNet's
   :func:`~attnzoo.models.families.mpnet.padding_offset_positions`). A masked-out token whose id is not the pad id is counted, a real token equal to the pad id is
-  not: the mask only hides keys (:class:`RobertaEmbedding`);
+  not: the mask only hides keys (:class:`~attnzoo.models.families.mpnet.PaddingOffsetEmbedding`);
 * the sequence classifier reads the first position whatever the mask (a left-padded row reads a
   pad), ``out_proj(tanh(dense(h[:, 0])))``, no pooler (1149-1168; MPNet's
   :class:`~attnzoo.models.encoder.FirstTokenClassifier`, MPNet's head being RoBERTa's);
@@ -44,20 +44,17 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import attnzoo.models.families._common as parts
-from attnzoo._validate import check_int
-from attnzoo.blocks import make_norm
 from attnzoo.models.encoder import FactorisedMLMHead, FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.families.bert_kin import apply_encoder_plan
-from attnzoo.models.families.mpnet import padding_offset_positions, plan_heads
+from attnzoo.models.families.mpnet import PaddingOffsetEmbedding, plan_heads
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.bert import BERT_LAYER, _layer, bert_config, put_layer
 from attnzoo.models.parts import EncoderParts
 
-__all__ = ["DEFAULTS", "DISPATCH", "VARIANTS", "RobertaEmbedding", "Variant", "build_roberta", "convert_roberta"]
+__all__ = ["DEFAULTS", "DISPATCH", "VARIANTS", "Variant", "build_roberta", "convert_roberta"]
 
 #: the config classes' defaults of the keys read here (``configuration_*.py``) that a ``config.json`` may leave out
 DEFAULTS: dict[str, Any] = {
@@ -101,49 +98,6 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
-class RobertaEmbedding(nn.Module):
-    """RoBERTa's input embedding (57-120): ``norm(tok_emb[t] + type_emb[s] + pos_emb[p])`` with the
-    positions ``p`` counted from the token ids (``padding_offset_positions``) unless given, token
-    types 0 unless given, ``norm`` a LayerNorm (``norm_eps``) or none (XLM-R-XL: ``None``).
-
-    Weights: ``tok_emb [V, C]``, ``pos_emb [P, C]``, ``type_emb [T, C]``, ``norm``.
-    Shapes: ``tokens [B, N]``, ``token_type_ids [B, N] | None``, ``positions [N] | [B, N] | None``
-    -> ``[B, N, C]``.
-    """
-
-    def __init__(self, vocab_size: int, dim: int, max_positions: int, type_vocab_size: int, *, padding_idx: int,
-                 norm_eps: float | None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.padding_idx = check_int(padding_idx, "padding_idx", "RobertaEmbedding", minimum=0)
-        self.tok_emb = nn.Embedding(vocab_size, dim, **kw)
-        self.pos_emb = nn.Embedding(max_positions, dim, **kw)
-        self.type_emb = nn.Embedding(type_vocab_size, dim, **kw)
-        self.norm: nn.Module = nn.Identity() if norm_eps is None else make_norm("layer", dim, norm_eps, **kw)
-
-    def forward(self, tokens: Tensor, token_type_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
-        if positions is None:
-            positions = padding_offset_positions(tokens, self.padding_idx)  # [B, N]
-        table = self.pos_emb.num_embeddings
-        lo, hi = (int(t) for t in positions.aminmax()) if positions.numel() else (0, 0)  # one host sync
-        if hi >= table or lo < 0:
-            raise ValueError(f"RobertaEmbedding: positions must lie in [0, {table}) (max_position_embeddings), got "
-                             f"{lo}..{hi}; counted from the ids they start at "
-                             f"padding_idx + 1 = {self.padding_idx + 1}, so at most {table - self.padding_idx - 1} "
-                             f"non-pad tokens fit")
-        x = self.tok_emb(tokens)  # [B, N, C]
-        x = x + (self.type_emb.weight[0] if token_type_ids is None else self.type_emb(token_type_ids))
-        return self.norm(x + self.pos_emb(positions))
-
-    def packed(self, tokens: Tensor, token_type_ids: Tensor | None, cu_seqlens: Tensor) -> Tensor:
-        """Packed sequences ``tokens [1, T]`` (``cu_seqlens [S+1]``), each counted as its own row."""
-        return self(tokens, token_type_ids, padding_offset_positions(tokens, self.padding_idx, cu_seqlens))
-
-    def extra_repr(self) -> str:
-        return f"padding_idx={self.padding_idx}"
-
-
 def _read(hf: HFConfig, v: Variant) -> HFConfig:
     """``hf`` with the variant's defaults, ``pad_token_id: null`` refused."""
     if "pad_token_id" in hf.data and hf.data["pad_token_id"] is None:
@@ -154,15 +108,15 @@ def _read(hf: HFConfig, v: Variant) -> HFConfig:
 def build_roberta(hf: HFConfig, v: Variant, *, pooler: bool = False, num_labels: int = 0, mlm: bool = False,
                   tied: bool = True, device: Any = None, dtype: Any = None) -> TransformerEncoder:
     """The encoder of a config read with the variant's defaults: BERT's blocks (post-norm, or
-    pre-norm with a final norm), a :class:`RobertaEmbedding`, BERT's pooler if ``pooler``, a
+    pre-norm with a final norm), a :class:`~attnzoo.models.families.mpnet.PaddingOffsetEmbedding`, BERT's pooler if ``pooler``, a
     ``FirstTokenClassifier`` of ``num_labels`` and the masked-LM head (exact GELU; decoder
     ``tied`` to the token embedding or its own) as asked."""
     pre = v.pre_norms is not None
     cfg = bert_config(hf, pooler=pooler).replace(pos="none", embed_norm=False, norm_first=pre, final_norm=pre)
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
-    embedding = RobertaEmbedding(cfg.vocab_size, cfg.dim, cfg.max_seq_len, cfg.type_vocab_size,
-                                 padding_idx=hf.get("pad_token_id", 1), norm_eps=cfg.norm_eps if v.embed_norm else None,
-                                 **kw)
+    embedding = PaddingOffsetEmbedding(cfg.vocab_size, cfg.dim, cfg.max_seq_len, cfg.type_vocab_size,
+                                       padding_idx=hf.get("pad_token_id", 1),
+                                       norm_eps=cfg.norm_eps if v.embed_norm else None, **kw)
     head = FactorisedMLMHead(cfg.dim, cfg.dim, cfg.vocab_size, activation="gelu", eps=cfg.norm_eps, **kw) if mlm else None
     if head is not None and tied:
         head.decoder.weight = embedding.tok_emb.weight
