@@ -95,6 +95,7 @@ _EXPORTS: dict[str, str] = {
     "TransformerBlock": "attnzoo.blocks",
     "TransformerEncoder": "attnzoo.models",
     "DecoderLM": "attnzoo.models",
+    "EncoderDecoder": "attnzoo.models",
     "Transformer": "attnzoo.models",
     "VisionTransformer": "attnzoo.models",
 }

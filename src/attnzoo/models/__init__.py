@@ -21,7 +21,7 @@ from attnzoo.models.encoder import TransformerEncoder, cls_pool, max_pool, mean_
 from attnzoo.models.legacy import decoder_from_dict
 from attnzoo.models.loop import LayerLoopLM
 from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding, ViTParts
-from attnzoo.models.seq2seq import Transformer
+from attnzoo.models.seq2seq import EncoderDecoder, Transformer
 from attnzoo.models.vit import VisionTransformer
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "DecoderLM",
     "DecoderParts",
     "EncoderConfig",
+    "EncoderDecoder",
     "EncoderParts",
     "LMHead",
     "LayerCaches",

@@ -164,6 +164,14 @@ def _first_rotary(blocks: Sequence[nn.Module]) -> nn.Module | None:
     return next((m for b in blocks for m in b.modules() if isinstance(m, RotaryEmbedding)), None)
 
 
+def _given_positions(positions: nn.Module, pos: str) -> nn.Module:
+    """A ``DecoderParts.positions`` module, which stands for an absolute position kind."""
+    if pos not in ("learned", "sinusoidal"):
+        raise ValueError(f"DecoderLM: parts.positions adds absolute positions, so the config's pos must be "
+                         f"'learned' or 'sinusoidal', got pos={pos!r}")
+    return positions
+
+
 def _tie(head: nn.Module, embedding: nn.Module, cfg: DecoderConfig) -> bool:
     """Tie an :class:`LMHead` to the embedding's ``weight [V, C]`` when ``tie_embeddings``."""
     if not (cfg.tie_embeddings and isinstance(head, LMHead)):
@@ -279,10 +287,11 @@ class DecoderLM(FromConfig, nn.Module):
         ropes = {} if given is not None else shared_rotaries(cfg)
         self.rope = ropes.get(self.head_dim, next(iter(ropes.values()), None)) if given is None \
             else _first_rotary(given)
-        built = {"pos_emb"} | {name for name, part in (("tok_emb", parts.embedding), ("blocks", given),
-                                                        ("norm", parts.norm), ("lm_head", parts.head)) if part is None}
+        built = {name for name, part in (("tok_emb", parts.embedding), ("blocks", given), ("norm", parts.norm),
+                                         ("lm_head", parts.head), ("pos_emb", parts.positions)) if part is None}
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw) if parts.embedding is None else parts.embedding
-        self.pos_emb = position_table(self.pos, cfg.dim, cfg.max_seq_len, **kw)
+        self.pos_emb = position_table(self.pos, cfg.dim, cfg.max_seq_len, **kw) if parts.positions is None \
+            else _given_positions(parts.positions, self.pos)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(given if given is not None else [
             TransformerBlock(config=self.block_config(cfg, ropes, i), **kw) for i in range(cfg.depth)])

@@ -121,15 +121,21 @@ class DecoderParts:
             classification head (``nn.Linear(C, k, bias=False)``: per-token scores, read at the
             last token for sequence classification), or ``nn.Identity()`` to return the final
             hidden states ``[B, N, C]``.
+        positions: ``positions(x [B, N, C], positions [N] | [B, N]) -> [B, N, C]``, the absolute
+            positions added after the token embedding in place of the config's table (the config's
+            ``pos`` must then be ``"learned"`` or ``"sinusoidal"``, the kind it stands for): e.g.
+            BART's learned table followed by its embedding LayerNorm. The model passes the
+            positions it computes (the cache's offset, the attention mask's count).
     """
 
     blocks: Blocks | None = None
     embedding: nn.Module | None = None
     norm: nn.Module | None = None
     head: nn.Module | None = None
+    positions: nn.Module | None = None
 
     def __post_init__(self) -> None:
-        _check_parts(self, "DecoderParts", ("embedding", "norm", "head"))
+        _check_parts(self, "DecoderParts", ("embedding", "norm", "head", "positions"))
 
 
 def _check_parts(parts: DecoderParts | EncoderParts | ViTParts, owner: str, modules: tuple[str, ...]) -> None:

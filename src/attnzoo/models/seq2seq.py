@@ -1,4 +1,7 @@
-"""``Transformer``: the encoder-decoder of "Attention Is All You Need" (Vaswani et al. 2017)."""
+"""Encoder-decoder models: :class:`EncoderDecoder`, assembled from an encoder and a decoder with
+cross-attention (what the Hugging Face seq2seq families convert to: T5, BART, Marian, Whisper, ...),
+and :class:`Transformer`, the encoder-decoder of "Attention Is All You Need" (Vaswani et al. 2017)
+built from a :class:`~attnzoo.models.Seq2SeqConfig`."""
 
 from __future__ import annotations
 
@@ -21,12 +24,137 @@ from attnzoo.models.decoder import DecoderLM, check_sampling
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
-__all__ = ["Transformer"]
+__all__ = ["EncoderDecoder", "Transformer"]
 
 
-class Transformer(FromConfig, nn.Module):
-    """Encoder-decoder transformer: a :class:`TransformerEncoder` reads the source, a
-    :class:`DecoderLM` with cross-attention writes the target.
+class EncoderDecoder(nn.Module):
+    """An encoder-decoder model composed of its two stacks: ``encoder`` reads the source once,
+    ``decoder`` (a :class:`~attnzoo.DecoderLM` whose blocks have cross-attention) writes the target
+    attending to the encoder's output. A family builder passes the stacks it built from parts
+    (T5's relative-bias blocks, BART's offset positions, Whisper's convolutional audio stem)::
+
+        model = EncoderDecoder(TransformerEncoder(config=enc_cfg, parts=enc_parts),
+                               DecoderLM(config=dec_cfg, parts=DecoderParts(blocks=cross_blocks)),
+                               decoder_start_token_id=0, eos_token_id=1)
+
+    Args:
+        encoder: ``encoder(src, attention_mask=src_mask [B, M] | None) -> memory [B, M', C]``: a
+            :class:`~attnzoo.TransformerEncoder` over token ids, or any module of that call (an
+            audio encoder over features ``[B, F, T]``, whose mask is ``None``).
+        decoder: a :class:`~attnzoo.DecoderLM` with cross-attention (its blocks read ``context``).
+        decoder_start_token_id: the token :meth:`generate` starts the target with when no
+            ``bos_token_id`` / ``decoder_prompt`` is given (T5: the pad id; BART: ``</s>``).
+        eos_token_id: the end token :meth:`generate` stops at when it is given none.
+
+    Shapes: ``src [B, M]`` (token ids; or what the encoder takes), ``tgt [B, N]`` -> ``logits [B, N, V]``
+    (the decoder's head: hidden states ``[B, N, C]`` for a model without one).
+    """
+
+    def __init__(self, encoder: nn.Module, decoder: DecoderLM, *, decoder_start_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if not isinstance(encoder, nn.Module):
+            raise TypeError(f"{owner}: encoder must be an nn.Module, got {type(encoder).__name__}")
+        if not isinstance(decoder, DecoderLM) or not decoder.cross_attention:
+            raise TypeError(f"{owner}: decoder must be a DecoderLM whose blocks have cross-attention, got "
+                            f"{type(decoder).__name__}")
+        for name, value in (("decoder_start_token_id", decoder_start_token_id), ("eos_token_id", eos_token_id)):
+            if value is not None and check_int(value, name, owner, minimum=0) >= decoder.vocab_size:
+                raise ValueError(f"{owner}: {name} must be < the decoder's vocab_size={decoder.vocab_size}, "
+                                 f"got {value}")
+        self.encoder = encoder
+        self.decoder = decoder
+        self.decoder_start_token_id = decoder_start_token_id
+        self.eos_token_id = eos_token_id
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """``src [B, M]`` (``src_mask [B, M]`` bool, True = real) -> ``memory [B, M, C]``."""
+        return self.encoder(src, attention_mask=src_mask)
+
+    def decode(self, tgt: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
+               tgt_mask: Tensor | None = None, cache: LayerCaches | None = None) -> Tensor:
+        """``tgt [B, N]`` attending causally to itself and fully to ``memory [B, M, C]`` ->
+        ``logits [B, N, V]``. ``tgt_mask [B, N]`` (or ``[B, cache.length + N]``) hides padded
+        target keys; ``cache`` from :meth:`init_cache` for incremental decoding."""
+        return self.decoder(tgt, cache=cache, attention_mask=tgt_mask, context=memory, context_mask=memory_mask)
+
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> LayerCaches:
+        """The decoder's caches (self-attention keys/values, and the memory's projected
+        keys/values, computed on the first call)."""
+        return self.decoder.init_cache(batch_size, max_len, device=device, dtype=dtype)
+
+    def forward(self, src: Tensor, tgt: Tensor, *, src_mask: Tensor | None = None,
+                tgt_mask: Tensor | None = None) -> Tensor:
+        """Teacher-forced forward: ``src [B, M]``, ``tgt [B, N]`` (masks ``[B, M]``/``[B, N]`` bool,
+        True = real token) -> ``logits [B, N, V]``."""
+        memory = self.encode(src, src_mask)
+        return self.decode(tgt, memory, memory_mask=src_mask, tgt_mask=tgt_mask)
+
+    def _check_source(self, src: object, owner: str) -> Tensor:
+        """``src``: token ids of a :class:`~attnzoo.TransformerEncoder`, else a tensor of ``B >= 1`` rows."""
+        if isinstance(self.encoder, TransformerEncoder):
+            check_tokens(src, self.encoder.vocab_size, owner, "src")
+        elif not isinstance(src, Tensor) or src.dim() < 2:
+            got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+            raise ValueError(f"{owner}: src must be a tensor [B, ...] of what the encoder reads, got {got}")
+        assert isinstance(src, Tensor)
+        if src.shape[0] == 0:
+            raise ValueError(f"{owner}: src must hold at least one row [B, ...] with B >= 1, got {tuple(src.shape)}")
+        return src
+
+    def _start(self, batch: int, bos_token_id: object, decoder_prompt: object, device: torch.device,
+               owner: str) -> Tensor:
+        """The target's first tokens ``[B, P]``: ``decoder_prompt``, else one ``bos_token_id`` (default
+        :attr:`decoder_start_token_id`) per row."""
+        if decoder_prompt is not None:
+            if bos_token_id is not None:
+                raise ValueError(f"{owner}: give bos_token_id or decoder_prompt, not both")
+            prompt = check_tokens(decoder_prompt, self.decoder.vocab_size, owner, "decoder_prompt")
+            if prompt.shape[0] != batch:
+                raise ValueError(f"{owner}: decoder_prompt must be [B, P] with B = {batch} rows (as src), got "
+                                 f"{tuple(prompt.shape)}")
+            return prompt.to(device)
+        start = self.decoder_start_token_id if bos_token_id is None else bos_token_id
+        if start is None:
+            raise ValueError(f"{owner}: bos_token_id is required (the model has no decoder_start_token_id)")
+        check_int(start, "bos_token_id", owner, minimum=0)
+        if start >= self.decoder.vocab_size:
+            raise ValueError(f"{owner}: bos_token_id must be < {self.decoder.vocab_size}, got {start}")
+        return torch.full((batch, 1), start, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def generate(self, src: Tensor, max_new_tokens: int, *, bos_token_id: int | None = None,
+                 src_mask: Tensor | None = None, eos_token_id: int | None = None, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
+                 decoder_prompt: Tensor | None = None) -> Tensor:
+        """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
+        Whisper's task tokens) or from one ``bos_token_id`` per row (default
+        :attr:`decoder_start_token_id`).
+
+        The sampling settings are those of :meth:`DecoderLM.generate`; ``eos_token_id`` defaults to
+        :attr:`eos_token_id` (a row that produced it keeps producing it; generation stops when every
+        row has). Every argument is checked before the source is encoded. Returns ``[B, P + T]`` (the
+        start tokens first), ``T <= max_new_tokens``.
+        """
+        owner = f"{type(self).__name__}.generate"
+        src = self._check_source(src, owner)
+        start = self._start(src.shape[0], bos_token_id, decoder_prompt, src.device, owner)
+        new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
+        check_sampling(temperature, top_k, top_p, generator, owner)
+        eos = self.eos_token_id if eos_token_id is None else eos_token_id
+        self.decoder._check_generate(start.shape[1], new, eos, owner=owner)
+        if src_mask is not None:
+            src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
+        memory = self.encode(src, src_mask)
+        return self.decoder.generate(start, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask)
+
+
+class Transformer(FromConfig, EncoderDecoder):
+    """Encoder-decoder transformer (an :class:`EncoderDecoder`): a :class:`TransformerEncoder` reads
+    the source, a :class:`DecoderLM` with cross-attention writes the target.
 
     Defaults follow the paper (and ``torch.nn.Transformer``): post-norm blocks with a final
     LayerNorm after each stack, ReLU feed-forward of width ``4 * dim``, sinusoidal positions,
@@ -58,15 +186,13 @@ class Transformer(FromConfig, nn.Module):
                  decoder_depth: int | None = None, *, attention: AttentionSpec | None = None,
                  dropout: float | None = None, norm_first: bool | None = None, config: Seq2SeqConfig | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
         given = {"src_vocab_size": src_vocab_size, "tgt_vocab_size": tgt_vocab_size, "dim": dim,
                  "num_heads": num_heads, "encoder_depth": encoder_depth, "decoder_depth": decoder_depth,
                  "attention": attention, "dropout": dropout, "norm_first": norm_first}
         cfg = Seq2SeqConfig.resolve(config, "Transformer", given)
-        self.config = cfg
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.encoder = TransformerEncoder(config=self.encoder_config(cfg), **kw)
-        self.decoder = self.build_decoder(cfg, **kw)
+        super().__init__(TransformerEncoder(config=self.encoder_config(cfg), **kw), self.build_decoder(cfg, **kw))
+        self.config = cfg
 
     @staticmethod
     def _common(cfg: Seq2SeqConfig) -> dict[str, Any]:
@@ -102,54 +228,3 @@ class Transformer(FromConfig, nn.Module):
         return DecoderLM.with_blocks(stack, lambda block, _: block.replace(cross_attention=True,
                                                                            norm_first=cfg.norm_first),
                                      parts=DecoderParts(embedding=embedding), device=device, dtype=dtype)
-
-    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
-        """``src [B, M]`` (``src_mask [B, M]`` bool, True = real) -> ``memory [B, M, C]``."""
-        return self.encoder(src, attention_mask=src_mask)
-
-    def decode(self, tgt: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
-               tgt_mask: Tensor | None = None, cache: LayerCaches | None = None) -> Tensor:
-        """``tgt [B, N]`` attending causally to itself and fully to ``memory [B, M, C]`` ->
-        ``logits [B, N, V]``. ``tgt_mask [B, N]`` (or ``[B, cache.length + N]``) hides padded
-        target keys; ``cache`` from :meth:`init_cache` for incremental decoding."""
-        return self.decoder(tgt, cache=cache, attention_mask=tgt_mask, context=memory, context_mask=memory_mask)
-
-    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
-                   dtype: torch.dtype | None = None) -> LayerCaches:
-        """The decoder's self-attention caches."""
-        return self.decoder.init_cache(batch_size, max_len, device=device, dtype=dtype)
-
-    def forward(self, src: Tensor, tgt: Tensor, *, src_mask: Tensor | None = None,
-                tgt_mask: Tensor | None = None) -> Tensor:
-        """Teacher-forced forward: ``src [B, M]``, ``tgt [B, N]`` (masks ``[B, M]``/``[B, N]`` bool,
-        True = real token) -> ``logits [B, N, V]``."""
-        memory = self.encode(src, src_mask)
-        return self.decode(tgt, memory, memory_mask=src_mask, tgt_mask=tgt_mask)
-
-    @torch.no_grad()
-    def generate(self, src: Tensor, max_new_tokens: int, *, bos_token_id: int, src_mask: Tensor | None = None,
-                 eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
-        """Encode ``src`` once, then decode from ``bos_token_id`` with the cache.
-
-        The sampling settings are those of :meth:`DecoderLM.generate`; every argument is checked
-        before the source is encoded. Returns ``[B, 1 + T]`` (the BOS column first),
-        ``T <= max_new_tokens``.
-        """
-        owner = "Transformer.generate"
-        check_tokens(src, self.encoder.vocab_size, owner, "src")
-        if src.shape[0] == 0:
-            raise ValueError(f"{owner}: src must hold at least one row [B, M] with B >= 1, got {tuple(src.shape)}")
-        check_int(bos_token_id, "bos_token_id", owner, minimum=0)
-        if bos_token_id >= self.decoder.vocab_size:
-            raise ValueError(f"{owner}: bos_token_id must be < {self.decoder.vocab_size}, got {bos_token_id}")
-        new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        check_sampling(temperature, top_k, top_p, generator, owner)
-        self.decoder._check_generate(1, new, eos_token_id, owner=owner)
-        if src_mask is not None:
-            src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[1], owner, "src_mask")
-        memory = self.encode(src, src_mask)
-        start = torch.full((src.shape[0], 1), bos_token_id, dtype=torch.long, device=src.device)
-        return self.decoder.generate(start, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     eos_token_id=eos_token_id, generator=generator, context=memory,
-                                     context_mask=src_mask)
