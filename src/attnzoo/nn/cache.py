@@ -22,6 +22,14 @@ and infini modules have recurrent-state caches with the same members):
   outermost one marks, rolls back and commits. A cache made of caches (:class:`CompositeCache`: a
   model's per-layer caches, a block's self- and cross-attention caches) takes part as one: a
   model call is one transaction over every layer's cache, which the layers' own calls join.
+* ``reorder(index)`` (beam search): keep the rows ``index`` (int ``[B']``, ids into the current
+  ``B`` rows, repeats allowed, ``B'`` may differ from ``B``) of every per-row tensor, so row ``i``
+  afterwards decodes as row ``index[i]`` did. Only between calls: inside a :func:`transaction`
+  it raises ``RuntimeError``. It starts a new history: a mark taken before it must not be rolled
+  back to afterwards (a slot cache refuses; the others would mix row orders). A cache whose class
+  does not declare its per-row tensors (``_batch_tensors``) has ``reorderable = False`` and
+  ``reorder`` raises ``TypeError`` naming it; a :class:`CompositeCache` checks every part first,
+  so a refusal changes nothing.
 
 A module called with ``cache=...`` receives only the NEW tokens, which sit at positions
 ``cache.length ..``; it writes their keys and values by position and advances ``length``.
@@ -35,14 +43,16 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
 
+from attnzoo._devices import tracing
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["CacheList", "CompositeCache", "KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache", "transaction"]
+__all__ = ["CacheList", "CompositeCache", "KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache",
+           "check_reorder_index", "transaction"]
 
 T = TypeVar("T")
 
@@ -68,6 +78,53 @@ def transaction(cache: Any, fn: Callable[[], T]) -> T:
     cache.in_transaction = False
     cache.commit(mark)
     return out
+
+
+def check_reorder_index(index: object, batch_size: int, owner: str) -> Tensor:
+    """The ``index`` of a cache's ``reorder``: an integer tensor ``[B']`` (``B' >= 1``) of row ids in
+    ``[0, batch_size)``, returned as int64 (the range is checked in eager mode only: it syncs)."""
+    if not isinstance(index, Tensor) or index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        got = f"a {index.dtype} tensor" if isinstance(index, Tensor) else type(index).__name__
+        raise TypeError(f"{owner}: index must be an integer tensor [B'] of row ids, got {got}")
+    if index.dim() != 1 or index.numel() == 0:
+        raise ValueError(f"{owner}: index must have shape [B'] with B' >= 1, got {tuple(index.shape)}")
+    if not tracing():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= batch_size:
+            raise ValueError(f"{owner}: index holds row ids in [{lo}, {hi}], the cache has {batch_size} rows "
+                             f"(ids must be in [0, {batch_size}))")
+    return index.long()
+
+
+def _take_rows(value: Any, index: Tensor) -> Any:
+    """Rows ``index`` (dim 0) of a tensor, of each tensor of a dict, or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {k: _take_rows(v, index) for k, v in value.items()}
+    if not isinstance(value, Tensor):
+        raise TypeError(f"reorder: a per-row attribute must be a tensor (or a dict of tensors), got "
+                        f"{type(value).__name__}")
+    return value.index_select(0, index.to(value.device))
+
+
+def reorderable(cache: Any) -> bool:
+    """Whether ``cache`` can :meth:`reorder` its rows (its ``reorderable``; a foreign cache with a
+    ``reorder`` method and no such flag counts as reorderable)."""
+    return callable(getattr(cache, "reorder", None)) and bool(getattr(cache, "reorderable", True))
+
+
+def _refusing(cache: Any) -> list[str]:
+    """The class names of the caches inside ``cache`` (itself included) that cannot reorder."""
+    if isinstance(cache, CompositeCache):
+        return [name for part in cache.parts() for name in _refusing(part)]
+    return [] if reorderable(cache) else [type(cache).__name__]
+
+
+def _reorder_unchecked(cache: Any, index: Tensor) -> None:
+    """``cache``'s reorder without a second check of ``index`` (checked once by the outermost call)."""
+    inner = getattr(cache, "_reorder", None)
+    (inner if callable(inner) else cache.reorder)(index)
 
 
 class CompositeCache(abc.ABC):
@@ -114,6 +171,32 @@ class CompositeCache(abc.ABC):
         """The call that took ``mark`` succeeded: every part drops what a rollback would have needed."""
         for c, m in self._check_mark(mark):
             c.commit(m)
+
+    @property
+    def reorderable(self) -> bool:
+        """Whether every part can :meth:`reorder` its rows."""
+        return not _refusing(self)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the rows ``index`` (int ``[B']``, ids into the current ``batch_size`` rows) of every
+        part: row ``i`` then decodes as row ``index[i]`` did (beam search). Every part is checked
+        before any changes (``TypeError`` naming the parts that cannot); ``RuntimeError`` inside a
+        :func:`transaction`."""
+        owner = f"{type(self).__name__}.reorder"
+        if self.in_transaction:
+            raise RuntimeError(f"{owner}: not allowed inside a transaction (reorder between model calls)")
+        batch = getattr(self, "batch_size", None)
+        if not isinstance(batch, int):
+            raise TypeError(f"{owner}: {type(self).__name__} has no batch_size; it cannot reorder its rows")
+        index = check_reorder_index(index, batch, owner)
+        refused = _refusing(self)
+        if refused:
+            raise TypeError(f"{owner}: these caches cannot reorder their rows: {sorted(set(refused))}")
+        self._reorder(index)
+
+    def _reorder(self, index: Tensor) -> None:
+        for c in self.parts():
+            _reorder_unchecked(c, index)
 
 
 class CacheList(CompositeCache):
@@ -191,6 +274,35 @@ class _LengthCache:
 
     def commit(self, mark: object) -> None:
         """The call that took ``mark`` succeeded: nothing to keep."""
+
+    #: the attributes holding one row per batch row (dim 0: tensors, or dicts of tensors) that
+    #: :meth:`reorder` permutes; a class declares its own (``None``, or inherited only: not reorderable,
+    #: so that a subclass with more per-row state is never reordered half-way)
+    _batch_tensors: ClassVar[tuple[str, ...] | None] = None
+
+    @property
+    def reorderable(self) -> bool:
+        """Whether :meth:`reorder` is supported (the class declares its per-row tensors)."""
+        return type(self).__dict__.get("_batch_tensors") is not None
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows ``index`` (int ``[B']``, ids in ``[0, batch_size)``, repeats allowed) of every
+        per-row tensor: row ``i`` then holds what row ``index[i]`` held and ``batch_size`` becomes
+        ``B'`` (beam search: pick the surviving beams, or expand ``B`` rows to ``B * K``).
+        ``RuntimeError`` inside a :func:`transaction`; ``TypeError`` when the class is not
+        :attr:`reorderable`. Marks taken before it must not be rolled back to afterwards."""
+        owner = f"{type(self).__name__}.reorder"
+        if self.in_transaction:
+            raise RuntimeError(f"{owner}: not allowed inside a transaction (reorder between model calls)")
+        if not self.reorderable:
+            raise TypeError(f"{owner}: {type(self).__name__} does not declare its per-row tensors "
+                            f"(_batch_tensors); it cannot reorder its rows")
+        self._reorder(check_reorder_index(index, self.batch_size, owner))
+
+    def _reorder(self, index: Tensor) -> None:
+        for name in type(self).__dict__["_batch_tensors"]:
+            setattr(self, name, _take_rows(getattr(self, name), index))
+        self._batch_size = int(index.shape[0])
 
 
 class SnapshotCache(_LengthCache):
@@ -305,6 +417,7 @@ class KVCache(_CacheBase):
     """
 
     _repr_sizes = ("max_len",)
+    _batch_tensors = ("k", "v")
 
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, device: torch.device | str | None = None,
@@ -370,6 +483,10 @@ class _SlotCache(_CacheBase):
         """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
         self._undo = None
 
+    def _reorder(self, index: Tensor) -> None:
+        super()._reorder(index)
+        self._undo = None  # the saved slots are in the old row order: the last update is no longer undoable
+
     def bytes_per_token(self) -> float:
         """Key + value bytes per slot (the cache holds ``capacity`` slots whatever the length)."""
         B, H = self.k.shape[:2]
@@ -400,6 +517,7 @@ class SlidingWindowKVCache(_SlotCache):
     """
 
     _repr_sizes = ("window", "capacity")
+    _batch_tensors = ("k", "v")
 
     def __init__(self, batch_size: int, window: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, max_len: int | None = None,
@@ -471,6 +589,7 @@ class SinkWindowKVCache(_SlotCache):
     """
 
     _repr_sizes = ("sink_tokens", "window", "capacity")
+    _batch_tensors = ("k", "v")
 
     def __init__(self, batch_size: int, sink_tokens: int, window: int, num_kv_heads: int, head_dim: int, *,
                  v_head_dim: int | None = None, max_len: int | None = None,

@@ -89,6 +89,7 @@ class RecurrentStateCache(SnapshotCache):
     """
 
     snapshot = ("length", "S", "z", "version")
+    _batch_tensors = ("S", "z")
 
     def __init__(self, batch_size: int, num_heads: int, num_features: int, head_dim_v: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:

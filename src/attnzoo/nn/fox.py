@@ -47,6 +47,8 @@ class FoxCache(KVCache):
     """A :class:`KVCache` that also holds the cumulative log forget gates ``c [B, H, max_len]``
     (float32; float64 for a float64 cache) of the cached tokens (slots past ``length`` are unused, so rollback stays a length)."""
 
+    _batch_tensors = ("k", "v", "log_gates")
+
     def __init__(self, batch_size: int, max_len: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(batch_size, max_len, num_kv_heads, head_dim, device=device, dtype=dtype)

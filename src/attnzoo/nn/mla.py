@@ -124,6 +124,8 @@ class LatentCache(_LengthCache):
     Memory: ``batch_size * max_len * (r + dr) * itemsize`` bytes.
     """
 
+    _batch_tensors = ("latent",)
+
     def __init__(self, batch_size: int, max_len: int, kv_lora_rank: int, rope_dim: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self._batch_size = check_int(batch_size, "batch_size")

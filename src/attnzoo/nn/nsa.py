@@ -63,6 +63,7 @@ class NSACache(SnapshotCache):
     ``nbytes``, ``reset``, ``mark``/``rollback``/``commit``, :meth:`update`)."""
 
     snapshot = ("length", "num_blocks")
+    _batch_tensors = ("k", "v", "k_cmp", "v_cmp")
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int, config: NSAConfig, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:

@@ -54,6 +54,7 @@ class RecurrentCache(SnapshotCache):
     """
 
     snapshot = ("length", "state", "conv")
+    _batch_tensors = ("state", "conv")
 
     def __init__(self, batch_size: int, max_len: int, state_shape: tuple[int, int, int],
                  conv_shapes: Mapping[str, tuple[int, int]], *, device: torch.device | str | None = None,
