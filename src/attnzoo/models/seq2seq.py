@@ -19,6 +19,7 @@ from attnzoo.models._common import (
     check_padding_mask,
     check_tokens,
 )
+from attnzoo.models.beam_search import check_beam_settings, decoder_beam_search, refuse_sampling
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnzoo.models.decoder import DecoderLM, check_sampling
 from attnzoo.models.encoder import TransformerEncoder
@@ -128,26 +129,37 @@ class EncoderDecoder(nn.Module):
     def generate(self, src: Tensor, max_new_tokens: int, *, bos_token_id: int | None = None,
                  src_mask: Tensor | None = None, eos_token_id: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
-                 decoder_prompt: Tensor | None = None) -> Tensor:
+                 decoder_prompt: Tensor | None = None, num_beams: int = 1, length_penalty: float = 1.0,
+                 early_stopping: bool | str = False) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
 
         The sampling settings are those of :meth:`DecoderLM.generate`; ``eos_token_id`` defaults to
         :attr:`eos_token_id` (a row that produced it keeps producing it; generation stops when every
-        row has). Every argument is checked before the source is encoded. Returns ``[B, P + T]`` (the
-        start tokens first), ``T <= max_new_tokens``.
+        row has). ``num_beams > 1``: beam search as transformers runs it
+        (:mod:`attnzoo.models.beam_search`; ``length_penalty``, ``early_stopping`` ``True`` /
+        ``False`` / ``"never"``; not with sampling settings), each row's best hypothesis, filled with
+        the end token after it. Every argument is checked before the source is encoded. Returns
+        ``[B, P + T]`` (the start tokens first), ``T <= max_new_tokens``.
         """
         owner = f"{type(self).__name__}.generate"
         src = self._check_source(src, owner)
         start = self._start(src.shape[0], bos_token_id, decoder_prompt, src.device, owner)
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
         check_sampling(temperature, top_k, top_p, generator, owner)
+        beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
+        if beams > 1:
+            refuse_sampling(temperature, top_k, top_p, generator, owner)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         self.decoder._check_generate(start.shape[1], new, eos, owner=owner)
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
         memory = self.encode(src, src_mask)
+        if beams > 1:
+            return decoder_beam_search(self.decoder, start, memory, src_mask, num_beams=beams, max_new_tokens=new,
+                                       eos_token_id=eos, length_penalty=length_penalty,
+                                       early_stopping=early_stopping).tokens
         return self.decoder.generate(start, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask)
 

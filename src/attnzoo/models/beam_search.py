@@ -1,0 +1,272 @@
+"""Beam search, as transformers runs it (``GenerationMixin._beam_search`` of transformers 5.25 and its
+helpers in ``generation/utils.py``), for any model that gives next-token logits row by row.
+
+``B`` source rows, ``K = num_beams`` beams each (flattened rows ``b * K + k``), ``V`` tokens, ``P``
+start tokens, ``L = P + max_new_tokens``. Each step:
+
+1. ``log_softmax`` (in float32) of the ``[B * K, V]`` logits, plus each beam's running score
+   (the sum of its tokens' log-probabilities; at the first step beam 0 has score 0 and the others
+   ``-1e9``, so that they do not repeat it);
+2. the best ``2K`` of the ``K * V`` continuations of each row (``torch.topk``);
+3. a continuation *hits a stopping criterion* when its token is ``eos_token_id`` or the sequence
+   reaches ``L`` tokens. The best ``K`` that do not hit one are the next running beams (the
+   model's caches are reordered to them: :meth:`~attnzoo.nn.cache.KVCache.reorder`);
+4. those among the first ``K`` of the ``2K`` that hit one become finished hypotheses with score
+   ``sum_logprobs / generated_length ** length_penalty`` (``generated_length`` counts the new
+   tokens, the end token included, not the ``P`` start tokens); each row keeps its best ``K``;
+5. a row is done when it holds ``K`` finished hypotheses and (``early_stopping``):
+
+   * ``True``: at once (no more hypotheses are added to it);
+   * ``False``: when the best running beam's score divided by ``(current length - P) **
+     length_penalty`` is below the worst finished score (a heuristic: with ``length_penalty > 0``
+     a longer hypothesis may still have scored better);
+   * ``"never"``: as ``False``, but with ``length_penalty > 0`` the bound divides by ``(L - P) **
+     length_penalty`` (exact: no hypothesis that could still win is dropped).
+
+   The search stops when every row is done or ``L`` tokens are reached. The result is each row's
+   best hypothesis, every row cut to the longest of them and filled after its end token with
+   ``eos_token_id`` (transformers fills with the pad id when the model has a non-zero one).
+
+The arithmetic (float32 scores, the ``-1e9`` penalties, the ``topk`` calls and the order of the
+candidates) is transformers', so the tokens are the same, ties included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+from attnzoo._validate import check_finite_float, check_int
+
+if TYPE_CHECKING:
+    from attnzoo.models.decoder import DecoderLM
+
+__all__ = ["BeamSearchOutput", "beam_search", "check_beam_settings", "decoder_beam_search", "refuse_sampling"]
+
+#: what transformers adds to a score to rule a beam or a hypothesis out
+_NEG = -1.0e9
+
+
+class BeamSearchOutput(NamedTuple):
+    """The result of :func:`beam_search`.
+
+    Attributes:
+        tokens: ``[B, P + T]`` long: each row's best hypothesis after its ``P`` start tokens,
+            ``T <= max_new_tokens`` (the longest best hypothesis), filled with ``eos_token_id``
+            after a row's end token.
+        scores: ``[B]`` float32: each best hypothesis' score, ``sum_logprobs / T_b ** length_penalty``
+            (``T_b`` its own generated length) — transformers' ``sequences_scores``.
+        lengths: ``[B]`` long: ``T_b``, each best hypothesis' generated tokens (end token included).
+    """
+
+    tokens: Tensor
+    scores: Tensor
+    lengths: Tensor
+
+
+def check_beam_settings(num_beams: object, length_penalty: object, early_stopping: object,
+                        owner: str) -> tuple[int, float, bool | str]:
+    """``num_beams`` an int ``>= 1``; ``length_penalty`` a finite float (ints accepted);
+    ``early_stopping`` ``True``, ``False`` or ``"never"``. ``TypeError`` / ``ValueError`` naming
+    the argument; returns ``(num_beams, length_penalty, early_stopping)``."""
+    k = check_int(num_beams, "num_beams", owner, minimum=1)
+    lp = check_finite_float(length_penalty, "length_penalty", owner)
+    assert lp is not None
+    if isinstance(early_stopping, str):
+        if early_stopping != "never":
+            raise ValueError(f"{owner}: early_stopping must be True, False or 'never', got {early_stopping!r}")
+    elif not isinstance(early_stopping, bool):
+        raise TypeError(f"{owner}: early_stopping must be True, False or 'never', got "
+                        f"{type(early_stopping).__name__} ({early_stopping!r})")
+    return k, lp, early_stopping
+
+
+def refuse_sampling(temperature: float, top_k: int | None, top_p: float | None,
+                    generator: torch.Generator | None, owner: str) -> None:
+    """Beam search is deterministic: ``ValueError`` naming the sampling settings given with
+    ``num_beams > 1`` (``temperature != 0``, ``top_k``, ``top_p``, ``generator``)."""
+    given = [name for name, on in (("temperature", temperature != 0.0), ("top_k", top_k is not None),
+                                   ("top_p", top_p is not None), ("generator", generator is not None)) if on]
+    if given:
+        raise ValueError(f"{owner}: num_beams > 1 is deterministic beam search; sampling with beams is not "
+                         f"supported, so {', '.join(given)} must be left at their defaults (temperature=0.0, "
+                         f"top_k/top_p/generator None)")
+
+
+def _gather(t: Tensor, beams: Tensor) -> Tensor:
+    """``t [B, K, ...]`` at ``beams [B, K']`` along dim 1 -> ``[B, K', ...]`` (transformers' ``_gather_beams``)."""
+    while beams.dim() < t.dim():
+        beams = beams.unsqueeze(-1)
+    return torch.take_along_dim(t, beams, dim=1)
+
+
+def _check_start(start: object, eos_token_id: object, owner: str) -> None:
+    """``start``: integer ids ``[B, P]``, ``B, P >= 1``; ``eos_token_id``: ``None`` or an int ``>= 0``."""
+    if not isinstance(start, Tensor) or start.dim() != 2 or start.is_floating_point() or start.shape[0] == 0 \
+            or start.shape[1] == 0:
+        got = tuple(start.shape) if isinstance(start, Tensor) else type(start).__name__
+        raise ValueError(f"{owner}: start must be integer token ids [B, P] with B, P >= 1, got {got}")
+    if eos_token_id is not None:
+        check_int(eos_token_id, "eos_token_id", owner, minimum=0)
+
+
+def _initial(start: Tensor, K: int, L: int, eos_token_id: int | None) -> tuple[Tensor, ...]:
+    """The search's state before the first step: ``running [B, K, L]`` (the start tokens, then the
+    end token or ``-1``), ``running_scores [B, K]`` (0 for beam 0, ``-1e9`` for the others), and the
+    finished hypotheses — none yet: ``sequences [B, K, L]``, ``scores [B, K]`` at ``-1e9``,
+    ``lengths [B, K]``, ``finished [B, K]`` all False."""
+    (B, P), dev = start.shape, start.device
+    running = torch.full((B, K, L), -1 if eos_token_id is None else eos_token_id, dtype=torch.long, device=dev)
+    running[:, :, :P] = start.long()[:, None]
+    running_scores = torch.zeros(B, K, dtype=torch.float32, device=dev)
+    running_scores[:, 1:] = _NEG
+    return (running, running_scores, running.clone(), torch.full((B, K), _NEG, dtype=torch.float32, device=dev),
+            torch.zeros(B, K, dtype=torch.long, device=dev), torch.zeros(B, K, dtype=torch.bool, device=dev))
+
+
+def _continuations(logits: Tensor, running_scores: Tensor, keep: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The best ``keep`` continuations of each row by summed float32 log-probability: ``logits
+    [B * K, V]``, ``running_scores [B, K]`` -> ``(scores, beam, token)``, each ``[B, keep]``."""
+    B, K = running_scores.shape
+    log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [B * K, V]
+    V = log_probs.shape[-1]
+    log_probs = (log_probs.view(B, K, V) + running_scores[:, :, None]).reshape(B, K * V)  # [B, K * V]
+    scores, cand = torch.topk(log_probs, k=keep)  # [B, keep]
+    return scores, cand // V, cand % V
+
+
+def _merge_finished(held: tuple[Tensor, Tensor, Tensor, Tensor], new: tuple[Tensor, Tensor, Tensor],
+                    generated: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each row's best ``K`` finished hypotheses among those it held (``sequences [B, K, L]``,
+    ``scores [B, K]``, ``lengths [B, K]``, ``finished [B, K]``) and this step's candidates
+    (``sequences [B, 2K, L]``, length-penalised ``scores [B, 2K]`` — ``-1e9`` where not finishing —,
+    ``finishing [B, 2K]``), all of ``generated`` tokens."""
+    sequences, scores, lengths, finished = held
+    cand_seqs, penalised, just = new
+    merged = torch.topk(torch.cat((scores, penalised), dim=1), k=scores.shape[1])[1]  # [B, K]
+    return (_gather(torch.cat((sequences, cand_seqs), dim=1), merged),
+            _gather(torch.cat((scores, penalised), dim=1), merged),
+            _gather(torch.cat((lengths, torch.full_like(penalised, generated, dtype=lengths.dtype)), dim=1), merged),
+            _gather(torch.cat((finished, just), dim=1), merged))
+
+
+def _can_improve(running_scores: Tensor, scores: Tensor, finished: Tensor, divisor: float) -> Tensor:
+    """``[B, 1]``: whether a row's best running beam (``running_scores [B, K]``, its sum divided by
+    ``divisor``) beats its worst finished hypothesis (``scores [B, K]`` where ``finished``)."""
+    best_running = running_scores[:, :1] / divisor  # [B, 1]
+    worst_finished = torch.where(finished, torch.min(scores, dim=1, keepdim=True)[0], _NEG)  # [B, K]
+    return torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+
+
+@torch.no_grad()
+def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: int, max_new_tokens: int,
+                eos_token_id: int | None, length_penalty: float = 1.0, early_stopping: bool | str = False,
+                reorder: Callable[[Tensor], None] | None = None) -> BeamSearchOutput:
+    """Beam search from ``start [B, P]`` (see the module docstring for the rules).
+
+    Args:
+        step: ``tokens [B * K, P + t] -> logits [B * K, V]``, the next-token logits after the last
+            of each row's tokens (row ``b * K + k`` is beam ``k`` of source row ``b``). It is called
+            with the whole sequences; a cached model feeds only the last token (the first call:
+            all ``P``), its caches built for ``B * K`` rows.
+        start: ``[B, P]`` long, the start tokens of every row (each row's ``K`` beams start alike).
+        num_beams: ``K >= 1``.
+        max_new_tokens: ``T_max >= 0``; with ``0`` the start tokens are returned.
+        eos_token_id: the end token (``None``: every hypothesis runs to ``max_new_tokens``).
+        length_penalty: the exponent of the generated length that divides a finished hypothesis'
+            summed log-probabilities (``> 0`` favours longer ones).
+        early_stopping: ``True``, ``False`` or ``"never"``: when a row is done.
+        reorder: ``index [B * K] -> None``, called before every step but the first with the flat row
+            (``b * K + k``) each new beam continues: reorder the model's caches to it.
+
+    Returns: :class:`BeamSearchOutput` ``(tokens [B, P + T], scores [B], lengths [B])``.
+    """
+    owner = "beam_search"
+    K, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
+    new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
+    _check_start(start, eos_token_id, owner)
+    B, P = start.shape
+    dev = start.device
+    if new == 0:
+        return BeamSearchOutput(start.long().clone(), torch.zeros(B, device=dev),
+                                torch.zeros(B, dtype=torch.long, device=dev))
+    L = P + new
+    keep = 2 * K  # transformers: max(2, 1 + number of end tokens) * num_beams, one end token here
+    top_k_mask = torch.cat((torch.ones(K, dtype=torch.bool), torch.zeros(keep - K, dtype=torch.bool))).to(dev)
+    running, running_scores, sequences, scores, lengths, finished = _initial(start, K, L, eos_token_id)
+    improvable = torch.ones(B, 1, dtype=torch.bool, device=dev)  # [B, 1] a row is not done
+    row_offset = torch.arange(B, device=dev).view(B, 1) * K  # [B, 1]
+    cur = P
+    logits = step(running.view(B * K, L)[:, :cur])
+    while True:
+        # 1-2. the best 2K continuations of every row, by summed log-probability
+        cand_scores, cand_beam, cand_tokens = _continuations(logits, running_scores, keep)  # [B, 2K] each
+        cand_seqs = _gather(running, cand_beam)  # [B, 2K, L]
+        cand_seqs[:, :, cur] = cand_tokens
+        cand_rows = cand_beam + row_offset  # [B, 2K] the flat rows they continue
+        # 3. stopping criteria, and the next running beams
+        hits = torch.full((B, keep), cur + 1 >= L, dtype=torch.bool, device=dev)  # [B, 2K]
+        if eos_token_id is not None:
+            hits = hits | (cand_tokens == eos_token_id)
+        open_scores = cand_scores + hits.to(torch.float32) * _NEG
+        nxt = torch.topk(open_scores, k=K)[1]  # [B, K]
+        running = _gather(cand_seqs, nxt)
+        running_scores = _gather(open_scores, nxt)
+        source_rows = _gather(cand_rows, nxt)  # [B, K]
+        # 4. finished hypotheses: the first K candidates that hit a criterion, length-penalised
+        just = hits & top_k_mask[None, :]
+        generated = cur + 1 - P
+        penalised = cand_scores / (generated ** length_penalty)
+        full = torch.all(finished, dim=-1, keepdim=True) & (early_stopping is True)
+        penalised += full.to(torch.float32) * _NEG
+        penalised += (~improvable).to(torch.float32) * _NEG
+        penalised += (~just) * _NEG
+        sequences, scores, lengths, finished = _merge_finished((sequences, scores, lengths, finished),
+                                                               (cand_seqs, penalised, just), generated)
+        cur += 1
+        # 5. which rows can still improve, and whether to go on
+        best_length = L - P if early_stopping == "never" and length_penalty > 0.0 else cur - P
+        improvable = improvable & _can_improve(running_scores, scores, finished, best_length ** length_penalty)
+        go_on = (torch.any(improvable) & ~(torch.all(finished) & (early_stopping is True))
+                 & ~torch.all(hits))
+        if not bool(go_on):
+            break
+        if reorder is not None:
+            reorder(source_rows.reshape(B * K))
+        logits = step(running.reshape(B * K, L)[:, :cur])
+    best_lengths = lengths[:, 0]  # [B]
+    T = int(best_lengths.max())
+    return BeamSearchOutput(sequences[:, 0, :P + T], scores[:, 0], best_lengths)
+
+
+@torch.no_grad()
+def decoder_beam_search(decoder: DecoderLM, start: Tensor, context: Tensor, context_mask: Tensor | None, *,
+                        num_beams: int, max_new_tokens: int, eos_token_id: int | None, length_penalty: float = 1.0,
+                        early_stopping: bool | str = False) -> BeamSearchOutput:
+    """:func:`beam_search` with a cross-attention ``decoder`` (what :meth:`EncoderDecoder.generate
+    <attnzoo.EncoderDecoder.generate>` runs for ``num_beams > 1``): ``context [B, M, C]`` (the encoded
+    source) and ``context_mask [B, M]`` are repeated to ``B * K`` rows, the decoder's caches are built
+    for ``B * K`` rows and ``P + max_new_tokens`` tokens and reordered at every step (``TypeError``
+    naming the caches that cannot be). ``start [B, P]``; returns :class:`BeamSearchOutput`."""
+    owner = "beam_search"
+    K = check_int(num_beams, "num_beams", owner, minimum=1)
+    new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
+    B, P = start.shape
+    if new == 0:
+        return beam_search(lambda t: t, start, num_beams=K, max_new_tokens=0, eos_token_id=eos_token_id)
+    cache = decoder.init_cache(B * K, P + new)
+    if not cache.reorderable:  # the cross-attention caches are built on the first step (KVCache: reorderable)
+        cache.reorder(torch.arange(B * K, device=start.device))  # raises TypeError naming them
+    memory = context.repeat_interleave(K, dim=0)  # [B * K, M, C]
+    mask = None if context_mask is None else context_mask.repeat_interleave(K, dim=0)  # [B * K, M]
+
+    def step(tokens: Tensor) -> Tensor:  # [B * K, P + t] -> [B * K, V]
+        if cache.length == 0:  # the start tokens, at once
+            return decoder(tokens, cache=cache, context=memory, context_mask=mask)[:, -1]
+        return decoder._decode_step(tokens, cache, None, None, memory, mask)
+
+    return beam_search(step, start, num_beams=K, max_new_tokens=new, eos_token_id=eos_token_id,
+                       length_penalty=length_penalty, early_stopping=early_stopping, reorder=cache.reorder)
