@@ -93,6 +93,9 @@ class Seq2SeqChecks:
     drop: tuple[str, ...] = ()
     start: int = 0
     tol: float = TOL
+    #: the attention calls transformers' own model makes through attnzoo's kernel per forward
+    #: (``attn_implementation="attnzoo"``), ``None``: that check is not run for this class
+    kernel_calls: int | None = None
 
     # ------------------------------------------------------------------ inputs
     def source(self, hf: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -193,6 +196,33 @@ class Seq2SeqChecks:
         for cls in (self.model, self.base):
             if cls is not None:
                 check_to_hf(lambda seed, cls=cls: self._make(cls, seed=seed))
+
+    def test_attnzoo_kernels_in_transformers_equal_eager(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """transformers' own model with ``attn_implementation="attnzoo"`` (its self-, causal and
+        cross-attention through its attention interface) equals its eager model; every call counted,
+        so nothing passes without reaching attnzoo."""
+        if self.kernel_calls is None:
+            pytest.skip("kernel_calls not set: the kernel hook is checked on another class or module for this family")
+        import attnzoo.hf as azhf
+
+        azhf.register()
+        calls: list[tuple[int, ...]] = []
+        real = azhf.attention
+
+        def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+            calls.append(tuple(q.shape))
+            return real(q, k, v, **kw)
+
+        monkeypatch.setattr(azhf, "attention", counted)
+        hf = self._make()
+        src, src_mask = self.source(hf)
+        tgt, tgt_mask = target()
+        inputs = self.hf_inputs(hf, src, src_mask)
+        want = hf_logits(hf, inputs, tgt, tgt_mask)
+        hf.set_attn_implementation("attnzoo")
+        got = hf_logits(hf, inputs, tgt, tgt_mask)
+        assert len(calls) == self.kernel_calls
+        assert real_rel(got, want, tgt_mask) <= self.tol
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
     def test_half_precision_no_worse_than_transformers(self, dtype: torch.dtype) -> None:

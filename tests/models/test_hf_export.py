@@ -29,6 +29,7 @@ import test_hf_multimodal as multimodal  # noqa: E402
 
 import hf_encoder_checks as encoders  # noqa: E402
 import hf_family_checks as checks  # noqa: E402
+import hf_seq2seq_checks as seq2seq  # noqa: E402
 import hf_vision_checks as vision  # noqa: E402
 from attnzoo import DecoderLM, TransformerEncoder  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
@@ -88,6 +89,7 @@ MAKERS: dict[str, Any] = {
     **multimodal.SWEEP,  # the multimodal wrappers (their text decoder; the towers keep their values)
     **encoders.sweep(),  # the encoder families (RoBERTa, ModernBERT, DeBERTa, T5, ...)
     **vision.sweep(),  # the vision families (DINOv2, SigLIP, CLIP)
+    **seq2seq.sweep(),  # the encoder-decoder families (T5, BART, Marian, Whisper, ...)
 }
 
 
@@ -99,6 +101,8 @@ def _out(model: Any, kind: str) -> torch.Tensor:
     with torch.no_grad():
         if kind == "vit":
             return model(pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))).logits
+        if seq2seq.is_seq2seq(model):  # teacher-forced logits of an encoder-decoder
+            return seq2seq.sweep_output(model)
         if getattr(model, "main_input_name", None) == "pixel_values":  # a vision family: its main output
             channels = getattr(model.config, "vision_config", model.config).num_channels  # a dual model's tower
             return vision.hf_outputs(model, vision.pixels(channels=channels))[1]

@@ -40,6 +40,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_encoder_checks as encoders  # noqa: E402
 import hf_family_checks as checks  # noqa: E402
+import hf_seq2seq_checks as seq2seq  # noqa: E402
 import hf_vision_checks as vision  # noqa: E402
 from attnzoo.blocks import RMSNorm  # noqa: E402
 from attnzoo.interop import from_hf  # noqa: E402
@@ -228,9 +229,10 @@ def test_the_families_are_dispatched() -> None:
     """Each family here is a ``from_hf`` family, and every builder family is here but Inkling2 /
     Inkling2-loop (on random weights transformers' own bf16 run is 0.9 relative off its float32 on
     the loop model: no peer to compare with), Mistral 4 (transformers maps no auto class to it) and
-    the encoder and vision families (checked in their own dtype test: ``EncoderChecks`` / ``VisionChecks``)."""
+    the encoder, vision and seq2seq families (checked in their own dtype test: ``EncoderChecks`` /
+    ``VisionChecks`` / ``Seq2SeqChecks``)."""
     assert set(FAMILIES) <= set(BUILDERS)
-    others = set(encoders.sweep()) | set(vision.sweep())
+    others = set(encoders.sweep()) | set(vision.sweep()) | set(seq2seq.sweep())
     assert set(BUILDERS) - set(FAMILIES) - others <= {"inkling2_text", "inkling2_loop_text", "mistral4"}
 
 

@@ -479,7 +479,7 @@ class DecoderLM(FromConfig, nn.Module):
         if attention_mask is not None:
             am = check_padding_mask(attention_mask, B, past + N, owner)
             kp = am  # [B, past + N]
-            if positions is None:
+            if positions is None and getattr(self.pos_emb, "counts_mask", True):
                 positions = positions_from_mask(am)[:, past:]  # [B, N]
         if positions is not None:
             positions = self._check_positions(positions, B, N)

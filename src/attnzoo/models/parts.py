@@ -125,7 +125,9 @@ class DecoderParts:
             positions added after the token embedding in place of the config's table (the config's
             ``pos`` must then be ``"learned"`` or ``"sinusoidal"``, the kind it stands for): e.g.
             BART's learned table followed by its embedding LayerNorm. The model passes the
-            positions it computes (the cache's offset, the attention mask's count).
+            positions it computes (the cache's offset, the attention mask's count); a module whose
+            ``counts_mask`` attribute is ``False`` gets the tokens' indices ``cache.length + 0..N-1``
+            whatever the attention mask (BART's positions are ``arange`` on left-padded rows too).
     """
 
     blocks: Blocks | None = None

@@ -1,0 +1,126 @@
+"""What the encoder-decoder families of BART's lineage share (``bart.py``: BART / mBART / PLBART,
+``marian.py``: Marian / Pegasus, ``m2m_100.py``: M2M100 / NLLB, ``whisper.py``): the encoder layer
+that transformers clamps in float16, the half-split sinusoidal table of Whisper and fairseq, and the
+weight map of one layer in BART's layout (``self_attn``, ``encoder_attn``, ``fc1`` / ``fc2`` and
+their norms), each written once."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnzoo._validate import check_bool, check_int
+from attnzoo.blocks import BlockConfig, BlockLayers, TransformerBlock
+from attnzoo.models.hf._state import Plan, load_qkv_into
+
+__all__ = ["Float16ClampedBlock", "clamp_float16", "put_layer", "split_sinusoids"]
+
+
+def clamp_float16(x: Tensor, *, always: bool) -> Tensor:
+    """transformers' float16 guard of these families' encoder layers: in float16, clamp ``x`` to
+    ``±(finfo.max - 1000)`` — ``always`` (mBART, Pegasus, M2M100, Whisper) or only when some value is
+    not finite (BART, PLBART, Marian; otherwise ``±finfo.max``, a no-op on finite values; NaN stays
+    NaN). Other dtypes: unchanged; no host sync. Shapes: any."""
+    if x.dtype != torch.float16:
+        return x
+    top = torch.finfo(torch.float16).max
+    if always:
+        return torch.clamp(x, -(top - 1000.0), top - 1000.0)
+    limit = torch.where(torch.isfinite(x).all(), top, top - 1000.0)  # 0-dim: no host sync
+    return torch.clamp(x, -limit, limit)
+
+
+class Float16ClampedBlock(TransformerBlock):
+    """A :class:`~attnzoo.TransformerBlock` (either norm placement) whose output goes through
+    :func:`clamp_float16` (a no-op outside float16): the encoder layer of BART's lineage.
+
+    Build it as the block (from ``layers`` or a ``config``), plus ``always``:
+    ``Float16ClampedBlock(C, layers=BlockLayers(...), always=False)``.
+    Shapes: ``x [B, N, C] -> [B, N, C]``; the other arguments as :meth:`TransformerBlock.forward`.
+    """
+
+    def __init__(self, dim: int | None = None, *, always: bool, layers: BlockLayers | None = None,
+                 config: BlockConfig | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(dim, layers=layers, config=config, device=device, dtype=dtype)
+        self.always = check_bool(always, "always", "Float16ClampedBlock")
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Any = None,
+                key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+        out = super().forward(x, context, mask=mask, key_padding=key_padding, context_mask=context_mask,
+                              cache=cache, positions=positions, cu_seqlens=cu_seqlens)
+        return clamp_float16(out, always=self.always)  # [B, N, C]
+
+    def extra_repr(self) -> str:
+        return f"always={self.always}"
+
+
+def split_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Tensor:
+    """The sinusoidal table of Whisper's encoder and of fairseq (M2M100 / NLLB), float32
+    ``[length, channels]``: row ``p`` holds ``sin(p * w_i)`` in its first ``channels / 2`` columns and
+    ``cos(p * w_i)`` in the others, ``w_i = max_timescale ** (-i / (channels / 2 - 1))`` — not the
+    interleaved table of :class:`~attnzoo.nn.positional.SinusoidalPositionalEncoding`, nor Marian's
+    (``-i / (channels / 2)``). ``channels`` even and ``>= 4``."""
+    check_int(length, "length", "split_sinusoids")
+    check_int(channels, "channels", "split_sinusoids")
+    if channels % 2 or channels < 4:
+        raise ValueError(f"split_sinusoids: channels must be even and >= 4, got {channels}")
+    half = channels // 2
+    inv = torch.exp(-math.log(max_timescale) / (half - 1) * torch.arange(half, dtype=torch.float32))  # [C/2]
+    t = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]  # [L, C/2]
+    return torch.cat([t.sin(), t.cos()], dim=1)  # [L, C]
+
+
+def _put_attention(plan: Plan, ours: str, theirs: str, *, cross: bool, key_bias: bool) -> None:
+    """``{theirs}{q,k,v,out}_proj`` into a self-attention's fused ``qkv_proj`` or a cross-attention's
+    ``q_proj`` + ``kv_proj`` (rows ``[k; v]``), and ``out_proj``; without ``key_bias`` (Whisper) the
+    key's bias rows are zeros."""
+    w = [f"{theirs}{n}_proj.weight" for n in "qkv"]
+    b = [f"{theirs}{n}_proj.bias" for n in "qkv"]
+    if key_bias and not cross:
+        load_qkv_into(plan, ours, tuple(w), tuple(b), True)  # type: ignore[arg-type]
+    elif key_bias:
+        plan.put_pairs(f"{ours}.", theirs, [("q_proj", "q_proj")])
+        plan.put_cat(f"{ours}.kv_proj.weight", w[1:])
+        plan.put_cat(f"{ours}.kv_proj.bias", b[1:])
+    else:
+        _put_without_key_bias(plan, ours, theirs, cross)
+    plan.put_pairs(f"{ours}.", theirs, [("out_proj", "out_proj")])
+
+
+def _put_without_key_bias(plan: Plan, ours: str, theirs: str, cross: bool) -> None:
+    q_w, k_w, v_w = (plan.src.take(f"{theirs}{n}_proj.weight") for n in "qkv")
+    q_b, v_b = plan.src.take(f"{theirs}q_proj.bias"), plan.src.take(f"{theirs}v_proj.bias")
+    if q_w is None or k_w is None or v_w is None or q_b is None or v_b is None:
+        return  # the missing keys are reported by Plan.apply
+    src = plan.src.prefix + theirs
+    k_b = torch.zeros(k_w.shape[0], dtype=q_b.dtype, device=q_b.device)
+    if cross:
+        plan.put(f"{ours}.q_proj.weight", f"{theirs}q_proj.weight")
+        plan.put(f"{ours}.q_proj.bias", f"{theirs}q_proj.bias")
+        plan.put_tensor(f"{ours}.kv_proj.weight", torch.cat([k_w, v_w]), f"{src}k_proj.weight + v_proj.weight")
+        plan.put_tensor(f"{ours}.kv_proj.bias", torch.cat([k_b, v_b]), f"zeros (no k_proj bias) + {src}v_proj.bias")
+    else:
+        plan.put_tensor(f"{ours}.qkv_proj.weight", torch.cat([q_w, k_w, v_w]), f"{src}q/k/v_proj.weight")
+        plan.put_tensor(f"{ours}.qkv_proj.bias", torch.cat([q_b, k_b, v_b]),
+                        f"{src}q_proj.bias + zeros (no k_proj bias) + v_proj.bias")
+
+
+def put_layer(plan: Plan, ours: str, theirs: str, *, cross: bool, key_bias: bool = True) -> None:
+    """One layer in BART's layout onto a :class:`~attnzoo.TransformerBlock` (``ours``, ``theirs``:
+    prefixes ending in ``.``): ``self_attn`` -> ``attn``, ``self_attn_layer_norm`` -> ``attn_norm``,
+    ``fc1`` / ``fc2`` -> ``ffn.up_proj`` / ``ffn.down_proj``, ``final_layer_norm`` -> ``ffn_norm``,
+    and with ``cross`` (a decoder layer) ``encoder_attn`` -> ``cross_attn``,
+    ``encoder_attn_layer_norm`` -> ``cross_norm``. ``key_bias=False``: the checkpoint's key
+    projections have no bias (Whisper)."""
+    _put_attention(plan, f"{ours}attn", f"{theirs}self_attn.", cross=False, key_bias=key_bias)
+    pairs = [("attn_norm", "self_attn_layer_norm"), ("ffn_norm", "final_layer_norm"), ("ffn.up_proj", "fc1"),
+             ("ffn.down_proj", "fc2")]
+    if cross:
+        _put_attention(plan, f"{ours}cross_attn", f"{theirs}encoder_attn.", cross=True, key_bias=key_bias)
+        pairs.append(("cross_norm", "encoder_attn_layer_norm"))
+    plan.put_pairs(ours, theirs, pairs)
