@@ -152,9 +152,14 @@ def test_to_hf_round_trip() -> None:
 @pytest.mark.parametrize("cls", [T.T5ForConditionalGeneration, T.T5Model, T.T5ForTokenClassification,
                                  T.UMT5ForConditionalGeneration])
 def test_models_other_than_the_encoder_are_refused(cls: Any) -> None:
+    """By the encoder's converter (``from_hf`` converts the seq2seq models whole: ``test_hf_t5.py``)."""
     cfg = _umt5() if cls is T.UMT5ForConditionalGeneration else _t5()
+    hf = cls._from_config(cfg)
     with pytest.raises(UnsupportedConfigError, match="EncoderModel"):
-        from_hf(cls._from_config(cfg))
+        convert_t5_encoder(HFConfig(cfg.to_dict(), "config.json", "T5"), hf.state_dict(), device=None, dtype=None)
+    if cls is T.T5ForTokenClassification:
+        with pytest.raises(UnsupportedConfigError, match="EncoderModel"):
+            from_hf(hf)
 
 
 @pytest.mark.parametrize(("key", "value", "match"), [

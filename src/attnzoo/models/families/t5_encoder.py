@@ -26,10 +26,12 @@ Padding: transformers adds the key-padding mask to the scores of every query, pa
 included; relative positions are the tokens' indices, so left and right padding are alike for the
 real tokens. ``encode()`` (mean over the real tokens) is sentence-T5's pooling.
 
-Refused by name: the seq2seq models with their decoder (``T5ForConditionalGeneration``,
-``T5Model``, ``T5ForQuestionAnswering``, ``T5ForSequenceClassification``: load the encoder as
-``T5EncoderModel``), ``T5ForTokenClassification`` (a per-token head), ``is_decoder=True`` (a causal
-stack), activations without an attnzoo feed-forward (``gated-relu``, ...), bucket settings whose
+The seq2seq models with their decoder (``T5ForConditionalGeneration``, ``T5Model``) are converted by
+``families/t5.py``, which dispatches the three model types and hands the encoder-only checkpoints
+to :func:`convert_t5_encoder` (which refuses the seq2seq ones). Refused by name:
+``T5ForQuestionAnswering``, ``T5ForSequenceClassification`` (task heads on the seq2seq model),
+``T5ForTokenClassification`` (a per-token head), ``is_decoder=True`` (a causal stack alone),
+activations without an attnzoo feed-forward (``gated-relu``, ...), bucket settings whose
 log buckets are undefined (fewer than 2 exact buckets, ``max_distance`` not above them).
 
 Half precision: transformers' ``from_pretrained(dtype=torch.float16)`` keeps every ``wo`` in float32
@@ -49,7 +51,7 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo._validate import check_bool, check_int
-from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
+from attnzoo.blocks import BlockCache, BlockLayers, FeedForward, TransformerBlock
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import TransformerEncoder
@@ -230,21 +232,35 @@ def clamp_overflow(x: Tensor) -> Tensor:
 
 
 class ClampedBlock(TransformerBlock):
-    """A pre-norm :class:`~attnzoo.TransformerBlock` (self-attention and feed-forward, no cross-attention)
+    """A pre-norm :class:`~attnzoo.TransformerBlock` (self-attention, optional cross-attention, feed-forward)
     whose residual stream goes through :func:`clamp_overflow` after each sub-layer:
-    ``x = clamp(x + attn(norm(x)))``, ``x = clamp(x + ffn(norm(x)))`` (a no-op outside float16).
+    ``x = clamp(x + attn(norm(x)))``, (T5's decoder: ``x = clamp(x + cross_attn(norm(x), context))``),
+    ``x = clamp(x + ffn(norm(x)))`` (a no-op outside float16).
 
-    Build it as the block: ``ClampedBlock(C, layers=BlockLayers(attention=..., feed_forward=..., norm=...))``.
-    Shapes: ``x [B, N, C] -> [B, N, C]``; ``key_padding [B, N]`` bool, True = real token.
+    Build it as the block: ``ClampedBlock(C, layers=BlockLayers(attention=..., feed_forward=..., norm=...))``
+    (``cross_attention=...`` for a decoder layer; its cache is then a :class:`~attnzoo.blocks.BlockCache`).
+    Shapes: ``x [B, N, C] -> [B, N, C]``; ``key_padding [B, Nk]`` bool, True = real token;
+    ``context [B, M, C]`` and ``context_mask`` (broadcastable to ``[B, H, N, M]``) with cross-attention.
     """
 
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Any = None,
                 key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
-        mask = self._self_only(x, context, context_mask, mask, key_padding)
+        if self.cross_attn is None:
+            mask = self._self_only(x, context, context_mask, mask, key_padding)
+        elif not isinstance(context, Tensor):
+            raise ValueError("ClampedBlock: this block has cross-attention; pass context [B, M, C]")
+        else:
+            mask = self._self_mask(mask, key_padding)
         if cu_seqlens is not None or not self.norm_first or self.ffn is None or self.ffn_norm is None:
             raise ValueError("ClampedBlock: a pre-norm block with a feed-forward, without packed input (cu_seqlens)")
+        cross_cache = None
+        if isinstance(cache, BlockCache):  # a decoder layer: the context's keys/values cached beside its own
+            cross_cache = cache.cross(self.cross_attn, context)
+            cache = cache.self_cache
         x = clamp_overflow(x + self.dropout(self.attn_out_norm(self._mix(self.attn_norm(x), mask, cache, positions))))
+        if self.cross_attn is not None and self.cross_norm is not None:
+            x = clamp_overflow(x + self.dropout(self._cross(self.cross_norm(x), context, context_mask, cross_cache)))
         return clamp_overflow(x + self.dropout(self.ffn_out_norm(self.ffn(self.ffn_norm(x)))))
 
 
@@ -337,7 +353,6 @@ def convert_t5_encoder(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     return model
 
 
-#: what ``models/hf/convert.py`` dispatches here, by ``model_type``
-DISPATCH = {"t5": parts.Dispatch("T5", convert_t5_encoder, ("T5EncoderModel",)),
-            "mt5": parts.Dispatch("mT5", convert_t5_encoder, ("MT5EncoderModel",)),
-            "umt5": parts.Dispatch("UMT5", convert_t5_encoder, ("UMT5EncoderModel",))}
+#: nothing: ``t5``, ``mt5`` and ``umt5`` are dispatched by ``families/t5.py``, which converts the
+#: encoder-only checkpoints here (:func:`convert_t5_encoder`) and the seq2seq ones itself
+DISPATCH: dict[str, parts.Dispatch] = {}
