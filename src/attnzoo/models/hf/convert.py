@@ -18,6 +18,7 @@ from torch import Tensor, nn
 import attnzoo.models.families.apertus1p5 as apertus1p5
 import attnzoo.models.families.bailing_hybrid as bailing_hybrid
 import attnzoo.models.families.bamba as bamba
+import attnzoo.models.families.bart as bart
 import attnzoo.models.families.beam as beam
 import attnzoo.models.families.bert_kin as bert_kin
 import attnzoo.models.families.classic as classic
@@ -97,7 +98,7 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
                   cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
                   zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, dory, roberta, bert_kin, modernbert, deberta,
-                  mpnet, t5_encoder, rope_bert, dinov2, siglip, clip, t5)
+                  mpnet, t5_encoder, rope_bert, dinov2, siglip, clip, t5, bart)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
