@@ -54,6 +54,7 @@ import attnzoo.models.families.lara_mini as lara_mini
 import attnzoo.models.families.lfm2 as lfm2
 import attnzoo.models.families.lfm3 as lfm3
 import attnzoo.models.families.llama4 as llama4
+import attnzoo.models.families.m2m_100 as m2m_100
 import attnzoo.models.families.mamba1 as mamba1
 import attnzoo.models.families.mamba2 as mamba2
 import attnzoo.models.families.marian as marian
@@ -99,7 +100,7 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
                   cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
                   zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, dory, roberta, bert_kin, modernbert, deberta,
-                  mpnet, t5_encoder, rope_bert, dinov2, siglip, clip, t5, bart, marian)
+                  mpnet, t5_encoder, rope_bert, dinov2, siglip, clip, t5, bart, marian, m2m_100)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "*Model",
