@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = ["README.md", "docs/backends.md", "docs/models.md", "docs/adding-a-family.md", "docs/encoders.md"]
+PAGES = ["README.md", "docs/backends.md", "docs/models.md", "docs/adding-a-family.md", "docs/encoders.md",
+         "docs/seq2seq.md"]
 
 
 def blocks(page: str) -> list[str]:
