@@ -2,7 +2,7 @@
 ``WhisperModel``: the shared seq2seq checks on random log-mel features (logits, decoder hidden states,
 encoder states, cached decoding, greedy generation, saved folders, ``to_hf``, half precision) for
 every option that changes the math, greedy generation from Whisper's multi-token decoder prompt,
-the encoder's position table, the float16 clamp, the key bias ``to_hf`` keeps at zero, the
+the encoder's position table, the float16 clamp, the key projection without a bias, the
 attnzoo kernel hook, argument checks and refusals."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attnzoo.interop import ExportError, UnsupportedConfigError, from_hf, to_hf  # noqa: E402
-from attnzoo.models.families._seq2seq import split_sinusoids  # noqa: E402
+from attnzoo.interop import UnsupportedConfigError, from_hf  # noqa: E402
+from attnzoo.models.families._seq2seq import PartlyBiasedLinear, split_sinusoids  # noqa: E402
 from attnzoo.models.families.whisper import (  # noqa: E402
     WhisperAudioEncoder,
     build_whisper,
@@ -150,15 +150,16 @@ def test_float16_encoder_overflow_is_clamped_as_transformers() -> None:
     assert rel(got.float(), want.float()) <= 2e-2
 
 
-def test_to_hf_keeps_the_key_bias_at_zero() -> None:
-    """``k_proj`` has no bias: a zero block of attnzoo's fused bias, which ``to_hf`` checks."""
+def test_the_key_projection_has_no_bias_parameter() -> None:
+    """``k_proj`` has no bias: attnzoo's fused projections hold the query and value biases only (the
+    key rows' zeros are no parameter: training cannot move them; the fine-tuning check writes back)."""
     ours = from_hf(SWEEP["whisper"](1))
-    assert not ours.decoder.blocks[0].attn.qkv_proj.bias[32:64].any()
-    assert not ours.decoder.blocks[0].cross_attn.kv_proj.bias[:32].any()
-    with torch.no_grad():
-        ours.decoder.blocks[0].cross_attn.kv_proj.bias[3] = 0.5
-    with pytest.raises(ExportError, match=r"kv_proj\.bias"):
-        to_hf(ours, SWEEP["whisper"](0))
+    attn, cross = ours.decoder.blocks[0].attn, ours.decoder.blocks[0].cross_attn
+    assert not attn.qkv_proj.bias[32:64].any() and attn.qkv_proj.bias[:32].any()
+    assert not cross.kv_proj.bias[:32].any() and cross.kv_proj.bias[32:].any()
+    assert tuple(attn.qkv_proj.bias_kept.shape) == (64,) and tuple(cross.kv_proj.bias_kept.shape) == (32,)
+    with pytest.raises(ValueError, match="unbiased must be rows"):
+        PartlyBiasedLinear(4, 6, unbiased=(4, 8))
 
 
 def test_features_and_mask_are_checked() -> None:

@@ -10,13 +10,13 @@ import math
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int
 from attnzoo.blocks import BlockConfig, BlockLayers, TransformerBlock
 from attnzoo.models.hf._state import Plan, load_qkv_into
 
-__all__ = ["Float16ClampedBlock", "clamp_float16", "put_layer", "split_sinusoids"]
+__all__ = ["Float16ClampedBlock", "PartlyBiasedLinear", "clamp_float16", "put_layer", "split_sinusoids"]
 
 
 def clamp_float16(x: Tensor, *, always: bool) -> Tensor:
@@ -59,6 +59,50 @@ class Float16ClampedBlock(TransformerBlock):
         return f"always={self.always}"
 
 
+class PartlyBiasedLinear(nn.Module):
+    """A fused projection ``y = x W^T + b`` whose output rows ``[lo, hi)`` have no bias: ``b`` is
+    ``bias_kept`` with zeros inserted there (Whisper's key projection, which has no bias where its
+    query and value projections have one). The zeros are not parameters, so training cannot move
+    them and the model stays a conversion of its checkpoint (:func:`~attnzoo.interop.to_hf`).
+
+    Args:
+        in_features, out_features: ``C_in``, ``C_out``.
+        unbiased: ``(lo, hi)``, the output rows without a bias (``0 <= lo < hi <= C_out``).
+
+    Weights: ``weight [C_out, C_in]``, ``bias_kept [C_out - (hi - lo)]``; ``bias`` (read-only) the
+    full ``[C_out]`` bias. Shapes: ``[..., C_in] -> [..., C_out]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, unbiased: tuple[int, int],
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        owner = "PartlyBiasedLinear"
+        self.in_features = check_int(in_features, "in_features", owner)
+        self.out_features = check_int(out_features, "out_features", owner)
+        lo, hi = unbiased
+        if not (0 <= check_int(lo, "unbiased[0]", owner, minimum=0) < check_int(hi, "unbiased[1]", owner)
+                <= out_features):
+            raise ValueError(f"{owner}: unbiased must be rows (lo, hi) with 0 <= lo < hi <= {out_features}, "
+                             f"got {unbiased}")
+        self.unbiased = (lo, hi)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias_kept = nn.Parameter(torch.zeros(out_features - (hi - lo), device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    @property
+    def bias(self) -> Tensor:
+        """The full bias ``[C_out]``, zeros on the unbiased rows."""
+        lo, hi = self.unbiased
+        b = self.bias_kept
+        return torch.cat([b[:lo], b.new_zeros(hi - lo), b[lo:]])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., C_out]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, unbiased={self.unbiased}"
+
+
 def split_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Tensor:
     """The sinusoidal table of Whisper's encoder and of fairseq (M2M100 / NLLB), float32
     ``[length, channels]``: row ``p`` holds ``sin(p * w_i)`` in its first ``channels / 2`` columns and
@@ -93,21 +137,15 @@ def _put_attention(plan: Plan, ours: str, theirs: str, *, cross: bool, key_bias:
 
 
 def _put_without_key_bias(plan: Plan, ours: str, theirs: str, cross: bool) -> None:
-    q_w, k_w, v_w = (plan.src.take(f"{theirs}{n}_proj.weight") for n in "qkv")
-    q_b, v_b = plan.src.take(f"{theirs}q_proj.bias"), plan.src.take(f"{theirs}v_proj.bias")
-    if q_w is None or k_w is None or v_w is None or q_b is None or v_b is None:
-        return  # the missing keys are reported by Plan.apply
-    src = plan.src.prefix + theirs
-    k_b = torch.zeros(k_w.shape[0], dtype=q_b.dtype, device=q_b.device)
+    """Onto :class:`PartlyBiasedLinear` projections: the query and value biases only."""
+    w = [f"{theirs}{n}_proj.weight" for n in "qkv"]
     if cross:
-        plan.put(f"{ours}.q_proj.weight", f"{theirs}q_proj.weight")
-        plan.put(f"{ours}.q_proj.bias", f"{theirs}q_proj.bias")
-        plan.put_tensor(f"{ours}.kv_proj.weight", torch.cat([k_w, v_w]), f"{src}k_proj.weight + v_proj.weight")
-        plan.put_tensor(f"{ours}.kv_proj.bias", torch.cat([k_b, v_b]), f"zeros (no k_proj bias) + {src}v_proj.bias")
+        plan.put_pairs(f"{ours}.", theirs, [("q_proj", "q_proj")])
+        plan.put_cat(f"{ours}.kv_proj.weight", w[1:])
+        plan.put(f"{ours}.kv_proj.bias_kept", f"{theirs}v_proj.bias")
     else:
-        plan.put_tensor(f"{ours}.qkv_proj.weight", torch.cat([q_w, k_w, v_w]), f"{src}q/k/v_proj.weight")
-        plan.put_tensor(f"{ours}.qkv_proj.bias", torch.cat([q_b, k_b, v_b]),
-                        f"{src}q_proj.bias + zeros (no k_proj bias) + v_proj.bias")
+        plan.put_cat(f"{ours}.qkv_proj.weight", w)
+        plan.put_cat(f"{ours}.qkv_proj.bias_kept", [f"{theirs}q_proj.bias", f"{theirs}v_proj.bias"])
 
 
 def put_layer(plan: Plan, ours: str, theirs: str, *, cross: bool, key_bias: bool = True) -> None:
@@ -116,7 +154,8 @@ def put_layer(plan: Plan, ours: str, theirs: str, *, cross: bool, key_bias: bool
     ``fc1`` / ``fc2`` -> ``ffn.up_proj`` / ``ffn.down_proj``, ``final_layer_norm`` -> ``ffn_norm``,
     and with ``cross`` (a decoder layer) ``encoder_attn`` -> ``cross_attn``,
     ``encoder_attn_layer_norm`` -> ``cross_norm``. ``key_bias=False``: the checkpoint's key
-    projections have no bias (Whisper)."""
+    projections have no bias (Whisper: the attention's fused projections are
+    :class:`PartlyBiasedLinear`)."""
     _put_attention(plan, f"{ours}attn", f"{theirs}self_attn.", cross=False, key_bias=key_bias)
     pairs = [("attn_norm", "self_attn_layer_norm"), ("ffn_norm", "final_layer_norm"), ("ffn.up_proj", "fc1"),
              ("ffn.down_proj", "fc2")]

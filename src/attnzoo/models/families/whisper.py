@@ -17,8 +17,9 @@ feed-forward (420-511), a final ``layer_norm``, and ``proj_out`` tied to the tok
 Quirks reproduced:
 
 * ``k_proj`` has **no bias** where ``q_proj``, ``v_proj`` and ``out_proj`` have one (281-284):
-  attnzoo's fused projections carry a zero key bias (exact); :func:`~attnzoo.interop.to_hf` writes
-  the model back as long as that bias stays zero (a trained non-zero key bias is refused by name).
+  attnzoo's fused projections have a bias on the query and value rows only
+  (:class:`~attnzoo.models.families._seq2seq.PartlyBiasedLinear`: the key rows' zeros are not
+  parameters), so a fine-tuned model writes back with :func:`~attnzoo.interop.to_hf` exactly.
 * The encoder's position table is stored in the checkpoint (``encoder.embed_positions.weight``,
   a frozen ``nn.Embedding`` initialised with :func:`split_sinusoids`, 57-66 and 527-533: sines in
   the first half of the channels, cosines in the second, not interleaved) and is loaded as it is,
@@ -65,7 +66,12 @@ from attnzoo._validate import check_int
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._seq2seq import Float16ClampedBlock, put_layer, split_sinusoids
+from attnzoo.models.families._seq2seq import (
+    Float16ClampedBlock,
+    PartlyBiasedLinear,
+    put_layer,
+    split_sinusoids,
+)
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.bert import ACTIVATIONS
 from attnzoo.models.parts import DecoderParts, LMHead
@@ -88,10 +94,17 @@ EPS = 1e-5
 
 def _attention(dim: int, heads: int, *, causal: bool = False, cross: bool = False, dropout: float = 0.0,
                device: Any = None, dtype: Any = None) -> nn.Module:
-    """Whisper's attention: q/k/v/out projections with biases (the key's held at zero), scale
+    """Whisper's attention: q/k/v/out projections with biases but the key's (a
+    :class:`~attnzoo.models.families._seq2seq.PartlyBiasedLinear`), scale
     ``head_dim ** -0.5``; ``cross``: queries from the decoder, keys/values from the encoder."""
-    return build_softmax(MultiHeadAttention, dim, heads, bias=True, causal=causal, kv_dim=dim if cross else None,
+    attn = build_softmax(MultiHeadAttention, dim, heads, bias=True, causal=causal, kv_dim=dim if cross else None,
                          dropout=dropout, device=device, dtype=dtype)
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
+    if cross:  # rows [k; v]: the keys unbiased
+        attn.kv_proj = PartlyBiasedLinear(dim, 2 * dim, unbiased=(0, dim), **kw)
+    else:  # rows [q; k; v]
+        attn.qkv_proj = PartlyBiasedLinear(dim, 3 * dim, unbiased=(dim, 2 * dim), **kw)
+    return attn
 
 
 def _layers(dim: int, heads: int, ffn_dim: int, activation: str, *, decoder: bool, dropout: float = 0.0,
