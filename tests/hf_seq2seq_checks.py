@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import attnzoo as az
-from attnzoo.interop import from_hf, load_pretrained
+from attnzoo.interop import from_hf, load_pretrained, to_hf
 from hf_encoder_checks import check_to_hf, real_rel
 from hf_family_checks import V, perturbed, rel
 
@@ -222,6 +222,50 @@ class Seq2SeqChecks:
         hf.set_attn_implementation("attnzoo")
         got = hf_logits(hf, inputs, tgt, tgt_mask)
         assert len(calls) == self.kernel_calls
+        assert real_rel(got, want, tgt_mask) <= self.tol
+
+    def decoder_input(self, hf: Any, labels: torch.Tensor) -> torch.Tensor | None:
+        """The decoder input transformers derives from ``labels`` when it differs from
+        ``EncoderDecoder.loss``'s default (mBART: the row's last label first), else ``None``."""
+        return None
+
+    def labels(self) -> torch.Tensor:
+        """``[3, 7]`` target ids, row 0 right-padded with ``-100`` (no loss taken there)."""
+        tgt, mask = target()
+        return tgt.masked_fill(mask == 0, -100)
+
+    def test_loss_equals_transformers(self) -> None:
+        """``loss(src, labels)`` equals transformers' ``model(..., labels=labels).loss`` (the labels
+        shifted right behind the start token, ``-100`` not counted)."""
+        hf = self._make()
+        ours = from_hf(hf)
+        src, src_mask = self.source(hf)
+        labels = self.labels()
+        with torch.no_grad():
+            want = hf(**self.hf_inputs(hf, src, src_mask), labels=labels).loss
+            got = ours.loss(src, labels, src_mask=src_mask, decoder_input=self.decoder_input(hf, labels))
+        assert abs(float(got) - float(want)) <= self.tol * abs(float(want))
+
+    def test_fine_tuned_model_writes_back_to_transformers(self) -> None:
+        """Convert, take two SGD steps on ``loss`` with attnzoo, ``to_hf`` into a fresh transformers
+        model of the config: its logits equal the fine-tuned attnzoo model's."""
+        hf = self._make()
+        ours = from_hf(hf).train()
+        src, src_mask = self.source(hf)
+        labels = self.labels()
+        opt = torch.optim.SGD(ours.parameters(), lr=0.05)
+        for _ in range(2):
+            loss = ours.loss(src, labels, src_mask=src_mask, decoder_input=self.decoder_input(hf, labels))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        ours.eval()
+        fresh = self._make(seed=1)
+        to_hf(ours, fresh)
+        tgt, tgt_mask = target()
+        with torch.no_grad():
+            got = ours(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask)
+        want = hf_logits(fresh, self.hf_inputs(fresh, src, src_mask), tgt, tgt_mask)
         assert real_rel(got, want, tgt_mask) <= self.tol
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

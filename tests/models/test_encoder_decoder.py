@@ -186,3 +186,37 @@ def test_a_non_token_encoder_takes_any_source_tensor() -> None:
     assert model.generate(feats, 3).shape == (2, 4)
     with pytest.raises(ValueError, match=r"src must be a tensor \[B, \.\.\.\]"):
         model.generate(feats[0, 0], 3)
+
+
+def test_loss_is_the_cross_entropy_of_the_labels_shifted_behind_the_start_token() -> None:
+    model = _model(decoder_start_token_id=0)
+    src, mask = _src()
+    labels = torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(3))
+    labels[0, 4:] = -100  # right padding: not counted
+    tgt_in = torch.cat([torch.zeros(2, 1, dtype=torch.long), labels[:, :-1].clamp(min=0)], dim=1)
+    logits = model(src, tgt_in, src_mask=mask)
+    keep = labels != -100
+    want = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    torch.testing.assert_close(model.loss(src, labels, src_mask=mask), want)
+    torch.testing.assert_close(model.loss(src, labels, src_mask=mask, decoder_input=tgt_in), want)
+
+
+def test_bad_loss_arguments_are_refused_by_name() -> None:
+    src = _src()[0]
+    labels = torch.randint(3, V, (2, 6))
+    with pytest.raises(ValueError, match="no decoder_start_token_id; pass decoder_input"):
+        _model().loss(src, labels)
+    model = _model(decoder_start_token_id=0)
+    with pytest.raises(ValueError, match=r"labels must be integer token ids \[B, N\]"):
+        model.loss(src, labels.float())
+    with pytest.raises(ValueError, match="decoder_input must have the labels' shape"):
+        model.loss(src, labels, decoder_input=labels[:, :3])
+    with pytest.raises(ValueError, match=r"labels must be token ids in \[0, 40\) or ignore_index=-100"):
+        model.loss(src, labels.masked_fill(labels == labels[0, 0], V))
+    with pytest.raises(TypeError, match="ignore_index"):
+        model.loss(src, labels, ignore_index=1.5)  # type: ignore[arg-type]
+    bare = EncoderDecoder(model.encoder, az.DecoderLM.with_blocks(
+        DecoderConfig(V, C, L, H), lambda b, _: b.replace(cross_attention=True), parts=DecoderParts(head=nn.Identity())),
+        decoder_start_token_id=0)
+    with pytest.raises(ValueError, match="no LM head"):
+        bare.loss(src, labels)

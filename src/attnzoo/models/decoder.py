@@ -38,7 +38,7 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS
 
-__all__ = ["DecoderLM", "outer_config", "sample_next_token", "shared_rotaries"]
+__all__ = ["DecoderLM", "head_width", "outer_config", "sample_next_token", "shared_rotaries"]
 
 
 def check_sampling(temperature: object, top_k: object, top_p: object, generator: object,
@@ -186,7 +186,7 @@ def _tie(head: nn.Module, embedding: nn.Module, cfg: DecoderConfig) -> bool:
     return True
 
 
-def _head_width(head: nn.Module) -> int | None:
+def head_width(head: nn.Module) -> int | None:
     """The output width of a head (0: ``Identity``), or ``None`` when it cannot be told."""
     if isinstance(head, nn.Identity):
         return 0
@@ -524,7 +524,7 @@ class DecoderLM(FromConfig, nn.Module):
                         owner: str = "DecoderLM.generate") -> None:
         """The head, ``eos_token_id``, ``extend_context`` and the length bound of :meth:`generate`
         (the sampling settings: :func:`check_sampling`)."""
-        width = _head_width(self.lm_head)
+        width = head_width(self.lm_head)
         if width is not None and width != self.vocab_size:
             raise ValueError(f"{owner}: the model has no LM head (its head is {type(self.lm_head).__name__} "
                              f"with {width} outputs, vocab_size={self.vocab_size}); nothing to sample")

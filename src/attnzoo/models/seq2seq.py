@@ -21,7 +21,7 @@ from attnzoo.models._common import (
 )
 from attnzoo.models.beam_search import check_beam_settings, decoder_beam_search, refuse_sampling
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
-from attnzoo.models.decoder import DecoderLM, check_sampling
+from attnzoo.models.decoder import DecoderLM, check_sampling, head_width
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
@@ -92,6 +92,41 @@ class EncoderDecoder(nn.Module):
         True = real token) -> ``logits [B, N, V]``."""
         memory = self.encode(src, src_mask)
         return self.decode(tgt, memory, memory_mask=src_mask, tgt_mask=tgt_mask)
+
+    def loss(self, src: Tensor, labels: Tensor, *, src_mask: Tensor | None = None,
+             decoder_input: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+        """The teacher-forced training loss of ``labels [B, N]`` (the target tokens; ``ignore_index``
+        where no loss is taken, e.g. right padding): the mean cross entropy over the counted labels of
+        the logits ``forward(src, decoder_input)``, ``decoder_input [B, N]`` by default the labels
+        shifted right behind :attr:`decoder_start_token_id` (transformers' ``shift_tokens_right``:
+        what ``model(input_ids, labels=labels).loss`` computes). An ignored label feeds the start
+        token to the decoder where transformers feeds the pad id: the loss is the same when ignored
+        labels are right padding (the decoder is causal). Returns a 0-dim float32 tensor."""
+        owner = f"{type(self).__name__}.loss"
+        if not isinstance(labels, Tensor) or labels.dim() != 2 or labels.is_floating_point() or labels.shape[1] == 0:
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"{owner}: labels must be integer token ids [B, N] with N >= 1, got {got}")
+        check_int(ignore_index, "ignore_index", owner, minimum=None)
+        width = head_width(self.decoder.lm_head)
+        if width != self.decoder.vocab_size:
+            raise ValueError(f"{owner}: the model has no LM head over its {self.decoder.vocab_size} tokens "
+                             f"(its head is {type(self.decoder.lm_head).__name__})")
+        counted = labels.ne(ignore_index)
+        bad = labels.masked_fill(~counted, 0)
+        if bool(((bad < 0) | (bad >= width)).any()):
+            raise ValueError(f"{owner}: labels must be token ids in [0, {width}) or ignore_index={ignore_index}")
+        if decoder_input is None:
+            start = self.decoder_start_token_id
+            if start is None:
+                raise ValueError(f"{owner}: the model has no decoder_start_token_id; pass decoder_input [B, N]")
+            filled = labels.masked_fill(~counted, start)
+            decoder_input = torch.cat([torch.full_like(labels[:, :1], start), filled[:, :-1]], dim=1)
+        elif not isinstance(decoder_input, Tensor) or tuple(decoder_input.shape) != tuple(labels.shape):
+            got = tuple(decoder_input.shape) if isinstance(decoder_input, Tensor) else type(decoder_input).__name__
+            raise ValueError(f"{owner}: decoder_input must have the labels' shape {tuple(labels.shape)}, got {got}")
+        logits = self(src, decoder_input, src_mask=src_mask)  # [B, N, V]
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, width), labels.reshape(-1),
+                                                 ignore_index=ignore_index)
 
     def _check_source(self, src: object, owner: str) -> Tensor:
         """``src``: token ids of a :class:`~attnzoo.TransformerEncoder`, else a tensor of ``B >= 1`` rows."""
