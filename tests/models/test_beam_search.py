@@ -314,3 +314,41 @@ def test_beam_search_checks_its_own_arguments() -> None:
         beam_search(step, torch.ones(2, 1, dtype=torch.long), num_beams=2, max_new_tokens=-1, eos_token_id=None)
     with pytest.raises(TypeError, match="eos_token_id"):
         beam_search(step, torch.ones(2, 1, dtype=torch.long), num_beams=2, max_new_tokens=2, eos_token_id=1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("num_beams", [1, 2, 4])
+@pytest.mark.parametrize(("bos", "eos_forced"), [(17, None), (None, 23), (17, 23)])
+def test_forced_tokens_equal_transformers(t5: Any, num_beams: int, bos: int | None, eos_forced: int | None) -> None:
+    """``forced_bos_token_id`` / ``forced_eos_token_id`` as transformers' processors of those names:
+    the forced token counts in the length beam search divides by (a ``decoder_prompt`` would not)."""
+    hf, ours, src, mask = t5
+    for eos, lp in ((EOS_IDS[0], 0.6), (EOS_IDS[-1], 2.0)):
+        kw = {"num_beams": num_beams, "length_penalty": lp, "forced_bos_token_id": bos,
+              "forced_eos_token_id": eos_forced}
+        want = _hf_beams(hf, src, mask, eos, **kw)
+        got = ours.generate(src, NEW, src_mask=mask.bool(), bos_token_id=0, eos_token_id=eos, **kw)
+        assert torch.equal(got, want), (eos, got, want)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_decoder_prompt_equals_transformers_decoder_input_ids(t5: Any, num_beams: int) -> None:
+    """Several start tokens (``decoder_prompt``) and a left-padded source row, as transformers'
+    ``decoder_input_ids``."""
+    hf, ours, src, mask = t5
+    src, mask = src.clone(), mask.clone()
+    src[1, :2], mask[1, :2] = 0, 0  # row 1 left-padded
+    prompt = torch.tensor([[0, 5, 9]] * 3)
+    for eos in EOS_IDS:
+        want = _hf_beams(hf, src, mask, eos, num_beams=num_beams, decoder_input_ids=prompt)
+        got = ours.generate(src, NEW, src_mask=mask.bool(), eos_token_id=eos, decoder_prompt=prompt,
+                            num_beams=num_beams)
+        assert torch.equal(got, want), (eos, got, want)
+
+
+def test_forced_tokens_are_checked() -> None:
+    model = _native()
+    src, mask = _source()
+    with pytest.raises(ValueError, match="forced_bos_token_id must be < the decoder's vocab_size"):
+        model.generate(src, 4, src_mask=mask, bos_token_id=1, forced_bos_token_id=10_000)
+    with pytest.raises(TypeError, match="forced_eos_token_id"):
+        model.generate(src, 4, src_mask=mask, bos_token_id=1, forced_eos_token_id=2.0)  # type: ignore[arg-type]

@@ -127,12 +127,27 @@ def _initial(start: Tensor, K: int, L: int, eos_token_id: int | None) -> tuple[T
             torch.zeros(B, K, dtype=torch.long, device=dev), torch.zeros(B, K, dtype=torch.bool, device=dev))
 
 
-def _continuations(logits: Tensor, running_scores: Tensor, keep: int) -> tuple[Tensor, Tensor, Tensor]:
+def _forced_at(forced: tuple[int | None, int | None], cur: int, L: int) -> int | None:
+    """The token forced after ``cur`` of ``L`` tokens: the end token at the last step (transformers
+    applies its forced-EOS processor after the forced-BOS one), the BOS token after one token."""
+    bos, eos = forced
+    if eos is not None and cur == L - 1:
+        return eos
+    return bos if cur == 1 else None
+
+
+def _continuations(logits: Tensor, running_scores: Tensor, keep: int,
+                   forced: int | None) -> tuple[Tensor, Tensor, Tensor]:
     """The best ``keep`` continuations of each row by summed float32 log-probability: ``logits
-    [B * K, V]``, ``running_scores [B, K]`` -> ``(scores, beam, token)``, each ``[B, keep]``."""
+    [B * K, V]``, ``running_scores [B, K]`` -> ``(scores, beam, token)``, each ``[B, keep]``.
+    ``forced``: this step's token is forced (log-probability 0, every other ``-inf``: transformers'
+    ``ForcedBOSTokenLogitsProcessor`` / ``ForcedEOSTokenLogitsProcessor``)."""
     B, K = running_scores.shape
     log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [B * K, V]
     V = log_probs.shape[-1]
+    if forced is not None:
+        log_probs = torch.full_like(log_probs, float("-inf"))
+        log_probs[:, forced] = 0.0
     log_probs = (log_probs.view(B, K, V) + running_scores[:, :, None]).reshape(B, K * V)  # [B, K * V]
     scores, cand = torch.topk(log_probs, k=keep)  # [B, keep]
     return scores, cand // V, cand % V
@@ -164,14 +179,13 @@ def _can_improve(running_scores: Tensor, scores: Tensor, finished: Tensor, divis
 @torch.no_grad()
 def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: int, max_new_tokens: int,
                 eos_token_id: int | None, length_penalty: float = 1.0, early_stopping: bool | str = False,
-                reorder: Callable[[Tensor], None] | None = None) -> BeamSearchOutput:
+                reorder: Callable[[Tensor], None] | None = None,
+                forced: tuple[int | None, int | None] = (None, None)) -> BeamSearchOutput:
     """Beam search from ``start [B, P]`` (see the module docstring for the rules).
 
     Args:
-        step: ``tokens [B * K, P + t] -> logits [B * K, V]``, the next-token logits after the last
-            of each row's tokens (row ``b * K + k`` is beam ``k`` of source row ``b``). It is called
-            with the whole sequences; a cached model feeds only the last token (the first call:
-            all ``P``), its caches built for ``B * K`` rows.
+        step: ``tokens [B * K, P + t] -> logits [B * K, V]`` after each row's last token (row
+            ``b * K + k``: beam ``k`` of row ``b``; a cached model feeds only the new token).
         start: ``[B, P]`` long, the start tokens of every row (each row's ``K`` beams start alike).
         num_beams: ``K >= 1``.
         max_new_tokens: ``T_max >= 0``; with ``0`` the start tokens are returned.
@@ -181,6 +195,8 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
         early_stopping: ``True``, ``False`` or ``"never"``: when a row is done.
         reorder: ``index [B * K] -> None``, called before every step but the first with the flat row
             (``b * K + k``) each new beam continues: reorder the model's caches to it.
+        forced: ``(bos, eos)`` forced as transformers' ``forced_bos_token_id`` / ``forced_eos_token_id``
+            (:func:`_forced_at`: log-probability 0, every other token ``-inf``); ``None``: not forced.
 
     Returns: :class:`BeamSearchOutput` ``(tokens [B, P + T], scores [B], lengths [B])``.
     """
@@ -188,11 +204,9 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
     K, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
     new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
     _check_start(start, eos_token_id, owner)
-    B, P = start.shape
-    dev = start.device
+    (B, P), dev = start.shape, start.device
     if new == 0:
-        return BeamSearchOutput(start.long().clone(), torch.zeros(B, device=dev),
-                                torch.zeros(B, dtype=torch.long, device=dev))
+        return BeamSearchOutput(start.long().clone(), torch.zeros(B, device=dev), torch.zeros_like(start[:, 0]).long())
     L = P + new
     keep = 2 * K  # transformers: max(2, 1 + number of end tokens) * num_beams, one end token here
     top_k_mask = torch.cat((torch.ones(K, dtype=torch.bool), torch.zeros(keep - K, dtype=torch.bool))).to(dev)
@@ -203,14 +217,13 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
     logits = step(running.view(B * K, L)[:, :cur])
     while True:
         # 1-2. the best 2K continuations of every row, by summed log-probability
-        cand_scores, cand_beam, cand_tokens = _continuations(logits, running_scores, keep)  # [B, 2K] each
+        cand_scores, cand_beam, cand_tokens = _continuations(logits, running_scores, keep,
+                                                             _forced_at(forced, cur, L))  # [B, 2K] each
         cand_seqs = _gather(running, cand_beam)  # [B, 2K, L]
         cand_seqs[:, :, cur] = cand_tokens
         cand_rows = cand_beam + row_offset  # [B, 2K] the flat rows they continue
         # 3. stopping criteria, and the next running beams
-        hits = torch.full((B, keep), cur + 1 >= L, dtype=torch.bool, device=dev)  # [B, 2K]
-        if eos_token_id is not None:
-            hits = hits | (cand_tokens == eos_token_id)
+        hits = (cand_tokens == (-1 if eos_token_id is None else eos_token_id)) | (cur + 1 >= L)  # [B, 2K]
         open_scores = cand_scores + hits.to(torch.float32) * _NEG
         nxt = torch.topk(open_scores, k=K)[1]  # [B, K]
         running = _gather(cand_seqs, nxt)
@@ -245,16 +258,25 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
 @torch.no_grad()
 def decoder_beam_search(decoder: DecoderLM, start: Tensor, context: Tensor, context_mask: Tensor | None, *,
                         num_beams: int, max_new_tokens: int, eos_token_id: int | None, length_penalty: float = 1.0,
-                        early_stopping: bool | str = False) -> BeamSearchOutput:
+                        early_stopping: bool | str = False,
+                        forced: tuple[int | None, int | None] = (None, None)) -> BeamSearchOutput:
     """:func:`beam_search` with a cross-attention ``decoder`` (what :meth:`EncoderDecoder.generate
     <attnzoo.EncoderDecoder.generate>` runs for ``num_beams > 1``): ``context [B, M, C]`` (the encoded
     source) and ``context_mask [B, M]`` are repeated to ``B * K`` rows, the decoder's caches are built
     for ``B * K`` rows and ``P + max_new_tokens`` tokens and reordered at every step (``TypeError``
-    naming the caches that cannot be). ``start [B, P]``; returns :class:`BeamSearchOutput`."""
-    owner = "beam_search"
+    naming the caches that cannot be). ``start [B, P]``; ``forced``: as :func:`beam_search`; returns
+    :class:`BeamSearchOutput`."""
+    owner = "decoder_beam_search"
     K = check_int(num_beams, "num_beams", owner, minimum=1)
     new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
+    _check_start(start, eos_token_id, owner)
     B, P = start.shape
+    if eos_token_id is not None and eos_token_id >= decoder.vocab_size:
+        raise ValueError(f"{owner}: eos_token_id must be < the decoder's vocab_size={decoder.vocab_size}, "
+                         f"got {eos_token_id}")
+    if not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != B:
+        got = tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__
+        raise ValueError(f"{owner}: context must be the encoded source [B, M, C] with B = {B} rows, got {got}")
     if new == 0:
         return beam_search(lambda t: t, start, num_beams=K, max_new_tokens=0, eos_token_id=eos_token_id)
     cache = decoder.init_cache(B * K, P + new)
@@ -269,4 +291,5 @@ def decoder_beam_search(decoder: DecoderLM, start: Tensor, context: Tensor, cont
         return decoder._decode_step(tokens, cache, None, None, memory, mask)
 
     return beam_search(step, start, num_beams=K, max_new_tokens=new, eos_token_id=eos_token_id,
-                       length_penalty=length_penalty, early_stopping=early_stopping, reorder=cache.reorder)
+                       length_penalty=length_penalty, early_stopping=early_stopping, reorder=cache.reorder,
+                       forced=forced)

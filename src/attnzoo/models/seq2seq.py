@@ -165,7 +165,8 @@ class EncoderDecoder(nn.Module):
                  src_mask: Tensor | None = None, eos_token_id: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
                  decoder_prompt: Tensor | None = None, num_beams: int = 1, length_penalty: float = 1.0,
-                 early_stopping: bool | str = False) -> Tensor:
+                 early_stopping: bool | str = False, forced_bos_token_id: int | None = None,
+                 forced_eos_token_id: int | None = None) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
@@ -175,8 +176,12 @@ class EncoderDecoder(nn.Module):
         row has). ``num_beams > 1``: beam search as transformers runs it
         (:mod:`attnzoo.models.beam_search`; ``length_penalty``, ``early_stopping`` ``True`` /
         ``False`` / ``"never"``; not with sampling settings), each row's best hypothesis, filled with
-        the end token after it. Every argument is checked before the source is encoded. Returns
-        ``[B, P + T]`` (the start tokens first), ``T <= max_new_tokens``.
+        the end token after it. ``forced_bos_token_id``: the token written after a one-token start
+        (a target language: M2M100 / NLLB, mBART-50), ``forced_eos_token_id``: the last of the
+        ``max_new_tokens``, both as transformers' processors of those names force them (a forced
+        token counts in the length beam search divides by; the end token wins when both fall on one
+        step). Every argument is checked before the source is encoded. Returns ``[B, P + T]`` (the
+        start tokens first), ``T <= max_new_tokens``.
         """
         owner = f"{type(self).__name__}.generate"
         src = self._check_source(src, owner)
@@ -187,6 +192,8 @@ class EncoderDecoder(nn.Module):
         if beams > 1:
             refuse_sampling(temperature, top_k, top_p, generator, owner)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
+        forced = tuple(self._check_token(t, name, owner) for name, t in (
+            ("forced_bos_token_id", forced_bos_token_id), ("forced_eos_token_id", forced_eos_token_id)))
         self.decoder._check_generate(start.shape[1], new, eos, owner=owner)
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
@@ -194,9 +201,27 @@ class EncoderDecoder(nn.Module):
         if beams > 1:
             return decoder_beam_search(self.decoder, start, memory, src_mask, num_beams=beams, max_new_tokens=new,
                                        eos_token_id=eos, length_penalty=length_penalty,
-                                       early_stopping=early_stopping).tokens
-        return self.decoder.generate(start, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask)
+                                       early_stopping=early_stopping, forced=forced).tokens  # type: ignore[arg-type]
+        bos_forced, eos_forced = forced
+        last = eos_forced is not None and new >= 1  # the last token is the forced end token
+        if bos_forced is not None and start.shape[1] == 1 and new - last >= 1:
+            start = torch.cat([start, torch.full_like(start, bos_forced)], dim=1)  # greedy or sampled: written
+            new -= 1
+        out = self.decoder.generate(start, new - last, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask)
+        done = torch.zeros_like(out[:, 0], dtype=torch.bool) if eos is None else (out[:, start.shape[1]:] == eos).any(1)
+        if last and not bool(done.all()) and out.shape[1] == start.shape[1] + new - 1:  # ran to the end
+            forced_end = torch.full_like(out[:, 0], eos_forced)  # type: ignore[arg-type]
+            col = forced_end if eos is None else torch.where(done, eos, forced_end)  # ended rows keep their fill
+            out = torch.cat([out, col[:, None]], dim=1)
+        return out
+
+    def _check_token(self, token: object, name: str, owner: str) -> int | None:
+        """``None`` or a token id below the decoder's vocabulary."""
+        if token is not None and check_int(token, name, owner, minimum=0) >= self.decoder.vocab_size:
+            raise ValueError(f"{owner}: {name} must be < the decoder's vocab_size={self.decoder.vocab_size}, "
+                             f"got {token}")
+        return token  # type: ignore[return-value]
 
 
 class Transformer(FromConfig, EncoderDecoder):
