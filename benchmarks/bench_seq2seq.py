@@ -147,7 +147,7 @@ def main() -> None:
     for r in rows:
         ratio = "" if r["vs_sdpa"] is None else f"{r['vs_sdpa']:.2f}"
         print(f"{r['impl']:8s} {r['seconds']:9.3f} {r['tokens_per_s']:8.1f} {ratio:>7s} "
-              f"{str(r['same_tokens_as_eager']):>12s}")
+              f"{r['same_tokens_as_eager']!s:>12s}")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ class TestPegasus(_Checks):
     config = staticmethod(_pegasus)
     model = T.PegasusForConditionalGeneration
     base = T.PegasusModel
-    cases = (lambda: _cfg(T.PegasusConfig), lambda: _pegasus(tie_word_embeddings=False),
+    cases = (lambda: _cfg(T.PegasusConfig), lambda: _pegasus(tie_word_embeddings=False, encoder_layerdrop=0.1,
+                                                             decoder_layerdrop=0.2),  # LayerDrop: off in eval
              lambda: _pegasus(encoder_layers=1, decoder_layers=3, encoder_attention_heads=8, decoder_attention_heads=2,
                               encoder_ffn_dim=80, decoder_ffn_dim=48))
     drop = ("scale_embedding", "tie_word_embeddings", "activation_function")
@@ -232,7 +233,6 @@ def test_float16_clamps_as_transformers() -> None:
     (_marian, "is_decoder", True, "is_decoder"), (_pegasus, "is_encoder_decoder", False, "is_decoder"),
     (_marian, "activation_function", "tanh", "activation_function"),
     (_pegasus, "activation_function", "gelu_fast", "activation_function"),
-    (_marian, "encoder_layerdrop", 0.1, "encoder_layerdrop"), (_pegasus, "decoder_layerdrop", 0.2, "decoder_layerdrop"),
     (_marian, "decoder_vocab_size", V + 1, "share_encoder_decoder_embeddings"),
     (_marian, "decoder_attention_heads", 5, "decoder_attention_heads")])
 def test_options_without_an_equivalent_are_refused(make: Any, key: str, value: Any, match: str) -> None:
@@ -259,3 +259,16 @@ def test_class_defaults_are_read_when_the_config_leaves_them_out() -> None:
         assert model.decoder.lm_head.weight is model.decoder.tok_emb.weight is model.encoder.embedding.tok_emb.weight
 
 
+
+
+def test_a_left_padded_target_is_positioned_by_slot_as_transformers_does() -> None:
+    """transformers positions the decoder's tokens by slot (``arange``), whatever the target mask."""
+    hf = SWEEP["marian"](0)
+    ours = from_hf(hf)
+    src, src_mask = s2s.token_source()
+    tgt, tgt_mask = s2s.target(pad=0)
+    tgt_mask[1, :2] = 0  # row 1 left-padded
+    with torch.no_grad():
+        got = ours(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask)
+    want = s2s.hf_logits(hf, {"input_ids": src, "attention_mask": src_mask}, tgt, tgt_mask)
+    assert real_rel(got, want, tgt_mask) <= 1e-5

@@ -16,7 +16,23 @@ from attnzoo._validate import check_bool, check_int
 from attnzoo.blocks import BlockConfig, BlockLayers, TransformerBlock
 from attnzoo.models.hf._state import Plan, load_qkv_into
 
-__all__ = ["Float16ClampedBlock", "PartlyBiasedLinear", "clamp_float16", "put_layer", "split_sinusoids"]
+__all__ = ["ACTIVATIONS", "Float16ClampedBlock", "PartlyBiasedLinear", "clamp_float16", "config_token", "put_layer",
+           "split_sinusoids"]
+
+#: ``activation_function`` of these families -> :class:`~attnzoo.FeedForward` activation
+ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+               "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}
+
+
+def config_token(value: object, vocab_size: int | None = None) -> int | None:
+    """A special token id of a config as :class:`~attnzoo.EncoderDecoder` keeps it: an int ``>= 0``
+    (below ``vocab_size`` when given), or the one entry of such a list; ``None`` otherwise (several
+    end tokens: pass ``eos_token_id`` to ``generate``)."""
+    if isinstance(value, list):
+        value = value[0] if len(value) == 1 else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return None
+    return value if vocab_size is None or value < vocab_size else None
 
 
 def clamp_float16(x: Tensor, *, always: bool) -> Tensor:

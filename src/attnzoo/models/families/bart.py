@@ -44,17 +44,19 @@ decoder's state at the **last** ``eos_token_id`` of each row (every row must hol
 and applies ``out_proj(tanh(dense(h)))`` (B 394-415): :meth:`Seq2SeqClassifier.classify`.
 
 ``decoder_start_token_id``: BART 2 (``</s>``), mBART / PLBART none by default (mBART-50's config
-sets 2; translation starts ``[</s>, target language id]``: pass ``decoder_prompt``). transformers'
-generation processors (``forced_bos_token_id``, ``forced_eos_token_id``) are not part of the model:
-:meth:`~attnzoo.EncoderDecoder.generate` does not apply them. The legacy keys of transformers 3 configs
+sets 2; translation forces the target language id after it: ``generate(...,
+forced_bos_token_id=lang_id)``). transformers' generation settings (``forced_bos_token_id``,
+``forced_eos_token_id``, beams) are not part of the model: pass them to
+:meth:`~attnzoo.EncoderDecoder.generate`. The legacy keys of transformers 3 configs
 (``normalize_before``, ``add_final_layer_norm``, ``static_position_embeddings``, ``add_bias_logits``,
 ...) are not read by transformers 5.25 and not here: the ``model_type`` decides the layout.
 
 Refused by name: ``BartForCausalLM`` / ``BartForQuestionAnswering`` (and mBART's / PLBART's: their
-weights have no attnzoo head), ``encoder_layerdrop`` / ``decoder_layerdrop`` above 0 (LayerDrop skips
-layers at random in training), an ``activation_function`` attnzoo has no feed-forward for, tied
+weights have no attnzoo head), an ``activation_function`` attnzoo has no feed-forward for, tied
 embedding copies whose values differ (transformers then unties them with a warning), a list
-``eos_token_id`` under ``*ForSequenceClassification``.
+``eos_token_id`` under ``*ForSequenceClassification``. ``encoder_layerdrop`` / ``decoder_layerdrop``
+(layers skipped at random in training) are not reproduced: attnzoo runs every layer, as
+transformers does in eval mode.
 """
 
 from __future__ import annotations
@@ -73,7 +75,12 @@ from attnzoo.models._common import check_padding_mask, check_tokens
 from attnzoo.models.config import DecoderConfig, EncoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
-from attnzoo.models.families._seq2seq import Float16ClampedBlock, put_layer
+from attnzoo.models.families._seq2seq import (
+    ACTIVATIONS,
+    Float16ClampedBlock,
+    config_token,
+    put_layer,
+)
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding
@@ -81,14 +88,11 @@ from attnzoo.models.seq2seq import EncoderDecoder
 from attnzoo.nn.positional import LearnedPositionalEmbedding
 from attnzoo.variants import build_attention
 
-__all__ = ["ACTIVATIONS", "DEFAULTS", "DISPATCH", "OFFSET", "BartEmbedding", "OffsetLearnedPositions",
+__all__ = ["DEFAULTS", "DISPATCH", "OFFSET", "BartEmbedding", "OffsetLearnedPositions",
            "Seq2SeqClassifier", "build_bart", "convert_bart", "shift_tokens_right"]
 
 #: rows of transformers' position table before position 0 (``BartLearnedPositionalEmbedding.offset``)
 OFFSET = 2
-#: ``activation_function`` -> :class:`~attnzoo.FeedForward` activation
-ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-               "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}
 _COMMON: dict[str, Any] = {
     "max_position_embeddings": 1024, "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0,
     "activation_function": "gelu", "dropout": 0.1, "attention_dropout": 0.0, "activation_dropout": 0.0,
@@ -242,10 +246,6 @@ def _read(hf: HFConfig) -> HFConfig:
     """``hf`` with its config class's defaults, the options without an attnzoo equivalent refused."""
     model_type = hf.raw("model_type", "bart")
     out = hf.with_defaults(DEFAULTS[model_type])
-    for key in ("encoder_layerdrop", "decoder_layerdrop"):
-        if out.get(key, 0.0, float) > 0:
-            raise hf.unsupported(f"{key}={out.raw(key)!r} (LayerDrop skips layers at random in training; set it to "
-                                 f"0 for inference)")
     out.activation("activation_function", ACTIVATIONS)
     if out.get("is_decoder", False, bool):
         raise hf.unsupported("is_decoder=True (the decoder alone, *ForCausalLM)")
@@ -324,11 +324,11 @@ def build_bart(hf: HFConfig, *, head: str = "lm", num_labels: int = 0, device: A
             raise hf.unsupported(f"eos_token_id={eos!r} under *ForSequenceClassification (one end token is read)")
         classifier = FirstTokenClassifier(C, check_int(num_labels, "num_labels", "build_bart"),
                                           dropout=hf.get("classifier_dropout", 0.0, float), **kw)
+        # mBART / PLBART's classifiers shift with their own rule (the row's last token first) whatever
+        # decoder_start_token_id says (mBART-50 sets it to 2); BART's puts the start token first
         return Seq2SeqClassifier(encoder, decoder, classifier, eos_token_id=eos, pad_token_id=hf.req("pad_token_id"),
-                                 decoder_start_token_id=start)
-    eos = eos if isinstance(eos, int) and not isinstance(eos, bool) else \
-        eos[0] if isinstance(eos, list) and len(eos) == 1 else None
-    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=eos)
+                                 decoder_start_token_id=start if hf.raw("model_type", "bart") == "bart" else None)
+    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=config_token(eos))
 
 
 def _refuse_heads(hf: HFConfig, sd: dict[str, Tensor], stem: str) -> None:

@@ -66,19 +66,22 @@ from attnzoo.models.config import DecoderConfig, EncoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.families._common import Dispatch, plan_for
-from attnzoo.models.families._seq2seq import Float16ClampedBlock, put_layer, split_sinusoids
+from attnzoo.models.families._seq2seq import (
+    ACTIVATIONS,
+    Float16ClampedBlock,
+    config_token,
+    put_layer,
+    split_sinusoids,
+)
 from attnzoo.models.hf._state import HFConfig, float_dtype
 from attnzoo.models.parts import DecoderParts, EncoderParts, ScaledEmbedding
 from attnzoo.models.seq2seq import EncoderDecoder
 from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
 
-__all__ = ["ACTIVATIONS", "DEFAULTS", "DISPATCH", "FairseqSinusoidalPositions", "IdCountedDecoderLM",
+__all__ = ["DEFAULTS", "DISPATCH", "FairseqSinusoidalPositions", "IdCountedDecoderLM",
            "IdCountedEmbedding", "build_m2m_100", "convert_m2m_100", "fairseq_sinusoidal_table",
            "id_counted_positions"]
 
-#: ``activation_function`` (transformers' ``ACT2FN`` names) -> :class:`~attnzoo.FeedForward` activation
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-               "silu": "silu", "swish": "silu", "quick_gelu": "quick_gelu"}
 #: each config class's defaults of the keys read here (a ``config.json`` may leave them out)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "m2m_100": {"vocab_size": 128112, "max_position_embeddings": 1024, "d_model": 1024, "encoder_layers": 12,
@@ -275,16 +278,6 @@ def _block(hf: HFConfig, stack: str, *, cross: bool) -> BlockConfig:
                        ffn_hidden=hf.req(f"{stack}_ffn_dim"), bias=True)
 
 
-def _token(hf: HFConfig, key: str) -> int | None:
-    """A special token id of the config as given (its class default when the key is absent, ``None``
-    when set to ``None``): an int, or a list of one (a longer list of end tokens has no single one:
-    ``None``, pass ``eos_token_id`` to :meth:`~attnzoo.EncoderDecoder.generate`)."""
-    value = hf.data[key] if key in hf.data else DEFAULTS["m2m_100"][key]
-    if isinstance(value, list):
-        value = value[0] if len(value) == 1 else None
-    return None if value is None else HFConfig({key: value}, hf.source, hf.arch).req(key)
-
-
 def build_m2m_100(hf: HFConfig, *, lm_head: bool = True, device: Any = None, dtype: Any = None) -> EncoderDecoder:
     """The encoder-decoder of an M2M100 / NLLB config (random weights; see the module docstring):
     an encoder of :class:`IdCountedEmbedding` and float16-clamped pre-norm blocks, an
@@ -317,8 +310,9 @@ def build_m2m_100(hf: HFConfig, *, lm_head: bool = True, device: Any = None, dty
                          positions=FairseqSinusoidalPositions(C, P, pad, **kw),
                          head=None if lm_head else nn.Identity())
     decoder = IdCountedDecoderLM(config=dec_cfg, parts=parts, padding_idx=pad, **kw)
-    return EncoderDecoder(encoder, decoder, decoder_start_token_id=_token(raw, "decoder_start_token_id"),
-                          eos_token_id=_token(raw, "eos_token_id"))
+    start, eos = (config_token(raw.data.get(k, DEFAULTS["m2m_100"][k])) for k in ("decoder_start_token_id",
+                                                                                 "eos_token_id"))
+    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=eos)
 
 
 def convert_m2m_100(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> EncoderDecoder:

@@ -51,19 +51,18 @@ values is not made, and a tie reads whichever of its two tensors the file holds
 outputs and the embeddings, ``activation_dropout`` in the feed-forward, ``attention_dropout`` on the
 attention probabilities); the pad row of each embedding gets no gradient (``padding_idx``), as there.
 
-Caveats: the decoder's positions come from :meth:`~attnzoo.DecoderLM.forward`, which counts the
-real tokens of a ``tgt_mask`` (a right-padded target, or none: as transformers; a left-padded target
-is positioned from its first real token, where transformers counts from the row's start).
+The decoder's positions are the slots ``cache.length + 0..N-1`` whatever ``tgt_mask`` says (as
+transformers, M 571: :class:`SplitSinusoidalPositions` sets ``counts_mask = False``).
 transformers' generation settings (opus-mt's ``bad_words_ids=[[pad]]``, beams, ``max_length``,
-``forced_eos_token_id``) belong to ``generation_config.json``, not to the model: attnzoo's
-:meth:`~attnzoo.EncoderDecoder.generate` samples from the logits as they are.
+``forced_eos_token_id``) belong to ``generation_config.json``, not to the model: pass beams and
+forced tokens to :meth:`~attnzoo.EncoderDecoder.generate` (``bad_words_ids`` has no equivalent there).
 
 Refused by name (:class:`~attnzoo.interop.UnsupportedConfigError`): ``MarianForCausalLM`` /
 ``PegasusForCausalLM`` (``is_decoder=True`` or ``is_encoder_decoder=False``: a decoder alone), an
-``activation_function`` without an attnzoo feed-forward, ``encoder_layerdrop`` /
-``decoder_layerdrop`` above 0 (layers skipped at random in training; attnzoo runs every layer),
-``share_encoder_decoder_embeddings`` with ``decoder_vocab_size`` other than ``vocab_size`` (one
-shared table of two sizes), a ``d_model`` that the heads do not divide.
+``activation_function`` without an attnzoo feed-forward, ``share_encoder_decoder_embeddings`` with
+``decoder_vocab_size`` other than ``vocab_size`` (one shared table of two sizes), a ``d_model``
+that the heads do not divide. ``encoder_layerdrop`` / ``decoder_layerdrop`` (layers skipped at
+random in training) are not reproduced: attnzoo runs every layer, as transformers does in eval mode.
 """
 
 from __future__ import annotations
@@ -83,20 +82,22 @@ from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.models.config import DecoderConfig, EncoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
-from attnzoo.models.families._seq2seq import Float16ClampedBlock, put_layer
+from attnzoo.models.families._seq2seq import (
+    ACTIVATIONS,
+    Float16ClampedBlock,
+    config_token,
+    put_layer,
+)
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, PackedFromZero, ScaledEmbedding
 from attnzoo.models.seq2seq import EncoderDecoder
 from attnzoo.nn.positional import resolve_positions
 from attnzoo.variants import build_attention
 
-__all__ = ["ACTIVATIONS", "DEFAULTS", "DISPATCH", "VARIANTS", "SinusoidalTokenEmbedding",
+__all__ = ["DEFAULTS", "DISPATCH", "VARIANTS", "SinusoidalTokenEmbedding",
            "SplitSinusoidalPositions", "Variant", "build_seq2seq", "convert_seq2seq", "embedding_sources",
            "split_sinusoidal_table"]
 
-#: ``activation_function`` -> :class:`~attnzoo.FeedForward` activation (transformers' ``ACT2FN``)
-ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "swish": "silu", "silu": "silu", "gelu_new": "gelu_tanh",
-               "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
 _COMMON: dict[str, Any] = {
     "max_position_embeddings": 1024, "encoder_layers": 12, "encoder_ffn_dim": 4096, "encoder_attention_heads": 16,
@@ -167,6 +168,8 @@ class SplitSinusoidalPositions(nn.Module):
     """
 
     weight: Tensor
+    #: :class:`~attnzoo.DecoderLM` passes the slots ``cache.length + 0..N-1``, not the mask's count
+    counts_mask = False
 
     def __init__(self, num_positions: int, dim: int, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -251,14 +254,6 @@ def _activation(hf: HFConfig) -> str:
 
 
 # --------------------------------------------------------------------------- config
-def _eos(hf: HFConfig) -> int | None:
-    """``eos_token_id``: an int, a one-element list's element, else ``None``."""
-    eos = hf.raw("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if len(eos) == 1 else None
-    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
-
-
 def _read(hf: HFConfig, v: Variant, model_type: str) -> HFConfig:
     """``hf`` with the class defaults (Marian's ``decoder_vocab_size`` from ``vocab_size``), the
     options attnzoo does not reproduce refused by name."""
@@ -269,10 +264,6 @@ def _read(hf: HFConfig, v: Variant, model_type: str) -> HFConfig:
         raise hf.unsupported("is_decoder=True / is_encoder_decoder=False (the causal-LM class, a decoder alone; "
                              f"{' and '.join(v.classes)} are converted)")
     _activation(out)
-    for key in ("encoder_layerdrop", "decoder_layerdrop"):
-        if out.get(key, 0.0, float) > 0:
-            raise hf.unsupported(f"{key}={out.raw(key)!r} (layers dropped at random in training; attnzoo runs "
-                                 "every layer)")
     if v.two_vocabularies and out.get("share_encoder_decoder_embeddings", True, bool) and \
             out.req("decoder_vocab_size") != out.req("vocab_size"):
         raise hf.unsupported(f"share_encoder_decoder_embeddings=True with decoder_vocab_size="
@@ -394,7 +385,7 @@ def build_seq2seq(hf: HFConfig, model_type: str, *, head: bool = True, sources: 
                            norm=nn.LayerNorm(C, eps=1e-5, **kw) if v.pre_norm else nn.Identity(), head=lm_head,
                            positions=SplitSinusoidalPositions(P, C, **kw)), **kw)
     start = hf.get("decoder_start_token_id", None)
-    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=_eos(hf))
+    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=config_token(hf.raw("eos_token_id")))
 
 
 def _put_positions(plan: Plan, name: str, key: str, module: SplitSinusoidalPositions) -> None:

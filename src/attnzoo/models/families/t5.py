@@ -78,6 +78,7 @@ from attnzoo.blocks import BlockLayers, FeedForward
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
+from attnzoo.models.families._seq2seq import config_token
 from attnzoo.models.families.t5_encoder import (
     DEFAULTS as ENCODER_DEFAULTS,
 )
@@ -157,14 +158,6 @@ def decoder_output_scale(hf: HFConfig) -> bool:
     return bool(flag)
 
 
-def _token_id(hf: HFConfig, key: str, vocab: int) -> int | None:
-    """An id of the config usable by :class:`~attnzoo.EncoderDecoder` (one int below ``vocab``), else ``None``."""
-    value = hf.raw(key)
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab else None
-
-
 def build_t5(hf: HFConfig, *, head: bool = True, tied: bool = True, device: Any = None,
              dtype: Any = None) -> EncoderDecoder:
     """The encoder-decoder of a T5 / mT5 / UMT5 config (random weights; see the module docstring).
@@ -207,9 +200,9 @@ def build_t5(hf: HFConfig, *, head: bool = True, tied: bool = True, device: Any 
     cfg = DecoderConfig(V, C, depth, H, head_dim=Dh, pos="none", norm="rms", norm_eps=eps,
                         max_seq_len=MAX_TARGET_LENGTH, tie_embeddings=head and tied)
     decoder = DecoderLM(config=cfg, parts=DecoderParts(blocks=blocks, embedding=encoder.tok_emb, head=lm_head), **kw)
-    start = _token_id(hf, "decoder_start_token_id", V)
+    start = config_token(hf.raw("decoder_start_token_id"), V)
     return EncoderDecoder(encoder, decoder, decoder_start_token_id=start if start is not None
-                          else _token_id(hf, "pad_token_id", V), eos_token_id=_token_id(hf, "eos_token_id", V))
+                          else config_token(hf.raw("pad_token_id"), V), eos_token_id=config_token(hf.raw("eos_token_id"), V))
 
 
 def _refuse_heads(hf: HFConfig, sd: dict[str, Tensor]) -> None:

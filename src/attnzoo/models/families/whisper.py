@@ -42,7 +42,7 @@ Quirks reproduced:
   both are no-ops in eval mode, where the conversion is exact. ``pad_token_id``'s
   ``padding_idx`` (a frozen gradient for that embedding row) is not kept.
 
-Generation: :meth:`EncoderDecoder.generate` is plain greedy / sampled decoding with a KV cache; give
+Generation: :meth:`EncoderDecoder.generate` is greedy, sampled or beam-search decoding with a KV cache; give
 Whisper's task tokens as ``decoder_prompt`` (``<|startoftranscript|><|en|><|transcribe|>
 <|notimestamps|>``). transformers' ``WhisperGenerationMixin`` logic (timestamps, language
 detection, ``suppress_tokens`` / ``begin_suppress_tokens``, long-form chunking, temperature
@@ -67,13 +67,14 @@ from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._seq2seq import (
+    ACTIVATIONS,
     Float16ClampedBlock,
     PartlyBiasedLinear,
+    config_token,
     put_layer,
     split_sinusoids,
 )
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
-from attnzoo.models.hf.bert import ACTIVATIONS
 from attnzoo.models.parts import DecoderParts, LMHead
 from attnzoo.models.seq2seq import EncoderDecoder
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
@@ -203,15 +204,6 @@ class WhisperAudioEncoder(nn.Module):
                 f"max_source_positions={self.max_source_positions}")
 
 
-def _eos(hf: HFConfig) -> int | None:
-    """``eos_token_id``: an int, or the one entry of a list (a longer list: ``None``, give it to
-    ``generate``)."""
-    eos = hf.raw("eos_token_id")
-    if isinstance(eos, list):
-        return eos[0] if len(eos) == 1 and isinstance(eos[0], int) else None
-    return hf.get("eos_token_id", None)
-
-
 def _read(hf: HFConfig) -> HFConfig:
     """``hf`` with ``WhisperConfig``'s defaults; the options attnzoo cannot reproduce refused."""
     hf = hf.with_defaults(DEFAULTS)
@@ -248,9 +240,8 @@ def build_whisper(hf: HFConfig, *, head: bool = True, tied: bool = True, device:
     lm_head = (LMHead(C, V, **kw) if head else nn.Identity())
     decoder = DecoderLM(config=cfg, parts=DecoderParts(blocks=[TransformerBlock(C, layers=layers) for _ in range(depth)],
                                                        head=lm_head), **kw)
-    start = hf.get("decoder_start_token_id", None)
-    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start if start is not None and start < V else None,
-                          eos_token_id=eos if (eos := _eos(hf)) is not None and eos < V else None)
+    return EncoderDecoder(encoder, decoder, decoder_start_token_id=config_token(hf.raw("decoder_start_token_id"), V),
+                          eos_token_id=config_token(hf.raw("eos_token_id"), V))
 
 
 def _refuse_heads(hf: HFConfig, sd: dict[str, Tensor]) -> str:
