@@ -51,6 +51,16 @@ def test_one_beam_is_greedy(eos: int | None) -> None:
     for kw in ({"num_beams": 1}, {"num_beams": 1, "length_penalty": 2.0, "early_stopping": True},
                {"num_beams": 1, "early_stopping": "never"}):
         assert torch.equal(model.generate(src, 10, src_mask=mask, bos_token_id=1, eos_token_id=eos, **kw), want)
+    if eos is not None:  # with an end token one beam may keep a finished hypothesis greedy would not
+        return
+    # the search itself with one beam (generate takes the greedy path for num_beams=1)
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+    for lp, stop in ((1.0, False), (2.0, True), (0.5, "never")):
+        got = decoder_beam_search(model.decoder, torch.ones(src.shape[0], 1, dtype=torch.long), memory, mask,
+                                  num_beams=1, max_new_tokens=10, eos_token_id=eos, length_penalty=lp,
+                                  early_stopping=stop).tokens
+        assert torch.equal(got, want)
 
 
 def test_no_new_tokens_returns_the_start() -> None:
