@@ -69,18 +69,13 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families._seq2seq as shared
 from attnzoo._validate import check_int
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models._common import check_padding_mask, check_tokens
 from attnzoo.models.config import DecoderConfig, EncoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
-from attnzoo.models.families._seq2seq import (
-    ACTIVATIONS,
-    Float16ClampedBlock,
-    config_token,
-    put_layer,
-)
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding
@@ -246,7 +241,7 @@ def _read(hf: HFConfig) -> HFConfig:
     """``hf`` with its config class's defaults, the options without an attnzoo equivalent refused."""
     model_type = hf.raw("model_type", "bart")
     out = hf.with_defaults(DEFAULTS[model_type])
-    out.activation("activation_function", ACTIVATIONS)
+    out.activation("activation_function", shared.ACTIVATIONS)
     if out.get("is_decoder", False, bool):
         raise hf.unsupported("is_decoder=True (the decoder alone, *ForCausalLM)")
     return out
@@ -260,7 +255,7 @@ def _stack(hf: HFConfig, side: str, *, cross: bool, pre: bool, device: Any, dtyp
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     p_attn, p_act = hf.get("attention_dropout", 0.0, float), hf.get("activation_dropout", 0.0, float)
     attention = functools.partial(build_attention, "mha", C, H, causal=cross, bias=True, dropout=p_attn, **kw)
-    ffn = functools.partial(FeedForward, C, hf.req(f"{side}_ffn_dim"), hf.activation("activation_function", ACTIVATIONS),
+    ffn = functools.partial(FeedForward, C, hf.req(f"{side}_ffn_dim"), hf.activation("activation_function", shared.ACTIVATIONS),
                             bias=True, dropout=p_act, **kw)
     norm = functools.partial(make_norm, "layer", C, 1e-5, **kw)
     layers = BlockLayers(attention=attention, feed_forward=ffn, norm=norm, norm_first=pre,
@@ -270,7 +265,7 @@ def _stack(hf: HFConfig, side: str, *, cross: bool, pre: bool, device: Any, dtyp
     if cross:
         return [TransformerBlock(C, layers=layers) for _ in range(hf.req("decoder_layers"))]
     always = hf.raw("model_type") in PRE_NORM
-    return [Float16ClampedBlock(C, layers=layers, always=always) for _ in range(hf.req("encoder_layers"))]
+    return [shared.Float16ClampedBlock(C, layers=layers, always=always) for _ in range(hf.req("encoder_layers"))]
 
 
 def _embedding(hf: HFConfig, pad: int | None, **kw: Any) -> nn.Embedding:
@@ -328,7 +323,7 @@ def build_bart(hf: HFConfig, *, head: str = "lm", num_labels: int = 0, device: A
         # decoder_start_token_id says (mBART-50 sets it to 2); BART's puts the start token first
         return Seq2SeqClassifier(encoder, decoder, classifier, eos_token_id=eos, pad_token_id=hf.req("pad_token_id"),
                                  decoder_start_token_id=start if hf.raw("model_type", "bart") == "bart" else None)
-    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=config_token(eos))
+    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=shared.config_token(eos))
 
 
 def _refuse_heads(hf: HFConfig, sd: dict[str, Tensor], stem: str) -> None:
@@ -386,7 +381,7 @@ def convert_bart(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
         plan.put(f"{table}.table.weight", f"{side}.embed_positions.weight", lambda t: t[OFFSET:])
         plan.put_pairs(f"{table}.", f"{side}.", [("norm", "layernorm_embedding")])
         for i in range(len(stack.blocks)):
-            put_layer(plan, f"{side}.blocks.{i}.", f"{side}.layers.{i}.", cross=side == "decoder")
+            shared.put_layer(plan, f"{side}.blocks.{i}.", f"{side}.layers.{i}.", cross=side == "decoder")
         if pre:
             plan.put_pairs(f"{side}.", f"{side}.", [("norm", "layer_norm")])
     plan.src.prefix = ""

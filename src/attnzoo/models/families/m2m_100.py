@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import attnzoo.models.families._seq2seq as shared
 from attnzoo._devices import tracing
 from attnzoo._validate import check_int
 from attnzoo.blocks import BlockConfig, TransformerBlock
@@ -66,13 +67,6 @@ from attnzoo.models.config import DecoderConfig, EncoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.families._common import Dispatch, plan_for
-from attnzoo.models.families._seq2seq import (
-    ACTIVATIONS,
-    Float16ClampedBlock,
-    config_token,
-    put_layer,
-    split_sinusoids,
-)
 from attnzoo.models.hf._state import HFConfig, float_dtype
 from attnzoo.models.parts import DecoderParts, EncoderParts, ScaledEmbedding
 from attnzoo.models.seq2seq import EncoderDecoder
@@ -106,7 +100,7 @@ def fairseq_sinusoidal_table(rows: int, dim: int, padding_idx: int) -> Tensor:
     check_int(padding_idx, "padding_idx", owner, minimum=0)
     if padding_idx >= rows:
         raise ValueError(f"{owner}: padding_idx must be < rows={rows}, got {padding_idx}")
-    table = split_sinusoids(rows, dim - dim % 2)  # [rows, 2h]
+    table = shared.split_sinusoids(rows, dim - dim % 2)  # [rows, 2h]
     if dim % 2:
         table = torch.cat([table, torch.zeros(rows, 1)], dim=1)
     table[padding_idx] = 0
@@ -265,7 +259,7 @@ def _canonical(hf: HFConfig) -> HFConfig:
     for key in ("encoder_attention_heads", "decoder_attention_heads"):
         if C % out.req(key):
             raise hf.unsupported(f"d_model={C} not divisible by {key}={out.raw(key)}")
-    out.activation("activation_function", ACTIVATIONS, "relu")
+    out.activation("activation_function", shared.ACTIVATIONS, "relu")
     return out
 
 
@@ -274,7 +268,7 @@ def _block(hf: HFConfig, stack: str, *, cross: bool) -> BlockConfig:
     eps 1e-5, the ``activation_function`` feed-forward of ``{stack}_ffn_dim``."""
     return BlockConfig(hf.req("d_model"), hf.req(f"{stack}_attention_heads"), attention="mha",
                        attention_kwargs={"bias": True}, causal=cross, cross_attention=cross, norm="layer",
-                       norm_eps=EPS, norm_first=True, ffn=hf.activation("activation_function", ACTIVATIONS),
+                       norm_eps=EPS, norm_first=True, ffn=hf.activation("activation_function", shared.ACTIVATIONS),
                        ffn_hidden=hf.req(f"{stack}_ffn_dim"), bias=True)
 
 
@@ -293,7 +287,7 @@ def build_m2m_100(hf: HFConfig, *, lm_head: bool = True, device: Any = None, dty
     tied = hf.req("tie_word_embeddings", bool)
     embedding = IdCountedEmbedding(V, C, P, padding_idx=pad, scale=scale, **kw)
     nn.init.normal_(embedding.tok_emb.weight, 0.0, 0.02)  # transformers' init_std
-    enc_blocks = [Float16ClampedBlock(config=_block(hf, "encoder", cross=False), always=True, **kw)
+    enc_blocks = [shared.Float16ClampedBlock(config=_block(hf, "encoder", cross=False), always=True, **kw)
                   for _ in range(hf.req("encoder_layers"))]
     enc_cfg = EncoderConfig(V, C, len(enc_blocks), hf.req("encoder_attention_heads"), max_seq_len=P, pos="none",
                             norm="layer", norm_eps=EPS, norm_first=True, final_norm=True)
@@ -310,7 +304,7 @@ def build_m2m_100(hf: HFConfig, *, lm_head: bool = True, device: Any = None, dty
                          positions=FairseqSinusoidalPositions(C, P, pad, **kw),
                          head=None if lm_head else nn.Identity())
     decoder = IdCountedDecoderLM(config=dec_cfg, parts=parts, padding_idx=pad, **kw)
-    start, eos = (config_token(raw.data.get(k, DEFAULTS["m2m_100"][k])) for k in ("decoder_start_token_id",
+    start, eos = (shared.config_token(raw.data.get(k, DEFAULTS["m2m_100"][k])) for k in ("decoder_start_token_id",
                                                                                  "eos_token_id"))
     return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=eos)
 
@@ -337,9 +331,9 @@ def convert_m2m_100(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
         if prefix:
             plan.put("decoder.lm_head.weight", "lm_head.weight")
     for i in range(model.encoder.depth):
-        put_layer(plan, f"encoder.blocks.{i}.", f"{p}encoder.layers.{i}.", cross=False)
+        shared.put_layer(plan, f"encoder.blocks.{i}.", f"{p}encoder.layers.{i}.", cross=False)
     for i in range(model.decoder.depth):
-        put_layer(plan, f"decoder.blocks.{i}.", f"{p}decoder.layers.{i}.", cross=True)
+        shared.put_layer(plan, f"decoder.blocks.{i}.", f"{p}decoder.layers.{i}.", cross=True)
     plan.put_pairs("encoder.", f"{p}encoder.", [("norm", "layer_norm")])
     plan.put_pairs("decoder.", f"{p}decoder.", [("norm", "layer_norm")])
     plan.apply(model, ignore=ignore)

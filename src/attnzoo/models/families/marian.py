@@ -76,18 +76,13 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families._seq2seq as shared
 from attnzoo._devices import tracing
 from attnzoo._validate import check_bool, check_int
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock
 from attnzoo.models.config import DecoderConfig, EncoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import TransformerEncoder
-from attnzoo.models.families._seq2seq import (
-    ACTIVATIONS,
-    Float16ClampedBlock,
-    config_token,
-    put_layer,
-)
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, PackedFromZero, ScaledEmbedding
 from attnzoo.models.seq2seq import EncoderDecoder
@@ -250,7 +245,7 @@ def _layers(hf: HFConfig, v: Variant, stack: str, *, kw: dict[str, Any]) -> Bloc
 
 
 def _activation(hf: HFConfig) -> str:
-    return hf.activation("activation_function", ACTIVATIONS, "gelu")
+    return hf.activation("activation_function", shared.ACTIVATIONS, "gelu")
 
 
 # --------------------------------------------------------------------------- config
@@ -362,7 +357,7 @@ def build_seq2seq(hf: HFConfig, model_type: str, *, head: bool = True, sources: 
         config=EncoderConfig(V_src, C, depth, hf.req("encoder_attention_heads"), max_seq_len=P, pos="sinusoidal",
                              norm_first=v.pre_norm, dropout=dropout),
         parts=EncoderParts(embedding=embedding,
-                           blocks=[Float16ClampedBlock(C, layers=enc_layers, always=v.always_clamp)
+                           blocks=[shared.Float16ClampedBlock(C, layers=enc_layers, always=v.always_clamp)
                                    for _ in range(depth)],
                            norm=nn.LayerNorm(C, eps=1e-5, **kw) if v.pre_norm else nn.Identity()), **kw)
 
@@ -385,7 +380,7 @@ def build_seq2seq(hf: HFConfig, model_type: str, *, head: bool = True, sources: 
                            norm=nn.LayerNorm(C, eps=1e-5, **kw) if v.pre_norm else nn.Identity(), head=lm_head,
                            positions=SplitSinusoidalPositions(P, C, **kw)), **kw)
     start = hf.get("decoder_start_token_id", None)
-    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=config_token(hf.raw("eos_token_id")))
+    return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=shared.config_token(hf.raw("eos_token_id")))
 
 
 def _put_positions(plan: Plan, name: str, key: str, module: SplitSinusoidalPositions) -> None:
@@ -426,9 +421,9 @@ def convert_seq2seq(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
                    enc.embedding.positions)
     _put_positions(plan, "decoder.pos_emb.weight", f"{prefix}decoder.embed_positions.weight", dec.pos_emb)
     for i in range(enc.depth):
-        put_layer(plan, f"encoder.blocks.{i}.", f"{prefix}encoder.layers.{i}.", cross=False)
+        shared.put_layer(plan, f"encoder.blocks.{i}.", f"{prefix}encoder.layers.{i}.", cross=False)
     for i in range(dec.depth):
-        put_layer(plan, f"decoder.blocks.{i}.", f"{prefix}decoder.layers.{i}.", cross=True)
+        shared.put_layer(plan, f"decoder.blocks.{i}.", f"{prefix}decoder.layers.{i}.", cross=True)
     if v.pre_norm:
         plan.put_pairs("", prefix, [("encoder.norm", "encoder.layer_norm"), ("decoder.norm", "decoder.layer_norm")])
     if head:

@@ -62,18 +62,11 @@ import torch
 from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
+import attnzoo.models.families._seq2seq as shared
 from attnzoo._validate import check_int
 from attnzoo.blocks import BlockLayers, FeedForward, TransformerBlock, make_norm
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.families._seq2seq import (
-    ACTIVATIONS,
-    Float16ClampedBlock,
-    PartlyBiasedLinear,
-    config_token,
-    put_layer,
-    split_sinusoids,
-)
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.parts import DecoderParts, LMHead
 from attnzoo.models.seq2seq import EncoderDecoder
@@ -102,9 +95,9 @@ def _attention(dim: int, heads: int, *, causal: bool = False, cross: bool = Fals
                          dropout=dropout, device=device, dtype=dtype)
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     if cross:  # rows [k; v]: the keys unbiased
-        attn.kv_proj = PartlyBiasedLinear(dim, 2 * dim, unbiased=(0, dim), **kw)
+        attn.kv_proj = shared.PartlyBiasedLinear(dim, 2 * dim, unbiased=(0, dim), **kw)
     else:  # rows [q; k; v]
-        attn.qkv_proj = PartlyBiasedLinear(dim, 3 * dim, unbiased=(dim, 2 * dim), **kw)
+        attn.qkv_proj = shared.PartlyBiasedLinear(dim, 3 * dim, unbiased=(dim, 2 * dim), **kw)
     return attn
 
 
@@ -165,12 +158,12 @@ class WhisperAudioEncoder(nn.Module):
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.conv1 = nn.Conv1d(num_mel_bins, dim, kernel_size=3, padding=1, **kw)
         self.conv2 = nn.Conv1d(dim, dim, kernel_size=3, stride=2, padding=1, **kw)
-        self.register_buffer("embed_positions", split_sinusoids(max_source_positions, dim).to(**kw))
+        self.register_buffer("embed_positions", shared.split_sinusoids(max_source_positions, dim).to(**kw))
         self.drop = nn.Dropout(dropout)
         layers = _layers(dim, num_heads, check_int(ffn_dim, "ffn_dim", owner), activation, decoder=False,
                          dropout=dropout, attention_dropout=attention_dropout, activation_dropout=activation_dropout,
                          **kw)
-        self.blocks = nn.ModuleList([Float16ClampedBlock(dim, layers=layers, always=True) for _ in range(depth)])
+        self.blocks = nn.ModuleList([shared.Float16ClampedBlock(dim, layers=layers, always=True) for _ in range(depth)])
         self.layer_norm = make_norm("layer", dim, EPS, **kw)
 
     @property
@@ -207,7 +200,7 @@ class WhisperAudioEncoder(nn.Module):
 def _read(hf: HFConfig) -> HFConfig:
     """``hf`` with ``WhisperConfig``'s defaults; the options attnzoo cannot reproduce refused."""
     hf = hf.with_defaults(DEFAULTS)
-    hf.activation("activation_function", ACTIVATIONS)
+    hf.activation("activation_function", shared.ACTIVATIONS)
     C = hf.req("d_model")
     for key in ("encoder_attention_heads", "decoder_attention_heads"):
         if C % hf.req(key):
@@ -224,7 +217,7 @@ def build_whisper(hf: HFConfig, *, head: bool = True, tied: bool = True, device:
     the ``proj_out`` LM head (``tied`` to the token embedding, or its own), else none (``WhisperModel``:
     the decoder's hidden states)."""
     hf = _read(hf)
-    act = hf.activation("activation_function", ACTIVATIONS)
+    act = hf.activation("activation_function", shared.ACTIVATIONS)
     V, C = hf.req("vocab_size"), hf.req("d_model")
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
     drops = {"dropout": hf.get("dropout", 0.0, float), "attention_dropout": hf.get("attention_dropout", 0.0, float),
@@ -240,8 +233,8 @@ def build_whisper(hf: HFConfig, *, head: bool = True, tied: bool = True, device:
     lm_head = (LMHead(C, V, **kw) if head else nn.Identity())
     decoder = DecoderLM(config=cfg, parts=DecoderParts(blocks=[TransformerBlock(C, layers=layers) for _ in range(depth)],
                                                        head=lm_head), **kw)
-    return EncoderDecoder(encoder, decoder, decoder_start_token_id=config_token(hf.raw("decoder_start_token_id"), V),
-                          eos_token_id=config_token(hf.raw("eos_token_id"), V))
+    return EncoderDecoder(encoder, decoder, decoder_start_token_id=shared.config_token(hf.raw("decoder_start_token_id"), V),
+                          eos_token_id=shared.config_token(hf.raw("eos_token_id"), V))
 
 
 def _refuse_heads(hf: HFConfig, sd: dict[str, Tensor]) -> str:
@@ -272,14 +265,14 @@ def convert_whisper(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     if plan.src.has(f"{enc}embed_positions.weight"):
         plan.put(f"{enc}embed_positions", f"{enc}embed_positions.weight")
     else:  # a file without the frozen table: transformers' initial sinusoids
-        table = split_sinusoids(*model.encoder.embed_positions.shape)
+        table = shared.split_sinusoids(*model.encoder.embed_positions.shape)
         plan.put_tensor(f"{enc}embed_positions", table, "split_sinusoids (not in the checkpoint)")
     for i in range(len(model.encoder.blocks)):
-        put_layer(plan, f"{enc}blocks.{i}.", f"{enc}layers.{i}.", cross=False, key_bias=False)
+        shared.put_layer(plan, f"{enc}blocks.{i}.", f"{enc}layers.{i}.", cross=False, key_bias=False)
     plan.put(f"{dec}tok_emb.weight", f"{dec}embed_tokens.weight")
     plan.put(f"{dec}pos_emb.weight", f"{dec}embed_positions.weight")
     for i in range(model.decoder.depth):
-        put_layer(plan, f"{dec}blocks.{i}.", f"{dec}layers.{i}.", cross=True, key_bias=False)
+        shared.put_layer(plan, f"{dec}blocks.{i}.", f"{dec}layers.{i}.", cross=True, key_bias=False)
     plan.put_pairs(dec, dec, [("norm", "layer_norm")])
     if head:
         if tied:
