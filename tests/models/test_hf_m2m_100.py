@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnzoo.interop import UnsupportedConfigError, from_hf  # noqa: E402
-from attnzoo.models.families.m2m_100 import build_m2m_100, fairseq_sinusoidal_table  # noqa: E402
+from attnzoo.models.families.m2m_100 import build_m2m_100, convert_m2m_100, fairseq_sinusoidal_table  # noqa: E402
 from attnzoo.models.hf._state import HFConfig  # noqa: E402
 from hf_encoder_checks import real_rel  # noqa: E402
 from hf_family_checks import V, rel  # noqa: E402
@@ -157,3 +157,18 @@ def test_refused_by_name(key: str, value: Any, named: str) -> None:
         build_m2m_100(HFConfig(data, "test", "M2M100"), device="meta")
 
 
+
+
+def test_tied_copies_that_differ_are_refused() -> None:
+    """A file whose tied embedding copies differ (transformers would untie them) is refused by name;
+    a file with only one copy loads from it."""
+    hf = SWEEP["m2m_100"](0)
+    data = hf.config.to_dict()
+    sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    sd["model.decoder.embed_tokens.weight"] += 1.0
+    with pytest.raises(UnsupportedConfigError, match="tied copies that differ"):
+        convert_m2m_100(HFConfig(data, "config.json", "M2M100"), sd, device="cpu", dtype=None)
+    only = {k: v for k, v in hf.state_dict().items() if k not in ("model.shared.weight", "lm_head.weight",
+                                                                   "model.decoder.embed_tokens.weight")}
+    ours = convert_m2m_100(HFConfig(data, "config.json", "M2M100"), only, device="cpu", dtype=None)
+    assert torch.equal(ours.encoder.embedding.tok_emb.weight, hf.model.shared.weight)

@@ -7,6 +7,7 @@ their norms), each written once."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,10 +15,10 @@ from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int
 from attnzoo.blocks import BlockConfig, BlockLayers, TransformerBlock
-from attnzoo.models.hf._state import Plan, load_qkv_into
+from attnzoo.models.hf._state import HFConfig, Plan, load_qkv_into
 
 __all__ = ["ACTIVATIONS", "Float16ClampedBlock", "PartlyBiasedLinear", "clamp_float16", "config_token", "put_layer",
-           "split_sinusoids"]
+           "split_sinusoids", "tied_source"]
 
 #: ``activation_function`` of these families -> :class:`~attnzoo.FeedForward` activation
 ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -33,6 +34,22 @@ def config_token(value: object, vocab_size: int | None = None) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         return None
     return value if vocab_size is None or value < vocab_size else None
+
+
+def tied_source(hf: HFConfig, sd: Mapping[str, Tensor], keys: Sequence[str]) -> str:
+    """The checkpoint key a tied embedding is read from: the first of ``keys`` (``shared``, the stacks'
+    ``embed_tokens``, ``lm_head``: copies of one matrix) the state dict holds, ``keys[0]`` when it holds
+    none (then reported missing). Copies that differ are refused by name (transformers would untie
+    them; reading one would silently change the model)."""
+    present = [k for k in keys if k in sd]
+    if not present:
+        return keys[0]
+    first = sd[present[0]]
+    for key in present[1:]:
+        if sd[key] is not first and (sd[key].shape != first.shape or not torch.equal(sd[key], first)):
+            raise hf.unsupported(f"tie_word_embeddings=True with tied copies that differ ({present[0]} vs {key}; "
+                                 f"transformers then unties them)")
+    return present[0]
 
 
 def clamp_float16(x: Tensor, *, always: bool) -> Tensor:

@@ -345,17 +345,9 @@ def _put_embeddings(plan: Plan, hf: HFConfig, sd: dict[str, Tensor], model: Enco
         plan.put(enc_name, copies[1])
         plan.put("decoder.tok_emb.weight", copies[2])
         return [copies[0].replace(".", r"\.")]  # unused by transformers' forward (kept by to_hf)
-    present = [k for k in (*copies, "lm_head.weight") if k in sd]
-    if not present:
-        plan.put(enc_name, copies[0])  # reported missing
-        return []
-    first = sd[present[0]]
-    for key in present[1:]:
-        if sd[key].shape == first.shape and not torch.equal(sd[key], first):
-            raise hf.unsupported(f"tie_word_embeddings=True with tied copies that differ ({present[0]} vs {key}; "
-                                 f"transformers then unties them)")
-    plan.put(enc_name, present[0])
-    return [k.replace(".", r"\.") for k in (*copies, "lm_head.weight") if k != present[0]]
+    source = shared.tied_source(hf, sd, (*copies, "lm_head.weight"))
+    plan.put(enc_name, source)
+    return [k.replace(".", r"\.") for k in (*copies, "lm_head.weight") if k != source]
 
 
 def convert_bart(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> EncoderDecoder:

@@ -322,8 +322,9 @@ def convert_m2m_100(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     enc_emb, dec_emb = f"{p}encoder.embed_tokens.weight", f"{p}decoder.embed_tokens.weight"
     e = re.escape(p)
     ignore = [f"{e}shared\\.weight"]  # tied: the source of the copies below; untied: unused by transformers
-    if tied:
-        plan.put("encoder.embedding.tok_emb.weight", f"{p}shared.weight" if f"{p}shared.weight" in sd else enc_emb)
+    if tied:  # one matrix: the copies a file holds must agree
+        source = shared.tied_source(hf, sd, (f"{p}shared.weight", enc_emb, dec_emb, "lm_head.weight"))
+        plan.put("encoder.embedding.tok_emb.weight", source)
         ignore += [f"{e}encoder\\.embed_tokens\\.weight", f"{e}decoder\\.embed_tokens\\.weight", r"lm_head\.weight"]
     else:
         plan.put("encoder.embedding.tok_emb.weight", enc_emb)
