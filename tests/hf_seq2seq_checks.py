@@ -224,11 +224,6 @@ class Seq2SeqChecks:
         assert len(calls) == self.kernel_calls
         assert real_rel(got, want, tgt_mask) <= self.tol
 
-    def decoder_input(self, hf: Any, labels: torch.Tensor) -> torch.Tensor | None:
-        """The decoder input transformers derives from ``labels`` when it differs from
-        ``EncoderDecoder.loss``'s default (mBART: the row's last label first), else ``None``."""
-        return None
-
     def labels(self) -> torch.Tensor:
         """``[3, 7]`` target ids, row 0 right-padded with ``-100`` (no loss taken there)."""
         tgt, mask = target()
@@ -243,7 +238,7 @@ class Seq2SeqChecks:
         labels = self.labels()
         with torch.no_grad():
             want = hf(**self.hf_inputs(hf, src, src_mask), labels=labels).loss
-            got = ours.loss(src, labels, src_mask=src_mask, decoder_input=self.decoder_input(hf, labels))
+            got = ours.loss(src, labels, src_mask=src_mask)
         assert abs(float(got) - float(want)) <= self.tol * abs(float(want))
 
     def test_fine_tuned_model_writes_back_to_transformers(self) -> None:
@@ -255,7 +250,7 @@ class Seq2SeqChecks:
         labels = self.labels()
         opt = torch.optim.SGD(ours.parameters(), lr=0.05)
         for _ in range(2):
-            loss = ours.loss(src, labels, src_mask=src_mask, decoder_input=self.decoder_input(hf, labels))
+            loss = ours.loss(src, labels, src_mask=src_mask)
             opt.zero_grad()
             loss.backward()
             opt.step()

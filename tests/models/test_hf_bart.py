@@ -85,15 +85,7 @@ class TestBart(_Checks):
     drop = (*DROP, "scale_embedding", "decoder_start_token_id")
 
 
-class _Wrapping(_Checks):
-    """mBART / PLBART: transformers derives the decoder input from the labels by moving each row's
-    last label (the language id) to the front, not behind a start token."""
-
-    def decoder_input(self, hf: Any, labels: torch.Tensor) -> torch.Tensor:
-        return shift_tokens_right(labels.masked_fill(labels == -100, PAD), PAD, None)
-
-
-class TestMBart(_Wrapping):
+class TestMBart(_Checks):
     config = staticmethod(_mbart)
     model, base = T.MBartForConditionalGeneration, T.MBartModel
     kernel_calls = 2 + 2 * 2  # the encoder's layers, the decoder's self- and cross-attention
@@ -102,7 +94,7 @@ class TestMBart(_Wrapping):
     drop = (*DROP, "scale_embedding")
 
 
-class TestPLBart(_Wrapping):
+class TestPLBart(_Checks):
     config = staticmethod(_plbart)
     model, base = T.PLBartForConditionalGeneration, T.PLBartModel
     cases = (lambda: _plbart(scale_embedding=False, **UNEVEN),)

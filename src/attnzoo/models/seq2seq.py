@@ -97,9 +97,9 @@ class EncoderDecoder(nn.Module):
              decoder_input: Tensor | None = None, ignore_index: int = -100) -> Tensor:
         """The teacher-forced training loss of ``labels [B, N]`` (the target tokens; ``ignore_index``
         where no loss is taken, e.g. right padding): the mean cross entropy over the counted labels of
-        the logits ``forward(src, decoder_input)``, ``decoder_input [B, N]`` by default the labels
-        shifted right behind :attr:`decoder_start_token_id` (transformers' ``shift_tokens_right``:
-        what ``model(input_ids, labels=labels).loss`` computes). An ignored label feeds the start
+        the logits ``forward(src, decoder_input)``, ``decoder_input [B, N]`` by default
+        :meth:`shift_labels` (the labels shifted right behind :attr:`decoder_start_token_id`, as
+        transformers' ``model(input_ids, labels=labels).loss`` shifts them). An ignored label feeds the start
         token to the decoder where transformers feeds the pad id: the loss is the same when ignored
         labels are right padding (the decoder is causal). Returns a 0-dim float32 tensor."""
         owner = f"{type(self).__name__}.loss"
@@ -116,17 +116,25 @@ class EncoderDecoder(nn.Module):
         if bool(((bad < 0) | (bad >= width)).any()):
             raise ValueError(f"{owner}: labels must be token ids in [0, {width}) or ignore_index={ignore_index}")
         if decoder_input is None:
-            start = self.decoder_start_token_id
-            if start is None:
-                raise ValueError(f"{owner}: the model has no decoder_start_token_id; pass decoder_input [B, N]")
-            filled = labels.masked_fill(~counted, start)
-            decoder_input = torch.cat([torch.full_like(labels[:, :1], start), filled[:, :-1]], dim=1)
+            decoder_input = self.shift_labels(labels, counted)
         elif not isinstance(decoder_input, Tensor) or tuple(decoder_input.shape) != tuple(labels.shape):
             got = tuple(decoder_input.shape) if isinstance(decoder_input, Tensor) else type(decoder_input).__name__
             raise ValueError(f"{owner}: decoder_input must have the labels' shape {tuple(labels.shape)}, got {got}")
         logits = self(src, decoder_input, src_mask=src_mask)  # [B, N, V]
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, width), labels.reshape(-1),
                                                  ignore_index=ignore_index)
+
+    def shift_labels(self, labels: Tensor, counted: Tensor) -> Tensor:
+        """The decoder input :meth:`loss` feeds for ``labels [B, N]`` (``counted [B, N]``: the labels
+        a loss is taken of): the labels shifted right behind :attr:`decoder_start_token_id`, the
+        uncounted ones replaced by it. A family whose transformers class shifts otherwise overrides
+        this (mBART: the row's last label first)."""
+        start = self.decoder_start_token_id
+        if start is None:
+            raise ValueError(f"{type(self).__name__}.loss: the model has no decoder_start_token_id; pass "
+                             f"decoder_input [B, N]")
+        filled = labels.masked_fill(~counted, start)
+        return torch.cat([torch.full_like(labels[:, :1], start), filled[:, :-1]], dim=1)  # [B, N]
 
     def _check_source(self, src: object, owner: str) -> Tensor:
         """``src``: token ids of a :class:`~attnzoo.TransformerEncoder`, else a tensor of ``B >= 1`` rows."""

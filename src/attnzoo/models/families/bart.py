@@ -83,7 +83,7 @@ from attnzoo.models.seq2seq import EncoderDecoder
 from attnzoo.nn.positional import LearnedPositionalEmbedding
 from attnzoo.variants import build_attention
 
-__all__ = ["DEFAULTS", "DISPATCH", "OFFSET", "BartEmbedding", "OffsetLearnedPositions",
+__all__ = ["DEFAULTS", "DISPATCH", "OFFSET", "BartEmbedding", "LastTokenShift", "OffsetLearnedPositions",
            "Seq2SeqClassifier", "build_bart", "convert_bart", "shift_tokens_right"]
 
 #: rows of transformers' position table before position 0 (``BartLearnedPositionalEmbedding.offset``)
@@ -186,6 +186,25 @@ def shift_tokens_right(input_ids: Tensor, pad_token_id: int, decoder_start_token
         first = input_ids.gather(1, last[:, None])[:, 0]
     shifted[:, 0] = first
     return shifted
+
+
+class LastTokenShift(EncoderDecoder):
+    """mBART's / PLBART's :class:`~attnzoo.EncoderDecoder`: :meth:`loss` feeds the decoder the labels
+    as transformers' ``MBartForConditionalGeneration`` shifts them — each row's last label (its
+    language id) first, then the others (:func:`shift_tokens_right` without a start token), whatever
+    ``decoder_start_token_id`` says (generation starts from it). Args: those of
+    :class:`~attnzoo.EncoderDecoder`, and ``pad_token_id`` (what uncounted labels become).
+    Shapes: as :class:`~attnzoo.EncoderDecoder`."""
+
+    def __init__(self, encoder: nn.Module, decoder: DecoderLM, *, pad_token_id: int,
+                 decoder_start_token_id: int | None = None, eos_token_id: int | None = None) -> None:
+        super().__init__(encoder, decoder, decoder_start_token_id=decoder_start_token_id, eos_token_id=eos_token_id)
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", "LastTokenShift", minimum=0)
+
+    def shift_labels(self, labels: Tensor, counted: Tensor) -> Tensor:
+        """``labels [B, N]`` -> the decoder input ``[B, N]``: uncounted labels as the pad id, the row's
+        last non-pad label first."""
+        return shift_tokens_right(labels.masked_fill(~counted, self.pad_token_id), self.pad_token_id, None)
 
 
 class Seq2SeqClassifier(EncoderDecoder):
@@ -323,6 +342,9 @@ def build_bart(hf: HFConfig, *, head: str = "lm", num_labels: int = 0, device: A
         # decoder_start_token_id says (mBART-50 sets it to 2); BART's puts the start token first
         return Seq2SeqClassifier(encoder, decoder, classifier, eos_token_id=eos, pad_token_id=hf.req("pad_token_id"),
                                  decoder_start_token_id=start if hf.raw("model_type", "bart") == "bart" else None)
+    if hf.raw("model_type", "bart") != "bart":  # mBART / PLBART: their own label shift (loss)
+        return LastTokenShift(encoder, decoder, pad_token_id=hf.req("pad_token_id"), decoder_start_token_id=start,
+                              eos_token_id=shared.config_token(eos))
     return EncoderDecoder(encoder, decoder, decoder_start_token_id=start, eos_token_id=shared.config_token(eos))
 
 
