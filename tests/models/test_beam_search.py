@@ -362,3 +362,34 @@ def test_forced_tokens_are_checked() -> None:
         model.generate(src, 4, src_mask=mask, bos_token_id=1, forced_bos_token_id=10_000)
     with pytest.raises(TypeError, match="forced_eos_token_id"):
         model.generate(src, 4, src_mask=mask, bos_token_id=1, forced_eos_token_id=2.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_suppressed_tokens_and_min_new_tokens_equal_transformers(t5: Any, num_beams: int) -> None:
+    """``suppress_tokens`` and ``min_new_tokens`` as transformers' processors of those names, alone,
+    together and with a forced first token; the suppressed token is one the model would write."""
+    hf, ours, src, mask = t5
+    eos = EOS_IDS[0]
+    with torch.no_grad():
+        first = ours.generate(src, 2, src_mask=mask.bool(), bos_token_id=0, eos_token_id=eos)[:, 1:].unique()
+    banned = [int(t) for t in first if int(t) != eos][:2]
+    assert banned
+    for kw in ({"suppress_tokens": banned}, {"min_new_tokens": 5},
+               {"suppress_tokens": banned, "min_new_tokens": 3, "forced_bos_token_id": 17}):
+        want = _hf_beams(hf, src, mask, eos, num_beams=num_beams, **kw)
+        got = ours.generate(src, NEW, src_mask=mask.bool(), bos_token_id=0, eos_token_id=eos, num_beams=num_beams,
+                            **kw)
+        assert torch.equal(got, want), (kw, got, want)
+        if "suppress_tokens" in kw:
+            assert not torch.isin(got[:, 1:], torch.tensor(banned)).any()
+
+
+def test_generation_rules_are_checked() -> None:
+    model = _native()
+    src, mask = _source()
+    with pytest.raises(TypeError, match="suppress_tokens must be a sequence"):
+        model.generate(src, 4, src_mask=mask, bos_token_id=1, suppress_tokens=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="suppress_tokens must be < vocab_size"):
+        model.generate(src, 4, src_mask=mask, bos_token_id=1, suppress_tokens=[10_000])
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        model.generate(src, 4, src_mask=mask, bos_token_id=1, min_new_tokens=-1)

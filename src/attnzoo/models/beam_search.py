@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._validate import check_finite_float, check_int
+from attnzoo.models.decoder import GenerationRules
 
 if TYPE_CHECKING:
     from attnzoo.models.decoder import DecoderLM
@@ -136,14 +137,16 @@ def _forced_at(forced: tuple[int | None, int | None], cur: int, L: int) -> int |
     return bos if cur == 1 else None
 
 
-def _continuations(logits: Tensor, running_scores: Tensor, keep: int,
-                   forced: int | None) -> tuple[Tensor, Tensor, Tensor]:
+def _continuations(logits: Tensor, running_scores: Tensor, keep: int, forced: int | None,
+                   rules: GenerationRules, written: int) -> tuple[Tensor, Tensor, Tensor]:
     """The best ``keep`` continuations of each row by summed float32 log-probability: ``logits
     [B * K, V]``, ``running_scores [B, K]`` -> ``(scores, beam, token)``, each ``[B, keep]``.
-    ``forced``: this step's token is forced (log-probability 0, every other ``-inf``: transformers'
-    ``ForcedBOSTokenLogitsProcessor`` / ``ForcedEOSTokenLogitsProcessor``)."""
+    ``rules`` (suppressed tokens, an end token forbidden before ``min_new_tokens``) apply to the
+    log-probabilities after ``written`` new tokens; ``forced``: this step's token is forced
+    (log-probability 0, every other ``-inf``: transformers' ``ForcedBOSTokenLogitsProcessor`` /
+    ``ForcedEOSTokenLogitsProcessor``, which run after the others)."""
     B, K = running_scores.shape
-    log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [B * K, V]
+    log_probs = rules.apply(torch.log_softmax(logits.to(torch.float32), dim=-1), written)  # [B * K, V]
     V = log_probs.shape[-1]
     if forced is not None:
         log_probs = torch.full_like(log_probs, float("-inf"))
@@ -180,7 +183,8 @@ def _can_improve(running_scores: Tensor, scores: Tensor, finished: Tensor, divis
 def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: int, max_new_tokens: int,
                 eos_token_id: int | None, length_penalty: float = 1.0, early_stopping: bool | str = False,
                 reorder: Callable[[Tensor], None] | None = None,
-                forced: tuple[int | None, int | None] = (None, None)) -> BeamSearchOutput:
+                forced: tuple[int | None, int | None] = (None, None),
+                rules: GenerationRules | None = None) -> BeamSearchOutput:
     """Beam search from ``start [B, P]`` (see the module docstring for the rules).
 
     Args:
@@ -197,6 +201,7 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
             (``b * K + k``) each new beam continues: reorder the model's caches to it.
         forced: ``(bos, eos)`` forced as transformers' ``forced_bos_token_id`` / ``forced_eos_token_id``
             (:func:`_forced_at`: log-probability 0, every other token ``-inf``); ``None``: not forced.
+        rules: :class:`~attnzoo.models.decoder.GenerationRules` (suppressed tokens, ``min_new_tokens``).
 
     Returns: :class:`BeamSearchOutput` ``(tokens [B, P + T], scores [B], lengths [B])``.
     """
@@ -217,8 +222,8 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
     logits = step(running.view(B * K, L)[:, :cur])
     while True:
         # 1-2. the best 2K continuations of every row, by summed log-probability
-        cand_scores, cand_beam, cand_tokens = _continuations(logits, running_scores, keep,
-                                                             _forced_at(forced, cur, L))  # [B, 2K] each
+        cand_scores, cand_beam, cand_tokens = _continuations(logits, running_scores, keep, _forced_at(forced, cur, L),
+                                                             rules or GenerationRules(), cur - P)  # [B, 2K] each
         cand_seqs = _gather(running, cand_beam)  # [B, 2K, L]
         cand_seqs[:, :, cur] = cand_tokens
         cand_rows = cand_beam + row_offset  # [B, 2K] the flat rows they continue
@@ -258,13 +263,13 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
 @torch.no_grad()
 def decoder_beam_search(decoder: DecoderLM, start: Tensor, context: Tensor, context_mask: Tensor | None, *,
                         num_beams: int, max_new_tokens: int, eos_token_id: int | None, length_penalty: float = 1.0,
-                        early_stopping: bool | str = False,
-                        forced: tuple[int | None, int | None] = (None, None)) -> BeamSearchOutput:
+                        early_stopping: bool | str = False, forced: tuple[int | None, int | None] = (None, None),
+                        rules: GenerationRules | None = None) -> BeamSearchOutput:
     """:func:`beam_search` with a cross-attention ``decoder`` (what :meth:`EncoderDecoder.generate
     <attnzoo.EncoderDecoder.generate>` runs for ``num_beams > 1``): ``context [B, M, C]`` (the encoded
     source) and ``context_mask [B, M]`` are repeated to ``B * K`` rows, the decoder's caches are built
     for ``B * K`` rows and ``P + max_new_tokens`` tokens and reordered at every step (``TypeError``
-    naming the caches that cannot be). ``start [B, P]``; ``forced``: as :func:`beam_search`; returns
+    naming the caches that cannot be). ``start [B, P]``; ``forced``, ``rules``: as :func:`beam_search`; returns
     :class:`BeamSearchOutput`."""
     owner = "decoder_beam_search"
     K = check_int(num_beams, "num_beams", owner, minimum=1)
@@ -292,4 +297,4 @@ def decoder_beam_search(decoder: DecoderLM, start: Tensor, context: Tensor, cont
 
     return beam_search(step, start, num_beams=K, max_new_tokens=new, eos_token_id=eos_token_id,
                        length_penalty=length_penalty, early_stopping=early_stopping, reorder=cache.reorder,
-                       forced=forced)
+                       forced=forced, rules=rules)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +38,7 @@ from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS
 
-__all__ = ["DecoderLM", "head_width", "outer_config", "sample_next_token", "shared_rotaries"]
+__all__ = ["DecoderLM", "GenerationRules", "head_width", "outer_config", "sample_next_token", "shared_rotaries"]
 
 
 def check_sampling(temperature: object, top_k: object, top_p: object, generator: object,
@@ -90,6 +90,43 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
     owner = "sample_next_token"
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
     return _sample(_check_logits(logits, owner), temperature, top_k, top_p, generator)
+
+
+class GenerationRules(NamedTuple):
+    """Logit rules of generation, as transformers' processors of those names apply them (on the
+    logits before greedy / sampled picks, on the log-probabilities in beam search): ``suppress``, the
+    token ids never generated; the end token ``eos`` forbidden while fewer than ``min_new_tokens`` new
+    tokens are written."""
+
+    suppress: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    eos: int | None = None
+
+    @classmethod
+    def checked(cls, suppress_tokens: object, min_new_tokens: object, eos: int | None, vocab_size: int,
+                owner: str) -> GenerationRules:
+        """The rules of ``generate``'s arguments, each checked (``TypeError`` / ``ValueError`` naming it)."""
+        tokens: tuple[int, ...] = ()
+        if suppress_tokens is not None:
+            if isinstance(suppress_tokens, (str, bytes, Tensor)) or not isinstance(suppress_tokens, Sequence):
+                raise TypeError(f"{owner}: suppress_tokens must be a sequence of token ids, got "
+                                f"{type(suppress_tokens).__name__}")
+            tokens = tuple(check_int(t, "suppress_tokens", owner, minimum=0) for t in suppress_tokens)
+            if any(t >= vocab_size for t in tokens):
+                raise ValueError(f"{owner}: suppress_tokens must be < vocab_size={vocab_size}, got {list(tokens)}")
+        return cls(tokens, check_int(min_new_tokens, "min_new_tokens", owner, minimum=0), eos)
+
+    def apply(self, scores: Tensor, written: int) -> Tensor:
+        """``scores [R, V]`` for the next token after ``written`` new tokens, the rules applied (a copy
+        when any applies)."""
+        banned = list(self.suppress)
+        if self.eos is not None and written < self.min_new_tokens:
+            banned.append(self.eos)
+        if not banned:
+            return scores
+        out = scores.clone()
+        out[:, banned] = float("-inf")
+        return out
 
 
 def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
@@ -573,6 +610,8 @@ class DecoderLM(FromConfig, nn.Module):
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
         extend_context: bool = False,
+        suppress_tokens: Sequence[int] | None = None,
+        min_new_tokens: int = 0,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -591,6 +630,10 @@ class DecoderLM(FromConfig, nn.Module):
             context, context_mask: for cross-attention models (see :meth:`forward`).
             extend_context: let a RoPE (or position-free) model generate past ``max_seq_len``, with
                 a warning (as transformers does); otherwise that is a ``ValueError``.
+            suppress_tokens: token ids never generated (transformers' ``suppress_tokens`` /
+                single-token ``bad_words_ids``: their logits set to ``-inf``).
+            min_new_tokens: ``eos_token_id`` is not generated before this many new tokens
+                (transformers' ``min_new_tokens``).
 
         Returns: ``[B, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row hit EOS).
         """
@@ -602,6 +645,7 @@ class DecoderLM(FromConfig, nn.Module):
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
         temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
         self._check_generate(n, new, eos_token_id, extend_context)
+        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos_token_id, self.vocab_size, owner)
         full_mask = None if attention_mask is None else _left_padding(attention_mask, prompt, new, owner)
         if new == 0:
             return prompt.clone()
@@ -617,7 +661,7 @@ class DecoderLM(FromConfig, nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         written = n
         for t in range(new):
-            tok = _sample(logits, temperature, top_k, top_p, generator)  # [B]; settings checked above
+            tok = _sample(rules.apply(logits, t), temperature, top_k, top_p, generator)  # [B]; settings checked
             if eos_token_id is not None:
                 tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
                 done = done | (tok == eos_token_id)

@@ -6,6 +6,7 @@ built from a :class:`~attnzoo.models.Seq2SeqConfig`."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from attnzoo.models._common import (
 )
 from attnzoo.models.beam_search import check_beam_settings, decoder_beam_search, refuse_sampling
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
-from attnzoo.models.decoder import DecoderLM, check_sampling, head_width
+from attnzoo.models.decoder import DecoderLM, GenerationRules, check_sampling, head_width
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
@@ -174,7 +175,8 @@ class EncoderDecoder(nn.Module):
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
                  decoder_prompt: Tensor | None = None, num_beams: int = 1, length_penalty: float = 1.0,
                  early_stopping: bool | str = False, forced_bos_token_id: int | None = None,
-                 forced_eos_token_id: int | None = None) -> Tensor:
+                 forced_eos_token_id: int | None = None, suppress_tokens: Sequence[int] | None = None,
+                 min_new_tokens: int = 0) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
@@ -188,8 +190,10 @@ class EncoderDecoder(nn.Module):
         (a target language: M2M100 / NLLB, mBART-50), ``forced_eos_token_id``: the last of the
         ``max_new_tokens``, both as transformers' processors of those names force them (a forced
         token counts in the length beam search divides by; the end token wins when both fall on one
-        step). Every argument is checked before the source is encoded. Returns ``[B, P + T]`` (the
-        start tokens first), ``T <= max_new_tokens``.
+        step). ``suppress_tokens`` (never generated: opus-mt's ``bad_words_ids=[[pad]]``, Whisper's
+        ``suppress_tokens``) and ``min_new_tokens`` (no end token before) as
+        :meth:`DecoderLM.generate`, in beam search too. Every argument is checked before the source
+        is encoded. Returns ``[B, P + T]`` (the start tokens first), ``T <= max_new_tokens``.
         """
         owner = f"{type(self).__name__}.generate"
         src = self._check_source(src, owner)
@@ -203,20 +207,24 @@ class EncoderDecoder(nn.Module):
         forced = tuple(self._check_token(t, name, owner) for name, t in (
             ("forced_bos_token_id", forced_bos_token_id), ("forced_eos_token_id", forced_eos_token_id)))
         self.decoder._check_generate(start.shape[1], new, eos, owner=owner)
+        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.decoder.vocab_size, owner)
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
         memory = self.encode(src, src_mask)
         if beams > 1:
             return decoder_beam_search(self.decoder, start, memory, src_mask, num_beams=beams, max_new_tokens=new,
                                        eos_token_id=eos, length_penalty=length_penalty,
-                                       early_stopping=early_stopping, forced=forced).tokens  # type: ignore[arg-type]
+                                       early_stopping=early_stopping, forced=forced,  # type: ignore[arg-type]
+                                       rules=rules).tokens
         bos_forced, eos_forced = forced
         last = eos_forced is not None and new >= 1  # the last token is the forced end token
+        least = rules.min_new_tokens
         if bos_forced is not None and start.shape[1] == 1 and new - last >= 1:
             start = torch.cat([start, torch.full_like(start, bos_forced)], dim=1)  # greedy or sampled: written
-            new -= 1
+            new, least = new - 1, max(least - 1, 0)  # the forced token is the first new one
         out = self.decoder.generate(start, new - last, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask)
+                                    eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask,
+                                    suppress_tokens=rules.suppress, min_new_tokens=least)
         done = torch.zeros_like(out[:, 0], dtype=torch.bool) if eos is None else (out[:, start.shape[1]:] == eos).any(1)
         if last and not bool(done.all()) and out.shape[1] == start.shape[1] + new - 1:  # ran to the end
             forced_end = torch.full_like(out[:, 0], eos_forced)  # type: ignore[arg-type]
