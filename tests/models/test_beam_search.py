@@ -243,10 +243,11 @@ def t5() -> tuple[Any, EncoderDecoder, torch.Tensor, torch.Tensor]:
 
 
 def _hf_beams(hf: Any, src: torch.Tensor, mask: torch.Tensor, eos: int, **kw: Any) -> Any:
-    """transformers' beam search with every logits processor off, padded with ``eos`` (as attnzoo)."""
-    return hf.generate(src, attention_mask=mask, do_sample=False, max_new_tokens=NEW, no_repeat_ngram_size=0,
-                       min_length=0, repetition_penalty=1.0, pad_token_id=eos, eos_token_id=eos,
-                       decoder_start_token_id=0, **kw)
+    """transformers' beam search with every logits processor off but those in ``kw``, padded with
+    ``eos`` (as attnzoo)."""
+    settings = {"no_repeat_ngram_size": 0, "min_length": 0, "repetition_penalty": 1.0, **kw}
+    return hf.generate(src, attention_mask=mask, do_sample=False, max_new_tokens=NEW, pad_token_id=eos,
+                       eos_token_id=eos, decoder_start_token_id=0, **settings)
 
 
 @pytest.mark.parametrize("early_stopping", [False, True, "never"])
@@ -393,3 +394,23 @@ def test_generation_rules_are_checked() -> None:
         model.generate(src, 4, src_mask=mask, bos_token_id=1, suppress_tokens=[10_000])
     with pytest.raises(ValueError, match="min_new_tokens"):
         model.generate(src, 4, src_mask=mask, bos_token_id=1, min_new_tokens=-1)
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        model.generate(src, 4, src_mask=mask, bos_token_id=1, no_repeat_ngram_size=-1)
+    with pytest.raises(TypeError, match="no_repeat_ngram_size"):
+        model.decoder.generate(torch.zeros(1, 1, dtype=torch.long), 4, context=model.encode(src[:1], mask[:1]),
+                               no_repeat_ngram_size=2.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_no_repeat_ngram_size_equals_transformers(t5: Any, num_beams: int, n: int) -> None:
+    """``no_repeat_ngram_size`` as transformers' processor (the start token counted in the n-grams);
+    without it the model repeats itself, so the bans are exercised."""
+    hf, ours, src, mask = t5
+    eos = EOS_IDS[-1]
+    plain = ours.generate(src, NEW, src_mask=mask.bool(), bos_token_id=0, eos_token_id=eos, num_beams=num_beams)
+    got = ours.generate(src, NEW, src_mask=mask.bool(), bos_token_id=0, eos_token_id=eos, num_beams=num_beams,
+                        no_repeat_ngram_size=n)
+    want = _hf_beams(hf, src, mask, eos, num_beams=num_beams, no_repeat_ngram_size=n)
+    assert torch.equal(got, want), (got, want)
+    assert not torch.equal(got, plain)  # the rule changed something

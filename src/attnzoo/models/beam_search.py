@@ -138,15 +138,15 @@ def _forced_at(forced: tuple[int | None, int | None], cur: int, L: int) -> int |
 
 
 def _continuations(logits: Tensor, running_scores: Tensor, keep: int, forced: int | None,
-                   rules: GenerationRules, written: int) -> tuple[Tensor, Tensor, Tensor]:
+                   rules: GenerationRules, written: int, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The best ``keep`` continuations of each row by summed float32 log-probability: ``logits
     [B * K, V]``, ``running_scores [B, K]`` -> ``(scores, beam, token)``, each ``[B, keep]``.
-    ``rules`` (suppressed tokens, an end token forbidden before ``min_new_tokens``) apply to the
-    log-probabilities after ``written`` new tokens; ``forced``: this step's token is forced
+    ``rules`` (suppressed tokens, an end token forbidden before ``min_new_tokens``, repeated n-grams
+    of ``history [B * K, t]``) apply to the log-probabilities after ``written`` new tokens; ``forced``: this step's token is forced
     (log-probability 0, every other ``-inf``: transformers' ``ForcedBOSTokenLogitsProcessor`` /
     ``ForcedEOSTokenLogitsProcessor``, which run after the others)."""
     B, K = running_scores.shape
-    log_probs = rules.apply(torch.log_softmax(logits.to(torch.float32), dim=-1), written)  # [B * K, V]
+    log_probs = rules.apply(torch.log_softmax(logits.to(torch.float32), dim=-1), written, history)  # [B * K, V]
     V = log_probs.shape[-1]
     if forced is not None:
         log_probs = torch.full_like(log_probs, float("-inf"))
@@ -201,7 +201,8 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
             (``b * K + k``) each new beam continues: reorder the model's caches to it.
         forced: ``(bos, eos)`` forced as transformers' ``forced_bos_token_id`` / ``forced_eos_token_id``
             (:func:`_forced_at`: log-probability 0, every other token ``-inf``); ``None``: not forced.
-        rules: :class:`~attnzoo.models.decoder.GenerationRules` (suppressed tokens, ``min_new_tokens``).
+        rules: :class:`~attnzoo.models.decoder.GenerationRules` (suppressed tokens, ``min_new_tokens``,
+            ``no_repeat_ngram_size``).
 
     Returns: :class:`BeamSearchOutput` ``(tokens [B, P + T], scores [B], lengths [B])``.
     """
@@ -223,7 +224,8 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
     while True:
         # 1-2. the best 2K continuations of every row, by summed log-probability
         cand_scores, cand_beam, cand_tokens = _continuations(logits, running_scores, keep, _forced_at(forced, cur, L),
-                                                             rules or GenerationRules(), cur - P)  # [B, 2K] each
+                                                             rules or GenerationRules(), cur - P,
+                                                             running.view(B * K, L)[:, :cur])  # [B, 2K] each
         cand_seqs = _gather(running, cand_beam)  # [B, 2K, L]
         cand_seqs[:, :, cur] = cand_tokens
         cand_rows = cand_beam + row_offset  # [B, 2K] the flat rows they continue

@@ -96,15 +96,17 @@ class GenerationRules(NamedTuple):
     """Logit rules of generation, as transformers' processors of those names apply them (on the
     logits before greedy / sampled picks, on the log-probabilities in beam search): ``suppress``, the
     token ids never generated; the end token ``eos`` forbidden while fewer than ``min_new_tokens`` new
-    tokens are written."""
+    tokens are written; ``no_repeat_ngram_size`` ``n``: no token that would repeat an ``n``-gram of the
+    row's tokens so far (its start tokens included)."""
 
     suppress: tuple[int, ...] = ()
     min_new_tokens: int = 0
     eos: int | None = None
+    no_repeat_ngram_size: int = 0
 
     @classmethod
     def checked(cls, suppress_tokens: object, min_new_tokens: object, eos: int | None, vocab_size: int,
-                owner: str) -> GenerationRules:
+                owner: str, no_repeat_ngram_size: object = 0) -> GenerationRules:
         """The rules of ``generate``'s arguments, each checked (``TypeError`` / ``ValueError`` naming it)."""
         tokens: tuple[int, ...] = ()
         if suppress_tokens is not None:
@@ -114,19 +116,37 @@ class GenerationRules(NamedTuple):
             tokens = tuple(check_int(t, "suppress_tokens", owner, minimum=0) for t in suppress_tokens)
             if any(t >= vocab_size for t in tokens):
                 raise ValueError(f"{owner}: suppress_tokens must be < vocab_size={vocab_size}, got {list(tokens)}")
-        return cls(tokens, check_int(min_new_tokens, "min_new_tokens", owner, minimum=0), eos)
+        return cls(tokens, check_int(min_new_tokens, "min_new_tokens", owner, minimum=0), eos,
+                   check_int(no_repeat_ngram_size, "no_repeat_ngram_size", owner, minimum=0))
 
-    def apply(self, scores: Tensor, written: int) -> Tensor:
-        """``scores [R, V]`` for the next token after ``written`` new tokens, the rules applied (a copy
-        when any applies)."""
+    def apply(self, scores: Tensor, written: int, tokens: Tensor | None = None) -> Tensor:
+        """``scores [R, V]`` for the next token after ``written`` new tokens (``tokens [R, T]``: each
+        row's tokens so far, for ``no_repeat_ngram_size``), the rules applied (a copy when any applies)."""
         banned = list(self.suppress)
         if self.eos is not None and written < self.min_new_tokens:
             banned.append(self.eos)
-        if not banned:
+        repeats = None if not self.no_repeat_ngram_size or tokens is None else _repeated_ngrams(
+            tokens, self.no_repeat_ngram_size, scores.shape[-1])
+        if not banned and repeats is None:
             return scores
         out = scores.clone()
         out[:, banned] = float("-inf")
-        return out
+        return out if repeats is None else out.masked_fill(repeats, float("-inf"))
+
+
+def _repeated_ngrams(tokens: Tensor, n: int, vocab: int) -> Tensor | None:
+    """``[R, V]`` bool: the tokens that would complete, after ``tokens [R, T]``, an ``n``-gram the
+    row already holds (transformers' ``NoRepeatNGramLogitsProcessor``); ``None`` while the row holds
+    no ``n``-gram (``T < n``)."""
+    R, T = tokens.shape
+    if n > T:
+        return None
+    windows = tokens.unfold(1, n, 1)  # [R, T - n + 1, n]: every n-gram of the row
+    prefix = tokens[:, T - (n - 1):]  # [R, n - 1]: what the next token would follow
+    match = (windows[:, :, : n - 1] == prefix[:, None, :]).all(dim=-1)  # [R, W]
+    out = torch.zeros(R, vocab, dtype=torch.int32, device=tokens.device)
+    out.scatter_reduce_(1, windows[:, :, n - 1].clamp(0, vocab - 1), match.to(torch.int32), reduce="amax")
+    return out.bool()  # [R, V]: any matching n-gram bans its last token
 
 
 def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
@@ -612,6 +632,7 @@ class DecoderLM(FromConfig, nn.Module):
         extend_context: bool = False,
         suppress_tokens: Sequence[int] | None = None,
         min_new_tokens: int = 0,
+        no_repeat_ngram_size: int = 0,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -634,6 +655,8 @@ class DecoderLM(FromConfig, nn.Module):
                 single-token ``bad_words_ids``: their logits set to ``-inf``).
             min_new_tokens: ``eos_token_id`` is not generated before this many new tokens
                 (transformers' ``min_new_tokens``).
+            no_repeat_ngram_size: ``n > 0``: no token that would repeat an ``n``-gram of the row
+                (prompt included; transformers' ``no_repeat_ngram_size``).
 
         Returns: ``[B, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row hit EOS).
         """
@@ -645,7 +668,8 @@ class DecoderLM(FromConfig, nn.Module):
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
         temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
         self._check_generate(n, new, eos_token_id, extend_context)
-        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos_token_id, self.vocab_size, owner)
+        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos_token_id, self.vocab_size, owner,
+                                        no_repeat_ngram_size)
         full_mask = None if attention_mask is None else _left_padding(attention_mask, prompt, new, owner)
         if new == 0:
             return prompt.clone()
@@ -661,7 +685,7 @@ class DecoderLM(FromConfig, nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         written = n
         for t in range(new):
-            tok = _sample(rules.apply(logits, t), temperature, top_k, top_p, generator)  # [B]; settings checked
+            tok = _sample(rules.apply(logits, t, tokens[:, :n + t]), temperature, top_k, top_p, generator)  # [B]
             if eos_token_id is not None:
                 tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
                 done = done | (tok == eos_token_id)

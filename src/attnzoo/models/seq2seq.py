@@ -176,7 +176,7 @@ class EncoderDecoder(nn.Module):
                  decoder_prompt: Tensor | None = None, num_beams: int = 1, length_penalty: float = 1.0,
                  early_stopping: bool | str = False, forced_bos_token_id: int | None = None,
                  forced_eos_token_id: int | None = None, suppress_tokens: Sequence[int] | None = None,
-                 min_new_tokens: int = 0) -> Tensor:
+                 min_new_tokens: int = 0, no_repeat_ngram_size: int = 0) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
@@ -191,8 +191,8 @@ class EncoderDecoder(nn.Module):
         ``max_new_tokens``, both as transformers' processors of those names force them (a forced
         token counts in the length beam search divides by; the end token wins when both fall on one
         step). ``suppress_tokens`` (never generated: opus-mt's ``bad_words_ids=[[pad]]``, Whisper's
-        ``suppress_tokens``) and ``min_new_tokens`` (no end token before) as
-        :meth:`DecoderLM.generate`, in beam search too. Every argument is checked before the source
+        ``suppress_tokens``), ``min_new_tokens`` (no end token before) and ``no_repeat_ngram_size``
+        (bart-large-cnn: 3) as :meth:`DecoderLM.generate`, in beam search too. Every argument is checked before the source
         is encoded. Returns ``[B, P + T]`` (the start tokens first), ``T <= max_new_tokens``.
         """
         owner = f"{type(self).__name__}.generate"
@@ -207,7 +207,8 @@ class EncoderDecoder(nn.Module):
         forced = tuple(self._check_token(t, name, owner) for name, t in (
             ("forced_bos_token_id", forced_bos_token_id), ("forced_eos_token_id", forced_eos_token_id)))
         self.decoder._check_generate(start.shape[1], new, eos, owner=owner)
-        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.decoder.vocab_size, owner)
+        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.decoder.vocab_size, owner,
+                                        no_repeat_ngram_size)
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
         memory = self.encode(src, src_mask)
@@ -224,7 +225,8 @@ class EncoderDecoder(nn.Module):
             new, least = new - 1, max(least - 1, 0)  # the forced token is the first new one
         out = self.decoder.generate(start, new - last, temperature=temperature, top_k=top_k, top_p=top_p,
                                     eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask,
-                                    suppress_tokens=rules.suppress, min_new_tokens=least)
+                                    suppress_tokens=rules.suppress, min_new_tokens=least,
+                                    no_repeat_ngram_size=rules.no_repeat_ngram_size)
         done = torch.zeros_like(out[:, 0], dtype=torch.bool) if eos is None else (out[:, start.shape[1]:] == eos).any(1)
         if last and not bool(done.all()) and out.shape[1] == start.shape[1] + new - 1:  # ran to the end
             forced_end = torch.full_like(out[:, 0], eos_forced)  # type: ignore[arg-type]
