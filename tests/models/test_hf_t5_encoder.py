@@ -177,3 +177,20 @@ def test_a_file_with_only_the_encoders_embedding_copy_loads() -> None:
     sd = {k: v for k, v in hf.state_dict().items() if k != "shared.weight"}
     ours = convert_t5_encoder(HFConfig(hf.config.to_dict(), "config.json", "T5"), sd, device=None, dtype=None)
     assert torch.equal(ours.tok_emb.weight, hf.shared.weight)
+
+
+def test_the_shared_bias_is_computed_once_per_step_without_gradients() -> None:
+    """``RelativePositionBias.slots`` keeps its last table while nothing changed (the layers sharing
+    T5's first-layer bias reuse it), recomputes it after the weight changes, keeps none with grads."""
+    bias = RelativePositionBias(8, 4, max_distance=10)
+    with torch.no_grad():
+        bias.weight.normal_()
+        a = bias.slots(0, 5, device=torch.device("cpu"), dtype=torch.float32)
+        assert bias.slots(0, 5, device=torch.device("cpu"), dtype=torch.float32) is a
+        assert torch.equal(a, bias(torch.arange(5), torch.arange(5)))
+        b = bias.slots(3, 1, device=torch.device("cpu"), dtype=torch.float32)  # a decoding step
+        assert torch.equal(b, bias(torch.arange(3, 4), torch.arange(4)))
+        bias.weight.add_(1.0)
+        assert not torch.equal(bias.slots(3, 1, device=torch.device("cpu"), dtype=torch.float32), b)
+    g = bias.slots(0, 5, device=torch.device("cpu"), dtype=torch.float32)
+    assert g.requires_grad and bias.slots(0, 5, device=torch.device("cpu"), dtype=torch.float32) is not g

@@ -147,6 +147,20 @@ class RelativePositionBias(nn.Module):
                                   max_distance=max_distance, bidirectional=bidirectional)  # the settings' check
         self.weight = nn.Parameter(torch.zeros(num_buckets, num_heads, device=device, dtype=dtype))
 
+    def slots(self, start: int, n: int, *, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The bias ``[1, H, n, start + n]`` of the query slots ``start .. start + n - 1`` against the key
+        slots ``0 .. start + n - 1`` (a layer's tokens, after ``start`` cached ones), in ``dtype``.
+        Without gradients the last result is kept and returned again while its arguments, the
+        weight's version and the inference mode are the same: the layers sharing this module (T5's
+        first-layer bias) compute it once per step, as transformers does."""
+        key = (start, n, device, dtype, self.weight._version, torch.is_inference_mode_enabled())
+        memo = self.__dict__.get("_memo")
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        out = self(torch.arange(start, start + n, device=device), torch.arange(start + n, device=device)).to(dtype)
+        self.__dict__["_memo"] = None if torch.is_grad_enabled() else (key, out)
+        return out  # [1, H, n, start + n]
+
     def forward(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
         rel = key_positions[..., None, :] - query_positions[..., :, None]  # [Nq, Nk] or [B, Nq, Nk]
         buckets = relative_position_buckets(rel, num_buckets=self.num_buckets, max_distance=self.max_distance,
@@ -214,9 +228,12 @@ class RelativeBiasAttention(MultiHeadAttention):
             raise ValueError("RelativeBiasAttention: with a cache the positions are the cache's (positions=None)")
         B, N, _ = x.shape
         start = 0 if cache is None else int(cache.length)
-        q_pos = resolve_positions(positions, N, start, x.device, batch=B)
-        k_pos = q_pos if cache is None else torch.arange(start + N, device=x.device)
-        bias = _with_bias(self.relative_bias(q_pos, k_pos).to(x.dtype), mask)
+        if positions is None:  # the tokens' slots: shared by the layers of one step
+            table = self.relative_bias.slots(start, N, device=x.device, dtype=x.dtype)
+        else:
+            q_pos = resolve_positions(positions, N, start, x.device, batch=B)
+            table = self.relative_bias(q_pos, q_pos).to(x.dtype)
+        bias = _with_bias(table, mask)
         return super().forward(x, mask=bias, cache=cache, return_weights=return_weights)
 
 
