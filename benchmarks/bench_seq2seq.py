@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import transformers
+from bench_core import cpu_model, timed  # the script's folder is on sys.path
 
 from attnzoo.interop import from_hf
 
@@ -117,26 +115,19 @@ def main() -> None:
     src, mask = source(hf, args)
     impls = args.impls.split(",")
     runs = {name: runner(name, hf, ours, src, mask, args) for name in impls}
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    outs: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
-        for name in impls:  # warm-up, and the outputs compared
-            outs[name] = runs[name]()
-        for _ in range(args.repeats):
-            for name in impls:
-                t0 = time.perf_counter()
-                runs[name]()
-                times[name].append(time.perf_counter() - t0)
+        outs = {name: run() for name, run in runs.items()}  # the outputs compared
+        times = timed(runs, args.repeats)  # medians of interleaved repeats
     ref = outs.get("eager", next(iter(outs.values())))
-    base = statistics.median(times["sdpa"]) if "sdpa" in times else None
+    base = times.get("sdpa")
     rows = []
     for name in impls:
-        t = statistics.median(times[name])
+        t = times[name]
         same = outs[name].shape == ref.shape and bool(torch.equal(outs[name], ref))
         rows.append({"impl": name, "seconds": t, "tokens_per_s": args.batch * args.new / t,
                      "vs_sdpa": None if base is None else base / t, "same_tokens_as_eager": same})
     info = {"model": args.model, "batch": args.batch, "new": args.new, "beams": args.beams,
-            "source_shape": list(src.shape), "cpu": platform.processor() or platform.machine(),
+            "source_shape": list(src.shape), "cpu": cpu_model(),
             "threads": torch.get_num_threads()}
     if args.json:
         print(json.dumps({**info, "rows": rows}, indent=1))

@@ -111,15 +111,19 @@ class Seq2SeqChecks:
         return hf if dtype is None else hf.to(dtype)
 
     # ------------------------------------------------------------------ checks
-    def check_logits(self, hf: Any) -> float:
-        """``from_hf(hf)`` equals transformers' teacher-forced output at every real target token."""
-        ours = from_hf(hf)
+    def logits_error(self, ours: Any, hf: Any) -> float:
+        """The max relative difference of ``ours`` (an ``EncoderDecoder``) from transformers' ``hf``:
+        teacher-forced outputs at every real target token of the checks' batch."""
         assert isinstance(ours, az.EncoderDecoder)
         src, src_mask = self.source(hf)
         tgt, tgt_mask = target()
         with torch.no_grad():
             got = ours(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask)
-        err = real_rel(got, hf_logits(hf, self.hf_inputs(hf, src, src_mask), tgt, tgt_mask), tgt_mask)
+        return real_rel(got, hf_logits(hf, self.hf_inputs(hf, src, src_mask), tgt, tgt_mask), tgt_mask)
+
+    def check_logits(self, hf: Any) -> float:
+        """``from_hf(hf)`` equals transformers' teacher-forced output at every real target token."""
+        err = self.logits_error(from_hf(hf), hf)
         assert err <= self.tol, err
         return err
 
@@ -184,13 +188,7 @@ class Seq2SeqChecks:
                 data.pop(key, None)
             path.write_text(json.dumps(data))
             hf = type(hf).from_pretrained(tmp_path, attn_implementation="eager").eval()
-        model = load_pretrained(tmp_path)
-        assert isinstance(model, az.EncoderDecoder)
-        src, src_mask = self.source(hf)
-        tgt, tgt_mask = target()
-        with torch.no_grad():
-            got = model(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask)
-        assert real_rel(got, hf_logits(hf, self.hf_inputs(hf, src, src_mask), tgt, tgt_mask), tgt_mask) <= self.tol
+        assert self.logits_error(load_pretrained(tmp_path), hf) <= self.tol
 
     def test_to_hf_writes_the_weights_back(self) -> None:
         for cls in (self.model, self.base):
@@ -254,14 +252,9 @@ class Seq2SeqChecks:
             opt.zero_grad()
             loss.backward()
             opt.step()
-        ours.eval()
         fresh = self._make(seed=1)
-        to_hf(ours, fresh)
-        tgt, tgt_mask = target()
-        with torch.no_grad():
-            got = ours(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask)
-        want = hf_logits(fresh, self.hf_inputs(fresh, src, src_mask), tgt, tgt_mask)
-        assert real_rel(got, want, tgt_mask) <= self.tol
+        to_hf(ours.eval(), fresh)
+        assert self.logits_error(ours, fresh) <= self.tol
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
     def test_half_precision_no_worse_than_transformers(self, dtype: torch.dtype) -> None:
