@@ -1,6 +1,6 @@
 """``reorder(index)`` of the decode caches (beam search): a reordered cache decodes as the rows it
-came from, for every registered variant whose cache declares its per-row tensors (the others refuse
-by name), for a model's :class:`~attnzoo.models._common.LayerCaches` of cross-attention
+came from, for every registered variant (Infini's state object included: its fields are per-row
+tensors), for a model's :class:`~attnzoo.models._common.LayerCaches` of cross-attention
 :class:`~attnzoo.blocks.BlockCache` s, and when the batch grows (``B`` rows -> ``B * K`` beams);
 what it refuses (inside a transaction, bad indices, caches that cannot), all-or-nothing."""
 
@@ -18,8 +18,6 @@ from attnzoo.variants import VARIANTS, build_attention
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DIM, HEADS, PREFILL, MAX = 32, 4, 5, 12
-#: variants whose cache cannot reorder its rows (a state object, not per-row tensors)
-REFUSED = {"infini": "InfiniCache"}
 #: rows to keep from a batch of 3: repeats, a dropped row, and a larger batch
 INDEX = torch.tensor([2, 0, 0, 1])
 
@@ -37,11 +35,6 @@ def test_reordered_cache_decodes_as_its_source_rows(name: str) -> None:
     cache = m.init_cache(3, MAX)
     with torch.no_grad():
         m(x[:, :PREFILL], cache=cache)
-        if name in REFUSED:
-            assert not cache.reorderable
-            with pytest.raises(TypeError, match=REFUSED[name]):
-                cache.reorder(INDEX)
-            return
         assert cache.reorderable
         cache.reorder(INDEX)
         assert cache.batch_size == len(INDEX) and cache.length == PREFILL

@@ -42,6 +42,7 @@ by :func:`attnzoo.attention` without a copy (GQA/MQA).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -51,8 +52,8 @@ from torch import Tensor
 from attnzoo._devices import tracing
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["CacheList", "CompositeCache", "KVCache", "SinkWindowKVCache", "SlidingWindowKVCache", "SnapshotCache",
-           "check_reorder_index", "transaction"]
+__all__ = ["CacheList", "CompositeCache", "KVCache", "RowsCache", "SinkWindowKVCache", "SlidingWindowKVCache",
+           "SnapshotCache", "check_reorder_index", "transaction"]
 
 T = TypeVar("T")
 
@@ -97,11 +98,17 @@ def check_reorder_index(index: object, batch_size: int, owner: str) -> Tensor:
 
 
 def _take_rows(value: Any, index: Tensor) -> Any:
-    """Rows ``index`` (dim 0) of a tensor, of each tensor of a dict, or ``None``."""
+    """Rows ``index`` (dim 0) of a tensor, of each tensor of a dict, list or dataclass (its
+    fields), or ``None``."""
     if value is None:
         return None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _take_rows(getattr(value, f.name), index)
+                                             for f in dataclasses.fields(value)})
     if isinstance(value, dict):
         return {k: _take_rows(v, index) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_take_rows(v, index) for v in value]
     if not isinstance(value, Tensor):
         raise TypeError(f"reorder: a per-row attribute must be a tensor (or a dict of tensors), got "
                         f"{type(value).__name__}")
@@ -300,9 +307,33 @@ class _LengthCache:
         self._reorder(check_reorder_index(index, self.batch_size, owner))
 
     def _reorder(self, index: Tensor) -> None:
-        for name in type(self).__dict__["_batch_tensors"]:
-            setattr(self, name, _take_rows(getattr(self, name), index))
-        self._batch_size = int(index.shape[0])
+        self._batch_size = _reorder_rows(self, type(self).__dict__["_batch_tensors"], index)
+
+
+def _reorder_rows(cache: object, names: Iterable[str], index: Tensor) -> int:
+    """Replace every attribute ``names`` of ``cache`` by its rows ``index``; the new batch size."""
+    for name in names:
+        setattr(cache, name, _take_rows(getattr(cache, name), index))
+    return int(index.shape[0])
+
+
+class RowsCache:
+    """:meth:`reorder` for a cache class that keeps ``batch_size`` as a plain attribute and
+    declares its per-row tensors in ``_batch_tensors`` (tensors, dicts or lists of them; dim 0 the
+    row): a family's small state cache, updated once per module call."""
+
+    batch_size: int
+    _batch_tensors: ClassVar[tuple[str, ...]] = ()
+    in_transaction: bool = False
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows ``index`` (int ``[B']``, ids in ``[0, batch_size)``, repeats allowed) of every
+        per-row tensor; ``batch_size`` becomes ``B'`` (beam search)."""
+        owner = f"{type(self).__name__}.reorder"
+        if self.in_transaction:
+            raise RuntimeError(f"{owner}: not allowed inside a transaction (reorder between model calls)")
+        self.batch_size = _reorder_rows(self, type(self)._batch_tensors,
+                                        check_reorder_index(index, self.batch_size, owner))
 
 
 class SnapshotCache(_LengthCache):

@@ -38,6 +38,7 @@ class InfiniCache(SnapshotCache):
     """
 
     snapshot = ("length", "state")
+    _batch_tensors = ("state",)
 
     def __init__(self, batch_size: int, num_heads: int, head_dim: int, segment_len: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:

@@ -310,6 +310,8 @@ class V4Cache(_LengthCache):
     ``length`` (protocol as :class:`~attnzoo.nn.mla.LatentCache`): a window's entry is recomputed from
     the raw tokens whenever it closes."""
 
+    _batch_tensors = ("kv", "raw", "entries")
+
     def __init__(self, batch_size: int, max_len: int, head_dim: int, compressors: list[Compressor], *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         kw: dict[str, Any] = {"device": device, "dtype": dtype}

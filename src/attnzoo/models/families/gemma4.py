@@ -149,6 +149,8 @@ class SharedKVCounter(SnapshotCache):
     """The decode cache of a layer that reuses another layer's keys: it only counts the tokens
     written (``length``), with the cache protocol (``reset``, ``mark``/``rollback``/``commit``)."""
 
+    _batch_tensors = ()
+
     def __init__(self, batch_size: int) -> None:
         self._set_sizes(batch_size)
 

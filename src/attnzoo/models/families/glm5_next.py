@@ -256,6 +256,8 @@ class IndexedCache(_LengthCache):
     gate and 1 for a real token, 0 for padding). Written in place by position; protocol as
     :class:`~attnzoo.nn.mla.LatentCache`."""
 
+    _batch_tensors = ("latent", "index")
+
     def __init__(self, batch_size: int, max_len: int, latent_width: int, index_width: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self._batch_size, self.max_len, self.length = batch_size, max_len, 0

@@ -285,6 +285,8 @@ class Inkling2Cache(_LengthCache):
     [B, max_len, width]``. A layer call writes at ``length ..`` and advances ``length`` once at its
     end (:meth:`advance`); protocol as :class:`~attnzoo.nn.cache.KVCache`."""
 
+    _batch_tensors = ("k", "v", "conv")
+
     def __init__(self, batch_size: int, max_len: int, shape: HeadShape, conv_widths: Mapping[str, int], *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self._batch_size, self.max_len, self.length = batch_size, max_len, 0

@@ -45,6 +45,8 @@ class PositionedKVCache(KVCache):
     """A :class:`KVCache` that also keeps each cached token's position ``[B, max_len]`` (the
     chunk a key belongs to follows its position, not its slot, under left padding)."""
 
+    _batch_tensors = ("k", "v", "positions")
+
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(batch_size, max_len, num_kv_heads, head_dim, device=device, dtype=dtype)

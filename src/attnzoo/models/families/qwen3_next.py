@@ -48,15 +48,18 @@ from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan
+from attnzoo.nn.cache import RowsCache
 
 __all__ = ["DISPATCH", "LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "causal_conv", "convert_qwen3_next",
            "put_gated_deltanet", "segment_ids"]
 
 
-class LinearStateCache:
+class LinearStateCache(RowsCache):
     """Decode cache of a :class:`QwenGatedDeltaNet`: the last ``K - 1`` conv inputs
     ``conv [B, K-1, conv_dim]`` and the delta-rule state ``state [B, Hv, Dk, Dv]`` (float32).
-    Cache protocol: ``length``, ``batch_size``, ``reset()``."""
+    Cache protocol: ``length``, ``batch_size``, ``reset()``, ``reorder(index)``."""
+
+    _batch_tensors = ("conv", "state")
 
     def __init__(self, batch_size: int, conv: int, conv_dim: int, heads: int, dk: int, dv: int, *,
                  device: torch.device | str | None, dtype: torch.dtype | None) -> None:

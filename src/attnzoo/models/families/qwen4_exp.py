@@ -79,7 +79,7 @@ from attnzoo.models.families.qwen3_next import (
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.loop import StreamsLM
 from attnzoo.models.parts import DecoderParts, head_for
-from attnzoo.nn.cache import CacheList
+from attnzoo.nn.cache import CacheList, RowsCache
 
 __all__ = ["DISPATCH", "GatedResidual", "GroupedRMSNorm", "HyperFeedForward", "HyperMixer", "IndexedAttention",
            "NGramEmbedding", "PerLayerEmbedding", "QSAIndexer", "Qwen4ExpLM", "build_qwen4_exp", "convert_qwen4_exp"]
@@ -223,9 +223,11 @@ class NGramEmbedding(nn.Module):
         return self.table(rows).flatten(-2)  # [B, N, embed_dim]
 
 
-class PLECache:
+class PLECache(RowsCache):
     """Decode cache of a :class:`PerLayerEmbedding`: the last ``ngram_size - 1`` token ids
     ``ids [B, ctx]`` (``eos`` at the start) and the conv's last inputs ``conv [B, P, S C]``."""
+
+    _batch_tensors = ("ids", "conv")
 
     def __init__(self, batch_size: int, ctx: int, conv: int, width: int, eos: int, *, device: Any,
                  dtype: Any) -> None:
@@ -288,9 +290,11 @@ class PerLayerEmbedding(nn.Module):
         return gv + F.silu(conv).transpose(1, 2)
 
 
-class IndexerCache:
+class IndexerCache(RowsCache):
     """Decode cache of a :class:`QSAIndexer`: the raw index keys ``keys [B, S, Di]`` and the positions
     ``positions [B, S]`` of every token written (``S = max_len``)."""
+
+    _batch_tensors = ("keys", "positions")
 
     def __init__(self, batch_size: int, max_len: int, head_dim: int, *, device: Any, dtype: Any) -> None:
         self.batch_size, self.length = batch_size, 0

@@ -209,6 +209,8 @@ class ShiftCache(SnapshotCache):
     """The decode state of a token shift: ``last [B, C, 1]``, the last input (zeros at the start).
     Replaced, not written in place (a mark is a snapshot)."""
 
+    _batch_tensors = ("last",)
+
     snapshot = ("length", "last")
 
     def __init__(self, batch_size: int, max_len: int, channels: int, *, device: torch.device | str | None = None,

@@ -189,6 +189,8 @@ class CCAState(SnapshotCache):
     token's delayed value projection (``None`` at the start: a zero token's). Replaced, not written
     in place (a mark is a snapshot)."""
 
+    _batch_tensors = ("conv", "value")
+
     snapshot = ("length", "conv", "value")
 
     def __init__(self, batch_size: int, max_len: int, channels: int, taps: int, *,
