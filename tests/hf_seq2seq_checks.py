@@ -41,6 +41,21 @@ def hf_seq2seq(config: Any, model_class: Any, seed: int = 0, **kw: Any) -> Any:
     return perturbed(model_class._from_config(config, attn_implementation="eager", **kw), seed)
 
 
+def tiny_bart(seed: int = 0, scale: float = 0.5, **overrides: Any) -> Any:
+    """A tiny transformers BART for the generation checks: 2 + 2 eager layers of width 32, pad
+    :data:`PAD`, end :data:`EOS`, start 0, every weight perturbed by ``scale`` (distributions far
+    from flat); ``overrides``: more config keys."""
+    import transformers
+
+    cfg = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                                  decoder_ffn_dim=48, max_position_embeddings=40, pad_token_id=PAD, eos_token_id=EOS,
+                                  bos_token_id=0, **overrides)
+    torch.manual_seed(seed)
+    return perturbed(transformers.BartForConditionalGeneration._from_config(cfg, attn_implementation="eager"), seed,
+                     scale)
+
+
 def sweep() -> dict[str, Callable[[int], Any]]:
     """Every seq2seq family's export sweep: key -> a maker of its transformers model (``seed`` -> model)."""
     out: dict[str, Callable[[int], Any]] = {}

@@ -160,15 +160,11 @@ def test_exact_beams_find_the_best_hypothesis_of_a_native_model(length_penalty: 
 @pytest.fixture(scope="module")
 def bart() -> tuple[Any, torch.Tensor, torch.Tensor]:
     """A tiny transformers BART (eager, weights perturbed) and a source batch with one right-padded row."""
-    transformers = pytest.importorskip("transformers")
-    from hf_family_checks import V, perturbed
+    pytest.importorskip("transformers")
+    from hf_family_checks import V
+    from hf_seq2seq_checks import tiny_bart
 
-    cfg = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
-                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
-                                  decoder_ffn_dim=48, max_position_embeddings=40, pad_token_id=1, eos_token_id=2,
-                                  bos_token_id=0)
-    torch.manual_seed(0)
-    hf = perturbed(transformers.BartForConditionalGeneration._from_config(cfg, attn_implementation="eager"), 0, 0.5)
+    hf = tiny_bart()
     src = torch.randint(3, V, (3, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(src)
     mask[0, -3:] = 0

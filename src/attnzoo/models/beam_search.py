@@ -33,34 +33,51 @@ candidates) is transformers', so the tokens are the same, ties included.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from attnzoo._validate import check_finite_float, check_int
-from attnzoo.models.decoder import GenerationRules
+from attnzoo.models._common import positions_from_mask
+from attnzoo.models.generation import GenerationRules, check_end_tokens
 
-if TYPE_CHECKING:
-    from attnzoo.models.decoder import DecoderLM
-
-__all__ = ["BeamSearchOutput", "beam_search", "check_beam_settings", "decoder_beam_search", "refuse_sampling"]
+__all__ = ["BeamSearchOutput", "CachedDecoder", "beam_search", "check_beam_settings", "check_returns",
+           "decoder_beam_search", "refuse_sampling"]
 
 #: what transformers adds to a score to rule a beam or a hypothesis out
 _NEG = -1.0e9
+#: the bound :func:`beam_search` checks its end tokens with (its callers check them against their vocabulary)
+_ANY_VOCAB = 2 ** 62
+
+
+class CachedDecoder(Protocol):
+    """What :func:`decoder_beam_search` uses of a :class:`~attnzoo.DecoderLM` (declared here, so
+    that this module does not import the model that calls it)."""
+
+    vocab_size: int
+
+    def init_cache(self, batch_size: int, max_len: int) -> Any: ...
+
+    def _decode_step(self, tokens: Tensor, cache: Any, positions: Tensor | None, attention_mask: Tensor | None,
+                     context: Tensor | None, context_mask: Tensor | None) -> Tensor: ...
+
+    def __call__(self, tokens: Tensor, *, cache: Any, positions: Tensor | None, attention_mask: Tensor | None,
+                 context: Tensor | None, context_mask: Tensor | None) -> Tensor: ...
 
 
 class BeamSearchOutput(NamedTuple):
     """The result of :func:`beam_search`.
 
     Attributes:
-        tokens: ``[B, P + T]`` long: each row's best hypothesis after its ``P`` start tokens,
-            ``T <= max_new_tokens`` (the longest best hypothesis), filled with ``eos_token_id``
-            after a row's end token.
-        scores: ``[B]`` float32: each best hypothesis' score, ``sum_logprobs / T_b ** length_penalty``
+        tokens: ``[B * R, P + T]`` long: each row's ``R = num_return_sequences`` best hypotheses
+            (best first; row ``b * R + r``) after its ``P`` start tokens, ``T <= max_new_tokens``
+            (the longest of them), filled after a hypothesis' end token with ``pad_token_id``
+            (see :func:`beam_search`).
+        scores: ``[B * R]`` float32: each hypothesis' score, ``sum_logprobs / T_b ** length_penalty``
             (``T_b`` its own generated length) — transformers' ``sequences_scores``.
-        lengths: ``[B]`` long: ``T_b``, each best hypothesis' generated tokens (end token included).
+        lengths: ``[B * R]`` long: ``T_b``, each hypothesis' generated tokens (end token included).
     """
 
     tokens: Tensor
@@ -104,23 +121,21 @@ def _gather(t: Tensor, beams: Tensor) -> Tensor:
     return torch.take_along_dim(t, beams, dim=1)
 
 
-def _check_start(start: object, eos_token_id: object, owner: str) -> None:
-    """``start``: integer ids ``[B, P]``, ``B, P >= 1``; ``eos_token_id``: ``None`` or an int ``>= 0``."""
+def _check_start(start: object, owner: str) -> None:
+    """``start``: integer ids ``[B, P]``, ``B, P >= 1``."""
     if not isinstance(start, Tensor) or start.dim() != 2 or start.is_floating_point() or start.shape[0] == 0 \
             or start.shape[1] == 0:
         got = tuple(start.shape) if isinstance(start, Tensor) else type(start).__name__
         raise ValueError(f"{owner}: start must be integer token ids [B, P] with B, P >= 1, got {got}")
-    if eos_token_id is not None:
-        check_int(eos_token_id, "eos_token_id", owner, minimum=0)
 
 
-def _initial(start: Tensor, K: int, L: int, eos_token_id: int | None) -> tuple[Tensor, ...]:
-    """The search's state before the first step: ``running [B, K, L]`` (the start tokens, then the
-    end token or ``-1``), ``running_scores [B, K]`` (0 for beam 0, ``-1e9`` for the others), and the
+def _initial(start: Tensor, K: int, L: int, fill: int) -> tuple[Tensor, ...]:
+    """The search's state before the first step: ``running [B, K, L]`` (the start tokens, then
+    ``fill``), ``running_scores [B, K]`` (0 for beam 0, ``-1e9`` for the others), and the
     finished hypotheses — none yet: ``sequences [B, K, L]``, ``scores [B, K]`` at ``-1e9``,
     ``lengths [B, K]``, ``finished [B, K]`` all False."""
     (B, P), dev = start.shape, start.device
-    running = torch.full((B, K, L), -1 if eos_token_id is None else eos_token_id, dtype=torch.long, device=dev)
+    running = torch.full((B, K, L), fill, dtype=torch.long, device=dev)
     running[:, :, :P] = start.long()[:, None]
     running_scores = torch.zeros(B, K, dtype=torch.float32, device=dev)
     running_scores[:, 1:] = _NEG
@@ -138,15 +153,18 @@ def _forced_at(forced: tuple[int | None, int | None], cur: int, L: int) -> int |
 
 
 def _continuations(logits: Tensor, running_scores: Tensor, keep: int, forced: int | None,
-                   rules: GenerationRules, written: int, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                   rules: GenerationRules, written: int, history: Tensor,
+                   counted: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The best ``keep`` continuations of each row by summed float32 log-probability: ``logits
     [B * K, V]``, ``running_scores [B, K]`` -> ``(scores, beam, token)``, each ``[B, keep]``.
     ``rules`` (suppressed tokens, an end token forbidden before ``min_new_tokens``, repeated n-grams
-    of ``history [B * K, t]``) apply to the log-probabilities after ``written`` new tokens; ``forced``: this step's token is forced
+    of ``history [B * K, t]``, the repetition penalty of its tokens where ``counted [B * K, t]``)
+    apply to the log-probabilities after ``written`` new tokens; ``forced``: this step's token is forced
     (log-probability 0, every other ``-inf``: transformers' ``ForcedBOSTokenLogitsProcessor`` /
     ``ForcedEOSTokenLogitsProcessor``, which run after the others)."""
     B, K = running_scores.shape
-    log_probs = rules.apply(torch.log_softmax(logits.to(torch.float32), dim=-1), written, history)  # [B * K, V]
+    log_probs = rules.apply(torch.log_softmax(logits.to(torch.float32), dim=-1), written, history,
+                            counted)  # [B * K, V]
     V = log_probs.shape[-1]
     if forced is not None:
         log_probs = torch.full_like(log_probs, float("-inf"))
@@ -179,12 +197,39 @@ def _can_improve(running_scores: Tensor, scores: Tensor, finished: Tensor, divis
     return torch.any(best_running > worst_finished, dim=-1, keepdim=True)
 
 
-@torch.no_grad()
+def _finish(held: tuple[Tensor, Tensor, Tensor, Tensor], cand: tuple[Tensor, Tensor, Tensor], top_k_mask: Tensor,
+            generated: int, length_penalty: float, early_stopping: bool | str,
+            improvable: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Step 4: the candidates (``cand_seqs [B, 2K, L]``, ``cand_scores [B, 2K]``, ``hits [B, 2K]``)
+    among the first ``K`` that hit a stopping criterion join the finished hypotheses ``held``, with
+    their summed log-probabilities divided by ``generated ** length_penalty`` — unless their row is
+    done (``improvable [B, 1]`` False) or already full with ``early_stopping=True``."""
+    cand_seqs, cand_scores, hits = cand
+    just = hits & top_k_mask[None, :]
+    penalised = cand_scores / (generated ** length_penalty)
+    full = torch.all(held[3], dim=-1, keepdim=True) & (early_stopping is True)
+    penalised += full.to(torch.float32) * _NEG
+    penalised += (~improvable).to(torch.float32) * _NEG
+    penalised += (~just) * _NEG
+    return _merge_finished(held, (cand_seqs, penalised, just), generated)
+
+
+def _returned(held: tuple[Tensor, Tensor, Tensor, Tensor], P: int, R: int) -> BeamSearchOutput:
+    """Each row's ``R`` best finished hypotheses (``held``'s are sorted best first), flattened to
+    ``B * R`` rows and cut to the longest of them."""
+    sequences, scores, lengths, _ = held
+    B = sequences.shape[0]
+    lengths = lengths[:, :R].reshape(B * R)
+    T = int(lengths.max())
+    return BeamSearchOutput(sequences[:, :R, :P + T].reshape(B * R, P + T), scores[:, :R].reshape(B * R), lengths)
+
+
 def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: int, max_new_tokens: int,
-                eos_token_id: int | None, length_penalty: float = 1.0, early_stopping: bool | str = False,
-                reorder: Callable[[Tensor], None] | None = None,
-                forced: tuple[int | None, int | None] = (None, None),
-                rules: GenerationRules | None = None) -> BeamSearchOutput:
+                eos_token_id: int | Sequence[int] | None, length_penalty: float = 1.0,
+                early_stopping: bool | str = False, reorder: Callable[[Tensor], None] | None = None,
+                forced: tuple[int | None, int | None] = (None, None), rules: GenerationRules | None = None,
+                pad_token_id: int | None = None, num_return_sequences: int = 1,
+                counted: Tensor | None = None) -> BeamSearchOutput:
     """Beam search from ``start [B, P]`` (see the module docstring for the rules).
 
     Args:
@@ -193,7 +238,9 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
         start: ``[B, P]`` long, the start tokens of every row (each row's ``K`` beams start alike).
         num_beams: ``K >= 1``.
         max_new_tokens: ``T_max >= 0``; with ``0`` the start tokens are returned.
-        eos_token_id: the end token (``None``: every hypothesis runs to ``max_new_tokens``).
+        eos_token_id: the end token, or several (a hypothesis ends at any of them; each step keeps
+            ``max(2, 1 + n_end) * K`` candidates, as transformers); ``None``: every hypothesis runs
+            to ``max_new_tokens``. The caller checks them against its vocabulary.
         length_penalty: the exponent of the generated length that divides a finished hypothesis'
             summed log-probabilities (``> 0`` favours longer ones).
         early_stopping: ``True``, ``False`` or ``"never"``: when a row is done.
@@ -201,102 +248,132 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
             (``b * K + k``) each new beam continues: reorder the model's caches to it.
         forced: ``(bos, eos)`` forced as transformers' ``forced_bos_token_id`` / ``forced_eos_token_id``
             (:func:`_forced_at`: log-probability 0, every other token ``-inf``); ``None``: not forced.
-        rules: :class:`~attnzoo.models.decoder.GenerationRules` (suppressed tokens, ``min_new_tokens``,
-            ``no_repeat_ngram_size``).
+        rules: :class:`~attnzoo.models.generation.GenerationRules` (suppressed tokens, ``min_new_tokens``,
+            ``no_repeat_ngram_size``, ``repetition_penalty``).
+        pad_token_id: what follows a hypothesis' end token: ``pad_token_id`` unless it is ``None``
+            or ``0``, else the first end token (transformers' beam search; ``-1`` without end token).
+        num_return_sequences: ``R``, ``1 <= R <= K``: each row's ``R`` best hypotheses.
+        counted: ``[B, P]`` bool, the start tokens the repetition penalty counts (``False`` on left
+            padding); ``None``: all.
 
-    Returns: :class:`BeamSearchOutput` ``(tokens [B, P + T], scores [B], lengths [B])``.
+    Returns: :class:`BeamSearchOutput` ``(tokens [B * R, P + T], scores [B * R], lengths [B * R])``.
     """
     owner = "beam_search"
     K, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
     new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-    _check_start(start, eos_token_id, owner)
+    R = check_returns(num_return_sequences, K, owner)
+    _check_start(start, owner)
+    eos = check_end_tokens(eos_token_id, _ANY_VOCAB, owner)
     (B, P), dev = start.shape, start.device
     if new == 0:
-        return BeamSearchOutput(start.long().clone(), torch.zeros(B, device=dev), torch.zeros_like(start[:, 0]).long())
-    L = P + new
-    keep = 2 * K  # transformers: max(2, 1 + number of end tokens) * num_beams, one end token here
+        tokens = start.long().repeat_interleave(R, dim=0)
+        return BeamSearchOutput(tokens, torch.zeros(B * R, device=dev), torch.zeros(B * R, dtype=torch.long, device=dev))
+    L, rules = P + new, rules or GenerationRules()
+    keep = max(2, 1 + len(eos)) * K  # transformers: room for a running beam after every end token
     top_k_mask = torch.cat((torch.ones(K, dtype=torch.bool), torch.zeros(keep - K, dtype=torch.bool))).to(dev)
-    running, running_scores, sequences, scores, lengths, finished = _initial(start, K, L, eos_token_id)
+    ends = torch.tensor(eos, dtype=torch.long, device=dev)
+    running, running_scores, *finished = _initial(start, K, L, (pad_token_id or eos[0]) if eos else -1)
+    held = tuple(finished)
+    rows_counted = None if counted is None else torch.cat(  # [B * K, L]
+        (counted.bool(), torch.ones(B, new, dtype=torch.bool, device=dev)), dim=1).repeat_interleave(K, dim=0)
     improvable = torch.ones(B, 1, dtype=torch.bool, device=dev)  # [B, 1] a row is not done
     row_offset = torch.arange(B, device=dev).view(B, 1) * K  # [B, 1]
     cur = P
     logits = step(running.view(B * K, L)[:, :cur])
     while True:
-        # 1-2. the best 2K continuations of every row, by summed log-probability
-        cand_scores, cand_beam, cand_tokens = _continuations(logits, running_scores, keep, _forced_at(forced, cur, L),
-                                                             rules or GenerationRules(), cur - P,
-                                                             running.view(B * K, L)[:, :cur])  # [B, 2K] each
-        cand_seqs = _gather(running, cand_beam)  # [B, 2K, L]
+        # 1-2. the best max(2, 1 + n_end) * K continuations of every row, by summed log-probability
+        cand_scores, cand_beam, cand_tokens = _continuations(
+            logits, running_scores, keep, _forced_at(forced, cur, L), rules, cur - P, running.view(B * K, L)[:, :cur],
+            None if rows_counted is None else rows_counted[:, :cur])  # [B, keep] each
+        cand_seqs = _gather(running, cand_beam)  # [B, keep, L]
         cand_seqs[:, :, cur] = cand_tokens
-        cand_rows = cand_beam + row_offset  # [B, 2K] the flat rows they continue
         # 3. stopping criteria, and the next running beams
-        hits = (cand_tokens == (-1 if eos_token_id is None else eos_token_id)) | (cur + 1 >= L)  # [B, 2K]
+        hits = torch.isin(cand_tokens, ends) | (cur + 1 >= L)  # [B, keep]
         open_scores = cand_scores + hits.to(torch.float32) * _NEG
         nxt = torch.topk(open_scores, k=K)[1]  # [B, K]
-        running = _gather(cand_seqs, nxt)
-        running_scores = _gather(open_scores, nxt)
-        source_rows = _gather(cand_rows, nxt)  # [B, K]
+        running, running_scores = _gather(cand_seqs, nxt), _gather(open_scores, nxt)
+        source_rows = _gather(cand_beam + row_offset, nxt)  # [B, K] the flat rows they continue
         # 4. finished hypotheses: the first K candidates that hit a criterion, length-penalised
-        just = hits & top_k_mask[None, :]
-        generated = cur + 1 - P
-        penalised = cand_scores / (generated ** length_penalty)
-        full = torch.all(finished, dim=-1, keepdim=True) & (early_stopping is True)
-        penalised += full.to(torch.float32) * _NEG
-        penalised += (~improvable).to(torch.float32) * _NEG
-        penalised += (~just) * _NEG
-        sequences, scores, lengths, finished = _merge_finished((sequences, scores, lengths, finished),
-                                                               (cand_seqs, penalised, just), generated)
+        held = _finish(held, (cand_seqs, cand_scores, hits), top_k_mask, cur + 1 - P, length_penalty,
+                       early_stopping, improvable)
         cur += 1
         # 5. which rows can still improve, and whether to go on
         best_length = L - P if early_stopping == "never" and length_penalty > 0.0 else cur - P
-        improvable = improvable & _can_improve(running_scores, scores, finished, best_length ** length_penalty)
-        go_on = (torch.any(improvable) & ~(torch.all(finished) & (early_stopping is True))
-                 & ~torch.all(hits))
+        improvable = improvable & _can_improve(running_scores, held[1], held[3], best_length ** length_penalty)
+        go_on = (torch.any(improvable) & ~(torch.all(held[3]) & (early_stopping is True)) & ~torch.all(hits))
         if not bool(go_on):
             break
         if reorder is not None:
             reorder(source_rows.reshape(B * K))
         logits = step(running.reshape(B * K, L)[:, :cur])
-    best_lengths = lengths[:, 0]  # [B]
-    T = int(best_lengths.max())
-    return BeamSearchOutput(sequences[:, 0, :P + T], scores[:, 0], best_lengths)
+    return _returned(held, P, R)  # type: ignore[arg-type]
+
+
+def check_returns(num_return_sequences: object, num_beams: int, owner: str) -> int:
+    """``num_return_sequences``: an int in ``[1, num_beams]`` (each row's best hypotheses)."""
+    R = check_int(num_return_sequences, "num_return_sequences", owner, minimum=1)
+    if num_beams < R:
+        raise ValueError(f"{owner}: num_return_sequences must be <= num_beams={num_beams} (beam search returns "
+                         f"each row's best hypotheses), got {R}")
+    return R
 
 
 @torch.no_grad()
-def decoder_beam_search(decoder: DecoderLM, start: Tensor, context: Tensor, context_mask: Tensor | None, *,
-                        num_beams: int, max_new_tokens: int, eos_token_id: int | None, length_penalty: float = 1.0,
+def decoder_beam_search(decoder: CachedDecoder, start: Tensor, context: Tensor | None = None,
+                        context_mask: Tensor | None = None, *, num_beams: int, max_new_tokens: int,
+                        eos_token_id: int | Sequence[int] | None, length_penalty: float = 1.0,
                         early_stopping: bool | str = False, forced: tuple[int | None, int | None] = (None, None),
-                        rules: GenerationRules | None = None) -> BeamSearchOutput:
-    """:func:`beam_search` with a cross-attention ``decoder`` (what :meth:`EncoderDecoder.generate
-    <attnzoo.EncoderDecoder.generate>` runs for ``num_beams > 1``): ``context [B, M, C]`` (the encoded
-    source) and ``context_mask [B, M]`` are repeated to ``B * K`` rows, the decoder's caches are built
-    for ``B * K`` rows and ``P + max_new_tokens`` tokens and reordered at every step (``TypeError``
-    naming the caches that cannot be). ``start [B, P]``; ``forced``, ``rules``: as :func:`beam_search`; returns
+                        rules: GenerationRules | None = None, pad_token_id: int | None = None,
+                        num_return_sequences: int = 1, attention_mask: Tensor | None = None) -> BeamSearchOutput:
+    """:func:`beam_search` with a :class:`~attnzoo.DecoderLM` and its caches (what ``generate``
+    runs for ``num_beams > 1``): the caches are built for ``B * K`` rows and ``P + max_new_tokens``
+    tokens and reordered at every step (``TypeError`` naming the caches that cannot be).
+    ``start [B, P]``: the prompt (or a cross-attention decoder's start tokens); ``attention_mask
+    [B, P]`` bool: its left padding (positions count the real tokens, as ``generate``); ``context
+    [B, M, C]`` (an encoded source) and ``context_mask [B, M]`` for a cross-attention decoder,
+    repeated to ``B * K`` rows. The other arguments are :func:`beam_search`'s; returns
     :class:`BeamSearchOutput`."""
     owner = "decoder_beam_search"
     K = check_int(num_beams, "num_beams", owner, minimum=1)
     new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-    _check_start(start, eos_token_id, owner)
-    B, P = start.shape
-    if eos_token_id is not None and eos_token_id >= decoder.vocab_size:
-        raise ValueError(f"{owner}: eos_token_id must be < the decoder's vocab_size={decoder.vocab_size}, "
-                         f"got {eos_token_id}")
-    if not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != B:
+    _check_start(start, owner)
+    check_end_tokens(eos_token_id, decoder.vocab_size, owner)
+    B = start.shape[0]
+    if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != B):
         got = tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__
         raise ValueError(f"{owner}: context must be the encoded source [B, M, C] with B = {B} rows, got {got}")
+    settings = {"num_beams": K, "eos_token_id": eos_token_id, "length_penalty": length_penalty,
+                "early_stopping": early_stopping, "forced": forced, "rules": rules, "pad_token_id": pad_token_id,
+                "num_return_sequences": num_return_sequences, "counted": attention_mask}
     if new == 0:
-        return beam_search(lambda t: t, start, num_beams=K, max_new_tokens=0, eos_token_id=eos_token_id)
+        return beam_search(lambda t: t, start, max_new_tokens=0, **settings)
+    step, reorder = _cached_steps(decoder, start, K, new, context, context_mask, attention_mask)
+    return beam_search(step, start, max_new_tokens=new, reorder=reorder, **settings)
+
+
+def _cached_steps(decoder: CachedDecoder, start: Tensor, K: int, new: int, context: Tensor | None,
+                  context_mask: Tensor | None,
+                  attention_mask: Tensor | None) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
+    """The ``step`` and ``reorder`` of :func:`beam_search` for ``decoder``: its caches for ``B * K``
+    rows (``TypeError`` naming those that cannot be reordered), the start tokens fed at once, then
+    one token a step at the next position of each row."""
+    B, P = start.shape
     cache = decoder.init_cache(B * K, P + new)
     if not cache.reorderable:  # the cross-attention caches are built on the first step (KVCache: reorderable)
         cache.reorder(torch.arange(B * K, device=start.device))  # raises TypeError naming them
-    memory = context.repeat_interleave(K, dim=0)  # [B * K, M, C]
+    memory = None if context is None else context.repeat_interleave(K, dim=0)  # [B * K, M, C]
     mask = None if context_mask is None else context_mask.repeat_interleave(K, dim=0)  # [B * K, M]
+    rows = None if attention_mask is None else torch.cat(  # [B * K, P + new]: the prompt's padding, then real
+        (attention_mask.bool(), torch.ones(B, new, dtype=torch.bool, device=start.device)), 1).repeat_interleave(K, 0)
+    positions = None if rows is None else positions_from_mask(rows[:, :P])  # [B * K, P]
 
     def step(tokens: Tensor) -> Tensor:  # [B * K, P + t] -> [B * K, V]
+        t = tokens.shape[1]
+        seen = None if rows is None else rows[:, :t]
         if cache.length == 0:  # the start tokens, at once
-            return decoder(tokens, cache=cache, context=memory, context_mask=mask)[:, -1]
-        return decoder._decode_step(tokens, cache, None, None, memory, mask)
+            return decoder(tokens, cache=cache, positions=positions, attention_mask=seen, context=memory,
+                           context_mask=mask)[:, -1]
+        at = None if positions is None else positions[:, -1:] + (t - P)  # [B * K, 1]
+        return decoder._decode_step(tokens, cache, at, seen, memory, mask)
 
-    return beam_search(step, start, num_beams=K, max_new_tokens=new, eos_token_id=eos_token_id,
-                       length_penalty=length_penalty, early_stopping=early_stopping, reorder=cache.reorder,
-                       forced=forced, rules=rules)
+    return step, cache.reorder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -13,11 +13,7 @@ from torch import Tensor, nn
 from attnzoo._devices import cache_dtype, tracing
 from attnzoo._validate import (
     check_bool,
-    check_float,
-    check_float_tensor,
     check_int,
-    check_nonnegative_float,
-    check_optional_int,
 )
 from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
 from attnzoo.models._common import (
@@ -31,7 +27,21 @@ from attnzoo.models._common import (
     positions_from_mask,
     rotary_for,
 )
+from attnzoo.models.beam_search import (
+    check_beam_settings,
+    check_returns,
+    decoder_beam_search,
+    refuse_sampling,
+)
 from attnzoo.models.config import DecoderConfig
+from attnzoo.models.generation import (
+    GenerationRules,
+    _sample,
+    check_end_tokens,
+    check_sampling,
+    fill_token,
+    sample_next_token,
+)
 from attnzoo.models.parts import Blocks, DecoderParts, LMHead, given_blocks, resolve_parts
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
@@ -39,137 +49,6 @@ from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.variants import VARIANTS
 
 __all__ = ["DecoderLM", "GenerationRules", "head_width", "outer_config", "sample_next_token", "shared_rotaries"]
-
-
-def check_sampling(temperature: object, top_k: object, top_p: object, generator: object,
-                   owner: str) -> tuple[float, int | None, float | None]:
-    """The sampling settings of :func:`sample_next_token` and ``generate`` (one check for both):
-    ``temperature`` a finite float ``>= 0``, ``top_k`` ``None`` or an int ``>= 1`` (above the
-    vocabulary it keeps every token), ``top_p`` ``None`` or a float in ``(0, 1]``, ``generator``
-    ``None`` or a ``torch.Generator``. Returns ``(temperature, top_k, top_p)``."""
-    t = check_nonnegative_float(temperature, "temperature", owner)
-    k = check_optional_int(top_k, "top_k", owner, minimum=1)
-    p = None
-    if top_p is not None:
-        p = check_float(top_p, "top_p", owner, expected="a float in (0, 1] or None")
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"{owner}: top_p must be a float in (0, 1], got {top_p!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__} "
-                        f"({generator!r})")
-    return t, k, p
-
-
-def _check_logits(logits: object, owner: str) -> Tensor:
-    """``logits`` a floating tensor ``[B, V]`` (``V >= 1``) with no NaN or ``+inf`` and a logit above
-    ``-inf`` in every row (eager only: reading the values syncs)."""
-    logits = check_float_tensor(logits, "logits", owner, "[B, V]", nonempty=1)
-    if logits.numel() and not tracing():  # one read-back for the three value checks
-        nan, posinf, hidden = (int(c) for c in torch.stack([torch.isnan(logits).sum(), torch.isposinf(logits).sum(),
-                                                            torch.isneginf(logits).all(dim=-1).sum()]).tolist())
-        if nan or posinf:
-            raise ValueError(f"{owner}: logits must not hold NaN or +inf, got {nan} NaN and {posinf} +inf")
-        if hidden:
-            rows = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
-            raise ValueError(f"{owner}: logits rows {rows} are all -inf: no token to pick")
-    return logits
-
-
-def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
-                      top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
-    """Pick the next token from ``logits [B, V]`` (floating point, no NaN, a logit above ``-inf``
-    in every row).
-
-    ``temperature == 0`` is greedy (argmax; ``top_k``/``top_p`` are then irrelevant). Otherwise
-    the logits are divided by ``temperature`` (a finite float ``> 0``), restricted to the
-    ``top_k`` largest (an int ``>= 1``; every token when ``top_k >= V``) and to the smallest set
-    of tokens whose probability reaches ``top_p`` (in ``(0, 1]``; nucleus; the most likely token
-    is always kept), and sampled with ``generator``. Returns ``[B]`` long. Bad arguments raise
-    ``TypeError``/``ValueError`` naming them.
-    """
-    owner = "sample_next_token"
-    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
-    return _sample(_check_logits(logits, owner), temperature, top_k, top_p, generator)
-
-
-class GenerationRules(NamedTuple):
-    """Logit rules of generation, as transformers' processors of those names apply them (on the
-    logits before greedy / sampled picks, on the log-probabilities in beam search): ``suppress``, the
-    token ids never generated; the end token ``eos`` forbidden while fewer than ``min_new_tokens`` new
-    tokens are written; ``no_repeat_ngram_size`` ``n``: no token that would repeat an ``n``-gram of the
-    row's tokens so far (its start tokens included)."""
-
-    suppress: tuple[int, ...] = ()
-    min_new_tokens: int = 0
-    eos: int | None = None
-    no_repeat_ngram_size: int = 0
-
-    @classmethod
-    def checked(cls, suppress_tokens: object, min_new_tokens: object, eos: int | None, vocab_size: int,
-                owner: str, no_repeat_ngram_size: object = 0) -> GenerationRules:
-        """The rules of ``generate``'s arguments, each checked (``TypeError`` / ``ValueError`` naming it)."""
-        tokens: tuple[int, ...] = ()
-        if suppress_tokens is not None:
-            if isinstance(suppress_tokens, (str, bytes, Tensor)) or not isinstance(suppress_tokens, Sequence):
-                raise TypeError(f"{owner}: suppress_tokens must be a sequence of token ids, got "
-                                f"{type(suppress_tokens).__name__}")
-            tokens = tuple(check_int(t, "suppress_tokens", owner, minimum=0) for t in suppress_tokens)
-            if any(t >= vocab_size for t in tokens):
-                raise ValueError(f"{owner}: suppress_tokens must be < vocab_size={vocab_size}, got {list(tokens)}")
-        return cls(tokens, check_int(min_new_tokens, "min_new_tokens", owner, minimum=0), eos,
-                   check_int(no_repeat_ngram_size, "no_repeat_ngram_size", owner, minimum=0))
-
-    def apply(self, scores: Tensor, written: int, tokens: Tensor | None = None) -> Tensor:
-        """``scores [R, V]`` for the next token after ``written`` new tokens (``tokens [R, T]``: each
-        row's tokens so far, for ``no_repeat_ngram_size``), the rules applied (a copy when any applies)."""
-        banned = list(self.suppress)
-        if self.eos is not None and written < self.min_new_tokens:
-            banned.append(self.eos)
-        repeats = None if not self.no_repeat_ngram_size or tokens is None else _repeated_ngrams(
-            tokens, self.no_repeat_ngram_size, scores.shape[-1])
-        if not banned and repeats is None:
-            return scores
-        out = scores.clone()
-        out[:, banned] = float("-inf")
-        return out if repeats is None else out.masked_fill(repeats, float("-inf"))
-
-
-def _repeated_ngrams(tokens: Tensor, n: int, vocab: int) -> Tensor | None:
-    """``[R, V]`` bool: the tokens that would complete, after ``tokens [R, T]``, an ``n``-gram the
-    row already holds (transformers' ``NoRepeatNGramLogitsProcessor``); ``None`` while the row holds
-    no ``n``-gram (``T < n``)."""
-    R, T = tokens.shape
-    if n > T:
-        return None
-    windows = tokens.unfold(1, n, 1)  # [R, T - n + 1, n]: every n-gram of the row
-    prefix = tokens[:, T - (n - 1):]  # [R, n - 1]: what the next token would follow
-    match = (windows[:, :, : n - 1] == prefix[:, None, :]).all(dim=-1)  # [R, W]
-    out = torch.zeros(R, vocab, dtype=torch.int32, device=tokens.device)
-    out.scatter_reduce_(1, windows[:, :, n - 1].clamp(0, vocab - 1), match.to(torch.int32), reduce="amax")
-    return out.bool()  # [R, V]: any matching n-gram bans its last token
-
-
-def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
-            generator: torch.Generator | None) -> Tensor:
-    """:func:`sample_next_token` on checked arguments (``generate`` checks its settings once, not at
-    every step)."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: no overflow at a tiny temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
-        drop_sorted = before >= top_p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 #: The fields that shape the blocks a DecoderLM builds; with given blocks they must keep their defaults.
@@ -248,6 +127,18 @@ def head_width(head: nn.Module) -> int | None:
     if isinstance(head, nn.Identity):
         return 0
     return head.out_features if isinstance(head, nn.Linear) else None
+
+
+def _check_returns(num_return_sequences: object, beams: int, temperature: float, owner: str) -> int:
+    """``num_return_sequences``: ``<= num_beams`` with beam search; more than one only when
+    sampling otherwise (greedy decoding has one result per row, as transformers refuses)."""
+    if beams > 1:
+        return check_returns(num_return_sequences, beams, owner)
+    R = check_int(num_return_sequences, "num_return_sequences", owner, minimum=1)
+    if R > 1 and temperature == 0.0:
+        raise ValueError(f"{owner}: greedy decoding gives one sequence per row, so num_return_sequences={R} "
+                         f"needs sampling (temperature > 0) or beam search (num_beams >= {R})")
+    return R
 
 
 def _left_padding(attention_mask: object, prompt: Tensor, new: int, owner: str) -> Tensor:
@@ -578,22 +469,20 @@ class DecoderLM(FromConfig, nn.Module):
 
     # --------------------------------------------------------------- generate
     def _check_generate(self, n: int, new: int, eos_token_id: object, extend_context: object = False,
-                        owner: str = "DecoderLM.generate") -> None:
+                        owner: str = "DecoderLM.generate") -> tuple[int, ...]:
         """The head, ``eos_token_id``, ``extend_context`` and the length bound of :meth:`generate`
-        (the sampling settings: :func:`check_sampling`)."""
+        (the sampling settings: :func:`check_sampling`); returns the end tokens
+        (:func:`~attnzoo.models.generation.check_end_tokens`)."""
         width = head_width(self.lm_head)
         if width is not None and width != self.vocab_size:
             raise ValueError(f"{owner}: the model has no LM head (its head is {type(self.lm_head).__name__} "
                              f"with {width} outputs, vocab_size={self.vocab_size}); nothing to sample")
         check_bool(extend_context, "extend_context", owner)
-        if eos_token_id is not None:
-            check_int(eos_token_id, "eos_token_id", owner, minimum=0)
-            if eos_token_id >= self.vocab_size:
-                raise ValueError(f"{owner}: eos_token_id must be < vocab_size={self.vocab_size}, got {eos_token_id}")
+        eos = check_end_tokens(eos_token_id, self.vocab_size, owner)
         if n + new > self.max_seq_len and self.pos in ("rope", "none") and extend_context:
             warnings.warn(f"{owner}: generating {n + new} tokens, past the model's {self.max_seq_len} positions "
                           f"(max_seq_len); quality beyond the trained length is not guaranteed", stacklevel=4)
-            return
+            return eos
         hint = ("pass extend_context=True to go past it" if self.pos in ("rope", "none")
                 else f"its {self.pos} position table has no more rows")
         if n > self.max_seq_len:
@@ -602,6 +491,7 @@ class DecoderLM(FromConfig, nn.Module):
         if n + new > self.max_seq_len:
             raise ValueError(f"{owner}: prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model's "
                              f"{self.max_seq_len} positions (max_seq_len; {hint})")
+        return eos
 
     def _decode_step(self, tokens: Tensor, cache: LayerCaches, positions: Tensor | None, attention_mask: Tensor | None,
                      context: Tensor | None, context_mask: Tensor | None) -> Tensor:
@@ -624,7 +514,7 @@ class DecoderLM(FromConfig, nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         attention_mask: Tensor | None = None,
         generator: torch.Generator | None = None,
         context: Tensor | None = None,
@@ -633,6 +523,12 @@ class DecoderLM(FromConfig, nn.Module):
         suppress_tokens: Sequence[int] | None = None,
         min_new_tokens: int = 0,
         no_repeat_ngram_size: int = 0,
+        repetition_penalty: float = 1.0,
+        pad_token_id: int | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        num_return_sequences: int = 1,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -643,8 +539,9 @@ class DecoderLM(FromConfig, nn.Module):
             temperature: ``0`` = greedy; else sampling at this temperature (finite, ``> 0``).
             top_k: keep only the ``k`` most likely tokens when sampling (``>= 1``).
             top_p: nucleus sampling threshold in ``(0, 1]``.
-            eos_token_id: a row that produced it keeps producing it; generation stops early when
-                every row has.
+            eos_token_id: the end token, or a sequence of them (Llama 3's and Qwen's generation
+                configs list several): a row that wrote one then holds ``pad_token_id``;
+                generation stops early when every row has ended.
             attention_mask: ``[B, N]`` bool, True for real prompt tokens: left padding only (in
                 each row, once a token is real every later one is; ``ValueError`` otherwise).
             generator: a ``torch.Generator`` for reproducible sampling.
@@ -653,12 +550,24 @@ class DecoderLM(FromConfig, nn.Module):
                 a warning (as transformers does); otherwise that is a ``ValueError``.
             suppress_tokens: token ids never generated (transformers' ``suppress_tokens`` /
                 single-token ``bad_words_ids``: their logits set to ``-inf``).
-            min_new_tokens: ``eos_token_id`` is not generated before this many new tokens
+            min_new_tokens: no end token is generated before this many new tokens
                 (transformers' ``min_new_tokens``).
             no_repeat_ngram_size: ``n > 0``: no token that would repeat an ``n``-gram of the row
                 (prompt included; transformers' ``no_repeat_ngram_size``).
+            repetition_penalty: ``p > 0`` (``1``: off): the logit ``s`` of every token already in the
+                row (prompt included, padding not) becomes ``s / p`` if ``s >= 0`` else ``s * p``
+                (transformers' ``repetition_penalty``; Qwen's configs use 1.05).
+            pad_token_id: what an ended row holds after its end token (default: the first end token;
+                beam search: as transformers, the first end token also when this is ``0``).
+            num_beams: ``K > 1``: beam search as transformers runs it
+                (:mod:`attnzoo.models.beam_search`), the caches reordered at every step; not with
+                sampling settings.
+            length_penalty, early_stopping: of beam search (``True`` / ``False`` / ``"never"``).
+            num_return_sequences: ``R >= 1`` results per prompt row (rows ``b * R + r``): the ``R``
+                best hypotheses of beam search (``R <= K``), or ``R`` independent samples; greedy
+                decoding has one.
 
-        Returns: ``[B, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row hit EOS).
+        Returns: ``[B * R, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row ended).
         """
         owner = "DecoderLM.generate"
         check_tokens(prompt, self.vocab_size, owner, "prompt")
@@ -666,14 +575,36 @@ class DecoderLM(FromConfig, nn.Module):
         if B == 0:
             raise ValueError(f"{owner}: prompt must hold at least one row [B, N] with B >= 1, got {tuple(prompt.shape)}")
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
-        self._check_generate(n, new, eos_token_id, extend_context)
-        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos_token_id, self.vocab_size, owner,
-                                        no_repeat_ngram_size)
+        sampling = check_sampling(temperature, top_k, top_p, generator, owner)
+        beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
+        returns = _check_returns(num_return_sequences, beams, sampling[0], owner)
+        if beams > 1:
+            refuse_sampling(temperature, top_k, top_p, generator, owner)
+        eos = self._check_generate(n, new, eos_token_id, extend_context)
+        rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
+                                        no_repeat_ngram_size, repetition_penalty)
+        fill = fill_token(pad_token_id, eos, self.vocab_size, owner)
         full_mask = None if attention_mask is None else _left_padding(attention_mask, prompt, new, owner)
+        if beams > 1:
+            return decoder_beam_search(self, prompt, context, context_mask, num_beams=beams, max_new_tokens=new,
+                                       eos_token_id=eos or None, length_penalty=length_penalty,
+                                       early_stopping=early_stopping, rules=rules, pad_token_id=pad_token_id,
+                                       num_return_sequences=returns,
+                                       attention_mask=None if full_mask is None else full_mask[:, :n]).tokens
+        if returns > 1:  # R samples of every row: its inputs repeated, rows b * R + r
+            prompt, full_mask, context, context_mask = (None if t is None else t.repeat_interleave(returns, dim=0)
+                                                        for t in (prompt, full_mask, context, context_mask))
         if new == 0:
             return prompt.clone()
-        dev = prompt.device
+        return self._sampled(prompt, new, full_mask, rules, fill, sampling, generator, context, context_mask)
+
+    def _sampled(self, prompt: Tensor, new: int, full_mask: Tensor | None, rules: GenerationRules, fill: int | None,
+                 sampling: tuple[float, int | None, float | None], generator: torch.Generator | None,
+                 context: Tensor | None, context_mask: Tensor | None) -> Tensor:
+        """Greedy or sampled decoding of :meth:`generate` on checked arguments: ``prompt [B, N]``,
+        ``full_mask [B, N + new]`` (the prompt's left padding, then real), ``fill`` the token of
+        ended rows. Returns ``[B, N + T]``."""
+        (B, n), dev = prompt.shape, prompt.device
         cache = self.init_cache(B, n + new)
         tokens = torch.empty(B, n + new, dtype=torch.long, device=dev)
         tokens[:, :n] = prompt
@@ -682,16 +613,18 @@ class DecoderLM(FromConfig, nn.Module):
                       attention_mask=None if full_mask is None else full_mask[:, :n],
                       context=context, context_mask=context_mask)[:, -1]  # [B, V]
         next_pos = None if positions is None else positions[:, -1:] + 1  # [B, 1]
+        ends = torch.tensor(rules.eos, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         written = n
         for t in range(new):
-            tok = _sample(rules.apply(logits, t, tokens[:, :n + t]), temperature, top_k, top_p, generator)  # [B]
-            if eos_token_id is not None:
-                tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
-                done = done | (tok == eos_token_id)
+            scores = rules.apply(logits, t, tokens[:, :n + t], None if full_mask is None else full_mask[:, :n + t])
+            tok = _sample(scores, *sampling, generator)  # [B]
+            if fill is not None:
+                tok = torch.where(done, torch.full_like(tok, fill), tok)
+                done = done | torch.isin(tok, ends)
             tokens[:, n + t] = tok
             written = n + t + 1
-            if t == new - 1 or (eos_token_id is not None and bool(done.all())):
+            if t == new - 1 or bool(done.all()):
                 break
             am = None if full_mask is None else full_mask[:, :written]
             logits = self._decode_step(tokens[:, :written], cache, next_pos, am, context, context_mask)

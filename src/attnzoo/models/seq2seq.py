@@ -20,10 +20,16 @@ from attnzoo.models._common import (
     check_padding_mask,
     check_tokens,
 )
-from attnzoo.models.beam_search import check_beam_settings, decoder_beam_search, refuse_sampling
+from attnzoo.models.beam_search import (
+    check_beam_settings,
+    check_returns,
+    decoder_beam_search,
+    refuse_sampling,
+)
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
-from attnzoo.models.decoder import DecoderLM, GenerationRules, check_sampling, head_width
+from attnzoo.models.decoder import DecoderLM, head_width
 from attnzoo.models.encoder import TransformerEncoder
+from attnzoo.models.generation import GenerationRules, check_sampling, fill_token
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
 __all__ = ["EncoderDecoder", "Transformer"]
@@ -171,12 +177,14 @@ class EncoderDecoder(nn.Module):
 
     @torch.no_grad()
     def generate(self, src: Tensor, max_new_tokens: int, *, bos_token_id: int | None = None,
-                 src_mask: Tensor | None = None, eos_token_id: int | None = None, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
-                 decoder_prompt: Tensor | None = None, num_beams: int = 1, length_penalty: float = 1.0,
-                 early_stopping: bool | str = False, forced_bos_token_id: int | None = None,
-                 forced_eos_token_id: int | None = None, suppress_tokens: Sequence[int] | None = None,
-                 min_new_tokens: int = 0, no_repeat_ngram_size: int = 0) -> Tensor:
+                 src_mask: Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None, decoder_prompt: Tensor | None = None, num_beams: int = 1,
+                 length_penalty: float = 1.0, early_stopping: bool | str = False,
+                 forced_bos_token_id: int | None = None, forced_eos_token_id: int | None = None,
+                 suppress_tokens: Sequence[int] | None = None, min_new_tokens: int = 0, no_repeat_ngram_size: int = 0,
+                 repetition_penalty: float = 1.0, pad_token_id: int | None = None,
+                 num_return_sequences: int = 1) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
@@ -192,8 +200,11 @@ class EncoderDecoder(nn.Module):
         token counts in the length beam search divides by; the end token wins when both fall on one
         step). ``suppress_tokens`` (never generated: opus-mt's ``bad_words_ids=[[pad]]``, Whisper's
         ``suppress_tokens``), ``min_new_tokens`` (no end token before) and ``no_repeat_ngram_size``
-        (bart-large-cnn: 3) as :meth:`DecoderLM.generate`, in beam search too. Every argument is checked before the source
-        is encoded. Returns ``[B, P + T]`` (the start tokens first), ``T <= max_new_tokens``.
+        (bart-large-cnn: 3), ``repetition_penalty`` (of the target's tokens so far), ``pad_token_id``
+        (what an ended row holds; default the first end token; ``eos_token_id`` may list several)
+        and ``num_return_sequences`` as :meth:`DecoderLM.generate`, in beam search too. Every
+        argument is checked before the source is encoded. Returns ``[B * R, P + T]`` (the start
+        tokens first; ``R = num_return_sequences``, rows ``b * R + r``), ``T <= max_new_tokens``.
         """
         owner = f"{type(self).__name__}.generate"
         src = self._check_source(src, owner)
@@ -203,34 +214,48 @@ class EncoderDecoder(nn.Module):
         beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
         if beams > 1:
             refuse_sampling(temperature, top_k, top_p, generator, owner)
-        eos = self.eos_token_id if eos_token_id is None else eos_token_id
+            check_returns(num_return_sequences, beams, owner)
         forced = tuple(self._check_token(t, name, owner) for name, t in (
             ("forced_bos_token_id", forced_bos_token_id), ("forced_eos_token_id", forced_eos_token_id)))
-        self.decoder._check_generate(start.shape[1], new, eos, owner=owner)
+        eos = self.decoder._check_generate(start.shape[1], new, self.eos_token_id if eos_token_id is None
+                                           else eos_token_id, owner=owner)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.decoder.vocab_size, owner,
-                                        no_repeat_ngram_size)
+                                        no_repeat_ngram_size, repetition_penalty)
+        fill = fill_token(pad_token_id, eos, self.decoder.vocab_size, owner)
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
         memory = self.encode(src, src_mask)
         if beams > 1:
             return decoder_beam_search(self.decoder, start, memory, src_mask, num_beams=beams, max_new_tokens=new,
-                                       eos_token_id=eos, length_penalty=length_penalty,
+                                       eos_token_id=eos or None, length_penalty=length_penalty,
                                        early_stopping=early_stopping, forced=forced,  # type: ignore[arg-type]
-                                       rules=rules).tokens
+                                       rules=rules, pad_token_id=pad_token_id,
+                                       num_return_sequences=num_return_sequences).tokens
+        return self._sampled(start, new, memory, src_mask, forced, rules, fill,
+                             {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator,
+                              "num_return_sequences": num_return_sequences})
+
+    def _sampled(self, start: Tensor, new: int, memory: Tensor, src_mask: Tensor | None,
+                 forced: tuple[int | None, int | None], rules: GenerationRules, fill: int | None,
+                 sampling: dict[str, Any]) -> Tensor:
+        """Greedy or sampled decoding of :meth:`generate` (the decoder's own, with the forced tokens
+        written around it): ``start [B, P]``, ``memory [B, M, C]``; returns ``[B * R, P + T]``."""
         bos_forced, eos_forced = forced
         last = eos_forced is not None and new >= 1  # the last token is the forced end token
         least = rules.min_new_tokens
         if bos_forced is not None and start.shape[1] == 1 and new - last >= 1:
             start = torch.cat([start, torch.full_like(start, bos_forced)], dim=1)  # greedy or sampled: written
             new, least = new - 1, max(least - 1, 0)  # the forced token is the first new one
-        out = self.decoder.generate(start, new - last, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    eos_token_id=eos, generator=generator, context=memory, context_mask=src_mask,
-                                    suppress_tokens=rules.suppress, min_new_tokens=least,
-                                    no_repeat_ngram_size=rules.no_repeat_ngram_size)
-        done = torch.zeros_like(out[:, 0], dtype=torch.bool) if eos is None else (out[:, start.shape[1]:] == eos).any(1)
-        if last and not bool(done.all()) and out.shape[1] == start.shape[1] + new - 1:  # ran to the end
+        out = self.decoder.generate(start, new - last, eos_token_id=rules.eos or None, context=memory,
+                                    context_mask=src_mask, suppress_tokens=rules.suppress, min_new_tokens=least,
+                                    no_repeat_ngram_size=rules.no_repeat_ngram_size,
+                                    repetition_penalty=rules.repetition_penalty, pad_token_id=fill, **sampling)
+        P = start.shape[1]
+        ends = torch.tensor(rules.eos, dtype=torch.long, device=out.device)
+        done = torch.isin(out[:, P:], ends).any(1)  # [B * R]
+        if last and not bool(done.all()) and out.shape[1] == P + new - 1:  # ran to the end
             forced_end = torch.full_like(out[:, 0], eos_forced)  # type: ignore[arg-type]
-            col = forced_end if eos is None else torch.where(done, eos, forced_end)  # ended rows keep their fill
+            col = forced_end if fill is None else torch.where(done, fill, forced_end)  # ended rows keep their fill
             out = torch.cat([out, col[:, None]], dim=1)
         return out
 
