@@ -41,11 +41,12 @@ from attnzoo.masks import Mask
 from attnzoo.masks import key_padding as key_padding_mask
 from attnzoo.nn.attention import MultiHeadAttention
 from attnzoo.nn.cache import CompositeCache
-from attnzoo.nn.packing import check_packed_call, run_packed
+from attnzoo.nn.frontier import packed_cu_seqlens
+from attnzoo.nn.packing import check_packed_call, run_packed, run_packed_cross
 from attnzoo.variants import build_attention, variant_names
 
 __all__ = ["ACTIVATIONS", "NORMS", "BlockCache", "BlockConfig", "BlockLayers", "Config", "FeedForward", "RMSNorm",
-           "TransformerBlock", "make_norm"]
+           "TransformerBlock", "check_context_presence", "make_norm"]
 
 def _gelu_tanh(x: Tensor) -> Tensor:
     """GELU's tanh approximation (a named function: modules holding it pickle, a lambda does not)."""
@@ -584,6 +585,7 @@ class TransformerBlock(nn.Module):
         cache: Any = None,
         positions: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
+        context_cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """Args:
             x: ``[B, N, C]`` (with a cache: the new tokens only).
@@ -597,20 +599,14 @@ class TransformerBlock(nn.Module):
             cache: the self-attention cache from :meth:`init_cache`.
             positions: absolute positions ``[N]`` or ``[B, N]`` for RoPE.
             cu_seqlens: packed sequences in ``x [1, T, C]`` (int32 ``[S+1]``), passed to the mixer.
+            context_cu_seqlens: with ``cu_seqlens`` and cross-attention: ``context [1, Tk, context_dim]``
+                holds ``S`` packed context sequences (int32 ``[S+1]``, the same ``S``); sequence ``i`` of
+                ``x`` cross-attends to context sequence ``i`` only (an encoder-decoder's packed pairs).
 
         Returns: ``[B, N, C]``.
         """
         _check_input(x, self.dim, "TransformerBlock")
-        if self.cross_attn is None:
-            if context is not None:
-                raise ValueError("TransformerBlock: context given but the block has no cross-attention "
-                                 "(build it with cross_attention=True)")
-        else:
-            if context is None:
-                raise ValueError("TransformerBlock: this block has cross-attention; pass context [B, M, C]")
-            _check_input(context, self.context_dim or self.dim, "TransformerBlock", "context")
-            if context.shape[0] != x.shape[0]:
-                raise ValueError(f"TransformerBlock: context batch {context.shape[0]} != x batch {x.shape[0]}")
+        context_cu_seqlens = self._check_context(x, context, context_cu_seqlens, cu_seqlens)
         if key_padding is not None:
             if not isinstance(key_padding, Tensor) or key_padding.dtype != torch.bool or key_padding.dim() != 2 \
                     or key_padding.shape[0] != x.shape[0]:
@@ -625,27 +621,66 @@ class TransformerBlock(nn.Module):
             cross_cache = cache.cross(self.cross_attn, context)
             cache = cache.self_cache
         drop = self.dropout
+        packed = (cu_seqlens, context_cu_seqlens)
         if self.norm_first:
             x = x + drop(self.attn_out_norm(self._mix(self.attn_norm(x), mask, cache, positions, cu_seqlens)))
             if self.cross_attn is not None:
                 assert self.cross_norm is not None
-                x = x + drop(self._cross(self.cross_norm(x), context, context_mask, cross_cache))
+                x = x + drop(self._cross(self.cross_norm(x), context, context_mask, cross_cache, packed))
             if self.ffn is None:
                 return x
             return x + drop(self.ffn_out_norm(self.ffn(self.ffn_norm(x))))
         x = self.attn_norm(x + drop(self._mix(x, mask, cache, positions, cu_seqlens)))
         if self.cross_attn is not None:
             assert self.cross_norm is not None
-            x = self.cross_norm(x + drop(self._cross(x, context, context_mask, cross_cache)))
+            x = self.cross_norm(x + drop(self._cross(x, context, context_mask, cross_cache, packed)))
         if self.ffn is None:
             return x
         return self.ffn_norm(x + drop(self.ffn(x)))
 
-    def _cross(self, h: Tensor, context: Tensor | None, context_mask: Any, cache: Any) -> Tensor:
-        assert self.cross_attn is not None
+    def _check_context(self, x: Tensor, context: object, context_cu_seqlens: object,
+                       cu_seqlens: object) -> Tensor | None:
+        """``context`` given iff the block has cross-attention, ``[B, M, context_dim]`` with x's batch;
+        ``context_cu_seqlens`` (returned validated, on x's device) with ``cu_seqlens`` exactly when a
+        cross-attention block runs packed pairs."""
+        owner = "TransformerBlock"
+        if not check_context_presence(self.cross_attn is not None, context, context_cu_seqlens, owner,
+                                      "the block", "build it with cross_attention=True"):
+            return None
+        context = _check_input(context, self.context_dim or self.dim, owner, "context")
+        if context.shape[0] != x.shape[0]:
+            raise ValueError(f"{owner}: context batch {context.shape[0]} != x batch {x.shape[0]}")
+        if (cu_seqlens is None) != (context_cu_seqlens is None):
+            raise ValueError(f"{owner}: packed cross-attention needs both cu_seqlens (x's sequences) and "
+                             f"context_cu_seqlens (the context's), got only "
+                             f"{'cu_seqlens' if context_cu_seqlens is None else 'context_cu_seqlens'}")
+        if context_cu_seqlens is None:
+            return None
+        return packed_cu_seqlens(context_cu_seqlens, context, f"{owner} (context_cu_seqlens)")
+
+    def _cross(self, h: Tensor, context: Tensor | None, context_mask: Any, cache: Any,
+               packed: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
+        """The cross-attention sub-layer of ``h [B, N, C]``; ``packed``: ``(cu_seqlens,
+        context_cu_seqlens)`` of packed pairs (then no ``context_mask`` or cache)."""
+        assert self.cross_attn is not None and context is not None
+        cu, context_cu = packed
+        if cu is not None and context_cu is not None:
+            cu = check_packed_call("TransformerBlock", h, cu, context_mask=context_mask, cache=cache)
+            return run_packed_cross(self.cross_attn, h, context, cu, context_cu)
         if cache is None:
             return self.cross_attn(h, context, mask=context_mask)
         return self.cross_attn(h, context, mask=context_mask, cache=cache)
+
+
+def check_context_presence(cross: bool, context: object, extra: object, owner: str, unit: str, hint: str) -> bool:
+    """``context`` (and ``extra``, an argument that only goes with it: a context mask or lengths) given
+    only to a ``unit`` with cross-attention (``cross``), and ``context`` always to one; ``ValueError``
+    naming ``owner`` otherwise (``hint``: how to build one with cross-attention). Returns ``cross``."""
+    if not cross and (context is not None or extra is not None):
+        raise ValueError(f"{owner}: context given but {unit} has no cross-attention ({hint})")
+    if cross and context is None:
+        raise ValueError(f"{owner}: {unit} has cross-attention; pass context [B, M, C]")
+    return cross
 
 
 def _sublayer_norms(layers: BlockLayers, block: TransformerBlock, owner: str) -> tuple[nn.Module, nn.Module]:

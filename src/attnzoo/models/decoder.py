@@ -15,7 +15,13 @@ from attnzoo._validate import (
     check_bool,
     check_int,
 )
-from attnzoo.blocks import AttentionSpec, BlockConfig, TransformerBlock, make_norm
+from attnzoo.blocks import (
+    AttentionSpec,
+    BlockConfig,
+    TransformerBlock,
+    check_context_presence,
+    make_norm,
+)
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
@@ -368,13 +374,9 @@ class DecoderLM(FromConfig, nn.Module):
         """Check ``context`` against the model's cross-attention; ``context_mask [B, M]`` ->
         ``[B, 1, 1, M]`` bool."""
         owner = "DecoderLM"
-        if not self.cross_attention:
-            if context is not None or context_mask is not None:
-                raise ValueError(f"{owner}: context given but the model has no cross-attention "
-                                 f"(give it blocks built with BlockConfig(cross_attention=True))")
+        if not check_context_presence(self.cross_attention, context, context_mask, owner, "the model",
+                                      "give it blocks built with BlockConfig(cross_attention=True)"):
             return None
-        if context is None:
-            raise ValueError(f"{owner}: this model has cross-attention; pass context [B, M, C]")
         if context_mask is None:
             return None
         if not isinstance(context, Tensor) or context.dim() != 3:
@@ -393,6 +395,7 @@ class DecoderLM(FromConfig, nn.Module):
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
+        context_cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """Args:
             tokens: ``[B, N]`` token ids (with a cache: the new tokens only).
@@ -407,7 +410,11 @@ class DecoderLM(FromConfig, nn.Module):
             cu_seqlens: packed documents: ``tokens [1, T]`` hold ``S`` sequences end to end and
                 ``cu_seqlens`` (int32 ``[S+1]``) their cumulative lengths; positions restart at 0 in
                 every sequence and no token attends across a boundary (equal to running each alone).
-                Not with a cache, ``positions``, ``attention_mask`` or ``context``.
+                Not with a cache, ``positions`` or ``attention_mask``; ``context`` only packed too.
+            context_cu_seqlens: with ``cu_seqlens`` on a cross-attention model: ``context [1, Tm, C]``
+                holds ``S`` context sequences end to end (int32 ``[S+1]``, the same ``S``), and
+                sequence ``i`` of ``tokens`` cross-attends to context sequence ``i`` only (packed
+                encoder-decoder pairs; no ``context_mask``).
 
         Returns: ``logits [B, N, V]``. With a cache the call is all-or-nothing: when it raises anywhere
         (in any layer, the final norm or the head; a ``KeyboardInterrupt`` too), no layer's cache changes.
@@ -416,12 +423,14 @@ class DecoderLM(FromConfig, nn.Module):
             # one transaction over every layer's cache, which the layers' own calls join (nn/cache.py)
             return transaction(cache, lambda: self(tokens, cache=cache, positions=positions,
                                                    attention_mask=attention_mask, context=context,
-                                                   context_mask=context_mask, cu_seqlens=cu_seqlens))
+                                                   context_mask=context_mask, cu_seqlens=cu_seqlens,
+                                                   context_cu_seqlens=context_cu_seqlens))
         owner = "DecoderLM"
         check_tokens(tokens, self.vocab_size, owner)
         B, N = tokens.shape
-        if cu_seqlens is not None:
-            return self._packed(tokens, cu_seqlens, cache, positions, attention_mask, context)
+        if cu_seqlens is not None or context_cu_seqlens is not None:
+            return self._packed(tokens, cu_seqlens, (context, context_mask, context_cu_seqlens), cache, positions,
+                                attention_mask)
         past = self._cache_length(cache, B)
         kp: Tensor | None = None
         if attention_mask is not None:
@@ -449,23 +458,61 @@ class DecoderLM(FromConfig, nn.Module):
                       cache=None if cache is None else cache[i], positions=attn_pos)  # [B, N, C]
         return self.lm_head(self.norm(x))  # [B, N, V]
 
-    def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
-        """Logits ``[1, T, V]`` of packed sequences (see :meth:`forward`)."""
+    def _packed(self, tokens: Tensor, cu_seqlens: Tensor | None, context: tuple[Any, Any, Any],
+                *unsupported: object) -> Tensor:
+        """Logits ``[1, T, V]`` of packed sequences (see :meth:`forward`); ``context``: ``(context,
+        context_mask, context_cu_seqlens)``."""
         if any(u is not None for u in unsupported):
-            raise ValueError("DecoderLM: packed input (cu_seqlens) takes no cache, positions, attention_mask or "
-                             "context")
+            raise ValueError("DecoderLM: packed input (cu_seqlens) takes no cache, positions or attention_mask")
         if tokens.shape[0] != 1:
             raise ValueError(f"DecoderLM: packed input (cu_seqlens given) must be one row of tokens [1, T]; got "
                              f"tokens {tuple(tokens.shape)} (pack the sequences end to end, lengths in cu_seqlens)")
+        if cu_seqlens is None:
+            raise ValueError("DecoderLM: context_cu_seqlens (packed context) needs cu_seqlens (the packed tokens)")
         cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), "DecoderLM")
-        pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
+        memory, context_cu = self._packed_context(context, cu)
+        pos = self.packed_token_positions(tokens, cu)  # restarting per sequence
         if self.pos in ("learned", "sinusoidal") and pos.numel() and int(pos.max()) >= self.max_seq_len:
             raise ValueError(f"DecoderLM: a packed sequence of {int(pos.max()) + 1} tokens is longer than the "
-                             f"model's {self.max_seq_len} positions (max_seq_len)")
+                             f"model's {self.max_seq_len} positions (max_seq_len; cu_seqlens gives its length)")
         x = self.embed(tokens, pos)  # [1, T, C]
         for block in self.blocks:
-            x = block(x, cu_seqlens=cu)  # [1, T, C]
+            if memory is None:
+                x = block(x, cu_seqlens=cu)  # [1, T, C]
+            else:
+                x = block(x, memory, cu_seqlens=cu, context_cu_seqlens=context_cu)  # [1, T, C]
         return self.lm_head(self.norm(x))  # [1, T, V]
+
+    def _packed_context(self, context: tuple[Any, Any, Any], cu: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """``(context [1, Tm, C], context_cu_seqlens [S+1])`` of a packed call, checked against the
+        model's cross-attention and ``cu`` (the tokens' ``S``); ``(None, None)`` without context."""
+        memory, memory_mask, memory_cu = context
+        owner = "DecoderLM"
+        if memory_mask is not None:
+            raise ValueError(f"{owner}: packed input (cu_seqlens) takes no context_mask: the packed context "
+                             f"sequences are unpadded (context_cu_seqlens gives their lengths)")
+        self._context_mask(memory, None, 1)  # context given iff the model has cross-attention
+        if memory is None:
+            if memory_cu is not None:
+                raise ValueError(f"{owner}: context_cu_seqlens given without context")
+            return None, None
+        if not isinstance(memory, Tensor) or memory.dim() != 3 or memory.shape[0] != 1:
+            got = tuple(memory.shape) if isinstance(memory, Tensor) else type(memory).__name__
+            raise ValueError(f"{owner}: packed input (cu_seqlens) needs a packed context [1, Tm, C], got {got}")
+        if memory_cu is None:
+            raise ValueError(f"{owner}: packed input (cu_seqlens) with a context needs context_cu_seqlens (int32 "
+                             f"[S+1], the context's S = {cu.numel() - 1} sequences end to end), got None")
+        memory_cu = packed_cu_seqlens(memory_cu, memory, f"{owner} (context_cu_seqlens)")
+        if memory_cu.numel() != cu.numel():
+            raise ValueError(f"{owner}: context_cu_seqlens must describe as many sequences as cu_seqlens: expected "
+                             f"[S+1] = [{cu.numel()}] entries, got {memory_cu.numel()}")
+        return memory, memory_cu
+
+    def packed_token_positions(self, tokens: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The absolute positions ``[T]`` of packed ``tokens [1, T]`` (checked ``cu_seqlens [S+1]``):
+        0 at the start of every sequence. A model that numbers positions otherwise (M2M100: counted
+        from the token ids) overrides it."""
+        return packed_positions(cu_seqlens, tokens.shape[1])
 
     # --------------------------------------------------------------- generate
     def _check_generate(self, n: int, new: int, eos_token_id: object, extend_context: object = False,

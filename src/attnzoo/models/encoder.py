@@ -140,6 +140,12 @@ class FirstTokenClassifier(nn.Module):
         return self.out_proj(self.dropout(self.act(self.dense(first))))  # [B, L]
 
 
+def _packs(block: nn.Module) -> bool:
+    """Whether an encoder layer takes packed sequences (see :attr:`TransformerEncoder.packable`)."""
+    return isinstance(block, TransformerBlock) and (type(block).forward is TransformerBlock.forward
+                                                    or getattr(type(block), "takes_packed", False) is True)
+
+
 class TransformerEncoder(FromConfig, nn.Module):
     """Bidirectional transformer encoder over token ids.
 
@@ -262,10 +268,10 @@ class TransformerEncoder(FromConfig, nn.Module):
         a given one with a ``packed`` form, :class:`~attnzoo.models.parts.PackedFromZero`) and
         :class:`~attnzoo.TransformerBlock` layers that keep its forward (their mixers run packed
         sequences in one call, or one sequence at a time: exact either way). A block class with its
-        own forward (T5's float16 clamp, DeBERTa's first layer) is not assumed to take them."""
+        own forward (DeBERTa's first layer) is not assumed to take them unless it says so with a true
+        class attribute ``takes_packed`` (the float16-clamped layers of T5 and BART's lineage)."""
         embeds = self.embedding is None or callable(getattr(self.embedding, "packed", None))
-        return embeds and all(isinstance(b, TransformerBlock) and type(b).forward is TransformerBlock.forward
-                              for b in self.blocks)
+        return embeds and all(_packs(b) for b in self.blocks)
 
     def forward(self, tokens: Tensor, *, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -320,8 +326,7 @@ class TransformerEncoder(FromConfig, nn.Module):
             raise ValueError(f"{owner}: packed input (cu_seqlens) takes no attention_mask or positions: the "
                              "sequences are unpadded and each is positioned from 0")
         if not self.packable:
-            kinds = sorted({type(b).__name__ for b in self.blocks
-                            if not isinstance(b, TransformerBlock) or type(b).forward is not TransformerBlock.forward})
+            kinds = sorted({type(b).__name__ for b in self.blocks if not _packs(b)})
             raise ValueError(f"{owner}: packed input (cu_seqlens) needs the config's embedding (or one with a "
                              f"packed form) and TransformerBlock layers; this model has "
                              f"{'blocks ' + str(kinds) if kinds else 'a given embedding without a packed form'}")
@@ -368,9 +373,10 @@ class TransformerEncoder(FromConfig, nn.Module):
 
         ``packed``: run only the real tokens of a right-padded batch, as packed sequences
         (``cu_seqlens``: no work on padding, the same embeddings as the padded forward). ``None``
-        (default) packs when the model is :attr:`packable` and ``attention_mask`` is right-padded
-        with some padding — measured never slower and up to 2x faster on sentence batches
-        (``benchmarks/bench_encoders.py``); ``True`` requires it; ``False`` never packs."""
+        (default) packs when the model is :attr:`packable` with plain :class:`~attnzoo.TransformerBlock`
+        layers and ``attention_mask`` is right-padded with some padding — measured never slower and up
+        to 2x faster on sentence batches (``benchmarks/bench_encoders.py``); ``True`` requires it (and
+        packs the layers that say ``takes_packed`` too: T5's, BART's lineage's); ``False`` never packs."""
         owner = "TransformerEncoder.encode"
         check_choice(pooling, "pooling", owner, choices=POOLINGS)
         if packed is not None and not isinstance(packed, bool):
@@ -385,7 +391,8 @@ class TransformerEncoder(FromConfig, nn.Module):
             if packed and not (right and self.packable):
                 raise ValueError(f"{owner}: packed=True needs a right-padded attention_mask and a packable model "
                                  f"(right-padded: {right}, packable: {self.packable})")
-            if not (right and self.packable and 0 < int(lengths.sum()) < keep.numel()):
+            plain = all(type(b).forward is TransformerBlock.forward for b in self.blocks)  # default: plain layers
+            if not (right and self.packable and (packed or plain) and 0 < int(lengths.sum()) < keep.numel()):
                 keep = None
         if keep is not None:
             out = self._encode_packed(tokens, keep, token_type_ids, pooling)

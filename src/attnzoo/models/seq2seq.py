@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._validate import check_int
+from attnzoo._validate import check_cu_seqlens, check_int
 from attnzoo.blocks import AttentionSpec
 from attnzoo.models._common import (
     FromConfig,
@@ -94,21 +94,85 @@ class EncoderDecoder(nn.Module):
         return self.decoder.init_cache(batch_size, max_len, device=device, dtype=dtype)
 
     def forward(self, src: Tensor, tgt: Tensor, *, src_mask: Tensor | None = None,
-                tgt_mask: Tensor | None = None) -> Tensor:
+                tgt_mask: Tensor | None = None, src_cu_seqlens: Tensor | None = None,
+                tgt_cu_seqlens: Tensor | None = None) -> Tensor:
         """Teacher-forced forward: ``src [B, M]``, ``tgt [B, N]`` (masks ``[B, M]``/``[B, N]`` bool,
-        True = real token) -> ``logits [B, N, V]``."""
+        True = real token) -> ``logits [B, N, V]``.
+
+        Packed pairs (flash-attn's varlen layout, no padding): ``src [1, Tm]`` holds ``S`` sources end to
+        end, ``tgt [1, Tn]`` their ``S`` targets, ``src_cu_seqlens`` / ``tgt_cu_seqlens`` (int32
+        ``[S+1]``, both the same ``S``, ending at ``Tm`` / ``Tn``) the cumulative lengths. Source ``i``
+        attends to itself, target ``i`` causally to itself and (cross-attention) to source ``i`` only;
+        positions restart at 0 in every sequence of both stacks. Returns ``logits [1, Tn, V]``, equal on
+        every token to the padded batch's (masks and caches are not taken with packing; the encoder
+        must be a packable :class:`~attnzoo.TransformerEncoder`)."""
+        if src_cu_seqlens is not None or tgt_cu_seqlens is not None:
+            return self._packed_forward(src, tgt, src_mask, tgt_mask, src_cu_seqlens, tgt_cu_seqlens)
         memory = self.encode(src, src_mask)
         return self.decode(tgt, memory, memory_mask=src_mask, tgt_mask=tgt_mask)
 
+    def _packed_forward(self, src: Tensor, tgt: Tensor, src_mask: object, tgt_mask: object, src_cu_seqlens: object,
+                        tgt_cu_seqlens: object, owner: str | None = None,
+                        names: tuple[str, str] = ("tgt", "tgt_cu_seqlens")) -> Tensor:
+        """:meth:`forward` of packed pairs (``names``: what the target and its lengths are called in
+        the caller, e.g. :meth:`loss`'s ``labels``) -> ``logits [1, Tn, V]``."""
+        owner = owner or f"{type(self).__name__}.forward"
+        tgt_cu_name = names[1]
+        src_cu, tgt_cu = self.check_packed_pairs(src, tgt, src_cu_seqlens, tgt_cu_seqlens, owner, names)
+        given = [n for n, m in (("src_mask", src_mask), ("tgt_mask", tgt_mask)) if m is not None]
+        if given:
+            raise ValueError(f"{owner}: packed pairs (src_cu_seqlens, {tgt_cu_name}) take no {' or '.join(given)}: "
+                             f"the packed sequences are unpadded, their lengths are the cu_seqlens")
+        memory = self.encoder(src, cu_seqlens=src_cu)  # [1, Tm, C]
+        return self.decoder(tgt, cu_seqlens=tgt_cu, context=memory, context_cu_seqlens=src_cu)  # [1, Tn, V]
+
+    def check_packed_pairs(self, src: object, tgt: object, src_cu_seqlens: object, tgt_cu_seqlens: object,
+                           owner: str, names: tuple[str, str] = ("tgt", "tgt_cu_seqlens")) -> tuple[Tensor, Tensor]:
+        """Checks of packed pairs (``ValueError`` / ``TypeError`` naming the argument, what it got and
+        what was expected): the encoder takes packed token ids, ``src [1, Tm]`` and the target ``[1, Tn]``
+        (its argument names: ``names``) are one row each, both cumulative lengths int32 ``[S+1]`` ending
+        at ``Tm`` / ``Tn`` with the same ``S``. Returns ``(src_cu_seqlens, tgt_cu_seqlens)``."""
+        tgt_name, tgt_cu_name = names
+        if not isinstance(self.encoder, TransformerEncoder):
+            raise ValueError(f"{owner}: packed pairs (src_cu_seqlens) need an encoder over token ids that takes "
+                             f"packed sequences (a TransformerEncoder); this model's encoder is "
+                             f"{type(self.encoder).__name__}, whose input is not packed (Whisper's audio encoder "
+                             f"reads fixed-length log-mel features [B, num_mel_bins, 3000]): pad the batch instead")
+        for name, cu in (("src_cu_seqlens", src_cu_seqlens), (tgt_cu_name, tgt_cu_seqlens)):
+            if cu is None:
+                raise ValueError(f"{owner}: packed pairs need both src_cu_seqlens and {tgt_cu_name} (int32 [S+1]); "
+                                 f"{name} is None")
+        ids = ((src, "src", self.encoder.vocab_size, src_cu_seqlens, "src_cu_seqlens"),
+               (tgt, tgt_name, self.decoder.vocab_size, tgt_cu_seqlens, tgt_cu_name))
+        out = []
+        for tokens, name, vocab, cu, cu_name in ids:
+            check_tokens(tokens, vocab, owner, name)
+            assert isinstance(tokens, Tensor)  # checked above
+            if tokens.shape[0] != 1:
+                raise ValueError(f"{owner}: packed {name} must be one row [1, T] (the sequences end to end, their "
+                                 f"lengths in {cu_name}), got {name} {tuple(tokens.shape)}")
+            out.append(check_cu_seqlens(cu, cu_name, owner, total=tokens.shape[1]).to(tokens.device))
+        if out[0].numel() != out[1].numel():
+            raise ValueError(f"{owner}: src_cu_seqlens and {tgt_cu_name} must describe the same number S of pairs; "
+                             f"got S = {out[0].numel() - 1} sources and S = {out[1].numel() - 1} targets")
+        return out[0], out[1]
+
     def loss(self, src: Tensor, labels: Tensor, *, src_mask: Tensor | None = None,
-             decoder_input: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+             decoder_input: Tensor | None = None, ignore_index: int = -100, src_cu_seqlens: Tensor | None = None,
+             labels_cu_seqlens: Tensor | None = None) -> Tensor:
         """The teacher-forced training loss of ``labels [B, N]`` (the target tokens; ``ignore_index``
         where no loss is taken, e.g. right padding): the mean cross entropy over the counted labels of
         the logits ``forward(src, decoder_input)``, ``decoder_input [B, N]`` by default
         :meth:`shift_labels` (the labels shifted right behind :attr:`decoder_start_token_id`, as
         transformers' ``model(input_ids, labels=labels).loss`` shifts them). An ignored label feeds the start
         token to the decoder where transformers feeds the pad id: the loss is the same when ignored
-        labels are right padding (the decoder is causal). Returns a 0-dim float32 tensor."""
+        labels are right padding (the decoder is causal). Returns a 0-dim float32 tensor.
+
+        Packed pairs (see :meth:`forward`): ``src [1, Tm]`` with ``src_cu_seqlens``, ``labels [1, Tn]``
+        with ``labels_cu_seqlens`` (int32 ``[S+1]``, the same ``S``); each target sequence is shifted on
+        its own (:meth:`shift_labels` of the sequences as a right-padded batch: each starts with
+        :attr:`decoder_start_token_id`, or the family's rule), ``decoder_input [1, Tn]`` when given.
+        The loss, the mean over the counted labels, equals the padded batch's."""
         owner = f"{type(self).__name__}.loss"
         if not isinstance(labels, Tensor) or labels.dim() != 2 or labels.is_floating_point() or labels.shape[1] == 0:
             got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
@@ -122,12 +186,21 @@ class EncoderDecoder(nn.Module):
         bad = labels.masked_fill(~counted, 0)
         if bool(((bad < 0) | (bad >= width)).any()):
             raise ValueError(f"{owner}: labels must be token ids in [0, {width}) or ignore_index={ignore_index}")
+        packed = src_cu_seqlens is not None or labels_cu_seqlens is not None
+        if packed:
+            _, labels_cu_seqlens = self.check_packed_pairs(src, labels.masked_fill(~counted, 0), src_cu_seqlens,
+                                                           labels_cu_seqlens, owner, ("labels", "labels_cu_seqlens"))
         if decoder_input is None:
-            decoder_input = self.shift_labels(labels, counted)
+            decoder_input = self.shift_labels(labels, counted) if not packed else \
+                self._shift_packed(labels, counted, labels_cu_seqlens)
         elif not isinstance(decoder_input, Tensor) or tuple(decoder_input.shape) != tuple(labels.shape):
             got = tuple(decoder_input.shape) if isinstance(decoder_input, Tensor) else type(decoder_input).__name__
             raise ValueError(f"{owner}: decoder_input must have the labels' shape {tuple(labels.shape)}, got {got}")
-        logits = self(src, decoder_input, src_mask=src_mask)  # [B, N, V]
+        if packed:
+            logits = self._packed_forward(src, decoder_input, src_mask, None, src_cu_seqlens, labels_cu_seqlens, owner,
+                                          ("decoder_input", "labels_cu_seqlens"))  # [1, Tn, V]
+        else:
+            logits = self(src, decoder_input, src_mask=src_mask)  # [B, N, V]
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, width), labels.reshape(-1),
                                                  ignore_index=ignore_index)
 
@@ -142,6 +215,19 @@ class EncoderDecoder(nn.Module):
                              f"decoder_input [B, N]")
         filled = labels.masked_fill(~counted, start)
         return torch.cat([torch.full_like(labels[:, :1], start), filled[:, :-1]], dim=1)  # [B, N]
+
+    def _shift_packed(self, labels: Tensor, counted: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The decoder input ``[1, T]`` of packed ``labels [1, T]`` (``counted [1, T]``; checked
+        ``cu_seqlens [S+1]``): :meth:`shift_labels` of the sequences laid out as a right-padded batch
+        ``[S, N_max]`` (padding uncounted), read back at the real tokens."""
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [S]
+        width = max(int(lengths.max()), 1)
+        real = torch.arange(width, device=labels.device) < lengths.to(labels.device)[:, None]  # [S, N_max]
+        rows = labels.new_zeros(real.shape)
+        rows[real] = labels[0]
+        kept = torch.zeros_like(real)
+        kept[real] = counted[0]
+        return self.shift_labels(rows, kept)[real][None]  # [1, T]
 
     def _check_source(self, src: object, owner: str) -> Tensor:
         """``src``: token ids of a :class:`~attnzoo.TransformerEncoder`, else a tensor of ``B >= 1`` rows."""

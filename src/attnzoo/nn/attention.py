@@ -104,6 +104,37 @@ class _PackedAttention:
                                score_mod=self.score_mod, backend=self.backend)  # [T, H, Dv]
         return out.transpose(0, 1).reshape(1, H, T, -1)
 
+    def _packed_cross(self, x: Tensor, cu_seqlens: object, context: object, context_cu_seqlens: object,
+                      mask: object, cache: object, positions: object, return_weights: bool) -> Tensor:
+        """Cross-attention of packed pairs: query sequence ``i`` of ``x [1, Tq, C]`` (``cu_seqlens``)
+        attends to context sequence ``i`` of ``context [1, Tk, kv_dim]`` (``context_cu_seqlens``, the
+        same ``S``) only, through :func:`attnzoo.attention_varlen` with ``cu_seqlens_q != cu_seqlens_k``:
+        ``[1, H, Tq, Dv]`` before the merge. Equal to each pair's own cross-attention call."""
+        cls = type(self).__name__
+        if cu_seqlens is None:
+            raise ValueError(f"{cls}: context_cu_seqlens needs cu_seqlens (the packed queries)")
+        given = [n for n, v in (("mask", mask), ("cache", cache), ("positions", positions)) if v is not None] + (
+            ["return_weights"] if return_weights else [])
+        positional = self.causal or self.window is not None or self.rope is not None or self.alibi
+        if given or positional or self._structure() is not None or self._score != "softmax" or self.score_mod is not None:
+            raise ValueError(f"{cls}: packed input (cu_seqlens) with context_cu_seqlens is plain softmax cross-attention; "
+                             f"it does not take {given or 'causal, window, rope, alibi, a position pattern, score_mod or sigmoid'}")
+        if self.training and self.dropout:
+            raise ValueError(f"{cls}: packed input (cu_seqlens) has no attention dropout; use dropout=0.0")
+        cu_q = packed_cu_seqlens(cu_seqlens, x, cls)
+        ctx = self._check_context(x, context)
+        cu_k = packed_cu_seqlens(context_cu_seqlens, ctx, cls)
+        if cu_k.numel() != cu_q.numel():
+            raise ValueError(f"{cls}: cu_seqlens and context_cu_seqlens must hold the same number of sequences, "
+                             f"got {cu_q.numel() - 1} and {cu_k.numel() - 1}")
+        q = self.frontier.norm_q(self.project_q(x))  # [1, H, Tq, D]
+        k, v = self.project_kv(ctx)  # [1, Hkv, Tk, D]
+        k = self.frontier.norm_k(k)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_q, cu_k,
+                               scale=self.scale, softcap=self.scores.softcap, sinks=self.sinks,
+                               backend=self.backend)  # [Tq, H, Dv]
+        return out.transpose(0, 1).reshape(1, self.num_heads, x.shape[1], -1)
+
 
 class _CrossAttention:
     """Cross-attention of a :class:`MultiHeadAttention` (``kv_dim`` given, or ``context=``): queries from
@@ -279,6 +310,7 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
         positions: Tensor | None = None,
         return_weights: bool = False,
         cu_seqlens: Tensor | None = None,
+        context_cu_seqlens: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x [B, N, C]`` to itself (or to ``context [B, M, kv_dim]``).
 
@@ -304,11 +336,17 @@ class MultiHeadAttention(_CrossAttention, _PackedAttention, AttentionBase):
                 every sequence and attention runs through :func:`attnzoo.attention_varlen` (equal
                 to running each sequence alone). Not with a cache, ``mask``, ``positions`` or
                 ``return_weights``.
+            context_cu_seqlens: with ``cu_seqlens``, packed cross-attention: ``context [1, Tk, kv_dim]``
+                holds ``S`` context sequences (int32 ``[S+1]``, the same ``S``) and query sequence ``i``
+                attends to context sequence ``i`` only (no position relation between them).
 
         Returns:
             ``out [B, N, C]``, or ``(out, weights)``.
         """
         x = self.check_call(x, cache, positions, return_weights, self._cache_types)
+        if context_cu_seqlens is not None:
+            return self.merge_heads(self.frontier.gate(self._packed_cross(
+                x, cu_seqlens, context, context_cu_seqlens, mask, cache, positions, return_weights), x))
         if cu_seqlens is not None:
             return self.merge_heads(self.frontier.gate(self._packed(x, cu_seqlens, context, mask, cache, positions,
                                                                     return_weights), x))

@@ -16,13 +16,13 @@ from torch import Tensor, nn
 
 from attnzoo.nn.frontier import packed_cu_seqlens
 
-__all__ = ["accepts_cu_seqlens", "check_packed_call", "run_packed", "run_per_sequence"]
+__all__ = ["accepts_cu_seqlens", "check_packed_call", "run_packed", "run_packed_cross", "run_per_sequence"]
 
 
-def accepts_cu_seqlens(module: nn.Module) -> bool:
-    """Whether ``module.forward`` takes a ``cu_seqlens`` keyword."""
+def accepts_cu_seqlens(module: nn.Module, name: str = "cu_seqlens") -> bool:
+    """Whether ``module.forward`` takes a ``name`` keyword (default ``cu_seqlens``)."""
     try:
-        return "cu_seqlens" in inspect.signature(module.forward).parameters
+        return name in inspect.signature(module.forward).parameters
     except (TypeError, ValueError):  # a forward without a signature
         return False
 
@@ -64,3 +64,27 @@ def run_packed(module: nn.Module, x: Tensor, cu_seqlens: Tensor) -> Tensor:
             if REFUSAL not in str(err):
                 raise
     return run_per_sequence(module, x, cu_seqlens)
+
+
+def run_packed_cross(module: nn.Module, x: Tensor, context: Tensor, cu_seqlens: Tensor,
+                     context_cu_seqlens: Tensor) -> Tensor:
+    """Cross-attention ``module(x, context)`` of packed pairs: query sequence ``i`` of ``x [1, Tq, C]``
+    (``cu_seqlens [S+1]``) reads context sequence ``i`` of ``context [1, Tk, C_kv]``
+    (``context_cu_seqlens [S+1]``, the same ``S``) only -> ``[1, Tq, C_out]``.
+
+    The module's fused path when its forward takes ``context_cu_seqlens`` (and does not refuse this
+    configuration with a ``ValueError`` naming "packed input (cu_seqlens)"), else one pair at a
+    time: exact either way. Both ``cu_seqlens`` must be validated by the caller; a pair without
+    queries is skipped."""
+    if accepts_cu_seqlens(module, "context_cu_seqlens"):
+        try:
+            return module(x, context, cu_seqlens=cu_seqlens,  # type: ignore[no-any-return]
+                          context_cu_seqlens=context_cu_seqlens)
+        except ValueError as err:
+            if REFUSAL not in str(err):
+                raise
+    q_bounds, k_bounds = ([int(c) for c in cu.tolist()] for cu in (cu_seqlens, context_cu_seqlens))
+    q_len = [hi - lo for lo, hi in itertools.pairwise(q_bounds)]
+    k_len = [hi - lo for lo, hi in itertools.pairwise(k_bounds)]
+    pairs = zip(x.split(q_len, dim=1), context.split(k_len, dim=1), q_len, strict=True)
+    return torch.cat([module(piece, ctx) for piece, ctx, n in pairs if n > 0], dim=1)

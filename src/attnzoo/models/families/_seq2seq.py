@@ -81,11 +81,24 @@ class Float16ClampedBlock(TransformerBlock):
         super().__init__(dim, layers=layers, config=config, device=device, dtype=dtype)
         self.always = check_bool(always, "always", "Float16ClampedBlock")
 
+    #: a packed batch (``cu_seqlens``) is taken: :attr:`~attnzoo.TransformerEncoder.packable` reads it
+    takes_packed = True
+
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Any = None,
                 key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
-                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                context_cu_seqlens: Tensor | None = None) -> Tensor:
+        """As :meth:`~attnzoo.TransformerBlock.forward`, the output clamped. Packed sequences
+        (``cu_seqlens``) run in any dtype when ``always`` (an elementwise clamp), else not in float16
+        (``ValueError``): that clamp's limit depends on whether any value of the whole batch overflowed,
+        padding included, which a packed batch does not hold."""
+        if cu_seqlens is not None and not self.always and isinstance(x, Tensor) and x.dtype == torch.float16:
+            raise ValueError("Float16ClampedBlock: packed input (cu_seqlens) is not taken in float16 with always=False "
+                             "(BART, PLBART, Marian): the clamp looks at the whole batch (padding included), which "
+                             "packing cannot reproduce; run the model in float32 or bfloat16, or pad the batch")
         out = super().forward(x, context, mask=mask, key_padding=key_padding, context_mask=context_mask,
-                              cache=cache, positions=positions, cu_seqlens=cu_seqlens)
+                              cache=cache, positions=positions, cu_seqlens=cu_seqlens,
+                              context_cu_seqlens=context_cu_seqlens)
         return clamp_float16(out, always=self.always)  # [B, N, C]
 
     def extra_repr(self) -> str:

@@ -78,7 +78,7 @@ from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.encoder import FirstTokenClassifier, TransformerEncoder
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype
 from attnzoo.models.hf.errors import CheckpointFormatError
-from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding
+from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, PackedFromZero, ScaledEmbedding
 from attnzoo.models.seq2seq import EncoderDecoder
 from attnzoo.nn.positional import LearnedPositionalEmbedding
 from attnzoo.variants import build_attention
@@ -138,7 +138,7 @@ class OffsetLearnedPositions(nn.Module):
         return self.norm(self.table(x, positions))  # [B, N, C]
 
 
-class BartEmbedding(nn.Module):
+class BartEmbedding(PackedFromZero, nn.Module):
     """The encoder's input embedding, an :class:`~attnzoo.models.EncoderParts` ``embedding``:
     ``LN(tok_emb(tokens) + table[positions])`` (:class:`OffsetLearnedPositions`; the token embedding
     may be the decoder's too).
@@ -149,7 +149,8 @@ class BartEmbedding(nn.Module):
         positions: the :class:`OffsetLearnedPositions`.
 
     Shapes: ``tokens [B, N]``, ``token_type_ids`` must be ``None`` (no token types), ``positions [N] |
-    [B, N] | None`` (``0..N-1``, also on padded rows) -> ``[B, N, C]``.
+    [B, N] | None`` (``0..N-1``, also on padded rows) -> ``[B, N, C]``; ``packed(tokens [1, T], None,
+    cu_seqlens [S+1]) -> [1, T, C]`` (positions from 0 in every packed sequence).
     """
 
     def __init__(self, tok_emb: nn.Module, positions: OffsetLearnedPositions) -> None:

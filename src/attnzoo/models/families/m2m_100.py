@@ -74,7 +74,7 @@ from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
 
 __all__ = ["DEFAULTS", "DISPATCH", "FairseqSinusoidalPositions", "IdCountedDecoderLM",
            "IdCountedEmbedding", "build_m2m_100", "convert_m2m_100", "fairseq_sinusoidal_table",
-           "id_counted_positions"]
+           "id_counted_positions", "packed_id_counted_positions"]
 
 #: each config class's defaults of the keys read here (a ``config.json`` may leave them out)
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -114,6 +114,18 @@ def id_counted_positions(tokens: Tensor, padding_idx: int, past: int = 0) -> Ten
     a cache ``past`` is its length and k counts the new tokens only, as transformers does."""
     real = tokens.ne(padding_idx).long()
     return (real.cumsum(dim=1) + past) * real - 1
+
+
+def packed_id_counted_positions(tokens: Tensor, padding_idx: int, cu_seqlens: Tensor) -> Tensor:
+    """:func:`id_counted_positions` of packed sequences: ``tokens [1, T]`` holding the sequences of
+    ``cu_seqlens [S+1]`` end to end -> int64 ``[1, T]``, each sequence counted from its own start (as
+    that sequence alone, right-padded, is counted)."""
+    real = tokens.ne(padding_idx).long()  # [1, T]
+    before = real.cumsum(dim=1) - real  # [1, T]: the real tokens before each one
+    cu = cu_seqlens.long()
+    seq = torch.searchsorted(cu[1:], torch.arange(tokens.shape[1], device=tokens.device), right=True)  # [T]
+    first = cu[seq].clamp(max=max(tokens.shape[1] - 1, 0))  # [T]: each token's sequence start
+    return (before - before[:, first] + real) * real - 1  # [1, T]
 
 
 class FairseqSinusoidalPositions(nn.Module):
@@ -210,6 +222,13 @@ class IdCountedEmbedding(nn.Module):
             positions = id_counted_positions(tokens, self.padding_idx)  # [B, N]
         return self.positions(self.tok_emb(tokens), positions)  # [B, N, C]
 
+    def packed(self, tokens: Tensor, token_type_ids: Tensor | None, cu_seqlens: Tensor) -> Tensor:
+        """Packed sequences ``tokens [1, T]`` of ``cu_seqlens [S+1]`` -> ``[1, T, C]``, each sequence's
+        positions counted from its own ids (:func:`packed_id_counted_positions`)."""
+        if token_type_ids is not None:
+            raise ValueError(f"{type(self).__name__}: this embedding has no token types; token_type_ids must be None")
+        return self.positions(self.tok_emb(tokens), packed_id_counted_positions(tokens, self.padding_idx, cu_seqlens))
+
 
 # --------------------------------------------------------------------------- blocks and decoder
 class IdCountedDecoderLM(DecoderLM):
@@ -234,13 +253,21 @@ class IdCountedDecoderLM(DecoderLM):
 
     def forward(self, tokens: Tensor, *, cache: LayerCaches | None = None, positions: Tensor | None = None,
                 attention_mask: Tensor | None = None, context: Tensor | None = None,
-                context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
-        """As :meth:`DecoderLM.forward`, the default positions counted from the ids."""
+                context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                context_cu_seqlens: Tensor | None = None) -> Tensor:
+        """As :meth:`DecoderLM.forward`, the default positions counted from the ids (packed: per
+        sequence, :meth:`packed_token_positions`)."""
         if (positions is None and cu_seqlens is None and isinstance(tokens, Tensor) and tokens.dim() == 2
                 and not tokens.is_floating_point()):
             positions = id_counted_positions(tokens, self.padding_idx, self._cache_length(cache, tokens.shape[0]))
         return super().forward(tokens, cache=cache, positions=positions, attention_mask=attention_mask,
-                               context=context, context_mask=context_mask, cu_seqlens=cu_seqlens)
+                               context=context, context_mask=context_mask, cu_seqlens=cu_seqlens,
+                               context_cu_seqlens=context_cu_seqlens)
+
+    def packed_token_positions(self, tokens: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """Packed ``tokens [1, T]``: positions ``[1, T]`` counted from the ids in every sequence
+        (:func:`packed_id_counted_positions`; a pad at ``-1``)."""
+        return packed_id_counted_positions(tokens, self.padding_idx, cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"padding_idx={self.padding_idx}"

@@ -31,7 +31,8 @@ sinusoidal positions instead of BART's learned ones:
 * per-stack ``encoder_layers`` / ``decoder_layers``, ``*_attention_heads``, ``*_ffn_dim``;
 * float16: the encoder layers clamp their output to ``±(finfo.max - 1000)`` — Marian only when some
   value is not finite (M 299-301), Pegasus always (P 306-308): :class:`Float16ClampedBlock` (no host
-  sync; its encoder takes no packed input, ``cu_seqlens``).
+  sync; packed input, ``cu_seqlens``, is refused in float16 only for Marian, whose clamp reads the whole
+  batch).
 
 Embeddings and ties. Marian's decoder has its own vocabulary ``decoder_vocab_size`` (MC 82-84;
 the default is ``vocab_size``) when ``share_encoder_decoder_embeddings`` is false (the opus-mt-tc

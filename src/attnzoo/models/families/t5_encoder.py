@@ -52,6 +52,7 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 from attnzoo._validate import check_bool, check_int
 from attnzoo.blocks import BlockCache, BlockLayers, FeedForward, TransformerBlock
+from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import TransformerEncoder
@@ -59,6 +60,7 @@ from attnzoo.models.hf._state import HFConfig, float_dtype, load_qkv_into
 from attnzoo.models.parts import EncoderParts
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.cache import KVCache, SlidingWindowKVCache
+from attnzoo.nn.frontier import packed_cu_seqlens
 from attnzoo.nn.parts import AttentionParts
 from attnzoo.nn.positional import resolve_positions
 
@@ -197,7 +199,7 @@ class RelativeBiasAttention(MultiHeadAttention):
     Args:
         relative_bias: the bias module (its ``num_heads`` equal to ``num_heads``).
         the rest: as :class:`~attnzoo.MultiHeadAttention` (self-attention without rope: the bias is
-            its positions; no packed input).
+            its positions; packed input, ``cu_seqlens``, with each sequence's own bias).
 
     Weights: ``qkv_proj``, ``out_proj`` and ``relative_bias.weight [num_buckets, H]``.
     Shapes: ``x [B, N, C] -> [B, N, C]``; ``mask`` broadcastable to ``[B, H, N, Nk]``.
@@ -217,10 +219,17 @@ class RelativeBiasAttention(MultiHeadAttention):
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | Mask | None = None,
                 cache: KVCache | SlidingWindowKVCache | None = None, positions: Tensor | None = None,
                 return_weights: bool = False, cu_seqlens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """As :meth:`MultiHeadAttention.forward` (``context`` and ``cu_seqlens`` not taken), the
-        relative bias added to ``mask``."""
-        if context is not None or cu_seqlens is not None:
-            raise ValueError("RelativeBiasAttention: no cross-attention (context) or packed input (cu_seqlens)")
+        """As :meth:`MultiHeadAttention.forward` (``context`` not taken), the relative bias added to
+        ``mask``. Packed sequences (``cu_seqlens``, :meth:`_packed_relative`): the bias of every
+        sequence from its own positions."""
+        if context is not None:
+            raise ValueError("RelativeBiasAttention: no cross-attention (context)")
+        if cu_seqlens is not None:
+            given = [n for n, v in (("mask", mask), ("cache", cache), ("positions", positions)) if v is not None]
+            if given or return_weights:
+                raise ValueError(f"RelativeBiasAttention: packed input (cu_seqlens) takes no "
+                                 f"{given or ['return_weights']}")
+            return self._packed_relative(x, cu_seqlens)
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(f"RelativeBiasAttention: x must be [B, N, C], got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
@@ -235,6 +244,31 @@ class RelativeBiasAttention(MultiHeadAttention):
             table = self.relative_bias(q_pos, q_pos).to(x.dtype)
         bias = _with_bias(table, mask)
         return super().forward(x, mask=bias, cache=cache, return_weights=return_weights)
+
+    def _packed_relative(self, x: Tensor, cu_seqlens: object) -> Tensor:
+        """Packed sequences ``x [1, T, C]`` (int32 ``cu_seqlens [S+1]``) -> ``[1, T, C]``: one
+        :func:`attnzoo.attention_varlen` call whose ``score_mod`` adds ``weight[bucket(j - i), h]`` for
+        the query at ``i`` and the key at ``j`` of one sequence (positions within it, from 0), equal
+        to each sequence alone; the bias weight gets its gradient through the score_mod."""
+        cu = packed_cu_seqlens(cu_seqlens, x, "RelativeBiasAttention")
+        if self.training and self.dropout:
+            raise ValueError("RelativeBiasAttention: packed input (cu_seqlens) has no attention dropout; use "
+                             "dropout=0.0")
+        rel = self.relative_bias
+        weight = rel.weight  # [num_buckets, H]
+
+        def bias(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            buckets = relative_position_buckets(kv_idx - q_idx, num_buckets=rel.num_buckets,
+                                                max_distance=rel.max_distance, bidirectional=rel.bidirectional)
+            return score + weight[buckets, h].to(score.dtype)  # [.., H, bq, bk]
+
+        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
+        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
+        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                               causal=self.causal, window=self.window, scale=self.scale,
+                               softcap=self.scores.softcap, backend=self.backend, score_mod=bias)  # [T, H, Dv]
+        out = out.transpose(0, 1).reshape(1, self.num_heads, x.shape[1], -1)  # [1, H, T, Dv]
+        return self.merge_heads(self.frontier.gate(out, x))  # [1, T, C]
 
 
 def clamp_overflow(x: Tensor) -> Tensor:
@@ -260,24 +294,40 @@ class ClampedBlock(TransformerBlock):
     ``context [B, M, C]`` and ``context_mask`` (broadcastable to ``[B, H, N, M]``) with cross-attention.
     """
 
+    #: a packed batch (``cu_seqlens``) is taken: :attr:`~attnzoo.TransformerEncoder.packable` reads it
+    takes_packed = True
+
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Any = None,
                 key_padding: Tensor | None = None, context_mask: Any = None, cache: Any = None,
-                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                context_cu_seqlens: Tensor | None = None) -> Tensor:
+        """As :meth:`~attnzoo.TransformerBlock.forward`. Packed sequences (``cu_seqlens``, with
+        ``context_cu_seqlens`` for a decoder layer's packed pairs) run in float32 / bfloat16; in float16
+        they are refused (``ValueError``): the clamp's limit depends on whether any value of the whole
+        batch overflowed, padding included, which a packed batch does not hold."""
         if self.cross_attn is None:
             mask = self._self_only(x, context, context_mask, mask, key_padding)
+            context_cu_seqlens = self._check_context(x, context, context_cu_seqlens, cu_seqlens)
         elif not isinstance(context, Tensor):
             raise ValueError("ClampedBlock: this block has cross-attention; pass context [B, M, C]")
         else:
             mask = self._self_mask(mask, key_padding)
-        if cu_seqlens is not None or not self.norm_first or self.ffn is None or self.ffn_norm is None:
-            raise ValueError("ClampedBlock: a pre-norm block with a feed-forward, without packed input (cu_seqlens)")
+            context_cu_seqlens = self._check_context(x, context, context_cu_seqlens, cu_seqlens)
+        if not self.norm_first or self.ffn is None or self.ffn_norm is None:
+            raise ValueError("ClampedBlock: a pre-norm block with a feed-forward")
+        if cu_seqlens is not None and x.dtype == torch.float16:
+            raise ValueError("ClampedBlock: packed input (cu_seqlens) is not taken in float16: T5's overflow clamp "
+                             "looks at the whole batch (padding included), which packing cannot reproduce; run the "
+                             "model in float32 or bfloat16, or pad the batch")
         cross_cache = None
         if isinstance(cache, BlockCache):  # a decoder layer: the context's keys/values cached beside its own
             cross_cache = cache.cross(self.cross_attn, context)
             cache = cache.self_cache
-        x = clamp_overflow(x + self.dropout(self.attn_out_norm(self._mix(self.attn_norm(x), mask, cache, positions))))
+        h = self._mix(self.attn_norm(x), mask, cache, positions, cu_seqlens)
+        x = clamp_overflow(x + self.dropout(self.attn_out_norm(h)))
         if self.cross_attn is not None and self.cross_norm is not None:
-            x = clamp_overflow(x + self.dropout(self._cross(self.cross_norm(x), context, context_mask, cross_cache)))
+            h = self._cross(self.cross_norm(x), context, context_mask, cross_cache, (cu_seqlens, context_cu_seqlens))
+            x = clamp_overflow(x + self.dropout(h))
         return clamp_overflow(x + self.dropout(self.ffn_out_norm(self.ffn(self.ffn_norm(x)))))
 
 
