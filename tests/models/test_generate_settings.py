@@ -87,6 +87,33 @@ def test_repetition_penalty_equals_transformers(llama: Any, penalty: float) -> N
     assert not torch.equal(got, ours.generate(x, NEW, attention_mask=mask.bool())), "the penalty changed nothing"
 
 
+def _greedy_with_hf_penalty(model: az.DecoderLM, x: torch.Tensor, n: int, penalty: float) -> torch.Tensor:
+    """Greedy decoding through the same caches, transformers' penalty processor on float32 logits."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    proc = RepetitionPenaltyLogitsProcessor(penalty)
+    cache = model.init_cache(x.shape[0], x.shape[1] + n)
+    with torch.no_grad():
+        logits, out = model(x, cache=cache)[:, -1], x
+        for t in range(n):
+            tok = proc(out, logits.float()).argmax(-1)
+            out = torch.cat([out, tok[:, None]], dim=1)
+            if t < n - 1:
+                logits = model(tok[:, None], cache=cache)[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("seed", [8, 0, 1])
+def test_repetition_penalty_of_a_bfloat16_model_is_taken_in_float32(seed: int) -> None:
+    """transformers casts the logits to float32 before its processors: a penalised bfloat16 logit
+    rounded in bfloat16 can tie an unpenalised one (seed 8 did, before the cast)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = az.DecoderLM(vocab_size=64, dim=32, depth=2, num_heads=4, max_seq_len=64).to(torch.bfloat16).eval()
+    x = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(model.generate(x, 12, repetition_penalty=1.3), _greedy_with_hf_penalty(model, x, 12, 1.3))
+
+
 def test_repetition_penalty_counts_the_row_not_its_padding() -> None:
     """On a table of logits: a token only in the padding keeps its logit; one in the row is penalised."""
     from attnzoo.models.generation import GenerationRules
@@ -178,6 +205,15 @@ def test_seq2seq_end_tokens_pad_and_penalty_equal_transformers(bart: Any, num_be
         assert torch.equal(got, want), (extra, got, want)
 
 
+def test_a_forced_first_token_that_ends_the_rows(bart: Any) -> None:
+    """Greedy: a forced first token that is an end token ends every row at once, as transformers."""
+    hf, ours, src, mask = bart
+    want = hf.generate(src, attention_mask=mask, max_new_tokens=NEW, eos_token_id=2, pad_token_id=1,
+                       forced_bos_token_id=2, **OFF)
+    got = ours.generate(src, NEW, src_mask=mask.bool(), eos_token_id=2, pad_token_id=1, forced_bos_token_id=2)
+    assert torch.equal(got, want), (got, want)
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize(("kw", "err", "words"), [
     ({"eos_token_id": []}, ValueError, "eos_token_id"),
@@ -203,3 +239,47 @@ def test_bad_settings_are_refused_by_name(kw: dict[str, Any], err: type[Exceptio
     seq2seq = az.Transformer(40, 40, 16, 2, 1, 1)
     with pytest.raises(err, match=words):
         seq2seq.generate(torch.tensor([[1, 2, 3]]), 2, bos_token_id=0, **kw)
+
+
+def test_a_forced_token_that_is_suppressed_is_refused() -> None:
+    model = az.Transformer(40, 40, 16, 2, 1, 1)
+    with pytest.raises(ValueError, match=r"forced_bos_token_id=5 .*suppress_tokens"):
+        model.generate(torch.tensor([[1, 2, 3]]), 2, bos_token_id=0, forced_bos_token_id=5, suppress_tokens=[5])
+
+
+def test_greedy_returns_are_refused_before_the_source_is_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = az.Transformer(40, 40, 16, 2, 1, 1)
+    monkeypatch.setattr(model, "encode", lambda *a: pytest.fail("encoded before the arguments were checked"))
+    with pytest.raises(ValueError, match=r"Transformer\.generate: greedy decoding"):
+        model.generate(torch.tensor([[1, 2, 3]]), 2, bos_token_id=0, num_return_sequences=2)
+
+
+@pytest.mark.parametrize(("kw", "err", "words"), [
+    ({"pad_token_id": -7}, ValueError, "pad_token_id"),
+    ({"pad_token_id": "a"}, TypeError, "pad_token_id"),
+    ({"counted": torch.ones(2, 3, dtype=torch.bool)}, ValueError, "counted"),
+    ({"forced": (None, 99)}, ValueError, "forced_eos_token_id"),
+    ({"eos_token_id": 99}, ValueError, "eos_token_id"),
+])
+def test_beam_search_refuses_bad_tokens_and_rows(kw: dict[str, Any], err: type[Exception], words: str) -> None:
+    from attnzoo.models.beam_search import beam_search
+
+    logits = torch.randn(2 * 2, 40)
+    with pytest.raises(err, match=words):
+        beam_search(lambda t: logits, torch.ones(2, 1, dtype=torch.long), num_beams=2, max_new_tokens=3,
+                    **{"eos_token_id": None, **kw})
+
+
+def test_decoder_beam_search_checks_its_mask_and_pad() -> None:
+    from attnzoo.models.beam_search import decoder_beam_search
+
+    model = az.DecoderLM(vocab_size=40, dim=16, depth=1, num_heads=2, max_seq_len=32)
+    x = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="attention_mask"):
+        decoder_beam_search(model, x, num_beams=2, max_new_tokens=2, eos_token_id=None,
+                            attention_mask=torch.ones(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="left padding"):
+        decoder_beam_search(model, x, num_beams=2, max_new_tokens=2, eos_token_id=None,
+                            attention_mask=torch.tensor([[True, True, False, False]] * 2))
+    with pytest.raises(ValueError, match="pad_token_id"):
+        decoder_beam_search(model, x, num_beams=2, max_new_tokens=2, eos_token_id=None, pad_token_id=99)

@@ -52,10 +52,10 @@ def test_saved_llama_generates_what_transformers_generates(tmp_path: Path) -> No
     settings = generation_settings(folder)
     assert settings == {"num_beams": 3, "num_return_sequences": 2, "eos_token_id": eos, "pad_token_id": 0,
                         "repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "length_penalty": 0.8,
-                        "early_stopping": True, "max_new_tokens": NEW, "suppress_tokens": [5, 6]}
+                        "early_stopping": True, "suppress_tokens": [5, 6]}  # max_new_tokens: generate's 2nd argument
     assert generation_settings(hf) == generation_settings(hf.generation_config) == settings
     want = hf.generate(input_ids=x, attention_mask=mask)
-    got = load_pretrained(folder).generate(x, attention_mask=mask.bool(), **settings)
+    got = load_pretrained(folder).generate(x, NEW, attention_mask=mask.bool(), **settings)
     assert torch.equal(got, want), (got, want)
 
 
@@ -71,12 +71,32 @@ def test_bart_generates_with_the_config_transformers_derives(tmp_path: Path) -> 
     mask = torch.ones_like(src)
     mask[0, -3:] = 0
     settings = generation_settings(tmp_path)
-    assert settings == {"eos_token_id": 2, "pad_token_id": 1, "forced_eos_token_id": 2}
+    assert settings == {"eos_token_id": 2, "pad_token_id": 1, "forced_eos_token_id": 2, "bos_token_id": 2}
     ours = load_pretrained(tmp_path)
     for beams in ({}, {"num_beams": 3, "no_repeat_ngram_size": 2}):
         want = hf.generate(src, attention_mask=mask, max_new_tokens=NEW, **beams)
         got = ours.generate(src, NEW, src_mask=mask.bool(), **settings, **beams)
         assert torch.equal(got, want), (beams, got, want)
+
+
+def test_end_tokens_are_not_bad_words_and_lengths_are_not_settings() -> None:
+    """transformers drops the end tokens from ``bad_words_ids``; the lengths are generate's argument."""
+    got = generation_settings({"eos_token_id": [2, 3], "bad_words_ids": [[3], [7]], "max_new_tokens": 20,
+                               "max_length": 50, "forced_eos_token_id": [2]})
+    assert got == {"eos_token_id": [2, 3], "suppress_tokens": [7], "forced_eos_token_id": 2}
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"suppress_tokens": 5}, "suppress_tokens"),
+    ({"bad_words_ids": 5}, "bad_words_ids"),
+    ({"bad_words_ids": [[]]}, "bad_words_ids"),
+    ({"do_sample": True, "top_p": "0.9"}, "top_p"),
+    ({"num_beams": "4"}, "num_beams"),
+    ({"eos_token_id": [2, True]}, "eos_token_id"),
+])
+def test_malformed_settings_are_refused_by_name(settings: dict[str, Any], named: str) -> None:
+    with pytest.raises(CheckpointFormatError, match=named):
+        generation_settings(settings)
 
 
 def test_sampling_settings_take_transformers_defaults() -> None:
@@ -94,6 +114,10 @@ def test_config_json_is_the_fallback(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8, "eos_token_id": [2, 3],
                                                       "no_repeat_ngram_size": 3}))
     assert generation_settings(tmp_path) == {"eos_token_id": [2, 3], "no_repeat_ngram_size": 3}
+    # a wrapper's text model holds them: transformers' from_model_config reads its text_config then
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "pad_token_id": 0, "text_config": {
+        "eos_token_id": 106, "pad_token_id": 5, "repetition_penalty": 1.1}}))
+    assert generation_settings(tmp_path) == {"pad_token_id": 0, "eos_token_id": 106, "repetition_penalty": 1.1}
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
     assert generation_settings(str(tmp_path)) == {"eos_token_id": 7}
 
@@ -106,6 +130,7 @@ def test_config_json_is_the_fallback(tmp_path: Path) -> None:
     ({"do_sample": True, "temperature": 0.0}, "temperature=0.0"),
     ({"diversity_penalty": 0.5, "num_beam_groups": 2}, "num_beam_groups=2"),
     ({"no_timestamps_token_id": 50363}, "no_timestamps_token_id"),  # Whisper's timestamp logic
+    ({"forced_eos_token_id": [2, 3]}, "forced_eos_token_id"),
 ])
 def test_what_cannot_be_reproduced_is_refused_by_name(settings: dict[str, Any], named: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=named):

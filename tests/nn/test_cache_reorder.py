@@ -12,7 +12,7 @@ from torch import nn
 
 from attnzoo.models import Transformer
 from attnzoo.models.config import Seq2SeqConfig
-from attnzoo.nn.cache import CacheList, KVCache, SlidingWindowKVCache, transaction
+from attnzoo.nn.cache import CacheList, KVCache, RowsCache, SlidingWindowKVCache, transaction
 from attnzoo.variants import VARIANTS, build_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -150,3 +150,22 @@ def test_slot_cache_reorder_ends_the_undo_history() -> None:
     c.update(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))
     c.rollback(mark)
     assert torch.equal(c.k, keys)
+
+
+class _PlainUndeclared(RowsCache):
+    def __init__(self) -> None:
+        self.batch_size, self.state = 2, torch.zeros(2, 3)
+
+
+class _PlainDeclared(_PlainUndeclared):
+    _batch_tensors = ("state",)
+
+
+def test_rows_cache_reorders_only_what_its_own_class_declares() -> None:
+    bad, ok = _PlainUndeclared(), _PlainDeclared()
+    assert not bad.reorderable and ok.reorderable
+    with pytest.raises(TypeError, match="_PlainUndeclared"):
+        bad.reorder(torch.tensor([1, 0]))
+    ok.state = torch.arange(6.0).view(2, 3)
+    ok.reorder(torch.tensor([1, 1, 0]))
+    assert ok.batch_size == 3 and torch.equal(ok.state[:, 0], torch.tensor([3.0, 3.0, 0.0]))

@@ -79,6 +79,25 @@ def check_padding_mask(mask: object, batch: int, length: int, owner: str, name: 
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def check_left_padding(attention_mask: object, prompt: Tensor, new: int, owner: str) -> Tensor:
+    """A prompt's ``attention_mask [B, N]`` (left padding: in every row the real tokens are a
+    non-empty suffix) extended by ``new`` real slots: bool ``[B, N + new]``."""
+    batch, n = prompt.shape
+    am = check_padding_mask(attention_mask, batch, n, owner)
+    if not bool(am.any(dim=1).all()):
+        raise ValueError(f"{owner}: every prompt row needs at least one real token in attention_mask")
+    gaps = am[:, :-1] & ~am[:, 1:]  # [B, N-1]: a real token followed by padding
+    if bool(gaps.any()):
+        row, col = (int(i) for i in gaps.nonzero()[0])
+        raise ValueError(f"{owner}: attention_mask must be left padding (generation appends after the last "
+                         f"token, so each row's real tokens must be a suffix: once True, True to the end); row "
+                         f"{row} has a real token at {col} followed by padding at {col + 1}: "
+                         f"{am[row].int().tolist()}")
+    full = torch.ones(batch, n + new, dtype=torch.bool, device=prompt.device)
+    full[:, :n] = am
+    return full
+
+
 def positions_from_mask(mask: Tensor) -> Tensor:
     """Absolute positions ``[B, L]`` of the real tokens of a (left- or right-) padded batch:
     the first real token of each row is position 0; padded slots get 0 (they are masked)."""

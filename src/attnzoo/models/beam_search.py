@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from attnzoo._validate import check_finite_float, check_int
-from attnzoo.models._common import positions_from_mask
-from attnzoo.models.generation import GenerationRules, check_end_tokens
+from attnzoo.models._common import check_left_padding, positions_from_mask
+from attnzoo.models.generation import GenerationRules, check_end_tokens, fill_token
 
 __all__ = ["BeamSearchOutput", "CachedDecoder", "beam_search", "check_beam_settings", "check_returns",
            "decoder_beam_search", "refuse_sampling"]
@@ -264,6 +264,7 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
     R = check_returns(num_return_sequences, K, owner)
     _check_start(start, owner)
     eos = check_end_tokens(eos_token_id, _ANY_VOCAB, owner)
+    _check_tokens_and_rows(pad_token_id, forced, counted, start, owner)
     (B, P), dev = start.shape, start.device
     if new == 0:
         tokens = start.long().repeat_interleave(R, dim=0)
@@ -280,6 +281,7 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
     row_offset = torch.arange(B, device=dev).view(B, 1) * K  # [B, 1]
     cur = P
     logits = step(running.view(B * K, L)[:, :cur])
+    _check_vocabulary(logits.shape[-1], eos, forced, owner)
     while True:
         # 1-2. the best max(2, 1 + n_end) * K continuations of every row, by summed log-probability
         cand_scores, cand_beam, cand_tokens = _continuations(
@@ -309,13 +311,43 @@ def beam_search(step: Callable[[Tensor], Tensor], start: Tensor, *, num_beams: i
     return _returned(held, P, R)  # type: ignore[arg-type]
 
 
-def check_returns(num_return_sequences: object, num_beams: int, owner: str) -> int:
-    """``num_return_sequences``: an int in ``[1, num_beams]`` (each row's best hypotheses)."""
-    R = check_int(num_return_sequences, "num_return_sequences", owner, minimum=1)
-    if num_beams < R:
+def _check_tokens_and_rows(pad_token_id: object, forced: tuple[object, object], counted: object, start: Tensor,
+                           owner: str) -> None:
+    """``pad_token_id`` and the ``forced`` tokens ``None`` or ids ``>= 0``; ``counted`` ``None`` or
+    a tensor of ``start``'s shape ``[B, P]``."""
+    if pad_token_id is not None:
+        check_int(pad_token_id, "pad_token_id", owner, minimum=0)
+    if not isinstance(forced, tuple) or len(forced) != 2:
+        raise TypeError(f"{owner}: forced must be a pair (bos, eos) of token ids or None, got {forced!r}")
+    for name, token in zip(("forced_bos_token_id", "forced_eos_token_id"), forced, strict=True):
+        if token is not None:
+            check_int(token, name, owner, minimum=0)
+    if counted is not None and (not isinstance(counted, Tensor) or counted.shape != start.shape):
+        got = tuple(counted.shape) if isinstance(counted, Tensor) else type(counted).__name__
+        raise ValueError(f"{owner}: counted must be a bool tensor of start's shape {tuple(start.shape)}, got {got}")
+
+
+def _check_vocabulary(V: int, eos: tuple[int, ...], forced: tuple[int | None, int | None], owner: str) -> None:
+    """The end and forced tokens below the ``V`` tokens the first step scored."""
+    named = [("eos_token_id", t) for t in eos] + [(n, t) for n, t in zip(
+        ("forced_bos_token_id", "forced_eos_token_id"), forced, strict=True) if t is not None]
+    for name, token in named:
+        if token >= V:
+            raise ValueError(f"{owner}: {name} must be < the {V} tokens step scores, got {token}")
+
+
+def check_returns(num_return_sequences: object, num_beams: int, owner: str, *, temperature: float = 0.0) -> int:
+    """``num_return_sequences``: an int in ``[1, num_beams]`` with beam search (each row's best
+    hypotheses); without, more than one only when sampling (``temperature > 0``: independent
+    samples; greedy decoding has one result per row, as transformers refuses)."""
+    returns = check_int(num_return_sequences, "num_return_sequences", owner, minimum=1)
+    if num_beams > 1 and returns > num_beams:
         raise ValueError(f"{owner}: num_return_sequences must be <= num_beams={num_beams} (beam search returns "
-                         f"each row's best hypotheses), got {R}")
-    return R
+                         f"each row's best hypotheses), got {returns}")
+    if num_beams == 1 and returns > 1 and temperature == 0.0:
+        raise ValueError(f"{owner}: greedy decoding gives one sequence per row, so num_return_sequences={returns} "
+                         f"needs sampling (temperature > 0) or beam search (num_beams >= {returns})")
+    return returns
 
 
 @torch.no_grad()
@@ -342,6 +374,9 @@ def decoder_beam_search(decoder: CachedDecoder, start: Tensor, context: Tensor |
     if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != B):
         got = tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__
         raise ValueError(f"{owner}: context must be the encoded source [B, M, C] with B = {B} rows, got {got}")
+    fill_token(pad_token_id, (), decoder.vocab_size, owner)
+    if attention_mask is not None:
+        attention_mask = check_left_padding(attention_mask, start, 0, owner)  # [B, P]
     settings = {"num_beams": K, "eos_token_id": eos_token_id, "length_penalty": length_penalty,
                 "early_stopping": early_stopping, "forced": forced, "rules": rules, "pad_token_id": pad_token_id,
                 "num_return_sequences": num_return_sequences, "counted": attention_mask}

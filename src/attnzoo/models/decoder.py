@@ -25,6 +25,7 @@ from attnzoo.blocks import (
 from attnzoo.models._common import (
     FromConfig,
     LayerCaches,
+    check_left_padding,
     check_padding_mask,
     check_tokens,
     init_weights,
@@ -133,37 +134,6 @@ def head_width(head: nn.Module) -> int | None:
     if isinstance(head, nn.Identity):
         return 0
     return head.out_features if isinstance(head, nn.Linear) else None
-
-
-def _check_returns(num_return_sequences: object, beams: int, temperature: float, owner: str) -> int:
-    """``num_return_sequences``: ``<= num_beams`` with beam search; more than one only when
-    sampling otherwise (greedy decoding has one result per row, as transformers refuses)."""
-    if beams > 1:
-        return check_returns(num_return_sequences, beams, owner)
-    R = check_int(num_return_sequences, "num_return_sequences", owner, minimum=1)
-    if R > 1 and temperature == 0.0:
-        raise ValueError(f"{owner}: greedy decoding gives one sequence per row, so num_return_sequences={R} "
-                         f"needs sampling (temperature > 0) or beam search (num_beams >= {R})")
-    return R
-
-
-def _left_padding(attention_mask: object, prompt: Tensor, new: int, owner: str) -> Tensor:
-    """A prompt's ``attention_mask [B, N]`` (left padding: in every row the real tokens are a
-    non-empty suffix) extended by ``new`` real slots: bool ``[B, N + new]``."""
-    batch, n = prompt.shape
-    am = check_padding_mask(attention_mask, batch, n, owner)
-    if not bool(am.any(dim=1).all()):
-        raise ValueError(f"{owner}: every prompt row needs at least one real token in attention_mask")
-    gaps = am[:, :-1] & ~am[:, 1:]  # [B, N-1]: a real token followed by padding
-    if bool(gaps.any()):
-        row, col = (int(i) for i in gaps.nonzero()[0])
-        raise ValueError(f"{owner}: attention_mask must be left padding (generation appends after the last "
-                         f"token, so each row's real tokens must be a suffix: once True, True to the end); row "
-                         f"{row} has a real token at {col} followed by padding at {col + 1}: "
-                         f"{am[row].int().tolist()}")
-    full = torch.ones(batch, n + new, dtype=torch.bool, device=prompt.device)
-    full[:, :n] = am
-    return full
 
 
 class DecoderLM(FromConfig, nn.Module):
@@ -624,14 +594,14 @@ class DecoderLM(FromConfig, nn.Module):
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
         sampling = check_sampling(temperature, top_k, top_p, generator, owner)
         beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
-        returns = _check_returns(num_return_sequences, beams, sampling[0], owner)
+        returns = check_returns(num_return_sequences, beams, owner, temperature=sampling[0])
         if beams > 1:
             refuse_sampling(temperature, top_k, top_p, generator, owner)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
                                         no_repeat_ngram_size, repetition_penalty)
         fill = fill_token(pad_token_id, eos, self.vocab_size, owner)
-        full_mask = None if attention_mask is None else _left_padding(attention_mask, prompt, new, owner)
+        full_mask = None if attention_mask is None else check_left_padding(attention_mask, prompt, new, owner)
         if beams > 1:
             return decoder_beam_search(self, prompt, context, context_mask, num_beams=beams, max_new_tokens=new,
                                        eos_token_id=eos or None, length_penalty=length_penalty,
@@ -664,7 +634,8 @@ class DecoderLM(FromConfig, nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         written = n
         for t in range(new):
-            scores = rules.apply(logits, t, tokens[:, :n + t], None if full_mask is None else full_mask[:, :n + t])
+            scores = rules.apply(logits.float(), t, tokens[:, :n + t],  # in float32, as transformers
+                                 None if full_mask is None else full_mask[:, :n + t])
             tok = _sample(scores, *sampling, generator)  # [B]
             if fill is not None:
                 tok = torch.where(done, torch.full_like(tok, fill), tok)

@@ -296,17 +296,22 @@ class EncoderDecoder(nn.Module):
         src = self._check_source(src, owner)
         start = self._start(src.shape[0], bos_token_id, decoder_prompt, src.device, owner)
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        check_sampling(temperature, top_k, top_p, generator, owner)
+        checked_temperature = check_sampling(temperature, top_k, top_p, generator, owner)[0]
         beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
         if beams > 1:
             refuse_sampling(temperature, top_k, top_p, generator, owner)
-            check_returns(num_return_sequences, beams, owner)
+        check_returns(num_return_sequences, beams, owner, temperature=checked_temperature)
         forced = tuple(self._check_token(t, name, owner) for name, t in (
             ("forced_bos_token_id", forced_bos_token_id), ("forced_eos_token_id", forced_eos_token_id)))
         eos = self.decoder._check_generate(start.shape[1], new, self.eos_token_id if eos_token_id is None
                                            else eos_token_id, owner=owner)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.decoder.vocab_size, owner,
                                         no_repeat_ngram_size, repetition_penalty)
+        clash = [f"{name}={t}" for name, t in zip(("forced_bos_token_id", "forced_eos_token_id"), forced, strict=True)
+                 if t is not None and t in rules.suppress]
+        if clash:
+            raise ValueError(f"{owner}: {' and '.join(clash)} is also in suppress_tokens: a token cannot be both "
+                             f"forced and never generated")
         fill = fill_token(pad_token_id, eos, self.decoder.vocab_size, owner)
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
@@ -332,6 +337,8 @@ class EncoderDecoder(nn.Module):
         if bos_forced is not None and start.shape[1] == 1 and new - last >= 1:
             start = torch.cat([start, torch.full_like(start, bos_forced)], dim=1)  # greedy or sampled: written
             new, least = new - 1, max(least - 1, 0)  # the forced token is the first new one
+            if bos_forced in rules.eos:  # every row ended with its first token
+                return start.repeat_interleave(sampling["num_return_sequences"], dim=0)
         out = self.decoder.generate(start, new - last, eos_token_id=rules.eos or None, context=memory,
                                     context_mask=src_mask, suppress_tokens=rules.suppress, min_new_tokens=least,
                                     no_repeat_ngram_size=rules.no_repeat_ngram_size,

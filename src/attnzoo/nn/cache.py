@@ -298,16 +298,22 @@ class _LengthCache:
         ``B'`` (beam search: pick the surviving beams, or expand ``B`` rows to ``B * K``).
         ``RuntimeError`` inside a :func:`transaction`; ``TypeError`` when the class is not
         :attr:`reorderable`. Marks taken before it must not be rolled back to afterwards."""
-        owner = f"{type(self).__name__}.reorder"
-        if self.in_transaction:
-            raise RuntimeError(f"{owner}: not allowed inside a transaction (reorder between model calls)")
-        if not self.reorderable:
-            raise TypeError(f"{owner}: {type(self).__name__} does not declare its per-row tensors "
-                            f"(_batch_tensors); it cannot reorder its rows")
-        self._reorder(check_reorder_index(index, self.batch_size, owner))
+        self._reorder(_reorder_index(self, index))
 
     def _reorder(self, index: Tensor) -> None:
         self._batch_size = _reorder_rows(self, type(self).__dict__["_batch_tensors"], index)
+
+
+def _reorder_index(cache: Any, index: object) -> Tensor:
+    """The checked ``index`` of ``cache.reorder``: ``RuntimeError`` inside a transaction,
+    ``TypeError`` when the cache's class does not declare its per-row tensors (``_batch_tensors``)."""
+    owner = f"{type(cache).__name__}.reorder"
+    if cache.in_transaction:
+        raise RuntimeError(f"{owner}: not allowed inside a transaction (reorder between model calls)")
+    if not cache.reorderable:
+        raise TypeError(f"{owner}: {type(cache).__name__} does not declare its per-row tensors "
+                        f"(_batch_tensors); it cannot reorder its rows")
+    return check_reorder_index(index, cache.batch_size, owner)
 
 
 def _reorder_rows(cache: object, names: Iterable[str], index: Tensor) -> int:
@@ -323,17 +329,21 @@ class RowsCache:
     row): a family's small state cache, updated once per module call."""
 
     batch_size: int
-    _batch_tensors: ClassVar[tuple[str, ...]] = ()
+    #: declared by each class itself (inherited only: not reorderable, as :class:`_LengthCache`)
+    _batch_tensors: ClassVar[tuple[str, ...] | None] = None
     in_transaction: bool = False
+
+    @property
+    def reorderable(self) -> bool:
+        """Whether :meth:`reorder` is supported (the class declares its per-row tensors)."""
+        return type(self).__dict__.get("_batch_tensors") is not None
 
     def reorder(self, index: Tensor) -> None:
         """Keep rows ``index`` (int ``[B']``, ids in ``[0, batch_size)``, repeats allowed) of every
-        per-row tensor; ``batch_size`` becomes ``B'`` (beam search)."""
-        owner = f"{type(self).__name__}.reorder"
-        if self.in_transaction:
-            raise RuntimeError(f"{owner}: not allowed inside a transaction (reorder between model calls)")
-        self.batch_size = _reorder_rows(self, type(self)._batch_tensors,
-                                        check_reorder_index(index, self.batch_size, owner))
+        per-row tensor; ``batch_size`` becomes ``B'`` (beam search). ``TypeError`` when the class
+        is not :attr:`reorderable`."""
+        rows = _reorder_index(self, index)  # checks first: an undeclared class has no _batch_tensors of its own
+        self.batch_size = _reorder_rows(self, type(self).__dict__["_batch_tensors"], rows)
 
 
 class SnapshotCache(_LengthCache):

@@ -7,7 +7,8 @@ transformers' ``model.generate(input_ids)`` applies the settings its model was s
 **generation_settings(folder))`` does the same with an attnzoo model. A setting attnzoo cannot
 reproduce is refused by name (``strict=True``) or dropped with a warning naming it, never silently
 ignored. Settings that do not change the tokens (caching, outputs, speculative decoding) are
-skipped; ``max_length`` (which counts the prompt) is skipped: pass ``max_new_tokens``.
+skipped; so are the lengths ``max_new_tokens`` and ``max_length``: ``generate`` takes the number of
+new tokens as its second argument.
 """
 
 from __future__ import annotations
@@ -27,11 +28,22 @@ __all__ = ["generation_settings"]
 _DIRECT: dict[str, Any] = {
     "eos_token_id": None, "pad_token_id": None, "num_beams": 1, "length_penalty": 1.0, "early_stopping": False,
     "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "max_new_tokens": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None,
 }
-#: settings that do not change which tokens are generated
+#: what each setting read must be (a checkpoint with another value is malformed)
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "eos_token_id": ((int, list), "a token id or a list of them"), "pad_token_id": ((int,), "a token id"),
+    "num_beams": ((int,), "an int"), "length_penalty": ((int, float), "a number"),
+    "early_stopping": ((bool, str), "true, false or \"never\""), "num_return_sequences": ((int,), "an int"),
+    "repetition_penalty": ((int, float), "a number"), "no_repeat_ngram_size": ((int,), "an int"),
+    "min_new_tokens": ((int,), "an int"), "forced_bos_token_id": ((int,), "a token id"),
+    "forced_eos_token_id": ((int, list), "a token id or a list of them"), "decoder_start_token_id": ((int,), "a token id"),
+    "do_sample": ((bool,), "true or false"), "temperature": ((int, float), "a number"), "top_k": ((int,), "an int"), "top_p": ((int, float), "a number"),
+    "suppress_tokens": ((list,), "a list of token ids"), "bad_words_ids": ((list,), "a list of token id lists"),
+}
+#: settings that do not change which tokens are generated, or that ``generate`` takes otherwise
 _SKIPPED = frozenset({
-    "bos_token_id", "decoder_start_token_id", "max_length", "use_cache", "cache_implementation", "cache_config",
+    "bos_token_id", "max_new_tokens", "max_length", "use_cache", "cache_implementation", "cache_config",
     "max_cache_len", "compile_config", "disable_compile", "low_memory", "remove_invalid_values", "max_time",
     "output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
     "transformers_version", "_from_model_config", "is_assistant", "num_assistant_tokens",
@@ -52,7 +64,8 @@ _INERT: dict[str, tuple[Any, ...]] = {
 #: the sampling settings, read only with ``do_sample``
 _SAMPLING = frozenset({"do_sample", "temperature", "top_k", "top_p"})
 #: the generation keys a ``config.json`` may carry (transformers' ``GenerationConfig.from_model_config``)
-_MODEL_CONFIG_KEYS = frozenset(_DIRECT) | frozenset(_INERT) | _SAMPLING | {"bad_words_ids", "suppress_tokens"}
+_MODEL_CONFIG_KEYS = (frozenset(_DIRECT) | frozenset(_INERT) | _SAMPLING
+                      | {"bad_words_ids", "suppress_tokens", "decoder_start_token_id", "max_new_tokens", "max_length"})
 
 
 def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any, *,
@@ -73,24 +86,34 @@ def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
     Returns: a dict for ``generate(prompt, max_new_tokens, **settings)``: ``eos_token_id`` (an id or
     a list), ``pad_token_id``, ``num_beams``, ``length_penalty``, ``early_stopping``,
     ``num_return_sequences``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
-    ``suppress_tokens`` (with the one-token ``bad_words_ids``), ``forced_bos_token_id`` /
-    ``forced_eos_token_id`` (encoder-decoders), ``max_new_tokens``, and with ``do_sample``
-    ``temperature`` / ``top_k`` / ``top_p`` (transformers' defaults 1.0 / 50 / 1.0 where unset).
+    ``suppress_tokens`` (with the one-token ``bad_words_ids`` but the end tokens, which transformers
+    drops from them), and with ``do_sample`` ``temperature`` / ``top_k`` / ``top_p`` (transformers'
+    defaults 1.0 / 50 / 1.0 where unset); for encoder-decoders ``forced_bos_token_id`` /
+    ``forced_eos_token_id`` and ``bos_token_id`` (the ``decoder_start_token_id`` the target starts
+    from). A value of the wrong type is a :class:`~attnzoo.interop.CheckpointFormatError` naming it.
     """
     owner = "generation_settings"
     if not isinstance(strict, bool):
         raise TypeError(f"{owner}: strict must be a bool, got {type(strict).__name__}")
     raw, where = _read(source, owner)
+    _check_kinds(raw, where, owner)
     settings: dict[str, Any] = {}
+    if raw.get("decoder_start_token_id") is not None:
+        settings["bos_token_id"] = raw["decoder_start_token_id"]
     refused: list[str] = []
     for key, value in raw.items():
-        if key in _DIRECT:
+        if key == "forced_eos_token_id" and isinstance(value, list):
+            if len(value) == 1:
+                settings[key] = value[0]
+            elif value:
+                refused.append(f"forced_eos_token_id={value!r} (several forced end tokens; one is taken)")
+        elif key in _DIRECT:
             if value is not None and value != _DIRECT[key]:
                 settings[key] = list(value) if isinstance(value, (list, tuple)) else value
         elif key in _INERT:
             if not any(value == inert for inert in _INERT[key]):
                 refused.append(f"{key}={value!r}")
-        elif key not in _SKIPPED and key not in _SAMPLING and key not in ("bad_words_ids", "suppress_tokens"):
+        elif key not in _SKIPPED and key not in _KINDS:
             refused.append(f"{key}={value!r}")
     refused += _suppressed(raw, settings)
     refused += _sampling(raw, settings)
@@ -115,7 +138,7 @@ def _read(source: object, owner: str) -> tuple[dict[str, Any], str]:
         elif (folder / "config.json").is_file():
             path = folder / "config.json"
             config = read_json(path, "the model config")
-            data = {k: v for k, v in config.items() if k in _MODEL_CONFIG_KEYS} if isinstance(config, dict) else config
+            data = _from_model_config(config) if isinstance(config, dict) else config
         else:
             raise FileNotFoundError(f"{owner}: no generation_config.json or config.json in {str(folder)!r}")
         if not isinstance(data, dict):
@@ -131,13 +154,48 @@ def _read(source: object, owner: str) -> tuple[dict[str, Any], str]:
     return dict(to_dict()), f"{type(source).__name__}'s generation config"
 
 
+def _from_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The generation keys of a model's ``config.json`` as transformers' ``from_model_config`` reads
+    them: the top level's that are not ``None``, then for those still unset the first of its
+    ``decoder`` / ``generator`` / ``text_config`` sub-configs' (a multimodal wrapper's text model)."""
+    data = {k: v for k, v in config.items() if k in _MODEL_CONFIG_KEYS and v is not None}
+    inner = next((config[n] for n in ("decoder", "generator", "text_config") if config.get(n)), None)
+    if isinstance(inner, dict):
+        data.update({k: v for k, v in inner.items() if k in _MODEL_CONFIG_KEYS and v is not None and k not in data})
+    return data
+
+
+def _check_kinds(raw: Mapping[str, Any], where: str, owner: str) -> None:
+    """Every setting of :data:`_KINDS` given (not ``None``) of its type, lists of ints where lists."""
+    for key, (kinds, expected) in _KINDS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if ok and key == "bad_words_ids":
+            ok = all(isinstance(words, list) and words and all(map(_is_id, words)) for words in value)
+        elif ok and isinstance(value, list):
+            ok = all(map(_is_id, value))
+        if not ok:
+            raise CheckpointFormatError(f"{owner}: {where}: {key} must be {expected}, got {value!r}")
+
+
+def _is_id(token: object) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool)
+
+
 def _suppressed(raw: Mapping[str, Any], settings: dict[str, Any]) -> list[str]:
-    """``suppress_tokens`` and the one-token ``bad_words_ids`` (the same rule) into ``settings``; the
-    multi-token ``bad_words_ids`` refused."""
+    """``suppress_tokens`` and the one-token ``bad_words_ids`` (the same rule) into ``settings``, the
+    end tokens dropped from ``bad_words_ids`` as transformers' ``NoBadWordsLogitsProcessor`` drops
+    them; the multi-token ``bad_words_ids`` refused."""
     tokens = list(raw.get("suppress_tokens") or [])
+    eos = raw.get("eos_token_id")
+    ends = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     refused = []
     for words in raw.get("bad_words_ids") or []:
-        if isinstance(words, (list, tuple)) and len(words) == 1:
+        if len(words) == 1 and words[0] in ends:
+            continue  # transformers never bans an end token through bad_words_ids
+        if len(words) == 1:
             tokens.append(words[0])
         else:
             refused.append(f"bad_words_ids entry {words!r} (only one-token entries: suppress_tokens)")
