@@ -63,8 +63,8 @@ class CachedDecoder(Protocol):
     def _decode_step(self, tokens: Tensor, cache: Any, positions: Tensor | None, attention_mask: Tensor | None,
                      context: Tensor | None, context_mask: Tensor | None) -> Tensor: ...
 
-    def __call__(self, tokens: Tensor, *, cache: Any, positions: Tensor | None, attention_mask: Tensor | None,
-                 context: Tensor | None, context_mask: Tensor | None) -> Tensor: ...
+    def _last_logits(self, tokens: Tensor, cache: Any, positions: Tensor | None, attention_mask: Tensor | None,
+                     context: Tensor | None, context_mask: Tensor | None) -> Tensor: ...
 
 
 class BeamSearchOutput(NamedTuple):
@@ -406,8 +406,7 @@ def _cached_steps(decoder: CachedDecoder, start: Tensor, K: int, new: int, conte
         t = tokens.shape[1]
         seen = None if rows is None else rows[:, :t]
         if cache.length == 0:  # the start tokens, at once
-            return decoder(tokens, cache=cache, positions=positions, attention_mask=seen, context=memory,
-                           context_mask=mask)[:, -1]
+            return decoder._last_logits(tokens, cache, positions, seen, memory, mask)
         at = None if positions is None else positions[:, -1:] + (t - P)  # [B * K, 1]
         return decoder._decode_step(tokens, cache, at, seen, memory, mask)
 

@@ -517,10 +517,20 @@ class DecoderLM(FromConfig, nn.Module):
         every token so all keys are rotated again (as transformers' Phi3 generation does)."""
         if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.switches_at(tokens.shape[1]):
             cache.reset()
-            return self(tokens, cache=cache, attention_mask=attention_mask, context=context,
+            return self._last_logits(tokens, cache, None, attention_mask, context, context_mask)
+        return self._last_logits(tokens[:, -1:], cache, positions, attention_mask, context, context_mask)
+
+    def _last_logits(self, tokens: Tensor, cache: LayerCaches, positions: Tensor | None,
+                     attention_mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None) -> Tensor:
+        """Logits ``[B, V]`` after the last of ``tokens [B, N]`` fed through ``cache``: the forward
+        with the head applied to the last position only (transformers' ``logits_to_keep=1``: a
+        prompt's prefill does not pay ``N`` rows of the ``[C, V]`` head)."""
+        handle = self.lm_head.register_forward_pre_hook(lambda _, args: (args[0][:, -1:], *args[1:]))
+        try:
+            return self(tokens, cache=cache, positions=positions, attention_mask=attention_mask, context=context,
                         context_mask=context_mask)[:, -1]
-        return self(tokens[:, -1:], cache=cache, positions=positions, attention_mask=attention_mask,
-                    context=context, context_mask=context_mask)[:, -1]
+        finally:
+            handle.remove()
 
     @torch.no_grad()
     def generate(
@@ -626,9 +636,8 @@ class DecoderLM(FromConfig, nn.Module):
         tokens = torch.empty(B, n + new, dtype=torch.long, device=dev)
         tokens[:, :n] = prompt
         positions = positions_from_mask(full_mask[:, :n]) if full_mask is not None else None
-        logits = self(prompt, cache=cache, positions=positions,
-                      attention_mask=None if full_mask is None else full_mask[:, :n],
-                      context=context, context_mask=context_mask)[:, -1]  # [B, V]
+        logits = self._last_logits(prompt, cache, positions, None if full_mask is None else full_mask[:, :n],
+                                   context, context_mask)  # [B, V]
         next_pos = None if positions is None else positions[:, -1:] + 1  # [B, 1]
         ends = torch.tensor(rules.eos, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
