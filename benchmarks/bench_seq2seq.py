@@ -94,10 +94,9 @@ def runner(name: str, hf: Any, ours: Any, src: torch.Tensor, mask: torch.Tensor 
     return run
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="t5-small", choices=sorted(MODELS))
-    p.add_argument("--batch", type=int, default=8)
+def generation_arguments(p: argparse.ArgumentParser, batch: int) -> None:
+    """The arguments the generation benchmarks share (this one and ``bench_generate.py``)."""
+    p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--new", type=int, default=32, help="tokens generated per row")
@@ -106,6 +105,34 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--impls", default="eager,sdpa,from_hf")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def report(outs: dict[str, torch.Tensor], times: dict[str, float], tokens: int, info: dict[str, Any],
+           header: str, as_json: bool) -> None:
+    """Print each implementation's median time, tokens/s (``tokens`` generated per run), ratio to
+    transformers' ``sdpa`` and whether its tokens equal ``eager``'s: a table under ``header``, or JSON."""
+    ref = outs.get("eager", next(iter(outs.values())))
+    base = times.get("sdpa")
+    rows = []
+    for name, t in times.items():
+        same = outs[name].shape == ref.shape and bool(torch.equal(outs[name], ref))
+        rows.append({"impl": name, "seconds": t, "tokens_per_s": tokens / t,
+                     "vs_sdpa": None if base is None else base / t, "same_tokens_as_eager": same})
+    if as_json:
+        print(json.dumps({**info, "rows": rows}, indent=1))
+        return
+    print(header)
+    print(f"{'impl':8s} {'median s':>9s} {'tok/s':>8s} {'x sdpa':>7s} {'same tokens':>12s}")
+    for r in rows:
+        ratio = "" if r["vs_sdpa"] is None else f"{r['vs_sdpa']:.2f}"
+        print(f"{r['impl']:8s} {r['seconds']:9.3f} {r['tokens_per_s']:8.1f} {ratio:>7s} "
+              f"{r['same_tokens_as_eager']!s:>12s}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="t5-small", choices=sorted(MODELS))
+    generation_arguments(p, batch=8)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,27 +145,11 @@ def main() -> None:
     with torch.inference_mode():
         outs = {name: run() for name, run in runs.items()}  # the outputs compared
         times = timed(runs, args.repeats)  # medians of interleaved repeats
-    ref = outs.get("eager", next(iter(outs.values())))
-    base = times.get("sdpa")
-    rows = []
-    for name in impls:
-        t = times[name]
-        same = outs[name].shape == ref.shape and bool(torch.equal(outs[name], ref))
-        rows.append({"impl": name, "seconds": t, "tokens_per_s": args.batch * args.new / t,
-                     "vs_sdpa": None if base is None else base / t, "same_tokens_as_eager": same})
     info = {"model": args.model, "batch": args.batch, "new": args.new, "beams": args.beams,
             "source_shape": list(src.shape), "cpu": cpu_model(),
             "threads": torch.get_num_threads()}
-    if args.json:
-        print(json.dumps({**info, "rows": rows}, indent=1))
-        return
-    print(f"{args.model}: batch {args.batch}, source {list(src.shape)}, {args.new} new tokens, "
-          f"{args.beams} beam(s), {info['threads']} threads")
-    print(f"{'impl':8s} {'median s':>9s} {'tok/s':>8s} {'x sdpa':>7s} {'same tokens':>12s}")
-    for r in rows:
-        ratio = "" if r["vs_sdpa"] is None else f"{r['vs_sdpa']:.2f}"
-        print(f"{r['impl']:8s} {r['seconds']:9.3f} {r['tokens_per_s']:8.1f} {ratio:>7s} "
-              f"{r['same_tokens_as_eager']!s:>12s}")
+    report(outs, times, args.batch * args.new, info, f"{args.model}: batch {args.batch}, source {list(src.shape)}, "
+           f"{args.new} new tokens, {args.beams} beam(s), {info['threads']} threads", args.json)
 
 
 if __name__ == "__main__":
