@@ -75,6 +75,17 @@ def test_several_end_tokens_and_pad_equal_transformers(llama: Any, pad: int | No
     assert bool(torch.isin(got[:, x.shape[1]:], torch.tensor(eos)).any(1).all()), "a row did not end: a weak test"
 
 
+def test_min_length_counts_the_prompt_as_transformers(llama: Any) -> None:
+    hf, ours = llama
+    x, mask = _prompts()
+    eos = _ended_tokens(ours, x, mask)
+    for least in (x.shape[1] + 4, x.shape[1] - 2):  # 4 new tokens; already reached
+        want = hf.generate(input_ids=x, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0,
+                           **{**OFF, "min_length": least})
+        got = ours.generate(x, NEW, attention_mask=mask.bool(), eos_token_id=eos, pad_token_id=0, min_length=least)
+        assert torch.equal(got, want), (least, got, want)
+
+
 @pytest.mark.parametrize("penalty", [1.3, 0.7])
 def test_repetition_penalty_equals_transformers(llama: Any, penalty: float) -> None:
     """Left padding is not penalised (transformers' ``prompt_ignore_length``); the prompt is."""
@@ -196,7 +207,7 @@ def test_seq2seq_end_tokens_pad_and_penalty_equal_transformers(bart: Any, num_be
     first = ours.generate(src, NEW, src_mask=mask.bool())[:, 1:]
     eos = list(dict.fromkeys([int(first[0, 2]), int(first[1, 4])]))
     returns = 2 if num_beams > 1 else 1
-    for extra in ({}, {"repetition_penalty": 1.5}):
+    for extra in ({}, {"repetition_penalty": 1.5}, {"min_length": 6}):
         want = hf.generate(src, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=1,
                            num_beams=num_beams, num_return_sequences=returns, forced_bos_token_id=None,
                            **{**OFF, **extra})
@@ -227,6 +238,7 @@ def test_a_forced_first_token_that_ends_the_rows(bart: Any) -> None:
     ({"repetition_penalty": float("nan")}, ValueError, "repetition_penalty"),
     ({"repetition_penalty": True}, TypeError, "repetition_penalty"),
     ({"num_return_sequences": 0}, ValueError, "num_return_sequences"),
+    ({"min_length": -1}, ValueError, "min_length"),
     ({"num_return_sequences": 2}, ValueError, "greedy"),
     ({"num_return_sequences": 4, "num_beams": 3}, ValueError, "num_beams=3"),
     ({"num_beams": 2, "temperature": 0.5}, ValueError, "temperature"),

@@ -123,7 +123,7 @@ def test_config_json_is_the_fallback(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("settings", "named"), [
-    ({"min_length": 5}, "min_length=5"),
+    ({"stop_strings": ["###"]}, "stop_strings"),
     ({"typical_p": 0.9}, "typical_p"),
     ({"bad_words_ids": [[5, 6]]}, "bad_words_ids entry"),
     ({"do_sample": True, "num_beams": 2}, "beam sampling"),
@@ -155,3 +155,25 @@ def test_bad_sources_are_refused(tmp_path: Path) -> None:
         generation_settings(3)
     with pytest.raises(TypeError, match="strict"):
         generation_settings({}, strict="yes")  # type: ignore[arg-type]
+
+
+def test_summarisation_settings_of_bart_large_cnn_shape(tmp_path: Path) -> None:
+    """bart-large-cnn's generation config (beams, length penalty, min_length counting the start
+    token, n-gram rule, forced first and last tokens) on a tiny BART: transformers' generate with
+    the prompt alone (its ``max_length=20`` counts the start token: 19 new tokens)."""
+    from hf_seq2seq_checks import tiny_bart
+
+    hf = tiny_bart()
+    hf.generation_config = transformers.GenerationConfig(
+        num_beams=4, length_penalty=2.0, min_length=8, max_length=20, no_repeat_ngram_size=3, early_stopping=True,
+        forced_bos_token_id=0, forced_eos_token_id=2, decoder_start_token_id=2, eos_token_id=[2, 28, 15],
+        pad_token_id=1, bos_token_id=0)  # 28 and 15: what the rows write third, so min_length decides
+    hf.save_pretrained(tmp_path)
+    src = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    settings = generation_settings(tmp_path)
+    assert settings["min_length"] == 8 and settings["forced_bos_token_id"] == 0
+    want = hf.generate(src, attention_mask=torch.ones_like(src))
+    ours = load_pretrained(tmp_path)
+    got = ours.generate(src, 19, **settings)
+    assert torch.equal(got, want), (got, want)
+    assert got.shape[1] > ours.generate(src, 19, **{**settings, "min_length": 0}).shape[1], "min_length changed nothing"

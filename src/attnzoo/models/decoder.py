@@ -556,6 +556,7 @@ class DecoderLM(FromConfig, nn.Module):
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         num_return_sequences: int = 1,
+        min_length: int = 0,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -579,6 +580,8 @@ class DecoderLM(FromConfig, nn.Module):
                 single-token ``bad_words_ids``: their logits set to ``-inf``).
             min_new_tokens: no end token is generated before this many new tokens
                 (transformers' ``min_new_tokens``).
+            min_length: nor before the row holds this many tokens, the prompt's ``N`` (padding
+                included) counted (transformers' ``min_length``).
             no_repeat_ngram_size: ``n > 0``: no token that would repeat an ``n``-gram of the row
                 (prompt included; transformers' ``no_repeat_ngram_size``).
             repetition_penalty: ``p > 0`` (``1``: off): the logit ``s`` of every token already in the
@@ -609,7 +612,7 @@ class DecoderLM(FromConfig, nn.Module):
             refuse_sampling(temperature, top_k, top_p, generator, owner)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
-                                        no_repeat_ngram_size, repetition_penalty)
+                                        no_repeat_ngram_size, repetition_penalty, min_length, n)
         fill = fill_token(pad_token_id, eos, self.vocab_size, owner)
         full_mask = None if attention_mask is None else check_left_padding(attention_mask, prompt, new, owner)
         if beams > 1:

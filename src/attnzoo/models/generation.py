@@ -129,9 +129,12 @@ class GenerationRules(NamedTuple):
 
     @classmethod
     def checked(cls, suppress_tokens: object, min_new_tokens: object, eos: tuple[int, ...], vocab_size: int,
-                owner: str, no_repeat_ngram_size: object = 0, repetition_penalty: object = 1.0) -> GenerationRules:
+                owner: str, no_repeat_ngram_size: object = 0, repetition_penalty: object = 1.0,
+                min_length: object = 0, start: int = 0) -> GenerationRules:
         """The rules of ``generate``'s arguments, each checked (``TypeError`` / ``ValueError`` naming
-        it); ``eos``: the end tokens of :func:`check_end_tokens`."""
+        it); ``eos``: the end tokens of :func:`check_end_tokens`. ``min_length`` counts the
+        ``start`` tokens too (transformers' ``MinLengthLogitsProcessor``: the prompt, padding
+        included, or a decoder's start tokens), so it is held as ``min_length - start`` new tokens."""
         tokens: tuple[int, ...] = ()
         if suppress_tokens is not None:
             if isinstance(suppress_tokens, (str, bytes, Tensor)) or not isinstance(suppress_tokens, Sequence):
@@ -140,8 +143,9 @@ class GenerationRules(NamedTuple):
             tokens = tuple(check_int(t, "suppress_tokens", owner, minimum=0) for t in suppress_tokens)
             if any(t >= vocab_size for t in tokens):
                 raise ValueError(f"{owner}: suppress_tokens must be < vocab_size={vocab_size}, got {list(tokens)}")
-        return cls(tokens, check_int(min_new_tokens, "min_new_tokens", owner, minimum=0), eos,
-                   check_int(no_repeat_ngram_size, "no_repeat_ngram_size", owner, minimum=0),
+        least = max(check_int(min_new_tokens, "min_new_tokens", owner, minimum=0),
+                    check_int(min_length, "min_length", owner, minimum=0) - start)
+        return cls(tokens, least, eos, check_int(no_repeat_ngram_size, "no_repeat_ngram_size", owner, minimum=0),
                    check_positive_float(repetition_penalty, "repetition_penalty", owner))
 
     def apply(self, scores: Tensor, written: int, tokens: Tensor | None = None,

@@ -28,7 +28,7 @@ __all__ = ["generation_settings"]
 _DIRECT: dict[str, Any] = {
     "eos_token_id": None, "pad_token_id": None, "num_beams": 1, "length_penalty": 1.0, "early_stopping": False,
     "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-    "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "min_length": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
 }
 #: what each setting read must be (a checkpoint with another value is malformed)
 _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -36,7 +36,8 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "num_beams": ((int,), "an int"), "length_penalty": ((int, float), "a number"),
     "early_stopping": ((bool, str), "true, false or \"never\""), "num_return_sequences": ((int,), "an int"),
     "repetition_penalty": ((int, float), "a number"), "no_repeat_ngram_size": ((int,), "an int"),
-    "min_new_tokens": ((int,), "an int"), "forced_bos_token_id": ((int,), "a token id"),
+    "min_new_tokens": ((int,), "an int"), "min_length": ((int,), "an int"),
+    "forced_bos_token_id": ((int,), "a token id"),
     "forced_eos_token_id": ((int, list), "a token id or a list of them"), "decoder_start_token_id": ((int,), "a token id"),
     "do_sample": ((bool,), "true or false"), "temperature": ((int, float), "a number"), "top_k": ((int,), "an int"), "top_p": ((int, float), "a number"),
     "suppress_tokens": ((list,), "a list of token ids"), "bad_words_ids": ((list,), "a list of token id lists"),
@@ -53,7 +54,7 @@ _SKIPPED = frozenset({
 })
 #: settings attnzoo does not reproduce, with the value(s) at which they do nothing
 _INERT: dict[str, tuple[Any, ...]] = {
-    "min_length": (None, 0), "stop_strings": (None,), "min_p": (None,), "top_h": (None,), "typical_p": (None, 1.0),
+    "stop_strings": (None,), "min_p": (None,), "top_h": (None,), "typical_p": (None, 1.0),
     "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "encoder_repetition_penalty": (None, 1.0),
     "encoder_no_repeat_ngram_size": (None, 0), "renormalize_logits": (None, False),
     "exponential_decay_length_penalty": (None,), "begin_suppress_tokens": (None, []), "sequence_bias": (None,),
@@ -78,7 +79,7 @@ def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
         source: a checkpoint folder (its ``generation_config.json``, else the generation keys of its
             ``config.json``, as transformers falls back), a dict of those settings, a transformers
             ``GenerationConfig``, or a transformers model (its ``generation_config``).
-        strict: ``True``: a setting attnzoo does not reproduce (``min_length``, ``typical_p``,
+        strict: ``True``: a setting attnzoo does not reproduce (``stop_strings``, ``typical_p``,
             multi-token ``bad_words_ids``, diverse beams, Whisper's timestamp keys, ...) raises
             :class:`~attnzoo.interop.UnsupportedConfigError` naming it; ``False``: it is dropped
             with a warning naming it.
@@ -86,7 +87,7 @@ def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
     Returns: a dict for ``generate(prompt, max_new_tokens, **settings)``: ``eos_token_id`` (an id or
     a list), ``pad_token_id``, ``num_beams``, ``length_penalty``, ``early_stopping``,
     ``num_return_sequences``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
-    ``suppress_tokens`` (with the one-token ``bad_words_ids`` but the end tokens, which transformers
+    ``min_length``, ``suppress_tokens`` (with the one-token ``bad_words_ids`` but the end tokens, which transformers
     drops from them), and with ``do_sample`` ``temperature`` / ``top_k`` / ``top_p`` (transformers'
     defaults 1.0 / 50 / 1.0 where unset); for encoder-decoders ``forced_bos_token_id`` /
     ``forced_eos_token_id`` and ``bos_token_id`` (the ``decoder_start_token_id`` the target starts
