@@ -43,6 +43,7 @@ attnzoo converts the model to one dtype (a float16 model runs all in float16, wi
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -52,7 +53,6 @@ from torch import Tensor, nn
 import attnzoo.models.families._common as parts
 from attnzoo._validate import check_bool, check_int
 from attnzoo.blocks import BlockCache, BlockLayers, FeedForward, TransformerBlock
-from attnzoo.functional.softmax.varlen import attention_varlen
 from attnzoo.masks import Mask
 from attnzoo.models.config import EncoderConfig
 from attnzoo.models.encoder import TransformerEncoder
@@ -246,29 +246,26 @@ class RelativeBiasAttention(MultiHeadAttention):
         return super().forward(x, mask=bias, cache=cache, return_weights=return_weights)
 
     def _packed_relative(self, x: Tensor, cu_seqlens: object) -> Tensor:
-        """Packed sequences ``x [1, T, C]`` (int32 ``cu_seqlens [S+1]``) -> ``[1, T, C]``: one
-        :func:`attnzoo.attention_varlen` call whose ``score_mod`` adds ``weight[bucket(j - i), h]`` for
-        the query at ``i`` and the key at ``j`` of one sequence (positions within it, from 0), equal
-        to each sequence alone; the bias weight gets its gradient through the score_mod."""
+        """Packed sequences ``x [1, T, C]`` (int32 ``cu_seqlens [S+1]``) -> ``[1, T, C]``, equal to
+        each sequence alone. The bias depends on ``j - i`` only, so the sequences of one length ``n``
+        share it: they run as one padded-free batch ``[G, n, C]`` through the unpacked path (one
+        ``[H, n, n]`` bias table, the module's backend, dropout as usual), and their outputs go back
+        to their packed rows."""
         cu = packed_cu_seqlens(cu_seqlens, x, "RelativeBiasAttention")
-        if self.training and self.dropout:
-            raise ValueError("RelativeBiasAttention: packed input (cu_seqlens) has no attention dropout; use "
-                             "dropout=0.0")
-        rel = self.relative_bias
-        weight = rel.weight  # [num_buckets, H]
-
-        def bias(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            buckets = relative_position_buckets(kv_idx - q_idx, num_buckets=rel.num_buckets,
-                                                max_distance=rel.max_distance, bidirectional=rel.bidirectional)
-            return score + weight[buckets, h].to(score.dtype)  # [.., H, bq, bk]
-
-        q, k, v = self.project_qkv(x)  # [1, H, T, D], [1, Hkv, T, D]
-        q, k = self.frontier.norm_q(q), self.frontier.norm_k(k)
-        out = attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                               causal=self.causal, window=self.window, scale=self.scale,
-                               softcap=self.scores.softcap, backend=self.backend, score_mod=bias)  # [T, H, Dv]
-        out = out.transpose(0, 1).reshape(1, self.num_heads, x.shape[1], -1)  # [1, H, T, Dv]
-        return self.merge_heads(self.frontier.gate(out, x))  # [1, T, C]
+        bounds = cu.tolist()
+        by_length: dict[int, list[int]] = {}
+        for lo, hi in itertools.pairwise(bounds):
+            if hi > lo:
+                by_length.setdefault(hi - lo, []).append(lo)
+        rows, outs = [], []
+        for n, starts in by_length.items():
+            idx = torch.tensor(starts, device=x.device)[:, None] + torch.arange(n, device=x.device)  # [G, n]
+            outs.append(self(x[0, idx]).reshape(idx.numel(), -1))  # [G n, C]
+            rows.append(idx.flatten())
+        if not outs:  # no tokens
+            return self(x)  # [1, 0, C]
+        out = torch.cat(outs)  # [T, C] in group order
+        return out.new_zeros(out.shape).index_copy(0, torch.cat(rows), out)[None]  # [1, T, C]
 
 
 def clamp_overflow(x: Tensor) -> Tensor:
