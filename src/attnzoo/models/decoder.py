@@ -518,7 +518,8 @@ class DecoderLM(FromConfig, nn.Module):
         if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.switches_at(tokens.shape[1]):
             cache.reset()
             return self._last_logits(tokens, cache, None, attention_mask, context, context_mask)
-        return self._last_logits(tokens[:, -1:], cache, positions, attention_mask, context, context_mask)
+        return self(tokens[:, -1:], cache=cache, positions=positions, attention_mask=attention_mask,
+                    context=context, context_mask=context_mask)[:, -1]  # one position: no hook to pay
 
     def _last_logits(self, tokens: Tensor, cache: LayerCaches, positions: Tensor | None,
                      attention_mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None) -> Tensor:
