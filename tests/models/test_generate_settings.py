@@ -174,6 +174,37 @@ def test_hybrid_stack_beam_search_equals_transformers(qwen3_next: Any) -> None:
     assert torch.equal(got, want), (got, want)
 
 
+# ------------------------------------------------------------------ sampling
+SAMPLING = [{"temperature": 0.7, "top_k": 20, "top_p": 0.9}, {"temperature": 1.3, "top_p": 0.5, "min_p": 0.05},
+            {"temperature": 1.0, "top_k": 5, "num_return_sequences": 3}, {"temperature": 0.9, "min_p": 0.2},
+            {"temperature": 1.1, "repetition_penalty": 1.2, "top_k": 30}]
+
+
+@pytest.mark.parametrize("settings", SAMPLING)
+def test_sampling_draws_what_transformers_draws_from_the_same_seed(llama: Any, settings: dict[str, Any]) -> None:
+    """Both sample with ``torch.multinomial`` from the global generator after the same warpers
+    (temperature, top_k, top_p, min_p), so one seed gives the same tokens."""
+    hf, ours = llama
+    x, mask = _prompts()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        want = hf.generate(input_ids=x, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[5, 9], pad_token_id=0,
+                           **{**OFF, "do_sample": True, "top_k": 0, **settings})
+        torch.manual_seed(seed)
+        got = ours.generate(x, NEW, attention_mask=mask.bool(), eos_token_id=[5, 9], pad_token_id=0, **settings)
+        assert torch.equal(got, want), (seed, got, want)
+
+
+def test_min_p_keeps_the_tokens_near_the_top() -> None:
+    """On a table: ``min_p=0.5`` keeps the tokens at least half as likely as the most likely one."""
+    from attnzoo.models.generation import sample_next_token
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    drawn = {int(sample_next_token(logits, temperature=1.0, min_p=0.5, generator=torch.Generator().manual_seed(s)))
+             for s in range(200)}
+    assert drawn == {0, 1}
+
+
 # ------------------------------------------------------------------ num_return_sequences when sampling
 def test_sampled_returns_are_the_rows_repeated() -> None:
     torch.manual_seed(0)
@@ -239,6 +270,8 @@ def test_a_forced_first_token_that_ends_the_rows(bart: Any) -> None:
     ({"repetition_penalty": True}, TypeError, "repetition_penalty"),
     ({"num_return_sequences": 0}, ValueError, "num_return_sequences"),
     ({"min_length": -1}, ValueError, "min_length"),
+    ({"min_p": 1.5, "temperature": 1.0}, ValueError, "min_p"),
+    ({"min_p": 0.1, "num_beams": 2}, ValueError, "min_p"),
     ({"num_return_sequences": 2}, ValueError, "greedy"),
     ({"num_return_sequences": 4, "num_beams": 3}, ValueError, "num_beams=3"),
     ({"num_beams": 2, "temperature": 0.5}, ValueError, "temperature"),

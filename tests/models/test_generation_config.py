@@ -107,6 +107,7 @@ def test_sampling_settings_take_transformers_defaults() -> None:
                                          "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
     assert generation_settings({"do_sample": True}) == {"temperature": 1.0, "top_k": 50}
     assert generation_settings({"do_sample": True, "top_k": 0, "top_p": 1.0}) == {"temperature": 1.0}
+    assert generation_settings({"do_sample": True, "min_p": 0.05}) == {"temperature": 1.0, "top_k": 50, "min_p": 0.05}
     assert generation_settings({"do_sample": False, "temperature": 0.7, "top_k": 5}) == {}
 
 

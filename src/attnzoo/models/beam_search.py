@@ -103,15 +103,16 @@ def check_beam_settings(num_beams: object, length_penalty: object, early_stoppin
 
 
 def refuse_sampling(temperature: float, top_k: int | None, top_p: float | None,
-                    generator: torch.Generator | None, owner: str) -> None:
+                    generator: torch.Generator | None, owner: str, min_p: float | None = None) -> None:
     """Beam search is deterministic: ``ValueError`` naming the sampling settings given with
-    ``num_beams > 1`` (``temperature != 0``, ``top_k``, ``top_p``, ``generator``)."""
+    ``num_beams > 1`` (``temperature != 0``, ``top_k``, ``top_p``, ``min_p``, ``generator``)."""
     given = [name for name, on in (("temperature", temperature != 0.0), ("top_k", top_k is not None),
-                                   ("top_p", top_p is not None), ("generator", generator is not None)) if on]
+                                   ("top_p", top_p is not None), ("min_p", min_p is not None),
+                                   ("generator", generator is not None)) if on]
     if given:
         raise ValueError(f"{owner}: num_beams > 1 is deterministic beam search; sampling with beams is not "
                          f"supported, so {', '.join(given)} must be left at their defaults (temperature=0.0, "
-                         f"top_k/top_p/generator None)")
+                         f"top_k/top_p/min_p/generator None)")
 
 
 def _gather(t: Tensor, beams: Tensor) -> Tensor:

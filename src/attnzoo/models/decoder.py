@@ -558,6 +558,7 @@ class DecoderLM(FromConfig, nn.Module):
         early_stopping: bool | str = False,
         num_return_sequences: int = 1,
         min_length: int = 0,
+        min_p: float | None = None,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -568,6 +569,8 @@ class DecoderLM(FromConfig, nn.Module):
             temperature: ``0`` = greedy; else sampling at this temperature (finite, ``> 0``).
             top_k: keep only the ``k`` most likely tokens when sampling (``>= 1``).
             top_p: nucleus sampling threshold in ``(0, 1]``.
+            min_p: when sampling, keep only the tokens at least ``min_p`` (in ``[0, 1]``) times as
+                likely as the most likely one (transformers' ``min_p``, after ``top_p``).
             eos_token_id: the end token, or a sequence of them (Llama 3's and Qwen's generation
                 configs list several): a row that wrote one then holds ``pad_token_id``;
                 generation stops early when every row has ended.
@@ -606,11 +609,11 @@ class DecoderLM(FromConfig, nn.Module):
         if B == 0:
             raise ValueError(f"{owner}: prompt must hold at least one row [B, N] with B >= 1, got {tuple(prompt.shape)}")
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        sampling = check_sampling(temperature, top_k, top_p, generator, owner)
+        sampling = check_sampling(temperature, top_k, top_p, generator, owner, min_p)
         beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
         returns = check_returns(num_return_sequences, beams, owner, temperature=sampling[0])
         if beams > 1:
-            refuse_sampling(temperature, top_k, top_p, generator, owner)
+            refuse_sampling(temperature, top_k, top_p, generator, owner, min_p)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
                                         no_repeat_ngram_size, repetition_penalty, min_length, n)

@@ -30,11 +30,12 @@ __all__ = ["GenerationRules", "check_end_tokens", "check_sampling", "fill_token"
 
 
 def check_sampling(temperature: object, top_k: object, top_p: object, generator: object,
-                   owner: str) -> tuple[float, int | None, float | None]:
+                   owner: str, min_p: object = None) -> tuple[float, int | None, float | None, float | None]:
     """The sampling settings of :func:`sample_next_token` and ``generate`` (one check for both):
     ``temperature`` a finite float ``>= 0``, ``top_k`` ``None`` or an int ``>= 1`` (above the
-    vocabulary it keeps every token), ``top_p`` ``None`` or a float in ``(0, 1]``, ``generator``
-    ``None`` or a ``torch.Generator``. Returns ``(temperature, top_k, top_p)``."""
+    vocabulary it keeps every token), ``top_p`` ``None`` or a float in ``(0, 1]``, ``min_p``
+    ``None`` or a float in ``[0, 1]``, ``generator`` ``None`` or a ``torch.Generator``. Returns
+    ``(temperature, top_k, top_p, min_p)``."""
     t = check_nonnegative_float(temperature, "temperature", owner)
     k = check_optional_int(top_k, "top_k", owner, minimum=1)
     p = None
@@ -42,10 +43,15 @@ def check_sampling(temperature: object, top_k: object, top_p: object, generator:
         p = check_float(top_p, "top_p", owner, expected="a float in (0, 1] or None")
         if not 0.0 < p <= 1.0:
             raise ValueError(f"{owner}: top_p must be a float in (0, 1], got {top_p!r}")
+    m = None
+    if min_p is not None:
+        m = check_float(min_p, "min_p", owner, expected="a float in [0, 1] or None")
+        if not 0.0 <= m <= 1.0:
+            raise ValueError(f"{owner}: min_p must be a float in [0, 1], got {min_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__} "
                         f"({generator!r})")
-    return t, k, p
+    return t, k, p, m
 
 
 def _check_logits(logits: object, owner: str) -> Tensor:
@@ -64,7 +70,8 @@ def _check_logits(logits: object, owner: str) -> Tensor:
 
 
 def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
-                      top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
+                      top_p: float | None = None, generator: torch.Generator | None = None,
+                      min_p: float | None = None) -> Tensor:
     """Pick the next token from ``logits [B, V]`` (floating point, no NaN, a logit above ``-inf``
     in every row).
 
@@ -72,12 +79,14 @@ def sample_next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | 
     the logits are divided by ``temperature`` (a finite float ``> 0``), restricted to the
     ``top_k`` largest (an int ``>= 1``; every token when ``top_k >= V``) and to the smallest set
     of tokens whose probability reaches ``top_p`` (in ``(0, 1]``; nucleus; the most likely token
-    is always kept), and sampled with ``generator``. Returns ``[B]`` long. Bad arguments raise
-    ``TypeError``/``ValueError`` naming them.
+    is always kept), then to the tokens at least ``min_p`` times as likely as the most likely one
+    (in ``[0, 1]``; transformers' ``min_p``, applied after ``top_p``), and sampled with
+    ``generator``. Returns ``[B]`` long. Bad arguments raise ``TypeError``/``ValueError`` naming
+    them.
     """
     owner = "sample_next_token"
-    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, generator, owner)
-    return _sample(_check_logits(logits, owner), temperature, top_k, top_p, generator)
+    temperature, top_k, top_p, min_p = check_sampling(temperature, top_k, top_p, generator, owner, min_p)
+    return _sample(_check_logits(logits, owner), temperature, top_k, top_p, min_p, generator)
 
 
 def check_end_tokens(eos_token_id: object, vocab_size: int, owner: str, name: str = "eos_token_id") -> tuple[int, ...]:
@@ -193,7 +202,7 @@ def _repeated_ngrams(tokens: Tensor, n: int, vocab: int) -> Tensor | None:
     return out.bool()  # [R, V]: any matching n-gram bans its last token
 
 
-def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
+def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None,
             generator: torch.Generator | None) -> Tensor:
     """:func:`sample_next_token` on checked arguments (``generate`` checks its settings once, not at
     every step)."""
@@ -212,5 +221,8 @@ def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float 
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p:  # transformers' MinPLogitsWarper, after top_p: below min_p times the top probability
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -270,14 +270,15 @@ class EncoderDecoder(nn.Module):
                  forced_bos_token_id: int | None = None, forced_eos_token_id: int | None = None,
                  suppress_tokens: Sequence[int] | None = None, min_new_tokens: int = 0, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, pad_token_id: int | None = None,
-                 num_return_sequences: int = 1, min_length: int = 0) -> Tensor:
+                 num_return_sequences: int = 1, min_length: int = 0, min_p: float | None = None) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
 
-        The sampling settings are those of :meth:`DecoderLM.generate`; ``eos_token_id`` defaults to
-        :attr:`eos_token_id` (a row that produced it keeps producing it; generation stops when every
-        row has). ``num_beams > 1``: beam search as transformers runs it
+        The sampling settings (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``generator``) are
+        those of :meth:`DecoderLM.generate`; ``eos_token_id`` defaults to
+        :attr:`eos_token_id` (a row that wrote one then holds ``pad_token_id``; generation stops when
+        every row has ended). ``num_beams > 1``: beam search as transformers runs it
         (:mod:`attnzoo.models.beam_search`; ``length_penalty``, ``early_stopping`` ``True`` /
         ``False`` / ``"never"``; not with sampling settings), each row's best hypothesis, filled with
         the end token after it. ``forced_bos_token_id``: the token written after a one-token start
@@ -297,10 +298,10 @@ class EncoderDecoder(nn.Module):
         src = self._check_source(src, owner)
         start = self._start(src.shape[0], bos_token_id, decoder_prompt, src.device, owner)
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        checked_temperature = check_sampling(temperature, top_k, top_p, generator, owner)[0]
+        checked_temperature = check_sampling(temperature, top_k, top_p, generator, owner, min_p)[0]
         beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
         if beams > 1:
-            refuse_sampling(temperature, top_k, top_p, generator, owner)
+            refuse_sampling(temperature, top_k, top_p, generator, owner, min_p)
         check_returns(num_return_sequences, beams, owner, temperature=checked_temperature)
         forced = tuple(self._check_token(t, name, owner) for name, t in (
             ("forced_bos_token_id", forced_bos_token_id), ("forced_eos_token_id", forced_eos_token_id)))
@@ -324,8 +325,8 @@ class EncoderDecoder(nn.Module):
                                        rules=rules, pad_token_id=pad_token_id,
                                        num_return_sequences=num_return_sequences).tokens
         return self._sampled(start, new, memory, src_mask, forced, rules, fill,
-                             {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator,
-                              "num_return_sequences": num_return_sequences})
+                             {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                              "generator": generator, "num_return_sequences": num_return_sequences})
 
     def _sampled(self, start: Tensor, new: int, memory: Tensor, src_mask: Tensor | None,
                  forced: tuple[int | None, int | None], rules: GenerationRules, fill: int | None,

@@ -39,7 +39,8 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "min_new_tokens": ((int,), "an int"), "min_length": ((int,), "an int"),
     "forced_bos_token_id": ((int,), "a token id"),
     "forced_eos_token_id": ((int, list), "a token id or a list of them"), "decoder_start_token_id": ((int,), "a token id"),
-    "do_sample": ((bool,), "true or false"), "temperature": ((int, float), "a number"), "top_k": ((int,), "an int"), "top_p": ((int, float), "a number"),
+    "do_sample": ((bool,), "true or false"), "temperature": ((int, float), "a number"), "top_k": ((int,), "an int"),
+    "top_p": ((int, float), "a number"), "min_p": ((int, float), "a number"),
     "suppress_tokens": ((list,), "a list of token ids"), "bad_words_ids": ((list,), "a list of token id lists"),
 }
 #: settings that do not change which tokens are generated, or that ``generate`` takes otherwise
@@ -54,7 +55,7 @@ _SKIPPED = frozenset({
 })
 #: settings attnzoo does not reproduce, with the value(s) at which they do nothing
 _INERT: dict[str, tuple[Any, ...]] = {
-    "stop_strings": (None,), "min_p": (None,), "top_h": (None,), "typical_p": (None, 1.0),
+    "stop_strings": (None,), "top_h": (None,), "typical_p": (None, 1.0),
     "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "encoder_repetition_penalty": (None, 1.0),
     "encoder_no_repeat_ngram_size": (None, 0), "renormalize_logits": (None, False),
     "exponential_decay_length_penalty": (None,), "begin_suppress_tokens": (None, []), "sequence_bias": (None,),
@@ -63,7 +64,7 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "constraints": (None,), "force_words_ids": (None,), "forced_decoder_ids": (None,),
 }
 #: the sampling settings, read only with ``do_sample``
-_SAMPLING = frozenset({"do_sample", "temperature", "top_k", "top_p"})
+_SAMPLING = frozenset({"do_sample", "temperature", "top_k", "top_p", "min_p"})
 #: the generation keys a ``config.json`` may carry (transformers' ``GenerationConfig.from_model_config``)
 _MODEL_CONFIG_KEYS = (frozenset(_DIRECT) | frozenset(_INERT) | _SAMPLING
                       | {"bad_words_ids", "suppress_tokens", "decoder_start_token_id", "max_new_tokens", "max_length"})
@@ -88,8 +89,8 @@ def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
     a list), ``pad_token_id``, ``num_beams``, ``length_penalty``, ``early_stopping``,
     ``num_return_sequences``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
     ``min_length``, ``suppress_tokens`` (with the one-token ``bad_words_ids`` but the end tokens, which transformers
-    drops from them), and with ``do_sample`` ``temperature`` / ``top_k`` / ``top_p`` (transformers'
-    defaults 1.0 / 50 / 1.0 where unset); for encoder-decoders ``forced_bos_token_id`` /
+    drops from them), and with ``do_sample`` ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``
+    (transformers' defaults 1.0 / 50 / 1.0 / none where unset); for encoder-decoders ``forced_bos_token_id`` /
     ``forced_eos_token_id`` and ``bos_token_id`` (the ``decoder_start_token_id`` the target starts
     from). A value of the wrong type is a :class:`~attnzoo.interop.CheckpointFormatError` naming it.
     """
@@ -222,4 +223,6 @@ def _sampling(raw: Mapping[str, Any], settings: dict[str, Any]) -> list[str]:
         settings["top_k"] = top_k
     if top_p is not None and top_p < 1.0:
         settings["top_p"] = top_p
+    if raw.get("min_p"):
+        settings["min_p"] = raw["min_p"]
     return []
