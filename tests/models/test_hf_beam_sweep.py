@@ -19,7 +19,7 @@ import test_hf_export as export  # noqa: E402
 
 import attnzoo as az  # noqa: E402
 from attnzoo.interop import from_hf  # noqa: E402
-from attnzoo.models.beam_search import beam_search  # noqa: E402
+from attnzoo.models.beam_search import beam_search, decoder_beam_search  # noqa: E402
 from attnzoo.variants import VARIANTS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,8 +70,9 @@ def test_cached_beam_search_equals_uncached_for_every_variant(variant: str) -> N
 
 #: families whose left-padded beam search is compared with transformers' (softmax, sliding, softcapped,
 #: latent, MoE, Mamba, gated DeltaNet, KDA, short-convolution and shared-block stacks); left out:
-#: MiniMax (transformers' cached decode of a left-padded row differs from its own full forward) and
-#: RecurrentGemma (transformers does not mask the padding; tests/models/test_hf_recurrent_gemma.py)
+#: MiniMax (transformers' cached beam search scores the same hypotheses otherwise than its uncached
+#: one: :func:`test_minimax_beam_search_equals_transformers_uncached`) and RecurrentGemma
+#: (transformers does not mask the padding; tests/models/test_hf_recurrent_gemma.py)
 AGAINST_TRANSFORMERS = (
     "bamba", "bloom", "codegen", "cohere2", "deepseek_v2", "deepseek_v3", "exaone4", "falcon", "falcon_h1",
     "gemma", "gemma2", "gemma3_text", "gemma3n_text", "glm4_moe", "gpt_neox", "gpt_oss", "gptj", "granitemoehybrid",
@@ -93,3 +94,26 @@ def test_left_padded_beam_search_equals_transformers(kind: str) -> None:
                            repetition_penalty=1.0)
     got = ours.generate(x, NEW, attention_mask=mask.bool(), num_beams=K, num_return_sequences=2)
     assert torch.equal(got, want), (got, want)
+
+
+def test_minimax_beam_search_equals_transformers_uncached() -> None:
+    """transformers' cached MiniMax beam search gives the same hypotheses other scores (so other
+    returns) than its own beam search re-running the whole forward each step; attnzoo's cached beam
+    search equals the latter, to the scores."""
+    from hf_family_checks import padded
+
+    hf = export.MAKERS["minimax"](0).eval()
+    ours = from_hf(hf).eval()
+    x, mask = padded(9, pad=3)
+    rows = mask.repeat_interleave(K, 0)
+
+    def step(t: torch.Tensor) -> torch.Tensor:  # transformers' full forward, no cache
+        real = torch.cat([rows, rows.new_ones(t.shape[0], t.shape[1] - rows.shape[1])], dim=1)
+        return hf(input_ids=t, attention_mask=real, use_cache=False).logits[:, -1]
+
+    with torch.no_grad():
+        want = beam_search(step, x, num_beams=K, max_new_tokens=NEW, eos_token_id=None, num_return_sequences=K)
+        got = decoder_beam_search(ours, x, num_beams=K, max_new_tokens=NEW, eos_token_id=None,
+                                  num_return_sequences=K, attention_mask=mask.bool())
+    assert torch.equal(got.tokens, want.tokens), (got.tokens, want.tokens)
+    torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-5)
