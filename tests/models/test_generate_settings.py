@@ -75,6 +75,22 @@ def test_several_end_tokens_and_pad_equal_transformers(llama: Any, pad: int | No
     assert bool(torch.isin(got[:, x.shape[1]:], torch.tensor(eos)).any(1).all()), "a row did not end: a weak test"
 
 
+def test_bad_words_equal_transformers(llama: Any) -> None:
+    """Two-token words the rows would write (their 2nd and 3rd new tokens) and a one-token word, greedy
+    and with beams: never completed, as transformers' ``NoBadWordsLogitsProcessor``."""
+    hf, ours = llama
+    x, mask = _prompts()
+    first = ours.generate(x, NEW, attention_mask=mask.bool())[:, x.shape[1]:]
+    words = [first[0, 1:3].tolist(), first[1, 1:3].tolist(), [int(first[0, 5])]]
+    for beams in (1, 3):
+        want = hf.generate(input_ids=x, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0,
+                           bad_words_ids=words, num_beams=beams, **OFF)
+        got = ours.generate(x, NEW, attention_mask=mask.bool(), bad_words_ids=words, num_beams=beams)
+        assert torch.equal(got, want), (beams, got, want)
+    assert not torch.equal(ours.generate(x, NEW, attention_mask=mask.bool(), bad_words_ids=words[:2]),
+                           ours.generate(x, NEW, attention_mask=mask.bool())), "the words changed nothing"
+
+
 def test_min_length_counts_the_prompt_as_transformers(llama: Any) -> None:
     hf, ours = llama
     x, mask = _prompts()
@@ -238,7 +254,8 @@ def test_seq2seq_end_tokens_pad_and_penalty_equal_transformers(bart: Any, num_be
     first = ours.generate(src, NEW, src_mask=mask.bool())[:, 1:]
     eos = list(dict.fromkeys([int(first[0, 2]), int(first[1, 4])]))
     returns = 2 if num_beams > 1 else 1
-    for extra in ({}, {"repetition_penalty": 1.5}, {"min_length": 6}):
+    word = first[1, 1:3].tolist()  # a two-token word row 1 writes
+    for extra in ({}, {"repetition_penalty": 1.5}, {"min_length": 6}, {"bad_words_ids": [word]}):
         want = hf.generate(src, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=1,
                            num_beams=num_beams, num_return_sequences=returns, forced_bos_token_id=None,
                            **{**OFF, **extra})
@@ -270,6 +287,9 @@ def test_a_forced_first_token_that_ends_the_rows(bart: Any) -> None:
     ({"repetition_penalty": True}, TypeError, "repetition_penalty"),
     ({"num_return_sequences": 0}, ValueError, "num_return_sequences"),
     ({"min_length": -1}, ValueError, "min_length"),
+    ({"bad_words_ids": [[]]}, ValueError, "bad_words_ids"),
+    ({"bad_words_ids": [1, 2]}, TypeError, "bad_words_ids"),
+    ({"bad_words_ids": [[1, 40]]}, ValueError, "bad_words_ids"),
     ({"min_p": 1.5, "temperature": 1.0}, ValueError, "min_p"),
     ({"min_p": 0.1, "num_beams": 2}, ValueError, "min_p"),
     ({"num_return_sequences": 2}, ValueError, "greedy"),

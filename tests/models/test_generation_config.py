@@ -81,9 +81,9 @@ def test_bart_generates_with_the_config_transformers_derives(tmp_path: Path) -> 
 
 def test_end_tokens_are_not_bad_words_and_lengths_are_not_settings() -> None:
     """transformers drops the end tokens from ``bad_words_ids``; the lengths are generate's argument."""
-    got = generation_settings({"eos_token_id": [2, 3], "bad_words_ids": [[3], [7]], "max_new_tokens": 20,
+    got = generation_settings({"eos_token_id": [2, 3], "bad_words_ids": [[3], [7], [8, 9]], "max_new_tokens": 20,
                                "max_length": 50, "forced_eos_token_id": [2]})
-    assert got == {"eos_token_id": [2, 3], "suppress_tokens": [7], "forced_eos_token_id": 2}
+    assert got == {"eos_token_id": [2, 3], "suppress_tokens": [7], "bad_words_ids": [[8, 9]], "forced_eos_token_id": 2}
 
 
 @pytest.mark.parametrize(("settings", "named"), [
@@ -126,7 +126,6 @@ def test_config_json_is_the_fallback(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("settings", "named"), [
     ({"stop_strings": ["###"]}, "stop_strings"),
     ({"typical_p": 0.9}, "typical_p"),
-    ({"bad_words_ids": [[5, 6]]}, "bad_words_ids entry"),
     ({"do_sample": True, "num_beams": 2}, "beam sampling"),
     ({"do_sample": True, "temperature": 0.0}, "temperature=0.0"),
     ({"diversity_penalty": 0.5, "num_beam_groups": 2}, "num_beam_groups=2"),

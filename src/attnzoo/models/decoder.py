@@ -559,6 +559,7 @@ class DecoderLM(FromConfig, nn.Module):
         num_return_sequences: int = 1,
         min_length: int = 0,
         min_p: float | None = None,
+        bad_words_ids: Sequence[Sequence[int]] | None = None,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -580,8 +581,11 @@ class DecoderLM(FromConfig, nn.Module):
             context, context_mask: for cross-attention models (see :meth:`forward`).
             extend_context: let a RoPE (or position-free) model generate past ``max_seq_len``, with
                 a warning (as transformers does); otherwise that is a ``ValueError``.
-            suppress_tokens: token ids never generated (transformers' ``suppress_tokens`` /
-                single-token ``bad_words_ids``: their logits set to ``-inf``).
+            suppress_tokens: token ids never generated (transformers' ``suppress_tokens``: their
+                logits set to ``-inf``).
+            bad_words_ids: token sequences never completed (transformers' ``bad_words_ids``): the
+                last token of one is forbidden after the others; a one-token one never generated
+                (an end token is dropped from them, as transformers drops it).
             min_new_tokens: no end token is generated before this many new tokens
                 (transformers' ``min_new_tokens``).
             min_length: nor before the row holds this many tokens, the prompt's ``N`` (padding
@@ -616,7 +620,7 @@ class DecoderLM(FromConfig, nn.Module):
             refuse_sampling(temperature, top_k, top_p, generator, owner, min_p)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
-                                        no_repeat_ngram_size, repetition_penalty, min_length, n)
+                                        no_repeat_ngram_size, repetition_penalty, min_length, n, bad_words_ids)
         fill = fill_token(pad_token_id, eos, self.vocab_size, owner)
         full_mask = None if attention_mask is None else check_left_padding(attention_mask, prompt, new, owner)
         if beams > 1:

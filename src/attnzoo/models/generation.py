@@ -128,34 +128,34 @@ class GenerationRules(NamedTuple):
     and ``s / p`` otherwise; ``no_repeat_ngram_size`` ``n``: no token that would repeat an
     ``n``-gram of the row's tokens so far (padding included, as transformers); every end token
     ``eos`` forbidden while fewer than ``min_new_tokens`` new tokens are written; ``suppress``,
-    the token ids never generated."""
+    the token ids never generated; ``bad_words``, token sequences of two or more never completed
+    (the last token of one is forbidden after the others: transformers' ``bad_words_ids``)."""
 
     suppress: tuple[int, ...] = ()
     min_new_tokens: int = 0
     eos: tuple[int, ...] = ()
     no_repeat_ngram_size: int = 0
     repetition_penalty: float = 1.0
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def checked(cls, suppress_tokens: object, min_new_tokens: object, eos: tuple[int, ...], vocab_size: int,
                 owner: str, no_repeat_ngram_size: object = 0, repetition_penalty: object = 1.0,
-                min_length: object = 0, start: int = 0) -> GenerationRules:
+                min_length: object = 0, start: int = 0, bad_words_ids: object = None) -> GenerationRules:
         """The rules of ``generate``'s arguments, each checked (``TypeError`` / ``ValueError`` naming
         it); ``eos``: the end tokens of :func:`check_end_tokens`. ``min_length`` counts the
         ``start`` tokens too (transformers' ``MinLengthLogitsProcessor``: the prompt, padding
-        included, or a decoder's start tokens), so it is held as ``min_length - start`` new tokens."""
-        tokens: tuple[int, ...] = ()
-        if suppress_tokens is not None:
-            if isinstance(suppress_tokens, (str, bytes, Tensor)) or not isinstance(suppress_tokens, Sequence):
-                raise TypeError(f"{owner}: suppress_tokens must be a sequence of token ids, got "
-                                f"{type(suppress_tokens).__name__}")
-            tokens = tuple(check_int(t, "suppress_tokens", owner, minimum=0) for t in suppress_tokens)
-            if any(t >= vocab_size for t in tokens):
-                raise ValueError(f"{owner}: suppress_tokens must be < vocab_size={vocab_size}, got {list(tokens)}")
+        included, or a decoder's start tokens), so it is held as ``min_length - start`` new tokens.
+        ``bad_words_ids``: sequences of token ids; a one-token one joins ``suppress`` (but an end
+        token, which transformers drops from them), the longer ones are ``bad_words``."""
+        tokens = _token_ids(suppress_tokens, "suppress_tokens", vocab_size, owner)
+        words = [] if bad_words_ids is None else _bad_words(bad_words_ids, vocab_size, owner)
+        tokens += tuple(w[0] for w in words if len(w) == 1 and w[0] not in eos)
         least = max(check_int(min_new_tokens, "min_new_tokens", owner, minimum=0),
                     check_int(min_length, "min_length", owner, minimum=0) - start)
         return cls(tokens, least, eos, check_int(no_repeat_ngram_size, "no_repeat_ngram_size", owner, minimum=0),
-                   check_positive_float(repetition_penalty, "repetition_penalty", owner))
+                   check_positive_float(repetition_penalty, "repetition_penalty", owner),
+                   tuple(w for w in words if len(w) > 1))
 
     def apply(self, scores: Tensor, written: int, tokens: Tensor | None = None,
               counted: Tensor | None = None) -> Tensor:
@@ -171,11 +171,50 @@ class GenerationRules(NamedTuple):
             banned.extend(self.eos)
         repeats = None if not self.no_repeat_ngram_size or tokens is None else _repeated_ngrams(
             tokens, self.no_repeat_ngram_size, scores.shape[-1])
+        if self.bad_words and tokens is not None:
+            completing = _completing_bad_words(tokens, self.bad_words, scores.shape[-1])
+            repeats = completing if repeats is None else repeats | completing
         if not banned and repeats is None:
             return out
         out = out.clone() if out is scores else out
         out[:, banned] = float("-inf")
         return out if repeats is None else out.masked_fill(repeats, float("-inf"))
+
+
+def _token_ids(value: object, name: str, vocab_size: int, owner: str) -> tuple[int, ...]:
+    """``None`` or a sequence of token ids in ``[0, vocab_size)`` (``TypeError`` / ``ValueError``
+    naming ``name``) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Tensor)) or not isinstance(value, Sequence):
+        raise TypeError(f"{owner}: {name} must be a sequence of token ids, got {type(value).__name__}")
+    ids = tuple(check_int(t, name, owner, minimum=0) for t in value)
+    if any(t >= vocab_size for t in ids):
+        raise ValueError(f"{owner}: {name} must be < vocab_size={vocab_size}, got {list(ids)}")
+    return ids
+
+
+def _bad_words(value: object, vocab_size: int, owner: str) -> list[tuple[int, ...]]:
+    """``bad_words_ids``: a sequence of non-empty sequences of token ids."""
+    if isinstance(value, (str, bytes, Tensor)) or not isinstance(value, Sequence):
+        raise TypeError(f"{owner}: bad_words_ids must be a sequence of token id sequences, got {type(value).__name__}")
+    words = [_token_ids(w, "bad_words_ids", vocab_size, owner) for w in value]
+    if any(not w for w in words):
+        raise ValueError(f"{owner}: bad_words_ids must not hold an empty sequence, got {value!r}")
+    return words
+
+
+def _completing_bad_words(tokens: Tensor, words: tuple[tuple[int, ...], ...], vocab: int) -> Tensor:
+    """``[R, V]`` bool: the last token of every word of ``words`` whose other tokens end ``tokens
+    [R, T]`` (transformers' ``NoBadWordsLogitsProcessor``, its multi-token words)."""
+    R, T = tokens.shape
+    out = torch.zeros(R, vocab, dtype=torch.bool, device=tokens.device)
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) <= T:
+            ends = (tokens[:, T - len(prefix):] == torch.tensor(prefix, device=tokens.device)).all(dim=1)  # [R]
+            out[:, word[-1]] |= ends
+    return out
 
 
 def _penalise_repeats(scores: Tensor, tokens: Tensor, counted: Tensor | None, penalty: float) -> Tensor:

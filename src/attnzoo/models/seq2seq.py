@@ -270,7 +270,8 @@ class EncoderDecoder(nn.Module):
                  forced_bos_token_id: int | None = None, forced_eos_token_id: int | None = None,
                  suppress_tokens: Sequence[int] | None = None, min_new_tokens: int = 0, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, pad_token_id: int | None = None,
-                 num_return_sequences: int = 1, min_length: int = 0, min_p: float | None = None) -> Tensor:
+                 num_return_sequences: int = 1, min_length: int = 0, min_p: float | None = None,
+                 bad_words_ids: Sequence[Sequence[int]] | None = None) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
@@ -288,7 +289,7 @@ class EncoderDecoder(nn.Module):
         step). ``suppress_tokens`` (never generated: opus-mt's ``bad_words_ids=[[pad]]``, Whisper's
         ``suppress_tokens``), ``min_new_tokens`` (no end token before), ``min_length`` (nor before
         the target holds this many tokens, its start tokens counted: bart-large-cnn's 56),
-        ``no_repeat_ngram_size`` (bart-large-cnn: 3), ``repetition_penalty`` (of the target's tokens so far), ``pad_token_id``
+        ``no_repeat_ngram_size`` (bart-large-cnn: 3), ``bad_words_ids``, ``repetition_penalty`` (of the target's tokens so far), ``pad_token_id``
         (what an ended row holds; default the first end token; ``eos_token_id`` may list several)
         and ``num_return_sequences`` as :meth:`DecoderLM.generate`, in beam search too. Every
         argument is checked before the source is encoded. Returns ``[B * R, P + T]`` (the start
@@ -308,7 +309,8 @@ class EncoderDecoder(nn.Module):
         eos = self.decoder._check_generate(start.shape[1], new, self.eos_token_id if eos_token_id is None
                                            else eos_token_id, owner=owner)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.decoder.vocab_size, owner,
-                                        no_repeat_ngram_size, repetition_penalty, min_length, start.shape[1])
+                                        no_repeat_ngram_size, repetition_penalty, min_length, start.shape[1],
+                                        bad_words_ids)
         clash = [f"{name}={t}" for name, t in zip(("forced_bos_token_id", "forced_eos_token_id"), forced, strict=True)
                  if t is not None and t in rules.suppress]
         if clash:
@@ -343,6 +345,7 @@ class EncoderDecoder(nn.Module):
                 return start.repeat_interleave(sampling["num_return_sequences"], dim=0)
         out = self.decoder.generate(start, new - last, eos_token_id=rules.eos or None, context=memory,
                                     context_mask=src_mask, suppress_tokens=rules.suppress, min_new_tokens=least,
+                                    bad_words_ids=[list(w) for w in rules.bad_words] or None,
                                     no_repeat_ngram_size=rules.no_repeat_ngram_size,
                                     repetition_penalty=rules.repetition_penalty, pad_token_id=fill, **sampling)
         P = start.shape[1]

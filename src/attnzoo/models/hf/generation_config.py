@@ -81,15 +81,15 @@ def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
             ``config.json``, as transformers falls back), a dict of those settings, a transformers
             ``GenerationConfig``, or a transformers model (its ``generation_config``).
         strict: ``True``: a setting attnzoo does not reproduce (``stop_strings``, ``typical_p``,
-            multi-token ``bad_words_ids``, diverse beams, Whisper's timestamp keys, ...) raises
+            epsilon sampling, diverse beams, Whisper's timestamp keys, ...) raises
             :class:`~attnzoo.interop.UnsupportedConfigError` naming it; ``False``: it is dropped
             with a warning naming it.
 
     Returns: a dict for ``generate(prompt, max_new_tokens, **settings)``: ``eos_token_id`` (an id or
     a list), ``pad_token_id``, ``num_beams``, ``length_penalty``, ``early_stopping``,
     ``num_return_sequences``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
-    ``min_length``, ``suppress_tokens`` (with the one-token ``bad_words_ids`` but the end tokens, which transformers
-    drops from them), and with ``do_sample`` ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``
+    ``min_length``, ``suppress_tokens`` (with the one-token ``bad_words_ids`` but the end tokens, which
+    transformers drops from them), ``bad_words_ids`` (the longer ones), and with ``do_sample`` ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``
     (transformers' defaults 1.0 / 50 / 1.0 / none where unset); for encoder-decoders ``forced_bos_token_id`` /
     ``forced_eos_token_id`` and ``bos_token_id`` (the ``decoder_start_token_id`` the target starts
     from). A value of the wrong type is a :class:`~attnzoo.interop.CheckpointFormatError` naming it.
@@ -117,7 +117,7 @@ def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
                 refused.append(f"{key}={value!r}")
         elif key not in _SKIPPED and key not in _KINDS:
             refused.append(f"{key}={value!r}")
-    refused += _suppressed(raw, settings)
+    _suppressed(raw, settings)
     refused += _sampling(raw, settings)
     if refused:
         message = (f"{owner}: {where} asks for settings attnzoo's generate does not reproduce: "
@@ -186,24 +186,25 @@ def _is_id(token: object) -> bool:
     return isinstance(token, int) and not isinstance(token, bool)
 
 
-def _suppressed(raw: Mapping[str, Any], settings: dict[str, Any]) -> list[str]:
-    """``suppress_tokens`` and the one-token ``bad_words_ids`` (the same rule) into ``settings``, the
-    end tokens dropped from ``bad_words_ids`` as transformers' ``NoBadWordsLogitsProcessor`` drops
-    them; the multi-token ``bad_words_ids`` refused."""
+def _suppressed(raw: Mapping[str, Any], settings: dict[str, Any]) -> None:
+    """``suppress_tokens`` and the one-token ``bad_words_ids`` (the same rule) into ``settings``'
+    ``suppress_tokens``, the end tokens dropped from ``bad_words_ids`` as transformers'
+    ``NoBadWordsLogitsProcessor`` drops them; the longer ones into ``settings``' ``bad_words_ids``."""
     tokens = list(raw.get("suppress_tokens") or [])
     eos = raw.get("eos_token_id")
     ends = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    refused = []
+    longer = []
     for words in raw.get("bad_words_ids") or []:
         if len(words) == 1 and words[0] in ends:
             continue  # transformers never bans an end token through bad_words_ids
         if len(words) == 1:
             tokens.append(words[0])
         else:
-            refused.append(f"bad_words_ids entry {words!r} (only one-token entries: suppress_tokens)")
+            longer.append(list(words))
+    if longer:
+        settings["bad_words_ids"] = longer
     if tokens:
         settings["suppress_tokens"] = list(dict.fromkeys(tokens))
-    return refused
 
 
 def _sampling(raw: Mapping[str, Any], settings: dict[str, Any]) -> list[str]:
