@@ -41,7 +41,7 @@ from torch import Tensor
 
 from attnzoo._validate import check_finite_float, check_int
 from attnzoo.models._common import check_left_padding, positions_from_mask
-from attnzoo.models.generation import GenerationRules, check_end_tokens, fill_token
+from attnzoo.models.generation import GenerationRules, check_end_tokens, check_token_id
 
 __all__ = ["BeamSearchOutput", "CachedDecoder", "beam_search", "check_beam_settings", "check_returns",
            "decoder_beam_search", "refuse_sampling"]
@@ -375,7 +375,8 @@ def decoder_beam_search(decoder: CachedDecoder, start: Tensor, context: Tensor |
     if context is not None and (not isinstance(context, Tensor) or context.dim() != 3 or context.shape[0] != B):
         got = tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__
         raise ValueError(f"{owner}: context must be the encoded source [B, M, C] with B = {B} rows, got {got}")
-    fill_token(pad_token_id, (), decoder.vocab_size, owner)
+    if pad_token_id is not None:
+        check_token_id(pad_token_id, "pad_token_id", decoder.vocab_size, owner)
     if attention_mask is not None:
         attention_mask = check_left_padding(attention_mask, start, 0, owner)  # [B, P]
     settings = {"num_beams": K, "eos_token_id": eos_token_id, "length_penalty": length_penalty,

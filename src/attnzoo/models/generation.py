@@ -26,7 +26,8 @@ from attnzoo._validate import (
     check_positive_float,
 )
 
-__all__ = ["GenerationRules", "check_end_tokens", "check_sampling", "fill_token", "sample_next_token"]
+__all__ = ["GenerationRules", "check_end_tokens", "check_sampling", "check_token_id", "fill_token",
+           "sample_next_token"]
 
 
 def check_sampling(temperature: object, top_k: object, top_p: object, generator: object,
@@ -102,10 +103,15 @@ def check_end_tokens(eos_token_id: object, vocab_size: int, owner: str, name: st
     ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     if not ids:
         raise ValueError(f"{owner}: {name} must name at least one token (or be None), got {eos_token_id!r}")
-    ids = tuple(check_int(t, name, owner, minimum=0) for t in ids)
-    if any(t >= vocab_size for t in ids):
-        raise ValueError(f"{owner}: {name} must be < vocab_size={vocab_size}, got {eos_token_id!r}")
-    return tuple(dict.fromkeys(ids))
+    return tuple(dict.fromkeys(check_token_id(t, name, vocab_size, owner) for t in ids))
+
+
+def check_token_id(token: object, name: str, vocab_size: int, owner: str, of: str = "vocab_size") -> int:
+    """``token`` a token id in ``[0, vocab_size)`` (``TypeError`` / ``ValueError`` naming ``name``;
+    ``of`` words the bound, e.g. "the decoder's vocab_size")."""
+    if check_int(token, name, owner, minimum=0) >= vocab_size:
+        raise ValueError(f"{owner}: {name} must be < {of}={vocab_size}, got {token}")
+    return token  # type: ignore[return-value]
 
 
 def fill_token(pad_token_id: object, eos: tuple[int, ...], vocab_size: int, owner: str) -> int | None:
@@ -114,10 +120,7 @@ def fill_token(pad_token_id: object, eos: tuple[int, ...], vocab_size: int, owne
     (rows never end) and no pad."""
     if pad_token_id is None:
         return eos[0] if eos else None
-    pad = check_int(pad_token_id, "pad_token_id", owner, minimum=0)
-    if pad >= vocab_size:
-        raise ValueError(f"{owner}: pad_token_id must be < vocab_size={vocab_size}, got {pad_token_id}")
-    return pad
+    return check_token_id(pad_token_id, "pad_token_id", vocab_size, owner)
 
 
 class GenerationRules(NamedTuple):
@@ -188,10 +191,7 @@ def _token_ids(value: object, name: str, vocab_size: int, owner: str) -> tuple[i
         return ()
     if isinstance(value, (str, bytes, Tensor)) or not isinstance(value, Sequence):
         raise TypeError(f"{owner}: {name} must be a sequence of token ids, got {type(value).__name__}")
-    ids = tuple(check_int(t, name, owner, minimum=0) for t in value)
-    if any(t >= vocab_size for t in ids):
-        raise ValueError(f"{owner}: {name} must be < vocab_size={vocab_size}, got {list(ids)}")
-    return ids
+    return tuple(check_token_id(t, name, vocab_size, owner) for t in value)
 
 
 def _bad_words(value: object, vocab_size: int, owner: str) -> list[tuple[int, ...]]:

@@ -29,10 +29,13 @@ from attnzoo.models.beam_search import (
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnzoo.models.decoder import DecoderLM, head_width
 from attnzoo.models.encoder import TransformerEncoder
-from attnzoo.models.generation import GenerationRules, check_sampling, fill_token
+from attnzoo.models.generation import GenerationRules, check_sampling, check_token_id, fill_token
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
 __all__ = ["EncoderDecoder", "Transformer"]
+
+#: how the token-id checks word the bound of a target token
+_DECODER_VOCAB = "the decoder's vocab_size"
 
 
 class EncoderDecoder(nn.Module):
@@ -68,9 +71,8 @@ class EncoderDecoder(nn.Module):
             raise TypeError(f"{owner}: decoder must be a DecoderLM whose blocks have cross-attention, got "
                             f"{type(decoder).__name__}")
         for name, value in (("decoder_start_token_id", decoder_start_token_id), ("eos_token_id", eos_token_id)):
-            if value is not None and check_int(value, name, owner, minimum=0) >= decoder.vocab_size:
-                raise ValueError(f"{owner}: {name} must be < the decoder's vocab_size={decoder.vocab_size}, "
-                                 f"got {value}")
+            if value is not None:
+                check_token_id(value, name, decoder.vocab_size, owner, of=_DECODER_VOCAB)
         self.encoder = encoder
         self.decoder = decoder
         self.decoder_start_token_id = decoder_start_token_id
@@ -304,8 +306,9 @@ class EncoderDecoder(nn.Module):
         if beams > 1:
             refuse_sampling(temperature, top_k, top_p, generator, owner, min_p)
         check_returns(num_return_sequences, beams, owner, temperature=checked_temperature)
-        forced = tuple(self._check_token(t, name, owner) for name, t in (
-            ("forced_bos_token_id", forced_bos_token_id), ("forced_eos_token_id", forced_eos_token_id)))
+        forced = tuple(None if t is None else check_token_id(t, name, self.decoder.vocab_size, owner, of=_DECODER_VOCAB)
+                       for name, t in (("forced_bos_token_id", forced_bos_token_id),
+                                       ("forced_eos_token_id", forced_eos_token_id)))
         eos = self.decoder._check_generate(start.shape[1], new, self.eos_token_id if eos_token_id is None
                                            else eos_token_id, owner=owner)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.decoder.vocab_size, owner,
@@ -356,13 +359,6 @@ class EncoderDecoder(nn.Module):
             col = forced_end if fill is None else torch.where(done, fill, forced_end)  # ended rows keep their fill
             out = torch.cat([out, col[:, None]], dim=1)
         return out
-
-    def _check_token(self, token: object, name: str, owner: str) -> int | None:
-        """``None`` or a token id below the decoder's vocabulary."""
-        if token is not None and check_int(token, name, owner, minimum=0) >= self.decoder.vocab_size:
-            raise ValueError(f"{owner}: {name} must be < the decoder's vocab_size={self.decoder.vocab_size}, "
-                             f"got {token}")
-        return token  # type: ignore[return-value]
 
 
 class Transformer(FromConfig, EncoderDecoder):

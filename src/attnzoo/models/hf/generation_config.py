@@ -215,7 +215,7 @@ def _sampling(raw: Mapping[str, Any], settings: dict[str, Any]) -> list[str]:
     if settings.get("num_beams", 1) > 1:
         return [f"do_sample=True with num_beams={settings['num_beams']} (beam sampling)"]
     temperature = 1.0 if raw.get("temperature") is None else raw["temperature"]
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature <= 0:
+    if temperature <= 0:  # its type: _check_kinds
         return [f"temperature={temperature!r} with do_sample=True (a number > 0)"]
     top_k = 50 if raw.get("top_k") is None else raw["top_k"]
     top_p = raw.get("top_p")
