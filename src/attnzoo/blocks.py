@@ -737,6 +737,11 @@ class BlockCache(CompositeCache):
         """The self-attention cache, and the context's once built."""
         return [self.self_cache] + ([] if self.cross_cache is None else [self.cross_cache])
 
+    def sequence_parts(self) -> list[Any]:
+        """The self-attention cache: the one that holds the block's tokens (the context's is kept
+        when the tokens are truncated)."""
+        return [self.self_cache]
+
     def mark(self) -> object:
         return (self.cross_cache, super().mark())
 

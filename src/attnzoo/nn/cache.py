@@ -53,7 +53,7 @@ from attnzoo._devices import tracing
 from attnzoo._validate import check_int as _check_int
 
 __all__ = ["CacheList", "CompositeCache", "KVCache", "RowsCache", "SinkWindowKVCache", "SlidingWindowKVCache",
-           "SnapshotCache", "check_reorder_index", "transaction"]
+           "SnapshotCache", "check_reorder_index", "transaction", "truncatable", "truncate", "unmarked"]
 
 T = TypeVar("T")
 
@@ -126,6 +126,58 @@ def _refusing(cache: Any) -> list[str]:
     if isinstance(cache, CompositeCache):
         return [name for part in cache.parts() for name in _refusing(part)]
     return [] if reorderable(cache) else [type(cache).__name__]
+
+
+def _sequence_parts(cache: Any) -> list[Any]:
+    """The member caches of ``cache`` that hold its own tokens (a block's cross-attention cache,
+    which holds the context, is not one)."""
+    parts = getattr(cache, "sequence_parts", None)
+    return parts() if callable(parts) else cache.parts()
+
+
+def truncatable(cache: Any) -> bool:
+    """Whether :func:`truncate` can drop ``cache``'s last tokens: every member cache is written by
+    position (keys, latents, index keys), none a recurrent state or a ring of slots."""
+    if isinstance(cache, CompositeCache):
+        return all(truncatable(part) for part in _sequence_parts(cache))
+    return bool(getattr(cache, "truncatable", False))
+
+
+def truncate(cache: Any, length: int) -> None:
+    """Forget every token of ``cache`` from position ``length`` on (``0 <= length <= cache.length``),
+    as if they had never been written; a composite cache's context caches are kept. ``TypeError``
+    when a member cannot (:func:`truncatable`): a recurrent state or a ring of slots must be rolled
+    back to a mark instead."""
+    owner = f"truncate({type(cache).__name__})"
+    if not truncatable(cache):
+        raise TypeError(f"{owner}: these caches cannot drop tokens by length: {sorted(set(_untruncatable(cache)))}")
+    length = _check_int(length, "length", owner, minimum=0)
+    if length > cache.length:
+        raise ValueError(f"{owner}: length must be at most the {cache.length} tokens written, got {length}")
+    _truncate(cache, length)
+
+
+def _untruncatable(cache: Any) -> list[str]:
+    if isinstance(cache, CompositeCache):
+        return [name for part in _sequence_parts(cache) for name in _untruncatable(part)]
+    return [] if truncatable(cache) else [type(cache).__name__]
+
+
+def _truncate(cache: Any, length: int) -> None:
+    if isinstance(cache, CompositeCache):
+        for part in _sequence_parts(cache):
+            _truncate(part, length)
+    else:
+        cache.length = length
+
+
+def unmarked(cache: Any) -> list[str]:
+    """The class names of the caches inside ``cache`` (itself included) without ``mark``/``rollback``:
+    a call through them cannot be undone."""
+    if isinstance(cache, CompositeCache):
+        return [name for part in cache.parts() for name in unmarked(part)]
+    return [] if callable(getattr(cache, "mark", None)) and callable(getattr(cache, "rollback", None)) \
+        else [type(cache).__name__]
 
 
 def _reorder_unchecked(cache: Any, index: Tensor) -> None:
@@ -282,6 +334,10 @@ class _LengthCache:
     def commit(self, mark: object) -> None:
         """The call that took ``mark`` succeeded: nothing to keep."""
 
+    #: whether :func:`truncate` may drop the last tokens by lowering ``length`` (the buffers are written
+    #: by position and slots past ``length`` are unused, which is also what makes ``rollback`` a length)
+    truncatable: ClassVar[bool] = True
+
     #: the attributes holding one row per batch row (dim 0: tensors, or dicts of tensors) that
     #: :meth:`reorder` permutes; a class declares its own (``None``, or inherited only: not reorderable,
     #: so that a subclass with more per-row state is never reordered half-way)
@@ -324,14 +380,36 @@ def _reorder_rows(cache: object, names: Iterable[str], index: Tensor) -> int:
 
 
 class RowsCache:
-    """:meth:`reorder` for a cache class that keeps ``batch_size`` as a plain attribute and
-    declares its per-row tensors in ``_batch_tensors`` (tensors, dicts or lists of them; dim 0 the
-    row): a family's small state cache, updated once per module call."""
+    """:meth:`reorder` and ``mark``/``rollback``/``commit`` for a cache class that keeps ``batch_size``
+    and ``length`` as plain attributes and declares its per-row tensors in ``_batch_tensors``
+    (tensors, dicts or lists of them; dim 0 the row): a family's small state cache. A mark holds
+    ``length`` and those attributes by reference, so an update must *replace* them (or write only
+    past ``length``), never change in place what a mark holds."""
 
     batch_size: int
+    length: int
     #: declared by each class itself (inherited only: not reorderable, as :class:`_LengthCache`)
     _batch_tensors: ClassVar[tuple[str, ...] | None] = None
     in_transaction: bool = False
+    #: a state cache: its last tokens cannot be dropped by lowering ``length`` (a class written by
+    #: position declares ``True``)
+    truncatable: ClassVar[bool] = False
+
+    def mark(self) -> object:
+        """An opaque token of the current state (``length`` and the per-row attributes), for :meth:`rollback`."""
+        return (self.length, *(getattr(self, name) for name in type(self).__dict__.get("_batch_tensors") or ()))
+
+    def rollback(self, mark: object) -> None:
+        """Return to the state ``mark`` was taken in."""
+        names = type(self).__dict__.get("_batch_tensors") or ()
+        if not isinstance(mark, tuple) or len(mark) != 1 + len(names):
+            raise TypeError(f"{type(self).__name__}.rollback: expected a mark from mark(), got {type(mark).__name__}")
+        self.length = mark[0]
+        for name, value in zip(names, mark[1:], strict=True):
+            setattr(self, name, value)
+
+    def commit(self, mark: object) -> None:
+        """The call that took ``mark`` succeeded: nothing to keep."""
 
     @property
     def reorderable(self) -> bool:
@@ -353,6 +431,7 @@ class SnapshotCache(_LengthCache):
 
     #: the attributes a mark holds (``length`` first)
     snapshot: tuple[str, ...] = ("length",)
+    truncatable: ClassVar[bool] = False  # a state: the tokens it absorbed cannot be taken out
 
     def _set_sizes(self, batch_size: object, **sizes: object) -> None:
         """Validate (ints >= 1, errors naming the cache) and store ``batch_size`` and ``sizes``;
@@ -497,31 +576,36 @@ class KVCache(_CacheBase):
 
 
 class _SlotCache(_CacheBase):
-    """A fixed set of slots overwritten in place: the last update's overwritten slots are kept until
-    :meth:`commit`, so :meth:`rollback` can restore them."""
+    """A fixed set of slots overwritten in place: the slots an update overwrites are kept until
+    :meth:`commit`, so :meth:`rollback` can restore them. Inside an open :func:`transaction` every
+    update keeps its own record (a transaction spanning several calls, as speculative decoding's,
+    rolls back all of them, latest first); outside one only the last update is undoable."""
 
-    _undo: tuple[int, Tensor, list[tuple[Tensor, int, Tensor]]] | None = None
+    _undo: list[tuple[int, Tensor, list[tuple[Tensor, int, Tensor]]]] | None = None
     capacity: int
+    truncatable: ClassVar[bool] = False  # a ring: the slots of earlier tokens are overwritten
 
     def _save(self, mark: int, slots: Tensor, buffers: list[tuple[Tensor, int]]) -> None:
         """Keep the ``slots`` of every ``(buffer, dim)`` about to be overwritten by the update after ``mark``."""
-        self._undo = (mark, slots, [(buf, dim, buf.index_select(dim, slots)) for buf, dim in buffers])
+        record = (mark, slots, [(buf, dim, buf.index_select(dim, slots)) for buf, dim in buffers])
+        self._undo = [*self._undo, record] if self.in_transaction and self._undo else [record]
 
     def rollback(self, mark: object) -> None:
-        """Undo the last update if it happened after ``mark`` (the overwritten slots are restored)."""
+        """Undo the updates made after ``mark`` (their overwritten slots restored, latest first)."""
         mark = self._check_mark(mark)
-        if self.length == mark:
-            return
-        if self._undo is None or self._undo[0] != mark:
-            raise RuntimeError(f"{type(self).__name__}.rollback: only the last update can be undone")
-        _, slots, saved = self._undo
-        for buf, dim, old in saved:
-            buf.index_copy_(dim, slots, old)
-        self.length = mark
+        undo = self._undo or []
+        if self.length != mark and not any(m == mark for m, _, _ in undo):
+            raise RuntimeError(f"{type(self).__name__}.rollback: only the last update (or those of the open "
+                               f"transaction) can be undone")
+        while self.length != mark:
+            start, slots, saved = undo.pop()
+            for buf, dim, old in saved:
+                buf.index_copy_(dim, slots, old)
+            self.length = start
         self._undo = None
 
     def commit(self, mark: object) -> None:
-        """The call that took ``mark`` succeeded: drop the copy of the overwritten slots."""
+        """The call that took ``mark`` succeeded: drop the copies of the overwritten slots."""
         self._undo = None
 
     def _reorder(self, index: Tensor) -> None:

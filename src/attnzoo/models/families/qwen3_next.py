@@ -57,7 +57,8 @@ __all__ = ["DISPATCH", "LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_nex
 class LinearStateCache(RowsCache):
     """Decode cache of a :class:`QwenGatedDeltaNet`: the last ``K - 1`` conv inputs
     ``conv [B, K-1, conv_dim]`` and the delta-rule state ``state [B, Hv, Dk, Dv]`` (float32).
-    Cache protocol: ``length``, ``batch_size``, ``reset()``, ``reorder(index)``."""
+    Cache protocol: ``length``, ``batch_size``, ``reset()``, ``reorder(index)``, ``mark()`` /
+    ``rollback()`` / ``commit()`` (the module replaces both tensors at every call)."""
 
     _batch_tensors = ("conv", "state")
 
@@ -70,8 +71,8 @@ class LinearStateCache(RowsCache):
 
     def reset(self) -> None:
         self.length = 0
-        self.conv.zero_()
-        self.state.zero_()
+        self.conv = torch.zeros_like(self.conv)  # new tensors: a mark may hold the old ones
+        self.state = torch.zeros_like(self.state)
 
 
 def _real_tokens(mask: Tensor | Mask | None, B: int, N: int, past: int) -> Tensor | None:
@@ -191,7 +192,7 @@ class QwenGatedDeltaNet(nn.Module):
         mixed = F.silu(causal_conv(u, self.conv_weight, prefix=None if cache is None else cache.conv,
                                    segments=segments))
         if cache is not None:
-            cache.conv.copy_(torch.cat([cache.conv, u.to(cache.conv.dtype)], dim=1)[:, -(self.conv_kernel - 1):])
+            cache.conv = torch.cat([cache.conv, u.to(cache.conv.dtype)], dim=1)[:, -(self.conv_kernel - 1):]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         q = q.reshape(B, N, self.hk, self.dk).transpose(1, 2).to(cdt)  # [B, Hk, N, Dk]
@@ -206,7 +207,7 @@ class QwenGatedDeltaNet(nn.Module):
         out, state = delta_rule(q, k, v, beta, log_decay=g, initial_state=None if cache is None else cache.state,
                                 return_state=True, cu_seqlens=cu_seqlens)  # [B, Hv, N, Dv]
         if cache is not None:
-            cache.state.copy_(state)
+            cache.state = state.to(cache.state.dtype)  # replaced, not written in place: a mark holds the old one
             cache.length += N
         o = self.gated_norm(out.transpose(1, 2), z.reshape(B, N, self.hv, self.dv))  # [B, N, Hv, Dv]
         return self.out_proj(o.reshape(B, N, self.value_dim))

@@ -237,8 +237,8 @@ class PLECache(RowsCache):
 
     def reset(self) -> None:
         self.length = 0
-        self.ids.fill_(self.eos)
-        self.conv.zero_()
+        self.ids = torch.full_like(self.ids, self.eos)  # new tensors: a mark may hold the old ones
+        self.conv = torch.zeros_like(self.conv)
 
 
 class PerLayerEmbedding(nn.Module):
@@ -295,6 +295,7 @@ class IndexerCache(RowsCache):
     ``positions [B, S]`` of every token written (``S = max_len``)."""
 
     _batch_tensors = ("keys", "positions")
+    truncatable = True  # written by position: slots past ``length`` are unused
 
     def __init__(self, batch_size: int, max_len: int, head_dim: int, *, device: Any, dtype: Any) -> None:
         self.batch_size, self.length = batch_size, 0
