@@ -7,9 +7,6 @@ batch's beams and returns equal transformers' own beam search."""
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 import pytest
 import torch
 
@@ -40,19 +37,9 @@ def _equal_to_uncached(model: az.DecoderLM, x: torch.Tensor) -> None:
     assert torch.equal(got, want), (got, want)
 
 
-def _decoder_types() -> list[str]:
-    """The swept model types but the encoders, vision towers and encoder-decoders."""
-    others = {"bert", "vit", *export.encoders.sweep(), *export.vision.sweep(), *export.seq2seq.sweep()}
-    return sorted(set(export.MAKERS) - others - set(UNCACHED_DIFFERS))
-
-
-@pytest.mark.parametrize("kind", _decoder_types())
+@pytest.mark.parametrize("kind", export.decoder_types(UNCACHED_DIFFERS))
 def test_cached_beam_search_equals_uncached(kind: str) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a dropped vision tower or MTP layer, with a warning
-        model: Any = from_hf(export.MAKERS[kind](0)).eval()
-    if not isinstance(model, az.DecoderLM) or model.lm_head is None or isinstance(model.lm_head, torch.nn.Identity):
-        pytest.skip(f"{kind} converts to {type(model).__name__} without an LM head: nothing to search")
+    model = export.language_model(kind)
     _equal_to_uncached(model, torch.randint(3, 60, (2, 5), generator=torch.Generator().manual_seed(1)))
 
 

@@ -93,6 +93,23 @@ MAKERS: dict[str, Any] = {
 }
 
 
+def decoder_types(leave_out: Any = ()) -> list[str]:
+    """The swept model types but the encoders, vision towers and encoder-decoders (and ``leave_out``)."""
+    others = {"bert", "vit", *encoders.sweep(), *vision.sweep(), *seq2seq.sweep(), *leave_out}
+    return sorted(set(MAKERS) - others)
+
+
+def language_model(kind: str) -> Any:
+    """``from_hf`` of the swept model type ``kind``, in eval mode; the test is skipped when it
+    converts to a model without an LM head (nothing to generate)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a dropped vision tower or MTP layer, with a warning
+        model: Any = from_hf(MAKERS[kind](0)).eval()
+    if not isinstance(model, DecoderLM) or model.lm_head is None or isinstance(model.lm_head, torch.nn.Identity):
+        pytest.skip(f"{kind} converts to {type(model).__name__} without an LM head: nothing to generate")
+    return model
+
+
 def test_every_converted_model_type_is_swept() -> None:
     assert set(MODEL_TYPES) <= set(MAKERS)
 

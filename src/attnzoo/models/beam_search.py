@@ -41,9 +41,14 @@ from torch import Tensor
 
 from attnzoo._validate import check_finite_float, check_int
 from attnzoo.models._common import check_left_padding, positions_from_mask
-from attnzoo.models.generation import GenerationRules, check_end_tokens, check_token_id
+from attnzoo.models.generation import (
+    GenerationRules,
+    check_end_tokens,
+    check_sampling,
+    check_token_id,
+)
 
-__all__ = ["BeamSearchOutput", "CachedDecoder", "beam_search", "check_beam_settings", "check_returns",
+__all__ = ["BeamSearchOutput", "CachedDecoder", "beam_search", "check_beam_settings", "check_returns", "check_search",
            "decoder_beam_search", "refuse_sampling"]
 
 #: what transformers adds to a score to rule a beam or a hypothesis out
@@ -113,6 +118,19 @@ def refuse_sampling(temperature: float, top_k: int | None, top_p: float | None,
         raise ValueError(f"{owner}: num_beams > 1 is deterministic beam search; sampling with beams is not "
                          f"supported, so {', '.join(given)} must be left at their defaults (temperature=0.0, "
                          f"top_k/top_p/min_p/generator None)")
+
+
+def check_search(temperature: object, top_k: object, top_p: object, min_p: object, generator: object,
+                 num_beams: object, length_penalty: object, early_stopping: object, num_return_sequences: object,
+                 owner: str) -> tuple[tuple[Any, ...], int, float, bool | str, int]:
+    """``generate``'s sampling and search settings, checked together (:func:`check_sampling`,
+    :func:`check_beam_settings`, no sampling with beams, :func:`check_returns`): ``(sampling,
+    num_beams, length_penalty, early_stopping, num_return_sequences)``."""
+    sampling = check_sampling(temperature, top_k, top_p, generator, owner, min_p)
+    beams, lp, stop = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
+    if beams > 1:
+        refuse_sampling(temperature, top_k, top_p, generator, owner, min_p)  # type: ignore[arg-type]
+    return sampling, beams, lp, stop, check_returns(num_return_sequences, beams, owner, temperature=sampling[0])
 
 
 def _gather(t: Tensor, beams: Tensor) -> Tensor:

@@ -34,22 +34,17 @@ from attnzoo.models._common import (
     positions_from_mask,
     rotary_for,
 )
-from attnzoo.models.beam_search import (
-    check_beam_settings,
-    check_returns,
-    decoder_beam_search,
-    refuse_sampling,
-)
+from attnzoo.models.beam_search import check_search, decoder_beam_search
 from attnzoo.models.config import DecoderConfig
 from attnzoo.models.generation import (
     GenerationRules,
     _sample,
     check_end_tokens,
-    check_sampling,
     fill_token,
     sample_next_token,
 )
 from attnzoo.models.parts import Blocks, DecoderParts, LMHead, given_blocks, resolve_parts
+from attnzoo.models.speculative import Speculation, check_speculation, speculative_generate
 from attnzoo.nn.cache import transaction
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
@@ -510,6 +505,36 @@ class DecoderLM(FromConfig, nn.Module):
                              f"{self.max_seq_len} positions (max_seq_len; {hint})")
         return eos
 
+    def _check_prompt(self, prompt: object, max_new_tokens: object, owner: str) -> tuple[int, int]:
+        """``prompt [B, N]`` token ids with ``B >= 1`` and ``max_new_tokens >= 0``: ``(N, max_new_tokens)``."""
+        check_tokens(prompt, self.vocab_size, owner, "prompt")
+        B, n = prompt.shape  # type: ignore[union-attr]
+        if B == 0:
+            raise ValueError(f"{owner}: prompt must hold at least one row [B, N] with B >= 1, got {(B, n)}")
+        return n, check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
+
+    def _speculation(self, settings: tuple[object, ...], n: int, new: int, temperature: float, beams: int,
+                     extend_context: bool) -> Speculation | None:
+        """The speculative ``settings`` of :meth:`generate` checked (:func:`check_speculation`), and
+        what speculative decoding needs besides: greedy decoding, one beam, an assistant that has the
+        positions, and RoPE frequencies that stay the same while it runs (``None``: no speculation)."""
+        owner = "DecoderLM.generate"
+        spec = check_speculation(*settings, self.vocab_size, owner)
+        if spec is None:
+            return None
+        if temperature != 0.0 or beams > 1:
+            raise ValueError(f"{owner}: speculative decoding (assistant_model / prompt_lookup_num_tokens) is greedy "
+                             f"here: temperature must be 0 and num_beams 1, got temperature={temperature}, "
+                             f"num_beams={beams}")
+        if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.varies_between(n + 1, n + new):
+            raise ValueError(f"{owner}: speculative decoding checks several tokens in one forward, and the "
+                             f"{self.rope.rope_type} RoPE frequencies change between {n + 1} and {n + new} tokens "
+                             f"(a draft would be rotated otherwise than greedy decoding rotates it); generate "
+                             f"without assistant_model / prompt_lookup_num_tokens")
+        if spec.assistant is not None:
+            spec.assistant._check_generate(n, new, None, extend_context, f"{owner} (assistant_model)")  # type: ignore[attr-defined]
+        return spec
+
     def _decode_step(self, tokens: Tensor, cache: LayerCaches, positions: Tensor | None, attention_mask: Tensor | None,
                      context: Tensor | None, context_mask: Tensor | None) -> Tensor:
         """Logits ``[B, V]`` after the last of ``tokens [B, L]`` (the others are in ``cache``).
@@ -560,6 +585,11 @@ class DecoderLM(FromConfig, nn.Module):
         min_length: int = 0,
         min_p: float | None = None,
         bad_words_ids: Sequence[Sequence[int]] | None = None,
+        assistant_model: DecoderLM | None = None,
+        num_assistant_tokens: int = 20,
+        assistant_confidence_threshold: float = 0.4,
+        prompt_lookup_num_tokens: int | None = None,
+        max_matching_ngram_size: int = 2,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -604,21 +634,27 @@ class DecoderLM(FromConfig, nn.Module):
             num_return_sequences: ``R >= 1`` results per prompt row (rows ``b * R + r``): the ``R``
                 best hypotheses of beam search (``R <= K``), or ``R`` independent samples; greedy
                 decoding has one.
+            assistant_model: speculative decoding (:mod:`attnzoo.models.speculative`): a smaller
+                ``DecoderLM`` with the same vocabulary drafts up to ``num_assistant_tokens`` greedy
+                tokens, stopping early when a draft's probability is below
+                ``assistant_confidence_threshold`` (``0``: never), and one forward of this model
+                checks them (transformers' ``assistant_model``, whose defaults these are). Greedy
+                only; the tokens are those greedy decoding gives.
+            prompt_lookup_num_tokens: speculative decoding with drafts looked up in the row itself:
+                up to this many tokens that followed the latest ``n``-gram's earliest earlier
+                occurrence (``n <= max_matching_ngram_size``; transformers' prompt lookup
+                decoding). Greedy only; the tokens are those greedy decoding gives.
 
         Returns: ``[B * R, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row ended).
         """
         owner = "DecoderLM.generate"
-        check_tokens(prompt, self.vocab_size, owner, "prompt")
-        B, n = prompt.shape
-        if B == 0:
-            raise ValueError(f"{owner}: prompt must hold at least one row [B, N] with B >= 1, got {tuple(prompt.shape)}")
-        new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        sampling = check_sampling(temperature, top_k, top_p, generator, owner, min_p)
-        beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
-        returns = check_returns(num_return_sequences, beams, owner, temperature=sampling[0])
-        if beams > 1:
-            refuse_sampling(temperature, top_k, top_p, generator, owner, min_p)
+        n, new = self._check_prompt(prompt, max_new_tokens, owner)
+        sampling, beams, length_penalty, early_stopping, returns = check_search(
+            temperature, top_k, top_p, min_p, generator, num_beams, length_penalty, early_stopping,
+            num_return_sequences, owner)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
+        spec = self._speculation((assistant_model, num_assistant_tokens, assistant_confidence_threshold,
+                                  prompt_lookup_num_tokens, max_matching_ngram_size), n, new, sampling[0], beams, extend_context)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
                                         no_repeat_ngram_size, repetition_penalty, min_length, n, bad_words_ids)
         fill = fill_token(pad_token_id, eos, self.vocab_size, owner)
@@ -629,6 +665,8 @@ class DecoderLM(FromConfig, nn.Module):
                                        early_stopping=early_stopping, rules=rules, pad_token_id=pad_token_id,
                                        num_return_sequences=returns,
                                        attention_mask=None if full_mask is None else full_mask[:, :n]).tokens
+        if spec is not None and new > 0:
+            return speculative_generate(self, prompt, new, full_mask, rules, fill, spec, context, context_mask, owner)
         if returns > 1:  # R samples of every row: its inputs repeated, rows b * R + r
             prompt, full_mask, context, context_mask = (None if t is None else t.repeat_interleave(returns, dim=0)
                                                         for t in (prompt, full_mask, context, context_mask))

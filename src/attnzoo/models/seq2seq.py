@@ -20,16 +20,11 @@ from attnzoo.models._common import (
     check_padding_mask,
     check_tokens,
 )
-from attnzoo.models.beam_search import (
-    check_beam_settings,
-    check_returns,
-    decoder_beam_search,
-    refuse_sampling,
-)
+from attnzoo.models.beam_search import check_search, decoder_beam_search
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnzoo.models.decoder import DecoderLM, head_width
 from attnzoo.models.encoder import TransformerEncoder
-from attnzoo.models.generation import GenerationRules, check_sampling, check_token_id, fill_token
+from attnzoo.models.generation import GenerationRules, check_token_id, fill_token
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 
 __all__ = ["EncoderDecoder", "Transformer"]
@@ -301,11 +296,9 @@ class EncoderDecoder(nn.Module):
         src = self._check_source(src, owner)
         start = self._start(src.shape[0], bos_token_id, decoder_prompt, src.device, owner)
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        checked_temperature = check_sampling(temperature, top_k, top_p, generator, owner, min_p)[0]
-        beams, length_penalty, early_stopping = check_beam_settings(num_beams, length_penalty, early_stopping, owner)
-        if beams > 1:
-            refuse_sampling(temperature, top_k, top_p, generator, owner, min_p)
-        check_returns(num_return_sequences, beams, owner, temperature=checked_temperature)
+        _, beams, length_penalty, early_stopping, _ = check_search(
+            temperature, top_k, top_p, min_p, generator, num_beams, length_penalty, early_stopping,
+            num_return_sequences, owner)
         forced = tuple(None if t is None else check_token_id(t, name, self.decoder.vocab_size, owner, of=_DECODER_VOCAB)
                        for name, t in (("forced_bos_token_id", forced_bos_token_id),
                                        ("forced_eos_token_id", forced_eos_token_id)))

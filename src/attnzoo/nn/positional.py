@@ -442,6 +442,12 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
             return seq_len > int(self.rope_parameters.get("original_max_position_embeddings") or 0)
         return None
 
+    def varies_between(self, first: int, last: int) -> bool:
+        """Whether the frequencies differ between sequences of ``first`` and ``last`` tokens
+        (``dynamic`` past ``max_position_embeddings``, ``longrope`` across its original length):
+        then a chunk of several new tokens is not rotated as one token at a time would be."""
+        return self._key(first) != self._key(last)
+
     def switches_at(self, length: int) -> bool:
         """Whether a sequence growing to ``length`` tokens moves ``longrope`` from its short to
         its long factors (then the keys already rotated should be rotated again)."""

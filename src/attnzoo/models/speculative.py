@@ -1,0 +1,274 @@
+"""Speculative decoding for :meth:`DecoderLM.generate <attnzoo.DecoderLM.generate>`: cheap drafts
+of the next tokens, checked by one forward of the model.
+
+Each round a drafter proposes up to ``k`` next tokens of every row: **prompt lookup** (the
+tokens that followed the latest earlier occurrence of the row's last ``n``-gram, as
+transformers' ``prompt_lookup_num_tokens``) or an **assistant model** (a smaller
+:class:`~attnzoo.DecoderLM` with the same vocabulary, its own greedy tokens, as transformers'
+``assistant_model``). The model then scores ``[last, d_1 .. d_k]`` in one cached forward, keeps
+the longest run of drafts equal to its own greedy choices and adds its own next token: every
+round writes ``1 .. k + 1`` tokens for one forward of the model, and the tokens are those of
+greedy decoding (every :class:`~attnzoo.models.generation.GenerationRules` rule is applied at every
+position, on the row's tokens up to it, as greedy decoding applies it).
+
+A batch keeps, in every round, the drafts that every unfinished row accepts (rows that ended
+accept anything). What a rejected draft wrote into a cache is taken back: a cache written by
+position (keys, latents) is truncated (:func:`~attnzoo.nn.cache.truncate`); a recurrent state, a
+convolution window or a ring of slots is rolled back to a mark taken before the draft
+(``mark``/``rollback``, one transaction over the round) and the accepted tokens are fed again with
+the next round.
+
+Shapes: ``B`` rows, ``N`` prompt tokens, ``L = N + max_new_tokens`` tokens at most, ``V`` tokens
+of the vocabulary, ``k`` drafts a round.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from attnzoo._validate import check_float, check_int
+from attnzoo.models._common import positions_from_mask
+from attnzoo.models.generation import GenerationRules
+from attnzoo.nn.cache import truncatable, truncate, unmarked
+
+__all__ = ["Speculation", "check_speculation", "speculative_generate"]
+
+
+class Verifier(Protocol):
+    """What speculative decoding uses of a :class:`~attnzoo.DecoderLM` (declared here, so that this
+    module does not import the model that calls it)."""
+
+    vocab_size: int
+
+    def init_cache(self, batch_size: int, max_len: int) -> Any: ...
+
+    def __call__(self, tokens: Tensor, *, cache: Any, positions: Tensor | None, attention_mask: Tensor | None,
+                 context: Tensor | None, context_mask: Tensor | None) -> Tensor: ...
+
+    def _last_logits(self, tokens: Tensor, cache: Any, positions: Tensor | None, attention_mask: Tensor | None,
+                     context: Tensor | None, context_mask: Tensor | None) -> Tensor: ...
+
+
+class Speculation(NamedTuple):
+    """Checked settings of speculative decoding (:func:`check_speculation`): ``assistant`` (a model)
+    or prompt lookup (``assistant is None``); ``tokens``: drafts a round at most; ``confidence``: an
+    assistant stops drafting when a row's draft has a lower probability (0: never); ``ngram``: the
+    longest ``n``-gram prompt lookup matches."""
+
+    assistant: Verifier | None
+    tokens: int
+    confidence: float
+    ngram: int
+
+
+def check_speculation(assistant_model: object, num_assistant_tokens: object, assistant_confidence_threshold: object,
+                      prompt_lookup_num_tokens: object, max_matching_ngram_size: object, vocab_size: int,
+                      owner: str) -> Speculation | None:
+    """The speculative settings of ``generate`` checked (``None``: no speculation): an assistant
+    (a model with ``init_cache``, the same ``vocab_size``, no cross-attention) or prompt lookup,
+    not both; ``num_assistant_tokens`` / ``prompt_lookup_num_tokens`` ``>= 1``; the confidence
+    threshold in ``[0, 1)``; ``max_matching_ngram_size >= 1``."""
+    if assistant_model is not None and prompt_lookup_num_tokens is not None:
+        raise ValueError(f"{owner}: assistant_model and prompt_lookup_num_tokens are two ways of drafting; "
+                         f"give one of them")
+    ngram = check_int(max_matching_ngram_size, "max_matching_ngram_size", owner, minimum=1)
+    if prompt_lookup_num_tokens is not None:
+        return Speculation(None, check_int(prompt_lookup_num_tokens, "prompt_lookup_num_tokens", owner, minimum=1),
+                           0.0, ngram)
+    if assistant_model is None:
+        return None
+    if not callable(getattr(assistant_model, "init_cache", None)) or not callable(
+            getattr(assistant_model, "_last_logits", None)):
+        raise TypeError(f"{owner}: assistant_model must be a DecoderLM (a cached decoder with an LM head), got "
+                        f"{type(assistant_model).__name__}")
+    if getattr(assistant_model, "vocab_size", None) != vocab_size:
+        raise ValueError(f"{owner}: assistant_model must share the model's vocabulary (vocab_size={vocab_size}), "
+                         f"got vocab_size={getattr(assistant_model, 'vocab_size', None)}")
+    if getattr(assistant_model, "cross_attention", False):
+        raise ValueError(f"{owner}: assistant_model must be a decoder-only model without cross-attention "
+                         f"(it drafts from the tokens alone)")
+    threshold = check_float(assistant_confidence_threshold, "assistant_confidence_threshold", owner)
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"{owner}: assistant_confidence_threshold must be in [0, 1), got {threshold}")
+    return Speculation(assistant_model,  # type: ignore[arg-type]
+                       check_int(num_assistant_tokens, "num_assistant_tokens", owner, minimum=1), threshold, ngram)
+
+
+class _Cached:
+    """A model and its cache over the shared token buffer ``[B, L]``: the cache holds the first
+    ``cache.length`` tokens; :meth:`feed` gives it the next ones, :meth:`open` / :meth:`close`
+    bracket a round whose last tokens may be rejected."""
+
+    def __init__(self, model: Verifier, batch: int, total: int, positions: Tensor | None, mask: Tensor | None,
+                 context: tuple[Tensor | None, Tensor | None], owner: str) -> None:
+        self.model, self.cache = model, model.init_cache(batch, total)
+        self.positions, self.mask, self.context = positions, mask, context
+        self.truncatable = truncatable(self.cache)
+        refused = [] if self.truncatable else unmarked(self.cache)
+        if refused:
+            raise TypeError(f"{owner}: speculative decoding takes back rejected drafts, and these caches can "
+                            f"neither be truncated nor rolled back: {sorted(set(refused))}")
+        self._mark: object = None
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.length)
+
+    def feed(self, tokens: Tensor, end: int, *, every: bool = False) -> Tensor:
+        """Give the cache ``tokens[:, length:end]``; the logits after the last of them ``[B, V]``, or
+        after each ``[B, end - length, V]`` (``every``)."""
+        start = self.length
+        pos = None if self.positions is None else self.positions[:, start:end]
+        seen = None if self.mask is None else self.mask[:, :end]
+        if every or end - start == 1:  # one position: the head costs nothing to skip
+            out = self.model(tokens[:, start:end], cache=self.cache, positions=pos, attention_mask=seen,
+                             context=self.context[0], context_mask=self.context[1])
+            return out if every else out[:, -1]
+        return self.model._last_logits(tokens[:, start:end], self.cache, pos, seen, *self.context)
+
+    def open(self) -> None:
+        """Start a round: what is fed from now on may be taken back by :meth:`close`."""
+        if not self.truncatable:
+            self._mark = self.cache.mark()
+            self.cache.in_transaction = True
+
+    def close(self, keep: int) -> None:
+        """End the round: the first ``keep`` tokens of the buffer are final; the cache keeps what
+        it holds of them (what it holds beyond is dropped; a rolled-back cache feeds the rest again
+        next round)."""
+        if self.truncatable:
+            truncate(self.cache, min(keep, self.length))
+            return
+        self.cache.in_transaction = False
+        if self.length <= keep:
+            self.cache.commit(self._mark)
+        else:
+            self.cache.rollback(self._mark)
+
+
+class _Generation:
+    """The shared state of one call: the token buffer, the rules and the ended rows."""
+
+    def __init__(self, prompt: Tensor, new: int, mask: Tensor | None, rules: GenerationRules,
+                 fill: int | None) -> None:
+        (B, self.n), dev = prompt.shape, prompt.device
+        self.tokens = torch.empty(B, self.n + new, dtype=torch.long, device=dev)
+        self.tokens[:, :self.n] = prompt
+        self.written, self.total = self.n, self.n + new
+        self.mask, self.rules, self.fill = mask, rules, fill
+        self.ends = torch.tensor(rules.eos, dtype=torch.long, device=dev)
+        self.done = torch.zeros(B, dtype=torch.bool, device=dev)
+        #: where each row's real tokens start (left padding before), for prompt lookup
+        self.starts = [0] * B if mask is None else (~mask[:, :self.n]).sum(1).tolist()
+
+    def choose(self, logits: Tensor, at: int) -> tuple[Tensor, Tensor]:
+        """The greedy token ``[B]`` at position ``at`` from the logits ``[B, V]`` after the tokens
+        before it, the rules applied, and the rules' scores ``[B, V]`` (float32)."""
+        scores = self.rules.apply(logits.float(), at - self.n, self.tokens[:, :at],
+                                  None if self.mask is None else self.mask[:, :at])
+        return scores.argmax(dim=-1), scores
+
+    def write(self, token: Tensor) -> None:
+        """Write ``token [B]`` at the next position (an ended row holds the fill token)."""
+        if self.fill is not None:
+            token = torch.where(self.done, torch.full_like(token, self.fill), token)
+            self.done = self.done | torch.isin(token, self.ends)
+        self.tokens[:, self.written] = token
+        self.written += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.written == self.total or bool(self.done.all())
+
+
+class _Lookup:
+    """Prompt lookup: each row's drafts are the tokens after the earliest earlier occurrence of its
+    last ``n``-gram (``n`` from ``ngram`` down to 1, the first that has a continuation)."""
+
+    def __init__(self, ngram: int) -> None:
+        self.ngram = ngram
+
+    def _row(self, seq: Tensor, k: int) -> Tensor:
+        for n in range(min(self.ngram, seq.numel() - 1), 0, -1):
+            hits = (seq.unfold(0, n, 1) == seq[-n:]).all(dim=1).nonzero().flatten()
+            for start in (hits + n).tolist():
+                if start < seq.numel():
+                    return seq[start:start + k]
+        return seq[:0]
+
+    def propose(self, gen: _Generation, k: int) -> int:
+        """Write up to ``k`` drafts after ``gen.written``; how many (every unfinished row has them)."""
+        w = gen.written
+        rows = [self._row(gen.tokens[b, gen.starts[b]:w], k) for b in range(gen.tokens.shape[0])]
+        live = [r for r, done in zip(rows, gen.done.tolist(), strict=True) if not done]
+        k = min((r.numel() for r in live), default=0)
+        for b, row in enumerate(rows):
+            gen.tokens[b, w:w + k] = row[:k] if row.numel() >= k else gen.tokens[b, w - 1]
+        return k
+
+    def close(self, keep: int) -> None:
+        """Nothing to take back."""
+
+
+class _Assistant:
+    """An assistant model's greedy drafts (the same rules applied), stopped early when an unfinished
+    row's draft is less likely than ``confidence``."""
+
+    def __init__(self, cached: _Cached, confidence: float) -> None:
+        self.cached, self.confidence = cached, confidence
+
+    def propose(self, gen: _Generation, k: int) -> int:
+        """Write up to ``k`` drafts after ``gen.written``; how many."""
+        w = gen.written
+        logits = self.cached.feed(gen.tokens, w)  # the tokens it has not seen, the last one included
+        self.cached.open()
+        for j in range(k):
+            token, scores = gen.choose(logits, w + j)
+            gen.tokens[:, w + j] = token
+            if j == k - 1:
+                return k
+            if self.confidence > 0.0:
+                p = scores.softmax(dim=-1).gather(1, token[:, None]).squeeze(1)  # [B]
+                if bool(((p < self.confidence) & ~gen.done).any()):
+                    return j + 1
+            logits = self.cached.feed(gen.tokens, w + j + 1)
+        return k
+
+    def close(self, keep: int) -> None:
+        self.cached.close(keep)
+
+
+@torch.no_grad()
+def speculative_generate(model: Verifier, prompt: Tensor, new: int, mask: Tensor | None, rules: GenerationRules,
+                         fill: int | None, spec: Speculation, context: Tensor | None = None,
+                         context_mask: Tensor | None = None, owner: str = "DecoderLM.generate") -> Tensor:
+    """Greedy decoding of ``model`` sped up by drafts, on checked arguments: ``prompt [B, N]``,
+    ``new`` tokens at most, ``mask [B, N + new]`` (the prompt's left padding, then real; ``None``:
+    no padding), ``fill`` the token of ended rows. Returns ``[B, N + T]``: the tokens greedy
+    decoding gives."""
+    B, n = prompt.shape
+    gen = _Generation(prompt, new, mask, rules, fill)
+    positions = None if mask is None else positions_from_mask(mask)  # [B, L]
+    target = _Cached(model, B, gen.total, positions, mask, (context, context_mask), owner)
+    drafter: _Lookup | _Assistant = (_Lookup(spec.ngram) if spec.assistant is None else _Assistant(
+        _Cached(spec.assistant, B, gen.total, positions, mask, (None, None), owner), spec.confidence))
+    gen.write(gen.choose(target.feed(gen.tokens, n), n)[0])  # the prompt at once
+    while not gen.finished:
+        w = gen.written
+        k = drafter.propose(gen, min(spec.tokens, gen.total - w - 1))
+        if target.length < w - 1:  # a rolled-back cache: the accepted tokens first, kept
+            target.feed(gen.tokens, w - 1)
+        target.open()
+        logits = target.feed(gen.tokens, w + k, every=True)[:, -(k + 1):]  # [B, k + 1, V]
+        for j in range(k + 1):
+            token = gen.choose(logits[:, j], w + j)[0]
+            agree = j < k and not bool(((token != gen.tokens[:, w + j]) & ~gen.done).any())
+            gen.write(token)  # the draft itself where every unfinished row agrees
+            if not agree or gen.finished:
+                break
+        target.close(gen.written - 1)  # the newest token is the next round's first input
+        drafter.close(gen.written - 1)
+    return gen.tokens[:, :gen.written]
