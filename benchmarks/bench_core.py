@@ -165,6 +165,21 @@ def _half_request(q: torch.Tensor) -> az.functional._request.AttnRequest:
                                                 return_lse=False, return_weights=False)
 
 
+def run_arguments(p: argparse.ArgumentParser, repeats: int) -> None:
+    """The arguments of a timed run the model benchmarks share: ``--repeats``, ``--threads``, ``--json``."""
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def parse_run(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line; apply ``--threads`` (of :func:`run_arguments`)."""
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), for the record next to the numbers."""
     try:

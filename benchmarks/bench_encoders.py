@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import transformers
+from bench_core import parse_run, run_arguments  # the script's folder is on sys.path
 
 import attnzoo.hf
 from attnzoo.interop import from_hf
@@ -83,13 +84,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--min-len", type=int, default=8)
     p.add_argument("--max-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    run_arguments(p, repeats=5)
     p.add_argument("--impls", default="eager,sdpa,attnzoo,from_hf,from_hf_packed")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_run(p)
     attnzoo.hf.register()
     hf = build(args)
     ours = from_hf(hf).eval()

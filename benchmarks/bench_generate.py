@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import transformers
-from bench_core import cpu_model, timed  # the script's folder is on sys.path
+from bench_core import cpu_model, parse_run, timed  # the script's folder is on sys.path
 from bench_seq2seq import generation_arguments, report
 
 from attnzoo.interop import from_hf
@@ -56,9 +56,7 @@ def main() -> None:
     generation_arguments(p, batch=4)
     p.add_argument("--returns", type=int, default=1, help="num_return_sequences (<= --beams)")
     p.add_argument("--repetition-penalty", type=float, default=1.1)
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_run(p)
     cfg = MODELS[args.model]()
     torch.manual_seed(0)
     hf = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()

@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 import transformers
-from bench_core import cpu_model, timed  # the script's folder is on sys.path
+from bench_core import (  # the script's folder is on sys.path
+    cpu_model,
+    parse_run,
+    run_arguments,
+    timed,
+)
 
 from attnzoo.interop import from_hf
 
@@ -101,10 +106,8 @@ def generation_arguments(p: argparse.ArgumentParser, batch: int) -> None:
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--new", type=int, default=32, help="tokens generated per row")
     p.add_argument("--beams", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    run_arguments(p, repeats=3)
     p.add_argument("--impls", default="eager,sdpa,from_hf")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def report(outs: dict[str, torch.Tensor], times: dict[str, float], tokens: int, info: dict[str, Any],
@@ -133,9 +136,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="t5-small", choices=sorted(MODELS))
     generation_arguments(p, batch=8)
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_run(p)
     hf = build(args.model)
     ours = from_hf(hf).eval()
     ours.eos_token_id = None  # every run writes exactly --new tokens (transformers: eos_token_id=None)

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 import transformers
-from bench_core import cpu_model, timed  # the script's folder is on sys.path
+from bench_core import (  # the script's folder is on sys.path
+    cpu_model,
+    parse_run,
+    run_arguments,
+    timed,
+)
 from bench_seq2seq import MODELS
 
 from attnzoo.interop import from_hf
@@ -72,12 +77,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=16)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run_arguments(p, repeats=3)
+    args = parse_run(p)
     cls, cfg = MODELS[args.model]()
     cfg.dropout = 0.0
     for key in ("dropout_rate", "attention_dropout", "activation_dropout"):
