@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 import test_hf_export as export  # noqa: E402
 
 import attnzoo as az  # noqa: E402
+import hf_seq2seq_checks  # noqa: E402
 from attnzoo.interop import from_hf  # noqa: E402
 from attnzoo.models import speculative  # noqa: E402
 from attnzoo.models.parts import DecoderParts  # noqa: E402
@@ -146,6 +147,29 @@ def test_cross_attention_model_with_prompt_lookup() -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["bart", "marian", "mbart", "t5_seq2seq", "whisper"])
+def test_encoder_decoder_speculative_decoding_equals_greedy(kind: str) -> None:
+    """``EncoderDecoder.generate``: prompt lookup, an encoder-decoder assistant that encodes the
+    source itself (distil-whisper's way) and a decoder assistant that reads the model's encoding."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = hf_seq2seq_checks.sweep()[kind](0)
+    model = from_hf(hf).eval()
+    if getattr(hf, "main_input_name", "input_ids") == "input_features":  # audio: log-mel features
+        src = torch.randn(2, hf.config.num_mel_bins, 2 * hf.config.max_source_positions,
+                          generator=torch.Generator().manual_seed(0))
+        mask = None
+    else:
+        src, mask = hf_seq2seq_checks.token_source()
+        mask = mask.bool()
+    with torch.no_grad():
+        want = model.generate(src, NEW, src_mask=mask)
+        for spec in ({"prompt_lookup_num_tokens": 3},
+                     {"assistant_model": _perturbed(model, 0.5, 3), "num_assistant_tokens": 4},
+                     {"assistant_model": _perturbed(model.decoder, 0.3, 4), "assistant_confidence_threshold": 0.0}):
+            assert torch.equal(model.generate(src, NEW, src_mask=mask, **spec), want), sorted(spec)
+
+
 def test_prompt_lookup_equals_transformers() -> None:
     """transformers' prompt lookup decoding on a Llama with the same weights writes the same tokens."""
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -211,8 +235,23 @@ def test_a_cross_attention_assistant_is_refused() -> None:
     cfg = az.blocks.BlockConfig(32, 4, causal=True, cross_attention=True, context_dim=16)
     assistant = az.DecoderLM(vocab_size=50, dim=32, depth=1, num_heads=4, max_seq_len=64,
                              parts=DecoderParts(blocks=[az.TransformerBlock(config=cfg)]))
-    with pytest.raises(ValueError, match="without cross-attention"):
+    with pytest.raises(ValueError, match="has cross-attention but the model runs without a context"):
         _noisy("mha").generate(_prompt(50), 4, assistant_model=assistant)
+
+
+def test_bad_encoder_decoder_speculation() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bart = from_hf(hf_seq2seq_checks.tiny_bart()).eval()
+    src, mask = hf_seq2seq_checks.token_source()
+    small = _perturbed(bart, 0.1, 1)
+    small.encoder.vocab_size = 5  # an assistant whose encoder reads another vocabulary
+    with pytest.raises(ValueError, match=r"\(assistant_model\): src"):
+        bart.generate(src, 4, src_mask=mask.bool(), assistant_model=small)
+    with pytest.raises(ValueError, match="greedy"):
+        bart.generate(src, 4, src_mask=mask.bool(), prompt_lookup_num_tokens=2, temperature=0.5)
+    with pytest.raises(ValueError, match="share the model's vocabulary"):
+        bart.generate(src, 4, src_mask=mask.bool(), assistant_model=_noisy("mha"))
 
 
 def test_rope_frequencies_that_change_during_generation_are_refused() -> None:

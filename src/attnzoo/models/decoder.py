@@ -514,12 +514,12 @@ class DecoderLM(FromConfig, nn.Module):
         return n, check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
 
     def _speculation(self, settings: tuple[object, ...], n: int, new: int, temperature: float, beams: int,
-                     extend_context: bool) -> Speculation | None:
+                     extend_context: bool, context: bool = False) -> Speculation | None:
         """The speculative ``settings`` of :meth:`generate` checked (:func:`check_speculation`), and
         what speculative decoding needs besides: greedy decoding, one beam, an assistant that has the
         positions, and RoPE frequencies that stay the same while it runs (``None``: no speculation)."""
         owner = "DecoderLM.generate"
-        spec = check_speculation(*settings, self.vocab_size, owner)
+        spec = check_speculation(*settings, self.vocab_size, owner, context)
         if spec is None:
             return None
         if temperature != 0.0 or beams > 1:
@@ -638,7 +638,8 @@ class DecoderLM(FromConfig, nn.Module):
                 ``DecoderLM`` with the same vocabulary drafts up to ``num_assistant_tokens`` greedy
                 tokens, stopping early when a draft's probability is below
                 ``assistant_confidence_threshold`` (``0``: never), and one forward of this model
-                checks them (transformers' ``assistant_model``, whose defaults these are). Greedy
+                checks them (transformers' ``assistant_model``, whose defaults these are). With a
+                ``context``, an assistant with cross-attention reads the same context. Greedy
                 only; the tokens are those greedy decoding gives.
             prompt_lookup_num_tokens: speculative decoding with drafts looked up in the row itself:
                 up to this many tokens that followed the latest ``n``-gram's earliest earlier
@@ -654,7 +655,8 @@ class DecoderLM(FromConfig, nn.Module):
             num_return_sequences, owner)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
         spec = self._speculation((assistant_model, num_assistant_tokens, assistant_confidence_threshold,
-                                  prompt_lookup_num_tokens, max_matching_ngram_size), n, new, sampling[0], beams, extend_context)
+                                  prompt_lookup_num_tokens, max_matching_ngram_size), n, new, sampling[0], beams,
+                                 extend_context, context is not None)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
                                         no_repeat_ngram_size, repetition_penalty, min_length, n, bad_words_ids)
         fill = fill_token(pad_token_id, eos, self.vocab_size, owner)

@@ -26,6 +26,7 @@ from attnzoo.models.decoder import DecoderLM, head_width
 from attnzoo.models.encoder import TransformerEncoder
 from attnzoo.models.generation import GenerationRules, check_token_id, fill_token
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
+from attnzoo.models.speculative import Speculation, speculative_generate
 
 __all__ = ["EncoderDecoder", "Transformer"]
 
@@ -268,7 +269,10 @@ class EncoderDecoder(nn.Module):
                  suppress_tokens: Sequence[int] | None = None, min_new_tokens: int = 0, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, pad_token_id: int | None = None,
                  num_return_sequences: int = 1, min_length: int = 0, min_p: float | None = None,
-                 bad_words_ids: Sequence[Sequence[int]] | None = None) -> Tensor:
+                 bad_words_ids: Sequence[Sequence[int]] | None = None,
+                 assistant_model: EncoderDecoder | DecoderLM | None = None, num_assistant_tokens: int = 20,
+                 assistant_confidence_threshold: float = 0.4, prompt_lookup_num_tokens: int | None = None,
+                 max_matching_ngram_size: int = 2) -> Tensor:
         """Encode ``src`` once, then decode with the cache from ``decoder_prompt [B, P]`` (e.g.
         Whisper's task tokens) or from one ``bos_token_id`` per row (default
         :attr:`decoder_start_token_id`).
@@ -288,7 +292,12 @@ class EncoderDecoder(nn.Module):
         the target holds this many tokens, its start tokens counted: bart-large-cnn's 56),
         ``no_repeat_ngram_size`` (bart-large-cnn: 3), ``bad_words_ids``, ``repetition_penalty`` (of the target's tokens so far), ``pad_token_id``
         (what an ended row holds; default the first end token; ``eos_token_id`` may list several)
-        and ``num_return_sequences`` as :meth:`DecoderLM.generate`, in beam search too. Every
+        and ``num_return_sequences`` as :meth:`DecoderLM.generate`, in beam search too.
+        Speculative decoding (greedy; :mod:`attnzoo.models.speculative`) as :meth:`DecoderLM.generate`:
+        ``prompt_lookup_num_tokens`` (drafts from the target's own tokens), or ``assistant_model``
+        (drafting ``num_assistant_tokens``, ``assistant_confidence_threshold``): a smaller
+        ``EncoderDecoder`` that encodes ``src`` itself (distil-whisper for Whisper), or a decoder
+        with cross-attention that reads this model's encoding (a shared encoder). Every
         argument is checked before the source is encoded. Returns ``[B * R, P + T]`` (the start
         tokens first; ``R = num_return_sequences``, rows ``b * R + r``), ``T <= max_new_tokens``.
         """
@@ -296,9 +305,12 @@ class EncoderDecoder(nn.Module):
         src = self._check_source(src, owner)
         start = self._start(src.shape[0], bos_token_id, decoder_prompt, src.device, owner)
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        _, beams, length_penalty, early_stopping, _ = check_search(
+        sampling, beams, length_penalty, early_stopping, _ = check_search(
             temperature, top_k, top_p, min_p, generator, num_beams, length_penalty, early_stopping,
             num_return_sequences, owner)
+        spec = self._speculation((assistant_model, num_assistant_tokens, assistant_confidence_threshold,
+                                  prompt_lookup_num_tokens, max_matching_ngram_size), src, start.shape[1], new,
+                                 sampling[0], beams, owner)
         forced = tuple(None if t is None else check_token_id(t, name, self.decoder.vocab_size, owner, of=_DECODER_VOCAB)
                        for name, t in (("forced_bos_token_id", forced_bos_token_id),
                                        ("forced_eos_token_id", forced_eos_token_id)))
@@ -316,6 +328,8 @@ class EncoderDecoder(nn.Module):
         if src_mask is not None:
             src_mask = check_padding_mask(src_mask, src.shape[0], src.shape[-1], owner, "src_mask")
         memory = self.encode(src, src_mask)
+        if spec is not None and isinstance(assistant_model, EncoderDecoder):  # it reads its own encoding
+            spec = spec._replace(context=(assistant_model.encode(src, src_mask), src_mask))
         if beams > 1:
             return decoder_beam_search(self.decoder, start, memory, src_mask, num_beams=beams, max_new_tokens=new,
                                        eos_token_id=eos or None, length_penalty=length_penalty,
@@ -324,13 +338,24 @@ class EncoderDecoder(nn.Module):
                                        num_return_sequences=num_return_sequences).tokens
         return self._sampled(start, new, memory, src_mask, forced, rules, fill,
                              {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                              "generator": generator, "num_return_sequences": num_return_sequences})
+                              "generator": generator, "num_return_sequences": num_return_sequences}, spec)
+
+    def _speculation(self, settings: tuple[object, ...], src: Tensor, n: int, new: int, temperature: float,
+                     beams: int, owner: str) -> Speculation | None:
+        """The speculative ``settings`` of :meth:`generate` checked by the decoder's rules (an
+        encoder-decoder assistant: its decoder, and it must read ``src``)."""
+        assistant = settings[0]
+        if isinstance(assistant, EncoderDecoder):
+            assistant._check_source(src, f"{owner} (assistant_model)")
+            settings = (assistant.decoder, *settings[1:])
+        return self.decoder._speculation(settings, n, new, temperature, beams, False, context=True)
 
     def _sampled(self, start: Tensor, new: int, memory: Tensor, src_mask: Tensor | None,
                  forced: tuple[int | None, int | None], rules: GenerationRules, fill: int | None,
-                 sampling: dict[str, Any]) -> Tensor:
-        """Greedy or sampled decoding of :meth:`generate` (the decoder's own, with the forced tokens
-        written around it): ``start [B, P]``, ``memory [B, M, C]``; returns ``[B * R, P + T]``."""
+                 sampling: dict[str, Any], spec: Speculation | None = None) -> Tensor:
+        """Greedy, sampled or speculative decoding of :meth:`generate` (the decoder's own, with the
+        forced tokens written around it): ``start [B, P]``, ``memory [B, M, C]``; returns
+        ``[B * R, P + T]``."""
         bos_forced, eos_forced = forced
         last = eos_forced is not None and new >= 1  # the last token is the forced end token
         least = rules.min_new_tokens
@@ -339,11 +364,15 @@ class EncoderDecoder(nn.Module):
             new, least = new - 1, max(least - 1, 0)  # the forced token is the first new one
             if bos_forced in rules.eos:  # every row ended with its first token
                 return start.repeat_interleave(sampling["num_return_sequences"], dim=0)
-        out = self.decoder.generate(start, new - last, eos_token_id=rules.eos or None, context=memory,
-                                    context_mask=src_mask, suppress_tokens=rules.suppress, min_new_tokens=least,
-                                    bad_words_ids=[list(w) for w in rules.bad_words] or None,
-                                    no_repeat_ngram_size=rules.no_repeat_ngram_size,
-                                    repetition_penalty=rules.repetition_penalty, pad_token_id=fill, **sampling)
+        if spec is not None and new - last > 0:
+            out = speculative_generate(self.decoder, start, new - last, None, rules._replace(min_new_tokens=least),
+                                       fill, spec, memory, src_mask, f"{type(self).__name__}.generate")
+        else:
+            out = self.decoder.generate(start, new - last, eos_token_id=rules.eos or None, context=memory,
+                                        context_mask=src_mask, suppress_tokens=rules.suppress, min_new_tokens=least,
+                                        bad_words_ids=[list(w) for w in rules.bad_words] or None,
+                                        no_repeat_ngram_size=rules.no_repeat_ngram_size,
+                                        repetition_penalty=rules.repetition_penalty, pad_token_id=fill, **sampling)
         P = start.shape[1]
         ends = torch.tensor(rules.eos, dtype=torch.long, device=out.device)
         done = torch.isin(out[:, P:], ends).any(1)  # [B * R]

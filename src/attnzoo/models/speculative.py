@@ -56,21 +56,25 @@ class Speculation(NamedTuple):
     """Checked settings of speculative decoding (:func:`check_speculation`): ``assistant`` (a model)
     or prompt lookup (``assistant is None``); ``tokens``: drafts a round at most; ``confidence``: an
     assistant stops drafting when a row's draft has a lower probability (0: never); ``ngram``: the
-    longest ``n``-gram prompt lookup matches."""
+    longest ``n``-gram prompt lookup matches; ``context``: the assistant's own ``(context [B, M, C'],
+    context_mask [B, M])`` (an encoder-decoder assistant's encoding of the source; ``None``: a
+    cross-attention assistant reads the model's context, another none)."""
 
     assistant: Verifier | None
     tokens: int
     confidence: float
     ngram: int
+    context: tuple[Tensor, Tensor | None] | None = None
 
 
 def check_speculation(assistant_model: object, num_assistant_tokens: object, assistant_confidence_threshold: object,
                       prompt_lookup_num_tokens: object, max_matching_ngram_size: object, vocab_size: int,
-                      owner: str) -> Speculation | None:
+                      owner: str, context: bool = False) -> Speculation | None:
     """The speculative settings of ``generate`` checked (``None``: no speculation): an assistant
-    (a model with ``init_cache``, the same ``vocab_size``, no cross-attention) or prompt lookup,
-    not both; ``num_assistant_tokens`` / ``prompt_lookup_num_tokens`` ``>= 1``; the confidence
-    threshold in ``[0, 1)``; ``max_matching_ngram_size >= 1``."""
+    (a model with ``init_cache``, the same ``vocab_size``; with cross-attention only where the model
+    runs with a ``context``) or prompt lookup, not both; ``num_assistant_tokens`` /
+    ``prompt_lookup_num_tokens`` ``>= 1``; the confidence threshold in ``[0, 1)``;
+    ``max_matching_ngram_size >= 1``."""
     if assistant_model is not None and prompt_lookup_num_tokens is not None:
         raise ValueError(f"{owner}: assistant_model and prompt_lookup_num_tokens are two ways of drafting; "
                          f"give one of them")
@@ -87,9 +91,9 @@ def check_speculation(assistant_model: object, num_assistant_tokens: object, ass
     if getattr(assistant_model, "vocab_size", None) != vocab_size:
         raise ValueError(f"{owner}: assistant_model must share the model's vocabulary (vocab_size={vocab_size}), "
                          f"got vocab_size={getattr(assistant_model, 'vocab_size', None)}")
-    if getattr(assistant_model, "cross_attention", False):
-        raise ValueError(f"{owner}: assistant_model must be a decoder-only model without cross-attention "
-                         f"(it drafts from the tokens alone)")
+    if getattr(assistant_model, "cross_attention", False) and not context:
+        raise ValueError(f"{owner}: assistant_model has cross-attention but the model runs without a context; "
+                         f"give a decoder-only assistant (it drafts from the tokens alone)")
     threshold = check_float(assistant_confidence_threshold, "assistant_confidence_threshold", owner)
     if not 0.0 <= threshold < 1.0:
         raise ValueError(f"{owner}: assistant_confidence_threshold must be in [0, 1), got {threshold}")
@@ -247,14 +251,17 @@ def speculative_generate(model: Verifier, prompt: Tensor, new: int, mask: Tensor
                          context_mask: Tensor | None = None, owner: str = "DecoderLM.generate") -> Tensor:
     """Greedy decoding of ``model`` sped up by drafts, on checked arguments: ``prompt [B, N]``,
     ``new`` tokens at most, ``mask [B, N + new]`` (the prompt's left padding, then real; ``None``:
-    no padding), ``fill`` the token of ended rows. Returns ``[B, N + T]``: the tokens greedy
-    decoding gives."""
+    no padding), ``fill`` the token of ended rows, ``context [B, M, C]`` / ``context_mask [B, M]``
+    of a cross-attention model. Returns ``[B, N + T]``: the tokens greedy decoding gives."""
     B, n = prompt.shape
     gen = _Generation(prompt, new, mask, rules, fill)
     positions = None if mask is None else positions_from_mask(mask)  # [B, L]
     target = _Cached(model, B, gen.total, positions, mask, (context, context_mask), owner)
-    drafter: _Lookup | _Assistant = (_Lookup(spec.ngram) if spec.assistant is None else _Assistant(
-        _Cached(spec.assistant, B, gen.total, positions, mask, (None, None), owner), spec.confidence))
+    drafter: _Lookup | _Assistant = _Lookup(spec.ngram)
+    if spec.assistant is not None:
+        own = spec.context or ((context, context_mask) if getattr(spec.assistant, "cross_attention", False)
+                               else (None, None))
+        drafter = _Assistant(_Cached(spec.assistant, B, gen.total, positions, mask, own, owner), spec.confidence)
     gen.write(gen.choose(target.feed(gen.tokens, n), n)[0])  # the prompt at once
     while not gen.finished:
         w = gen.written
