@@ -134,6 +134,82 @@ def test_every_rule_and_left_padding_with_both_drafters() -> None:
             assert torch.equal(model.generate(x, 12, **settings, **spec), want), sorted(spec)
 
 
+# --------------------------------------------------------------------------- sampling
+V_SMALL, NEW_SAMPLED = 4, 3
+SAMPLING = {"temperature": 1.3, "top_k": 3}
+
+
+def _joint(model: az.DecoderLM, prompt: torch.Tensor) -> torch.Tensor:
+    """The exact distribution ``[V ** 3]`` of the 3 tokens sampling writes after ``prompt [1, N]``
+    (every continuation enumerated; temperature and top-k written out here, not the library's)."""
+    def step(seq: torch.Tensor) -> torch.Tensor:  # [R, L] -> [R, V]
+        logits = model(seq)[:, -1].double() / SAMPLING["temperature"]
+        kth = logits.topk(SAMPLING["top_k"], dim=-1).values[:, -1:]
+        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+    seqs = prompt.clone()
+    probs = torch.ones(1, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(NEW_SAMPLED):
+            p = step(seqs)  # [R, V]
+            probs = (probs[:, None] * p).flatten()
+            seqs = torch.cat([seqs.repeat_interleave(V_SMALL, 0), torch.arange(V_SMALL).repeat(seqs.shape[0])[:, None]],
+                             1)
+    return probs
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness of fit of ``counts`` to ``probs``: its p-value (0 when a cell of
+    probability 0 was drawn)."""
+    live = probs > 0
+    if counts[~live].sum() > 0:
+        return 0.0
+    expected = probs[live] * counts.sum()
+    chi2 = ((counts[live] - expected) ** 2 / expected).sum()
+    df = int(live.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), chi2 / 2.0))
+
+
+@pytest.mark.parametrize("drafter", ["assistant", "lookup"])
+def test_speculative_sampling_draws_what_sampling_draws(drafter: str) -> None:
+    """Speculative sampling is exact in distribution: 2,000 draws of 3 tokens (two rows a call, so
+    that rounds accept several drafts, reject some and add the model's own token) fit the exact
+    distribution of the model's sampling, and not the assistant's (which differs)."""
+    model, other = _noisy("mha", vocab=V_SMALL, seed=6), _noisy("mha", vocab=V_SMALL, seed=7)
+    prompt = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    want, theirs = _joint(model, prompt), _joint(other, prompt)
+    assert 0.5 * (want - theirs).abs().sum() > 0.2  # a draft-biased result would show
+    spec = ({"assistant_model": other, "num_assistant_tokens": 2, "assistant_confidence_threshold": 0.0}
+            if drafter == "assistant" else {"prompt_lookup_num_tokens": 2})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        out = torch.cat([model.generate(prompt.repeat(2, 1), NEW_SAMPLED, generator=g, **SAMPLING, **spec)[:, -3:]
+                         for _ in range(1000)])
+    cells = (out * torch.tensor([V_SMALL ** 2, V_SMALL, 1])).sum(1)
+    counts = torch.bincount(cells, minlength=V_SMALL ** 3).double()
+    assert _chi2_pvalue(counts, want) > 1e-3
+    assert _chi2_pvalue(counts, theirs) < 1e-6
+
+
+def test_speculative_sampling_returns_and_seeds() -> None:
+    model, assistant = _noisy("mha", seed=8), _noisy("mha", seed=9)
+    x = _prompt(50)
+    kw = {"temperature": 0.9, "top_p": 0.9, "num_return_sequences": 3, "assistant_model": assistant}
+    with torch.no_grad():
+        a = model.generate(x, 6, generator=torch.Generator().manual_seed(3), **kw)
+        b = model.generate(x, 6, generator=torch.Generator().manual_seed(3), **kw)
+    assert a.shape == (6, x.shape[1] + 6) and torch.equal(a, b)
+    assert torch.equal(a[::3, :x.shape[1]], x)  # rows b * R + r
+    src, mask = hf_seq2seq_checks.token_source()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bart = from_hf(hf_seq2seq_checks.tiny_bart()).eval()
+    with torch.no_grad():
+        out = bart.generate(src, 5, src_mask=mask.bool(), temperature=0.8, num_return_sequences=2,
+                            assistant_model=_perturbed(bart, 0.2, 1), generator=torch.Generator().manual_seed(0))
+    assert out.shape[0] == 6
+
+
 def test_cross_attention_model_with_prompt_lookup() -> None:
     torch.manual_seed(0)
     cfg = az.blocks.BlockConfig(32, 4, causal=True, cross_attention=True, context_dim=16)
@@ -216,8 +292,7 @@ BAD = [
     ({"assistant_model": torch.nn.Linear(2, 2)}, TypeError, "assistant_model must be a DecoderLM"),
     ({"assistant_model": "other vocabulary"}, ValueError, "share the model's vocabulary"),
     ({"assistant_model": "short"}, ValueError, r"assistant_model\).*max_seq_len"),
-    ({"prompt_lookup_num_tokens": 3, "temperature": 0.7}, ValueError, "greedy"),
-    ({"prompt_lookup_num_tokens": 3, "num_beams": 2}, ValueError, "greedy"),
+    ({"prompt_lookup_num_tokens": 3, "num_beams": 2}, ValueError, "not beam search"),
 ]
 
 
@@ -248,8 +323,8 @@ def test_bad_encoder_decoder_speculation() -> None:
     small.encoder.vocab_size = 5  # an assistant whose encoder reads another vocabulary
     with pytest.raises(ValueError, match=r"\(assistant_model\): src"):
         bart.generate(src, 4, src_mask=mask.bool(), assistant_model=small)
-    with pytest.raises(ValueError, match="greedy"):
-        bart.generate(src, 4, src_mask=mask.bool(), prompt_lookup_num_tokens=2, temperature=0.5)
+    with pytest.raises(ValueError, match="not beam search"):
+        bart.generate(src, 4, src_mask=mask.bool(), prompt_lookup_num_tokens=2, num_beams=2)
     with pytest.raises(ValueError, match="share the model's vocabulary"):
         bart.generate(src, 4, src_mask=mask.bool(), assistant_model=_noisy("mha"))
 

@@ -41,6 +41,7 @@ from attnzoo.models.generation import (
     _sample,
     check_end_tokens,
     fill_token,
+    repeat_rows,
     sample_next_token,
 )
 from attnzoo.models.parts import Blocks, DecoderParts, LMHead, given_blocks, resolve_parts
@@ -513,19 +514,18 @@ class DecoderLM(FromConfig, nn.Module):
             raise ValueError(f"{owner}: prompt must hold at least one row [B, N] with B >= 1, got {(B, n)}")
         return n, check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
 
-    def _speculation(self, settings: tuple[object, ...], n: int, new: int, temperature: float, beams: int,
-                     extend_context: bool, context: bool = False) -> Speculation | None:
+    def _speculation(self, settings: tuple[object, ...], n: int, new: int, beams: int, extend_context: bool,
+                     context: bool = False) -> Speculation | None:
         """The speculative ``settings`` of :meth:`generate` checked (:func:`check_speculation`), and
-        what speculative decoding needs besides: greedy decoding, one beam, an assistant that has the
-        positions, and RoPE frequencies that stay the same while it runs (``None``: no speculation)."""
+        what speculative decoding needs besides: one beam, an assistant that has the positions, and
+        RoPE frequencies that stay the same while it runs (``None``: no speculation)."""
         owner = "DecoderLM.generate"
         spec = check_speculation(*settings, self.vocab_size, owner, context)
         if spec is None:
             return None
-        if temperature != 0.0 or beams > 1:
+        if beams > 1:
             raise ValueError(f"{owner}: speculative decoding (assistant_model / prompt_lookup_num_tokens) is greedy "
-                             f"here: temperature must be 0 and num_beams 1, got temperature={temperature}, "
-                             f"num_beams={beams}")
+                             f"or sampled, not beam search: num_beams must be 1, got {beams}")
         if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.varies_between(n + 1, n + new):
             raise ValueError(f"{owner}: speculative decoding checks several tokens in one forward, and the "
                              f"{self.rope.rope_type} RoPE frequencies change between {n + 1} and {n + new} tokens "
@@ -639,12 +639,13 @@ class DecoderLM(FromConfig, nn.Module):
                 tokens, stopping early when a draft's probability is below
                 ``assistant_confidence_threshold`` (``0``: never), and one forward of this model
                 checks them (transformers' ``assistant_model``, whose defaults these are). With a
-                ``context``, an assistant with cross-attention reads the same context. Greedy
-                only; the tokens are those greedy decoding gives.
+                ``context``, an assistant with cross-attention reads the same context. Greedy: the
+                tokens greedy decoding gives; sampling: speculative sampling, distributed as
+                sampling draws (not the same draws); not with beams.
             prompt_lookup_num_tokens: speculative decoding with drafts looked up in the row itself:
                 up to this many tokens that followed the latest ``n``-gram's earliest earlier
                 occurrence (``n <= max_matching_ngram_size``; transformers' prompt lookup
-                decoding). Greedy only; the tokens are those greedy decoding gives.
+                decoding), greedy or sampled as with an assistant.
 
         Returns: ``[B * R, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row ended).
         """
@@ -655,7 +656,7 @@ class DecoderLM(FromConfig, nn.Module):
             num_return_sequences, owner)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
         spec = self._speculation((assistant_model, num_assistant_tokens, assistant_confidence_threshold,
-                                  prompt_lookup_num_tokens, max_matching_ngram_size), n, new, sampling[0], beams,
+                                  prompt_lookup_num_tokens, max_matching_ngram_size), n, new, beams,
                                  extend_context, context is not None)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
                                         no_repeat_ngram_size, repetition_penalty, min_length, n, bad_words_ids)
@@ -667,13 +668,12 @@ class DecoderLM(FromConfig, nn.Module):
                                        early_stopping=early_stopping, rules=rules, pad_token_id=pad_token_id,
                                        num_return_sequences=returns,
                                        attention_mask=None if full_mask is None else full_mask[:, :n]).tokens
-        if spec is not None and new > 0:
-            return speculative_generate(self, prompt, new, full_mask, rules, fill, spec, context, context_mask, owner)
-        if returns > 1:  # R samples of every row: its inputs repeated, rows b * R + r
-            prompt, full_mask, context, context_mask = (None if t is None else t.repeat_interleave(returns, dim=0)
-                                                        for t in (prompt, full_mask, context, context_mask))
+        prompt, full_mask, context, context_mask = repeat_rows(returns, prompt, full_mask, context, context_mask)
         if new == 0:
             return prompt.clone()
+        if spec is not None:
+            return speculative_generate(self, prompt, new, full_mask, rules, fill, spec, context, context_mask, owner,
+                                        None if sampling[0] == 0.0 else sampling, generator)
         return self._sampled(prompt, new, full_mask, rules, fill, sampling, generator, context, context_mask)
 
     def _sampled(self, prompt: Tensor, new: int, full_mask: Tensor | None, rules: GenerationRules, fill: int | None,

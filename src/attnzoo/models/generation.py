@@ -241,12 +241,26 @@ def _repeated_ngrams(tokens: Tensor, n: int, vocab: int) -> Tensor | None:
     return out.bool()  # [R, V]: any matching n-gram bans its last token
 
 
+def repeat_rows(times: int, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Each tensor's rows repeated ``times`` times in place (rows ``b * times + r``; ``None`` kept):
+    the inputs of ``num_return_sequences`` samples of every row."""
+    return tuple(t if t is None or times == 1 else t.repeat_interleave(times, dim=0) for t in tensors)
+
+
 def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None,
             generator: torch.Generator | None) -> Tensor:
     """:func:`sample_next_token` on checked arguments (``generate`` checks its settings once, not at
     every step)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p, min_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                   min_p: float | None) -> Tensor:
+    """The distribution ``[R, V]`` (float32) sampling draws from after ``logits [R, V]``: the
+    temperature, ``top_k``, ``top_p`` and ``min_p`` applied (checked settings, ``temperature > 0``)."""
     logits = logits.float()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: no overflow at a tiny temperature
     if top_k is not None and top_k < logits.shape[-1]:
@@ -263,5 +277,4 @@ def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float 
     if min_p:  # transformers' MinPLogitsWarper, after top_p: below min_p times the top probability
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)

@@ -24,7 +24,7 @@ from attnzoo.models.beam_search import check_search, decoder_beam_search
 from attnzoo.models.config import DecoderConfig, EncoderConfig, Seq2SeqConfig
 from attnzoo.models.decoder import DecoderLM, head_width
 from attnzoo.models.encoder import TransformerEncoder
-from attnzoo.models.generation import GenerationRules, check_token_id, fill_token
+from attnzoo.models.generation import GenerationRules, check_token_id, fill_token, repeat_rows
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding
 from attnzoo.models.speculative import Speculation, speculative_generate
 
@@ -293,7 +293,7 @@ class EncoderDecoder(nn.Module):
         ``no_repeat_ngram_size`` (bart-large-cnn: 3), ``bad_words_ids``, ``repetition_penalty`` (of the target's tokens so far), ``pad_token_id``
         (what an ended row holds; default the first end token; ``eos_token_id`` may list several)
         and ``num_return_sequences`` as :meth:`DecoderLM.generate`, in beam search too.
-        Speculative decoding (greedy; :mod:`attnzoo.models.speculative`) as :meth:`DecoderLM.generate`:
+        Speculative decoding (greedy or sampled; :mod:`attnzoo.models.speculative`) as :meth:`DecoderLM.generate`:
         ``prompt_lookup_num_tokens`` (drafts from the target's own tokens), or ``assistant_model``
         (drafting ``num_assistant_tokens``, ``assistant_confidence_threshold``): a smaller
         ``EncoderDecoder`` that encodes ``src`` itself (distil-whisper for Whisper), or a decoder
@@ -305,12 +305,12 @@ class EncoderDecoder(nn.Module):
         src = self._check_source(src, owner)
         start = self._start(src.shape[0], bos_token_id, decoder_prompt, src.device, owner)
         new = check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
-        sampling, beams, length_penalty, early_stopping, _ = check_search(
+        checked, beams, length_penalty, early_stopping, _ = check_search(
             temperature, top_k, top_p, min_p, generator, num_beams, length_penalty, early_stopping,
             num_return_sequences, owner)
         spec = self._speculation((assistant_model, num_assistant_tokens, assistant_confidence_threshold,
                                   prompt_lookup_num_tokens, max_matching_ngram_size), src, start.shape[1], new,
-                                 sampling[0], beams, owner)
+                                 beams, owner)
         forced = tuple(None if t is None else check_token_id(t, name, self.decoder.vocab_size, owner, of=_DECODER_VOCAB)
                        for name, t in (("forced_bos_token_id", forced_bos_token_id),
                                        ("forced_eos_token_id", forced_eos_token_id)))
@@ -336,26 +336,27 @@ class EncoderDecoder(nn.Module):
                                        early_stopping=early_stopping, forced=forced,  # type: ignore[arg-type]
                                        rules=rules, pad_token_id=pad_token_id,
                                        num_return_sequences=num_return_sequences).tokens
-        return self._sampled(start, new, memory, src_mask, forced, rules, fill,
-                             {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                              "generator": generator, "num_return_sequences": num_return_sequences}, spec)
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                    "generator": generator, "num_return_sequences": num_return_sequences}
+        return self._sampled(start, new, memory, src_mask, forced, rules, fill, sampling,
+                             None if spec is None else (spec, None if checked[0] == 0.0 else checked))
 
-    def _speculation(self, settings: tuple[object, ...], src: Tensor, n: int, new: int, temperature: float,
-                     beams: int, owner: str) -> Speculation | None:
+    def _speculation(self, settings: tuple[object, ...], src: Tensor, n: int, new: int, beams: int,
+                     owner: str) -> Speculation | None:
         """The speculative ``settings`` of :meth:`generate` checked by the decoder's rules (an
         encoder-decoder assistant: its decoder, and it must read ``src``)."""
         assistant = settings[0]
         if isinstance(assistant, EncoderDecoder):
             assistant._check_source(src, f"{owner} (assistant_model)")
             settings = (assistant.decoder, *settings[1:])
-        return self.decoder._speculation(settings, n, new, temperature, beams, False, context=True)
+        return self.decoder._speculation(settings, n, new, beams, False, context=True)
 
     def _sampled(self, start: Tensor, new: int, memory: Tensor, src_mask: Tensor | None,
                  forced: tuple[int | None, int | None], rules: GenerationRules, fill: int | None,
-                 sampling: dict[str, Any], spec: Speculation | None = None) -> Tensor:
+                 sampling: dict[str, Any], spec: tuple[Speculation, tuple[Any, ...] | None] | None = None) -> Tensor:
         """Greedy, sampled or speculative decoding of :meth:`generate` (the decoder's own, with the
-        forced tokens written around it): ``start [B, P]``, ``memory [B, M, C]``; returns
-        ``[B * R, P + T]``."""
+        forced tokens written around it): ``start [B, P]``, ``memory [B, M, C]``, ``spec`` the
+        speculation and the checked sampling settings (``None``: greedy); returns ``[B * R, P + T]``."""
         bos_forced, eos_forced = forced
         last = eos_forced is not None and new >= 1  # the last token is the forced end token
         least = rules.min_new_tokens
@@ -365,8 +366,8 @@ class EncoderDecoder(nn.Module):
             if bos_forced in rules.eos:  # every row ended with its first token
                 return start.repeat_interleave(sampling["num_return_sequences"], dim=0)
         if spec is not None and new - last > 0:
-            out = speculative_generate(self.decoder, start, new - last, None, rules._replace(min_new_tokens=least),
-                                       fill, spec, memory, src_mask, f"{type(self).__name__}.generate")
+            out = self._speculative(start, new - last, memory, src_mask, rules._replace(min_new_tokens=least), fill,
+                                    spec, sampling)
         else:
             out = self.decoder.generate(start, new - last, eos_token_id=rules.eos or None, context=memory,
                                         context_mask=src_mask, suppress_tokens=rules.suppress, min_new_tokens=least,
@@ -381,6 +382,20 @@ class EncoderDecoder(nn.Module):
             col = forced_end if fill is None else torch.where(done, fill, forced_end)  # ended rows keep their fill
             out = torch.cat([out, col[:, None]], dim=1)
         return out
+
+
+    def _speculative(self, start: Tensor, new: int, memory: Tensor, src_mask: Tensor | None, rules: GenerationRules,
+                     fill: int | None, spec: tuple[Speculation, tuple[Any, ...] | None],
+                     sampling: dict[str, Any]) -> Tensor:
+        """:func:`~attnzoo.models.speculative.speculative_generate` of the decoder, every row (and
+        an assistant's own encoding) repeated ``num_return_sequences`` times."""
+        R = sampling["num_return_sequences"]
+        speculation, checked = spec
+        if speculation.context is not None:
+            speculation = speculation._replace(context=repeat_rows(R, *speculation.context))
+        start, memory, src_mask = repeat_rows(R, start, memory, src_mask)
+        return speculative_generate(self.decoder, start, new, None, rules, fill, speculation, memory, src_mask,
+                                    f"{type(self).__name__}.generate", checked, sampling["generator"])
 
 
 class Transformer(FromConfig, EncoderDecoder):

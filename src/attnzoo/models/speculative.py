@@ -2,17 +2,23 @@
 of the next tokens, checked by one forward of the model.
 
 Each round a drafter proposes up to ``k`` next tokens of every row: **prompt lookup** (the
-tokens that followed the latest earlier occurrence of the row's last ``n``-gram, as
+tokens that followed the earliest earlier occurrence of the row's last ``n``-gram, as
 transformers' ``prompt_lookup_num_tokens``) or an **assistant model** (a smaller
-:class:`~attnzoo.DecoderLM` with the same vocabulary, its own greedy tokens, as transformers'
-``assistant_model``). The model then scores ``[last, d_1 .. d_k]`` in one cached forward, keeps
-the longest run of drafts equal to its own greedy choices and adds its own next token: every
-round writes ``1 .. k + 1`` tokens for one forward of the model, and the tokens are those of
-greedy decoding (every :class:`~attnzoo.models.generation.GenerationRules` rule is applied at every
-position, on the row's tokens up to it, as greedy decoding applies it).
+:class:`~attnzoo.DecoderLM` with the same vocabulary, its own tokens, greedy or sampled, as
+transformers' ``assistant_model``). The model then scores ``[last, d_1 .. d_k]`` in one cached forward, keeps
+the longest run of drafts it accepts and adds its own next token: every round writes
+``1 .. k + 1`` tokens for one forward of the model. Every
+:class:`~attnzoo.models.generation.GenerationRules` rule is applied at every position, on the
+row's tokens up to it. Greedy: a draft is accepted where it is the model's own choice, so the
+tokens are those of greedy decoding. Sampling: an assistant's draft ``d ~ q`` is accepted with
+probability ``min(1, p(d) / q(d))`` and otherwise replaced by a draw from ``max(0, p - q)``
+(speculative sampling, Leviathan et al. 2023 / Chen et al. 2023); a looked-up draft where the
+model's own draw equals it (transformers' way): the tokens are distributed as sampling draws them
+(other draws than plain sampling's for the same seed).
 
 A batch keeps, in every round, the drafts that every unfinished row accepts (rows that ended
-accept anything). What a rejected draft wrote into a cache is taken back: a cache written by
+accept anything); at the first position some row rejects, every row writes its own verdict there
+(its accepted draft or the replacement: when sampling, distributed as the model's draw either way). What a rejected draft wrote into a cache is taken back: a cache written by
 position (keys, latents) is truncated (:func:`~attnzoo.nn.cache.truncate`); a recurrent state, a
 convolution window or a ring of slots is rolled back to a mark taken before the draft
 (``mark``/``rollback``, one transaction over the round) and the accepted tokens are fed again with
@@ -31,7 +37,7 @@ from torch import Tensor
 
 from attnzoo._validate import check_float, check_int
 from attnzoo.models._common import positions_from_mask
-from attnzoo.models.generation import GenerationRules
+from attnzoo.models.generation import GenerationRules, sampling_probs
 from attnzoo.nn.cache import truncatable, truncate, unmarked
 
 __all__ = ["Speculation", "check_speculation", "speculative_generate"]
@@ -154,26 +160,40 @@ class _Cached:
 
 
 class _Generation:
-    """The shared state of one call: the token buffer, the rules and the ended rows."""
+    """The shared state of one call: the token buffer, the rules, the sampling settings (``None``:
+    greedy) and the ended rows."""
 
     def __init__(self, prompt: Tensor, new: int, mask: Tensor | None, rules: GenerationRules,
-                 fill: int | None) -> None:
+                 fill: int | None, sampling: tuple[float, int | None, float | None, float | None] | None,
+                 generator: torch.Generator | None) -> None:
         (B, self.n), dev = prompt.shape, prompt.device
         self.tokens = torch.empty(B, self.n + new, dtype=torch.long, device=dev)
         self.tokens[:, :self.n] = prompt
         self.written, self.total = self.n, self.n + new
         self.mask, self.rules, self.fill = mask, rules, fill
+        self.sampling, self.generator = sampling, generator
         self.ends = torch.tensor(rules.eos, dtype=torch.long, device=dev)
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         #: where each row's real tokens start (left padding before), for prompt lookup
         self.starts = [0] * B if mask is None else (~mask[:, :self.n]).sum(1).tolist()
 
-    def choose(self, logits: Tensor, at: int) -> tuple[Tensor, Tensor]:
-        """The greedy token ``[B]`` at position ``at`` from the logits ``[B, V]`` after the tokens
-        before it, the rules applied, and the rules' scores ``[B, V]`` (float32)."""
-        scores = self.rules.apply(logits.float(), at - self.n, self.tokens[:, :at],
-                                  None if self.mask is None else self.mask[:, :at])
-        return scores.argmax(dim=-1), scores
+    def scores(self, logits: Tensor, at: int) -> Tensor:
+        """The rules applied to the logits ``[B, V]`` of the token at position ``at`` (after the
+        tokens before it): ``[B, V]`` float32."""
+        return self.rules.apply(logits.float(), at - self.n, self.tokens[:, :at],
+                                None if self.mask is None else self.mask[:, :at])
+
+    def probs(self, scores: Tensor) -> Tensor:
+        """The distribution ``[B, V]`` sampling draws from (the sampling settings applied)."""
+        return sampling_probs(scores, *self.sampling)  # type: ignore[misc]
+
+    def draw(self, probs: Tensor) -> Tensor:
+        """A token ``[B]`` drawn from each row's ``probs [B, V]``."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def pick(self, scores: Tensor) -> Tensor:
+        """The token ``[B]`` greedy decoding or sampling writes after ``scores``."""
+        return scores.argmax(dim=-1) if self.sampling is None else self.draw(self.probs(scores))
 
     def write(self, token: Tensor) -> None:
         """Write ``token [B]`` at the next position (an ended row holds the fill token)."""
@@ -213,48 +233,99 @@ class _Lookup:
             gen.tokens[b, w:w + k] = row[:k] if row.numel() >= k else gen.tokens[b, w - 1]
         return k
 
+    def judge(self, gen: _Generation, scores: Tensor, j: int) -> tuple[Tensor, Tensor]:
+        """Sampling: the token ``[B]`` the model draws at draft ``j``'s position and whether it is
+        the draft ``[B]`` (a draft without a distribution of its own is kept where the model's
+        draw equals it, as transformers' prompt lookup samples)."""
+        token = gen.draw(gen.probs(scores))
+        return token, token == gen.tokens[:, gen.written]
+
     def close(self, keep: int) -> None:
         """Nothing to take back."""
 
 
 class _Assistant:
-    """An assistant model's greedy drafts (the same rules applied), stopped early when an unfinished
-    row's draft is less likely than ``confidence``."""
+    """An assistant model's drafts (greedy or sampled, the same rules and sampling settings
+    applied), stopped early when an unfinished row's draft is less likely than ``confidence``."""
 
     def __init__(self, cached: _Cached, confidence: float) -> None:
         self.cached, self.confidence = cached, confidence
+        self.q: list[Tensor] = []  # sampling: the distribution each draft was drawn from, [B, V]
 
     def propose(self, gen: _Generation, k: int) -> int:
         """Write up to ``k`` drafts after ``gen.written``; how many."""
-        w = gen.written
+        w, self.q = gen.written, []
         logits = self.cached.feed(gen.tokens, w)  # the tokens it has not seen, the last one included
         self.cached.open()
         for j in range(k):
-            token, scores = gen.choose(logits, w + j)
+            scores = gen.scores(logits, w + j)
+            if gen.sampling is None:
+                token, probs = scores.argmax(dim=-1), scores.softmax(dim=-1) if self.confidence > 0.0 else None
+            else:
+                probs = gen.probs(scores)
+                token = gen.draw(probs)
+                self.q.append(probs)
             gen.tokens[:, w + j] = token
             if j == k - 1:
                 return k
-            if self.confidence > 0.0:
-                p = scores.softmax(dim=-1).gather(1, token[:, None]).squeeze(1)  # [B]
+            if probs is not None and self.confidence > 0.0:
+                p = probs.gather(1, token[:, None]).squeeze(1)  # [B]
                 if bool(((p < self.confidence) & ~gen.done).any()):
                     return j + 1
             logits = self.cached.feed(gen.tokens, w + j + 1)
         return k
 
+    def judge(self, gen: _Generation, scores: Tensor, j: int) -> tuple[Tensor, Tensor]:
+        """Speculative sampling at draft ``j``: the draft ``d ~ q`` is kept with probability
+        ``min(1, p(d) / q(d))``, else the token is drawn from ``max(0, p - q)`` renormalised, which
+        makes it ``p``-distributed either way. The token ``[B]`` and whether it is the draft ``[B]``."""
+        p, q = gen.probs(scores), self.q[j]
+        draft = gen.tokens[:, gen.written]
+        pd, qd = p.gather(1, draft[:, None]).squeeze(1), q.gather(1, draft[:, None]).squeeze(1)
+        u = torch.rand(pd.shape, generator=gen.generator, device=pd.device)
+        kept = u * qd < pd
+        rest = (p - q).clamp_min(0.0)
+        rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # p == q: never needed, but defined
+        return torch.where(kept, draft, gen.draw(rest / rest.sum(-1, keepdim=True))), kept
+
     def close(self, keep: int) -> None:
         self.cached.close(keep)
+
+
+def _verify(gen: _Generation, drafter: _Lookup | _Assistant, logits: Tensor, k: int) -> None:
+    """Write the tokens of one round from the model's logits ``[B, k + 1, V]`` at the positions of
+    the ``k`` drafts and after them: the drafts while every unfinished row keeps them, then the
+    model's own token (greedy: its choice; sampling: the judged draft or its replacement)."""
+    w = gen.written
+    for j in range(k + 1):
+        scores = gen.scores(logits[:, j], w + j)
+        if j == k:
+            token, kept = gen.pick(scores), None
+        elif gen.sampling is None:
+            token = scores.argmax(dim=-1)
+            kept = token == gen.tokens[:, w + j]
+        else:
+            token, kept = drafter.judge(gen, scores, j)
+        all_kept = kept is not None and not bool((~kept & ~gen.done).any())
+        gen.write(token)  # the draft itself where every unfinished row keeps it
+        if not all_kept or gen.finished:
+            return
 
 
 @torch.no_grad()
 def speculative_generate(model: Verifier, prompt: Tensor, new: int, mask: Tensor | None, rules: GenerationRules,
                          fill: int | None, spec: Speculation, context: Tensor | None = None,
-                         context_mask: Tensor | None = None, owner: str = "DecoderLM.generate") -> Tensor:
-    """Greedy decoding of ``model`` sped up by drafts, on checked arguments: ``prompt [B, N]``,
+                         context_mask: Tensor | None = None, owner: str = "DecoderLM.generate",
+                         sampling: tuple[float, int | None, float | None, float | None] | None = None,
+                         generator: torch.Generator | None = None) -> Tensor:
+    """Greedy decoding (``sampling`` ``None``) or sampling (``(temperature, top_k, top_p, min_p)``,
+    drawn with ``generator``) of ``model`` sped up by drafts, on checked arguments: ``prompt [B, N]``,
     ``new`` tokens at most, ``mask [B, N + new]`` (the prompt's left padding, then real; ``None``:
     no padding), ``fill`` the token of ended rows, ``context [B, M, C]`` / ``context_mask [B, M]``
-    of a cross-attention model. Returns ``[B, N + T]``: the tokens greedy decoding gives."""
+    of a cross-attention model. Returns ``[B, N + T]``: the tokens greedy decoding gives, or tokens
+    distributed as sampling draws them (not the same draws)."""
     B, n = prompt.shape
-    gen = _Generation(prompt, new, mask, rules, fill)
+    gen = _Generation(prompt, new, mask, rules, fill, sampling, generator)
     positions = None if mask is None else positions_from_mask(mask)  # [B, L]
     target = _Cached(model, B, gen.total, positions, mask, (context, context_mask), owner)
     drafter: _Lookup | _Assistant = _Lookup(spec.ngram)
@@ -262,20 +333,14 @@ def speculative_generate(model: Verifier, prompt: Tensor, new: int, mask: Tensor
         own = spec.context or ((context, context_mask) if getattr(spec.assistant, "cross_attention", False)
                                else (None, None))
         drafter = _Assistant(_Cached(spec.assistant, B, gen.total, positions, mask, own, owner), spec.confidence)
-    gen.write(gen.choose(target.feed(gen.tokens, n), n)[0])  # the prompt at once
+    gen.write(gen.pick(gen.scores(target.feed(gen.tokens, n), n)))  # the prompt at once
     while not gen.finished:
         w = gen.written
         k = drafter.propose(gen, min(spec.tokens, gen.total - w - 1))
         if target.length < w - 1:  # a rolled-back cache: the accepted tokens first, kept
             target.feed(gen.tokens, w - 1)
         target.open()
-        logits = target.feed(gen.tokens, w + k, every=True)[:, -(k + 1):]  # [B, k + 1, V]
-        for j in range(k + 1):
-            token = gen.choose(logits[:, j], w + j)[0]
-            agree = j < k and not bool(((token != gen.tokens[:, w + j]) & ~gen.done).any())
-            gen.write(token)  # the draft itself where every unfinished row agrees
-            if not agree or gen.finished:
-                break
+        _verify(gen, drafter, target.feed(gen.tokens, w + k, every=True)[:, -(k + 1):], k)  # [B, k + 1, V]
         target.close(gen.written - 1)  # the newest token is the next round's first input
         drafter.close(gen.written - 1)
     return gen.tokens[:, :gen.written]
