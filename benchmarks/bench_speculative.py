@@ -2,7 +2,8 @@
 against its own greedy decoding and against transformers' assisted generation with the same weights.
 
 A random-initialised model in a real checkpoint's shape (``--model``: ``smollm2-135m``, a Llama;
-``qwen2.5-0.5b``) generates ``--new`` greedy tokens for ``--batch`` prompts of ``--len`` tokens that
+``qwen2.5-0.5b``; ``qwen3-next-shape``, a small hybrid whose gated-DeltaNet states are rolled back
+after a rejected draft, where keys are truncated) generates ``--new`` greedy tokens for ``--batch`` prompts of ``--len`` tokens that
 repeat a short random phrase (text that quotes itself: what prompt lookup is for). Drafters:
 
 * ``lookup``: ``prompt_lookup_num_tokens=--lookup`` (``max_matching_ngram_size`` 2);
@@ -39,11 +40,19 @@ from bench_core import (  # the script's folder is on sys.path
     run_arguments,
     timed,
 )
-from bench_generate import MODELS
+from bench_generate import MODELS as DENSE
 
 from attnzoo.interop import from_hf
 
 T = transformers
+#: the dense shapes of bench_generate, and a hybrid whose linear-attention states roll back
+MODELS: dict[str, Callable[[], Any]] = {
+    **DENSE,
+    "qwen3-next-shape": lambda: T.Qwen3NextConfig(  # 12 layers, 3 gated DeltaNet : 1 gated attention, dense MLP
+        vocab_size=49152, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, num_experts=0, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=64, linear_value_head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True),
+}
 
 
 def prompts(vocab: int, args: argparse.Namespace) -> torch.Tensor:
@@ -55,7 +64,10 @@ def prompts(vocab: int, args: argparse.Namespace) -> torch.Tensor:
 
 def early_exit(hf: Any, layers: int) -> Any:
     """A transformers model of ``hf``'s first ``layers`` layers, its embeddings, final norm and head."""
-    cfg = hf.config.__class__(**{**hf.config.to_dict(), "num_hidden_layers": layers})
+    fields = {**hf.config.to_dict(), "num_hidden_layers": layers}
+    if fields.get("layer_types"):  # a hybrid: the first layers' kinds
+        fields["layer_types"] = fields["layer_types"][:layers]
+    cfg = hf.config.__class__(**fields)
     draft = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     draft.load_state_dict({k: v for k, v in hf.state_dict().items() if k in draft.state_dict()})
     return draft

@@ -23,6 +23,7 @@ import attnzoo as az  # noqa: E402
 import hf_seq2seq_checks  # noqa: E402
 from attnzoo.interop import from_hf  # noqa: E402
 from attnzoo.models import speculative  # noqa: E402
+from attnzoo.models._common import LayerCaches  # noqa: E402
 from attnzoo.models.parts import DecoderParts  # noqa: E402
 from attnzoo.nn.cache import unmarked  # noqa: E402
 from attnzoo.variants import VARIANTS  # noqa: E402
@@ -261,6 +262,29 @@ def test_prompt_lookup_equals_transformers() -> None:
     assert torch.equal(got, want)
 
 
+def test_hybrid_speculative_decoding_equals_transformers_greedy() -> None:
+    """On a Qwen3-Next (gated DeltaNet + gated attention) the drafts' DeltaNet states are rolled
+    back, so assisted and prompt-lookup decoding write transformers' greedy tokens (transformers
+    5.25's own assisted generation and prompt lookup do not, on this model: they keep the states
+    of rejected drafts)."""
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=0, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    ours = from_hf(hf).eval()
+    x = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf.generate(x, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+        for spec in ({"assistant_model": _perturbed(ours, 0.3, 2), "num_assistant_tokens": 4},
+                     {"prompt_lookup_num_tokens": 3}):
+            assert torch.equal(ours.generate(x, 24, **spec), want), sorted(spec)
+
+
 # --------------------------------------------------------------------------- a family state cache
 def test_a_family_state_cache_rolls_back() -> None:
     """Qwen3-Next's linear-state cache now takes part in a model call's transaction: a call that
@@ -304,6 +328,18 @@ def test_bad_speculative_settings(kw: dict[str, Any], error: type, match: str) -
     kw = {k: assistants.get(v, v) if k == "assistant_model" and isinstance(v, str) else v for k, v in kw.items()}
     with pytest.raises(error, match=match):
         model.generate(_prompt(50), 8, **kw)
+
+
+def test_a_cache_that_cannot_take_back_drafts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Foreign:  # a third-party layer's cache: no mark / rollback, not written by position
+        length, batch_size = 0, 2
+
+        def reset(self) -> None: ...
+
+    model = _noisy("mha")
+    monkeypatch.setattr(model, "init_cache", lambda *_: LayerCaches([Foreign()]))
+    with pytest.raises(TypeError, match=r"neither be truncated nor rolled back: \['Foreign'\]"):
+        model.generate(_prompt(50), 4, prompt_lookup_num_tokens=2)
 
 
 def test_a_cross_attention_assistant_is_refused() -> None:
