@@ -79,6 +79,21 @@ def test_bart_generates_with_the_config_transformers_derives(tmp_path: Path) -> 
         assert torch.equal(got, want), (beams, got, want)
 
 
+def test_a_config_that_turns_on_prompt_lookup(tmp_path: Path) -> None:
+    """A generation config may ask for prompt lookup decoding by itself: passed on (the tokens are
+    greedy decoding's either way, as transformers' are); an assistant's drafting settings are not."""
+    from hf_family_checks import padded
+
+    x, _ = padded(7, pad=0)
+    x = x[:1].repeat(1, 2)  # a row that repeats itself: drafts are found
+    hf, folder = _llama(tmp_path, prompt_lookup_num_tokens=3, max_matching_ngram_size=2, pad_token_id=0,
+                        num_assistant_tokens=7, assistant_confidence_threshold=0.2)
+    settings = generation_settings(folder)
+    assert settings == {"prompt_lookup_num_tokens": 3, "max_matching_ngram_size": 2, "pad_token_id": 0}
+    want = hf.generate(x, max_new_tokens=NEW, min_new_tokens=NEW)
+    assert torch.equal(load_pretrained(folder).generate(x, NEW, **settings), want)
+
+
 def test_end_tokens_are_not_bad_words_and_lengths_are_not_settings() -> None:
     """transformers drops the end tokens from ``bad_words_ids``; the lengths are generate's argument."""
     got = generation_settings({"eos_token_id": [2, 3], "bad_words_ids": [[3], [7], [8, 9]], "max_new_tokens": 20,
