@@ -380,3 +380,45 @@ def test_rope_frequencies_that_change_during_generation_are_refused() -> None:
     assert model.generate(x, 4, prompt_lookup_num_tokens=2).shape == (1, 12)  # within the short factors
     with pytest.raises(ValueError, match=re.escape("longrope RoPE frequencies change")):
         model.generate(x, 12, prompt_lookup_num_tokens=2)
+
+
+def test_a_later_layers_dynamic_rope_is_refused_too() -> None:
+    """Gemma 3 keeps a RoPE per layer kind: the full layers' ``dynamic`` one (past
+    ``max_position_embeddings``) is found though the model's first rotary is a plain one."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=12, sliding_window=4, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                         "full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10.0}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = from_hf(transformers.Gemma3ForCausalLM(cfg)).eval()
+        x = _prompt(64, batch=1)
+        assert model.generate(x, 3, prompt_lookup_num_tokens=2).shape == (1, 11)  # within the positions
+        with pytest.raises(ValueError, match=re.escape("dynamic RoPE frequencies change")):
+            model.generate(x, 12, prompt_lookup_num_tokens=2, extend_context=True)
+
+
+def test_encoder_decoder_errors_name_its_generate_and_the_assistants_context() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bart = from_hf(hf_seq2seq_checks.tiny_bart()).eval()
+    src, mask = hf_seq2seq_checks.token_source()
+    with pytest.raises(ValueError, match=r"^EncoderDecoder\.generate: speculative decoding .* not beam search"):
+        bart.generate(src, 4, src_mask=mask.bool(), prompt_lookup_num_tokens=2, num_beams=2)
+    with pytest.raises(ValueError) as info:
+        bart.generate(src, 4, src_mask=mask.bool(), prompt_lookup_num_tokens=0)
+    assert "DecoderLM" not in str(info.value) and "prompt_lookup_num_tokens" in str(info.value)
+    cfg = az.blocks.BlockConfig(32, 4, causal=True, cross_attention=True, context_dim=7)
+    narrow = az.DecoderLM(vocab_size=bart.decoder.vocab_size, dim=32, depth=1, num_heads=4, max_seq_len=64,
+                          parts=DecoderParts(blocks=[az.TransformerBlock(config=cfg)]))
+    with pytest.raises(ValueError, match=r"assistant_model reads a context of width \[?7"):
+        bart.generate(src, 4, src_mask=mask.bool(), assistant_model=narrow)
+
+
+@pytest.mark.parametrize("kw", [{"num_assistant_tokens": 0}, {"assistant_confidence_threshold": 2.0},
+                                {"prompt_lookup_num_tokens": 2, "num_assistant_tokens": 0}], ids=str)
+def test_drafting_settings_are_checked_even_unused(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(k for k in kw if k != "prompt_lookup_num_tokens"))):
+        _noisy("mha").generate(_prompt(50), 4, **kw)

@@ -515,20 +515,21 @@ class DecoderLM(FromConfig, nn.Module):
         return n, check_int(max_new_tokens, "max_new_tokens", owner, minimum=0)
 
     def _speculation(self, settings: tuple[object, ...], n: int, new: int, beams: int, extend_context: bool,
-                     context: bool = False) -> Speculation | None:
+                     context: bool = False, owner: str = "DecoderLM.generate") -> Speculation | None:
         """The speculative ``settings`` of :meth:`generate` checked (:func:`check_speculation`), and
         what speculative decoding needs besides: one beam, an assistant that has the positions, and
         RoPE frequencies that stay the same while it runs (``None``: no speculation)."""
-        owner = "DecoderLM.generate"
         spec = check_speculation(*settings, self.vocab_size, owner, context)
         if spec is None:
             return None
         if beams > 1:
             raise ValueError(f"{owner}: speculative decoding (assistant_model / prompt_lookup_num_tokens) is greedy "
                              f"or sampled, not beam search: num_beams must be 1, got {beams}")
-        if isinstance(self.rope, ScaledRotaryEmbedding) and self.rope.varies_between(n + 1, n + new):
+        varying = [m.rope_type for m in self.modules() if isinstance(m, ScaledRotaryEmbedding)  # every layer's
+                   and m.varies_between(n + 1, n + new)]
+        if varying:
             raise ValueError(f"{owner}: speculative decoding checks several tokens in one forward, and the "
-                             f"{self.rope.rope_type} RoPE frequencies change between {n + 1} and {n + new} tokens "
+                             f"{varying[0]} RoPE frequencies change between {n + 1} and {n + new} tokens "
                              f"(a draft would be rotated otherwise than greedy decoding rotates it); generate "
                              f"without assistant_model / prompt_lookup_num_tokens")
         if spec.assistant is not None:

@@ -85,6 +85,10 @@ def check_speculation(assistant_model: object, num_assistant_tokens: object, ass
         raise ValueError(f"{owner}: assistant_model and prompt_lookup_num_tokens are two ways of drafting; "
                          f"give one of them")
     ngram = check_int(max_matching_ngram_size, "max_matching_ngram_size", owner, minimum=1)
+    drafts = check_int(num_assistant_tokens, "num_assistant_tokens", owner, minimum=1)
+    threshold = check_float(assistant_confidence_threshold, "assistant_confidence_threshold", owner)
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"{owner}: assistant_confidence_threshold must be in [0, 1), got {threshold}")
     if prompt_lookup_num_tokens is not None:
         return Speculation(None, check_int(prompt_lookup_num_tokens, "prompt_lookup_num_tokens", owner, minimum=1),
                            0.0, ngram)
@@ -100,11 +104,16 @@ def check_speculation(assistant_model: object, num_assistant_tokens: object, ass
     if getattr(assistant_model, "cross_attention", False) and not context:
         raise ValueError(f"{owner}: assistant_model has cross-attention but the model runs without a context; "
                          f"give a decoder-only assistant (it drafts from the tokens alone)")
-    threshold = check_float(assistant_confidence_threshold, "assistant_confidence_threshold", owner)
-    if not 0.0 <= threshold < 1.0:
-        raise ValueError(f"{owner}: assistant_confidence_threshold must be in [0, 1), got {threshold}")
-    return Speculation(assistant_model,  # type: ignore[arg-type]
-                       check_int(num_assistant_tokens, "num_assistant_tokens", owner, minimum=1), threshold, ngram)
+    return Speculation(assistant_model, drafts, threshold, ngram)  # type: ignore[arg-type]
+
+
+def _check_context_width(assistant: Any, context: Tensor | None, owner: str) -> None:
+    """An assistant that reads a context reads its width ``C'`` (its blocks' ``context_dim``):
+    ``ValueError`` naming ``assistant_model`` before anything runs, not a block's error mid-way."""
+    widths = {w for b in getattr(assistant, "blocks", ()) if isinstance(w := getattr(b, "context_dim", None), int)}
+    if context is not None and widths and context.shape[-1] not in widths:
+        raise ValueError(f"{owner}: assistant_model reads a context of width {sorted(widths)[0]} (its blocks' "
+                         f"context_dim), the model's context is [B, M, {context.shape[-1]}]")
 
 
 class _Cached:
@@ -332,6 +341,7 @@ def speculative_generate(model: Verifier, prompt: Tensor, new: int, mask: Tensor
     if spec.assistant is not None:
         own = spec.context or ((context, context_mask) if getattr(spec.assistant, "cross_attention", False)
                                else (None, None))
+        _check_context_width(spec.assistant, own[0], owner)
         drafter = _Assistant(_Cached(spec.assistant, B, gen.total, positions, mask, own, owner), spec.confidence)
     gen.write(gen.pick(gen.scores(target.feed(gen.tokens, n), n)))  # the prompt at once
     while not gen.finished:
