@@ -636,16 +636,16 @@ class DecoderLM(FromConfig, nn.Module):
                 best hypotheses of beam search (``R <= K``), or ``R`` independent samples; greedy
                 decoding has one.
             assistant_model: speculative decoding (:mod:`attnzoo.models.speculative`): a smaller
-                ``DecoderLM`` with the same vocabulary drafts up to ``num_assistant_tokens`` greedy
-                tokens, stopping early when a draft's probability is below
+                ``DecoderLM`` with the same vocabulary drafts up to ``num_assistant_tokens`` tokens
+                (its own greedy or sampled choices, the same rules applied), stopping early when a draft's probability is below
                 ``assistant_confidence_threshold`` (``0``: never), and one forward of this model
                 checks them (transformers' ``assistant_model``, whose defaults these are). With a
                 ``context``, an assistant with cross-attention reads the same context. Greedy: the
                 tokens greedy decoding gives; sampling: speculative sampling, distributed as
                 sampling draws (not the same draws); not with beams.
             prompt_lookup_num_tokens: speculative decoding with drafts looked up in the row itself:
-                up to this many tokens that followed the latest ``n``-gram's earliest earlier
-                occurrence (``n <= max_matching_ngram_size``; transformers' prompt lookup
+                up to this many tokens that followed the earliest earlier occurrence of the row's
+                last ``n``-gram (``n <= max_matching_ngram_size``; transformers' prompt lookup
                 decoding), greedy or sampled as with an assistant.
 
         Returns: ``[B * R, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row ended).
