@@ -180,6 +180,25 @@ def parse_run(p: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def print_rows(rows: list[dict], info: dict, header: str, columns: list[tuple[str, str, str]],
+               as_json: bool) -> None:
+    """A model benchmark's result: JSON ``{**info, "rows": rows}``, or ``header`` then a table of
+    ``rows`` whose first column is ``impl`` and whose others are ``columns`` ``(key, title, format)``
+    (``format`` a width and precision such as ``"9.3f"``; ``None`` values print blank)."""
+    if as_json:
+        print(json.dumps({**info, "rows": rows}, indent=1))
+        return
+    def cell(value: object, fmt: str) -> str:
+        return "" if value is None else str(value) if isinstance(value, (bool, str)) else format(value, fmt)
+
+    table = [[str(r["impl"])] + [cell(r[key], fmt) for key, _, fmt in columns] for r in rows]
+    titles = ["impl"] + [title for _, title, _ in columns]
+    widths = [max(len(row[i]) for row in [titles, *table]) for i in range(len(titles))]
+    print(header)
+    for row in [titles, *table]:
+        print(f"{row[0]:{widths[0]}s}" + "".join(f" {c:>{w}s}" for c, w in zip(row[1:], widths[1:], strict=True)))
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), for the record next to the numbers."""
     try:

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 import transformers
-from bench_core import parse_run, run_arguments  # the script's folder is on sys.path
+from bench_core import parse_run, print_rows, run_arguments  # the script's folder is on sys.path
 
 import attnzoo.hf
 from attnzoo.interop import from_hf
@@ -113,15 +112,10 @@ def main() -> None:
                      "vs_sdpa": None if base is None else base / t, "max_rel_err": err})
     info = {"family": args.family, "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "tokens": int(mask.sum()), "padded_tokens": int(mask.numel())}
-    if args.json:
-        print(json.dumps({**info, "rows": rows}, indent=1))
-        return
-    print(f"{args.family}: batch {args.batch}, {info['tokens']} real of {info['padded_tokens']} tokens, "
-          f"{info['threads']} threads")
-    print(f"{'impl':10s} {'median s':>9s} {'sent/s':>8s} {'x sdpa':>7s} {'max rel err':>12s}")
-    for r in rows:
-        ratio = "" if r["vs_sdpa"] is None else f"{r['vs_sdpa']:.2f}"
-        print(f"{r['impl']:10s} {r['seconds']:9.4f} {r['sentences_per_s']:8.1f} {ratio:>7s} {r['max_rel_err']:12.2e}")
+    print_rows(rows, info, f"{args.family}: batch {args.batch}, {info['tokens']} real of {info['padded_tokens']} "
+               f"tokens, {info['threads']} threads",
+               [("seconds", "median s", ".4f"), ("sentences_per_s", "sent/s", ".1f"), ("vs_sdpa", "x sdpa", ".2f"),
+                ("max_rel_err", "max rel err", ".2e")], args.json)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ import transformers
 from bench_core import (  # the script's folder is on sys.path
     cpu_model,
     parse_run,
+    print_rows,
     run_arguments,
     timed,
 )
@@ -100,14 +100,10 @@ def main() -> None:
     info = {"model": args.model, "pairs": args.pairs, "padded_tokens": int(data["src"].numel() + data["labels"].numel()),
             "real_tokens": real, "cpu": cpu_model(), "threads": torch.get_num_threads(),
             "transformers": transformers.__version__}
-    if args.json:
-        print(json.dumps({**info, "rows": rows}, indent=1))
-        return
-    print(f"{args.model}: {args.pairs} pairs, {real} real of {info['padded_tokens']} padded tokens, "
-          f"{info['threads']} threads, {info['cpu']}")
-    print(f"{'impl':13s} {'median s':>9s} {'x transformers':>15s} {'loss':>9s}")
-    for r in rows:
-        print(f"{r['impl']:13s} {r['seconds']:9.3f} {r['vs_transformers']:15.2f} {r['loss']:9.4f}")
+    print_rows(rows, info, f"{args.model}: {args.pairs} pairs, {real} real of {info['padded_tokens']} padded tokens, "
+               f"{info['threads']} threads, {info['cpu']}",
+               [("seconds", "median s", ".3f"), ("vs_transformers", "x transformers", ".2f"), ("loss", "loss", ".4f")],
+               args.json)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ import transformers
 from bench_core import (  # the script's folder is on sys.path
     cpu_model,
     parse_run,
+    print_rows,
     run_arguments,
     timed,
 )
@@ -128,18 +128,13 @@ def main() -> None:
     info = {"model": args.model, "batch": args.batch, "prompt": args.len, "new": args.new, "lookup": args.lookup,
             "draft_layers": args.draft_layers, "draft_tokens": args.draft_tokens, "cpu": cpu_model(),
             "threads": torch.get_num_threads()}
-    if args.json:
-        print(json.dumps({**info, "rows": rows}, indent=1))
-        return
     peer = "transformers" if args.batch == 1 else "attnzoo"
-    print(f"{args.model}: batch {args.batch}, prompt {args.len} (a {args.phrase}-token phrase repeated), "
-          f"{args.new} new tokens, lookup {args.lookup}, assistant = first {args.draft_layers} layers drafting "
-          f"{args.draft_tokens}; {info['threads']} threads, {info['cpu']}")
-    print(f"{'impl':24s} {'median s':>9s} {'tok/s':>8s} {f'x {peer} greedy':>21s} {'= greedy':>9s} "
-          f"{'target fwd':>11s} {'draft fwd':>10s}")
-    for r in rows:
-        print(f"{r['impl']:24s} {r['seconds']:9.3f} {r['tokens_per_s']:8.1f} {r['vs_greedy']:21.2f} "
-              f"{r['same_tokens_as_greedy']!s:>9s} {r['target_forwards']:11d} {r['draft_forwards']:10d}")
+    print_rows(rows, info, f"{args.model}: batch {args.batch}, prompt {args.len} (a {args.phrase}-token phrase "
+               f"repeated), {args.new} new tokens, lookup {args.lookup}, assistant = first {args.draft_layers} layers "
+               f"drafting {args.draft_tokens}; {info['threads']} threads, {info['cpu']}",
+               [("seconds", "median s", ".3f"), ("tokens_per_s", "tok/s", ".1f"), ("vs_greedy", f"x {peer} greedy", ".2f"),
+                ("same_tokens_as_greedy", "= greedy", ""), ("target_forwards", "target fwd", "d"),
+                ("draft_forwards", "draft fwd", "d")], args.json)
 
 
 if __name__ == "__main__":
