@@ -22,6 +22,7 @@ from attnzoo.models.families.deepseek import (  # noqa: E402
     SoftmaxGroupMoE,
     SoftmaxRouting,
 )
+from attnzoo.models.hf.errors import WeightLoadError  # noqa: E402
 from attnzoo.nn.attention import MultiHeadAttention  # noqa: E402
 from attnzoo.nn.mla import MultiHeadLatentAttention  # noqa: E402
 from attnzoo.nn.moe import MixtureOfExperts  # noqa: E402
@@ -224,20 +225,41 @@ def _rewrite_weights(folder: Path, change: Any) -> None:
     safetensors_torch.save_file(sd, str(path), metadata={"format": "pt"})
 
 
-def test_multi_token_prediction_layers_are_dropped(tmp_path: Path) -> None:
-    """A checkpoint with its MTP layer (``layers.{num_hidden_layers}``): transformers drops it, so does the converter."""
+def test_multi_token_prediction_layers_load_beside_the_model(tmp_path: Path) -> None:
+    """A checkpoint with its MTP layer (``layers.{num_hidden_layers}``): transformers' model drops it;
+    the converter loads it as the model's ``mtp`` and the model's logits stay transformers'
+    (tests/models/test_mtp.py checks the MTP layer's own logits); a malformed one is refused
+    naming its keys; a type whose MTP layers transformers never reads (GLM-4-MoE-Lite) drops them."""
     hf = checks.hf_model(_v3())
-    hf.save_pretrained(tmp_path)
+    hf.save_pretrained(tmp_path / "v3")
+    four = checks.hf_model(_v3(num_hidden_layers=4)).state_dict()
+    C = _v3().hidden_size
 
     def add_mtp(sd: dict[str, torch.Tensor]) -> None:
-        for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "self_attn.kv_a_proj_with_mqa.weight",
-                     "mlp.gate.weight", "shared_head.head.weight"):
-            sd[f"model.layers.3.{name}"] = torch.ones(3, 3)
+        sd.update({k: v.contiguous() for k, v in four.items() if k.startswith("model.layers.3.")})
+        sd.update({f"model.layers.3.{n}.weight": torch.ones(C) for n in ("enorm", "hnorm", "shared_head.norm")})
+        sd["model.layers.3.eh_proj.weight"] = torch.randn(C, 2 * C)
+        sd["model.layers.3.shared_head.head.weight"] = sd["lm_head.weight"].clone()
 
-    _rewrite_weights(tmp_path, add_mtp)
+    _rewrite_weights(tmp_path / "v3", add_mtp)
     x = checks.tokens(9)
+    model = load_pretrained(tmp_path / "v3")
+    assert model.mtp is not None and model.mtp.depth == 1
     with torch.no_grad():
-        assert checks.rel(load_pretrained(tmp_path)(x), hf(input_ids=x).logits) <= checks.TOL
+        assert checks.rel(model(x), hf(input_ids=x).logits) <= checks.TOL
+    _rewrite_weights(tmp_path / "v3", lambda sd: sd.__setitem__("model.layers.3.eh_proj.weight", torch.ones(3, 3)))
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.3\.eh_proj\.weight: checkpoint shape \(3, 3\) vs attnzoo "
+                                              r"mtp\.layers\.0\.eh_proj\.weight"):
+        load_pretrained(tmp_path / "v3")
+    lite = checks.hf_model(_glm_lite())
+    lite.save_pretrained(tmp_path / "lite")
+    depth = lite.config.num_hidden_layers
+    _rewrite_weights(tmp_path / "lite", lambda sd: sd.update(
+        {f"model.layers.{depth}.{n}": torch.ones(3, 3) for n in ("eh_proj.weight", "enorm.weight")}))
+    model = load_pretrained(tmp_path / "lite")
+    assert model.mtp is None
+    with torch.no_grad():
+        assert checks.rel(model(x), lite(input_ids=x).logits) <= checks.TOL
 
 
 def _v3_json() -> Any:

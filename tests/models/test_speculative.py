@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import test_hf_export as export  # noqa: E402
+import test_mtp  # noqa: E402
 
 import attnzoo as az  # noqa: E402
 import hf_seq2seq_checks  # noqa: E402
@@ -171,17 +172,20 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), chi2 / 2.0))
 
 
-@pytest.mark.parametrize("drafter", ["assistant", "lookup"])
+@pytest.mark.parametrize("drafter", ["assistant", "lookup", "mtp"])
 def test_speculative_sampling_draws_what_sampling_draws(drafter: str) -> None:
     """Speculative sampling is exact in distribution: 2,000 draws of 3 tokens (two rows a call, so
     that rounds accept several drafts, reject some and add the model's own token) fit the exact
-    distribution of the model's sampling, and not the assistant's (which differs)."""
+    distribution of the model's sampling, and not the assistant's (which differs). ``mtp``: two
+    random multi-token-prediction depths draft (tests/models/test_mtp.py)."""
     model, other = _noisy("mha", vocab=V_SMALL, seed=6), _noisy("mha", vocab=V_SMALL, seed=7)
     prompt = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
     want, theirs = _joint(model, prompt), _joint(other, prompt)
     assert 0.5 * (want - theirs).abs().sum() > 0.2  # a draft-biased result would show
-    spec = ({"assistant_model": other, "num_assistant_tokens": 2, "assistant_confidence_threshold": 0.0}
-            if drafter == "assistant" else {"prompt_lookup_num_tokens": 2})
+    spec: dict[str, Any] = ({"assistant_model": other, "num_assistant_tokens": 2, "assistant_confidence_threshold": 0.0}
+                            if drafter == "assistant" else {"prompt_lookup_num_tokens": 2})
+    if drafter == "mtp":
+        model, spec = test_mtp.with_mtp(model, 2, seed=8), {"use_mtp": True}
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         out = torch.cat([model.generate(prompt.repeat(2, 1), NEW_SAMPLED, generator=g, **SAMPLING, **spec)[:, -3:]

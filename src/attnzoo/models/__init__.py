@@ -20,6 +20,7 @@ from attnzoo.models.decoder import DecoderLM, sample_next_token
 from attnzoo.models.encoder import TransformerEncoder, cls_pool, max_pool, mean_pool
 from attnzoo.models.legacy import decoder_from_dict
 from attnzoo.models.loop import LayerLoopLM
+from attnzoo.models.mtp import MTPLayer, MultiTokenPredictor
 from attnzoo.models.parts import DecoderParts, EncoderParts, LMHead, ScaledEmbedding, ViTParts
 from attnzoo.models.seq2seq import EncoderDecoder, Transformer
 from attnzoo.models.vit import VisionTransformer
@@ -35,6 +36,8 @@ __all__ = [
     "LMHead",
     "LayerCaches",
     "LayerLoopLM",
+    "MTPLayer",
+    "MultiTokenPredictor",
     "Rope",
     "ScaledEmbedding",
     "Seq2SeqConfig",

@@ -224,6 +224,7 @@ class DecoderLM(FromConfig, nn.Module):
             if name in built:
                 init_weights(child, depth=cfg.depth)
         self.cross_attention = any(getattr(b, "cross_attn", None) is not None for b in self.blocks)
+        self.mtp = parts.mtp
 
     @classmethod
     def with_blocks(cls, config: DecoderConfig, change: Callable[[BlockConfig, int], BlockConfig], *,
@@ -385,17 +386,69 @@ class DecoderLM(FromConfig, nn.Module):
         Returns: ``logits [B, N, V]``. With a cache the call is all-or-nothing: when it raises anywhere
         (in any layer, the final norm or the head; a ``KeyboardInterrupt`` too), no layer's cache changes.
         """
+        return self._run(tokens, cache, (positions, attention_mask, context, context_mask),
+                         (cu_seqlens, context_cu_seqlens), head=True)
+
+    def hidden_states(self, tokens: Tensor, *, cache: LayerCaches | None = None, positions: Tensor | None = None,
+                      attention_mask: Tensor | None = None, context: Tensor | None = None,
+                      context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                      context_cu_seqlens: Tensor | None = None) -> Tensor:
+        """The final hidden states ``[B, N, C]``: :meth:`forward` without the head (after the final
+        norm, what the head reads: transformers' last ``hidden_states``). The same arguments, the
+        same all-or-nothing cache. A multi-token-prediction module (:mod:`attnzoo.models.mtp`)
+        reads them."""
+        return self._run(tokens, cache, (positions, attention_mask, context, context_mask),
+                         (cu_seqlens, context_cu_seqlens), head=False)
+
+    def mtp_logits(self, tokens: Tensor, *, attention_mask: Tensor | None = None,
+                   hidden: Tensor | None = None) -> list[Tensor]:
+        """The multi-token-prediction layers' logits over a sequence (the training loss of DeepSeek-V3's
+        MTP; :mod:`attnzoo.models.mtp`): entry ``i`` (one per depth) is ``[B, N - 1 - i, V]``, its
+        row ``j`` predicting token ``j + i + 2`` from the tokens up to ``j + i + 1`` (the last row
+        predicts past the sequence: drop it for a loss).
+
+        Args:
+            tokens: ``[B, N]`` token ids.
+            attention_mask: ``[B, N]`` bool, True for real tokens (left padding, as :meth:`forward`).
+            hidden: ``[B, N, C]``, the model's :meth:`hidden_states` of ``tokens`` when already at
+                hand (training the MTP layers of a frozen model: computed once); default computed.
+        """
+        owner = "DecoderLM.mtp_logits"
+        if self.mtp is None:
+            raise ValueError(f"{owner}: the model has no multi-token-prediction layers (DecoderParts(mtp=...); "
+                             f"a checkpoint's load when its folder holds them)")
+        check_tokens(tokens, self.vocab_size, owner)
+        B, N = tokens.shape
+        am = None if attention_mask is None else check_padding_mask(attention_mask, B, N, owner)
+        if hidden is not None and (not isinstance(hidden, Tensor) or tuple(hidden.shape) != (B, N, self.dim)):
+            got = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
+            raise ValueError(f"{owner}: hidden must be the hidden states [B, N, C] = [{B}, {N}, {self.dim}], got {got}")
+        h = self.hidden_states(tokens, attention_mask=am) if hidden is None else hidden  # [B, N, C]
+        pos = torch.arange(N, device=tokens.device).expand(B, N) if am is None else positions_from_mask(am)
+        out = []
+        for i, layer in enumerate(self.mtp.layers):
+            rows = max(N - 1 - i, 0)
+            if rows == 0:  # nothing left to predict
+                out.append(self.lm_head(h[:, :0]))
+                continue
+            h = layer(self.tok_emb(tokens[:, i + 1:i + 1 + rows]), h[:, :rows], positions=pos[:, :rows] + i + 1,
+                      key_padding=None if am is None else am[:, :rows])  # [B, rows, C]
+            out.append(self.lm_head(h))  # [B, rows, V]
+        return out
+
+    def _run(self, tokens: Tensor, cache: LayerCaches | None, given: tuple[Any, Any, Any, Any],
+             packed: tuple[Any, Any], *, head: bool) -> Tensor:
+        """:meth:`forward` (``head``) or :meth:`hidden_states`; ``given``: ``(positions, attention_mask,
+        context, context_mask)``, ``packed``: ``(cu_seqlens, context_cu_seqlens)``."""
+        positions, attention_mask, context, context_mask = given
         if isinstance(cache, LayerCaches) and not cache.in_transaction:
             # one transaction over every layer's cache, which the layers' own calls join (nn/cache.py)
-            return transaction(cache, lambda: self(tokens, cache=cache, positions=positions,
-                                                   attention_mask=attention_mask, context=context,
-                                                   context_mask=context_mask, cu_seqlens=cu_seqlens,
-                                                   context_cu_seqlens=context_cu_seqlens))
+            return transaction(cache, lambda: self._run(tokens, cache, given, packed, head=head))
         owner = "DecoderLM"
         check_tokens(tokens, self.vocab_size, owner)
         B, N = tokens.shape
-        if cu_seqlens is not None or context_cu_seqlens is not None:
-            return self._packed(tokens, cu_seqlens, (context, context_mask, context_cu_seqlens), cache, positions,
+        if packed[0] is not None or packed[1] is not None:
+            return self._packed(tokens, packed[0], (context, context_mask, packed[1]), head, cache, positions,
                                 attention_mask)
         past = self._cache_length(cache, B)
         kp: Tensor | None = None
@@ -422,12 +475,13 @@ class DecoderLM(FromConfig, nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, context, key_padding=kp, context_mask=context_mask,
                       cache=None if cache is None else cache[i], positions=attn_pos)  # [B, N, C]
-        return self.lm_head(self.norm(x))  # [B, N, V]
+        x = self.norm(x)  # [B, N, C]
+        return self.lm_head(x) if head else x  # [B, N, V]
 
-    def _packed(self, tokens: Tensor, cu_seqlens: Tensor | None, context: tuple[Any, Any, Any],
+    def _packed(self, tokens: Tensor, cu_seqlens: Tensor | None, context: tuple[Any, Any, Any], head: bool,
                 *unsupported: object) -> Tensor:
-        """Logits ``[1, T, V]`` of packed sequences (see :meth:`forward`); ``context``: ``(context,
-        context_mask, context_cu_seqlens)``."""
+        """Logits ``[1, T, V]`` of packed sequences (see :meth:`forward`; without ``head``: the hidden
+        states ``[1, T, C]``); ``context``: ``(context, context_mask, context_cu_seqlens)``."""
         if any(u is not None for u in unsupported):
             raise ValueError("DecoderLM: packed input (cu_seqlens) takes no cache, positions or attention_mask")
         if tokens.shape[0] != 1:
@@ -447,7 +501,8 @@ class DecoderLM(FromConfig, nn.Module):
                 x = block(x, cu_seqlens=cu)  # [1, T, C]
             else:
                 x = block(x, memory, cu_seqlens=cu, context_cu_seqlens=context_cu)  # [1, T, C]
-        return self.lm_head(self.norm(x))  # [1, T, V]
+        x = self.norm(x)  # [1, T, C]
+        return self.lm_head(x) if head else x  # [1, T, V]
 
     def _packed_context(self, context: tuple[Any, Any, Any], cu: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """``(context [1, Tm, C], context_cu_seqlens [S+1])`` of a packed call, checked against the
@@ -516,15 +571,20 @@ class DecoderLM(FromConfig, nn.Module):
 
     def _speculation(self, settings: tuple[object, ...], n: int, new: int, beams: int, extend_context: bool,
                      context: bool = False, owner: str = "DecoderLM.generate") -> Speculation | None:
-        """The speculative ``settings`` of :meth:`generate` checked (:func:`check_speculation`), and
+        """The speculative ``settings`` of :meth:`generate` (``use_mtp`` last) checked (:func:`check_speculation`), and
         what speculative decoding needs besides: one beam, an assistant that has the positions, and
         RoPE frequencies that stay the same while it runs (``None``: no speculation)."""
-        spec = check_speculation(*settings, self.vocab_size, owner, context)
+        *drafting, use_mtp = settings
+        if check_bool(use_mtp, "use_mtp", owner) and self.mtp is None:
+            raise ValueError(f"{owner}: use_mtp=True drafts with the model's multi-token-prediction layers, and "
+                             f"this model has none (DecoderParts(mtp=...); a checkpoint's load when its folder "
+                             f"holds them)")
+        spec = check_speculation(*drafting, self.vocab_size, owner, context, self.mtp if use_mtp else None)
         if spec is None:
             return None
         if beams > 1:
-            raise ValueError(f"{owner}: speculative decoding (assistant_model / prompt_lookup_num_tokens) is greedy "
-                             f"or sampled, not beam search: num_beams must be 1, got {beams}")
+            raise ValueError(f"{owner}: speculative decoding (assistant_model / prompt_lookup_num_tokens / use_mtp) "
+                             f"is greedy or sampled, not beam search: num_beams must be 1, got {beams}")
         varying = [m.rope_type for m in self.modules() if isinstance(m, ScaledRotaryEmbedding)  # every layer's
                    and m.varies_between(n + 1, n + new)]
         if varying:
@@ -591,6 +651,7 @@ class DecoderLM(FromConfig, nn.Module):
         assistant_confidence_threshold: float = 0.4,
         prompt_lookup_num_tokens: int | None = None,
         max_matching_ngram_size: int = 2,
+        use_mtp: bool = False,
     ) -> Tensor:
         """Autoregressive generation with the per-layer caches (prefill once, then one token a step).
 
@@ -647,6 +708,10 @@ class DecoderLM(FromConfig, nn.Module):
                 up to this many tokens that followed the earliest earlier occurrence of the row's
                 last ``n``-gram (``n <= max_matching_ngram_size``; transformers' prompt lookup
                 decoding), greedy or sampled as with an assistant.
+            use_mtp: speculative decoding drafted by the model's own multi-token-prediction layers
+                (``DecoderParts(mtp=...)``, loaded with a DeepSeek-V3 / GLM-4.5 checkpoint that holds
+                them; transformers' ``use_mtp``): one draft per depth a round, greedy or sampled as
+                with an assistant.
 
         Returns: ``[B * R, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row ended).
         """
@@ -657,7 +722,7 @@ class DecoderLM(FromConfig, nn.Module):
             num_return_sequences, owner)
         eos = self._check_generate(n, new, eos_token_id, extend_context)
         spec = self._speculation((assistant_model, num_assistant_tokens, assistant_confidence_threshold,
-                                  prompt_lookup_num_tokens, max_matching_ngram_size), n, new, beams,
+                                  prompt_lookup_num_tokens, max_matching_ngram_size, use_mtp), n, new, beams,
                                  extend_context, context is not None)
         rules = GenerationRules.checked(suppress_tokens, min_new_tokens, eos, self.vocab_size, owner,
                                         no_repeat_ngram_size, repetition_penalty, min_length, n, bad_words_ids)

@@ -25,6 +25,7 @@ subclass whose layers take ``cu_seqlens`` sets ``packs = True`` and gets the pac
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -96,28 +97,46 @@ class LayerLoopLM(DecoderLM):
                 attention_mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         """As :meth:`DecoderLM.forward <attnzoo.DecoderLM.forward>`, without ``context``."""
+        return self._loop(tokens, cache, (positions, attention_mask, context, context_mask, cu_seqlens), head=True)
+
+    def hidden_states(self, tokens: Tensor, *, cache: LayerCaches | None = None, positions: Tensor | None = None,
+                      attention_mask: Tensor | None = None, context: Tensor | None = None,
+                      context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+        """As :meth:`DecoderLM.hidden_states <attnzoo.DecoderLM.hidden_states>`: :meth:`forward`
+        without the head, ``[B, N, C]``."""
+        return self._loop(tokens, cache, (positions, attention_mask, context, context_mask, cu_seqlens), head=False)
+
+    def _loop(self, tokens: Tensor, cache: LayerCaches | None, given: tuple[Any, Any, Any, Any, Any], *,
+              head: bool) -> Tensor:
+        """:meth:`forward` (``head``) or :meth:`hidden_states`; ``given``: ``(positions, attention_mask,
+        context, context_mask, cu_seqlens)``."""
+        positions, attention_mask, context, context_mask, cu_seqlens = given
         if isinstance(cache, LayerCaches) and not cache.in_transaction:
-            return transaction(cache, lambda: self(tokens, cache=cache, positions=positions,
-                                                   attention_mask=attention_mask, cu_seqlens=cu_seqlens))
+            return transaction(cache, lambda: self._loop(tokens, cache, given, head=head))
         owner = type(self).__name__
         check_tokens(tokens, self.vocab_size, owner)
         if context is not None or context_mask is not None:
             raise ValueError(f"{owner}: context= is not supported (the model has no cross-attention)")
         if cu_seqlens is not None:
-            return self._packed(tokens, cu_seqlens, cache, positions, attention_mask)
+            return self._packed(tokens, cu_seqlens, head, cache, positions, attention_mask)
         B, N = tokens.shape
         past = self._cache_length(cache, B)
         kp = None if attention_mask is None else check_padding_mask(attention_mask, B, past + N, owner)
         pos = None if positions is None else self._check_positions(positions, B, N)
         h = self.run_layers(self.embed(tokens), tokens=tokens, key_padding=kp, positions=pos, past=past, cache=cache)
-        return self.logits(h)
+        return self.logits(h) if head else self.final(h)
+
+    def final(self, h: Tensor) -> Tensor:
+        """The final norm on the layers' output ``h [B, N, C]``: what the head reads, ``[B, N, C]``."""
+        return self.norm(h)
 
     def logits(self, h: Tensor) -> Tensor:
         """The final norm and the head on the layers' output ``h [B, N, C]`` -> ``[B, N, V]``."""
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.final(h))
 
-    def _packed(self, tokens: Tensor, cu_seqlens: Tensor, *unsupported: object) -> Tensor:
-        """Packed sequences (``[1, T, V]``): through the layers whole (``packs``), else each alone."""
+    def _packed(self, tokens: Tensor, cu_seqlens: Tensor, head: bool, *unsupported: object) -> Tensor:
+        """Packed sequences (``[1, T, V]``; without ``head`` ``[1, T, C]``): through the layers whole
+        (``packs``), else each alone."""
         owner = type(self).__name__
         if any(u is not None for u in unsupported):
             raise ValueError(f"{owner}: packed input (cu_seqlens) takes no cache, positions or attention_mask")
@@ -125,11 +144,12 @@ class LayerLoopLM(DecoderLM):
             raise ValueError(f"{owner}: packed input must be one row of tokens [1, T], got {tuple(tokens.shape)}")
         cu = packed_cu_seqlens(cu_seqlens, tokens.unsqueeze(-1), owner)
         if not self.packs:
-            return torch.cat([self(tokens[:, a:b]) for a, b in itertools.pairwise(cu.tolist()) if b > a], dim=1)
+            run = self if head else self.hidden_states
+            return torch.cat([run(tokens[:, a:b]) for a, b in itertools.pairwise(cu.tolist()) if b > a], dim=1)
         pos = packed_positions(cu, tokens.shape[1])  # [T], restarting per sequence
         h = self.run_layers(self.embed(tokens, pos), tokens=tokens, key_padding=None, positions=pos, past=0,
                             cache=None, cu_seqlens=cu)
-        return self.logits(h)  # [1, T, V]
+        return self.logits(h) if head else self.final(h)  # [1, T, V]
 
 
 class StreamsLM(LayerLoopLM):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._validate import check_bool, check_int, check_positive_float
+from attnzoo.models.mtp import MultiTokenPredictor
 from attnzoo.nn.frontier import packed_positions
 
 __all__ = ["DecoderParts", "EncoderParts", "LMHead", "PackedFromZero", "ScaledEmbedding", "ViTParts", "given_blocks",
@@ -128,6 +129,10 @@ class DecoderParts:
             positions it computes (the cache's offset, the attention mask's count); a module whose
             ``counts_mask`` attribute is ``False`` gets the tokens' indices ``cache.length + 0..N-1``
             whatever the attention mask (BART's positions are ``arange`` on left-padded rows too).
+        mtp: multi-token-prediction layers (:class:`~attnzoo.models.mtp.MultiTokenPredictor`,
+            DeepSeek-V3's ``num_nextn_predict_layers``): :meth:`DecoderLM.mtp_logits
+            <attnzoo.DecoderLM.mtp_logits>` and ``generate(..., use_mtp=True)`` use them; the
+            model's own forward does not (default ``None``: none).
     """
 
     blocks: Blocks | None = None
@@ -135,9 +140,12 @@ class DecoderParts:
     norm: nn.Module | None = None
     head: nn.Module | None = None
     positions: nn.Module | None = None
+    mtp: MultiTokenPredictor | None = None
 
     def __post_init__(self) -> None:
         _check_parts(self, "DecoderParts", ("embedding", "norm", "head", "positions"))
+        if self.mtp is not None and not isinstance(self.mtp, MultiTokenPredictor):
+            raise TypeError(f"DecoderParts: mtp must be a MultiTokenPredictor or None, got {type(self.mtp).__name__}")
 
 
 def _check_parts(parts: DecoderParts | EncoderParts | ViTParts, owner: str, modules: tuple[str, ...]) -> None:

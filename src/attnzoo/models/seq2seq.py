@@ -349,7 +349,7 @@ class EncoderDecoder(nn.Module):
         if isinstance(assistant, EncoderDecoder):
             assistant._check_source(src, f"{owner} (assistant_model)")
             settings = (assistant.decoder, *settings[1:])
-        return self.decoder._speculation(settings, n, new, beams, False, context=True, owner=owner)
+        return self.decoder._speculation((*settings, False), n, new, beams, False, context=True, owner=owner)
 
     def _sampled(self, start: Tensor, new: int, memory: Tensor, src_mask: Tensor | None,
                  forced: tuple[int | None, int | None], rules: GenerationRules, fill: int | None,

@@ -3,14 +3,15 @@ of the next tokens, checked by one forward of the model.
 
 Each round a drafter proposes up to ``k`` next tokens of every row: **prompt lookup** (the
 tokens that followed the earliest earlier occurrence of the row's last ``n``-gram, as
-transformers' ``prompt_lookup_num_tokens``) or an **assistant model** (a smaller
+transformers' ``prompt_lookup_num_tokens``), an **assistant model** (a smaller
 :class:`~attnzoo.DecoderLM` with the same vocabulary, its own tokens, greedy or sampled, as
-transformers' ``assistant_model``). The model then scores ``[last, d_1 .. d_k]`` in one cached forward, keeps
+transformers' ``assistant_model``) or the model's own **multi-token-prediction layers** (one draft
+per depth, :mod:`attnzoo.models.mtp`, as transformers' ``use_mtp``). The model then scores ``[last, d_1 .. d_k]`` in one cached forward, keeps
 the longest run of drafts it accepts and adds its own next token: every round writes
 ``1 .. k + 1`` tokens for one forward of the model. Every
 :class:`~attnzoo.models.generation.GenerationRules` rule is applied at every position, on the
 row's tokens up to it. Greedy: a draft is accepted where it is the model's own choice, so the
-tokens are those of greedy decoding. Sampling: an assistant's draft ``d ~ q`` is accepted with
+tokens are those of greedy decoding. Sampling: an assistant's (or MTP) draft ``d ~ q`` is accepted with
 probability ``min(1, p(d) / q(d))`` and otherwise replaced by a draw from ``max(0, p - q)``
 (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023); a looked-up draft where the
 model's own draw equals it (transformers' way): the tokens are distributed as sampling draws them
@@ -64,26 +65,31 @@ class Speculation(NamedTuple):
     assistant stops drafting when a row's draft has a lower probability (0: never); ``ngram``: the
     longest ``n``-gram prompt lookup matches; ``context``: the assistant's own ``(context [B, M, C'],
     context_mask [B, M])`` (an encoder-decoder assistant's encoding of the source; ``None``: a
-    cross-attention assistant reads the model's context, another none)."""
+    cross-attention assistant reads the model's context, another none); ``mtp``: the model's
+    multi-token-prediction layers draft (:class:`~attnzoo.models.mtp.MultiTokenPredictor`, one
+    draft per depth)."""
 
     assistant: Verifier | None
     tokens: int
     confidence: float
     ngram: int
     context: tuple[Tensor, Tensor | None] | None = None
+    mtp: Any = None
 
 
 def check_speculation(assistant_model: object, num_assistant_tokens: object, assistant_confidence_threshold: object,
                       prompt_lookup_num_tokens: object, max_matching_ngram_size: object, vocab_size: int,
-                      owner: str, context: bool = False) -> Speculation | None:
+                      owner: str, context: bool = False, mtp: Any = None) -> Speculation | None:
     """The speculative settings of ``generate`` checked (``None``: no speculation): an assistant
     (a model with ``init_cache``, the same ``vocab_size``; with cross-attention only where the model
-    runs with a ``context``) or prompt lookup, not both; ``num_assistant_tokens`` /
-    ``prompt_lookup_num_tokens`` ``>= 1``; the confidence threshold in ``[0, 1)``;
-    ``max_matching_ngram_size >= 1``."""
-    if assistant_model is not None and prompt_lookup_num_tokens is not None:
-        raise ValueError(f"{owner}: assistant_model and prompt_lookup_num_tokens are two ways of drafting; "
-                         f"give one of them")
+    runs with a ``context``), prompt lookup or the model's multi-token-prediction layers ``mtp``
+    (``use_mtp``), one of them; ``num_assistant_tokens`` / ``prompt_lookup_num_tokens`` ``>= 1``;
+    the confidence threshold in ``[0, 1)``; ``max_matching_ngram_size >= 1``."""
+    ways = [name for name, given in (("assistant_model", assistant_model is not None),
+                                     ("prompt_lookup_num_tokens", prompt_lookup_num_tokens is not None),
+                                     ("use_mtp", mtp is not None)) if given]
+    if len(ways) > 1:
+        raise ValueError(f"{owner}: {' and '.join(ways)} are {len(ways)} ways of drafting; give one of them")
     ngram = check_int(max_matching_ngram_size, "max_matching_ngram_size", owner, minimum=1)
     drafts = check_int(num_assistant_tokens, "num_assistant_tokens", owner, minimum=1)
     threshold = check_float(assistant_confidence_threshold, "assistant_confidence_threshold", owner)
@@ -92,6 +98,8 @@ def check_speculation(assistant_model: object, num_assistant_tokens: object, ass
     if prompt_lookup_num_tokens is not None:
         return Speculation(None, check_int(prompt_lookup_num_tokens, "prompt_lookup_num_tokens", owner, minimum=1),
                            0.0, ngram)
+    if mtp is not None:
+        return Speculation(None, mtp.depth, 0.0, ngram, mtp=mtp)
     if assistant_model is None:
         return None
     if not callable(getattr(assistant_model, "init_cache", None)) or not callable(
@@ -131,6 +139,8 @@ class _Cached:
             raise TypeError(f"{owner}: speculative decoding takes back rejected drafts, and these caches can "
                             f"neither be truncated nor rolled back: {sorted(set(refused))}")
         self._mark: object = None
+        #: the final hidden states ``[B, L, C]`` of every token fed (kept for an MTP drafter), or None
+        self.hidden: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -142,6 +152,11 @@ class _Cached:
         start = self.length
         pos = None if self.positions is None else self.positions[:, start:end]
         seen = None if self.mask is None else self.mask[:, :end]
+        if self.hidden is not None:  # the hidden states kept, the head on the positions asked for
+            h = self.model.hidden_states(tokens[:, start:end], cache=self.cache, positions=pos, attention_mask=seen,
+                                         context=self.context[0], context_mask=self.context[1])  # [B, n, C]
+            self.hidden[:, start:end] = h
+            return self.model.lm_head(h) if every else self.model.lm_head(h[:, -1:])[:, -1]
         if every or end - start == 1:  # one position: the head costs nothing to skip
             out = self.model(tokens[:, start:end], cache=self.cache, positions=pos, attention_mask=seen,
                              context=self.context[0], context_mask=self.context[1])
@@ -285,23 +300,83 @@ class _Assistant:
         return k
 
     def judge(self, gen: _Generation, scores: Tensor, j: int) -> tuple[Tensor, Tensor]:
-        """Speculative sampling at draft ``j``: the draft ``d ~ q`` is kept with probability
-        ``min(1, p(d) / q(d))``, else the token is drawn from ``max(0, p - q)`` renormalised, which
-        makes it ``p``-distributed either way. The token ``[B]`` and whether it is the draft ``[B]``."""
-        p, q = gen.probs(scores), self.q[j]
-        draft = gen.tokens[:, gen.written]
-        pd, qd = p.gather(1, draft[:, None]).squeeze(1), q.gather(1, draft[:, None]).squeeze(1)
-        u = torch.rand(pd.shape, generator=gen.generator, device=pd.device)
-        kept = u * qd < pd
-        rest = (p - q).clamp_min(0.0)
-        rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # p == q: never needed, but defined
-        return torch.where(kept, draft, gen.draw(rest / rest.sum(-1, keepdim=True))), kept
+        """Speculative sampling at draft ``j`` (:func:`_judge`)."""
+        return _judge(gen, scores, self.q[j])
 
     def close(self, keep: int) -> None:
         self.cached.close(keep)
 
 
-def _verify(gen: _Generation, drafter: _Lookup | _Assistant, logits: Tensor, k: int) -> None:
+def _judge(gen: _Generation, scores: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """Speculative sampling of the draft at ``gen.written``, drawn from ``q [B, V]``: the draft
+    ``d ~ q`` is kept with probability ``min(1, p(d) / q(d))``, else the token is drawn from
+    ``max(0, p - q)`` renormalised, which makes it ``p``-distributed either way. The token ``[B]``
+    and whether it is the draft ``[B]``."""
+    p = gen.probs(scores)
+    draft = gen.tokens[:, gen.written]
+    pd, qd = p.gather(1, draft[:, None]).squeeze(1), q.gather(1, draft[:, None]).squeeze(1)
+    u = torch.rand(pd.shape, generator=gen.generator, device=pd.device)
+    kept = u * qd < pd
+    rest = (p - q).clamp_min(0.0)
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # p == q: never needed, but defined
+    return torch.where(kept, draft, gen.draw(rest / rest.sum(-1, keepdim=True))), kept
+
+
+class _Predictor:
+    """Drafts from the model's own multi-token-prediction depths (transformers' ``use_mtp``): depth
+    ``i`` drafts the token ``i + 1`` ahead, reading the model's final hidden states (kept by the
+    target's :class:`_Cached`) or depth ``i - 1``'s outputs, greedy or sampled with the same rules.
+    Depth ``i``'s cache holds the rows ``j`` whose tokens (up to ``j + i + 1``) are final: depth 0
+    only ever reads final tokens; a deeper depth's rows that read drafts are truncated after
+    drafting and run again next round."""
+
+    def __init__(self, model: Any, target: _Cached, gen: _Generation, positions: Tensor | None, owner: str) -> None:
+        (B, L), self.model, self.mtp = gen.tokens.shape, model, model.mtp
+        weight = next(m.weight for m in self.mtp.modules() if isinstance(m, torch.nn.Linear))
+        self.caches = self.mtp.init_cache(B, L, device=weight.device, dtype=weight.dtype)
+        cut = [c for c in list(self.caches)[1:] if not truncatable(c)]
+        if cut:
+            raise TypeError(f"{owner}: use_mtp with {self.mtp.depth} depths truncates the rows of depths >= 1 "
+                            f"that read drafts, and their caches cannot be truncated: {type(cut[0]).__name__}")
+        self.rows = [0] * self.mtp.depth  # the rows each depth's cache holds
+        target.hidden = weight.new_zeros(B, L, model.dim)
+        self.target, self.mask = target, target.mask
+        self.outs = [weight.new_zeros(B, L, model.dim) for _ in range(self.mtp.depth - 1)]  # depths' outputs
+        self.pos = torch.arange(L, device=gen.tokens.device).expand(B, L) if positions is None else positions
+        self.q: list[Tensor] = []
+
+    def propose(self, gen: _Generation, k: int) -> int:
+        """Write up to ``k`` drafts (one per depth) after ``gen.written``; how many."""
+        w, self.q = gen.written, []
+        F = w - 1  # rows 0 .. F - 1: the model's hidden states there are final
+        for i in range(k):
+            c, src = self.rows[i], self.target.hidden if i == 0 else self.outs[i - 1]
+            out = self.mtp.layers[i](self.model.tok_emb(gen.tokens[:, c + i + 1:F + i + 1]), src[:, c:F],
+                                     cache=self.caches[i], positions=self.pos[:, c:F] + i + 1,
+                                     key_padding=None if self.mask is None else self.mask[:, :F])  # [B, F - c, C]
+            if i < len(self.outs):
+                self.outs[i][:, c:F] = out
+            scores = gen.scores(self.model.lm_head(out[:, -1:])[:, -1], w + i)
+            if gen.sampling is None:
+                token = scores.argmax(dim=-1)
+            else:
+                self.q.append(gen.probs(scores))
+                token = gen.draw(self.q[-1])
+            gen.tokens[:, w + i] = token
+            self.rows[i] = max(F - i, 0)  # the rows that read only final tokens
+            if i:
+                truncate(self.caches[i], self.rows[i])
+        return k
+
+    def judge(self, gen: _Generation, scores: Tensor, j: int) -> tuple[Tensor, Tensor]:
+        """Speculative sampling at draft ``j`` (:func:`_judge`)."""
+        return _judge(gen, scores, self.q[j])
+
+    def close(self, keep: int) -> None:
+        """Nothing to take back: the caches hold final rows only."""
+
+
+def _verify(gen: _Generation, drafter: _Lookup | _Assistant | _Predictor, logits: Tensor, k: int) -> None:
     """Write the tokens of one round from the model's logits ``[B, k + 1, V]`` at the positions of
     the ``k`` drafts and after them: the drafts while every unfinished row keeps them, then the
     model's own token (greedy: its choice; sampling: the judged draft or its replacement)."""
@@ -337,8 +412,10 @@ def speculative_generate(model: Verifier, prompt: Tensor, new: int, mask: Tensor
     gen = _Generation(prompt, new, mask, rules, fill, sampling, generator)
     positions = None if mask is None else positions_from_mask(mask)  # [B, L]
     target = _Cached(model, B, gen.total, positions, mask, (context, context_mask), owner)
-    drafter: _Lookup | _Assistant = _Lookup(spec.ngram)
-    if spec.assistant is not None:
+    drafter: _Lookup | _Assistant | _Predictor = _Lookup(spec.ngram)
+    if spec.mtp is not None:
+        drafter = _Predictor(model, target, gen, positions, owner)
+    elif spec.assistant is not None:
         own = spec.context or ((context, context_mask) if getattr(spec.assistant, "cross_attention", False)
                                else (None, None))
         _check_context_width(spec.assistant, own[0], owner)

@@ -22,6 +22,7 @@ from attnzoo.models.config import DecoderConfig
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.hf._state import HFConfig, Plan, Source, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
+from attnzoo.models.mtp import MultiTokenPredictor
 from attnzoo.models.parts import DecoderParts, ScaledEmbedding, head_for
 from attnzoo.nn.positional import RotaryEmbedding, ScaledRotaryEmbedding
 from attnzoo.nn.rope_scaling import ROPE_SCALINGS, rope_inv_freq
@@ -220,6 +221,29 @@ def head_size_of(hf: HFConfig, sd: Mapping[str, Tensor]) -> tuple[str, int | Non
     return prefix, None
 
 
+def mtp_depths(sd: Mapping[str, Tensor], prefix: str, depth: int) -> int:
+    """The multi-token-prediction layers a checkpoint holds after its ``depth`` layers, in
+    DeepSeek-V3's layout (``layers.{depth + k}.eh_proj``)."""
+    k = 0
+    while f"{prefix}layers.{depth + k}.eh_proj.weight" in sd:
+        k += 1
+    return k
+
+
+def put_mtp(plan: Plan, ours: str, theirs: str) -> None:
+    """The parts of a multi-token-prediction layer around its block, DeepSeek-V3's names
+    (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` -> ``post_norm``; the block: the
+    family's own layer names under ``{ours}block.``)."""
+    plan.put_pairs(ours, theirs, [("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                                  ("post_norm", "shared_head.norm")], bias=False)
+
+
+def mtp_copies(depth: int, mtp: int) -> list[str]:
+    """The patterns of the MTP layers' copies of the embedding and the head (``embed_tokens``,
+    ``shared_head.head``): unused, as transformers' ``MtpModel`` reads the model's."""
+    return [rf"(model\.)?layers\.{depth + k}\.(shared_head\.head|embed_tokens)\.weight" for k in range(mtp)]
+
+
 def max_positions(hf: HFConfig) -> int:
     """The model's positions: ``max_position_embeddings``, or ``model_max_length`` where a config
     stores it under that name (Kimi Linear's ``to_dict()`` and ``config.json``), else 2048."""
@@ -228,12 +252,14 @@ def max_positions(hf: HFConfig) -> int:
 
 def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None, norm_eps: float,
             embed_scale: float | None = None, logit_softcap: float | None = None, heads: int | None = None,
-            embedding: nn.Module | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+            embedding: nn.Module | None = None, mtp: MultiTokenPredictor | None = None, device: Any = None,
+            dtype: Any = None) -> DecoderLM:
     """The :class:`DecoderLM` around ``blocks`` (one per layer, each attention with its own
     rotary embedding and positions): the token embedding (times ``embed_scale``; or the module
     ``embedding``, e.g. MiniMax's normalised one), the final RMSNorm, the head of ``head_size``
-    (see :func:`~attnzoo.models.parts.head_for`). ``heads``: the config's head count where it has
-    no ``num_attention_heads`` (an attention-free stack)."""
+    (see :func:`~attnzoo.models.parts.head_for`), the multi-token-prediction layers ``mtp``.
+    ``heads``: the config's head count where it has no ``num_attention_heads`` (an attention-free
+    stack)."""
     V, C = hf.req("vocab_size"), hf.req("hidden_size")
     cfg = DecoderConfig(V, C, len(blocks), heads or hf.req("num_attention_heads"), pos="rope", norm="rms", norm_eps=norm_eps,
                         tie_embeddings=hf.get("tie_word_embeddings", False, bool),
@@ -244,7 +270,7 @@ def decoder(hf: HFConfig, blocks: Sequence[nn.Module], *, head_size: int | None,
     if embed_scale is not None:
         embedding = ScaledEmbedding(V, C, scale=embed_scale, **kw)
     parts = DecoderParts(blocks=blocks, embedding=embedding,
-                         head=head_for(C, V, head_size, softcap=logit_softcap, **kw))
+                         head=head_for(C, V, head_size, softcap=logit_softcap, **kw), mtp=mtp)
     return DecoderLM(config=cfg, parts=parts, **kw)
 
 

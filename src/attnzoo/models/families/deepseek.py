@@ -116,8 +116,11 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSN
   (times its weight). The router's ``router_bias`` is never added by transformers (l. 143): its
   ``classifier.bias`` is not loaded. The multi-token-prediction module ``model.mtp.*`` is dropped.
 * Multi-token-prediction layers (``layers.{j}`` with ``j >= num_hidden_layers``, V3's
-  ``num_nextn_predict_layers``) are not part of the causal LM: their weights are dropped, as
-  transformers drops them (``modeling_deepseek_v3.py`` 536).
+  ``num_nextn_predict_layers``) are not part of the causal LM, and transformers drops them
+  (``modeling_deepseek_v3.py`` 536). A DeepSeek-V3 / Sarvam-MLA checkpoint folder that holds them
+  loads them as the model's ``mtp`` (:mod:`attnzoo.models.mtp`; each a MoE decoder layer with
+  ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, as transformers' ``MtpModel`` builds them
+  for ``generate(use_mtp=True)``); the other types' are dropped.
 
 A ``config.json`` that leaves keys out reads them as :data:`DEFAULTS` (the config classes' defaults).
 
@@ -162,6 +165,7 @@ from attnzoo.models.families.qwen3_next import real_keys
 from attnzoo.models.families.qwen4_exp import IndexerCache
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.deepseek import extra_layer, mla_rope
+from attnzoo.models.mtp import MTPLayer, MultiTokenPredictor
 from attnzoo.nn.cache import CacheList
 from attnzoo.nn.mla import LatentCache, MLAOptions, MLASizes, MultiHeadLatentAttention
 from attnzoo.nn.moe import MixtureOfExperts, Routing
@@ -258,6 +262,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 #: the model types routing as DeepSeek-V3 (sigmoid scores, ``e_score_correction_bias``)
+#: the types whose checkpoints' multi-token-prediction layers transformers' ``use_mtp`` reads (loaded here)
+MTP = ("deepseek_v3", "sarvam_mla")
 SIGMOID = ("deepseek_v3", "glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "sarvam_mla",
            "axk2")
 #: the dense model types: every layer's feed-forward the SwiGLU of ``intermediate_size``
@@ -897,9 +903,10 @@ def _moe(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[], nn.M
 
 
 def build_deepseek(hf: HFConfig, model_type: str, *, head_size: int | None = None, device: Any = None,
-                   dtype: Any = None) -> DecoderLM:
+                   dtype: Any = None, mtp: int = 0) -> DecoderLM:
     """The decoder of a ``DeepseekV3Config`` / ``DeepseekV2Config`` (``model_type``; random weights;
-    see the module docstring)."""
+    see the module docstring), with ``mtp`` multi-token-prediction depths (each a MoE block, as
+    transformers' ``get_mtp_config`` builds them)."""
     hf = canonical(hf, model_type)
     C, eps = hf.req("hidden_size"), hf.get("rms_norm_eps", 1e-6, float)
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
@@ -916,8 +923,11 @@ def build_deepseek(hf: HFConfig, model_type: str, *, head_size: int | None = Non
     else:
         blocks = [parts.block(C, attention, moe if sparse else dense, norm) for sparse in kinds]
     scale = hf.get("scale_emb", 1.0, float) if model_type == "minicpm3" else 1.0
+    predictor = MultiTokenPredictor([  # MoE blocks: transformers' get_mtp_config sets first_k_dense_replace=0
+        MTPLayer(C, parts.block(C, attention, _moe(hf, model_type, kw), norm), norm, **kw)
+        for _ in range(mtp)]) if mtp else None
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=None if scale == 1.0 else scale,
-                         **kw)
+                         mtp=predictor, **kw)
 
 
 def _put_moe(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
@@ -978,13 +988,26 @@ def _put_axk2_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig, sparse: bo
         plan.put(f"{ours}ffn_norm.weight", f"{theirs}post_attention_layernorm.weight")
 
 
+def _put_mtp(plan: Plan, ours: str, theirs: str, hf: HFConfig) -> None:
+    """A multi-token-prediction layer from ``layers.{j}`` (``j >= num_hidden_layers``): the parts
+    around the block (:func:`~attnzoo.models.families._common.put_mtp`) and a MoE decoder layer."""
+    parts.put_mtp(plan, ours, theirs)
+    put_mla(plan, f"{ours}block.attn.", f"{theirs}self_attn.", hf)
+    _put_moe(plan, f"{ours}block.ffn.", f"{theirs}mlp.", hf)
+    plan.put_pairs(f"{ours}block.", theirs, parts.PRE_NORMS, bias=False)
+
+
 def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
-    """Build the decoder and copy the weights (the head follows them; MTP layers dropped)."""
+    """Build the decoder and copy the weights (the head follows them; the MTP layers of
+    :data:`MTP` types loaded, the others dropped)."""
     hf = canonical(HFConfig({**hf.data, "model_type": model_type}, hf.source, hf.arch), model_type)
-    prefix = parts.head_size_of(hf, sd)[0]
-    sd = {k: v for k, v in sd.items() if not extra_layer(k, prefix, hf.req("num_hidden_layers"))}
-    build = functools.partial(build_deepseek, model_type=model_type)
+    prefix, depth = parts.head_size_of(hf, sd)[0], hf.req("num_hidden_layers")
+    mtp = parts.mtp_depths(sd, prefix, depth) if model_type in MTP else 0
+    sd = {k: v for k, v in sd.items() if not extra_layer(k, prefix, depth + mtp)}
+    build = functools.partial(build_deepseek, model_type=model_type, mtp=mtp)
     model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
+    for k in range(mtp):
+        _put_mtp(plan, f"mtp.layers.{k}.", f"layers.{depth + k}.", hf)
     for i, sparse in enumerate(moe_layers(hf, model_type)):
         o, h = f"blocks.{i}.", f"layers.{i}."
         if model_type == "minicpm5_moe":
@@ -1005,6 +1028,7 @@ def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: An
     if model_type == "minicpm3":
         return _finish_minicpm3(plan, model, hf, head_size)
     unused = [] if hf.get("n_shared_experts", 0) else [r"(model\.)?layers\.\d+\.mlp\.shared_experts\..*"]
+    unused += parts.mtp_copies(depth, mtp)
     if model_type == "axk1":  # the released checkpoints store the norm on the dense layers too, unused
         unused.append(r"(model\.)?layers\.\d+\.(mlp\.)?post_mlp_layernorm\..*")
     return parts.finish(plan, model, head_size, ignore=unused)

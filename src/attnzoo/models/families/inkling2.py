@@ -694,9 +694,9 @@ class Inkling2LM(LayerLoopLM):
         blocks, h = self._run(x, key_padding, positions if positions.dim() == 2 else positions[None], cache)
         return self.final_input(blocks, h)[:, :, 0]
 
-    def logits(self, h: Tensor) -> Tensor:
-        """The final norm, back in the embeddings' dtype (as transformers), and the head."""
-        return self.lm_head(self.norm(h).to(self.tok_emb.weight.dtype))
+    def final(self, h: Tensor) -> Tensor:
+        """The final norm, back in the embeddings' dtype (as transformers): what the head reads."""
+        return self.norm(h).to(self.tok_emb.weight.dtype)
 
     def _run(self, x: Tensor, kp: Tensor | None, positions: Tensor, cache: LayerCaches | None) -> tuple[Tensor, Tensor]:
         """The layers on the embeddings ``x [B, N, C]``: ``(block states [B, N, S, C], last hidden state)``."""

@@ -251,18 +251,15 @@ class IdCountedDecoderLM(DecoderLM):
         super().__init__(config=config, parts=parts, device=device, dtype=dtype)
         self.padding_idx = check_int(padding_idx, "padding_idx", type(self).__name__, minimum=0)
 
-    def forward(self, tokens: Tensor, *, cache: LayerCaches | None = None, positions: Tensor | None = None,
-                attention_mask: Tensor | None = None, context: Tensor | None = None,
-                context_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                context_cu_seqlens: Tensor | None = None) -> Tensor:
-        """As :meth:`DecoderLM.forward`, the default positions counted from the ids (packed: per
-        sequence, :meth:`packed_token_positions`)."""
-        if (positions is None and cu_seqlens is None and isinstance(tokens, Tensor) and tokens.dim() == 2
+    def _run(self, tokens: Tensor, cache: LayerCaches | None, given: tuple[Any, Any, Any, Any],
+             packed: tuple[Any, Any], *, head: bool) -> Tensor:
+        """As :meth:`DecoderLM.forward` / :meth:`DecoderLM.hidden_states`, the default positions
+        counted from the ids (packed: per sequence, :meth:`packed_token_positions`)."""
+        if (given[0] is None and packed[0] is None and isinstance(tokens, Tensor) and tokens.dim() == 2
                 and not tokens.is_floating_point()):
             positions = id_counted_positions(tokens, self.padding_idx, self._cache_length(cache, tokens.shape[0]))
-        return super().forward(tokens, cache=cache, positions=positions, attention_mask=attention_mask,
-                               context=context, context_mask=context_mask, cu_seqlens=cu_seqlens,
-                               context_cu_seqlens=context_cu_seqlens)
+            given = (positions, *given[1:])
+        return super()._run(tokens, cache, given, packed, head=head)
 
     def packed_token_positions(self, tokens: Tensor, cu_seqlens: Tensor) -> Tensor:
         """Packed ``tokens [1, T]``: positions ``[1, T]`` counted from the ids in every sequence

@@ -38,7 +38,9 @@ softmax over every expert in float32, the top ``num_experts_per_tok``, renormali
   sigmoid scores in float32, group-limited top-k of ``scores + e_score_correction_bias``,
   ``norm_topk_prob``, ``routed_scaling_factor``, ``n_shared_experts`` ungated shared experts). The
   checkpoints' multi-token-prediction layers (``layers.{j >= num_hidden_layers}``) are not part of
-  the causal LM: dropped.
+  the causal LM (transformers drops them); a checkpoint folder that holds them loads them as the
+  model's ``mtp`` (:mod:`attnzoo.models.mtp`: each a MoE layer with ``enorm``, ``hnorm``,
+  ``eh_proj``, ``shared_head.norm``, as transformers' ``MtpModel`` builds them).
 * **MiniMax-M2** (``minimax_m2``; modeling 46-127, 276-340): QK RMSNorm over all heads, rotary on the
   first ``rotary_dim`` channels (the released checkpoints' key; ``partial_rotary_factor`` otherwise),
   theta 5e6 by default; every layer a MoE of ``intermediate_size`` experts routed by the top-k of
@@ -253,6 +255,7 @@ from attnzoo.models.families.qwen3_next import real_keys
 from attnzoo.models.hf._state import HFConfig, Plan, float_dtype, load_qkv_into
 from attnzoo.models.hf.errors import CheckpointFormatError
 from attnzoo.models.loop import LayerLoopLM
+from attnzoo.models.mtp import MTPLayer, MultiTokenPredictor
 from attnzoo.models.parts import DecoderParts, LMHead, head_for
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
 from attnzoo.nn.frontier import packed_cu_seqlens, packed_positions
@@ -473,6 +476,9 @@ SANDWICH = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_
 GLM4_NORMS = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
               ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm"))
 #: the blocks' ``sublayer_norm`` by (four norms a layer: AFMoE, Kolibri-1; OLMo 2's output norms: FlexOlmo)
+#: the types whose checkpoints' multi-token-prediction layers (``layers.{j >= depth}``) transformers'
+#: ``use_mtp`` reads (loaded here)
+MTP = ("glm4_moe",)
 _SUBLAYER_NORM = {(False, False): "input", (True, False): "both", (False, True): "output"}
 #: OLMo 2's RMSNorms on the sub-layer outputs (FlexOlmo)
 OLMO2_NORMS = (("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm"))
@@ -737,9 +743,10 @@ def _attention(hf: HFConfig, variant: Variant, window: int | None, rope: Any, kw
 
 
 def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
-                     dtype: Any = None) -> DecoderLM:
+                     dtype: Any = None, mtp: int = 0) -> DecoderLM:
     """The decoder of a sparse-MoE config of the LLaMA line (random weights; the family is the
-    config's ``model_type``; see the module docstring)."""
+    config's ``model_type``; see the module docstring), with ``mtp`` multi-token-prediction depths
+    (GLM-4.5's: each a full-attention MoE layer, as transformers' ``get_mtp_config`` builds them)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
@@ -769,7 +776,10 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     scale = granite.embed_scale(hf) if variant.granite else scale
     if variant.layer_norm:
         return _layer_norm_decoder(hf, blocks, norm, head_size, kw)
-    model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, **kw)
+    predictor = MultiTokenPredictor([MTPLayer(C, parts.block(
+        C, _attention(hf, variant, None, ropes[kinds[-1]], kw), _moe(hf, variant, kw), norm,
+        sublayer_norm=_SUBLAYER_NORM[(variant.glm4_norms, False)]), norm, **kw) for _ in range(mtp)]) if mtp else None
+    model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, mtp=predictor, **kw)
     if variant.sandwich:  # AFMoE's OLMo-2 norms: the weight applied in float32, kept in float32
         parts.float32_scale_norms(model, keep_float32=True)
     elif variant.float32_norms:  # Flint's GPT-OSS RMSNorms (the blocks' and the final one; the QK norms round first)
@@ -883,6 +893,15 @@ def _put_ffn(plan: Plan, ours: str, theirs: str, variant: Variant, ffn: Any, hf:
             plan.put(f"{ours}score_bias", f"{theirs}e_score_correction_bias")
 
 
+def _put_mtp(plan: Plan, ours: str, theirs: str, hf: HFConfig, variant: Variant, moe: Any) -> None:
+    """A multi-token-prediction layer from ``layers.{j}`` (``j >= num_hidden_layers``): the parts
+    around the block (:func:`~attnzoo.models.families._common.put_mtp`) and a MoE decoder layer."""
+    parts.put_mtp(plan, ours, theirs)
+    _put_attention(plan, f"{ours}block.attn", f"{theirs}self_attn.", hf, variant)
+    _put_ffn(plan, f"{ours}block.ffn.", f"{theirs}mlp.", variant, moe, hf)
+    plan.put_pairs(f"{ours}block.", theirs, GLM4_NORMS if variant.glm4_norms else parts.PRE_NORMS, bias=False)
+
+
 def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; Mistral's saved MoE names
     too; the multi-token-prediction layers of GLM-4.5 / HY-V3 (``layers.{j >= depth}``) and of
@@ -893,7 +912,10 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         return _convert_dbrx(hf, sd, device=device, dtype=dtype)
     # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
     sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
-    model, plan, head_size = parts.start(hf, sd, build_sparse_moe, device=device, dtype=dtype)
+    depth = hf.req("num_hidden_layers")
+    mtp = parts.mtp_depths(sd, parts.head_size_of(hf, sd)[0], depth) if model_type in MTP else 0
+    build = functools.partial(build_sparse_moe, mtp=mtp)
+    model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
     if variant.granite:
         return _convert_granite(hf, model, plan, head_size)
     if variant.indexed:
@@ -911,8 +933,10 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         plan.put("norm.bias", "norm.bias")
         if isinstance(model.lm_head, LMHead) and model.lm_head.bias is not None:
             plan.put_tensor("lm_head.bias", sd["lm_head.bias"], "lm_head.bias")
-    extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= model.depth}
-    ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)]
+    for k in range(mtp):
+        _put_mtp(plan, f"mtp.layers.{k}.", f"layers.{depth + k}.", hf, variant, model.mtp.layers[k].block.ffn)
+    extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= depth + mtp}
+    ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)] + parts.mtp_copies(depth, mtp)
     if model_type in ("ernie4_5_moe", "exaone_moe", "mellum"):
         ignore.append(r"(model\.)?mtp.*")
     if model_type == "phimoe":

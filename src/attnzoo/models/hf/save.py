@@ -16,10 +16,11 @@ dropped multi-token-prediction layer, rotary buffers) keep their values.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,25 @@ def _invert(model: nn.Module, model_type: str, hf: HFConfig, sd: Mapping[str, Te
             raise first from None
 
 
+@contextlib.contextmanager
+def _without_mtp(model: nn.Module, what: str) -> Iterator[None]:
+    """``model`` seen without its multi-token-prediction layers (``mtp``), with a warning: a
+    transformers model has no place for them (transformers reads them from the checkpoint folder
+    when ``generate(use_mtp=True)`` asks)."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        yield
+        return
+    warnings.warn(f"{what}: the model's multi-token-prediction layers (mtp.*) are not written: a transformers "
+                  f"model does not hold them; save_pretrained(model, folder, like=checkpoint) writes them",
+                  stacklevel=4)
+    model.mtp = None
+    try:
+        yield
+    finally:
+        model.mtp = mtp
+
+
 def _uncovered(sd: Mapping[str, Tensor], written: Mapping[str, Tensor]) -> list[str]:
     """Floating checkpoint tensors the export left as they were (tied copies of written ones and
     empty tensors, e.g. DINOv2's register table of zero registers, aside)."""
@@ -368,8 +388,9 @@ def to_hf(model: nn.Module, hf_model: nn.Module | None = None) -> nn.Module:
     hf = HFConfig(config.to_dict(), f"{name}.config", MODEL_TYPES[model_type])
     sd = hf_model.state_dict()
     what = f"to_hf({name})"
-    written = _invert(model, model_type, hf, {k: v.detach() for k, v in sd.items()}, what=what,
-                      strict_prefix=name == "BertModel")
+    with _without_mtp(model, what):
+        written = _invert(model, model_type, hf, {k: v.detach() for k, v in sd.items()}, what=what,
+                          strict_prefix=name == "BertModel")
     with torch.no_grad():
         for key, value in written.items():
             sd[key].copy_(value)
