@@ -43,14 +43,21 @@ def _tiny(family: str, depth: int) -> Any:
         config = transformers.DeepseekV3Config(**common, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16,
                                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
         return transformers.DeepseekV3ForCausalLM(config).eval()
+    if family == "ernie4_5_moe":  # the MoE from layer 0: its MTP block is a MoE (layer 0's kind)
+        config = transformers.Ernie4_5_MoeConfig(
+            vocab_size=V, hidden_size=C, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+            moe_layer_start_index=0, num_hidden_layers=depth, max_position_embeddings=128, num_mtp_layers=1)
+        return transformers.Ernie4_5_MoeForCausalLM(config).eval()
     config = transformers.Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
                                         use_qk_norm=True)
     return transformers.Glm4MoeForCausalLM(config).eval()
 
 
 def _checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
-    """A 2-layer checkpoint folder whose ``model.layers.2`` is an MTP layer (DeepSeek-V3's layout:
-    a MoE decoder layer with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, ``embed_tokens``)."""
+    """A 2-layer checkpoint folder with an MTP layer: DeepSeek-V3's layout (``model.layers.2``: a MoE
+    decoder layer with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, ``embed_tokens``) or
+    ERNIE-4.5's (``model.mtp_block.0``, ``mtp_emb_norm.0``, ``mtp_hidden_norm.0``, ``mtp_linear_proj.0``)."""
     torch.manual_seed(seed)
     three = _tiny(family, 3).state_dict()
     model = _tiny(family, 2)
@@ -58,6 +65,13 @@ def _checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     g = torch.Generator().manual_seed(seed)
     tensors = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    if family == "ernie4_5_moe":
+        tensors.update({k.replace("model.layers.2.", "model.mtp_block.0."): v.contiguous() for k, v in three.items()
+                        if k.startswith("model.layers.2.")})
+        tensors.update({f"model.mtp_{n}_norm.0.weight": 1 + 0.1 * torch.randn(C, generator=g) for n in ("emb", "hidden")})
+        tensors["model.mtp_linear_proj.0.weight"] = torch.randn(C, 2 * C, generator=g) / 8
+        safetensors_torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
     tensors.update({k: v.contiguous() for k, v in three.items() if k.startswith("model.layers.2.")})
     tensors.update({f"model.layers.2.{n}.weight": 1 + 0.1 * torch.randn(C, generator=g)
                     for n in ("enorm", "hnorm", "shared_head.norm")})
@@ -74,11 +88,12 @@ def _theirs(folder: Path) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    model._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
+    if model.config.model_type != "ernie4_5_moe":  # ERNIE's names its MTP keys "mtp" in any checkpoint
+        model._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
     return model
 
 
-FAMILIES = ["deepseek_v3", "glm4_moe"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "ernie4_5_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,6 +106,7 @@ def test_mtp_layers_load_and_give_transformers_logits(tmp_path: Path, family: st
     assert isinstance(ours.mtp, MultiTokenPredictor) and ours.mtp.depth == 1
     assert {k.split(".")[3] for k in ours.state_dict() if k.startswith("mtp.")} == {"enorm", "hnorm", "eh_proj",
                                                                                    "block", "post_norm"}
+    assert (ours.mtp.layers[0].post_norm is ours.norm) == (family == "ernie4_5_moe")  # ERNIE's: the final norm
     ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         h = theirs(ids, output_hidden_states=True).hidden_states[-1]
@@ -134,15 +150,18 @@ def test_use_mtp_writes_transformers_tokens_with_as_many_forwards(tmp_path: Path
     with torch.no_grad():
         seqs = ours.generate(prompts, 20)
     _distill(ours, seqs)
-    with pytest.warns(UserWarning, match="embed_tokens"):  # the MTP layer's copies keep their values
+    with warnings.catch_warnings(record=True) as caught:  # DeepSeek's layout: the MTP layer's copies keep their values
+        warnings.simplefilter("always")
         save_pretrained(ours, tmp_path / "distilled", like=folder)
+    assert ("embed_tokens" in " ".join(str(w.message) for w in caught)) == (family != "ernie4_5_moe")
     back = load_pretrained(tmp_path / "distilled").eval()
     for a, b in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
         assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
     theirs = _theirs(tmp_path / "distilled")
     calls = {"ours": 0, "theirs": 0}
-    back.norm.register_forward_hook(lambda *_: calls.__setitem__("ours", calls["ours"] + 1))
-    theirs.model.norm.register_forward_hook(lambda *_: calls.__setitem__("theirs", calls["theirs"] + 1))
+    # the model's forwards, counted at its last layer (ERNIE's final norm also closes its MTP layer)
+    back.blocks[-1].register_forward_hook(lambda *_: calls.__setitem__("ours", calls["ours"] + 1))
+    theirs.model.layers[-1].register_forward_hook(lambda *_: calls.__setitem__("theirs", calls["theirs"] + 1))
     for row in range(3):
         x = prompts[row:row + 1]
         calls.update(ours=0, theirs=0)

@@ -709,8 +709,8 @@ class DecoderLM(FromConfig, nn.Module):
                 last ``n``-gram (``n <= max_matching_ngram_size``; transformers' prompt lookup
                 decoding), greedy or sampled as with an assistant.
             use_mtp: speculative decoding drafted by the model's own multi-token-prediction layers
-                (``DecoderParts(mtp=...)``, loaded with a DeepSeek-V3 / GLM-4.5 checkpoint that holds
-                them; transformers' ``use_mtp``): one draft per depth a round, greedy or sampled as
+                (``DecoderParts(mtp=...)``, loaded with a DeepSeek-V3 / GLM-4.5 / ERNIE-4.5 checkpoint that
+                holds them; transformers' ``use_mtp``): one draft per depth a round, greedy or sampled as
                 with an assistant.
 
         Returns: ``[B * R, N + T]`` long, ``T <= max_new_tokens`` (fewer only when every row ended).

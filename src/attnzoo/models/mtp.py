@@ -1,5 +1,5 @@
-"""Multi-token prediction (MTP): the extra layers DeepSeek-V3, GLM-4.5 and their kin ship beside the
-model, each predicting one token further ahead, used to train and to draft (self-speculative decoding).
+"""Multi-token prediction (MTP): the extra layers DeepSeek-V3, GLM-4.5, ERNIE-4.5 and their kin ship beside
+the model, each predicting one token further ahead, used to train and to draft (self-speculative decoding).
 
 Depth ``i`` (0-based) at row ``j`` reads the model's final hidden state at position ``j`` (depth 0) or
 depth ``i - 1``'s output at row ``j``, and the embedding of token ``j + i + 1``; it runs a

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from attnzoo._devices import cache_dtype
 from attnzoo._validate import check_float, check_int
 from attnzoo.models._common import positions_from_mask
 from attnzoo.models.generation import GenerationRules, sampling_probs
@@ -333,7 +334,7 @@ class _Predictor:
     def __init__(self, model: Any, target: _Cached, gen: _Generation, positions: Tensor | None, owner: str) -> None:
         (B, L), self.model, self.mtp = gen.tokens.shape, model, model.mtp
         weight = next(m.weight for m in self.mtp.modules() if isinstance(m, torch.nn.Linear))
-        self.caches = self.mtp.init_cache(B, L, device=weight.device, dtype=weight.dtype)
+        self.caches = self.mtp.init_cache(B, L, device=weight.device, dtype=cache_dtype(weight, None))
         cut = [c for c in list(self.caches)[1:] if not truncatable(c)]
         if cut:
             raise TypeError(f"{owner}: use_mtp with {self.mtp.depth} depths truncates the rows of depths >= 1 "

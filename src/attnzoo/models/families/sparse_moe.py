@@ -60,7 +60,8 @@ experts ungated, of ``moe_intermediate_size * n_shared_experts`` (or ``num_share
   (l. 336-358): the top ``moe_k`` of ``softmax + e_score_correction_bias`` (``moe_statics``, ``[1,
   E]``) pick, their softmax probabilities weight, divided by ``max(sum, moe_norm_min)``
   (:class:`Float32RouterMoE`); ``moe_num_shared_experts`` ungated shared experts; tied embeddings by
-  default. The checkpoints' ``mtp`` layers are dropped.
+  default. A checkpoint folder's MTP layer (``mtp_block.0``, ``mtp_emb_norm.0``, ``mtp_hidden_norm.0``,
+  ``mtp_linear_proj.0``; its post norm the final ``norm``, one module) loads as the model's ``mtp``.
 * **Hunyuan-A13B** (``hunyuan_v1_moe``; 153-300, 380-440): per-head ``query_layernorm`` /
   ``key_layernorm`` *after* RoPE (l. 196-200, :class:`PostRopeNormAttention`: the logits then depend
   on absolute positions, counted from each row's first token as ``generate`` counts them); every
@@ -476,9 +477,6 @@ SANDWICH = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_
 GLM4_NORMS = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
               ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm"))
 #: the blocks' ``sublayer_norm`` by (four norms a layer: AFMoE, Kolibri-1; OLMo 2's output norms: FlexOlmo)
-#: the types whose checkpoints' multi-token-prediction layers (``layers.{j >= depth}``) transformers'
-#: ``use_mtp`` reads (loaded here)
-MTP = ("glm4_moe",)
 _SUBLAYER_NORM = {(False, False): "input", (True, False): "both", (False, True): "output"}
 #: OLMo 2's RMSNorms on the sub-layer outputs (FlexOlmo)
 OLMO2_NORMS = (("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm"))
@@ -776,10 +774,14 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     scale = granite.embed_scale(hf) if variant.granite else scale
     if variant.layer_norm:
         return _layer_norm_decoder(hf, blocks, norm, head_size, kw)
+    # the MTP blocks transformers builds: as layer 0 of a config whose first_k_dense_replace is 0 (GLM: a MoE)
+    sparse_mtp = model_type == "glm4_moe" or sparse[0]
     predictor = MultiTokenPredictor([MTPLayer(C, parts.block(
-        C, _attention(hf, variant, None, ropes[kinds[-1]], kw), _moe(hf, variant, kw), norm,
+        C, _attention(hf, variant, None, ropes[kinds[0]], kw), _moe(hf, variant, kw) if sparse_mtp else dense, norm,
         sublayer_norm=_SUBLAYER_NORM[(variant.glm4_norms, False)]), norm, **kw) for _ in range(mtp)]) if mtp else None
     model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, mtp=predictor, **kw)
+    if predictor is not None and model_type == "ernie4_5_moe":  # its MTP post norm is the final norm (shared)
+        predictor.layers[0].post_norm = model.norm
     if variant.sandwich:  # AFMoE's OLMo-2 norms: the weight applied in float32, kept in float32
         parts.float32_scale_norms(model, keep_float32=True)
     elif variant.float32_norms:  # Flint's GPT-OSS RMSNorms (the blocks' and the final one; the QK norms round first)
@@ -893,27 +895,36 @@ def _put_ffn(plan: Plan, ours: str, theirs: str, variant: Variant, ffn: Any, hf:
             plan.put(f"{ours}score_bias", f"{theirs}e_score_correction_bias")
 
 
-def _put_mtp(plan: Plan, ours: str, theirs: str, hf: HFConfig, variant: Variant, moe: Any) -> None:
-    """A multi-token-prediction layer from ``layers.{j}`` (``j >= num_hidden_layers``): the parts
-    around the block (:func:`~attnzoo.models.families._common.put_mtp`) and a MoE decoder layer."""
-    parts.put_mtp(plan, ours, theirs)
+def _put_mtp(plan: Plan, ours: str, k: int, hf: HFConfig, variant: Variant, ffn: Any) -> None:
+    """Multi-token-prediction layer ``k``: GLM-4.5's ``layers.{num_hidden_layers + k}`` (the parts
+    around the block, :func:`~attnzoo.models.families._common.put_mtp`, and a decoder layer), or
+    ERNIE-4.5's ``mtp_block.{k}`` with ``mtp_emb_norm`` / ``mtp_hidden_norm`` / ``mtp_linear_proj``
+    (its post norm is the model's final norm, one module: transformers' ``_keys_shared_with_mtp``)."""
+    if hf.raw("model_type") == "ernie4_5_moe":
+        theirs = f"mtp_block.{k}."
+        plan.put_pairs(ours, "", [("enorm", f"mtp_emb_norm.{k}"), ("hnorm", f"mtp_hidden_norm.{k}"),
+                                  ("eh_proj", f"mtp_linear_proj.{k}")], bias=False)
+    else:
+        theirs = f"layers.{hf.req('num_hidden_layers') + k}."
+        parts.put_mtp(plan, ours, theirs)
     _put_attention(plan, f"{ours}block.attn", f"{theirs}self_attn.", hf, variant)
-    _put_ffn(plan, f"{ours}block.ffn.", f"{theirs}mlp.", variant, moe, hf)
+    _put_ffn(plan, f"{ours}block.ffn.", f"{theirs}mlp.", variant, ffn, hf)
     plan.put_pairs(f"{ours}block.", theirs, GLM4_NORMS if variant.glm4_norms else parts.PRE_NORMS, bias=False)
 
 
 def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; Mistral's saved MoE names
-    too; the multi-token-prediction layers of GLM-4.5 / HY-V3 (``layers.{j >= depth}``) and of
-    ERNIE-4.5 / EXAONE-MoE (``mtp.*``) dropped)."""
+    too; the multi-token-prediction layers of GLM-4.5 (``layers.{j >= depth}``) and ERNIE-4.5
+    (``mtp_*``) loaded as the model's ``mtp``, HY-V3's and EXAONE-MoE's dropped)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
     if model_type == "dbrx":
         return _convert_dbrx(hf, sd, device=device, dtype=dtype)
     # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
     sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
-    depth = hf.req("num_hidden_layers")
-    mtp = parts.mtp_depths(sd, parts.head_size_of(hf, sd)[0], depth) if model_type in MTP else 0
+    depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
+    mtp = (parts.mtp_depths(sd, prefix, depth) if model_type == "glm4_moe" else
+           int(f"{prefix}mtp_linear_proj.0.weight" in sd) if model_type == "ernie4_5_moe" else 0)
     build = functools.partial(build_sparse_moe, mtp=mtp)
     model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
     if variant.granite:
@@ -934,10 +945,10 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         if isinstance(model.lm_head, LMHead) and model.lm_head.bias is not None:
             plan.put_tensor("lm_head.bias", sd["lm_head.bias"], "lm_head.bias")
     for k in range(mtp):
-        _put_mtp(plan, f"mtp.layers.{k}.", f"layers.{depth + k}.", hf, variant, model.mtp.layers[k].block.ffn)
+        _put_mtp(plan, f"mtp.layers.{k}.", k, hf, variant, model.mtp.layers[k].block.ffn)
     extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= depth + mtp}
     ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)] + parts.mtp_copies(depth, mtp)
-    if model_type in ("ernie4_5_moe", "exaone_moe", "mellum"):
+    if model_type in ("exaone_moe", "mellum") or (model_type == "ernie4_5_moe" and not mtp):
         ignore.append(r"(model\.)?mtp.*")
     if model_type == "phimoe":
         ignore.append(r"lm_head\.bias")
