@@ -39,19 +39,18 @@ def _tiny(family: str, depth: int) -> Any:
               "num_attention_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
               "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "num_mtp_layers": 1,
               "max_position_embeddings": 128, "num_hidden_layers": depth}
-    if family == "deepseek_v3":
-        config = transformers.DeepseekV3Config(**common, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16,
-                                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-        return transformers.DeepseekV3ForCausalLM(config).eval()
-    if family == "ernie4_5_moe":  # the MoE from layer 0: its MTP block is a MoE (layer 0's kind)
+    if family in ("deepseek_v3", "sarvam_mla"):  # DeepSeek-V3's classes
+        config = transformers.AutoConfig.for_model(family, **common, num_key_value_heads=4, kv_lora_rank=16,
+                                                   q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    elif family == "ernie4_5_moe":  # the MoE from layer 0: its MTP block is a MoE (layer 0's kind)
         config = transformers.Ernie4_5_MoeConfig(
             vocab_size=V, hidden_size=C, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
             moe_layer_start_index=0, num_hidden_layers=depth, max_position_embeddings=128, num_mtp_layers=1)
-        return transformers.Ernie4_5_MoeForCausalLM(config).eval()
-    config = transformers.Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
-                                        use_qk_norm=True)
-    return transformers.Glm4MoeForCausalLM(config).eval()
+    else:  # GLM-4.5's classes (glm4_moe, param2moe, sarvam_moe)
+        config = transformers.AutoConfig.for_model(family, **common, num_key_value_heads=2, head_dim=8,
+                                                   partial_rotary_factor=0.5, use_qk_norm=True)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def _checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
@@ -93,7 +92,7 @@ def _theirs(folder: Path) -> Any:
     return model
 
 
-FAMILIES = ["deepseek_v3", "glm4_moe", "ernie4_5_moe"]
+FAMILIES = ["deepseek_v3", "sarvam_mla", "glm4_moe", "param2moe", "sarvam_moe", "ernie4_5_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -162,15 +161,16 @@ def test_use_mtp_writes_transformers_tokens_with_as_many_forwards(tmp_path: Path
     # the model's forwards, counted at its last layer (ERNIE's final norm also closes its MTP layer)
     back.blocks[-1].register_forward_hook(lambda *_: calls.__setitem__("ours", calls["ours"] + 1))
     theirs.model.layers[-1].register_forward_hook(lambda *_: calls.__setitem__("theirs", calls["theirs"] + 1))
+    ends = theirs.generation_config.eos_token_id  # the end token(s) transformers' generate stops at (its config's)
     for row in range(3):
         x = prompts[row:row + 1]
         calls.update(ours=0, theirs=0)
         with torch.no_grad():
             want = theirs.generate(x, max_new_tokens=20, do_sample=False, use_mtp=True)
-            got = back.generate(x, 20, use_mtp=True)
+            got = back.generate(x, 20, use_mtp=True, eos_token_id=ends)
         assert torch.equal(got, want)
-        assert calls["ours"] == calls["theirs"] < 20, calls
-        assert torch.equal(got, back.generate(x, 20))
+        assert calls["ours"] == calls["theirs"] < got.shape[1] - x.shape[1], calls
+        assert torch.equal(got, back.generate(x, 20, eos_token_id=ends))
 
 
 def test_to_hf_leaves_the_mtp_layers_out_with_a_warning(tmp_path: Path) -> None:

@@ -477,6 +477,8 @@ SANDWICH = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_
 GLM4_NORMS = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
               ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm"))
 #: the blocks' ``sublayer_norm`` by (four norms a layer: AFMoE, Kolibri-1; OLMo 2's output norms: FlexOlmo)
+#: the types transformers builds with GLM-4.5's classes, whose MTP layers (``layers.{j >= depth}``) ``use_mtp`` reads
+_GLM_MTP = ("glm4_moe", "param2moe", "sarvam_moe")
 _SUBLAYER_NORM = {(False, False): "input", (True, False): "both", (False, True): "output"}
 #: OLMo 2's RMSNorms on the sub-layer outputs (FlexOlmo)
 OLMO2_NORMS = (("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm"))
@@ -775,7 +777,7 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     if variant.layer_norm:
         return _layer_norm_decoder(hf, blocks, norm, head_size, kw)
     # the MTP blocks transformers builds: as layer 0 of a config whose first_k_dense_replace is 0 (GLM: a MoE)
-    sparse_mtp = model_type == "glm4_moe" or sparse[0]
+    sparse_mtp = model_type in _GLM_MTP or sparse[0]
     predictor = MultiTokenPredictor([MTPLayer(C, parts.block(
         C, _attention(hf, variant, None, ropes[kinds[0]], kw), _moe(hf, variant, kw) if sparse_mtp else dense, norm,
         sublayer_norm=_SUBLAYER_NORM[(variant.glm4_norms, False)]), norm, **kw) for _ in range(mtp)]) if mtp else None
@@ -923,7 +925,7 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
     sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
     depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
-    mtp = (parts.mtp_depths(sd, prefix, depth) if model_type == "glm4_moe" else
+    mtp = (parts.mtp_depths(sd, prefix, depth) if model_type in _GLM_MTP else
            int(f"{prefix}mtp_linear_proj.0.weight" in sd) if model_type == "ernie4_5_moe" else 0)
     build = functools.partial(build_sparse_moe, mtp=mtp)
     model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
