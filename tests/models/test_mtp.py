@@ -149,11 +149,16 @@ def test_use_mtp_writes_transformers_tokens_with_as_many_forwards(tmp_path: Path
     with torch.no_grad():
         seqs = ours.generate(prompts, 20)
     _distill(ours, seqs)
-    with warnings.catch_warnings(record=True) as caught:  # DeepSeek's layout: the MTP layer's copies keep their values
-        warnings.simplefilter("always")
+    with torch.no_grad():  # a fine-tuned head: the MTP layer's copy of it follows (DeepSeek's layout)
+        ours.lm_head.weight.mul_(1.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every checkpoint tensor written
         save_pretrained(ours, tmp_path / "distilled", like=folder)
-    assert ("embed_tokens" in " ".join(str(w.message) for w in caught)) == (family != "ernie4_5_moe")
     back = load_pretrained(tmp_path / "distilled").eval()
+    saved = safetensors_torch.load_file(str(tmp_path / "distilled" / "model.safetensors"))
+    if family != "ernie4_5_moe":
+        assert torch.equal(saved["model.layers.2.shared_head.head.weight"], back.lm_head.weight)
+        assert torch.equal(saved["model.layers.2.embed_tokens.weight"], back.tok_emb.weight)
     for a, b in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
         assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
     theirs = _theirs(tmp_path / "distilled")
@@ -346,23 +351,56 @@ def test_an_mtp_checkpoint_copies_to_a_new_folder(tmp_path: Path) -> None:
 
 
 def test_a_generation_config_that_turns_on_mtp(tmp_path: Path) -> None:
-    """``use_mtp`` in a checkpoint's generation config is passed on (transformers applies it by itself);
-    a value of another type is malformed."""
+    """``use_mtp`` in a checkpoint's generation config is not passed on (drafting does not change the
+    tokens, and a model converted from transformers has no MTP layers); the tokens are transformers'."""
     import json
 
-    from attnzoo.models.hf import CheckpointFormatError, generation_settings
+    from attnzoo.interop import from_hf
+    from attnzoo.models.hf import generation_settings
 
     folder = _checkpoint(tmp_path / "ckpt", "deepseek_v3")
     (folder / "generation_config.json").write_text(json.dumps({"use_mtp": True, "eos_token_id": V - 1}))
     settings = generation_settings(folder)
-    assert settings == {"use_mtp": True, "eos_token_id": V - 1}
+    assert settings == {"eos_token_id": V - 1}  # not passed on: a conversion from transformers has no MTP layers
     x = torch.randint(0, V - 1, (1, 7), generator=torch.Generator().manual_seed(9))
     theirs = _theirs(folder)
     calls = []
     theirs.lm_head.register_forward_hook(lambda *_: calls.append(1))  # the MTP layer's head too
     with torch.no_grad():
         want = theirs.generate(x, max_new_tokens=10, min_new_tokens=10)
-        assert torch.equal(load_pretrained(folder).eval().generate(x, 10, **settings), want)
+        ours = load_pretrained(folder).eval()
+        assert torch.equal(ours.generate(x, 10, **settings), want)
+        assert torch.equal(ours.generate(x, 10, use_mtp=True, **settings), want)
+        assert torch.equal(from_hf(theirs).generate(x, 10, **settings), want)  # no MTP layers: nothing refused
     assert len(calls) > 10  # transformers drafted with its MTP layer: more heads than tokens
-    with pytest.raises(CheckpointFormatError, match="use_mtp"):
-        generation_settings({"use_mtp": "yes"})
+
+
+def test_the_config_bounds_the_mtp_layers_loaded(tmp_path: Path) -> None:
+    """A checkpoint holding more MTP layers than its config's ``num_nextn_predict_layers`` loads as many
+    as the config says (transformers' use_mtp reads that many); the rest are dropped."""
+    import json
+
+    folder = _checkpoint(tmp_path / "ckpt", "deepseek_v3")
+    tensors = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    tensors.update({k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in tensors.items()
+                    if k.startswith("model.layers.2.")})
+    safetensors_torch.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert load_pretrained(folder).mtp.depth == 1  # the config's num_nextn_predict_layers (num_mtp_layers): 1
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 2
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_pretrained(folder).mtp.depth == 2
+
+
+def test_widths_are_checked() -> None:
+    model = _model("mha", 1)
+    narrow = MTPLayer(16, TransformerBlock(16, 4), lambda: nn.RMSNorm(16))
+    with pytest.raises(ValueError, match="block has width 32, the layer's dim is 16"):
+        MTPLayer(16, model.mtp.layers[0].block, lambda: nn.RMSNorm(16))
+    with pytest.raises(ValueError, match=r"parts\.mtp has layers of width 16, the model's dim is 32"):
+        az.DecoderLM(vocab_size=V, dim=C, depth=1, num_heads=4, parts=DecoderParts(mtp=MultiTokenPredictor([narrow])))
+    x = torch.randint(0, V, (1, 5))
+    with pytest.raises(ValueError, match="hidden must be the floating hidden states"):
+        model.mtp_logits(x, hidden=torch.zeros(1, 5, C, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[1, 5, 32\]"):
+        model.mtp_logits(x, hidden=torch.zeros(1, 4, C))

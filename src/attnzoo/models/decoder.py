@@ -225,6 +225,9 @@ class DecoderLM(FromConfig, nn.Module):
                 init_weights(child, depth=cfg.depth)
         self.cross_attention = any(getattr(b, "cross_attn", None) is not None for b in self.blocks)
         self.mtp = parts.mtp
+        widths = sorted({m.dim for m in parts.mtp.layers if m.dim != cfg.dim}) if parts.mtp is not None else []
+        if widths:
+            raise ValueError(f"DecoderLM: parts.mtp has layers of width {widths[0]}, the model's dim is {cfg.dim}")
 
     @classmethod
     def with_blocks(cls, config: DecoderConfig, change: Callable[[BlockConfig, int], BlockConfig], *,
@@ -420,9 +423,11 @@ class DecoderLM(FromConfig, nn.Module):
         check_tokens(tokens, self.vocab_size, owner)
         B, N = tokens.shape
         am = None if attention_mask is None else check_padding_mask(attention_mask, B, N, owner)
-        if hidden is not None and (not isinstance(hidden, Tensor) or tuple(hidden.shape) != (B, N, self.dim)):
-            got = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
-            raise ValueError(f"{owner}: hidden must be the hidden states [B, N, C] = [{B}, {N}, {self.dim}], got {got}")
+        if hidden is not None and (not isinstance(hidden, Tensor) or not hidden.is_floating_point()
+                                   or tuple(hidden.shape) != (B, N, self.dim)):
+            got = (f"{tuple(hidden.shape)} {hidden.dtype}" if isinstance(hidden, Tensor) else type(hidden).__name__)
+            raise ValueError(f"{owner}: hidden must be the floating hidden states [B, N, C] = [{B}, {N}, {self.dim}], "
+                             f"got {got}")
         h = self.hidden_states(tokens, attention_mask=am) if hidden is None else hidden  # [B, N, C]
         pos = torch.arange(N, device=tokens.device).expand(B, N) if am is None else positions_from_mask(am)
         out = []

@@ -51,6 +51,9 @@ class MTPLayer(nn.Module):
         if not isinstance(block, nn.Module) or not callable(getattr(block, "init_cache", None)):
             raise TypeError(f"{owner}: block must be a decoder block (an nn.Module with init_cache), "
                             f"got {type(block).__name__}")
+        width = getattr(block, "dim", None)
+        if isinstance(width, int) and width != dim:
+            raise ValueError(f"{owner}: block has width {width}, the layer's dim is {dim}")
         if isinstance(norm, nn.Module) or not callable(norm):
             raise TypeError(f"{owner}: norm must be a callable () -> nn.Module that builds each norm (e.g. "
                             f"lambda: nn.RMSNorm(dim)), got {type(norm).__name__}")

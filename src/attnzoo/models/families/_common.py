@@ -221,13 +221,15 @@ def head_size_of(hf: HFConfig, sd: Mapping[str, Tensor]) -> tuple[str, int | Non
     return prefix, None
 
 
-def mtp_depths(sd: Mapping[str, Tensor], prefix: str, depth: int) -> int:
-    """The multi-token-prediction layers a checkpoint holds after its ``depth`` layers, in
-    DeepSeek-V3's layout (``layers.{depth + k}.eh_proj``)."""
+def mtp_depths(hf: HFConfig, sd: Mapping[str, Tensor], key: Callable[[int], str]) -> int:
+    """The multi-token-prediction layers to load: those the checkpoint holds (``key(k)``, a tensor
+    of layer ``k``, present for ``k = 0, 1, ...``), at most the config's ``num_nextn_predict_layers``
+    / ``num_mtp_layers`` (transformers' ``use_mtp`` reads that many; the rest are dropped)."""
     k = 0
-    while f"{prefix}layers.{depth + k}.eh_proj.weight" in sd:
+    while key(k) in sd:
         k += 1
-    return k
+    limit = hf.first(("num_nextn_predict_layers", "num_mtp_layers"), None)
+    return k if limit is None else min(k, int(limit))
 
 
 def put_mtp(plan: Plan, ours: str, theirs: str) -> None:

@@ -1002,7 +1002,7 @@ def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: An
     :data:`MTP` types loaded, the others dropped)."""
     hf = canonical(HFConfig({**hf.data, "model_type": model_type}, hf.source, hf.arch), model_type)
     prefix, depth = parts.head_size_of(hf, sd)[0], hf.req("num_hidden_layers")
-    mtp = parts.mtp_depths(sd, prefix, depth) if model_type in MTP else 0
+    mtp = parts.mtp_depths(hf, sd, lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight") if model_type in MTP else 0
     sd = {k: v for k, v in sd.items() if not extra_layer(k, prefix, depth + mtp)}
     build = functools.partial(build_deepseek, model_type=model_type, mtp=mtp)
     model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)

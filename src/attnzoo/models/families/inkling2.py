@@ -691,14 +691,14 @@ class Inkling2LM(LayerLoopLM):
         """The layers on the embeddings ``x [B, N, C]``, closed by ``final_input`` (``[B, N, C]``)."""
         if positions is None:
             positions = self.default_positions(key_padding, past, x.shape[1], x.device)
-        blocks, h = self._run(x, key_padding, positions if positions.dim() == 2 else positions[None], cache)
+        blocks, h = self._layers(x, key_padding, positions if positions.dim() == 2 else positions[None], cache)
         return self.final_input(blocks, h)[:, :, 0]
 
     def final(self, h: Tensor) -> Tensor:
         """The final norm, back in the embeddings' dtype (as transformers): what the head reads."""
         return self.norm(h).to(self.tok_emb.weight.dtype)
 
-    def _run(self, x: Tensor, kp: Tensor | None, positions: Tensor, cache: LayerCaches | None) -> tuple[Tensor, Tensor]:
+    def _layers(self, x: Tensor, kp: Tensor | None, positions: Tensor, cache: LayerCaches | None) -> tuple[Tensor, Tensor]:
         """The layers on the embeddings ``x [B, N, C]``: ``(block states [B, N, S, C], last hidden state)``."""
         blocks = x.new_zeros(*x.shape[:2], 0, x.shape[-1])
         for i, layer in enumerate(self.blocks):
@@ -740,7 +740,7 @@ class Inkling2LoopLM(Inkling2LM):
                  for _ in range(passes - 1) for i in range(start, end)]
         return LayerCaches([*base, *extra])
 
-    def _run(self, x: Tensor, kp: Tensor | None, positions: Tensor, cache: LayerCaches | None) -> tuple[Tensor, Tensor]:
+    def _layers(self, x: Tensor, kp: Tensor | None, positions: Tensor, cache: LayerCaches | None) -> tuple[Tensor, Tensor]:
         start, end, passes = self.loop
 
         def layer(i: int, slot: int, x: Tensor, blocks: Tensor, messages: Tensor | None = None) -> tuple[Tensor, Tensor]:

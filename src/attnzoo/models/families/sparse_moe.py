@@ -925,8 +925,10 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
     sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
     depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
-    mtp = (parts.mtp_depths(sd, prefix, depth) if model_type in _GLM_MTP else
-           int(f"{prefix}mtp_linear_proj.0.weight" in sd) if model_type == "ernie4_5_moe" else 0)
+    layout = ((lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight") if model_type in _GLM_MTP else
+              (lambda k: f"{prefix}mtp_linear_proj.{k}.weight") if model_type == "ernie4_5_moe" else None)
+    mtp = 0 if layout is None else parts.mtp_depths(hf, sd, layout)
+    mtp = min(mtp, 1) if model_type == "ernie4_5_moe" else mtp  # transformers' ERNIE takes one MTP layer
     build = functools.partial(build_sparse_moe, mtp=mtp)
     model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
     if variant.granite:
@@ -952,6 +954,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)] + parts.mtp_copies(depth, mtp)
     if model_type in ("exaone_moe", "mellum") or (model_type == "ernie4_5_moe" and not mtp):
         ignore.append(r"(model\.)?mtp.*")
+    elif model_type == "ernie4_5_moe":  # the MTP layers past the first
+        ignore.append(r"(model\.)?mtp_\w+\.[1-9]\d*\..*")
     if model_type == "phimoe":
         ignore.append(r"lm_head\.bias")
     return parts.finish(plan, model, head_size, ignore=ignore)

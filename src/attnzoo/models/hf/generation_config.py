@@ -30,7 +30,7 @@ _DIRECT: dict[str, Any] = {
     "eos_token_id": None, "pad_token_id": None, "num_beams": 1, "length_penalty": 1.0, "early_stopping": False,
     "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
     "min_length": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
-    "prompt_lookup_num_tokens": None, "max_matching_ngram_size": None, "use_mtp": False,
+    "prompt_lookup_num_tokens": None, "max_matching_ngram_size": None,
 }
 #: what each setting read must be (a checkpoint with another value is malformed)
 _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -45,7 +45,6 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "top_p": ((int, float), "a number"), "min_p": ((int, float), "a number"),
     "suppress_tokens": ((list,), "a list of token ids"), "bad_words_ids": ((list,), "a list of token id lists"),
     "prompt_lookup_num_tokens": ((int,), "an int"), "max_matching_ngram_size": ((int,), "an int"),
-    "use_mtp": ((bool,), "true or false"),
 }
 #: settings that do not change which tokens are generated, or that ``generate`` takes otherwise
 _SKIPPED = frozenset({
@@ -55,6 +54,7 @@ _SKIPPED = frozenset({
     "transformers_version", "_from_model_config", "is_assistant", "num_assistant_tokens",
     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_early_exit", "assistant_lookbehind", "target_lookbehind",
     "assistant_ensemble_weight", "speculation_type", "prefill_chunk_size", "continuous_batching_config",
+    "use_mtp",  # drafting never changes the tokens; generate(use_mtp=True) needs MTP layers a conversion may lack
 })
 #: settings attnzoo does not reproduce, with the value(s) at which they do nothing
 _INERT: dict[str, tuple[Any, ...]] = {
@@ -94,7 +94,8 @@ def generation_settings(source: str | os.PathLike[str] | Mapping[str, Any] | Any
     ``min_length``, ``suppress_tokens`` (with the one-token ``bad_words_ids`` but the end tokens, which
     transformers drops from them), ``bad_words_ids`` (the longer ones), and with ``do_sample`` ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``
     (transformers' defaults 1.0 / 50 / 1.0 / none where unset), ``prompt_lookup_num_tokens`` /
-    ``max_matching_ngram_size`` / ``use_mtp`` (speculative decoding); for encoder-decoders ``forced_bos_token_id`` /
+    ``max_matching_ngram_size`` (speculative decoding; ``use_mtp`` is not passed on: it needs the
+    checkpoint's MTP layers, which a conversion from a transformers model lacks); for encoder-decoders ``forced_bos_token_id`` /
     ``forced_eos_token_id`` and ``bos_token_id`` (the ``decoder_start_token_id`` the target starts
     from). A value of the wrong type is a :class:`~attnzoo.interop.CheckpointFormatError` naming it.
     """

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
@@ -195,6 +196,26 @@ def _invert(model: nn.Module, model_type: str, hf: HFConfig, sd: Mapping[str, Te
             return _solve_with(model, model_type, hf, sd, scalars, what=what, strict_prefix=strict_prefix)
         except ExportError:
             raise first from None
+
+
+#: a DeepSeek-V3-layout MTP layer's copies of the embedding and the head: ``(layer, name)``
+_MTP_COPY = re.compile(r"(?:model\.)?layers\.(\d+)\.(embed_tokens|shared_head\.head)\.weight")
+
+
+def _with_mtp_copies(model: nn.Module, sd: Mapping[str, Tensor], written: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``written`` with the MTP layers' copies of the embedding and the head (unread: transformers'
+    ``MtpModel`` and attnzoo read the model's) set to ``model``'s embedding / head, as the released
+    checkpoints hold them, so that other readers of the copies see the model's weights."""
+    if getattr(model, "mtp", None) is None:
+        return written
+    weights = {"embed_tokens": getattr(getattr(model, "tok_emb", None), "weight", None),
+               "shared_head.head": getattr(getattr(model, "lm_head", None), "weight", None)}
+    for key, old in sd.items():
+        m = _MTP_COPY.fullmatch(key)
+        new = None if m is None or key in written else weights[m.group(2)]
+        if isinstance(new, Tensor) and new.shape == old.shape:
+            written[key] = new.detach().to(old.dtype, copy=True)
+    return written
 
 
 @contextlib.contextmanager
@@ -493,7 +514,7 @@ def save_pretrained(model: nn.Module, folder: str | os.PathLike[str], *,
                          f"{list(MODEL_TYPES)}")
     sd = load_state_dict_from_folder(src)
     what = f"save_pretrained(like={str(src)!r})"
-    written = _invert(model, model_type, hf, sd, what=what)
+    written = _with_mtp_copies(model, sd, _invert(model, model_type, hf, sd, what=what))
     _warn_kept(what, _uncovered(sd, written))
     dst.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
