@@ -114,8 +114,8 @@ The third batch:
   default) on Laguna's layer and model: a window of ``sliding_window - 1`` keys on the
   ``sliding_attention`` layers of ``layer_types`` (default: all full, l. 88-89, 126-129), each layer
   kind its own RoPE ``rope_parameters[kind]`` (thetas 5e5 full / 1e4 sliding, l. 93-97, 122), dense
-  SwiGLU layers by ``mlp_layer_types`` (default: all sparse, l. 90-91; 136-139). The checkpoints' ``mtp.*`` layer is
-  dropped (transformers ignores it too).
+  SwiGLU layers by ``mlp_layer_types`` (default: all sparse, l. 90-91; 136-139). A checkpoint folder's MTP layer
+  (``mtp.layers.0``, ``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.norm``) loads as the model's ``mtp``.
 * **Flint** (``flint``; modular 47-250): Qwen3-MoE's attention with a learnable sink logit per head
   (l. 170-171, 182: ``sinks``, saved as ``softmax_offset``), RoPE on the sliding layers only
   (the full ones NoPE, l. 200-203); ``layer_types`` by default full on layers 0, 1, every
@@ -776,11 +776,7 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     scale = granite.embed_scale(hf) if variant.granite else scale
     if variant.layer_norm:
         return _layer_norm_decoder(hf, blocks, norm, head_size, kw)
-    # the MTP blocks transformers builds: as layer 0 of a config whose first_k_dense_replace is 0 (GLM: a MoE)
-    sparse_mtp = model_type in _GLM_MTP or sparse[0]
-    predictor = MultiTokenPredictor([MTPLayer(C, parts.block(
-        C, _attention(hf, variant, None, ropes[kinds[0]], kw), _moe(hf, variant, kw) if sparse_mtp else dense, norm,
-        sublayer_norm=_SUBLAYER_NORM[(variant.glm4_norms, False)]), norm, **kw) for _ in range(mtp)]) if mtp else None
+    predictor = _mtp_predictor(hf, model_type, mtp, (sparse[0], dense, norm), kw) if mtp else None
     model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embed_scale=scale, mtp=predictor, **kw)
     if predictor is not None and model_type == "ernie4_5_moe":  # its MTP post norm is the final norm (shared)
         predictor.layers[0].post_norm = model.norm
@@ -789,6 +785,26 @@ def build_sparse_moe(hf: HFConfig, *, head_size: int | None = None, device: Any 
     elif variant.float32_norms:  # Flint's GPT-OSS RMSNorms (the blocks' and the final one; the QK norms round first)
         parts.float32_scale_norms(model)
     return model
+
+
+def _mtp_predictor(hf: HFConfig, model_type: str, mtp: int, layer0: tuple[bool, Any, Any],
+                   kw: dict[str, Any]) -> MultiTokenPredictor:
+    """The ``mtp`` multi-token-prediction layers transformers builds (``get_mtp_config``): each a
+    decoder layer of the config with ``first_k_dense_replace`` 0 (GLM-4.5's: full attention and a
+    MoE), ERNIE-4.5's of layer 0's kind, Mellum's of ``mtp_layer_types`` / ``mtp_mlp_layer_types``
+    (default: a sliding-window layer with a MoE). ``layer0``: (layer 0 sparse, the dense MLP factory
+    or ``None``, the norm factory)."""
+    variant, C = VARIANTS[model_type], hf.req("hidden_size")
+    kind = (hf.get("mtp_layer_types", None, list) or ["sliding_attention"])[0] if model_type == "mellum" else TYPES[0]
+    sparse = (hf.get("mtp_mlp_layer_types", None, list) or ["sparse"])[0] == "sparse" if model_type == "mellum" \
+        else model_type in _GLM_MTP or layer0[0]
+    dense = layer0[1] or parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
+                                         bias=hf.get("mlp_bias", False, bool), **kw)
+    window = parts.sliding_windows(hf, [kind])[0] if model_type == "mellum" else None
+    rope = _rotary(hf, variant, hf.get("head_dim", C // hf.req("num_attention_heads")), kind if variant.rope_by_kind else None)
+    return MultiTokenPredictor([MTPLayer(C, parts.block(
+        C, _attention(hf, variant, window, rope, kw), _moe(hf, variant, kw) if sparse else dense, layer0[2],
+        sublayer_norm=_SUBLAYER_NORM[(variant.glm4_norms, False)]), layer0[2], **kw) for _ in range(mtp)])
 
 
 def _layer_norm_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Any, head_size: int | None,
@@ -901,23 +917,30 @@ def _put_mtp(plan: Plan, ours: str, k: int, hf: HFConfig, variant: Variant, ffn:
     """Multi-token-prediction layer ``k``: GLM-4.5's ``layers.{num_hidden_layers + k}`` (the parts
     around the block, :func:`~attnzoo.models.families._common.put_mtp`, and a decoder layer), or
     ERNIE-4.5's ``mtp_block.{k}`` with ``mtp_emb_norm`` / ``mtp_hidden_norm`` / ``mtp_linear_proj``
-    (its post norm is the model's final norm, one module: transformers' ``_keys_shared_with_mtp``)."""
+    (its post norm is the model's final norm, one module: transformers' ``_keys_shared_with_mtp``), or
+    Mellum's ``mtp.layers.{k}`` with ``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm``."""
+    prefix = plan.src.prefix
     if hf.raw("model_type") == "ernie4_5_moe":
         theirs = f"mtp_block.{k}."
         plan.put_pairs(ours, "", [("enorm", f"mtp_emb_norm.{k}"), ("hnorm", f"mtp_hidden_norm.{k}"),
                                   ("eh_proj", f"mtp_linear_proj.{k}")], bias=False)
+    elif hf.raw("model_type") == "mellum":  # Qwen3-Next's layout, outside the base model: mtp.*
+        plan.src.prefix, theirs = "", f"mtp.layers.{k}."
+        plan.put_pairs(ours, "mtp.", [("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"),
+                                      ("eh_proj", "fc"), ("post_norm", "norm")], bias=False)
     else:
         theirs = f"layers.{hf.req('num_hidden_layers') + k}."
         parts.put_mtp(plan, ours, theirs)
     _put_attention(plan, f"{ours}block.attn", f"{theirs}self_attn.", hf, variant)
     _put_ffn(plan, f"{ours}block.ffn.", f"{theirs}mlp.", variant, ffn, hf)
     plan.put_pairs(f"{ours}block.", theirs, GLM4_NORMS if variant.glm4_norms else parts.PRE_NORMS, bias=False)
+    plan.src.prefix = prefix
 
 
 def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; Mistral's saved MoE names
-    too; the multi-token-prediction layers of GLM-4.5 (``layers.{j >= depth}``) and ERNIE-4.5
-    (``mtp_*``) loaded as the model's ``mtp``, HY-V3's and EXAONE-MoE's dropped)."""
+    too; the multi-token-prediction layers of GLM-4.5 (``layers.{j >= depth}``), ERNIE-4.5
+    (``mtp_*``) and Mellum (``mtp.*``) loaded as the model's ``mtp``, HY-V3's and EXAONE-MoE's dropped)."""
     hf, model_type = _read(hf)
     variant = VARIANTS[model_type]
     if model_type == "dbrx":
@@ -925,10 +948,11 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
     sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
     depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
-    layout = ((lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight") if model_type in _GLM_MTP else
-              (lambda k: f"{prefix}mtp_linear_proj.{k}.weight") if model_type == "ernie4_5_moe" else None)
+    layout = {**dict.fromkeys(_GLM_MTP, lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight"),
+              "ernie4_5_moe": lambda k: f"{prefix}mtp_linear_proj.{k}.weight",
+              "mellum": lambda k: "mtp.fc.weight" if k == 0 else "mtp.fc.weight (one layer)"}.get(model_type)
     mtp = 0 if layout is None else parts.mtp_depths(hf, sd, layout)
-    mtp = min(mtp, 1) if model_type == "ernie4_5_moe" else mtp  # transformers' ERNIE takes one MTP layer
+    mtp = min(mtp, 1) if model_type in ("ernie4_5_moe", "mellum") else mtp  # transformers' take one MTP layer
     build = functools.partial(build_sparse_moe, mtp=mtp)
     model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
     if variant.granite:
@@ -952,7 +976,7 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
         _put_mtp(plan, f"mtp.layers.{k}.", k, hf, variant, model.mtp.layers[k].block.ffn)
     extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= depth + mtp}
     ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)] + parts.mtp_copies(depth, mtp)
-    if model_type in ("exaone_moe", "mellum") or (model_type == "ernie4_5_moe" and not mtp):
+    if model_type == "exaone_moe" or (model_type in ("ernie4_5_moe", "mellum") and not mtp):
         ignore.append(r"(model\.)?mtp.*")
     elif model_type == "ernie4_5_moe":  # the MTP layers past the first
         ignore.append(r"(model\.)?mtp_\w+\.[1-9]\d*\..*")
