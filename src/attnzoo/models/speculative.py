@@ -20,10 +20,11 @@ model's own draw equals it (transformers' way): the tokens are distributed as sa
 A batch keeps, in every round, the drafts that every unfinished row accepts (rows that ended
 accept anything); at the first position some row rejects, every row writes its own verdict there
 (its accepted draft or the replacement: when sampling, distributed as the model's draw either way). What a rejected draft wrote into a cache is taken back: a cache written by
-position (keys, latents) is truncated (:func:`~attnzoo.nn.cache.truncate`); a recurrent state, a
-convolution window or a ring of slots is rolled back to a mark taken before the draft
-(``mark``/``rollback``, one transaction over the round) and the accepted tokens are fed again with
-the next round.
+position (keys, latents) is truncated (:func:`~attnzoo.nn.cache.truncate`); a sliding-window ring
+is rewound to the kept tokens (:func:`~attnzoo.nn.cache.rewind`: the slots the dropped tokens
+overwrote restored from the round's records); a recurrent state or a convolution window (or a ring
+that a round overflowed) is rolled back to a mark taken before the draft (``mark``/``rollback``,
+one transaction over the round) and the accepted tokens are fed again with the next round.
 
 Shapes: ``B`` rows, ``N`` prompt tokens, ``L = N + max_new_tokens`` tokens at most, ``V`` tokens
 of the vocabulary, ``k`` drafts a round.
@@ -40,7 +41,7 @@ from attnzoo._devices import cache_dtype
 from attnzoo._validate import check_float, check_int
 from attnzoo.models._common import positions_from_mask
 from attnzoo.models.generation import GenerationRules, sampling_probs
-from attnzoo.nn.cache import truncatable, truncate, unmarked
+from attnzoo.nn.cache import rewind, rewindable, truncatable, truncate, unmarked
 
 __all__ = ["Speculation", "check_speculation", "speculative_generate"]
 
@@ -172,11 +173,15 @@ class _Cached:
 
     def close(self, keep: int) -> None:
         """End the round: the first ``keep`` tokens of the buffer are final; the cache keeps what
-        it holds of them (what it holds beyond is dropped; a rolled-back cache feeds the rest again
-        next round)."""
+        it holds of them (what it holds beyond is dropped: truncated, or rewound where sliding-window
+        rings restore the slots the dropped tokens overwrote; a cache rolled back to the round's mark,
+        a recurrent state's, feeds the rest again next round)."""
         if self.truncatable:
             truncate(self.cache, min(keep, self.length))
             return
+        back = self.length > keep and rewindable(self.cache, keep)  # sliding rings restore their slots
+        if back:
+            rewind(self.cache, keep)
         self.cache.in_transaction = False
         if self.length <= keep:
             self.cache.commit(self._mark)

@@ -52,8 +52,9 @@ from torch import Tensor
 from attnzoo._devices import tracing
 from attnzoo._validate import check_int as _check_int
 
-__all__ = ["CacheList", "CompositeCache", "KVCache", "RowsCache", "SinkWindowKVCache", "SlidingWindowKVCache",
-           "SnapshotCache", "check_reorder_index", "transaction", "truncatable", "truncate", "unmarked"]
+__all__ = ["CacheList", "CompositeCache", "KVCache", "RowsCache", "SinkWindowKVCache",
+           "SlidingWindowKVCache", "SnapshotCache", "check_reorder_index", "rewind", "rewindable",
+           "transaction", "truncatable", "truncate", "unmarked"]
 
 T = TypeVar("T")
 
@@ -169,6 +170,38 @@ def _truncate(cache: Any, length: int) -> None:
             _truncate(part, length)
     else:
         cache.length = length
+
+
+def rewindable(cache: Any, length: int) -> bool:
+    """Whether :func:`rewind` can bring ``cache`` back to ``length`` tokens without feeding any again:
+    every member is truncatable, or a sliding-window ring whose open transaction recorded the slots
+    its updates after ``length`` overwrote (each update of at most ``window`` tokens)."""
+    if isinstance(cache, CompositeCache):
+        return all(rewindable(part, length) for part in _sequence_parts(cache))
+    if truncatable(cache):
+        return True
+    plan = getattr(cache, "_rewind_plan", None)
+    return callable(plan) and plan(length) is not None
+
+
+def rewind(cache: Any, length: int) -> None:
+    """Bring ``cache`` back to ``length`` tokens inside its open transaction (:func:`rewindable`):
+    truncated members drop the later tokens, sliding-window rings restore the slots the later tokens
+    overwrote; a speculative round keeps its accepted drafts without feeding them again. The
+    transaction is then committed by the caller."""
+    if not rewindable(cache, length):
+        raise TypeError(f"rewind({type(cache).__name__}): cannot come back to {length} tokens without a rollback")
+    _rewind(cache, length)
+
+
+def _rewind(cache: Any, length: int) -> None:
+    if isinstance(cache, CompositeCache):
+        for part in _sequence_parts(cache):
+            _rewind(part, length)
+    elif truncatable(cache):
+        cache.length = length
+    else:
+        cache._rewind(length)
 
 
 def unmarked(cache: Any) -> list[str]:
@@ -657,6 +690,33 @@ class SlidingWindowKVCache(_SlotCache):
         self.length = 0
         self.slot_positions.fill_(-1)
         self._undo = None
+
+    def _rewind_plan(self, length: int) -> list[tuple[Tensor, list[tuple[Tensor, int, Tensor]]]] | None:
+        """The slots to restore (and their old contents) to come back to ``length`` tokens, from the
+        open transaction's records: the positions ``length ..`` of every later update; ``None``
+        when they cannot (an update cut by ``length`` that held fewer of its new tokens than the
+        ring at ``length`` needs: more than ``capacity`` of them)."""
+        if not 0 <= length <= self.length or (length < self.length and not self.in_transaction):
+            return None
+        plan, end = [], self.length
+        for start, slots, saved in reversed(self._undo or []):
+            if end <= length:
+                break
+            kept = end - slots.numel()  # positions kept..end-1 sit in `slots`
+            if start < length and max(start, length - self.capacity) < kept:  # cut: the ring needs tokens it never held
+                return None
+            at = max(length, start, kept) - kept  # restore the slots of the positions from `length` (all: a whole update)
+            count = slots.numel() - at
+            plan.append((slots[at:at + count], [(buf, dim, old.narrow(dim, at, count)) for buf, dim, old in saved]))
+            end = start
+        return plan if end <= length else None
+
+    def _rewind(self, length: int) -> None:
+        """Come back to ``length`` tokens (:meth:`_rewind_plan` said it can): the overwritten slots restored."""
+        for slots, saved in self._rewind_plan(length) or []:
+            for buf, dim, old in saved:
+                buf.index_copy_(dim, slots, old)
+        self.length = length
 
     @property
     def num_cached(self) -> int:
