@@ -950,7 +950,7 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
     layout = {**dict.fromkeys(_GLM_MTP, lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight"),
               "ernie4_5_moe": lambda k: f"{prefix}mtp_linear_proj.{k}.weight",
-              "mellum": lambda k: "mtp.fc.weight" if k == 0 else "mtp.fc.weight (one layer)"}.get(model_type)
+              "mellum": lambda k: "mtp.fc.weight" if k == 0 else None}.get(model_type)  # Mellum: one layer
     mtp = 0 if layout is None else parts.mtp_depths(hf, sd, layout)
     mtp = min(mtp, 1) if model_type in ("ernie4_5_moe", "mellum") else mtp  # transformers' take one MTP layer
     build = functools.partial(build_sparse_moe, mtp=mtp)
