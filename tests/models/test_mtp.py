@@ -420,3 +420,19 @@ def test_widths_are_checked() -> None:
         model.mtp_logits(x, hidden=torch.zeros(1, 5, C, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[1, 5, 32\]"):
         model.mtp_logits(x, hidden=torch.zeros(1, 4, C))
+
+
+def test_hidden_first_reads_the_halves_swapped() -> None:
+    """``MTPLayer(hidden_first=True)`` (Inkling's order) equals the default layer whose projection
+    columns are swapped: the same output for the same weights."""
+    model = _model("mha", 1)
+    layer = model.mtp.layers[0]
+    swapped = MTPLayer(C, layer.block, lambda: nn.RMSNorm(C), hidden_first=True)
+    swapped.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        swapped.eh_proj.weight.copy_(torch.cat([layer.eh_proj.weight[:, C:], layer.eh_proj.weight[:, :C]], dim=1))
+        e, h = torch.randn(2, 5, C), torch.randn(2, 5, C)
+        pos = torch.arange(1, 6).expand(2, 5)
+        torch.testing.assert_close(swapped(e, h, positions=pos), layer(e, h, positions=pos))
+        assert not torch.allclose(MTPLayer(C, layer.block, lambda: nn.RMSNorm(C), hidden_first=True)(
+            e, h, positions=pos), layer(e, h, positions=pos))

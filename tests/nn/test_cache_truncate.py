@@ -134,3 +134,14 @@ def test_a_rejected_draft_on_a_sliding_model_costs_no_second_forward() -> None:
         got = model.generate(x, 12, assistant_model=draft, num_assistant_tokens=3, assistant_confidence_threshold=0.0)
     assert torch.equal(got, want)
     assert len(calls) <= 12  # the prefill and one forward a round
+
+
+def test_rewind_refuses_lengths_out_of_range() -> None:
+    ring = SlidingWindowKVCache(1, 3, 2, 3)
+    ring.update(torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 3))
+    with pytest.raises(ValueError, match="at most the 4 tokens"):
+        rewind(ring, 5)
+    with pytest.raises(ValueError, match="length"):
+        rewind(KVCache(1, 8, 2, 3), -1)
+    with pytest.raises(TypeError, match="without a rollback"):
+        rewind(ring, 2)  # outside a transaction the ring keeps no records to come back with

@@ -189,8 +189,12 @@ def rewind(cache: Any, length: int) -> None:
     truncated members drop the later tokens, sliding-window rings restore the slots the later tokens
     overwrote; a speculative round keeps its accepted drafts without feeding them again. The
     transaction is then committed by the caller."""
+    owner = f"rewind({type(cache).__name__})"
+    length = _check_int(length, "length", owner, minimum=0)
+    if length > cache.length:
+        raise ValueError(f"{owner}: length must be at most the {cache.length} tokens written, got {length}")
     if not rewindable(cache, length):
-        raise TypeError(f"rewind({type(cache).__name__}): cannot come back to {length} tokens without a rollback")
+        raise TypeError(f"{owner}: cannot come back to {length} tokens without a rollback")
     _rewind(cache, length)
 
 
