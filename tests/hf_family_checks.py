@@ -40,8 +40,11 @@ def perturbed(model: Any, seed: int = 0, scale: float = 0.1) -> Any:
 def hf_model(config: Any, auto: Any = None, seed: int = 0) -> Any:
     import transformers as T
 
+    if auto is None:  # a multimodal wrapper without a causal-LM class: its *ForConditionalGeneration
+        causal = type(config) in T.AutoModelForCausalLM._model_mapping
+        auto = T.AutoModelForCausalLM if causal else T.AutoModelForImageTextToText
     torch.manual_seed(seed)
-    return perturbed((auto or T.AutoModelForCausalLM).from_config(config, attn_implementation="eager"), seed)
+    return perturbed(auto.from_config(config, attn_implementation="eager"), seed)
 
 
 def tokens(n: int, batch: int = 2, seed: int = 1) -> torch.Tensor:

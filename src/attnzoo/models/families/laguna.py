@@ -46,7 +46,7 @@ from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.moe import MixtureOfExperts, Routing
 from attnzoo.nn.parts import OutputGate
 
-__all__ = ["DEFAULTS", "DISPATCH", "SoftplusGate", "build_laguna", "convert_laguna"]
+__all__ = ["DEFAULTS", "DISPATCH", "SoftplusGate", "build_laguna", "convert_laguna", "rope_of_kind"]
 
 TYPES = ("full_attention", "sliding_attention")
 #: ``LagunaConfig``'s defaults of the keys read here (configuration 93-117, 133-136; the rest from
@@ -100,8 +100,9 @@ def canonical(hf: HFConfig) -> HFConfig:
     return out
 
 
-def _rope(hf: HFConfig, kind: str) -> nn.Module:
-    """The rotary embedding of one layer kind (its ``rope_parameters[kind]``), partial by its factor."""
+def rope_of_kind(hf: HFConfig, kind: str) -> nn.Module:
+    """The rotary embedding of one layer kind (its ``rope_parameters[kind]``), partial by its factor
+    (the first ``int(head_dim * partial_rotary_factor)`` channels, even, at least 2)."""
     params = parts.rope_params(hf, kind)
     D = hf.req("head_dim")
     factor = params.get("partial_rotary_factor", 1.0)
@@ -147,7 +148,7 @@ def build_laguna(hf: HFConfig, *, head_size: int | None = None, device: Any = No
     C, depth = hf.req("hidden_size"), hf.req("num_hidden_layers")
     eps, kw = hf.req("rms_norm_eps", float), {"device": device, "dtype": dtype}
     kinds = parts.layer_types(hf, depth, TYPES)
-    ropes = {k: _rope(hf, k) for k in set(kinds)}
+    ropes = {k: rope_of_kind(hf, k) for k in set(kinds)}
     ffns = {"dense": parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw),
             "sparse": functools.partial(_moe, hf, **kw)}
     blocks = [parts.block(C, _attention(hf, i, k, ropes[k], kw), ffns[t], parts.rms_norm(C, eps, **kw))

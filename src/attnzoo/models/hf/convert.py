@@ -77,6 +77,7 @@ import attnzoo.models.families.rwkv as rwkv
 import attnzoo.models.families.siglip as siglip
 import attnzoo.models.families.smollm3 as smollm3
 import attnzoo.models.families.sparse_moe as sparse_moe
+import attnzoo.models.families.step3p7 as step3p7
 import attnzoo.models.families.t5 as t5
 import attnzoo.models.families.t5_encoder as t5_encoder
 import attnzoo.models.families.whisper as whisper
@@ -100,7 +101,7 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
                   cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
-                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, dory, roberta, bert_kin, modernbert, deberta,
+                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, step3p7, dory, roberta, bert_kin, modernbert, deberta,
                   mpnet, t5_encoder, rope_bert, dinov2, siglip, clip, t5, bart, marian, m2m_100, whisper)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",

@@ -149,6 +149,10 @@ WRAPPERS: dict[str, Wrapper] = {
                      saved=((r"^model\.llm\.", "model.language_model.llm."),)),
     "inkling2_loop": _row("Inkling2-loop (multimodal)", "Inkling2Loop", ("inkling2_loop_text",), False,
                           saved=((r"^model\.llm\.", "model.language_model.llm."),)),
+    # saved and released: the text model at the top (model.layers, ...), the towers outside model.*
+    "step3p7": _row("Step-3.7-Flash", "Step3p7", ("step3p5",), False,
+                    saved=((r"^model\.(?!language_model\.|vision_model\.|multi_modal_projector\.)",
+                            "model.language_model."),)),
     "shieldgemma2": Wrapper("ShieldGemma 2", ("Gemma3ForConditionalGeneration",), ("gemma3_text",), True,
                             tie_from="either", overrides={"final_logit_softcapping": None}),
 }
