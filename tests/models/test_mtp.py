@@ -319,6 +319,21 @@ def test_hidden_states_are_what_the_head_reads() -> None:
         torch.testing.assert_close(model.lm_head(model.hidden_states(x[:1], cu_seqlens=cu)), model(x[:1], cu_seqlens=cu))
 
 
+def test_mtp_layers_kept_in_another_dtype_than_the_model() -> None:
+    """A bfloat16 model whose MTP layers stay float32: their inputs are cast to their dtype, their
+    outputs to the head's; the drafts verified by the bfloat16 model give its greedy tokens."""
+    model = _model("mha", 2).to(torch.bfloat16)
+    model.mtp.float()
+    x = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        h = model.hidden_states(x)
+        got = model.mtp_logits(x, hidden=h)
+        want = model.lm_head(model.mtp.layers[0](model.tok_emb(x[:, 1:]).float(), h[:, :6].float(),
+                                                 positions=torch.arange(1, 7).expand(2, 6)).bfloat16())
+        assert [t.dtype for t in got] == [torch.bfloat16] * 2 and torch.equal(got[0], want)
+        assert torch.equal(model.generate(x, 12, use_mtp=True), model.generate(x, 12))
+
+
 def test_mtp_logits_rows_and_their_targets() -> None:
     model = _model("mha", 3)
     x = torch.randint(0, V, (2, 5))

@@ -44,6 +44,7 @@ from attnzoo.models.generation import (
     repeat_rows,
     sample_next_token,
 )
+from attnzoo.models.mtp import head_logits
 from attnzoo.models.parts import Blocks, DecoderParts, LMHead, given_blocks, resolve_parts
 from attnzoo.models.speculative import Speculation, check_speculation, speculative_generate
 from attnzoo.nn.cache import transaction
@@ -438,7 +439,7 @@ class DecoderLM(FromConfig, nn.Module):
                 continue
             h = layer(self.tok_emb(tokens[:, i + 1:i + 1 + rows]), h[:, :rows], positions=pos[:, :rows] + i + 1,
                       key_padding=None if am is None else am[:, :rows])  # [B, rows, C]
-            out.append(self.lm_head(h))  # [B, rows, V]
+            out.append(head_logits(self.lm_head, h))  # [B, rows, V]
         return out
 
     def _run(self, tokens: Tensor, cache: LayerCaches | None, given: tuple[Any, Any, Any, Any],

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from attnzoo._validate import check_bool, check_int
 from attnzoo.models._common import LayerCaches
 
-__all__ = ["MTPLayer", "MultiTokenPredictor"]
+__all__ = ["MTPLayer", "MultiTokenPredictor", "head_logits"]
 
 
 class MTPLayer(nn.Module):
@@ -74,8 +74,9 @@ class MTPLayer(nn.Module):
                 key_padding: Tensor | None = None) -> Tensor:
         """``embeds [B, N, C]`` (of the tokens one ahead), ``hidden [B, N, C]`` (the rows' hidden
         states), ``positions [B, N]`` (where the block runs), ``key_padding [B, cache + N]`` bool
-        -> ``[B, N, C]``."""
-        e, h = self.enorm(embeds), self.hnorm(hidden)
+        -> ``[B, N, C]`` in the layer's dtype (its inputs cast to it)."""
+        own = self.eh_proj.weight.dtype  # the layers may be kept in another dtype than the model's
+        e, h = self.enorm(embeds.to(own)), self.hnorm(hidden.to(own))
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))  # [B, N, C]
         x = self.block(x, None, key_padding=key_padding, cache=cache, positions=positions)  # [B, N, C]
         return x if self.post_norm is None else self.post_norm(x)
@@ -104,3 +105,9 @@ class MultiTokenPredictor(nn.Module):
         """One decode cache per depth (depth ``i``'s rows start at position ``i + 1``)."""
         return LayerCaches([m.init_cache(batch_size, max_len, device=device, dtype=dtype) for m in self.layers])
 
+
+def head_logits(head: nn.Module, out: Tensor) -> Tensor:
+    """``head(out)`` with ``out [B, N, C]`` (an MTP layer's output, in its own dtype) cast to the
+    head's parameters' dtype -> ``[B, N, V]``."""
+    weight = next(head.parameters(), None)
+    return head(out if weight is None else out.to(weight.dtype))

@@ -41,6 +41,7 @@ from attnzoo._devices import cache_dtype
 from attnzoo._validate import check_float, check_int
 from attnzoo.models._common import positions_from_mask
 from attnzoo.models.generation import GenerationRules, sampling_probs
+from attnzoo.models.mtp import head_logits
 from attnzoo.nn.cache import rewind, rewindable, truncatable, truncate, unmarked
 
 __all__ = ["Speculation", "check_speculation", "speculative_generate"]
@@ -362,7 +363,7 @@ class _Predictor:
                                      key_padding=None if self.mask is None else self.mask[:, :F])  # [B, F - c, C]
             if i < len(self.outs):
                 self.outs[i][:, c:F] = out
-            scores = gen.scores(self.model.lm_head(out[:, -1:])[:, -1], w + i)
+            scores = gen.scores(head_logits(self.model.lm_head, out[:, -1:])[:, -1], w + i)
             if gen.sampling is None:
                 token = scores.argmax(dim=-1)
             else:
