@@ -224,12 +224,12 @@ def head_size_of(hf: HFConfig, sd: Mapping[str, Tensor]) -> tuple[str, int | Non
 def mtp_depths(hf: HFConfig, sd: Mapping[str, Tensor], key: Callable[[int], str | None]) -> int:
     """The multi-token-prediction layers to load: those the checkpoint holds (``key(k)``, a tensor
     of layer ``k``, present for ``k = 0, 1, ...``; ``None``: no such layer), at most the config's
-    ``num_nextn_predict_layers`` / ``num_mtp_layers`` (transformers' ``use_mtp`` reads that many;
+    ``num_nextn_predict_layers`` / ``num_mtp_layers`` / ``mtp_num_hidden_layers`` (transformers' ``use_mtp`` reads that many;
     the rest are dropped)."""
     k = 0
     while key(k) in sd:
         k += 1
-    limit = hf.first(("num_nextn_predict_layers", "num_mtp_layers"), None)
+    limit = hf.first(("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers"), None)
     return k if limit is None else min(k, int(limit))
 
 

@@ -18,6 +18,12 @@
   ``norm_topk_prob``, a sigmoid-gated shared expert) on the sparse layers
   (``decoder_sparse_step``, not in ``mlp_only_layers``), a dense SwiGLU elsewhere.
 
+Multi-token prediction: a checkpoint folder's ``mtp.*`` (``mtp.fc``, ``mtp.pre_fc_norm_embedding`` /
+``mtp.pre_fc_norm_hidden``, ``mtp.layers.0``: a full-attention decoder layer whose feed-forward is layer
+0's kind, ``mtp.norm``; the released Qwen3-Next / Qwen3.5 checkpoints hold one) loads as the model's
+``mtp`` (:mod:`attnzoo.models.mtp`): ``norm(layer(fc([norm_e(embed(t[j+1])); norm_h(h[j])])))``, as
+vLLM's ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` run it (transformers drops these weights).
+
 Norms are Qwen3-Next's ``1 + weight`` RMSNorms (loaded as ``weight + 1``), except the gated
 norm of the linear layers (plain ``weight``). The weights of ``in_proj_qkvz`` / ``in_proj_ba``
 are grouped per key head in transformers; they are regrouped at load into ``[q; k; v; z]`` /
@@ -48,6 +54,7 @@ from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import moe_from_config, put_moe
 from attnzoo.models.hf._state import HFConfig, Plan
+from attnzoo.models.mtp import MTPLayer, MultiTokenPredictor
 from attnzoo.nn.cache import RowsCache
 
 __all__ = ["DISPATCH", "LinearStateCache", "QwenGatedDeltaNet", "build_qwen3_next", "causal_conv", "convert_qwen3_next",
@@ -234,8 +241,9 @@ def _sparse_layers(hf: HFConfig, depth: int) -> set[int]:
 
 
 def build_qwen3_next(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
-                     dtype: Any = None) -> DecoderLM:
-    """The decoder of a ``Qwen3NextConfig`` (random weights; see the module docstring)."""
+                     dtype: Any = None, mtp: int = 0) -> DecoderLM:
+    """The decoder of a ``Qwen3NextConfig`` (random weights; see the module docstring), with ``mtp``
+    multi-token-prediction layers (full attention, layer 0's feed-forward kind)."""
     parts.unsupported_keys(hf, {"hidden_act": lambda v: v in (None, "silu", "swish"), "attention_bias": lambda v: not v})
     C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
     D, eps, kw = hf.get("head_dim", C // H), hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
@@ -249,9 +257,13 @@ def build_qwen3_next(hf: HFConfig, *, head_size: int | None = None, device: Any 
                                hf.get("linear_conv_kernel_dim", 4), norm_eps=eps, **kw)
     sparse, moe = _sparse_layers(hf, depth), functools.partial(moe_from_config, hf, "stacked", **kw)
     dense = parts.gated_mlp(C, hf.req("intermediate_size"), "swiglu", **kw)
-    blocks = [parts.block(C, linear if kinds[i] == "linear_attention" else full, moe if i in sparse else dense,
-                    parts.rms_norm(C, eps, **kw)) for i in range(depth)]
-    return parts.float32_scale_norms(parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw), keep_float32=True)
+    norm = parts.rms_norm(C, eps, **kw)
+    blocks = [parts.block(C, linear if kinds[i] == "linear_attention" else full, moe if i in sparse else dense, norm)
+              for i in range(depth)]
+    predictor = MultiTokenPredictor([MTPLayer(C, parts.block(C, full, moe if 0 in sparse else dense, norm), norm, **kw)
+                                     for _ in range(mtp)]) if mtp else None
+    model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, mtp=predictor, **kw)
+    return parts.float32_scale_norms(model, keep_float32=True)
 
 
 def _per_key_head(w: Tensor, hk: int, sizes: list[int]) -> list[Tensor]:
@@ -301,24 +313,40 @@ def convert_qwen3_next(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
                        linear_map: Callable[[Plan, str, str, HFConfig], None] = put_gated_deltanet) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them); ``linear_map`` plans a
     linear layer's weights (Qwen3.5 stores its projections apart)."""
-    model, plan, head_size = parts.start(hf, sd, build_qwen3_next, device=device, dtype=dtype)
-    depth = model.depth
-    kinds = parts.layer_types(hf, depth, ("linear_attention", "full_attention"))
-    sparse = _sparse_layers(hf, depth)
-    for i in range(depth):
-        o, h = f"blocks.{i}.", f"layers.{i}."
-        if kinds[i] == "linear_attention":
-            linear_map(plan, f"{o}attn.", f"{h}linear_attn.", hf)
-        else:
-            put_gated_attention(plan, f"{o}attn", f"{h}self_attn.", hf)
-        if i in sparse:
-            put_moe(plan, f"{o}ffn.", f"{h}mlp.", "stacked", shared=hf.get("shared_expert_intermediate_size", 0) > 0,
-                    shared_gate=hf.get("shared_expert_intermediate_size", 0) > 0)
-        else:
-            parts.put_mlp(plan, f"{o}ffn.", f"{h}mlp.")
-        for ours, theirs in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
-            plan.put(f"{o}{ours}.weight", f"{h}{theirs}.weight", parts.plus_one)
-    return parts.finish(plan, model, head_size, norm_transform=parts.plus_one)
+    where = next((p for p in ("mtp.", "model.mtp.") if f"{p}fc.weight" in sd), None)
+    mtp = min(parts.mtp_depths(hf, sd, lambda k: f"{where}layers.{k}.input_layernorm.weight"), 1) if where else 0
+    build = functools.partial(build_qwen3_next, mtp=mtp)
+    model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
+    kinds = parts.layer_types(hf, model.depth, ("linear_attention", "full_attention"))
+    sparse = _sparse_layers(hf, model.depth)
+    for i in range(model.depth):
+        mixer = "linear_attn." if kinds[i] == "linear_attention" else "self_attn."
+        _put_layer(plan, f"blocks.{i}.", f"layers.{i}.", (mixer, i in sparse), hf, linear_map)
+    if mtp:  # mtp.* at the top (text checkpoints) or under the model (a wrapper's, re-keyed)
+        prefix, plan.src.prefix = plan.src.prefix, "" if where == "mtp." else "model."
+        for ours, theirs in (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"), ("post_norm", "norm")):
+            plan.put(f"mtp.layers.0.{ours}.weight", f"mtp.{theirs}.weight", parts.plus_one)
+        plan.put("mtp.layers.0.eh_proj.weight", "mtp.fc.weight")
+        _put_layer(plan, "mtp.layers.0.block.", "mtp.layers.0.", ("self_attn.", 0 in sparse), hf, linear_map)
+        plan.src.prefix = prefix
+    return parts.finish(plan, model, head_size, norm_transform=parts.plus_one, ignore=[r"(model\.)?mtp\..*"])
+
+
+def _put_layer(plan: Plan, ours: str, theirs: str, kind: tuple[str, bool], hf: HFConfig,
+               linear_map: Callable[[Plan, str, str, HFConfig], None]) -> None:
+    """One decoder layer: ``kind`` = (its mixer's name, ``linear_attn.`` or ``self_attn.``; whether its
+    feed-forward is the MoE), the two ``1 + w`` norms."""
+    if kind[0] == "linear_attn.":
+        linear_map(plan, f"{ours}attn.", f"{theirs}linear_attn.", hf)
+    else:
+        put_gated_attention(plan, f"{ours}attn", f"{theirs}self_attn.", hf)
+    if kind[1]:
+        shared = hf.get("shared_expert_intermediate_size", 0) > 0
+        put_moe(plan, f"{ours}ffn.", f"{theirs}mlp.", "stacked", shared=shared, shared_gate=shared)
+    else:
+        parts.put_mlp(plan, f"{ours}ffn.", f"{theirs}mlp.")
+    for o, t in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+        plan.put(f"{ours}{o}.weight", f"{theirs}{t}.weight", parts.plus_one)
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``

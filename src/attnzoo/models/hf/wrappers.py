@@ -97,8 +97,11 @@ WRAPPERS: dict[str, Wrapper] = {
     "llama4": Wrapper("Llama 4 (multimodal)", ("Llama4ForConditionalGeneration",), ("llama4_text",), False,
                       tie_from="text"),
     "mistral3": _row("Mistral 3 (multimodal)", "Mistral3", ("mistral", "ministral3"), True),
-    "qwen3_5": _row("Qwen3.5 (multimodal)", "Qwen3_5", ("qwen3_5_text",), False),
-    "qwen3_5_moe": _row("Qwen3.5-MoE (multimodal)", "Qwen3_5Moe", ("qwen3_5_moe_text",), False),
+    # the released checkpoints' MTP layer (mtp.* at the top) kept with the text model, which loads it
+    "qwen3_5": _row("Qwen3.5 (multimodal)", "Qwen3_5", ("qwen3_5_text",), False,
+                    saved=((r"^mtp\.", "model.language_model.mtp."),)),
+    "qwen3_5_moe": _row("Qwen3.5-MoE (multimodal)", "Qwen3_5Moe", ("qwen3_5_moe_text",), False,
+                        saved=((r"^mtp\.", "model.language_model.mtp."),)),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
     "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from="either"),
