@@ -119,6 +119,7 @@ def test_sigint_while_arena_workers_import_torch_is_one_line(tmp_path: Path) -> 
     _one_line(err, "arena")
 
 
+@pytest.mark.slow  # 10 s of worker start-up; Ctrl-C at start-up, in imports and in string code stay in the default run
 def test_sigint_inside_arena_workers_is_one_line(tmp_path: Path) -> None:
     """``arena --jobs 2`` interrupted while both workers train: the parent prints one line, no worker a
     traceback, exit 130; the finished checkpoints are kept for ``--resume``."""

@@ -239,6 +239,7 @@ def test_recurrent_documents_equal_cu_seqlens_2_ranks(two: list[dict[str, Any]],
     _check_packed(two, mixer, case)
 
 
+@pytest.mark.slow  # the 4-rank job (17 s of spawning on 2 cores); the 2-rank tests above stay in the default run
 @pytest.mark.parametrize("mixer, case", _keys(4))
 def test_recurrent_documents_equal_cu_seqlens_4_ranks(four: list[dict[str, Any]], mixer: str, case: str) -> None:
     _check_packed(four, mixer, case)
@@ -290,6 +291,7 @@ def test_rank_raising_mid_forward_fails_the_others_2_ranks(two: list[dict[str, A
     _check_death(two[1], 1, "ring", True)
 
 
+@pytest.mark.slow  # the 4-rank job (17 s of spawning on 2 cores); the 2-rank tests above stay in the default run
 def test_rank_raising_mid_forward_fails_the_others_4_ranks(four: list[dict[str, Any]]) -> None:
     assert "worker_error" not in four[0] and "worker_error" not in four[2]
     _check_death(four[0], 0, "ulysses", False)

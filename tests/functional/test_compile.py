@@ -535,6 +535,7 @@ def test_compile_docs_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
     run_blocks("docs/compile.md", minimum=2, before_each=dynamo.reset)
 
 
+@pytest.mark.slow  # heavy (seconds of inductor compile on 2 cores): the lighter compile tests stay in the default run
 def test_dynamic_shapes_linear_attention_compiles_at_most_twice() -> None:
     """The chunked causal form runs as one group when compiled: one graph for lengths that are
     multiples of the chunk and one for the others (the padding branch)."""
@@ -622,6 +623,7 @@ def test_sigmoid_custom_operator_registration() -> None:
         assert sigmoid_fwd(q, k, v_bnhd, None, True, 8, 0, True, 0, 0.25, None, None, -3.0).stride() == v_bnhd.stride()
 
 
+@pytest.mark.slow  # heavy (seconds of inductor compile on 2 cores): the lighter compile tests stay in the default run
 def test_dynamic_shapes_chunked_decay_kernels_compile_once() -> None:
     """The chunked form of the recurrent kernels (retention, GLA with a decay per key dimension, the
     delta rule with and without a decay) compiles **once** for several lengths under
@@ -845,6 +847,7 @@ def test_nsa_module_compiled_matches_eager_with_gradients_as_one_operator() -> N
     assert torch.ops.attnzoo.nsa_sparse.default in targets and torch.ops.attnzoo.nsa_sparse_fwd.default not in targets
 
 
+@pytest.mark.slow  # heavy (seconds of inductor compile on 2 cores): the lighter compile tests stay in the default run
 def test_nsa_cached_decode_compiled_matches_eager() -> None:
     """A compiled decode step (new tokens written into :class:`NSACache`, blocks compressed as they
     complete) has no graph break and gives the eager step's outputs and cache contents."""
@@ -908,6 +911,7 @@ def test_nsa_operator_backward_is_analytic_and_equals_autograd(n: int, q_offset:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # heavy (seconds of inductor compile on 2 cores): the lighter compile tests stay in the default run
 @pytest.mark.parametrize("mode", ["absolute", "cache"])
 def test_streaming_cached_decode_compiled_matches_eager(mode: str) -> None:
     """StreamingLLM (sink tokens + window) in both position conventions: a full forward, a cached

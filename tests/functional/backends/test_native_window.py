@@ -37,15 +37,34 @@ def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     mp.undo()
 
 
-@pytest.fixture(scope="module")
-def built(native_dir: Path) -> object:
+def _build_here() -> None:
     try:
         native.build()
     except native.NativeUnavailable as exc:
         pytest.skip(f"the compiled forward cannot be built here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def built(native_dir: Path) -> object:
+    """The kernel's module: the one the README's install built beside the sources when its tag says
+    they are these sources (a 25-second compile saved), else built here; ``test_build_compiles_the_kernel``
+    (slow) compiles it whatever is installed."""
+    if native.installed_path() is None:
+        _build_here()
     mod = native.native_module()
     assert mod is not None
     return mod
+
+
+@pytest.mark.slow
+def test_build_compiles_the_kernel(native_dir: Path) -> None:
+    """``native.build()`` compiles the sources into :func:`native.build_dir`, and that build is loaded
+    ahead of the installed one."""
+    _build_here()
+    assert native.module_path() == native.build_dir() / f"{native.NAME}.so"
+    native._cache.pop(native.build_dir(), None)
+    mod = native.native_module()
+    assert mod is not None and hasattr(mod, "window_fwd")
 
 
 @pytest.fixture
