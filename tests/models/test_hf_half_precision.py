@@ -47,6 +47,7 @@ from attnzoo.interop import from_hf  # noqa: E402
 from attnzoo.models.families._common import Float32ScaleRMSNorm  # noqa: E402
 from attnzoo.models.families.qwen3_next import QwenGatedDeltaNet, causal_conv  # noqa: E402
 from attnzoo.models.hf.convert import BUILDERS  # noqa: E402
+from attnzoo.models.hf.llama import FAMILIES as LLAMA_FAMILIES  # noqa: E402
 
 T = transformers
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,7 +114,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
         ("dbrx", "_dbrx_every_expert"), ("dory", "_dory"))},
     "apertus1p5_text": ("test_hf_apertus1p5", "_apertus1p5"),
     "minimax_m3_vl_text": ("test_hf_minimax_m3", "_m3_all_blocks"), "dots3_note_text": ("test_hf_dots3", "_dots3"),
-    "step3p5": ("test_hf_step3p7", "_step"),
+    "step3p5": ("test_hf_step3p7", "_step"), "qwen2_vl_text": ("test_hf_qwen_vl", "_qwen2_vl"),
+    "qwen2_5_vl_text": ("test_hf_qwen_vl", "_qwen2_5_vl"), "qwen3_vl_text": ("test_hf_qwen_vl", "_qwen3_vl"),
     "zamba": ("test_hf_zamba", "_config"), "rwkv": ("test_hf_rwkv", "_config"), "xlstm": ("test_hf_xlstm", "_config"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
@@ -173,7 +175,7 @@ def _continuous(config: Any) -> Any:
 def _auto(family: str) -> Any:
     if family == "glm5_next":
         return T.Glm5NextForConditionalGeneration
-    if family == "step3p5":  # transformers has no causal-LM class for this text model: its wrapper's
+    if family in ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"):  # no causal-LM class: the wrapper
         return T.AutoModelForImageTextToText
     return T.AutoModel if family == "glm5_next_text" else T.AutoModelForCausalLM
 
@@ -234,7 +236,7 @@ def test_the_families_are_dispatched() -> None:
     the loop model: no peer to compare with), Mistral 4 (transformers maps no auto class to it) and
     the encoder, vision and seq2seq families (checked in their own dtype test: ``EncoderChecks`` /
     ``VisionChecks`` / ``Seq2SeqChecks``)."""
-    assert set(FAMILIES) <= set(BUILDERS)
+    assert set(FAMILIES) <= set(BUILDERS) | set(LLAMA_FAMILIES)  # the Qwen-VL text decoders: LLaMA-layout rows
     others = set(encoders.sweep()) | set(vision.sweep()) | set(seq2seq.sweep())
     assert set(BUILDERS) - set(FAMILIES) - others <= {"inkling2_text", "inkling2_loop_text", "mistral4"}
 

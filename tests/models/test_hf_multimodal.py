@@ -45,6 +45,7 @@ import test_hf_neox as neox  # noqa: E402
 import test_hf_qwen3_5 as qwen3_5  # noqa: E402
 import test_hf_qwen3_5_moe as qwen3_5_moe  # noqa: E402
 import test_hf_qwen4_exp as qwen4_exp  # noqa: E402
+import test_hf_qwen_vl as qwen_vl  # noqa: E402
 import test_hf_step3p7 as step3p7  # noqa: E402
 
 import hf_family_checks as checks  # noqa: E402
@@ -398,7 +399,8 @@ CASES: dict[str, Callable[[], Any]] = {
     "llava_onevision1_5": _llava_onevision1_5, "fast_vlm": _fast_vlm, "perception_lm": _perception_lm,
     "hyperclovax_vision_v2": _hyperclovax_vision_v2, "apertus1p5": _apertus1p5, "dots3_note": _dots3_note,
     "nemotron_h_omni": _nemotron_h_omni, "inkling2": _inkling2, "inkling2_loop": _inkling2_loop,
-    "step3p7": step3p7._step,
+    "step3p7": step3p7._step, "qwen2_vl": qwen_vl._qwen2_vl, "qwen2_5_vl": qwen_vl._qwen2_5_vl,
+    "qwen3_vl": qwen_vl._qwen3_vl,
 }
 
 

@@ -13,6 +13,13 @@ with RMSNorm, RoPE and a gated MLP; a :class:`Family` records what each changes:
   tanh-GeGLU. Gemma2: plus norms on both sides of each sub-layer, attention and final-logit
   softcaps, alternating sliding/global layers, scale ``query_pre_attn_scalar ** -0.5``.
 * Phi3: fused ``qkv_proj`` (rows ``[q; k; v]``, as attnzoo's) and ``gate_up_proj`` (``[gate; up]``).
+* The text decoders of Qwen2-VL / Qwen2.5-VL (``qwen2_vl_text``, ``qwen2_5_vl_text``: Qwen2's) and
+  Qwen3-VL (``qwen3_vl_text``: Qwen3's). Their multimodal RoPE (``mrope_section``, interleaved or not)
+  picks, per frequency, one of three position streams (time, height, width); on text the three are
+  the same position, so the rotation is the 1-D RoPE (``rope_type="mrope"`` of the released
+  configs reads as ``"default"``, as transformers reads it). Qwen3-VL's deepstack features enter
+  only with images. The multimodal wrappers (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) convert to
+  these (:mod:`attnzoo.models.hf.wrappers`).
 
 Checkpoints in Hugging Face layout already use split-half RoPE, so q/k weights are copied as
 they are. ``sliding_window=W`` (a query sees itself and ``W - 1`` keys before it) is a window of
@@ -67,6 +74,10 @@ FAMILIES = {
     "qwen3": Family("Qwen3", qk_norm="head"), "gemma": Family("Gemma", gemma=1),
     "gemma2": Family("Gemma2", gemma=2, sublayer_norm="both"), "phi3": Family("Phi3", fused=True),
     "olmo2": Family("OLMo2", qk_norm="all", sublayer_norm="output"),
+    # the text decoders of Qwen2-VL / Qwen2.5-VL (Qwen2's) and Qwen3-VL (Qwen3's): their multimodal RoPE
+    # rotates every frequency by the same position on text (three equal position streams), the 1-D RoPE
+    "qwen2_vl_text": Family("Qwen2-VL text", qkv_bias=True), "qwen2_5_vl_text": Family("Qwen2.5-VL text", qkv_bias=True),
+    "qwen3_vl_text": Family("Qwen3-VL text", qk_norm="head"),
 }
 
 
@@ -78,6 +89,8 @@ def rope_settings(hf: HFConfig) -> Rope:
     params = dict(hf.get("rope_scaling", {}, dict))
     params.update(hf.get("rope_parameters", {}, dict))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "mrope":  # Qwen2-VL's released configs: transformers reads it as "default" (+ mrope_section)
+        rope_type = "default"
     partial = params.get("partial_rotary_factor", hf.raw("partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
         raise hf.unsupported(f"partial_rotary_factor={partial}")

@@ -70,6 +70,8 @@ class Wrapper:
         saved: ``(pattern, replacement)`` regular expressions renaming a released or saved
             checkpoint's keys to the layouts above, as transformers' ``conversion_mapping`` reads
             them (Ovis2.5's ``llm.*``).
+        flat: a released ``config.json`` may hold the text model's keys at its top level, without
+            ``text_config`` (Qwen2-VL, Qwen2.5-VL; the config class reads them so).
     """
 
     name: str
@@ -81,6 +83,7 @@ class Wrapper:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     language_model: str = "language_model"
     saved: tuple[tuple[str, str], ...] = ()
+    flat: bool = False
 
 
 def _row(name: str, cls: str, text_types: tuple[str, ...], tie: bool, **kw: Any) -> Wrapper:
@@ -88,6 +91,8 @@ def _row(name: str, cls: str, text_types: tuple[str, ...], tie: bool, **kw: Any)
     return Wrapper(name, (f"{cls}ForConditionalGeneration", f"{cls}Model"), text_types, tie, **kw)
 
 
+#: Qwen2-VL's released layout: the text model at ``model.*`` beside the tower at ``visual.*``
+_QWEN_VL = ((r"^model\.(?!language_model\.|visual\.)", "model.language_model."),)
 #: wrapper ``model_type`` -> its row; see ``tests/models/test_hf_multimodal.py`` for each one's check
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": _row("Gemma 3 (multimodal)", "Gemma3", ("gemma3_text",), True, overrides={"final_logit_softcapping": None}),
@@ -102,6 +107,10 @@ WRAPPERS: dict[str, Wrapper] = {
                     saved=((r"^mtp\.", "model.language_model.mtp."),)),
     "qwen3_5_moe": _row("Qwen3.5-MoE (multimodal)", "Qwen3_5Moe", ("qwen3_5_moe_text",), False,
                         saved=((r"^mtp\.", "model.language_model.mtp."),)),
+    # released: the text model at model.* and the tower at visual.* (transformers' older layout)
+    "qwen2_vl": _row("Qwen2-VL", "Qwen2VL", ("qwen2_vl_text",), False, saved=_QWEN_VL, flat=True),
+    "qwen2_5_vl": _row("Qwen2.5-VL", "Qwen2_5_VL", ("qwen2_5_vl_text",), False, saved=_QWEN_VL, flat=True),
+    "qwen3_vl": _row("Qwen3-VL", "Qwen3VL", ("qwen3_vl_text",), False, saved=_QWEN_VL),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
     "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from="either"),
@@ -207,7 +216,10 @@ def _tied(w: Wrapper, hf: HFConfig, text: Mapping[str, Any]) -> bool:
 
 def _text_config(model_type: str, w: Wrapper, hf: HFConfig) -> HFConfig:
     """The text model's config as its converter reads it (see :class:`Wrapper`)."""
-    text = dict(hf.req("text_config", dict))
+    if w.flat and not hf.has("text_config"):  # the released flat form: the text keys beside vision_config
+        text = {k: v for k, v in hf.data.items() if k not in ("vision_config", "model_type")}
+    else:
+        text = dict(hf.req("text_config", dict))
     text_type = text.get("model_type") or w.text_types[0]
     if text_type not in w.text_types:
         raise hf.unsupported(f"a {text_type!r} text model in {model_type} (the text models verified in it: "

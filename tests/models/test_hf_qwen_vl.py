@@ -1,0 +1,100 @@
+"""The text decoders of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``qwen2_vl_text``, ``qwen2_5_vl_text``,
+``qwen3_vl_text``: Qwen2's and Qwen3's layers under a multimodal RoPE) through their wrappers
+(``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
+``Qwen3VLForConditionalGeneration``). On text the three position streams of the multimodal RoPE are
+equal, and every section rotates by the same position: the 1-D RoPE. The wrappers' shared checks
+(logits of a left-padded batch, the base model, greedy generation, folders in both layouts,
+``to_hf``) run in ``test_hf_multimodal.py``; here: the rotation is the 1-D one only on text, the
+sections differ otherwise, and the released configs' ``rope_scaling: {"type": "mrope"}``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_family_checks as checks  # noqa: E402
+from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
+
+T = transformers
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:.*the text decoder of Qwen.*-VL is converted")]
+
+#: a two-layer text model, head_dim 16 (8 frequencies, in sections of 2 / 3 / 3)
+TEXT = {**checks.SMALL, "num_hidden_layers": 2, "head_dim": 16}
+#: one-block vision towers
+VISION = {"qwen2_vl": dict(depth=1, embed_dim=16, hidden_size=checks.SMALL["hidden_size"], num_heads=2, patch_size=4),
+          "qwen2_5_vl": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                             out_hidden_size=checks.SMALL["hidden_size"], fullatt_block_indexes=[0]),
+          "qwen3_vl": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                           num_position_embeddings=16, out_hidden_size=checks.SMALL["hidden_size"],
+                           deepstack_visual_indexes=[])}
+
+
+def _rope(interleaved: bool = False) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3],
+            **({"mrope_interleaved": True} if interleaved else {})}
+
+
+def _qwen2_vl() -> Any:
+    """Qwen2-VL around a Qwen2 text model (q/k/v biases), untied."""
+    return T.Qwen2VLConfig(text_config={**TEXT, "rope_parameters": _rope()}, vision_config=VISION["qwen2_vl"])
+
+
+def _qwen2_5_vl() -> Any:
+    """Qwen2.5-VL, tied embeddings, one key/value head."""
+    return T.Qwen2_5_VLConfig(text_config={**TEXT, "rope_parameters": _rope(), "num_key_value_heads": 1},
+                              vision_config=VISION["qwen2_5_vl"], tie_word_embeddings=True)
+
+
+def _qwen3_vl() -> Any:
+    """Qwen3-VL: per-head QK norms, the interleaved sections."""
+    return T.Qwen3VLConfig(text_config={**TEXT, "rope_parameters": _rope(interleaved=True)},
+                           vision_config=VISION["qwen3_vl"])
+
+
+MAKERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}
+
+
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+def test_the_multimodal_rope_is_the_1d_rope_on_text_only(kind: str) -> None:
+    """Equal position streams: transformers' logits equal ours. Streams that differ (as an image's grid
+    makes them): other logits, so the check above compares a rotation that depends on the sections."""
+    hf = checks.hf_model(MAKERS[kind]())
+    ours = from_hf(hf)
+    x = checks.tokens(12)
+    pos = torch.arange(12).expand(2, 12)
+    text_model = hf.model.language_model
+    with torch.no_grad():
+        same = text_model(input_ids=x, position_ids=pos[None].expand(3, 2, 12)).last_hidden_state
+        grid = torch.stack([pos, pos // 2, pos % 3])  # time, height, width as a 2 x 3 patch grid would give
+        other = text_model(input_ids=x, position_ids=grid).last_hidden_state
+        got = ours.hidden_states(x)
+    assert checks.rel(got, same) <= checks.TOL
+    assert checks.rel(other, same) > 1e-3
+
+
+def test_released_config_with_the_mrope_type_loads(tmp_path: Path) -> None:
+    """Qwen2.5-VL's released ``config.json``: the text keys at the top beside ``vision_config``, the RoPE
+    as ``rope_scaling: {"type": "mrope", "mrope_section": [...]}``; transformers reads it, and so do we."""
+    hf = checks.hf_model(_qwen2_5_vl())
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    text = data.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type", None)
+    data.update(text, rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]}, rope_theta=rope["rope_theta"])
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path).eval()
+        ours = load_pretrained(tmp_path)
+    x = checks.tokens(10)
+    with torch.no_grad():
+        assert checks.rel(ours(x), theirs(input_ids=x).logits) <= checks.TOL
