@@ -400,7 +400,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "hyperclovax_vision_v2": _hyperclovax_vision_v2, "apertus1p5": _apertus1p5, "dots3_note": _dots3_note,
     "nemotron_h_omni": _nemotron_h_omni, "inkling2": _inkling2, "inkling2_loop": _inkling2_loop,
     "step3p7": step3p7._step, "qwen2_vl": qwen_vl._qwen2_vl, "qwen2_5_vl": qwen_vl._qwen2_5_vl,
-    "qwen3_vl": qwen_vl._qwen3_vl,
+    "qwen3_vl": qwen_vl._qwen3_vl, "qwen3_vl_moe": qwen_vl._qwen3_vl_moe,
 }
 
 

@@ -1,7 +1,8 @@
 """The text decoders of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``qwen2_vl_text``, ``qwen2_5_vl_text``,
 ``qwen3_vl_text``: Qwen2's and Qwen3's layers under a multimodal RoPE) through their wrappers
 (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
-``Qwen3VLForConditionalGeneration``). On text the three position streams of the multimodal RoPE are
+``Qwen3VLForConditionalGeneration``) and Qwen3-VL-MoE's (``qwen3_vl_moe_text``: Qwen3-MoE's, through
+``Qwen3VLMoeForConditionalGeneration``). On text the three position streams of the multimodal RoPE are
 equal, and every section rotates by the same position: the 1-D RoPE. The wrappers' shared checks
 (logits of a left-padded batch, the base model, greedy generation, folders in both layouts,
 ``to_hf``) run in ``test_hf_multimodal.py``; here: the rotation is the 1-D one only on text, the
@@ -59,7 +60,22 @@ def _qwen3_vl() -> Any:
                            vision_config=VISION["qwen3_vl"])
 
 
-MAKERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}
+def _qwen3_vl_moe(moe_width: int = 24) -> Any:
+    """Qwen3-VL-MoE: 4 experts of ``moe_width``, top-2 (always renormalised) on every layer."""
+    text = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
+    return T.Qwen3VLMoeConfig(text_config={**text, "num_experts": 4, "num_experts_per_tok": 2,
+                                           "moe_intermediate_size": moe_width, "rope_parameters": _rope(interleaved=True)},
+                              vision_config=VISION["qwen3_vl"])
+
+
+MAKERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe}
+
+
+def _both(cls: Any, folder: Path) -> tuple[Any, Any]:
+    """transformers' ``cls`` and attnzoo's model of ``folder`` (the towers' warnings silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls.from_pretrained(folder).eval(), load_pretrained(folder)
 
 
 @pytest.mark.parametrize("kind", sorted(MAKERS))
@@ -91,10 +107,31 @@ def test_released_config_with_the_mrope_type_loads(tmp_path: Path) -> None:
     text.pop("model_type", None)
     data.update(text, rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]}, rope_theta=rope["rope_theta"])
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path).eval()
-        ours = load_pretrained(tmp_path)
+    theirs, ours = _both(T.Qwen2_5_VLForConditionalGeneration, tmp_path)
     x = checks.tokens(10)
     with torch.no_grad():
         assert checks.rel(ours(x), theirs(input_ids=x).logits) <= checks.TOL
+
+
+@pytest.mark.parametrize("moe_width", [24, 32], ids=["C!=2F", "C==2F"])
+def test_qwen3_vl_moe_released_experts_are_transposed(tmp_path: Path, moe_width: int) -> None:
+    """The released checkpoints store ``gate_up_proj [E, C, 2F]`` and ``down_proj [E, F, C]`` (transformers
+    transposes them at load): that folder loads as the model it was written from, whichever tensor tells
+    the layout (``C == 2F``: only ``down_proj`` does; transformers then keeps the square ``gate_up_proj``
+    untransposed, ``Transpose(check_dims=True)`` compares shapes only, and reads other weights)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = checks.hf_model(_qwen3_vl_moe(moe_width))
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(str(path))
+    experts = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts
+    save_file({k: v.transpose(1, 2).contiguous() if k in experts else v for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+    theirs, ours = _both(T.Qwen3VLMoeForConditionalGeneration, tmp_path)
+    x = checks.tokens(10)
+    with torch.no_grad():
+        want = hf(input_ids=x).logits
+        assert checks.rel(ours(x), want) <= checks.TOL
+        assert (checks.rel(theirs(input_ids=x).logits, want) <= checks.TOL) == (moe_width != 32)

@@ -26,6 +26,12 @@ softmax over every expert in float32, the top ``num_experts_per_tok``, renormali
   ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (l. 358-361), else a dense SwiGLU MLP
   of ``intermediate_size``; ``layer_types`` by default alternate sliding (even ``i`` below
   ``max_window_layers``) and full when ``use_sliding_window`` (configuration 107-116).
+* **Qwen3-VL-MoE text** (``qwen3_vl_moe_text``; ``models/qwen3_vl_moe/modeling_qwen3_vl_moe.py``
+  114-170, 352-357): Qwen3-MoE's layer and experts, the top-k always renormalised (no
+  ``norm_topk_prob``), no window; its multimodal RoPE is the 1-D RoPE on text (three equal position
+  streams; ``models/hf/llama.py``). Its checkpoints store the experts transposed (``gate_up_proj
+  [E, C, 2F]``, ``down_proj [E, F, C]``; transformers' ``conversion_mapping`` transposes them at load):
+  both layouts load. The ``qwen3_vl_moe`` wrapper converts to it.
 * **Qwen3-MoE** (``qwen3_moe``; modeling 122-320): Qwen3's per-head QK RMSNorm (l. 147-148), the
   experts of ``moe_intermediate_size``, the same sparse-layer rule, one window on every layer when
   ``use_sliding_window`` (configuration 106-107).
@@ -313,6 +319,7 @@ VARIANTS: dict[str, Variant] = {
                          qkv_bias="qkv_bias", shared=True),
     "qwen3_moe": Variant("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3MoeModel"),
                          qk_norm="head"),
+    "qwen3_vl_moe_text": Variant("Qwen3-VL-MoE text", ("Qwen3VLMoeTextModel",), qk_norm="head", renorm=True),
     "olmoe": Variant("OLMoE", ("OlmoeForCausalLM", "OlmoeModel"),
                      qk_norm="all", width="intermediate_size"),
     "glm4_moe": Variant("GLM-4.5", ("Glm4MoeForCausalLM", "Glm4MoeModel"),
@@ -384,6 +391,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "shared_expert_intermediate_size": 5632, "num_key_value_heads": 16, "rms_norm_eps": 1e-6,
                   "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "qkv_bias": True,
                   "hidden_act": "silu"},
+    "qwen3_vl_moe_text": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                          "num_key_value_heads": 16, "rms_norm_eps": 1e-6, "decoder_sparse_step": 1,
+                          "tie_word_embeddings": True, "hidden_act": "silu"},
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "use_sliding_window": False, "hidden_act": "silu"},
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "rms_norm_eps": 1e-5, "hidden_act": "silu"},
@@ -465,7 +475,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "rope_parameters": {"rope_type": "default", "rope_theta": 8000000.0, "partial_rotary_factor": 1.0}},
 }
 #: the families whose every layer attends to the whole causal past (no window)
-_FULL = ("olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe",
+_FULL = ("qwen3_vl_moe_text", "olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe",
          "granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe")
 TYPES = ("full_attention", "sliding_attention")
 #: the families whose windows follow ``layer_types`` (or their own default rule of layer kinds)
@@ -948,6 +958,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     # Mistral's names (GraniteMoE keeps block_sparse_moe), Kolibri-1's, Ling's
     sd = sd if variant.granite else _split_fused_qkv(saved_names(sd, _SAVED_BY_TYPE.get(model_type, _SAVED)), hf)
     depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
+    if model_type == "qwen3_vl_moe_text":
+        sd = _experts_in_memory(sd, hf)
     layout = {**dict.fromkeys(_GLM_MTP, lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight"),
               "ernie4_5_moe": lambda k: f"{prefix}mtp_linear_proj.{k}.weight",
               "mellum": lambda k: "mtp.fc.weight" if k == 0 else None}.get(model_type)  # Mellum: one layer
@@ -983,6 +995,26 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     if model_type == "phimoe":
         ignore.append(r"lm_head\.bias")
     return parts.finish(plan, model, head_size, ignore=ignore)
+
+
+def _experts_in_memory(sd: dict[str, Tensor], hf: HFConfig) -> dict[str, Tensor]:
+    """``sd`` with Qwen3-VL-MoE's saved experts (``gate_up_proj [E, C, 2F]``, ``down_proj [E, F, C]``)
+    transposed to transformers' in-memory layout (``[E, 2F, C]``, ``[E, C, F]``); tensors already so
+    kept. The two layouts differ in ``gate_up_proj`` unless ``C == 2F`` and in ``down_proj`` unless
+    ``C == F``: one of them tells."""
+    C, F_ = hf.req("hidden_size"), hf.req("moe_intermediate_size")
+    out = dict(sd)
+    for key, t in sd.items():
+        if not key.endswith("mlp.experts.gate_up_proj") or t.dim() != 3:
+            continue
+        down = sd.get(key[: -len("gate_up_proj")] + "down_proj")
+        saved = tuple(t.shape[1:]) == (C, 2 * F_) if C != 2 * F_ else (
+            down is not None and tuple(down.shape[1:]) == (F_, C))
+        if saved:
+            out[key] = t.transpose(1, 2)
+            if down is not None:
+                out[key[: -len("gate_up_proj")] + "down_proj"] = down.transpose(1, 2)
+    return out
 
 
 def _split_fused_qkv(sd: dict[str, Tensor], hf: HFConfig) -> dict[str, Tensor]:

@@ -111,6 +111,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "qwen2_vl": _row("Qwen2-VL", "Qwen2VL", ("qwen2_vl_text",), False, saved=_QWEN_VL, flat=True),
     "qwen2_5_vl": _row("Qwen2.5-VL", "Qwen2_5_VL", ("qwen2_5_vl_text",), False, saved=_QWEN_VL, flat=True),
     "qwen3_vl": _row("Qwen3-VL", "Qwen3VL", ("qwen3_vl_text",), False, saved=_QWEN_VL),
+    "qwen3_vl_moe": _row("Qwen3-VL-MoE", "Qwen3VLMoe", ("qwen3_vl_moe_text",), False, saved=_QWEN_VL),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
     "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from="either"),
