@@ -231,6 +231,22 @@ def check_folder(make: Callable[[], Any], tmp_path: Path) -> None:
         assert rel(model(x), hf(input_ids=x).logits) <= TOL
 
 
+def check_multimodal_rope_on_text(hf: Any, n: int = 12) -> None:
+    """A multimodal wrapper ``hf`` whose text model rotates by three position streams (time, height,
+    width): with the streams equal (text), transformers' hidden states equal the converted model's
+    (the 1-D RoPE); with the streams of a 2 x 3 patch grid, transformers' differ (so the check above
+    compared a rotation that depends on the sections)."""
+    ours = from_hf(hf)
+    x = tokens(n)
+    pos = torch.arange(n).expand(2, n)
+    text_model = hf.model.language_model
+    with torch.no_grad():
+        same = text_model(input_ids=x, position_ids=pos[None].expand(3, 2, n)).last_hidden_state
+        other = text_model(input_ids=x, position_ids=torch.stack([pos, pos // 2, pos % 3])).last_hidden_state
+        assert rel(ours.hidden_states(x), same) <= TOL
+    assert rel(other, same) > 1e-3
+
+
 class FamilyChecks:
     """The five checks of a family as test methods: a test module declares
     ``class TestFamily(FamilyChecks): config = staticmethod(make_config)`` (and ``cases``: more

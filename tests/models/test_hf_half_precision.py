@@ -116,7 +116,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "minimax_m3_vl_text": ("test_hf_minimax_m3", "_m3_all_blocks"), "dots3_note_text": ("test_hf_dots3", "_dots3"),
     "step3p5": ("test_hf_step3p7", "_step"), "qwen2_vl_text": ("test_hf_qwen_vl", "_qwen2_vl"),
     "qwen2_5_vl_text": ("test_hf_qwen_vl", "_qwen2_5_vl"), "qwen3_vl_text": ("test_hf_qwen_vl", "_qwen3_vl"),
-    "qwen3_vl_moe_text": ("test_hf_qwen_vl", "_qwen3_vl_moe"),
+    "qwen3_vl_moe_text": ("test_hf_qwen_vl", "_qwen3_vl_moe"), "glm4v_text": ("test_hf_glm_v", "_glm4v"),
+    "glm4v_moe_text": ("test_hf_glm_v", "_glm4v_moe"),
     "zamba": ("test_hf_zamba", "_config"), "rwkv": ("test_hf_rwkv", "_config"), "xlstm": ("test_hf_xlstm", "_config"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
@@ -173,10 +174,15 @@ def _continuous(config: Any) -> Any:
     return config
 
 
+#: text model types transformers builds only inside their multimodal wrapper (no causal-LM class)
+WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
+           "glm4v_moe_text")
+
+
 def _auto(family: str) -> Any:
     if family == "glm5_next":
         return T.Glm5NextForConditionalGeneration
-    if family in ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text"):  # the wrapper
+    if family in WRAPPED:
         return T.AutoModelForImageTextToText
     return T.AutoModel if family == "glm5_next_text" else T.AutoModelForCausalLM
 

@@ -35,6 +35,7 @@ import test_hf_gemma3 as gemma3  # noqa: E402
 import test_hf_gemma3n as gemma3n  # noqa: E402
 import test_hf_gemma4 as gemma4  # noqa: E402
 import test_hf_gemma4_unified as gemma4_unified  # noqa: E402
+import test_hf_glm_v as glm_v  # noqa: E402
 import test_hf_inkling2 as inkling2  # noqa: E402
 import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
 import test_hf_lfm2 as lfm2  # noqa: E402
@@ -400,7 +401,8 @@ CASES: dict[str, Callable[[], Any]] = {
     "hyperclovax_vision_v2": _hyperclovax_vision_v2, "apertus1p5": _apertus1p5, "dots3_note": _dots3_note,
     "nemotron_h_omni": _nemotron_h_omni, "inkling2": _inkling2, "inkling2_loop": _inkling2_loop,
     "step3p7": step3p7._step, "qwen2_vl": qwen_vl._qwen2_vl, "qwen2_5_vl": qwen_vl._qwen2_5_vl,
-    "qwen3_vl": qwen_vl._qwen3_vl, "qwen3_vl_moe": qwen_vl._qwen3_vl_moe,
+    "qwen3_vl": qwen_vl._qwen3_vl, "qwen3_vl_moe": qwen_vl._qwen3_vl_moe, "glm4v": glm_v._glm4v,
+    "glm4v_moe": glm_v._glm4v_moe,
 }
 
 

@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
+from attnzoo.interop import load_pretrained  # noqa: E402
 
 T = transformers
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -80,20 +80,7 @@ def _both(cls: Any, folder: Path) -> tuple[Any, Any]:
 
 @pytest.mark.parametrize("kind", sorted(MAKERS))
 def test_the_multimodal_rope_is_the_1d_rope_on_text_only(kind: str) -> None:
-    """Equal position streams: transformers' logits equal ours. Streams that differ (as an image's grid
-    makes them): other logits, so the check above compares a rotation that depends on the sections."""
-    hf = checks.hf_model(MAKERS[kind]())
-    ours = from_hf(hf)
-    x = checks.tokens(12)
-    pos = torch.arange(12).expand(2, 12)
-    text_model = hf.model.language_model
-    with torch.no_grad():
-        same = text_model(input_ids=x, position_ids=pos[None].expand(3, 2, 12)).last_hidden_state
-        grid = torch.stack([pos, pos // 2, pos % 3])  # time, height, width as a 2 x 3 patch grid would give
-        other = text_model(input_ids=x, position_ids=grid).last_hidden_state
-        got = ours.hidden_states(x)
-    assert checks.rel(got, same) <= checks.TOL
-    assert checks.rel(other, same) > 1e-3
+    checks.check_multimodal_rope_on_text(checks.hf_model(MAKERS[kind]()))
 
 
 def test_released_config_with_the_mrope_type_loads(tmp_path: Path) -> None:

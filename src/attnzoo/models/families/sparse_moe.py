@@ -47,6 +47,10 @@ softmax over every expert in float32, the top ``num_experts_per_tok``, renormali
   the causal LM (transformers drops them); a checkpoint folder that holds them loads them as the
   model's ``mtp`` (:mod:`attnzoo.models.mtp`: each a MoE layer with ``enorm``, ``hnorm``,
   ``eh_proj``, ``shared_head.norm``, as transformers' ``MtpModel`` builds them).
+* **GLM-4.5V text** (``glm4v_moe_text``; ``models/glm4v_moe/modeling_glm4v_moe.py`` 200-460): GLM-4.5's
+  layer and MoE without QK norms, q/k/v biases by default, rotary on half of each head (split
+  halves); its multimodal RoPE is the 1-D RoPE on text (three equal position streams). The
+  ``glm4v_moe`` wrapper converts to it; its MTP layers are dropped.
 * **MiniMax-M2** (``minimax_m2``; modeling 46-127, 276-340): QK RMSNorm over all heads, rotary on the
   first ``rotary_dim`` channels (the released checkpoints' key; ``partial_rotary_factor`` otherwise),
   theta 5e6 by default; every layer a MoE of ``intermediate_size`` experts routed by the top-k of
@@ -324,6 +328,8 @@ VARIANTS: dict[str, Variant] = {
                      qk_norm="all", width="intermediate_size"),
     "glm4_moe": Variant("GLM-4.5", ("Glm4MoeForCausalLM", "Glm4MoeModel"),
                         qk_norm="head_if_flag", qkv_bias="attention_bias", routing="deepseek", float32_router=True),
+    "glm4v_moe_text": Variant("GLM-4.5V text", ("Glm4vMoeTextModel",),
+                              qk_norm="head_if_flag", qkv_bias="attention_bias", routing="deepseek", float32_router=True),
     "minimax_m2": Variant("MiniMax-M2", ("MiniMaxM2ForCausalLM", "MiniMaxM2Model"),
                           qk_norm="all", routing="sigmoid", width="intermediate_size"),
     "dots1": Variant("dots.llm1", ("Dots1ForCausalLM", "Dots1Model"),
@@ -401,6 +407,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                  "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": False,
                  "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
                  "routed_scaling_factor": 1.0, "norm_topk_prob": True, "hidden_act": "silu"},
+    "glm4v_moe_text": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+                       "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "attention_bias": True,
+                       "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                       "routed_scaling_factor": 1.0, "norm_topk_prob": True, "hidden_act": "silu",
+                       "max_position_embeddings": 65536},
     "minimax_m2": {"num_experts": 256, "num_experts_per_tok": 8, "num_key_value_heads": 8, "head_dim": 128,
                    "rms_norm_eps": 1e-6, "rope_theta": 5e6, "hidden_act": "silu"},
     "dots1": {"num_experts": None, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "first_k_dense_replace": 0,
@@ -475,7 +486,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "rope_parameters": {"rope_type": "default", "rope_theta": 8000000.0, "partial_rotary_factor": 1.0}},
 }
 #: the families whose every layer attends to the whole causal past (no window)
-_FULL = ("qwen3_vl_moe_text", "olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe",
+_FULL = ("qwen3_vl_moe_text", "glm4v_moe_text", "olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe",
          "granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe")
 TYPES = ("full_attention", "sliding_attention")
 #: the families whose windows follow ``layer_types`` (or their own default rule of layer kinds)
@@ -653,8 +664,8 @@ def _rotary(hf: HFConfig, variant: Variant, head_dim: int, kind: str | None = No
             raise hf.unsupported(f"rope_type={params.get('rope_type')!r} with ERNIE's interleaved RoPE "
                                  f"(supported: 'default')")
         return RotaryEmbedding(head_dim, base=float(params["rope_theta"]), interleaved=True)
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5 if hf.raw("model_type") ==
-                                                         "glm4_moe" else 1.0, float))
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5 if hf.raw("model_type") in
+                                                         ("glm4_moe", "glm4v_moe_text") else 1.0, float))
     rot = hf.get("rotary_dim", int(head_dim * factor))
     return parts.rotary(hf, params, head_dim, rotary_dim=rot if rot != head_dim else None)
 

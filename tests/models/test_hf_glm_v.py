@@ -1,0 +1,63 @@
+"""The text decoders of GLM-4.1V (``glm4v_text``: GLM-4's layer, interleaved partial RoPE, a row of
+``families/dense.py``) and GLM-4.5V (``glm4v_moe_text``: GLM-4.5's MoE layer, split-half partial RoPE,
+a row of ``families/sparse_moe.py``) through their wrappers (``Glm4vForConditionalGeneration``,
+``Glm4vMoeForConditionalGeneration``). The wrappers' shared checks run in ``test_hf_multimodal.py``;
+here: their multimodal RoPE is the 1-D rotation only on text (equal position streams), and GLM-4.1V's
+default rotates the whole head where GLM-4's rotates half."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import hf_family_checks as checks  # noqa: E402
+from attnzoo.interop import from_hf  # noqa: E402
+
+T = transformers
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:.*the text decoder of GLM-4.*V is converted")]
+
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+              out_hidden_size=checks.SMALL["hidden_size"], image_size=16)
+
+
+def _text(partial: float | None = 0.5, **kw: Any) -> dict[str, Any]:
+    """Two layers, head_dim 16; the RoPE over ``partial`` of each head (``None``: the config's default)
+    in sections of 1 / 1 / 2 frequency pairs."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2]}
+    if partial is not None:
+        rope["partial_rotary_factor"] = partial
+    else:
+        rope["mrope_section"] = [2, 3, 3]
+    return {**checks.SMALL, "num_hidden_layers": 2, "head_dim": 16, "rope_parameters": rope, **kw}
+
+
+def _glm4v() -> Any:
+    """GLM-4.1V: the config's default rotates the whole head (interleaved pairs)."""
+    return T.Glm4vConfig(text_config=_text(None), vision_config=VISION)
+
+
+def _glm4v_moe() -> Any:
+    """GLM-4.5V: half the head rotated, 4 experts top-2 after one dense layer, a shared expert."""
+    return T.Glm4vMoeConfig(text_config=_text(0.5, moe_intermediate_size=24, n_routed_experts=4,
+                                               num_experts_per_tok=2), vision_config=VISION)
+
+
+MAKERS = {"glm4v": _glm4v, "glm4v_moe": _glm4v_moe}
+
+
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+def test_the_multimodal_rope_is_the_1d_rope_on_text_only(kind: str) -> None:
+    checks.check_multimodal_rope_on_text(checks.hf_model(MAKERS[kind]()))
+
+
+def test_glm4v_rotates_the_whole_head_by_default_and_half_when_told() -> None:
+    whole = from_hf(checks.hf_model(_glm4v()))
+    half = from_hf(checks.hf_model(T.Glm4vConfig(text_config=_text(0.5), vision_config=VISION)))
+    assert (whole.blocks[0].attn.rope.rotary_dim, half.blocks[0].attn.rope.rotary_dim) == (16, 8)
+    assert whole.blocks[0].attn.rope.interleaved and half.blocks[0].attn.rope.interleaved
+    moe = from_hf(checks.hf_model(_glm4v_moe()))
+    assert moe.blocks[0].attn.rope.rotary_dim == 8 and not moe.blocks[0].attn.rope.interleaved
