@@ -46,7 +46,17 @@ def _glm4v_moe() -> Any:
                                                num_experts_per_tok=2), vision_config=VISION)
 
 
-MAKERS = {"glm4v": _glm4v, "glm4v_moe": _glm4v_moe}
+def _glm46v() -> Any:
+    """GLM-4.6V: GLM-4.1V's text decoder in its own wrapper."""
+    return T.Glm46VConfig(text_config=_text(0.5), vision_config=VISION)
+
+
+def _glmga() -> Any:
+    """GLM-GA: the same wrapper classes, its own config."""
+    return T.AutoConfig.for_model("glmga", text_config=_text(0.5), vision_config=VISION)
+
+
+MAKERS = {"glm4v": _glm4v, "glm4v_moe": _glm4v_moe, "glm46v": _glm46v, "glmga": _glmga}
 
 
 @pytest.mark.parametrize("kind", sorted(MAKERS))
