@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import load_pretrained  # noqa: E402
+from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
 
 T = transformers
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -122,3 +122,32 @@ def test_qwen3_vl_moe_released_experts_are_transposed(tmp_path: Path, moe_width:
         want = hf(input_ids=x).logits
         assert checks.rel(ours(x), want) <= checks.TOL
         assert (checks.rel(theirs(input_ids=x).logits, want) <= checks.TOL) == (moe_width != 32)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_head_tied_by_the_text_config_alone(tmp_path: Path, kind: str) -> None:
+    """Qwen2-VL's and Qwen2.5-VL's configs tie the head when only their ``text_config`` says so (the
+    saves before transformers 5): the folder has no ``lm_head.weight`` and loads tied."""
+    config = MAKERS[kind]()
+    config.tie_word_embeddings = True
+    hf = checks.hf_model(config)
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data.pop("tie_word_embeddings", None)
+    data["text_config"]["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    theirs, ours = _both(type(hf), tmp_path)
+    assert ours.tie_embeddings
+    x = checks.tokens(10)
+    with torch.no_grad():
+        assert checks.rel(ours(x), theirs(input_ids=x).logits) <= checks.TOL
+
+
+def test_qwen3_vl_reads_no_window() -> None:
+    """Qwen3-VL's attention has no window: a ``sliding_window`` in its text config changes nothing there."""
+    config = _qwen3_vl()
+    config.text_config.sliding_window, config.text_config.use_sliding_window = 4, True
+    hf = checks.hf_model(config)
+    x = checks.tokens(16)
+    with torch.no_grad():
+        assert checks.rel(from_hf(hf)(x), hf(input_ids=x).logits) <= checks.TOL

@@ -265,7 +265,54 @@ def test_config_json_without_defaults_loads(tmp_path: Path) -> None:
         assert checks.rel(ours(x), theirs(input_ids=x).logits) <= checks.TOL
 
 
+def _twelve(**kw: Any) -> Any:
+    """12 layers (sliding, sliding, sliding, full) x 3: transformers saves ``per_layer_config`` keys
+    zero-padded (``"03"``, ``"11"``)."""
+    return _step(num_hidden_layers=12, layer_types=[S, S, S, F] * 3, mlp_layer_types=["dense"] + ["sparse"] * 11,
+                 swiglu_limits=[0] * 12, swiglu_limits_shared=[0] * 12, **kw)
+
+
+@pytest.mark.parametrize("per_layer", [{3: {"num_attention_heads": 2}, 11: {"num_attention_heads": 2}},
+                                       {1: {"num_attention_heads": 2}}],
+                         ids=["full layers, zero-padded keys", "a sliding layer, the others as the full ones"])
+def test_a_saved_per_layer_config_says_the_heads_alone(tmp_path: Path, per_layer: dict[int, Any]) -> None:
+    """Given, ``per_layer_config`` says each layer's heads (``num_attention_heads`` where it says nothing,
+    ``num_sliding_attention_heads`` then unread, as transformers' ``setdefault`` reads it)."""
+    hf = checks.hf_model(_twelve(per_layer_config=per_layer))
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["text_config"]["per_layer_config"]
+    assert {int(k) for k in saved} == set(per_layer) and (len(per_layer) == 1 or "03" in saved)  # zero-padded
+    x = checks.tokens(12)
+    with torch.no_grad():
+        want = hf(input_ids=x).logits
+        for ours in (from_hf(hf), load_pretrained(tmp_path)):
+            assert checks.rel(ours(x), want) <= checks.TOL
+    heads = [b.attn.num_heads for b in from_hf(hf).blocks]
+    assert heads == [2 if i in per_layer else 4 for i in range(12)]
+
+
+def test_released_mtp_names_and_the_mtp_layer_alias_load(tmp_path: Path) -> None:
+    """The released MTP layers name their norms and head ``layers.{L+k}.transformer.*`` (vLLM strips the
+    infix): they load, the per-layer ``shared_head.output`` copy unread; ``num_mtp_layers`` (the config's
+    alias) counts them as ``num_nextn_predict_layers`` does."""
+    folder = _checkpoint(tmp_path / "ckpt", mtp=1)
+    want = load_pretrained(folder).mtp_logits(checks.tokens(9, batch=1))[0]
+    path = folder / "model.safetensors"
+    tensors = safetensors_torch.load_file(str(path))
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.4.transformer.{name}.weight"] = tensors.pop(f"model.layers.4.{name}.weight")
+    tensors["model.layers.4.transformer.shared_head.output.weight"] = tensors.pop("model.layers.4.shared_head.head.weight")
+    safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    data = json.loads((folder / "config.json").read_text())
+    data["text_config"]["num_mtp_layers"] = data["text_config"].pop("num_nextn_predict_layers")
+    (folder / "config.json").write_text(json.dumps(data))
+    got = load_pretrained(folder)
+    assert got.mtp is not None and got.mtp.depth == 1
+    assert torch.equal(got.mtp_logits(checks.tokens(9, batch=1))[0], want)
+
+
 @pytest.mark.parametrize(("key", "value", "named"), [
+    ("per_layer_config", {"03": {"query_pre_attn_scalar": 2.0}}, "per_layer_config"),
     ("layer_types", [S, "minimax_m3_sparse", S, F], "minimax_m3_sparse"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
     ("mlp_bias", True, "mlp_bias"),

@@ -30,11 +30,14 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``) arou
 
 Multi-token prediction: a checkpoint folder's ``layers.{L + k}`` (``num_nextn_predict_layers`` of
 them, Step-3.7-Flash has 3: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` around a decoder
-layer) load as the model's ``mtp`` (:mod:`attnzoo.models.mtp`), built as transformers' ``MtpModel``
+layer; the released names with ``.transformer.`` before them read too, as vLLM reads them) load as the
+model's ``mtp`` (:mod:`attnzoo.models.mtp`), built as transformers' ``MtpModel``
 builds them (``get_mtp_config``): layer ``k`` of kind ``mtp_layer_types[k]`` and
 ``mtp_mlp_layer_types[k]`` with ``num_attention_heads`` query heads and the SwiGLU limits of the
 *model's* layer ``k`` (transformers' MTP layers restart the layer index at 0, and its config drops the
-released lists' MTP entries). ``from_hf(model)`` has no MTP layers (transformers' model drops them).
+released lists' MTP entries). The drafts go through the model's head, as transformers' ``MtpModel``
+does; a release's per-layer ``shared_head.output`` (vLLM's draft head) is not read. ``from_hf(model)``
+has no MTP layers (transformers' model drops them).
 
 Saved folders: transformers writes (and the released checkpoints hold) the text model at the top
 (``model.layers``, ``model.embed_tokens``, ``model.norm``) with the MoE in its original names
@@ -83,7 +86,8 @@ DEFAULTS: dict[str, Any] = {
     "use_bidirectional_attention": False, "num_nextn_predict_layers": 0}
 #: the config's ``attribute_map``: a released ``config.json``'s names of the keys read here
 ALIASES = {"n_routed_experts": ("moe_num_experts", "num_local_experts"), "num_experts_per_tok": ("moe_top_k",),
-           "share_expert_dim": ("share_expert_dims",), "num_key_value_heads": ("num_attention_groups",)}
+           "share_expert_dim": ("share_expert_dims",), "num_key_value_heads": ("num_attention_groups",),
+           "num_nextn_predict_layers": ("num_mtp_layers",)}
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
@@ -182,18 +186,27 @@ def canonical(hf: HFConfig) -> HFConfig:
 
 
 def layer_heads(hf: HFConfig, kinds: list[str]) -> list[int]:
-    """Each layer's query heads: ``per_layer_config[i]["num_attention_heads"]`` (a saved config), else
-    ``num_sliding_attention_heads`` (or a released config's ``attention_other_setting``) on the sliding
-    layers, ``num_attention_heads`` on the others (configuration 227-246)."""
+    """Each layer's query heads. A config with ``per_layer_config`` (a saved one: layer index, as
+    transformers writes it zero-padded, -> overrides) says them alone, ``num_attention_heads`` where it
+    says nothing; without it (a released config) ``num_sliding_attention_heads`` (or
+    ``attention_other_setting``) on the sliding layers, ``num_attention_heads`` on the others
+    (configuration 227-246: the per-layer config defaults to those, ``setdefault``). Overrides of other
+    keys, and ``mtp_per_layer_config``, are refused by name."""
     H = hf.req("num_attention_heads")
-    other = hf.get("attention_other_setting", None, dict) or {}
-    sliding = hf.raw("num_sliding_attention_heads") or other.get("num_attention_heads", H)
-    per_layer = hf.get("per_layer_config", None, dict) or {}
-    heads = []
-    for i, kind in enumerate(kinds):
-        override = per_layer.get(str(i), per_layer.get(i)) or {}
-        heads.append(int(override.get("num_attention_heads", sliding if kind == "sliding_attention" else H)))
-    return heads
+    if hf.get("mtp_per_layer_config", None, dict):
+        raise hf.unsupported(f"mtp_per_layer_config={hf.raw('mtp_per_layer_config')!r} (supported: none)")
+    given = hf.get("per_layer_config", None, dict)
+    if given is None:
+        other = hf.get("attention_other_setting", None, dict) or {}
+        sliding = hf.raw("num_sliding_attention_heads") or other.get("num_attention_heads", H)
+        return [int(sliding if kind == "sliding_attention" else H) for kind in kinds]
+    per_layer: dict[int, Any] = {}
+    for key, override in given.items():
+        if not str(key).isdigit() or not isinstance(override, dict) or set(override) - {"num_attention_heads"}:
+            raise hf.unsupported(f"per_layer_config[{key!r}]={override!r} (supported: a layer index -> "
+                                 f"{{'num_attention_heads': n}})")
+        per_layer[int(key)] = override
+    return [int(per_layer.get(i, {}).get("num_attention_heads", H)) for i in range(len(kinds))]
 
 
 def _attention(hf: HFConfig, kind: str, heads: int, kw: dict[str, Any]) -> Callable[[], nn.Module]:
@@ -304,6 +317,7 @@ def convert_step3p7(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
     """Build the decoder and copy the weights (the head follows them; a folder's MTP layers loaded)."""
     hf = canonical(hf)
     depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
+    sd = _without_transformer_infix(sd, depth)
     mtp = parts.mtp_depths(hf, sd, lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight")
     model, plan, head_size = parts.start(hf, sd, functools.partial(build_step3p7, mtp=mtp), device=device,
                                          dtype=dtype)
@@ -319,8 +333,19 @@ def convert_step3p7(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
         plan.put(f"{ours}post_norm.weight", f"{theirs}shared_head.norm.weight", parts.plus_one)
         _put_layer(plan, f"{ours}block.", theirs, mlps[k] == "sparse", bias)
     extra = sorted({int(m.group(1)) for key in sd if (m := _LAYER.match(key)) and int(m.group(1)) >= depth + mtp})
+    heads = [rf"(model\.)?layers\.{depth + k}\.shared_head\.output\.weight" for k in range(mtp)]
     return parts.finish(plan, model, head_size, norm_transform=parts.plus_one,
-                        ignore=[*(rf"(model\.)?layers\.{j}\..*" for j in extra), *parts.mtp_copies(depth, mtp)])
+                        ignore=[*(rf"(model\.)?layers\.{j}\..*" for j in extra), *parts.mtp_copies(depth, mtp), *heads])
+
+
+def _without_transformer_infix(sd: dict[str, Tensor], depth: int) -> dict[str, Tensor]:
+    """``sd`` with the released MTP layers' ``layers.{L + k}.transformer.*`` names (their
+    ``shared_head`` and norms, as vLLM's ``step3p5_mtp.py`` reads them) as ``layers.{L + k}.*``."""
+    out = {}
+    for key, value in sd.items():
+        m = _LAYER.match(key)
+        out[key.replace(".transformer.", ".", 1) if m and int(m.group(1)) >= depth else key] = value
+    return out
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``

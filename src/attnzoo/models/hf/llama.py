@@ -18,7 +18,7 @@ with RMSNorm, RoPE and a gated MLP; a :class:`Family` records what each changes:
   picks, per frequency, one of three position streams (time, height, width); on text the three are
   the same position, so the rotation is the 1-D RoPE (``rope_type="mrope"`` of the released
   configs reads as ``"default"``, as transformers reads it). Qwen3-VL's deepstack features enter
-  only with images. The multimodal wrappers (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) convert to
+  only with images; its attention has no window (a ``sliding_window`` in its config is not read). The multimodal wrappers (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) convert to
   these (:mod:`attnzoo.models.hf.wrappers`).
 
 Checkpoints in Hugging Face layout already use split-half RoPE, so q/k weights are copied as
@@ -67,6 +67,7 @@ class Family:
     gemma: int = 0  # 1: Gemma (scaled embeddings, 1 + weight norms, tanh GeGLU); 2: Gemma2 on top
     fused: bool = False  # Phi3's qkv_proj and gate_up_proj
     sublayer_norm: str = "input"
+    windowed: bool = True  # False: the family's attention ignores ``sliding_window`` (Qwen3-VL's text model)
 
 
 FAMILIES = {
@@ -77,7 +78,7 @@ FAMILIES = {
     # the text decoders of Qwen2-VL / Qwen2.5-VL (Qwen2's) and Qwen3-VL (Qwen3's): their multimodal RoPE
     # rotates every frequency by the same position on text (three equal position streams), the 1-D RoPE
     "qwen2_vl_text": Family("Qwen2-VL text", qkv_bias=True), "qwen2_5_vl_text": Family("Qwen2.5-VL text", qkv_bias=True),
-    "qwen3_vl_text": Family("Qwen3-VL text", qk_norm="head"),
+    "qwen3_vl_text": Family("Qwen3-VL text", qk_norm="head", windowed=False),
 }
 
 
@@ -151,6 +152,7 @@ def llama_config(hf: HFConfig, *, sliding: bool = True, family: str = "llama") -
     ``attention="sliding"``; per-layer windows are set on the blocks (:func:`build_llama`).
     ``sliding=False`` ignores ``sliding_window``."""
     fam = FAMILIES[family]
+    sliding = sliding and fam.windowed
     C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
     D, depth = hf.get("head_dim", C // H), hf.req("num_hidden_layers")
     if hf.get("pretraining_tp", 1) != 1:
@@ -181,6 +183,7 @@ def build_llama(hf: HFConfig, *, family: str = "llama", sliding: bool = True, he
     sub-layer norms; Gemma's embeddings times ``sqrt(hidden)``; Gemma 2's final-logit softcap on
     the LM head; the head of ``head_size`` (:func:`~attnzoo.models.parts.head_for`)."""
     fam = FAMILIES[family]
+    sliding = sliding and fam.windowed
     stack = llama_config(hf, sliding=sliding, family=family)
     windows = _windows(hf, stack.depth) if sliding and stack.attention == "mha" else [None] * stack.depth
     options = _layer_options(hf, fam, stack.resolved_head_dim)

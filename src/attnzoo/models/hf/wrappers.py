@@ -107,9 +107,12 @@ WRAPPERS: dict[str, Wrapper] = {
                     saved=((r"^mtp\.", "model.language_model.mtp."),)),
     "qwen3_5_moe": _row("Qwen3.5-MoE (multimodal)", "Qwen3_5Moe", ("qwen3_5_moe_text",), False,
                         saved=((r"^mtp\.", "model.language_model.mtp."),)),
-    # released: the text model at model.* and the tower at visual.* (transformers' older layout)
-    "qwen2_vl": _row("Qwen2-VL", "Qwen2VL", ("qwen2_vl_text",), False, saved=_QWEN_VL, flat=True),
-    "qwen2_5_vl": _row("Qwen2.5-VL", "Qwen2_5_VL", ("qwen2_5_vl_text",), False, saved=_QWEN_VL, flat=True),
+    # released: the text model at model.* and the tower at visual.* (transformers' older layout); Qwen2-VL's
+    # and Qwen2.5-VL's configs also tie through their text_config (transformers' pre-v5 saves)
+    "qwen2_vl": _row("Qwen2-VL", "Qwen2VL", ("qwen2_vl_text",), False, saved=_QWEN_VL, flat=True,
+                   tie_from="either"),
+    "qwen2_5_vl": _row("Qwen2.5-VL", "Qwen2_5_VL", ("qwen2_5_vl_text",), False, saved=_QWEN_VL, flat=True,
+                   tie_from="either"),
     "qwen3_vl": _row("Qwen3-VL", "Qwen3VL", ("qwen3_vl_text",), False, saved=_QWEN_VL),
     "qwen3_vl_moe": _row("Qwen3-VL-MoE", "Qwen3VLMoe", ("qwen3_vl_moe_text",), False, saved=_QWEN_VL),
     "glm4v": _row("GLM-4.1V", "Glm4v", ("glm4v_text",), False),
