@@ -1,8 +1,9 @@
 """The text decoders of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``qwen2_vl_text``, ``qwen2_5_vl_text``,
 ``qwen3_vl_text``: Qwen2's and Qwen3's layers under a multimodal RoPE) through their wrappers
 (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
-``Qwen3VLForConditionalGeneration``) and Qwen3-VL-MoE's (``qwen3_vl_moe_text``: Qwen3-MoE's, through
-``Qwen3VLMoeForConditionalGeneration``). On text the three position streams of the multimodal RoPE are
+``Qwen3VLForConditionalGeneration``), Qwen3-VL-MoE's (``qwen3_vl_moe_text``: Qwen3-MoE's, through
+``Qwen3VLMoeForConditionalGeneration``) and PaddleOCR-VL's (``paddleocr_vl_text``: ERNIE-4.5's layers
+rotating split halves, through ``PaddleOCRVLForConditionalGeneration``). On text the three position streams of the multimodal RoPE are
 equal, and every section rotates by the same position: the 1-D RoPE. The wrappers' shared checks
 (logits of a left-padded batch, the base model, greedy generation, folders in both layouts,
 ``to_hf``) run in ``test_hf_multimodal.py``; here: the rotation is the 1-D one only on text, the
@@ -68,7 +69,15 @@ def _qwen3_vl_moe(moe_width: int = 24) -> Any:
                               vision_config=VISION["qwen3_vl"])
 
 
-MAKERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe}
+def _paddleocr_vl() -> Any:
+    """PaddleOCR-VL: ERNIE-4.5's text decoder under Qwen2-VL's multimodal RoPE (split halves), tied."""
+    return T.PaddleOCRVLConfig(text_config={**TEXT, "rope_parameters": _rope()},
+                               vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, patch_size=4, image_size=16))
+
+
+MAKERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+          "paddleocr_vl": _paddleocr_vl}
 
 
 def _both(cls: Any, folder: Path) -> tuple[Any, Any]:

@@ -548,10 +548,21 @@ def _ernie_bias(hf: HFConfig) -> tuple[bool, bool]:
 def build_ernie4_5(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
                    dtype: Any = None) -> DecoderLM:
     """ERNIE-4.5 (dense): LLaMA with interleaved RoPE, every projection biased by ``use_bias``."""
-    kw = {"device": device, "dtype": dtype}
+    return _ernie(hf, head_size, {"device": device, "dtype": dtype}, interleaved=True)
+
+
+def _ernie(hf: HFConfig, head_size: int | None, kw: dict[str, Any], *, interleaved: bool) -> DecoderLM:
+    """ERNIE-4.5's dense decoder, its RoPE on adjacent pairs (``interleaved``) or split halves."""
     ffn = parts.gated_mlp(hf.req("hidden_size"), hf.req("intermediate_size"),
                           hf.activation("hidden_act", parts.GATED, "silu"), bias=_ernie_bias(hf)[0], **kw)
-    return _llama_like(hf, head_size, kw, biases=_ernie_bias(hf), ffn=ffn, interleaved=True)
+    return _llama_like(hf, head_size, kw, biases=_ernie_bias(hf), ffn=ffn, interleaved=interleaved)
+
+
+def build_paddleocr_vl_text(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                            dtype: Any = None) -> DecoderLM:
+    """PaddleOCR-VL's text decoder: ERNIE-4.5 (dense) rotating split halves (Qwen2-VL's multimodal RoPE,
+    the 1-D RoPE on text), not adjacent pairs."""
+    return _ernie(hf, head_size, {"device": device, "dtype": dtype}, interleaved=False)
 
 
 def build_arcee(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
@@ -1138,6 +1149,11 @@ FAMILIES: dict[str, Family] = {
                                         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
                        parts.PRE_NORMS, _ernie_bias, ffn=_put_ernie_mlp,
         name="ERNIE-4.5", classes=("Ernie4_5ForCausalLM", "Ernie4_5Model")),
+    "paddleocr_vl_text": Family(build_paddleocr_vl_text, {
+        "rms_norm_eps": 1e-5, "head_dim": 128, "max_position_embeddings": 131072, "hidden_act": "silu",
+        "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+        parts.PRE_NORMS, _ernie_bias, ffn=_put_ernie_mlp,
+        name="PaddleOCR-VL text", classes=("PaddleOCRTextModel",)),
     "arcee": Family(build_arcee, {"rms_norm_eps": 1e-5, "hidden_act": "relu2", "max_position_embeddings": 4096,
                                   "tie_word_embeddings": False,
                                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},

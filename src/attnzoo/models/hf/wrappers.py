@@ -116,6 +116,9 @@ WRAPPERS: dict[str, Wrapper] = {
     "qwen3_vl": _row("Qwen3-VL", "Qwen3VL", ("qwen3_vl_text",), False, saved=_QWEN_VL),
     "qwen3_vl_moe": _row("Qwen3-VL-MoE", "Qwen3VLMoe", ("qwen3_vl_moe_text",), False, saved=_QWEN_VL),
     "glm4v": _row("GLM-4.1V", "Glm4v", ("glm4v_text",), False),
+    # released: the text model at model.* beside visual.* and the projector mlp_AR.*
+    "paddleocr_vl": _row("PaddleOCR-VL", "PaddleOCRVL", ("paddleocr_vl_text",), True,
+                         saved=((r"^model\.(?!language_model\.|visual\.|projector\.)", "model.language_model."),)),
     "glm4v_moe": _row("GLM-4.5V", "Glm4vMoe", ("glm4v_moe_text",), False),
     "glm46v": _row("GLM-4.6V", "Glm46V", ("glm4v_text",), False),
     "glmga": _row("GLM-GA", "Glm46V", ("glm4v_text",), False),
