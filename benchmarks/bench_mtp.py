@@ -5,7 +5,11 @@ same weights, read by both from the same checkpoint folder.
 A random-initialised model in DeepSeek-V3's or GLM-4.5's layout (``--family``; ``--layers`` layers of
 width ``--width``, a mixture of experts from layer 1, a ``--vocab`` vocabulary) is saved as a
 checkpoint folder with one MTP layer (``model.layers.{L}``: a MoE decoder layer with ``enorm``,
-``hnorm``, ``eh_proj``, ``shared_head``, as the released checkpoints). Two MTP layers are timed:
+``hnorm``, ``eh_proj``, ``shared_head``, as the released checkpoints). ``--family qwen3_next``: a
+Qwen3-Next hybrid (three gated-DeltaNet layers per gated full-attention layer, a MoE on every layer)
+with its MTP layer in Qwen's layout (``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.layers.0``, ``mtp.norm``);
+transformers drops that layer, so its ``use_mtp`` is not timed, and a rejected draft rolls the
+DeltaNet states back (the accepted tokens are fed again with the next round). Two MTP layers are timed:
 
 * ``random``: as initialised: every draft is rejected, so a round costs the MTP layer and a
   two-token verification for one token (the overhead);
@@ -24,6 +28,7 @@ Usage::
 
     python benchmarks/bench_mtp.py                       # deepseek_v3, 64 new tokens
     python benchmarks/bench_mtp.py --family glm4_moe --json
+    python benchmarks/bench_mtp.py --family qwen3_next
 """
 
 from __future__ import annotations
@@ -57,6 +62,14 @@ def config(args: argparse.Namespace, layers: int) -> Any:
            "moe_intermediate_size": args.width // 2, "num_attention_heads": 8, "n_routed_experts": 16,
            "num_experts_per_tok": 4, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
            "topk_group": 1, "num_hidden_layers": layers, "max_position_embeddings": 4096, "num_mtp_layers": 1}
+    if args.family == "qwen3_next":
+        kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        return transformers.Qwen3NextConfig(
+            vocab_size=args.vocab, hidden_size=args.width, intermediate_size=4 * args.width, num_hidden_layers=layers,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
+            moe_intermediate_size=args.width // 2, shared_expert_intermediate_size=args.width // 2,
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+            max_position_embeddings=4096, layer_types=[*(kinds * layers)[:layers - 1], "full_attention"])
     if args.family == "deepseek_v3":
         return transformers.DeepseekV3Config(**moe, num_key_value_heads=8, q_lora_rank=args.width // 2,
                                   kv_lora_rank=args.width // 4, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64)
@@ -71,6 +84,14 @@ def checkpoint(args: argparse.Namespace, folder: Path) -> Path:
     model.load_state_dict(whole.state_dict(), strict=False)
     model.save_pretrained(folder)
     L, C = args.layers, args.width
+    if args.family == "qwen3_next":  # Qwen's layout: mtp.* beside the model, 1 + w norms (zeros: scale 1)
+        mtp = {f"mtp.layers.0.{k[len(f'model.layers.{L}.'):]}": v for k, v in whole.state_dict().items()
+               if k.startswith(f"model.layers.{L}.")}
+        mtp |= {f"mtp.{n}.weight": torch.zeros(C) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+        mtp["mtp.fc.weight"] = torch.randn(C, 2 * C) / (2 * C) ** 0.5
+        tensors = load_file(str(folder / "model.safetensors")) | {k: v.contiguous() for k, v in mtp.items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
     mtp = {k: v for k, v in whole.state_dict().items() if k.startswith(f"model.layers.{L}.")}
     mtp |= {f"model.layers.{L}.{n}.weight": torch.ones(C) for n in ("enorm", "hnorm", "shared_head.norm")}
     mtp[f"model.layers.{L}.eh_proj.weight"] = torch.randn(C, 2 * C) / (2 * C) ** 0.5
@@ -118,8 +139,9 @@ def runs_of(folder: Path, args: argparse.Namespace, x: torch.Tensor, calls: dict
     ours.norm.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     theirs.model.norm.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     gc = {"max_new_tokens": args.new, "min_new_tokens": args.new, "do_sample": False, "pad_token_id": 0}
-    runs = {f"attnzoo use_mtp ({tag})": lambda: ours.generate(x, args.new, use_mtp=True),
-            f"transformers use_mtp ({tag})": lambda: theirs.generate(x, **gc, use_mtp=True)}
+    runs = {f"attnzoo use_mtp ({tag})": lambda: ours.generate(x, args.new, use_mtp=True)}
+    if args.family != "qwen3_next":  # transformers drops Qwen's MTP layer
+        runs[f"transformers use_mtp ({tag})"] = lambda: theirs.generate(x, **gc, use_mtp=True)
     if tag == "random":
         runs = {"attnzoo greedy": lambda: ours.generate(x, args.new),
                 "transformers greedy": lambda: theirs.generate(x, **gc), **runs}
@@ -128,7 +150,7 @@ def runs_of(folder: Path, args: argparse.Namespace, x: torch.Tensor, calls: dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="deepseek_v3", choices=("deepseek_v3", "glm4_moe"))
+    p.add_argument("--family", default="deepseek_v3", choices=("deepseek_v3", "glm4_moe", "qwen3_next"))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32768)
@@ -153,8 +175,10 @@ def main() -> None:
     ref = outs["attnzoo greedy"]
     rows = [{"impl": name, "seconds": t, "tokens_per_s": args.new / t, "vs_greedy": times["transformers greedy"] / t,
              "same_tokens_as_greedy": bool(torch.equal(outs[name], ref)), "forwards": forwards[name],
-             # a round drafts one token and writes 1 + the accepted drafts; the prefill writes one
-             "accepted": (args.new - forwards[name]) / max(forwards[name] - 1, 1) if "use_mtp" in name else None}
+             # a round drafts one token and writes 1 + the accepted drafts; the prefill writes one (a hybrid's
+             # rejected round feeds its tokens again: more forwards than tokens, no count of drafts)
+             "accepted": (args.new - forwards[name]) / max(forwards[name] - 1, 1)
+             if "use_mtp" in name and forwards[name] <= args.new else None}
             for name, t in times.items()]
     info = {"family": args.family, "layers": args.layers, "width": args.width, "vocab": args.vocab,
             "prompt": args.len, "new": args.new, "distill": args.distill, "cpu": cpu_model(),
