@@ -288,6 +288,21 @@ def test_cached_drafts_are_full_mtp_logits(monkeypatch: pytest.MonkeyPatch, dept
         assert len(calls) < 20
 
 
+def test_a_hybrid_feeds_back_its_accepted_tokens_with_the_next_drafts() -> None:
+    """A gated-DeltaNet/softmax stack with an untrained MTP layer (nearly every draft rejected): the
+    rolled-back states take the accepted tokens again inside the next round's forward (a backlog of at
+    most k + 1 tokens), not in a forward of their own: fewer than 1.5 forwards a token (2 a token when
+    each rejected round fed its tokens again alone), greedy's tokens."""
+    model = _model(["gated_deltanet", "mha"], 1)
+    x = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(6))
+    calls = [0]
+    model.blocks[-1].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    with torch.no_grad():
+        got = model.generate(x, 24, use_mtp=True)
+        assert calls[0] < 1.5 * 24, calls
+        assert torch.equal(got, model.generate(x, 24))
+
+
 def test_use_mtp_on_a_hybrid_stack_and_a_recurrent_mtp_block() -> None:
     """A gated-DeltaNet/softmax stack (its states rolled back, not truncated) with an MTP layer around a
     gated-DeltaNet block (depth 1 never takes rows back): greedy's tokens; two such depths are refused."""

@@ -24,7 +24,9 @@ position (keys, latents) is truncated (:func:`~attnzoo.nn.cache.truncate`); a sl
 is rewound to the kept tokens (:func:`~attnzoo.nn.cache.rewind`: the slots the dropped tokens
 overwrote restored from the round's records); a recurrent state or a convolution window (or a ring
 that a round overflowed) is rolled back to a mark taken before the draft (``mark``/``rollback``,
-one transaction over the round) and the accepted tokens are fed again with the next round.
+one transaction over the round) and the accepted tokens are fed again with the next round: in the
+same forward as its drafts while they are at most ``k + 1`` tokens (no forward of their own; the mark
+stays before them, so a rejected round takes them back too), else in a forward of their own first.
 
 Shapes: ``B`` rows, ``N`` prompt tokens, ``L = N + max_new_tokens`` tokens at most, ``V`` tokens
 of the vocabulary, ``k`` drafts a round.
@@ -431,8 +433,8 @@ def speculative_generate(model: Verifier, prompt: Tensor, new: int, mask: Tensor
     while not gen.finished:
         w = gen.written
         k = drafter.propose(gen, min(spec.tokens, gen.total - w - 1))
-        if target.length < w - 1:  # a rolled-back cache: the accepted tokens first, kept
-            target.feed(gen.tokens, w - 1)
+        if w - 1 - target.length > k + 1:  # a rolled-back cache's backlog: fed and kept first when long,
+            target.feed(gen.tokens, w - 1)  # else with this round's drafts in one forward
         target.open()
         _verify(gen, drafter, target.feed(gen.tokens, w + k, every=True)[:, -(k + 1):], k)  # [B, k + 1, V]
         target.close(gen.written - 1)  # the newest token is the next round's first input
