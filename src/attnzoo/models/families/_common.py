@@ -175,7 +175,6 @@ def rotary(hf: HFConfig, params: Mapping[str, Any], head_dim: int, *, rotary_dim
     for ``default``, a :class:`ScaledRotaryEmbedding` for the scaled types (checked by computing
     the frequencies once)."""
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    rope_type = "default" if rope_type == "mrope" else rope_type  # Qwen-VL's multimodal RoPE: 1-D on text
     base = float(params["rope_theta"])
     if rope_type == "default":
         return RotaryEmbedding(head_dim, base=base, rotary_dim=rotary_dim)

@@ -82,6 +82,10 @@ FAMILIES = {
 }
 
 
+#: the text models whose released configs name their multimodal RoPE ``"mrope"`` (1-D on text)
+_MROPE = ("qwen2_vl_text", "qwen2_5_vl_text")
+
+
 def rope_settings(hf: HFConfig) -> Rope:
     """The :class:`~attnzoo.models.config.Rope` of a config: the base and, for a scaled rope
     type, ``scaling="linear"`` + factor (``linear``) or the ``rope_parameters`` dict (``dynamic``,
@@ -90,7 +94,7 @@ def rope_settings(hf: HFConfig) -> Rope:
     params = dict(hf.get("rope_scaling", {}, dict))
     params.update(hf.get("rope_parameters", {}, dict))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type == "mrope":  # Qwen2-VL's released configs: transformers reads it as "default" (+ mrope_section)
+    if rope_type == "mrope" and hf.raw("model_type") in _MROPE:  # Qwen2-VL's released configs: "default" to transformers
         rope_type = "default"
     partial = params.get("partial_rotary_factor", hf.raw("partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
