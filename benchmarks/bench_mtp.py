@@ -9,7 +9,10 @@ checkpoint folder with one MTP layer (``model.layers.{L}``: a MoE decoder layer 
 Qwen3-Next hybrid (three gated-DeltaNet layers per gated full-attention layer, a MoE on every layer)
 with its MTP layer in Qwen's layout (``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.layers.0``, ``mtp.norm``);
 transformers drops that layer, so its ``use_mtp`` is not timed, and a rejected draft rolls the
-DeltaNet states back (the accepted tokens are fed again with the next round). Two MTP layers are timed:
+DeltaNet states back (the accepted tokens are fed again with the next round). ``--family step3p5``:
+Step-3.7-Flash's text model (sliding:full 3:1 with their own head counts, gated attention, a MoE
+from layer 1) inside its multimodal wrapper (a one-layer vision tower), its MTP layer a full-attention
+MoE layer at ``model.layers.{L}``. Two MTP layers are timed:
 
 * ``random``: as initialised: every draft is rejected, so a round costs the MTP layer and a
   two-token verification for one token (the overhead);
@@ -29,11 +32,13 @@ Usage::
     python benchmarks/bench_mtp.py                       # deepseek_v3, 64 new tokens
     python benchmarks/bench_mtp.py --family glm4_moe --json
     python benchmarks/bench_mtp.py --family qwen3_next
+    python benchmarks/bench_mtp.py --family step3p5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -70,14 +75,57 @@ def config(args: argparse.Namespace, layers: int) -> Any:
             moe_intermediate_size=args.width // 2, shared_expert_intermediate_size=args.width // 2,
             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
             max_position_embeddings=4096, layer_types=[*(kinds * layers)[:layers - 1], "full_attention"])
+    if args.family == "step3p5":
+        kinds = ["sliding_attention"] * 3 + ["full_attention"]
+        text = {"vocab_size": args.vocab, "hidden_size": args.width, "intermediate_size": 4 * args.width,
+                "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+                "num_sliding_attention_heads": 16, "sliding_window": 128, "moe_intermediate_size": args.width // 2,
+                "n_routed_experts": 16, "num_experts_per_tok": 4, "share_expert_dim": args.width // 2,
+                "max_position_embeddings": 4096, "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+                "layer_types": [*(kinds * layers)[:layers - 1], "full_attention"],
+                "rope_parameters": {k: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+                                    for k in set(kinds)}}
+        vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "image_size": 28, "patch_size": 14}
+        return transformers.Step3p7Config(text_config=text, vision_config=vision)
     if args.family == "deepseek_v3":
         return transformers.DeepseekV3Config(**moe, num_key_value_heads=8, q_lora_rank=args.width // 2,
                                   kv_lora_rank=args.width // 4, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64)
     return transformers.Glm4MoeConfig(**moe, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.5)
 
 
+def hf_class(args: argparse.Namespace) -> Any:
+    """transformers' class of ``--family`` (Step-3.7: its multimodal wrapper, no causal-LM class)."""
+    return transformers.Step3p7ForConditionalGeneration if args.family == "step3p5" else transformers.AutoModelForCausalLM
+
+
+def step_checkpoint(args: argparse.Namespace, folder: Path) -> Path:
+    """Step-3.7's: the ``--layers + 1``-layer model saved (its released names), its last layer kept as
+    the MTP layer (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` added), the config cut back."""
+    torch.manual_seed(0)
+    transformers.Step3p7ForConditionalGeneration(config(args, args.layers + 1)).eval().save_pretrained(folder)
+    L, C = args.layers, args.width
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors |= {f"model.layers.{L}.{n}.weight": torch.zeros(C) for n in ("enorm", "hnorm", "shared_head.norm")}
+    tensors[f"model.layers.{L}.eh_proj.weight"] = torch.randn(C, 2 * C) / (2 * C) ** 0.5
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    data = json.loads((folder / "config.json").read_text())
+    text = data["text_config"]
+    for key in ("layer_types", "mlp_layer_types"):
+        text[f"mtp_{key}"], text[key] = text[key][L:], text[key][:L]
+    text.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    for key in ("swiglu_limits", "swiglu_limits_shared"):
+        if isinstance(text.get(key), list):
+            text[key] = text[key][:L]
+    text.pop("per_layer_config", None)  # rebuilt by the config from num_sliding_attention_heads
+    (folder / "config.json").write_text(json.dumps(data))
+    return folder
+
+
 def checkpoint(args: argparse.Namespace, folder: Path) -> Path:
     """A ``--layers``-layer checkpoint whose layer ``--layers`` is a random MTP layer."""
+    if args.family == "step3p5":
+        return step_checkpoint(args, folder)
     torch.manual_seed(0)
     whole = transformers.AutoModelForCausalLM.from_config(config(args, args.layers + 1)).eval()
     model = transformers.AutoModelForCausalLM.from_config(config(args, args.layers)).eval()
@@ -134,10 +182,12 @@ def runs_of(folder: Path, args: argparse.Namespace, x: torch.Tensor, calls: dict
     ours = load_pretrained(folder).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    theirs._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{args.layers}\..*"]  # where this MTP layer is
+        theirs = hf_class(args).from_pretrained(folder).eval()
+    if args.family != "step3p5":  # Step-3.7's model names its MTP layers itself
+        theirs._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{args.layers}\..*"]  # where this MTP layer is
     ours.norm.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
-    theirs.model.norm.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    text = getattr(theirs.model, "language_model", theirs.model)
+    text.norm.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     gc = {"max_new_tokens": args.new, "min_new_tokens": args.new, "do_sample": False, "pad_token_id": 0}
     runs = {f"attnzoo use_mtp ({tag})": lambda: ours.generate(x, args.new, use_mtp=True)}
     if args.family != "qwen3_next":  # transformers drops Qwen's MTP layer
@@ -150,7 +200,7 @@ def runs_of(folder: Path, args: argparse.Namespace, x: torch.Tensor, calls: dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="deepseek_v3", choices=("deepseek_v3", "glm4_moe", "qwen3_next"))
+    p.add_argument("--family", default="deepseek_v3", choices=("deepseek_v3", "glm4_moe", "qwen3_next", "step3p5"))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32768)
