@@ -352,3 +352,17 @@ def test_visible_checks_its_arguments() -> None:
     # an int window is (w, w), as in attnzoo.attention
     assert torch.equal(M.visible(q, k, window=3), M.visible(q, k, window=(3, 3)))
     assert torch.equal(M.visible(q, k, window=3), visible_table(1, 1, 6, 6, window=(3, 3), q_offset=0)[0, 0])
+
+
+def test_a_predicate_whose_result_does_not_broadcast_to_the_tile_is_refused() -> None:
+    """``evaluate`` accepts results of size 1 or the tile's on each (right-aligned) dimension, and
+    names the predicate and both shapes otherwise (a result larger than the tile, or of 5 dims)."""
+    ok = M.Mask(lambda b, h, q, k: (q >= k).expand(1, 1, -1, -1), name="ok")
+    assert tuple(ok.evaluate(2, 3, 0, 0, 4, 0, 5).shape) == (2, 3, 4, 5)
+    rows = M.Mask(lambda b, h, q, k: (q >= 0).expand(1, 1, -1, 1), name="rows")  # [1, 1, Nq, 1]
+    assert rows.evaluate(1, 1, 0, 0, 3, 0, 2).all()
+    for name, fn in (("wide", lambda b, h, q, k: torch.ones(1, 1, 4, 7, dtype=torch.bool)),
+                     ("heads", lambda b, h, q, k: torch.ones(1, 2, 4, 5, dtype=torch.bool)),
+                     ("five", lambda b, h, q, k: torch.ones(1, 1, 1, 4, 5, dtype=torch.bool))):
+        with pytest.raises(ValueError, match=rf"Mask {name}: predicate returned shape .* does not broadcast to"):
+            M.Mask(fn, name=name).evaluate(1, 3, 0, 0, 4, 0, 5)
