@@ -16,10 +16,11 @@ with RMSNorm, RoPE and a gated MLP; a :class:`Family` records what each changes:
 * The text decoders of Qwen2-VL / Qwen2.5-VL (``qwen2_vl_text``, ``qwen2_5_vl_text``: Qwen2's) and
   Qwen3-VL (``qwen3_vl_text``: Qwen3's). Their multimodal RoPE (``mrope_section``, interleaved or not)
   picks, per frequency, one of three position streams (time, height, width); on text the three are
-  the same position, so the rotation is the 1-D RoPE (``rope_type="mrope"`` of the released
-  configs reads as ``"default"``, as transformers reads it). Qwen3-VL's deepstack features enter
-  only with images; its attention has no window (a ``sliding_window`` in its config is not read). The multimodal wrappers (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) convert to
-  these (:mod:`attnzoo.models.hf.wrappers`).
+  the same position, so the rotation is the 1-D RoPE (Qwen2-VL's and Qwen2.5-VL's released
+  ``rope_type="mrope"`` reads as ``"default"``, as transformers reads it; other families refuse it).
+  Qwen3-VL's deepstack features enter only with images; its attention has no window (a
+  ``sliding_window`` in its config is not read). The multimodal wrappers (``qwen2_vl``,
+  ``qwen2_5_vl``, ``qwen3_vl``) convert to these (:mod:`attnzoo.models.hf.wrappers`).
 
 Checkpoints in Hugging Face layout already use split-half RoPE, so q/k weights are copied as
 they are. ``sliding_window=W`` (a query sees itself and ``W - 1`` keys before it) is a window of
