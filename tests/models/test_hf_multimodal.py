@@ -403,6 +403,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "step3p7": step3p7._step, "qwen2_vl": qwen_vl._qwen2_vl, "qwen2_5_vl": qwen_vl._qwen2_5_vl,
     "qwen3_vl": qwen_vl._qwen3_vl, "qwen3_vl_moe": qwen_vl._qwen3_vl_moe, "glm4v": glm_v._glm4v,
     "glm4v_moe": glm_v._glm4v_moe, "glm46v": glm_v._glm46v, "glmga": glm_v._glmga, "paddleocr_vl": qwen_vl._paddleocr_vl,
+    "glm_ocr": glm_v._glm_ocr,
 }
 
 

@@ -10,6 +10,7 @@ module carrying its own rotary embedding (or none: a NoPE layer), and hands them
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -239,6 +240,17 @@ def put_mtp(plan: Plan, ours: str, theirs: str) -> None:
     family's own layer names under ``{ours}block.``)."""
     plan.put_pairs(ours, theirs, [("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
                                   ("post_norm", "shared_head.norm")], bias=False)
+
+
+#: a checkpoint key of layer ``i``: ``[model.]layers.{i}.``
+_LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def layers_past(sd: Mapping[str, Tensor], depth: int) -> list[str]:
+    """The patterns of a checkpoint's layers ``layers.{j >= depth}`` (multi-token-prediction layers
+    transformers does not load: ``_keys_to_ignore_on_load_unexpected``), one per such layer held."""
+    extra = {int(m.group(1)) for k in sd if (m := _LAYER_KEY.match(k)) and int(m.group(1)) >= depth}
+    return [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)]
 
 
 def mtp_copies(depth: int, mtp: int) -> list[str]:

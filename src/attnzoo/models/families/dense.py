@@ -472,6 +472,20 @@ def build_glm4(hf: HFConfig, *, head_size: int | None = None, device: Any = None
     return _build_glm(hf, "both", head_size=head_size, device=device, dtype=dtype)
 
 
+def build_glm_ocr_text(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                       dtype: Any = None) -> DecoderLM:
+    """GLM-OCR's text decoder: GLM-4.1V's layer with bias-free q/k/v projections (its attention class
+    makes none, whatever a config's ``attention_bias`` says)."""
+    return build_glm4(HFConfig({**hf.data, "attention_bias": False}, hf.source, hf.arch), head_size=head_size,
+                      device=device, dtype=dtype)
+
+
+def _finish_glm_ocr(hf: HFConfig, plan: Plan, model: DecoderLM, head_size: int | None) -> DecoderLM:
+    """The released checkpoint's multi-token-prediction layer (``layers.{num_hidden_layers}``, which
+    transformers leaves unloaded) dropped."""
+    return parts.finish(plan, model, head_size, ignore=parts.layers_past(plan.src.sd, model.depth))
+
+
 def parallel_decoder(hf: HFConfig, blocks: list[nn.Module], norm: Callable[[], nn.Module], eps: float,
                       head_size: int | None, kw: Mapping[str, Any]) -> DecoderLM:
     """Cohere's decoder around parallel ``blocks``: the final bias-free LayerNorm ``norm`` and the
@@ -1073,6 +1087,11 @@ class Family:
     classes: tuple[str, ...] = ()  # the transformers classes that convert
 
 
+#: GLM-4-0414's norms on both sides of each sub-layer (ours, theirs)
+_GLM4_NORMS = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
+               ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm")]
+
+
 def _attention_bias(default: bool, out: bool | None = None) -> Callable[[HFConfig], tuple[bool, bool]]:
     def biases(hf: HFConfig) -> tuple[bool, bool]:
         bias = hf.get("attention_bias", default, bool)
@@ -1115,18 +1134,23 @@ FAMILIES: dict[str, Family] = {
         name="Apertus", classes=("ApertusForCausalLM", "ApertusModel")),
     "glm4": Family(build_glm4, {"rms_norm_eps": 1.5625e-7, "head_dim": 128, "attention_bias": True,
                                 "max_position_embeddings": 131072, "hidden_act": "silu"},
-                   [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
-                    ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm")],
+                   _GLM4_NORMS,
                    _attention_bias(True, False), ffn=_put_gate_up,
         name="GLM-4", classes=("Glm4ForCausalLM", "Glm4Model")),
     # GLM-4.1V's text decoder: GLM-4's layer; its multimodal RoPE is the 1-D one on text (equal streams)
     "glm4v_text": Family(build_glm4, {"rms_norm_eps": 1e-5, "attention_bias": True, "partial_rotary_factor": 1.0,
                                       "max_position_embeddings": 32768, "hidden_act": "silu",
                                       "num_key_value_heads": 2},
-                         [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_self_attn_layernorm"),
-                          ("ffn_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_mlp_layernorm")],
+                         _GLM4_NORMS,
                          _attention_bias(True, False), ffn=_put_gate_up,
         name="GLM-4.1V text", classes=("Glm4vTextModel",)),
+    # GLM-OCR's text decoder: GLM-4.1V's without q/k/v biases; its checkpoint's MTP layer dropped
+    "glm_ocr_text": Family(build_glm_ocr_text, {"rms_norm_eps": 1e-5, "partial_rotary_factor": 1.0,
+                                                "max_position_embeddings": 131072, "hidden_act": "silu",
+                                                "num_key_value_heads": 8},
+                           _GLM4_NORMS,
+                           _no_bias, ffn=_put_gate_up, finish=_finish_glm_ocr,
+        name="GLM-OCR text", classes=("GlmOcrTextModel",)),
     "granite": Family(build_granite, {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "hidden_act": "silu"},
                       parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp, finish=_finish_granite,
         name="Granite", classes=("GraniteForCausalLM", "GraniteModel")),

@@ -503,8 +503,6 @@ _GLM_MTP = ("glm4_moe", "param2moe", "sarvam_moe")
 _SUBLAYER_NORM = {(False, False): "input", (True, False): "both", (False, True): "output"}
 #: OLMo 2's RMSNorms on the sub-layer outputs (FlexOlmo)
 OLMO2_NORMS = (("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm"))
-#: a layer's key and its index (``model.layers.{i}.`` / ``layers.{i}.``)
-_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 #: Mistral's saved names of Mixtral's MoE (``block_sparse_moe``, experts ``w1/w3/w2``)
 _SAVED = tuple((re.compile(p), r) for p, r in (
     (r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+\.)w1\.", r"\1gate_proj."),
@@ -997,8 +995,7 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
             plan.put_tensor("lm_head.bias", sd["lm_head.bias"], "lm_head.bias")
     for k in range(mtp):
         _put_mtp(plan, f"mtp.layers.{k}.", k, hf, variant, model.mtp.layers[k].block.ffn)
-    extra = {int(m.group(1)) for k in sd if (m := _LAYER.match(k)) and int(m.group(1)) >= depth + mtp}
-    ignore = [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)] + parts.mtp_copies(depth, mtp)
+    ignore = parts.layers_past(sd, depth + mtp) + parts.mtp_copies(depth, mtp)
     if model_type == "exaone_moe" or (model_type in ("ernie4_5_moe", "mellum") and not mtp):
         ignore.append(r"(model\.)?mtp.*")
     elif model_type == "ernie4_5_moe":  # the MTP layers past the first
