@@ -118,6 +118,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2_5_vl_text": ("test_hf_qwen_vl", "_qwen2_5_vl"), "qwen3_vl_text": ("test_hf_qwen_vl", "_qwen3_vl"),
     "qwen3_vl_moe_text": ("test_hf_qwen_vl", "_qwen3_vl_moe"), "glm4v_text": ("test_hf_glm_v", "_glm4v"),
     "glm4v_moe_text": ("test_hf_glm_v", "_glm4v_moe"), "paddleocr_vl_text": ("test_hf_qwen_vl", "_paddleocr_vl"), "glm_ocr_text": ("test_hf_glm_v", "_glm_ocr"),
+    "granite4_vision_text": ("test_hf_multimodal", "_granite4_vision"),
     "zamba": ("test_hf_zamba", "_config"), "rwkv": ("test_hf_rwkv", "_config"), "xlstm": ("test_hf_xlstm", "_config"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
@@ -176,7 +177,7 @@ def _continuous(config: Any) -> Any:
 
 #: text model types transformers builds only inside their multimodal wrapper (no causal-LM class)
 WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
-           "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text")
+           "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text")
 
 
 def _auto(family: str) -> Any:

@@ -40,6 +40,7 @@ import test_hf_inkling2 as inkling2  # noqa: E402
 import test_hf_inkling2_loop as inkling2_loop  # noqa: E402
 import test_hf_lfm2 as lfm2  # noqa: E402
 import test_hf_lfm3 as lfm3  # noqa: E402
+import test_hf_lineage_more as lineage_more  # noqa: E402
 import test_hf_llama4 as llama4  # noqa: E402
 import test_hf_nemotron_h as nemotron_h  # noqa: E402
 import test_hf_neox as neox  # noqa: E402
@@ -202,6 +203,17 @@ def _qwen2() -> Any:
 
 def _qwen3() -> Any:
     return lineage.CONFIGS["qwen3"]()
+
+
+def _granite4_vision() -> Any:
+    """Granite-4-Vision: Granite's text model with every multiplier away from 1 (its head divides by
+    ``logits_scaling``)."""
+    text = T.Granite4VisionTextConfig(**{**lineage_more._granite().to_dict(), "model_type": "granite4_vision_text"})
+    # its Q-Former projector has vision hidden_size // 64 heads, and needs a deepstack map to be built at all
+    vision = {**VISION, "model_type": "clip_vision_model", "hidden_size": 64}
+    return T.Granite4VisionConfig(text_config=text.to_dict(), vision_config=vision, deepstack_layer_map=[[-1, 0]],
+                                  downsample_rate="1/2", spatial_target_layers=[0, 1, 0, 1], image_seq_length=4,
+                                  qformer_config={"intermediate_size": 32, "num_hidden_layers": 1})
 
 
 def _llava_next() -> Any:
@@ -403,7 +415,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "step3p7": step3p7._step, "qwen2_vl": qwen_vl._qwen2_vl, "qwen2_5_vl": qwen_vl._qwen2_5_vl,
     "qwen3_vl": qwen_vl._qwen3_vl, "qwen3_vl_moe": qwen_vl._qwen3_vl_moe, "glm4v": glm_v._glm4v,
     "glm4v_moe": glm_v._glm4v_moe, "glm46v": glm_v._glm46v, "glmga": glm_v._glmga, "paddleocr_vl": qwen_vl._paddleocr_vl,
-    "glm_ocr": glm_v._glm_ocr,
+    "glm_ocr": glm_v._glm_ocr, "granite4_vision": _granite4_vision,
 }
 
 

@@ -5,7 +5,10 @@ Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``)
 (``ministral``), VaultGemma (``vaultgemma``), Jais-2 (``jais2``), HyperCLOVA X (``hyperclovax``), Granite-SWA
 (``granite_swa``), EXAONE 3.x (``exaone``), InternLM3 (``internlm3``), IQuest-Coder (``iquestcoder``), NanoChat
 (``nanochat``) and BitNet (``bitnet``), as ``*ForCausalLM`` and ``*Model`` (one converter, dispatching on
-``model_type``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
+``model_type``); and the text decoders of GLM-4.1V (``glm4v_text``), GLM-OCR (``glm_ocr_text``: GLM-4.1V's without
+q/k/v biases, ``modeling_glm_ocr.py`` 193-195; its release's MTP layer ``layers.16`` unloaded, 324), PaddleOCR-VL
+(``paddleocr_vl_text``) and Granite-4-Vision (``granite4_vision_text``: Granite's; its deepstack features enter
+only with images). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
   ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
@@ -130,6 +133,7 @@ so the q/k weights are copied as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -1256,6 +1260,10 @@ FAMILIES: dict[str, Family] = {
                       ("ffn.down_proj.sub_norm", "mlp.ffn_sub_norm")], _attention_bias(False),
         name="BitNet", classes=("BitNetForCausalLM", "BitNetModel")),
 }
+#: Granite-4-Vision's text decoder: Granite's (its deepstack features enter only with images; the wrapper's
+#: head divides by ``logits_scaling`` as Granite's does)
+FAMILIES["granite4_vision_text"] = dataclasses.replace(FAMILIES["granite"], name="Granite-4-Vision text",
+                                                       classes=("Granite4VisionTextModel",))
 
 
 def canonical(hf: HFConfig) -> tuple[HFConfig, Family]:
