@@ -118,7 +118,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2_5_vl_text": ("test_hf_qwen_vl", "_qwen2_5_vl"), "qwen3_vl_text": ("test_hf_qwen_vl", "_qwen3_vl"),
     "qwen3_vl_moe_text": ("test_hf_qwen_vl", "_qwen3_vl_moe"), "glm4v_text": ("test_hf_glm_v", "_glm4v"),
     "glm4v_moe_text": ("test_hf_glm_v", "_glm4v_moe"), "paddleocr_vl_text": ("test_hf_qwen_vl", "_paddleocr_vl"), "glm_ocr_text": ("test_hf_glm_v", "_glm_ocr"),
-    "granite4_vision_text": ("test_hf_multimodal", "_granite4_vision"),
+    "granite4_vision_text": ("test_hf_multimodal", "_granite4_vision"), "hunyuan_vl_text": ("test_hf_multimodal", "_hunyuan_vl"),
     "zamba": ("test_hf_zamba", "_config"), "rwkv": ("test_hf_rwkv", "_config"), "xlstm": ("test_hf_xlstm", "_config"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
@@ -128,7 +128,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
 #: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
 #: forward): compared on an unpadded batch
-UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam", "dory", "rwkv", "xlstm"}
+UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "hunyuan_vl_text", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam", "dory", "rwkv", "xlstm"}
 #: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
 #: two, its sparsemixer): top-k left as configured
 TOP1 = {"zaya", "phimoe"}
@@ -177,7 +177,8 @@ def _continuous(config: Any) -> Any:
 
 #: text model types transformers builds only inside their multimodal wrapper (no causal-LM class)
 WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
-           "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text")
+           "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text",
+           "hunyuan_vl_text")
 
 
 def _auto(family: str) -> Any:

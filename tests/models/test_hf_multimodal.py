@@ -28,6 +28,7 @@ import test_hf_apertus1p5 as apertus1p5  # noqa: E402
 import test_hf_cohere_compass as cohere_compass  # noqa: E402
 import test_hf_deepseek as deepseek  # noqa: E402
 import test_hf_dense as dense  # noqa: E402
+import test_hf_dense_2 as dense_2  # noqa: E402
 import test_hf_dense_3 as dense_3  # noqa: E402
 import test_hf_dots3 as dots3  # noqa: E402
 import test_hf_families as lineage  # noqa: E402
@@ -214,6 +215,17 @@ def _granite4_vision() -> Any:
     return T.Granite4VisionConfig(text_config=text.to_dict(), vision_config=vision, deepstack_layer_map=[[-1, 0]],
                                   downsample_rate="1/2", spatial_target_layers=[0, 1, 0, 1], image_seq_length=4,
                                   qformer_config={"intermediate_size": 32, "num_hidden_layers": 1})
+
+
+def _hunyuan_vl(**rope: Any) -> Any:
+    """HunYuan-VL: HunYuan-V1-Dense's text model (QK norms after RoPE) under a 4-axis multimodal RoPE
+    (``rope`` added: the NTK-alpha one by default)."""
+    text = dense_2._hunyuan(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "alpha": 50.0, "factor": 1.0,
+                                             "mrope_section": [2, 2, 2, 2], **rope}).to_dict()
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "out_hidden_size": checks.SMALL["hidden_size"],
+              "text_hidden_size": checks.SMALL["hidden_size"]}
+    return T.HunYuanVLConfig(text_config={**text, "model_type": "hunyuan_vl_text"}, vision_config=vision)
 
 
 def _llava_next() -> Any:
@@ -416,6 +428,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "qwen3_vl": qwen_vl._qwen3_vl, "qwen3_vl_moe": qwen_vl._qwen3_vl_moe, "glm4v": glm_v._glm4v,
     "glm4v_moe": glm_v._glm4v_moe, "glm46v": glm_v._glm46v, "glmga": glm_v._glmga, "paddleocr_vl": qwen_vl._paddleocr_vl,
     "glm_ocr": glm_v._glm_ocr, "granite4_vision": _granite4_vision,
+    "hunyuan_vl": _hunyuan_vl,
 }
 
 
@@ -468,9 +481,16 @@ def _convert(hf: Any) -> Any:
         return from_hf(hf)
 
 
+#: wrappers whose plain forward counts the positions over the padding too, where their ``generate`` counts
+#: them over the real tokens, as attnzoo does (HunYuan-VL: its QK norms after RoPE see absolute positions):
+#: given the positions ``generate`` gives
+PADDED_POSITIONS = {"hunyuan_vl"}
+
+
 def _logits(hf: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    kw = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)} if hf.config.model_type in PADDED_POSITIONS else {}
     with torch.no_grad():
-        out = hf(input_ids=x, attention_mask=mask)
+        out = hf(input_ids=x, attention_mask=mask, **kw)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
@@ -657,3 +677,24 @@ def test_a_checkpoint_without_its_language_model_or_text_config_is_refused(tmp_p
               str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointFormatError, match="no language model in the LLaVA checkpoint"):
         load_pretrained(tmp_path)
+
+
+def test_hunyuan_vl_reads_its_released_config_forms(tmp_path: Path) -> None:
+    """HunYuan-VL's released ``config.json``: ``rope_type`` ``"xdrope"`` (read as ``"dynamic"``), the sections
+    as ``xdrope_section``, ``attention_head_dim`` for ``head_dim``."""
+    hf = _hf("hunyuan_vl")
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    text = data["text_config"]
+    rope = text.pop("rope_parameters")
+    text["rope_parameters"] = {"type": "xdrope", "rope_theta": rope["rope_theta"], "alpha": rope["alpha"],
+                               "factor": 1.0, "xdrope_section": rope["mrope_section"]}
+    text["attention_head_dim"] = text.pop("head_dim")
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_pretrained(tmp_path)
+    x, mask = checks.padded(12, pad=3)
+    real = mask.bool()
+    with torch.no_grad():
+        assert checks.rel(ours(x, attention_mask=real)[real], _logits(hf, x, mask)[real]) <= 1e-5

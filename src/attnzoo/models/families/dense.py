@@ -7,8 +7,9 @@ Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``)
 (``nanochat``) and BitNet (``bitnet``), as ``*ForCausalLM`` and ``*Model`` (one converter, dispatching on
 ``model_type``); and the text decoders of GLM-4.1V (``glm4v_text``), GLM-OCR (``glm_ocr_text``: GLM-4.1V's without
 q/k/v biases, ``modeling_glm_ocr.py`` 193-195; its release's MTP layer ``layers.16`` unloaded, 324), PaddleOCR-VL
-(``paddleocr_vl_text``) and Granite-4-Vision (``granite4_vision_text``: Granite's; its deepstack features enter
-only with images). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
+(``paddleocr_vl_text``), Granite-4-Vision (``granite4_vision_text``: Granite's; its deepstack features enter
+only with images) and HunYuan-VL (``hunyuan_vl_text``: HunYuan-V1-Dense's under a multimodal RoPE that is the 1-D
+one on text). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
   ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
@@ -678,6 +679,19 @@ def build_hunyuan_v1_dense(hf: HFConfig, *, head_size: int | None = None, device
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
+def build_hunyuan_vl_text(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                          dtype: Any = None) -> DecoderLM:
+    """HunYuan-VL's text decoder: HunYuan-V1-Dense's. Its multimodal RoPE (``mrope_section``: the rotated
+    pairs split between position axes) is the 1-D RoPE on text, every axis at the token's position
+    (``modeling_hunyuan_vl.py`` 551-577); a released config's ``rope_type`` ``"xdrope"`` is ``"dynamic"``
+    (``configuration_hunyuan_vl.py`` 240-252)."""
+    params = dict(hf.get("rope_parameters", {}, dict))
+    if params.get("rope_type", params.get("type")) == "xdrope":
+        params = {k: v for k, v in params.items() if k != "type"} | {"rope_type": "dynamic"}
+        hf = HFConfig({**hf.data, "rope_parameters": params}, hf.source, hf.arch)
+    return build_hunyuan_v1_dense(hf, head_size=head_size, device=device, dtype=dtype)
+
+
 def _ungated(hf: HFConfig, default: str) -> str:
     """attnzoo's name (:data:`UNGATED`) of the config's ``hidden_act``; another one refused by name."""
     act = hf.get("hidden_act", default, str)
@@ -1200,6 +1214,12 @@ FAMILIES: dict[str, Family] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
         parts.PRE_NORMS, _attention_bias(False), post_rope_norm=True,
         name="HunYuan-V1-Dense", classes=("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model")),
+    "hunyuan_vl_text": Family(build_hunyuan_vl_text, {
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        parts.PRE_NORMS, _attention_bias(False), post_rope_norm=True,
+        aliases={"attention_head_dim": "head_dim", "org_vocab_size": "vocab_size"},
+        name="HunYuan-VL text", classes=("HunYuanVLTextModel",)),
     "nemotron": Family(build_nemotron, {"norm_eps": 1e-5, "hidden_act": "relu2", "max_position_embeddings": 4096,
                                         "tie_word_embeddings": False,
                                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
