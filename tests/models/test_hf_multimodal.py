@@ -43,6 +43,7 @@ import test_hf_lfm2 as lfm2  # noqa: E402
 import test_hf_lfm3 as lfm3  # noqa: E402
 import test_hf_lineage_more as lineage_more  # noqa: E402
 import test_hf_llama4 as llama4  # noqa: E402
+import test_hf_muse as muse  # noqa: E402
 import test_hf_nemotron_h as nemotron_h  # noqa: E402
 import test_hf_neox as neox  # noqa: E402
 import test_hf_qwen3_5 as qwen3_5  # noqa: E402
@@ -428,7 +429,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "qwen3_vl": qwen_vl._qwen3_vl, "qwen3_vl_moe": qwen_vl._qwen3_vl_moe, "glm4v": glm_v._glm4v,
     "glm4v_moe": glm_v._glm4v_moe, "glm46v": glm_v._glm46v, "glmga": glm_v._glmga, "paddleocr_vl": qwen_vl._paddleocr_vl,
     "glm_ocr": glm_v._glm_ocr, "granite4_vision": _granite4_vision,
-    "hunyuan_vl": _hunyuan_vl,
+    "hunyuan_vl": _hunyuan_vl, "muse_glimmer": muse._glimmer,
 }
 
 

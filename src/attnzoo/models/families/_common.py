@@ -41,6 +41,9 @@ GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tan
 #: A pre-norm layer's RMSNorms: ``input_layernorm`` before the attention, ``post_attention_layernorm``
 #: before the MLP.
 PRE_NORMS = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"))
+#: Gemma 2's four norms of a layer, before and after each sub-layer (ours, theirs)
+GEMMA_NORMS = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
+               ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm"))
 
 
 def plus_one(t: Tensor) -> Tensor:

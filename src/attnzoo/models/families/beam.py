@@ -524,8 +524,7 @@ def convert_beam(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any
     hf = canonical(hf, model_type)
     build = functools.partial(build_beam, model_type=model_type)
     model, plan, head_size = parts.start(hf, sd, build, device=device, dtype=dtype)
-    norms = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
-             ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")]
+    norms = parts.GEMMA_NORMS
     for i, mlp in enumerate(hf.req("mlp_layer_types", list)):
         o, h = f"blocks.{i}.", f"layers.{i}."
         if model_type == "beam":

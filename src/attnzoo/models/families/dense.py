@@ -162,7 +162,7 @@ from attnzoo.nn.positional import resolve_positions
 __all__ = ["DISPATCH", "FAMILIES", "XIELU", "ClampedLinear", "Family", "ParallelBlock", "ScaledLMHead",
            "SubNormFeedForward", "SubNormLinear", "TemperedAttention", "WeightlessRMSNorm", "build_dense",
            "build_granite", "build_starcoder2", "canonical", "clamped_projection", "convert_dense", "finish_weightless",
-           "make_attention", "parallel_decoder", "put_layer"]
+           "make_attention", "parallel_decoder", "put_layer", "weightless_qk_norms"]
 
 TYPES = ("sliding_attention", "full_attention")
 #: ungated activations of Apertus' MLP besides xIELU -> :class:`~attnzoo.blocks.FeedForward`'s names
@@ -867,16 +867,17 @@ class WeightlessRMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-def _weightless_qk_norms(attention: Callable[[], nn.Module]) -> nn.Module:
-    """``attention()`` (built with ``qk_norm="head"``) whose q/k norm weights are fixed ones
-    (non-persistent buffers, not parameters): NanoChat's weightless QK RMSNorm. transformers applies
-    it after RoPE (220-224), attnzoo before: the same, a rotation keeps each head's mean square."""
+def weightless_qk_norms(attention: Callable[[], nn.Module], q_scale: float = 1.0) -> nn.Module:
+    """``attention()`` (built with ``qk_norm="head"``) whose q/k norm weights are fixed (non-persistent
+    buffers, not parameters): ones, NanoChat's weightless QK RMSNorm (transformers applies it after RoPE,
+    220-224, attnzoo before: the same, a rotation keeps each head's mean square); the queries' ``q_scale``
+    (Muse Glimmer's ``qk_scale_factor``, times the normed queries as transformers multiplies them)."""
     module = attention()
     frontier = module.frontier
-    for name in ("q_norm_weight", "k_norm_weight"):
-        ones = torch.ones_like(getattr(frontier, name)).detach()
+    for name, value in (("q_norm_weight", q_scale), ("k_norm_weight", 1.0)):
+        fixed = torch.full_like(getattr(frontier, name), value).detach()
         delattr(frontier, name)
-        frontier.register_buffer(name, ones, persistent=False)
+        frontier.register_buffer(name, fixed, persistent=False)
     return module
 
 
@@ -889,7 +890,7 @@ def build_nanochat(hf: HFConfig, *, head_size: int | None = None, device: Any = 
     ffn = functools.partial(FeedForward, C, hf.req("intermediate_size"), _ungated(hf, "relu2"), bias=False, **kw)
     bias = hf.get("attention_bias", False, bool)
     rope = parts.rotary(hf, parts.rope_params(hf), D)
-    attn = functools.partial(_weightless_qk_norms,
+    attn = functools.partial(weightless_qk_norms,
                              _attention(hf, window=None, rope=rope, biases=(bias, bias), qk_norm="head", kw=kw))
     blocks = [_block(C, attn, ffn, norm) for _ in range(depth)]
     head = head_for(C, V, head_size, softcap=hf.get("final_logit_softcapping", None, float), **kw)

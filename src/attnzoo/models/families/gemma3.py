@@ -27,8 +27,7 @@ from attnzoo.models.hf._state import HFConfig
 __all__ = ["DISPATCH", "build_gemma3", "convert_gemma3"]
 
 TYPES = ("sliding_attention", "full_attention")
-NORMS = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
-         ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")]
+NORMS = parts.GEMMA_NORMS
 
 
 def build_gemma3(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:

@@ -90,8 +90,7 @@ __all__ = ["DEFAULTS", "DISPATCH", "NORMS", "TYPES", "Gemma4Attention", "Gemma4B
            "SharedKVCounter", "build_gemma4", "canonical", "convert_gemma4", "layer_rope", "put_attention"]
 
 TYPES = ("sliding_attention", "full_attention")
-NORMS = [("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
-         ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")]
+NORMS = parts.GEMMA_NORMS
 
 #: ``Gemma4TextConfig``'s defaults of the keys read here (c. 147-178), for a ``config.json`` that
 #: leaves them out (``layer_types``, ``rope_parameters``, ``per_layer_config``: :func:`canonical`)

@@ -127,6 +127,7 @@ WRAPPERS: dict[str, Wrapper] = {
     # released (and what transformers writes): the text model at model.* beside the tower at vit.*
     "hunyuan_vl": _row("HunYuan-VL", "HunYuanVL", ("hunyuan_vl_text",), True,
                        saved=((r"^model\.(?!language_model\.|vit\.|vision_tower\.)", "model.language_model."),)),
+    "muse_glimmer": _row("Muse Glimmer", "MuseGlimmer", ("muse_glimmer_text",), False),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
     "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from="either"),
