@@ -51,7 +51,9 @@ import test_hf_qwen3_5_moe as qwen3_5_moe  # noqa: E402
 import test_hf_qwen4_exp as qwen4_exp  # noqa: E402
 import test_hf_qwen_vl as qwen_vl  # noqa: E402
 import test_hf_step3p7 as step3p7  # noqa: E402
+from huggingface_hub.errors import StrictDataclassError  # noqa: E402
 
+import attnzoo.models.hf.wrappers as wrappers  # noqa: E402
 import hf_family_checks as checks  # noqa: E402
 from attnzoo.interop import (  # noqa: E402
     MODEL_TYPES,
@@ -61,6 +63,7 @@ from attnzoo.interop import (  # noqa: E402
     load_pretrained,
     to_hf,
 )
+from attnzoo.models.hf._state import HFConfig  # noqa: E402
 from attnzoo.models.hf.wrappers import WRAPPERS  # noqa: E402
 
 T = transformers
@@ -630,6 +633,32 @@ def test_each_row_has_its_config_class_defaults(model_type: str) -> None:
     assert config.get_text_config().model_type == w.text_types[0]
     tie = config.get_text_config() if w.tie_from == "text" else config
     assert bool(getattr(tie, "tie_word_embeddings", False)) == w.tie  # Inkling2's config has none: untied
+
+
+@pytest.mark.parametrize("model_type", sorted(WRAPPERS))
+@pytest.mark.parametrize(("by_wrapper", "by_text"), [(False, True), (True, False)])
+def test_the_head_is_tied_as_the_wrapper_config_class_decides(model_type: str, by_wrapper: bool,
+                                                              by_text: bool) -> None:
+    """The wrapper's and its text config's ``tie_word_embeddings`` disagreeing: attnzoo ties as the config
+    class does (several forward a text config's tie to the wrapper, the pre-v5 saves' place for it)."""
+    case = next(c for c in CASES if CASES[c]().model_type == model_type)
+    data = {**CASES[case]().to_dict(), "tie_word_embeddings": by_wrapper}
+    text = data["text_config"] = {**data["text_config"], "tie_word_embeddings": by_text}
+    cls = type(CASES[case]())
+    towers = {k: ({x: y for x, y in v.items() if x != "layer_types"} if isinstance(v, dict) and k != "text_config"
+                  else v) for k, v in data.items()}  # a shrunk tower's layer_types rebuilt for its depth
+    try:  # the class's own reading of the two (its __post_init__)
+        config = cls.from_dict(towers)
+    except (ValueError, StrictDataclassError):  # a shrunk tower the class validates otherwise: the text alone
+        try:
+            config = cls(text_config=text, tie_word_embeddings=by_wrapper)
+        except (ValueError, StrictDataclassError):  # Apertus 1.5's audio tokenizer: its config class forwards nothing, set both
+            config = CASES[case]()
+            config.tie_word_embeddings, config.text_config.tie_word_embeddings = by_wrapper, by_text
+    w = WRAPPERS[model_type]
+    want = config.get_text_config() if w.tie_from == "text" else config
+    hf = HFConfig({"text_config": text, "tie_word_embeddings": by_wrapper}, "config.json", "test")
+    assert wrappers._tied(w, hf, text) == bool(getattr(want, "tie_word_embeddings", False))
 
 
 def test_a_folder_without_the_wrapper_defaults_reads_them(tmp_path: Path) -> None:
