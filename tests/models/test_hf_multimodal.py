@@ -31,6 +31,7 @@ import test_hf_dense as dense  # noqa: E402
 import test_hf_dense_2 as dense_2  # noqa: E402
 import test_hf_dense_3 as dense_3  # noqa: E402
 import test_hf_dots3 as dots3  # noqa: E402
+import test_hf_ernie_vl as ernie_vl  # noqa: E402
 import test_hf_families as lineage  # noqa: E402
 import test_hf_gemma3 as gemma3  # noqa: E402
 import test_hf_gemma3n as gemma3n  # noqa: E402
@@ -433,6 +434,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "glm4v_moe": glm_v._glm4v_moe, "glm46v": glm_v._glm46v, "glmga": glm_v._glmga, "paddleocr_vl": qwen_vl._paddleocr_vl,
     "glm_ocr": glm_v._glm_ocr, "granite4_vision": _granite4_vision,
     "hunyuan_vl": _hunyuan_vl, "muse_glimmer": muse._glimmer,
+    "ernie4_5_vl_moe": ernie_vl._ernie_vl,
 }
 
 

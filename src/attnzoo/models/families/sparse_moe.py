@@ -370,6 +370,8 @@ VARIANTS: dict[str, Variant] = {
                          qkv_bias="attention_bias", routing="deepseek", float32_router=True, aliases=_GLM_ALIASES),
     "sarvam_moe": Variant("Sarvam-MoE", ("Glm4MoeForCausalLM", "Glm4MoeModel"), qk_norm="head_if_flag",
                           qkv_bias="attention_bias", routing="deepseek", float32_router=True, aliases=_GLM_ALIASES),
+    "ernie4_5_vl_moe_text": Variant("ERNIE-4.5-VL text", ("Ernie4_5_VLMoeTextModel",), routing="ernie", keys="ernie",
+                                    interleaved=True),
 }
 #: batch 2's MoE block names, each as the names it may have (transformers' module first, then a
 #: saved folder's: EXAONE-MoE / HY-V3 / ERNIE-4.5 save their original checkpoints' names):
@@ -484,10 +486,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "n_shared_experts": 1, "num_key_value_heads": 4, "intermediate_size": 8192,
                    "tie_word_embeddings": False, "max_position_embeddings": 131072,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 8000000.0, "partial_rotary_factor": 1.0}},
+    "ernie4_5_vl_moe_text": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": [1536, 512],
+                             "moe_num_shared_experts": 2, "moe_norm_min": 1e-12, "num_key_value_heads": 4,
+                             "rms_norm_eps": 1e-5, "rope_theta": 5e5, "tie_word_embeddings": True, "use_bias": False,
+                             "hidden_act": "silu", "max_position_embeddings": 131072},
 }
 #: the families whose every layer attends to the whole causal past (no window)
 _FULL = ("qwen3_vl_moe_text", "glm4v_moe_text", "olmoe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open", "hy_v3", "granitemoe",
-         "granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe")
+         "granitemoeshared", "flex_olmo", "param2moe", "sarvam_moe", "ernie4_5_vl_moe_text")
 TYPES = ("full_attention", "sliding_attention")
 #: the families whose windows follow ``layer_types`` (or their own default rule of layer kinds)
 _BY_TYPE = ("dots1", "exaone_moe", "afmoe", "mellum", "flint", "kolibri1")
@@ -507,6 +513,8 @@ OLMO2_NORMS = (("attn_out_norm", "post_attention_layernorm"), ("ffn_out_norm", "
 _SAVED = tuple((re.compile(p), r) for p, r in (
     (r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+\.)w1\.", r"\1gate_proj."),
     (r"(\.experts\.\d+\.)w3\.", r"\1up_proj."), (r"(\.experts\.\d+\.)w2\.", r"\1down_proj.")))
+#: a released ERNIE-4.5-VL expert's key and index (``layers.3.mlp.experts.70.up_proj.weight``)
+_ERNIE_VL_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 #: Kolibri-1's saved names (its original checkpoints'): the post-norms and the expert-choice bias
 _SAVED_KOLIBRI = _SAVED + tuple((re.compile(p), r) for p, r in (
     (r"\.post_attn_norm\.", ".post_self_attn_layernorm."), (r"\.post_ffn_norm\.", ".post_mlp_layernorm."),
@@ -633,7 +641,56 @@ def _read(hf: HFConfig) -> tuple[HFConfig, str]:
     if VARIANTS[model_type].granite:
         parts.unsupported_keys(hf, granite.CHECKS)
         granite.refuse_partial_rotary(hf)
+    if model_type == "ernie4_5_vl_moe_text":
+        hf = _ernie_vl_text(hf)
     return hf, model_type
+
+
+def _ernie_vl_text(hf: HFConfig) -> HFConfig:
+    """ERNIE-4.5-VL's text config read as ERNIE-4.5-MoE's on text-only input: the text experts' width
+    (``moe_intermediate_size`` is ``[text, vision]``; the shared experts are ``moe_num_shared_experts``
+    times the text width), transformers' default ``mlp_layer_types`` (the first layer dense); its
+    multimodal RoPE (``mrope_section [h, w, t]`` of the rotated pairs, the ``h`` / ``w`` frequencies
+    pre-permuted and re-interleaved per call) is ERNIE's 1-D rotation of adjacent pairs when the three
+    position streams are equal, for every section transformers can build (``h == w``, ``h + w + t ==
+    head_dim / 2``): others refused by name."""
+    widths = hf.raw("moe_intermediate_size")  # an int: the text width already read (build after convert)
+    widths = [widths, widths] if isinstance(widths, int) and not isinstance(widths, bool) else widths
+    if not (isinstance(widths, list) and len(widths) == 2 and all(isinstance(w, int) and w > 0 for w in widths)):
+        raise hf.unsupported(f"moe_intermediate_size={widths!r} (supported: [text width, vision width], two ints)")
+    C, H, depth = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("num_hidden_layers")
+    section = parts.rope_params(hf).get("mrope_section", [22, 22, 20])
+    half = hf.get("head_dim", C // H) // 2
+    if not (isinstance(section, list) and len(section) == 3 and section[0] == section[1] and sum(section) == half):
+        raise hf.unsupported(f"mrope_section={section!r} (supported: [h, h, t] with h + h + t == head_dim / 2 "
+                             f"== {half}, the sections transformers' ERNIE-4.5-VL rotary can build)")
+    data = {**hf.data, "moe_intermediate_size": widths[0]}
+    data.setdefault("mlp_layer_types", ["dense"] + ["sparse"] * (depth - 1))
+    return HFConfig(data, hf.source, hf.arch)
+
+
+def _ernie_vl_text_experts(sd: dict[str, Tensor], hf: HFConfig) -> dict[str, Tensor]:
+    """``sd`` with ERNIE-4.5-VL's text experts in ERNIE-4.5-MoE's names: transformers' in-memory
+    ``mlp.text_moe.*`` as ``mlp.*``; the released layout (``conversion_mapping.py``: ``mlp.gate.weight
+    [C, E]`` transposed, ``mlp.moe_statics.e_score_correction_bias [2, E]`` rows text / vision, experts
+    ``0 .. E-1`` text and ``E .. 2E-1`` vision) as the text half, ``[E, C]`` and ``[1, E]``. The vision
+    experts (``mlp.vision_moe.*``, ``mlp.gate.weight_1``, experts from ``E`` on) are left out: they act on
+    image and video tokens only (the wrapper names them when it drops them)."""
+    E = hf.req("num_experts")
+    out: dict[str, Tensor] = {}
+    for key, t in sd.items():
+        expert = _ERNIE_VL_EXPERT.search(key)
+        if ".mlp.vision_moe." in key or key.endswith(".mlp.gate.weight_1") or (expert and int(expert[1]) >= E):
+            continue
+        if ".mlp.text_moe." in key:
+            out[key.replace(".mlp.text_moe.", ".mlp.")] = t
+        elif key.endswith(".mlp.gate.weight"):
+            out[key] = t.transpose(0, 1)
+        elif key.endswith(".mlp.moe_statics.e_score_correction_bias"):
+            out[key] = t[:1]
+        else:
+            out[key] = t
+    return out
 
 
 def _refuse_phimoe(hf: HFConfig) -> None:
@@ -969,6 +1026,8 @@ def convert_sparse_moe(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     depth, prefix = hf.req("num_hidden_layers"), parts.head_size_of(hf, sd)[0]
     if model_type == "qwen3_vl_moe_text":
         sd = _experts_in_memory(sd, hf)
+    if model_type == "ernie4_5_vl_moe_text":
+        sd = _ernie_vl_text_experts(sd, hf)
     layout = {**dict.fromkeys(_GLM_MTP, lambda k: f"{prefix}layers.{depth + k}.eh_proj.weight"),
               "ernie4_5_moe": lambda k: f"{prefix}mtp_linear_proj.{k}.weight",
               "mellum": lambda k: "mtp.fc.weight" if k == 0 else None}.get(model_type)  # Mellum: one layer

@@ -36,7 +36,7 @@ import collections
 import functools
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,9 @@ class Wrapper:
             them (Ovis2.5's ``llm.*``).
         flat: a released ``config.json`` may hold the text model's keys at its top level, without
             ``text_config`` (Qwen2-VL, Qwen2.5-VL; the config class reads them so).
+        inner: the language model's own tensors that never act on text, dropped and named with the
+            towers: ``(text config, text-model key) -> a name for the warning``, ``None`` for a key kept
+            (ERNIE-4.5-VL's vision experts).
     """
 
     name: str
@@ -84,6 +87,7 @@ class Wrapper:
     language_model: str = "language_model"
     saved: tuple[tuple[str, str], ...] = ()
     flat: bool = False
+    inner: Callable[[HFConfig, str], str | None] | None = None
 
 
 def _row(name: str, cls: str, text_types: tuple[str, ...], tie: bool, **kw: Any) -> Wrapper:
@@ -91,6 +95,18 @@ def _row(name: str, cls: str, text_types: tuple[str, ...], tie: bool, **kw: Any)
     return Wrapper(name, (f"{cls}ForConditionalGeneration", f"{cls}Model"), text_types, tie, **kw)
 
 
+def _ernie_vl_vision_experts(text: HFConfig, key: str) -> str | None:
+    """ERNIE-4.5-VL's vision experts, which transformers runs on image / video tokens only: its
+    ``mlp.vision_moe.*``, the released layout's ``mlp.gate.weight_1`` and experts from
+    ``moe_num_experts`` on (the vision row of ``mlp.moe_statics`` goes with the text row's tensor)."""
+    found = _ERNIE_VL_VISION.search(key)
+    if found is None or (found[2] is not None and int(found[2]) < text.get("moe_num_experts", 64)):
+        return None
+    return "vision experts: layers.*.mlp"
+
+
+#: ERNIE-4.5-VL's vision experts' keys (an expert's index: group 2)
+_ERNIE_VL_VISION = re.compile(r"\.mlp\.(vision_moe\.|gate\.weight_1$|experts\.(\d+)\.)")
 #: Qwen2-VL's released layout: the text model at ``model.*`` beside the tower at ``visual.*``
 _QWEN_VL = ((r"^model\.(?!language_model\.|visual\.)", "model.language_model."),)
 #: wrapper ``model_type`` -> its row; see ``tests/models/test_hf_multimodal.py`` for each one's check
@@ -184,6 +200,12 @@ WRAPPERS: dict[str, Wrapper] = {
                             "model.language_model."),)),
     "shieldgemma2": Wrapper("ShieldGemma 2", ("Gemma3ForConditionalGeneration",), ("gemma3_text",), True,
                             tie_from="either", overrides={"final_logit_softcapping": None}),
+    # saved and released: the text model at model.* beside the tower and the resampler (a base *Model's at the
+    # top: embed_tokens, layers, norm); its vision experts dropped
+    "ernie4_5_vl_moe": _row("ERNIE-4.5-VL", "Ernie4_5_VLMoe", ("ernie4_5_vl_moe_text",), True,
+                            saved=((r"^model\.(?!language_model\.|vision_tower\.|vision_model\.|resampler_model\.)",
+                                    "model.language_model."), (r"^(embed_tokens|layers|norm)\.", r"language_model.\1.")),
+                            inner=_ernie_vl_vision_experts),
 }
 
 
@@ -206,18 +228,22 @@ def _layout(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig) -> tuple[tuple[s
                                 f"'model.{lm}.', '{lm}.model.' or '{lm}.')")
 
 
-def _rekey(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig) -> tuple[dict[str, Tensor], list[str]]:
-    """``(the text model's state dict, the wrapper's keys dropped)`` (the same tensors)."""
+def _rekey(w: Wrapper, sd: Mapping[str, Tensor], hf: HFConfig,
+           text: HFConfig) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``(the text model's state dict, the wrapper's keys dropped -> the module named for them)``
+    (the same tensors; ``text``: the text config, for :attr:`Wrapper.inner`)."""
     renamed = {functools.reduce(lambda k, r: re.sub(r[0], r[1], k), w.saved, key): key for key in sd}
     layout = _layout(w, renamed, hf)
     out: dict[str, Tensor] = {}
-    rest = []
+    rest: dict[str, str] = {}
     for key, original in renamed.items():
         theirs = next(((p, q) for p, q in layout if key.startswith(p)), None)
-        if theirs is None:
-            rest.append(original)
+        mine = None if theirs is None else theirs[1] + key[len(theirs[0]):]
+        inner = None if mine is None or w.inner is None else w.inner(text, mine)
+        if mine is None or inner is not None:
+            rest[original] = inner or ".".join(original.split(".")[:2])
         else:
-            out[theirs[1] + key[len(theirs[0]):]] = sd[original]
+            out[mine] = sd[original]
     return out, rest
 
 
@@ -258,20 +284,26 @@ def text_part(model_type: str, hf: HFConfig, sd: Mapping[str, Tensor]) -> tuple[
     """
     w = WRAPPERS[model_type]
     text = _text_config(model_type, w, hf)
-    out, _ = _rekey(w, sd, hf)
+    out, _ = _rekey(w, sd, hf, text)
     return str(text.raw("model_type")), text, out
 
 
 def dropped(model_type: str, hf: HFConfig, sd: Mapping[str, Tensor]) -> list[str]:
     """The keys of a wrapper checkpoint the text decoder has no use for (towers, projectors, ...)."""
-    return _rekey(WRAPPERS[model_type], sd, hf)[1]
+    return list(_groups(model_type, hf, sd))
+
+
+def _groups(model_type: str, hf: HFConfig, sd: Mapping[str, Tensor]) -> dict[str, str]:
+    """The dropped keys -> the module the warning names them by."""
+    w = WRAPPERS[model_type]
+    return _rekey(w, sd, hf, _text_config(model_type, w, hf))[1]
 
 
 def warn_dropped(what: str, model_type: str, hf: HFConfig, sd: Mapping[str, Tensor]) -> None:
     """Warn, naming them by module (``model.vision_tower``: 12 tensors), of the tensors :func:`text_part` drops."""
-    rest = dropped(model_type, hf, sd)
+    rest = _groups(model_type, hf, sd)
     if rest:
-        groups = collections.Counter(".".join(k.split(".")[:2]) for k in rest)
+        groups = collections.Counter(rest.values())
         listed = ", ".join(f"{g}.* ({n})" for g, n in groups.items())
         warnings.warn(f"{what}: the text decoder of {WRAPPERS[model_type].name} is converted; {len(rest)} tensors of "
                       f"the other modules have no attnzoo counterpart and are dropped: {listed}", stacklevel=3)
