@@ -215,6 +215,16 @@ The fourth batch (``modeling_<family>.py`` line numbers):
   :class:`~attnzoo.models.loop.LayerLoopLM`): packed sequences run one at a time. The selection is
   exact against transformers' (same float32 scores, ties to the earlier keys); its cached decode
   equals its full forward (every query's selection depends on its own row only).
+* **ERNIE-4.5-VL text** (``ernie4_5_vl_moe_text``; ``models/ernie4_5_vl_moe/modeling_ernie4_5_vl_moe.py``
+  62-131, 306-482): ERNIE-4.5-MoE's layer, router and shared experts; its MoE runs the text experts
+  (``mlp.text_moe``) on text tokens and the vision experts (``mlp.vision_moe``) on image / video tokens
+  (l. 452-478): on text only the text experts, of ``moe_intermediate_size[0]`` (the shared experts
+  ``moe_num_shared_experts`` times it); dense layers by ``mlp_layer_types`` (default the first). Its 3-D
+  RoPE (the h / w frequencies pre-permuted, l. 101-107, re-interleaved per call, l. 124-131) is ERNIE's
+  adjacent-pair 1-D RoPE on text (equal position streams). The released layout (``conversion_mapping``:
+  ``mlp.gate.weight [C, E]``, ``mlp.moe_statics.e_score_correction_bias [2, E]``, experts ``0 .. 2E-1``
+  text then vision) loads its text half. The ``ernie4_5_vl_moe`` wrapper converts to it, dropping the
+  vision experts by name.
 
 Refused by name: ``router_jitter_noise`` > 0 (Mixtral multiplies the MoE input by noise while
 training, l. 124: not reproduced), OLMoE's ``clip_qkv`` (a clamp of q, k and v that attnzoo's
@@ -232,7 +242,9 @@ other than ``"average"`` / ``"sum"``, scaled RoPE types (interleaved pairs); DBR
 ``moe_jitter_eps`` (training noise on the router input), ``ffn_act_fn`` other than SiLU,
 ``moe_normalize_expert_weights`` <= 0, ``clip_qkv`` <= 0; Kolibri 1.1's layer types other than
 ``sliding_attention`` / ``indexed_attention`` and more than 10 indexed layers without
-``kv_source_layers`` (its default covers 10; transformers' config refuses them too).
+``kv_source_layers`` (its default covers 10; transformers' config refuses them too); ERNIE-4.5-VL's
+``mrope_section`` other than ``[h, h, t]`` with ``2h + t == head_dim / 2`` (transformers' rotary cannot build
+them) and ``moe_intermediate_size`` other than two widths.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ converts) and its state dict holds that model under a prefix:
 ``tie_word_embeddings``, which decides whether its ``lm_head`` is tied, and what the wrapper's head
 does differently, :attr:`Wrapper.overrides`) and the language model's keys as ``model.*`` /
 ``lm_head.weight`` (or the base model's), every other tensor (vision / audio towers, projectors,
-multimodal embedders, multi-token-prediction layers) dropped: :func:`warn_dropped` names them.
+multimodal embedders, multi-token-prediction layers, and the language model's own tensors that never act on
+text: ERNIE-4.5-VL's vision experts, :attr:`Wrapper.inner`) dropped: :func:`warn_dropped` names them.
 The text model's own converter then builds the decoder, so ``from_hf``, ``load_pretrained`` and the
 inverse (``to_hf`` / ``save_pretrained(like=)``, which probe the converter) all go through here.
 
