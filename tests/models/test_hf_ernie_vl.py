@@ -111,3 +111,12 @@ def test_refused_by_name(key: str, value: Any, named: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=named), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from_hf(hf)
+
+
+def test_the_text_model_alone_converts_and_names_its_vision_experts() -> None:
+    text_model = _hf().model.language_model
+    with pytest.warns(UserWarning, match="8 tensors of vision experts"):
+        ours = from_hf(text_model)
+    x = checks.tokens(12)
+    with torch.no_grad():
+        assert checks.rel(ours.hidden_states(x), text_model(input_ids=x).last_hidden_state) <= 1e-5

@@ -251,6 +251,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -687,12 +688,14 @@ def _ernie_vl_text_experts(sd: dict[str, Tensor], hf: HFConfig) -> dict[str, Ten
     [C, E]`` transposed, ``mlp.moe_statics.e_score_correction_bias [2, E]`` rows text / vision, experts
     ``0 .. E-1`` text and ``E .. 2E-1`` vision) as the text half, ``[E, C]`` and ``[1, E]``. The vision
     experts (``mlp.vision_moe.*``, ``mlp.gate.weight_1``, experts from ``E`` on) are left out: they act on
-    image and video tokens only (the wrapper names them when it drops them)."""
+    image and video tokens only (the wrapper drops them first, naming them; the text model alone: a warning)."""
     E = hf.req("num_experts")
     out: dict[str, Tensor] = {}
+    vision = 0
     for key, t in sd.items():
         expert = _ERNIE_VL_EXPERT.search(key)
         if ".mlp.vision_moe." in key or key.endswith(".mlp.gate.weight_1") or (expert and int(expert[1]) >= E):
+            vision += 1
             continue
         if ".mlp.text_moe." in key:
             out[key.replace(".mlp.text_moe.", ".mlp.")] = t
@@ -702,6 +705,9 @@ def _ernie_vl_text_experts(sd: dict[str, Tensor], hf: HFConfig) -> dict[str, Ten
             out[key] = t[:1]
         else:
             out[key] = t
+    if vision:
+        warnings.warn(f"{hf.source}: ERNIE-4.5-VL's text decoder is converted; its {vision} tensors of vision experts "
+                      "(layers.*.mlp), which act on image and video tokens only, are dropped", stacklevel=4)
     return out
 
 
