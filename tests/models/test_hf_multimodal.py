@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 import test_hf_apertus1p5 as apertus1p5  # noqa: E402
 import test_hf_cohere_compass as cohere_compass  # noqa: E402
+import test_hf_cosmos3_edge as cosmos3_edge  # noqa: E402
 import test_hf_deepseek as deepseek  # noqa: E402
 import test_hf_dense as dense  # noqa: E402
 import test_hf_dense_2 as dense_2  # noqa: E402
@@ -435,6 +436,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "glm_ocr": glm_v._glm_ocr, "granite4_vision": _granite4_vision,
     "hunyuan_vl": _hunyuan_vl, "muse_glimmer": muse._glimmer,
     "ernie4_5_vl_moe": ernie_vl._ernie_vl,
+    "cosmos3_edge": cosmos3_edge._cosmos3_edge,
 }
 
 

@@ -8,8 +8,8 @@ Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``)
 ``model_type``); and the text decoders of GLM-4.1V (``glm4v_text``), GLM-OCR (``glm_ocr_text``: GLM-4.1V's without
 q/k/v biases, ``modeling_glm_ocr.py`` 193-195; its release's MTP layer ``layers.16`` unloaded, 324), PaddleOCR-VL
 (``paddleocr_vl_text``), Granite-4-Vision (``granite4_vision_text``: Granite's; its deepstack features enter
-only with images) and HunYuan-VL (``hunyuan_vl_text``: HunYuan-V1-Dense's under a multimodal RoPE that is the 1-D
-one on text). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
+only with images) HunYuan-VL (``hunyuan_vl_text``: HunYuan-V1-Dense's under a multimodal RoPE that is the 1-D
+one on text) and Cosmos3-Edge (``cosmos3_edge_text``: Arcee's layers with the MLP at ``fc1`` / ``fc2``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
   ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
@@ -127,6 +127,11 @@ one on text). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.
   be ``hidden_size``) and before ``down_proj`` (``ffn_sub_norm``, 74-77; :class:`SubNormLinear`) and a
   gated ReLU² MLP (:class:`SubNormFeedForward`); a ``quantization_config`` (ternary BitLinear layers) is
   refused by name.
+* Cosmos3-Edge's text decoder (``modular_cosmos3_edge.py``, ``cosmos3_edge_text``): LLaMA's layer with an
+  ungated ReLU² MLP at ``mlp.fc1`` / ``mlp.fc2`` (CLIP's names, ``mlp_bias``; Arcee's builder) under Qwen3-VL's
+  multimodal RoPE, whose three position streams are equal on text: the 1-D RoPE (default theta ``1e8``).
+  The released checkpoints' generator tensors (``*_moe_gen``, ``add_*_proj``, ``time_embedder``, ...,
+  which transformers ignores) are dropped with the wrapper's towers (:mod:`attnzoo.models.hf.wrappers`).
 
 Adjacent-pair RoPE is attnzoo's ``interleaved`` rotary (:class:`~attnzoo.nn.positional.RotaryEmbedding`),
 so the q/k weights are copied as they are.
@@ -1019,8 +1024,8 @@ def _put_xielu_mlp(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
 
 
 def _put_fc(hf: HFConfig, plan: Plan, ours: str, theirs: str) -> None:
-    """NanoChat's ungated MLP (``fc1``, ``fc2``), no biases."""
-    plan.put_pairs(ours, theirs, [("up_proj", "fc1"), ("down_proj", "fc2")], bias=False)
+    """The ungated MLP as ``fc1``, ``fc2`` (NanoChat's, Cosmos3-Edge's), biased by ``mlp_bias``."""
+    plan.put_pairs(ours, theirs, [("up_proj", "fc1"), ("down_proj", "fc2")], bias=hf.get("mlp_bias", False, bool))
 
 
 def _hyperclovax_norms(hf: HFConfig) -> Sequence[tuple[str, str]]:
@@ -1280,6 +1285,13 @@ FAMILIES: dict[str, Family] = {
                      [*parts.PRE_NORMS, ("attn.out_proj.sub_norm", "self_attn.attn_sub_norm"),
                       ("ffn.down_proj.sub_norm", "mlp.ffn_sub_norm")], _attention_bias(False),
         name="BitNet", classes=("BitNetForCausalLM", "BitNetModel")),
+    # Cosmos3-Edge's text decoder: Arcee's layers (ReLU² MLP) with the MLP at fc1 / fc2 under Qwen3-VL's
+    # multimodal RoPE (the 1-D RoPE on text: three equal position streams)
+    "cosmos3_edge_text": Family(build_arcee, {
+        "rms_norm_eps": 1e-5, "head_dim": 128, "hidden_act": "relu2", "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e8}},
+        parts.PRE_NORMS, _attention_bias(False), ffn=_put_fc,
+        name="Cosmos3-Edge text", classes=("Cosmos3EdgeTextModel",)),
 }
 #: Granite-4-Vision's text decoder: Granite's (its deepstack features enter only with images; the wrapper's
 #: head divides by ``logits_scaling`` as Granite's does)

@@ -110,6 +110,17 @@ def _ernie_vl_vision_experts(text: HFConfig, key: str) -> str | None:
 _ERNIE_VL_VISION = re.compile(r"\.mlp\.(vision_moe\.|gate\.weight_1$|experts\.(\d+)\.)")
 #: Qwen2-VL's released layout: the text model at ``model.*`` beside the tower at ``visual.*``
 _QWEN_VL = ((r"^model\.(?!language_model\.|visual\.)", "model.language_model."),)
+#: Cosmos3-Edge's released layout (``conversion_mapping.py`` "cosmos3_edge"): the text model at the top
+#: (``layers.*``, ``embed_tokens``, ``norm``) with ``self_attn.to_{q,k,v,out}`` and ``mlp.{up,down}_proj``;
+#: its generator tensors (what transformers' ``_keys_to_ignore_on_load_unexpected`` names) moved out of the
+#: language model first, so they are dropped with the towers
+_COSMOS3_EDGE_GENERATOR = (r"action_modality_embed$|action_proj_(?:in|out)\.|time_embedder\.|proj_(?:in|out)\.|"
+                           r"norm_moe_gen\.|layers\.\d+\.(?:input_layernorm_moe_gen|post_attention_layernorm_moe_gen|"
+                           r"mlp_moe_gen|self_attn\.(?:add_[qkv]_proj|to_add_out|norm_added_[qk]|k_norm_und_for_gen))\.")
+_COSMOS3_EDGE = ((rf"^(?:model\.language_model\.)?(?=(?:{_COSMOS3_EDGE_GENERATOR}))", "generator."),
+                 (r"^(embed_tokens|norm|layers)\.", r"model.language_model.\1."),
+                 (r"\.self_attn\.to_([qkv])\.", r".self_attn.\1_proj."), (r"\.self_attn\.to_out\.", ".self_attn.o_proj."),
+                 (r"\.mlp\.up_proj\.", ".mlp.fc1."), (r"\.mlp\.down_proj\.", ".mlp.fc2."))
 #: wrapper ``model_type`` -> its row; see ``tests/models/test_hf_multimodal.py`` for each one's check
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": _row("Gemma 3 (multimodal)", "Gemma3", ("gemma3_text",), True, overrides={"final_logit_softcapping": None}),
@@ -207,6 +218,9 @@ WRAPPERS: dict[str, Wrapper] = {
                             saved=((r"^model\.(?!language_model\.|vision_tower\.|vision_model\.|resampler_model\.)",
                                     "model.language_model."), (r"^(embed_tokens|layers|norm)\.", r"language_model.\1.")),
                             inner=_ernie_vl_vision_experts),
+    # its head is never tied (the class ties no weights, whatever tie_word_embeddings says): no tie key
+    "cosmos3_edge": _row("Cosmos3-Edge", "Cosmos3Edge", ("cosmos3_edge_text",), False, saved=_COSMOS3_EDGE,
+                         tie_keys=()),
 }
 
 
