@@ -125,7 +125,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
-    "cosmos3_edge_text": ("test_hf_cosmos3_edge", "_cosmos3_edge"),
+    "cosmos3_edge_text": ("test_hf_cosmos3_edge", "_cosmos3_edge"), "molmo2_text": ("test_hf_molmo2", "_molmo2"),
 }
 #: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
@@ -181,7 +181,7 @@ def _continuous(config: Any) -> Any:
 #: text model types transformers builds only inside their multimodal wrapper (no causal-LM class)
 WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
            "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text",
-           "hunyuan_vl_text", "muse_glimmer_text", "ernie4_5_vl_moe_text", "cosmos3_edge_text")
+           "hunyuan_vl_text", "muse_glimmer_text", "ernie4_5_vl_moe_text", "cosmos3_edge_text", "molmo2_text")
 
 
 def _auto(family: str) -> Any:

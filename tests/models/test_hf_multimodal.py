@@ -46,6 +46,7 @@ import test_hf_lfm3 as lfm3  # noqa: E402
 import test_hf_lineage_more as lineage_more  # noqa: E402
 import test_hf_llama4 as llama4  # noqa: E402
 import test_hf_muse as muse  # noqa: E402
+import test_hf_molmo2 as molmo2  # noqa: E402
 import test_hf_nemotron_h as nemotron_h  # noqa: E402
 import test_hf_neox as neox  # noqa: E402
 import test_hf_qwen3_5 as qwen3_5  # noqa: E402
@@ -437,6 +438,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "hunyuan_vl": _hunyuan_vl, "muse_glimmer": muse._glimmer,
     "ernie4_5_vl_moe": ernie_vl._ernie_vl,
     "cosmos3_edge": cosmos3_edge._cosmos3_edge,
+    "cosmos3_edge": cosmos3_edge._cosmos3_edge, "molmo2": molmo2._molmo2,
 }
 
 

@@ -211,6 +211,9 @@ class DecoderLM(FromConfig, nn.Module):
         built = {name for name, part in (("tok_emb", parts.embedding), ("blocks", given), ("norm", parts.norm),
                                          ("lm_head", parts.head), ("pos_emb", parts.positions)) if part is None}
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim, **kw) if parts.embedding is None else parts.embedding
+        # the ids the embedding reads: a given table may hold more rows than the head has outputs (Molmo2's
+        # image / video tokens, ``additional_vocab_size``)
+        self.input_vocab_size = max(cfg.vocab_size, int(getattr(self.tok_emb, "num_embeddings", cfg.vocab_size)))
         self.pos_emb = position_table(self.pos, cfg.dim, cfg.max_seq_len, **kw) if parts.positions is None \
             else _given_positions(parts.positions, self.pos)
         self.drop = nn.Dropout(cfg.dropout)
@@ -421,7 +424,7 @@ class DecoderLM(FromConfig, nn.Module):
         if self.mtp is None:
             raise ValueError(f"{owner}: the model has no multi-token-prediction layers (DecoderParts(mtp=...); "
                              f"a checkpoint's load when its folder holds them)")
-        check_tokens(tokens, self.vocab_size, owner)
+        check_tokens(tokens, self.input_vocab_size, owner)
         B, N = tokens.shape
         am = None if attention_mask is None else check_padding_mask(attention_mask, B, N, owner)
         if hidden is not None and (not isinstance(hidden, Tensor) or not hidden.is_floating_point()
@@ -451,7 +454,7 @@ class DecoderLM(FromConfig, nn.Module):
             # one transaction over every layer's cache, which the layers' own calls join (nn/cache.py)
             return transaction(cache, lambda: self._run(tokens, cache, given, packed, head=head))
         owner = "DecoderLM"
-        check_tokens(tokens, self.vocab_size, owner)
+        check_tokens(tokens, self.input_vocab_size, owner)
         B, N = tokens.shape
         if packed[0] is not None or packed[1] is not None:
             return self._packed(tokens, packed[0], (context, context_mask, packed[1]), head, cache, positions,
@@ -569,7 +572,7 @@ class DecoderLM(FromConfig, nn.Module):
 
     def _check_prompt(self, prompt: object, max_new_tokens: object, owner: str) -> tuple[int, int]:
         """``prompt [B, N]`` token ids with ``B >= 1`` and ``max_new_tokens >= 0``: ``(N, max_new_tokens)``."""
-        check_tokens(prompt, self.vocab_size, owner, "prompt")
+        check_tokens(prompt, self.input_vocab_size, owner, "prompt")
         B, n = prompt.shape  # type: ignore[union-attr]
         if B == 0:
             raise ValueError(f"{owner}: prompt must hold at least one row [B, N] with B >= 1, got {(B, n)}")

@@ -8,8 +8,9 @@ Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``)
 ``model_type``); and the text decoders of GLM-4.1V (``glm4v_text``), GLM-OCR (``glm_ocr_text``: GLM-4.1V's without
 q/k/v biases, ``modeling_glm_ocr.py`` 193-195; its release's MTP layer ``layers.16`` unloaded, 324), PaddleOCR-VL
 (``paddleocr_vl_text``), Granite-4-Vision (``granite4_vision_text``: Granite's; its deepstack features enter
-only with images) HunYuan-VL (``hunyuan_vl_text``: HunYuan-V1-Dense's under a multimodal RoPE that is the 1-D
-one on text) and Cosmos3-Edge (``cosmos3_edge_text``: Arcee's layers with the MLP at ``fc1`` / ``fc2``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
+only with images), HunYuan-VL (``hunyuan_vl_text``: HunYuan-V1-Dense's under a multimodal RoPE that is the 1-D
+one on text), Cosmos3-Edge (``cosmos3_edge_text``: Arcee's layers with the MLP at ``fc1`` / ``fc2``) and Molmo2
+(``molmo2_text``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
   ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
@@ -132,6 +133,13 @@ one on text) and Cosmos3-Edge (``cosmos3_edge_text``: Arcee's layers with the ML
   multimodal RoPE, whose three position streams are equal on text: the 1-D RoPE (default theta ``1e8``).
   The released checkpoints' generator tensors (``*_moe_gen``, ``add_*_proj``, ``time_embedder``, ...,
   which transformers ignores) are dropped with the wrapper's towers (:mod:`attnzoo.models.hf.wrappers`).
+* Molmo2's text decoder (``modeling_molmo2.py``, ``molmo2_text``): OLMo 2's attention (225-311) with the QK
+  RMSNorm per head (``qk_norm_type="qwen3"``) or over the whole projection (``"olmo"``), q/k/v biases by
+  ``attention_bias``, pre-norms or norms on the sub-layer outputs (``norm_after``, 330-381), the scaled RoPE
+  on ``rope_scaling_layers`` only (the others unscaled, 629-700), and an embedding of ``vocab_size +
+  additional_vocab_size`` rows under a head of ``vocab_size``. Its released layout (what transformers'
+  ``save_pretrained`` writes too: fused ``att_proj`` / ``ff_proj``, ``wte.embedding`` + ``wte.new_embedding``)
+  is read by :func:`_molmo2_names`.
 
 Adjacent-pair RoPE is attnzoo's ``interleaved`` rotary (:class:`~attnzoo.nn.positional.RotaryEmbedding`),
 so the q/k weights are copied as they are.
@@ -596,6 +604,92 @@ def build_arcee(hf: HFConfig, *, head_size: int | None = None, device: Any = Non
                             bias=hf.get("mlp_bias", False, bool), **kw)
     bias = hf.get("attention_bias", False, bool)
     return _llama_like(hf, head_size, kw, biases=(bias, bias), ffn=ffn, interleaved=False)
+
+
+def _molmo2_ropes(hf: HFConfig, depth: int, head_dim: int) -> list[nn.Module]:
+    """Molmo2's rotary per layer: ``rope_parameters`` on the layers of ``rope_scaling_layers`` (every
+    layer when absent), the unscaled RoPE of the same theta on the others (one module of each)."""
+    params = parts.rope_params(hf)
+    scaled = parts.rotary(hf, params, head_dim)
+    layers = hf.get("rope_scaling_layers", None, list)
+    if layers is None:
+        return [scaled] * depth
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise hf.unsupported(f"rope_scaling_layers={layers!r} (supported: a list of layer indices)")
+    plain = parts.rotary(hf, {"rope_type": "default", "rope_theta": params["rope_theta"]}, head_dim)
+    return [scaled if i in layers else plain for i in range(depth)]
+
+
+def build_molmo2_text(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                      dtype: Any = None) -> DecoderLM:
+    """Molmo2's text decoder: OLMo 2's attention with the QK RMSNorm per head (``qk_norm_type="qwen3"``)
+    or over all heads (``"olmo"``), q/k/v biases by ``attention_bias`` (none on ``o_proj``), pre-norms or,
+    with ``norm_after``, norms on the sub-layer outputs, a gated MLP, the scaled RoPE on
+    ``rope_scaling_layers`` only, and an embedding of ``vocab_size + additional_vocab_size`` rows (the
+    image / video special tokens) under a head of ``vocab_size``."""
+    C, _, depth, D = parts.dims(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-6, float), {"device": device, "dtype": dtype}
+    qk = hf.get("qk_norm_type", "qwen3", str)
+    if qk not in MOLMO2_QK_NORMS:
+        raise hf.unsupported(f"qk_norm_type={qk!r} (supported: {', '.join(map(repr, MOLMO2_QK_NORMS))})")
+    extra = hf.get("additional_vocab_size", 128, int)
+    if extra < 0:
+        raise hf.unsupported(f"additional_vocab_size={extra} (supported: >= 0)")
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"), **kw)
+    where = "output" if hf.get("norm_after", False, bool) else "input"
+    blocks = [parts.block(C, _attention(hf, window=None, rope=rope, biases=_helium_biases(hf),
+                                        qk_norm=MOLMO2_QK_NORMS[qk], kw=kw),
+                          ffn, parts.rms_norm(C, eps, **kw), sublayer_norm=where)
+              for rope in _molmo2_ropes(hf, depth, D)]
+    embedding = nn.Embedding(hf.req("vocab_size") + extra, C, **kw)
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embedding=embedding, **kw)
+
+
+#: Molmo2's released names (``conversion_mapping.py`` "Molmo2TextModel") -> transformers', per layer
+MOLMO2_NAMES = (("attn_norm.", "input_layernorm."), ("ff_norm.", "post_attention_layernorm."),
+                ("self_attn.attn_out.", "self_attn.o_proj."), ("mlp.ff_out.", "mlp.down_proj."))
+
+
+def _molmo2_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``sd`` (the text model's; ``model.`` prefixed or not) with Molmo2's released layout, which
+    transformers' ``save_pretrained`` writes too, read as transformers' in-memory one: the fused
+    ``self_attn.att_proj`` (rows ``[q; k; v]``, the queries as wide as ``attn_out``'s input) split,
+    ``mlp.ff_proj`` (rows ``[up; gate]``) chunked, ``wte.embedding`` and ``wte.new_embedding`` (the
+    additional vocabulary) concatenated; the other names per :data:`MOLMO2_NAMES`. A dict already in
+    transformers' layout is returned as it is."""
+    out: dict[str, Tensor] = {}
+    for key, t in sd.items():
+        stem, _, leaf = key.rpartition(".")
+        if stem.endswith("self_attn.att_proj"):
+            attn = stem[: -len("att_proj")]
+            q = sd[f"{attn}attn_out.weight" if f"{attn}attn_out.weight" in sd else f"{attn}o_proj.weight"].shape[1]
+            kv = (t.shape[0] - q) // 2
+            for name, part in zip("qkv", t.split([q, kv, kv], dim=0), strict=True):
+                out[f"{attn}{name}_proj.{leaf}"] = part
+        elif stem.endswith("mlp.ff_proj"):
+            mlp = stem[: -len("ff_proj")]
+            out[f"{mlp}up_proj.{leaf}"], out[f"{mlp}gate_proj.{leaf}"] = t.chunk(2, dim=0)
+        elif key.endswith("wte.new_embedding"):
+            continue
+        elif key.endswith("wte.embedding"):
+            extra = sd.get(key[: -len("embedding")] + "new_embedding")
+            out[key[: -len("wte.embedding")] + "embed_tokens.weight"] = t if extra is None else torch.cat([t, extra])
+        else:
+            for theirs, ours in MOLMO2_NAMES:
+                key = key.replace(f".{theirs}", f".{ours}")
+            out[re.sub(r"(^|\.)ln_f\.", r"\1norm.", key)] = t
+    return out
+
+
+#: Molmo2's ``qk_norm_type`` -> attnzoo's QK RMSNorm (per head, or over the whole projection)
+MOLMO2_QK_NORMS = {"qwen3": "head", "olmo": "all"}
+
+
+def _molmo2_norms(hf: HFConfig) -> Sequence[tuple[str, str]]:
+    """Molmo2's two norms: before the sub-layers, or on their outputs with ``norm_after``."""
+    if not hf.get("norm_after", False, bool):
+        return parts.PRE_NORMS
+    return [("attn_out_norm", "input_layernorm"), ("ffn_out_norm", "post_attention_layernorm")]
 
 
 class ClampedLinear(nn.Linear):
@@ -1292,6 +1386,13 @@ FAMILIES: dict[str, Family] = {
         "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e8}},
         parts.PRE_NORMS, _attention_bias(False), ffn=_put_fc,
         name="Cosmos3-Edge text", classes=("Cosmos3EdgeTextModel",)),
+    "molmo2_text": Family(build_molmo2_text, {
+        "rms_norm_eps": 1e-6, "head_dim": 128, "num_key_value_heads": 8, "hidden_act": "silu",
+        "max_position_embeddings": 36864, "tie_word_embeddings": False, "additional_vocab_size": 128,
+        "qk_norm_type": "qwen3", "norm_after": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        _molmo2_norms, _helium_biases, qk_norm=True, aliases={"qkv_bias": "attention_bias", "layer_norm_eps": "rms_norm_eps"},
+        rename=_molmo2_names,
+        name="Molmo2 text", classes=("Molmo2TextModel",)),
 }
 #: Granite-4-Vision's text decoder: Granite's (its deepstack features enter only with images; the wrapper's
 #: head divides by ``logits_scaling`` as Granite's does)

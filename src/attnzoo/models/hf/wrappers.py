@@ -221,6 +221,12 @@ WRAPPERS: dict[str, Wrapper] = {
     # its head is never tied (the class ties no weights, whatever tie_word_embeddings says): no tie key
     "cosmos3_edge": _row("Cosmos3-Edge", "Cosmos3Edge", ("cosmos3_edge_text",), False, saved=_COSMOS3_EDGE,
                          tie_keys=()),
+    # its head (vocab_size rows, the embedding has additional_vocab_size more) is never tied: no tie key
+    # released and saved by transformers 5: the text model at (model.)transformer.* (blocks.*, ln_f, wte) under
+    # its own names, which the text converter reads (``dense._molmo2_names``)
+    "molmo2": _row("Molmo2", "Molmo2", ("molmo2_text",), False, tie_keys=(),
+                   saved=((r"^(model\.)?transformer\.blocks\.", r"\1language_model.layers."),
+                          (r"^(model\.)?transformer\.", r"\1language_model."))),
 }
 
 
