@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_family_checks as checks  # noqa: E402
 from attnzoo.interop import from_hf, load_pretrained  # noqa: E402
+from attnzoo.models.hf.errors import UnsupportedConfigError  # noqa: E402
 
 T = transformers
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -91,3 +92,15 @@ def test_the_released_layout_loads_and_drops_the_generator(tmp_path: Path) -> No
         want = hf(input_ids=x).logits
         assert checks.rel(theirs(input_ids=x).logits, want) <= checks.TOL
         assert checks.rel(ours(x), want) <= checks.TOL
+
+
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("hidden_act", "swish_glu", "hidden_act='swish_glu'"),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "mrope_section": [2, 3, 3]},
+     "rope_type='linear'")])
+def test_a_setting_attnzoo_cannot_build_is_refused_by_name(key: str, value: Any, named: str) -> None:
+    """An activation without an ungated form, a scaled RoPE (which Cosmos3-Edge's config refuses too)."""
+    hf = checks.hf_model(_cosmos3_edge())
+    hf.config.text_config.__dict__[key] = value  # past the config's own validation: a hand-edited config.json
+    with pytest.raises(UnsupportedConfigError, match=named):
+        from_hf(hf)

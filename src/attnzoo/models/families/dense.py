@@ -692,6 +692,16 @@ def _molmo2_norms(hf: HFConfig) -> Sequence[tuple[str, str]]:
     return [("attn_out_norm", "input_layernorm"), ("ffn_out_norm", "post_attention_layernorm")]
 
 
+def build_cosmos3_edge_text(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
+                            dtype: Any = None) -> DecoderLM:
+    """Cosmos3-Edge's text decoder: Arcee's (the MLP at ``fc1`` / ``fc2``); its multimodal RoPE is the
+    unscaled one only (``rope_type="default"``, as its config requires), the 1-D RoPE on text."""
+    rope_type = parts.rope_params(hf).get("rope_type", "default")
+    if rope_type != "default":
+        raise hf.unsupported(f"rope_type={rope_type!r} (supported: 'default', the only one Cosmos3-Edge defines)")
+    return build_arcee(hf, head_size=head_size, device=device, dtype=dtype)
+
+
 class ClampedLinear(nn.Linear):
     """OLMo's ``clip_qkv`` (``modeling_olmo.py`` 235-238): a linear map whose outputs are clamped to
     ``[-clip, clip]`` (attnzoo's fused ``qkv_proj``: the q, k and v projections clamped alike,
@@ -1381,7 +1391,7 @@ FAMILIES: dict[str, Family] = {
         name="BitNet", classes=("BitNetForCausalLM", "BitNetModel")),
     # Cosmos3-Edge's text decoder: Arcee's layers (ReLU² MLP) with the MLP at fc1 / fc2 under Qwen3-VL's
     # multimodal RoPE (the 1-D RoPE on text: three equal position streams)
-    "cosmos3_edge_text": Family(build_arcee, {
+    "cosmos3_edge_text": Family(build_cosmos3_edge_text, {
         "rms_norm_eps": 1e-5, "head_dim": 128, "hidden_act": "relu2", "max_position_embeddings": 131072,
         "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e8}},
         parts.PRE_NORMS, _attention_bias(False), ffn=_put_fc,
