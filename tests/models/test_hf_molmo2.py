@@ -105,3 +105,11 @@ def test_the_released_layout_loads(tmp_path: Path) -> None:
         want = hf(input_ids=x).logits
         assert checks.rel(theirs(input_ids=x).logits, want) <= checks.TOL
         assert checks.rel(ours(x), want) <= checks.TOL
+
+
+def test_greedy_generation_from_a_prompt_with_additional_ids() -> None:
+    """A prompt holding ids of the additional vocabulary (read by the embedding, never predicted)."""
+    hf = checks.perturbed(checks.hf_model(_molmo2()))
+    x = torch.tensor([[5, checks.V + 2, 17, checks.V + 7, 40]])
+    with torch.no_grad():
+        assert torch.equal(from_hf(hf).generate(x, 6), hf.generate(x, max_new_tokens=6, do_sample=False))

@@ -183,7 +183,9 @@ class DecoderLM(FromConfig, nn.Module):
         rope: the rotary embedding's :class:`~attnzoo.models.config.Rope` (base, ``linear``/``ntk``
             scaling, or a Hugging Face ``rope_parameters`` dict).
 
-    Shapes: ``tokens [B, N]`` long -> ``logits [B, N, V]`` (with a given head: what it returns).
+    Shapes: ``tokens [B, N]`` long -> ``logits [B, N, V]`` (with a given head: what it returns); the
+    ids are checked against ``input_vocab_size``, the embedding's rows (a given embedding may hold more
+    than ``V``: Molmo2's additional vocabulary).
     Weights: ``tok_emb``, ``pos_emb`` (learned), ``blocks[i]`` (see :class:`TransformerBlock`),
     ``norm``, ``lm_head``.
     """
