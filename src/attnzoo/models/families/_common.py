@@ -245,14 +245,14 @@ def put_mtp(plan: Plan, ours: str, theirs: str) -> None:
                                   ("post_norm", "shared_head.norm")], bias=False)
 
 
-#: a checkpoint key of layer ``i``: ``[model.]layers.{i}.``
-_LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+#: a checkpoint key of layer ``i`` (group 1): ``[model.]layers.{i}.``
+LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 def layers_past(sd: Mapping[str, Tensor], depth: int) -> list[str]:
     """The patterns of a checkpoint's layers ``layers.{j >= depth}`` (multi-token-prediction layers
     transformers does not load: ``_keys_to_ignore_on_load_unexpected``), one per such layer held."""
-    extra = {int(m.group(1)) for k in sd if (m := _LAYER_KEY.match(k)) and int(m.group(1)) >= depth}
+    extra = {int(m.group(1)) for k in sd if (m := LAYER_KEY.match(k)) and int(m.group(1)) >= depth}
     return [rf"(model\.)?layers\.{j}\..*" for j in sorted(extra)]
 
 

@@ -58,7 +58,6 @@ limit, a rotated width that is odd or zero.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +87,6 @@ DEFAULTS: dict[str, Any] = {
 ALIASES = {"n_routed_experts": ("moe_num_experts", "num_local_experts"), "num_experts_per_tok": ("moe_top_k",),
            "share_expert_dim": ("share_expert_dims",), "num_key_value_heads": ("num_attention_groups",),
            "num_nextn_predict_layers": ("num_mtp_layers",)}
-_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 def _split_mtp_entries(out: HFConfig, n: int) -> None:
@@ -332,10 +330,9 @@ def convert_step3p7(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: 
         plan.put(f"{ours}eh_proj.weight", f"{theirs}eh_proj.weight")
         plan.put(f"{ours}post_norm.weight", f"{theirs}shared_head.norm.weight", parts.plus_one)
         _put_layer(plan, f"{ours}block.", theirs, mlps[k] == "sparse", bias)
-    extra = sorted({int(m.group(1)) for key in sd if (m := _LAYER.match(key)) and int(m.group(1)) >= depth + mtp})
     heads = [rf"(model\.)?layers\.{depth + k}\.shared_head\.output\.weight" for k in range(mtp)]
     return parts.finish(plan, model, head_size, norm_transform=parts.plus_one,
-                        ignore=[*(rf"(model\.)?layers\.{j}\..*" for j in extra), *parts.mtp_copies(depth, mtp), *heads])
+                        ignore=[*parts.layers_past(sd, depth + mtp), *parts.mtp_copies(depth, mtp), *heads])
 
 
 def _without_transformer_infix(sd: dict[str, Tensor], depth: int) -> dict[str, Tensor]:
@@ -343,7 +340,7 @@ def _without_transformer_infix(sd: dict[str, Tensor], depth: int) -> dict[str, T
     ``shared_head`` and norms, as vLLM's ``step3p5_mtp.py`` reads them) as ``layers.{L + k}.*``."""
     out = {}
     for key, value in sd.items():
-        m = _LAYER.match(key)
+        m = parts.LAYER_KEY.match(key)
         out[key.replace(".transformer.", ".", 1) if m and int(m.group(1)) >= depth else key] = value
     return out
 
