@@ -28,6 +28,7 @@ import test_hf_apertus1p5 as apertus1p5  # noqa: E402
 import test_hf_cohere_compass as cohere_compass  # noqa: E402
 import test_hf_cosmos3_edge as cosmos3_edge  # noqa: E402
 import test_hf_deepseek as deepseek  # noqa: E402
+import test_hf_deepseek_ocr2 as deepseek_ocr2  # noqa: E402
 import test_hf_dense as dense  # noqa: E402
 import test_hf_dense_2 as dense_2  # noqa: E402
 import test_hf_dense_3 as dense_3  # noqa: E402
@@ -437,8 +438,8 @@ CASES: dict[str, Callable[[], Any]] = {
     "glm_ocr": glm_v._glm_ocr, "granite4_vision": _granite4_vision,
     "hunyuan_vl": _hunyuan_vl, "muse_glimmer": muse._glimmer,
     "ernie4_5_vl_moe": ernie_vl._ernie_vl,
-    "cosmos3_edge": cosmos3_edge._cosmos3_edge,
     "cosmos3_edge": cosmos3_edge._cosmos3_edge, "molmo2": molmo2._molmo2,
+    "deepseek_ocr2": deepseek_ocr2._deepseek_ocr2,
 }
 
 

@@ -1,6 +1,6 @@
 """The DeepSeek MLA lineage -> :class:`~attnzoo.DecoderLM`: transformers' ``deepseek_v3``
 (DeepSeek-V3, R1, V3.1, Kimi K2), ``deepseek_v2`` (DeepSeek-V2, V2-Lite, V2.5) and their
-descendants ``glm4_moe_lite``, ``mistral4``, ``minicpm5_moe``, ``axk1`` (SK Telecom's A.X-K1) and
+descendants ``glm4_moe_lite``, ``mistral4``, ``minicpm5_moe``, ``deepseek_ocr2_text``, ``axk1`` (SK Telecom's A.X-K1) and
 the DeepSeek-sparse-attention models ``deepseek_v32`` (DeepSeek-V3.2) and ``glm_moe_dsa`` (GLM-5's
 DSA MoE), ``sarvam_mla`` (Sarvam-105B), the dense ``youtu`` (Youtu-LLM) and ``minicpm3`` (MiniCPM3),
 ``axk2`` (A.X-K2) and ``longcat_flash`` (Meituan's LongCat-Flash); the ``*ForCausalLM`` and base
@@ -52,6 +52,12 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``: RMSN
   attention (``head_dim``, ``num_key_value_heads``) with split-half RoPE of ``rope_parameters`` and
   an element-wise sigmoid output gate: ``q_gate_proj`` rows ``[q_h; gate_h]`` per head go to the
   query rows of :class:`~attnzoo.MultiHeadAttention` and its ``output_gate="element"``.
+* DeepSeek-OCR2's text model (``deepseek_ocr2_text``, ``modular_deepseek_ocr2.py`` 576-936; built only
+  inside ``DeepseekOcr2ForConditionalGeneration``, the ``deepseek_ocr2`` wrapper) is DeepSeek-V2's layer
+  with LLaMA's attention in place of the latent one: grouped-query q/k/v/o (all biased by
+  ``attention_bias``), ``head_dim`` always ``hidden_size // num_attention_heads`` (its config overwrites
+  a given one), split-half RoPE of ``rope_parameters``; DeepSeek-V2's softmax MoE (``topk_method``) on the
+  ``sparse`` layers of ``mlp_layer_types``, which it requires (no default: its layers index it).
 * A.X-K1 (``modular_axk1.py``) is DeepSeek-V3 (always a ``q_lora_rank``) whose MoE output is
   RMS-normalised (``post_mlp_layernorm``, ``rms_norm_eps``; l. 169-187): :class:`PostNormMoE`. Its
   layer kinds: ``mlp_layer_types``, else ``sparse`` where ``i >= first_k_dense_replace`` (default 1)
@@ -129,7 +135,8 @@ reads the one latent), ``pretraining_tp != 1``, the ``dynamic`` / ``longrope`` r
 ``partial_rotary_factor`` other than the rope channels' (:func:`~attnzoo.models.hf.deepseek.mla_rope`;
 MiniCPM5-MoE: other than 1), an activation other than SiLU in the experts (the dense layers take
 any gated one), a ``topk_method`` other than ``greedy`` / ``group_limited_greedy`` (V2),
-``moe_layer_freq != 1`` (transformers ignores it: a checkpoint trained with it would run
+DeepSeek-OCR2's missing ``mlp_layer_types``, a width not a multiple of its heads and a
+``partial_rotary_factor``, ``moe_layer_freq != 1`` (transformers ignores it: a checkpoint trained with it would run
 differently there), expert groups that do not divide the experts (into groups of >= 2 where a
 group is scored by its two best) or cannot hold ``num_experts_per_tok`` in the ``topk_group``
 kept, MiniCPM5-MoE's ``attention_bias``; for the DSA models ``q_lora_rank=None`` (a ``config.json``
@@ -254,6 +261,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
              "v_head_dim": 64, "qk_nope_head_dim": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
              "max_position_embeddings": 131072, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16,
              "gated_norm_rank": 16, "n_group": None, "topk_group": None},
+    "deepseek_ocr2_text": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                           "attention_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1, "mlp_bias": False,
+                           "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+                           "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                           "moe_intermediate_size": 1407, "n_shared_experts": 2, "n_routed_experts": 64,
+                           "routed_scaling_factor": 1.0, "topk_method": "greedy"},
     "longcat_flash": {**_COMMON, "vocab_size": 131072, "hidden_size": 6144, "num_layers": 28, "num_attention_heads": 64,
                       "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 10_000_000.0,
                       "ffn_hidden_size": 12288, "head_dim": 64, "moe_topk": 12, "n_routed_experts": 512,
@@ -275,8 +288,13 @@ ALIASES: dict[str, dict[str, str]] = {
     "longcat_flash": {"num_local_experts": "n_routed_experts", "num_experts_per_tok": "moe_topk",
                       "intermediate_size": "ffn_hidden_size", "moe_intermediate_size": "expert_ffn_hidden_size"},
 }
-#: the model types whose layers list their kinds in ``mlp_layer_types`` (default: one dense layer)
-LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "axk2")
+#: the model types whose layers list their kinds in ``mlp_layer_types`` (default: one dense layer;
+#: DeepSeek-OCR2's has none: required)
+LAYER_TYPED = ("glm4_moe_lite", "minicpm5_moe", "deepseek_v32", "glm_moe_dsa", "axk1", "axk2", "deepseek_ocr2_text")
+#: the model types routing as DeepSeek-V2 (softmax, ``topk_method``, never renormalised)
+V2_ROUTED = ("deepseek_v2", "deepseek_ocr2_text")
+#: the model types whose attention is not latent: grouped-query attention with split-half RoPE
+GQA = ("minicpm5_moe", "deepseek_ocr2_text")
 #: the DeepSeek-sparse-attention model types (every layer an :class:`IndexedLatentAttention`)
 DSA = ("deepseek_v32", "glm_moe_dsa", "axk2")
 #: A.X-K1 and A.X-K2: layer kinds from ``first_k_dense_replace`` / ``moe_layer_freq`` when ``mlp_layer_types`` is absent
@@ -683,10 +701,12 @@ def canonical(hf: HFConfig, model_type: str) -> HFConfig:
     if model_type == "minicpm5_moe":
         parts.unsupported_keys(hf, {"attention_bias": lambda v: not v, "use_gated_attention": lambda v: v is not False,
                                     "partial_rotary_factor": lambda v: v in (None, 1, 1.0)})
+    elif model_type == "deepseek_ocr2_text":
+        _check_ocr2(hf)
     else:
         parts.unsupported_keys(hf, {"num_key_value_heads": lambda v: v in (None, H)})
     parts.unsupported_keys(hf, {"pretraining_tp": lambda v: v in (None, 1), "moe_layer_freq": lambda v: v in (None, 1)})
-    if model_type == "deepseek_v2":
+    if model_type in V2_ROUTED:
         parts.unsupported_keys(hf, {"topk_method": lambda v: v in TOPK_METHODS})
     if model_type in (*DSA, "axk1") and hf.get("q_lora_rank", None) is None:
         raise hf.unsupported(f"q_lora_rank=None ({model_type}'s attention always has the query latent)")
@@ -695,12 +715,29 @@ def canonical(hf: HFConfig, model_type: str) -> HFConfig:
     if any(moe_layers(hf, model_type)):
         parts.unsupported_keys(hf, {"hidden_act": lambda v: v in ("silu", "swish")})
         (groups, topk_groups), E = _groups(hf, model_type), hf.req("n_routed_experts")
-        smallest = 1 if model_type == "deepseek_v2" else 2  # the others score a group by its two best
+        smallest = 1 if model_type in V2_ROUTED else 2  # the others score a group by its two best
         if groups > 1 and (E % groups or E // groups < smallest or not 1 <= topk_groups <= groups
                            or hf.req("num_experts_per_tok") > topk_groups * (E // groups)):
             raise hf.unsupported(f"n_group={groups} with topk_group={topk_groups} (groups of >= {smallest} of the "
                                  f"n_routed_experts={E} experts holding num_experts_per_tok={hf.raw('num_experts_per_tok')})")
     return hf
+
+
+def _check_ocr2(hf: HFConfig) -> None:
+    """DeepSeek-OCR2's text config as ``DeepseekOcr2TextConfig`` builds it: ``mlp_layer_types`` given
+    (its layers index it; no default), the width a multiple of the heads (its ``head_dim`` is always
+    ``hidden_size // num_attention_heads``), no ``partial_rotary_factor`` (its default RoPE rotates the
+    whole head whatever the key says; the scaled types would read it)."""
+    if hf.get("mlp_layer_types", None, list) is None:
+        raise hf.unsupported("mlp_layer_types=None (DeepSeek-OCR2's layers need their kinds: 'dense' / 'sparse' "
+                             "per layer)")
+    C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
+    if C % H:
+        raise hf.unsupported(f"hidden_size={C} with num_attention_heads={H} (supported: a multiple)")
+    parts.unsupported_keys(hf, {"partial_rotary_factor": lambda v: v in (None, 1, 1.0)})
+    if parts.rope_params(hf).get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        raise hf.unsupported(f"partial_rotary_factor={parts.rope_params(hf)['partial_rotary_factor']} in "
+                             f"rope_parameters (supported: 1)")
 
 
 def _number(value: Any) -> bool:
@@ -740,6 +777,9 @@ def _derived(hf: HFConfig, model_type: str) -> HFConfig:
         derived = {"v_head_dim": full.get("v_head_dim", C // H), "scale_depth": math.sqrt(depth),
                    "dim_model_base": C}
         full = HFConfig({**full.data, **{k: v for k, v in derived.items() if k == "v_head_dim" or k in null}},
+                        hf.source, hf.arch)
+    if model_type == "deepseek_ocr2_text":  # DeepseekOcr2TextConfig.__post_init__ sets it, whatever was given
+        full = HFConfig({**full.data, "head_dim": full.req("hidden_size") // full.req("num_attention_heads")},
                         hf.source, hf.arch)
     return _mistral4_defaults(full) if model_type == "mistral4" else _axk1_kinds(full) if model_type in AXK else full
 
@@ -824,7 +864,7 @@ def moe_layers(hf: HFConfig, model_type: str) -> list[bool]:
 
 def _groups(hf: HFConfig, model_type: str) -> tuple[int, int]:
     """``(n_group, topk_group)`` as the router uses them (V2's ``greedy`` ignores them: 1 group)."""
-    if model_type == "deepseek_v2" and hf.get("topk_method", "greedy", str) == "greedy":
+    if model_type in V2_ROUTED and hf.get("topk_method", "greedy", str) == "greedy":
         return 1, 1
     return hf.get("n_group", 1) or 1, hf.get("topk_group", 1) or 1
 
@@ -841,13 +881,14 @@ def _attention(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[]
     """The factory of a layer's :class:`~attnzoo.nn.mla.MultiHeadLatentAttention` (Mistral-4's with
     ``llama_4_scaling_beta``: a :class:`PositionScaledLatentAttention`)."""
     query_scaling = None
-    if model_type == "minicpm5_moe":
+    if model_type in GQA:  # MiniCPM5-MoE's with its element-wise output gate
         params = parts.rope_params(hf)
         if params.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
             raise hf.unsupported(f"partial_rotary_factor={params['partial_rotary_factor']}")
         C, H = hf.req("hidden_size"), hf.req("num_attention_heads")
         rope = parts.rotary(hf, params, hf.get("head_dim", C // H))
-        return parts.attention_factory(hf, window=None, rope=rope, output_gate="element", **kw)
+        gate = "element" if model_type == "minicpm5_moe" else None
+        return parts.attention_factory(hf, window=None, rope=rope, output_gate=gate, **kw)
     if model_type == "mistral4":
         hf, query_scaling = _query_scaling(hf)
     base, scaling = mla_rope(hf)
@@ -891,7 +932,7 @@ def _moe(hf: HFConfig, model_type: str, kw: dict[str, Any]) -> Callable[[], nn.M
         sigmoid = functools.partial(deepseek_moe, hf, shared_expert=shared, keep_router_float32=True, **kw)
         return (lambda: ZeroFilledGroupsMoE.of(sigmoid())) if model_type == "axk2" else sigmoid
     groups, topk_groups = _groups(hf, model_type)
-    v2 = model_type == "deepseek_v2"
+    v2 = model_type in V2_ROUTED
     routing = SoftmaxRouting(hf.get("routed_scaling_factor", 1.0, float), groups, topk_groups,
                              "max" if v2 else "top2", not v2 and hf.get("norm_topk_prob", True, bool), v2)
 
@@ -1012,6 +1053,8 @@ def _convert(model_type: str, hf: HFConfig, sd: dict[str, Tensor], *, device: An
         o, h = f"blocks.{i}.", f"layers.{i}."
         if model_type == "minicpm5_moe":
             _put_gated_attention(plan, f"{o}attn", f"{h}self_attn.", hf)
+        elif model_type == "deepseek_ocr2_text":
+            parts.put_attention(plan, f"{o}attn", f"{h}self_attn.", bias=hf.get("attention_bias", False, bool))
         elif model_type == "axk2":
             _put_axk2_layer(plan, o, h, hf, sparse)
         else:
@@ -1249,3 +1292,5 @@ CLASSES = {"deepseek_v3": ("DeepSeek-V3", "DeepseekV3"), "deepseek_v2": ("DeepSe
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
 DISPATCH = {t: parts.Dispatch(name, convert_deepseek, (f"{prefix}ForCausalLM", f"{prefix}Model"))
             for t, (name, prefix) in CLASSES.items()}
+#: DeepSeek-OCR2's text model: only inside its wrapper (``deepseek_ocr2`` in ``models/hf/wrappers.py``)
+DISPATCH["deepseek_ocr2_text"] = parts.Dispatch("DeepSeek-OCR2 text", convert_deepseek, ("DeepseekOcr2TextModel",))

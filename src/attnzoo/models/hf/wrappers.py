@@ -227,6 +227,11 @@ WRAPPERS: dict[str, Wrapper] = {
     "molmo2": _row("Molmo2", "Molmo2", ("molmo2_text",), False, tie_keys=(),
                    saved=((r"^(model\.)?transformer\.blocks\.", r"\1language_model.layers."),
                           (r"^(model\.)?transformer\.", r"\1language_model."))),
+    # released and saved (conversion_mapping's renames reversed): the text model at model.{embed_tokens,layers,norm}
+    # beside model.sam_model / qwen2_model / projector; the base model's at the top
+    "deepseek_ocr2": _row("DeepSeek-OCR2", "DeepseekOcr2", ("deepseek_ocr2_text",), False,
+                          saved=((r"^model\.(embed_tokens|layers|norm)\.", r"model.language_model.\1."),
+                                 (r"^(embed_tokens|layers|norm)\.", r"language_model.\1."))),
 }
 
 
