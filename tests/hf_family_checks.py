@@ -231,18 +231,19 @@ def check_folder(make: Callable[[], Any], tmp_path: Path) -> None:
         assert rel(model(x), hf(input_ids=x).logits) <= TOL
 
 
-def check_multimodal_rope_on_text(hf: Any, n: int = 12) -> None:
-    """A multimodal wrapper ``hf`` whose text model rotates by three position streams (time, height,
-    width): with the streams equal (text), transformers' hidden states equal the converted model's
-    (the 1-D RoPE); with the streams of a 2 x 3 patch grid, transformers' differ (so the check above
-    compared a rotation that depends on the sections)."""
+def check_multimodal_rope_on_text(hf: Any, n: int = 12, streams: int = 3) -> None:
+    """A multimodal wrapper ``hf`` whose text model rotates by ``streams`` position streams (time,
+    height, width; HunYuan-VL's may add an image index): with the streams equal (text), transformers'
+    hidden states equal the converted model's (the 1-D RoPE); with the streams of a 2 x 3 patch grid,
+    transformers' differ (so the check above compared a rotation that depends on the sections)."""
     ours = from_hf(hf)
     x = tokens(n)
     pos = torch.arange(n).expand(2, n)
     text_model = hf.model.language_model
+    grid = torch.stack([pos, pos // 2, pos % 3, pos // 6][:streams])
     with torch.no_grad():
-        same = text_model(input_ids=x, position_ids=pos[None].expand(3, 2, n)).last_hidden_state
-        other = text_model(input_ids=x, position_ids=torch.stack([pos, pos // 2, pos % 3])).last_hidden_state
+        same = text_model(input_ids=x, position_ids=pos[None].expand(streams, 2, n)).last_hidden_state
+        other = text_model(input_ids=x, position_ids=grid).last_hidden_state
         assert rel(ours.hidden_states(x), same) <= TOL
     assert rel(other, same) > 1e-3
 

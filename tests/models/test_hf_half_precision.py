@@ -122,6 +122,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "muse_glimmer_text": ("test_hf_muse", "_glimmer"),
     "ernie4_5_vl_moe_text": ("test_hf_ernie_vl", "_ernie_vl"),
     "deepseek_ocr2_text": ("test_hf_deepseek_ocr2", "_deepseek_ocr2"),
+    "hy_v4_vl_text": ("test_hf_tencent_vl", "_hy_v4_vl"),
     "zamba": ("test_hf_zamba", "_config"), "rwkv": ("test_hf_rwkv", "_config"), "xlstm": ("test_hf_xlstm", "_config"),
     **{t: ("test_hf_dense_2", m) for t, m in (
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
@@ -183,7 +184,7 @@ def _continuous(config: Any) -> Any:
 WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
            "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text",
            "hunyuan_vl_text", "muse_glimmer_text", "ernie4_5_vl_moe_text", "cosmos3_edge_text", "molmo2_text",
-           "deepseek_ocr2_text")
+           "deepseek_ocr2_text", "hy_v4_vl_text")
 
 
 def _auto(family: str) -> Any:

@@ -46,8 +46,8 @@ import test_hf_lfm2 as lfm2  # noqa: E402
 import test_hf_lfm3 as lfm3  # noqa: E402
 import test_hf_lineage_more as lineage_more  # noqa: E402
 import test_hf_llama4 as llama4  # noqa: E402
-import test_hf_muse as muse  # noqa: E402
 import test_hf_molmo2 as molmo2  # noqa: E402
+import test_hf_muse as muse  # noqa: E402
 import test_hf_nemotron_h as nemotron_h  # noqa: E402
 import test_hf_neox as neox  # noqa: E402
 import test_hf_qwen3_5 as qwen3_5  # noqa: E402
@@ -55,6 +55,7 @@ import test_hf_qwen3_5_moe as qwen3_5_moe  # noqa: E402
 import test_hf_qwen4_exp as qwen4_exp  # noqa: E402
 import test_hf_qwen_vl as qwen_vl  # noqa: E402
 import test_hf_step3p7 as step3p7  # noqa: E402
+import test_hf_tencent_vl as tencent_vl  # noqa: E402
 from huggingface_hub.errors import StrictDataclassError  # noqa: E402
 
 import attnzoo.models.hf.wrappers as wrappers  # noqa: E402
@@ -440,6 +441,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "ernie4_5_vl_moe": ernie_vl._ernie_vl,
     "cosmos3_edge": cosmos3_edge._cosmos3_edge, "molmo2": molmo2._molmo2,
     "deepseek_ocr2": deepseek_ocr2._deepseek_ocr2,
+    "hy_v4_vl": tencent_vl._hy_v4_vl,
 }
 
 

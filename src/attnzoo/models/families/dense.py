@@ -73,6 +73,12 @@ one on text), Cosmos3-Edge (``cosmos3_edge_text``: Arcee's layers with the MLP a
   :class:`~attnzoo.models.families.sparse_moe.PostRopeNormAttention`), so absolute positions matter;
   ``dynamic`` RoPE with an ``alpha`` is the fixed NTK base ``theta * alpha ** (D / (D - 2))``
   (342-358).
+* HunYuan-VL's text model (``hunyuan_vl_text``, ``modeling_hunyuan_vl.py``): HunYuan-V1-Dense's layer
+  (509-647) under a multimodal RoPE whose 3 or 4 position streams (``mrope_section``, released as
+  ``xdrope_section``) are equal on text, i.e. the 1-D RoPE (105-190); the released ``rope_scaling``
+  type ``xdrope`` is ``dynamic`` (``configuration_hunyuan_vl.py``), ties its head by default, and the
+  released ``config.json`` spells ``head_dim`` / ``vocab_size`` / ``pad_token_id`` as
+  ``attention_head_dim`` / ``org_vocab_size`` / ``pad_id``.
 * Helium (``modeling_helium.py``): LLaMA with adjacent-pair RoPE (163, 192-193), q/k/v biases by
   ``attention_bias`` and an unbiased ``o_proj`` of ``[hidden, hidden]`` (215-223: ``heads *
   head_dim != hidden_size`` is refused, transformers' own forward fails there), MLP biases.
@@ -1328,7 +1334,8 @@ FAMILIES: dict[str, Family] = {
         "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
         parts.PRE_NORMS, _attention_bias(False), post_rope_norm=True,
-        aliases={"attention_head_dim": "head_dim", "org_vocab_size": "vocab_size"},
+        aliases={"attention_head_dim": "head_dim", "org_vocab_size": "vocab_size", "pad_id": "pad_token_id",
+                 "rope_scaling": "rope_parameters"},
         name="HunYuan-VL text", classes=("HunYuanVLTextModel",)),
     "nemotron": Family(build_nemotron, {"norm_eps": 1e-5, "hidden_act": "relu2", "max_position_embeddings": 4096,
                                         "tie_word_embeddings": False,

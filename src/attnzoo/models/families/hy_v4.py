@@ -47,6 +47,13 @@ transformers in each. Packed sequences run one at a time. Saved folders use the 
 (``hc_pre.hc_attn_layer.hc_fn``, ``learnable_sink_param``, ``linear_gate``, ...; transformers'
 ``conversion_mapping``): both load; multi-token-prediction layers (``mtp_layers``) are dropped.
 
+HY-V4-VL's text model (``hy_v4_vl_text``: ``HYV4VLTextModel`` inside ``HYV4VLForConditionalGeneration``,
+``models/hy_v4_vl/modeling_hy_v4_vl.py``) is this decoder with two differences: its query / key-value
+latent RMSNorms take ``rms_norm_eps`` (l. 282-291; HY-V4's the norm's default 1e-6, :func:`_latent_eps`),
+and its RoPE is Qwen3-VL's interleaved multimodal one over three position streams (l. 1060-1110), which
+are equal on text: the 1-D RoPE. Its config's defaults are larger (:data:`VL_DEFAULTS`); its
+``mrope_section`` is not read (text only).
+
 Refused by name: ``q_lora_rank=None`` (transformers' attention always has the query latent),
 ``index_head_dim < qk_rope_head_dim``, ``swiglu_limit`` ``None`` or ``<= 0`` (the config's docstring
 says such values disable the clamp, its experts clamp at them anyway), ``layer_types`` entries other than
@@ -86,7 +93,7 @@ from attnzoo.nn.mla import LatentCache, MLAOptions, MLASizes, MultiHeadLatentAtt
 from attnzoo.nn.moe import Routing
 from attnzoo.nn.parts import placed
 
-__all__ = ["DEFAULTS", "DISPATCH", "HYV4LM", "HYV4Block", "HYV4IndexedAttention", "HYV4SharedAttention",
+__all__ = ["DEFAULTS", "DISPATCH", "HYV4LM", "VL_DEFAULTS", "HYV4Block", "HYV4IndexedAttention", "HYV4SharedAttention",
            "IndependentHyperConnection", "SinkGatedLatent", "build_hy_v4", "canonical", "convert_hy_v4"]
 
 #: ``HYV4Config``'s defaults of the keys read here, for a ``config.json`` that leaves them out
@@ -100,6 +107,11 @@ DEFAULTS: dict[str, Any] = {
     "index_n_heads": 16, "hc_mult": 4, "hc_magnitude": 2.0, "hc_eps": 1e-6, "swiglu_limit": 10.0,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
+
+#: ``HYV4VLTextConfig``'s defaults (``configuration_hy_v4_vl.py``): HY-V4's with a larger model
+VL_DEFAULTS: dict[str, Any] = {**DEFAULTS, "hidden_size": 6144, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                               "num_hidden_layers": 78, "num_attention_heads": 64, "q_lora_rank": 2048,
+                               "index_n_heads": 32}
 
 #: the checkpoint's names -> transformers' module names (its ``conversion_mapping`` for ``hy_v4``, in order)
 _SAVED = tuple((re.compile(p), r) for p, r in (
@@ -280,7 +292,7 @@ class HYV4LM(DeepseekV4LM):
 def canonical(hf: HFConfig) -> HFConfig:
     """``hf`` as ``HYV4Config`` reads it (:data:`DEFAULTS` for absent keys, not for ``None`` ones; the
     per-layer kinds filled in); refuses what has no equivalent (module docstring)."""
-    data = {**DEFAULTS, **hf.data}
+    data = {**(VL_DEFAULTS if hf.data.get("model_type") == "hy_v4_vl_text" else DEFAULTS), **hf.data}
     hf = HFConfig(data, hf.source, hf.arch)
     depth = hf.req("num_hidden_layers")
     parts.layer_types(hf, depth, ("indexed_attention",))
@@ -306,6 +318,12 @@ def canonical(hf: HFConfig) -> HFConfig:
 
 
 # --------------------------------------------------------------------------- build
+def _latent_eps(hf: HFConfig) -> float:
+    """The epsilon of the query / key-value latent RMSNorms: ``rms_norm_eps`` in HY-V4-VL's text model,
+    the norm's default 1e-6 in HY-V4's (module docstring)."""
+    return hf.req("rms_norm_eps", float) if hf.data.get("model_type") == "hy_v4_vl_text" else 1e-6
+
+
 def _attention(hf: HFConfig, i: int, kw: dict[str, Any]) -> nn.Module:
     """Layer ``i``'s attention (:class:`HYV4IndexedAttention` or :class:`HYV4SharedAttention`)."""
     C, H, eps = hf.req("hidden_size"), hf.req("num_attention_heads"), hf.req("rms_norm_eps", float)
@@ -313,7 +331,7 @@ def _attention(hf: HFConfig, i: int, kw: dict[str, Any]) -> nn.Module:
                      qk_rope_head_dim=hf.req("qk_rope_head_dim"), v_head_dim=hf.req("v_head_dim"),
                      q_lora_rank=hf.req("q_lora_rank"))
     base, scaling = mla_rope(hf)
-    options = MLAOptions(rope_base=base, rope_interleave=True, rope_scaling=scaling, norm_eps=1e-6,
+    options = MLAOptions(rope_base=base, rope_interleave=True, rope_scaling=scaling, norm_eps=_latent_eps(hf),
                          max_position_embeddings=parts.max_positions(hf), form="materialised",
                          dropout=hf.get("attention_dropout", 0.0, float))
     bias = hf.get("attention_bias", False, bool)
@@ -418,4 +436,5 @@ def convert_hy_v4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: An
 
 
 #: what ``models/hf/convert.py`` dispatches here, by ``model_type``
-DISPATCH = {"hy_v4": parts.Dispatch("HY-V4", convert_hy_v4, ("HYV4ForCausalLM", "HYV4Model"))}
+DISPATCH = {"hy_v4": parts.Dispatch("HY-V4", convert_hy_v4, ("HYV4ForCausalLM", "HYV4Model")),
+            "hy_v4_vl_text": parts.Dispatch("HY-V4-VL text", convert_hy_v4, ("HYV4VLTextModel",))}

@@ -121,6 +121,9 @@ _COSMOS3_EDGE = ((rf"^(?:model\.language_model\.)?(?=(?:{_COSMOS3_EDGE_GENERATOR
                  (r"^(embed_tokens|norm|layers)\.", r"model.language_model.\1."),
                  (r"\.self_attn\.to_([qkv])\.", r".self_attn.\1_proj."), (r"\.self_attn\.to_out\.", ".self_attn.o_proj."),
                  (r"\.mlp\.up_proj\.", ".mlp.fc1."), (r"\.mlp\.down_proj\.", ".mlp.fc2."))
+#: Tencent's released VL layout: the text model at ``model.*``, the tower at ``vit.*`` (the ``hunyuan_vl`` /
+#: ``hy_v4_vl`` entries of transformers' ``conversion_mapping``)
+_HUNYUAN_VL = ((r"^model\.(?!language_model\.|vit\.|vision_tower\.)", "model.language_model."),)
 #: wrapper ``model_type`` -> its row; see ``tests/models/test_hf_multimodal.py`` for each one's check
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": _row("Gemma 3 (multimodal)", "Gemma3", ("gemma3_text",), True, overrides={"final_logit_softcapping": None}),
@@ -152,9 +155,10 @@ WRAPPERS: dict[str, Wrapper] = {
     "glmga": _row("GLM-GA", "Glm46V", ("glm4v_text",), False),
     "glm_ocr": _row("GLM-OCR", "GlmOcr", ("glm_ocr_text",), False, tie_from="either"),
     "granite4_vision": _row("Granite-4-Vision", "Granite4Vision", ("granite4_vision_text",), False),
-    # released (and what transformers writes): the text model at model.* beside the tower at vit.*
-    "hunyuan_vl": _row("HunYuan-VL", "HunYuanVL", ("hunyuan_vl_text",), True, tie_from="either",
-                       saved=((r"^model\.(?!language_model\.|vit\.|vision_tower\.)", "model.language_model."),)),
+    # released (and what transformers writes): the text model at model.* beside the tower at vit.*; released flat
+    # (HunyuanOCR: the text keys at the top of its config.json)
+    "hunyuan_vl": _row("HunYuan-VL", "HunYuanVL", ("hunyuan_vl_text",), True, tie_from="either", flat=True,
+                       saved=_HUNYUAN_VL),
     "muse_glimmer": _row("Muse Glimmer", "MuseGlimmer", ("muse_glimmer_text",), False),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
@@ -232,6 +236,8 @@ WRAPPERS: dict[str, Wrapper] = {
     "deepseek_ocr2": _row("DeepSeek-OCR2", "DeepseekOcr2", ("deepseek_ocr2_text",), False,
                           saved=((r"^model\.(embed_tokens|layers|norm)\.", r"model.language_model.\1."),
                                  (r"^(embed_tokens|layers|norm)\.", r"language_model.\1."))),
+    # the released MTP layers (model.mtp_layers.*) are dropped by the text converter, as transformers ignores them
+    "hy_v4_vl": _row("HY-V4-VL", "HYV4VL", ("hy_v4_vl_text",), False, saved=_HUNYUAN_VL),
 }
 
 
