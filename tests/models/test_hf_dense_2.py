@@ -293,6 +293,24 @@ FOLDERS = {
 }
 
 
+def test_hunyuan_released_rope_scaling_loads(tmp_path: Path) -> None:
+    """Hunyuan-7B's released ``config.json``: ``rope_scaling: {"type": "dynamic", "alpha": ...}`` beside
+    ``rope_theta`` (was read as the default RoPE: 0.5 relative off)."""
+    import json
+
+    from attnzoo.interop import load_pretrained
+
+    hf = checks.hf_model(_hunyuan_other())
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    rope = data.pop("rope_parameters")
+    data.update(rope_theta=rope.pop("rope_theta"), rope_scaling={**rope, "type": rope.pop("rope_type")})
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    x = checks.tokens(12)
+    with torch.no_grad():
+        assert checks.rel(load_pretrained(tmp_path)(x), hf(input_ids=x).logits) <= checks.TOL
+
+
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_config_json_without_defaults_loads(name: str, tmp_path: Path) -> None:
     """A ``config.json`` that leaves out the config class's defaults: read as transformers reads it."""

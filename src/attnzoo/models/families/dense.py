@@ -768,10 +768,11 @@ def build_glm(hf: HFConfig, *, head_size: int | None = None, device: Any = None,
 
 def _hunyuan_rope(hf: HFConfig, head_dim: int) -> nn.Module:
     """HunYuan's RoPE: ``dynamic`` with an ``alpha`` is a fixed NTK base ``theta * alpha ** (D / (D - 2))``
-    (``modeling_hunyuan_v1_dense.py`` 296-307, 342-358); other types as usual."""
+    (``modeling_hunyuan_v1_dense.py`` 296-307, 342-358); other types as usual. The released configs'
+    ``rope_scaling: {"type": "dynamic", "alpha": ...}`` reads as ``rope_parameters`` (the rows' alias)."""
     params = parts.rope_params(hf)
     alpha = params.get("alpha")
-    if params.get("rope_type") == "dynamic" and alpha:
+    if params.get("rope_type", params.get("type")) == "dynamic" and alpha:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
             raise hf.unsupported(f"rope_parameters alpha={alpha!r} (supported: a number > 0)")
         base = float(params["rope_theta"]) * float(alpha) ** (head_dim / (head_dim - 2))
@@ -1328,7 +1329,7 @@ FAMILIES: dict[str, Family] = {
     "hunyuan_v1_dense": Family(build_hunyuan_v1_dense, {
         "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-        parts.PRE_NORMS, _attention_bias(False), post_rope_norm=True,
+        parts.PRE_NORMS, _attention_bias(False), post_rope_norm=True, aliases={"rope_scaling": "rope_parameters"},
         name="HunYuan-V1-Dense", classes=("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model")),
     "hunyuan_vl_text": Family(build_hunyuan_vl_text, {
         "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "tie_word_embeddings": True,
