@@ -193,6 +193,29 @@ def check_packed_gradients_equal_each_alone(make: Callable[[], Any], lengths: tu
     assert max(rel(g, w) for g, w in zip(got, want, strict=True) if w is not None and w.abs().max() > 0) <= 1e-9
 
 
+def check_text_model_alone(hf: Any, tmp_path: Path, model_type: str, prefix: str = "model.") -> None:
+    """A multimodal wrapper ``hf``'s text model converts as the base decoder, and, saved alone (the
+    tensors under ``prefix`` renamed to ``model.``, the ``lm_head``, the ``text_config`` of
+    ``model_type``: ``tmp_path / "text"``), loads with the wrapper's logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf.save_pretrained(tmp_path / "wrapper")
+    tensors = load_file(str(tmp_path / "wrapper" / "model.safetensors"))
+    text = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()
+            if k.startswith((prefix, "lm_head."))}
+    (tmp_path / "text").mkdir()
+    save_file(text, str(tmp_path / "text" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "wrapper" / "config.json").read_text())["text_config"]
+    (tmp_path / "text" / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    x = tokens(12)
+    with torch.no_grad():
+        text = hf.model.language_model
+        assert rel(from_hf(text)(x), text(input_ids=x).last_hidden_state) <= TOL
+        assert rel(load_pretrained(tmp_path / "text")(x), hf(input_ids=x).logits) <= TOL
+
+
 def check_folder_without_keys(hf: Any, tmp_path: Path, keys: tuple[str, ...]) -> None:
     """``hf`` saved with ``keys`` left out of its ``config.json`` (a hand-written or older file):
     ``load_pretrained`` reads it as transformers' ``from_pretrained`` does (same logits)."""

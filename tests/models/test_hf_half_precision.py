@@ -119,7 +119,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen3_vl_moe_text": ("test_hf_qwen_vl", "_qwen3_vl_moe"), "glm4v_text": ("test_hf_glm_v", "_glm4v"),
     "glm4v_moe_text": ("test_hf_glm_v", "_glm4v_moe"), "paddleocr_vl_text": ("test_hf_qwen_vl", "_paddleocr_vl"), "glm_ocr_text": ("test_hf_glm_v", "_glm_ocr"),
     "granite4_vision_text": ("test_hf_multimodal", "_granite4_vision"), "hunyuan_vl_text": ("test_hf_multimodal", "_hunyuan_vl"),
-    "muse_glimmer_text": ("test_hf_muse", "_glimmer"),
+    "muse_glimmer_text": ("test_hf_muse", "_glimmer"), "muse_spark_text": ("test_hf_muse", "_spark"),
     "ernie4_5_vl_moe_text": ("test_hf_ernie_vl", "_ernie_vl"),
     "deepseek_ocr2_text": ("test_hf_deepseek_ocr2", "_deepseek_ocr2"),
     "hy_v4_vl_text": ("test_hf_tencent_vl", "_hy_v4_vl"),
@@ -183,7 +183,7 @@ def _continuous(config: Any) -> Any:
 #: text model types transformers builds only inside their multimodal wrapper (no causal-LM class)
 WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
            "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text",
-           "hunyuan_vl_text", "muse_glimmer_text", "ernie4_5_vl_moe_text", "cosmos3_edge_text", "molmo2_text",
+           "hunyuan_vl_text", "muse_glimmer_text", "muse_spark_text", "ernie4_5_vl_moe_text", "cosmos3_edge_text", "molmo2_text",
            "deepseek_ocr2_text", "hy_v4_vl_text")
 
 
@@ -354,7 +354,7 @@ def test_float32_scale_norm_equals_transformers_bitwise(module: str, cls: str, p
 FLOAT32_SCALE = {"gemma3_text": True, "qwen3_next": True, "qwen3_5_text": True, "qwen3_5_moe_text": True,
                  "gpt_oss": True, "olmo3": False, "olmo_hybrid": False, "nemotron_h": False, "lara_mini": False,
                  "gemma": True, "gemma2": True, "vaultgemma": True, "minimax_m3_vl_text": True,
-                 "step3p5": True}
+                 "step3p5": True, "muse_glimmer_text": True, "muse_spark_text": True}
 
 
 @pytest.mark.parametrize("family", sorted(FLOAT32_SCALE))

@@ -1,96 +1,128 @@
-"""Muse Glimmer's text decoder (``muse_glimmer_text``, ``families/muse.py``) through its wrapper
-(``MuseGlimmerForConditionalGeneration``). The wrapper's shared checks (logits and base hidden states on a
-left-padded batch, greedy generation, folders, ``to_hf``) run in ``test_hf_multimodal.py``; here: the parts
-the family composes (NoPE layers, the scale and the head's multiplier, the post norms' epsilon), cached
-decoding, and the refusals."""
+"""Meta's Muse Glimmer (``muse_glimmer``, its text model ``muse_glimmer_text``) and Muse Spark
+(``muse_spark``, ``muse_spark_text``: the MoE sibling) through ``from_hf`` /
+``load_pretrained``: a weight-less normed embedding, weight-less QK norms with ``qk_scale_factor``, NoPE
+layers by ``layer_rope_theta``, sliding layers, an element-wise output gate, ``1 + w`` norms on both
+sides of both sub-layers (``post_norm_eps`` after them), logits times ``output_multiplier`` under a
+soft cap; equal to transformers' eager ``MuseGlimmerForConditionalGeneration`` on text. Muse Spark adds
+a weight-less norm of the attention output, input-scaled norms, clamped residual gates and a pooled MoE
+(dense and sparse layers mixed here). The wrappers' ``to_hf`` and saved folders are in
+``test_hf_multimodal.py``'s cases ``muse_glimmer`` and ``muse_spark``."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors.torch")
 
 import hf_family_checks as checks  # noqa: E402
-from attnzoo.interop import from_hf  # noqa: E402
-from attnzoo.models.hf.errors import UnsupportedConfigError  # noqa: E402
+from attnzoo.interop import UnsupportedConfigError, from_hf  # noqa: E402
 
 T = transformers
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore:.*the text decoder of Muse .* is converted")]
+              pytest.mark.filterwarnings("ignore:.*the text decoder of Muse (Glimmer|Spark) is converted")]
 
-VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
-              out_hidden_size=16)
+#: a one-layer vision tower
+VISION = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2)
 
 
 def _text(**kw: Any) -> dict[str, Any]:
-    """Five layers (full + NoPE on layers 0 and 4, sliding with a 4-token window between), head_dim 16,
-    every scale away from its default."""
-    return {**checks.SMALL, "num_hidden_layers": 5, "head_dim": 16, "sliding_window": 4, "qk_scale_factor": 2.5,
-            "output_multiplier": 0.7, "final_logit_softcapping": 3.0, "post_norm_eps": 1e-6, **kw}
+    """5 layers: by default full (NoPE), sliding x3, full (NoPE) (every 4th from the last); a window of 6, a large
+    ``qk_scale_factor`` and a small soft cap so both act."""
+    return {**checks.SMALL, "num_hidden_layers": 5, "head_dim": 16, "sliding_window": 6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "final_logit_softcapping": 5.0, **kw}
 
 
 def _glimmer(**kw: Any) -> Any:
-    """Muse Glimmer around :func:`_text` (``kw`` added to the text config)."""
-    return T.MuseGlimmerConfig(text_config=_text(**kw), vision_config=VISION, out_hidden_size=16,
+    return T.MuseGlimmerConfig(text_config=_text(**kw), vision_config=dict(VISION), out_hidden_size=16,
                                projector_hidden_size=16)
 
 
-def _converted(config: Any) -> tuple[Any, Any]:
-    hf = checks.hf_model(config)
+def _glimmer_other() -> Any:
+    """Biases on q/k/v/o, one key/value head, every layer full with RoPE, a larger output multiplier."""
+    return _glimmer(attention_bias=True, num_key_value_heads=1, layer_types=["full_attention"] * 5,
+                    layer_rope_theta=[10000.0] * 5, output_multiplier=0.7, qk_scale_factor=1.5)
+
+
+def _spark(**kw: Any) -> Any:
+    """Muse Spark: :func:`_text` with 4 experts (top 2) at a pooled width of 32, dense layers 0 and 3."""
+    text = _text(moe_intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=32,
+                 routed_scaling_factor=1.5, mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"], **kw)
+    audio = dict(patch_sizes=[2], hidden_sizes=[8], depths=[1], num_hidden_layers=1,
+                 out_hidden_size=text["hidden_size"])
+    return T.MuseSparkConfig(text_config=text, vision_config=dict(VISION), audio_config=audio, out_hidden_size=16,
+                             projector_hidden_size=16)
+
+
+def _spark_case() -> Any:
+    """The ``muse_spark`` case of ``test_hf_multimodal.py`` (whose bound is 1e-5): :func:`_spark` with
+    ``qk_scale_factor`` 2 (the default 5.47 sharpens the softmax of unit-norm q, k enough to carry
+    float32 rounding to ~1e-5 over five layers: 1.2e-6 at 1.0, 8.7e-6 at 5.47)."""
+    return _spark(qk_scale_factor=2.0)
+
+
+def _spark_other() -> Any:
+    """Biases, one key/value head, every layer full with RoPE, a residual gate hot enough to clamp."""
+    return _spark(attention_bias=True, num_key_value_heads=1, layer_types=["full_attention"] * 5,
+                  layer_rope_theta=[10000.0] * 5, residual_gate_temperature=0.02, output_multiplier=0.7)
+
+
+@pytest.mark.parametrize("make", [_glimmer, _glimmer_other, _spark, _spark_other])
+def test_logits_cached_decode_and_generation_equal_transformers(make: Any) -> None:
+    checks.check_logits(make)
+    checks.check_cached_decode(make)
+    checks.check_generation(make)
+
+
+def test_the_text_model_alone(tmp_path: Path) -> None:
+    """``MuseGlimmerTextModel`` / ``MuseSparkTextModel`` convert as the base decoder; a folder of
+    ``model_type`` ``muse_glimmer_text`` / ``muse_spark_text`` (the text model with its head) loads as
+    the wrapper's text model."""
+    checks.check_text_model_alone(checks.hf_model(_glimmer()), tmp_path / "glimmer", "muse_glimmer_text",
+                                  prefix="model.language_model.")
+    checks.check_text_model_alone(checks.hf_model(_spark()), tmp_path / "spark", "muse_spark_text",
+                                  prefix="model.language_model.")
+
+
+def test_nope_and_sliding_layers_are_built_as_transformers_builds_them() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return hf, from_hf(hf)
-
-
-def test_the_default_layers_are_full_and_nope_every_fourth_from_the_last() -> None:
-    hf, ours = _converted(_glimmer())
-    assert hf.config.text_config.layer_types == ["full_attention", *["sliding_attention"] * 3, "full_attention"]
+        ours = from_hf(checks.hf_model(_glimmer()))
     assert [b.attn.rope is None for b in ours.blocks] == [True, False, False, False, True]
-    assert [b.attn.window and b.attn.window[0] for b in ours.blocks] == [None, 3, 3, 3, None]
-    assert [b.attn_out_norm.eps for b in ours.blocks] == [1e-6] * 5
+    assert [b.attn.window is None for b in ours.blocks] == [True, False, False, False, True]
 
 
-@pytest.mark.parametrize("kw", [{}, {"attention_bias": True, "tie_word_embeddings": True},
-                                {"layer_types": ["sliding_attention"] * 5, "layer_rope_theta": [1e4] * 5},
-                                {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}],
-                         ids=["default", "biases-tied", "all-sliding-rotated", "linear-rope"])
-def test_logits_and_cached_decoding_equal_transformers(kw: dict[str, Any]) -> None:
-    hf, ours = _converted(_glimmer(**kw))
-    x, mask = checks.padded(20, pad=3)
-    real = mask.bool()
-    with torch.no_grad():
-        want = hf(input_ids=x, attention_mask=mask).logits
-        assert checks.rel(ours(x, attention_mask=real)[real], want[real]) <= 1e-5
-    checks.check_cached_decode(lambda: _glimmer(**kw))
-
-
-def test_the_head_multiplier_and_softcap_apply_only_with_a_head() -> None:
-    """The base model's hidden states are the final norm's (the multiplier is folded into it only
-    where a head follows)."""
-    config = _glimmer()
-    torch.manual_seed(0)
-    base = checks.perturbed(T.AutoModel.from_config(config, attn_implementation="eager").eval(), 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = from_hf(base)
-    x = checks.tokens(10, batch=2)
-    with torch.no_grad():
-        assert checks.rel(ours.hidden_states(x), base(input_ids=x).last_hidden_state) <= 1e-5
-
-
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"layer_rope_theta": [0, 5e5, 1e4, 1e4, 0]}, r"layer_rope_theta=.*global rope_theta 10000"),
-    ({"layer_rope_theta": [0, 1e4]}, r"layer_rope_theta=.*5 entries"),
-    ({"layer_types": ["chunked_attention"] * 5}, r"'chunked_attention'"),
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("tie_word_embeddings", True, "tie_word_embeddings"),
+    ("layer_rope_theta", [0, 5e5, 0, 1e4, 0], "layer_rope_theta"),
+    ("layer_rope_theta", [0, 1e4], "layer_rope_theta"),
+    ("final_logit_softcapping", None, "final_logit_softcapping"),
+    ("layer_types", ["chunked_attention"] * 5, "chunked_attention"),
+    ("hidden_activation", "relu", "relu"),
 ])
-def test_what_attnzoo_cannot_reproduce_is_refused_by_name(kw: dict[str, Any], match: str) -> None:
-    hf = checks.hf_model(_glimmer())
-    for key, value in kw.items():
-        setattr(hf.config.text_config, key, value)
-    with pytest.raises(UnsupportedConfigError, match=match), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+def test_refused_by_name(key: str, value: Any, named: str) -> None:
+    hf = T.MuseGlimmerTextModel(T.MuseGlimmerTextConfig(**_text()))
+    hf.config.__dict__[key] = value
+    with pytest.raises(UnsupportedConfigError, match=named):
         from_hf(hf)
+
+
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("hidden_act", "gelu", "gelu"),
+    ("mlp_layer_types", ["dense", "moe", "sparse", "dense", "sparse"], "moe"),
+    ("tie_word_embeddings", True, "tie_word_embeddings"),
+])
+def test_spark_refused_by_name(key: str, value: Any, named: str) -> None:
+    hf = T.MuseSparkTextModel(_spark().text_config)
+    hf.config.__dict__[key] = value
+    with pytest.raises(UnsupportedConfigError, match=named):
+        from_hf(hf)
+
+
+@pytest.mark.parametrize("make", [_glimmer, _spark])
+def test_packed_sequences_equal_each_alone(make: Any) -> None:
+    checks.check_packed_equals_each_alone(make)

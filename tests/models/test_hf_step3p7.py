@@ -92,21 +92,7 @@ def test_packed_sequences_and_their_gradients_equal_each_alone() -> None:
 def test_the_text_model_alone(tmp_path: Path) -> None:
     """``Step3p7TextModel`` converts as the base decoder; a folder of ``model_type`` ``step3p5`` (the
     text model with its head, the released names) loads as the wrapper's text model."""
-    hf = checks.hf_model(_step())
-    x = checks.tokens(12)
-    with torch.no_grad():
-        ref = hf(input_ids=x)
-        base = from_hf(hf.model.language_model)(x)
-        assert checks.rel(base, hf.model.language_model(input_ids=x).last_hidden_state) <= checks.TOL
-    hf.save_pretrained(tmp_path / "wrapper")
-    tensors = safetensors_torch.load_file(str(tmp_path / "wrapper" / "model.safetensors"))
-    text = {k: v for k, v in tensors.items() if k.startswith(("model.", "lm_head."))}
-    (tmp_path / "text").mkdir()
-    safetensors_torch.save_file(text, str(tmp_path / "text" / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((tmp_path / "wrapper" / "config.json").read_text())["text_config"]
-    (tmp_path / "text" / "config.json").write_text(json.dumps({**config, "model_type": "step3p5"}))
-    with torch.no_grad():
-        assert checks.rel(load_pretrained(tmp_path / "text")(x), ref.logits) <= checks.TOL
+    checks.check_text_model_alone(checks.hf_model(_step()), tmp_path, "step3p5")
 
 
 def _released(config: dict[str, Any], mtp: int) -> dict[str, Any]:

@@ -983,17 +983,16 @@ class WeightlessRMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-def weightless_qk_norms(attention: Callable[[], nn.Module], q_scale: float = 1.0) -> nn.Module:
-    """``attention()`` (built with ``qk_norm="head"``) whose q/k norm weights are fixed (non-persistent
-    buffers, not parameters): ones, NanoChat's weightless QK RMSNorm (transformers applies it after RoPE,
-    220-224, attnzoo before: the same, a rotation keeps each head's mean square); the queries' ``q_scale``
-    (Muse Glimmer's ``qk_scale_factor``, times the normed queries as transformers multiplies them)."""
+def weightless_qk_norms(attention: Callable[[], nn.Module]) -> nn.Module:
+    """``attention()`` (built with ``qk_norm="head"``) whose q/k norm weights are fixed ones
+    (non-persistent buffers, not parameters): NanoChat's weightless QK RMSNorm. transformers applies
+    it after RoPE (220-224), attnzoo before: the same, a rotation keeps each head's mean square."""
     module = attention()
     frontier = module.frontier
-    for name, value in (("q_norm_weight", q_scale), ("k_norm_weight", 1.0)):
-        fixed = torch.full_like(getattr(frontier, name), value).detach()
+    for name in ("q_norm_weight", "k_norm_weight"):
+        ones = torch.ones_like(getattr(frontier, name)).detach()
         delattr(frontier, name)
-        frontier.register_buffer(name, fixed, persistent=False)
+        frontier.register_buffer(name, ones, persistent=False)
     return module
 
 

@@ -160,6 +160,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "hunyuan_vl": _row("HunYuan-VL", "HunYuanVL", ("hunyuan_vl_text",), True, tie_from="either", flat=True,
                        saved=_HUNYUAN_VL),
     "muse_glimmer": _row("Muse Glimmer", "MuseGlimmer", ("muse_glimmer_text",), False),
+    "muse_spark": _row("Muse Spark", "MuseSpark", ("muse_spark_text",), False),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
     "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from="either"),
