@@ -119,6 +119,11 @@ def test_cached_decode_follows_transformers_at_ties(make: Any) -> None:
     decode step, so transformers' own cached decode differs from its full forward (measured: 0.18
     and 0.66 relative). attnzoo follows transformers in both: its full forward equals
     transformers' full forward, its cached decode transformers' cached decode."""
+    check_decode_at_ties(make)
+
+
+def check_decode_at_ties(make: Any) -> None:
+    """The check of :func:`test_cached_decode_follows_transformers_at_ties` for the config ``make()``."""
     hf = checks.hf_model(make())
     ours, x = from_hf(hf), checks.tokens(20)
     with torch.no_grad():

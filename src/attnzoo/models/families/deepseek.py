@@ -378,7 +378,34 @@ class SoftmaxGroupMoE(MixtureOfExperts):
                 f"group_score={r.group_score!r}, norm_topk_prob={r.norm_topk_prob}")
 
 
-class PositionScaledLatentAttention(MultiHeadLatentAttention):
+class ScaledQueries:
+    """A mixin for a :class:`~attnzoo.nn.mla.MultiHeadLatentAttention` whose queries (nope and rope
+    channels) are multiplied by a factor of their position, ``_scale_of(pos)`` (``pos [N]`` or
+    ``[B, N]`` -> broadcastable to ``[B, H, N, 1]``), in the materialised and absorbed forms."""
+
+    _query_scale: Tensor | None = None
+
+    def _scale_of(self, pos: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        q_nope, q_pe = super()._queries(x)  # type: ignore[misc]  # [B, H, N, dn], [B, H, N, dr]
+        if self._query_scale is None:
+            return q_nope, q_pe
+        f = self._query_scale.to(q_nope.dtype)
+        return q_nope * f, q_pe * f
+
+    def _attention(self, x: Tensor, mask: Tensor | Mask | None, cache: LatentCache | None, positions: Tensor | None,
+                   return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        start = 0 if cache is None else cache.length
+        self._query_scale = self._scale_of(resolve_positions(positions, x.shape[1], start, x.device, batch=x.shape[0]))
+        try:
+            return super()._attention(x, mask, cache, positions, return_weights)  # type: ignore[misc,no-any-return]
+        finally:
+            self._query_scale = None
+
+
+class PositionScaledLatentAttention(ScaledQueries, MultiHeadLatentAttention):
     """Multi-head latent attention whose queries are scaled by their position (Mistral-4's
     ``llama_4_scaling_beta``, ``modeling_ministral3.py`` 105-107)::
 
@@ -403,29 +430,12 @@ class PositionScaledLatentAttention(MultiHeadLatentAttention):
         if isinstance(original, bool) or not isinstance(original, int) or original < 1:
             raise ValueError(f"PositionScaledLatentAttention: original must be an int >= 1, got {original!r}")
         self.beta, self.original = float(beta), original
-        self._query_scale: Tensor | None = None
 
     def _scale_of(self, pos: Tensor) -> Tensor:
         """``[..., 1, N, 1]`` factors of positions ``pos [N]`` or ``[B, N]``."""
         f = 1 + self.beta * torch.log1p(torch.floor(pos.to(torch.float64) / self.original))
         f = f[None, None] if f.dim() == 1 else f[:, None]  # [1 | B, 1, N]
         return f.unsqueeze(-1)
-
-    def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        q_nope, q_pe = super()._queries(x)  # [B, H, N, dn], [B, H, N, dr]
-        if self._query_scale is None:
-            return q_nope, q_pe
-        f = self._query_scale.to(q_nope.dtype)
-        return q_nope * f, q_pe * f
-
-    def _attention(self, x: Tensor, mask: Tensor | Mask | None, cache: LatentCache | None, positions: Tensor | None,
-                   return_weights: bool) -> tuple[Tensor, Tensor | None]:
-        start = 0 if cache is None else cache.length
-        self._query_scale = self._scale_of(resolve_positions(positions, x.shape[1], start, x.device, batch=x.shape[0]))
-        try:
-            return super()._attention(x, mask, cache, positions, return_weights)
-        finally:
-            self._query_scale = None
 
     def _packed(self, x: Tensor, cu_seqlens: Tensor) -> Tensor:
         t, cu = torch.arange(x.shape[1], device=x.device), cu_seqlens.to(x.device).long()
@@ -510,9 +520,17 @@ class LightningTopK(nn.Module):
         ``keys [B, M, Di]`` (from :meth:`keys`), ``visible [B, N, M]``, ``rope``: the queries' ``(cos,
         sin)`` ``[1 | B, N, R]``."""
         B, N, _ = x.shape
+        return self.select(x, self.rotated(self.wq_b(q_resid).view(B, N, self.heads, self.head_dim), rope), keys,
+                           visible)
+
+    def rotated(self, q: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """The index queries ``q [B, N, H, Di]`` with RoPE (``rope``: ``(cos, sin)`` ``[1 | B, N, R]``)."""
         cos, sin = rope
-        q = self.wq_b(q_resid).view(B, N, self.heads, self.head_dim)
-        q = _rotate_leading(q, cos.unsqueeze(2), sin.unsqueeze(2), self.interleaved)  # [B, N, H, Di]
+        return _rotate_leading(q, cos.unsqueeze(2), sin.unsqueeze(2), self.interleaved)
+
+    def select(self, x: Tensor, q: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
+        """``[B, 1, N, M]`` bool from the rotated index queries ``q [B, N, H, Di]`` (the rest as
+        :meth:`forward`)."""
         scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim ** -0.5)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5  # [B, N, H]
         index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, N, M]
@@ -541,12 +559,15 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
     one at a time (no ``cu_seqlens`` path). Build under ``with torch.device(...)``.
     """
 
+    #: the indexer's queries come from the query latent (a subclass overriding :meth:`_select` may not)
+    needs_q_lora = True
+
     def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
                  indexer: LightningTopK) -> None:
         super().__init__(dim, num_heads, kv_lora_rank=sizes.kv_lora_rank, qk_nope_head_dim=sizes.qk_nope_head_dim,
                          qk_rope_head_dim=sizes.qk_rope_head_dim, v_head_dim=sizes.v_head_dim,
                          q_lora_rank=sizes.q_lora_rank, bias=bias, rope=True, options=options)
-        if sizes.q_lora_rank is None or indexer.head_dim < sizes.qk_rope_head_dim:
+        if (self.needs_q_lora and sizes.q_lora_rank is None) or indexer.head_dim < sizes.qk_rope_head_dim:
             raise ValueError(f"IndexedLatentAttention: needs a q_lora_rank (got {sizes.q_lora_rank}) and an indexer "
                              f"head_dim ({indexer.head_dim}) >= qk_rope_head_dim ({sizes.qk_rope_head_dim})")
         self.indexer = indexer
@@ -574,11 +595,16 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
             keys = self.indexer.keys(x, cos, sin)
             if index is not None:
                 keys = index.update(keys, pos.expand(B, N))[0]
-            q_resid = self.q_a_norm(self.q_a_proj(x))
             causal = torch.arange(past + N, device=x.device) <= torch.arange(past, past + N, device=x.device)[:, None]
-            allowed = self.indexer(x, q_resid, (cos, sin), keys, real[:, None] & causal)
+            allowed = self._select(x, pos, (cos, sin), keys, real[:, None] & causal)
         kw: dict[str, Any] = {} if positions is None else {"positions": positions}
         return super().forward(x, mask=allowed, cache=latent, **kw)  # type: ignore[return-value]
+
+
+    def _select(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], keys: Tensor, visible: Tensor) -> Tensor:
+        """The indexer's ``[B, 1, N, M]`` selection for ``x [B, N, C]`` at positions ``pos`` (``[N]``
+        or ``[B, N]``): its queries from the normalised query latent."""
+        return self.indexer(x, self.q_a_norm(self.q_a_proj(x)), rope, keys, visible)
 
 
 def indexed_attention(dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,

@@ -61,6 +61,7 @@ import attnzoo.models.families.marian as marian
 import attnzoo.models.families.mimo_v2_flash as mimo_v2_flash
 import attnzoo.models.families.minimax as minimax
 import attnzoo.models.families.minimax_m3 as minimax_m3
+import attnzoo.models.families.mistral_large4 as mistral_large4
 import attnzoo.models.families.modernbert as modernbert
 import attnzoo.models.families.mpnet as mpnet
 import attnzoo.models.families.muse as muse
@@ -102,7 +103,7 @@ FAMILY_MODULES = (gemma3, smollm3, olmo3, gpt_oss, llama4, qwen3_next, qwen3_5, 
                   granitemoe_swa, bailing_hybrid, qwen4_exp, glm5_next, minimax, zamba2, recurrent_gemma, zaya,
                   inkling, inkling2, gemma4, deepseek_v4, deepseek, sparse_moe, dense, mimo_v2_flash, laguna,
                   cwm, neox, classic, beam, hy_v4, doge, hrm, diffllama, jetmoe, cohere_compass, gemma3n,
-                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, step3p7, muse, dory, roberta, bert_kin, modernbert, deberta,
+                  zamba, rwkv, xlstm, apertus1p5, dots3, minimax_m3, step3p7, muse, mistral_large4, dory, roberta, bert_kin, modernbert, deberta,
                   mpnet, t5_encoder, rope_bert, dinov2, siglip, clip, t5, bart, marian, m2m_100, whisper)
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertFor*", "GPT2LMHeadModel", "GPT2Model", "LlamaForCausalLM",
                            "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
