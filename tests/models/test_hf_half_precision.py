@@ -128,12 +128,14 @@ FAMILIES: dict[str, tuple[str, str]] = {
         ("cohere", "_cohere"), ("olmo", "_olmo_other"), ("glm", "_glm"), ("hunyuan_v1_dense", "_hunyuan"),
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
     "cosmos3_edge_text": ("test_hf_cosmos3_edge", "_cosmos3_edge"), "molmo2_text": ("test_hf_molmo2", "_molmo2"),
+    "mistral_large4_text": ("test_hf_mistral_large4", "_large4"),
 }
 #: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
-#: QK norms see positions counted over real tokens, as transformers' ``generate``, not its plain
-#: forward): compared on an unpadded batch
-UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "hunyuan_vl_text", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam", "dory", "rwkv", "xlstm"}
+#: QK norms and Mistral-Large-4's log-position query scales see positions counted over real tokens,
+#: as transformers' ``generate``, not its plain forward): compared on an unpadded batch
+UNPADDED = {"hunyuan_v1_moe", "hunyuan_v1_dense", "hunyuan_vl_text", "recurrent_gemma", "gpt_bigcode", "gpt_neo", "beam", "dory", "rwkv", "xlstm",
+            "mistral_large4_text"}
 #: families whose router takes a fixed number of experts (Zaya one, its config refuses more; PhiMoE
 #: two, its sparsemixer): top-k left as configured
 TOP1 = {"zaya", "phimoe"}
@@ -184,7 +186,7 @@ def _continuous(config: Any) -> Any:
 WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
            "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text",
            "hunyuan_vl_text", "muse_glimmer_text", "muse_spark_text", "ernie4_5_vl_moe_text", "cosmos3_edge_text", "molmo2_text",
-           "deepseek_ocr2_text", "hy_v4_vl_text")
+           "deepseek_ocr2_text", "hy_v4_vl_text", "mistral_large4_text")
 
 
 def _auto(family: str) -> Any:

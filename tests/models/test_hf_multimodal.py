@@ -46,6 +46,7 @@ import test_hf_lfm2 as lfm2  # noqa: E402
 import test_hf_lfm3 as lfm3  # noqa: E402
 import test_hf_lineage_more as lineage_more  # noqa: E402
 import test_hf_llama4 as llama4  # noqa: E402
+import test_hf_mistral_large4 as large4  # noqa: E402
 import test_hf_molmo2 as molmo2  # noqa: E402
 import test_hf_muse as muse  # noqa: E402
 import test_hf_nemotron_h as nemotron_h  # noqa: E402
@@ -442,6 +443,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "cosmos3_edge": cosmos3_edge._cosmos3_edge, "molmo2": molmo2._molmo2,
     "deepseek_ocr2": deepseek_ocr2._deepseek_ocr2,
     "hy_v4_vl": tencent_vl._hy_v4_vl,
+    "mistral_large4": large4._large4,
 }
 
 
@@ -495,9 +497,10 @@ def _convert(hf: Any) -> Any:
 
 
 #: wrappers whose plain forward counts the positions over the padding too, where their ``generate`` counts
-#: them over the real tokens, as attnzoo does (HunYuan-VL: its QK norms after RoPE see absolute positions):
+#: them over the real tokens, as attnzoo does (HunYuan-VL: its QK norms after RoPE see absolute positions; Mistral-Large-4: its
+#: log-position query scales):
 #: given the positions ``generate`` gives
-PADDED_POSITIONS = {"hunyuan_vl"}
+PADDED_POSITIONS = {"hunyuan_vl", "mistral_large4"}
 
 
 def _logits(hf: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
