@@ -74,15 +74,25 @@ def _check_padded(make: Any, n: int = 30, pad: int = 5) -> float:
     return err
 
 
+def _nope() -> Any:
+    """4 layers with transformers' default ``no_rope_layers`` (the 4th a NoPE layer: its attention and
+    indexer rotate nothing, its latent has no RoPE key), YaRN with ``mscale_all_dim`` (the NoPE layer's
+    softmax scale takes it too)."""
+    config = _large4(num_hidden_layers=4, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})
+    config.text_config.no_rope_layers = [int((i + 1) % 4 != 0) for i in range(4)]  # what no key derives
+    return config
+
+
 def _selecting_wide() -> Any:
-    """:func:`_selecting` with a 16-head indexer: no exact ties at the top-k cut on the tested tokens."""
+    """:func:`_selecting` with a 16-head indexer (no exact ties at the top-k cut on the tested tokens)
+    and NoPE layers 0 and 2."""
     return _large4(index_topk=5, index_n_heads=16, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                   attention_bias=True, first_k_dense_replace=0, final_logit_softcapping=5.0)
+                   attention_bias=True, first_k_dense_replace=0, final_logit_softcapping=5.0, no_rope_layers=[0, 1, 0])
 
 
 class TestMistralLarge4(checks.FamilyChecks):
     config = staticmethod(_large4)
-    cases = (_selecting, _selecting_wide)  # the last one decodes (see test_cached_decode_follows_transformers_at_ties)
+    cases = (_selecting, _nope, _selecting_wide)  # the last one decodes (see test_cached_decode_follows_transformers_at_ties)
 
     def test_logits_equal_transformers(self) -> None:
         for make in (self.config, *self.cases):
@@ -139,7 +149,7 @@ def test_the_text_model_alone() -> None:
 
 
 @pytest.mark.parametrize(("key", "value", "named"), [
-    ("no_rope_layers", [1, 1, 0], "no_rope_layers"),
+    ("no_rope_layers", [1, 2, 1], "no_rope_layers"),
     ("kv_source_layers", [0, 0, 2], "kv_source_layers"),
     ("indexer_types", ["full", "shared", "full"], "indexer_types"),
 ])
@@ -150,12 +160,19 @@ def test_refused_by_name(key: str, value: Any, named: str) -> None:
         from_hf(hf)
 
 
-def test_default_config_is_refused_for_its_nope_layers() -> None:
-    """transformers' default: every 4th layer NoPE -- refused (attnzoo has no NoPE latent attention yet)."""
-    config = _large4(num_hidden_layers=4)
-    config.text_config.no_rope_layers = [1, 1, 1, 0]
-    with pytest.raises(UnsupportedConfigError, match=r"no_rope_layers=\[1, 1, 1, 0\]"):
-        from_hf(checks.hf_model(config))
+def test_default_nope_layers() -> None:
+    """No ``no_rope_layers`` key: transformers' default (every 4th layer NoPE, its ``kv_a_proj_with_mqa``
+    ``kv_lora_rank`` wide, its ``kv_b_proj`` keys ``qk_nope_head_dim + qk_rope_head_dim`` wide)."""
+    text = _text(num_hidden_layers=4)
+    del text["no_rope_layers"]
+    hf = checks.hf_model(T.MistralLarge4Config(text_config=text, vision_config=dict(VISION)))
+    assert hf.config.text_config.no_rope_layers == [1, 1, 1, 0]
+    ours = from_hf(hf)
+    nope = ours.blocks[3].attn
+    assert nope.rope is None and nope.sizes.qk_rope_head_dim == 0 and nope.sizes.qk_nope_head_dim == 12
+    x = checks.tokens(12)
+    with torch.no_grad():
+        assert checks.rel(ours(x), hf(input_ids=x).logits) <= checks.TOL
 
 
 def test_saved_folder_with_the_draft_head(tmp_path: Path) -> None:

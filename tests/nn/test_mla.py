@@ -385,3 +385,19 @@ def test_cli_list_reports_the_latent_cache(capsys: pytest.CaptureFixture[str]) -
     rows = {v["name"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
     assert rows["mla"]["kv_cache_bytes_per_token"] == 576 * 2  # head width 128: DeepSeek-V3's r + dr
     assert rows["mha"]["kv_cache_bytes_per_token"] == 2 * 8 * 128 * 2
+
+
+def test_nope_latent_attention_decodes_like_its_full_forward() -> None:
+    """``qk_rope_head_dim=0`` with ``rope=False`` (Mistral-Large-4's NoPE layers): keys of the latent
+    alone, a cache of ``r`` numbers per token; both forms agree. With a RoPE it is refused by name."""
+    torch.manual_seed(0)
+    sizes = dict(kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=0, v_head_dim=8)
+    with pytest.raises(ValueError, match="qk_rope_head_dim=0"):
+        MultiHeadLatentAttention(48, 4, **sizes)
+    m = MultiHeadLatentAttention(48, 4, rope=False, **sizes).double()
+    x = torch.randn(2, 9, 48, dtype=torch.float64)
+    m.form = "materialised"
+    full = m(x)
+    m.form = "absorbed"
+    assert (_decode(m, x, [4, 1, 1, 3]) - full).abs().max().item() <= 1e-12
+    assert m.init_cache(2, 9).latent.shape[-1] == 16

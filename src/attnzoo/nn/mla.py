@@ -131,7 +131,7 @@ class LatentCache(_LengthCache):
         self._batch_size = check_int(batch_size, "batch_size")
         self.max_len = check_int(max_len, "max_len")
         self.kv_lora_rank = check_int(kv_lora_rank, "kv_lora_rank")
-        self.rope_dim = check_int(rope_dim, "rope_dim")
+        self.rope_dim = check_int(rope_dim, "rope_dim", minimum=0)
         self.latent = torch.zeros(self._batch_size, self.max_len, self.kv_lora_rank + self.rope_dim, device=device,
                                   dtype=dtype or torch.get_default_dtype())
         self.length = 0
@@ -244,7 +244,8 @@ class MultiHeadLatentAttention(AttentionBase):
         num_heads: heads ``H``.
         kv_lora_rank: latent width ``r``.
         qk_nope_head_dim: ``dn``, the per-head query/key channels without RoPE.
-        qk_rope_head_dim: ``dr``, the RoPE channels (the key's are shared by all heads); even.
+        qk_rope_head_dim: ``dr``, the RoPE channels (the key's are shared by all heads); even; 0 (a
+            NoPE layer: keys of the latent alone) with ``rope=False``.
         v_head_dim: ``dv``.
         q_lora_rank: ``rq``, a low-rank query bottleneck (``None``: a full query projection).
         causal: causal attention (required with a cache).
@@ -308,6 +309,8 @@ class MultiHeadLatentAttention(AttentionBase):
     def _make_rope(self, cls: str, rope: object, opts: MLAOptions) -> tuple[RotaryEmbedding | None,
                                                                           tuple[Tensor, float] | None]:
         dr = self.sizes.qk_rope_head_dim
+        if dr == 0 and rope is not False:
+            raise ValueError(f"{cls}: qk_rope_head_dim=0 (no RoPE channels: a NoPE layer) needs rope=False")
         if rope is False:
             if opts.rope_scaling is not None or opts.rope_base is not None:
                 raise ValueError(f"{cls}: rope=False does not take rope_base or rope_scaling")
@@ -551,7 +554,7 @@ class MultiHeadLatentAttention(AttentionBase):
 def _check_sizes(cls: str, r: object, dn: object, dr: object, dv: object, rq: object) -> MLASizes:
     sizes = MLASizes(kv_lora_rank=check_int(r, "kv_lora_rank", owner=cls),
                      qk_nope_head_dim=check_int(dn, "qk_nope_head_dim", owner=cls),
-                     qk_rope_head_dim=check_int(dr, "qk_rope_head_dim", owner=cls),
+                     qk_rope_head_dim=check_int(dr, "qk_rope_head_dim", owner=cls, minimum=0),
                      v_head_dim=check_int(dv, "v_head_dim", owner=cls),
                      q_lora_rank=None if rq is None else check_int(rq, "q_lora_rank", owner=cls))
     if sizes.qk_rope_head_dim % 2:

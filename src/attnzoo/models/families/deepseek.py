@@ -552,6 +552,8 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
     Args (``dim``, ``num_heads``, ``sizes``, ``bias``, ``options`` as for
     :class:`~attnzoo.nn.mla.MultiHeadLatentAttention`; ``sizes.q_lora_rank`` must be set):
         indexer: the layer's :class:`LightningTopK` (``indexer``).
+        rope: ``False`` for a NoPE layer (``sizes.qk_rope_head_dim`` 0; a subclass then gives
+            :meth:`_cos_sin` of no channels, so the indexer rotates nothing).
 
     Attention protocol (``forward(x [B, N, C], *, mask, cache, positions) -> [B, N, C]``, ``mask`` a
     key padding); the decode cache is a :class:`~attnzoo.nn.cache.CacheList` of the latent cache and
@@ -563,10 +565,10 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
     needs_q_lora = True
 
     def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
-                 indexer: LightningTopK) -> None:
+                 indexer: LightningTopK, rope: bool = True) -> None:
         super().__init__(dim, num_heads, kv_lora_rank=sizes.kv_lora_rank, qk_nope_head_dim=sizes.qk_nope_head_dim,
                          qk_rope_head_dim=sizes.qk_rope_head_dim, v_head_dim=sizes.v_head_dim,
-                         q_lora_rank=sizes.q_lora_rank, bias=bias, rope=True, options=options)
+                         q_lora_rank=sizes.q_lora_rank, bias=bias, rope=rope, options=options)
         if (self.needs_q_lora and sizes.q_lora_rank is None) or indexer.head_dim < sizes.qk_rope_head_dim:
             raise ValueError(f"IndexedLatentAttention: needs a q_lora_rank (got {sizes.q_lora_rank}) and an indexer "
                              f"head_dim ({indexer.head_dim}) >= qk_rope_head_dim ({sizes.qk_rope_head_dim})")

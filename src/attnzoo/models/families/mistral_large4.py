@@ -24,16 +24,21 @@ Every layer is pre-norm (``input_layernorm``, ``post_attention_layernorm``) arou
 * The logits of ``MistralLarge4ForConditionalGeneration`` are soft-capped,
   ``30 tanh(z / 30)`` (``final_logit_softcapping``, 1097-1100).
 
-Refused by name (attnzoo has no module for them yet): NoPE layers (a ``0`` in ``no_rope_layers``;
-the default config makes every 4th layer one), KV sharing (``kv_source_layers`` other than each layer
-its own), ``"shared"`` indexer layers (``indexer_types``, reusing the previous layer's selection), and
-the ``layer_types`` other than ``indexed_attention``. The checkpoint's ``mtp_dspark.*`` draft head,
+NoPE layers (a ``0`` in ``no_rope_layers``; the default config makes every 4th layer one; 322-336):
+no RoPE channels (``qk_rope_head_dim`` 0, ``qk_nope_head_dim + qk_rope_head_dim`` nope ones, a
+``kv_lora_rank``-wide ``kv_a_proj_with_mqa``), an indexer that rotates nothing, the softmax scale of
+the RoPE layers (YaRN's ``mscale_all_dim`` included).
+
+Refused by name (attnzoo has no module for them yet): KV sharing (``kv_source_layers`` other than each
+layer its own), ``"shared"`` indexer layers (``indexer_types``, reusing the previous layer's
+selection), and the ``layer_types`` other than ``indexed_attention``. The checkpoint's ``mtp_dspark.*`` draft head,
 which transformers does not load, is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -119,18 +124,22 @@ class MistralLarge4Attention(ScaledQueries, IndexedLatentAttention):
 
     def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
                  indexer: HiddenQueryTopK) -> None:
-        super().__init__(dim, num_heads, sizes, bias=bias, options=options, indexer=indexer)
+        rope = sizes.qk_rope_head_dim > 0
+        own = options if rope else dataclasses.replace(options, rope_base=None, rope_scaling=None)
+        super().__init__(dim, num_heads, sizes, bias=bias, options=own, indexer=indexer, rope=rope)
+        self.softmax_scale = self._scale(options)  # a NoPE layer's too: YaRN's mscale_all_dim, as transformers
         self.softmax_scaling = LogPositionScale(num_heads)
-        self.register_buffer("rope_alpha", torch.zeros(sizes.qk_rope_head_dim // 2))
-        if self._scaled is None:
-            assert self.rope is not None
+        self.register_buffer("rope_alpha", torch.zeros(sizes.qk_rope_head_dim // 2), persistent=rope)
+        if self._scaled is None and self.rope is not None:
             self._scaled = (self.rope.inv_freq(torch.device("cpu")), 1.0)
 
     def _scale_of(self, pos: Tensor) -> Tensor:
         return self.softmax_scaling(pos).transpose(1, 2).unsqueeze(-1)  # [1 | B, H, N, 1]
 
     def _cos_sin(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        assert self._scaled is not None
+        if self._scaled is None:  # a NoPE layer: no channels to rotate (the indexer's neither)
+            empty = torch.zeros(*pos.shape, 0, device=pos.device, dtype=dtype)
+            return (empty[None, None] if pos.dim() == 1 else empty[:, None],) * 2  # type: ignore[return-value]
         plain = self._scaled
         inv = plain[0].to(pos.device, torch.float32) * self.rope_alpha.float().exp()  # as transformers, 117-120
         self._scaled = (inv, plain[1])
@@ -144,11 +153,13 @@ class MistralLarge4Attention(ScaledQueries, IndexedLatentAttention):
         return indexer.select(x, indexer.queries(x, pos, rope), keys, visible)
 
 
-def _attention_factory(hf: HFConfig, kw: dict[str, Any]) -> Callable[[], nn.Module]:
-    """The factory of a layer's :class:`MistralLarge4Attention`."""
+def _attention_factory(hf: HFConfig, rope: bool, kw: dict[str, Any]) -> Callable[[], nn.Module]:
+    """The factory of a layer's :class:`MistralLarge4Attention` (``rope=False``: a NoPE layer, its
+    ``qk_rope_head_dim`` channels nope ones, transformers' 333-336)."""
     base, scaling = mla_rope(hf)
-    sizes = MLASizes(kv_lora_rank=hf.req("kv_lora_rank"), qk_nope_head_dim=hf.req("qk_nope_head_dim"),
-                     qk_rope_head_dim=hf.req("qk_rope_head_dim"), v_head_dim=hf.req("v_head_dim"), q_lora_rank=None)
+    dn, dr = hf.req("qk_nope_head_dim"), hf.req("qk_rope_head_dim")
+    sizes = MLASizes(kv_lora_rank=hf.req("kv_lora_rank"), qk_nope_head_dim=dn if rope else dn + dr,
+                     qk_rope_head_dim=dr if rope else 0, v_head_dim=hf.req("v_head_dim"), q_lora_rank=None)
     opts: dict[str, Any] = {"rope_base": base, "rope_interleave": True, "norm_eps": hf.get("rms_norm_eps", 1e-5, float),
                             "dropout": hf.get("attention_dropout", 0.0, float)}
     if scaling is not None:
@@ -200,8 +211,9 @@ def canonical(hf: HFConfig) -> HFConfig:
                                    "attention_factor": 1.0}
     interval = data.get("no_rope_layer_interval", 4)
     nope = data.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(depth)]
-    if not all(nope[:depth]):
-        _refuse(hf, "no_rope_layers", nope, "NoPE layers: every entry 1, RoPE on every layer")
+    if len(nope) < depth or any(v not in (0, 1) for v in nope):
+        _refuse(hf, "no_rope_layers", nope, f"at least {depth} entries, each 1 (RoPE) or 0 (NoPE)")
+    data["no_rope_layers"] = [int(v) for v in nope[:depth]]
     sources = data.get("kv_source_layers") or list(range(depth))
     if list(sources) != list(range(depth)):
         _refuse(hf, "kv_source_layers", sources, "KV sharing: each layer its own source, list(range(depth))")
@@ -228,24 +240,27 @@ def build_mistral_large4(hf: HFConfig, *, head_size: int | None = None, device: 
     hf = canonical(hf)
     C, eps = hf.req("hidden_size"), hf.get("rms_norm_eps", 1e-5, float)
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
-    attention, norm = _attention_factory(hf, kw), parts.rms_norm(C, eps, **kw)
+    attentions = {rope: _attention_factory(hf, bool(rope), kw) for rope in (0, 1)}
+    norm = parts.rms_norm(C, eps, **kw)
     dense = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", {"silu": "swiglu"}, "silu"),
                             bias=False, **kw)
     moe = _moe_factory(hf, kw)
-    blocks = [parts.block(C, attention, moe if m == "sparse" else dense, norm)
-              for m in hf.req("mlp_layer_types", list)]
+    blocks = [parts.block(C, attentions[rope], moe if m == "sparse" else dense, norm)
+              for m, rope in zip(hf.req("mlp_layer_types", list), hf.req("no_rope_layers", list), strict=True)]
     cap = hf.get("final_logit_softcapping", 30.0, float)
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, logit_softcap=None if not cap else float(cap),
                          **kw)
 
 
-def _put_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig, sparse: bool, alpha: Tensor | None) -> None:
-    """A decoder layer: the latent attention, its scaling, LeRoPE's alpha, the indexer, the feed-forward."""
+def _put_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig, sparse: bool, alpha: Tensor | None,
+               rope: bool) -> None:
+    """A decoder layer: the latent attention, its scaling, LeRoPE's alpha (a ``rope`` layer), the
+    indexer, the feed-forward."""
     a, t = f"{ours}attn.", f"{theirs}self_attn."
     put_mla(plan, a, t, hf)
     plan.put(f"{a}softmax_scaling.bias", f"{t}softmax_scaling.bias")
     plan.put(f"{a}softmax_scaling.scale", f"{t}softmax_scaling.scale")
-    if alpha is not None:
+    if alpha is not None and rope:
         plan.put_tensor(f"{a}rope_alpha", alpha.float(), f"{plan.src.prefix}rotary_emb.alpha")
     for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
                  "q_input_norm.weight", "q_input_norm.bias", "softmax_scaling.scale", "softmax_scaling.bias"):
@@ -264,8 +279,9 @@ def convert_mistral_large4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, 
     hf = canonical(hf)
     model, plan, head_size = parts.start(hf, sd, build_mistral_large4, device=device, dtype=dtype)
     alpha = plan.src.take("rotary_emb.alpha")
-    for i, kind in enumerate(hf.req("mlp_layer_types", list)):
-        _put_layer(plan, f"blocks.{i}.", f"layers.{i}.", hf, kind == "sparse", alpha)
+    for i, (kind, rope) in enumerate(zip(hf.req("mlp_layer_types", list), hf.req("no_rope_layers", list),
+                                         strict=True)):
+        _put_layer(plan, f"blocks.{i}.", f"layers.{i}.", hf, kind == "sparse", alpha, bool(rope))
     unused = [r"(model\.)?mtp_dspark\..*"]
     if not hf.get("n_shared_experts", 0):
         unused.append(r"(model\.)?layers\.\d+\.mlp\.shared_experts\..*")
