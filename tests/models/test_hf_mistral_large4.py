@@ -3,7 +3,7 @@
 LeRoPE (YaRN frequencies times ``exp(alpha)``), the hidden-state-query DSA indexer, Mistral-4's grouped
 softmax MoE, soft-capped logits; equal to transformers' eager ``MistralLarge4ForConditionalGeneration``
 on text, with the indexer selecting every key (``index_topk`` >= the sequence) and selecting few.
-NoPE layers, KV sharing and shared indexer layers are refused by name."""
+NoPE layers and "shared" indexer layers convert; KV sharing is refused by name."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ from test_hf_deepseek_dsa import check_decode_at_ties  # noqa: E402
 
 import hf_family_checks as checks  # noqa: E402
 from attnzoo.interop import UnsupportedConfigError, from_hf, load_pretrained  # noqa: E402
-from attnzoo.models.families.mistral_large4 import HiddenQueryTopK, MistralLarge4Attention  # noqa: E402
+from attnzoo.models.families.mistral_large4 import (  # noqa: E402
+    HiddenQueryTopK,
+    MistralLarge4Attention,
+    MistralLarge4SharedAttention,
+)
+from attnzoo.nn.mla import LatentCache  # noqa: E402
 
 T = transformers
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -84,10 +89,13 @@ def _nope() -> Any:
 
 
 def _selecting_wide() -> Any:
-    """:func:`_selecting` with a 16-head indexer (no exact ties at the top-k cut on the tested tokens)
-    and NoPE layers 0 and 2."""
-    return _large4(index_topk=5, index_n_heads=16, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                   attention_bias=True, first_k_dense_replace=0, final_logit_softcapping=5.0, no_rope_layers=[0, 1, 0])
+    """:func:`_selecting` with a 16-head indexer (no exact ties at the top-k cut on the tested tokens),
+    NoPE layers 0 and 2, and layer 1 a ``"shared"`` indexer layer (layer 0's selection, no indexer)."""
+    config = _large4(index_topk=5, index_n_heads=16, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                     attention_bias=True, first_k_dense_replace=0, final_logit_softcapping=5.0,
+                     no_rope_layers=[0, 1, 0])
+    config.text_config.indexer_types = ["full", "shared", "full"]
+    return config
 
 
 class TestMistralLarge4(checks.FamilyChecks):
@@ -151,13 +159,29 @@ def test_the_text_model_alone() -> None:
 @pytest.mark.parametrize(("key", "value", "named"), [
     ("no_rope_layers", [1, 2, 1], "no_rope_layers"),
     ("kv_source_layers", [0, 0, 2], "kv_source_layers"),
-    ("indexer_types", ["full", "shared", "full"], "indexer_types"),
+    ("indexer_types", ["shared", "full", "full"], "indexer_types"),
+    ("indexer_types", ["full", "sparse", "full"], "indexer_types"),
 ])
 def test_refused_by_name(key: str, value: Any, named: str) -> None:
     hf = checks.hf_model(_large4())
     setattr(hf.config.text_config, key, value)
     with pytest.raises(UnsupportedConfigError, match=named):
         from_hf(hf)
+
+
+def test_shared_indexer_layers() -> None:
+    """``index_topk_pattern`` ``"FSFS"``: layers 1 and 3 have no indexer and attend the keys layers 0
+    and 2 selected (transformers' ``prev_topk_indices``); their caches hold the latent alone."""
+    text = _text(num_hidden_layers=4, index_topk=5, index_n_heads=16, no_rope_layers=[1, 1, 1, 1],
+                 index_topk_pattern="FSFS")
+    hf = checks.hf_model(T.MistralLarge4Config(text_config=text, vision_config=dict(VISION)))
+    assert hf.config.text_config.indexer_types == ["full", "shared", "full", "shared"]
+    ours = from_hf(hf)
+    assert isinstance(ours.blocks[1].attn, MistralLarge4SharedAttention) and ours.blocks[1].attn.indexer is None
+    assert isinstance(ours.blocks[1].attn.init_cache(1, 4), LatentCache)
+    x = checks.tokens(16)
+    with torch.no_grad():
+        assert checks.rel(ours(x), hf(input_ids=x).logits) <= checks.TOL
 
 
 def test_default_nope_layers() -> None:

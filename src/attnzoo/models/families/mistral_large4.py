@@ -29,9 +29,13 @@ no RoPE channels (``qk_rope_head_dim`` 0, ``qk_nope_head_dim + qk_rope_head_dim`
 ``kv_lora_rank``-wide ``kv_a_proj_with_mqa``), an indexer that rotates nothing, the softmax scale of
 the RoPE layers (YaRN's ``mscale_all_dim`` included).
 
-Refused by name (attnzoo has no module for them yet): KV sharing (``kv_source_layers`` other than each
-layer its own), ``"shared"`` indexer layers (``indexer_types``, reusing the previous layer's
-selection), and the ``layer_types`` other than ``indexed_attention``. The checkpoint's ``mtp_dspark.*`` draft head,
+``"shared"`` indexer layers (``indexer_types`` / ``index_topk_pattern`` / ``index_topk_freq``; 765-777):
+no indexer, the keys the last full layer selected in the same forward
+(:class:`MistralLarge4SharedAttention`, through the model's :class:`SelectionBox`).
+
+Refused by name (attnzoo has no module for it yet): KV sharing (``kv_source_layers`` other than each
+layer its own: a layer attending an earlier layer's latent cache), and the ``layer_types`` other than
+``indexed_attention``. The checkpoint's ``mtp_dspark.*`` draft head,
 which transformers does not load, is dropped.
 """
 
@@ -47,6 +51,7 @@ from torch import Tensor, nn
 
 import attnzoo.models.families._common as parts
 from attnzoo.blocks import FeedForward
+from attnzoo.masks import Mask
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import put_moe
 from attnzoo.models.families.deepseek import (
@@ -59,11 +64,11 @@ from attnzoo.models.families.deepseek import (
 from attnzoo.models.families.kimi_linear import put_mla
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.models.hf.deepseek import mla_rope
-from attnzoo.nn.mla import MLAOptions, MLASizes
+from attnzoo.nn.mla import LatentCache, MLAOptions, MLASizes, MultiHeadLatentAttention
 from attnzoo.nn.parts import placed
 
-__all__ = ["DISPATCH", "HiddenQueryTopK", "LogPositionScale", "MistralLarge4Attention", "build_mistral_large4",
-           "canonical", "convert_mistral_large4"]
+__all__ = ["DISPATCH", "HiddenQueryTopK", "LogPositionScale", "MistralLarge4Attention", "MistralLarge4SharedAttention",
+           "SelectionBox", "build_mistral_large4", "canonical", "convert_mistral_large4"]
 
 
 class LogPositionScale(nn.Module):
@@ -110,6 +115,15 @@ class HiddenQueryTopK(LightningTopK):
         return self.rotated(q * self.softmax_scaling(pos).to(q.dtype)[..., None], rope)
 
 
+class SelectionBox:
+    """The keys the last full indexer layer selected (``[B, 1, N, M]`` bool, with causality and
+    padding), for the ``"shared"`` indexer layers after it in the same forward (transformers'
+    ``prev_topk_indices``, modeling 765-777)."""
+
+    def __init__(self) -> None:
+        self.allowed: Tensor | None = None
+
+
 class MistralLarge4Attention(ScaledQueries, IndexedLatentAttention):
     """Mistral-Large-4's attention (see the module docstring): an
     :class:`~attnzoo.models.families.deepseek.IndexedLatentAttention` without a query LoRA whose
@@ -117,16 +131,19 @@ class MistralLarge4Attention(ScaledQueries, IndexedLatentAttention):
     :class:`HiddenQueryTopK`, and whose RoPE frequencies are times ``exp(rope_alpha)`` (LeRoPE).
 
     Args: as :class:`~attnzoo.models.families.deepseek.IndexedLatentAttention` (``indexer`` a
-    :class:`HiddenQueryTopK`). Shapes: ``forward(x [B, N, C], *, mask, cache, positions) -> [B, N, C]``.
+    :class:`HiddenQueryTopK`); ``box``: where the selection is left for the shared layers after it
+    (:class:`MistralLarge4SharedAttention`). Shapes: ``forward(x [B, N, C], *, mask, cache, positions)
+    -> [B, N, C]``.
     """
 
     needs_q_lora = False
 
     def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
-                 indexer: HiddenQueryTopK) -> None:
+                 indexer: HiddenQueryTopK, box: SelectionBox) -> None:
         rope = sizes.qk_rope_head_dim > 0
         own = options if rope else dataclasses.replace(options, rope_base=None, rope_scaling=None)
         super().__init__(dim, num_heads, sizes, bias=bias, options=own, indexer=indexer, rope=rope)
+        self.box = box
         self.softmax_scale = self._scale(options)  # a NoPE layer's too: YaRN's mscale_all_dim, as transformers
         self.softmax_scaling = LogPositionScale(num_heads)
         self.register_buffer("rope_alpha", torch.zeros(sizes.qk_rope_head_dim // 2), persistent=rope)
@@ -150,12 +167,43 @@ class MistralLarge4Attention(ScaledQueries, IndexedLatentAttention):
 
     def _select(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], keys: Tensor, visible: Tensor) -> Tensor:
         indexer: HiddenQueryTopK = self.indexer  # type: ignore[assignment]
-        return indexer.select(x, indexer.queries(x, pos, rope), keys, visible)
+        self.box.allowed = indexer.select(x, indexer.queries(x, pos, rope), keys, visible)
+        return self.box.allowed
 
 
-def _attention_factory(hf: HFConfig, rope: bool, kw: dict[str, Any]) -> Callable[[], nn.Module]:
+class MistralLarge4SharedAttention(MistralLarge4Attention):
+    """A ``"shared"`` indexer layer's attention (``indexer_types``): no indexer of its own, the keys
+    the last full layer selected in this forward (its :class:`SelectionBox`); the cache is the latent
+    alone. Args as :class:`MistralLarge4Attention` (``indexer`` only sizes the check, then dropped)."""
+
+    def __init__(self, dim: int, num_heads: int, sizes: MLASizes, *, bias: bool, options: MLAOptions,
+                 indexer: HiddenQueryTopK, box: SelectionBox) -> None:
+        super().__init__(dim, num_heads, sizes, bias=bias, options=options, indexer=indexer, box=box)
+        self.indexer = None  # type: ignore[assignment]
+
+    def init_cache(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> LatentCache:  # type: ignore[override]
+        """The latent cache (no index keys)."""
+        return MultiHeadLatentAttention.init_cache(self, batch_size, max_len, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *,  # type: ignore[override]
+                mask: Tensor | Mask | None = None, cache: LatentCache | None = None,
+                positions: Tensor | None = None) -> Tensor:
+        if context is not None:
+            raise ValueError("MistralLarge4SharedAttention: no cross-attention (context)")
+        allowed = self.box.allowed
+        if allowed is None or allowed.shape[-2] != x.shape[1]:
+            raise ValueError("MistralLarge4SharedAttention: a shared indexer layer needs the selection of a full "
+                             "indexer layer before it in the same forward")
+        kw: dict[str, Any] = {} if positions is None else {"positions": positions}
+        return MultiHeadLatentAttention.forward(self, x, mask=allowed, cache=cache, **kw)  # type: ignore[return-value]
+
+
+def _attention_factory(hf: HFConfig, rope: bool, shared: bool, box: SelectionBox,
+                       kw: dict[str, Any]) -> Callable[[], nn.Module]:
     """The factory of a layer's :class:`MistralLarge4Attention` (``rope=False``: a NoPE layer, its
-    ``qk_rope_head_dim`` channels nope ones, transformers' 333-336)."""
+    ``qk_rope_head_dim`` channels nope ones, transformers' 333-336; ``shared``: a
+    :class:`MistralLarge4SharedAttention`)."""
     base, scaling = mla_rope(hf)
     dn, dr = hf.req("qk_nope_head_dim"), hf.req("qk_rope_head_dim")
     sizes = MLASizes(kv_lora_rank=hf.req("kv_lora_rank"), qk_nope_head_dim=dn if rope else dn + dr,
@@ -170,10 +218,12 @@ def _attention_factory(hf: HFConfig, rope: bool, kw: dict[str, Any]) -> Callable
 
     def make() -> nn.Module:
         with contextlib.nullcontext() if device is None else torch.device(device):
-            module = MistralLarge4Attention(C, H, sizes, bias=hf.get("attention_bias", False, bool),
-                                            options=MLAOptions(**opts), indexer=HiddenQueryTopK(C, **index))
+            cls = MistralLarge4SharedAttention if shared else MistralLarge4Attention
+            module = cls(C, H, sizes, bias=hf.get("attention_bias", False, bool), options=MLAOptions(**opts),
+                         indexer=HiddenQueryTopK(C, **index), box=box)
         # transformers keeps the rotary embedding (LeRoPE's alpha too) and, in float16, weights_proj float32
-        keep = (module.rope, *([module.indexer.weights_proj] if dtype == torch.float16 else []))
+        half = dtype == torch.float16 and module.indexer is not None
+        keep = (module.rope, *([module.indexer.weights_proj] if half else []))
         placed(module, dtype, keep=keep)
         module.rope_alpha.data = module.rope_alpha.data.float()
         return module
@@ -223,8 +273,9 @@ def canonical(hf: HFConfig) -> HFConfig:
     if types is None:
         freq, offset = max(data.get("index_topk_freq", 1), 1), data.get("index_skip_topk_offset", 2)
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(depth)]
-    if any(t != "full" for t in types):
-        _refuse(hf, "indexer_types", types, "shared indexer layers: every layer 'full'")
+    if len(types) < depth or any(t not in ("full", "shared") for t in types) or types[0] != "full":
+        _refuse(hf, "indexer_types", types, f"{depth} entries of 'full' / 'shared', the first 'full'")
+    data["indexer_types"] = list(types[:depth])
     kinds = data.get("layer_types") or ["indexed_attention"] * depth
     if any(k != "indexed_attention" for k in kinds):
         _refuse(hf, "layer_types", kinds, "every layer 'indexed_attention'")
@@ -240,22 +291,25 @@ def build_mistral_large4(hf: HFConfig, *, head_size: int | None = None, device: 
     hf = canonical(hf)
     C, eps = hf.req("hidden_size"), hf.get("rms_norm_eps", 1e-5, float)
     kw: dict[str, Any] = {"device": device, "dtype": dtype}
-    attentions = {rope: _attention_factory(hf, bool(rope), kw) for rope in (0, 1)}
+    box = SelectionBox()  # one per model: the full layers write it, the shared ones after them read it
+    attentions = {(rope, shared): _attention_factory(hf, bool(rope), shared, box, kw) for rope in (0, 1)
+                  for shared in (False, True)}
     norm = parts.rms_norm(C, eps, **kw)
     dense = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", {"silu": "swiglu"}, "silu"),
                             bias=False, **kw)
     moe = _moe_factory(hf, kw)
-    blocks = [parts.block(C, attentions[rope], moe if m == "sparse" else dense, norm)
-              for m, rope in zip(hf.req("mlp_layer_types", list), hf.req("no_rope_layers", list), strict=True)]
+    blocks = [parts.block(C, attentions[rope, kind == "shared"], moe if m == "sparse" else dense, norm)
+              for m, rope, kind in zip(hf.req("mlp_layer_types", list), hf.req("no_rope_layers", list),
+                                       hf.req("indexer_types", list), strict=True)]
     cap = hf.get("final_logit_softcapping", 30.0, float)
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, logit_softcap=None if not cap else float(cap),
                          **kw)
 
 
 def _put_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig, sparse: bool, alpha: Tensor | None,
-               rope: bool) -> None:
+               rope: bool, indexed: bool) -> None:
     """A decoder layer: the latent attention, its scaling, LeRoPE's alpha (a ``rope`` layer), the
-    indexer, the feed-forward."""
+    indexer (an ``indexed`` layer), the feed-forward."""
     a, t = f"{ours}attn.", f"{theirs}self_attn."
     put_mla(plan, a, t, hf)
     plan.put(f"{a}softmax_scaling.bias", f"{t}softmax_scaling.bias")
@@ -264,7 +318,8 @@ def _put_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig, sparse: bool, a
         plan.put_tensor(f"{a}rope_alpha", alpha.float(), f"{plan.src.prefix}rotary_emb.alpha")
     for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
                  "q_input_norm.weight", "q_input_norm.bias", "softmax_scaling.scale", "softmax_scaling.bias"):
-        plan.put(f"{a}indexer.{name}", f"{t}indexer.{name}")
+        if indexed:
+            plan.put(f"{a}indexer.{name}", f"{t}indexer.{name}")
     if sparse:
         put_moe(plan, f"{ours}ffn.", f"{theirs}mlp.", "stacked")
         if hf.get("n_shared_experts", 0):
@@ -279,9 +334,9 @@ def convert_mistral_large4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, 
     hf = canonical(hf)
     model, plan, head_size = parts.start(hf, sd, build_mistral_large4, device=device, dtype=dtype)
     alpha = plan.src.take("rotary_emb.alpha")
-    for i, (kind, rope) in enumerate(zip(hf.req("mlp_layer_types", list), hf.req("no_rope_layers", list),
-                                         strict=True)):
-        _put_layer(plan, f"blocks.{i}.", f"layers.{i}.", hf, kind == "sparse", alpha, bool(rope))
+    for i, (kind, rope, index) in enumerate(zip(hf.req("mlp_layer_types", list), hf.req("no_rope_layers", list),
+                                                hf.req("indexer_types", list), strict=True)):
+        _put_layer(plan, f"blocks.{i}.", f"layers.{i}.", hf, kind == "sparse", alpha, bool(rope), index == "full")
     unused = [r"(model\.)?mtp_dspark\..*"]
     if not hf.get("n_shared_experts", 0):
         unused.append(r"(model\.)?layers\.\d+\.mlp\.shared_experts\..*")
