@@ -148,12 +148,18 @@ def test_cached_decode_follows_transformers_at_ties() -> None:
     check_decode_at_ties(_selecting)
 
 
-def test_the_text_model_alone() -> None:
+def test_the_text_model_alone(tmp_path: Path) -> None:
+    """``MistralLarge4TextModel`` converts as the base decoder, in memory and from its saved folder
+    (Mistral's layer names: ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...)."""
     hf = checks.hf_model(_large4())
+    text = hf.model.language_model
+    text.save_pretrained(tmp_path)
+    assert "layers.0.attention.wq.weight" in safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
     x = checks.tokens(12)
     with torch.no_grad():
-        base = from_hf(hf.model.language_model)(x)
-        assert checks.rel(base, hf.model.language_model(input_ids=x).last_hidden_state) <= checks.TOL
+        ref = text(input_ids=x).last_hidden_state
+        assert checks.rel(from_hf(text)(x), ref) <= checks.TOL
+        assert checks.rel(load_pretrained(tmp_path)(x), ref) <= checks.TOL
 
 
 @pytest.mark.parametrize(("key", "value", "named"), [

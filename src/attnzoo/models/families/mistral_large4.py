@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +69,7 @@ from attnzoo.nn.mla import LatentCache, MLAOptions, MLASizes, MultiHeadLatentAtt
 from attnzoo.nn.parts import placed
 
 __all__ = ["DISPATCH", "HiddenQueryTopK", "LogPositionScale", "MistralLarge4Attention", "MistralLarge4SharedAttention",
-           "SelectionBox", "build_mistral_large4", "canonical", "convert_mistral_large4"]
+           "SelectionBox", "build_mistral_large4", "canonical", "convert_mistral_large4", "module_names"]
 
 
 class LogPositionScale(nn.Module):
@@ -329,9 +330,36 @@ def _put_layer(plan: Plan, ours: str, theirs: str, hf: HFConfig, sparse: bool, a
     plan.put_pairs(ours, theirs, parts.PRE_NORMS, bias=False)
 
 
+#: the layers' saved / released names (Mistral's) -> transformers' (conversion_mapping
+#: ``"mistral_large4_text"`` and the ``wo`` of ``"mistral_large4"``), in order
+_SAVED = ((r"\.attention\.", ".self_attn."), (r"\.wq\.", ".q_proj."), (r"\.wo\.", ".o_proj."),
+          (r"\.wkv_a_with_mqa\.", ".kv_a_proj_with_mqa."), (r"\.wkv_b\.", ".kv_b_proj."),
+          (r"\.kv_a_norm\.", ".kv_a_layernorm."), (r"\.attention_norm\.", ".input_layernorm."),
+          (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.ssmax_scaling\.s$", ".softmax_scaling.scale"),
+          (r"\.ssmax_scaling\.b$", ".softmax_scaling.bias"),
+          (r"(layers\.\d+)\.(gate|experts|shared_experts)\.", r"\1.mlp.\2."), (r"\.feed_forward\.", ".mlp."),
+          (r"(mlp\.(?:shared_experts\.|experts\.\d+\.)?)w1\.", r"\1gate_proj."),
+          (r"(mlp\.(?:shared_experts\.|experts\.\d+\.)?)w2\.", r"\1down_proj."),
+          (r"(mlp\.(?:shared_experts\.|experts\.\d+\.)?)w3\.", r"\1up_proj."))
+
+
+def module_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``sd`` with a saved or released checkpoint's layer names (``layers.{i}.attention.wq``,
+    ``feed_forward.w1``, ``experts.{e}.w1``, ``ssmax_scaling.s``, ...: what ``save_pretrained``
+    writes) as transformers' module names; transformers' own names pass unchanged."""
+    if not any(re.search(r"layers\.\d+\.(attention|feed_forward|attention_norm)\.", k) for k in sd):
+        return sd
+    out = {}
+    for key, t in sd.items():
+        for pattern, repl in _SAVED:
+            key = re.sub(pattern, repl, key)
+        out[key] = t
+    return out
+
+
 def convert_mistral_large4(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtype: Any) -> DecoderLM:
     """Build the decoder and copy the weights (the head follows them; ``mtp_dspark.*`` dropped)."""
-    hf = canonical(hf)
+    hf, sd = canonical(hf), module_names(sd)
     model, plan, head_size = parts.start(hf, sd, build_mistral_large4, device=device, dtype=dtype)
     alpha = plan.src.take("rotary_emb.alpha")
     for i, (kind, rope, index) in enumerate(zip(hf.req("mlp_layer_types", list), hf.req("no_rope_layers", list),

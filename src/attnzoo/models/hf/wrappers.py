@@ -124,22 +124,15 @@ _COSMOS3_EDGE = ((rf"^(?:model\.language_model\.)?(?=(?:{_COSMOS3_EDGE_GENERATOR
 #: Tencent's released VL layout: the text model at ``model.*``, the tower at ``vit.*`` (the ``hunyuan_vl`` /
 #: ``hy_v4_vl`` entries of transformers' ``conversion_mapping``)
 _HUNYUAN_VL = ((r"^model\.(?!language_model\.|vit\.|vision_tower\.)", "model.language_model."),)
-#: Mistral-Large-4's saved / released names (Mistral's: ``tok_embeddings``, ``lerope.alpha``,
-#: ``layers.{i}.attention.wq``, ``feed_forward.w1``, ``experts.{e}.w1``, ``ssmax_scaling.s``, ``output``, the
-#: towers' ``vision_encoder``, ...) -> transformers' in-memory ones, in order
+#: Mistral-Large-4's saved / released top-level names (``tok_embeddings``, ``lerope.alpha``, ``layers``,
+#: ``norm``, ``output``, the towers') -> transformers' (the layers' own names are the family's:
+#: :func:`attnzoo.models.families.mistral_large4.module_names`)
 _MISTRAL_LARGE4 = (
     (r"^vision_encoder\.", "model.vision_tower."), (r"^(pre_mm_projector_norm|patch_merger|vision_language_adapter)\.",
                                                     r"model.multi_modal_projector.\1."),
     (r"^tok_embeddings\.", "model.language_model.embed_tokens."),
     (r"^lerope\.alpha$", "model.language_model.rotary_emb.alpha"), (r"^(layers|norm)\.", r"model.language_model.\1."),
-    (r"^output\.", "lm_head."), (r"\.attention\.", ".self_attn."), (r"\.wq\.", ".q_proj."), (r"\.wo\.", ".o_proj."),
-    (r"\.wkv_a_with_mqa\.", ".kv_a_proj_with_mqa."), (r"\.wkv_b\.", ".kv_b_proj."), (r"\.kv_a_norm\.", ".kv_a_layernorm."),
-    (r"\.attention_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.ssmax_scaling\.s$", ".softmax_scaling.scale"), (r"\.ssmax_scaling\.b$", ".softmax_scaling.bias"),
-    (r"(layers\.\d+)\.(gate|experts|shared_experts)\.", r"\1.mlp.\2."), (r"\.feed_forward\.", ".mlp."),
-    (r"(mlp\.(?:shared_experts|experts\.\d+)?\.?)w1\.", r"\1gate_proj."),
-    (r"(mlp\.(?:shared_experts|experts\.\d+)?\.?)w2\.", r"\1down_proj."),
-    (r"(mlp\.(?:shared_experts|experts\.\d+)?\.?)w3\.", r"\1up_proj."))
+    (r"^output\.", "lm_head."))
 #: wrapper ``model_type`` -> its row; see ``tests/models/test_hf_multimodal.py`` for each one's check
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": _row("Gemma 3 (multimodal)", "Gemma3", ("gemma3_text",), True, overrides={"final_logit_softcapping": None}),
