@@ -255,7 +255,7 @@ def test_docs_examples_run() -> None:
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "huggingface.md").read_text()
     found = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(found) == 7
+    assert len(found) == 13
     for i, code in enumerate(found):
         exec(compile(code, f"docs/huggingface.md[block {i}]", "exec"), {"__name__": "__doc_example__"})
 
