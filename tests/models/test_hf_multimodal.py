@@ -12,6 +12,7 @@ replaces, the wrapper defaults a ``config.json`` may leave out, and the refusals
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import warnings
@@ -647,16 +648,23 @@ def test_each_row_has_its_config_class_defaults(model_type: str) -> None:
     assert bool(getattr(tie, "tie_word_embeddings", False)) == w.tie  # Inkling2's config has none: untied
 
 
+@functools.cache
+def _first_case(model_type: str) -> str:
+    """The first case of a wrapper ``model_type``."""
+    return next(c for c in CASES if CASES[c]().model_type == model_type)
+
+
 @pytest.mark.parametrize("model_type", sorted(WRAPPERS))
 @pytest.mark.parametrize(("by_wrapper", "by_text"), [(False, True), (True, False)])
 def test_the_head_is_tied_as_the_wrapper_config_class_decides(model_type: str, by_wrapper: bool,
                                                               by_text: bool) -> None:
     """The wrapper's and its text config's ``tie_word_embeddings`` disagreeing: attnzoo ties as the config
     class does (several forward a text config's tie to the wrapper, the pre-v5 saves' place for it)."""
-    case = next(c for c in CASES if CASES[c]().model_type == model_type)
-    data = {**CASES[case]().to_dict(), "tie_word_embeddings": by_wrapper}
+    case = _first_case(model_type)
+    made = CASES[case]()
+    data = {**made.to_dict(), "tie_word_embeddings": by_wrapper}
     text = data["text_config"] = {**data["text_config"], "tie_word_embeddings": by_text}
-    cls = type(CASES[case]())
+    cls = type(made)
     towers = {k: ({x: y for x, y in v.items() if x != "layer_types"} if isinstance(v, dict) and k != "text_config"
                   else v) for k, v in data.items()}  # a shrunk tower's layer_types rebuilt for its depth
     try:  # the class's own reading of the two (its __post_init__)
