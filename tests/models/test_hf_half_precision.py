@@ -129,6 +129,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         ("nemotron", "_nemotron"), ("helium", "_helium"), ("ernie4_5", "_ernie"), ("arcee", "_arcee"))},
     "cosmos3_edge_text": ("test_hf_cosmos3_edge", "_cosmos3_edge"), "molmo2_text": ("test_hf_molmo2", "_molmo2"),
     "mistral_large4_text": ("test_hf_mistral_large4", "_large4"),
+    "emu3_text_model": ("test_hf_multimodal", "_emu3"),
 }
 #: families whose padded rows differ from transformers' by design (documented in docs/huggingface.md:
 #: RecurrentGemma masks padding in its recurrence where transformers does not; Hunyuan's post-RoPE
@@ -186,7 +187,8 @@ def _continuous(config: Any) -> Any:
 WRAPPED = ("step3p5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "glm4v_text",
            "glm4v_moe_text", "paddleocr_vl_text", "glm_ocr_text", "granite4_vision_text",
            "hunyuan_vl_text", "muse_glimmer_text", "muse_spark_text", "ernie4_5_vl_moe_text", "cosmos3_edge_text", "molmo2_text",
-           "deepseek_ocr2_text", "hy_v4_vl_text", "mistral_large4_text")
+           "deepseek_ocr2_text", "hy_v4_vl_text", "mistral_large4_text",
+           "emu3_text_model")
 
 
 def _auto(family: str) -> Any:

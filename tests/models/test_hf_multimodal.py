@@ -239,6 +239,16 @@ def _hunyuan_vl(**rope: Any) -> Any:
     return T.HunYuanVLConfig(text_config={**text, "model_type": "hunyuan_vl_text"}, vision_config=vision)
 
 
+def _emu3(**kw: Any) -> Any:
+    """Emu3: LLaMA with q/k/v/o and MLP biases (``kw``: the text config's), its VQ-VAE cut small (32 channels:
+    its GroupNorms take 32 groups)."""
+    text = {**checks.SMALL, "num_hidden_layers": 2, "attention_bias": True, "mlp_bias": True, **kw}
+    vq = {"embed_dim": 4, "base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1,
+          "attn_resolutions": [], "latent_channels": 4, "codebook_size": 16}
+    return T.Emu3Config(text_config=text, vq_config=vq,
+                        vocabulary_map={f"<|visual token {i:06d}|>": 100 + i for i in range(16)})
+
+
 def _llava_next() -> Any:
     return _tiny("llava_next", _llama())
 
@@ -445,6 +455,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "deepseek_ocr2": deepseek_ocr2._deepseek_ocr2,
     "hy_v4_vl": tencent_vl._hy_v4_vl,
     "mistral_large4": large4._large4,
+    "emu3": _emu3,
 }
 
 
@@ -732,6 +743,18 @@ def test_a_checkpoint_without_its_language_model_or_text_config_is_refused(tmp_p
         load_pretrained(tmp_path)
 
 
+def _check_folder(hf: Any, folder: Path) -> Any:
+    """``load_pretrained(folder)`` (warnings silenced) equals the wrapper ``hf`` on a left-padded batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_pretrained(folder)
+    x, mask = checks.padded(12, pad=3)
+    real = mask.bool()
+    with torch.no_grad():
+        assert checks.rel(ours(x, attention_mask=real)[real], _logits(hf, x, mask)[real]) <= 1e-5
+    return ours
+
+
 def test_hunyuan_vl_reads_its_released_config_forms(tmp_path: Path) -> None:
     """HunYuan-VL's released ``config.json``: ``rope_type`` ``"xdrope"`` (read as ``"dynamic"``), the sections
     as ``xdrope_section``, ``attention_head_dim`` for ``head_dim``."""
@@ -744,10 +767,26 @@ def test_hunyuan_vl_reads_its_released_config_forms(tmp_path: Path) -> None:
                                "factor": 1.0, "xdrope_section": rope["mrope_section"]}
     text["attention_head_dim"] = text.pop("head_dim")
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_pretrained(tmp_path)
+    _check_folder(hf, tmp_path)
+
+
+def test_emu3_text_model_in_its_older_layout_and_alone(tmp_path: Path) -> None:
+    """Emu3's releases before transformers 5 hold ``text_model.model.*`` and ``text_model.lm_head``; its text
+    model alone is ``Emu3ForCausalLM`` (LLaMA whose layers also drop out their outputs in training)."""
+    from safetensors.torch import save_file
+
+    hf = _hf("emu3")
+    renamed = {("text_model.model." + k[len("model.text_model."):] if k.startswith("model.text_model.") else
+                "text_model.lm_head.weight" if k == "lm_head.weight" else k[len("model."):]): v.contiguous().clone()
+               for k, v in hf.state_dict().items()}
+    hf.config.save_pretrained(tmp_path)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    _check_folder(hf, tmp_path)
     x, mask = checks.padded(12, pad=3)
     real = mask.bool()
+    torch.manual_seed(0)
+    causal = checks.perturbed(T.Emu3ForCausalLM(T.Emu3TextConfig(**CASES["emu3"]().text_config.to_dict())).eval(), 0)
+    alone = _convert(causal)
+    assert alone.blocks[0].dropout.p == causal.config.attention_dropout
     with torch.no_grad():
-        assert checks.rel(ours(x, attention_mask=real)[real], _logits(hf, x, mask)[real]) <= 1e-5
+        assert checks.rel(alone(x, attention_mask=real)[real], causal(input_ids=x, attention_mask=mask).logits[real]) <= 1e-5

@@ -9,8 +9,8 @@ Seed-OSS, Apertus, GLM-4, Granite 3.x (``granite``), StarCoder2 (``starcoder2``)
 q/k/v biases, ``modeling_glm_ocr.py`` 193-195; its release's MTP layer ``layers.16`` unloaded, 324), PaddleOCR-VL
 (``paddleocr_vl_text``), Granite-4-Vision (``granite4_vision_text``: Granite's; its deepstack features enter
 only with images), HunYuan-VL (``hunyuan_vl_text``: HunYuan-V1-Dense's under a multimodal RoPE that is the 1-D
-one on text), Cosmos3-Edge (``cosmos3_edge_text``: Arcee's layers with the MLP at ``fc1`` / ``fc2``) and Molmo2
-(``molmo2_text``). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
+one on text), Cosmos3-Edge (``cosmos3_edge_text``: Arcee's layers with the MLP at ``fc1`` / ``fc2``), Molmo2
+(``molmo2_text``) and Emu3 (``emu3_text_model``: LLaMA with residual dropout). Line numbers: transformers 5.25's ``models/<name>/modeling_<name>.py``.
 
 * Cohere2 (Command R7B / Command A; ``modeling_cohere2.py``): a *parallel* layer
   ``x + attn(ln(x)) + mlp(ln(x))`` with one bias-free LayerNorm (288-312, 88-102;
@@ -410,6 +410,21 @@ def build_ministral3(hf: HFConfig, *, head_size: int | None = None, device: Any 
     blocks = [parts.block(C, _attention(hf, window=None if window is None else window - 1, rope=rope,
                                         biases=(False, False), temperature=temperature, kw=kw),
                           ffn, parts.rms_norm(C, eps, **kw)) for _ in range(depth)]
+    return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
+
+
+def build_emu3_text(hf: HFConfig, *, head_size: int | None = None, device: Any = None, dtype: Any = None) -> DecoderLM:
+    """Emu3's text model: LLaMA (q/k/v/o biases by ``attention_bias``, MLP biases by ``mlp_bias``) whose layers
+    also drop out both sub-layer outputs at ``attention_dropout`` in training (``modeling_emu3.py`` 244-283)."""
+    C, _, depth, D = parts.dims(hf)
+    eps, kw = hf.get("rms_norm_eps", 1e-5, float), {"device": device, "dtype": dtype}
+    rope = parts.rotary(hf, parts.rope_params(hf), D)
+    ffn = parts.gated_mlp(C, hf.req("intermediate_size"), hf.activation("hidden_act", parts.GATED, "silu"),
+                          bias=hf.get("mlp_bias", False, bool), **kw)
+    bias = hf.get("attention_bias", False, bool)
+    blocks = [_block(C, _attention(hf, window=None, rope=rope, biases=(bias, bias), kw=kw), ffn,
+                     parts.rms_norm(C, eps, **kw), dropout=hf.get("attention_dropout", 0.0, float))
+              for _ in range(depth)]
     return parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, **kw)
 
 
@@ -1254,6 +1269,12 @@ FAMILIES: dict[str, Family] = {
                             "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}},
         parts.PRE_NORMS, _no_bias,
         name="Ministral 3", classes=("Ministral3ForCausalLM", "Ministral3Model")),
+    # Emu3's text model (Emu3ForCausalLM; Emu3ForConditionalGeneration's text_model): LLaMA with residual dropout
+    "emu3_text_model": Family(build_emu3_text, {"rms_norm_eps": 1e-5, "max_position_embeddings": 9216, "hidden_act": "silu",
+                                                "tie_word_embeddings": False, "attention_dropout": 0.1,
+                                                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+                              parts.PRE_NORMS, _attention_bias(False), ffn=_put_seed_mlp,
+        name="Emu3 text", classes=("Emu3ForCausalLM", "Emu3TextModel")),
     "seed_oss": Family(build_seed_oss, {"rms_norm_eps": 1e-6, "head_dim": 128, "attention_bias": True,
                                         "attention_out_bias": False, "residual_dropout": 0.1,
                                         "attention_dropout": 0.1, "max_position_embeddings": 524288},

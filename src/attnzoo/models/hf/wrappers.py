@@ -170,6 +170,9 @@ WRAPPERS: dict[str, Wrapper] = {
                        saved=_HUNYUAN_VL),
     "muse_glimmer": _row("Muse Glimmer", "MuseGlimmer", ("muse_glimmer_text",), False),
     "muse_spark": _row("Muse Spark", "MuseSpark", ("muse_spark_text",), False),
+    # its language model is model.text_model (released before transformers 5: text_model.model.* and
+    # text_model.lm_head, the layout the machinery reads for every wrapper)
+    "emu3": _row("Emu3", "Emu3", ("emu3_text_model",), False, language_model="text_model"),
     "qwen4_exp": _row("Qwen4-Exp (multimodal)", "Qwen4Exp", ("qwen4_exp_text",), False),
     "lfm2_vl": _row("LFM2-VL", "Lfm2Vl", ("lfm2",), True, tie_keys=("tie_embedding", "tie_word_embeddings")),
     "llava": _row("LLaVA", "Llava", ("llama", "qwen2"), False, tie_from="either"),
