@@ -222,3 +222,11 @@ def test_saved_folder_with_the_draft_head(tmp_path: Path) -> None:
         model = load_pretrained(tmp_path)
     with torch.no_grad():
         assert checks.rel(model(x), hf(input_ids=x).logits) <= checks.TOL
+
+
+def test_a_query_scaling_class_without_its_factor_is_refused_when_defined() -> None:
+    from attnzoo.models.families.deepseek import ScaledQueries
+    from attnzoo.nn.mla import MultiHeadLatentAttention
+
+    with pytest.raises(TypeError, match="defines _scale_of"):
+        type("Unscaled", (ScaledQueries, MultiHeadLatentAttention), {})

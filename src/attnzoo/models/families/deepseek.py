@@ -384,9 +384,13 @@ class ScaledQueries:
     ``[B, N]`` -> broadcastable to ``[B, H, N, 1]``), in the materialised and absorbed forms."""
 
     _query_scale: Tensor | None = None
+    #: the class's own factor of the positions (a method; checked when the class is defined)
+    _scale_of: Callable[[Tensor], Tensor]
 
-    def _scale_of(self, pos: Tensor) -> Tensor:
-        raise NotImplementedError
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not callable(getattr(cls, "_scale_of", None)):
+            raise TypeError(f"{cls.__name__}: a ScaledQueries class defines _scale_of(pos) -> its query factors")
 
     def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
         q_nope, q_pe = super()._queries(x)  # type: ignore[misc]  # [B, H, N, dn], [B, H, N, dr]
