@@ -8,7 +8,7 @@ are out of scope; the wrapper row ``muse_glimmer`` of :mod:`attnzoo.models.hf.wr
 
 * Embedding (``MuseGlimmerTextNormedEmbedding``, 415-424): the token rows through a weight-less
   RMSNorm (eps ``rms_norm_eps``): a :class:`~attnzoo.models.families.minimax.NormedEmbedding`
-  whose norm weight is the constant 1.
+  around :class:`~attnzoo.models.families.dense.WeightlessRMSNorm` (no parameter).
 * Attention (``MuseGlimmerTextAttention``, 262-347): GQA; q and k per head through a weight-less
   RMSNorm (eps ``rms_norm_eps``), q times ``qk_scale_factor`` (the q norm's constant weight, as
   transformers multiplies after the norm); RoPE on the layers whose
@@ -67,6 +67,7 @@ from attnzoo.blocks import BlockLayers, RMSNorm
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.models.families._moe import put_stacked_experts
 from attnzoo.models.families.beam import MixedResidualBlock, ResidualGate
+from attnzoo.models.families.dense import WeightlessRMSNorm
 from attnzoo.models.families.minimax import NormedEmbedding
 from attnzoo.models.hf._state import HFConfig, Plan
 from attnzoo.nn.attention import MultiHeadAttention, build_softmax
@@ -78,8 +79,7 @@ __all__ = ["DISPATCH", "ClampedResidualGate", "InputScaledRMSNorm", "NormedOutpu
            "spark_config"]
 
 TYPES = ("full_attention", "sliding_attention")
-NORMS = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
-         ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm"))
+NORMS = parts.GEMMA_NORMS
 #: ``MuseGlimmerTextConfig``'s defaults of the keys read here (configuration 118-142)
 DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-5, "post_norm_eps": 1e-8, "qk_scale_factor": 3.87, "output_multiplier": 0.19611613513818404,
@@ -132,7 +132,7 @@ def build_muse_glimmer(hf: HFConfig, *, head_size: int | None = None, device: An
         for name in ("attn_out_norm", "ffn_out_norm"):
             getattr(block, name).eps = post_eps
         blocks.append(block)
-    embedding = NormedEmbedding(hf.req("vocab_size"), C, norm=RMSNorm(C, eps, **kw), **kw)
+    embedding = NormedEmbedding(hf.req("vocab_size"), C, norm=WeightlessRMSNorm(C, eps), **kw)
     model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embedding=embedding,
                           logit_softcap=hf.req("final_logit_softcapping", float), **kw)
     return parts.float32_scale_norms(model, keep_float32=True)  # (1 + w) in float32, as transformers
@@ -166,7 +166,6 @@ def convert_muse_glimmer(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dt
     """Build the decoder and copy the weights (the head times ``output_multiplier``)."""
     hf = glimmer_config(hf)
     model, plan, head_size = parts.start(hf, sd, build_muse_glimmer, device=device, dtype=dtype)
-    _ones(plan, "tok_emb.norm.weight", hf.req("hidden_size"), "embed_tokens.embed_norm")
     for i in range(model.depth):
         o, h = f"blocks.{i}.", f"layers.{i}."
         _put_glimmer_attention(plan, o, h, hf)
@@ -331,7 +330,7 @@ def build_muse_spark(hf: HFConfig, *, head_size: int | None = None, device: Any 
         block.attn_out_norm.eps = post_eps
         block.ffn_out_norm = InputScaledRMSNorm(C, post_eps, **kw)
         blocks.append(block)
-    embedding = NormedEmbedding(hf.req("vocab_size"), C, norm=RMSNorm(C, eps, **kw), **kw)
+    embedding = NormedEmbedding(hf.req("vocab_size"), C, norm=WeightlessRMSNorm(C, eps), **kw)
     model = parts.decoder(hf, blocks, head_size=head_size, norm_eps=eps, embedding=embedding,
                           logit_softcap=hf.req("final_logit_softcapping", float), **kw)
     return parts.float32_scale_norms(model, keep_float32=True)
@@ -364,7 +363,6 @@ def convert_muse_spark(hf: HFConfig, sd: dict[str, Tensor], *, device: Any, dtyp
     """Build the decoder and copy the weights (the head times ``output_multiplier``)."""
     hf = spark_config(hf)
     model, plan, head_size = parts.start(hf, sd, build_muse_spark, device=device, dtype=dtype)
-    _ones(plan, "tok_emb.norm.weight", hf.req("hidden_size"), "embed_tokens.embed_norm")
     for i, mlp in enumerate(hf.req("mlp_layer_types", list)):
         _put_spark_layer(plan, f"blocks.{i}.", f"layers.{i}.", hf, mlp == "sparse")
     return _finish(plan, model, hf, head_size)
